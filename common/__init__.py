@@ -1,0 +1,1 @@
+"""kvferry: prefill/decode-disaggregated LLM serving, shared core."""
