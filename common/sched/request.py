@@ -1,0 +1,74 @@
+from __future__ import annotations
+
+import enum
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.protocol import SamplingParams, TokenLogprob
+
+
+class ReqState(enum.Enum):
+    WAITING = "waiting"  # queued for prefill
+    PREFILLING = "prefilling"  # admitted, prompt partly computed (chunked)
+    AWAITING_KV = "awaiting_kv"  # decode side: pages reserved, a prefill peer is writing them
+    RUNNING = "running"  # decoding
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Req:
+    """The ledger of one request.
+
+    Progress is three lengths, `cached_len <= device_len <= max_device_len`: tokens whose KV is in the
+    pool, tokens known (prompt + sampled outputs), and the most this request may ever hold. Only the
+    scheduler moves them, at launch time.
+    """
+
+    req_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    seed: int = field(default_factory=lambda: random.getrandbits(62))
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    cached_len: int = 0
+    device_len: int = 0
+    max_device_len: int = 0
+    prefix_hit_len: int = 0  # prompt tokens found in the prefix cache at admission (reported as cached)
+    table_row: int = -1
+    pages: list[int] = field(default_factory=list)  # page ids covering positions [0, len(pages)*page_size)
+    tree_pages: int = 0  # leading entries of `pages` owned by the radix cache (locked through cache_node)
+    cache_node: Any = None
+    block_hashes: list[int] = field(default_factory=list)
+    state: ReqState = ReqState.WAITING
+    finish_reason: str | None = None
+    error: str | None = None
+    stream_cursor: int = 0  # outputs already handed to the caller
+
+    def __post_init__(self) -> None:
+        if self.sampling.seed is not None:
+            self.seed = self.sampling.seed
+        self.device_len = len(self.prompt_ids)
+        self.max_device_len = len(self.prompt_ids) + self.sampling.max_tokens
+        self.check()
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.cached_len >= self.prompt_len
+
+    @property
+    def finished(self) -> bool:
+        return self.state is ReqState.FINISHED
+
+    def check(self) -> None:
+        assert 0 <= self.cached_len <= self.device_len <= self.max_device_len, (
+            f"{self.req_id}: lengths out of order: cached={self.cached_len} device={self.device_len} "
+            f"max={self.max_device_len}"
+        )
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids

@@ -1,0 +1,172 @@
+"""One worker's NIXL agent: registers its KV pool and keeps the table of peers it may write to.
+
+Both workers own one `KVTransferAgent`. The decode side publishes `metadata_b64()` and
+`pool_info_b64()` in its handshake; the prefill side feeds them to `add_peer`, after which `KVSender`
+can WRITE into the decode pool. Not thread-safe: it is driven by one scheduler loop.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from nixl._api import nixl_agent, nixl_agent_config
+
+from common.kv.pool import KVPool
+from common.protocol import KVLayoutInfo
+from common.transfer.descs import PoolInfo
+from common.transfer.layout import check_compatible, layout_info
+
+log = logging.getLogger(__name__)
+
+
+class PeerError(ValueError):
+    """A handshake whose pieces disagree (name, instance id, geometry) or whose metadata is unusable."""
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A remote agent as loaded into NIXL; `instance_id` pins it to one process lifetime."""
+
+    name: str
+    instance_id: str
+    pool: PoolInfo
+    layout: KVLayoutInfo
+    added_at: float
+
+
+class KVTransferAgent:
+    def __init__(
+        self,
+        name: str,
+        pool: KVPool,
+        backend: str = "UCX",
+        *,
+        model_id: str = "unknown",
+        tp_size: int = 1,
+    ) -> None:
+        self.name = name
+        self.pool = pool
+        self.backend = backend
+        # Fresh per process start: a peer that restarts under the same name is told apart by this,
+        # so stale metadata (old addresses, old rkeys) is never used against the new process.
+        self.instance_id = uuid.uuid4().hex
+        self.layout = layout_info(pool, model_id, tp_size)
+        self._pool_info = PoolInfo.from_pool(pool, name, self.instance_id)
+        self._peers: dict[str, Peer] = {}
+        self._closed = False
+        self._nixl = nixl_agent(name, nixl_agent_config(backends=[backend]))
+        if backend not in self._nixl.backends:
+            raise RuntimeError(f"NIXL backend {backend!r} unavailable (plugins: {self._nixl.plugin_list})")
+        # One registration for the whole pool: every transfer is a sub-range of it, so no per-request
+        # registration cost. The tensor decides DRAM vs VRAM.
+        self._reg = self._nixl.register_memory(pool.kv, backends=[backend])
+
+    # -- what this side publishes ------------------------------------------------------------------
+
+    @property
+    def nixl(self) -> nixl_agent:
+        return self._nixl
+
+    @property
+    def pool_info(self) -> PoolInfo:
+        return self._pool_info
+
+    def metadata_b64(self) -> str:
+        # Taken after register_memory: metadata fetched earlier lacks the pool's remote keys and the
+        # peer's createXferReq fails with NOT_FOUND.
+        return base64.b64encode(self._nixl.get_agent_metadata()).decode("ascii")
+
+    def pool_info_b64(self) -> str:
+        return self._pool_info.to_b64()
+
+    # -- peers -------------------------------------------------------------------------------------
+
+    def add_peer(
+        self,
+        agent_name: str,
+        instance_id: str,
+        metadata_b64: str,
+        pool_info_b64: str,
+        layout: KVLayoutInfo,
+    ) -> Peer:
+        """Load a peer so this agent can write into its pool. Idempotent for the same instance."""
+        self._check_open()
+        check_compatible(self.layout, layout)
+        try:
+            info = PoolInfo.from_b64(pool_info_b64)
+            metadata = base64.b64decode(metadata_b64.encode("ascii"), validate=True)
+        except (ValueError, TypeError, binascii.Error) as e:
+            raise PeerError(f"bad handshake from {agent_name!r}: {e}") from e
+        if (info.agent_name, info.instance_id) != (agent_name, instance_id):
+            raise PeerError(
+                f"pool info is for agent {info.agent_name!r} instance {info.instance_id}, "
+                f"handshake says agent {agent_name!r} instance {instance_id}"
+            )
+        if info.page_bytes != self.pool.layout.page_bytes or info.num_layers != self.pool.layout.num_layers:
+            raise PeerError(f"pool geometry of {agent_name!r} disagrees with its declared layout")
+
+        known = self._peers.get(agent_name)
+        if known is not None:
+            if known.instance_id == instance_id:
+                return known
+            log.info("peer %s restarted (%s -> %s): dropping stale metadata", agent_name, known.instance_id, instance_id)
+            self.remove_peer(agent_name)
+
+        loaded = self._nixl.add_remote_agent(metadata)
+        loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if loaded_name != agent_name:
+            if loaded_name not in self._peers:
+                self._nixl.remove_remote_agent(loaded_name)
+            raise PeerError(f"metadata names agent {loaded_name!r}, handshake says {agent_name!r}")
+        peer = Peer(agent_name, instance_id, info, layout, time.monotonic())
+        self._peers[agent_name] = peer
+        return peer
+
+    def has_peer(self, name: str, instance_id: str | None = None) -> bool:
+        peer = self._peers.get(name)
+        return peer is not None and (instance_id is None or peer.instance_id == instance_id)
+
+    def peer(self, name: str) -> Peer:
+        try:
+            return self._peers[name]
+        except KeyError:
+            raise KeyError(f"unknown transfer peer {name!r}: handshake first") from None
+
+    def remove_peer(self, name: str) -> bool:
+        """Forget a peer and disconnect from it; in-flight writes to it will report an error."""
+        if self._peers.pop(name, None) is None:
+            return False
+        try:
+            self._nixl.remove_remote_agent(name)
+        except Exception as e:  # already gone on the NIXL side: the table entry was the thing to drop
+            log.warning("remove_remote_agent(%s): %s", name, e)
+        return True
+
+    # -- lifetime ----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Drop peers and deregister the pool. Release transfer handles (KVSender.close) first."""
+        if self._closed:
+            return
+        self._closed = True
+        for name in list(self._peers):
+            self.remove_peer(name)
+        try:
+            self._nixl.deregister_memory(self._reg, backends=[self.backend])
+        except Exception as e:
+            log.warning("deregister_memory: %s", e)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"transfer agent {self.name!r} is closed")
+
+    def __enter__(self) -> KVTransferAgent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,138 @@
+"""Where a pool's pages live in memory, and the NIXL descriptor rows for moving page runs.
+
+A pool is one contiguous tensor `[layers, 2, pages, page_size, H, D]`, so the byte address of page
+`p` of layer `l`, K (`kv=0`) or V (`kv=1`) is `base + l*layer_stride + kv*kv_stride + p*page_bytes`.
+The peer only needs those few numbers (`PoolInfo`), not a list of registered descriptors: NIXL's own
+`get_serialized_descs` is pickle, which must never cross a trust boundary.
+
+Everything here is torch tensor arithmetic: a 16k-token transfer is a handful of vector ops, never a
+Python loop over pages or tokens.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from common.kv.pool import KVPool
+
+POOL_INFO_VERSION = 1
+
+
+@dataclass(frozen=True)
+class PoolInfo:
+    """What a peer needs to compute addresses inside this pool (JSON on the wire, never pickle)."""
+
+    agent_name: str
+    instance_id: str
+    mem_type: str  # "DRAM" or "VRAM", as NIXL names the segment
+    device_id: int  # CUDA ordinal; 0 for DRAM (NIXL's convention)
+    base_addr: int
+    total_bytes: int
+    num_layers: int
+    num_pages: int
+    page_bytes: int  # one page of one layer of K (or V)
+    layer_stride: int
+    kv_stride: int
+    version: int = POOL_INFO_VERSION
+
+    @classmethod
+    def from_pool(cls, pool: KVPool, agent_name: str, instance_id: str) -> PoolInfo:
+        kv = pool.kv
+        if not kv.is_contiguous():
+            # Addresses below assume the canonical strides; a view would send pages to the wrong place.
+            raise ValueError("KV pool tensor must be contiguous to be registered for transfer")
+        elt = kv.element_size()
+        is_cuda = kv.device.type == "cuda"
+        return cls(
+            agent_name=agent_name,
+            instance_id=instance_id,
+            mem_type="VRAM" if is_cuda else "DRAM",
+            device_id=(kv.device.index or 0) if is_cuda else 0,
+            base_addr=kv.data_ptr(),
+            total_bytes=kv.numel() * elt,
+            num_layers=kv.shape[0],
+            num_pages=kv.shape[2],
+            page_bytes=pool.layout.page_bytes,
+            layer_stride=kv.stride(0) * elt,
+            kv_stride=kv.stride(1) * elt,
+        )
+
+    def to_b64(self) -> str:
+        return base64.b64encode(json.dumps(asdict(self), sort_keys=True).encode()).decode("ascii")
+
+    @classmethod
+    def from_b64(cls, text: str) -> PoolInfo:
+        raw = json.loads(base64.b64decode(text.encode("ascii"), validate=True))
+        if not isinstance(raw, dict) or raw.get("version") != POOL_INFO_VERSION:
+            raise ValueError(f"unsupported pool info (version {raw.get('version') if isinstance(raw, dict) else '?'})")
+        info = cls(**raw)  # unknown or missing keys raise TypeError: refuse rather than guess
+        info.validate()
+        return info
+
+    def validate(self) -> None:
+        """Refuse geometry that would let computed addresses leave the registered region."""
+        if min(self.num_layers, self.num_pages, self.page_bytes) <= 0:
+            raise ValueError("pool info has non-positive sizes")
+        if self.kv_stride < self.num_pages * self.page_bytes or self.layer_stride < 2 * self.kv_stride:
+            raise ValueError("pool info strides overlap")
+        if self.layer_stride * self.num_layers > self.total_bytes:
+            raise ValueError("pool info describes more bytes than the registered region")
+        if self.mem_type not in ("DRAM", "VRAM"):
+            raise ValueError(f"unknown mem_type {self.mem_type!r}")
+
+
+@dataclass(frozen=True)
+class PageRuns:
+    """Maximal runs where both source and destination page ids step by +1."""
+
+    src_start: torch.Tensor  # int64 [R]
+    dst_start: torch.Tensor  # int64 [R]
+    length: torch.Tensor  # int64 [R], pages per run
+
+    @property
+    def count(self) -> int:
+        return int(self.length.numel())
+
+
+def page_runs(src_pages: torch.Tensor, dst_pages: torch.Tensor) -> PageRuns:
+    """Coalesce page pairs into runs, vectorized: a break wherever either side does not step by +1."""
+    src = torch.as_tensor(src_pages).to("cpu", torch.int64).reshape(-1)
+    dst = torch.as_tensor(dst_pages).to("cpu", torch.int64).reshape(-1)
+    if src.numel() != dst.numel():
+        raise ValueError(f"src has {src.numel()} pages, dst has {dst.numel()}")
+    n = src.numel()
+    if n == 0:
+        empty = torch.empty(0, dtype=torch.int64)
+        return PageRuns(empty, empty, empty)
+    brk = (torch.diff(src) != 1) | (torch.diff(dst) != 1)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.nonzero(brk).reshape(-1) + 1])
+    ends = torch.cat([starts[1:], torch.tensor([n], dtype=torch.int64)])
+    return PageRuns(src[starts], dst[starts], ends - starts)
+
+
+def check_pages(pages: torch.Tensor, num_pages: int, side: str) -> None:
+    """Two reductions, not a loop: an out-of-range id would address memory outside the page array."""
+    if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
+        raise ValueError(f"{side} page ids must lie in [0, {num_pages}); got [{int(pages.min())}, {int(pages.max())}]")
+
+
+def run_descs(info: PoolInfo, starts: torch.Tensor, lengths: torch.Tensor) -> np.ndarray:
+    """NIXL `(addr, len, dev)` rows, one per (layer, K/V, run), ordered layer-major like the pool.
+
+    Built as one broadcast `[2L, 1] + [1, R]` so the cost is independent of how many tokens move.
+    """
+    layer_kv = (
+        torch.arange(info.num_layers, dtype=torch.int64)[:, None] * info.layer_stride
+        + torch.arange(2, dtype=torch.int64)[None, :] * info.kv_stride
+    ).reshape(-1, 1)
+    addr = info.base_addr + layer_kv + (starts * info.page_bytes)[None, :]
+    nbytes = (lengths * info.page_bytes)[None, :].expand_as(addr)
+    dev = torch.full_like(addr, info.device_id)
+    rows = torch.stack([addr.reshape(-1), nbytes.reshape(-1), dev.reshape(-1)], dim=1)
+    # User-space addresses fit in int64; NIXL wants uint64 rows.
+    return rows.numpy().astype(np.uint64)

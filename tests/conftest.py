@@ -1,0 +1,40 @@
+"""Shared fixtures: one converted model, one engine and one transformers reference per test session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.conftest_redis import redis_server  # noqa: F401  (session-scoped real redis-server)
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def smol_path():
+    from common.engine.default_model import convert_default_model
+
+    return convert_default_model()
+
+
+@pytest.fixture(scope="session")
+def smol_runner(smol_path):
+    from common.engine.runner import ModelRunner, RunnerConfig
+
+    return ModelRunner(RunnerConfig(model=str(smol_path), num_pages=1024, max_running=16))
+
+
+@pytest.fixture(scope="session")
+def hf_smol(smol_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smol_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer(smol_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smol_path)

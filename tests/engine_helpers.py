@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+import torch
+
+from common.engine.engine import Engine
+from common.engine.runner import ModelRunner
+from common.sched.scheduler import SchedulerConfig
+
+
+def fresh_engine(runner: ModelRunner, max_prefill_tokens: int = 2048, prefix_cache: bool = True) -> Engine:
+    """A new scheduler (empty prefix cache, all pages free) over a shared, already-loaded runner."""
+    return Engine(
+        runner=runner,
+        sched_cfg=SchedulerConfig(max_prefill_tokens=max_prefill_tokens, enable_prefix_cache=prefix_cache),
+        load_tokenizer=False,
+    )
+
+
+@torch.inference_mode()
+def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    out = hf_model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def assert_pool_clean(engine: Engine) -> None:
+    """Every page is either free or held by the prefix cache, and nothing in the cache is locked."""
+    sched = engine.scheduler
+    cached = sched.cache.cached_pages if sched.cache is not None else 0
+    protected = sched.cache.protected_pages if sched.cache is not None else 0
+    assert protected == 0
+    assert sched.allocator.num_free + cached == sched.allocator.num_pages
+    assert sched.runner.page_table.num_free_rows == sched.runner.cfg.max_running
