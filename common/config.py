@@ -1,0 +1,118 @@
+"""Every setting the apps read from the environment (`KVFERRY_*`), with command-line overrides.
+
+docs/architecture.md lists the same variables; the k8s manifests set only these.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from dataclasses import dataclass, field, fields
+
+from common.engine.runner import RunnerConfig
+from common.sched.scheduler import SchedulerConfig
+
+ROLE_PORTS = {"router": 8000, "prefill": 8100, "decode": 8200}
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def _split_urls(value: str) -> list[str]:
+    return [u.strip().rstrip("/") for u in value.split(",") if u.strip()]
+
+
+@dataclass
+class WorkerConfig:
+    role: str
+    host: str = "0.0.0.0"
+    port: int = 0
+    advertise_url: str = ""
+    pod_name: str = ""
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    drain_seconds: float = 25.0
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    sched: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_env(cls, role: str) -> WorkerConfig:
+        port = int(_env("KVFERRY_PORT", str(ROLE_PORTS[role])))
+        pod = _env("KVFERRY_POD_NAME", f"{socket.gethostname()}-{role}-{port}")
+        device = _env("KVFERRY_DEVICE", "cpu")
+        return cls(
+            role=role,
+            host=_env("KVFERRY_HOST", "0.0.0.0"),
+            port=port,
+            advertise_url=_env("KVFERRY_ADVERTISE_URL", ""),
+            pod_name=pod,
+            redis_url=_env("KVFERRY_REDIS_URL", "redis://127.0.0.1:6379/0"),
+            drain_seconds=float(_env("KVFERRY_DRAIN_SECONDS", "25")),
+            runner=RunnerConfig(
+                model=_env("KVFERRY_MODEL", "smollm2-135m-instruct"),
+                device=device,
+                page_size=int(_env("KVFERRY_PAGE_SIZE", "16")),
+                num_pages=int(_env("KVFERRY_NUM_PAGES", "0")),
+                kv_memory_gb=float(_env("KVFERRY_KV_MEMORY_GB", "1.0")),
+                max_running=int(_env("KVFERRY_MAX_RUNNING", "64")),
+            ),
+            sched=SchedulerConfig(max_prefill_tokens=int(_env("KVFERRY_MAX_PREFILL_TOKENS", "2048"))),
+        )
+
+    def apply_args(self, args: argparse.Namespace) -> WorkerConfig:
+        for f in fields(self):
+            if f.name not in ("runner", "sched") and getattr(args, f.name, None) is not None:
+                setattr(self, f.name, getattr(args, f.name))
+        for sub in (self.runner, self.sched):
+            for f in fields(sub):
+                if getattr(args, f.name, None) is not None:
+                    setattr(sub, f.name, getattr(args, f.name))
+        if not self.advertise_url:
+            host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+            self.advertise_url = f"http://{host}:{self.port}"
+        return self
+
+
+def worker_arg_parser(role: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"kvferry {role}", description=f"Run a {role} worker (settings from KVFERRY_* env vars).")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--advertise-url", dest="advertise_url")
+    p.add_argument("--pod-name", dest="pod_name")
+    p.add_argument("--redis-url", dest="redis_url")
+    p.add_argument("--model")
+    p.add_argument("--device")
+    p.add_argument("--page-size", dest="page_size", type=int)
+    p.add_argument("--num-pages", dest="num_pages", type=int)
+    p.add_argument("--kv-memory-gb", dest="kv_memory_gb", type=float)
+    p.add_argument("--max-running", dest="max_running", type=int)
+    p.add_argument("--max-prefill-tokens", dest="max_prefill_tokens", type=int)
+    return p
+
+
+@dataclass
+class RouterConfig:
+    host: str = "0.0.0.0"
+    port: int = 8000
+    model: str = "smollm2-135m-instruct"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    discovery: str = "static"  # static | k8s
+    prefill_urls: list[str] = field(default_factory=list)
+    decode_urls: list[str] = field(default_factory=list)
+    namespace: str = ""
+    api_key: str | None = None
+
+    @classmethod
+    def from_env(cls) -> RouterConfig:
+        return cls(
+            host=_env("KVFERRY_HOST", "0.0.0.0"),
+            port=int(_env("KVFERRY_PORT", "8000")),
+            model=_env("KVFERRY_MODEL", "smollm2-135m-instruct"),
+            redis_url=_env("KVFERRY_REDIS_URL", "redis://127.0.0.1:6379/0"),
+            discovery=_env("KVFERRY_DISCOVERY", "static"),
+            prefill_urls=_split_urls(_env("KVFERRY_PREFILL_URLS", "")),
+            decode_urls=_split_urls(_env("KVFERRY_DECODE_URLS", "")),
+            namespace=_env("KVFERRY_NAMESPACE", ""),
+            api_key=os.environ.get("KVFERRY_API_KEY") or None,
+        )

@@ -1,0 +1,242 @@
+"""What both workers' control planes share: the engine process, health/readiness, load, metrics, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import multiprocessing as mp
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
+
+from common.config import WorkerConfig
+from common.protocol import LoadSnapshot
+from common.serving.channel import EngineClient, EngineError, Message
+
+log = logging.getLogger("kvferry.control")
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    """OpenAI-shaped error body; workers and router answer errors the same way."""
+    return JSONResponse({"error": {"message": message, "type": type_, "param": None, "code": code}},
+                        status_code=status, headers=headers)
+
+
+@dataclass
+class WorkerMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.queued = Gauge("kvferry_prefill_queued_tokens", "Prompt tokens waiting for prefill", registry=r)
+        self.running = Gauge("kvferry_running_requests", "Requests admitted and not finished", registry=r)
+        self.waiting = Gauge("kvferry_waiting_requests", "Requests queued for admission", registry=r)
+        self.free = Gauge("kvferry_kv_pages_free", "KV pages free or reclaimable", registry=r)
+        self.total = Gauge("kvferry_kv_pages_total", "KV pages in the pool", registry=r)
+        self.usage = Gauge("kvferry_kv_usage_ratio", "Share of KV pages in use", registry=r)
+        self.requests = Counter("kvferry_requests_total", "Finished requests by outcome", ["outcome"], registry=r)
+        self.cached = Counter("kvferry_prefix_cached_tokens_total", "Prompt tokens served from the prefix cache", registry=r)
+        self.prompt = Counter("kvferry_prompt_tokens_total", "Prompt tokens received", registry=r)
+        self.generated = Counter("kvferry_generated_tokens_total", "Tokens generated", registry=r)
+
+    def observe_load(self, load: LoadSnapshot) -> None:
+        self.queued.set(load.queued_prefill_tokens)
+        self.running.set(load.running_requests)
+        self.waiting.set(load.waiting_requests)
+        self.free.set(load.free_pages)
+        self.total.set(load.total_pages)
+        self.usage.set(1.0 - load.free_pages / max(1, load.total_pages))
+
+
+class WorkerState:
+    """The control plane's view of its engine process."""
+
+    def __init__(self, cfg: WorkerConfig, host_target: Callable[..., None], host_cls: type) -> None:
+        self.cfg = cfg
+        self.host_target = host_target
+        self.host_cls = host_cls
+        self.metrics = WorkerMetrics()
+        self.engine_ready = asyncio.Event()
+        self.agent: dict[str, Any] = {}
+        self.load: LoadSnapshot | None = None
+        self.draining = False
+        self.inflight = 0
+        self.proc: mp.process.BaseProcess | None = None
+        self.client: EngineClient | None = None
+        self.event_handlers: dict[str, Callable[[Message], None]] = {}
+
+    @property
+    def ready(self) -> bool:
+        return self.engine_ready.is_set() and not self.draining and self.alive
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.is_alive() and self.client is not None and not self.client.closed.is_set()
+
+    def start_engine(self) -> None:
+        ctx = mp.get_context("spawn")
+        ours, theirs = ctx.Pipe(duplex=True)
+        self.proc = ctx.Process(target=self.host_target, args=(self.host_cls, self.cfg, theirs),
+                                name=f"kvferry-{self.cfg.role}-engine", daemon=True)
+        self.proc.start()
+        theirs.close()
+        self.client = EngineClient(ours, asyncio.get_running_loop(), self._on_event)
+
+    def _on_event(self, msg: Message) -> None:
+        ev = msg.get("ev")
+        if ev == "batch":
+            assert self.client is not None
+            for item in msg["items"]:
+                self.client._dispatch(item)
+        elif ev == "load":
+            msg.pop("ev")
+            self.load = LoadSnapshot.model_validate(msg)
+            self.metrics.observe_load(self.load)
+        elif ev == "ready":
+            self.agent = msg["agent"]
+            self.engine_ready.set()
+            log.info("engine ready", extra={"role": self.cfg.role, "pod": self.cfg.pod_name})
+        elif ev in self.event_handlers:
+            self.event_handlers[ev](msg)
+
+    def observe_finish(self, item: Message) -> None:
+        reason = item.get("finish_reason")
+        if reason:
+            self.metrics.requests.labels(outcome=reason).inc()
+
+    async def stop_engine(self, timeout: float = 10.0) -> None:
+        if self.client is not None and self.alive:
+            try:
+                await self.client.call({"op": "stop"}, timeout=timeout)
+            except Exception:
+                pass
+        if self.proc is not None:
+            self.proc.join(timeout=timeout)
+            if self.proc.is_alive():
+                self.proc.kill()
+
+    def snapshot(self) -> LoadSnapshot:
+        base = self.load or LoadSnapshot(role=self.cfg.role, pod=self.cfg.pod_name, queued_prefill_tokens=0,  # type: ignore[arg-type]
+                                         running_requests=0, waiting_requests=0, free_pages=0, total_pages=0,
+                                         page_size=self.cfg.runner.page_size, ready=False)
+        return base.model_copy(update={"ready": self.ready, "draining": self.draining})
+
+
+def create_worker_app(state: WorkerState, add_routes: Callable[[FastAPI, WorkerState], None]) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.start_engine()
+        try:
+            yield
+        finally:
+            await state.stop_engine()
+
+    app = FastAPI(title=f"kvferry {state.cfg.role} worker", lifespan=lifespan)
+    app.state.worker = state
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(400, _validation_message(exc.errors()))
+
+    @app.exception_handler(BadMessage)
+    async def _bad_message(request: Request, exc: BadMessage) -> JSONResponse:
+        return error_response(400, str(exc))
+
+    @app.exception_handler(EngineError)
+    async def _engine_error(request: Request, exc: EngineError) -> JSONResponse:
+        status = ENGINE_ERROR_STATUS.get(exc.code, 503)
+        return error_response(status, str(exc), "invalid_request_error" if status < 500 else "unavailable", exc.code)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if state.proc is not None and not state.alive:
+            return error_response(503, "engine process is not running", "unavailable", "engine_down")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        if not state.ready:
+            why = "draining" if state.draining else "engine not ready"
+            return error_response(503, why, "unavailable", "not_ready")
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/load")
+    async def load() -> JSONResponse:
+        return JSONResponse(state.snapshot().model_dump())
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    add_routes(app, state)
+    return app
+
+
+def _validation_message(errors: Any) -> str:
+    parts = []
+    for e in list(errors)[:5]:
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
+    return "; ".join(parts) or "invalid request"
+
+
+class BadMessage(ValueError):
+    """A malformed internal protocol message (answered with 400)."""
+
+
+async def read_message(request: Request, model: type) -> Any:
+    """Parses and validates an internal protocol message (version included) from a request body."""
+    try:
+        return model.model_validate(json.loads(await request.body()))
+    except ValidationError as e:
+        raise BadMessage(_validation_message(e.errors())) from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadMessage(f"body is not valid JSON: {e}") from None
+
+
+# Engine error codes -> HTTP status, for both workers.
+ENGINE_ERROR_STATUS = {"unknown_peer": 409, "layout_mismatch": 400, "invalid_request": 400, "queue_full": 429}
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn that, on the first SIGTERM/SIGINT, leaves readiness, lets in-flight requests finish for up to
+    `drain_seconds`, and only then shuts down; a second signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, state: WorkerState) -> None:
+        super().__init__(config)
+        self.worker_state = state
+        self._drain_task: asyncio.Task[None] | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.worker_state.draining or sig not in (signal.SIGTERM, signal.SIGINT):
+            return super().handle_exit(sig, frame)
+        self.worker_state.draining = True
+        log.warning("draining", extra={"inflight": self.worker_state.inflight})
+        self._drain_task = asyncio.get_event_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.worker_state.cfg.drain_seconds
+        while self.worker_state.inflight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.should_exit = True
+
+
+def serve_worker(app: FastAPI, state: WorkerState) -> int:
+    cfg = state.cfg
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=5)
+    DrainingServer(config, state).run()
+    return 0

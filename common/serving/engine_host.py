@@ -1,0 +1,201 @@
+"""The engine process of a worker: model, KV pool, scheduler, NIXL agent and prefix publisher in one loop.
+
+The control plane (HTTP) talks to it over a pipe (common/serving/channel.py). Each loop turn drains
+commands, runs one scheduler step when there is work, advances transfers, and reports events in one
+message per turn. Role-specific behaviour lives in subclasses in the worker packages.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+from common.config import WorkerConfig
+from common.engine.runner import ModelRunner
+from common.log import setup_logging
+from common.prefix.hashing import chained_block_hashes
+from common.prefix.index import PrefixIndexPublisher
+from common.protocol import LoadSnapshot, SamplingParams
+from common.sched.request import Req
+from common.sched.scheduler import RequestRejected, Scheduler, StepEvent
+from common.serving.channel import Message, recv, send
+from common.transfer.agent import KVTransferAgent
+
+log = logging.getLogger("kvferry.engine")
+
+LOAD_INTERVAL_S = 0.1
+
+
+class EngineHost:
+    role = "worker"
+
+    def __init__(self, cfg: WorkerConfig, conn: Connection) -> None:
+        self.cfg = cfg
+        self.conn = conn
+        self.runner = ModelRunner(cfg.runner)
+        self.scheduler = Scheduler(self.runner, cfg.sched)
+        self.page_size = cfg.runner.page_size
+        self.agent = KVTransferAgent(
+            f"{self.role}-{cfg.pod_name}", self.runner.pool, model_id=cfg.runner.model, tp_size=1
+        )
+        self.publisher = PrefixIndexPublisher(
+            cfg.redis_url, cfg.runner.model, cfg.pod_name, resync=self._cached_hashes
+        )
+        self.scheduler.budget.on_cached = self.publisher.stored
+        self.outbox: list[Message] = []
+        self.stopping = False
+        self._last_load = 0.0
+        self.debug_checksums = os.environ.get("KVFERRY_DEBUG_CHECKSUMS") == "1"
+
+    # ---- helpers for subclasses ------------------------------------------------------------------
+    def make_req(self, msg: Message) -> Req:
+        sampling = SamplingParams.model_validate(msg["sampling"])
+        req = Req(req_id=msg["req_id"], prompt_ids=list(msg["token_ids"]), sampling=sampling)
+        req.block_hashes = chained_block_hashes(req.prompt_ids, self.page_size)
+        return req
+
+    def emit(self, req_id: str, **fields: Any) -> None:
+        self.outbox.append({"ev": "req", "req_id": req_id, **fields})
+
+    def emit_step_events(self, events: list[StepEvent]) -> None:
+        for e in events:
+            r = e.req
+            item: dict[str, Any] = {"token_ids": e.tokens}
+            if e.logprobs:
+                item["logprobs"] = [lp.model_dump() for lp in e.logprobs]
+            if len(r.output_ids) == len(e.tokens):  # the request's first tokens
+                item["prompt_tokens"] = r.prompt_len
+                item["cached_tokens"] = r.prefix_hit_len
+            if e.finished:
+                item["finish_reason"] = r.finish_reason
+                if r.error:
+                    item["error"] = r.error
+            self.emit(r.req_id, **item)
+
+    def reply(self, msg: Message, ok: bool = True, **fields: Any) -> None:
+        self.outbox.append({"rpc": msg.get("rpc"), "ok": ok, **fields})
+
+    def reject(self, msg: Message, error: str, code: str) -> None:
+        self.reply(msg, ok=False, error=error, code=code)
+
+    # ---- the loop --------------------------------------------------------------------------------
+    def agent_info(self) -> dict[str, Any]:
+        return {
+            "agent_name": self.agent.name,
+            "instance_id": self.agent.instance_id,
+            "agent_metadata_b64": self.agent.metadata_b64(),
+            "pool_info_b64": self.agent.pool_info_b64(),
+            "layout": self.agent.layout.model_dump(),
+        }
+
+    def run(self) -> None:
+        self.publisher.start()
+        send(self.conn, {"ev": "ready", "agent": self.agent_info(), "pod": self.cfg.pod_name})
+        while not self.stopping:
+            busy = self.has_work()
+            timeout = 0.0 if busy else 0.002
+            while self.conn.poll(timeout):
+                self.handle(recv(self.conn))
+                timeout = 0.0
+            self.tick()
+            if self.scheduler.has_work():
+                self.emit_step_events(self.scheduler.step())
+                self.after_step()
+            evicted = self.scheduler.cache.drain_evicted_hashes() if self.scheduler.cache is not None else []
+            if evicted:
+                self.publisher.removed(evicted)
+            now = time.monotonic()
+            if now - self._last_load >= LOAD_INTERVAL_S:
+                self._last_load = now
+                self.outbox.append({"ev": "load", **self.load().model_dump()})
+            self.flush()
+        self.shutdown()
+
+    def flush(self) -> None:
+        if not self.outbox:
+            return
+        batch, self.outbox = self.outbox, []
+        send(self.conn, {"ev": "batch", "items": batch})
+
+    def handle(self, msg: Message) -> None:
+        op = msg.get("op")
+        try:
+            if op == "stop":
+                self.stopping = True
+                self.reply(msg)
+            elif op == "abort":
+                self.abort(msg["req_id"], msg.get("reason", "abort"), msg.get("error"))
+            elif op == "checksums":
+                import torch
+
+                sums = self.runner.pool.page_checksums(torch.tensor(msg["pages"], dtype=torch.int64))
+                self.reply(msg, sums=sums.tolist())
+            else:
+                self.handle_role(msg)
+        except RequestRejected as e:
+            self.reject(msg, str(e), "invalid_request")
+        except Exception as e:  # a bad command must not take the engine down
+            log.exception("engine command failed", extra={"op": op})
+            self.reject(msg, f"{type(e).__name__}: {e}", "engine_error")
+
+    def shutdown(self) -> None:
+        self.publisher.stop(deregister=True)
+        self.flush()
+
+    def _cached_hashes(self) -> list[int]:
+        cache = self.scheduler.cache
+        if cache is None:
+            return []
+        # Runs on the publisher's thread while the loop may change the tree: retry a torn walk.
+        for _ in range(5):
+            try:
+                return cache.all_block_hashes()
+            except RuntimeError:
+                time.sleep(0.001)
+        return []
+
+    def load(self) -> LoadSnapshot:
+        s = self.scheduler
+        return LoadSnapshot(
+            role=self.role,  # type: ignore[arg-type]
+            pod=self.cfg.pod_name,
+            queued_prefill_tokens=s.queued_prefill_tokens(),
+            running_requests=len(s.running) + len(s.awaiting_kv) + (1 if s.chunked else 0),
+            waiting_requests=len(s.waiting),
+            free_pages=s.free_pages() - s.reserved_pages(),
+            total_pages=s.allocator.num_pages,
+            page_size=self.page_size,
+            ready=True,
+        )
+
+    # ---- role hooks --------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def handle_role(self, msg: Message) -> None:
+        raise NotImplementedError
+
+    def abort(self, req_id: str, reason: str, error: str | None) -> None:
+        raise NotImplementedError
+
+    def tick(self) -> None:
+        """Advances transfers and deadlines; called every loop turn."""
+
+    def after_step(self) -> None:
+        """Called after each scheduler step."""
+
+
+def engine_main(host_cls: type[EngineHost], cfg: WorkerConfig, conn: Connection) -> None:
+    """Entry point of the engine process (multiprocessing spawn target)."""
+    setup_logging()
+    import torch
+
+    torch.set_num_threads(max(1, int(os.environ.get("KVFERRY_TORCH_THREADS", "0")) or torch.get_num_threads()))
+    try:
+        host_cls(cfg, conn).run()
+    except Exception:
+        log.exception("engine process failed")
+        raise

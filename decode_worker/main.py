@@ -1,0 +1,14 @@
+"""`kvferry decode`: run a decode worker (control plane here, engine in a child process)."""
+
+from __future__ import annotations
+
+from common.config import WorkerConfig, worker_arg_parser
+from common.serving.control import serve_worker
+from decode_worker.app import create_app
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = worker_arg_parser("decode").parse_args(argv)
+    cfg = WorkerConfig.from_env("decode").apply_args(args)
+    app = create_app(cfg)
+    return serve_worker(app, app.state.worker)

@@ -1,0 +1,83 @@
+"""The prefill worker's control plane: handshake with decode peers, accept prefill jobs, report progress."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from common.config import WorkerConfig
+from common.protocol import AbortRequest, HandshakeRequest, HandshakeResponse, KVLayoutInfo, PrefillRequest
+from common.serving.control import WorkerState, create_worker_app, error_response, read_message
+from common.serving.engine_host import engine_main
+from prefill_worker.engine_loop import PrefillHost
+
+
+def _add_routes(app: FastAPI, state: WorkerState) -> None:
+    @app.post("/internal/handshake")
+    async def handshake(request: Request) -> Response:
+        hs: HandshakeRequest = await read_message(request, HandshakeRequest)  # type: ignore[assignment]
+        if not state.ready:
+            return error_response(503, "prefill worker not ready", "unavailable", "not_ready")
+        assert state.client is not None
+        reply = await state.client.call({"op": "add_peer", "handshake": hs.model_dump()})
+        resp = HandshakeResponse(agent_name=reply["agent_name"], instance_id=reply["instance_id"],
+                                 layout=KVLayoutInfo.model_validate(reply["layout"]))
+        return JSONResponse(resp.model_dump())
+
+    @app.post("/internal/prefill")
+    async def prefill(request: Request) -> Response:
+        pr: PrefillRequest = await read_message(request, PrefillRequest)  # type: ignore[assignment]
+        if not state.ready:
+            return error_response(503, "prefill worker not ready", "unavailable", "not_ready")
+        client = state.client
+        assert client is not None
+        queue = client.open_stream(pr.req_id)
+        try:
+            await client.call({"op": "prefill", "prefill": pr.model_dump()})
+        except BaseException:
+            client.close_stream(pr.req_id)
+            raise
+        state.metrics.prompt.inc(len(pr.token_ids))
+        state.inflight += 1
+
+        async def progress() -> AsyncIterator[bytes]:
+            finished = False
+            try:
+                while True:
+                    msg = await queue.get()
+                    if "done" in msg or "error" in msg or msg.get("finish_reason") == "error":
+                        finished = True
+                        outcome = "error" if "error" in msg else "done"
+                        state.metrics.requests.labels(outcome=outcome).inc()
+                        if outcome == "done":
+                            state.metrics.cached.inc(msg.get("cached_tokens", 0))
+                        yield (json.dumps({k: v for k, v in msg.items() if k not in ("ev",)}) + "\n").encode()
+                        return
+            finally:
+                client.close_stream(pr.req_id)
+                state.inflight -= 1
+                if not finished:  # the decode worker went away: stop computing and free the pages
+                    client.cast({"op": "abort", "req_id": pr.req_id, "error": "decode worker disconnected"})
+
+        return StreamingResponse(progress(), media_type="application/x-ndjson")
+
+    @app.post("/internal/abort")
+    async def abort(request: Request) -> Response:
+        ab: AbortRequest = await read_message(request, AbortRequest)  # type: ignore[assignment]
+        assert state.client is not None
+        state.client.cast({"op": "abort", "req_id": ab.req_id, "error": "aborted"})
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/internal/stats")
+    async def stats() -> Response:
+        return JSONResponse({"agent": state.agent.get("agent_name"), "instance_id": state.agent.get("instance_id")})
+
+
+def create_app(cfg: WorkerConfig | None = None) -> FastAPI:
+    cfg = cfg or WorkerConfig.from_env("prefill")
+    state = WorkerState(cfg, engine_main, PrefillHost)
+    return create_worker_app(state, _add_routes)
+
