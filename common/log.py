@@ -26,6 +26,8 @@ class KeyValueFormatter(logging.Formatter):
 
 def setup_logging(level: str | None = None) -> None:
     level = (level or os.environ.get("KVFERRY_LOG_LEVEL") or "WARNING").upper()
+    # NIXL logs every agent start at INFO on stdout; child processes inherit this before importing it.
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN" if level != "DEBUG" else "INFO")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(KeyValueFormatter())
     root = logging.getLogger("kvferry")

@@ -73,6 +73,7 @@ class TokenEvent(BaseModel):
     error: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    kv_verified: bool | None = None  # debug mode: page checksums of the transferred KV matched
 
 
 class KVLayoutInfo(BaseModel):

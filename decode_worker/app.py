@@ -56,8 +56,10 @@ class PrefillPeers:
                 return self.known[url]
             agent = self.state.agent
             body = HandshakeRequest(
-                agent_name=agent["agent_name"], instance_id=agent["instance_id"],
-                agent_metadata_b64=agent["agent_metadata_b64"], pool_info_b64=agent["pool_info_b64"],
+                agent_name=agent["agent_name"],
+                instance_id=agent["instance_id"],
+                agent_metadata_b64=agent["agent_metadata_b64"],
+                pool_info_b64=agent["pool_info_b64"],
                 layout=KVLayoutInfo.model_validate(agent["layout"]),
             )
             try:
@@ -87,11 +89,21 @@ async def _remote_prefill(state: WorkerState, peers: PrefillPeers, gen: Generate
         for attempt in range(2):
             await peers.ensure(url, force=attempt > 0)
             agent = state.agent
-            body = PrefillRequest(req_id=gen.req_id, token_ids=gen.token_ids, sampling=gen.sampling,
-                                  dst_agent=agent["agent_name"], dst_instance_id=agent["instance_id"],
-                                  dst_pages=pages, deadline_s=PREFILL_TIMEOUT_S)
-            async with peers.http.stream("POST", f"{url}/internal/prefill", json=body.model_dump(),
-                                         timeout=httpx.Timeout(10.0, read=PREFILL_TIMEOUT_S)) as r:
+            body = PrefillRequest(
+                req_id=gen.req_id,
+                token_ids=gen.token_ids,
+                sampling=gen.sampling,
+                dst_agent=agent["agent_name"],
+                dst_instance_id=agent["instance_id"],
+                dst_pages=pages,
+                deadline_s=PREFILL_TIMEOUT_S,
+            )
+            async with peers.http.stream(
+                "POST",
+                f"{url}/internal/prefill",
+                json=body.model_dump(),
+                timeout=httpx.Timeout(10.0, read=PREFILL_TIMEOUT_S),
+            ) as r:
                 if r.status_code == 409 and attempt == 0:
                     continue  # the peer restarted and lost our handshake: redo it once
                 if r.status_code != 200:
@@ -141,9 +153,16 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
         if remote:
             reservations[gen.req_id] = asyncio.get_running_loop().create_future()
         try:
-            await client.call({"op": "generate", "req_id": gen.req_id, "token_ids": gen.token_ids,
-                               "sampling": gen.sampling.model_dump(), "remote": remote,
-                               "timeout_s": PREFILL_TIMEOUT_S})
+            await client.call(
+                {
+                    "op": "generate",
+                    "req_id": gen.req_id,
+                    "token_ids": gen.token_ids,
+                    "sampling": gen.sampling.model_dump(),
+                    "remote": remote,
+                    "timeout_s": PREFILL_TIMEOUT_S,
+                }
+            )
         except BaseException:
             client.close_stream(gen.req_id)
             reservations.pop(gen.req_id, None)

@@ -7,6 +7,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+import torch
+
 from common.protocol import TokenLogprob
 from common.sched.request import Req, ReqState
 from common.serving.channel import Message
@@ -94,9 +96,18 @@ class DecodeHost(EngineHost):
             if "error" in note:
                 self.abort(rid, "error", f"prefill failed: {note['error']}")
                 continue
+            verified = None
+            if "checksums" in note:
+                mine = self.runner.pool.page_checksums(torch.tensor(pending.req.pages, dtype=torch.int64)).tolist()
+                verified = mine == note["checksums"]
+                if not verified:
+                    self.abort(rid, "error", "KV pages arrived corrupted (checksum mismatch)")
+                    continue
             lp = TokenLogprob.model_validate(note["logprob"]) if note.get("logprob") else None
             event = self.scheduler.admit_prefilled(rid, int(note["token"]), lp, int(note.get("cached_tokens", 0)))
             self.emit_step_events([event])
+            if verified:
+                self.outbox[-1]["kv_verified"] = True
         if self.remote:
             now = time.monotonic()
             for rid in [r for r, p in self.remote.items() if now > p.deadline]:

@@ -23,8 +23,11 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
             return error_response(503, "prefill worker not ready", "unavailable", "not_ready")
         assert state.client is not None
         reply = await state.client.call({"op": "add_peer", "handshake": hs.model_dump()})
-        resp = HandshakeResponse(agent_name=reply["agent_name"], instance_id=reply["instance_id"],
-                                 layout=KVLayoutInfo.model_validate(reply["layout"]))
+        resp = HandshakeResponse(
+            agent_name=reply["agent_name"],
+            instance_id=reply["instance_id"],
+            layout=KVLayoutInfo.model_validate(reply["layout"]),
+        )
         return JSONResponse(resp.model_dump())
 
     @app.post("/internal/prefill")
@@ -80,4 +83,3 @@ def create_app(cfg: WorkerConfig | None = None) -> FastAPI:
     cfg = cfg or WorkerConfig.from_env("prefill")
     state = WorkerState(cfg, engine_main, PrefillHost)
     return create_worker_app(state, _add_routes)
-

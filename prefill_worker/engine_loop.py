@@ -54,8 +54,12 @@ class PrefillHost(EngineHost):
             except LayoutMismatch as e:
                 self.reject(msg, str(e), "layout_mismatch")
                 return
-            self.reply(msg, agent_name=self.agent.name, instance_id=self.agent.instance_id,
-                       layout=self.agent.layout.model_dump())
+            self.reply(
+                msg,
+                agent_name=self.agent.name,
+                instance_id=self.agent.instance_id,
+                layout=self.agent.layout.model_dump(),
+            )
         elif op == "prefill":
             pr = PrefillRequest.model_validate(msg["prefill"])
             if not self.agent.has_peer(pr.dst_agent, pr.dst_instance_id):
@@ -65,8 +69,13 @@ class PrefillHost(EngineHost):
             if dst.numel() != -(-len(pr.token_ids) // self.page_size):
                 self.reject(msg, "dst_pages does not cover the prompt", "invalid_request")
                 return
-            req = self.make_req({"req_id": pr.req_id, "token_ids": pr.token_ids,
-                                 "sampling": {**pr.sampling.model_dump(), "max_tokens": 1}})
+            req = self.make_req(
+                {
+                    "req_id": pr.req_id,
+                    "token_ids": pr.token_ids,
+                    "sampling": {**pr.sampling.model_dump(), "max_tokens": 1},
+                }
+            )
             self.scheduler.add(req)
             transfer = self.sender.request(pr.dst_agent, pr.deadline_s)
             self.outbound[pr.req_id] = Outbound(req, transfer, dst)

@@ -28,11 +28,17 @@ from common.serving.channel import EngineClient, EngineError, Message
 log = logging.getLogger("kvferry.control")
 
 
-def error_response(status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int,
+    message: str,
+    type_: str = "invalid_request_error",
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     """OpenAI-shaped error body; workers and router answer errors the same way."""
-    return JSONResponse({"error": {"message": message, "type": type_, "param": None, "code": code}},
-                        status_code=status, headers=headers)
+    return JSONResponse(
+        {"error": {"message": message, "type": type_, "param": None, "code": code}}, status_code=status, headers=headers
+    )
 
 
 @dataclass
@@ -48,7 +54,9 @@ class WorkerMetrics:
         self.total = Gauge("kvferry_kv_pages_total", "KV pages in the pool", registry=r)
         self.usage = Gauge("kvferry_kv_usage_ratio", "Share of KV pages in use", registry=r)
         self.requests = Counter("kvferry_requests_total", "Finished requests by outcome", ["outcome"], registry=r)
-        self.cached = Counter("kvferry_prefix_cached_tokens_total", "Prompt tokens served from the prefix cache", registry=r)
+        self.cached = Counter(
+            "kvferry_prefix_cached_tokens_total", "Prompt tokens served from the prefix cache", registry=r
+        )
         self.prompt = Counter("kvferry_prompt_tokens_total", "Prompt tokens received", registry=r)
         self.generated = Counter("kvferry_generated_tokens_total", "Tokens generated", registry=r)
 
@@ -84,13 +92,22 @@ class WorkerState:
 
     @property
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.is_alive() and self.client is not None and not self.client.closed.is_set()
+        return (
+            self.proc is not None
+            and self.proc.is_alive()
+            and self.client is not None
+            and not self.client.closed.is_set()
+        )
 
     def start_engine(self) -> None:
         ctx = mp.get_context("spawn")
         ours, theirs = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=self.host_target, args=(self.host_cls, self.cfg, theirs),
-                                name=f"kvferry-{self.cfg.role}-engine", daemon=True)
+        self.proc = ctx.Process(
+            target=self.host_target,
+            args=(self.host_cls, self.cfg, theirs),
+            name=f"kvferry-{self.cfg.role}-engine",
+            daemon=True,
+        )
         self.proc.start()
         theirs.close()
         self.client = EngineClient(ours, asyncio.get_running_loop(), self._on_event)
@@ -129,9 +146,17 @@ class WorkerState:
                 self.proc.kill()
 
     def snapshot(self) -> LoadSnapshot:
-        base = self.load or LoadSnapshot(role=self.cfg.role, pod=self.cfg.pod_name, queued_prefill_tokens=0,  # type: ignore[arg-type]
-                                         running_requests=0, waiting_requests=0, free_pages=0, total_pages=0,
-                                         page_size=self.cfg.runner.page_size, ready=False)
+        base = self.load or LoadSnapshot(
+            role=self.cfg.role,
+            pod=self.cfg.pod_name,
+            queued_prefill_tokens=0,  # type: ignore[arg-type]
+            running_requests=0,
+            waiting_requests=0,
+            free_pages=0,
+            total_pages=0,
+            page_size=self.cfg.runner.page_size,
+            ready=False,
+        )
         return base.model_copy(update={"ready": self.ready, "draining": self.draining})
 
 
@@ -224,7 +249,7 @@ class DrainingServer(uvicorn.Server):
         if self.worker_state.draining or sig not in (signal.SIGTERM, signal.SIGINT):
             return super().handle_exit(sig, frame)
         self.worker_state.draining = True
-        log.warning("draining", extra={"inflight": self.worker_state.inflight})
+        log.info("draining", extra={"inflight": self.worker_state.inflight})
         self._drain_task = asyncio.get_event_loop().create_task(self._drain())
 
     async def _drain(self) -> None:
@@ -236,7 +261,8 @@ class DrainingServer(uvicorn.Server):
 
 def serve_worker(app: FastAPI, state: WorkerState) -> int:
     cfg = state.cfg
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False, timeout_graceful_shutdown=5
+    )
     DrainingServer(config, state).run()
     return 0

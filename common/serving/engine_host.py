@@ -41,9 +41,7 @@ class EngineHost:
         self.agent = KVTransferAgent(
             f"{self.role}-{cfg.pod_name}", self.runner.pool, model_id=cfg.runner.model, tp_size=1
         )
-        self.publisher = PrefixIndexPublisher(
-            cfg.redis_url, cfg.runner.model, cfg.pod_name, resync=self._cached_hashes
-        )
+        self.publisher = PrefixIndexPublisher(cfg.redis_url, cfg.runner.model, cfg.pod_name, resync=self._cached_hashes)
         self.scheduler.budget.on_cached = self.publisher.stored
         self.outbox: list[Message] = []
         self.stopping = False

@@ -1,0 +1,200 @@
+"""Prefill -> decode over NIXL between real worker processes (CPU, UCX, the packaged SmolLM2)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+
+import httpx
+import pytest
+
+from tests.workers import WorkerProc, start_worker, wait_ready
+
+CHUNK = 64  # KVFERRY_MAX_PREFILL_TOKENS of the test workers (tests/workers.py)
+
+
+@pytest.fixture(scope="module")
+def workers(redis_server):
+    env = {"KVFERRY_DEBUG_CHECKSUMS": "1"}
+    p = start_worker("prefill", redis_server, env=env)
+    d = start_worker("decode", redis_server, env=env)
+    try:
+        wait_ready(p, d)
+        yield p, d
+    finally:
+        p.stop()
+        d.stop()
+
+
+def generate(
+    decode: WorkerProc, ids: list[int], prefill: WorkerProc | None, max_tokens: int = 24, timeout: float = 120
+) -> tuple[list[int], list[dict]]:
+    body = {
+        "req_id": uuid.uuid4().hex,
+        "token_ids": ids,
+        "prefill_url": prefill.url if prefill else None,
+        "sampling": {"max_tokens": max_tokens, "ignore_eos": True},
+    }
+    tokens, events = [], []
+    with httpx.stream("POST", f"{decode.url}/internal/generate", json=body, timeout=timeout) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line:
+                ev = json.loads(line)
+                events.append(ev)
+                tokens += ev.get("token_ids", [])
+    return tokens, events
+
+
+def wait_pages_back(*workers: WorkerProc, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        loads = [w.load() for w in workers]
+        if all(ld["free_pages"] == ld["total_pages"] and ld["running_requests"] == 0 for ld in loads):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pages not returned: {loads}")
+        time.sleep(0.1)
+
+
+def run_concurrently(fn, args_list):
+    results: list = [None] * len(args_list)
+
+    def one(i, args):
+        results[i] = fn(*args)
+
+    threads = [threading.Thread(target=one, args=(i, a)) for i, a in enumerate(args_list)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def test_disaggregated_equals_local_prefill(workers, smol_tokenizer):
+    p, d = workers
+    texts = [
+        "The capital of France is",
+        "Write a short story about a robot who learns to paint. " * 14,  # several chunks
+        "List the planets of the solar system in order from the sun:",
+        "def quicksort(arr):\n    " * 12,
+    ]
+    prompts = [smol_tokenizer.encode(t) for t in texts]
+    assert max(len(x) for x in prompts) > 2 * CHUNK
+    local = run_concurrently(lambda ids: generate(d, ids, None), [(x,) for x in prompts])
+    remote = run_concurrently(lambda ids: generate(d, ids, p), [(x,) for x in prompts])
+    for (lt, _), (rt, rev) in zip(local, remote):
+        assert rt == lt
+        assert rev[-1]["finish_reason"] == "length"
+        assert rev[0]["kv_verified"] is True  # page checksums matched on both sides
+    wait_pages_back(p, d)
+
+
+def test_shared_prefix_prefills_only_suffix(workers, smol_tokenizer):
+    p, d = workers
+    system = "You are a careful assistant for a railway company. Answer briefly and politely. " * 4
+    first = smol_tokenizer.encode(system + "When does the first train leave?")
+    second = smol_tokenizer.encode(system + "Can I bring my bicycle on board?")
+    _, ev1 = generate(d, first, p)
+    tokens2, ev2 = generate(d, second, p)
+    shared = len(smol_tokenizer.encode(system)) // 16 * 16
+    assert ev2[0]["cached_tokens"] >= shared - 16 > 0
+    assert ev2[0]["prompt_tokens"] == len(second)
+    local2, _ = generate(d, second, None)
+    assert tokens2 == local2
+    wait_pages_back(p, d)
+
+
+def test_abort_mid_transfer_returns_pages(workers, smol_tokenizer):
+    p, d = workers
+    ids = smol_tokenizer.encode("An extremely long document about rivers and mountains. " * 120)
+    body = {
+        "req_id": uuid.uuid4().hex,
+        "token_ids": ids,
+        "prefill_url": p.url,
+        "sampling": {"max_tokens": 64, "ignore_eos": True},
+    }
+    with httpx.stream("POST", f"{d.url}/internal/generate", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        deadline = time.monotonic() + 10
+        while p.load()["running_requests"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert p.load()["running_requests"] == 1  # prefill is under way
+    # Leaving the block closed the stream: both sides must free everything.
+    wait_pages_back(p, d)
+
+
+def test_kill9_prefill_mid_request(workers, redis_server, smol_tokenizer):
+    _, d = workers
+    victim = start_worker("prefill", redis_server)
+    wait_ready(victim)
+    ids = smol_tokenizer.encode("A very long legal contract with many clauses and sub-clauses. " * 150)
+    result: dict = {}
+
+    def run() -> None:
+        t0 = time.monotonic()
+        result["tokens"], result["events"] = generate(d, ids, victim, timeout=60)
+        result["seconds"] = time.monotonic() - t0
+
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.monotonic() + 20
+    while victim.load()["running_requests"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    victim.kill9()
+    t.join(60)
+    assert not t.is_alive()
+    last = result["events"][-1]
+    assert last["finish_reason"] == "error" and "prefill" in last["error"]
+    assert result["tokens"] == []
+    assert result["seconds"] < 30
+    wait_pages_back(d)
+
+
+def test_layout_mismatch_refused_and_restart_rehandshaken(workers, redis_server, smol_tokenizer):
+    _, d = workers
+    ids = smol_tokenizer.encode("Hello there, how are you today?")
+    odd = start_worker("prefill", redis_server, env={"KVFERRY_PAGE_SIZE": "32"})
+    try:
+        wait_ready(odd)
+        tokens, events = generate(d, ids, odd)
+        assert tokens == [] and events[-1]["finish_reason"] == "error"
+        assert "page_size" in events[-1]["error"]
+    finally:
+        odd.stop()
+    wait_pages_back(d)
+    # A prefill worker restarted on the same address is a new NIXL instance: it must be handshaken anew.
+    first = start_worker("prefill", redis_server)
+    wait_ready(first)
+    expected, _ = generate(d, ids, None)
+    assert generate(d, ids, first)[0] == expected
+    port = first.port
+    first.kill9()
+    second = start_worker("prefill", redis_server, port=port)
+    try:
+        wait_ready(second)
+        assert generate(d, ids, second)[0] == expected
+    finally:
+        second.stop()
+    wait_pages_back(d)
+
+
+def test_internal_endpoints_reject_bad_messages(workers):
+    p, d = workers
+    r = httpx.post(f"{d.url}/internal/generate", content=b"{not json", timeout=10)
+    assert r.status_code == 400 and "error" in r.json()
+    r = httpx.post(
+        f"{d.url}/internal/generate",
+        json={"protocol_version": 99, "req_id": "x", "token_ids": [1], "sampling": {}},
+        timeout=10,
+    )
+    assert r.status_code == 400 and "protocol_version" in r.json()["error"]["message"]
+    r = httpx.post(f"{p.url}/internal/prefill", json={"req_id": "x"}, timeout=10)
+    assert r.status_code == 400
+    r = httpx.post(
+        f"{d.url}/internal/generate", json={"req_id": "y", "token_ids": [1] * 9000, "sampling": {}}, timeout=10
+    )
+    assert r.status_code == 400 and "context" in r.json()["error"]["message"]
+    assert httpx.get(f"{d.url}/health", timeout=5).status_code == 200
