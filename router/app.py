@@ -1,0 +1,256 @@
+"""The router's FastAPI app: OpenAI endpoints in front, the worker pool and routing behind.
+
+``create_app(config, options)`` wires the parts (one shared httpx.AsyncClient for every worker call);
+the request pipeline is router/service.py, routing router/policy.py + router/upstream.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import anyio
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from common.config import RouterConfig
+from router.discovery import Discovery, KubernetesDiscovery, StaticDiscovery
+from router.errors import install_error_handlers, model_not_found, no_worker
+from router.locality import PrefixLocator, RecentPlacements
+from router.middleware import FrontDoor
+from router.openai_api import ChatCompletionRequest, CompletionRequest
+from router.policy import PolicyConfig, RoutingPolicy
+from router.pool import WorkerPool
+from router.service import Job, RouterService, RunningChoice
+from router.settings import RouterOptions
+from router.tokenizer import ModelInfo, RouterTokenizer, load_tokenizer
+from router.upstream import Dispatcher
+
+log = logging.getLogger("kvferry.router")
+
+__all__ = ["create_app"]
+
+T = TypeVar("T")
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class _ManagedStream(StreamingResponse):
+    """A StreamingResponse that always runs ``on_close`` (upstream streams closed, admission released),
+    even when the client vanished before the body iterator was ever started."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._on_close()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Runs ``work`` but gives up (cancelling it, which closes its upstream streams) if the client
+    disconnects first: a non-streaming client that hangs up must not keep workers generating."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        raise _ClientGone()
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+def _discovery_for(config: RouterConfig) -> Discovery:
+    if config.discovery == "k8s":
+        return KubernetesDiscovery(config.namespace)
+    if config.discovery != "static":
+        raise ValueError(f"unknown discovery {config.discovery!r} (static | k8s)")
+    return StaticDiscovery(config.prefill_urls, config.decode_urls)
+
+
+def create_app(
+    config: RouterConfig,
+    options: RouterOptions | None = None,
+    *,
+    tokenizer: RouterTokenizer | None = None,
+    model_info: ModelInfo | None = None,
+    discovery: Discovery | None = None,
+    index_reader: Any = None,
+    use_redis: bool = True,
+) -> FastAPI:
+    """Builds the router app. ``tokenizer``/``model_info`` default to loading ``config.model``;
+    ``discovery`` to the one ``config.discovery`` names; ``index_reader`` to a Redis
+    PrefixIndexReader on ``config.redis_url`` (``use_redis=False``: route on load alone)."""
+    opts = options or RouterOptions.from_env()
+    if tokenizer is None or model_info is None:
+        tokenizer, model_info = load_tokenizer(config.model)
+    tok, info = tokenizer, model_info
+    disc = discovery or _discovery_for(config)
+    if index_reader is None and use_redis and config.redis_url:
+        from common.prefix.index import PrefixIndexReader
+
+        index_reader = PrefixIndexReader(config.redis_url, info.name, socket_timeout_s=opts.redis_timeout_s)
+    state: dict[str, Any] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        client = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=opts.connect_timeout_s, read=None, write=30.0, pool=30.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
+        )
+        pool = WorkerPool(client, opts.poll_interval_s, opts.poll_timeout_s, opts.down_after_failures)
+        policy = RoutingPolicy(
+            PolicyConfig(
+                disagg_min_prompt_tokens=opts.disagg_min_prompt_tokens,
+                local_prefix_fraction=opts.local_prefix_fraction,
+                prefill_load_weight=opts.prefill_load_weight,
+                imbalance_abs_tokens=opts.imbalance_abs_tokens,
+                imbalance_ratio=opts.imbalance_ratio,
+                decode_kv_weight=opts.decode_kv_weight,
+            )
+        )
+        locator = PrefixLocator(index_reader, RecentPlacements(opts.recent_route_ttl_s))
+        dispatcher = Dispatcher(
+            pool,
+            policy,
+            locator,
+            client,
+            connect_timeout_s=opts.connect_timeout_s,
+            first_token_timeout_s=opts.first_token_timeout_s,
+            inter_token_timeout_s=opts.inter_token_timeout_s,
+            retry_after_s=opts.retry_after_s,
+        )
+        service = RouterService(tok, info, dispatcher, opts)
+        state.update(pool=pool, service=service, dispatcher=dispatcher, locator=locator)
+        loop = asyncio.get_running_loop()
+        pool.start()
+        # Discovery may report from its own thread; membership changes always run on the loop.
+        disc.start(lambda role, urls: loop.call_soon_threadsafe(pool.set_targets, role, urls))
+        try:
+            yield
+        finally:
+            disc.stop()
+            await pool.stop()
+            await client.aclose()
+            if index_reader is not None and hasattr(index_reader, "close"):
+                index_reader.close()
+
+    app = FastAPI(title="kvferry router", version="1", lifespan=lifespan)
+    install_error_handlers(app)
+    app.add_middleware(FrontDoor, api_key=config.api_key, max_body_bytes=opts.max_body_bytes)
+    app.state.router = state
+
+    # ---- OpenAI endpoints ------------------------------------------------------------------------
+    def model_card() -> dict[str, Any]:
+        return {"id": info.name, "object": "model", "created": info.created, "owned_by": "kvferry"}
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> dict[str, Any]:
+        if not info.serves(model):
+            raise model_not_found(model)
+        return model_card()
+
+    async def serve(
+        request: Request, req: ChatCompletionRequest | CompletionRequest, prepare: Callable[[Any], Awaitable[Job]]
+    ) -> Response:
+        if not info.serves(req.model):
+            raise model_not_found(req.model or "")
+        service: RouterService = state["service"]
+        pool: WorkerPool = state["pool"]
+        service.admit()
+        handed_off = False
+        choices: list[RunningChoice] = []
+        try:
+            job = await prepare(req)
+            if not pool.ready("decode"):
+                raise no_worker("decode")
+            choices = await _unless_disconnected(request, service.start(job))
+            if req.stream:
+                body = service.stream(job, choices)
+
+                async def on_close() -> None:
+                    try:
+                        await body.aclose()
+                        await service.close(choices)
+                    finally:
+                        service.release()
+
+                handed_off = True
+                return _ManagedStream(body, on_close)
+            result = await _unless_disconnected(request, service.collect(job, choices))
+            return JSONResponse(result)
+        except _ClientGone:
+            return Response(status_code=499)
+        finally:
+            if not handed_off:
+                with anyio.CancelScope(shield=True):
+                    await service.close(choices)
+                service.release()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        service: RouterService = state["service"]
+        return await serve(request, body, service.prepare_completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        service: RouterService = state["service"]
+        return await serve(request, body, service.prepare_chat)
+
+    # ---- operations ------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        pool: WorkerPool = state["pool"]
+        counts = {role: len(pool.ready(role)) for role in ("prefill", "decode")}
+        # A decode worker is enough: it prefills locally when no prefill worker is up.
+        ok = counts["decode"] > 0
+        return JSONResponse({"ready": ok, "workers": counts}, status_code=200 if ok else 503)
+
+    @app.get("/router/workers")
+    async def workers() -> dict[str, Any]:
+        pool: WorkerPool = state["pool"]
+        dispatcher: Dispatcher = state["dispatcher"]
+        locator: PrefixLocator = state["locator"]
+        service: RouterService = state["service"]
+        return {
+            "workers": pool.snapshot(),
+            "decisions": dict(dispatcher.decisions),
+            "prefix_index": "disabled" if locator.reader is None else ("ok" if locator.redis_ok else "unavailable"),
+            "inflight": service.inflight,
+        }
+
+    return app

@@ -1,0 +1,101 @@
+"""One choice's output: worker token events in, text deltas (with stop strings applied) out.
+
+The decode worker streams token ids; this turns them into the text a client sees: incremental
+detokenization, stop strings cut out, finish reasons in OpenAI's vocabulary, and the per-token data
+that logprobs need. It is transport-free, so streaming and non-streaming responses share it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from router.detokenizer import IncrementalDetokenizer, StopMatcher
+from router.tokenizer import RouterTokenizer
+from router.upstream import UpstreamEvent
+
+__all__ = ["ChoiceDelta", "ChoiceState", "TokenInfo"]
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    """A generated token with its logprob and the top alternatives (token id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class ChoiceDelta:
+    index: int
+    text: str = ""
+    tokens: list[TokenInfo] = field(default_factory=list)  # only when logprobs were asked for
+    finish_reason: str | None = None  # stop | length | error
+    error: str | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not self.text and not self.tokens and self.finish_reason is None
+
+
+class ChoiceState:
+    def __init__(
+        self,
+        index: int,
+        tokenizer: RouterTokenizer,
+        stops: Sequence[str] = (),
+        context_ids: Sequence[int] = (),
+        logprobs: bool = False,
+    ) -> None:
+        self.index = index
+        self.detok = IncrementalDetokenizer(tokenizer.decode, context_ids)
+        self.stop = StopMatcher(stops) if stops else None
+        self.want_logprobs = logprobs
+        self.completion_tokens = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def feed(self, ev: UpstreamEvent) -> ChoiceDelta:
+        """Consumes one worker event. After a finish (including a stop string found here) the caller
+        closes the upstream stream and feeds nothing more."""
+        if ev.prompt_tokens:
+            self.prompt_tokens = ev.prompt_tokens
+            self.cached_tokens = ev.cached_tokens
+        delta = ChoiceDelta(self.index)
+        ids = ev.token_ids
+        self.completion_tokens += len(ids)
+        if self.want_logprobs and ids:
+            lps = ev.logprobs or []
+            for i, tid in enumerate(ids):
+                lp = lps[i] if i < len(lps) else {}
+                top = tuple((int(t), float(v)) for t, v in (lp.get("top") or ()))
+                delta.tokens.append(TokenInfo(int(tid), float(lp.get("logprob", 0.0)), top))
+        text = self.detok.push(ids)
+        ended = ev.finish_reason is not None
+        if ended:
+            text += self.detok.flush()
+        if self.stop is not None:
+            text = self.stop.push(text)
+            if self.stop.stopped:
+                self.finish_reason = "stop"
+            elif ended:
+                text += self.stop.flush()
+        if self.finish_reason is None and ended:
+            if ev.finish_reason == "error":
+                self.finish_reason = "error"
+                self.error = ev.error or "generation failed"
+                delta.error = self.error
+            elif ev.finish_reason == "length":
+                self.finish_reason = "length"
+            else:  # "stop" (EOS or a stop token), or "abort" that we did not ask for
+                self.finish_reason = "stop"
+        delta.text = text
+        delta.finish_reason = self.finish_reason
+        return delta

@@ -1,0 +1,102 @@
+"""Where a prompt's prefix already is: the Redis prefix index, plus the router's own recent placements.
+
+Workers publish a block to Redis only after they computed it (prefill done, then a ~50 ms batch), so a
+burst of requests sharing a new system prompt would otherwise all miss the index and scatter over the
+pods. The router therefore remembers, for a few seconds, which pod it just sent each block to
+(speculative indexing, as llm-d does) and takes the larger of the two answers per pod.
+
+Redis down: ``lookup`` returns None (routing falls back to load alone; the local placements are not
+used either, so the behaviour is plainly "load only"), logged once, and prefix routing resumes by
+itself when Redis answers again (the reader retries with backoff).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Protocol
+
+log = logging.getLogger("kvferry.router")
+
+__all__ = ["PrefixLocator", "RecentPlacements"]
+
+
+class _Reader(Protocol):
+    def match(self, block_hashes: Sequence[int], pods: Sequence[str]) -> dict[str, int] | None: ...
+
+
+class RecentPlacements:
+    """Block hash -> {pod: expiry}; bounded LRU, entries expire after ``ttl_s``."""
+
+    def __init__(self, ttl_s: float = 10.0, max_blocks: int = 200_000) -> None:
+        self.ttl_s = ttl_s
+        self.max_blocks = max_blocks
+        self._blocks: OrderedDict[int, dict[str, float]] = OrderedDict()
+
+    def record(self, pod: str, hashes: Sequence[int], now: float | None = None) -> None:
+        if self.ttl_s <= 0 or not hashes:
+            return
+        expiry = (time.monotonic() if now is None else now) + self.ttl_s
+        blocks = self._blocks
+        for h in hashes:
+            entry = blocks.get(h)
+            if entry is None:
+                blocks[h] = {pod: expiry}
+            else:
+                entry[pod] = expiry
+                blocks.move_to_end(h)
+        while len(blocks) > self.max_blocks:
+            blocks.popitem(last=False)
+
+    def match(self, hashes: Sequence[int], pods: Sequence[str], now: float | None = None) -> dict[str, int]:
+        """Leading blocks of ``hashes`` each pod was recently sent (a pod drops out at its first miss)."""
+        now = time.monotonic() if now is None else now
+        counts = dict.fromkeys(pods, 0)
+        active = set(pods)
+        for h in hashes:
+            entry = self._blocks.get(h)
+            if entry is None:
+                break
+            still = {p for p in active if entry.get(p, 0.0) > now}
+            for p in still:
+                counts[p] += 1
+            active = still
+            if not active:
+                break
+        return counts
+
+
+class PrefixLocator:
+    def __init__(self, reader: _Reader | None, recent: RecentPlacements | None = None) -> None:
+        self.reader = reader
+        self.recent = recent or RecentPlacements()
+        self.redis_ok = True
+
+    async def lookup(self, hashes: Sequence[int], pods: Sequence[str]) -> dict[str, int] | None:
+        """Leading matched blocks per pod, or None when the index is unavailable."""
+        if self.reader is None:
+            return None
+        if not pods:
+            return {}
+        # The reader blocks (redis-py); a thread keeps a slow Redis from stalling every stream.
+        found = await asyncio.to_thread(self.reader.match, hashes, pods) if hashes else dict.fromkeys(pods, 0)
+        if found is None:
+            if self.redis_ok:
+                self.redis_ok = False
+                log.warning("prefix index unavailable: routing on load alone until Redis answers again")
+            return None
+        if not self.redis_ok:
+            self.redis_ok = True
+            log.warning("prefix index reachable again: prefix-aware routing resumed")
+        if hashes:
+            for pod, n in self.recent.match(hashes, pods).items():
+                if n > found.get(pod, 0):
+                    found[pod] = n
+        return found
+
+    def placed(self, pod: str | None, hashes: Sequence[int]) -> None:
+        if pod:
+            self.recent.record(pod, hashes)

@@ -1,0 +1,72 @@
+"""`kvferry router`: settings from KVFERRY_* env vars (common/config.py, router/settings.py), flags on top."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import fields
+
+from common.config import RouterConfig
+from common.log import setup_logging
+from router.settings import RouterOptions
+
+__all__ = ["build_parser", "main", "parse_config"]
+
+
+def _urls(value: str) -> list[str]:
+    return [u.strip().rstrip("/") for u in value.split(",") if u.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvferry router",
+        description="OpenAI-compatible front end that routes prefill and decode across worker pods.",
+    )
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--model", help="served model: the embedded default's name or a local HF directory")
+    p.add_argument("--redis-url", dest="redis_url")
+    p.add_argument("--discovery", choices=["static", "k8s"])
+    p.add_argument("--prefill-urls", dest="prefill_urls", type=_urls, help="comma-separated prefill worker URLs")
+    p.add_argument("--decode-urls", dest="decode_urls", type=_urls, help="comma-separated decode worker URLs")
+    p.add_argument("--namespace", help="Kubernetes namespace to watch (k8s discovery)")
+    p.add_argument("--api-key", dest="api_key", help="require 'Authorization: Bearer <key>' on /v1/*")
+    p.add_argument("--log-level", dest="log_level")
+    opts = p.add_argument_group("router options (env KVFERRY_ROUTER_<NAME>)")
+    for f in fields(RouterOptions):
+        flag = "--" + f.name.replace("_", "-")
+        opts.add_argument(flag, dest=f"opt_{f.name}", type=type(f.default), help=f"default {f.default}")
+    return p
+
+
+def parse_config(argv: list[str] | None) -> tuple[RouterConfig, RouterOptions, argparse.Namespace]:
+    args = build_parser().parse_args(argv)
+    config = RouterConfig.from_env()
+    for f in fields(config):
+        value = getattr(args, f.name, None)
+        if value is not None:
+            setattr(config, f.name, value)
+    options = RouterOptions.from_env()
+    for f in fields(options):
+        value = getattr(args, f"opt_{f.name}", None)
+        if value is not None:
+            setattr(options, f.name, value)
+    return config, options, args
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, options, args = parse_config(argv)
+    if args.log_level:
+        setup_logging(args.log_level)
+    import uvicorn
+
+    from router.app import create_app
+
+    log = logging.getLogger("kvferry.router")
+    app = create_app(config, options)
+    log.warning(
+        "router starting",
+        extra={"port": config.port, "model": config.model, "discovery": config.discovery, "auth": bool(config.api_key)},
+    )
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False, lifespan="on")
+    return 0

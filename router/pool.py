@@ -1,0 +1,254 @@
+"""The router's registry of workers: who they are, whether they answer, how loaded they are.
+
+Discovery (static lists or Kubernetes) only says which URLs exist. Each worker is then "handshaken"
+lazily by polling ``GET /load`` (about once a second): the first good answer gives its pod id (the name
+it publishes to Redis under) and its load; a worker is routable while its answers are good and say
+ready and not draining. Consecutive failures or timeouts (a crashed pod, or one stopped with SIGSTOP,
+which still accepts TCP connections but never answers) mark it down; it comes back by itself when it
+answers again. Marking a worker down also wakes every request still waiting on it (``Watched.kill``),
+so they fail over at once instead of waiting out their deadlines.
+
+In-flight counts are the router's own view, fresher than the ~1 s old ``/load`` figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import httpx
+
+from router.policy import DecodeCandidate, PrefillCandidate
+
+log = logging.getLogger("kvferry.router")
+
+__all__ = ["Watched", "Worker", "WorkerPool", "parse_load"]
+
+ROLES = ("prefill", "decode")
+
+
+class Watched(Protocol):
+    """A request waiting on a worker; told when that worker is declared down."""
+
+    def kill(self, reason: str) -> None: ...
+
+
+@dataclass
+class Load:
+    """The fields of a worker's /load snapshot the router uses (parsed leniently: newer workers may add
+    fields, and a missing one must not take the worker out of rotation)."""
+
+    role: str
+    pod: str
+    queued_prefill_tokens: int = 0
+    running_requests: int = 0
+    waiting_requests: int = 0
+    free_pages: int = 0
+    total_pages: int = 0
+    page_size: int = 16
+    ready: bool = False
+    draining: bool = False
+
+
+def parse_load(data: Any) -> Load:
+    if not isinstance(data, dict) or not isinstance(data.get("pod"), str) or data.get("role") not in ROLES:
+        raise ValueError("not a load snapshot")
+
+    def num(key: str, default: int = 0) -> int:
+        v = data.get(key, default)
+        return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else default
+
+    return Load(
+        role=data["role"],
+        pod=data["pod"],
+        queued_prefill_tokens=num("queued_prefill_tokens"),
+        running_requests=num("running_requests"),
+        waiting_requests=num("waiting_requests"),
+        free_pages=num("free_pages"),
+        total_pages=num("total_pages"),
+        page_size=num("page_size", 16) or 16,
+        ready=bool(data.get("ready", False)),
+        draining=bool(data.get("draining", False)),
+    )
+
+
+@dataclass(eq=False)
+class Worker:
+    url: str
+    role: str
+    pod: str | None = None
+    load: Load | None = None
+    up: bool = False
+    failures: int = 0
+    last_ok: float = 0.0
+    last_error: str = ""
+    inflight_requests: int = 0
+    inflight_tokens: int = 0  # prefill: prompt tokens sent and not yet started (first token unseen)
+    watchers: set[Watched] = field(default_factory=set)
+    task: asyncio.Task[None] | None = None
+    removed: bool = False
+
+    def prefill_candidate(self) -> PrefillCandidate:
+        load = self.load
+        return PrefillCandidate(
+            key=self.url,
+            pod=self.pod,
+            queued_tokens=load.queued_prefill_tokens if load else 0,
+            inflight_tokens=self.inflight_tokens,
+            inflight_requests=self.inflight_requests,
+        )
+
+    def decode_candidate(self) -> DecodeCandidate:
+        load = self.load
+        if load is None:
+            return DecodeCandidate(key=self.url, pod=self.pod, inflight_requests=self.inflight_requests)
+        return DecodeCandidate(
+            key=self.url,
+            pod=self.pod,
+            running=load.running_requests,
+            waiting=load.waiting_requests,
+            inflight_requests=self.inflight_requests,
+            free_pages=load.free_pages,
+            total_pages=load.total_pages,
+            page_size=load.page_size,
+        )
+
+
+class WorkerPool:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        poll_interval_s: float = 1.0,
+        poll_timeout_s: float = 1.0,
+        down_after_failures: int = 2,
+    ) -> None:
+        self.client = client
+        self.poll_interval_s = poll_interval_s
+        self.poll_timeout_s = poll_timeout_s
+        self.down_after_failures = max(1, down_after_failures)
+        self.workers: dict[str, Worker] = {}
+        self._targets: dict[str, set[str]] = {role: set() for role in ROLES}
+        self._started = False
+
+    # ---- membership (from discovery) ---------------------------------------------------------------
+    def set_targets(self, role: str, urls: set[str] | list[str]) -> None:
+        """Makes ``urls`` the set of ``role`` workers: new ones are polled at once, missing ones dropped
+        from routing (requests already on them finish)."""
+        wanted = {u.rstrip("/") for u in urls}
+        self._targets[role] = wanted
+        for url in wanted:
+            w = self.workers.get(url)
+            if w is None or w.role != role:
+                if w is not None:
+                    self._remove(w)
+                w = Worker(url=url, role=role)
+                self.workers[url] = w
+                log.info("worker discovered", extra={"role": role, "url": url})
+                if self._started:
+                    w.task = asyncio.get_running_loop().create_task(self._poll_loop(w))
+        for url, w in list(self.workers.items()):
+            if w.role == role and url not in wanted:
+                self._remove(w)
+
+    def _remove(self, w: Worker) -> None:
+        log.info("worker removed", extra={"role": w.role, "url": w.url})
+        w.removed = True
+        w.up = False
+        self.workers.pop(w.url, None)
+        if w.task is not None:
+            w.task.cancel()
+
+    # ---- health ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._started = True
+        loop = asyncio.get_running_loop()
+        for w in self.workers.values():
+            if w.task is None:
+                w.task = loop.create_task(self._poll_loop(w))
+
+    async def stop(self) -> None:
+        self._started = False
+        tasks = [w.task for w in self.workers.values() if w.task is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _poll_loop(self, w: Worker) -> None:
+        # One loop per worker, so a hung worker's timeouts never delay the others' polls.
+        while not w.removed:
+            await self.poll(w)
+            await asyncio.sleep(self.poll_interval_s)
+
+    async def poll(self, w: Worker) -> None:
+        try:
+            r = await self.client.get(f"{w.url}/load", timeout=self.poll_timeout_s)
+            if r.status_code != 200:
+                raise ValueError(f"/load answered {r.status_code}")
+            load = parse_load(r.json())
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # connect errors, timeouts, garbage: all mean "not answering properly"
+            self.report_failure(w, f"{type(exc).__name__}: {exc}")
+            return
+        self.report_load(w, load)
+
+    def report_load(self, w: Worker, load: Load) -> None:
+        if load.role != w.role:
+            self.report_failure(w, f"is a {load.role} worker, listed as {w.role}", hard=True)
+            return
+        w.load = load
+        w.pod = load.pod
+        w.failures = 0
+        w.last_ok = time.monotonic()
+        routable = load.ready and not load.draining
+        if routable and not w.up:
+            log.info("worker up", extra={"role": w.role, "url": w.url, "pod": w.pod})
+        elif not routable and w.up:
+            log.warning("worker not ready", extra={"role": w.role, "url": w.url, "draining": load.draining})
+        w.up = routable
+
+    def report_failure(self, w: Worker, reason: str, hard: bool = False) -> None:
+        """A failed poll (or, with ``hard``, a refused connection on the request path: no need to wait
+        for a second failure to believe it)."""
+        w.failures += 1
+        w.last_error = reason
+        if w.up and (hard or w.failures >= self.down_after_failures):
+            self.mark_down(w, reason)
+
+    def mark_down(self, w: Worker, reason: str) -> None:
+        if w.up:
+            log.warning("worker down", extra={"role": w.role, "url": w.url, "reason": reason})
+        w.up = False
+        for watched in list(w.watchers):
+            watched.kill(f"{w.role} worker {w.url} is down ({reason})")
+
+    # ---- queries ---------------------------------------------------------------------------------
+    def ready(self, role: str, exclude: set[str] | frozenset[str] = frozenset()) -> list[Worker]:
+        return [w for w in self.workers.values() if w.role == role and w.up and w.url not in exclude]
+
+    def block_size(self) -> int:
+        """KV page size of the fleet (= prefix-index block size); all workers of a model agree."""
+        for w in self.workers.values():
+            if w.load is not None:
+                return w.load.page_size
+        return 16
+
+    def known_pods(self) -> list[str]:
+        return [w.pod for w in self.workers.values() if w.up and w.pod]
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "url": w.url,
+                "role": w.role,
+                "pod": w.pod,
+                "up": w.up,
+                "inflight_requests": w.inflight_requests,
+                "inflight_tokens": w.inflight_tokens,
+                "last_error": w.last_error or None,
+            }
+            for w in self.workers.values()
+        ]

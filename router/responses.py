@@ -1,0 +1,158 @@
+"""OpenAI response bodies: chat.completion(.chunk), text_completion, usage, and both logprobs shapes.
+
+The two endpoints report logprobs differently: chat has ``{"content": [{token, logprob, bytes,
+top_logprobs: [{token, logprob, bytes}]}]}``; legacy completions has parallel lists ``tokens``,
+``token_logprobs``, ``top_logprobs`` (one {token: logprob} dict per position) and ``text_offset``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from router.choice import TokenInfo
+from router.tokenizer import RouterTokenizer
+
+__all__ = [
+    "chat_chunk",
+    "chat_logprobs",
+    "chat_response",
+    "completion_chunk",
+    "completion_logprobs",
+    "completion_response",
+    "sse",
+    "usage",
+]
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+# ---- logprobs ------------------------------------------------------------------------------------
+def chat_logprobs(tokens: Sequence[TokenInfo], tok: RouterTokenizer) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        return {"token": tok.token_str(token_id), "logprob": logprob, "bytes": list(tok.token_bytes(token_id))}
+
+    content = []
+    for t in tokens:
+        e = entry(t.token_id, t.logprob)
+        e["top_logprobs"] = [entry(i, lp) for i, lp in t.top]
+        content.append(e)
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(tokens: Sequence[TokenInfo], tok: RouterTokenizer, offset: int) -> tuple[dict[str, Any], int]:
+    """Logprobs for a run of tokens whose text starts at character ``offset`` of the completion;
+    returns the object and the offset after them."""
+    strs, lps, tops, offsets = [], [], [], []
+    for t in tokens:
+        s = tok.token_str(t.token_id)
+        strs.append(s)
+        lps.append(t.logprob)
+        top: dict[str, float] = {}
+        for i, lp in t.top:
+            top.setdefault(tok.token_str(i), lp)  # two ids can print alike; keep the likelier
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": strs, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}, offset
+
+
+# ---- whole responses -----------------------------------------------------------------------------
+def chat_response(
+    rid: str, created: int, model: str, choices: list[dict[str, Any]], use: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": choices,
+        "usage": use,
+    }
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text, "refusal": None},
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
+
+
+def completion_response(
+    rid: str, created: int, model: str, choices: list[dict[str, Any]], use: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": choices,
+        "usage": use,
+    }
+
+
+def completion_choice(
+    index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None
+) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+# ---- stream chunks -------------------------------------------------------------------------------
+def chat_chunk(
+    rid: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    include_usage: bool,
+    use: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    chunk: dict[str, Any] = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": choices,
+    }
+    if include_usage:  # with include_usage every chunk carries "usage": null except the last one
+        chunk["usage"] = use
+    return chunk
+
+
+def completion_chunk(
+    rid: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    include_usage: bool,
+    use: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    chunk: dict[str, Any] = {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": choices,
+    }
+    if include_usage:
+        chunk["usage"] = use
+    return chunk

@@ -1,0 +1,327 @@
+"""The request pipeline behind both OpenAI endpoints: prompt -> token ids -> checks -> n upstream calls
+-> one JSON body or one SSE stream.
+
+Order matters for error statuses: everything that can be the client's fault (template, token ids,
+context length) is checked before any worker is called, and the first token of every choice is awaited
+before the HTTP response starts, so routing failures (no worker, all busy) still get a real status code
+instead of an error inside a 200 stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from router.choice import ChoiceDelta, ChoiceState, TokenInfo
+from router.errors import bad_request, context_too_long, rate_limited, upstream_failed
+from router.openai_api import ChatCompletionRequest, CompletionRequest
+from router.responses import (
+    SSE_DONE,
+    chat_choice,
+    chat_chunk,
+    chat_logprobs,
+    chat_response,
+    completion_choice,
+    completion_chunk,
+    completion_logprobs,
+    completion_response,
+    sse,
+    usage,
+)
+from router.settings import RouterOptions
+from router.tokenizer import ModelInfo, RouterTokenizer
+from router.upstream import Dispatcher, UpstreamCall, UpstreamEvent
+
+__all__ = ["Job", "RouterService"]
+
+_CONTEXT_IDS = 4  # prompt ids fed to the detokenizer ahead of the output (SentencePiece leading spaces)
+_LONG_TEXT = 8192  # characters: tokenize off the event loop above this
+
+
+@dataclass
+class Job:
+    """One HTTP request, after validation and tokenization."""
+
+    kind: Literal["chat", "completion"]
+    rid: str
+    created: int
+    model: str
+    request: ChatCompletionRequest | CompletionRequest
+    prompts: list[list[int]]
+    max_tokens: list[int]  # per prompt
+    n: int
+    stops: list[str]
+    logprobs: bool
+    top_logprobs: int
+    include_usage: bool
+
+
+@dataclass
+class RunningChoice:
+    index: int
+    prompt_index: int
+    call: UpstreamCall
+    state: ChoiceState
+    first: UpstreamEvent | None = None
+    text: list[str] = field(default_factory=list)
+    tokens: list[TokenInfo] = field(default_factory=list)
+    offset: int = 0  # completions' text_offset of the next token
+
+
+class RouterService:
+    def __init__(
+        self, tokenizer: RouterTokenizer, model: ModelInfo, dispatcher: Dispatcher, opts: RouterOptions
+    ) -> None:
+        self.tok = tokenizer
+        self.model = model
+        self.dispatcher = dispatcher
+        self.opts = opts
+        self.inflight = 0
+
+    # ---- admission ---------------------------------------------------------------------------------
+    def admit(self) -> None:
+        if self.inflight >= self.opts.max_inflight:
+            raise rate_limited(
+                f"The router is at its limit of {self.opts.max_inflight} concurrent requests; retry shortly.",
+                self.opts.retry_after_s,
+            )
+        self.inflight += 1
+
+    def release(self) -> None:
+        self.inflight -= 1
+
+    # ---- preparing -----------------------------------------------------------------------------------
+    async def prepare_chat(self, req: ChatCompletionRequest) -> Job:
+        messages = req.chat_messages()
+        try:
+            if sum(len(m["content"]) for m in messages) > _LONG_TEXT:
+                ids = await asyncio.to_thread(self.tok.encode_chat, messages)
+            else:
+                ids = self.tok.encode_chat(messages)
+        except ValueError as exc:
+            raise bad_request(str(exc), "messages") from None
+        if not ids:
+            raise bad_request("messages produce an empty prompt", "messages")
+        max_tokens = self._max_tokens(len(ids), req.requested_max_tokens(), "messages", chat=True)
+        return Job(
+            kind="chat",
+            rid=f"chatcmpl-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=self.model.name,
+            request=req,
+            prompts=[ids],
+            max_tokens=[max_tokens],
+            n=req.n,
+            stops=req.stop_list,
+            logprobs=req.logprobs,
+            top_logprobs=req.top_logprobs or 0,
+            include_usage=req.include_usage,
+        )
+
+    async def prepare_completion(self, req: CompletionRequest) -> Job:
+        prompts: list[list[int]] = []
+        for p in req.prompts():
+            if isinstance(p, str):
+                ids = await asyncio.to_thread(self.tok.encode, p) if len(p) > _LONG_TEXT else self.tok.encode(p)
+                if not ids:
+                    raise bad_request("prompt must not be empty", "prompt")
+            else:
+                ids = [int(t) for t in p]
+                if any(t < 0 or t >= self.tok.vocab_size for t in ids):
+                    raise bad_request(f"prompt token ids must be in [0, {self.tok.vocab_size})", "prompt")
+            prompts.append(ids)
+        max_tokens = [self._max_tokens(len(ids), req.max_tokens, "prompt", chat=False) for ids in prompts]
+        return Job(
+            kind="completion",
+            rid=f"cmpl-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=self.model.name,
+            request=req,
+            prompts=prompts,
+            max_tokens=max_tokens,
+            n=req.n,
+            stops=req.stop_list,
+            logprobs=req.logprobs is not None,
+            top_logprobs=req.logprobs or 0,
+            include_usage=req.include_usage,
+        )
+
+    def _max_tokens(self, prompt_len: int, requested: int | None, param: str, chat: bool) -> int:
+        ctx = self.model.max_context
+        if requested is None:
+            # OpenAI's defaults: 16 for legacy completions; chat runs "to the end", which here is a
+            # configurable cap, since workers reserve KV for the whole output up front.
+            room = ctx - prompt_len
+            if room < 1:
+                raise context_too_long(ctx, prompt_len, 1, param)
+            return min(room, self.opts.default_max_tokens) if chat else min(room, 16)
+        if prompt_len + requested > ctx:
+            raise context_too_long(ctx, prompt_len, requested, param)
+        return requested
+
+    # ---- starting ----------------------------------------------------------------------------------
+    async def start(self, job: Job) -> list[RunningChoice]:
+        """Routes every choice and waits for each one's first event; on any failure closes them all and
+        raises the error (retries already happened per choice)."""
+        plans = [await self.dispatcher.plan(ids) for ids in job.prompts]
+        choices: list[RunningChoice] = []
+        context_ok = self.tok.needs_context
+        for p_idx, plan in enumerate(plans):
+            for i in range(job.n):
+                idx = p_idx * job.n + i
+                sampling = job.request.sampling(job.max_tokens[p_idx], i, job.logprobs, job.top_logprobs)
+                call = UpstreamCall(self.dispatcher, f"{job.rid}-{idx}", plan, sampling)
+                ctx = plan.token_ids[-_CONTEXT_IDS:] if context_ok else ()
+                state = ChoiceState(idx, self.tok, job.stops, ctx, job.logprobs)
+                choices.append(RunningChoice(idx, p_idx, call, state))
+        try:
+            if len(choices) == 1:
+                choices[0].first = await choices[0].call.start()
+            else:
+                firsts = await asyncio.gather(*(c.call.start() for c in choices), return_exceptions=True)
+                for c, first in zip(choices, firsts, strict=True):
+                    if isinstance(first, BaseException):
+                        raise first
+                    c.first = first
+        except BaseException:
+            await self.close(choices)
+            raise
+        return choices
+
+    async def close(self, choices: list[RunningChoice]) -> None:
+        for c in choices:
+            await c.call.aclose()
+
+    async def _drive(self, c: RunningChoice) -> AsyncIterator[ChoiceDelta]:
+        """Feeds one choice's events through its state until it finishes; closes the upstream stream
+        as soon as it does (a stop string ends generation on the workers too)."""
+        ev = c.first
+        try:
+            while ev is not None:
+                delta = c.state.feed(ev)
+                yield delta
+                if c.state.finished:
+                    break
+                ev = await c.call.next()
+        finally:
+            await c.call.aclose()
+
+    # ---- non-streaming -------------------------------------------------------------------------------
+    async def collect(self, job: Job, choices: list[RunningChoice]) -> dict[str, Any]:
+        async def run(c: RunningChoice) -> None:
+            async for delta in self._drive(c):
+                c.text.append(delta.text)
+                c.tokens.extend(delta.tokens)
+
+        if len(choices) == 1:
+            await run(choices[0])
+        else:
+            await asyncio.gather(*(run(c) for c in choices))
+        failed = [c for c in choices if c.state.finish_reason == "error"]
+        if failed:
+            raise upstream_failed(f"generation failed: {failed[0].state.error}")
+        out = []
+        for c in choices:
+            text = "".join(c.text)
+            if job.kind == "chat":
+                lp = chat_logprobs(c.tokens, self.tok) if job.logprobs else None
+                out.append(chat_choice(c.index, text, c.state.finish_reason, lp))
+            else:
+                lp = completion_logprobs(c.tokens, self.tok, 0)[0] if job.logprobs else None
+                out.append(completion_choice(c.index, text, c.state.finish_reason, lp))
+        use = self._usage(job, choices)
+        build = chat_response if job.kind == "chat" else completion_response
+        return build(job.rid, job.created, job.model, out, use)
+
+    def _usage(self, job: Job, choices: list[RunningChoice]) -> dict[str, Any]:
+        # Prompt tokens count once per prompt (not per choice), as OpenAI bills n > 1; cached tokens are
+        # those of each prompt's first choice, for the same reason.
+        prompt = sum(len(p) for p in job.prompts)
+        completion = sum(c.state.completion_tokens for c in choices)
+        cached = sum(c.state.cached_tokens for c in choices if c.index % job.n == 0)
+        return usage(prompt, completion, cached)
+
+    # ---- streaming -----------------------------------------------------------------------------------
+    async def stream(self, job: Job, choices: list[RunningChoice]) -> AsyncIterator[bytes]:
+        chat = job.kind == "chat"
+        chunk = chat_chunk if chat else completion_chunk
+        iu = job.include_usage
+        if chat:  # OpenAI opens each choice with the role
+            yield sse(
+                chunk(
+                    job.rid,
+                    job.created,
+                    job.model,
+                    [
+                        {
+                            "index": c.index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                        for c in choices
+                    ],
+                    iu,
+                )
+            )
+        by_index = {c.index: c for c in choices}
+        async for delta in self._merged(choices):
+            if delta.error is not None:
+                yield sse({"error": upstream_failed(f"generation failed: {delta.error}").body()["error"]})
+                yield SSE_DONE
+                return
+            if delta.empty:
+                continue
+            c = by_index[delta.index]
+            if chat:
+                if delta.text or delta.tokens:
+                    lp = chat_logprobs(delta.tokens, self.tok) if job.logprobs else None
+                    body = {"index": c.index, "delta": {"content": delta.text}, "logprobs": lp, "finish_reason": None}
+                    yield sse(chunk(job.rid, job.created, job.model, [body], iu))
+                if delta.finish_reason is not None:
+                    body = {"index": c.index, "delta": {}, "logprobs": None, "finish_reason": delta.finish_reason}
+                    yield sse(chunk(job.rid, job.created, job.model, [body], iu))
+            else:
+                lp = None
+                if job.logprobs:
+                    lp, c.offset = completion_logprobs(delta.tokens, self.tok, c.offset)
+                body = {"index": c.index, "text": delta.text, "logprobs": lp, "finish_reason": delta.finish_reason}
+                yield sse(chunk(job.rid, job.created, job.model, [body], iu))
+        if iu:
+            yield sse(chunk(job.rid, job.created, job.model, [], True, self._usage(job, choices)))
+        yield SSE_DONE
+
+    async def _merged(self, choices: list[RunningChoice]) -> AsyncIterator[ChoiceDelta]:
+        """Deltas of all choices in arrival order (n > 1 runs the choices concurrently)."""
+        if len(choices) == 1:
+            async for delta in self._drive(choices[0]):
+                yield delta
+            return
+        # Unbounded on purpose: a pump must never block on put while being cancelled; what it can buffer
+        # is bounded by max_tokens anyway.
+        queue: asyncio.Queue[ChoiceDelta | None] = asyncio.Queue()
+
+        async def pump(c: RunningChoice) -> None:
+            try:
+                async for delta in self._drive(c):
+                    queue.put_nowait(delta)
+            finally:
+                queue.put_nowait(None)
+
+        tasks = [asyncio.create_task(pump(c)) for c in choices]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)

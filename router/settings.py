@@ -1,0 +1,50 @@
+"""Router-only knobs that common/config.py's RouterConfig does not carry.
+
+Each one can be set by a ``KVFERRY_ROUTER_*`` env var (read in ``RouterOptions.from_env``) or the
+matching ``kvferry router`` flag (router/main.py). Defaults suit a small CPU cluster and a GPU fleet alike.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+__all__ = ["RouterOptions"]
+
+_ENV_PREFIX = "KVFERRY_ROUTER_"
+
+
+@dataclass
+class RouterOptions:
+    # Admission and limits.
+    max_inflight: int = 1024  # requests in the router at once; beyond it: 429 + Retry-After
+    max_body_bytes: int = 8 * 1024 * 1024  # 413 above this
+    retry_after_s: int = 1
+    default_max_tokens: int = 1024  # chat without max_tokens: min(this, what fits the context)
+    # Routing (router/policy.py documents how these enter the scores).
+    disagg_min_prompt_tokens: int = 256  # shorter prompts are prefilled on the decode pod
+    local_prefix_fraction: float = 0.8  # a decode pod holding this much of the prompt prefills it
+    prefill_load_weight: float = 0.5
+    imbalance_abs_tokens: int = 2048
+    imbalance_ratio: float = 1.5
+    decode_kv_weight: float = 4.0
+    recent_route_ttl_s: float = 10.0  # how long the router's own placements count as cached
+    # Worker health.
+    poll_interval_s: float = 1.0
+    poll_timeout_s: float = 1.0
+    down_after_failures: int = 2
+    # Upstream deadlines.
+    connect_timeout_s: float = 3.0
+    first_token_timeout_s: float = 300.0
+    inter_token_timeout_s: float = 120.0
+    redis_timeout_s: float = 0.2
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> RouterOptions:
+        env = os.environ if environ is None else environ
+        opts = cls()
+        for f in fields(cls):
+            raw = env.get(_ENV_PREFIX + f.name.upper())
+            if raw:
+                setattr(opts, f.name, type(getattr(opts, f.name))(raw))
+        return opts

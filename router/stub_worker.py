@@ -1,0 +1,211 @@
+"""A stand-in for a worker that speaks the router<->worker HTTP contract without a model.
+
+For router tests and the router benchmark: it answers ``/ready``, ``/health``, ``/load`` and streams
+``/internal/generate`` as NDJSON TokenEvents from a token script, instantly or with set delays, and can
+be told to fail (status codes, error events, hanging) so retries and failover can be exercised. It is
+not a mock of router code: the router talks to it over real HTTP exactly as to a real worker.
+
+``ServerThread`` runs any ASGI app under uvicorn on a background thread (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+__all__ = ["ServerThread", "StubBehaviour", "StubWorker", "free_port"]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class StubBehaviour:
+    script: list[int] = field(default_factory=lambda: [100, 101, 102, 103])  # tokens emitted, cycled
+    eos_id: int | None = None  # emitted after the script once (finish "stop") when set
+    tokens_per_event: int = 1
+    first_token_delay_s: float = 0.0
+    token_delay_s: float = 0.0
+    fail_status: int | None = None  # answer generate requests with this status...
+    fail_count: int = 0  # ...for this many requests (then behave)
+    error_event_count: int = 0  # requests answered with an "error" finish before any token
+    hang: bool = False  # accept and never send anything (like a SIGSTOPped pod)
+    ready: bool = True
+    draining: bool = False
+    cached_tokens: int = 0
+    queued_prefill_tokens: int = 0
+    running_requests: int = 0
+    free_pages: int = 1000
+    total_pages: int = 1000
+    page_size: int = 16
+
+
+class StubWorker:
+    def __init__(self, role: str, pod: str, behaviour: StubBehaviour | None = None) -> None:
+        self.role = role
+        self.pod = pod
+        self.b = behaviour or StubBehaviour()
+        self.received: list[dict[str, Any]] = []
+        self.active = 0
+        self.aborted = 0
+        self.completed = 0
+        self.app = self._build()
+
+    def _build(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health() -> dict[str, str]:
+            return {"status": "ok"}
+
+        @app.get("/ready")
+        async def ready() -> Response:
+            ok = self.b.ready and not self.b.draining
+            return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+
+        @app.get("/load")
+        async def load() -> dict[str, Any]:
+            b = self.b
+            return {
+                "role": self.role,
+                "pod": self.pod,
+                "queued_prefill_tokens": b.queued_prefill_tokens,
+                "running_requests": b.running_requests + self.active,
+                "waiting_requests": 0,
+                "free_pages": b.free_pages,
+                "total_pages": b.total_pages,
+                "page_size": b.page_size,
+                "ready": b.ready,
+                "draining": b.draining,
+            }
+
+        @app.post("/internal/generate")
+        async def generate(request: Request) -> Response:
+            body = json.loads(await request.body())
+            self.received.append(body)
+            b = self.b
+            if b.fail_status is not None and b.fail_count > 0:
+                b.fail_count -= 1
+                return JSONResponse(
+                    {"error": {"message": f"stub failure {b.fail_status}", "type": "stub", "code": "stub"}},
+                    status_code=b.fail_status,
+                )
+            if not b.ready or b.draining:
+                return JSONResponse({"error": {"message": "not ready", "type": "unavailable"}}, status_code=503)
+            return StreamingResponse(self._events(body), media_type="application/x-ndjson")
+
+        return app
+
+    async def _events(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        b = self.b
+        sp = body["sampling"]
+        prompt = body["token_ids"]
+        max_tokens = int(sp.get("max_tokens", 16))
+        stop_ids = set(sp.get("stop_token_ids") or [])
+        want_lp = bool(sp.get("logprobs")) or int(sp.get("top_logprobs", 0)) > 0
+        n_top = int(sp.get("top_logprobs", 0))
+        greedy = float(sp.get("temperature", 1.0)) == 0.0 or int(sp.get("top_k", -1)) == 1
+        rng = random.Random(sp.get("seed") if sp.get("seed") is not None else time.monotonic_ns())
+        self.active += 1
+        finished = False
+        try:
+            if b.hang:
+                await asyncio.sleep(3600)
+            if b.first_token_delay_s:
+                await asyncio.sleep(b.first_token_delay_s)
+            if b.error_event_count > 0:
+                b.error_event_count -= 1
+                finished = True
+                yield (
+                    json.dumps({"token_ids": [], "finish_reason": "error", "error": "stub prefill failed"}) + "\n"
+                ).encode()
+                return
+            produced = 0
+            first = True
+            while True:
+                batch: list[int] = []
+                lps: list[dict[str, Any]] = []
+                reason = None
+                while len(batch) < b.tokens_per_event:
+                    if greedy:
+                        tok = b.script[produced % len(b.script)]
+                        if b.eos_id is not None and produced == len(b.script):
+                            tok = b.eos_id
+                    else:
+                        tok = b.script[rng.randrange(len(b.script))]
+                    produced += 1
+                    batch.append(tok)
+                    lps.append({"logprob": -0.25, "top": [[tok + k, -0.25 - k] for k in range(n_top)]})
+                    if tok in stop_ids or tok == b.eos_id:
+                        reason = "stop"
+                    elif produced >= max_tokens:
+                        reason = "length"
+                    if reason:
+                        break
+                ev: dict[str, Any] = {"token_ids": batch}
+                if want_lp:
+                    ev["logprobs"] = lps
+                if first:
+                    ev["prompt_tokens"] = len(prompt)
+                    ev["cached_tokens"] = min(b.cached_tokens, len(prompt))
+                    first = False
+                if reason:
+                    ev["finish_reason"] = reason
+                yield (json.dumps(ev) + "\n").encode()
+                if reason:
+                    finished = True
+                    return
+                if b.token_delay_s:
+                    await asyncio.sleep(b.token_delay_s)
+                else:
+                    await asyncio.sleep(0)
+        finally:
+            self.active -= 1
+            if finished:
+                self.completed += 1
+            else:
+                self.aborted += 1
+
+
+class ServerThread:
+    """uvicorn serving ``app`` on 127.0.0.1:``port`` in a daemon thread; ``stop()`` shuts it down."""
+
+    def __init__(self, app: Any, port: int | None = None, lifespan: str = "on") -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan=lifespan)
+        self.server = uvicorn.Server(cfg)
+        self.thread = threading.Thread(target=self.server.run, daemon=True, name=f"uvicorn-{self.port}")
+
+    def start(self, timeout_s: float = 30.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"server on port {self.port} did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,355 @@
+"""One choice's generation on the workers: placement, the decode worker's NDJSON stream, one retry.
+
+``UpstreamCall.start()`` routes the request, opens ``POST /internal/generate`` on the chosen decode pod
+(passing the chosen prefill pod's URL, or None to prefill locally) and waits for the first event. Any
+failure before that first token (refused connection, 429/5xx, a stream that ends or reports an error
+before producing a token, a pod declared down by the health poller, a deadline) is retried once on
+other pods; a 400 is the client's fault and is raised as is. After the first token, failures end the
+choice with ``finish_reason="error"`` (the tokens already sent cannot be taken back).
+
+Every wait has a deadline (first token, then between tokens), and the pool can cut a wait short: it
+calls ``kill`` when a worker this call depends on is declared down, which fires the current deadline
+at once. Closing the call closes the HTTP stream, which the decode worker takes as an abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import httpx
+
+from common.prefix.hashing import chained_block_hashes
+from common.protocol import GenerateRequest, SamplingParams
+from router.errors import OpenAIError, bad_request, no_worker, rate_limited, upstream_failed
+from router.locality import PrefixLocator
+from router.policy import RouteDecision, RoutingPolicy
+from router.pool import Worker, WorkerPool
+
+log = logging.getLogger("kvferry.router")
+
+__all__ = ["Dispatcher", "PromptPlan", "UpstreamCall", "UpstreamEvent"]
+
+
+@dataclass
+class UpstreamEvent:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] | None = None  # TokenLogprob dicts: {"logprob", "top": [[id, lp], ...]}
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    @classmethod
+    def parse(cls, line: str) -> UpstreamEvent:
+        d = json.loads(line)
+        return cls(
+            token_ids=d.get("token_ids") or [],
+            logprobs=d.get("logprobs"),
+            finish_reason=d.get("finish_reason"),
+            error=d.get("error"),
+            prompt_tokens=d.get("prompt_tokens") or 0,
+            cached_tokens=d.get("cached_tokens") or 0,
+        )
+
+
+@dataclass
+class PromptPlan:
+    """Per-prompt routing inputs, computed once and shared by the prompt's n choices."""
+
+    token_ids: list[int]
+    block_hashes: list[int]
+    matches: dict[str, int] | None
+    block_size: int
+
+
+class _Retry(Exception):
+    """A failure before the first token: try other pods."""
+
+    def __init__(self, error: OpenAIError, blame_decode: bool, blame_prefill: bool) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.blame_decode = blame_decode
+        self.blame_prefill = blame_prefill
+
+
+class Dispatcher:
+    """Everything an UpstreamCall needs, shared by all calls: pool, policy, prefix locator, HTTP client."""
+
+    def __init__(
+        self,
+        pool: WorkerPool,
+        policy: RoutingPolicy,
+        locator: PrefixLocator,
+        client: httpx.AsyncClient,
+        connect_timeout_s: float = 3.0,
+        first_token_timeout_s: float = 300.0,
+        inter_token_timeout_s: float = 120.0,
+        retry_after_s: int = 1,
+    ) -> None:
+        self.pool = pool
+        self.policy = policy
+        self.locator = locator
+        self.client = client
+        self.connect_timeout_s = connect_timeout_s
+        self.first_token_timeout_s = first_token_timeout_s
+        self.inter_token_timeout_s = inter_token_timeout_s
+        self.retry_after_s = retry_after_s
+        self.decisions: dict[str, int] = {}  # reason -> count, for /router/stats and benchmarks
+
+    async def plan(self, token_ids: list[int]) -> PromptPlan:
+        """Hashes the prompt's blocks (same chain as the workers) and asks where they are cached."""
+        block_size = self.pool.block_size()
+        hashes = chained_block_hashes(token_ids, block_size)
+        pods = [w.pod for w in self.pool.workers.values() if w.up and w.pod]
+        matches = await self.locator.lookup(hashes, pods)
+        return PromptPlan(token_ids, hashes, matches, block_size)
+
+    def route(
+        self, plan: PromptPlan, max_tokens: int, exclude_decode: set[str], exclude_prefill: set[str]
+    ) -> RouteDecision:
+        decode = self.pool.ready("decode", exclude_decode)
+        if not decode:
+            raise no_worker("decode")
+        prefill = self.pool.ready("prefill", exclude_prefill)
+        decision = self.policy.choose(
+            len(plan.token_ids),
+            max_tokens,
+            plan.block_size,
+            [w.prefill_candidate() for w in prefill],
+            [w.decode_candidate() for w in decode],
+            plan.matches,
+        )
+        self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
+        return decision
+
+
+class UpstreamCall:
+    def __init__(self, dispatcher: Dispatcher, req_id: str, plan: PromptPlan, sampling: SamplingParams) -> None:
+        self.d = dispatcher
+        self.req_id = req_id
+        self.plan = plan
+        self.sampling = sampling
+        self.decision: RouteDecision | None = None
+        self.attempts = 0
+        self._decode: Worker | None = None
+        self._prefill: Worker | None = None
+        self._prefill_tokens = 0
+        self._resp: httpx.Response | None = None
+        self._lines: AsyncIterator[str] | None = None
+        self._deadline: asyncio.Timeout | None = None
+        self._killed: str | None = None
+        self._closed = False
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+    async def start(self) -> UpstreamEvent:
+        """Routes and returns the first event (with the first tokens, or a finish). Raises OpenAIError."""
+        exclude_d: set[str] = set()
+        exclude_p: set[str] = set()
+        last: OpenAIError | None = None
+        for attempt in range(2):
+            try:
+                decision = self.d.route(self.plan, self.sampling.max_tokens, exclude_d, exclude_p)
+            except OpenAIError:
+                if last is not None:
+                    raise last from None
+                raise
+            self.decision = decision
+            self.attempts = attempt + 1
+            try:
+                return await self._attempt(decision, attempt)
+            except _Retry as r:
+                await self._release()
+                last = r.error
+                if r.blame_decode:
+                    exclude_d.add(decision.decode)
+                if r.blame_prefill and decision.prefill is not None:
+                    exclude_p.add(decision.prefill)
+                log.warning(
+                    "upstream attempt failed before the first token",
+                    extra={
+                        "req_id": self.req_id,
+                        "attempt": attempt,
+                        "decode": decision.decode,
+                        "prefill": decision.prefill,
+                        "error": r.error.message,
+                    },
+                )
+            except BaseException:
+                await self._release()
+                raise
+        assert last is not None
+        raise last
+
+    async def _attempt(self, decision: RouteDecision, attempt: int) -> UpstreamEvent:
+        pool = self.d.pool
+        dw = pool.workers.get(decision.decode)
+        pw = pool.workers.get(decision.prefill) if decision.prefill else None
+        if dw is None:
+            raise _Retry(no_worker("decode"), True, False)
+        self._killed = None
+        self._decode, self._prefill = dw, pw
+        dw.inflight_requests += 1
+        dw.watchers.add(self)
+        if pw is not None:
+            self._prefill_tokens = len(self.plan.token_ids) - decision.prefill_matched_tokens
+            pw.inflight_requests += 1
+            pw.inflight_tokens += self._prefill_tokens
+            pw.watchers.add(self)
+        # Remember the placement before the worker publishes it (router/locality.py says why).
+        self.d.locator.placed((pw or dw).pod, self.plan.block_hashes)
+        body = GenerateRequest(
+            req_id=self.req_id if attempt == 0 else f"{self.req_id}-retry{attempt}",
+            token_ids=self.plan.token_ids,
+            sampling=self.sampling,
+            prefill_url=pw.url if pw is not None else None,
+        ).model_dump_json()
+        blame_p = pw is not None
+        try:
+            async with asyncio.timeout(self.d.first_token_timeout_s) as deadline:
+                self._deadline = deadline
+                if self._killed:
+                    deadline.reschedule(asyncio.get_running_loop().time())
+                request = self.d.client.build_request(
+                    "POST",
+                    f"{dw.url}/internal/generate",
+                    content=body,
+                    headers={"content-type": "application/json"},
+                )
+                self._resp = resp = await self.d.client.send(request, stream=True)
+                if resp.status_code != 200:
+                    await self._status_error(resp, dw)
+                self._lines = resp.aiter_lines()
+                first = await self._read_event()
+        except TimeoutError:
+            if self._killed:  # the pool declared a worker down: avoid that one
+                blame_d, blame_pf = not dw.up, pw is not None and not pw.up
+                raise _Retry(upstream_failed(self._killed), blame_d, blame_pf) from None
+            reason = f"no first token within {self.d.first_token_timeout_s:g}s"
+            raise _Retry(upstream_failed(reason), True, blame_p) from None
+        except httpx.ConnectError as exc:
+            pool.report_failure(dw, f"connect: {exc}", hard=True)
+            raise _Retry(upstream_failed(f"decode worker unreachable: {exc}"), True, False) from None
+        except (httpx.TransportError, ValueError) as exc:  # reset mid-response, bad JSON line
+            raise _Retry(upstream_failed(f"decode worker failed: {type(exc).__name__}: {exc}"), True, blame_p) from None
+        finally:
+            self._deadline = None
+        if first is None:
+            raise _Retry(upstream_failed("decode worker closed the stream before the first token"), True, blame_p)
+        if first.finish_reason == "error" and not first.token_ids:
+            # Worker-reported failure before any token: with a prefill pod in play the transfer or the
+            # prefill is the likely culprit, so the retry avoids that pod and may reuse the decode pod.
+            msg = first.error or "worker error"
+            raise _Retry(upstream_failed(f"generation failed before the first token: {msg}"), not blame_p, blame_p)
+        self._prefill_started()
+        return first
+
+    async def _status_error(self, resp: httpx.Response, dw: Worker) -> None:
+        raw = await resp.aread()
+        await resp.aclose()
+        message = f"decode worker answered {resp.status_code}"
+        code = None
+        try:
+            body = json.loads(raw)
+            err = body.get("error") if isinstance(body, dict) else None
+            if isinstance(err, dict):
+                message = str(err.get("message") or message)
+                code = err.get("code")
+            elif isinstance(body, dict) and isinstance(body.get("detail"), str):
+                message = body["detail"]
+        except (ValueError, TypeError):
+            pass
+        status = resp.status_code
+        if status in (400, 413, 422):
+            raise bad_request(message, None, code if isinstance(code, str) else None)
+        if status == 429:
+            retry_after = _seconds(resp.headers.get("retry-after"), self.d.retry_after_s)
+            raise _Retry(rate_limited(f"all decode workers are busy: {message}", retry_after), True, False)
+        if status == 503:
+            dw.up = False  # not ready or draining; the poller will say when it is back
+            raise _Retry(no_worker("decode"), True, False)
+        raise _Retry(upstream_failed(message), True, status >= 500 and self._prefill is not None)
+
+    async def next(self) -> UpstreamEvent | None:
+        """The next event, None at the end of the stream. Failures come back as an "error" finish."""
+        if self._lines is None or self._closed:
+            return None
+        try:
+            async with asyncio.timeout(self.d.inter_token_timeout_s) as deadline:
+                self._deadline = deadline
+                if self._killed:
+                    deadline.reschedule(asyncio.get_running_loop().time())
+                ev = await self._read_event()
+        except TimeoutError:
+            reason = self._killed or f"no token for {self.d.inter_token_timeout_s:g}s"
+            return UpstreamEvent(finish_reason="error", error=reason)
+        except (httpx.TransportError, ValueError) as exc:
+            return UpstreamEvent(finish_reason="error", error=f"decode worker failed: {type(exc).__name__}: {exc}")
+        finally:
+            self._deadline = None
+        if ev is None:
+            return UpstreamEvent(finish_reason="error", error="decode worker closed the stream without finishing")
+        return ev
+
+    async def _read_event(self) -> UpstreamEvent | None:
+        assert self._lines is not None
+        async for line in self._lines:
+            if line.strip():
+                return UpstreamEvent.parse(line)
+        return None
+
+    def kill(self, reason: str) -> None:
+        """Called by the pool when a worker this call waits on is declared down."""
+        if self._killed is None:
+            self._killed = reason
+        if self._deadline is not None:
+            self._deadline.reschedule(asyncio.get_running_loop().time())
+
+    def _prefill_started(self) -> None:
+        """First token seen: the prefill pod's part is over (its load and failures stop mattering)."""
+        pw = self._prefill
+        if pw is not None:
+            pw.inflight_requests -= 1
+            pw.inflight_tokens -= self._prefill_tokens
+            pw.watchers.discard(self)
+            self._prefill = None
+            self._prefill_tokens = 0
+
+    async def _release(self) -> None:
+        self._prefill_started()
+        dw, self._decode = self._decode, None
+        if dw is not None:
+            dw.inflight_requests -= 1
+            dw.watchers.discard(self)
+        lines, self._lines = self._lines, None
+        resp, self._resp = self._resp, None
+        # Closing the stream is the abort signal for the workers.
+        if lines is not None:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await lines.aclose()  # type: ignore[attr-defined]
+                except Exception:
+                    pass
+        if resp is not None:
+            # Shielded: this runs while the client's disconnect cancels us, and an interrupted close
+            # would leave the worker generating for nobody.
+            with anyio.CancelScope(shield=True):
+                await resp.aclose()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self._release()
+
+
+def _seconds(value: str | None, default: int) -> int:
+    try:
+        return max(1, int(float(value))) if value else default
+    except ValueError:
+        return default

@@ -1,0 +1,415 @@
+"""Router pieces without workers: detokenizer, stop strings, request validation, routing policy."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common.config import RouterConfig
+from router.detokenizer import IncrementalDetokenizer, StopMatcher
+from router.discovery import StaticDiscovery
+from router.locality import RecentPlacements
+from router.policy import DecodeCandidate, PolicyConfig, PrefillCandidate, RoutingPolicy
+from router.settings import RouterOptions
+from router.tokenizer import ModelInfo, RouterTokenizer
+
+MULTILINGUAL = [
+    "Hello, world!",
+    "naïve café — déjà vu",
+    "日本語のテキストと中文字符",
+    "emoji: 🎉🚀👩‍👩‍👧‍👦 and flags 🇫🇷🇯🇵",
+    "mixed 한국어 text with ZWJ 👨‍💻 and combining e\u0301",
+    "  leading spaces and\ttabs\nnewlines  ",
+    "\U0001f600" * 5 + "x",
+]
+
+
+# ---- fake tokenizers (plain functions: what matters is what decode does to byte sequences) ----------
+def byte_decode(ids: list[int]) -> str:
+    """A byte-fallback tokenizer: every token is one raw byte."""
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def sp_decode(ids: list[int]) -> str:
+    """SentencePiece-like: tokens are words carrying a leading space; a sequence's first space is dropped."""
+    words = {1: " Hello", 2: " world", 3: "!", 4: " again"}
+    return "".join(words[i] for i in ids).removeprefix(" ")
+
+
+def stream(detok: IncrementalDetokenizer, ids: list[int]) -> str:
+    out = [detok.push([i]) for i in ids]
+    out.append(detok.flush())
+    return "".join(out)
+
+
+@pytest.mark.parametrize("text", MULTILINGUAL)
+def test_detokenizer_byte_tokens_match_full_decode(text: str) -> None:
+    ids = list(text.encode())
+    detok = IncrementalDetokenizer(byte_decode)
+    pieces = [detok.push([i]) for i in ids]
+    assert "".join(pieces) + detok.flush() == text
+    # Never emits a replacement character for a character that was merely incomplete.
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_detokenizer_holds_back_incomplete_character_then_releases() -> None:
+    detok = IncrementalDetokenizer(byte_decode)
+    raw = "é🎉".encode()
+    assert detok.push([raw[0]]) == ""  # first byte of é
+    assert detok.push([raw[1]]) == "é"
+    assert [detok.push([b]) for b in raw[2:]] == ["", "", "", "🎉"]
+
+
+def test_detokenizer_flushes_invalid_bytes_at_the_end() -> None:
+    detok = IncrementalDetokenizer(byte_decode)
+    assert detok.push(list(b"ok")) == "ok"
+    assert detok.push([0xE4]) == ""  # a lone lead byte: could still complete
+    assert detok.flush() == "\ufffd"  # generation ended: emit it as the full decode would
+
+
+def test_detokenizer_context_keeps_leading_space() -> None:
+    # Without context the first word loses its space, as the tokenizer would at sequence start;
+    # with the prompt's last ids as context, the output keeps it.
+    assert stream(IncrementalDetokenizer(sp_decode), [1, 2, 3]) == "Hello world!"
+    assert stream(IncrementalDetokenizer(sp_decode, context_ids=[1]), [2, 3, 4]) == " world! again"
+
+
+@given(st.text(min_size=0, max_size=60), st.lists(st.integers(1, 6), max_size=30))
+@settings(max_examples=200, deadline=None)
+def test_detokenizer_any_chunking_equals_full_decode(text: str, cuts: list[int]) -> None:
+    ids = list(text.encode())
+    detok = IncrementalDetokenizer(byte_decode)
+    out, i = [], 0
+    for c in cuts + [len(ids)]:
+        out.append(detok.push(ids[i : i + c]))
+        i += c
+    out.append(detok.flush())
+    assert "".join(out) == byte_decode(ids)
+
+
+@pytest.fixture(scope="module")
+def router_tok(smol_tokenizer) -> RouterTokenizer:
+    return RouterTokenizer(smol_tokenizer)
+
+
+@pytest.mark.parametrize("text", MULTILINGUAL)
+def test_detokenizer_real_tokenizer_one_token_at_a_time(router_tok: RouterTokenizer, text: str) -> None:
+    ids = router_tok.encode(text)
+    detok = IncrementalDetokenizer(router_tok.decode)
+    assert stream(detok, ids) == router_tok.decode(ids) == text
+
+
+@given(st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40))
+@settings(max_examples=60, deadline=None)
+def test_detokenizer_real_tokenizer_property(router_tok: RouterTokenizer, text: str) -> None:
+    ids = router_tok.encode(text)
+    assert stream(IncrementalDetokenizer(router_tok.decode), ids) == router_tok.decode(ids)
+
+
+def test_token_bytes_and_strings(router_tok: RouterTokenizer) -> None:
+    ids = router_tok.encode("你好 🎉")
+    assert b"".join(router_tok.token_bytes(i) for i in ids) == "你好 🎉".encode()
+    # A token holding part of a character prints as escaped bytes, as OpenAI shows it.
+    partial = [i for i in ids if not _decodes(router_tok.token_bytes(i))]
+    assert partial and all(router_tok.token_str(i).startswith("bytes:\\x") for i in partial)
+
+
+def _decodes(raw: bytes) -> bool:
+    try:
+        raw.decode()
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+# ---- stop strings ------------------------------------------------------------------------------
+def run_stop(stops: list[str], pieces: list[str]) -> tuple[str, bool]:
+    m = StopMatcher(stops)
+    out = []
+    for p in pieces:
+        out.append(m.push(p))
+        if m.stopped:
+            break
+    if not m.stopped:
+        out.append(m.flush())
+    return "".join(out), m.stopped
+
+
+def test_stop_across_token_boundaries() -> None:
+    assert run_stop(["END"], ["Hello E", "N", "D and more"]) == ("Hello ", True)
+    assert run_stop(["\n\n"], ["a\n", "\nb"]) == ("a", True)
+
+
+def test_stop_partial_match_is_held_then_released() -> None:
+    m = StopMatcher(["STOP"])
+    assert m.push("abc ST") == "abc "  # "ST" might begin STOP
+    assert m.push("AR") == "STAR"  # it did not
+    assert m.push("S") == ""
+    assert m.flush() == "S"
+
+
+def test_stop_earliest_of_several_wins() -> None:
+    assert run_stop(["world", "lo"], ["Hello world"]) == ("Hel", True)
+    assert run_stop(["xyz", "b"], ["a", "b", "c"]) == ("a", True)
+
+
+def test_stop_multibyte_and_at_start() -> None:
+    assert run_stop(["🎉"], ["ok ", "🎉", " after"]) == ("ok ", True)
+    assert run_stop(["Hi"], ["Hi there"]) == ("", True)
+
+
+@given(st.text(max_size=40), st.text(min_size=1, max_size=4), st.lists(st.integers(1, 5), max_size=20))
+@settings(max_examples=300, deadline=None)
+def test_stop_property(text: str, stop: str, cuts: list[int]) -> None:
+    pieces, i = [], 0
+    for c in cuts + [len(text)]:
+        pieces.append(text[i : i + c])
+        i += c
+    out, stopped = run_stop([stop], pieces)
+    k = text.find(stop)
+    assert (out, stopped) == ((text[:k], True) if k != -1 else (text, False))
+
+
+# ---- request validation (the app with no workers: everything here must fail before routing) -------
+@pytest.fixture(scope="module")
+def client(router_tok: RouterTokenizer, smol_path):
+    from fastapi.testclient import TestClient
+
+    from router.app import create_app
+
+    info = ModelInfo.from_dir("smollm2-135m-instruct", smol_path)
+    app = create_app(
+        RouterConfig(api_key=None),
+        RouterOptions(max_body_bytes=64 * 1024),
+        tokenizer=router_tok,
+        model_info=info,
+        discovery=StaticDiscovery([], []),
+        use_redis=False,
+    )
+    with TestClient(app) as c:
+        yield c
+
+
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def assert_openai_error(r, status: int, param: str | None = None, code: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == ("invalid_request_error" if status < 500 and status != 429 else err["type"])
+    if param is not None:
+        assert err["param"] == param
+    if code is not None:
+        assert err["code"] == code
+    return err
+
+
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        (CHAT, {"messages": MSG, "temperature": 2.5}, "temperature"),
+        (CHAT, {"messages": MSG, "temperature": "hot"}, "temperature"),
+        (CHAT, {"messages": MSG, "top_p": 1.5}, "top_p"),
+        (CHAT, {"messages": MSG, "n": 0}, "n"),
+        (CHAT, {"messages": MSG, "n": 17}, "n"),
+        (CHAT, {"messages": MSG, "max_tokens": 0}, "max_tokens"),
+        (CHAT, {"messages": MSG, "max_completion_tokens": -3}, "max_completion_tokens"),
+        (CHAT, {"messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        (CHAT, {"messages": MSG, "stop": [""]}, "stop"),
+        (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        (CHAT, {"messages": MSG, "top_logprobs": 2}, None),
+        (CHAT, {"messages": MSG, "presence_penalty": 3}, "presence_penalty"),
+        (CHAT, {"messages": MSG, "frequency_penalty": -2.5}, "frequency_penalty"),
+        (CHAT, {"messages": MSG, "min_p": 2}, "min_p"),
+        (CHAT, {"messages": MSG, "seed": 2**64}, "seed"),
+        (CHAT, {"messages": MSG, "stream_options": {"include_usage": True}}, None),
+        (CHAT, {"messages": []}, "messages"),
+        (CHAT, {}, "messages"),
+        (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, None),
+        (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, None),
+        (COMP, {"prompt": "x", "logprobs": 21}, "logprobs"),
+        (COMP, {"prompt": "x", "echo": True}, None),
+        (COMP, {"prompt": "x", "best_of": 3}, None),
+        (COMP, {"prompt": []}, "prompt"),
+        (COMP, {"prompt": [[1, 2], []]}, None),
+        (COMP, {}, "prompt"),
+        (COMP, {"prompt": [49152]}, "prompt"),
+        (COMP, {"prompt": [-1]}, "prompt"),
+        (COMP, {"prompt": ""}, "prompt"),
+        (COMP, {"prompt": "x", "max_tokens": "lots"}, "max_tokens"),
+    ],
+)
+def test_bad_parameters_are_400(client, path: str, body: dict, param: str | None) -> None:
+    err = assert_openai_error(client.post(path, json=body), 400)
+    if param is not None:
+        assert err["param"] == param
+
+
+def test_bad_json_is_400_not_422(client) -> None:
+    r = client.post(CHAT, content=b"{not json", headers={"content-type": "application/json"})
+    assert_openai_error(r, 400)
+    r = client.post(CHAT, content=b"[1, 2]", headers={"content-type": "application/json"})
+    assert_openai_error(r, 400)
+
+
+def test_unknown_fields_are_ignored(client) -> None:
+    # Valid apart from unknown fields: passes validation and reaches routing (503: no workers here).
+    body = {"messages": MSG, "max_tokens": 4, "logit_bias": {"1": 2}, "user": "u", "tools": [], "frobnicate": 1}
+    err = assert_openai_error(client.post(CHAT, json=body), 503)
+    assert err["code"] == "service_unavailable"
+
+
+def test_unknown_model_is_404(client) -> None:
+    assert_openai_error(client.post(CHAT, json={"model": "gpt-7", "messages": MSG}), 404, "model", "model_not_found")
+    assert_openai_error(client.get("/v1/models/gpt-7"), 404, "model", "model_not_found")
+    assert client.get("/v1/models/smollm2-135m-instruct").json()["id"] == "smollm2-135m-instruct"
+
+
+def test_context_length_is_checked_before_routing(client) -> None:
+    # No worker is up, yet the answer is 400: the check needs none.
+    r = client.post(COMP, json={"prompt": "hello", "max_tokens": 8192})
+    assert_openai_error(r, 400, "prompt", "context_length_exceeded")
+    long_chat = [{"role": "user", "content": "word " * 9000}]
+    assert_openai_error(client.post(CHAT, json={"messages": long_chat}), 400, "messages", "context_length_exceeded")
+
+
+def test_body_too_large_is_413(client) -> None:
+    r = client.post(COMP, json={"prompt": "x" * 70_000})
+    assert_openai_error(r, 413, code="request_too_large")
+
+
+def test_no_worker_is_503_and_not_ready(client) -> None:
+    assert_openai_error(client.post(COMP, json={"prompt": "hi", "max_tokens": 2}), 503)
+    r = client.get("/ready")
+    assert r.status_code == 503 and r.json()["workers"] == {"prefill": 0, "decode": 0}
+    assert client.get("/health").status_code == 200
+
+
+def test_models_and_unknown_route(client) -> None:
+    data = client.get("/v1/models").json()
+    assert data["object"] == "list" and data["data"][0]["id"] == "smollm2-135m-instruct"
+    assert_openai_error(client.get("/v1/nope"), 404)
+    assert_openai_error(client.get(CHAT), 405)
+
+
+def test_auth_and_router_queue_limit(router_tok: RouterTokenizer, smol_path) -> None:
+    from fastapi.testclient import TestClient
+
+    from router.app import create_app
+
+    info = ModelInfo.from_dir("smollm2-135m-instruct", smol_path)
+    app = create_app(
+        RouterConfig(api_key="sekret"),
+        RouterOptions(max_inflight=0, retry_after_s=3),
+        tokenizer=router_tok,
+        model_info=info,
+        discovery=StaticDiscovery([], []),
+        use_redis=False,
+    )
+    with TestClient(app) as c:
+        assert_openai_error(c.get("/v1/models"), 401, code="invalid_api_key")
+        r = c.post(CHAT, json={"messages": MSG}, headers={"Authorization": "Bearer wrong"})
+        assert_openai_error(r, 401)
+        assert c.get("/health").status_code == 200  # probes need no key
+        ok = {"Authorization": "Bearer sekret"}
+        assert c.get("/v1/models", headers=ok).status_code == 200
+        r = c.post(CHAT, json={"messages": MSG}, headers=ok)
+        err = assert_openai_error(r, 429)
+        assert err["type"] == "rate_limit_error" and r.headers["retry-after"] == "3"
+
+
+# ---- routing policy --------------------------------------------------------------------------------
+BS = 16
+
+
+def pf(key: str, queued: int = 0, inflight: int = 0) -> PrefillCandidate:
+    return PrefillCandidate(key=key, pod=key, queued_tokens=queued, inflight_tokens=inflight)
+
+
+def dc(key: str, running: int = 0, free: int = 1000, total: int = 1000) -> DecodeCandidate:
+    return DecodeCandidate(key=key, pod=key, running=running, free_pages=free, total_pages=total, page_size=BS)
+
+
+def test_prefix_wins_when_loads_are_close() -> None:
+    policy = RoutingPolicy()
+    prefill = [pf("p0", queued=300), pf("p1", queued=0)]
+    # p0 holds 60 of the prompt's 64 blocks: 960 cached tokens outweigh its 300 queued ones.
+    d = policy.choose(1024, 64, BS, prefill, [dc("d0")], {"p0": 60, "p1": 0, "d0": 0})
+    assert d.prefill == "p0" and d.prefill_matched_tokens == 960 and d.reason == "disaggregated"
+
+
+def test_imbalance_guard_stops_collapse_onto_the_warm_pod() -> None:
+    policy = RoutingPolicy(PolicyConfig(imbalance_abs_tokens=2048, imbalance_ratio=1.5))
+    matches = {"p0": 64, "p1": 0, "d0": 0}
+    # The warm pod's queue is far beyond the cold one's: load wins although p0 holds the whole prefix.
+    d = policy.choose(1024, 64, BS, [pf("p0", queued=9000), pf("p1", queued=100)], [dc("d0")], matches)
+    assert d.prefill == "p1"
+    # Same match, moderate imbalance (within the guard): the cache still wins.
+    d = policy.choose(1024, 64, BS, [pf("p0", queued=1500), pf("p1", queued=100)], [dc("d0")], matches)
+    assert d.prefill == "p0"
+
+
+def test_router_inflight_counts_as_load() -> None:
+    policy = RoutingPolicy()
+    # /load says idle, but this router just sent p0 a lot of work: it counts.
+    d = policy.choose(1024, 64, BS, [pf("p0", inflight=5000), pf("p1")], [dc("d0")], {"p0": 0, "p1": 0})
+    assert d.prefill == "p1"
+
+
+def test_short_prompt_and_decode_prefix_prefill_locally() -> None:
+    policy = RoutingPolicy(PolicyConfig(disagg_min_prompt_tokens=256))
+    prefill = [pf("p0")]
+    d = policy.choose(100, 64, BS, prefill, [dc("d0")], {"p0": 0, "d0": 0})
+    assert d.prefill is None and d.reason == "short-prompt"
+    # Long prompt, but the decode pod already holds 90% of it: prefill there.
+    d = policy.choose(2048, 64, BS, prefill, [dc("d0")], {"p0": 0, "d0": 116})
+    assert d.prefill is None and d.reason == "decode-holds-prefix"
+    d = policy.choose(2048, 64, BS, prefill, [dc("d0")], {"p0": 0, "d0": 10})
+    assert d.prefill == "p0"
+    d = policy.choose(2048, 64, BS, [], [dc("d0")], None)
+    assert d.prefill is None and d.reason == "no-prefill"
+
+
+def test_threshold_is_configurable() -> None:
+    policy = RoutingPolicy(PolicyConfig(disagg_min_prompt_tokens=16))
+    assert policy.choose(100, 8, BS, [pf("p0")], [dc("d0")], {}).prefill == "p0"
+
+
+def test_redis_down_routes_on_load_only() -> None:
+    policy = RoutingPolicy()
+    prefill = [pf("p0", queued=400), pf("p1", queued=0)]
+    with_index = policy.choose(1024, 64, BS, prefill, [dc("d0")], {"p0": 64, "p1": 0})
+    assert with_index.prefill == "p0"
+    without = policy.choose(1024, 64, BS, prefill, [dc("d0")], None)
+    assert without.prefill == "p1" and without.prefill_matched_tokens == 0
+
+
+def test_decode_by_free_pages_and_running() -> None:
+    policy = RoutingPolicy()
+    d = policy.choose(64, 64, BS, [], [dc("d0", running=5), dc("d1", running=1)], None)
+    assert d.decode == "d1"
+    # Equal running; d0 nearly out of KV pages.
+    d = policy.choose(64, 64, BS, [], [dc("d0", running=2, free=50), dc("d1", running=2, free=900)], None)
+    assert d.decode == "d1"
+    # A pod that cannot hold prompt + max_tokens is skipped while another can.
+    d = policy.choose(64, 4000, BS, [], [dc("d0", free=100), dc("d1", running=8, free=400)], None)
+    assert d.decode == "d1"
+
+
+def test_ties_spread_round_robin() -> None:
+    policy = RoutingPolicy()
+    prefill = [pf("p0"), pf("p1"), pf("p2")]
+    chosen = {policy.choose(1024, 16, BS, prefill, [dc("d0")], {}).prefill for _ in range(6)}
+    assert chosen == {"p0", "p1", "p2"}
+
+
+def test_recent_placements_match_and_expire() -> None:
+    recent = RecentPlacements(ttl_s=5.0)
+    recent.record("p0", [1, 2, 3], now=100.0)
+    recent.record("p1", [1, 9], now=100.0)
+    assert recent.match([1, 2, 3, 4], ["p0", "p1", "p2"], now=101.0) == {"p0": 3, "p1": 1, "p2": 0}
+    assert recent.match([1, 2, 3], ["p0"], now=106.0) == {"p0": 0}
