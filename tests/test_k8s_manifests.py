@@ -387,8 +387,8 @@ def test_workers_drain_within_the_grace_period(target, objs):
         deploy = role_deployments(objs)[role]
         grace = deploy["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
         drain = int(effective_env(objs, container(deploy))["KVFERRY_DRAIN_SECONDS"])
-        assert (grace, drain) == (30, 25), role
-        assert drain < grace
+        # Drain, then uvicorn's graceful shutdown (5 s) and the engine stop must all end before SIGKILL.
+        assert drain + 5 + 2 <= grace, (role, grace, drain)
 
 
 def test_worker_pods_are_scraped_by_annotation(target, objs):
