@@ -209,3 +209,25 @@ class ServerThread:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m router.stub_worker --role decode --port P --pod NAME``: a stub worker process (tests
+    that need a real process to stop with SIGSTOP, benchmarks)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m router.stub_worker")
+    p.add_argument("--role", choices=["prefill", "decode"], default="decode")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--pod", default="")
+    p.add_argument("--token-delay-s", type=float, default=0.0)
+    args = p.parse_args(argv)
+    worker = StubWorker(
+        args.role, args.pod or f"stub-{args.role}-{args.port}", StubBehaviour(token_delay_s=args.token_delay_s)
+    )
+    uvicorn.run(worker.app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
