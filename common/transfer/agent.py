@@ -48,6 +48,8 @@ class KVTransferAgent:
         *,
         model_id: str = "unknown",
         tp_size: int = 1,
+        progress_thread: bool = True,
+        backend_params: dict[str, str] | None = None,
     ) -> None:
         self.name = name
         self.pool = pool
@@ -59,9 +61,15 @@ class KVTransferAgent:
         self._pool_info = PoolInfo.from_pool(pool, name, self.instance_id)
         self._peers: dict[str, Peer] = {}
         self._closed = False
-        self._nixl = nixl_agent(name, nixl_agent_config(backends=[backend]))
-        if backend not in self._nixl.backends:
+        # The progress thread completes transfers and notifications even while this process computes;
+        # it spins (about a third of a core when idle), so small CPU boxes may turn it off and rely on
+        # the poll calls (check_xfer_state, get_new_notifs) to drive UCX instead.
+        self._nixl = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=[]))
+        if backend not in self._nixl.plugin_list:
             raise RuntimeError(f"NIXL backend {backend!r} unavailable (plugins: {self._nixl.plugin_list})")
+        # Created by hand (not through the config) so backend init parameters can be passed, e.g. the
+        # UCX plugin's `num_threads` / `num_workers` (see `get_plugin_params`).
+        self._nixl.create_backend(backend, dict(backend_params or {}))
         # One registration for the whole pool: every transfer is a sub-range of it, so no per-request
         # registration cost. The tensor decides DRAM vs VRAM.
         self._reg = self._nixl.register_memory(pool.kv, backends=[backend])
@@ -114,7 +122,9 @@ class KVTransferAgent:
         if known is not None:
             if known.instance_id == instance_id:
                 return known
-            log.info("peer %s restarted (%s -> %s): dropping stale metadata", agent_name, known.instance_id, instance_id)
+            log.info(
+                "peer %s restarted (%s -> %s): dropping stale metadata", agent_name, known.instance_id, instance_id
+            )
             self.remove_peer(agent_name)
 
         loaded = self._nixl.add_remote_agent(metadata)

@@ -101,7 +101,9 @@ class KVSender:
         nixl = self.agent.nixl
         try:
             local_descs = nixl.get_xfer_descs(run_descs(local, runs.src_start, runs.length), local.mem_type)
-            remote_descs = nixl.get_xfer_descs(run_descs(remote.pool, runs.dst_start, runs.length), remote.pool.mem_type)
+            remote_descs = nixl.get_xfer_descs(
+                run_descs(remote.pool, runs.dst_start, runs.length), remote.pool.mem_type
+            )
             handle.xfer = nixl.initialize_xfer(
                 "WRITE", local_descs, remote_descs, peer, notif or b"", backends=[self.agent.backend]
             )
