@@ -31,12 +31,23 @@ class RunnerConfig:
     max_running: int = 64
     max_seq_len: int = 0  # 0: the model's context length
     seed: int = 0
+    attention: str = "auto"  # auto: flashinfer on CUDA with a 16-bit dtype, else torch; or "torch" / "flashinfer"
+    cuda_graph_max_bs: int = -1  # GPU path: decode CUDA graphs up to this batch (-1: max_running, 0: none)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.float32 if device.type == "cpu" else torch.bfloat16
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def select_attention(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    if name == "auto":
+        fits = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+        return "flashinfer" if fits else "torch"
+    if name not in ("torch", "flashinfer"):
+        raise ValueError(f"unknown attention backend {name!r}; use auto, torch or flashinfer")
+    return name
 
 
 def load_model(cfg: RunnerConfig, device: torch.device, dtype: torch.dtype) -> tuple[DecoderModel, Path | None]:
@@ -71,9 +82,20 @@ class ModelRunner:
         self.max_seq_len = cfg.max_seq_len or mc.max_position
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.page_size, self.dtype)
         num_pages = cfg.num_pages or KVPool.pages_for_bytes(self.layout, int(cfg.kv_memory_gb * (1 << 30)))
-        self.pool = KVPool(self.layout, num_pages, self.device)
+        self.backend = select_attention(cfg.attention, self.device, self.dtype)
+        gpu = self.backend == "flashinfer"
+        # The GPU path keeps one page past the allocator's range (`num_pages`): CUDA-graph padding writes there.
+        self.pool = KVPool(self.layout, num_pages + int(gpu), self.device)
+        self.pool.num_pages = num_pages
         self.page_table = PageTable(cfg.max_running, self.max_seq_len, cfg.page_size, self.device)
         self.attn: AttentionBackend = TorchPagedAttention(self.pool, self.page_table.table, mc.num_heads, mc.head_dim)
+        self.gpu = None
+        if gpu:
+            from common.engine.gpu.path import GpuPath
+
+            graph_bs = cfg.max_running if cfg.cuda_graph_max_bs < 0 else min(cfg.cuda_graph_max_bs, cfg.max_running)
+            self.gpu = GpuPath(self, dummy_page=num_pages, graph_max_bs=graph_bs)
+            self.attn = self.gpu.attn
 
     def build_batch(
         self,
@@ -96,24 +118,29 @@ class ModelRunner:
             q_start - start_t, ext_t
         )
         token_rows = torch.repeat_interleave(rows_t, ext_t)
-        out_loc = self.page_table.table[token_rows.to(dev), positions.to(dev)].to(torch.int64)
+        # Host-to-device copies are non-blocking: a blocking one would wait for every step already queued.
+        nb = dict(non_blocking=True)
+        positions_dev = positions.to(dev, **nb)
+        out_loc = self.page_table.table[token_rows.to(dev, **nb), positions_dev].to(torch.int64)
         last = q_start + ext_t - 1
         logits_indices = last[torch.tensor(sample_mask, dtype=torch.bool)]
         return ForwardBatch(
             is_decode=is_decode,
-            input_ids=ids.to(dev),
-            positions=positions.to(dev),
+            input_ids=ids.to(dev, **nb),
+            positions=positions_dev,
             out_loc=out_loc,
-            seq_lens=torch.tensor(seq, dtype=torch.int64, device=dev),
-            extend_lens=ext_t.to(dev),
-            q_start=q_start.to(dev),
-            table_rows=rows_t.to(dev),
-            logits_indices=logits_indices.to(dev),
+            seq_lens=torch.tensor(seq, dtype=torch.int64).to(dev, **nb),
+            extend_lens=ext_t.to(dev, **nb),
+            q_start=q_start.to(dev, **nb),
+            table_rows=rows_t.to(dev, **nb),
+            logits_indices=logits_indices.to(dev, **nb),
             seq_lens_cpu=seq,
             extend_lens_cpu=extend,
         )
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.gpu is not None:
+            return self.gpu.forward(batch)
         self.attn.plan(batch)
         return self.model(batch, self.attn)

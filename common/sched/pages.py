@@ -39,7 +39,8 @@ class PageTable:
             return
         locs = (pages.to(torch.int32)[:, None] * self.page_size + self._offsets[None, :]).flatten()
         start = first_page_index * self.page_size
-        self.table[row, start : start + locs.numel()] = locs.to(self.table.device)
+        # Non-blocking: on CUDA a blocking host-to-device copy would wait for every step already queued.
+        self.table[row, start : start + locs.numel()] = locs.to(self.table.device, non_blocking=True)
 
 
 class KVBudget:

@@ -1,0 +1,204 @@
+"""FlashInfer attention: paged prefill (chunked, causal) and paged decode over the KV pool.
+
+The pool's layout `[L, 2, pages, page_size, H, D]` gives per layer two contiguous NHD tensors, which is
+flashinfer's paged layout as a `(k_cache, v_cache)` tuple. The page table holds raw token locations, so a
+request's page ids are the locations at every page_size-th position divided by page_size; `page_meta`
+builds flashinfer's CSR description (kv_indptr, kv_indices, last_page_len) with a handful of tensor ops
+per step. The indptr/last-page vectors stay on the CPU (flashinfer's planner reads them there, so
+passing device tensors would cost a device sync); the page ids are gathered on the device.
+
+Causality in flashinfer's paged prefill aligns a request's queries with the end of its KV, so a chunk
+attends to its cached pages plus itself, which is exactly chunked prefill. K/V of the step are written
+into the pool (one index_copy per K and V) before the layer's attention runs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from common.engine.forward_batch import ForwardBatch
+from common.engine.model_config import ModelConfig
+from common.kv.pool import KVPool
+
+WORKSPACE_BYTES = 256 << 20
+
+
+def use_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
+    """Tensor-core decode (flashinfer's prefill kernel on one query row) pays off from a GQA group of 4."""
+    return num_heads // num_kv_heads >= 4
+
+
+def tensor_core_min_batch() -> int:
+    """Decode batches below this size use the CUDA-core decode kernel even where the GQA group allows
+    tensor cores (`KVFERRY_DECODE_TC_MIN_BS`; 1: tensor cores at every size)."""
+    return max(1, int(os.environ.get("KVFERRY_DECODE_TC_MIN_BS", "1")))
+
+
+@dataclass
+class PageMeta:
+    indptr: torch.Tensor  # [B + 1] int32, CPU
+    indices: torch.Tensor  # [nnz pages] int32, on the pool's device
+    last_page_len: torch.Tensor  # [B] int32, CPU
+
+    def padded(self, bs: int, dummy_page: int) -> PageMeta:
+        """Appends `bs - B` one-token requests that live on the dummy page (CUDA-graph padding)."""
+        n = bs - int(self.last_page_len.shape[0])
+        if n <= 0:
+            return self
+        extra = self.indptr[-1] + torch.arange(1, n + 1, dtype=torch.int32)
+        dummy = torch.full((n,), dummy_page, dtype=torch.int32, device=self.indices.device)
+        return PageMeta(
+            indptr=torch.cat((self.indptr, extra)),
+            indices=torch.cat((self.indices, dummy)),
+            last_page_len=torch.cat((self.last_page_len, torch.ones(n, dtype=torch.int32))),
+        )
+
+
+class FlashInferAttention:
+    """`AttentionBackend` over flashinfer: plan once per step, then `forward` per layer."""
+
+    def __init__(
+        self, pool: KVPool, page_table: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype, workspace: torch.Tensor
+    ) -> None:
+        import flashinfer
+
+        self.pool = pool
+        self.table = page_table
+        self.page_size = pool.layout.page_size
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.dtype = dtype
+        self.tensor_cores = use_tensor_cores(cfg.num_heads, cfg.num_kv_heads)
+        self.tc_min_batch = tensor_core_min_batch()
+        self.workspace = workspace
+        self.kv = [(pool.k_cache(i), pool.v_cache(i)) for i in range(cfg.num_layers)]
+        self.k_slots = [pool.k_slots(i) for i in range(cfg.num_layers)]
+        self.v_slots = [pool.v_slots(i) for i in range(cfg.num_layers)]
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        self.decode_wrappers = {tc: self.make_decode_wrapper(tensor_cores=tc) for tc in {self.tensor_cores, False}}
+        self._wrapper = None
+        self._out_loc: torch.Tensor | None = None
+        # flashinfer's planner stages its plan in a pinned host buffer per wrapper and copies it to the device
+        # on the stream; re-planning a wrapper before that copy ran would overwrite it (the overlap loop plans
+        # step N+1 while step N is queued). One event per wrapper orders the two.
+        self._planned: dict[int, torch.cuda.Event] = {}
+
+    def decode_tensor_cores(self, batch_size: int) -> bool:
+        return self.tensor_cores and batch_size >= self.tc_min_batch
+
+    def make_decode_wrapper(
+        self, graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, tensor_cores: bool = False
+    ):
+        import flashinfer
+
+        if graph_buffers is None:
+            return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_tensor_cores=tensor_cores, backend="fa2"
+            )
+        indptr, indices, last = graph_buffers
+        return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace,
+            "NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=tensor_cores,
+            paged_kv_indptr_buffer=indptr,
+            paged_kv_indices_buffer=indices,
+            paged_kv_last_page_len_buffer=last,
+            backend="fa2",
+        )
+
+    # ---- planning ---------------------------------------------------------------------------------
+    def page_meta(self, table_rows: torch.Tensor, seq_lens_cpu: list[int]) -> PageMeta:
+        ps = self.page_size
+        b = len(seq_lens_cpu)
+        seq = torch.tensor(seq_lens_cpu, dtype=torch.int64)
+        npages = (seq + ps - 1) // ps
+        indptr = torch.zeros(b + 1, dtype=torch.int64)
+        torch.cumsum(npages, 0, out=indptr[1:])
+        last = seq - (npages - 1) * ps
+        max_pages = int(npages.max())
+        total = int(indptr[-1])
+        # Flat entry e belongs to request r(e) and is its page j(e): it sits at r * max_pages + j in the
+        # [B, max_pages] block of page-start locations gathered below.
+        owner = torch.repeat_interleave(torch.arange(b, dtype=torch.int64), npages, output_size=total)
+        flat = owner * max_pages + torch.arange(total, dtype=torch.int64) - indptr[:-1][owner]
+        firsts = self.table[:, : max_pages * ps : ps][table_rows].reshape(-1)
+        dev_flat = flat.to(self.table.device, non_blocking=True)
+        indices = torch.div(firsts[dev_flat], ps, rounding_mode="floor").to(torch.int32)
+        return PageMeta(indptr.to(torch.int32), indices, last.to(torch.int32))
+
+    def _before_plan(self, wrapper) -> None:
+        ev = self._planned.get(id(wrapper))
+        if ev is not None:
+            ev.synchronize()
+
+    def _after_plan(self, wrapper) -> None:
+        if self.workspace.device.type != "cuda":
+            return
+        ev = self._planned.get(id(wrapper))
+        if ev is None:
+            ev = self._planned[id(wrapper)] = torch.cuda.Event()
+        ev.record()
+
+    def plan_decode(self, wrapper, meta: PageMeta) -> None:
+        self._before_plan(wrapper)
+        wrapper.plan(
+            meta.indptr,
+            meta.indices,
+            meta.last_page_len,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.page_size,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
+        self._after_plan(wrapper)
+        self._wrapper = wrapper
+
+    def plan_prefill(self, meta: PageMeta, extend_lens_cpu: list[int]) -> None:
+        w = self.prefill_wrapper
+        qo = torch.zeros(len(extend_lens_cpu) + 1, dtype=torch.int32)
+        torch.cumsum(torch.tensor(extend_lens_cpu, dtype=torch.int32), 0, out=qo[1:])
+        self._before_plan(w)
+        w.plan(
+            qo,
+            meta.indptr,
+            meta.indices,
+            meta.last_page_len,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.page_size,
+            causal=True,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
+        self._after_plan(w)
+        self._wrapper = w
+
+    def plan(self, batch: ForwardBatch) -> None:
+        meta = self.page_meta(batch.table_rows, batch.seq_lens_cpu)
+        if batch.is_decode:
+            self.plan_decode(self.decode_wrappers[self.decode_tensor_cores(batch.batch_size)], meta)
+        else:
+            self.plan_prefill(meta, batch.extend_lens_cpu)
+        self._out_loc = batch.out_loc
+
+    def bind(self, wrapper, out_loc: torch.Tensor) -> None:
+        """Points forward() at a planned wrapper and a write-location buffer (CUDA-graph capture and replay)."""
+        self._wrapper = wrapper
+        self._out_loc = out_loc
+
+    # ---- per layer --------------------------------------------------------------------------------
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, Hq, D] contiguous, k/v: [T, Hkv, D] (views are fine) -> [T, Hq, D]."""
+        loc = self._out_loc
+        assert loc is not None and self._wrapper is not None, "plan() must run before forward()"
+        self.k_slots[layer].index_copy_(0, loc, k)
+        self.v_slots[layer].index_copy_(0, loc, v)
+        return self._wrapper.run(q, self.kv[layer])

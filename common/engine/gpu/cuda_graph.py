@@ -1,0 +1,135 @@
+"""Decode steps as CUDA graphs, captured at start for a ladder of batch sizes.
+
+A decode step of B requests runs the graph of the smallest captured size bs >= B. Its inputs live in
+static buffers (token ids, positions, KV write locations; flashinfer's page metadata in buffers the
+per-size decode wrappers were built over); the B - bs padding rows write their K/V to the pool's dummy
+page (one page past the allocator's range) and attend only to it. Graphs are captured largest first and
+share one memory pool; logits land in one static float32 buffer shared by all sizes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from common.engine.forward_batch import ForwardBatch
+from common.engine.gpu.attention import PageMeta
+from common.engine.gpu.fused import fused_forward
+
+if TYPE_CHECKING:
+    from common.engine.gpu.path import GpuPath
+
+log = logging.getLogger("kvferry.engine")
+
+
+def graph_batch_sizes(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to `max_bs` (always included)."""
+    sizes = [s for s in (1, 2, 4) if s < max_bs] + list(range(8, max_bs + 1, 8))
+    if not sizes or sizes[-1] != max_bs:
+        sizes.append(max_bs)
+    return sorted(set(sizes))
+
+
+class DecodeGraphs:
+    def __init__(self, path: GpuPath, max_bs: int, capture: bool = True) -> None:
+        self.path = path
+        self.attn = path.attn
+        self.max_bs = max_bs
+        self.sizes = graph_batch_sizes(max_bs)
+        runner = path.runner
+        dev = runner.device
+        ps = runner.cfg.page_size
+        self.dummy_slot = path.dummy_page * ps
+        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.out_loc = torch.full((max_bs,), self.dummy_slot, dtype=torch.int64, device=dev)
+        self.logits = torch.zeros(max_bs, runner.model_config.vocab_size, dtype=torch.float32, device=dev)
+        pages_per_req = -(-runner.max_seq_len // ps)
+        self.indptr_buf = torch.zeros(max_bs + 1, dtype=torch.int32, device=dev)
+        self.indices_buf = torch.zeros(max_bs * pages_per_req + max_bs, dtype=torch.int32, device=dev)
+        self.last_buf = torch.ones(max_bs, dtype=torch.int32, device=dev)
+        self.wrappers = {
+            bs: self.attn.make_decode_wrapper(
+                (self.indptr_buf[: bs + 1], self.indices_buf, self.last_buf[:bs]), self.attn.decode_tensor_cores(bs)
+            )
+            for bs in self.sizes
+        }
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.capture_seconds = 0.0
+        if capture:
+            self.capture()
+
+    def pick(self, b: int) -> int:
+        for bs in self.sizes:
+            if bs >= b:
+                return bs
+        raise ValueError(f"batch of {b} exceeds the largest captured size {self.max_bs}")
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        # Every token sampled, in order (a decode step from the scheduler always is).
+        return (
+            batch.is_decode
+            and batch.batch_size <= self.max_bs
+            and batch.logits_indices.shape[0] == batch.num_tokens == batch.batch_size
+        )
+
+    def _body(self, bs: int) -> None:
+        self.attn.bind(self.wrappers[bs], self.out_loc[:bs])
+        logits = fused_forward(
+            self.path.model,
+            self.input_ids[:bs],
+            self.positions[:bs],
+            self.attn,
+            self.path.cos_sin,
+            logits_indices=None,
+            float_logits=False,
+        )
+        self.logits[:bs].copy_(logits)
+
+    def _plan_dummy(self, bs: int) -> None:
+        none = torch.zeros(0, dtype=torch.int32)
+        empty = PageMeta(torch.zeros(1, dtype=torch.int32), none.to(self.input_ids.device), none)
+        meta = empty.padded(bs, self.path.dummy_page)
+        self.out_loc[:bs].fill_(self.dummy_slot)
+        self.attn.plan_decode(self.wrappers[bs], meta)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        sizes = sorted(self.sizes, reverse=True)
+        for n, bs in enumerate(sizes, 1):
+            self._plan_dummy(bs)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._body(bs)  # warm-up outside the graph (lazy inits, autotuning)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self._body(bs)
+            self.graphs[bs] = graph
+            log.info("captured decode graph %d/%d (batch %d)", n, len(sizes), bs)
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - start
+        log.info("captured %d decode graphs in %.1f s", len(sizes), self.capture_seconds)
+
+    def run(self, batch: ForwardBatch, replay: bool = True) -> torch.Tensor:
+        """Logits [B, vocab] float32: a view of the static buffer, valid until the next decode step."""
+        b = batch.batch_size
+        bs = self.pick(b)
+        self.input_ids[:b].copy_(batch.input_ids)
+        self.positions[:b].copy_(batch.positions)
+        self.out_loc[:b].copy_(batch.out_loc)
+        if bs > b:
+            self.out_loc[b:bs].fill_(self.dummy_slot)
+        meta = self.attn.page_meta(batch.table_rows, batch.seq_lens_cpu).padded(bs, self.path.dummy_page)
+        self.attn.plan_decode(self.wrappers[bs], meta)
+        if replay:
+            self.graphs[bs].replay()
+        else:
+            self._body(bs)  # the same kernels on the same buffers, launched eagerly
+        return self.logits[:b]
