@@ -2,7 +2,8 @@
 
 Both workers own one `KVTransferAgent`. The decode side publishes `metadata_b64()` and
 `pool_info_b64()` in its handshake; the prefill side feeds them to `add_peer`, after which `KVSender`
-can WRITE into the decode pool. Not thread-safe: it is driven by one scheduler loop.
+can WRITE into the decode pool. Not thread-safe: it is driven by one scheduler loop (the NIXL agent
+runs without a listener thread, so NIXL's own sync mode is NONE; keep every call on one thread).
 """
 
 from __future__ import annotations

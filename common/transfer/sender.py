@@ -4,6 +4,11 @@
 (layer, K/V, run of consecutive pages), so a 4k-token write is tens of descriptors, not thousands.
 `RequestTransfer` strings the chunk writes of one request together and owns the ordering rule: the
 decode side's notification is sent only after every write of that request has completed.
+
+Measured (bench/transfer.py): posting is mostly synchronous CPU work. On CPU DRAM, UCX's cma transport
+copies inside the post call; on an H200 (cuda_ipc) each descriptor costs about 10 us to issue, so
+llama8b 16k tokens moved at ~300 GB/s in runs of 1024 pages, ~50 GB/s in runs of 16, ~3 GB/s page by
+page. Fewer, longer runs (contiguous decode reservations) are what makes transfers fast.
 """
 
 from __future__ import annotations
