@@ -343,7 +343,7 @@ def offline_bench(runner: ModelRunner, name: str, quick: bool) -> None:
 
 
 # ---- main ----------------------------------------------------------------------------------------------
-def make_runner(model: str, kv_gb: float, max_seq_len: int, max_running: int = 256) -> ModelRunner:
+def make_runner(model: str, kv_gb: float, max_seq_len: int, max_running: int = 256, label: str = "") -> ModelRunner:
     start = time.perf_counter()
     runner = ModelRunner(
         RunnerConfig(
@@ -356,7 +356,8 @@ def make_runner(model: str, kv_gb: float, max_seq_len: int, max_running: int = 2
         )
     )
     graphs = runner.gpu.graphs
-    RESULTS.setdefault("setup", {})[model] = dict(
+    label = label or model
+    RESULTS.setdefault("setup", {})[label] = dict(
         seconds=time.perf_counter() - start,
         graph_capture_seconds=graphs.capture_seconds if graphs else None,
         graph_sizes=graphs.sizes if graphs else None,
@@ -364,7 +365,7 @@ def make_runner(model: str, kv_gb: float, max_seq_len: int, max_running: int = 2
         tensor_core_decode=runner.gpu.attn.tensor_cores,
         tensor_core_min_batch=runner.gpu.attn.tc_min_batch,
     )
-    log(f"{model}: ready in {time.perf_counter() - start:.1f} s ({RESULTS['setup'][model]})")
+    log(f"{label}: ready in {time.perf_counter() - start:.1f} s ({RESULTS['setup'][label]})")
     return runner
 
 
@@ -428,7 +429,7 @@ def main() -> None:
         if "decode_cudacore" in sections:
             # The same decode steps with CUDA-core decode attention below batch 64 (GQA 4 allows tensor cores).
             os.environ["KVFERRY_DECODE_TC_MIN_BS"] = "64"
-            runner = make_runner("llama-3.1-8b", kv_gb=60.0, max_seq_len=16384 + 64)
+            runner = make_runner("llama-3.1-8b", kv_gb=60.0, max_seq_len=16384 + 64, label="llama-3.1-8b/cudacore<64")
             os.environ.pop("KVFERRY_DECODE_TC_MIN_BS")
             decode_bench(runner, args.quick, batches=(1, 8, 32), key_name="decode_cudacore", breakdowns=False)
             del runner
