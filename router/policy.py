@@ -32,7 +32,9 @@ pages would queue the request). Ties prefer the pod holding more of the prefix, 
 Conditional disaggregation: the decode pod prefills locally (``prefill`` None) when no prefill pod is
 up, when the prompt is shorter than ``disagg_min_prompt_tokens`` (the KV transfer and the extra hop cost
 more than they save), or when the chosen decode pod already holds most of the prefix (matched >=
-``local_prefix_fraction`` of the prompt, or fewer than ``disagg_min_prompt_tokens`` tokens left to compute).
+``local_prefix_fraction`` of the prompt: only a short suffix is left to compute, and decode pods publish
+the blocks they received or computed, so a conversation's next turn often finds its prefix there).
+``local_prefix_fraction`` > 1 turns that last rule off.
 
 Without prefix information (``matches`` None: Redis down) every matched length is 0 and routing is on
 load alone.
@@ -113,7 +115,7 @@ class RoutingPolicy:
             return RouteDecision(d.key, None, "no-prefill", 0, d_matched)
         if prompt_len < cfg.disagg_min_prompt_tokens:
             return RouteDecision(d.key, None, "short-prompt", 0, d_matched)
-        if d_matched >= cfg.local_prefix_fraction * prompt_len or prompt_len - d_matched < cfg.disagg_min_prompt_tokens:
+        if d_matched >= cfg.local_prefix_fraction * prompt_len:
             return RouteDecision(d.key, None, "decode-holds-prefix", 0, d_matched)
         p, p_matched = self.pick_prefill(prompt_len, block_size, prefill, matches, turn)
         return RouteDecision(d.key, p.key, "disaggregated", p_matched, d_matched)

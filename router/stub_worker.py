@@ -205,7 +205,7 @@ class ServerThread:
         self.thread.join(10)
 
     def __enter__(self) -> ServerThread:
-        return self.start()
+        return self if self.server.started else self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

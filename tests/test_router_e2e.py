@@ -1,0 +1,346 @@
+"""End to end on CPU: the official `openai` client against a local cluster (real redis-server, 2 prefill
+workers and 1 decode worker running the embedded model, the router), started once for this module with
+`start_local_cluster`, plus `kvferry up` itself as a command."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from common.config import RouterConfig
+from router.discovery import StaticDiscovery
+from router.local_cluster import LocalCluster, start_local_cluster
+from router.settings import RouterOptions
+from router.stub_worker import ServerThread, free_port
+from router.tokenizer import ModelInfo, RouterTokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(
+    not (ROOT / "prefill_worker" / "main.py").exists() or not (ROOT / "decode_worker" / "main.py").exists(),
+    reason="workers not available",
+)
+
+MODEL = "smollm2-135m-instruct"
+# Small KV pools and a small prefill budget, so the tests exercise chunked prefill and pool limits.
+# The shared cluster's router never prefills on the decode pod because that pod holds the prefix
+# (local prefix fraction > 1): these tests are about prefill-pod locality; a default router checks the
+# decode-side rule separately.
+ENV = {
+    "KVFERRY_NUM_PAGES": "384",
+    "KVFERRY_MAX_PREFILL_TOKENS": "128",
+    "KVFERRY_PAGE_SIZE": "16",
+    "KVFERRY_ROUTER_LOCAL_PREFIX_FRACTION": "2",
+}
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+# ---- `kvferry up` as a command (runs first: it needs the CPU the shared cluster would hold) ----------
+def test_kvferry_up_command_serves_and_stops_on_ctrl_c(tmp_path: Path) -> None:
+    port = free_port()
+    env = dict(os.environ, **ENV)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "common.cli", "up", "--port", str(port), "--log-dir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        text=True,
+        start_new_session=True,
+    )
+    out: list[str] = []
+    try:
+        deadline = time.monotonic() + 300
+        assert proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            out.append(line)
+            if line.startswith("curl -s"):
+                break
+        text = "".join(out)
+        assert f"kvferry is up: http://127.0.0.1:{port}/v1" in text, text
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            json={"model": MODEL, "messages": FRANCE, "temperature": 0, "max_tokens": 16},
+            timeout=120,
+        )
+        assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, rest
+    assert "stopped" in rest
+    # Nothing left listening: the router port is free again.
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+
+
+def test_kvferry_up_without_redis_says_how_to_install() -> None:
+    env = dict(os.environ, PATH="/nonexistent")
+    r = subprocess.run(
+        [sys.executable, "-m", "common.cli", "up", "--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert r.returncode == 1
+    assert "redis-server is not installed" in r.stderr and "apt-get install" in r.stderr
+
+
+# ---- the shared cluster --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    c = start_local_cluster(prefill=2, decode=1, env=ENV, ready_timeout_s=300)
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster: LocalCluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{cluster.router_url}/v1", api_key="none", max_retries=0, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def tok(smol_tokenizer) -> RouterTokenizer:
+    return RouterTokenizer(smol_tokenizer)
+
+
+def test_models(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_chat_answer_and_usage(client: openai.OpenAI, tok: RouterTokenizer) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=24)
+    choice = r.choices[0]
+    assert "Paris" in choice.message.content and choice.finish_reason == "stop"
+    assert r.usage.prompt_tokens == len(tok.encode_chat(FRANCE))
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert 0 < r.usage.completion_tokens <= 24
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_streamed_equals_non_streamed_under_greedy(client: openai.OpenAI, endpoint: str) -> None:
+    if endpoint == "chat":
+        msgs = [{"role": "user", "content": "Write one sentence about the sea, with an emoji."}]
+        full = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=40)
+        parts = client.chat.completions.create(
+            model=MODEL,
+            messages=msgs,
+            temperature=0,
+            max_tokens=40,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(parts)
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert streamed == full.choices[0].message.content
+        assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    else:
+        prompt = "The three largest cities in Japan are"
+        full = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=40)
+        parts = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=40, stream=True)
+        assert "".join(c.choices[0].text for c in parts) == full.choices[0].text
+        assert full.choices[0].finish_reason in ("length", "stop")
+
+
+def test_stop_strings(client: openai.OpenAI) -> None:
+    prompt = "Count from one to ten in words: one, two,"
+    base = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=24).choices[0].text
+    stop = base.strip().split()[2][:3]  # a piece from the middle of the greedy answer
+    cut = base[: base.index(stop)]
+    r = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=24, stop=[stop, "@@@"])
+    assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=24, stop=stop, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == cut
+
+
+def test_n_and_seed_reproducibility(client: openai.OpenAI) -> None:
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Name a color."}], temperature=1.0, max_tokens=12)
+    a = client.chat.completions.create(n=2, seed=1234, **kw)  # type: ignore[arg-type]
+    b = client.chat.completions.create(n=2, seed=1234, **kw)  # type: ignore[arg-type]
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    # Choice i of a seeded request is the single request seeded seed + i; usage sums the choices.
+    singles = [client.chat.completions.create(seed=1234 + i, **kw) for i in range(2)]  # type: ignore[arg-type]
+    assert [s.choices[0].message.content for s in singles] == [c.message.content for c in a.choices]
+    assert a.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+
+
+def test_logprobs(client: openai.OpenAI, tok: RouterTokenizer) -> None:
+    r = client.chat.completions.create(
+        model=MODEL, messages=FRANCE, temperature=0, max_tokens=8, logprobs=True, top_logprobs=3
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        # Greedy: the chosen token is the most likely one.
+        assert entry.top_logprobs[0].token == entry.token
+        assert abs(entry.top_logprobs[0].logprob - entry.logprob) < 1e-4
+    text_bytes = b"".join(bytes(e.bytes) for e in content)
+    assert text_bytes.decode(errors="replace").startswith(r.choices[0].message.content)
+    c = client.completions.create(
+        model=MODEL, prompt="Paris is the capital of", temperature=0, max_tokens=5, logprobs=2
+    )
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == 5 and all(len(t) == 2 for t in lp.top_logprobs)
+    assert "".join(lp.tokens) == c.choices[0].text
+
+
+def test_error_cases(client: openai.OpenAI, cluster: LocalCluster) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=3)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=FRANCE)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=9000)
+    assert e.value.code == "context_length_exceeded"
+    # Fits the context but not the decode worker's small KV pool: the worker's 400 passes through.
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=7000)
+    assert "pages" in e.value.message
+    r = httpx.post(f"{cluster.router_url}/v1/completions", content=b"{", headers={"content-type": "application/json"})
+    assert r.status_code == 400
+
+
+def test_error_cases_needing_other_router_settings(cluster: LocalCluster, tok: RouterTokenizer, smol_path) -> None:
+    """401, 413, 429 and 503 from routers (in this process) configured for them, over the same workers."""
+    from router.app import create_app
+
+    info = ModelInfo.from_dir(MODEL, smol_path)
+
+    def router(api_key: str | None, decode: list[str], **opts: object) -> ServerThread:
+        app = create_app(
+            RouterConfig(model=MODEL, api_key=api_key, redis_url=cluster.redis_url),
+            RouterOptions(poll_interval_s=0.2, **opts),  # type: ignore[arg-type]
+            tokenizer=tok,
+            model_info=info,
+            discovery=StaticDiscovery(cluster.prefill_urls, decode),
+        )
+        return ServerThread(app).start()
+
+    with router("sekrit", cluster.decode_urls, max_body_bytes=2048) as s:
+        for _ in range(100):
+            if httpx.get(f"{s.url}/ready").status_code == 200:
+                break
+            time.sleep(0.1)
+        bad = openai.OpenAI(base_url=f"{s.url}/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.chat.completions.create(model=MODEL, messages=FRANCE)
+        good = openai.OpenAI(base_url=f"{s.url}/v1", api_key="sekrit", max_retries=0, timeout=120)
+        assert (
+            "Paris"
+            in good.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0).choices[0].message.content
+        )
+        with pytest.raises(openai.APIStatusError) as e:
+            good.completions.create(model=MODEL, prompt="x" * 5000)
+        assert e.value.status_code == 413
+    with router(None, cluster.decode_urls, max_inflight=0, retry_after_s=2) as s:
+        r = httpx.post(f"{s.url}/v1/chat/completions", json={"messages": FRANCE})
+        assert r.status_code == 429 and r.headers["retry-after"] == "2"
+    with router(None, ["http://127.0.0.1:9"]) as s:  # a decode worker that is not there
+        r = httpx.post(f"{s.url}/v1/chat/completions", json={"messages": FRANCE})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+        assert httpx.get(f"{s.url}/ready").status_code == 503
+
+
+# ---- prefix routing --------------------------------------------------------------------------------
+def _system_prompt(topic: str) -> str:
+    return (f"You are an expert on {topic}. Answer briefly, precisely and politely. " * 30).strip()
+
+
+def test_prefix_routing_lands_on_the_worker_holding_the_system_prompt(
+    client: openai.OpenAI, cluster: LocalCluster, tok: RouterTokenizer
+) -> None:
+    results: dict[str, list[int]] = {}
+    for topic in ("astronomy", "botany"):
+        system = _system_prompt(topic)
+        shared = len(tok.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": ""}]))
+        cached = []
+        for q in ("What is it?", "Tell me more.", "Why?", "Give an example."):
+            msgs = [{"role": "system", "content": system}, {"role": "user", "content": q}]
+            r = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=4)
+            cached.append(r.usage.prompt_tokens_details.cached_tokens)
+        results[topic] = cached
+        # The first request computes the prefix; every later one finds (nearly) all of it cached,
+        # i.e. lands on the prefill worker that holds it.
+        assert cached[0] == 0
+        assert all(c >= shared - 32 for c in cached[1:]), (topic, cached, shared)
+    stats = httpx.get(f"{cluster.router_url}/router/workers").json()
+    assert stats["decisions"].get("disaggregated", 0) >= 8 and "decode-holds-prefix" not in stats["decisions"]
+    assert stats["prefix_index"] == "ok"
+
+
+def test_default_router_prefills_on_the_decode_pod_holding_the_prefix(
+    cluster: LocalCluster, tok: RouterTokenizer, smol_path
+) -> None:
+    """With default options, a long prompt whose prefix the decode pod already holds (it received that
+    KV for an earlier request) is prefilled there: conditional disaggregation."""
+    from router.app import create_app
+
+    app = create_app(
+        RouterConfig(model=MODEL, redis_url=cluster.redis_url),
+        RouterOptions(poll_interval_s=0.2),
+        tokenizer=tok,
+        model_info=ModelInfo.from_dir(MODEL, smol_path),
+        discovery=StaticDiscovery(cluster.prefill_urls, cluster.decode_urls),
+    )
+    with ServerThread(app) as s:
+        for _ in range(100):
+            if httpx.get(f"{s.url}/ready").status_code == 200 and all(
+                w["up"] for w in httpx.get(f"{s.url}/router/workers").json()["workers"]
+            ):
+                break
+            time.sleep(0.1)
+        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0, timeout=180)
+        system = _system_prompt("zoology")
+        cached = []
+        for q in ("What is a cat?", "What is a dog?", "And a bird?"):
+            msgs = [{"role": "system", "content": system}, {"role": "user", "content": q}]
+            r = c.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=4)
+            cached.append(r.usage.prompt_tokens_details.cached_tokens)
+            time.sleep(1.0)  # the decode pod publishes what it holds in batches; give it a moment
+        decisions = httpx.get(f"{s.url}/router/workers").json()["decisions"]
+    assert decisions.get("disaggregated") == 1 and decisions.get("decode-holds-prefix") == 2, decisions
+    assert cached[0] == 0 and min(cached[1:]) > 400, cached
+
+
+def test_redis_stopped_mid_run_requests_still_succeed(client: openai.OpenAI, cluster: LocalCluster) -> None:
+    system = _system_prompt("geology")
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "What is a rock?"}]
+    assert client.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=4).choices
+    cluster.stop_redis()
+    try:
+        for q in ("What is sand?", "What is lava?", "Why?"):
+            m = [{"role": "system", "content": system}, {"role": "user", "content": q}]
+            r = client.chat.completions.create(model=MODEL, messages=m, temperature=0, max_tokens=4)
+            assert r.choices[0].message.content is not None
+        stream = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=8, stream=True)
+        assert "Paris" in "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        stats = httpx.get(f"{cluster.router_url}/router/workers").json()
+        assert stats["prefix_index"] == "unavailable"
+    finally:
+        cluster.start_redis()
+    # Redis is back (empty): the router notices by itself, the workers resync, prefix routing resumes.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        client.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=2)
+        if httpx.get(f"{cluster.router_url}/router/workers").json()["prefix_index"] == "ok":
+            break
+        time.sleep(0.5)
+    assert httpx.get(f"{cluster.router_url}/router/workers").json()["prefix_index"] == "ok"
