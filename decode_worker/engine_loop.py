@@ -16,6 +16,8 @@ from common.serving.engine_host import EngineHost
 
 log = logging.getLogger("kvferry.decode")
 
+QUARANTINE_S = 2.0
+
 
 @dataclass
 class PendingRemote:
@@ -35,9 +37,13 @@ class DecodeHost(EngineHost):
 
         self.receiver = KVReceiver(self.agent)
         self.remote: dict[str, PendingRemote] = {}
+        # Pages of requests aborted while a prefill peer was writing them: a late NIXL write must land in
+        # pages nobody else uses yet, so they are freed only after a grace period.
+        self.quarantine: list[tuple[float, Req]] = []
+        self.scheduler.on_kv_abandoned = lambda req: self.quarantine.append((time.monotonic() + QUARANTINE_S, req))
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.remote)
+        return self.scheduler.has_work() or bool(self.remote) or bool(self.quarantine)
 
     def handle_role(self, msg: Message) -> None:
         op = msg["op"]
@@ -108,6 +114,12 @@ class DecodeHost(EngineHost):
             self.emit_step_events([event])
             if verified:
                 self.outbox[-1]["kv_verified"] = True
+        if self.quarantine and self.quarantine[0][0] <= time.monotonic():
+            now = time.monotonic()
+            due = [req for at, req in self.quarantine if at <= now]
+            self.quarantine = [(at, req) for at, req in self.quarantine if at > now]
+            for req in due:
+                self.scheduler.free_abandoned(req)
         if self.remote:
             now = time.monotonic()
             for rid in [r for r, p in self.remote.items() if now > p.deadline]:

@@ -65,6 +65,8 @@ class Scheduler:
         # out of decoding; the callback's owner calls `release` later (prefill workers: after the transfer).
         self.on_prefill_done: Callable[[Req], None] | None = None
         self.vocab = runner.model_config.vocab_size
+        # Decode side: receives aborted requests whose pages a remote prefill may still write into.
+        self.on_kv_abandoned: Callable[[Req], None] | None = None
 
     # ---- admission -------------------------------------------------------------------------------
     def validate(self, req: Req) -> None:
@@ -140,8 +142,18 @@ class Scheduler:
             self.running.remove(req)
         req.finish_reason = reason
         req.error = error
-        self._finish(req, cache_kv=False)
+        if req.state is ReqState.AWAITING_KV and self.on_kv_abandoned is not None:
+            # A prefill peer may still be writing into these pages: their owner frees them once it is safe.
+            req.state = ReqState.FINISHED
+            self.on_kv_abandoned(req)
+        else:
+            self._finish(req, cache_kv=False)
         return StepEvent(req, finished=True)
+
+    def free_abandoned(self, req: Req) -> None:
+        """Frees the pages of a request handed to `on_kv_abandoned` (no prefix caching: its KV is partial)."""
+        self.budget.release(req)
+        self.by_id.pop(req.req_id, None)
 
     def release(self, req: Req) -> None:
         """Frees a request's pages (for requests parked by `on_prefill_done`)."""

@@ -19,6 +19,7 @@ from common.log import setup_logging
 from common.prefix.hashing import chained_block_hashes
 from common.prefix.index import PrefixIndexPublisher
 from common.protocol import LoadSnapshot, SamplingParams
+from common.sched.overlap import OverlapScheduler
 from common.sched.request import Req
 from common.sched.scheduler import RequestRejected, Scheduler, StepEvent
 from common.serving.channel import Message, recv, send
@@ -36,7 +37,9 @@ class EngineHost:
         self.cfg = cfg
         self.conn = conn
         self.runner = ModelRunner(cfg.runner)
-        self.scheduler = Scheduler(self.runner, cfg.sched)
+        # On the GPU the CPU schedules step N+1 while step N runs; on the CPU there is nothing to overlap.
+        sched_cls = OverlapScheduler if self.runner.device.type == "cuda" else Scheduler
+        self.scheduler = sched_cls(self.runner, cfg.sched)
         self.page_size = cfg.runner.page_size
         self.agent = KVTransferAgent(
             f"{self.role}-{cfg.pod_name}", self.runner.pool, model_id=cfg.runner.model, tp_size=1
