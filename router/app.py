@@ -109,7 +109,7 @@ def create_app(
     PrefixIndexReader on ``config.redis_url`` (``use_redis=False``: route on load alone)."""
     opts = options or RouterOptions.from_env()
     if tokenizer is None or model_info is None:
-        tokenizer, model_info = load_tokenizer(config.model)
+        tokenizer, model_info = load_tokenizer(config.model, opts.tokenizer)
     tok, info = tokenizer, model_info
     disc = discovery or _discovery_for(config)
     if index_reader is None and use_redis and config.redis_url:
@@ -133,6 +133,7 @@ def create_app(
                 imbalance_abs_tokens=opts.imbalance_abs_tokens,
                 imbalance_ratio=opts.imbalance_ratio,
                 decode_kv_weight=opts.decode_kv_weight,
+                mode=opts.routing,
             )
         )
         locator = PrefixLocator(index_reader, RecentPlacements(opts.recent_route_ttl_s))

@@ -213,6 +213,7 @@ def start_local_cluster(
     redis_url: str | None = None,
     api_key: str | None = None,
     env: dict[str, str] | None = None,
+    role_env: dict[str, dict[str, str]] | None = None,
     worker_args: Sequence[str] = (),
     router_args: Sequence[str] = (),
     log_dir: str | Path | None = None,
@@ -221,8 +222,9 @@ def start_local_cluster(
 ) -> LocalCluster:
     """Starts Redis (unless ``redis_url`` names one), ``prefill`` + ``decode`` workers and a router;
     returns once all answer /ready. ``port`` 0 picks a free port for the router. ``env`` is added to
-    every part's environment (e.g. KVFERRY_NUM_PAGES for small test pools). Raises ClusterError (with
-    the failing part's log tail) and leaves nothing running on failure."""
+    every part's environment (e.g. KVFERRY_NUM_PAGES for small test pools), ``role_env[role]`` to the
+    parts of one role ("prefill", "decode", "router"). Raises ClusterError (with the failing part's log
+    tail) and leaves nothing running on failure."""
     say = progress or (lambda _msg: None)
     if decode < 1 or prefill < 0:
         raise ClusterError("need at least one decode worker (and zero or more prefill workers)")
@@ -263,14 +265,15 @@ def start_local_cluster(
         cluster.redis_url = redis_url
         base_env["KVFERRY_REDIS_URL"] = redis_url
 
-        from common.engine.default_model import resolve_model_path
+        if not model.startswith("dummy:"):  # dummy weights need no files (the router needs a tokenizer dir)
+            from common.engine.default_model import resolve_model_path
 
-        say(f"model {model}: {resolve_model_path(model)}")
+            say(f"model {model}: {resolve_model_path(model)}")
 
         for role, count in (("prefill", prefill), ("decode", decode)):
             for i in range(count):
                 wport = free_port()
-                wenv = dict(base_env, KVFERRY_POD_NAME=f"local-{role}-{i}")
+                wenv = dict(base_env, KVFERRY_POD_NAME=f"local-{role}-{i}", **(role_env or {}).get(role, {}))
                 part = ManagedProcess(
                     f"{role}-{i}",
                     _python_kvferry(role, "--host", "127.0.0.1", "--port", str(wport), "--redis-url", redis_url)
@@ -306,7 +309,7 @@ def start_local_cluster(
                 ",".join(cluster.decode_urls),
                 *router_args,
             ),
-            base_env,
+            dict(base_env, **(role_env or {}).get("router", {})),
             logs / "router.log",
             url=cluster.router_url,
         )

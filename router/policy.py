@@ -38,6 +38,9 @@ the blocks they received or computed, so a conversation's next turn often finds 
 
 Without prefix information (``matches`` None: Redis down) every matched length is 0 and routing is on
 load alone.
+
+``mode="round_robin"`` picks prefill pods in turn, ignoring prefix and load: the baseline that
+bench/prefix_routing.py compares against (and a fallback switch for operators).
 """
 
 from __future__ import annotations
@@ -87,11 +90,14 @@ class PolicyConfig:
     imbalance_abs_tokens: int = 2048
     imbalance_ratio: float = 1.5
     decode_kv_weight: float = 4.0
+    mode: str = "cache_aware"  # cache_aware | round_robin
 
 
 class RoutingPolicy:
     def __init__(self, cfg: PolicyConfig | None = None) -> None:
         self.cfg = cfg or PolicyConfig()
+        if self.cfg.mode not in ("cache_aware", "round_robin"):
+            raise ValueError(f"unknown routing mode {self.cfg.mode!r} (cache_aware | round_robin)")
         self._turn = itertools.count()
 
     # ---- the decision -------------------------------------------------------------------------------
@@ -150,6 +156,9 @@ class RoutingPolicy:
     ) -> tuple[PrefillCandidate, int]:
         costs = self.prefill_costs(prompt_len, block_size, prefill, matches)
         n = len(prefill)
+        if self.cfg.mode == "round_robin":
+            i = turn % n
+            return prefill[i], costs[i][2]
         best = -1
         best_key: tuple[float, int] | None = None
         for k in range(n):

@@ -16,12 +16,14 @@ _ENV_PREFIX = "KVFERRY_ROUTER_"
 
 @dataclass
 class RouterOptions:
+    tokenizer: str = ""  # tokenizer directory when the model id is not one (e.g. dummy:<config> workers)
     # Admission and limits.
     max_inflight: int = 1024  # requests in the router at once; beyond it: 429 + Retry-After
     max_body_bytes: int = 8 * 1024 * 1024  # 413 above this
     retry_after_s: int = 1
     default_max_tokens: int = 1024  # chat without max_tokens: min(this, what fits the context)
     # Routing (router/policy.py documents how these enter the scores).
+    routing: str = "cache_aware"  # cache_aware | round_robin (baseline)
     disagg_min_prompt_tokens: int = 256  # shorter prompts are prefilled on the decode pod
     local_prefix_fraction: float = 0.8  # a decode pod holding this much of the prompt prefills it
     prefill_load_weight: float = 0.5

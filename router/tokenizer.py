@@ -132,12 +132,16 @@ class RouterTokenizer:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
-def load_tokenizer(model: str) -> tuple[RouterTokenizer, ModelInfo]:
-    """Loads the tokenizer and model info for ``model`` (the embedded default's name or a local dir)."""
+def load_tokenizer(model: str, tokenizer_dir: str = "") -> tuple[RouterTokenizer, ModelInfo]:
+    """Loads the tokenizer and model info for ``model`` (the embedded default's name or a local dir).
+
+    ``tokenizer_dir`` (a directory with the tokenizer files and config.json) serves a model whose id is
+    not a directory: workers running ``dummy:<config>`` weights for benchmarks, say. The model id stays
+    what clients pass and what workers publish to the prefix index under."""
     from transformers import AutoTokenizer
 
     from common.engine.default_model import resolve_model_path
 
-    path = resolve_model_path(model)
+    path = Path(tokenizer_dir).expanduser() if tokenizer_dir else resolve_model_path(model)
     hf = AutoTokenizer.from_pretrained(path)
     return RouterTokenizer(hf), ModelInfo.from_dir(model, path)

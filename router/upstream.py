@@ -103,9 +103,14 @@ class Dispatcher:
         self.decisions: dict[str, int] = {}  # reason -> count, for /router/stats and benchmarks
 
     async def plan(self, token_ids: list[int]) -> PromptPlan:
-        """Hashes the prompt's blocks (same chain as the workers) and asks where they are cached."""
+        """Hashes the prompt's blocks (same chain as the workers) and asks where they are cached.
+
+        A prompt shorter than the disaggregation threshold is prefilled on its decode pod whatever the
+        index says, so it skips the Redis round trip (its decode pod is chosen on load)."""
         block_size = self.pool.block_size()
         hashes = chained_block_hashes(token_ids, block_size)
+        if len(token_ids) < self.policy.cfg.disagg_min_prompt_tokens:
+            return PromptPlan(token_ids, hashes, {}, block_size)
         pods = [w.pod for w in self.pool.workers.values() if w.up and w.pod]
         matches = await self.locator.lookup(hashes, pods)
         return PromptPlan(token_ids, hashes, matches, block_size)
@@ -145,6 +150,7 @@ class UpstreamCall:
         self._deadline: asyncio.Timeout | None = None
         self._killed: str | None = None
         self._closed = False
+        self._worker_finished = False  # the worker sent its last event: the stream can end cleanly
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> UpstreamEvent:
@@ -300,7 +306,10 @@ class UpstreamCall:
         assert self._lines is not None
         async for line in self._lines:
             if line.strip():
-                return UpstreamEvent.parse(line)
+                ev = UpstreamEvent.parse(line)
+                if ev.finish_reason is not None:
+                    self._worker_finished = True
+                return ev
         return None
 
     def kill(self, reason: str) -> None:
@@ -308,7 +317,12 @@ class UpstreamCall:
         if self._killed is None:
             self._killed = reason
         if self._deadline is not None:
-            self._deadline.reschedule(asyncio.get_running_loop().time())
+            try:
+                self._deadline.reschedule(asyncio.get_running_loop().time())
+            except RuntimeError:
+                # The wait it bounded is already over: this call is itself declaring the worker down
+                # from its except clause (a refused connection), after the timeout block exited.
+                pass
 
     def _prefill_started(self) -> None:
         """First token seen: the prefill pod's part is over (its load and failures stop mattering)."""
@@ -328,7 +342,17 @@ class UpstreamCall:
             dw.watchers.discard(self)
         lines, self._lines = self._lines, None
         resp, self._resp = self._resp, None
-        # Closing the stream is the abort signal for the workers.
+        if lines is not None and resp is not None and self._worker_finished:
+            # A finished stream has only its terminating chunk left: read it, so the connection goes
+            # back to the pool instead of being torn down (a new TCP connection per request costs more
+            # than everything else the router does).
+            with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
+                try:
+                    async for _ in lines:
+                        pass
+                except (httpx.HTTPError, RuntimeError):
+                    pass
+        # Otherwise closing the stream early is the abort signal for the workers.
         if lines is not None:
             with anyio.CancelScope(shield=True):
                 try:

@@ -413,3 +413,12 @@ def test_recent_placements_match_and_expire() -> None:
     recent.record("p1", [1, 9], now=100.0)
     assert recent.match([1, 2, 3, 4], ["p0", "p1", "p2"], now=101.0) == {"p0": 3, "p1": 1, "p2": 0}
     assert recent.match([1, 2, 3], ["p0"], now=106.0) == {"p0": 0}
+
+
+def test_round_robin_mode_ignores_prefix_and_load() -> None:
+    policy = RoutingPolicy(PolicyConfig(mode="round_robin"))
+    prefill = [pf("p0", queued=0), pf("p1", queued=9000)]
+    picks = [policy.choose(1024, 16, BS, prefill, [dc("d0")], {"p0": 64}).prefill for _ in range(4)]
+    assert picks == ["p0", "p1", "p0", "p1"]
+    with pytest.raises(ValueError):
+        RoutingPolicy(PolicyConfig(mode="random"))
