@@ -192,6 +192,8 @@ def latency_vs_stub(args: argparse.Namespace, tok: Any, redis_url: str, logs: Pa
         wait_ready(prefill_url)
         router_argv = [sys.executable, "-m", "common.cli", "router", "--port", str(rport), "--redis-url", redis_url]
         router_argv += ["--decode-urls", decode_url, "--prefill-urls", prefill_url]
+        if args.tokenizer:
+            router_argv += ["--tokenizer", args.tokenizer]
         router = start(router_argv, env, logs / "router.log")
         procs.append(router)
         router_url = f"http://127.0.0.1:{rport}"
@@ -296,20 +298,24 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=1)
     p.add_argument("--seconds", type=float, default=3.0, help="per decisions/s measurement")
     p.add_argument("--real", action="store_true", help="also measure against a real decode worker")
+    p.add_argument("--tokenizer", default="", help="tokenizer dir (default: the embedded model's)")
     p.add_argument("--out", type=Path, default=OUT_DIR / "router.json")
     args = p.parse_args()
 
     import tempfile
 
+    from router.local_cluster import ManagedProcess, _wait_redis
+    from router.stub_worker import free_port
     from router.tokenizer import load_tokenizer
-    from tests.conftest_redis import free_port as redis_port
-    from tests.conftest_redis import start_redis, stop_redis
 
-    tok, _ = load_tokenizer(MODEL)
-    rport = redis_port()
-    redis_proc = start_redis(rport)
-    redis_url = f"redis://127.0.0.1:{rport}/0"
+    tok, _ = load_tokenizer(MODEL, args.tokenizer)
     logs = Path(tempfile.mkdtemp(prefix="kvferry-bench-router-"))
+    rport = free_port()
+    redis_url = f"redis://127.0.0.1:{rport}/0"
+    redis_argv = ["redis-server", "--port", str(rport), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    redis_proc = ManagedProcess("redis", redis_argv, dict(os.environ), logs / "redis.log", url=redis_url)
+    redis_proc.start()
+    _wait_redis(redis_proc, 10.0)
     result: dict[str, Any] = {
         "env": {
             "python": platform.python_version(),
@@ -329,7 +335,8 @@ def main() -> int:
         result["decisions"] = decisions_per_second(redis_url, args.seconds)
         print(json.dumps(result["decisions"], indent=1), file=sys.stderr)
     finally:
-        stop_redis(redis_proc)
+        redis_proc.signal(15)
+        redis_proc.kill_group()
     result["env"]["loadavg_end"] = list(os.getloadavg())
     target = result["latency_stub"]["short_prompt"]["added_json"]["p50_ms"]
     result["target"] = {"added_p50_ms_max": 2.0, "met": target <= 2.0}

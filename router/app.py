@@ -1,6 +1,7 @@
 """The router's FastAPI app: OpenAI endpoints in front, the worker pool and routing behind.
 
-``create_app(config, options)`` wires the parts (one shared httpx.AsyncClient for every worker call);
+``create_app(config, options)`` wires the parts (one shared WireClient, router/wire.py, for every worker
+call);
 the request pipeline is router/service.py, routing router/policy.py + router/upstream.py.
 """
 
@@ -13,7 +14,6 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import anyio
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -30,6 +30,7 @@ from router.service import Job, RouterService, RunningChoice
 from router.settings import RouterOptions
 from router.tokenizer import ModelInfo, RouterTokenizer, load_tokenizer
 from router.upstream import Dispatcher
+from router.wire import WireClient
 
 log = logging.getLogger("kvferry.router")
 
@@ -113,17 +114,14 @@ def create_app(
     tok, info = tokenizer, model_info
     disc = discovery or _discovery_for(config)
     if index_reader is None and use_redis and config.redis_url:
-        from common.prefix.index import PrefixIndexReader
+        from router.prefix_reader import AsyncPrefixReader
 
-        index_reader = PrefixIndexReader(config.redis_url, info.name, socket_timeout_s=opts.redis_timeout_s)
+        index_reader = AsyncPrefixReader(config.redis_url, info.name, socket_timeout_s=opts.redis_timeout_s)
     state: dict[str, Any] = {}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        client = httpx.AsyncClient(
-            timeout=httpx.Timeout(connect=opts.connect_timeout_s, read=None, write=30.0, pool=30.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
-        )
+        client = WireClient(connect_timeout_s=opts.connect_timeout_s)
         pool = WorkerPool(client, opts.poll_interval_s, opts.poll_timeout_s, opts.down_after_failures)
         policy = RoutingPolicy(
             PolicyConfig(
@@ -159,7 +157,9 @@ def create_app(
             disc.stop()
             await pool.stop()
             await client.aclose()
-            if index_reader is not None and hasattr(index_reader, "close"):
+            if hasattr(index_reader, "aclose"):
+                await index_reader.aclose()
+            elif hasattr(index_reader, "close"):
                 index_reader.close()
 
     app = FastAPI(title="kvferry router", version="1", lifespan=lifespan)

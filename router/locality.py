@@ -81,8 +81,13 @@ class PrefixLocator:
             return None
         if not pods:
             return {}
-        # The reader blocks (redis-py); a thread keeps a slow Redis from stalling every stream.
-        found = await asyncio.to_thread(self.reader.match, hashes, pods) if hashes else dict.fromkeys(pods, 0)
+        found: dict[str, int] | None
+        if not hashes:
+            found = dict.fromkeys(pods, 0)
+        elif hasattr(self.reader, "amatch"):  # router/prefix_reader.py: on the loop
+            found = await self.reader.amatch(hashes, pods)
+        else:  # a blocking reader: a thread keeps a slow Redis from stalling every stream
+            found = await asyncio.to_thread(self.reader.match, hashes, pods)
         if found is None:
             if self.redis_ok:
                 self.redis_ok = False

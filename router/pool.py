@@ -14,14 +14,14 @@ In-flight counts are the router's own view, fresher than the ~1 s old ``/load`` 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import httpx
-
 from router.policy import DecodeCandidate, PrefillCandidate
+from router.wire import WireClient
 
 log = logging.getLogger("kvferry.router")
 
@@ -120,7 +120,7 @@ class Worker:
 class WorkerPool:
     def __init__(
         self,
-        client: httpx.AsyncClient,
+        client: WireClient,
         poll_interval_s: float = 1.0,
         poll_timeout_s: float = 1.0,
         down_after_failures: int = 2,
@@ -184,10 +184,10 @@ class WorkerPool:
 
     async def poll(self, w: Worker) -> None:
         try:
-            r = await self.client.get(f"{w.url}/load", timeout=self.poll_timeout_s)
-            if r.status_code != 200:
-                raise ValueError(f"/load answered {r.status_code}")
-            load = parse_load(r.json())
+            status, body = await self.client.get_json_body(f"{w.url}/load", self.poll_timeout_s)
+            if status != 200:
+                raise ValueError(f"/load answered {status}")
+            load = parse_load(json.loads(body))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # connect errors, timeouts, garbage: all mean "not answering properly"

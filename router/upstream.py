@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import httpx
 
 from common.prefix.hashing import chained_block_hashes
 from common.protocol import GenerateRequest, SamplingParams
@@ -30,6 +29,7 @@ from router.errors import OpenAIError, bad_request, no_worker, rate_limited, ups
 from router.locality import PrefixLocator
 from router.policy import RouteDecision, RoutingPolicy
 from router.pool import Worker, WorkerPool
+from router.wire import ConnectError, Response, WireClient, WireError
 
 log = logging.getLogger("kvferry.router")
 
@@ -86,7 +86,7 @@ class Dispatcher:
         pool: WorkerPool,
         policy: RoutingPolicy,
         locator: PrefixLocator,
-        client: httpx.AsyncClient,
+        client: WireClient,
         connect_timeout_s: float = 3.0,
         first_token_timeout_s: float = 300.0,
         inter_token_timeout_s: float = 120.0,
@@ -145,7 +145,7 @@ class UpstreamCall:
         self._decode: Worker | None = None
         self._prefill: Worker | None = None
         self._prefill_tokens = 0
-        self._resp: httpx.Response | None = None
+        self._resp: Response | None = None
         self._lines: AsyncIterator[str] | None = None
         self._deadline: asyncio.Timeout | None = None
         self._killed: str | None = None
@@ -221,16 +221,10 @@ class UpstreamCall:
                 self._deadline = deadline
                 if self._killed:
                     deadline.reschedule(asyncio.get_running_loop().time())
-                request = self.d.client.build_request(
-                    "POST",
-                    f"{dw.url}/internal/generate",
-                    content=body,
-                    headers={"content-type": "application/json"},
-                )
-                self._resp = resp = await self.d.client.send(request, stream=True)
-                if resp.status_code != 200:
+                self._resp = resp = await self.d.client.request("POST", f"{dw.url}/internal/generate", body.encode())
+                if resp.status != 200:
                     await self._status_error(resp, dw)
-                self._lines = resp.aiter_lines()
+                self._lines = resp.lines()
                 first = await self._read_event()
         except TimeoutError:
             if self._killed:  # the pool declared a worker down: avoid that one
@@ -238,10 +232,10 @@ class UpstreamCall:
                 raise _Retry(upstream_failed(self._killed), blame_d, blame_pf) from None
             reason = f"no first token within {self.d.first_token_timeout_s:g}s"
             raise _Retry(upstream_failed(reason), True, blame_p) from None
-        except httpx.ConnectError as exc:
+        except ConnectError as exc:
             pool.report_failure(dw, f"connect: {exc}", hard=True)
             raise _Retry(upstream_failed(f"decode worker unreachable: {exc}"), True, False) from None
-        except (httpx.TransportError, ValueError) as exc:  # reset mid-response, bad JSON line
+        except (WireError, ValueError) as exc:  # reset mid-response, bad JSON line
             raise _Retry(upstream_failed(f"decode worker failed: {type(exc).__name__}: {exc}"), True, blame_p) from None
         finally:
             self._deadline = None
@@ -255,10 +249,12 @@ class UpstreamCall:
         self._prefill_started()
         return first
 
-    async def _status_error(self, resp: httpx.Response, dw: Worker) -> None:
-        raw = await resp.aread()
-        await resp.aclose()
-        message = f"decode worker answered {resp.status_code}"
+    async def _status_error(self, resp: Response, dw: Worker) -> None:
+        try:
+            raw = await resp.read()
+        finally:
+            await resp.aclose()
+        message = f"decode worker answered {resp.status}"
         code = None
         try:
             body = json.loads(raw)
@@ -270,7 +266,7 @@ class UpstreamCall:
                 message = body["detail"]
         except (ValueError, TypeError):
             pass
-        status = resp.status_code
+        status = resp.status
         if status in (400, 413, 422):
             raise bad_request(message, None, code if isinstance(code, str) else None)
         if status == 429:
@@ -294,7 +290,7 @@ class UpstreamCall:
         except TimeoutError:
             reason = self._killed or f"no token for {self.d.inter_token_timeout_s:g}s"
             return UpstreamEvent(finish_reason="error", error=reason)
-        except (httpx.TransportError, ValueError) as exc:
+        except (WireError, ValueError) as exc:
             return UpstreamEvent(finish_reason="error", error=f"decode worker failed: {type(exc).__name__}: {exc}")
         finally:
             self._deadline = None
@@ -350,7 +346,7 @@ class UpstreamCall:
                 try:
                     async for _ in lines:
                         pass
-                except (httpx.HTTPError, RuntimeError):
+                except (WireError, ValueError, RuntimeError):
                     pass
         # Otherwise closing the stream early is the abort signal for the workers.
         if lines is not None:
