@@ -7,7 +7,7 @@ For 1k, 4k and 16k-token prompts the sender (this process) writes the prompt's p
 the receiver (a spawned process, as a decode worker would be) reserved, in chunks of
 `--chunk-tokens` through `RequestTransfer`, ending with a notification. Destination pages come in
 shuffled blocks of `--run-pages` pages (a used decode pool is fragmented), so each chunk is a few
-runs and each run one descriptor per (layer, K/V). The baseline is a torch copy of the same page
+runs and each run one descriptor (the pool is page-major). The baseline is a torch copy of the same page
 runs between two pools inside this process. The first transfer (connection set-up) is reported apart.
 
 Overlap mode: per chunk, post the write then run a matmul of about the chunk's transfer time, then
@@ -149,7 +149,7 @@ def copy_runs(src_pool: KVPool, dst_pool: KVPool, src: torch.Tensor, dst: torch.
     sync(src_pool.device.type)
     t0 = time.perf_counter()
     for s, d, n in starts:
-        dst_pool.kv[:, :, d : d + n].copy_(src_pool.kv[:, :, s : s + n])
+        dst_pool.kv[d : d + n].copy_(src_pool.kv[s : s + n])
     sync(src_pool.device.type)
     return time.perf_counter() - t0
 

@@ -24,12 +24,33 @@ class AttentionBackend(Protocol):
         ...
 
 
-class TorchPagedAttention:
-    """Paged attention in plain torch: gather each request's KV slots into a padded batch, one SDPA call.
+class _Segment:
+    """One request of a prefill step run on its own: packed query rows [q0, q1) against its keys."""
 
-    The gather indices, padding and causal masks are built once per step in `plan`; per layer the work
-    is one index_copy (store), two gathers and one scaled_dot_product_attention.
+    __slots__ = ("q0", "q1", "kv_flat", "mask")
+
+    def __init__(self, q0: int, q1: int, kv_flat: torch.Tensor | None, mask: torch.Tensor | None) -> None:
+        self.q0, self.q1 = q0, q1
+        self.kv_flat = kv_flat  # pool slots of all its keys; None: no cached prefix, its keys are this step's k/v
+        self.mask = mask  # [1, 1, n, S] causal mask with a cached prefix; None: plain causal (is_causal)
+
+
+class TorchPagedAttention:
+    """Paged attention in plain torch on top of `scaled_dot_product_attention`.
+
+    Indices and masks are built once per step in `plan`; per layer, `forward` stores the step's K/V into the
+    pool (one index_copy each) and runs attention in one of two layouts:
+    - padded batch (decode steps, and prefill steps whose requests have similar lengths): each request's KV
+      slots gathered into `[B, max_kv]` with `index_select` (advanced indexing with a 2-D index is several
+      times slower on CPU), one SDPA call under a padding/causal mask;
+    - per request (prefill steps where padding would waste much of the work): one causal SDPA call per
+      request; a request with no cached prefix attends to this step's k/v directly (no gather, no mask).
     """
+
+    # Prefill layout: "auto" (by estimated cost), "padded" or "segments" (tests and benchmarks force one).
+    prefill_layout = "auto"
+    # Fixed cost of one SDPA call, in (query, key) pairs of attention work; calibrated on CPU.
+    _CALL_COST_PAIRS = 1024
 
     def __init__(self, pool: KVPool, page_table: torch.Tensor, num_heads: int, head_dim: int) -> None:
         self.pool = pool
@@ -37,16 +58,40 @@ class TorchPagedAttention:
         self.num_heads = num_heads
         self.scale = head_dim**-0.5
         self._batch: ForwardBatch | None = None
+        self._segments: list[_Segment] | None = None
+
+    def _use_segments(self, seq: list[int], ext: list[int]) -> bool:
+        if max(ext) == 1 or self.prefill_layout == "padded":
+            return False  # decode steps always run padded: one query per request, no causal work to skip
+        if self.prefill_layout == "segments":
+            return True
+        padded = len(seq) * max(ext) * max(seq)
+        # Causal calls skip about half of each request's (query, key) rectangle.
+        per_request = sum(n * s for n, s in zip(ext, seq)) // 2 + len(seq) * self._CALL_COST_PAIRS
+        return per_request < padded
 
     def plan(self, batch: ForwardBatch) -> None:
         device = batch.input_ids.device
         b = batch.batch_size
-        max_kv = max(batch.seq_lens_cpu)
-        max_q = max(batch.extend_lens_cpu)
+        seq, ext = batch.seq_lens_cpu, batch.extend_lens_cpu
+        max_kv, max_q = max(seq), max(ext)
+        self._shape = (b, max_q, max_kv)
+        self._batch = batch
+        self._segments = None
+        self._out_rows = self.pool.token_rows(batch.out_loc)  # pool rows of layer 0's K; + layer_offset per layer
+        if self._use_segments(seq, ext):
+            self._plan_segments(batch)
+            return
         kv_pos = torch.arange(max_kv, device=device)
-        rows = self.page_table[batch.table_rows, :max_kv].to(torch.int64)  # [B, max_kv]
+        rows = self.page_table[:, :max_kv].index_select(0, batch.table_rows).to(torch.int64)  # [B, max_kv]
         kv_valid = kv_pos[None, :] < batch.seq_lens[:, None]
-        self._kv_locs = torch.where(kv_valid, rows, torch.zeros_like(rows))
+        self._kv_flat = self.pool.token_rows(torch.where(kv_valid, rows, torch.zeros_like(rows)).flatten())
+        # Queries: [B, max_q] padded layout, gathered from / returned to the packed [T] layout.
+        self._q_padded = max_q > 1
+        if max_q == 1:
+            # Decode: one query per request, at its last position, which sees every valid key.
+            self._mask = kv_valid[:, None, None, :] if min(seq) < max_kv else None
+            return
         q_pos = torch.arange(max_q, device=device)
         q_valid = q_pos[None, :] < batch.extend_lens[:, None]  # [B, max_q]
         # Query j of request i sits at absolute position seq_len - extend_len + j and sees keys <= that.
@@ -56,28 +101,79 @@ class TorchPagedAttention:
         # Padded query rows would see no key at all (NaN softmax): let them see key 0; they are discarded.
         mask[:, :, 0] |= ~q_valid
         self._mask = mask[:, None, :, :]  # [B, 1, max_q, max_kv]
-        self._q_index = torch.where(
-            q_valid, batch.q_start[:, None] + q_pos[None, :], torch.zeros_like(q_valid, dtype=torch.int64)
-        )
-        self._q_valid = q_valid
-        self._flat_q = self._q_index[q_valid]  # [T] in packed order
-        self._shape = (b, max_q, max_kv)
-        self._batch = batch
+        if self._q_padded:
+            q_index = torch.where(q_valid, batch.q_start[:, None] + q_pos[None, :], torch.zeros_like(q_pos))
+            self._q_gather = q_index.flatten()  # [B * max_q] packed token of each padded query row
+            # Valid padded rows in row-major order are exactly the packed order (q_start is a cumsum).
+            self._q_scatter = q_valid.flatten().nonzero().flatten()  # [T]
+
+    def _plan_segments(self, batch: ForwardBatch) -> None:
+        device = batch.input_ids.device
+        segments = []
+        q0 = 0
+        for i, (s, n) in enumerate(zip(batch.seq_lens_cpu, batch.extend_lens_cpu)):
+            kv_flat = mask = None
+            if s > n:  # a cached prefix (chunked prefill, prefix-cache hit): gather it, bottom-right causal mask
+                kv_flat = self.pool.token_rows(self.page_table[batch.table_rows[i], :s].to(torch.int64))
+                q_abs = torch.arange(s - n, s, device=device)
+                mask = (torch.arange(s, device=device)[None, :] <= q_abs[:, None])[None, None]
+            segments.append(_Segment(q0, q0 + n, kv_flat, mask))
+            q0 += n
+        self._segments = segments
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         batch = self._batch
         assert batch is not None, "plan() must run before forward()"
-        k_slots = self.pool.k_slots(layer)
-        v_slots = self.pool.v_slots(layer)
-        k_slots.index_copy_(0, batch.out_loc, k.to(k_slots.dtype))
-        v_slots.index_copy_(0, batch.out_loc, v.to(v_slots.dtype))
-        kk = k_slots[self._kv_locs].transpose(1, 2)  # [B, Hkv, max_kv, D]
-        vv = v_slots[self._kv_locs].transpose(1, 2)
-        qq = q[self._q_index].transpose(1, 2)  # [B, Hq, max_q, D]
+        b, max_q, max_kv = self._shape
+        t, hq, d = q.shape
+        rows = self.pool.rows
+        ko, vo = self.pool.layer_offset(layer, 0), self.pool.layer_offset(layer, 1)
+        rows.index_copy_(0, self._out_rows + ko, k.to(rows.dtype))
+        rows.index_copy_(0, self._out_rows + vo, v.to(rows.dtype))
+        hkv = rows.shape[1]
+        if self._segments is not None:
+            return self._forward_segments(q, k, v, ko, vo)
+        kk = rows.index_select(0, self._kv_flat + ko).view(b, max_kv, hkv, d).transpose(1, 2)  # [B, Hkv, max_kv, D]
+        vv = rows.index_select(0, self._kv_flat + vo).view(b, max_kv, hkv, d).transpose(1, 2)
+        if self._q_padded:
+            qq = q.index_select(0, self._q_gather).view(b, max_q, hq, d)
+        else:
+            qq = q.view(b, max_q, hq, d)  # decode: max_q == 1, T == B
         out = F.scaled_dot_product_attention(
-            qq, kk.to(q.dtype), vv.to(q.dtype), attn_mask=self._mask, scale=self.scale, enable_gqa=True
-        )
-        out = out.transpose(1, 2)  # [B, max_q, Hq, D]
-        packed = torch.empty_like(q)
-        packed[self._flat_q] = out[self._q_valid]
-        return packed
+            qq.transpose(1, 2),
+            kk.to(q.dtype),
+            vv.to(q.dtype),
+            attn_mask=self._mask,
+            scale=self.scale,
+            enable_gqa=True,
+        ).transpose(1, 2)  # [B, max_q, Hq, D]
+        if self._q_padded:
+            return out.reshape(b * max_q, hq, d).index_select(0, self._q_scatter)
+        return out.reshape(t, hq, d)
+
+    def _forward_segments(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ko: int, vo: int
+    ) -> torch.Tensor:
+        assert self._segments is not None
+        rows = self.pool.rows
+        out = torch.empty_like(q)
+        for seg in self._segments:
+            qq = q[seg.q0 : seg.q1].transpose(0, 1)[None]  # [1, Hq, n, D]
+            if seg.kv_flat is None:
+                # Round-trip through the pool dtype so the values match what later steps read from the pool.
+                kk = k[seg.q0 : seg.q1].to(rows.dtype).transpose(0, 1)[None]
+                vv = v[seg.q0 : seg.q1].to(rows.dtype).transpose(0, 1)[None]
+            else:
+                kk = rows.index_select(0, seg.kv_flat + ko).transpose(0, 1)[None]
+                vv = rows.index_select(0, seg.kv_flat + vo).transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(
+                qq,
+                kk.to(q.dtype),
+                vv.to(q.dtype),
+                attn_mask=seg.mask,
+                is_causal=seg.mask is None,
+                scale=self.scale,
+                enable_gqa=True,
+            )
+            out[seg.q0 : seg.q1] = o[0].transpose(0, 1)
+        return out

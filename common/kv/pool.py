@@ -28,11 +28,14 @@ class KVLayout:
 class KVPool:
     """The paged KV cache of one worker.
 
-    Layout `[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]`, chosen for two users:
-    - attention: `k_cache(l)` / `v_cache(l)` are contiguous `[num_pages, page_size, H, D]` tensors,
-      flashinfer's NHD paged layout, and flatten to `[num_pages * page_size, H, D]` token slots;
-    - transfer: one page of one layer of K (or V) is one contiguous block, and pages p..p+n are adjacent,
-      so a run of consecutive pages is a single NIXL descriptor per (layer, K/V).
+    Layout `[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]` (page-major), chosen for two users:
+    - transfer: one page of every layer, K and V, is one contiguous block, and pages p..p+n are adjacent,
+      so a run of consecutive pages is ONE NIXL descriptor. Posting costs ~10 us per descriptor on the
+      H200 (bench/layout_probe.py: 512 MiB moved at 1.42 TB/s as 1 descriptor, 0.68 TB/s as 64), so a
+      layer-major pool (2 x layers descriptors per run) would cap a 4k-token transfer at a third of copy speed;
+    - attention: `k_cache(l)` / `v_cache(l)` are `[num_pages, page_size, H, D]` views with a page stride,
+      which flashinfer's NHD paged kernels read as they are (checked bit-exact against contiguous copies),
+      and every K/V row of the pool is addressable in the flat `rows` view (see `token_rows`).
     """
 
     def __init__(self, layout: KVLayout, num_pages: int, device: torch.device | str = "cpu") -> None:
@@ -40,28 +43,37 @@ class KVPool:
         self.num_pages = num_pages
         self.device = torch.device(device)
         self.kv = torch.zeros(
-            (layout.num_layers, 2, num_pages, layout.page_size, layout.num_kv_heads, layout.head_dim),
+            (num_pages, layout.num_layers, 2, layout.page_size, layout.num_kv_heads, layout.head_dim),
             dtype=layout.dtype,
             device=self.device,
         )
+        # Every [H, D] row of the pool; row of (page p, layer l, K/V c, offset o) = ((p*L + l)*2 + c)*ps + o.
+        self.rows = self.kv.view(-1, layout.num_kv_heads, layout.head_dim)
+        self._rows_per_page = layout.num_layers * 2 * layout.page_size
 
     def k_cache(self, layer: int) -> torch.Tensor:
-        return self.kv[layer, 0]
+        return self.kv[:, layer, 0]
 
     def v_cache(self, layer: int) -> torch.Tensor:
-        return self.kv[layer, 1]
+        return self.kv[:, layer, 1]
 
-    def k_slots(self, layer: int) -> torch.Tensor:
-        """K of one layer as `[num_pages * page_size, H, D]`, indexed by raw token location."""
-        return self.kv[layer, 0].view(-1, self.layout.num_kv_heads, self.layout.head_dim)
+    def token_rows(self, locs: torch.Tensor) -> torch.Tensor:
+        """Row in `rows` of layer 0's K for each raw token location; add `layer_offset` for other layers."""
+        ps = self.layout.page_size
+        return torch.div(locs, ps, rounding_mode="floor") * self._rows_per_page + locs % ps
 
-    def v_slots(self, layer: int) -> torch.Tensor:
-        return self.kv[layer, 1].view(-1, self.layout.num_kv_heads, self.layout.head_dim)
+    def layer_offset(self, layer: int, kv: int) -> int:
+        return (2 * layer + kv) * self.layout.page_size
 
     def page_checksums(self, pages: torch.Tensor) -> torch.Tensor:
         """Per-page float64 sums over all layers and K/V, for debug checks that pages arrived intact."""
-        sel = self.kv[:, :, pages.to(self.device, torch.int64)]
-        return sel.to(torch.float64).sum(dim=(0, 1, 3, 4, 5)).cpu()
+        sel = self.kv[pages.to(self.device, torch.int64)]
+        return sel.to(torch.float64).sum(dim=(1, 2, 3, 4, 5)).cpu()
+
+    @property
+    def page_stride_bytes(self) -> int:
+        """Bytes of one page across all layers, K and V: one contiguous block."""
+        return self.kv.stride(0) * self.kv.element_size()
 
     @staticmethod
     def pages_for_bytes(layout: KVLayout, memory_bytes: int) -> int:

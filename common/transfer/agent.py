@@ -116,7 +116,7 @@ class KVTransferAgent:
                 f"pool info is for agent {info.agent_name!r} instance {info.instance_id}, "
                 f"handshake says agent {agent_name!r} instance {instance_id}"
             )
-        if info.page_bytes != self.pool.layout.page_bytes or info.num_layers != self.pool.layout.num_layers:
+        if info.page_stride != self.pool.page_stride_bytes or info.num_layers != self.pool.layout.num_layers:
             raise PeerError(f"pool geometry of {agent_name!r} disagrees with its declared layout")
 
         known = self._peers.get(agent_name)

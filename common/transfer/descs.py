@@ -1,7 +1,8 @@
 """Where a pool's pages live in memory, and the NIXL descriptor rows for moving page runs.
 
-A pool is one contiguous tensor `[layers, 2, pages, page_size, H, D]`, so the byte address of page
-`p` of layer `l`, K (`kv=0`) or V (`kv=1`) is `base + l*layer_stride + kv*kv_stride + p*page_bytes`.
+A pool is one contiguous page-major tensor `[pages, layers, 2, page_size, H, D]`, so page `p` (all
+layers, K and V) is the block `[base + p*page_stride, base + (p+1)*page_stride)` and a run of
+consecutive pages is one block: one descriptor.
 The peer only needs those few numbers (`PoolInfo`), not a list of registered descriptors: NIXL's own
 `get_serialized_descs` is pickle, which must never cross a trust boundary.
 
@@ -20,7 +21,7 @@ import torch
 
 from common.kv.pool import KVPool
 
-POOL_INFO_VERSION = 1
+POOL_INFO_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -35,9 +36,7 @@ class PoolInfo:
     total_bytes: int
     num_layers: int
     num_pages: int
-    page_bytes: int  # one page of one layer of K (or V)
-    layer_stride: int
-    kv_stride: int
+    page_stride: int  # bytes of one page across all layers, K and V
     version: int = POOL_INFO_VERSION
 
     @classmethod
@@ -55,11 +54,9 @@ class PoolInfo:
             device_id=(kv.device.index or 0) if is_cuda else 0,
             base_addr=kv.data_ptr(),
             total_bytes=kv.numel() * elt,
-            num_layers=kv.shape[0],
-            num_pages=kv.shape[2],
-            page_bytes=pool.layout.page_bytes,
-            layer_stride=kv.stride(0) * elt,
-            kv_stride=kv.stride(1) * elt,
+            num_layers=kv.shape[1],
+            num_pages=kv.shape[0],
+            page_stride=pool.page_stride_bytes,
         )
 
     def to_b64(self) -> str:
@@ -76,11 +73,9 @@ class PoolInfo:
 
     def validate(self) -> None:
         """Refuse geometry that would let computed addresses leave the registered region."""
-        if min(self.num_layers, self.num_pages, self.page_bytes) <= 0:
+        if min(self.num_layers, self.num_pages, self.page_stride) <= 0:
             raise ValueError("pool info has non-positive sizes")
-        if self.kv_stride < self.num_pages * self.page_bytes or self.layer_stride < 2 * self.kv_stride:
-            raise ValueError("pool info strides overlap")
-        if self.layer_stride * self.num_layers > self.total_bytes:
+        if self.page_stride * self.num_pages > self.total_bytes:
             raise ValueError("pool info describes more bytes than the registered region")
         if self.mem_type not in ("DRAM", "VRAM"):
             raise ValueError(f"unknown mem_type {self.mem_type!r}")
@@ -122,17 +117,9 @@ def check_pages(pages: torch.Tensor, num_pages: int, side: str) -> None:
 
 
 def run_descs(info: PoolInfo, starts: torch.Tensor, lengths: torch.Tensor) -> np.ndarray:
-    """NIXL `(addr, len, dev)` rows, one per (layer, K/V, run), ordered layer-major like the pool.
-
-    Built as one broadcast `[2L, 1] + [1, R]` so the cost is independent of how many tokens move.
-    """
-    layer_kv = (
-        torch.arange(info.num_layers, dtype=torch.int64)[:, None] * info.layer_stride
-        + torch.arange(2, dtype=torch.int64)[None, :] * info.kv_stride
-    ).reshape(-1, 1)
-    addr = info.base_addr + layer_kv + (starts * info.page_bytes)[None, :]
-    nbytes = (lengths * info.page_bytes)[None, :].expand_as(addr)
-    dev = torch.full_like(addr, info.device_id)
-    rows = torch.stack([addr.reshape(-1), nbytes.reshape(-1), dev.reshape(-1)], dim=1)
+    """NIXL `(addr, len, dev)` rows, one per run of consecutive pages (all layers, K and V at once)."""
+    addr = info.base_addr + starts * info.page_stride
+    nbytes = lengths * info.page_stride
+    rows = torch.stack([addr, nbytes, torch.full_like(addr, info.device_id)], dim=1)
     # User-space addresses fit in int64; NIXL wants uint64 rows.
     return rows.numpy().astype(np.uint64)

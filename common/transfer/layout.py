@@ -12,7 +12,7 @@ from common.protocol import KVLayoutInfo
 
 # Bump when the byte meaning of a pool changes (axis order, K/V interleave, page addressing): peers
 # that disagree must refuse each other even if every shape field happens to match.
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: page-major pool
 
 
 class LayoutMismatch(ValueError):

@@ -76,8 +76,9 @@ class FlashInferAttention:
         self.tc_min_batch = tensor_core_min_batch()
         self.workspace = workspace
         self.kv = [(pool.k_cache(i), pool.v_cache(i)) for i in range(cfg.num_layers)]
-        self.k_slots = [pool.k_slots(i) for i in range(cfg.num_layers)]
-        self.v_slots = [pool.v_slots(i) for i in range(cfg.num_layers)]
+        self.rows = pool.rows
+        self.k_offsets = [pool.layer_offset(i, 0) for i in range(cfg.num_layers)]
+        self.v_offsets = [pool.layer_offset(i, 1) for i in range(cfg.num_layers)]
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
         self.decode_wrappers = {tc: self.make_decode_wrapper(tensor_cores=tc) for tc in {self.tensor_cores, False}}
         self._wrapper = None
@@ -187,9 +188,10 @@ class FlashInferAttention:
             self.plan_decode(self.decode_wrappers[self.decode_tensor_cores(batch.batch_size)], meta)
         else:
             self.plan_prefill(meta, batch.extend_lens_cpu)
-        self._out_loc = batch.out_loc
+        self._out_loc = self.pool.token_rows(batch.out_loc)  # pool rows of layer 0's K, once per step
 
     def bind(self, wrapper, out_loc: torch.Tensor) -> None:
+        # `out_loc` holds pool rows (KVPool.token_rows) of the tokens written this step.
         """Points forward() at a planned wrapper and a write-location buffer (CUDA-graph capture and replay)."""
         self._wrapper = wrapper
         self._out_loc = out_loc
@@ -199,6 +201,6 @@ class FlashInferAttention:
         """q: [T, Hq, D] contiguous, k/v: [T, Hkv, D] (views are fine) -> [T, Hq, D]."""
         loc = self._out_loc
         assert loc is not None and self._wrapper is not None, "plan() must run before forward()"
-        self.k_slots[layer].index_copy_(0, loc, k)
-        self.v_slots[layer].index_copy_(0, loc, v)
+        self.rows.index_copy_(0, loc + self.k_offsets[layer], k)
+        self.rows.index_copy_(0, loc + self.v_offsets[layer], v)
         return self._wrapper.run(q, self.kv[layer])

@@ -42,7 +42,8 @@ class DecodeGraphs:
         runner = path.runner
         dev = runner.device
         ps = runner.cfg.page_size
-        self.dummy_slot = path.dummy_page * ps
+        # out_loc holds pool rows (KVPool.token_rows), not raw token locations.
+        self.dummy_slot = int(runner.pool.token_rows(torch.tensor([path.dummy_page * ps]))[0])
         self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.out_loc = torch.full((max_bs,), self.dummy_slot, dtype=torch.int64, device=dev)
@@ -123,7 +124,7 @@ class DecodeGraphs:
         bs = self.pick(b)
         self.input_ids[:b].copy_(batch.input_ids)
         self.positions[:b].copy_(batch.positions)
-        self.out_loc[:b].copy_(batch.out_loc)
+        self.out_loc[:b].copy_(self.path.runner.pool.token_rows(batch.out_loc))
         if bs > b:
             self.out_loc[b:bs].fill_(self.dummy_slot)
         meta = self.attn.page_meta(batch.table_rows, batch.seq_lens_cpu).padded(bs, self.path.dummy_page)
