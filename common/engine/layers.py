@@ -17,6 +17,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * weight.float()).to(x.dtype) if x.dtype != torch.float32 else xf * weight
 
 
+def onednn_linear_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A CPU float32 `[out, in]` weight reordered into oneDNN's blocked GEMM layout (an opaque tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`F.linear`, through oneDNN with a pre-packed weight when one is given (CPU float32)."""
+    if packed is not None and x.shape[0] > 0:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

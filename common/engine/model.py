@@ -12,7 +12,14 @@ from torch import nn
 
 from common.engine.attention import AttentionBackend
 from common.engine.forward_batch import ForwardBatch
-from common.engine.layers import RotaryCache, rms_norm, silu_and_mul
+from common.engine.layers import (
+    RotaryCache,
+    linear,
+    onednn_linear_available,
+    pack_linear_weight,
+    rms_norm,
+    silu_and_mul,
+)
 from common.engine.model_config import ModelConfig
 
 
@@ -35,6 +42,7 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = _param(h, dtype=dtype, device=device)
         self.gate_up_proj = _param(2 * cfg.intermediate_size, h, dtype=dtype, device=device)
         self.down_proj = _param(h, cfg.intermediate_size, dtype=dtype, device=device)
+        self.packed: dict[str, torch.Tensor] = {}  # CPU: oneDNN-packed copies of the GEMM weights (pack_linears)
 
     def forward(
         self,
@@ -47,7 +55,8 @@ class DecoderLayer(nn.Module):
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         x = rms_norm(hidden, self.input_norm, eps)
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        pk = self.packed
+        qkv = linear(x, self.qkv_proj, self.qkv_bias, pk.get("qkv_proj"))
         q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
         t = hidden.shape[0]
         q = q.reshape(t, cfg.num_heads, cfg.head_dim)
@@ -59,9 +68,10 @@ class DecoderLayer(nn.Module):
         q = rotary.apply(q, positions)
         k = rotary.apply(k, positions)
         o = attn.forward(layer_id, q, k, v).reshape(t, cfg.q_size)
-        hidden = hidden + F.linear(o, self.o_proj)
+        hidden = hidden + linear(o, self.o_proj, None, pk.get("o_proj"))
         x = rms_norm(hidden, self.post_attn_norm, eps)
-        return hidden + F.linear(silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
+        act = silu_and_mul(linear(x, self.gate_up_proj, None, pk.get("gate_up_proj")))
+        return hidden + linear(act, self.down_proj, None, pk.get("down_proj"))
 
 
 class DecoderModel(nn.Module):
@@ -77,6 +87,27 @@ class DecoderModel(nn.Module):
             None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         )
         self.rotary = RotaryCache.build(cfg.head_dim, cfg.rope, cfg.max_position, device)
+        self.packed_lm_head: torch.Tensor | None = None
+
+    def pack_linears(self) -> bool:
+        """CPU float32: keeps oneDNN-packed copies of every GEMM weight and uses them from now on.
+
+        On the CPUs measured (AMD EPYC, 2 threads) oneDNN with packed weights runs these GEMMs 2-2.4x faster than
+        `F.linear` (MKL sgemm) at every token count, decode and prefill alike. The copies are snapshots: call
+        again after changing weights (or `unpack_linears`). Returns whether weights were packed.
+        """
+        if self.device.type != "cpu" or self.dtype != torch.float32 or not onednn_linear_available():
+            return False
+        for layer in self.layers:
+            names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+            layer.packed = {n: pack_linear_weight(getattr(layer, n)) for n in names}
+        self.packed_lm_head = pack_linear_weight(self.lm_head_weight)
+        return True
+
+    def unpack_linears(self) -> None:
+        for layer in self.layers:
+            layer.packed = {}
+        self.packed_lm_head = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -90,4 +121,4 @@ class DecoderModel(nn.Module):
             hidden = layer(i, hidden, batch.positions, self.rotary, attn)
         last = hidden[batch.logits_indices]
         last = rms_norm(last, self.norm, self.cfg.rms_norm_eps)
-        return F.linear(last, self.lm_head_weight).float()
+        return linear(last, self.lm_head_weight, None, self.packed_lm_head).float()

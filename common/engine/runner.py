@@ -33,6 +33,7 @@ class RunnerConfig:
     seed: int = 0
     attention: str = "auto"  # auto: flashinfer on CUDA with a 16-bit dtype, else torch; or "torch" / "flashinfer"
     cuda_graph_max_bs: int = -1  # GPU path: decode CUDA graphs up to this batch (-1: max_running, 0: none)
+    cpu_linear: str = "auto"  # CPU float32 GEMMs: auto = oneDNN with packed weights when available; torch = F.linear
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -89,6 +90,12 @@ class ModelRunner:
         self.pool.num_pages = num_pages
         self.page_table = PageTable(cfg.max_running, self.max_seq_len, cfg.page_size, self.device)
         self.attn: AttentionBackend = TorchPagedAttention(self.pool, self.page_table.table, mc.num_heads, mc.head_dim)
+        if cfg.cpu_linear not in ("auto", "torch"):
+            raise ValueError(f"unknown cpu_linear {cfg.cpu_linear!r}; use auto or torch")
+        if self.backend == "torch" and cfg.cpu_linear == "auto":
+            model.pack_linears()  # a no-op off the CPU
+        elif self.backend == "torch":
+            model.unpack_linears()
         self.gpu = None
         if gpu:
             from common.engine.gpu.path import GpuPath
