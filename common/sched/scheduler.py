@@ -51,6 +51,9 @@ class Scheduler:
         self.cfg = cfg
         self.eos = set(eos_token_ids or runner.model_config.eos_token_ids)
         self.page_size = runner.cfg.page_size
+        if cfg.max_prefill_tokens < self.page_size:
+            # Chunks end on page boundaries: a smaller budget could never admit a prompt longer than it.
+            raise ValueError(f"max_prefill_tokens ({cfg.max_prefill_tokens}) must be >= page_size ({self.page_size})")
         self.allocator = PageAllocator(runner.pool.num_pages)
         self.cache = RadixCache(self.page_size, self.allocator) if cfg.enable_prefix_cache else None
         self.budget = KVBudget(self.allocator, self.cache, runner.page_table)
