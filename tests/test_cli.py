@@ -1,0 +1,45 @@
+"""The `kvferry` command, run as a user would: a subprocess on the packaged default model."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def kvferry(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    exe = shutil.which("kvferry")
+    cmd = [exe, *args] if exe else [sys.executable, "-m", "common.cli", *args]
+    env = {**os.environ, "KVFERRY_LOG_LEVEL": "WARNING"}
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _converted(smol_path):
+    """Converts the default model once up front, so the subprocesses only load it."""
+    return smol_path
+
+
+def test_generate_prints_a_continuation():
+    proc = kvferry("generate", "--max-tokens", "8", "The capital of France is")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip(), f"empty output; stderr: {proc.stderr}"
+
+
+def test_generate_chat_answers_paris():
+    proc = kvferry("generate", "--chat", "--max-tokens", "20", "What is the capital of France?")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout, proc.stdout
+
+
+def test_usage():
+    proc = kvferry(timeout=60)
+    assert proc.returncode == 2 and "usage: kvferry" in proc.stderr
+    proc = kvferry("--help", timeout=60)
+    assert proc.returncode == 0 and "generate" in proc.stderr

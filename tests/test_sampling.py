@@ -1,0 +1,314 @@
+"""Sampling: the Gumbel/counter-hash sampler on tiny tensors, and per-request behaviour on the real SmolLM2."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from common.engine.sampling import SamplingBatch, sample, uniform_noise
+from common.protocol import MAX_TOP_LOGPROBS, SamplingParams
+from tests.engine_helpers import assert_pool_clean, fresh_engine
+
+CPU = torch.device("cpu")
+
+
+def _batch(params: list[SamplingParams], seeds: list[int] | None = None, outputs=None, vocab: int = 0) -> SamplingBatch:
+    seeds = seeds if seeds is not None else [p.seed or 0 for p in params]
+    outputs = outputs if outputs is not None else [[] for _ in params]
+    return SamplingBatch.build(params, seeds, outputs, vocab, CPU)
+
+
+def _sample_many(logits: torch.Tensor, sp: SamplingParams, n: int, step_offset: int = 0) -> torch.Tensor:
+    """Draws `n` tokens from one logits row: one batch row per (seed, step) pair, all independent draws."""
+    sb = _batch([sp] * n, seeds=list(range(n)), vocab=logits.shape[-1])
+    sb.steps = torch.arange(n, dtype=torch.int64) % 7 + step_offset
+    return sample(logits.expand(n, -1).contiguous(), sb).tokens
+
+
+# ---- greedy ---------------------------------------------------------------------------------------------
+
+
+def test_greedy_equals_top_k_1_at_temperature_1():
+    logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(0)) * 3
+    greedy = sample(logits, _batch([SamplingParams()] * 8, vocab=100)).tokens
+    assert torch.equal(greedy, logits.argmax(-1))
+    top1 = [SamplingParams(temperature=1.0, top_k=1, seed=s) for s in range(8)]
+    assert all(p.greedy for p in top1)
+    assert torch.equal(sample(logits, _batch(top1, vocab=100)).tokens, greedy)
+    # Force the stochastic path (temperature 1, top-k filter, Gumbel noise): top-1 still leaves only the argmax.
+    sb = _batch(top1, vocab=100)
+    sb.temperature = torch.ones(8)
+    sb.all_greedy, sb.needs_filter = False, True
+    for step in range(5):
+        sb.steps = torch.full((8,), step, dtype=torch.int64)
+        assert torch.equal(sample(logits, sb).tokens, greedy)
+
+
+def test_greedy_equals_top_k_1_on_real_model(smol_runner, smol_tokenizer):
+    prompts = [smol_tokenizer.encode("The capital of France is"), smol_tokenizer.encode("def fibonacci(n):")]
+    engine = fresh_engine(smol_runner)
+    greedy = engine.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+    top1 = engine.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True, temperature=1.0, top_k=1, seed=9))
+    assert [r.output_ids for r in greedy] == [r.output_ids for r in top1]
+    assert_pool_clean(engine)
+
+
+# ---- the noise source ------------------------------------------------------------------------------------
+
+
+def test_uniform_noise_depends_only_on_seed_step_and_id():
+    seeds = torch.tensor([5, 2**40 + 3, 5, 123456789012345], dtype=torch.int64)
+    steps = torch.tensor([0, 0, 1, 7], dtype=torch.int64)
+    u = uniform_noise(seeds, steps, 1000)
+    assert u.shape == (4, 1000) and float(u.min()) > 0.0 and float(u.max()) < 1.0
+    for i in range(4):  # a row does not depend on what else is in the batch
+        assert torch.equal(u[i], uniform_noise(seeds[i : i + 1], steps[i : i + 1], 1000)[0])
+    assert not torch.equal(u[0], u[2])  # next step: fresh draws
+    # Seeds differing only in their high 32 bits give different streams.
+    hi = uniform_noise(torch.tensor([5 + (1 << 33)]), torch.tensor([0]), 1000)[0]
+    assert not torch.equal(u[0], hi)
+    big = uniform_noise(torch.arange(64), torch.zeros(64, dtype=torch.int64), 4096)
+    assert abs(float(big.mean()) - 0.5) < 0.005
+    assert abs(float(big.var()) - 1 / 12) < 0.002
+
+
+# ---- distributions --------------------------------------------------------------------------------------
+
+LOGITS = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0, -3.0, 1.5, 0.25])
+N_DRAWS = 40000
+
+
+def _check_frequencies(tokens: torch.Tensor, expected: torch.Tensor) -> None:
+    freq = torch.bincount(tokens, minlength=expected.numel()).double() / tokens.numel()
+    sigma = (expected * (1 - expected) / tokens.numel()).sqrt()
+    # 5 sigma per bin; exactly-zero bins must stay exactly zero.
+    assert bool(((freq - expected).abs() <= 5 * sigma + 1e-12).all()), (freq.tolist(), expected.tolist())
+    chi2 = float((((freq - expected) ** 2) / expected.clamp_min(1e-12))[expected > 0].sum() * tokens.numel())
+    dof = int((expected > 0).sum()) - 1
+    assert chi2 < dof + 6 * math.sqrt(2 * dof), chi2
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 2.5])
+def test_temperature_frequencies_match_softmax(temperature):
+    tokens = _sample_many(LOGITS, SamplingParams(temperature=temperature), N_DRAWS)
+    _check_frequencies(tokens, (LOGITS.double() / temperature).softmax(-1))
+
+
+@pytest.mark.parametrize(
+    "kwargs, kept",
+    [
+        # LOGITS ranked: 4 (2.0), 6 (1.5), 0 (1.0), 1 (0.5), 7 (0.25), 2 (0.0), 3 (-0.5), 5 (-3.0)
+        (dict(top_k=3), [4, 6, 0]),
+        (dict(min_p=0.35), [4, 6, 0]),  # p/p_max = exp(l - 2): 1, .61, .37, .22, ...
+        (dict(top_p=0.5), [4, 6]),  # probs .30 .18 .11 ...: mass before #2 is .30 < .5, before #3 .48 < .5, ...
+    ],
+)
+def test_filtered_frequencies_match_renormalised_softmax(kwargs, kept):
+    probs = LOGITS.double().softmax(-1)
+    if "top_p" in kwargs:  # recompute the expected set from the rule: keep while the mass before < p
+        order = probs.argsort(descending=True)
+        before = probs[order].cumsum(0) - probs[order]
+        kept = order[before < kwargs["top_p"]].tolist()
+    expected = torch.zeros_like(probs)
+    expected[kept] = probs[kept] / probs[kept].sum()
+    tokens = _sample_many(LOGITS, SamplingParams(temperature=1.0, **kwargs), N_DRAWS // 2)
+    assert set(tokens.unique().tolist()) == set(kept)
+    _check_frequencies(tokens, expected)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    vocab=st.integers(2, 40),
+    temperature=st.floats(0.05, 3.0),
+    top_k=st.integers(-1, 45),
+    top_p=st.floats(0.01, 1.0),
+    min_p=st.floats(0.0, 1.0),
+)
+def test_filters_never_pick_a_filtered_token(data, vocab, temperature, top_k, top_p, min_p):
+    values = data.draw(st.lists(st.floats(-20, 20, allow_nan=False), min_size=vocab, max_size=vocab))
+    logits = torch.tensor(values, dtype=torch.float32)
+    sp = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    tokens = _sample_many(logits, sp, 64, step_offset=data.draw(st.integers(0, 1000)))
+    if sp.greedy:
+        assert bool((tokens == logits.argmax()).all())
+        return
+    # Reference in float64, permissive at ties and rounding: a token the sampler may keep must pass all three.
+    scaled = (logits / temperature).double()
+    probs = scaled.softmax(-1)
+    allowed = torch.ones(vocab, dtype=torch.bool)
+    if 0 < top_k < vocab:
+        allowed &= scaled >= scaled.sort(descending=True).values[top_k - 1]
+    mass_above = (probs[None, :] * (scaled[None, :] > scaled[:, None])).sum(-1)
+    allowed &= mass_above < top_p + 1e-5
+    allowed &= probs >= min_p * probs.max() * (1 - 1e-5)
+    assert bool(allowed[logits.argmax()])
+    assert bool(allowed[tokens].all()), (tokens.tolist(), allowed.nonzero().flatten().tolist())
+
+
+# ---- penalties ------------------------------------------------------------------------------------------
+
+
+def test_frequency_and_presence_penalties_move_the_argmax():
+    logits = torch.tensor([[5.0, 4.5, 0.0, 1.0]] * 6)
+    outputs = [[0, 0, 0, 3]] * 6  # token 0 produced three times, token 3 once
+    params = [
+        SamplingParams(),  # no penalty: 0
+        SamplingParams(frequency_penalty=0.2),  # 5 - 3*0.2 = 4.4 < 4.5: 1
+        SamplingParams(frequency_penalty=0.1),  # 5 - 0.3 = 4.7: still 0
+        SamplingParams(presence_penalty=0.6),  # 5 - 0.6 = 4.4: 1 (counted once, however often it came)
+        SamplingParams(presence_penalty=0.4),  # 4.6: still 0
+        SamplingParams(frequency_penalty=-2.0, presence_penalty=-2.0),  # promotes: 5 + 6 + 2 for token 0: 0
+    ]
+    tokens = sample(logits, _batch(params, outputs=outputs, vocab=4)).tokens.tolist()
+    assert tokens == [0, 1, 0, 1, 0, 0]
+    # A negative penalty promotes a produced token over an unproduced one.
+    promote = sample(
+        torch.tensor([[1.0, 4.0, 0.0, 3.5]]), _batch([SamplingParams(presence_penalty=-1.0)], outputs=[[3]], vocab=4)
+    )
+    assert promote.tokens.tolist() == [3]
+    # Penalties apply to the request's own outputs only, never to its batch neighbours.
+    mixed = sample(
+        torch.tensor([[5.0, 4.5, 0.0, 1.0]] * 2),
+        _batch([SamplingParams(presence_penalty=1.0), SamplingParams()], outputs=[[0], [0]], vocab=4),
+    )
+    assert mixed.tokens.tolist() == [1, 0]
+    # Logprobs stay those of the raw model distribution.
+    lp = sample(
+        logits[:1], _batch([SamplingParams(frequency_penalty=0.2, logprobs=True)], outputs=outputs[:1], vocab=4)
+    )
+    assert lp.tokens.tolist() == [1]
+    assert float(lp.logprobs[0]) == pytest.approx(float(logits[0].log_softmax(-1)[1]), abs=1e-6)
+
+
+# ---- seeds on the real model ----------------------------------------------------------------------------
+
+SEEDED = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=42, ignore_eos=True)
+
+
+def test_seeded_request_reproducible_alone_in_batch_and_across_engines(smol_runner, smol_tokenizer):
+    target = smol_tokenizer.encode("Once upon a time, in a land far away, there lived a dragon who loved to")
+    others = [
+        smol_tokenizer.encode("The capital of France is"),
+        smol_tokenizer.encode("List three colors of the rainbow: red, green and"),
+        smol_tokenizer.encode("def fibonacci(n):\n    "),
+    ]
+    alone = fresh_engine(smol_runner).generate([target], SEEDED)[0].output_ids
+    assert len(alone) == 16
+
+    engine = fresh_engine(smol_runner, max_prefill_tokens=16)  # chunked prefill, a different batch every step
+    neighbours = [
+        SamplingParams(max_tokens=5, temperature=1.3, seed=1),
+        SamplingParams(max_tokens=20, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.7, top_k=40, seed=7, ignore_eos=True),
+    ]
+    batched = engine.generate([others[0], target, others[1], others[2]], [neighbours[0], SEEDED, *neighbours[1:]])
+    assert batched[1].output_ids == alone
+    # Again now that the prompt's first page comes from the prefix cache.
+    again = engine.generate([target], SEEDED)[0]
+    assert again.cached_tokens > 0 and again.output_ids == alone
+    # A different seed draws a different continuation.
+    other_seed = engine.generate([target], SEEDED.model_copy(update={"seed": 43}))[0].output_ids
+    assert other_seed != alone
+    assert_pool_clean(engine)
+    # And on another fresh engine. (Engines over one runner share its KV pool, so an engine must not be used
+    # again once a newer one has run: its prefix cache would point at pages the newer one overwrote.)
+    assert fresh_engine(smol_runner).generate([target], SEEDED)[0].output_ids == alone
+
+
+# ---- logprobs -------------------------------------------------------------------------------------------
+
+
+def test_top_logprobs_validation():
+    assert SamplingParams(top_logprobs=MAX_TOP_LOGPROBS).top_logprobs == 20
+    with pytest.raises(ValidationError):
+        SamplingParams(top_logprobs=21)
+    with pytest.raises(ValidationError):
+        SamplingParams(top_logprobs=-1)
+
+
+def test_logprobs_match_transformers(smol_runner, hf_smol, smol_tokenizer):
+    prompt = smol_tokenizer.encode("The quick brown fox jumps over the lazy dog. The quick brown")
+    n = 8
+    params = [
+        SamplingParams(max_tokens=n, ignore_eos=True, logprobs=True, top_logprobs=5),
+        SamplingParams(max_tokens=n, ignore_eos=True, logprobs=True, top_logprobs=20, temperature=0.8, seed=3),
+        SamplingParams(max_tokens=n, ignore_eos=True),
+        SamplingParams(max_tokens=n, ignore_eos=True, logprobs=True),
+    ]
+    engine = fresh_engine(smol_runner)
+    results = engine.generate([prompt] * len(params), params)
+    greedy, sampled, plain, chosen_only = results
+    assert plain.logprobs == []
+    assert chosen_only.output_ids == greedy.output_ids
+    assert all(lp.top == [] for lp in chosen_only.logprobs)
+
+    for res, top_n in ((greedy, 5), (sampled, 20), (chosen_only, 0)):
+        ids = prompt + res.output_ids
+        with torch.inference_mode():
+            ref = hf_smol(torch.tensor([ids[:-1]])).logits[0, len(prompt) - 1 :].float().log_softmax(-1)
+        assert len(res.logprobs) == n
+        for i, (tok, lp) in enumerate(zip(res.output_ids, res.logprobs)):
+            assert lp.logprob == pytest.approx(float(ref[i, tok]), abs=2e-3)
+            assert len(lp.top) == top_n
+            if not top_n:
+                continue
+            top_ids = [t for t, _ in lp.top]
+            top_lps = [v for _, v in lp.top]
+            assert top_lps == sorted(top_lps, reverse=True)
+            assert len(set(top_ids)) == top_n
+            ref_top = ref[i].topk(top_n)
+            torch.testing.assert_close(torch.tensor(top_lps), ref_top.values, atol=2e-3, rtol=0)
+            for t, v in lp.top:
+                assert v == pytest.approx(float(ref[i, t]), abs=2e-3)
+            assert lp.logprob <= top_lps[0] + 1e-6
+            if tok in top_ids:
+                assert dict(lp.top)[tok] == pytest.approx(lp.logprob, abs=1e-6)
+        if res is greedy:  # greedy picks the top entry
+            assert all(lp.top[0][0] == tok for tok, lp in zip(res.output_ids, res.logprobs))
+    assert_pool_clean(engine)
+
+
+# ---- stopping -------------------------------------------------------------------------------------------
+
+
+def test_stop_token_ids_finish_with_stop(smol_runner, smol_tokenizer):
+    prompt = smol_tokenizer.encode("The capital of France is")
+    engine = fresh_engine(smol_runner)
+    full = engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0].output_ids
+    k = next(i for i in range(2, len(full)) if full[i] not in full[:i])
+    res = engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=[full[k], -5]))[0]
+    assert res.output_ids == full[: k + 1] and res.finish_reason == "stop"
+    # A stop token on the very last allowed step still reports "stop"; a stop id never produced changes nothing.
+    res = engine.generate([prompt], SamplingParams(max_tokens=k + 1, stop_token_ids=[full[k]]))[0]
+    assert res.output_ids == full[: k + 1] and res.finish_reason == "stop"
+    never = max(set(range(100)) - set(full))
+    res = engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=[never]))[0]
+    assert res.output_ids == full and res.finish_reason == "length"
+    assert_pool_clean(engine)
+
+
+def test_eos_respected_unless_ignore_eos(smol_runner, smol_tokenizer):
+    eos = set(smol_runner.model_config.eos_token_ids)
+    assert eos == {2}
+    chat = smol_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
+    engine = fresh_engine(smol_runner)
+    stopped = engine.generate([list(chat)], SamplingParams(max_tokens=30))[0]
+    assert stopped.finish_reason == "stop" and stopped.output_ids[-1] in eos
+    assert not eos & set(stopped.output_ids[:-1])
+    n = len(stopped.output_ids)
+    assert n < 30
+    past = engine.generate([list(chat)], SamplingParams(max_tokens=n + 3, ignore_eos=True))[0]
+    assert past.finish_reason == "length" and len(past.output_ids) == n + 3
+    assert past.output_ids[:n] == stopped.output_ids
+    assert_pool_clean(engine)

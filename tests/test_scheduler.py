@@ -1,0 +1,371 @@
+"""The scheduler's bookkeeping: aborts, KV-memory admission, length limits, continuous batching.
+
+Runs on a tiny random model (dummy weights) so hundreds of steps take seconds; every test drives
+`Scheduler.step()` by hand and checks the page/row ledger after each step.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+
+from common.engine.engine import Engine
+from common.engine.model import DecoderModel
+from common.engine.model_config import ModelConfig, RopeConfig
+from common.engine.runner import ModelRunner, RunnerConfig
+from common.engine.weights import init_dummy_weights
+from common.protocol import SamplingParams
+from common.sched.request import Req, ReqState
+from common.sched.scheduler import RequestRejected, Scheduler, SchedulerConfig
+from tests.engine_helpers import assert_pool_clean
+
+VOCAB = 512
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> DecoderModel:
+    cfg = ModelConfig(
+        model_type="llama",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        max_position=1024,
+        rope=RopeConfig(theta=10000.0),
+        eos_token_ids=(VOCAB - 1,),
+        name="tiny",
+    )
+    model = DecoderModel(cfg, torch.float32, torch.device("cpu"))
+    init_dummy_weights(model, seed=3)
+    assert model.lm_head is not None
+    model.lm_head.data *= 4  # spread the logits: greedy near-ties would make output comparisons fragile
+    return model
+
+
+def make_engine(
+    model: DecoderModel,
+    num_pages: int = 256,
+    max_running: int = 8,
+    max_seq_len: int = 512,
+    max_prefill_tokens: int = 64,
+    prefix_cache: bool = True,
+) -> Engine:
+    runner = ModelRunner(
+        RunnerConfig(page_size=PAGE, num_pages=num_pages, max_running=max_running, max_seq_len=max_seq_len),
+        model=model,
+    )
+    sched_cfg = SchedulerConfig(max_prefill_tokens=max_prefill_tokens, enable_prefix_cache=prefix_cache)
+    return Engine(runner=runner, sched_cfg=sched_cfg, load_tokenizer=False)
+
+
+def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    # Never the EOS id (VOCAB - 1), so prompts read the same whatever ignore_eos says.
+    return [torch.randint(0, VOCAB - 1, (n,), generator=gen).tolist() for n in lengths]
+
+
+def new_req(prompt: list[int], max_tokens: int = 8, **kw) -> Req:
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw)
+    return Req(req_id=uuid.uuid4().hex, prompt_ids=list(prompt), sampling=sp)
+
+
+def check_invariants(sched: Scheduler) -> None:
+    """Every page is free, in the prefix cache, or owned by exactly one active request; every table row is
+    free or held by exactly one active request; each request's table row points at its own pages."""
+    active = list(sched.running) + list(sched.awaiting_kv.values())
+    if sched.chunked is not None:
+        active.append(sched.chunked)
+    assert len({id(r) for r in active}) == len(active)
+    ps = sched.page_size
+    own: list[int] = []
+    for r in active:
+        r.check()
+        assert r.state in (ReqState.PREFILLING, ReqState.RUNNING, ReqState.AWAITING_KV)
+        assert r.device_len == r.prompt_len + len(r.output_ids)
+        assert 0 <= r.tree_pages <= len(r.pages)
+        assert len(r.pages) * ps >= r.cached_len
+        assert len(r.pages) <= sched.budget.pages_for(r.max_device_len)
+        assert r.table_row >= 0
+        row = sched.runner.page_table.table[r.table_row, : len(r.pages) * ps].view(-1, ps).to(torch.int64)
+        assert row[:, 0].div(ps, rounding_mode="floor").tolist() == r.pages
+        assert bool((row - row[:, :1] == torch.arange(ps)).all())
+        own.extend(r.pages[r.tree_pages :])
+    assert len({r.table_row for r in active}) == len(active)
+    assert sched.runner.page_table.num_free_rows + len(active) == sched.max_running
+    assert len(set(own)) == len(own)
+    if own:
+        assert not bool(sched.allocator.is_free(torch.tensor(own)).any())
+    cached = sched.cache.cached_pages if sched.cache is not None else 0
+    assert sched.allocator.num_free + cached + len(own) == sched.allocator.num_pages
+    assert sched.reserved_pages() <= sched.budget.available_pages()
+    assert len(sched.running) <= sched.max_running
+    for r in sched.waiting:
+        assert r.state is ReqState.WAITING and r.table_row == -1 and r.pages == [] and r.output_ids == []
+
+
+def drain(sched: Scheduler, max_steps: int = 10_000) -> int:
+    steps = 0
+    while sched.has_work():
+        sched.step()
+        check_invariants(sched)
+        steps += 1
+        assert steps < max_steps, "scheduler made no progress"
+    return steps
+
+
+def reference_outputs(model: DecoderModel, prompt_list: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    """Each prompt alone on a roomy engine."""
+    engine = make_engine(model, num_pages=256)
+    return [
+        engine.generate([p], SamplingParams(max_tokens=n, ignore_eos=True))[0].output_ids
+        for p, n in zip(prompt_list, max_tokens)
+    ]
+
+
+# ---- request ledger ---------------------------------------------------------------------------------------
+
+
+def test_req_length_invariant_is_asserted():
+    r = new_req([1, 2, 3], max_tokens=4)
+    assert (r.cached_len, r.device_len, r.max_device_len) == (0, 3, 7)
+    r.check()
+    for cached, device in ((4, 3), (-1, 3), (0, 8)):
+        r.cached_len, r.device_len = cached, device
+        with pytest.raises(AssertionError, match="lengths out of order"):
+            r.check()
+    r.cached_len, r.device_len = 7, 7
+    r.check()
+
+
+# ---- abort ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", ["waiting", "queued-behind-full-batch", "chunked-prefill", "running", "cache-hit"])
+def test_abort_at_every_stage_frees_everything(tiny_model, stage):
+    engine = make_engine(tiny_model, max_running=3, max_prefill_tokens=32)
+    sched = engine.scheduler
+    shared, *others = prompts(1, [64, 20, 9, 30])
+    bystanders = [new_req(p, max_tokens=12) for p in others[:2]]
+
+    if stage == "cache-hit":  # a finished request leaves its prompt in the cache; the victim then locks it
+        first = new_req(shared, max_tokens=4)
+        sched.add(first)
+        drain(sched)
+        assert sched.cache.cached_pages >= 4
+    for r in bystanders:
+        sched.add(r)
+
+    if stage == "waiting":
+        victim = new_req(others[2], max_tokens=12)
+        sched.add(victim)
+    elif stage == "queued-behind-full-batch":
+        sched.add(filler := new_req(others[2], max_tokens=40))
+        victim = new_req(others[2], max_tokens=12)
+        sched.add(victim)
+        for _ in range(3):
+            sched.step()
+            check_invariants(sched)
+        assert len(sched.running) == 3 and victim.state is ReqState.WAITING
+        assert filler.state is ReqState.RUNNING
+    else:
+        tail = prompts(2, [60])[0]
+        victim = new_req(shared + tail if stage == "cache-hit" else tail + shared, max_tokens=12)
+        sched.add(victim)
+        while victim.state is ReqState.WAITING or victim is not sched.chunked:
+            sched.step()
+            check_invariants(sched)
+            if stage == "running" and victim.state is ReqState.RUNNING:
+                break
+        if stage == "running":
+            while len(victim.output_ids) < 3:
+                sched.step()
+                check_invariants(sched)
+            assert victim in sched.running
+        else:
+            assert victim is sched.chunked and victim.state is ReqState.PREFILLING
+            assert victim.pages and victim.table_row >= 0
+            assert 0 < victim.cached_len < victim.prompt_len
+            if stage == "cache-hit":
+                assert victim.prefix_hit_len >= 48 and victim.tree_pages >= 3
+                assert sched.cache.protected_pages >= 3
+
+    event = sched.abort(victim.req_id)
+    assert event is not None and event.finished and event.req is victim
+    assert victim.finished and victim.finish_reason == "abort"
+    assert victim.table_row == -1 and victim.pages == [] and victim.cache_node is None
+    assert victim.req_id not in sched.by_id and victim not in sched.running and victim not in sched.waiting
+    assert sched.chunked is not victim
+    check_invariants(sched)
+    assert sched.abort(victim.req_id) is None  # twice: a no-op
+    assert sched.abort("no-such-request") is None
+    produced = len(victim.output_ids)
+
+    drain(sched)
+    assert len(victim.output_ids) == produced  # nothing more after the abort
+    for r in bystanders:
+        assert r.finish_reason == "length" and len(r.output_ids) == 12
+    assert_pool_clean(engine)
+
+
+# ---- KV-memory budget ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_tiny_pool_queues_requests_and_completes_them_all(tiny_model, prefix_cache):
+    num_pages = 10  # 160 token slots
+    engine = make_engine(tiny_model, num_pages=num_pages, max_running=8, prefix_cache=prefix_cache)
+    sched = engine.scheduler
+    # Six requests of 4 pages each (prompt 40 + 24 outputs) and one needing the whole pool (150 + 10 = 160).
+    lengths, max_tokens = [40, 40, 150, 40, 40, 40, 40], [24, 24, 10, 24, 24, 24, 24]
+    plist = prompts(5, lengths)
+    reqs = [new_req(p, n) for p, n in zip(plist, max_tokens)]
+    for r in reqs:
+        sched.add(r)
+    most_active, queued_while_busy, steps = 0, False, 0
+    while sched.has_work():
+        sched.step()  # never raises "KV pool exhausted": admission reserves prompt + max_tokens up front
+        check_invariants(sched)
+        active = len(sched.running) + (sched.chunked is not None)
+        most_active = max(most_active, active)
+        queued_while_busy |= bool(sched.waiting) and active > 0
+        steps += 1
+        assert steps < 2000
+    assert most_active == 2  # two 4-page requests fit in 10 pages, never three
+    assert queued_while_busy
+    for r, n in zip(reqs, max_tokens):
+        assert r.finish_reason == "length" and len(r.output_ids) == n
+    assert_pool_clean(engine)
+    # Queueing changes when a request runs, not what it produces.
+    assert [r.output_ids for r in reqs] == reference_outputs(tiny_model, plist, max_tokens)
+
+
+def test_request_that_can_never_fit_is_rejected(tiny_model):
+    engine = make_engine(tiny_model, num_pages=10)
+    sched = engine.scheduler
+    too_big = new_req(prompts(6, [150])[0], max_tokens=11)  # 161 tokens: 11 pages of a 10-page pool
+    with pytest.raises(RequestRejected, match="KV pages"):
+        sched.add(too_big)
+    with pytest.raises(RequestRejected):
+        engine.generate([too_big.prompt_ids], SamplingParams(max_tokens=11))
+    with pytest.raises(RequestRejected):
+        engine.score(prompts(6, [161])[0])
+    assert too_big.req_id not in sched.by_id and not sched.has_work()
+    assert_pool_clean(engine)
+    # Exactly the pool's size is fine.
+    res = engine.generate([too_big.prompt_ids], SamplingParams(max_tokens=10, ignore_eos=True))[0]
+    assert len(res.output_ids) == 10
+    assert_pool_clean(engine)
+
+
+def test_prompt_plus_max_tokens_beyond_context_rejected(tiny_model):
+    engine = make_engine(tiny_model, num_pages=64, max_seq_len=256)
+    sched = engine.scheduler
+    prompt = prompts(7, [200])[0]
+    with pytest.raises(RequestRejected, match="context length of 256"):
+        sched.add(new_req(prompt, max_tokens=57))
+    with pytest.raises(RequestRejected, match="context length"):
+        engine.score(prompts(7, [257])[0])
+    with pytest.raises(RequestRejected, match="vocabulary"):
+        sched.add(new_req([1, 2, VOCAB], max_tokens=2))
+    with pytest.raises(RequestRejected, match="vocabulary"):
+        sched.add(new_req([-1, 2], max_tokens=2))
+    dup = new_req([1, 2, 3], max_tokens=2)
+    sched.add(dup)
+    with pytest.raises(RequestRejected, match="duplicate"):
+        sched.add(Req(req_id=dup.req_id, prompt_ids=[4], sampling=SamplingParams()))
+    assert sched.abort(dup.req_id) is not None
+    assert not sched.has_work()
+    # Up to the context exactly: runs, and stops there.
+    res = engine.generate([prompt], SamplingParams(max_tokens=56, ignore_eos=True))[0]
+    assert len(res.output_ids) == 56 and res.finish_reason == "length"
+    assert_pool_clean(engine)
+
+
+# ---- many requests ------------------------------------------------------------------------------------------
+
+
+def test_many_requests_small_max_running(tiny_model):
+    gen = torch.Generator().manual_seed(8)
+    n = 40
+    lengths = torch.randint(1, 41, (n,), generator=gen).tolist()
+    max_tokens = torch.randint(1, 21, (n,), generator=gen).tolist()
+    plist = prompts(9, lengths)
+    prefix = prompts(10, [32])[0]
+    plist = [prefix + p if i % 2 else p for i, p in enumerate(plist)]  # half share a two-page prefix
+    engine = make_engine(tiny_model, num_pages=64, max_running=4, max_prefill_tokens=48)
+    sched = engine.scheduler
+    reqs = [new_req(p, m) for p, m in zip(plist, max_tokens)]
+    for r in reqs:
+        sched.add(r)
+    steps = 0
+    while sched.has_work():
+        sched.step()
+        check_invariants(sched)
+        assert len(sched.running) + (sched.chunked is not None) <= 4
+        steps += 1
+        assert steps < 5000
+    for r, m in zip(reqs, max_tokens):
+        assert r.finished and r.finish_reason == "length" and len(r.output_ids) == m
+    assert sum(r.prefix_hit_len > 0 for r in reqs) >= 10
+    assert_pool_clean(engine)
+    assert [r.output_ids for r in reqs] == reference_outputs(tiny_model, plist, max_tokens)
+
+
+def test_max_tokens_one_finishes_at_prefill(tiny_model):
+    engine = make_engine(tiny_model)
+    res = engine.generate(prompts(11, [5, 33]), SamplingParams(max_tokens=1, ignore_eos=True))
+    assert [len(r.output_ids) for r in res] == [1, 1] and {r.finish_reason for r in res} == {"length"}
+    assert not engine.scheduler.has_work()
+    assert_pool_clean(engine)
+
+
+def test_prefill_budget_below_a_page_is_refused(tiny_model):
+    # Chunks end on page boundaries, so a budget under one page could never admit a longer prompt (it used to
+    # leave such a request waiting forever).
+    with pytest.raises(ValueError, match="max_prefill_tokens"):
+        make_engine(tiny_model, max_prefill_tokens=PAGE - 1)
+    engine = make_engine(tiny_model, max_prefill_tokens=PAGE)  # one page per step works, if slowly
+    res = engine.generate(prompts(13, [50]), SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert len(res.output_ids) == 3
+    assert_pool_clean(engine)
+
+
+# ---- continuous batching ------------------------------------------------------------------------------------
+
+
+def test_request_added_while_others_decode_joins_between_steps(tiny_model):
+    engine = make_engine(tiny_model, max_prefill_tokens=64)
+    sched = engine.scheduler
+    pa, pb, pc = prompts(12, [10, 25, 90])
+    a, b = new_req(pa, max_tokens=20), new_req(pb, max_tokens=20)
+    sched.add(a)
+    sched.add(b)
+    events = sched.step()  # one prefill step for both
+    assert {e.req.req_id for e in events} == {a.req_id, b.req_id}
+    assert sched.running == [a, b]
+    for _ in range(3):  # decode steps
+        events = sched.step()
+        assert [e.req for e in events] == [a, b] and all(len(e.tokens) == 1 for e in events)
+    assert len(a.output_ids) == len(b.output_ids) == 4
+
+    c = new_req(pc, max_tokens=20)  # 90-token prompt, 64-token budget: two prefill chunks
+    sched.add(c)
+    assert c.state is ReqState.WAITING
+    events = sched.step()
+    assert events == [] and sched.chunked is c and c.cached_len == 64  # first chunk, no token yet
+    assert len(a.output_ids) == 4
+    events = sched.step()
+    assert [e.req for e in events] == [c] and len(c.output_ids) == 1  # prompt done: first token
+    assert sched.running == [a, b, c]
+    events = sched.step()
+    assert [e.req for e in events] == [a, b, c]  # c decodes in the same batch as a and b from now on
+    drain(sched)
+    assert_pool_clean(engine)
+    assert [a.output_ids, b.output_ids, c.output_ids] == reference_outputs(tiny_model, [pa, pb, pc], [20, 20, 20])
