@@ -44,6 +44,9 @@ class StubBehaviour:
     fail_count: int = 0  # ...for this many requests (then behave)
     error_event_count: int = 0  # requests answered with an "error" finish before any token
     hang: bool = False  # accept and never send anything (like a SIGSTOPped pod)
+    stall_after: int | None = None  # stop sending (without closing) after this many tokens
+    break_after: int | None = None  # drop the connection mid-body after this many tokens (a crash)
+    load_hang: bool = False  # /load never answers (a pod too busy, or frozen, to answer its health polls)
     ready: bool = True
     draining: bool = False
     cached_tokens: int = 0
@@ -80,6 +83,8 @@ class StubWorker:
         @app.get("/load")
         async def load() -> dict[str, Any]:
             b = self.b
+            while b.load_hang:
+                await asyncio.sleep(0.05)
             return {
                 "role": self.role,
                 "pod": self.pod,
@@ -169,6 +174,10 @@ class StubWorker:
                 if reason:
                     finished = True
                     return
+                if b.stall_after is not None and produced >= b.stall_after:
+                    await asyncio.sleep(3600)
+                if b.break_after is not None and produced >= b.break_after:
+                    raise ConnectionAbortedError("stub worker crashed mid-stream")
                 if b.token_delay_s:
                     await asyncio.sleep(b.token_delay_s)
                 else:

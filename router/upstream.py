@@ -35,6 +35,8 @@ log = logging.getLogger("kvferry.router")
 
 __all__ = ["Dispatcher", "PromptPlan", "UpstreamCall", "UpstreamEvent"]
 
+STALL_GRACE_S = 5.0  # after its worker is declared down, a live stream must show a token this often
+
 
 @dataclass
 class UpstreamEvent:
@@ -151,6 +153,7 @@ class UpstreamCall:
         self._killed: str | None = None
         self._closed = False
         self._worker_finished = False  # the worker sent its last event: the stream can end cleanly
+        self._streaming = False  # the first event is in: failures can no longer be retried
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> UpstreamEvent:
@@ -247,6 +250,7 @@ class UpstreamCall:
             msg = first.error or "worker error"
             raise _Retry(upstream_failed(f"generation failed before the first token: {msg}"), not blame_p, blame_p)
         self._prefill_started()
+        self._streaming = True
         return first
 
     async def _status_error(self, resp: Response, dw: Worker) -> None:
@@ -281,14 +285,14 @@ class UpstreamCall:
         """The next event, None at the end of the stream. Failures come back as an "error" finish."""
         if self._lines is None or self._closed:
             return None
+        # A stream whose worker was declared down keeps going only while tokens keep coming (kill()).
+        limit = min(self.d.inter_token_timeout_s, STALL_GRACE_S) if self._killed else self.d.inter_token_timeout_s
         try:
-            async with asyncio.timeout(self.d.inter_token_timeout_s) as deadline:
+            async with asyncio.timeout(limit) as deadline:
                 self._deadline = deadline
-                if self._killed:
-                    deadline.reschedule(asyncio.get_running_loop().time())
                 ev = await self._read_event()
         except TimeoutError:
-            reason = self._killed or f"no token for {self.d.inter_token_timeout_s:g}s"
+            reason = f"{self._killed}; no token for {limit:g}s" if self._killed else f"no token for {limit:g}s"
             return UpstreamEvent(finish_reason="error", error=reason)
         except (WireError, ValueError) as exc:
             return UpstreamEvent(finish_reason="error", error=f"decode worker failed: {type(exc).__name__}: {exc}")
@@ -309,12 +313,22 @@ class UpstreamCall:
         return None
 
     def kill(self, reason: str) -> None:
-        """Called by the pool when a worker this call waits on is declared down."""
+        """Called by the pool when a worker this call waits on is declared down.
+
+        Before the first token the wait ends at once (the call is retried elsewhere). A stream already
+        producing tokens only gets a short grace deadline per token instead: a worker can miss its
+        health polls while busy yet stream fine, and cutting a live stream would be the worse mistake;
+        a stream that has really stopped still ends within ``STALL_GRACE_S``."""
         if self._killed is None:
             self._killed = reason
         if self._deadline is not None:
+            now = asyncio.get_running_loop().time()
+            when = now
+            if self._streaming:
+                current = self._deadline.when()
+                when = now + STALL_GRACE_S if current is None else min(current, now + STALL_GRACE_S)
             try:
-                self._deadline.reschedule(asyncio.get_running_loop().time())
+                self._deadline.reschedule(when)
             except RuntimeError:
                 # The wait it bounded is already over: this call is itself declaring the worker down
                 # from its except clause (a refused connection), after the timeout block exited.

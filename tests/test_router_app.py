@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -259,16 +258,18 @@ def test_all_busy_is_429_and_bad_request_passes_through(h: Harness, script: list
 
 
 def test_failure_after_first_token(h: Harness, script: list[int]) -> None:
-    # The stub stream is killed mid-generation by stopping its server.
-    d, durl = h.worker("decode", "d0", StubBehaviour(script=script, token_delay_s=0.05))
-    url = h.router([durl], inter_token_timeout_s=1.0)
+    # The worker's stream breaks mid-generation (connection dropped without the final chunk): tokens
+    # already sent cannot be retried, so the client gets an OpenAI-shaped error, in-stream or as a 502.
+    _, durl = h.worker("decode", "d0", StubBehaviour(script=script, break_after=5))
+    url = h.router([durl])
     c = oai(url)
-    killer = threading.Timer(0.4, h.servers[0].stop)
-    killer.start()
-    with pytest.raises(openai.APIError):
-        for _ in c.completions.create(model=MODEL, prompt="x", max_tokens=500, temperature=0, stream=True):
-            pass
-    killer.join()
+    got = []
+    with pytest.raises(openai.APIError) as e:
+        for ch in c.completions.create(model=MODEL, prompt="x", max_tokens=500, temperature=0, stream=True):
+            got.append(ch.choices[0].text)
+    assert "".join(got) and "generation failed" in str(e.value)
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 500, "temperature": 0})
+    assert r.status_code == 502 and r.json()["error"]["type"] == "server_error"
 
 
 def test_client_disconnect_aborts_upstream(h: Harness, script: list[int]) -> None:
@@ -378,3 +379,29 @@ def test_sse_wire_format(h: Harness, script: list[int]) -> None:
     assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
     for e in events[:-1]:
         assert json.loads(e[6:])["object"] == "chat.completion.chunk"
+
+
+def test_worker_missing_health_polls_keeps_live_streams_but_stalled_ones_end(h: Harness, script: list[int]) -> None:
+    """A decode pod that stops answering /load is declared down. A stream still producing tokens from
+    it is not cut (the pod may only be too busy for its polls); one that has stopped ends with an error
+    within the stall grace, long before the inter-token deadline."""
+    b = StubBehaviour(script=script, token_delay_s=0.05)
+    d, durl = h.worker("decode", "d0", b)
+    url = h.router([durl], poll_timeout_s=0.3, down_after_failures=2)
+    c = oai(url, timeout=60)
+    stream = c.completions.create(model=MODEL, prompt="x", max_tokens=80, temperature=0, stream=True)
+    b.load_hang = True  # from now on the pool's polls time out
+    text = "".join(ch.choices[0].text for ch in stream)
+    assert len(text) > 0 and d.completed == 1  # 80 tokens x 50 ms: well past the pod's "down" mark
+    assert not workers(url)[0]["up"]
+    # A stream that stops: ends in error within the grace period after the pod is down.
+    b.load_hang = False
+    wait_for(lambda: workers(url)[0]["up"], what="pod back up")
+    b.stall_after = 3
+    stream = c.completions.create(model=MODEL, prompt="x", max_tokens=80, temperature=0, stream=True)
+    b.load_hang = True
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIError):
+        for _ in stream:
+            pass
+    assert time.monotonic() - t0 < 15
