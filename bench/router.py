@@ -11,7 +11,7 @@ at a time, alternating between
   - direct: POST {decode}/internal/generate with the prompt's token ids (tokenized once, up front),
     reading the NDJSON stream to the end;
   - routed: POST {router}/v1/completions with the prompt text (non-streaming, and streaming with SSE),
-and reports p50/p99 of each and of the difference. The stub worker (router/stub_worker.py) answers
+and reports p50/p99 of each and of the difference. The zero-cost worker (bench/fake_worker.py) answers
 instantly, so its numbers are the router's cost alone; `--real` repeats the comparison against the real
 worker, where model time adds noise to both sides.
 
@@ -177,11 +177,11 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 def latency_vs_stub(args: argparse.Namespace, tok: Any, redis_url: str, logs: Path) -> dict[str, Any]:
-    from router.stub_worker import free_port
+    from common.net import free_port
 
     dport, pport, rport = free_port(), free_port(), free_port()
     env = dict(os.environ, KVFERRY_LOG_LEVEL="WARNING")
-    stub = [sys.executable, "-m", "router.stub_worker"]
+    stub = [sys.executable, str(Path(__file__).resolve().parent / "fake_worker.py")]
     procs = [
         start([*stub, "--port", str(dport), "--pod", "stub-d0"], env, logs / "stub-decode.log"),
         start([*stub, "--role", "prefill", "--port", str(pport), "--pod", "stub-p0"], env, logs / "stub-prefill.log"),
@@ -304,8 +304,8 @@ def main() -> int:
 
     import tempfile
 
+    from common.net import free_port
     from router.local_cluster import ManagedProcess, _wait_redis
-    from router.stub_worker import free_port
     from router.tokenizer import load_tokenizer
 
     tok, _ = load_tokenizer(MODEL, args.tokenizer)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from router.stub_worker import free_port
+from common.net import free_port
 
 __all__ = ["ClusterError", "LocalCluster", "ManagedProcess", "main", "start_local_cluster"]
 

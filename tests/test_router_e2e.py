@@ -17,10 +17,11 @@ import openai
 import pytest
 
 from common.config import RouterConfig
+from common.net import free_port
 from router.discovery import StaticDiscovery
 from router.local_cluster import LocalCluster, start_local_cluster
+from router.server_thread import ServerThread
 from router.settings import RouterOptions
-from router.stub_worker import ServerThread, free_port
 from router.tokenizer import ModelInfo, RouterTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,8 +16,8 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 from kubernetes import client as k8s_client
 
+from common.net import free_port
 from router.discovery import KubernetesDiscovery, pod_url
-from router.stub_worker import free_port
 
 NS = "kvf"
 

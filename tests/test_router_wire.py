@@ -10,7 +10,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from router.stub_worker import ServerThread, free_port
+from common.net import free_port
+from router.server_thread import ServerThread
 from router.wire import ConnectError, ProtocolError, WireClient
 
 

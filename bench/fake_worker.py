@@ -1,11 +1,7 @@
-"""A stand-in for a worker that speaks the router<->worker HTTP contract without a model.
-
-For router tests and the router benchmark: it answers ``/ready``, ``/health``, ``/load`` and streams
-``/internal/generate`` as NDJSON TokenEvents from a token script, instantly or with set delays, and can
-be told to fail (status codes, error events, hanging) so retries and failover can be exercised. It is
-not a mock of router code: the router talks to it over real HTTP exactly as to a real worker.
-
-``ServerThread`` runs any ASGI app under uvicorn on a background thread (tests, benchmarks).
+"""A zero-cost worker for benchmarking the router alone (bench/router.py): it speaks the worker HTTP
+contract (``/ready``, ``/health``, ``/load``, NDJSON ``/internal/generate``) from a token script with no
+model, so the router's added latency is measured without model time in the noise. Benchmarks only: the
+tests run real workers.
 """
 
 from __future__ import annotations
@@ -13,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
-import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -24,13 +18,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-__all__ = ["ServerThread", "StubBehaviour", "StubWorker", "free_port"]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+__all__ = ["StubBehaviour", "StubWorker"]
 
 
 @dataclass
@@ -190,42 +178,12 @@ class StubWorker:
                 self.aborted += 1
 
 
-class ServerThread:
-    """uvicorn serving ``app`` on 127.0.0.1:``port`` in a daemon thread; ``stop()`` shuts it down."""
-
-    def __init__(self, app: Any, port: int | None = None, lifespan: str = "on") -> None:
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan=lifespan)
-        self.server = uvicorn.Server(cfg)
-        self.thread = threading.Thread(target=self.server.run, daemon=True, name=f"uvicorn-{self.port}")
-
-    def start(self, timeout_s: float = 30.0) -> ServerThread:
-        self.thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"server on port {self.port} did not start")
-            time.sleep(0.01)
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-    def __enter__(self) -> ServerThread:
-        return self if self.server.started else self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
 def main(argv: list[str] | None = None) -> int:
-    """``python -m router.stub_worker --role decode --port P --pod NAME``: a stub worker process (tests
+    """``python bench/fake_worker.py --role decode --port P --pod NAME``: a stub worker process (tests
     that need a real process to stop with SIGSTOP, benchmarks)."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m router.stub_worker")
+    p = argparse.ArgumentParser(prog="python bench/fake_worker.py")
     p.add_argument("--role", choices=["prefill", "decode"], default="decode")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--pod", default="")
