@@ -230,6 +230,8 @@ async def read_message(request: Request, model: type) -> Any:
         raise BadMessage(_validation_message(e.errors())) from None
     except (ValueError, UnicodeDecodeError) as e:
         raise BadMessage(f"body is not valid JSON: {e}") from None
+    except RecursionError:  # json.loads on deeply nested arrays/objects
+        raise BadMessage("body is not valid JSON: nested too deeply") from None
 
 
 # Engine error codes -> HTTP status, for both workers.
