@@ -34,7 +34,7 @@ class SamplingParams(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1)  # -1 or 0: off
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # the sampler hashes it as an int64
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stop_token_ids: list[int] = Field(default_factory=list, max_length=1024)
