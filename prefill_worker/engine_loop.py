@@ -13,6 +13,7 @@ from common.protocol import HandshakeRequest, PrefillRequest
 from common.sched.request import Req
 from common.serving.channel import Message
 from common.serving.engine_host import EngineHost
+from common.transfer.agent import PeerError
 from common.transfer.layout import LayoutMismatch
 from common.transfer.sender import KVSender, RequestTransfer, TransferError
 
@@ -53,6 +54,9 @@ class PrefillHost(EngineHost):
                 self.agent.add_peer(hs.agent_name, hs.instance_id, hs.agent_metadata_b64, hs.pool_info_b64, hs.layout)
             except LayoutMismatch as e:
                 self.reject(msg, str(e), "layout_mismatch")
+                return
+            except PeerError as e:  # undecodable or inconsistent handshake: the caller's fault (400)
+                self.reject(msg, str(e), "invalid_request")
                 return
             self.reply(
                 msg,

@@ -128,7 +128,10 @@ class KVTransferAgent:
             )
             self.remove_peer(agent_name)
 
-        loaded = self._nixl.add_remote_agent(metadata)
+        try:
+            loaded = self._nixl.add_remote_agent(metadata)
+        except Exception as e:  # NIXL refuses metadata it cannot deserialize (nixlMismatchError)
+            raise PeerError(f"bad handshake from {agent_name!r}: NIXL cannot load its metadata ({e})") from e
         loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         if loaded_name != agent_name:
             if loaded_name not in self._peers:
