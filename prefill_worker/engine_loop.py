@@ -69,6 +69,12 @@ class PrefillHost(EngineHost):
             if not self.agent.has_peer(pr.dst_agent, pr.dst_instance_id):
                 self.reject(msg, f"no handshake with {pr.dst_agent} instance {pr.dst_instance_id}", "unknown_peer")
                 return
+            # Checked here, not when the first chunk is posted: a bad page id raised inside a scheduler
+            # step would take the engine process (and every request on it) down.
+            dst_pool = self.agent.peer(pr.dst_agent).pool.num_pages
+            if any(p < 0 or p >= dst_pool for p in pr.dst_pages):
+                self.reject(msg, f"dst_pages must lie in [0, {dst_pool}) (the peer's pool)", "invalid_request")
+                return
             dst = torch.tensor(pr.dst_pages, dtype=torch.int64)
             if dst.numel() != -(-len(pr.token_ids) // self.page_size):
                 self.reject(msg, "dst_pages does not cover the prompt", "invalid_request")
