@@ -103,7 +103,13 @@ class EngineHost:
                 timeout = 0.0
             self.tick()
             if self.scheduler.has_work():
-                self.emit_step_events(self.scheduler.step())
+                try:
+                    self.emit_step_events(self.scheduler.step())
+                except Exception:
+                    # A step that raised left its batch in an unknown state: fail the requests in flight (their
+                    # pages come back) and keep serving, rather than take the whole worker down.
+                    log.exception("scheduler step failed; aborting the requests in flight")
+                    self.fail_all("internal error in the engine step")
                 self.after_step()
             evicted = self.scheduler.cache.drain_evicted_hashes() if self.scheduler.cache is not None else []
             if evicted:
@@ -171,6 +177,14 @@ class EngineHost:
             page_size=self.page_size,
             ready=True,
         )
+
+    def fail_all(self, error: str) -> None:
+        s = self.scheduler
+        active = [r.req_id for r in (*s.waiting, *s.running, *s.awaiting_kv.values())]
+        if s.chunked is not None:
+            active.append(s.chunked.req_id)
+        for rid in active:
+            self.abort(rid, "error", error)
 
     # ---- role hooks --------------------------------------------------------------------------------
     def has_work(self) -> bool:
