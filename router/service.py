@@ -126,7 +126,10 @@ class RouterService:
         prompts: list[list[int]] = []
         for p in req.prompts():
             if isinstance(p, str):
-                ids = await asyncio.to_thread(self.tok.encode, p) if len(p) > _LONG_TEXT else self.tok.encode(p)
+                try:
+                    ids = await asyncio.to_thread(self.tok.encode, p) if len(p) > _LONG_TEXT else self.tok.encode(p)
+                except (TypeError, ValueError):  # the tokenizer refuses text that is not valid Unicode
+                    raise bad_request("prompt is not valid Unicode text (lone surrogates?)", "prompt") from None
                 if not ids:
                     raise bad_request("prompt must not be empty", "prompt")
             else:
