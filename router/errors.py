@@ -124,6 +124,12 @@ def upstream_failed(message: str) -> OpenAIError:
     return OpenAIError(502, message, "server_error", None, "upstream_error")
 
 
+# Names pydantic puts in an error's loc for the branch of a union that failed ("str", "list[int]", ...):
+# not parameters. Exact names, so that real fields such as "stream" or "integer_thing" are kept.
+_UNION_BRANCHES = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+_UNION_PREFIXES = ("function-", "list[", "dict[", "literal[", "tuple[")
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """First validation error as ``param: message`` (OpenAI reports one problem at a time)."""
     errors = exc.errors()
@@ -134,7 +140,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
     if err.get("type") == "json_invalid":
         return "We could not parse the JSON body of your request.", None
-    param = ".".join(p for p in loc if not p.startswith(("function-", "list[", "str", "int", "literal["))) or None
+    param = ".".join(p for p in loc if p not in _UNION_BRANCHES and not p.startswith(_UNION_PREFIXES)) or None
     msg = str(err.get("msg", "invalid value"))
     # pydantic prefixes custom ValueErrors with "Value error, "; the client does not need to see that.
     msg = msg.removeprefix("Value error, ")
