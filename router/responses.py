@@ -15,10 +15,9 @@ from router.choice import TokenInfo
 from router.tokenizer import RouterTokenizer
 
 __all__ = [
-    "chat_chunk",
     "chat_logprobs",
     "chat_response",
-    "completion_chunk",
+    "stream_chunk",
     "completion_logprobs",
     "completion_response",
     "sse",
@@ -116,7 +115,8 @@ def completion_choice(
 
 
 # ---- stream chunks -------------------------------------------------------------------------------
-def chat_chunk(
+def stream_chunk(
+    object_name: str,
     rid: str,
     created: int,
     model: str,
@@ -124,35 +124,15 @@ def chat_chunk(
     include_usage: bool,
     use: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """One SSE chunk: `object_name` is "chat.completion.chunk" or "text_completion"."""
     chunk: dict[str, Any] = {
         "id": rid,
-        "object": "chat.completion.chunk",
+        "object": object_name,
         "created": created,
         "model": model,
         "system_fingerprint": None,
         "choices": choices,
     }
     if include_usage:  # with include_usage every chunk carries "usage": null except the last one
-        chunk["usage"] = use
-    return chunk
-
-
-def completion_chunk(
-    rid: str,
-    created: int,
-    model: str,
-    choices: list[dict[str, Any]],
-    include_usage: bool,
-    use: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    chunk: dict[str, Any] = {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": choices,
-    }
-    if include_usage:
         chunk["usage"] = use
     return chunk

@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal
 
 from router.choice import ChoiceDelta, ChoiceState, TokenInfo
@@ -22,14 +23,13 @@ from router.openai_api import ChatCompletionRequest, CompletionRequest
 from router.responses import (
     SSE_DONE,
     chat_choice,
-    chat_chunk,
     chat_logprobs,
     chat_response,
     completion_choice,
-    completion_chunk,
     completion_logprobs,
     completion_response,
     sse,
+    stream_chunk,
     usage,
 )
 from router.settings import RouterOptions
@@ -251,7 +251,7 @@ class RouterService:
     # ---- streaming -----------------------------------------------------------------------------------
     async def stream(self, job: Job, choices: list[RunningChoice]) -> AsyncIterator[bytes]:
         chat = job.kind == "chat"
-        chunk = chat_chunk if chat else completion_chunk
+        chunk = partial(stream_chunk, "chat.completion.chunk" if chat else "text_completion")
         iu = job.include_usage
         if chat:  # OpenAI opens each choice with the role
             yield sse(
