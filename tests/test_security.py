@@ -1,0 +1,303 @@
+"""Security: bearer-token auth on the router (real cluster, real HTTP), secrets kept out of logs and
+process arguments, the Kubernetes manifests exposing only the router (Service ports, NetworkPolicy
+reachability of the workers' internal ports and of Redis), and no pickle/eval/exec/marshal on anything
+a kvferry process receives (a source scan of every module that runs in the pods)."""
+
+from __future__ import annotations
+
+import ast
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from router.local_cluster import LocalCluster, start_local_cluster
+from tests.test_k8s_manifests import (
+    NAMESPACE,
+    TARGETS,
+    _render,
+    container,
+    ingress_allowed,
+    of_kind,
+    one,
+    pod_labels,
+    resolve_port,
+    role_deployments,
+    selector_matches,
+)
+from tests.test_reliability import assert_openai_error
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "smollm2-135m-instruct"
+SECRET = "kvf-test-secret-7f3a9c2e51d84b06"
+SERVED_PACKAGES = ("common", "router", "prefill_worker", "decode_worker")
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+# ---- the router with an API key ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    if not (ROOT / "prefill_worker" / "main.py").exists():
+        pytest.skip("workers not available")
+    # DEBUG everywhere: the most a misconfigured pod would log.
+    c = start_local_cluster(
+        prefill=1, decode=1, api_key=SECRET, env={"KVFERRY_LOG_LEVEL": "DEBUG", "KVFERRY_NUM_PAGES": "128"}
+    )
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def _assert_401(r: httpx.Response) -> None:
+    assert r.status_code == 401, (r.status_code, r.text[:300])
+    err = assert_openai_error(r.json())
+    assert err["code"] == "invalid_api_key" and err["type"] == "invalid_request_error"
+    assert r.headers.get("www-authenticate") == "Bearer"
+    assert SECRET not in r.text
+
+
+@pytest.mark.timeout(300)
+def test_bearer_auth_on_every_protected_route(cluster: LocalCluster) -> None:
+    url = cluster.router_url
+    body = {"model": MODEL, "messages": FRANCE, "max_tokens": 2}
+    protected = [
+        ("GET", "/v1/models", None),
+        ("GET", f"/v1/models/{MODEL}", None),
+        ("POST", "/v1/chat/completions", body),
+        ("POST", "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 2}),
+        ("GET", "/router/workers", None),
+    ]
+    wrong = [
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": f"Bearer {SECRET[:-1]}"},  # a prefix of the key
+        {"Authorization": f"Bearer {SECRET}x"},  # the key plus more
+        {"Authorization": f"Bearer  {SECRET}"},
+        {"Authorization": SECRET},  # no scheme
+        {"Authorization": f"Basic {SECRET}"},
+        {"Authorization": ""},
+        {"X-Api-Key": SECRET},  # the key, but not where the router reads it
+        {"Authorization": f"Bearer {SECRET}\u00e9".encode()},  # raw non-ASCII bytes
+    ]
+    for method, path, payload in protected:
+        for headers in wrong:
+            _assert_401(httpx.request(method, url + path, json=payload, headers=headers, timeout=30))
+        r = httpx.request(method, url + path, json=payload, headers={"Authorization": f"Bearer {SECRET}"}, timeout=60)
+        assert r.status_code == 200, (path, r.text[:300])
+    # Unauthenticated requests are refused before the body is read or parsed: an invalid or oversized
+    # body still gets 401, not 400/413.
+    _assert_401(httpx.post(f"{url}/v1/chat/completions", content=b"{not json", timeout=10))
+    _assert_401(httpx.post(f"{url}/v1/completions", content=b"x" * (9 << 20), timeout=30))
+    # Probes stay open (kubelet does not carry the key).
+    for path in ("/health", "/ready"):
+        assert httpx.get(url + path, timeout=5).status_code == 200
+    # The official client: the wrong key is an AuthenticationError, the right one works.
+    bad = openai.OpenAI(base_url=f"{url}/v1", api_key="sk-wrong", max_retries=0, timeout=30)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=2)  # type: ignore[arg-type]
+    assert e.value.code == "invalid_api_key"
+    good = openai.OpenAI(base_url=f"{url}/v1", api_key=SECRET, max_retries=0, timeout=120)
+    r = good.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=8, temperature=0)  # type: ignore[arg-type]
+    assert "Paris" in r.choices[0].message.content
+    stream = good.completions.create(model=MODEL, prompt="One, two,", max_tokens=3, stream=True)
+    assert "".join(c.choices[0].text for c in stream)
+
+
+@pytest.mark.timeout(300)
+def test_secret_never_logged_nor_in_process_arguments(cluster: LocalCluster) -> None:
+    """The router runs at DEBUG; after authenticated, unauthenticated, failing and streamed requests, the
+    key appears in no part's captured output (stdout and stderr both go to its log) nor in any command
+    line (`ps` shows those to every user of the node)."""
+    url = cluster.router_url
+    auth = {"Authorization": f"Bearer {SECRET}"}
+    httpx.get(f"{url}/v1/models", headers=auth, timeout=10)
+    httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {SECRET}-wrong"}, timeout=10)
+    httpx.post(f"{url}/v1/chat/completions", headers=auth, json={"messages": "bad"}, timeout=10)
+    httpx.post(f"{url}/v1/chat/completions", headers=auth, json={"model": "nope", "messages": FRANCE}, timeout=10)
+    httpx.post(f"{url}/v1/completions", headers=auth, json={"prompt": SECRET, "max_tokens": 2}, timeout=60)
+    with httpx.stream(
+        "POST",
+        f"{url}/v1/completions",
+        headers=auth,
+        json={"prompt": "Hi", "max_tokens": 2, "stream": True},
+        timeout=60,
+    ) as r:
+        r.read()
+    # Let the parts flush (their loggers write line by line; give stragglers a moment).
+    time.sleep(1.0)
+    logs = sorted(cluster.log_dir.glob("*.log"))
+    assert {p.name for p in logs} >= {"router.log", "prefill-0.log", "decode-0.log"}
+    router_log = (cluster.log_dir / "router.log").read_text(errors="replace")
+    assert "router starting" in router_log and "auth=True" in router_log  # DEBUG output was captured
+    for path in logs:
+        text = path.read_text(errors="replace")
+        # The prompt we sent was the secret itself: a worker that logged prompt text would show it too.
+        assert SECRET not in text, f"{path.name} contains the API key"
+    for part in cluster.parts:
+        assert part.proc is not None
+        cmdline = Path(f"/proc/{part.proc.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        assert SECRET not in cmdline, f"{part.name}'s command line contains the API key"
+
+
+# ---- Kubernetes: what is exposed ------------------------------------------------------------------
+@pytest.fixture(params=sorted(TARGETS))
+def objs(request) -> list[dict]:
+    return list(_render(request.param))
+
+
+def test_router_service_exposes_only_the_router_port(objs: list[dict]) -> None:
+    roles = role_deployments(objs)
+    router_cont = container(roles["router"])
+    internal_ports = {resolve_port("http", container(roles[r])) for r in ("prefill", "decode")}
+    for svc in of_kind(objs, "Service"):
+        spec = svc["spec"]
+        name = svc["metadata"]["name"]
+        assert spec.get("type", "ClusterIP") == "ClusterIP", f"{name} is reachable from outside the cluster"
+        assert not spec.get("externalIPs") and not spec.get("loadBalancerIP"), name
+        selected = {r for r, d in roles.items() if selector_matches({"matchLabels": spec["selector"]}, pod_labels(d))}
+        if "router" in selected:
+            assert selected == {"router"}, f"{name} selects {selected}"
+            targets = {resolve_port(p.get("targetPort", p["port"]), router_cont) for p in spec["ports"]}
+            assert targets == {8000}, f"{name} forwards to {targets}: only the router's OpenAI port may be exposed"
+            assert not (targets & internal_ports)
+    # Workers are only ever addressed pod to pod (headless); no Ingress or Route points at them.
+    for role in ("prefill", "decode"):
+        assert one(objs, "Service", f"kvferry-{role}")["spec"].get("clusterIP") == "None"
+    for ing in of_kind(objs, "Ingress"):
+        for rule in ing["spec"].get("rules", []):
+            for p in rule.get("http", {}).get("paths", []):
+                assert p["backend"]["service"]["name"] == "kvferry-router", ing["metadata"]["name"]
+    for deploy in of_kind(objs, "Deployment"):
+        spec = deploy["spec"]["template"]["spec"]
+        assert not spec.get("hostNetwork"), deploy["metadata"]["name"]
+        for cont in spec["containers"]:
+            assert all("hostPort" not in p for p in cont.get("ports", [])), deploy["metadata"]["name"]
+
+
+def test_network_policy_keeps_internal_ports_to_kvferry_pods(objs: list[dict]) -> None:
+    def pod(name: str, ns: str = NAMESPACE) -> dict:
+        return {"labels": pod_labels(one(objs, "Deployment", name)), "ns": ns}
+
+    router, prefill, decode, redis = (pod(f"kvferry-{n}") for n in ("router", "prefill", "decode", "redis"))
+    outsiders = [
+        {"labels": {"app": "debug-shell"}, "ns": NAMESPACE},  # any other pod of the namespace
+        {"labels": {"app.kubernetes.io/name": "kvferry"}, "ns": NAMESPACE},  # a kvferry label, no component
+        pod("kvferry-router", ns="other-team"),  # the router's labels in another namespace
+        {"labels": {}, "ns": None, "ip": "203.0.113.7"},  # outside the cluster
+        {"labels": {}, "ns": None, "ip": "10.0.0.5"},  # a node / in-cluster address
+    ]
+    # The workers' HTTP ports carry /internal/*: the router and the workers only.
+    for dst, port in (("kvferry-prefill", 8100), ("kvferry-decode", 8200)):
+        assert ingress_allowed(objs, router, dst, port), (dst, port)
+        for src in outsiders + [redis]:
+            assert not ingress_allowed(objs, src, dst, port), (src, dst, port)
+    assert ingress_allowed(objs, decode, "kvferry-prefill", 8100)  # handshake + prefill jobs
+    # Redis: only kvferry's own pods.
+    for src in (router, prefill, decode):
+        assert ingress_allowed(objs, src, "kvferry-redis", 6379)
+    for src in outsiders:
+        assert not ingress_allowed(objs, src, "kvferry-redis", 6379), src
+    # The router is what faces clients.
+    assert ingress_allowed(objs, outsiders[3], "kvferry-router", 8000)
+
+
+def test_api_key_comes_from_a_secret(objs: list[dict]) -> None:
+    cont = container(role_deployments(objs)["router"])
+    env = {e["name"]: e for e in cont.get("env", [])}
+    entry = env.get("KVFERRY_API_KEY")
+    assert entry is not None, "the router should read its key from the environment"
+    assert "value" not in entry and "secretKeyRef" in entry.get("valueFrom", {}), entry
+    for cm in of_kind(objs, "ConfigMap"):
+        assert "KVFERRY_API_KEY" not in (cm.get("data") or {}), cm["metadata"]["name"]
+
+
+# ---- no unsafe deserialization or dynamic code --------------------------------------------------
+_BANNED_MODULES = {"pickle", "cPickle", "_pickle", "marshal", "shelve", "dill", "cloudpickle", "joblib", "jsonpickle"}
+_BANNED_CALLS = {"eval", "exec"}
+# multiprocessing objects that pickle what they carry (the engine channel uses send_bytes/recv_bytes).
+_PICKLING_MP = {"Queue", "SimpleQueue", "JoinableQueue", "Manager", "Listener", "Client"}
+# Libraries' pickle-based entry points.
+_BANNED_ATTRS = {"get_serialized_descs", "deserialize_descs", "loads_pickle"}
+
+
+def _served_sources() -> list[Path]:
+    files = [p for pkg in SERVED_PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))]
+    assert len(files) > 30, files
+    return files
+
+
+def _violations(path: Path, root: Path = ROOT) -> list[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    rel = path.relative_to(root)
+    found = []
+    for node in ast.walk(tree):
+        where = f"{rel}:{getattr(node, 'lineno', '?')}"
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in _BANNED_MODULES:
+                    found.append(f"{where}: import {alias.name}")
+        elif isinstance(node, ast.ImportFrom):
+            mod = (node.module or "").split(".")[0]
+            if mod in _BANNED_MODULES:
+                found.append(f"{where}: from {node.module} import ...")
+            if mod == "multiprocessing" and any(a.name in _PICKLING_MP for a in node.names):
+                found.append(f"{where}: pickling multiprocessing object")
+        elif isinstance(node, ast.Call):
+            fn = node.func
+            if isinstance(fn, ast.Name) and fn.id in _BANNED_CALLS | {"__import__"}:
+                found.append(f"{where}: {fn.id}(...)")
+            if isinstance(fn, ast.Attribute):
+                if fn.attr in _BANNED_CALLS and isinstance(fn.value, ast.Name) and fn.value.id == "builtins":
+                    found.append(f"{where}: builtins.{fn.attr}(...)")
+                if fn.attr == "recv" and not node.args and not node.keywords:
+                    found.append(f"{where}: Connection.recv() unpickles; use recv_bytes()")
+                if fn.attr == "load" and isinstance(fn.value, ast.Name) and fn.value.id == "torch":
+                    kw = {k.arg: k.value for k in node.keywords}
+                    weights_only = kw.get("weights_only")
+                    if not (isinstance(weights_only, ast.Constant) and weights_only.value is True):
+                        found.append(f"{where}: torch.load without weights_only=True unpickles")
+                if (
+                    fn.attr in ("load", "unsafe_load", "full_load")
+                    and isinstance(fn.value, ast.Name)
+                    and fn.value.id == "yaml"
+                ):
+                    found.append(f"{where}: yaml.{fn.attr}")
+                if fn.attr == "load" and isinstance(fn.value, ast.Name) and fn.value.id in ("np", "numpy"):
+                    kw = {k.arg: k.value for k in node.keywords}
+                    ap = kw.get("allow_pickle")
+                    if isinstance(ap, ast.Constant) and ap.value is True:
+                        found.append(f"{where}: numpy.load(allow_pickle=True)")
+        elif isinstance(node, ast.Attribute):
+            if node.attr in _BANNED_ATTRS:
+                found.append(f"{where}: .{node.attr} (pickle-based)")
+            if (
+                node.attr in _PICKLING_MP
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("mp", "multiprocessing")
+            ):
+                found.append(f"{where}: multiprocessing.{node.attr} pickles")
+    return found
+
+
+def test_no_pickle_eval_exec_or_marshal_in_served_code() -> None:
+    violations = [v for path in _served_sources() for v in _violations(path)]
+    assert not violations, "\n".join(violations)
+
+
+def test_the_scan_catches_what_it_looks_for(tmp_path: Path) -> None:
+    """Guard against a scan that passes everything."""
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "import pickle\nfrom marshal import loads\nimport torch, yaml, builtins\n"
+        "eval('1')\nexec('x = 1')\nbuiltins.eval('2')\nconn.recv()\ntorch.load('w.pt')\nyaml.load(s)\n"
+        "import multiprocessing as mp\nq = mp.Queue()\nagent.get_serialized_descs(d)\n"
+    )
+    found = _violations(bad, tmp_path)
+    assert {int(v.split(":")[1]) for v in found} == {1, 2, 4, 5, 6, 7, 8, 9, 11, 12}, found
+    ok = tmp_path / "ok.py"
+    ok.write_text("import json\nmodel.eval()\nconn.recv_bytes()\ntorch.load('w.pt', weights_only=True)\nsock.recv(4)\n")
+    assert _violations(ok, tmp_path) == []
