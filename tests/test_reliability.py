@@ -1,0 +1,577 @@
+"""Faults on CPU against a real local cluster (redis-server, 2 prefill + 2 decode workers, the router):
+kill -9 of a prefill worker mid-transfer, of a decode worker mid-stream and of the router mid-stream; a
+prefill worker restarted on the same address; Redis killed and restarted; clients that hang up mid-stream
+or mid-prefill; a worker that stops answering (SIGSTOP).
+
+Every test asserts the same four things: the request in flight gets a clear OpenAI-shaped error or is
+retried and succeeds; nothing waits past a deadline (every wait here is bounded); every KV page comes
+back on every worker (``/load``: free_pages == total_pages, running_requests == 0); and the system keeps
+serving (a follow-up request succeeds). Each test leaves the cluster whole again (killed parts are
+restarted on their addresses), so the tests can run in any order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import openai
+import pytest
+import redis
+
+from router.local_cluster import LocalCluster, ManagedProcess, start_local_cluster
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [
+    pytest.mark.skipif(
+        not (ROOT / "prefill_worker" / "main.py").exists() or not (ROOT / "decode_worker" / "main.py").exists(),
+        reason="workers not available",
+    ),
+    pytest.mark.timeout(240),
+]
+
+MODEL = "smollm2-135m-instruct"
+# Small KV pools and a small prefill chunk, so a long prompt takes many chunks (a window to kill the
+# prefill worker mid-transfer). Long prompts always go to a prefill pod (never "the decode pod holds the
+# prefix"), so the prefill and transfer paths are exercised on purpose.
+ENV = {
+    "KVFERRY_NUM_PAGES": "256",
+    "KVFERRY_MAX_PREFILL_TOKENS": "64",
+    "KVFERRY_PAGE_SIZE": "16",
+    "KVFERRY_ROUTER_LOCAL_PREFIX_FRACTION": "2",
+    "KVFERRY_ROUTER_DISAGG_MIN_PROMPT_TOKENS": "256",
+}
+FAULTS_SURVIVED: list[str] = []
+
+
+# ---- helpers (also used by tests/test_soak.py and tests/test_fuzz.py) --------------------------------
+def worker_urls(cluster: LocalCluster) -> list[str]:
+    return [w.url for w in cluster.workers if w.url]
+
+
+def part_for(cluster: LocalCluster, url: str) -> ManagedProcess:
+    return next(p for p in cluster.parts if p.url == url)
+
+
+def load(url: str) -> dict[str, Any]:
+    return httpx.get(f"{url}/load", timeout=5).json()
+
+
+def wait_until(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        try:
+            last = pred()
+        except httpx.HTTPError as e:
+            last = e
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout:g}s waiting for {what}: {last!r}") from None
+            time.sleep(interval)
+            continue
+        if last:
+            return last
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+def wait_pages_back(urls: list[str], timeout: float = 15.0) -> float:
+    """Every worker has all its KV pages free and nothing running; returns how long that took."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    while True:
+        loads = {u: load(u) for u in urls}
+        if all(
+            ld["free_pages"] == ld["total_pages"] > 0 and ld["running_requests"] == 0 and ld["waiting_requests"] == 0
+            for ld in loads.values()
+        ):
+            return time.monotonic() - t0
+        if time.monotonic() > deadline:
+            raise AssertionError(f"KV pages not returned within {timeout:g}s: {loads}")
+        time.sleep(0.05)
+
+
+def abort_times(urls: list[str], timeout: float) -> dict[str, float]:
+    """Seconds until each worker reports nothing running (its snapshot is at most ~0.1 s old)."""
+    t0 = time.monotonic()
+    took: dict[str, float] = {}
+    while len(took) < len(urls):
+        for u in urls:
+            if u not in took and load(u)["running_requests"] == 0:
+                took[u] = round(time.monotonic() - t0, 3)
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"requests still running after {timeout:g}s: {took}")
+        time.sleep(0.02)
+    return took
+
+
+def router_workers(cluster: LocalCluster) -> dict[str, Any]:
+    return httpx.get(f"{cluster.router_url}/router/workers", timeout=5).json()
+
+
+def router_says_up(cluster: LocalCluster, url: str) -> bool:
+    return any(w["url"] == url and w["up"] for w in router_workers(cluster)["workers"])
+
+
+def wait_all_up(cluster: LocalCluster, timeout: float = 60.0) -> None:
+    wait_until(lambda: all(w["up"] for w in router_workers(cluster)["workers"]), timeout, "router sees every worker up")
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + (labels or "")) and not line.startswith("#"):
+            head, _, value = line.rpartition(" ")
+            if head == name + labels or (not labels and head.split("{")[0] == name):
+                total += float(value)
+    return total
+
+
+def assert_openai_error(body: Any) -> dict[str, Any]:
+    assert isinstance(body, dict) and isinstance(body.get("error"), dict), body
+    err = body["error"]
+    assert isinstance(err.get("message"), str) and err["message"], body
+    assert isinstance(err.get("type"), str) and err["type"], body
+    assert set(err) >= {"message", "type", "param", "code"}, body
+    return err
+
+
+def long_prompt(words: int = 300) -> str:
+    """A prompt of roughly `words` + a few tokens that shares no prefix with any other (the nonce leads)."""
+    nonce = uuid.uuid4().hex[:12]
+    filler = " ".join(
+        ("river", "mountain", "valley", "forest", "meadow", "harbor", "canyon", "glacier")[i % 8] for i in range(words)
+    )
+    return f"[{nonce}] Summarize this travel log: {filler}"
+
+
+def sse_events(resp: httpx.Response) -> Iterator[dict[str, Any] | str]:
+    """Parsed `data:` payloads of an SSE response; "[DONE]" as the string."""
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            yield data if data == "[DONE]" else json.loads(data)
+
+
+def restart(part: ManagedProcess, timeout: float = 120.0) -> None:
+    """Starts a killed part again on its address and waits for it to be ready."""
+    if part.alive():
+        part.kill_group()
+    part.start()
+    wait_until(
+        lambda: part.alive() and httpx.get(f"{part.url}/ready", timeout=2).status_code == 200,
+        timeout,
+        f"{part.name} ready after restart",
+        interval=0.2,
+    )
+
+
+def completion(
+    cluster: LocalCluster, prompt: str, max_tokens: int = 4, timeout: float = 60.0, **extra: Any
+) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+    return httpx.post(f"{cluster.router_url}/v1/completions", json=body, timeout=timeout)
+
+
+def assert_serving(cluster: LocalCluster) -> None:
+    """The system keeps serving: a short and a long (disaggregated) request both succeed."""
+    for prompt in ("The capital of France is", long_prompt()):
+        r = completion(cluster, prompt, max_tokens=3)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] >= 1
+
+
+# ---- the shared cluster --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    c = start_local_cluster(prefill=2, decode=2, env=ENV, ready_timeout_s=300)
+    try:
+        wait_all_up(c)
+        yield c
+    finally:
+        c.stop()
+        print(f"\nfaults survived: {len(FAULTS_SURVIVED)} ({', '.join(FAULTS_SURVIVED)})")
+
+
+@pytest.fixture
+def healthy(cluster: LocalCluster) -> Iterator[LocalCluster]:
+    """Each test starts and ends with every part alive, up in the router, and every page free."""
+    for p in cluster.parts:
+        if not p.alive():
+            if p is cluster.redis:
+                cluster.start_redis()
+            else:
+                restart(p)
+    wait_all_up(cluster)
+    wait_pages_back(worker_urls(cluster))
+    yield cluster
+    wait_pages_back(worker_urls(cluster))
+
+
+def _busy(urls: list[str], min_running: int = 1) -> str | None:
+    for u in urls:
+        if load(u)["running_requests"] >= min_running:
+            return u
+    return None
+
+
+def _in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        t0 = time.monotonic()
+        try:
+            out["result"] = fn()
+        except BaseException as e:  # reported to the test thread
+            out["exc"] = e
+        out["seconds"] = time.monotonic() - t0
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+# ---- kill -9 ---------------------------------------------------------------------------------------
+def test_kill9_prefill_worker_mid_transfer(healthy: LocalCluster) -> None:
+    c = healthy
+    prompt = long_prompt(800)
+    t, out = _in_thread(lambda: completion(c, prompt, max_tokens=4, timeout=120))
+    # The prefill pod that got it is computing chunks and pushing each one into the decode pod's pages.
+    victim_url = wait_until(
+        lambda: next(
+            (
+                u
+                for u in c.prefill_urls
+                if 0 < (ld := load(u))["queued_prefill_tokens"] < 750 and ld["running_requests"]
+            ),
+            None,
+        ),
+        60,
+        "a prefill worker mid-prefill with chunks sent",
+        interval=0.02,
+    )
+    victim = part_for(c, victim_url)
+    victim.kill_group()
+    t.join(90)
+    assert not t.is_alive(), "the request hung after its prefill worker died"
+    assert "exc" not in out, out
+    r: httpx.Response = out["result"]
+    # The router retried it on the other prefill pod (or locally): it succeeds. An error would also do,
+    # as long as it is OpenAI-shaped and a 5xx, not a hang.
+    if r.status_code == 200:
+        assert r.json()["usage"]["completion_tokens"] >= 1
+    else:
+        assert r.status_code in (502, 503), r.text
+        assert_openai_error(r.json())
+    assert out["seconds"] < 60, out
+    survivors = [u for u in worker_urls(c) if u != victim_url]
+    wait_pages_back(survivors)
+    assert_serving(c)
+    wait_until(lambda: not router_says_up(c, victim_url), 10, "router marks the dead prefill worker down")
+    restart(victim)
+    FAULTS_SURVIVED.append("kill -9 prefill mid-transfer")
+
+
+def test_prefill_worker_restarted_on_same_address(healthy: LocalCluster) -> None:
+    """kill -9 and an immediate restart on the same port: a new NIXL instance behind a URL the decode
+    workers already handshook with. Requests through it must work (the decode side redoes the handshake)."""
+    c = healthy
+    victim_url = c.prefill_urls[0]
+    victim = part_for(c, victim_url)
+    # Both decode workers handshake with it first (equal costs rotate), so their peer state goes stale.
+    for _ in range(4):
+        assert completion(c, long_prompt(), max_tokens=1).status_code == 200
+    assert metric(victim_url, "kvferry_requests_total", '{outcome="done"}') >= 1
+    victim.kill_group()
+    restart(victim)
+    wait_until(lambda: router_says_up(c, victim_url), 30, "restarted prefill worker up in the router")
+    assert metric(victim_url, "kvferry_requests_total", '{outcome="done"}') == 0
+    # A few distinct long prompts reach the restarted pod; every one must succeed.
+    for _ in range(6):
+        r = completion(c, long_prompt(), max_tokens=2)
+        assert r.status_code == 200, r.text
+        if metric(victim_url, "kvferry_requests_total", '{outcome="done"}') >= 2:
+            break
+    assert metric(victim_url, "kvferry_requests_total", '{outcome="done"}') >= 2, "no request went through it"
+    assert metric(victim_url, "kvferry_requests_total", '{outcome="error"}') == 0
+    FAULTS_SURVIVED.append("prefill restarted on the same address")
+
+
+def test_kill9_decode_worker_mid_stream(healthy: LocalCluster) -> None:
+    c = healthy
+    client = openai.OpenAI(base_url=f"{c.router_url}/v1", api_key="none", max_retries=0, timeout=30)
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="Tell me a very long story about a lighthouse keeper.",
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    it = iter(stream)
+    texts = [next(it).choices[0].text for _ in range(3)]
+    victim_url = wait_until(lambda: _busy(c.decode_urls), 10, "the decode worker running the stream")
+    victim = part_for(c, victim_url)
+    t0 = time.monotonic()
+    victim.kill_group()
+    finish = None
+    error: Exception | None = None
+    try:
+        for chunk in it:
+            texts.append(chunk.choices[0].text if chunk.choices else "")
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+    except openai.APIError as e:  # the router's in-stream error event, in OpenAI's shape
+        error = e
+    elapsed = time.monotonic() - t0
+    assert elapsed < 20, f"stream took {elapsed:.1f}s to end after its decode worker died"
+    assert error is not None or finish == "error", (finish, texts)
+    assert finish != "length", "a stream whose decode worker died must not look complete"
+    if error is not None:
+        assert "generation failed" in str(error) or "decode" in str(error), error
+    survivors = [u for u in worker_urls(c) if u != victim_url]
+    wait_pages_back(survivors)
+    assert_serving(c)  # the other decode worker carries on (the dead one is routed around)
+    wait_until(lambda: not router_says_up(c, victim_url), 10, "router marks the dead decode worker down")
+    # Restarted on its address (a new NIXL agent under the same name): disaggregated requests through it
+    # work, i.e. the prefill workers accept its new handshake.
+    restart(victim)
+    wait_until(lambda: router_says_up(c, victim_url), 30, "restarted decode worker up in the router")
+    before = metric(victim_url, "kvferry_generated_tokens_total")
+    for _ in range(6):
+        r = completion(c, long_prompt(), max_tokens=3)
+        assert r.status_code == 200, r.text
+        if metric(victim_url, "kvferry_generated_tokens_total") > before:
+            break
+    assert metric(victim_url, "kvferry_generated_tokens_total") > before, "nothing went through the restarted decode"
+    FAULTS_SURVIVED.append("kill -9 decode mid-stream")
+
+
+def test_kill9_router_mid_stream(healthy: LocalCluster) -> None:
+    c = healthy
+    assert c.router is not None
+    body = {
+        "model": MODEL,
+        "prompt": long_prompt(),
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream("POST", f"{c.router_url}/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        events = sse_events(r)
+        for _ in range(3):
+            next(events)
+        assert _busy(c.decode_urls) is not None
+        c.router.kill_group()
+        t0 = time.monotonic()
+        with pytest.raises(httpx.HTTPError):
+            for _ev in events:
+                pass
+        assert time.monotonic() - t0 < 10
+    # The workers notice the dropped stream by themselves and free the request: pages back on all.
+    took = wait_pages_back(worker_urls(c), timeout=10)
+    assert took < 5, took
+    restart(c.router)
+    wait_all_up(c)
+    FAULTS_SURVIVED.append("kill -9 router mid-stream")
+
+
+# ---- Redis -----------------------------------------------------------------------------------------
+def test_redis_killed_and_restarted(healthy: LocalCluster) -> None:
+    c = healthy
+    assert c.redis is not None and c.redis.proc is not None
+    r = redis.Redis.from_url(c.redis_url, socket_timeout=2)
+    pods = [f"local-{role}-{i}" for role, n in (("prefill", 2), ("decode", 2)) for i in range(n)]
+    shared = long_prompt(600)
+    assert completion(c, shared + " First question?", max_tokens=2).status_code == 200
+    wait_until(lambda: all(r.keys(f"kvf:*:hb:{p}") for p in pods), 10, "every pod's heartbeat in Redis")
+    holders_before = [p for p in pods if any(r.scard(k) for k in r.keys(f"kvf:*:pod:{p}:blocks"))]
+    assert holders_before, "no pod published any block"
+
+    os.kill(c.redis.proc.pid, signal.SIGKILL)
+    c.redis.proc.wait(10)
+    try:
+        # Routing degrades to load only: every request still succeeds, none waits on Redis.
+        for q in ("Second question?", "Third question?"):
+            t0 = time.monotonic()
+            resp = completion(c, shared + " " + q, max_tokens=2)
+            assert resp.status_code == 200, resp.text
+            assert time.monotonic() - t0 < 20
+        resp = completion(c, "Hello, my name is", max_tokens=3)
+        assert resp.status_code == 200
+        assert router_workers(c)["prefix_index"] == "unavailable"
+    finally:
+        c.start_redis()
+
+    # Redis is back, empty: the workers notice the vanished heartbeat and republish their caches.
+    def refilled() -> bool:
+        return all(r.keys(f"kvf:*:hb:{p}") for p in pods) and all(
+            any(r.scard(k) for k in r.keys(f"kvf:*:pod:{p}:blocks")) for p in holders_before
+        )
+
+    wait_until(refilled, 30, "the index to refill after the Redis restart", interval=0.2)
+    live = {m.decode() for k in r.keys("kvf:*:pods") for m in r.smembers(k)}
+    assert set(pods) <= live, live
+
+    # The router notices by itself; prefix routing resumes (the pod holding the shared prefix gets it).
+    def index_ok() -> bool:
+        completion(c, long_prompt(), max_tokens=1)  # short prompts skip the index lookup
+        return router_workers(c)["prefix_index"] == "ok"
+
+    wait_until(index_ok, 30, "router prefix index ok again", interval=0.5)
+    resp = completion(c, shared + " Last question?", max_tokens=2)
+    assert resp.status_code == 200
+    assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 500
+    r.close()
+    FAULTS_SURVIVED.append("redis killed and restarted")
+
+
+# ---- clients that go away ------------------------------------------------------------------------
+def test_client_disconnect_mid_stream_aborts_on_both_workers(healthy: LocalCluster) -> None:
+    c = healthy
+    body = {
+        "model": MODEL,
+        "prompt": long_prompt(),
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream("POST", f"{c.router_url}/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        events = sse_events(r)
+        for _ in range(3):
+            next(events)
+        assert _busy(c.decode_urls) is not None
+    took = abort_times(worker_urls(c), timeout=5)  # the response is closed: the connection is gone
+    assert max(took.values()) < 1.5, f"abort took {took}"
+    wait_pages_back(worker_urls(c))
+    FAULTS_SURVIVED.append("client disconnect mid-stream")
+
+
+def _raw_post(url: str, path: str, body: dict[str, Any]) -> socket.socket:
+    """Sends a POST on a raw socket and returns it unread (so the test can hang up at any moment)."""
+    u = urlsplit(url)
+    data = json.dumps(body).encode()
+    s = socket.create_connection((u.hostname, u.port), timeout=10)
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
+    )
+    s.sendall(head.encode() + data)
+    return s
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_mid_prefill_aborts_on_both_workers(healthy: LocalCluster, stream: bool) -> None:
+    """The client hangs up while its long prompt is still being prefilled on a prefill pod (before any
+    response byte): both the prefill pod and the decode pod drop the request within about a second."""
+    c = healthy
+    body = {"model": MODEL, "prompt": long_prompt(800), "max_tokens": 50, "temperature": 0, "stream": stream}
+    s = _raw_post(c.router_url, "/v1/completions", body)
+    try:
+        wait_until(
+            lambda: next((u for u in c.prefill_urls if load(u)["running_requests"]), None),
+            60,
+            "prefill under way",
+            interval=0.02,
+        )
+        assert _busy(c.decode_urls) is not None  # the decode pod holds pages reserved for it
+    finally:
+        s.close()
+    took = abort_times(worker_urls(c), timeout=5)
+    assert max(took.values()) < 1.5, f"abort took {took}"
+    # Pages the prefill pod might still have been writing are held back briefly on the decode pod.
+    wait_pages_back(worker_urls(c))
+    FAULTS_SURVIVED.append(f"client disconnect mid-prefill ({'stream' if stream else 'non-stream'})")
+
+
+# ---- a worker that stops answering ----------------------------------------------------------------
+def _stop_group(part: ManagedProcess, sig: int) -> None:
+    assert part.proc is not None
+    os.killpg(part.proc.pid, sig)  # the control plane and its engine child (one session per part)
+
+
+def test_sigstopped_decode_worker_is_routed_around(healthy: LocalCluster) -> None:
+    c = healthy
+    client = openai.OpenAI(base_url=f"{c.router_url}/v1", api_key="none", max_retries=0, timeout=60)
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="Write a long poem about the sea.",
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    it = iter(stream)
+    next(it)
+    victim_url = wait_until(lambda: _busy(c.decode_urls), 10, "the decode worker running the stream")
+    victim = part_for(c, victim_url)
+    _stop_group(victim, signal.SIGSTOP)
+    try:
+        # The in-flight stream on the frozen worker ends with an error once the router declares it down,
+        # long before the 120 s inter-token deadline.
+        t0 = time.monotonic()
+        finish = None
+        error = None
+        try:
+            for chunk in it:
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    finish = chunk.choices[0].finish_reason
+        except openai.APIError as e:
+            error = e
+        assert time.monotonic() - t0 < 15
+        assert error is not None or finish == "error", finish
+        wait_until(lambda: not router_says_up(c, victim_url), 15, "router marks the frozen worker down")
+        # New requests go around it, short and long, and they are not slowed down by it.
+        for _ in range(4):
+            t1 = time.monotonic()
+            assert_serving(c)
+            assert time.monotonic() - t1 < 20
+        others = [u for u in worker_urls(c) if u != victim_url]
+        wait_pages_back(others)
+    finally:
+        _stop_group(victim, signal.SIGCONT)
+    wait_until(lambda: router_says_up(c, victim_url), 15, "the worker back up after SIGCONT")
+    FAULTS_SURVIVED.append("SIGSTOP decode")
+
+
+def test_sigstopped_prefill_worker_mid_prefill_is_retried_elsewhere(healthy: LocalCluster) -> None:
+    c = healthy
+    t, out = _in_thread(lambda: completion(c, long_prompt(800), max_tokens=3, timeout=120))
+    victim_url = wait_until(
+        lambda: next((u for u in c.prefill_urls if load(u)["running_requests"]), None),
+        60,
+        "prefill under way",
+        interval=0.02,
+    )
+    victim = part_for(c, victim_url)
+    _stop_group(victim, signal.SIGSTOP)
+    try:
+        t.join(60)
+        assert not t.is_alive(), "the request hung on a frozen prefill worker"
+        assert "exc" not in out, out
+        r = out["result"]
+        # Declared down, its request is retried before the first token on the other prefill pod.
+        assert r.status_code == 200, r.text
+        assert out["seconds"] < 40, out
+        assert not router_says_up(c, victim_url)
+        assert_serving(c)
+    finally:
+        _stop_group(victim, signal.SIGCONT)
+    wait_until(lambda: router_says_up(c, victim_url), 15, "the worker back up after SIGCONT")
+    FAULTS_SURVIVED.append("SIGSTOP prefill")
