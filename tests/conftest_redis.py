@@ -8,7 +8,6 @@ Import ``redis_server`` into a test module or conftest.py to use the session-wid
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -16,16 +15,11 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from common.net import free_port  # re-exported: tests import it from here
+
 __all__ = ["free_port", "redis_server", "start_redis", "stop_redis"]
 
 REDIS_BIN = shutil.which("redis-server") or "/usr/bin/redis-server"
-
-
-def free_port() -> int:
-    """A TCP port free right now (the kernel's pick for port 0). redis-server needs an explicit port."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_redis(port: int, timeout_s: float = 10.0) -> subprocess.Popen[bytes]:
