@@ -101,17 +101,15 @@ def _as_int(v: Any) -> int | None:
 
 def tame(body: Any) -> Any:
     """Keeps generated bodies cheap to serve: a max_tokens that the router would accept and that could
-    take seconds to generate becomes 4, an n above 2 becomes 2. Invalid values pass through untouched."""
+    take seconds to generate becomes 4, an n above 2 becomes 2. Everything else passes through untouched."""
     if isinstance(body, dict):
         for key in ("max_tokens", "max_completion_tokens"):
             v = _as_int(body.get(key))
-            if v is not None and 4 < v <= 8192:
+            if v is not None and 4 < v <= NUM_PAGES * 16:  # above: the worker refuses it (pool)
                 body[key] = 4
         v = _as_int(body.get("n"))
         if v is not None and 2 < v <= 16:
             body["n"] = 2
-        if isinstance(body.get("best_of"), int) and "n" in body:
-            body["best_of"] = body["n"]
     return body
 
 
