@@ -151,9 +151,7 @@ class TorchPagedAttention:
             return out.reshape(b * max_q, hq, d).index_select(0, self._q_scatter)
         return out.reshape(t, hq, d)
 
-    def _forward_segments(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ko: int, vo: int
-    ) -> torch.Tensor:
+    def _forward_segments(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ko: int, vo: int) -> torch.Tensor:
         assert self._segments is not None
         rows = self.pool.rows
         out = torch.empty_like(q)

@@ -60,8 +60,7 @@ class Engine:
         req.table_row = self.runner.page_table.take_row()
         try:
             sched.budget.grow(req, len(token_ids))
-            fb = self.runner.build_batch([req.prompt_ids], [0], [req.table_row], [True], is_decode=False)
-            fb.logits_indices = torch.arange(len(token_ids), device=fb.input_ids.device)
+            fb = self.runner.build_batch([req.prompt_ids], [0], [req.table_row], [True], False, all_logits=True)
             return self.runner.forward(fb)
         finally:
             sched.budget.release(req)

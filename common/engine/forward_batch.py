@@ -6,6 +6,19 @@ import torch
 
 
 @dataclass
+class StepInputs:
+    """What a step is built from, as CPU tensors: tensor-parallel followers rebuild the same batch from these."""
+
+    is_decode: bool
+    input_ids: torch.Tensor  # [T] int64
+    extend_lens: torch.Tensor  # [B] int64
+    starts: torch.Tensor  # [B] int64: position of each request's first token in this step
+    table_rows: torch.Tensor  # [B] int64
+    sample_mask: torch.Tensor  # [B] bool: the request samples a token from this step
+    all_logits: bool = False  # logits of every token (scoring), not just the sampled ones
+
+
+@dataclass
 class ForwardBatch:
     """Everything one model step needs, built once per step by the model runner (tensor ops, no per-token loops).
 
@@ -25,6 +38,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [R] int64: token index (in T) whose logits are sampled
     seq_lens_cpu: list[int]
     extend_lens_cpu: list[int]
+    inputs: StepInputs | None = None
 
     @property
     def num_tokens(self) -> int:

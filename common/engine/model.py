@@ -7,7 +7,6 @@ scaling), so one file serves them all. Projections are merged (qkv, gate_up) so 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from common.engine.attention import AttentionBackend
@@ -21,6 +20,7 @@ from common.engine.layers import (
     silu_and_mul,
 )
 from common.engine.model_config import ModelConfig
+from common.engine.tp import TPGroup, single_rank
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -28,9 +28,12 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    """One layer; `cfg` is this rank's local config (its heads and MLP slice under tensor parallelism)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup) -> None:
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
         h = cfg.hidden_size
         qkv = cfg.q_size + 2 * cfg.kv_size
         self.input_norm = _param(h, dtype=dtype, device=device)
@@ -68,23 +71,31 @@ class DecoderLayer(nn.Module):
         q = rotary.apply(q, positions)
         k = rotary.apply(k, positions)
         o = attn.forward(layer_id, q, k, v).reshape(t, cfg.q_size)
-        hidden = hidden + linear(o, self.o_proj, None, pk.get("o_proj"))
+        hidden = hidden + self.tp.all_reduce(linear(o, self.o_proj, None, pk.get("o_proj")))
         x = rms_norm(hidden, self.post_attn_norm, eps)
         act = silu_and_mul(linear(x, self.gate_up_proj, None, pk.get("gate_up_proj")))
-        return hidden + linear(act, self.down_proj, None, pk.get("down_proj"))
+        return hidden + self.tp.all_reduce(linear(act, self.down_proj, None, pk.get("down_proj")))
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    """The whole decoder, or one tensor-parallel rank's part of it (`tp`; see common/engine/tp.py).
+
+    `full_cfg` is the checkpoint's config; `cfg` is this rank's (its heads and MLP slice; the full vocabulary).
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.tp = tp if tp is not None else single_rank(cfg)
+        self.full_cfg = cfg
+        self.cfg = cfg = self.tp.shard.local_config(cfg)
         self.dtype = dtype
         self.device = device
-        self.embed = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        vocab_rows = self.tp.shard.vocab_per_rank
+        self.embed = _param(vocab_rows, cfg.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, self.tp) for _ in range(cfg.num_layers))
         self.norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.lm_head = (
-            None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+            None if cfg.tie_word_embeddings else _param(vocab_rows, cfg.hidden_size, dtype=dtype, device=device)
         )
         self.rotary = RotaryCache.build(cfg.head_dim, cfg.rope, cfg.max_position, device)
         self.packed_lm_head: torch.Tensor | None = None
@@ -116,9 +127,10 @@ class DecoderModel(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Runs one step; returns float32 logits of the tokens at `batch.logits_indices` only."""
-        hidden = F.embedding(batch.input_ids, self.embed)
+        hidden = self.tp.embed(batch.input_ids, self.embed)
         for i, layer in enumerate(self.layers):
             hidden = layer(i, hidden, batch.positions, self.rotary, attn)
         last = hidden[batch.logits_indices]
         last = rms_norm(last, self.norm, self.cfg.rms_norm_eps)
-        return linear(last, self.lm_head_weight, None, self.packed_lm_head).float()
+        logits = linear(last, self.lm_head_weight, None, self.packed_lm_head)
+        return self.tp.gather_logits(logits, self.cfg.vocab_size).float()

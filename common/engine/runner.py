@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,9 +11,11 @@ from pathlib import Path
 import torch
 
 from common.engine.attention import AttentionBackend, TorchPagedAttention
-from common.engine.forward_batch import ForwardBatch
+from common.engine.forward_batch import ForwardBatch, StepInputs
 from common.engine.model import DecoderModel
 from common.engine.model_config import ModelConfig, named_config
+from common.engine.tp import TPGroup, TPShard
+from common.engine.tp_ranks import HEADER_LEN, TPFollowers, shared_pool_path
 from common.engine.weights import init_dummy_weights, load_safetensors_dir
 from common.kv.pool import KVLayout, KVPool
 from common.sched.pages import PageTable
@@ -34,6 +37,10 @@ class RunnerConfig:
     attention: str = "auto"  # auto: flashinfer on CUDA with a 16-bit dtype, else torch; or "torch" / "flashinfer"
     cuda_graph_max_bs: int = -1  # GPU path: decode CUDA graphs up to this batch (-1: max_running, 0: none)
     cpu_linear: str = "auto"  # CPU float32 GEMMs: auto = oneDNN with packed weights when available; torch = F.linear
+    tp_size: int = 1  # tensor-parallel ranks (rank 0 launches the others; see common/engine/tp_ranks.py)
+    tp_rank: int = 0  # set by rank 0 for its followers
+    tp_port: int = 0  # rank 0's TCPStore port (followers)
+    tp_shm: str = ""  # shared-memory path prefix of the CPU ranks' KV pools (followers)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -51,43 +58,90 @@ def select_attention(name: str, device: torch.device, dtype: torch.dtype) -> str
     return name
 
 
-def load_model(cfg: RunnerConfig, device: torch.device, dtype: torch.dtype) -> tuple[DecoderModel, Path | None]:
-    """Returns the model and the directory it came from (None for dummy weights)."""
-    start = time.perf_counter()
+def resolve_model_config(cfg: RunnerConfig) -> tuple[ModelConfig, Path | None]:
+    """The full model's config and the directory its weights are in (None for dummy weights)."""
     if cfg.model.startswith("dummy:"):
-        model_cfg = named_config(cfg.model.removeprefix("dummy:"))
-        model = DecoderModel(model_cfg, dtype, device)
-        init_dummy_weights(model, cfg.seed)
-        path = None
-    else:
-        from common.engine.default_model import resolve_model_path
+        return named_config(cfg.model.removeprefix("dummy:")), None
+    from common.engine.default_model import resolve_model_path
 
-        path = resolve_model_path(cfg.model)
-        model = DecoderModel(ModelConfig.from_dir(path), dtype, device)
+    path = resolve_model_path(cfg.model)
+    return ModelConfig.from_dir(path), path
+
+
+def load_model(
+    cfg: RunnerConfig, device: torch.device, dtype: torch.dtype, tp: TPGroup | None = None
+) -> tuple[DecoderModel, Path | None]:
+    """Returns the model (this rank's part of it under tensor parallelism) and its directory (None: dummy)."""
+    start = time.perf_counter()
+    model_cfg, path = resolve_model_config(cfg)
+    model = DecoderModel(model_cfg, dtype, device, tp)
+    if path is None:
+        init_dummy_weights(model, cfg.seed)
+    else:
         load_safetensors_dir(model, path)
-    log.info("model loaded", extra={"model": cfg.model, "seconds": round(time.perf_counter() - start, 2)})
+    log.info(
+        "model loaded",
+        extra={"model": cfg.model, "tp_rank": cfg.tp_rank, "seconds": round(time.perf_counter() - start, 2)},
+    )
     return model, path
 
 
 class ModelRunner:
+    """One rank's model, KV pool and page table. Under tensor parallelism (`cfg.tp_size > 1`) rank 0's runner
+    launches the followers and broadcasts every step to them (common/engine/tp_ranks.py); `rank_pools`
+    then lists every rank's pool (CPU: mapped from shared memory) for the transfer agent."""
+
     def __init__(self, cfg: RunnerConfig, model: DecoderModel | None = None) -> None:
         self.cfg = cfg
         self.device = torch.device(cfg.device)
+        if cfg.tp_size > 1 and self.device.type == "cuda":
+            self.device = torch.device("cuda", cfg.tp_rank)  # one GPU per rank
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.model_path: Path | None = None
+        self.followers: TPFollowers | None = None
+        tp: TPGroup | None = None
+        if cfg.tp_size > 1:
+            if model is not None:
+                raise ValueError("tensor parallelism loads its own model on every rank")
+            full_cfg, _ = resolve_model_config(cfg)
+            if cfg.tp_rank == 0:
+                self.followers = TPFollowers.launch(cfg, full_cfg)
+                tp = self.followers.group
+            else:
+                backend = "nccl" if self.device.type == "cuda" else "gloo"
+                tp = TPGroup.connect(
+                    TPShard.plan(full_cfg, cfg.tp_rank, cfg.tp_size), "127.0.0.1", cfg.tp_port, backend
+                )
+        try:
+            self._build(cfg, model, tp)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, cfg: RunnerConfig, model: DecoderModel | None, tp: TPGroup | None) -> None:
         if model is None:
-            model, self.model_path = load_model(cfg, self.device, self.dtype)
+            model, self.model_path = load_model(cfg, self.device, self.dtype, tp)
         self.model = model
+        self.tp = model.tp
         mc = model.cfg
         self.model_config = mc
         self.max_seq_len = cfg.max_seq_len or mc.max_position
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.page_size, self.dtype)
-        num_pages = cfg.num_pages or KVPool.pages_for_bytes(self.layout, int(cfg.kv_memory_gb * (1 << 30)))
+        # Every rank needs the same page count: size it by rank 0's layout, which holds the most KV heads.
+        widest = TPShard.plan(model.full_cfg, 0, self.tp.size).local_config(model.full_cfg)
+        widest_layout = KVLayout(mc.num_layers, widest.num_kv_heads, mc.head_dim, cfg.page_size, self.dtype)
+        num_pages = cfg.num_pages or KVPool.pages_for_bytes(widest_layout, int(cfg.kv_memory_gb * (1 << 30)))
         self.backend = select_attention(cfg.attention, self.device, self.dtype)
         gpu = self.backend == "flashinfer"
         # The GPU path keeps one page past the allocator's range (`num_pages`): CUDA-graph padding writes there.
-        self.pool = KVPool(self.layout, num_pages + int(gpu), self.device)
+        if self.tp.size > 1 and self.device.type == "cpu":
+            prefix = cfg.tp_shm if cfg.tp_rank > 0 else self.followers.shm_prefix  # type: ignore[union-attr]
+            path = shared_pool_path(prefix, cfg.tp_rank)
+            self.pool = KVPool.in_shared_file(self.layout, num_pages + int(gpu), path, create=True)
+        else:
+            self.pool = KVPool(self.layout, num_pages + int(gpu), self.device)
         self.pool.num_pages = num_pages
+        self.rank_pools: list[KVPool] = [self.pool]
         self.page_table = PageTable(cfg.max_running, self.max_seq_len, cfg.page_size, self.device)
         self.attn: AttentionBackend = TorchPagedAttention(self.pool, self.page_table.table, mc.num_heads, mc.head_dim)
         if cfg.cpu_linear not in ("auto", "torch"):
@@ -103,6 +157,38 @@ class ModelRunner:
             graph_bs = cfg.max_running if cfg.cuda_graph_max_bs < 0 else min(cfg.cuda_graph_max_bs, cfg.max_running)
             self.gpu = GpuPath(self, dummy_page=num_pages, graph_max_bs=graph_bs)
             self.attn = self.gpu.attn
+        if self.followers is not None:
+            self.followers.barrier_ready()
+            self.rank_pools = [self.pool, *self._map_follower_pools(num_pages + int(gpu))]
+            self.page_table.journal = []
+        elif self.tp.size > 1:
+            self.tp.broadcast(torch.zeros(HEADER_LEN, dtype=torch.int64))  # answer rank 0's READY barrier
+
+    def _map_follower_pools(self, num_pages: int) -> list[KVPool]:
+        """CPU: every follower's pool, mapped from its shared-memory file (the files are unlinked once mapped)."""
+        if self.device.type != "cpu":
+            return []  # GPU ranks' pools stay private to their processes (cross-rank registration: see docs)
+        assert self.followers is not None
+        full = self.model.full_cfg
+        pools = []
+        for rank in range(1, self.tp.size):
+            local = TPShard.plan(full, rank, self.tp.size).local_config(full)
+            layout = KVLayout(local.num_layers, local.num_kv_heads, local.head_dim, self.cfg.page_size, self.dtype)
+            path = shared_pool_path(self.followers.shm_prefix, rank)
+            pool = KVPool.in_shared_file(layout, num_pages, path, create=False)
+            pool.num_pages = self.pool.num_pages
+            pools.append(pool)
+        for rank in range(self.tp.size):
+            try:
+                os.unlink(shared_pool_path(self.followers.shm_prefix, rank))
+            except FileNotFoundError:
+                pass
+        return pools
+
+    def close(self) -> None:
+        """Stops the follower ranks (rank 0 of a tensor-parallel runner); a no-op otherwise."""
+        if self.followers is not None:
+            self.followers.close()
 
     def build_batch(
         self,
@@ -111,15 +197,24 @@ class ModelRunner:
         table_rows: list[int],
         sample_mask: list[bool],
         is_decode: bool,
+        all_logits: bool = False,
     ) -> ForwardBatch:
         """Packs one step: request i feeds `token_chunks[i]` at positions starting at `starts[i]`."""
+        inputs = StepInputs(
+            is_decode=is_decode,
+            input_ids=torch.tensor([t for c in token_chunks for t in c], dtype=torch.int64),
+            extend_lens=torch.tensor([len(c) for c in token_chunks], dtype=torch.int64),
+            starts=torch.tensor(starts, dtype=torch.int64),
+            table_rows=torch.tensor(table_rows, dtype=torch.int64),
+            sample_mask=torch.tensor(sample_mask, dtype=torch.bool),
+            all_logits=all_logits,
+        )
+        return self.batch_from_inputs(inputs)
+
+    def batch_from_inputs(self, inputs: StepInputs) -> ForwardBatch:
         dev = self.device
-        extend = [len(c) for c in token_chunks]
-        seq = [s + n for s, n in zip(starts, extend)]
-        ids = torch.tensor([t for c in token_chunks for t in c], dtype=torch.int64)
-        ext_t = torch.tensor(extend, dtype=torch.int64)
-        start_t = torch.tensor(starts, dtype=torch.int64)
-        rows_t = torch.tensor(table_rows, dtype=torch.int64)
+        ext_t, start_t, rows_t = inputs.extend_lens, inputs.starts, inputs.table_rows
+        seq_t = start_t + ext_t
         q_start = torch.cumsum(ext_t, 0) - ext_t
         positions = torch.arange(int(ext_t.sum()), dtype=torch.int64) - torch.repeat_interleave(
             q_start - start_t, ext_t
@@ -130,23 +225,32 @@ class ModelRunner:
         positions_dev = positions.to(dev, **nb)
         out_loc = self.page_table.table[token_rows.to(dev, **nb), positions_dev].to(torch.int64)
         last = q_start + ext_t - 1
-        logits_indices = last[torch.tensor(sample_mask, dtype=torch.bool)]
+        logits_indices = torch.arange(len(positions)) if inputs.all_logits else last[inputs.sample_mask]
         return ForwardBatch(
-            is_decode=is_decode,
-            input_ids=ids.to(dev, **nb),
+            is_decode=inputs.is_decode,
+            input_ids=inputs.input_ids.to(dev, **nb),
             positions=positions_dev,
             out_loc=out_loc,
-            seq_lens=torch.tensor(seq, dtype=torch.int64).to(dev, **nb),
+            seq_lens=seq_t.to(dev, **nb),
             extend_lens=ext_t.to(dev, **nb),
             q_start=q_start.to(dev, **nb),
             table_rows=rows_t.to(dev, **nb),
             logits_indices=logits_indices.to(dev, **nb),
-            seq_lens_cpu=seq,
-            extend_lens_cpu=extend,
+            seq_lens_cpu=seq_t.tolist(),
+            extend_lens_cpu=ext_t.tolist(),
+            inputs=inputs,
         )
 
-    @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Runs one step on every rank; returns float32 logits of the sampled tokens (full vocabulary)."""
+        if self.followers is not None:
+            if batch.inputs is None:
+                raise ValueError("a tensor-parallel step needs its StepInputs (build it with build_batch)")
+            self.followers.send_step(batch.inputs, self.page_table.drain_journal())
+        return self.forward_local(batch)
+
+    @torch.inference_mode()
+    def forward_local(self, batch: ForwardBatch) -> torch.Tensor:
         if self.gpu is not None:
             return self.gpu.forward(batch)
         self.attn.plan(batch)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -38,15 +39,18 @@ class KVPool:
       and every K/V row of the pool is addressable in the flat `rows` view (see `token_rows`).
     """
 
-    def __init__(self, layout: KVLayout, num_pages: int, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, layout: KVLayout, num_pages: int, device: torch.device | str = "cpu", kv: torch.Tensor | None = None
+    ) -> None:
         self.layout = layout
         self.num_pages = num_pages
         self.device = torch.device(device)
-        self.kv = torch.zeros(
-            (num_pages, layout.num_layers, 2, layout.page_size, layout.num_kv_heads, layout.head_dim),
-            dtype=layout.dtype,
-            device=self.device,
-        )
+        shape = (num_pages, layout.num_layers, 2, layout.page_size, layout.num_kv_heads, layout.head_dim)
+        if kv is None:
+            kv = torch.zeros(shape, dtype=layout.dtype, device=self.device)
+        elif tuple(kv.shape) != shape or kv.dtype != layout.dtype or not kv.is_contiguous():
+            raise ValueError(f"pool memory {tuple(kv.shape)} {kv.dtype} does not match the layout {shape}")
+        self.kv = kv
         # Every [H, D] row of the pool; row of (page p, layer l, K/V c, offset o) = ((p*L + l)*2 + c)*ps + o.
         self.rows = self.kv.view(-1, layout.num_kv_heads, layout.head_dim)
         self._rows_per_page = layout.num_layers * 2 * layout.page_size
@@ -74,6 +78,18 @@ class KVPool:
     def page_stride_bytes(self) -> int:
         """Bytes of one page across all layers, K and V: one contiguous block."""
         return self.kv.stride(0) * self.kv.element_size()
+
+    @classmethod
+    def in_shared_file(cls, layout: KVLayout, num_pages: int, path: str, create: bool) -> KVPool:
+        """A CPU pool in a shared-memory file (`/dev/shm/...`), so another process can map the same pages:
+        a tensor-parallel worker's rank 0 registers its followers' pools with its NIXL agent this way."""
+        shape = (num_pages, layout.num_layers, 2, layout.page_size, layout.num_kv_heads, layout.head_dim)
+        numel = math.prod(shape)
+        if create:
+            with open(path, "wb") as f:
+                f.truncate(numel * torch.empty((), dtype=layout.dtype).element_size())  # zero-filled, lazily
+        kv = torch.from_file(path, shared=True, size=numel, dtype=layout.dtype).view(shape)
+        return cls(layout, num_pages, "cpu", kv)
 
     @staticmethod
     def pages_for_bytes(layout: KVLayout, memory_bytes: int) -> int:

@@ -23,6 +23,13 @@ class PageTable:
         self.table = torch.zeros((max_rows + 1, max_seq_len), dtype=torch.int32, device=device)
         self._free_rows = list(range(max_rows - 1, -1, -1))
         self._offsets = torch.arange(page_size, dtype=torch.int32)
+        # Tensor parallelism: rank 0 records its writes here and ships them with the next step, so every
+        # rank's table (and so every rank's attention) addresses the same pages. None: not recorded.
+        self.journal: list[tuple[int, int, torch.Tensor]] | None = None
+
+    def drain_journal(self) -> list[tuple[int, int, torch.Tensor]]:
+        out, self.journal = self.journal or [], ([] if self.journal is not None else None)
+        return out
 
     @property
     def num_free_rows(self) -> int:
@@ -37,6 +44,8 @@ class PageTable:
     def write_pages(self, row: int, first_page_index: int, pages: torch.Tensor) -> None:
         if pages.numel() == 0:
             return
+        if self.journal is not None:
+            self.journal.append((row, first_page_index, pages.to("cpu", torch.int64)))
         locs = (pages.to(torch.int32)[:, None] * self.page_size + self._offsets[None, :]).flatten()
         start = first_page_index * self.page_size
         # Non-blocking: on CUDA a blocking host-to-device copy would wait for every step already queued.

@@ -1,0 +1,195 @@
+"""Tensor parallelism: how a model is split over ranks, and the collectives the split needs.
+
+Split (Megatron style, adapted to GQA):
+- attention is split by KV-head groups: rank r owns a contiguous range of KV heads and exactly the query
+  heads that attend to them, so attention runs on each rank with no communication. Head counts need not
+  divide evenly (SmolLM2's 3 KV heads over 2 ranks: 2 + 1). With fewer KV heads than ranks, each KV head
+  is replicated on `size / kv_heads` ranks and its query heads are divided among them;
+- qkv and gate/up are column-parallel (each rank computes its own output columns), o_proj and down_proj
+  row-parallel (each rank holds the input rows of its heads / MLP slice, partial sums all-reduced);
+- the embedding and LM head are vocab-parallel: each rank holds a vocabulary slice; embeddings are summed
+  (one rank contributes each token, the others zeros: exact), logits are all-gathered.
+
+Groups are built directly on a TCPStore (no `init_process_group`), so one process may hold several
+independent groups (tests run TP=1 and TP=2 runners side by side).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from datetime import timedelta
+
+import torch
+import torch.nn.functional as F
+
+from common.engine.model_config import ModelConfig
+
+
+def split_range(n: int, parts: int, index: int) -> tuple[int, int]:
+    """The `index`-th of `parts` contiguous near-equal pieces of range(n) (earlier pieces get the extra)."""
+    base, extra = divmod(n, parts)
+    lo = index * base + min(index, extra)
+    return lo, lo + base + (1 if index < extra else 0)
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """What rank `rank` of `size` owns. Ranges are [lo, hi) over the full model's heads / rows."""
+
+    rank: int
+    size: int
+    q_heads: tuple[int, int]
+    kv_heads: tuple[int, int]
+    intermediate: tuple[int, int]
+    vocab: tuple[int, int]  # rows of the vocabulary this rank holds (the last rank's may be short)
+    vocab_per_rank: int  # every rank's slice is padded to this many rows, so logits gather evenly
+
+    @classmethod
+    def plan(cls, cfg: ModelConfig, rank: int, size: int) -> TPShard:
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} outside a group of {size}")
+        kv, q = cfg.num_kv_heads, cfg.num_heads
+        group = q // kv
+        if kv >= size:
+            kv_lo, kv_hi = split_range(kv, size, rank)
+            q_lo, q_hi = kv_lo * group, kv_hi * group
+        else:
+            if size % kv:
+                raise ValueError(f"tensor parallel size {size} must divide or be at most the {kv} KV heads")
+            replicas = size // kv
+            if group < replicas:
+                raise ValueError(f"tensor parallel size {size} exceeds the {q} query heads")
+            head = rank // replicas
+            kv_lo, kv_hi = head, head + 1
+            g_lo, g_hi = split_range(group, replicas, rank % replicas)
+            q_lo, q_hi = head * group + g_lo, head * group + g_hi
+        per_rank = -(-cfg.vocab_size // size)
+        v_lo = min(rank * per_rank, cfg.vocab_size)
+        return cls(
+            rank=rank,
+            size=size,
+            q_heads=(q_lo, q_hi),
+            kv_heads=(kv_lo, kv_hi),
+            intermediate=split_range(cfg.intermediate_size, size, rank),
+            vocab=(v_lo, min(v_lo + per_rank, cfg.vocab_size)),
+            vocab_per_rank=per_rank,
+        )
+
+    @classmethod
+    def single(cls, cfg: ModelConfig) -> TPShard:
+        return cls.plan(cfg, 0, 1)
+
+    def local_config(self, cfg: ModelConfig) -> ModelConfig:
+        """The config this rank's layers are built with (vocab_size stays the full vocabulary)."""
+        return replace(
+            cfg,
+            num_heads=self.q_heads[1] - self.q_heads[0],
+            num_kv_heads=self.kv_heads[1] - self.kv_heads[0],
+            intermediate_size=self.intermediate[1] - self.intermediate[0],
+        )
+
+    # -- slicing full tensors into this rank's part (weights from a checkpoint, or dummy weights) --------
+
+    def rows(self, full: torch.Tensor, lo: int, hi: int, unit: int = 1, pad_to: int = 0) -> torch.Tensor:
+        part = full[lo * unit : hi * unit]
+        if pad_to > part.shape[0]:
+            pad = torch.zeros((pad_to - part.shape[0], *part.shape[1:]), dtype=part.dtype, device=part.device)
+            part = torch.cat((part, pad))
+        return part
+
+    def hf_slice(self, kind: str, full: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+        """This rank's part of one checkpoint tensor, by projection kind (q/k/v/o/gate/up/down/vocab/none)."""
+        d = cfg.head_dim
+        if kind == "q":
+            return self.rows(full, *self.q_heads, unit=d)
+        if kind in ("k", "v"):
+            return self.rows(full, *self.kv_heads, unit=d)
+        if kind == "o":
+            return full[:, self.q_heads[0] * d : self.q_heads[1] * d]
+        if kind in ("gate", "up"):
+            return self.rows(full, *self.intermediate)
+        if kind == "down":
+            return full[:, self.intermediate[0] : self.intermediate[1]]
+        if kind == "vocab":
+            return self.rows(full, *self.vocab, pad_to=self.vocab_per_rank)
+        return full
+
+    def merged_slice(self, param: str, full: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+        """This rank's part of a full merged parameter (`qkv_proj`, `gate_up_proj`, ...) by its name."""
+        leaf = param.rsplit(".", 1)[-1]
+        if leaf in ("qkv_proj", "qkv_bias"):
+            q, kv = full.split((cfg.q_size, 2 * cfg.kv_size))
+            k, v = kv.split((cfg.kv_size, cfg.kv_size))
+            return torch.cat([self.hf_slice(n, t, cfg) for n, t in (("q", q), ("k", k), ("v", v))])
+        if leaf == "gate_up_proj":
+            gate, up = full.chunk(2)
+            return torch.cat((self.hf_slice("gate", gate, cfg), self.hf_slice("up", up, cfg)))
+        kind = {"o_proj": "o", "down_proj": "down", "embed": "vocab", "lm_head": "vocab"}.get(leaf, "none")
+        return self.hf_slice(kind, full, cfg)
+
+
+class TPGroup:
+    """Collectives of one tensor-parallel group; `size == 1` makes every call a no-op.
+
+    Two process groups: `pg` for the model's collectives (gloo on CPU, NCCL on GPU) and `ctrl` (gloo, CPU
+    tensors) for rank 0's per-step broadcast. The control group waits without a practical time limit (a
+    follower idles in it between requests); the model group's limit bounds a step stuck on a lost rank.
+    """
+
+    def __init__(self, shard: TPShard, pg: object | None = None, ctrl: object | None = None) -> None:
+        self.shard = shard
+        self.rank = shard.rank
+        self.size = shard.size
+        self.pg = pg
+        self.ctrl = ctrl if ctrl is not None else pg
+        self._store: object | None = None
+
+    @classmethod
+    def connect(cls, shard: TPShard, host: str, port: int, backend: str, timeout_s: float = 120.0) -> TPGroup:
+        """Join the group whose rank 0 hosts a TCPStore at host:port. backend: gloo (CPU) or nccl (GPU)."""
+        import torch.distributed as dist
+
+        store = dist.TCPStore(host, port, shard.size, shard.rank == 0, timeout=timedelta(seconds=timeout_s))
+        model_store = dist.PrefixStore("model", store)
+        if backend == "nccl":
+            pg = dist.ProcessGroupNCCL(model_store, shard.rank, shard.size)
+        else:
+            pg = dist.ProcessGroupGloo(model_store, shard.rank, shard.size, timedelta(seconds=timeout_s))
+        ctrl = dist.ProcessGroupGloo(dist.PrefixStore("ctrl", store), shard.rank, shard.size, timedelta(days=365))
+        group = cls(shard, pg, ctrl)
+        group._store = store  # the store must outlive the groups (rank 0 serves it)
+        return group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            self.pg.allreduce([x]).wait()  # type: ignore[attr-defined]
+        return x
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """From rank 0 to all, in place, over the control group (CPU tensors)."""
+        if self.size > 1:
+            self.ctrl.broadcast(x, 0).wait()  # type: ignore[attr-defined]
+        return x
+
+    def embed(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel embedding lookup: each token's row comes from the one rank that holds it."""
+        if self.size == 1:
+            return F.embedding(ids, weight)
+        lo, hi = self.shard.vocab
+        local = ids - lo
+        outside = (local < 0) | (local >= hi - lo)
+        out = F.embedding(local.masked_fill(outside, 0), weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.all_reduce(out)
+
+    def gather_logits(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """[R, vocab_per_rank] on each rank -> [R, vocab] everywhere (padding rows dropped)."""
+        if self.size == 1:
+            return local
+        parts = [torch.empty_like(local) for _ in range(self.size)]
+        self.pg.allgather([parts], [local.contiguous()]).wait()  # type: ignore[attr-defined]
+        return torch.cat(parts, dim=-1)[:, :vocab_size]
+
+
+def single_rank(cfg: ModelConfig) -> TPGroup:
+    return TPGroup(TPShard.single(cfg))

@@ -1,0 +1,193 @@
+"""The ranks of one tensor-parallel worker: rank 0 decides, followers replay.
+
+Rank 0 is the engine process (scheduler, page ledger, sampling, NIXL). It launches ranks 1..N-1 as
+child processes (`python -m common.engine.tp_ranks <config JSON>`), and before each forward it
+broadcasts the step: the same `StepInputs` it built its own batch from, plus the page-table writes it made
+since the last step. Followers apply the writes to their own page table and run the same forward, so
+batches, pages and collectives agree on every rank; only rank 0 samples (every rank holds the gathered
+logits, the followers drop them). Nothing is pickled: the step is int64 tensors on a gloo group.
+
+On the CPU every rank's KV pool lives in a shared-memory file that rank 0 maps too, so rank 0's NIXL
+agent can register all ranks' pools and move each rank's heads without the followers taking part.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from common.engine.forward_batch import StepInputs
+from common.engine.model_config import ModelConfig
+from common.engine.tp import TPGroup, TPShard
+from common.net import free_port
+
+if TYPE_CHECKING:
+    from common.engine.runner import RunnerConfig
+
+log = logging.getLogger("kvferry.engine")
+
+OP_STEP, OP_STOP, OP_READY = 1, 2, 3
+HEADER_LEN = 8  # op, is_decode, batch, tokens, journal entries, journal pages, all_logits, spare
+
+Journal = list[tuple[int, int, torch.Tensor]]
+
+
+class TPRankLost(RuntimeError):
+    """A follower rank exited: this worker cannot compute any more and must be restarted."""
+
+
+@dataclass
+class ReceivedStep:
+    inputs: StepInputs
+    journal: Journal
+
+
+def encode_step(inputs: StepInputs, journal: Journal) -> tuple[torch.Tensor, torch.Tensor]:
+    b, t = int(inputs.extend_lens.numel()), int(inputs.input_ids.numel())
+    rows = torch.tensor([j[0] for j in journal], dtype=torch.int64)
+    firsts = torch.tensor([j[1] for j in journal], dtype=torch.int64)
+    pages = [j[2] for j in journal]
+    counts = torch.tensor([p.numel() for p in pages], dtype=torch.int64)
+    flat_pages = torch.cat(pages) if pages else torch.empty(0, dtype=torch.int64)
+    header = torch.tensor(
+        [OP_STEP, int(inputs.is_decode), b, t, len(journal), int(flat_pages.numel()), int(inputs.all_logits), 0], dtype=torch.int64
+    )
+    payload = torch.cat(
+        (
+            inputs.input_ids,
+            inputs.extend_lens,
+            inputs.starts,
+            inputs.table_rows,
+            inputs.sample_mask.to(torch.int64),
+            rows,
+            firsts,
+            counts,
+            flat_pages,
+        )
+    )
+    return header, payload
+
+
+def decode_step(header: torch.Tensor, payload: torch.Tensor) -> ReceivedStep:
+    _, is_decode, b, t, j, jp, all_logits = (int(v) for v in header[:7])
+    ids, ext, starts, rows, mask, jrows, jfirst, jcount, jpages = payload.split((t, b, b, b, b, j, j, j, jp))
+    inputs = StepInputs(bool(is_decode), ids, ext, starts, rows, mask.to(torch.bool), bool(all_logits))
+    journal = list(zip(jrows.tolist(), jfirst.tolist(), jpages.split(jcount.tolist())))
+    return ReceivedStep(inputs, journal)
+
+
+def shared_pool_path(prefix: str, rank: int) -> str:
+    return f"{prefix}-rank{rank}"
+
+
+class TPFollowers:
+    """Rank 0's handle on its follower processes."""
+
+    def __init__(self, group: TPGroup, procs: list[subprocess.Popen[bytes]], shm_prefix: str) -> None:
+        self.group = group
+        self.procs = procs
+        self.shm_prefix = shm_prefix
+        self._closed = False
+
+    @classmethod
+    def launch(cls, cfg: RunnerConfig, model_cfg: ModelConfig) -> TPFollowers:
+        """Start ranks 1..N-1 of `cfg` (tp_size > 1) and join their group as rank 0."""
+        size = cfg.tp_size
+        port = free_port()
+        shm_prefix = f"/dev/shm/kvferry-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        threads = max(1, torch.get_num_threads() // size)
+        torch.set_num_threads(threads)
+        procs = []
+        for rank in range(1, size):
+            spec = {**asdict(cfg), "tp_rank": rank, "tp_port": port, "tp_shm": shm_prefix}
+            env = {**os.environ, "KVFERRY_TORCH_THREADS": str(threads), "KVFERRY_TP_PARENT": str(os.getpid())}
+            procs.append(subprocess.Popen([sys.executable, "-m", "common.engine.tp_ranks", json.dumps(spec)], env=env))
+        backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
+        try:
+            group = TPGroup.connect(TPShard.plan(model_cfg, 0, size), "127.0.0.1", port, backend)
+        except Exception:
+            for p in procs:
+                p.kill()
+            raise
+        log.info("tensor-parallel group up", extra={"size": size, "backend": backend})
+        return cls(group, procs, shm_prefix)
+
+    def check_alive(self) -> None:
+        for rank, p in enumerate(self.procs, start=1):
+            code = p.poll()
+            if code is not None:
+                raise TPRankLost(f"tensor-parallel rank {rank} exited with code {code}")
+
+    def send_step(self, inputs: StepInputs, journal: Journal) -> None:
+        self.check_alive()
+        header, payload = encode_step(inputs, journal)
+        self.group.broadcast(header)
+        self.group.broadcast(payload)
+
+    def barrier_ready(self) -> None:
+        """Waits until every follower has built its model and pool (they broadcast-wait on READY)."""
+        self.group.broadcast(torch.tensor([OP_READY] + [0] * (HEADER_LEN - 1), dtype=torch.int64))
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if all(p.poll() is None for p in self.procs):
+                self.group.broadcast(torch.tensor([OP_STOP] + [0] * (HEADER_LEN - 1), dtype=torch.int64))
+        except Exception as e:  # a rank already gone: fall through to killing the rest
+            log.warning("stopping tensor-parallel ranks: %s", e)
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A follower must not outlive rank 0 (kill -9 of the worker leaves it blocked in a broadcast)."""
+    while True:
+        if os.getppid() != parent:
+            os._exit(1)
+        time.sleep(0.5)
+
+
+def follower_main(spec: dict[str, object]) -> None:
+    from common.engine.runner import ModelRunner, RunnerConfig
+    from common.log import setup_logging
+
+    setup_logging()
+    parent = int(os.environ.get("KVFERRY_TP_PARENT", os.getppid()))
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True, name="tp-parent-watch").start()
+    torch.set_num_threads(max(1, int(os.environ.get("KVFERRY_TORCH_THREADS", "1"))))
+    runner = ModelRunner(RunnerConfig(**spec))  # type: ignore[arg-type]
+    group = runner.tp
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    while True:
+        group.broadcast(header)
+        op = int(header[0])
+        if op == OP_STOP:
+            return
+        t, b, j, jp = (int(v) for v in (header[3], header[2], header[4], header[5]))
+        payload = torch.empty(t + 4 * b + 3 * j + jp, dtype=torch.int64)
+        group.broadcast(payload)
+        step = decode_step(header, payload)
+        for row, first, pages in step.journal:
+            runner.page_table.write_pages(row, first, pages)
+        runner.forward_local(runner.batch_from_inputs(step.inputs))
+
+
+if __name__ == "__main__":
+    follower_main(json.loads(sys.argv[1]))
