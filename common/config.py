@@ -33,6 +33,7 @@ class WorkerConfig:
     pod_name: str = ""
     redis_url: str = "redis://127.0.0.1:6379/0"
     drain_seconds: float = 25.0
+    transfer_staging_mb: float = 256.0  # packing area for peers that split KV heads differently (TP)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     sched: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -49,6 +50,7 @@ class WorkerConfig:
             pod_name=pod,
             redis_url=_env("KVFERRY_REDIS_URL", "redis://127.0.0.1:6379/0"),
             drain_seconds=float(_env("KVFERRY_DRAIN_SECONDS", "25")),
+            transfer_staging_mb=float(_env("KVFERRY_TRANSFER_STAGING_MB", "256")),
             runner=RunnerConfig(
                 model=_env("KVFERRY_MODEL", "smollm2-135m-instruct"),
                 device=device,
@@ -56,6 +58,7 @@ class WorkerConfig:
                 num_pages=int(_env("KVFERRY_NUM_PAGES", "0")),
                 kv_memory_gb=float(_env("KVFERRY_KV_MEMORY_GB", "1.0")),
                 max_running=int(_env("KVFERRY_MAX_RUNNING", "64")),
+                tp_size=int(_env("KVFERRY_TP_SIZE", "1")),
             ),
             sched=SchedulerConfig(max_prefill_tokens=int(_env("KVFERRY_MAX_PREFILL_TOKENS", "2048"))),
         )
@@ -75,7 +78,9 @@ class WorkerConfig:
 
 
 def worker_arg_parser(role: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"kvferry {role}", description=f"Run a {role} worker (settings from KVFERRY_* env vars).")
+    p = argparse.ArgumentParser(
+        prog=f"kvferry {role}", description=f"Run a {role} worker (settings from KVFERRY_* env vars)."
+    )
     p.add_argument("--host")
     p.add_argument("--port", type=int)
     p.add_argument("--advertise-url", dest="advertise_url")
@@ -88,6 +93,7 @@ def worker_arg_parser(role: str) -> argparse.ArgumentParser:
     p.add_argument("--kv-memory-gb", dest="kv_memory_gb", type=float)
     p.add_argument("--max-running", dest="max_running", type=int)
     p.add_argument("--max-prefill-tokens", dest="max_prefill_tokens", type=int)
+    p.add_argument("--tp-size", dest="tp_size", type=int, help="tensor-parallel ranks (one process each)")
     return p
 
 

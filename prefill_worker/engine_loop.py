@@ -71,7 +71,7 @@ class PrefillHost(EngineHost):
                 return
             # Checked here, not when the first chunk is posted: a bad page id raised inside a scheduler
             # step would take the engine process (and every request on it) down.
-            dst_pool = self.agent.peer(pr.dst_agent).pool.num_pages
+            dst_pool = self.agent.peer(pr.dst_agent).num_pages
             if any(p < 0 or p >= dst_pool for p in pr.dst_pages):
                 self.reject(msg, f"dst_pages must lie in [0, {dst_pool}) (the peer's pool)", "invalid_request")
                 return
@@ -123,7 +123,7 @@ class PrefillHost(EngineHost):
         lp = req.output_logprobs[0].model_dump() if req.output_logprobs else None
         note = {"req_id": req.req_id, "token": req.output_ids[0], "logprob": lp, "cached_tokens": req.prefix_hit_len}
         if self.debug_checksums:
-            note["checksums"] = self.runner.pool.page_checksums(torch.tensor(req.pages, dtype=torch.int64)).tolist()
+            note["checksums"] = self.runner.kv_checksums(torch.tensor(req.pages, dtype=torch.int64))
         ob.transfer.finish(json.dumps(note).encode())
 
     # ---- progress --------------------------------------------------------------------------------

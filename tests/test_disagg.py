@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 import uuid
@@ -10,7 +9,7 @@ import uuid
 import httpx
 import pytest
 
-from tests.workers import WorkerProc, start_worker, wait_ready
+from tests.workers import generate, run_concurrently, start_worker, wait_pages_back, wait_ready
 
 CHUNK = 64  # KVFERRY_MAX_PREFILL_TOKENS of the test workers (tests/workers.py)
 
@@ -26,51 +25,6 @@ def workers(redis_server):
     finally:
         p.stop()
         d.stop()
-
-
-def generate(
-    decode: WorkerProc, ids: list[int], prefill: WorkerProc | None, max_tokens: int = 24, timeout: float = 120
-) -> tuple[list[int], list[dict]]:
-    body = {
-        "req_id": uuid.uuid4().hex,
-        "token_ids": ids,
-        "prefill_url": prefill.url if prefill else None,
-        "sampling": {"max_tokens": max_tokens, "ignore_eos": True},
-    }
-    tokens, events = [], []
-    with httpx.stream("POST", f"{decode.url}/internal/generate", json=body, timeout=timeout) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line:
-                ev = json.loads(line)
-                events.append(ev)
-                tokens += ev.get("token_ids", [])
-    return tokens, events
-
-
-def wait_pages_back(*workers: WorkerProc, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        loads = [w.load() for w in workers]
-        if all(ld["free_pages"] == ld["total_pages"] and ld["running_requests"] == 0 for ld in loads):
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"pages not returned: {loads}")
-        time.sleep(0.1)
-
-
-def run_concurrently(fn, args_list):
-    results: list = [None] * len(args_list)
-
-    def one(i, args):
-        results[i] = fn(*args)
-
-    threads = [threading.Thread(target=one, args=(i, a)) for i, a in enumerate(args_list)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
 
 
 def test_disaggregated_equals_local_prefill(workers, smol_tokenizer):

@@ -565,6 +565,7 @@ def test_internal_handshake_and_prefill_with_a_real_nixl_peer(cluster: LocalClus
         {**good, "agent_metadata_b64": "!!not base64!!"},
         {**good, "pool_info_b64": "!!"},
         {**good, "pool_info_b64": base64.b64encode(b'{"version": 2}').decode()},
+        {**good, "pool_info_b64": base64.b64encode(b'[{"version": 2}]').decode()},
         {**good, "pool_info_b64": base64.b64encode(b"[]").decode()},
         {**good, "agent_metadata_b64": base64.b64encode(b"not nixl metadata" * 8).decode()},
         {**good, "instance_id": "someone-else"},  # pool info says otherwise

@@ -18,7 +18,7 @@ import torch
 from common.kv.pool import KVLayout, KVPool
 from common.protocol import KVLayoutInfo
 from common.transfer.agent import KVTransferAgent, PeerError
-from common.transfer.descs import PoolInfo, page_runs, run_descs
+from common.transfer.descs import PoolInfo, page_runs, pool_infos_from_b64, pool_infos_to_b64, run_descs
 from common.transfer.layout import LAYOUT_VERSION, LayoutMismatch, check_compatible, layout_info
 
 MODEL = "test-model"
@@ -244,9 +244,10 @@ def test_check_compatible_names_every_field() -> None:
     a = layout_info(KVPool(_layout(), 2), MODEL)
     b = a.model_copy(update={"head_dim": 32, "dtype": "bfloat16", "model_id": "other", "tp_size": 2})
     check_compatible(a, a.model_copy())
+    check_compatible(a, a.model_copy(update={"tp_size": 2}))  # ranks are matched per head range instead
     with pytest.raises(LayoutMismatch) as exc:
         check_compatible(a, b)
-    assert set(exc.value.fields) == {"head_dim", "dtype", "model_id", "tp_size"}
+    assert set(exc.value.fields) == {"head_dim", "dtype", "model_id"}
     for name in exc.value.fields:
         assert name in str(exc.value)
     assert isinstance(exc.value, ValueError)
@@ -324,7 +325,7 @@ def test_page_runs_vectorized() -> None:
 def test_descriptor_addresses_match_pool() -> None:
     pool = KVPool(_layout(), 16)
     info = PoolInfo.from_pool(pool, "x", "id")
-    assert PoolInfo.from_b64(info.to_b64()) == info
+    assert pool_infos_from_b64(pool_infos_to_b64([info])) == [info]
     runs = page_runs(torch.tensor([3, 4, 9]), torch.tensor([0, 1, 5]))
     rows = run_descs(info, runs.src_start, runs.length)
     assert rows.shape == (runs.count, 3)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import uuid
 from dataclasses import dataclass
 
 import httpx
@@ -92,3 +95,48 @@ def wait_ready(*workers: WorkerProc, timeout: float = 180) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{w.role} worker on {w.port} not ready")
             time.sleep(0.2)
+
+
+def generate(
+    decode: WorkerProc, ids: list[int], prefill: WorkerProc | None, max_tokens: int = 24, timeout: float = 120
+) -> tuple[list[int], list[dict]]:
+    body = {
+        "req_id": uuid.uuid4().hex,
+        "token_ids": ids,
+        "prefill_url": prefill.url if prefill else None,
+        "sampling": {"max_tokens": max_tokens, "ignore_eos": True},
+    }
+    tokens, events = [], []
+    with httpx.stream("POST", f"{decode.url}/internal/generate", json=body, timeout=timeout) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line:
+                ev = json.loads(line)
+                events.append(ev)
+                tokens += ev.get("token_ids", [])
+    return tokens, events
+
+
+def wait_pages_back(*workers: WorkerProc, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        loads = [w.load() for w in workers]
+        if all(ld["free_pages"] == ld["total_pages"] and ld["running_requests"] == 0 for ld in loads):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pages not returned: {loads}")
+        time.sleep(0.1)
+
+
+def run_concurrently(fn, args_list):
+    results: list = [None] * len(args_list)
+
+    def one(i, args):
+        results[i] = fn(*args)
+
+    threads = [threading.Thread(target=one, args=(i, a)) for i, a in enumerate(args_list)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results

@@ -185,6 +185,24 @@ class ModelRunner:
                 pass
         return pools
 
+    def kv_rank_pools(self) -> list[tuple[KVPool, tuple[int, int]]]:
+        """Every rank's KV pool with the model KV heads it holds (what the transfer agent registers)."""
+        full, size = self.model.full_cfg, self.tp.size
+        if len(self.rank_pools) != size:
+            raise NotImplementedError(
+                "KV transfer from a tensor-parallel GPU worker needs each rank's pool registered with NIXL; "
+                "this build maps follower pools on the CPU only"
+            )
+        return [(pool, TPShard.plan(full, r, size).kv_heads) for r, pool in enumerate(self.rank_pools)]
+
+    def kv_checksums(self, pages: torch.Tensor) -> list[float]:
+        """Per-page float64 sums over every rank's heads (debug checks that transferred pages arrived intact)."""
+        distinct: dict[tuple[int, int], KVPool] = {}
+        for pool, heads in self.kv_rank_pools():
+            distinct.setdefault(heads, pool)  # a replicated KV head counts once
+        sums = [pool.page_checksums(pages) for pool in distinct.values()]
+        return torch.stack(sums).sum(0).tolist()
+
     def close(self) -> None:
         """Stops the follower ranks (rank 0 of a tensor-parallel runner); a no-op otherwise."""
         if self.followers is not None:

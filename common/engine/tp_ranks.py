@@ -60,7 +60,8 @@ def encode_step(inputs: StepInputs, journal: Journal) -> tuple[torch.Tensor, tor
     counts = torch.tensor([p.numel() for p in pages], dtype=torch.int64)
     flat_pages = torch.cat(pages) if pages else torch.empty(0, dtype=torch.int64)
     header = torch.tensor(
-        [OP_STEP, int(inputs.is_decode), b, t, len(journal), int(flat_pages.numel()), int(inputs.all_logits), 0], dtype=torch.int64
+        [OP_STEP, int(inputs.is_decode), b, t, len(journal), int(flat_pages.numel()), int(inputs.all_logits), 0],
+        dtype=torch.int64,
     )
     payload = torch.cat(
         (

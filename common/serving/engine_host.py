@@ -38,11 +38,18 @@ class EngineHost:
         self.conn = conn
         self.runner = ModelRunner(cfg.runner)
         # On the GPU the CPU schedules step N+1 while step N runs; on the CPU there is nothing to overlap.
-        sched_cls = OverlapScheduler if self.runner.device.type == "cuda" else Scheduler
+        # Tensor parallelism broadcasts each step's token ids from the host, which the overlap scheduler
+        # keeps on the device: it runs the plain scheduler.
+        overlap = self.runner.device.type == "cuda" and self.runner.tp.size == 1
+        sched_cls = OverlapScheduler if overlap else Scheduler
         self.scheduler = sched_cls(self.runner, cfg.sched)
         self.page_size = cfg.runner.page_size
         self.agent = KVTransferAgent(
-            f"{self.role}-{cfg.pod_name}", self.runner.pool, model_id=cfg.runner.model, tp_size=1
+            f"{self.role}-{cfg.pod_name}",
+            self.runner.pool,
+            model_id=cfg.runner.model,
+            rank_pools=self.runner.kv_rank_pools(),
+            staging_bytes=int(cfg.transfer_staging_mb * (1 << 20)),
         )
         self.publisher = PrefixIndexPublisher(cfg.redis_url, cfg.runner.model, cfg.pod_name, resync=self._cached_hashes)
         self.scheduler.budget.on_cached = self.publisher.stored
@@ -138,8 +145,7 @@ class EngineHost:
             elif op == "checksums":
                 import torch
 
-                sums = self.runner.pool.page_checksums(torch.tensor(msg["pages"], dtype=torch.int64))
-                self.reply(msg, sums=sums.tolist())
+                self.reply(msg, sums=self.runner.kv_checksums(torch.tensor(msg["pages"], dtype=torch.int64)))
             else:
                 self.handle_role(msg)
         except RequestRejected as e:
@@ -151,6 +157,7 @@ class EngineHost:
     def shutdown(self) -> None:
         self.publisher.stop(deregister=True)
         self.flush()
+        self.runner.close()
 
     def _cached_hashes(self) -> list[int]:
         cache = self.scheduler.cache

@@ -19,8 +19,10 @@ from nixl._api import nixl_agent, nixl_agent_config
 
 from common.kv.pool import KVPool
 from common.protocol import KVLayoutInfo
-from common.transfer.descs import PoolInfo
+from common.transfer.descs import PoolInfo, pool_infos_from_b64, pool_infos_to_b64
 from common.transfer.layout import check_compatible, layout_info
+from common.transfer.routes import HeadRoute, plan_routes
+from common.transfer.staging import StagingArea
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +37,20 @@ class Peer:
 
     name: str
     instance_id: str
-    pool: PoolInfo
+    pools: list[PoolInfo]  # one per tensor-parallel rank of the peer
+    routes: list[HeadRoute]  # which local rank feeds each of them
     layout: KVLayoutInfo
     added_at: float
 
+    @property
+    def num_pages(self) -> int:
+        return self.pools[0].num_pages
+
 
 class KVTransferAgent:
+    """`rank_pools`: under tensor parallelism, every rank's pool with the model KV heads it holds (rank 0
+    first, `pool` itself); all are registered here, so this one agent moves every rank's pages."""
+
     def __init__(
         self,
         name: str,
@@ -48,18 +58,29 @@ class KVTransferAgent:
         backend: str = "UCX",
         *,
         model_id: str = "unknown",
-        tp_size: int = 1,
+        rank_pools: list[tuple[KVPool, tuple[int, int]]] | None = None,
         progress_thread: bool = True,
         backend_params: dict[str, str] | None = None,
+        staging_bytes: int = 256 << 20,
     ) -> None:
         self.name = name
         self.pool = pool
         self.backend = backend
+        self.rank_pools = rank_pools or [(pool, (0, pool.layout.num_kv_heads))]
+        if self.rank_pools[0][0] is not pool:
+            raise ValueError("rank_pools must start with this rank's pool")
         # Fresh per process start: a peer that restarts under the same name is told apart by this,
         # so stale metadata (old addresses, old rkeys) is never used against the new process.
         self.instance_id = uuid.uuid4().hex
-        self.layout = layout_info(pool, model_id, tp_size)
-        self._pool_info = PoolInfo.from_pool(pool, name, self.instance_id)
+        total_heads = max(hi for _, (_, hi) in self.rank_pools)
+        self.layout = layout_info(pool, model_id, len(self.rank_pools), total_heads)
+        self._pool_infos = [
+            PoolInfo.from_pool(p, name, self.instance_id, heads, rank)
+            for rank, (p, heads) in enumerate(self.rank_pools)
+        ]
+        self._staging_bytes = staging_bytes
+        self.staging: StagingArea | None = None
+        self._staging_reg: object | None = None
         self._peers: dict[str, Peer] = {}
         self._closed = False
         # The progress thread completes transfers and notifications even while this process computes;
@@ -71,9 +92,9 @@ class KVTransferAgent:
         # Created by hand (not through the config) so backend init parameters can be passed, e.g. the
         # UCX plugin's `num_threads` / `num_workers` (see `get_plugin_params`).
         self._nixl.create_backend(backend, dict(backend_params or {}))
-        # One registration for the whole pool: every transfer is a sub-range of it, so no per-request
+        # One registration per rank's pool: every transfer is a sub-range of one, so no per-request
         # registration cost. The tensor decides DRAM vs VRAM.
-        self._reg = self._nixl.register_memory(pool.kv, backends=[backend])
+        self._regs = [self._nixl.register_memory(p.kv, backends=[backend]) for p, _ in self.rank_pools]
 
     # -- what this side publishes ------------------------------------------------------------------
 
@@ -83,7 +104,22 @@ class KVTransferAgent:
 
     @property
     def pool_info(self) -> PoolInfo:
-        return self._pool_info
+        """Rank 0's pool."""
+        return self._pool_infos[0]
+
+    @property
+    def pool_infos(self) -> list[PoolInfo]:
+        return self._pool_infos
+
+    def local_pool(self, rank: int) -> KVPool:
+        return self.rank_pools[rank][0]
+
+    def ensure_staging(self) -> StagingArea:
+        """The packing area for peers that split heads differently, allocated and registered on first use."""
+        if self.staging is None:
+            self.staging = StagingArea(self._staging_bytes, self.pool.device)
+            self._staging_reg = self._nixl.register_memory(self.staging.buf, backends=[self.backend])
+        return self.staging
 
     def metadata_b64(self) -> str:
         # Taken after register_memory: metadata fetched earlier lacks the pool's remote keys and the
@@ -91,7 +127,7 @@ class KVTransferAgent:
         return base64.b64encode(self._nixl.get_agent_metadata()).decode("ascii")
 
     def pool_info_b64(self) -> str:
-        return self._pool_info.to_b64()
+        return pool_infos_to_b64(self._pool_infos)
 
     # -- peers -------------------------------------------------------------------------------------
 
@@ -107,17 +143,22 @@ class KVTransferAgent:
         self._check_open()
         check_compatible(self.layout, layout)
         try:
-            info = PoolInfo.from_b64(pool_info_b64)
+            infos = pool_infos_from_b64(pool_info_b64)
             metadata = base64.b64decode(metadata_b64.encode("ascii"), validate=True)
         except (ValueError, TypeError, binascii.Error) as e:
             raise PeerError(f"bad handshake from {agent_name!r}: {e}") from e
+        info = infos[0]
         if (info.agent_name, info.instance_id) != (agent_name, instance_id):
             raise PeerError(
                 f"pool info is for agent {info.agent_name!r} instance {info.instance_id}, "
                 f"handshake says agent {agent_name!r} instance {instance_id}"
             )
-        if info.page_stride != self.pool.page_stride_bytes or info.num_layers != self.pool.layout.num_layers:
+        if len(infos) != layout.tp_size or info.num_layers != self.pool.layout.num_layers:
             raise PeerError(f"pool geometry of {agent_name!r} disagrees with its declared layout")
+        try:
+            routes = plan_routes(self._pool_infos, infos)
+        except ValueError as e:
+            raise PeerError(f"cannot move KV to {agent_name!r}: {e}") from e
 
         known = self._peers.get(agent_name)
         if known is not None:
@@ -137,7 +178,9 @@ class KVTransferAgent:
             if loaded_name not in self._peers:
                 self._nixl.remove_remote_agent(loaded_name)
             raise PeerError(f"metadata names agent {loaded_name!r}, handshake says {agent_name!r}")
-        peer = Peer(agent_name, instance_id, info, layout, time.monotonic())
+        if not all(r.direct for r in routes):
+            self.ensure_staging()
+        peer = Peer(agent_name, instance_id, infos, routes, layout, time.monotonic())
         self._peers[agent_name] = peer
         return peer
 
@@ -170,10 +213,12 @@ class KVTransferAgent:
         self._closed = True
         for name in list(self._peers):
             self.remove_peer(name)
-        try:
-            self._nixl.deregister_memory(self._reg, backends=[self.backend])
-        except Exception as e:
-            log.warning("deregister_memory: %s", e)
+        regs = [*self._regs, *([self._staging_reg] if self._staging_reg is not None else [])]
+        for reg in regs:
+            try:
+                self._nixl.deregister_memory(reg, backends=[self.backend])
+            except Exception as e:
+                log.warning("deregister_memory: %s", e)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -21,7 +21,7 @@ import torch
 
 from common.kv.pool import KVPool
 
-POOL_INFO_VERSION = 2
+POOL_INFO_VERSION = 3  # 3: one entry per tensor-parallel rank, with the KV heads it holds
 
 
 @dataclass(frozen=True)
@@ -37,10 +37,19 @@ class PoolInfo:
     num_layers: int
     num_pages: int
     page_stride: int  # bytes of one page across all layers, K and V
+    kv_head_start: int  # the model's KV heads this rank's pool holds: [kv_head_start, kv_head_end)
+    kv_head_end: int
+    rank: int = 0
     version: int = POOL_INFO_VERSION
 
+    @property
+    def kv_heads(self) -> int:
+        return self.kv_head_end - self.kv_head_start
+
     @classmethod
-    def from_pool(cls, pool: KVPool, agent_name: str, instance_id: str) -> PoolInfo:
+    def from_pool(
+        cls, pool: KVPool, agent_name: str, instance_id: str, kv_heads: tuple[int, int] | None = None, rank: int = 0
+    ) -> PoolInfo:
         kv = pool.kv
         if not kv.is_contiguous():
             # Addresses below assume the canonical strides; a view would send pages to the wrong place.
@@ -57,14 +66,13 @@ class PoolInfo:
             num_layers=kv.shape[1],
             num_pages=kv.shape[0],
             page_stride=pool.page_stride_bytes,
+            kv_head_start=kv_heads[0] if kv_heads else 0,
+            kv_head_end=kv_heads[1] if kv_heads else pool.layout.num_kv_heads,
+            rank=rank,
         )
 
-    def to_b64(self) -> str:
-        return base64.b64encode(json.dumps(asdict(self), sort_keys=True).encode()).decode("ascii")
-
     @classmethod
-    def from_b64(cls, text: str) -> PoolInfo:
-        raw = json.loads(base64.b64decode(text.encode("ascii"), validate=True))
+    def from_dict(cls, raw: object) -> PoolInfo:
         if not isinstance(raw, dict) or raw.get("version") != POOL_INFO_VERSION:
             raise ValueError(f"unsupported pool info (version {raw.get('version') if isinstance(raw, dict) else '?'})")
         info = cls(**raw)  # unknown or missing keys raise TypeError: refuse rather than guess
@@ -79,6 +87,25 @@ class PoolInfo:
             raise ValueError("pool info describes more bytes than the registered region")
         if self.mem_type not in ("DRAM", "VRAM"):
             raise ValueError(f"unknown mem_type {self.mem_type!r}")
+        if not 0 <= self.kv_head_start < self.kv_head_end:
+            raise ValueError("pool info has an empty or negative KV head range")
+
+
+def pool_infos_to_b64(infos: list[PoolInfo]) -> str:
+    """Every rank's pool of one worker, as the handshake carries it (JSON, never pickle)."""
+    return base64.b64encode(json.dumps([asdict(i) for i in infos], sort_keys=True).encode()).decode("ascii")
+
+
+def pool_infos_from_b64(text: str) -> list[PoolInfo]:
+    raw = json.loads(base64.b64decode(text.encode("ascii"), validate=True))
+    if not isinstance(raw, list) or not raw:
+        raise ValueError("pool info must be a non-empty list (one entry per rank)")
+    infos = [PoolInfo.from_dict(r) for r in raw]
+    if [i.rank for i in infos] != list(range(len(infos))):
+        raise ValueError("pool info ranks must be 0..N-1 in order")
+    if len({(i.agent_name, i.instance_id, i.num_layers, i.num_pages) for i in infos}) != 1:
+        raise ValueError("pool info entries disagree on agent, instance or pool geometry")
+    return infos
 
 
 @dataclass(frozen=True)

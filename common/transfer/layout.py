@@ -29,23 +29,29 @@ def dtype_name(dtype: object) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def layout_info(pool: KVPool, model_id: str, tp_size: int = 1) -> KVLayoutInfo:
+def layout_info(pool: KVPool, model_id: str, tp_size: int = 1, num_kv_heads: int | None = None) -> KVLayoutInfo:
+    """`num_kv_heads`: the model's KV heads (under tensor parallelism `pool` holds only rank 0's)."""
     layout = pool.layout
     return KVLayoutInfo(
         model_id=model_id,
         dtype=dtype_name(layout.dtype),
         page_size=layout.page_size,
         num_layers=layout.num_layers,
-        num_kv_heads=layout.num_kv_heads,
+        num_kv_heads=num_kv_heads or layout.num_kv_heads,
         head_dim=layout.head_dim,
         layout_version=LAYOUT_VERSION,
         tp_size=tp_size,
     )
 
 
+# Fields the two ends may differ in: how each splits the heads over its ranks is matched per rank by
+# `common/transfer/routes.py`.
+MAY_DIFFER = frozenset({"tp_size"})
+
+
 def check_compatible(local: KVLayoutInfo, remote: KVLayoutInfo) -> None:
     """Raise `LayoutMismatch` naming every differing field (all of them, so one round trip tells all)."""
     lo, re = local.model_dump(), remote.model_dump()
-    diff = {name: (lo[name], re.get(name)) for name in lo if lo[name] != re.get(name)}
+    diff = {name: (lo[name], re.get(name)) for name in lo if lo[name] != re.get(name) and name not in MAY_DIFFER}
     if diff:
         raise LayoutMismatch(diff)

@@ -19,15 +19,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
 import torch
 from nixl._api import nixl_xfer_handle
 
 from common.transfer.agent import KVTransferAgent
-from common.transfer.descs import check_pages, page_runs, run_descs
+from common.transfer.descs import PageRuns, check_pages, page_runs, run_descs
+from common.transfer.routes import HeadRoute
+from common.transfer.staging import StagingArea
 
 log = logging.getLogger(__name__)
 
 PollState = Literal["pending", "done", "error"]
+
+STAGING_WAIT_S = 5.0  # longest a post waits for staging space before failing its request
 
 
 class TransferError(RuntimeError):
@@ -49,14 +54,16 @@ class TransferHandle:
     error: str | None = None
     done_at: float | None = None
     xfer: nixl_xfer_handle | None = field(default=None, repr=False)
+    staged: list[tuple[int, int]] = field(default_factory=list, repr=False)  # staging (offset, bytes) it reads
 
 
 class KVSender:
     def __init__(self, agent: KVTransferAgent) -> None:
         self.agent = agent
-        # Handles NIXL refused to release (a transfer it could not cancel yet); retried until it lets go,
-        # so their memory is not freed under an active transfer.
-        self._unreleased: list[nixl_xfer_handle] = []
+        # Handles NIXL refused to release (a transfer it could not cancel yet), with the staging space they
+        # read; retried until NIXL lets go, so neither is reused under an active transfer.
+        self._unreleased: list[tuple[nixl_xfer_handle, list[tuple[int, int]]]] = []
+        self._staged_pending: list[TransferHandle] = []  # in flight, reading from the staging area
 
     def post_write(
         self,
@@ -67,7 +74,7 @@ class KVSender:
         *,
         expect_instance: str | None = None,
     ) -> TransferHandle:
-        """Post one WRITE of `src_pages` (local) into `dst_pages` (peer), pairwise.
+        """Post one WRITE of `src_pages` (local) into `dst_pages` (peer), pairwise, for every peer rank.
 
         Caller bugs (unknown peer, bad page ids) raise; NIXL failures come back as a handle in state
         "error" so a scheduler loop handles them like any other failed request. `notif` rides on this
@@ -75,22 +82,23 @@ class KVSender:
         the peer process: a peer restarted since the pages were reserved must not receive the write.
         The source pages must be final when this is called: NIXL reads them from another thread or
         engine, so on CUDA synchronize (an event on) the stream that wrote them first.
+        Peer ranks holding fewer heads than the local rank that feeds them get their heads packed into the
+        staging area first (`max_pages_per_post` bounds how many pages one call may move then).
         """
         remote = self.agent.peer(peer)
         local = self.agent.pool_info
         src = torch.as_tensor(src_pages).to("cpu", torch.int64).reshape(-1)
         dst = torch.as_tensor(dst_pages).to("cpu", torch.int64).reshape(-1)
         check_pages(src, local.num_pages, "src")
-        check_pages(dst, remote.pool.num_pages, "dst")
+        check_pages(dst, remote.num_pages, "dst")
         runs = page_runs(src, dst)
-        num_descs = runs.count  # one block per run of pages (page-major pool)
         handle = TransferHandle(
             peer=peer,
             peer_instance=remote.instance_id,
             num_pages=int(src.numel()),
             num_runs=runs.count,
-            num_descs=num_descs,
-            num_bytes=int(src.numel()) * local.page_stride,
+            num_descs=runs.count * len(remote.routes),  # one block per run of pages per peer rank
+            num_bytes=int(src.numel()) * sum(r.dst.page_stride for r in remote.routes),
             posted_at=time.monotonic(),
         )
         if expect_instance is not None and expect_instance != remote.instance_id:
@@ -106,21 +114,72 @@ class KVSender:
 
         nixl = self.agent.nixl
         try:
-            local_descs = nixl.get_xfer_descs(run_descs(local, runs.src_start, runs.length), local.mem_type)
-            remote_descs = nixl.get_xfer_descs(
-                run_descs(remote.pool, runs.dst_start, runs.length), remote.pool.mem_type
-            )
+            local_rows, remote_rows = [], []
+            for route in remote.routes:
+                if route.direct:
+                    local_rows.append(run_descs(route.src, runs.src_start, runs.length))
+                else:
+                    local_rows.append(self._stage(handle, route, src, runs))
+                remote_rows.append(run_descs(route.dst, runs.dst_start, runs.length))
+            if handle.staged and self.agent.pool.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()  # the packed pages must be in memory before NIXL reads
+            local_descs = nixl.get_xfer_descs(np.concatenate(local_rows), local.mem_type)
+            remote_descs = nixl.get_xfer_descs(np.concatenate(remote_rows), remote.pools[0].mem_type)
             handle.xfer = nixl.initialize_xfer(
                 "WRITE", local_descs, remote_descs, peer, notif or b"", backends=[self.agent.backend]
             )
             status = nixl.transfer(handle.xfer)
+        except TransferError as e:
+            return self._fail(handle, str(e))
         except Exception as e:  # NIXL raises nixl*Error (NOT_FOUND for unregistered ranges, disconnects)
             return self._fail(handle, f"post failed: {type(e).__name__}: {e}")
         if status == "ERR":
             return self._fail(handle, "post returned ERR")
         if status == "DONE":  # small writes can complete inside the post call
             return self._finish(handle, "done")
+        if handle.staged:
+            self._staged_pending.append(handle)
         return handle
+
+    def max_pages_per_post(self, peer: str) -> int:
+        """Pages one `post_write` may move: all of them, unless the peer needs packing into the staging area."""
+        routes = self.agent.peer(peer).routes
+        packed = sum(r.dst.page_stride for r in routes if not r.direct)
+        staging = self.agent.staging
+        if packed == 0 or staging is None:
+            return 1 << 62
+        return max(1, staging.capacity // (2 * packed))  # half the area: the next post packs while this one moves
+
+    def _stage(self, handle: TransferHandle, route: HeadRoute, src: torch.Tensor, runs: PageRuns) -> np.ndarray:
+        """Packs the destination rank's heads of `src` pages into the staging area; returns the local rows."""
+        staging = self.agent.ensure_staging()
+        pool = self.agent.local_pool(route.src.rank)
+        n, stride = int(src.numel()), route.dst.page_stride
+        offset = self._alloc_staging(staging, n * stride, handle.peer)
+        handle.staged.append((offset, n * stride))
+        layout = pool.layout
+        shape = (n, layout.num_layers, 2, layout.page_size, route.dst.kv_heads, layout.head_dim)
+        lo = route.head_offset
+        packed = staging.view(offset, shape, layout.dtype)
+        torch.index_select(pool.kv[..., lo : lo + route.dst.kv_heads, :], 0, src.to(pool.device), out=packed)
+        before = torch.cumsum(runs.length, 0) - runs.length  # pages packed ahead of each run
+        addr = staging.base_addr + offset + before * stride
+        rows = torch.stack([addr, runs.length * stride, torch.full_like(addr, route.src.device_id)], dim=1)
+        return rows.numpy().astype(np.uint64)
+
+    def _alloc_staging(self, staging: StagingArea, nbytes: int, peer: str) -> int:
+        """Space in the staging area, waiting (bounded) for earlier packed writes to complete and free theirs."""
+        if nbytes > staging.capacity:
+            raise TransferError(f"{nbytes} bytes to pack exceed the {staging.capacity}-byte staging area")
+        deadline = time.monotonic() + STAGING_WAIT_S
+        while True:
+            offset = staging.alloc(nbytes)
+            if offset is not None:
+                return offset
+            self._staged_pending = [h for h in self._staged_pending if self.poll(h) == "pending"]
+            if time.monotonic() > deadline:
+                raise TransferError(f"staging area full for {STAGING_WAIT_S} s (transfers to {peer} too slow)")
+            time.sleep(0.0005)
 
     def poll(self, handle: TransferHandle) -> PollState:
         """Non-blocking. A finished handle's NIXL request is released here, exactly once."""
@@ -176,22 +235,31 @@ class KVSender:
 
     def _release(self, handle: TransferHandle) -> None:
         xfer, handle.xfer = handle.xfer, None
-        if xfer is None:
-            return
-        try:
-            xfer.release()
-        except Exception as e:  # still active and not cancellable: keep it and retry later
-            log.warning("release of transfer to %s deferred: %s", handle.peer, e)
-            self._unreleased.append(xfer)
+        staged, handle.staged = handle.staged, []
+        if xfer is not None:
+            try:
+                xfer.release()
+            except Exception as e:  # still active and not cancellable: keep it and retry later
+                log.warning("release of transfer to %s deferred: %s", handle.peer, e)
+                self._unreleased.append((xfer, staged))
+                staged = []
+        self._free_staging(staged)
         self._retry_releases()
 
+    def _free_staging(self, staged: list[tuple[int, int]]) -> None:
+        for offset, nbytes in staged:
+            assert self.agent.staging is not None
+            self.agent.staging.release(offset, nbytes)
+
     def _retry_releases(self) -> None:
-        still: list[nixl_xfer_handle] = []
-        for xfer in self._unreleased:
+        still = []
+        for xfer, staged in self._unreleased:
             try:
                 xfer.release()
             except Exception:
-                still.append(xfer)
+                still.append((xfer, staged))
+                continue
+            self._free_staging(staged)
         self._unreleased = still
 
 
@@ -227,11 +295,17 @@ class RequestTransfer:
         self.progress()
         if self.state == "error":
             raise TransferError(self.error or "transfer failed")
-        handle = self.sender.post_write(self.peer, src_pages, dst_pages, expect_instance=self.peer_instance)
-        self.handles.append(handle)
-        if handle.state == "error":
-            self._fail(handle.error or "post failed")
-            raise TransferError(self.error or "post failed")
+        src = torch.as_tensor(src_pages).reshape(-1)
+        dst = torch.as_tensor(dst_pages).reshape(-1)
+        step = self.sender.max_pages_per_post(self.peer)
+        for lo in range(0, max(1, src.numel()), step):
+            handle = self.sender.post_write(
+                self.peer, src[lo : lo + step], dst[lo : lo + step], expect_instance=self.peer_instance
+            )
+            self.handles.append(handle)
+            if handle.state == "error":
+                self._fail(handle.error or "post failed")
+                raise TransferError(self.error or "post failed")
         return handle
 
     def finish(self, notif: bytes) -> PollState:

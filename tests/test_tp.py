@@ -1,0 +1,139 @@
+"""Tensor parallelism on the CPU (gloo): TP=2 answers exactly what TP=1 answers, in the engine and across
+workers of different TP sizes, on the packaged SmolLM2 (9 query heads, 3 KV heads: split 2 + 1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.engine.engine import Engine
+from common.engine.model_config import named_config
+from common.engine.runner import RunnerConfig
+from common.engine.tp import TPShard
+from common.protocol import SamplingParams
+from common.sched.scheduler import SchedulerConfig
+from tests.workers import generate, run_concurrently, start_worker, wait_pages_back, wait_ready
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+CHUNK = 64  # KVFERRY_MAX_PREFILL_TOKENS of the test workers (tests/workers.py)
+
+
+def test_shard_plan_covers_every_head_once() -> None:
+    cfg = named_config("smollm2-135m")
+    parts = [TPShard.plan(cfg, r, 2) for r in range(2)]
+    assert [p.kv_heads for p in parts] == [(0, 2), (2, 3)]
+    assert [p.q_heads for p in parts] == [(0, 6), (6, 9)]  # each rank keeps whole GQA groups
+    assert parts[0].intermediate == (0, 768) and parts[1].intermediate == (768, 1536)
+    # More ranks than KV heads: each KV head replicated, its query heads divided among the replicas.
+    eight = [TPShard.plan(named_config("llama-3.1-8b"), r, 16) for r in range(16)]
+    assert [p.kv_heads for p in eight[:4]] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert sorted({h for p in eight for h in range(*p.q_heads)}) == list(range(32))
+    with pytest.raises(ValueError):
+        TPShard.plan(cfg, 0, 4)  # 4 does not divide 3 KV heads
+
+
+@pytest.fixture(scope="module")
+def tp2_engine(smol_path):
+    engine = Engine(RunnerConfig(model=str(smol_path), num_pages=256, tp_size=2), SchedulerConfig(max_prefill_tokens=16))
+    yield engine
+    engine.runner.close()
+
+
+def test_tp2_engine_matches_tp1(tp2_engine, smol_runner, smol_tokenizer) -> None:
+    tp1 = Engine(runner=smol_runner, sched_cfg=SchedulerConfig(max_prefill_tokens=16))
+    system = "You are a helpful assistant who answers in one sentence. " * 3
+    prompts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        system + "What is the tallest mountain?",
+        "Write a poem about the sea. " * 6,  # several 16-token chunks
+    ]
+    ids = [smol_tokenizer.encode(p) for p in prompts]
+    want = tp1.generate(ids, GREEDY)
+    got = tp2_engine.generate(ids, GREEDY)
+    for w, g in zip(want, got):
+        assert g.output_ids == w.output_ids
+    # Radix hits: a second request sharing the system prompt reuses its pages on every rank.
+    follow = smol_tokenizer.encode(system + "Which ocean is the largest?")
+    again = tp2_engine.generate([follow], GREEDY)[0]
+    assert again.cached_tokens >= 16
+    assert again.output_ids == tp1.generate([follow], GREEDY)[0].output_ids
+    # Teacher-forced logits agree to float32 summation-order noise.
+    diff = (tp2_engine.score(ids[2]) - tp1.score(ids[2])).abs().max().item()
+    assert diff < 2e-3
+    sched = tp2_engine.scheduler
+    assert sched.free_pages() == sched.allocator.num_pages  # every page free or held only by the prefix cache
+
+
+def test_tp2_ranks_hold_their_heads_only(tp2_engine) -> None:
+    pools = tp2_engine.runner.kv_rank_pools()
+    assert [heads for _, heads in pools] == [(0, 2), (2, 3)]
+    assert [p.layout.num_kv_heads for p, _ in pools] == [2, 1]
+    assert pools[0][0].page_stride_bytes == 2 * pools[1][0].page_stride_bytes
+
+
+@pytest.fixture(scope="module")
+def tp_workers(redis_server):
+    env = {"KVFERRY_DEBUG_CHECKSUMS": "1"}
+    procs = {
+        "prefill1": start_worker("prefill", redis_server, env=env),
+        "prefill2": start_worker("prefill", redis_server, env={**env, "KVFERRY_TP_SIZE": "2"}),
+        "decode2": start_worker("decode", redis_server, env={**env, "KVFERRY_TP_SIZE": "2"}),
+        "decode1": start_worker("decode", redis_server, env=env),
+    }
+    try:
+        wait_ready(*procs.values())
+        yield procs
+    finally:
+        for w in procs.values():
+            w.stop()
+
+
+def test_tp1_prefill_feeds_tp2_decode(tp_workers, smol_tokenizer) -> None:
+    """Each decode rank receives only the KV heads it owns (rank 0: heads 0-1 packed, rank 1: head 2)."""
+    p1, d2, d1 = tp_workers["prefill1"], tp_workers["decode2"], tp_workers["decode1"]
+    texts = ["The capital of France is", "A story about a lighthouse keeper. " * 20]
+    prompts = [smol_tokenizer.encode(t) for t in texts]
+    assert max(len(x) for x in prompts) > 2 * CHUNK
+    want = run_concurrently(lambda ids: generate(d1, ids, None), [(x,) for x in prompts])
+    got = run_concurrently(lambda ids: generate(d2, ids, p1), [(x,) for x in prompts])
+    for (wt, _), (gt, ev) in zip(want, got):
+        assert gt == wt
+        assert ev[0]["kv_verified"] is True  # page checksums over both decode ranks == prefill's
+    wait_pages_back(p1, d2, d1)
+
+
+def test_tp2_prefill_feeds_tp2_decode_with_radix_hits(tp_workers, smol_tokenizer) -> None:
+    p2, d2, d1 = tp_workers["prefill2"], tp_workers["decode2"], tp_workers["decode1"]
+    system = "You answer questions about trains, briefly. " * 6
+    first = smol_tokenizer.encode(system + "When is the first train?")
+    second = smol_tokenizer.encode(system + "Is there a dining car?")
+    for ids in (first, second):
+        want, _ = generate(d1, ids, None)
+        got, ev = generate(d2, ids, p2)
+        assert got == want and ev[0]["kv_verified"] is True
+    assert ev[0]["cached_tokens"] >= len(smol_tokenizer.encode(system)) // 16 * 16 - 16 > 0
+    # A TP=2 decode worker also prefills locally (both ranks compute).
+    assert generate(d2, second, None)[0] == want
+    wait_pages_back(p2, d2, d1)
+
+
+def test_tp2_prefill_to_tp1_decode_is_refused(tp_workers, smol_tokenizer) -> None:
+    """Decode rank 0 of a TP=1 worker holds all 3 heads, spread over both prefill ranks: refused clearly."""
+    p2, d1 = tp_workers["prefill2"], tp_workers["decode1"]
+    tokens, events = generate(d1, smol_tokenizer.encode("Hello there"), p2)
+    assert tokens == [] and events[-1]["finish_reason"] == "error"
+    assert "tensor-parallel size" in events[-1]["error"]
+    wait_pages_back(p2, d1)
+    # The refused pair does not disturb anything else.
+    assert generate(d1, smol_tokenizer.encode("Hello there"), tp_workers["prefill1"])[0]
+
+
+def test_tp_logits_match_at_rank_boundaries(tp2_engine, smol_runner, smol_tokenizer) -> None:
+    """Vocab-parallel LM head: tokens on both sides of the vocab split (24576) score the same as TP=1."""
+    tp1 = Engine(runner=smol_runner)
+    ids = smol_tokenizer.encode("Numbers: 1, 2, 3, and the word antidisestablishmentarianism.")
+    a, b = tp1.score(ids), tp2_engine.score(ids)
+    half = a.shape[1] // 2
+    assert torch.allclose(a[:, half - 8 : half + 8], b[:, half - 8 : half + 8], atol=2e-3)
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
