@@ -2,6 +2,10 @@
 
     python bench/transfer.py --device cpu --layout smollm2
     python bench/transfer.py --device cuda --layout llama8b
+    python bench/transfer.py --device cuda --layout llama8b --dst-tp 2   # TP=1 prefill -> TP=2 decode
+
+With `--dst-tp N` the receiver splits the KV heads over N rank pools (as a TP=N decode worker does) and the
+sender packs each rank's heads through its staging area before moving them; same bytes, same copy baseline.
 
 For 1k, 4k and 16k-token prompts the sender (this process) writes the prompt's pages into pages that
 the receiver (a spawned process, as a decode worker would be) reserved, in chunks of
@@ -69,14 +73,20 @@ def sync(device: str) -> None:
 
 def receiver_main(cfg: dict[str, Any], cmd_q: Any, out_q: Any) -> None:
     """A decode worker reduced to its transfer part: hand out the handshake, report notifications."""
+    from dataclasses import replace
+
+    from common.engine.tp import split_range
     from common.transfer.receiver import KVReceiver
 
     layout = make_layout(cfg["layout"], cfg["device"], cfg["page_size"])
-    pool = KVPool(layout, cfg["num_pages"], cfg["device"])
+    ranks = [split_range(layout.num_kv_heads, cfg["dst_tp"], r) for r in range(cfg["dst_tp"])]
+    pools = [KVPool(replace(layout, num_kv_heads=hi - lo), cfg["num_pages"], cfg["device"]) for lo, hi in ranks]
+    pool = pools[0]
     agent = KVTransferAgent(
         "bench-decode",
         pool,
         model_id=MODEL,
+        rank_pools=list(zip(pools, ranks)),
         progress_thread=cfg["progress_thread"],
         backend_params=cfg["backend_params"],
     )
@@ -101,7 +111,8 @@ def receiver_main(cfg: dict[str, Any], cmd_q: Any, out_q: Any) -> None:
         if cmd[0] == "stop":
             break
         if cmd[0] == "checksums":
-            out_q.put(("checksums", pool.page_checksums(torch.tensor(cmd[1])).tolist()))
+            sums = torch.stack([p.page_checksums(torch.tensor(cmd[1])) for p in pools]).sum(0)
+            out_q.put(("checksums", sums.tolist()))
     agent.close()
 
 
@@ -161,7 +172,8 @@ def gbps(nbytes: int, seconds: float) -> float:
 def checksum_ok(pool: KVPool, rx: Any, cmd: Any, src: torch.Tensor, dst: torch.Tensor) -> bool:
     cmd.put(("checksums", dst.tolist()))
     kind, sums = rx.get(timeout=TIMEOUT_S)
-    return kind == "checksums" and sums == pool.page_checksums(src).tolist()
+    mine = pool.page_checksums(src).tolist()
+    return kind == "checksums" and all(abs(a - b) <= 1e-9 * max(1.0, abs(b)) for a, b in zip(sums, mine))
 
 
 def calibrated_compute(device: str, target_s: float) -> tuple[Any, int]:
@@ -274,6 +286,8 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="NIXL UCX backend init parameter for both agents (e.g. num_threads=4), repeatable",
     )
+    ap.add_argument("--dst-tp", type=int, default=1, help="receiver's tensor-parallel ranks (heads split over pools)")
+    ap.add_argument("--staging-mb", type=int, default=1024, help="sender's packing area when --dst-tp > 1")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
     args = ap.parse_args()
 
@@ -297,6 +311,7 @@ def main() -> None:
         "num_pages": num_pages,
         "progress_thread": args.progress_thread,
         "backend_params": backend_params,
+        "dst_tp": args.dst_tp,
     }
     proc = ctx.Process(target=receiver_main, args=(cfg, cmd, rx), daemon=True)
     proc.start()
@@ -310,6 +325,7 @@ def main() -> None:
             model_id=MODEL,
             progress_thread=args.progress_thread,
             backend_params=backend_params,
+            staging_bytes=args.staging_mb << 20,
         )
         sender = KVSender(agent)
         hs = rx.get(timeout=TIMEOUT_S)
@@ -348,6 +364,7 @@ def main() -> None:
             "run_pages": args.run_pages,
             "progress_thread": args.progress_thread,
             "backend_params": backend_params,
+            "dst_tp": args.dst_tp,
             "handshake_s": handshake_s,
             "first_transfer": {"tokens": SIZES[0], **asdict(first), "gbps": gbps(first_bytes, first.seconds)},
             "sizes": [],
@@ -403,7 +420,8 @@ def main() -> None:
         sender.close()
         agent.close()
         args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"transfer_{args.device}.json"
+        suffix = f"_dsttp{args.dst_tp}" if args.dst_tp > 1 else ""
+        path = args.out / f"transfer_{args.device}{suffix}.json"
         path.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {path}")
     finally:

@@ -34,7 +34,9 @@ def test_shard_plan_covers_every_head_once() -> None:
 
 @pytest.fixture(scope="module")
 def tp2_engine(smol_path):
-    engine = Engine(RunnerConfig(model=str(smol_path), num_pages=256, tp_size=2), SchedulerConfig(max_prefill_tokens=16))
+    engine = Engine(
+        RunnerConfig(model=str(smol_path), num_pages=256, tp_size=2), SchedulerConfig(max_prefill_tokens=16)
+    )
     yield engine
     engine.runner.close()
 

@@ -41,6 +41,7 @@ class RunnerConfig:
     tp_rank: int = 0  # set by rank 0 for its followers
     tp_port: int = 0  # rank 0's TCPStore port (followers)
     tp_shm: str = ""  # shared-memory path prefix of the CPU ranks' KV pools (followers)
+    tp_same_device: bool = False  # GPU: every rank on cfg.device, collectives via the host (checks on one GPU)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -86,6 +87,12 @@ def load_model(
     return model, path
 
 
+def tp_backend(cfg: RunnerConfig) -> str:
+    if not cfg.device.startswith("cuda"):
+        return "gloo"
+    return "gloo-via-host" if cfg.tp_same_device else "nccl"
+
+
 class ModelRunner:
     """One rank's model, KV pool and page table. Under tensor parallelism (`cfg.tp_size > 1`) rank 0's runner
     launches the followers and broadcasts every step to them (common/engine/tp_ranks.py); `rank_pools`
@@ -94,7 +101,7 @@ class ModelRunner:
     def __init__(self, cfg: RunnerConfig, model: DecoderModel | None = None) -> None:
         self.cfg = cfg
         self.device = torch.device(cfg.device)
-        if cfg.tp_size > 1 and self.device.type == "cuda":
+        if cfg.tp_size > 1 and self.device.type == "cuda" and not cfg.tp_same_device:
             self.device = torch.device("cuda", cfg.tp_rank)  # one GPU per rank
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.model_path: Path | None = None
@@ -108,9 +115,8 @@ class ModelRunner:
                 self.followers = TPFollowers.launch(cfg, full_cfg)
                 tp = self.followers.group
             else:
-                backend = "nccl" if self.device.type == "cuda" else "gloo"
                 tp = TPGroup.connect(
-                    TPShard.plan(full_cfg, cfg.tp_rank, cfg.tp_size), "127.0.0.1", cfg.tp_port, backend
+                    TPShard.plan(full_cfg, cfg.tp_rank, cfg.tp_size), "127.0.0.1", cfg.tp_port, tp_backend(cfg)
                 )
         try:
             self._build(cfg, model, tp)

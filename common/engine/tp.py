@@ -136,17 +136,23 @@ class TPGroup:
     follower idles in it between requests); the model group's limit bounds a step stuck on a lost rank.
     """
 
-    def __init__(self, shard: TPShard, pg: object | None = None, ctrl: object | None = None) -> None:
+    def __init__(
+        self, shard: TPShard, pg: object | None = None, ctrl: object | None = None, via_host: bool = False
+    ) -> None:
         self.shard = shard
         self.rank = shard.rank
         self.size = shard.size
         self.pg = pg
         self.ctrl = ctrl if ctrl is not None else pg
+        # gloo over GPU tensors (ranks sharing one GPU, for functional runs without a second GPU): each
+        # collective goes through a host copy, which gloo handles for every op.
+        self.via_host = via_host
         self._store: object | None = None
 
     @classmethod
     def connect(cls, shard: TPShard, host: str, port: int, backend: str, timeout_s: float = 120.0) -> TPGroup:
-        """Join the group whose rank 0 hosts a TCPStore at host:port. backend: gloo (CPU) or nccl (GPU)."""
+        """Join the group whose rank 0 hosts a TCPStore at host:port. backend: gloo (CPU), nccl (GPU), or
+        gloo-via-host (GPU ranks sharing one device: functional checks only)."""
         import torch.distributed as dist
 
         store = dist.TCPStore(host, port, shard.size, shard.rank == 0, timeout=timedelta(seconds=timeout_s))
@@ -156,13 +162,18 @@ class TPGroup:
         else:
             pg = dist.ProcessGroupGloo(model_store, shard.rank, shard.size, timedelta(seconds=timeout_s))
         ctrl = dist.ProcessGroupGloo(dist.PrefixStore("ctrl", store), shard.rank, shard.size, timedelta(days=365))
-        group = cls(shard, pg, ctrl)
+        group = cls(shard, pg, ctrl, via_host=backend == "gloo-via-host")
         group._store = store  # the store must outlive the groups (rank 0 serves it)
         return group
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
-            self.pg.allreduce([x]).wait()  # type: ignore[attr-defined]
+        if self.size == 1:
+            return x
+        if self.via_host:
+            host = x.cpu()
+            self.pg.allreduce([host]).wait()  # type: ignore[attr-defined]
+            return x.copy_(host)
+        self.pg.allreduce([x]).wait()  # type: ignore[attr-defined]
         return x
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
@@ -186,9 +197,10 @@ class TPGroup:
         """[R, vocab_per_rank] on each rank -> [R, vocab] everywhere (padding rows dropped)."""
         if self.size == 1:
             return local
-        parts = [torch.empty_like(local) for _ in range(self.size)]
-        self.pg.allgather([parts], [local.contiguous()]).wait()  # type: ignore[attr-defined]
-        return torch.cat(parts, dim=-1)[:, :vocab_size]
+        src = local.cpu() if self.via_host else local.contiguous()
+        parts = [torch.empty_like(src) for _ in range(self.size)]
+        self.pg.allgather([parts], [src]).wait()  # type: ignore[attr-defined]
+        return torch.cat(parts, dim=-1)[:, :vocab_size].to(local.device)
 
 
 def single_rank(cfg: ModelConfig) -> TPGroup:

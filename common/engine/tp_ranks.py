@@ -113,7 +113,9 @@ class TPFollowers:
             spec = {**asdict(cfg), "tp_rank": rank, "tp_port": port, "tp_shm": shm_prefix}
             env = {**os.environ, "KVFERRY_TORCH_THREADS": str(threads), "KVFERRY_TP_PARENT": str(os.getpid())}
             procs.append(subprocess.Popen([sys.executable, "-m", "common.engine.tp_ranks", json.dumps(spec)], env=env))
-        backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
+        from common.engine.runner import tp_backend
+
+        backend = tp_backend(cfg)
         try:
             group = TPGroup.connect(TPShard.plan(model_cfg, 0, size), "127.0.0.1", port, backend)
         except Exception:

@@ -37,7 +37,8 @@ def fused_forward(
     t = input_ids.shape[0]
     hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     split = (cfg.q_size, cfg.kv_size, cfg.kv_size)
-    hidden = F.embedding(input_ids, model.embed)
+    tp = model.tp
+    hidden = tp.embed(input_ids, model.embed)
     residual: torch.Tensor | None = None
     for i, layer in enumerate(model.layers):
         if residual is None:
@@ -55,9 +56,10 @@ def fused_forward(
         else:
             q, k = flashinfer.apply_rope_with_cos_sin_cache(positions, q, k, d, cos_sin, True)
         o = attn.forward(i, q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d))
-        hidden = F.linear(o.view(t, cfg.q_size), layer.o_proj)
+        hidden = tp.all_reduce(F.linear(o.view(t, cfg.q_size), layer.o_proj))
         flashinfer.fused_add_rmsnorm(hidden, residual, layer.post_attn_norm, eps)
         hidden = F.linear(flashinfer.silu_and_mul(F.linear(hidden, layer.gate_up_proj)), layer.down_proj)
+        hidden = tp.all_reduce(hidden)
     assert residual is not None
     if logits_indices is not None and logits_indices.shape[0] == 0:  # a prefill step where no request samples
         return torch.empty(
@@ -67,5 +69,5 @@ def fused_forward(
         hidden = hidden[logits_indices]
         residual = residual[logits_indices]
     flashinfer.fused_add_rmsnorm(hidden, residual, model.norm, eps)
-    logits = F.linear(hidden, model.lm_head_weight)
+    logits = tp.gather_logits(F.linear(hidden, model.lm_head_weight), cfg.vocab_size)
     return logits.float() if float_logits else logits
