@@ -65,7 +65,8 @@ def make_layout(name: str, device: str, page_size: int) -> KVLayout:
 
 def sync(device: str) -> None:
     if device == "cuda":
-        torch.cuda.synchronize()
+        for i in range(torch.cuda.device_count()):  # a cross-GPU copy involves both devices
+            torch.cuda.synchronize(i)
 
 
 # -- receiver process --------------------------------------------------------------------------------
@@ -80,7 +81,8 @@ def receiver_main(cfg: dict[str, Any], cmd_q: Any, out_q: Any) -> None:
 
     layout = make_layout(cfg["layout"], cfg["device"], cfg["page_size"])
     ranks = [split_range(layout.num_kv_heads, cfg["dst_tp"], r) for r in range(cfg["dst_tp"])]
-    pools = [KVPool(replace(layout, num_kv_heads=hi - lo), cfg["num_pages"], cfg["device"]) for lo, hi in ranks]
+    dev = cfg["dst_device"]
+    pools = [KVPool(replace(layout, num_kv_heads=hi - lo), cfg["num_pages"], dev) for lo, hi in ranks]
     pool = pools[0]
     agent = KVTransferAgent(
         "bench-decode",
@@ -286,6 +288,7 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="NIXL UCX backend init parameter for both agents (e.g. num_threads=4), repeatable",
     )
+    ap.add_argument("--dst-device", default="", help="receiver's device, e.g. cuda:1 (default: --device)")
     ap.add_argument("--dst-tp", type=int, default=1, help="receiver's tensor-parallel ranks (heads split over pools)")
     ap.add_argument("--staging-mb", type=int, default=1024, help="sender's packing area when --dst-tp > 1")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
@@ -312,13 +315,14 @@ def main() -> None:
         "progress_thread": args.progress_thread,
         "backend_params": backend_params,
         "dst_tp": args.dst_tp,
+        "dst_device": args.dst_device or args.device,
     }
     proc = ctx.Process(target=receiver_main, args=(cfg, cmd, rx), daemon=True)
     proc.start()
     try:
         pool = KVPool(layout, num_pages, args.device)
         pool.kv.uniform_(-1, 1)
-        copy_pool = KVPool(layout, num_pages, args.device)
+        copy_pool = KVPool(layout, num_pages, args.dst_device or args.device)  # cross-GPU: peer-to-peer copy
         agent = KVTransferAgent(
             "bench-prefill",
             pool,
@@ -365,6 +369,7 @@ def main() -> None:
             "progress_thread": args.progress_thread,
             "backend_params": backend_params,
             "dst_tp": args.dst_tp,
+            "dst_device": args.dst_device or args.device,
             "handshake_s": handshake_s,
             "first_transfer": {"tokens": SIZES[0], **asdict(first), "gbps": gbps(first_bytes, first.seconds)},
             "sizes": [],
@@ -421,6 +426,8 @@ def main() -> None:
         agent.close()
         args.out.mkdir(parents=True, exist_ok=True)
         suffix = f"_dsttp{args.dst_tp}" if args.dst_tp > 1 else ""
+        suffix += f"_to_{args.dst_device.replace(':', '')}" if args.dst_device else ""
+        suffix += f"_runs{args.run_pages}" if args.run_pages != 16 else ""
         path = args.out / f"transfer_{args.device}{suffix}.json"
         path.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {path}")

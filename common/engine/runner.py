@@ -103,6 +103,7 @@ class ModelRunner:
         self.device = torch.device(cfg.device)
         if cfg.tp_size > 1 and self.device.type == "cuda" and not cfg.tp_same_device:
             self.device = torch.device("cuda", cfg.tp_rank)  # one GPU per rank
+            torch.cuda.set_device(self.device)  # NCCL binds each rank's communicator to the current device
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.model_path: Path | None = None
         self.followers: TPFollowers | None = None
