@@ -43,7 +43,8 @@ def step_times(runner: ModelRunner, batch: int, ctx: int, iters: int) -> dict:
     return {"median_ms": statistics.median(times), "min_ms": min(times)}
 
 
-def measure(tp: int, batches: list[int], ctx: int, iters: int, graphs: bool = True) -> dict:
+def measure(tp: int, batches: list[int], ctx: int, iters: int, graphs: bool = True, save=None) -> dict:
+    """Step times per batch size; `save(partial)` runs after each one, before the runner is torn down."""
     start = time.perf_counter()
     runner = ModelRunner(
         RunnerConfig(
@@ -84,10 +85,20 @@ def main() -> None:
     if torch.cuda.device_count() < 2:
         raise SystemExit("needs two GPUs")
     batches = [int(b) for b in args.batches.split(",")]
-    tp1 = measure(1, batches, args.ctx, args.iters)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    partial: dict = {"model": "llama-3.1-8b (dummy)", "device": torch.cuda.get_device_name(), "ctx": args.ctx}
+
+    def saver(key: str):
+        def save(out: dict) -> None:
+            partial[key] = out
+            args.out.write_text(json.dumps(partial, indent=2) + "\n")
+
+        return save
+
+    tp1 = measure(1, batches, args.ctx, args.iters, save=saver("tp1_partial"))
     graphs = True
     try:
-        tp2 = measure(2, batches, args.ctx, args.iters)
+        tp2 = measure(2, batches, args.ctx, args.iters, save=saver("tp2_partial"))
     except Exception as e:  # report, then measure without graphs rather than nothing
         print(f"TP=2 with CUDA graphs failed: {type(e).__name__}: {e}", flush=True)
         graphs = False
@@ -99,7 +110,6 @@ def main() -> None:
         rows.append({"batch": b, "ctx": args.ctx, "tp1": tp1[b], "tp2": tp2[b], "speedup": speedup})
         print(f"b={b}: TP=1 {tp1[b]['median_ms']:.3f} ms, TP=2 {tp2[b]['median_ms']:.3f} ms, speedup {speedup:.2f}x")
     result = {"model": "llama-3.1-8b (dummy)", "device": torch.cuda.get_device_name(), "graphs": graphs, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
 

@@ -158,13 +158,34 @@ class TPGroup:
         store = dist.TCPStore(host, port, shard.size, shard.rank == 0, timeout=timedelta(seconds=timeout_s))
         model_store = dist.PrefixStore("model", store)
         if backend == "nccl":
-            pg = dist.ProcessGroupNCCL(model_store, shard.rank, shard.size)
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timedelta(seconds=timeout_s)  # a lost rank fails the step instead of hanging it
+            pg = dist.ProcessGroupNCCL(model_store, shard.rank, shard.size, opts)
         else:
             pg = dist.ProcessGroupGloo(model_store, shard.rank, shard.size, timedelta(seconds=timeout_s))
         ctrl = dist.ProcessGroupGloo(dist.PrefixStore("ctrl", store), shard.rank, shard.size, timedelta(days=365))
         group = cls(shard, pg, ctrl, via_host=backend == "gloo-via-host")
         group._store = store  # the store must outlive the groups (rank 0 serves it)
+        if backend == "nccl":
+            # Create the communicator now, eagerly, rather than inside the first forward (which may be a
+            # CUDA-graph capture, where NCCL set-up must not happen).
+            group.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())))
+            torch.cuda.synchronize()
         return group
+
+    def close(self) -> None:
+        """Tear the communicators down now, by abort: a graceful NCCL teardown (at interpreter exit too)
+        waits on its peers and was seen to hang once a peer had stopped (H200 x2, NCCL 2-rank)."""
+        for pg in {id(p): p for p in (self.pg, self.ctrl) if p is not None}.values():
+            for name in ("abort", "shutdown"):
+                fn = getattr(pg, name, None)
+                if fn is not None:
+                    try:
+                        fn()
+                        break
+                    except Exception:  # noqa: S112 (best effort: the process is going away)
+                        continue
+        self.pg = self.ctrl = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:

@@ -13,6 +13,7 @@ agent can register all ranks' pools and move each rank's heads without the follo
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -157,6 +158,7 @@ class TPFollowers:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        self.group.close()
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -172,6 +174,9 @@ def follower_main(spec: dict[str, object]) -> None:
     from common.log import setup_logging
 
     setup_logging()
+    faulthandler.enable()
+    if os.environ.get("KVFERRY_HANG_DUMP_S"):  # diagnosing a stuck rank: print every thread's stack then
+        faulthandler.dump_traceback_later(float(os.environ["KVFERRY_HANG_DUMP_S"]), exit=True)
     parent = int(os.environ.get("KVFERRY_TP_PARENT", os.getppid()))
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True, name="tp-parent-watch").start()
     torch.set_num_threads(max(1, int(os.environ.get("KVFERRY_TORCH_THREADS", "1"))))
@@ -182,7 +187,8 @@ def follower_main(spec: dict[str, object]) -> None:
         group.broadcast(header)
         op = int(header[0])
         if op == OP_STOP:
-            return
+            group.close()
+            os._exit(0)  # skip interpreter teardown: nothing is left to flush, and NCCL's can block
         t, b, j, jp = (int(v) for v in (header[3], header[2], header[4], header[5]))
         payload = torch.empty(t + 4 * b + 3 * j + jp, dtype=torch.int64)
         group.broadcast(payload)
