@@ -19,7 +19,6 @@ import argparse
 import gc
 import json
 import logging
-import os
 import statistics
 import sys
 import time
@@ -343,7 +342,9 @@ def offline_bench(runner: ModelRunner, name: str, quick: bool) -> None:
 
 
 # ---- main ----------------------------------------------------------------------------------------------
-def make_runner(model: str, kv_gb: float, max_seq_len: int, max_running: int = 256, label: str = "") -> ModelRunner:
+def make_runner(
+    model: str, kv_gb: float, max_seq_len: int, max_running: int = 256, label: str = "", tc_min_batch: int = 1
+) -> ModelRunner:
     start = time.perf_counter()
     runner = ModelRunner(
         RunnerConfig(
@@ -353,6 +354,7 @@ def make_runner(model: str, kv_gb: float, max_seq_len: int, max_running: int = 2
             max_running=max_running,
             max_seq_len=max_seq_len,
             cuda_graph_max_bs=max_running,
+            decode_tc_min_batch=tc_min_batch,
         )
     )
     graphs = runner.gpu.graphs
@@ -428,9 +430,9 @@ def main() -> None:
             torch.cuda.empty_cache()
         if "decode_cudacore" in sections:
             # The same decode steps with CUDA-core decode attention below batch 64 (GQA 4 allows tensor cores).
-            os.environ["KVFERRY_DECODE_TC_MIN_BS"] = "64"
-            runner = make_runner("llama-3.1-8b", kv_gb=60.0, max_seq_len=16384 + 64, label="llama-3.1-8b/cudacore<64")
-            os.environ.pop("KVFERRY_DECODE_TC_MIN_BS")
+            runner = make_runner(
+                "llama-3.1-8b", kv_gb=60.0, max_seq_len=16384 + 64, label="llama-3.1-8b/cudacore<64", tc_min_batch=64
+            )
             decode_bench(runner, args.quick, batches=(1, 8, 32), key_name="decode_cudacore", breakdowns=False)
             del runner
             gc.collect()

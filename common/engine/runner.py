@@ -36,6 +36,7 @@ class RunnerConfig:
     seed: int = 0
     attention: str = "auto"  # auto: flashinfer on CUDA with a 16-bit dtype, else torch; or "torch" / "flashinfer"
     cuda_graph_max_bs: int = -1  # GPU path: decode CUDA graphs up to this batch (-1: max_running, 0: none)
+    decode_tc_min_batch: int = 1  # GPU: decode batches below this use CUDA-core attention (1: tensor cores always)
     cpu_linear: str = "auto"  # CPU float32 GEMMs: auto = oneDNN with packed weights when available; torch = F.linear
     tp_size: int = 1  # tensor-parallel ranks (rank 0 launches the others; see common/engine/tp_ranks.py)
     tp_rank: int = 0  # set by rank 0 for its followers

@@ -14,7 +14,6 @@ into the pool (one index_copy per K and V) before the layer's attention runs.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -29,12 +28,6 @@ WORKSPACE_BYTES = 256 << 20
 def use_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
     """Tensor-core decode (flashinfer's prefill kernel on one query row) pays off from a GQA group of 4."""
     return num_heads // num_kv_heads >= 4
-
-
-def tensor_core_min_batch() -> int:
-    """Decode batches below this size use the CUDA-core decode kernel even where the GQA group allows
-    tensor cores (`KVFERRY_DECODE_TC_MIN_BS`; 1: tensor cores at every size)."""
-    return max(1, int(os.environ.get("KVFERRY_DECODE_TC_MIN_BS", "1")))
 
 
 @dataclass
@@ -61,7 +54,13 @@ class FlashInferAttention:
     """`AttentionBackend` over flashinfer: plan once per step, then `forward` per layer."""
 
     def __init__(
-        self, pool: KVPool, page_table: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype, workspace: torch.Tensor
+        self,
+        pool: KVPool,
+        page_table: torch.Tensor,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        workspace: torch.Tensor,
+        tc_min_batch: int = 1,
     ) -> None:
         import flashinfer
 
@@ -73,7 +72,8 @@ class FlashInferAttention:
         self.head_dim = cfg.head_dim
         self.dtype = dtype
         self.tensor_cores = use_tensor_cores(cfg.num_heads, cfg.num_kv_heads)
-        self.tc_min_batch = tensor_core_min_batch()
+        # Decode batches below this size use the CUDA-core kernel even where the GQA group allows tensor cores.
+        self.tc_min_batch = max(1, tc_min_batch)
         self.workspace = workspace
         self.kv = [(pool.k_cache(i), pool.v_cache(i)) for i in range(cfg.num_layers)]
         self.rows = pool.rows

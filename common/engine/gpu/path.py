@@ -34,7 +34,12 @@ class GpuPath:
         dev = runner.device
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
         self.attn = FlashInferAttention(
-            runner.pool, runner.page_table.table, runner.model_config, runner.dtype, self.workspace
+            runner.pool,
+            runner.page_table.table,
+            runner.model_config,
+            runner.dtype,
+            self.workspace,
+            tc_min_batch=runner.cfg.decode_tc_min_batch,
         )
         self.cos_sin = cos_sin_cache(self.model)
         self.graphs = None
