@@ -20,7 +20,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from common.prefix.index import _MATCH_LUA, IndexKeys, hashes_hex
+from common.prefix.index import MATCH_LUA, IndexKeys, hashes_hex
 
 __all__ = ["AsyncPrefixReader"]
 
@@ -41,7 +41,7 @@ class AsyncPrefixReader:
             retry_on_timeout=False,
             health_check_interval=0,
         )
-        self._match = self._r.register_script(_MATCH_LUA)
+        self._match = self._r.register_script(MATCH_LUA)
         self._retry_at = 0.0
         self._backoff = 0.0
 

@@ -103,11 +103,13 @@ def _client(redis_url: str, timeout_s: float) -> redis.Redis:
 # argument per key dominated the client's cost (redis-py packs each argument in Python). This is fine for
 # a standalone Redis (what kvferry deploys); Redis Cluster would need all of a model's keys in one slot.
 
+# The match script is part of the index's contract: the sync reader below and the router's asyncio reader
+# (router/prefix_reader.py) both run it, so they answer alike.
 # ARGV: prefix, hashes (16 hex digits per block, concatenated), pod_1..pod_n  ->  {count_1..count_n}
 # Walk the blocks in order with the pods still matching; a pod drops out at its first miss (a later hit
 # is useless: its KV cannot be reused without the blocks before it); stop when no pod is left. One
 # SMISMEMBER per block checks all remaining pods in one call.
-_MATCH_LUA = """
+MATCH_LUA = """
 local prefix = ARGV[1]
 local hashes = ARGV[2]
 local n = #ARGV - 2
@@ -567,7 +569,7 @@ class PrefixIndexReader:
         self._r = _client(redis_url, socket_timeout_s)
         # register_script computes the SHA locally; each call is one EVALSHA, and after a Redis restart
         # (script cache empty) redis-py loads the script once and retries.
-        self._match = self._r.register_script(_MATCH_LUA)
+        self._match = self._r.register_script(MATCH_LUA)
         self._pod_status = self._r.register_script(_POD_STATUS_LUA)
         self._outage = _OutageLog("prefix reader")
         self._retry_at = 0.0
