@@ -149,7 +149,39 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{param}: {msg}" if param else msg), param
 
 
+_DOCUMENTED_ERRORS = {
+    "400": "Invalid request: OpenAI error object (`error.message`, `error.type`, `error.param`, `error.code`)",
+    "401": "Missing or wrong API key (when the router requires one)",
+    "404": "Unknown model",
+    "413": "Request body too large",
+    "429": "Queue full; retry after the `Retry-After` seconds",
+    "503": "No worker available",
+}
+
+
+def _openapi_with_our_errors(app: FastAPI):  # type: ignore[no-untyped-def]
+    """FastAPI advertises 422 for validation errors; this router answers them with 400 (OpenAI's status)."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for path, ops in schema.get("paths", {}).items():
+                for op in ops.values():
+                    responses = op.get("responses", {})
+                    responses.pop("422", None)
+                    if path.startswith("/v1/"):
+                        for status, text in _DOCUMENTED_ERRORS.items():
+                            responses.setdefault(status, {"description": text})
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return openapi
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    app.openapi = _openapi_with_our_errors(app)  # type: ignore[method-assign]
+
     @app.exception_handler(OpenAIError)
     async def _openai_error(_request: Request, exc: OpenAIError) -> JSONResponse:
         return error_response(exc)

@@ -30,7 +30,7 @@ async def _send_error(send: Send, err: OpenAIError) -> None:
 class FrontDoor:
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -40,7 +40,9 @@ class FrontDoor:
         headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
         if self.expected is not None and scope["path"].startswith(_PROTECTED):
             given = next((v for k, v in headers if k == b"authorization"), b"")
-            if not hmac.compare_digest(given, self.expected):
+            scheme, _, token = given.strip().partition(b" ")
+            # The scheme is case-insensitive (RFC 9110 11.1); the key itself is compared in constant time.
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.expected):
                 await _send_error(send, unauthorized())
                 return
         if scope["method"] not in ("POST", "PUT", "PATCH"):

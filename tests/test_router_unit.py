@@ -256,6 +256,15 @@ def test_bad_json_is_400_not_422(client) -> None:
     assert_openai_error(r, 400)
 
 
+def test_openapi_schema_advertises_the_statuses_the_router_answers(client) -> None:
+    paths = client.get("/openapi.json").json()["paths"]
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = paths[path]["post"]["responses"]
+        assert "422" not in responses  # validation errors are answered 400, like OpenAI's API
+        assert {"200", "400", "401", "413", "429", "503"} <= set(responses)
+    assert not any("422" in op["responses"] for ops in paths.values() for op in ops.values())
+
+
 def test_unknown_fields_are_ignored(client) -> None:
     # Valid apart from unknown fields: passes validation and reaches routing (503: no workers here).
     body = {"messages": MSG, "max_tokens": 4, "logit_bias": {"1": 2}, "user": "u", "tools": [], "frobnicate": 1}

@@ -76,7 +76,7 @@ def test_bearer_auth_on_every_protected_route(cluster: LocalCluster) -> None:
         {"Authorization": "Bearer wrong"},
         {"Authorization": f"Bearer {SECRET[:-1]}"},  # a prefix of the key
         {"Authorization": f"Bearer {SECRET}x"},  # the key plus more
-        {"Authorization": f"Bearer  {SECRET}"},
+        {"Authorization": f"Bearer{SECRET}"},  # no separator
         {"Authorization": SECRET},  # no scheme
         {"Authorization": f"Basic {SECRET}"},
         {"Authorization": ""},
@@ -88,6 +88,10 @@ def test_bearer_auth_on_every_protected_route(cluster: LocalCluster) -> None:
             _assert_401(httpx.request(method, url + path, json=payload, headers=headers, timeout=30))
         r = httpx.request(method, url + path, json=payload, headers={"Authorization": f"Bearer {SECRET}"}, timeout=60)
         assert r.status_code == 200, (path, r.text[:300])
+    # The scheme is case-insensitive and may be followed by several spaces (RFC 9110 11.4).
+    for auth in (f"bearer {SECRET}", f"BEARER  {SECRET}"):
+        r = httpx.get(f"{url}/v1/models", headers={"Authorization": auth}, timeout=30)
+        assert r.status_code == 200, auth
     # Unauthenticated requests are refused before the body is read or parsed: an invalid or oversized
     # body still gets 401, not 400/413.
     _assert_401(httpx.post(f"{url}/v1/chat/completions", content=b"{not json", timeout=10))
