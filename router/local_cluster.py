@@ -177,7 +177,25 @@ def _wait_redis(part: ManagedProcess, timeout_s: float) -> None:
         r.close()
 
 
-def _wait_ready(parts: Sequence[ManagedProcess], timeout_s: float, progress: Callable[[str], None]) -> None:
+def worker_process(
+    role: str, port: int, redis_url: str, env: dict[str, str], log_path: Path, name: str = "", args: Sequence[str] = ()
+) -> ManagedProcess:
+    """A `kvferry prefill|decode` worker on 127.0.0.1:`port` (not started yet)."""
+    return ManagedProcess(
+        name or role,
+        _python_kvferry(role, "--host", "127.0.0.1", "--port", str(port), "--redis-url", redis_url) + list(args),
+        env,
+        log_path,
+        url=f"http://127.0.0.1:{port}",
+    )
+
+
+def wait_ready(
+    parts: Sequence[ManagedProcess], timeout_s: float, progress: Callable[[str], None] | None = None
+) -> None:
+    """Returns once every part answers 200 on /ready; raises ClusterError (with its log tail) when one
+    exits or the time runs out."""
+    progress = progress or (lambda _msg: None)
     pending = list(parts)
     start = time.monotonic()
     last_note = 0.0
@@ -274,19 +292,14 @@ def start_local_cluster(
             for i in range(count):
                 wport = free_port()
                 wenv = dict(base_env, KVFERRY_POD_NAME=f"local-{role}-{i}", **(role_env or {}).get(role, {}))
-                part = ManagedProcess(
-                    f"{role}-{i}",
-                    _python_kvferry(role, "--host", "127.0.0.1", "--port", str(wport), "--redis-url", redis_url)
-                    + list(worker_args),
-                    wenv,
-                    logs / f"{role}-{i}.log",
-                    url=f"http://127.0.0.1:{wport}",
+                part = worker_process(
+                    role, wport, redis_url, wenv, logs / f"{role}-{i}.log", name=f"{role}-{i}", args=worker_args
                 )
                 part.start()
                 cluster.workers.append(part)
                 (cluster.prefill_urls if role == "prefill" else cluster.decode_urls).append(part.url or "")
         say(f"starting {prefill} prefill + {decode} decode workers (logs in {logs})")
-        _wait_ready(cluster.workers, ready_timeout_s, say)
+        wait_ready(cluster.workers, ready_timeout_s, say)
 
         rport_s = cluster.router_url.rsplit(":", 1)[1]
         cluster.router = ManagedProcess(
@@ -314,7 +327,7 @@ def start_local_cluster(
             url=cluster.router_url,
         )
         cluster.router.start()
-        _wait_ready([cluster.router], ready_timeout_s, say)
+        wait_ready([cluster.router], ready_timeout_s, say)
         return cluster
     except BaseException:
         cluster.stop(grace_s=5.0)

@@ -1,4 +1,6 @@
-"""Real worker processes for tests: `kvferry prefill|decode` subprocesses on free ports."""
+"""Real worker processes for tests: `kvferry prefill|decode` on free ports, launched and awaited by the
+same code as `kvferry up` (router/local_cluster.py); each worker's output goes to a log file whose tail
+is shown when it fails to start."""
 
 from __future__ import annotations
 
@@ -6,23 +8,33 @@ import json
 import os
 import signal
 import subprocess
-import sys
+import tempfile
 import threading
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
-from tests.conftest_redis import free_port
+from common.net import free_port
+from router.local_cluster import ManagedProcess, worker_process
+from router.local_cluster import wait_ready as wait_parts_ready
+
+LOG_DIR = Path(tempfile.mkdtemp(prefix="kvferry-test-workers-"))
 
 
 @dataclass
 class WorkerProc:
     role: str
     port: int
-    proc: subprocess.Popen
+    part: ManagedProcess
     pod: str
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        assert self.part.proc is not None
+        return self.part.proc
 
     @property
     def url(self) -> str:
@@ -37,13 +49,10 @@ class WorkerProc:
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                self.part.kill_group()
 
     def kill9(self) -> None:
-        # The engine child dies with its parent's pipe; kill the whole process group to be sure.
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+        self.part.kill_group()  # the control plane, its engine child and any tensor-parallel ranks
 
 
 def start_worker(
@@ -58,43 +67,16 @@ def start_worker(
         "KVFERRY_MAX_PREFILL_TOKENS": "64",
         "KVFERRY_TORCH_THREADS": "1",
         "KVFERRY_LOG_LEVEL": "WARNING",
+        "KVFERRY_POD_NAME": pod,
         **(env or {}),
     }
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "common.cli",
-            role,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--redis-url",
-            redis_url,
-            "--pod-name",
-            pod,
-        ],
-        env=full_env,
-        start_new_session=True,
-    )
-    return WorkerProc(role, port, proc, pod)
+    part = worker_process(role, port, redis_url, full_env, LOG_DIR / f"{pod}-{uuid.uuid4().hex[:6]}.log", name=pod)
+    part.start()
+    return WorkerProc(role, port, part, pod)
 
 
 def wait_ready(*workers: WorkerProc, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    for w in workers:
-        while True:
-            if w.proc.poll() is not None:
-                raise RuntimeError(f"{w.role} worker exited with {w.proc.returncode}")
-            try:
-                if httpx.get(f"{w.url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{w.role} worker on {w.port} not ready")
-            time.sleep(0.2)
+    wait_parts_ready([w.part for w in workers], timeout)
 
 
 def generate(
