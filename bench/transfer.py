@@ -91,6 +91,7 @@ def receiver_main(cfg: dict[str, Any], cmd_q: Any, out_q: Any) -> None:
         rank_pools=list(zip(pools, ranks)),
         progress_thread=cfg["progress_thread"],
         backend_params=cfg["backend_params"],
+        progress_delay_us=cfg["progress_delay_us"],
     )
     receiver = KVReceiver(agent)
     out_q.put(
@@ -288,6 +289,9 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="NIXL UCX backend init parameter for both agents (e.g. num_threads=4), repeatable",
     )
+    ap.add_argument(
+        "--progress-delay-us", type=int, default=None, help="NIXL progress-thread sleep (default: the agent's choice)"
+    )
     ap.add_argument("--dst-device", default="", help="receiver's device, e.g. cuda:1 (default: --device)")
     ap.add_argument("--dst-tp", type=int, default=1, help="receiver's tensor-parallel ranks (heads split over pools)")
     ap.add_argument("--staging-mb", type=int, default=1024, help="sender's packing area when --dst-tp > 1")
@@ -316,6 +320,7 @@ def main() -> None:
         "backend_params": backend_params,
         "dst_tp": args.dst_tp,
         "dst_device": args.dst_device or args.device,
+        "progress_delay_us": args.progress_delay_us,
     }
     proc = ctx.Process(target=receiver_main, args=(cfg, cmd, rx), daemon=True)
     proc.start()
@@ -330,6 +335,7 @@ def main() -> None:
             progress_thread=args.progress_thread,
             backend_params=backend_params,
             staging_bytes=args.staging_mb << 20,
+            progress_delay_us=args.progress_delay_us,
         )
         sender = KVSender(agent)
         hs = rx.get(timeout=TIMEOUT_S)
@@ -370,6 +376,7 @@ def main() -> None:
             "backend_params": backend_params,
             "dst_tp": args.dst_tp,
             "dst_device": args.dst_device or args.device,
+            "progress_delay_us": args.progress_delay_us,
             "handshake_s": handshake_s,
             "first_transfer": {"tokens": SIZES[0], **asdict(first), "gbps": gbps(first_bytes, first.seconds)},
             "sizes": [],
@@ -428,6 +435,7 @@ def main() -> None:
         suffix = f"_dsttp{args.dst_tp}" if args.dst_tp > 1 else ""
         suffix += f"_to_{args.dst_device.replace(':', '')}" if args.dst_device else ""
         suffix += f"_runs{args.run_pages}" if args.run_pages != 16 else ""
+        suffix += f"_delay{args.progress_delay_us}" if args.progress_delay_us is not None else ""
         path = args.out / f"transfer_{args.device}{suffix}.json"
         path.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {path}")

@@ -34,6 +34,7 @@ class WorkerConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
     drain_seconds: float = 25.0
     transfer_staging_mb: float = 256.0  # packing area for peers that split KV heads differently (TP)
+    nixl_progress_delay_us: int = -1  # -1: the agent's default (100 us for CPU pools, 0 for GPU pools)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     sched: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -51,6 +52,7 @@ class WorkerConfig:
             redis_url=_env("KVFERRY_REDIS_URL", "redis://127.0.0.1:6379/0"),
             drain_seconds=float(_env("KVFERRY_DRAIN_SECONDS", "25")),
             transfer_staging_mb=float(_env("KVFERRY_TRANSFER_STAGING_MB", "256")),
+            nixl_progress_delay_us=int(_env("KVFERRY_NIXL_PROGRESS_DELAY_US", "-1")),
             runner=RunnerConfig(
                 model=_env("KVFERRY_MODEL", "smollm2-135m-instruct"),
                 device=device,

@@ -50,6 +50,7 @@ class EngineHost:
             model_id=cfg.runner.model,
             rank_pools=self.runner.kv_rank_pools(),
             staging_bytes=int(cfg.transfer_staging_mb * (1 << 20)),
+            progress_delay_us=None if cfg.nixl_progress_delay_us < 0 else cfg.nixl_progress_delay_us,
         )
         self.publisher = PrefixIndexPublisher(cfg.redis_url, cfg.runner.model, cfg.pod_name, resync=self._cached_hashes)
         self.scheduler.budget.on_cached = self.publisher.stored
