@@ -393,5 +393,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         if cluster is not None:
-            cluster.stop()
+            try:
+                cluster.stop()
+            except KeyboardInterrupt:  # a second Ctrl-C: stop waiting, kill every part (and its children)
+                say("killing...")
+                for part in cluster.parts:
+                    part.kill_group()
             say("stopped")
