@@ -61,6 +61,7 @@ class WorkerConfig:
                 kv_memory_gb=float(_env("KVFERRY_KV_MEMORY_GB", "1.0")),
                 max_running=int(_env("KVFERRY_MAX_RUNNING", "64")),
                 tp_size=int(_env("KVFERRY_TP_SIZE", "1")),
+                tp_transfer=_env("KVFERRY_TP_TRANSFER", "auto"),
                 decode_tc_min_batch=int(_env("KVFERRY_DECODE_TC_MIN_BS", "1")),
             ),
             sched=SchedulerConfig(max_prefill_tokens=int(_env("KVFERRY_MAX_PREFILL_TOKENS", "2048"))),

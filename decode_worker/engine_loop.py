@@ -108,10 +108,13 @@ class DecodeHost(EngineHost):
                 mine = self.runner.kv_checksums(torch.tensor(pending.req.pages, dtype=torch.int64))
                 # Float64 sums of the same values; a different head split only changes the summation order.
                 theirs = note["checksums"]
-                verified = len(mine) == len(theirs) and all(
-                    math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-6) for a, b in zip(mine, theirs)
+                verified = (
+                    None
+                    if mine is None
+                    else len(mine) == len(theirs)
+                    and all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-6) for a, b in zip(mine, theirs))
                 )
-                if not verified:
+                if verified is False:
                     self.abort(rid, "error", "KV pages arrived corrupted (checksum mismatch)")
                     continue
             lp = TokenLogprob.model_validate(note["logprob"]) if note.get("logprob") else None

@@ -37,6 +37,13 @@ class PrefillHost(EngineHost):
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        if self.runner.per_rank_agents:
+            self.runner.close()
+            raise RuntimeError(
+                "a prefill worker with KVFERRY_TP_SIZE > 1 sends every rank's KV from rank 0, which needs the "
+                "ranks' pools in shared memory (CPU ranks); GPU ranks cannot send yet: run prefill at TP=1 on "
+                "GPUs (a TP=N decode worker receives from it)"
+            )
         self.sender = KVSender(self.agent)
         self.outbound: dict[str, Outbound] = {}
         self.scheduler.on_prefill_chunk = self._on_chunk

@@ -81,6 +81,10 @@ def tp_workers(redis_server):
         "prefill1": start_worker("prefill", redis_server, env=env),
         "prefill2": start_worker("prefill", redis_server, env={**env, "KVFERRY_TP_SIZE": "2"}),
         "decode2": start_worker("decode", redis_server, env={**env, "KVFERRY_TP_SIZE": "2"}),
+        # The GPU arrangement on the CPU: each decode follower registers its own pool with its own NIXL agent.
+        "decode2r": start_worker(
+            "decode", redis_server, env={**env, "KVFERRY_TP_SIZE": "2", "KVFERRY_TP_TRANSFER": "per-rank"}
+        ),
         "decode1": start_worker("decode", redis_server, env=env),
     }
     try:
@@ -103,6 +107,18 @@ def test_tp1_prefill_feeds_tp2_decode(tp_workers, smol_tokenizer) -> None:
         assert gt == wt
         assert ev[0]["kv_verified"] is True  # page checksums over both decode ranks == prefill's
     wait_pages_back(p1, d2, d1)
+
+
+def test_tp1_prefill_feeds_decode_ranks_with_their_own_agents(tp_workers, smol_tokenizer) -> None:
+    """Per-rank agents (the GPU path): one NIXL request per decode rank agent, then one notification."""
+    p1, d2r, d1 = tp_workers["prefill1"], tp_workers["decode2r"], tp_workers["decode1"]
+    prompts = [smol_tokenizer.encode(t) for t in ("Why is the sky blue?", "A recipe for bread. " * 20)]
+    want = run_concurrently(lambda ids: generate(d1, ids, None), [(x,) for x in prompts])
+    got = run_concurrently(lambda ids: generate(d2r, ids, p1), [(x,) for x in prompts])
+    for (wt, _), (gt, ev) in zip(want, got):
+        assert gt == wt
+        assert ev[0]["kv_verified"] is True
+    wait_pages_back(p1, d2r, d1)
 
 
 def test_tp2_prefill_feeds_tp2_decode_with_radix_hits(tp_workers, smol_tokenizer) -> None:

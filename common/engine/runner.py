@@ -43,6 +43,10 @@ class RunnerConfig:
     tp_port: int = 0  # rank 0's TCPStore port (followers)
     tp_shm: str = ""  # shared-memory path prefix of the CPU ranks' KV pools (followers)
     tp_same_device: bool = False  # GPU: every rank on cfg.device, collectives via the host (checks on one GPU)
+    # How other workers reach the ranks' KV: "shared" = rank 0 registers every rank's pool (CPU shared
+    # memory), "per-rank" = each follower runs its own NIXL agent (GPU), "auto" = by device.
+    tp_transfer: str = "auto"
+    tp_agent_name: str = ""  # per-rank: rank 0's NIXL agent name; follower r's agent is "<name>-r<r>"
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -193,21 +197,34 @@ class ModelRunner:
                 pass
         return pools
 
-    def kv_rank_pools(self) -> list[tuple[KVPool, tuple[int, int]]]:
-        """Every rank's KV pool with the model KV heads it holds (what the transfer agent registers)."""
-        full, size = self.model.full_cfg, self.tp.size
-        if len(self.rank_pools) != size:
-            raise NotImplementedError(
-                "KV transfer from a tensor-parallel GPU worker needs each rank's pool registered with NIXL; "
-                "this build maps follower pools on the CPU only"
-            )
-        return [(pool, TPShard.plan(full, r, size).kv_heads) for r, pool in enumerate(self.rank_pools)]
+    @property
+    def per_rank_agents(self) -> bool:
+        """Whether follower ranks register their own pools with NIXL (see common/transfer/rank_agents.py)."""
+        if self.tp.size == 1:
+            return False
+        mode = self.cfg.tp_transfer
+        if mode not in ("auto", "shared", "per-rank"):
+            raise ValueError(f"unknown tp_transfer {mode!r}; use auto, shared or per-rank")
+        if mode == "shared" and self.device.type != "cpu":
+            raise ValueError("tp_transfer=shared needs CPU ranks (GPU pools cannot be mapped by rank 0)")
+        return mode == "per-rank" or (mode == "auto" and self.device.type != "cpu")
 
-    def kv_checksums(self, pages: torch.Tensor) -> list[float]:
-        """Per-page float64 sums over every rank's heads (debug checks that transferred pages arrived intact)."""
+    def kv_rank_pools(self) -> list[tuple[KVPool, tuple[int, int]]]:
+        """The KV pools rank 0's transfer agent registers, with the model KV heads each holds: every rank's
+        (shared memory) or, with per-rank agents, rank 0's own."""
+        full, size = self.model.full_cfg, self.tp.size
+        pools = self.rank_pools[:1] if self.per_rank_agents else self.rank_pools
+        return [(pool, TPShard.plan(full, r, size).kv_heads) for r, pool in enumerate(pools)]
+
+    def kv_checksums(self, pages: torch.Tensor) -> list[float] | None:
+        """Per-page float64 sums over every rank's heads (debug checks that transferred pages arrived intact);
+        None where rank 0 cannot read the other ranks' pools (GPU tensor parallelism)."""
+        if len(self.rank_pools) != self.tp.size:
+            return None
+        full, size = self.model.full_cfg, self.tp.size
         distinct: dict[tuple[int, int], KVPool] = {}
-        for pool, heads in self.kv_rank_pools():
-            distinct.setdefault(heads, pool)  # a replicated KV head counts once
+        for r, pool in enumerate(self.rank_pools):
+            distinct.setdefault(TPShard.plan(full, r, size).kv_heads, pool)  # a replicated KV head counts once
         sums = [pool.page_checksums(pages) for pool in distinct.values()]
         return torch.stack(sums).sum(0).tolist()
 

@@ -147,7 +147,7 @@ class TPGroup:
         # gloo over GPU tensors (ranks sharing one GPU, for functional runs without a second GPU): each
         # collective goes through a host copy, which gloo handles for every op.
         self.via_host = via_host
-        self._store: object | None = None
+        self.store: object | None = None  # the TCPStore the group was built on (rank 0 serves it)
 
     @classmethod
     def connect(cls, shard: TPShard, host: str, port: int, backend: str, timeout_s: float = 120.0) -> TPGroup:
@@ -165,7 +165,7 @@ class TPGroup:
             pg = dist.ProcessGroupGloo(model_store, shard.rank, shard.size, timedelta(seconds=timeout_s))
         ctrl = dist.ProcessGroupGloo(dist.PrefixStore("ctrl", store), shard.rank, shard.size, timedelta(days=365))
         group = cls(shard, pg, ctrl, via_host=backend == "gloo-via-host")
-        group._store = store  # the store must outlive the groups (rank 0 serves it)
+        group.store = store  # the store must outlive the groups (rank 0 serves it)
         if backend == "nccl":
             # Create the communicator now, eagerly, rather than inside the first forward (which may be a
             # CUDA-graph capture, where NCCL set-up must not happen).

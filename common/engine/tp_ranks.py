@@ -182,11 +182,18 @@ def follower_main(spec: dict[str, object]) -> None:
     torch.set_num_threads(max(1, int(os.environ.get("KVFERRY_TORCH_THREADS", "1"))))
     runner = ModelRunner(RunnerConfig(**spec))  # type: ignore[arg-type]
     group = runner.tp
+    agent = None
+    if runner.per_rank_agents and runner.cfg.tp_agent_name:
+        from common.transfer.rank_agents import publish_rank_agent
+
+        agent = publish_rank_agent(runner, runner.cfg.tp_agent_name)
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
     while True:
         group.broadcast(header)
         op = int(header[0])
         if op == OP_STOP:
+            if agent is not None:
+                agent.close()
             group.close()
             os._exit(0)  # skip interpreter teardown: nothing is left to flush, and NCCL's can block
         t, b, j, jp = (int(v) for v in (header[3], header[2], header[4], header[5]))

@@ -36,6 +36,8 @@ class EngineHost:
     def __init__(self, cfg: WorkerConfig, conn: Connection) -> None:
         self.cfg = cfg
         self.conn = conn
+        agent_name = f"{self.role}-{cfg.pod_name}"
+        cfg.runner.tp_agent_name = agent_name  # tensor-parallel followers with agents of their own derive theirs
         self.runner = ModelRunner(cfg.runner)
         # On the GPU the CPU schedules step N+1 while step N runs; on the CPU there is nothing to overlap.
         # Tensor parallelism broadcasts each step's token ids from the host, which the overlap scheduler
@@ -44,11 +46,17 @@ class EngineHost:
         sched_cls = OverlapScheduler if overlap else Scheduler
         self.scheduler = sched_cls(self.runner, cfg.sched)
         self.page_size = cfg.runner.page_size
+        remote_ranks = None
+        if self.runner.per_rank_agents:
+            from common.transfer.rank_agents import collect_rank_agents
+
+            remote_ranks = collect_rank_agents(self.runner)
         self.agent = KVTransferAgent(
-            f"{self.role}-{cfg.pod_name}",
+            agent_name,
             self.runner.pool,
             model_id=cfg.runner.model,
             rank_pools=self.runner.kv_rank_pools(),
+            remote_ranks=remote_ranks,
             staging_bytes=int(cfg.transfer_staging_mb * (1 << 20)),
             progress_delay_us=None if cfg.nixl_progress_delay_us < 0 else cfg.nixl_progress_delay_us,
         )

@@ -42,6 +42,7 @@ class Peer:
     routes: list[HeadRoute]  # which local rank feeds each of them
     layout: KVLayoutInfo
     added_at: float
+    rank_agents: tuple[str, ...] = ()  # the peer's ranks with their own NIXL agents (loaded here too)
 
     @property
     def num_pages(self) -> int:
@@ -70,8 +71,10 @@ def _create_nixl_agent(name: str, config: nixl_agent_config, progress_delay_us: 
 
 
 class KVTransferAgent:
-    """`rank_pools`: under tensor parallelism, every rank's pool with the model KV heads it holds (rank 0
-    first, `pool` itself); all are registered here, so this one agent moves every rank's pages."""
+    """`rank_pools`: under tensor parallelism, the ranks' pools this agent registers, with the model KV heads
+    each holds (rank 0 first, `pool` itself). `remote_ranks`: the further ranks, which run their own agents
+    (their pool info with agent name and metadata); they are published in the handshake, so a peer
+    writes into them directly, but this agent never posts from them."""
 
     def __init__(
         self,
@@ -81,6 +84,7 @@ class KVTransferAgent:
         *,
         model_id: str = "unknown",
         rank_pools: list[tuple[KVPool, tuple[int, int]]] | None = None,
+        remote_ranks: list[PoolInfo] | None = None,
         progress_thread: bool = True,
         backend_params: dict[str, str] | None = None,
         staging_bytes: int = 256 << 20,
@@ -96,12 +100,12 @@ class KVTransferAgent:
         # Fresh per process start: a peer that restarts under the same name is told apart by this,
         # so stale metadata (old addresses, old rkeys) is never used against the new process.
         self.instance_id = uuid.uuid4().hex
-        total_heads = max(hi for _, (_, hi) in self.rank_pools)
-        self.layout = layout_info(pool, model_id, len(self.rank_pools), total_heads)
         self._pool_infos = [
             PoolInfo.from_pool(p, name, self.instance_id, heads, rank)
             for rank, (p, heads) in enumerate(self.rank_pools)
-        ]
+        ] + list(remote_ranks or [])
+        total_heads = max(i.kv_head_end for i in self._pool_infos)
+        self.layout = layout_info(pool, model_id, len(self._pool_infos), total_heads)
         self._staging_bytes = staging_bytes
         self.staging: StagingArea | None = None
         self._staging_reg: object | None = None
@@ -182,6 +186,8 @@ class KVTransferAgent:
             )
         if len(infos) != layout.tp_size or info.num_layers != self.pool.layout.num_layers:
             raise PeerError(f"pool geometry of {agent_name!r} disagrees with its declared layout")
+        if len(self.rank_pools) != len(self._pool_infos):
+            raise PeerError("this worker's ranks run their own NIXL agents: it can receive KV but not send it")
         try:
             routes = plan_routes(self._pool_infos, infos)
         except ValueError as e:
@@ -205,11 +211,37 @@ class KVTransferAgent:
             if loaded_name not in self._peers:
                 self._nixl.remove_remote_agent(loaded_name)
             raise PeerError(f"metadata names agent {loaded_name!r}, handshake says {agent_name!r}")
+        rank_agents = self._load_rank_agents(agent_name, infos)
         if not all(r.direct for r in routes):
             self.ensure_staging()
-        peer = Peer(agent_name, instance_id, infos, routes, layout, time.monotonic())
+        peer = Peer(agent_name, instance_id, infos, routes, layout, time.monotonic(), rank_agents)
         self._peers[agent_name] = peer
         return peer
+
+    def _load_rank_agents(self, peer: str, infos: list[PoolInfo]) -> tuple[str, ...]:
+        """Loads the NIXL metadata of the peer's ranks that run their own agents (after the peer's own)."""
+        loaded: list[str] = []
+        for info in infos:
+            if not info.agent_metadata_b64 or info.agent_name in loaded:
+                continue
+            try:
+                metadata = base64.b64decode(info.agent_metadata_b64.encode("ascii"), validate=True)
+                got = self._nixl.add_remote_agent(metadata)
+            except Exception as e:
+                for name in loaded:
+                    self._nixl.remove_remote_agent(name)
+                self._nixl.remove_remote_agent(peer)
+                raise PeerError(f"bad handshake from {peer!r}: rank {info.rank}'s NIXL metadata: {e}") from e
+            got_name = got.decode() if isinstance(got, bytes) else str(got)
+            loaded.append(got_name)
+            if got_name != info.agent_name:
+                for name in loaded:
+                    self._nixl.remove_remote_agent(name)
+                self._nixl.remove_remote_agent(peer)
+                raise PeerError(
+                    f"rank {info.rank}'s metadata names agent {got_name!r}, its pool info {info.agent_name!r}"
+                )
+        return tuple(loaded)
 
     def has_peer(self, name: str, instance_id: str | None = None) -> bool:
         peer = self._peers.get(name)
@@ -223,12 +255,14 @@ class KVTransferAgent:
 
     def remove_peer(self, name: str) -> bool:
         """Forget a peer and disconnect from it; in-flight writes to it will report an error."""
-        if self._peers.pop(name, None) is None:
+        peer = self._peers.pop(name, None)
+        if peer is None:
             return False
-        try:
-            self._nixl.remove_remote_agent(name)
-        except Exception as e:  # already gone on the NIXL side: the table entry was the thing to drop
-            log.warning("remove_remote_agent(%s): %s", name, e)
+        for agent in (name, *peer.rank_agents):
+            try:
+                self._nixl.remove_remote_agent(agent)
+            except Exception as e:  # already gone on the NIXL side: the table entry was the thing to drop
+                log.warning("remove_remote_agent(%s): %s", agent, e)
         return True
 
     # -- lifetime ----------------------------------------------------------------------------------

@@ -40,6 +40,9 @@ class PoolInfo:
     kv_head_start: int  # the model's KV heads this rank's pool holds: [kv_head_start, kv_head_end)
     kv_head_end: int
     rank: int = 0
+    # Set when this rank has its own NIXL agent (`agent_name` differs from rank 0's; GPU tensor parallelism,
+    # where a rank's memory can be registered only by its own process); rank 0's comes in the handshake.
+    agent_metadata_b64: str = ""
     version: int = POOL_INFO_VERSION
 
     @property
@@ -103,8 +106,13 @@ def pool_infos_from_b64(text: str) -> list[PoolInfo]:
     infos = [PoolInfo.from_dict(r) for r in raw]
     if [i.rank for i in infos] != list(range(len(infos))):
         raise ValueError("pool info ranks must be 0..N-1 in order")
-    if len({(i.agent_name, i.instance_id, i.num_layers, i.num_pages) for i in infos}) != 1:
-        raise ValueError("pool info entries disagree on agent, instance or pool geometry")
+    if len({(i.num_layers, i.num_pages) for i in infos}) != 1:
+        raise ValueError("pool info entries disagree on pool geometry")
+    head = infos[0]
+    for i in infos:
+        own_agent = i.agent_name != head.agent_name
+        if own_agent != bool(i.agent_metadata_b64) or (not own_agent and i.instance_id != head.instance_id):
+            raise ValueError(f"pool info of rank {i.rank}: a rank with its own agent carries its metadata, others none")
     return infos
 
 

@@ -53,7 +53,7 @@ class TransferHandle:
     state: PollState = "pending"
     error: str | None = None
     done_at: float | None = None
-    xfer: nixl_xfer_handle | None = field(default=None, repr=False)
+    xfers: list[nixl_xfer_handle] = field(default_factory=list, repr=False)  # one per peer agent written
     staged: list[tuple[int, int]] = field(default_factory=list, repr=False)  # staging (offset, bytes) it reads
 
 
@@ -62,7 +62,7 @@ class KVSender:
         self.agent = agent
         # Handles NIXL refused to release (a transfer it could not cancel yet), with the staging space they
         # read; retried until NIXL lets go, so neither is reused under an active transfer.
-        self._unreleased: list[tuple[nixl_xfer_handle, list[tuple[int, int]]]] = []
+        self._unreleased: list[tuple[list[nixl_xfer_handle], list[tuple[int, int]]]] = []
         self._staged_pending: list[TransferHandle] = []  # in flight, reading from the staging area
 
     def post_write(
@@ -114,8 +114,10 @@ class KVSender:
 
         nixl = self.agent.nixl
         try:
-            local_rows, remote_rows = [], []
+            # One NIXL request per peer agent: ranks of a GPU peer run their own agents (rank 0's is `peer`).
+            by_agent: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
             for route in remote.routes:
+                local_rows, remote_rows = by_agent.setdefault(route.dst.agent_name, ([], []))
                 if route.direct:
                     local_rows.append(run_descs(route.src, runs.src_start, runs.length))
                 else:
@@ -123,19 +125,27 @@ class KVSender:
                 remote_rows.append(run_descs(route.dst, runs.dst_start, runs.length))
             if handle.staged and self.agent.pool.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()  # the packed pages must be in memory before NIXL reads
-            local_descs = nixl.get_xfer_descs(np.concatenate(local_rows), local.mem_type)
-            remote_descs = nixl.get_xfer_descs(np.concatenate(remote_rows), remote.pools[0].mem_type)
-            handle.xfer = nixl.initialize_xfer(
-                "WRITE", local_descs, remote_descs, peer, notif or b"", backends=[self.agent.backend]
-            )
-            status = nixl.transfer(handle.xfer)
+            states = []
+            for agent_name, (local_rows, remote_rows) in by_agent.items():
+                local_descs = nixl.get_xfer_descs(np.concatenate(local_rows), local.mem_type)
+                remote_descs = nixl.get_xfer_descs(np.concatenate(remote_rows), remote.pools[0].mem_type)
+                xfer = nixl.initialize_xfer(
+                    "WRITE",
+                    local_descs,
+                    remote_descs,
+                    agent_name,
+                    (notif or b"") if agent_name == peer else b"",
+                    backends=[self.agent.backend],
+                )
+                handle.xfers.append(xfer)
+                states.append(nixl.transfer(xfer))
         except TransferError as e:
             return self._fail(handle, str(e))
         except Exception as e:  # NIXL raises nixl*Error (NOT_FOUND for unregistered ranges, disconnects)
             return self._fail(handle, f"post failed: {type(e).__name__}: {e}")
-        if status == "ERR":
+        if "ERR" in states:
             return self._fail(handle, "post returned ERR")
-        if status == "DONE":  # small writes can complete inside the post call
+        if all(st == "DONE" for st in states):  # small writes can complete inside the post call
             return self._finish(handle, "done")
         if handle.staged:
             self._staged_pending.append(handle)
@@ -189,16 +199,15 @@ class KVSender:
             # The peer was removed or re-added as a new process: its old endpoint is gone.
             self._fail(handle, f"peer {handle.peer} went away")
             return handle.state
-        assert handle.xfer is not None
         try:
-            status = self.agent.nixl.check_xfer_state(handle.xfer)
+            states = [self.agent.nixl.check_xfer_state(x) for x in handle.xfers]
         except Exception as e:
             self._fail(handle, f"check_xfer_state: {type(e).__name__}: {e}")
             return handle.state
-        if status == "DONE":
-            self._finish(handle, "done")
-        elif status == "ERR":
+        if "ERR" in states:
             self._fail(handle, "transfer reported ERR")
+        elif all(st == "DONE" for st in states):
+            self._finish(handle, "done")
         return handle.state
 
     def abort(self, handle: TransferHandle, reason: str = "aborted") -> None:
@@ -234,15 +243,18 @@ class KVSender:
         return self._finish(handle, "error")
 
     def _release(self, handle: TransferHandle) -> None:
-        xfer, handle.xfer = handle.xfer, None
+        xfers, handle.xfers = handle.xfers, []
         staged, handle.staged = handle.staged, []
-        if xfer is not None:
+        held = []
+        for xfer in xfers:
             try:
                 xfer.release()
             except Exception as e:  # still active and not cancellable: keep it and retry later
                 log.warning("release of transfer to %s deferred: %s", handle.peer, e)
-                self._unreleased.append((xfer, staged))
-                staged = []
+                held.append(xfer)
+        if held:  # the staging space stays taken until all of them let go
+            self._unreleased.append((held, staged))
+            staged = []
         self._free_staging(staged)
         self._retry_releases()
 
@@ -253,13 +265,17 @@ class KVSender:
 
     def _retry_releases(self) -> None:
         still = []
-        for xfer, staged in self._unreleased:
-            try:
-                xfer.release()
-            except Exception:
-                still.append((xfer, staged))
-                continue
-            self._free_staging(staged)
+        for xfers, staged in self._unreleased:
+            left = []
+            for xfer in xfers:
+                try:
+                    xfer.release()
+                except Exception:
+                    left.append(xfer)
+            if left:
+                still.append((left, staged))
+            else:
+                self._free_staging(staged)
         self._unreleased = still
 
 
