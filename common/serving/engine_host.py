@@ -7,6 +7,7 @@ message per turn. Role-specific behaviour lives in subclasses in the worker pack
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import time
@@ -28,6 +29,17 @@ from common.transfer.agent import KVTransferAgent
 log = logging.getLogger("kvferry.engine")
 
 LOAD_INTERVAL_S = 0.1
+IDLE_TRIM_S = 1.0  # idle this long: hand the allocator's free memory back to the OS (once per idle spell)
+
+
+def _malloc_trim() -> None:
+    """glibc keeps freed heap memory for reuse; a CPU engine serving steps of ever-changing shapes ends up
+    holding hundreds of MB of it (soak: decode RSS +372 MB over 1,500 requests, +112 MB with forced mmap,
+    which halved throughput). Trimming while idle returns it without slowing the steps."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 class EngineHost:
@@ -111,8 +123,14 @@ class EngineHost:
     def run(self) -> None:
         self.publisher.start()
         send(self.conn, {"ev": "ready", "agent": self.agent_info(), "pod": self.cfg.pod_name})
+        last_busy, trimmed = time.monotonic(), True
         while not self.stopping:
             busy = self.has_work()
+            if busy:
+                last_busy, trimmed = time.monotonic(), False
+            elif not trimmed and time.monotonic() - last_busy >= IDLE_TRIM_S:
+                _malloc_trim()
+                trimmed = True
             timeout = 0.0 if busy else 0.002
             while self.conn.poll(timeout):
                 self.handle(recv(self.conn))
