@@ -60,7 +60,7 @@ CONFIGS = {
 def _build_hf(config_cls: str, extra: dict, seed: int):
     import transformers
 
-    cfg = getattr(transformers, config_cls)(**_COMMON, **extra)
+    cfg = getattr(transformers, config_cls)(**{**_COMMON, **extra})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(seed + 1)

@@ -155,3 +155,34 @@ def test_tp_logits_match_at_rank_boundaries(tp2_engine, smol_runner, smol_tokeni
     half = a.shape[1] // 2
     assert torch.allclose(a[:, half - 8 : half + 8], b[:, half - 8 : half + 8], atol=2e-3)
     assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@pytest.mark.parametrize(
+    "config_cls,extra",
+    [
+        # One KV head over two ranks: replicated, its 4 query heads split 2 + 2.
+        ("LlamaConfig", dict(num_hidden_layers=2, tie_word_embeddings=False, num_key_value_heads=1)),
+        # q/k/v biases sliced with their heads; tied embeddings through the vocab-parallel head.
+        ("Qwen2Config", dict(num_hidden_layers=2, tie_word_embeddings=True)),
+    ],
+    ids=["llama-replicated-kv", "qwen2-bias-tied"],
+)
+def test_tp2_random_checkpoints_match_transformers(config_cls, extra, tmp_path) -> None:
+    from tests.test_engine_random_models import _build_hf, _check_greedy, _random_prompts
+
+    hf = _build_hf(config_cls, extra, seed=1234)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    engine = Engine(
+        RunnerConfig(model=str(tmp_path), num_pages=128, max_running=8, max_seq_len=512, tp_size=2),
+        SchedulerConfig(max_prefill_tokens=16),
+        load_tokenizer=False,
+    )
+    try:
+        shards = [TPShard.plan(engine.runner.model.full_cfg, r, 2) for r in range(2)]
+        if extra.get("num_key_value_heads") == 1:
+            assert [s.kv_heads for s in shards] == [(0, 1), (0, 1)] and [s.q_heads for s in shards] == [(0, 2), (2, 4)]
+        prompts = _random_prompts(3, [5, 40, 70])
+        results = engine.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+        _check_greedy(hf, prompts, results)
+    finally:
+        engine.runner.close()
