@@ -3,6 +3,12 @@ workers of different TP sizes, on the packaged SmolLM2 (9 query heads, 3 KV head
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import time
+
+import httpx
 import pytest
 import torch
 
@@ -186,3 +192,27 @@ def test_tp2_random_checkpoints_match_transformers(config_cls, extra, tmp_path) 
         _check_greedy(hf, prompts, results)
     finally:
         engine.runner.close()
+
+
+def test_lost_rank_fails_requests_and_takes_the_worker_down(redis_server, smol_tokenizer) -> None:
+    """A follower that dies leaves a worker that cannot compute: its requests fail and /health turns 503."""
+    d = start_worker("decode", redis_server, env={"KVFERRY_TP_SIZE": "2"})
+    try:
+        wait_ready(d)
+        ids = smol_tokenizer.encode("Hello there")
+        assert generate(d, ids, None)[0]
+        found = subprocess.run(["pgrep", "-s", str(d.proc.pid), "-f", "common.engine.tp_ranks"], capture_output=True)
+        followers = [int(p) for p in found.stdout.split()]
+        assert len(followers) == 1
+        os.kill(followers[0], signal.SIGKILL)
+        tokens, events = generate(d, ids, None, timeout=60)
+        assert tokens == [] and events[-1]["finish_reason"] == "error"
+        error = events[-1]["error"]  # whichever the worker reports first: the lost rank or its engine's exit
+        assert "tensor-parallel rank" in error or "engine process exited" in error, error
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{d.url}/health", timeout=5).status_code == 200:
+            assert time.monotonic() < deadline, "worker still healthy after losing a rank"
+            time.sleep(0.2)
+        assert httpx.get(f"{d.url}/ready", timeout=5).status_code == 503
+    finally:
+        d.kill9()

@@ -15,7 +15,7 @@ from common.engine.forward_batch import ForwardBatch, StepInputs
 from common.engine.model import DecoderModel
 from common.engine.model_config import ModelConfig, named_config
 from common.engine.tp import TPGroup, TPShard
-from common.engine.tp_ranks import HEADER_LEN, TPFollowers, shared_pool_path
+from common.engine.tp_ranks import HEADER_LEN, TPFollowers, TPRankLost, shared_pool_path
 from common.engine.weights import init_dummy_weights, load_safetensors_dir
 from common.kv.pool import KVLayout, KVPool
 from common.sched.pages import PageTable
@@ -286,11 +286,19 @@ class ModelRunner:
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Runs one step on every rank; returns float32 logits of the sampled tokens (full vocabulary)."""
-        if self.followers is not None:
-            if batch.inputs is None:
-                raise ValueError("a tensor-parallel step needs its StepInputs (build it with build_batch)")
+        if self.followers is None:
+            return self.forward_local(batch)
+        if batch.inputs is None:
+            raise ValueError("a tensor-parallel step needs its StepInputs (build it with build_batch)")
+        try:
             self.followers.send_step(batch.inputs, self.page_table.drain_journal())
-        return self.forward_local(batch)
+            return self.forward_local(batch)
+        except TPRankLost:
+            raise
+        except RuntimeError:
+            # A collective that failed because a rank died (connection reset, timeout) is a lost rank.
+            self.followers.check_alive(wait_s=2.0)
+            raise
 
     @torch.inference_mode()
     def forward_local(self, batch: ForwardBatch) -> torch.Tensor:

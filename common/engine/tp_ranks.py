@@ -126,11 +126,17 @@ class TPFollowers:
         log.info("tensor-parallel group up", extra={"size": size, "backend": backend})
         return cls(group, procs, shm_prefix)
 
-    def check_alive(self) -> None:
-        for rank, p in enumerate(self.procs, start=1):
-            code = p.poll()
-            if code is not None:
-                raise TPRankLost(f"tensor-parallel rank {rank} exited with code {code}")
+    def check_alive(self, wait_s: float = 0.0) -> None:
+        """Raises TPRankLost if a follower has exited (waiting up to `wait_s` for one that is dying)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, p in enumerate(self.procs, start=1):
+                code = p.poll()
+                if code is not None:
+                    raise TPRankLost(f"tensor-parallel rank {rank} exited with code {code}")
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
 
     def send_step(self, inputs: StepInputs, journal: Journal) -> None:
         self.check_alive()

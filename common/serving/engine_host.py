@@ -16,6 +16,7 @@ from typing import Any
 
 from common.config import WorkerConfig
 from common.engine.runner import ModelRunner
+from common.engine.tp_ranks import TPRankLost
 from common.log import setup_logging
 from common.prefix.hashing import chained_block_hashes
 from common.prefix.index import PrefixIndexPublisher
@@ -139,6 +140,13 @@ class EngineHost:
             if self.scheduler.has_work():
                 try:
                     self.emit_step_events(self.scheduler.step())
+                except TPRankLost:
+                    # This worker cannot compute any more: fail what is in flight, then exit, so /health turns
+                    # 503 and the pod is restarted (a live process answering only errors would keep traffic).
+                    log.exception("a tensor-parallel rank is gone; the engine stops")
+                    self.fail_all("a tensor-parallel rank of this worker exited")
+                    self.flush()
+                    raise
                 except Exception:
                     # A step that raised left its batch in an unknown state: fail the requests in flight (their
                     # pages come back) and keep serving, rather than take the whole worker down.
