@@ -5,7 +5,8 @@ child processes (`python -m common.engine.tp_ranks <config JSON>`), and before e
 broadcasts the step: the same `StepInputs` it built its own batch from, plus the page-table writes it made
 since the last step. Followers apply the writes to their own page table and run the same forward, so
 batches, pages and collectives agree on every rank; only rank 0 samples (every rank holds the gathered
-logits, the followers drop them). Nothing is pickled: the step is int64 tensors on a gloo group.
+logits, the followers drop them). Nothing is pickled: the step is int64 words in a shared-memory channel
+(common/engine/step_channel.py; gloo for a step too large for it).
 
 On the CPU every rank's KV pool lives in a shared-memory file that rank 0 maps too, so rank 0's NIXL
 agent can register all ranks' pools and move each rank's heads without the followers taking part.
@@ -25,10 +26,12 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from common.engine.forward_batch import StepInputs
 from common.engine.model_config import ModelConfig
+from common.engine.step_channel import StepChannel
 from common.engine.tp import TPGroup, TPShard
 from common.net import free_port
 
@@ -37,7 +40,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvferry.engine")
 
-OP_STEP, OP_STOP, OP_READY = 1, 2, 3
+OP_STEP, OP_STOP, OP_READY, OP_STEP_BIG = 1, 2, 3, 4  # BIG: the payload follows over gloo (too big for shm)
+STEP_CHANNEL_WORDS = 1 << 20  # 8 MiB: any decode step, and prefill steps up to ~200k tokens
 HEADER_LEN = 8  # op, is_decode, batch, tokens, journal entries, journal pages, all_logits, spare
 
 Journal = list[tuple[int, int, torch.Tensor]]
@@ -53,31 +57,25 @@ class ReceivedStep:
     journal: Journal
 
 
-def encode_step(inputs: StepInputs, journal: Journal) -> tuple[torch.Tensor, torch.Tensor]:
-    b, t = int(inputs.extend_lens.numel()), int(inputs.input_ids.numel())
-    rows = torch.tensor([j[0] for j in journal], dtype=torch.int64)
-    firsts = torch.tensor([j[1] for j in journal], dtype=torch.int64)
-    pages = [j[2] for j in journal]
-    counts = torch.tensor([p.numel() for p in pages], dtype=torch.int64)
-    flat_pages = torch.cat(pages) if pages else torch.empty(0, dtype=torch.int64)
-    header = torch.tensor(
-        [OP_STEP, int(inputs.is_decode), b, t, len(journal), int(flat_pages.numel()), int(inputs.all_logits), 0],
-        dtype=torch.int64,
-    )
-    payload = torch.cat(
-        (
-            inputs.input_ids,
-            inputs.extend_lens,
-            inputs.starts,
-            inputs.table_rows,
-            inputs.sample_mask.to(torch.int64),
-            rows,
-            firsts,
-            counts,
-            flat_pages,
-        )
-    )
-    return header, payload
+def encode_step(inputs: StepInputs, journal: Journal) -> np.ndarray:
+    """The step as one int64 array: an 8-word header, then the payload (numpy: a few microseconds)."""
+    pages = [j[2].numpy() for j in journal]
+    jp = sum(len(p) for p in pages)
+    header = [OP_STEP, int(inputs.is_decode), inputs.extend_lens.numel(), inputs.input_ids.numel()]
+    header += [len(journal), jp, int(inputs.all_logits), 0]
+    parts = [
+        np.array(header, dtype=np.int64),
+        inputs.input_ids.numpy(),
+        inputs.extend_lens.numpy(),
+        inputs.starts.numpy(),
+        inputs.table_rows.numpy(),
+        inputs.sample_mask.numpy().astype(np.int64),
+        np.array([j[0] for j in journal], dtype=np.int64),
+        np.array([j[1] for j in journal], dtype=np.int64),
+        np.array([len(p) for p in pages], dtype=np.int64),
+        *pages,
+    ]
+    return np.concatenate(parts)
 
 
 def decode_step(header: torch.Tensor, payload: torch.Tensor) -> ReceivedStep:
@@ -95,10 +93,14 @@ def shared_pool_path(prefix: str, rank: int) -> str:
 class TPFollowers:
     """Rank 0's handle on its follower processes."""
 
-    def __init__(self, group: TPGroup, procs: list[subprocess.Popen[bytes]], shm_prefix: str) -> None:
+    def __init__(
+        self, group: TPGroup, procs: list[subprocess.Popen[bytes]], shm_prefix: str, channel: StepChannel
+    ) -> None:
         self.group = group
         self.procs = procs
         self.shm_prefix = shm_prefix
+        self.channel = channel
+        self._checked_at = 0.0
         self._closed = False
 
     @classmethod
@@ -109,9 +111,10 @@ class TPFollowers:
         shm_prefix = f"/dev/shm/kvferry-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         threads = max(1, torch.get_num_threads() // size)
         torch.set_num_threads(threads)
+        channel = StepChannel(f"{shm_prefix}-steps", size, STEP_CHANNEL_WORDS, create=True)
         procs = []
         for rank in range(1, size):
-            spec = {**asdict(cfg), "tp_rank": rank, "tp_port": port, "tp_shm": shm_prefix}
+            spec = {**asdict(cfg), "tp_rank": rank, "tp_port": port, "tp_shm": shm_prefix, "tp_steps": channel.path}
             env = {**os.environ, "KVFERRY_TORCH_THREADS": str(threads), "KVFERRY_TP_PARENT": str(os.getpid())}
             procs.append(subprocess.Popen([sys.executable, "-m", "common.engine.tp_ranks", json.dumps(spec)], env=env))
         from common.engine.runner import tp_backend
@@ -122,9 +125,10 @@ class TPFollowers:
         except Exception:
             for p in procs:
                 p.kill()
+            channel.unlink()
             raise
         log.info("tensor-parallel group up", extra={"size": size, "backend": backend})
-        return cls(group, procs, shm_prefix)
+        return cls(group, procs, shm_prefix, channel)
 
     def check_alive(self, wait_s: float = 0.0) -> None:
         """Raises TPRankLost if a follower has exited (waiting up to `wait_s` for one that is dying)."""
@@ -139,14 +143,24 @@ class TPFollowers:
             time.sleep(0.05)
 
     def send_step(self, inputs: StepInputs, journal: Journal) -> None:
-        self.check_alive()
-        header, payload = encode_step(inputs, journal)
-        self.group.broadcast(header)
-        self.group.broadcast(payload)
+        now = time.monotonic()
+        if now - self._checked_at > 0.5:  # a lost rank also shows as a failing collective (ModelRunner.forward)
+            self._checked_at = now
+            self.check_alive()
+        message = encode_step(inputs, journal)
+        if message.size <= self.channel.capacity:
+            self.channel.send(message, self.check_alive)
+            return
+        header = message[:HEADER_LEN].copy()
+        header[0] = OP_STEP_BIG
+        self.channel.send(header, self.check_alive)
+        self.group.broadcast(torch.from_numpy(message[HEADER_LEN:].copy()))
 
     def barrier_ready(self) -> None:
-        """Waits until every follower has built its model and pool (they broadcast-wait on READY)."""
+        """Waits until every follower has built its model and pool (they broadcast-wait on READY); by then
+        each has mapped the step channel, whose file can go."""
         self.group.broadcast(torch.tensor([OP_READY] + [0] * (HEADER_LEN - 1), dtype=torch.int64))
+        self.channel.unlink()
 
     def close(self, timeout_s: float = 10.0) -> None:
         if self._closed:
@@ -154,7 +168,8 @@ class TPFollowers:
         self._closed = True
         try:
             if all(p.poll() is None for p in self.procs):
-                self.group.broadcast(torch.tensor([OP_STOP] + [0] * (HEADER_LEN - 1), dtype=torch.int64))
+                stop = np.array([OP_STOP] + [0] * (HEADER_LEN - 1), dtype=np.int64)
+                self.channel.send(stop, self.check_alive)
         except Exception as e:  # a rank already gone: fall through to killing the rest
             log.warning("stopping tensor-parallel ranks: %s", e)
         deadline = time.monotonic() + timeout_s
@@ -186,6 +201,9 @@ def follower_main(spec: dict[str, object]) -> None:
     parent = int(os.environ.get("KVFERRY_TP_PARENT", os.getppid()))
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True, name="tp-parent-watch").start()
     torch.set_num_threads(max(1, int(os.environ.get("KVFERRY_TORCH_THREADS", "1"))))
+    size = int(spec["tp_size"])  # type: ignore[call-overload]
+    channel = StepChannel(str(spec.pop("tp_steps")), size, STEP_CHANNEL_WORDS, create=False)  # before READY
+    rank = int(spec["tp_rank"])  # type: ignore[call-overload]
     runner = ModelRunner(RunnerConfig(**spec))  # type: ignore[arg-type]
     group = runner.tp
     agent = None
@@ -193,18 +211,21 @@ def follower_main(spec: dict[str, object]) -> None:
         from common.transfer.rank_agents import publish_rank_agent
 
         agent = publish_rank_agent(runner, runner.cfg.tp_agent_name)
-    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
     while True:
-        group.broadcast(header)
+        message = channel.recv(rank)
+        header = message[:HEADER_LEN]
         op = int(header[0])
         if op == OP_STOP:
             if agent is not None:
                 agent.close()
             group.close()
             os._exit(0)  # skip interpreter teardown: nothing is left to flush, and NCCL's can block
-        t, b, j, jp = (int(v) for v in (header[3], header[2], header[4], header[5]))
-        payload = torch.empty(t + 4 * b + 3 * j + jp, dtype=torch.int64)
-        group.broadcast(payload)
+        if op == OP_STEP_BIG:
+            t, b, j, jp = (int(v) for v in (header[3], header[2], header[4], header[5]))
+            payload = torch.empty(t + 4 * b + 3 * j + jp, dtype=torch.int64)
+            group.broadcast(payload)
+        else:
+            payload = message[HEADER_LEN:]
         step = decode_step(header, payload)
         for row, first, pages in step.journal:
             runner.page_table.write_pages(row, first, pages)

@@ -1,0 +1,83 @@
+"""Rank 0 -> follower ranks: one step message at a time through a shared-memory file.
+
+A gloo broadcast of the step (header, then payload) costs two TCP round trips on every forward:
+0.7-1.3 ms on this project's 2-core CPU box (bench note in docs/architecture.md), on the critical path of
+every tensor-parallel decode step. Here rank 0 writes the message into a shared int64 array and bumps a
+sequence number; followers spin on it for a few milliseconds after each message (decode steps come
+back to back) and then poll with short sleeps, so an idle worker costs little CPU.
+
+Layout (int64): [0] sequence number, [1] message length, [2 + r] the last sequence follower r copied out,
+then the message area. Rank 0 writes a message only after every follower has copied the previous one.
+The writer stores the message, then its length, then the sequence number; readers load the sequence
+number first: on x86 (TSO) stores are seen in program order, which is what the ordering relies on.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+HEADER_SLOTS = 16  # sequence, length, acks of up to 14 followers
+SPIN_S = 0.005  # after a message, followers spin this long before polling with sleeps
+POLL_SLEEP_S = 50e-6
+
+
+class StepChannel:
+    def __init__(self, path: str, num_ranks: int, capacity: int, create: bool) -> None:
+        if num_ranks - 1 > HEADER_SLOTS - 2:
+            raise ValueError(f"at most {HEADER_SLOTS - 1} ranks")
+        self.path = path
+        self.capacity = capacity
+        numel = HEADER_SLOTS + capacity
+        if create:
+            with open(path, "wb") as f:
+                f.truncate(numel * 8)
+        self._tensor = torch.from_file(path, shared=True, size=numel, dtype=torch.int64)
+        self.words = self._tensor.numpy()
+        self.num_ranks = num_ranks
+        self._seen = int(self.words[0]) if not create else 0
+        self._last_message_at = time.monotonic()
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    # -- rank 0 --------------------------------------------------------------------------------------
+    def send(self, message: np.ndarray, check_alive: Callable[[], None]) -> None:
+        """Publishes `message` (int64, at most `capacity` long) once every follower took the last one."""
+        n = int(message.size)
+        if n > self.capacity:
+            raise ValueError(f"step message of {n} words exceeds the channel's {self.capacity}")
+        w = self.words
+        seq = int(w[0])
+        acks = w[2 : 1 + self.num_ranks]
+        spins = 0
+        while (acks != seq).any():
+            spins += 1
+            if spins % 1024 == 0:
+                check_alive()
+                time.sleep(POLL_SLEEP_S)
+        w[HEADER_SLOTS : HEADER_SLOTS + n] = message
+        w[1] = n
+        w[0] = seq + 1
+
+    # -- followers -----------------------------------------------------------------------------------
+    def recv(self, rank: int) -> torch.Tensor:
+        """Waits for the next message and returns a copy of it (then rank 0 may overwrite the area)."""
+        w = self.words
+        while int(w[0]) == self._seen:
+            if time.monotonic() - self._last_message_at > SPIN_S:
+                time.sleep(POLL_SLEEP_S)
+        seq = int(w[0])
+        n = int(w[1])
+        out = torch.from_numpy(w[HEADER_SLOTS : HEADER_SLOTS + n].copy())
+        self._seen = seq
+        w[1 + rank] = seq
+        self._last_message_at = time.monotonic()
+        return out
