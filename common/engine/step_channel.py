@@ -49,8 +49,10 @@ class StepChannel:
             pass
 
     # -- rank 0 --------------------------------------------------------------------------------------
-    def send(self, message: np.ndarray, check_alive: Callable[[], None]) -> None:
-        """Publishes `message` (int64, at most `capacity` long) once every follower took the last one."""
+    def send(self, message: np.ndarray, check_alive: Callable[[], None], timeout_s: float | None = None) -> None:
+        """Publishes `message` (int64, at most `capacity` long) once every follower took the last one
+        (TimeoutError after `timeout_s` if one never does)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         n = int(message.size)
         if n > self.capacity:
             raise ValueError(f"step message of {n} words exceeds the channel's {self.capacity}")
@@ -62,6 +64,8 @@ class StepChannel:
             spins += 1
             if spins % 1024 == 0:
                 check_alive()
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"a tensor-parallel rank did not take step {seq} within {timeout_s} s")
                 time.sleep(POLL_SLEEP_S)
         w[HEADER_SLOTS : HEADER_SLOTS + n] = message
         w[1] = n

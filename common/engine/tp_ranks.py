@@ -169,7 +169,7 @@ class TPFollowers:
         try:
             if all(p.poll() is None for p in self.procs):
                 stop = np.array([OP_STOP] + [0] * (HEADER_LEN - 1), dtype=np.int64)
-                self.channel.send(stop, self.check_alive)
+                self.channel.send(stop, self.check_alive, timeout_s=timeout_s / 2)
         except Exception as e:  # a rank already gone: fall through to killing the rest
             log.warning("stopping tensor-parallel ranks: %s", e)
         deadline = time.monotonic() + timeout_s
