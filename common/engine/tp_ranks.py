@@ -20,6 +20,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -86,6 +87,26 @@ def decode_step(header: torch.Tensor, payload: torch.Tensor) -> ReceivedStep:
     return ReceivedStep(inputs, journal)
 
 
+def shared_dir(cfg: RunnerConfig, model_cfg: ModelConfig) -> str:
+    """Where the ranks' shared files go: /dev/shm when it has room for the CPU pools (a container's default
+    /dev/shm is 64 MiB, and writing past a full tmpfs kills the process with SIGBUS), else the temp dir
+    (a shared file mapping works on any filesystem; the kernel writes its pages back in the background)."""
+    need = STEP_CHANNEL_WORDS * 8
+    if not cfg.device.startswith("cuda"):
+        elt = 4 if cfg.dtype in ("auto", "float32") else 2
+        per_page = 2 * model_cfg.num_layers * cfg.page_size * model_cfg.num_kv_heads * model_cfg.head_dim * elt
+        pools = cfg.num_pages * per_page if cfg.num_pages else int(cfg.kv_memory_gb * (1 << 30)) * cfg.tp_size
+        need += int(pools * 1.25)  # replicated heads and rounding
+    try:
+        st = os.statvfs("/dev/shm")
+        if st.f_bavail * st.f_frsize >= need:
+            return "/dev/shm"
+    except OSError:
+        pass
+    log.warning("/dev/shm lacks room for the tensor-parallel KV pools; using %s", tempfile.gettempdir())
+    return tempfile.gettempdir()
+
+
 def shared_pool_path(prefix: str, rank: int) -> str:
     return f"{prefix}-rank{rank}"
 
@@ -108,7 +129,7 @@ class TPFollowers:
         """Start ranks 1..N-1 of `cfg` (tp_size > 1) and join their group as rank 0."""
         size = cfg.tp_size
         port = free_port()
-        shm_prefix = f"/dev/shm/kvferry-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        shm_prefix = os.path.join(shared_dir(cfg, model_cfg), f"kvferry-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         threads = max(1, torch.get_num_threads() // size)
         torch.set_num_threads(threads)
         channel = StepChannel(f"{shm_prefix}-steps", size, STEP_CHANNEL_WORDS, create=True)
