@@ -202,15 +202,7 @@ class KVTransferAgent:
             )
             self.remove_peer(agent_name)
 
-        try:
-            loaded = self._nixl.add_remote_agent(metadata)
-        except Exception as e:  # NIXL refuses metadata it cannot deserialize (nixlMismatchError)
-            raise PeerError(f"bad handshake from {agent_name!r}: NIXL cannot load its metadata ({e})") from e
-        loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
-        if loaded_name != agent_name:
-            if loaded_name not in self._peers:
-                self._nixl.remove_remote_agent(loaded_name)
-            raise PeerError(f"metadata names agent {loaded_name!r}, handshake says {agent_name!r}")
+        self._load_remote(metadata, agent_name, f"bad handshake from {agent_name!r}")
         rank_agents = self._load_rank_agents(agent_name, infos)
         if not all(r.direct for r in routes):
             self.ensure_staging()
@@ -218,29 +210,37 @@ class KVTransferAgent:
         self._peers[agent_name] = peer
         return peer
 
+    def _load_remote(self, metadata: bytes, expected: str, context: str) -> None:
+        """Loads one remote agent's NIXL metadata; PeerError (nothing left loaded) unless it names `expected`."""
+        try:
+            loaded = self._nixl.add_remote_agent(metadata)
+        except Exception as e:  # NIXL refuses metadata it cannot deserialize (nixlMismatchError)
+            raise PeerError(f"{context}: NIXL cannot load its metadata ({e})") from e
+        name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if name != expected:
+            if name not in self._peers:
+                self._nixl.remove_remote_agent(name)
+            raise PeerError(f"{context}: metadata names agent {name!r}, expected {expected!r}")
+
     def _load_rank_agents(self, peer: str, infos: list[PoolInfo]) -> tuple[str, ...]:
-        """Loads the NIXL metadata of the peer's ranks that run their own agents (after the peer's own)."""
+        """Loads the NIXL metadata of the peer's ranks that run their own agents (after the peer's own);
+        on a bad one, unloads the peer and those loaded so far."""
         loaded: list[str] = []
-        for info in infos:
-            if not info.agent_metadata_b64 or info.agent_name in loaded:
-                continue
-            try:
-                metadata = base64.b64decode(info.agent_metadata_b64.encode("ascii"), validate=True)
-                got = self._nixl.add_remote_agent(metadata)
-            except Exception as e:
-                for name in loaded:
-                    self._nixl.remove_remote_agent(name)
-                self._nixl.remove_remote_agent(peer)
-                raise PeerError(f"bad handshake from {peer!r}: rank {info.rank}'s NIXL metadata: {e}") from e
-            got_name = got.decode() if isinstance(got, bytes) else str(got)
-            loaded.append(got_name)
-            if got_name != info.agent_name:
-                for name in loaded:
-                    self._nixl.remove_remote_agent(name)
-                self._nixl.remove_remote_agent(peer)
-                raise PeerError(
-                    f"rank {info.rank}'s metadata names agent {got_name!r}, its pool info {info.agent_name!r}"
-                )
+        try:
+            for info in infos:
+                if not info.agent_metadata_b64 or info.agent_name in loaded:
+                    continue
+                context = f"bad handshake from {peer!r}, rank {info.rank}"
+                try:
+                    metadata = base64.b64decode(info.agent_metadata_b64.encode("ascii"), validate=True)
+                except (ValueError, binascii.Error) as e:
+                    raise PeerError(f"{context}: {e}") from e
+                self._load_remote(metadata, info.agent_name, context)
+                loaded.append(info.agent_name)
+        except PeerError:
+            for name in (*loaded, peer):
+                self._nixl.remove_remote_agent(name)
+            raise
         return tuple(loaded)
 
     def has_peer(self, name: str, instance_id: str | None = None) -> bool:
