@@ -41,7 +41,7 @@ if __package__ in (None, ""):  # run as a script: make the repo importable (and 
 
 import torch
 
-from common.kv.pool import KVLayout, KVPool
+from common.kv.pool import KVLayout, KVPool, checksums_match
 from common.protocol import KVLayoutInfo
 from common.transfer.agent import KVTransferAgent
 from common.transfer.descs import page_runs
@@ -175,8 +175,7 @@ def gbps(nbytes: int, seconds: float) -> float:
 def checksum_ok(pool: KVPool, rx: Any, cmd: Any, src: torch.Tensor, dst: torch.Tensor) -> bool:
     cmd.put(("checksums", dst.tolist()))
     kind, sums = rx.get(timeout=TIMEOUT_S)
-    mine = pool.page_checksums(src).tolist()
-    return kind == "checksums" and all(abs(a - b) <= 1e-9 * max(1.0, abs(b)) for a, b in zip(sums, mine))
+    return kind == "checksums" and checksums_match(pool.page_checksums(src).tolist(), sums, abs_tol=1e-9)
 
 
 def calibrated_compute(device: str, target_s: float) -> tuple[Any, int]:

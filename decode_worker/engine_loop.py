@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from dataclasses import dataclass
 
 import torch
 
+from common.kv.pool import checksums_match
 from common.protocol import TokenLogprob
 from common.sched.request import Req, ReqState
 from common.serving.channel import Message
@@ -106,14 +106,7 @@ class DecodeHost(EngineHost):
             verified = None
             if "checksums" in note:
                 mine = self.runner.kv_checksums(torch.tensor(pending.req.pages, dtype=torch.int64))
-                # Float64 sums of the same values; a different head split only changes the summation order.
-                theirs = note["checksums"]
-                verified = (
-                    None
-                    if mine is None
-                    else len(mine) == len(theirs)
-                    and all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-6) for a, b in zip(mine, theirs))
-                )
+                verified = None if mine is None else checksums_match(mine, note["checksums"])
                 if verified is False:
                     self.abort(rid, "error", "KV pages arrived corrupted (checksum mismatch)")
                     continue

@@ -26,6 +26,14 @@ class KVLayout:
         return 2 * self.num_layers * self.page_bytes // self.page_size
 
 
+def checksums_match(mine: list[float], theirs: list[float], abs_tol: float = 1e-6) -> bool:
+    """Whether two ends' `page_checksums` agree: float64 sums of the same values, where a different split of
+    the heads over tensor-parallel ranks changes only the summation order."""
+    return len(mine) == len(theirs) and all(
+        math.isclose(a, b, rel_tol=1e-9, abs_tol=abs_tol) for a, b in zip(mine, theirs, strict=True)
+    )
+
+
 class KVPool:
     """The paged KV cache of one worker.
 
