@@ -151,10 +151,16 @@ def check_pages(pages: torch.Tensor, num_pages: int, side: str) -> None:
         raise ValueError(f"{side} page ids must lie in [0, {num_pages}); got [{int(pages.min())}, {int(pages.max())}]")
 
 
-def run_descs(info: PoolInfo, starts: torch.Tensor, lengths: torch.Tensor) -> np.ndarray:
-    """NIXL `(addr, len, dev)` rows, one per run of consecutive pages (all layers, K and V at once)."""
-    addr = info.base_addr + starts * info.page_stride
-    nbytes = lengths * info.page_stride
-    rows = torch.stack([addr, nbytes, torch.full_like(addr, info.device_id)], dim=1)
+def block_descs(
+    base_addr: int, page_stride: int, device_id: int, starts: torch.Tensor, lengths: torch.Tensor
+) -> np.ndarray:
+    """NIXL `(addr, len, dev)` rows for runs of `page_stride`-byte pages laid end to end from `base_addr`."""
+    addr = base_addr + starts * page_stride
+    rows = torch.stack([addr, lengths * page_stride, torch.full_like(addr, device_id)], dim=1)
     # User-space addresses fit in int64; NIXL wants uint64 rows.
     return rows.numpy().astype(np.uint64)
+
+
+def run_descs(info: PoolInfo, starts: torch.Tensor, lengths: torch.Tensor) -> np.ndarray:
+    """NIXL rows, one per run of consecutive pages of a pool (all layers, K and V at once)."""
+    return block_descs(info.base_addr, info.page_stride, info.device_id, starts, lengths)

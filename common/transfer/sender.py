@@ -24,7 +24,7 @@ import torch
 from nixl._api import nixl_xfer_handle
 
 from common.transfer.agent import KVTransferAgent
-from common.transfer.descs import PageRuns, check_pages, page_runs, run_descs
+from common.transfer.descs import PageRuns, block_descs, check_pages, page_runs, run_descs
 from common.transfer.routes import HeadRoute
 from common.transfer.staging import StagingArea
 
@@ -173,9 +173,7 @@ class KVSender:
         packed = staging.view(offset, shape, layout.dtype)
         torch.index_select(pool.kv[..., lo : lo + route.dst.kv_heads, :], 0, src.to(pool.device), out=packed)
         before = torch.cumsum(runs.length, 0) - runs.length  # pages packed ahead of each run
-        addr = staging.base_addr + offset + before * stride
-        rows = torch.stack([addr, runs.length * stride, torch.full_like(addr, route.src.device_id)], dim=1)
-        return rows.numpy().astype(np.uint64)
+        return block_descs(staging.base_addr + offset, stride, route.src.device_id, before, runs.length)
 
     def _alloc_staging(self, staging: StagingArea, nbytes: int, peer: str) -> int:
         """Space in the staging area, waiting (bounded) for earlier packed writes to complete and free theirs."""
