@@ -216,3 +216,29 @@ def test_lost_rank_fails_requests_and_takes_the_worker_down(redis_server, smol_t
         assert httpx.get(f"{d.url}/ready", timeout=5).status_code == 503
     finally:
         d.kill9()
+
+
+def test_step_message_round_trip() -> None:
+    """What rank 0 publishes is what followers rebuild, journal included (the big-step path sizes its
+    payload from the same header)."""
+    from common.engine.forward_batch import StepInputs
+    from common.engine.tp_ranks import HEADER_LEN, decode_step, encode_step, payload_parts
+
+    inputs = StepInputs(
+        False,
+        torch.tensor([5, 6, 7, 8]),
+        torch.tensor([3, 1]),
+        torch.tensor([0, 9]),
+        torch.tensor([2, 4]),
+        torch.tensor([True, False]),
+        all_logits=True,
+    )
+    journal = [(2, 0, torch.tensor([7, 8])), (4, 1, torch.tensor([3]))]
+    message = torch.from_numpy(encode_step(inputs, journal))
+    header, payload = message[:HEADER_LEN], message[HEADER_LEN:]
+    assert sum(payload_parts(header)) == payload.numel()
+    got = decode_step(header, payload)
+    for name in ("input_ids", "extend_lens", "starts", "table_rows", "sample_mask"):
+        assert torch.equal(getattr(got.inputs, name), getattr(inputs, name)), name
+    assert (got.inputs.is_decode, got.inputs.all_logits) == (False, True)
+    assert [(r, f, p.tolist()) for r, f, p in got.journal] == [(2, 0, [7, 8]), (4, 1, [3])]

@@ -138,10 +138,11 @@ class ModelRunner:
         mc = model.cfg
         self.model_config = mc
         self.max_seq_len = cfg.max_seq_len or mc.max_position
-        self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.page_size, self.dtype)
+        # What every rank of the group holds (this rank's own is `self.tp.shard`).
+        self.rank_shards = [TPShard.plan(model.full_cfg, r, self.tp.size) for r in range(self.tp.size)]
+        self.layout = self._rank_layout(self.tp.shard)
         # Every rank needs the same page count: size it by rank 0's layout, which holds the most KV heads.
-        widest = TPShard.plan(model.full_cfg, 0, self.tp.size).local_config(model.full_cfg)
-        widest_layout = KVLayout(mc.num_layers, widest.num_kv_heads, mc.head_dim, cfg.page_size, self.dtype)
+        widest_layout = self._rank_layout(self.rank_shards[0])
         num_pages = cfg.num_pages or KVPool.pages_for_bytes(widest_layout, int(cfg.kv_memory_gb * (1 << 30)))
         self.backend = select_attention(cfg.attention, self.device, self.dtype)
         gpu = self.backend == "flashinfer"
@@ -176,18 +177,20 @@ class ModelRunner:
         elif self.tp.size > 1:
             self.tp.broadcast(torch.zeros(HEADER_LEN, dtype=torch.int64))  # answer rank 0's READY barrier
 
+    def _rank_layout(self, shard: TPShard) -> KVLayout:
+        full = self.model.full_cfg
+        heads = shard.kv_heads[1] - shard.kv_heads[0]
+        return KVLayout(full.num_layers, heads, full.head_dim, self.cfg.page_size, self.dtype)
+
     def _map_follower_pools(self, num_pages: int) -> list[KVPool]:
         """CPU: every follower's pool, mapped from its shared-memory file (the files are unlinked once mapped)."""
         if self.device.type != "cpu":
             return []  # GPU ranks' pools stay private to their processes (cross-rank registration: see docs)
         assert self.followers is not None
-        full = self.model.full_cfg
         pools = []
         for rank in range(1, self.tp.size):
-            local = TPShard.plan(full, rank, self.tp.size).local_config(full)
-            layout = KVLayout(local.num_layers, local.num_kv_heads, local.head_dim, self.cfg.page_size, self.dtype)
             path = shared_pool_path(self.followers.shm_prefix, rank)
-            pool = KVPool.in_shared_file(layout, num_pages, path, create=False)
+            pool = KVPool.in_shared_file(self._rank_layout(self.rank_shards[rank]), num_pages, path, create=False)
             pool.num_pages = self.pool.num_pages
             pools.append(pool)
         for rank in range(self.tp.size):
@@ -212,19 +215,17 @@ class ModelRunner:
     def kv_rank_pools(self) -> list[tuple[KVPool, tuple[int, int]]]:
         """The KV pools rank 0's transfer agent registers, with the model KV heads each holds: every rank's
         (shared memory) or, with per-rank agents, rank 0's own."""
-        full, size = self.model.full_cfg, self.tp.size
         pools = self.rank_pools[:1] if self.per_rank_agents else self.rank_pools
-        return [(pool, TPShard.plan(full, r, size).kv_heads) for r, pool in enumerate(pools)]
+        return [(pool, shard.kv_heads) for pool, shard in zip(pools, self.rank_shards)]
 
     def kv_checksums(self, pages: torch.Tensor) -> list[float] | None:
         """Per-page float64 sums over every rank's heads (debug checks that transferred pages arrived intact);
         None where rank 0 cannot read the other ranks' pools (GPU tensor parallelism)."""
         if len(self.rank_pools) != self.tp.size:
             return None
-        full, size = self.model.full_cfg, self.tp.size
         distinct: dict[tuple[int, int], KVPool] = {}
-        for r, pool in enumerate(self.rank_pools):
-            distinct.setdefault(TPShard.plan(full, r, size).kv_heads, pool)  # a replicated KV head counts once
+        for pool, shard in zip(self.rank_pools, self.rank_shards):
+            distinct.setdefault(shard.kv_heads, pool)  # a replicated KV head counts once
         sums = [pool.page_checksums(pages) for pool in distinct.values()]
         return torch.stack(sums).sum(0).tolist()
 

@@ -34,6 +34,7 @@ from common.engine.forward_batch import StepInputs
 from common.engine.model_config import ModelConfig
 from common.engine.step_channel import StepChannel
 from common.engine.tp import TPGroup, TPShard
+from common.kv.pool import KVLayout
 from common.net import free_port
 
 if TYPE_CHECKING:
@@ -79,9 +80,15 @@ def encode_step(inputs: StepInputs, journal: Journal) -> np.ndarray:
     return np.concatenate(parts)
 
 
+def payload_parts(header: torch.Tensor) -> tuple[int, ...]:
+    """Lengths of the payload's pieces, as `encode_step` lays them out (from the header)."""
+    _, _, b, t, j, jp = (int(v) for v in header[:6])
+    return (t, b, b, b, b, j, j, j, jp)
+
+
 def decode_step(header: torch.Tensor, payload: torch.Tensor) -> ReceivedStep:
-    _, is_decode, b, t, j, jp, all_logits = (int(v) for v in header[:7])
-    ids, ext, starts, rows, mask, jrows, jfirst, jcount, jpages = payload.split((t, b, b, b, b, j, j, j, jp))
+    is_decode, all_logits = int(header[1]), int(header[6])
+    ids, ext, starts, rows, mask, jrows, jfirst, jcount, jpages = payload.split(payload_parts(header))
     inputs = StepInputs(bool(is_decode), ids, ext, starts, rows, mask.to(torch.bool), bool(all_logits))
     journal = list(zip(jrows.tolist(), jfirst.tolist(), jpages.split(jcount.tolist())))
     return ReceivedStep(inputs, journal)
@@ -93,8 +100,11 @@ def shared_dir(cfg: RunnerConfig, model_cfg: ModelConfig) -> str:
     (a shared file mapping works on any filesystem; the kernel writes its pages back in the background)."""
     need = STEP_CHANNEL_WORDS * 8
     if not cfg.device.startswith("cuda"):
-        elt = 4 if cfg.dtype in ("auto", "float32") else 2
-        per_page = 2 * model_cfg.num_layers * cfg.page_size * model_cfg.num_kv_heads * model_cfg.head_dim * elt
+        from common.engine.runner import resolve_dtype
+
+        dtype = resolve_dtype(cfg.dtype, torch.device("cpu"))
+        full = KVLayout(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, cfg.page_size, dtype)
+        per_page = full.bytes_per_token * cfg.page_size  # every rank's heads together
         pools = cfg.num_pages * per_page if cfg.num_pages else int(cfg.kv_memory_gb * (1 << 30)) * cfg.tp_size
         need += int(pools * 1.25)  # replicated heads and rounding
     try:
@@ -242,8 +252,7 @@ def follower_main(spec: dict[str, object]) -> None:
             group.close()
             os._exit(0)  # skip interpreter teardown: nothing is left to flush, and NCCL's can block
         if op == OP_STEP_BIG:
-            t, b, j, jp = (int(v) for v in (header[3], header[2], header[4], header[5]))
-            payload = torch.empty(t + 4 * b + 3 * j + jp, dtype=torch.int64)
+            payload = torch.empty(sum(payload_parts(header)), dtype=torch.int64)
             group.broadcast(payload)
         else:
             payload = message[HEADER_LEN:]
