@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -348,9 +349,10 @@ def test_kill9_decode_worker_mid_stream(healthy: LocalCluster) -> None:
     FAULTS_SURVIVED.append("kill -9 decode mid-stream")
 
 
-def test_kill9_router_mid_stream(healthy: LocalCluster) -> None:
-    c = healthy
-    assert c.router is not None
+@contextmanager
+def long_stream_under_way(c: LocalCluster) -> Iterator[Iterator[dict[str, Any] | str]]:
+    """A long streaming completion that has produced tokens (the decode pod is busy with it); yields the rest
+    of its events. Leaving the block closes the client's connection."""
     body = {
         "model": MODEL,
         "prompt": long_prompt(),
@@ -365,6 +367,13 @@ def test_kill9_router_mid_stream(healthy: LocalCluster) -> None:
         for _ in range(3):
             next(events)
         assert _busy(c.decode_urls) is not None
+        yield events
+
+
+def test_kill9_router_mid_stream(healthy: LocalCluster) -> None:
+    c = healthy
+    assert c.router is not None
+    with long_stream_under_way(c) as events:
         c.router.kill_group()
         t0 = time.monotonic()
         with pytest.raises(httpx.HTTPError):
@@ -432,20 +441,8 @@ def test_redis_killed_and_restarted(healthy: LocalCluster) -> None:
 # ---- clients that go away ------------------------------------------------------------------------
 def test_client_disconnect_mid_stream_aborts_on_both_workers(healthy: LocalCluster) -> None:
     c = healthy
-    body = {
-        "model": MODEL,
-        "prompt": long_prompt(),
-        "max_tokens": 400,
-        "temperature": 0,
-        "stream": True,
-        "ignore_eos": True,
-    }
-    with httpx.stream("POST", f"{c.router_url}/v1/completions", json=body, timeout=30) as r:
-        assert r.status_code == 200
-        events = sse_events(r)
-        for _ in range(3):
-            next(events)
-        assert _busy(c.decode_urls) is not None
+    with long_stream_under_way(c):
+        pass  # the client hangs up here, mid-stream
     took = abort_times(worker_urls(c), timeout=5)  # the response is closed: the connection is gone
     assert max(took.values()) < 1.5, f"abort took {took}"
     wait_pages_back(worker_urls(c))
