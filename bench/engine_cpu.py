@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from common.engine.engine import Engine
     from common.engine.runner import ModelRunner, RunnerConfig
-    from common.sched.scheduler import SchedulerConfig
+    from common.settings import SchedulerConfig
 
     print(f"load average before: {load_avg()}  (cores: {os.cpu_count()}, torch threads: {torch.get_num_threads()})")
     print("(other processes on the machine compete for the same cores: compare runs by their load averages)")

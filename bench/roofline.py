@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.engine.runner import ModelRunner, RunnerConfig  # noqa: E402
 from common.protocol import SamplingParams  # noqa: E402
-from common.sched.overlap import OverlapScheduler  # noqa: E402
 from common.sched.request import Req  # noqa: E402
-from common.sched.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from common.sched.scheduler import Scheduler  # noqa: E402
+from common.settings import SchedulerConfig  # noqa: E402
 
 RESULTS: dict = {}
 OUT: Path | None = None
@@ -287,7 +287,7 @@ def workload(n: int, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[i
 def run_offline(runner: ModelRunner, prompts, outs, graphs: bool, overlap: bool, max_prefill: int) -> dict:
     runner.gpu.use_graphs = graphs
     cfg = SchedulerConfig(max_prefill_tokens=max_prefill)
-    sched = OverlapScheduler(runner, cfg, overlap=True) if overlap else Scheduler(runner, cfg)
+    sched = Scheduler(runner, cfg, overlap=overlap)
     reqs = [
         Req(req_id=f"r{i}", prompt_ids=p, sampling=SamplingParams(max_tokens=o, ignore_eos=True))
         for i, (p, o) in enumerate(zip(prompts, outs))

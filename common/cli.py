@@ -29,7 +29,7 @@ def _generate(argv: list[str]) -> int:
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
     from common.engine.engine import Engine
-    from common.engine.runner import RunnerConfig
+    from common.settings import RunnerConfig
     from common.protocol import SamplingParams
 
     engine = Engine(RunnerConfig(model=args.model, device=args.device, kv_memory_gb=0.25))

@@ -10,8 +10,7 @@ import os
 import socket
 from dataclasses import dataclass, field, fields
 
-from common.engine.runner import RunnerConfig
-from common.sched.scheduler import SchedulerConfig
+from common.settings import RunnerConfig, SchedulerConfig
 
 ROLE_PORTS = {"router": 8000, "prefill": 8100, "decode": 8200}
 

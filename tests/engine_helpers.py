@@ -4,7 +4,7 @@ import torch
 
 from common.engine.engine import Engine
 from common.engine.runner import ModelRunner
-from common.sched.scheduler import SchedulerConfig
+from common.settings import SchedulerConfig
 
 
 def fresh_engine(runner: ModelRunner, max_prefill_tokens: int = 2048, prefix_cache: bool = True) -> Engine:

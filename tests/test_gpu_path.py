@@ -67,15 +67,15 @@ def _runner(path: Path, device: str, dtype: str, attention: str = "auto", graphs
 
 
 def _engine(runner, overlap: bool | None, max_prefill_tokens: int = 48):
-    """overlap=None: the synchronous Scheduler; True/False: the overlap scheduler with overlap on/off."""
+    """overlap=None: the scheduler's default for the device; True/False: overlap on/off."""
     from common.engine.engine import Engine
-    from common.sched.overlap import OverlapScheduler
-    from common.sched.scheduler import SchedulerConfig
+    from common.sched.scheduler import Scheduler
+    from common.settings import SchedulerConfig
 
     cfg = SchedulerConfig(max_prefill_tokens=max_prefill_tokens)
     engine = Engine(runner=runner, sched_cfg=cfg, load_tokenizer=False)
     if overlap is not None:
-        engine.scheduler = OverlapScheduler(runner, cfg, overlap=overlap)
+        engine.scheduler = Scheduler(runner, cfg, overlap=overlap)
     return engine
 
 

@@ -369,3 +369,48 @@ def test_request_added_while_others_decode_joins_between_steps(tiny_model):
     drain(sched)
     assert_pool_clean(engine)
     assert [a.output_ids, b.output_ids, c.output_ids] == reference_outputs(tiny_model, [pa, pb, pc], [20, 20, 20])
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_overlap_on_equals_overlap_off(tiny_model: DecoderModel, prefix_cache: bool) -> None:
+    """The loop the GPU runs (overlap on: step N+1 launched before step N's tokens are read, next inputs taken
+    from the device) gives the CPU loop's tokens, logprobs and finish reasons, with stop tokens, seeded
+    sampling, penalties, chunked prefill and an abort mid-stream in the mix; every page comes back."""
+    ps = prompts(11, [5, 40, 90, 17, 130, 33, 64, 8])
+    greedy = reference_outputs(tiny_model, [ps[3]], [12])[0]
+    stops = {3: [greedy[4]]}  # request 3 stops early, on a token the device sampled
+    kinds = [
+        dict(),
+        dict(temperature=0.9, seed=5),
+        dict(logprobs=True, top_logprobs=3),
+        dict(),
+        dict(frequency_penalty=0.5, presence_penalty=0.3),
+        dict(temperature=1.1, top_k=20, seed=1),
+        dict(),
+        dict(min_p=0.05, temperature=0.8, seed=4),
+    ]
+    results = {}
+    for overlap in (False, True):
+        engine = make_engine(tiny_model, max_prefill_tokens=48, prefix_cache=prefix_cache)
+        cfg = SchedulerConfig(max_prefill_tokens=48, enable_prefix_cache=prefix_cache)
+        sched = engine.scheduler = Scheduler(engine.runner, cfg, overlap=overlap)
+        assert sched.overlap is overlap
+        reqs = []
+        for i, (p, kw) in enumerate(zip(ps, kinds)):
+            sp = SamplingParams(max_tokens=12 + i, ignore_eos=True, stop_token_ids=stops.get(i, []), **kw)
+            r = Req(req_id=f"r{i}", prompt_ids=list(p), sampling=sp)
+            reqs.append(r)
+            sched.add(r)
+        steps = 0
+        while sched.has_work():
+            sched.step()
+            steps += 1
+            if steps == 6:
+                sched.abort("r6")
+            check_invariants(sched)
+        results[overlap] = [
+            (r.output_ids, r.finish_reason, [round(lp.logprob, 4) for lp in r.output_logprobs]) for r in reqs
+        ]
+        assert results[overlap][3][1] == "stop"
+        assert_pool_clean(engine)
+    assert results[True] == results[False]

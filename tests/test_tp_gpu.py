@@ -19,8 +19,8 @@ SHARED = torch.cuda.device_count() < 2
 
 def _engine(dtype: str, tp: int):
     from common.engine.engine import Engine
-    from common.engine.runner import RunnerConfig
-    from common.sched.scheduler import SchedulerConfig
+    from common.settings import RunnerConfig
+    from common.settings import SchedulerConfig
 
     cfg = RunnerConfig(
         model=MODEL,

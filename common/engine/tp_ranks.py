@@ -1,12 +1,12 @@
 """The ranks of one tensor-parallel worker: rank 0 decides, followers replay.
 
 Rank 0 is the engine process (scheduler, page ledger, sampling, NIXL). It launches ranks 1..N-1 as
-child processes (`python -m common.engine.tp_ranks <config JSON>`), and before each forward it
-broadcasts the step: the same `StepInputs` it built its own batch from, plus the page-table writes it made
-since the last step. Followers apply the writes to their own page table and run the same forward, so
-batches, pages and collectives agree on every rank; only rank 0 samples (every rank holds the gathered
-logits, the followers drop them). Nothing is pickled: the step is int64 words in a shared-memory channel
-(common/engine/step_channel.py; gloo for a step too large for it).
+child processes (`python -m <cfg.tp_follower_main> <config JSON>`, common/engine/tp_follower.py by
+default), and before each forward it broadcasts the step: the same `StepInputs` it built its own batch
+from, plus the page-table writes it made since the last step. Followers apply the writes to their own
+page table and run the same forward, so batches, pages and collectives agree on every rank; only rank 0
+samples (every rank holds the gathered logits, the followers drop them). Nothing is pickled: the step is
+int64 words in a shared-memory channel (common/engine/step_channel.py; gloo for a step too large for it).
 
 On the CPU every rank's KV pool lives in a shared-memory file that rank 0 maps too, so rank 0's NIXL
 agent can register all ranks' pools and move each rank's heads without the followers taking part.
@@ -14,14 +14,12 @@ agent can register all ranks' pools and move each rank's heads without the follo
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import logging
 import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -33,12 +31,13 @@ import torch
 from common.engine.forward_batch import StepInputs
 from common.engine.model_config import ModelConfig
 from common.engine.step_channel import StepChannel
-from common.engine.tp import TPGroup, TPShard
+from common.engine.dtypes import resolve_dtype
+from common.engine.tp import TPGroup, TPShard, tp_backend
 from common.kv.pool import KVLayout
 from common.net import free_port
 
 if TYPE_CHECKING:
-    from common.engine.runner import RunnerConfig
+    from common.settings import RunnerConfig
 
 log = logging.getLogger("kvferry.engine")
 
@@ -100,8 +99,6 @@ def shared_dir(cfg: RunnerConfig, model_cfg: ModelConfig) -> str:
     (a shared file mapping works on any filesystem; the kernel writes its pages back in the background)."""
     need = STEP_CHANNEL_WORDS * 8
     if not cfg.device.startswith("cuda"):
-        from common.engine.runner import resolve_dtype
-
         dtype = resolve_dtype(cfg.dtype, torch.device("cpu"))
         full = KVLayout(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, cfg.page_size, dtype)
         per_page = full.bytes_per_token * cfg.page_size  # every rank's heads together
@@ -147,9 +144,8 @@ class TPFollowers:
         for rank in range(1, size):
             spec = {**asdict(cfg), "tp_rank": rank, "tp_port": port, "tp_shm": shm_prefix, "tp_steps": channel.path}
             env = {**os.environ, "KVFERRY_TORCH_THREADS": str(threads), "KVFERRY_TP_PARENT": str(os.getpid())}
-            procs.append(subprocess.Popen([sys.executable, "-m", "common.engine.tp_ranks", json.dumps(spec)], env=env))
-        from common.engine.runner import tp_backend
-
+            argv = [sys.executable, "-m", cfg.tp_follower_main, json.dumps(spec)]
+            procs.append(subprocess.Popen(argv, env=env))
         backend = tp_backend(cfg)
         try:
             group = TPGroup.connect(TPShard.plan(model_cfg, 0, size), "127.0.0.1", port, backend)
@@ -211,56 +207,3 @@ class TPFollowers:
                 p.kill()
                 p.wait()
         self.group.close()
-
-
-def _exit_with_parent(parent: int) -> None:
-    """A follower must not outlive rank 0 (kill -9 of the worker leaves it blocked in a broadcast)."""
-    while True:
-        if os.getppid() != parent:
-            os._exit(1)
-        time.sleep(0.5)
-
-
-def follower_main(spec: dict[str, object]) -> None:
-    from common.engine.runner import ModelRunner, RunnerConfig
-    from common.log import setup_logging
-
-    setup_logging()
-    faulthandler.enable()
-    if os.environ.get("KVFERRY_HANG_DUMP_S"):  # diagnosing a stuck rank: print every thread's stack then
-        faulthandler.dump_traceback_later(float(os.environ["KVFERRY_HANG_DUMP_S"]), exit=True)
-    parent = int(os.environ.get("KVFERRY_TP_PARENT", os.getppid()))
-    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True, name="tp-parent-watch").start()
-    torch.set_num_threads(max(1, int(os.environ.get("KVFERRY_TORCH_THREADS", "1"))))
-    size = int(spec["tp_size"])  # type: ignore[call-overload]
-    channel = StepChannel(str(spec.pop("tp_steps")), size, STEP_CHANNEL_WORDS, create=False)  # before READY
-    rank = int(spec["tp_rank"])  # type: ignore[call-overload]
-    runner = ModelRunner(RunnerConfig(**spec))  # type: ignore[arg-type]
-    group = runner.tp
-    agent = None
-    if runner.per_rank_agents and runner.cfg.tp_agent_name:
-        from common.transfer.rank_agents import publish_rank_agent
-
-        agent = publish_rank_agent(runner, runner.cfg.tp_agent_name)
-    while True:
-        message = channel.recv(rank)
-        header = message[:HEADER_LEN]
-        op = int(header[0])
-        if op == OP_STOP:
-            if agent is not None:
-                agent.close()
-            group.close()
-            os._exit(0)  # skip interpreter teardown: nothing is left to flush, and NCCL's can block
-        if op == OP_STEP_BIG:
-            payload = torch.empty(sum(payload_parts(header)), dtype=torch.int64)
-            group.broadcast(payload)
-        else:
-            payload = message[HEADER_LEN:]
-        step = decode_step(header, payload)
-        for row, first, pages in step.journal:
-            runner.page_table.write_pages(row, first, pages)
-        runner.forward_local(runner.batch_from_inputs(step.inputs))
-
-
-if __name__ == "__main__":
-    follower_main(json.loads(sys.argv[1]))

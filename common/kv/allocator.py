@@ -4,56 +4,48 @@ import torch
 
 
 class PageAllocator:
-    """Hands out KV page ids from a fixed pool.
+    """Hands out KV page ids from a fixed pool, at a cost proportional to the pages asked for (never to the
+    pool's size: a 100 GB pool has ~50k pages and a decode step allocates one now and then).
 
-    A multi-page request gets one run of consecutive pages when the pool has one (else the lowest free
-    ids): consecutive pages are adjacent in the pool tensor and coalesce into one transfer descriptor per
-    layer.
+    Free pages sit on a stack. Freed pages are pushed highest id first, so a later allocation pops them back
+    in ascending order: a request's pages tend to come back as one run of consecutive ids, which are adjacent
+    in the pool tensor and coalesce into one transfer descriptor per layer. The fresh pool pops 0, 1, 2, ...
     """
 
     def __init__(self, num_pages: int) -> None:
         if num_pages <= 0:
             raise ValueError("num_pages must be positive")
         self.num_pages = num_pages
-        self._free = torch.ones(num_pages, dtype=torch.bool)
-        self._num_free = num_pages
+        self._stack: list[int] = list(range(num_pages - 1, -1, -1))
+        self._free = torch.ones(num_pages, dtype=torch.bool)  # membership, for double-free checks
 
     @property
     def num_free(self) -> int:
-        return self._num_free
+        return len(self._stack)
 
     def alloc(self, n: int) -> torch.Tensor | None:
-        """Returns `n` page ids (int64, ascending) or None when fewer than `n` are free."""
+        """Returns `n` page ids (int64) or None when fewer than `n` are free."""
         if n < 0:
             raise ValueError("n must be >= 0")
-        if n > self._num_free:
+        if n > len(self._stack):
             return None
-        pages = self._contiguous(n) if n > 1 else None
-        if pages is None:
-            pages = torch.nonzero(self._free, as_tuple=False).flatten()[:n]
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64)
+        taken = self._stack[-n:]
+        del self._stack[-n:]
+        taken.reverse()
+        pages = torch.tensor(taken, dtype=torch.int64)
         self._free[pages] = False
-        self._num_free -= n
         return pages
-
-    def _contiguous(self, n: int) -> torch.Tensor | None:
-        """The first run of `n` consecutive free pages, if any: a transfer posts one descriptor per run per
-        layer, and posting costs ~10 us per descriptor on the GPU, so whole runs are worth looking for."""
-        csum = torch.cumsum(self._free.to(torch.int32), 0)
-        window = csum[n - 1 :] - torch.cat((csum.new_zeros(1), csum[:-n]))
-        starts = torch.nonzero(window == n, as_tuple=False)
-        if starts.numel() == 0:
-            return None
-        first = int(starts[0, 0])
-        return torch.arange(first, first + n, dtype=torch.int64)
 
     def free(self, pages: torch.Tensor) -> None:
         if pages.numel() == 0:
             return
-        pages = pages.to(torch.int64)
+        pages = pages.to(torch.int64).flatten()
         if bool(self._free[pages].any()) or pages.unique().numel() != pages.numel():
             raise RuntimeError("double free of KV pages")
         self._free[pages] = True
-        self._num_free += pages.numel()
+        self._stack.extend(sorted(pages.tolist(), reverse=True))
 
     def is_free(self, pages: torch.Tensor) -> torch.Tensor:
         return self._free[pages.to(torch.int64)]

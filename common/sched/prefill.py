@@ -4,7 +4,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.sched.pages import KVBudget, PageTable
+from common.kv.page_table import PageTable
+from common.sched.pages import KVBudget
 from common.sched.request import Req, ReqState
 
 

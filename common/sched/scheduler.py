@@ -1,4 +1,23 @@
-"""The scheduler both worker kinds run: continuous batching over a paged KV pool and a prefix cache."""
+"""The one scheduler every worker and the offline engine run: continuous batching over a paged KV pool and a
+prefix cache, with the host's scheduling overlapped with the device's work.
+
+`step()` launches the next batch, then processes the previous one (overlap on), or processes each batch right
+after launching it (overlap off: the CPU, where there is nothing to overlap, and tensor parallelism, whose
+followers need every step's token ids on the host). Both are the same code; only the moment a launched step
+is processed differs, so CI exercises the loop the GPU runs.
+
+A request's progress is decided at launch: the lengths that do not depend on the sampled token (its KV
+position, its pages, its next chunk) move then, and the token itself is appended when its step is
+processed. Sampled tokens stay on the device: they are written into `last_tokens[table_row]`, and the next
+decode step reads its input ids from there, so a step never waits for the host to learn the previous
+step's tokens. The only wait is on the done event of the step being processed.
+
+Everything runs on one device stream, so a request that finishes at step N (a stop token, found when N is
+processed, after N+1 was launched) is harmless: N+1 writes its KV into pages that a step launched later on
+the same stream may hand to a new request; N+1's token for it is discarded. Finishing by length is known at
+launch, so such requests are never launched past their last token. Requests with frequency or presence
+penalties need their whole output on the host: while one runs, the step in flight is processed first.
+"""
 
 from __future__ import annotations
 
@@ -14,21 +33,17 @@ from common.engine.sampling import SamplingBatch, sample
 from common.kv.allocator import PageAllocator
 from common.kv.radix import RadixCache
 from common.protocol import TokenLogprob
+from common.sched.launched import Launched, copy_to_host, needs_penalty, sampling_to_device
 from common.sched.pages import KVBudget
 from common.sched.prefill import PrefillAdder
 from common.sched.request import Req, ReqState
+from common.settings import SchedulerConfig
 
 log = logging.getLogger("kvferry.sched")
 
 
 class RequestRejected(ValueError):
     """A request that can never be served as asked (too long for the context or the KV pool)."""
-
-
-@dataclass
-class SchedulerConfig:
-    max_prefill_tokens: int = 2048
-    enable_prefix_cache: bool = True
 
 
 @dataclass
@@ -41,12 +56,19 @@ class StepEvent:
     finished: bool = False
 
 
-# Called after each prefill step for every request in it, with the token range whose KV is now complete.
+# Called for every chunk of a prefill step once the step's device work is complete (its KV is in the pool),
+# with the token range whose KV is now written.
 ChunkHook = Callable[[Req, int, int], None]
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, cfg: SchedulerConfig, eos_token_ids: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        cfg: SchedulerConfig,
+        eos_token_ids: tuple[int, ...] = (),
+        overlap: bool | None = None,
+    ) -> None:
         self.runner = runner
         self.cfg = cfg
         self.eos = set(eos_token_ids or runner.model_config.eos_token_ids)
@@ -54,6 +76,12 @@ class Scheduler:
         if cfg.max_prefill_tokens < self.page_size:
             # Chunks end on page boundaries: a smaller budget could never admit a prompt longer than it.
             raise ValueError(f"max_prefill_tokens ({cfg.max_prefill_tokens}) must be >= page_size ({self.page_size})")
+        if overlap is None:
+            overlap = runner.device.type == "cuda" and runner.tp.size == 1
+        if overlap and runner.tp.size > 1:
+            raise ValueError("tensor-parallel followers need each step's token ids on the host: run overlap off")
+        self.overlap = overlap
+        self.device = runner.device
         self.allocator = PageAllocator(runner.pool.num_pages)
         self.cache = RadixCache(self.page_size, self.allocator) if cfg.enable_prefix_cache else None
         self.budget = KVBudget(self.allocator, self.cache, runner.page_table)
@@ -63,11 +91,16 @@ class Scheduler:
         self.awaiting_kv: dict[str, Req] = {}
         self.by_id: dict[str, Req] = {}
         self.max_running = runner.cfg.max_running
-        self.on_prefill_chunk: ChunkHook | None = None
-        # When set, a request whose prompt is done (first token sampled) is handed to this callback and kept
-        # out of decoding; the callback's owner calls `release` later (prefill workers: after the transfer).
-        self.on_prefill_done: Callable[[Req], None] | None = None
         self.vocab = runner.model_config.vocab_size
+        # The newest sampled token of each table row, on the device (the next decode step's input).
+        self.last_tokens = torch.zeros(runner.page_table.table.shape[0], dtype=torch.int64, device=self.device)
+        self._inflight: dict[Req, int] = {}  # tokens launched but not yet appended, per request
+        self._pending: Launched | None = None
+        self.on_prefill_chunk: ChunkHook | None = None
+        # When set (prefill workers), a request whose prompt is done (first token sampled) is handed to this
+        # callback and parked: its pages stay as they are, outside the prefix cache, until the owner calls
+        # `release` (after the KV transfer that reads them reached a terminal state).
+        self.on_prefill_done: Callable[[Req], None] | None = None
         # Decode side: receives aborted requests whose pages a remote prefill may still write into.
         self.on_kv_abandoned: Callable[[Req], None] | None = None
 
@@ -159,7 +192,7 @@ class Scheduler:
         self.by_id.pop(req.req_id, None)
 
     def release(self, req: Req) -> None:
-        """Frees a request's pages (for requests parked by `on_prefill_done`)."""
+        """Caches the prefix and frees the pages of a request parked by `on_prefill_done`."""
         self.budget.cache_prefix(req, req.cached_len)
         self.budget.release(req)
         self.by_id.pop(req.req_id, None)
@@ -171,17 +204,40 @@ class Scheduler:
         self.budget.release(req)
         self.by_id.pop(req.req_id, None)
 
-    # ---- stepping ----------------------------------------------------------------------------------
+    # ---- the loop ----------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.waiting or self.chunked or self.running)
+        return bool(self.waiting or self.chunked or self.running or self._pending is not None)
 
     def step(self) -> list[StepEvent]:
+        """Launches the next step and processes the one before it (with overlap off: the one just launched)."""
+        events: list[StepEvent] = []
+        if self._pending is not None and any(needs_penalty(r) for r in self.running):
+            events += self.flush()
+        launched = self._launch()
+        events += self.flush()
+        self._pending = launched
+        if not self.overlap:
+            events += self.flush()
+        return events
+
+    def flush(self) -> list[StepEvent]:
+        """Processes the step in flight, if any (before reading every request's final state)."""
+        launched, self._pending = self._pending, None
+        return self._process(launched) if launched is not None else []
+
+    def inflight(self, req: Req) -> int:
+        return self._inflight.get(req, 0)
+
+    # ---- launch ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _launch(self) -> Launched | None:
         adder = self._schedule_prefill()
         if adder is not None and adder.batch:
-            return self._run_prefill(adder.batch, adder.chunks)
-        if self.running:
-            return self._run_decode()
-        return []
+            return self._launch_prefill(adder.batch, adder.chunks)
+        batch = [r for r in self.running if self._can_decode(r)]
+        if batch:
+            return self._launch_decode(batch)
+        return None
 
     def _schedule_prefill(self) -> PrefillAdder | None:
         if not self.waiting and self.chunked is None:
@@ -200,57 +256,99 @@ class Scheduler:
             self.waiting.popleft()
         return adder
 
-    def _run_prefill(self, batch: list[Req], chunks: list[int]) -> list[StepEvent]:
+    def _can_decode(self, r: Req) -> bool:
+        k = self.inflight(r)
+        return len(r.output_ids) + k < r.sampling.max_tokens and r.device_len + k < self.runner.max_seq_len
+
+    def _launch_prefill(self, batch: list[Req], chunks: list[int]) -> Launched:
         starts = [r.cached_len for r in batch]
         token_chunks = [r.prompt_ids[s : s + n] for r, s, n in zip(batch, starts, chunks)]
         done = [s + n == r.prompt_len for r, s, n in zip(batch, starts, chunks)]
-        fb = self.runner.build_batch(token_chunks, starts, [r.table_row for r in batch], done, is_decode=False)
+        rows = [r.table_row for r in batch]
+        fb = self.runner.build_batch(token_chunks, starts, rows, done, is_decode=False)
         logits = self.runner.forward(fb)
-        finishing = [r for r, d in zip(batch, done) if d]
-        events: list[StepEvent] = []
         for r, s, n, d in zip(batch, starts, chunks, done):
             r.cached_len = s + n
             r.check()
-            if self.on_prefill_chunk is not None:
-                self.on_prefill_chunk(r, s, s + n)
             if not d:
                 assert self.chunked is None, "one chunked request at a time"
                 self.chunked = r
-        if finishing:
-            events = self._sample_and_append(finishing, logits)
+        finishing = [r for r, d in zip(batch, done) if d]
+        launched = self._sample("prefill", finishing, logits)
+        launched.chunks = [(r, s, s + n) for r, s, n in zip(batch, starts, chunks)]
+        if self.on_prefill_done is None:
             for r in finishing:
-                if self.on_prefill_done is not None:
-                    self.budget.cache_prefix(r, r.prompt_len)
-                    self.on_prefill_done(r)
-                elif not r.finished:
-                    self.budget.cache_prefix(r, r.prompt_len)
-                    r.state = ReqState.RUNNING
-                    self.running.append(r)
-        return events
+                # Joins the running batch now: the next decode step reads its first token on the device.
+                self.budget.cache_prefix(r, r.prompt_len)
+                r.state = ReqState.RUNNING
+                self.running.append(r)
+        return launched
 
-    def _run_decode(self) -> list[StepEvent]:
-        batch = list(self.running)
+    def _launch_decode(self, batch: list[Req]) -> Launched:
+        positions = []
+        host_ids = []
+        on_device = []
         for r in batch:
-            self.budget.grow(r, r.device_len)
-        starts = [r.device_len - 1 for r in batch]
-        token_chunks = [[r.output_ids[-1]] for r in batch]
-        fb = self.runner.build_batch(token_chunks, starts, [r.table_row for r in batch], [True] * len(batch), True)
+            k = self.inflight(r)
+            pos = r.device_len + k - 1  # position of this step's input token
+            self.budget.grow(r, pos + 1)
+            positions.append(pos)
+            host_ids.append([r.output_ids[-1] if k == 0 else 0])
+            on_device.append(k > 0)
+        fb = self.runner.build_batch(host_ids, positions, [r.table_row for r in batch], [True] * len(batch), True)
+        if any(on_device):
+            mask = torch.tensor(on_device, dtype=torch.bool).to(self.device, non_blocking=True)
+            fb.input_ids = torch.where(mask, self.last_tokens[fb.table_rows], fb.input_ids)
         logits = self.runner.forward(fb)
-        for r in batch:
-            r.cached_len = r.device_len
-        return self._sample_and_append(batch, logits)
+        return self._sample("decode", batch, logits)
 
-    def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> list[StepEvent]:
-        sb = SamplingBatch.build(
-            [r.sampling for r in reqs], [r.seed for r in reqs], [r.output_ids for r in reqs], self.vocab, logits.device
-        )
-        res = sample(logits, sb)
-        tokens = res.tokens.tolist()
-        chosen = res.logprobs.tolist() if res.logprobs is not None else None
-        top_ids = res.top_ids.tolist() if res.top_ids is not None else None
-        top_lp = res.top_logprobs.tolist() if res.top_logprobs is not None else None
-        events = []
-        for i, r in enumerate(reqs):
+    def _sample(self, kind: str, reqs: list[Req], logits: torch.Tensor) -> Launched:
+        launched = Launched(kind, list(reqs))
+        if reqs:
+            penalties = any(needs_penalty(r) for r in reqs)
+            sb = SamplingBatch.build(
+                [r.sampling for r in reqs],
+                [r.seed for r in reqs],
+                [r.output_ids for r in reqs] if penalties else [[] for _ in reqs],
+                self.vocab,
+                torch.device("cpu"),
+            )
+            sb.steps = torch.tensor([len(r.output_ids) + self.inflight(r) for r in reqs], dtype=torch.int64)
+            res = sample(logits, sampling_to_device(sb, self.device))
+            rows = torch.tensor([r.table_row for r in reqs], dtype=torch.int64).to(self.device, non_blocking=True)
+            self.last_tokens.index_copy_(0, rows, res.tokens)
+            launched.tokens = copy_to_host(res.tokens)
+            launched.logprobs = copy_to_host(res.logprobs)
+            launched.top_ids = copy_to_host(res.top_ids)
+            launched.top_logprobs = copy_to_host(res.top_logprobs)
+            for r in reqs:
+                self._inflight[r] = self.inflight(r) + 1
+        launched.record_done(self.device)
+        return launched
+
+    # ---- process -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _process(self, launched: Launched) -> list[StepEvent]:
+        launched.wait()
+        if self.on_prefill_chunk is not None:
+            for r, s, e in launched.chunks:
+                if not r.finished:  # aborted while in flight: nothing to send on
+                    self.on_prefill_chunk(r, s, e)
+        if not launched.reqs:
+            return []
+        tokens = launched.tokens.tolist()
+        chosen = launched.logprobs.tolist() if launched.logprobs is not None else None
+        top_ids = launched.top_ids.tolist() if launched.top_ids is not None else None
+        top_lp = launched.top_logprobs.tolist() if launched.top_logprobs is not None else None
+        events: list[StepEvent] = []
+        for i, r in enumerate(launched.reqs):
+            k = self._inflight.pop(r, 1) - 1
+            if k > 0:
+                self._inflight[r] = k
+            if r.finished:
+                continue  # finished (stop token, abort) while this step was in flight: its token is void
+            if launched.kind == "decode":
+                r.cached_len = r.device_len  # this step's input token now has its KV
             lp = None
             if chosen is not None and (r.sampling.logprobs or r.sampling.top_logprobs):
                 n = r.sampling.top_logprobs
@@ -259,6 +357,8 @@ class Scheduler:
             event = StepEvent(r)
             self._append_token(r, tokens[i], lp, event)
             events.append(event)
+            if launched.kind == "prefill" and self.on_prefill_done is not None:
+                self.on_prefill_done(r)
         return events
 
     def _append_token(self, req: Req, token: int, lp: TokenLogprob | None, event: StepEvent) -> None:
@@ -277,12 +377,11 @@ class Scheduler:
         if reason is not None:
             req.finish_reason = reason
             event.finished = True
-            if req in self.running:
+            if req.state is ReqState.RUNNING:
                 self.running.remove(req)
-            if self.on_prefill_done is None or req.state is ReqState.RUNNING:
                 self._finish(req)
             else:
-                # Prefill-only mode: the owner releases after sending the KV onwards.
+                # Prefill-only mode (parked by on_prefill_done): the owner releases after sending the KV onwards.
                 req.state = ReqState.FINISHED
 
     # ---- introspection -----------------------------------------------------------------------------

@@ -21,7 +21,6 @@ from common.log import setup_logging
 from common.prefix.hashing import chained_block_hashes
 from common.prefix.index import PrefixIndexPublisher
 from common.protocol import LoadSnapshot, SamplingParams
-from common.sched.overlap import OverlapScheduler
 from common.sched.request import Req
 from common.sched.scheduler import RequestRejected, Scheduler, StepEvent
 from common.serving.channel import Message, recv, send
@@ -52,12 +51,9 @@ class EngineHost:
         agent_name = f"{self.role}-{cfg.pod_name}"
         cfg.runner.tp_agent_name = agent_name  # tensor-parallel followers with agents of their own derive theirs
         self.runner = ModelRunner(cfg.runner)
-        # On the GPU the CPU schedules step N+1 while step N runs; on the CPU there is nothing to overlap.
-        # Tensor parallelism broadcasts each step's token ids from the host, which the overlap scheduler
-        # keeps on the device: it runs the plain scheduler.
-        overlap = self.runner.device.type == "cuda" and self.runner.tp.size == 1
-        sched_cls = OverlapScheduler if overlap else Scheduler
-        self.scheduler = sched_cls(self.runner, cfg.sched)
+        # Overlap on the GPU (the CPU schedules step N+1 while step N runs); off on the CPU and under tensor
+        # parallelism (see common/sched/scheduler.py).
+        self.scheduler = Scheduler(self.runner, cfg.sched)
         self.page_size = cfg.runner.page_size
         remote_ranks = None
         if self.runner.per_rank_agents:

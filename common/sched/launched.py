@@ -1,0 +1,60 @@
+"""A launched step whose sampled tokens the host has not read yet, and the copies that get them there."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from common.engine.sampling import SamplingBatch
+from common.sched.request import Req
+
+
+@dataclass(eq=False)
+class Launched:
+    """A step on the device; `reqs` sample a token in it, in sampling order."""
+
+    kind: str  # "prefill" | "decode"
+    reqs: list[Req]
+    tokens: torch.Tensor | None = None  # [R] int64 on the host (pinned on CUDA), filled by a non-blocking copy
+    logprobs: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+    chunks: list[tuple[Req, int, int]] = field(default_factory=list)  # prefill: (request, start, end) per chunk
+    done: torch.cuda.Event | None = None
+
+    def record_done(self, device: torch.device) -> None:
+        """Marks the end of the step's device work (KV writes, sampling, copies to the host)."""
+        if device.type == "cuda":
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+    def wait(self) -> None:
+        if self.done is not None:
+            self.done.synchronize()
+
+
+def needs_penalty(r: Req) -> bool:
+    return bool(r.sampling.frequency_penalty or r.sampling.presence_penalty)
+
+
+def copy_to_host(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A non-blocking device-to-host copy into pinned memory (valid once the step's done event fired)."""
+    if t is None or t.device.type != "cuda":
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
+
+
+def sampling_to_device(sb: SamplingBatch, device: torch.device) -> SamplingBatch:
+    """Moves a host-built sampling batch with non-blocking copies (a blocking one would wait for the stream)."""
+    if device.type == "cpu":
+        return sb
+    moved = {}
+    for f in dataclasses.fields(sb):
+        v = getattr(sb, f.name)
+        if isinstance(v, torch.Tensor):
+            moved[f.name] = v.pin_memory().to(device, non_blocking=True)
+    return dataclasses.replace(sb, **moved)

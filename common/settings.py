@@ -1,0 +1,40 @@
+"""Engine and scheduler settings: plain dataclasses with no torch, so the router can read them cheaply."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RunnerConfig:
+    model: str = "smollm2-135m-instruct"  # the default's name, a local HF dir, or "dummy:<named config>"
+    device: str = "cpu"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
+    page_size: int = 16
+    num_pages: int = 0  # 0: from kv_memory_gb
+    kv_memory_gb: float = 1.0
+    max_running: int = 64
+    max_seq_len: int = 0  # 0: the model's context length
+    seed: int = 0
+    attention: str = "auto"  # auto: flashinfer on CUDA with a 16-bit dtype, else torch; or "torch" / "flashinfer"
+    cuda_graph_max_bs: int = -1  # GPU path: decode CUDA graphs up to this batch (-1: max_running, 0: none)
+    decode_tc_min_batch: int = 1  # GPU: decode batches below this use CUDA-core attention (1: tensor cores always)
+    cpu_linear: str = "auto"  # CPU float32 GEMMs: auto = oneDNN with packed weights when available; torch = F.linear
+    tp_size: int = 1  # tensor-parallel ranks (rank 0 launches the others; see common/engine/tp_ranks.py)
+    tp_rank: int = 0  # set by rank 0 for its followers
+    tp_port: int = 0  # rank 0's TCPStore port (followers)
+    tp_shm: str = ""  # shared-memory path prefix of the CPU ranks' KV pools (followers)
+    tp_same_device: bool = False  # GPU: every rank on cfg.device, collectives via the host (checks on one GPU)
+    # How other workers reach the ranks' KV: "shared" = rank 0 registers every rank's pool (CPU shared
+    # memory), "per-rank" = each follower runs its own NIXL agent (GPU), "auto" = by device.
+    tp_transfer: str = "auto"
+    tp_agent_name: str = ""  # per-rank: rank 0's NIXL agent name; follower r's agent is "<name>-r<r>"
+    # The module rank 0 runs as each follower process (`python -m <module> <config JSON>`): the engine's own
+    # replays steps; a serving layer that gives each rank a NIXL agent names its own (common/serving/tp_follower.py).
+    tp_follower_main: str = "common.engine.tp_follower"
+
+
+@dataclass
+class SchedulerConfig:
+    max_prefill_tokens: int = 2048
+    enable_prefix_cache: bool = True
