@@ -83,6 +83,10 @@ class ModelRunner:
         if cfg.tp_size > 1 and self.device.type == "cuda" and not cfg.tp_same_device:
             self.device = torch.device("cuda", cfg.tp_rank)  # one GPU per rank
             torch.cuda.set_device(self.device)  # NCCL binds each rank's communicator to the current device
+        elif self.device.type == "cuda" and self.device.index is not None:
+            # Kernels, streams and CUDA-graph capture follow the current device: with several GPUs visible,
+            # `cuda:1` must be current or capture begins and ends on different devices' streams.
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.model_path: Path | None = None
         self.followers: TPFollowers | None = None

@@ -16,6 +16,7 @@ from typing import Any
 
 from common.config import WorkerConfig
 from common.engine.runner import ModelRunner
+from common.engine.threads import apply_engine_threads
 from common.engine.tp_ranks import TPRankLost
 from common.log import setup_logging
 from common.prefix.hashing import chained_block_hashes
@@ -249,9 +250,8 @@ def engine_main(host_cls: type[EngineHost], cfg: WorkerConfig, conn: Connection)
     # +260 MB at 64 entries, same req/s; bench/engine_cpu.py 230 vs 231 tok/s). Read at its first use,
     # inherited by tensor-parallel ranks; an operator's own setting wins.
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
-    import torch
-
-    torch.set_num_threads(max(1, int(os.environ.get("KVFERRY_TORCH_THREADS", "0")) or torch.get_num_threads()))
+    threads = apply_engine_threads(cfg.runner.device, int(os.environ.get("KVFERRY_TORCH_THREADS", "0")))
+    log.info("engine threads", extra={"torch_threads": threads, "device": cfg.runner.device})
     try:
         host_cls(cfg, conn).run()
     except Exception:
