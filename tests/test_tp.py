@@ -201,7 +201,7 @@ def test_lost_rank_fails_requests_and_takes_the_worker_down(redis_server, smol_t
         wait_ready(d)
         ids = smol_tokenizer.encode("Hello there")
         assert generate(d, ids, None)[0]
-        found = subprocess.run(["pgrep", "-s", str(d.proc.pid), "-f", "common.engine.tp_ranks"], capture_output=True)
+        found = subprocess.run(["pgrep", "-s", str(d.proc.pid), "-f", "tp_follower"], capture_output=True)
         followers = [int(p) for p in found.stdout.split()]
         assert len(followers) == 1
         os.kill(followers[0], signal.SIGKILL)

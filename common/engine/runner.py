@@ -14,19 +14,14 @@ from common.engine.forward_batch import ForwardBatch, StepInputs
 from common.settings import RunnerConfig
 from common.engine.model import DecoderModel
 from common.engine.model_config import ModelConfig, named_config
-from common.engine.tp import TPGroup, TPShard
+from common.engine.dtypes import resolve_dtype
+from common.engine.tp import TPGroup, TPShard, tp_backend
 from common.engine.tp_ranks import HEADER_LEN, TPFollowers, TPRankLost, shared_pool_path
 from common.engine.weights import init_dummy_weights, load_safetensors_dir
 from common.kv.pool import KVLayout, KVPool
 from common.kv.page_table import PageTable
 
 log = logging.getLogger("kvferry.engine")
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 def select_attention(name: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -64,12 +59,6 @@ def load_model(
         extra={"model": cfg.model, "tp_rank": cfg.tp_rank, "seconds": round(time.perf_counter() - start, 2)},
     )
     return model, path
-
-
-def tp_backend(cfg: RunnerConfig) -> str:
-    if not cfg.device.startswith("cuda"):
-        return "gloo"
-    return "gloo-via-host" if cfg.tp_same_device else "nccl"
 
 
 class ModelRunner:

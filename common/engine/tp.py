@@ -18,11 +18,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from common.engine.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from common.settings import RunnerConfig
 
 
 def split_range(n: int, parts: int, index: int) -> tuple[int, int]:
@@ -126,6 +130,13 @@ class TPShard:
             return torch.cat((self.hf_slice("gate", gate, cfg), self.hf_slice("up", up, cfg)))
         kind = {"o_proj": "o", "down_proj": "down", "embed": "vocab", "lm_head": "vocab"}.get(leaf, "none")
         return self.hf_slice(kind, full, cfg)
+
+
+def tp_backend(cfg: RunnerConfig) -> str:
+    """The model group's collectives backend for `cfg`'s device (see `TPGroup.connect`)."""
+    if not cfg.device.startswith("cuda"):
+        return "gloo"
+    return "gloo-via-host" if cfg.tp_same_device else "nccl"
 
 
 class TPGroup:

@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from common.engine.dtypes import resolve_dtype
 from common.engine.forward_batch import StepInputs
 from common.engine.model_config import ModelConfig
 from common.engine.step_channel import StepChannel
-from common.engine.dtypes import resolve_dtype
 from common.engine.tp import TPGroup, TPShard, tp_backend
 from common.kv.pool import KVLayout
 from common.net import free_port

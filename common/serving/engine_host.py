@@ -24,6 +24,7 @@ from common.prefix.index import PrefixIndexPublisher
 from common.protocol import LoadSnapshot, SamplingParams
 from common.sched.request import Req
 from common.sched.scheduler import RequestRejected, Scheduler, StepEvent
+from common.serving import tp_follower
 from common.serving.channel import Message, recv, send
 from common.transfer.agent import KVTransferAgent
 
@@ -51,6 +52,7 @@ class EngineHost:
         self.conn = conn
         agent_name = f"{self.role}-{cfg.pod_name}"
         cfg.runner.tp_agent_name = agent_name  # tensor-parallel followers with agents of their own derive theirs
+        cfg.runner.tp_follower_main = tp_follower.__name__  # followers that can run those agents
         self.runner = ModelRunner(cfg.runner)
         # Overlap on the GPU (the CPU schedules step N+1 while step N runs); off on the CPU and under tensor
         # parallelism (see common/sched/scheduler.py).
@@ -60,7 +62,7 @@ class EngineHost:
         if self.runner.per_rank_agents:
             from common.transfer.rank_agents import collect_rank_agents
 
-            remote_ranks = collect_rank_agents(self.runner)
+            remote_ranks = collect_rank_agents(self.runner.tp.store, self.runner.tp.size)
         self.agent = KVTransferAgent(
             agent_name,
             self.runner.pool,

@@ -1,0 +1,89 @@
+"""A tensor-parallel follower rank: builds its part of the model, then replays rank 0's steps until told to stop.
+
+Rank 0 starts this module (`python -m common.engine.tp_follower <config JSON>`, the default of
+`RunnerConfig.tp_follower_main`; see common/engine/tp_ranks.py for the step messages). A layer above the
+engine that needs more in each follower process (the serving layer's per-rank NIXL agent) runs its own
+module, which starts a `Follower` the same way and passes what to close on stop.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import torch
+
+from common.engine.runner import ModelRunner
+from common.engine.step_channel import StepChannel
+from common.engine.tp_ranks import HEADER_LEN, OP_STEP_BIG, OP_STOP, STEP_CHANNEL_WORDS, decode_step, payload_parts
+from common.log import setup_logging
+from common.settings import RunnerConfig
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A follower must not outlive rank 0 (kill -9 of the worker leaves it blocked in a broadcast)."""
+    while True:
+        if os.getppid() != parent:
+            os._exit(1)
+        time.sleep(0.5)
+
+
+@dataclass
+class Follower:
+    runner: ModelRunner
+    channel: StepChannel
+    rank: int
+
+    @classmethod
+    def start(cls, spec: dict[str, Any]) -> Follower:
+        """Joins rank 0's group as `spec["tp_rank"]` (`spec`: rank 0's RunnerConfig fields plus the step
+        channel's path) and builds this rank's model and pool."""
+        setup_logging()
+        faulthandler.enable()
+        if os.environ.get("KVFERRY_HANG_DUMP_S"):  # diagnosing a stuck rank: print every thread's stack then
+            faulthandler.dump_traceback_later(float(os.environ["KVFERRY_HANG_DUMP_S"]), exit=True)
+        parent = int(os.environ.get("KVFERRY_TP_PARENT", os.getppid()))
+        threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True, name="tp-parent-watch").start()
+        torch.set_num_threads(max(1, int(os.environ.get("KVFERRY_TORCH_THREADS", "1"))))
+        spec = dict(spec)
+        # Mapped before the model is built: rank 0 unlinks the file once every rank answers READY.
+        channel = StepChannel(str(spec.pop("tp_steps")), int(spec["tp_size"]), STEP_CHANNEL_WORDS, create=False)
+        runner = ModelRunner(RunnerConfig(**spec))
+        return cls(runner, channel, int(spec["tp_rank"]))
+
+    def serve(self, on_stop: Callable[[], None] | None = None) -> NoReturn:
+        """Replays steps until rank 0 sends STOP, then runs `on_stop` and exits the process."""
+        runner = self.runner
+        while True:
+            message = self.channel.recv(self.rank)
+            header = message[:HEADER_LEN]
+            op = int(header[0])
+            if op == OP_STOP:
+                if on_stop is not None:
+                    on_stop()
+                runner.tp.close()
+                os._exit(0)  # skip interpreter teardown: nothing is left to flush, and NCCL's can block
+            if op == OP_STEP_BIG:
+                payload = torch.empty(sum(payload_parts(header)), dtype=torch.int64)
+                runner.tp.broadcast(payload)
+            else:
+                payload = message[HEADER_LEN:]
+            step = decode_step(header, payload)
+            for row, first, pages in step.journal:
+                runner.page_table.write_pages(row, first, pages)
+            runner.forward_local(runner.batch_from_inputs(step.inputs))
+
+
+def main(argv: list[str]) -> NoReturn:
+    Follower.start(json.loads(argv[0])).serve()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
