@@ -148,6 +148,22 @@ NAMED_CONFIGS: dict[str, dict[str, Any]] = {
         rope_theta=1000000.0,
         eos_token_id=151645,
     ),
+    # A token-sized decoder for measuring the host's share of a step (bench/host_step.py): a forward of
+    # microseconds, so what remains of a step is scheduling, batch building and metadata.
+    "host-probe": dict(
+        model_type="llama",
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        eos_token_id=1023,
+    ),
     "smollm2-135m": dict(
         model_type="llama",
         vocab_size=49152,
