@@ -179,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     show = not args.no_progress
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from common.engine.engine import Engine
     from common.engine.runner import ModelRunner, RunnerConfig
+    from common.offline import Engine
     from common.settings import SchedulerConfig
 
     print(f"load average before: {load_avg()}  (cores: {os.cpu_count()}, torch threads: {torch.get_num_threads()})")

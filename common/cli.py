@@ -28,9 +28,9 @@ def _generate(argv: list[str]) -> int:
     p.add_argument("--chat", action="store_true", help="apply the model's chat template first")
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
-    from common.engine.engine import Engine
-    from common.settings import RunnerConfig
+    from common.offline import Engine
     from common.protocol import SamplingParams
+    from common.settings import RunnerConfig
 
     engine = Engine(RunnerConfig(model=args.model, device=args.device, kv_memory_gb=0.25))
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)

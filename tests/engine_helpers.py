@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import torch
 
-from common.engine.engine import Engine
 from common.engine.runner import ModelRunner
+from common.offline import Engine
 from common.settings import SchedulerConfig
 
 

@@ -68,7 +68,7 @@ def _runner(path: Path, device: str, dtype: str, attention: str = "auto", graphs
 
 def _engine(runner, overlap: bool | None, max_prefill_tokens: int = 48):
     """overlap=None: the scheduler's default for the device; True/False: overlap on/off."""
-    from common.engine.engine import Engine
+    from common.offline import Engine
     from common.sched.scheduler import Scheduler
     from common.settings import SchedulerConfig
 

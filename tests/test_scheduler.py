@@ -11,11 +11,11 @@ import uuid
 import pytest
 import torch
 
-from common.engine.engine import Engine
 from common.engine.model import DecoderModel
 from common.engine.model_config import ModelConfig, RopeConfig
 from common.engine.runner import ModelRunner, RunnerConfig
 from common.engine.weights import init_dummy_weights
+from common.offline import Engine
 from common.protocol import SamplingParams
 from common.sched.request import Req, ReqState
 from common.sched.scheduler import RequestRejected, Scheduler, SchedulerConfig

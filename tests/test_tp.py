@@ -12,12 +12,11 @@ import httpx
 import pytest
 import torch
 
-from common.engine.engine import Engine
 from common.engine.model_config import named_config
-from common.settings import RunnerConfig
 from common.engine.tp import TPShard
+from common.offline import Engine
 from common.protocol import SamplingParams
-from common.settings import SchedulerConfig
+from common.settings import RunnerConfig, SchedulerConfig
 from tests.workers import generate, run_concurrently, start_worker, wait_pages_back, wait_ready
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

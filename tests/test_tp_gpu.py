@@ -18,9 +18,8 @@ SHARED = torch.cuda.device_count() < 2
 
 
 def _engine(dtype: str, tp: int):
-    from common.engine.engine import Engine
-    from common.settings import RunnerConfig
-    from common.settings import SchedulerConfig
+    from common.offline import Engine
+    from common.settings import RunnerConfig, SchedulerConfig
 
     cfg = RunnerConfig(
         model=MODEL,

@@ -1,4 +1,8 @@
-"""The offline engine: a model runner and a scheduler in one process, driven to completion."""
+"""The offline engine: a model runner and a scheduler in one process, driven to completion.
+
+It composes the engine (common/engine) and the scheduler (common/sched), so it sits above both, beside the
+serving layer: `kvferry generate`, tests and benchmarks use it.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +12,11 @@ from typing import Any
 
 import torch
 
-from common.engine.runner import ModelRunner, RunnerConfig
+from common.engine.runner import ModelRunner
 from common.protocol import SamplingParams, TokenLogprob
 from common.sched.request import Req
-from common.sched.scheduler import Scheduler, SchedulerConfig
+from common.sched.scheduler import Scheduler
+from common.settings import RunnerConfig, SchedulerConfig
 
 
 @dataclass
