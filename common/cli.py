@@ -43,7 +43,7 @@ def _convert(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="kvferry convert-default-model")
     p.add_argument("--force", action="store_true")
     args = p.parse_args(argv)
-    from common.engine.default_model import convert_default_model
+    from common.default_model import convert_default_model
 
     print(convert_default_model(force=args.force))
     return 0

@@ -284,7 +284,7 @@ def start_local_cluster(
         base_env["KVFERRY_REDIS_URL"] = redis_url
 
         if not model.startswith("dummy:"):  # dummy weights need no files (the router needs a tokenizer dir)
-            from common.engine.default_model import resolve_model_path
+            from common.default_model import resolve_model_path
 
             say(f"model {model}: {resolve_model_path(model)}")
 

@@ -140,7 +140,7 @@ def load_tokenizer(model: str, tokenizer_dir: str = "") -> tuple[RouterTokenizer
     what clients pass and what workers publish to the prefix index under."""
     from transformers import AutoTokenizer
 
-    from common.engine.default_model import resolve_model_path
+    from common.default_model import resolve_model_path
 
     path = Path(tokenizer_dir).expanduser() if tokenizer_dir else resolve_model_path(model)
     hf = AutoTokenizer.from_pretrained(path)

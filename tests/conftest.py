@@ -14,7 +14,7 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 @pytest.fixture(scope="session")
 def smol_path():
-    from common.engine.default_model import convert_default_model
+    from common.default_model import convert_default_model
 
     return convert_default_model()
 

@@ -37,7 +37,7 @@ def resolve_model_config(cfg: RunnerConfig) -> tuple[ModelConfig, Path | None]:
     """The full model's config and the directory its weights are in (None for dummy weights)."""
     if cfg.model.startswith("dummy:"):
         return named_config(cfg.model.removeprefix("dummy:")), None
-    from common.engine.default_model import resolve_model_path
+    from common.default_model import resolve_model_path
 
     path = resolve_model_path(cfg.model)
     return ModelConfig.from_dir(path), path
