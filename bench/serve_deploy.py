@@ -1,0 +1,291 @@
+"""A deployment for the serving benchmark: redis-server, workers and a router as separate processes, each
+started the way its pod starts it (``kvferry prefill|decode|router``, configured by ``KVFERRY_*`` env vars).
+
+Shapes (``DeploySpec.mode``):
+  - ``disagg``: prefill and decode workers; with n devices the first n // 2 prefill, the rest decode
+    (2 devices: 1 prefill + 1 decode).
+  - ``agg``: n decode workers and no prefill worker: the router has each decode worker prefill its own
+    requests (router/policy.py: "no-prefill").
+With GPUs each worker process sees one GPU (``CUDA_VISIBLE_DEVICES``, ``KVFERRY_DEVICE=cuda``), as in a
+pod. Every process gets its own session, so stopping kills its children (the engine process) too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from common.net import free_port
+
+__all__ = ["DeployError", "DeploySpec", "Deployment", "Part", "start_deployment"]
+
+Say = Callable[[str], None]
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class DeployError(RuntimeError):
+    pass
+
+
+@dataclass
+class Part:
+    """One process of the deployment, logging to its own file."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    url: str
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return "(no log)"
+        return "\n".join(f"    {line}" for line in text) or "    (empty log)"
+
+    def stop(self, grace_s: float) -> None:
+        """SIGTERM, then SIGKILL to the whole process group once ``grace_s`` has passed."""
+        if self.proc is None:
+            return
+        if self.alive():
+            try:
+                self.proc.send_signal(signal.SIGTERM)
+                self.proc.wait(grace_s)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the engine process and anything else it started
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+@dataclass(frozen=True)
+class DeploySpec:
+    mode: str  # agg | disagg
+    model: str
+    tokenizer_dir: str  # the router's tokenizer (bench/synthetic_tokenizer.py)
+    gpus: tuple[str, ...] = ()  # one worker per GPU; empty: CPU workers
+    cpu_workers: int = 2  # worker processes when there are no GPUs
+    worker_env: dict[str, str] = field(default_factory=dict)
+    router_env: dict[str, str] = field(default_factory=dict)
+    ready_timeout_s: float = 300.0
+    log_dir: Path = Path(".")
+
+    @property
+    def devices(self) -> int:
+        return len(self.gpus) or self.cpu_workers
+
+    def roles(self) -> list[str]:
+        n = self.devices
+        if self.mode == "agg":
+            return ["decode"] * n
+        if self.mode == "disagg":
+            if n < 2:
+                raise DeployError("disagg needs at least 2 workers (one prefill, one decode)")
+            return ["prefill"] * (n // 2) + ["decode"] * (n - n // 2)
+        raise DeployError(f"unknown mode {self.mode!r} (agg | disagg)")
+
+
+@dataclass
+class Deployment:
+    spec: DeploySpec
+    router_url: str
+    redis: Part
+    workers: list[Part]
+    router: Part | None = None
+
+    @property
+    def parts(self) -> list[Part]:
+        return [p for p in (self.router, *self.workers, self.redis) if p is not None]
+
+    def dead_parts(self) -> list[Part]:
+        return [p for p in self.parts if not p.alive()]
+
+    def describe_failure(self, parts: list[Part] | None = None) -> str:
+        shown = parts if parts is not None else self.parts
+        return "\n".join(f"  {p.name} ({p.log_path}):\n{p.log_tail()}" for p in shown)
+
+    def router_view(self) -> dict[str, Any]:
+        """The router's debug view (/router/workers): worker loads and its placement decisions."""
+        return get_json(f"{self.router_url}/router/workers", 5.0) or {}
+
+    def stop(self) -> None:
+        # Router first (no new requests), then the workers (they drain what is left), Redis last.
+        for part in self.parts:
+            part.stop(grace_s=10.0 if part.name != "redis" else 3.0)
+
+    def __enter__(self) -> Deployment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def get_json(url: str, timeout_s: float) -> dict[str, Any] | None:
+    """GET a JSON body; None on any failure or non-200 (readiness polls treat both as 'not yet')."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return json.loads(resp.read()) if resp.status == 200 else None
+    except (OSError, urllib.error.URLError, ValueError):
+        return None
+
+
+def _kvferry(*args: str) -> list[str]:
+    # `python -m common.cli` is the `kvferry` console script a pod runs, without depending on PATH.
+    return [sys.executable, "-m", "common.cli", *args]
+
+
+def _start_redis(log_dir: Path, env: dict[str, str]) -> Part:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise DeployError("redis-server is not on PATH (make setup installs it)")
+    port = free_port()
+    part = Part(
+        "redis",
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        env,
+        log_dir / "redis.log",
+        url=f"redis://127.0.0.1:{port}/0",
+    )
+    part.start()
+    import redis
+
+    client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.2, socket_timeout=0.5)
+    deadline = time.monotonic() + 10.0
+    try:
+        while True:
+            if not part.alive():
+                raise DeployError(f"redis-server exited:\n{part.log_tail()}")
+            try:
+                if client.ping():
+                    return part
+            except redis.RedisError:
+                pass
+            if time.monotonic() > deadline:
+                part.stop(1.0)
+                raise DeployError(f"redis-server did not answer within 10 s:\n{part.log_tail()}")
+            time.sleep(0.05)
+    finally:
+        client.close()
+
+
+def _worker(role: str, index: int, spec: DeploySpec, redis_url: str, base_env: dict[str, str]) -> Part:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = dict(base_env)
+    env.update(
+        KVFERRY_HOST="127.0.0.1",
+        KVFERRY_PORT=str(port),
+        KVFERRY_ADVERTISE_URL=url,
+        KVFERRY_POD_NAME=f"bench-{spec.mode}-{role}-{index}",
+        KVFERRY_REDIS_URL=redis_url,
+        KVFERRY_MODEL=spec.model,
+    )
+    if spec.gpus:
+        env["CUDA_VISIBLE_DEVICES"] = spec.gpus[index]
+        env.setdefault("KVFERRY_DEVICE", "cuda")
+    env.update(spec.worker_env)  # the caller's overrides win, as a pod's manifest would
+    return Part(f"{role}-{index}", _kvferry(role), env, spec.log_dir / f"{spec.mode}-{role}-{index}.log", url)
+
+
+def _wait(deployment: Deployment, parts: list[Part], ready: Callable[[Part], bool], deadline: float, say: Say) -> None:
+    pending = list(parts)
+    start = time.monotonic()
+    last_note = start
+    while pending:
+        dead = deployment.dead_parts()
+        if dead:
+            raise DeployError(
+                f"{', '.join(p.name for p in dead)} exited during startup:\n{deployment.describe_failure(dead)}"
+            )
+        pending = [p for p in pending if not ready(p)]
+        now = time.monotonic()
+        if pending and now > deadline:
+            raise DeployError(
+                f"not ready before the deadline: {', '.join(p.name for p in pending)}\n"
+                + deployment.describe_failure(pending)
+            )
+        if pending and now - last_note >= 15.0:
+            last_note = now
+            say(f"  waiting for {', '.join(p.name for p in pending)} ({now - start:.0f} s)")
+        if pending:
+            time.sleep(0.25)
+
+
+def start_deployment(spec: DeploySpec, say: Say) -> Deployment:
+    """Starts Redis, the workers (in parallel) and the router; returns once the router reports every
+    worker ready. Raises DeployError with the log tails of the parts at fault, leaving nothing running."""
+    spec.log_dir.mkdir(parents=True, exist_ok=True)
+    base_env = dict(os.environ)  # KVFERRY_* set by the caller reach every part, as a manifest's env would
+    base_env.pop("CUDA_VISIBLE_DEVICES", None)  # --gpus names physical GPUs
+    # The repository's packages importable wherever the benchmark is started from (installed or not).
+    base_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), base_env.get("PYTHONPATH", "")]))
+    # Keep the parts' logs readable: Python output unbuffered, so a tail shows the latest lines.
+    base_env["PYTHONUNBUFFERED"] = "1"
+    deadline = time.monotonic() + spec.ready_timeout_s
+    redis_part = _start_redis(spec.log_dir, base_env)
+    deployment = Deployment(spec, router_url="", redis=redis_part, workers=[])
+    try:
+        roles = spec.roles()
+        for i, role in enumerate(roles):
+            part = _worker(role, i, spec, redis_part.url, base_env)
+            part.start()
+            deployment.workers.append(part)
+        _wait(deployment, deployment.workers, lambda p: get_json(f"{p.url}/ready", 2.0) is not None, deadline, say)
+
+        rport = free_port()
+        deployment.router_url = f"http://127.0.0.1:{rport}"
+        router_env = dict(base_env)
+        router_env.update(
+            KVFERRY_HOST="127.0.0.1",
+            KVFERRY_PORT=str(rport),
+            KVFERRY_MODEL=spec.model,
+            KVFERRY_REDIS_URL=redis_part.url,
+            KVFERRY_DISCOVERY="static",
+            KVFERRY_PREFILL_URLS=",".join(p.url for p, r in zip(deployment.workers, roles) if r == "prefill"),
+            KVFERRY_DECODE_URLS=",".join(p.url for p, r in zip(deployment.workers, roles) if r == "decode"),
+            KVFERRY_ROUTER_TOKENIZER=spec.tokenizer_dir,
+        )
+        router_env.update(spec.router_env)
+        deployment.router = Part(
+            "router", _kvferry("router"), router_env, spec.log_dir / f"{spec.mode}-router.log", deployment.router_url
+        )
+        deployment.router.start()
+        want = {"prefill": roles.count("prefill"), "decode": roles.count("decode")}
+
+        def router_ready(p: Part) -> bool:
+            # /ready is 200 once one decode worker is up; wait until the router sees every worker.
+            body = get_json(f"{p.url}/ready", 2.0)
+            return body is not None and body.get("workers") == want
+
+        _wait(deployment, [deployment.router], router_ready, deadline, say)
+        return deployment
+    except BaseException:
+        deployment.stop()
+        raise

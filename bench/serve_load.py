@@ -1,0 +1,327 @@
+"""Load for the serving benchmark: token-id workloads, Poisson and closed-loop arrivals, and a streaming
+client that timestamps every token it receives.
+
+Honest inter-token latency needs to know when each token reached the client and how tokens were grouped
+on the way. Each read from the socket is timestamped as it returns; the SSE events in it are parsed and
+each event's tokens counted (one word per token with bench/synthetic_tokenizer.py). Tokens that share an
+event (the server put them together) or a read (several events already waited in the socket) get the
+same arrival time, so a burst shows up as one long gap and several ~0 gaps, not as a smooth stream. The
+client's own lateness is measured beside it: an event-loop lag probe, the CPU time the client used, and
+how late each request was sent against its schedule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "Arrivals",
+    "LoadClient",
+    "PointRun",
+    "RequestRecord",
+    "TokenRange",
+    "WorkItem",
+    "make_workload",
+    "run_point",
+]
+
+try:  # faster JSON for the per-event parse when available
+    import orjson
+
+    _loads: Callable[[bytes], Any] = orjson.loads
+except ImportError:  # pragma: no cover - depends on the environment
+    _loads = json.loads
+
+
+@dataclass(frozen=True)
+class TokenRange:
+    lo: int
+    hi: int
+
+    @classmethod
+    def parse(cls, text: str) -> TokenRange:
+        lo, _, hi = text.partition("-")
+        r = cls(int(lo), int(hi or lo))
+        if r.lo < 1 or r.hi < r.lo:
+            raise ValueError(f"bad range {text!r} (LO-HI, 1 <= LO <= HI)")
+        return r
+
+    def __str__(self) -> str:
+        return f"{self.lo}-{self.hi}"
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    prompt_len: int
+    max_tokens: int
+    payload: bytes  # the request body, serialized before the clock starts
+
+
+def make_workload(
+    num: int, prompt_len: TokenRange, output_len: TokenRange, vocab: int, seed: int, model: str
+) -> list[WorkItem]:
+    """``num`` requests: random token-id prompts and output lengths, uniform in their ranges, exact
+    (``ignore_eos``). Different seeds give prompts that share no prefix (no cache hits across points)."""
+    rng = random.Random(seed)
+    items = []
+    for _ in range(num):
+        n_in = rng.randint(prompt_len.lo, prompt_len.hi)
+        n_out = rng.randint(output_len.lo, output_len.hi)
+        body = {
+            "model": model,
+            "prompt": [rng.randrange(vocab) for _ in range(n_in)],
+            "max_tokens": n_out,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        items.append(WorkItem(n_in, n_out, json.dumps(body, separators=(",", ":")).encode()))
+    return items
+
+
+@dataclass(frozen=True)
+class Arrivals:
+    kind: str  # rate (Poisson, requests/s; inf = all at once) | concurrency (closed loop)
+    value: float
+
+    @property
+    def label(self) -> str:
+        v = "inf" if self.value == float("inf") else f"{self.value:g}"
+        return f"{self.kind} {v}"
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    prompt_len: int
+    max_tokens: int
+    scheduled_s: float = 0.0  # intended send time, from the point's start
+    sent_s: float = 0.0  # actual send time, from the point's start
+    outcome: str = "pending"  # ok | short | http_429 | http_5xx | http_4xx | conn_error | stream_error | timeout
+    http_status: int = 0
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    token_times: list[float] = field(default_factory=list)  # arrival of each token, from the send
+    tokens: int = 0
+    usage_tokens: int | None = None
+    events: int = 0  # SSE events that carried tokens
+    reads: int = 0  # socket reads that carried tokens
+    tokens_in_multi_event_reads: int = 0  # arrived in a read holding several token events
+    tokens_in_multi_token_events: int = 0  # arrived in an event holding several tokens
+    error: str = ""
+
+
+class _SSEReader:
+    """Splits a response's bytes into SSE events and books each event's tokens on the record."""
+
+    def __init__(self, record: RequestRecord, count_tokens: Callable[[str], int]) -> None:
+        self.record = record
+        self.count_tokens = count_tokens
+        self.buf = b""
+        self.done = False
+
+    def feed(self, data: bytes, now_rel: float) -> None:
+        rec = self.record
+        self.buf += data
+        *events, self.buf = self.buf.split(b"\n\n")
+        read_tokens = 0
+        token_events = 0
+        for raw in events:
+            if not raw.startswith(b"data: "):
+                continue
+            body = raw[6:]
+            if body == b"[DONE]":
+                self.done = True
+                continue
+            msg = _loads(body)
+            if "error" in msg:
+                rec.error = str(msg["error"])[:300]
+                continue
+            if msg.get("usage"):
+                rec.usage_tokens = int(msg["usage"]["completion_tokens"])
+            for choice in msg.get("choices") or ():
+                k = self.count_tokens(choice.get("text") or "")
+                if k:
+                    token_events += 1
+                    read_tokens += k
+                    rec.events += 1
+                    if k > 1:
+                        rec.tokens_in_multi_token_events += k
+                    rec.token_times.extend([now_rel] * k)
+        if read_tokens:
+            rec.reads += 1
+            if token_events > 1:
+                rec.tokens_in_multi_event_reads += read_tokens
+            if rec.ttft_s is None:
+                rec.ttft_s = now_rel
+            rec.tokens += read_tokens
+
+
+class LoadClient:
+    """Streams /v1/completions with aiohttp when installed (less CPU per event), else httpx."""
+
+    def __init__(self, base_url: str, request_timeout_s: float) -> None:
+        self.url = base_url.rstrip("/") + "/v1/completions"
+        self.timeout_s = request_timeout_s
+        self.count_tokens: Callable[[str], int] = _count_events
+        self._session: Any = None
+        try:
+            import aiohttp  # noqa: F401
+
+            self.backend = "aiohttp"
+        except ImportError:  # pragma: no cover - depends on the environment
+            self.backend = "httpx"
+
+    async def __aenter__(self) -> LoadClient:
+        if self.backend == "aiohttp":
+            import aiohttp
+
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, force_close=False),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=self.timeout_s),
+            )
+        else:
+            import httpx
+
+            self._session = httpx.AsyncClient(
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+                timeout=httpx.Timeout(self.timeout_s, connect=10.0),
+            )
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.backend == "aiohttp":
+            await self._session.close()
+        else:
+            await self._session.aclose()
+
+    async def send(self, item: WorkItem, rec: RequestRecord) -> None:
+        reader = _SSEReader(rec, self.count_tokens)
+        headers = {"content-type": "application/json"}
+        clock = time.perf_counter
+        start = clock()
+        try:
+            if self.backend == "aiohttp":
+                async with self._session.post(self.url, data=item.payload, headers=headers) as resp:
+                    rec.http_status = resp.status
+                    if resp.status == 200:
+                        async for chunk in resp.content.iter_any():
+                            reader.feed(chunk, clock() - start)
+                    else:
+                        rec.error = (await resp.read())[:300].decode(errors="replace")
+            else:
+                async with self._session.stream("POST", self.url, content=item.payload, headers=headers) as resp:
+                    rec.http_status = resp.status_code
+                    if resp.status_code == 200:
+                        async for chunk in resp.aiter_raw():
+                            reader.feed(chunk, clock() - start)
+                    else:
+                        rec.error = (await resp.aread())[:300].decode(errors="replace")
+        except asyncio.CancelledError:
+            rec.outcome = "timeout"
+            raise
+        except Exception as exc:  # connection refused/reset, read timeout: the server's fault, counted
+            rec.outcome = "conn_error"
+            rec.error = f"{type(exc).__name__}: {exc}"[:300]
+            return
+        rec.e2e_s = clock() - start
+        rec.outcome = _outcome(rec, reader.done)
+
+
+def _outcome(rec: RequestRecord, done: bool) -> str:
+    if rec.http_status == 429:
+        return "http_429"
+    if rec.http_status >= 500:
+        return "http_5xx"
+    if rec.http_status != 200:
+        return "http_4xx"
+    if rec.error or not done:
+        return "stream_error"
+    return "ok" if rec.tokens == rec.max_tokens else "short"
+
+
+def _count_events(text: str) -> int:
+    """Fallback token count when the router's tokenizer is not the synthetic one: one per text event."""
+    return 1 if text else 0
+
+
+@dataclass
+class PointRun:
+    records: list[RequestRecord]
+    wall_s: float  # first send to last finish
+    loop_lag_s: list[float]  # event-loop lag samples during the point
+    client_cpu_s: float  # CPU time of this process during the point
+    timed_out: int
+
+
+async def _lag_probe(stop: asyncio.Event, out: list[float], period_s: float = 0.005) -> None:
+    clock = time.perf_counter
+    while not stop.is_set():
+        t = clock()
+        await asyncio.sleep(period_s)
+        out.append(max(0.0, clock() - t - period_s))
+
+
+async def run_point(
+    client: LoadClient, items: list[WorkItem], arrivals: Arrivals, seed: int, drain_timeout_s: float
+) -> PointRun:
+    """Sends every item once (Poisson at ``arrivals.value`` req/s, or ``value`` in flight at a time) and
+    waits for all of them, at most ``drain_timeout_s`` after the last send (the rest count as timeouts)."""
+    records = [RequestRecord(i, it.prompt_len, it.max_tokens) for i, it in enumerate(items)]
+    lags: list[float] = []
+    stop = asyncio.Event()
+    probe = asyncio.create_task(_lag_probe(stop, lags))
+    cpu0 = time.process_time()
+    clock = time.perf_counter
+    start = clock()
+
+    async def one(i: int) -> None:
+        records[i].sent_s = clock() - start
+        await client.send(items[i], records[i])
+
+    tasks: list[asyncio.Task[None]] = []
+    if arrivals.kind == "rate":
+        rng = random.Random(seed)
+        t_next = 0.0
+        for i in range(len(items)):
+            records[i].scheduled_s = t_next
+            delay = start + t_next - clock()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(i)))
+            if arrivals.value != float("inf"):
+                t_next += rng.expovariate(arrivals.value)
+    elif arrivals.kind == "concurrency":
+        queue = iter(range(len(items)))
+
+        async def worker() -> None:
+            for i in queue:
+                records[i].scheduled_s = clock() - start
+                await one(i)
+
+        tasks = [asyncio.create_task(worker()) for _ in range(max(1, int(arrivals.value)))]
+    else:
+        raise ValueError(f"unknown arrivals {arrivals.kind!r}")
+
+    # Closed loop: the drain window starts now too; sends go on inside it, so give it the whole budget.
+    _, pending = await asyncio.wait(tasks, timeout=drain_timeout_s)
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    stop.set()
+    await probe
+    finished = [r.sent_s + r.e2e_s for r in records if r.e2e_s is not None]
+    wall = (max(finished) if finished else clock() - start) - min((r.sent_s for r in records), default=0.0)
+    timed_out = 0
+    for r in records:
+        if r.outcome == "pending":  # a closed-loop request never sent before the deadline
+            r.outcome = "timeout"
+        timed_out += r.outcome == "timeout"
+    return PointRun(records, wall, lags, time.process_time() - cpu0, timed_out)

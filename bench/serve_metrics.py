@@ -1,0 +1,158 @@
+"""Summaries of one load point: latency percentiles, throughput, goodput at SLOs, outcome counts, and
+where bursts of tokens came from. Pure functions over bench/serve_load.py's records."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from serve_load import PointRun, RequestRecord
+
+__all__ = ["SLO", "percentiles", "request_itls", "summarize_point"]
+
+PCTS = (50, 90, 99)
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_s: float = 2.0
+    itl_p99_s: float = 0.025  # per request: the p99 of its own inter-token gaps
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    if not sorted_values:
+        return math.nan
+    pos = (len(sorted_values) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def percentiles(values: Iterable[float], scale: float = 1000.0) -> dict[str, float | int]:
+    """p50/p90/p99/mean/max/count, in milliseconds by default (NaN when there are no values)."""
+    vs = sorted(values)
+    out: dict[str, float | int] = {f"p{q}": percentile(vs, q) * scale for q in PCTS}
+    out["mean"] = (sum(vs) / len(vs) * scale) if vs else math.nan
+    out["max"] = (vs[-1] * scale) if vs else math.nan
+    out["n"] = len(vs)
+    return out
+
+
+def request_itls(rec: RequestRecord) -> list[float]:
+    """Gaps between consecutive tokens of one request as the client saw them (tokens that arrived
+    together have a 0 gap)."""
+    t = rec.token_times
+    return [b - a for a, b in zip(t, t[1:])]
+
+
+def _read_gaps(rec: RequestRecord) -> list[float]:
+    """Gaps between arrivals that brought tokens (bursts collapsed): what the stream's rhythm was."""
+    distinct = sorted(set(rec.token_times))
+    return [b - a for a, b in zip(distinct, distinct[1:])]
+
+
+def _good(rec: RequestRecord, itls: list[float], slo: SLO) -> bool:
+    if rec.outcome != "ok" or rec.ttft_s is None or rec.ttft_s > slo.ttft_s:
+        return False
+    return not itls or percentile(sorted(itls), 99) <= slo.itl_p99_s
+
+
+def summarize_point(run: PointRun, slo: SLO) -> dict[str, Any]:
+    recs = run.records
+    ok = [r for r in recs if r.outcome == "ok"]
+    itls = {r.index: request_itls(r) for r in ok}
+    all_itls = [g for r in ok for g in itls[r.index]]
+    tpots = [(r.e2e_s - r.ttft_s) / (r.tokens - 1) for r in ok if r.tokens > 1 and r.e2e_s and r.ttft_s is not None]
+    good = [r for r in ok if _good(r, itls[r.index], slo)]
+    out_tokens = sum(r.tokens for r in recs if r.outcome in ("ok", "short"))
+    in_tokens = sum(r.prompt_len for r in ok)
+    wall = max(run.wall_s, 1e-9)
+    outcomes = Counter(r.outcome for r in recs)
+    statuses = Counter(str(r.http_status) for r in recs if r.http_status)
+    send_lag = [max(0.0, r.sent_s - r.scheduled_s) for r in recs if r.outcome != "pending"]
+    return {
+        "requests": len(recs),
+        "completed": len(ok),
+        "outcomes": dict(sorted(outcomes.items())),
+        "http_status": dict(sorted(statuses.items())),
+        "wall_s": run.wall_s,
+        "output_tokens": out_tokens,
+        "input_tokens": in_tokens,
+        "output_tok_per_s": out_tokens / wall,
+        "total_tok_per_s": (out_tokens + in_tokens) / wall,
+        "request_per_s": len(ok) / wall,
+        "ttft_ms": percentiles(r.ttft_s for r in ok if r.ttft_s is not None),
+        "itl_ms": percentiles(all_itls),
+        "itl_p99_per_request_ms": percentiles(percentile(sorted(v), 99) for v in itls.values() if v),
+        "tpot_ms": percentiles(tpots),
+        "e2e_ms": percentiles(r.e2e_s for r in ok if r.e2e_s is not None),
+        "arrival_gap_ms": percentiles(g for r in ok for g in _read_gaps(r)),
+        "goodput": {
+            "slo": {"ttft_ms": slo.ttft_s * 1e3, "itl_p99_ms": slo.itl_p99_s * 1e3},
+            "fraction": len(good) / len(recs) if recs else math.nan,  # of all requests sent
+            "request_per_s": len(good) / wall,
+        },
+        "token_counts": {
+            "mismatch_vs_usage": sum(1 for r in ok if r.usage_tokens is not None and r.usage_tokens != r.tokens),
+        },
+        "bursts": _bursts(ok, run),
+        "client": {
+            "cpu_fraction": run.client_cpu_s / wall,  # of one core; near 1.0 the client is the bottleneck
+            "loop_lag_ms": percentiles(run.loop_lag_s),
+            "send_lag_ms": percentiles(send_lag),
+        },
+        "per_request": [_request_row(r, itls.get(r.index, [])) for r in recs],
+    }
+
+
+def _bursts(ok: list[RequestRecord], run: PointRun) -> dict[str, Any]:
+    """Whether tokens reach the client spread out or grouped, and who grouped them. Several tokens in one
+    SSE event: the server grouped them. Several events in one read: either the server wrote them
+    together or the client read late; a client whose event loop lagged far less than the stream's gaps
+    did not read late, so then the grouping happened before the client."""
+    tokens = sum(r.tokens for r in ok)
+    multi_event = sum(r.tokens_in_multi_event_reads for r in ok)
+    multi_token = sum(r.tokens_in_multi_token_events for r in ok)
+    lag_p99 = percentile(sorted(run.loop_lag_s), 99)
+    gaps = sorted(g for r in ok for g in _read_gaps(r))
+    gap_p50 = percentile(gaps, 50)
+    grouped = (multi_event + multi_token) / tokens if tokens else 0.0
+    if grouped < 0.05:
+        verdict = "streamed: tokens arrive one event at a time"
+    elif multi_token >= multi_event:
+        verdict = "server: several tokens per SSE event"
+    elif not math.isnan(gap_p50) and lag_p99 < 0.5 * gap_p50:
+        verdict = "server: several events per read while the client's loop kept up"
+    else:
+        verdict = "client or server: several events per read and the client's loop lagged"
+    return {
+        "tokens": tokens,
+        "events_per_token": (sum(r.events for r in ok) / tokens) if tokens else math.nan,
+        "reads_per_token": (sum(r.reads for r in ok) / tokens) if tokens else math.nan,
+        "frac_tokens_in_multi_event_reads": multi_event / tokens if tokens else 0.0,
+        "frac_tokens_in_multi_token_events": multi_token / tokens if tokens else 0.0,
+        "verdict": verdict,
+    }
+
+
+def _request_row(r: RequestRecord, itls: list[float]) -> dict[str, Any]:
+    def ms(v: float | None) -> float | None:
+        return None if v is None else round(v * 1e3, 3)
+
+    return {
+        "i": r.index,
+        "in": r.prompt_len,
+        "out": r.max_tokens,
+        "tokens": r.tokens,
+        "outcome": r.outcome,
+        "status": r.http_status,
+        "sent_ms": ms(r.sent_s),
+        "ttft_ms": ms(r.ttft_s),
+        "e2e_ms": ms(r.e2e_s),
+        "itl_p99_ms": ms(percentile(sorted(itls), 99)) if itls else None,
+        "error": r.error or None,
+    }
