@@ -1,9 +1,17 @@
-"""Plain torch building blocks of the decoder; the GPU backend swaps fused kernels in through `Ops`."""
+"""The decoder's building blocks: plain torch functions and the two op sets the one forward calls.
+
+`DecoderModel.forward` (common/engine/model.py) is written against one small contract, `Ops`, with two
+implementations chosen at start: `TorchOps` (the CPU, and the GPU in float32) and `FlashInferOps` (the GPU
+in 16 bits: flashinfer's fused kernels). The contract is the fused arrangement, so the GPU keeps its kernel
+count: the residual stream is carried beside the hidden states and every norm after the first is one
+add + RMSNorm; RoPE takes q/k as views straight off the merged qkv projection.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -73,10 +81,100 @@ class RotaryCache:
         freqs = torch.outer(t, inv)
         return cls(cos=freqs.cos().to(device), sin=freqs.sin().to(device))
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim]; cos/sin: [T, 1, head_dim // 2], the rows of x's positions."""
         x1, x2 = x.float().chunk(2, dim=-1)
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         return out.to(x.dtype)
+
+    def cos_sin(self) -> torch.Tensor:
+        """flashinfer's table: [max_position, head_dim] float32, cos in the first half, sin in the second."""
+        return torch.cat((self.cos, self.sin), dim=-1).float().contiguous()
+
+
+class Ops(Protocol):
+    """What the decoder forward needs from a backend. An op may overwrite its inputs (flashinfer works in
+    place), so callers use only what it returns."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x: [T, H] or [T, heads, head_dim]."""
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(residual + x), residual + x): the fused arrangement's norm, the residual carried beside."""
+
+    def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, D], k: [T, Hkv, D] (views into the qkv projection are fine) -> rotated, same shapes."""
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        packed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`packed`: the weight's oneDNN copy (CPU float32, `DecoderModel.pack_linears`), else None."""
+
+
+class TorchOps:
+    """Plain torch: the CPU path (oneDNN packed GEMMs where packed) and the GPU float32 path."""
+
+    def __init__(self, rotary: RotaryCache) -> None:
+        self.rotary = rotary
+
+    rms_norm = staticmethod(rms_norm)
+    silu_and_mul = staticmethod(silu_and_mul)
+    linear = staticmethod(linear)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = residual + x
+        return rms_norm(residual, weight, eps), residual
+
+    def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.rotary.cos[positions].unsqueeze(1)
+        sin = self.rotary.sin[positions].unsqueeze(1)
+        return RotaryCache.rotate(q, cos, sin), RotaryCache.rotate(k, cos, sin)
+
+
+class FlashInferOps:
+    """flashinfer's fused kernels (GPU, bfloat16/float16): add + RMSNorm in place, RoPE from a cos/sin table."""
+
+    def __init__(self, rotary: RotaryCache) -> None:
+        import flashinfer
+
+        self.fi = flashinfer
+        self.cos_sin = rotary.cos_sin()
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.fi.rmsnorm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.fi.fused_add_rmsnorm(x, residual, weight, eps)  # residual += x; x = norm(residual)
+        return x, residual
+
+    def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # One kernel for q and k; it reads views of the qkv projection strided and writes fresh tensors.
+        qr, kr = self.fi.apply_rope_with_cos_sin_cache(
+            positions, q.flatten(1), k.flatten(1), q.shape[-1], self.cos_sin, True
+        )
+        return qr.view(q.shape), kr.view(k.shape)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.fi.silu_and_mul(gate_up)
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        packed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return F.linear(x, weight, bias)

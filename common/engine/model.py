@@ -11,14 +11,7 @@ from torch import nn
 
 from common.engine.attention import AttentionBackend
 from common.engine.forward_batch import ForwardBatch
-from common.engine.layers import (
-    RotaryCache,
-    linear,
-    onednn_linear_available,
-    pack_linear_weight,
-    rms_norm,
-    silu_and_mul,
-)
+from common.engine.layers import Ops, RotaryCache, TorchOps, onednn_linear_available, pack_linear_weight
 from common.engine.model_config import ModelConfig
 from common.engine.tp import TPGroup, single_rank
 
@@ -28,12 +21,10 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
 
 
 class DecoderLayer(nn.Module):
-    """One layer; `cfg` is this rank's local config (its heads and MLP slice under tensor parallelism)."""
+    """One layer's weights; `cfg` is this rank's local config (its heads and MLP slice under tensor parallelism)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.tp = tp
         h = cfg.hidden_size
         qkv = cfg.q_size + 2 * cfg.kv_size
         self.input_norm = _param(h, dtype=dtype, device=device)
@@ -47,40 +38,13 @@ class DecoderLayer(nn.Module):
         self.down_proj = _param(h, cfg.intermediate_size, dtype=dtype, device=device)
         self.packed: dict[str, torch.Tensor] = {}  # CPU: oneDNN-packed copies of the GEMM weights (pack_linears)
 
-    def forward(
-        self,
-        layer_id: int,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryCache,
-        attn: AttentionBackend,
-    ) -> torch.Tensor:
-        cfg = self.cfg
-        eps = cfg.rms_norm_eps
-        x = rms_norm(hidden, self.input_norm, eps)
-        pk = self.packed
-        qkv = linear(x, self.qkv_proj, self.qkv_bias, pk.get("qkv_proj"))
-        q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
-        t = hidden.shape[0]
-        q = q.reshape(t, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = rms_norm(q, self.q_norm, eps)
-            k = rms_norm(k, self.k_norm, eps)
-        q = rotary.apply(q, positions)
-        k = rotary.apply(k, positions)
-        o = attn.forward(layer_id, q, k, v).reshape(t, cfg.q_size)
-        hidden = hidden + self.tp.all_reduce(linear(o, self.o_proj, None, pk.get("o_proj")))
-        x = rms_norm(hidden, self.post_attn_norm, eps)
-        act = silu_and_mul(linear(x, self.gate_up_proj, None, pk.get("gate_up_proj")))
-        return hidden + self.tp.all_reduce(linear(act, self.down_proj, None, pk.get("down_proj")))
-
 
 class DecoderModel(nn.Module):
     """The whole decoder, or one tensor-parallel rank's part of it (`tp`; see common/engine/tp.py).
 
     `full_cfg` is the checkpoint's config; `cfg` is this rank's (its heads and MLP slice; the full vocabulary).
+    `ops` runs the norms, RoPE, activation and GEMMs (common/engine/layers.py): `TorchOps` unless the GPU path
+    puts `FlashInferOps` there at start; attention is the backend passed to each step.
     """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup | None = None) -> None:
@@ -92,12 +56,13 @@ class DecoderModel(nn.Module):
         self.device = device
         vocab_rows = self.tp.shard.vocab_per_rank
         self.embed = _param(vocab_rows, cfg.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, self.tp) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
         self.norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.lm_head = (
             None if cfg.tie_word_embeddings else _param(vocab_rows, cfg.hidden_size, dtype=dtype, device=device)
         )
         self.rotary = RotaryCache.build(cfg.head_dim, cfg.rope, cfg.max_position, device)
+        self.ops: Ops = TorchOps(self.rotary)
         self.packed_lm_head: torch.Tensor | None = None
 
     def pack_linears(self) -> bool:
@@ -126,11 +91,52 @@ class DecoderModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        """Runs one step; returns float32 logits of the tokens at `batch.logits_indices` only."""
-        hidden = self.tp.embed(batch.input_ids, self.embed)
+        """Runs one planned step; returns float32 logits of the tokens at `batch.logits_indices` only."""
+        # A decode step samples every token in order: no gather needed before the final norm.
+        every_token = batch.is_decode and batch.logits_indices.shape[0] == batch.num_tokens
+        indices = None if every_token else batch.logits_indices
+        return self.forward_tokens(batch.input_ids, batch.positions, attn, indices)
+
+    def forward_tokens(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        logits_indices: torch.Tensor | None = None,
+        float_logits: bool = True,
+    ) -> torch.Tensor:
+        """The decoder over `T` packed tokens (CUDA graphs capture this call on static buffers).
+
+        Returns logits of the tokens at `logits_indices` (every token when None), float32 unless
+        `float_logits` is False (then in the model's dtype).
+        """
+        cfg, ops, tp = self.cfg, self.ops, self.tp
+        eps = cfg.rms_norm_eps
+        t = input_ids.shape[0]
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        hidden = tp.embed(input_ids, self.embed)
+        residual = hidden
+        x = ops.rms_norm(hidden, self.layers[0].input_norm, eps)
         for i, layer in enumerate(self.layers):
-            hidden = layer(i, hidden, batch.positions, self.rotary, attn)
-        last = hidden[batch.logits_indices]
-        last = rms_norm(last, self.norm, self.cfg.rms_norm_eps)
-        logits = linear(last, self.lm_head_weight, None, self.packed_lm_head)
-        return self.tp.gather_logits(logits, self.cfg.vocab_size).float()
+            if i > 0:
+                x, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, eps)
+            pk = layer.packed
+            qkv = ops.linear(x, layer.qkv_proj, layer.qkv_bias, pk.get("qkv_proj"))
+            q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
+            q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q, k = ops.rms_norm(q, layer.q_norm, eps), ops.rms_norm(k, layer.k_norm, eps)
+            q, k = ops.rope(positions, q, k)
+            o = attn.forward(i, q, k, v).reshape(t, cfg.q_size)
+            hidden = tp.all_reduce(ops.linear(o, layer.o_proj, None, pk.get("o_proj")))
+            x, residual = ops.add_rms_norm(hidden, residual, layer.post_attn_norm, eps)
+            act = ops.silu_and_mul(ops.linear(x, layer.gate_up_proj, None, pk.get("gate_up_proj")))
+            hidden = tp.all_reduce(ops.linear(act, layer.down_proj, None, pk.get("down_proj")))
+        dtype = torch.float32 if float_logits else hidden.dtype
+        if logits_indices is not None:
+            if logits_indices.shape[0] == 0:  # a prefill step where no request samples (every rank skips alike)
+                return torch.empty(0, cfg.vocab_size, dtype=dtype, device=hidden.device)
+            hidden, residual = hidden[logits_indices], residual[logits_indices]
+        x, _ = ops.add_rms_norm(hidden, residual, self.norm, eps)
+        logits = tp.gather_logits(ops.linear(x, self.lm_head_weight, None, self.packed_lm_head), cfg.vocab_size)
+        return logits.to(dtype)

@@ -17,7 +17,6 @@ import torch
 
 from common.engine.forward_batch import ForwardBatch
 from common.engine.gpu.attention import PageMeta
-from common.engine.gpu.fused import fused_forward
 
 if TYPE_CHECKING:
     from common.engine.gpu.path import GpuPath
@@ -79,15 +78,8 @@ class DecodeGraphs:
 
     def _body(self, bs: int) -> None:
         self.attn.bind(self.wrappers[bs], self.out_loc[:bs])
-        logits = fused_forward(
-            self.path.model,
-            self.input_ids[:bs],
-            self.positions[:bs],
-            self.attn,
-            self.path.cos_sin,
-            logits_indices=None,
-            float_logits=False,
-        )
+        # Logits in the model's dtype, cast by the copy into the float32 buffer (one kernel, not two).
+        logits = self.path.model.forward_tokens(self.input_ids[:bs], self.positions[:bs], self.attn, float_logits=False)
         self.logits[:bs].copy_(logits)
 
     def _plan_dummy(self, bs: int) -> None:

@@ -10,7 +10,7 @@ import torch
 
 from common.engine.forward_batch import ForwardBatch
 from common.engine.gpu.attention import WORKSPACE_BYTES, FlashInferAttention
-from common.engine.gpu.fused import cos_sin_cache, fused_forward
+from common.engine.layers import FlashInferOps
 
 if TYPE_CHECKING:
     from common.engine.runner import ModelRunner
@@ -19,13 +19,19 @@ log = logging.getLogger("kvferry.engine")
 
 
 class GpuPath:
-    """flashinfer attention + fused kernels for every step; CUDA graphs for decode steps that fit.
+    """flashinfer attention + fused kernels (the model's forward with `FlashInferOps`) for every step; CUDA
+    graphs for decode steps that fit. flashinfer's kernels serve 16-bit dtypes only: float32 on a GPU runs the
+    plain torch path (`select_attention` picks it), without this class and without CUDA graphs.
 
     `dummy_page` is a pool page outside the allocator's range: CUDA-graph padding rows write there.
     `use_graphs` can be switched off at run time (the benchmark's ablation) without recapturing.
     """
 
     def __init__(self, runner: ModelRunner, dummy_page: int, graph_max_bs: int) -> None:
+        if runner.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"the flashinfer backend needs bfloat16 or float16, not {runner.dtype}; use attention=torch"
+            )
         # The CUDA norm kernels (what the bundle precompiles), not the CuTe-DSL ones.
         os.environ.setdefault("FLASHINFER_USE_CUDA_NORM", "1")
         self.runner = runner
@@ -41,7 +47,7 @@ class GpuPath:
             self.workspace,
             tc_min_batch=runner.cfg.decode_tc_min_batch,
         )
-        self.cos_sin = cos_sin_cache(self.model)
+        self.model.ops = FlashInferOps(self.model.rotary)
         self.graphs = None
         self.use_graphs = True
         if graph_max_bs > 0 and dev.type == "cuda":
@@ -53,7 +59,4 @@ class GpuPath:
         if self.use_graphs and self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         self.attn.plan(batch)
-        # A decode step samples every token in order: no gather needed before the final norm.
-        all_tokens = batch.is_decode and batch.logits_indices.shape[0] == batch.num_tokens
-        indices = None if all_tokens else batch.logits_indices
-        return fused_forward(self.model, batch.input_ids, batch.positions, self.attn, self.cos_sin, indices)
+        return self.model(batch, self.attn)
