@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from common.config import RouterConfig
+from router.admission import AdmissionLimits
 from router.discovery import Discovery, KubernetesDiscovery, StaticDiscovery
 from router.errors import install_error_handlers, model_not_found, no_worker
 from router.locality import PrefixLocator, RecentPlacements
@@ -122,7 +123,9 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = WireClient(connect_timeout_s=opts.connect_timeout_s)
-        pool = WorkerPool(client, opts.poll_interval_s, opts.poll_timeout_s, opts.down_after_failures)
+        pool = WorkerPool(
+            client, opts.poll_interval_s, opts.poll_timeout_s, opts.down_after_failures, opts.down_after_s
+        )
         policy = RoutingPolicy(
             PolicyConfig(
                 disagg_min_prompt_tokens=opts.disagg_min_prompt_tokens,
@@ -144,6 +147,7 @@ def create_app(
             first_token_timeout_s=opts.first_token_timeout_s,
             inter_token_timeout_s=opts.inter_token_timeout_s,
             retry_after_s=opts.retry_after_s,
+            limits=AdmissionLimits(opts.admit_max_waiting, opts.admit_max_queued_prefill_tokens),
         )
         service = RouterService(tok, info, dispatcher, opts)
         state.update(pool=pool, service=service, dispatcher=dispatcher, locator=locator)

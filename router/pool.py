@@ -1,14 +1,24 @@
 """The router's registry of workers: who they are, whether they answer, how loaded they are.
 
 Discovery (static lists or Kubernetes) only says which URLs exist. Each worker is then "handshaken"
-lazily by polling ``GET /load`` (about once a second): the first good answer gives its pod id (the name
-it publishes to Redis under) and its load; a worker is routable while its answers are good and say
-ready and not draining. Consecutive failures or timeouts (a crashed pod, or one stopped with SIGSTOP,
-which still accepts TCP connections but never answers) mark it down; it comes back by itself when it
-answers again. Marking a worker down also wakes every request still waiting on it (``Watched.kill``),
-so they fail over at once instead of waiting out their deadlines.
+lazily by polling ``GET /load`` (every ``poll_interval_s``): the first good answer gives its pod id (the
+name it publishes to Redis under) and its load; a worker is routable while its answers say ready and
+not draining. It comes back by itself when it answers again.
 
-In-flight counts are the router's own view, fresher than the ~1 s old ``/load`` figures.
+Busy is not dead. A poll that times out or answers garbage proves only that the worker (or this router)
+was slow: the worker turns *stale* and keeps being routed on its last known load. It is declared down
+only when
+  - the connection is refused or the host is unreachable (no process listens: it is gone), or
+  - ``down_after_failures`` polls in a row failed AND nothing was heard from it for ``down_after_s``:
+    no good poll and no event on any of its streams (a worker streaming tokens is evidently alive,
+    however late its polls), which is what a frozen (SIGSTOPped) or wedged pod looks like.
+A worker whose engine died answers its polls with ``ready: false`` (its control plane outlives the
+engine and its /health turns 503), so that case is seen at the next poll, not after the window.
+Declaring a worker down wakes every request still waiting on it (``Watched.kill``), so they fail over
+at once instead of waiting out their deadlines.
+
+In-flight counts are the router's own view, fresher than the polled ``/load`` figures; ``sent_since_poll``
+counts what this router sent a worker after its last snapshot (router/admission.py uses both).
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from router.policy import DecodeCandidate, PrefillCandidate
-from router.wire import WireClient
+from router.wire import ConnectError, WireClient
 
 log = logging.getLogger("kvferry.router")
 
@@ -82,11 +92,14 @@ class Worker:
     pod: str | None = None
     load: Load | None = None
     up: bool = False
-    failures: int = 0
-    last_ok: float = 0.0
+    stale: bool = False  # its last poll failed: routed on its last known load until it answers again
+    failures: int = 0  # polls failed in a row
+    last_ok: float = 0.0  # monotonic time of the last good poll
+    last_seen: float = 0.0  # ... or of the last event read from one of its streams (set by router/upstream.py)
     last_error: str = ""
     inflight_requests: int = 0
     inflight_tokens: int = 0  # prefill: prompt tokens sent and not yet started (first token unseen)
+    sent_since_poll: int = 0  # requests routed here after its last good snapshot
     watchers: set[Watched] = field(default_factory=set)
     task: asyncio.Task[None] | None = None
     removed: bool = False
@@ -122,13 +135,15 @@ class WorkerPool:
         self,
         client: WireClient,
         poll_interval_s: float = 1.0,
-        poll_timeout_s: float = 1.0,
-        down_after_failures: int = 2,
+        poll_timeout_s: float = 2.0,
+        down_after_failures: int = 3,
+        down_after_s: float = 5.0,
     ) -> None:
         self.client = client
         self.poll_interval_s = poll_interval_s
         self.poll_timeout_s = poll_timeout_s
         self.down_after_failures = max(1, down_after_failures)
+        self.down_after_s = down_after_s
         self.workers: dict[str, Worker] = {}
         self._targets: dict[str, set[str]] = {role: set() for role in ROLES}
         self._started = False
@@ -190,7 +205,12 @@ class WorkerPool:
             load = parse_load(json.loads(body))
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # connect errors, timeouts, garbage: all mean "not answering properly"
+        except ConnectError as exc:
+            # Refused or unreachable: nothing listens there. A connect that only timed out is a full
+            # accept queue as often as a dead host: that one counts as slow.
+            self.report_failure(w, f"ConnectError: {exc}", hard=not exc.timed_out)
+            return
+        except Exception as exc:  # timeouts, resets, garbage: slow or sick, not proven dead
             self.report_failure(w, f"{type(exc).__name__}: {exc}")
             return
         self.report_load(w, load)
@@ -202,6 +222,8 @@ class WorkerPool:
         w.load = load
         w.pod = load.pod
         w.failures = 0
+        w.stale = False
+        w.sent_since_poll = 0
         w.last_ok = time.monotonic()
         routable = load.ready and not load.draining
         if routable and not w.up:
@@ -211,17 +233,25 @@ class WorkerPool:
         w.up = routable
 
     def report_failure(self, w: Worker, reason: str, hard: bool = False) -> None:
-        """A failed poll (or, with ``hard``, a refused connection on the request path: no need to wait
-        for a second failure to believe it)."""
+        """A failed poll; ``hard``: proof that the worker is gone (a refused connection, from a poll or
+        from the request path), believed at once. Soft failures only make it stale until the window of
+        silence described in the module docstring has passed."""
         w.failures += 1
         w.last_error = reason
-        if w.up and (hard or w.failures >= self.down_after_failures):
+        if not w.up:
+            return
+        silent_s = time.monotonic() - max(w.last_ok, w.last_seen)
+        if hard or (w.failures >= self.down_after_failures and silent_s >= self.down_after_s):
             self.mark_down(w, reason)
+        elif not w.stale:
+            w.stale = True
+            log.warning("worker slow to answer; routing on its last load", extra={"url": w.url, "reason": reason})
 
     def mark_down(self, w: Worker, reason: str) -> None:
         if w.up:
             log.warning("worker down", extra={"role": w.role, "url": w.url, "reason": reason})
         w.up = False
+        w.stale = False
         for watched in list(w.watchers):
             watched.kill(f"{w.role} worker {w.url} is down ({reason})")
 
@@ -246,6 +276,7 @@ class WorkerPool:
                 "role": w.role,
                 "pod": w.pod,
                 "up": w.up,
+                "stale": w.stale,
                 "inflight_requests": w.inflight_requests,
                 "inflight_tokens": w.inflight_tokens,
                 "last_error": w.last_error or None,

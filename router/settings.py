@@ -18,7 +18,7 @@ _ENV_PREFIX = "KVFERRY_ROUTER_"
 class RouterOptions:
     tokenizer: str = ""  # tokenizer directory when the model id is not one (e.g. dummy:<config> workers)
     # Admission and limits.
-    max_inflight: int = 1024  # requests in the router at once; beyond it: 429 + Retry-After
+    max_inflight: int = 4096  # requests in this router process at once; beyond it: 429 + Retry-After
     max_body_bytes: int = 8 * 1024 * 1024  # 413 above this
     retry_after_s: int = 1
     default_max_tokens: int = 1024  # chat without max_tokens: min(this, what fits the context)
@@ -31,10 +31,14 @@ class RouterOptions:
     imbalance_ratio: float = 1.5
     decode_kv_weight: float = 4.0
     recent_route_ttl_s: float = 10.0  # how long the router's own placements count as cached
-    # Worker health.
-    poll_interval_s: float = 1.0
-    poll_timeout_s: float = 1.0
-    down_after_failures: int = 2
+    # Admission per worker (router/admission.py; 0 turns a check off): beyond these, 429 + Retry-After.
+    admit_max_waiting: int = 64  # decode worker: waiting requests + those sent since its last snapshot
+    admit_max_queued_prefill_tokens: int = 32768  # any worker: prompt tokens queued for prefill
+    # Worker health (router/pool.py): a slow poll only makes a worker stale; down needs proof or silence.
+    poll_interval_s: float = 0.25  # also how fresh the load that admission and routing read is
+    poll_timeout_s: float = 2.0
+    down_after_failures: int = 3  # polls failed in a row ...
+    down_after_s: float = 5.0  # ... and nothing heard from the worker (polls, stream events) for this long
     # Upstream deadlines.
     connect_timeout_s: float = 3.0
     first_token_timeout_s: float = 300.0

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ import anyio
 
 from common.prefix.hashing import chained_block_hashes
 from common.protocol import GenerateRequest, SamplingParams
+from router.admission import AdmissionLimits, decode_is_full, prefill_is_full
 from router.errors import OpenAIError, bad_request, no_worker, rate_limited, upstream_failed
 from router.locality import PrefixLocator
 from router.policy import RouteDecision, RoutingPolicy
@@ -93,8 +95,10 @@ class Dispatcher:
         first_token_timeout_s: float = 300.0,
         inter_token_timeout_s: float = 120.0,
         retry_after_s: int = 1,
+        limits: AdmissionLimits | None = None,
     ) -> None:
         self.pool = pool
+        self.limits = limits or AdmissionLimits()
         self.policy = policy
         self.locator = locator
         self.client = client
@@ -102,7 +106,7 @@ class Dispatcher:
         self.first_token_timeout_s = first_token_timeout_s
         self.inter_token_timeout_s = inter_token_timeout_s
         self.retry_after_s = retry_after_s
-        self.decisions: dict[str, int] = {}  # reason -> count, for /router/stats and benchmarks
+        self.decisions: dict[str, int] = {}  # reason (or rejection) -> count, for /router/workers and benchmarks
 
     async def plan(self, token_ids: list[int]) -> PromptPlan:
         """Hashes the prompt's blocks (same chain as the workers) and asks where they are cached.
@@ -120,10 +124,30 @@ class Dispatcher:
     def route(
         self, plan: PromptPlan, max_tokens: int, exclude_decode: set[str], exclude_prefill: set[str]
     ) -> RouteDecision:
+        """Chooses among the ready workers that have room (router/admission.py); raises 503 when no
+        decode worker is ready, 429 when none has room."""
         decode = self.pool.ready("decode", exclude_decode)
         if not decode:
             raise no_worker("decode")
+        limits = self.limits
+        need = len(plan.token_ids) + max_tokens
+        open_decode = [w for w in decode if not decode_is_full(w, need, limits)]
+        if not open_decode:
+            self._count("rejected-decode-full")
+            raise rate_limited(
+                "All decode workers are at their admission limits (queued requests, prefill tokens or KV "
+                "memory); retry shortly.",
+                self.retry_after_s,
+            )
         prefill = self.pool.ready("prefill", exclude_prefill)
+        open_prefill = [w for w in prefill if not prefill_is_full(w, limits)]
+        if prefill and not open_prefill and len(plan.token_ids) >= self.policy.cfg.disagg_min_prompt_tokens:
+            self._count("rejected-prefill-full")
+            raise rate_limited(
+                "All prefill workers are at their admission limit of queued prompt tokens; retry shortly.",
+                self.retry_after_s,
+            )
+        decode, prefill = open_decode, open_prefill
         decision = self.policy.choose(
             len(plan.token_ids),
             max_tokens,
@@ -132,8 +156,11 @@ class Dispatcher:
             [w.decode_candidate() for w in decode],
             plan.matches,
         )
-        self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
+        self._count(decision.reason)
         return decision
+
+    def _count(self, reason: str) -> None:
+        self.decisions[reason] = self.decisions.get(reason, 0) + 1
 
 
 class UpstreamCall:
@@ -153,6 +180,7 @@ class UpstreamCall:
         self._killed: str | None = None
         self._closed = False
         self._worker_finished = False  # the worker sent its last event: the stream can end cleanly
+        self._last_event = 0.0  # monotonic time of the last event read
         self._streaming = False  # the first event is in: failures can no longer be retried
 
     # ---- lifecycle ---------------------------------------------------------------------------------
@@ -164,8 +192,10 @@ class UpstreamCall:
         for attempt in range(2):
             try:
                 decision = self.d.route(self.plan, self.sampling.max_tokens, exclude_d, exclude_p)
-            except OpenAIError:
-                if last is not None:
+            except OpenAIError as exc:
+                # No worker left to retry on: the first attempt's error says more than "none ready",
+                # but "no room" stays a 429 (overload is never answered with a 5xx).
+                if last is not None and exc.status != 429:
                     raise last from None
                 raise
             self.decision = decision
@@ -204,6 +234,7 @@ class UpstreamCall:
         self._killed = None
         self._decode, self._prefill = dw, pw
         dw.inflight_requests += 1
+        dw.sent_since_poll += 1
         dw.watchers.add(self)
         if pw is not None:
             self._prefill_tokens = len(self.plan.token_ids) - decision.prefill_matched_tokens
@@ -236,7 +267,7 @@ class UpstreamCall:
             reason = f"no first token within {self.d.first_token_timeout_s:g}s"
             raise _Retry(upstream_failed(reason), True, blame_p) from None
         except ConnectError as exc:
-            pool.report_failure(dw, f"connect: {exc}", hard=True)
+            pool.report_failure(dw, f"connect: {exc}", hard=not exc.timed_out)
             raise _Retry(upstream_failed(f"decode worker unreachable: {exc}"), True, False) from None
         except (WireError, ValueError) as exc:  # reset mid-response, bad JSON line
             raise _Retry(upstream_failed(f"decode worker failed: {type(exc).__name__}: {exc}"), True, blame_p) from None
@@ -309,6 +340,10 @@ class UpstreamCall:
                 ev = UpstreamEvent.parse(line)
                 if ev.finish_reason is not None:
                     self._worker_finished = True
+                # A worker streaming to us is alive, however late its load polls (router/pool.py).
+                self._last_event = time.monotonic()
+                if self._decode is not None:
+                    self._decode.last_seen = self._last_event
                 return ev
         return None
 
@@ -318,15 +353,16 @@ class UpstreamCall:
         Before the first token the wait ends at once (the call is retried elsewhere). A stream already
         producing tokens only gets a short grace deadline per token instead: a worker can miss its
         health polls while busy yet stream fine, and cutting a live stream would be the worse mistake;
-        a stream that has really stopped still ends within ``STALL_GRACE_S``."""
+        a stream that has really stopped still ends within ``STALL_GRACE_S`` of its last token."""
         if self._killed is None:
             self._killed = reason
         if self._deadline is not None:
             now = asyncio.get_running_loop().time()
             when = now
             if self._streaming:
+                grace = max(0.0, self._last_event + STALL_GRACE_S - time.monotonic())
                 current = self._deadline.when()
-                when = now + STALL_GRACE_S if current is None else min(current, now + STALL_GRACE_S)
+                when = now + grace if current is None else min(current, now + grace)
             try:
                 self._deadline.reschedule(when)
             except RuntimeError:

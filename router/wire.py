@@ -32,7 +32,12 @@ class WireError(Exception):
 
 
 class ConnectError(WireError):
-    """The connection could not be opened (refused, unreachable, connect timeout)."""
+    """The connection could not be opened: refused or unreachable (nothing listens there), or, with
+    ``timed_out``, no answer to the connect within the deadline (a full accept queue looks the same)."""
+
+    def __init__(self, message: str, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 class ProtocolError(WireError):
@@ -173,7 +178,9 @@ class WireClient:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(key[0], key[1], limit=_MAX_LINE), self.connect_timeout_s
             )
-        except (OSError, TimeoutError) as exc:
+        except TimeoutError:
+            raise ConnectError(f"no answer connecting to {key[0]}:{key[1]}", timed_out=True) from None
+        except OSError as exc:
             raise ConnectError(f"cannot connect to {key[0]}:{key[1]}: {exc!r}") from None
         return _Conn(key, reader, writer)
 

@@ -40,6 +40,7 @@ ENV = {
     "KVFERRY_MAX_PREFILL_TOKENS": "128",
     "KVFERRY_PAGE_SIZE": "16",
     "KVFERRY_ROUTER_LOCAL_PREFIX_FRACTION": "2",
+    "KVFERRY_MAX_RUNNING": "8",  # a short batch, so the overload tests fill the decode worker's queue quickly
 }
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -345,3 +346,160 @@ def test_redis_stopped_mid_run_requests_still_succeed(client: openai.OpenAI, clu
             break
         time.sleep(0.5)
     assert httpx.get(f"{cluster.router_url}/router/workers").json()["prefix_index"] == "ok"
+
+
+# ---- overload: 200 or 429, never 5xx -------------------------------------------------------------------
+def _side_router(cluster: LocalCluster, tok: RouterTokenizer, smol_path, **opts: object) -> ServerThread:
+    """A router in this process over the shared cluster's workers, with its own options; returned
+    started, once it sees every worker up."""
+    from router.app import create_app
+
+    app = create_app(
+        RouterConfig(model=MODEL, redis_url=cluster.redis_url),
+        RouterOptions(**opts),  # type: ignore[arg-type]
+        tokenizer=tok,
+        model_info=ModelInfo.from_dir(MODEL, smol_path),
+        discovery=StaticDiscovery(cluster.prefill_urls, cluster.decode_urls),
+    )
+    s = ServerThread(app).start()
+    deadline = time.monotonic() + 20
+    while not all(w["up"] for w in httpx.get(f"{s.url}/router/workers").json()["workers"]):
+        assert time.monotonic() < deadline, "side router never saw the workers up"
+        time.sleep(0.05)
+    return s
+
+
+async def _burst(url: str, n: int, max_tokens: int) -> list[tuple[int, str | None, str]]:
+    """``n`` concurrent requests (every other one streamed); per request: status, Retry-After, and the
+    body (the streamed text for a streamed 200)."""
+    import asyncio
+
+    async def one(c: httpx.AsyncClient, i: int) -> tuple[int, str | None, str]:
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": f"Count to {i + 3}."}],
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": i % 2 == 1,
+        }
+        async with c.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+            text = (await r.aread()).decode()
+            return r.status_code, r.headers.get("retry-after"), text
+
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=n)) as c:
+        return list(await asyncio.gather(*(one(c, i) for i in range(n))))
+
+
+def _assert_200_or_429(results: list[tuple[int, str | None, str]], max_tokens: int) -> list[str]:
+    """Every answer is a complete 200 or a 429 with Retry-After and an OpenAI error body; returns the
+    429s' messages."""
+    import json
+
+    rejected = []
+    for status, retry_after, text in results:
+        assert status in (200, 429), (status, text)
+        if status == 429:
+            assert retry_after is not None and int(retry_after) >= 1
+            err = json.loads(text)["error"]
+            assert err["type"] == "rate_limit_error" and err["code"] == "rate_limit_exceeded"
+            rejected.append(err["message"])
+        elif text.startswith("data: "):  # streamed: complete, no error event inside the 200
+            assert text.rstrip().endswith("data: [DONE]") and '"error"' not in text, text[-300:]
+        else:
+            assert json.loads(text)["usage"]["completion_tokens"] == max_tokens
+    return rejected
+
+
+def test_overload_is_answered_429_never_5xx(cluster: LocalCluster, tok: RouterTokenizer, smol_path) -> None:
+    """A router whose admission limit is 4 waiting requests per decode worker, hit by 24 at once: the
+    excess gets 429 + Retry-After before anything starts, the rest complete, nothing is a 5xx, and the
+    cluster serves normally right after."""
+    import asyncio
+
+    with _side_router(cluster, tok, smol_path, admit_max_waiting=4, poll_interval_s=0.1) as s:
+        results = asyncio.run(_burst(s.url, 24, max_tokens=8))
+        rejected = _assert_200_or_429(results, 8)
+        assert 0 < len(rejected) < len(results), [r[0] for r in results]
+        assert all("admission limits" in m for m in rejected), rejected
+        decisions = httpx.get(f"{s.url}/router/workers").json()["decisions"]
+        assert decisions.get("rejected-decode-full") == len(rejected), decisions
+        r = httpx.post(f"{s.url}/v1/chat/completions", json={"messages": FRANCE, "max_tokens": 8}, timeout=60)
+        assert r.status_code == 200, r.text
+
+
+def test_worker_with_a_full_queue_answers_429_and_the_router_passes_it_on(
+    cluster: LocalCluster, tok: RouterTokenizer, smol_path
+) -> None:
+    """With the router's own admission off, the decode worker's queue (ENV: 8 running at most) fills up:
+    the worker refuses with 429, the router, having no other decode worker to retry on, answers 429 +
+    Retry-After; never a 5xx; the worker keeps serving."""
+    import asyncio
+
+    async def two_waves(url: str) -> list[tuple[int, str | None, str]]:
+        first = asyncio.ensure_future(_burst(url, 24, max_tokens=24))
+        await asyncio.sleep(0.5)  # the first wave fills the batch and the queue behind it
+        second = await _burst(url, 8, max_tokens=4)
+        return [*await first, *second]
+
+    with _side_router(cluster, tok, smol_path, admit_max_waiting=0, admit_max_queued_prefill_tokens=0) as s:
+        results = asyncio.run(two_waves(s.url))
+    rejected = _assert_200_or_429(results[:24], 24) + _assert_200_or_429(results[24:], 4)
+    assert rejected and all("engine queue is full" in m for m in rejected), rejected
+    r = httpx.post(f"{cluster.router_url}/v1/chat/completions", json={"messages": FRANCE, "max_tokens": 8}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_a_worker_too_busy_to_answer_its_polls_is_not_declared_down(
+    cluster: LocalCluster, tok: RouterTokenizer, smol_path
+) -> None:
+    """The decode worker's control plane frozen for 2.5 s (SIGSTOP; its engine runs on): the router's
+    polls time out, so the worker turns stale, but it stays up: the stream in flight finishes whole, and
+    a request sent meanwhile waits for it and succeeds (it was a 503 when a slow poll meant down)."""
+    import threading
+
+    part = next(p for p in cluster.parts if p.url == cluster.decode_urls[0])
+    assert part.proc is not None
+    opts = dict(poll_interval_s=0.1, poll_timeout_s=0.3, down_after_failures=3, down_after_s=5.0)
+    with _side_router(cluster, tok, smol_path, **opts) as s:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0, timeout=60)
+        stream = client.completions.create(
+            model=MODEL,
+            prompt="Once upon a time",
+            max_tokens=40,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        it = iter(stream)
+        texts = [next(it).choices[0].text]
+        during: dict[str, httpx.Response] = {}
+        os.kill(part.proc.pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 10
+            while not _decode_entry(s.url)["stale"]:
+                assert time.monotonic() < deadline, "polls of a frozen worker never failed"
+                time.sleep(0.05)
+            sender = threading.Thread(
+                target=lambda: during.setdefault(
+                    "r", httpx.post(f"{s.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
+                )
+            )
+            sender.start()
+            time.sleep(2.5)
+            decode = _decode_entry(s.url)
+            assert decode["up"] and decode["stale"], decode
+        finally:
+            os.kill(part.proc.pid, signal.SIGCONT)
+        chunks = list(it)
+        texts += [c.choices[0].text for c in chunks]
+        assert chunks[-1].choices[0].finish_reason == "length"
+        sender.join(60)
+        assert during["r"].status_code == 200, during["r"].text
+        deadline = time.monotonic() + 10
+        while _decode_entry(s.url)["stale"]:
+            assert time.monotonic() < deadline, "the worker answering again is not fresh again"
+            time.sleep(0.05)
+
+
+def _decode_entry(router_url: str) -> dict:
+    return next(w for w in httpx.get(f"{router_url}/router/workers").json()["workers"] if w["role"] == "decode")

@@ -1,4 +1,14 @@
-"""What both workers' control planes share: the engine process, health/readiness, load, metrics, drain."""
+"""What both workers' control planes share: the engine process, health/readiness, load, metrics, drain.
+
+Busy is not dead: ``/health``, ``/ready`` and ``/load`` are answered by this process (the engine is a
+separate one) from its last engine snapshot (pushed every 0.1 s), by a plain-ASGI front (``ProbeFront``)
+ahead of FastAPI's routing, so neither a long engine step nor a busy request path delays them. An engine
+process that died is seen at once: its process is gone or its pipe closed, and ``/health`` turns 503.
+
+A decode worker whose engine queue is full (as many requests waiting as it can run at once: each new one
+would wait a whole batch's lifetime) refuses new generate requests with 429 + Retry-After, which the
+router turns into a retry on another worker or a 429 to its client.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +30,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common.config import WorkerConfig
 from common.protocol import LoadSnapshot
@@ -36,9 +47,7 @@ def error_response(
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
     """OpenAI-shaped error body; workers and router answer errors the same way."""
-    return JSONResponse(
-        {"error": {"message": message, "type": type_, "param": None, "code": code}}, status_code=status, headers=headers
-    )
+    return JSONResponse(_error_body(message, type_, code), status_code=status, headers=headers)
 
 
 @dataclass
@@ -145,6 +154,11 @@ class WorkerState:
             if self.proc.is_alive():
                 self.proc.kill()
 
+    def queue_full(self) -> bool:
+        """The engine's waiting queue (last snapshot) is as long as its running batch can be."""
+        load = self.load
+        return load is not None and load.waiting_requests >= max(1, self.cfg.runner.max_running)
+
     def snapshot(self) -> LoadSnapshot:
         base = self.load or LoadSnapshot(
             role=self.cfg.role,
@@ -185,22 +199,7 @@ def create_worker_app(state: WorkerState, add_routes: Callable[[FastAPI, WorkerS
         status = ENGINE_ERROR_STATUS.get(exc.code, 503)
         return error_response(status, str(exc), "invalid_request_error" if status < 500 else "unavailable", exc.code)
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        if state.proc is not None and not state.alive:
-            return error_response(503, "engine process is not running", "unavailable", "engine_down")
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/ready")
-    async def ready() -> JSONResponse:
-        if not state.ready:
-            why = "draining" if state.draining else "engine not ready"
-            return error_response(503, why, "unavailable", "not_ready")
-        return JSONResponse({"status": "ready"})
-
-    @app.get("/load")
-    async def load() -> JSONResponse:
-        return JSONResponse(state.snapshot().model_dump())
+    app.add_middleware(ProbeFront, state=state)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -208,6 +207,56 @@ def create_worker_app(state: WorkerState, add_routes: Callable[[FastAPI, WorkerS
 
     add_routes(app, state)
     return app
+
+
+RETRY_AFTER_S = 1
+
+
+def _probe_answer(state: WorkerState, path: str) -> tuple[int, dict[str, Any]] | None:
+    if path == "/health":
+        if state.proc is not None and not state.alive:
+            return 503, _error_body("engine process is not running", "unavailable", "engine_down")
+        return 200, {"status": "ok"}
+    if path == "/ready":
+        if not state.ready:
+            why = "draining" if state.draining else "engine not ready"
+            return 503, _error_body(why, "unavailable", "not_ready")
+        return 200, {"status": "ready"}
+    if path == "/load":
+        return 200, state.snapshot().model_dump()
+    return None
+
+
+def _error_body(message: str, type_: str, code: str | None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+
+
+class ProbeFront:
+    """Plain ASGI in front of the worker app: answers ``GET /health|/ready|/load`` from the control
+    plane's own state, and refuses ``POST /internal/generate`` with 429 while the engine queue is full."""
+
+    def __init__(self, app: ASGIApp, state: WorkerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            answer = None
+            headers: list[tuple[bytes, bytes]] = []
+            if scope["method"] == "GET":
+                answer = _probe_answer(self.state, scope["path"])
+            elif scope["path"] == "/internal/generate" and self.state.cfg.role == "decode" and self.state.queue_full():
+                message = "the engine queue is full; retry shortly or on another worker"
+                answer = 429, _error_body(message, "rate_limit_error", "queue_full")
+                headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
+            if answer is not None:
+                status, obj = answer
+                body = json.dumps(obj).encode()
+                headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+                await send({"type": "http.response.start", "status": status, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
 
 
 def _validation_message(errors: Any) -> str:

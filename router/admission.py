@@ -1,0 +1,62 @@
+"""Admission: which workers can take one more request now, so overload is answered 429 + Retry-After
+before latency collapses, instead of queueing without bound (or failing with 5xx).
+
+A worker is *full* for a request when any of these holds (each threshold a ``KVFERRY_ROUTER_ADMIT_*``
+setting, router/settings.py; 0 turns that check off):
+
+decode worker d
+    backlog_d = waiting_d + sent_since_poll_d >= admit_max_waiting
+        Requests queued for admission on d: its last snapshot's waiting queue plus what this router
+        sent it after that snapshot (counted as waiting until a snapshot says otherwise: the
+        pessimistic reading of a stale figure). Every waiting request adds about one request's worth
+        of TTFT to those behind it, so a long queue is where latency collapses first.
+    queued_prefill_tokens_d >= admit_max_queued_prefill_tokens
+        Prompt tokens waiting for its prefill (short prompts and prefix hits prefill on the decode pod).
+    free_pages_d * page_size < prompt + max_tokens  and  backlog_d > 0
+        Its KV cannot hold this request and others already wait: this one would wait behind them for
+        running requests to finish (decode pods reserve KV for the whole output).
+
+prefill worker p
+    max(queued_prefill_tokens_p, inflight_tokens_p) >= admit_max_queued_prefill_tokens
+        The prefill queue in tokens (the pod's figure or this router's own count of prompt tokens sent
+        and not yet started, whichever is larger): TTFT grows linearly with it.
+
+The router routes among the workers that are not full. When every ready decode worker is full, or a
+prompt long enough to disaggregate finds every prefill worker full, the request gets 429 with
+``Retry-After`` (nothing was started anywhere). A worker that refuses a request itself (429: its engine
+queue is full) is skipped and the request retried once on another, then answered 429 (router/upstream.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.pool import Worker
+
+__all__ = ["AdmissionLimits", "decode_is_full", "prefill_is_full"]
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    max_waiting: int = 32  # per decode worker: requests waiting for a batch slot
+    max_queued_prefill_tokens: int = 32768  # per worker: prompt tokens waiting for prefill
+
+
+def decode_is_full(w: Worker, need_tokens: int, limits: AdmissionLimits) -> bool:
+    load = w.load
+    waiting = load.waiting_requests if load is not None else 0
+    backlog = waiting + w.sent_since_poll
+    if limits.max_waiting and backlog >= limits.max_waiting:
+        return True
+    if load is None:
+        return False
+    if limits.max_queued_prefill_tokens and load.queued_prefill_tokens >= limits.max_queued_prefill_tokens:
+        return True
+    return backlog > 0 and load.total_pages > 0 and load.free_pages * load.page_size < need_tokens
+
+
+def prefill_is_full(w: Worker, limits: AdmissionLimits) -> bool:
+    if not limits.max_queued_prefill_tokens:
+        return False
+    queued = w.load.queued_prefill_tokens if w.load is not None else 0
+    return max(queued, w.inflight_tokens) >= limits.max_queued_prefill_tokens
