@@ -46,6 +46,7 @@ from common.protocol import KVLayoutInfo
 from common.transfer.agent import KVTransferAgent
 from common.transfer.descs import page_runs
 from common.transfer.sender import KVSender, RequestTransfer
+from common.transfer.session import TERMINAL, SessionState
 
 LAYOUTS = {
     # SmolLM2-135M: 30 layers, 3 KV heads, head dim 64; float32 on CPU (45 KiB/token).
@@ -141,14 +142,14 @@ def dst_pattern(n_pages: int, run_pages: int, num_pages: int, seed: int) -> torc
 
 def one_transfer(sender: KVSender, rx: Any, src: torch.Tensor, dst: torch.Tensor, chunk_pages: int, tag: str) -> Rep:
     t0 = time.monotonic()
-    rt: RequestTransfer = sender.request("bench-decode", TIMEOUT_S)
+    rt: RequestTransfer = sender.request(tag, "bench-decode", TIMEOUT_S)
     for i in range(0, src.numel(), chunk_pages):
         rt.post(src[i : i + chunk_pages], dst[i : i + chunk_pages])
     state = rt.finish(tag.encode())
-    if state == "pending":
+    if state not in TERMINAL:
         state = rt.wait()
     t1 = time.monotonic()
-    if state != "done":
+    if state is not SessionState.LANDED:
         raise RuntimeError(f"transfer failed: {rt.error}")
     kind, msg, t_seen = rx.get(timeout=TIMEOUT_S)
     if kind != "notif" or msg != tag.encode():
@@ -212,13 +213,14 @@ def run_overlap(args: argparse.Namespace, sender: KVSender, rx: Any, dst_all: to
 
     def write(s: torch.Tensor, d: torch.Tensor, between: Any = None) -> None:
         t0 = time.perf_counter()
-        rt = sender.request("bench-decode", TIMEOUT_S)
+        tag = f"ov-{next(tags)}"
+        rt = sender.request(tag, "bench-decode", TIMEOUT_S)
         rt.post(s, d)
         post_times.append(time.perf_counter() - t0)
         if between is not None:
             between()
-        rt.finish(f"ov-{next(tags)}".encode())
-        if rt.wait() != "done":
+        rt.finish(tag.encode())
+        if rt.wait() is not SessionState.LANDED:
             raise RuntimeError(rt.error)
         rx.get(timeout=TIMEOUT_S)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 PROTOCOL_VERSION = 1
 MAX_TOP_LOGPROBS = 20
@@ -61,6 +61,9 @@ class GenerateRequest(_Message):
     token_ids: list[int] = Field(min_length=1)
     sampling: SamplingParams
     prefill_url: str | None = None
+    # Deadline for the remote prefill and its KV transfer (None: the decode worker's default, 60 s); the prefill
+    # worker gets the same deadline for its writes.
+    kv_timeout_s: float | None = Field(None, gt=0, le=3600)
 
 
 class TokenEvent(BaseModel):
@@ -116,6 +119,30 @@ class PrefillRequest(_Message):
     dst_instance_id: str
     dst_pages: list[int]
     deadline_s: float = Field(60.0, gt=0)
+
+
+class KVNotice(BaseModel):
+    """Prefill -> decode over NIXL, the last message of one request's transfer: no write for `req_id` follows.
+
+    "landed": every write completed; `token` (and `logprob`) is the first sampled token. "closed": the prefill
+    side gave up (`error` says why) after its posted writes completed or were cancelled.
+    See common/transfer/session.py.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    req_id: str = Field(min_length=1, max_length=128)
+    outcome: Literal["landed", "closed"]
+    token: int | None = Field(None, ge=0)
+    logprob: TokenLogprob | None = None
+    cached_tokens: int = Field(0, ge=0)
+    checksums: list[float] | None = None  # debug mode: per-page sums on the prefill side
+    error: str | None = Field(None, max_length=4000)
+
+    @model_validator(mode="after")
+    def _landed_has_token(self) -> KVNotice:
+        if self.outcome == "landed" and self.token is None:
+            raise ValueError("a landed notice carries the first token")
+        return self
 
 
 class PrefillAccepted(_Message):

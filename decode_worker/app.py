@@ -1,8 +1,11 @@
 """The decode worker's control plane: `generate` streams token ids; remote prefill is arranged from here.
 
 For a request with a prefill peer, the engine reserves pages; this side then handshakes with the peer
-(once per peer instance) and holds the peer's `/internal/prefill` stream open until the KV has landed.
-A dropped stream before that means the peer died: the request fails at once instead of at its deadline.
+(once per peer instance), asks the engine's leave to send the page ids (`prefill_sending`: never for a
+request given up meanwhile), and holds the peer's `/internal/prefill` stream open until the KV has landed.
+How that ends decides what the engine may do with the pages: a refusal (the peer registered nothing) frees
+them at once; anything after the peer may have started leaves them held until the peer's "closed" notice,
+or until `PeerWatch` finds the peer's agent instance gone (common/transfer/session.py).
 """
 
 from __future__ import annotations
@@ -26,18 +29,24 @@ from common.protocol import (
     KVLayoutInfo,
     PrefillRequest,
 )
-from common.serving.channel import Message
+from common.serving.channel import EngineError, Message
 from common.serving.control import WorkerState, create_worker_app, error_response, read_message
 from common.serving.engine_host import engine_main
 from decode_worker.engine_loop import DecodeHost
 
 log = logging.getLogger("kvferry.decode")
 
-PREFILL_TIMEOUT_S = 60.0
+PREFILL_TIMEOUT_S = 60.0  # default deadline of a remote prefill and its KV transfer (GenerateRequest.kv_timeout_s)
+PROBE_INTERVAL_S = 0.5  # how often a peer that may still write into given-up pages is asked whether it lives
+# Answers of a prefill worker that registered nothing (so it writes nothing): bad request, unknown peer
+# (handshake again), queue full, not ready.
+REFUSALS = frozenset({400, 409, 429, 503})
 
 
 class PeerFailure(RuntimeError):
-    pass
+    def __init__(self, message: str, started: bool) -> None:
+        super().__init__(message)
+        self.started = started  # the peer may have registered the request: writes may still come
 
 
 @dataclass
@@ -48,6 +57,7 @@ class PrefillPeers:
     http: httpx.AsyncClient
     known: dict[str, HandshakeResponse] = field(default_factory=dict)
     locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+    urls: dict[tuple[str, str], str] = field(default_factory=dict)  # (agent, instance) -> URL, kept for PeerWatch
 
     async def ensure(self, url: str, force: bool = False) -> HandshakeResponse:
         lock = self.locks.setdefault(url, asyncio.Lock())
@@ -65,12 +75,59 @@ class PrefillPeers:
             try:
                 r = await self.http.post(f"{url}/internal/handshake", json=body.model_dump(), timeout=10.0)
             except httpx.HTTPError as e:
-                raise PeerFailure(f"handshake with prefill worker {url} failed: {e!r}") from None
+                raise PeerFailure(f"handshake with prefill worker {url} failed: {e!r}", started=False) from None
             if r.status_code != 200:
-                raise PeerFailure(f"prefill worker {url} refused the handshake: {_error_text(r)}")
-            resp = HandshakeResponse.model_validate(r.json())
+                raise PeerFailure(f"prefill worker {url} refused the handshake: {_error_text(r)}", started=False)
+            try:
+                resp = HandshakeResponse.model_validate(r.json())
+            except ValueError as e:
+                raise PeerFailure(f"prefill worker {url} sent a bad handshake: {e}", started=False) from None
             self.known[url] = resp
+            self.urls[(resp.agent_name, resp.instance_id)] = url
             return resp
+
+
+@dataclass
+class PeerWatch:
+    """Asks the prefill peers that may still write into given-up pages whether they live; one that refuses
+    connections, runs another agent instance, or has lost its engine is gone, and the engine is told so.
+    A peer that does not answer (frozen, partitioned) is not known gone: its pages stay held."""
+
+    state: WorkerState
+    peers: PrefillPeers
+    awaited: set[tuple[str, str]] = field(default_factory=set)
+    task: asyncio.Task[None] | None = None
+
+    def update(self, msg: Message) -> None:
+        self.awaited = {(str(a), str(i)) for a, i in msg["peers"]}
+        if self.awaited and (self.task is None or self.task.done()):
+            self.task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while self.awaited:
+            for agent, instance in list(self.awaited):
+                url = self.peers.urls.get((agent, instance))
+                if url is not None and await self._gone(url, instance):
+                    log.info("prefill peer gone", extra={"peer": agent, "url": url})
+                    self.awaited.discard((agent, instance))
+                    assert self.state.client is not None
+                    self.state.client.cast({"op": "peer_gone", "peer": agent, "peer_instance": instance})
+            await asyncio.sleep(PROBE_INTERVAL_S)
+
+    async def _gone(self, url: str, instance: str) -> bool:
+        try:
+            r = await self.peers.http.get(f"{url}/internal/agent", timeout=2.0)
+        except httpx.ConnectError:
+            return True  # nothing listens at its address: the process is gone
+        except httpx.HTTPError:
+            return False
+        if r.status_code != 200:
+            return False
+        try:
+            body = r.json()
+        except ValueError:
+            return False
+        return body.get("instance_id") != instance or body.get("engine_alive") is False
 
 
 def _error_text(r: httpx.Response) -> str:
@@ -80,14 +137,22 @@ def _error_text(r: httpx.Response) -> str:
         return f"HTTP {r.status_code}"
 
 
-async def _remote_prefill(state: WorkerState, peers: PrefillPeers, gen: GenerateRequest, pages: list[int]) -> None:
-    """Asks the prefill peer to fill `pages`; tells the engine when that cannot happen."""
-    assert gen.prefill_url is not None and state.client is not None
+async def _remote_prefill(
+    state: WorkerState, peers: PrefillPeers, gen: GenerateRequest, pages: list[int], timeout_s: float
+) -> None:
+    """Asks the prefill peer to fill `pages`; tells the engine when that cannot happen, and whether the peer
+    may have started (then the pages wait for its word)."""
+    client = state.client
+    assert gen.prefill_url is not None and client is not None
     url = gen.prefill_url.rstrip("/")
-    error = None
     try:
         for attempt in range(2):
-            await peers.ensure(url, force=attempt > 0)
+            hs = await peers.ensure(url, force=attempt > 0)
+            leave = {"op": "prefill_sending", "req_id": gen.req_id, "peer": hs.agent_name}
+            try:
+                await client.call({**leave, "peer_instance": hs.instance_id})
+            except EngineError:
+                return  # given up meanwhile: the page ids never leave this worker
             agent = state.agent
             body = PrefillRequest(
                 req_id=gen.req_id,
@@ -96,42 +161,50 @@ async def _remote_prefill(state: WorkerState, peers: PrefillPeers, gen: Generate
                 dst_agent=agent["agent_name"],
                 dst_instance_id=agent["instance_id"],
                 dst_pages=pages,
-                deadline_s=PREFILL_TIMEOUT_S,
+                deadline_s=timeout_s,
             )
-            async with peers.http.stream(
-                "POST",
-                f"{url}/internal/prefill",
-                json=body.model_dump(),
-                timeout=httpx.Timeout(10.0, read=PREFILL_TIMEOUT_S),
-            ) as r:
-                if r.status_code == 409 and attempt == 0:
-                    continue  # the peer restarted and lost our handshake: redo it once
-                if r.status_code != 200:
-                    await r.aread()
-                    raise PeerFailure(f"prefill worker {url} refused the request: {_error_text(r)}")
-                async for line in r.aiter_lines():
-                    if not line:
+            try:
+                async with peers.http.stream(
+                    "POST",
+                    f"{url}/internal/prefill",
+                    json=body.model_dump(),
+                    timeout=httpx.Timeout(10.0, read=timeout_s),
+                ) as r:
+                    if r.status_code == 409 and attempt == 0:
+                        # The peer restarted and lost our handshake; it registered nothing: redo it once.
+                        await client.call({"op": "prefill_refused", "req_id": gen.req_id})
                         continue
-                    msg = json.loads(line)
-                    if "error" in msg:
-                        raise PeerFailure(f"prefill failed: {msg['error']}")
-                    if msg.get("done"):
-                        return
-                raise PeerFailure(f"prefill worker {url} closed the stream before finishing")
+                    if r.status_code != 200:
+                        await r.aread()
+                        raise PeerFailure(
+                            f"prefill worker {url} refused the request: {_error_text(r)}",
+                            started=r.status_code not in REFUSALS,
+                        )
+                    async for line in r.aiter_lines():
+                        if not line:
+                            continue
+                        msg = json.loads(line)
+                        if "error" in msg:
+                            raise PeerFailure(f"prefill failed: {msg['error']}", started=True)
+                        if msg.get("done"):
+                            return
+                    raise PeerFailure(f"prefill worker {url} closed the stream before finishing", started=True)
+            except httpx.ConnectError as e:
+                raise PeerFailure(f"prefill worker {url} unreachable: {e!r}", started=False) from None
+            except (httpx.HTTPError, ValueError) as e:
+                raise PeerFailure(f"prefill worker {url} failed: {e!r}", started=True) from None
     except PeerFailure as e:
-        error = str(e)
-    except (httpx.HTTPError, ValueError) as e:
-        error = f"prefill worker {url} failed: {e!r}"
+        peers.known.pop(url, None)
+        client.cast({"op": "prefill_failed", "req_id": gen.req_id, "error": str(e), "started": e.started})
     except asyncio.CancelledError:
         return
-    if error is not None:
-        peers.known.pop(url, None)
-        state.client.cast({"op": "prefill_failed", "req_id": gen.req_id, "error": error})
 
 
 def _add_routes(app: FastAPI, state: WorkerState) -> None:
     http = httpx.AsyncClient(limits=httpx.Limits(max_connections=512, max_keepalive_connections=64))
     peers = PrefillPeers(state, http)
+    watch = PeerWatch(state, peers)
+    state.event_handlers["awaiting_peers"] = watch.update
     reservations: dict[str, asyncio.Future[list[int]]] = {}
 
     def on_reserved(msg: Message) -> None:
@@ -150,6 +223,7 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
         assert client is not None
         queue = client.open_stream(gen.req_id)
         remote = gen.prefill_url is not None
+        timeout_s = gen.kv_timeout_s or PREFILL_TIMEOUT_S
         if remote:
             reservations[gen.req_id] = asyncio.get_running_loop().create_future()
         try:
@@ -160,7 +234,7 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
                     "token_ids": gen.token_ids,
                     "sampling": gen.sampling.model_dump(),
                     "remote": remote,
-                    "timeout_s": PREFILL_TIMEOUT_S,
+                    "timeout_s": timeout_s,
                 }
             )
         except BaseException:
@@ -175,7 +249,7 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
                 pages = await reserved
             finally:
                 reservations.pop(gen.req_id, None)
-            await _remote_prefill(state, peers, gen, pages)
+            await _remote_prefill(state, peers, gen, pages, timeout_s)
 
         prefill_task = asyncio.create_task(arrange_prefill(reservations[gen.req_id])) if remote else None
 
@@ -213,4 +287,6 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
 def create_app(cfg: WorkerConfig | None = None) -> FastAPI:
     cfg = cfg or WorkerConfig.from_env("decode")
     state = WorkerState(cfg, engine_main, DecodeHost)
+    state.event_handlers["kv_integrity"] = lambda m: state.metrics.kv_integrity_violations.inc(m["violations"])
+    state.event_handlers["kv_forced_release"] = lambda m: state.metrics.kv_forced_releases.inc(m["requests"])
     return create_worker_app(state, _add_routes)

@@ -1,23 +1,29 @@
-"""The decode worker's engine loop: reserve pages for remote prefill, admit on the KV notification, decode."""
+"""The decode worker's engine loop: reserve pages for remote prefill, admit on the KV notice, decode.
+
+One request's transfer here (states in common/transfer/session.py): `generate` queues it, `_try_reserve`
+reserves its pages (session "reserved") and hands the page ids to the control plane, which may send them to
+the prefill peer only after `prefill_sending` moved the session to "requested". The peer's notice ends it
+(`tick`): "landed" admits the request into the running batch. A request given up on before that keeps its
+pages (`held`) until its peer confirms that no write follows, or is known gone (`peer_gone`); the control
+plane watches the peers listed in the "awaiting_peers" event.
+"""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
+from common.kv.integrity import IdleLedgerCheck
 from common.kv.pool import checksums_match
-from common.protocol import TokenLogprob
-from common.sched.request import Req, ReqState
+from common.sched.request import Req
 from common.serving.channel import Message
 from common.serving.engine_host import EngineHost
+from common.transfer.receiver import Arrival, KVReceiver
 
 log = logging.getLogger("kvferry.decode")
-
-QUARANTINE_S = 2.0
 
 
 @dataclass
@@ -34,35 +40,50 @@ class DecodeHost(EngineHost):
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        from common.transfer.receiver import KVReceiver
-
         self.receiver = KVReceiver(self.agent)
         self.remote: dict[str, PendingRemote] = {}
-        # Pages of requests aborted while a prefill peer was writing them: a late NIXL write must land in
-        # pages nobody else uses yet, so they are freed only after a grace period.
-        self.quarantine: list[tuple[float, Req]] = []
-        self.scheduler.on_kv_abandoned = lambda req: self.quarantine.append((time.monotonic() + QUARANTINE_S, req))
+        # Given-up requests whose pages a prefill peer may still write: freed when their session ends.
+        self.held: dict[str, Req] = {}
+        self.scheduler.on_kv_abandoned = self._on_kv_abandoned
+        self.awaited: set[tuple[str, str]] = set()  # last "awaiting_peers" sent to the control plane
+        self.ledger_check = IdleLedgerCheck()
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.remote) or bool(self.quarantine)
+        return self.scheduler.has_work() or bool(self.remote) or bool(self.held)
 
     def handle_role(self, msg: Message) -> None:
         op = msg["op"]
-        if op != "generate":
-            self.reject(msg, f"unknown op {op!r}", "invalid_request")
-            return
-        req = self.make_req(msg)
-        if msg.get("remote"):
-            self.scheduler.validate(req)
-            if req.req_id in self.scheduler.by_id or req.req_id in self.remote:
-                self.reject(msg, f"duplicate request id {req.req_id!r}", "invalid_request")
-                return
-            self.remote[req.req_id] = PendingRemote(req, time.monotonic() + float(msg.get("timeout_s", 60.0)))
+        if op == "generate":
+            self._generate(msg)
+        elif op == "prefill_sending":
+            # The control plane asks before the page ids leave this worker: never for a request given up.
+            if self.receiver.begin(msg["req_id"], str(msg["peer"]), str(msg["peer_instance"])):
+                self.reply(msg)
+            else:
+                self.reject(msg, "the request no longer waits for its KV", "aborted")
+        elif op == "prefill_refused":
+            self.receiver.refused(msg["req_id"])
             self.reply(msg)
-            self._try_reserve()
+        elif op == "prefill_failed":  # cast
+            self._prefill_failed(msg["req_id"], str(msg.get("error", "prefill failed")), bool(msg.get("started")))
+        elif op == "peer_gone":  # cast
+            self._peer_gone(str(msg["peer"]), str(msg["peer_instance"]))
         else:
+            self.reject(msg, f"unknown op {op!r}", "invalid_request")
+
+    def _generate(self, msg: Message) -> None:
+        req = self.make_req(msg)
+        if not msg.get("remote"):
             self.scheduler.add(req)
             self.reply(msg)
+            return
+        self.scheduler.validate(req)
+        if req.req_id in self.scheduler.by_id or req.req_id in self.remote or req.req_id in self.held:
+            self.reject(msg, f"duplicate request id {req.req_id!r}", "invalid_request")
+            return
+        self.remote[req.req_id] = PendingRemote(req, time.monotonic() + float(msg.get("timeout_s", 60.0)))
+        self.reply(msg)
+        self._try_reserve()
 
     def _try_reserve(self) -> None:
         for rid, pending in self.remote.items():
@@ -72,64 +93,104 @@ class DecodeHost(EngineHost):
             if pages is None:
                 break  # first come, first served: later requests wait behind this one
             pending.reserved = True
+            self.receiver.reserve(rid)
             self.outbox.append({"ev": "reserved", "req_id": rid, "pages": pages.tolist()})
 
+    # ---- giving up -----------------------------------------------------------------------------------
     def abort(self, req_id: str, reason: str, error: str | None) -> None:
         pending = self.remote.pop(req_id, None)
         if pending is not None and not pending.reserved:
             self.emit(req_id, token_ids=[], finish_reason=reason if error is None else "error", error=error)
             return
+        self.receiver.give_up(req_id, error or reason)  # first: `_on_kv_abandoned` asks the session
         event = self.scheduler.abort(req_id, reason="abort" if error is None else "error", error=error)
         if event is not None:
             self.emit_step_events([event])
 
-    def handle_prefill_failed(self, req_id: str, error: str) -> None:
-        pending = self.remote.get(req_id)
-        if pending is not None:  # only before the KV arrived; afterwards the request no longer needs its peer
-            self.abort(req_id, "error", error)
+    def _on_kv_abandoned(self, req: Req) -> None:
+        if self.receiver.holds(req.req_id):
+            self.held[req.req_id] = req  # a write may still land: the pages wait for the session's end
+        else:
+            self.scheduler.free_abandoned(req)
 
+    def _release_held(self, req_id: str) -> None:
+        req = self.held.pop(req_id, None)
+        if req is not None:
+            self.scheduler.free_abandoned(req)
+
+    def _prefill_failed(self, req_id: str, error: str, started: bool) -> None:
+        if req_id not in self.remote:
+            return  # the KV arrived already, or the request ended: it no longer needs its peer
+        if not started:
+            self.receiver.give_up(req_id, error, never_started=True)
+        self.abort(req_id, "error", error)
+
+    def _peer_gone(self, peer: str, peer_instance: str) -> None:
+        for rid in self.receiver.peer_gone(peer, peer_instance):
+            if rid in self.held:
+                self._release_held(rid)
+            elif rid in self.remote:
+                self.abort(rid, "error", f"prefill worker {peer} is gone")
+
+    # ---- the loop turn ---------------------------------------------------------------------------------
     def tick(self) -> None:
-        for peer, raw in self.receiver.poll_notifications():
+        for arrival in self.receiver.poll():
             try:
-                note = json.loads(raw)
-                rid = note["req_id"]
-            except (ValueError, KeyError, TypeError):
-                log.warning("malformed KV notification", extra={"peer": peer})
-                continue
-            pending = self.remote.get(rid)
-            if pending is None or not pending.reserved or pending.req.state is not ReqState.AWAITING_KV:
-                continue  # aborted meanwhile, or not for us
-            del self.remote[rid]
-            if "error" in note:
-                self.abort(rid, "error", f"prefill failed: {note['error']}")
-                continue
-            verified = None
-            if "checksums" in note:
-                mine = self.runner.kv_checksums(torch.tensor(pending.req.pages, dtype=torch.int64))
-                verified = None if mine is None else checksums_match(mine, note["checksums"])
-                if verified is False:
-                    self.abort(rid, "error", "KV pages arrived corrupted (checksum mismatch)")
-                    continue
-            lp = TokenLogprob.model_validate(note["logprob"]) if note.get("logprob") else None
-            event = self.scheduler.admit_prefilled(rid, int(note["token"]), lp, int(note.get("cached_tokens", 0)))
-            self.emit_step_events([event])
-            if verified:
-                self.outbox[-1]["kv_verified"] = True
-        if self.quarantine and self.quarantine[0][0] <= time.monotonic():
-            now = time.monotonic()
-            due = [req for at, req in self.quarantine if at <= now]
-            self.quarantine = [(at, req) for at, req in self.quarantine if at > now]
-            for req in due:
-                self.scheduler.free_abandoned(req)
+                self._on_arrival(arrival)
+            except Exception as e:  # one request's notice must not take the engine down
+                log.exception("KV notice handling failed", extra={"req_id": arrival.req_id})
+                self.abort(arrival.req_id, "error", f"KV notice handling failed: {type(e).__name__}: {e}")
+        forced = self.receiver.overdue()
+        for rid in forced:
+            self._release_held(rid)
+        if forced:
+            self.outbox.append({"ev": "kv_forced_release", "requests": len(forced)})
         if self.remote:
             now = time.monotonic()
             for rid in [r for r, p in self.remote.items() if now > p.deadline]:
                 stage = "KV transfer" if self.remote[rid].reserved else "KV page reservation"
                 self.abort(rid, "error", f"{stage} did not finish within its deadline")
             self._try_reserve()
+        awaited = self.receiver.awaited_peers()
+        if awaited != self.awaited:
+            self.awaited = awaited
+            self.outbox.append({"ev": "awaiting_peers", "peers": sorted(awaited)})
+        s = self.scheduler
+        problems = self.ledger_check(
+            not self.has_work(), s.allocator, s.cache, ((r.pages, r.tree_pages) for r in s.by_id.values())
+        )
+        if problems:
+            self.outbox.append({"ev": "kv_integrity", "violations": len(problems)})
 
-    def handle(self, msg: Message) -> None:
-        if msg.get("op") == "prefill_failed":
-            self.handle_prefill_failed(msg["req_id"], msg.get("error", "prefill failed"))
+    def _on_arrival(self, a: Arrival) -> None:
+        if a.kind == "released":
+            self._release_held(a.req_id)
+        elif a.kind == "malformed":
+            self.abort(a.req_id, "error", a.error)  # the session holds the pages until the peer confirms or dies
+        elif a.kind == "closed":
+            self.abort(a.req_id, "error", f"prefill failed: {a.error}")
+        else:
+            self._admit(a)
+
+    def _admit(self, a: Arrival) -> None:
+        """The KV landed (the session is over: no write follows), so a failure here frees the pages at once."""
+        notice = a.notice
+        assert notice is not None and notice.token is not None
+        pending = self.remote.get(a.req_id)
+        if pending is None:
             return
-        super().handle(msg)
+        verified = None
+        if notice.checksums is not None:
+            mine = self.runner.kv_checksums(torch.tensor(pending.req.pages, dtype=torch.int64))
+            verified = None if mine is None else checksums_match(mine, notice.checksums)
+            if verified is False:
+                self.abort(a.req_id, "error", "KV pages arrived corrupted (checksum mismatch)")
+                return
+        if notice.token >= self.runner.model_config.vocab_size:
+            self.abort(a.req_id, "error", f"KV notice from {a.peer}: token {notice.token} outside the vocabulary")
+            return
+        del self.remote[a.req_id]
+        event = self.scheduler.admit_prefilled(a.req_id, notice.token, notice.logprob, notice.cached_tokens)
+        self.emit_step_events([event])
+        if verified:
+            self.outbox[-1]["kv_verified"] = True

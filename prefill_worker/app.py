@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from common.config import WorkerConfig
 from common.protocol import AbortRequest, HandshakeRequest, HandshakeResponse, KVLayoutInfo, PrefillRequest
+from common.serving.channel import EngineError
 from common.serving.control import WorkerState, create_worker_app, error_response, read_message
 from common.serving.engine_host import engine_main
 from prefill_worker.engine_loop import PrefillHost
@@ -40,8 +41,13 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
         queue = client.open_stream(pr.req_id)
         try:
             await client.call({"op": "prefill", "prefill": pr.model_dump()})
+        except EngineError:
+            client.close_stream(pr.req_id)
+            raise
         except BaseException:
             client.close_stream(pr.req_id)
+            # The caller went away while the engine may have accepted it: stop it (a no-op if it did not).
+            client.cast({"op": "abort", "req_id": pr.req_id, "error": "decode worker disconnected"})
             raise
         state.metrics.prompt.inc(len(pr.token_ids))
         state.inflight += 1
@@ -74,12 +80,36 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
         state.client.cast({"op": "abort", "req_id": ab.req_id, "error": "aborted"})
         return JSONResponse({"status": "ok"})
 
+    @app.get("/internal/agent")
+    async def agent() -> Response:
+        """Which NIXL agent instance serves here and whether its engine lives: a decode worker that gave up
+        on a request asks, to learn that the instance it sent it to is gone (then nothing of it can land)."""
+        return JSONResponse(
+            {
+                "agent": state.agent.get("agent_name"),
+                "instance_id": state.agent.get("instance_id"),
+                "engine_alive": state.alive,
+            }
+        )
+
     @app.get("/internal/stats")
     async def stats() -> Response:
-        return JSONResponse({"agent": state.agent.get("agent_name"), "instance_id": state.agent.get("instance_id")})
+        """The engine's transfer counters: writes NIXL still holds, open sessions by state, totals."""
+        body: dict[str, object] = {
+            "agent": state.agent.get("agent_name"),
+            "instance_id": state.agent.get("instance_id"),
+        }
+        if state.alive and state.client is not None:
+            try:
+                reply = await state.client.call({"op": "transfer_stats"}, timeout=5.0)
+            except (EngineError, TimeoutError):
+                reply = {}
+            body["transfer"] = {k: v for k, v in reply.items() if k not in ("rpc", "ok")}
+        return JSONResponse(body)
 
 
 def create_app(cfg: WorkerConfig | None = None) -> FastAPI:
     cfg = cfg or WorkerConfig.from_env("prefill")
     state = WorkerState(cfg, engine_main, PrefillHost)
+    state.event_handlers["kv_integrity"] = lambda m: state.metrics.kv_integrity_violations.inc(m["violations"])
     return create_worker_app(state, _add_routes)

@@ -1,21 +1,29 @@
-"""The prefill worker's engine loop: chunked prefill over the radix cache, each chunk pushed over NIXL."""
+"""The prefill worker's engine loop: chunked prefill over the radix cache, each chunk pushed over NIXL.
+
+One request's transfer here: `prefill` opens its session (`RequestTransfer`), every finished chunk's complete
+pages are posted as they are computed (`_on_chunk`), the rest and the "landed" notice when the first token is
+known (`_on_prefill_done`), and `tick` ends it: the request's pages go back to the scheduler only once the
+session is terminal, i.e. no posted write can still read them (common/transfer/session.py).
+"""
 
 from __future__ import annotations
 
-import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 
 import torch
 
-from common.protocol import HandshakeRequest, PrefillRequest
+from common.kv.integrity import IdleLedgerCheck
+from common.protocol import HandshakeRequest, KVNotice, PrefillRequest
 from common.sched.request import Req
 from common.serving.channel import Message
 from common.serving.engine_host import EngineHost
 from common.transfer.agent import PeerError
 from common.transfer.layout import LayoutMismatch
 from common.transfer.sender import KVSender, RequestTransfer, TransferError
+from common.transfer.session import TERMINAL, S
 
 log = logging.getLogger("kvferry.prefill")
 
@@ -28,8 +36,7 @@ class Outbound:
     transfer: RequestTransfer
     dst_pages: torch.Tensor
     sent_pages: int = 0
-    failed: str | None = None
-    computed: bool = False  # prefill done, pages parked until the transfer completes
+    computed: bool = False  # prefill done: the scheduler parks its pages until `release`
 
 
 class PrefillHost(EngineHost):
@@ -44,14 +51,17 @@ class PrefillHost(EngineHost):
                 "ranks' pools in shared memory (CPU ranks); GPU ranks cannot send yet: run prefill at TP=1 on "
                 "GPUs (a TP=N decode worker receives from it)"
             )
-        self.sender = KVSender(self.agent)
+        # Fault injection for tests (unset in production): every write lands this many seconds late.
+        delay = float(os.environ.get("KVFERRY_FAULT_WRITE_DELAY_S") or 0)
+        self.sender = KVSender(self.agent, fault_write_delay_s=delay)
         self.outbound: dict[str, Outbound] = {}
         self.scheduler.on_prefill_chunk = self._on_chunk
         self.scheduler.on_prefill_done = self._on_prefill_done
         self.stats = {"descs": 0, "bytes": 0, "transfers": 0}
+        self.ledger_check = IdleLedgerCheck()
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.outbound)
+        return self.scheduler.has_work() or bool(self.outbound) or self.sender.writes_in_flight > 0
 
     def handle_role(self, msg: Message) -> None:
         op = msg["op"]
@@ -72,45 +82,52 @@ class PrefillHost(EngineHost):
                 layout=self.agent.layout.model_dump(),
             )
         elif op == "prefill":
-            pr = PrefillRequest.model_validate(msg["prefill"])
-            if not self.agent.has_peer(pr.dst_agent, pr.dst_instance_id):
-                self.reject(msg, f"no handshake with {pr.dst_agent} instance {pr.dst_instance_id}", "unknown_peer")
-                return
-            # Checked here, not when the first chunk is posted: a bad page id raised inside a scheduler
-            # step would take the engine process (and every request on it) down.
-            dst_pool = self.agent.peer(pr.dst_agent).num_pages
-            if any(p < 0 or p >= dst_pool for p in pr.dst_pages):
-                self.reject(msg, f"dst_pages must lie in [0, {dst_pool}) (the peer's pool)", "invalid_request")
-                return
-            dst = torch.tensor(pr.dst_pages, dtype=torch.int64)
-            if dst.numel() != -(-len(pr.token_ids) // self.page_size):
-                self.reject(msg, "dst_pages does not cover the prompt", "invalid_request")
-                return
-            req = self.make_req(
-                {
-                    "req_id": pr.req_id,
-                    "token_ids": pr.token_ids,
-                    "sampling": {**pr.sampling.model_dump(), "max_tokens": 1},
-                }
+            self._accept(msg, PrefillRequest.model_validate(msg["prefill"]))
+        elif op == "transfer_stats":
+            states = [ob.transfer.state.value for ob in self.outbound.values()]
+            self.reply(
+                msg,
+                writes_in_flight=self.sender.writes_in_flight,
+                sessions={st: states.count(st) for st in set(states)},
+                **self.stats,
             )
-            self.scheduler.add(req)
-            transfer = self.sender.request(pr.dst_agent, pr.deadline_s)
-            self.outbound[pr.req_id] = Outbound(req, transfer, dst)
-            self.reply(msg)
         else:
             self.reject(msg, f"unknown op {op!r}", "invalid_request")
 
-    # ---- scheduler hooks (run inside a step) -------------------------------------------------------
-    def _post(self, ob: Outbound, upto_pages: int) -> None:
-        if ob.failed or upto_pages <= ob.sent_pages:
+    def _accept(self, msg: Message, pr: PrefillRequest) -> None:
+        """Opens the request's transfer session; a refusal here means nothing was registered (no write follows)."""
+        if not self.agent.has_peer(pr.dst_agent, pr.dst_instance_id):
+            self.reject(msg, f"no handshake with {pr.dst_agent} instance {pr.dst_instance_id}", "unknown_peer")
             return
-        if self.runner.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()  # the chunk's KV must be in memory before NIXL reads it
+        if pr.req_id in self.outbound:
+            self.reject(msg, f"duplicate request id {pr.req_id!r}", "invalid_request")
+            return
+        # Checked here, not when the first chunk is posted: a bad page id raised inside a scheduler
+        # step would take the engine process (and every request on it) down.
+        dst_pool = self.agent.peer(pr.dst_agent).num_pages
+        if any(p < 0 or p >= dst_pool for p in pr.dst_pages):
+            self.reject(msg, f"dst_pages must lie in [0, {dst_pool}) (the peer's pool)", "invalid_request")
+            return
+        dst = torch.tensor(pr.dst_pages, dtype=torch.int64)
+        if dst.numel() != -(-len(pr.token_ids) // self.page_size):
+            self.reject(msg, "dst_pages does not cover the prompt", "invalid_request")
+            return
+        req = self.make_req(
+            {"req_id": pr.req_id, "token_ids": pr.token_ids, "sampling": {**pr.sampling.model_dump(), "max_tokens": 1}}
+        )
+        self.scheduler.add(req)  # raises RequestRejected (-> a refusal) before anything is registered
+        self.outbound[pr.req_id] = Outbound(req, self.sender.request(pr.req_id, pr.dst_agent, pr.deadline_s), dst)
+        self.reply(msg)
+
+    # ---- scheduler hooks: the chunk's KV is in memory when they run ---------------------------------
+    def _post(self, ob: Outbound, upto_pages: int) -> None:
+        if ob.transfer.state not in (S.REQUESTED, S.WRITING) or upto_pages <= ob.sent_pages:
+            return
         src = torch.tensor(ob.req.pages[ob.sent_pages : upto_pages], dtype=torch.int64)
         try:
             ob.transfer.post(src, ob.dst_pages[ob.sent_pages : upto_pages])
-        except TransferError as e:
-            ob.failed = str(e)
+        except TransferError:
+            pass  # the session is given up; `tick` ends the request once its writes settled
         ob.sent_pages = upto_pages
 
     def _on_chunk(self, req: Req, start: int, end: int) -> None:
@@ -125,50 +142,55 @@ class PrefillHost(EngineHost):
             return
         ob.computed = True
         self._post(ob, len(ob.dst_pages))
-        if ob.failed:
+        if ob.transfer.state not in (S.REQUESTED, S.WRITING):
             return
-        lp = req.output_logprobs[0].model_dump() if req.output_logprobs else None
-        note = {"req_id": req.req_id, "token": req.output_ids[0], "logprob": lp, "cached_tokens": req.prefix_hit_len}
-        if self.debug_checksums:
-            note["checksums"] = self.runner.kv_checksums(torch.tensor(req.pages, dtype=torch.int64))
-        ob.transfer.finish(json.dumps(note).encode())
+        notice = KVNotice(
+            req_id=req.req_id,
+            outcome="landed",
+            token=req.output_ids[0],
+            logprob=req.output_logprobs[0] if req.output_logprobs else None,
+            cached_tokens=req.prefix_hit_len,
+            checksums=self.runner.kv_checksums(torch.tensor(req.pages, dtype=torch.int64))
+            if self.debug_checksums
+            else None,
+        )
+        ob.transfer.finish(notice.model_dump_json().encode())
 
     # ---- progress --------------------------------------------------------------------------------
     def tick(self) -> None:
+        self.sender.progress()
         now = time.monotonic()
         for rid in list(self.outbound):
-            ob = self.outbound[rid]
-            if ob.failed is None and not ob.computed and ob.transfer.expired(now):
-                ob.failed = "prefill did not finish within its deadline"
-            if ob.failed is not None:
-                self._finish(rid, error=ob.failed)
-                continue
-            if not ob.computed:
-                continue
-            state = ob.transfer.progress(now)
-            if state == "done":
-                self.stats["descs"] += ob.transfer.num_descs
-                self.stats["bytes"] += ob.transfer.num_bytes
-                self.stats["transfers"] += 1
-                self._finish(rid, error=None)
-            elif state == "error":
-                self._finish(rid, error=ob.transfer.error or "transfer failed")
+            if self.outbound[rid].transfer.progress(now) in TERMINAL:
+                self._finish(rid)
+        s = self.scheduler
+        problems = self.ledger_check(
+            not self.has_work(), s.allocator, s.cache, ((r.pages, r.tree_pages) for r in s.by_id.values())
+        )
+        if problems:
+            self.outbox.append({"ev": "kv_integrity", "violations": len(problems)})
 
-    def _finish(self, rid: str, error: str | None) -> None:
+    def _finish(self, rid: str) -> None:
+        """The session is terminal: no posted write reads the request's pages any more; give them back."""
         ob = self.outbound.pop(rid)
-        if ob.transfer.state == "pending":
-            ob.transfer.abort(error or "aborted")
+        t = ob.transfer
         if ob.computed:
             self.scheduler.release(ob.req)
         else:
-            self.scheduler.abort(rid, reason="error", error=error)
-        fields = {"done": True, "descs": ob.transfer.num_descs, "cached_tokens": ob.req.prefix_hit_len}
-        if error is not None:
-            fields = {"error": error}
-        self.emit(rid, **fields)
+            self.scheduler.abort(rid, reason="error", error=t.error)
+        if t.state is S.LANDED:
+            self.stats["descs"] += t.num_descs
+            self.stats["bytes"] += t.num_bytes
+            self.stats["transfers"] += 1
+            self.emit(rid, done=True, descs=t.num_descs, cached_tokens=ob.req.prefix_hit_len)
+        else:
+            self.emit(rid, error=t.error or "transfer failed")
 
     def abort(self, req_id: str, reason: str, error: str | None) -> None:
         ob = self.outbound.get(req_id)
-        if ob is not None:
-            ob.failed = error or "aborted by the decode worker"
-            self._finish(req_id, error=ob.failed)
+        if ob is None:
+            return
+        # Until the posted writes settle the request stays in the scheduler (its pages are read by them); a
+        # prefill that completes meanwhile is parked by `_on_prefill_done` and released by `_finish`.
+        if ob.transfer.cancel(error or "aborted by the decode worker") in TERMINAL:
+            self._finish(req_id)

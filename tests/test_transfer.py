@@ -95,6 +95,7 @@ def _receiver_main(name: str, cmd_q: Any, out_q: Any) -> None:
 
 def _sender_main(name: str, cmd_q: Any, out_q: Any) -> None:
     from common.transfer.sender import KVSender, TransferError
+    from common.transfer.session import TERMINAL
 
     torch.manual_seed(0)
     pool = KVPool(_layout(), NUM_PAGES)
@@ -118,16 +119,16 @@ def _sender_main(name: str, cmd_q: Any, out_q: Any) -> None:
             out_q.put(("has_peer", agent.has_peer(cmd[1], cmd[2])))
         elif op == "write":
             _, peer, chunks, notif = cmd
-            rt = sender.request(peer, timeout_s=STEP_TIMEOUT_S)
+            rt = sender.request("req-1", peer, timeout_s=STEP_TIMEOUT_S)
             handles = [rt.post(torch.tensor(s), torch.tensor(d)) for s, d in chunks]
             state = rt.finish(notif)
-            if state == "pending":
+            if state not in TERMINAL:
                 state = rt.wait()
             src = torch.tensor([p for s, _ in chunks for p in s])
             out_q.put(
                 (
                     "written",
-                    state,
+                    state.value,
                     rt.error,
                     [h.num_descs for h in handles],
                     [h.num_runs for h in handles],
@@ -135,7 +136,7 @@ def _sender_main(name: str, cmd_q: Any, out_q: Any) -> None:
                 )
             )
         elif op == "begin":  # a request whose pages were reserved on the peer's current instance
-            held["rt"] = sender.request(cmd[1], timeout_s=STEP_TIMEOUT_S)
+            held["rt"] = sender.request("req-held", cmd[1], timeout_s=STEP_TIMEOUT_S)
             out_q.put(("begun",))
         elif op == "post_held":
             try:
@@ -197,7 +198,7 @@ def _write_and_check(sender: _Child, receiver: _Child, peer: str, notif: bytes) 
     receiver.send("expect", dst, STEP_TIMEOUT_S, 0.5)
     sender.send("write", peer, CHUNKS, notif)
     _, state, error, descs, runs, src_sums = sender.recv()
-    assert state == "done", error
+    assert state == "landed", error
     _, got, sums_at_notif = receiver.recv(STEP_TIMEOUT_S + 5)
     assert got == [("prefill-0", notif)], got  # exactly once
     # Checksummed when the notification was seen: every chunk's data had landed by then.

@@ -1,27 +1,172 @@
-"""Decode side: learn which requests' KV has landed.
+"""Decode side of every request's transfer session: which requests' KV has landed, and which pages are safe.
 
-The decode worker never posts transfers: prefill WRITEs into its reserved pages and then sends a
-notification (see `RequestTransfer`), so all this side does is drain notifications each loop turn.
+The decode worker never posts transfers: a prefill peer WRITEs into its reserved pages and ends each
+request with one `KVNotice` over NIXL (see `RequestTransfer`). `KVReceiver` keeps one `TransferSession` per
+reservation and turns what arrives into `Arrival`s for the worker loop:
+
+- "landed": the KV is in the pages; the request may decode.
+- "closed": the peer gave up before anything was admitted; nothing more will be written, free the pages.
+- "released": a request this side had given up on is confirmed by its peer: free its pages now.
+- "malformed": a notice for this request that failed validation; fail the request (its pages wait for
+  the peer's confirmation or death like any other give-up).
+
+A notice counts only from the peer the request was sent to; anything else is logged and dropped. See
+common/transfer/session.py for the states and when pages may be freed.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import ValidationError
+
+from common.protocol import KVNotice
 from common.transfer.agent import KVTransferAgent
+from common.transfer.session import SAFETY_DEADLINE_S, S, TransferSession
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Arrival:
+    req_id: str
+    kind: Literal["landed", "closed", "released", "malformed"]
+    peer: str
+    notice: KVNotice | None = None
+    error: str | None = None
 
 
 class KVReceiver:
     def __init__(self, agent: KVTransferAgent) -> None:
         self.agent = agent
+        self.sessions: dict[str, TransferSession] = {}  # open sessions only: terminal ones are dropped
+        self.dropped_notices = 0  # unparseable, unknown request, or from a peer the request was not sent to
+
+    # -- the session's moves, as the worker loop makes them -----------------------------------------
+
+    def reserve(self, req_id: str) -> None:
+        self.sessions[req_id] = TransferSession.start(req_id, "decode")
+
+    def begin(self, req_id: str, peer: str, peer_instance: str) -> bool:
+        """The control plane is about to send the page ids to `peer`: allowed only while still reserved."""
+        s = self.sessions.get(req_id)
+        if s is None or s.state is not S.RESERVED:
+            return False
+        s.peer, s.peer_instance = peer, peer_instance
+        s.move(S.REQUESTED)
+        return True
+
+    def refused(self, req_id: str) -> None:
+        """The peer answered the request with a refusal: it registered nothing, so it will write nothing."""
+        s = self.sessions.get(req_id)
+        if s is not None and s.state is S.REQUESTED:
+            s.move(S.RESERVED)
+
+    def give_up(self, req_id: str, reason: str, never_started: bool = False) -> bool:
+        """This side no longer wants the KV. True when the pages may be freed now; False while a peer that
+        was asked (and did not refuse) may still write them. `never_started`: the request provably never
+        reached the peer (connection refused before it was sent, or an error status)."""
+        s = self.sessions.get(req_id)
+        if s is None:
+            return True
+        if s.state is S.RESERVED or (s.state is S.REQUESTED and never_started):
+            self._end(s, S.ABANDONED, reason)
+            return True
+        if s.state is S.REQUESTED:
+            s.move(S.CANCELLING, reason)
+        return False
+
+    def holds(self, req_id: str) -> bool:
+        """Pages of this request must stay allocated: a peer may still write into them."""
+        s = self.sessions.get(req_id)
+        return s is not None and s.state is S.CANCELLING
+
+    def peer_gone(self, peer: str, peer_instance: str) -> list[str]:
+        """The peer's process (this instance) is known to be gone: nothing of it can land any more. Returns
+        the requests whose sessions ended, in REQUESTED (still to be failed) or CANCELLING (pages to free)."""
+        ended = [
+            s
+            for s in self.sessions.values()
+            if (s.peer, s.peer_instance) == (peer, peer_instance) and s.state in (S.REQUESTED, S.CANCELLING)
+        ]
+        for s in ended:
+            self._end(s, S.ABANDONED, f"prefill worker {peer} is gone")
+        return [s.req_id for s in ended]
+
+    def overdue(self, now: float | None = None) -> list[str]:
+        """Given-up sessions whose peer stayed silent past the safety deadline: ended by force."""
+        now = time.monotonic() if now is None else now
+        late = [s for s in self.sessions.values() if s.state is S.CANCELLING and now - s.since > SAFETY_DEADLINE_S]
+        for s in late:
+            log.error(
+                "KV pages of %s freed without word from %s after %.0f s: a late write could corrupt them",
+                s.req_id,
+                s.peer,
+                now - s.since,
+            )
+            self._end(s, S.ABANDONED, "safety deadline")
+        return [s.req_id for s in late]
+
+    def awaited_peers(self) -> set[tuple[str, str]]:
+        """(agent, instance) of every peer that may still write into this worker's pages."""
+        return {(s.peer, s.peer_instance) for s in self.sessions.values() if s.state in (S.REQUESTED, S.CANCELLING)}
+
+    # -- notices -------------------------------------------------------------------------------------
+
+    def poll(self) -> list[Arrival]:
+        """Non-blocking: what the notices since the last call mean for their requests."""
+        out = []
+        for peer, raw in self.poll_notifications():
+            arrival = self._read(peer, raw)
+            if arrival is not None:
+                out.append(arrival)
+        return out
 
     def poll_notifications(self) -> list[tuple[str, bytes]]:
-        """Non-blocking: (peer agent name, message) for every notification since the last call.
+        """Non-blocking: (peer agent name, raw message) for every notification since the last call.
 
-        Messages from one peer keep their send order. The payload format (request id, first token)
-        belongs to the caller; a peer name alone does not prove the sender's instance, so callers
-        match messages against requests they are actually waiting for.
+        Messages from one peer keep their send order. A peer name alone does not prove the sender's
+        instance, so messages are matched against requests actually sent to that peer.
         """
         out: list[tuple[str, bytes]] = []
         for name, messages in self.agent.nixl.get_new_notifs().items():
             peer = name.decode() if isinstance(name, bytes) else str(name)
             out.extend((peer, bytes(m)) for m in messages)
         return out
+
+    def _read(self, peer: str, raw: bytes) -> Arrival | None:
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError):
+            data = None
+        req_id = data.get("req_id") if isinstance(data, dict) else None
+        s = self.sessions.get(req_id) if isinstance(req_id, str) else None
+        if s is None or s.peer != peer or s.state not in (S.REQUESTED, S.CANCELLING):
+            self.dropped_notices += 1
+            log.warning("KV notice dropped (no open transfer of that request from this peer)", extra={"peer": peer})
+            return None
+        try:
+            notice = KVNotice.model_validate(data)
+        except ValidationError as e:
+            error = f"malformed KV notice from {peer}: {e.errors()[0].get('msg', 'invalid')}"
+            log.warning(error, extra={"req_id": s.req_id})
+            if s.state is S.REQUESTED:
+                s.move(S.CANCELLING, error)
+                return Arrival(s.req_id, "malformed", peer, error=error)
+            return None  # already given up: wait for a valid notice or the peer's death
+        if s.state is S.CANCELLING:
+            self._end(s, S.ABANDONED)
+            return Arrival(s.req_id, "released", peer, notice)
+        if notice.outcome == "landed":
+            self._end(s, S.LANDED)
+            return Arrival(s.req_id, "landed", peer, notice)
+        self._end(s, S.ABANDONED, notice.error or "prefill failed")
+        return Arrival(s.req_id, "closed", peer, notice, error=notice.error or "prefill failed")
+
+    def _end(self, s: TransferSession, to: S, reason: str | None = None) -> None:
+        s.move(to, reason)
+        self.sessions.pop(s.req_id, None)

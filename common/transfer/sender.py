@@ -1,10 +1,15 @@
-"""Prefill side: WRITE KV pages into a decode peer's reserved pages, and notify it when they landed.
+"""Prefill side: WRITE KV pages into a decode peer's reserved pages, and tell it when they landed.
 
 `KVSender.post_write` turns a page list into ONE NIXL transfer request with one descriptor per run of
 consecutive pages (the pool is page-major: a page holds every layer's K and V), so a 4k-token write
 into a contiguous reservation is a single descriptor.
-`RequestTransfer` strings the chunk writes of one request together and owns the ordering rule: the
-decode side's notification is sent only after every write of that request has completed.
+`RequestTransfer` is the prefill side of one request's transfer session (common/transfer/session.py): it
+strings the request's chunk writes together, sends the "landed" notice once every write completed, and on
+giving up waits for every posted write to settle before it sends the "closed" notice and lets the caller
+release the request's pages.
+
+A write is settled once NIXL has let go of it (completed, failed, or cancelled, and released): only then
+can it neither read the local pages nor write the peer's.
 
 Measured (bench/transfer.py): posting is mostly synchronous CPU work. On CPU DRAM, UCX's cma transport
 copies inside the post call; on an H200 (cuda_ipc) each descriptor costs about 10 us to issue
@@ -23,9 +28,11 @@ import numpy as np
 import torch
 from nixl._api import nixl_xfer_handle
 
+from common.protocol import KVNotice
 from common.transfer.agent import KVTransferAgent
 from common.transfer.descs import PageRuns, block_descs, check_pages, page_runs, run_descs
 from common.transfer.routes import HeadRoute
+from common.transfer.session import TERMINAL, S, SessionState, TransferSession
 from common.transfer.staging import StagingArea
 
 log = logging.getLogger(__name__)
@@ -53,17 +60,27 @@ class TransferHandle:
     state: PollState = "pending"
     error: str | None = None
     done_at: float | None = None
-    xfers: list[nixl_xfer_handle] = field(default_factory=list, repr=False)  # one per peer agent written
+    xfers: list[nixl_xfer_handle] = field(default_factory=list, repr=False)  # NIXL requests not yet released
     staged: list[tuple[int, int]] = field(default_factory=list, repr=False)  # staging (offset, bytes) it reads
+    started: bool = True  # False only under fault injection, until `start_at`
+    start_at: float = 0.0
+
+    @property
+    def settled(self) -> bool:
+        """NIXL has let go of every request of this write: it can no longer read or write any page."""
+        return self.state != "pending" and not self.xfers
 
 
 class KVSender:
-    def __init__(self, agent: KVTransferAgent) -> None:
+    """`fault_write_delay_s` (tests only, 0 = off): every write starts that many seconds after it was posted
+    and cannot be called back meanwhile, like a write stuck in flight: it still lands after an abort."""
+
+    def __init__(self, agent: KVTransferAgent, fault_write_delay_s: float = 0.0) -> None:
         self.agent = agent
-        # Handles NIXL refused to release (a transfer it could not cancel yet), with the staging space they
-        # read; retried until NIXL lets go, so neither is reused under an active transfer.
-        self._unreleased: list[tuple[list[nixl_xfer_handle], list[tuple[int, int]]]] = []
+        self.fault_write_delay_s = fault_write_delay_s
+        self._unsettled: list[TransferHandle] = []  # finished or failed, still held by NIXL: retried each turn
         self._staged_pending: list[TransferHandle] = []  # in flight, reading from the staging area
+        self._posted: list[TransferHandle] = []  # every handle not yet settled, for `writes_in_flight`
 
     def post_write(
         self,
@@ -81,7 +98,7 @@ class KVSender:
         write only: use `RequestTransfer` when earlier writes must land first. `expect_instance` pins
         the peer process: a peer restarted since the pages were reserved must not receive the write.
         The source pages must be final when this is called: NIXL reads them from another thread or
-        engine, so on CUDA synchronize (an event on) the stream that wrote them first.
+        engine, so on CUDA the step that wrote them must have completed.
         Peer ranks holding fewer heads than the local rank that feeds them get their heads packed into the
         staging area first (`max_pages_per_post` bounds how many pages one call may move then).
         """
@@ -113,6 +130,7 @@ class KVSender:
             return self._finish(handle, "done")
 
         nixl = self.agent.nixl
+        self._posted.append(handle)
         try:
             # One NIXL request per peer agent: ranks of a GPU peer run their own agents (rank 0's is `peer`).
             by_agent: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
@@ -125,7 +143,6 @@ class KVSender:
                 remote_rows.append(run_descs(route.dst, runs.dst_start, runs.length))
             if handle.staged and self.agent.pool.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()  # the packed pages must be in memory before NIXL reads
-            states = []
             for agent_name, (local_rows, remote_rows) in by_agent.items():
                 local_descs = nixl.get_xfer_descs(np.concatenate(local_rows), local.mem_type)
                 remote_descs = nixl.get_xfer_descs(np.concatenate(remote_rows), remote.pools[0].mem_type)
@@ -138,18 +155,16 @@ class KVSender:
                     backends=[self.agent.backend],
                 )
                 handle.xfers.append(xfer)
-                states.append(nixl.transfer(xfer))
+            if handle.staged:
+                self._staged_pending.append(handle)
+            if self.fault_write_delay_s > 0:
+                handle.started, handle.start_at = False, handle.posted_at + self.fault_write_delay_s
+                return handle
+            return self._after_start(handle, self._start(handle))
         except TransferError as e:
             return self._fail(handle, str(e))
         except Exception as e:  # NIXL raises nixl*Error (NOT_FOUND for unregistered ranges, disconnects)
             return self._fail(handle, f"post failed: {type(e).__name__}: {e}")
-        if "ERR" in states:
-            return self._fail(handle, "post returned ERR")
-        if all(st == "DONE" for st in states):  # small writes can complete inside the post call
-            return self._finish(handle, "done")
-        if handle.staged:
-            self._staged_pending.append(handle)
-        return handle
 
     def max_pages_per_post(self, peer: str) -> int:
         """Pages one `post_write` may move: all of them, unless the peer needs packing into the staging area."""
@@ -185,12 +200,13 @@ class KVSender:
             if offset is not None:
                 return offset
             self._staged_pending = [h for h in self._staged_pending if self.poll(h) == "pending"]
+            self.progress()
             if time.monotonic() > deadline:
                 raise TransferError(f"staging area full for {STAGING_WAIT_S} s (transfers to {peer} too slow)")
             time.sleep(0.0005)
 
     def poll(self, handle: TransferHandle) -> PollState:
-        """Non-blocking. A finished handle's NIXL request is released here, exactly once."""
+        """Non-blocking. A finished handle's NIXL requests are released here (or retried by `progress`)."""
         if handle.state != "pending":
             return handle.state
         if not self.agent.has_peer(handle.peer, handle.peer_instance):
@@ -198,41 +214,78 @@ class KVSender:
             self._fail(handle, f"peer {handle.peer} went away")
             return handle.state
         try:
+            if not handle.started:
+                if time.monotonic() < handle.start_at:
+                    return handle.state
+                return self._after_start(handle, self._start(handle)).state
             states = [self.agent.nixl.check_xfer_state(x) for x in handle.xfers]
         except Exception as e:
-            self._fail(handle, f"check_xfer_state: {type(e).__name__}: {e}")
+            self._fail(handle, f"transfer: {type(e).__name__}: {e}")
             return handle.state
-        if "ERR" in states:
-            self._fail(handle, "transfer reported ERR")
-        elif all(st == "DONE" for st in states):
-            self._finish(handle, "done")
-        return handle.state
+        return self._after_start(handle, states).state
 
     def abort(self, handle: TransferHandle, reason: str = "aborted") -> None:
-        """Cancel if still in flight (NIXL cancels on release) and mark failed."""
+        """Cancel if still in flight (NIXL cancels on release) and mark failed; `settled` says when it let go."""
         if handle.state == "pending":
             self._fail(handle, reason)
+
+    def progress(self) -> None:
+        """Retries releasing writes NIXL still holds (and starts fault-delayed ones that are due); every turn."""
+        now = time.monotonic()
+        still = []
+        for h in self._unsettled:
+            if not h.started:
+                if now < h.start_at:
+                    still.append(h)
+                    continue
+                try:
+                    self._start(h)  # the write that could not be called back lands now
+                except Exception as e:
+                    log.warning("delayed write to %s: %s", h.peer, e)
+            if self._try_release(h):
+                still.append(h)
+        self._unsettled = still
+        self._posted = [h for h in self._posted if not h.settled]
+
+    @property
+    def writes_in_flight(self) -> int:
+        """Posted writes NIXL has not let go of yet (pending, or finished but not released)."""
+        return sum(not h.settled for h in self._posted)
 
     def send_notif(self, peer: str, message: bytes, *, expect_instance: str | None = None) -> None:
         if expect_instance is not None and not self.agent.has_peer(peer, expect_instance):
             raise TransferError(f"peer {peer} is not instance {expect_instance} any more")
         self.agent.nixl.send_notif(peer, message)
 
-    def request(self, peer: str, timeout_s: float) -> RequestTransfer:
-        """Start tracking the writes of one request to `peer`, which must all finish within `timeout_s`."""
-        return RequestTransfer(self, peer, self.agent.peer(peer).instance_id, time.monotonic() + timeout_s)
+    def request(self, req_id: str, peer: str, timeout_s: float) -> RequestTransfer:
+        """Start the transfer session of one request to `peer`; its writes must all finish within `timeout_s`."""
+        session = TransferSession.start(req_id, "prefill", peer, self.agent.peer(peer).instance_id)
+        return RequestTransfer(self, session, time.monotonic() + timeout_s)
 
     def close(self) -> None:
-        self._retry_releases()
-        if self._unreleased:
-            log.warning("%d transfer handles could not be released", len(self._unreleased))
+        self.progress()
+        if self._unsettled:
+            log.warning("%d transfer handles could not be released", len(self._unsettled))
 
     # -- internals ---------------------------------------------------------------------------------
+
+    def _start(self, handle: TransferHandle) -> list[str]:
+        handle.started = True
+        return [self.agent.nixl.transfer(x) for x in handle.xfers]
+
+    def _after_start(self, handle: TransferHandle, states: list[str]) -> TransferHandle:
+        if "ERR" in states:
+            return self._fail(handle, "transfer reported ERR")
+        if all(st == "DONE" for st in states):  # small writes can complete inside the post call
+            return self._finish(handle, "done")
+        return handle
 
     def _finish(self, handle: TransferHandle, state: PollState) -> TransferHandle:
         handle.state = state
         handle.done_at = time.monotonic()
-        self._release(handle)
+        if not handle.started or self._try_release(handle):
+            # Fault injection: a posted write cannot be called back; it still starts (and lands) at start_at.
+            self._unsettled.append(handle)
         return handle
 
     def _fail(self, handle: TransferHandle, reason: str) -> TransferHandle:
@@ -240,134 +293,141 @@ class KVSender:
         handle.error = reason
         return self._finish(handle, "error")
 
-    def _release(self, handle: TransferHandle) -> None:
-        xfers, handle.xfers = handle.xfers, []
-        staged, handle.staged = handle.staged, []
+    def _try_release(self, handle: TransferHandle) -> bool:
+        """Releases what NIXL lets go of; True while some request is still held (retry later)."""
         held = []
-        for xfer in xfers:
+        for xfer in handle.xfers:
             try:
                 xfer.release()
             except Exception as e:  # still active and not cancellable: keep it and retry later
-                log.warning("release of transfer to %s deferred: %s", handle.peer, e)
+                log.debug("release of transfer to %s deferred: %s", handle.peer, e)
                 held.append(xfer)
+        handle.xfers = held
         if held:  # the staging space stays taken until all of them let go
-            self._unreleased.append((held, staged))
-            staged = []
-        self._free_staging(staged)
-        self._retry_releases()
-
-    def _free_staging(self, staged: list[tuple[int, int]]) -> None:
+            return True
+        staged, handle.staged = handle.staged, []
         for offset, nbytes in staged:
             assert self.agent.staging is not None
             self.agent.staging.release(offset, nbytes)
-
-    def _retry_releases(self) -> None:
-        still = []
-        for xfers, staged in self._unreleased:
-            left = []
-            for xfer in xfers:
-                try:
-                    xfer.release()
-                except Exception:
-                    left.append(xfer)
-            if left:
-                still.append((left, staged))
-            else:
-                self._free_staging(staged)
-        self._unreleased = still
+        return False
 
 
 @dataclass
 class RequestTransfer:
-    """The writes of one request to one decode peer, and the notification that ends them.
+    """The prefill side of one request's transfer session: its writes to one decode peer and the notice
+    that ends them (`session.state`: requested -> writing -> landed | cancelling -> abandoned).
 
-    Ordering: the notification is sent with `send_notif` once every write of the request reports
+    Ordering: the "landed" notice is sent with `send_notif` once every write of the request reports
     DONE, rather than attached to the last write. NIXL orders a transfer's own notification after
     that transfer's data only; separate transfer requests may complete in any order (UCX lanes,
     threads), so attaching it to the last chunk would need holding that chunk back until the others
     finished, serializing the tail. With `send_notif` every chunk is posted as soon as it is computed,
-    a request whose pages all sit on the decode side already (zero writes) still gets its notification,
+    a request whose pages all sit on the decode side already (zero writes) still gets its notice,
     and the first sampled token (the usual payload) need not be known when the last chunk is posted.
-    The cost is one small message after the last completion, which an attached notification pays too.
     A write reports DONE after the UCX flush, i.e. once the data is placed remotely.
+    Giving up (`cancel`, an error, the deadline) waits for every posted write to settle, then sends the
+    "closed" notice: the decode side frees its pages on it, and the caller may release the local ones.
     """
 
     sender: KVSender
-    peer: str
-    peer_instance: str
+    session: TransferSession
     deadline: float  # time.monotonic() seconds
     handles: list[TransferHandle] = field(default_factory=list)
-    notif: bytes | None = None
-    notif_sent: bool = False
-    state: PollState = "pending"
-    error: str | None = None
+    notice: bytes | None = None  # the "landed" notice, sent once every write is done
+
+    @property
+    def state(self) -> SessionState:
+        return self.session.state
+
+    @property
+    def error(self) -> str | None:
+        return self.session.error
+
+    @property
+    def peer(self) -> str:
+        return self.session.peer
+
+    @property
+    def settled(self) -> bool:
+        return all(h.settled for h in self.handles)
 
     def post(self, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> TransferHandle:
-        """Post the write of one ready chunk. Raises `TransferError` once the request has failed."""
-        if self.notif is not None:
-            raise RuntimeError("post after finish: the notification would not cover this write")
+        """Post the write of one ready chunk. Raises `TransferError` once the request is given up."""
+        if self.notice is not None:
+            raise RuntimeError("post after finish: the notice would not cover this write")
         self.progress()
-        if self.state == "error":
-            raise TransferError(self.error or "transfer failed")
+        if self.state not in (S.REQUESTED, S.WRITING):
+            raise TransferError(self.error or "transfer given up")
+        if self.state is S.REQUESTED:
+            self.session.move(S.WRITING)
         src = torch.as_tensor(src_pages).reshape(-1)
         dst = torch.as_tensor(dst_pages).reshape(-1)
         step = self.sender.max_pages_per_post(self.peer)
         for lo in range(0, max(1, src.numel()), step):
             handle = self.sender.post_write(
-                self.peer, src[lo : lo + step], dst[lo : lo + step], expect_instance=self.peer_instance
+                self.peer, src[lo : lo + step], dst[lo : lo + step], expect_instance=self.session.peer_instance
             )
             self.handles.append(handle)
             if handle.state == "error":
-                self._fail(handle.error or "post failed")
+                self.cancel(handle.error or "post failed")
                 raise TransferError(self.error or "post failed")
         return handle
 
-    def finish(self, notif: bytes) -> PollState:
-        """Declare the last chunk posted; `notif` goes out as soon as all writes are done."""
-        if self.notif is not None:
+    def finish(self, notice: bytes) -> SessionState:
+        """Declare the last chunk posted; `notice` (a "landed" KVNotice) goes out once all writes are done."""
+        if self.notice is not None:
             raise RuntimeError("finish called twice")
-        self.notif = notif
+        self.notice = notice
         return self.progress()
 
-    def progress(self, now: float | None = None) -> PollState:
-        """Non-blocking: poll writes, send the notification when due, fail on error or deadline."""
-        if self.state != "pending":
-            return self.state
-        pending = False
-        for h in self.handles:
-            st = self.sender.poll(h)
-            if st == "error":
-                self._fail(h.error or "write failed")
-                return self.state
-            pending |= st == "pending"
-        if not pending and self.notif is not None:
-            try:
-                self.sender.send_notif(self.peer, self.notif, expect_instance=self.peer_instance)
-            except Exception as e:
-                self._fail(f"notification not sent: {e}")
-                return self.state
-            self.notif_sent = True
-            self.state = "done"
-            return self.state
-        if self.expired(now):
-            self._fail("transfer deadline exceeded")
+    def progress(self, now: float | None = None) -> SessionState:
+        """Non-blocking: poll writes, send the notice when due, give up on error or deadline, and end a
+        give-up once every write settled."""
+        if self.state in (S.REQUESTED, S.WRITING):
+            pending = False
+            for h in self.handles:
+                st = self.sender.poll(h)
+                if st == "error":
+                    self.cancel(h.error or "write failed")
+                    return self.state
+                pending |= st == "pending"
+            if not pending and self.notice is not None:
+                try:
+                    self.sender.send_notif(self.peer, self.notice, expect_instance=self.session.peer_instance)
+                except Exception as e:
+                    self.cancel(f"notice not sent: {e}")
+                    return self.state
+                self.session.move(S.LANDED)
+            elif self.expired(now):
+                self.cancel("transfer deadline exceeded")
+        elif self.state is S.CANCELLING:
+            self.sender.progress()
+            if self.settled:
+                self._abandon()
         return self.state
 
-    def wait(self, poll_interval_s: float = 0.0) -> PollState:
-        """Block until done, failed, or past the deadline (never longer). Needs `finish` first."""
-        if self.notif is None:
+    def cancel(self, reason: str = "aborted") -> SessionState:
+        """Give up: cancel what is in flight; the "closed" notice goes out once every write settled."""
+        if self.state not in (S.REQUESTED, S.WRITING):
+            return self.state
+        for h in self.handles:
+            self.sender.abort(h, f"request given up: {reason}")
+        self.session.move(S.CANCELLING, reason)
+        if self.settled:
+            self._abandon()
+        return self.state
+
+    def wait(self, poll_interval_s: float = 0.0) -> SessionState:
+        """Block until a terminal state (at most the deadline plus the time writes take to settle). Needs
+        `finish` first."""
+        if self.notice is None:
             raise RuntimeError("wait before finish would only end at the deadline")
-        while self.progress() == "pending":
+        while self.progress() not in TERMINAL:
             time.sleep(poll_interval_s)
         return self.state
 
     def expired(self, now: float | None = None) -> bool:
         return (time.monotonic() if now is None else now) > self.deadline
-
-    def abort(self, reason: str = "aborted") -> None:
-        """Cancel what is in flight; the notification is never sent after this."""
-        if self.state == "pending":
-            self._fail(reason)
 
     @property
     def num_descs(self) -> int:
@@ -377,8 +437,12 @@ class RequestTransfer:
     def num_bytes(self) -> int:
         return sum(h.num_bytes for h in self.handles)
 
-    def _fail(self, reason: str) -> None:
-        self.state = "error"
-        self.error = reason
-        for h in self.handles:
-            self.sender.abort(h, f"request aborted: {reason}")
+    def _abandon(self) -> None:
+        self.session.move(S.ABANDONED)
+        notice = KVNotice(req_id=self.session.req_id, outcome="closed", error=(self.error or "aborted")[:4000])
+        try:
+            self.sender.send_notif(
+                self.peer, notice.model_dump_json().encode(), expect_instance=self.session.peer_instance
+            )
+        except Exception as e:  # the peer is gone (or restarted): its pages are not ours to worry about
+            log.info("closed notice for %s not sent: %s", self.session.req_id, e)

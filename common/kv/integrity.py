@@ -1,0 +1,99 @@
+"""The page ledger check a worker runs when idle: every KV page is in exactly one place.
+
+A page is free (the allocator), cached (the radix cache's tree), or owned by one live request; so
+free + cached + owned == total, and no page is in two places. A violation is a bug that would hand one
+page to two writers (silent corruption) or lose it for good (a leak); the worker logs and counts it.
+Cost: one pass over the pool and the tree, which is why it runs only when the worker is idle.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from common.kv.allocator import PageAllocator
+from common.kv.radix import RadixCache
+
+log = logging.getLogger("kvferry.kv")
+
+
+def tree_pages(cache: RadixCache) -> torch.Tensor:
+    """Every page the radix cache holds (int64, in tree order)."""
+    chunks = []
+    stack = list(cache.root.children.values())
+    while stack:
+        node = stack.pop()
+        chunks.append(node.pages.to(torch.int64))
+        stack.extend(node.children.values())
+    return torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.int64)
+
+
+def page_ledger_violations(
+    allocator: PageAllocator, cache: RadixCache | None, requests: Iterable[tuple[Sequence[int], int]]
+) -> list[str]:
+    """What is wrong with the page ledger (empty when nothing is).
+
+    `requests`: for each live request (running, parked, or held for a transfer), its page list and how many
+    leading pages of it belong to the radix cache (shared, locked through the request) rather than to it.
+    """
+    total = allocator.num_pages
+    tree = tree_pages(cache) if cache is not None else torch.empty(0, dtype=torch.int64)
+    owned_lists, shared_lists = [], []
+    for pages, in_tree in requests:
+        owned_lists.append(torch.as_tensor(list(pages[in_tree:]), dtype=torch.int64))
+        shared_lists.append(torch.as_tensor(list(pages[:in_tree]), dtype=torch.int64))
+    owned = torch.cat(owned_lists) if owned_lists else torch.empty(0, dtype=torch.int64)
+    shared = torch.cat(shared_lists) if shared_lists else torch.empty(0, dtype=torch.int64)
+
+    problems = []
+    held = torch.cat([tree, owned])
+    if held.numel() and (int(held.min()) < 0 or int(held.max()) >= total):
+        return [f"page ids outside the pool [0, {total}) are held"]
+    free = allocator.is_free(torch.arange(total, dtype=torch.int64))
+    if int(free.sum()) != allocator.num_free:
+        problems.append(f"allocator counts {allocator.num_free} free pages, its map has {int(free.sum())}")
+    counts = torch.bincount(held, minlength=total)
+    if bool((counts > 1).any()):
+        twice = torch.nonzero(counts > 1).flatten()
+        problems.append(f"{twice.numel()} pages held twice (e.g. {twice[:8].tolist()})")
+    free_and_held = free & (counts > 0)
+    if bool(free_and_held.any()):
+        ids = torch.nonzero(free_and_held).flatten()
+        problems.append(f"{ids.numel()} free pages are also held (e.g. {ids[:8].tolist()})")
+    if shared.numel() and not bool(torch.isin(shared, tree).all()):
+        problems.append("a request's prefix pages are not in the radix cache")
+    if cache is not None and cache.cached_pages != tree.numel():
+        problems.append(f"radix cache counts {cache.cached_pages} pages, its tree holds {tree.numel()}")
+    if allocator.num_free + tree.numel() + owned.numel() != total:
+        problems.append(
+            f"free {allocator.num_free} + cached {tree.numel()} + owned {owned.numel()} != total {total} pages"
+        )
+    return problems
+
+
+@dataclass
+class IdleLedgerCheck:
+    """Runs `page_ledger_violations` once per idle spell of a worker; logs what it finds."""
+
+    checked: bool = False
+
+    def __call__(
+        self,
+        idle: bool,
+        allocator: PageAllocator,
+        cache: RadixCache | None,
+        requests: Iterable[tuple[Sequence[int], int]],
+    ) -> list[str]:
+        if not idle:
+            self.checked = False
+            return []
+        if self.checked:
+            return []
+        self.checked = True
+        problems = page_ledger_violations(allocator, cache, requests)
+        for p in problems:
+            log.error("KV page ledger violated: %s", p)
+        return problems
