@@ -26,6 +26,7 @@ Writes bench/out/router.json.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
@@ -227,7 +228,8 @@ def decisions_per_second(redis_url: str, seconds: float) -> dict[str, Any]:
     import random
 
     from common.prefix.hashing import chained_block_hashes
-    from common.prefix.index import PrefixIndexPublisher, PrefixIndexReader
+    from common.prefix.publisher import PrefixIndexPublisher
+    from common.prefix.reader import PrefixIndexReader
     from router.locality import RecentPlacements
     from router.policy import DecodeCandidate, PrefillCandidate, RoutingPolicy
 
@@ -252,6 +254,7 @@ def decisions_per_second(redis_url: str, seconds: float) -> dict[str, Any]:
     pub.stored([h for p in prompts[:32] for h in chained_block_hashes(p, 16)])
     pub.wait_idle(10)
     reader = PrefixIndexReader(redis_url, MODEL)
+    loop = asyncio.new_event_loop()  # the reader runs on an event loop, as in the router
 
     def rate(fn: Any) -> float:
         n, t0 = 0, time.perf_counter()
@@ -272,7 +275,7 @@ def decisions_per_second(redis_url: str, seconds: float) -> dict[str, Any]:
 
     def with_redis(i: int) -> None:
         hashes = chained_block_hashes(prompts[i % 64], 16)
-        matches = reader.match(hashes, pods) or {}
+        matches = loop.run_until_complete(reader.match(hashes, pods)) or {}
         for pod, k in recent.match(hashes, pods).items():
             matches[pod] = max(k, matches.get(pod, 0))
         d = policy.choose(1024, 128, 16, prefill, decode, matches)
@@ -289,7 +292,8 @@ def decisions_per_second(redis_url: str, seconds: float) -> dict[str, Any]:
         }
     finally:
         pub.stop()
-        reader.close()
+        loop.run_until_complete(reader.aclose())
+        loop.close()
 
 
 def main() -> int:

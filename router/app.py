@@ -115,9 +115,9 @@ def create_app(
     tok, info = tokenizer, model_info
     disc = discovery or _discovery_for(config)
     if index_reader is None and use_redis and config.redis_url:
-        from router.prefix_reader import AsyncPrefixReader
+        from common.prefix.reader import PrefixIndexReader
 
-        index_reader = AsyncPrefixReader(config.redis_url, info.name, socket_timeout_s=opts.redis_timeout_s)
+        index_reader = PrefixIndexReader(config.redis_url, info.name, socket_timeout_s=opts.redis_timeout_s)
     state: dict[str, Any] = {}
 
     @asynccontextmanager

@@ -12,7 +12,6 @@ itself when Redis answers again (the reader retries with backoff).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import OrderedDict
@@ -25,7 +24,7 @@ __all__ = ["PrefixLocator", "RecentPlacements"]
 
 
 class _Reader(Protocol):
-    def match(self, block_hashes: Sequence[int], pods: Sequence[str]) -> dict[str, int] | None: ...
+    async def match(self, block_hashes: Sequence[int], pods: Sequence[str]) -> dict[str, int] | None: ...
 
 
 class RecentPlacements:
@@ -84,10 +83,8 @@ class PrefixLocator:
         found: dict[str, int] | None
         if not hashes:
             found = dict.fromkeys(pods, 0)
-        elif hasattr(self.reader, "amatch"):  # router/prefix_reader.py: on the loop
-            found = await self.reader.amatch(hashes, pods)
-        else:  # a blocking reader: a thread keeps a slow Redis from stalling every stream
-            found = await asyncio.to_thread(self.reader.match, hashes, pods)
+        else:  # on the loop (common/prefix/reader.py)
+            found = await self.reader.match(hashes, pods)
         if found is None:
             if self.redis_ok:
                 self.redis_ok = False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -21,7 +22,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.prefix.hashing import chained_block_hashes, root_hash
-from common.prefix.index import IndexKeys, PrefixIndexPublisher, PrefixIndexReader, hash_hex
+from common.prefix.publisher import PrefixIndexPublisher
+from common.prefix.reader import PrefixIndexReader
+from common.prefix.scripts import IndexKeys, hash_hex
 from tests.conftest_redis import (
     free_port,
     redis_server,  # noqa: F401
@@ -51,6 +54,25 @@ def new_model() -> str:
 
 def toks(n: int, start: int = 0) -> list[int]:
     return list(range(start, start + n))
+
+
+class LoopReader:
+    """The (asyncio) reader driven from plain test code: one event loop per reader, which its connections
+    belong to, so the tests read like the router's calls without being coroutines themselves."""
+
+    def __init__(self, url: str, model: str, **kw: float) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.reader = PrefixIndexReader(url, model, **kw)
+
+    def match(self, hashes: list[int], pods: list[str]) -> dict[str, int] | None:
+        return self.loop.run_until_complete(self.reader.match(hashes, pods))
+
+    def live_pods(self) -> list[str] | None:
+        return self.loop.run_until_complete(self.reader.live_pods())
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.reader.aclose())
+        self.loop.close()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -157,13 +179,13 @@ def make_pub(url: str, model: str) -> Iterator[Callable[..., PrefixIndexPublishe
 
 
 @pytest.fixture
-def reader(url: str, model: str) -> Iterator[PrefixIndexReader]:
-    r = PrefixIndexReader(url, model)
+def reader(url: str, model: str) -> Iterator[LoopReader]:
+    r = LoopReader(url, model)
     yield r
     r.close()
 
 
-def test_match_counts_leading_blocks_per_pod(make_pub, reader: PrefixIndexReader) -> None:
+def test_match_counts_leading_blocks_per_pod(make_pub, reader: LoopReader) -> None:
     hashes = chained_block_hashes(toks(160), BS)  # 10 blocks
     a, b = make_pub("pod-a"), make_pub("pod-b")
     a.stored(hashes[:7])
@@ -205,7 +227,7 @@ def test_key_layout(make_pub, url: str, model: str) -> None:
     r.close()
 
 
-def test_heartbeat_expiry_counts_zero(make_pub, reader: PrefixIndexReader) -> None:
+def test_heartbeat_expiry_counts_zero(make_pub, reader: LoopReader) -> None:
     hashes = chained_block_hashes(toks(64), BS)
     pub = make_pub("pod-a", heartbeat_s=0.1, ttl_s=0.4)
     pub.stored(hashes)
@@ -218,7 +240,7 @@ def test_heartbeat_expiry_counts_zero(make_pub, reader: PrefixIndexReader) -> No
     assert reader.live_pods() == []
 
 
-def test_restarted_publisher_replaces_old_entries(make_pub, reader: PrefixIndexReader) -> None:
+def test_restarted_publisher_replaces_old_entries(make_pub, reader: LoopReader) -> None:
     old = chained_block_hashes(toks(64, 5000), BS)
     new = chained_block_hashes(toks(64, 9000), BS)
     first = make_pub("pod-a")
@@ -232,7 +254,7 @@ def test_restarted_publisher_replaces_old_entries(make_pub, reader: PrefixIndexR
 
 
 def test_events_before_start_and_buffer_overflow(
-    reader: PrefixIndexReader, url: str, model: str, caplog: pytest.LogCaptureFixture
+    reader: LoopReader, url: str, model: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="kvferry.prefix")
     hashes = chained_block_hashes(toks(160), BS)
@@ -259,7 +281,7 @@ def test_events_before_start_and_buffer_overflow(
     assert any("overflowed" in rec.getMessage() for rec in caplog.records)
 
 
-def test_graceful_stop_deregisters(make_pub, reader: PrefixIndexReader, url: str, model: str) -> None:
+def test_graceful_stop_deregisters(make_pub, reader: LoopReader, url: str, model: str) -> None:
     hashes = chained_block_hashes(toks(64), BS)
     pub = make_pub("pod-a")
     pub.stored(hashes)
@@ -292,7 +314,7 @@ def test_dead_pod_leftovers_are_collected(make_pub, url: str, model: str) -> Non
     r.close()
 
 
-def test_vanished_keys_trigger_resync(make_pub, reader: PrefixIndexReader, url: str, model: str) -> None:
+def test_vanished_keys_trigger_resync(make_pub, reader: LoopReader, url: str, model: str) -> None:
     # Redis restarted or flushed without the publisher seeing a connection error: the heartbeat's
     # SET ... GET returns nothing and the publisher rebuilds its entries from the cache.
     hashes = chained_block_hashes(toks(64), BS)
@@ -330,7 +352,7 @@ def test_redis_outage_and_recovery(caplog: pytest.LogCaptureFixture) -> None:
         resync=lambda: list(cache),
         max_backoff_s=0.2,
     )
-    reader = PrefixIndexReader(url, model, max_backoff_s=0.2)
+    reader = LoopReader(url, model, max_backoff_s=0.2)
     pub.start()
     try:
         cache_store(hashes[:4])
@@ -391,7 +413,7 @@ def test_match_is_one_round_trip_via_script() -> None:
     model = new_model()
     hashes = chained_block_hashes(toks(64 * BS), BS)  # 64 blocks
     pubs = [PrefixIndexPublisher(url, model, f"pod-{i}", ttl_s=60.0, flush_interval_s=0.01) for i in range(3)]
-    reader = PrefixIndexReader(url, model)
+    reader = LoopReader(url, model)
     admin = redis.Redis(host="127.0.0.1", port=port)
     mon = socket.create_connection(("127.0.0.1", port))
     try:

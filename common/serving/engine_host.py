@@ -20,7 +20,7 @@ from common.engine.threads import apply_engine_threads
 from common.engine.tp_ranks import TPRankLost
 from common.log import setup_logging
 from common.prefix.hashing import chained_block_hashes
-from common.prefix.index import PrefixIndexPublisher
+from common.prefix.publisher import PrefixIndexPublisher
 from common.protocol import LoadSnapshot, SamplingParams
 from common.sched.request import Req
 from common.sched.scheduler import RequestRejected, Scheduler, StepEvent

@@ -1,222 +1,26 @@
-"""The fleet-wide prefix index in Redis: which worker pod holds which chained block hash.
+"""Publishes one worker pod's cached block hashes to the prefix index (keys and scripts: common/prefix/scripts.py).
 
-Workers publish (``PrefixIndexPublisher``) the block hashes their radix cache gains and loses; the router
-reads (``PrefixIndexReader``) how many leading blocks of a prompt each candidate pod holds and sends the
-request where the most prefix already is. The index is a routing hint, never a correctness input: a stale
-entry only costs a cache miss on the chosen pod, and a missing Redis only means routing on load alone.
-That is why every failure path here degrades to "know nothing" instead of raising into the caller.
-
-Keys (``{model}`` is the model id, ``{hash}`` the 16-digit lowercase hex of a 64-bit block hash):
-
-- ``kvf:{model}:blk:{hash}``: SET of pod ids holding that block.
-- ``kvf:{model}:pod:{pod}:blocks``: SET of the hashes (hex) this pod published, so the pod's entries can
-  be removed without scanning the keyspace (restart, graceful drain, garbage collection).
-- ``kvf:{model}:hb:{pod}``: heartbeat STRING with a TTL; a pod whose heartbeat expired counts as holding
-  nothing, whatever its block entries say (it crashed, or lost Redis and its entries are stale).
-- ``kvf:{model}:pods``: SET of pod ids that have published, so live pods can be listed and a dead pod's
-  leftover entries garbage-collected without SCAN.
-
-Requires Redis >= 6.2 (SMISMEMBER, SET ... GET, SPOP with count).
+The scheduler loop only appends to an in-memory buffer; a daemon thread writes it to Redis, keeps the pod's
+heartbeat, resyncs after outages and collects the leftovers of dead pods.
 """
 
 from __future__ import annotations
 
-import logging
-import struct
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import redis
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
-from redis.retry import Retry
 
-__all__ = [
-    "IndexKeys",
-    "PrefixIndexPublisher",
-    "PrefixIndexReader",
-    "hash_hex",
-    "hashes_hex",
-]
+from common.prefix.connection import LOG, REDIS_DOWN, OutageLog, client_options
+from common.prefix.scripts import CLEAR_BATCH_LUA, POD_STATUS_LUA, IndexKeys, hash_hex
 
-LOG = logging.getLogger("kvferry.prefix")
-
-# Failures that mean "Redis is not usable right now". OSError covers socket errors redis-py lets through.
-_REDIS_DOWN = (RedisError, OSError)
-
-
-def hash_hex(h: int) -> str:
-    """Fixed-width hex of a block hash: the ``{hash}`` part of a block key."""
-    return f"{h & 0xFFFFFFFFFFFFFFFF:016x}"
-
-
-def hashes_hex(hashes: Sequence[int]) -> str:
-    """``hash_hex`` of every hash, concatenated; one C-level pack instead of a format call per hash
-    (big-endian, so each 16-digit slice equals ``hash_hex``)."""
-    return struct.pack(f">{len(hashes)}Q", *hashes).hex()
-
-
-@dataclass(frozen=True)
-class IndexKeys:
-    """Key names for one model's index (one place, so publisher, reader and scripts agree)."""
-
-    model_id: str
-
-    @property
-    def prefix(self) -> str:
-        return f"kvf:{self.model_id}:"
-
-    @property
-    def pods(self) -> str:
-        return f"{self.prefix}pods"
-
-    def block(self, h: int) -> str:
-        return f"{self.prefix}blk:{hash_hex(h)}"
-
-    def pod_blocks(self, pod_id: str) -> str:
-        return f"{self.prefix}pod:{pod_id}:blocks"
-
-    def heartbeat(self, pod_id: str) -> str:
-        return f"{self.prefix}hb:{pod_id}"
-
-
-def _client(redis_url: str, timeout_s: float) -> redis.Redis:
-    # redis-py's default client retries 10 times with exponential backoff (seconds in total) on a
-    # connection error. The router must not stall a request on that, and the publisher has its own
-    # backoff and resync, so: no client-side retries, short timeouts, and we decide what a failure means.
-    return redis.Redis.from_url(
-        redis_url,
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 0),
-        retry_on_timeout=False,
-        health_check_interval=0,
-    )
-
-
-# --------------------------------------------------------------------------------------------------
-# Server-side scripts. Key names are built inside the scripts from the model prefix instead of being
-# passed as KEYS: a match over an 8k-token prompt names ~500 block keys, and building and encoding one
-# argument per key dominated the client's cost (redis-py packs each argument in Python). This is fine for
-# a standalone Redis (what kvferry deploys); Redis Cluster would need all of a model's keys in one slot.
-
-# The match script is part of the index's contract: the sync reader below and the router's asyncio reader
-# (router/prefix_reader.py) both run it, so they answer alike.
-# ARGV: prefix, hashes (16 hex digits per block, concatenated), pod_1..pod_n  ->  {count_1..count_n}
-# Walk the blocks in order with the pods still matching; a pod drops out at its first miss (a later hit
-# is useless: its KV cannot be reused without the blocks before it); stop when no pod is left. One
-# SMISMEMBER per block checks all remaining pods in one call.
-MATCH_LUA = """
-local prefix = ARGV[1]
-local hashes = ARGV[2]
-local n = #ARGV - 2
-local counts = {}
-local active_idx = {}
-local active_pod = {}
-for i = 1, n do
-  counts[i] = 0
-  local pod = ARGV[2 + i]
-  if redis.call('EXISTS', prefix .. 'hb:' .. pod) == 1 then
-    active_idx[#active_idx + 1] = i
-    active_pod[#active_pod + 1] = pod
-  end
-end
-for j = 1, #hashes, 16 do
-  if #active_idx == 0 then break end
-  local key = prefix .. 'blk:' .. string.sub(hashes, j, j + 15)
-  local hit = redis.call('SMISMEMBER', key, unpack(active_pod))
-  local all_hit = true
-  for k = 1, #active_idx do
-    if hit[k] == 1 then
-      local i = active_idx[k]
-      counts[i] = counts[i] + 1
-    else
-      all_hit = false
-    end
-  end
-  if not all_hit then  -- rebuild the active lists only when some pod dropped out
-    local next_idx = {}
-    local next_pod = {}
-    for k = 1, #active_idx do
-      if hit[k] == 1 then
-        next_idx[#next_idx + 1] = active_idx[k]
-        next_pod[#next_pod + 1] = active_pod[k]
-      end
-    end
-    active_idx = next_idx
-    active_pod = next_pod
-  end
-end
-return counts
-"""
-
-# KEYS: pods registry. ARGV: prefix  ->  {live pods, dead pods} (dead = registered, heartbeat expired).
-_POD_STATUS_LUA = """
-local live = {}
-local dead = {}
-for _, pod in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  if redis.call('EXISTS', ARGV[1] .. 'hb:' .. pod) == 1 then
-    live[#live + 1] = pod
-  else
-    dead[#dead + 1] = pod
-  end
-end
-return {live, dead}
-"""
-
-# KEYS: pod's blocks set, pod's heartbeat, pods registry. ARGV: prefix, pod, batch, gc flag.
-# Removes up to `batch` of the pod's published blocks (the pod id from each block set) and returns how
-# many are left. Batched so a pod with a million blocks does not block Redis for a second in one script.
-# With the gc flag set (another pod collecting a dead pod's leftovers) each batch first checks the
-# heartbeat atomically and returns -1 if the pod came back, so the collector cannot delete entries a
-# restarted pod is re-publishing; the registry entry goes only when the last block is gone.
-_CLEAR_BATCH_LUA = """
-local gc = ARGV[4] == '1'
-if gc and redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
-local popped = redis.call('SPOP', KEYS[1], tonumber(ARGV[3]))
-for _, h in ipairs(popped) do
-  redis.call('SREM', ARGV[1] .. 'blk:' .. h, ARGV[2])
-end
-local left = redis.call('SCARD', KEYS[1])
-if gc and left == 0 then redis.call('SREM', KEYS[3], ARGV[2]) end
-return left
-"""
+__all__ = ["PrefixIndexPublisher"]
 
 _CLEAR_BATCH = 2000
 _SNAPSHOT_CHUNK = 10000
-
-
-@dataclass
-class _OutageLog:
-    """Log a Redis outage once when it starts and once when it ends, not once per failed call."""
-
-    what: str
-    down: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def failed(self, exc: BaseException) -> None:
-        with self.lock:
-            if self.down:
-                return
-            self.down = True
-        LOG.warning(
-            "%s: Redis unavailable (%s: %s); prefix routing degraded",
-            self.what,
-            type(exc).__name__,
-            exc,
-        )
-
-    def ok(self) -> None:
-        if not self.down:  # fast path without the lock: the common case on every call
-            return
-        with self.lock:
-            if not self.down:
-                return
-            self.down = False
-        LOG.info("%s: Redis reachable again; prefix index recovered", self.what)
 
 
 @dataclass
@@ -282,14 +86,14 @@ class PrefixIndexPublisher:
         self.gc_interval_s = gc_interval_s
         self._resync = resync
         self._keys = IndexKeys(model_id)
-        self._r = _client(redis_url, socket_timeout_s)
-        self._clear_batch = self._r.register_script(_CLEAR_BATCH_LUA)
-        self._pod_status = self._r.register_script(_POD_STATUS_LUA)
+        self._r = redis.Redis.from_url(redis_url, **client_options(socket_timeout_s))
+        self._clear_batch = self._r.register_script(CLEAR_BATCH_LUA)
+        self._pod_status = self._r.register_script(POD_STATUS_LUA)
         # Heartbeat value identifying this publisher instance: seeing another value means a second live
         # publisher uses the same pod id (misconfiguration worth a warning).
         self._token = uuid.uuid4().hex
         self._buf = _Buffer()
-        self._outage = _OutageLog(f"prefix publisher {pod_id}")
+        self._outage = OutageLog(f"prefix publisher {pod_id}")
         self._stop = threading.Event()
         self._deregister = True
         self._thread: threading.Thread | None = None
@@ -375,7 +179,7 @@ class PrefixIndexPublisher:
                 self._step()
                 self._outage.ok()
                 backoff = 0.0
-            except _REDIS_DOWN as exc:
+            except REDIS_DOWN as exc:
                 self._on_failure(exc)
                 backoff = min(self.max_backoff_s, max(0.1, backoff * 2))
             except Exception:  # a bug in resync() or here must not kill the thread
@@ -542,76 +346,6 @@ class PrefixIndexPublisher:
                 self._r.srem(self._keys.pods, self.pod_id)
             elif not self._buf.needs_sync:
                 self._flush()
-        except _REDIS_DOWN as exc:
+        except REDIS_DOWN as exc:
             # Leftovers stop counting when the heartbeat expires and are collected by the other pods.
             LOG.warning("prefix publisher %s: could not deregister (%s)", self.pod_id, exc)
-
-
-class PrefixIndexReader:
-    """Router-side lookups. Thread-safe (redis-py's connection pool); blocking, so call it from a thread
-    or accept one short round trip on the event loop (``socket_timeout_s`` bounds the worst case).
-
-    While Redis is down every call returns None at once without touching the network for a backoff
-    period (so requests are not each delayed by a connect timeout), then it tries again by itself.
-    """
-
-    def __init__(
-        self,
-        redis_url: str,
-        model_id: str,
-        socket_timeout_s: float = 0.2,
-        *,
-        max_backoff_s: float = 2.0,
-    ) -> None:
-        self.model_id = model_id
-        self.max_backoff_s = max_backoff_s
-        self._keys = IndexKeys(model_id)
-        self._r = _client(redis_url, socket_timeout_s)
-        # register_script computes the SHA locally; each call is one EVALSHA, and after a Redis restart
-        # (script cache empty) redis-py loads the script once and retries.
-        self._match = self._r.register_script(MATCH_LUA)
-        self._pod_status = self._r.register_script(_POD_STATUS_LUA)
-        self._outage = _OutageLog("prefix reader")
-        self._retry_at = 0.0
-        self._backoff = 0.0
-
-    def match(self, block_hashes: Sequence[int], pods: Sequence[str]) -> dict[str, int] | None:
-        """For each candidate pod, the number of leading blocks of ``block_hashes`` it holds (0 for a pod
-        with an expired heartbeat). One round trip. None if Redis is unavailable."""
-        if not pods:
-            return {}
-        if not block_hashes:
-            return {pod: 0 for pod in pods}
-        args = [self._keys.prefix, hashes_hex(block_hashes), *pods]
-        counts = self._call(lambda: self._match(args=args))
-        if counts is None:
-            return None
-        out: dict[str, int] = {}
-        for pod, n in zip(pods, counts, strict=True):
-            out[pod] = max(out.get(pod, 0), int(n))
-        return out
-
-    def live_pods(self) -> list[str] | None:
-        """Pods with a live heartbeat for this model (one round trip). None if Redis is unavailable."""
-        res = self._call(lambda: self._pod_status(keys=[self._keys.pods], args=[self._keys.prefix]))
-        if res is None:
-            return None
-        return sorted(p.decode() for p in res[0])
-
-    def close(self) -> None:
-        self._r.close()
-
-    def _call(self, fn: Callable[[], list]) -> list | None:
-        if self._retry_at and time.monotonic() < self._retry_at:
-            return None
-        try:
-            res = fn()
-        except _REDIS_DOWN as exc:
-            self._outage.failed(exc)
-            self._backoff = min(self.max_backoff_s, max(0.25, self._backoff * 2))
-            self._retry_at = time.monotonic() + self._backoff
-            return None
-        self._retry_at = 0.0
-        self._backoff = 0.0
-        self._outage.ok()
-        return res

@@ -1,0 +1,76 @@
+"""Reads the prefix index on the caller's event loop (redis.asyncio): how many leading blocks of a prompt
+each candidate pod holds. The router calls it once per long prompt; keys and scripts: common/prefix/scripts.py.
+
+One EVALSHA per lookup (the match script walks the blocks server-side, heartbeat-checked). While Redis is
+down every call answers None at once for a backoff period (requests are not each delayed by a connect
+timeout), then it tries again by itself; the outage is logged once when it starts and once when it ends.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import redis.asyncio as aredis
+
+from common.prefix.connection import REDIS_DOWN, OutageLog, client_options
+from common.prefix.scripts import MATCH_LUA, POD_STATUS_LUA, IndexKeys, hashes_hex
+
+__all__ = ["PrefixIndexReader"]
+
+
+class PrefixIndexReader:
+    def __init__(self, redis_url: str, model_id: str, socket_timeout_s: float = 0.2, *, max_backoff_s: float = 2.0):
+        self.model_id = model_id
+        self.max_backoff_s = max_backoff_s
+        self._keys = IndexKeys(model_id)
+        self._r = aredis.Redis.from_url(redis_url, **client_options(socket_timeout_s, for_asyncio=True))
+        # register_script computes the SHA locally; each call is one EVALSHA, and after a Redis restart
+        # (script cache empty) redis-py loads the script once and retries.
+        self._match = self._r.register_script(MATCH_LUA)
+        self._pod_status = self._r.register_script(POD_STATUS_LUA)
+        self._outage = OutageLog("prefix reader")
+        self._retry_at = 0.0
+        self._backoff = 0.0
+
+    async def match(self, block_hashes: Sequence[int], pods: Sequence[str]) -> dict[str, int] | None:
+        """For each candidate pod, the number of leading blocks of ``block_hashes`` it holds (0 for a pod
+        with an expired heartbeat). One round trip. None if Redis is unavailable."""
+        if not pods:
+            return {}
+        if not block_hashes:
+            return dict.fromkeys(pods, 0)
+        args = [self._keys.prefix, hashes_hex(block_hashes), *pods]
+        counts = await self._call(lambda: self._match(args=args))
+        if counts is None:
+            return None
+        out: dict[str, int] = {}
+        for pod, n in zip(pods, counts, strict=True):  # a pod listed twice keeps its larger count
+            out[pod] = max(out.get(pod, 0), int(n))
+        return out
+
+    async def live_pods(self) -> list[str] | None:
+        """Pods with a live heartbeat for this model (one round trip). None if Redis is unavailable."""
+        res = await self._call(lambda: self._pod_status(keys=[self._keys.pods], args=[self._keys.prefix]))
+        if res is None:
+            return None
+        return sorted(p.decode() for p in res[0])
+
+    async def aclose(self) -> None:
+        await self._r.aclose()
+
+    async def _call(self, fn: Callable[[], Awaitable[Any]]) -> Any | None:
+        if self._retry_at and time.monotonic() < self._retry_at:
+            return None
+        try:
+            res = await fn()
+        except REDIS_DOWN as exc:
+            self._outage.failed(exc)
+            self._backoff = min(self.max_backoff_s, max(0.25, self._backoff * 2))
+            self._retry_at = time.monotonic() + self._backoff
+            return None
+        self._retry_at = 0.0
+        self._backoff = 0.0
+        self._outage.ok()
+        return res
