@@ -135,7 +135,9 @@ class ModelRunner:
             from common.engine.gpu.path import GpuPath
 
             graph_bs = cfg.max_running if cfg.cuda_graph_max_bs < 0 else min(cfg.cuda_graph_max_bs, cfg.max_running)
-            self.gpu = GpuPath(self, dummy_page=num_pages, graph_max_bs=graph_bs)
+            self.gpu = GpuPath(
+                model, self.pool, self.page_table.table, num_pages, graph_bs, cfg.decode_tc_min_batch
+            )
             self.attn = self.gpu.attn
         if self.followers is not None:
             self.followers.barrier_ready()

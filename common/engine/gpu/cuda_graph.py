@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.engine.forward_batch import ForwardBatch
-from common.engine.gpu.attention import PageMeta
+from common.engine.gpu.attention import FlashInferAttention, PageMeta
 
 if TYPE_CHECKING:
-    from common.engine.gpu.path import GpuPath
+    from common.engine.model import DecoderModel
+    from common.kv.pool import KVPool
 
 log = logging.getLogger("kvferry.engine")
 
@@ -33,21 +34,31 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, path: GpuPath, max_bs: int, capture: bool = True) -> None:
-        self.path = path
-        self.attn = path.attn
+    def __init__(
+        self,
+        model: DecoderModel,
+        attn: FlashInferAttention,
+        pool: KVPool,
+        dummy_page: int,
+        max_seq_len: int,
+        max_bs: int,
+        capture: bool = True,
+    ) -> None:
+        self.model = model
+        self.attn = attn
+        self.pool = pool
+        self.dummy_page = dummy_page
         self.max_bs = max_bs
         self.sizes = graph_batch_sizes(max_bs)
-        runner = path.runner
-        dev = runner.device
-        ps = runner.cfg.page_size
+        dev = model.device
+        ps = pool.layout.page_size
         # out_loc holds pool rows (KVPool.token_rows), not raw token locations.
-        self.dummy_slot = int(runner.pool.token_rows(torch.tensor([path.dummy_page * ps]))[0])
+        self.dummy_slot = int(pool.token_rows(torch.tensor([dummy_page * ps]))[0])
         self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.out_loc = torch.full((max_bs,), self.dummy_slot, dtype=torch.int64, device=dev)
-        self.logits = torch.zeros(max_bs, runner.model_config.vocab_size, dtype=torch.float32, device=dev)
-        pages_per_req = -(-runner.max_seq_len // ps)
+        self.logits = torch.zeros(max_bs, model.cfg.vocab_size, dtype=torch.float32, device=dev)
+        pages_per_req = -(-max_seq_len // ps)
         self.indptr_buf = torch.zeros(max_bs + 1, dtype=torch.int32, device=dev)
         self.indices_buf = torch.zeros(max_bs * pages_per_req + max_bs, dtype=torch.int32, device=dev)
         self.last_buf = torch.ones(max_bs, dtype=torch.int32, device=dev)
@@ -79,13 +90,13 @@ class DecodeGraphs:
     def _body(self, bs: int) -> None:
         self.attn.bind(self.wrappers[bs], self.out_loc[:bs])
         # Logits in the model's dtype, cast by the copy into the float32 buffer (one kernel, not two).
-        logits = self.path.model.forward_tokens(self.input_ids[:bs], self.positions[:bs], self.attn, float_logits=False)
+        logits = self.model.forward_tokens(self.input_ids[:bs], self.positions[:bs], self.attn, float_logits=False)
         self.logits[:bs].copy_(logits)
 
     def _plan_dummy(self, bs: int) -> None:
         none = torch.zeros(0, dtype=torch.int32)
         empty = PageMeta(torch.zeros(1, dtype=torch.int32), none.to(self.input_ids.device), none)
-        meta = empty.padded(bs, self.path.dummy_page)
+        meta = empty.padded(bs, self.dummy_page)
         self.out_loc[:bs].fill_(self.dummy_slot)
         self.attn.plan_decode(self.wrappers[bs], meta)
 
@@ -116,10 +127,10 @@ class DecodeGraphs:
         bs = self.pick(b)
         self.input_ids[:b].copy_(batch.input_ids)
         self.positions[:b].copy_(batch.positions)
-        self.out_loc[:b].copy_(self.path.runner.pool.token_rows(batch.out_loc))
+        self.out_loc[:b].copy_(self.pool.token_rows(batch.out_loc))
         if bs > b:
             self.out_loc[b:bs].fill_(self.dummy_slot)
-        meta = self.attn.page_meta(batch.table_rows, batch.seq_lens_cpu).padded(bs, self.path.dummy_page)
+        meta = self.attn.page_meta(batch.table_rows, batch.seq_lens_cpu).padded(bs, self.dummy_page)
         self.attn.plan_decode(self.wrappers[bs], meta)
         if replay:
             self.graphs[bs].replay()

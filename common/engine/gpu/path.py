@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
 
 import torch
 
 from common.engine.forward_batch import ForwardBatch
 from common.engine.gpu.attention import WORKSPACE_BYTES, FlashInferAttention
 from common.engine.layers import FlashInferOps
-
-if TYPE_CHECKING:
-    from common.engine.runner import ModelRunner
+from common.engine.model import DecoderModel
+from common.kv.pool import KVPool
 
 log = logging.getLogger("kvferry.engine")
 
@@ -23,37 +21,36 @@ class GpuPath:
     graphs for decode steps that fit. flashinfer's kernels serve 16-bit dtypes only: float32 on a GPU runs the
     plain torch path (`select_attention` picks it), without this class and without CUDA graphs.
 
-    `dummy_page` is a pool page outside the allocator's range: CUDA-graph padding rows write there.
-    `use_graphs` can be switched off at run time (the benchmark's ablation) without recapturing.
+    `page_table` is the runner's `[rows, max_seq_len]` token-location table; `dummy_page` a pool page outside
+    the allocator's range: CUDA-graph padding rows write there. `use_graphs` can be switched off at run time
+    (the benchmark's ablation) without recapturing.
     """
 
-    def __init__(self, runner: ModelRunner, dummy_page: int, graph_max_bs: int) -> None:
-        if runner.dtype not in (torch.bfloat16, torch.float16):
+    def __init__(
+        self,
+        model: DecoderModel,
+        pool: KVPool,
+        page_table: torch.Tensor,
+        dummy_page: int,
+        graph_max_bs: int,
+        tc_min_batch: int = 1,
+    ) -> None:
+        if model.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(
-                f"the flashinfer backend needs bfloat16 or float16, not {runner.dtype}; use attention=torch"
+                f"the flashinfer backend needs bfloat16 or float16, not {model.dtype}; use attention=torch"
             )
         # The CUDA norm kernels (what the bundle precompiles), not the CuTe-DSL ones.
         os.environ.setdefault("FLASHINFER_USE_CUDA_NORM", "1")
-        self.runner = runner
-        self.model = runner.model
-        self.dummy_page = dummy_page
-        dev = runner.device
-        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
-        self.attn = FlashInferAttention(
-            runner.pool,
-            runner.page_table.table,
-            runner.model_config,
-            runner.dtype,
-            self.workspace,
-            tc_min_batch=runner.cfg.decode_tc_min_batch,
-        )
-        self.model.ops = FlashInferOps(self.model.rotary)
+        self.model = model
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=model.device)
+        self.attn = FlashInferAttention(pool, page_table, model.cfg, model.dtype, self.workspace, tc_min_batch)
+        model.ops = FlashInferOps(model.rotary)
         self.graphs = None
         self.use_graphs = True
-        if graph_max_bs > 0 and dev.type == "cuda":
+        if graph_max_bs > 0 and model.device.type == "cuda":
             from common.engine.gpu.cuda_graph import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self, graph_max_bs)
+            self.graphs = DecodeGraphs(model, self.attn, pool, dummy_page, page_table.shape[1], graph_max_bs)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self.use_graphs and self.graphs is not None and self.graphs.can_run(batch):
