@@ -55,6 +55,7 @@ class WorkerConfig:
             runner=RunnerConfig(
                 model=_env("KVFERRY_MODEL", "smollm2-135m-instruct"),
                 device=device,
+                dtype=_env("KVFERRY_DTYPE", "auto"),  # auto: float32 on CPU, bfloat16 on GPU
                 page_size=int(_env("KVFERRY_PAGE_SIZE", "16")),
                 num_pages=int(_env("KVFERRY_NUM_PAGES", "0")),
                 kv_memory_gb=float(_env("KVFERRY_KV_MEMORY_GB", "1.0")),
