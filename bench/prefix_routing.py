@@ -172,7 +172,7 @@ def pct(xs: list[float], q: float) -> float:
 def run_mode(
     args: argparse.Namespace, mode: str, requests: list[dict[str, Any]], pages: dict[str, int]
 ) -> dict[str, Any]:
-    from router.local_cluster import start_local_cluster
+    from common.devcluster.cluster import start_local_cluster
 
     env = {"KVFERRY_DEVICE": args.device, "KVFERRY_PAGE_SIZE": str(args.page_size)}
     if args.max_prefill_tokens:

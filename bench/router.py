@@ -212,7 +212,7 @@ def latency_vs_stub(args: argparse.Namespace, tok: Any, redis_url: str, logs: Pa
 
 
 def latency_vs_real(args: argparse.Namespace, tok: Any) -> dict[str, Any]:
-    from router.local_cluster import start_local_cluster
+    from common.devcluster.cluster import start_local_cluster
 
     with start_local_cluster(prefill=0, decode=1, progress=lambda m: print(m, file=sys.stderr)) as cluster:
         n = max(50, args.requests // 10)
@@ -308,18 +308,14 @@ def main() -> int:
 
     import tempfile
 
+    from common.devcluster.redis_server import start_redis_server
     from common.net import free_port
-    from router.local_cluster import ManagedProcess, _wait_redis
     from router.tokenizer import load_tokenizer
 
     tok, _ = load_tokenizer(MODEL, args.tokenizer)
     logs = Path(tempfile.mkdtemp(prefix="kvferry-bench-router-"))
-    rport = free_port()
-    redis_url = f"redis://127.0.0.1:{rport}/0"
-    redis_argv = ["redis-server", "--port", str(rport), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    redis_proc = ManagedProcess("redis", redis_argv, dict(os.environ), logs / "redis.log", url=redis_url)
-    redis_proc.start()
-    _wait_redis(redis_proc, 10.0)
+    redis_proc = start_redis_server(free_port(), logs / "redis.log")
+    redis_url = redis_proc.url or ""
     result: dict[str, Any] = {
         "env": {
             "python": platform.python_version(),

@@ -13,7 +13,7 @@ _ROLE_MAINS = {
     "router": "router.main",
     "prefill": "prefill_worker.main",
     "decode": "decode_worker.main",
-    "up": "router.local_cluster",
+    "up": "common.devcluster.up",
 }
 
 

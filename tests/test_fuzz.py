@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import TypeAdapter, ValidationError
 
-from router.local_cluster import LocalCluster, start_local_cluster
+from common.devcluster.cluster import LocalCluster, start_local_cluster
 from tests.test_reliability import assert_openai_error, wait_pages_back
 
 ROOT = Path(__file__).resolve().parents[1]

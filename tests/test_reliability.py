@@ -30,7 +30,8 @@ import openai
 import pytest
 import redis
 
-from router.local_cluster import LocalCluster, ManagedProcess, start_local_cluster
+from common.devcluster.cluster import LocalCluster, start_local_cluster
+from common.devcluster.process import ManagedProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [

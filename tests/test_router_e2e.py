@@ -17,9 +17,9 @@ import openai
 import pytest
 
 from common.config import RouterConfig
+from common.devcluster.cluster import LocalCluster, start_local_cluster
 from common.net import free_port
 from router.discovery import StaticDiscovery
-from router.local_cluster import LocalCluster, start_local_cluster
 from router.server_thread import ServerThread
 from router.settings import RouterOptions
 from router.tokenizer import ModelInfo, RouterTokenizer

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from router.local_cluster import LocalCluster, start_local_cluster
+from common.devcluster.cluster import LocalCluster, start_local_cluster
 from tests.test_k8s_manifests import (
     NAMESPACE,
     TARGETS,

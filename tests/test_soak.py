@@ -27,8 +27,8 @@ from typing import Any
 import httpx
 import pytest
 
+from common.devcluster.cluster import LocalCluster, start_local_cluster
 from common.serving.engine_host import IDLE_TRIM_S
-from router.local_cluster import LocalCluster, start_local_cluster
 from tests.test_reliability import wait_pages_back
 
 ROOT = Path(__file__).resolve().parents[1]

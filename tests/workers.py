@@ -1,5 +1,5 @@
 """Real worker processes for tests: `kvferry prefill|decode` on free ports, launched and awaited by the
-same code as `kvferry up` (router/local_cluster.py); each worker's output goes to a log file whose tail
+same code as `kvferry up` (common/devcluster/); each worker's output goes to a log file whose tail
 is shown when it fails to start."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import httpx
 
+from common.devcluster.process import ManagedProcess, worker_process
+from common.devcluster.process import wait_ready as wait_parts_ready
 from common.net import free_port
-from router.local_cluster import ManagedProcess, worker_process
-from router.local_cluster import wait_ready as wait_parts_ready
 
 LOG_DIR = Path(tempfile.mkdtemp(prefix="kvferry-test-workers-"))
 

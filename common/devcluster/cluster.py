@@ -1,0 +1,185 @@
+"""Redis, prefill and decode workers and a router on this machine, as one `LocalCluster`.
+
+Start order: Redis, then the model is converted once in this process (otherwise N workers would race to
+convert it), then the workers (waiting for each one's /ready, with progress), then the router with the
+workers' URLs as static lists (waiting for its /ready). Stop order is the reverse: router first (no new
+requests), workers (SIGTERM: they drain briefly), Redis last; anything still alive after the grace
+period is killed with its process group. Tests and benchmarks use `start_local_cluster` directly; `kvferry
+up` (common/devcluster/up.py) is the same thing as a command.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.default_model import DEFAULT_MODEL_NAME
+from common.devcluster.process import ClusterError, ManagedProcess, kvferry_argv, wait_ready, worker_process
+from common.devcluster.redis_server import redis_server, wait_redis
+from common.net import free_port
+
+__all__ = ["LocalCluster", "start_local_cluster"]
+
+
+@dataclass
+class LocalCluster:
+    router_url: str
+    prefill_urls: list[str]
+    decode_urls: list[str]
+    redis_url: str
+    log_dir: Path
+    router: ManagedProcess | None = None
+    workers: list[ManagedProcess] = field(default_factory=list)
+    redis: ManagedProcess | None = None
+    _stopped: bool = False
+
+    @property
+    def parts(self) -> list[ManagedProcess]:
+        return [p for p in (self.router, *self.workers, self.redis) if p is not None]
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """Stops everything (idempotent): router, then workers, then Redis; kills what lingers."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for group in ([self.router], self.workers, [self.redis]):
+            procs = [p for p in group if p is not None]
+            for p in procs:
+                p.signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for p in procs:
+                if p.proc is None:
+                    continue
+                try:
+                    p.proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+                p.kill_group()
+
+    def stop_redis(self) -> None:
+        """Stops the cluster's Redis (tests: routing must carry on without the prefix index)."""
+        if self.redis is not None and self.redis.alive():
+            self.redis.signal(signal.SIGTERM)
+            assert self.redis.proc is not None
+            self.redis.proc.wait(10)
+
+    def start_redis(self) -> None:
+        """Starts the cluster's Redis again on the same port (empty: workers resync their entries)."""
+        if self.redis is not None and not self.redis.alive():
+            self.redis.start()
+            wait_redis(self.redis, 10.0)
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_local_cluster(
+    prefill: int = 1,
+    decode: int = 1,
+    port: int = 0,
+    model: str = DEFAULT_MODEL_NAME,
+    *,
+    host: str = "127.0.0.1",
+    redis_url: str | None = None,
+    api_key: str | None = None,
+    env: dict[str, str] | None = None,
+    role_env: dict[str, dict[str, str]] | None = None,
+    worker_args: Sequence[str] = (),
+    router_args: Sequence[str] = (),
+    log_dir: str | Path | None = None,
+    ready_timeout_s: float = 600.0,
+    progress: Callable[[str], None] | None = None,
+) -> LocalCluster:
+    """Starts Redis (unless ``redis_url`` names one), ``prefill`` + ``decode`` workers and a router;
+    returns once all answer /ready. ``port`` 0 picks a free port for the router. ``env`` is added to
+    every part's environment (e.g. KVFERRY_NUM_PAGES for small test pools), ``role_env[role]`` to the
+    parts of one role ("prefill", "decode", "router"). Raises ClusterError (with the failing part's log
+    tail) and leaves nothing running on failure."""
+    say = progress or (lambda _msg: None)
+    if decode < 1 or prefill < 0:
+        raise ClusterError("need at least one decode worker (and zero or more prefill workers)")
+    logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="kvferry-up-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    base_env = dict(os.environ)
+    base_env.update(env or {})
+    base_env["KVFERRY_MODEL"] = model
+    base_env.setdefault("KVFERRY_DRAIN_SECONDS", "2")  # local: stop quickly on Ctrl-C
+    n_workers = prefill + decode
+    base_env.setdefault("KVFERRY_TORCH_THREADS", str(max(1, (os.cpu_count() or 1) // n_workers)))
+    if api_key:
+        base_env["KVFERRY_API_KEY"] = api_key  # env, not argv: keys do not belong in `ps` output
+    else:
+        base_env.pop("KVFERRY_API_KEY", None)
+
+    cluster = LocalCluster(
+        router_url=f"http://{host}:{port or free_port()}", prefill_urls=[], decode_urls=[], redis_url="", log_dir=logs
+    )
+    try:
+        if redis_url is None:
+            cluster.redis = redis_server(free_port(), logs / "redis.log", base_env)
+            cluster.redis.start()
+            wait_redis(cluster.redis, 10.0)
+            redis_url = cluster.redis.url
+            say(f"redis-server on {redis_url}")
+        assert redis_url is not None
+        cluster.redis_url = redis_url
+        base_env["KVFERRY_REDIS_URL"] = redis_url
+
+        if not model.startswith("dummy:"):  # dummy weights need no files (the router needs a tokenizer dir)
+            from common.default_model import resolve_model_path
+
+            say(f"model {model}: {resolve_model_path(model)}")
+
+        for role, count in (("prefill", prefill), ("decode", decode)):
+            for i in range(count):
+                wport = free_port()
+                wenv = dict(base_env, KVFERRY_POD_NAME=f"local-{role}-{i}", **(role_env or {}).get(role, {}))
+                part = worker_process(
+                    role, wport, redis_url, wenv, logs / f"{role}-{i}.log", name=f"{role}-{i}", args=worker_args
+                )
+                part.start()
+                cluster.workers.append(part)
+                (cluster.prefill_urls if role == "prefill" else cluster.decode_urls).append(part.url or "")
+        say(f"starting {prefill} prefill + {decode} decode workers (logs in {logs})")
+        wait_ready(cluster.workers, ready_timeout_s, say)
+
+        rport_s = cluster.router_url.rsplit(":", 1)[1]
+        cluster.router = ManagedProcess(
+            "router",
+            kvferry_argv(
+                "router",
+                "--host",
+                host,
+                "--port",
+                rport_s,
+                "--model",
+                model,
+                "--redis-url",
+                redis_url,
+                "--discovery",
+                "static",
+                "--prefill-urls",
+                ",".join(cluster.prefill_urls),
+                "--decode-urls",
+                ",".join(cluster.decode_urls),
+                *router_args,
+            ),
+            dict(base_env, **(role_env or {}).get("router", {})),
+            logs / "router.log",
+            url=cluster.router_url,
+        )
+        cluster.router.start()
+        wait_ready([cluster.router], ready_timeout_s, say)
+        return cluster
+    except BaseException:
+        cluster.stop(grace_s=5.0)
+        raise

@@ -1,0 +1,83 @@
+"""`kvferry up` (and `make up`): the whole system on this machine until Ctrl-C, with a request to try."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+from common.default_model import DEFAULT_MODEL_NAME
+from common.devcluster.cluster import LocalCluster, start_local_cluster
+from common.devcluster.process import ClusterError
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="kvferry up", description="Run Redis, a router and prefill/decode workers on this machine."
+    )
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    p.add_argument("--port", type=int, default=8000, help="router port (default 8000)")
+    p.add_argument("--host", default="127.0.0.1", help="router address (0.0.0.0 to serve the network)")
+    p.add_argument("--model", default=os.environ.get("KVFERRY_MODEL", DEFAULT_MODEL_NAME))
+    p.add_argument("--redis-url", help="use this Redis instead of starting redis-server")
+    p.add_argument("--api-key", default=os.environ.get("KVFERRY_API_KEY"), help="require this bearer token")
+    p.add_argument("--log-dir", help="where the parts write their logs (default: a temp dir)")
+    args = p.parse_args(argv)
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    # SIGTERM behaves like Ctrl-C: unwind through the same stop path.
+    def _term(_signo: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _term)
+    cluster: LocalCluster | None = None
+    try:
+        say(f"kvferry up: {args.prefill} prefill + {args.decode} decode workers, model {args.model}")
+        cluster = start_local_cluster(
+            args.prefill,
+            args.decode,
+            args.port,
+            args.model,
+            host=args.host,
+            redis_url=args.redis_url,
+            api_key=args.api_key,
+            log_dir=args.log_dir,
+            progress=say,
+        )
+        shown = cluster.router_url.replace("0.0.0.0", "localhost")
+        auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
+        print(
+            f"\nkvferry is up: {shown}/v1  (OpenAI API; Ctrl-C stops everything)\n\n"
+            f"curl -s {shown}/v1/chat/completions -H 'content-type: application/json'{auth} \\\n"
+            f'  -d \'{{"model": "{args.model}", "messages": [{{"role": "user", "content": '
+            f'"What is the capital of France?"}}]}}\'\n',
+            flush=True,
+        )
+        while True:
+            time.sleep(1.0)
+            for part in cluster.parts:
+                if not part.alive():
+                    say(f"{part.name} exited unexpectedly (log {part.log_path}):\n{part.log_tail()}")
+                    return 1
+    except KeyboardInterrupt:
+        say("\nstopping...")
+        return 0
+    except ClusterError as exc:
+        say(f"kvferry up failed: {exc}")
+        return 1
+    finally:
+        if cluster is not None:
+            try:
+                cluster.stop()
+            except KeyboardInterrupt:  # a second Ctrl-C: stop waiting, kill every part (and its children)
+                say("killing...")
+                for part in cluster.parts:
+                    part.kill_group()
+            say("stopped")
