@@ -20,6 +20,7 @@ from common.protocol import KVLayoutInfo
 from common.transfer.agent import KVTransferAgent, PeerError
 from common.transfer.descs import PoolInfo, page_runs, pool_infos_from_b64, pool_infos_to_b64, run_descs
 from common.transfer.layout import LAYOUT_VERSION, LayoutMismatch, check_compatible, layout_info
+from common.transfer.session import IllegalMove, S, TransferSession
 
 MODEL = "test-model"
 NUM_LAYERS = 4
@@ -335,3 +336,24 @@ def test_descriptor_addresses_match_pool() -> None:
         assert block.is_contiguous()
         assert int(rows[i, 0]) == block.data_ptr()
         assert int(rows[i, 1]) == block.numel() * block.element_size()
+
+
+def test_session_moves_each_side_may_make() -> None:
+    decode = TransferSession.start("r", "decode")
+    assert decode.state is S.RESERVED
+    with pytest.raises(IllegalMove):
+        decode.move(S.LANDED)  # nobody was asked yet: nothing can have landed
+    decode.move(S.REQUESTED)
+    decode.move(S.CANCELLING, "client went away")
+    with pytest.raises(IllegalMove):
+        decode.move(S.LANDED)  # given up: only the peer's word (or death) ends it
+    decode.move(S.ABANDONED)
+    assert decode.terminal and decode.error == "client went away"
+    prefill = TransferSession.start("r", "prefill")
+    assert prefill.state is S.REQUESTED
+    with pytest.raises(IllegalMove):
+        prefill.move(S.RESERVED)  # decode-only state
+    prefill.move(S.WRITING)
+    prefill.move(S.LANDED)
+    with pytest.raises(IllegalMove):
+        prefill.move(S.CANCELLING)  # terminal

@@ -112,8 +112,9 @@ class KVReceiver:
         return [s.req_id for s in late]
 
     def awaited_peers(self) -> set[tuple[str, str]]:
-        """(agent, instance) of every peer that may still write into this worker's pages."""
-        return {(s.peer, s.peer_instance) for s in self.sessions.values() if s.state in (S.REQUESTED, S.CANCELLING)}
+        """(agent, instance) of every peer that may still write into pages this worker gave up on. (A request
+        still in flight learns of its peer's death from the peer's HTTP stream, which then breaks.)"""
+        return {(s.peer, s.peer_instance) for s in self.sessions.values() if s.state is S.CANCELLING}
 
     # -- notices -------------------------------------------------------------------------------------
 

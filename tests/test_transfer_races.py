@@ -1,0 +1,250 @@
+"""Transfer races forced on the CPU, between real worker processes over real NIXL and HTTP.
+
+The prefill worker runs with the fault hook `KVFERRY_FAULT_WRITE_DELAY_S`: every KV write it posts lands
+that many seconds late and cannot be called back, like a write stuck in flight. Both workers checksum the
+pages of every transfer (`KVFERRY_DEBUG_CHECKSUMS=1`). The safety property under test: the decode worker
+never frees a page that a write can still land in, and the prefill worker never frees a page a write still
+reads. Observed from outside: while the prefill worker reports a write in flight, the decode worker has
+not given the pages back; the next request on the decode worker (on those very pages, had they been freed)
+still produces the local greedy output; the idle page-ledger check finds nothing; every page comes back.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import multiprocessing as mp
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.workers import WorkerProc, generate, run_concurrently, start_worker, wait_pages_back, wait_ready
+
+DELAY_S = 4.0  # longer than the 2 s the decode worker used to wait before reusing given-up pages
+
+
+@pytest.fixture(scope="module")
+def pair(redis_server: str) -> Iterator[tuple[WorkerProc, WorkerProc]]:
+    checks = {"KVFERRY_DEBUG_CHECKSUMS": "1"}
+    p = start_worker("prefill", redis_server, env={**checks, "KVFERRY_FAULT_WRITE_DELAY_S": str(DELAY_S)})
+    d = start_worker("decode", redis_server, env=checks)
+    try:
+        wait_ready(p, d)
+        yield p, d
+    finally:
+        p.stop()
+        d.stop()
+
+
+def _prompt(tokenizer: Any, words: int, tag: str) -> list[int]:
+    return tokenizer.encode(
+        f"[{tag}] " + " ".join(("harbor", "lantern", "meadow", "quarry")[i % 4] for i in range(words))
+    )
+
+
+def _writes_in_flight(p: WorkerProc) -> int:
+    return int(httpx.get(f"{p.url}/internal/stats", timeout=5).json()["transfer"]["writes_in_flight"])
+
+
+def _all_free(d: WorkerProc) -> bool:
+    ld = d.load()
+    return ld["free_pages"] == ld["total_pages"] and ld["running_requests"] == 0
+
+
+def _metric(w: WorkerProc, name: str) -> float:
+    for line in httpx.get(f"{w.url}/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not exported by {w.role}")
+
+
+def _assert_pages_held_while_writes_fly(p: WorkerProc, d: WorkerProc, timeout: float = 3 * DELAY_S) -> None:
+    """Until the prefill worker's writes have all settled, the decode worker must not have freed the pages.
+    The decode worker is read first: "all free" seen before "a write in flight" means both held at once."""
+    deadline = time.monotonic() + timeout
+    while True:
+        freed = _all_free(d)
+        flying = _writes_in_flight(p)
+        assert not (freed and flying), "decode pages were freed while a prefill write to them was in flight"
+        if freed and not flying:
+            return
+        assert time.monotonic() < deadline, f"pages not back: decode {d.load()}, writes in flight {flying}"
+        time.sleep(0.05)
+
+
+def _stream_generate(d: WorkerProc, body: dict[str, Any], timeout: float = 60) -> list[dict[str, Any]]:
+    with httpx.stream("POST", f"{d.url}/internal/generate", json=body, timeout=timeout) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line) for line in r.iter_lines() if line]
+
+
+def test_abort_while_writes_in_flight(pair: tuple[WorkerProc, WorkerProc], smol_tokenizer: Any) -> None:
+    p, d = pair
+    victim = _prompt(smol_tokenizer, 300, "abort")
+    reuse = _prompt(smol_tokenizer, 300, "reuse")
+    expected, _ = generate(d, reuse, None, max_tokens=24)  # local prefill: the reference output
+    body = {
+        "req_id": uuid.uuid4().hex,
+        "token_ids": victim,
+        "prefill_url": p.url,
+        "sampling": {"max_tokens": 8, "ignore_eos": True},
+    }
+    with httpx.stream("POST", f"{d.url}/internal/generate", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        deadline = time.monotonic() + 30
+        while _writes_in_flight(p) == 0:
+            assert time.monotonic() < deadline, "the prefill worker never posted a write"
+            time.sleep(0.02)
+    # The client hung up with writes in flight. The next request on the decode worker would get the very
+    # pages the late writes land in, had they been freed.
+    tokens, events = generate(d, reuse, None, max_tokens=24)
+    assert tokens == expected and events[-1]["finish_reason"] == "length"
+    _assert_pages_held_while_writes_fly(p, d)
+    wait_pages_back(p, d)
+
+
+def test_late_write_after_the_decode_deadline(pair: tuple[WorkerProc, WorkerProc], smol_tokenizer: Any) -> None:
+    p, d = pair
+    victim = _prompt(smol_tokenizer, 200, "late")
+    reuse = _prompt(smol_tokenizer, 200, "after")
+    expected, _ = generate(d, reuse, None, max_tokens=24)
+    body = {
+        "req_id": uuid.uuid4().hex,
+        "token_ids": victim,
+        "prefill_url": p.url,
+        "sampling": {"max_tokens": 8, "ignore_eos": True},
+        "kv_timeout_s": 2.0,  # shorter than the writes take to land
+    }
+    events = _stream_generate(d, body)
+    assert events[-1]["finish_reason"] == "error" and "deadline" in events[-1]["error"], events[-1]
+    assert _writes_in_flight(p) > 0, "the late writes should still be in flight when the request failed"
+    tokens, _ = generate(d, reuse, None, max_tokens=24)
+    assert tokens == expected
+    _assert_pages_held_while_writes_fly(p, d)
+    wait_pages_back(p, d)
+
+
+def test_two_choices_sharing_a_prefix_on_one_prefill_pod(
+    pair: tuple[WorkerProc, WorkerProc], smol_tokenizer: Any
+) -> None:
+    """n=2: the same prompt twice at once on one prefill pod. Whichever finishes second finds its prefix
+    cached by the first and frees its duplicate pages: only after its own (late) writes read them. A third
+    prompt prefilled meanwhile would be handed those pages and overwrite them under the late writes."""
+    p, d = pair
+    shared = _prompt(smol_tokenizer, 200, "twins")
+    other = _prompt(smol_tokenizer, 200, "third")
+    local = [generate(d, ids, None)[0] for ids in (shared, other)]
+    results = run_concurrently(lambda ids: generate(d, ids, p), [(shared,), (shared,), (other,)])
+    for (tokens, events), want in zip(results, [local[0], local[0], local[1]], strict=True):
+        assert events[0].get("kv_verified") is True, events[-1]
+        assert tokens == want
+    wait_pages_back(p, d)
+    for w in (p, d):
+        assert _metric(w, "kvferry_kv_integrity_violations_total") == 0
+    assert _metric(d, "kvferry_kv_forced_releases_total") == 0
+
+
+# ---- a peer that sends a malformed notice -----------------------------------------------------------
+def _bad_prefill_main(port_q: Any) -> None:
+    """A prefill worker that answers the handshake honestly, then ends every request with a malformed notice
+    (and some garbage) over real NIXL, and holds the request's stream open."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import torch
+
+    from common.kv.pool import KVLayout, KVPool
+    from common.transfer.agent import KVTransferAgent
+
+    agent = KVTransferAgent(
+        "bad-prefill", KVPool(KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, page_size=16, dtype=torch.float32), 2)
+    )
+    lock = threading.Lock()
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def _json(self, body: dict[str, Any]) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            self._json({"agent": agent.name, "instance_id": agent.instance_id, "engine_alive": True})
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path == "/internal/handshake":
+                with lock:
+                    agent.nixl.add_remote_agent(base64.b64decode(body["agent_metadata_b64"]))
+                self._json({"agent_name": agent.name, "instance_id": agent.instance_id, "layout": body["layout"]})
+                return
+            peer = body["dst_agent"]
+            with lock:
+                for msg in (
+                    b"\xff not json",
+                    json.dumps({"req_id": "nobody-asked", "outcome": "landed", "token": 1}).encode(),
+                    json.dumps({"req_id": body["req_id"], "outcome": "landed", "token": "the capital"}).encode(),
+                ):
+                    agent.nixl.send_notif(peer, msg)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-ndjson")
+            self.end_headers()
+            try:
+                for _ in range(300):  # until the decode worker hangs up
+                    self.wfile.write(b"\n")
+                    self.wfile.flush()
+                    time.sleep(0.1)
+            except OSError:
+                pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    port_q.put(server.server_address[1])
+    server.serve_forever()
+
+
+def test_malformed_notice_fails_one_request_and_the_engine_keeps_serving(
+    pair: tuple[WorkerProc, WorkerProc], smol_tokenizer: Any
+) -> None:
+    p, d = pair
+    ctx = mp.get_context("spawn")
+    port_q = ctx.Queue()
+    bad = ctx.Process(target=_bad_prefill_main, args=(port_q,), daemon=True)
+    bad.start()
+    try:
+        bad_url = f"http://127.0.0.1:{port_q.get(timeout=60)}"
+        bystander_ids = _prompt(smol_tokenizer, 40, "bystander")
+        expected, _ = generate(d, bystander_ids, None, max_tokens=48)
+        out: dict[str, Any] = {}
+        bystander = threading.Thread(
+            target=lambda: out.update(zip(("tokens", "events"), generate(d, bystander_ids, None, max_tokens=48)))
+        )
+        bystander.start()
+        body = {
+            "req_id": uuid.uuid4().hex,
+            "token_ids": _prompt(smol_tokenizer, 60, "victim"),
+            "prefill_url": bad_url,
+            "sampling": {"max_tokens": 8},
+        }
+        events = _stream_generate(d, body, timeout=30)
+        assert events[-1]["finish_reason"] == "error" and "malformed" in events[-1]["error"], events[-1]
+        bystander.join(60)
+        assert out["tokens"] == expected  # the request running beside it was untouched
+        # The misbehaving peer may still write into the failed request's pages: they stay held while it lives.
+        time.sleep(1.0)
+        assert d.load()["free_pages"] < d.load()["total_pages"]
+    finally:
+        bad.kill()
+        bad.join(10)
+    wait_pages_back(d)  # its process is gone: nothing of it can land any more
+    tokens, events = generate(d, _prompt(smol_tokenizer, 60, "next"), p)
+    assert events[-1]["finish_reason"] == "length" and events[0].get("kv_verified") is True
+    assert _metric(d, "kvferry_kv_integrity_violations_total") == 0
