@@ -142,6 +142,34 @@ def test_teacher_forced_logits_match_transformers(random_model):
     assert_pool_clean(engine)
 
 
+def test_logits_only_for_sampled_tokens(random_model):
+    """One prefill step asked for every token's logits, for each request's last token, for one request's, and
+    for none (a chunk where no request samples yet): the same rows each time, and an empty float32 tensor."""
+    _, _, runner = random_model
+    prompts = _random_prompts(5, [37, 20])
+    pt, ps = runner.page_table, runner.cfg.page_size
+    rows, first = [], 0
+    for prompt in prompts:
+        n = -(-len(prompt) // ps)
+        rows.append(pt.take_row())
+        pt.write_pages(rows[-1], 0, torch.arange(first, first + n))
+        first += n
+
+    def step(mask: list[bool], all_logits: bool = False) -> torch.Tensor:
+        return runner.forward(runner.build_batch(prompts, [0, 0], rows, mask, False, all_logits)).clone()
+
+    try:
+        every = step([True, True], all_logits=True)
+        assert every.shape == (57, VOCAB) and every.dtype == torch.float32
+        torch.testing.assert_close(step([True, True]), every[[36, 56]], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(step([False, True]), every[[56]], atol=1e-5, rtol=1e-5)
+        none = step([False, False])
+        assert none.shape == (0, VOCAB) and none.dtype == torch.float32
+    finally:
+        for row in rows:
+            pt.give_row(row)
+
+
 def test_greedy_concurrent_chunked_batch_matches_transformers(random_model):
     _, hf, runner = random_model
     prompts = _random_prompts(11, [5, 23, 40, 77, 130, 3])

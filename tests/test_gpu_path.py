@@ -254,6 +254,118 @@ def test_greedy_fp32_gpu_torch_path_matches_cpu(tiny_dirs):
     assert gpu == cpu
 
 
+def test_flashinfer_backend_refuses_float32(tiny_dirs):
+    """flashinfer's kernels are 16-bit only: asking for them in float32 fails at start with the cause (CUDA graphs
+    belong to that path, so float32 never captures any); `auto` gives float32 the torch path instead."""
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        _runner(tiny_dirs["llama"], "cpu", "float32", attention="flashinfer")
+
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Give me three tips for staying healthy.",
+    "Write a haiku about the sea.",
+    "How many legs does a spider have?",
+]
+COMPLETION_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away, there lived a dragon who loved to",
+    "The three primary colors are",
+]
+
+
+@needs_cuda
+@gpu
+def test_greedy_fp32_gpu_matches_cpu_on_packaged_model(smol_path, smol_runner, smol_tokenizer):
+    """KVFERRY_DTYPE=float32 on a GPU (dtype "float32", attention auto) greedy-decodes the packaged SmolLM2 token
+    for token as the CPU path does: chat and completion prompts, batched, with chunked prefill."""
+    from common.engine.layers import TorchOps
+    from common.engine.runner import ModelRunner
+    from common.settings import RunnerConfig
+    from tests.engine_helpers import fresh_engine
+
+    cfg = RunnerConfig(model=str(smol_path), device="cuda", dtype="float32", num_pages=1024, max_running=16)
+    gpu_runner = ModelRunner(cfg)
+    assert gpu_runner.dtype == torch.float32 and gpu_runner.backend == "torch" and gpu_runner.gpu is None
+    assert isinstance(gpu_runner.model.ops, TorchOps)
+    chats = [
+        list(
+            smol_tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        for q in CHAT_PROMPTS
+    ]
+    prompts = chats + [smol_tokenizer.encode(p) for p in COMPLETION_PROMPTS]
+    sp = SamplingParams(max_tokens=48)
+    cpu = fresh_engine(smol_runner, max_prefill_tokens=64).generate(prompts, sp)
+    gpu = fresh_engine(gpu_runner, max_prefill_tokens=64).generate(prompts, sp)
+    assert sum(r.finish_reason == "stop" for r in cpu[: len(chats)]) >= 2  # chat answers end on their own
+    for i, (prompt, c, g) in enumerate(zip(prompts, cpu, gpu)):
+        if (g.output_ids, g.finish_reason) == (c.output_ids, c.finish_reason):
+            continue
+        j = next((n for n, (a, b) in enumerate(zip(c.output_ids, g.output_ids)) if a != b), None)
+        if j is None:
+            pytest.fail(
+                f"prompt {i}: cpu {c.finish_reason} after {len(c.output_ids)}, gpu {g.finish_reason} after {len(g.output_ids)}"
+            )
+        top2 = fresh_engine(smol_runner).score(prompt + c.output_ids[:j])[-1].topk(2).values
+        pytest.fail(
+            f"prompt {i} diverges at output token {j}: cpu {c.output_ids[j : j + 4]}, gpu {g.output_ids[j : j + 4]}; "
+            f"the CPU's top-2 logit gap there is {float(top2[0] - top2[1]):.2e} (around 1e-5: a float32 near-tie)"
+        )
+
+
+@needs_cuda
+@gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_flashinfer_ops_match_torch_ops(head_dim):
+    """Each of the GPU path's fused ops against the torch op the CPU path runs (bfloat16), on the operands the
+    forward gives them: q/k/v as strided views of one qkv projection, q/k norm over those views."""
+    from common.engine.layers import FlashInferOps, RotaryCache, TorchOps
+    from common.engine.model_config import RopeConfig
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device="cuda").to(torch.bfloat16)
+
+    def close(a: torch.Tensor, b: torch.Tensor) -> None:  # one bfloat16 rounding apart at most
+        assert a.shape == b.shape and a.dtype == b.dtype
+        torch.testing.assert_close(a.float(), b.float(), rtol=1.6e-2, atol=1e-2)
+
+    t, hq, hkv, hidden, eps = 37, 4, 2, 256, 1e-6
+    rotary = RotaryCache.build(head_dim, RopeConfig(theta=500000.0), 1024, torch.device("cuda"))
+    fused, plain = FlashInferOps(rotary), TorchOps(rotary)
+    x, w = randn(t, hidden), 1.0 + 0.2 * randn(hidden)
+    close(fused.rms_norm(x, w, eps), plain.rms_norm(x, w, eps))
+    res = randn(t, hidden)
+    normed_f, res_f = fused.add_rms_norm(x.clone(), res.clone(), w, eps)  # flashinfer writes its inputs
+    normed_p, res_p = plain.add_rms_norm(x, res, w, eps)
+    close(res_f, res_p)
+    close(normed_f, normed_p)
+    qkv = randn(t, (hq + 2 * hkv) * head_dim)
+    q, k, _ = qkv.split((hq * head_dim, hkv * head_dim, hkv * head_dim), dim=-1)
+    q, k = q.view(t, hq, head_dim), k.view(t, hkv, head_dim)
+    positions = torch.randint(0, 1024, (t,), generator=g, device="cuda")
+    before = qkv.clone()
+    for a, b in zip(fused.rope(positions, q, k), plain.rope(positions, q, k)):
+        close(a, b)
+    assert torch.equal(qkv, before)  # RoPE leaves the projection (and so v) as it was
+    wq, wk = 1.0 + 0.2 * randn(head_dim), 1.0 + 0.2 * randn(head_dim)
+    qn_f, kn_f = fused.rms_norm(q, wq, eps), fused.rms_norm(k, wk, eps)
+    qn_p, kn_p = plain.rms_norm(q, wq, eps), plain.rms_norm(k, wk, eps)
+    close(qn_f, qn_p)
+    close(kn_f, kn_p)
+    for a, b in zip(fused.rope(positions, qn_f, kn_f), plain.rope(positions, qn_p, kn_p)):
+        close(a, b)
+    gate_up = randn(t, 2 * hidden)
+    close(fused.silu_and_mul(gate_up), plain.silu_and_mul(gate_up))
+    weight, bias = 0.05 * randn(3 * hidden, hidden), randn(3 * hidden)
+    close(fused.linear(x, weight, bias), plain.linear(x, weight, bias))
+
+
 @needs_cuda
 @gpu
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
