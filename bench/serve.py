@@ -203,7 +203,7 @@ async def bench_mode(
         warm = make_workload(
             args.warmup,
             TokenRange(args.prompt_len.hi, args.prompt_len.hi),
-            TokenRange(16, 16),
+            TokenRange(args.output_len.lo, args.output_len.lo),
             vocab,
             10_000_000 + args.seed,
             args.model,
@@ -233,6 +233,13 @@ async def bench_mode(
             record["points"].append(summary)
             save()
             say(progress_line(mode, arrivals, summary))
+            local = sum(v for k, v in summary["router_decisions"].items() if k != "disaggregated")
+            if mode == "disagg" and local:
+                say(
+                    f"{mode}: {local} of {len(items)} requests were prefilled on the decode worker "
+                    f"(router decisions {summary['router_decisions']}; prompts shorter than the router's "
+                    "disagg_min_prompt_tokens stay local)"
+                )
             if deployment is not None and deployment.dead_parts():
                 dead = deployment.dead_parts()
                 raise DeployError(f"{', '.join(p.name for p in dead)} died:\n{deployment.describe_failure(dead)}")
@@ -417,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
                     t0 = time.monotonic()
                     deployment = start_deployment(spec, say)
                     url = deployment.router_url
+                    record["pids"] = [p.proc.pid for p in deployment.parts if p.proc is not None]
                     record["startup_s"] = time.monotonic() - t0
                     say(f"{mode}: ready in {record['startup_s']:.0f} s")
                 run_asyncio(bench_mode(mode, url, args, vocab, slo, deployment, record, save))

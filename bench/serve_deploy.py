@@ -52,7 +52,12 @@ class Part:
     def start(self) -> None:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                self.argv,
+                env=self.env,
+                cwd=REPO_ROOT,  # `python -m` puts the cwd first on sys.path: never bench/ (its router.py)
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
 
     def alive(self) -> bool:
@@ -65,24 +70,35 @@ class Part:
             return "(no log)"
         return "\n".join(f"    {line}" for line in text) or "    (empty log)"
 
-    def stop(self, grace_s: float) -> None:
-        """SIGTERM, then SIGKILL to the whole process group once ``grace_s`` has passed."""
-        if self.proc is None:
-            return
+    def terminate(self) -> None:
         if self.alive():
+            assert self.proc is not None
             try:
                 self.proc.send_signal(signal.SIGTERM)
-                self.proc.wait(grace_s)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
+            except ProcessLookupError:
                 pass
+
+    def finish(self, deadline: float) -> None:
+        """Waits for the process until ``deadline`` (monotonic), then SIGKILLs its whole process group:
+        the engine process and anything else it started."""
+        if self.proc is None:
+            return
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the engine process and anything else it started
+            self.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
         try:
             self.proc.wait(5)
         except subprocess.TimeoutExpired:
             pass
+
+    def stop(self, grace_s: float) -> None:
+        self.terminate()
+        self.finish(time.monotonic() + grace_s)
 
 
 @dataclass(frozen=True)
@@ -136,9 +152,14 @@ class Deployment:
         return get_json(f"{self.router_url}/router/workers", 5.0) or {}
 
     def stop(self) -> None:
-        # Router first (no new requests), then the workers (they drain what is left), Redis last.
-        for part in self.parts:
-            part.stop(grace_s=10.0 if part.name != "redis" else 3.0)
+        # Router first (no new requests), then the workers together (they drain what is left), Redis last.
+        for group, grace_s in (([self.router], 10.0), (self.workers, 10.0), ([self.redis], 3.0)):
+            parts = [p for p in group if p is not None]
+            for p in parts:
+                p.terminate()
+            deadline = time.monotonic() + grace_s
+            for p in parts:
+                p.finish(deadline)
 
     def __enter__(self) -> Deployment:
         return self

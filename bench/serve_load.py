@@ -171,6 +171,7 @@ class LoadClient:
         self.url = base_url.rstrip("/") + "/v1/completions"
         self.timeout_s = request_timeout_s
         self.count_tokens: Callable[[str], int] = _count_events
+        self.parse_s = 0.0  # time spent parsing what was read: the client's own cost per token
         self._session: Any = None
         try:
             import aiohttp  # noqa: F401
@@ -213,7 +214,9 @@ class LoadClient:
                     rec.http_status = resp.status
                     if resp.status == 200:
                         async for chunk in resp.content.iter_any():
-                            reader.feed(chunk, clock() - start)
+                            now = clock()
+                            reader.feed(chunk, now - start)
+                            self.parse_s += clock() - now
                     else:
                         rec.error = (await resp.read())[:300].decode(errors="replace")
             else:
@@ -221,7 +224,9 @@ class LoadClient:
                     rec.http_status = resp.status_code
                     if resp.status_code == 200:
                         async for chunk in resp.aiter_raw():
-                            reader.feed(chunk, clock() - start)
+                            now = clock()
+                            reader.feed(chunk, now - start)
+                            self.parse_s += clock() - now
                     else:
                         rec.error = (await resp.aread())[:300].decode(errors="replace")
         except asyncio.CancelledError:
@@ -258,6 +263,7 @@ class PointRun:
     wall_s: float  # first send to last finish
     loop_lag_s: list[float]  # event-loop lag samples during the point
     client_cpu_s: float  # CPU time of this process during the point
+    client_parse_s: float  # of which parsing responses
     timed_out: int
 
 
@@ -279,6 +285,7 @@ async def run_point(
     stop = asyncio.Event()
     probe = asyncio.create_task(_lag_probe(stop, lags))
     cpu0 = time.process_time()
+    parse0 = client.parse_s
     clock = time.perf_counter
     start = clock()
 
@@ -324,4 +331,4 @@ async def run_point(
         if r.outcome == "pending":  # a closed-loop request never sent before the deadline
             r.outcome = "timeout"
         timed_out += r.outcome == "timeout"
-    return PointRun(records, wall, lags, time.process_time() - cpu0, timed_out)
+    return PointRun(records, wall, lags, time.process_time() - cpu0, client.parse_s - parse0, timed_out)

@@ -72,6 +72,7 @@ def summarize_point(run: PointRun, slo: SLO) -> dict[str, Any]:
     in_tokens = sum(r.prompt_len for r in ok)
     wall = max(run.wall_s, 1e-9)
     outcomes = Counter(r.outcome for r in recs)
+    reads = sum(r.reads for r in recs)
     statuses = Counter(str(r.http_status) for r in recs if r.http_status)
     send_lag = [max(0.0, r.sent_s - r.scheduled_s) for r in recs if r.outcome != "pending"]
     return {
@@ -102,6 +103,7 @@ def summarize_point(run: PointRun, slo: SLO) -> dict[str, Any]:
         "bursts": _bursts(ok, run),
         "client": {
             "cpu_fraction": run.client_cpu_s / wall,  # of one core; near 1.0 the client is the bottleneck
+            "parse_us_per_read": run.client_parse_s / reads * 1e6 if reads else math.nan,
             "loop_lag_ms": percentiles(run.loop_lag_s),
             "send_lag_ms": percentiles(send_lag),
         },

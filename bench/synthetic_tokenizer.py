@@ -37,7 +37,7 @@ def build_word_tokenizer(out_dir: str | Path, vocab_size: int, max_context: int)
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     out = Path(out_dir)
-    config = {"vocab_size": vocab_size, "max_position_embeddings": max_context, "model_type": "synthetic-words"}
+    config = {"vocab_size": vocab_size, "max_position_embeddings": max_context}
     config_path = out / "config.json"
     if (out / "tokenizer.json").exists() and config_path.exists():
         if json.loads(config_path.read_text()) == config:

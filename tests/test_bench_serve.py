@@ -1,0 +1,134 @@
+"""The serving benchmark (bench/serve.py) on the packaged model, CPU: a real router, prefill and decode
+worker and redis-server started as processes; and its metric definitions on hand-made timelines."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "bench"
+# bench/ goes after the repository root: its router.py must not shadow the router package.
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+sys.path.append(str(BENCH))
+
+from serve_load import PointRun, RequestRecord  # noqa: E402
+from serve_metrics import SLO, summarize_point  # noqa: E402
+from synthetic_tokenizer import build_word_tokenizer  # noqa: E402
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is gone for our purposes (its parent, the benchmark, has exited).
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_serve_benchmark_disaggregated_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "serve.json"
+    cmd = [
+        sys.executable,
+        str(BENCH / "serve.py"),
+        *("--mode", "disagg", "--rates", "8", "--num", "4", "--warmup", "1"),
+        *("--prompt-len", "32-64", "--output-len", "4-8", "--seed", "3"),
+        # Prompts this short stay on the decode worker by default; take them through prefill -> decode.
+        *("--router-env", "KVFERRY_ROUTER_DISAGG_MIN_PROMPT_TOKENS=0"),
+        *("--out", str(out), "--no-plot"),
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "disagg" in proc.stdout and "rate 8" in proc.stdout  # the per-point progress line
+
+    result = json.loads(out.read_text())
+    assert result["git"]["commit"]
+    assert result["client_imported_torch"] is False
+    mode = result["modes"]["disagg"]
+    assert mode["error"] is None and mode["roles"] == ["prefill", "decode"]
+    assert mode["token_count"] == "words"  # the router streamed through the synthetic tokenizer
+    (point,) = mode["points"]
+    assert point["kind"] == "rate" and point["value"] == 8
+    assert point["outcomes"] == {"ok": 4} and point["http_status"] == {"200": 4}
+    assert point["router_decisions"] == {"disaggregated": 4}
+    rows = point["per_request"]
+    assert all(r["tokens"] == r["out"] and 4 <= r["out"] <= 8 and 32 <= r["in"] <= 64 for r in rows)
+    assert point["output_tokens"] == sum(r["out"] for r in rows)
+    assert point["token_counts"]["mismatch_vs_usage"] == 0
+    assert all(0 < r["ttft_ms"] <= r["e2e_ms"] for r in rows)
+    for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+        p = point[key]
+        assert 0 <= p["p50"] <= p["p90"] <= p["p99"] <= p["max"], (key, p)
+    assert point["itl_ms"]["n"] == sum(r["out"] - 1 for r in rows)
+    assert point["output_tok_per_s"] > 0 and 0 <= point["goodput"]["fraction"] <= 1
+    # Every process of the deployment is gone once the benchmark has returned.
+    assert mode["pids"] and not [pid for pid in mode["pids"] if _alive(pid)]
+
+    plotted = subprocess.run(
+        [sys.executable, str(BENCH / "serve.py"), "--plot-only", str(out)], capture_output=True, text=True, timeout=120
+    )
+    assert plotted.returncode == 0, plotted.stderr
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not installed" in plotted.stdout
+    else:
+        assert (tmp_path / "serve_rate.png").stat().st_size > 0
+
+
+def _record(i: int, outcome: str, times: list[float], status: int = 200) -> RequestRecord:
+    rec = RequestRecord(i, prompt_len=100, max_tokens=len(times), outcome=outcome, http_status=status)
+    rec.token_times = list(times)
+    rec.tokens = len(times)
+    rec.ttft_s = times[0] if times else None
+    rec.e2e_s = times[-1] if times else None
+    distinct = sorted(set(times))
+    rec.reads = len(distinct)
+    rec.events = len(distinct)
+    rec.tokens_in_multi_token_events = sum(times.count(t) for t in distinct if times.count(t) > 1)
+    return rec
+
+
+def test_goodput_and_bursts_from_token_timelines() -> None:
+    steady = _record(0, "ok", [0.100 + 0.010 * k for k in range(11)])  # 10 ms gaps: good
+    late = _record(1, "ok", [3.000 + 0.010 * k for k in range(11)])  # TTFT 3 s > 2 s
+    # Tokens 2-4 arrive together in one event after 100 ms: the client sees gaps of 100, 0, 0 ms.
+    bursty = _record(2, "ok", [0.100, 0.110, 0.210, 0.210, 0.210, 0.220])
+    refused = _record(3, "http_429", [], status=429)
+    run = PointRun(
+        [steady, late, bursty, refused],
+        wall_s=4.0,
+        loop_lag_s=[0.0001] * 10,
+        client_cpu_s=0.4,
+        client_parse_s=0.01,
+        timed_out=0,
+    )
+    s = summarize_point(run, SLO(ttft_s=2.0, itl_p99_s=0.025))
+
+    assert s["outcomes"] == {"http_429": 1, "ok": 3} and s["http_status"] == {"200": 3, "429": 1}
+    assert s["goodput"]["fraction"] == 0.25  # only `steady`: one of the four requests sent
+    assert s["goodput"]["request_per_s"] == 0.25
+    assert s["output_tokens"] == 28 and s["output_tok_per_s"] == 7.0
+    assert s["itl_ms"]["n"] == 10 + 10 + 5 and abs(s["itl_ms"]["max"] - 100.0) < 1e-6
+    assert abs(s["ttft_ms"]["max"] - 3000.0) < 1e-6
+    b = s["bursts"]
+    assert abs(b["frac_tokens_in_multi_token_events"] - 3 / 28) < 1e-9
+    assert b["verdict"].startswith("server")  # 3 of 28 tokens grouped by the server (> 5%)
+
+
+def test_synthetic_tokenizer_is_what_the_router_loads(tmp_path: Path) -> None:
+    from router.tokenizer import load_tokenizer
+
+    path = build_word_tokenizer(tmp_path / "tok", vocab_size=1000, max_context=4096)
+    tok, info = load_tokenizer("dummy:test", str(path))
+    assert tok.vocab_size == 1000 and info.max_context == 4096 and info.name == "dummy:test"
+    # Every id decodes to one word, id 0 included (no special tokens to skip).
+    assert tok.decode([0, 5, 999]) == "t0 t5 t999"
+    assert tok.encode("t7 t8") == [7, 8]
