@@ -145,6 +145,18 @@ class KVNotice(BaseModel):
         return self
 
 
+class PrefillProgress(BaseModel):
+    """One line of the prefill worker's `/internal/prefill` NDJSON stream; the last says `done` or `error`,
+    and is sent only once the request's transfer session is terminal (no write of it follows)."""
+
+    model_config = ConfigDict(extra="ignore")
+    req_id: str | None = None
+    done: bool = False
+    error: str | None = None
+    descs: int = Field(0, ge=0)
+    cached_tokens: int = Field(0, ge=0)
+
+
 class PrefillAccepted(_Message):
     req_id: str
     cached_tokens: int

@@ -27,6 +27,7 @@ from common.protocol import (
     HandshakeRequest,
     HandshakeResponse,
     KVLayoutInfo,
+    PrefillProgress,
     PrefillRequest,
 )
 from common.serving.channel import EngineError, Message
@@ -183,10 +184,10 @@ async def _remote_prefill(
                     async for line in r.aiter_lines():
                         if not line:
                             continue
-                        msg = json.loads(line)
-                        if "error" in msg:
-                            raise PeerFailure(f"prefill failed: {msg['error']}", started=True)
-                        if msg.get("done"):
+                        msg = PrefillProgress.model_validate_json(line)  # ValidationError is a ValueError
+                        if msg.error is not None:
+                            raise PeerFailure(f"prefill failed: {msg.error}", started=True)
+                        if msg.done:
                             return
                     raise PeerFailure(f"prefill worker {url} closed the stream before finishing", started=True)
             except httpx.ConnectError as e:
