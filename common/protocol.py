@@ -178,6 +178,7 @@ class LoadSnapshot(BaseModel):
     page_size: int
     ready: bool
     draining: bool = False
+    max_running: int = 0  # batch slots (0: not reported); the router's admission counts free ones
 
 
 class ErrorBody(BaseModel):

@@ -5,11 +5,13 @@ A worker is *full* for a request when any of these holds (each threshold a ``KVF
 setting, router/settings.py; 0 turns that check off):
 
 decode worker d
-    backlog_d = waiting_d + sent_since_poll_d >= admit_max_waiting
-        Requests queued for admission on d: its last snapshot's waiting queue plus what this router
-        sent it after that snapshot (counted as waiting until a snapshot says otherwise: the
-        pessimistic reading of a stale figure). Every waiting request adds about one request's worth
-        of TTFT to those behind it, so a long queue is where latency collapses first.
+    backlog_d = waiting_d + max(0, unseen_d - free_slots_d) >= admit_max_waiting
+        unseen_d = max(0, inflight_d - running_d - waiting_d), free_slots_d = max_running_d - running_d
+        Requests queued for admission on d: its last snapshot's waiting queue, plus the requests this
+        router has open on d beyond what that snapshot shows (sent after it, or waiting for a remote
+        prefill) that its free batch slots cannot take (with the slot count unreported, all of them:
+        the pessimistic reading of a stale figure). Every waiting request adds about one request's
+        worth of TTFT to those behind it, so a long queue is where latency collapses first.
     queued_prefill_tokens_d >= admit_max_queued_prefill_tokens
         Prompt tokens waiting for its prefill (short prompts and prefix hits prefill on the decode pod).
     free_pages_d * page_size < prompt + max_tokens  and  backlog_d > 0
@@ -44,8 +46,9 @@ class AdmissionLimits:
 
 def decode_is_full(w: Worker, need_tokens: int, limits: AdmissionLimits) -> bool:
     load = w.load
-    waiting = load.waiting_requests if load is not None else 0
-    backlog = waiting + w.sent_since_poll
+    running, waiting = (load.running_requests, load.waiting_requests) if load is not None else (0, 0)
+    free_slots = max(0, load.max_running - running) if load is not None else 0
+    backlog = waiting + max(0, w.inflight_requests - running - waiting - free_slots)
     if limits.max_waiting and backlog >= limits.max_waiting:
         return True
     if load is None:

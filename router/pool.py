@@ -17,8 +17,8 @@ engine and its /health turns 503), so that case is seen at the next poll, not af
 Declaring a worker down wakes every request still waiting on it (``Watched.kill``), so they fail over
 at once instead of waiting out their deadlines.
 
-In-flight counts are the router's own view, fresher than the polled ``/load`` figures; ``sent_since_poll``
-counts what this router sent a worker after its last snapshot (router/admission.py uses both).
+In-flight counts are the router's own view, fresher than the polled ``/load`` figures (routing and
+router/admission.py use both).
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ class Load:
     page_size: int = 16
     ready: bool = False
     draining: bool = False
+    max_running: int = 0  # 0: not reported (older workers)
 
 
 def parse_load(data: Any) -> Load:
@@ -82,6 +83,7 @@ def parse_load(data: Any) -> Load:
         page_size=num("page_size", 16) or 16,
         ready=bool(data.get("ready", False)),
         draining=bool(data.get("draining", False)),
+        max_running=num("max_running"),
     )
 
 
@@ -99,7 +101,6 @@ class Worker:
     last_error: str = ""
     inflight_requests: int = 0
     inflight_tokens: int = 0  # prefill: prompt tokens sent and not yet started (first token unseen)
-    sent_since_poll: int = 0  # requests routed here after its last good snapshot
     watchers: set[Watched] = field(default_factory=set)
     task: asyncio.Task[None] | None = None
     removed: bool = False
@@ -223,7 +224,6 @@ class WorkerPool:
         w.pod = load.pod
         w.failures = 0
         w.stale = False
-        w.sent_since_poll = 0
         w.last_ok = time.monotonic()
         routable = load.ready and not load.draining
         if routable and not w.up:

@@ -234,7 +234,6 @@ class UpstreamCall:
         self._killed = None
         self._decode, self._prefill = dw, pw
         dw.inflight_requests += 1
-        dw.sent_since_poll += 1
         dw.watchers.add(self)
         if pw is not None:
             self._prefill_tokens = len(self.plan.token_ids) - decision.prefill_matched_tokens

@@ -171,7 +171,8 @@ class WorkerState:
             page_size=self.cfg.runner.page_size,
             ready=False,
         )
-        return base.model_copy(update={"ready": self.ready, "draining": self.draining})
+        update = {"ready": self.ready, "draining": self.draining, "max_running": self.cfg.runner.max_running}
+        return base.model_copy(update=update)
 
 
 def create_worker_app(state: WorkerState, add_routes: Callable[[FastAPI, WorkerState], None]) -> FastAPI:
