@@ -211,15 +211,15 @@ async def bench_mode(
         client.count_tokens = count_words
         if warm:
             run = await run_point(client, warm, Arrivals("rate", float("inf")), 0, args.drain_timeout)
-            ok = [r for r in run.records if r.outcome == "ok"]
-            if len(ok) != len(warm):
+            if any(r.outcome != "ok" for r in run.records):
                 raise DeployError(f"warm-up failed: {[(r.outcome, r.http_status, r.error) for r in run.records]}")
-            if any(r.usage_tokens not in (None, r.tokens) for r in ok):
+            if any(r.usage_tokens not in (None, r.tokens) for r in run.records):
                 say(
                     f"{mode}: the router's tokenizer is not bench/synthetic_tokenizer.py's; counting one token per event"
                 )
                 client.count_tokens = _one_per_event
         record["token_count"] = "words" if client.count_tokens is count_words else "events"
+        local = 0  # requests the router had the decode worker prefill
         for index, arrivals in enumerate(points):
             items = make_workload(
                 args.num, args.prompt_len, args.output_len, vocab, point_seed(args, index), args.model
@@ -233,17 +233,16 @@ async def bench_mode(
             record["points"].append(summary)
             save()
             say(progress_line(mode, arrivals, summary))
-            local = sum(v for k, v in summary["router_decisions"].items() if k != "disaggregated")
-            if mode == "disagg" and local:
-                say(
-                    f"{mode}: {local} of {len(items)} requests were prefilled on the decode worker "
-                    f"(router decisions {summary['router_decisions']}; prompts shorter than the router's "
-                    "disagg_min_prompt_tokens stay local)"
-                )
+            local += sum(v for k, v in summary["router_decisions"].items() if k != "disaggregated")
             if deployment is not None and deployment.dead_parts():
                 dead = deployment.dead_parts()
                 raise DeployError(f"{', '.join(p.name for p in dead)} died:\n{deployment.describe_failure(dead)}")
             await asyncio.sleep(1.0)  # let the router's load view settle before the next point
+        if mode == "disagg" and local:
+            say(
+                f"{mode}: {local} of {len(points) * args.num} requests were prefilled on the decode worker (see "
+                "router_decisions; prompts shorter than the router's disagg_min_prompt_tokens stay local)"
+            )
 
 
 def _one_per_event(text: str) -> int:
@@ -364,6 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompt_len.hi + args.output_len.hi > max_context:
         raise SystemExit(f"prompt + output up to {args.prompt_len.hi + args.output_len.hi} > context {max_context}")
     worker_env, router_env = parse_env(args.worker_env), parse_env(args.router_env)
+    if not args.gpus and "KVFERRY_TORCH_THREADS" not in {**os.environ, **worker_env}:
+        # CPU workers on one machine: each gets its share of the cores, as a pod gets its CPU quota (an
+        # engine sizes its threads to the cores it may use; here every worker could use them all).
+        worker_env["KVFERRY_TORCH_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // args.workers))
     modes = ["url"] if args.url else [m.strip() for m in args.mode.split(",") if m.strip()]
     slo = SLO(args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -381,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
             "vocab": vocab,
             "slo": {"ttft_ms": args.slo_ttft_ms, "itl_p99_ms": args.slo_itl_ms},
             "kvferry_env": {k: v for k, v in os.environ.items() if k.startswith("KVFERRY_")},
+            "worker_env_applied": worker_env,
         },
         "git": git_commit(),
         "host": host_info(),

@@ -249,7 +249,9 @@ def _outcome(rec: RequestRecord, done: bool) -> str:
         return "http_4xx"
     if rec.error or not done:
         return "stream_error"
-    return "ok" if rec.tokens == rec.max_tokens else "short"
+    # The server's own count when it gave one: the client's count is only exact with the synthetic tokenizer.
+    produced = rec.usage_tokens if rec.usage_tokens is not None else rec.tokens
+    return "ok" if produced == rec.max_tokens else "short"
 
 
 def _count_events(text: str) -> int:

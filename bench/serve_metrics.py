@@ -42,6 +42,11 @@ def percentiles(values: Iterable[float], scale: float = 1000.0) -> dict[str, flo
     return out
 
 
+def _produced(rec: RequestRecord) -> int:
+    """Output tokens of a request: the server's count (usage) when it sent one, else the client's."""
+    return rec.usage_tokens if rec.usage_tokens is not None else rec.tokens
+
+
 def request_itls(rec: RequestRecord) -> list[float]:
     """Gaps between consecutive tokens of one request as the client saw them (tokens that arrived
     together have a 0 gap)."""
@@ -66,9 +71,11 @@ def summarize_point(run: PointRun, slo: SLO) -> dict[str, Any]:
     ok = [r for r in recs if r.outcome == "ok"]
     itls = {r.index: request_itls(r) for r in ok}
     all_itls = [g for r in ok for g in itls[r.index]]
-    tpots = [(r.e2e_s - r.ttft_s) / (r.tokens - 1) for r in ok if r.tokens > 1 and r.e2e_s and r.ttft_s is not None]
+    tpots = [
+        (r.e2e_s - r.ttft_s) / (_produced(r) - 1) for r in ok if _produced(r) > 1 and r.e2e_s and r.ttft_s is not None
+    ]
     good = [r for r in ok if _good(r, itls[r.index], slo)]
-    out_tokens = sum(r.tokens for r in recs if r.outcome in ("ok", "short"))
+    out_tokens = sum(_produced(r) for r in recs if r.outcome in ("ok", "short"))
     in_tokens = sum(r.prompt_len for r in ok)
     wall = max(run.wall_s, 1e-9)
     outcomes = Counter(r.outcome for r in recs)
@@ -150,6 +157,7 @@ def _request_row(r: RequestRecord, itls: list[float]) -> dict[str, Any]:
         "in": r.prompt_len,
         "out": r.max_tokens,
         "tokens": r.tokens,
+        "usage_tokens": r.usage_tokens,
         "outcome": r.outcome,
         "status": r.http_status,
         "sent_ms": ms(r.sent_s),
