@@ -68,6 +68,12 @@ class WorkerMetrics:
         )
         self.prompt = Counter("kvferry_prompt_tokens_total", "Prompt tokens received", registry=r)
         self.generated = Counter("kvferry_generated_tokens_total", "Tokens generated", registry=r)
+        self.kv_integrity_violations = Counter(
+            "kvferry_kv_integrity_violations_total", "KV page ledger violations found by the idle check", registry=r
+        )
+        self.kv_forced_releases = Counter(
+            "kvferry_kv_forced_releases_total", "KV pages freed at the safety deadline, unconfirmed by the peer", registry=r
+        )
 
     def observe_load(self, load: LoadSnapshot) -> None:
         self.queued.set(load.queued_prefill_tokens)
