@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
-from dataclasses import fields
+import os
+from dataclasses import asdict, fields
+from typing import Any
 
 from common.config import RouterConfig
 from common.log import setup_logging
 from router.settings import RouterOptions
 
-__all__ = ["build_parser", "main", "parse_config"]
+__all__ = ["build_parser", "child_app", "main", "parse_config"]
 
 
 def _urls(value: str) -> list[str]:
@@ -54,19 +57,47 @@ def parse_config(argv: list[str] | None) -> tuple[RouterConfig, RouterOptions, a
     return config, options, args
 
 
+# Several router processes (options.workers > 1): uvicorn's supervisor starts them on one listening
+# socket and restarts any that dies; each builds its app from the settings the parent resolved (env and
+# flags), handed down in this variable.
+_CHILD_SETTINGS = "KVFERRY_ROUTER_CHILD_SETTINGS"
+
+
+def child_app() -> Any:
+    """The app of one of several router processes (uvicorn factory)."""
+    from router.app import create_app
+
+    data = json.loads(os.environ[_CHILD_SETTINGS])
+    if data["log_level"]:
+        setup_logging(data["log_level"])
+    return create_app(RouterConfig(**data["config"]), RouterOptions(**data["options"]))
+
+
 def main(argv: list[str] | None = None) -> int:
     config, options, args = parse_config(argv)
     if args.log_level:
         setup_logging(args.log_level)
     import uvicorn
 
-    from router.app import create_app
-
     log = logging.getLogger("kvferry.router")
-    app = create_app(config, options)
     log.warning(
         "router starting",
-        extra={"port": config.port, "model": config.model, "discovery": config.discovery, "auth": bool(config.api_key)},
+        extra={
+            "port": config.port,
+            "model": config.model,
+            "discovery": config.discovery,
+            "auth": bool(config.api_key),
+            "processes": options.workers,
+        },
     )
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False, lifespan="on")
+    # uvloop and httptools when installed (the default "auto"): bench/RESULTS.md has what each is worth.
+    server = dict(host=config.host, port=config.port, log_level="warning", access_log=False, lifespan="on")
+    if options.workers > 1:
+        settings = {"config": asdict(config), "options": asdict(options), "log_level": args.log_level}
+        os.environ[_CHILD_SETTINGS] = json.dumps(settings)
+        uvicorn.run("router.main:child_app", factory=True, workers=options.workers, **server)  # type: ignore[arg-type]
+        return 0
+    from router.app import create_app
+
+    uvicorn.run(create_app(config, options), **server)  # type: ignore[arg-type]
     return 0

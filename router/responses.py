@@ -7,9 +7,10 @@ top_logprobs: [{token, logprob, bytes}]}]}``; legacy completions has parallel li
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
+
+import orjson
 
 from router.choice import TokenInfo
 from router.tokenizer import RouterTokenizer
@@ -17,7 +18,7 @@ from router.tokenizer import RouterTokenizer
 __all__ = [
     "chat_logprobs",
     "chat_response",
-    "stream_chunk",
+    "ChunkFormat",
     "completion_logprobs",
     "completion_response",
     "sse",
@@ -28,7 +29,7 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 def sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
@@ -115,24 +116,19 @@ def completion_choice(
 
 
 # ---- stream chunks -------------------------------------------------------------------------------
-def stream_chunk(
-    object_name: str,
-    rid: str,
-    created: int,
-    model: str,
-    choices: list[dict[str, Any]],
-    include_usage: bool,
-    use: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """One SSE chunk: `object_name` is "chat.completion.chunk" or "text_completion"."""
-    chunk: dict[str, Any] = {
-        "id": rid,
-        "object": object_name,
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": choices,
-    }
-    if include_usage:  # with include_usage every chunk carries "usage": null except the last one
-        chunk["usage"] = use
-    return chunk
+class ChunkFormat:
+    """The SSE chunks of one streamed response. Every chunk repeats id, object, created, model (and
+    ``"usage": null`` with include_usage, on every chunk but the last); those are rendered once here
+    and only each chunk's choices are encoded per token."""
+
+    def __init__(self, object_name: str, rid: str, created: int, model: str, include_usage: bool) -> None:
+        head = {"id": rid, "object": object_name, "created": created, "model": model, "system_fingerprint": None}
+        self._prefix = b"data: " + orjson.dumps(head)[:-1] + b',"choices":'
+        self._suffix = b',"usage":null}\n\n' if include_usage else b"}\n\n"
+
+    def chunk(self, choices: list[dict[str, Any]]) -> bytes:
+        return self._prefix + orjson.dumps(choices) + self._suffix
+
+    def usage_chunk(self, use: dict[str, Any]) -> bytes:
+        """The last chunk with include_usage: no choices, the usage of the whole response."""
+        return self._prefix + b'[],"usage":' + orjson.dumps(use) + b"}\n\n"

@@ -14,7 +14,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Literal
 
 from router.choice import ChoiceDelta, ChoiceState, TokenInfo
@@ -22,6 +21,7 @@ from router.errors import bad_request, context_too_long, rate_limited, upstream_
 from router.openai_api import ChatCompletionRequest, CompletionRequest
 from router.responses import (
     SSE_DONE,
+    ChunkFormat,
     chat_choice,
     chat_logprobs,
     chat_response,
@@ -29,7 +29,6 @@ from router.responses import (
     completion_logprobs,
     completion_response,
     sse,
-    stream_chunk,
     usage,
 )
 from router.settings import RouterOptions
@@ -199,14 +198,21 @@ class RouterService:
         for c in choices:
             await c.call.aclose()
 
-    async def _drive(self, c: RunningChoice) -> AsyncIterator[ChoiceDelta]:
-        """Feeds one choice's events through its state until it finishes; closes the upstream stream
-        as soon as it does (a stop string ends generation on the workers too)."""
+    async def _drive(self, c: RunningChoice) -> AsyncIterator[list[ChoiceDelta]]:
+        """Feeds one choice's events through its state until it finishes, in batches: one awaited
+        event plus every event that had already arrived behind it (a stream that fell behind catches up
+        in one write). Closes the upstream stream as soon as the choice finishes (a stop string ends
+        generation on the workers too)."""
         ev = c.first
         try:
             while ev is not None:
-                delta = c.state.feed(ev)
-                yield delta
+                batch = []
+                while ev is not None:
+                    batch.append(c.state.feed(ev))
+                    if c.state.finished:
+                        break
+                    ev = c.call.next_nowait()
+                yield batch
                 if c.state.finished:
                     break
                 ev = await c.call.next()
@@ -216,9 +222,10 @@ class RouterService:
     # ---- non-streaming -------------------------------------------------------------------------------
     async def collect(self, job: Job, choices: list[RunningChoice]) -> dict[str, Any]:
         async def run(c: RunningChoice) -> None:
-            async for delta in self._drive(c):
-                c.text.append(delta.text)
-                c.tokens.extend(delta.tokens)
+            async for batch in self._drive(c):
+                for delta in batch:
+                    c.text.append(delta.text)
+                    c.tokens.extend(delta.tokens)
 
         if len(choices) == 1:
             await run(choices[0])
@@ -250,68 +257,74 @@ class RouterService:
 
     # ---- streaming -----------------------------------------------------------------------------------
     async def stream(self, job: Job, choices: list[RunningChoice]) -> AsyncIterator[bytes]:
+        """SSE bytes: one piece per batch of worker events (router/responses.py ChunkFormat renders the
+        fields every chunk repeats once per response)."""
         chat = job.kind == "chat"
-        chunk = partial(stream_chunk, "chat.completion.chunk" if chat else "text_completion")
-        iu = job.include_usage
+        fmt = ChunkFormat(
+            "chat.completion.chunk" if chat else "text_completion", job.rid, job.created, job.model, job.include_usage
+        )
         if chat:  # OpenAI opens each choice with the role
-            yield sse(
-                chunk(
-                    job.rid,
-                    job.created,
-                    job.model,
-                    [
-                        {
-                            "index": c.index,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                        for c in choices
-                    ],
-                    iu,
-                )
+            yield fmt.chunk(
+                [
+                    {
+                        "index": c.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    for c in choices
+                ]
             )
         by_index = {c.index: c for c in choices}
-        async for delta in self._merged(choices):
-            if delta.error is not None:
-                yield sse({"error": upstream_failed(f"generation failed: {delta.error}").body()["error"]})
-                yield SSE_DONE
-                return
-            if delta.empty:
-                continue
-            c = by_index[delta.index]
-            if chat:
-                if delta.text or delta.tokens:
-                    lp = chat_logprobs(delta.tokens, self.tok) if job.logprobs else None
-                    body = {"index": c.index, "delta": {"content": delta.text}, "logprobs": lp, "finish_reason": None}
-                    yield sse(chunk(job.rid, job.created, job.model, [body], iu))
-                if delta.finish_reason is not None:
-                    body = {"index": c.index, "delta": {}, "logprobs": None, "finish_reason": delta.finish_reason}
-                    yield sse(chunk(job.rid, job.created, job.model, [body], iu))
-            else:
-                lp = None
-                if job.logprobs:
-                    lp, c.offset = completion_logprobs(delta.tokens, self.tok, c.offset)
-                body = {"index": c.index, "text": delta.text, "logprobs": lp, "finish_reason": delta.finish_reason}
-                yield sse(chunk(job.rid, job.created, job.model, [body], iu))
-        if iu:
-            yield sse(chunk(job.rid, job.created, job.model, [], True, self._usage(job, choices)))
-        yield SSE_DONE
+        async for batch in self._merged(choices):
+            out: list[bytes] = []
+            for delta in batch:
+                if delta.error is not None:
+                    out += (
+                        sse({"error": upstream_failed(f"generation failed: {delta.error}").body()["error"]}),
+                        SSE_DONE,
+                    )
+                    yield b"".join(out)
+                    return
+                if not delta.empty:
+                    out.append(self._render(job, fmt, by_index[delta.index], delta))
+            if out:
+                yield b"".join(out)
+        tail = [fmt.usage_chunk(self._usage(job, choices))] if job.include_usage else []
+        yield b"".join([*tail, SSE_DONE])
 
-    async def _merged(self, choices: list[RunningChoice]) -> AsyncIterator[ChoiceDelta]:
-        """Deltas of all choices in arrival order (n > 1 runs the choices concurrently)."""
+    def _render(self, job: Job, fmt: ChunkFormat, c: RunningChoice, delta: ChoiceDelta) -> bytes:
+        if job.kind == "chat":
+            parts = b""
+            if delta.text or delta.tokens:
+                lp = chat_logprobs(delta.tokens, self.tok) if job.logprobs else None
+                parts = fmt.chunk(
+                    [{"index": c.index, "delta": {"content": delta.text}, "logprobs": lp, "finish_reason": None}]
+                )
+            if delta.finish_reason is not None:
+                parts += fmt.chunk(
+                    [{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": delta.finish_reason}]
+                )
+            return parts
+        lp = None
+        if job.logprobs:
+            lp, c.offset = completion_logprobs(delta.tokens, self.tok, c.offset)
+        return fmt.chunk([{"index": c.index, "text": delta.text, "logprobs": lp, "finish_reason": delta.finish_reason}])
+
+    async def _merged(self, choices: list[RunningChoice]) -> AsyncIterator[list[ChoiceDelta]]:
+        """Batches of deltas of all choices in arrival order (n > 1 runs the choices concurrently)."""
         if len(choices) == 1:
-            async for delta in self._drive(choices[0]):
-                yield delta
+            async for batch in self._drive(choices[0]):
+                yield batch
             return
         # Unbounded on purpose: a pump must never block on put while being cancelled; what it can buffer
         # is bounded by max_tokens anyway.
-        queue: asyncio.Queue[ChoiceDelta | None] = asyncio.Queue()
+        queue: asyncio.Queue[list[ChoiceDelta] | None] = asyncio.Queue()
 
         async def pump(c: RunningChoice) -> None:
             try:
-                async for delta in self._drive(c):
-                    queue.put_nowait(delta)
+                async for batch in self._drive(c):
+                    queue.put_nowait(batch)
             finally:
                 queue.put_nowait(None)
 

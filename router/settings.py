@@ -17,6 +17,10 @@ _ENV_PREFIX = "KVFERRY_ROUTER_"
 @dataclass
 class RouterOptions:
     tokenizer: str = ""  # tokenizer directory when the model id is not one (e.g. dummy:<config> workers)
+    # Router processes in this pod, sharing its port (one per core streams more tokens/s: bench/RESULTS.md).
+    # Each has its own worker pool, polls, in-flight counts and admission (per-process by design: the
+    # workers' own load figures are the shared truth); the prefix index they share lives in Redis.
+    workers: int = 1
     # Admission and limits.
     max_inflight: int = 4096  # requests in this router process at once; beyond it: 429 + Retry-After
     max_body_bytes: int = 8 * 1024 * 1024  # 413 above this

@@ -58,16 +58,39 @@ def _byte_decoder() -> dict[str, int]:
 
 
 class RouterTokenizer:
-    """Wraps a transformers tokenizer (anything with ``backend_tokenizer`` is fast-pathed)."""
+    """The model's `tokenizers` (Rust) tokenizer plus its chat template, loaded without transformers' model
+    classes: transformers imports torch whenever torch is installed, and the router must not carry it."""
 
-    def __init__(self, hf: Any) -> None:
-        self.hf = hf
-        self._backend = getattr(hf, "backend_tokenizer", None)
-        self.vocab_size = len(hf)
-        self.special_ids = frozenset(int(i) for i in getattr(hf, "all_special_ids", ()) or ())
-        decoder = repr(getattr(self._backend, "decoder", "")) if self._backend is not None else ""
-        self._byte_level = "ByteLevel" in decoder
+    def __init__(self, backend: Any, chat_template: str | None, special_tokens: dict[str, str]) -> None:
+        self._backend = backend
+        self.chat_template = chat_template
+        self.special_tokens = special_tokens  # bos_token, eos_token, ...: the template may print them
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self.special_ids = frozenset(int(i) for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        self._byte_level = "ByteLevel" in repr(getattr(backend, "decoder", ""))
         self._bytes_cache: dict[int, bytes] = {}
+
+    @classmethod
+    def from_dir(cls, path: Path) -> RouterTokenizer:
+        from tokenizers import Tokenizer
+
+        backend = Tokenizer.from_file(str(path / "tokenizer.json"))
+        config: dict[str, Any] = {}
+        if (path / "tokenizer_config.json").exists():
+            config = json.loads((path / "tokenizer_config.json").read_text())
+        template = config.get("chat_template")
+        if (path / "chat_template.jinja").exists():
+            template = (path / "chat_template.jinja").read_text()
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        special = {}
+        for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            value = config.get(key)
+            if isinstance(value, dict):
+                value = value.get("content")
+            if isinstance(value, str):
+                special[key] = value
+        return cls(backend, template, special)
 
     @property
     def needs_context(self) -> bool:
@@ -77,33 +100,37 @@ class RouterTokenizer:
 
     # ---- text -> ids -------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
-        if self._backend is not None:
-            return list(self._backend.encode(text, add_special_tokens=True).ids)
-        return list(self.hf.encode(text))
+        return list(self._backend.encode(text, add_special_tokens=True).ids)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """Applies the model's chat template (with the assistant turn opened) and tokenizes the result.
         Raises ValueError when the template rejects the conversation (e.g. roles out of order)."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template: use /v1/completions")
+        from transformers.utils.chat_template_utils import render_jinja_template
+
         try:
-            ids = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            rendered = render_jinja_template(
+                [messages], chat_template=self.chat_template, add_generation_prompt=True, **self.special_tokens
+            )
         except Exception as exc:  # jinja's TemplateError and friends: the client's conversation is at fault
             raise ValueError(f"the chat template rejected the messages: {exc}") from exc
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
+        text = rendered[0] if isinstance(rendered, tuple) else rendered
+        if isinstance(text, list):
+            text = text[0]
+        # The template writes the special tokens itself (as transformers' apply_chat_template does).
+        return list(self._backend.encode(text, add_special_tokens=False).ids)
 
     # ---- ids -> text -------------------------------------------------------------------------------
     def decode(self, ids: Sequence[int]) -> str:
-        if self._backend is not None:
-            return self._backend.decode(list(ids), skip_special_tokens=True)
-        return self.hf.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self._backend.decode(list(ids), skip_special_tokens=True)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (what OpenAI's chat logprobs report as ``bytes``)."""
         cached = self._bytes_cache.get(token_id)
         if cached is not None:
             return cached
-        piece = self.hf.convert_ids_to_tokens(int(token_id))
+        piece = self._backend.id_to_token(int(token_id))
         if piece is None:
             out = b""
         elif token_id in self.special_ids:
@@ -138,10 +165,7 @@ def load_tokenizer(model: str, tokenizer_dir: str = "") -> tuple[RouterTokenizer
     ``tokenizer_dir`` (a directory with the tokenizer files and config.json) serves a model whose id is
     not a directory: workers running ``dummy:<config>`` weights for benchmarks, say. The model id stays
     what clients pass and what workers publish to the prefix index under."""
-    from transformers import AutoTokenizer
-
     from common.default_model import resolve_model_path
 
     path = Path(tokenizer_dir).expanduser() if tokenizer_dir else resolve_model_path(model)
-    hf = AutoTokenizer.from_pretrained(path)
-    return RouterTokenizer(hf), ModelInfo.from_dir(model, path)
+    return RouterTokenizer.from_dir(path), ModelInfo.from_dir(model, path)

@@ -18,11 +18,11 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import orjson
 
 from common.prefix.hashing import chained_block_hashes
 from common.protocol import GenerateRequest, SamplingParams
@@ -51,7 +51,7 @@ class UpstreamEvent:
 
     @classmethod
     def parse(cls, line: str) -> UpstreamEvent:
-        d = json.loads(line)
+        d = orjson.loads(line)
         return cls(
             token_ids=d.get("token_ids") or [],
             logprobs=d.get("logprobs"),
@@ -175,7 +175,7 @@ class UpstreamCall:
         self._prefill: Worker | None = None
         self._prefill_tokens = 0
         self._resp: Response | None = None
-        self._lines: AsyncIterator[str] | None = None
+        self._streaming_resp: Response | None = None  # the generate response once its status was 200
         self._deadline: asyncio.Timeout | None = None
         self._killed: str | None = None
         self._closed = False
@@ -257,7 +257,7 @@ class UpstreamCall:
                 self._resp = resp = await self.d.client.request("POST", f"{dw.url}/internal/generate", body.encode())
                 if resp.status != 200:
                     await self._status_error(resp, dw)
-                self._lines = resp.lines()
+                self._streaming_resp = resp
                 first = await self._read_event()
         except TimeoutError:
             if self._killed:  # the pool declared a worker down: avoid that one
@@ -311,10 +311,27 @@ class UpstreamCall:
             raise _Retry(no_worker("decode"), True, False)
         raise _Retry(upstream_failed(message), True, status >= 500 and self._prefill is not None)
 
+    def next_nowait(self) -> UpstreamEvent | None:
+        """The next event if it has already arrived, else None (never waits): what a caller that fell
+        behind drains before writing, so one write carries every event it had."""
+        resp = self._streaming_resp
+        if resp is None or self._closed:
+            return None
+        try:
+            while (line := resp.line_nowait()) is not None:
+                if line.strip():
+                    return self._event(line)
+        except ValueError as exc:
+            return UpstreamEvent(finish_reason="error", error=f"decode worker failed: {type(exc).__name__}: {exc}")
+        return None
+
     async def next(self) -> UpstreamEvent | None:
         """The next event, None at the end of the stream. Failures come back as an "error" finish."""
-        if self._lines is None or self._closed:
+        if self._streaming_resp is None or self._closed:
             return None
+        ev = self.next_nowait()  # already here: no deadline to arm
+        if ev is not None:
+            return ev
         # A stream whose worker was declared down keeps going only while tokens keep coming (kill()).
         limit = min(self.d.inter_token_timeout_s, STALL_GRACE_S) if self._killed else self.d.inter_token_timeout_s
         try:
@@ -333,18 +350,22 @@ class UpstreamCall:
         return ev
 
     async def _read_event(self) -> UpstreamEvent | None:
-        assert self._lines is not None
-        async for line in self._lines:
+        resp = self._streaming_resp
+        assert resp is not None
+        while (line := await resp.next_line()) is not None:
             if line.strip():
-                ev = UpstreamEvent.parse(line)
-                if ev.finish_reason is not None:
-                    self._worker_finished = True
-                # A worker streaming to us is alive, however late its load polls (router/pool.py).
-                self._last_event = time.monotonic()
-                if self._decode is not None:
-                    self._decode.last_seen = self._last_event
-                return ev
+                return self._event(line)
         return None
+
+    def _event(self, line: str) -> UpstreamEvent:
+        ev = UpstreamEvent.parse(line)
+        if ev.finish_reason is not None:
+            self._worker_finished = True
+        # A worker streaming to us is alive, however late its load polls (router/pool.py).
+        self._last_event = time.monotonic()
+        if self._decode is not None:
+            self._decode.last_seen = self._last_event
+        return ev
 
     def kill(self, reason: str) -> None:
         """Called by the pool when a worker this call waits on is declared down.
@@ -385,24 +406,17 @@ class UpstreamCall:
         if dw is not None:
             dw.inflight_requests -= 1
             dw.watchers.discard(self)
-        lines, self._lines = self._lines, None
+        streaming, self._streaming_resp = self._streaming_resp, None
         resp, self._resp = self._resp, None
-        if lines is not None and resp is not None and self._worker_finished:
+        if streaming is not None and self._worker_finished and not streaming.ended:
             # A finished stream has only its terminating chunk left: read it, so the connection goes
             # back to the pool instead of being torn down (a new TCP connection per request costs more
-            # than everything else the router does).
+            # than everything else the router does). Otherwise closing the stream early is the abort
+            # signal for the workers.
             with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
                 try:
-                    async for _ in lines:
-                        pass
-                except (WireError, ValueError, RuntimeError):
-                    pass
-        # Otherwise closing the stream early is the abort signal for the workers.
-        if lines is not None:
-            with anyio.CancelScope(shield=True):
-                try:
-                    await lines.aclose()  # type: ignore[attr-defined]
-                except Exception:
+                    await streaming.read()
+                except WireError:
                     pass
         if resp is not None:
             # Shielded: this runs while the client's disconnect cancels us, and an interrupted close

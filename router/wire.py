@@ -71,68 +71,111 @@ class Response:
     _buf: bytearray = field(default_factory=bytearray)
     _keep_alive: bool = True
 
-    async def _next_piece(self) -> bytes:
-        """The next piece of the body; b"" at its end."""
+    # The body is read in whatever pieces the socket gives (one read per arrival, not one await per
+    # chunk header and chunk), undone from its framing into _buf; every complete line in _buf can then
+    # be taken without waiting (line_nowait), which lets a caller that fell behind catch up in one go.
+    _raw: bytearray = field(default_factory=bytearray)  # read, framing not yet undone
+    _chunk_left: int = 0  # chunked: data bytes left in this chunk; 0: a size line next; -1: its CRLF; -2: trailers
+
+    def _unframe(self) -> None:
+        raw, buf = self._raw, self._buf
+        if not self._chunked:
+            if self._length is None:
+                buf += raw
+            else:
+                n = min(self._length, len(raw))
+                buf += raw[:n]
+                self._length -= n
+                self._done = self._length == 0
+            raw.clear()
+            return
+        while raw and not self._done:
+            left = self._chunk_left
+            if left > 0:
+                n = min(left, len(raw))
+                buf += raw[:n]
+                del raw[:n]
+                self._chunk_left = -1 if n == left else left - n
+                continue
+            nl = raw.find(b"\n")
+            if nl < 0:
+                if len(raw) > _MAX_LINE:
+                    raise ProtocolError("chunk header too long")
+                return
+            line = bytes(raw[:nl]).strip()
+            del raw[: nl + 1]
+            if left == -1:  # the CRLF after a chunk's data
+                if line:
+                    raise ProtocolError("chunk data longer than its size")
+                self._chunk_left = 0
+            elif left == -2:  # trailers, up to an empty line
+                self._done = not line
+            else:
+                try:
+                    size = int(line.split(b";", 1)[0] or b"0", 16)
+                except ValueError:
+                    raise ProtocolError(f"bad chunk size {line[:40]!r}") from None
+                self._chunk_left = size if size > 0 else -2
+
+    async def _fill(self) -> bool:
+        """Reads what the socket has into the body buffer; False once the body has ended."""
         if self._done or self._conn is None:
-            return b""
-        reader = self._conn.reader
+            return False
         try:
-            if self._chunked:
-                line = await reader.readline()
-                if not line:
-                    raise ProtocolError("connection closed inside a chunked body")
-                size = int(line.split(b";", 1)[0].strip() or b"0", 16)
-                if size == 0:
-                    while (await reader.readline()) not in (b"\r\n", b"\n", b""):
-                        pass  # trailers
-                    self._done = True
-                    return b""
-                data = await reader.readexactly(size + 2)
-                return data[:-2]
-            if self._length is not None:
-                if self._length == 0:
-                    self._done = True
-                    return b""
-                data = await reader.read(min(self._length, 65536))
-                if not data:
-                    raise ProtocolError("connection closed before the end of the body")
-                self._length -= len(data)
-                return data
-            data = await reader.read(65536)  # no framing: until the peer closes
-            if not data:
-                self._done = True
-                self._keep_alive = False
-            return data
-        except (asyncio.IncompleteReadError, ConnectionError, ValueError) as exc:
+            data = await self._conn.reader.read(65536)
+        except ConnectionError as exc:
             raise ProtocolError(f"reading the response failed: {exc!r}") from None
+        if not data:
+            if self._chunked or self._length is not None:
+                raise ProtocolError("connection closed before the end of the body")
+            self._done = True  # no framing: the body ends when the peer closes
+            self._keep_alive = False
+            return False
+        self._raw += data
+        self._unframe()
+        return True
+
+    @property
+    def ended(self) -> bool:
+        """The whole body has been read."""
+        return self._done or self._conn is None
+
+    def line_nowait(self) -> str | None:
+        """The next complete line of the body if one is already here, else None (never waits)."""
+        buf = self._buf
+        nl = buf.find(b"\n")
+        if nl < 0:
+            return None
+        line = bytes(buf[:nl])
+        del buf[: nl + 1]
+        return line.decode()
+
+    async def next_line(self) -> str | None:
+        """The next line of the body (without its line end); None at the end of the body."""
+        while True:
+            line = self.line_nowait()
+            if line is not None:
+                return line
+            if len(self._buf) > _MAX_LINE:
+                raise ProtocolError("line too long")
+            if not await self._fill():
+                if self._buf:
+                    rest = bytes(self._buf)
+                    self._buf.clear()
+                    return rest.decode()
+                return None
 
     async def lines(self) -> AsyncIterator[str]:
         """The body as text lines (without line ends), for NDJSON."""
-        buf = self._buf
-        while True:
-            nl = buf.find(b"\n")
-            while nl != -1:
-                line = bytes(buf[:nl])
-                del buf[: nl + 1]
-                yield line.decode()
-                nl = buf.find(b"\n")
-            if len(buf) > _MAX_LINE:
-                raise ProtocolError("line too long")
-            piece = await self._next_piece()
-            if not piece:
-                if buf:
-                    line = bytes(buf)
-                    buf.clear()
-                    yield line.decode()
-                return
-            buf += piece
+        while (line := await self.next_line()) is not None:
+            yield line
 
     async def read(self) -> bytes:
-        out = bytearray(self._buf)
+        while await self._fill():
+            pass
+        out = bytes(self._buf)
         self._buf.clear()
-        while piece := await self._next_piece():
-            out += piece
-        return bytes(out)
+        return out
 
     async def aclose(self) -> None:
         """Returns the connection to the pool if the body was read to its end, else closes it (for a

@@ -435,15 +435,20 @@ def test_worker_with_a_full_queue_answers_429_and_the_router_passes_it_on(
     Retry-After; never a 5xx; the worker keeps serving."""
     import asyncio
 
+    decode_url = cluster.decode_urls[0]
+
     async def two_waves(url: str) -> list[tuple[int, str | None, str]]:
-        first = asyncio.ensure_future(_burst(url, 24, max_tokens=24))
-        await asyncio.sleep(0.5)  # the first wave fills the batch and the queue behind it
+        first = asyncio.ensure_future(_burst(url, 24, max_tokens=32))
+        async with httpx.AsyncClient() as c:  # the first wave fills the batch and the queue behind it
+            while (await c.get(f"{decode_url}/load")).json()["waiting_requests"] < 8:
+                assert not first.done(), "the first wave never filled the queue"
+                await asyncio.sleep(0.02)
         second = await _burst(url, 8, max_tokens=4)
         return [*await first, *second]
 
     with _side_router(cluster, tok, smol_path, admit_max_waiting=0, admit_max_queued_prefill_tokens=0) as s:
         results = asyncio.run(two_waves(s.url))
-    rejected = _assert_200_or_429(results[:24], 24) + _assert_200_or_429(results[24:], 4)
+    rejected = _assert_200_or_429(results[:24], 32) + _assert_200_or_429(results[24:], 4)
     assert rejected and all("engine queue is full" in m for m in rejected), rejected
     r = httpx.post(f"{cluster.router_url}/v1/chat/completions", json={"messages": FRANCE, "max_tokens": 8}, timeout=60)
     assert r.status_code == 200, r.text
