@@ -10,6 +10,7 @@ add + RMSNorm; RoPE takes q/k as views straight off the merged qkv projection.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -146,6 +147,8 @@ class FlashInferOps:
     """flashinfer's fused kernels (GPU, bfloat16/float16): add + RMSNorm in place, RoPE from a cos/sin table."""
 
     def __init__(self, rotary: RotaryCache) -> None:
+        # The CUDA norm kernels (what the bundle precompiles), not the CuTe-DSL ones; read at flashinfer's import.
+        os.environ.setdefault("FLASHINFER_USE_CUDA_NORM", "1")
         import flashinfer
 
         self.fi = flashinfer

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-import os
-
 import torch
 
 from common.engine.forward_batch import ForwardBatch
@@ -12,9 +9,6 @@ from common.engine.gpu.attention import WORKSPACE_BYTES, FlashInferAttention
 from common.engine.layers import FlashInferOps
 from common.engine.model import DecoderModel
 from common.kv.pool import KVPool
-
-log = logging.getLogger("kvferry.engine")
-
 
 class GpuPath:
     """flashinfer attention + fused kernels (the model's forward with `FlashInferOps`) for every step; CUDA
@@ -39,12 +33,10 @@ class GpuPath:
             raise ValueError(
                 f"the flashinfer backend needs bfloat16 or float16, not {model.dtype}; use attention=torch"
             )
-        # The CUDA norm kernels (what the bundle precompiles), not the CuTe-DSL ones.
-        os.environ.setdefault("FLASHINFER_USE_CUDA_NORM", "1")
         self.model = model
+        model.ops = FlashInferOps(model.rotary)  # first: it sets how flashinfer is imported
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=model.device)
         self.attn = FlashInferAttention(pool, page_table, model.cfg, model.dtype, self.workspace, tc_min_batch)
-        model.ops = FlashInferOps(model.rotary)
         self.graphs = None
         self.use_graphs = True
         if graph_max_bs > 0 and model.device.type == "cuda":
