@@ -10,6 +10,7 @@ from common.engine.layers import FlashInferOps
 from common.engine.model import DecoderModel
 from common.kv.pool import KVPool
 
+
 class GpuPath:
     """flashinfer attention + fused kernels (the model's forward with `FlashInferOps`) for every step; CUDA
     graphs for decode steps that fit. flashinfer's kernels serve 16-bit dtypes only: float32 on a GPU runs the
