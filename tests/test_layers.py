@@ -8,8 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 
 LINT = "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True, no_logo=True))"
@@ -50,13 +48,6 @@ def test_router_import_loads_no_torch(smol_path) -> None:
     assert not _router_loads_torch(smol_path, "import")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="left for router/tokenizer.py's owner: load_tokenizer builds a transformers AutoTokenizer, and "
-    "transformers imports torch whenever it is installed (configuration_utils -> modeling_rope_utils). "
-    "tokenizers.Tokenizer.from_file + transformers.utils.chat_template_utils.render_jinja_template load no "
-    "torch (router RSS ~112 MiB instead of ~376 MiB); then delete this marker",
-)
 def test_router_app_build_loads_no_torch(smol_path) -> None:
     """Building the router's app (tokenizer and chat template included) leaves torch unloaded too."""
     assert not _router_loads_torch(smol_path, "build")

@@ -115,8 +115,8 @@ def client(cluster: LocalCluster) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def tok(smol_tokenizer) -> RouterTokenizer:
-    return RouterTokenizer(smol_tokenizer)
+def tok(smol_path) -> RouterTokenizer:
+    return RouterTokenizer.from_dir(smol_path)
 
 
 def test_models(client: openai.OpenAI) -> None:

@@ -89,8 +89,8 @@ def test_detokenizer_any_chunking_equals_full_decode(text: str, cuts: list[int])
 
 
 @pytest.fixture(scope="module")
-def router_tok(smol_tokenizer) -> RouterTokenizer:
-    return RouterTokenizer(smol_tokenizer)
+def router_tok(smol_path) -> RouterTokenizer:
+    return RouterTokenizer.from_dir(smol_path)
 
 
 @pytest.mark.parametrize("text", MULTILINGUAL)
