@@ -2,15 +2,16 @@
 
     python bench/serve.py --mode disagg --rates 1,2 --num 8 --prompt-len 32-128 --output-len 8-32   # CPU
     python bench/serve.py --mode agg,disagg --gpus 0,1 --model dummy:llama-3.1-8b --rates 8,16,24,40 \
-        --num 200 --offline                                                                            # 2 GPUs
+        --num 200 --offline --worker-env KVFERRY_KV_MEMORY_GB=100                                      # 2 GPUs
     python bench/serve.py --url http://127.0.0.1:8000 --model dummy:llama-3.1-8b --concurrency 1,16,64
     python bench/serve.py --plot-only bench/out/serve_X.json
 
 For each mode it starts a deployment (bench/serve_deploy.py: redis-server, workers and a router as
-separate `kvferry` processes configured by KVFERRY_* env vars; `--gpus` gives each worker one GPU), or
-targets a running one (`--url`), warms it up, and runs every load point: Poisson arrivals at each
-`--rates` value and a closed loop at each `--concurrency` value, `--num` requests per point. Prompts are
-random token ids and outputs exact (`ignore_eos`), lengths uniform in `--prompt-len` / `--output-len`;
+separate `kvferry` processes configured by KVFERRY_* env vars; `--gpus` gives each worker one GPU,
+`--gpus 0,0` two workers one GPU; `--worker-env K=V` adds a worker setting, e.g. the KV pool size,
+whose 1 GB default suits the CPU), or targets a running one (`--url`), warms it up, and runs every
+load point: Poisson arrivals at each `--rates` value and a closed loop at each `--concurrency` value,
+`--num` requests per point. Prompts are random token ids and outputs exact (`ignore_eos`), lengths uniform in `--prompt-len` / `--output-len`;
 each point has its own prompts (no prefix-cache hits across points) and the modes get the same ones.
 
 The router's tokenizer is a synthetic word-level one (bench/synthetic_tokenizer.py: id i <-> "t<i>", the
@@ -56,6 +57,8 @@ from synthetic_tokenizer import build_word_tokenizer, count_words  # noqa: E402
 
 OUT_DIR = BENCH_DIR / "out"
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# The router's placement reasons (router/policy.py) for a decode worker prefilling the prompt itself.
+LOCAL_PREFILL_DECISIONS = ("short-prompt", "decode-holds-prefix", "no-prefill")
 
 
 def say(msg: str) -> None:
@@ -233,7 +236,7 @@ async def bench_mode(
             record["points"].append(summary)
             save()
             say(progress_line(mode, arrivals, summary))
-            local += sum(v for k, v in summary["router_decisions"].items() if k != "disaggregated")
+            local += sum(summary["router_decisions"].get(k, 0) for k in LOCAL_PREFILL_DECISIONS)
             if deployment is not None and deployment.dead_parts():
                 dead = deployment.dead_parts()
                 raise DeployError(f"{', '.join(p.name for p in dead)} died:\n{deployment.describe_failure(dead)}")
@@ -420,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 if mode == "url":
                     url = args.url.rstrip("/")
-                    record["devices"] = len(args.gpus) or 1
+                    record["devices"] = len(set(args.gpus)) or 1
                 else:
                     roles = spec.roles()
                     record.update(devices=spec.devices, roles=roles)

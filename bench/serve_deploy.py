@@ -115,10 +115,11 @@ class DeploySpec:
 
     @property
     def devices(self) -> int:
-        return len(self.gpus) or self.cpu_workers
+        """Distinct devices the workers run on (``--gpus 0,0`` puts two workers on one GPU)."""
+        return len(set(self.gpus)) or self.cpu_workers
 
     def roles(self) -> list[str]:
-        n = self.devices
+        n = len(self.gpus) or self.cpu_workers
         if self.mode == "agg":
             return ["decode"] * n
         if self.mode == "disagg":
