@@ -12,8 +12,10 @@ class RunnerConfig:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
     page_size: int = 16
     num_pages: int = 0  # 0: from kv_memory_gb
-    kv_memory_gb: float = 1.0
-    max_running: int = 64
+    # 0: chosen at start: on a GPU, the device memory free after the weights minus a reserve for activations,
+    # CUDA graphs and workspaces (common/engine/kv_sizing.py); on the CPU, 1 GiB.
+    kv_memory_gb: float = 0.0
+    max_running: int = 64  # batch slots; WorkerConfig.from_env defaults it by device (GPU 256, CPU 64)
     max_seq_len: int = 0  # 0: the model's context length
     seed: int = 0
     attention: str = "auto"  # auto: flashinfer on CUDA with a 16-bit dtype, else torch; or "torch" / "flashinfer"

@@ -10,16 +10,17 @@ from pathlib import Path
 import torch
 
 from common.engine.attention import AttentionBackend, TorchPagedAttention
+from common.engine.dtypes import resolve_dtype
 from common.engine.forward_batch import ForwardBatch, StepInputs
-from common.settings import RunnerConfig
+from common.engine.kv_sizing import kv_pool_pages
 from common.engine.model import DecoderModel
 from common.engine.model_config import ModelConfig, named_config
-from common.engine.dtypes import resolve_dtype
 from common.engine.tp import TPGroup, TPShard, tp_backend
 from common.engine.tp_ranks import HEADER_LEN, TPFollowers, TPRankLost, shared_pool_path
 from common.engine.weights import init_dummy_weights, load_safetensors_dir
-from common.kv.pool import KVLayout, KVPool
 from common.kv.page_table import PageTable
+from common.kv.pool import KVLayout, KVPool
+from common.settings import RunnerConfig
 
 log = logging.getLogger("kvferry.engine")
 
@@ -110,7 +111,12 @@ class ModelRunner:
         self.layout = self._rank_layout(self.tp.shard)
         # Every rank needs the same page count: size it by rank 0's layout, which holds the most KV heads.
         widest_layout = self._rank_layout(self.rank_shards[0])
-        num_pages = cfg.num_pages or KVPool.pages_for_bytes(widest_layout, int(cfg.kv_memory_gb * (1 << 30)))
+        num_pages = kv_pool_pages(widest_layout, cfg.kv_memory_gb, cfg.num_pages, self.device)
+        if self.tp.size > 1 and not cfg.num_pages and not cfg.kv_memory_gb:
+            # Sized from each rank's free memory: every rank takes the smallest (all must hold the same pages).
+            mine = torch.zeros(self.tp.size, dtype=torch.int64, device=self.device)
+            mine[self.tp.shard.rank] = num_pages
+            num_pages = int(self.tp.all_reduce(mine).min())
         self.backend = select_attention(cfg.attention, self.device, self.dtype)
         gpu = self.backend == "flashinfer"
         # The GPU path keeps one page past the allocator's range (`num_pages`): CUDA-graph padding writes there.
@@ -135,9 +141,7 @@ class ModelRunner:
             from common.engine.gpu.path import GpuPath
 
             graph_bs = cfg.max_running if cfg.cuda_graph_max_bs < 0 else min(cfg.cuda_graph_max_bs, cfg.max_running)
-            self.gpu = GpuPath(
-                model, self.pool, self.page_table.table, num_pages, graph_bs, cfg.decode_tc_min_batch
-            )
+            self.gpu = GpuPath(model, self.pool, self.page_table.table, num_pages, graph_bs, cfg.decode_tc_min_batch)
             self.attn = self.gpu.attn
         if self.followers is not None:
             self.followers.barrier_ready()
