@@ -231,7 +231,8 @@ async def bench_mode(
             run = await run_point(client, items, arrivals, point_seed(args, index), args.drain_timeout)
             summary = summarize_point(run, slo)
             after = get_json(f"{url}/router/workers", 5.0) or {}
-            summary.update(kind=arrivals.kind, value=arrivals.value, seed=point_seed(args, index))
+            # value inf (all at once) is stored as null: the label keeps it readable
+            summary.update(kind=arrivals.kind, value=arrivals.value, label=arrivals.label, seed=point_seed(args, index))
             summary["router_decisions"] = _decisions_delta(before, after)
             record["points"].append(summary)
             save()

@@ -20,7 +20,8 @@ _KINDS = {"rate": "request rate (req/s, Poisson)", "concurrency": "concurrency (
 
 
 def _series(points: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    return sorted((p for p in points if p.get("kind") == kind), key=lambda p: p["value"])
+    # A rate of inf (every request at once) has no place on a rate axis: its point is left out.
+    return sorted((p for p in points if p.get("kind") == kind and p.get("value") is not None), key=lambda p: p["value"])
 
 
 def _plot_kind(result: dict[str, Any], kind: str, path: Path) -> bool:
@@ -93,7 +94,7 @@ def plot_file(json_path: Path) -> list[str]:
         png = json_path.with_name(f"{json_path.stem}_{kind}.png")
         if _plot_kind(result, kind, png):
             lines.append(f"wrote {png}")
-    return lines or ["plots skipped: the run has no points"]
+    return lines or ["plots skipped: no point with a finite rate or a concurrency to place on an axis"]
 
 
 if __name__ == "__main__":
