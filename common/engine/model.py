@@ -2,6 +2,8 @@
 
 The families differ only in flags on `ModelConfig` (q/k/v bias, q/k RMSNorm, tied embeddings, RoPE
 scaling), so one file serves them all. Projections are merged (qkv, gate_up) so a layer is four GEMMs.
+One forward serves every backend: the CPU, the GPU in float32 and the GPU's fused kernels differ only in
+the ops object (common/engine/layers.py) and the attention backend they are given.
 """
 
 from __future__ import annotations
