@@ -174,9 +174,9 @@ def measure_latency(
     }
 
 
-def start(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+def start(argv: list[str], env: dict[str, str], log: Path, cwd: Path | None = None) -> subprocess.Popen[bytes]:
     with open(log, "wb") as f:
-        return subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd)
 
 
 def stop(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -255,8 +255,11 @@ def streaming_capacity(args: argparse.Namespace, redis_url: str, logs: Path) -> 
             argv = [sys.executable, "-m", "common.cli", "router", "--port", str(rport), "--redis-url", redis_url]
             argv += ["--decode-urls", ",".join(urls)]
             if args.tokenizer:
-                argv += ["--tokenizer", args.tokenizer]
-            router = start(argv, dict(env, KVFERRY_ROUTER_WORKERS=str(n_proc)), logs / f"router-x{n_proc}.log")
+                argv += ["--tokenizer", str(Path(args.tokenizer).resolve())]
+            renv = dict(env, KVFERRY_ROUTER_WORKERS=str(n_proc))
+            if args.router_src:  # another checkout's router, for comparing versions
+                renv["PYTHONPATH"] = os.pathsep.join([str(args.router_src), env.get("PYTHONPATH", "")])
+            router = start(argv, renv, logs / f"router-x{n_proc}.log", cwd=args.router_src)
             try:
                 router_url = f"http://127.0.0.1:{rport}"
                 wait_ready(router_url)
@@ -300,6 +303,9 @@ def streaming_capacity(args: argparse.Namespace, redis_url: str, logs: Path) -> 
         "stream_tokens": args.stream_tokens,
         "client_procs": args.client_procs,
         "seconds": args.capacity_seconds,
+        "label": args.label,
+        "router_src": str(args.router_src) if args.router_src else None,
+        "router_env": {k: v for k, v in os.environ.items() if k.startswith("KVFERRY_ROUTER_")},
         "runs": runs,
     }
 
@@ -396,6 +402,8 @@ def main() -> int:
     cap.add_argument("--stream-tokens", type=int, default=256, help="max_tokens of each streamed request")
     cap.add_argument("--warmup-s", type=float, default=3.0)
     cap.add_argument("--capacity-seconds", type=float, default=10.0)
+    cap.add_argument("--router-src", type=Path, default=None, help="run the router from this checkout instead")
+    cap.add_argument("--label", default="", help="names this capacity run in the JSON (e.g. the router settings)")
     args = p.parse_args()
 
     import tempfile

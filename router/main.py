@@ -91,7 +91,15 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     # uvloop and httptools when installed (the default "auto"): bench/RESULTS.md has what each is worth.
-    server = dict(host=config.host, port=config.port, log_level="warning", access_log=False, lifespan="on")
+    server = dict(
+        host=config.host,
+        port=config.port,
+        loop=options.event_loop,
+        http=options.http,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+    )
     if options.workers > 1:
         settings = {"config": asdict(config), "options": asdict(options), "log_level": args.log_level}
         os.environ[_CHILD_SETTINGS] = json.dumps(settings)

@@ -21,6 +21,8 @@ class RouterOptions:
     # Each has its own worker pool, polls, in-flight counts and admission (per-process by design: the
     # workers' own load figures are the shared truth); the prefix index they share lives in Redis.
     workers: int = 1
+    event_loop: str = "auto"  # uvicorn's event loop: auto (uvloop when installed) | uvloop | asyncio
+    http: str = "auto"  # uvicorn's HTTP parser: auto (httptools when installed) | httptools | h11
     # Admission and limits.
     max_inflight: int = 4096  # requests in this router process at once; beyond it: 429 + Retry-After
     max_body_bytes: int = 8 * 1024 * 1024  # 413 above this
