@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import multiprocessing as mp
+import os
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
@@ -185,9 +186,11 @@ def create_worker_app(state: WorkerState, add_routes: Callable[[FastAPI, WorkerS
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.start_engine()
+        watch = asyncio.create_task(_exit_if_engine_fails_to_start(state))
         try:
             yield
         finally:
+            watch.cancel()
             await state.stop_engine()
 
     app = FastAPI(title=f"kvferry {state.cfg.role} worker", lifespan=lifespan)
@@ -217,6 +220,24 @@ def create_worker_app(state: WorkerState, add_routes: Callable[[FastAPI, WorkerS
 
 
 RETRY_AFTER_S = 1
+ENGINE_START_FAILED_EXIT = 3
+
+
+async def _exit_if_engine_fails_to_start(state: WorkerState) -> None:
+    """An engine process that exits before it is ready (bad model path, out of device memory, a CUDA error
+    in graph capture) would leave a worker that never turns ready: exit non-zero instead, with the cause in
+    the log (the engine process logged its traceback), so a supervisor or Kubernetes sees a failed start."""
+    while not state.engine_ready.is_set():
+        proc = state.proc
+        if proc is not None and not proc.is_alive():
+            log.error(
+                "engine process exited before it was ready; the worker exits",
+                extra={"role": state.cfg.role, "exitcode": proc.exitcode},
+            )
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os._exit(ENGINE_START_FAILED_EXIT)
+        await asyncio.sleep(0.2)
 
 
 def _probe_answer(state: WorkerState, path: str) -> tuple[int, dict[str, Any]] | None:
