@@ -784,12 +784,41 @@ def test_dockerfiles_pin_their_inputs():
 
 @pytest.mark.parametrize("module", ["prefill_worker.app", "decode_worker.app"])
 def test_probe_paths_exist_in_the_worker_apps(module):
-    """The probe paths the manifests use are routes of the real FastAPI apps."""
+    """The probe paths the manifests use are answered by the real worker apps (their probe front answers
+    from the control plane's state, before any route: here, with no engine started, alive and not ready)."""
+    from fastapi.testclient import TestClient
+
     create_app = importlib.import_module(module).create_app
-    app = create_app()
-    paths = {getattr(route, "path", None) for route in app.routes}
+    client = TestClient(create_app())  # no lifespan: the engine is not started
     role = module.split("_")[0]
     cont = container(role_deployments(list(_render("base")))[role])
     probed = {cont[kind]["httpGet"]["path"] for kind in ("startupProbe", "livenessProbe", "readinessProbe")}
     assert probed == {"/health", "/ready"}
-    assert probed <= paths, f"{module}: missing {sorted(probed - paths)}"
+    assert client.get("/health").status_code == 200
+    ready = client.get("/ready")
+    assert ready.status_code == 503 and ready.json()["error"]["code"] == "not_ready"
+    assert client.get("/no-such-probe").status_code == 404
+
+
+def test_same_node_nvlink_overlay_shares_host_namespaces_for_workers_only() -> None:
+    """cuda_ipc between pods needs one PID and one IPC namespace: the overlay gives exactly the prefill and
+    decode pods host namespaces, keeps them near each other, and relaxes Pod Security to allow it."""
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "kubectl is needed to render the manifests"
+    proc = subprocess.run(
+        [kubectl, "kustomize", str(K8S / "overlays" / "gpu-same-node-nvlink")], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    objs = [o for o in yaml.safe_load_all(proc.stdout) if o]
+    for obj in objs:
+        if obj["kind"] == "Namespace":
+            assert obj["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+        if obj["kind"] != "Deployment":
+            continue
+        spec = obj["spec"]["template"]["spec"]
+        worker = obj["metadata"]["name"] in ("kvferry-prefill", "kvferry-decode")
+        assert bool(spec.get("hostPID")) == worker and bool(spec.get("hostIPC")) == worker, obj["metadata"]["name"]
+        if worker:
+            term = spec["affinity"]["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
+            assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+            assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
