@@ -57,6 +57,17 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(bs, cs, strict=True)}
 
 
+def _check_unicode(text: str) -> None:
+    """JSON may carry lone surrogates (\\ud800), which are not Unicode text: refuse them clearly."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start]
+        raise ValueError(
+            f"the input contains a lone surrogate (\\u{ord(bad):04x}) at character {exc.start}: not valid Unicode"
+        ) from None
+
+
 class RouterTokenizer:
     """The model's `tokenizers` (Rust) tokenizer plus its chat template, loaded without transformers' model
     classes: transformers imports torch whenever torch is installed, and the router must not carry it."""
@@ -100,6 +111,7 @@ class RouterTokenizer:
 
     # ---- text -> ids -------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
+        _check_unicode(text)
         return list(self._backend.encode(text, add_special_tokens=True).ids)
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
@@ -118,6 +130,7 @@ class RouterTokenizer:
         text = rendered[0] if isinstance(rendered, tuple) else rendered
         if isinstance(text, list):
             text = text[0]
+        _check_unicode(text)
         # The template writes the special tokens itself (as transformers' apply_chat_template does).
         return list(self._backend.encode(text, add_special_tokens=False).ids)
 
