@@ -41,6 +41,10 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    # A request continued on another worker (router/migration.py): the last `output_offset` prompt tokens are
+    # its own earlier output. The sampler counts them as output positions (a seeded draw at output position k
+    # is the same on every worker) and the penalties as output tokens.
+    output_offset: int = Field(0, ge=0)
 
     @property
     def greedy(self) -> bool:
@@ -65,6 +69,16 @@ class GenerateRequest(_Message):
     # worker gets the same deadline for its writes.
     kv_timeout_s: float | None = Field(None, gt=0, le=3600)
 
+    @model_validator(mode="after")
+    def _offset_in_prompt(self) -> GenerateRequest:
+        _check_output_offset(self.sampling, self.token_ids)
+        return self
+
+
+def _check_output_offset(sampling: SamplingParams, token_ids: list[int]) -> None:
+    if sampling.output_offset >= len(token_ids):
+        raise ValueError("sampling.output_offset must be shorter than the prompt")
+
 
 class TokenEvent(BaseModel):
     """One line of the decode worker's NDJSON stream: new tokens, and on the last one a finish reason."""
@@ -77,6 +91,7 @@ class TokenEvent(BaseModel):
     prompt_tokens: int = 0
     cached_tokens: int = 0
     kv_verified: bool | None = None  # debug mode: page checksums of the transferred KV matched
+    retryable: bool = False  # with "error": the worker lost its engine; the request may continue elsewhere
 
 
 class KVLayoutInfo(BaseModel):
@@ -119,6 +134,11 @@ class PrefillRequest(_Message):
     dst_instance_id: str
     dst_pages: list[int]
     deadline_s: float = Field(60.0, gt=0)
+
+    @model_validator(mode="after")
+    def _offset_in_prompt(self) -> PrefillRequest:
+        _check_output_offset(self.sampling, self.token_ids)
+        return self
 
 
 class KVNotice(BaseModel):

@@ -309,11 +309,15 @@ class Scheduler:
             sb = SamplingBatch.build(
                 [r.sampling for r in reqs],
                 [r.seed for r in reqs],
-                [r.output_ids for r in reqs] if penalties else [[] for _ in reqs],
+                [r.prompt_ids[r.prompt_len - r.sampling.output_offset :] + r.output_ids for r in reqs]
+                if penalties
+                else [[] for _ in reqs],
                 self.vocab,
                 torch.device("cpu"),
             )
-            sb.steps = torch.tensor([len(r.output_ids) + self.inflight(r) for r in reqs], dtype=torch.int64)
+            sb.steps = torch.tensor(
+                [r.sampling.output_offset + len(r.output_ids) + self.inflight(r) for r in reqs], dtype=torch.int64
+            )
             res = sample(logits, sampling_to_device(sb, self.device))
             rows = torch.tensor([r.table_row for r in reqs], dtype=torch.int64).to(self.device, non_blocking=True)
             self.last_tokens.index_copy_(0, rows, res.tokens)
