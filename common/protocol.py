@@ -175,6 +175,7 @@ class PrefillProgress(BaseModel):
     error: str | None = None
     descs: int = Field(0, ge=0)
     cached_tokens: int = Field(0, ge=0)
+    heartbeat: bool = False  # sent while the prefill worker's engine is working: the decode side keeps waiting
 
 
 class PrefillAccepted(_Message):

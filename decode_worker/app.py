@@ -30,14 +30,21 @@ from common.protocol import (
     PrefillProgress,
     PrefillRequest,
 )
-from common.serving.channel import EngineError, Message
+from common.serving.channel import ENGINE_TIMEOUT, EngineError, Message
 from common.serving.control import WorkerState, create_worker_app, error_response, read_message
 from common.serving.engine_host import engine_main
 from decode_worker.engine_loop import DecodeHost
 
 log = logging.getLogger("kvferry.decode")
 
-PREFILL_TIMEOUT_S = 60.0  # default deadline of a remote prefill and its KV transfer (GenerateRequest.kv_timeout_s)
+# A remote prefill is given up when it stops making progress, not after a fixed time: the prefill worker sends a
+# progress line at least every second while its engine works (prefill_worker/app.py), so a long prompt on a busy
+# CPU may take minutes while a dead or frozen peer is noticed within PREFILL_STALL_S.
+PREFILL_STALL_S = 15.0
+PREFILL_HEAD_S = 45.0  # the peer's answer to the prefill request: its engine call may take up to 30 s
+# Outer bound of a remote prefill and its KV transfer however it progresses (GenerateRequest.kv_timeout_s
+# overrides it); kept under the transfer sessions' 300 s safety deadline (common/transfer/session.py).
+PREFILL_DEADLINE_S = 240.0
 PROBE_INTERVAL_S = 0.5  # how often a peer that may still write into given-up pages is asked whether it lives
 # Answers of a prefill worker that registered nothing (so it writes nothing): bad request, unknown peer
 # (handshake again), queue full, not ready.
@@ -152,7 +159,9 @@ async def _remote_prefill(
             leave = {"op": "prefill_sending", "req_id": gen.req_id, "peer": hs.agent_name}
             try:
                 await client.call({**leave, "peer_instance": hs.instance_id})
-            except EngineError:
+            except EngineError as e:
+                if e.code == ENGINE_TIMEOUT:  # the ids have not left: nothing can be written into the pages
+                    raise PeerFailure(f"could not start the remote prefill: {e}", started=False) from None
                 return  # given up meanwhile: the page ids never leave this worker
             agent = state.agent
             body = PrefillRequest(
@@ -169,7 +178,7 @@ async def _remote_prefill(
                     "POST",
                     f"{url}/internal/prefill",
                     json=body.model_dump(),
-                    timeout=httpx.Timeout(10.0, read=timeout_s),
+                    timeout=httpx.Timeout(10.0, read=PREFILL_HEAD_S),
                 ) as r:
                     if r.status_code == 409 and attempt == 0:
                         # The peer restarted and lost our handshake; it registered nothing: redo it once.
@@ -181,7 +190,16 @@ async def _remote_prefill(
                             f"prefill worker {url} refused the request: {_error_text(r)}",
                             started=r.status_code not in REFUSALS,
                         )
-                    async for line in r.aiter_lines():
+                    lines = r.aiter_lines()
+                    while True:
+                        try:
+                            line = await asyncio.wait_for(anext(lines), PREFILL_STALL_S)
+                        except StopAsyncIteration:
+                            break
+                        except TimeoutError:
+                            raise PeerFailure(
+                                f"prefill worker {url} showed no progress for {PREFILL_STALL_S:g}s", started=True
+                            ) from None
                         if not line:
                             continue
                         msg = PrefillProgress.model_validate_json(line)  # ValidationError is a ValueError
@@ -224,7 +242,7 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
         assert client is not None
         queue = client.open_stream(gen.req_id)
         remote = gen.prefill_url is not None
-        timeout_s = gen.kv_timeout_s or PREFILL_TIMEOUT_S
+        timeout_s = gen.kv_timeout_s or PREFILL_DEADLINE_S
         if remote:
             reservations[gen.req_id] = asyncio.get_running_loop().create_future()
         try:
@@ -238,9 +256,12 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
                     "timeout_s": timeout_s,
                 }
             )
-        except BaseException:
+        except BaseException as exc:
             client.close_stream(gen.req_id)
             reservations.pop(gen.req_id, None)
+            if not isinstance(exc, EngineError) or exc.code == ENGINE_TIMEOUT:
+                # The engine may still take the request (a late answer, or the caller left): stop it then.
+                client.cast({"op": "abort", "req_id": gen.req_id})
             raise
         state.metrics.prompt.inc(len(gen.token_ids))
         state.inflight += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 
@@ -10,10 +11,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from common.config import WorkerConfig
 from common.protocol import AbortRequest, HandshakeRequest, HandshakeResponse, KVLayoutInfo, PrefillRequest
-from common.serving.channel import EngineError
+from common.serving.channel import ENGINE_TIMEOUT, EngineError
 from common.serving.control import WorkerState, create_worker_app, error_response, read_message
 from common.serving.engine_host import engine_main
+from common.serving.liveness import EngineMotion
 from prefill_worker.engine_loop import PrefillHost
+
+HEARTBEAT_S = 1.0  # a progress line this often while the engine works on (or ahead of) a request
+HEARTBEAT = b'{"heartbeat":true}\n'
 
 
 def _add_routes(app: FastAPI, state: WorkerState) -> None:
@@ -41,8 +46,10 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
         queue = client.open_stream(pr.req_id)
         try:
             await client.call({"op": "prefill", "prefill": pr.model_dump()})
-        except EngineError:
+        except EngineError as exc:
             client.close_stream(pr.req_id)
+            if exc.code == ENGINE_TIMEOUT:  # the engine may still take it: stop it then (answered 504, not a refusal)
+                client.cast({"op": "abort", "req_id": pr.req_id, "error": "the engine answered too late"})
             raise
         except BaseException:
             client.close_stream(pr.req_id)
@@ -54,9 +61,16 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
 
         async def progress() -> AsyncIterator[bytes]:
             finished = False
+            motion = EngineMotion(lambda: state.load, lambda: state.proc.pid if state.proc is not None else None)
             try:
                 while True:
-                    msg = await queue.get()
+                    try:
+                        msg = await asyncio.wait_for(queue.get(), HEARTBEAT_S)
+                    except TimeoutError:
+                        # The decode side waits as long as this keeps coming (decode_worker/app.py).
+                        if motion.moved():
+                            yield HEARTBEAT
+                        continue
                     if "done" in msg or "error" in msg or msg.get("finish_reason") == "error":
                         finished = True
                         outcome = "error" if "error" in msg else "done"

@@ -17,6 +17,10 @@ from typing import Any
 
 log = logging.getLogger("kvferry.channel")
 
+CALL_TIMEOUT_S = 30.0
+ENGINE_TIMEOUT = "engine_timeout"  # EngineError code of a call the engine did not answer in time
+ENGINE_EXITED = "engine process exited"
+
 Message = dict[str, Any]
 
 
@@ -51,13 +55,19 @@ class EngineClient:
     def cast(self, msg: Message) -> None:
         send(self.conn, msg, self._lock)
 
-    async def call(self, msg: Message, timeout: float = 30.0) -> Message:
+    async def call(self, msg: Message, timeout: float = CALL_TIMEOUT_S) -> Message:
+        """Sends a command and waits for its reply. Raises EngineError: the engine refused it, exited, or did
+        not answer within ``timeout`` (code ``engine_timeout``: a busy engine, e.g. several CPU engines on two
+        cores; the command may still run later, so the caller undoes what it would have started)."""
         rid = next(self._ids)
         fut: asyncio.Future[Message] = self.loop.create_future()
         self._replies[rid] = fut
         try:
             self.cast({**msg, "rpc": rid})
             reply = await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            op = msg.get("op", "?")
+            raise EngineError(f"the engine did not answer {op!r} within {timeout:g}s", ENGINE_TIMEOUT) from None
         finally:
             self._replies.pop(rid, None)
         if not reply.get("ok", False):
@@ -100,10 +110,11 @@ class EngineClient:
     def _on_closed(self) -> None:
         self.closed.set()
         for q in self.streams.values():
-            q.put_nowait({"ev": "req", "finish_reason": "error", "error": "engine process exited"})
+            # Nothing of the request is lost but this worker: the router may continue it on another one.
+            q.put_nowait({"ev": "req", "finish_reason": "error", "error": ENGINE_EXITED, "retryable": True})
         for fut in self._replies.values():
             if not fut.done():
-                fut.set_result({"ok": False, "error": "engine process exited"})
+                fut.set_result({"ok": False, "error": ENGINE_EXITED, "code": "engine_exited"})
 
 
 class EngineError(RuntimeError):

@@ -312,7 +312,15 @@ async def read_message(request: Request, model: type) -> Any:
 
 
 # Engine error codes -> HTTP status, for both workers.
-ENGINE_ERROR_STATUS = {"unknown_peer": 409, "layout_mismatch": 400, "invalid_request": 400, "queue_full": 429}
+# engine_timeout: the engine may still run the command, so never a refusal status (a prefill peer that answered
+# 503 registered nothing; this one may have).
+ENGINE_ERROR_STATUS = {
+    "unknown_peer": 409,
+    "layout_mismatch": 400,
+    "invalid_request": 400,
+    "queue_full": 429,
+    "engine_timeout": 504,
+}
 
 
 class DrainingServer(uvicorn.Server):
