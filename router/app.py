@@ -24,6 +24,7 @@ from router.discovery import Discovery, KubernetesDiscovery, StaticDiscovery
 from router.errors import install_error_handlers, model_not_found, no_worker
 from router.locality import PrefixLocator, RecentPlacements
 from router.middleware import FrontDoor
+from router.migration import MIGRATIONS
 from router.openai_api import ChatCompletionRequest, CompletionRequest
 from router.policy import PolicyConfig, RoutingPolicy
 from router.pool import WorkerPool
@@ -256,6 +257,7 @@ def create_app(
             "decisions": dict(dispatcher.decisions),
             "prefix_index": "disabled" if locator.reader is None else ("ok" if locator.redis_ok else "unavailable"),
             "inflight": service.inflight,
+            "migrations": MIGRATIONS.snapshot(),
         }
 
     return app

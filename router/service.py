@@ -10,6 +10,7 @@ instead of an error inside a 200 stream.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,6 +19,7 @@ from typing import Any, Literal
 
 from router.choice import ChoiceDelta, ChoiceState, TokenInfo
 from router.errors import bad_request, context_too_long, rate_limited, upstream_failed
+from router.migration import MigratingCall
 from router.openai_api import ChatCompletionRequest, CompletionRequest
 from router.responses import (
     SSE_DONE,
@@ -33,9 +35,11 @@ from router.responses import (
 )
 from router.settings import RouterOptions
 from router.tokenizer import ModelInfo, RouterTokenizer
-from router.upstream import Dispatcher, UpstreamCall, UpstreamEvent
+from router.upstream import Dispatcher, UpstreamEvent
 
 __all__ = ["Job", "RouterService"]
+
+log = logging.getLogger("kvferry.router")
 
 _CONTEXT_IDS = 4  # prompt ids fed to the detokenizer ahead of the output (SentencePiece leading spaces)
 _LONG_TEXT = 8192  # characters: tokenize off the event loop above this
@@ -63,7 +67,7 @@ class Job:
 class RunningChoice:
     index: int
     prompt_index: int
-    call: UpstreamCall
+    call: MigratingCall
     state: ChoiceState
     first: UpstreamEvent | None = None
     text: list[str] = field(default_factory=list)
@@ -176,7 +180,14 @@ class RouterService:
             for i in range(job.n):
                 idx = p_idx * job.n + i
                 sampling = job.request.sampling(job.max_tokens[p_idx], i, job.logprobs, job.top_logprobs)
-                call = UpstreamCall(self.dispatcher, f"{job.rid}-{idx}", plan, sampling)
+                call = MigratingCall(
+                    self.dispatcher,
+                    f"{job.rid}-{idx}",
+                    plan,
+                    sampling,
+                    self.opts.migration_limit,
+                    self.opts.migration_wait_s,
+                )
                 ctx = plan.token_ids[-_CONTEXT_IDS:] if context_ok else ()
                 state = ChoiceState(idx, self.tok, job.stops, ctx, job.logprobs)
                 choices.append(RunningChoice(idx, p_idx, call, state))
@@ -258,7 +269,17 @@ class RouterService:
     # ---- streaming -----------------------------------------------------------------------------------
     async def stream(self, job: Job, choices: list[RunningChoice]) -> AsyncIterator[bytes]:
         """SSE bytes: one piece per batch of worker events (router/responses.py ChunkFormat renders the
-        fields every chunk repeats once per response)."""
+        fields every chunk repeats once per response). Whatever fails once the response has started, the
+        client still gets an error event and [DONE], never a stream that just stops."""
+        try:
+            async for piece in self._stream(job, choices):
+                yield piece
+        except Exception as exc:
+            log.exception("stream failed", extra={"rid": job.rid})
+            error = upstream_failed(f"generation failed: {type(exc).__name__}: {exc}").body()["error"]
+            yield sse({"error": error}) + SSE_DONE
+
+    async def _stream(self, job: Job, choices: list[RunningChoice]) -> AsyncIterator[bytes]:
         chat = job.kind == "chat"
         fmt = ChunkFormat(
             "chat.completion.chunk" if chat else "text_completion", job.rid, job.created, job.model, job.include_usage

@@ -50,6 +50,10 @@ class RouterOptions:
     first_token_timeout_s: float = 300.0
     inter_token_timeout_s: float = 120.0
     redis_timeout_s: float = 0.2
+    # A stream whose decode worker is lost continues on another one (router/migration.py), at most this many
+    # times per choice; a continuation waits this long for a decode worker to be ready (they may be restarting).
+    migration_limit: int = 3
+    migration_wait_s: float = 30.0
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> RouterOptions:

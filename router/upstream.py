@@ -48,6 +48,9 @@ class UpstreamEvent:
     error: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # With "error": only the worker was lost (its stream broke or stalled, or its engine exited), not the
+    # request; router/migration.py continues it on another worker.
+    retryable: bool = False
 
     @classmethod
     def parse(cls, line: str) -> UpstreamEvent:
@@ -59,6 +62,7 @@ class UpstreamEvent:
             error=d.get("error"),
             prompt_tokens=d.get("prompt_tokens") or 0,
             cached_tokens=d.get("cached_tokens") or 0,
+            retryable=bool(d.get("retryable")),
         )
 
 
@@ -184,9 +188,10 @@ class UpstreamCall:
         self._streaming = False  # the first event is in: failures can no longer be retried
 
     # ---- lifecycle ---------------------------------------------------------------------------------
-    async def start(self) -> UpstreamEvent:
-        """Routes and returns the first event (with the first tokens, or a finish). Raises OpenAIError."""
-        exclude_d: set[str] = set()
+    async def start(self, avoid_decode: str | None = None) -> UpstreamEvent:
+        """Routes and returns the first event (with the first tokens, or a finish). Raises OpenAIError.
+        ``avoid_decode``: a decode worker not to use (the one a migrated request left)."""
+        exclude_d: set[str] = {avoid_decode} if avoid_decode else set()
         exclude_p: set[str] = set()
         last: OpenAIError | None = None
         for attempt in range(2):
@@ -322,7 +327,7 @@ class UpstreamCall:
                 if line.strip():
                     return self._event(line)
         except ValueError as exc:
-            return UpstreamEvent(finish_reason="error", error=f"decode worker failed: {type(exc).__name__}: {exc}")
+            return _lost(f"decode worker failed: {type(exc).__name__}: {exc}")
         return None
 
     async def next(self) -> UpstreamEvent | None:
@@ -340,13 +345,13 @@ class UpstreamCall:
                 ev = await self._read_event()
         except TimeoutError:
             reason = f"{self._killed}; no token for {limit:g}s" if self._killed else f"no token for {limit:g}s"
-            return UpstreamEvent(finish_reason="error", error=reason)
+            return _lost(reason)
         except (WireError, ValueError) as exc:
-            return UpstreamEvent(finish_reason="error", error=f"decode worker failed: {type(exc).__name__}: {exc}")
+            return _lost(f"decode worker failed: {type(exc).__name__}: {exc}")
         finally:
             self._deadline = None
         if ev is None:
-            return UpstreamEvent(finish_reason="error", error="decode worker closed the stream without finishing")
+            return _lost("decode worker closed the stream without finishing")
         return ev
 
     async def _read_event(self) -> UpstreamEvent | None:
@@ -429,6 +434,10 @@ class UpstreamCall:
             return
         self._closed = True
         await self._release()
+
+
+def _lost(reason: str) -> UpstreamEvent:
+    return UpstreamEvent(finish_reason="error", error=reason, retryable=True)
 
 
 def _seconds(value: str | None, default: int) -> int:

@@ -1,0 +1,169 @@
+"""Requests survive their decode worker: a stream whose worker is lost goes on on another one.
+
+When the decode worker streaming a choice is lost (its stream breaks or stalls, or it reports that its
+engine exited: an error event marked ``retryable``, router/upstream.py), the choice continues from where it
+was. The new upstream request's prompt is the original prompt plus every token already received (prefilled
+remotely or locally like any prompt, the prefix cache helping), its budget the tokens left, and its sampling
+the same with ``output_offset`` = the tokens already out: the seeded sampler keys its noise by seed and
+output position (common/engine/sampling.py), so position k after the seam draws what an uninterrupted run
+would, and penalties count the earlier output. The client's side (text, stop strings, logprobs, usage) is
+one ChoiceState fed across the seam; the continuation's first event reports its own, longer prompt, which is
+dropped so usage counts the original prompt once.
+
+A choice migrates at most ``limit`` times. A continuation that finds no decode worker ready (all restarting)
+waits for one, with back-off, for up to ``wait_s`` before the stream ends with an error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from common.protocol import SamplingParams
+from router.errors import OpenAIError
+from router.upstream import Dispatcher, PromptPlan, UpstreamCall, UpstreamEvent
+
+log = logging.getLogger("kvferry.router")
+
+__all__ = ["MIGRATIONS", "MigratingCall", "MigrationStats"]
+
+_BACKOFF_S = (0.25, 0.5, 1.0, 2.0)  # between tries while no decode worker is ready
+
+
+@dataclass
+class MigrationStats:
+    """This router process's migration counters (``/router/workers`` shows them; a metrics registry can
+    read the same object)."""
+
+    started: int = 0  # continuations sent to a worker
+    succeeded: int = 0  # continuations that produced their first event: the client's stream went on
+    failed: int = 0  # choices that ended with an error: limit reached, or no worker within the wait
+
+    def snapshot(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+MIGRATIONS = MigrationStats()
+
+
+class MigratingCall:
+    """One choice's generation, moved to another decode worker whenever its worker is lost. The same
+    interface as UpstreamCall (start, next_nowait, next, aclose), which does the work of each leg."""
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        req_id: str,
+        plan: PromptPlan,
+        sampling: SamplingParams,
+        limit: int = 3,
+        wait_s: float = 30.0,
+    ) -> None:
+        self.d = dispatcher
+        self.req_id = req_id
+        self.plan = plan
+        self.sampling = sampling
+        self.limit = limit
+        self.wait_s = wait_s
+        self.leg = UpstreamCall(dispatcher, req_id, plan, sampling)
+        self.output_ids: list[int] = []  # every token received so far, over all legs
+        self.migrations = 0
+        self._failure: UpstreamEvent | None = None  # a lost leg noticed by next_nowait, handled by next
+        self._closed = False
+
+    async def start(self) -> UpstreamEvent:
+        """The first event (UpstreamCall.start: retried on other workers before any token)."""
+        return self._seen(await self.leg.start())
+
+    def next_nowait(self) -> UpstreamEvent | None:
+        if self._failure is not None:
+            return None
+        ev = self.leg.next_nowait()
+        return None if ev is None else self._take(ev)
+
+    async def next(self) -> UpstreamEvent | None:
+        while not self._closed:
+            if self._failure is not None:
+                failure, self._failure = self._failure, None
+                return await self._migrate(failure)
+            ev = await self.leg.next()
+            if ev is None:
+                return None
+            taken = self._take(ev)
+            if taken is not None:
+                return taken
+        return None
+
+    async def aclose(self) -> None:
+        self._closed = True
+        await self.leg.aclose()
+
+    # ---- the seam --------------------------------------------------------------------------------------
+    def _seen(self, ev: UpstreamEvent) -> UpstreamEvent:
+        self.output_ids.extend(ev.token_ids)
+        return ev
+
+    def _take(self, ev: UpstreamEvent) -> UpstreamEvent | None:
+        """The event to hand on, or None when the leg was lost and the choice will migrate (tokens that
+        came with the failure are handed on first)."""
+        if ev.finish_reason != "error" or not ev.retryable or self.migrations >= self.limit:
+            return self._seen(ev)
+        self._failure = ev
+        if ev.token_ids:
+            return self._seen(UpstreamEvent(token_ids=ev.token_ids, logprobs=ev.logprobs))
+        return None
+
+    async def _migrate(self, failure: UpstreamEvent) -> UpstreamEvent:
+        lost = self.leg
+        avoid = lost.decision.decode if lost.decision is not None else None
+        await lost.aclose()  # closing the stream aborts the request on the old worker, if it still lives
+        remaining = self.sampling.max_tokens - len(self.output_ids)
+        if remaining <= 0:  # every token arrived, only the finish was lost
+            return UpstreamEvent(finish_reason="length")
+        prompt = self.plan.token_ids + self.output_ids
+        sampling = self.sampling.model_copy(update={"max_tokens": remaining, "output_offset": len(self.output_ids)})
+        plan = await self.d.plan(prompt)
+        reason = failure.error or "worker lost"
+        give_up_at = time.monotonic() + self.wait_s
+        waits = 0
+        while self.migrations < self.limit and not self._closed:
+            self.migrations += 1
+            MIGRATIONS.started += 1
+            leg = UpstreamCall(self.d, f"{self.req_id}-m{self.migrations}", plan, sampling)
+            self.leg = leg
+            try:
+                first = await leg.start(avoid)
+            except OpenAIError as exc:
+                reason = exc.message
+                if exc.status in (429, 503) and time.monotonic() < give_up_at:
+                    # No decode worker ready or room (they may be restarting): wait, without using up a try.
+                    self.migrations -= 1
+                    await asyncio.sleep(_BACKOFF_S[min(waits, len(_BACKOFF_S) - 1)])
+                    waits += 1
+                    avoid = None  # the lost worker may be back by now
+                continue
+            MIGRATIONS.succeeded += 1
+            log.warning(
+                "stream continued on another decode worker",
+                extra={
+                    "req_id": self.req_id,
+                    "migration": self.migrations,
+                    "tokens_done": len(self.output_ids),
+                    "lost": avoid,
+                    "decode": leg.decision.decode if leg.decision is not None else None,
+                    "reason": failure.error,
+                },
+            )
+            first.prompt_tokens = 0  # usage counts the original prompt, not the continuation's
+            first.cached_tokens = 0
+            return self._take(first) or await self.next()
+        if self._closed:  # the client left meanwhile: nobody reads this
+            return UpstreamEvent(finish_reason="abort")
+        MIGRATIONS.failed += 1
+        return UpstreamEvent(
+            finish_reason="error",
+            error=f"{failure.error}; the request could not continue on another decode worker: {reason}",
+        )
