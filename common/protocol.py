@@ -25,6 +25,21 @@ class _Message(BaseModel):
         return v
 
 
+MAX_LOGIT_BIAS = 2048  # entries in one request's logit_bias map
+MAX_GRAMMAR_CHARS = 256 * 1024
+
+
+class GrammarSpec(BaseModel):
+    """A constraint on the whole output, compiled by the worker that samples (common/sched/grammar.py):
+    a JSON schema (text), any JSON object, a regular expression, or an EBNF grammar (xgrammar's dialect).
+    The spec travels, never compiled state: each worker compiles it (cached per spec) and replays the
+    tokens sampled before it took over."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["json_schema", "json_object", "regex", "ebnf"]
+    value: str = Field("", max_length=MAX_GRAMMAR_CHARS)
+
+
 class SamplingParams(BaseModel):
     """What decides the next token. Defaults are greedy with no limits."""
 
@@ -41,10 +56,25 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    # Added to the logits before any other step (token id -> bias); -100 bans a token, +100 all but forces it.
+    logit_bias: dict[int, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)  # over prompt and output tokens; 1 = off
+    min_tokens: int = Field(0, ge=0)  # EOS and stop_token_ids are masked until this many tokens are out
+    grammar: GrammarSpec | None = None
     # A request continued on another worker (router/migration.py): the last `output_offset` prompt tokens are
     # its own earlier output. The sampler counts them as output positions (a seeded draw at output position k
     # is the same on every worker) and the penalties as output tokens.
     output_offset: int = Field(0, ge=0)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_bias(cls, v: dict[int, float]) -> dict[int, float]:
+        for token, bias in v.items():
+            if token < 0:
+                raise ValueError(f"logit_bias token id {token} is negative")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias value {bias} for token {token} is outside [-100, 100]")
+        return v
 
     @property
     def greedy(self) -> bool:
@@ -157,6 +187,8 @@ class KVNotice(BaseModel):
     cached_tokens: int = Field(0, ge=0)
     checksums: list[float] | None = None  # debug mode: per-page sums on the prefill side
     error: str | None = Field(None, max_length=4000)
+    # The prefill side's stage stamps (common/observability/timeline.py), wall-clock seconds by stage name.
+    timeline: dict[str, float] | None = Field(None, max_length=32)
 
     @model_validator(mode="after")
     def _landed_has_token(self) -> KVNotice:

@@ -3,10 +3,16 @@
 Random draws come from a counter-based hash of (request seed, output step, vocab id) and the Gumbel-max
 trick, so a seeded request samples the same tokens whatever batch it shares, on CPU and GPU alike, with
 no per-request generator objects and no host sync inside the step.
+
+Before any of that the logits are adjusted, each adjustment built only when some request in the batch asks
+for it (a batch without them pays nothing): repetition penalty (prompt and output tokens), frequency and
+presence penalties, logit_bias, bans (EOS and stop ids of a request still short of its min_tokens), and a
+grammar's token bitmask (one packed int32 row per request, 32 tokens per word; common/sched/grammar.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +60,13 @@ class SamplingBatch:
     max_top_logprobs: int
     want_logprobs: bool
     output_counts: torch.Tensor | None = None  # [B, V] float32 token counts of each request's output
+    repetition_penalty: torch.Tensor | None = None  # [B] float32 (1 = off), with `seen`
+    seen: torch.Tensor | None = None  # [B, V] bool: token occurs in the request's prompt or output
+    # Sparse additions to the logits: logit_bias entries, and -inf for banned (row, token) pairs.
+    add_rows: torch.Tensor | None = None  # [N] int64
+    add_cols: torch.Tensor | None = None  # [N] int64
+    add_vals: torch.Tensor | None = None  # [N] float32
+    allowed_bits: torch.Tensor | None = None  # [B, ceil(V / 32)] int32 grammar bitmask; all ones = free
 
     @classmethod
     def build(
@@ -63,21 +76,29 @@ class SamplingBatch:
         output_ids: list[list[int]],
         vocab: int,
         device: torch.device,
+        steps: Sequence[int] | None = None,
+        prompt_ids: Sequence[Sequence[int]] | None = None,
+        eos_ids: Sequence[int] = (),
     ) -> SamplingBatch:
+        """`output_ids` is read for the frequency/presence penalties, `prompt_ids` (with `output_ids`) for
+        the repetition penalty; `steps` (output tokens before this step; default: len(output_ids)) decides
+        which requests are still short of their min_tokens, whose `eos_ids` and stop ids are banned."""
         temps = [0.0 if p.greedy else p.temperature for p in params]
         top_k = [vocab if p.top_k <= 0 else min(p.top_k, vocab) for p in params]
         freq = [p.frequency_penalty for p in params]
         pres = [p.presence_penalty for p in params]
         needs_penalty = any(freq) or any(pres)
+        step_list = list(steps) if steps is not None else [len(o) for o in output_ids]
         counts = None
         if needs_penalty:
-            counts = torch.zeros(len(params), vocab, dtype=torch.float32)
-            lens = torch.tensor([len(o) for o in output_ids], dtype=torch.int64)
-            if int(lens.sum()) > 0:
-                rows = torch.repeat_interleave(torch.arange(len(params)), lens)
-                cols = torch.tensor([t for o in output_ids for t in o], dtype=torch.int64)
-                counts.index_put_((rows, cols), torch.ones_like(cols, dtype=torch.float32), accumulate=True)
-            counts = counts.to(device)
+            counts = _token_counts(output_ids, vocab).to(device)
+        rep = seen = None
+        if any(p.repetition_penalty != 1.0 for p in params):
+            if prompt_ids is None:
+                raise ValueError("repetition_penalty needs the prompts' token ids")
+            seen = (_token_counts([list(a) + list(b) for a, b in zip(prompt_ids, output_ids)], vocab) > 0).to(device)
+            rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device)
+        add = _sparse_additions(params, step_list, eos_ids)
         f32 = dict(dtype=torch.float32, device=device)
         i64 = dict(dtype=torch.int64, device=device)
         return cls(
@@ -86,7 +107,7 @@ class SamplingBatch:
             top_p=torch.tensor([p.top_p for p in params], **f32),
             min_p=torch.tensor([p.min_p for p in params], **f32),
             seeds=torch.tensor(seeds, **i64),
-            steps=torch.tensor([len(o) for o in output_ids], **i64),
+            steps=torch.tensor(step_list, **i64),
             frequency_penalty=torch.tensor(freq, **f32),
             presence_penalty=torch.tensor(pres, **f32),
             all_greedy=all(t == 0.0 for t in temps),
@@ -95,7 +116,88 @@ class SamplingBatch:
             max_top_logprobs=max((p.top_logprobs for p in params), default=0),
             want_logprobs=any(p.logprobs or p.top_logprobs > 0 for p in params),
             output_counts=counts,
+            repetition_penalty=rep,
+            seen=seen,
+            add_rows=None if add is None else add[0].to(device),
+            add_cols=None if add is None else add[1].to(device),
+            add_vals=None if add is None else add[2].to(device),
         )
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return (
+            (self.needs_penalty and self.output_counts is not None)
+            or self.repetition_penalty is not None
+            or self.add_rows is not None
+            or self.allowed_bits is not None
+        )
+
+
+def _token_counts(ids: list[list[int]], vocab: int) -> torch.Tensor:
+    """[B, V] float32: how often each token occurs in each row's ids."""
+    counts = torch.zeros(len(ids), vocab, dtype=torch.float32)
+    lens = torch.tensor([len(o) for o in ids], dtype=torch.int64)
+    if int(lens.sum()) > 0:
+        rows = torch.repeat_interleave(torch.arange(len(ids)), lens)
+        cols = torch.tensor([t for o in ids for t in o], dtype=torch.int64)
+        counts.index_put_((rows, cols), torch.ones_like(cols, dtype=torch.float32), accumulate=True)
+    return counts
+
+
+def _sparse_additions(
+    params: list[SamplingParams], steps: list[int], eos_ids: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(rows, cols, values) to add to the logits: each request's logit_bias, and -inf on its EOS and stop
+    ids while it has produced fewer than min_tokens tokens (None when no request needs either)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    for i, (p, step) in enumerate(zip(params, steps)):
+        if p.logit_bias:
+            rows += [i] * len(p.logit_bias)
+            cols += p.logit_bias.keys()
+            vals += p.logit_bias.values()
+        if step < p.min_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+            rows += [i] * len(banned)
+            cols += banned
+            vals += [float("-inf")] * len(banned)
+    if not rows:
+        return None
+    return (
+        torch.tensor(rows, dtype=torch.int64),
+        torch.tensor(cols, dtype=torch.int64),
+        torch.tensor(vals, dtype=torch.float32),
+    )
+
+
+_BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def unpack_bitmask(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, W] int32 packed bits (bit j of word w = token 32 * w + j) -> [B, vocab] bool."""
+    shifts = _BIT_SHIFTS.get(bits.device)
+    if shifts is None:
+        shifts = _BIT_SHIFTS[bits.device] = torch.arange(32, dtype=torch.int32, device=bits.device)
+    allowed = ((bits[:, :, None] >> shifts) & 1).bool()
+    return allowed.reshape(bits.shape[0], -1)[:, :vocab]
+
+
+def adjust_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """The logits every later step (greedy, temperature, filters) sees; a new tensor when anything applies."""
+    if sb.repetition_penalty is not None and sb.seen is not None:
+        # Divide a positive logit, multiply a negative one: both make a seen token less likely (penalty > 1).
+        p = sb.repetition_penalty[:, None]
+        penalized = torch.where(logits > 0, logits / p, logits * p)
+        logits = torch.where(sb.seen, penalized, logits)
+    if sb.needs_penalty and sb.output_counts is not None:
+        counts = sb.output_counts
+        logits = logits - sb.frequency_penalty[:, None] * counts - sb.presence_penalty[:, None] * (counts > 0)
+    if sb.add_rows is not None:
+        logits = logits.index_put((sb.add_rows, sb.add_cols), sb.add_vals, accumulate=True)
+    if sb.allowed_bits is not None:
+        logits = logits.masked_fill(~unpack_bitmask(sb.allowed_bits, logits.shape[-1]), float("-inf"))
+    return logits
 
 
 @dataclass
@@ -125,9 +227,8 @@ def _filter(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
     """logits: [B, V] float32 raw model logits."""
     raw = logits
-    if sb.needs_penalty and sb.output_counts is not None:
-        counts = sb.output_counts
-        logits = logits - sb.frequency_penalty[:, None] * counts - sb.presence_penalty[:, None] * (counts > 0)
+    if sb.adjusts_logits:
+        logits = adjust_logits(logits, sb)
     greedy_tokens = logits.argmax(dim=-1)
     if sb.all_greedy:
         tokens = greedy_tokens

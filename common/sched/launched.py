@@ -35,8 +35,11 @@ class Launched:
             self.done.synchronize()
 
 
-def needs_penalty(r: Req) -> bool:
-    return bool(r.sampling.frequency_penalty or r.sampling.presence_penalty)
+def needs_host_tokens(r: Req) -> bool:
+    """Whether sampling for `r` reads its whole output on the host (penalties count it, a grammar matcher
+    must have accepted it), so its previous step must be processed before the next one is launched."""
+    s = r.sampling
+    return bool(s.frequency_penalty or s.presence_penalty or s.repetition_penalty != 1.0 or s.grammar is not None)
 
 
 def copy_to_host(t: torch.Tensor | None) -> torch.Tensor | None:

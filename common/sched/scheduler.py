@@ -15,8 +15,10 @@ step's tokens. The only wait is on the done event of the step being processed.
 Everything runs on one device stream, so a request that finishes at step N (a stop token, found when N is
 processed, after N+1 was launched) is harmless: N+1 writes its KV into pages that a step launched later on
 the same stream may hand to a new request; N+1's token for it is discarded. Finishing by length is known at
-launch, so such requests are never launched past their last token. Requests with frequency or presence
-penalties need their whole output on the host: while one runs, the step in flight is processed first.
+launch, so such requests are never launched past their last token. Requests with penalties or a grammar
+need their whole output on the host (counted, or accepted by the grammar's matcher before it masks the next
+token): while one runs, the step in flight is processed first (common/sched/grammar.py says why this and
+not a mask built one step late).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from common.engine.sampling import SamplingBatch, sample
 from common.kv.allocator import PageAllocator
 from common.kv.radix import RadixCache
 from common.protocol import TokenLogprob
-from common.sched.launched import Launched, copy_to_host, needs_penalty, sampling_to_device
+from common.sched.grammar import GrammarBook, GrammarError
+from common.sched.launched import Launched, copy_to_host, needs_host_tokens, sampling_to_device
 from common.sched.pages import KVBudget
 from common.sched.prefill import PrefillAdder
 from common.sched.request import Req, ReqState
@@ -92,6 +95,7 @@ class Scheduler:
         self.by_id: dict[str, Req] = {}
         self.max_running = runner.cfg.max_running
         self.vocab = runner.model_config.vocab_size
+        self.grammars = GrammarBook(runner.model_path, self.vocab, tuple(self.eos))
         # The newest sampled token of each table row, on the device (the next decode step's input).
         self.last_tokens = torch.zeros(runner.page_table.table.shape[0], dtype=torch.int64, device=self.device)
         self._inflight: dict[Req, int] = {}  # tokens launched but not yet appended, per request
@@ -115,6 +119,13 @@ class Scheduler:
             raise RequestRejected(f"request needs more KV pages than the pool holds ({self.allocator.num_pages})")
         if any(t < 0 or t >= self.vocab for t in req.prompt_ids):
             raise RequestRejected("prompt contains token ids outside the vocabulary")
+        if any(t >= self.vocab for t in req.sampling.logit_bias):
+            raise RequestRejected(f"logit_bias token ids must be below the vocabulary size ({self.vocab})")
+        if req.sampling.grammar is not None:
+            try:
+                self.grammars.compile(req.sampling.grammar)  # cached: the decode side replays with it later
+            except GrammarError as e:
+                raise RequestRejected(str(e)) from None
 
     def add(self, req: Req) -> None:
         if req.req_id in self.by_id:
@@ -211,7 +222,7 @@ class Scheduler:
     def step(self) -> list[StepEvent]:
         """Launches the next step and processes the one before it (with overlap off: the one just launched)."""
         events: list[StepEvent] = []
-        if self._pending is not None and any(needs_penalty(r) for r in self.running):
+        if self._pending is not None and any(needs_host_tokens(r) for r in self.running):
             events += self.flush()
         launched = self._launch()
         events += self.flush()
@@ -305,19 +316,24 @@ class Scheduler:
     def _sample(self, kind: str, reqs: list[Req], logits: torch.Tensor) -> Launched:
         launched = Launched(kind, list(reqs))
         if reqs:
-            penalties = any(needs_penalty(r) for r in reqs)
+            host_tokens = any(needs_host_tokens(r) for r in reqs)
             sb = SamplingBatch.build(
                 [r.sampling for r in reqs],
                 [r.seed for r in reqs],
                 [r.prompt_ids[r.prompt_len - r.sampling.output_offset :] + r.output_ids for r in reqs]
-                if penalties
+                if host_tokens
                 else [[] for _ in reqs],
                 self.vocab,
                 torch.device("cpu"),
+                steps=[r.sampling.output_offset + len(r.output_ids) + self.inflight(r) for r in reqs],
+                prompt_ids=[r.prompt_ids[: r.prompt_len - r.sampling.output_offset] for r in reqs]
+                if host_tokens
+                else None,
+                eos_ids=tuple(self.eos),
             )
-            sb.steps = torch.tensor(
-                [r.sampling.output_offset + len(r.output_ids) + self.inflight(r) for r in reqs], dtype=torch.int64
-            )
+            if any(r.sampling.grammar is not None for r in reqs):
+                # The forward is launched: on a GPU the masks are filled while it runs.
+                sb.allowed_bits = self.grammars.fill(reqs)
             res = sample(logits, sampling_to_device(sb, self.device))
             rows = torch.tensor([r.table_row for r in reqs], dtype=torch.int64).to(self.device, non_blocking=True)
             self.last_tokens.index_copy_(0, rows, res.tokens)
@@ -374,7 +390,11 @@ class Scheduler:
         event.tokens.append(token)
         req.check()
         reason = None
-        if (token in self.eos and not req.sampling.ignore_eos) or token in req.sampling.stop_token_ids:
+        if req.sampling.grammar is not None and not self.grammars.advance(req):
+            reason, req.error = "error", "a sampled token is outside the request's grammar"
+        elif req.sampling.grammar is not None and self.grammars.terminated(req):
+            reason = "stop"
+        elif (token in self.eos and not req.sampling.ignore_eos) or token in req.sampling.stop_token_ids:
             reason = "stop"
         elif len(req.output_ids) >= req.sampling.max_tokens or req.device_len >= self.runner.max_seq_len:
             reason = "length"

@@ -1,0 +1,161 @@
+"""Grammar-constrained decoding: compiled grammars and one matcher per request, on the worker that samples.
+
+A request carries its grammar as a spec (common/protocol.py `GrammarSpec`), never as compiled state: the
+prefill worker compiles it, masks the first token and hands that token on; the decode worker compiles the
+same spec (a cache hit after the first request with that schema), and its matcher replays the tokens already
+sampled before it masks the next one. Replaying a few tokens costs microseconds; shipping matcher state
+would tie both workers to one xgrammar build.
+
+A matcher must have accepted a request's previous token before it can mask the next one, so the scheduler
+processes the step in flight before launching one that samples for a grammar request (common/sched/
+launched.py `needs_host_tokens`). The masks are filled on the host after the step's forward was launched,
+so on a GPU they are built while the forward runs; `BatchGrammarMatcher` fills the batch's rows on
+several threads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.protocol import GrammarSpec
+from common.sched.request import Req
+
+log = logging.getLogger("kvferry.sched")
+
+_SOURCE_PREFIX = re.compile(r"^(\[[^\]]*\]\s*)?\S+\.(cc|h|cpp):\d+:\s*")
+_CACHE_ENTRIES = 256  # compiled grammars kept per worker (xgrammar's compiler has its own cache too)
+
+
+class GrammarError(ValueError):
+    """A grammar this worker cannot compile (an invalid or unsupported schema, regex or EBNF)."""
+
+
+@dataclass(eq=False)
+class _Matching:
+    matcher: Any  # xgrammar.GrammarMatcher
+    consumed: int = 0  # output tokens the matcher has accepted
+    broken: bool = False  # a token the grammar does not allow was appended
+
+
+class GrammarBook:
+    """The grammars of one scheduler's requests. Built on first use: a worker that never sees a grammar
+    never imports xgrammar or loads its tokenizer tables."""
+
+    def __init__(self, model_path: Path | None, vocab: int, stop_ids: Sequence[int]) -> None:
+        self.model_path = model_path
+        self.vocab = vocab
+        self.stop_ids = sorted(stop_ids)
+        self._compiler: Any = None
+        self._batch: Any = None
+        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._matching: weakref.WeakKeyDictionary[Req, _Matching] = weakref.WeakKeyDictionary()
+
+    # ---- compiling -------------------------------------------------------------------------------
+    def _xgr_compiler(self) -> Any:
+        if self._compiler is None:
+            if self.model_path is None:
+                raise GrammarError(
+                    "structured output needs the model's tokenizer; this worker has none (dummy weights)"
+                )
+            import xgrammar as xgr
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(self.model_path)
+            info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab, stop_token_ids=self.stop_ids)
+            threads = max(1, min(8, os.cpu_count() or 1))
+            self._compiler = xgr.GrammarCompiler(info, max_threads=threads)
+            self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
+        return self._compiler
+
+    def compile(self, spec: GrammarSpec) -> Any:
+        """The compiled grammar for `spec` (cached); GrammarError when it does not compile."""
+        key = (spec.kind, spec.value)
+        hit = self._compiled.get(key)
+        if hit is not None:
+            self._compiled.move_to_end(key)
+            return hit
+        compiler = self._xgr_compiler()
+        try:
+            if spec.kind == "json_schema":
+                json.loads(spec.value)  # a clearer message than the converter's for text that is not JSON
+                compiled = compiler.compile_json_schema(spec.value, any_whitespace=False, strict_mode=True)
+            elif spec.kind == "json_object":  # any object (xgrammar's builtin JSON grammar allows any value)
+                compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+            elif spec.kind == "regex":
+                compiled = compiler.compile_regex(spec.value)
+            else:
+                compiled = compiler.compile_grammar(spec.value)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {_first_line(exc)}") from None
+        self._compiled[key] = compiled
+        if len(self._compiled) > _CACHE_ENTRIES:
+            self._compiled.popitem(last=False)
+        return compiled
+
+    # ---- matching --------------------------------------------------------------------------------
+    def _state(self, req: Req) -> _Matching:
+        st = self._matching.get(req)
+        if st is None:
+            import xgrammar as xgr
+
+            assert req.sampling.grammar is not None
+            st = _Matching(xgr.GrammarMatcher(self.compile(req.sampling.grammar)))
+            self._matching[req] = st
+        return st
+
+    def advance(self, req: Req) -> bool:
+        """Feeds the request's new output tokens to its matcher; False once one was not allowed. A request
+        continued from another worker (`output_offset`) has its earlier output at the prompt's end."""
+        st = self._state(req)
+        offset = req.sampling.output_offset
+        earlier = req.prompt_ids[req.prompt_len - offset :] if offset else []
+        total = len(earlier) + len(req.output_ids)
+        while st.consumed < total and not st.broken:
+            i = st.consumed
+            token = earlier[i] if i < len(earlier) else req.output_ids[i - len(earlier)]
+            if not st.matcher.accept_token(token):
+                st.broken = True
+                log.warning("token outside the grammar", extra={"req_id": req.req_id})
+            st.consumed += 1
+        return not st.broken
+
+    def terminated(self, req: Req) -> bool:
+        """The grammar is complete and its stop token accepted: nothing may follow."""
+        return self._state(req).matcher.is_terminated()
+
+    def fill(self, reqs: Sequence[Req]) -> torch.Tensor:
+        """[len(reqs), ceil(vocab / 32)] int32 bitmask of the tokens each request may sample next: every
+        bit set for requests without a grammar. Each grammar request's matcher must have accepted all of its
+        output (the step before was processed)."""
+        import xgrammar as xgr
+
+        bits = xgr.allocate_token_bitmask(len(reqs), self.vocab)
+        rows = [i for i, r in enumerate(reqs) if r.sampling.grammar is not None]
+        matchers = []
+        for i in rows:
+            st = self._state(reqs[i])
+            if not self.advance(reqs[i]) or st.matcher.is_terminated():
+                continue  # it finishes when this step is processed; its row stays free
+            matchers.append((i, st.matcher))
+        if matchers:
+            self._xgr_compiler()
+            self._batch.batch_fill_next_token_bitmask([m for _, m in matchers], bits, indices=[i for i, _ in matchers])
+        return bits
+
+
+def _first_line(exc: BaseException) -> str:
+    """xgrammar's messages start with a time and a C++ source location: keep what follows them."""
+    lines = str(exc).strip().splitlines()
+    text = lines[0] if lines else type(exc).__name__
+    return _SOURCE_PREFIX.sub("", text) or type(exc).__name__
