@@ -22,6 +22,7 @@ from common.config import RouterConfig
 from router.admission import AdmissionLimits
 from router.discovery import Discovery, KubernetesDiscovery, StaticDiscovery
 from router.errors import install_error_handlers, model_not_found, no_worker
+from router.extra_routes import install_extra_routes
 from router.locality import PrefixLocator, RecentPlacements
 from router.middleware import FrontDoor
 from router.migration import MIGRATIONS
@@ -232,6 +233,8 @@ def create_app(
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         service: RouterService = state["service"]
         return await serve(request, body, service.prepare_chat)
+
+    install_extra_routes(app, state)  # /v1/responses, /tokenize, /detokenize
 
     # ---- operations ------------------------------------------------------------------------------
     @app.get("/health")

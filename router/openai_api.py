@@ -1,17 +1,23 @@
 """Request bodies of the OpenAI endpoints, validated with pydantic.
 
-Unknown fields are ignored, as OpenAI does (clients send ``user``, ``logit_bias``, ``tools`` and newer
-fields we do not act on); known fields are range-checked so a bad value is a 400 naming the parameter
-(router/errors.py turns pydantic's errors into that), never a worker-side failure.
+Known fields are range-checked so a bad value is a 400 naming the parameter (router/errors.py turns
+pydantic's errors into that), never a worker-side failure. A field that would change the output and that
+this server cannot honour (`_REFUSED`: OpenAI's audio, legacy functions, reasoning options; vLLM's beam
+search and friends) is refused with a 400 naming it, never ignored; fields with no effect on the output
+(``user``, ``metadata``, ``store``, ``service_tier``, ``prediction`` ...) and unknown ones are ignored, as
+OpenAI does. Structured outputs: router/structured.py; tools: router/tools.py.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
-from common.protocol import MAX_TOP_LOGPROBS, SamplingParams
+from common.protocol import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, GrammarSpec, SamplingParams
+from router.structured import ResponseFormat, grammar_from
+from router.tools import MAX_TOOLS, NamedToolChoice, Tool, ToolMode, tool_grammar, tool_mode
 
 __all__ = [
     "MAX_N",
@@ -38,7 +44,76 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
-class _SamplingRequest(_Lenient):
+# Fields that change the output and that this server does not honour: (values that change nothing, reason).
+_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "functions": ((None, []), "the legacy functions field is not supported: use tools"),
+    "function_call": ((None,), "the legacy function_call field is not supported: use tool_choice"),
+    "audio": ((None,), "audio output is not supported: this model produces text only"),
+    "modalities": ((None, ["text"]), "only the text modality is supported"),
+    "reasoning_effort": ((None,), "reasoning_effort is not supported: this model does not reason"),
+    "verbosity": ((None,), "verbosity is not supported"),
+    "web_search_options": ((None,), "web search is not supported"),
+    "use_beam_search": ((None, False), "beam search is not supported"),
+    "length_penalty": ((None, 1, 1.0), "length_penalty (beam search) is not supported"),
+    "bad_words": ((None, []), "bad_words is not supported: use logit_bias"),
+    "allowed_token_ids": ((None,), "allowed_token_ids is not supported: use logit_bias or a grammar"),
+    "logits_processors": ((None, []), "logits_processors is not supported"),
+    "include_stop_str_in_output": ((None, False), "include_stop_str_in_output is not supported"),
+    "skip_special_tokens": ((None, True), "skip_special_tokens=false is not supported"),
+    "spaces_between_special_tokens": ((None, True), "spaces_between_special_tokens=false is not supported"),
+    "truncate_prompt_tokens": ((None,), "truncate_prompt_tokens is not supported"),
+    "prompt_logprobs": ((None,), "prompt_logprobs is not supported"),
+    "return_tokens_as_token_ids": ((None, False), "return_tokens_as_token_ids is not supported"),
+    "structural_tag": ((None,), "structural_tag is not supported: use response_format or guided_*"),
+    "guided_whitespace_pattern": ((None,), "guided_whitespace_pattern is not supported"),
+    "chat_template": ((None,), "a per-request chat_template is not supported"),
+    "chat_template_kwargs": ((None, {}), "chat_template_kwargs is not supported"),
+    "documents": ((None, []), "documents are not supported"),
+    "continue_final_message": ((None, False), "continue_final_message is not supported"),
+    "add_generation_prompt": ((None, True), "add_generation_prompt=false is not supported"),
+}
+
+
+class _RefusesUnsupported(_Lenient):
+    """Declares every `_REFUSED` field (left out of the OpenAPI schema) so that a request using one gets a
+    400 naming it."""
+
+    functions: SkipJsonSchema[Any] = None
+    function_call: SkipJsonSchema[Any] = None
+    audio: SkipJsonSchema[Any] = None
+    modalities: SkipJsonSchema[Any] = None
+    reasoning_effort: SkipJsonSchema[Any] = None
+    verbosity: SkipJsonSchema[Any] = None
+    web_search_options: SkipJsonSchema[Any] = None
+    use_beam_search: SkipJsonSchema[Any] = None
+    length_penalty: SkipJsonSchema[Any] = None
+    bad_words: SkipJsonSchema[Any] = None
+    allowed_token_ids: SkipJsonSchema[Any] = None
+    logits_processors: SkipJsonSchema[Any] = None
+    include_stop_str_in_output: SkipJsonSchema[Any] = None
+    skip_special_tokens: SkipJsonSchema[Any] = None
+    spaces_between_special_tokens: SkipJsonSchema[Any] = None
+    truncate_prompt_tokens: SkipJsonSchema[Any] = None
+    prompt_logprobs: SkipJsonSchema[Any] = None
+    return_tokens_as_token_ids: SkipJsonSchema[Any] = None
+    structural_tag: SkipJsonSchema[Any] = None
+    guided_whitespace_pattern: SkipJsonSchema[Any] = None
+    chat_template: SkipJsonSchema[Any] = None
+    chat_template_kwargs: SkipJsonSchema[Any] = None
+    documents: SkipJsonSchema[Any] = None
+    continue_final_message: SkipJsonSchema[Any] = None
+    add_generation_prompt: SkipJsonSchema[Any] = None
+
+    @field_validator(*_REFUSED, mode="before")
+    @classmethod
+    def _refuse(cls, v: Any, info: ValidationInfo) -> None:
+        harmless, why = _REFUSED[str(info.field_name)]
+        if any(v == h and type(v) is type(h) or (v is None and h is None) for h in harmless):
+            return None
+        raise ValueError(why)
+
+
+class _SamplingRequest(_RefusesUnsupported):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None  # None: the served model (OpenAI requires it; we do not insist)
@@ -55,6 +130,39 @@ class _SamplingRequest(_Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension; benchmarks use it to get exact output lengths
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    # vLLM's extensions.
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[int] | None = Field(None, max_length=1024)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = Field(None, max_length=64 * 1024)
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = Field(None, max_length=256 * 1024)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"the bias for token {key} is {bias}; biases must lie in [-100, 100]")
+        return v
+
+    @property
+    def grammar(self) -> GrammarSpec | None:
+        """The output constraint (set by `_check_grammar` when the request is validated)."""
+        return getattr(self, "_grammar", None)
+
+    @model_validator(mode="after")
+    def _check_grammar(self) -> _SamplingRequest:
+        grammar, _ = grammar_from(
+            self.response_format, self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar
+        )
+        object.__setattr__(self, "_grammar", grammar)
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -85,6 +193,9 @@ class _SamplingRequest(_Lenient):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
+
     def sampling(self, max_tokens: int, choice: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
         """Worker-side sampling parameters for choice ``choice`` (seeded choices get seed + choice, so
         n > 1 gives n different but reproducible samples)."""
@@ -105,6 +216,11 @@ class _SamplingRequest(_Lenient):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
+            logit_bias=self.logit_bias_ids(),
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_tokens=min(self.min_tokens or 0, max_tokens),
+            stop_token_ids=self.stop_token_ids or [],
+            grammar=self.grammar,
         )
 
 
@@ -150,20 +266,58 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ContentPart(_Lenient):
-    type: str
-    text: str | None = None
+    type: Literal["text"]
+    text: str
 
-    @model_validator(mode="after")
-    def _text_only(self) -> ContentPart:
-        if self.type != "text" or self.text is None:
-            raise ValueError(f"content part type {self.type!r} is not supported (only 'text')")
-        return self
+
+class _ToolCallFunction(_Lenient):
+    name: str = Field(min_length=1)
+    arguments: str = ""
+
+
+class ToolCallIn(_Lenient):
+    """An assistant's earlier tool call, as the history carries it."""
+
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: _ToolCallFunction
+
+
+def _content_parts(v: Any) -> Any:
+    """Text parts only, with a clear refusal for images, audio and files (checked before pydantic's union,
+    whose error would name the string branch: "Input should be a valid string")."""
+    if isinstance(v, list):
+        for i, part in enumerate(v):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in ("text", "input_text", "output_text"):
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"content part {i} of type {kind!r} needs a 'text' string")
+                continue
+            if kind in ("image_url", "input_image", "image", "input_audio", "audio_url", "file", "input_file"):
+                raise ValueError(f"this model accepts text only (content part {i} has type {kind!r})")
+            raise ValueError(f"content part {i} has type {kind!r}; only 'text' parts are supported")
+        return [{"type": "text", "text": p["text"]} for p in v]
+    return v
 
 
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+    _parts = field_validator("content", mode="before")(_content_parts)
+
+    @model_validator(mode="after")
+    def _check_roles(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a message with role 'tool' needs tool_call_id (the call it answers)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content may be null only in an assistant message with tool_calls")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -180,6 +334,9 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
@@ -187,17 +344,56 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
 
+    @model_validator(mode="after")
+    def _check_tools(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names function {choice.function.name!r}, which is not in tools")
+        if choice in ("required",) and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        spec = tool_grammar(
+            self.tools or [],
+            self.tool_mode,
+            choice if isinstance(choice, NamedToolChoice) else None,
+            self.parallel_tool_calls is not False,
+        )
+        if spec is not None:
+            if self.grammar is not None:
+                raise ValueError(
+                    "tool_choice 'required' or a named function cannot be combined with "
+                    "response_format or guided_* (both constrain the output)"
+                )
+            object.__setattr__(self, "_grammar", spec)
+        return self
+
+    @property
+    def tool_mode(self) -> ToolMode:
+        return tool_mode(self.tools, self.tool_choice)
+
+    @property
+    def named_tool(self) -> NamedToolChoice | None:
+        return self.tool_choice if isinstance(self.tool_choice, NamedToolChoice) else None
+
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens replaced max_tokens in OpenAI's chat API; the newer one wins.
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def chat_messages(self) -> list[dict[str, str]]:
+    def chat_messages(self) -> list[dict[str, Any]]:
         """Messages as the chat template expects them ("developer" is OpenAI's new name for "system")."""
         out = []
         for m in self.messages:
             role = "system" if m.role == "developer" else m.role
-            msg = {"role": role, "content": m.text()}
+            msg: dict[str, Any] = {"role": role, "content": m.text()}
             if m.name:
                 msg["name"] = m.name
+            if m.tool_calls:
+                msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+                if m.content is None:
+                    msg["content"] = None
+            if m.tool_call_id:
+                msg["tool_call_id"] = m.tool_call_id
             out.append(msg)
         return out

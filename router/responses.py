@@ -86,13 +86,17 @@ def chat_response(
     }
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None) -> dict[str, Any]:
-    return {
-        "index": index,
-        "message": {"role": "assistant", "content": text, "refusal": None},
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-    }
+def chat_choice(
+    index: int,
+    text: str | None,
+    finish_reason: str | None,
+    logprobs: dict[str, Any] | None,
+    tool_calls: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def completion_response(

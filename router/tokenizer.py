@@ -16,6 +16,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from router.tools import Tool, render_for_template
+
 log = logging.getLogger("kvferry.router")
 
 __all__ = ["ModelInfo", "RouterTokenizer", "load_tokenizer"]
@@ -110,20 +112,26 @@ class RouterTokenizer:
         return not self._byte_level
 
     # ---- text -> ids -------------------------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         _check_unicode(text)
-        return list(self._backend.encode(text, add_special_tokens=True).ids)
+        return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[Tool] | None = None) -> list[int]:
         """Applies the model's chat template (with the assistant turn opened) and tokenizes the result.
-        Raises ValueError when the template rejects the conversation (e.g. roles out of order)."""
+        Raises ValueError when the template rejects the conversation (e.g. roles out of order). Tools, and
+        tool calls and results in the history, go through the template (router/tools.py)."""
         if not self.chat_template:
             raise ValueError("this model has no chat template: use /v1/completions")
         from transformers.utils.chat_template_utils import render_jinja_template
 
+        messages, template_tools = render_for_template(messages, tools, self.chat_template)
         try:
             rendered = render_jinja_template(
-                [messages], chat_template=self.chat_template, add_generation_prompt=True, **self.special_tokens
+                [messages],
+                tools=template_tools,
+                chat_template=self.chat_template,
+                add_generation_prompt=True,
+                **self.special_tokens,
             )
         except Exception as exc:  # jinja's TemplateError and friends: the client's conversation is at fault
             raise ValueError(f"the chat template rejected the messages: {exc}") from exc

@@ -1,0 +1,121 @@
+"""Structured outputs at the router: the request's constraint as a grammar spec the workers compile.
+
+OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``) and vLLM's extensions
+(``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``) all become one
+`GrammarSpec` (common/protocol.py). The router checks what it can without the grammar library (which
+brings torch, kept out of the router): a JSON schema must be a valid schema (its meta-schema), a regex
+must compile; the worker compiles the grammar and refuses (400) what its compiler does not support.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from functools import lru_cache
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from common.protocol import GrammarSpec
+
+__all__ = ["JsonSchemaFormat", "ResponseFormat", "check_json_schema", "choice_grammar", "grammar_from"]
+
+MAX_CHOICES = 256
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    # "schema" shadows a BaseModel attribute, hence the alias.
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+@lru_cache(maxsize=256)
+def _check_schema_text(text: str) -> None:
+    from jsonschema import exceptions, validators
+
+    schema = json.loads(text)
+    cls = validators.validator_for(schema, default=validators.Draft202012Validator)
+    try:
+        cls.check_schema(schema)
+    except exceptions.SchemaError as e:
+        path = "/".join(str(p) for p in e.path)
+        raise ValueError(f"invalid JSON schema{f' at {path}' if path else ''}: {e.message}") from None
+
+
+def check_json_schema(schema: Any) -> None:
+    """ValueError unless `schema` is a JSON schema (checked once per distinct schema)."""
+    if isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        raise ValueError("a JSON schema must be an object")
+    _check_schema_text(json.dumps(schema, sort_keys=True))
+
+
+def _json_text(value: Any, param: str) -> str:
+    """A schema given as an object or as JSON text, checked, as text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ValueError(f"{param}: the schema is not valid JSON") from None
+    try:
+        check_json_schema(value)
+    except ValueError as e:
+        raise ValueError(f"{param}: {e}") from None
+    return json.dumps(value)
+
+
+def choice_grammar(choices: list[str]) -> GrammarSpec:
+    """Exactly one of `choices` (EBNF string literals, escaped as JSON strings are)."""
+    if not choices or len(choices) > MAX_CHOICES:
+        raise ValueError(f"guided_choice needs 1 to {MAX_CHOICES} choices")
+    if any(c == "" for c in choices):
+        raise ValueError("guided_choice choices must not be empty")
+    return GrammarSpec(kind="ebnf", value="root ::= " + " | ".join(json.dumps(c) for c in choices))
+
+
+def grammar_from(
+    response_format: ResponseFormat | None,
+    guided_json: Any = None,
+    guided_regex: str | None = None,
+    guided_choice: list[str] | None = None,
+    guided_grammar: str | None = None,
+) -> tuple[GrammarSpec | None, str | None]:
+    """(the grammar, the parameter it came from); ValueError for an invalid or conflicting one."""
+    found: list[tuple[GrammarSpec, str]] = []
+    if response_format is not None and response_format.type != "text":
+        if response_format.type == "json_object":
+            found.append((GrammarSpec(kind="json_object"), "response_format"))
+        else:
+            fmt = response_format.json_schema
+            if fmt is None or fmt.schema_ is None:
+                raise ValueError("response_format: type json_schema needs json_schema.schema")
+            found.append(
+                (GrammarSpec(kind="json_schema", value=_json_text(fmt.schema_, "response_format")), "response_format")
+            )
+    if guided_json is not None:
+        found.append((GrammarSpec(kind="json_schema", value=_json_text(guided_json, "guided_json")), "guided_json"))
+    if guided_regex is not None:
+        try:
+            re.compile(guided_regex)
+        except re.error as e:
+            raise ValueError(f"guided_regex is not a valid regular expression: {e}") from None
+        found.append((GrammarSpec(kind="regex", value=guided_regex), "guided_regex"))
+    if guided_choice is not None:
+        found.append((choice_grammar(guided_choice), "guided_choice"))
+    if guided_grammar is not None:
+        if not guided_grammar.strip():
+            raise ValueError("guided_grammar must not be empty")
+        found.append((GrammarSpec(kind="ebnf", value=guided_grammar), "guided_grammar"))
+    if len(found) > 1:
+        raise ValueError(f"only one output constraint per request: got {', '.join(p for _, p in found)}")
+    return (found[0][0], found[0][1]) if found else (None, None)
