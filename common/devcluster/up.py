@@ -1,4 +1,5 @@
-"""`kvferry up` (and `make up`): the whole system on this machine until Ctrl-C, with a request to try."""
+"""`kvferry up` (and `make up`): the whole system on this machine until Ctrl-C, with a request to try. A part
+that exits is restarted with back-off (common/devcluster/supervisor.py) while the others keep serving."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 from common.default_model import DEFAULT_MODEL_NAME
 from common.devcluster.cluster import LocalCluster, start_local_cluster
 from common.devcluster.process import ClusterError
+from common.devcluster.supervisor import Supervisor
 
 __all__ = ["main"]
 
@@ -60,12 +62,10 @@ def main(argv: list[str] | None = None) -> int:
             f'"What is the capital of France?"}}]}}\'\n',
             flush=True,
         )
+        supervisor = Supervisor(cluster.parts, say)
         while True:
-            time.sleep(1.0)
-            for part in cluster.parts:
-                if not part.alive():
-                    say(f"{part.name} exited unexpectedly (log {part.log_path}):\n{part.log_tail()}")
-                    return 1
+            time.sleep(0.5)
+            supervisor.check()
     except KeyboardInterrupt:
         say("\nstopping...")
         return 0
