@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ from common.protocol import (
 from common.serving.channel import ENGINE_TIMEOUT, EngineError, Message
 from common.serving.control import WorkerState, create_worker_app, error_response, read_message
 from common.serving.engine_host import engine_main
+from common.serving.request_trace import DECODE_SPANS, WorkerTrace
 from decode_worker.engine_loop import DecodeHost
 
 log = logging.getLogger("kvferry.decode")
@@ -80,6 +82,7 @@ class PrefillPeers:
                 pool_info_b64=agent["pool_info_b64"],
                 layout=KVLayoutInfo.model_validate(agent["layout"]),
             )
+            started = time.perf_counter()
             try:
                 r = await self.http.post(f"{url}/internal/handshake", json=body.model_dump(), timeout=10.0)
             except httpx.HTTPError as e:
@@ -91,6 +94,7 @@ class PrefillPeers:
             except ValueError as e:
                 raise PeerFailure(f"prefill worker {url} sent a bad handshake: {e}", started=False) from None
             self.known[url] = resp
+            self.state.metrics.engine.handshake.observe(time.perf_counter() - started)
             self.urls[(resp.agent_name, resp.instance_id)] = url
             return resp
 
@@ -146,7 +150,12 @@ def _error_text(r: httpx.Response) -> str:
 
 
 async def _remote_prefill(
-    state: WorkerState, peers: PrefillPeers, gen: GenerateRequest, pages: list[int], timeout_s: float
+    state: WorkerState,
+    peers: PrefillPeers,
+    gen: GenerateRequest,
+    pages: list[int],
+    timeout_s: float,
+    trace: WorkerTrace | None = None,
 ) -> None:
     """Asks the prefill peer to fill `pages`; tells the engine when that cannot happen, and whether the peer
     may have started (then the pages wait for its word)."""
@@ -173,11 +182,14 @@ async def _remote_prefill(
                 dst_pages=pages,
                 deadline_s=timeout_s,
             )
+            if trace is not None:
+                trace.mark("prefill_requested")
             try:
                 async with peers.http.stream(
                     "POST",
                     f"{url}/internal/prefill",
                     json=body.model_dump(),
+                    headers=trace.headers() if trace is not None else None,
                     timeout=httpx.Timeout(10.0, read=PREFILL_HEAD_S),
                 ) as r:
                     if r.status_code == 409 and attempt == 0:
@@ -242,6 +254,9 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
         assert client is not None
         queue = client.open_stream(gen.req_id)
         remote = gen.prefill_url is not None
+        trace = WorkerTrace(
+            "decode generate", gen.req_id, request.headers.get("traceparent"), {"kvferry.remote": remote}
+        )
         timeout_s = gen.kv_timeout_s or PREFILL_DEADLINE_S
         if remote:
             reservations[gen.req_id] = asyncio.get_running_loop().create_future()
@@ -254,6 +269,7 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
                     "sampling": gen.sampling.model_dump(),
                     "remote": remote,
                     "timeout_s": timeout_s,
+                    "received": trace.received,
                 }
             )
         except BaseException as exc:
@@ -271,7 +287,7 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
                 pages = await reserved
             finally:
                 reservations.pop(gen.req_id, None)
-            await _remote_prefill(state, peers, gen, pages, timeout_s)
+            await _remote_prefill(state, peers, gen, pages, timeout_s, trace)
 
         prefill_task = asyncio.create_task(arrange_prefill(reservations[gen.req_id])) if remote else None
 
@@ -287,8 +303,15 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
                     if item.get("finish_reason"):
                         finished = True
                         state.observe_finish(item)
+                    timeline = item.get("timeline")
+                    if timeline is not None:  # the first tokens: the stages so far, passed on to the router
+                        timeline.update(trace.stamps)
+                        timeline["first_token_sent"] = time.time()
+                        trace.stamps = timeline
+                        state.metrics.engine.observe_decode_timeline(timeline)
                     yield (json.dumps(item) + "\n").encode()
             finally:
+                trace.end(DECODE_SPANS, error=None if finished else "the caller went away")
                 client.close_stream(gen.req_id)
                 state.inflight -= 1
                 if prefill_task is not None and not prefill_task.done():

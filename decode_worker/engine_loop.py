@@ -74,7 +74,7 @@ class DecodeHost(EngineHost):
     def _generate(self, msg: Message) -> None:
         req = self.make_req(msg)
         if not msg.get("remote"):
-            self.scheduler.add(req)
+            self.enqueue(req)
             self.reply(msg)
             return
         self.scheduler.validate(req)
@@ -93,6 +93,7 @@ class DecodeHost(EngineHost):
             if pages is None:
                 break  # first come, first served: later requests wait behind this one
             pending.reserved = True
+            self.mark(rid, "pages_reserved")
             self.receiver.reserve(rid)
             self.outbox.append({"ev": "reserved", "req_id": rid, "pages": pages.tolist()})
 
@@ -179,6 +180,11 @@ class DecodeHost(EngineHost):
         pending = self.remote.get(a.req_id)
         if pending is None:
             return
+        stamps = self.stamps.get(a.req_id)
+        if stamps is not None:
+            stamps["kv_landed"] = time.time()
+            if notice.timeline:  # the prefill worker's stages
+                stamps.update(notice.timeline)
         verified = None
         if notice.checksums is not None:
             mine = self.runner.kv_checksums(torch.tensor(pending.req.pages, dtype=torch.int64))

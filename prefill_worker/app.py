@@ -15,6 +15,7 @@ from common.serving.channel import ENGINE_TIMEOUT, EngineError
 from common.serving.control import WorkerState, create_worker_app, error_response, read_message
 from common.serving.engine_host import engine_main
 from common.serving.liveness import EngineMotion
+from common.serving.request_trace import PREFILL_SPANS, WorkerTrace
 from prefill_worker.engine_loop import PrefillHost
 
 HEARTBEAT_S = 1.0  # a progress line this often while the engine works on (or ahead of) a request
@@ -44,8 +45,9 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
         client = state.client
         assert client is not None
         queue = client.open_stream(pr.req_id)
+        trace = WorkerTrace("prefill", pr.req_id, request.headers.get("traceparent"))
         try:
-            await client.call({"op": "prefill", "prefill": pr.model_dump()})
+            await client.call({"op": "prefill", "prefill": pr.model_dump(), "received": trace.received})
         except EngineError as exc:
             client.close_stream(pr.req_id)
             if exc.code == ENGINE_TIMEOUT:  # the engine may still take it: stop it then (answered 504, not a refusal)
@@ -77,9 +79,16 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
                         state.metrics.requests.labels(outcome=outcome).inc()
                         if outcome == "done":
                             state.metrics.cached.inc(msg.get("cached_tokens", 0))
+                        stamps, transfer = msg.pop("timeline", None) or {}, msg.pop("transfer", None)
+                        if outcome == "done":
+                            state.metrics.engine.observe_prefill_done(stamps, transfer)
+                        trace.stamps = stamps
+                        if transfer and "span" in transfer:
+                            trace.extra = [("kv transfer", *transfer["span"])]
                         yield (json.dumps({k: v for k, v in msg.items() if k not in ("ev",)}) + "\n").encode()
                         return
             finally:
+                trace.end(PREFILL_SPANS, error=None if finished else "the decode worker went away")
                 client.close_stream(pr.req_id)
                 state.inflight -= 1
                 if not finished:  # the decode worker went away: stop computing and free the pages

@@ -18,6 +18,7 @@ import torch
 from common.kv.integrity import IdleLedgerCheck
 from common.protocol import HandshakeRequest, KVNotice, PrefillRequest
 from common.sched.request import Req
+from common.sched.scheduler import RequestRejected
 from common.serving.channel import Message
 from common.serving.engine_host import EngineHost
 from common.transfer.agent import PeerError
@@ -37,10 +38,12 @@ class Outbound:
     dst_pages: torch.Tensor
     sent_pages: int = 0
     computed: bool = False  # prefill done: the scheduler parks its pages until `release`
+    first_token_at: float | None = None  # time.monotonic() when the prompt's first token was sampled
 
 
 class PrefillHost(EngineHost):
     role = "prefill"
+    timeline_at_first_token = False  # the stamps travel in the KV notice, and with the "done" event
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
@@ -113,9 +116,18 @@ class PrefillHost(EngineHost):
             self.reject(msg, "dst_pages does not cover the prompt", "invalid_request")
             return
         req = self.make_req(
-            {"req_id": pr.req_id, "token_ids": pr.token_ids, "sampling": {**pr.sampling.model_dump(), "max_tokens": 1}}
+            {
+                "req_id": pr.req_id,
+                "token_ids": pr.token_ids,
+                "sampling": {**pr.sampling.model_dump(), "max_tokens": 1},
+                "received": msg.get("received"),
+            }
         )
-        self.scheduler.add(req)  # raises RequestRejected (-> a refusal) before anything is registered
+        try:
+            self.enqueue(req)  # raises RequestRejected (-> a refusal) before anything is registered
+        except RequestRejected:
+            self.stamps.pop(pr.req_id, None)
+            raise
         self.outbound[pr.req_id] = Outbound(req, self.sender.request(pr.req_id, pr.dst_agent, pr.deadline_s), dst)
         self.reply(msg)
 
@@ -141,6 +153,9 @@ class PrefillHost(EngineHost):
             self.scheduler.release(req)
             return
         ob.computed = True
+        ob.first_token_at = time.monotonic()
+        self.note_admissions()  # a prompt admitted and done in this very step: its admission goes in the notice
+        self.mark(req.req_id, "prefill_first_token")
         self._post(ob, len(ob.dst_pages))
         if ob.transfer.state not in (S.REQUESTED, S.WRITING):
             return
@@ -153,6 +168,7 @@ class PrefillHost(EngineHost):
             checksums=self.runner.kv_checksums(torch.tensor(req.pages, dtype=torch.int64))
             if self.debug_checksums
             else None,
+            timeline=self.stamps.get(req.req_id),
         )
         ob.transfer.finish(notice.model_dump_json().encode())
 
@@ -178,13 +194,35 @@ class PrefillHost(EngineHost):
             self.scheduler.release(ob.req)
         else:
             self.scheduler.abort(rid, reason="error", error=t.error)
+        stamps = self.stamps.pop(rid, None)
         if t.state is S.LANDED:
             self.stats["descs"] += t.num_descs
             self.stats["bytes"] += t.num_bytes
             self.stats["transfers"] += 1
-            self.emit(rid, done=True, descs=t.num_descs, cached_tokens=ob.req.prefix_hit_len)
+            self.emit(
+                rid,
+                done=True,
+                descs=t.num_descs,
+                cached_tokens=ob.req.prefix_hit_len,
+                timeline=stamps,
+                transfer=self._transfer_figures(ob),
+            )
         else:
             self.emit(rid, error=t.error or "transfer failed")
+
+    @staticmethod
+    def _transfer_figures(ob: Outbound) -> dict[str, object]:
+        """The landed transfer's figures for the control plane's histograms (common/serving/engine_metrics.py)."""
+        m = ob.transfer.timing()
+        first, last, landed = m.pop("first_post"), m.pop("last_done"), m.pop("landed")
+        if first is not None and last is not None:
+            m["seconds"] = max(0.0, last - first)  # type: ignore[operator]
+        if landed is not None and ob.first_token_at is not None:
+            m["tail"] = max(0.0, landed - ob.first_token_at)  # type: ignore[operator]
+        if first is not None and landed is not None:  # wall clock, for the trace's transfer span
+            to_wall = time.time() - time.monotonic()
+            m["span"] = [first + to_wall, landed + to_wall]  # type: ignore[operator]
+        return m
 
     def abort(self, req_id: str, reason: str, error: str | None) -> None:
         ob = self.outbound.get(req_id)

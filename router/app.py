@@ -19,11 +19,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from common.config import RouterConfig
+from common.observability.tracing import init_tracing
 from router.admission import AdmissionLimits
 from router.discovery import Discovery, KubernetesDiscovery, StaticDiscovery
-from router.errors import install_error_handlers, model_not_found, no_worker
+from router.errors import OpenAIError, install_error_handlers, model_not_found, no_worker
 from router.extra_routes import install_extra_routes
 from router.locality import PrefixLocator, RecentPlacements
+from router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
 from router.middleware import FrontDoor
 from router.migration import MIGRATIONS
 from router.openai_api import ChatCompletionRequest, CompletionRequest
@@ -31,6 +33,7 @@ from router.policy import PolicyConfig, RoutingPolicy
 from router.pool import WorkerPool
 from router.service import Job, RouterService, RunningChoice
 from router.settings import RouterOptions
+from router.timeline import RequestLog
 from router.tokenizer import ModelInfo, RouterTokenizer, load_tokenizer
 from router.upstream import Dispatcher
 from router.wire import WireClient
@@ -121,6 +124,9 @@ def create_app(
 
         index_reader = PrefixIndexReader(config.redis_url, info.name, socket_timeout_s=opts.redis_timeout_s)
     state: dict[str, Any] = {}
+    init_tracing("kvferry-router")  # off unless an OTLP endpoint is set (common/observability/tracing.py)
+    metrics = RouterMetrics()
+    requests = RequestLog(metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -150,7 +156,9 @@ def create_app(
             inter_token_timeout_s=opts.inter_token_timeout_s,
             retry_after_s=opts.retry_after_s,
             limits=AdmissionLimits(opts.admit_max_waiting, opts.admit_max_queued_prefill_tokens),
+            metrics=metrics,
         )
+        metrics.watch_pool(lambda: list(pool.workers.values()))
         service = RouterService(tok, info, dispatcher, opts)
         state.update(pool=pool, service=service, dispatcher=dispatcher, locator=locator)
         loop = asyncio.get_running_loop()
@@ -190,18 +198,26 @@ def create_app(
     async def serve(
         request: Request, req: ChatCompletionRequest | CompletionRequest, prepare: Callable[[Any], Awaitable[Job]]
     ) -> Response:
-        if not info.serves(req.model):
-            raise model_not_found(req.model or "")
         service: RouterService = state["service"]
         pool: WorkerPool = state["pool"]
-        service.admit()
+        rec = requests.begin(req.stream, request.headers.get("traceparent"), request.url.path)
+        try:
+            if not info.serves(req.model):
+                raise model_not_found(req.model or "")
+            service.admit()
+        except OpenAIError as exc:
+            rec.finish(exc.status, "rejected")
+            raise
         handed_off = False
         choices: list[RunningChoice] = []
         try:
             job = await prepare(req)
+            job.record = rec
+            rec.prepared(job.rid, sum(len(p) for p in job.prompts))
             if not pool.ready("decode"):
                 raise no_worker("decode")
             choices = await _unless_disconnected(request, service.start(job))
+            rec.first_token(choices)
             if req.stream:
                 body = service.stream(job, choices)
 
@@ -211,15 +227,25 @@ def create_app(
                         await service.close(choices)
                     finally:
                         service.release()
+                        rec.finish_choices(200, choices)
 
                 handed_off = True
                 return _ManagedStream(body, on_close)
             result = await _unless_disconnected(request, service.collect(job, choices))
+            rec.finish_choices(200, choices)
             return JSONResponse(result)
         except _ClientGone:
+            rec.finish_choices(499, choices, client_gone=True)
             return Response(status_code=499)
+        except OpenAIError as exc:
+            rec.finish(exc.status, "rejected")
+            raise
+        except Exception:
+            rec.finish(500, "error")
+            raise
         finally:
             if not handed_off:
+                rec.finish(499, "abort")  # cancelled (a no-op when counted above)
                 with anyio.CancelScope(shield=True):
                     await service.close(choices)
                 service.release()
@@ -248,6 +274,23 @@ def create_app(
         # A decode worker is enough: it prefills locally when no prefill worker is up.
         ok = counts["decode"] > 0
         return JSONResponse({"ready": ok, "workers": counts}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/debug/requests")
+    async def recent_requests(limit: int = 100) -> dict[str, Any]:
+        """This process's recent requests, newest first (their stages: /debug/requests/{id})."""
+        return {"requests": requests.list(max(1, min(limit, requests.max_kept)))}
+
+    @app.get("/debug/requests/{rid}")
+    async def request_timeline(rid: str) -> dict[str, Any]:
+        """One recent request's stage timeline (common/observability/timeline.py), ms since it arrived."""
+        view = requests.get(rid)
+        if view is None:
+            raise OpenAIError(404, f"no recent request {rid!r} in this router process", code="not_found")
+        return view
 
     @app.get("/router/workers")
     async def workers() -> dict[str, Any]:

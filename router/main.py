@@ -101,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         lifespan="on",
     )
     if options.workers > 1:
+        from router.metrics import prepare_multiprocess_dir
+
+        prepare_multiprocess_dir()  # the processes' metrics add up in one directory (router/metrics.py)
         settings = {"config": asdict(config), "options": asdict(options), "log_level": args.log_level}
         os.environ[_CHILD_SETTINGS] = json.dumps(settings)
         uvicorn.run("router.main:child_app", factory=True, workers=options.workers, **server)  # type: ignore[arg-type]

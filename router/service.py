@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from router.choice import ChoiceDelta, ChoiceState, TokenInfo
 from router.errors import bad_request, context_too_long, rate_limited, upstream_failed
+from router.metrics import TokenGaps
 from router.migration import MigratingCall
 from router.openai_api import ChatCompletionRequest, CompletionRequest
 from router.responses import (
@@ -34,6 +35,7 @@ from router.responses import (
     usage,
 )
 from router.settings import RouterOptions
+from router.timeline import RequestRecord
 from router.tokenizer import ModelInfo, RouterTokenizer
 from router.upstream import Dispatcher, UpstreamEvent
 
@@ -61,6 +63,7 @@ class Job:
     logprobs: bool
     top_logprobs: int
     include_usage: bool
+    record: RequestRecord | None = None  # timeline, trace and metrics of the request (router/timeline.py)
 
 
 @dataclass
@@ -73,6 +76,7 @@ class RunningChoice:
     text: list[str] = field(default_factory=list)
     tokens: list[TokenInfo] = field(default_factory=list)
     offset: int = 0  # completions' text_offset of the next token
+    gaps: TokenGaps | None = None  # inter-token gaps, for the router's histogram
 
 
 class RouterService:
@@ -174,6 +178,8 @@ class RouterService:
         """Routes every choice and waits for each one's first event; on any failure closes them all and
         raises the error (retries already happened per choice)."""
         plans = [await self.dispatcher.plan(ids) for ids in job.prompts]
+        for plan in plans:
+            plan.record = job.record
         choices: list[RunningChoice] = []
         context_ok = self.tok.needs_context
         for p_idx, plan in enumerate(plans):
@@ -215,14 +221,19 @@ class RouterService:
         in one write). Closes the upstream stream as soon as the choice finishes (a stop string ends
         generation on the workers too)."""
         ev = c.first
+        gaps = c.gaps
         try:
             while ev is not None:
                 batch = []
+                tokens = 0
                 while ev is not None:
+                    tokens += len(ev.token_ids)
                     batch.append(c.state.feed(ev))
                     if c.state.finished:
                         break
                     ev = c.call.next_nowait()
+                if gaps is not None:
+                    gaps.add(tokens)
                 yield batch
                 if c.state.finished:
                     break

@@ -19,7 +19,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import orjson
@@ -29,9 +29,13 @@ from common.protocol import GenerateRequest, SamplingParams
 from router.admission import AdmissionLimits, decode_is_full, prefill_is_full
 from router.errors import OpenAIError, bad_request, no_worker, rate_limited, upstream_failed
 from router.locality import PrefixLocator
+from router.metrics import RouterMetrics
 from router.policy import RouteDecision, RoutingPolicy
 from router.pool import Worker, WorkerPool
 from router.wire import ConnectError, Response, WireClient, WireError
+
+if TYPE_CHECKING:
+    from router.timeline import RequestRecord
 
 log = logging.getLogger("kvferry.router")
 
@@ -51,6 +55,7 @@ class UpstreamEvent:
     # With "error": only the worker was lost (its stream broke or stalled, or its engine exited), not the
     # request; router/migration.py continues it on another worker.
     retryable: bool = False
+    timeline: dict[str, float] | None = None  # the first event's: the workers' stage stamps
 
     @classmethod
     def parse(cls, line: str) -> UpstreamEvent:
@@ -63,6 +68,7 @@ class UpstreamEvent:
             prompt_tokens=d.get("prompt_tokens") or 0,
             cached_tokens=d.get("cached_tokens") or 0,
             retryable=bool(d.get("retryable")),
+            timeline=d.get("timeline"),
         )
 
 
@@ -74,6 +80,7 @@ class PromptPlan:
     block_hashes: list[int]
     matches: dict[str, int] | None
     block_size: int
+    record: RequestRecord | None = None  # the request's timeline and trace (router/timeline.py), if kept
 
 
 class _Retry(Exception):
@@ -100,8 +107,10 @@ class Dispatcher:
         inter_token_timeout_s: float = 120.0,
         retry_after_s: int = 1,
         limits: AdmissionLimits | None = None,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self.pool = pool
+        self.metrics = metrics or RouterMetrics()
         self.limits = limits or AdmissionLimits()
         self.policy = policy
         self.locator = locator
@@ -120,9 +129,15 @@ class Dispatcher:
         block_size = self.pool.block_size()
         hashes = chained_block_hashes(token_ids, block_size)
         if len(token_ids) < self.policy.cfg.disagg_min_prompt_tokens:
+            self.metrics.prefix_lookups.labels(result="skipped").inc()
             return PromptPlan(token_ids, hashes, {}, block_size)
         pods = [w.pod for w in self.pool.workers.values() if w.up and w.pod]
         matches = await self.locator.lookup(hashes, pods)
+        if matches is None:
+            if self.locator.reader is not None:
+                self.metrics.redis_errors.inc()
+        else:
+            self.metrics.prefix_lookups.labels(result="hit" if any(matches.values()) else "miss").inc()
         return PromptPlan(token_ids, hashes, matches, block_size)
 
     def route(
@@ -165,6 +180,7 @@ class Dispatcher:
 
     def _count(self, reason: str) -> None:
         self.decisions[reason] = self.decisions.get(reason, 0) + 1
+        self.metrics.decisions.labels(decision=reason).inc()
 
 
 class UpstreamCall:
@@ -205,6 +221,8 @@ class UpstreamCall:
                 raise
             self.decision = decision
             self.attempts = attempt + 1
+            if attempt:
+                self.d.metrics.retries.inc()
             try:
                 return await self._attempt(decision, attempt)
             except _Retry as r:
@@ -254,12 +272,19 @@ class UpstreamCall:
             prefill_url=pw.url if pw is not None else None,
         ).model_dump_json()
         blame_p = pw is not None
+        record = self.plan.record
+        headers = None
+        if record is not None:
+            record.dispatched(decision.reason)
+            tp = record.traceparent()
+            headers = {"traceparent": tp} if tp else None
         try:
             async with asyncio.timeout(self.d.first_token_timeout_s) as deadline:
                 self._deadline = deadline
                 if self._killed:
                     deadline.reschedule(asyncio.get_running_loop().time())
-                self._resp = resp = await self.d.client.request("POST", f"{dw.url}/internal/generate", body.encode())
+                url = f"{dw.url}/internal/generate"
+                self._resp = resp = await self.d.client.request("POST", url, body.encode(), headers=headers)
                 if resp.status != 200:
                     await self._status_error(resp, dw)
                 self._streaming_resp = resp
@@ -286,6 +311,8 @@ class UpstreamCall:
             raise _Retry(upstream_failed(f"generation failed before the first token: {msg}"), not blame_p, blame_p)
         self._prefill_started()
         self._streaming = True
+        if record is not None:
+            record.upstream(first.timeline)
         return first
 
     async def _status_error(self, resp: Response, dw: Worker) -> None:

@@ -239,13 +239,21 @@ class WireClient:
         idle.append(conn)
 
     async def request(
-        self, method: str, url: str, body: bytes = b"", content_type: str = "application/json"
+        self,
+        method: str,
+        url: str,
+        body: bytes = b"",
+        content_type: str = "application/json",
+        headers: dict[str, str] | None = None,
     ) -> Response:
-        """Sends a request and reads the status line and headers; the body is read from the Response."""
+        """Sends a request and reads the status line and headers; the body is read from the Response.
+        ``headers``: extra ones (a trace's traceparent)."""
         key, netloc, path = self._target(url)
         head = f"{method} {path} HTTP/1.1\r\nhost: {netloc}\r\n"
         if body or method in ("POST", "PUT", "PATCH"):
             head += f"content-type: {content_type}\r\ncontent-length: {len(body)}\r\n"
+        if headers:
+            head += "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         payload = head.encode() + b"\r\n" + body
         for attempt in range(2):
             conn = await self._acquire(key)

@@ -34,8 +34,10 @@ from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common.config import WorkerConfig
+from common.observability.tracing import init_tracing
 from common.protocol import LoadSnapshot
 from common.serving.channel import EngineClient, EngineError, Message
+from common.serving.engine_metrics import EngineMetrics
 
 log = logging.getLogger("kvferry.control")
 
@@ -75,6 +77,7 @@ class WorkerMetrics:
         self.kv_forced_releases = Counter(
             "kvferry_kv_forced_releases_total", "KV pages freed at the safety deadline, unconfirmed by the peer", registry=r
         )
+        self.engine = EngineMetrics(r)  # latency and transfer histograms (common/serving/engine_metrics.py)
 
     def observe_load(self, load: LoadSnapshot) -> None:
         self.queued.set(load.queued_prefill_tokens)
@@ -138,6 +141,8 @@ class WorkerState:
             msg.pop("ev")
             self.load = LoadSnapshot.model_validate(msg)
             self.metrics.observe_load(self.load)
+        elif ev == "steps":
+            self.metrics.engine.observe_steps(msg["decode"])
         elif ev == "ready":
             self.agent = msg["agent"]
             self.engine_ready.set()
@@ -193,6 +198,7 @@ def create_worker_app(state: WorkerState, add_routes: Callable[[FastAPI, WorkerS
             watch.cancel()
             await state.stop_engine()
 
+    init_tracing(f"kvferry-{state.cfg.role}")  # off unless an OTLP endpoint is set (common/observability/tracing.py)
     app = FastAPI(title=f"kvferry {state.cfg.role} worker", lifespan=lifespan)
     app.state.worker = state
 

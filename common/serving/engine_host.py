@@ -19,10 +19,11 @@ from common.engine.runner import ModelRunner
 from common.engine.threads import apply_engine_threads
 from common.engine.tp_ranks import TPRankLost
 from common.log import setup_logging
+from common.observability.timeline import Stamps
 from common.prefix.hashing import chained_block_hashes
 from common.prefix.publisher import PrefixIndexPublisher
 from common.protocol import LoadSnapshot, SamplingParams
-from common.sched.request import Req
+from common.sched.request import Req, ReqState
 from common.sched.scheduler import RequestRejected, Scheduler, StepEvent
 from common.serving import tp_follower
 from common.serving.channel import Message, recv, send
@@ -31,6 +32,7 @@ from common.transfer.agent import KVTransferAgent
 log = logging.getLogger("kvferry.engine")
 
 LOAD_INTERVAL_S = 0.1
+MAX_TIMELINES = 16384  # stage stamps kept for requests in flight; beyond it the oldest go (a leak guard)
 IDLE_TRIM_S = 1.0  # idle this long: hand the allocator's free memory back to the OS (once per idle spell)
 
 
@@ -78,15 +80,44 @@ class EngineHost:
         self.stopping = False
         self._last_load = 0.0
         self.debug_checksums = os.environ.get("KVFERRY_DEBUG_CHECKSUMS") == "1"
+        # Observability (common/serving/engine_metrics.py): per-request stage stamps, sent with the request's
+        # first-token event; requests queued for a prefill batch, whose admission the step loop stamps; and
+        # the decode steps' [seconds, batch size] since the last report.
+        self.stamps: dict[str, Stamps] = {}
+        self._queued: dict[str, Req] = {}
+        self._steps: list[float] = []
+        self.step_started = 0.0  # time.time() when the current scheduler step began
+
+    # Decode: a request's stamps go out with its first-token event and are dropped when it finishes. A prefill
+    # worker's requests finish in its scheduler before their transfer does; it hands its stamps on itself.
+    timeline_at_first_token = True
 
     # ---- helpers for subclasses ------------------------------------------------------------------
     def make_req(self, msg: Message) -> Req:
         sampling = SamplingParams.model_validate(msg["sampling"])
         req = Req(req_id=msg["req_id"], prompt_ids=list(msg["token_ids"]), sampling=sampling)
         req.block_hashes = chained_block_hashes(req.prompt_ids, self.page_size)
+        if len(self.stamps) >= MAX_TIMELINES:
+            del self.stamps[next(iter(self.stamps))]
+        stamps = self.stamps[req.req_id] = {f"{self.role}_engine_received": time.time()}
+        if isinstance(msg.get("received"), int | float):  # the control plane's stamp
+            stamps[f"{self.role}_received"] = float(msg["received"])
         return req
 
+    def enqueue(self, req: Req) -> None:
+        """Queues a request for local prefill (the step loop stamps its admission)."""
+        self.scheduler.add(req)
+        self._queued[req.req_id] = req
+
+    def mark(self, req_id: str, stage: str, t: float | None = None) -> None:
+        """Stamps a stage of a request in flight (one whose stamps were dropped is left alone)."""
+        stamps = self.stamps.get(req_id)
+        if stamps is not None:
+            stamps[stage] = time.time() if t is None else t
+
     def emit(self, req_id: str, **fields: Any) -> None:
+        if self.timeline_at_first_token and fields.get("finish_reason"):
+            self.stamps.pop(req_id, None)
         self.outbox.append({"ev": "req", "req_id": req_id, **fields})
 
     def emit_step_events(self, events: list[StepEvent]) -> None:
@@ -98,6 +129,11 @@ class EngineHost:
             if len(r.output_ids) == len(e.tokens):  # the request's first tokens
                 item["prompt_tokens"] = r.prompt_len
                 item["cached_tokens"] = r.prefix_hit_len
+                if self.timeline_at_first_token:
+                    stamps = self.stamps.pop(r.req_id, None)
+                    if stamps is not None:
+                        stamps["first_token"] = time.time()
+                        item["timeline"] = stamps
             if e.finished:
                 item["finish_reason"] = r.finish_reason
                 if r.error:
@@ -136,9 +172,16 @@ class EngineHost:
                 self.handle(recv(self.conn))
                 timeout = 0.0
             self.tick()
+            if self.outbox:
+                # What the tick produced (a first token whose KV just landed) goes out now, not after the
+                # next model step: measured on the CPU, waiting for it added one decode step to TTFT.
+                self.flush()
             if self.scheduler.has_work():
                 try:
-                    self.emit_step_events(self.scheduler.step())
+                    self.step_started = started = time.time()
+                    events = self.scheduler.step()
+                    self._observe_step(started, events)
+                    self.emit_step_events(events)
                 except TPRankLost:
                     # This worker cannot compute any more: fail what is in flight, then exit, so /health turns
                     # 503 and the pod is restarted (a live process answering only errors would keep traffic).
@@ -159,8 +202,25 @@ class EngineHost:
             if now - self._last_load >= LOAD_INTERVAL_S:
                 self._last_load = now
                 self.outbox.append({"ev": "load", **self.load().model_dump()})
+                if self._steps:
+                    self.outbox.append({"ev": "steps", "decode": self._steps})
+                    self._steps = []
             self.flush()
         self.shutdown()
+
+    def _observe_step(self, started: float, events: list[StepEvent]) -> None:
+        """Per step, never per token: a decode-only step's time and batch size; admissions of queued requests."""
+        if events and all(len(e.req.output_ids) > len(e.tokens) for e in events):
+            self._steps += (time.time() - started, len(events))
+        self.note_admissions()
+
+    def note_admissions(self) -> None:
+        """Stamps the queued requests the current step took in (also callable from the step's hooks)."""
+        if self._queued:
+            for rid, req in list(self._queued.items()):
+                if req.state is not ReqState.WAITING:  # taken into this step (possibly finished in it)
+                    del self._queued[rid]
+                    self.mark(rid, f"{self.role}_admitted", self.step_started)
 
     def flush(self) -> None:
         if not self.outbox:

@@ -334,6 +334,7 @@ class RequestTransfer:
     deadline: float  # time.monotonic() seconds
     handles: list[TransferHandle] = field(default_factory=list)
     notice: bytes | None = None  # the "landed" notice, sent once every write is done
+    landed_at: float | None = None  # time.monotonic() when the "landed" notice went out
 
     @property
     def state(self) -> SessionState:
@@ -397,6 +398,7 @@ class RequestTransfer:
                 except Exception as e:
                     self.cancel(f"notice not sent: {e}")
                     return self.state
+                self.landed_at = time.monotonic()
                 self.session.move(S.LANDED)
             elif self.expired(now):
                 self.cancel("transfer deadline exceeded")
@@ -436,6 +438,20 @@ class RequestTransfer:
     @property
     def num_bytes(self) -> int:
         return sum(h.num_bytes for h in self.handles)
+
+    def timing(self) -> dict[str, object]:
+        """What this transfer measured (time.monotonic() seconds): its first write posted, its last write seen
+        complete, the notice sent, and per write [bytes, completion seen - post started]. A write's interval
+        covers the real transfer (it starts before the post call and ends at the poll that saw completion), so
+        bytes over it never exceed the link's speed."""
+        done = [h for h in self.handles if h.done_at is not None]
+        return {
+            "first_post": min((h.posted_at for h in self.handles), default=None),
+            "last_done": max((h.done_at for h in done), default=None),  # type: ignore[type-var]
+            "landed": self.landed_at,
+            "bytes": self.num_bytes,
+            "writes": [[h.num_bytes, h.done_at - h.posted_at] for h in done if h.state == "done"],  # type: ignore[operator]
+        }
 
     def _abandon(self) -> None:
         self.session.move(S.ABANDONED)

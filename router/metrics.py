@@ -1,0 +1,208 @@
+"""The router's Prometheus metrics (``GET /metrics``): request latencies as clients see them, routing,
+and the worker pool as this router sees it.
+
+Histograms (buckets in common/observability/buckets.py):
+
+- ``kvferry_router_time_to_first_token_seconds``: request received until the first token of every choice
+  was in the router (streaming: what the client's first content chunk waits for, less writing it);
+- ``kvferry_router_inter_token_latency_seconds``: gaps between a choice's successive worker events, each
+  split evenly over the tokens it carried (one observation per token);
+- ``kvferry_router_e2e_request_latency_seconds``: received until the response's last byte was handed on;
+- ``kvferry_router_time_to_dispatch_seconds``: received until the generate request was written to a decode
+  worker: tokenizing, the prefix lookup and routing (the router holds no queue: beyond its limits it
+  answers 429);
+- ``kvferry_router_prompt_tokens`` / ``kvferry_router_output_tokens``: per request (all choices).
+
+Counters: ``kvferry_router_requests_total{status, outcome}`` (requests that passed validation; outcome:
+stop | length | error | abort, the client left | rejected, an error status), ``..._routing_decisions_total
+{decision}`` (router/policy.py's reasons and the admission rejections), ``..._retries_total`` (second
+attempts before the first token), ``..._migrations_total{outcome}`` (router/migration.py: started |
+succeeded | failed; call ``dispatcher.metrics.migrations``), ``..._prefix_lookups_total{result}`` (hit |
+miss | skipped, a prompt too short to look up), ``..._redis_errors_total`` (lookups the prefix index did not
+answer). Gauges: ``kvferry_router_inflight_requests`` and ``kvferry_router_worker_up{role, worker}`` (read
+from the pool when scraped: no cost per request).
+
+Several router processes (``KVFERRY_ROUTER_WORKERS`` > 1, one port): router/main.py points
+``PROMETHEUS_MULTIPROC_DIR`` at a fresh directory before they start, every process writes its values
+there, and whichever process answers a scrape reports the sum over all of them (prometheus-client's
+multiprocess mode); ``kvferry_router_worker_up`` is that process's own view of the pool (every process
+polls every worker). A single process keeps its values in memory.
+
+Per token the router only takes a clock reading and bumps a local bucket (``TokenGaps``); everything
+reaches the Prometheus values once per request.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+from common.observability import buckets
+
+__all__ = ["CONTENT_TYPE_LATEST", "MULTIPROC_ENV", "RouterMetrics", "TokenGaps", "prepare_multiprocess_dir"]
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+class TokenGaps:
+    """One choice's inter-token gaps, bucketed locally (no lock, no shared value per token) and added to
+    the histogram once, when the request ends."""
+
+    __slots__ = ("counts", "total", "last")
+
+    def __init__(self, n_buckets: int) -> None:
+        self.counts = [0] * n_buckets
+        self.total = 0.0
+        self.last: float | None = None
+
+    def add(self, tokens: int, now: float | None = None) -> None:
+        """A worker event (or several read at once) carrying ``tokens`` arrived."""
+        now = time.monotonic() if now is None else now
+        last, self.last = self.last, now
+        if last is None or tokens <= 0:
+            return  # the first tokens: their wait is the TTFT, not a gap
+        gap = now - last
+        self.counts[bisect_left(ITL_BOUNDS, gap / tokens)] += tokens
+        self.total += gap
+
+
+ITL_BOUNDS = (*buckets.STEP_S, float("inf"))
+
+
+class _PoolView(Collector):
+    """``kvferry_router_worker_up`` from the worker pool at scrape time."""
+
+    def __init__(self, workers: Callable[[], Iterable[Any]]) -> None:
+        self.workers = workers
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        g = GaugeMetricFamily(
+            "kvferry_router_worker_up", "1 while the router routes to this worker", labels=["role", "worker"]
+        )
+        for w in self.workers():
+            g.add_metric([w.role, w.pod or w.url], 1.0 if w.up else 0.0)
+        yield g
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.multiprocess_dir = os.environ.get(MULTIPROC_ENV) or None
+        self.registry = r = CollectorRegistry()
+        self._pool: Callable[[], Iterable[Any]] = lambda: ()
+        self.ttft = Histogram(
+            "kvferry_router_time_to_first_token_seconds",
+            "Request received until every choice's first token was in the router",
+            buckets=buckets.LATENCY_S,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "kvferry_router_inter_token_latency_seconds",
+            "Gap between a choice's successive tokens as they reached the router",
+            buckets=buckets.STEP_S,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "kvferry_router_e2e_request_latency_seconds",
+            "Request received until its last byte was handed on",
+            buckets=buckets.LATENCY_S,
+            registry=r,
+        )
+        self.dispatch = Histogram(
+            "kvferry_router_time_to_dispatch_seconds",
+            "Request received until it was written to a decode worker (tokenize, prefix lookup, routing)",
+            buckets=buckets.LATENCY_S,
+            registry=r,
+        )
+        self.prompt_tokens = Histogram(
+            "kvferry_router_prompt_tokens", "Prompt tokens of one request", buckets=buckets.TOKENS, registry=r
+        )
+        self.output_tokens = Histogram(
+            "kvferry_router_output_tokens",
+            "Tokens generated for one request (all choices)",
+            buckets=buckets.TOKENS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "kvferry_router_requests_total", "Requests by HTTP status and outcome", ["status", "outcome"], registry=r
+        )
+        self.decisions = Counter(
+            "kvferry_router_routing_decisions_total",
+            "Routing decisions and admission rejections",
+            ["decision"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "kvferry_router_retries_total",
+            "Upstream attempts retried on other workers before the first token",
+            registry=r,
+        )
+        self.migrations = Counter(
+            "kvferry_router_migrations_total", "Streams continued on another decode worker", ["outcome"], registry=r
+        )
+        self.prefix_lookups = Counter(
+            "kvferry_router_prefix_lookups_total", "Prefix-index lookups by result", ["result"], registry=r
+        )
+        self.redis_errors = Counter(
+            "kvferry_router_redis_errors_total", "Prefix-index lookups Redis did not answer", registry=r
+        )
+        self.inflight = Gauge(
+            "kvferry_router_inflight_requests",
+            "Requests in the router",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        if self.multiprocess_dir is None:
+            r.register(_PoolView(lambda: self._pool()))
+
+    def watch_pool(self, workers: Callable[[], Iterable[Any]]) -> None:
+        """Where ``kvferry_router_worker_up`` reads the pool from (set once the pool exists)."""
+        self._pool = workers
+
+    def add_gaps(self, gaps: TokenGaps) -> None:
+        """Adds one choice's inter-token gaps to the histogram (bucket by bucket: ``observe`` per token
+        would take a lock per token)."""
+        if gaps.total == 0.0 and not any(gaps.counts):
+            return
+        hist = self.itl
+        for i, n in enumerate(gaps.counts):
+            if n:
+                hist._buckets[i].inc(n)  # the histogram's own per-bucket values, as observe() bumps them
+        hist._sum.inc(gaps.total)
+
+    def new_gaps(self) -> TokenGaps:
+        return TokenGaps(len(ITL_BOUNDS))
+
+    def exposition(self) -> bytes:
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, self.multiprocess_dir)
+        registry.register(_PoolView(lambda: self._pool()))
+        return generate_latest(registry)
+
+
+def prepare_multiprocess_dir() -> str:
+    """For several router processes: a directory for their values (PROMETHEUS_MULTIPROC_DIR as set, emptied of
+    an earlier run's files, else a fresh one), exported to the processes about to start."""
+    path = os.environ.get(MULTIPROC_ENV)
+    if path:
+        os.makedirs(path, exist_ok=True)
+        for name in os.listdir(path):
+            if name.endswith(".db"):
+                os.unlink(os.path.join(path, name))
+    else:
+        import tempfile
+
+        path = tempfile.mkdtemp(prefix="kvferry-router-metrics-")
+    os.environ[MULTIPROC_ENV] = path
+    return path

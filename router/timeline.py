@@ -1,0 +1,170 @@
+"""One request's record in the router: its stage timeline, its trace span, and what it counts in the metrics.
+
+``RequestLog.begin`` opens a record when a request reaches the OpenAI handler; the pipeline stamps its
+stages (common/observability/timeline.py: ``tokenized``, ``routed``, ``dispatched``, ``first_token_router``)
+and the decode worker's first event brings the workers' stamps. ``finish`` (first call wins) observes the
+request's histograms and counters, ends its span (children rebuilt from the stamps), keeps the record
+among the recent ones for ``GET /debug/requests/{id}`` and writes it as one log line at DEBUG.
+
+Each router process keeps its own recent requests: with several processes on one port, ask the one that
+served the request (or read the DEBUG log line).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.observability import tracing
+from common.observability.timeline import Stamps, offsets_ms, spans_between
+from router.metrics import RouterMetrics, TokenGaps
+
+log = logging.getLogger("kvferry.router.requests")
+
+__all__ = ["RequestLog", "RequestRecord"]
+
+# (span name, from stage, to stage): the router span's children.
+ROUTER_SPANS = (
+    ("tokenize", "router_received", "tokenized"),
+    ("route", "tokenized", "dispatched"),
+    ("wait for first token", "dispatched", "first_token_router"),
+    ("stream", "first_token_router", "stream_end"),
+)
+
+
+@dataclass
+class RequestRecord:
+    owner: RequestLog
+    stream: bool
+    span: Any
+    stamps: Stamps = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)  # durations come from the monotonic clock
+    rid: str = ""
+    prompt_tokens: int = 0
+    decision: str | None = None
+    status: int | None = None  # set when finished
+    outcome: str = ""
+    output_tokens: int = 0
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+
+    def mark(self, stage: str) -> None:
+        self.stamps[stage] = time.time()
+
+    def traceparent(self) -> str | None:
+        return tracing.traceparent(self.span)
+
+    def prepared(self, rid: str, prompt_tokens: int) -> None:
+        self.rid = rid
+        self.prompt_tokens = prompt_tokens
+        self.mark("tokenized")
+
+    def dispatched(self, decision: str) -> None:
+        """The generate request is being written to the decode worker (a retry stamps again)."""
+        self.decision = decision
+        if "dispatched" not in self.stamps:
+            self.owner.metrics.dispatch.observe(time.monotonic() - self.started)
+        self.mark("dispatched")
+
+    def upstream(self, worker_stamps: dict[str, float] | None) -> None:
+        """The decode worker's first event: its (and its prefill peer's) stamps; the first choice's win."""
+        if worker_stamps and "decode_received" not in self.stamps:
+            for stage, t in worker_stamps.items():
+                if isinstance(t, int | float):
+                    self.stamps.setdefault(stage, float(t))
+
+    def first_token(self, choices: list[Any]) -> None:
+        """Every choice's first event is in (router/service.py's RunningChoice): from here their tokens' gaps
+        are counted."""
+        self.mark("first_token_router")
+        self.ttft_s = time.monotonic() - self.started
+        self.owner.metrics.ttft.observe(self.ttft_s)
+        for c in choices:
+            c.gaps = self.owner.metrics.new_gaps()
+
+    def finish_choices(self, status: int, choices: list[Any], client_gone: bool = False) -> None:
+        """Finishes with what the choices (RunningChoice) say: the outcome of the first one that did not
+        stop or run out of length, "abort" for one left unfinished (the client went away)."""
+        outcome = "abort" if client_gone else ""
+        for c in choices:
+            reason = c.state.finish_reason if c.state.finished else "abort"
+            if not outcome or outcome in ("stop", "length"):
+                outcome = reason or "abort"
+        output = sum(c.state.completion_tokens for c in choices)
+        self.finish(status, outcome or "error", output, [c.gaps for c in choices if c.gaps is not None])
+
+    def finish(self, status: int, outcome: str, output_tokens: int = 0, gaps: list[TokenGaps] = ()) -> None:  # type: ignore[assignment]
+        """Counts the request (the first call only); outcome "rejected" for an error status."""
+        if self.status is not None:
+            return
+        self.status, self.outcome, self.output_tokens = status, outcome, output_tokens
+        self.e2e_s = time.monotonic() - self.started
+        self.mark("stream_end")
+        m = self.owner.metrics
+        m.requests.labels(status=str(status), outcome=outcome).inc()
+        m.inflight.dec()
+        if status < 400:
+            m.e2e.observe(self.e2e_s)
+            m.prompt_tokens.observe(self.prompt_tokens)
+            m.output_tokens.observe(output_tokens)
+            for g in gaps:
+                m.add_gaps(g)
+        if self.span is not None:
+            tracing.child_spans(self.span, spans_between(self.stamps, ROUTER_SPANS))
+            attrs = {"http.status_code": status, "kvferry.outcome": outcome, "kvferry.request_id": self.rid}
+            if self.decision:
+                attrs["kvferry.decision"] = self.decision
+            tracing.end_span(self.span, attributes=attrs, error=outcome if outcome in ("error",) else None)
+        self.owner.keep(self)
+
+    def view(self) -> dict[str, Any]:
+        return {
+            "id": self.rid,
+            "status": self.status,
+            "outcome": self.outcome,
+            "stream": self.stream,
+            "decision": self.decision,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "ttft_ms": None if self.ttft_s is None else round(self.ttft_s * 1e3, 3),
+            "e2e_ms": None if self.e2e_s is None else round(self.e2e_s * 1e3, 3),
+            "trace_id": tracing.trace_id(self.span),
+            "stages": offsets_ms(self.stamps),
+        }
+
+
+class RequestLog:
+    """The recent requests of this router process (bounded), and where records report to."""
+
+    def __init__(self, metrics: RouterMetrics, keep: int = 1024) -> None:
+        self.metrics = metrics
+        self.max_kept = keep
+        self.recent: OrderedDict[str, RequestRecord] = OrderedDict()
+
+    def begin(self, stream: bool, traceparent: str | None, endpoint: str) -> RequestRecord:
+        received = time.time()
+        span = tracing.start_span(f"POST {endpoint}", traceparent, received, {"kvferry.stream": stream})
+        self.metrics.inflight.inc()
+        return RequestRecord(self, stream, span, {"router_received": received})
+
+    def keep(self, rec: RequestRecord) -> None:
+        if not rec.rid:
+            return  # refused before it had an id
+        self.recent[rec.rid] = rec
+        while len(self.recent) > self.max_kept:
+            self.recent.popitem(last=False)
+        if log.isEnabledFor(logging.DEBUG):
+            v = rec.view()
+            stages = " ".join(f"{s['stage']}={s['t_ms']}" for s in v.pop("stages"))
+            log.debug("request timeline", extra={**{k: x for k, x in v.items() if x is not None}, "stages_ms": stages})
+
+    def get(self, rid: str) -> dict[str, Any] | None:
+        rec = self.recent.get(rid)
+        return None if rec is None else rec.view()
+
+    def list(self, limit: int = 100) -> list[dict[str, Any]]:
+        recs = list(self.recent.values())[-limit:]
+        return [{k: v for k, v in r.view().items() if k != "stages"} for r in reversed(recs)]
