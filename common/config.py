@@ -25,6 +25,12 @@ def _env(name: str, default: str) -> str:
     return os.environ.get(name, default)
 
 
+def _host_kv_gb(value: str) -> float:
+    """KVFERRY_HOST_KV_GB: GiB of host memory for the prefix cache's second tier; `auto` (the default) lets
+    the worker choose (common/kv/host_tier.py), 0 turns it off."""
+    return -1.0 if value.strip().lower() in ("", "auto") else float(value)
+
+
 def _split_urls(value: str) -> list[str]:
     return [u.strip().rstrip("/") for u in value.split(",") if u.strip()]
 
@@ -70,7 +76,10 @@ class WorkerConfig:
                 tp_transfer=_env("KVFERRY_TP_TRANSFER", "auto"),
                 decode_tc_min_batch=int(_env("KVFERRY_DECODE_TC_MIN_BS", "1")),
             ),
-            sched=SchedulerConfig(max_prefill_tokens=int(_env("KVFERRY_MAX_PREFILL_TOKENS", "2048"))),
+            sched=SchedulerConfig(
+                max_prefill_tokens=int(_env("KVFERRY_MAX_PREFILL_TOKENS", "2048")),
+                host_kv_gb=_host_kv_gb(_env("KVFERRY_HOST_KV_GB", "auto")),
+            ),
         )
 
     def apply_args(self, args: argparse.Namespace) -> WorkerConfig:
@@ -103,6 +112,7 @@ def worker_arg_parser(role: str) -> argparse.ArgumentParser:
     p.add_argument("--kv-memory-gb", dest="kv_memory_gb", type=float)
     p.add_argument("--max-running", dest="max_running", type=int)
     p.add_argument("--max-prefill-tokens", dest="max_prefill_tokens", type=int)
+    p.add_argument("--host-kv-gb", dest="host_kv_gb", type=float, help="host-memory prefix tier (GiB, 0: off)")
     p.add_argument("--tp-size", dest="tp_size", type=int, help="tensor-parallel ranks (one process each)")
     return p
 

@@ -40,3 +40,6 @@ class RunnerConfig:
 class SchedulerConfig:
     max_prefill_tokens: int = 2048
     enable_prefix_cache: bool = True
+    # GiB of host memory behind the prefix cache (common/kv/host_tier.py); 0: none; negative: chosen at start
+    # (a GPU worker: 30% of the host memory it may use; the CPU: none).
+    host_kv_gb: float = -1.0

@@ -1,7 +1,8 @@
 """The page ledger check a worker runs when idle: every KV page is in exactly one place.
 
 A page is free (the allocator), cached (the radix cache's tree), or owned by one live request; so
-free + cached + owned == total, and no page is in two places. A violation is a bug that would hand one
+free + cached + owned == total, and no page is in two places. With a host tier its pages are a second
+ledger: free (its allocator) or cached (host nodes of the tree), free + cached == host total. A violation is a bug that would hand one
 page to two writers (silent corruption) or lose it for good (a leak); the worker logs and counts it.
 Cost: one pass over the pool and the tree, which is why it runs only when the worker is idle.
 """
@@ -20,15 +21,45 @@ from common.kv.radix import RadixCache
 log = logging.getLogger("kvferry.kv")
 
 
-def tree_pages(cache: RadixCache) -> torch.Tensor:
-    """Every page the radix cache holds (int64, in tree order)."""
+def tree_pages(cache: RadixCache, host: bool = False) -> torch.Tensor:
+    """Every device page (host-tier page with `host`) the radix cache holds (int64, in tree order)."""
     chunks = []
     stack = list(cache.root.children.values())
     while stack:
         node = stack.pop()
-        chunks.append(node.pages.to(torch.int64))
+        if node.on_host == host:
+            chunks.append(node.pages.to(torch.int64))
         stack.extend(node.children.values())
     return torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.int64)
+
+
+def host_tier_violations(cache: RadixCache) -> list[str]:
+    """What is wrong with the host tier's ledger, and with the tiers' order in the tree (empty when nothing)."""
+    host = cache.host
+    if host is None:
+        return []
+    problems = []
+    held = tree_pages(cache, host=True)
+    total = host.allocator.num_pages
+    if held.numel() and (int(held.min()) < 0 or int(held.max()) >= total):
+        return [f"host page ids outside the host pool [0, {total}) are held"]
+    counts = torch.bincount(held, minlength=total)
+    if bool((counts > 1).any()):
+        problems.append(f"{int((counts > 1).sum())} host pages held twice")
+    if bool((host.allocator.is_free(torch.arange(total)) & (counts > 0)).any()):
+        problems.append("free host pages are also held")
+    if cache.host_cached_pages != held.numel():
+        problems.append(f"radix cache counts {cache.host_cached_pages} host pages, its tree holds {held.numel()}")
+    if host.allocator.num_free + held.numel() != total:
+        problems.append(f"host tier: free {host.allocator.num_free} + cached {held.numel()} != total {total} pages")
+    stack = list(cache.root.children.values())
+    while stack:
+        node = stack.pop()
+        if node.on_host and (node.ref_count or any(not c.on_host for c in node.children.values())):
+            problems.append("a host-tier node is locked or has device children")
+            break
+        stack.extend(node.children.values())
+    return problems
 
 
 def page_ledger_violations(
@@ -71,6 +102,8 @@ def page_ledger_violations(
         problems.append(
             f"free {allocator.num_free} + cached {tree.numel()} + owned {owned.numel()} != total {total} pages"
         )
+    if cache is not None:
+        problems += host_tier_violations(cache)
     return problems
 
 

@@ -8,6 +8,17 @@ the unit transferred between workers and the unit hashed for the Redis prefix in
 Ownership: pages stored in the tree belong to the cache; it gives them back to the `PageAllocator`
 only through `evict` and `reset`. Pages of nodes locked by a running request ("protected") are never
 given back.
+
+Two tiers (with a `HostTier`, common/kv/host_tier.py): `evict` copies the least recently used entries to
+host memory instead of dropping them, and `load_back` copies a match's host part into fresh device pages.
+A node lives in one tier; its `pages` are ids in that tier's pool. The device nodes form the top of the tree
+(a device node's parent is a device node or the root), so a match is a device prefix followed by a host
+suffix, only device nodes are ever locked, and eviction runs leaf-first in each tier: device leaves (device
+nodes without device children) move down to the host, host leaves (host nodes without children) are
+dropped, least recently used first across both (a device leaf older than every host leaf is dropped rather
+than pushing a newer host entry out).
+
+The prefix index hears of every change of tier through `drain_index_events`, in order.
 """
 
 from __future__ import annotations
@@ -20,8 +31,11 @@ from dataclasses import dataclass, field
 import torch
 
 from common.kv.allocator import PageAllocator
+from common.kv.host_tier import HostTier
 
 TokenKey = tuple[int, ...]
+# Where a block is, for the prefix index: "device", "host", or None (no longer cached).
+IndexEvent = tuple[str | None, list[int]]
 
 
 def _empty_pages() -> torch.Tensor:
@@ -45,6 +59,8 @@ class RadixNode:
     parent: RadixNode | None = field(default=None, repr=False)
     ref_count: int = 0
     last_access: int = 0
+    on_host: bool = False  # `pages` are host-tier page ids (never locked; every descendant is on the host too)
+    device_children: int = 0  # children on the device: a device node without any is a device leaf
 
     @property
     def num_pages(self) -> int:
@@ -53,9 +69,13 @@ class RadixNode:
 
 @dataclass
 class MatchResult:
-    node: RadixNode  # deepest fully matched node, ending exactly at matched_len (root when nothing matched)
-    pages: torch.Tensor  # int64 page ids of the matched tokens, in order
-    matched_len: int  # always a multiple of page_size
+    node: RadixNode  # deepest fully matched device node, ending exactly at matched_len (root when none)
+    pages: torch.Tensor  # int64 device page ids of the matched tokens, in order
+    matched_len: int  # tokens matched on the device; always a multiple of page_size
+    # The match's continuation in the host tier (top down, the last ending exactly at matched_len + host_len):
+    # `RadixCache.load_back` brings it onto the device.
+    host_nodes: list[RadixNode] = field(default_factory=list)
+    host_len: int = 0
 
 
 def _as_tokens(token_ids: Sequence[int] | torch.Tensor) -> TokenKey:
@@ -70,19 +90,24 @@ def _as_tokens(token_ids: Sequence[int] | torch.Tensor) -> TokenKey:
 
 
 class RadixCache:
-    def __init__(self, page_size: int, allocator: PageAllocator) -> None:
+    def __init__(self, page_size: int, allocator: PageAllocator, host: HostTier | None = None) -> None:
         if page_size <= 0:
             raise ValueError("page_size must be positive")
         self.page_size = page_size
         self.allocator = allocator
+        self.host = host
         self.root = RadixNode()
         # Kept incrementally so metrics and admission control never walk the tree.
         self._evictable = 0
         self._protected = 0
-        # Non-root nodes without children: the only eviction candidates. Tracking them avoids a full
-        # tree walk on every evict call.
+        # Non-root device nodes without device children: the only device eviction candidates. Tracking them
+        # avoids a full tree walk on every evict call.
         self._leaves: set[RadixNode] = set()
-        self._evicted_hashes: list[int] = []
+        self._host_leaves: set[RadixNode] = set()  # host nodes without children: what the host tier drops
+        self._host_cached = 0
+        self._host_heap: list[tuple[int, int, RadixNode]] | None = None  # during one `evict` call
+        self._pinned: set[RadixNode] = set()  # host nodes being loaded back: never dropped meanwhile
+        self._index_events: list[IndexEvent] = []
         self._clock = 0
         # Tie-breaker for the eviction heap: nodes themselves are not orderable.
         self._seq = itertools.count()
@@ -99,7 +124,13 @@ class RadixCache:
 
     @property
     def cached_pages(self) -> int:
+        """Device pages the tree holds."""
         return self._evictable + self._protected
+
+    @property
+    def host_cached_pages(self) -> int:
+        """Host-tier pages the tree holds."""
+        return self._host_cached
 
     # ---- lookup ---------------------------------------------------------------------------------
 
@@ -107,6 +138,7 @@ class RadixCache:
         """Longest page-aligned prefix of `token_ids[:max_len]` in the tree; refreshes LRU stamps on the path.
 
         Accepts lists, tuples and int tensors. Does not lock: the caller locks `node` if it reuses the pages.
+        The part of the match in the host tier is in `host_nodes` / `host_len` (`load_back` fetches it).
         """
         tokens = _as_tokens(token_ids)
         if max_len is not None:
@@ -117,6 +149,8 @@ class RadixCache:
         node = self.root
         pos = 0
         chunks: list[torch.Tensor] = []
+        device_node, device_len = self.root, 0
+        host_nodes: list[RadixNode] = []
         while pos < limit:
             child = node.children.get(tokens[pos : pos + self.page_size])
             if child is None:
@@ -127,17 +161,53 @@ class RadixCache:
                 # lock must cover exactly the pages it reuses.
                 child = self._split(child, matched // self.page_size)
             child.last_access = tick
-            chunks.append(child.pages)
             node = child
             pos += matched
+            if child.on_host:
+                host_nodes.append(child)
+            else:
+                chunks.append(child.pages)
+                device_node, device_len = child, pos
 
         pages = torch.cat(chunks) if chunks else _empty_pages()
-        return MatchResult(node=node, pages=pages, matched_len=pos)
+        return MatchResult(device_node, pages, device_len, host_nodes, pos - device_len)
+
+    def load_back(self, match: MatchResult) -> MatchResult:
+        """Copies the host part of `match` into fresh device pages (evicting for them) and returns the match
+        as it now stands on the device. Without device pages to spare it returns the device part alone.
+        Locks nothing: the caller locks the returned node as after `match_prefix`."""
+        if not match.host_nodes:
+            return match
+        assert self.host is not None
+        need = sum(n.num_pages for n in match.host_nodes)
+        # Hold the device part and the host nodes in place while eviction makes room.
+        self.lock(match.node)
+        self._pinned = set(match.host_nodes)
+        try:
+            if need > self.allocator.num_free:
+                self.evict(need - self.allocator.num_free)
+            dev = self.allocator.alloc(need)
+        finally:
+            self._pinned = set()
+            self.unlock(match.node)
+        if dev is None:
+            return MatchResult(match.node, match.pages, match.matched_len)
+        host_pages = torch.cat([n.pages for n in match.host_nodes])
+        self.host.load(host_pages, dev)
+        self.host.allocator.free(host_pages)
+        off = 0
+        for node in match.host_nodes:  # top down: each node's parent is on the device when it moves up
+            k = node.num_pages
+            self._to_device(node, dev[off : off + k].clone())
+            off += k
+        return MatchResult(match.host_nodes[-1], torch.cat([match.pages, dev]), match.matched_len + match.host_len)
 
     # ---- locking --------------------------------------------------------------------------------
 
     def lock(self, node: RadixNode) -> None:
         self._check_attached(node)
+        if node.on_host:
+            raise RuntimeError("RadixCache.lock: node is in the host tier (load it back first)")
         while node is not self.root:
             if node.ref_count == 0:
                 self._evictable -= node.num_pages
@@ -175,6 +245,9 @@ class RadixCache:
         Returns `(already_cached_len, last_node)`. The cache takes ownership of
         `pages[already_cached_len // page_size : n]` only; the caller keeps the rest of what it
         passed (the already-cached range, where the tree keeps its own pages, and anything past `n`).
+        Exception: a host-tier node on the path adopts the caller's device pages for its range (they hold
+        the same KV) and frees its host copy, so with a host tier the caller compares `match_prefix`'s
+        pages with its own to know which of them the tree kept.
         """
         tokens = _as_tokens(token_ids)
         ps = self.page_size
@@ -199,6 +272,7 @@ class RadixCache:
                     last_access=tick,
                 )
                 node.children[leaf.key[:ps]] = leaf
+                node.device_children += 1
                 self._leaves.discard(node)
                 self._leaves.add(leaf)
                 self._evictable += leaf.num_pages
@@ -207,6 +281,12 @@ class RadixCache:
             if matched < len(child.key):
                 child = self._split(child, matched // ps)
             child.last_access = tick
+            if child.on_host:
+                first = pos // ps
+                self.host.allocator.free(child.pages)  # type: ignore[union-attr]
+                self._to_device(
+                    child, pages[first : first + child.num_pages].to(device="cpu", dtype=torch.int64).clone()
+                )
             node = child
             pos += matched
         return pos, node
@@ -214,36 +294,56 @@ class RadixCache:
     # ---- eviction -------------------------------------------------------------------------------
 
     def evict(self, num_pages: int) -> int:
+        """Frees at least `num_pages` device pages when that many are evictable; returns how many it freed.
+
+        Least recently used device leaves go first. With a host tier each is copied to the host (making room
+        there by dropping host entries used less recently) before its device pages are freed; one that finds
+        no room is dropped, and with it whatever of its subtree was on the host.
+        """
         if num_pages <= 0:
             return 0
         heap = [(leaf.last_access, next(self._seq), leaf) for leaf in self._leaves if leaf.ref_count == 0]
         heapq.heapify(heap)
         freed = 0
         to_free: list[torch.Tensor] = []
-        while freed < num_pages and heap:
-            _, _, leaf = heapq.heappop(heap)
-            parent = leaf.parent
-            assert parent is not None
-            self._detach_leaf(leaf)
-            to_free.append(leaf.pages)
-            freed += leaf.num_pages
-            if parent is not self.root and not parent.children and parent.ref_count == 0:
-                heapq.heappush(heap, (parent.last_access, next(self._seq), parent))
+        self._host_heap = None
+        try:
+            while freed < num_pages and heap:
+                _, _, leaf = heapq.heappop(heap)
+                parent = leaf.parent
+                assert parent is not None
+                to_free.append(leaf.pages)
+                freed += leaf.num_pages
+                if not self._demote(leaf):
+                    self._drop_device_leaf(leaf)
+                if parent is not self.root and parent.device_children == 0 and parent.ref_count == 0:
+                    heapq.heappush(heap, (parent.last_access, next(self._seq), parent))
+        finally:
+            self._host_heap = None
         if to_free:
             # One allocator call: its double-free check is a tensor op, cheaper batched.
             self.allocator.free(torch.cat(to_free))
         return freed
 
-    def drain_evicted_hashes(self) -> list[int]:
-        out, self._evicted_hashes = self._evicted_hashes, []
+    def drain_index_events(self) -> list[IndexEvent]:
+        """Changes of tier since the last call, in order: (tier, hashes), tier None for blocks no longer
+        cached. Blocks entering the cache through `insert` are not listed (their inserter publishes them)."""
+        out, self._index_events = self._index_events, []
         return out
 
-    def all_block_hashes(self) -> list[int]:
+    def drain_evicted_hashes(self) -> list[int]:
+        """Hashes of the blocks no longer cached since the last drain (`drain_index_events` without the
+        changes of tier: for a cache without a host tier, where nothing else happens)."""
+        return [h for tier, hashes in self.drain_index_events() if tier is None for h in hashes]
+
+    def all_block_hashes(self, tier: str | None = None) -> list[int]:
+        """Every cached block's hash; only those in one tier ("device" / "host") when `tier` is given."""
         out: list[int] = []
         stack = [self.root]
         while stack:
             node = stack.pop()
-            out.extend(node.block_hashes)
+            if tier is None or node.on_host == (tier == "host"):
+                out.extend(node.block_hashes)
             stack.extend(node.children.values())
         return out
 
@@ -252,21 +352,31 @@ class RadixCache:
         if self._protected:
             raise RuntimeError("RadixCache.reset: nodes are still locked")
         to_free: list[torch.Tensor] = []
+        host_free: list[torch.Tensor] = []
+        gone: list[int] = []
         stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
-            to_free.append(node.pages)
-            self._evicted_hashes.extend(node.block_hashes)
+            (host_free if node.on_host else to_free).append(node.pages)
+            gone.extend(node.block_hashes)
             stack.extend(node.children.values())
             # Detach so a stale reference held by a caller fails loudly in lock() instead of
             # resurrecting freed pages.
             node.parent = None
             node.children = {}
         self.root.children = {}
+        self.root.device_children = 0
         self._leaves.clear()
+        self._host_leaves.clear()
         self._evictable = 0
+        self._host_cached = 0
+        if gone:
+            self._index_events.append((None, gone))
         if to_free:
             self.allocator.free(torch.cat(to_free))
+        if host_free:
+            assert self.host is not None
+            self.host.allocator.free(torch.cat(host_free))
 
     # ---- internals ------------------------------------------------------------------------------
 
@@ -309,6 +419,8 @@ class RadixCache:
             # the same lock state, so the evictable/protected counters need no change.
             ref_count=node.ref_count,
             last_access=node.last_access,
+            on_host=node.on_host,
+            device_children=0 if node.on_host else 1,
         )
         node.key = node.key[cut:]
         node.pages = node.pages[at_pages:].clone()
@@ -318,16 +430,118 @@ class RadixCache:
         parent.children[upper.key[:ps]] = upper
         return upper
 
-    def _detach_leaf(self, leaf: RadixNode) -> None:
+    def _demote(self, leaf: RadixNode) -> bool:
+        """Moves an unlocked device leaf to the host tier (its device pages are the caller's to free);
+        False when there is no tier or no room in it for entries this old."""
+        host = self.host
+        n = leaf.num_pages
+        if host is None or not self._make_host_room(n, leaf.last_access):
+            return False
+        host_pages = host.allocator.alloc(n)
+        assert host_pages is not None
+        host.save(leaf.pages, host_pages)
         parent = leaf.parent
-        assert parent is not None and not leaf.children and leaf.ref_count == 0
+        assert parent is not None
+        leaf.pages = host_pages
+        leaf.on_host = True
+        parent.device_children -= 1
+        self._leaves.discard(leaf)
+        if parent is not self.root and parent.device_children == 0:
+            self._leaves.add(parent)
+        self._evictable -= n
+        self._host_cached += n
+        if not leaf.children:
+            self._add_host_leaf(leaf)
+        self._index_events.append(("host", list(leaf.block_hashes)))
+        return True
+
+    def _to_device(self, node: RadixNode, device_pages: torch.Tensor) -> None:
+        """A host node whose KV is now in `device_pages` (its host pages already freed) joins the device
+        tier; its parent must be on the device."""
+        parent = node.parent
+        assert parent is not None and not parent.on_host and node.on_host and node.ref_count == 0
+        n = node.num_pages
+        node.pages = device_pages
+        node.on_host = False
+        parent.device_children += 1
+        self._leaves.discard(parent)
+        self._host_leaves.discard(node)
+        if node.device_children == 0:
+            self._leaves.add(node)
+        self._host_cached -= n
+        self._evictable += n
+        self._index_events.append(("device", list(node.block_hashes)))
+
+    def _make_host_room(self, n: int, older_than: int) -> bool:
+        """Drops least recently used host leaves, none used after `older_than`, until `n` host pages are free."""
+        host = self.host
+        assert host is not None
+        if n > host.num_pages:
+            return False
+        if self._host_heap is None:
+            self._host_heap = [(x.last_access, next(self._seq), x) for x in self._host_leaves]
+            heapq.heapify(self._host_heap)
+        heap = self._host_heap
+        while host.allocator.num_free < n and heap:
+            stamp, _, node = heap[0]
+            if node.parent is None or not node.on_host or node.children or node in self._pinned:
+                heapq.heappop(heap)  # dropped, loaded back or pinned since it was pushed
+                continue
+            if stamp > older_than:
+                break  # every host entry left was used more recently than the one asking for room
+            heapq.heappop(heap)
+            parent = node.parent
+            self._drop_host_leaf(node)
+            if parent.on_host and not parent.children:
+                heapq.heappush(heap, (parent.last_access, next(self._seq), parent))
+        return host.allocator.num_free >= n
+
+    def _add_host_leaf(self, node: RadixNode) -> None:
+        self._host_leaves.add(node)
+        if self._host_heap is not None:
+            heapq.heappush(self._host_heap, (node.last_access, next(self._seq), node))
+
+    def _drop_host_leaf(self, node: RadixNode) -> None:
+        parent = node.parent
+        assert parent is not None and node.on_host and not node.children and self.host is not None
+        del parent.children[node.key[: self.page_size]]
+        node.parent = None
+        self._host_leaves.discard(node)
+        if parent.on_host and not parent.children:
+            self._add_host_leaf(parent)
+        self.host.allocator.free(node.pages)
+        self._host_cached -= node.num_pages
+        self._index_events.append((None, list(node.block_hashes)))
+
+    def _drop_device_leaf(self, leaf: RadixNode) -> None:
+        """Detaches an unlocked device leaf (its device pages are the caller's to free) and drops the host
+        subtree below it."""
+        parent = leaf.parent
+        assert parent is not None and not leaf.on_host and leaf.device_children == 0 and leaf.ref_count == 0
+        gone = list(leaf.block_hashes)
+        host_free: list[torch.Tensor] = []
+        stack = list(leaf.children.values())
+        while stack:
+            node = stack.pop()
+            host_free.append(node.pages)
+            self._host_cached -= node.num_pages
+            self._host_leaves.discard(node)
+            gone.extend(node.block_hashes)
+            stack.extend(node.children.values())
+            node.parent = None
+            node.children = {}
+        if host_free:
+            assert self.host is not None
+            self.host.allocator.free(torch.cat(host_free))
+        leaf.children = {}
         del parent.children[leaf.key[: self.page_size]]
         leaf.parent = None
+        parent.device_children -= 1
         self._leaves.discard(leaf)
-        if parent is not self.root and not parent.children:
+        if parent is not self.root and parent.device_children == 0:
             self._leaves.add(parent)
         self._evictable -= leaf.num_pages
-        self._evicted_hashes.extend(leaf.block_hashes)
+        self._index_events.append((None, gone))
 
     def _check_attached(self, node: RadixNode) -> None:
         if node is not self.root and node.parent is None:

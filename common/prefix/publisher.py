@@ -27,7 +27,7 @@ _SNAPSHOT_CHUNK = 10000
 class _Buffer:
     """Events from the scheduler loop, waiting for the publisher thread. Guarded by ``cond``."""
 
-    events: list[tuple[bool, tuple[int, ...]]] = field(default_factory=list)
+    events: list[tuple[str | None, tuple[int, ...]]] = field(default_factory=list)  # (tier or None, hashes)
     n_hashes: int = 0
     # False while Redis is known to be down: events are dropped on arrival (memory stays bounded) and the
     # resync after reconnecting restores the truth.
@@ -55,6 +55,12 @@ class PrefixIndexPublisher:
     publisher resumes buffering is replayed on top of it. Without ``resync`` the pod's entries are cleared
     after an outage and only later events are published (under-reporting, never stale).
 
+    Tiers: ``stored(hashes, "host")`` records blocks a pod keeps in its host-memory tier (``hblk:`` keys),
+    ``stored(hashes)`` blocks in device memory; a block moves between the two as the pod's cache moves it.
+    ``resync_host`` returns the host tier's hashes for a full sync, as ``resync`` does the device's; a pod
+    given one (or that ever stores a host block) also clears a block's host entry when it stores it on the
+    device or removes it.
+
     Every ``gc_interval_s`` the thread also removes the leftovers of pods whose heartbeat expired (crashed
     pods with random Deployment names would otherwise leave their block entries in Redis forever).
     """
@@ -69,6 +75,7 @@ class PrefixIndexPublisher:
         flush_interval_s: float = 0.05,
         resync: Callable[[], Iterable[int]] | None = None,
         *,
+        resync_host: Callable[[], Iterable[int]] | None = None,
         socket_timeout_s: float = 1.0,
         max_backoff_s: float = 2.0,
         max_buffered_hashes: int = 1_000_000,
@@ -85,6 +92,8 @@ class PrefixIndexPublisher:
         self.max_buffered_hashes = max_buffered_hashes
         self.gc_interval_s = gc_interval_s
         self._resync = resync
+        self._resync_host = resync_host
+        self._tiered = resync_host is not None  # host entries may exist: keep both tiers' keys exact
         self._keys = IndexKeys(model_id)
         self._r = redis.Redis.from_url(redis_url, **client_options(socket_timeout_s))
         self._clear_batch = self._r.register_script(CLEAR_BATCH_LUA)
@@ -103,23 +112,27 @@ class PrefixIndexPublisher:
 
     # ---- called from the scheduler loop -------------------------------------------------------------
 
-    def stored(self, hashes: Iterable[int]) -> None:
-        """The cache now holds these blocks. O(len(hashes)), no I/O."""
-        self._push(True, hashes)
+    def stored(self, hashes: Iterable[int], tier: str = "device") -> None:
+        """The cache now holds these blocks in `tier` ("device" or "host"). O(len(hashes)), no I/O."""
+        if tier not in ("device", "host"):
+            raise ValueError(f"unknown tier {tier!r}")
+        self._push(tier, hashes)
 
     def removed(self, hashes: Iterable[int]) -> None:
         """The cache evicted these blocks. O(len(hashes)), no I/O."""
-        self._push(False, hashes)
+        self._push(None, hashes)
 
-    def _push(self, add: bool, hashes: Iterable[int]) -> None:
+    def _push(self, tier: str | None, hashes: Iterable[int]) -> None:
         items = tuple(hashes)  # copy: the caller may reuse its list
         if not items:
             return
+        if tier == "host":
+            self._tiered = True
         b = self._buf
         with b.cond:
             if not b.accepting:
                 return
-            b.events.append((add, items))
+            b.events.append((tier, items))
             b.n_hashes += len(items)
             b.pushed += 1
             if b.n_hashes > self.max_buffered_hashes:
@@ -234,20 +247,23 @@ class PrefixIndexPublisher:
         self._heartbeat(time.monotonic())
         self._r.sadd(self._keys.pods, self.pod_id)
         self._clear_own(gc=False)
-        snapshot = [hash_hex(h) for h in (self._resync() if self._resync is not None else ())]
         blocks_key = self._keys.pod_blocks(self.pod_id)
         prefix = self._keys.prefix
-        for start in range(0, len(snapshot), _SNAPSHOT_CHUNK):
-            chunk = snapshot[start : start + _SNAPSHOT_CHUNK]
-            pipe = self._r.pipeline(transaction=False)
-            for hx in chunk:
-                pipe.sadd(f"{prefix}blk:{hx}", self.pod_id)
-            pipe.sadd(blocks_key, *chunk)
-            pipe.execute()
+        synced = 0
+        for kind, source in (("blk", self._resync), ("hblk", self._resync_host)):
+            snapshot = [hash_hex(h) for h in (source() if source is not None else ())]
+            synced += len(snapshot)
+            for start in range(0, len(snapshot), _SNAPSHOT_CHUNK):
+                chunk = snapshot[start : start + _SNAPSHOT_CHUNK]
+                pipe = self._r.pipeline(transaction=False)
+                for hx in chunk:
+                    pipe.sadd(f"{prefix}{kind}:{hx}", self.pod_id)
+                pipe.sadd(blocks_key, *chunk)
+                pipe.execute()
         with b.cond:
             b.syncing = False
-        if snapshot or self._resync is not None:
-            LOG.info("prefix publisher %s: synced %d blocks", self.pod_id, len(snapshot))
+        if synced or self._resync is not None:
+            LOG.info("prefix publisher %s: synced %d blocks", self.pod_id, synced)
 
     def _flush(self) -> None:
         """Write buffered events (and the heartbeat when due) in one pipeline."""
@@ -260,12 +276,15 @@ class PrefixIndexPublisher:
         hb_due = now >= self._next_heartbeat
         if events or hb_due:
             # Last event per hash wins; a block stored and evicted within one interval costs nothing.
-            net: dict[int, bool] = {}
-            for add, hashes in events:
+            net: dict[int, str | None] = {}
+            for tier, hashes in events:
                 for h in hashes:
-                    net[h] = add
-            adds = [hash_hex(h) for h, add in net.items() if add]
-            dels = [hash_hex(h) for h, add in net.items() if not add]
+                    net[h] = tier
+            on_device = [hash_hex(h) for h, tier in net.items() if tier == "device"]
+            on_host = [hash_hex(h) for h, tier in net.items() if tier == "host"]
+            adds = on_device + on_host
+            dels = [hash_hex(h) for h, tier in net.items() if tier is None]
+            tiered = self._tiered
             prefix = self._keys.prefix
             blocks_key = self._keys.pod_blocks(self.pod_id)
             pipe = self._r.pipeline(transaction=False)
@@ -279,10 +298,17 @@ class PrefixIndexPublisher:
                     px=int(self.ttl_s * 1000),
                     get=True,
                 )
-            for hx in adds:
+            for hx in on_device:
                 pipe.sadd(f"{prefix}blk:{hx}", self.pod_id)
+                if tiered:
+                    pipe.srem(f"{prefix}hblk:{hx}", self.pod_id)
+            for hx in on_host:
+                pipe.sadd(f"{prefix}hblk:{hx}", self.pod_id)
+                pipe.srem(f"{prefix}blk:{hx}", self.pod_id)
             for hx in dels:
                 pipe.srem(f"{prefix}blk:{hx}", self.pod_id)
+                if tiered:
+                    pipe.srem(f"{prefix}hblk:{hx}", self.pod_id)
             if adds:
                 pipe.sadd(blocks_key, *adds)
             if dels:

@@ -17,7 +17,9 @@ import redis.asyncio as aredis
 from common.prefix.connection import REDIS_DOWN, OutageLog, client_options
 from common.prefix.scripts import MATCH_LUA, POD_STATUS_LUA, IndexKeys, hashes_hex
 
-__all__ = ["PrefixIndexReader"]
+__all__ = ["PrefixIndexReader", "TierMatch"]
+
+TierMatch = tuple[int, int]  # (leading blocks in device memory, blocks after them in the host tier)
 
 
 class PrefixIndexReader:
@@ -35,19 +37,27 @@ class PrefixIndexReader:
         self._backoff = 0.0
 
     async def match(self, block_hashes: Sequence[int], pods: Sequence[str]) -> dict[str, int] | None:
-        """For each candidate pod, the number of leading blocks of ``block_hashes`` it holds (0 for a pod
-        with an expired heartbeat). One round trip. None if Redis is unavailable."""
+        """For each candidate pod, the number of leading blocks of ``block_hashes`` it holds in either tier
+        (0 for a pod with an expired heartbeat). One round trip. None if Redis is unavailable."""
+        tiers = await self.match_tiers(block_hashes, pods)
+        return None if tiers is None else {pod: device + host for pod, (device, host) in tiers.items()}
+
+    async def match_tiers(self, block_hashes: Sequence[int], pods: Sequence[str]) -> dict[str, TierMatch] | None:
+        """For each candidate pod, (blocks in device memory, blocks after them in its host tier) of the leading
+        blocks of ``block_hashes`` it holds. One round trip. None if Redis is unavailable."""
         if not pods:
             return {}
         if not block_hashes:
-            return dict.fromkeys(pods, 0)
+            return dict.fromkeys(pods, (0, 0))
         args = [self._keys.prefix, hashes_hex(block_hashes), *pods]
         counts = await self._call(lambda: self._match(args=args))
         if counts is None:
             return None
-        out: dict[str, int] = {}
-        for pod, n in zip(pods, counts, strict=True):  # a pod listed twice keeps its larger count
-            out[pod] = max(out.get(pod, 0), int(n))
+        out: dict[str, TierMatch] = {}
+        for i, pod in enumerate(pods):  # a pod listed twice keeps its longer match
+            found = (int(counts[2 * i]), int(counts[2 * i + 1]))
+            if pod not in out or sum(found) > sum(out[pod]):
+                out[pod] = found
         return out
 
     async def live_pods(self) -> list[str] | None:

@@ -7,9 +7,13 @@ costs a cache miss on the chosen pod, and a missing Redis only means routing on 
 
 Keys (``{model}`` is the model id, ``{hash}`` the 16-digit lowercase hex of a 64-bit block hash):
 
-- ``kvf:{model}:blk:{hash}``: SET of pod ids holding that block.
-- ``kvf:{model}:pod:{pod}:blocks``: SET of the hashes (hex) this pod published, so the pod's entries can
-  be removed without scanning the keyspace (restart, graceful drain, garbage collection).
+- ``kvf:{model}:blk:{hash}``: SET of pod ids holding that block in device memory.
+- ``kvf:{model}:hblk:{hash}``: SET of pod ids holding that block in their host-memory tier (common/kv/
+  host_tier.py): reusable after a copy back, cheaper than recomputing, dearer than a device hit. A pod is
+  in at most one of the two sets of a block. Added beside ``blk:`` rather than changing it, so a reader
+  that knows only ``blk:`` still reads device hits right (and a host hit as a miss).
+- ``kvf:{model}:pod:{pod}:blocks``: SET of the hashes (hex) this pod published (either tier), so the pod's
+  entries can be removed without scanning the keyspace (restart, graceful drain, garbage collection).
 - ``kvf:{model}:hb:{pod}``: heartbeat STRING with a TTL; a pod whose heartbeat expired counts as holding
   nothing, whatever its block entries say (it crashed, or lost Redis and its entries are stale).
 - ``kvf:{model}:pods``: SET of pod ids that have published, so live pods can be listed and a dead pod's
@@ -60,6 +64,9 @@ class IndexKeys:
     def block(self, h: int) -> str:
         return f"{self.prefix}blk:{hash_hex(h)}"
 
+    def host_block(self, h: int) -> str:
+        return f"{self.prefix}hblk:{hash_hex(h)}"
+
     def pod_blocks(self, pod_id: str) -> str:
         return f"{self.prefix}pod:{pod_id}:blocks"
 
@@ -67,19 +74,24 @@ class IndexKeys:
         return f"{self.prefix}hb:{pod_id}"
 
 
-# ARGV: prefix, hashes (16 hex digits per block, concatenated), pod_1..pod_n  ->  {count_1..count_n}
-# Walk the blocks in order with the pods still matching; a pod drops out at its first miss (a later hit
-# is useless: its KV cannot be reused without the blocks before it); stop when no pod is left. One
-# SMISMEMBER per block checks all remaining pods in one call.
+# ARGV: prefix, hashes (16 hex digits per block, concatenated), pod_1..pod_n
+#   ->  {device_1, host_1, ..., device_n, host_n}
+# Walk the blocks in order with the pods still matching; a pod drops out at its first miss in both tiers (a
+# later hit is useless: its KV cannot be reused without the blocks before it); stop when no pod is left. One
+# SMISMEMBER per block checks all remaining pods' device entries, and a second one, only when some missed,
+# their host entries. A pod's count is its device hits then its host hits (a pod's host blocks extend its
+# device ones: common/kv/radix.py keeps the device part of the tree on top).
 MATCH_LUA = """
 local prefix = ARGV[1]
 local hashes = ARGV[2]
 local n = #ARGV - 2
-local counts = {}
+local device = {}
+local host = {}
 local active_idx = {}
 local active_pod = {}
 for i = 1, n do
-  counts[i] = 0
+  device[i] = 0
+  host[i] = 0
   local pod = ARGV[2 + i]
   if redis.call('EXISTS', prefix .. 'hb:' .. pod) == 1 then
     active_idx[#active_idx + 1] = i
@@ -88,22 +100,31 @@ for i = 1, n do
 end
 for j = 1, #hashes, 16 do
   if #active_idx == 0 then break end
-  local key = prefix .. 'blk:' .. string.sub(hashes, j, j + 15)
-  local hit = redis.call('SMISMEMBER', key, unpack(active_pod))
-  local all_hit = true
+  local h = string.sub(hashes, j, j + 15)
+  local hit = redis.call('SMISMEMBER', prefix .. 'blk:' .. h, unpack(active_pod))
+  local missed = {}
   for k = 1, #active_idx do
     if hit[k] == 1 then
-      local i = active_idx[k]
-      counts[i] = counts[i] + 1
+      device[active_idx[k]] = device[active_idx[k]] + 1
     else
-      all_hit = false
+      missed[#missed + 1] = k
     end
   end
-  if not all_hit then  -- rebuild the active lists only when some pod dropped out
+  if #missed > 0 then
+    local pods = {}
+    for m = 1, #missed do pods[m] = active_pod[missed[m]] end
+    local on_host = redis.call('SMISMEMBER', prefix .. 'hblk:' .. h, unpack(pods))
     local next_idx = {}
     local next_pod = {}
+    local m = 1
     for k = 1, #active_idx do
-      if hit[k] == 1 then
+      local keep = true
+      if missed[m] == k then
+        keep = on_host[m] == 1
+        if keep then host[active_idx[k]] = host[active_idx[k]] + 1 end
+        m = m + 1
+      end
+      if keep then
         next_idx[#next_idx + 1] = active_idx[k]
         next_pod[#next_pod + 1] = active_pod[k]
       end
@@ -112,7 +133,12 @@ for j = 1, #hashes, 16 do
     active_pod = next_pod
   end
 end
-return counts
+local out = {}
+for i = 1, n do
+  out[2 * i - 1] = device[i]
+  out[2 * i] = host[i]
+end
+return out
 """
 
 # KEYS: pods registry. ARGV: prefix  ->  {live pods, dead pods} (dead = registered, heartbeat expired).
@@ -141,6 +167,7 @@ if gc and redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
 local popped = redis.call('SPOP', KEYS[1], tonumber(ARGV[3]))
 for _, h in ipairs(popped) do
   redis.call('SREM', ARGV[1] .. 'blk:' .. h, ARGV[2])
+  redis.call('SREM', ARGV[1] .. 'hblk:' .. h, ARGV[2])
 end
 local left = redis.call('SCARD', KEYS[1])
 if gc and left == 0 then redis.call('SREM', KEYS[3], ARGV[2]) end

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.kv.page_table import PageTable
+from common.kv.radix import MatchResult
 from common.sched.pages import KVBudget
 from common.sched.request import Req, ReqState
 
@@ -47,6 +48,7 @@ class PrefillAdder:
             return False
         cache = self.budget.cache
         node, matched_pages, matched_len, locked_now = None, [], 0, 0
+        m: MatchResult | None = None
         if cache is not None:
             # Match all but the last prompt token: at least one token must be computed to get logits.
             m = cache.match_prefix(req.prompt_ids, max_len=req.prompt_len - 1)
@@ -54,11 +56,19 @@ class PrefillAdder:
             before = cache.evictable_pages
             cache.lock(node)
             locked_now = before - cache.evictable_pages  # locking shrinks what eviction can reclaim
+        # Pages of a host-tier hit come out of this same budget: they are loaded into fresh device pages.
         need = self.budget.pages_for(req.max_device_len) - len(matched_pages)
+        if need > self.pages_available - locked_now:
+            if cache is not None:
+                cache.unlock(node)
+            return False
+        if cache is not None and m is not None and m.host_nodes:
+            loaded = cache.load_back(m)
+            cache.lock(loaded.node)
+            cache.unlock(node)
+            node, matched_len, matched_pages = loaded.node, loaded.matched_len, loaded.pages.tolist()
         first_chunk = min(req.prompt_len - matched_len, self.token_budget)
-        if need > self.pages_available - locked_now or (
-            first_chunk < req.prompt_len - matched_len and first_chunk < self.budget.page_size
-        ):
+        if first_chunk < req.prompt_len - matched_len and first_chunk < self.budget.page_size:
             if cache is not None:
                 cache.unlock(node)
             return False
