@@ -33,6 +33,7 @@ import torch
 from common.engine.runner import ModelRunner
 from common.engine.sampling import SamplingBatch, sample
 from common.kv.allocator import PageAllocator
+from common.kv.host_tier import make_host_tier
 from common.kv.radix import RadixCache
 from common.protocol import TokenLogprob
 from common.sched.grammar import GrammarBook, GrammarError
@@ -86,7 +87,10 @@ class Scheduler:
         self.overlap = overlap
         self.device = runner.device
         self.allocator = PageAllocator(runner.pool.num_pages)
-        self.cache = RadixCache(self.page_size, self.allocator) if cfg.enable_prefix_cache else None
+        self.cache: RadixCache | None = None
+        if cfg.enable_prefix_cache:
+            host = make_host_tier(runner.pool, cfg.host_kv_gb, runner.tp.size)  # None: no host tier
+            self.cache = RadixCache(self.page_size, self.allocator, host)
         self.budget = KVBudget(self.allocator, self.cache, runner.page_table)
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None

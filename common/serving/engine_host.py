@@ -74,7 +74,14 @@ class EngineHost:
             staging_bytes=int(cfg.transfer_staging_mb * (1 << 20)),
             progress_delay_us=None if cfg.nixl_progress_delay_us < 0 else cfg.nixl_progress_delay_us,
         )
-        self.publisher = PrefixIndexPublisher(cfg.redis_url, cfg.runner.model, cfg.pod_name, resync=self._cached_hashes)
+        tiered = self.scheduler.cache is not None and self.scheduler.cache.host is not None
+        self.publisher = PrefixIndexPublisher(
+            cfg.redis_url,
+            cfg.runner.model,
+            cfg.pod_name,
+            resync=self._cached_hashes,
+            resync_host=(lambda: self._cached_hashes("host")) if tiered else None,
+        )
         self.scheduler.budget.on_cached = self.publisher.stored
         self.outbox: list[Message] = []
         self.stopping = False
@@ -195,9 +202,11 @@ class EngineHost:
                     log.exception("scheduler step failed; aborting the requests in flight")
                     self.fail_all("internal error in the engine step")
                 self.after_step()
-            evicted = self.scheduler.cache.drain_evicted_hashes() if self.scheduler.cache is not None else []
-            if evicted:
-                self.publisher.removed(evicted)
+            for tier, hashes in self.scheduler.cache.drain_index_events() if self.scheduler.cache is not None else []:
+                if tier is None:
+                    self.publisher.removed(hashes)
+                else:
+                    self.publisher.stored(hashes, tier)  # moved to the host tier, or loaded back
             now = time.monotonic()
             if now - self._last_load >= LOAD_INTERVAL_S:
                 self._last_load = now
@@ -253,14 +262,14 @@ class EngineHost:
         self.flush()
         self.runner.close()
 
-    def _cached_hashes(self) -> list[int]:
+    def _cached_hashes(self, tier: str = "device") -> list[int]:
         cache = self.scheduler.cache
         if cache is None:
             return []
         # Runs on the publisher's thread while the loop may change the tree: retry a torn walk.
         for _ in range(5):
             try:
-                return cache.all_block_hashes()
+                return cache.all_block_hashes(tier)
             except RuntimeError:
                 time.sleep(0.001)
         return []
