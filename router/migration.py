@@ -109,7 +109,11 @@ class MigratingCall:
     def _take(self, ev: UpstreamEvent) -> UpstreamEvent | None:
         """The event to hand on, or None when the leg was lost and the choice will migrate (tokens that
         came with the failure are handed on first)."""
-        if ev.finish_reason != "error" or not ev.retryable or self.migrations >= self.limit:
+        if ev.finish_reason != "error" or not ev.retryable:
+            return self._seen(ev)
+        if self.migrations >= self.limit:
+            MIGRATIONS.failed += 1
+            ev.error = f"{ev.error}; not continued: this request already moved {self.migrations} times"
             return self._seen(ev)
         self._failure = ev
         if ev.token_ids:

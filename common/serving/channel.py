@@ -53,17 +53,26 @@ class EngineClient:
         self._reader.start()
 
     def cast(self, msg: Message) -> None:
-        send(self.conn, msg, self._lock)
+        """Sends a command without waiting; to an engine that is gone it is moot (its requests ended with it)."""
+        try:
+            send(self.conn, msg, self._lock)
+        except OSError:
+            log.debug("command to an exited engine dropped", extra={"op": msg.get("op")})
 
     async def call(self, msg: Message, timeout: float = CALL_TIMEOUT_S) -> Message:
         """Sends a command and waits for its reply. Raises EngineError: the engine refused it, exited, or did
         not answer within ``timeout`` (code ``engine_timeout``: a busy engine, e.g. several CPU engines on two
         cores; the command may still run later, so the caller undoes what it would have started)."""
+        if self.closed.is_set():
+            raise EngineError(ENGINE_EXITED, "engine_exited")
         rid = next(self._ids)
         fut: asyncio.Future[Message] = self.loop.create_future()
         self._replies[rid] = fut
         try:
-            self.cast({**msg, "rpc": rid})
+            try:
+                send(self.conn, {**msg, "rpc": rid}, self._lock)
+            except OSError:
+                raise EngineError(ENGINE_EXITED, "engine_exited") from None
             reply = await asyncio.wait_for(fut, timeout)
         except TimeoutError:
             op = msg.get("op", "?")

@@ -1,0 +1,86 @@
+"""Fast checks of the pieces that turn faults into something recoverable, on real pipes and processes: an engine
+call that is never answered, an engine that exits under open streams, and the supervisor of `kvferry up`
+restarting a part that keeps exiting, with back-off."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.devcluster.process import ManagedProcess
+from common.devcluster.supervisor import Supervisor
+from common.serving.channel import ENGINE_TIMEOUT, EngineClient, EngineError
+
+
+def test_an_unanswered_engine_call_is_a_retryable_engine_error_not_a_timeout() -> None:
+    async def run() -> EngineError:
+        ours, theirs = mp.Pipe(duplex=True)  # nobody answers on `theirs`
+        client = EngineClient(ours, asyncio.get_running_loop(), lambda _m: None)
+        try:
+            with pytest.raises(EngineError) as info:
+                await client.call({"op": "generate", "req_id": "r"}, timeout=0.2)
+            return info.value
+        finally:
+            theirs.close()
+            ours.close()
+
+    err = asyncio.run(run())
+    assert err.code == ENGINE_TIMEOUT
+    assert "'generate'" in str(err) and "0.2" in str(err)
+
+
+def test_engine_exit_ends_open_streams_with_a_retryable_error() -> None:
+    async def run() -> dict:
+        ours, theirs = mp.Pipe(duplex=True)
+        client = EngineClient(ours, asyncio.get_running_loop(), lambda _m: None)
+        queue = client.open_stream("r")
+        theirs.close()  # the engine process is gone
+        msg = await asyncio.wait_for(queue.get(), 5)
+        with pytest.raises(EngineError):
+            await client.call({"op": "stop"}, timeout=5)
+        ours.close()
+        return msg
+
+    msg = asyncio.run(run())
+    assert msg["finish_reason"] == "error" and msg["retryable"] is True
+
+
+def test_supervisor_restarts_an_exiting_part_with_back_off(tmp_path: Path) -> None:
+    part = ManagedProcess("flaky", [sys.executable, "-c", "print('bye'); raise SystemExit(3)"], {}, tmp_path / "f.log")
+    part.start()
+    assert part.proc is not None
+    part.proc.wait(10)
+    said: list[str] = []
+    sup = Supervisor([part], said.append, backoff_s=(1.0, 2.0), stable_s=60.0)
+    t = 1000.0
+    sup.check(t)  # noticed: restart due in 1 s
+    assert "flaky exited (code 3); restarting it in 1 s" in said[-1] and "bye" in said[-1]
+    sup.check(t + 0.5)
+    assert sup.restarts == {"flaky": 0}
+    sup.check(t + 1.0)
+    assert sup.restarts == {"flaky": 1} and "restarted" in said[-1]
+    part.proc.wait(10)
+    sup.check(t + 1.5)  # exited again at once: the back-off doubles
+    assert "restarting it in 2 s" in said[-1]
+    sup.check(t + 3.0)
+    assert sup.restarts == {"flaky": 1}
+    sup.check(t + 3.5)
+    assert sup.restarts == {"flaky": 2}
+    part.kill_group()
+
+
+def test_supervisor_leaves_a_running_part_alone(tmp_path: Path) -> None:
+    part = ManagedProcess("steady", [sys.executable, "-c", "import time; time.sleep(30)"], {}, tmp_path / "s.log")
+    part.start()
+    try:
+        said: list[str] = []
+        sup = Supervisor([part], said.append)
+        for _ in range(3):
+            sup.check()
+        assert said == [] and sup.restarts == {"steady": 0} and part.alive()
+    finally:
+        part.kill_group()
