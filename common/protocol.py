@@ -232,6 +232,7 @@ class LoadSnapshot(BaseModel):
     ready: bool
     draining: bool = False
     max_running: int = 0  # batch slots (0: not reported); the router's admission counts free ones
+    prefill_tokens_per_s: float = 0.0  # measured while prefill work was queued (0: not measured yet)
 
 
 class ErrorBody(BaseModel):

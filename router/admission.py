@@ -12,14 +12,16 @@ decode worker d
         prefill) that its free batch slots cannot take (with the slot count unreported, all of them:
         the pessimistic reading of a stale figure). Every waiting request adds about one request's
         worth of TTFT to those behind it, so a long queue is where latency collapses first.
-    queued_prefill_tokens_d >= admit_max_queued_prefill_tokens
-        Prompt tokens waiting for its prefill (short prompts and prefix hits prefill on the decode pod).
+    queued_prefill_tokens_d >= max(admit_max_queued_prefill_tokens, rate_d x admit_queue_seconds)
+        Prompt tokens waiting for its prefill (short prompts and prefix hits prefill on the decode pod),
+        against what the worker prefills within the TTFT target at its measured rate (``rate_d``: the
+        worker's own ``prefill_tokens_per_s``, measured while prompts were queued), with a floor.
     free_pages_d * page_size < prompt + max_tokens  and  backlog_d > 0
         Its KV cannot hold this request and others already wait: this one would wait behind them for
         running requests to finish (decode pods reserve KV for the whole output).
 
 prefill worker p
-    max(queued_prefill_tokens_p, inflight_tokens_p) >= admit_max_queued_prefill_tokens
+    max(queued_prefill_tokens_p, inflight_tokens_p) >= max(admit_max_queued_prefill_tokens, rate_p x admit_queue_seconds)
         The prefill queue in tokens (the pod's figure or this router's own count of prompt tokens sent
         and not yet started, whichever is larger): TTFT grows linearly with it.
 
@@ -41,7 +43,14 @@ __all__ = ["AdmissionLimits", "decode_is_full", "prefill_is_full"]
 @dataclass(frozen=True)
 class AdmissionLimits:
     max_waiting: int = 32  # per decode worker: requests waiting for a batch slot
-    max_queued_prefill_tokens: int = 32768  # per worker: prompt tokens waiting for prefill
+    max_queued_prefill_tokens: int = 32768  # per worker: prompt tokens waiting for prefill (the floor)
+    queue_seconds: float = 2.0  # per worker: as many queued tokens as it prefills in this long, if more
+
+    def queued_tokens_limit(self, w: Worker) -> int:
+        """The floor, or the tokens the worker prefills in `queue_seconds` at its measured rate: an H200
+        prefills 25-40k tokens/s of an 8B model, a CPU pod a few hundred, and one constant fits neither."""
+        rate = w.load.prefill_tokens_per_s if w.load is not None else 0.0
+        return max(self.max_queued_prefill_tokens, int(rate * self.queue_seconds))
 
 
 def decode_is_full(w: Worker, need_tokens: int, limits: AdmissionLimits) -> bool:
@@ -53,7 +62,7 @@ def decode_is_full(w: Worker, need_tokens: int, limits: AdmissionLimits) -> bool
         return True
     if load is None:
         return False
-    if limits.max_queued_prefill_tokens and load.queued_prefill_tokens >= limits.max_queued_prefill_tokens:
+    if limits.max_queued_prefill_tokens and load.queued_prefill_tokens >= limits.queued_tokens_limit(w):
         return True
     return backlog > 0 and load.total_pages > 0 and load.free_pages * load.page_size < need_tokens
 
@@ -62,4 +71,4 @@ def prefill_is_full(w: Worker, limits: AdmissionLimits) -> bool:
     if not limits.max_queued_prefill_tokens:
         return False
     queued = w.load.queued_prefill_tokens if w.load is not None else 0
-    return max(queued, w.inflight_tokens) >= limits.max_queued_prefill_tokens
+    return max(queued, w.inflight_tokens) >= limits.queued_tokens_limit(w)

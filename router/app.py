@@ -155,7 +155,9 @@ def create_app(
             first_token_timeout_s=opts.first_token_timeout_s,
             inter_token_timeout_s=opts.inter_token_timeout_s,
             retry_after_s=opts.retry_after_s,
-            limits=AdmissionLimits(opts.admit_max_waiting, opts.admit_max_queued_prefill_tokens),
+            limits=AdmissionLimits(
+                opts.admit_max_waiting, opts.admit_max_queued_prefill_tokens, opts.admit_queue_seconds
+            ),
             metrics=metrics,
         )
         metrics.watch_pool(lambda: list(pool.workers.values()))

@@ -62,6 +62,7 @@ class Load:
     ready: bool = False
     draining: bool = False
     max_running: int = 0  # 0: not reported (older workers)
+    prefill_tokens_per_s: float = 0.0  # the worker's measured prefill rate (0: not measured yet)
 
 
 def parse_load(data: Any) -> Load:
@@ -84,6 +85,7 @@ def parse_load(data: Any) -> Load:
         ready=bool(data.get("ready", False)),
         draining=bool(data.get("draining", False)),
         max_running=num("max_running"),
+        prefill_tokens_per_s=max(0.0, float(num("prefill_tokens_per_s"))),
     )
 
 

@@ -39,7 +39,8 @@ class RouterOptions:
     recent_route_ttl_s: float = 10.0  # how long the router's own placements count as cached
     # Admission per worker (router/admission.py; 0 turns a check off): beyond these, 429 + Retry-After.
     admit_max_waiting: int = 64  # decode worker: waiting requests + those sent since its last snapshot
-    admit_max_queued_prefill_tokens: int = 32768  # any worker: prompt tokens queued for prefill
+    admit_max_queued_prefill_tokens: int = 32768  # any worker: prompt tokens queued for prefill (a floor ...)
+    admit_queue_seconds: float = 2.0  # ... raised to what the worker prefills in this long (its measured rate)
     # Worker health (router/pool.py): a slow poll only makes a worker stale; down needs proof or silence.
     poll_interval_s: float = 0.25  # also how fresh the load that admission and routing read is
     poll_timeout_s: float = 2.0

@@ -104,6 +104,7 @@ class Scheduler:
         self.last_tokens = torch.zeros(runner.page_table.table.shape[0], dtype=torch.int64, device=self.device)
         self._inflight: dict[Req, int] = {}  # tokens launched but not yet appended, per request
         self._pending: Launched | None = None
+        self.prefill_tokens_launched = 0  # prompt tokens computed so far (the measured prefill rate's counter)
         self.on_prefill_chunk: ChunkHook | None = None
         # When set (prefill workers), a request whose prompt is done (first token sampled) is handed to this
         # callback and parked: its pages stay as they are, outside the prefix cache, until the owner calls
@@ -280,6 +281,7 @@ class Scheduler:
         token_chunks = [r.prompt_ids[s : s + n] for r, s, n in zip(batch, starts, chunks)]
         done = [s + n == r.prompt_len for r, s, n in zip(batch, starts, chunks)]
         rows = [r.table_row for r in batch]
+        self.prefill_tokens_launched += sum(chunks)
         fb = self.runner.build_batch(token_chunks, starts, rows, done, is_decode=False)
         logits = self.runner.forward(fb)
         for r, s, n, d in zip(batch, starts, chunks, done):

@@ -27,6 +27,7 @@ from common.sched.request import Req, ReqState
 from common.sched.scheduler import RequestRejected, Scheduler, StepEvent
 from common.serving import tp_follower
 from common.serving.channel import Message, recv, send
+from common.serving.prefill_rate import PrefillRate
 from common.transfer.agent import KVTransferAgent
 
 log = logging.getLogger("kvferry.engine")
@@ -86,6 +87,7 @@ class EngineHost:
         self.outbox: list[Message] = []
         self.stopping = False
         self._last_load = 0.0
+        self.prefill_rate = PrefillRate()
         self.debug_checksums = os.environ.get("KVFERRY_DEBUG_CHECKSUMS") == "1"
         # Observability (common/serving/engine_metrics.py): per-request stage stamps, sent with the request's
         # first-token event; requests queued for a prefill batch, whose admission the step loop stamps; and
@@ -276,10 +278,13 @@ class EngineHost:
 
     def load(self) -> LoadSnapshot:
         s = self.scheduler
+        queued = s.queued_prefill_tokens()
+        rate = self.prefill_rate.observe(time.monotonic(), s.prefill_tokens_launched, queued > 0)
         return LoadSnapshot(
             role=self.role,  # type: ignore[arg-type]
             pod=self.cfg.pod_name,
-            queued_prefill_tokens=s.queued_prefill_tokens(),
+            queued_prefill_tokens=queued,
+            prefill_tokens_per_s=round(rate, 1),
             running_requests=len(s.running) + len(s.awaiting_kv) + (1 if s.chunked else 0),
             waiting_requests=len(s.waiting),
             free_pages=s.free_pages() - s.reserved_pages(),
