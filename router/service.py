@@ -37,6 +37,7 @@ from router.responses import (
 from router.settings import RouterOptions
 from router.timeline import RequestRecord
 from router.tokenizer import ModelInfo, RouterTokenizer
+from router.tools import ToolCallStream, finish_reason_with_calls, parse_tool_calls
 from router.upstream import Dispatcher, UpstreamEvent
 
 __all__ = ["Job", "RouterService"]
@@ -77,6 +78,7 @@ class RunningChoice:
     tokens: list[TokenInfo] = field(default_factory=list)
     offset: int = 0  # completions' text_offset of the next token
     gaps: TokenGaps | None = None  # inter-token gaps, for the router's histogram
+    tools: ToolCallStream | None = None  # chat with tools: tool calls parsed out of the text
 
 
 class RouterService:
@@ -105,15 +107,16 @@ class RouterService:
     async def prepare_chat(self, req: ChatCompletionRequest) -> Job:
         messages = req.chat_messages()
         try:
-            if sum(len(m["content"]) for m in messages) > _LONG_TEXT:
-                ids = await asyncio.to_thread(self.tok.encode_chat, messages)
+            if sum(len(m["content"] or "") for m in messages) > _LONG_TEXT:
+                ids = await asyncio.to_thread(self.tok.encode_chat, messages, req.tools)
             else:
-                ids = self.tok.encode_chat(messages)
+                ids = self.tok.encode_chat(messages, req.tools)
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from None
         if not ids:
             raise bad_request("messages produce an empty prompt", "messages")
         max_tokens = self._max_tokens(len(ids), req.requested_max_tokens(), "messages", chat=True)
+        self._check_sampling(req, [max_tokens])
         return Job(
             kind="chat",
             rid=f"chatcmpl-{uuid.uuid4().hex}",
@@ -145,6 +148,7 @@ class RouterService:
                     raise bad_request(f"prompt token ids must be in [0, {self.tok.vocab_size})", "prompt")
             prompts.append(ids)
         max_tokens = [self._max_tokens(len(ids), req.max_tokens, "prompt", chat=False) for ids in prompts]
+        self._check_sampling(req, max_tokens)
         return Job(
             kind="completion",
             rid=f"cmpl-{uuid.uuid4().hex}",
@@ -159,6 +163,16 @@ class RouterService:
             top_logprobs=req.logprobs or 0,
             include_usage=req.include_usage,
         )
+
+    def _check_sampling(self, req: ChatCompletionRequest | CompletionRequest, max_tokens: list[int]) -> None:
+        """What needs the tokenizer or the output budget to check."""
+        bad = [t for t in req.logit_bias_ids() if t >= self.tok.vocab_size]
+        if bad:
+            raise bad_request(f"logit_bias token ids must be in [0, {self.tok.vocab_size}); got {bad[0]}", "logit_bias")
+        if any(t < 0 or t >= self.tok.vocab_size for t in req.stop_token_ids or []):
+            raise bad_request(f"stop_token_ids must be in [0, {self.tok.vocab_size})", "stop_token_ids")
+        if req.min_tokens and req.min_tokens > min(max_tokens):
+            raise bad_request(f"min_tokens ({req.min_tokens}) exceeds max_tokens ({min(max_tokens)})", "min_tokens")
 
     def _max_tokens(self, prompt_len: int, requested: int | None, param: str, chat: bool) -> int:
         ctx = self.model.max_context
@@ -196,7 +210,7 @@ class RouterService:
                 )
                 ctx = plan.token_ids[-_CONTEXT_IDS:] if context_ok else ()
                 state = ChoiceState(idx, self.tok, job.stops, ctx, job.logprobs)
-                choices.append(RunningChoice(idx, p_idx, call, state))
+                choices.append(RunningChoice(idx, p_idx, call, state, tools=_tool_stream(job)))
         try:
             if len(choices) == 1:
                 choices[0].first = await choices[0].call.start()
@@ -261,6 +275,12 @@ class RouterService:
             text = "".join(c.text)
             if job.kind == "chat":
                 lp = chat_logprobs(c.tokens, self.tok) if job.logprobs else None
+                if c.tools is not None:
+                    req = c.tools
+                    content, calls = parse_tool_calls(text, req.mode, req.tools, req.choice)
+                    reason = finish_reason_with_calls(c.state.finish_reason, calls)
+                    out.append(chat_choice(c.index, content, reason, lp, [x.as_dict() for x in calls]))
+                    continue
                 out.append(chat_choice(c.index, text, c.state.finish_reason, lp))
             else:
                 lp = completion_logprobs(c.tokens, self.tok, 0)[0] if job.logprobs else None
@@ -326,6 +346,8 @@ class RouterService:
         yield b"".join([*tail, SSE_DONE])
 
     def _render(self, job: Job, fmt: ChunkFormat, c: RunningChoice, delta: ChoiceDelta) -> bytes:
+        if c.tools is not None:
+            return self._render_tools(job, fmt, c, c.tools, delta)
         if job.kind == "chat":
             parts = b""
             if delta.text or delta.tokens:
@@ -342,6 +364,31 @@ class RouterService:
         if job.logprobs:
             lp, c.offset = completion_logprobs(delta.tokens, self.tok, c.offset)
         return fmt.chunk([{"index": c.index, "text": delta.text, "logprobs": lp, "finish_reason": delta.finish_reason}])
+
+    def _render_tools(
+        self, job: Job, fmt: ChunkFormat, c: RunningChoice, tools: ToolCallStream, delta: ChoiceDelta
+    ) -> bytes:
+        """A chat choice with tools: content or tool-call deltas (router/tools.py decides which)."""
+        deltas = tools.push(delta.text)
+        if delta.finish_reason is not None:
+            deltas += tools.finish()
+        lp = chat_logprobs(delta.tokens, self.tok) if job.logprobs and delta.tokens else None
+        if lp is not None and not deltas:
+            deltas = [{}]
+        parts = b""
+        for i, d in enumerate(deltas):
+            parts += fmt.chunk(
+                [{"index": c.index, "delta": d, "logprobs": lp if i == 0 else None, "finish_reason": None}]
+            )
+        if delta.finish_reason is not None:
+            reason = finish_reason_with_calls(delta.finish_reason, tools.calls)
+            parts += fmt.chunk([{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": reason}])
+        return parts
+
+    async def deltas(self, choices: list[RunningChoice]) -> AsyncIterator[list[ChoiceDelta]]:
+        """The choices' text deltas as they come (for response shapes other than chat and completions)."""
+        async for batch in self._merged(choices):
+            yield batch
 
     async def _merged(self, choices: list[RunningChoice]) -> AsyncIterator[list[ChoiceDelta]]:
         """Batches of deltas of all choices in arrival order (n > 1 runs the choices concurrently)."""
@@ -373,3 +420,10 @@ class RouterService:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _tool_stream(job: Job) -> ToolCallStream | None:
+    req = job.request
+    if not isinstance(req, ChatCompletionRequest) or req.tool_mode == "none":
+        return None
+    return ToolCallStream(req.tool_mode, req.tools or [], req.named_tool)

@@ -186,6 +186,68 @@ def test_frequency_and_presence_penalties_move_the_argmax():
     assert float(lp.logprobs[0]) == pytest.approx(float(logits[0].log_softmax(-1)[1]), abs=1e-6)
 
 
+def test_uniform_noise_never_reaches_one():
+    """u = 1 would give +inf Gumbel noise: that token would win whatever its logit (NaN against a mask)."""
+    top = torch.tensor([(1 << 32) - 1], dtype=torch.int64)  # the largest hash value, through the same scaling
+    assert float(((top >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))) < 1.0
+    u = uniform_noise(torch.arange(256), torch.zeros(256, dtype=torch.int64), 49152)
+    assert float(u.max()) < 1.0 and float(u.min()) > 0.0
+
+
+def test_logit_bias_bans_forces_and_stays_per_request():
+    logits = torch.tensor([[5.0, 4.5, 0.0, 1.0]] * 3)
+    params = [SamplingParams(logit_bias={0: -100.0}), SamplingParams(logit_bias={2: 100.0}), SamplingParams()]
+    assert sample(logits, _batch(params, vocab=4)).tokens.tolist() == [1, 2, 0]
+    # Sampled too: a -100 bias is a ban in practice, whatever the draw.
+    hot = [SamplingParams(temperature=2.0, seed=s, logit_bias={0: -100.0, 1: -100.0}) for s in range(64)]
+    tokens = sample(logits[:1].expand(64, -1).contiguous(), _batch(hot, vocab=4)).tokens
+    assert set(tokens.tolist()) <= {2, 3}
+    with pytest.raises(ValidationError):
+        SamplingParams(logit_bias={1: 101.0})
+    with pytest.raises(ValidationError):
+        SamplingParams(logit_bias={-1: 1.0})
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached():
+    logits = torch.tensor([[1.0, 9.0, 8.0, 0.0]] * 3)  # token 1 is EOS, token 2 a stop id
+    params = [SamplingParams(min_tokens=3, stop_token_ids=[2])] * 3
+    sb = SamplingBatch.build(params, [0, 0, 0], [[], [], []], 4, CPU, steps=[0, 2, 3], eos_ids=(1,))
+    assert sample(logits, sb).tokens.tolist() == [0, 0, 1]  # banned at steps 0 and 2, free at step 3
+    ignore = SamplingParams(min_tokens=3, ignore_eos=True)
+    sb = SamplingBatch.build([ignore], [0], [[]], 4, CPU, steps=[0], eos_ids=(1,))
+    assert sample(logits[:1], sb).tokens.tolist() == [1]  # EOS is no end with ignore_eos: nothing to hold back
+
+
+def test_repetition_penalty_covers_prompt_and_output():
+    logits = torch.tensor([[4.0, 3.0, -1.0, -2.0]] * 3)
+    params = [SamplingParams(repetition_penalty=1.5)] * 2 + [SamplingParams()]
+    sb = SamplingBatch.build(params, [0] * 3, [[], [0], [0]], 4, CPU, prompt_ids=[[0], [], [0]])
+    # 4 / 1.5 = 2.67 < 3: token 0, seen in the prompt (row 0) or the output (row 1), loses to token 1.
+    assert sample(logits, sb).tokens.tolist() == [1, 1, 0]
+    neg = torch.tensor([[-1.0, -1.2, -5.0, -5.0]])
+    sb = SamplingBatch.build([SamplingParams(repetition_penalty=1.5)], [0], [[0]], 4, CPU, prompt_ids=[[]])
+    assert sample(neg, sb).tokens.tolist() == [1]  # a negative logit is multiplied: -1.5 < -1.2
+
+
+def test_grammar_bitmask_allows_only_its_tokens():
+    vocab = 70
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(1))
+    bits = torch.full((2, 3), -1, dtype=torch.int32)  # row 1: unconstrained
+    bits[0] = 0
+    bits[0, 1] = -(1 << 31)  # bit 31 (the sign bit of int32): token 63
+    bits[0, 2] = 1 << 3  # token 67
+    params = [SamplingParams(temperature=1.0, seed=s) for s in (0, 1)]
+    for step in range(20):
+        sb = _batch(params, vocab=vocab)
+        sb.steps = torch.full((2,), step, dtype=torch.int64)
+        sb.allowed_bits = bits
+        assert sample(logits, sb).tokens[0].item() in (63, 67)
+    sb = _batch([SamplingParams(), SamplingParams()], vocab=vocab)
+    sb.allowed_bits = bits
+    tokens = sample(logits, sb).tokens.tolist()
+    assert tokens[0] == (63 if logits[0, 63] > logits[0, 67] else 67) and tokens[1] == int(logits[1].argmax())
+
+
 # ---- seeds on the real model ----------------------------------------------------------------------------
 
 SEEDED = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=42, ignore_eos=True)

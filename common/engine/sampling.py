@@ -39,7 +39,9 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch
     s = _mix32(s ^ ((steps * 0x9E3779B9) & _M32))
     ids = (torch.arange(vocab, device=device, dtype=torch.int64) * 0x85EBCA6B) & _M32
     h = _mix32(s[:, None] ^ ids[None, :])
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # 23 bits: (k + 0.5) / 2^23 stays below 1 in float32 (with 24 bits the top value rounds to 1.0, whose
+    # Gumbel noise is +inf: that token would win whatever its probability, and a masked one would give NaN).
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass
