@@ -131,6 +131,7 @@ class RequestRecord:
             "output_tokens": self.output_tokens,
             "ttft_ms": None if self.ttft_s is None else round(self.ttft_s * 1e3, 3),
             "e2e_ms": None if self.e2e_s is None else round(self.e2e_s * 1e3, 3),
+            "received_at": self.stamps.get("router_received"),  # wall clock, seconds
             "trace_id": tracing.trace_id(self.span),
             "stages": offsets_ms(self.stamps),
         }

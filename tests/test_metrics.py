@@ -1,0 +1,283 @@
+"""Metrics and request timelines, end to end on CPU: a router, one prefill and one decode worker, real requests.
+
+The cluster runs with tracing on (a test OTLP collector, tests/otlp_collector.py), so the same requests
+check the histograms (router and both workers), the stage timeline route and the cross-process trace.
+Plus the parts that need no cluster: the router's inter-token accumulator against prometheus-client's own
+observe(), the multiprocess exposition, and the worker histograms' GB/s sanity.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from common.devcluster.cluster import LocalCluster, start_local_cluster
+from common.observability.timeline import STAGES
+from tests.otlp_collector import OtlpCollector
+
+MODEL = "smollm2-135m-instruct"
+ENV = {
+    "KVFERRY_NUM_PAGES": "384",
+    "KVFERRY_MAX_PREFILL_TOKENS": "128",
+    "KVFERRY_ROUTER_DISAGG_MIN_PROMPT_TOKENS": "32",  # the test prompts (~40 tokens) go to the prefill worker
+    "OTEL_BSP_SCHEDULE_DELAY": "100",  # spans leave the processes within 0.1 s
+}
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """{(sample name, sorted labels): value} of a Prometheus text exposition."""
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(snap: dict, name: str, **labels: str) -> float:
+    return snap.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def scrape(url: str) -> dict:
+    r = httpx.get(f"{url}/metrics", timeout=10)
+    assert r.status_code == 200
+    return samples(r.text)
+
+
+@pytest.fixture(scope="module")
+def collector() -> Iterator[OtlpCollector]:
+    c = OtlpCollector()
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(collector: OtlpCollector) -> Iterator[LocalCluster]:
+    c = start_local_cluster(
+        prefill=1, decode=1, env={**ENV, "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url}, ready_timeout_s=300
+    )
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+# One client for every request: a new httpx client builds its TLS context first (tens of ms on a busy CI box),
+# which no TTFT should include.
+HTTP = httpx.Client(timeout=120)
+
+
+def stream_chat(router: str, content: str, max_tokens: int = 12) -> dict:
+    """One streamed chat request, timed as a client sees it: its first chunk (the router starts the response
+    once the first tokens are in), its first content (a token's text can wait for the next one) and the end."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.monotonic()
+    ttft = first_content = None
+    rid = usage = None
+    with HTTP.stream("POST", f"{router}/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            rid = chunk["id"]
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            if ttft is None:
+                ttft = time.monotonic() - t0
+            if first_content is None and any(c["delta"].get("content") for c in chunk["choices"]):
+                first_content = time.monotonic() - t0
+    return {"id": rid, "ttft": ttft, "first_content": first_content, "e2e": time.monotonic() - t0, "usage": usage}
+
+
+@pytest.fixture(scope="module")
+def served(cluster: LocalCluster) -> dict:
+    """Metrics before and after three disaggregated streamed requests, and what the client measured."""
+    stream_chat(cluster.router_url, "Warm up the workers, please.")  # first requests pay one-off costs
+    time.sleep(0.3)  # a load interval: the engines' step reports are in
+    urls = {"router": cluster.router_url, "prefill": cluster.prefill_urls[0], "decode": cluster.decode_urls[0]}
+    before = {k: scrape(u) for k, u in urls.items()}
+    runs = [stream_chat(cluster.router_url, f"Describe the history of the city of Paris, part {i}.") for i in range(3)]
+    time.sleep(0.3)
+    after = {k: scrape(u) for k, u in urls.items()}
+    return {"before": before, "after": after, "runs": runs}
+
+
+def delta(served: dict, part: str, name: str, **labels: str) -> float:
+    return value(served["after"][part], name, **labels) - value(served["before"][part], name, **labels)
+
+
+def test_router_histograms_agree_with_the_client(served: dict) -> None:
+    runs = served["runs"]
+    assert all(r["ttft"] is not None and r["usage"] for r in runs)
+    n = len(runs)
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "time_to_dispatch_seconds"):
+        assert delta(served, "router", f"kvferry_router_{name}_count") == n, name
+    # The router's TTFT is the client's minus what the client itself adds (sending the request, the router
+    # reading and validating it, the first chunk's way back): never more, and within a few ms each (25 ms
+    # allowed per request: on a 2-core CI box shared with three engines the router waits for a core).
+    router_ttft = delta(served, "router", "kvferry_router_time_to_first_token_seconds_sum")
+    client_ttft = sum(r["ttft"] for r in runs)
+    assert router_ttft <= client_ttft + 0.002 * n
+    assert client_ttft - router_ttft < 0.025 * n, (client_ttft, router_ttft)
+    assert router_ttft <= sum(r["first_content"] for r in runs)
+    router_e2e = delta(served, "router", "kvferry_router_e2e_request_latency_seconds_sum")
+    assert router_e2e <= sum(r["e2e"] for r in runs) + 0.002 * n
+    assert delta(served, "router", "kvferry_router_time_to_dispatch_seconds_sum") < router_ttft
+    prompt = sum(r["usage"]["prompt_tokens"] for r in runs)
+    output = sum(r["usage"]["completion_tokens"] for r in runs)
+    assert delta(served, "router", "kvferry_router_prompt_tokens_sum") == prompt
+    assert delta(served, "router", "kvferry_router_output_tokens_sum") == output
+    # One gap per token after each choice's first event.
+    itl = delta(served, "router", "kvferry_router_inter_token_latency_seconds_count")
+    assert output - 2 * n <= itl <= output - n
+    assert 0 < delta(served, "router", "kvferry_router_inter_token_latency_seconds_sum") < router_e2e
+    assert delta(served, "router", "kvferry_router_requests_total", status="200", outcome="length") == n
+    assert delta(served, "router", "kvferry_router_routing_decisions_total", decision="disaggregated") == n
+    snap = served["after"]["router"]
+    assert value(snap, "kvferry_router_worker_up", role="prefill", worker="local-prefill-0") == 1
+    assert value(snap, "kvferry_router_worker_up", role="decode", worker="local-decode-0") == 1
+
+
+def test_worker_histograms_count_the_requests_and_their_transfers(served: dict) -> None:
+    n = len(served["runs"])
+    for name in ("time_to_first_token_seconds", "remote_prefill_seconds", "request_queue_time_seconds"):
+        assert delta(served, "decode", f"kvferry_{name}_count") == n, name
+    steps = delta(served, "decode", "kvferry_decode_step_seconds_count")
+    assert steps > 0 and delta(served, "decode", "kvferry_decode_batch_size_sum") >= steps
+    # The worker's TTFT is part of the router's.
+    assert delta(served, "decode", "kvferry_time_to_first_token_seconds_sum") < delta(
+        served, "router", "kvferry_router_time_to_first_token_seconds_sum"
+    )
+    for name in ("kv_transfer_seconds", "kv_transfer_bytes", "kv_transfer_tail_seconds", "prefill_time_seconds"):
+        assert delta(served, "prefill", f"kvferry_{name}_count") == n, name
+    assert delta(served, "prefill", "kvferry_kv_transfer_bytes_sum") > 0
+    writes = delta(served, "prefill", "kvferry_kv_transfer_speed_gb_per_s_count")
+    assert writes >= n
+    # Memory copies on one CPU host: no write can have gone faster than 200 GB/s.
+    assert delta(served, "prefill", "kvferry_kv_transfer_speed_gb_per_s_bucket", le="200.0") == writes
+    # The prefill worker's compute is inside the decode worker's wait for it.
+    assert delta(served, "prefill", "kvferry_prefill_time_seconds_sum") < delta(
+        served, "decode", "kvferry_remote_prefill_seconds_sum"
+    )
+
+
+def test_the_timeline_route_gives_monotone_stages_of_every_process(cluster: LocalCluster, served: dict) -> None:
+    rid = served["runs"][-1]["id"]
+    view = httpx.get(f"{cluster.router_url}/debug/requests/{rid}", timeout=10).json()
+    assert view["id"] == rid and view["status"] == 200 and view["decision"] == "disaggregated"
+    stages = [s["stage"] for s in view["stages"]]
+    expected = {"router_received", "tokenized", "dispatched", "decode_received", "pages_reserved"}
+    expected |= {"prefill_requested", "prefill_received", "prefill_admitted", "prefill_first_token", "kv_landed"}
+    expected |= {"first_token", "first_token_sent", "first_token_router", "stream_end"}
+    assert expected <= set(stages), stages
+    assert stages == sorted(stages, key=STAGES.index)
+    times = [s["t_ms"] for s in view["stages"]]
+    assert times == sorted(times), view["stages"]
+    assert times[-1] == pytest.approx(view["e2e_ms"], abs=5)
+    listed = httpx.get(f"{cluster.router_url}/debug/requests", timeout=10).json()["requests"]
+    assert listed[0]["id"] == rid
+    assert httpx.get(f"{cluster.router_url}/debug/requests/nope", timeout=10).status_code == 404
+
+
+def test_one_trace_spans_router_decode_and_prefill(cluster: LocalCluster, served: dict, collector) -> None:
+    rid = served["runs"][-1]["id"]
+    trace_id = httpx.get(f"{cluster.router_url}/debug/requests/{rid}", timeout=10).json()["trace_id"]
+    assert trace_id
+    deadline = time.monotonic() + 15
+    while True:
+        spans = collector.trace(trace_id)
+        if {"kvferry-router", "kvferry-decode", "kvferry-prefill"} <= {s.service for s in spans}:
+            if any(s.name == "kv transfer" for s in spans):
+                break
+        assert time.monotonic() < deadline, [(s.service, s.name) for s in spans]
+        time.sleep(0.2)
+    by_name = {s.name: s for s in spans}
+    root = by_name["POST /v1/chat/completions"]
+    decode, prefill, transfer = by_name["decode generate"], by_name["prefill"], by_name["kv transfer"]
+    assert root.parent_span_id == ""  # no traceparent from the client: the router starts the trace
+    assert decode.parent_span_id == root.span_id and decode.service == "kvferry-decode"
+    assert prefill.parent_span_id == decode.span_id and prefill.service == "kvferry-prefill"
+    assert transfer.parent_span_id == prefill.span_id
+    assert root.start_ns <= decode.start_ns <= prefill.start_ns <= transfer.start_ns <= transfer.end_ns
+    assert decode.end_ns <= root.end_ns + 5_000_000
+    for name in ("tokenize", "route", "wait for first token", "stream", "remote prefill and KV transfer"):
+        assert name in by_name, name
+
+
+# ---- without a cluster --------------------------------------------------------------------------------
+def test_token_gaps_fill_the_histogram_as_observe_would() -> None:
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from router.metrics import ITL_BOUNDS, RouterMetrics
+
+    m = RouterMetrics()
+    reference = Histogram("ref", "ref", buckets=ITL_BOUNDS[:-1], registry=CollectorRegistry())
+    gaps = m.new_gaps()
+    t = 100.0
+    gaps.add(1, t)  # the first tokens: no gap
+    for dt, k in ((0.0004, 1), (0.012, 2), (0.3, 1), (4.0, 3), (30.0, 1)):
+        prev, t = t, t + dt
+        gaps.add(k, t)
+        for _ in range(k):
+            reference.observe((t - prev) / k)
+    m.add_gaps(gaps)
+    ours = samples(generate_latest(m.registry).decode())
+    for (name, labels), v in samples_of(reference).items():
+        mine = name.replace("ref", "kvferry_router_inter_token_latency_seconds")
+        assert ours[(mine, labels)] == pytest.approx(v), (name, labels)
+
+
+def samples_of(hist) -> dict:
+    out = {}
+    for fam in hist.collect():
+        for s in fam.samples:
+            if not s.name.endswith("_created"):
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_several_router_processes_report_their_sum(tmp_path) -> None:
+    """Multiprocess mode: two processes count, either one's exposition shows both."""
+    code = """
+import os, sys
+from router.metrics import RouterMetrics
+m = RouterMetrics()
+m.requests.labels(status="200", outcome="stop").inc(int(sys.argv[1]))
+m.ttft.observe(0.05)
+if sys.argv[1] == "2":
+    sys.stdout.write(m.exposition().decode())
+"""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", code, "3"], env=env, check=True, cwd=os.getcwd())
+    out = subprocess.run([sys.executable, "-c", code, "2"], env=env, check=True, capture_output=True, text=True)
+    snap = samples(out.stdout)
+    assert value(snap, "kvferry_router_requests_total", status="200", outcome="stop") == 5
+    assert value(snap, "kvferry_router_time_to_first_token_seconds_count") == 2
+
+
+def test_transfer_speed_is_never_taken_from_an_untimed_write() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from common.serving.engine_metrics import EngineMetrics
+
+    m = EngineMetrics(CollectorRegistry())
+    # 1 GB in 0.5 s (2 GB/s), a write that completed inside its post call (0 s: nothing measured), no bytes.
+    m.observe_prefill_done({}, {"bytes": 10**9, "seconds": 0.5, "writes": [[10**9, 0.5], [4096, 0.0], [0, 0.1]]})
+    snap = samples_of(m.speed)
+    assert snap[("kvferry_kv_transfer_speed_gb_per_s_count", ())] == 1
+    assert snap[("kvferry_kv_transfer_speed_gb_per_s_sum", ())] == pytest.approx(2.0)
