@@ -281,3 +281,48 @@ def test_transfer_speed_is_never_taken_from_an_untimed_write() -> None:
     snap = samples_of(m.speed)
     assert snap[("kvferry_kv_transfer_speed_gb_per_s_count", ())] == 1
     assert snap[("kvferry_kv_transfer_speed_gb_per_s_sum", ())] == pytest.approx(2.0)
+
+
+# ---- the dashboard and the autoscaling rules query only what is exported ----------------------------------
+def exported_sample_names() -> set[str]:
+    from common.serving.control import WorkerMetrics
+    from router.metrics import RouterMetrics
+
+    names = set()
+    for registry in (RouterMetrics().registry, WorkerMetrics().registry):
+        for fam in registry.collect():
+            names.add(fam.name + ("_total" if fam.type == "counter" else ""))  # labelled: no sample yet
+            names.update(s.name for s in fam.samples)
+    return names
+
+
+def test_every_metric_the_dashboard_and_the_autoscalers_query_is_exported() -> None:
+    import re
+    import shutil
+    from pathlib import Path
+
+    import yaml
+
+    k8s = Path(__file__).resolve().parents[1] / "k8s"
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.fail("kubectl is not on PATH (.ci/run installs it); the manifests cannot be rendered")
+    rendered = subprocess.run(
+        [kubectl, "kustomize", str(k8s / "overlays" / "observability")], capture_output=True, text=True, check=True
+    ).stdout
+    objs = [o for o in yaml.safe_load_all(rendered) if o]
+    dashboards = [o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "kvferry-grafana-dashboard"]
+    assert len(dashboards) == 1 and dashboards[0]["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(dashboards[0]["data"]["kvferry.json"])
+    monitors = [o for o in objs if o["kind"] == "PodMonitor"]
+    assert monitors and monitors[0]["spec"]["podMetricsEndpoints"][0]["port"] == "http"
+    queried = set()
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            queried.update(re.findall(r"\bkvferry_[a-z0-9_]+", target["expr"]))
+    # What the custom-metrics HPAs read through prometheus-adapter.
+    adapter = (k8s / "components" / "custom-metrics-autoscaling" / "prometheus-adapter-rules.yaml").read_text()
+    queried.update(re.findall(r"\bkvferry_[a-z0-9_]+", adapter))
+    assert len(queried) > 20
+    missing = sorted(queried - exported_sample_names())
+    assert not missing, f"queried but not exported: {missing}"
