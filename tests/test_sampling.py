@@ -246,6 +246,12 @@ def test_grammar_bitmask_allows_only_its_tokens():
     sb.allowed_bits = bits
     tokens = sample(logits, sb).tokens.tolist()
     assert tokens[0] == (63 if logits[0, 63] > logits[0, 67] else 67) and tokens[1] == int(logits[1].argmax())
+    # A grammar that allows only tokens min_tokens bans (a complete grammar allows only EOS): the grammar wins,
+    # never an all -inf row.
+    held = SamplingParams(min_tokens=5, stop_token_ids=[63, 67])
+    sb = SamplingBatch.build([held, SamplingParams()], [0, 0], [[], []], vocab, CPU)
+    sb.allowed_bits = bits
+    assert sample(logits, sb).tokens.tolist() == tokens
 
 
 # ---- seeds on the real model ----------------------------------------------------------------------------

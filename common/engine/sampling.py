@@ -195,11 +195,21 @@ def adjust_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     if sb.needs_penalty and sb.output_counts is not None:
         counts = sb.output_counts
         logits = logits - sb.frequency_penalty[:, None] * counts - sb.presence_penalty[:, None] * (counts > 0)
-    if sb.add_rows is not None:
-        logits = logits.index_put((sb.add_rows, sb.add_cols), sb.add_vals, accumulate=True)
-    if sb.allowed_bits is not None:
-        logits = logits.masked_fill(~unpack_bitmask(sb.allowed_bits, logits.shape[-1]), float("-inf"))
-    return logits
+    if sb.allowed_bits is None:
+        if sb.add_rows is not None:
+            logits = logits.index_put((sb.add_rows, sb.add_cols), sb.add_vals, accumulate=True)
+        return logits
+    disallowed = ~unpack_bitmask(sb.allowed_bits, logits.shape[-1])
+    grammar_only = logits.masked_fill(disallowed, float("-inf"))
+    if sb.add_rows is None:
+        return grammar_only
+    # The grammar wins over logit_bias and min_tokens: a row they would leave without any token (a complete
+    # grammar allows only EOS, which min_tokens bans) samples under the grammar alone. No host sync.
+    biased = logits.index_put((sb.add_rows, sb.add_cols), sb.add_vals, accumulate=True).masked_fill(
+        disallowed, float("-inf")
+    )
+    dead = torch.isneginf(biased).all(dim=-1, keepdim=True)
+    return torch.where(dead, grammar_only, biased)
 
 
 @dataclass
