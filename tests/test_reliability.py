@@ -32,7 +32,8 @@ import pytest
 import redis
 
 from common.devcluster.cluster import LocalCluster, start_local_cluster
-from common.devcluster.process import ManagedProcess
+from common.devcluster.process import ManagedProcess, kvferry_argv, wait_ready
+from common.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [
@@ -417,6 +418,43 @@ def test_kill9_decode_worker_mid_stream_streams_continue_unchanged(healthy: Loca
             break
     assert metric(victim_url, "kvferry_generated_tokens_total") > before, "nothing went through the restarted decode"
     FAULTS_SURVIVED.append("kill -9 decode mid-stream")
+
+
+def test_stream_that_cannot_continue_ends_with_an_error_event_and_done(healthy: LocalCluster, tmp_path: Path) -> None:
+    """A second router over the same workers with migration off: a stream whose decode worker dies after
+    content went out under HTTP 200 ends with an OpenAI-shaped error event and [DONE], never just stops."""
+    c = healthy
+    port = free_port()
+    argv = ["--host", "127.0.0.1", "--port", str(port), "--model", MODEL, "--redis-url", c.redis_url]
+    argv += ["--discovery", "static", "--prefill-urls", ",".join(c.prefill_urls)]
+    router = ManagedProcess(
+        "router-no-migration",
+        kvferry_argv("router", *argv, "--decode-urls", ",".join(c.decode_urls)),
+        dict(os.environ, **ENV, KVFERRY_ROUTER_MIGRATION_LIMIT="0"),
+        tmp_path / "router.log",
+        url=f"http://127.0.0.1:{port}",
+    )
+    router.start()
+    victim: ManagedProcess | None = None
+    try:
+        wait_ready([router], 60)
+        body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 300, "stream": True}
+        with httpx.stream("POST", f"{router.url}/v1/completions", json={**body, "ignore_eos": True}, timeout=60) as r:
+            assert r.status_code == 200
+            events = sse_events(r)
+            text = "".join(next(events)["choices"][0]["text"] for _ in range(3))  # type: ignore[index]
+            victim = part_for(c, wait_until(lambda: _busy(c.decode_urls), 10, "the decode worker streaming"))
+            victim.kill_group()
+            rest = list(events)
+        assert text and rest[-1] == "[DONE]", rest[-3:]
+        err = assert_openai_error(rest[-2])
+        assert err["code"] == "upstream_error" and "generation failed" in err["message"], err
+    finally:
+        router.stop()
+    assert victim is not None
+    wait_pages_back([u for u in worker_urls(c) if u != victim.url])
+    restart(victim)
+    FAULTS_SURVIVED.append("stream that cannot continue ends with an error event")
 
 
 @contextmanager
