@@ -420,6 +420,38 @@ def test_kill9_decode_worker_mid_stream_streams_continue_unchanged(healthy: Loca
     FAULTS_SURVIVED.append("kill -9 decode mid-stream")
 
 
+def _engine_pid(worker_pid: int) -> int:
+    """The worker's engine process: its multiprocessing child (not the resource tracker)."""
+    kids: list[int] = []
+    for task in Path(f"/proc/{worker_pid}/task").iterdir():
+        kids += [int(k) for k in (task / "children").read_text().split()]
+    (engine,) = [k for k in kids if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
+    return engine
+
+
+def test_decode_engine_exit_mid_stream_continues_elsewhere(healthy: LocalCluster) -> None:
+    """The decode worker's engine process dies but its control plane lives: the control plane ends the stream
+    with a retryable error (common/serving/channel.py) and the router continues it on the other worker."""
+    c = healthy
+    body = {"model": MODEL, "prompt": "Write a long poem about the sea.", "max_tokens": 80, "temperature": 0}
+    body["ignore_eos"] = True
+    expected = httpx.post(f"{c.router_url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    before = router_workers(c)["migrations"]["succeeded"]
+    with httpx.stream("POST", f"{c.router_url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        events = sse_events(r)
+        text = "".join(next(events)["choices"][0]["text"] for _ in range(3))  # type: ignore[index]
+        victim = part_for(c, wait_until(lambda: _busy(c.decode_urls), 10, "the decode worker streaming"))
+        assert victim.proc is not None
+        os.kill(_engine_pid(victim.proc.pid), signal.SIGKILL)
+        for ev in events:
+            if isinstance(ev, dict) and ev["choices"]:
+                text += ev["choices"][0]["text"]
+    assert text == expected
+    assert router_workers(c)["migrations"]["succeeded"] == before + 1
+    restart(victim)
+    FAULTS_SURVIVED.append("decode engine exit mid-stream")
+
+
 def test_stream_that_cannot_continue_ends_with_an_error_event_and_done(healthy: LocalCluster, tmp_path: Path) -> None:
     """A second router over the same workers with migration off: a stream whose decode worker dies after
     content went out under HTTP 200 ends with an OpenAI-shaped error event and [DONE], never just stops."""
