@@ -698,3 +698,33 @@ def test_sigstopped_prefill_worker_mid_prefill_is_retried_elsewhere(healthy: Loc
         _stop_group(victim, signal.SIGCONT)
     wait_until(lambda: router_says_up(c, victim_url), 15, "the worker back up after SIGCONT")
     FAULTS_SURVIVED.append("SIGSTOP prefill")
+
+
+def test_frozen_prefill_engine_is_given_up_for_lack_of_progress(healthy: LocalCluster) -> None:
+    """The prefill worker's engine freezes mid-prefill while its control plane keeps answering (so the router
+    still believes it up): its heartbeats stop, the decode side gives up after PREFILL_STALL_S instead of
+    waiting out a fixed deadline, and the router retries the request on the other prefill worker."""
+    from decode_worker.app import PREFILL_STALL_S
+
+    c = healthy
+    t, out = _in_thread(lambda: completion(c, long_prompt(800), max_tokens=3, timeout=120))
+    victim_url = wait_until(
+        lambda: next((u for u in c.prefill_urls if load(u)["running_requests"]), None),
+        60,
+        "prefill under way",
+        interval=0.02,
+    )
+    victim = part_for(c, victim_url)
+    assert victim.proc is not None
+    engine = _engine_pid(victim.proc.pid)
+    os.kill(engine, signal.SIGSTOP)
+    try:
+        t.join(90)
+        assert not t.is_alive(), "the request hung on a frozen prefill engine"
+        assert "exc" not in out, out
+        assert out["result"].status_code == 200, out["result"].text
+        assert PREFILL_STALL_S <= out["seconds"] < PREFILL_STALL_S + 30, out
+        assert router_says_up(c, victim_url)  # its control plane still answers: only progress told
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    FAULTS_SURVIVED.append("frozen prefill engine")
