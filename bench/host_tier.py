@@ -1,0 +1,211 @@
+"""The host-memory prefix tier under eviction pressure: TTFT and prefill work with the tier on vs off, one run.
+
+    python bench/host_tier.py                                  # CPU: SmolLM2-135M, 24 docs x 384 tokens, 5 questions
+    python bench/host_tier.py --docs 200 --doc-tokens 4096 --questions 5 --device cuda \\
+        --model dummy:llama-3.1-8b --concurrency 16 --label h200   # the issue's GPU shape
+
+Workload (seeded): `--docs` documents of `--doc-tokens` random token ids, `--questions` questions of
+`--question-tokens` each; requests are document + question, interleaved (question 1 of every document, then
+question 2 of every document, ...), so a document's next question comes after every other document has been
+read: the worst case for an LRU cache smaller than the documents. Greedy, `--max-tokens` output tokens,
+`--concurrency` requests in flight (closed loop: a new one starts when one finishes).
+
+The device KV pool holds `--device-share` (default 10%) of the documents' pages (raised to what
+`--concurrency` requests need at once); the host tier (on) holds them all with room to spare (`--host-gb`
+to choose). Both runs use one model runner, a fresh scheduler each (empty caches), after a warm-up.
+
+Measured per run: TTFT p50/p90 (request added -> first token, queueing included), prefill tokens computed
+(prompt tokens not found in the cache), tokens loaded from the host tier, wall time, and whether the outputs
+match between the runs. Ratios printed: prefill tokens on/off, TTFT off/on. JSON: bench/out/host_tier_<label>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+import uuid
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repo importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from common.engine.runner import ModelRunner
+from common.kv.integrity import page_ledger_violations
+from common.offline import Engine
+from common.protocol import SamplingParams
+from common.sched.request import Req
+from common.settings import RunnerConfig, SchedulerConfig
+
+OUT_DIR = Path(__file__).resolve().parent / "out"
+
+
+def workload(args: argparse.Namespace, vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(args.seed)
+    # Ids from the low vocabulary (ordinary tokens; special tokens sit at the ends of most vocabularies).
+    top = min(vocab, 32000)
+    docs = [torch.randint(100, top, (args.doc_tokens,), generator=gen).tolist() for _ in range(args.docs)]
+    questions = [
+        [torch.randint(100, top, (args.question_tokens,), generator=gen).tolist() for _ in range(args.docs)]
+        for _ in range(args.questions)
+    ]
+    return [docs[d] + questions[q][d] for q in range(args.questions) for d in range(args.docs)]
+
+
+def percentile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def drive(engine: Engine, prompts: list[list[int]], concurrency: int, max_tokens: int) -> dict[str, Any]:
+    """Closed loop over the scheduler: `concurrency` requests in flight, TTFT per request."""
+    sched = engine.scheduler
+    sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
+    queue = deque(enumerate(prompts))
+    live: dict[str, tuple[int, Req, float]] = {}
+    ttft: list[float] = [0.0] * len(prompts)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    computed = 0
+    sync()
+    t0 = time.perf_counter()
+    while queue or sched.has_work():
+        while queue and len(live) < concurrency:
+            i, ids = queue.popleft()
+            req = Req(uuid.uuid4().hex, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            sched.add(req)
+            live[req.req_id] = (i, req, time.perf_counter())
+        for ev in sched.step():
+            i, req, added = live[ev.req.req_id]
+            if ev.tokens and len(req.output_ids) == len(ev.tokens):  # its first token
+                ttft[i] = time.perf_counter() - added
+                computed += req.prompt_len - req.prefix_hit_len
+            if ev.finished:
+                outputs[i] = list(req.output_ids)
+                del live[req.req_id]
+    sync()
+    wall = time.perf_counter() - t0
+    cache = sched.cache
+    assert cache is not None
+    problems = page_ledger_violations(sched.allocator, cache, [])
+    host = cache.host
+    return {
+        "wall_s": round(wall, 3),
+        "ttft_p50_s": round(percentile(ttft, 0.5), 4),
+        "ttft_p90_s": round(percentile(ttft, 0.9), 4),
+        "ttft_mean_s": round(statistics.fmean(ttft), 4),
+        "prefill_tokens_computed": computed,
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "host_tokens_loaded": host.loaded_pages * engine.runner.cfg.page_size if host is not None else 0,
+        "host_tokens_saved": host.saved_pages * engine.runner.cfg.page_size if host is not None else 0,
+        "ledger_violations": problems,
+        "outputs": outputs,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--docs", type=int, default=24)
+    ap.add_argument("--doc-tokens", type=int, default=384)
+    ap.add_argument("--questions", type=int, default=5)
+    ap.add_argument("--question-tokens", type=int, default=24)
+    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--concurrency", type=int, default=2)
+    ap.add_argument("--device-share", type=float, default=0.1, help="device pool / documents' pages")
+    ap.add_argument("--host-gb", type=float, default=0.0, help="host tier size (0: every document, +25%%)")
+    ap.add_argument("--max-prefill-tokens", type=int, default=2048)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--label", default="")
+    args = ap.parse_args()
+
+    page = 16
+    doc_pages = args.docs * -(-args.doc_tokens // page)
+    per_request = -(-(args.doc_tokens + args.question_tokens + args.max_tokens) // page)
+    device_pages = max(int(args.device_share * doc_pages), args.concurrency * per_request)
+    runner = ModelRunner(
+        RunnerConfig(
+            model=args.model,
+            device=args.device,
+            page_size=page,
+            num_pages=device_pages,
+            max_running=max(args.concurrency, 4),
+            max_seq_len=args.doc_tokens + args.question_tokens + args.max_tokens + page,
+        )
+    )
+    page_bytes = runner.pool.page_stride_bytes
+    host_gb = args.host_gb or 1.25 * (doc_pages + args.docs * args.questions) * page_bytes / (1 << 30)
+    prompts = workload(args, runner.model_config.vocab_size)
+    print(
+        f"{len(prompts)} requests ({args.docs} docs x {args.questions} questions, {len(prompts[0])} tokens each); "
+        f"device pool {device_pages} pages = {device_pages / doc_pages:.0%} of the documents' {doc_pages}; "
+        f"host tier {host_gb:.3f} GiB = {int(host_gb * (1 << 30) // page_bytes)} pages",
+        flush=True,
+    )
+
+    def engine(host: float) -> Engine:
+        cfg = SchedulerConfig(max_prefill_tokens=args.max_prefill_tokens, host_kv_gb=host)
+        return Engine(runner=runner, sched_cfg=cfg, load_tokenizer=False)
+
+    drive(engine(0.0), prompts[: 2 * args.concurrency], args.concurrency, args.max_tokens)  # warm-up
+    runs = {}
+    for name, host in (("off", 0.0), ("on", host_gb)):
+        runs[name] = drive(engine(host), prompts, args.concurrency, args.max_tokens)
+        r = runs[name]
+        print(
+            f"tier {name:>3}: TTFT p50 {r['ttft_p50_s'] * 1e3:8.1f} ms  p90 {r['ttft_p90_s'] * 1e3:8.1f} ms  "
+            f"prefill computed {r['prefill_tokens_computed']:>8} of {r['prompt_tokens']} tokens  "
+            f"host loads {r['host_tokens_loaded']:>8} tokens  wall {r['wall_s']:.1f} s  "
+            f"ledger {'ok' if not r['ledger_violations'] else r['ledger_violations']}",
+            flush=True,
+        )
+    off, on = runs["off"], runs["on"]
+    same = sum(a == b for a, b in zip(off["outputs"], on["outputs"], strict=True))
+    ratios = {
+        "prefill_tokens_on_over_off": round(on["prefill_tokens_computed"] / max(1, off["prefill_tokens_computed"]), 3),
+        "ttft_p50_off_over_on": round(off["ttft_p50_s"] / on["ttft_p50_s"], 2),
+        "ttft_p90_off_over_on": round(off["ttft_p90_s"] / on["ttft_p90_s"], 2),
+        "wall_off_over_on": round(off["wall_s"] / on["wall_s"], 2),
+    }
+    print(
+        f"prefill tokens on/off {ratios['prefill_tokens_on_over_off']} (target <= 0.3), TTFT p50 off/on "
+        f"{ratios['ttft_p50_off_over_on']}x, p90 off/on {ratios['ttft_p90_off_over_on']}x (target >= 3x); "
+        f"outputs identical {same}/{len(prompts)}"
+    )
+    for r in runs.values():
+        del r["outputs"]
+    label = args.label or f"{args.device.split(':')[0]}_{args.model.replace(':', '-').replace('/', '_')}"
+    out = OUT_DIR / f"host_tier_{label}.json"
+    OUT_DIR.mkdir(exist_ok=True)
+    out.write_text(
+        json.dumps(
+            {
+                "args": vars(args),
+                "device_pages": device_pages,
+                "doc_pages": doc_pages,
+                "host_gb": host_gb,
+                "runs": runs,
+                "ratios": ratios,
+                "outputs_identical": same,
+                "requests": len(prompts),
+                "machine": {
+                    "platform": platform.platform(),
+                    "torch": torch.__version__,
+                    "threads": torch.get_num_threads(),
+                },
+            },
+            indent=1,
+        )
+    )
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
