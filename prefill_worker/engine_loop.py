@@ -214,6 +214,7 @@ class PrefillHost(EngineHost):
     def _transfer_figures(ob: Outbound) -> dict[str, object]:
         """The landed transfer's figures for the control plane's histograms (common/serving/engine_metrics.py)."""
         m = ob.transfer.timing()
+        m["peer"] = ob.transfer.peer
         first, last, landed = m.pop("first_post"), m.pop("last_done"), m.pop("landed")
         if first is not None and last is not None:
             m["seconds"] = max(0.0, last - first)  # type: ignore[operator]

@@ -56,6 +56,7 @@ def error_response(
 @dataclass
 class WorkerMetrics:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    gpu: bool = False  # the engine's KV pool is on a GPU (transfers slower than NVLink are worth a warning)
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -75,9 +76,12 @@ class WorkerMetrics:
             "kvferry_kv_integrity_violations_total", "KV page ledger violations found by the idle check", registry=r
         )
         self.kv_forced_releases = Counter(
-            "kvferry_kv_forced_releases_total", "KV pages freed at the safety deadline, unconfirmed by the peer", registry=r
+            "kvferry_kv_forced_releases_total",
+            "KV pages freed at the safety deadline, unconfirmed by the peer",
+            registry=r,
         )
-        self.engine = EngineMetrics(r)  # latency and transfer histograms (common/serving/engine_metrics.py)
+        # Latency and transfer histograms (common/serving/engine_metrics.py).
+        self.engine = EngineMetrics(r, gpu=self.gpu)
 
     def observe_load(self, load: LoadSnapshot) -> None:
         self.queued.set(load.queued_prefill_tokens)
@@ -95,7 +99,7 @@ class WorkerState:
         self.cfg = cfg
         self.host_target = host_target
         self.host_cls = host_cls
-        self.metrics = WorkerMetrics()
+        self.metrics = WorkerMetrics(gpu=cfg.runner.device.startswith("cuda"))
         self.engine_ready = asyncio.Event()
         self.agent: dict[str, Any] = {}
         self.load: LoadSnapshot | None = None

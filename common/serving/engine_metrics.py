@@ -34,10 +34,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Gauge, Histogram
 
 from common.observability import buckets
 from common.observability.timeline import Stamps
+from common.serving.link_check import PeerLinks
 
 __all__ = ["EngineMetrics"]
 
@@ -51,8 +52,15 @@ def _between(stamps: Stamps, a: str, b: str) -> float | None:
 
 
 class EngineMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, gpu: bool = False) -> None:
         r = registry
+        self.links: PeerLinks | None = PeerLinks(gpu=gpu)
+        self.peer_speed = Gauge(
+            "kvferry_kv_peer_speed_gb_per_s",
+            "Prefill: median speed of the recent KV transfers (>= 1 MiB) to each decode peer, 10^9 B/s",
+            ["peer"],
+            registry=r,
+        )
         self.queue = Histogram(
             "kvferry_request_queue_time_seconds",
             "Engine received the request until the scheduler admitted it (or reserved its KV pages)",
@@ -136,6 +144,11 @@ class EngineMetrics:
         if not transfer:
             return
         self._observe(self.transfer, transfer.get("seconds"))
+        peer, seconds = transfer.get("peer"), transfer.get("seconds")
+        if isinstance(peer, str) and isinstance(seconds, float) and self.links is not None:
+            median = self.links.observe(peer, int(transfer.get("bytes", 0)), seconds)
+            if median is not None:
+                self.peer_speed.labels(peer=peer).set(median)
         self._observe(self.tail, transfer.get("tail"))
         self.transfer_bytes.observe(transfer.get("bytes", 0))
         for nbytes, seconds in transfer.get("writes", ()):
