@@ -23,8 +23,9 @@ TOKENS = 20
         {"temperature": 1.0, "seed": 1234},
         {"temperature": 0.9, "top_p": 0.9, "top_k": 50, "seed": 77},
         {"temperature": 0.8, "seed": 5, "frequency_penalty": 1.5, "presence_penalty": 0.8},
+        {"temperature": 0.0, "frequency_penalty": 2.0},
     ],
-    ids=["greedy", "seeded", "seeded-top-p-top-k", "seeded-penalties"],
+    ids=["greedy", "seeded", "seeded-top-p-top-k", "seeded-penalties", "greedy-penalty"],
 )
 def test_continuation_from_the_seam_equals_an_uninterrupted_run(smol_runner, smol_tokenizer, params) -> None:
     engine = fresh_engine(smol_runner)
