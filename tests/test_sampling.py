@@ -246,11 +246,11 @@ def test_grammar_bitmask_allows_only_its_tokens():
     sb.allowed_bits = bits
     tokens = sample(logits, sb).tokens.tolist()
     assert tokens[0] == (63 if logits[0, 63] > logits[0, 67] else 67) and tokens[1] == int(logits[1].argmax())
-    # A grammar that allows only tokens min_tokens bans (a complete grammar allows only EOS): the grammar wins,
+    # A grammar that allows only tokens min_tokens bans (a done grammar allows only its end): the grammar wins,
     # never an all -inf row.
     held = SamplingParams(min_tokens=5, stop_token_ids=[63, 67])
-    sb = SamplingBatch.build([held, SamplingParams()], [0, 0], [[], []], vocab, CPU)
-    sb.allowed_bits = bits
+    sb = SamplingBatch.build([held, SamplingParams()], [0, 0], [[], []], vocab, CPU, grammar_done=[True, False])
+    sb.allowed_bits, sb.grammar_rows = bits, [0]
     assert sample(logits, sb).tokens.tolist() == tokens
 
 
@@ -379,4 +379,25 @@ def test_eos_respected_unless_ignore_eos(smol_runner, smol_tokenizer):
     past = engine.generate([list(chat)], SamplingParams(max_tokens=n + 3, ignore_eos=True))[0]
     assert past.finish_reason == "length" and len(past.output_ids) == n + 3
     assert past.output_ids[:n] == stopped.output_ids
+    assert_pool_clean(engine)
+
+
+def test_grammar_on_the_real_model_ends_when_done_even_before_min_tokens(smol_runner, smol_tokenizer):
+    from common.protocol import GrammarSpec
+
+    chat = smol_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Is Paris in France? Answer yes or no."}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
+    engine = fresh_engine(smol_runner)
+    choice = GrammarSpec(kind="ebnf", value='root ::= "yes" | "no"')
+    params = [SamplingParams(max_tokens=10, grammar=choice, min_tokens=m, temperature=1.0, seed=m) for m in (0, 6)]
+    free = SamplingParams(max_tokens=6, min_tokens=6)  # a neighbour without a grammar is held to its min_tokens
+    results = engine.generate([list(chat)] * 3, [*params, free])
+    for r in results[:2]:
+        assert r.finish_reason == "stop" and smol_tokenizer.decode(r.output_ids[:-1]) in ("yes", "no")
+        assert r.output_ids[-1] in smol_runner.model_config.eos_token_ids
+    assert len(results[2].output_ids) == 6 and 2 not in results[2].output_ids
     assert_pool_clean(engine)

@@ -68,7 +68,8 @@ class SamplingBatch:
     add_rows: torch.Tensor | None = None  # [N] int64
     add_cols: torch.Tensor | None = None  # [N] int64
     add_vals: torch.Tensor | None = None  # [N] float32
-    allowed_bits: torch.Tensor | None = None  # [B, ceil(V / 32)] int32 grammar bitmask; all ones = free
+    allowed_bits: torch.Tensor | None = None  # [B, ceil(V / 32)] int32 grammar bitmask, read on `grammar_rows`
+    grammar_rows: list[int] | None = None  # rows under a grammar (host ints)
 
     @classmethod
     def build(
@@ -81,10 +82,12 @@ class SamplingBatch:
         steps: Sequence[int] | None = None,
         prompt_ids: Sequence[Sequence[int]] | None = None,
         eos_ids: Sequence[int] = (),
+        grammar_done: Sequence[bool] = (),
     ) -> SamplingBatch:
         """`output_ids` is read for the frequency/presence penalties, `prompt_ids` (with `output_ids`) for
         the repetition penalty; `steps` (output tokens before this step; default: len(output_ids)) decides
-        which requests are still short of their min_tokens, whose `eos_ids` and stop ids are banned."""
+        which requests are still short of their min_tokens, whose `eos_ids` and stop ids are banned, except
+        rows whose grammar is done (`grammar_done`: it allows nothing but its end, which wins)."""
         temps = [0.0 if p.greedy else p.temperature for p in params]
         top_k = [vocab if p.top_k <= 0 else min(p.top_k, vocab) for p in params]
         freq = [p.frequency_penalty for p in params]
@@ -100,7 +103,7 @@ class SamplingBatch:
                 raise ValueError("repetition_penalty needs the prompts' token ids")
             seen = (_token_counts([list(a) + list(b) for a, b in zip(prompt_ids, output_ids)], vocab) > 0).to(device)
             rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device)
-        add = _sparse_additions(params, step_list, eos_ids)
+        add = _sparse_additions(params, step_list, eos_ids, grammar_done)
         f32 = dict(dtype=torch.float32, device=device)
         i64 = dict(dtype=torch.int64, device=device)
         return cls(
@@ -147,7 +150,7 @@ def _token_counts(ids: list[list[int]], vocab: int) -> torch.Tensor:
 
 
 def _sparse_additions(
-    params: list[SamplingParams], steps: list[int], eos_ids: Sequence[int]
+    params: list[SamplingParams], steps: list[int], eos_ids: Sequence[int], grammar_done: Sequence[bool]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(rows, cols, values) to add to the logits: each request's logit_bias, and -inf on its EOS and stop
     ids while it has produced fewer than min_tokens tokens (None when no request needs either)."""
@@ -159,7 +162,7 @@ def _sparse_additions(
             rows += [i] * len(p.logit_bias)
             cols += p.logit_bias.keys()
             vals += p.logit_bias.values()
-        if step < p.min_tokens:
+        if step < p.min_tokens and not (i < len(grammar_done) and grammar_done[i]):
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
             rows += [i] * len(banned)
             cols += banned
@@ -173,20 +176,9 @@ def _sparse_additions(
     )
 
 
-_BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
-
-
-def unpack_bitmask(bits: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, W] int32 packed bits (bit j of word w = token 32 * w + j) -> [B, vocab] bool."""
-    shifts = _BIT_SHIFTS.get(bits.device)
-    if shifts is None:
-        shifts = _BIT_SHIFTS[bits.device] = torch.arange(32, dtype=torch.int32, device=bits.device)
-    allowed = ((bits[:, :, None] >> shifts) & 1).bool()
-    return allowed.reshape(bits.shape[0], -1)[:, :vocab]
-
-
 def adjust_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """The logits every later step (greedy, temperature, filters) sees; a new tensor when anything applies."""
+    raw = logits
     if sb.repetition_penalty is not None and sb.seen is not None:
         # Divide a positive logit, multiply a negative one: both make a seen token less likely (penalty > 1).
         p = sb.repetition_penalty[:, None]
@@ -195,21 +187,17 @@ def adjust_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     if sb.needs_penalty and sb.output_counts is not None:
         counts = sb.output_counts
         logits = logits - sb.frequency_penalty[:, None] * counts - sb.presence_penalty[:, None] * (counts > 0)
-    if sb.allowed_bits is None:
-        if sb.add_rows is not None:
-            logits = logits.index_put((sb.add_rows, sb.add_cols), sb.add_vals, accumulate=True)
-        return logits
-    disallowed = ~unpack_bitmask(sb.allowed_bits, logits.shape[-1])
-    grammar_only = logits.masked_fill(disallowed, float("-inf"))
-    if sb.add_rows is None:
-        return grammar_only
-    # The grammar wins over logit_bias and min_tokens: a row they would leave without any token (a complete
-    # grammar allows only EOS, which min_tokens bans) samples under the grammar alone. No host sync.
-    biased = logits.index_put((sb.add_rows, sb.add_cols), sb.add_vals, accumulate=True).masked_fill(
-        disallowed, float("-inf")
-    )
-    dead = torch.isneginf(biased).all(dim=-1, keepdim=True)
-    return torch.where(dead, grammar_only, biased)
+    if sb.add_rows is not None:
+        logits = logits.index_put((sb.add_rows, sb.add_cols), sb.add_vals, accumulate=True)
+    if sb.allowed_bits is not None:
+        # xgrammar's kernel (C++ on the CPU, a GPU kernel on CUDA) masks the grammar rows in place: on a copy
+        # when nothing above made one and the raw logits still give logprobs (else the caller's logits).
+        from xgrammar import apply_token_bitmask_inplace
+
+        if logits is raw and sb.want_logprobs:
+            logits = logits.clone()
+        apply_token_bitmask_inplace(logits, sb.allowed_bits, vocab_size=logits.shape[-1], indices=sb.grammar_rows)
+    return logits
 
 
 @dataclass
@@ -237,7 +225,7 @@ def _filter(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
-    """logits: [B, V] float32 raw model logits."""
+    """logits: [B, V] float32 raw model logits (a grammar mask may be written into them)."""
     raw = logits
     if sb.adjusts_logits:
         logits = adjust_logits(logits, sb)

@@ -134,14 +134,15 @@ class GrammarBook:
         """The grammar is complete and its stop token accepted: nothing may follow."""
         return self._state(req).matcher.is_terminated()
 
-    def fill(self, reqs: Sequence[Req]) -> torch.Tensor:
-        """[len(reqs), ceil(vocab / 32)] int32 bitmask of the tokens each request may sample next: every
-        bit set for requests without a grammar. Each grammar request's matcher must have accepted all of its
-        output (the step before was processed)."""
+    def fill(self, reqs: Sequence[Req]) -> GrammarMasks:
+        """The bitmask of the tokens each grammar request in `reqs` may sample next (rows of the others are
+        left all ones and not read). Each grammar request's matcher must have accepted all of its output
+        (the step before was processed)."""
         import xgrammar as xgr
 
         bits = xgr.allocate_token_bitmask(len(reqs), self.vocab)
         rows = [i for i, r in enumerate(reqs) if r.sampling.grammar is not None]
+        done = [False] * len(reqs)
         matchers = []
         for i in rows:
             st = self._state(reqs[i])
@@ -151,7 +152,21 @@ class GrammarBook:
         if matchers:
             self._xgr_compiler()
             self._batch.batch_fill_next_token_bitmask([m for _, m in matchers], bits, indices=[i for i, _ in matchers])
-        return bits
+        for i, m in matchers:
+            if m.is_completed():  # rare: is anything but a stop token allowed?
+                row = bits[i].clone()
+                for t in self.stop_ids:
+                    cleared = 0xFFFFFFFF ^ (1 << (t % 32))  # as an int32: the sign bit is bit 31
+                    row[t // 32] &= cleared - (1 << 32) if cleared >= 1 << 31 else cleared
+                done[i] = not bool(row.any())
+        return GrammarMasks(bits, rows, done)
+
+
+@dataclass
+class GrammarMasks:
+    bits: torch.Tensor  # [B, ceil(vocab / 32)] int32 on the host
+    rows: list[int]  # the rows under a grammar
+    done: list[bool]  # per row: the grammar allows nothing but its end
 
 
 def _first_line(exc: BaseException) -> str:

@@ -323,6 +323,8 @@ class Scheduler:
         launched = Launched(kind, list(reqs))
         if reqs:
             host_tokens = any(needs_host_tokens(r) for r in reqs)
+            # The forward is launched: on a GPU the grammar masks are filled while it runs.
+            masks = self.grammars.fill(reqs) if any(r.sampling.grammar is not None for r in reqs) else None
             sb = SamplingBatch.build(
                 [r.sampling for r in reqs],
                 [r.seed for r in reqs],
@@ -336,10 +338,10 @@ class Scheduler:
                 if host_tokens
                 else None,
                 eos_ids=tuple(self.eos),
+                grammar_done=masks.done if masks is not None else (),
             )
-            if any(r.sampling.grammar is not None for r in reqs):
-                # The forward is launched: on a GPU the masks are filled while it runs.
-                sb.allowed_bits = self.grammars.fill(reqs)
+            if masks is not None:
+                sb.allowed_bits, sb.grammar_rows = masks.bits, masks.rows
             res = sample(logits, sampling_to_device(sb, self.device))
             rows = torch.tensor([r.table_row for r in reqs], dtype=torch.int64).to(self.device, non_blocking=True)
             self.last_tokens.index_copy_(0, rows, res.tokens)
