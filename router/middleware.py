@@ -16,7 +16,7 @@ from router.errors import OpenAIError, too_large, unauthorized
 
 __all__ = ["FrontDoor"]
 
-_PROTECTED = ("/v1/", "/router/", "/debug/")  # /health, /ready and /metrics stay open for probes and scrapes
+_PROTECTED = ("/v1/", "/router/", "/debug/", "/tokenize", "/detokenize")  # /health, /ready, /metrics stay open
 
 
 async def _send_error(send: Send, err: OpenAIError) -> None:
