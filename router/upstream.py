@@ -5,7 +5,8 @@
 failure before that first token (refused connection, 429/5xx, a stream that ends or reports an error
 before producing a token, a pod declared down by the health poller, a deadline) is retried once on
 other pods; a 400 is the client's fault and is raised as is. After the first token, failures end the
-choice with ``finish_reason="error"`` (the tokens already sent cannot be taken back).
+call with ``finish_reason="error"``, marked ``retryable`` when only the worker was lost (router/migration.py
+then continues the choice on another worker).
 
 Every wait has a deadline (first token, then between tokens), and the pool can cut a wait short: it
 calls ``kill`` when a worker this call depends on is declared down, which fires the current deadline
