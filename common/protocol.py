@@ -233,6 +233,7 @@ class LoadSnapshot(BaseModel):
     draining: bool = False
     max_running: int = 0  # batch slots (0: not reported); the router's admission counts free ones
     prefill_tokens_per_s: float = 0.0  # measured while prefill work was queued (0: not measured yet)
+    prefill_chunk_tokens: int = 0  # prompt tokens one scheduler step prefills at most (0: not reported)
 
 
 class ErrorBody(BaseModel):

@@ -21,6 +21,7 @@ from starlette.types import Receive, Scope, Send
 from common.config import RouterConfig
 from common.observability.tracing import init_tracing
 from router.admission import AdmissionLimits
+from router.cost_model import SloTargets
 from router.discovery import Discovery, KubernetesDiscovery, StaticDiscovery
 from router.errors import OpenAIError, install_error_handlers, model_not_found, no_worker
 from router.extra_routes import install_extra_routes
@@ -93,6 +94,30 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
             await asyncio.gather(task, return_exceptions=True)
 
 
+def placement_inputs(pool: WorkerPool, policy: RoutingPolicy) -> dict[str, Any]:
+    """What the placement decision reads (router/cost_model.py): the mode, the SLO targets and each
+    worker's measured prefill rate, chunk size and queued prefill tokens."""
+    cfg = policy.cfg
+    return {
+        "mode": cfg.placement,
+        "slo": {"ttft_s": cfg.slo.ttft_s, "itl_s": cfg.slo.itl_s},
+        "transfer_tokens_per_s": cfg.slo.transfer_tokens_per_s,
+        "fixed": {
+            "disagg_min_prompt_tokens": cfg.disagg_min_prompt_tokens,
+            "local_prefix_fraction": cfg.local_prefix_fraction,
+        },
+        "workers": {
+            w.url: {
+                "prefill_tokens_per_s": w.load.prefill_tokens_per_s if w.load else 0.0,
+                "prefill_chunk_tokens": w.load.prefill_chunk_tokens if w.load else 0,
+                "queued_prefill_tokens": w.load.queued_prefill_tokens if w.load else 0,
+                "inflight_tokens": w.inflight_tokens,
+            }
+            for w in pool.workers.values()
+        },
+    }
+
+
 def _discovery_for(config: RouterConfig) -> Discovery:
     if config.discovery == "k8s":
         return KubernetesDiscovery(config.namespace)
@@ -143,6 +168,8 @@ def create_app(
                 imbalance_ratio=opts.imbalance_ratio,
                 decode_kv_weight=opts.decode_kv_weight,
                 mode=opts.routing,
+                placement=opts.placement,
+                slo=SloTargets(opts.slo_ttft_s, opts.slo_itl_s, opts.transfer_tokens_per_s),
             )
         )
         locator = PrefixLocator(index_reader, RecentPlacements(opts.recent_route_ttl_s))
@@ -306,6 +333,7 @@ def create_app(
             "prefix_index": "disabled" if locator.reader is None else ("ok" if locator.redis_ok else "unavailable"),
             "inflight": service.inflight,
             "migrations": MIGRATIONS.snapshot(),
+            "placement": placement_inputs(pool, dispatcher.policy),
         }
 
     return app

@@ -39,6 +39,13 @@ the blocks they received or computed, so a conversation's next turn often finds 
 Without prefix information (``matches`` None: Redis down) every matched length is 0 and routing is on
 load alone.
 
+Adaptive placement (``placement="adaptive"``; the default is ``fixed`` until a GPU benchmark shows
+adaptive wins): when a prefill pod is up and the pods have measured their prefill rates, the choice
+between local and disaggregated prefill (and which prefill pod) comes from the cost model in
+router/cost_model.py (predicted TTFT per placement, the ITL cost a local prefill adds to the decode
+pod's batch, both against SLO settings) instead of the two fixed thresholds above; its reason is ``adaptive-local`` / ``adaptive-disaggregated`` (``-slo-miss`` when no placement met both SLOs).
+Until the pods have measured, and with ``placement="fixed"``, the thresholds decide as before.
+
 ``mode="round_robin"`` picks prefill pods in turn, ignoring prefix and load: the baseline that
 bench/prefix_routing.py compares against (and a fallback switch for operators).
 """
@@ -47,7 +54,9 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from router.cost_model import LocalSide, PrefillSide, SloTargets, choose_placement
 
 __all__ = ["DecodeCandidate", "PolicyConfig", "PrefillCandidate", "RouteDecision", "RoutingPolicy"]
 
@@ -59,6 +68,7 @@ class PrefillCandidate:
     queued_tokens: int = 0
     inflight_tokens: int = 0
     inflight_requests: int = 0
+    prefill_tokens_per_s: float = 0.0  # measured by the pod (0: not yet)
 
 
 @dataclass(frozen=True)
@@ -71,13 +81,16 @@ class DecodeCandidate:
     free_pages: int = 1
     total_pages: int = 1
     page_size: int = 16
+    queued_tokens: int = 0  # prompt tokens queued for local prefill on the pod
+    prefill_tokens_per_s: float = 0.0  # its measured local prefill rate (0: not yet)
+    prefill_chunk_tokens: int = 0  # prompt tokens one of its steps prefills at most (0: not reported)
 
 
 @dataclass(frozen=True)
 class RouteDecision:
     decode: str
     prefill: str | None  # None: the decode pod prefills locally
-    reason: str  # disaggregated | short-prompt | decode-holds-prefix | no-prefill
+    reason: str  # disaggregated | short-prompt | decode-holds-prefix | no-prefill | adaptive-* (cost_model.py)
     prefill_matched_tokens: int = 0
     decode_matched_tokens: int = 0
 
@@ -91,6 +104,8 @@ class PolicyConfig:
     imbalance_ratio: float = 1.5
     decode_kv_weight: float = 4.0
     mode: str = "cache_aware"  # cache_aware | round_robin
+    placement: str = "fixed"  # fixed (the thresholds only) | adaptive (router/cost_model.py)
+    slo: SloTargets = field(default_factory=SloTargets)
 
 
 class RoutingPolicy:
@@ -98,6 +113,8 @@ class RoutingPolicy:
         self.cfg = cfg or PolicyConfig()
         if self.cfg.mode not in ("cache_aware", "round_robin"):
             raise ValueError(f"unknown routing mode {self.cfg.mode!r} (cache_aware | round_robin)")
+        if self.cfg.placement not in ("adaptive", "fixed"):
+            raise ValueError(f"unknown placement {self.cfg.placement!r} (adaptive | fixed)")
         self._turn = itertools.count()
 
     # ---- the decision -------------------------------------------------------------------------------
@@ -119,12 +136,50 @@ class RoutingPolicy:
         cfg = self.cfg
         if not prefill:
             return RouteDecision(d.key, None, "no-prefill", 0, d_matched)
+        if cfg.placement == "adaptive":
+            adaptive = self.adaptive_placement(prompt_len, block_size, d, d_matched, prefill, matches)
+            if adaptive is not None:
+                return adaptive
         if prompt_len < cfg.disagg_min_prompt_tokens:
             return RouteDecision(d.key, None, "short-prompt", 0, d_matched)
         if d_matched >= cfg.local_prefix_fraction * prompt_len:
             return RouteDecision(d.key, None, "decode-holds-prefix", 0, d_matched)
         p, p_matched = self.pick_prefill(prompt_len, block_size, prefill, matches, turn)
         return RouteDecision(d.key, p.key, "disaggregated", p_matched, d_matched)
+
+    def adaptive_placement(
+        self,
+        prompt_len: int,
+        block_size: int,
+        d: DecodeCandidate,
+        d_matched: int,
+        prefill: Sequence[PrefillCandidate],
+        matches: Mapping[str, int] | None,
+    ) -> RouteDecision | None:
+        """The cost model's choice for decode pod ``d``; None until the pods have measured their rates."""
+        local = LocalSide(
+            key=d.key,
+            queued_tokens=d.queued_tokens,
+            uncached_tokens=prompt_len - d_matched,
+            rate=d.prefill_tokens_per_s,
+            chunk_tokens=d.prefill_chunk_tokens,
+            busy=max(d.running, d.inflight_requests) > 0,
+        )
+        p_matched = {c.key: self.matched_tokens(c.pod, matches, block_size, prompt_len) for c in prefill}
+        sides = [
+            PrefillSide(
+                key=c.key,
+                queued_tokens=max(c.queued_tokens, c.inflight_tokens),
+                uncached_tokens=prompt_len - p_matched[c.key],
+                rate=c.prefill_tokens_per_s,
+            )
+            for c in prefill
+        ]
+        chosen = choose_placement(local, sides, prompt_len, self.cfg.slo)
+        if chosen is None:
+            return None
+        matched = p_matched[chosen.prefill] if chosen.prefill is not None else 0
+        return RouteDecision(d.key, chosen.prefill, chosen.reason, matched, d_matched)
 
     # ---- prefill -----------------------------------------------------------------------------------
     def prefill_costs(

@@ -63,6 +63,7 @@ class Load:
     draining: bool = False
     max_running: int = 0  # 0: not reported (older workers)
     prefill_tokens_per_s: float = 0.0  # the worker's measured prefill rate (0: not measured yet)
+    prefill_chunk_tokens: int = 0  # prompt tokens one scheduler step prefills at most (0: not reported)
 
 
 def parse_load(data: Any) -> Load:
@@ -86,6 +87,7 @@ def parse_load(data: Any) -> Load:
         draining=bool(data.get("draining", False)),
         max_running=num("max_running"),
         prefill_tokens_per_s=max(0.0, float(num("prefill_tokens_per_s"))),
+        prefill_chunk_tokens=num("prefill_chunk_tokens"),
     )
 
 
@@ -115,6 +117,7 @@ class Worker:
             queued_tokens=load.queued_prefill_tokens if load else 0,
             inflight_tokens=self.inflight_tokens,
             inflight_requests=self.inflight_requests,
+            prefill_tokens_per_s=load.prefill_tokens_per_s if load else 0.0,
         )
 
     def decode_candidate(self) -> DecodeCandidate:
@@ -130,6 +133,9 @@ class Worker:
             free_pages=load.free_pages,
             total_pages=load.total_pages,
             page_size=load.page_size,
+            queued_tokens=load.queued_prefill_tokens,
+            prefill_tokens_per_s=load.prefill_tokens_per_s,
+            prefill_chunk_tokens=load.prefill_chunk_tokens,
         )
 
 

@@ -37,6 +37,12 @@ class RouterOptions:
     imbalance_ratio: float = 1.5
     decode_kv_weight: float = 4.0
     recent_route_ttl_s: float = 10.0  # how long the router's own placements count as cached
+    # Placement (router/cost_model.py): adaptive picks local vs. disaggregated per request from predicted
+    # TTFT and ITL against these targets and the workers' measured rates; fixed uses the two thresholds above.
+    placement: str = "fixed"  # fixed | adaptive
+    slo_ttft_s: float = 2.0
+    slo_itl_s: float = 0.025
+    transfer_tokens_per_s: float = 200_000.0  # KV transfer rate assumed until workers publish one
     # Admission per worker (router/admission.py; 0 turns a check off): beyond these, 429 + Retry-After.
     admit_max_waiting: int = 64  # decode worker: waiting requests + those sent since its last snapshot
     admit_max_queued_prefill_tokens: int = 32768  # any worker: prompt tokens queued for prefill (a floor ...)

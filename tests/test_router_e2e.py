@@ -4,6 +4,7 @@ workers and 1 decode worker running the embedded model, the router), started onc
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -508,3 +509,54 @@ def test_a_worker_too_busy_to_answer_its_polls_is_not_declared_down(
 
 def _decode_entry(router_url: str) -> dict:
     return next(w for w in httpx.get(f"{router_url}/router/workers").json()["workers"] if w["role"] == "decode")
+
+
+# ---- adaptive placement (router/cost_model.py) ---------------------------------------------------------
+def _measured(router_url: str) -> tuple[bool, bool]:
+    """(the decode worker has a prefill rate, some prefill worker has one), as /router/workers shows."""
+    view = httpx.get(f"{router_url}/router/workers").json()
+    rates = view["placement"]["workers"]
+    roles = {w["url"]: w["role"] for w in view["workers"]}
+    has = [roles[u] for u, r in rates.items() if r["prefill_tokens_per_s"] > 0]
+    return "decode" in has, "prefill" in has
+
+
+def test_adaptive_placement_serves_what_fixed_placement_serves(
+    cluster: LocalCluster, tok: RouterTokenizer, smol_path
+) -> None:
+    """Once the workers have measured their prefill rates, an adaptive router places by the cost model
+    (its reason counted and shown) and a greedy answer equals the fixed router's."""
+    # Warm-up: long prompts queued on the decode pod (a fixed router that never disaggregates) and on the
+    # prefill pods (the shared fixed router) make both roles measure a rate while the adaptive router polls.
+    local_only = _side_router(cluster, tok, smol_path, disagg_min_prompt_tokens=10**6, poll_interval_s=0.05)
+    adaptive = _side_router(cluster, tok, smol_path, placement="adaptive", poll_interval_s=0.05)
+    try:
+
+        async def warm() -> None:
+            async with httpx.AsyncClient(timeout=180) as c:
+                reqs = []
+                for i, url in enumerate([local_only.url] * 3 + [cluster.router_url] * 3):
+                    body = {"model": MODEL, "prompt": _system_prompt(f"topic {i}"), "max_tokens": 1}
+                    reqs.append(c.post(f"{url}/v1/completions", json=body))
+                for r in await asyncio.gather(*reqs):
+                    assert r.status_code == 200, r.text
+
+        deadline = time.monotonic() + 60
+        while _measured(adaptive.url) != (True, True):
+            assert time.monotonic() < deadline, httpx.get(f"{adaptive.url}/router/workers").json()["placement"]
+            asyncio.run(warm())
+        before = httpx.get(f"{adaptive.url}/router/workers").json()["decisions"]
+        msgs = [{"role": "system", "content": _system_prompt("botany")}, {"role": "user", "content": "A tree?"}]
+        answers = []
+        for url in (adaptive.url, cluster.router_url):
+            c = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=180)
+            r = c.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=12)
+            answers.append(r.choices[0].message.content)
+        after = httpx.get(f"{adaptive.url}/router/workers").json()
+    finally:
+        adaptive.stop()
+        local_only.stop()
+    moved = {k: v - before.get(k, 0) for k, v in after["decisions"].items() if v != before.get(k, 0)}
+    assert len(moved) == 1 and next(iter(moved)).startswith("adaptive-"), moved
+    assert after["placement"]["mode"] == "adaptive" and after["placement"]["slo"]["itl_s"] == 0.025
+    assert answers[0] and answers[0] == answers[1], answers

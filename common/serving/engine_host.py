@@ -285,6 +285,7 @@ class EngineHost:
             pod=self.cfg.pod_name,
             queued_prefill_tokens=queued,
             prefill_tokens_per_s=round(rate, 1),
+            prefill_chunk_tokens=s.cfg.max_prefill_tokens,
             running_requests=len(s.running) + len(s.awaiting_kv) + (1 if s.chunked else 0),
             waiting_requests=len(s.waiting),
             free_pages=s.free_pages() - s.reserved_pages(),

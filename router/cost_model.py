@@ -1,0 +1,142 @@
+"""Adaptive placement: predicted TTFT and ITL cost of each way to serve one request, as pure functions.
+
+A request can be placed two ways (router/policy.py picks the decode pod D first, by its own load):
+
+local on D
+    D prefills the prompt itself, in chunks that join its running decode batch.
+disaggregated via P
+    a prefill pod P computes the prompt, its KV moves to D, D decodes.
+
+Predicted time to first token (seconds), with ``rate_x`` the pod's own measured prefill rate
+(``prefill_tokens_per_s`` in its /load: prompt tokens computed per second while prompts were queued,
+common/serving/prefill_rate.py):
+
+    ttft_local   = (queued_D + uncached_D) / rate_D
+    ttft_disagg  = (queued_P + uncached_P) / rate_P + prompt_len / transfer_tokens_per_s
+
+``queued_x`` is the prefill work ahead of this request (the pod's queue or the router's own count of
+tokens sent to it, whichever is larger), ``uncached_x`` the prompt tokens that pod does not hold. The
+transfer moves the whole prompt's KV; no pod publishes a transfer rate yet, so it is a setting
+(``transfer_tokens_per_s``, default 200k tokens/s: an 8B model's ~128 KiB of KV per token at ~25 GB/s).
+
+ITL cost that a local prefill inflicts on D's running batch (seconds added to each step that carries a
+chunk), zero when D runs nothing:
+
+    itl_local  = min(chunk_D, uncached_D) / rate_D        (chunk_D: D's prefill tokens per step)
+    itl_disagg = 0                                          (D only receives KV pages)
+
+``1 / rate_D`` is D's per-token prefill cost as measured on D itself while it also decoded, so it
+already carries the mix it runs.
+
+Choice: every placement is scored ``(misses ITL SLO, misses TTFT SLO, ttft)`` and the lowest wins. So a
+placement meeting both SLOs wins over any that misses one, the lowest predicted TTFT among those; when
+none meets both, an ITL miss weighs more than a TTFT miss (an ITL miss slows every request in D's batch,
+a TTFT miss only this one), and among equal misses the lowest predicted TTFT wins. Ties go to the local
+placement (no transfer, no second pod).
+
+Missing measurements: a pod whose rate is 0 has not measured yet. When D's rate is unknown, or no
+prefill pod has one, there is nothing to predict with and ``choose_placement`` returns None: the caller
+falls back to the fixed thresholds (``disagg_min_prompt_tokens``, ``local_prefix_fraction``). Prefill
+pods without a rate are left out of the comparison while another one has a rate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "LocalSide",
+    "Placement",
+    "PrefillSide",
+    "SloTargets",
+    "choose_placement",
+    "disagg_ttft_s",
+    "local_itl_cost_s",
+    "local_ttft_s",
+]
+
+
+@dataclass(frozen=True)
+class SloTargets:
+    ttft_s: float = 2.0
+    itl_s: float = 0.025
+    transfer_tokens_per_s: float = 200_000.0
+
+
+@dataclass(frozen=True)
+class LocalSide:
+    """The decode pod D, as the model sees it."""
+
+    key: str
+    queued_tokens: int  # prefill work ahead of this request on D
+    uncached_tokens: int  # prompt tokens D would compute
+    rate: float  # D's measured prefill tokens/s (0: unknown)
+    chunk_tokens: int  # D's prefill tokens per step (0: unknown, then one chunk = the whole prompt)
+    busy: bool  # D runs a decode batch that a local prefill would slow
+
+
+@dataclass(frozen=True)
+class PrefillSide:
+    key: str
+    queued_tokens: int
+    uncached_tokens: int
+    rate: float
+
+
+@dataclass(frozen=True)
+class Placement:
+    prefill: str | None  # None: local on D
+    ttft_s: float
+    itl_cost_s: float
+    meets_ttft: bool
+    meets_itl: bool
+
+    @property
+    def reason(self) -> str:
+        """The routing-decision label: which placement won and whether it meets the SLOs."""
+        kind = "local" if self.prefill is None else "disaggregated"
+        if self.meets_ttft and self.meets_itl:
+            return f"adaptive-{kind}"
+        return f"adaptive-{kind}-slo-miss"
+
+
+def local_ttft_s(d: LocalSide) -> float:
+    return (d.queued_tokens + d.uncached_tokens) / d.rate
+
+
+def local_itl_cost_s(d: LocalSide) -> float:
+    if not d.busy or d.uncached_tokens <= 0:
+        return 0.0
+    chunk = min(d.chunk_tokens, d.uncached_tokens) if d.chunk_tokens > 0 else d.uncached_tokens
+    return chunk / d.rate
+
+
+def disagg_ttft_s(p: PrefillSide, prompt_len: int, slo: SloTargets) -> float:
+    transfer = prompt_len / slo.transfer_tokens_per_s if slo.transfer_tokens_per_s > 0 else 0.0
+    return (p.queued_tokens + p.uncached_tokens) / p.rate + transfer
+
+
+def _placement(prefill: str | None, ttft: float, itl: float, slo: SloTargets) -> Placement:
+    return Placement(prefill, ttft, itl, ttft <= slo.ttft_s, itl <= slo.itl_s)
+
+
+def placements(d: LocalSide, prefill: Sequence[PrefillSide], prompt_len: int, slo: SloTargets) -> list[Placement]:
+    """Every placement the model can predict (local first); empty when D's rate is unknown."""
+    if d.rate <= 0:
+        return []
+    out = [_placement(None, local_ttft_s(d), local_itl_cost_s(d), slo)]
+    out += [_placement(p.key, disagg_ttft_s(p, prompt_len, slo), 0.0, slo) for p in prefill if p.rate > 0]
+    return out
+
+
+def choose_placement(
+    d: LocalSide, prefill: Sequence[PrefillSide], prompt_len: int, slo: SloTargets
+) -> Placement | None:
+    """The best placement by the order in the module docstring; None when the fixed rules must decide
+    (D unmeasured, or no prefill pod measured while some are up)."""
+    options = placements(d, prefill, prompt_len, slo)
+    if not options or (prefill and len(options) == 1):
+        return None
+    # min() keeps the first of equal keys: local, then prefill pods in the caller's order.
+    return min(options, key=lambda o: (not o.meets_itl, not o.meets_ttft, o.ttft_s))

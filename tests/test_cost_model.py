@@ -1,0 +1,117 @@
+"""The placement cost model (router/cost_model.py) and its use in router/policy.py: pure functions."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.cost_model import (
+    LocalSide,
+    PrefillSide,
+    SloTargets,
+    choose_placement,
+    disagg_ttft_s,
+    local_itl_cost_s,
+    local_ttft_s,
+)
+from router.policy import DecodeCandidate, PolicyConfig, PrefillCandidate, RoutingPolicy
+
+SLO = SloTargets(ttft_s=2.0, itl_s=0.025, transfer_tokens_per_s=100_000.0)
+
+
+def local(queued: int = 0, uncached: int = 1000, rate: float = 10_000.0, chunk: int = 512, busy: bool = True):
+    return LocalSide("d0", queued, uncached, rate, chunk, busy)
+
+
+def remote(key: str = "p0", queued: int = 0, uncached: int = 1000, rate: float = 40_000.0) -> PrefillSide:
+    return PrefillSide(key, queued, uncached, rate)
+
+
+def test_formulas() -> None:
+    d = local(queued=3000, uncached=1000, rate=10_000.0, chunk=512)
+    assert local_ttft_s(d) == pytest.approx(0.4)
+    assert local_itl_cost_s(d) == pytest.approx(0.0512)  # one 512-token chunk at 10k tokens/s
+    assert local_itl_cost_s(local(uncached=100, chunk=512)) == pytest.approx(0.01)  # a chunk is at most the prompt
+    assert local_itl_cost_s(local(busy=False)) == 0.0  # nothing running on D: no batch to slow
+    assert local_itl_cost_s(local(chunk=0)) == pytest.approx(0.1)  # chunk unknown: the whole prompt
+    # (queued + uncached) / rate + prompt / transfer rate
+    assert disagg_ttft_s(remote(queued=4000, uncached=2000, rate=20_000.0), 3000, SLO) == pytest.approx(0.33)
+
+
+def test_idle_decode_pod_prefills_locally() -> None:
+    # D runs nothing and prefills as fast as P: a local prefill hurts no ITL and skips the transfer.
+    chosen = choose_placement(local(busy=False), [remote(rate=10_000.0)], 1000, SLO)
+    assert chosen is not None and chosen.prefill is None and chosen.reason == "adaptive-local"
+
+
+def test_busy_decode_pod_with_big_chunks_disaggregates() -> None:
+    # 2048-token chunks at 10k tokens/s add 205 ms to each step of D's batch: over the 25 ms ITL SLO.
+    chosen = choose_placement(local(uncached=3000, chunk=2048), [remote(uncached=3000)], 3000, SLO)
+    assert chosen is not None and chosen.prefill == "p0" and chosen.reason == "adaptive-disaggregated"
+    assert chosen.itl_cost_s == 0.0 and chosen.meets_ttft
+
+
+def test_small_chunks_and_a_queued_prefill_pod_stay_local() -> None:
+    # 128-token chunks cost 12.8 ms per step (within ITL); P has 60k tokens queued (1.5 s + 0.3 s of work
+    # + 0.03 s transfer) against 0.3 s locally: local has the lower TTFT and meets both SLOs.
+    chosen = choose_placement(local(uncached=3000, chunk=128), [remote(queued=60_000, uncached=3000)], 3000, SLO)
+    assert chosen is not None and chosen.prefill is None and chosen.meets_itl and chosen.meets_ttft
+
+
+def test_least_loaded_prefill_pod_and_its_cached_prefix_win() -> None:
+    sides = [remote("p0", queued=20_000), remote("p1", queued=0, uncached=3000), remote("p2", uncached=100)]
+    chosen = choose_placement(local(uncached=3000, chunk=2048), sides, 3000, SLO)
+    assert chosen is not None and chosen.prefill == "p2"  # holds most of the prompt, nothing queued
+
+
+def test_violations_ordered_itl_miss_weighs_more_than_ttft_miss() -> None:
+    # Local: 0.2 s TTFT but 205 ms per step on D's batch. P: 100k tokens queued, 2.6 s TTFT (over 2 s).
+    d = local(uncached=2000, chunk=2048)
+    chosen = choose_placement(d, [remote(queued=100_000, uncached=2000)], 2000, SLO)
+    assert chosen is not None and chosen.prefill == "p0" and chosen.reason == "adaptive-disaggregated-slo-miss"
+    assert not chosen.meets_ttft and chosen.meets_itl
+
+
+def test_violations_ordered_lowest_ttft_among_equal_misses() -> None:
+    # Both prefill pods miss TTFT (the local one misses ITL too): the less late prefill pod wins.
+    sides = [remote("p0", queued=200_000), remote("p1", queued=100_000)]
+    chosen = choose_placement(local(queued=50_000, chunk=2048), sides, 1000, SLO)
+    assert chosen is not None and chosen.prefill == "p1" and not chosen.meets_ttft
+    # No prefill pod at all: local, even though it misses both.
+    alone = choose_placement(local(queued=50_000, chunk=2048), [], 1000, SLO)
+    assert alone is not None and alone.prefill is None and alone.reason == "adaptive-local-slo-miss"
+
+
+def test_missing_measurements_fall_back() -> None:
+    assert choose_placement(local(rate=0.0), [remote()], 1000, SLO) is None  # D has not measured
+    assert choose_placement(local(), [remote(rate=0.0)], 1000, SLO) is None  # no prefill pod has
+    # An unmeasured prefill pod is left out while another one has a rate.
+    chosen = choose_placement(local(chunk=4096), [remote("p0", rate=0.0), remote("p1")], 1000, SLO)
+    assert chosen is not None and chosen.prefill == "p1"
+
+
+def _policy(placement: str) -> RoutingPolicy:
+    return RoutingPolicy(PolicyConfig(placement=placement, slo=SLO))
+
+
+def test_policy_uses_the_cost_model_when_adaptive() -> None:
+    # A 100-token prompt is "short" for the fixed rules (local), but D is busy and prefills slowly
+    # (200 tokens/s: 0.5 s per step for 100 tokens), so adaptive sends it to the idle prefill pod.
+    d = DecodeCandidate("d0", "pod-d", running=4, free_pages=100, total_pages=100, prefill_tokens_per_s=200.0)
+    p = PrefillCandidate("p0", "pod-p", prefill_tokens_per_s=5000.0)
+    fixed = _policy("fixed").choose(100, 16, 16, [p], [d], None)
+    assert fixed.prefill is None and fixed.reason == "short-prompt"
+    adaptive = _policy("adaptive").choose(100, 16, 16, [p], [d], None)
+    assert adaptive.prefill == "p0" and adaptive.reason == "adaptive-disaggregated"
+
+
+def test_policy_falls_back_to_fixed_rules_until_measured() -> None:
+    d = DecodeCandidate("d0", "pod-d", running=4, free_pages=100, total_pages=100)  # no rate yet
+    p = PrefillCandidate("p0", "pod-p", prefill_tokens_per_s=5000.0)
+    assert _policy("adaptive").choose(100, 16, 16, [p], [d], None).reason == "short-prompt"
+    assert _policy("adaptive").choose(1000, 16, 16, [p], [d], None).reason == "disaggregated"
+    assert _policy("adaptive").choose(1000, 16, 16, [], [d], None).reason == "no-prefill"
+
+
+def test_policy_rejects_unknown_placement() -> None:
+    with pytest.raises(ValueError, match="placement"):
+        _policy("sometimes")
