@@ -35,8 +35,8 @@ _BACKOFF_S = (0.25, 0.5, 1.0, 2.0)  # between tries while no decode worker is re
 
 @dataclass
 class MigrationStats:
-    """This router process's migration counters (``/router/workers`` shows them; a metrics registry can
-    read the same object)."""
+    """This router process's migration counters, shown in ``/router/workers``; ``/metrics`` has the same
+    as ``kvferry_router_migrations_total{outcome}`` (router/metrics.py)."""
 
     started: int = 0  # continuations sent to a worker
     succeeded: int = 0  # continuations that produced their first event: the client's stream went on
@@ -102,6 +102,10 @@ class MigratingCall:
         await self.leg.aclose()
 
     # ---- the seam --------------------------------------------------------------------------------------
+    def _count(self, outcome: str) -> None:
+        setattr(MIGRATIONS, outcome, getattr(MIGRATIONS, outcome) + 1)
+        self.d.metrics.migrations.labels(outcome=outcome).inc()  # kvferry_router_migrations_total
+
     def _seen(self, ev: UpstreamEvent) -> UpstreamEvent:
         self.output_ids.extend(ev.token_ids)
         return ev
@@ -112,7 +116,7 @@ class MigratingCall:
         if ev.finish_reason != "error" or not ev.retryable:
             return self._seen(ev)
         if self.migrations >= self.limit:
-            MIGRATIONS.failed += 1
+            self._count("failed")
             ev.error = f"{ev.error}; not continued: this request already moved {self.migrations} times"
             return self._seen(ev)
         self._failure = ev
@@ -135,7 +139,7 @@ class MigratingCall:
         waits = 0
         while self.migrations < self.limit and not self._closed:
             self.migrations += 1
-            MIGRATIONS.started += 1
+            self._count("started")
             leg = UpstreamCall(self.d, f"{self.req_id}-m{self.migrations}", plan, sampling)
             self.leg = leg
             try:
@@ -149,7 +153,7 @@ class MigratingCall:
                     waits += 1
                     avoid = None  # the lost worker may be back by now
                 continue
-            MIGRATIONS.succeeded += 1
+            self._count("succeeded")
             log.warning(
                 "stream continued on another decode worker",
                 extra={
@@ -166,7 +170,7 @@ class MigratingCall:
             return self._take(first) or await self.next()
         if self._closed:  # the client left meanwhile: nobody reads this
             return UpstreamEvent(finish_reason="abort")
-        MIGRATIONS.failed += 1
+        self._count("failed")
         return UpstreamEvent(
             finish_reason="error",
             error=f"{failure.error}; the request could not continue on another decode worker: {reason}",

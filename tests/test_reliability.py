@@ -437,6 +437,7 @@ def test_decode_engine_exit_mid_stream_continues_elsewhere(healthy: LocalCluster
     body["ignore_eos"] = True
     expected = httpx.post(f"{c.router_url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
     before = router_workers(c)["migrations"]["succeeded"]
+    counted = metric(c.router_url, "kvferry_router_migrations_total", '{outcome="succeeded"}')
     with httpx.stream("POST", f"{c.router_url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
         events = sse_events(r)
         text = "".join(next(events)["choices"][0]["text"] for _ in range(3))  # type: ignore[index]
@@ -448,6 +449,7 @@ def test_decode_engine_exit_mid_stream_continues_elsewhere(healthy: LocalCluster
                 text += ev["choices"][0]["text"]
     assert text == expected
     assert router_workers(c)["migrations"]["succeeded"] == before + 1
+    assert metric(c.router_url, "kvferry_router_migrations_total", '{outcome="succeeded"}') == counted + 1
     restart(victim)
     FAULTS_SURVIVED.append("decode engine exit mid-stream")
 
