@@ -74,6 +74,10 @@ def parse_load(data: Any) -> Load:
         v = data.get(key, default)
         return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else default
 
+    def rate(key: str) -> float:
+        v = data.get(key, 0.0)
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else 0.0
+
     return Load(
         role=data["role"],
         pod=data["pod"],
@@ -86,7 +90,7 @@ def parse_load(data: Any) -> Load:
         ready=bool(data.get("ready", False)),
         draining=bool(data.get("draining", False)),
         max_running=num("max_running"),
-        prefill_tokens_per_s=max(0.0, float(num("prefill_tokens_per_s"))),
+        prefill_tokens_per_s=rate("prefill_tokens_per_s"),
         prefill_chunk_tokens=num("prefill_chunk_tokens"),
     )
 
