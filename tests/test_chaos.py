@@ -8,8 +8,8 @@ as a command, its workers killed with -9 while clients stream greedy requests.
   hangs, and every KV page comes back. Streams on a killed decode worker migrate (router/migration.py);
   requests in a killed prefill worker are retried before their first token.
 
-Size: KVFERRY_CHAOS_REQUESTS at KVFERRY_CHAOS_CONCURRENCY, a kill every KVFERRY_CHAOS_KILL_EVERY_S (small CI
-defaults below). By hand, e.g. ``KVFERRY_CHAOS_REQUESTS=1000 KVFERRY_CHAOS_CONCURRENCY=32 python -m pytest
+Size: at least KVFERRY_CHAOS_REQUESTS at KVFERRY_CHAOS_CONCURRENCY, and on until a worker of each role was
+killed; a kill every KVFERRY_CHAOS_KILL_EVERY_S (small CI defaults below). By hand, e.g. ``KVFERRY_CHAOS_REQUESTS=1000 KVFERRY_CHAOS_CONCURRENCY=32 python -m pytest
 tests/test_chaos.py -s``; the figures (requests, kills, migrations, latency percentiles) are printed and, with
 KVFERRY_CHAOS_OUT=<file>, saved as JSON.
 """
@@ -196,13 +196,31 @@ def test_chaos_under_load(up: UpCluster) -> None:
                 continue
 
     rng = random.Random(1)
-    order = [rng.choice(prompts) for _ in range(REQUESTS)]
+    results: list[tuple[str, dict[str, Any]]] = []
+    sent = 0
+    lock = threading.Lock()
+
+    def client() -> None:
+        # At least REQUESTS, and on until a worker of each role was killed (however fast this machine is).
+        nonlocal sent
+        while True:
+            with lock:
+                roles = {role for role, _ in kills}
+                if sent >= REQUESTS and (roles == {"prefill", "decode"} or sent >= 10 * REQUESTS):
+                    return
+                sent += 1
+                prompt = rng.choice(prompts)
+            out = stream(c, prompt)
+            with lock:
+                results.append((prompt, out))
+
     t = threading.Thread(target=killer, daemon=True)
     t0 = time.monotonic()
     t.start()
     try:
         with ThreadPoolExecutor(CONCURRENCY) as pool:
-            results = list(pool.map(lambda p: (p, stream(c, p)), order))
+            for f in [pool.submit(client) for _ in range(CONCURRENCY)]:
+                f.result()
     finally:
         stop.set()
         t.join(30)
@@ -232,4 +250,4 @@ def test_chaos_under_load(up: UpCluster) -> None:
         Path(os.environ["KVFERRY_CHAOS_OUT"]).write_text(json.dumps(figures, indent=2) + "\n")
     assert not failed, failed[:3]
     assert not wrong, wrong[:3]
-    assert len(kills) >= 2, f"only {len(kills)} kills in {wall:.0f}s: make the load longer"
+    assert {role for role, _ in kills} == {"prefill", "decode"}, kills
