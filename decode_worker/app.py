@@ -252,6 +252,9 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
             return error_response(503, "decode worker not ready", "unavailable", "not_ready")
         client = state.client
         assert client is not None
+        if gen.req_id in client.streams:  # delivered twice: the live copy keeps its stream
+            message = f"duplicate request id {gen.req_id!r}"
+            return error_response(409, message, "invalid_request_error", "duplicate_request")
         queue = client.open_stream(gen.req_id)
         remote = gen.prefill_url is not None
         trace = WorkerTrace(

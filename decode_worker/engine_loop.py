@@ -79,7 +79,7 @@ class DecodeHost(EngineHost):
             return
         self.scheduler.validate(req)
         if req.req_id in self.scheduler.by_id or req.req_id in self.remote or req.req_id in self.held:
-            self.reject(msg, f"duplicate request id {req.req_id!r}", "invalid_request")
+            self.reject(msg, f"duplicate request id {req.req_id!r}", "duplicate_request")
             return
         self.remote[req.req_id] = PendingRemote(req, time.monotonic() + float(msg.get("timeout_s", 60.0)))
         self.reply(msg)

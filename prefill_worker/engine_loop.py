@@ -103,7 +103,7 @@ class PrefillHost(EngineHost):
             self.reject(msg, f"no handshake with {pr.dst_agent} instance {pr.dst_instance_id}", "unknown_peer")
             return
         if pr.req_id in self.outbound:
-            self.reject(msg, f"duplicate request id {pr.req_id!r}", "invalid_request")
+            self.reject(msg, f"duplicate request id {pr.req_id!r}", "duplicate_request")
             return
         # Checked here, not when the first chunk is posted: a bad page id raised inside a scheduler
         # step would take the engine process (and every request on it) down.

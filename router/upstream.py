@@ -334,6 +334,10 @@ class UpstreamCall:
         except (ValueError, TypeError):
             pass
         status = resp.status
+        if status == 409 and code == "duplicate_request":
+            # This request already reached the worker (a POST resent after a reused connection's EOF, whose
+            # first copy did arrive): that copy is aborted when its unread response closes; retry under a new id.
+            raise _Retry(upstream_failed(f"duplicate delivery: {message}"), False, False)
         if status in (400, 413, 422):
             raise bad_request(message, None, code if isinstance(code, str) else None)
         if status == 429:

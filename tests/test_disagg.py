@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -152,3 +153,27 @@ def test_internal_endpoints_reject_bad_messages(workers):
     )
     assert r.status_code == 400 and "context" in r.json()["error"]["message"]
     assert httpx.get(f"{d.url}/health", timeout=5).status_code == 200
+
+
+def test_second_delivery_of_a_live_request_is_409_duplicate(workers, smol_tokenizer):
+    """A request delivered twice (a POST resent on a fresh connection after its first copy arrived) is refused
+    as a duplicate (409, code duplicate_request: the router retries under a new id), not as a bad request;
+    the first copy runs on, and every page comes back."""
+    p, d = workers
+    body = {
+        "req_id": uuid.uuid4().hex,
+        "token_ids": smol_tokenizer.encode("Tell me about the moon."),
+        "sampling": {"max_tokens": 48, "ignore_eos": True},
+    }
+    for prefill in (None, p):
+        body = {**body, "req_id": uuid.uuid4().hex, "prefill_url": prefill.url if prefill else None}
+        with httpx.stream("POST", f"{d.url}/internal/generate", json=body, timeout=60) as first:
+            assert first.status_code == 200
+            lines = first.iter_lines()
+            assert next(line for line in lines if line)  # the first copy is live
+            again = httpx.post(f"{d.url}/internal/generate", json=body, timeout=30)
+            assert again.status_code == 409, again.text
+            assert again.json()["error"]["code"] == "duplicate_request"
+            tokens = [t for line in lines if line for t in json.loads(line).get("token_ids", [])]
+        assert tokens  # the first copy streamed on to its end
+    wait_pages_back(p, d)

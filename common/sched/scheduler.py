@@ -50,6 +50,10 @@ class RequestRejected(ValueError):
     """A request that can never be served as asked (too long for the context or the KV pool)."""
 
 
+class DuplicateRequest(RequestRejected):
+    """A request id already live here: the same request delivered twice (a resent POST), or a caller's bug."""
+
+
 @dataclass
 class StepEvent:
     """What one step did for one request: tokens it produced, and whether it finished."""
@@ -134,7 +138,7 @@ class Scheduler:
 
     def add(self, req: Req) -> None:
         if req.req_id in self.by_id:
-            raise RequestRejected(f"duplicate request id {req.req_id!r}")
+            raise DuplicateRequest(f"duplicate request id {req.req_id!r}")
         self.validate(req)
         self.by_id[req.req_id] = req
         self.waiting.append(req)
@@ -151,7 +155,7 @@ class Scheduler:
         its KV into them. Returns the prompt's page ids, or None when memory or a table row is short."""
         self.validate(req)
         if req.req_id in self.by_id:
-            raise RequestRejected(f"duplicate request id {req.req_id!r}")
+            raise DuplicateRequest(f"duplicate request id {req.req_id!r}")
         need = self.budget.pages_for(req.max_device_len)
         if (
             self.runner.page_table.num_free_rows == 0

@@ -330,6 +330,9 @@ ENGINE_ERROR_STATUS = {
     "invalid_request": 400,
     "queue_full": 429,
     "engine_timeout": 504,
+    # The id is live on this worker already: a resent delivery of the same request (router/upstream.py
+    # retries under a new id) or a caller's bug; either way not this body's fault, hence not 400.
+    "duplicate_request": 409,
 }
 
 

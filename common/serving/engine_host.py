@@ -24,7 +24,7 @@ from common.prefix.hashing import chained_block_hashes
 from common.prefix.publisher import PrefixIndexPublisher
 from common.protocol import LoadSnapshot, SamplingParams
 from common.sched.request import Req, ReqState
-from common.sched.scheduler import RequestRejected, Scheduler, StepEvent
+from common.sched.scheduler import DuplicateRequest, RequestRejected, Scheduler, StepEvent
 from common.serving import tp_follower
 from common.serving.channel import Message, recv, send
 from common.serving.prefill_rate import PrefillRate
@@ -253,6 +253,8 @@ class EngineHost:
                 self.reply(msg, sums=self.runner.kv_checksums(torch.tensor(msg["pages"], dtype=torch.int64)))
             else:
                 self.handle_role(msg)
+        except DuplicateRequest as e:
+            self.reject(msg, str(e), "duplicate_request")
         except RequestRejected as e:
             self.reject(msg, str(e), "invalid_request")
         except Exception as e:  # a bad command must not take the engine down
