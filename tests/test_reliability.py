@@ -530,6 +530,51 @@ def test_kill9_router_mid_stream(healthy: LocalCluster) -> None:
     FAULTS_SURVIVED.append("kill -9 router mid-stream")
 
 
+def test_router_replica_keeps_serving_when_the_other_is_killed(healthy: LocalCluster, tmp_path: Path) -> None:
+    """Two routers over one fleet share only Redis (the prefix index) and the workers: killing one mid-stream
+    loses its own streams only; the other's stream completes with the fault-free text and it keeps serving."""
+    c = healthy
+    assert c.router is not None
+    port = free_port()
+    argv = ["--host", "127.0.0.1", "--port", str(port), "--model", MODEL, "--redis-url", c.redis_url]
+    argv += ["--discovery", "static", "--prefill-urls", ",".join(c.prefill_urls)]
+    replica = ManagedProcess(
+        "router-replica",
+        kvferry_argv("router", *argv, "--decode-urls", ",".join(c.decode_urls)),
+        dict(os.environ, **ENV),
+        tmp_path / "router.log",
+        url=f"http://127.0.0.1:{port}",
+    )
+    replica.start()
+    try:
+        wait_ready([replica], 60)
+        body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 120, "temperature": 0}
+        expected = httpx.post(f"{replica.url}/v1/completions", json={**body, "ignore_eos": True}, timeout=60)
+        assert expected.status_code == 200
+        stream_body = {**body, "ignore_eos": True, "stream": True}
+        with long_stream_under_way(c) as lost:
+            with httpx.stream("POST", f"{replica.url}/v1/completions", json=stream_body, timeout=60) as r:
+                assert r.status_code == 200
+                events = sse_events(r)
+                text = "".join(next(events)["choices"][0]["text"] for _ in range(2))  # type: ignore[index]
+                c.router.kill_group()
+                with pytest.raises(httpx.HTTPError):
+                    for _ev in lost:
+                        pass
+                for ev in events:
+                    if isinstance(ev, dict) and ev["choices"]:
+                        text += ev["choices"][0]["text"]
+        assert text == expected.json()["choices"][0]["text"]
+        again = httpx.post(f"{replica.url}/v1/completions", json={**body, "max_tokens": 8}, timeout=60)
+        assert again.status_code == 200
+        wait_pages_back(worker_urls(c), timeout=15)
+    finally:
+        replica.stop()
+        restart(c.router)
+        wait_all_up(c)
+    FAULTS_SURVIVED.append("kill -9 one of two routers")
+
+
 # ---- Redis -----------------------------------------------------------------------------------------
 def test_redis_killed_and_restarted(healthy: LocalCluster) -> None:
     c = healthy
