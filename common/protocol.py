@@ -233,6 +233,11 @@ class LoadSnapshot(BaseModel):
     draining: bool = False
     max_running: int = 0  # batch slots (0: not reported); the router's admission counts free ones
     prefill_tokens_per_s: float = 0.0  # measured while prefill work was queued (0: not measured yet)
+    # Host KV tier (0 without one): pages holding cached prefixes, its size, pages moved since start.
+    host_pages_cached: int = 0
+    host_pages_total: int = 0
+    host_pages_saved: int = 0
+    host_pages_loaded: int = 0
     prefill_chunk_tokens: int = 0  # prompt tokens one scheduler step prefills at most (0: not reported)
 
 

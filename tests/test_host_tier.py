@@ -307,5 +307,14 @@ def test_worker_serves_prefixes_from_its_host_tier(redis_server, smol_tokenizer,
         metrics = httpx.get(f"{d.url}/metrics", timeout=5).text
         line = next(ln for ln in metrics.splitlines() if ln.startswith("kvferry_kv_integrity_violations_total"))
         assert float(line.split()[-1]) == 0
+        load = d.load()
+        assert load["host_pages_total"] > 0 and load["host_pages_cached"] > 0
+        assert load["host_pages_saved"] > 0 and load["host_pages_loaded"] > 0
+        moved = {
+            ln.split('"')[1]: float(ln.split()[-1])
+            for ln in metrics.splitlines()
+            if ln.startswith("kvferry_host_kv_pages_moved_total{")
+        }
+        assert moved["saved"] > 0 and moved["loaded"] > 0
     finally:
         d.stop()

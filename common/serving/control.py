@@ -66,6 +66,19 @@ class WorkerMetrics:
         self.free = Gauge("kvferry_kv_pages_free", "KV pages free or reclaimable", registry=r)
         self.total = Gauge("kvferry_kv_pages_total", "KV pages in the pool", registry=r)
         self.usage = Gauge("kvferry_kv_usage_ratio", "Share of KV pages in use", registry=r)
+        self.host_cached = Gauge(
+            "kvferry_host_kv_pages_cached", "Host KV tier: pages holding cached prefixes", registry=r
+        )
+        self.host_total = Gauge(
+            "kvferry_host_kv_pages_total", "Host KV tier: pages in the tier (0: no tier)", registry=r
+        )
+        self.host_moves = Counter(
+            "kvferry_host_kv_pages_moved_total",
+            "Host KV tier: pages copied out of the device pool (saved) or back into it (loaded)",
+            ["direction"],
+            registry=r,
+        )
+        self._host_moved = {"saved": 0, "loaded": 0}
         self.requests = Counter("kvferry_requests_total", "Finished requests by outcome", ["outcome"], registry=r)
         self.cached = Counter(
             "kvferry_prefix_cached_tokens_total", "Prompt tokens served from the prefix cache", registry=r
@@ -90,6 +103,12 @@ class WorkerMetrics:
         self.free.set(load.free_pages)
         self.total.set(load.total_pages)
         self.usage.set(1.0 - load.free_pages / max(1, load.total_pages))
+        self.host_cached.set(load.host_pages_cached)
+        self.host_total.set(load.host_pages_total)
+        for direction, now in (("saved", load.host_pages_saved), ("loaded", load.host_pages_loaded)):
+            if now > self._host_moved[direction]:  # cumulative in the engine: count the increase
+                self.host_moves.labels(direction=direction).inc(now - self._host_moved[direction])
+                self._host_moved[direction] = now
 
 
 class WorkerState:

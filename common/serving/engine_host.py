@@ -278,6 +278,18 @@ class EngineHost:
                 time.sleep(0.001)
         return []
 
+    def _host_tier_load(self) -> dict[str, int]:
+        cache = self.scheduler.cache
+        host = cache.host if cache is not None else None
+        if host is None:
+            return {}
+        return {
+            "host_pages_cached": cache.host_cached_pages,  # type: ignore[union-attr]
+            "host_pages_total": host.num_pages,
+            "host_pages_saved": host.saved_pages,
+            "host_pages_loaded": host.loaded_pages,
+        }
+
     def load(self) -> LoadSnapshot:
         s = self.scheduler
         queued = s.queued_prefill_tokens()
@@ -294,6 +306,7 @@ class EngineHost:
             total_pages=s.allocator.num_pages,
             page_size=self.page_size,
             ready=True,
+            **self._host_tier_load(),
         )
 
     def fail_all(self, error: str) -> None:
