@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -26,9 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.devcluster.process import ClusterError, ManagedProcess, kvferry_argv
+from common.devcluster.redis_server import redis_server, wait_redis
 from common.net import free_port
 
-__all__ = ["DeployError", "DeploySpec", "Deployment", "Part", "start_deployment"]
+__all__ = ["DeployError", "DeploySpec", "Deployment", "start_deployment"]
 
 Say = Callable[[str], None]
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -36,69 +35,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 class DeployError(RuntimeError):
     pass
-
-
-@dataclass
-class Part:
-    """One process of the deployment, logging to its own file."""
-
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-    log_path: Path
-    url: str
-    proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.argv,
-                env=self.env,
-                cwd=REPO_ROOT,  # `python -m` puts the cwd first on sys.path: never bench/ (its router.py)
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
-        except OSError:
-            return "(no log)"
-        return "\n".join(f"    {line}" for line in text) or "    (empty log)"
-
-    def terminate(self) -> None:
-        if self.alive():
-            assert self.proc is not None
-            try:
-                self.proc.send_signal(signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-
-    def finish(self, deadline: float) -> None:
-        """Waits for the process until ``deadline`` (monotonic), then SIGKILLs its whole process group:
-        the engine process and anything else it started."""
-        if self.proc is None:
-            return
-        try:
-            self.proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            pass
-
-    def stop(self, grace_s: float) -> None:
-        self.terminate()
-        self.finish(time.monotonic() + grace_s)
 
 
 @dataclass(frozen=True)
@@ -133,20 +69,20 @@ class DeploySpec:
 class Deployment:
     spec: DeploySpec
     router_url: str
-    redis: Part
-    workers: list[Part]
-    router: Part | None = None
+    redis: ManagedProcess
+    workers: list[ManagedProcess]
+    router: ManagedProcess | None = None
 
     @property
-    def parts(self) -> list[Part]:
+    def parts(self) -> list[ManagedProcess]:
         return [p for p in (self.router, *self.workers, self.redis) if p is not None]
 
-    def dead_parts(self) -> list[Part]:
+    def dead_parts(self) -> list[ManagedProcess]:
         return [p for p in self.parts if not p.alive()]
 
-    def describe_failure(self, parts: list[Part] | None = None) -> str:
+    def describe_failure(self, parts: list[ManagedProcess] | None = None) -> str:
         shown = parts if parts is not None else self.parts
-        return "\n".join(f"  {p.name} ({p.log_path}):\n{p.log_tail()}" for p in shown)
+        return "\n".join(f"  {p.name} ({p.log_path}):\n{_indented(p.log_tail(40))}" for p in shown)
 
     def router_view(self) -> dict[str, Any]:
         """The router's debug view (/router/workers): worker loads and its placement decisions."""
@@ -157,7 +93,7 @@ class Deployment:
         for group, grace_s in (([self.router], 10.0), (self.workers, 10.0), ([self.redis], 3.0)):
             parts = [p for p in group if p is not None]
             for p in parts:
-                p.terminate()
+                p.signal(signal.SIGTERM)
             deadline = time.monotonic() + grace_s
             for p in parts:
                 p.finish(deadline)
@@ -178,46 +114,21 @@ def get_json(url: str, timeout_s: float) -> dict[str, Any] | None:
         return None
 
 
-def _kvferry(*args: str) -> list[str]:
-    # `python -m common.cli` is the `kvferry` console script a pod runs, without depending on PATH.
-    return [sys.executable, "-m", "common.cli", *args]
-
-
-def _start_redis(log_dir: Path, env: dict[str, str]) -> Part:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise DeployError("redis-server is not on PATH (make setup installs it)")
-    port = free_port()
-    part = Part(
-        "redis",
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        env,
-        log_dir / "redis.log",
-        url=f"redis://127.0.0.1:{port}/0",
-    )
-    part.start()
-    import redis
-
-    client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.2, socket_timeout=0.5)
-    deadline = time.monotonic() + 10.0
+def _start_redis(log_dir: Path, env: dict[str, str]) -> ManagedProcess:
     try:
-        while True:
-            if not part.alive():
-                raise DeployError(f"redis-server exited:\n{part.log_tail()}")
-            try:
-                if client.ping():
-                    return part
-            except redis.RedisError:
-                pass
-            if time.monotonic() > deadline:
-                part.stop(1.0)
-                raise DeployError(f"redis-server did not answer within 10 s:\n{part.log_tail()}")
-            time.sleep(0.05)
-    finally:
-        client.close()
+        part = redis_server(free_port(), log_dir / "redis.log", env)
+        part.start()
+        wait_redis(part)
+    except ClusterError as e:
+        raise DeployError(str(e)) from None
+    return part
 
 
-def _worker(role: str, index: int, spec: DeploySpec, redis_url: str, base_env: dict[str, str]) -> Part:
+def _indented(text: str) -> str:
+    return "\n".join(f"    {line}" for line in text.splitlines()) or "    (empty log)"
+
+
+def _worker(role: str, index: int, spec: DeploySpec, redis_url: str, base_env: dict[str, str]) -> ManagedProcess:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = dict(base_env)
@@ -233,10 +144,17 @@ def _worker(role: str, index: int, spec: DeploySpec, redis_url: str, base_env: d
         env["CUDA_VISIBLE_DEVICES"] = spec.gpus[index]
         env.setdefault("KVFERRY_DEVICE", "cuda")
     env.update(spec.worker_env)  # the caller's overrides win, as a pod's manifest would
-    return Part(f"{role}-{index}", _kvferry(role), env, spec.log_dir / f"{spec.mode}-{role}-{index}.log", url)
+    log = spec.log_dir / f"{spec.mode}-{role}-{index}.log"
+    return ManagedProcess(f"{role}-{index}", kvferry_argv(role), env, log, url, cwd=REPO_ROOT)
 
 
-def _wait(deployment: Deployment, parts: list[Part], ready: Callable[[Part], bool], deadline: float, say: Say) -> None:
+def _wait(
+    deployment: Deployment,
+    parts: list[ManagedProcess],
+    ready: Callable[[ManagedProcess], bool],
+    deadline: float,
+    say: Say,
+) -> None:
     pending = list(parts)
     start = time.monotonic()
     last_note = start
@@ -295,13 +213,18 @@ def start_deployment(spec: DeploySpec, say: Say) -> Deployment:
             KVFERRY_ROUTER_TOKENIZER=spec.tokenizer_dir,
         )
         router_env.update(spec.router_env)
-        deployment.router = Part(
-            "router", _kvferry("router"), router_env, spec.log_dir / f"{spec.mode}-router.log", deployment.router_url
+        deployment.router = ManagedProcess(
+            "router",
+            kvferry_argv("router"),
+            router_env,
+            spec.log_dir / f"{spec.mode}-router.log",
+            deployment.router_url,
+            cwd=REPO_ROOT,
         )
         deployment.router.start()
         want = {"prefill": roles.count("prefill"), "decode": roles.count("decode")}
 
-        def router_ready(p: Part) -> bool:
+        def router_ready(p: ManagedProcess) -> bool:
             # /ready is 200 once one decode worker is up; wait until the router sees every worker.
             body = get_json(f"{p.url}/ready", 2.0)
             return body is not None and body.get("workers") == want

@@ -28,6 +28,7 @@ class ManagedProcess:
     log_path: Path
     url: str | None = None
     proc: subprocess.Popen[bytes] | None = None
+    cwd: Path | None = None  # `python -m` puts the cwd first on sys.path: callers in bench/ pass the repo root
 
     def start(self) -> None:
         log = open(self.log_path, "ab")
@@ -35,7 +36,7 @@ class ManagedProcess:
             # Own session: Ctrl-C in the terminal reaches only `kvferry up`, which stops the parts in
             # order; and a part's own children (a worker's engine process) can be killed as a group.
             self.proc = subprocess.Popen(
-                self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                self.argv, env=self.env, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
         finally:
             log.close()
@@ -54,10 +55,15 @@ class ManagedProcess:
     def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM, then the whole process group killed if it has not exited within `grace_s`."""
         self.signal(signal.SIGTERM)
+        self.finish(time.monotonic() + grace_s)
+
+    def finish(self, deadline: float) -> None:
+        """Waits for the process until `deadline` (monotonic; several parts stopping together share one),
+        then kills its whole process group: the engine process and anything else it started."""
         if self.proc is None:
             return
         try:
-            self.proc.wait(grace_s)
+            self.proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
         self.kill_group()
