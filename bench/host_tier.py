@@ -100,6 +100,7 @@ def drive(engine: Engine, prompts: list[list[int]], concurrency: int, max_tokens
         "ttft_p50_s": round(percentile(ttft, 0.5), 4),
         "ttft_p90_s": round(percentile(ttft, 0.9), 4),
         "ttft_mean_s": round(statistics.fmean(ttft), 4),
+        "ttft_s": [round(t, 4) for t in ttft],
         "prefill_tokens_computed": computed,
         "prompt_tokens": sum(len(p) for p in prompts),
         "host_tokens_loaded": host.loaded_pages * engine.runner.cfg.page_size if host is not None else 0,
@@ -124,7 +125,11 @@ def main() -> None:
     ap.add_argument("--max-prefill-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--label", default="")
+    ap.add_argument("--plot-only", type=Path, default=None, help="only draw the plot of an earlier run's JSON")
     args = ap.parse_args()
+    if args.plot_only is not None:
+        plot(args.plot_only)
+        return
 
     page = 16
     doc_pages = args.docs * -(-args.doc_tokens // page)
@@ -205,6 +210,55 @@ def main() -> None:
         )
     )
     print(f"wrote {out}")
+    plot(out)
+
+
+def plot(path: Path) -> None:
+    """PNG beside the JSON: TTFT (CDF when the run kept every request's, else p50/p90) and prefill work, off vs on."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plot skipped: matplotlib is not installed")
+        return
+    result = json.loads(path.read_text())
+    runs = result["runs"]
+    fig, (ax_ttft, ax_work) = plt.subplots(1, 2, figsize=(11, 4.2))
+    colors = {"off": "tab:red", "on": "tab:blue"}
+    for name, r in runs.items():
+        if r.get("ttft_s"):
+            xs = sorted(r["ttft_s"])
+            ax_ttft.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], color=colors[name], label=f"tier {name}")
+        else:
+            ax_ttft.barh(
+                [f"{name} p50", f"{name} p90"],
+                [r["ttft_p50_s"], r["ttft_p90_s"]],
+                color=colors[name],
+                label=f"tier {name}",
+            )
+    ax_ttft.set_xscale("log")
+    ax_ttft.set_xlabel("TTFT (s)")
+    ax_ttft.set_title("time to first token" + (" (CDF)" if any(r.get("ttft_s") for r in runs.values()) else ""))
+    ax_ttft.legend()
+    names = list(runs)
+    computed = [runs[n]["prefill_tokens_computed"] for n in names]
+    loaded = [runs[n]["host_tokens_loaded"] for n in names]
+    ax_work.bar(names, computed, color=[colors[n] for n in names], label="prefill tokens computed")
+    ax_work.bar(names, loaded, bottom=computed, color="tab:gray", alpha=0.5, label="tokens loaded from the host tier")
+    ax_work.set_ylabel("tokens")
+    ax_work.set_title(f"prefill work: on/off {result['ratios']['prefill_tokens_on_over_off']}")
+    ax_work.legend()
+    fig.suptitle(
+        f"host KV tier, {result['requests']} requests, device pool {result['device_pages']} pages "
+        f"({result['device_pages'] / result['doc_pages']:.0%} of the documents)"
+    )
+    fig.tight_layout()
+    png = path.with_suffix(".png")
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    print(f"wrote {png}")
 
 
 if __name__ == "__main__":
