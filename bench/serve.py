@@ -228,7 +228,9 @@ async def bench_mode(
                 args.num, args.prompt_len, args.output_len, vocab, point_seed(args, index), args.model
             )
             before = get_json(f"{url}/router/workers", 5.0) or {}
-            run = await run_point(client, items, arrivals, point_seed(args, index), args.drain_timeout)
+            run = await run_point(
+                client, items, arrivals, point_seed(args, index), args.drain_timeout, retry_429=args.retry_429
+            )
             summary = summarize_point(run, slo)
             after = get_json(f"{url}/router/workers", 5.0) or {}
             # value inf (all at once) is stored as null: the label keeps it readable
@@ -308,6 +310,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a point waits after its last send (closed loop: in all) before timing out the rest",
     )
     p.add_argument("--request-timeout", type=float, default=120.0, help="longest silence on one stream")
+    p.add_argument(
+        "--retry-429",
+        action="store_true",
+        help="a request refused 429 waits its Retry-After and is sent again (saturation runs)",
+    )
     p.add_argument("--offline-timeout", type=float, default=600.0)
     p.add_argument("--out", help="JSON path (default bench/out/serve_<model>_<time>.json)")
     p.add_argument("--log-dir", help="where the deployment's logs go (default: a temp dir, removed on success)")

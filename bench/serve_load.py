@@ -116,6 +116,8 @@ class RequestRecord:
     tokens_in_multi_event_reads: int = 0  # arrived in a read holding several token events
     tokens_in_multi_token_events: int = 0  # arrived in an event holding several tokens
     error: str = ""
+    retry_after_s: float | None = None  # a 429's Retry-After
+    retries: int = 0  # 429s answered by waiting Retry-After and sending again (--retry-429)
 
 
 class _SSEReader:
@@ -219,6 +221,7 @@ class LoadClient:
                             self.parse_s += clock() - now
                     else:
                         rec.error = (await resp.read())[:300].decode(errors="replace")
+                        rec.retry_after_s = _seconds(resp.headers.get("retry-after"))
             else:
                 async with self._session.stream("POST", self.url, content=item.payload, headers=headers) as resp:
                     rec.http_status = resp.status_code
@@ -229,6 +232,7 @@ class LoadClient:
                             self.parse_s += clock() - now
                     else:
                         rec.error = (await resp.aread())[:300].decode(errors="replace")
+                        rec.retry_after_s = _seconds(resp.headers.get("retry-after"))
         except asyncio.CancelledError:
             rec.outcome = "timeout"
             raise
@@ -238,6 +242,13 @@ class LoadClient:
             return
         rec.e2e_s = clock() - start
         rec.outcome = _outcome(rec, reader.done)
+
+
+def _seconds(header: str | None) -> float | None:
+    try:
+        return max(0.0, float(header)) if header is not None else None
+    except ValueError:
+        return None
 
 
 def _outcome(rec: RequestRecord, done: bool) -> str:
@@ -278,10 +289,18 @@ async def _lag_probe(stop: asyncio.Event, out: list[float], period_s: float = 0.
 
 
 async def run_point(
-    client: LoadClient, items: list[WorkItem], arrivals: Arrivals, seed: int, drain_timeout_s: float
+    client: LoadClient,
+    items: list[WorkItem],
+    arrivals: Arrivals,
+    seed: int,
+    drain_timeout_s: float,
+    retry_429: bool = False,
 ) -> PointRun:
     """Sends every item once (Poisson at ``arrivals.value`` req/s, or ``value`` in flight at a time) and
-    waits for all of them, at most ``drain_timeout_s`` after the last send (the rest count as timeouts)."""
+    waits for all of them, at most ``drain_timeout_s`` after the last send (the rest count as timeouts).
+    With ``retry_429`` a request refused 429 waits its Retry-After and is sent again, as a well-behaved
+    client would (what a saturation measurement needs: the server's admission paces the load instead of
+    dropping it); its TTFT then counts from the accepted attempt, and ``retries`` says how many it took."""
     records = [RequestRecord(i, it.prompt_len, it.max_tokens) for i, it in enumerate(items)]
     lags: list[float] = []
     stop = asyncio.Event()
@@ -292,8 +311,14 @@ async def run_point(
     start = clock()
 
     async def one(i: int) -> None:
-        records[i].sent_s = clock() - start
-        await client.send(items[i], records[i])
+        rec = records[i]
+        rec.sent_s = clock() - start
+        await client.send(items[i], rec)
+        while retry_429 and rec.outcome == "http_429":
+            await asyncio.sleep(rec.retry_after_s if rec.retry_after_s is not None else 1.0)
+            rec.retries += 1
+            rec.http_status, rec.error, rec.retry_after_s = 0, "", None
+            await client.send(items[i], rec)
 
     tasks: list[asyncio.Task[None]] = []
     if arrivals.kind == "rate":

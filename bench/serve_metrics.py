@@ -87,6 +87,7 @@ def summarize_point(run: PointRun, slo: SLO) -> dict[str, Any]:
         "completed": len(ok),
         "outcomes": dict(sorted(outcomes.items())),
         "http_status": dict(sorted(statuses.items())),
+        "retries_after_429": sum(r.retries for r in recs),
         "wall_s": run.wall_s,
         "output_tokens": out_tokens,
         "input_tokens": in_tokens,

@@ -3,11 +3,18 @@ worker and redis-server started as processes; and its metric definitions on hand
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from router.server_thread import ServerThread
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
@@ -16,7 +23,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 sys.path.append(str(BENCH))
 
-from serve_load import PointRun, RequestRecord  # noqa: E402
+from serve_load import Arrivals, LoadClient, PointRun, RequestRecord, WorkItem, run_point  # noqa: E402
 from serve_metrics import SLO, summarize_point  # noqa: E402
 from synthetic_tokenizer import build_word_tokenizer  # noqa: E402
 
@@ -132,3 +139,36 @@ def test_synthetic_tokenizer_is_what_the_router_loads(tmp_path: Path) -> None:
     # Every id decodes to one word, id 0 included (no special tokens to skip).
     assert tok.decode([0, 5, 999]) == "t0 t5 t999"
     assert tok.encode("t7 t8") == [7, 8]
+
+
+def test_retry_429_waits_retry_after_and_sends_again() -> None:
+    """With --retry-429 a refused request waits its Retry-After and is sent again (saturation runs measure
+    what admission lets through, not what it refused); without it the 429 is the outcome."""
+    app = FastAPI()
+    seen: list[float] = []
+
+    @app.post("/v1/completions")
+    async def completions():
+        seen.append(time.monotonic())
+        if len(seen) % 3 != 0:  # two refusals, then an answer
+            return JSONResponse({"error": {"message": "busy"}}, status_code=429, headers={"retry-after": "0.2"})
+        body = b'data: {"choices":[{"text":"t1"}]}\n\ndata: {"choices":[{"text":"t2"}]}\n\ndata: [DONE]\n\n'
+        return StreamingResponse(iter([body]), media_type="text/event-stream")
+
+    server = ServerThread(app).start()
+    try:
+
+        async def point(retry: bool) -> list[RequestRecord]:
+            async with LoadClient(server.url, 10.0) as client:
+                item = WorkItem(prompt_len=1, max_tokens=2, payload=b'{"prompt": [1], "max_tokens": 2}')
+                run = await run_point(client, [item], Arrivals("concurrency", 1), 0, 10.0, retry_429=retry)
+                return run.records
+
+        plain = asyncio.run(point(False))
+        assert plain[0].outcome == "http_429" and plain[0].retries == 0
+        seen.clear()
+        retried = asyncio.run(point(True))
+        assert retried[0].outcome == "ok" and retried[0].retries == 2 and retried[0].tokens == 2
+        assert seen[1] - seen[0] >= 0.19 and seen[2] - seen[1] >= 0.19  # Retry-After honoured
+    finally:
+        server.stop()
