@@ -334,6 +334,11 @@ class UpstreamCall:
         except (ValueError, TypeError):
             pass
         status = resp.status
+        if status == 504 and code == "engine_timeout":
+            # The worker's engine did not answer its control call in time: overload, not a fault of the
+            # request; if no other worker takes it, the client is told to come back (429), not a 5xx.
+            retry_after = self.d.retry_after_s
+            raise _Retry(rate_limited(f"the decode worker is overloaded: {message}", retry_after), True, False)
         if status == 409 and code == "duplicate_request":
             # This request already reached the worker (a POST resent after a reused connection's EOF, whose
             # first copy did arrive): that copy is aborted when its unread response closes; retry under a new id.
