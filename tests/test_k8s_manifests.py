@@ -615,7 +615,7 @@ def test_gpu_overlay_gives_each_worker_a_gpu(target, objs):
             continue
         assert str(limits["nvidia.com/gpu"]) == "1", role
         assert env["KVFERRY_DEVICE"] == "cuda"
-        assert float(env["KVFERRY_KV_MEMORY_GB"]) > 1.0
+        assert float(env["KVFERRY_KV_MEMORY_GB"]) == 0  # the engine sizes its pool from the GPU's free memory
         assert {"UCX_TLS", "UCX_NET_DEVICES"} <= set(env), role
         shm = [v for v in spec["volumes"] if v.get("emptyDir", {}).get("medium") == "Memory"]
         assert len(shm) == 1, role
