@@ -40,6 +40,9 @@ class RunnerConfig:
 class SchedulerConfig:
     max_prefill_tokens: int = 2048
     enable_prefix_cache: bool = True
+    # > 0: while requests decode, a prefill step takes at most what the engine prefills in this many ms
+    # (common/sched/prefill_budget.py); 0: every prefill step may take max_prefill_tokens.
+    itl_target_ms: float = 0.0
     # GiB of host memory behind the prefix cache (common/kv/host_tier.py); 0: none; negative: chosen at start
     # (a GPU worker: 30% of the host memory it may use; the CPU: none).
     host_kv_gb: float = -1.0

@@ -414,3 +414,42 @@ def test_overlap_on_equals_overlap_off(tiny_model: DecoderModel, prefix_cache: b
         assert results[overlap][3][1] == "stop"
         assert_pool_clean(engine)
     assert results[True] == results[False]
+
+
+def test_prefill_budget_caps_steps_beside_decoding_requests_only() -> None:
+    from common.sched.prefill_budget import MIN_PAGES, prefill_token_budget
+
+    assert prefill_token_budget(2048, 16, 40_000.0, 0.02, decoding=False) == 2048  # alone: the whole budget
+    assert prefill_token_budget(2048, 16, 40_000.0, 0.0, decoding=True) == 2048  # no target set
+    assert prefill_token_budget(2048, 16, 0.0, 0.02, decoding=True) == 2048  # speed not measured yet
+    assert prefill_token_budget(2048, 16, 40_000.0, 0.02, decoding=True) == 800  # 20 ms of prefill, whole pages
+    assert prefill_token_budget(2048, 16, 100.0, 0.02, decoding=True) == MIN_PAGES * 16  # the floor
+    assert prefill_token_budget(512, 16, 1e9, 0.02, decoding=True) == 512  # never above max_prefill_tokens
+
+
+def test_itl_target_chunks_prefill_beside_decoding_and_keeps_outputs(tiny_model: DecoderModel) -> None:
+    """With an ITL target a prompt that arrives while another request decodes is prefilled in capped chunks
+    (the tiny model's measured speed puts the cap at the 4-page floor), and every output is unchanged."""
+    long_prompt, short_prompt = prompts(21, [300, 20])
+    outputs, chunk_lens = {}, {}
+    for target in (0.0, 0.1):
+        engine = make_engine(tiny_model, max_prefill_tokens=512)
+        cfg = SchedulerConfig(max_prefill_tokens=512, itl_target_ms=target)
+        sched = engine.scheduler = Scheduler(engine.runner, cfg)
+        seen: list[int] = []
+        sched.on_prefill_chunk = lambda r, s, e, seen=seen: seen.append(e - s) if r.req_id == "long" else None
+        first = new_req(short_prompt, max_tokens=40)
+        first.req_id = "short"
+        sched.add(first)
+        for _ in range(4):  # the short request prefills (the speed is measured) and starts decoding
+            sched.step()
+        assert sched.running and sched.prefill_speed.tokens_per_s > 0
+        second = new_req(long_prompt, max_tokens=8)
+        second.req_id = "long"
+        sched.add(second)
+        drain(sched)
+        outputs[target] = (first.output_ids, second.output_ids)
+        chunk_lens[target] = seen
+    assert outputs[0.1] == outputs[0.0]
+    assert chunk_lens[0.0] == [300]  # one step without a target
+    assert max(chunk_lens[0.1]) <= 4 * PAGE and sum(chunk_lens[0.1]) == 300

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,7 @@ class Launched:
     top_logprobs: torch.Tensor | None = None
     chunks: list[tuple[Req, int, int]] = field(default_factory=list)  # prefill: (request, start, end) per chunk
     done: torch.cuda.Event | None = None
+    timer: StepTimer | None = None  # prefill: the forward's device time
 
     def record_done(self, device: torch.device) -> None:
         """Marks the end of the step's device work (KV writes, sampling, copies to the host)."""
@@ -33,6 +35,36 @@ class Launched:
     def wait(self) -> None:
         if self.done is not None:
             self.done.synchronize()
+
+
+@dataclass(eq=False)
+class StepTimer:
+    """A forward's duration on the device: CUDA events (read once the step is done, so no extra sync), or the
+    wall clock on the CPU, where the forward runs on the calling thread."""
+
+    begin: torch.cuda.Event | float
+    end: torch.cuda.Event | float | None = None
+
+    @classmethod
+    def start(cls, device: torch.device) -> StepTimer:
+        if device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return cls(ev)
+        return cls(time.perf_counter())
+
+    def stop(self) -> StepTimer:
+        if isinstance(self.begin, float):
+            self.end = time.perf_counter()
+        else:
+            self.end = torch.cuda.Event(enable_timing=True)
+            self.end.record()
+        return self
+
+    def seconds(self) -> float:
+        if isinstance(self.begin, float):
+            return float(self.end) - self.begin  # type: ignore[arg-type]
+        return self.begin.elapsed_time(self.end) / 1000  # type: ignore[arg-type]
 
 
 def needs_host_tokens(r: Req) -> bool:

@@ -37,9 +37,10 @@ from common.kv.host_tier import make_host_tier
 from common.kv.radix import RadixCache
 from common.protocol import TokenLogprob
 from common.sched.grammar import GrammarBook, GrammarError
-from common.sched.launched import Launched, copy_to_host, needs_host_tokens, sampling_to_device
+from common.sched.launched import Launched, StepTimer, copy_to_host, needs_host_tokens, sampling_to_device
 from common.sched.pages import KVBudget
 from common.sched.prefill import PrefillAdder
+from common.sched.prefill_budget import PrefillSpeed, prefill_token_budget
 from common.sched.request import Req, ReqState
 from common.settings import SchedulerConfig
 
@@ -109,6 +110,7 @@ class Scheduler:
         self._inflight: dict[Req, int] = {}  # tokens launched but not yet appended, per request
         self._pending: Launched | None = None
         self.prefill_tokens_launched = 0  # prompt tokens computed so far (the measured prefill rate's counter)
+        self.prefill_speed = PrefillSpeed()  # device-timed, for the prefill budget beside decoding requests
         self.on_prefill_chunk: ChunkHook | None = None
         # When set (prefill workers), a request whose prompt is done (first token sampled) is handed to this
         # callback and parked: its pages stay as they are, outside the prefix cache, until the owner calls
@@ -265,7 +267,7 @@ class Scheduler:
         adder = PrefillAdder(
             budget=self.budget,
             page_table=self.runner.page_table,
-            token_budget=self.cfg.max_prefill_tokens,
+            token_budget=self.prefill_token_budget(),
             pages_available=self.budget.available_pages() - self.reserved_pages(),
             running_slots=self.max_running - len(self.running) - len(self.awaiting_kv) - (1 if self.chunked else 0),
         )
@@ -275,6 +277,17 @@ class Scheduler:
         while self.waiting and adder.try_admit(self.waiting[0]):
             self.waiting.popleft()
         return adder
+
+    def prefill_token_budget(self) -> int:
+        """The next prefill step's token budget: all of max_prefill_tokens, or less beside decoding requests
+        when an ITL target is set (common/sched/prefill_budget.py)."""
+        return prefill_token_budget(
+            self.cfg.max_prefill_tokens,
+            self.page_size,
+            self.prefill_speed.tokens_per_s,
+            self.cfg.itl_target_ms / 1000,
+            decoding=bool(self.running),
+        )
 
     def _can_decode(self, r: Req) -> bool:
         k = self.inflight(r)
@@ -287,6 +300,7 @@ class Scheduler:
         rows = [r.table_row for r in batch]
         self.prefill_tokens_launched += sum(chunks)
         fb = self.runner.build_batch(token_chunks, starts, rows, done, is_decode=False)
+        timer = StepTimer.start(self.device)
         logits = self.runner.forward(fb)
         for r, s, n, d in zip(batch, starts, chunks, done):
             r.cached_len = s + n
@@ -297,6 +311,7 @@ class Scheduler:
         finishing = [r for r, d in zip(batch, done) if d]
         launched = self._sample("prefill", finishing, logits)
         launched.chunks = [(r, s, s + n) for r, s, n in zip(batch, starts, chunks)]
+        launched.timer = timer.stop()
         if self.on_prefill_done is None:
             for r in finishing:
                 # Joins the running batch now: the next decode step reads its first token on the device.
@@ -362,6 +377,8 @@ class Scheduler:
     @torch.inference_mode()
     def _process(self, launched: Launched) -> list[StepEvent]:
         launched.wait()
+        if launched.timer is not None:
+            self.prefill_speed.observe(sum(e - s for _, s, e in launched.chunks), launched.timer.seconds())
         if self.on_prefill_chunk is not None:
             for r, s, e in launched.chunks:
                 if not r.finished:  # aborted while in flight: nothing to send on
