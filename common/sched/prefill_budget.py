@@ -27,13 +27,15 @@ def prefill_token_budget(
 
 @dataclass
 class PrefillSpeed:
-    """Prompt tokens per second of device time, smoothed over prefill steps."""
+    """Prompt tokens per second, smoothed (an exponential moving average) over the intervals observed."""
 
     smoothing: float = 0.2
     tokens_per_s: float = 0.0
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        if tokens <= 0 or seconds <= 0:
+    def observe(self, tokens: int, seconds: float, allow_zero: bool = False) -> None:
+        """One interval's tokens and seconds; `allow_zero`: an interval that computed nothing is a sample
+        too (a stalled queue), not a missing one."""
+        if seconds <= 0 or tokens < 0 or (tokens == 0 and not allow_zero):
             return
         sample = tokens / seconds
         if self.tokens_per_s <= 0:
