@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 import threading
 import time
-import uuid
 
 import httpx
 import pytest
 
-from tests.workers import generate, run_concurrently, start_worker, wait_pages_back, wait_ready
+from tests.workers import generate, generate_body, run_concurrently, start_worker, wait_pages_back, wait_ready
 
 CHUNK = 64  # KVFERRY_MAX_PREFILL_TOKENS of the test workers (tests/workers.py)
 
@@ -65,12 +64,7 @@ def test_shared_prefix_prefills_only_suffix(workers, smol_tokenizer):
 def test_abort_mid_transfer_returns_pages(workers, smol_tokenizer):
     p, d = workers
     ids = smol_tokenizer.encode("An extremely long document about rivers and mountains. " * 120)
-    body = {
-        "req_id": uuid.uuid4().hex,
-        "token_ids": ids,
-        "prefill_url": p.url,
-        "sampling": {"max_tokens": 64, "ignore_eos": True},
-    }
+    body = generate_body(ids, p.url, max_tokens=64)
     with httpx.stream("POST", f"{d.url}/internal/generate", json=body, timeout=60) as r:
         assert r.status_code == 200
         deadline = time.monotonic() + 10
@@ -160,13 +154,9 @@ def test_second_delivery_of_a_live_request_is_409_duplicate(workers, smol_tokeni
     as a duplicate (409, code duplicate_request: the router retries under a new id), not as a bad request;
     the first copy runs on, and every page comes back."""
     p, d = workers
-    body = {
-        "req_id": uuid.uuid4().hex,
-        "token_ids": smol_tokenizer.encode("Tell me about the moon."),
-        "sampling": {"max_tokens": 48, "ignore_eos": True},
-    }
+    ids = smol_tokenizer.encode("Tell me about the moon.")
     for prefill in (None, p):
-        body = {**body, "req_id": uuid.uuid4().hex, "prefill_url": prefill.url if prefill else None}
+        body = generate_body(ids, prefill.url if prefill else None, max_tokens=48)
         with httpx.stream("POST", f"{d.url}/internal/generate", json=body, timeout=60) as first:
             assert first.status_code == 200
             lines = first.iter_lines()

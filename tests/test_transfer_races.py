@@ -23,7 +23,15 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.workers import WorkerProc, generate, run_concurrently, start_worker, wait_pages_back, wait_ready
+from tests.workers import (
+    WorkerProc,
+    generate,
+    generate_body,
+    run_concurrently,
+    start_worker,
+    wait_pages_back,
+    wait_ready,
+)
 
 DELAY_S = 4.0  # longer than the 2 s the decode worker used to wait before reusing given-up pages
 
@@ -88,12 +96,7 @@ def test_abort_while_writes_in_flight(pair: tuple[WorkerProc, WorkerProc], smol_
     victim = _prompt(smol_tokenizer, 300, "abort")
     reuse = _prompt(smol_tokenizer, 300, "reuse")
     expected, _ = generate(d, reuse, None, max_tokens=24)  # local prefill: the reference output
-    body = {
-        "req_id": uuid.uuid4().hex,
-        "token_ids": victim,
-        "prefill_url": p.url,
-        "sampling": {"max_tokens": 8, "ignore_eos": True},
-    }
+    body = generate_body(victim, p.url, max_tokens=8)
     with httpx.stream("POST", f"{d.url}/internal/generate", json=body, timeout=60) as r:
         assert r.status_code == 200
         deadline = time.monotonic() + 30
@@ -113,13 +116,7 @@ def test_late_write_after_the_decode_deadline(pair: tuple[WorkerProc, WorkerProc
     victim = _prompt(smol_tokenizer, 200, "late")
     reuse = _prompt(smol_tokenizer, 200, "after")
     expected, _ = generate(d, reuse, None, max_tokens=24)
-    body = {
-        "req_id": uuid.uuid4().hex,
-        "token_ids": victim,
-        "prefill_url": p.url,
-        "sampling": {"max_tokens": 8, "ignore_eos": True},
-        "kv_timeout_s": 2.0,  # shorter than the writes take to land
-    }
+    body = generate_body(victim, p.url, max_tokens=8, kv_timeout_s=2.0)  # shorter than the writes take to land
     events = _stream_generate(d, body)
     assert events[-1]["finish_reason"] == "error" and "deadline" in events[-1]["error"], events[-1]
     assert _writes_in_flight(p) > 0, "the late writes should still be in flight when the request failed"

@@ -79,15 +79,21 @@ def wait_ready(*workers: WorkerProc, timeout: float = 180) -> None:
     wait_parts_ready([w.part for w in workers], timeout)
 
 
+def generate_body(ids: list[int], prefill_url: str | None = None, max_tokens: int = 24, **extra: object) -> dict:
+    """A decode worker's /internal/generate body under a fresh request id (exact lengths: ignore_eos)."""
+    return {
+        "req_id": uuid.uuid4().hex,
+        "token_ids": ids,
+        "prefill_url": prefill_url,
+        "sampling": {"max_tokens": max_tokens, "ignore_eos": True},
+        **extra,
+    }
+
+
 def generate(
     decode: WorkerProc, ids: list[int], prefill: WorkerProc | None, max_tokens: int = 24, timeout: float = 120
 ) -> tuple[list[int], list[dict]]:
-    body = {
-        "req_id": uuid.uuid4().hex,
-        "token_ids": ids,
-        "prefill_url": prefill.url if prefill else None,
-        "sampling": {"max_tokens": max_tokens, "ignore_eos": True},
-    }
+    body = generate_body(ids, prefill.url if prefill else None, max_tokens)
     tokens, events = [], []
     with httpx.stream("POST", f"{decode.url}/internal/generate", json=body, timeout=timeout) as r:
         assert r.status_code == 200, r.read()
