@@ -720,8 +720,8 @@ def test_sigstopped_decode_worker_is_routed_around(healthy: LocalCluster) -> Non
     FAULTS_SURVIVED.append("SIGSTOP decode")
 
 
-def test_sigstopped_prefill_worker_mid_prefill_is_retried_elsewhere(healthy: LocalCluster) -> None:
-    c = healthy
+def _long_prefill_under_way(c: LocalCluster) -> tuple[threading.Thread, dict[str, Any], str]:
+    """A long completion sent in a thread, returned once a prefill worker is running it (with that worker's URL)."""
     t, out = _in_thread(lambda: completion(c, long_prompt(800), max_tokens=3, timeout=120))
     victim_url = wait_until(
         lambda: next((u for u in c.prefill_urls if load(u)["running_requests"]), None),
@@ -729,6 +729,12 @@ def test_sigstopped_prefill_worker_mid_prefill_is_retried_elsewhere(healthy: Loc
         "prefill under way",
         interval=0.02,
     )
+    return t, out, victim_url
+
+
+def test_sigstopped_prefill_worker_mid_prefill_is_retried_elsewhere(healthy: LocalCluster) -> None:
+    c = healthy
+    t, out, victim_url = _long_prefill_under_way(c)
     victim = part_for(c, victim_url)
     _stop_group(victim, signal.SIGSTOP)
     try:
@@ -754,13 +760,7 @@ def test_frozen_prefill_engine_is_given_up_for_lack_of_progress(healthy: LocalCl
     from decode_worker.app import PREFILL_STALL_S
 
     c = healthy
-    t, out = _in_thread(lambda: completion(c, long_prompt(800), max_tokens=3, timeout=120))
-    victim_url = wait_until(
-        lambda: next((u for u in c.prefill_urls if load(u)["running_requests"]), None),
-        60,
-        "prefill under way",
-        interval=0.02,
-    )
+    t, out, victim_url = _long_prefill_under_way(c)
     victim = part_for(c, victim_url)
     assert victim.proc is not None
     engine = _engine_pid(victim.proc.pid)
