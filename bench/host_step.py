@@ -72,7 +72,8 @@ class StepClock:
 
 
 def measure(args: argparse.Namespace, runner: ModelRunner, batch: int, steps: int) -> dict[str, float]:
-    sched = Scheduler(runner, SchedulerConfig(max_prefill_tokens=args.max_prefill))
+    # No host KV tier: what is measured is the step's own host work (a tier's copies happen only on eviction).
+    sched = Scheduler(runner, SchedulerConfig(max_prefill_tokens=args.max_prefill, host_kv_gb=0))
     vocab = runner.model_config.vocab_size
     gen = torch.Generator().manual_seed(batch)
     for i in range(batch):

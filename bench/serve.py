@@ -277,7 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serving benchmark: Poisson and closed-loop load on a router + workers deployment.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--mode", default="disagg", help="comma-separated: agg (decode workers prefill locally), disagg")
+    p.add_argument(
+        "--mode",
+        default="disagg",
+        help="comma-separated: agg (decode workers prefill locally), disagg (prefill + decode workers, fixed "
+        "placement), adaptive (the same workers, adaptive placement), mixed (mixed workers, adaptive placement)",
+    )
     p.add_argument("--url", help="benchmark a running router instead of starting deployments")
     p.add_argument("--model", default=os.environ.get("KVFERRY_MODEL", DEFAULT_MODEL))
     p.add_argument(

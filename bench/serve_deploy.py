@@ -39,7 +39,7 @@ class DeployError(RuntimeError):
 
 @dataclass(frozen=True)
 class DeploySpec:
-    mode: str  # agg | disagg
+    mode: str  # agg | disagg | adaptive (disagg's roles, adaptive placement) | mixed (all mixed, adaptive)
     model: str
     tokenizer_dir: str  # the router's tokenizer (bench/synthetic_tokenizer.py)
     gpus: tuple[str, ...] = ()  # one worker per GPU; empty: CPU workers
@@ -58,11 +58,18 @@ class DeploySpec:
         n = len(self.gpus) or self.cpu_workers
         if self.mode == "agg":
             return ["decode"] * n
-        if self.mode == "disagg":
+        if self.mode in ("disagg", "adaptive"):
             if n < 2:
-                raise DeployError("disagg needs at least 2 workers (one prefill, one decode)")
+                raise DeployError(f"{self.mode} needs at least 2 workers (one prefill, one decode)")
             return ["prefill"] * (n // 2) + ["decode"] * (n - n // 2)
-        raise DeployError(f"unknown mode {self.mode!r} (agg | disagg)")
+        if self.mode == "mixed":
+            return ["mixed"] * n
+        raise DeployError(f"unknown mode {self.mode!r} (agg | disagg | adaptive | mixed)")
+
+    @property
+    def placement(self) -> str:
+        """The router's placement (router/cost_model.py) for this mode."""
+        return "adaptive" if self.mode in ("adaptive", "mixed") else "fixed"
 
 
 @dataclass
@@ -210,7 +217,9 @@ def start_deployment(spec: DeploySpec, say: Say) -> Deployment:
             KVFERRY_DISCOVERY="static",
             KVFERRY_PREFILL_URLS=",".join(p.url for p, r in zip(deployment.workers, roles) if r == "prefill"),
             KVFERRY_DECODE_URLS=",".join(p.url for p, r in zip(deployment.workers, roles) if r == "decode"),
+            KVFERRY_MIXED_URLS=",".join(p.url for p, r in zip(deployment.workers, roles) if r == "mixed"),
             KVFERRY_ROUTER_TOKENIZER=spec.tokenizer_dir,
+            KVFERRY_ROUTER_PLACEMENT=spec.placement,
         )
         router_env.update(spec.router_env)
         deployment.router = ManagedProcess(
@@ -222,7 +231,7 @@ def start_deployment(spec: DeploySpec, say: Say) -> Deployment:
             cwd=REPO_ROOT,
         )
         deployment.router.start()
-        want = {"prefill": roles.count("prefill"), "decode": roles.count("decode")}
+        want = {role: roles.count(role) for role in ("prefill", "decode", "mixed")}
 
         def router_ready(p: ManagedProcess) -> bool:
             # /ready is 200 once one decode worker is up; wait until the router sees every worker.

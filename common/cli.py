@@ -13,6 +13,7 @@ _ROLE_MAINS = {
     "router": "router.main",
     "prefill": "prefill_worker.main",
     "decode": "decode_worker.main",
+    "mixed": "decode_worker.mixed",
     "up": "common.devcluster.up",
 }
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 
 from common.settings import RunnerConfig, SchedulerConfig
 
-ROLE_PORTS = {"router": 8000, "prefill": 8100, "decode": 8200}
+ROLE_PORTS = {"router": 8000, "prefill": 8100, "decode": 8200, "mixed": 8300}
 
 
 def default_max_running(device: str) -> int:
@@ -127,6 +127,7 @@ class RouterConfig:
     discovery: str = "static"  # static | k8s
     prefill_urls: list[str] = field(default_factory=list)
     decode_urls: list[str] = field(default_factory=list)
+    mixed_urls: list[str] = field(default_factory=list)  # workers that prefill for peers and decode
     namespace: str = ""
     api_key: str | None = None
 
@@ -140,6 +141,7 @@ class RouterConfig:
             discovery=_env("KVFERRY_DISCOVERY", "static"),
             prefill_urls=_split_urls(_env("KVFERRY_PREFILL_URLS", "")),
             decode_urls=_split_urls(_env("KVFERRY_DECODE_URLS", "")),
+            mixed_urls=_split_urls(_env("KVFERRY_MIXED_URLS", "")),
             namespace=_env("KVFERRY_NAMESPACE", ""),
             api_key=os.environ.get("KVFERRY_API_KEY") or None,
         )

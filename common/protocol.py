@@ -221,7 +221,7 @@ class AbortRequest(_Message):
 
 class LoadSnapshot(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["prefill", "decode"]
+    role: Literal["prefill", "decode", "mixed"]
     pod: str
     queued_prefill_tokens: int
     running_requests: int
@@ -238,7 +238,11 @@ class LoadSnapshot(BaseModel):
     host_pages_total: int = 0
     host_pages_saved: int = 0
     host_pages_loaded: int = 0
-    prefill_chunk_tokens: int = 0  # prompt tokens one scheduler step prefills at most (0: not reported)
+    # Prompt tokens one prefill step takes at most beside decoding requests (the ITL-target cap where one is
+    # set, else max_prefill_tokens; 0: not reported).
+    prefill_chunk_tokens: int = 0
+    prefill_step_tokens_per_s: float = 0.0  # device-timed prefill speed: what a chunk adds to a step (0: unknown)
+    decode_step_s: float = 0.0  # recent decode step time, smoothed (0: no decode step yet)
 
 
 class ErrorBody(BaseModel):

@@ -123,7 +123,7 @@ def _discovery_for(config: RouterConfig) -> Discovery:
         return KubernetesDiscovery(config.namespace)
     if config.discovery != "static":
         raise ValueError(f"unknown discovery {config.discovery!r} (static | k8s)")
-    return StaticDiscovery(config.prefill_urls, config.decode_urls)
+    return StaticDiscovery(config.prefill_urls, config.decode_urls, config.mixed_urls)
 
 
 def create_app(
@@ -243,7 +243,7 @@ def create_app(
             job = await prepare(req)
             job.record = rec
             rec.prepared(job.rid, sum(len(p) for p in job.prompts))
-            if not pool.ready("decode"):
+            if not pool.decoders():
                 raise no_worker("decode")
             choices = await _unless_disconnected(request, service.start(job))
             rec.first_token(choices)
@@ -299,9 +299,9 @@ def create_app(
     @app.get("/ready")
     async def ready() -> JSONResponse:
         pool: WorkerPool = state["pool"]
-        counts = {role: len(pool.ready(role)) for role in ("prefill", "decode")}
-        # A decode worker is enough: it prefills locally when no prefill worker is up.
-        ok = counts["decode"] > 0
+        counts = {role: len(pool.ready(role)) for role in ("prefill", "decode", "mixed")}
+        # A decode-capable worker is enough: it prefills locally when no prefill worker is up.
+        ok = counts["decode"] + counts["mixed"] > 0
         return JSONResponse({"ready": ok, "workers": counts}, status_code=200 if ok else 503)
 
     @app.get("/metrics")

@@ -19,14 +19,17 @@ tokens sent to it, whichever is larger), ``uncached_x`` the prompt tokens that p
 transfer moves the whole prompt's KV; no pod publishes a transfer rate yet, so it is a setting
 (``transfer_tokens_per_s``, default 200k tokens/s: an 8B model's ~128 KiB of KV per token at ~25 GB/s).
 
-ITL cost that a local prefill inflicts on D's running batch (seconds added to each step that carries a
-chunk), zero when D runs nothing:
+ITL that a prefill inflicts on the decode batch it joins (the gap between two of that batch's tokens while
+a chunk runs: prefill steps alternate with decode steps), zero when the pod runs no batch:
 
-    itl_local  = min(chunk_D, uncached_D) / rate_D        (chunk_D: D's prefill tokens per step)
-    itl_disagg = 0                                          (D only receives KV pages)
+    itl_local  = step_D + min(chunk_D, uncached_D) / speed_D
+    itl_disagg = 0                                          (P is a prefill pod: D only receives KV pages)
+    itl_disagg = step_P + min(chunk_P, uncached_P) / speed_P   (P is a mixed pod decoding a batch of its own)
 
-``1 / rate_D`` is D's per-token prefill cost as measured on D itself while it also decoded, so it
-already carries the mix it runs.
+``chunk_x`` is what one prefill step of the pod takes beside decoding requests (its ITL-target cap,
+``KVFERRY_ITL_TARGET_MS``, where set, else ``max_prefill_tokens``), ``speed_x`` its device-timed prefill
+speed (``prefill_step_tokens_per_s``: the time a chunk really adds to a step; the drain rate where a pod
+has not reported one), ``step_x`` its recent decode step (``decode_step_s``).
 
 Choice: every placement is scored ``(misses ITL SLO, misses TTFT SLO, ttft)`` and the lowest wins. So a
 placement meeting both SLOs wins over any that misses one, the lowest predicted TTFT among those; when
@@ -34,16 +37,18 @@ none meets both, an ITL miss weighs more than a TTFT miss (an ITL miss slows eve
 a TTFT miss only this one), and among equal misses the lowest predicted TTFT wins. Ties go to the local
 placement (no transfer, no second pod).
 
-Missing measurements: a pod whose rate is 0 has not measured yet. When D's rate is unknown, or no
-prefill pod has one, there is nothing to predict with and ``choose_placement`` returns None: the caller
-falls back to the fixed thresholds (``disagg_min_prompt_tokens``, ``local_prefix_fraction``). Prefill
-pods without a rate are left out of the comparison while another one has a rate.
+Missing measurements: a pod whose rate is 0 has not measured yet. D without a rate of its own takes the
+median of the prefill pods' (``with_fleet_prior``: one model on one kind of device; a decode pod that
+always disaggregates never prefills, so it would never measure). When no pod has a rate, or no prefill
+pod has one while some are up, ``choose_placement`` returns None: the caller falls back to the fixed
+thresholds (``disagg_min_prompt_tokens``, ``local_prefix_fraction``). Prefill pods without a rate are left
+out of the comparison while another one has a rate.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = [
     "LocalSide",
@@ -51,9 +56,12 @@ __all__ = [
     "PrefillSide",
     "SloTargets",
     "choose_placement",
+    "disagg_itl_cost_s",
     "disagg_ttft_s",
+    "itl_cost_s",
     "local_itl_cost_s",
     "local_ttft_s",
+    "with_fleet_prior",
 ]
 
 
@@ -74,6 +82,8 @@ class LocalSide:
     rate: float  # D's measured prefill tokens/s (0: unknown)
     chunk_tokens: int  # D's prefill tokens per step (0: unknown, then one chunk = the whole prompt)
     busy: bool  # D runs a decode batch that a local prefill would slow
+    step_speed: float = 0.0  # D's device-timed prefill tokens/s: a chunk's time in a step (0: unknown -> rate)
+    decode_step_s: float = 0.0  # D's recent decode step (0: unknown)
 
 
 @dataclass(frozen=True)
@@ -82,6 +92,10 @@ class PrefillSide:
     queued_tokens: int
     uncached_tokens: int
     rate: float
+    chunk_tokens: int = 0  # its prefill tokens per step (0: unknown)
+    busy: bool = False  # a mixed pod running its own decode batch, which this prefill would slow
+    step_speed: float = 0.0
+    decode_step_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -105,11 +119,38 @@ def local_ttft_s(d: LocalSide) -> float:
     return (d.queued_tokens + d.uncached_tokens) / d.rate
 
 
-def local_itl_cost_s(d: LocalSide) -> float:
-    if not d.busy or d.uncached_tokens <= 0:
+def itl_cost_s(side: LocalSide | PrefillSide) -> float:
+    """The gap between two tokens of the decode batch a prefill joins, while its chunks run: the pod's decode
+    step plus one chunk's compute (0 when the pod decodes nothing)."""
+    if not side.busy or side.uncached_tokens <= 0:
         return 0.0
-    chunk = min(d.chunk_tokens, d.uncached_tokens) if d.chunk_tokens > 0 else d.uncached_tokens
-    return chunk / d.rate
+    chunk = min(side.chunk_tokens, side.uncached_tokens) if side.chunk_tokens > 0 else side.uncached_tokens
+    return side.decode_step_s + chunk / (side.step_speed if side.step_speed > 0 else side.rate)
+
+
+def local_itl_cost_s(d: LocalSide) -> float:
+    return itl_cost_s(d)
+
+
+def disagg_itl_cost_s(p: PrefillSide) -> float:
+    """Zero on a prefill pod; on a mixed pod the same cost as a local prefill there, borne by its own batch."""
+    return itl_cost_s(p)
+
+
+def with_fleet_prior(d: LocalSide, prefill: Sequence[PrefillSide]) -> LocalSide:
+    """D's rates, or where D has measured none the median of the prefill pods' (same model, same kind of
+    device): a decode pod that the fixed rules always disaggregate never prefills, so it would never measure."""
+    if d.rate > 0:
+        return d
+    rates = sorted(p.rate for p in prefill if p.rate > 0)
+    if not rates:
+        return d
+    speeds = sorted(p.step_speed for p in prefill if p.step_speed > 0)
+    return replace(
+        d,
+        rate=rates[len(rates) // 2],
+        step_speed=d.step_speed or (speeds[len(speeds) // 2] if speeds else 0.0),
+    )
 
 
 def disagg_ttft_s(p: PrefillSide, prompt_len: int, slo: SloTargets) -> float:
@@ -122,11 +163,14 @@ def _placement(prefill: str | None, ttft: float, itl: float, slo: SloTargets) ->
 
 
 def placements(d: LocalSide, prefill: Sequence[PrefillSide], prompt_len: int, slo: SloTargets) -> list[Placement]:
-    """Every placement the model can predict (local first); empty when D's rate is unknown."""
+    """Every placement the model can predict (local first); empty when no pod has measured a rate."""
+    d = with_fleet_prior(d, prefill)
     if d.rate <= 0:
         return []
     out = [_placement(None, local_ttft_s(d), local_itl_cost_s(d), slo)]
-    out += [_placement(p.key, disagg_ttft_s(p, prompt_len, slo), 0.0, slo) for p in prefill if p.rate > 0]
+    out += [
+        _placement(p.key, disagg_ttft_s(p, prompt_len, slo), disagg_itl_cost_s(p), slo) for p in prefill if p.rate > 0
+    ]
     return out
 
 

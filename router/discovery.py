@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 OnChange = Callable[[str, set[str]], None]
-ROLE_PORTS = {"prefill": 8100, "decode": 8200}
+ROLE_PORTS = {"prefill": 8100, "decode": 8200, "mixed": 8300}
 _SA_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
@@ -46,12 +46,13 @@ class Discovery(Protocol):
 
 
 class StaticDiscovery:
-    """Fixed URL lists (flags or ``KVFERRY_PREFILL_URLS`` / ``KVFERRY_DECODE_URLS``)."""
+    """Fixed URL lists (flags or ``KVFERRY_PREFILL_URLS`` / ``KVFERRY_DECODE_URLS`` / ``KVFERRY_MIXED_URLS``)."""
 
-    def __init__(self, prefill_urls: Iterable[str], decode_urls: Iterable[str]) -> None:
+    def __init__(self, prefill_urls: Iterable[str], decode_urls: Iterable[str], mixed_urls: Iterable[str] = ()) -> None:
         self.urls = {
             "prefill": {u.rstrip("/") for u in prefill_urls if u},
             "decode": {u.rstrip("/") for u in decode_urls if u},
+            "mixed": {u.rstrip("/") for u in mixed_urls if u},
         }
 
     def start(self, on_change: OnChange) -> None:
@@ -231,7 +232,7 @@ class PodWatcher:
 
 
 class KubernetesDiscovery:
-    """Prefill and decode pods of this namespace, by label, through the Kubernetes API."""
+    """Prefill, decode and mixed pods of this namespace, by label, through the Kubernetes API."""
 
     def __init__(self, namespace: str = "", api_client: Any = None, **watcher_kwargs: Any) -> None:
         self.namespace = default_namespace(namespace)
@@ -250,7 +251,7 @@ class KubernetesDiscovery:
                 config.load_kube_config()
             api_client = client.ApiClient()
         api = client.CoreV1Api(api_client)
-        for role in ("prefill", "decode"):
+        for role in ROLE_PORTS:
             w = PodWatcher(api, self.namespace, role, on_change, **self.watcher_kwargs)
             self.watchers.append(w)
             w.start()

@@ -259,7 +259,7 @@ def install_extra_routes(app: FastAPI, state: dict[str, Any]) -> None:
         choices: list[RunningChoice] = []
         try:
             job = await service.prepare_chat(chat)
-            if not state["pool"].ready("decode"):
+            if not state["pool"].decoders():
                 raise no_worker("decode")
             shape = _ResponseShape(body, chat, job.model)
             choices = await service.start(job)

@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--discovery", choices=["static", "k8s"])
     p.add_argument("--prefill-urls", dest="prefill_urls", type=_urls, help="comma-separated prefill worker URLs")
     p.add_argument("--decode-urls", dest="decode_urls", type=_urls, help="comma-separated decode worker URLs")
+    p.add_argument("--mixed-urls", dest="mixed_urls", type=_urls, help="comma-separated mixed worker URLs")
     p.add_argument("--namespace", help="Kubernetes namespace to watch (k8s discovery)")
     p.add_argument("--api-key", dest="api_key", help="require 'Authorization: Bearer <key>' on /v1/*")
     p.add_argument("--log-level", dest="log_level")

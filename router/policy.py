@@ -39,6 +39,9 @@ the blocks they received or computed, so a conversation's next turn often finds 
 Without prefix information (``matches`` None: Redis down) every matched length is 0 and routing is on
 load alone.
 
+Mixed pods (role ``mixed``: they decode and prefill for peers) are candidates on both sides; a request's
+decode pod is never also its remote prefill pod (that is the local placement).
+
 Adaptive placement (``placement="adaptive"``; the default is ``fixed`` until a GPU benchmark shows
 adaptive wins): when a prefill pod is up and the pods have measured their prefill rates, the choice
 between local and disaggregated prefill (and which prefill pod) comes from the cost model in
@@ -69,6 +72,10 @@ class PrefillCandidate:
     inflight_tokens: int = 0
     inflight_requests: int = 0
     prefill_tokens_per_s: float = 0.0  # measured by the pod (0: not yet)
+    decoding: bool = False  # a mixed pod with a running decode batch: a prefill here slows that batch
+    prefill_chunk_tokens: int = 0  # prompt tokens one of its prefill steps takes beside decoding (0: unknown)
+    prefill_step_tokens_per_s: float = 0.0  # its device-timed prefill speed (0: unknown)
+    decode_step_s: float = 0.0  # its recent decode step time (0: unknown)
 
 
 @dataclass(frozen=True)
@@ -83,7 +90,9 @@ class DecodeCandidate:
     page_size: int = 16
     queued_tokens: int = 0  # prompt tokens queued for local prefill on the pod
     prefill_tokens_per_s: float = 0.0  # its measured local prefill rate (0: not yet)
-    prefill_chunk_tokens: int = 0  # prompt tokens one of its steps prefills at most (0: not reported)
+    prefill_chunk_tokens: int = 0  # prompt tokens one of its prefill steps takes beside decoding (0: unknown)
+    prefill_step_tokens_per_s: float = 0.0  # its device-timed prefill speed (0: unknown)
+    decode_step_s: float = 0.0  # its recent decode step time (0: unknown)
 
 
 @dataclass(frozen=True)
@@ -134,6 +143,7 @@ class RoutingPolicy:
         d = self.pick_decode(prompt_len, max_tokens, block_size, decode, matches, turn)
         d_matched = self.matched_tokens(d.pod, matches, block_size, prompt_len)
         cfg = self.cfg
+        prefill = [c for c in prefill if c.key != d.key]  # a mixed D prefilling for itself is the local case
         if not prefill:
             return RouteDecision(d.key, None, "no-prefill", 0, d_matched)
         if cfg.placement == "adaptive":
@@ -164,6 +174,8 @@ class RoutingPolicy:
             rate=d.prefill_tokens_per_s,
             chunk_tokens=d.prefill_chunk_tokens,
             busy=max(d.running, d.inflight_requests) > 0,
+            step_speed=d.prefill_step_tokens_per_s,
+            decode_step_s=d.decode_step_s,
         )
         p_matched = {c.key: self.matched_tokens(c.pod, matches, block_size, prompt_len) for c in prefill}
         sides = [
@@ -172,6 +184,10 @@ class RoutingPolicy:
                 queued_tokens=max(c.queued_tokens, c.inflight_tokens),
                 uncached_tokens=prompt_len - p_matched[c.key],
                 rate=c.prefill_tokens_per_s,
+                chunk_tokens=c.prefill_chunk_tokens,
+                busy=c.decoding,
+                step_speed=c.prefill_step_tokens_per_s,
+                decode_step_s=c.decode_step_s,
             )
             for c in prefill
         ]

@@ -37,7 +37,9 @@ log = logging.getLogger("kvferry.router")
 
 __all__ = ["Watched", "Worker", "WorkerPool", "parse_load"]
 
-ROLES = ("prefill", "decode")
+ROLES = ("prefill", "decode", "mixed")
+DECODE_ROLES = frozenset({"decode", "mixed"})  # take /internal/generate
+PREFILL_ROLES = frozenset({"prefill", "mixed"})  # take /internal/prefill for a peer's pages
 
 
 class Watched(Protocol):
@@ -63,7 +65,9 @@ class Load:
     draining: bool = False
     max_running: int = 0  # 0: not reported (older workers)
     prefill_tokens_per_s: float = 0.0  # the worker's measured prefill rate (0: not measured yet)
-    prefill_chunk_tokens: int = 0  # prompt tokens one scheduler step prefills at most (0: not reported)
+    prefill_chunk_tokens: int = 0  # prompt tokens one prefill step takes beside decoding (0: not reported)
+    prefill_step_tokens_per_s: float = 0.0  # device-timed prefill speed (0: not reported)
+    decode_step_s: float = 0.0  # recent decode step time (0: not reported)
 
 
 def parse_load(data: Any) -> Load:
@@ -92,6 +96,8 @@ def parse_load(data: Any) -> Load:
         max_running=num("max_running"),
         prefill_tokens_per_s=rate("prefill_tokens_per_s"),
         prefill_chunk_tokens=num("prefill_chunk_tokens"),
+        prefill_step_tokens_per_s=rate("prefill_step_tokens_per_s"),
+        decode_step_s=rate("decode_step_s"),
     )
 
 
@@ -122,6 +128,10 @@ class Worker:
             inflight_tokens=self.inflight_tokens,
             inflight_requests=self.inflight_requests,
             prefill_tokens_per_s=load.prefill_tokens_per_s if load else 0.0,
+            decoding=self.role == "mixed" and load is not None and load.running_requests > 0,
+            prefill_chunk_tokens=load.prefill_chunk_tokens if load else 0,
+            prefill_step_tokens_per_s=load.prefill_step_tokens_per_s if load else 0.0,
+            decode_step_s=load.decode_step_s if load else 0.0,
         )
 
     def decode_candidate(self) -> DecodeCandidate:
@@ -140,6 +150,8 @@ class Worker:
             queued_tokens=load.queued_prefill_tokens,
             prefill_tokens_per_s=load.prefill_tokens_per_s,
             prefill_chunk_tokens=load.prefill_chunk_tokens,
+            prefill_step_tokens_per_s=load.prefill_step_tokens_per_s,
+            decode_step_s=load.decode_step_s,
         )
 
 
@@ -270,6 +282,14 @@ class WorkerPool:
     # ---- queries ---------------------------------------------------------------------------------
     def ready(self, role: str, exclude: set[str] | frozenset[str] = frozenset()) -> list[Worker]:
         return [w for w in self.workers.values() if w.role == role and w.up and w.url not in exclude]
+
+    def decoders(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[Worker]:
+        """Ready workers that decode: decode and mixed."""
+        return [w for w in self.workers.values() if w.role in DECODE_ROLES and w.up and w.url not in exclude]
+
+    def prefillers(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[Worker]:
+        """Ready workers that prefill for a peer: prefill and mixed."""
+        return [w for w in self.workers.values() if w.role in PREFILL_ROLES and w.up and w.url not in exclude]
 
     def block_size(self) -> int:
         """KV page size of the fleet (= prefix-index block size); all workers of a model agree."""

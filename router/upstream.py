@@ -146,7 +146,7 @@ class Dispatcher:
     ) -> RouteDecision:
         """Chooses among the ready workers that have room (router/admission.py); raises 503 when no
         decode worker is ready, 429 when none has room."""
-        decode = self.pool.ready("decode", exclude_decode)
+        decode = self.pool.decoders(exclude_decode)
         if not decode:
             raise no_worker("decode")
         limits = self.limits
@@ -159,9 +159,16 @@ class Dispatcher:
                 "memory); retry shortly.",
                 self.retry_after_s,
             )
-        prefill = self.pool.ready("prefill", exclude_prefill)
+        prefill = self.pool.prefillers(exclude_prefill)
         open_prefill = [w for w in prefill if not prefill_is_full(w, limits)]
-        if prefill and not open_prefill and len(plan.token_ids) >= self.policy.cfg.disagg_min_prompt_tokens:
+        # Under fixed placement a long prompt goes to a prefill pod, so their being full refuses it; adaptive
+        # placement can still prefill it on its decode pod, and weighs that queue itself.
+        if (
+            prefill
+            and not open_prefill
+            and self.policy.cfg.placement == "fixed"
+            and len(plan.token_ids) >= self.policy.cfg.disagg_min_prompt_tokens
+        ):
             self._count("rejected-prefill-full")
             raise rate_limited(
                 "All prefill workers are at their admission limit of queued prompt tokens; retry shortly.",

@@ -12,6 +12,7 @@ from router.cost_model import (
     disagg_ttft_s,
     local_itl_cost_s,
     local_ttft_s,
+    with_fleet_prior,
 )
 from router.policy import DecodeCandidate, PolicyConfig, PrefillCandidate, RoutingPolicy
 
@@ -82,7 +83,7 @@ def test_violations_ordered_lowest_ttft_among_equal_misses() -> None:
 
 
 def test_missing_measurements_fall_back() -> None:
-    assert choose_placement(local(rate=0.0), [remote()], 1000, SLO) is None  # D has not measured
+    assert choose_placement(local(rate=0.0), [remote(rate=0.0)], 1000, SLO) is None  # nobody has measured
     assert choose_placement(local(), [remote(rate=0.0)], 1000, SLO) is None  # no prefill pod has
     # An unmeasured prefill pod is left out while another one has a rate.
     chosen = choose_placement(local(chunk=4096), [remote("p0", rate=0.0), remote("p1")], 1000, SLO)
@@ -106,10 +107,57 @@ def test_policy_uses_the_cost_model_when_adaptive() -> None:
 
 def test_policy_falls_back_to_fixed_rules_until_measured() -> None:
     d = DecodeCandidate("d0", "pod-d", running=4, free_pages=100, total_pages=100)  # no rate yet
-    p = PrefillCandidate("p0", "pod-p", prefill_tokens_per_s=5000.0)
+    p = PrefillCandidate("p0", "pod-p")  # nor here
     assert _policy("adaptive").choose(100, 16, 16, [p], [d], None).reason == "short-prompt"
     assert _policy("adaptive").choose(1000, 16, 16, [p], [d], None).reason == "disaggregated"
     assert _policy("adaptive").choose(1000, 16, 16, [], [d], None).reason == "no-prefill"
+
+
+def test_a_decode_pod_that_never_prefilled_borrows_the_prefill_pods_rate() -> None:
+    """Under the fixed rules a decode pod may never prefill (every prompt long enough to disaggregate), so it
+    never measures a rate: adaptive placement takes the prefill pods' median for it instead of staying fixed."""
+    idle = DecodeCandidate("d0", "pod-d", free_pages=100, total_pages=100)
+    p = PrefillCandidate("p0", "pod-p", prefill_tokens_per_s=40_000.0, prefill_step_tokens_per_s=50_000.0)
+    assert _policy("adaptive").choose(2000, 16, 16, [p], [idle], None).reason == "adaptive-local"  # no transfer
+    busy = DecodeCandidate("d0", "pod-d", running=8, free_pages=100, total_pages=100, prefill_chunk_tokens=2048)
+    # 2048 tokens at the borrowed 50k tokens/s: 41 ms per step of D's batch, over the 25 ms ITL target.
+    assert _policy("adaptive").choose(2000, 16, 16, [p], [busy], None).reason == "adaptive-disaggregated"
+    prior = with_fleet_prior(
+        local(rate=0.0), [remote("p0", rate=10.0), remote("p1", rate=30.0), remote("p2", rate=20.0)]
+    )
+    assert prior.rate == 20.0
+
+
+def test_itl_is_the_decode_step_plus_one_chunk_at_the_device_timed_speed() -> None:
+    d = LocalSide("d0", 0, 4000, rate=10_000.0, chunk_tokens=512, busy=True, step_speed=51_200.0, decode_step_s=0.008)
+    assert local_itl_cost_s(d) == pytest.approx(0.018)  # 8 ms step + 512 tokens at 51.2k tokens/s
+    # An ITL-capped pod (its chunk is what fits its target) meets a target its uncapped twin misses.
+    capped = choose_placement(d, [remote(uncached=4000, rate=10_000.0)], 4000, SLO)
+    assert capped is not None and capped.prefill is None and capped.meets_itl
+    uncapped = LocalSide("d0", 0, 4000, 10_000.0, 2048, True, step_speed=51_200.0, decode_step_s=0.008)
+    chosen = choose_placement(uncapped, [remote(uncached=4000, rate=10_000.0)], 4000, SLO)
+    assert chosen is not None and chosen.prefill == "p0"
+
+
+def test_a_busy_mixed_prefill_pod_costs_its_own_batch_itl() -> None:
+    """A mixed pod prefilling for a peer slows its own decode batch the way a local prefill would: a prefill
+    pod that decodes nothing is preferred, and between two busy pods the ITL misses tie and TTFT decides."""
+    d = local(uncached=3000, chunk=2048)  # misses ITL locally (205 ms per step)
+    busy_mixed = PrefillSide("m1", 0, 3000, 40_000.0, chunk_tokens=2048, busy=True)
+    idle_prefill = PrefillSide("p0", 0, 3000, 20_000.0)
+    chosen = choose_placement(d, [busy_mixed, idle_prefill], 3000, SLO)
+    assert chosen is not None and chosen.prefill == "p0" and chosen.meets_itl
+    both_busy = choose_placement(d, [busy_mixed], 3000, SLO)
+    assert both_busy is not None and both_busy.prefill == "m1" and not both_busy.meets_itl  # 4x faster prefill
+
+
+def test_the_decode_pod_is_never_its_own_remote_prefill_pod() -> None:
+    m0 = DecodeCandidate("m0", "pod-m0", free_pages=100, total_pages=100, prefill_tokens_per_s=5000.0)
+    m1 = DecodeCandidate("m1", "pod-m1", running=3, free_pages=100, total_pages=100, prefill_tokens_per_s=5000.0)
+    as_prefill = [PrefillCandidate(c.key, c.pod, prefill_tokens_per_s=c.prefill_tokens_per_s) for c in (m0, m1)]
+    for placement in ("fixed", "adaptive"):
+        decision = _policy(placement).choose(2000, 16, 16, as_prefill, [m0, m1], None)
+        assert decision.decode == "m0" and decision.prefill != "m0", decision
 
 
 def test_policy_rejects_unknown_placement() -> None:

@@ -1,21 +1,26 @@
 """Kubernetes manifests, checked without a cluster.
 
-Renders k8s/ and every overlay with `kubectl kustomize`, validates each object against the
-Kubernetes 1.30 OpenAPI schemas (kubernetes-validate, which ships them: no network), then checks
-what a schema cannot: that the objects agree with one another (selectors, ports, RBAC, HPAs,
-PDBs, NetworkPolicy reachability) and with the contract in docs/architecture.md (ports, labels,
-env vars, worker routes, metric names). The last test cross-checks the probe paths against the
-real FastAPI apps.
+Renders k8s/, every overlay and the shapes docs/kubernetes.md has operators compose from components
+themselves (mixed pods beside prefill and decode, say) with `kubectl kustomize`, validates each
+object against the Kubernetes 1.30 OpenAPI schemas (kubernetes-validate, which ships them: no
+network), then checks what a schema cannot: that the objects agree with one another (selectors,
+ports, RBAC, HPAs, PDBs, NetworkPolicy reachability) and with the contract in docs/architecture.md
+(ports, labels, env vars, worker routes, metric names). The last test cross-checks the probe paths
+against the real FastAPI apps.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import ipaddress
+import itertools
+import os
 import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import kubernetes_validate
@@ -34,16 +39,44 @@ TARGETS = {
     "gpu": K8S / "overlays" / "gpu",
     "autoscale-custom-metrics": K8S / "overlays" / "autoscale-custom-metrics",
     "gpu-autoscale-custom-metrics": K8S / "overlays" / "gpu-autoscale-custom-metrics",
+    "mixed": K8S / "overlays" / "mixed",
+    "gpu-mixed": K8S / "overlays" / "gpu-mixed",
 }
-GPU_TARGETS = {"gpu", "gpu-autoscale-custom-metrics"}
-CUSTOM_METRICS_TARGETS = {"autoscale-custom-metrics", "gpu-autoscale-custom-metrics"}
+# Kustomizations docs/kubernetes.md tells operators to write themselves (paths relative to k8s/;
+# components apply in the order listed), rendered from a temporary directory.
+COMPOSED = {
+    "mixed-beside": {"resources": ["base"], "components": ["components/mixed-workers"]},
+    "gpu-mixed-beside": {
+        "resources": ["base"],
+        "components": ["components/mixed-workers", "components/gpu-workers"],
+    },
+    "mixed-autoscale-custom-metrics": {
+        "resources": ["overlays/mixed"],
+        "components": ["components/custom-metrics-autoscaling"],
+    },
+}
+GPU_TARGETS = {"gpu", "gpu-autoscale-custom-metrics", "gpu-mixed", "gpu-mixed-beside"}
+CUSTOM_METRICS_TARGETS = {"autoscale-custom-metrics", "gpu-autoscale-custom-metrics", "mixed-autoscale-custom-metrics"}
+MIXED_ONLY_TARGETS = {"mixed", "gpu-mixed", "mixed-autoscale-custom-metrics"}
+MIXED_BESIDE_TARGETS = {"mixed-beside", "gpu-mixed-beside"}
 
 NAMESPACE = "kvferry"
-ROLES = ("router", "prefill", "decode")
-WORKERS = ("prefill", "decode")
+ROLES = ("router", "prefill", "decode", "mixed")
+WORKERS = ("prefill", "decode", "mixed")
+# `kvferry mixed` listens on 8300 (the other roles' ports are parsed from docs/architecture.md).
+MIXED_PORT = 8300
 NAME_LABEL = "app.kubernetes.io/name"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
+
+
+def workers_of(target: str) -> tuple[str, ...]:
+    """The worker roles a target runs: prefill and decode, mixed pods instead, or mixed pods beside them."""
+    if target in MIXED_ONLY_TARGETS:
+        return ("mixed",)
+    if target in MIXED_BESIDE_TARGETS:
+        return ("prefill", "decode", "mixed")
+    return ("prefill", "decode")
 
 
 # --------------------------------------------------------------------------- the contract
@@ -66,6 +99,9 @@ def contract() -> dict:
         if line.lstrip().startswith("|") and cells and not set(cells[0]) <= set("- "):
             env_vars.update(re.findall(r"`(KVFERRY_[A-Z0-9_]+)`", cells[0]))
     assert "KVFERRY_MODEL" in env_vars, "could not parse the env-var table"
+    # "Router-only tuning knobs are `KVFERRY_ROUTER_<NAME>` / `--<name>` (listed in `router/settings.py`)"
+    router_settings = importlib.import_module("router.settings")
+    env_vars.update(f"KVFERRY_ROUTER_{f.name.upper()}" for f in dataclasses.fields(router_settings.RouterOptions))
 
     routes = _section(text, "Worker HTTP routes")
     get_routes = set(re.findall(r"`GET (/[^`\s]*)`", routes))
@@ -83,11 +119,12 @@ def contract() -> dict:
             ("decode", "decode worker"),
         )
     }
+    ports["mixed"] = MIXED_PORT
     selector = re.search(r"selects `([^`]+=prefill)`", ports_labels)
     assert selector and "(and `=decode`)" in ports_labels, "could not parse the discovery selector"
+    # the router finds mixed pods the same way, by their component label
     discovery = {
-        "prefill": selector.group(1),
-        "decode": selector.group(1).removesuffix("=prefill") + "=decode",
+        role: selector.group(1).removesuffix("=prefill") + f"={role}" for role in ("prefill", "decode", "mixed")
     }
     return {
         "env_vars": env_vars,
@@ -101,23 +138,34 @@ def contract() -> dict:
 # --------------------------------------------------------------------------- rendering
 
 
-@functools.cache
-def _render(target: str) -> tuple:
+def _kustomize(path: Path) -> tuple:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.fail("kubectl is not on PATH (.ci/run installs it); the manifests cannot be rendered")
     proc = subprocess.run(
-        [kubectl, "kustomize", str(TARGETS[target])],
+        [kubectl, "kustomize", str(path)],
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
     )
-    assert proc.returncode == 0, f"kubectl kustomize {TARGETS[target]} failed:\n{proc.stderr}"
+    assert proc.returncode == 0, f"kubectl kustomize {path} failed:\n{proc.stderr}"
     return tuple(doc for doc in yaml.safe_load_all(proc.stdout) if doc)
 
 
-@pytest.fixture(params=sorted(TARGETS))
+@functools.cache
+def _render(target: str) -> tuple:
+    if target not in COMPOSED:
+        return _kustomize(TARGETS[target])
+    with tempfile.TemporaryDirectory() as tmp:
+        # kustomize takes relative paths only
+        paths = {key: [os.path.relpath(K8S / p, tmp) for p in dirs] for key, dirs in COMPOSED[target].items()}
+        kustomization = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", **paths}
+        (Path(tmp) / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+        return _kustomize(Path(tmp))
+
+
+@pytest.fixture(params=sorted([*TARGETS, *COMPOSED]))
 def target(request) -> str:
     return request.param
 
@@ -142,15 +190,20 @@ def pod_labels(deploy) -> dict:
 
 
 def role_deployments(objs) -> dict[str, dict]:
-    """router/prefill/decode -> its Deployment (by the component label of its pods)."""
+    """router/prefill/decode/mixed -> its Deployment (by the component label of its pods), for the
+    roles the target runs (test_each_target_runs_its_roles checks which)."""
     roles = {}
     for deploy in of_kind(objs, "Deployment"):
         labels = pod_labels(deploy)
         if labels.get(NAME_LABEL) == "kvferry" and labels.get(COMPONENT_LABEL) in ROLES:
             assert labels[COMPONENT_LABEL] not in roles, f"two Deployments for {labels}"
             roles[labels[COMPONENT_LABEL]] = deploy
-    assert set(roles) == set(ROLES), f"Deployments by role: {sorted(roles)}"
+    assert "router" in roles and len(roles) > 1, f"Deployments by role: {sorted(roles)}"
     return roles
+
+
+def worker_deployments(objs) -> dict[str, dict]:
+    return {role: deploy for role, deploy in role_deployments(objs).items() if role in WORKERS}
 
 
 def container(deploy) -> dict:
@@ -265,6 +318,62 @@ def test_pods_carry_the_contract_labels(target, objs):
         assert container(deploy)["args"] == [role], "the image's entry point is `kvferry <role>`"
 
 
+def test_each_target_runs_its_roles(target, objs):
+    """Mixed overlays replace prefill and decode entirely (no Deployment, Service, HPA or PDB of theirs
+    is left); the mixed-workers component alone adds mixed pods beside them."""
+    roles = {"router", *workers_of(target)}
+    assert set(role_deployments(objs)) == roles
+    for obj in objs:
+        labels = obj["metadata"].get("labels", {})
+        if labels.get(NAME_LABEL) == "kvferry" and COMPONENT_LABEL in labels:
+            assert labels[COMPONENT_LABEL] in roles, f"{obj['kind']}/{obj['metadata']['name']}"
+    for hpa in of_kind(objs, "HorizontalPodAutoscaler"):
+        assert hpa["spec"]["scaleTargetRef"]["name"] in {f"kvferry-{r}" for r in roles}
+
+
+def test_mixed_pods_are_decode_pods_in_another_role(target, objs):
+    """`kvferry mixed` takes the decode worker's env contract, probes, drain, hardening and size (on
+    GPUs, the GPU overlay's); only the role, port and names differ."""
+    if "mixed" not in workers_of(target):
+        assert not [d for d in of_kind(objs, "Deployment") if d["metadata"]["name"] == "kvferry-mixed"]
+        return
+    mixed = one(objs, "Deployment", "kvferry-mixed")
+    decode = role_deployments(_render("gpu" if target in GPU_TARGETS else "base"))["decode"]
+    cont, ref = container(mixed), container(decode)
+    assert cont["name"] == "mixed" and cont["args"] == ["mixed"]
+    assert cont["ports"] == [{"name": "http", "containerPort": MIXED_PORT, "protocol": "TCP"}]
+    assert cont["startupProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert cont["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert cont["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    for key in ("image", "envFrom", "resources", "securityContext", "volumeMounts", *(k for k in ref if "Probe" in k)):
+        assert cont[key] == ref[key], key
+    # decode's env, in its order, with the mixed pod's own port, address and container name
+    omp = env_of(ref)["OMP_NUM_THREADS"]["valueFrom"]["resourceFieldRef"]
+    own = {
+        "KVFERRY_PORT": {"value": str(MIXED_PORT)},
+        "KVFERRY_ADVERTISE_URL": {"value": f"http://$(POD_IP):{MIXED_PORT}"},
+        "OMP_NUM_THREADS": {"valueFrom": {"resourceFieldRef": {**omp, "containerName": "mixed"}}},
+    }
+    assert cont["env"] == [{"name": e["name"], **own[e["name"]]} if e["name"] in own else e for e in ref["env"]]
+    spec, ref_spec = mixed["spec"]["template"]["spec"], decode["spec"]["template"]["spec"]
+    for key in set(spec) | set(ref_spec):
+        if key not in ("containers", "topologySpreadConstraints"):
+            assert spec.get(key) == ref_spec.get(key), key
+    assert mixed["spec"]["strategy"] == decode["spec"]["strategy"]
+    notes = mixed["spec"]["template"]["metadata"]["annotations"]
+    assert notes["prometheus.io/port"] == str(MIXED_PORT)
+
+
+def test_router_places_prefill_adaptively_with_mixed_pods(target, objs):
+    """Mixed pods only pay off when the router weighs local against disaggregated prefill per request;
+    without them it keeps the default (fixed thresholds)."""
+    env = env_of(container(role_deployments(objs)["router"]))
+    if "mixed" in workers_of(target):
+        assert env["KVFERRY_ROUTER_PLACEMENT"]["value"] == "adaptive"
+    else:
+        assert "KVFERRY_ROUTER_PLACEMENT" not in env
+
+
 def test_services_select_a_deployment_and_target_existing_ports(target, objs):
     deploys = of_kind(objs, "Deployment")
     for svc in of_kind(objs, "Service"):
@@ -285,7 +394,7 @@ def test_only_the_router_service_is_meant_to_be_exposed(target, objs):
             assert resolve_port(svc["spec"]["ports"][0]["targetPort"], container(roles["router"])) == 8000
         else:
             assert svc["spec"].get("clusterIP") == "None" or "redis" in svc["metadata"]["name"]
-    for role in WORKERS:
+    for role in workers_of(target):
         svc = one(objs, "Service", f"kvferry-{role}")
         assert svc["spec"].get("clusterIP") == "None", f"{role} Service should be headless"
 
@@ -383,8 +492,7 @@ def test_probes_use_documented_worker_routes_on_container_ports(target, objs):
 
 
 def test_workers_drain_within_the_grace_period(target, objs):
-    for role in WORKERS:
-        deploy = role_deployments(objs)[role]
+    for role, deploy in worker_deployments(objs).items():
         grace = deploy["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
         drain = int(effective_env(objs, container(deploy))["KVFERRY_DRAIN_SECONDS"])
         # Drain, then uvicorn's graceful shutdown (5 s) and the engine stop must all end before SIGKILL.
@@ -393,8 +501,7 @@ def test_workers_drain_within_the_grace_period(target, objs):
 
 def test_worker_pods_are_scraped_by_annotation(target, objs):
     routes = contract()["get_routes"]
-    for role in WORKERS:
-        deploy = role_deployments(objs)[role]
+    for role, deploy in worker_deployments(objs).items():
         notes = deploy["spec"]["template"]["metadata"].get("annotations", {})
         assert notes.get("prometheus.io/scrape") == "true", role
         assert resolve_port(int(notes["prometheus.io/port"]), container(deploy)), role
@@ -410,7 +517,8 @@ def test_discovery_selectors_pick_exactly_the_worker_pods(target, objs):
         picked = [
             d["metadata"]["name"] for d in of_kind(objs, "Deployment") if selector_matches(selector, pod_labels(d))
         ]
-        assert picked == [f"kvferry-{role}"], f"{text} selects {picked}"
+        want = [f"kvferry-{role}"] if role in workers_of(target) else []
+        assert picked == want, f"{text} selects {picked}"
 
 
 def test_router_rbac_is_read_only_on_pods(target, objs):
@@ -460,21 +568,27 @@ def test_hpas_target_existing_deployments(target, objs):
         # with spec.replicas in the manifest, every `kubectl apply` would undo the autoscaler
         assert "replicas" not in deploys[ref["name"]]["spec"], ref["name"]
         targets.append(ref["name"])
-    assert sorted(targets) == sorted(f"kvferry-{r}" for r in ROLES), "one HPA per role, no more"
+    roles = ("router", *workers_of(target))
+    assert sorted(targets) == sorted(f"kvferry-{r}" for r in roles), "one HPA per role, no more"
 
 
 def test_hpa_metrics_per_overlay(target, objs):
     metrics = contract()["metrics"]
-    expected = {"prefill": "kvferry_prefill_queued_tokens", "decode": "kvferry_kv_usage_ratio"}
-    for role in ROLES:
+    # a mixed pod prefills and decodes: the HPA scales it on whichever signal asks for more pods
+    expected = {
+        "prefill": ["kvferry_prefill_queued_tokens"],
+        "decode": ["kvferry_kv_usage_ratio"],
+        "mixed": ["kvferry_prefill_queued_tokens", "kvferry_kv_usage_ratio"],
+    }
+    for role in ("router", *workers_of(target)):
         spec = one(objs, "HorizontalPodAutoscaler", f"kvferry-{role}")["spec"]
         kinds = [m["type"] for m in spec["metrics"]]
         if target in CUSTOM_METRICS_TARGETS and role in WORKERS:
-            assert kinds == ["Pods"], role
-            pods = spec["metrics"][0]["pods"]
-            assert pods["metric"]["name"] == expected[role]
-            assert pods["metric"]["name"] in metrics
-            assert pods["target"]["type"] == "AverageValue"
+            assert kinds == ["Pods"] * len(expected[role]), role
+            assert [m["pods"]["metric"]["name"] for m in spec["metrics"]] == expected[role]
+            for m in spec["metrics"]:
+                assert m["pods"]["metric"]["name"] in metrics
+                assert m["pods"]["target"]["type"] == "AverageValue"
         else:
             assert kinds == ["Resource"] and spec["metrics"][0]["resource"]["name"] == "cpu", role
 
@@ -511,7 +625,7 @@ def test_pdbs_select_one_role_each(target, objs):
         # minAvailable on a one-replica role would block every node drain
         assert pdb["spec"].get("maxUnavailable") == 1
         covered.append(pod_labels(selected[0]).get(COMPONENT_LABEL))
-    assert sorted(covered) == sorted(ROLES)
+    assert sorted(covered) == sorted(["router", *workers_of(target)])
 
 
 def test_topology_spread_counts_the_pods_it_spreads(target, objs):
@@ -570,8 +684,8 @@ def test_every_container_has_requests_and_limits(target, objs):
 def test_cpu_workers_have_memory_for_their_kv_pool(target, objs):
     if target in GPU_TARGETS:
         return  # the KV pool is in GPU memory there
-    for role in WORKERS:
-        cont = container(role_deployments(objs)[role])
+    for role, deploy in worker_deployments(objs).items():
+        cont = container(deploy)
         kv_bytes = float(effective_env(objs, cont)["KVFERRY_KV_MEMORY_GB"]) * 2**30
         limit = _quantity(cont["resources"]["limits"]["memory"])
         assert limit >= kv_bytes + 2 * 2**30, f"{role}: weights + runtime need ~2 GiB beyond the KV pool"
@@ -582,8 +696,8 @@ def test_images_are_set_in_one_place(target, objs):
     images = {i["name"]: i for i in base["images"]}
     cpu_image = f"{images['kvferry']['newName']}:{images['kvferry']['newTag']}"
     if target in GPU_TARGETS:
-        gpu = yaml.safe_load((K8S / "overlays" / "gpu" / "kustomization.yaml").read_text())["images"][0]
-        assert gpu["name"] == images["kvferry"]["newName"], "the GPU overlay must rename the base image"
+        gpu = yaml.safe_load((K8S / "components" / "gpu-workers" / "kustomization.yaml").read_text())["images"][0]
+        assert gpu["name"] == images["kvferry"]["newName"], "the GPU component must rename the base image"
         want = f"{gpu['newName']}:{gpu['newTag']}"
     else:
         want = cpu_image
@@ -594,8 +708,9 @@ def test_images_are_set_in_one_place(target, objs):
             image = cont["image"]
             assert ":" in image.rsplit("/", 1)[-1] and not image.endswith(":latest"), image
     assert container(one(objs, "Deployment", "kvferry-redis"))["image"] == "redis:7.4-alpine"
-    # nowhere but the kustomization's images: entry names the registry path
-    for path in (K8S / "base").glob("*.yaml"):
+    # nowhere but a kustomization's images: entry names the registry path (a component's objects
+    # take the router's image)
+    for path in K8S.rglob("*.yaml"):
         if path.name != "kustomization.yaml":
             assert images["kvferry"]["newName"] not in path.read_text(), path
 
@@ -694,7 +809,9 @@ def test_network_policy_reachability(target, objs):
     def pod(name):
         return {"labels": pod_labels(one(objs, "Deployment", name)), "ns": NAMESPACE}
 
-    router, prefill, decode, redis = (pod(f"kvferry-{n}") for n in ("router", "prefill", "decode", "redis"))
+    ports = contract()["ports"]
+    router, redis = pod("kvferry-router"), pod("kvferry-redis")
+    workers = {f"kvferry-{role}": (pod(f"kvferry-{role}"), ports[role]) for role in workers_of(target)}
     stranger = {"labels": {"app": "debug-shell"}, "ns": NAMESPACE}
     lookalike = {"labels": pod_labels(one(objs, "Deployment", "kvferry-router")), "ns": "other-team"}
     outside = {"labels": {}, "ns": None, "ip": "203.0.113.7"}
@@ -706,41 +823,47 @@ def test_network_policy_reachability(target, objs):
         (outside, "kvferry-router", 8000, True),
         (stranger, "kvferry-router", 8000, True),
         (outside, "kvferry-router", 9000, False),
-        # workers' HTTP ports: the router and the other workers only
-        (router, "kvferry-prefill", 8100, True),
-        (router, "kvferry-decode", 8200, True),
-        (decode, "kvferry-prefill", 8100, True),
-        (stranger, "kvferry-prefill", 8100, False),
-        (stranger, "kvferry-decode", 8200, False),
-        (lookalike, "kvferry-prefill", 8100, False),
-        (outside, "kvferry-decode", 8200, False),
-        (redis, "kvferry-decode", 8200, False),
-        (prometheus, "kvferry-prefill", 8100, scraped),
-        (prometheus, "kvferry-decode", 8200, scraped),
-        # NIXL/UCX: worker to worker on any TCP port, nobody else
-        (prefill, "kvferry-decode", 43817, True),
-        (decode, "kvferry-prefill", 51234, True),
-        (prefill, "kvferry-prefill", 40000, True),
-        (router, "kvferry-decode", 43817, False),
-        (router, "kvferry-prefill", 40000, False),
-        (stranger, "kvferry-decode", 43817, False),
         # redis: router and workers, nothing else
         (router, "kvferry-redis", 6379, True),
-        (prefill, "kvferry-redis", 6379, True),
-        (decode, "kvferry-redis", 6379, True),
         (router, "kvferry-redis", 6380, False),
         (stranger, "kvferry-redis", 6379, False),
         (lookalike, "kvferry-redis", 6379, False),
         (outside, "kvferry-redis", 6379, False),
         (prometheus, "kvferry-redis", 6379, False),
     ]
+    for dst, (_, http) in workers.items():
+        cases += [
+            # workers' HTTP ports: the router and the other workers only
+            (router, dst, http, True),
+            (stranger, dst, http, False),
+            (lookalike, dst, http, False),
+            (outside, dst, http, False),
+            (redis, dst, http, False),
+            (prometheus, dst, http, scraped),
+            # NIXL/UCX ports: workers only
+            (router, dst, 43817, False),
+            (stranger, dst, 43817, False),
+        ]
+        # worker to worker, every pair of roles (a role with itself too; mixed pods prefill for
+        # decode and mixed pods and receive KV from prefill pods): HTTP and any TCP port
+        cases += [(src, dst, port, True) for src, _ in workers.values() for port in (http, 43817, 51234)]
+    cases += [(src, "kvferry-redis", 6379, True) for src, _ in workers.values()]
     wrong = [
         f"{src['labels'] or src.get('ip')}@{src['ns']} -> {dst}:{port}: expected {'allowed' if want else 'denied'}"
         for src, dst, port, want in cases
         if ingress_allowed(objs, src, dst, port) != want
     ]
     assert not wrong, "\n".join(wrong)
-    assert not ingress_allowed(objs, prefill, "kvferry-decode", 43817, protocol="UDP")
+    for (src, _), dst in itertools.product(workers.values(), workers):
+        assert not ingress_allowed(objs, src, dst, 43817, protocol="UDP"), dst
+
+
+def test_every_network_policy_selects_pods_that_run(target, objs):
+    """Each shape carries the fences of the roles it runs and no others: a policy for a role that is
+    not there would only mislead whoever reads `kubectl get networkpolicy`."""
+    labels = [pod_labels(d) for d in of_kind(objs, "Deployment")]
+    for policy in of_kind(objs, "NetworkPolicy"):
+        assert any(selector_matches(policy["spec"]["podSelector"], lab) for lab in labels), policy["metadata"]["name"]
 
 
 def test_redis_ingress_only_from_kvferry_pods(target, objs):

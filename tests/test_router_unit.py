@@ -294,7 +294,7 @@ def test_body_too_large_is_413(client) -> None:
 def test_no_worker_is_503_and_not_ready(client) -> None:
     assert_openai_error(client.post(COMP, json={"prompt": "hi", "max_tokens": 2}), 503)
     r = client.get("/ready")
-    assert r.status_code == 503 and r.json()["workers"] == {"prefill": 0, "decode": 0}
+    assert r.status_code == 503 and r.json()["workers"] == {"prefill": 0, "decode": 0, "mixed": 0}
     assert client.get("/health").status_code == 200
 
 

@@ -34,6 +34,7 @@ class LocalCluster:
     decode_urls: list[str]
     redis_url: str
     log_dir: Path
+    mixed_urls: list[str] = field(default_factory=list)
     router: ManagedProcess | None = None
     workers: list[ManagedProcess] = field(default_factory=list)
     redis: ManagedProcess | None = None
@@ -98,22 +99,24 @@ def start_local_cluster(
     log_dir: str | Path | None = None,
     ready_timeout_s: float = 600.0,
     progress: Callable[[str], None] | None = None,
+    mixed: int = 0,
 ) -> LocalCluster:
-    """Starts Redis (unless ``redis_url`` names one), ``prefill`` + ``decode`` workers and a router;
+    """Starts Redis (unless ``redis_url`` names one), ``prefill`` + ``decode`` + ``mixed`` workers and a router
+    (placing adaptively, router/cost_model.py, when there are mixed workers and ``KVFERRY_ROUTER_PLACEMENT`` is unset);
     returns once all answer /ready. ``port`` 0 picks a free port for the router. ``env`` is added to
     every part's environment (e.g. KVFERRY_NUM_PAGES for small test pools), ``role_env[role]`` to the
-    parts of one role ("prefill", "decode", "router"). Raises ClusterError (with the failing part's log
+    parts of one role ("prefill", "decode", "mixed", "router"). Raises ClusterError (with the failing part's log
     tail) and leaves nothing running on failure."""
     say = progress or (lambda _msg: None)
-    if decode < 1 or prefill < 0:
-        raise ClusterError("need at least one decode worker (and zero or more prefill workers)")
+    if decode + mixed < 1 or min(prefill, decode, mixed) < 0:
+        raise ClusterError("need at least one decode or mixed worker (and zero or more prefill workers)")
     logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="kvferry-up-"))
     logs.mkdir(parents=True, exist_ok=True)
     base_env = dict(os.environ)
     base_env.update(env or {})
     base_env["KVFERRY_MODEL"] = model
     base_env.setdefault("KVFERRY_DRAIN_SECONDS", "2")  # local: stop quickly on Ctrl-C
-    n_workers = prefill + decode
+    n_workers = prefill + decode + mixed
     base_env.setdefault("KVFERRY_TORCH_THREADS", str(max(1, (os.cpu_count() or 1) // n_workers)))
     if api_key:
         base_env["KVFERRY_API_KEY"] = api_key  # env, not argv: keys do not belong in `ps` output
@@ -139,7 +142,8 @@ def start_local_cluster(
 
             say(f"model {model}: {resolve_model_path(model)}")
 
-        for role, count in (("prefill", prefill), ("decode", decode)):
+        urls = {"prefill": cluster.prefill_urls, "decode": cluster.decode_urls, "mixed": cluster.mixed_urls}
+        for role, count in (("prefill", prefill), ("decode", decode), ("mixed", mixed)):
             for i in range(count):
                 wport = free_port()
                 wenv = dict(base_env, KVFERRY_POD_NAME=f"local-{role}-{i}", **(role_env or {}).get(role, {}))
@@ -148,11 +152,15 @@ def start_local_cluster(
                 )
                 part.start()
                 cluster.workers.append(part)
-                (cluster.prefill_urls if role == "prefill" else cluster.decode_urls).append(part.url or "")
-        say(f"starting {prefill} prefill + {decode} decode workers (logs in {logs})")
+                urls[role].append(part.url or "")
+        shape = f"{prefill} prefill + {decode} decode" + (f" + {mixed} mixed" if mixed else "")
+        say(f"starting {shape} workers (logs in {logs})")
         wait_ready(cluster.workers, ready_timeout_s, say)
 
         rport_s = cluster.router_url.rsplit(":", 1)[1]
+        router_env = dict(base_env, **(role_env or {}).get("router", {}))
+        if mixed:
+            router_env.setdefault("KVFERRY_ROUTER_PLACEMENT", "adaptive")
         cluster.router = ManagedProcess(
             "router",
             kvferry_argv(
@@ -171,9 +179,11 @@ def start_local_cluster(
                 ",".join(cluster.prefill_urls),
                 "--decode-urls",
                 ",".join(cluster.decode_urls),
+                "--mixed-urls",
+                ",".join(cluster.mixed_urls),
                 *router_args,
             ),
-            dict(base_env, **(role_env or {}).get("router", {})),
+            router_env,
             logs / "router.log",
             url=cluster.router_url,
         )

@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    p.add_argument("--mixed", type=int, default=0, help="mixed workers: decode, and prefill for peers (default 0)")
     p.add_argument("--port", type=int, default=8000, help="router port (default 8000)")
     p.add_argument("--host", default="127.0.0.1", help="router address (0.0.0.0 to serve the network)")
     p.add_argument("--model", default=os.environ.get("KVFERRY_MODEL", DEFAULT_MODEL_NAME))
@@ -41,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _term)
     cluster: LocalCluster | None = None
     try:
-        say(f"kvferry up: {args.prefill} prefill + {args.decode} decode workers, model {args.model}")
+        mixed = f" + {args.mixed} mixed" if args.mixed else ""
+        say(f"kvferry up: {args.prefill} prefill + {args.decode} decode{mixed} workers, model {args.model}")
         cluster = start_local_cluster(
             args.prefill,
             args.decode,
@@ -52,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             api_key=args.api_key,
             log_dir=args.log_dir,
             progress=say,
+            mixed=args.mixed,
         )
         shown = cluster.router_url.replace("0.0.0.0", "localhost")
         auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""

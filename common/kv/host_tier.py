@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -104,9 +105,11 @@ class HostTier:
         # empty, not zeros: the kernel commits the memory as pages are first written (a tier that is never
         # filled costs nothing); registration below commits it all on CUDA.
         kv = torch.empty(shape, dtype=layout.dtype)
-        self._registered = False
-        if device_pool.device.type == "cuda":
-            self._registered = self._register(kv)
+        self._unregister: weakref.finalize | None = None
+        if device_pool.device.type == "cuda" and self._register(kv):
+            # A tier dropped without `close` (a scheduler replaced in one process) must not leave its memory
+            # page-locked: torch would reuse the range, and registering it again fails ("already mapped").
+            self._unregister = weakref.finalize(self, _unregister, kv)
         self.pool = KVPool(layout, num_pages, "cpu", kv)
         self.allocator = PageAllocator(num_pages)
         self.num_pages = num_pages
@@ -119,6 +122,13 @@ class HostTier:
         allocator rounds every block up to a power of two, which would waste up to half of a large tier."""
         rc = torch.cuda.cudart().cudaHostRegister(kv.data_ptr(), kv.numel() * kv.element_size(), 0)
         if int(getattr(rc, "value", rc)) != 0:
+            # The failed call left CUDA's last-error set; the next kernel launch would report it as its own
+            # failure (seen: a 127 GiB tier on a 128 GiB host made the scheduler's first allocation "fail").
+            # A launch here consumes it.
+            try:
+                torch.zeros(1, device="cuda")
+            except Exception:
+                pass
             log.warning("host KV tier: page-locking failed (%s); copies will not overlap with compute", rc)
             return False
         return True
@@ -138,9 +148,12 @@ class HostTier:
             dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
 
     def close(self) -> None:
-        if self._registered:
-            torch.cuda.cudart().cudaHostUnregister(self.pool.kv.data_ptr())
-            self._registered = False
+        if self._unregister is not None:
+            self._unregister()  # once: a finalizer runs at most one time
+
+
+def _unregister(kv: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(kv.data_ptr())
 
 
 def make_host_tier(device_pool: KVPool, host_kv_gb: float, tp_size: int = 1) -> HostTier | None:

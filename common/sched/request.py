@@ -44,6 +44,9 @@ class Req:
     finish_reason: str | None = None
     error: str | None = None
     stream_cursor: int = 0  # outputs already handed to the caller
+    # Prefilled for a peer (its KV is sent on, the decode happens elsewhere): once its first token is sampled
+    # the scheduler parks it (`Scheduler.on_prefill_done`) instead of letting it join the decode batch.
+    prefill_only: bool = False
 
     def __post_init__(self) -> None:
         if self.sampling.seed is not None:

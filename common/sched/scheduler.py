@@ -112,9 +112,9 @@ class Scheduler:
         self.prefill_tokens_launched = 0  # prompt tokens computed so far (the measured prefill rate's counter)
         self.prefill_speed = PrefillSpeed()  # device-timed, for the prefill budget beside decoding requests
         self.on_prefill_chunk: ChunkHook | None = None
-        # When set (prefill workers), a request whose prompt is done (first token sampled) is handed to this
-        # callback and parked: its pages stay as they are, outside the prefix cache, until the owner calls
-        # `release` (after the KV transfer that reads them reached a terminal state).
+        # A `prefill_only` request whose prompt is done (first token sampled) is handed to this callback and
+        # parked: its pages stay as they are, outside the prefix cache, until the owner calls `release` (after
+        # the KV transfer that reads them reached a terminal state). Other requests join the decode batch.
         self.on_prefill_done: Callable[[Req], None] | None = None
         # Decode side: receives aborted requests whose pages a remote prefill may still write into.
         self.on_kv_abandoned: Callable[[Req], None] | None = None
@@ -312,8 +312,8 @@ class Scheduler:
         launched = self._sample("prefill", finishing, logits)
         launched.chunks = [(r, s, s + n) for r, s, n in zip(batch, starts, chunks)]
         launched.timer = timer.stop()
-        if self.on_prefill_done is None:
-            for r in finishing:
+        for r in finishing:
+            if not r.prefill_only:
                 # Joins the running batch now: the next decode step reads its first token on the device.
                 self.budget.cache_prefix(r, r.prompt_len)
                 r.state = ReqState.RUNNING
@@ -406,7 +406,7 @@ class Scheduler:
             event = StepEvent(r)
             self._append_token(r, tokens[i], lp, event)
             events.append(event)
-            if launched.kind == "prefill" and self.on_prefill_done is not None:
+            if launched.kind == "prefill" and r.prefill_only and self.on_prefill_done is not None:
                 self.on_prefill_done(r)
         return events
 
@@ -434,7 +434,7 @@ class Scheduler:
                 self.running.remove(req)
                 self._finish(req)
             else:
-                # Prefill-only mode (parked by on_prefill_done): the owner releases after sending the KV onwards.
+                # A prefill-only request (parked by on_prefill_done): the owner releases after sending the KV.
                 req.state = ReqState.FINISHED
 
     # ---- introspection -----------------------------------------------------------------------------

@@ -126,7 +126,9 @@ class WorkerState:
         self.inflight = 0
         self.proc: mp.process.BaseProcess | None = None
         self.client: EngineClient | None = None
-        self.event_handlers: dict[str, Callable[[Message], None]] = {}
+        self.event_handlers: dict[str, Callable[[Message], None]] = {
+            "kv_integrity": lambda m: self.metrics.kv_integrity_violations.inc(m["violations"]),
+        }
 
     @property
     def ready(self) -> bool:
@@ -302,7 +304,7 @@ class ProbeFront:
             headers: list[tuple[bytes, bytes]] = []
             if scope["method"] == "GET":
                 answer = _probe_answer(self.state, scope["path"])
-            elif scope["path"] == "/internal/generate" and self.state.cfg.role == "decode" and self.state.queue_full():
+            elif scope["path"] == "/internal/generate" and self.state.queue_full():
                 message = "the engine queue is full; retry shortly or on another worker"
                 answer = 429, _error_body(message, "rate_limit_error", "queue_full")
                 headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))

@@ -18,11 +18,13 @@ from common.config import WorkerConfig
 from common.engine.runner import ModelRunner
 from common.engine.threads import apply_engine_threads
 from common.engine.tp_ranks import TPRankLost
+from common.kv.integrity import IdleLedgerCheck
 from common.log import setup_logging
 from common.observability.timeline import Stamps
 from common.prefix.hashing import chained_block_hashes
 from common.prefix.publisher import PrefixIndexPublisher
 from common.protocol import LoadSnapshot, SamplingParams
+from common.sched.prefill_budget import prefill_token_budget
 from common.sched.request import Req, ReqState
 from common.sched.scheduler import DuplicateRequest, RequestRejected, Scheduler, StepEvent
 from common.serving import tp_follower
@@ -33,8 +35,15 @@ from common.transfer.agent import KVTransferAgent
 log = logging.getLogger("kvferry.engine")
 
 LOAD_INTERVAL_S = 0.1
+DECODE_STEP_SMOOTHING = 0.1  # weight of the newest decode step in the published step time
 MAX_TIMELINES = 16384  # stage stamps kept for requests in flight; beyond it the oldest go (a leak guard)
 IDLE_TRIM_S = 1.0  # idle this long: hand the allocator's free memory back to the OS (once per idle spell)
+
+
+def stage_role(req: Req) -> str:
+    """The role a request's stage stamps are named after: what this engine does for it (a mixed worker
+    prefills some requests for peers and decodes others)."""
+    return "prefill" if req.prefill_only else "decode"
 
 
 def _malloc_trim() -> None:
@@ -96,21 +105,26 @@ class EngineHost:
         self._queued: dict[str, Req] = {}
         self._steps: list[float] = []
         self.step_started = 0.0  # time.time() when the current scheduler step began
+        self.ledger_check = IdleLedgerCheck()
+        self.decode_step_s = 0.0  # smoothed decode-only step time, published for the router's ITL model
 
-    # Decode: a request's stamps go out with its first-token event and are dropped when it finishes. A prefill
-    # worker's requests finish in its scheduler before their transfer does; it hands its stamps on itself.
-    timeline_at_first_token = True
+    def hands_on_stamps(self, req_id: str) -> bool:
+        """Whether this request's stage stamps leave with its KV (a prefill for a peer: in the KV notice and the
+        "done" event) rather than with its first-token event, which drops them when the request finishes."""
+        return False
 
     # ---- helpers for subclasses ------------------------------------------------------------------
-    def make_req(self, msg: Message) -> Req:
+    def make_req(self, msg: Message, prefill_only: bool = False) -> Req:
         sampling = SamplingParams.model_validate(msg["sampling"])
         req = Req(req_id=msg["req_id"], prompt_ids=list(msg["token_ids"]), sampling=sampling)
+        req.prefill_only = prefill_only
         req.block_hashes = chained_block_hashes(req.prompt_ids, self.page_size)
         if len(self.stamps) >= MAX_TIMELINES:
             del self.stamps[next(iter(self.stamps))]
-        stamps = self.stamps[req.req_id] = {f"{self.role}_engine_received": time.time()}
+        stage = stage_role(req)
+        stamps = self.stamps[req.req_id] = {f"{stage}_engine_received": time.time()}
         if isinstance(msg.get("received"), int | float):  # the control plane's stamp
-            stamps[f"{self.role}_received"] = float(msg["received"])
+            stamps[f"{stage}_received"] = float(msg["received"])
         return req
 
     def enqueue(self, req: Req) -> None:
@@ -125,7 +139,7 @@ class EngineHost:
             stamps[stage] = time.time() if t is None else t
 
     def emit(self, req_id: str, **fields: Any) -> None:
-        if self.timeline_at_first_token and fields.get("finish_reason"):
+        if fields.get("finish_reason") and not self.hands_on_stamps(req_id):
             self.stamps.pop(req_id, None)
         self.outbox.append({"ev": "req", "req_id": req_id, **fields})
 
@@ -138,7 +152,7 @@ class EngineHost:
             if len(r.output_ids) == len(e.tokens):  # the request's first tokens
                 item["prompt_tokens"] = r.prompt_len
                 item["cached_tokens"] = r.prefix_hit_len
-                if self.timeline_at_first_token:
+                if not self.hands_on_stamps(r.req_id):
                     stamps = self.stamps.pop(r.req_id, None)
                     if stamps is not None:
                         stamps["first_token"] = time.time()
@@ -181,6 +195,7 @@ class EngineHost:
                 self.handle(recv(self.conn))
                 timeout = 0.0
             self.tick()
+            self.check_ledger()
             if self.outbox:
                 # What the tick produced (a first token whose KV just landed) goes out now, not after the
                 # next model step: measured on the CPU, waiting for it added one decode step to TTFT.
@@ -219,10 +234,22 @@ class EngineHost:
             self.flush()
         self.shutdown()
 
+    def check_ledger(self) -> None:
+        """While idle, every page must be free or cached exactly once (common/kv/integrity.py)."""
+        s = self.scheduler
+        problems = self.ledger_check(
+            not self.has_work(), s.allocator, s.cache, ((r.pages, r.tree_pages) for r in s.by_id.values())
+        )
+        if problems:
+            self.outbox.append({"ev": "kv_integrity", "violations": len(problems)})
+
     def _observe_step(self, started: float, events: list[StepEvent]) -> None:
         """Per step, never per token: a decode-only step's time and batch size; admissions of queued requests."""
         if events and all(len(e.req.output_ids) > len(e.tokens) for e in events):
-            self._steps += (time.time() - started, len(events))
+            seconds = time.time() - started
+            self._steps += (seconds, len(events))
+            prev = self.decode_step_s
+            self.decode_step_s = seconds if prev <= 0 else prev + DECODE_STEP_SMOOTHING * (seconds - prev)
         self.note_admissions()
 
     def note_admissions(self) -> None:
@@ -231,7 +258,7 @@ class EngineHost:
             for rid, req in list(self._queued.items()):
                 if req.state is not ReqState.WAITING:  # taken into this step (possibly finished in it)
                     del self._queued[rid]
-                    self.mark(rid, f"{self.role}_admitted", self.step_started)
+                    self.mark(rid, f"{stage_role(req)}_admitted", self.step_started)
 
     def flush(self) -> None:
         if not self.outbox:
@@ -299,7 +326,15 @@ class EngineHost:
             pod=self.cfg.pod_name,
             queued_prefill_tokens=queued,
             prefill_tokens_per_s=round(rate, 1),
-            prefill_chunk_tokens=s.cfg.max_prefill_tokens,
+            prefill_chunk_tokens=prefill_token_budget(
+                s.cfg.max_prefill_tokens,
+                self.page_size,
+                s.prefill_speed.tokens_per_s,
+                s.cfg.itl_target_ms / 1000,
+                decoding=True,
+            ),
+            prefill_step_tokens_per_s=round(s.prefill_speed.tokens_per_s, 1),
+            decode_step_s=round(self.decode_step_s, 5),
             running_requests=len(s.running) + len(s.awaiting_kv) + (1 if s.chunked else 0),
             waiting_requests=len(s.waiting),
             free_pages=s.free_pages() - s.reserved_pages(),

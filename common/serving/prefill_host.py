@@ -1,4 +1,4 @@
-"""The prefill worker's engine loop: chunked prefill over the radix cache, each chunk pushed over NIXL.
+"""The prefill role of an engine loop (for peers): chunked prefill over the radix cache, each chunk pushed over NIXL.
 
 One request's transfer here: `prefill` opens its session (`RequestTransfer`), every finished chunk's complete
 pages are posted as they are computed (`_on_chunk`), the rest and the "landed" notice when the first token is
@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from common.kv.integrity import IdleLedgerCheck
 from common.protocol import HandshakeRequest, KVNotice, PrefillRequest
 from common.sched.request import Req
 from common.sched.scheduler import RequestRejected
@@ -27,6 +26,8 @@ from common.transfer.sender import KVSender, RequestTransfer, TransferError
 from common.transfer.session import TERMINAL, S
 
 log = logging.getLogger("kvferry.prefill")
+
+PREFILL_OPS = frozenset({"add_peer", "prefill", "transfer_stats"})  # the engine ops this role answers
 
 
 @dataclass
@@ -43,7 +44,6 @@ class Outbound:
 
 class PrefillHost(EngineHost):
     role = "prefill"
-    timeline_at_first_token = False  # the stamps travel in the KV notice, and with the "done" event
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
@@ -61,10 +61,12 @@ class PrefillHost(EngineHost):
         self.scheduler.on_prefill_chunk = self._on_chunk
         self.scheduler.on_prefill_done = self._on_prefill_done
         self.stats = {"descs": 0, "bytes": 0, "transfers": 0}
-        self.ledger_check = IdleLedgerCheck()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self.outbound) or self.sender.writes_in_flight > 0
+
+    def hands_on_stamps(self, req_id: str) -> bool:
+        return req_id in self.outbound
 
     def handle_role(self, msg: Message) -> None:
         op = msg["op"]
@@ -121,7 +123,8 @@ class PrefillHost(EngineHost):
                 "token_ids": pr.token_ids,
                 "sampling": {**pr.sampling.model_dump(), "max_tokens": 1},
                 "received": msg.get("received"),
-            }
+            },
+            prefill_only=True,
         )
         try:
             self.enqueue(req)  # raises RequestRejected (-> a refusal) before anything is registered
@@ -179,12 +182,6 @@ class PrefillHost(EngineHost):
         for rid in list(self.outbound):
             if self.outbound[rid].transfer.progress(now) in TERMINAL:
                 self._finish(rid)
-        s = self.scheduler
-        problems = self.ledger_check(
-            not self.has_work(), s.allocator, s.cache, ((r.pages, r.tree_pages) for r in s.by_id.values())
-        )
-        if problems:
-            self.outbox.append({"ev": "kv_integrity", "violations": len(problems)})
 
     def _finish(self, rid: str) -> None:
         """The session is terminal: no posted write reads the request's pages any more; give them back."""

@@ -1,4 +1,4 @@
-"""The decode worker's engine loop: reserve pages for remote prefill, admit on the KV notice, decode.
+"""The decode role of an engine loop: reserve pages for remote prefill, admit on the KV notice, decode.
 
 One request's transfer here (states in common/transfer/session.py): `generate` queues it, `_try_reserve`
 reserves its pages (session "reserved") and hands the page ids to the control plane, which may send them to
@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from common.kv.integrity import IdleLedgerCheck
 from common.kv.pool import checksums_match
 from common.sched.request import Req
 from common.serving.channel import Message
@@ -46,7 +45,6 @@ class DecodeHost(EngineHost):
         self.held: dict[str, Req] = {}
         self.scheduler.on_kv_abandoned = self._on_kv_abandoned
         self.awaited: set[tuple[str, str]] = set()  # last "awaiting_peers" sent to the control plane
-        self.ledger_check = IdleLedgerCheck()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self.remote) or bool(self.held)
@@ -156,12 +154,6 @@ class DecodeHost(EngineHost):
         if awaited != self.awaited:
             self.awaited = awaited
             self.outbox.append({"ev": "awaiting_peers", "peers": sorted(awaited)})
-        s = self.scheduler
-        problems = self.ledger_check(
-            not self.has_work(), s.allocator, s.cache, ((r.pages, r.tree_pages) for r in s.by_id.values())
-        )
-        if problems:
-            self.outbox.append({"ev": "kv_integrity", "violations": len(problems)})
 
     def _on_arrival(self, a: Arrival) -> None:
         if a.kind == "released":

@@ -1,0 +1,334 @@
+"""The decode role's control plane: `generate` streams token ids; remote prefill is arranged from here.
+
+For a request with a prefill peer, the engine reserves pages; this side then handshakes with the peer
+(once per peer instance), asks the engine's leave to send the page ids (`prefill_sending`: never for a
+request given up meanwhile), and holds the peer's `/internal/prefill` stream open until the KV has landed.
+How that ends decides what the engine may do with the pages: a refusal (the peer registered nothing) frees
+them at once; anything after the peer may have started leaves them held until the peer's "closed" notice,
+or until `PeerWatch` finds the peer's agent instance gone (common/transfer/session.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from common.protocol import (
+    AbortRequest,
+    GenerateRequest,
+    HandshakeRequest,
+    HandshakeResponse,
+    KVLayoutInfo,
+    PrefillProgress,
+    PrefillRequest,
+)
+from common.serving.channel import ENGINE_TIMEOUT, EngineError, Message
+from common.serving.control import WorkerState, error_response, read_message
+from common.serving.request_trace import DECODE_SPANS, WorkerTrace
+
+log = logging.getLogger("kvferry.decode")
+
+# A remote prefill is given up when it stops making progress, not after a fixed time: the prefill worker sends a
+# progress line at least every second while its engine works (prefill_worker/app.py), so a long prompt on a busy
+# CPU may take minutes while a dead or frozen peer is noticed within PREFILL_STALL_S.
+PREFILL_STALL_S = 15.0
+PREFILL_HEAD_S = 45.0  # the peer's answer to the prefill request: its engine call may take up to 30 s
+# Outer bound of a remote prefill and its KV transfer however it progresses (GenerateRequest.kv_timeout_s
+# overrides it); kept under the transfer sessions' 300 s safety deadline (common/transfer/session.py).
+PREFILL_DEADLINE_S = 240.0
+PROBE_INTERVAL_S = 0.5  # how often a peer that may still write into given-up pages is asked whether it lives
+# Answers of a prefill worker that registered nothing (so it writes nothing): bad request, unknown peer
+# (handshake again), queue full, not ready.
+REFUSALS = frozenset({400, 409, 429, 503})
+
+
+class PeerFailure(RuntimeError):
+    def __init__(self, message: str, started: bool) -> None:
+        super().__init__(message)
+        self.started = started  # the peer may have registered the request: writes may still come
+
+
+@dataclass
+class PrefillPeers:
+    """Handshakes with prefill workers, by URL; a peer that restarted is handshaken again."""
+
+    state: WorkerState
+    http: httpx.AsyncClient
+    known: dict[str, HandshakeResponse] = field(default_factory=dict)
+    locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+    urls: dict[tuple[str, str], str] = field(default_factory=dict)  # (agent, instance) -> URL, kept for PeerWatch
+
+    async def ensure(self, url: str, force: bool = False) -> HandshakeResponse:
+        lock = self.locks.setdefault(url, asyncio.Lock())
+        async with lock:
+            if url in self.known and not force:
+                return self.known[url]
+            agent = self.state.agent
+            body = HandshakeRequest(
+                agent_name=agent["agent_name"],
+                instance_id=agent["instance_id"],
+                agent_metadata_b64=agent["agent_metadata_b64"],
+                pool_info_b64=agent["pool_info_b64"],
+                layout=KVLayoutInfo.model_validate(agent["layout"]),
+            )
+            started = time.perf_counter()
+            try:
+                r = await self.http.post(f"{url}/internal/handshake", json=body.model_dump(), timeout=10.0)
+            except httpx.HTTPError as e:
+                raise PeerFailure(f"handshake with prefill worker {url} failed: {e!r}", started=False) from None
+            if r.status_code != 200:
+                raise PeerFailure(f"prefill worker {url} refused the handshake: {_error_text(r)}", started=False)
+            try:
+                resp = HandshakeResponse.model_validate(r.json())
+            except ValueError as e:
+                raise PeerFailure(f"prefill worker {url} sent a bad handshake: {e}", started=False) from None
+            self.known[url] = resp
+            self.state.metrics.engine.handshake.observe(time.perf_counter() - started)
+            self.urls[(resp.agent_name, resp.instance_id)] = url
+            return resp
+
+
+@dataclass
+class PeerWatch:
+    """Asks the prefill peers that may still write into given-up pages whether they live; one that refuses
+    connections, runs another agent instance, or has lost its engine is gone, and the engine is told so.
+    A peer that does not answer (frozen, partitioned) is not known gone: its pages stay held."""
+
+    state: WorkerState
+    peers: PrefillPeers
+    awaited: set[tuple[str, str]] = field(default_factory=set)
+    task: asyncio.Task[None] | None = None
+
+    def update(self, msg: Message) -> None:
+        self.awaited = {(str(a), str(i)) for a, i in msg["peers"]}
+        if self.awaited and (self.task is None or self.task.done()):
+            self.task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while self.awaited:
+            for agent, instance in list(self.awaited):
+                url = self.peers.urls.get((agent, instance))
+                if url is not None and await self._gone(url, instance):
+                    log.info("prefill peer gone", extra={"peer": agent, "url": url})
+                    self.awaited.discard((agent, instance))
+                    assert self.state.client is not None
+                    self.state.client.cast({"op": "peer_gone", "peer": agent, "peer_instance": instance})
+            await asyncio.sleep(PROBE_INTERVAL_S)
+
+    async def _gone(self, url: str, instance: str) -> bool:
+        try:
+            r = await self.peers.http.get(f"{url}/internal/agent", timeout=2.0)
+        except httpx.ConnectError:
+            return True  # nothing listens at its address: the process is gone
+        except httpx.HTTPError:
+            return False
+        if r.status_code != 200:
+            return False
+        try:
+            body = r.json()
+        except ValueError:
+            return False
+        return body.get("instance_id") != instance or body.get("engine_alive") is False
+
+
+def _error_text(r: httpx.Response) -> str:
+    try:
+        return str(r.json()["error"]["message"])
+    except Exception:
+        return f"HTTP {r.status_code}"
+
+
+async def _remote_prefill(
+    state: WorkerState,
+    peers: PrefillPeers,
+    gen: GenerateRequest,
+    pages: list[int],
+    timeout_s: float,
+    trace: WorkerTrace | None = None,
+) -> None:
+    """Asks the prefill peer to fill `pages`; tells the engine when that cannot happen, and whether the peer
+    may have started (then the pages wait for its word)."""
+    client = state.client
+    assert gen.prefill_url is not None and client is not None
+    url = gen.prefill_url.rstrip("/")
+    try:
+        for attempt in range(2):
+            hs = await peers.ensure(url, force=attempt > 0)
+            leave = {"op": "prefill_sending", "req_id": gen.req_id, "peer": hs.agent_name}
+            try:
+                await client.call({**leave, "peer_instance": hs.instance_id})
+            except EngineError as e:
+                if e.code == ENGINE_TIMEOUT:  # the ids have not left: nothing can be written into the pages
+                    raise PeerFailure(f"could not start the remote prefill: {e}", started=False) from None
+                return  # given up meanwhile: the page ids never leave this worker
+            agent = state.agent
+            body = PrefillRequest(
+                req_id=gen.req_id,
+                token_ids=gen.token_ids,
+                sampling=gen.sampling,
+                dst_agent=agent["agent_name"],
+                dst_instance_id=agent["instance_id"],
+                dst_pages=pages,
+                deadline_s=timeout_s,
+            )
+            if trace is not None:
+                trace.mark("prefill_requested")
+            try:
+                async with peers.http.stream(
+                    "POST",
+                    f"{url}/internal/prefill",
+                    json=body.model_dump(),
+                    headers=trace.headers() if trace is not None else None,
+                    timeout=httpx.Timeout(10.0, read=PREFILL_HEAD_S),
+                ) as r:
+                    if r.status_code == 409 and attempt == 0:
+                        # The peer restarted and lost our handshake; it registered nothing: redo it once.
+                        await client.call({"op": "prefill_refused", "req_id": gen.req_id})
+                        continue
+                    if r.status_code != 200:
+                        await r.aread()
+                        raise PeerFailure(
+                            f"prefill worker {url} refused the request: {_error_text(r)}",
+                            started=r.status_code not in REFUSALS,
+                        )
+                    lines = r.aiter_lines()
+                    while True:
+                        try:
+                            line = await asyncio.wait_for(anext(lines), PREFILL_STALL_S)
+                        except StopAsyncIteration:
+                            break
+                        except TimeoutError:
+                            raise PeerFailure(
+                                f"prefill worker {url} showed no progress for {PREFILL_STALL_S:g}s", started=True
+                            ) from None
+                        if not line:
+                            continue
+                        msg = PrefillProgress.model_validate_json(line)  # ValidationError is a ValueError
+                        if msg.error is not None:
+                            raise PeerFailure(f"prefill failed: {msg.error}", started=True)
+                        if msg.done:
+                            return
+                    raise PeerFailure(f"prefill worker {url} closed the stream before finishing", started=True)
+            except httpx.ConnectError as e:
+                raise PeerFailure(f"prefill worker {url} unreachable: {e!r}", started=False) from None
+            except (httpx.HTTPError, ValueError) as e:
+                raise PeerFailure(f"prefill worker {url} failed: {e!r}", started=True) from None
+    except PeerFailure as e:
+        peers.known.pop(url, None)
+        client.cast({"op": "prefill_failed", "req_id": gen.req_id, "error": str(e), "started": e.started})
+    except asyncio.CancelledError:
+        return
+
+
+def add_decode_routes(app: FastAPI, state: WorkerState) -> None:
+    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=512, max_keepalive_connections=64))
+    peers = PrefillPeers(state, http)
+    watch = PeerWatch(state, peers)
+    state.event_handlers["awaiting_peers"] = watch.update
+    reservations: dict[str, asyncio.Future[list[int]]] = {}
+
+    def on_reserved(msg: Message) -> None:
+        fut = reservations.get(msg["req_id"])
+        if fut is not None and not fut.done():
+            fut.set_result(msg["pages"])
+
+    state.event_handlers["reserved"] = on_reserved
+
+    @app.post("/internal/generate")
+    async def generate(request: Request) -> Response:
+        gen: GenerateRequest = await read_message(request, GenerateRequest)
+        if not state.ready:
+            return error_response(503, "decode worker not ready", "unavailable", "not_ready")
+        client = state.client
+        assert client is not None
+        if gen.req_id in client.streams:  # delivered twice: the live copy keeps its stream
+            message = f"duplicate request id {gen.req_id!r}"
+            return error_response(409, message, "invalid_request_error", "duplicate_request")
+        queue = client.open_stream(gen.req_id)
+        remote = gen.prefill_url is not None
+        trace = WorkerTrace(
+            "decode generate", gen.req_id, request.headers.get("traceparent"), {"kvferry.remote": remote}
+        )
+        timeout_s = gen.kv_timeout_s or PREFILL_DEADLINE_S
+        if remote:
+            reservations[gen.req_id] = asyncio.get_running_loop().create_future()
+        try:
+            await client.call(
+                {
+                    "op": "generate",
+                    "req_id": gen.req_id,
+                    "token_ids": gen.token_ids,
+                    "sampling": gen.sampling.model_dump(),
+                    "remote": remote,
+                    "timeout_s": timeout_s,
+                    "received": trace.received,
+                }
+            )
+        except BaseException as exc:
+            client.close_stream(gen.req_id)
+            reservations.pop(gen.req_id, None)
+            if not isinstance(exc, EngineError) or exc.code == ENGINE_TIMEOUT:
+                # The engine may still take the request (a late answer, or the caller left): stop it then.
+                client.cast({"op": "abort", "req_id": gen.req_id})
+            raise
+        state.metrics.prompt.inc(len(gen.token_ids))
+        state.inflight += 1
+
+        async def arrange_prefill(reserved: asyncio.Future[list[int]]) -> None:
+            try:
+                pages = await reserved
+            finally:
+                reservations.pop(gen.req_id, None)
+            await _remote_prefill(state, peers, gen, pages, timeout_s, trace)
+
+        prefill_task = asyncio.create_task(arrange_prefill(reservations[gen.req_id])) if remote else None
+
+        async def stream() -> AsyncIterator[bytes]:
+            finished = False
+            try:
+                while not finished:
+                    msg = await queue.get()
+                    item = {k: v for k, v in msg.items() if k not in ("ev", "req_id")}
+                    state.metrics.generated.inc(len(item.get("token_ids", ())))
+                    if "cached_tokens" in item:
+                        state.metrics.cached.inc(item["cached_tokens"])
+                    if item.get("finish_reason"):
+                        finished = True
+                        state.observe_finish(item)
+                    timeline = item.get("timeline")
+                    if timeline is not None:  # the first tokens: the stages so far, passed on to the router
+                        timeline.update(trace.stamps)
+                        timeline["first_token_sent"] = time.time()
+                        trace.stamps = timeline
+                        state.metrics.engine.observe_decode_timeline(timeline)
+                    yield (json.dumps(item) + "\n").encode()
+            finally:
+                trace.end(DECODE_SPANS, error=None if finished else "the caller went away")
+                client.close_stream(gen.req_id)
+                state.inflight -= 1
+                if prefill_task is not None and not prefill_task.done():
+                    prefill_task.cancel()
+                if not finished:  # the caller went away: free the request's pages now
+                    client.cast({"op": "abort", "req_id": gen.req_id})
+
+        return StreamingResponse(stream(), media_type="application/x-ndjson")
+
+    @app.post("/internal/abort")
+    async def abort(request: Request) -> Response:
+        ab: AbortRequest = await read_message(request, AbortRequest)
+        assert state.client is not None
+        state.client.cast({"op": "abort", "req_id": ab.req_id})
+        return Response(status_code=204)
+
+
+def count_decode_events(state: WorkerState) -> None:
+    """The decode role's engine events that only move metrics."""
+    state.event_handlers["kv_forced_release"] = lambda m: state.metrics.kv_forced_releases.inc(m["requests"])

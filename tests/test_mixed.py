@@ -1,0 +1,205 @@
+"""Mixed workers (`kvferry mixed`: decode, prefill locally, prefill for peers) on CPU, over real NIXL, a real
+redis-server and the packaged SmolLM2: every placement gives the answer a local prefill gives, pages come
+back on every side, and an adaptive router moves requests between placements as load moves."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from common.config import RouterConfig
+from common.devcluster.cluster import LocalCluster, start_local_cluster
+from router.discovery import StaticDiscovery
+from router.server_thread import ServerThread
+from router.settings import RouterOptions
+from router.tokenizer import ModelInfo, RouterTokenizer
+from tests.workers import generate, generate_body, run_concurrently, wait_pages_back
+
+MODEL = "smollm2-135m-instruct"
+CHUNK = 64
+ENV = {
+    "KVFERRY_NUM_PAGES": "512",
+    "KVFERRY_MAX_RUNNING": "16",
+    "KVFERRY_MAX_PREFILL_TOKENS": str(CHUNK),
+    "KVFERRY_DEBUG_CHECKSUMS": "1",
+    "KVFERRY_LOG_LEVEL": "WARNING",
+}
+
+
+@dataclass(frozen=True)
+class Worker:
+    """A worker of the cluster as tests/workers.py's helpers see one (its URL and its /load)."""
+
+    url: str
+
+    def load(self) -> dict:
+        return httpx.get(f"{self.url}/load", timeout=5).json()
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    c = start_local_cluster(prefill=1, decode=1, mixed=2, env=ENV, ready_timeout_s=300)
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(cluster: LocalCluster) -> tuple[Worker, Worker, Worker, Worker]:
+    """(mixed A, mixed B, prefill P, decode D)."""
+    a, b = (Worker(u) for u in cluster.mixed_urls)
+    return a, b, Worker(cluster.prefill_urls[0]), Worker(cluster.decode_urls[0])
+
+
+def _prompts(tok) -> list[list[int]]:
+    texts = [
+        "The capital of France is",
+        "Write a short story about a robot who learns to paint. " * 14,  # several chunks
+        "def quicksort(arr):\n    " * 12,
+    ]
+    ids = [tok.encode(t) for t in texts]
+    assert max(len(x) for x in ids) > 2 * CHUNK
+    return ids
+
+
+def test_mixed_workers_report_their_role_and_the_router_serves_through_them(cluster: LocalCluster) -> None:
+    for url in cluster.mixed_urls:
+        assert httpx.get(f"{url}/load", timeout=5).json()["role"] == "mixed"
+    ready = httpx.get(f"{cluster.router_url}/ready", timeout=5).json()
+    assert ready["workers"] == {"prefill": 1, "decode": 1, "mixed": 2}
+    r = httpx.post(
+        f"{cluster.router_url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    assert "Paris" in r.json()["choices"][0]["message"]["content"]
+    view = httpx.get(f"{cluster.router_url}/router/workers", timeout=5).json()
+    assert view["placement"]["mode"] == "adaptive"  # `kvferry up --mixed` places adaptively
+
+
+def test_every_placement_gives_the_local_answer(fleet, smol_tokenizer) -> None:
+    """Local on a mixed pod; mixed -> mixed both ways; mixed -> decode pod; prefill pod -> mixed. All at once,
+    so each mixed engine decodes its own requests while it prefills for its peers."""
+    a, b, p, d = fleet
+    prompts = _prompts(smol_tokenizer)
+    local = [generate(a, ids, None)[0] for ids in prompts]
+    placements = [(a, b), (b, a), (d, a), (a, p), (b, None)]
+    jobs = [(dec, ids, pre) for dec, pre in placements for ids in prompts]
+    results = run_concurrently(generate, jobs)
+    for (dec, ids, pre), (tokens, events) in zip(jobs, results, strict=True):
+        assert tokens == local[prompts.index(ids)], (dec.url, pre.url if pre else None)
+        assert events[-1]["finish_reason"] == "length"
+        if pre is not None:
+            assert events[0]["kv_verified"] is True  # page checksums matched on both sides
+    sent = httpx.get(f"{a.url}/internal/stats", timeout=5).json()["transfer"]
+    assert sent["transfers"] >= 2 * len(prompts) and sent["writes_in_flight"] == 0
+    wait_pages_back(a, b, p, d)
+
+
+def test_abort_while_a_mixed_worker_prefills_for_a_peer_returns_pages(fleet, smol_tokenizer) -> None:
+    a, b, _, _ = fleet
+    ids = smol_tokenizer.encode("An extremely long document about rivers and mountains. " * 120)
+    body = generate_body(ids, a.url, max_tokens=64)
+    with httpx.stream("POST", f"{b.url}/internal/generate", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        deadline = time.monotonic() + 10
+        while a.load()["running_requests"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert a.load()["running_requests"] == 1  # A prefills B's request
+    wait_pages_back(a, b)  # closing the stream gave the request up on both sides
+
+
+# ---- adaptive placement over a prefill pod and a mixed pod ------------------------------------------------
+def _side_router(cluster: LocalCluster, smol_path, prefill: str, mixed: str, **opts: object) -> ServerThread:
+    from router.app import create_app
+
+    app = create_app(
+        RouterConfig(model=MODEL, redis_url=cluster.redis_url),
+        RouterOptions(**opts),  # type: ignore[arg-type]
+        tokenizer=RouterTokenizer.from_dir(smol_path),
+        model_info=ModelInfo.from_dir(MODEL, smol_path),
+        discovery=StaticDiscovery([prefill], [], [mixed]),
+    )
+    s = ServerThread(app).start()
+    deadline = time.monotonic() + 20
+    while not all(w["up"] for w in httpx.get(f"{s.url}/router/workers").json()["workers"]):
+        assert time.monotonic() < deadline, "side router never saw the workers up"
+        time.sleep(0.05)
+    return s
+
+
+def _rates_known(router_url: str) -> bool:
+    rates = httpx.get(f"{router_url}/router/workers").json()["placement"]["workers"]
+    return all(r["prefill_tokens_per_s"] > 0 for r in rates.values())
+
+
+def test_adaptive_router_moves_requests_between_placements_as_load_moves(
+    cluster: LocalCluster, fleet, smol_tokenizer, smol_path
+) -> None:
+    """Idle, the mixed pod prefills a request itself (no transfer, no second pod); while it decodes a batch, a
+    local prefill would cost that batch more than the ITL target, so the request goes to the prefill pod. The
+    SLOs are set so the choice is certain on any CPU: a tiny ITL target and a transfer assumed slow (a
+    disaggregated TTFT always misses, which weighs less than an ITL miss)."""
+    a, _, p, _ = fleet
+    router = _side_router(
+        cluster,
+        smol_path,
+        p.url,
+        a.url,
+        placement="adaptive",
+        slo_itl_s=0.001,
+        transfer_tokens_per_s=1.0,
+        poll_interval_s=0.05,
+    )
+    try:
+        warm = [
+            smol_tokenizer.encode(f"Topic {i}: " + "a long warm-up prompt about many things. " * 40) for i in range(3)
+        ]
+        deadline = time.monotonic() + 90
+        while not _rates_known(router.url):
+            assert time.monotonic() < deadline, httpx.get(f"{router.url}/router/workers").json()["placement"]
+            run_concurrently(
+                lambda ids, pre: generate(a, ids, pre, max_tokens=1), [(x, y) for x in warm for y in (None, p)]
+            )
+
+        prompt = "Explain briefly why the sky is blue. " * 8
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+
+        def decisions() -> dict[str, int]:
+            return httpx.get(f"{router.url}/router/workers").json()["decisions"]
+
+        def ask() -> tuple[str, str]:
+            before = decisions()
+            r = httpx.post(f"{router.url}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            moved = [k for k, v in decisions().items() if v != before.get(k, 0)]
+            assert len(moved) == 1, moved
+            return moved[0], r.json()["choices"][0]["text"]
+
+        wait_pages_back(a, p)
+        idle_reason, idle_text = ask()
+
+        # A long decode on A, started directly, keeps A's batch busy while the router places the next request.
+        busy_ids = smol_tokenizer.encode("Count from one to one thousand: one, two, three,")
+        long_decode = threading.Thread(target=generate, args=(a, busy_ids, None, 400))
+        long_decode.start()
+        deadline = time.monotonic() + 30
+        while a.load()["running_requests"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(0.3)  # the router's next polls see A decoding
+        busy_reason, busy_text = ask()
+        long_decode.join(300)
+    finally:
+        router.stop()
+    assert idle_reason == "adaptive-local", idle_reason
+    assert busy_reason.startswith("adaptive-disaggregated"), busy_reason
+    assert busy_text == idle_text  # greedy: the placement changes nothing the client sees
+    wait_pages_back(a, p)
