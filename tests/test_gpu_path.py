@@ -376,3 +376,27 @@ def test_overlap_with_graphs_matches_sync_on_gpu(tiny_dirs, kind):
     expected = _generate(_engine(runner, None), prompts, params)
     assert _generate(_engine(runner, True), prompts, params) == expected
     assert _generate(_engine(runner, False), prompts, params) == expected
+
+
+@needs_cuda
+@gpu
+def test_prefill_timer_is_complete_when_its_step_is(tiny_dirs, monkeypatch):
+    """The prefill speed comes from CUDA events read when the step is processed: the timer's end event must
+    precede the step's done event in the stream, or reading it races the device (recorded after it, the
+    read failed a mixed worker's engine step under load: "Both events must be completed")."""
+    from common.sched.launched import Launched
+
+    runner = _runner(tiny_dirs["llama"], "cuda", "bfloat16")
+    engine = _engine(runner, True)
+    complete: list[bool] = []
+    wait = Launched.wait
+
+    def checked_wait(self: Launched) -> None:
+        wait(self)
+        if self.timer is not None and isinstance(self.timer.end, torch.cuda.Event):
+            complete.append(self.timer.end.query())
+
+    monkeypatch.setattr(Launched, "wait", checked_wait)
+    _generate(engine, _prompts(7, seed=3, lo=100, hi=200), _mixed_params(7, [8, 12]))
+    assert complete and all(complete), complete
+    assert engine.scheduler.prefill_speed.tokens_per_s > 0

@@ -302,6 +302,10 @@ class Scheduler:
         fb = self.runner.build_batch(token_chunks, starts, rows, done, is_decode=False)
         timer = StepTimer.start(self.device)
         logits = self.runner.forward(fb)
+        # Stopped before sampling records the step's done event: processing the step (once done) then finds
+        # both timing events complete. Stopped after, the end event could still be pending on the device
+        # ("Both events must be completed"), which failed a mixed worker's engine step under load.
+        timer.stop()
         for r, s, n, d in zip(batch, starts, chunks, done):
             r.cached_len = s + n
             r.check()
@@ -311,7 +315,7 @@ class Scheduler:
         finishing = [r for r, d in zip(batch, done) if d]
         launched = self._sample("prefill", finishing, logits)
         launched.chunks = [(r, s, s + n) for r, s, n in zip(batch, starts, chunks)]
-        launched.timer = timer.stop()
+        launched.timer = timer
         for r in finishing:
             if not r.prefill_only:
                 # Joins the running batch now: the next decode step reads its first token on the device.
