@@ -64,6 +64,13 @@ def percentile(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
+def _quantile(run: dict[str, Any], q: float, skip: int) -> float:
+    """TTFT quantile over the requests after the first `skip` (the workload's first round: every document's
+    first question, cold in any cache)."""
+    xs = sorted(run["ttft_s"][skip:])
+    return xs[int(q * (len(xs) - 1))] if xs else float("nan")
+
+
 def drive(engine: Engine, prompts: list[list[int]], concurrency: int, max_tokens: int) -> dict[str, Any]:
     """Closed loop over the scheduler: `concurrency` requests in flight, TTFT per request."""
     sched = engine.scheduler
@@ -178,10 +185,15 @@ def main() -> None:
         "ttft_p50_off_over_on": round(off["ttft_p50_s"] / on["ttft_p50_s"], 2),
         "ttft_p90_off_over_on": round(off["ttft_p90_s"] / on["ttft_p90_s"], 2),
         "wall_off_over_on": round(off["wall_s"] / on["wall_s"], 2),
+        # The first question of each document is cold in both runs (1 / --questions of all requests, 20% at
+        # 5): it bounds the overall p90. The repeat questions are what a tier can serve.
+        "repeat_ttft_p50_off_over_on": round(_quantile(off, 0.5, args.docs) / _quantile(on, 0.5, args.docs), 2),
+        "repeat_ttft_p90_off_over_on": round(_quantile(off, 0.9, args.docs) / _quantile(on, 0.9, args.docs), 2),
     }
     print(
         f"prefill tokens on/off {ratios['prefill_tokens_on_over_off']} (target <= 0.3), TTFT p50 off/on "
-        f"{ratios['ttft_p50_off_over_on']}x, p90 off/on {ratios['ttft_p90_off_over_on']}x (target >= 3x); "
+        f"{ratios['ttft_p50_off_over_on']}x, p90 off/on {ratios['ttft_p90_off_over_on']}x (target >= 3x); repeat "
+        f"questions only: p50 {ratios['repeat_ttft_p50_off_over_on']}x, p90 {ratios['repeat_ttft_p90_off_over_on']}x; "
         f"outputs identical {same}/{len(prompts)}"
     )
     for r in runs.values():

@@ -80,6 +80,7 @@ class WorkerConfig:
                 max_prefill_tokens=int(_env("KVFERRY_MAX_PREFILL_TOKENS", "2048")),
                 itl_target_ms=float(_env("KVFERRY_ITL_TARGET_MS", "0")),
                 host_kv_gb=_host_kv_gb(_env("KVFERRY_HOST_KV_GB", "auto")),
+                overlap=_env("KVFERRY_OVERLAP", "auto"),
             ),
         )
 

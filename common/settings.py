@@ -46,3 +46,6 @@ class SchedulerConfig:
     # GiB of host memory behind the prefix cache (common/kv/host_tier.py); 0: none; negative: chosen at start
     # (a GPU worker: 30% of the host memory it may use; the CPU: none).
     host_kv_gb: float = -1.0
+    # auto: overlap on a GPU at TP=1, off otherwise (common/sched/scheduler.py); on | off force it (on runs the
+    # GPU loop's shape on the CPU, for tests).
+    overlap: str = "auto"

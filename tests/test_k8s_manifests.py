@@ -905,16 +905,22 @@ def test_dockerfiles_pin_their_inputs():
 # --------------------------------------------------------------------------- the real apps
 
 
-@pytest.mark.parametrize("module", ["prefill_worker.app", "decode_worker.app"])
-def test_probe_paths_exist_in_the_worker_apps(module):
+@pytest.mark.parametrize(
+    ("module", "role", "target"),
+    [
+        ("prefill_worker.app", "prefill", "base"),
+        ("decode_worker.app", "decode", "base"),
+        ("decode_worker.mixed", "mixed", "mixed"),
+    ],
+)
+def test_probe_paths_exist_in_the_worker_apps(module, role, target):
     """The probe paths the manifests use are answered by the real worker apps (their probe front answers
     from the control plane's state, before any route: here, with no engine started, alive and not ready)."""
     from fastapi.testclient import TestClient
 
     create_app = importlib.import_module(module).create_app
     client = TestClient(create_app())  # no lifespan: the engine is not started
-    role = module.split("_")[0]
-    cont = container(role_deployments(list(_render("base")))[role])
+    cont = container(role_deployments(list(_render(target)))[role])
     probed = {cont[kind]["httpGet"]["path"] for kind in ("startupProbe", "livenessProbe", "readinessProbe")}
     assert probed == {"/health", "/ready"}
     assert client.get("/health").status_code == 200

@@ -18,7 +18,7 @@ from router.discovery import StaticDiscovery
 from router.server_thread import ServerThread
 from router.settings import RouterOptions
 from router.tokenizer import ModelInfo, RouterTokenizer
-from tests.workers import generate, generate_body, run_concurrently, wait_pages_back
+from tests.workers import generate, generate_body, run_concurrently, start_router_thread, wait_pages_back
 
 MODEL = "smollm2-135m-instruct"
 CHUNK = 64
@@ -28,6 +28,12 @@ ENV = {
     "KVFERRY_MAX_PREFILL_TOKENS": str(CHUNK),
     "KVFERRY_DEBUG_CHECKSUMS": "1",
     "KVFERRY_LOG_LEVEL": "WARNING",
+    # The GPU loop's shape (step N+1 launched before step N is processed) on the CPU: a peer's prefill and the
+    # engine's own decode batch then interleave as they do on a GPU. Greedy outputs equal the overlap-off
+    # engine's (tests/test_scheduler.py), so the comparisons below hold either way.
+    "KVFERRY_OVERLAP": "on",
+    # The ITL cap on: peer prefills are chunked beside this engine's own decoding, as on a GPU under load.
+    "KVFERRY_ITL_TARGET_MS": "5",
 }
 
 
@@ -127,12 +133,7 @@ def _side_router(cluster: LocalCluster, smol_path, prefill: str, mixed: str, **o
         model_info=ModelInfo.from_dir(MODEL, smol_path),
         discovery=StaticDiscovery([prefill], [], [mixed]),
     )
-    s = ServerThread(app).start()
-    deadline = time.monotonic() + 20
-    while not all(w["up"] for w in httpx.get(f"{s.url}/router/workers").json()["workers"]):
-        assert time.monotonic() < deadline, "side router never saw the workers up"
-        time.sleep(0.05)
-    return s
+    return start_router_thread(app)
 
 
 def _rates_known(router_url: str) -> bool:

@@ -24,6 +24,7 @@ from router.discovery import StaticDiscovery
 from router.server_thread import ServerThread
 from router.settings import RouterOptions
 from router.tokenizer import ModelInfo, RouterTokenizer
+from tests.workers import start_router_thread
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(
@@ -362,12 +363,7 @@ def _side_router(cluster: LocalCluster, tok: RouterTokenizer, smol_path, **opts:
         model_info=ModelInfo.from_dir(MODEL, smol_path),
         discovery=StaticDiscovery(cluster.prefill_urls, cluster.decode_urls),
     )
-    s = ServerThread(app).start()
-    deadline = time.monotonic() + 20
-    while not all(w["up"] for w in httpx.get(f"{s.url}/router/workers").json()["workers"]):
-        assert time.monotonic() < deadline, "side router never saw the workers up"
-        time.sleep(0.05)
-    return s
+    return start_router_thread(app)
 
 
 async def _burst(url: str, n: int, max_tokens: int) -> list[tuple[int, str | None, str]]:

@@ -128,3 +128,16 @@ def run_concurrently(fn, args_list):
     for t in threads:
         t.join()
     return results
+
+
+def start_router_thread(app, timeout: float = 20.0):
+    """Serves a router app in this process (router/server_thread.py) and returns it once its pool sees every
+    worker up."""
+    from router.server_thread import ServerThread
+
+    s = ServerThread(app).start()
+    deadline = time.monotonic() + timeout
+    while not all(w["up"] for w in httpx.get(f"{s.url}/router/workers").json()["workers"]):
+        assert time.monotonic() < deadline, "the router never saw the workers up"
+        time.sleep(0.05)
+    return s

@@ -85,6 +85,10 @@ class Scheduler:
         if cfg.max_prefill_tokens < self.page_size:
             # Chunks end on page boundaries: a smaller budget could never admit a prompt longer than it.
             raise ValueError(f"max_prefill_tokens ({cfg.max_prefill_tokens}) must be >= page_size ({self.page_size})")
+        if overlap is None and cfg.overlap != "auto":
+            if cfg.overlap not in ("on", "off"):
+                raise ValueError(f"overlap must be auto, on or off, not {cfg.overlap!r}")
+            overlap = cfg.overlap == "on"
         if overlap is None:
             overlap = runner.device.type == "cuda" and runner.tp.size == 1
         if overlap and runner.tp.size > 1:
