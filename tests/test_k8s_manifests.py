@@ -117,11 +117,12 @@ def contract() -> dict:
             ("router", "router"),
             ("prefill", "prefill worker"),
             ("decode", "decode worker"),
+            ("mixed", "mixed worker"),
         )
     }
-    ports["mixed"] = MIXED_PORT
+    assert ports["mixed"] == MIXED_PORT
     selector = re.search(r"selects `([^`]+=prefill)`", ports_labels)
-    assert selector and "(and `=decode`)" in ports_labels, "could not parse the discovery selector"
+    assert selector and "(and `=decode`, `=mixed`)" in ports_labels, "could not parse the discovery selector"
     # the router finds mixed pods the same way, by their component label
     discovery = {
         role: selector.group(1).removesuffix("=prefill") + f"={role}" for role in ("prefill", "decode", "mixed")

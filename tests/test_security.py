@@ -148,6 +148,9 @@ def test_secret_never_logged_nor_in_process_arguments(cluster: LocalCluster) -> 
 
 
 # ---- Kubernetes: what is exposed ------------------------------------------------------------------
+WORKER_PORTS = {"prefill": 8100, "decode": 8200, "mixed": 8300}  # docs/architecture.md "Ports, labels"
+
+
 @pytest.fixture(params=sorted(TARGETS))
 def objs(request) -> list[dict]:
     return list(_render(request.param))
@@ -156,7 +159,9 @@ def objs(request) -> list[dict]:
 def test_router_service_exposes_only_the_router_port(objs: list[dict]) -> None:
     roles = role_deployments(objs)
     router_cont = container(roles["router"])
-    internal_ports = {resolve_port("http", container(roles[r])) for r in ("prefill", "decode")}
+    workers = [r for r in WORKER_PORTS if r in roles]
+    assert workers, "no worker role rendered"
+    internal_ports = {resolve_port("http", container(roles[r])) for r in workers}
     for svc in of_kind(objs, "Service"):
         spec = svc["spec"]
         name = svc["metadata"]["name"]
@@ -169,7 +174,7 @@ def test_router_service_exposes_only_the_router_port(objs: list[dict]) -> None:
             assert targets == {8000}, f"{name} forwards to {targets}: only the router's OpenAI port may be exposed"
             assert not (targets & internal_ports)
     # Workers are only ever addressed pod to pod (headless); no Ingress or Route points at them.
-    for role in ("prefill", "decode"):
+    for role in workers:
         assert one(objs, "Service", f"kvferry-{role}")["spec"].get("clusterIP") == "None"
     for ing in of_kind(objs, "Ingress"):
         for rule in ing["spec"].get("rules", []):
@@ -186,7 +191,8 @@ def test_network_policy_keeps_internal_ports_to_kvferry_pods(objs: list[dict]) -
     def pod(name: str, ns: str = NAMESPACE) -> dict:
         return {"labels": pod_labels(one(objs, "Deployment", name)), "ns": ns}
 
-    router, prefill, decode, redis = (pod(f"kvferry-{n}") for n in ("router", "prefill", "decode", "redis"))
+    router, redis = pod("kvferry-router"), pod("kvferry-redis")
+    workers = {r: pod(f"kvferry-{r}") for r in WORKER_PORTS if r in role_deployments(objs)}
     outsiders = [
         {"labels": {"app": "debug-shell"}, "ns": NAMESPACE},  # any other pod of the namespace
         {"labels": {"app.kubernetes.io/name": "kvferry"}, "ns": NAMESPACE},  # a kvferry label, no component
@@ -195,13 +201,18 @@ def test_network_policy_keeps_internal_ports_to_kvferry_pods(objs: list[dict]) -
         {"labels": {}, "ns": None, "ip": "10.0.0.5"},  # a node / in-cluster address
     ]
     # The workers' HTTP ports carry /internal/*: the router and the workers only.
-    for dst, port in (("kvferry-prefill", 8100), ("kvferry-decode", 8200)):
+    for role in workers:
+        dst, port = f"kvferry-{role}", WORKER_PORTS[role]
         assert ingress_allowed(objs, router, dst, port), (dst, port)
         for src in outsiders + [redis]:
             assert not ingress_allowed(objs, src, dst, port), (src, dst, port)
-    assert ingress_allowed(objs, decode, "kvferry-prefill", 8100)  # handshake + prefill jobs
+    # Handshakes and prefill jobs: every pod that decodes reaches every pod that prefills for peers.
+    for src in ("decode", "mixed"):
+        for dst in ("prefill", "mixed"):
+            if src in workers and dst in workers:
+                assert ingress_allowed(objs, workers[src], f"kvferry-{dst}", WORKER_PORTS[dst]), (src, dst)
     # Redis: only kvferry's own pods.
-    for src in (router, prefill, decode):
+    for src in (router, *workers.values()):
         assert ingress_allowed(objs, src, "kvferry-redis", 6379)
     for src in outsiders:
         assert not ingress_allowed(objs, src, "kvferry-redis", 6379), src
