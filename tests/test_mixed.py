@@ -4,6 +4,7 @@ back on every side, and an adaptive router moves requests between placements as 
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -124,14 +125,21 @@ def test_abort_while_a_mixed_worker_prefills_for_a_peer_returns_pages(fleet, smo
 
 # ---- adaptive placement over a prefill pod and a mixed pod ------------------------------------------------
 def _side_router(cluster: LocalCluster, smol_path, prefill: str, mixed: str, **opts: object) -> ServerThread:
+    return _side_router_over(cluster, smol_path, [mixed], [prefill], **opts)
+
+
+def _side_router_over(
+    cluster: LocalCluster, smol_path, mixed: list[str], prefill: list[str] = (), **opts: object
+) -> ServerThread:
+    """A router in this process over some of the cluster's workers, with its own options."""
     from router.app import create_app
 
     app = create_app(
         RouterConfig(model=MODEL, redis_url=cluster.redis_url),
-        RouterOptions(**opts),  # type: ignore[arg-type]
+        RouterOptions(**{"placement": "adaptive", **opts}),  # type: ignore[arg-type]
         tokenizer=RouterTokenizer.from_dir(smol_path),
         model_info=ModelInfo.from_dir(MODEL, smol_path),
-        discovery=StaticDiscovery([prefill], [], [mixed]),
+        discovery=StaticDiscovery(list(prefill), [], mixed),
     )
     return start_router_thread(app)
 
@@ -204,3 +212,51 @@ def test_adaptive_router_moves_requests_between_placements_as_load_moves(
     assert busy_reason.startswith("adaptive-disaggregated"), busy_reason
     assert busy_text == idle_text  # greedy: the placement changes nothing the client sees
     wait_pages_back(a, p)
+
+
+# ---- last in the module: it kills a worker of the shared cluster -----------------------------------------
+def _stream_text(url: str, body: dict, started: threading.Event | None = None) -> tuple[str, str | None]:
+    """Streams a completion; (text, finish reason). `started` is set at the first text."""
+    text, finish = "", None
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=180) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            text += choice.get("text") or ""
+            finish = choice.get("finish_reason") or finish
+            if text and started is not None:
+                started.set()
+    return text, finish
+
+
+def test_stream_survives_its_mixed_decode_worker_dying(cluster: LocalCluster, fleet, smol_path) -> None:
+    """kill -9 of the mixed worker decoding a stream: the router moves the stream to the other mixed worker,
+    and the client reads exactly the text of a fault-free run."""
+    a, b, _, _ = fleet
+    router = _side_router_over(cluster, smol_path, [a.url, b.url])
+    try:
+        body = {
+            "model": MODEL,
+            "prompt": "Tell a long story about a lighthouse keeper.",
+            "max_tokens": 160,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        reference = _stream_text(router.url, body)
+        started = threading.Event()
+        out: dict[str, tuple[str, str | None]] = {}
+        t = threading.Thread(target=lambda: out.update(run=_stream_text(router.url, body, started)))
+        t.start()
+        assert started.wait(60)
+        victim_url = max((a.url, b.url), key=lambda u: Worker(u).load()["running_requests"])
+        assert Worker(victim_url).load()["running_requests"] > 0, "the stream ended before the kill"
+        next(p for p in cluster.workers if p.url == victim_url).kill_group()
+        t.join(90)
+        assert not t.is_alive(), "the stream hung after its decode worker died"
+        migrations = httpx.get(f"{router.url}/router/workers").json()["migrations"]
+    finally:
+        router.stop()
+    assert out["run"] == reference, (out["run"], reference)
+    assert migrations["succeeded"] >= 1 and migrations["failed"] == 0, migrations
