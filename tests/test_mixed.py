@@ -178,6 +178,13 @@ def test_adaptive_router_moves_requests_between_placements_as_load_moves(
                 lambda ids, pre: generate(a, ids, pre, max_tokens=1), [(x, y) for x in warm for y in (None, p)]
             )
 
+        # What the placement model reads is visible: in the router's view and in the worker's own metrics.
+        seen = httpx.get(f"{router.url}/router/workers").json()["placement"]["workers"][a.url]
+        assert seen["prefill_step_tokens_per_s"] > 0 and seen["prefill_chunk_tokens"] > 0, seen
+        metrics = httpx.get(f"{a.url}/metrics").text
+        speed = next(ln for ln in metrics.splitlines() if ln.startswith("kvferry_prefill_step_tokens_per_second "))
+        assert float(speed.split()[1]) > 0, speed
+
         prompt = "Explain briefly why the sky is blue. " * 8
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0}
 

@@ -66,6 +66,21 @@ class WorkerMetrics:
         self.free = Gauge("kvferry_kv_pages_free", "KV pages free or reclaimable", registry=r)
         self.total = Gauge("kvferry_kv_pages_total", "KV pages in the pool", registry=r)
         self.usage = Gauge("kvferry_kv_usage_ratio", "Share of KV pages in use", registry=r)
+        # What the router's placement model reads (router/cost_model.py), as the worker publishes it in /load.
+        self.prefill_rate = Gauge(
+            "kvferry_prefill_tokens_per_second",
+            "Prompt tokens prefilled per second while prompts were queued",
+            registry=r,
+        )
+        self.prefill_step_speed = Gauge(
+            "kvferry_prefill_step_tokens_per_second",
+            "Device-timed prefill speed (what a chunk adds to a step)",
+            registry=r,
+        )
+        self.decode_step = Gauge("kvferry_decode_step_seconds_recent", "Recent decode step time, smoothed", registry=r)
+        self.prefill_chunk = Gauge(
+            "kvferry_prefill_chunk_tokens", "Prompt tokens one prefill step takes beside decoding requests", registry=r
+        )
         self.host_cached = Gauge(
             "kvferry_host_kv_pages_cached", "Host KV tier: pages holding cached prefixes", registry=r
         )
@@ -103,6 +118,10 @@ class WorkerMetrics:
         self.free.set(load.free_pages)
         self.total.set(load.total_pages)
         self.usage.set(1.0 - load.free_pages / max(1, load.total_pages))
+        self.prefill_rate.set(load.prefill_tokens_per_s)
+        self.prefill_step_speed.set(load.prefill_step_tokens_per_s)
+        self.decode_step.set(load.decode_step_s)
+        self.prefill_chunk.set(load.prefill_chunk_tokens)
         self.host_cached.set(load.host_pages_cached)
         self.host_total.set(load.host_pages_total)
         for direction, now in (("saved", load.host_pages_saved), ("loaded", load.host_pages_loaded)):
