@@ -12,7 +12,7 @@ from fastapi import FastAPI
 
 from common.config import WorkerConfig, worker_arg_parser
 from common.serving.control import WorkerState, create_worker_app, serve_worker
-from common.serving.decode_routes import add_decode_routes, count_decode_events
+from common.serving.decode_routes import add_decode_routes
 from common.serving.engine_host import engine_main
 from common.serving.mixed_host import MixedHost
 from common.serving.prefill_routes import add_prefill_routes
@@ -20,14 +20,12 @@ from common.serving.prefill_routes import add_prefill_routes
 
 def create_app(cfg: WorkerConfig | None = None) -> FastAPI:
     cfg = cfg or WorkerConfig.from_env("mixed")
-    state = WorkerState(cfg, engine_main, MixedHost)
-    count_decode_events(state)
 
     def add_routes(app: FastAPI, state: WorkerState) -> None:
         add_decode_routes(app, state)
         add_prefill_routes(app, state, abort_route=False)
 
-    return create_worker_app(state, add_routes)
+    return create_worker_app(WorkerState(cfg, engine_main, MixedHost), add_routes)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,7 +56,6 @@ __all__ = [
     "PrefillSide",
     "SloTargets",
     "choose_placement",
-    "disagg_itl_cost_s",
     "disagg_ttft_s",
     "itl_cost_s",
     "local_itl_cost_s",
@@ -132,11 +131,6 @@ def local_itl_cost_s(d: LocalSide) -> float:
     return itl_cost_s(d)
 
 
-def disagg_itl_cost_s(p: PrefillSide) -> float:
-    """Zero on a prefill pod; on a mixed pod the same cost as a local prefill there, borne by its own batch."""
-    return itl_cost_s(p)
-
-
 def with_fleet_prior(d: LocalSide, prefill: Sequence[PrefillSide]) -> LocalSide:
     """D's rates, or where D has measured none the median of the prefill pods' (same model, same kind of
     device): a decode pod that the fixed rules always disaggregate never prefills, so it would never measure."""
@@ -169,7 +163,10 @@ def placements(d: LocalSide, prefill: Sequence[PrefillSide], prompt_len: int, sl
         return []
     out = [_placement(None, local_ttft_s(d), local_itl_cost_s(d), slo)]
     out += [
-        _placement(p.key, disagg_ttft_s(p, prompt_len, slo), disagg_itl_cost_s(p), slo) for p in prefill if p.rate > 0
+        # Zero on a prefill pod (busy False); a mixed pod's own batch bears the same cost as a local prefill.
+        _placement(p.key, disagg_ttft_s(p, prompt_len, slo), itl_cost_s(p), slo)
+        for p in prefill
+        if p.rate > 0
     ]
     return out
 

@@ -281,15 +281,18 @@ class WorkerPool:
 
     # ---- queries ---------------------------------------------------------------------------------
     def ready(self, role: str, exclude: set[str] | frozenset[str] = frozenset()) -> list[Worker]:
-        return [w for w in self.workers.values() if w.role == role and w.up and w.url not in exclude]
+        return self._ready_in({role}, exclude)
 
     def decoders(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[Worker]:
         """Ready workers that decode: decode and mixed."""
-        return [w for w in self.workers.values() if w.role in DECODE_ROLES and w.up and w.url not in exclude]
+        return self._ready_in(DECODE_ROLES, exclude)
 
     def prefillers(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[Worker]:
         """Ready workers that prefill for a peer: prefill and mixed."""
-        return [w for w in self.workers.values() if w.role in PREFILL_ROLES and w.up and w.url not in exclude]
+        return self._ready_in(PREFILL_ROLES, exclude)
+
+    def _ready_in(self, roles: set[str] | frozenset[str], exclude: set[str] | frozenset[str]) -> list[Worker]:
+        return [w for w in self.workers.values() if w.role in roles and w.up and w.url not in exclude]
 
     def block_size(self) -> int:
         """KV page size of the fleet (= prefix-index block size); all workers of a model agree."""

@@ -9,7 +9,15 @@ import time
 import httpx
 import pytest
 
-from tests.workers import generate, generate_body, run_concurrently, start_worker, wait_pages_back, wait_ready
+from tests.workers import (
+    generate,
+    generate_body,
+    give_up_during_remote_prefill,
+    run_concurrently,
+    start_worker,
+    wait_pages_back,
+    wait_ready,
+)
 
 CHUNK = 64  # KVFERRY_MAX_PREFILL_TOKENS of the test workers (tests/workers.py)
 
@@ -64,14 +72,7 @@ def test_shared_prefix_prefills_only_suffix(workers, smol_tokenizer):
 def test_abort_mid_transfer_returns_pages(workers, smol_tokenizer):
     p, d = workers
     ids = smol_tokenizer.encode("An extremely long document about rivers and mountains. " * 120)
-    body = generate_body(ids, p.url, max_tokens=64)
-    with httpx.stream("POST", f"{d.url}/internal/generate", json=body, timeout=60) as r:
-        assert r.status_code == 200
-        deadline = time.monotonic() + 10
-        while p.load()["running_requests"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert p.load()["running_requests"] == 1  # prefill is under way
-    # Leaving the block closed the stream: both sides must free everything.
+    give_up_during_remote_prefill(d, p, ids)
     wait_pages_back(p, d)
 
 

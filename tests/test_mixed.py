@@ -19,7 +19,13 @@ from router.discovery import StaticDiscovery
 from router.server_thread import ServerThread
 from router.settings import RouterOptions
 from router.tokenizer import ModelInfo, RouterTokenizer
-from tests.workers import generate, generate_body, run_concurrently, start_router_thread, wait_pages_back
+from tests.workers import (
+    generate,
+    give_up_during_remote_prefill,
+    run_concurrently,
+    start_router_thread,
+    wait_pages_back,
+)
 
 MODEL = "smollm2-135m-instruct"
 CHUNK = 64
@@ -113,14 +119,8 @@ def test_every_placement_gives_the_local_answer(fleet, smol_tokenizer) -> None:
 def test_abort_while_a_mixed_worker_prefills_for_a_peer_returns_pages(fleet, smol_tokenizer) -> None:
     a, b, _, _ = fleet
     ids = smol_tokenizer.encode("An extremely long document about rivers and mountains. " * 120)
-    body = generate_body(ids, a.url, max_tokens=64)
-    with httpx.stream("POST", f"{b.url}/internal/generate", json=body, timeout=60) as r:
-        assert r.status_code == 200
-        deadline = time.monotonic() + 10
-        while a.load()["running_requests"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert a.load()["running_requests"] == 1  # A prefills B's request
-    wait_pages_back(a, b)  # closing the stream gave the request up on both sides
+    give_up_during_remote_prefill(b, a, ids)  # A prefills B's request
+    wait_pages_back(a, b)
 
 
 # ---- adaptive placement over a prefill pod and a mixed pod ------------------------------------------------

@@ -105,6 +105,18 @@ def generate(
     return tokens, events
 
 
+def give_up_during_remote_prefill(decode: WorkerProc, prefill: WorkerProc, ids: list[int]) -> None:
+    """Opens a generate stream on `decode` with `prefill` as its peer and closes it once the peer is prefilling
+    it (the caller gone mid-prefill): both sides must then give the request up and free its pages."""
+    body = generate_body(ids, prefill.url, max_tokens=64)
+    with httpx.stream("POST", f"{decode.url}/internal/generate", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        deadline = time.monotonic() + 10
+        while prefill.load()["running_requests"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert prefill.load()["running_requests"] == 1  # the prefill is under way
+
+
 def wait_pages_back(*workers: WorkerProc, timeout: float = 10) -> None:
     deadline = time.monotonic() + timeout
     while True:

@@ -282,15 +282,16 @@ class Scheduler:
             self.waiting.popleft()
         return adder
 
-    def prefill_token_budget(self) -> int:
+    def prefill_token_budget(self, decoding: bool | None = None) -> int:
         """The next prefill step's token budget: all of max_prefill_tokens, or less beside decoding requests
-        when an ITL target is set (common/sched/prefill_budget.py)."""
+        when an ITL target is set (common/sched/prefill_budget.py). `decoding` None: whether requests decode
+        now; True: the budget a step gets beside them (what the worker publishes)."""
         return prefill_token_budget(
             self.cfg.max_prefill_tokens,
             self.page_size,
             self.prefill_speed.tokens_per_s,
             self.cfg.itl_target_ms / 1000,
-            decoding=bool(self.running),
+            decoding=bool(self.running) if decoding is None else decoding,
         )
 
     def _can_decode(self, r: Req) -> bool:

@@ -233,6 +233,7 @@ def add_decode_routes(app: FastAPI, state: WorkerState) -> None:
     peers = PrefillPeers(state, http)
     watch = PeerWatch(state, peers)
     state.event_handlers["awaiting_peers"] = watch.update
+    state.event_handlers["kv_forced_release"] = lambda m: state.metrics.kv_forced_releases.inc(m["requests"])
     reservations: dict[str, asyncio.Future[list[int]]] = {}
 
     def on_reserved(msg: Message) -> None:
@@ -327,8 +328,3 @@ def add_decode_routes(app: FastAPI, state: WorkerState) -> None:
         assert state.client is not None
         state.client.cast({"op": "abort", "req_id": ab.req_id})
         return Response(status_code=204)
-
-
-def count_decode_events(state: WorkerState) -> None:
-    """The decode role's engine events that only move metrics."""
-    state.event_handlers["kv_forced_release"] = lambda m: state.metrics.kv_forced_releases.inc(m["requests"])

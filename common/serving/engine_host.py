@@ -24,7 +24,6 @@ from common.observability.timeline import Stamps
 from common.prefix.hashing import chained_block_hashes
 from common.prefix.publisher import PrefixIndexPublisher
 from common.protocol import LoadSnapshot, SamplingParams
-from common.sched.prefill_budget import prefill_token_budget
 from common.sched.request import Req, ReqState
 from common.sched.scheduler import DuplicateRequest, RequestRejected, Scheduler, StepEvent
 from common.serving import tp_follower
@@ -326,13 +325,7 @@ class EngineHost:
             pod=self.cfg.pod_name,
             queued_prefill_tokens=queued,
             prefill_tokens_per_s=round(rate, 1),
-            prefill_chunk_tokens=prefill_token_budget(
-                s.cfg.max_prefill_tokens,
-                self.page_size,
-                s.prefill_speed.tokens_per_s,
-                s.cfg.itl_target_ms / 1000,
-                decoding=True,
-            ),
+            prefill_chunk_tokens=s.prefill_token_budget(decoding=True),
             prefill_step_tokens_per_s=round(s.prefill_speed.tokens_per_s, 1),
             decode_step_s=round(self.decode_step_s, 5),
             running_requests=len(s.running) + len(s.awaiting_kv) + (1 if s.chunked else 0),
