@@ -9,6 +9,8 @@
 3. Prefill tokens/s for one 1k/4k/16k prompt vs its FLOP floor (linear + causal attention) / GEMM rate.
 4. Offline throughput: 256 requests, input and output lengths uniform in [100, 1024], for qwen3-0.6b and
    llama-3.1-8b, with and without CUDA graphs and overlap (the ablation).
+5. decode_unfused: the decode steps again with the Triton kernels off (flashinfer + cuBLAS only): the in-run
+   baseline of the fused RoPE + K/V write and the norm/SiLU-folded GEMVs.
 Where time goes: kernel time by category (torch profiler) for decode b=1 and b=256 and prefill 4k.
 Results are written to --out after each section, so a run cut short keeps what it measured.
 """
@@ -343,7 +345,13 @@ def offline_bench(runner: ModelRunner, name: str, quick: bool) -> None:
 
 # ---- main ----------------------------------------------------------------------------------------------
 def make_runner(
-    model: str, kv_gb: float, max_seq_len: int, max_running: int = 256, label: str = "", tc_min_batch: int = 1
+    model: str,
+    kv_gb: float,
+    max_seq_len: int,
+    max_running: int = 256,
+    label: str = "",
+    tc_min_batch: int = 1,
+    fused: bool = True,
 ) -> ModelRunner:
     start = time.perf_counter()
     runner = ModelRunner(
@@ -355,6 +363,7 @@ def make_runner(
             max_seq_len=max_seq_len,
             cuda_graph_max_bs=max_running,
             decode_tc_min_batch=tc_min_batch,
+            fused_kernels=fused,
         )
     )
     graphs = runner.gpu.graphs
@@ -366,6 +375,8 @@ def make_runner(
         kv_pages=runner.pool.num_pages,
         tensor_core_decode=runner.gpu.attn.tensor_cores,
         tensor_core_min_batch=runner.gpu.attn.tc_min_batch,
+        fused_kernels=runner.gpu.attn.rope_store is not None,
+        gemv_max_rows=runner.model.ops.gemv_max_rows,
     )
     log(f"{label}: ready in {time.perf_counter() - start:.1f} s ({RESULTS['setup'][label]})")
     return runner
@@ -378,7 +389,7 @@ def summary() -> None:
         lines.append(
             f"ceilings: copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 GEMM {c['gemm_flop_per_s'] / 1e12:.0f} TFLOP/s"
         )
-    for name in ("decode", "decode_cudacore"):
+    for name in ("decode", "decode_unfused", "decode_cudacore"):
         for r in RESULTS.get(name, []):
             if "skipped" in r:
                 lines.append(f"{name} {r['key']:>12}: skipped ({r['skipped']})")
@@ -406,7 +417,7 @@ def main() -> None:
     global OUT
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--sections", default="ceilings,decode,prefill,offline,decode_cudacore")
+    ap.add_argument("--sections", default="ceilings,decode,prefill,offline,decode_unfused,decode_cudacore")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     OUT = args.out
@@ -425,6 +436,15 @@ def main() -> None:
                 prefill_bench(runner, args.quick)
             if "offline" in sections:
                 offline_bench(runner, "llama-3.1-8b", args.quick)
+            del runner
+            gc.collect()
+            torch.cuda.empty_cache()
+        if "decode_unfused" in sections:
+            # The in-run baseline of the Triton kernels: flashinfer's RoPE/norm/SiLU kernels and cuBLAS only.
+            runner = make_runner(
+                "llama-3.1-8b", kv_gb=60.0, max_seq_len=16384 + 64, label="llama-3.1-8b/unfused", fused=False
+            )
+            decode_bench(runner, args.quick, batches=(1, 8, 32, 256), key_name="decode_unfused")
             del runner
             gc.collect()
             torch.cuda.empty_cache()

@@ -75,6 +75,8 @@ class WorkerConfig:
                 tp_size=int(_env("KVFERRY_TP_SIZE", "1")),
                 tp_transfer=_env("KVFERRY_TP_TRANSFER", "auto"),
                 decode_tc_min_batch=int(_env("KVFERRY_DECODE_TC_MIN_BS", "1")),
+                fused_kernels=_env("KVFERRY_FUSED_KERNELS", "1") not in ("0", "off", "false"),
+                gemv_max_rows=int(_env("KVFERRY_GEMV_MAX_ROWS", "8")),
             ),
             sched=SchedulerConfig(
                 max_prefill_tokens=int(_env("KVFERRY_MAX_PREFILL_TOKENS", "2048")),

@@ -257,12 +257,17 @@ def test_paged_attention_layouts_match_dense_reference(starts, extends, layout):
         seq_lens_cpu=seqs,
         extend_lens_cpu=extends,
     )
-    attn = TorchPagedAttention(pool, runner_table, hq, d)
+    from common.engine.layers import RotaryCache
+
+    # Identity RoPE (cos 1, sin 0): this test is about the paged layouts; RoPE has its own tests.
+    n_pos = max(seqs) + 1
+    identity = RotaryCache(cos=torch.ones(n_pos, d // 2), sin=torch.zeros(n_pos, d // 2))
+    attn = TorchPagedAttention(pool, runner_table, hq, d, identity)
     attn.prefill_layout = layout
     attn.plan(batch)
     if layout != "auto" and max(extends) > 1:
         assert (attn._segments is not None) == (layout == "segments")
-    out = attn.forward(0, q, k, v)
+    out = attn.forward(0, positions, q, k, v)
 
     group = hq // hkv
     for i, (s, n) in enumerate(zip(starts, extends)):

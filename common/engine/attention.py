@@ -1,7 +1,7 @@
 """Attention backends: plan once per step, run per layer.
 
-A backend owns the KV write (store this step's K/V into the pool at `out_loc`) and the attention over
-each request's cached + new tokens. The torch backend below serves the CPU; the flashinfer backend
+A backend owns RoPE, the KV write (store this step's rotated K and V into the pool at `out_loc`) and the
+attention over each request's cached + new tokens. The torch backend below serves the CPU; the flashinfer backend
 (GPU) implements the same two calls with its paged prefill/decode wrappers.
 """
 
@@ -13,14 +13,18 @@ import torch
 import torch.nn.functional as F
 
 from common.engine.forward_batch import ForwardBatch
+from common.engine.layers import RotaryCache
 from common.kv.pool import KVPool
 
 
 class AttentionBackend(Protocol):
     def plan(self, batch: ForwardBatch) -> None: ...
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]."""
+    def forward(
+        self, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] (views are fine), q/k not yet rotated -> [T, Hq, D]. RoPE at
+        `positions`, the K/V write and attention are the backend's, so it can fuse them."""
         ...
 
 
@@ -52,8 +56,11 @@ class TorchPagedAttention:
     # Fixed cost of one SDPA call, in (query, key) pairs of attention work; calibrated on CPU.
     _CALL_COST_PAIRS = 1024
 
-    def __init__(self, pool: KVPool, page_table: torch.Tensor, num_heads: int, head_dim: int) -> None:
+    def __init__(
+        self, pool: KVPool, page_table: torch.Tensor, num_heads: int, head_dim: int, rotary: RotaryCache
+    ) -> None:
         self.pool = pool
+        self.rotary = rotary
         self.page_table = page_table
         self.num_heads = num_heads
         self.scale = head_dim**-0.5
@@ -121,9 +128,12 @@ class TorchPagedAttention:
             q0 += n
         self._segments = segments
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         batch = self._batch
         assert batch is not None, "plan() must run before forward()"
+        q, k = self.rotary.apply(positions, q, k)
         b, max_q, max_kv = self._shape
         t, hq, d = q.shape
         rows = self.pool.rows

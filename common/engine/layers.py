@@ -1,16 +1,16 @@
 """The decoder's building blocks: plain torch functions and the two op sets the one forward calls.
 
 `DecoderModel.forward` (common/engine/model.py) is written against one small contract, `Ops`, with two
-implementations chosen at start: `TorchOps` (the CPU, and the GPU in float32) and `FlashInferOps` (the GPU
-in 16 bits: flashinfer's fused kernels). The contract is the fused arrangement, so the GPU keeps its kernel
-count: the residual stream is carried beside the hidden states and every norm after the first is one
-add + RMSNorm; RoPE takes q/k as views straight off the merged qkv projection.
+implementations chosen at start: `TorchOps` (the CPU, and the GPU in float32) and `FlashInferOps`
+(common/engine/gpu/ops.py: the GPU in 16 bits, flashinfer's and this project's fused kernels). The contract is the fused arrangement, so the GPU keeps its kernel
+count: the residual stream is carried beside the hidden states, and a norm comes with the GEMM it feeds
+(`norm_linear`: add + RMSNorm + GEMM, which small decode batches run as one kernel), as does the MLP's
+activation (`silu_linear`).
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -89,6 +89,12 @@ class RotaryCache:
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         return out.to(x.dtype)
 
+    def apply(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, D], k: [T, Hkv, D] (views are fine) rotated to their positions."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
+
     def cos_sin(self) -> torch.Tensor:
         """flashinfer's table: [max_position, head_dim] float32, cos in the first half, sin in the second."""
         return torch.cat((self.cos, self.sin), dim=-1).float().contiguous()
@@ -96,20 +102,29 @@ class RotaryCache:
 
 class Ops(Protocol):
     """What the decoder forward needs from a backend. An op may overwrite its inputs (flashinfer works in
-    place), so callers use only what it returns."""
+    place), so callers use only what it returns. RoPE is not here: the attention backend applies it where
+    it writes K/V (common/engine/attention.py)."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x: [T, H] or [T, heads, head_dim]."""
 
-    def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    def norm_linear(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        packed: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rms_norm(residual + x), residual + x): the fused arrangement's norm, the residual carried beside."""
+        """(linear(rms_norm(residual + x)), residual + x): a layer's norm and the GEMM it feeds, the residual
+        stream carried beside; with `residual` None (the first layer) the stream starts at x."""
 
-    def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hkv, D] (views into the qkv projection are fine) -> rotated, same shapes."""
-
-    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+    def silu_linear(
+        self, gate_up: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """linear(silu(gate) * up) for gate_up = [gate | up]: the MLP's activation and down projection."""
 
     def linear(
         self,
@@ -121,11 +136,34 @@ class Ops(Protocol):
         """`packed`: the weight's oneDNN copy (CPU float32, `DecoderModel.pack_linears`), else None."""
 
 
-class TorchOps:
-    """Plain torch: the CPU path (oneDNN packed GEMMs where packed) and the GPU float32 path."""
+class ComposedOps:
+    """`Ops` built from the unfused primitives a subclass provides (rms_norm, add_rms_norm, silu_and_mul,
+    linear)."""
 
-    def __init__(self, rotary: RotaryCache) -> None:
-        self.rotary = rotary
+    def norm_linear(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        packed: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            normed, residual = self.rms_norm(x, norm_weight, eps), x  # type: ignore[attr-defined]
+        else:
+            normed, residual = self.add_rms_norm(x, residual, norm_weight, eps)  # type: ignore[attr-defined]
+        return self.linear(normed, weight, bias, packed), residual  # type: ignore[attr-defined]
+
+    def silu_linear(
+        self, gate_up: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.linear(self.silu_and_mul(gate_up), weight, None, packed)  # type: ignore[attr-defined]
+
+
+class TorchOps(ComposedOps):
+    """Plain torch: the CPU path (oneDNN packed GEMMs where packed) and the GPU float32 path."""
 
     rms_norm = staticmethod(rms_norm)
     silu_and_mul = staticmethod(silu_and_mul)
@@ -136,48 +174,3 @@ class TorchOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         residual = residual + x
         return rms_norm(residual, weight, eps), residual
-
-    def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.rotary.cos[positions].unsqueeze(1)
-        sin = self.rotary.sin[positions].unsqueeze(1)
-        return RotaryCache.rotate(q, cos, sin), RotaryCache.rotate(k, cos, sin)
-
-
-class FlashInferOps:
-    """flashinfer's fused kernels (GPU, bfloat16/float16): add + RMSNorm in place, RoPE from a cos/sin table."""
-
-    def __init__(self, rotary: RotaryCache) -> None:
-        # The CUDA norm kernels (what the bundle precompiles), not the CuTe-DSL ones; read at flashinfer's import.
-        os.environ.setdefault("FLASHINFER_USE_CUDA_NORM", "1")
-        import flashinfer
-
-        self.fi = flashinfer
-        self.cos_sin = rotary.cos_sin()
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return self.fi.rmsnorm(x, weight, eps)
-
-    def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.fi.fused_add_rmsnorm(x, residual, weight, eps)  # residual += x; x = norm(residual)
-        return x, residual
-
-    def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # One kernel for q and k; it reads views of the qkv projection strided and writes fresh tensors.
-        qr, kr = self.fi.apply_rope_with_cos_sin_cache(
-            positions, q.flatten(1), k.flatten(1), q.shape[-1], self.cos_sin, True
-        )
-        return qr.view(q.shape), kr.view(k.shape)
-
-    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return self.fi.silu_and_mul(gate_up)
-
-    def linear(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        packed: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return F.linear(x, weight, bias)

@@ -45,8 +45,9 @@ class DecoderModel(nn.Module):
     """The whole decoder, or one tensor-parallel rank's part of it (`tp`; see common/engine/tp.py).
 
     `full_cfg` is the checkpoint's config; `cfg` is this rank's (its heads and MLP slice; the full vocabulary).
-    `ops` runs the norms, RoPE, activation and GEMMs (common/engine/layers.py): `TorchOps` unless the GPU path
-    puts `FlashInferOps` there at start; attention is the backend passed to each step.
+    `ops` runs the norms, activation and GEMMs (common/engine/layers.py): `TorchOps` unless the GPU path
+    puts `FlashInferOps` there at start; attention is the backend passed to each step (it applies RoPE from
+    `rotary` where it writes K/V).
     """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup | None = None) -> None:
@@ -64,7 +65,7 @@ class DecoderModel(nn.Module):
             None if cfg.tie_word_embeddings else _param(vocab_rows, cfg.hidden_size, dtype=dtype, device=device)
         )
         self.rotary = RotaryCache.build(cfg.head_dim, cfg.rope, cfg.max_position, device)
-        self.ops: Ops = TorchOps(self.rotary)
+        self.ops: Ops = TorchOps()
         self.packed_lm_head: torch.Tensor | None = None
 
     def pack_linears(self) -> bool:
@@ -117,28 +118,27 @@ class DecoderModel(nn.Module):
         t = input_ids.shape[0]
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         hidden = tp.embed(input_ids, self.embed)
-        residual = hidden
-        x = ops.rms_norm(hidden, self.layers[0].input_norm, eps)
+        residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            if i > 0:
-                x, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, eps)
             pk = layer.packed
-            qkv = ops.linear(x, layer.qkv_proj, layer.qkv_bias, pk.get("qkv_proj"))
+            qkv, residual = ops.norm_linear(
+                hidden, residual, layer.input_norm, eps, layer.qkv_proj, layer.qkv_bias, pk.get("qkv_proj")
+            )
             q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
             q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
             if layer.q_norm is not None and layer.k_norm is not None:
                 q, k = ops.rms_norm(q, layer.q_norm, eps), ops.rms_norm(k, layer.k_norm, eps)
-            q, k = ops.rope(positions, q, k)
-            o = attn.forward(i, q, k, v).reshape(t, cfg.q_size)
+            o = attn.forward(i, positions, q, k, v).reshape(t, cfg.q_size)
             hidden = tp.all_reduce(ops.linear(o, layer.o_proj, None, pk.get("o_proj")))
-            x, residual = ops.add_rms_norm(hidden, residual, layer.post_attn_norm, eps)
-            act = ops.silu_and_mul(ops.linear(x, layer.gate_up_proj, None, pk.get("gate_up_proj")))
-            hidden = tp.all_reduce(ops.linear(act, layer.down_proj, None, pk.get("down_proj")))
+            gate_up, residual = ops.norm_linear(
+                hidden, residual, layer.post_attn_norm, eps, layer.gate_up_proj, None, pk.get("gate_up_proj")
+            )
+            hidden = tp.all_reduce(ops.silu_linear(gate_up, layer.down_proj, pk.get("down_proj")))
+        assert residual is not None
         dtype = torch.float32 if float_logits else hidden.dtype
         if logits_indices is not None:
             if logits_indices.shape[0] == 0:  # a prefill step where no request samples (every rank skips alike)
                 return torch.empty(0, cfg.vocab_size, dtype=dtype, device=hidden.device)
             hidden, residual = hidden[logits_indices], residual[logits_indices]
-        x, _ = ops.add_rms_norm(hidden, residual, self.norm, eps)
-        logits = tp.gather_logits(ops.linear(x, self.lm_head_weight, None, self.packed_lm_head), cfg.vocab_size)
-        return logits.to(dtype)
+        logits, _ = ops.norm_linear(hidden, residual, self.norm, eps, self.lm_head_weight, None, self.packed_lm_head)
+        return tp.gather_logits(logits, cfg.vocab_size).to(dtype)

@@ -129,7 +129,9 @@ class ModelRunner:
         self.pool.num_pages = num_pages
         self.rank_pools: list[KVPool] = [self.pool]
         self.page_table = PageTable(cfg.max_running, self.max_seq_len, cfg.page_size, self.device)
-        self.attn: AttentionBackend = TorchPagedAttention(self.pool, self.page_table.table, mc.num_heads, mc.head_dim)
+        self.attn: AttentionBackend = TorchPagedAttention(
+            self.pool, self.page_table.table, mc.num_heads, mc.head_dim, model.rotary
+        )
         if cfg.cpu_linear not in ("auto", "torch"):
             raise ValueError(f"unknown cpu_linear {cfg.cpu_linear!r}; use auto or torch")
         if self.backend == "torch" and cfg.cpu_linear == "auto":
@@ -141,7 +143,16 @@ class ModelRunner:
             from common.engine.gpu.path import GpuPath
 
             graph_bs = cfg.max_running if cfg.cuda_graph_max_bs < 0 else min(cfg.cuda_graph_max_bs, cfg.max_running)
-            self.gpu = GpuPath(model, self.pool, self.page_table.table, num_pages, graph_bs, cfg.decode_tc_min_batch)
+            self.gpu = GpuPath(
+                model,
+                self.pool,
+                self.page_table.table,
+                num_pages,
+                graph_bs,
+                cfg.decode_tc_min_batch,
+                cfg.fused_kernels,
+                cfg.gemv_max_rows,
+            )
             self.attn = self.gpu.attn
         if self.followers is not None:
             self.followers.barrier_ready()

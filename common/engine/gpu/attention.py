@@ -8,8 +8,9 @@ per step. The indptr/last-page vectors stay on the CPU (flashinfer's planner rea
 passing device tensors would cost a device sync); the page ids are gathered on the device.
 
 Causality in flashinfer's paged prefill aligns a request's queries with the end of its KV, so a chunk
-attends to its cached pages plus itself, which is exactly chunked prefill. K/V of the step are written
-into the pool (one index_copy per K and V) before the layer's attention runs.
+attends to its cached pages plus itself, which is exactly chunked prefill. Before the layer's attention
+runs, q and k are rotated and the step's K/V written into the pool: one Triton kernel for all three
+(common/engine/gpu/rope_store.py) where Triton is there, else flashinfer's RoPE and one index_copy each.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from common.engine.forward_batch import ForwardBatch
+from common.engine.layers import RotaryCache
 from common.engine.model_config import ModelConfig
 from common.kv.pool import KVPool
 
@@ -60,10 +62,20 @@ class FlashInferAttention:
         cfg: ModelConfig,
         dtype: torch.dtype,
         workspace: torch.Tensor,
+        rotary: RotaryCache,
         tc_min_batch: int = 1,
+        fused_rope_store: bool = True,
     ) -> None:
         import flashinfer
 
+        self.fi = flashinfer
+        self.cos_sin = rotary.cos_sin()
+        self.rope_store = None
+        if fused_rope_store:
+            from common.engine.gpu import rope_store
+
+            if rope_store.supports(cfg.head_dim):
+                self.rope_store = rope_store.rope_store
         self.pool = pool
         self.table = page_table
         self.page_size = pool.layout.page_size
@@ -79,6 +91,10 @@ class FlashInferAttention:
         self.rows = pool.rows
         self.k_offsets = [pool.layer_offset(i, 0) for i in range(cfg.num_layers)]
         self.v_offsets = [pool.layer_offset(i, 1) for i in range(cfg.num_layers)]
+        # [2 * layers] row offsets (K, V per layer): the unfused write indexes the pool with one add a step.
+        offsets = [o for kv in zip(self.k_offsets, self.v_offsets) for o in kv]
+        self._kv_offsets = torch.tensor(offsets, dtype=torch.int64, device=pool.device)
+        self._kv_rows: torch.Tensor | None = None
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
         self.decode_wrappers = {tc: self.make_decode_wrapper(tensor_cores=tc) for tc in {self.tensor_cores, False}}
         self._wrapper = None
@@ -197,10 +213,24 @@ class FlashInferAttention:
         self._out_loc = out_loc
 
     # ---- per layer --------------------------------------------------------------------------------
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, Hq, D] contiguous, k/v: [T, Hkv, D] (views are fine) -> [T, Hq, D]."""
+    def forward(
+        self, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] (views are fine; each token's heads contiguous) -> [T, Hq, D]."""
         loc = self._out_loc
         assert loc is not None and self._wrapper is not None, "plan() must run before forward()"
-        self.rows.index_copy_(0, loc + self.k_offsets[layer], k)
-        self.rows.index_copy_(0, loc + self.v_offsets[layer], v)
+        ko, vo = self.k_offsets[layer], self.v_offsets[layer]
+        if self.rope_store is not None:
+            q = self.rope_store(positions, q, k, v, self.cos_sin, self.rows, loc, ko, vo)
+        else:
+            if layer == 0:  # every layer's write rows at once (inside the graph when captured)
+                self._kv_rows = self._kv_offsets[:, None] + loc[None, :]
+            assert self._kv_rows is not None
+            # One kernel for q and k; it reads views of the qkv projection strided and writes fresh tensors.
+            qr, kr = self.fi.apply_rope_with_cos_sin_cache(
+                positions, q.flatten(1), k.flatten(1), q.shape[-1], self.cos_sin, True
+            )
+            q = qr.view(q.shape)
+            self.rows.index_copy_(0, self._kv_rows[2 * layer], kr.view(k.shape))
+            self.rows.index_copy_(0, self._kv_rows[2 * layer + 1], v)
         return self._wrapper.run(q, self.kv[layer])

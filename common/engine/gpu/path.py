@@ -6,9 +6,17 @@ import torch
 
 from common.engine.forward_batch import ForwardBatch
 from common.engine.gpu.attention import WORKSPACE_BYTES, FlashInferAttention
-from common.engine.layers import FlashInferOps
+from common.engine.gpu.ops import FlashInferOps
 from common.engine.model import DecoderModel
 from common.kv.pool import KVPool
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 class GpuPath:
@@ -29,15 +37,21 @@ class GpuPath:
         dummy_page: int,
         graph_max_bs: int,
         tc_min_batch: int = 1,
+        fused_kernels: bool = True,
+        gemv_max_rows: int = 8,
     ) -> None:
         if model.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(
                 f"the flashinfer backend needs bfloat16 or float16, not {model.dtype}; use attention=torch"
             )
         self.model = model
-        model.ops = FlashInferOps(model.rotary)  # first: it sets how flashinfer is imported
+        fused_kernels = fused_kernels and triton_available()
+        # first: it sets how flashinfer is imported
+        model.ops = FlashInferOps(gemv_max_rows if fused_kernels else 0)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=model.device)
-        self.attn = FlashInferAttention(pool, page_table, model.cfg, model.dtype, self.workspace, tc_min_batch)
+        self.attn = FlashInferAttention(
+            pool, page_table, model.cfg, model.dtype, self.workspace, model.rotary, tc_min_batch, fused_kernels
+        )
         self.graphs = None
         self.use_graphs = True
         if graph_max_bs > 0 and model.device.type == "cuda":

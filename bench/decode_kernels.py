@@ -1,0 +1,250 @@
+"""The small-batch decode kernels one by one, against cuBLAS / flashinfer and against the copy ceiling.
+
+    python bench/decode_kernels.py --out OUT.json [--quick]
+
+For the llama-3.1-8b shapes (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336, LM head
+128256x4096) at 1/2/4/8 rows: cuBLAS (`F.linear`) and the Triton GEMV (common/engine/gpu/fused_gemv.py) over a
+sweep of block shapes, each timed as 32 calls on 32 distinct weight copies inside one CUDA graph (so weights
+stream from HBM as in a model, not from L2). Reported per shape: time per call, GB/s of weight read, the ratio
+to the copy ceiling measured in this run, and Triton / cuBLAS. Then, per layer at batch 1 and 1k context:
+RoPE + K/V write (Triton's one kernel vs flashinfer's RoPE + two index_copy) and decode attention (tensor-core
+and CUDA-core kernels). Every Triton result is checked against cuBLAS on the same inputs first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common.engine.gpu.fused_gemv import GemvConfig, gemv, pick_config  # noqa: E402
+
+SHAPES = {
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
+SWEEP_ONE = [
+    GemvConfig(bn, bk, w, st)
+    for bn, bk, w, st in [
+        (16, 256, 4, 3),
+        (8, 256, 4, 3),
+        (8, 512, 4, 3),
+        (16, 512, 4, 3),
+        (16, 512, 8, 3),
+        (32, 256, 4, 3),
+        (32, 256, 8, 3),
+        (4, 1024, 4, 3),
+        (8, 1024, 8, 2),
+        (16, 128, 4, 5),
+        (32, 128, 4, 4),
+        (64, 128, 8, 3),
+    ]
+]
+SWEEP_FEW = [
+    GemvConfig(bn, bk, w, st)
+    for bn, bk, w, st in [
+        (64, 128, 4, 4),
+        (64, 64, 4, 5),
+        (64, 256, 4, 3),
+        (128, 64, 4, 4),
+        (128, 128, 4, 3),
+        (128, 128, 8, 4),
+        (64, 128, 8, 4),
+    ]
+]
+RESULTS: dict = {}
+
+
+def graph_time(fn, iters: int = 20) -> float:
+    """Median ms of one replay of a graph that runs `fn` once (fn launches many kernels)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()  # warm-up: compilation, lazy init
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(3):
+        g.replay()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def copy_ceiling() -> float:
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_()
+    y = torch.empty_like(x)
+    t = graph_time(lambda: y.copy_(x))
+    return 2 * x.numel() / (t * 1e-3)
+
+
+def bench_gemv(quick: bool) -> None:
+    bw = RESULTS["copy_bytes_per_s"]
+    rows_out = []
+    for name, (n, k) in SHAPES.items():
+        nbytes = n * k * 2
+        copies = 32 if nbytes * 32 < 12e9 else 4
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
+        for m in (1, 2, 4, 8):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = F.linear(x, ws[0]).float()
+            t_cublas = graph_time(lambda x=x, ws=ws: [F.linear(x, w) for w in ws]) / copies
+            sweep = SWEEP_ONE if m == 1 else SWEEP_FEW
+            if quick:
+                sweep = [pick_config(m, n)]
+            best = None
+            per_cfg = {}
+            for cfg in sweep:
+                y, _ = gemv(x, ws[0], config=cfg)
+                err = float((y.float() - ref).norm() / ref.norm())
+                if not err < 1e-2:
+                    per_cfg[str(cfg)] = f"wrong: rel err {err:.2e}"
+                    continue
+                t = graph_time(lambda cfg=cfg, x=x, ws=ws: [gemv(x, w, config=cfg) for w in ws]) / copies
+                per_cfg[f"{cfg.block_n}x{cfg.block_k}/w{cfg.num_warps}/s{cfg.num_stages}"] = round(t * 1e3, 2)
+                if best is None or t < best[0]:
+                    best = (t, cfg)
+            assert best is not None
+            t_default = graph_time(lambda x=x, ws=ws: [gemv(x, w) for w in ws]) / copies
+            r = dict(
+                shape=name,
+                n=n,
+                k=k,
+                rows=m,
+                cublas_us=t_cublas * 1e3,
+                triton_default_us=t_default * 1e3,
+                triton_best_us=best[0] * 1e3,
+                best_config=str(best[1]),
+                cublas_of_copy=nbytes / (t_cublas * 1e-3) / bw,
+                triton_default_of_copy=nbytes / (t_default * 1e-3) / bw,
+                triton_best_of_copy=nbytes / (best[0] * 1e-3) / bw,
+                triton_default_vs_cublas=t_cublas / t_default,
+                sweep_us=per_cfg,
+            )
+            rows_out.append(r)
+            print(
+                f"{name:>8} m={m}: cuBLAS {t_cublas * 1e3:7.1f} us ({r['cublas_of_copy']:.2f} of copy)  "
+                f"triton default {t_default * 1e3:7.1f} us ({r['triton_default_of_copy']:.2f})  best {best[0] * 1e3:7.1f} us "
+                f"{best[1]}  default/cuBLAS speed {r['triton_default_vs_cublas']:.2f}",
+                flush=True,
+            )
+            RESULTS["gemv"] = rows_out
+            save()
+        ws.clear()
+        torch.cuda.empty_cache()
+
+
+def bench_layer_ops() -> None:
+    """Per-layer small kernels at batch 1 (1k context), 32 layers' worth in one graph."""
+    import flashinfer
+
+    from common.engine.gpu.rope_store import rope_store
+    from common.engine.layers import RotaryCache
+    from common.engine.model_config import RopeConfig
+    from common.kv.pool import KVLayout, KVPool
+
+    hq, hkv, d, layers, ctx, ps = 32, 8, 128, 32, 1024, 16
+    rotary = RotaryCache.build(d, RopeConfig(theta=500000.0), 8192, torch.device("cuda"))
+    cos_sin = rotary.cos_sin()
+    pages = ctx // ps
+    pool = KVPool(KVLayout(layers, hkv, d, ps, torch.bfloat16), pages * 8 + 8, torch.device("cuda"))
+    pool.kv.normal_()
+    out = {}
+    for b in (1, 8):
+        qkv = torch.randn(b, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
+        q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
+        q, k, v = q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d)
+        pos = torch.full((b,), ctx - 1, device="cuda", dtype=torch.int64)
+        rows = pool.token_rows(torch.arange(b, device="cuda") * ps * 4 + ctx - 1)
+
+        def fused(pos=pos, q=q, k=k, v=v, rows=rows):
+            for i in range(layers):
+                rope_store(pos, q, k, v, cos_sin, pool.rows, rows, pool.layer_offset(i, 0), pool.layer_offset(i, 1))
+
+        def unfused(pos=pos, q=q, k=k, v=v, rows=rows, b=b):
+            for i in range(layers):
+                qr, kr = flashinfer.apply_rope_with_cos_sin_cache(pos, q.flatten(1), k.flatten(1), d, cos_sin, True)
+                pool.rows.index_copy_(0, rows + pool.layer_offset(i, 0), kr.view(b, hkv, d))
+                pool.rows.index_copy_(0, rows + pool.layer_offset(i, 1), v)
+
+        tf, tu = graph_time(fused) / layers, graph_time(unfused) / layers
+        out[f"rope_store_b{b}"] = dict(fused_us=tf * 1e3, unfused_us=tu * 1e3, speedup=tu / tf)
+        print(f"rope+kv write b={b}: fused {tf * 1e3:.2f} us/layer, unfused {tu * 1e3:.2f} us/layer ({tu / tf:.2f}x)")
+    # Decode attention, b=1 and 8, 1k context, over the same pool (graph-mode wrappers as the engine builds them).
+    ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    for b in (1, 8):
+        npages = ctx // ps
+        indptr = torch.arange(0, (b + 1) * npages, npages, dtype=torch.int32)
+        indices = torch.arange(b * npages, dtype=torch.int32, device="cuda")
+        last = torch.full((b,), ps, dtype=torch.int32)
+        q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
+        for tc in (True, False):
+            bufs = (indptr.cuda(), indices.clone(), last.cuda())
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                ws,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=tc,
+                paged_kv_indptr_buffer=bufs[0],
+                paged_kv_indices_buffer=bufs[1],
+                paged_kv_last_page_len_buffer=bufs[2],
+                backend="fa2",
+            )
+            w.plan(indptr, indices, last, hq, hkv, d, ps, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+            kvs = [(pool.k_cache(i), pool.v_cache(i)) for i in range(layers)]
+            t = graph_time(lambda w=w, kvs=kvs, q=q: [w.run(q, kv) for kv in kvs]) / layers
+            kv_bytes = b * ctx * hkv * d * 2 * 2
+            out[f"attention_b{b}_tc{int(tc)}"] = dict(
+                us=t * 1e3, kv_bytes=kv_bytes, of_copy=kv_bytes / (t * 1e-3) / RESULTS["copy_bytes_per_s"]
+            )
+            print(f"decode attention b={b} tensor_cores={tc}: {t * 1e3:.2f} us/layer ({kv_bytes / 1e6:.1f} MB of KV)")
+    RESULTS["layer_ops"] = out
+    save()
+
+
+OUT: Path | None = None
+
+
+def save() -> None:
+    if OUT is not None:
+        OUT.parent.mkdir(parents=True, exist_ok=True)
+        OUT.write_text(json.dumps(RESULTS, indent=1, default=str))
+
+
+def main() -> None:
+    global OUT
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out" / "decode_kernels.json")
+    ap.add_argument("--quick", action="store_true", help="only the default Triton configs")
+    ap.add_argument("--sections", default="gemv,layer")
+    args = ap.parse_args()
+    OUT = args.out
+    RESULTS["device"] = torch.cuda.get_device_name()
+    RESULTS["copy_bytes_per_s"] = copy_ceiling()
+    print(f"copy ceiling {RESULTS['copy_bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
+    if "gemv" in args.sections:
+        bench_gemv(args.quick)
+    if "layer" in args.sections:
+        bench_layer_ops()
+    save()
+
+
+if __name__ == "__main__":
+    main()

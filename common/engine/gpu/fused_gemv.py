@@ -1,0 +1,197 @@
+"""Skinny GEMMs (decode steps of a few rows) with the elementwise op before them folded into their prologue.
+
+At batch 1 a decoder layer is four weight-streaming GEMVs and, around them, a norm, an add + norm and a
+SiLU-mul: each of those is a launch of ~2-3 us that moves a few KB. Folding them into the GEMV that
+consumes their output removes the launch and the round trip through memory:
+
+- `prologue="norm"`: y = (rms_norm(x) * w_norm) @ W^T
+- `prologue="add_norm"`: s = x + residual; y = (rms_norm(s) * w_norm) @ W^T; also returns s (the new
+  residual stream, written once by program 0)
+- `prologue="silu"`: y = (silu(x[:, :K]) * x[:, K:]) @ W^T
+- `prologue="none"`: y = x @ W^T
+
+Every program streams `BLOCK_N` rows of W over the whole K and recomputes the row statistics of x itself
+(x is a few KB, read from L2), so there is no cross-program sync. One row (M = 1) runs an elementwise-FMA
+loop reduced once at the end; a few rows run `tl.dot` with the operands swapped (the weight tile is the MMA's
+tall side, the rows, padded to 16, its narrow side), the usual arrangement for skinny GEMMs. The activation is kept in float32 into the product with the M = 1 kernel; the 16-bit path of
+the unfused ops rounds it first, so outputs differ by bf16 rounding only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+PROLOGUES = {"none": 0, "norm": 1, "add_norm": 2, "silu": 3}
+MAX_ROWS = 16  # the dot kernel's row tile
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def pick_config(rows: int, n: int) -> GemvConfig:
+    """Block shapes by the sweep of bench/decode_kernels.py on the H200 (llama-3.1-8b shapes, weights streamed
+    from HBM): one row, 8 x 512 tiles (8 x 256 for the widest outputs); a few rows, 64-row MMA tiles."""
+    if rows == 1:
+        return GemvConfig(block_n=8, block_k=512 if n <= 16384 else 256, num_warps=4, num_stages=3)
+    if n <= 8192:
+        return GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=3)
+    return GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    r_ptr,
+    nw_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    r_out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_rm,
+    stride_wn,
+    stride_ym,
+    eps,
+    PROLOGUE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K_POW2: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk0 = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    x_rows = x_ptr + rm[:, None] * stride_xm
+    r_rows = r_ptr + rm[:, None] * stride_rm
+
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if PROLOGUE == 1 or PROLOGUE == 2:
+        # The row statistics in one load of the whole row (a few KB from L2), not a loop of dependent loads.
+        rk_all = tl.arange(0, K_POW2)
+        mk_all = m_ok[:, None] & (rk_all < K)[None, :]
+        s = tl.load(x_rows + rk_all[None, :], mask=mk_all, other=0.0).to(tl.float32)
+        if PROLOGUE == 2:
+            s += tl.load(r_rows + rk_all[None, :], mask=mk_all, other=0.0).to(tl.float32)
+            # The unfused path norms the residual as stored (16-bit): round the same way.
+            s = s.to(y_ptr.dtype.element_ty).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(s * s, axis=1) / K + eps)
+
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        rk = k0 + rk0
+        k_ok = rk < K
+        mk = m_ok[:, None] & k_ok[None, :]
+        if PROLOGUE == 3:
+            g = tl.load(x_rows + rk[None, :], mask=mk, other=0.0).to(tl.float32)
+            u = tl.load(x_rows + K + rk[None, :], mask=mk, other=0.0).to(tl.float32)
+            a = g / (1.0 + tl.exp(-g)) * u
+        else:
+            a = tl.load(x_rows + rk[None, :], mask=mk, other=0.0).to(tl.float32)
+            if PROLOGUE == 2:
+                a += tl.load(r_rows + rk[None, :], mask=mk, other=0.0).to(tl.float32)
+                a = a.to(y_ptr.dtype.element_ty)
+                tl.store(r_out_ptr + rm[:, None] * stride_rm + rk[None, :], a, mask=mk & (pid == 0))
+                a = a.to(tl.float32)
+            if PROLOGUE == 1 or PROLOGUE == 2:
+                nw = tl.load(nw_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
+                a = a * rstd[:, None] * nw[None, :]
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if USE_DOT:
+            # Swapped operands: the weight tile is the MMA's tall side, the few rows its narrow side.
+            acc += tl.dot(w, tl.trans(a.to(w.dtype)))
+        else:
+            acc2 += w.to(tl.float32) * a  # a: [1, BLOCK_K], broadcast over the BLOCK_N rows
+    if USE_DOT:
+        out = tl.trans(acc)
+    else:
+        out = tl.sum(acc2, axis=1)[None, :]
+    if HAS_BIAS:
+        out += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        y_ptr + rm[:, None] * stride_ym + rn[None, :],
+        out.to(y_ptr.dtype.element_ty),
+        mask=m_ok[:, None] & n_ok[None, :],
+    )
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    prologue: str = "none",
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    config: GemvConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(y, new residual or None) for `x` of at most `MAX_ROWS` rows; see the module doc for `prologue`."""
+    m = x.shape[0]
+    n, k = weight.shape
+    code = PROLOGUES[prologue]
+    if m > MAX_ROWS or m == 0:
+        raise ValueError(f"gemv serves 1..{MAX_ROWS} rows, not {m}")
+    if x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError("gemv needs unit-stride rows")
+    if code == 3 and x.shape[1] != 2 * k:
+        raise ValueError(f"silu prologue: x holds gate | up ({2 * k} columns), not {x.shape[1]}")
+    if code != 3 and x.shape[1] != k:
+        raise ValueError(f"x has {x.shape[1]} columns, weight {k}")
+    one = m == 1
+    cfg = config or pick_config(m, n)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    r_out = None
+    if code == 2:
+        assert residual is not None and residual.stride(-1) == 1
+        r_out = torch.empty_like(x)
+    r = residual if residual is not None else x
+    if r_out is not None and r_out.stride(0) != r.stride(0):
+        raise ValueError("residual and its output must share a row stride")
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x,
+        r,
+        norm_weight if norm_weight is not None else x,
+        weight,
+        bias if bias is not None else x,
+        y,
+        r_out if r_out is not None else y,
+        m,
+        n,
+        k,
+        x.stride(0),
+        r.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        eps,
+        PROLOGUE=code,
+        HAS_BIAS=bias is not None,
+        USE_DOT=not one,
+        BLOCK_M=1 if one else MAX_ROWS,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        K_POW2=triton.next_power_of_2(k) if code in (1, 2) else 16,
+        NUM_STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps,
+    )
+    return y, r_out

@@ -1,0 +1,109 @@
+"""RoPE on q and k and the layer's K/V write into the paged pool, in one launch.
+
+Unfused this is three kernels per layer (flashinfer's RoPE, then one index_copy each for K and V); at
+batch 1 they cost more in launches than in bytes. One program per (token, head): a query head is rotated
+into the output, a KV head's key is rotated and written to its pool row and its value copied beside it.
+Rotation is the neox half-split form over the same float32 cos/sin table flashinfer's RoPE reads.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_store_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pos_ptr,
+    cs_ptr,
+    qo_ptr,
+    rows_ptr,
+    loc_ptr,
+    stride_qt,
+    stride_kt,
+    stride_vt,
+    k_off,
+    v_off,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    HALF: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, HALF)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cos = tl.load(cs_ptr + pos * (2 * HALF) + d)
+    sin = tl.load(cs_ptr + pos * (2 * HALF) + HALF + d)
+    row_elems = HKV * 2 * HALF
+    if h < HQ:
+        src = q_ptr + t * stride_qt + h * (2 * HALF)
+        x1 = tl.load(src + d).to(tl.float32)
+        x2 = tl.load(src + HALF + d).to(tl.float32)
+        dst = qo_ptr + (t * HQ + h) * (2 * HALF)
+        tl.store(dst + d, (x1 * cos - x2 * sin).to(qo_ptr.dtype.element_ty))
+        tl.store(dst + HALF + d, (x2 * cos + x1 * sin).to(qo_ptr.dtype.element_ty))
+    else:
+        kh = h - HQ
+        loc = tl.load(loc_ptr + t).to(tl.int64)
+        src = k_ptr + t * stride_kt + kh * (2 * HALF)
+        x1 = tl.load(src + d).to(tl.float32)
+        x2 = tl.load(src + HALF + d).to(tl.float32)
+        dst = rows_ptr + (loc + k_off) * row_elems + kh * (2 * HALF)
+        tl.store(dst + d, (x1 * cos - x2 * sin).to(rows_ptr.dtype.element_ty))
+        tl.store(dst + HALF + d, (x2 * cos + x1 * sin).to(rows_ptr.dtype.element_ty))
+        vsrc = v_ptr + t * stride_vt + kh * (2 * HALF)
+        vdst = rows_ptr + (loc + v_off) * row_elems + kh * (2 * HALF)
+        tl.store(vdst + d, tl.load(vsrc + d))
+        tl.store(vdst + HALF + d, tl.load(vsrc + HALF + d))
+
+
+def supports(head_dim: int) -> bool:
+    half = head_dim // 2
+    return head_dim % 2 == 0 and half >= 16 and half & (half - 1) == 0
+
+
+def rope_store(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin: torch.Tensor,
+    rows: torch.Tensor,
+    out_rows: torch.Tensor,
+    k_offset: int,
+    v_offset: int,
+) -> torch.Tensor:
+    """Rotated q `[T, Hq, D]` (a new tensor); rotated k and v written to `rows[out_rows + k_offset]` and
+    `rows[out_rows + v_offset]`. q/k/v may be views (each token's heads contiguous, e.g. of a qkv projection);
+    `rows` is the pool's `[rows, Hkv, D]` view, `out_rows` the step's layer-0 K rows (KVPool.token_rows)."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    if q.stride(1) != d or k.stride(1) != d or v.stride(1) != d or q.stride(2) != 1:
+        raise ValueError("rope_store needs each token's heads contiguous")
+    out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
+    if t == 0:
+        return out
+    _rope_store_kernel[(t, hq + hkv)](
+        q,
+        k,
+        v,
+        positions,
+        cos_sin,
+        out,
+        rows,
+        out_rows,
+        q.stride(0),
+        k.stride(0),
+        v.stride(0),
+        k_offset,
+        v_offset,
+        HQ=hq,
+        HKV=hkv,
+        HALF=d // 2,
+        num_warps=1,
+    )
+    return out
