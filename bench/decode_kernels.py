@@ -151,6 +151,54 @@ def bench_gemv(quick: bool) -> None:
         torch.cuda.empty_cache()
 
 
+def bench_prologues() -> None:
+    """What folding each shape's own prologue costs: the GEMV with it vs without it vs cuBLAS + the separate op."""
+    import flashinfer
+
+    natural = {"qkv": "add_norm", "gate_up": "add_norm", "down": "silu", "lm_head": "add_norm"}
+    rows_out = []
+    for name, prologue in natural.items():
+        n, k = SHAPES[name]
+        copies = 32 if n * k * 2 * 32 < 12e9 else 4
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
+        nw = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+        for m in (1, 8):
+            width = 2 * k if prologue == "silu" else k
+            x = torch.randn(m, width, device="cuda", dtype=torch.bfloat16)
+            r = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            xk = x[:, :k].contiguous()
+
+            def folded(x=x, r=r, ws=ws, prologue=prologue, nw=nw):
+                for w in ws:
+                    gemv(x, w, prologue=prologue, residual=r if prologue == "add_norm" else None, norm_weight=nw)
+
+            def plain_triton(xk=xk, ws=ws):
+                for w in ws:
+                    gemv(xk, w)
+
+            def separate(x=x, r=r, ws=ws, prologue=prologue, nw=nw):
+                for w in ws:
+                    if prologue == "silu":
+                        a = flashinfer.silu_and_mul(x)
+                    else:
+                        a, rr = x.clone(), r.clone()
+                        flashinfer.fused_add_rmsnorm(a, rr, nw, 1e-6)
+                    F.linear(a, w)
+
+            t_f, t_p, t_s = (graph_time(f) / copies * 1e3 for f in (folded, plain_triton, separate))
+            row = dict(shape=name, rows=m, prologue=prologue, folded_us=t_f, plain_triton_us=t_p, cublas_plus_op_us=t_s)
+            rows_out.append(row)
+            print(
+                f"{name:>8} m={m} {prologue}: folded {t_f:6.1f} us, plain Triton {t_p:6.1f} us, "
+                f"cuBLAS + op {t_s:6.1f} us (the op's clones included)",
+                flush=True,
+            )
+        ws.clear()
+        torch.cuda.empty_cache()
+    RESULTS["prologues"] = rows_out
+    save()
+
+
 def bench_layer_ops() -> None:
     """Per-layer small kernels at batch 1 (1k context), 32 layers' worth in one graph."""
     import flashinfer
@@ -233,7 +281,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out" / "decode_kernels.json")
     ap.add_argument("--quick", action="store_true", help="only the default Triton configs")
-    ap.add_argument("--sections", default="gemv,layer")
+    ap.add_argument("--sections", default="gemv,prologue,layer")
     args = ap.parse_args()
     OUT = args.out
     RESULTS["device"] = torch.cuda.get_device_name()
@@ -241,6 +289,8 @@ def main() -> None:
     print(f"copy ceiling {RESULTS['copy_bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
     if "gemv" in args.sections:
         bench_gemv(args.quick)
+    if "prologue" in args.sections:
+        bench_prologues()
     if "layer" in args.sections:
         bench_layer_ops()
     save()

@@ -352,6 +352,7 @@ def make_runner(
     label: str = "",
     tc_min_batch: int = 1,
     fused: bool = True,
+    prologues: bool = False,
 ) -> ModelRunner:
     start = time.perf_counter()
     runner = ModelRunner(
@@ -364,6 +365,7 @@ def make_runner(
             cuda_graph_max_bs=max_running,
             decode_tc_min_batch=tc_min_batch,
             fused_kernels=fused,
+            gemv_prologues=prologues,
         )
     )
     graphs = runner.gpu.graphs
@@ -377,6 +379,7 @@ def make_runner(
         tensor_core_min_batch=runner.gpu.attn.tc_min_batch,
         fused_kernels=runner.gpu.attn.rope_store is not None,
         gemv_max_rows=runner.model.ops.gemv_max_rows,
+        gemv_prologues=runner.model.ops.fold_prologues,
     )
     log(f"{label}: ready in {time.perf_counter() - start:.1f} s ({RESULTS['setup'][label]})")
     return runner
@@ -389,7 +392,7 @@ def summary() -> None:
         lines.append(
             f"ceilings: copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 GEMM {c['gemm_flop_per_s'] / 1e12:.0f} TFLOP/s"
         )
-    for name in ("decode", "decode_unfused", "decode_cudacore"):
+    for name in ("decode", "decode_unfused", "decode_prologues", "decode_cudacore"):
         for r in RESULTS.get(name, []):
             if "skipped" in r:
                 lines.append(f"{name} {r['key']:>12}: skipped ({r['skipped']})")
@@ -445,6 +448,15 @@ def main() -> None:
                 "llama-3.1-8b", kv_gb=60.0, max_seq_len=16384 + 64, label="llama-3.1-8b/unfused", fused=False
             )
             decode_bench(runner, args.quick, batches=(1, 8, 32, 256), key_name="decode_unfused")
+            del runner
+            gc.collect()
+            torch.cuda.empty_cache()
+        if "decode_prologues" in sections:
+            # The GEMVs with the norms and SiLU-mul folded into them (fewer kernels; measured slower).
+            runner = make_runner(
+                "llama-3.1-8b", kv_gb=60.0, max_seq_len=16384 + 64, label="llama-3.1-8b/prologues", prologues=True
+            )
+            decode_bench(runner, args.quick, batches=(1, 8), key_name="decode_prologues")
             del runner
             gc.collect()
             torch.cuda.empty_cache()

@@ -21,10 +21,12 @@ class RunnerConfig:
     attention: str = "auto"  # auto: flashinfer on CUDA with a 16-bit dtype, else torch; or "torch" / "flashinfer"
     cuda_graph_max_bs: int = -1  # GPU path: decode CUDA graphs up to this batch (-1: max_running, 0: none)
     decode_tc_min_batch: int = 1  # GPU: decode batches below this use CUDA-core attention (1: tensor cores always)
-    # GPU: Triton's fused kernels (RoPE + K/V write; norm/SiLU-mul folded into the GEMVs of steps of at most
-    # gemv_max_rows rows; common/engine/gpu/). Off: flashinfer + cuBLAS only (the ablation baseline).
+    # GPU: Triton kernels (RoPE + K/V write in one; the GEMMs of steps of at most gemv_max_rows rows as GEMVs;
+    # common/engine/gpu/). Off: flashinfer + cuBLAS only (the ablation baseline). gemv_prologues also folds the
+    # norms and SiLU-mul into those GEMVs (measured slower on the H200; for benchmarks).
     fused_kernels: bool = True
     gemv_max_rows: int = 8
+    gemv_prologues: bool = False
     cpu_linear: str = "auto"  # CPU float32 GEMMs: auto = oneDNN with packed weights when available; torch = F.linear
     tp_size: int = 1  # tensor-parallel ranks (rank 0 launches the others; see common/engine/tp_ranks.py)
     tp_rank: int = 0  # set by rank 0 for its followers

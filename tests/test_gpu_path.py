@@ -6,6 +6,7 @@ equivalence with the synchronous one also runs on the CPU (CI), where it is toke
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -340,10 +341,13 @@ def test_flashinfer_ops_match_torch_ops(head_dim):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 
     hidden, inter, eps = 256, 384, 1e-6
-    fused, plain = FlashInferOps(gemv_max_rows=8), TorchOps()
-    w, weight, bias = 1.0 + 0.2 * randn(hidden), 0.05 * randn(3 * hidden, hidden), randn(3 * hidden)
+    plain = TorchOps()
+    # 40 * hidden outputs: past WIDE_N, so the few-row Triton GEMV runs too.
+    w, weight, bias = 1.0 + 0.2 * randn(hidden), 0.05 * randn(40 * hidden, hidden), randn(40 * hidden)
     down = 0.05 * randn(hidden, inter)
-    for t in (1, 3, 8, 37):  # 1: the one-row GEMV; 3, 8: the dot GEMV; 37: unfused
+    for fused, t in itertools.product(
+        (FlashInferOps(gemv_max_rows=8), FlashInferOps(gemv_max_rows=8, fold_prologues=True)), (1, 3, 8, 37)
+    ):  # 1: the one-row GEMV; 3, 8: the dot GEMV (wide outputs); 37: cuBLAS
         x, res = randn(t, hidden), randn(t, hidden)
         close(fused.rms_norm(x, w, eps), plain.rms_norm(x, w, eps))
         y_f, r_f = fused.norm_linear(x.clone(), None, w, eps, weight, bias)

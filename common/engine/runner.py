@@ -152,6 +152,7 @@ class ModelRunner:
                 cfg.decode_tc_min_batch,
                 cfg.fused_kernels,
                 cfg.gemv_max_rows,
+                cfg.gemv_prologues,
             )
             self.attn = self.gpu.attn
         if self.followers is not None:

@@ -11,22 +11,27 @@ from common.engine.layers import ComposedOps
 
 
 class FlashInferOps(ComposedOps):
-    """The GPU in bfloat16/float16: flashinfer's fused add + RMSNorm (in place) and SiLU-mul around cuBLAS,
-    and for small decode batches Triton GEMVs that stream the weight with the op before them folded in
-    (common/engine/gpu/fused_gemv.py). Where each wins (bench/decode_kernels.py, H200, llama-3.1-8b shapes):
-    - norm + GEMM (qkv, gate_up, LM head), up to `gemv_max_rows` rows: equal to cuBLAS or 4-10% faster, and the
-      norm kernel is gone;
-    - plain and SiLU-mul GEMMs (o, down): 10-20% faster than cuBLAS at one row, but the few-row kernel is up to
-      17% slower on down's long K, so those stay with cuBLAS above one row.
-    `gemv_max_rows` 0 turns the Triton GEMVs off."""
+    """The GPU in bfloat16/float16: flashinfer's fused add + RMSNorm (in place) and SiLU-mul, and the GEMMs of
+    small decode batches on Triton GEMVs that stream the weight (common/engine/gpu/fused_gemv.py); cuBLAS
+    otherwise. Where the Triton GEMV wins (bench/decode_kernels.py, H200, llama-3.1-8b shapes, weights from HBM):
+    at one row on every shape (4-25% faster than cuBLAS); at 2-8 rows only on the wide outputs (gate_up, LM
+    head: 4-9%), so only those take it there. `gemv_max_rows` 0 turns the Triton GEMVs off.
 
-    def __init__(self, gemv_max_rows: int = 0) -> None:
+    `fold_prologues` also folds the norm (qkv, gate_up, LM head) and SiLU-mul (down) into the GEMV, removing
+    their kernels; on the H200 that measured slower (each program recomputes the row's norm), so it is off
+    unless a benchmark asks for it."""
+
+    # Output width from which the few-row Triton GEMV beats cuBLAS (the gate_up and LM-head shapes).
+    WIDE_N = 8192
+
+    def __init__(self, gemv_max_rows: int = 0, fold_prologues: bool = False) -> None:
         # The CUDA norm kernels (what the bundle precompiles), not the CuTe-DSL ones; read at flashinfer's import.
         os.environ.setdefault("FLASHINFER_USE_CUDA_NORM", "1")
         import flashinfer
 
         self.fi = flashinfer
         self.gemv_max_rows = gemv_max_rows
+        self.fold_prologues = fold_prologues
         self.gemv = None
         if gemv_max_rows > 0:
             from common.engine.gpu.fused_gemv import MAX_ROWS, gemv  # Triton: imported only when used
@@ -34,9 +39,11 @@ class FlashInferOps(ComposedOps):
             self.gemv = gemv
             self.gemv_max_rows = min(gemv_max_rows, MAX_ROWS)
 
-    def _fused(self, x: torch.Tensor, max_rows: int | None = None) -> bool:
-        limit = self.gemv_max_rows if max_rows is None else min(max_rows, self.gemv_max_rows)
-        return self.gemv is not None and 0 < x.shape[0] <= limit
+    def _triton(self, x: torch.Tensor, n: int) -> bool:
+        rows = x.shape[0]
+        if self.gemv is None or rows == 0 or rows > self.gemv_max_rows:
+            return False
+        return rows == 1 or n > self.WIDE_N
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.fi.rmsnorm(x, weight, eps)
@@ -57,7 +64,7 @@ class FlashInferOps(ComposedOps):
         bias: torch.Tensor | None = None,
         packed: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if self._fused(x, max_rows=1):
+        if self._triton(x, weight.shape[0]):
             return self.gemv(x, weight, bias)[0]  # type: ignore[misc]
         return F.linear(x, weight, bias)
 
@@ -71,7 +78,7 @@ class FlashInferOps(ComposedOps):
         bias: torch.Tensor | None = None,
         packed: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self._fused(x):
+        if not (self.fold_prologues and self._triton(x, weight.shape[0])):
             return super().norm_linear(x, residual, norm_weight, eps, weight, bias, packed)
         if residual is None:
             return self.gemv(x, weight, bias, prologue="norm", norm_weight=norm_weight, eps=eps)[0], x  # type: ignore[misc]
@@ -83,6 +90,6 @@ class FlashInferOps(ComposedOps):
     def silu_linear(
         self, gate_up: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if self._fused(gate_up, max_rows=1):
+        if self.fold_prologues and self._triton(gate_up, weight.shape[0]):
             return self.gemv(gate_up, weight, prologue="silu")[0]  # type: ignore[misc]
         return super().silu_linear(gate_up, weight, packed)

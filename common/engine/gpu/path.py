@@ -39,6 +39,7 @@ class GpuPath:
         tc_min_batch: int = 1,
         fused_kernels: bool = True,
         gemv_max_rows: int = 8,
+        gemv_prologues: bool = False,
     ) -> None:
         if model.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(
@@ -47,7 +48,7 @@ class GpuPath:
         self.model = model
         fused_kernels = fused_kernels and triton_available()
         # first: it sets how flashinfer is imported
-        model.ops = FlashInferOps(gemv_max_rows if fused_kernels else 0)
+        model.ops = FlashInferOps(gemv_max_rows if fused_kernels else 0, gemv_prologues)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=model.device)
         self.attn = FlashInferAttention(
             pool, page_table, model.cfg, model.dtype, self.workspace, model.rotary, tc_min_batch, fused_kernels
