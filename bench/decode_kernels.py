@@ -6,9 +6,12 @@ For the llama-3.1-8b shapes (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, dow
 128256x4096) at 1/2/4/8 rows: cuBLAS (`F.linear`) and the Triton GEMV (common/engine/gpu/fused_gemv.py) over a
 sweep of block shapes, each timed as 32 calls on 32 distinct weight copies inside one CUDA graph (so weights
 stream from HBM as in a model, not from L2). Reported per shape: time per call, GB/s of weight read, the ratio
-to the copy ceiling measured in this run, and Triton / cuBLAS. Then, per layer at batch 1 and 1k context:
-RoPE + K/V write (Triton's one kernel vs flashinfer's RoPE + two index_copy) and decode attention (tensor-core
-and CUDA-core kernels). Every Triton result is checked against cuBLAS on the same inputs first.
+to the copy ceiling measured in this run, and Triton / cuBLAS. Sections (`--sections`):
+- gemv: the sweep above; prologue: the GEMV with each shape's norm / SiLU-mul folded in vs plain vs cuBLAS + op;
+- layer: RoPE + K/V write per layer at batch 1 and 8 (Triton's one kernel vs flashinfer's RoPE + two index_copy);
+- attention: decode attention per layer, flashinfer's graph-mode wrapper vs the split-KV Triton kernel, batch
+  1-32 at 1k and 4k context.
+Every Triton result is checked against cuBLAS / flashinfer on the same inputs first.
 """
 
 from __future__ import annotations
@@ -89,10 +92,10 @@ def graph_time(fn, iters: int = 20) -> float:
 
 
 def copy_ceiling() -> float:
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_()
+    x = torch.randn(1 << 30, dtype=torch.bfloat16, device="cuda")  # 2 GiB, as bench/roofline.py measures it
     y = torch.empty_like(x)
     t = graph_time(lambda: y.copy_(x))
-    return 2 * x.numel() / (t * 1e-3)
+    return 2 * x.numel() * x.element_size() / (t * 1e-3)
 
 
 def bench_gemv(quick: bool) -> None:
@@ -199,6 +202,74 @@ def bench_prologues() -> None:
     save()
 
 
+def bench_attention() -> None:
+    """Decode attention per layer: flashinfer's graph-mode wrapper (tensor cores, as the engine builds it) vs the
+    split-KV Triton kernel, batch 1-32 at 1k and 4k context, 32 layers' pools in one graph; outputs compared."""
+    import flashinfer
+
+    from common.engine.gpu import decode_attention as tda
+    from common.kv.pool import KVLayout, KVPool
+
+    hq, hkv, d, layers, ps = 32, 8, 128, 32, 16
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    out = {}
+    for ctx in (1024, 4096):
+        for b in (1, 2, 4, 8, 16, 32):
+            npages = ctx // ps
+            pool = KVPool(KVLayout(layers, hkv, d, ps, torch.bfloat16), b * npages + 8, torch.device("cuda"))
+            for blk in pool.kv.split(1024):
+                blk.normal_()
+            indptr = torch.arange(0, (b + 1) * npages, npages, dtype=torch.int32)
+            indices = torch.randperm(b * npages, device="cuda").to(torch.int32)
+            last = torch.full((b,), ps, dtype=torch.int32)
+            bufs = (indptr.cuda(), indices.clone(), last.cuda())
+            q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                ws,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=True,
+                paged_kv_indptr_buffer=bufs[0],
+                paged_kv_indices_buffer=bufs[1],
+                paged_kv_last_page_len_buffer=bufs[2],
+                backend="fa2",
+            )
+            w.plan(indptr, indices, last, hq, hkv, d, ps, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+            kvs = [(pool.k_cache(i), pool.v_cache(i)) for i in range(layers)]
+            splits = tda.num_splits(b, hkv, sms)
+            ref = w.run(q, kvs[0]).float()
+            got = tda.decode_attention(q, *kvs[0], *bufs, splits).float()
+            err = float((got - ref).norm() / ref.norm())
+            t_fi = graph_time(lambda w=w, kvs=kvs, q=q: [w.run(q, kv) for kv in kvs]) / layers
+            t_tr = (
+                graph_time(
+                    lambda kvs=kvs, q=q, bufs=bufs, s=splits: [tda.decode_attention(q, *kv, *bufs, s) for kv in kvs]
+                )
+                / layers
+            )
+            kv_bytes = b * ctx * hkv * d * 2 * 2
+            key = f"b{b}_ctx{ctx}"
+            out[key] = dict(
+                flashinfer_us=t_fi * 1e3,
+                triton_us=t_tr * 1e3,
+                speedup=t_fi / t_tr,
+                splits=splits,
+                rel_diff=err,
+                kv_bytes=kv_bytes,
+                triton_of_copy=kv_bytes / (t_tr * 1e-3) / RESULTS["copy_bytes_per_s"],
+            )
+            print(
+                f"attention {key}: flashinfer {t_fi * 1e3:6.2f} us, triton {t_tr * 1e3:6.2f} us ({t_fi / t_tr:.2f}x, "
+                f"{splits} splits), rel diff {err:.1e}",
+                flush=True,
+            )
+            del pool, kvs
+            torch.cuda.empty_cache()
+    RESULTS["attention"] = out
+    save()
+
+
 def bench_layer_ops() -> None:
     """Per-layer small kernels at batch 1 (1k context), 32 layers' worth in one graph."""
     import flashinfer
@@ -235,34 +306,6 @@ def bench_layer_ops() -> None:
         tf, tu = graph_time(fused) / layers, graph_time(unfused) / layers
         out[f"rope_store_b{b}"] = dict(fused_us=tf * 1e3, unfused_us=tu * 1e3, speedup=tu / tf)
         print(f"rope+kv write b={b}: fused {tf * 1e3:.2f} us/layer, unfused {tu * 1e3:.2f} us/layer ({tu / tf:.2f}x)")
-    # Decode attention, b=1 and 8, 1k context, over the same pool (graph-mode wrappers as the engine builds them).
-    ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
-    for b in (1, 8):
-        npages = ctx // ps
-        indptr = torch.arange(0, (b + 1) * npages, npages, dtype=torch.int32)
-        indices = torch.arange(b * npages, dtype=torch.int32, device="cuda")
-        last = torch.full((b,), ps, dtype=torch.int32)
-        q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
-        for tc in (True, False):
-            bufs = (indptr.cuda(), indices.clone(), last.cuda())
-            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                ws,
-                "NHD",
-                use_cuda_graph=True,
-                use_tensor_cores=tc,
-                paged_kv_indptr_buffer=bufs[0],
-                paged_kv_indices_buffer=bufs[1],
-                paged_kv_last_page_len_buffer=bufs[2],
-                backend="fa2",
-            )
-            w.plan(indptr, indices, last, hq, hkv, d, ps, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
-            kvs = [(pool.k_cache(i), pool.v_cache(i)) for i in range(layers)]
-            t = graph_time(lambda w=w, kvs=kvs, q=q: [w.run(q, kv) for kv in kvs]) / layers
-            kv_bytes = b * ctx * hkv * d * 2 * 2
-            out[f"attention_b{b}_tc{int(tc)}"] = dict(
-                us=t * 1e3, kv_bytes=kv_bytes, of_copy=kv_bytes / (t * 1e-3) / RESULTS["copy_bytes_per_s"]
-            )
-            print(f"decode attention b={b} tensor_cores={tc}: {t * 1e3:.2f} us/layer ({kv_bytes / 1e6:.1f} MB of KV)")
     RESULTS["layer_ops"] = out
     save()
 
@@ -281,7 +324,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out" / "decode_kernels.json")
     ap.add_argument("--quick", action="store_true", help="only the default Triton configs")
-    ap.add_argument("--sections", default="gemv,prologue,layer")
+    ap.add_argument("--sections", default="gemv,prologue,layer,attention")
     args = ap.parse_args()
     OUT = args.out
     RESULTS["device"] = torch.cuda.get_device_name()
@@ -293,6 +336,8 @@ def main() -> None:
         bench_prologues()
     if "layer" in args.sections:
         bench_layer_ops()
+    if "attention" in args.sections:
+        bench_attention()
     save()
 
 

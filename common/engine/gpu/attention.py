@@ -25,6 +25,9 @@ from common.engine.model_config import ModelConfig
 from common.kv.pool import KVPool
 
 WORKSPACE_BYTES = 256 << 20
+# Decode graphs up to this batch run the split-KV Triton kernel (common/engine/gpu/decode_attention.py) where
+# it is available; larger batches keep flashinfer's (bench/decode_kernels.py measures both).
+TRITON_DECODE_MAX_BS = 8
 
 
 def use_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
@@ -71,11 +74,19 @@ class FlashInferAttention:
         self.fi = flashinfer
         self.cos_sin = rotary.cos_sin()
         self.rope_store = None
+        self.triton_decode = None
         if fused_rope_store:
-            from common.engine.gpu import rope_store
+            from common.engine.gpu import decode_attention, rope_store
 
             if rope_store.supports(cfg.head_dim):
                 self.rope_store = rope_store.rope_store
+            if decode_attention.supports(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, pool.layout.page_size):
+                self.triton_decode = decode_attention
+        self.num_sms = (
+            torch.cuda.get_device_properties(pool.device).multi_processor_count if pool.device.type == "cuda" else 1
+        )
+        # Set by `bind` for a CUDA-graph decode step that runs the Triton kernel: (indptr, indices, last, splits).
+        self._triton_meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
         self.pool = pool
         self.table = page_table
         self.page_size = pool.layout.page_size
@@ -199,6 +210,7 @@ class FlashInferAttention:
         self._wrapper = w
 
     def plan(self, batch: ForwardBatch) -> None:
+        self._triton_meta = None
         meta = self.page_meta(batch.table_rows, batch.seq_lens_cpu)
         if batch.is_decode:
             self.plan_decode(self.decode_wrappers[self.decode_tensor_cores(batch.batch_size)], meta)
@@ -206,11 +218,25 @@ class FlashInferAttention:
             self.plan_prefill(meta, batch.extend_lens_cpu)
         self._out_loc = self.pool.token_rows(batch.out_loc)  # pool rows of layer 0's K, once per step
 
-    def bind(self, wrapper, out_loc: torch.Tensor) -> None:
-        # `out_loc` holds pool rows (KVPool.token_rows) of the tokens written this step.
-        """Points forward() at a planned wrapper and a write-location buffer (CUDA-graph capture and replay)."""
+    def bind(
+        self,
+        wrapper,
+        out_loc: torch.Tensor,
+        graph_meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """Points forward() at a planned wrapper and a write-location buffer (CUDA-graph capture and replay).
+
+        `out_loc` holds pool rows (KVPool.token_rows) of the tokens written this step; `graph_meta` the device
+        CSR buffers (indptr, indices, last page lengths) the wrapper was built over, which the Triton decode
+        kernel reads too for batches up to TRITON_DECODE_MAX_BS."""
         self._wrapper = wrapper
         self._out_loc = out_loc
+        self._triton_meta = None
+        if graph_meta is not None and self.triton_decode is not None:
+            bs = int(graph_meta[2].shape[0])
+            if bs <= TRITON_DECODE_MAX_BS:
+                splits = self.triton_decode.num_splits(bs, self.num_kv_heads, self.num_sms)
+                self._triton_meta = (*graph_meta, splits)
 
     # ---- per layer --------------------------------------------------------------------------------
     def forward(
@@ -233,4 +259,8 @@ class FlashInferAttention:
             q = qr.view(q.shape)
             self.rows.index_copy_(0, self._kv_rows[2 * layer], kr.view(k.shape))
             self.rows.index_copy_(0, self._kv_rows[2 * layer + 1], v)
+        if self._triton_meta is not None:
+            indptr, indices, last, splits = self._triton_meta
+            k_cache, v_cache = self.kv[layer]
+            return self.triton_decode.decode_attention(q, k_cache, v_cache, indptr, indices, last, splits)  # type: ignore[union-attr]
         return self._wrapper.run(q, self.kv[layer])

@@ -88,7 +88,8 @@ class DecodeGraphs:
         )
 
     def _body(self, bs: int) -> None:
-        self.attn.bind(self.wrappers[bs], self.out_loc[:bs])
+        meta = (self.indptr_buf[: bs + 1], self.indices_buf, self.last_buf[:bs])
+        self.attn.bind(self.wrappers[bs], self.out_loc[:bs], meta)
         # Logits in the model's dtype, cast by the copy into the float32 buffer (one kernel, not two).
         logits = self.model.forward_tokens(self.input_ids[:bs], self.positions[:bs], self.attn, float_logits=False)
         self.logits[:bs].copy_(logits)
