@@ -26,8 +26,9 @@ from common.kv.pool import KVPool
 
 WORKSPACE_BYTES = 256 << 20
 # Decode graphs up to this batch run the split-KV Triton kernel (common/engine/gpu/decode_attention.py) where
-# it is available; larger batches keep flashinfer's (bench/decode_kernels.py measures both).
-TRITON_DECODE_MAX_BS = 8
+# it is available; larger batches keep flashinfer's. bench/decode_kernels.py on the H200 (per layer, 32 q / 8 kv
+# heads): b=1 1.62x at 1k context and 1.16x at 4k; b=2 1.40x / 0.95x; b=4 1.13x / 0.87x; b=8 1.06x / 0.86x.
+TRITON_DECODE_MAX_BS = 2
 
 
 def use_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
