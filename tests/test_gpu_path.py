@@ -361,10 +361,11 @@ def test_flashinfer_ops_match_torch_ops(head_dim):
         gate_up = randn(t, 2 * inter)
         close(fused.silu_linear(gate_up, down), plain.silu_linear(gate_up, down))
         close(fused.linear(x, weight, bias), plain.linear(x, weight, bias))
-    _check_rope_store(head_dim, randn, close)
+    for t in (37, 300):  # the decode grid (2 heads a program) and the prefill grid (16)
+        _check_rope_store(head_dim, t, randn, close)
 
 
-def _check_rope_store(head_dim: int, randn, close) -> None:
+def _check_rope_store(head_dim: int, t: int, randn, close) -> None:
     import flashinfer
 
     from common.engine.gpu.rope_store import rope_store
@@ -372,7 +373,7 @@ def _check_rope_store(head_dim: int, randn, close) -> None:
     from common.engine.model_config import RopeConfig
     from common.kv.pool import KVLayout, KVPool
 
-    t, hq, hkv = 37, 4, 2
+    hq, hkv = 4, 2
     rotary = RotaryCache.build(head_dim, RopeConfig(theta=500000.0), 1024, torch.device("cuda"))
     cos_sin = rotary.cos_sin()
     pool = KVPool(KVLayout(2, hkv, head_dim, 16, torch.bfloat16), 64, torch.device("cuda"))

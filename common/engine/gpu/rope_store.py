@@ -1,8 +1,8 @@
 """RoPE on q and k and the layer's K/V write into the paged pool, in one launch.
 
 Unfused this is three kernels per layer (flashinfer's RoPE, then one index_copy each for K and V); at
-batch 1 they cost more in launches than in bytes. One program per (token, head): a query head is rotated
-into the output, a KV head's key is rotated and written to its pool row and its value copied beside it.
+batch 1 they cost more in launches than in bytes. One program per (token, block of heads): a query head is
+rotated into the output, a KV head's key is rotated and written to its pool row and its value copied beside it.
 Rotation is the neox half-split form over the same float32 cos/sin table flashinfer's RoPE reads.
 """
 
@@ -31,34 +31,33 @@ def _rope_store_kernel(
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     HALF: tl.constexpr,
+    HEADS: tl.constexpr,
 ):
     t = tl.program_id(0)
-    h = tl.program_id(1)
+    hh = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # this program's heads: queries first, then KV heads
     d = tl.arange(0, HALF)
     pos = tl.load(pos_ptr + t).to(tl.int64)
-    cos = tl.load(cs_ptr + pos * (2 * HALF) + d)
-    sin = tl.load(cs_ptr + pos * (2 * HALF) + HALF + d)
+    cos = tl.load(cs_ptr + pos * (2 * HALF) + d)[None, :]
+    sin = tl.load(cs_ptr + pos * (2 * HALF) + HALF + d)[None, :]
+    loc = tl.load(loc_ptr + t).to(tl.int64)
     row_elems = HKV * 2 * HALF
-    if h < HQ:
-        src = q_ptr + t * stride_qt + h * (2 * HALF)
-        x1 = tl.load(src + d).to(tl.float32)
-        x2 = tl.load(src + HALF + d).to(tl.float32)
-        dst = qo_ptr + (t * HQ + h) * (2 * HALF)
-        tl.store(dst + d, (x1 * cos - x2 * sin).to(qo_ptr.dtype.element_ty))
-        tl.store(dst + HALF + d, (x2 * cos + x1 * sin).to(qo_ptr.dtype.element_ty))
-    else:
-        kh = h - HQ
-        loc = tl.load(loc_ptr + t).to(tl.int64)
-        src = k_ptr + t * stride_kt + kh * (2 * HALF)
-        x1 = tl.load(src + d).to(tl.float32)
-        x2 = tl.load(src + HALF + d).to(tl.float32)
-        dst = rows_ptr + (loc + k_off) * row_elems + kh * (2 * HALF)
-        tl.store(dst + d, (x1 * cos - x2 * sin).to(rows_ptr.dtype.element_ty))
-        tl.store(dst + HALF + d, (x2 * cos + x1 * sin).to(rows_ptr.dtype.element_ty))
-        vsrc = v_ptr + t * stride_vt + kh * (2 * HALF)
-        vdst = rows_ptr + (loc + v_off) * row_elems + kh * (2 * HALF)
-        tl.store(vdst + d, tl.load(vsrc + d))
-        tl.store(vdst + HALF + d, tl.load(vsrc + HALF + d))
+    is_q = hh < HQ
+    is_kv = (hh >= HQ) & (hh < HQ + HKV)
+    kh = tl.where(is_kv, hh - HQ, 0)
+    qh = tl.where(is_q, hh, 0)
+    src = tl.where(is_q, q_ptr + t * stride_qt + qh * (2 * HALF), k_ptr + t * stride_kt + kh * (2 * HALF))
+    dst = tl.where(is_q, qo_ptr + (t * HQ + qh) * (2 * HALF), rows_ptr + (loc + k_off) * row_elems + kh * (2 * HALF))
+    ok = (is_q | is_kv)[:, None]
+    x1 = tl.load(src[:, None] + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(src[:, None] + HALF + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(dst[:, None] + d[None, :], (x1 * cos - x2 * sin).to(qo_ptr.dtype.element_ty), mask=ok)
+    tl.store(dst[:, None] + HALF + d[None, :], (x2 * cos + x1 * sin).to(qo_ptr.dtype.element_ty), mask=ok)
+    vmask = is_kv[:, None]
+    vsrc = v_ptr + t * stride_vt + kh * (2 * HALF)
+    vdst = rows_ptr + (loc + v_off) * row_elems + kh * (2 * HALF)
+    for half in tl.static_range(2):
+        val = tl.load(vsrc[:, None] + half * HALF + d[None, :], mask=vmask, other=0.0)
+        tl.store(vdst[:, None] + half * HALF + d[None, :], val, mask=vmask)
 
 
 def supports(head_dim: int) -> bool:
@@ -87,7 +86,10 @@ def rope_store(
     out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
     if t == 0:
         return out
-    _rope_store_kernel[(t, hq + hkv)](
+    # Few tokens (decode): two heads per program, the most parallel grid; many tokens (prefill): 16 heads per
+    # program, so the grid is not hundreds of thousands of one-warp programs.
+    heads = 2 if t <= 64 else 16
+    _rope_store_kernel[(t, triton.cdiv(hq + hkv, heads))](
         q,
         k,
         v,
@@ -104,6 +106,7 @@ def rope_store(
         HQ=hq,
         HKV=hkv,
         HALF=d // 2,
-        num_warps=1,
+        HEADS=heads,
+        num_warps=1 if heads == 2 else 4,
     )
     return out
