@@ -119,10 +119,21 @@ def _sender_main(name: str, cmd_q: Any, out_q: Any) -> None:
         elif op == "has_peer":
             out_q.put(("has_peer", agent.has_peer(cmd[1], cmd[2])))
         elif op == "write":
-            _, peer, chunks, notif = cmd
-            rt = sender.request("req-1", peer, timeout_s=STEP_TIMEOUT_S)
-            handles = [rt.post(torch.tensor(s), torch.tensor(d)) for s, d in chunks]
-            state = rt.finish(notif)
+            # mode "finish": every chunk posted, then the notice on its own; "final": the last chunk with the
+            # notice (post_final); "final-pending": the same with earlier writes still in flight (delayed).
+            _, peer, chunks, notif, mode = cmd
+            via = KVSender(agent, fault_write_delay_s=0.3) if mode == "final-pending" else sender
+            rt = via.request("req-1", peer, timeout_s=STEP_TIMEOUT_S)
+            posted = chunks if mode == "finish" else chunks[:-1]
+            handles = [rt.post(torch.tensor(s), torch.tensor(d)) for s, d in posted]
+            if mode == "final":  # earlier writes done first, so the notice can ride on the last one
+                while any(via.poll(h) == "pending" for h in rt.handles):
+                    time.sleep(0.001)
+            if mode == "finish":
+                state = rt.finish(notif)
+            else:
+                state = rt.post_final(torch.tensor(chunks[-1][0]), torch.tensor(chunks[-1][1]), notif)
+                handles.append(rt.handles[-1])
             if state not in TERMINAL:
                 state = rt.wait()
             src = torch.tensor([p for s, _ in chunks for p in s])
@@ -134,6 +145,7 @@ def _sender_main(name: str, cmd_q: Any, out_q: Any) -> None:
                     [h.num_descs for h in handles],
                     [h.num_runs for h in handles],
                     pool.page_checksums(src).tolist(),
+                    rt.notice_attached,
                 )
             )
         elif op == "begin":  # a request whose pages were reserved on the peer's current instance
@@ -194,12 +206,14 @@ def spawn() -> Any:
         child.stop()
 
 
-def _write_and_check(sender: _Child, receiver: _Child, peer: str, notif: bytes) -> list[int]:
+def _write_and_check(sender: _Child, receiver: _Child, peer: str, notif: bytes, mode: str = "finish") -> list[int]:
     dst = [p for _, d in CHUNKS for p in d]
     receiver.send("expect", dst, STEP_TIMEOUT_S, 0.5)
-    sender.send("write", peer, CHUNKS, notif)
-    _, state, error, descs, runs, src_sums = sender.recv()
+    sender.send("write", peer, CHUNKS, notif, mode)
+    _, state, error, descs, runs, src_sums, attached = sender.recv()
     assert state == "landed", error
+    # The notice rides on the last write only when every earlier write was done when it was posted.
+    assert attached == (mode == "final")
     _, got, sums_at_notif = receiver.recv(STEP_TIMEOUT_S + 5)
     assert got == [("prefill-0", notif)], got  # exactly once
     # Checksummed when the notification was seen: every chunk's data had landed by then.
@@ -211,14 +225,17 @@ def _write_and_check(sender: _Child, receiver: _Child, peer: str, notif: bytes) 
 # -- (a) chunked write + notification ordering -------------------------------------------------------
 
 
-def test_chunked_write_lands_before_notification(spawn: Any) -> None:
+@pytest.mark.parametrize("mode", ["finish", "final", "final-pending"])
+def test_chunked_write_lands_before_notification(spawn: Any, mode: str) -> None:
+    """However the notice travels (on its own after the writes, on the last write, or on its own because
+    earlier writes were still in flight), it arrives exactly once and after every chunk's data."""
     receiver = spawn(_receiver_main, "decode-0")
     sender = spawn(_sender_main, "prefill-0")
     _, hs = receiver.recv()
     sender.recv()
     sender.send("add_peer", hs)
     assert sender.recv() == ("ok",)
-    descs = _write_and_check(sender, receiver, "decode-0", b"req-1:first=42")
+    descs = _write_and_check(sender, receiver, "decode-0", b"req-1:first=42", mode)
     # One descriptor per (layer, K/V, run): the pool layout makes a run of pages one block per layer.
     # Page-major pool: one descriptor per run of consecutive pages, whatever the layer count.
     assert descs == CHUNK_RUNS

@@ -135,15 +135,23 @@ class PrefillHost(EngineHost):
         self.reply(msg)
 
     # ---- scheduler hooks: the chunk's KV is in memory when they run ---------------------------------
-    def _post(self, ob: Outbound, upto_pages: int) -> None:
+    def _unsent(self, ob: Outbound, upto_pages: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The (local, peer) pages computed up to `upto_pages` and not posted yet; None when nothing is due."""
         if ob.transfer.state not in (S.REQUESTED, S.WRITING) or upto_pages <= ob.sent_pages:
-            return
+            return None
         src = torch.tensor(ob.req.pages[ob.sent_pages : upto_pages], dtype=torch.int64)
+        dst = ob.dst_pages[ob.sent_pages : upto_pages]
+        ob.sent_pages = upto_pages
+        return src, dst
+
+    def _post(self, ob: Outbound, upto_pages: int) -> None:
+        pages = self._unsent(ob, upto_pages)
+        if pages is None:
+            return
         try:
-            ob.transfer.post(src, ob.dst_pages[ob.sent_pages : upto_pages])
+            ob.transfer.post(*pages)
         except TransferError:
             pass  # the session is given up; `tick` ends the request once its writes settled
-        ob.sent_pages = upto_pages
 
     def _on_chunk(self, req: Req, start: int, end: int) -> None:
         ob = self.outbound.get(req.req_id)
@@ -159,7 +167,6 @@ class PrefillHost(EngineHost):
         ob.first_token_at = time.monotonic()
         self.note_admissions()  # a prompt admitted and done in this very step: its admission goes in the notice
         self.mark(req.req_id, "prefill_first_token")
-        self._post(ob, len(ob.dst_pages))
         if ob.transfer.state not in (S.REQUESTED, S.WRITING):
             return
         notice = KVNotice(
@@ -173,7 +180,13 @@ class PrefillHost(EngineHost):
             else None,
             timeline=self.stamps.get(req.req_id),
         )
-        ob.transfer.finish(notice.model_dump_json().encode())
+        empty = torch.zeros(0, dtype=torch.int64)
+        src, dst = self._unsent(ob, len(ob.dst_pages)) or (empty, empty)
+        try:
+            # The last pages and the notice in one write where NIXL's ordering allows (RequestTransfer doc).
+            ob.transfer.post_final(src, dst, notice.model_dump_json().encode())
+        except TransferError:
+            pass  # the session is given up; `tick` ends the request once its writes settled
 
     # ---- progress --------------------------------------------------------------------------------
     def tick(self) -> None:

@@ -4,9 +4,9 @@
 consecutive pages (the pool is page-major: a page holds every layer's K and V), so a 4k-token write
 into a contiguous reservation is a single descriptor.
 `RequestTransfer` is the prefill side of one request's transfer session (common/transfer/session.py): it
-strings the request's chunk writes together, sends the "landed" notice once every write completed, and on
-giving up waits for every posted write to settle before it sends the "closed" notice and lets the caller
-release the request's pages.
+strings the request's chunk writes together, delivers the "landed" notice once every write completed (on
+the last write itself where NIXL's ordering allows, `post_final`), and on giving up waits for every posted
+write to settle before it sends the "closed" notice and lets the caller release the request's pages.
 
 A write is settled once NIXL has let go of it (completed, failed, or cancelled, and released): only then
 can it neither read the local pages nor write the peer's.
@@ -166,6 +166,13 @@ class KVSender:
         except Exception as e:  # NIXL raises nixl*Error (NOT_FOUND for unregistered ranges, disconnects)
             return self._fail(handle, f"post failed: {type(e).__name__}: {e}")
 
+    def single_write(self, peer: str, num_pages: int) -> bool:
+        """Whether `num_pages` pages to `peer` go out as one NIXL request: one post (no staging split) to one
+        agent (not a peer whose ranks run agents of their own). Only such a write may carry the request's
+        notice, since NIXL orders a notification after its own transfer's data only."""
+        agents = {r.dst.agent_name for r in self.agent.peer(peer).routes}
+        return len(agents) == 1 and num_pages <= self.max_pages_per_post(peer)
+
     def max_pages_per_post(self, peer: str) -> int:
         """Pages one `post_write` may move: all of them, unless the peer needs packing into the staging area."""
         routes = self.agent.peer(peer).routes
@@ -317,14 +324,14 @@ class RequestTransfer:
     """The prefill side of one request's transfer session: its writes to one decode peer and the notice
     that ends them (`session.state`: requested -> writing -> landed | cancelling -> abandoned).
 
-    Ordering: the "landed" notice is sent with `send_notif` once every write of the request reports
-    DONE, rather than attached to the last write. NIXL orders a transfer's own notification after
-    that transfer's data only; separate transfer requests may complete in any order (UCX lanes,
-    threads), so attaching it to the last chunk would need holding that chunk back until the others
-    finished, serializing the tail. With `send_notif` every chunk is posted as soon as it is computed,
-    a request whose pages all sit on the decode side already (zero writes) still gets its notice,
-    and the first sampled token (the usual payload) need not be known when the last chunk is posted.
-    A write reports DONE after the UCX flush, i.e. once the data is placed remotely.
+    Ordering: NIXL orders a transfer's own notification after that transfer's data only; separate
+    transfer requests may complete in any order (UCX lanes, threads). So the "landed" notice rides on the
+    last write (`post_final`) only when every earlier write of the request already reported DONE and the
+    last one is a single NIXL request: the decode side then learns of it when the data lands, with no
+    separate message after the sender saw DONE. Otherwise (`finish`, or `post_final` with writes still
+    in flight) it goes out with `send_notif` once every write reports DONE, so every chunk is still posted
+    as soon as it is computed and a request whose pages all sit on the decode side already (zero writes)
+    still gets its notice. A write reports DONE after the UCX flush, i.e. once the data is placed remotely.
     Giving up (`cancel`, an error, the deadline) waits for every posted write to settle, then sends the
     "closed" notice: the decode side frees its pages on it, and the caller may release the local ones.
     """
@@ -334,7 +341,8 @@ class RequestTransfer:
     deadline: float  # time.monotonic() seconds
     handles: list[TransferHandle] = field(default_factory=list)
     notice: bytes | None = None  # the "landed" notice, sent once every write is done
-    landed_at: float | None = None  # time.monotonic() when the "landed" notice went out
+    notice_attached: bool = False  # the notice rides on the last write (NIXL delivers it with the data)
+    landed_at: float | None = None  # time.monotonic() when every write was seen done (and the notice out)
 
     @property
     def state(self) -> SessionState:
@@ -381,6 +389,36 @@ class RequestTransfer:
         self.notice = notice
         return self.progress()
 
+    def post_final(self, src_pages: torch.Tensor, dst_pages: torch.Tensor, notice: bytes) -> SessionState:
+        """Post the last chunk and finish with `notice`; the notice rides on this write when every earlier
+        write is done and this one is a single NIXL request (see the class doc), else as `finish` sends it.
+        Raises `TransferError` once the request is given up."""
+        src = torch.as_tensor(src_pages).reshape(-1)
+        dst = torch.as_tensor(dst_pages).reshape(-1)
+        state = self.progress()  # earlier writes polled: the ones done are known done
+        if self.notice is not None:
+            raise RuntimeError("post after finish: the notice would not cover this write")
+        if state not in (S.REQUESTED, S.WRITING):
+            raise TransferError(self.error or "transfer given up")
+        attach = (
+            src.numel() > 0
+            and all(h.state == "done" for h in self.handles)
+            and self.sender.single_write(self.peer, int(src.numel()))
+        )
+        if not attach:
+            if src.numel() > 0:
+                self.post(src, dst)
+            return self.finish(notice)
+        if state is S.REQUESTED:
+            self.session.move(S.WRITING)
+        handle = self.sender.post_write(self.peer, src, dst, notif=notice, expect_instance=self.session.peer_instance)
+        self.handles.append(handle)
+        self.notice, self.notice_attached = notice, True
+        if handle.state == "error":
+            self.cancel(handle.error or "post failed")
+            raise TransferError(self.error or "post failed")
+        return self.progress()
+
     def progress(self, now: float | None = None) -> SessionState:
         """Non-blocking: poll writes, send the notice when due, give up on error or deadline, and end a
         give-up once every write settled."""
@@ -394,7 +432,8 @@ class RequestTransfer:
                 pending |= st == "pending"
             if not pending and self.notice is not None:
                 try:
-                    self.sender.send_notif(self.peer, self.notice, expect_instance=self.session.peer_instance)
+                    if not self.notice_attached:
+                        self.sender.send_notif(self.peer, self.notice, expect_instance=self.session.peer_instance)
                 except Exception as e:
                     self.cancel(f"notice not sent: {e}")
                     return self.state

@@ -23,7 +23,7 @@ PAGES_PER_TILE = 4  # pages gathered per iteration
 
 
 @triton.jit
-def _split_kernel(
+def _decode_attention_split_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
@@ -94,7 +94,9 @@ def _split_kernel(
 
 
 @triton.jit
-def _merge_kernel(o_ptr, lse_ptr, out_ptr, NUM_SPLITS: tl.constexpr, SPAD: tl.constexpr, D: tl.constexpr):
+def _decode_attention_merge_kernel(
+    o_ptr, lse_ptr, out_ptr, NUM_SPLITS: tl.constexpr, SPAD: tl.constexpr, D: tl.constexpr
+):
     row = tl.program_id(0)  # b * HQ + head
     sp = tl.arange(0, SPAD)
     d = tl.arange(0, D)
@@ -140,7 +142,7 @@ def decode_attention(
     part = torch.empty(b * hq * splits, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b * hq * splits, dtype=torch.float32, device=q.device)
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
-    _split_kernel[(b, hkv, splits)](
+    _decode_attention_split_kernel[(b, hkv, splits)](
         q,
         k_cache,
         v_cache,
@@ -164,5 +166,7 @@ def decode_attention(
         num_warps=4,
         num_stages=2,
     )
-    _merge_kernel[(b * hq,)](part, lse, out, NUM_SPLITS=splits, SPAD=max(2, triton.next_power_of_2(splits)), D=d)
+    _decode_attention_merge_kernel[(b * hq,)](
+        part, lse, out, NUM_SPLITS=splits, SPAD=max(2, triton.next_power_of_2(splits)), D=d
+    )
     return out
