@@ -285,6 +285,9 @@ def main() -> None:
     ap.add_argument("--chunk-tokens", type=int, default=2048, help="prefill chunk = tokens per WRITE")
     ap.add_argument("--run-pages", type=int, default=16, help="destination fragmentation: pages per run")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument(
+        "--sizes", default=",".join(map(str, SIZES)), help="prompt lengths in tokens (small ones show the fixed cost)"
+    )
     ap.add_argument("--mode", choices=["throughput", "overlap", "both"], default="both")
     ap.add_argument("--overlap-tokens", type=int, default=8192)
     ap.add_argument(
@@ -308,10 +311,11 @@ def main() -> None:
     ap.add_argument("--staging-mb", type=int, default=1024, help="sender's packing area when --dst-tp > 1")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
     args = ap.parse_args()
+    sizes = [int(v) for v in args.sizes.split(",")]
 
     backend_params = dict(kv.split("=", 1) for kv in args.backend_param)
     layout = make_layout(args.layout, args.device, args.page_size)
-    max_pages = max(SIZES + [args.overlap_tokens]) // args.page_size
+    max_pages = max(sizes + [args.overlap_tokens]) // args.page_size
     num_pages = (max_pages // args.run_pages + 4) * args.run_pages
     pool_gb = 2 * layout.num_layers * layout.page_bytes * num_pages / 1e9
     print(
@@ -365,11 +369,11 @@ def main() -> None:
         chunk_pages = args.chunk_tokens // args.page_size
 
         # First transfer: UCX endpoint wire-up (and on CUDA the IPC handle mapping) lands here.
-        n0 = SIZES[0] // args.page_size
+        n0 = sizes[0] // args.page_size
         first = one_transfer(sender, rx, torch.arange(n0), dst_all[:n0], chunk_pages, "first")
         first_bytes = n0 * 2 * layout.num_layers * layout.page_bytes
         print(
-            f"handshake (add_peer) {handshake_s * 1e3:.1f} ms; first transfer {SIZES[0]} tokens: "
+            f"handshake (add_peer) {handshake_s * 1e3:.1f} ms; first transfer {sizes[0]} tokens: "
             f"{first.seconds * 1e3:.1f} ms = {gbps(first_bytes, first.seconds):.2f} GB/s",
             flush=True,
         )
@@ -389,12 +393,12 @@ def main() -> None:
             "dst_device": args.dst_device or args.device,
             "progress_delay_us": args.progress_delay_us,
             "handshake_s": handshake_s,
-            "first_transfer": {"tokens": SIZES[0], **asdict(first), "gbps": gbps(first_bytes, first.seconds)},
+            "first_transfer": {"tokens": sizes[0], **asdict(first), "gbps": gbps(first_bytes, first.seconds)},
             "sizes": [],
         }
 
         if args.mode in ("throughput", "both"):
-            for tokens in SIZES:
+            for tokens in sizes:
                 n = tokens // args.page_size
                 src, dst = torch.arange(n), dst_all[:n]
                 nbytes = n * 2 * layout.num_layers * layout.page_bytes
