@@ -68,7 +68,7 @@ class FlashInferAttention:
         workspace: torch.Tensor,
         rotary: RotaryCache,
         tc_min_batch: int = 1,
-        fused_rope_store: bool = True,
+        triton_kernels: bool = True,
     ) -> None:
         import flashinfer
 
@@ -76,7 +76,7 @@ class FlashInferAttention:
         self.cos_sin = rotary.cos_sin()
         self.rope_store = None
         self.triton_decode = None
-        if fused_rope_store:
+        if triton_kernels:
             from common.engine.gpu import decode_attention, rope_store
 
             if rope_store.supports(cfg.head_dim):
