@@ -154,6 +154,8 @@ def gemv(
         raise ValueError(f"gemv serves 1..{MAX_ROWS} rows, not {m}")
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError("gemv needs unit-stride rows")
+    if n * weight.stride(0) >= 1 << 31:
+        raise ValueError("gemv indexes the weight with 32-bit offsets: this one is too large")
     if code == 3 and x.shape[1] != 2 * k:
         raise ValueError(f"silu prologue: x holds gate | up ({2 * k} columns), not {x.shape[1]}")
     if code != 3 and x.shape[1] != k:

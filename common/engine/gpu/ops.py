@@ -9,6 +9,9 @@ import torch.nn.functional as F
 
 from common.engine.layers import ComposedOps
 
+# The Triton GEMV indexes a weight with 32-bit offsets: larger ones (a 256k vocabulary x 8192 LM head) use cuBLAS.
+MAX_WEIGHT_ELEMENTS = 1 << 31
+
 
 class FlashInferOps(ComposedOps):
     """The GPU in bfloat16/float16: flashinfer's fused add + RMSNorm (in place) and SiLU-mul, and the GEMMs of
@@ -39,11 +42,11 @@ class FlashInferOps(ComposedOps):
             self.gemv = gemv
             self.gemv_max_rows = min(gemv_max_rows, MAX_ROWS)
 
-    def _triton(self, x: torch.Tensor, n: int) -> bool:
+    def _triton(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         rows = x.shape[0]
-        if self.gemv is None or rows == 0 or rows > self.gemv_max_rows:
+        if self.gemv is None or rows == 0 or rows > self.gemv_max_rows or weight.numel() >= MAX_WEIGHT_ELEMENTS:
             return False
-        return rows == 1 or n > self.WIDE_N
+        return rows == 1 or weight.shape[0] > self.WIDE_N
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.fi.rmsnorm(x, weight, eps)
@@ -64,7 +67,7 @@ class FlashInferOps(ComposedOps):
         bias: torch.Tensor | None = None,
         packed: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if self._triton(x, weight.shape[0]):
+        if self._triton(x, weight):
             return self.gemv(x, weight, bias)[0]  # type: ignore[misc]
         return F.linear(x, weight, bias)
 
@@ -78,7 +81,7 @@ class FlashInferOps(ComposedOps):
         bias: torch.Tensor | None = None,
         packed: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not (self.fold_prologues and self._triton(x, weight.shape[0])):
+        if not (self.fold_prologues and self._triton(x, weight)):
             return super().norm_linear(x, residual, norm_weight, eps, weight, bias, packed)
         if residual is None:
             return self.gemv(x, weight, bias, prologue="norm", norm_weight=norm_weight, eps=eps)[0], x  # type: ignore[misc]
@@ -90,6 +93,6 @@ class FlashInferOps(ComposedOps):
     def silu_linear(
         self, gate_up: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if self.fold_prologues and self._triton(gate_up, weight.shape[0]):
+        if self.fold_prologues and self._triton(gate_up, weight):
             return self.gemv(gate_up, weight, prologue="silu")[0]  # type: ignore[misc]
         return super().silu_linear(gate_up, weight, packed)
