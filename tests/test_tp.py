@@ -17,7 +17,14 @@ from common.engine.tp import TPShard
 from common.offline import Engine
 from common.protocol import SamplingParams
 from common.settings import RunnerConfig, SchedulerConfig
-from tests.workers import generate, run_concurrently, start_worker, wait_pages_back, wait_ready
+from tests.workers import (
+    generate,
+    give_up_during_remote_prefill,
+    run_concurrently,
+    start_worker,
+    wait_pages_back,
+    wait_ready,
+)
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 CHUNK = 64  # KVFERRY_MAX_PREFILL_TOKENS of the test workers (tests/workers.py)
@@ -85,6 +92,10 @@ def tp_workers(redis_server):
     procs = {
         "prefill1": start_worker("prefill", redis_server, env=env),
         "prefill2": start_worker("prefill", redis_server, env={**env, "KVFERRY_TP_SIZE": "2"}),
+        # The GPU arrangement for sending: each prefill follower posts its own heads from its own agent.
+        "prefill2r": start_worker(
+            "prefill", redis_server, env={**env, "KVFERRY_TP_SIZE": "2", "KVFERRY_TP_TRANSFER": "per-rank"}
+        ),
         "decode2": start_worker("decode", redis_server, env={**env, "KVFERRY_TP_SIZE": "2"}),
         # The GPU arrangement on the CPU: each decode follower registers its own pool with its own NIXL agent.
         "decode2r": start_worker(
@@ -124,6 +135,35 @@ def test_tp1_prefill_feeds_decode_ranks_with_their_own_agents(tp_workers, smol_t
         assert gt == wt
         assert ev[0]["kv_verified"] is True
     wait_pages_back(p1, d2r, d1)
+
+
+@pytest.mark.parametrize("decode", ["decode2", "decode2r"])
+def test_prefill_ranks_with_their_own_agents_post_their_own_heads(tp_workers, smol_tokenizer, decode) -> None:
+    """TP=2 prefill whose follower posts its own KV head (the GPU path) into a TP=2 decode worker, whether the
+    decode ranks share one agent or run their own: the same text as a local prefill, every page checksum equal
+    on both sides, every page back."""
+    p2r, d2, d1 = tp_workers["prefill2r"], tp_workers[decode], tp_workers["decode1"]
+    texts = ["The capital of France is", "A story about a lighthouse keeper. " * 20, "def fibonacci(n):"]
+    prompts = [smol_tokenizer.encode(t) for t in texts]
+    assert max(len(x) for x in prompts) > 2 * CHUNK  # several chunks, each posted by both ranks
+    want = run_concurrently(lambda ids: generate(d1, ids, None), [(x,) for x in prompts])
+    got = run_concurrently(lambda ids: generate(d2, ids, p2r), [(x,) for x in prompts])
+    for (wt, _), (gt, ev) in zip(want, got):
+        assert gt == wt
+        assert ev[0]["kv_verified"] is True  # page checksums over both decode ranks == both prefill ranks'
+    wait_pages_back(p2r, d2, d1)
+
+
+def test_abort_while_prefill_ranks_post_their_own_heads_returns_pages(tp_workers, smol_tokenizer) -> None:
+    """Giving up mid-prefill aborts both prefill ranks' writes; the pages come back on every worker once every
+    rank's writes settled."""
+    p2r, d2r, d1 = tp_workers["prefill2r"], tp_workers["decode2r"], tp_workers["decode1"]
+    ids = smol_tokenizer.encode("An extremely long document about rivers and mountains. " * 120)
+    give_up_during_remote_prefill(d2r, p2r, ids)
+    wait_pages_back(p2r, d2r, d1)
+    # Still serving afterwards, the same text as a local prefill.
+    short = smol_tokenizer.encode("Why is the sky blue?")
+    assert generate(d2r, short, p2r)[0] == generate(d1, short, None)[0]
 
 
 def test_tp2_prefill_feeds_tp2_decode_with_radix_hits(tp_workers, smol_tokenizer) -> None:

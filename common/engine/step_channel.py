@@ -72,11 +72,14 @@ class StepChannel:
         w[0] = seq + 1
 
     # -- followers -----------------------------------------------------------------------------------
-    def recv(self, rank: int) -> torch.Tensor:
-        """Waits for the next message and returns a copy of it (then rank 0 may overwrite the area)."""
+    def recv(self, rank: int, idle: Callable[[], None] | None = None) -> torch.Tensor:
+        """Waits for the next message and returns a copy of it (then rank 0 may overwrite the area). `idle`
+        runs between polls once the spin phase is over (a follower's own transfers progress there)."""
         w = self.words
         while int(w[0]) == self._seen:
             if time.monotonic() - self._last_message_at > SPIN_S:
+                if idle is not None:
+                    idle()
                 time.sleep(POLL_SLEEP_S)
         seq = int(w[0])
         n = int(w[1])

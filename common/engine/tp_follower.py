@@ -22,7 +22,15 @@ import torch
 
 from common.engine.runner import ModelRunner
 from common.engine.step_channel import StepChannel
-from common.engine.tp_ranks import HEADER_LEN, OP_STEP_BIG, OP_STOP, STEP_CHANNEL_WORDS, decode_step, payload_parts
+from common.engine.tp_ranks import (
+    HEADER_LEN,
+    OP_SIDE,
+    OP_STEP_BIG,
+    OP_STOP,
+    STEP_CHANNEL_WORDS,
+    decode_step,
+    payload_parts,
+)
 from common.log import setup_logging
 from common.settings import RunnerConfig
 
@@ -58,11 +66,17 @@ class Follower:
         runner = ModelRunner(RunnerConfig(**spec))
         return cls(runner, channel, int(spec["tp_rank"]))
 
-    def serve(self, on_stop: Callable[[], None] | None = None) -> NoReturn:
-        """Replays steps until rank 0 sends STOP, then runs `on_stop` and exits the process."""
+    def serve(
+        self,
+        on_stop: Callable[[], None] | None = None,
+        on_side: Callable[[bytes], None] | None = None,
+        on_idle: Callable[[], None] | None = None,
+    ) -> NoReturn:
+        """Replays steps until rank 0 sends STOP, then runs `on_stop` and exits the process. `on_side` gets the
+        layer above's messages (`TPFollowers.send_side`); `on_idle` runs between polls and after each message."""
         runner = self.runner
         while True:
-            message = self.channel.recv(self.rank)
+            message = self.channel.recv(self.rank, on_idle)
             header = message[:HEADER_LEN]
             op = int(header[0])
             if op == OP_STOP:
@@ -70,6 +84,12 @@ class Follower:
                     on_stop()
                 runner.tp.close()
                 os._exit(0)  # skip interpreter teardown: nothing is left to flush, and NCCL's can block
+            if op == OP_SIDE:
+                if on_side is not None:
+                    on_side(message[HEADER_LEN:].numpy().tobytes()[: int(header[1])])
+                if on_idle is not None:
+                    on_idle()
+                continue
             if op == OP_STEP_BIG:
                 payload = torch.empty(sum(payload_parts(header)), dtype=torch.int64)
                 runner.tp.broadcast(payload)
@@ -79,6 +99,8 @@ class Follower:
             for row, first, pages in step.journal:
                 runner.page_table.write_pages(row, first, pages)
             runner.forward_local(runner.batch_from_inputs(step.inputs))
+            if on_idle is not None:
+                on_idle()
 
 
 def main(argv: list[str]) -> NoReturn:

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvferry.engine")
 
 OP_STEP, OP_STOP, OP_READY, OP_STEP_BIG = 1, 2, 3, 4  # BIG: the payload follows over gloo (too big for shm)
+OP_SIDE = 5  # a message for the layer above the engine in each follower (header[1] bytes follow the header)
 STEP_CHANNEL_WORDS = 1 << 20  # 8 MiB: any decode step, and prefill steps up to ~200k tokens
 HEADER_LEN = 8  # op, is_decode, batch, tokens, journal entries, journal pages, all_logits, spare
 
@@ -182,6 +183,14 @@ class TPFollowers:
         header[0] = OP_STEP_BIG
         self.channel.send(header, self.check_alive)
         self.group.broadcast(torch.from_numpy(message[HEADER_LEN:].copy()))
+
+    def send_side(self, payload: bytes) -> None:
+        """A message for the followers' layer above the engine (their `Follower.serve(on_side=...)`), in order
+        with the steps: a follower handles it after every step sent before it."""
+        pad = (-len(payload)) % 8
+        words = np.frombuffer(payload + b"\0" * pad, dtype=np.int64)
+        header = np.array([OP_SIDE, len(payload)] + [0] * (HEADER_LEN - 2), dtype=np.int64)
+        self.channel.send(np.concatenate((header, words)), self.check_alive)
 
     def barrier_ready(self) -> None:
         """Waits until every follower has built its model and pool (they broadcast-wait on READY); by then

@@ -20,6 +20,7 @@ from common.sched.request import Req
 from common.sched.scheduler import RequestRejected
 from common.serving.channel import Message
 from common.serving.engine_host import EngineHost
+from common.serving.rank_writes import FollowerWrites
 from common.transfer.agent import PeerError
 from common.transfer.layout import LayoutMismatch
 from common.transfer.sender import KVSender, RequestTransfer, TransferError
@@ -47,16 +48,14 @@ class PrefillHost(EngineHost):
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        # Ranks with NIXL agents of their own (GPUs) post their own heads' writes (common/serving/rank_writes.py).
+        self.rank_writes = None
         if self.runner.per_rank_agents:
-            self.runner.close()
-            raise RuntimeError(
-                "a prefill worker with KVFERRY_TP_SIZE > 1 sends every rank's KV from rank 0, which needs the "
-                "ranks' pools in shared memory (CPU ranks); GPU ranks cannot send yet: run prefill at TP=1 on "
-                "GPUs (a TP=N decode worker receives from it)"
-            )
+            assert self.runner.followers is not None
+            self.rank_writes = FollowerWrites(self.runner.followers, self.runner.tp.store, self.runner.tp.size)  # type: ignore[arg-type]
         # Fault injection for tests (unset in production): every write lands this many seconds late.
         delay = float(os.environ.get("KVFERRY_FAULT_WRITE_DELAY_S") or 0)
-        self.sender = KVSender(self.agent, fault_write_delay_s=delay)
+        self.sender = KVSender(self.agent, fault_write_delay_s=delay, ranks=self.rank_writes)
         self.outbound: dict[str, Outbound] = {}
         self.scheduler.on_prefill_chunk = self._on_chunk
         self.scheduler.on_prefill_done = self._on_prefill_done
@@ -80,6 +79,8 @@ class PrefillHost(EngineHost):
             except PeerError as e:  # undecodable or inconsistent handshake: the caller's fault (400)
                 self.reject(msg, str(e), "invalid_request")
                 return
+            if self.rank_writes is not None:
+                self.rank_writes.add_peer(hs)  # each follower's agent loads the peer too, before any post
             self.reply(
                 msg,
                 agent_name=self.agent.name,

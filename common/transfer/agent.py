@@ -74,7 +74,9 @@ class KVTransferAgent:
     """`rank_pools`: under tensor parallelism, the ranks' pools this agent registers, with the model KV heads
     each holds (rank 0 first, `pool` itself). `remote_ranks`: the further ranks, which run their own agents
     (their pool info with agent name and metadata); they are published in the handshake, so a peer
-    writes into them directly, but this agent never posts from them."""
+    writes into them directly, but this agent never posts from them: they post their own heads.
+    `own_heads_only`: this agent is one such rank's (common/transfer/rank_agents.py): it routes only the peer
+    ranks its own heads feed, and `model_kv_heads` names the model's total."""
 
     def __init__(
         self,
@@ -89,6 +91,8 @@ class KVTransferAgent:
         backend_params: dict[str, str] | None = None,
         staging_bytes: int = 256 << 20,
         progress_delay_us: int | None = None,
+        own_heads_only: bool = False,
+        model_kv_heads: int | None = None,
     ) -> None:
         """`progress_delay_us`: None = 100 us for a DRAM pool, 0 for VRAM (see DRAM_PROGRESS_DELAY_US)."""
         self.name = name
@@ -104,7 +108,8 @@ class KVTransferAgent:
             PoolInfo.from_pool(p, name, self.instance_id, heads, rank)
             for rank, (p, heads) in enumerate(self.rank_pools)
         ] + list(remote_ranks or [])
-        total_heads = max(i.kv_head_end for i in self._pool_infos)
+        self.own_heads_only = own_heads_only
+        total_heads = model_kv_heads or max(i.kv_head_end for i in self._pool_infos)
         self.layout = layout_info(pool, model_id, len(self._pool_infos), total_heads)
         self._staging_bytes = staging_bytes
         self.staging: StagingArea | None = None
@@ -186,12 +191,14 @@ class KVTransferAgent:
             )
         if len(infos) != layout.tp_size or info.num_layers != self.pool.layout.num_layers:
             raise PeerError(f"pool geometry of {agent_name!r} disagrees with its declared layout")
-        if len(self.rank_pools) != len(self._pool_infos):
-            raise PeerError("this worker's ranks run their own NIXL agents: it can receive KV but not send it")
         try:
-            routes = plan_routes(self._pool_infos, infos)
+            # Every rank of this worker is known here unless this is a rank's own agent: then it routes its heads.
+            routes = plan_routes(self._pool_infos, infos, partial=self.own_heads_only)
         except ValueError as e:
             raise PeerError(f"cannot move KV to {agent_name!r}: {e}") from e
+        # Ranks with agents of their own (`remote_ranks`) post their heads themselves.
+        own = self._pool_infos[: len(self.rank_pools)]
+        routes = [r for r in routes if any(r.src is i for i in own)]
 
         known = self._peers.get(agent_name)
         if known is not None:

@@ -4,9 +4,10 @@ A GPU rank's KV pool can be registered with NIXL only by the process that owns t
 every follower rank runs its own agent over its own pool and a peer writes into each rank directly.
 Each follower publishes its agent's pool info (with the agent's metadata) in the group's key-value store
 (a TCPStore); rank 0 collects them and lists them in its handshake next to its own pool
-(`KVTransferAgent(remote_ranks=...)`). Such a worker receives KV (decode) but does not send it: sending
-would need each rank to post its own writes. On the CPU the ranks' pools are shared memory that rank 0
-registers itself (the default there).
+(`KVTransferAgent(remote_ranks=...)`). Such a worker receives KV (decode) into every rank directly and sends
+it (prefill) from every rank: rank 0 posts its own heads and tells the followers to post theirs
+(common/serving/rank_writes.py). On the CPU the ranks' pools are shared memory that rank 0 registers itself
+(the default there).
 
 The caller (the serving layer, which owns both the model runner and the transfer) passes in the rank's
 pool, its KV heads and the store: transfer knows nothing of the engine.
@@ -41,10 +42,24 @@ def rank_agent_name(base: str, rank: int) -> str:
 
 
 def publish_rank_agent(
-    store: RankStore, rank: int, pool: KVPool, kv_heads: tuple[int, int], model_id: str, base_name: str
+    store: RankStore,
+    rank: int,
+    pool: KVPool,
+    kv_heads: tuple[int, int],
+    model_id: str,
+    base_name: str,
+    model_kv_heads: int | None = None,
 ) -> KVTransferAgent:
-    """Follower side: an agent over rank `rank`'s pool (holding model KV heads `kv_heads`), announced to rank 0."""
-    agent = KVTransferAgent(rank_agent_name(base_name, rank), pool, model_id=model_id, rank_pools=[(pool, kv_heads)])
+    """Follower side: an agent over rank `rank`'s pool (holding model KV heads `kv_heads` of `model_kv_heads`),
+    announced to rank 0."""
+    agent = KVTransferAgent(
+        rank_agent_name(base_name, rank),
+        pool,
+        model_id=model_id,
+        rank_pools=[(pool, kv_heads)],
+        own_heads_only=True,
+        model_kv_heads=model_kv_heads,
+    )
     info = replace(agent.pool_info, rank=rank, agent_metadata_b64=agent.metadata_b64())
     store.set(KEY.format(rank=rank), json.dumps(asdict(info)))
     return agent

@@ -30,16 +30,20 @@ class HeadRoute:
         return (self.src.kv_head_start, self.src.kv_head_end) == (self.dst.kv_head_start, self.dst.kv_head_end)
 
 
-def plan_routes(local: list[PoolInfo], remote: list[PoolInfo]) -> list[HeadRoute]:
-    """One route per remote rank; raises ValueError when some remote rank cannot be fed by one local rank."""
+def plan_routes(local: list[PoolInfo], remote: list[PoolInfo], partial: bool = False) -> list[HeadRoute]:
+    """One route per remote rank; raises ValueError when some remote rank cannot be fed by one local rank.
+    `partial`: `local` is some of this worker's ranks only (one rank's own agent): remote ranks outside their
+    heads are skipped, not refused (the worker's rank 0 checks the whole)."""
     heads = max(i.kv_head_end for i in local)
-    if max(i.kv_head_end for i in remote) != heads:
+    if not partial and max(i.kv_head_end for i in remote) != heads:
         raise ValueError(f"the peer's pools hold {max(i.kv_head_end for i in remote)} KV heads, this worker's {heads}")
     routes = []
     for dst in remote:
         src = next(
             (s for s in local if s.kv_head_start <= dst.kv_head_start and dst.kv_head_end <= s.kv_head_end), None
         )
+        if src is None and partial:
+            continue
         if src is None:
             raise ValueError(
                 f"peer rank {dst.rank} holds KV heads [{dst.kv_head_start}, {dst.kv_head_end}), which no single "

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 import torch
@@ -71,13 +71,34 @@ class TransferHandle:
         return self.state != "pending" and not self.xfers
 
 
+class RankWrites(Protocol):
+    """The writes other ranks of this worker make for a request (tensor-parallel ranks with NIXL agents of their
+    own: each posts its own heads). `RequestTransfer` treats them as part of the request: the notice waits for
+    them, a give-up aborts them and waits for them to settle."""
+
+    def post(self, req_id: str, peer: str, src: torch.Tensor, dst: torch.Tensor, expect_instance: str) -> None: ...
+
+    def state(self, req_id: str) -> tuple[PollState, str | None]:
+        """("pending" | "done" | "error", the error) over every write posted for `req_id` so far."""
+        ...
+
+    def settled(self, req_id: str) -> bool: ...
+
+    def abort(self, req_id: str) -> None: ...
+
+    def forget(self, req_id: str) -> None: ...
+
+
 class KVSender:
     """`fault_write_delay_s` (tests only, 0 = off): every write starts that many seconds after it was posted
     and cannot be called back meanwhile, like a write stuck in flight: it still lands after an abort."""
 
-    def __init__(self, agent: KVTransferAgent, fault_write_delay_s: float = 0.0) -> None:
+    def __init__(
+        self, agent: KVTransferAgent, fault_write_delay_s: float = 0.0, ranks: RankWrites | None = None
+    ) -> None:
         self.agent = agent
         self.fault_write_delay_s = fault_write_delay_s
+        self.ranks = ranks  # the other ranks' writes of each request, where they post their own (RankWrites)
         self._unsettled: list[TransferHandle] = []  # finished or failed, still held by NIXL: retried each turn
         self._staged_pending: list[TransferHandle] = []  # in flight, reading from the staging area
         self._posted: list[TransferHandle] = []  # every handle not yet settled, for `writes_in_flight`
@@ -358,7 +379,9 @@ class RequestTransfer:
 
     @property
     def settled(self) -> bool:
-        return all(h.settled for h in self.handles)
+        ranks = self.sender.ranks
+        own = all(h.settled for h in self.handles)
+        return own and (ranks is None or ranks.settled(self.session.req_id))
 
     def post(self, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> TransferHandle:
         """Post the write of one ready chunk. Raises `TransferError` once the request is given up."""
@@ -371,6 +394,8 @@ class RequestTransfer:
             self.session.move(S.WRITING)
         src = torch.as_tensor(src_pages).reshape(-1)
         dst = torch.as_tensor(dst_pages).reshape(-1)
+        if self.sender.ranks is not None and src.numel() > 0:
+            self.sender.ranks.post(self.session.req_id, self.peer, src, dst, self.session.peer_instance)
         step = self.sender.max_pages_per_post(self.peer)
         for lo in range(0, max(1, src.numel()), step):
             handle = self.sender.post_write(
@@ -402,6 +427,7 @@ class RequestTransfer:
             raise TransferError(self.error or "transfer given up")
         attach = (
             src.numel() > 0
+            and self.sender.ranks is None  # other ranks' writes must be done before the notice
             and all(h.state == "done" for h in self.handles)
             and self.sender.single_write(self.peer, int(src.numel()))
         )
@@ -430,6 +456,12 @@ class RequestTransfer:
                     self.cancel(h.error or "write failed")
                     return self.state
                 pending |= st == "pending"
+            if self.sender.ranks is not None:
+                st, err = self.sender.ranks.state(self.session.req_id)
+                if st == "error":
+                    self.cancel(err or "a rank's write failed")
+                    return self.state
+                pending |= st == "pending"
             if not pending and self.notice is not None:
                 try:
                     if not self.notice_attached:
@@ -439,6 +471,8 @@ class RequestTransfer:
                     return self.state
                 self.landed_at = time.monotonic()
                 self.session.move(S.LANDED)
+                if self.sender.ranks is not None:
+                    self.sender.ranks.forget(self.session.req_id)
             elif self.expired(now):
                 self.cancel("transfer deadline exceeded")
         elif self.state is S.CANCELLING:
@@ -453,6 +487,8 @@ class RequestTransfer:
             return self.state
         for h in self.handles:
             self.sender.abort(h, f"request given up: {reason}")
+        if self.sender.ranks is not None:
+            self.sender.ranks.abort(self.session.req_id)
         self.session.move(S.CANCELLING, reason)
         if self.settled:
             self._abandon()
@@ -494,6 +530,8 @@ class RequestTransfer:
 
     def _abandon(self) -> None:
         self.session.move(S.ABANDONED)
+        if self.sender.ranks is not None:
+            self.sender.ranks.forget(self.session.req_id)
         notice = KVNotice(req_id=self.session.req_id, outcome="closed", error=(self.error or "aborted")[:4000])
         try:
             self.sender.send_notif(
