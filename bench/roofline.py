@@ -10,7 +10,8 @@
 4. Offline throughput: 256 requests, input and output lengths uniform in [100, 1024], for qwen3-0.6b and
    llama-3.1-8b, with and without CUDA graphs and overlap (the ablation).
 5. decode_unfused: the decode steps again with the Triton kernels off (flashinfer + cuBLAS only): the in-run
-   baseline of the fused RoPE + K/V write and the norm/SiLU-folded GEMVs.
+   baseline of the Triton RoPE + K/V write, GEMVs and decode attention (decode_prologues: the GEMVs with the
+   norms folded in; decode_cudacore: CUDA-core decode attention below batch 64).
 Where time goes: kernel time by category (torch profiler) for decode b=1 and b=256 and prefill 4k.
 Results are written to --out after each section, so a run cut short keeps what it measured.
 """
@@ -442,30 +443,22 @@ def main() -> None:
             del runner
             gc.collect()
             torch.cuda.empty_cache()
-        if "decode_unfused" in sections:
-            # The in-run baseline of the Triton kernels: flashinfer's RoPE/norm/SiLU kernels and cuBLAS only.
+        # The decode steps again on runners built another way, each the in-run comparison for one choice:
+        # decode_unfused the Triton kernels off (flashinfer + cuBLAS only), decode_prologues the norms and SiLU-mul
+        # folded into the GEMVs (fewer kernels; measured slower), decode_cudacore CUDA-core decode attention
+        # below batch 64 (GQA 4 allows tensor cores).
+        variants = {
+            "decode_unfused": ("unfused", (1, 8, 32, 256), True, dict(fused=False)),
+            "decode_prologues": ("prologues", (1, 8), True, dict(prologues=True)),
+            "decode_cudacore": ("cudacore<64", (1, 8, 32), False, dict(tc_min_batch=64)),
+        }
+        for key_name, (label, batches, breakdowns, opts) in variants.items():
+            if key_name not in sections:
+                continue
             runner = make_runner(
-                "llama-3.1-8b", kv_gb=60.0, max_seq_len=16384 + 64, label="llama-3.1-8b/unfused", fused=False
+                "llama-3.1-8b", kv_gb=60.0, max_seq_len=16384 + 64, label=f"llama-3.1-8b/{label}", **opts
             )
-            decode_bench(runner, args.quick, batches=(1, 8, 32, 256), key_name="decode_unfused")
-            del runner
-            gc.collect()
-            torch.cuda.empty_cache()
-        if "decode_prologues" in sections:
-            # The GEMVs with the norms and SiLU-mul folded into them (fewer kernels; measured slower).
-            runner = make_runner(
-                "llama-3.1-8b", kv_gb=60.0, max_seq_len=16384 + 64, label="llama-3.1-8b/prologues", prologues=True
-            )
-            decode_bench(runner, args.quick, batches=(1, 8), key_name="decode_prologues")
-            del runner
-            gc.collect()
-            torch.cuda.empty_cache()
-        if "decode_cudacore" in sections:
-            # The same decode steps with CUDA-core decode attention below batch 64 (GQA 4 allows tensor cores).
-            runner = make_runner(
-                "llama-3.1-8b", kv_gb=60.0, max_seq_len=16384 + 64, label="llama-3.1-8b/cudacore<64", tc_min_batch=64
-            )
-            decode_bench(runner, args.quick, batches=(1, 8, 32), key_name="decode_cudacore", breakdowns=False)
+            decode_bench(runner, args.quick, batches=batches, key_name=key_name, breakdowns=breakdowns)
             del runner
             gc.collect()
             torch.cuda.empty_cache()

@@ -143,17 +143,7 @@ class ModelRunner:
             from common.engine.gpu.path import GpuPath
 
             graph_bs = cfg.max_running if cfg.cuda_graph_max_bs < 0 else min(cfg.cuda_graph_max_bs, cfg.max_running)
-            self.gpu = GpuPath(
-                model,
-                self.pool,
-                self.page_table.table,
-                num_pages,
-                graph_bs,
-                cfg.decode_tc_min_batch,
-                cfg.fused_kernels,
-                cfg.gemv_max_rows,
-                cfg.gemv_prologues,
-            )
+            self.gpu = GpuPath(model, self.pool, self.page_table.table, num_pages, graph_bs, cfg)
             self.attn = self.gpu.attn
         if self.followers is not None:
             self.followers.barrier_ready()

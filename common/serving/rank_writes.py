@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -27,7 +28,7 @@ log = logging.getLogger("kvferry.transfer")
 KEY = "kvferry/rank-writes/{rank}/{req}"
 
 
-class SideChannel:
+class SideChannel(Protocol):
     """What is used of rank 0's followers handle (common/engine/tp_ranks.py `TPFollowers`)."""
 
     def send_side(self, payload: bytes) -> None: ...
@@ -72,7 +73,7 @@ class FollowerWrites:
         out: list[RankReport | None] = []
         for rank in self.ranks:
             key = KEY.format(rank=rank, req=req_id)
-            out.append(RankReport.decode(self.store.get(key)) if self.store.check([key]) else None)  # type: ignore[attr-defined]
+            out.append(RankReport.decode(self.store.get(key)) if self.store.check([key]) else None)
         return out
 
     def state(self, req_id: str) -> tuple[PollState, str | None]:
@@ -163,7 +164,7 @@ class RankSender:
             if req.forgotten and settled:
                 del self.requests[req_id]
                 if req.reported:
-                    self.store.delete_key(key)  # type: ignore[attr-defined]
+                    self.store.delete_key(key)
                 continue
             report = RankReport(req.posts, state, settled, error).encode()
             if report != req.reported:

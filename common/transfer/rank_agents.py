@@ -36,6 +36,10 @@ class RankStore(Protocol):
 
     def wait(self, keys: list[str], timeout: timedelta) -> None: ...
 
+    def check(self, keys: list[str]) -> bool: ...
+
+    def delete_key(self, key: str) -> bool: ...
+
 
 def rank_agent_name(base: str, rank: int) -> str:
     return f"{base}-r{rank}"

@@ -385,27 +385,8 @@ class RequestTransfer:
 
     def post(self, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> TransferHandle:
         """Post the write of one ready chunk. Raises `TransferError` once the request is given up."""
-        if self.notice is not None:
-            raise RuntimeError("post after finish: the notice would not cover this write")
-        self.progress()
-        if self.state not in (S.REQUESTED, S.WRITING):
-            raise TransferError(self.error or "transfer given up")
-        if self.state is S.REQUESTED:
-            self.session.move(S.WRITING)
-        src = torch.as_tensor(src_pages).reshape(-1)
-        dst = torch.as_tensor(dst_pages).reshape(-1)
-        if self.sender.ranks is not None and src.numel() > 0:
-            self.sender.ranks.post(self.session.req_id, self.peer, src, dst, self.session.peer_instance)
-        step = self.sender.max_pages_per_post(self.peer)
-        for lo in range(0, max(1, src.numel()), step):
-            handle = self.sender.post_write(
-                self.peer, src[lo : lo + step], dst[lo : lo + step], expect_instance=self.session.peer_instance
-            )
-            self.handles.append(handle)
-            if handle.state == "error":
-                self.cancel(handle.error or "post failed")
-                raise TransferError(self.error or "post failed")
-        return handle
+        self._check_open()
+        return self._write(torch.as_tensor(src_pages).reshape(-1), torch.as_tensor(dst_pages).reshape(-1))
 
     def finish(self, notice: bytes) -> SessionState:
         """Declare the last chunk posted; `notice` (a "landed" KVNotice) goes out once all writes are done."""
@@ -420,11 +401,7 @@ class RequestTransfer:
         Raises `TransferError` once the request is given up."""
         src = torch.as_tensor(src_pages).reshape(-1)
         dst = torch.as_tensor(dst_pages).reshape(-1)
-        state = self.progress()  # earlier writes polled: the ones done are known done
-        if self.notice is not None:
-            raise RuntimeError("post after finish: the notice would not cover this write")
-        if state not in (S.REQUESTED, S.WRITING):
-            raise TransferError(self.error or "transfer given up")
+        self._check_open()  # polls the earlier writes: the ones done are known done
         attach = (
             src.numel() > 0
             and self.sender.ranks is None  # other ranks' writes must be done before the notice
@@ -433,17 +410,40 @@ class RequestTransfer:
         )
         if not attach:
             if src.numel() > 0:
-                self.post(src, dst)
+                self._write(src, dst)
             return self.finish(notice)
-        if state is S.REQUESTED:
-            self.session.move(S.WRITING)
-        handle = self.sender.post_write(self.peer, src, dst, notif=notice, expect_instance=self.session.peer_instance)
-        self.handles.append(handle)
         self.notice, self.notice_attached = notice, True
-        if handle.state == "error":
-            self.cancel(handle.error or "post failed")
-            raise TransferError(self.error or "post failed")
+        self._write(src, dst, notif=notice)
         return self.progress()
+
+    def _check_open(self) -> None:
+        """Before a post: the notice is not out yet, and the request (its writes polled now) not given up."""
+        if self.notice is not None:
+            raise RuntimeError("post after finish: the notice would not cover this write")
+        if self.progress() not in (S.REQUESTED, S.WRITING):
+            raise TransferError(self.error or "transfer given up")
+
+    def _write(self, src: torch.Tensor, dst: torch.Tensor, notif: bytes | None = None) -> TransferHandle:
+        """Posts `src` -> `dst` (this rank's writes, and the other ranks' through `sender.ranks`); `notif` rides
+        on the write (the caller made sure it is a single one)."""
+        if self.state is S.REQUESTED:
+            self.session.move(S.WRITING)
+        if self.sender.ranks is not None and src.numel() > 0:
+            self.sender.ranks.post(self.session.req_id, self.peer, src, dst, self.session.peer_instance)
+        step = self.sender.max_pages_per_post(self.peer)
+        for lo in range(0, max(1, src.numel()), step):
+            handle = self.sender.post_write(
+                self.peer,
+                src[lo : lo + step],
+                dst[lo : lo + step],
+                notif=notif,
+                expect_instance=self.session.peer_instance,
+            )
+            self.handles.append(handle)
+            if handle.state == "error":
+                self.cancel(handle.error or "post failed")
+                raise TransferError(self.error or "post failed")
+        return handle
 
     def progress(self, now: float | None = None) -> SessionState:
         """Non-blocking: poll writes, send the notice when due, give up on error or deadline, and end a

@@ -9,6 +9,7 @@ from common.engine.gpu.attention import WORKSPACE_BYTES, FlashInferAttention
 from common.engine.gpu.ops import FlashInferOps
 from common.engine.model import DecoderModel
 from common.kv.pool import KVPool
+from common.settings import RunnerConfig
 
 
 def triton_available() -> bool:
@@ -25,7 +26,8 @@ class GpuPath:
     plain torch path (`select_attention` picks it), without this class and without CUDA graphs.
 
     `page_table` is the runner's `[rows, max_seq_len]` token-location table; `dummy_page` a pool page outside
-    the allocator's range: CUDA-graph padding rows write there. `use_graphs` can be switched off at run time
+    the allocator's range: CUDA-graph padding rows write there; `cfg` gives the kernel switches (decode
+    tensor-core threshold, the Triton kernels). `use_graphs` can be switched off at run time
     (the benchmark's ablation) without recapturing.
     """
 
@@ -36,22 +38,19 @@ class GpuPath:
         page_table: torch.Tensor,
         dummy_page: int,
         graph_max_bs: int,
-        tc_min_batch: int = 1,
-        fused_kernels: bool = True,
-        gemv_max_rows: int = 8,
-        gemv_prologues: bool = False,
+        cfg: RunnerConfig,
     ) -> None:
         if model.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(
                 f"the flashinfer backend needs bfloat16 or float16, not {model.dtype}; use attention=torch"
             )
         self.model = model
-        fused_kernels = fused_kernels and triton_available()
+        triton = cfg.fused_kernels and triton_available()
         # first: it sets how flashinfer is imported
-        model.ops = FlashInferOps(gemv_max_rows if fused_kernels else 0, gemv_prologues)
+        model.ops = FlashInferOps(cfg.gemv_max_rows if triton else 0, cfg.gemv_prologues)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=model.device)
         self.attn = FlashInferAttention(
-            pool, page_table, model.cfg, model.dtype, self.workspace, model.rotary, tc_min_batch, fused_kernels
+            pool, page_table, model.cfg, model.dtype, self.workspace, model.rotary, cfg.decode_tc_min_batch, triton
         )
         self.graphs = None
         self.use_graphs = True
