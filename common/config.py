@@ -46,6 +46,10 @@ class WorkerConfig:
     drain_seconds: float = 25.0
     transfer_staging_mb: float = 256.0  # packing area for peers that split KV heads differently (TP)
     nixl_progress_delay_us: int = -1  # -1: the agent's default (100 us for CPU pools, 0 for GPU pools)
+    # An engine that died after it was ready is started again by its control plane; this many restarts in a
+    # row that fail (die before ready, or not ready within engine_start_timeout_s) make the worker exit.
+    engine_restarts: int = 3
+    engine_start_timeout_s: float = 600.0
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     sched: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -64,6 +68,8 @@ class WorkerConfig:
             drain_seconds=float(_env("KVFERRY_DRAIN_SECONDS", "25")),
             transfer_staging_mb=float(_env("KVFERRY_TRANSFER_STAGING_MB", "256")),
             nixl_progress_delay_us=int(_env("KVFERRY_NIXL_PROGRESS_DELAY_US", "-1")),
+            engine_restarts=int(_env("KVFERRY_ENGINE_RESTARTS", "3")),
+            engine_start_timeout_s=float(_env("KVFERRY_ENGINE_START_TIMEOUT_S", "600")),
             runner=RunnerConfig(
                 model=_env("KVFERRY_MODEL", "smollm2-135m-instruct"),
                 device=device,

@@ -429,9 +429,37 @@ def _engine_pid(worker_pid: int) -> int:
     return engine
 
 
+ENGINE_BACK_S = 30.0  # a worker whose engine died serves again within this, by itself (docs/reliability.md)
+
+
+def _back_by_itself(c: LocalCluster, victim: ManagedProcess, engine: int, killed: float) -> float:
+    """The worker whose engine was killed restarts it on its own (same control plane, a new engine process)
+    and is routed to again within ENGINE_BACK_S; returns the seconds from the kill to ready."""
+    assert victim.proc is not None and victim.url is not None
+    worker_pid = victim.proc.pid
+    wait_until(
+        lambda: httpx.get(f"{victim.url}/ready", timeout=2).status_code == 200,
+        ENGINE_BACK_S,
+        f"{victim.name} ready again after its engine died",
+        interval=0.1,
+    )
+    took = time.monotonic() - killed
+    assert victim.alive() and victim.proc.pid == worker_pid  # nothing restarted the worker itself
+    assert _engine_pid(worker_pid) != engine
+    assert metric(victim.url, "kvferry_engine_restarts_total") == 1 + ENGINE_RESTARTS.get(victim.name, 0)
+    ENGINE_RESTARTS[victim.name] = ENGINE_RESTARTS.get(victim.name, 0) + 1
+    wait_until(lambda: router_says_up(c, victim.url or ""), 10, "the router routes to it again")
+    print(f"\n{victim.name}: engine killed -> worker ready again in {took:.1f} s")
+    return took
+
+
+ENGINE_RESTARTS: dict[str, int] = {}
+
+
 def test_decode_engine_exit_mid_stream_continues_elsewhere(healthy: LocalCluster) -> None:
     """The decode worker's engine process dies but its control plane lives: the control plane ends the stream
-    with a retryable error (common/serving/channel.py) and the router continues it on the other worker."""
+    with a retryable error (common/serving/channel.py), the router continues it on the other worker, and the
+    control plane starts a new engine by itself and serves again within ENGINE_BACK_S."""
     c = healthy
     body = {"model": MODEL, "prompt": "Write a long poem about the sea.", "max_tokens": 80, "temperature": 0}
     body["ignore_eos"] = True
@@ -443,15 +471,47 @@ def test_decode_engine_exit_mid_stream_continues_elsewhere(healthy: LocalCluster
         text = "".join(next(events)["choices"][0]["text"] for _ in range(3))  # type: ignore[index]
         victim = part_for(c, wait_until(lambda: _busy(c.decode_urls), 10, "the decode worker streaming"))
         assert victim.proc is not None
-        os.kill(_engine_pid(victim.proc.pid), signal.SIGKILL)
+        engine = _engine_pid(victim.proc.pid)
+        os.kill(engine, signal.SIGKILL)
+        killed = time.monotonic()
         for ev in events:
             if isinstance(ev, dict) and ev["choices"]:
                 text += ev["choices"][0]["text"]
     assert text == expected
     assert router_workers(c)["migrations"]["succeeded"] == before + 1
     assert metric(c.router_url, "kvferry_router_migrations_total", '{outcome="succeeded"}') == counted + 1
-    restart(victim)
-    FAULTS_SURVIVED.append("decode engine exit mid-stream")
+    # While it restarts, requests succeed on the other decode worker.
+    assert_serving(c)
+    _back_by_itself(c, victim, engine, killed)
+    assert "engine process died; restarting it" in victim.log_tail(200)
+    FAULTS_SURVIVED.append("decode engine exit mid-stream, restarted by its worker")
+
+
+def test_prefill_engine_exit_mid_prefill_is_retried_and_restarted(healthy: LocalCluster) -> None:
+    """kill -9 of a prefill worker's engine mid-prefill (the OOM killer's pick): the request in flight is
+    retried elsewhere, others succeed meanwhile, and the worker starts a new engine by itself; the decode
+    workers handshake with the new NIXL instance behind the same URL and requests go through it again."""
+    c = healthy
+    t, out, victim_url = _long_prefill_under_way(c)
+    victim = part_for(c, victim_url)
+    assert victim.proc is not None
+    engine = _engine_pid(victim.proc.pid)
+    os.kill(engine, signal.SIGKILL)
+    killed = time.monotonic()
+    t.join(90)
+    assert not t.is_alive(), "the request hung after its prefill engine died"
+    assert "exc" not in out, out
+    assert out["result"].status_code == 200, out["result"].text
+    assert_serving(c)
+    _back_by_itself(c, victim, engine, killed)
+    done = metric(victim_url, "kvferry_requests_total", '{outcome="done"}')
+    for _ in range(6):  # equal costs rotate: a few distinct long prompts reach the restarted engine
+        r = completion(c, long_prompt(), max_tokens=2)
+        assert r.status_code == 200, r.text
+        if metric(victim_url, "kvferry_requests_total", '{outcome="done"}') > done:
+            break
+    assert metric(victim_url, "kvferry_requests_total", '{outcome="done"}') > done, "no request went through it"
+    FAULTS_SURVIVED.append("prefill engine exit mid-prefill, restarted by its worker")
 
 
 def test_stream_that_cannot_continue_ends_with_an_error_event_and_done(healthy: LocalCluster, tmp_path: Path) -> None:

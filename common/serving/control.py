@@ -2,8 +2,14 @@
 
 Busy is not dead: ``/health``, ``/ready`` and ``/load`` are answered by this process (the engine is a
 separate one) from its last engine snapshot (pushed every 0.1 s), by a plain-ASGI front (``ProbeFront``)
-ahead of FastAPI's routing, so neither a long engine step nor a busy request path delays them. An engine
-process that died is seen at once: its process is gone or its pipe closed, and ``/health`` turns 503.
+ahead of FastAPI's routing, so neither a long engine step nor a busy request path delays them.
+
+An engine process that dies after it was ready (kill -9, the OOM killer, a crash) is seen within 0.1 s (its
+process is gone or its pipe closed) and started again by this process (``keep_engine``): meanwhile the worker
+answers ``/ready`` 503 and ``/load`` without the dead engine's numbers, its streams end with a retryable error
+(the router continues them elsewhere), and ``/health`` stays 200 so a kubelet leaves the pod alone. An engine
+that cannot be restarted (``KVFERRY_ENGINE_RESTARTS`` failed starts in a row) makes the worker exit non-zero,
+as one that fails its first start does, and the supervisor (kubelet, ``kvferry up``) restarts the worker.
 
 A decode worker whose engine queue is full (as many requests waiting as it can run at once: each new one
 would wait a whole batch's lifetime) refuses new generate requests with 429 + Retry-After, which the
@@ -95,6 +101,9 @@ class WorkerMetrics:
         )
         self._host_moved = {"saved": 0, "loaded": 0}
         self.requests = Counter("kvferry_requests_total", "Finished requests by outcome", ["outcome"], registry=r)
+        self.engine_restarts = Counter(
+            "kvferry_engine_restarts_total", "Engine processes started again after one died", registry=r
+        )
         self.cached = Counter(
             "kvferry_prefix_cached_tokens_total", "Prompt tokens served from the prefix cache", registry=r
         )
@@ -110,6 +119,14 @@ class WorkerMetrics:
         )
         # Latency and transfer histograms (common/serving/engine_metrics.py).
         self.engine = EngineMetrics(r, gpu=self.gpu)
+
+    def forget_engine(self) -> None:
+        """The engine died: its pool and queues are gone with it, so the gauges read zero until the next one
+        reports (a dead engine's last numbers would say pages are free that no process holds)."""
+        for g in (self.queued, self.running, self.waiting, self.free, self.total, self.usage, self.host_cached):
+            g.set(0)
+        self.host_total.set(0)
+        self._host_moved = {"saved": 0, "loaded": 0}  # the next engine counts from zero
 
     def observe_load(self, load: LoadSnapshot) -> None:
         self.queued.set(load.queued_prefill_tokens)
@@ -148,6 +165,12 @@ class WorkerState:
         self.event_handlers: dict[str, Callable[[Message], None]] = {
             "kv_integrity": lambda m: self.metrics.kv_integrity_violations.inc(m["violations"]),
         }
+        # Called when the engine died and before its successor starts (routes drop what they knew of it).
+        self.on_engine_lost: list[Callable[[], None]] = []
+        self.engine_started_at = 0.0  # time.monotonic() of the latest engine start
+        self.restarts = 0  # engines started after the first
+        self.restarting = False  # the engine died and its successor is not ready yet
+        self.ever_ready = False  # an engine was ready once: one that dies now is restarted, not fatal
 
     @property
     def ready(self) -> bool:
@@ -173,7 +196,22 @@ class WorkerState:
         )
         self.proc.start()
         theirs.close()
+        self.engine_started_at = time.monotonic()
         self.client = EngineClient(ours, asyncio.get_running_loop(), self._on_event)
+
+    def forget_engine(self) -> None:
+        """What the control plane knew of an engine that died: nothing of it is reported or used again."""
+        self.engine_ready.clear()
+        self.load = None
+        self.metrics.forget_engine()
+        if self.proc is not None:
+            if self.proc.is_alive():  # it must not hold the pool (or write into it) any longer
+                self.proc.kill()
+            self.proc.join(timeout=5.0)
+        if self.client is not None:
+            self.client.conn.close()
+        for hook in self.on_engine_lost:
+            hook()
 
     def _on_event(self, msg: Message) -> None:
         ev = msg.get("ev")
@@ -190,7 +228,14 @@ class WorkerState:
         elif ev == "ready":
             self.agent = msg["agent"]
             self.engine_ready.set()
-            log.info("engine ready", extra={"role": self.cfg.role, "pod": self.cfg.pod_name})
+            self.ever_ready = True
+            took = round(time.monotonic() - self.engine_started_at, 1)
+            extra = {"role": self.cfg.role, "pod": self.cfg.pod_name, "start_s": took}
+            if self.restarting:
+                self.restarting = False
+                log.warning("engine restarted", extra={**extra, "restarts": self.restarts})
+            else:
+                log.info("engine ready", extra=extra)
         elif ev in self.event_handlers:
             self.event_handlers[ev](msg)
 
@@ -216,7 +261,8 @@ class WorkerState:
         return load is not None and load.waiting_requests >= max(1, self.cfg.runner.max_running)
 
     def snapshot(self) -> LoadSnapshot:
-        base = self.load or LoadSnapshot(
+        # A dead engine's last snapshot is not reported, even in the moment before keep_engine forgets it.
+        base = (self.load if self.alive else None) or LoadSnapshot(
             role=self.cfg.role,
             pod=self.cfg.pod_name,
             queued_prefill_tokens=0,  # type: ignore[arg-type]
@@ -235,7 +281,7 @@ def create_worker_app(state: WorkerState, add_routes: Callable[[FastAPI, WorkerS
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.start_engine()
-        watch = asyncio.create_task(_exit_if_engine_fails_to_start(state))
+        watch = asyncio.create_task(keep_engine(state))
         try:
             yield
         finally:
@@ -263,6 +309,8 @@ def create_worker_app(state: WorkerState, add_routes: Callable[[FastAPI, WorkerS
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
+        if state.proc is not None and not state.alive:
+            state.metrics.forget_engine()  # before keep_engine notices: none of the dead engine's gauges
         return PlainTextResponse(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     add_routes(app, state)
@@ -273,31 +321,95 @@ RETRY_AFTER_S = 1
 ENGINE_START_FAILED_EXIT = 3
 
 
-async def _exit_if_engine_fails_to_start(state: WorkerState) -> None:
-    """An engine process that exits before it is ready (bad model path, out of device memory, a CUDA error
-    in graph capture) would leave a worker that never turns ready: exit non-zero instead, with the cause in
-    the log (the engine process logged its traceback), so a supervisor or Kubernetes sees a failed start."""
-    while not state.engine_ready.is_set():
-        proc = state.proc
-        if proc is not None and not proc.is_alive():
+ENGINE_RESTART_FAILED_EXIT = 4
+ENGINE_WATCH_S = 0.1
+RESTART_BACKOFF_S = (0.0, 1.0, 2.0, 4.0, 8.0)  # before the 1st, 2nd, ... start in a row that failed
+
+
+def _exit_worker(code: int) -> None:
+    for logger in (logging.getLogger(), logging.getLogger("kvferry")):
+        for handler in logger.handlers:
+            handler.flush()
+    os._exit(code)
+
+
+async def keep_engine(state: WorkerState) -> None:
+    """Watches the engine process and starts it again when it dies after it was ready.
+
+    An engine that exits before its first ready (bad model path, out of device memory, a CUDA error in graph
+    capture) would fail again: the worker exits non-zero at once, with the cause in the log (the engine
+    logged its traceback), so a supervisor or Kubernetes sees a failed start. One that dies later (kill -9,
+    the OOM killer) is started again at once; a restart that dies before it is ready, or is not ready within
+    ``engine_start_timeout_s``, is retried after a back-off, and after ``engine_restarts`` such failures in a
+    row the worker exits non-zero for its supervisor to restart it."""
+    cfg = state.cfg
+    failed = 0  # restarts in a row that died before they were ready
+    while True:
+        await asyncio.sleep(ENGINE_WATCH_S)
+        if state.alive:
+            if state.engine_ready.is_set():
+                failed = 0
+            elif state.restarting and time.monotonic() - state.engine_started_at > cfg.engine_start_timeout_s:
+                log.error("restarted engine not ready in time; killing it", extra={"role": cfg.role})
+                assert state.proc is not None
+                state.proc.kill()
+            continue
+        if state.draining or state.proc is None:
+            continue  # shutting down: the engine stops with the worker
+        exitcode = state.proc.exitcode
+        if not state.ever_ready:
             log.error(
                 "engine process exited before it was ready; the worker exits",
-                extra={"role": state.cfg.role, "exitcode": proc.exitcode},
+                extra={"role": cfg.role, "exitcode": exitcode},
             )
-            for handler in logging.getLogger().handlers:
-                handler.flush()
-            os._exit(ENGINE_START_FAILED_EXIT)
-        await asyncio.sleep(0.2)
+            _exit_worker(ENGINE_START_FAILED_EXIT)
+        if state.restarting:
+            failed += 1
+        if failed >= cfg.engine_restarts:
+            log.error(
+                "engine could not be restarted; the worker exits",
+                extra={"role": cfg.role, "pod": cfg.pod_name, "failed_starts": failed, "exitcode": exitcode},
+            )
+            _exit_worker(ENGINE_RESTART_FAILED_EXIT)
+        delay = RESTART_BACKOFF_S[min(failed, len(RESTART_BACKOFF_S) - 1)]
+        if state.client is not None and not state.client.closed.is_set():
+            state.proc.kill()  # a pipe still open: the reader ends its streams once the process is gone
+            try:
+                await asyncio.wait_for(state.client.closed.wait(), 5.0)
+            except TimeoutError:
+                pass
+        state.forget_engine()
+        state.restarting = True
+        state.restarts += 1
+        state.metrics.engine_restarts.inc()
+        log.warning(
+            "engine process died; restarting it",
+            extra={
+                "role": cfg.role,
+                "pod": cfg.pod_name,
+                "exitcode": exitcode,
+                "restart": state.restarts,
+                "delay_s": delay,
+            },
+        )
+        if delay:
+            await asyncio.sleep(delay)
+        if not state.draining:
+            state.start_engine()
 
 
 def _probe_answer(state: WorkerState, path: str) -> tuple[int, dict[str, Any]] | None:
     if path == "/health":
+        # A dead engine is restarted by this process (keep_engine), or the worker exits: either way the
+        # process answering here is not one for a liveness probe to restart.
+        if state.restarting or (state.ever_ready and not state.alive):
+            return 200, {"status": "restarting", "restarts": state.restarts}
         if state.proc is not None and not state.alive:
             return 503, _error_body("engine process is not running", "unavailable", "engine_down")
         return 200, {"status": "ok"}
     if path == "/ready":
         if not state.ready:
-            why = "draining" if state.draining else "engine not ready"
+            why = "draining" if state.draining else "engine restarting" if state.restarting else "engine not ready"
             return 503, _error_body(why, "unavailable", "not_ready")
         return 200, {"status": "ready"}
     if path == "/load":

@@ -233,6 +233,7 @@ def add_decode_routes(app: FastAPI, state: WorkerState) -> None:
     peers = PrefillPeers(state, http)
     watch = PeerWatch(state, peers)
     state.event_handlers["awaiting_peers"] = watch.update
+    state.on_engine_lost.append(lambda: (peers.known.clear(), watch.awaited.clear()))  # a new agent handshakes anew
     state.event_handlers["kv_forced_release"] = lambda m: state.metrics.kv_forced_releases.inc(m["requests"])
     reservations: dict[str, asyncio.Future[list[int]]] = {}
 
