@@ -26,10 +26,16 @@ def _converted(smol_path):
     return smol_path
 
 
-def test_generate_prints_a_continuation():
+def test_generate_prints_the_greedy_continuation():
     proc = kvferry("generate", "--max-tokens", "8", "The capital of France is")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip(), f"empty output; stderr: {proc.stderr}"
+    assert proc.stdout.startswith(" Paris"), proc.stdout  # greedy by default: the continuation, not the prompt
+
+
+def test_generate_stops_at_max_tokens():
+    proc = kvferry("generate", "--max-tokens", "1", "The capital of France is")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == " Paris\n", repr(proc.stdout)  # one token, then the newline print adds
 
 
 def test_generate_chat_answers_paris():
@@ -38,8 +44,12 @@ def test_generate_chat_answers_paris():
     assert "Paris" in proc.stdout, proc.stdout
 
 
+COMMANDS = "{generate,convert-default-model,router,prefill,decode,mixed,up}"
+
+
 def test_usage():
-    proc = kvferry(timeout=60)
-    assert proc.returncode == 2 and "usage: kvferry" in proc.stderr
-    proc = kvferry("--help", timeout=60)
-    assert proc.returncode == 0 and "generate" in proc.stderr
+    for args, code in (((), 2), (("--help",), 0), (("no-such-command",), 2)):
+        proc = kvferry(*args, timeout=60)
+        assert proc.returncode == code, (args, proc.returncode, proc.stderr)
+        assert proc.stderr.strip() == f"usage: kvferry {COMMANDS} [options]", (args, proc.stderr)
+        assert proc.stdout == "", (args, proc.stdout)

@@ -19,7 +19,6 @@ import re
 import socket
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -33,14 +32,7 @@ from pydantic import TypeAdapter, ValidationError
 from common.devcluster.cluster import LocalCluster, start_local_cluster
 from tests.test_reliability import assert_openai_error, wait_pages_back
 
-ROOT = Path(__file__).resolve().parents[1]
-pytestmark = [
-    pytest.mark.skipif(
-        not (ROOT / "prefill_worker" / "main.py").exists() or not (ROOT / "decode_worker" / "main.py").exists(),
-        reason="workers not available",
-    ),
-    pytest.mark.timeout(300),
-]
+pytestmark = pytest.mark.timeout(300)
 
 MODEL = "smollm2-135m-instruct"
 NUM_PAGES = 128  # 2048 tokens per worker: a max_tokens that fits the context but not the pool is a 400

@@ -26,12 +26,6 @@ from router.settings import RouterOptions
 from router.tokenizer import ModelInfo, RouterTokenizer
 from tests.workers import start_router_thread
 
-ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.skipif(
-    not (ROOT / "prefill_worker" / "main.py").exists() or not (ROOT / "decode_worker" / "main.py").exists(),
-    reason="workers not available",
-)
-
 MODEL = "smollm2-135m-instruct"
 # Small KV pools and a small prefill budget, so the tests exercise chunked prefill and pool limits.
 # The shared cluster's router never prefills on the decode pod because that pod holds the prefix

@@ -270,15 +270,26 @@ def cluster() -> Iterator[tuple[FakeKube, ApiServer, Seen, KubernetesDiscovery]]
         server.stop()
 
 
+def wait_watched(disc: KubernetesDiscovery, role: str, names: set[str], timeout_s: float = 10.0) -> None:
+    """Returns once `role`'s watcher has taken in an event for each pod of `names` (routable or not)."""
+    watcher = next(w for w in disc.watchers if w.role == role)
+    deadline = time.monotonic() + timeout_s
+    while not names <= set(watcher.pods):
+        assert time.monotonic() < deadline, f"the {role} watch did not deliver {names}; it holds {watcher.pods}"
+        time.sleep(0.02)
+
+
 def test_pods_added_ready_ip_change_deleted(cluster) -> None:
-    kube, _server, seen, _disc = cluster
+    kube, _server, seen, disc = cluster
     seen.expect(set(), set())
     kube.add_pod("pf-0", "prefill")  # pending, no IP: not routable
     kube.add_pod("dc-0", "decode", ip="10.0.1.1", ready=False)
     kube.add_pod("router-0", "router", ip="10.0.9.9", ready=True)  # other component: ignored
     kube.add_pod("other-0", "prefill", ip="10.0.8.8", ready=True, app="someone-else")  # other app: ignored
-    time.sleep(0.3)
-    seen.expect(set(), set())
+    wait_watched(disc, "prefill", {"pf-0"})  # delivered, so what follows is a verdict, not a race
+    wait_watched(disc, "decode", {"dc-0"})
+    assert seen.urls["prefill"] == set() and seen.urls["decode"] == set()
+    assert all(set(w.pods) <= {"pf-0", "dc-0"} for w in disc.watchers)  # the router's and other app's pods
     kube.modify("pf-0", ip="10.0.0.1")
     kube.modify("pf-0", ready=True)
     kube.modify("dc-0", ready=True)

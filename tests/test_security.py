@@ -40,8 +40,6 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 # ---- the router with an API key ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    if not (ROOT / "prefill_worker" / "main.py").exists():
-        pytest.skip("workers not available")
     # DEBUG everywhere: the most a misconfigured pod would log.
     c = start_local_cluster(
         prefill=1, decode=1, api_key=SECRET, env={"KVFERRY_LOG_LEVEL": "DEBUG", "KVFERRY_NUM_PAGES": "128"}

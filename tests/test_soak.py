@@ -31,14 +31,7 @@ from common.devcluster.cluster import LocalCluster, start_local_cluster
 from common.serving.engine_host import IDLE_TRIM_S
 from tests.test_reliability import wait_pages_back
 
-ROOT = Path(__file__).resolve().parents[1]
-pytestmark = [
-    pytest.mark.skipif(
-        not (ROOT / "prefill_worker" / "main.py").exists() or not (ROOT / "decode_worker" / "main.py").exists(),
-        reason="workers not available",
-    ),
-    pytest.mark.timeout(600),
-]
+pytestmark = pytest.mark.timeout(600)
 
 MODEL = "smollm2-135m-instruct"
 REQUESTS = int(os.environ.get("KVFERRY_SOAK_REQUESTS", "500"))
