@@ -27,7 +27,7 @@ from router.errors import OpenAIError, install_error_handlers, model_not_found, 
 from router.extra_routes import install_extra_routes
 from router.locality import PrefixLocator, RecentPlacements
 from router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
-from router.middleware import FrontDoor
+from router.middleware import COUNTED, FrontDoor, ResponseCounter
 from router.migration import MIGRATIONS
 from router.openai_api import ChatCompletionRequest, CompletionRequest
 from router.policy import PolicyConfig, RoutingPolicy
@@ -210,6 +210,12 @@ def create_app(
     app = FastAPI(title="kvferry router", version="1", lifespan=lifespan)
     install_error_handlers(app)
     app.add_middleware(FrontDoor, api_key=config.api_key, max_body_bytes=opts.max_body_bytes)
+
+    def static_paths() -> list[str]:
+        return [path for r in app.routes if "{" not in (path := getattr(r, "path", "{"))]
+
+    # Outermost: counts FrontDoor's refusals too.
+    app.add_middleware(ResponseCounter, metrics=metrics, static_paths=static_paths)
     app.state.router = state
 
     # ---- OpenAI endpoints ------------------------------------------------------------------------
@@ -232,6 +238,7 @@ def create_app(
         service: RouterService = state["service"]
         pool: WorkerPool = state["pool"]
         rec = requests.begin(req.stream, request.headers.get("traceparent"), request.url.path)
+        request.scope["state"][COUNTED] = True  # the record counts it (router/middleware.py counts the rest)
         try:
             if not info.serves(req.model):
                 raise model_not_found(req.model or "")

@@ -13,8 +13,12 @@ Histograms (buckets in common/observability/buckets.py):
   answers 429);
 - ``kvferry_router_prompt_tokens`` / ``kvferry_router_output_tokens``: per request (all choices).
 
-Counters: ``kvferry_router_requests_total{status, outcome}`` (requests that passed validation; outcome:
-stop | length | error | abort, the client left | rejected, an error status), ``..._routing_decisions_total
+Counters: ``kvferry_router_requests_total{status, outcome}`` (every response to a generation route:
+``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``; outcome: stop | length | error | abort,
+the client left | rejected, an error status, whether the request failed validation, auth, the body limit or
+admission | ok, a ``/v1/responses`` request served), ``kvferry_router_http_requests_total{method, route,
+status}`` (every HTTP response of any route, by the route's template: what vLLM's HTTP-level counter
+gives beside its engine counters; router/middleware.py's ``ResponseCounter``), ``..._routing_decisions_total
 {decision}`` (router/policy.py's reasons and the admission rejections), ``..._retries_total`` (second
 attempts before the first token), ``..._migrations_total{outcome}`` (router/migration.py: started |
 succeeded | failed; call ``dispatcher.metrics.migrations``), ``..._prefix_lookups_total{result}`` (hit |
@@ -132,6 +136,12 @@ class RouterMetrics:
         )
         self.requests = Counter(
             "kvferry_router_requests_total", "Requests by HTTP status and outcome", ["status", "outcome"], registry=r
+        )
+        self.http_requests = Counter(
+            "kvferry_router_http_requests_total",
+            "HTTP responses by method, route template and status",
+            ["method", "route", "status"],
+            registry=r,
         )
         self.decisions = Counter(
             "kvferry_router_routing_decisions_total",

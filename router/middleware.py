@@ -1,20 +1,26 @@
-"""The router's front door, as plain ASGI (before FastAPI parses anything): bearer auth and body size.
+"""The router's front door, as plain ASGI (before FastAPI parses anything): bearer auth and body size, and
+outside them the count of every response.
 
 Both checks run before the body is parsed, so an unauthenticated or oversized request costs neither
-JSON parsing nor validation, and gets its 401/413 whatever its body looks like.
+JSON parsing nor validation, and gets its 401/413 whatever its body looks like. ``ResponseCounter`` wraps
+them: every response is counted by method, route and status, and a response to a generation route that no
+request record counted (refused before it was parsed, or by validation) is counted in
+``kvferry_router_requests_total`` as well, so that counter misses no rejection.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.errors import OpenAIError, too_large, unauthorized
+from router.metrics import RouterMetrics
 
-__all__ = ["FrontDoor"]
+__all__ = ["COUNTED", "GENERATION_ROUTES", "FrontDoor", "ResponseCounter"]
 
 _PROTECTED = ("/v1/", "/router/", "/debug/", "/tokenize", "/detokenize")  # /health, /ready, /metrics stay open
 
@@ -81,3 +87,50 @@ class FrontDoor:
             return msg
 
         await self.app(scope, replay, send)
+
+
+GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+COUNTED = "kvferry_counted"  # request-state key: a request record counts this request (router/timeline.py)
+CLIENT_GONE = 499  # the status counted for a request whose client left before any response started
+
+
+class ResponseCounter:
+    """Counts every HTTP response (``kvferry_router_http_requests_total``) by method, route template (not the
+    path: ids in paths would grow the label set without bound) and status; and completes
+    ``kvferry_router_requests_total`` for generation requests refused before a request record took them."""
+
+    def __init__(self, app: ASGIApp, metrics: RouterMetrics, static_paths: Callable[[], Iterable[str]]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self._static_paths = static_paths  # routes without parameters: named even when refused before routing
+        self._known: frozenset[str] | None = None
+
+    def _template(self, scope: Scope) -> str:
+        route = getattr(scope.get("route"), "path", None)
+        if route:
+            return str(route)
+        if self._known is None:
+            self._known = frozenset(self._static_paths())
+        return scope["path"] if scope["path"] in self._known else "unmatched"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = CLIENT_GONE
+        request_state = scope.setdefault("state", {})
+
+        async def send_counted(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counted)
+        finally:
+            m = self.metrics
+            m.http_requests.labels(method=scope["method"], route=self._template(scope), status=str(status)).inc()
+            if scope["path"] in GENERATION_ROUTES and scope["method"] == "POST" and not request_state.get(COUNTED):
+                outcome = "rejected" if status >= 400 else "ok"
+                m.requests.labels(status=str(status), outcome=outcome).inc()

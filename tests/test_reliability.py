@@ -681,11 +681,14 @@ def test_redis_killed_and_restarted(healthy: LocalCluster) -> None:
 # ---- clients that go away ------------------------------------------------------------------------
 def test_client_disconnect_mid_stream_aborts_on_both_workers(healthy: LocalCluster) -> None:
     c = healthy
+    aborted = _count_outcome(c.decode_urls, "abort")
     with long_stream_under_way(c):
         pass  # the client hangs up here, mid-stream
     took = abort_times(worker_urls(c), timeout=5)  # the response is closed: the connection is gone
     assert max(took.values()) < 1.5, f"abort took {took}"
     wait_pages_back(worker_urls(c))
+    # The worker counts what it finished by outcome, what the caller gave up on included.
+    wait_until(lambda: _count_outcome(c.decode_urls, "abort") == aborted + 1, 5, "the abort counted")
     FAULTS_SURVIVED.append("client disconnect mid-stream")
 
 
@@ -707,6 +710,9 @@ def test_client_disconnect_mid_prefill_aborts_on_both_workers(healthy: LocalClus
     """The client hangs up while its long prompt is still being prefilled on a prefill pod (before any
     response byte): both the prefill pod and the decode pod drop the request within about a second."""
     c = healthy
+    aborted = {
+        role: _count_outcome(urls, "abort") for role, urls in (("decode", c.decode_urls), ("prefill", c.prefill_urls))
+    }
     body = {"model": MODEL, "prompt": long_prompt(800), "max_tokens": 50, "temperature": 0, "stream": stream}
     s = _raw_post(c.router_url, "/v1/completions", body)
     try:
@@ -723,7 +729,15 @@ def test_client_disconnect_mid_prefill_aborts_on_both_workers(healthy: LocalClus
     assert max(took.values()) < 1.5, f"abort took {took}"
     # Pages the prefill pod might still have been writing are held back briefly on the decode pod.
     wait_pages_back(worker_urls(c))
+    # Both workers count the request they gave up as aborted (the prefill one's is a prefill-only request).
+    for role, urls in (("decode", c.decode_urls), ("prefill", c.prefill_urls)):
+        want = aborted[role] + 1
+        wait_until(lambda u=urls, n=want: _count_outcome(u, "abort") == n, 5, f"the {role} abort counted")
     FAULTS_SURVIVED.append(f"client disconnect mid-prefill ({'stream' if stream else 'non-stream'})")
+
+
+def _count_outcome(urls: list[str], outcome: str) -> float:
+    return sum(metric(u, "kvferry_requests_total", f'{{outcome="{outcome}"}}') for u in urls)
 
 
 # ---- a worker that stops answering ----------------------------------------------------------------

@@ -256,6 +256,59 @@ def test_bad_json_is_400_not_422(client) -> None:
     assert_openai_error(r, 400)
 
 
+def _counts(client, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[tuple[tuple[str, str], ...], float] = {}
+    for fam in text_string_to_metric_families(client.get("/metrics").text):
+        for sample in fam.samples:
+            if sample.name == name:
+                out[tuple(sorted(sample.labels.items()))] = sample.value
+    return out
+
+
+def test_every_rejected_request_is_counted_by_status(client) -> None:
+    """kvferry_router_requests_total counts every response of the generation routes, those refused before
+    or by validation included, and kvferry_router_http_requests_total counts every response by route."""
+    requests_before = _counts(client, "kvferry_router_requests_total")
+    http_before = _counts(client, "kvferry_router_http_requests_total")
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
+    bad: list[tuple[str, dict | bytes]] = [
+        (CHAT, b"{not json"),
+        (CHAT, {"temperature": 0}),
+        (CHAT, {"messages": MSG, "temperature": 100}),
+        (CHAT, {"messages": MSG, "n": 1000}),
+        (CHAT, {"messages": MSG, "stop": [f"s{i}" for i in range(100)]}),
+        (CHAT, {"messages": MSG, "use_beam_search": True}),
+        (CHAT, {"messages": MSG, "response_format": schema}),
+        (COMP, {"prompt": "x", "logprobs": 21}),
+        (COMP, {"model": "gpt-7", "prompt": "x"}),
+        (COMP, {"prompt": "x" * 70_000}),
+    ]
+    statuses = []
+    for path, body in bad:
+        if isinstance(body, bytes):
+            r = client.post(path, content=body, headers={"content-type": "application/json"})
+        else:
+            r = client.post(path, json=body)
+        assert r.status_code >= 400, (body, r.text)
+        statuses.append(r.status_code)
+    assert sorted(set(statuses)) == [400, 404, 413]
+    requests_after = _counts(client, "kvferry_router_requests_total")
+    http_after = _counts(client, "kvferry_router_http_requests_total")
+    for status in set(statuses):
+        key = (("outcome", "rejected"), ("status", str(status)))
+        assert requests_after.get(key, 0) - requests_before.get(key, 0) == statuses.count(status), status
+    for path in (CHAT, COMP):
+        for status in set(statuses):
+            key = (("method", "POST"), ("route", path), ("status", str(status)))
+            sent = sum(1 for (p, _), st in zip(bad, statuses, strict=True) if p == path and st == status)
+            assert http_after.get(key, 0) - http_before.get(key, 0) == sent, (path, status)
+    client.get("/v1/nope/123")
+    unmatched = (("method", "GET"), ("route", "unmatched"), ("status", "404"))
+    assert _counts(client, "kvferry_router_http_requests_total")[unmatched] >= 1  # ids never become labels
+
+
 def test_openapi_schema_advertises_the_statuses_the_router_answers(client) -> None:
     paths = client.get("/openapi.json").json()["paths"]
     for path in ("/v1/completions", "/v1/chat/completions"):

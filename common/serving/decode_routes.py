@@ -320,6 +320,7 @@ def add_decode_routes(app: FastAPI, state: WorkerState) -> None:
                     prefill_task.cancel()
                 if not finished:  # the caller went away: free the request's pages now
                     client.cast({"op": "abort", "req_id": gen.req_id})
+                    state.metrics.requests.labels(outcome="abort").inc()
 
         return StreamingResponse(stream(), media_type="application/x-ndjson")
 

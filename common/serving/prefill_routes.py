@@ -22,6 +22,7 @@ HEARTBEAT = b'{"heartbeat":true}\n'
 def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = True) -> None:
     """`abort_route` False: the app has its own `/internal/abort` (a mixed worker's decode routes), whose engine
     abort reaches requests of either role."""
+    aborted: set[str] = set()  # prefills the decode side called off: counted "abort", not "error"
 
     @app.post("/internal/handshake")
     async def handshake(request: Request) -> Response:
@@ -75,7 +76,7 @@ def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = Tru
                         continue
                     if "done" in msg or "error" in msg or msg.get("finish_reason") == "error":
                         finished = True
-                        outcome = "error" if "error" in msg else "done"
+                        outcome = "done" if "error" not in msg else "abort" if pr.req_id in aborted else "error"
                         state.metrics.requests.labels(outcome=outcome).inc()
                         if outcome == "done":
                             state.metrics.cached.inc(msg.get("cached_tokens", 0))
@@ -91,8 +92,10 @@ def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = Tru
                 trace.end(PREFILL_SPANS, error=None if finished else "the decode worker went away")
                 client.close_stream(pr.req_id)
                 state.inflight -= 1
+                aborted.discard(pr.req_id)
                 if not finished:  # the decode worker went away: stop computing and free the pages
                     client.cast({"op": "abort", "req_id": pr.req_id, "error": "decode worker disconnected"})
+                    state.metrics.requests.labels(outcome="abort").inc()
 
         return StreamingResponse(progress(), media_type="application/x-ndjson")
 
@@ -102,6 +105,8 @@ def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = Tru
         async def abort(request: Request) -> Response:
             ab: AbortRequest = await read_message(request, AbortRequest)  # type: ignore[assignment]
             assert state.client is not None
+            if ab.req_id in state.client.streams:
+                aborted.add(ab.req_id)
             state.client.cast({"op": "abort", "req_id": ab.req_id, "error": "aborted"})
             return JSONResponse({"status": "ok"})
 
