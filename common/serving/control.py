@@ -1,8 +1,11 @@
 """What both workers' control planes share: the engine process, health/readiness, load, metrics, drain.
 
 Busy is not dead: ``/health``, ``/ready`` and ``/load`` are answered by this process (the engine is a
-separate one) from its last engine snapshot (pushed every 0.1 s), by a plain-ASGI front (``ProbeFront``)
-ahead of FastAPI's routing, so neither a long engine step nor a busy request path delays them.
+separate one) from its last engine snapshot (pushed every 0.1 s between steps), by a plain-ASGI front
+(``ProbeFront``) ahead of FastAPI's routing, so neither a long engine step nor a busy request path delays them.
+Busy does not look idle either: a snapshot is only as new as the engine's last step, and a long prompt's step
+on a CPU takes seconds, so what the engine accepted since its last snapshot (``AcceptedWork``) is added to it
+(requests, prompt tokens to prefill, pages) until the next snapshot, which counts them itself, arrives.
 
 An engine process that dies after it was ready (kill -9, the OOM killer, a crash) is seen within 0.1 s (its
 process is gone or its pipe closed) and started again by this process (``keep_engine``): meanwhile the worker
@@ -147,6 +150,35 @@ class WorkerMetrics:
                 self._host_moved[direction] = now
 
 
+@dataclass
+class AcceptedWork:
+    """Requests the engine accepted after its latest load snapshot was taken: that snapshot does not count
+    them, and no newer one comes while the engine's current step runs (seconds for a long prompt on a CPU).
+    Cleared by the next snapshot (computed after the engine took them in) or as each one ends."""
+
+    page_size: int
+    requests: dict[str, tuple[int, bool]] = field(default_factory=dict)  # id -> (prompt tokens, prefilled here)
+
+    def add(self, req_id: str, prompt_tokens: int, prefill_here: bool) -> None:
+        self.requests[req_id] = (prompt_tokens, prefill_here)
+
+    def ended(self, req_id: str) -> None:
+        self.requests.pop(req_id, None)
+
+    def onto(self, load: LoadSnapshot) -> LoadSnapshot:
+        if not self.requests:
+            return load
+        tokens = sum(n for n, here in self.requests.values() if here)
+        pages = sum(-(-n // self.page_size) for n, _ in self.requests.values())  # the prompt's, at least
+        return load.model_copy(
+            update={
+                "running_requests": load.running_requests + len(self.requests),
+                "queued_prefill_tokens": load.queued_prefill_tokens + tokens,
+                "free_pages": max(0, load.free_pages - pages),
+            }
+        )
+
+
 class WorkerState:
     """The control plane's view of its engine process."""
 
@@ -158,6 +190,7 @@ class WorkerState:
         self.engine_ready = asyncio.Event()
         self.agent: dict[str, Any] = {}
         self.load: LoadSnapshot | None = None
+        self.accepted = AcceptedWork(cfg.runner.page_size)  # what the engine took in since `load` was taken
         self.draining = False
         self.inflight = 0
         self.proc: mp.process.BaseProcess | None = None
@@ -203,6 +236,7 @@ class WorkerState:
         """What the control plane knew of an engine that died: nothing of it is reported or used again."""
         self.engine_ready.clear()
         self.load = None
+        self.accepted.requests.clear()
         self.metrics.forget_engine()
         if self.proc is not None:
             if self.proc.is_alive():  # it must not hold the pool (or write into it) any longer
@@ -222,6 +256,7 @@ class WorkerState:
         elif ev == "load":
             msg.pop("ev")
             self.load = LoadSnapshot.model_validate(msg)
+            self.accepted.requests.clear()  # taken after the engine handled them: it counts them itself
             self.metrics.observe_load(self.load)
         elif ev == "steps":
             self.metrics.engine.observe_steps(msg["decode"])
@@ -261,17 +296,23 @@ class WorkerState:
         return load is not None and load.waiting_requests >= max(1, self.cfg.runner.max_running)
 
     def snapshot(self) -> LoadSnapshot:
+        """The engine's latest load, plus what it accepted since (``AcceptedWork``)."""
         # A dead engine's last snapshot is not reported, even in the moment before keep_engine forgets it.
-        base = (self.load if self.alive else None) or LoadSnapshot(
-            role=self.cfg.role,
-            pod=self.cfg.pod_name,
-            queued_prefill_tokens=0,  # type: ignore[arg-type]
-            running_requests=0,
-            waiting_requests=0,
-            free_pages=0,
-            total_pages=0,
-            page_size=self.cfg.runner.page_size,
-            ready=False,
+        load = self.load if self.alive else None
+        base = (
+            self.accepted.onto(load)
+            if load is not None
+            else LoadSnapshot(
+                role=self.cfg.role,
+                pod=self.cfg.pod_name,
+                queued_prefill_tokens=0,  # type: ignore[arg-type]
+                running_requests=0,
+                waiting_requests=0,
+                free_pages=0,
+                total_pages=0,
+                page_size=self.cfg.runner.page_size,
+                ready=False,
+            )
         )
         update = {"ready": self.ready, "draining": self.draining, "max_running": self.cfg.runner.max_running}
         return base.model_copy(update=update)
@@ -311,6 +352,8 @@ def create_worker_app(state: WorkerState, add_routes: Callable[[FastAPI, WorkerS
     async def metrics() -> PlainTextResponse:
         if state.proc is not None and not state.alive:
             state.metrics.forget_engine()  # before keep_engine notices: none of the dead engine's gauges
+        else:
+            state.metrics.observe_load(state.snapshot())  # the gauges count work accepted since the last snapshot
         return PlainTextResponse(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     add_routes(app, state)

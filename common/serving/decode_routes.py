@@ -282,6 +282,7 @@ def add_decode_routes(app: FastAPI, state: WorkerState) -> None:
                 client.cast({"op": "abort", "req_id": gen.req_id})
             raise
         state.metrics.prompt.inc(len(gen.token_ids))
+        state.accepted.add(gen.req_id, len(gen.token_ids), prefill_here=not remote)
         state.inflight += 1
 
         async def arrange_prefill(reserved: asyncio.Future[list[int]]) -> None:
@@ -315,6 +316,7 @@ def add_decode_routes(app: FastAPI, state: WorkerState) -> None:
             finally:
                 trace.end(DECODE_SPANS, error=None if finished else "the caller went away")
                 client.close_stream(gen.req_id)
+                state.accepted.ended(gen.req_id)
                 state.inflight -= 1
                 if prefill_task is not None and not prefill_task.done():
                     prefill_task.cancel()

@@ -60,6 +60,7 @@ def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = Tru
             client.cast({"op": "abort", "req_id": pr.req_id, "error": "decode worker disconnected"})
             raise
         state.metrics.prompt.inc(len(pr.token_ids))
+        state.accepted.add(pr.req_id, len(pr.token_ids), prefill_here=True)
         state.inflight += 1
 
         async def progress() -> AsyncIterator[bytes]:
@@ -91,6 +92,7 @@ def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = Tru
             finally:
                 trace.end(PREFILL_SPANS, error=None if finished else "the decode worker went away")
                 client.close_stream(pr.req_id)
+                state.accepted.ended(pr.req_id)
                 state.inflight -= 1
                 aborted.discard(pr.req_id)
                 if not finished:  # the decode worker went away: stop computing and free the pages
