@@ -24,8 +24,9 @@ TOKENS = 20
         {"temperature": 0.9, "top_p": 0.9, "top_k": 50, "seed": 77},
         {"temperature": 0.8, "seed": 5, "frequency_penalty": 1.5, "presence_penalty": 0.8},
         {"temperature": 0.0, "frequency_penalty": 2.0},
+        {"temperature": 0.7, "seed": 9, "repetition_penalty": 1.4, "presence_penalty": 0.3},
     ],
-    ids=["greedy", "seeded", "seeded-top-p-top-k", "seeded-penalties", "greedy-penalty"],
+    ids=["greedy", "seeded", "seeded-top-p-top-k", "seeded-penalties", "greedy-penalty", "seeded-repetition"],
 )
 def test_continuation_from_the_seam_equals_an_uninterrupted_run(smol_runner, smol_tokenizer, params) -> None:
     engine = fresh_engine(smol_runner)

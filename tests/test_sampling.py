@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from common.engine.sampling import SamplingBatch, sample, uniform_noise
+from common.engine.sampling import SamplingBatch, sample, token_counts, uniform_noise
 from common.protocol import MAX_TOP_LOGPROBS, SamplingParams
 from tests.engine_helpers import assert_pool_clean, fresh_engine
 
@@ -20,7 +20,8 @@ CPU = torch.device("cpu")
 def _batch(params: list[SamplingParams], seeds: list[int] | None = None, outputs=None, vocab: int = 0) -> SamplingBatch:
     seeds = seeds if seeds is not None else [p.seed or 0 for p in params]
     outputs = outputs if outputs is not None else [[] for _ in params]
-    return SamplingBatch.build(params, seeds, outputs, vocab, CPU)
+    counts = token_counts(outputs, vocab)
+    return SamplingBatch.build(params, seeds, vocab, CPU, steps=[len(o) for o in outputs], output_counts=counts)
 
 
 def _sample_many(logits: torch.Tensor, sp: SamplingParams, n: int, step_offset: int = 0) -> torch.Tensor:
@@ -211,21 +212,24 @@ def test_logit_bias_bans_forces_and_stays_per_request():
 def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     logits = torch.tensor([[1.0, 9.0, 8.0, 0.0]] * 3)  # token 1 is EOS, token 2 a stop id
     params = [SamplingParams(min_tokens=3, stop_token_ids=[2])] * 3
-    sb = SamplingBatch.build(params, [0, 0, 0], [[], [], []], 4, CPU, steps=[0, 2, 3], eos_ids=(1,))
+    sb = SamplingBatch.build(params, [0, 0, 0], 4, CPU, steps=[0, 2, 3], eos_ids=(1,))
     assert sample(logits, sb).tokens.tolist() == [0, 0, 1]  # banned at steps 0 and 2, free at step 3
     ignore = SamplingParams(min_tokens=3, ignore_eos=True)
-    sb = SamplingBatch.build([ignore], [0], [[]], 4, CPU, steps=[0], eos_ids=(1,))
+    sb = SamplingBatch.build([ignore], [0], 4, CPU, steps=[0], eos_ids=(1,))
     assert sample(logits[:1], sb).tokens.tolist() == [1]  # EOS is no end with ignore_eos: nothing to hold back
 
 
 def test_repetition_penalty_covers_prompt_and_output():
     logits = torch.tensor([[4.0, 3.0, -1.0, -2.0]] * 3)
     params = [SamplingParams(repetition_penalty=1.5)] * 2 + [SamplingParams()]
-    sb = SamplingBatch.build(params, [0] * 3, [[], [0], [0]], 4, CPU, prompt_ids=[[0], [], [0]])
+    seen = token_counts([[0], [0], [0]], 4) > 0  # prompt + output: [0] + [], [] + [0], [0] + [0]
+    sb = SamplingBatch.build(params, [0] * 3, 4, CPU, steps=[0, 1, 1], seen=seen)
     # 4 / 1.5 = 2.67 < 3: token 0, seen in the prompt (row 0) or the output (row 1), loses to token 1.
     assert sample(logits, sb).tokens.tolist() == [1, 1, 0]
     neg = torch.tensor([[-1.0, -1.2, -5.0, -5.0]])
-    sb = SamplingBatch.build([SamplingParams(repetition_penalty=1.5)], [0], [[0]], 4, CPU, prompt_ids=[[]])
+    sb = SamplingBatch.build(
+        [SamplingParams(repetition_penalty=1.5)], [0], 4, CPU, steps=[1], seen=token_counts([[0]], 4) > 0
+    )
     assert sample(neg, sb).tokens.tolist() == [1]  # a negative logit is multiplied: -1.5 < -1.2
 
 
@@ -249,7 +253,7 @@ def test_grammar_bitmask_allows_only_its_tokens():
     # A grammar that allows only tokens min_tokens bans (a done grammar allows only its end): the grammar wins,
     # never an all -inf row.
     held = SamplingParams(min_tokens=5, stop_token_ids=[63, 67])
-    sb = SamplingBatch.build([held, SamplingParams()], [0, 0], [[], []], vocab, CPU, grammar_done=[True, False])
+    sb = SamplingBatch.build([held, SamplingParams()], [0, 0], vocab, CPU, steps=[0, 0], grammar_done=[True, False])
     sb.allowed_bits, sb.grammar_rows = bits, [0]
     assert sample(logits, sb).tokens.tolist() == tokens
 
@@ -401,3 +405,85 @@ def test_grammar_on_the_real_model_ends_when_done_even_before_min_tokens(smol_ru
         assert r.output_ids[-1] in smol_runner.model_config.eos_token_ids
     assert len(results[2].output_ids) == 6 and 2 not in results[2].output_ids
     assert_pool_clean(engine)
+
+
+# ---- grammars and penalties keep the overlap ---------------------------------------------------------------
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "mood": {"enum": ["happy", "sad"]}},
+    "required": ["name", "mood"],
+    "additionalProperties": False,
+}
+
+
+def test_grammars_and_penalties_keep_the_overlap_and_their_outputs(smol_runner, smol_tokenizer, monkeypatch):
+    """Grammar rows, penalty rows and plain rows in one batch, greedy and seeded: overlap on (each forward
+    launched before the step in flight is processed, only a grammar row's sampling waits for its mask) gives
+    overlap off's tokens, which are each request's tokens decoded alone; grammar outputs are valid."""
+    import json
+
+    from common.protocol import GrammarSpec
+    from common.sched.scheduler import Scheduler
+    from common.settings import SchedulerConfig
+
+    person = GrammarSpec(kind="json_schema", value=json.dumps(PERSON))
+    answer = GrammarSpec(kind="regex", value=r"(yes|no), because [a-z ]{3,12}\.")
+    kinds = [
+        dict(grammar=person),
+        dict(),
+        dict(grammar=person, temperature=0.9, seed=3, frequency_penalty=0.5),
+        dict(frequency_penalty=0.7, presence_penalty=0.4),
+        dict(grammar=answer, repetition_penalty=1.2),
+        dict(repetition_penalty=1.3, temperature=0.8, seed=11, logprobs=True),
+    ]
+    texts = ["Describe a person as JSON.", "Is Paris in France? Answer yes or no and why."]
+    chats = [
+        list(
+            smol_tokenizer.apply_chat_template(
+                [{"role": "user", "content": texts[i % 2]}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+        )
+        for i in range(len(kinds))
+    ]
+    params = [SamplingParams(max_tokens=20, **kw) for kw in kinds]
+    alone = [fresh_engine(smol_runner).generate([c], sp)[0] for c, sp in zip(chats, params)]
+
+    forward = smol_runner.forward
+    in_flight: list[int] = []  # steps launched and not yet processed, at each forward
+    for overlap in (False, True):
+        engine = fresh_engine(smol_runner)
+        sched = engine.scheduler = Scheduler(smol_runner, SchedulerConfig(), overlap=overlap)
+        launched, processed = [0], [0]
+        process = sched._process
+
+        def counted_process(step, process=process, processed=processed):
+            processed[0] += 1
+            return process(step)
+
+        def counted_forward(batch, launched=launched, processed=processed):
+            in_flight.append(launched[0] - processed[0])
+            launched[0] += 1
+            return forward(batch)
+
+        monkeypatch.setattr(sched, "_process", counted_process)
+        monkeypatch.setattr(smol_runner, "forward", counted_forward)
+        in_flight.clear()
+        results = engine.generate(chats, params)
+        monkeypatch.setattr(smol_runner, "forward", forward)
+        assert [(r.output_ids, r.finish_reason) for r in results] == [(r.output_ids, r.finish_reason) for r in alone]
+        assert [lp.logprob for lp in results[5].logprobs] == pytest.approx(
+            [lp.logprob for lp in alone[5].logprobs], abs=1e-4
+        )
+        assert in_flight[1:] == [1 if overlap else 0] * (len(in_flight) - 1)
+        assert_pool_clean(engine)
+    for r, kw in zip(alone, kinds):
+        text = smol_tokenizer.decode(r.output_ids, skip_special_tokens=True)
+        if kw.get("grammar") is person and r.finish_reason == "stop":
+            assert set(json.loads(text)) == {"name", "mood"}
+        if kw.get("grammar") is answer and r.finish_reason == "stop":
+            assert text.startswith(("yes, because ", "no, because ")) and text.endswith(".")
+    assert sum(r.finish_reason == "stop" for r, kw in zip(alone, kinds) if "grammar" in kw) >= 2

@@ -375,14 +375,15 @@ def test_request_added_while_others_decode_joins_between_steps(tiny_model):
 def test_overlap_on_equals_overlap_off(tiny_model: DecoderModel, prefix_cache: bool) -> None:
     """The loop the GPU runs (overlap on: step N+1 launched before step N's tokens are read, next inputs taken
     from the device) gives the CPU loop's tokens, logprobs and finish reasons, with stop tokens, seeded
-    sampling, penalties, chunked prefill and an abort mid-stream in the mix; every page comes back."""
+    sampling, penalties (repetition too), chunked prefill and an abort mid-stream in the mix; every page comes
+    back."""
     ps = prompts(11, [5, 40, 90, 17, 130, 33, 64, 8])
     greedy = reference_outputs(tiny_model, [ps[3]], [12])[0]
     stops = {3: [greedy[4]]}  # request 3 stops early, on a token the device sampled
     kinds = [
         dict(),
         dict(temperature=0.9, seed=5),
-        dict(logprobs=True, top_logprobs=3),
+        dict(logprobs=True, top_logprobs=3, repetition_penalty=1.3),
         dict(),
         dict(frequency_penalty=0.5, presence_penalty=0.3),
         dict(temperature=1.1, top_k=20, seed=1),
@@ -414,6 +415,51 @@ def test_overlap_on_equals_overlap_off(tiny_model: DecoderModel, prefix_cache: b
         assert results[overlap][3][1] == "stop"
         assert_pool_clean(engine)
     assert results[True] == results[False]
+
+
+def test_penalty_counts_on_the_device_follow_each_requests_history(tiny_model: DecoderModel) -> None:
+    """The counts the sampler reads are kept on the device, per table row: at every step (overlap on, a token
+    in flight) a penalty request's row holds its output's counts plus its tokens in flight, and its prompt's
+    tokens, however rows are reused (3 rows, 7 requests) and with earlier output from another worker
+    (`output_offset`). Outputs equal each request decoded alone."""
+    from common.engine.sampling import token_counts
+
+    ps = prompts(31, [20, 9, 40, 17, 33, 12, 26])
+    kinds = [
+        dict(frequency_penalty=0.8, presence_penalty=0.4),
+        dict(),
+        dict(repetition_penalty=1.5, temperature=0.9, seed=3),
+        dict(frequency_penalty=1.2, output_offset=5),
+        dict(presence_penalty=-0.7, repetition_penalty=1.2),
+        dict(temperature=1.0, seed=8),
+        dict(repetition_penalty=1.3, frequency_penalty=0.2, output_offset=3, temperature=0.7, seed=2),
+    ]
+    params = [SamplingParams(max_tokens=10 + 2 * i, ignore_eos=True, **kw) for i, kw in enumerate(kinds)]
+    alone = [make_engine(tiny_model).generate([p], sp)[0].output_ids for p, sp in zip(ps, params)]
+
+    engine = make_engine(tiny_model, max_running=3)
+    sched = engine.scheduler = Scheduler(engine.runner, SchedulerConfig(max_prefill_tokens=64), overlap=True)
+    reqs = [Req(req_id=f"p{i}", prompt_ids=list(p), sampling=sp) for i, (p, sp) in enumerate(zip(ps, params))]
+    for r in reqs:
+        sched.add(r)
+    checked = 0
+    while sched.has_work():
+        sched.step()
+        check_invariants(sched)
+        for r in sched.running:
+            if not (r.sampling.frequency_penalty or r.sampling.presence_penalty or r.sampling.repetition_penalty != 1):
+                continue
+            cut = r.prompt_len - r.sampling.output_offset
+            host = token_counts([r.prompt_ids[cut:] + r.output_ids], VOCAB)[0]
+            extra = sched.penalties.counts[r.table_row] - host
+            assert bool((extra >= 0).all()) and int(extra.sum()) == sched.inflight(r)
+            if r.sampling.repetition_penalty != 1:
+                prompt_seen = token_counts([r.prompt_ids[:cut]], VOCAB)[0] > 0
+                assert torch.equal(sched.penalties.in_prompt[r.table_row], prompt_seen)
+            checked += 1
+    assert checked > 40
+    assert [r.output_ids for r in reqs] == alone
+    assert_pool_clean(engine)
 
 
 def test_prefill_budget_caps_steps_beside_decoding_requests_only() -> None:

@@ -8,6 +8,8 @@ Before any of that the logits are adjusted, each adjustment built only when some
 for it (a batch without them pays nothing): repetition penalty (prompt and output tokens), frequency and
 presence penalties, logit_bias, bans (EOS and stop ids of a request still short of its min_tokens), and a
 grammar's token bitmask (one packed int32 row per request, 32 tokens per word; common/sched/grammar.py).
+The penalties' token counts come from the caller (the scheduler keeps them on the device:
+common/sched/penalties.py).
 """
 
 from __future__ import annotations
@@ -76,32 +78,31 @@ class SamplingBatch:
         cls,
         params: list[SamplingParams],
         seeds: list[int],
-        output_ids: list[list[int]],
         vocab: int,
         device: torch.device,
-        steps: Sequence[int] | None = None,
-        prompt_ids: Sequence[Sequence[int]] | None = None,
+        steps: Sequence[int],
+        output_counts: torch.Tensor | None = None,
+        seen: torch.Tensor | None = None,
         eos_ids: Sequence[int] = (),
         grammar_done: Sequence[bool] = (),
     ) -> SamplingBatch:
-        """`output_ids` is read for the frequency/presence penalties, `prompt_ids` (with `output_ids`) for
-        the repetition penalty; `steps` (output tokens before this step; default: len(output_ids)) decides
-        which requests are still short of their min_tokens, whose `eos_ids` and stop ids are banned, except
-        rows whose grammar is done (`grammar_done`: it allows nothing but its end, which wins)."""
+        """`steps`: output tokens before this step (the noise's counter; with `min_tokens` it decides which
+        requests still have their `eos_ids` and stop ids banned, except rows whose grammar is done:
+        `grammar_done`, it allows nothing but its end, which wins). `output_counts` ([B, V], each row's
+        output token counts) is read for the frequency/presence penalties, `seen` ([B, V] bool, tokens in a
+        row's prompt or output) for the repetition penalty; both may already be on the device."""
         temps = [0.0 if p.greedy else p.temperature for p in params]
         top_k = [vocab if p.top_k <= 0 else min(p.top_k, vocab) for p in params]
         freq = [p.frequency_penalty for p in params]
         pres = [p.presence_penalty for p in params]
         needs_penalty = any(freq) or any(pres)
-        step_list = list(steps) if steps is not None else [len(o) for o in output_ids]
-        counts = None
-        if needs_penalty:
-            counts = _token_counts(output_ids, vocab).to(device)
-        rep = seen = None
+        if needs_penalty and output_counts is None:
+            raise ValueError("frequency and presence penalties need the output token counts")
+        step_list = list(steps)
+        rep = None
         if any(p.repetition_penalty != 1.0 for p in params):
-            if prompt_ids is None:
-                raise ValueError("repetition_penalty needs the prompts' token ids")
-            seen = (_token_counts([list(a) + list(b) for a, b in zip(prompt_ids, output_ids)], vocab) > 0).to(device)
+            if seen is None:
+                raise ValueError("repetition_penalty needs the tokens seen in prompt and output")
             rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device)
         add = _sparse_additions(params, step_list, eos_ids, grammar_done)
         f32 = dict(dtype=torch.float32, device=device)
@@ -120,9 +121,9 @@ class SamplingBatch:
             needs_penalty=needs_penalty,
             max_top_logprobs=max((p.top_logprobs for p in params), default=0),
             want_logprobs=any(p.logprobs or p.top_logprobs > 0 for p in params),
-            output_counts=counts,
+            output_counts=output_counts if needs_penalty else None,
             repetition_penalty=rep,
-            seen=seen,
+            seen=seen if rep is not None else None,
             add_rows=None if add is None else add[0].to(device),
             add_cols=None if add is None else add[1].to(device),
             add_vals=None if add is None else add[2].to(device),
@@ -138,8 +139,8 @@ class SamplingBatch:
         )
 
 
-def _token_counts(ids: list[list[int]], vocab: int) -> torch.Tensor:
-    """[B, V] float32: how often each token occurs in each row's ids."""
+def token_counts(ids: Sequence[Sequence[int]], vocab: int) -> torch.Tensor:
+    """[B, V] float32 on the host: how often each token occurs in each row's ids."""
     counts = torch.zeros(len(ids), vocab, dtype=torch.float32)
     lens = torch.tensor([len(o) for o in ids], dtype=torch.int64)
     if int(lens.sum()) > 0:

@@ -6,11 +6,13 @@ same spec (a cache hit after the first request with that schema), and its matche
 sampled before it masks the next one. Replaying a few tokens costs microseconds; shipping matcher state
 would tie both workers to one xgrammar build.
 
-A matcher must have accepted a request's previous token before it can mask the next one, so the scheduler
-processes the step in flight before launching one that samples for a grammar request (common/sched/
-launched.py `needs_host_tokens`). The masks are filled on the host after the step's forward was launched,
-so on a GPU they are built while the forward runs; `BatchGrammarMatcher` fills the batch's rows on
-several threads.
+A matcher must have accepted a request's previous token before it can mask the next one, and with overlap on
+that token is still on the device when the next step is launched. So the next step's forward is launched
+first; sampling waits only where a grammar row needs the step in flight: the scheduler processes that step
+(its tokens reach the matchers) while the forward runs, fills the batch's masks in one batched call
+(`BatchGrammarMatcher`, several threads), copies them to the device without blocking and then launches the
+sampling, which applies them in place (common/sched/scheduler.py `_begin_sampling`). A batch with no grammar
+row samples right behind its forward, as before.
 """
 
 from __future__ import annotations
@@ -134,14 +136,13 @@ class GrammarBook:
         """The grammar is complete and its stop token accepted: nothing may follow."""
         return self._state(req).matcher.is_terminated()
 
-    def fill(self, reqs: Sequence[Req]) -> GrammarMasks:
-        """The bitmask of the tokens each grammar request in `reqs` may sample next (rows of the others are
-        left all ones and not read). Each grammar request's matcher must have accepted all of its output
-        (the step before was processed)."""
-        import xgrammar as xgr
-
-        bits = xgr.allocate_token_bitmask(len(reqs), self.vocab)
-        rows = [i for i, r in enumerate(reqs) if r.sampling.grammar is not None]
+    def fill(self, reqs: Sequence[Req], pin: bool = False) -> GrammarMasks:
+        """The bitmask of the tokens each grammar request in `reqs` may sample next (rows of the others and
+        of finished requests are left all ones and not read), in pinned memory with `pin` (copied to a GPU
+        without blocking). Each grammar request's matcher must have accepted all of its output (the step
+        before was processed)."""
+        bits = torch.full((len(reqs), (self.vocab + 31) // 32), -1, dtype=torch.int32, pin_memory=pin)
+        rows = [i for i, r in enumerate(reqs) if r.sampling.grammar is not None and not r.finished]
         done = [False] * len(reqs)
         matchers = []
         for i in rows:

@@ -18,6 +18,11 @@ class Launched:
 
     kind: str  # "prefill" | "decode"
     reqs: list[Req]
+    # Until sampled: the forward's logits, and what sampling reads that processing the step before changes
+    # (table rows, given back when a request finishes; output steps). None once the step is sampled.
+    logits: torch.Tensor | None = None
+    rows: list[int] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
     tokens: torch.Tensor | None = None  # [R] int64 on the host (pinned on CUDA), filled by a non-blocking copy
     logprobs: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
@@ -69,13 +74,6 @@ class StepTimer:
         return self.begin.elapsed_time(self.end) / 1000
 
 
-def needs_host_tokens(r: Req) -> bool:
-    """Whether sampling for `r` reads its whole output on the host (penalties count it, a grammar matcher
-    must have accepted it), so its previous step must be processed before the next one is launched."""
-    s = r.sampling
-    return bool(s.frequency_penalty or s.presence_penalty or s.repetition_penalty != 1.0 or s.grammar is not None)
-
-
 def copy_to_host(t: torch.Tensor | None) -> torch.Tensor | None:
     """A non-blocking device-to-host copy into pinned memory (valid once the step's done event fired)."""
     if t is None or t.device.type != "cuda":
@@ -86,12 +84,13 @@ def copy_to_host(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def sampling_to_device(sb: SamplingBatch, device: torch.device) -> SamplingBatch:
-    """Moves a host-built sampling batch with non-blocking copies (a blocking one would wait for the stream)."""
+    """Moves a host-built sampling batch with non-blocking copies (a blocking one would wait for the stream);
+    tensors already on the device (the penalty counts) stay."""
     if device.type == "cpu":
         return sb
     moved = {}
     for f in dataclasses.fields(sb):
         v = getattr(sb, f.name)
-        if isinstance(v, torch.Tensor):
+        if isinstance(v, torch.Tensor) and v.device.type == "cpu":
             moved[f.name] = v.pin_memory().to(device, non_blocking=True)
     return dataclasses.replace(sb, **moved)

@@ -15,10 +15,14 @@ step's tokens. The only wait is on the done event of the step being processed.
 Everything runs on one device stream, so a request that finishes at step N (a stop token, found when N is
 processed, after N+1 was launched) is harmless: N+1 writes its KV into pages that a step launched later on
 the same stream may hand to a new request; N+1's token for it is discarded. Finishing by length is known at
-launch, so such requests are never launched past their last token. Requests with penalties or a grammar
-need their whole output on the host (counted, or accepted by the grammar's matcher before it masks the next
-token): while one runs, the step in flight is processed first (common/sched/grammar.py says why this and
-not a mask built one step late).
+launch, so such requests are never launched past their last token.
+
+Sampling features keep the overlap. Penalties read token counts kept on the device per table row and
+updated there by each step's sampling (common/sched/penalties.py). A grammar row needs its previous token
+accepted by its matcher before its mask can be filled: a decode step with such a row launches its forward,
+processes the step in flight while the forward runs, fills the masks and only then launches its sampling
+(`_begin_sampling`, `step`; common/sched/grammar.py). Every other row of that batch waits for the sampling
+launch too, but the forward never waits for the host.
 """
 
 from __future__ import annotations
@@ -37,8 +41,9 @@ from common.kv.host_tier import make_host_tier
 from common.kv.radix import RadixCache
 from common.protocol import TokenLogprob
 from common.sched.grammar import GrammarBook, GrammarError
-from common.sched.launched import Launched, StepTimer, copy_to_host, needs_host_tokens, sampling_to_device
+from common.sched.launched import Launched, StepTimer, copy_to_host, sampling_to_device
 from common.sched.pages import KVBudget
+from common.sched.penalties import PenaltyCounts
 from common.sched.prefill import PrefillAdder
 from common.sched.prefill_budget import PrefillSpeed, prefill_token_budget
 from common.sched.request import Req, ReqState
@@ -111,6 +116,7 @@ class Scheduler:
         self.grammars = GrammarBook(runner.model_path, self.vocab, tuple(self.eos))
         # The newest sampled token of each table row, on the device (the next decode step's input).
         self.last_tokens = torch.zeros(runner.page_table.table.shape[0], dtype=torch.int64, device=self.device)
+        self.penalties = PenaltyCounts(runner.page_table.table.shape[0], self.vocab, self.device)
         self._inflight: dict[Req, int] = {}  # tokens launched but not yet appended, per request
         self._pending: Launched | None = None
         self.prefill_tokens_launched = 0  # prompt tokens computed so far (the measured prefill rate's counter)
@@ -235,12 +241,13 @@ class Scheduler:
         return bool(self.waiting or self.chunked or self.running or self._pending is not None)
 
     def step(self) -> list[StepEvent]:
-        """Launches the next step and processes the one before it (with overlap off: the one just launched)."""
+        """Launches the next step and processes the one before it (with overlap off: the one just launched).
+        A step whose grammar rows wait for the one before is sampled once that one is processed."""
         events: list[StepEvent] = []
-        if self._pending is not None and any(needs_host_tokens(r) for r in self.running):
-            events += self.flush()
         launched = self._launch()
         events += self.flush()
+        if launched is not None and launched.logits is not None:
+            self._sample(launched)
         self._pending = launched
         if not self.overlap:
             events += self.flush()
@@ -318,7 +325,7 @@ class Scheduler:
                 assert self.chunked is None, "one chunked request at a time"
                 self.chunked = r
         finishing = [r for r, d in zip(batch, done) if d]
-        launched = self._sample("prefill", finishing, logits)
+        launched = self._begin_sampling("prefill", finishing, logits)
         launched.chunks = [(r, s, s + n) for r, s, n in zip(batch, starts, chunks)]
         launched.timer = timer
         for r in finishing:
@@ -345,42 +352,56 @@ class Scheduler:
             mask = torch.tensor(on_device, dtype=torch.bool).to(self.device, non_blocking=True)
             fb.input_ids = torch.where(mask, self.last_tokens[fb.table_rows], fb.input_ids)
         logits = self.runner.forward(fb)
-        return self._sample("decode", batch, logits)
+        return self._begin_sampling("decode", batch, logits)
 
-    def _sample(self, kind: str, reqs: list[Req], logits: torch.Tensor) -> Launched:
-        launched = Launched(kind, list(reqs))
+    def _begin_sampling(self, kind: str, reqs: list[Req], logits: torch.Tensor) -> Launched:
+        """The step whose forward gave `logits`, sampled now unless one of its grammar rows has a token in the
+        step in flight (its matcher has not seen it yet): then `step` samples it once that step is processed,
+        and the forward runs meanwhile."""
+        launched = Launched(kind, list(reqs), logits=logits)
+        launched.rows = [r.table_row for r in reqs]
+        launched.steps = [r.sampling.output_offset + len(r.output_ids) + self.inflight(r) for r in reqs]
+        waits = any(r.sampling.grammar is not None and self.inflight(r) > 0 for r in reqs)
+        for r in reqs:
+            self._inflight[r] = self.inflight(r) + 1
+        if not waits:
+            self._sample(launched)
+        return launched
+
+    @torch.inference_mode()
+    def _sample(self, launched: Launched) -> None:
+        logits, launched.logits = launched.logits, None
+        reqs = launched.reqs
         if reqs:
-            host_tokens = any(needs_host_tokens(r) for r in reqs)
-            # The forward is launched: on a GPU the grammar masks are filled while it runs.
-            masks = self.grammars.fill(reqs) if any(r.sampling.grammar is not None for r in reqs) else None
+            assert logits is not None
+            masks = None
+            if any(r.sampling.grammar is not None for r in reqs):
+                # On a GPU the forward is still running: the masks are filled meanwhile, in pinned memory.
+                masks = self.grammars.fill(reqs, pin=self.device.type == "cuda")
+            rows = torch.tensor(launched.rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            counts, seen = self.penalties.gather(reqs, launched.rows, rows)
             sb = SamplingBatch.build(
                 [r.sampling for r in reqs],
                 [r.seed for r in reqs],
-                [r.prompt_ids[r.prompt_len - r.sampling.output_offset :] + r.output_ids for r in reqs]
-                if host_tokens
-                else [[] for _ in reqs],
                 self.vocab,
                 torch.device("cpu"),
-                steps=[r.sampling.output_offset + len(r.output_ids) + self.inflight(r) for r in reqs],
-                prompt_ids=[r.prompt_ids[: r.prompt_len - r.sampling.output_offset] for r in reqs]
-                if host_tokens
-                else None,
+                steps=launched.steps,
+                output_counts=counts,
+                seen=seen,
                 eos_ids=tuple(self.eos),
                 grammar_done=masks.done if masks is not None else (),
             )
             if masks is not None:
                 sb.allowed_bits, sb.grammar_rows = masks.bits, masks.rows
             res = sample(logits, sampling_to_device(sb, self.device))
-            rows = torch.tensor([r.table_row for r in reqs], dtype=torch.int64).to(self.device, non_blocking=True)
             self.last_tokens.index_copy_(0, rows, res.tokens)
+            if counts is not None:
+                self.penalties.record(rows, res.tokens)
             launched.tokens = copy_to_host(res.tokens)
             launched.logprobs = copy_to_host(res.logprobs)
             launched.top_ids = copy_to_host(res.top_ids)
             launched.top_logprobs = copy_to_host(res.top_logprobs)
-            for r in reqs:
-                self._inflight[r] = self.inflight(r) + 1
         launched.record_done(self.device)
-        return launched
 
     # ---- process -----------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -1,0 +1,96 @@
+"""Penalty state on the device: each table row's output-token counts and the tokens of its prompt.
+
+Frequency and presence penalties read how often each token occurs in a request's output; the repetition
+penalty reads which tokens occur in its prompt or output. Both live here as [rows, vocab] tensors indexed by
+table row, on the scheduler's device: a request's row is filled once, at its first sampling (its earlier
+output, the prompt's last `output_offset` tokens of a continued request, counts as output), and every
+sampled token is added on the device by the step that sampled it. So a step's penalties never wait for the
+host to learn the previous step's tokens, and no history travels to the device per step.
+
+A row is owned by the request that filled it: a request that later takes the row (any request, a finished
+one's token from a step still in flight included) fills it again before it reads it; rows of requests without
+penalties are read too (the batch is gathered whole) but weighed by zero penalties. The tensors are built at
+the first request that asks for them; a worker that never sees a penalty holds neither.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+from common.engine.sampling import token_counts
+from common.protocol import SamplingParams
+from common.sched.request import Req
+
+
+def has_penalty(p: SamplingParams) -> bool:
+    return bool(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0)
+
+
+class PenaltyCounts:
+    def __init__(self, rows: int, vocab: int, device: torch.device) -> None:
+        self.rows = rows
+        self.vocab = vocab
+        self.device = device
+        self.counts: torch.Tensor | None = None  # [rows, V] float32: output tokens, per table row
+        self.in_prompt: torch.Tensor | None = None  # [rows, V] bool: prompt tokens (repetition penalty only)
+        self._owner: list[weakref.ref[Req] | None] = [None] * rows
+
+    def _owned(self, req: Req, row: int) -> bool:
+        owner = self._owner[row]
+        return owner is not None and owner() is req
+
+    def gather(
+        self, reqs: Sequence[Req], rows: Sequence[int], rows_dev: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(output counts [B, V], seen [B, V]) of a batch on the device, in batch order; None when no request
+        needs them (seen: only when one asks for a repetition penalty). `rows_dev` is `rows` on the device."""
+        params = [r.sampling for r in reqs]
+        if not any(has_penalty(p) for p in params):
+            return None, None
+        repetition = any(p.repetition_penalty != 1.0 for p in params)
+        if self.counts is None:
+            self.counts = torch.zeros(self.rows, self.vocab, dtype=torch.float32, device=self.device)
+        if repetition and self.in_prompt is None:
+            self.in_prompt = torch.zeros(self.rows, self.vocab, dtype=torch.bool, device=self.device)
+        fresh = [(r, row) for r, row in zip(reqs, rows) if has_penalty(r.sampling) and not self._owned(r, row)]
+        if fresh:
+            self._fill(fresh)
+        counts = self.counts.index_select(0, rows_dev)
+        seen = None
+        if repetition:
+            assert self.in_prompt is not None
+            seen = self.in_prompt.index_select(0, rows_dev) | (counts > 0)
+        return counts, seen
+
+    def _fill(self, fresh: list[tuple[Req, int]]) -> None:
+        """Writes the rows of requests sampling for the first time here (no token of theirs in flight)."""
+        assert self.counts is not None
+        outputs, prompts, prompt_rows = [], [], []
+        for r, row in fresh:
+            cut = r.prompt_len - r.sampling.output_offset
+            outputs.append(r.prompt_ids[cut:] + r.output_ids)
+            if r.sampling.repetition_penalty != 1.0:
+                prompts.append(r.prompt_ids[:cut])
+                prompt_rows.append(row)
+            self._owner[row] = weakref.ref(r)
+        rows = _to(torch.tensor([row for _, row in fresh], dtype=torch.int64), self.device)
+        self.counts.index_copy_(0, rows, _to(token_counts(outputs, self.vocab), self.device))
+        if prompt_rows:
+            assert self.in_prompt is not None
+            seen = _to(token_counts(prompts, self.vocab) > 0, self.device)
+            self.in_prompt.index_copy_(0, _to(torch.tensor(prompt_rows, dtype=torch.int64), self.device), seen)
+
+    def record(self, rows_dev: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Counts a step's sampled tokens (on the device, right after sampling them)."""
+        if self.counts is not None:
+            self.counts.index_put_((rows_dev, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the stream (pinned, then copied non-blocking)."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
