@@ -10,6 +10,8 @@ import os
 import socket
 from dataclasses import dataclass, field, fields
 
+from common.internal_auth import InternalToken
+from common.prefix.access import RedisAccess
 from common.settings import RunnerConfig, SchedulerConfig
 
 ROLE_PORTS = {"router": 8000, "prefill": 8100, "decode": 8200, "mixed": 8300}
@@ -43,6 +45,8 @@ class WorkerConfig:
     advertise_url: str = ""
     pod_name: str = ""
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_access: RedisAccess = field(default_factory=RedisAccess)  # password, TLS, key prefix
+    internal_token: InternalToken = field(default_factory=InternalToken)  # on /internal/* (common/internal_auth.py)
     drain_seconds: float = 25.0
     transfer_staging_mb: float = 256.0  # packing area for peers that split KV heads differently (TP)
     nixl_progress_delay_us: int = -1  # -1: the agent's default (100 us for CPU pools, 0 for GPU pools)
@@ -65,6 +69,8 @@ class WorkerConfig:
             advertise_url=_env("KVFERRY_ADVERTISE_URL", ""),
             pod_name=pod,
             redis_url=_env("KVFERRY_REDIS_URL", "redis://127.0.0.1:6379/0"),
+            redis_access=RedisAccess.from_env(),
+            internal_token=InternalToken.from_env(),
             drain_seconds=float(_env("KVFERRY_DRAIN_SECONDS", "25")),
             transfer_staging_mb=float(_env("KVFERRY_TRANSFER_STAGING_MB", "256")),
             nixl_progress_delay_us=int(_env("KVFERRY_NIXL_PROGRESS_DELAY_US", "-1")),
@@ -139,6 +145,8 @@ class RouterConfig:
     mixed_urls: list[str] = field(default_factory=list)  # workers that prefill for peers and decode
     namespace: str = ""
     api_key: str | None = None
+    redis_access: RedisAccess = field(default_factory=RedisAccess)
+    internal_token: InternalToken = field(default_factory=InternalToken)  # sent on every call to a worker
 
     @classmethod
     def from_env(cls) -> RouterConfig:
@@ -153,4 +161,6 @@ class RouterConfig:
             mixed_urls=_split_urls(_env("KVFERRY_MIXED_URLS", "")),
             namespace=_env("KVFERRY_NAMESPACE", ""),
             api_key=os.environ.get("KVFERRY_API_KEY") or None,
+            redis_access=RedisAccess.from_env(),
+            internal_token=InternalToken.from_env(),
         )

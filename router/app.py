@@ -149,7 +149,9 @@ def create_app(
     if index_reader is None and use_redis and config.redis_url:
         from common.prefix.reader import PrefixIndexReader
 
-        index_reader = PrefixIndexReader(config.redis_url, info.name, socket_timeout_s=opts.redis_timeout_s)
+        index_reader = PrefixIndexReader(
+            config.redis_url, info.name, socket_timeout_s=opts.redis_timeout_s, access=config.redis_access
+        )
     state: dict[str, Any] = {}
     init_tracing("kvferry-router")  # off unless an OTLP endpoint is set (common/observability/tracing.py)
     metrics = RouterMetrics()
@@ -157,7 +159,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        client = WireClient(connect_timeout_s=opts.connect_timeout_s)
+        client = WireClient(connect_timeout_s=opts.connect_timeout_s, headers=config.internal_token.headers())
         pool = WorkerPool(
             client, opts.poll_interval_s, opts.poll_timeout_s, opts.down_after_failures, opts.down_after_s
         )

@@ -190,8 +190,10 @@ class Response:
 
 
 class WireClient:
-    def __init__(self, connect_timeout_s: float = 3.0) -> None:
+    def __init__(self, connect_timeout_s: float = 3.0, headers: dict[str, str] | None = None) -> None:
+        """``headers``: sent on every request (the workers' internal token: common/internal_auth.py)."""
         self.connect_timeout_s = connect_timeout_s
+        self._fixed_head = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
         self._closed = False
 
@@ -249,7 +251,7 @@ class WireClient:
         """Sends a request and reads the status line and headers; the body is read from the Response.
         ``headers``: extra ones (a trace's traceparent)."""
         key, netloc, path = self._target(url)
-        head = f"{method} {path} HTTP/1.1\r\nhost: {netloc}\r\n"
+        head = f"{method} {path} HTTP/1.1\r\nhost: {netloc}\r\n{self._fixed_head}"
         if body or method in ("POST", "PUT", "PATCH"):
             head += f"content-type: {content_type}\r\ncontent-length: {len(body)}\r\n"
         if headers:

@@ -1,4 +1,5 @@
-"""Security: bearer-token auth on the router (real cluster, real HTTP), secrets kept out of logs and
+"""Security: bearer-token auth on the router (real cluster, real HTTP), the internal token on every worker's
+/internal/* routes and the password on Redis (the same cluster runs with both), secrets kept out of logs and
 process arguments, the Kubernetes manifests exposing only the router (Service ports, NetworkPolicy
 reachability of the workers' internal ports and of Redis), and no pickle/eval/exec/marshal on anything
 a kvferry process receives (a source scan of every module that runs in the pods)."""
@@ -28,11 +29,13 @@ from tests.test_k8s_manifests import (
     role_deployments,
     selector_matches,
 )
-from tests.test_reliability import assert_openai_error
+from tests.test_reliability import assert_openai_error, metric
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
 SECRET = "kvf-test-secret-7f3a9c2e51d84b06"
+INTERNAL_TOKEN = "kvf-internal-token-4be1c09d7a2f6e35"
+REDIS_PASSWORD = "kvf-redis-password-93d0b6a1f4c8e27c"
 SERVED_PACKAGES = ("common", "router", "prefill_worker", "decode_worker")
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -41,9 +44,14 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
     # DEBUG everywhere: the most a misconfigured pod would log.
-    c = start_local_cluster(
-        prefill=1, decode=1, api_key=SECRET, env={"KVFERRY_LOG_LEVEL": "DEBUG", "KVFERRY_NUM_PAGES": "128"}
-    )
+    env = {
+        "KVFERRY_LOG_LEVEL": "DEBUG",
+        "KVFERRY_NUM_PAGES": "128",
+        "KVFERRY_INTERNAL_TOKEN": INTERNAL_TOKEN,
+        "KVFERRY_REDIS_PASSWORD": REDIS_PASSWORD,  # the cluster's own redis-server requires it
+        "KVFERRY_ROUTER_DISAGG_MIN_PROMPT_TOKENS": "16",  # the prompts here go through the prefill worker
+    }
+    c = start_local_cluster(prefill=1, decode=1, api_key=SECRET, env=env)
     try:
         yield c
     finally:
@@ -138,11 +146,76 @@ def test_secret_never_logged_nor_in_process_arguments(cluster: LocalCluster) -> 
     for path in logs:
         text = path.read_text(errors="replace")
         # The prompt we sent was the secret itself: a worker that logged prompt text would show it too.
-        assert SECRET not in text, f"{path.name} contains the API key"
+        for secret in (SECRET, INTERNAL_TOKEN, REDIS_PASSWORD):
+            assert secret not in text, f"{path.name} contains a secret"
     for part in cluster.parts:
         assert part.proc is not None
         cmdline = Path(f"/proc/{part.proc.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        assert SECRET not in cmdline, f"{part.name}'s command line contains the API key"
+        for secret in (SECRET, INTERNAL_TOKEN, REDIS_PASSWORD):
+            assert secret not in cmdline, f"{part.name}'s command line contains a secret"
+
+
+# ---- the workers' internal API and Redis, closed --------------------------------------------------
+INTERNAL_CALLS = [
+    ("POST", "/internal/generate", {"req_id": "x1", "token_ids": [1, 2, 3], "sampling": {"max_tokens": 2}}),
+    ("POST", "/internal/prefill", {"req_id": "x2", "token_ids": [1, 2, 3], "sampling": {}, "dst_agent": "a"}),
+    ("POST", "/internal/handshake", {"agent_name": "intruder"}),
+    ("POST", "/internal/abort", {"req_id": "x1"}),
+    ("GET", "/internal/agent", None),
+    ("GET", "/internal/stats", None),
+]
+
+
+def _worker_counts(url: str) -> tuple[float, float]:
+    """Prompt tokens received and requests finished (every outcome) by a worker."""
+    return metric(url, "kvferry_prompt_tokens_total"), metric(url, "kvferry_requests_total")
+
+
+@pytest.mark.timeout(300)
+def test_internal_api_refuses_callers_without_the_token(cluster: LocalCluster) -> None:
+    """Every /internal/* route of every worker answers 401 to a caller without the deployment's token (none,
+    a wrong one, the router's API key, no scheme) and changes nothing; the probes and /metrics stay open;
+    requests through the router, disaggregated ones included, go through (the router and the decode worker
+    send the token)."""
+    workers = cluster.prefill_urls + cluster.decode_urls
+    before = {u: (_worker_counts(u), httpx.get(f"{u}/load", timeout=10).json()) for u in workers}
+    wrong = [{}, {"Authorization": "Bearer nope"}, {"Authorization": f"Bearer {SECRET}"}]
+    wrong += [{"Authorization": INTERNAL_TOKEN}, {"Authorization": f"Bearer {INTERNAL_TOKEN}x"}]
+    for url in workers:
+        for method, path, body in INTERNAL_CALLS:
+            for headers in wrong:
+                r = httpx.request(method, f"{url}{path}", json=body, headers=headers, timeout=10)
+                assert r.status_code == 401, (url, path, headers, r.status_code, r.text[:200])
+                err = assert_openai_error(r.json())
+                assert err["code"] == "invalid_internal_token"
+                assert INTERNAL_TOKEN not in r.text
+        for path in ("/health", "/ready", "/load", "/metrics"):
+            assert httpx.get(f"{url}{path}", timeout=10).status_code == 200, path
+        token = {"Authorization": f"Bearer {INTERNAL_TOKEN}"}
+        ok = httpx.post(f"{url}/internal/abort", json={"req_id": "no-such-request"}, headers=token, timeout=10)
+        assert ok.status_code in (200, 204), ok.text  # with the token the route answers (nothing to abort)
+    for url in workers:
+        counts, load = before[url]
+        assert _worker_counts(url) == counts, url  # no request was started, none finished
+        now = httpx.get(f"{url}/load", timeout=10).json()
+        assert now["running_requests"] == 0 and now["free_pages"] == load["free_pages"], now
+    prefill = cluster.prefill_urls[0]
+    done_before = _worker_counts(prefill)[1]
+    auth = {"Authorization": f"Bearer {SECRET}"}
+    body = {"model": MODEL, "prompt": "Count with me: one, two, three, four, five, six,", "max_tokens": 3}
+    r = httpx.post(f"{cluster.router_url}/v1/completions", json=body, headers=auth, timeout=120)
+    assert r.status_code == 200, r.text
+    assert _worker_counts(prefill)[1] == done_before + 1  # prefilled remotely: decode -> prefill with the token
+
+
+@pytest.mark.timeout(120)
+def test_the_clusters_redis_wants_the_password(cluster: LocalCluster) -> None:
+    import redis
+
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis.from_url(cluster.redis_url, socket_timeout=5).keys("*")
+    keys = redis.Redis.from_url(cluster.redis_url, password=REDIS_PASSWORD, socket_timeout=5).keys("kvf:*:hb:*")
+    assert len(keys) == 2, keys  # both workers publish their prefixes with the password
 
 
 # ---- Kubernetes: what is exposed ------------------------------------------------------------------

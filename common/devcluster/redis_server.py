@@ -21,17 +21,26 @@ INSTALL_HINT = (
 
 
 def redis_server(port: int, log_path: Path, env: dict[str, str] | None = None) -> ManagedProcess:
-    """redis-server on 127.0.0.1:`port` (not started yet); ClusterError with install hints if it is missing."""
+    """redis-server on 127.0.0.1:`port` (not started yet); ClusterError with install hints if it is missing.
+    With KVFERRY_REDIS_PASSWORD in `env` it requires that password (``requirepass`` in a config file beside
+    the log, readable by this user only: never in the command line, which `ps` shows everyone)."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise ClusterError(INSTALL_HINT)
-    return ManagedProcess(
-        "redis",
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        dict(os.environ) if env is None else env,
-        log_path,
-        url=f"redis://127.0.0.1:{port}/0",
-    )
+    env = dict(os.environ) if env is None else env
+    argv = [binary]
+    password = env.get("KVFERRY_REDIS_PASSWORD")
+    if password:
+        conf = log_path.with_suffix(".conf")
+        conf.touch(mode=0o600)
+        conf.write_text(f'requirepass "{_quoted(password)}"\n')
+        argv.append(str(conf))
+    argv += ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    return ManagedProcess("redis", argv, env, log_path, url=f"redis://127.0.0.1:{port}/0")
+
+
+def _quoted(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"')
 
 
 def wait_redis(part: ManagedProcess, timeout_s: float = 10.0) -> None:
@@ -39,7 +48,8 @@ def wait_redis(part: ManagedProcess, timeout_s: float = 10.0) -> None:
     import redis
 
     assert part.url is not None
-    r = redis.Redis.from_url(part.url, socket_connect_timeout=0.2, socket_timeout=0.5)
+    password = part.env.get("KVFERRY_REDIS_PASSWORD") or None
+    r = redis.Redis.from_url(part.url, password=password, socket_connect_timeout=0.2, socket_timeout=0.5)
     deadline = time.monotonic() + timeout_s
     try:
         while True:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import redis
 
+from common.prefix.access import RedisAccess
 from common.prefix.connection import LOG, REDIS_DOWN, OutageLog, client_options
 from common.prefix.scripts import CLEAR_BATCH_LUA, POD_STATUS_LUA, IndexKeys, hash_hex
 
@@ -80,6 +81,7 @@ class PrefixIndexPublisher:
         max_backoff_s: float = 2.0,
         max_buffered_hashes: int = 1_000_000,
         gc_interval_s: float = 30.0,
+        access: RedisAccess | None = None,
     ) -> None:
         if ttl_s <= heartbeat_s:
             raise ValueError(f"ttl_s ({ttl_s}) must exceed heartbeat_s ({heartbeat_s})")
@@ -94,8 +96,9 @@ class PrefixIndexPublisher:
         self._resync = resync
         self._resync_host = resync_host
         self._tiered = resync_host is not None  # host entries may exist: keep both tiers' keys exact
-        self._keys = IndexKeys(model_id)
-        self._r = redis.Redis.from_url(redis_url, **client_options(socket_timeout_s))
+        access = access or RedisAccess()
+        self._keys = IndexKeys(model_id, access.key_prefix)
+        self._r = redis.Redis.from_url(redis_url, **client_options(socket_timeout_s), **access.client_kwargs(redis_url))
         self._clear_batch = self._r.register_script(CLEAR_BATCH_LUA)
         self._pod_status = self._r.register_script(POD_STATUS_LUA)
         # Heartbeat value identifying this publisher instance: seeing another value means a second live

@@ -14,6 +14,7 @@ from typing import Any
 
 import redis.asyncio as aredis
 
+from common.prefix.access import RedisAccess
 from common.prefix.connection import REDIS_DOWN, OutageLog, client_options
 from common.prefix.scripts import MATCH_LUA, POD_STATUS_LUA, IndexKeys, hashes_hex
 
@@ -23,11 +24,21 @@ TierMatch = tuple[int, int]  # (leading blocks in device memory, blocks after th
 
 
 class PrefixIndexReader:
-    def __init__(self, redis_url: str, model_id: str, socket_timeout_s: float = 0.2, *, max_backoff_s: float = 2.0):
+    def __init__(
+        self,
+        redis_url: str,
+        model_id: str,
+        socket_timeout_s: float = 0.2,
+        *,
+        max_backoff_s: float = 2.0,
+        access: RedisAccess | None = None,
+    ):
         self.model_id = model_id
         self.max_backoff_s = max_backoff_s
-        self._keys = IndexKeys(model_id)
-        self._r = aredis.Redis.from_url(redis_url, **client_options(socket_timeout_s, for_asyncio=True))
+        access = access or RedisAccess()
+        self._keys = IndexKeys(model_id, access.key_prefix)
+        options = client_options(socket_timeout_s, for_asyncio=True)
+        self._r = aredis.Redis.from_url(redis_url, **options, **access.client_kwargs(redis_url))
         # register_script computes the SHA locally; each call is one EVALSHA, and after a Redis restart
         # (script cache empty) redis-py loads the script once and retries.
         self._match = self._r.register_script(MATCH_LUA)

@@ -5,7 +5,8 @@ The index says which worker pod holds which chained block hash (common/prefix/ha
 script from here, so they agree. The index is a routing hint, never a correctness input: a stale entry only
 costs a cache miss on the chosen pod, and a missing Redis only means routing on load alone.
 
-Keys (``{model}`` is the model id, ``{hash}`` the 16-digit lowercase hex of a 64-bit block hash):
+Keys (``kvf`` is the deployment's prefix, KVFERRY_REDIS_PREFIX: common/prefix/access.py; ``{model}`` is the
+model id, ``{hash}`` the 16-digit lowercase hex of a 64-bit block hash):
 
 - ``kvf:{model}:blk:{hash}``: SET of pod ids holding that block in device memory.
 - ``kvf:{model}:hblk:{hash}``: SET of pod ids holding that block in their host-memory tier (common/kv/
@@ -33,6 +34,8 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from common.prefix.access import DEFAULT_KEY_PREFIX
+
 __all__ = ["CLEAR_BATCH_LUA", "MATCH_LUA", "POD_STATUS_LUA", "IndexKeys", "hash_hex", "hashes_hex"]
 
 
@@ -49,13 +52,15 @@ def hashes_hex(hashes: Sequence[int]) -> str:
 
 @dataclass(frozen=True)
 class IndexKeys:
-    """Key names for one model's index."""
+    """Key names for one model's index in one deployment (``deployment``: KVFERRY_REDIS_PREFIX, so two
+    installs sharing a Redis never see each other's pods or blocks)."""
 
     model_id: str
+    deployment: str = DEFAULT_KEY_PREFIX
 
     @property
     def prefix(self) -> str:
-        return f"kvf:{self.model_id}:"
+        return f"{self.deployment}:{self.model_id}:"
 
     @property
     def pods(self) -> str:

@@ -43,6 +43,7 @@ from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common.config import WorkerConfig
+from common.internal_auth import INTERNAL_PREFIX
 from common.observability.tracing import init_tracing
 from common.protocol import LoadSnapshot
 from common.serving.channel import EngineClient, EngineError, Message
@@ -465,8 +466,9 @@ def _error_body(message: str, type_: str, code: str | None) -> dict[str, Any]:
 
 
 class ProbeFront:
-    """Plain ASGI in front of the worker app: answers ``GET /health|/ready|/load`` from the control
-    plane's own state, and refuses ``POST /internal/generate`` with 429 while the engine queue is full."""
+    """Plain ASGI in front of the worker app: refuses ``/internal/*`` without the internal token (401, when one
+    is set: common/internal_auth.py), answers ``GET /health|/ready|/load`` from the control plane's own state,
+    and refuses ``POST /internal/generate`` with 429 while the engine queue is full."""
 
     def __init__(self, app: ASGIApp, state: WorkerState) -> None:
         self.app = app
@@ -474,11 +476,11 @@ class ProbeFront:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            answer = None
             headers: list[tuple[bytes, bytes]] = []
-            if scope["method"] == "GET":
+            answer = self._unauthorized(scope, headers)  # refused before the body is read: nothing changes
+            if answer is None and scope["method"] == "GET":
                 answer = _probe_answer(self.state, scope["path"])
-            elif scope["path"] == "/internal/generate" and self.state.queue_full():
+            elif answer is None and scope["path"] == "/internal/generate" and self.state.queue_full():
                 message = "the engine queue is full; retry shortly or on another worker"
                 answer = 429, _error_body(message, "rate_limit_error", "queue_full")
                 headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
@@ -490,6 +492,16 @@ class ProbeFront:
                 await send({"type": "http.response.body", "body": body})
                 return
         await self.app(scope, receive, send)
+
+    def _unauthorized(self, scope: Scope, headers: list[tuple[bytes, bytes]]) -> tuple[int, dict[str, Any]] | None:
+        token = self.state.cfg.internal_token
+        if not token.required or not scope["path"].startswith(INTERNAL_PREFIX):
+            return None
+        if token.accepts(next((v for k, v in scope.get("headers", []) if k == b"authorization"), None)):
+            return None
+        headers.append((b"www-authenticate", b"Bearer"))
+        message = "the internal API needs this deployment's token (Authorization: Bearer; KVFERRY_INTERNAL_TOKEN)"
+        return 401, _error_body(message, "authentication_error", "invalid_internal_token")
 
 
 def _validation_message(errors: Any) -> str:

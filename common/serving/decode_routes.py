@@ -229,7 +229,8 @@ async def _remote_prefill(
 
 
 def add_decode_routes(app: FastAPI, state: WorkerState) -> None:
-    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=512, max_keepalive_connections=64))
+    limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
+    http = httpx.AsyncClient(limits=limits, headers=state.cfg.internal_token.headers())  # peers' /internal/*
     peers = PrefillPeers(state, http)
     watch = PeerWatch(state, peers)
     state.event_handlers["awaiting_peers"] = watch.update

@@ -90,6 +90,7 @@ class EngineHost:
             cfg.pod_name,
             resync=self._cached_hashes,
             resync_host=(lambda: self._cached_hashes("host")) if tiered else None,
+            access=cfg.redis_access,
         )
         self.scheduler.budget.on_cached = self.publisher.stored
         self.outbox: list[Message] = []
