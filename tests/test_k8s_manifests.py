@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import kubernetes_validate
@@ -882,6 +883,79 @@ def test_redis_ingress_only_from_kvferry_pods(target, objs):
                 assert not selector_matches(peer["podSelector"], {})
                 assert not selector_matches(peer["podSelector"], redis_labels)
             assert [p.get("port") for p in rule.get("ports", [])] == [6379]
+
+
+# --------------------------------------------------------------------------- Secrets
+SECRET_NAME = "kvferry-secrets"
+KUBERNETES_DOC = REPO / "docs" / "kubernetes.md"
+
+
+def _from_secret(entry: dict | None, key: str) -> bool:
+    ref = (entry or {}).get("valueFrom", {}).get("secretKeyRef", {})
+    return (
+        "value" not in (entry or {"value": None})
+        and ref.get("name") == SECRET_NAME
+        and ref.get("key") == key
+        and not ref.get("optional", False)  # a missing Secret stops the pod, never opens the door
+    )
+
+
+def test_every_part_reads_the_redis_password_and_the_internal_token_from_the_secret(target, objs):
+    for role, deploy in role_deployments(objs).items():
+        env = env_of(container(deploy))
+        assert _from_secret(env.get("KVFERRY_REDIS_PASSWORD"), "redis-password"), role
+        assert _from_secret(env.get("KVFERRY_INTERNAL_TOKEN"), "internal-token"), role
+    redis_env = env_of(container(one(objs, "Deployment", "kvferry-redis")))
+    assert _from_secret(redis_env.get("REDIS_PASSWORD"), "redis-password")
+    assert _from_secret(redis_env.get("REDISCLI_AUTH"), "redis-password")  # the readiness probe's redis-cli
+    for cm in of_kind(objs, "ConfigMap"):
+        data = cm.get("data") or {}
+        assert not {"KVFERRY_REDIS_PASSWORD", "KVFERRY_INTERNAL_TOKEN"} & set(data), cm["metadata"]["name"]
+        assert "@" not in data.get("KVFERRY_REDIS_URL", ""), "a password in the ConfigMap's Redis URL"
+    assert not [o for o in objs if o["kind"] == "Secret"], "the manifests must not ship a secret's value"
+
+
+def test_the_docs_create_the_secret_the_manifests_read():
+    """docs/kubernetes.md's command creates kvferry-secrets with both keys the manifests read."""
+    text = KUBERNETES_DOC.read_text()
+    match = re.search(r"kubectl -n kvferry create secret generic (kvferry-secrets)(.*?)(?:\n\n|```)", text, re.S)
+    assert match and match.group(1) == SECRET_NAME, "docs/kubernetes.md does not show the Secret's creation"
+    assert set(re.findall(r"--from-literal=([a-z-]+)=", match.group(2))) == {"redis-password", "internal-token"}
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None or shutil.which("redis-cli") is None, reason="no redis")
+def test_the_redis_pods_command_requires_the_password(tmp_path):
+    """The Redis container's own command, run here against redis-server (its /data on a temp dir, on a free
+    port): it starts, refuses a client without the password, answers one with it, and its readiness probe
+    (redis-cli with REDISCLI_AUTH) passes; the password is in no process's command line."""
+    from common.net import free_port
+
+    cont = container(one(list(_render("base")), "Deployment", "kvferry-redis"))
+    assert cont["command"] == ["sh", "-c"]
+    script = cont["args"][0]
+    port = free_port()
+    script = script.replace("/data/", f"{tmp_path}/") + f" --port {port} --bind 127.0.0.1"
+    password = "0123456789abcdef" * 2
+    env = {**os.environ, "REDIS_PASSWORD": password, "REDISCLI_AUTH": password}
+    proc = subprocess.Popen(["sh", "-c", script], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        probe_cmd = cont["readinessProbe"]["exec"]["command"]
+        probe = [probe_cmd[0], "-p", str(port), *probe_cmd[1:]]  # the pod's probe, pointed at this port
+        deadline = time.monotonic() + 10
+        while subprocess.run(probe, env=env, capture_output=True, text=True).stdout.strip() != "PONG":
+            assert proc.poll() is None and time.monotonic() < deadline, "redis did not start"
+            time.sleep(0.05)
+        no_auth = {k: v for k, v in env.items() if k != "REDISCLI_AUTH"}
+        out = subprocess.run(
+            ["redis-cli", "-p", str(port), "set", "k", "v"], env=no_auth, capture_output=True, text=True
+        )
+        assert "NOAUTH" in out.stdout + out.stderr
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        assert password.encode() not in cmdline  # exec: redis-server itself, its config on the volume
+        assert b"redis-server" in cmdline
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 # --------------------------------------------------------------------------- Dockerfiles
