@@ -4,12 +4,15 @@
     python bench/serve.py --mode agg,disagg --gpus 0,1 --model dummy:llama-3.1-8b --rates 8,16,24,40 \
         --num 200 --offline --worker-env KVFERRY_KV_MEMORY_GB=100                                      # 2 GPUs
     python bench/serve.py --url http://127.0.0.1:8000 --model dummy:llama-3.1-8b --concurrency 1,16,64
+    python bench/serve.py --mode agg,agg@old --variant-env old:KVFERRY_ITL_TARGET_MS=0 --gpus 0 \
+        --model dummy:llama-3.1-8b --rates 7,11                          # one mode, two settings, one run
     python bench/serve.py --plot-only bench/out/serve_X.json
 
 For each mode it starts a deployment (bench/serve_deploy.py: redis-server, workers and a router as
 separate `kvferry` processes configured by KVFERRY_* env vars; `--gpus` gives each worker one GPU,
 `--gpus 0,0` two workers one GPU; `--worker-env K=V` adds a worker setting, e.g. the KV pool size,
-whose 1 GB default suits the CPU), or targets a running one (`--url`), warms it up, and runs every
+whose 1 GB default suits the CPU; a mode written `MODE@NAME` runs MODE with the extra worker settings
+`--variant-env NAME:K=V` gives, so two policies are measured in one run), or targets a running one (`--url`), warms it up, and runs every
 load point: Poisson arrivals at each `--rates` value and a closed loop at each `--concurrency` value,
 `--num` requests per point. Prompts are random token ids and outputs exact (`ignore_eos`), lengths uniform in `--prompt-len` / `--output-len`;
 each point has its own prompts (no prefix-cache hits across points) and the modes get the same ones.
@@ -307,6 +310,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offline", action="store_true", help="also run the offline engine on one device")
     p.add_argument("--worker-env", action="append", default=[], metavar="KEY=VALUE", help="extra worker env")
     p.add_argument("--router-env", action="append", default=[], metavar="KEY=VALUE", help="extra router env")
+    p.add_argument(
+        "--variant-env",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE",
+        help="extra worker env of the modes written MODE@NAME",
+    )
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds for a deployment to come up")
     p.add_argument(
         "--drain-timeout",
@@ -379,6 +389,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompt_len.hi + args.output_len.hi > max_context:
         raise SystemExit(f"prompt + output up to {args.prompt_len.hi + args.output_len.hi} > context {max_context}")
     worker_env, router_env = parse_env(args.worker_env), parse_env(args.router_env)
+    variant_envs: dict[str, dict[str, str]] = {}
+    for item in args.variant_env:
+        name, sep, pair = item.partition(":")
+        if not sep:
+            raise SystemExit(f"--variant-env wants NAME:KEY=VALUE, not {item!r}")
+        variant_envs.setdefault(name, {}).update(parse_env([pair]))
     if not args.gpus and "KVFERRY_TORCH_THREADS" not in {**os.environ, **worker_env}:
         # CPU workers on one machine: each gets its share of the cores, as a pod gets its CPU quota (an
         # engine sizes its threads to the cores it may use; here every worker could use them all).
@@ -401,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
             "slo": {"ttft_ms": args.slo_ttft_ms, "itl_p99_ms": args.slo_itl_ms},
             "kvferry_env": {k: v for k, v in os.environ.items() if k.startswith("KVFERRY_")},
             "worker_env_applied": worker_env,
+            "variant_env": variant_envs,
         },
         "git": git_commit(),
         "host": host_info(),
@@ -419,16 +436,19 @@ def main(argv: list[str] | None = None) -> int:
             result["offline"] = run_offline(args, vocab, worker_env, log_dir)
             save()
         for mode in modes:
+            base, _, variant = mode.partition("@")
+            mode_log_dir = log_dir / variant if variant else log_dir
+            mode_log_dir.mkdir(parents=True, exist_ok=True)
             spec = DeploySpec(
-                mode=mode,
+                mode=base,
                 model=args.model,
                 tokenizer_dir=str(tok_dir),
                 gpus=tuple(args.gpus),
                 cpu_workers=args.workers,
-                worker_env=worker_env,
+                worker_env={**worker_env, **variant_envs.get(variant, {})},
                 router_env=router_env,
                 ready_timeout_s=args.ready_timeout,
-                log_dir=log_dir,
+                log_dir=mode_log_dir,
             )
             record: dict[str, Any] = {"points": [], "error": None}
             result["modes"][mode] = record

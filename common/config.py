@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 
 from common.internal_auth import InternalToken
 from common.prefix.access import RedisAccess
-from common.settings import RunnerConfig, SchedulerConfig
+from common.settings import ITL_TARGET_AUTO, RunnerConfig, SchedulerConfig
 
 ROLE_PORTS = {"router": 8000, "prefill": 8100, "decode": 8200, "mixed": 8300}
 
@@ -31,6 +31,16 @@ def _host_kv_gb(value: str) -> float:
     """KVFERRY_HOST_KV_GB: GiB of host memory for the prefix cache's second tier; `auto` (the default) lets
     the worker choose (common/kv/host_tier.py), 0 turns it off."""
     return -1.0 if value.strip().lower() in ("", "auto") else float(value)
+
+
+def _itl_target_ms(value: str) -> float:
+    """ "auto" (the default: from the engine's measured decode step), milliseconds, or 0 (prefill-first)."""
+    if value.strip().lower() == "auto":
+        return ITL_TARGET_AUTO
+    ms = float(value)
+    if ms < 0:
+        raise ValueError(f"KVFERRY_ITL_TARGET_MS must be auto, 0 or a positive number of ms, not {value!r}")
+    return ms
 
 
 def _split_urls(value: str) -> list[str]:
@@ -92,7 +102,7 @@ class WorkerConfig:
             ),
             sched=SchedulerConfig(
                 max_prefill_tokens=int(_env("KVFERRY_MAX_PREFILL_TOKENS", "2048")),
-                itl_target_ms=float(_env("KVFERRY_ITL_TARGET_MS", "0")),
+                itl_target_ms=_itl_target_ms(_env("KVFERRY_ITL_TARGET_MS", "auto")),
                 host_kv_gb=_host_kv_gb(_env("KVFERRY_HOST_KV_GB", "auto")),
                 overlap=_env("KVFERRY_OVERLAP", "auto"),
             ),

@@ -238,9 +238,11 @@ class LoadSnapshot(BaseModel):
     host_pages_total: int = 0
     host_pages_saved: int = 0
     host_pages_loaded: int = 0
-    # Prompt tokens one prefill step takes at most beside decoding requests (the ITL-target cap where one is
-    # set, else max_prefill_tokens; 0: not reported).
+    # Prompt tokens one step takes at most beside the requests it decodes (stall-free batching: what fits in
+    # `itl_target_s`); 0: not reported, or prefill-first scheduling, where a prompt's chunks run back to back
+    # and decoding waits for all of them (the cost model then charges the whole prompt).
     prefill_chunk_tokens: int = 0
+    itl_target_s: float = 0.0  # the ITL the scheduler's steps beside decoding aim at (0: none, or not measured yet)
     prefill_step_tokens_per_s: float = 0.0  # device-timed prefill speed: what a chunk adds to a step (0: unknown)
     decode_step_s: float = 0.0  # recent decode step time, smoothed (0: no decode step yet)
 

@@ -42,13 +42,17 @@ class RunnerConfig:
     tp_follower_main: str = "common.engine.tp_follower"
 
 
+ITL_TARGET_AUTO = -1.0  # `SchedulerConfig.itl_target_ms`: the target follows the engine's own decode step
+
+
 @dataclass
 class SchedulerConfig:
     max_prefill_tokens: int = 2048
     enable_prefix_cache: bool = True
-    # > 0: while requests decode, a prefill step takes at most what the engine prefills in this many ms
-    # (common/sched/prefill_budget.py); 0: every prefill step may take max_prefill_tokens.
-    itl_target_ms: float = 0.0
+    # Stall-free batching (common/sched/prefill_budget.py): every step decodes every running request and takes
+    # prompt chunks up to what fits in this ITL target. ITL_TARGET_AUTO (the default): a multiple of the
+    # engine's measured decode step; > 0: milliseconds; 0: prefill-first (decoding waits for whole prompts).
+    itl_target_ms: float = ITL_TARGET_AUTO
     # GiB of host memory behind the prefix cache (common/kv/host_tier.py); 0: none; negative: chosen at start
     # (a GPU worker: 30% of the host memory it may use; the CPU: none).
     host_kv_gb: float = -1.0

@@ -112,6 +112,7 @@ def placement_inputs(pool: WorkerPool, policy: RoutingPolicy) -> dict[str, Any]:
                 "prefill_chunk_tokens": w.load.prefill_chunk_tokens if w.load else 0,
                 "prefill_step_tokens_per_s": w.load.prefill_step_tokens_per_s if w.load else 0.0,
                 "decode_step_s": w.load.decode_step_s if w.load else 0.0,
+                "itl_target_s": w.load.itl_target_s if w.load else 0.0,
                 "queued_prefill_tokens": w.load.queued_prefill_tokens if w.load else 0,
                 "inflight_tokens": w.inflight_tokens,
             }

@@ -20,14 +20,16 @@ transfer moves the whole prompt's KV; no pod publishes a transfer rate yet, so i
 (``transfer_tokens_per_s``, default 200k tokens/s: an 8B model's ~128 KiB of KV per token at ~25 GB/s).
 
 ITL that a prefill inflicts on the decode batch it joins (the gap between two of that batch's tokens while
-a chunk runs: prefill steps alternate with decode steps), zero when the pod runs no batch:
+its chunks run: with stall-free batching every step carries one token of each running request plus at most
+one step's chunk budget, common/sched/prefill_budget.py), zero when the pod runs no batch:
 
     itl_local  = step_D + min(chunk_D, uncached_D) / speed_D
     itl_disagg = 0                                          (P is a prefill pod: D only receives KV pages)
     itl_disagg = step_P + min(chunk_P, uncached_P) / speed_P   (P is a mixed pod decoding a batch of its own)
 
-``chunk_x`` is what one prefill step of the pod takes beside decoding requests (its ITL-target cap,
-``KVFERRY_ITL_TARGET_MS``, where set, else ``max_prefill_tokens``), ``speed_x`` its device-timed prefill
+``chunk_x`` is what one step of the pod takes beside the requests it decodes (the budget its ITL target
+allows, ``KVFERRY_ITL_TARGET_MS``; 0 from a prefill-first pod, whose prompt runs whole before its batch
+decodes again: the chunk is then the whole uncached prompt), ``speed_x`` its device-timed prefill
 speed (``prefill_step_tokens_per_s``: the time a chunk really adds to a step; the drain rate where a pod
 has not reported one), ``step_x`` its recent decode step (``decode_step_s``).
 

@@ -65,9 +65,11 @@ class Load:
     draining: bool = False
     max_running: int = 0  # 0: not reported (older workers)
     prefill_tokens_per_s: float = 0.0  # the worker's measured prefill rate (0: not measured yet)
-    prefill_chunk_tokens: int = 0  # prompt tokens one prefill step takes beside decoding (0: not reported)
+    # prompt tokens one step takes beside the requests it decodes (0: not reported, or a prefill-first worker)
+    prefill_chunk_tokens: int = 0
     prefill_step_tokens_per_s: float = 0.0  # device-timed prefill speed (0: not reported)
     decode_step_s: float = 0.0  # recent decode step time (0: not reported)
+    itl_target_s: float = 0.0  # the ITL its steps beside decoding aim at (0: none, or not reported)
 
 
 def parse_load(data: Any) -> Load:
@@ -98,6 +100,7 @@ def parse_load(data: Any) -> Load:
         prefill_chunk_tokens=num("prefill_chunk_tokens"),
         prefill_step_tokens_per_s=rate("prefill_step_tokens_per_s"),
         decode_step_s=rate("decode_step_s"),
+        itl_target_s=rate("itl_target_s"),
     )
 
 

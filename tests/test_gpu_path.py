@@ -68,13 +68,15 @@ def _runner(path: Path, device: str, dtype: str, attention: str = "auto", graphs
     return ModelRunner(cfg)
 
 
-def _engine(runner, overlap: bool | None, max_prefill_tokens: int = 48):
-    """overlap=None: the scheduler's default for the device; True/False: overlap on/off."""
+def _engine(runner, overlap: bool | None, max_prefill_tokens: int = 48, itl_target_ms: float = 0.0):
+    """overlap=None: the scheduler's default for the device; True/False: overlap on/off. ITL target 0
+    (prefill-first) by default: the same step composition every run, where a measured target would vary it
+    (and 16-bit logits with it)."""
     from common.offline import Engine
     from common.sched.scheduler import Scheduler
     from common.settings import SchedulerConfig
 
-    cfg = SchedulerConfig(max_prefill_tokens=max_prefill_tokens)
+    cfg = SchedulerConfig(max_prefill_tokens=max_prefill_tokens, itl_target_ms=itl_target_ms)
     engine = Engine(runner=runner, sched_cfg=cfg, load_tokenizer=False)
     if overlap is not None:
         engine.scheduler = Scheduler(runner, cfg, overlap=overlap)
@@ -437,3 +439,105 @@ def test_prefill_timer_is_complete_when_its_step_is(tiny_dirs, monkeypatch):
     _generate(engine, _prompts(7, seed=3, lo=100, hi=200), _mixed_params(7, [8, 12]))
     assert complete and all(complete), complete
     assert engine.scheduler.prefill_speed.tokens_per_s > 0
+
+
+# ---- stall-free batching: mixed steps (decode rows + prompt chunks in one forward) -----------------------
+def _rows_for(runner, seqs: list[list[int]], seed: int) -> list[int]:
+    pt = runner.page_table
+    perm = torch.randperm(runner.pool.num_pages, generator=torch.Generator().manual_seed(seed))
+    rows, taken = [], 0
+    for s in seqs:
+        n = -(-len(s) // runner.cfg.page_size)
+        row = pt.take_row()
+        pt.write_pages(row, 0, perm[taken : taken + n])
+        taken += n
+        rows.append(row)
+    return rows
+
+
+def _mixed_vs_separate(runner) -> tuple[float, float, torch.Tensor, torch.Tensor]:
+    """Three requests with 40-140 tokens of KV decode one token, and a 100-token prompt prefills a 64-token
+    chunk: once as a decode step and a prefill step, once as one mixed step (decode rows first). Returns the
+    relative differences of the decode rows' and the chunk's logits, and both runs' decode-row logits."""
+    dec = _prompts(3, seed=8, lo=40, hi=140)
+    new = _prompts(1, seed=9, lo=100, hi=101)[0]
+    rows = _rows_for(runner, [*dec, new], seed=10)
+    pt = runner.page_table
+    try:
+        # KV of every decode row's prefix (all but its last token), prefilled once.
+        fb = runner.build_batch([s[:-1] for s in dec], [0] * 3, rows[:3], [False] * 3, False)
+        runner.forward(fb)
+        pos = [len(s) - 1 for s in dec]
+        ids = [[s[-1]] for s in dec]
+        fb = runner.build_batch(ids, pos, rows[:3], [True] * 3, True)
+        sep_dec = runner.forward(fb).clone()
+        fb = runner.build_batch([new[:64]], [0], rows[3:], [True], False)
+        fb.logits_indices = torch.arange(64, device=fb.input_ids.device)
+        sep_pre = runner.forward(fb).clone()
+        fb = runner.build_batch([*ids, new[:64]], [*pos, 0], rows, [True] * 4, False)
+        fb.logits_indices = torch.arange(67, device=fb.input_ids.device)
+        mixed = runner.forward(fb).clone()
+    finally:
+        for row in rows:
+            pt.give_row(row)
+    return _rel(mixed[:3], sep_dec), _rel(mixed[3:], sep_pre), mixed[:3], sep_dec
+
+
+@needs_cuda
+@gpu
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_mixed_step_logits_match_separate_steps(tiny_dirs, kind):
+    """flashinfer's batched prefill over paged KV takes decode rows as one-token extends: their logits are the
+    decode kernel's at bf16 level, and the chunk's are the prefill step's; float32 (the torch path on the GPU)
+    agrees far closer."""
+    fi = _runner(tiny_dirs[kind], "cuda", "bfloat16")
+    assert fi.backend == "flashinfer"
+    e_dec, e_pre, _, _ = _mixed_vs_separate(fi)
+    f32 = _runner(tiny_dirs[kind], "cuda", "float32", attention="torch")
+    f_dec, f_pre, mixed, sep = _mixed_vs_separate(f32)
+    print(
+        f"{kind}: mixed vs separate rel diff: bf16 decode rows {e_dec:.2e}, chunk {e_pre:.2e}; fp32 {f_dec:.2e}, {f_pre:.2e}"
+    )
+    assert e_dec < 2e-2 and e_pre < 2e-2
+    assert f_dec < 1e-4 and f_pre < 1e-4
+    assert torch.equal(mixed.argmax(-1), sep.argmax(-1))
+
+
+@needs_cuda
+@gpu
+@pytest.mark.parametrize("overlap", [True, False])
+def test_mixed_steps_give_prefill_first_tokens_fp32_gpu(tiny_dirs, overlap):
+    """On the GPU in float32 (random model, random prompts, greedy and seeded sampling, logprobs, a stop token
+    mid-stream): mixed steps at a tiny ITL target (4-page chunks beside decoding) and the auto target give the
+    tokens of prefill-first scheduling."""
+    runner = _runner(tiny_dirs["qwen3"], "cuda", "float32", attention="torch")
+    prompts = _prompts(7, seed=11, lo=20, hi=300)
+    sync = _generate(_engine(runner, overlap, 64), prompts, _mixed_params(7, [30, 45, 12]))
+    params = _mixed_params(7, [30, 45, 12], {1: sync[1][0][6]})
+    expected = _generate(_engine(runner, overlap, 64), prompts, params)
+    assert expected[1][1] == "stop"
+    for target in (1e-3, -1.0):
+        engine = _engine(runner, overlap, 64, itl_target_ms=target)
+        assert _generate(engine, prompts, params) == expected
+
+
+@needs_cuda
+@gpu
+def test_mixed_steps_on_flashinfer_with_graphs_complete_and_free_everything(tiny_dirs):
+    """bf16, CUDA graphs for the decode steps, overlap on, the auto target: mixed steps run, every request
+    completes with its length, every page comes back."""
+    runner = _runner(tiny_dirs["llama"], "cuda", "bfloat16")
+    engine = _engine(runner, True, 64, itl_target_ms=-1.0)
+    kinds: dict[str, int] = {}
+    step = engine.scheduler.step
+
+    def counted():
+        events = step()
+        kinds[engine.scheduler.processed_kind] = kinds.get(engine.scheduler.processed_kind, 0) + 1
+        return events
+
+    engine.scheduler.step = counted
+    out = _generate(engine, _prompts(9, seed=12, lo=20, hi=400), _mixed_params(9, [40, 25, 60]))
+    assert kinds.get("mixed", 0) > 0 and kinds.get("decode", 0) > 0, kinds
+    assert [len(o[0]) for o in out] == [[40, 25, 60][i % 3] for i in range(9)]
+    assert engine.scheduler.itl_target_s() > 0 and engine.scheduler.mixed_speed.tokens_per_s > 0

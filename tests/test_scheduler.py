@@ -27,6 +27,10 @@ PAGE = 16
 
 @pytest.fixture(scope="module")
 def tiny_model() -> DecoderModel:
+    return build_tiny_model()
+
+
+def build_tiny_model() -> DecoderModel:
     cfg = ModelConfig(
         model_type="llama",
         vocab_size=VOCAB,
@@ -56,12 +60,15 @@ def make_engine(
     max_seq_len: int = 512,
     max_prefill_tokens: int = 64,
     prefix_cache: bool = True,
+    itl_target_ms: float | None = None,
 ) -> Engine:
     runner = ModelRunner(
         RunnerConfig(page_size=PAGE, num_pages=num_pages, max_running=max_running, max_seq_len=max_seq_len),
         model=model,
     )
     sched_cfg = SchedulerConfig(max_prefill_tokens=max_prefill_tokens, enable_prefix_cache=prefix_cache)
+    if itl_target_ms is not None:
+        sched_cfg.itl_target_ms = itl_target_ms
     return Engine(runner=runner, sched_cfg=sched_cfg, load_tokenizer=False)
 
 
@@ -340,8 +347,10 @@ def test_prefill_budget_below_a_page_is_refused(tiny_model):
 # ---- continuous batching ------------------------------------------------------------------------------------
 
 
-def test_request_added_while_others_decode_joins_between_steps(tiny_model):
-    engine = make_engine(tiny_model, max_prefill_tokens=64)
+def test_prefill_first_runs_a_new_prompt_before_decoding(tiny_model):
+    """ITL target 0 (prefill-first, the A/B baseline): a prompt that arrives while others decode takes whole
+    steps of its own until its first token; then it decodes in the same batch."""
+    engine = make_engine(tiny_model, max_prefill_tokens=64, itl_target_ms=0)
     sched = engine.scheduler
     pa, pb, pc = prompts(12, [10, 25, 90])
     a, b = new_req(pa, max_tokens=20), new_req(pb, max_tokens=20)

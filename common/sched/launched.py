@@ -14,10 +14,12 @@ from common.sched.request import Req
 
 @dataclass(eq=False)
 class Launched:
-    """A step on the device; `reqs` sample a token in it, in sampling order."""
+    """A step on the device; `reqs` sample a token in it, in sampling order: its first `decode_rows` decode
+    (one token each), the rest finish a prompt in it."""
 
-    kind: str  # "prefill" | "decode"
+    kind: str  # "prefill" | "decode" | "mixed" (decode rows and prompt chunks)
     reqs: list[Req]
+    decode_rows: int = 0
     # Until sampled: the forward's logits, and what sampling reads that processing the step before changes
     # (table rows, given back when a request finishes; output steps). None once the step is sampled.
     logits: torch.Tensor | None = None
@@ -29,7 +31,7 @@ class Launched:
     top_logprobs: torch.Tensor | None = None
     chunks: list[tuple[Req, int, int]] = field(default_factory=list)  # prefill: (request, start, end) per chunk
     done: torch.cuda.Event | None = None
-    timer: StepTimer | None = None  # prefill: the forward's device time
+    timer: StepTimer | None = None  # the forward's device time
 
     def record_done(self, device: torch.device) -> None:
         """Marks the end of the step's device work (KV writes, sampling, copies to the host)."""

@@ -1,17 +1,32 @@
-"""How many prompt tokens a prefill step may take while other requests are decoding.
+"""How many prompt tokens a step may take beside the requests it decodes (stall-free batching).
 
-A prefill step holds up every running request's next token for as long as it runs: a 2,048-token chunk of
-an 8B model is ~50 ms on an H200 against a ~6-16 ms decode step, which is what put aggregated ITL p99 at
-34-120 ms (bench/RESULTS.md). With an ITL target set, a prefill step that runs beside decoding requests is
-capped at the tokens the engine prefills in that long, at its own device-timed prefill speed (so the cap
-follows the model and the hardware); alone, a prefill step takes the whole `max_prefill_tokens`.
+Every step carries one token for every running request; prompt chunks ride along up to a token budget. The
+budget follows an ITL target: the step that carries a chunk is the gap between two of every running request's
+tokens, so the chunk is what the engine computes in that long beside its batch, at its own device-timed speed
+in such steps (`mixed_speed`, chunk tokens per second of a mixed step's forward). That speed includes the
+decode rows' share of the step, so the budget settles where the whole step takes the target: with a chunk of
+c tokens and a step of D + c / s, the next budget is T * c / (D + c / s), whose fixed point is D + c / s = T
+(stable: its slope there is D / T < 1).
+
+The target is by default `AUTO_ITL_DECODE_STEPS` of the engine's own decode step (device-timed, smoothed), so
+it follows the model, the hardware and the batch size without tuning; `itl_target_ms > 0` sets it in
+milliseconds; 0 turns mixed steps off (prefill-first: a waiting prompt's chunks run back to back, each taking
+`max_prefill_tokens`, and decoding waits for them; kept for A/B runs). Steps without decoding requests take
+the whole `max_prefill_tokens`.
+
+No starvation: the budget never falls below MIN_PAGES pages, so a waiting prompt progresses every step even
+when the target leaves no room (a decode step that alone exceeds it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-MIN_PAGES = 4  # the cap never falls below this many pages: tiny chunks would starve prompts altogether
+MIN_PAGES = 4  # the budget never falls below this many pages: tiny chunks would starve prompts altogether
+# The auto ITL target in decode steps: a mixed step costs about one extra decode step. Chosen from
+# measurements (docs/architecture.md, "Stall-free batching"): on the H200 (8B) a 2x step carries a chunk of a
+# few hundred tokens, where prefill runs at most of its large-chunk speed; on the CPU the floor decides.
+AUTO_ITL_DECODE_STEPS = 2.0
 
 
 def prefill_token_budget(
@@ -42,3 +57,16 @@ class PrefillSpeed:
             self.tokens_per_s = sample
         else:
             self.tokens_per_s += self.smoothing * (sample - self.tokens_per_s)
+
+
+@dataclass
+class StepSeconds:
+    """A step's duration, smoothed (exponential moving average; 0 until the first step is observed)."""
+
+    smoothing: float = 0.2
+    seconds: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        self.seconds = seconds if self.seconds <= 0 else self.seconds + self.smoothing * (seconds - self.seconds)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.engine.forward_batch import ForwardBatch
 from common.engine.runner import ModelRunner
 from common.engine.sampling import SamplingBatch, sample
 from common.kv.allocator import PageAllocator
@@ -45,7 +46,7 @@ from common.sched.launched import Launched, StepTimer, copy_to_host, sampling_to
 from common.sched.pages import KVBudget
 from common.sched.penalties import PenaltyCounts
 from common.sched.prefill import PrefillAdder
-from common.sched.prefill_budget import PrefillSpeed, prefill_token_budget
+from common.sched.prefill_budget import AUTO_ITL_DECODE_STEPS, PrefillSpeed, StepSeconds, prefill_token_budget
 from common.sched.request import Req, ReqState
 from common.settings import SchedulerConfig
 
@@ -120,7 +121,12 @@ class Scheduler:
         self._inflight: dict[Req, int] = {}  # tokens launched but not yet appended, per request
         self._pending: Launched | None = None
         self.prefill_tokens_launched = 0  # prompt tokens computed so far (the measured prefill rate's counter)
-        self.prefill_speed = PrefillSpeed()  # device-timed, for the prefill budget beside decoding requests
+        # Device-timed: prefill-only steps' prompt tokens/s (what a chunk adds to a step, published), mixed
+        # steps' chunk tokens/s (the budget beside decoding), decode-only steps' seconds (the auto ITL target).
+        self.prefill_speed = PrefillSpeed()
+        self.mixed_speed = PrefillSpeed()
+        self.decode_step = StepSeconds()
+        self.processed_kind: str | None = None  # kind of the step processed last ("prefill" | "decode" | "mixed")
         self.on_prefill_chunk: ChunkHook | None = None
         # A `prefill_only` request whose prompt is done (first token sampled) is handed to this callback and
         # parked: its pages stay as they are, outside the prefix cache, until the owner calls `release` (after
@@ -262,23 +268,44 @@ class Scheduler:
         return self._inflight.get(req, 0)
 
     # ---- launch ------------------------------------------------------------------------------------
+    @property
+    def mixed_batching(self) -> bool:
+        """Whether steps decode every running request beside prompt chunks (common/sched/prefill_budget.py);
+        off (ITL target 0): prefill-first, a waiting prompt's steps run before any decode step."""
+        return self.cfg.itl_target_ms != 0
+
+    def itl_target_s(self) -> float:
+        """The ITL a step beside decoding requests aims at: the setting, or (auto) a multiple of this engine's
+        measured decode step (0 until one is measured; 0 as well with mixed steps off)."""
+        if self.cfg.itl_target_ms > 0:
+            return self.cfg.itl_target_ms / 1000
+        if self.cfg.itl_target_ms < 0:
+            return AUTO_ITL_DECODE_STEPS * self.decode_step.seconds
+        return 0.0
+
     @torch.inference_mode()
     def _launch(self) -> Launched | None:
-        adder = self._schedule_prefill()
+        decode = [r for r in self.running if self._can_decode(r)]
+        mixed = self.mixed_batching and bool(decode)
+        if mixed and self.itl_target_s() <= 0:
+            # The auto target is measured first: one decode step (two with overlap) before the first mixed one.
+            return self._launch_decode(decode)
+        adder = self._schedule_prefill(decoding=bool(decode) if self.mixed_batching else bool(self.running))
         if adder is not None and adder.batch:
+            if mixed:
+                return self._launch_mixed(decode, adder.batch, adder.chunks)
             return self._launch_prefill(adder.batch, adder.chunks)
-        batch = [r for r in self.running if self._can_decode(r)]
-        if batch:
-            return self._launch_decode(batch)
+        if decode:
+            return self._launch_decode(decode)
         return None
 
-    def _schedule_prefill(self) -> PrefillAdder | None:
+    def _schedule_prefill(self, decoding: bool) -> PrefillAdder | None:
         if not self.waiting and self.chunked is None:
             return None
         adder = PrefillAdder(
             budget=self.budget,
             page_table=self.runner.page_table,
-            token_budget=self.prefill_token_budget(),
+            token_budget=self.prefill_token_budget(decoding),
             pages_available=self.budget.available_pages() - self.reserved_pages(),
             running_slots=self.max_running - len(self.running) - len(self.awaiting_kv) - (1 if self.chunked else 0),
         )
@@ -290,14 +317,15 @@ class Scheduler:
         return adder
 
     def prefill_token_budget(self, decoding: bool | None = None) -> int:
-        """The next prefill step's token budget: all of max_prefill_tokens, or less beside decoding requests
-        when an ITL target is set (common/sched/prefill_budget.py). `decoding` None: whether requests decode
-        now; True: the budget a step gets beside them (what the worker publishes)."""
+        """Prompt tokens the next step takes: all of max_prefill_tokens alone, or beside decoding requests what
+        fits in the ITL target at the speed of such steps (common/sched/prefill_budget.py). `decoding` None:
+        whether requests decode now; True: the budget a step gets beside them (what the worker publishes)."""
+        speed = self.mixed_speed.tokens_per_s or self.prefill_speed.tokens_per_s
         return prefill_token_budget(
             self.cfg.max_prefill_tokens,
             self.page_size,
-            self.prefill_speed.tokens_per_s,
-            self.cfg.itl_target_ms / 1000,
+            speed,
+            self.itl_target_s(),
             decoding=bool(self.running) if decoding is None else decoding,
         )
 
@@ -305,13 +333,47 @@ class Scheduler:
         k = self.inflight(r)
         return len(r.output_ids) + k < r.sampling.max_tokens and r.device_len + k < self.runner.max_seq_len
 
+    def _decode_rows(self, batch: list[Req]) -> tuple[list[list[int]], list[int], list[bool]]:
+        """Each decoding request's one input token (host id, or 0 where it is still on the device), its position
+        (its pages grown to cover it), and whether the step reads it from `last_tokens`."""
+        host_ids, positions, on_device = [], [], []
+        for r in batch:
+            k = self.inflight(r)
+            pos = r.device_len + k - 1  # position of this step's input token
+            self.budget.grow(r, pos + 1)
+            positions.append(pos)
+            host_ids.append([r.output_ids[-1] if k == 0 else 0])
+            on_device.append(k > 0)
+        return host_ids, positions, on_device
+
+    def _device_inputs(self, fb: ForwardBatch, on_device: list[bool]) -> None:
+        """The first len(on_device) tokens of the step are decode rows: those whose token the host has not read
+        yet take it from `last_tokens` on the device (the overlap loop never waits for it)."""
+        if not any(on_device):
+            return
+        n = len(on_device)
+        mask = torch.tensor(on_device, dtype=torch.bool).to(self.device, non_blocking=True)
+        ids = torch.where(mask, self.last_tokens[fb.table_rows[:n]], fb.input_ids[:n])
+        fb.input_ids = ids if fb.input_ids.shape[0] == n else torch.cat((ids, fb.input_ids[n:]))
+
     def _launch_prefill(self, batch: list[Req], chunks: list[int]) -> Launched:
+        return self._launch_mixed([], batch, chunks)
+
+    def _launch_mixed(self, decode: list[Req], batch: list[Req], chunks: list[int]) -> Launched:
+        """One step: a token for each of `decode` (first, as one-token extends), then each prompt chunk."""
         starts = [r.cached_len for r in batch]
         token_chunks = [r.prompt_ids[s : s + n] for r, s, n in zip(batch, starts, chunks)]
         done = [s + n == r.prompt_len for r, s, n in zip(batch, starts, chunks)]
-        rows = [r.table_row for r in batch]
+        host_ids, positions, on_device = self._decode_rows(decode)
         self.prefill_tokens_launched += sum(chunks)
-        fb = self.runner.build_batch(token_chunks, starts, rows, done, is_decode=False)
+        fb = self.runner.build_batch(
+            host_ids + token_chunks,
+            positions + starts,
+            [r.table_row for r in decode] + [r.table_row for r in batch],
+            [True] * len(decode) + done,
+            is_decode=False,
+        )
+        self._device_inputs(fb, on_device)
         timer = StepTimer.start(self.device)
         logits = self.runner.forward(fb)
         # Stopped before sampling records the step's done event: processing the step (once done) then finds
@@ -325,40 +387,33 @@ class Scheduler:
                 assert self.chunked is None, "one chunked request at a time"
                 self.chunked = r
         finishing = [r for r, d in zip(batch, done) if d]
-        launched = self._begin_sampling("prefill", finishing, logits)
+        launched = self._begin_sampling("mixed" if decode else "prefill", decode + finishing, logits, len(decode))
         launched.chunks = [(r, s, s + n) for r, s, n in zip(batch, starts, chunks)]
         launched.timer = timer
         for r in finishing:
             if not r.prefill_only:
-                # Joins the running batch now: the next decode step reads its first token on the device.
+                # Joins the running batch now: the next step reads its first token on the device.
                 self.budget.cache_prefix(r, r.prompt_len)
                 r.state = ReqState.RUNNING
                 self.running.append(r)
         return launched
 
     def _launch_decode(self, batch: list[Req]) -> Launched:
-        positions = []
-        host_ids = []
-        on_device = []
-        for r in batch:
-            k = self.inflight(r)
-            pos = r.device_len + k - 1  # position of this step's input token
-            self.budget.grow(r, pos + 1)
-            positions.append(pos)
-            host_ids.append([r.output_ids[-1] if k == 0 else 0])
-            on_device.append(k > 0)
+        host_ids, positions, on_device = self._decode_rows(batch)
         fb = self.runner.build_batch(host_ids, positions, [r.table_row for r in batch], [True] * len(batch), True)
-        if any(on_device):
-            mask = torch.tensor(on_device, dtype=torch.bool).to(self.device, non_blocking=True)
-            fb.input_ids = torch.where(mask, self.last_tokens[fb.table_rows], fb.input_ids)
+        self._device_inputs(fb, on_device)
+        timer = StepTimer.start(self.device)
         logits = self.runner.forward(fb)
-        return self._begin_sampling("decode", batch, logits)
+        timer.stop()
+        launched = self._begin_sampling("decode", batch, logits, len(batch))
+        launched.timer = timer
+        return launched
 
-    def _begin_sampling(self, kind: str, reqs: list[Req], logits: torch.Tensor) -> Launched:
+    def _begin_sampling(self, kind: str, reqs: list[Req], logits: torch.Tensor, decode_rows: int) -> Launched:
         """The step whose forward gave `logits`, sampled now unless one of its grammar rows has a token in the
         step in flight (its matcher has not seen it yet): then `step` samples it once that step is processed,
-        and the forward runs meanwhile."""
-        launched = Launched(kind, list(reqs), logits=logits)
+        and the forward runs meanwhile. The first `decode_rows` of `reqs` decode, the rest finish a prompt."""
+        launched = Launched(kind, list(reqs), logits=logits, decode_rows=decode_rows)
         launched.rows = [r.table_row for r in reqs]
         launched.steps = [r.sampling.output_offset + len(r.output_ids) + self.inflight(r) for r in reqs]
         waits = any(r.sampling.grammar is not None and self.inflight(r) > 0 for r in reqs)
@@ -407,8 +462,14 @@ class Scheduler:
     @torch.inference_mode()
     def _process(self, launched: Launched) -> list[StepEvent]:
         launched.wait()
+        self.processed_kind = launched.kind
         if launched.timer is not None:
-            self.prefill_speed.observe(sum(e - s for _, s, e in launched.chunks), launched.timer.seconds())
+            seconds = launched.timer.seconds()
+            if launched.kind == "decode":
+                self.decode_step.observe(seconds)
+            else:
+                speed = self.prefill_speed if launched.kind == "prefill" else self.mixed_speed
+                speed.observe(sum(e - s for _, s, e in launched.chunks), seconds)
         if self.on_prefill_chunk is not None:
             for r, s, e in launched.chunks:
                 if not r.finished:  # aborted while in flight: nothing to send on
@@ -426,7 +487,7 @@ class Scheduler:
                 self._inflight[r] = k
             if r.finished:
                 continue  # finished (stop token, abort) while this step was in flight: its token is void
-            if launched.kind == "decode":
+            if i < launched.decode_rows:
                 r.cached_len = r.device_len  # this step's input token now has its KV
             lp = None
             if chosen is not None and (r.sampling.logprobs or r.sampling.top_logprobs):
@@ -436,7 +497,7 @@ class Scheduler:
             event = StepEvent(r)
             self._append_token(r, tokens[i], lp, event)
             events.append(event)
-            if launched.kind == "prefill" and r.prefill_only and self.on_prefill_done is not None:
+            if i >= launched.decode_rows and r.prefill_only and self.on_prefill_done is not None:
                 self.on_prefill_done(r)
         return events
 

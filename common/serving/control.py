@@ -89,7 +89,10 @@ class WorkerMetrics:
         )
         self.decode_step = Gauge("kvferry_decode_step_seconds_recent", "Recent decode step time, smoothed", registry=r)
         self.prefill_chunk = Gauge(
-            "kvferry_prefill_chunk_tokens", "Prompt tokens one prefill step takes beside decoding requests", registry=r
+            "kvferry_prefill_chunk_tokens", "Prompt tokens one step takes beside the requests it decodes", registry=r
+        )
+        self.itl_target = Gauge(
+            "kvferry_itl_target_seconds", "The ITL the steps beside decoding requests aim at (0: none)", registry=r
         )
         self.host_cached = Gauge(
             "kvferry_host_kv_pages_cached", "Host KV tier: pages holding cached prefixes", registry=r
@@ -143,6 +146,7 @@ class WorkerMetrics:
         self.prefill_step_speed.set(load.prefill_step_tokens_per_s)
         self.decode_step.set(load.decode_step_s)
         self.prefill_chunk.set(load.prefill_chunk_tokens)
+        self.itl_target.set(load.itl_target_s)
         self.host_cached.set(load.host_pages_cached)
         self.host_total.set(load.host_pages_total)
         for direction, now in (("saved", load.host_pages_saved), ("loaded", load.host_pages_loaded)):

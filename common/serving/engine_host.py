@@ -245,7 +245,8 @@ class EngineHost:
 
     def _observe_step(self, started: float, events: list[StepEvent]) -> None:
         """Per step, never per token: a decode-only step's time and batch size; admissions of queued requests."""
-        if events and all(len(e.req.output_ids) > len(e.tokens) for e in events):
+        decode_only = self.scheduler.processed_kind == "decode"  # not a mixed step that finished no prompt
+        if events and decode_only and all(len(e.req.output_ids) > len(e.tokens) for e in events):
             seconds = time.time() - started
             self._steps += (seconds, len(events))
             prev = self.decode_step_s
@@ -326,7 +327,8 @@ class EngineHost:
             pod=self.cfg.pod_name,
             queued_prefill_tokens=queued,
             prefill_tokens_per_s=round(rate, 1),
-            prefill_chunk_tokens=s.prefill_token_budget(decoding=True),
+            prefill_chunk_tokens=s.prefill_token_budget(decoding=True) if s.mixed_batching else 0,
+            itl_target_s=round(s.itl_target_s(), 5),
             prefill_step_tokens_per_s=round(s.prefill_speed.tokens_per_s, 1),
             decode_step_s=round(self.decode_step_s, 5),
             running_requests=len(s.running) + len(s.awaiting_kv) + (1 if s.chunked else 0),
