@@ -5,6 +5,7 @@ workers and 1 decode worker running the embedded model, the router), started onc
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -62,16 +63,15 @@ def test_kvferry_up_command_serves_and_stops_on_ctrl_c(tmp_path: Path) -> None:
             if not line:
                 break
             out.append(line)
-            if line.startswith("curl -s"):
+            if line.lstrip().startswith("-d '"):  # the printed curl's last line
                 break
         text = "".join(out)
         assert f"kvferry is up: http://127.0.0.1:{port}/v1" in text, text
-        r = httpx.post(
-            f"http://127.0.0.1:{port}/v1/chat/completions",
-            json={"model": MODEL, "messages": FRANCE, "temperature": 0, "max_tokens": 16},
-            timeout=120,
-        )
-        assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
+        # The request it prints, as a user pastes it: greedy (temperature 0), so its answer is the right one.
+        printed = json.loads(text.rsplit("-d '", 1)[1].rsplit("'", 1)[0])
+        assert printed["temperature"] == 0, printed
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=printed, timeout=120)
+        assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"], r.text
     finally:
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"\nkvferry is up: {shown}/v1  (OpenAI API; Ctrl-C stops everything)\n\n"
             f"curl -s {shown}/v1/chat/completions -H 'content-type: application/json'{auth} \\\n"
-            f'  -d \'{{"model": "{args.model}", "messages": [{{"role": "user", "content": '
+            f'  -d \'{{"model": "{args.model}", "temperature": 0, "messages": [{{"role": "user", "content": '
             f'"What is the capital of France?"}}]}}\'\n',
             flush=True,
         )
