@@ -1,8 +1,11 @@
-"""Engine and scheduler settings: plain dataclasses with no torch, so the router can read them cheaply."""
+"""Engine, scheduler and HTTP settings: plain dataclasses with no torch, so the router can read them cheaply."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
 
 @dataclass
@@ -59,3 +62,38 @@ class SchedulerConfig:
     # auto: overlap on a GPU at TP=1, off otherwise (common/sched/scheduler.py); on | off force it (on runs the
     # GPU loop's shape on the CPU, for tests).
     overlap: str = "auto"
+
+
+_HTTP_ENV_PREFIX = "KVFERRY_HTTP_"
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """What one HTTP request and connection may cost the router or a worker's control plane.
+
+    Each is set by ``KVFERRY_HTTP_<NAME>`` (e.g. ``KVFERRY_HTTP_MAX_HEADER_BYTES``); docs/reliability.md lists
+    them with what a client sees. The protocol side is common/http_server.py, the request side
+    common/http_guard.py.
+    """
+
+    max_url_bytes: int = 8 * 1024  # the request target (path and query): 414 above
+    max_header_bytes: int = 64 * 1024  # every header line together: 431 above
+    max_header_count: int = 128  # 431 above
+    max_body_bytes: int = 8 * 1024 * 1024  # 413 above (declared or streamed)
+    # From a connection's first byte of a request (or its opening) to the end of the headers: then 408, close.
+    header_timeout_s: float = 15.0
+    # From the end of the headers to the end of the body: then 408 (or a close, once a response has begun).
+    body_timeout_s: float = 60.0
+    keep_alive_s: float = 5.0  # an idle connection between requests is closed after this
+    # Open connections per server process; a request beyond it gets 503 (uvicorn's limit_concurrency). 0: none.
+    max_connections: int = 16384
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> HttpLimits:
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get(_HTTP_ENV_PREFIX + f.name.upper())
+            if raw:
+                values[f.name] = type(getattr(cls, f.name))(raw)
+        return cls(**values)

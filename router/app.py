@@ -19,7 +19,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from common.config import RouterConfig
+from common.http_guard import RequestLimits
 from common.observability.tracing import init_tracing
+from common.settings import HttpLimits
 from router.admission import AdmissionLimits
 from router.cost_model import SloTargets
 from router.discovery import Discovery, KubernetesDiscovery, StaticDiscovery
@@ -138,10 +140,12 @@ def create_app(
     discovery: Discovery | None = None,
     index_reader: Any = None,
     use_redis: bool = True,
+    http_limits: HttpLimits | None = None,
 ) -> FastAPI:
     """Builds the router app. ``tokenizer``/``model_info`` default to loading ``config.model``;
     ``discovery`` to the one ``config.discovery`` names; ``index_reader`` to a Redis
-    PrefixIndexReader on ``config.redis_url`` (``use_redis=False``: route on load alone)."""
+    PrefixIndexReader on ``config.redis_url`` (``use_redis=False``: route on load alone); ``http_limits`` to
+    ``HttpLimits.from_env()``."""
     opts = options or RouterOptions.from_env()
     if tokenizer is None or model_info is None:
         tokenizer, model_info = load_tokenizer(config.model, opts.tokenizer)
@@ -212,7 +216,9 @@ def create_app(
 
     app = FastAPI(title="kvferry router", version="1", lifespan=lifespan)
     install_error_handlers(app)
-    app.add_middleware(FrontDoor, api_key=config.api_key, max_body_bytes=opts.max_body_bytes)
+    # FrontDoor (auth) runs first, then the HTTP limits (common/http_guard.py), then FastAPI.
+    app.add_middleware(RequestLimits, limits=http_limits or HttpLimits.from_env())
+    app.add_middleware(FrontDoor, api_key=config.api_key)
 
     def static_paths() -> list[str]:
         return [path for r in app.routes if "{" not in (path := getattr(r, "path", "{"))]

@@ -15,6 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from common.http_guard import error_body
+
 log = logging.getLogger("kvferry.router")
 
 __all__ = [
@@ -27,7 +29,6 @@ __all__ = [
     "model_not_found",
     "no_worker",
     "rate_limited",
-    "too_large",
     "unauthorized",
     "upstream_failed",
 ]
@@ -55,10 +56,6 @@ class OpenAIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 def error_response(err: OpenAIError) -> JSONResponse:
@@ -99,12 +96,6 @@ def model_not_found(model: str) -> OpenAIError:
         "invalid_request_error",
         "model",
         "model_not_found",
-    )
-
-
-def too_large(limit: int) -> OpenAIError:
-    return OpenAIError(
-        413, f"Request body is larger than {limit} bytes.", "invalid_request_error", None, "request_too_large"
     )
 
 
@@ -154,6 +145,8 @@ _DOCUMENTED_ERRORS = {
     "401": "Missing or wrong API key (when the router requires one)",
     "404": "Unknown model",
     "413": "Request body too large",
+    "414": "Request URL too long",
+    "431": "Request headers too large or too many",
     "429": "Queue full; retry after the `Retry-After` seconds",
     "503": "No worker available",
 }

@@ -10,7 +10,9 @@ from dataclasses import asdict, fields
 from typing import Any
 
 from common.config import RouterConfig
+from common.http_server import server_options
 from common.log import setup_logging
+from common.settings import HttpLimits
 from router.settings import RouterOptions
 
 __all__ = ["build_parser", "child_app", "main", "parse_config"]
@@ -92,14 +94,13 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     # uvloop and httptools when installed (the default "auto"): bench/RESULTS.md has what each is worth.
+    # The HTTP limits (KVFERRY_HTTP_*) hold for every router process; each reads them from the same env.
     server = dict(
         host=config.host,
         port=config.port,
         loop=options.event_loop,
-        http=options.http,
-        log_level="warning",
-        access_log=False,
         lifespan="on",
+        **server_options(HttpLimits.from_env(), options.http),
     )
     if options.workers > 1:
         from router.metrics import prepare_multiprocess_dir

@@ -1,8 +1,9 @@
-"""The router's front door, as plain ASGI (before FastAPI parses anything): bearer auth and body size, and
-outside them the count of every response.
+"""The router's front door, as plain ASGI (before FastAPI parses anything): bearer auth, and outside it the
+count of every response.
 
-Both checks run before the body is parsed, so an unauthenticated or oversized request costs neither
-JSON parsing nor validation, and gets its 401/413 whatever its body looks like. ``ResponseCounter`` wraps
+Auth runs before the body is read, so an unauthenticated request costs neither reading nor parsing, and gets
+its 401 whatever its body looks like; the HTTP limits (413 and the rest: common/http_guard.py) come after it.
+``ResponseCounter`` wraps
 them: every response is counted by method, route and status, and a response to a generation route that no
 request record counted (refused before it was parsed, or by validation) is counted in
 ``kvferry_router_requests_total`` as well, so that counter misses no rejection.
@@ -13,11 +14,10 @@ from __future__ import annotations
 import hmac
 import json
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router.errors import OpenAIError, too_large, unauthorized
+from router.errors import OpenAIError, unauthorized
 from router.metrics import RouterMetrics
 
 __all__ = ["COUNTED", "GENERATION_ROUTES", "FrontDoor", "ResponseCounter"]
@@ -34,10 +34,9 @@ async def _send_error(send: Send, err: OpenAIError) -> None:
 
 
 class FrontDoor:
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app
         self.expected = api_key.encode() if api_key else None
-        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -51,42 +50,7 @@ class FrontDoor:
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.expected):
                 await _send_error(send, unauthorized())
                 return
-        if scope["method"] not in ("POST", "PUT", "PATCH"):
-            await self.app(scope, receive, send)
-            return
-        declared = next((v for k, v in headers if k == b"content-length"), None)
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            await _send_error(send, too_large(self.max_body_bytes))
-            return
-        # Read the body here (bounded) and replay it: a chunked upload without Content-Length cannot
-        # exceed the limit either, and the app never sees a half-read body.
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                await _send_error(send, too_large(self.max_body_bytes))
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            # After the body: the real channel, which is where a client's disconnect shows up.
-            msg: dict[str, Any] = await receive()
-            return msg
-
-        await self.app(scope, replay, send)
+        await self.app(scope, receive, send)
 
 
 GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})

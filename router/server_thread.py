@@ -8,16 +8,22 @@ from typing import Any
 
 import uvicorn
 
+from common.http_server import server_options
 from common.net import free_port
+from common.settings import HttpLimits
 
 
 class ServerThread:
-    """uvicorn serving ``app`` on 127.0.0.1:``port`` in a daemon thread; ``stop()`` shuts it down."""
+    """uvicorn serving ``app`` on 127.0.0.1:``port`` in a daemon thread, under the HTTP limits the servers run
+    with (common/http_server.py); ``stop()`` shuts it down."""
 
-    def __init__(self, app: Any, port: int | None = None, lifespan: str = "on") -> None:
+    def __init__(
+        self, app: Any, port: int | None = None, lifespan: str = "on", limits: HttpLimits | None = None
+    ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan=lifespan)
+        options = server_options(limits or HttpLimits.from_env())
+        cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, lifespan=lifespan, **options)
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self.server.run, daemon=True, name=f"uvicorn-{self.port}")
 

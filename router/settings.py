@@ -23,9 +23,8 @@ class RouterOptions:
     workers: int = 1
     event_loop: str = "auto"  # uvicorn's event loop: auto (uvloop when installed) | uvloop | asyncio
     http: str = "auto"  # uvicorn's HTTP parser: auto (httptools when installed) | httptools | h11
-    # Admission and limits.
+    # Admission and limits (the HTTP limits, body size included, are common/settings.py HttpLimits).
     max_inflight: int = 4096  # requests in this router process at once; beyond it: 429 + Retry-After
-    max_body_bytes: int = 8 * 1024 * 1024  # 413 above this
     retry_after_s: int = 1
     default_max_tokens: int = 1024  # chat without max_tokens: min(this, what fits the context)
     # Routing (router/policy.py documents how these enter the scores).

@@ -21,6 +21,7 @@ import pytest
 from common.config import RouterConfig
 from common.devcluster.cluster import LocalCluster, start_local_cluster
 from common.net import free_port
+from common.settings import HttpLimits
 from router.discovery import StaticDiscovery
 from router.server_thread import ServerThread
 from router.settings import RouterOptions
@@ -222,17 +223,20 @@ def test_error_cases_needing_other_router_settings(cluster: LocalCluster, tok: R
 
     info = ModelInfo.from_dir(MODEL, smol_path)
 
-    def router(api_key: str | None, decode: list[str], **opts: object) -> ServerThread:
+    def router(
+        api_key: str | None, decode: list[str], limits: HttpLimits | None = None, **opts: object
+    ) -> ServerThread:
         app = create_app(
             RouterConfig(model=MODEL, api_key=api_key, redis_url=cluster.redis_url),
             RouterOptions(poll_interval_s=0.2, **opts),  # type: ignore[arg-type]
             tokenizer=tok,
             model_info=info,
             discovery=StaticDiscovery(cluster.prefill_urls, decode),
+            http_limits=limits,
         )
-        return ServerThread(app).start()
+        return ServerThread(app, limits=limits).start()
 
-    with router("sekrit", cluster.decode_urls, max_body_bytes=2048) as s:
+    with router("sekrit", cluster.decode_urls, HttpLimits(max_body_bytes=2048)) as s:
         for _ in range(100):
             if httpx.get(f"{s.url}/ready").status_code == 200:
                 break

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.config import RouterConfig
+from common.settings import HttpLimits
 from router.detokenizer import IncrementalDetokenizer, StopMatcher
 from router.discovery import StaticDiscovery
 from router.locality import RecentPlacements
@@ -181,11 +182,12 @@ def client(router_tok: RouterTokenizer, smol_path):
     info = ModelInfo.from_dir("smollm2-135m-instruct", smol_path)
     app = create_app(
         RouterConfig(api_key=None),
-        RouterOptions(max_body_bytes=64 * 1024),
+        RouterOptions(),
         tokenizer=router_tok,
         model_info=info,
         discovery=StaticDiscovery([], []),
         use_redis=False,
+        http_limits=HttpLimits(max_body_bytes=64 * 1024),
     )
     with TestClient(app) as c:
         yield c

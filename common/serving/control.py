@@ -43,11 +43,14 @@ from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common.config import WorkerConfig
+from common.http_guard import RequestLimits
+from common.http_server import server_options
 from common.internal_auth import INTERNAL_PREFIX
 from common.observability.tracing import init_tracing
 from common.protocol import LoadSnapshot
 from common.serving.channel import EngineClient, EngineError, Message
 from common.serving.engine_metrics import EngineMetrics
+from common.settings import HttpLimits
 
 log = logging.getLogger("kvferry.control")
 
@@ -323,7 +326,11 @@ class WorkerState:
         return base.model_copy(update=update)
 
 
-def create_worker_app(state: WorkerState, add_routes: Callable[[FastAPI, WorkerState], None]) -> FastAPI:
+def create_worker_app(
+    state: WorkerState,
+    add_routes: Callable[[FastAPI, WorkerState], None],
+    http_limits: HttpLimits | None = None,
+) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.start_engine()
@@ -351,6 +358,10 @@ def create_worker_app(state: WorkerState, add_routes: Callable[[FastAPI, WorkerS
         status = ENGINE_ERROR_STATUS.get(exc.code, 503)
         return error_response(status, str(exc), "invalid_request_error" if status < 500 else "unavailable", exc.code)
 
+    # ProbeFront (probes, the internal token, a full queue) answers first, then the HTTP limits
+    # (common/settings.py HttpLimits: the body is read there, after the token check), then FastAPI.
+    app.state.http_limits = http_limits or HttpLimits.from_env()
+    app.add_middleware(RequestLimits, limits=app.state.http_limits)
     app.add_middleware(ProbeFront, state=state)
 
     @app.get("/metrics")
@@ -572,8 +583,7 @@ class DrainingServer(uvicorn.Server):
 
 def serve_worker(app: FastAPI, state: WorkerState) -> int:
     cfg = state.cfg
-    config = uvicorn.Config(
-        app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False, timeout_graceful_shutdown=5
-    )
+    options = server_options(app.state.http_limits)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, timeout_graceful_shutdown=5, **options)
     DrainingServer(config, state).run()
     return 0

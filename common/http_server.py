@@ -1,0 +1,237 @@
+"""uvicorn with the HTTP limits (common/settings.py HttpLimits) for the router and the workers' control planes.
+
+uvicorn bounds neither the size of a request head nor the time it takes to arrive, and httptools joins a
+header's pieces as they come, so a huge header costs time that grows faster than its size (a 128 MB one held
+the event loop for ~20 s). The protocols here count the bytes of a head as they arrive and refuse it (414
+while still in the request line, else 431) once it passes what the limits allow, so its cost is bounded by
+the limits, not by what is sent; they close a head that takes longer than ``header_timeout_s`` and a body
+that takes longer than ``body_timeout_s`` (408 when no response has begun). The exact per-request checks
+(URL, header count and size, body) are common/http_guard.py's, on the parsed request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from common.http_guard import LimitError, limit_error
+from common.settings import HttpLimits
+
+__all__ = ["LimitedH11Protocol", "protocol_class", "server_options"]
+
+# The request line beyond its target: method, spaces, "HTTP/1.1" and the line end.
+_REQUEST_LINE_SLACK = 64
+# How long a refused connection's further bytes are read (and dropped) before it is closed.
+_LINGER_S = 2.0
+# h11 refuses (400) a head larger than this on its own: above ours, and above one read (256 KiB), so that
+# ours answers first.
+_H11_SLACK = 512 * 1024
+
+
+def _raw_response(err: LimitError) -> bytes:
+    body = err.payload
+    head = (
+        f"HTTP/1.1 {err.status} {_REASONS[err.status]}\r\n"
+        "content-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n"
+        "connection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+_REASONS = {408: "Request Timeout", 414: "URI Too Long", 431: "Request Header Fields Too Large"}
+
+
+class _Limited:
+    """Head-size cap and head/body deadlines, mixed in ahead of one of uvicorn's HTTP/1.1 protocols.
+
+    The phase of the connection: ``head`` while a request head arrives (the header deadline runs), ``body``
+    while its body does (the body deadline runs), ``idle`` otherwise (uvicorn's keep-alive timer runs between
+    requests). The subclass tells it where a head and a message end.
+    """
+
+    transport: asyncio.Transport
+    loop: asyncio.AbstractEventLoop
+    cycle: Any
+
+    def _init_limits(self, limits: HttpLimits) -> None:
+        self.limits = limits
+        self._phase = "idle"
+        self._head_bytes = 0
+        self._line_done = False  # the request line's end has arrived
+        self._head_cap = limits.max_url_bytes + limits.max_header_bytes + _REQUEST_LINE_SLACK
+        self._deadline: asyncio.TimerHandle | None = None
+        self._refused = False
+
+    # ---- asyncio.Protocol ---------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)  # type: ignore[misc]
+        # A connection that never sends a byte is held to the header deadline too.
+        self._begin_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_deadline()
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        if self._phase == "idle":
+            self._begin_head()
+        if self._phase == "head":
+            self._head_bytes += len(data)
+            if not self._line_done:
+                self._line_done = b"\n" in data
+        super().data_received(data)  # type: ignore[misc]
+        if self._phase != "head" or self._refused or self.transport.is_closing():
+            return
+        # Still inside the head: refuse it as soon as it is longer than the limits let it be.
+        if not self._line_done and self._head_bytes > self.limits.max_url_bytes + _REQUEST_LINE_SLACK:
+            self._refuse(limit_error("max_url_bytes", self.limits))
+        elif self._head_bytes > self._head_cap:
+            self._refuse(limit_error("max_header_bytes", self.limits))
+
+    # ---- phases -------------------------------------------------------------------------------------
+    def _begin_head(self) -> None:
+        self._phase = "head"
+        self._head_bytes = 0
+        self._line_done = False
+        self._arm(self.limits.header_timeout_s, self._head_late)
+
+    def _head_done(self) -> None:
+        if self._phase == "head":
+            self._phase = "body"
+            self._arm(self.limits.body_timeout_s, self._body_late)
+
+    def _message_done(self) -> None:
+        self._head_done()
+        self._phase = "idle"
+        self._cancel_deadline()
+
+    def _arm(self, delay: float, callback: Any) -> None:
+        self._cancel_deadline()
+        self._deadline = self.loop.call_later(delay, callback)
+
+    def _cancel_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _responding(self) -> bool:
+        """A response to an earlier request on this connection is still being sent (pipelining)."""
+        return self.cycle is not None and not self.cycle.response_complete and self._phase == "head"
+
+    # ---- deadlines ----------------------------------------------------------------------------------
+    def _head_late(self) -> None:
+        self._deadline = None
+        if self._phase != "head" or self.transport.is_closing():
+            return
+        if self._responding():
+            # The next request's head waits behind a response still streaming: its clock starts after that.
+            self._arm(self.limits.header_timeout_s, self._head_late)
+            return
+        if self._head_bytes == 0:
+            self._close()  # nothing was asked: nothing to answer
+        else:
+            self._refuse(limit_error("header_timeout_s", self.limits))
+
+    def _body_late(self) -> None:
+        self._deadline = None
+        if self._phase != "body" or self.transport.is_closing():
+            return
+        self._refuse(limit_error("body_timeout_s", self.limits))  # a close alone once a response has begun
+
+    def _refuse(self, err: LimitError) -> None:
+        """Answer ``err`` where that cannot garble another response on this connection, and close."""
+        cycle = self.cycle
+        if self._phase == "head":  # ``cycle`` is the previous request's, if any
+            may_answer = cycle is None or cycle.response_complete
+        else:  # ``cycle`` is this request's
+            may_answer = cycle is not None and not cycle.response_started
+        if cycle is not None and not cycle.response_complete:
+            # The app, waiting for the body or still answering, sees the disconnect and writes nothing more.
+            cycle.disconnected = True
+            cycle.message_event.set()
+        if not may_answer or not self.transport.can_write_eof():
+            self._close()
+            return
+        # A lingering close: closing at once with the client's unread bytes queued would reset the
+        # connection, and a reset can destroy the answer before the client reads it. So: answer, end our
+        # side, drop whatever still comes, and close when the client does or after _LINGER_S.
+        self._refused = True
+        self._cancel_deadline()
+        self.transport.write(_raw_response(err))
+        self.transport.write_eof()
+        self._deadline = self.loop.call_later(_LINGER_S, self._close)
+
+    def _close(self) -> None:
+        self._refused = True
+        self._cancel_deadline()
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
+class LimitedH11Protocol(_Limited, H11Protocol):
+    def __init__(self, *args: Any, limits: HttpLimits, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_limits(limits)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        state = self.conn.their_state
+        if state is h11.SEND_BODY:
+            self._head_done()
+        elif state is not h11.IDLE and self._phase != "idle":
+            self._message_done()
+
+
+try:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # httptools is optional: h11 then
+    HttpToolsProtocol = None
+
+
+if HttpToolsProtocol is not None:
+
+    class LimitedHttpToolsProtocol(_Limited, HttpToolsProtocol):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, limits: HttpLimits, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._init_limits(limits)
+
+        def on_headers_complete(self) -> None:
+            self._head_done()
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self._message_done()
+            super().on_message_complete()
+
+
+def protocol_class(http: str, limits: HttpLimits) -> Any:
+    """uvicorn's ``http`` argument: the parser ``http`` names (auto | httptools | h11) under the limits."""
+    if http == "auto":
+        http = "httptools" if HttpToolsProtocol is not None else "h11"
+    if http == "httptools":
+        if HttpToolsProtocol is None:
+            raise ValueError("http=httptools, but httptools is not installed")
+        return functools.partial(LimitedHttpToolsProtocol, limits=limits)
+    if http == "h11":
+        return functools.partial(LimitedH11Protocol, limits=limits)
+    raise ValueError(f"unknown HTTP parser {http!r}: auto, httptools or h11")
+
+
+def server_options(limits: HttpLimits, http: str = "auto") -> dict[str, Any]:
+    """uvicorn settings (``uvicorn.Config`` / ``uvicorn.run`` keywords) for one of our servers: quiet, no
+    access log, and the HTTP limits."""
+    return dict(
+        http=protocol_class(http, limits),
+        timeout_keep_alive=limits.keep_alive_s,
+        limit_concurrency=limits.max_connections or None,
+        h11_max_incomplete_event_size=limits.max_url_bytes + limits.max_header_bytes + _H11_SLACK,
+        log_level="warning",
+        access_log=False,
+    )

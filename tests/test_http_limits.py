@@ -1,0 +1,406 @@
+"""The HTTP limits (common/settings.py HttpLimits) on real uvicorn servers, probed with raw sockets: the router's
+app (no workers needed: every refusal here comes before routing) and a prefill worker's control plane.
+
+The deadlines are set small here (through the same settings a deployment uses); each check allows many times
+the setting, so only a connection that is never closed fails it.
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import uvicorn
+
+from common.config import RouterConfig, WorkerConfig
+from common.http_server import server_options
+from common.net import free_port
+from common.settings import HttpLimits
+from router.discovery import StaticDiscovery
+from router.server_thread import ServerThread
+from router.settings import RouterOptions
+from router.tokenizer import ModelInfo, RouterTokenizer
+
+LIMITS = HttpLimits(
+    max_body_bytes=64 * 1024,
+    header_timeout_s=0.5,
+    body_timeout_s=0.5,
+    keep_alive_s=0.5,
+)
+CLOSED_WITHIN_S = 10.0  # far above every deadline in LIMITS
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def router_addr(smol_path) -> Iterator[tuple[str, int]]:
+    from router.app import create_app
+
+    app = create_app(
+        RouterConfig(api_key=None),
+        RouterOptions(),
+        tokenizer=RouterTokenizer.from_dir(smol_path),
+        model_info=ModelInfo.from_dir("smollm2-135m-instruct", smol_path),
+        discovery=StaticDiscovery([], []),
+        use_redis=False,
+        http_limits=LIMITS,
+    )
+    with ServerThread(app, limits=LIMITS) as server:
+        yield "127.0.0.1", server.port
+
+
+@pytest.fixture(scope="module")
+def worker_addr() -> Iterator[tuple[str, int]]:
+    """A prefill worker's control plane as serve_worker runs it (its engine is not started: lifespan off)."""
+    from prefill_worker.app import create_app
+
+    cfg = WorkerConfig.from_env("prefill")
+    app = create_app(cfg, http_limits=LIMITS)
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", **server_options(LIMITS))
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "worker server did not start"
+        time.sleep(0.01)
+    yield "127.0.0.1", port
+    server.should_exit = True
+    thread.join(10)
+
+
+# ---- raw HTTP/1.1 ---------------------------------------------------------------------------------
+def connect(addr: tuple[str, int]) -> socket.socket:
+    return socket.create_connection(addr, timeout=CLOSED_WITHIN_S)
+
+
+def read_until_closed(s: socket.socket, timeout_s: float = CLOSED_WITHIN_S) -> tuple[bytes, bool]:
+    """Everything the server sends until it closes (True) or ``timeout_s`` passes (False)."""
+    data = b""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return data, False
+        s.settimeout(left)
+        try:
+            chunk = s.recv(65536)
+        except TimeoutError:
+            return data, False
+        except ConnectionResetError:
+            return data, True
+        if not chunk:
+            return data, True
+        data += chunk
+
+
+def read_response(s: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """One response (Content-Length framed) from ``s``."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        assert chunk, f"closed before a response: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    length = int(headers.get("content-length", "0"))
+    while len(body) < length:
+        chunk = s.recv(65536)
+        assert chunk, "closed inside a response body"
+        body += chunk
+    return status, headers, body
+
+
+def status_of(raw: bytes) -> int:
+    assert raw.startswith(b"HTTP/1.1 "), raw[:200]
+    return int(raw.split(b" ", 2)[1])
+
+
+def error_of(raw: bytes) -> dict:
+    return json.loads(raw.partition(b"\r\n\r\n")[2])["error"]
+
+
+def request(addr: tuple[str, int], raw: bytes) -> tuple[int, dict[str, str], bytes]:
+    with connect(addr) as s:
+        s.sendall(raw)
+        return read_response(s)
+
+
+def get(path: str = "/health", headers: bytes = b"") -> bytes:
+    return b"GET " + path.encode() + b" HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n"
+
+
+def post(path: str, body: bytes) -> bytes:
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    return head.encode() + body
+
+
+def stream_until_answered(s: socket.socket, first: bytes, filler: bytes, most: int) -> tuple[bytes, int]:
+    """Sends ``first`` then ``filler`` again and again (up to ``most`` bytes) until the server answers;
+    returns what it sent back (up to its close) and how many bytes were sent."""
+    s.sendall(first)
+    sent = len(first)
+    while sent < most:
+        readable, _, _ = select.select([s], [], [], 0.01)
+        if readable:
+            break
+        try:
+            s.sendall(filler)
+        except (BrokenPipeError, ConnectionResetError):
+            break
+        sent += len(filler)
+    raw, closed = read_until_closed(s)
+    assert closed, "the refused connection was not closed"
+    return raw, sent
+
+
+# ---- header size and count: 431 ------------------------------------------------------------------
+@pytest.mark.parametrize("server", ["router_addr", "worker_addr"])
+def test_endless_header_is_431_at_the_limit_and_others_are_served(server: str, request_fixture) -> None:
+    """A header that never ends (the probe sent 128 MB) is refused once the head passes the limits, not after
+    whatever the client sends; a normal request on another connection is answered meanwhile."""
+    addr = request_fixture(server)
+    with connect(addr) as s:
+        first = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: "
+        raw, sent = stream_until_answered(s, first, b"a" * 65536, most=128 * 1024 * 1024)
+        assert status_of(raw) == 431
+        assert error_of(raw)["code"] == "request_header_fields_too_large"
+        assert str(LIMITS.max_header_bytes) in error_of(raw)["message"]
+        cap = LIMITS.max_url_bytes + LIMITS.max_header_bytes
+        assert sent < cap + 16 * 65536, sent  # refused near the cap, not after the 128 MB
+        status, _, _ = request(addr, get())  # another connection, served as usual
+        assert status == 200
+
+
+def test_big_header_does_not_stall_a_concurrent_request(router_addr) -> None:
+    """While a client pushes an endless header as fast as it can, requests on other connections go on."""
+    stop = threading.Event()
+    outcomes: list[int] = []
+
+    def push() -> None:
+        while not stop.is_set():
+            with connect(router_addr) as s:
+                try:
+                    s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (4 * 1024 * 1024))
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+                raw, _ = read_until_closed(s)
+                if raw:
+                    outcomes.append(status_of(raw))
+
+    pusher = threading.Thread(target=push, daemon=True)
+    pusher.start()
+    try:
+        for _ in range(20):
+            status, _, body = request(router_addr, get())
+            assert status == 200, body
+    finally:
+        stop.set()
+        pusher.join(CLOSED_WITHIN_S)
+    assert set(outcomes) <= {431}, outcomes
+
+
+@pytest.mark.parametrize("server", ["router_addr", "worker_addr"])
+def test_too_many_headers_is_431(server: str, request_fixture) -> None:
+    addr = request_fixture(server)
+    many = b"".join(b"X-H%d: v\r\n" % i for i in range(LIMITS.max_header_count + 1))
+    status, _, body = request(addr, get(headers=many))
+    assert status == 431
+    error = json.loads(body)["error"]
+    assert error["code"] == "request_header_fields_too_large"
+    assert str(LIMITS.max_header_count) in error["message"]
+    # At the limit: served.
+    fine = b"".join(b"X-H%d: v\r\n" % i for i in range(LIMITS.max_header_count - 1))
+    assert request(addr, get(headers=fine))[0] == 200
+
+
+def test_headers_just_over_the_size_limit_are_431(router_addr) -> None:
+    """Headers a little over max_header_bytes in all (each line well under it): the exact check."""
+    line = b"X-Pad: " + b"p" * 8000 + b"\r\n"
+    over = line * (LIMITS.max_header_bytes // len(line) + 1)
+    status, _, body = request(router_addr, get(headers=over))
+    assert status == 431, body
+    assert str(LIMITS.max_header_bytes) in json.loads(body)["error"]["message"]
+    under = line * (LIMITS.max_header_bytes // len(line) - 1)
+    assert request(router_addr, get(headers=under))[0] == 200
+
+
+# ---- URL: 414 -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("server", ["router_addr", "worker_addr"])
+def test_long_url_is_414(server: str, request_fixture) -> None:
+    addr = request_fixture(server)
+    status, _, body = request(addr, get("/health?q=" + "x" * LIMITS.max_url_bytes))
+    assert status == 414
+    error = json.loads(body)["error"]
+    assert error["code"] == "url_too_long" and str(LIMITS.max_url_bytes) in error["message"]
+    assert request(addr, get("/health?q=" + "x" * (LIMITS.max_url_bytes - 100)))[0] == 200
+
+
+def test_endless_request_line_is_414_at_the_limit(router_addr) -> None:
+    with connect(router_addr) as s:
+        raw, sent = stream_until_answered(s, b"GET /", b"x" * 4096, most=64 * 1024 * 1024)
+    assert status_of(raw) == 414 and error_of(raw)["code"] == "url_too_long"
+    assert sent < LIMITS.max_url_bytes + 64 * 4096, sent
+
+
+# ---- deadlines: 408 or a close --------------------------------------------------------------------
+@pytest.mark.parametrize("server", ["router_addr", "worker_addr"])
+def test_partial_request_lines_are_closed_after_the_header_deadline(server: str, request_fixture) -> None:
+    """Many sockets each holding a partial request line (slowloris): each gets 408 and is closed."""
+    addr = request_fixture(server)
+    socks = [connect(addr) for _ in range(50)]
+    try:
+        for s in socks:
+            s.sendall(b"GET /hea")
+        for s in socks:
+            raw, closed = read_until_closed(s)
+            assert closed, "a partial request line was held open"
+            assert status_of(raw) == 408 and error_of(raw)["code"] == "request_timeout"
+        assert request(addr, get())[0] == 200
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_headers_trickled_slowly_are_cut_at_the_deadline(router_addr) -> None:
+    """A head that keeps coming, a byte at a time, never completes: the deadline counts from its start."""
+    with connect(router_addr) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\n")
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < CLOSED_WITHIN_S:
+            readable, _, _ = select.select([s], [], [], 0.05)
+            if readable:
+                break
+            try:
+                s.sendall(b"X")
+            except (BrokenPipeError, ConnectionResetError):
+                break
+        raw, closed = read_until_closed(s)
+    assert closed and status_of(raw) == 408
+
+
+def test_silent_connection_is_closed(router_addr) -> None:
+    with connect(router_addr) as s:
+        raw, closed = read_until_closed(s)
+    assert closed and raw == b""  # nothing asked, nothing answered
+
+
+def test_idle_keep_alive_connection_is_closed(router_addr) -> None:
+    with connect(router_addr) as s:
+        s.sendall(get())
+        status, headers, _ = read_response(s)
+        assert status == 200 and headers.get("connection") != "close"
+        raw, closed = read_until_closed(s)
+    assert closed and raw == b""
+
+
+@pytest.mark.parametrize("server", ["router_addr", "worker_addr"])
+def test_never_ending_chunked_body_is_408(server: str, request_fixture) -> None:
+    """A chunked body that keeps coming in small chunks and never ends."""
+    addr = request_fixture(server)
+    path = CHAT if server == "router_addr" else "/internal/prefill"
+    with connect(addr) as s:
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n".encode())
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < CLOSED_WITHIN_S:
+            readable, _, _ = select.select([s], [], [], 0.05)
+            if readable:
+                break
+            try:
+                s.sendall(b"1\r\n \r\n")
+            except (BrokenPipeError, ConnectionResetError):
+                break
+        raw, closed = read_until_closed(s)
+    assert closed and status_of(raw) == 408
+    assert error_of(raw)["code"] == "request_timeout"
+
+
+def test_body_that_stops_coming_is_408(router_addr) -> None:
+    with connect(router_addr) as s:
+        s.sendall(post(CHAT, b"{" + b" " * 100)[:-50])  # Content-Length promises 50 bytes more
+        raw, closed = read_until_closed(s)
+    assert closed and status_of(raw) == 408
+
+
+# ---- body: 413 ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("server", ["router_addr", "worker_addr"])
+def test_oversized_body_is_413(server: str, request_fixture) -> None:
+    addr = request_fixture(server)
+    path = CHAT if server == "router_addr" else "/internal/prefill"
+    big = b'{"x": "' + b"a" * LIMITS.max_body_bytes + b'"}'
+    status, _, body = request(addr, post(path, big))
+    assert status == 413
+    error = json.loads(body)["error"]
+    assert error["code"] == "request_too_large" and str(LIMITS.max_body_bytes) in error["message"]
+    # Streamed (chunked, no Content-Length): cut as soon as it passes the limit.
+    with connect(addr) as s:
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n".encode())
+        piece = b"a" * 16384
+        for _ in range(LIMITS.max_body_bytes // len(piece) + 2):
+            s.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+        status, _, body = read_response(s)
+    assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
+
+
+# ---- connections: 503 beyond the cap ---------------------------------------------------------------
+def test_connections_beyond_the_cap_get_503(smol_path) -> None:
+    from router.app import create_app
+
+    limits = HttpLimits(max_connections=4, header_timeout_s=30.0)
+    app = create_app(
+        RouterConfig(api_key=None),
+        RouterOptions(),
+        tokenizer=RouterTokenizer.from_dir(smol_path),
+        model_info=ModelInfo.from_dir("smollm2-135m-instruct", smol_path),
+        discovery=StaticDiscovery([], []),
+        use_redis=False,
+        http_limits=limits,
+    )
+    with ServerThread(app, limits=limits) as server:
+        addr = ("127.0.0.1", server.port)
+        held = [connect(addr) for _ in range(limits.max_connections)]
+        try:
+            time.sleep(0.2)  # let the server accept them
+            assert request(addr, get())[0] == 503
+        finally:
+            for s in held:
+                s.close()
+        deadline = time.monotonic() + CLOSED_WITHIN_S
+        while request(addr, get())[0] != 200:
+            assert time.monotonic() < deadline, "still refused once the held connections closed"
+            time.sleep(0.05)
+
+
+_UNITS = {"": 1, "s": 1, "KiB": 1024, "MiB": 1024 * 1024}
+
+
+def test_every_limit_is_documented() -> None:
+    """docs/reliability.md's table names each setting with its default."""
+    from dataclasses import fields
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "reliability.md").read_text()
+    section = doc.split("## HTTP limits", 1)[1].split("\n## ", 1)[0]
+    documented = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[2].startswith("`KVFERRY_HTTP_"):
+            number, _, unit = cells[1].partition(" ")
+            documented[cells[2].split("`")[1]] = float(number) * _UNITS[unit]
+    defaults = HttpLimits()
+    for f in fields(HttpLimits):
+        name = f"KVFERRY_HTTP_{f.name.upper()}"
+        assert name in documented, f"{name} is not in docs/reliability.md's table"
+        assert documented[name] == getattr(defaults, f.name), name
+
+
+@pytest.fixture
+def request_fixture(request: pytest.FixtureRequest):
+    return request.getfixturevalue
