@@ -5,6 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
+import time
+import traceback
 
 _RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
 
@@ -37,3 +40,55 @@ def setup_logging(level: str | None = None) -> None:
     # Third-party chatter stays at warnings unless asked for.
     for name in ("uvicorn.access", "httpx", "transformers"):
         logging.getLogger(name).setLevel(logging.WARNING)
+
+
+class TracebackLimiter(logging.Filter):
+    """At most one full traceback a minute per (logger, exception type, raising line); every other record of
+    the same failure keeps its line, with the exception's type and message and how many came since.
+
+    A failure that each request hits (a bug, or input that slipped past validation) would otherwise write its
+    whole traceback per request: thousands of lines each for a deep recursion.
+    """
+
+    def __init__(self, interval_s: float = 60.0) -> None:
+        super().__init__()
+        self.interval_s = interval_s
+        self._lock = threading.Lock()
+        self._last: dict[tuple[str, str, str], tuple[float, int]] = {}  # key -> (last traceback, repeats since)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc_info = record.exc_info
+        if not exc_info or exc_info[1] is None:
+            return True
+        exc = exc_info[1]
+        frames = traceback.extract_tb(exc_info[2]) if exc_info[2] is not None else []
+        site = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+        key = (record.name, type(exc).__qualname__, site)
+        now = time.monotonic()
+        with self._lock:
+            last, repeats = self._last.get(key, (-self.interval_s, 0))
+            if now - last >= self.interval_s:
+                self._last[key] = (now, 0)
+                if repeats:
+                    record.repeats_before = repeats  # shown by KeyValueFormatter
+                return True
+            self._last[key] = (last, repeats + 1)
+        detail = f"{type(exc).__name__}: {str(exc)[:200]} (traceback logged at most once a minute; {repeats + 1} since)"
+        record.msg = f"{str(record.msg).rstrip()} [{detail.replace('%', '%%') if record.args else detail}]"
+        record.exc_info = None
+        record.exc_text = None
+        return True
+
+
+_LIMITER = TracebackLimiter()
+# The loggers that log a 500's traceback: the router's handler of unexpected errors, uvicorn's for an
+# exception that leaves an app (a worker's, or one raised after a response began).
+_SERVING_LOGGERS = ("kvferry.router", "kvferry.control", "uvicorn.error")
+
+
+def limit_tracebacks() -> None:
+    """Installs the traceback limiter on the serving loggers (idempotent)."""
+    for name in _SERVING_LOGGERS:
+        logger = logging.getLogger(name)
+        if _LIMITER not in logger.filters:
+            logger.addFilter(_LIMITER)

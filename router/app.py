@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from common.config import RouterConfig
 from common.http_guard import RequestLimits
+from common.log import limit_tracebacks
 from common.observability.tracing import init_tracing
 from common.settings import HttpLimits
 from router.admission import AdmissionLimits
@@ -158,6 +159,7 @@ def create_app(
             config.redis_url, info.name, socket_timeout_s=opts.redis_timeout_s, access=config.redis_access
         )
     state: dict[str, Any] = {}
+    limit_tracebacks()  # a 500's traceback at most once a minute per failure (common/log.py)
     init_tracing("kvferry-router")  # off unless an OTLP endpoint is set (common/observability/tracing.py)
     metrics = RouterMetrics()
     requests = RequestLog(metrics)

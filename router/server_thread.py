@@ -18,11 +18,16 @@ class ServerThread:
     with (common/http_server.py); ``stop()`` shuts it down."""
 
     def __init__(
-        self, app: Any, port: int | None = None, lifespan: str = "on", limits: HttpLimits | None = None
+        self,
+        app: Any,
+        port: int | None = None,
+        lifespan: str = "on",
+        limits: HttpLimits | None = None,
+        http: str = "auto",
     ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        options = server_options(limits or HttpLimits.from_env())
+        options = server_options(limits or HttpLimits.from_env(), http)
         cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, lifespan=lifespan, **options)
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self.server.run, daemon=True, name=f"uvicorn-{self.port}")

@@ -18,9 +18,24 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from common.protocol import GrammarSpec
 
-__all__ = ["JsonSchemaFormat", "ResponseFormat", "check_json_schema", "choice_grammar", "grammar_from"]
+__all__ = [
+    "MAX_SCHEMA_BYTES",
+    "MAX_SCHEMA_DEPTH",
+    "JsonSchemaFormat",
+    "ResponseFormat",
+    "check_json_schema",
+    "check_schema_limits",
+    "choice_grammar",
+    "grammar_from",
+]
 
 MAX_CHOICES = 256
+# A client's JSON schema (response_format, guided_json, a tool's parameters) is refused (400, naming the limit)
+# beyond these, before anything walks it recursively: the schema check and the worker's grammar compiler
+# recurse per level (95 levels exhausted Python's stack), and compile time grows with size. Real schemas,
+# generated ones included, stay far below both; docs/reliability.md lists them.
+MAX_SCHEMA_DEPTH = 64  # nested objects and arrays, the outermost counting 1
+MAX_SCHEMA_BYTES = 256 * 1024  # as compact JSON
 
 
 class JsonSchemaFormat(BaseModel):
@@ -51,22 +66,55 @@ def _check_schema_text(text: str) -> None:
         raise ValueError(f"invalid JSON schema{f' at {path}' if path else ''}: {e.message}") from None
 
 
+def _depth_within(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests objects and arrays at most ``limit`` deep (no recursion: any depth is safe)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children: Any = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        if depth > limit:
+            return False
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return True
+
+
+def check_schema_limits(schema: Any) -> str:
+    """The schema as compact JSON; ValueError naming the limit when it is too deep or too large."""
+    if not _depth_within(schema, MAX_SCHEMA_DEPTH):
+        raise ValueError(f"the JSON schema is nested deeper than {MAX_SCHEMA_DEPTH} levels (the limit)")
+    text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    if len(text.encode()) > MAX_SCHEMA_BYTES:
+        raise ValueError(f"the JSON schema is larger than {MAX_SCHEMA_BYTES} bytes (the limit)")
+    return text
+
+
 def check_json_schema(schema: Any) -> None:
-    """ValueError unless `schema` is a JSON schema (checked once per distinct schema)."""
+    """ValueError unless `schema` is a JSON schema within the limits (checked once per distinct schema)."""
     if isinstance(schema, bool):
         return
     if not isinstance(schema, dict):
         raise ValueError("a JSON schema must be an object")
-    _check_schema_text(json.dumps(schema, sort_keys=True))
+    _check_schema_text(check_schema_limits(schema))
 
 
 def _json_text(value: Any, param: str) -> str:
     """A schema given as an object or as JSON text, checked, as text."""
     if isinstance(value, str):
+        if len(value.encode()) > MAX_SCHEMA_BYTES:
+            raise ValueError(f"{param}: the JSON schema is larger than {MAX_SCHEMA_BYTES} bytes (the limit)")
         try:
             value = json.loads(value)
         except ValueError:
             raise ValueError(f"{param}: the schema is not valid JSON") from None
+        except RecursionError:
+            raise ValueError(
+                f"{param}: the JSON schema is nested deeper than {MAX_SCHEMA_DEPTH} levels (the limit)"
+            ) from None
     try:
         check_json_schema(value)
     except ValueError as e:

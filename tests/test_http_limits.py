@@ -8,11 +8,15 @@ the setting, so only a connection that is never closed fails it.
 from __future__ import annotations
 
 import json
+import logging
 import select
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import pytest
 import uvicorn
@@ -27,7 +31,7 @@ from router.settings import RouterOptions
 from router.tokenizer import ModelInfo, RouterTokenizer
 
 LIMITS = HttpLimits(
-    max_body_bytes=64 * 1024,
+    max_body_bytes=1024 * 1024,  # above the largest JSON schema allowed (router/structured.py)
     header_timeout_s=0.5,
     body_timeout_s=0.5,
     keep_alive_s=0.5,
@@ -36,8 +40,8 @@ CLOSED_WITHIN_S = 10.0  # far above every deadline in LIMITS
 CHAT = "/v1/chat/completions"
 
 
-@pytest.fixture(scope="module")
-def router_addr(smol_path) -> Iterator[tuple[str, int]]:
+@contextmanager
+def router_server(smol_path, http: str) -> Iterator[tuple[str, int]]:
     from router.app import create_app
 
     app = create_app(
@@ -49,17 +53,16 @@ def router_addr(smol_path) -> Iterator[tuple[str, int]]:
         use_redis=False,
         http_limits=LIMITS,
     )
-    with ServerThread(app, limits=LIMITS) as server:
+    with ServerThread(app, limits=LIMITS, http=http) as server:
         yield "127.0.0.1", server.port
 
 
-@pytest.fixture(scope="module")
-def worker_addr() -> Iterator[tuple[str, int]]:
+@contextmanager
+def worker_server() -> Iterator[tuple[str, int]]:
     """A prefill worker's control plane as serve_worker runs it (its engine is not started: lifespan off)."""
     from prefill_worker.app import create_app
 
-    cfg = WorkerConfig.from_env("prefill")
-    app = create_app(cfg, http_limits=LIMITS)
+    app = create_app(WorkerConfig.from_env("prefill"), http_limits=LIMITS)
     port = free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", **server_options(LIMITS))
     server = uvicorn.Server(config)
@@ -69,9 +72,36 @@ def worker_addr() -> Iterator[tuple[str, int]]:
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "worker server did not start"
         time.sleep(0.01)
-    yield "127.0.0.1", port
-    server.should_exit = True
-    thread.join(10)
+    try:
+        yield "127.0.0.1", port
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module", params=["httptools", "h11"])
+def router_addr(smol_path, request: pytest.FixtureRequest) -> Iterator[tuple[str, int]]:
+    """The router's app under each HTTP parser the router may run (``KVFERRY_ROUTER_HTTP``)."""
+    with router_server(smol_path, request.param) as addr:
+        yield addr
+
+
+@dataclass
+class Server:
+    addr: tuple[str, int]
+    post_path: str  # a POST route that reads a body
+    get_path: str  # a GET route past the front (a worker answers its probes before any limit but the protocol's)
+
+
+@pytest.fixture(scope="module", params=["router-httptools", "router-h11", "worker"])
+def server(smol_path, request: pytest.FixtureRequest) -> Iterator[Server]:
+    """The router (each parser) and a worker's control plane."""
+    if request.param == "worker":
+        with worker_server() as addr:
+            yield Server(addr, "/internal/prefill", "/metrics")
+    else:
+        with router_server(smol_path, request.param.removeprefix("router-")) as addr:
+            yield Server(addr, CHAT, "/health")
 
 
 # ---- raw HTTP/1.1 ---------------------------------------------------------------------------------
@@ -162,11 +192,10 @@ def stream_until_answered(s: socket.socket, first: bytes, filler: bytes, most: i
 
 
 # ---- header size and count: 431 ------------------------------------------------------------------
-@pytest.mark.parametrize("server", ["router_addr", "worker_addr"])
-def test_endless_header_is_431_at_the_limit_and_others_are_served(server: str, request_fixture) -> None:
+def test_endless_header_is_431_at_the_limit_and_others_are_served(server: Server) -> None:
     """A header that never ends (the probe sent 128 MB) is refused once the head passes the limits, not after
     whatever the client sends; a normal request on another connection is answered meanwhile."""
-    addr = request_fixture(server)
+    addr = server.addr
     with connect(addr) as s:
         first = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: "
         raw, sent = stream_until_answered(s, first, b"a" * 65536, most=128 * 1024 * 1024)
@@ -207,18 +236,17 @@ def test_big_header_does_not_stall_a_concurrent_request(router_addr) -> None:
     assert set(outcomes) <= {431}, outcomes
 
 
-@pytest.mark.parametrize("server", ["router_addr", "worker_addr"])
-def test_too_many_headers_is_431(server: str, request_fixture) -> None:
-    addr = request_fixture(server)
+def test_too_many_headers_is_431(server: Server) -> None:
+    addr = server.addr
     many = b"".join(b"X-H%d: v\r\n" % i for i in range(LIMITS.max_header_count + 1))
-    status, _, body = request(addr, get(headers=many))
+    status, _, body = request(addr, get(server.get_path, headers=many))
     assert status == 431
     error = json.loads(body)["error"]
     assert error["code"] == "request_header_fields_too_large"
     assert str(LIMITS.max_header_count) in error["message"]
     # At the limit: served.
     fine = b"".join(b"X-H%d: v\r\n" % i for i in range(LIMITS.max_header_count - 1))
-    assert request(addr, get(headers=fine))[0] == 200
+    assert request(addr, get(server.get_path, headers=fine))[0] == 200
 
 
 def test_headers_just_over_the_size_limit_are_431(router_addr) -> None:
@@ -233,14 +261,13 @@ def test_headers_just_over_the_size_limit_are_431(router_addr) -> None:
 
 
 # ---- URL: 414 -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("server", ["router_addr", "worker_addr"])
-def test_long_url_is_414(server: str, request_fixture) -> None:
-    addr = request_fixture(server)
-    status, _, body = request(addr, get("/health?q=" + "x" * LIMITS.max_url_bytes))
+def test_long_url_is_414(server: Server) -> None:
+    addr = server.addr
+    status, _, body = request(addr, get(server.get_path + "?q=" + "x" * LIMITS.max_url_bytes))
     assert status == 414
     error = json.loads(body)["error"]
     assert error["code"] == "url_too_long" and str(LIMITS.max_url_bytes) in error["message"]
-    assert request(addr, get("/health?q=" + "x" * (LIMITS.max_url_bytes - 100)))[0] == 200
+    assert request(addr, get(server.get_path + "?q=" + "x" * (LIMITS.max_url_bytes - 100)))[0] == 200
 
 
 def test_endless_request_line_is_414_at_the_limit(router_addr) -> None:
@@ -251,10 +278,9 @@ def test_endless_request_line_is_414_at_the_limit(router_addr) -> None:
 
 
 # ---- deadlines: 408 or a close --------------------------------------------------------------------
-@pytest.mark.parametrize("server", ["router_addr", "worker_addr"])
-def test_partial_request_lines_are_closed_after_the_header_deadline(server: str, request_fixture) -> None:
+def test_partial_request_lines_are_closed_after_the_header_deadline(server: Server) -> None:
     """Many sockets each holding a partial request line (slowloris): each gets 408 and is closed."""
-    addr = request_fixture(server)
+    addr = server.addr
     socks = [connect(addr) for _ in range(50)]
     try:
         for s in socks:
@@ -301,11 +327,10 @@ def test_idle_keep_alive_connection_is_closed(router_addr) -> None:
     assert closed and raw == b""
 
 
-@pytest.mark.parametrize("server", ["router_addr", "worker_addr"])
-def test_never_ending_chunked_body_is_408(server: str, request_fixture) -> None:
+def test_never_ending_chunked_body_is_408(server: Server) -> None:
     """A chunked body that keeps coming in small chunks and never ends."""
-    addr = request_fixture(server)
-    path = CHAT if server == "router_addr" else "/internal/prefill"
+    addr = server.addr
+    path = server.post_path
     with connect(addr) as s:
         s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n".encode())
         t0 = time.monotonic()
@@ -330,10 +355,9 @@ def test_body_that_stops_coming_is_408(router_addr) -> None:
 
 
 # ---- body: 413 ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("server", ["router_addr", "worker_addr"])
-def test_oversized_body_is_413(server: str, request_fixture) -> None:
-    addr = request_fixture(server)
-    path = CHAT if server == "router_addr" else "/internal/prefill"
+def test_oversized_body_is_413(server: Server) -> None:
+    addr = server.addr
+    path = server.post_path
     big = b'{"x": "' + b"a" * LIMITS.max_body_bytes + b'"}'
     status, _, body = request(addr, post(path, big))
     assert status == 413
@@ -347,6 +371,133 @@ def test_oversized_body_is_413(server: str, request_fixture) -> None:
             s.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
         status, _, body = read_response(s)
     assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
+
+
+# ---- JSON schemas: 400 naming the limit ------------------------------------------------------------
+def nested_object_schema(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def deep_schema_requests(schema: dict) -> dict[str, dict]:
+    msgs = [{"role": "user", "content": "hi"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    return {
+        "response_format": {
+            "messages": msgs,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        },
+        "guided_json": {"messages": msgs, "guided_json": schema},
+        "guided_json as text": {"messages": msgs, "guided_json": json.dumps(schema)},
+        "tools": {"messages": msgs, "tools": [tool]},
+    }
+
+
+@pytest.mark.parametrize("levels", [33, 95, 300])
+def test_deep_json_schema_is_400_naming_the_limit(router_addr, levels: int) -> None:
+    from router.structured import MAX_SCHEMA_DEPTH
+
+    for where, body in deep_schema_requests(nested_object_schema(levels)).items():
+        status, _, raw = request(router_addr, post(CHAT, json.dumps(body).encode()))
+        assert status == 400, (where, raw[:300])
+        message = json.loads(raw)["error"]["message"]
+        assert f"nested deeper than {MAX_SCHEMA_DEPTH} levels" in message, (where, message)
+
+
+def test_large_json_schema_is_400_naming_the_limit(router_addr) -> None:
+    from router.structured import MAX_SCHEMA_BYTES
+
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(MAX_SCHEMA_BYTES // 16)}}
+    for where, body in deep_schema_requests(wide).items():
+        status, _, raw = request(router_addr, post(CHAT, json.dumps(body).encode()))
+        assert status == 400, (where, raw[:300])
+        assert f"larger than {MAX_SCHEMA_BYTES} bytes" in json.loads(raw)["error"]["message"], where
+
+
+def test_schema_within_the_limits_passes_validation(router_addr) -> None:
+    """Deep (but under the limit) schemas get past validation: the router, with no worker, answers 503."""
+    for where, body in deep_schema_requests(nested_object_schema(20)).items():
+        status, _, raw = request(router_addr, post(CHAT, json.dumps(body).encode()))
+        assert status == 503, (where, raw[:300])
+
+
+# ---- 500s: a traceback at most once a minute ------------------------------------------------------
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_a_500_logs_its_traceback_once_and_a_line_each_time(smol_path) -> None:
+    """Every request hitting the same failure gets its 500 and a log line; the traceback (thousands of lines
+    for a deep recursion) is written once, not per request."""
+    from router.app import create_app
+
+    app = create_app(
+        RouterConfig(api_key=None),
+        RouterOptions(),
+        tokenizer=RouterTokenizer.from_dir(smol_path),
+        model_info=ModelInfo.from_dir("smollm2-135m-instruct", smol_path),
+        discovery=StaticDiscovery([], []),
+        use_redis=False,
+        http_limits=LIMITS,
+    )
+
+    def recurse(n: int) -> int:
+        return recurse(n + 1) + 1
+
+    async def failing() -> None:
+        recurse(0)
+
+    app.add_api_route("/v1/fails", failing, methods=["GET"])
+    handler = Records()
+    loggers = [logging.getLogger("kvferry.router"), logging.getLogger("uvicorn.error")]
+    with ServerThread(app, limits=LIMITS) as server:  # (uvicorn sets up its loggers as it starts)
+        for logger in loggers:
+            logger.addHandler(handler)
+        try:
+            for _ in range(20):
+                status, _, body = request(("127.0.0.1", server.port), get("/v1/fails"))
+                assert status == 500 and json.loads(body)["error"]["code"] == "internal_error"
+            # uvicorn logs the exception after the 500 is sent: wait for its last line.
+            deadline = time.monotonic() + CLOSED_WITHIN_S
+            while len([r for r in handler.records if r.name == "uvicorn.error"]) < 20 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        finally:
+            for logger in loggers:
+                logger.removeHandler(handler)
+    failures = [r for r in handler.records if r.name == "kvferry.router"]
+    assert len(failures) == 20  # a line per request
+    assert len([r for r in handler.records if r.name == "uvicorn.error"]) == 20  # uvicorn's own, too
+    with_traceback = [r for r in handler.records if r.exc_info]
+    assert len(with_traceback) <= 2, [r.getMessage() for r in with_traceback]  # one per logger at most
+    assert all("RecursionError" in r.getMessage() for r in failures if not r.exc_info)
+
+
+def test_traceback_limiter_keeps_the_first_and_counts_the_rest() -> None:
+    from common.log import TracebackLimiter
+
+    def record() -> logging.LogRecord:
+        try:
+            raise ValueError("bad 100%")
+        except ValueError:
+            return logging.LogRecord("x", logging.ERROR, __file__, 1, "failed %s", ("here",), sys.exc_info())
+
+    limiter = TracebackLimiter(interval_s=3600.0)
+    records = [record() for _ in range(5)]
+    assert all(limiter.filter(r) for r in records)
+    assert records[0].exc_info and not any(r.exc_info for r in records[1:])
+    assert records[4].getMessage() == (
+        "failed here [ValueError: bad 100% (traceback logged at most once a minute; 4 since)]"
+    )
+    fresh = TracebackLimiter(interval_s=0.0)  # a minute has passed each time
+    again = [record() for _ in range(3)]
+    assert all(fresh.filter(r) and r.exc_info for r in again)
 
 
 # ---- connections: 503 beyond the cap ---------------------------------------------------------------
@@ -399,8 +550,7 @@ def test_every_limit_is_documented() -> None:
         name = f"KVFERRY_HTTP_{f.name.upper()}"
         assert name in documented, f"{name} is not in docs/reliability.md's table"
         assert documented[name] == getattr(defaults, f.name), name
+    from router.structured import MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH
 
-
-@pytest.fixture
-def request_fixture(request: pytest.FixtureRequest):
-    return request.getfixturevalue
+    assert f"| {MAX_SCHEMA_DEPTH} | `MAX_SCHEMA_DEPTH` |" in section
+    assert f"| {MAX_SCHEMA_BYTES // 1024} KiB | `MAX_SCHEMA_BYTES` |" in section

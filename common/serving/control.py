@@ -46,6 +46,7 @@ from common.config import WorkerConfig
 from common.http_guard import RequestLimits
 from common.http_server import server_options
 from common.internal_auth import INTERNAL_PREFIX
+from common.log import limit_tracebacks
 from common.observability.tracing import init_tracing
 from common.protocol import LoadSnapshot
 from common.serving.channel import EngineClient, EngineError, Message
@@ -341,6 +342,7 @@ def create_worker_app(
             watch.cancel()
             await state.stop_engine()
 
+    limit_tracebacks()  # a 500's traceback at most once a minute per failure (common/log.py)
     init_tracing(f"kvferry-{state.cfg.role}")  # off unless an OTLP endpoint is set (common/observability/tracing.py)
     app = FastAPI(title=f"kvferry {state.cfg.role} worker", lifespan=lifespan)
     app.state.worker = state
