@@ -5,6 +5,8 @@ back on every side, and an adaptive router moves requests between placements as 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -236,6 +238,40 @@ def _stream_text(url: str, body: dict, started: threading.Event | None = None) -
             if text and started is not None:
                 started.set()
     return text, finish
+
+
+def test_mixed_engine_killed_mid_stream_stream_moves_and_the_worker_heals(
+    cluster: LocalCluster, fleet, smol_path
+) -> None:
+    """kill -9 of a mixed worker's engine process only (its control plane lives): the stream moves to the
+    other mixed worker with the fault-free text, and the worker starts a new engine by itself and is routed
+    to again within 30 s (docs/reliability.md, Engine restart)."""
+    from tests.test_reliability import _back_by_itself, _engine_pid
+
+    a, b, _, _ = fleet
+    router = _side_router_over(cluster, smol_path, [a.url, b.url])
+    try:
+        body = {"model": MODEL, "prompt": "Describe a walk along a river.", "max_tokens": 120, "temperature": 0}
+        body["ignore_eos"] = True
+        reference = _stream_text(router.url, body)
+        started = threading.Event()
+        out: dict[str, tuple[str, str | None]] = {}
+        t = threading.Thread(target=lambda: out.update(run=_stream_text(router.url, body, started)))
+        t.start()
+        assert started.wait(60)
+        victim_url = max((a.url, b.url), key=lambda u: Worker(u).load()["running_requests"])
+        assert Worker(victim_url).load()["running_requests"] > 0, "the stream ended before the kill"
+        victim = next(p for p in cluster.workers if p.url == victim_url)
+        assert victim.proc is not None
+        engine = _engine_pid(victim.proc.pid)
+        os.kill(engine, signal.SIGKILL)
+        killed = time.monotonic()
+        t.join(90)
+        assert not t.is_alive(), "the stream hung after its decode engine died"
+    finally:
+        router.stop()
+    assert out["run"] == reference, (out["run"], reference)
+    _back_by_itself(cluster, victim, engine, killed)
 
 
 def test_stream_survives_its_mixed_decode_worker_dying(cluster: LocalCluster, fleet, smol_path) -> None:
