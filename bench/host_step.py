@@ -36,6 +36,7 @@ from common.sched import launched as launched_mod
 from common.sched.request import Req
 from common.sched.scheduler import Scheduler
 from common.settings import RunnerConfig, SchedulerConfig
+from common.settings_registry import TORCH_THREADS
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
 PAGES_100GB_8B = 47_683  # 100 GiB / (32 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes x 16 tokens)
@@ -118,7 +119,7 @@ def main() -> None:
     ap.add_argument("--large-gb", type=float, default=0.0)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    threads = apply_engine_threads(args.device, int(os.environ.get("KVFERRY_TORCH_THREADS", "0")))
+    threads = apply_engine_threads(args.device, TORCH_THREADS.read())
     batches = [int(b) for b in args.batches.split(",")]
     results = []
     for label, pages, gb in (("small", args.small_pages, args.small_gb), ("large", args.large_pages, args.large_gb)):

@@ -32,10 +32,11 @@ def run_offline(model: str, num: int, prompt_len: TokenRange, output_len: TokenR
     from common.engine.threads import apply_engine_threads
     from common.offline import Engine
     from common.protocol import SamplingParams
+    from common.settings_registry import MODEL, TORCH_THREADS
 
-    os.environ["KVFERRY_MODEL"] = model
+    os.environ[MODEL.name] = model
     cfg = WorkerConfig.from_env("decode")
-    threads = apply_engine_threads(cfg.runner.device, int(os.environ.get("KVFERRY_TORCH_THREADS", "0")))
+    threads = apply_engine_threads(cfg.runner.device, TORCH_THREADS.read())
     t0 = time.perf_counter()
     engine = Engine(cfg.runner, cfg.sched, load_tokenizer=False)
     load_s = time.perf_counter() - t0

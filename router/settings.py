@@ -1,72 +1,65 @@
 """Router-only knobs that common/config.py's RouterConfig does not carry.
 
-Each one can be set by a ``KVFERRY_ROUTER_*`` env var (read in ``RouterOptions.from_env``) or the
-matching ``kvferry router`` flag (router/main.py). Defaults suit a small CPU cluster and a GPU fleet alike.
+Each is declared in common/settings_registry.py (``KVFERRY_ROUTER_<NAME>``, its default and docs) and is also
+the ``kvferry router`` flag ``--<name>`` (router/main.py). Defaults suit a small CPU cluster and a GPU fleet alike.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from common import settings_registry as reg
 
 __all__ = ["RouterOptions"]
-
-_ENV_PREFIX = "KVFERRY_ROUTER_"
 
 
 @dataclass
 class RouterOptions:
-    tokenizer: str = ""  # tokenizer directory when the model id is not one (e.g. dummy:<config> workers)
-    # Router processes in this pod, sharing its port (one per core streams more tokens/s: bench/RESULTS.md).
-    # Each has its own worker pool, polls, in-flight counts and admission (per-process by design: the
-    # workers' own load figures are the shared truth); the prefix index they share lives in Redis.
-    workers: int = 1
-    event_loop: str = "auto"  # uvicorn's event loop: auto (uvloop when installed) | uvloop | asyncio
-    http: str = "auto"  # uvicorn's HTTP parser: auto (httptools when installed) | httptools | h11
+    tokenizer: str = reg.ROUTER_TOKENIZER.field()
+    # Router processes in this pod, sharing its port. Each has its own worker pool, polls, in-flight counts and
+    # admission (per-process by design: the workers' own load figures are the shared truth); the prefix index
+    # they share lives in Redis.
+    workers: int = reg.ROUTER_WORKERS.field()
+    event_loop: str = reg.ROUTER_EVENT_LOOP.field()
+    http: str = reg.ROUTER_HTTP.field()
     # Admission and limits (the HTTP limits, body size included, are common/settings.py HttpLimits).
-    max_inflight: int = 4096  # requests in this router process at once; beyond it: 429 + Retry-After
-    retry_after_s: int = 1
-    default_max_tokens: int = 1024  # chat without max_tokens: min(this, what fits the context)
+    max_inflight: int = reg.ROUTER_MAX_INFLIGHT.field()
+    retry_after_s: int = reg.ROUTER_RETRY_AFTER_S.field()
+    default_max_tokens: int = reg.ROUTER_DEFAULT_MAX_TOKENS.field()
     # Routing (router/policy.py documents how these enter the scores).
-    routing: str = "cache_aware"  # cache_aware | round_robin (baseline)
-    disagg_min_prompt_tokens: int = 256  # shorter prompts are prefilled on the decode pod
-    local_prefix_fraction: float = 0.8  # a decode pod holding this much of the prompt prefills it
-    prefill_load_weight: float = 0.5
-    imbalance_abs_tokens: int = 2048
-    imbalance_ratio: float = 1.5
-    decode_kv_weight: float = 4.0
-    recent_route_ttl_s: float = 10.0  # how long the router's own placements count as cached
+    routing: str = reg.ROUTER_ROUTING.field()
+    disagg_min_prompt_tokens: int = reg.ROUTER_DISAGG_MIN_PROMPT_TOKENS.field()
+    local_prefix_fraction: float = reg.ROUTER_LOCAL_PREFIX_FRACTION.field()
+    prefill_load_weight: float = reg.ROUTER_PREFILL_LOAD_WEIGHT.field()
+    imbalance_abs_tokens: int = reg.ROUTER_IMBALANCE_ABS_TOKENS.field()
+    imbalance_ratio: float = reg.ROUTER_IMBALANCE_RATIO.field()
+    decode_kv_weight: float = reg.ROUTER_DECODE_KV_WEIGHT.field()
+    recent_route_ttl_s: float = reg.ROUTER_RECENT_ROUTE_TTL_S.field()
     # Placement (router/cost_model.py): adaptive picks local vs. disaggregated per request from predicted
     # TTFT and ITL against these targets and the workers' measured rates; fixed uses the two thresholds above.
-    placement: str = "fixed"  # fixed | adaptive
-    slo_ttft_s: float = 2.0
-    slo_itl_s: float = 0.025
-    transfer_tokens_per_s: float = 200_000.0  # KV transfer rate assumed until workers publish one
+    placement: str = reg.ROUTER_PLACEMENT.field()
+    slo_ttft_s: float = reg.ROUTER_SLO_TTFT_S.field()
+    slo_itl_s: float = reg.ROUTER_SLO_ITL_S.field()
+    transfer_tokens_per_s: float = reg.ROUTER_TRANSFER_TOKENS_PER_S.field()
     # Admission per worker (router/admission.py; 0 turns a check off): beyond these, 429 + Retry-After.
-    admit_max_waiting: int = 64  # decode worker: waiting requests + those sent since its last snapshot
-    admit_max_queued_prefill_tokens: int = 32768  # any worker: prompt tokens queued for prefill (a floor ...)
-    admit_queue_seconds: float = 2.0  # ... raised to what the worker prefills in this long (its measured rate)
+    admit_max_waiting: int = reg.ROUTER_ADMIT_MAX_WAITING.field()
+    admit_max_queued_prefill_tokens: int = reg.ROUTER_ADMIT_MAX_QUEUED_PREFILL_TOKENS.field()
+    admit_queue_seconds: float = reg.ROUTER_ADMIT_QUEUE_SECONDS.field()
     # Worker health (router/pool.py): a slow poll only makes a worker stale; down needs proof or silence.
-    poll_interval_s: float = 0.25  # also how fresh the load that admission and routing read is
-    poll_timeout_s: float = 2.0
-    down_after_failures: int = 3  # polls failed in a row ...
-    down_after_s: float = 5.0  # ... and nothing heard from the worker (polls, stream events) for this long
+    poll_interval_s: float = reg.ROUTER_POLL_INTERVAL_S.field()
+    poll_timeout_s: float = reg.ROUTER_POLL_TIMEOUT_S.field()
+    down_after_failures: int = reg.ROUTER_DOWN_AFTER_FAILURES.field()
+    down_after_s: float = reg.ROUTER_DOWN_AFTER_S.field()
     # Upstream deadlines.
-    connect_timeout_s: float = 3.0
-    first_token_timeout_s: float = 300.0
-    inter_token_timeout_s: float = 120.0
-    redis_timeout_s: float = 0.2
-    # A stream whose decode worker is lost continues on another one (router/migration.py), at most this many
-    # times per choice; a continuation waits this long for a decode worker to be ready (they may be restarting).
-    migration_limit: int = 3
-    migration_wait_s: float = 30.0
+    connect_timeout_s: float = reg.ROUTER_CONNECT_TIMEOUT_S.field()
+    first_token_timeout_s: float = reg.ROUTER_FIRST_TOKEN_TIMEOUT_S.field()
+    inter_token_timeout_s: float = reg.ROUTER_INTER_TOKEN_TIMEOUT_S.field()
+    redis_timeout_s: float = reg.ROUTER_REDIS_TIMEOUT_S.field()
+    # A stream whose decode worker is lost continues on another one (router/migration.py).
+    migration_limit: int = reg.ROUTER_MIGRATION_LIMIT.field()
+    migration_wait_s: float = reg.ROUTER_MIGRATION_WAIT_S.field()
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> RouterOptions:
-        env = os.environ if environ is None else environ
-        opts = cls()
-        for f in fields(cls):
-            raw = env.get(_ENV_PREFIX + f.name.upper())
-            if raw:
-                setattr(opts, f.name, type(getattr(opts, f.name))(raw))
-        return opts
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> RouterOptions:
+        return cls(**reg.read_fields(cls, environ))

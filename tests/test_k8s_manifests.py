@@ -11,7 +11,6 @@ against the real FastAPI apps.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 import ipaddress
@@ -100,9 +99,9 @@ def contract() -> dict:
         if line.lstrip().startswith("|") and cells and not set(cells[0]) <= set("- "):
             env_vars.update(re.findall(r"`(KVFERRY_[A-Z0-9_]+)`", cells[0]))
     assert "KVFERRY_MODEL" in env_vars, "could not parse the env-var table"
-    # "Router-only tuning knobs are `KVFERRY_ROUTER_<NAME>` / `--<name>` (listed in `router/settings.py`)"
-    router_settings = importlib.import_module("router.settings")
-    env_vars.update(f"KVFERRY_ROUTER_{f.name.upper()}" for f in dataclasses.fields(router_settings.RouterOptions))
+    # Listed there too, but never set in a deployment: kvferry's own hand-downs and the test hooks.
+    registry = importlib.import_module("common.settings_registry").REGISTRY
+    env_vars -= {name for name, s in registry.items() if s.kind in ("internal", "test")}
 
     routes = _section(text, "Worker HTTP routes")
     get_routes = set(re.findall(r"`GET (/[^`\s]*)`", routes))

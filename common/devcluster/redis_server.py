@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from common.devcluster.process import ClusterError, ManagedProcess
+from common.settings_registry import REDIS_PASSWORD
 
 __all__ = ["INSTALL_HINT", "redis_server", "start_redis_server", "wait_redis"]
 
@@ -29,7 +30,7 @@ def redis_server(port: int, log_path: Path, env: dict[str, str] | None = None) -
         raise ClusterError(INSTALL_HINT)
     env = dict(os.environ) if env is None else env
     argv = [binary]
-    password = env.get("KVFERRY_REDIS_PASSWORD")
+    password = REDIS_PASSWORD.read(env)
     if password:
         conf = log_path.with_suffix(".conf")
         conf.touch(mode=0o600)
@@ -48,7 +49,7 @@ def wait_redis(part: ManagedProcess, timeout_s: float = 10.0) -> None:
     import redis
 
     assert part.url is not None
-    password = part.env.get("KVFERRY_REDIS_PASSWORD") or None
+    password = REDIS_PASSWORD.read(part.env)
     r = redis.Redis.from_url(part.url, password=password, socket_connect_timeout=0.2, socket_timeout=0.5)
     deadline = time.monotonic() + timeout_s
     try:

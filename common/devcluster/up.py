@@ -4,15 +4,14 @@ that exits is restarted with back-off (common/devcluster/supervisor.py) while th
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import time
 
-from common.default_model import DEFAULT_MODEL_NAME
 from common.devcluster.cluster import LocalCluster, start_local_cluster
 from common.devcluster.process import ClusterError
 from common.devcluster.supervisor import Supervisor
+from common.settings_registry import API_KEY, MODEL
 
 __all__ = ["main"]
 
@@ -26,9 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mixed", type=int, default=0, help="mixed workers: decode, and prefill for peers (default 0)")
     p.add_argument("--port", type=int, default=8000, help="router port (default 8000)")
     p.add_argument("--host", default="127.0.0.1", help="router address (0.0.0.0 to serve the network)")
-    p.add_argument("--model", default=os.environ.get("KVFERRY_MODEL", DEFAULT_MODEL_NAME))
+    p.add_argument("--model", default=MODEL.read())
     p.add_argument("--redis-url", help="use this Redis instead of starting redis-server")
-    p.add_argument("--api-key", default=os.environ.get("KVFERRY_API_KEY"), help="require this bearer token")
+    p.add_argument("--api-key", default=API_KEY.read(), help="require this bearer token")
     p.add_argument("--log-dir", help="where the parts write their logs (default: a temp dir)")
     args = p.parse_args(argv)
 

@@ -33,6 +33,7 @@ from common.engine.tp_ranks import (
 )
 from common.log import setup_logging
 from common.settings import RunnerConfig
+from common.settings_registry import HANG_DUMP_S, TORCH_THREADS, TP_PARENT
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -55,11 +56,11 @@ class Follower:
         channel's path) and builds this rank's model and pool."""
         setup_logging()
         faulthandler.enable()
-        if os.environ.get("KVFERRY_HANG_DUMP_S"):  # diagnosing a stuck rank: print every thread's stack then
-            faulthandler.dump_traceback_later(float(os.environ["KVFERRY_HANG_DUMP_S"]), exit=True)
-        parent = int(os.environ.get("KVFERRY_TP_PARENT", os.getppid()))
+        if HANG_DUMP_S.read() > 0:  # diagnosing a stuck rank: print every thread's stack then exit
+            faulthandler.dump_traceback_later(HANG_DUMP_S.read(), exit=True)
+        parent = TP_PARENT.read() or os.getppid()
         threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True, name="tp-parent-watch").start()
-        torch.set_num_threads(max(1, int(os.environ.get("KVFERRY_TORCH_THREADS", "1"))))
+        torch.set_num_threads(max(1, TORCH_THREADS.read()))
         spec = dict(spec)
         # Mapped before the model is built: rank 0 unlinks the file once every rank answers READY.
         channel = StepChannel(str(spec.pop("tp_steps")), int(spec["tp_size"]), STEP_CHANNEL_WORDS, create=False)

@@ -35,6 +35,7 @@ from common.engine.step_channel import StepChannel
 from common.engine.tp import TPGroup, TPShard, tp_backend
 from common.kv.pool import KVLayout
 from common.net import free_port
+from common.settings_registry import TORCH_THREADS, TP_PARENT
 
 if TYPE_CHECKING:
     from common.settings import RunnerConfig
@@ -144,7 +145,7 @@ class TPFollowers:
         procs = []
         for rank in range(1, size):
             spec = {**asdict(cfg), "tp_rank": rank, "tp_port": port, "tp_shm": shm_prefix, "tp_steps": channel.path}
-            env = {**os.environ, "KVFERRY_TORCH_THREADS": str(threads), "KVFERRY_TP_PARENT": str(os.getpid())}
+            env = {**os.environ, TORCH_THREADS.name: str(threads), TP_PARENT.name: str(os.getpid())}
             argv = [sys.executable, "-m", cfg.tp_follower_main, json.dumps(spec)]
             procs.append(subprocess.Popen(argv, env=env))
         backend = tp_backend(cfg)

@@ -12,38 +12,29 @@ Plain settings, no redis import: common/config.py carries them to the router and
 
 from __future__ import annotations
 
-import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from common import settings_registry as reg
+
 __all__ = ["DEFAULT_KEY_PREFIX", "RedisAccess"]
 
-DEFAULT_KEY_PREFIX = "kvf"
+DEFAULT_KEY_PREFIX = reg.REDIS_PREFIX.default
 
 
 @dataclass(frozen=True)
 class RedisAccess:
-    password: str | None = None
-    username: str | None = None
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    key_prefix: str = DEFAULT_KEY_PREFIX
+    password: str | None = reg.REDIS_PASSWORD.field()
+    username: str | None = reg.REDIS_USERNAME.field()
+    tls_ca: str | None = reg.REDIS_TLS_CA.field()
+    tls_cert: str | None = reg.REDIS_TLS_CERT.field()
+    tls_key: str | None = reg.REDIS_TLS_KEY.field()
+    key_prefix: str = reg.REDIS_PREFIX.field()
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> RedisAccess:
-        env = os.environ if environ is None else environ
-        prefix = env.get("KVFERRY_REDIS_PREFIX", "").strip() or DEFAULT_KEY_PREFIX
-        if any(c.isspace() for c in prefix):
-            raise ValueError(f"KVFERRY_REDIS_PREFIX must not contain spaces: {prefix!r}")
-        return cls(
-            password=env.get("KVFERRY_REDIS_PASSWORD") or None,
-            username=env.get("KVFERRY_REDIS_USERNAME") or None,
-            tls_ca=env.get("KVFERRY_REDIS_TLS_CA") or None,
-            tls_cert=env.get("KVFERRY_REDIS_TLS_CERT") or None,
-            tls_key=env.get("KVFERRY_REDIS_TLS_KEY") or None,
-            key_prefix=prefix,
-        )
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> RedisAccess:
+        return cls(**reg.read_fields(cls, environ))
 
     def client_kwargs(self, url: str) -> dict[str, Any]:
         """Keyword arguments for redis-py's ``from_url(url, ...)`` (credentials in the URL take precedence:

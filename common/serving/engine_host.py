@@ -29,6 +29,7 @@ from common.sched.scheduler import DuplicateRequest, RequestRejected, Scheduler,
 from common.serving import tp_follower
 from common.serving.channel import Message, recv, send
 from common.serving.prefill_rate import PrefillRate
+from common.settings_registry import DEBUG_CHECKSUMS, TORCH_THREADS
 from common.transfer.agent import KVTransferAgent
 
 log = logging.getLogger("kvferry.engine")
@@ -97,7 +98,7 @@ class EngineHost:
         self.stopping = False
         self._last_load = 0.0
         self.prefill_rate = PrefillRate()
-        self.debug_checksums = os.environ.get("KVFERRY_DEBUG_CHECKSUMS") == "1"
+        self.debug_checksums = DEBUG_CHECKSUMS.read()
         # Observability (common/serving/engine_metrics.py): per-request stage stamps, sent with the request's
         # first-token event; requests queued for a prefill batch, whose admission the step loop stamps; and
         # the decode steps' [seconds, batch size] since the last report.
@@ -373,7 +374,7 @@ def engine_main(host_cls: type[EngineHost], cfg: WorkerConfig, conn: Connection)
     # +260 MB at 64 entries, same req/s; bench/engine_cpu.py 230 vs 231 tok/s). Read at its first use,
     # inherited by tensor-parallel ranks; an operator's own setting wins.
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
-    threads = apply_engine_threads(cfg.runner.device, int(os.environ.get("KVFERRY_TORCH_THREADS", "0")))
+    threads = apply_engine_threads(cfg.runner.device, TORCH_THREADS.read())
     log.info("engine threads", extra={"torch_threads": threads, "device": cfg.runner.device})
     try:
         host_cls(cfg, conn).run()

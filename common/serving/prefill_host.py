@@ -9,7 +9,6 @@ session is terminal, i.e. no posted write can still read them (common/transfer/s
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ from common.sched.scheduler import RequestRejected
 from common.serving.channel import Message
 from common.serving.engine_host import EngineHost
 from common.serving.rank_writes import FollowerWrites
+from common.settings_registry import FAULT_WRITE_DELAY_S
 from common.transfer.agent import PeerError
 from common.transfer.layout import LayoutMismatch
 from common.transfer.sender import KVSender, RequestTransfer, TransferError
@@ -53,9 +53,8 @@ class PrefillHost(EngineHost):
         if self.runner.per_rank_agents:
             assert self.runner.followers is not None
             self.rank_writes = FollowerWrites(self.runner.followers, self.runner.tp.store, self.runner.tp.size)  # type: ignore[arg-type]
-        # Fault injection for tests (unset in production): every write lands this many seconds late.
-        delay = float(os.environ.get("KVFERRY_FAULT_WRITE_DELAY_S") or 0)
-        self.sender = KVSender(self.agent, fault_write_delay_s=delay, ranks=self.rank_writes)
+        # A test hook (fault injection, never set in a deployment): every write lands this many seconds late.
+        self.sender = KVSender(self.agent, fault_write_delay_s=FAULT_WRITE_DELAY_S.read(), ranks=self.rank_writes)
         self.outbound: dict[str, Outbound] = {}
         self.scheduler.on_prefill_chunk = self._on_chunk
         self.scheduler.on_prefill_done = self._on_prefill_done
