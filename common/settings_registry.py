@@ -186,7 +186,7 @@ MODEL = declare(
     "smollm2-135m-instruct",
     "served model: the embedded default's name, a local HF directory, or `dummy:<named config>` (tests)",
     "all",
-    "common/settings.py, common/config.py",
+    "common/settings.py, common/config.py, common/devcluster/up.py",
     shown_default="`smollm2-135m-instruct` (the embedded default)",
     flag=True,
 )
@@ -277,7 +277,7 @@ API_KEY: Setting[str | None] = declare(
     None,
     "require `Authorization: Bearer <key>` on `/v1/*` (and `/debug/*`); unset: no auth",
     "router",
-    "common/config.py",
+    "common/config.py, common/devcluster/up.py",
     flag=True,
 )
 
