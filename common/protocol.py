@@ -219,6 +219,24 @@ class AbortRequest(_Message):
     req_id: str
 
 
+MAX_CANCELS = 1024  # request ids in one CancelTransfers
+
+
+class CancelTransfers(_Message):
+    """Decode -> prefill: these requests' KV is no longer wanted (their decode worker gave them up). The
+    answer says which of them no write can reach any more (``CancelReply``); for the others the prefill
+    engine cancels its writes and its "closed" notice follows once they settled."""
+
+    dst_agent: str
+    dst_instance_id: str
+    req_ids: list[str] = Field(max_length=MAX_CANCELS)
+
+
+class CancelReply(BaseModel):
+    # Never registered here (and now refused if they come), or their session is over: no write follows.
+    settled: list[str]
+
+
 class LoadSnapshot(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["prefill", "decode", "mixed"]
@@ -245,6 +263,7 @@ class LoadSnapshot(BaseModel):
     itl_target_s: float = 0.0  # the ITL the scheduler's steps beside decoding aim at (0: none, or not measured yet)
     prefill_step_tokens_per_s: float = 0.0  # device-timed prefill speed: what a chunk adds to a step (0: unknown)
     decode_step_s: float = 0.0  # recent decode step time, smoothed (0: no decode step yet)
+    live_requests: int = 0  # requests with an open stream on this worker (set by its control plane, not the engine)
 
 
 class ErrorBody(BaseModel):

@@ -11,20 +11,21 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import JSONResponse, Response
 
 from common.config import RouterConfig
 from common.http_guard import RequestLimits
 from common.log import limit_tracebacks
+from common.managed_stream import ManagedStream
 from common.observability.tracing import init_tracing
 from common.settings import HttpLimits
 from router.admission import AdmissionLimits
 from router.cost_model import SloTargets
+from router.disconnect import ClientGone, unless_disconnected
 from router.discovery import Discovery, KubernetesDiscovery, StaticDiscovery
 from router.errors import OpenAIError, install_error_handlers, model_not_found, no_worker
 from router.extra_routes import install_extra_routes
@@ -35,7 +36,8 @@ from router.migration import MIGRATIONS
 from router.openai_api import ChatCompletionRequest, CompletionRequest
 from router.policy import PolicyConfig, RoutingPolicy
 from router.pool import WorkerPool
-from router.service import Job, RouterService, RunningChoice
+from router.responses import SSE_HEADERS
+from router.service import Job, RouterService
 from router.settings import RouterOptions
 from router.timeline import RequestLog
 from router.tokenizer import ModelInfo, RouterTokenizer, load_tokenizer
@@ -45,56 +47,6 @@ from router.wire import WireClient
 log = logging.getLogger("kvferry.router")
 
 __all__ = ["create_app"]
-
-T = TypeVar("T")
-
-
-class _ClientGone(Exception):
-    pass
-
-
-class _ManagedStream(StreamingResponse):
-    """A StreamingResponse that always runs ``on_close`` (upstream streams closed, admission released),
-    even when the client vanished before the body iterator was ever started."""
-
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]) -> None:
-        super().__init__(
-            content,
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self._on_close()
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Runs ``work`` but gives up (cancelling it, which closes its upstream streams) if the client
-    disconnects first: a non-streaming client that hangs up must not keep workers generating."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        raise _ClientGone()
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
 
 
 def placement_inputs(pool: WorkerPool, policy: RoutingPolicy) -> dict[str, Any]:
@@ -253,19 +205,19 @@ def create_app(
         try:
             if not info.serves(req.model):
                 raise model_not_found(req.model or "")
-            service.admit()
+            ticket = service.admit()
         except OpenAIError as exc:
             rec.finish(exc.status, "rejected")
             raise
         handed_off = False
-        choices: list[RunningChoice] = []
+        job: Job | None = None
         try:
             job = await prepare(req)
             job.record = rec
             rec.prepared(job.rid, sum(len(p) for p in job.prompts))
             if not pool.decoders():
                 raise no_worker("decode")
-            choices = await _unless_disconnected(request, service.start(job))
+            choices = await unless_disconnected(request, service.start(job))
             rec.first_token(choices)
             if req.stream:
                 body = service.stream(job, choices)
@@ -273,18 +225,18 @@ def create_app(
                 async def on_close() -> None:
                     try:
                         await body.aclose()
-                        await service.close(choices)
                     finally:
-                        service.release()
+                        await service.close(choices)
+                        service.release(ticket)
                         rec.finish_choices(200, choices)
 
                 handed_off = True
-                return _ManagedStream(body, on_close)
-            result = await _unless_disconnected(request, service.collect(job, choices))
+                return ManagedStream(body, on_close, "text/event-stream", SSE_HEADERS)
+            result = await unless_disconnected(request, service.collect(job, choices))
             rec.finish_choices(200, choices)
             return JSONResponse(result)
-        except _ClientGone:
-            rec.finish_choices(499, choices, client_gone=True)
+        except ClientGone:
+            rec.finish_choices(499, job.choices if job is not None else [], client_gone=True)
             return Response(status_code=499)
         except OpenAIError as exc:
             rec.finish(exc.status, "rejected")
@@ -295,9 +247,12 @@ def create_app(
         finally:
             if not handed_off:
                 rec.finish(499, "abort")  # cancelled (a no-op when counted above)
-                with anyio.CancelScope(shield=True):
-                    await service.close(choices)
-                service.release()
+                try:
+                    if job is not None:
+                        with anyio.CancelScope(shield=True):
+                            await service.close(job.choices)
+                finally:
+                    service.release(ticket)
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Response:

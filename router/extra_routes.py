@@ -14,13 +14,17 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
+import anyio
 import orjson
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
 from pydantic import Field, ValidationError, field_validator
 
+from common.managed_stream import ManagedStream
+from router.disconnect import ClientGone, unless_disconnected
 from router.errors import bad_request, model_not_found, no_worker, upstream_failed
 from router.openai_api import ChatCompletionRequest, _Lenient, _RefusesUnsupported
+from router.responses import SSE_HEADERS
 from router.service import Job, RouterService, RunningChoice
 from router.tools import ToolCall, finish_reason_with_calls, parse_tool_calls
 
@@ -241,7 +245,7 @@ def install_extra_routes(app: FastAPI, state: dict[str, Any]) -> None:
     """Adds /v1/responses, /tokenize and /detokenize to the router's app (`state` holds its service and pool)."""
 
     @app.post("/v1/responses")
-    async def responses(body: ResponsesRequest) -> Response:
+    async def responses(request: Request, body: ResponsesRequest) -> Response:
         service: RouterService = state["service"]
         if not service.model.serves(body.model):
             raise model_not_found(body.model or "")
@@ -254,40 +258,42 @@ def install_extra_routes(app: FastAPI, state: dict[str, Any]) -> None:
             raise bad_request(f"input: {loc + ': ' if loc else ''}{msg}", "input") from None
         except ValueError as e:
             raise bad_request(str(e), "input") from None
-        service.admit()
+        ticket = service.admit()
         handed_off = False
-        choices: list[RunningChoice] = []
+        job: Job | None = None
         try:
             job = await service.prepare_chat(chat)
             if not state["pool"].decoders():
                 raise no_worker("decode")
             shape = _ResponseShape(body, chat, job.model)
-            choices = await service.start(job)
+            choices = await unless_disconnected(request, service.start(job))
             if body.stream:
                 stream = _stream_events(service, job, choices, shape)
 
-                async def events() -> AsyncIterator[bytes]:
+                async def on_close() -> None:
                     try:
-                        async for piece in stream:
-                            yield piece
-                    finally:
                         await stream.aclose()
+                    finally:
                         await service.close(choices)
-                        service.release()
+                        service.release(ticket)
 
                 handed_off = True
-                return StreamingResponse(
-                    events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-                )
-            result = await service.collect(job, choices)
+                return ManagedStream(stream, on_close, "text/event-stream", SSE_HEADERS)
+            result = await unless_disconnected(request, service.collect(job, choices))
             text = "".join(t for c in choices for t in c.text)
             output, reason = shape.output(text, choices[0].state.finish_reason)
             status = "incomplete" if result["choices"][0]["finish_reason"] == "length" else "completed"
             return JSONResponse(shape.envelope(status, output, _usage(job, choices), reason))
+        except ClientGone:
+            return Response(status_code=499)
         finally:
             if not handed_off:
-                await service.close(choices)
-                service.release()
+                try:
+                    if job is not None:
+                        with anyio.CancelScope(shield=True):
+                            await service.close(job.choices)
+                finally:
+                    service.release(ticket)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

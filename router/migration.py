@@ -101,6 +101,11 @@ class MigratingCall:
         self._closed = True
         await self.leg.aclose()
 
+    def abandon(self) -> None:
+        """Ends the choice at once, holding nothing (UpstreamCall.abandon)."""
+        self._closed = True
+        self.leg.abandon()
+
     # ---- the seam --------------------------------------------------------------------------------------
     def _count(self, outcome: str) -> None:
         setattr(MIGRATIONS, outcome, getattr(MIGRATIONS, outcome) + 1)

@@ -18,7 +18,8 @@ Declaring a worker down wakes every request still waiting on it (``Watched.kill`
 at once instead of waiting out their deadlines.
 
 In-flight counts are the router's own view, fresher than the polled ``/load`` figures (routing and
-router/admission.py use both).
+router/admission.py use both): derived from the set of calls holding each worker, and corrected by the
+worker's own count of live requests, so a call the worker no longer knows of stops counting at the next poll.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ __all__ = ["Watched", "Worker", "WorkerPool", "parse_load"]
 ROLES = ("prefill", "decode", "mixed")
 DECODE_ROLES = frozenset({"decode", "mixed"})  # take /internal/generate
 PREFILL_ROLES = frozenset({"prefill", "mixed"})  # take /internal/prefill for a peer's pages
+# A call sent up to this long before a poll may not have reached the worker when it answered.
+RECONCILE_GRACE_S = 1.0
 
 
 class Watched(Protocol):
@@ -70,6 +73,7 @@ class Load:
     prefill_step_tokens_per_s: float = 0.0  # device-timed prefill speed (0: not reported)
     decode_step_s: float = 0.0  # recent decode step time (0: not reported)
     itl_target_s: float = 0.0  # the ITL its steps beside decoding aim at (0: none, or not reported)
+    live_requests: int | None = None  # requests the worker has open (engine or stream); None: not reported
 
 
 def parse_load(data: Any) -> Load:
@@ -101,6 +105,7 @@ def parse_load(data: Any) -> Load:
         prefill_step_tokens_per_s=rate("prefill_step_tokens_per_s"),
         decode_step_s=rate("decode_step_s"),
         itl_target_s=rate("itl_target_s"),
+        live_requests=num("live_requests") if "live_requests" in data else None,
     )
 
 
@@ -116,11 +121,38 @@ class Worker:
     last_ok: float = 0.0  # monotonic time of the last good poll
     last_seen: float = 0.0  # ... or of the last event read from one of its streams (set by router/upstream.py)
     last_error: str = ""
-    inflight_requests: int = 0
-    inflight_tokens: int = 0  # prefill: prompt tokens sent and not yet started (first token unseen)
-    watchers: set[Watched] = field(default_factory=set)
+    # The calls that hold this worker now, each with the monotonic time it was sent here: as decode worker
+    # (until the call is closed) and as prefill worker (until its first token, with its prompt tokens).
+    # Counts are derived from these, so a call is counted only while it holds the worker (router/upstream.py
+    # removes it on every way a call ends, without waiting on anything).
+    decoding: dict[Watched, float] = field(default_factory=dict)
+    prefilling: dict[Watched, tuple[float, int]] = field(default_factory=dict)
+    load_asked: float = 0.0  # monotonic time the poll that brought ``load`` was sent
     task: asyncio.Task[None] | None = None
     removed: bool = False
+
+    @property
+    def watchers(self) -> list[Watched]:
+        return [*self.decoding, *self.prefilling]
+
+    @property
+    def inflight_requests(self) -> int:
+        """The requests this router has open on the worker, corrected by the worker's own count of its live
+        requests (``live_requests`` in /load): calls sent before the poll that the worker does not count hold
+        nothing there, so whatever its cause a drift cannot keep a worker looking full past one poll."""
+        mine = len(self.decoding) + len(self.prefilling)
+        load = self.load
+        if load is None or load.live_requests is None:
+            return mine
+        since = self.load_asked - RECONCILE_GRACE_S
+        recent = sum(1 for t in self.decoding.values() if t >= since)
+        recent += sum(1 for t, _ in self.prefilling.values() if t >= since)
+        return min(mine, load.live_requests + recent)
+
+    @property
+    def inflight_tokens(self) -> int:
+        """Prompt tokens sent to this worker for prefill whose first token has not come back yet."""
+        return sum(tokens for _, tokens in self.prefilling.values())
 
     def prefill_candidate(self) -> PrefillCandidate:
         load = self.load
@@ -226,6 +258,7 @@ class WorkerPool:
             await asyncio.sleep(self.poll_interval_s)
 
     async def poll(self, w: Worker) -> None:
+        asked = time.monotonic()
         try:
             status, body = await self.client.get_json_body(f"{w.url}/load", self.poll_timeout_s)
             if status != 200:
@@ -241,13 +274,14 @@ class WorkerPool:
         except Exception as exc:  # timeouts, resets, garbage: slow or sick, not proven dead
             self.report_failure(w, f"{type(exc).__name__}: {exc}")
             return
-        self.report_load(w, load)
+        self.report_load(w, load, asked)
 
-    def report_load(self, w: Worker, load: Load) -> None:
+    def report_load(self, w: Worker, load: Load, asked: float | None = None) -> None:
         if load.role != w.role:
             self.report_failure(w, f"is a {load.role} worker, listed as {w.role}", hard=True)
             return
         w.load = load
+        w.load_asked = time.monotonic() if asked is None else asked
         w.pod = load.pod
         w.failures = 0
         w.stale = False

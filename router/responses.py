@@ -26,6 +26,7 @@ __all__ = [
 ]
 
 SSE_DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of a stream
 
 
 def sse(obj: dict[str, Any]) -> bytes:

@@ -65,6 +65,15 @@ class Job:
     top_logprobs: int
     include_usage: bool
     record: RequestRecord | None = None  # timeline, trace and metrics of the request (router/timeline.py)
+    # Every choice started for this request, registered before its first await: whoever owns the job closes
+    # these when the request ends, whether or not ``RouterService.start`` got to return them.
+    choices: list[RunningChoice] = field(default_factory=list)
+
+
+class Admission:
+    """One admitted request (an identity: the live set of these is the router's in-flight count)."""
+
+    __slots__ = ()
 
 
 @dataclass
@@ -89,19 +98,27 @@ class RouterService:
         self.model = model
         self.dispatcher = dispatcher
         self.opts = opts
-        self.inflight = 0
+        self._admitted: set[Admission] = set()
 
     # ---- admission ---------------------------------------------------------------------------------
-    def admit(self) -> None:
+    @property
+    def inflight(self) -> int:
+        """Requests admitted and not yet released: counted from the live admissions, never a sum of +1/-1."""
+        return len(self._admitted)
+
+    def admit(self) -> Admission:
         if self.inflight >= self.opts.max_inflight:
             raise rate_limited(
                 f"The router is at its limit of {self.opts.max_inflight} concurrent requests; retry shortly.",
                 self.opts.retry_after_s,
             )
-        self.inflight += 1
+        ticket = Admission()
+        self._admitted.add(ticket)
+        return ticket
 
-    def release(self) -> None:
-        self.inflight -= 1
+    def release(self, ticket: Admission) -> None:
+        """Idempotent: the request's ticket leaves the live set (a second release is a no-op)."""
+        self._admitted.discard(ticket)
 
     # ---- preparing -----------------------------------------------------------------------------------
     async def prepare_chat(self, req: ChatCompletionRequest) -> Job:
@@ -194,7 +211,7 @@ class RouterService:
         plans = [await self.dispatcher.plan(ids) for ids in job.prompts]
         for plan in plans:
             plan.record = job.record
-        choices: list[RunningChoice] = []
+        choices = job.choices
         context_ok = self.tok.needs_context
         for p_idx, plan in enumerate(plans):
             for i in range(job.n):
@@ -226,8 +243,14 @@ class RouterService:
         return choices
 
     async def close(self, choices: list[RunningChoice]) -> None:
-        for c in choices:
-            await c.call.aclose()
+        """Closes the choices' upstream calls (a finished stream's connection goes back to the pool). However
+        this is interrupted, every call ends up abandoned: nothing held, its upstream connection closed."""
+        try:
+            for c in choices:
+                await c.call.aclose()
+        finally:
+            for c in choices:
+                c.call.abandon()
 
     async def _drive(self, c: RunningChoice) -> AsyncIterator[list[ChoiceDelta]]:
         """Feeds one choice's events through its state until it finishes, in batches: one awaited

@@ -201,7 +201,6 @@ class UpstreamCall:
         self.attempts = 0
         self._decode: Worker | None = None
         self._prefill: Worker | None = None
-        self._prefill_tokens = 0
         self._resp: Response | None = None
         self._streaming_resp: Response | None = None  # the generate response once its status was 200
         self._deadline: asyncio.Timeout | None = None
@@ -262,15 +261,14 @@ class UpstreamCall:
         pw = pool.workers.get(decision.prefill) if decision.prefill else None
         if dw is None:
             raise _Retry(no_worker("decode"), True, False)
+        if self._closed:  # closed while it was being started (its owner is gone): hold nothing anywhere
+            raise upstream_failed("the request was closed before it was sent")
         self._killed = None
         self._decode, self._prefill = dw, pw
-        dw.inflight_requests += 1
-        dw.watchers.add(self)
+        now = time.monotonic()
+        dw.decoding[self] = now
         if pw is not None:
-            self._prefill_tokens = len(self.plan.token_ids) - decision.prefill_matched_tokens
-            pw.inflight_requests += 1
-            pw.inflight_tokens += self._prefill_tokens
-            pw.watchers.add(self)
+            pw.prefilling[self] = (now, len(self.plan.token_ids) - decision.prefill_matched_tokens)
         # Remember the placement before the worker publishes it (router/locality.py says why).
         self.d.locator.placed((pw or dw).pod, self.plan.block_hashes)
         body = GenerateRequest(
@@ -293,6 +291,9 @@ class UpstreamCall:
                     deadline.reschedule(asyncio.get_running_loop().time())
                 url = f"{dw.url}/internal/generate"
                 self._resp = resp = await self.d.client.request("POST", url, body.encode(), headers=headers)
+                if self._closed:  # abandoned while the request was under way: the response has no reader
+                    self.abandon()
+                    raise upstream_failed("the request was closed")
                 if resp.status != 200:
                     await self._status_error(resp, dw)
                 self._streaming_resp = resp
@@ -441,40 +442,52 @@ class UpstreamCall:
 
     def _prefill_started(self) -> None:
         """First token seen: the prefill pod's part is over (its load and failures stop mattering)."""
-        pw = self._prefill
+        pw, self._prefill = self._prefill, None
         if pw is not None:
-            pw.inflight_requests -= 1
-            pw.inflight_tokens -= self._prefill_tokens
-            pw.watchers.discard(self)
-            self._prefill = None
-            self._prefill_tokens = 0
+            pw.prefilling.pop(self, None)
 
-    async def _release(self) -> None:
+    def _let_go(self) -> Response | None:
+        """Drops everything this call holds in the pool, at once (no await: no cancellation can come
+        between); returns the upstream response still to be closed, if any."""
         self._prefill_started()
         dw, self._decode = self._decode, None
         if dw is not None:
-            dw.inflight_requests -= 1
-            dw.watchers.discard(self)
-        streaming, self._streaming_resp = self._streaming_resp, None
+            dw.decoding.pop(self, None)
+        self._streaming_resp = None
         resp, self._resp = self._resp, None
-        if streaming is not None and self._worker_finished and not streaming.ended:
-            # A finished stream has only its terminating chunk left: read it, so the connection goes
-            # back to the pool instead of being torn down (a new TCP connection per request costs more
-            # than everything else the router does). Otherwise closing the stream early is the abort
-            # signal for the workers.
-            with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
-                try:
-                    await streaming.read()
-                except WireError:
-                    pass
+        return resp
+
+    async def _release(self) -> None:
+        finished = self._worker_finished
+        resp = self._let_go()
+        if resp is None:
+            return
+        try:
+            if finished and not resp.ended:
+                # A finished stream has only its terminating chunk left: read it, so the connection goes
+                # back to the pool instead of being torn down (a new TCP connection per request costs more
+                # than everything else the router does).
+                with anyio.move_on_after(1.0):
+                    try:
+                        await resp.read()
+                    except WireError:
+                        pass
+        finally:
+            # Closing an unfinished stream is the abort signal for the workers; it never waits, so even a
+            # cancelled read above cannot leave the worker generating for nobody.
+            resp.close()
+
+    def abandon(self) -> None:
+        """Ends the call without waiting for anything: nothing held, the upstream stream closed (which the
+        decode worker takes as an abort). Idempotent; what every way a request ends comes down to."""
+        self._closed = True
+        resp = self._let_go()
         if resp is not None:
-            # Shielded: this runs while the client's disconnect cancels us, and an interrupted close
-            # would leave the worker generating for nobody.
-            with anyio.CancelScope(shield=True):
-                await resp.aclose()
+            resp.close()
 
     async def aclose(self) -> None:
         if self._closed:
+            self.abandon()  # a no-op unless a concurrent start() got further meanwhile
             return
         self._closed = True
         await self._release()

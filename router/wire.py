@@ -178,8 +178,12 @@ class Response:
         return out
 
     async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
         """Returns the connection to the pool if the body was read to its end, else closes it (for a
-        generate stream that is the abort signal to the worker)."""
+        generate stream that is the abort signal to the worker). Never waits, so no cancellation can
+        interrupt it."""
         conn, self._conn = self._conn, None
         if conn is None:
             return

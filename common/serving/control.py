@@ -201,7 +201,9 @@ class WorkerState:
         self.load: LoadSnapshot | None = None
         self.accepted = AcceptedWork(cfg.runner.page_size)  # what the engine took in since `load` was taken
         self.draining = False
-        self.inflight = 0
+        # Request ids with an open stream here (generate or prefill), from arrival until the stream ends however
+        # it ends; reported as ``live_requests`` in /load, which the router reconciles its own counts with.
+        self.live: set[str] = set()
         self.proc: mp.process.BaseProcess | None = None
         self.client: EngineClient | None = None
         self.event_handlers: dict[str, Callable[[Message], None]] = {
@@ -217,6 +219,10 @@ class WorkerState:
     @property
     def ready(self) -> bool:
         return self.engine_ready.is_set() and not self.draining and self.alive
+
+    @property
+    def inflight(self) -> int:
+        return len(self.live)
 
     @property
     def alive(self) -> bool:
@@ -323,7 +329,12 @@ class WorkerState:
                 ready=False,
             )
         )
-        update = {"ready": self.ready, "draining": self.draining, "max_running": self.cfg.runner.max_running}
+        update = {
+            "ready": self.ready,
+            "draining": self.draining,
+            "max_running": self.cfg.runner.max_running,
+            "live_requests": len(self.live),
+        }
         return base.model_copy(update=update)
 
 
@@ -557,6 +568,8 @@ ENGINE_ERROR_STATUS = {
     # The id is live on this worker already: a resent delivery of the same request (router/upstream.py
     # retries under a new id) or a caller's bug; either way not this body's fault, hence not 400.
     "duplicate_request": 409,
+    # A prefill for a request its decode worker had already cancelled (prefill_host.py): refused, nothing registered.
+    "cancelled": 410,
 }
 
 

@@ -4,8 +4,9 @@ One request's transfer here (states in common/transfer/session.py): `generate` q
 reserves its pages (session "reserved") and hands the page ids to the control plane, which may send them to
 the prefill peer only after `prefill_sending` moved the session to "requested". The peer's notice ends it
 (`tick`): "landed" admits the request into the running batch. A request given up on before that keeps its
-pages (`held`) until its peer confirms that no write follows, or is known gone (`peer_gone`); the control
-plane watches the peers listed in the "awaiting_peers" event.
+pages (`held`) until its peer confirms that no write follows (its "closed" notice, or its answer to the
+cancel the control plane sends it: `transfers_settled`), or is known gone (`peer_gone`); the control plane
+cancels with, and watches, the peers listed in the "awaiting_peers" event.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class DecodeHost(EngineHost):
         # Given-up requests whose pages a prefill peer may still write: freed when their session ends.
         self.held: dict[str, Req] = {}
         self.scheduler.on_kv_abandoned = self._on_kv_abandoned
-        self.awaited: set[tuple[str, str]] = set()  # last "awaiting_peers" sent to the control plane
+        self.awaited: dict[tuple[str, str], list[str]] = {}  # last "awaiting_peers" sent to the control plane
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self.remote) or bool(self.held)
@@ -66,6 +67,9 @@ class DecodeHost(EngineHost):
             self._prefill_failed(msg["req_id"], str(msg.get("error", "prefill failed")), bool(msg.get("started")))
         elif op == "peer_gone":  # cast
             self._peer_gone(str(msg["peer"]), str(msg["peer_instance"]))
+        elif op == "transfers_settled":  # cast: the peer's answer to a cancel (decode_routes.PeerWatch)
+            for rid in self.receiver.settled(str(msg["peer"]), str(msg["peer_instance"]), list(msg["req_ids"])):
+                self._release_held(rid)
         else:
             self.reject(msg, f"unknown op {op!r}", "invalid_request")
 
@@ -153,7 +157,8 @@ class DecodeHost(EngineHost):
         awaited = self.receiver.awaited_peers()
         if awaited != self.awaited:
             self.awaited = awaited
-            self.outbox.append({"ev": "awaiting_peers", "peers": sorted(awaited)})
+            peers = [[agent, instance, rids] for (agent, instance), rids in sorted(awaited.items())]
+            self.outbox.append({"ev": "awaiting_peers", "peers": peers})
 
     def _on_arrival(self, a: Arrival) -> None:
         if a.kind == "released":

@@ -4,8 +4,9 @@ For a request with a prefill peer, the engine reserves pages; this side then han
 (once per peer instance), asks the engine's leave to send the page ids (`prefill_sending`: never for a
 request given up meanwhile), and holds the peer's `/internal/prefill` stream open until the KV has landed.
 How that ends decides what the engine may do with the pages: a refusal (the peer registered nothing) frees
-them at once; anything after the peer may have started leaves them held until the peer's "closed" notice,
-or until `PeerWatch` finds the peer's agent instance gone (common/transfer/session.py).
+them at once; anything after the peer may have started leaves them held until the peer settles them: its
+"closed" notice, or its answer to the cancel `PeerWatch` sends it (never registered there, and refused from
+then on), or `PeerWatch` finding the peer's agent instance gone (common/transfer/session.py).
 """
 
 from __future__ import annotations
@@ -19,10 +20,14 @@ from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
+from common.managed_stream import ManagedStream
 from common.protocol import (
+    MAX_CANCELS,
     AbortRequest,
+    CancelReply,
+    CancelTransfers,
     GenerateRequest,
     HandshakeRequest,
     HandshakeResponse,
@@ -46,8 +51,8 @@ PREFILL_HEAD_S = 45.0  # the peer's answer to the prefill request: its engine ca
 PREFILL_DEADLINE_S = 240.0
 PROBE_INTERVAL_S = 0.5  # how often a peer that may still write into given-up pages is asked whether it lives
 # Answers of a prefill worker that registered nothing (so it writes nothing): bad request, unknown peer
-# (handshake again), queue full, not ready.
-REFUSALS = frozenset({400, 409, 429, 503})
+# (handshake again), cancelled before it arrived, queue full, not ready.
+REFUSALS = frozenset({400, 409, 410, 429, 503})
 
 
 class PeerFailure(RuntimeError):
@@ -98,30 +103,56 @@ class PrefillPeers:
 
 @dataclass
 class PeerWatch:
-    """Asks the prefill peers that may still write into given-up pages whether they live; one that refuses
-    connections, runs another agent instance, or has lost its engine is gone, and the engine is told so.
-    A peer that does not answer (frozen, partitioned) is not known gone: its pages stay held."""
+    """Settles the requests this worker gave up while a prefill peer may still write into their pages. Each
+    such peer is sent a cancel for them (``/internal/cancel``), which it answers with those no write of it
+    can reach any more (never registered there, now refused; or over); the others it aborts, and its
+    "closed" notice settles them once their writes did. Asked again every ``PROBE_INTERVAL_S`` until each is
+    settled. A peer that refuses connections, runs another agent instance, or has lost its engine is gone,
+    and the engine is told so. A peer that does not answer (frozen, partitioned) is not known gone: its
+    pages stay held (until the engine's last-resort deadline)."""
 
     state: WorkerState
     peers: PrefillPeers
-    awaited: set[tuple[str, str]] = field(default_factory=set)
+    awaited: dict[tuple[str, str], list[str]] = field(default_factory=dict)
     task: asyncio.Task[None] | None = None
 
     def update(self, msg: Message) -> None:
-        self.awaited = {(str(a), str(i)) for a, i in msg["peers"]}
+        self.awaited = {(str(a), str(i)): [str(r) for r in rids] for a, i, rids in msg["peers"]}
         if self.awaited and (self.task is None or self.task.done()):
             self.task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
         while self.awaited:
-            for agent, instance in list(self.awaited):
+            for (agent, instance), rids in list(self.awaited.items()):
                 url = self.peers.urls.get((agent, instance))
-                if url is not None and await self._gone(url, instance):
+                if url is None:
+                    continue
+                client = self.state.client
+                assert client is not None
+                if await self._gone(url, instance):
                     log.info("prefill peer gone", extra={"peer": agent, "url": url})
-                    self.awaited.discard((agent, instance))
-                    assert self.state.client is not None
-                    self.state.client.cast({"op": "peer_gone", "peer": agent, "peer_instance": instance})
+                    self.awaited.pop((agent, instance), None)
+                    client.cast({"op": "peer_gone", "peer": agent, "peer_instance": instance})
+                    continue
+                settled = await self._cancel(url, rids)
+                if settled:
+                    client.cast(
+                        {"op": "transfers_settled", "peer": agent, "peer_instance": instance, "req_ids": settled}
+                    )
             await asyncio.sleep(PROBE_INTERVAL_S)
+
+    async def _cancel(self, url: str, rids: list[str]) -> list[str]:
+        agent = self.state.agent
+        body = CancelTransfers(
+            dst_agent=agent["agent_name"], dst_instance_id=agent["instance_id"], req_ids=rids[:MAX_CANCELS]
+        )
+        try:
+            r = await self.peers.http.post(f"{url}/internal/cancel", json=body.model_dump(), timeout=5.0)
+            if r.status_code != 200:
+                return []
+            return CancelReply.model_validate(r.json()).settled
+        except (httpx.HTTPError, ValueError):
+            return []  # asked again next round
 
     async def _gone(self, url: str, instance: str) -> bool:
         try:
@@ -256,6 +287,7 @@ def add_decode_routes(app: FastAPI, state: WorkerState) -> None:
             message = f"duplicate request id {gen.req_id!r}"
             return error_response(409, message, "invalid_request_error", "duplicate_request")
         queue = client.open_stream(gen.req_id)
+        state.live.add(gen.req_id)
         remote = gen.prefill_url is not None
         trace = WorkerTrace(
             "decode generate", gen.req_id, request.headers.get("traceparent"), {"kvferry.remote": remote}
@@ -263,6 +295,27 @@ def add_decode_routes(app: FastAPI, state: WorkerState) -> None:
         timeout_s = gen.kv_timeout_s or PREFILL_DEADLINE_S
         if remote:
             reservations[gen.req_id] = asyncio.get_running_loop().create_future()
+        prefill_task: asyncio.Task[None] | None = None
+        finished = False
+        ended = False
+
+        def end(abort: bool) -> None:
+            """Lets go of everything the request holds here, at once (no await: nothing can interrupt it);
+            idempotent. ``abort``: the engine may still hold the request (its caller went away): stop it,
+            which frees its pages (or, after a remote prefill began, holds them until the peer's word)."""
+            nonlocal ended
+            if ended:
+                return
+            ended = True
+            state.live.discard(gen.req_id)
+            state.accepted.ended(gen.req_id)
+            client.close_stream(gen.req_id)
+            reservations.pop(gen.req_id, None)
+            if prefill_task is not None and not prefill_task.done():
+                prefill_task.cancel()
+            if abort:
+                client.cast({"op": "abort", "req_id": gen.req_id})
+
         try:
             await client.call(
                 {
@@ -276,15 +329,11 @@ def add_decode_routes(app: FastAPI, state: WorkerState) -> None:
                 }
             )
         except BaseException as exc:
-            client.close_stream(gen.req_id)
-            reservations.pop(gen.req_id, None)
-            if not isinstance(exc, EngineError) or exc.code == ENGINE_TIMEOUT:
-                # The engine may still take the request (a late answer, or the caller left): stop it then.
-                client.cast({"op": "abort", "req_id": gen.req_id})
+            # The engine may still take the request (a late answer, or the caller left): stop it then.
+            end(abort=not isinstance(exc, EngineError) or exc.code == ENGINE_TIMEOUT)
             raise
         state.metrics.prompt.inc(len(gen.token_ids))
         state.accepted.add(gen.req_id, len(gen.token_ids), prefill_here=not remote)
-        state.inflight += 1
 
         async def arrange_prefill(reserved: asyncio.Future[list[int]]) -> None:
             try:
@@ -293,39 +342,37 @@ def add_decode_routes(app: FastAPI, state: WorkerState) -> None:
                 reservations.pop(gen.req_id, None)
             await _remote_prefill(state, peers, gen, pages, timeout_s, trace)
 
-        prefill_task = asyncio.create_task(arrange_prefill(reservations[gen.req_id])) if remote else None
+        if remote:
+            prefill_task = asyncio.create_task(arrange_prefill(reservations[gen.req_id]))
 
         async def stream() -> AsyncIterator[bytes]:
-            finished = False
-            try:
-                while not finished:
-                    msg = await queue.get()
-                    item = {k: v for k, v in msg.items() if k not in ("ev", "req_id")}
-                    state.metrics.generated.inc(len(item.get("token_ids", ())))
-                    if "cached_tokens" in item:
-                        state.metrics.cached.inc(item["cached_tokens"])
-                    if item.get("finish_reason"):
-                        finished = True
-                        state.observe_finish(item)
-                    timeline = item.get("timeline")
-                    if timeline is not None:  # the first tokens: the stages so far, passed on to the router
-                        timeline.update(trace.stamps)
-                        timeline["first_token_sent"] = time.time()
-                        trace.stamps = timeline
-                        state.metrics.engine.observe_decode_timeline(timeline)
-                    yield (json.dumps(item) + "\n").encode()
-            finally:
-                trace.end(DECODE_SPANS, error=None if finished else "the caller went away")
-                client.close_stream(gen.req_id)
-                state.accepted.ended(gen.req_id)
-                state.inflight -= 1
-                if prefill_task is not None and not prefill_task.done():
-                    prefill_task.cancel()
-                if not finished:  # the caller went away: free the request's pages now
-                    client.cast({"op": "abort", "req_id": gen.req_id})
-                    state.metrics.requests.labels(outcome="abort").inc()
+            nonlocal finished
+            while not finished:
+                msg = await queue.get()
+                item = {k: v for k, v in msg.items() if k not in ("ev", "req_id")}
+                state.metrics.generated.inc(len(item.get("token_ids", ())))
+                if "cached_tokens" in item:
+                    state.metrics.cached.inc(item["cached_tokens"])
+                if item.get("finish_reason"):
+                    finished = True
+                    state.observe_finish(item)
+                timeline = item.get("timeline")
+                if timeline is not None:  # the first tokens: the stages so far, passed on to the router
+                    timeline.update(trace.stamps)
+                    timeline["first_token_sent"] = time.time()
+                    trace.stamps = timeline
+                    state.metrics.engine.observe_decode_timeline(timeline)
+                yield (json.dumps(item) + "\n").encode()
 
-        return StreamingResponse(stream(), media_type="application/x-ndjson")
+        async def on_close() -> None:
+            # However the response ended: streamed to its finish, or the caller gone at any moment (Starlette
+            # cancels the stream when it sees the disconnect, even before the stream's first step).
+            end(abort=not finished)
+            trace.end(DECODE_SPANS, error=None if finished else "the caller went away")
+            if not finished:
+                state.metrics.requests.labels(outcome="abort").inc()
+
+        return ManagedStream(stream(), on_close, "application/x-ndjson")
 
     @app.post("/internal/abort")
     async def abort(request: Request) -> Response:

@@ -24,11 +24,14 @@ from common.settings_registry import FAULT_WRITE_DELAY_S
 from common.transfer.agent import PeerError
 from common.transfer.layout import LayoutMismatch
 from common.transfer.sender import KVSender, RequestTransfer, TransferError
-from common.transfer.session import TERMINAL, S
+from common.transfer.session import SAFETY_DEADLINE_S, TERMINAL, S
 
 log = logging.getLogger("kvferry.prefill")
 
-PREFILL_OPS = frozenset({"add_peer", "prefill", "transfer_stats"})  # the engine ops this role answers
+PREFILL_OPS = frozenset({"add_peer", "prefill", "transfer_stats", "cancel_transfers"})  # this role's engine ops
+# How long a request its decode worker cancelled before it arrived here stays refused: as long as that worker
+# could still be waiting on it (its last-resort deadline), so a late arrival can never write into pages freed.
+CANCELLED_KEEP_S = SAFETY_DEADLINE_S
 
 
 @dataclass
@@ -56,6 +59,7 @@ class PrefillHost(EngineHost):
         # A test hook (fault injection, never set in a deployment): every write lands this many seconds late.
         self.sender = KVSender(self.agent, fault_write_delay_s=FAULT_WRITE_DELAY_S.read(), ranks=self.rank_writes)
         self.outbound: dict[str, Outbound] = {}
+        self.cancelled: dict[str, float] = {}  # req id -> monotonic time its decode worker cancelled it unseen
         self.scheduler.on_prefill_chunk = self._on_chunk
         self.scheduler.on_prefill_done = self._on_prefill_done
         self.stats = {"descs": 0, "bytes": 0, "transfers": 0}
@@ -88,6 +92,8 @@ class PrefillHost(EngineHost):
             )
         elif op == "prefill":
             self._accept(msg, PrefillRequest.model_validate(msg["prefill"]))
+        elif op == "cancel_transfers":
+            self.reply(msg, settled=self._cancel(str(msg["dst_agent"]), list(msg["req_ids"])))
         elif op == "transfer_stats":
             states = [ob.transfer.state.value for ob in self.outbound.values()]
             self.reply(
@@ -99,8 +105,30 @@ class PrefillHost(EngineHost):
         else:
             self.reject(msg, f"unknown op {op!r}", "invalid_request")
 
+    def _cancel(self, dst_agent: str, req_ids: list[str]) -> list[str]:
+        """The decode worker gave these requests up. Those in flight here are aborted (their "closed" notice
+        follows once their writes settled); the rest, never registered or already over, are settled: none
+        of their writes can come any more, and one that arrives later is refused."""
+        now = time.monotonic()
+        for rid, at in list(self.cancelled.items()):
+            if now - at <= CANCELLED_KEEP_S:
+                break  # oldest first: the rest are younger
+            del self.cancelled[rid]
+        settled = []
+        for rid in req_ids:
+            ob = self.outbound.get(rid)
+            if ob is not None and ob.transfer.peer == dst_agent:
+                self.abort(rid, "abort", "cancelled by the decode worker")  # its "closed" notice settles it
+            elif ob is None:
+                self.cancelled[rid] = now
+                settled.append(rid)
+        return settled
+
     def _accept(self, msg: Message, pr: PrefillRequest) -> None:
         """Opens the request's transfer session; a refusal here means nothing was registered (no write follows)."""
+        if pr.req_id in self.cancelled:
+            self.reject(msg, f"request {pr.req_id!r} was cancelled by its decode worker", "cancelled")
+            return
         if not self.agent.has_peer(pr.dst_agent, pr.dst_instance_id):
             self.reject(msg, f"no handshake with {pr.dst_agent} instance {pr.dst_instance_id}", "unknown_peer")
             return

@@ -7,9 +7,18 @@ import json
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
-from common.protocol import AbortRequest, HandshakeRequest, HandshakeResponse, KVLayoutInfo, PrefillRequest
+from common.managed_stream import ManagedStream
+from common.protocol import (
+    AbortRequest,
+    CancelReply,
+    CancelTransfers,
+    HandshakeRequest,
+    HandshakeResponse,
+    KVLayoutInfo,
+    PrefillRequest,
+)
 from common.serving.channel import ENGINE_TIMEOUT, EngineError
 from common.serving.control import WorkerState, error_response, read_message
 from common.serving.liveness import EngineMotion
@@ -46,60 +55,71 @@ def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = Tru
         client = state.client
         assert client is not None
         queue = client.open_stream(pr.req_id)
+        state.live.add(pr.req_id)
         trace = WorkerTrace("prefill", pr.req_id, request.headers.get("traceparent"))
+        finished = False
+        ended = False
+
+        def end(abort: str | None) -> None:
+            """Lets go of the request here, at once and once; ``abort``: why the engine must stop it (the
+            decode worker went away while the engine may hold it: stop computing and free its pages)."""
+            nonlocal ended
+            if ended:
+                return
+            ended = True
+            state.live.discard(pr.req_id)
+            state.accepted.ended(pr.req_id)
+            aborted.discard(pr.req_id)
+            client.close_stream(pr.req_id)
+            if abort is not None:
+                client.cast({"op": "abort", "req_id": pr.req_id, "error": abort})
+
         try:
             await client.call({"op": "prefill", "prefill": pr.model_dump(), "received": trace.received})
         except EngineError as exc:
-            client.close_stream(pr.req_id)
-            if exc.code == ENGINE_TIMEOUT:  # the engine may still take it: stop it then (answered 504, not a refusal)
-                client.cast({"op": "abort", "req_id": pr.req_id, "error": "the engine answered too late"})
+            # engine_timeout: the engine may still take it: stop it then (answered 504, not a refusal)
+            end("the engine answered too late" if exc.code == ENGINE_TIMEOUT else None)
             raise
         except BaseException:
-            client.close_stream(pr.req_id)
             # The caller went away while the engine may have accepted it: stop it (a no-op if it did not).
-            client.cast({"op": "abort", "req_id": pr.req_id, "error": "decode worker disconnected"})
+            end("decode worker disconnected")
             raise
         state.metrics.prompt.inc(len(pr.token_ids))
         state.accepted.add(pr.req_id, len(pr.token_ids), prefill_here=True)
-        state.inflight += 1
 
         async def progress() -> AsyncIterator[bytes]:
-            finished = False
+            nonlocal finished
             motion = EngineMotion(lambda: state.load, lambda: state.proc.pid if state.proc is not None else None)
-            try:
-                while True:
-                    try:
-                        msg = await asyncio.wait_for(queue.get(), HEARTBEAT_S)
-                    except TimeoutError:
-                        # The decode side waits as long as this keeps coming (decode_worker/app.py).
-                        if motion.moved():
-                            yield HEARTBEAT
-                        continue
-                    if "done" in msg or "error" in msg or msg.get("finish_reason") == "error":
-                        finished = True
-                        outcome = "done" if "error" not in msg else "abort" if pr.req_id in aborted else "error"
-                        state.metrics.requests.labels(outcome=outcome).inc()
-                        if outcome == "done":
-                            state.metrics.cached.inc(msg.get("cached_tokens", 0))
-                        stamps, transfer = msg.pop("timeline", None) or {}, msg.pop("transfer", None)
-                        if outcome == "done":
-                            state.metrics.engine.observe_prefill_done(stamps, transfer)
-                        trace.stamps = stamps
-                        if transfer and "span" in transfer:
-                            trace.extra = [("kv transfer", *transfer["span"])]
-                        yield (json.dumps({k: v for k, v in msg.items() if k not in ("ev",)}) + "\n").encode()
-                        return
-            finally:
-                trace.end(PREFILL_SPANS, error=None if finished else "the decode worker went away")
-                client.close_stream(pr.req_id)
-                state.accepted.ended(pr.req_id)
-                state.inflight -= 1
-                aborted.discard(pr.req_id)
-                if not finished:  # the decode worker went away: stop computing and free the pages
-                    client.cast({"op": "abort", "req_id": pr.req_id, "error": "decode worker disconnected"})
-                    state.metrics.requests.labels(outcome="abort").inc()
+            while True:
+                try:
+                    msg = await asyncio.wait_for(queue.get(), HEARTBEAT_S)
+                except TimeoutError:
+                    # The decode side waits as long as this keeps coming (decode_worker/app.py).
+                    if motion.moved():
+                        yield HEARTBEAT
+                    continue
+                if "done" in msg or "error" in msg or msg.get("finish_reason") == "error":
+                    finished = True
+                    outcome = "done" if "error" not in msg else "abort" if pr.req_id in aborted else "error"
+                    state.metrics.requests.labels(outcome=outcome).inc()
+                    if outcome == "done":
+                        state.metrics.cached.inc(msg.get("cached_tokens", 0))
+                    stamps, transfer = msg.pop("timeline", None) or {}, msg.pop("transfer", None)
+                    if outcome == "done":
+                        state.metrics.engine.observe_prefill_done(stamps, transfer)
+                    trace.stamps = stamps
+                    if transfer and "span" in transfer:
+                        trace.extra = [("kv transfer", *transfer["span"])]
+                    yield (json.dumps({k: v for k, v in msg.items() if k not in ("ev",)}) + "\n").encode()
+                    return
 
-        return StreamingResponse(progress(), media_type="application/x-ndjson")
+        async def on_close() -> None:
+            end(None if finished else "decode worker disconnected")
+            trace.end(PREFILL_SPANS, error=None if finished else "the decode worker went away")
+            if not finished:
+                state.metrics.requests.labels(outcome="abort").inc()
+
+        return ManagedStream(progress(), on_close, "application/x-ndjson")
 
     if abort_route:
 
@@ -111,6 +131,16 @@ def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = Tru
                 aborted.add(ab.req_id)
             state.client.cast({"op": "abort", "req_id": ab.req_id, "error": "aborted"})
             return JSONResponse({"status": "ok"})
+
+    @app.post("/internal/cancel")
+    async def cancel(request: Request) -> Response:
+        """A decode worker gave these requests up: which of them no write of this worker can reach any more
+        (common/serving/decode_routes.py ``PeerWatch`` asks until each is settled or this worker is gone)."""
+        ct: CancelTransfers = await read_message(request, CancelTransfers)  # type: ignore[assignment]
+        assert state.client is not None
+        msg = {"op": "cancel_transfers", "dst_agent": ct.dst_agent, "req_ids": ct.req_ids}
+        reply = await state.client.call({**msg, "dst_instance": ct.dst_instance_id})
+        return JSONResponse(CancelReply(settled=reply["settled"]).model_dump())
 
     @app.get("/internal/agent")
     async def agent() -> Response:

@@ -111,10 +111,26 @@ class KVReceiver:
             self._end(s, S.ABANDONED, "safety deadline")
         return [s.req_id for s in late]
 
-    def awaited_peers(self) -> set[tuple[str, str]]:
-        """(agent, instance) of every peer that may still write into pages this worker gave up on. (A request
-        still in flight learns of its peer's death from the peer's HTTP stream, which then breaks.)"""
-        return {(s.peer, s.peer_instance) for s in self.sessions.values() if s.state is S.CANCELLING}
+    def awaited_peers(self) -> dict[tuple[str, str], list[str]]:
+        """(agent, instance) of every peer that may still write into pages this worker gave up on, with those
+        requests. (A request still in flight learns of its peer's death from the peer's HTTP stream.)"""
+        out: dict[tuple[str, str], list[str]] = {}
+        for s in self.sessions.values():
+            if s.state is S.CANCELLING:
+                out.setdefault((s.peer, s.peer_instance), []).append(s.req_id)
+        return {k: sorted(v) for k, v in out.items()}
+
+    def settled(self, peer: str, peer_instance: str, req_ids: list[str]) -> list[str]:
+        """The peer (this instance) answered a cancel: no write of these requests can reach their pages any
+        more (it never registered them and now refuses them, or their session there is over). Ends those
+        given-up sessions; returns their requests (pages to free)."""
+        ended = []
+        for rid in req_ids:
+            s = self.sessions.get(rid)
+            if s is not None and s.state is S.CANCELLING and (s.peer, s.peer_instance) == (peer, peer_instance):
+                self._end(s, S.ABANDONED, "the prefill worker confirmed the cancel")
+                ended.append(rid)
+        return ended
 
     # -- notices -------------------------------------------------------------------------------------
 

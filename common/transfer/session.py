@@ -9,7 +9,8 @@ How one request's KV moves (the decode worker D reserved pages, the prefill work
     Either side gives up (abort, deadline, error, a peer that restarted):
     P: requested|writing --> cancelling --(every posted write completed or was cancelled)--> abandoned,
        then P sends the "closed" notice: no write for this request follows it
-    D: requested --> cancelling --(P's "closed" or "landed" notice, or P known gone)--> abandoned
+    D: requested --> cancelling --(P's "closed" or "landed" notice, P's answer to D's cancel that it never
+       registered the request (and refuses it from then on), or P known gone)--> abandoned
 
 Pages are given back only in a terminal state (landed, abandoned), the one that rules out a later write
 into them (D) or a later read from them (P): a peer's notice comes after all of that request's writes on
