@@ -88,13 +88,17 @@ class ChoiceState:
             elif ended:
                 text += self.stop.flush()
         if self.finish_reason is None and ended:
-            if ev.finish_reason == "error":
+            if ev.finish_reason in ("error", "abort"):
+                # "abort": the worker ended it without the router asking (the router's own aborts close the
+                # stream, which nobody reads on): a cut, never to look like a normal finish.
                 self.finish_reason = "error"
-                self.error = ev.error or "generation failed"
+                self.error = ev.error or (
+                    "generation failed" if ev.finish_reason == "error" else "the request was aborted on its worker"
+                )
                 delta.error = self.error
             elif ev.finish_reason == "length":
                 self.finish_reason = "length"
-            else:  # "stop" (EOS or a stop token), or "abort" that we did not ask for
+            else:  # "stop": EOS or a stop token
                 self.finish_reason = "stop"
         delta.text = text
         delta.finish_reason = self.finish_reason

@@ -821,6 +821,33 @@ def test_hangups_at_random_moments_leave_nothing_behind(healthy: LocalCluster) -
     FAULTS_SURVIVED.append(f"{HANGUPS} hang-ups at random moments")
 
 
+def test_abort_the_client_did_not_ask_for_ends_its_stream_with_an_error(healthy: LocalCluster) -> None:
+    """Someone else aborts a client's request on its decode worker (``/internal/abort``): the client's stream
+    ends with an OpenAI-shaped error event and [DONE], never a ``finish_reason: "stop"`` that would make the
+    cut look like a normal finish."""
+    c = healthy
+    body = {"model": MODEL, "prompt": "Write a long story.", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    finishes, errors, done = [], [], False
+    with httpx.stream("POST", f"{c.router_url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for i, ev in enumerate(sse_events(r)):
+            if ev == "[DONE]":
+                done = True
+                continue
+            if "error" in ev:
+                errors.append(ev["error"])
+                continue
+            finishes += [ch["finish_reason"] for ch in ev["choices"] if ch.get("finish_reason")]
+            if i == 2:  # under way: its decode worker knows it as <response id>-0
+                for u in c.decode_urls:
+                    a = httpx.post(f"{u}/internal/abort", json={"req_id": f"{ev['id']}-0"}, timeout=5)
+                    assert a.status_code < 300, a.text
+    assert done and not finishes, finishes
+    assert len(errors) == 1 and "aborted" in assert_openai_error({"error": errors[0]})["message"], errors
+    wait_pages_back(worker_urls(c))
+    assert_serving(c)
+
+
 # ---- a worker that stops answering ----------------------------------------------------------------
 def _stop_group(part: ManagedProcess, sig: int) -> None:
     assert part.proc is not None

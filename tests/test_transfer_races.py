@@ -245,3 +245,28 @@ def test_malformed_notice_fails_one_request_and_the_engine_keeps_serving(
     tokens, events = generate(d, _prompt(smol_tokenizer, 60, "next"), p)
     assert events[-1]["finish_reason"] == "length" and events[0].get("kv_verified") is True
     assert _metric(d, "kvferry_kv_integrity_violations_total") == 0
+
+
+def test_cancel_settles_a_request_the_peer_never_registered(pair: tuple[WorkerProc, WorkerProc]) -> None:
+    """A decode worker that gave a request up before its prefill request reached the peer asks the peer: the
+    peer answers that no write of it can come (it never registered it) and refuses it if it arrives later,
+    so the pages are freed by that answer, not by a deadline, and a late arrival can never write into them."""
+    p, d = pair
+    dst = {"dst_agent": "decode-agent", "dst_instance_id": "instance"}
+    rid = uuid.uuid4().hex
+    r = httpx.post(f"{p.url}/internal/cancel", json={**dst, "req_ids": [rid]}, timeout=10)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"settled": [rid]}
+    late = {
+        "req_id": rid,
+        "token_ids": [1, 2, 3],
+        "sampling": {"max_tokens": 1},
+        "dst_agent": dst["dst_agent"],
+        "dst_instance_id": dst["dst_instance_id"],
+        "dst_pages": [0],
+        "deadline_s": 10,
+    }
+    r = httpx.post(f"{p.url}/internal/prefill", json=late, timeout=10)
+    assert r.status_code == 410, r.text
+    assert r.json()["error"]["code"] == "cancelled"
+    assert _writes_in_flight(p) == 0
