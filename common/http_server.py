@@ -232,6 +232,7 @@ def server_options(limits: HttpLimits, http: str = "auto") -> dict[str, Any]:
         timeout_keep_alive=limits.keep_alive_s,
         limit_concurrency=limits.max_connections or None,
         h11_max_incomplete_event_size=limits.max_url_bytes + limits.max_header_bytes + _H11_SLACK,
+        ws="none",  # no route speaks WebSocket: an upgrade request is answered as plain HTTP
         log_level="warning",
         access_log=False,
     )

@@ -82,15 +82,48 @@ class TracebackLimiter(logging.Filter):
         return True
 
 
+class RepeatLimiter(logging.Filter):
+    """At most one record a minute per message of a logger (the rest dropped, counted in the next one kept).
+
+    For uvicorn's own per-connection warnings ("Invalid HTTP request received.", "Unsupported upgrade
+    request."): a client sending garbage would otherwise write a line per connection.
+    """
+
+    def __init__(self, interval_s: float = 60.0) -> None:
+        super().__init__()
+        self.interval_s = interval_s
+        self._lock = threading.Lock()
+        self._last: dict[tuple[str, str], tuple[float, int]] = {}  # (logger, message) -> (last kept, dropped)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info or record.levelno >= logging.ERROR:
+            return True  # errors are each kept (their tracebacks limited by TracebackLimiter)
+        key = (record.name, str(record.msg))
+        now = time.monotonic()
+        with self._lock:
+            last, dropped = self._last.get(key, (-self.interval_s, 0))
+            if now - last < self.interval_s:
+                self._last[key] = (last, dropped + 1)
+                return False
+            self._last[key] = (now, 0)
+        if dropped:
+            record.msg = f"{str(record.msg).rstrip()} ({dropped} more in the last minute, not logged)"
+        return True
+
+
 _LIMITER = TracebackLimiter()
+_REPEATS = RepeatLimiter()
 # The loggers that log a 500's traceback: the router's handler of unexpected errors, uvicorn's for an
 # exception that leaves an app (a worker's, or one raised after a response began).
 _SERVING_LOGGERS = ("kvferry.router", "kvferry.control", "uvicorn.error")
 
 
 def limit_tracebacks() -> None:
-    """Installs the traceback limiter on the serving loggers (idempotent)."""
+    """Installs the traceback limiter on the serving loggers, and the repeat limiter on uvicorn's (idempotent)."""
     for name in _SERVING_LOGGERS:
         logger = logging.getLogger(name)
         if _LIMITER not in logger.filters:
             logger.addFilter(_LIMITER)
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    if _REPEATS not in uvicorn_log.filters:
+        uvicorn_log.addFilter(_REPEATS)

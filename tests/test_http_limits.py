@@ -500,6 +500,39 @@ def test_traceback_limiter_keeps_the_first_and_counts_the_rest() -> None:
     assert all(fresh.filter(r) and r.exc_info for r in again)
 
 
+def test_repeated_warnings_are_kept_once_a_minute_and_counted() -> None:
+    from common.log import RepeatLimiter
+
+    def record(msg: str, level: int = logging.WARNING) -> logging.LogRecord:
+        return logging.LogRecord("uvicorn.error", level, __file__, 1, msg, None, None)
+
+    limiter = RepeatLimiter(interval_s=3600.0)
+    kept = [limiter.filter(record("Invalid HTTP request received.")) for _ in range(50)]
+    assert kept.count(True) == 1 and kept[0]
+    assert limiter.filter(record("Unsupported upgrade request."))  # another message: its own count
+    assert all(limiter.filter(record("boom", logging.ERROR)) for _ in range(3))  # errors are each kept
+    counted = RepeatLimiter(interval_s=0.0)
+    assert counted.filter(record("x"))
+    counted._last[("uvicorn.error", "x")] = (counted._last[("uvicorn.error", "x")][0], 7)  # 7 dropped meanwhile
+    r = record("x")
+    assert counted.filter(r) and r.getMessage() == "x (7 more in the last minute, not logged)"
+
+
+def test_garbage_requests_do_not_log_a_line_each(router_addr) -> None:
+    handler = Records()
+    logger = logging.getLogger("uvicorn.error")
+    logger.addHandler(handler)
+    try:
+        for _ in range(30):
+            with connect(router_addr) as s:
+                s.sendall(b"\x16\x03\x01 not http at all\r\n\r\n")
+                raw, closed = read_until_closed(s)
+                assert closed and status_of(raw) == 400
+    finally:
+        logger.removeHandler(handler)
+    assert len(handler.records) <= 1, [r.getMessage() for r in handler.records]
+
+
 # ---- connections: 503 beyond the cap ---------------------------------------------------------------
 def test_connections_beyond_the_cap_get_503(smol_path) -> None:
     from router.app import create_app
