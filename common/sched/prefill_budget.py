@@ -1,12 +1,16 @@
 """How many prompt tokens a step may take beside the requests it decodes (stall-free batching).
 
 Every step carries one token for every running request; prompt chunks ride along up to a token budget. The
-budget follows an ITL target: the step that carries a chunk is the gap between two of every running request's
-tokens, so the chunk is what the engine computes in that long beside its batch, at its own device-timed speed
-in such steps (`mixed_speed`, chunk tokens per second of a mixed step's forward). That speed includes the
-decode rows' share of the step, so the budget settles where the whole step takes the target: with a chunk of
-c tokens and a step of D + c / s, the next budget is T * c / (D + c / s), whose fixed point is D + c / s = T
-(stable: its slope there is D / T < 1).
+budget follows an ITL target T: the step that carries a chunk is the gap between two of every running
+request's tokens, so the chunk is what the engine prefills in T at its peak device-timed prefill speed (the
+fastest chunk tokens per second of any prefill or mixed step so far: a large chunk's, where fixed costs are
+amortised, so a few short prompts prefilled alone do not lower it). A mixed step then takes about the decode
+step it replaces plus T.
+
+Not a feedback loop on the mixed steps' own time: a mixed step runs eagerly (no CUDA graph), and on the H200
+its launch alone costs ~15 ms for an 8B model, more than a 2x target at small batches. A budget fed back from
+that time shrinks to its floor while the step stays at 15-20 ms, and prefill stops keeping up: measured
+offline (bench/mixed_step.py, 160 requests) 569 output tok/s against 3,228 prefill-first.
 
 The target is by default `AUTO_ITL_DECODE_STEPS` of the engine's own decode step (device-timed, smoothed), so
 it follows the model, the hardware and the batch size without tuning; `itl_target_ms > 0` sets it in
@@ -23,9 +27,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MIN_PAGES = 4  # the budget never falls below this many pages: tiny chunks would starve prompts altogether
-# The auto ITL target in decode steps: a mixed step costs about one extra decode step. Chosen from
-# measurements (docs/architecture.md, "Stall-free batching"): on the H200 (8B) a 2x step carries a chunk of a
-# few hundred tokens, where prefill runs at most of its large-chunk speed; on the CPU the floor decides.
+# The auto ITL target in decode steps: the chunk beside decoding is what the engine prefills in this many decode
+# steps. From measurements (bench/RESULTS.md, "Stall-free batching"): on the H200 (8B) 2x gives chunks of 400-
+# 1,500 tokens at batch 1-64, whose mixed steps measured 3.2-3.7x the decode step (an eager step's launch cost
+# is the floor at small batches) while prefilling at 23-27k tok/s; less would prefill slower than a prompt-heavy
+# load arrives at 80%. On the CPU the 4-page floor decides.
 AUTO_ITL_DECODE_STEPS = 2.0
 
 
@@ -46,6 +52,7 @@ class PrefillSpeed:
 
     smoothing: float = 0.2
     tokens_per_s: float = 0.0
+    peak_tokens_per_s: float = 0.0  # the fastest interval (the budget's speed: one model on one device)
 
     def observe(self, tokens: int, seconds: float, allow_zero: bool = False) -> None:
         """One interval's tokens and seconds; `allow_zero`: an interval that computed nothing is a sample
@@ -53,6 +60,7 @@ class PrefillSpeed:
         if seconds <= 0 or tokens < 0 or (tokens == 0 and not allow_zero):
             return
         sample = tokens / seconds
+        self.peak_tokens_per_s = max(self.peak_tokens_per_s, sample)
         if self.tokens_per_s <= 0:
             self.tokens_per_s = sample
         else:

@@ -122,7 +122,8 @@ class Scheduler:
         self._pending: Launched | None = None
         self.prefill_tokens_launched = 0  # prompt tokens computed so far (the measured prefill rate's counter)
         # Device-timed: prefill-only steps' prompt tokens/s (what a chunk adds to a step, published), mixed
-        # steps' chunk tokens/s (the budget beside decoding), decode-only steps' seconds (the auto ITL target).
+        # steps' chunk tokens/s (their peak, with prefill-only steps', sizes the budget beside decoding),
+        # decode-only steps' seconds (the auto ITL target).
         self.prefill_speed = PrefillSpeed()
         self.mixed_speed = PrefillSpeed()
         self.decode_step = StepSeconds()
@@ -318,9 +319,9 @@ class Scheduler:
 
     def prefill_token_budget(self, decoding: bool | None = None) -> int:
         """Prompt tokens the next step takes: all of max_prefill_tokens alone, or beside decoding requests what
-        fits in the ITL target at the speed of such steps (common/sched/prefill_budget.py). `decoding` None:
+        the engine prefills in the ITL target at its peak device-timed prefill speed (common/sched/prefill_budget.py). `decoding` None:
         whether requests decode now; True: the budget a step gets beside them (what the worker publishes)."""
-        speed = self.mixed_speed.tokens_per_s or self.prefill_speed.tokens_per_s
+        speed = max(self.prefill_speed.peak_tokens_per_s, self.mixed_speed.peak_tokens_per_s)
         return prefill_token_budget(
             self.cfg.max_prefill_tokens,
             self.page_size,
