@@ -466,7 +466,7 @@ ITL_TARGET_MS = declare(
     itl_target_ms,
     ITL_TARGET_AUTO,
     "N = ms; 0 = prefill-first. Every step decodes every running request and takes prompt chunks up to what fits in "
-    "the target at the engine's device-timed speed (at least 4 pages; `common/sched/prefill_budget.py`, "
+    "the target at the engine's peak device-timed prefill speed (at least 4 pages; `common/sched/prefill_budget.py`, "
     '"Stall-free batching" above): bounds the ITL a prompt\'s prefill costs a running stream',
     "workers",
     "common/settings.py",
