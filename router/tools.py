@@ -5,8 +5,10 @@ tool calls parsed out of the model's text (whole responses and streamed deltas).
 - "none" or no tools: plain text;
 - "auto": free text; a call written in one of the common formats (Hermes/Qwen ``<tool_call>{...}</tool_call>``,
   Mistral ``[TOOL_CALLS] [...]``, Llama 3.x's bare ``{"name": ..., "parameters": ...}``) is parsed out;
-- "required": the grammar forces a JSON array of calls ``[{"name": ..., "arguments": {...}}]`` (one call when
-  parallel_tool_calls is false), each valid for its function's parameters;
+- "required": the grammar forces a JSON array of calls ``[{"name": ..., "arguments": {...}}]``, each valid for
+  its function's parameters: one call when parallel_tool_calls is false, else at most one per tool offered
+  (`max_parallel_calls`: a bound the grammar holds the model to, so the list always ends). Cut by
+  max_tokens, the complete calls come back as tool_calls (finish_reason "length"); the cut one is dropped;
 - a named function: the grammar forces that function's arguments object; the call is built around it.
 Templates that do not take tools (no ``tools`` in their text) get them Hermes-style in the system message,
 and assistant tool calls / tool results as text in that format.
@@ -24,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from common.protocol import GrammarSpec
 
 __all__ = [
+    "MAX_PARALLEL_CALLS",
     "MAX_TOOLS",
     "NamedToolChoice",
     "Tool",
@@ -31,6 +34,7 @@ __all__ = [
     "ToolCallStream",
     "ToolMode",
     "finish_reason_with_calls",
+    "max_parallel_calls",
     "parse_tool_calls",
     "render_for_template",
     "tool_grammar",
@@ -38,6 +42,7 @@ __all__ = [
 ]
 
 MAX_TOOLS = 128
+MAX_PARALLEL_CALLS = 16  # the most calls one forced array may hold, however many tools are offered
 
 
 class _Model(BaseModel):
@@ -89,6 +94,11 @@ def _parameters(f: FunctionDef) -> dict[str, Any]:
     return f.parameters if f.parameters is not None else {"type": "object", "properties": {}}
 
 
+def max_parallel_calls(tools: list[Tool], parallel: bool) -> int:
+    """How many calls a "required" array may hold: one per tool offered (capped), one without parallel calls."""
+    return min(len(tools), MAX_PARALLEL_CALLS) if parallel else 1
+
+
 def tool_grammar(
     tools: list[Tool], mode: ToolMode, choice: NamedToolChoice | None, parallel: bool
 ) -> GrammarSpec | None:
@@ -107,9 +117,12 @@ def tool_grammar(
             }
             for t in tools
         ]
-        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-        if not parallel:
-            schema["maxItems"] = 1
+        schema: dict[str, Any] = {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": max_parallel_calls(tools, parallel),
+            "items": {"anyOf": calls},
+        }
         return GrammarSpec(kind="json_schema", value=json.dumps(schema))
     return None
 
@@ -221,6 +234,28 @@ def _calls_from(value: Any, names: set[str]) -> list[ToolCall] | None:
     return calls  # type: ignore[return-value]
 
 
+def _complete_calls(text: str, names: set[str]) -> list[ToolCall] | None:
+    """The complete calls at the start of a JSON array of calls that was cut short (None when none is)."""
+    decoder = json.JSONDecoder()
+    s = text.lstrip()
+    if not s.startswith("["):
+        return None
+    calls: list[ToolCall] = []
+    i = 1
+    while True:
+        while i < len(s) and s[i] in " \t\r\n,":
+            i += 1
+        try:
+            obj, i = decoder.raw_decode(s, i)
+        except ValueError:
+            break
+        call = _call_from(obj, names)
+        if call is None:
+            break
+        calls.append(call)
+    return calls or None
+
+
 _TAG_OPEN, _TAG_CLOSE = "<tool_call>", "</tool_call>"
 _MISTRAL = "[TOOL_CALLS]"
 _MARKERS = (_TAG_OPEN, _MISTRAL, "{")
@@ -237,8 +272,8 @@ def parse_tool_calls(
     if mode == "required":
         try:
             calls = _calls_from(json.loads(text), names)
-        except ValueError:
-            calls = None
+        except ValueError:  # cut by max_tokens (the grammar makes any other output a whole array)
+            calls = _complete_calls(text, names)
         return (None, calls) if calls else (text, [])
     if mode != "auto":
         return text, []

@@ -118,6 +118,27 @@ def test_named_tool_call_streams_its_arguments() -> None:
     assert [(c.name, c.arguments) for c in stream.calls] == [("get_time", '{"city": "Rome"}')]
 
 
+def test_required_calls_are_bounded_and_a_cut_array_keeps_its_complete_calls() -> None:
+    from router.tools import MAX_PARALLEL_CALLS, tool_grammar
+
+    tools = _tools()
+    for parallel, bound in ((True, 2), (False, 1)):
+        spec = tool_grammar(tools, "required", None, parallel)
+        assert spec is not None and json.loads(spec.value)["maxItems"] == bound
+    many = [Tool.model_validate({"type": "function", "function": {"name": f"f{i}"}}) for i in range(40)]
+    assert json.loads(tool_grammar(many, "required", None, True).value)["maxItems"] == MAX_PARALLEL_CALLS
+    whole = '[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, {"name": "get_time", '
+    cut = whole + '"arguments": {"city": "Tok'
+    content, calls = parse_tool_calls(cut, "required", tools)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"})
+    ]
+    stream = ToolCallStream("required", tools, None)
+    pieces = [d for i in range(0, len(cut), 9) for d in stream.push(cut[i : i + 9])] + stream.finish()
+    assert [d["tool_calls"][0]["function"]["name"] for d in pieces] == ["get_weather"]
+    assert parse_tool_calls('[{"name": "get_we', "required", tools) == ('[{"name": "get_we', [])  # none complete
+
+
 def test_tool_history_renders_through_a_template_without_tool_support(smol_path) -> None:
     tok = RouterTokenizer.from_dir(smol_path)
     messages = [
@@ -243,6 +264,31 @@ def test_required_tool_choice_and_the_conversation_after_it(client: openai.OpenA
     ]
     after = client.chat.completions.create(model=MODEL, messages=history, max_tokens=20, temperature=0, tools=TOOLS)
     assert after.choices[0].message.content or after.choices[0].message.tool_calls
+
+
+def test_parallel_required_calls_come_back_whole(client: openai.OpenAI) -> None:
+    """Parallel calls on (the default) with two tools: the list ends within its bound (one call per tool) and
+    comes back as tool_calls; cut by max_tokens, the complete calls still do, with finish_reason "length"."""
+    ask = [
+        {
+            "role": "user",
+            "content": "What's the weather in Paris in celsius, and what time is it in Tokyo? Call both tools.",
+        }
+    ]
+    kw = dict(model=MODEL, messages=ask, temperature=0, tools=TOOLS, tool_choice="required")
+    r = client.chat.completions.create(max_tokens=200, **kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = choice.message.tool_calls
+    assert 1 <= len(calls) <= 2
+    for call in calls:
+        params = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call.function.name)
+        jsonschema.validate(json.loads(call.function.arguments), params)
+    # Cut inside the last call: the ones before it come back; the cut one is dropped.
+    cut = client.chat.completions.create(max_tokens=r.usage.completion_tokens - 4, **kw).choices[0]
+    assert cut.finish_reason == "length"
+    kept = [(c.function.name, c.function.arguments) for c in cut.message.tool_calls or []]
+    assert kept == [(c.function.name, c.function.arguments) for c in calls[:-1]]
 
 
 def test_logit_bias_bans_the_greedy_token_and_forces_another(client: openai.OpenAI, tok: RouterTokenizer) -> None:
