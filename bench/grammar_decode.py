@@ -1,14 +1,22 @@
-"""Decode throughput with a JSON-schema grammar on half the requests against none, same engine, same run.
+"""Decode throughput with grammars and with penalties against none, same engine, same run.
 
     python bench/grammar_decode.py                    # CPU, 16 requests x 64 tokens, 5 rounds
     python bench/grammar_decode.py --device cuda --num-requests 128 --max-tokens 256
+    # dummy weights of the packaged model's shape, the real tokenizer's grammar (the vocabularies match):
+    python bench/grammar_decode.py --device cuda --model dummy:smollm2-135m --tokenizer <dir with tokenizer.json>
+    python bench/grammar_decode.py --device cuda --model dummy:llama-3.1-8b --cases penalties
 
 Workload: `--num-requests` chat prompts submitted at once, each generating exactly `--max-tokens` tokens
-(min_tokens = max_tokens bans EOS; the schema's story field is too long to complete in the run). Run A: no
-grammar. Run B: every other request under a JSON schema (an object with free-text and enum fields), the
-rest as in A. Throughput = output tokens / wall time of the batch (prefill included: the same in both).
-Rounds alternate A and B; the best of each counts. Target: B / A >= 0.9. Writes
-`bench/out/grammar_<device>.json`.
+(min_tokens = max_tokens bans EOS; the schema's story field is too long to complete in the run). The
+baseline: no grammar, no penalty. Cases (`--cases`): `half_grammar`: every other request under a JSON schema
+(an object with free-text and enum fields), the rest as the baseline; `all_grammar`: every request under it;
+`penalties`: every request with frequency 0.5, presence 0.3 and repetition 1.1 penalties. Throughput =
+output tokens / wall time of the batch (prefill included: the same in all). Rounds run the baseline and then
+each case; the best of each counts. Targets (ratio to the baseline): half_grammar >= 0.9, all_grammar >=
+0.85, penalties >= 0.95. Without a tokenizer (dummy weights, no `--tokenizer`) the prompts are random token
+ids and only `penalties` runs. `--check`: first decodes a mix (grammar, penalty, seeded and plain rows) with
+overlap on and off on the same engine and records whether the tokens are identical. Writes
+`bench/out/grammar_<device>[_<model>].json`.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import random
 import sys
 import time
 from pathlib import Path
@@ -35,80 +44,225 @@ SCHEMA = {
     "additionalProperties": False,
 }
 TOPICS = ["the sea", "a robot", "a city at night", "a dragon", "the moon", "a library", "a storm", "a garden"]
+PENALTIES = dict(frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.1)
+TARGETS = {"half_grammar": 0.9, "all_grammar": 0.85, "penalties": 0.95}
 
 
-def run(engine, prompts: list[list[int]], max_tokens: int, grammar_every: int) -> dict:
+def case_params(case: str, n: int, max_tokens: int, seeded: bool = False) -> list:
     from common.protocol import GrammarSpec, SamplingParams
 
     spec = GrammarSpec(kind="json_schema", value=json.dumps(SCHEMA))
-    params = [
-        SamplingParams(
-            max_tokens=max_tokens,
-            min_tokens=max_tokens,
-            grammar=spec if grammar_every and i % grammar_every == 0 else None,
-        )
-        for i in range(len(prompts))
-    ]
+    out = []
+    for i in range(n):
+        kw: dict = {}
+        if case == "all_grammar" or (case == "half_grammar" and i % 2 == 0):
+            kw["grammar"] = spec
+        if case == "penalties":
+            kw.update(PENALTIES)
+        if case == "mix":  # the overlap check: every kind of row in one batch
+            kw = [dict(grammar=spec), PENALTIES, dict(grammar=spec, **PENALTIES), {}][i % 4]
+        if seeded and i % 3 == 1:
+            kw.update(temperature=0.8, top_p=0.95, seed=i)
+        out.append(SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, **kw))
+    return out
+
+
+class HostClock:
+    """Host seconds spent per scheduler phase (`--host-phases`): wraps the scheduler's methods for one run.
+    "wait" is the time blocked on a step's done event, inside "process"."""
+
+    PHASES = {"launch": "_launch", "process": "_process", "sample": "_sample"}
+
+    def __init__(self, sched) -> None:
+        from common.sched.launched import Launched
+
+        self.seconds = {name: 0.0 for name in [*self.PHASES, "fill", "wait"]}
+        self._undo = []
+        for name, attr in self.PHASES.items():
+            self._wrap(sched, attr, name)
+        self._wrap(sched.grammars, "fill", "fill")
+        self._wrap(Launched, "wait", "wait", cls=True)
+
+    def _wrap(self, obj, attr: str, name: str, cls: bool = False) -> None:
+        inner = getattr(obj, attr)
+
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                self.seconds[name] += time.perf_counter() - t
+
+        setattr(obj, attr, timed)
+        self._undo.append((obj, attr, inner, cls))
+
+    def close(self) -> dict[str, float]:
+        for obj, attr, inner, cls in reversed(self._undo):
+            if cls:
+                setattr(obj, attr, inner)
+            else:
+                delattr(obj, attr)
+        return {k: round(v, 4) for k, v in self.seconds.items()}
+
+
+def run(engine, prompts: list[list[int]], params: list, host_phases: bool = False) -> dict:
+    clock = HostClock(engine.scheduler) if host_phases else None
     start = time.perf_counter()
     results = engine.generate(prompts, params)
     wall = time.perf_counter() - start
     tokens = sum(len(r.output_ids) for r in results)
-    errors = sum(r.finish_reason == "error" for r in results)
-    return {
+    out = {
         "wall_s": round(wall, 3),
         "output_tokens": tokens,
         "tokens_per_s": round(tokens / wall, 1),
-        "errors": errors,
+        "errors": sum(r.finish_reason == "error" for r in results),
     }
+    if clock is not None:
+        out["host_s"] = clock.close()
+    return out
+
+
+def overlap_check(engine, prompts: list[list[int]], has_grammar: bool) -> dict:
+    """Tokens of the mix with overlap on and off (every row runs to max_tokens: the batches are the same)."""
+    from common.sched.scheduler import Scheduler
+
+    case = "mix" if has_grammar else "penalties"
+    params = case_params(case, len(prompts), 32, seeded=True)
+    original = engine.scheduler
+    outputs = {}
+    for overlap in (True, False):
+        sched = Scheduler(engine.runner, original.cfg, overlap=overlap)
+        sched.grammars = original.grammars
+        engine.scheduler = sched
+        outputs[overlap] = [r.output_ids for r in engine.generate(prompts, params)]
+    engine.scheduler = original
+    same = sum(a == b for a, b in zip(outputs[True], outputs[False]))
+    return {"case": case, "requests": len(prompts), "identical": same == len(prompts), "identical_requests": same}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--model", default="", help="a model dir or dummy:<named config> (default: the packaged one)")
+    ap.add_argument("--tokenizer", default="", help="with dummy weights: a dir whose tokenizer the grammar uses")
+    ap.add_argument("--cases", default="half_grammar,all_grammar,penalties")
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--check", action="store_true", help="first compare overlap on and off on a mixed batch")
+    ap.add_argument("--host-phases", action="store_true", help="one more round per case, timing the host's phases")
+    ap.add_argument("--fill-threads", default="", help="with --host-phases: all_grammar again per thread count")
+    ap.add_argument("--sync-debug", action="store_true", help="CUDA: list the ops that synchronize, per case")
+    ap.add_argument("--profile", default="", help="a case to run once more under torch.profiler (top host ops)")
     args = ap.parse_args()
 
     import torch
+    from transformers import AutoTokenizer
 
     from common.default_model import convert_default_model
     from common.offline import Engine
+    from common.sched.grammar import GrammarBook
     from common.settings import RunnerConfig
 
-    path = convert_default_model()
-    engine = Engine(RunnerConfig(model=str(path), device=args.device, max_running=max(args.num_requests, 8)))
-    prompts = [
-        engine.encode(f"Write a short story about {TOPICS[i % len(TOPICS)]} as JSON (title, mood, story).", True)
-        for i in range(args.num_requests)
-    ]
-    run(engine, prompts[:2], 8, 2)  # warm-up: weights, grammar compiler, tokenizer tables
-    plain, mixed = [], []
+    model = args.model or str(convert_default_model())
+    engine = Engine(RunnerConfig(model=model, device=args.device, max_running=max(args.num_requests, 8)))
+    tok_dir = Path(args.tokenizer) if args.tokenizer else engine.runner.model_path
+    cases = [c for c in args.cases.split(",") if c]
+    if tok_dir is not None:
+        tok = AutoTokenizer.from_pretrained(tok_dir)
+        sched = engine.scheduler
+        sched.grammars = GrammarBook(tok_dir, sched.vocab, tuple(sched.eos))
+        prompts = [
+            list(
+                tok.apply_chat_template(
+                    [{"role": "user", "content": f"Write a short story about {TOPICS[i % len(TOPICS)]} as JSON."}],
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=False,
+                )
+            )
+            for i in range(args.num_requests)
+        ]
+    else:
+        cases = [c for c in cases if "grammar" not in c]
+        rng = random.Random(0)
+        vocab = engine.runner.model_config.vocab_size
+        prompts = [[rng.randrange(vocab) for _ in range(40)] for _ in range(args.num_requests)]
+    has_grammar = tok_dir is not None
+    warm = case_params("mix" if has_grammar else "penalties", 4, 8)
+    run(engine, prompts[:4], warm)  # warm-up: weights, CUDA graphs, grammar compiler, tokenizer tables
+    check = overlap_check(engine, prompts[: min(16, len(prompts))], has_grammar) if args.check else None
+    rounds: dict[str, list[dict]] = {"none": [], **{c: [] for c in cases}}
     for _ in range(args.rounds):
-        plain.append(run(engine, prompts, args.max_tokens, 0))
-        mixed.append(run(engine, prompts, args.max_tokens, 2))
-    best_plain = max(plain, key=lambda r: r["tokens_per_s"])
-    best_mixed = max(mixed, key=lambda r: r["tokens_per_s"])
-    ratio = best_mixed["tokens_per_s"] / best_plain["tokens_per_s"]
+        for case in rounds:
+            rounds[case].append(run(engine, prompts, case_params(case, len(prompts), args.max_tokens)))
+    best = {case: max(rs, key=lambda r: r["tokens_per_s"]) for case, rs in rounds.items()}
+    phases = {}
+    if args.host_phases:  # after the timed rounds: the wrappers' own cost stays out of them
+        for case in rounds:
+            phases[case] = run(engine, prompts, case_params(case, len(prompts), args.max_tokens), True)
+        for n in [int(t) for t in args.fill_threads.split(",") if t] if has_grammar else []:
+            import xgrammar as xgr
+
+            book = engine.scheduler.grammars
+            default, book._batch = book._batch, xgr.BatchGrammarMatcher(max_threads=n)
+            phases[f"all_grammar_fill_threads_{n}"] = run(
+                engine, prompts, case_params("all_grammar", len(prompts), args.max_tokens), True
+            )
+            book._batch = default
+    syncs = {}
+    if args.sync_debug and args.device.startswith("cuda"):
+        import warnings
+
+        for case in rounds:
+            torch.cuda.set_sync_debug_mode("warn")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                run(engine, prompts, case_params(case, len(prompts), 16))
+            torch.cuda.set_sync_debug_mode("default")
+            found: dict[str, int] = {}
+            for w in caught:
+                where = f"{Path(w.filename).name}:{w.lineno} {str(w.message)[:60]}"
+                found[where] = found.get(where, 0) + 1
+            syncs[case] = found
+            print(f"synchronizing ops, {case} (16 tokens): {found}")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            run(engine, prompts, case_params(args.profile, len(prompts), args.max_tokens))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    ratios = {c: round(best[c]["tokens_per_s"] / best["none"]["tokens_per_s"], 3) for c in cases}
     out = {
         "device": args.device,
+        "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+        "model": model if args.model else "packaged",
+        "tokenizer": str(tok_dir) if tok_dir is not None else None,
         "torch": torch.__version__,
         "machine": platform.machine(),
         "threads": torch.get_num_threads(),
         "num_requests": args.num_requests,
         "max_tokens": args.max_tokens,
-        "no_grammar": plain,
-        "half_grammar": mixed,
-        "ratio_half_grammar_to_none": round(ratio, 3),
-        "target": 0.9,
+        "overlap": engine.scheduler.overlap,
+        "overlap_check": check,
+        "rounds": rounds,
+        "host_phases": phases,
+        "synchronizing_ops": syncs,
+        "ratios": ratios,
+        "targets": {c: TARGETS[c] for c in cases},
     }
     OUT_DIR.mkdir(exist_ok=True)
-    path_out = OUT_DIR / f"grammar_{args.device}.json"
+    tag = "" if not args.model else "_" + args.model.replace("dummy:", "dummy-").replace("/", "_")
+    path_out = OUT_DIR / f"grammar_{args.device.split(':')[0]}{tag}.json"
     path_out.write_text(json.dumps(out, indent=2) + "\n")
-    print(
-        f"no grammar: {best_plain['tokens_per_s']} tok/s   half under a JSON schema: {best_mixed['tokens_per_s']} tok/s"
-        f"   ratio {ratio:.3f} (target >= 0.9)   -> {path_out}"
-    )
+    print(f"none: {best['none']['tokens_per_s']} tok/s")
+    for c in cases:
+        print(f"{c}: {best[c]['tokens_per_s']} tok/s   ratio {ratios[c]:.3f} (target >= {TARGETS[c]})")
+    if check is not None:
+        print(f"overlap on == off ({check['case']}, {check['requests']} requests): {check['identical']}")
+    for case, r in phases.items():
+        print(f"host phases, {case}: {r['tokens_per_s']} tok/s, seconds {r['host_s']}")
+    print(f"-> {path_out}")
 
 
 if __name__ == "__main__":

@@ -189,7 +189,10 @@ def adjust_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         counts = sb.output_counts
         logits = logits - sb.frequency_penalty[:, None] * counts - sb.presence_penalty[:, None] * (counts > 0)
     if sb.add_rows is not None:
-        logits = logits.index_put((sb.add_rows, sb.add_cols), sb.add_vals, accumulate=True)
+        # A scatter-add on the flat view: index_put's accumulating path may synchronize with the device.
+        vocab = logits.shape[-1]
+        flat = logits.reshape(-1).scatter_add(0, sb.add_rows * vocab + sb.add_cols, sb.add_vals)
+        logits = flat.view(logits.shape)
     if sb.allowed_bits is not None:
         # xgrammar's kernel (C++ on the CPU, a GPU kernel on CUDA) masks the grammar rows in place: on a copy
         # when nothing above made one and the raw logits still give logprobs (else the caller's logits).

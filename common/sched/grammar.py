@@ -10,7 +10,7 @@ A matcher must have accepted a request's previous token before it can mask the n
 that token is still on the device when the next step is launched. So the next step's forward is launched
 first; sampling waits only where a grammar row needs the step in flight: the scheduler processes that step
 (its tokens reach the matchers) while the forward runs, fills the batch's masks in one batched call
-(`BatchGrammarMatcher`, several threads), copies them to the device without blocking and then launches the
+(`BatchGrammarMatcher`), copies them to the device without blocking and then launches the
 sampling, which applies them in place (common/sched/scheduler.py `_begin_sampling`). A batch with no grammar
 row samples right behind its forward, as before.
 """
@@ -54,8 +54,11 @@ class GrammarBook:
     """The grammars of one scheduler's requests. Built on first use: a worker that never sees a grammar
     never imports xgrammar or loads its tokenizer tables."""
 
-    def __init__(self, model_path: Path | None, vocab: int, stop_ids: Sequence[int]) -> None:
+    def __init__(self, model_path: Path | None, vocab: int, stop_ids: Sequence[int], fill_threads: int = 1) -> None:
         self.model_path = model_path
+        # One: xgrammar's batch fill on several threads measured slower per step than on one (H200 host, 64
+        # rows: bench/RESULTS.md), its rows being a few microseconds each.
+        self.fill_threads = fill_threads
         self.vocab = vocab
         self.stop_ids = sorted(stop_ids)
         self._compiler: Any = None
@@ -77,7 +80,7 @@ class GrammarBook:
             info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab, stop_token_ids=self.stop_ids)
             threads = max(1, min(8, os.cpu_count() or 1))
             self._compiler = xgr.GrammarCompiler(info, max_threads=threads)
-            self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
+            self._batch = xgr.BatchGrammarMatcher(max_threads=self.fill_threads)
         return self._compiler
 
     def compile(self, spec: GrammarSpec) -> Any:

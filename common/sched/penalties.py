@@ -20,7 +20,6 @@ from collections.abc import Sequence
 
 import torch
 
-from common.engine.sampling import token_counts
 from common.protocol import SamplingParams
 from common.sched.request import Req
 
@@ -66,27 +65,42 @@ class PenaltyCounts:
         return counts, seen
 
     def _fill(self, fresh: list[tuple[Req, int]]) -> None:
-        """Writes the rows of requests sampling for the first time here (no token of theirs in flight)."""
+        """Writes the rows of requests sampling for the first time here (no token of theirs in flight): their
+        token ids go to the device, where they are counted (no [rows, V] tensor is built on the host)."""
         assert self.counts is not None
-        outputs, prompts, prompt_rows = [], [], []
+        out_rows: list[int] = []
+        out_ids: list[int] = []
+        prompt_rows: list[int] = []
+        prompt_ids: list[int] = []
         for r, row in fresh:
             cut = r.prompt_len - r.sampling.output_offset
-            outputs.append(r.prompt_ids[cut:] + r.output_ids)
+            earlier = r.prompt_ids[cut:] + r.output_ids
+            out_rows += [row] * len(earlier)
+            out_ids += earlier
             if r.sampling.repetition_penalty != 1.0:
-                prompts.append(r.prompt_ids[:cut])
-                prompt_rows.append(row)
+                prompt_rows += [row] * cut
+                prompt_ids += r.prompt_ids[:cut]
             self._owner[row] = weakref.ref(r)
-        rows = _to(torch.tensor([row for _, row in fresh], dtype=torch.int64), self.device)
-        self.counts.index_copy_(0, rows, _to(token_counts(outputs, self.vocab), self.device))
-        if prompt_rows:
+        rows = [row for _, row in fresh]
+        # One copy to the device for all of it: rows, then (row, id) pairs of the outputs, then of the prompts.
+        flat = _to(torch.tensor(rows + out_rows + out_ids + prompt_rows + prompt_ids, dtype=torch.int64), self.device)
+        n, m, k = len(rows), len(out_ids), len(prompt_ids)
+        rows_dev, out = flat[:n], flat[n : n + 2 * m].view(2, m)
+        # Scatters on flat views, never index_put's accumulating path (which may synchronize with the device).
+        self.counts.index_fill_(0, rows_dev, 0.0)
+        ones = torch.ones(m, dtype=torch.float32, device=self.device)
+        self.counts.view(-1).scatter_add_(0, out[0] * self.vocab + out[1], ones)
+        if k:
             assert self.in_prompt is not None
-            seen = _to(token_counts(prompts, self.vocab) > 0, self.device)
-            self.in_prompt.index_copy_(0, _to(torch.tensor(prompt_rows, dtype=torch.int64), self.device), seen)
+            prompt = flat[n + 2 * m :].view(2, k)
+            self.in_prompt.index_fill_(0, rows_dev, False)
+            self.in_prompt.view(-1).scatter_(0, prompt[0] * self.vocab + prompt[1], True)
 
     def record(self, rows_dev: torch.Tensor, tokens: torch.Tensor) -> None:
         """Counts a step's sampled tokens (on the device, right after sampling them)."""
         if self.counts is not None:
-            self.counts.index_put_((rows_dev, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
+            ones = torch.ones(tokens.shape, dtype=torch.float32, device=tokens.device)
+            self.counts.view(-1).scatter_add_(0, rows_dev * self.vocab + tokens, ones)
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
