@@ -179,13 +179,19 @@ class LimitedH11Protocol(_Limited, H11Protocol):
     def __init__(self, *args: Any, limits: HttpLimits, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._init_limits(limits)
+        self._their_state: Any = h11.IDLE
 
     def handle_events(self) -> None:
         super().handle_events()
+        # Phases follow the client's side of h11's state machine, on its changes only (a pipelined head
+        # arriving while the client's side stays DONE, behind a response, keeps its deadline).
         state = self.conn.their_state
+        if state is self._their_state:
+            return
+        self._their_state = state
         if state is h11.SEND_BODY:
             self._head_done()
-        elif state is not h11.IDLE and self._phase != "idle":
+        elif state is not h11.IDLE:
             self._message_done()
 
 

@@ -76,6 +76,7 @@ class HttpLimits:
     max_header_bytes: int = reg.HTTP_MAX_HEADER_BYTES.field()
     max_header_count: int = reg.HTTP_MAX_HEADER_COUNT.field()
     max_body_bytes: int = reg.HTTP_MAX_BODY_BYTES.field()
+    max_internal_body_bytes: int = reg.HTTP_MAX_INTERNAL_BODY_BYTES.field()
     header_timeout_s: float = reg.HTTP_HEADER_TIMEOUT_S.field()
     body_timeout_s: float = reg.HTTP_BODY_TIMEOUT_S.field()
     keep_alive_s: float = reg.HTTP_KEEP_ALIVE_S.field()

@@ -671,6 +671,13 @@ HTTP_MAX_URL_BYTES = _http("max_url_bytes", int, 8 * 1024, "the request target (
 HTTP_MAX_HEADER_BYTES = _http("max_header_bytes", int, 64 * 1024, "every header line together: 431 above")
 HTTP_MAX_HEADER_COUNT = _http("max_header_count", int, 128, "header lines: 431 above")
 HTTP_MAX_BODY_BYTES = _http("max_body_bytes", int, 8 * 1024 * 1024, "request body, declared or streamed: 413 above")
+HTTP_MAX_INTERNAL_BODY_BYTES = _http(
+    "max_internal_body_bytes",
+    int,
+    64 * 1024 * 1024,
+    "request body on a worker's control plane (token ids from the router and peers: a long prompt as ids is "
+    "about twice its text's size): 413 above",
+)
 HTTP_HEADER_TIMEOUT_S = _http(
     "header_timeout_s",
     float,

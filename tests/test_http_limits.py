@@ -32,6 +32,7 @@ from router.tokenizer import ModelInfo, RouterTokenizer
 
 LIMITS = HttpLimits(
     max_body_bytes=1024 * 1024,  # above the largest JSON schema allowed (router/structured.py)
+    max_internal_body_bytes=512 * 1024,
     header_timeout_s=0.5,
     body_timeout_s=0.5,
     keep_alive_s=0.5,
@@ -91,6 +92,7 @@ class Server:
     addr: tuple[str, int]
     post_path: str  # a POST route that reads a body
     get_path: str  # a GET route past the front (a worker answers its probes before any limit but the protocol's)
+    max_body_bytes: int
 
 
 @pytest.fixture(scope="module", params=["router-httptools", "router-h11", "worker"])
@@ -98,10 +100,10 @@ def server(smol_path, request: pytest.FixtureRequest) -> Iterator[Server]:
     """The router (each parser) and a worker's control plane."""
     if request.param == "worker":
         with worker_server() as addr:
-            yield Server(addr, "/internal/prefill", "/metrics")
+            yield Server(addr, "/internal/prefill", "/metrics", LIMITS.max_internal_body_bytes)
     else:
         with router_server(smol_path, request.param.removeprefix("router-")) as addr:
-            yield Server(addr, CHAT, "/health")
+            yield Server(addr, CHAT, "/health", LIMITS.max_body_bytes)
 
 
 # ---- raw HTTP/1.1 ---------------------------------------------------------------------------------
@@ -146,6 +148,30 @@ def read_response(s: socket.socket) -> tuple[int, dict[str, str], bytes]:
         assert chunk, "closed inside a response body"
         body += chunk
     return status, headers, body
+
+
+def read_statuses(s: socket.socket, count: int) -> list[int]:
+    """The statuses of ``count`` responses (Content-Length framed) arriving back to back on ``s``."""
+    data = b""
+    statuses: list[int] = []
+    while len(statuses) < count:
+        head_end = data.find(b"\r\n\r\n")
+        if head_end >= 0:
+            head = data[:head_end].decode("latin-1")
+            length = int(
+                next(
+                    (v for k, _, v in (h.partition(":") for h in head.split("\r\n")) if k.lower() == "content-length"),
+                    "0",
+                )
+            )
+            if len(data) >= head_end + 4 + length:
+                statuses.append(int(head.split()[1]))
+                data = data[head_end + 4 + length :]
+                continue
+        chunk = s.recv(65536)
+        assert chunk, f"closed after {statuses}"
+        data += chunk
+    return statuses
 
 
 def status_of(raw: bytes) -> int:
@@ -318,6 +344,18 @@ def test_silent_connection_is_closed(router_addr) -> None:
     assert closed and raw == b""  # nothing asked, nothing answered
 
 
+def test_pipelined_and_keep_alive_requests_are_served(router_addr) -> None:
+    """The limits count per request: requests sent back to back on one connection (pipelined, then one more
+    after a pause under the deadlines) are each answered."""
+    with connect(router_addr) as s:
+        s.sendall(get() * 3 + post(CHAT, b"{}"))
+        statuses = read_statuses(s, 4)
+        assert statuses == [200, 200, 200, 400]
+        time.sleep(LIMITS.keep_alive_s / 5)
+        s.sendall(get())
+        assert read_response(s)[0] == 200
+
+
 def test_idle_keep_alive_connection_is_closed(router_addr) -> None:
     with connect(router_addr) as s:
         s.sendall(get())
@@ -358,16 +396,16 @@ def test_body_that_stops_coming_is_408(router_addr) -> None:
 def test_oversized_body_is_413(server: Server) -> None:
     addr = server.addr
     path = server.post_path
-    big = b'{"x": "' + b"a" * LIMITS.max_body_bytes + b'"}'
+    big = b'{"x": "' + b"a" * server.max_body_bytes + b'"}'
     status, _, body = request(addr, post(path, big))
     assert status == 413
     error = json.loads(body)["error"]
-    assert error["code"] == "request_too_large" and str(LIMITS.max_body_bytes) in error["message"]
+    assert error["code"] == "request_too_large" and str(server.max_body_bytes) in error["message"]
     # Streamed (chunked, no Content-Length): cut as soon as it passes the limit.
     with connect(addr) as s:
         s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n".encode())
         piece = b"a" * 16384
-        for _ in range(LIMITS.max_body_bytes // len(piece) + 2):
+        for _ in range(server.max_body_bytes // len(piece) + 2):
             s.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
         status, _, body = read_response(s)
     assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"

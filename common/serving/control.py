@@ -30,7 +30,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import uvicorn
@@ -373,8 +373,8 @@ def create_worker_app(
 
     # ProbeFront (probes, the internal token, a full queue) answers first, then the HTTP limits
     # (common/settings.py HttpLimits: the body is read there, after the token check), then FastAPI.
-    app.state.http_limits = http_limits or HttpLimits.from_env()
-    app.add_middleware(RequestLimits, limits=app.state.http_limits)
+    app.state.http_limits = limits = http_limits or HttpLimits.from_env()
+    app.add_middleware(RequestLimits, limits=replace(limits, max_body_bytes=limits.max_internal_body_bytes))
     app.add_middleware(ProbeFront, state=state)
 
     @app.get("/metrics")
