@@ -56,8 +56,8 @@ class GrammarBook:
 
     def __init__(self, model_path: Path | None, vocab: int, stop_ids: Sequence[int], fill_threads: int = 1) -> None:
         self.model_path = model_path
-        # One: xgrammar's batch fill on several threads measured slower per step than on one (H200 host, 64
-        # rows: bench/RESULTS.md), its rows being a few microseconds each.
+        # One: xgrammar's batch fill on 8 threads took 1.5x the time of one thread (H200 host, 128 JSON rows:
+        # bench/RESULTS.md); a row takes ~20 us, less than handing it to a thread.
         self.fill_threads = fill_threads
         self.vocab = vocab
         self.stop_ids = sorted(stop_ids)
