@@ -146,6 +146,7 @@ def _worker(role: str, index: int, spec: DeploySpec, redis_url: str, base_env: d
         KVFERRY_POD_NAME=f"bench-{spec.mode}-{role}-{index}",
         KVFERRY_REDIS_URL=redis_url,
         KVFERRY_MODEL=spec.model,
+        KVFERRY_PREFILL_PEERS="http://127.0.0.1",  # its peers: every worker of this deployment (all on loopback)
     )
     if spec.gpus:
         env["CUDA_VISIBLE_DEVICES"] = spec.gpus[index]

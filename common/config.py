@@ -31,6 +31,7 @@ class WorkerConfig:
     host: str = reg.HOST.field()
     port: int = reg.PORT.field()  # from_env: the role's port when unset
     advertise_url: str = reg.ADVERTISE_URL.field()
+    prefill_peers: list[str] = reg.PREFILL_PEERS.field()  # decode/mixed: the only prefill workers it contacts
     pod_name: str = reg.POD_NAME.field()
     redis_url: str = reg.REDIS_URL.field()
     redis_access: RedisAccess = field(default_factory=RedisAccess)  # password, TLS, key prefix

@@ -292,6 +292,17 @@ ADVERTISE_URL = declare(
     shown_default="`http://<host>:<port>` (127.0.0.1 for 0.0.0.0)",
     flag=True,
 )
+PREFILL_PEERS = declare(
+    "KVFERRY_PREFILL_PEERS",
+    url_list,
+    [],
+    "the prefill and mixed workers a decode or mixed worker may ask for remote prefills, comma-separated URLs: a "
+    "host name stands for every address it resolves to (a headless Service), a URL without a port for every "
+    "port of its host; a request naming another is refused (403 `unknown_prefill_peer`)",
+    "workers",
+    "common/config.py",
+    shown_default="none (`kvferry up` and the manifests set it)",
+)
 POD_NAME = declare(
     "KVFERRY_POD_NAME",
     str,

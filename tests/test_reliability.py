@@ -848,6 +848,33 @@ def test_abort_the_client_did_not_ask_for_ends_its_stream_with_an_error(healthy:
     assert_serving(c)
 
 
+def test_decode_worker_contacts_only_its_prefill_peers(healthy: LocalCluster) -> None:
+    """A generate request naming a prefill worker the decode worker was not configured with (a listener of the
+    caller's, or a known worker's address with a path of the caller's) is refused 403 and nothing is sent
+    there; the pages and counts are untouched."""
+    c = healthy
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(1.0)
+    port = listener.getsockname()[1]
+    try:
+        for url in (f"http://127.0.0.1:{port}", f"{c.prefill_urls[0]}/internal/evil"):
+            body = {
+                "req_id": uuid.uuid4().hex,
+                "token_ids": [1] * 300,
+                "sampling": {"max_tokens": 2},
+                "prefill_url": url,
+            }
+            r = httpx.post(f"{c.decode_urls[0]}/internal/generate", json=body, timeout=10)
+            assert r.status_code == 403, r.text
+            assert assert_openai_error(r.json())["code"] == "unknown_prefill_peer"
+        with pytest.raises(TimeoutError):
+            listener.accept()  # the decode worker never called it
+    finally:
+        listener.close()
+    wait_pages_back(worker_urls(c))
+    assert_serving(c)
+
+
 # ---- a worker that stops answering ----------------------------------------------------------------
 def _stop_group(part: ManagedProcess, sig: int) -> None:
     assert part.proc is not None

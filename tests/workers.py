@@ -68,6 +68,7 @@ def start_worker(
         "KVFERRY_TORCH_THREADS": "1",
         "KVFERRY_LOG_LEVEL": "WARNING",
         "KVFERRY_POD_NAME": pod,
+        "KVFERRY_PREFILL_PEERS": "http://127.0.0.1",  # any test worker on this host (they take free ports)
         **(env or {}),
     }
     part = worker_process(role, port, redis_url, full_env, LOG_DIR / f"{pod}-{uuid.uuid4().hex[:6]}.log", name=pod)

@@ -143,16 +143,23 @@ def start_local_cluster(
             say(f"model {model}: {resolve_model_path(model)}")
 
         urls = {"prefill": cluster.prefill_urls, "decode": cluster.decode_urls, "mixed": cluster.mixed_urls}
-        for role, count in (("prefill", prefill), ("decode", decode), ("mixed", mixed)):
-            for i in range(count):
-                wport = free_port()
-                wenv = dict(base_env, KVFERRY_POD_NAME=f"local-{role}-{i}", **(role_env or {}).get(role, {}))
-                part = worker_process(
-                    role, wport, redis_url, wenv, logs / f"{role}-{i}.log", name=f"{role}-{i}", args=worker_args
-                )
-                part.start()
-                cluster.workers.append(part)
-                urls[role].append(part.url or "")
+        roles = [
+            (r, i) for r, count in (("prefill", prefill), ("decode", decode), ("mixed", mixed)) for i in range(count)
+        ]
+        ports: dict[tuple[str, int], int] = {}
+        while len(set(ports.values())) < len(roles):
+            ports = {part: free_port() for part in roles}
+        # The prefill workers a decode or mixed worker may ask for remote prefills: this cluster's.
+        peers = ",".join(f"http://127.0.0.1:{ports[r]}" for r in roles if r[0] in ("prefill", "mixed"))
+        for role, i in roles:
+            wenv = dict(base_env, KVFERRY_POD_NAME=f"local-{role}-{i}", KVFERRY_PREFILL_PEERS=peers)
+            wenv.update((role_env or {}).get(role, {}))
+            part = worker_process(
+                role, ports[(role, i)], redis_url, wenv, logs / f"{role}-{i}.log", name=f"{role}-{i}", args=worker_args
+            )
+            part.start()
+            cluster.workers.append(part)
+            urls[role].append(part.url or "")
         shape = f"{prefill} prefill + {decode} decode" + (f" + {mixed} mixed" if mixed else "")
         say(f"starting {shape} workers (logs in {logs})")
         wait_ready(cluster.workers, ready_timeout_s, say)

@@ -37,6 +37,7 @@ from common.protocol import (
 )
 from common.serving.channel import ENGINE_TIMEOUT, EngineError, Message
 from common.serving.control import WorkerState, error_response, read_message
+from common.serving.peer_directory import PeerDirectory
 from common.serving.request_trace import DECODE_SPANS, WorkerTrace
 
 log = logging.getLogger("kvferry.decode")
@@ -180,16 +181,16 @@ def _error_text(r: httpx.Response) -> str:
 async def _remote_prefill(
     state: WorkerState,
     peers: PrefillPeers,
+    url: str,
     gen: GenerateRequest,
     pages: list[int],
     timeout_s: float,
     trace: WorkerTrace | None = None,
 ) -> None:
-    """Asks the prefill peer to fill `pages`; tells the engine when that cannot happen, and whether the peer
+    """Asks the prefill peer at `url` (a known one: PeerDirectory) to fill `pages`; tells the engine when that cannot happen, and whether the peer
     may have started (then the pages wait for its word)."""
     client = state.client
-    assert gen.prefill_url is not None and client is not None
-    url = gen.prefill_url.rstrip("/")
+    assert client is not None
     try:
         for attempt in range(2):
             hs = await peers.ensure(url, force=attempt > 0)
@@ -263,6 +264,7 @@ def add_decode_routes(app: FastAPI, state: WorkerState) -> None:
     limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
     http = httpx.AsyncClient(limits=limits, headers=state.cfg.internal_token.headers())  # peers' /internal/*
     peers = PrefillPeers(state, http)
+    directory = PeerDirectory(state.cfg.prefill_peers)
     watch = PeerWatch(state, peers)
     state.event_handlers["awaiting_peers"] = watch.update
     state.on_engine_lost.append(lambda: (peers.known.clear(), watch.awaited.clear()))  # a new agent handshakes anew
@@ -283,6 +285,12 @@ def add_decode_routes(app: FastAPI, state: WorkerState) -> None:
             return error_response(503, "decode worker not ready", "unavailable", "not_ready")
         client = state.client
         assert client is not None
+        peer_url = None
+        if gen.prefill_url is not None:
+            peer_url = await directory.resolve(gen.prefill_url)
+            if peer_url is None:
+                message = f"prefill worker {gen.prefill_url!r} is not among this worker's KVFERRY_PREFILL_PEERS"
+                return error_response(403, message, "invalid_request_error", "unknown_prefill_peer")
         if gen.req_id in client.streams:  # delivered twice: the live copy keeps its stream
             message = f"duplicate request id {gen.req_id!r}"
             return error_response(409, message, "invalid_request_error", "duplicate_request")
@@ -340,7 +348,7 @@ def add_decode_routes(app: FastAPI, state: WorkerState) -> None:
                 pages = await reserved
             finally:
                 reservations.pop(gen.req_id, None)
-            await _remote_prefill(state, peers, gen, pages, timeout_s, trace)
+            await _remote_prefill(state, peers, peer_url, gen, pages, timeout_s, trace)
 
         if remote:
             prefill_task = asyncio.create_task(arrange_prefill(reservations[gen.req_id]))
