@@ -814,6 +814,7 @@ def test_hangups_at_random_moments_leave_nothing_behind(healthy: LocalCluster) -
     while held := _nothing_held(c):
         assert time.monotonic() - t0 < 10, f"still held 10 s after {HANGUPS} hang-ups (seed {seed}): {held}"
         time.sleep(0.2)
+    print(f"nothing held {time.monotonic() - t0:.1f} s after the last hang-up")
     # No lock-out: a burst of normal requests, short and long, is answered (not 429).
     with ThreadPoolExecutor(max_workers=8) as pool:
         rs = list(pool.map(lambda i: completion(c, long_prompt() if i % 2 else "The sea is", max_tokens=3), range(8)))
