@@ -6,6 +6,12 @@ after launching it (overlap off: the CPU, where there is nothing to overlap, and
 followers need every step's token ids on the host). Both are the same code; only the moment a launched step
 is processed differs, so CI exercises the loop the GPU runs.
 
+Steps are stall-free (common/sched/prefill_budget.py): each one carries one token of every running request
+and, while prompts wait, their chunks up to a token budget sized to an ITL target ("mixed" steps: the
+decode rows first, as one-token extends, then the chunks, one forward). Nothing decoding: prefill-only
+steps of max_prefill_tokens; nothing waiting: decode steps (CUDA graphs on the GPU). ITL target 0 keeps
+prefill-first scheduling, where a waiting prompt's steps run before any decode step.
+
 A request's progress is decided at launch: the lengths that do not depend on the sampled token (its KV
 position, its pages, its next chunk) move then, and the token itself is appended when its step is
 processed. Sampled tokens stay on the device: they are written into `last_tokens[table_row]`, and the next
