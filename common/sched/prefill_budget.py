@@ -29,9 +29,9 @@ from dataclasses import dataclass
 MIN_PAGES = 4  # the budget never falls below this many pages: tiny chunks would starve prompts altogether
 # The auto ITL target in decode steps: the chunk beside decoding is what the engine prefills in this many decode
 # steps. From measurements (bench/RESULTS.md, "Stall-free batching"): on the H200 (8B) 2x gives chunks of 400-
-# 1,500 tokens at batch 1-64, whose mixed steps measured 3.2-3.7x the decode step (an eager step's launch cost
-# is the floor at small batches) while prefilling at 23-27k tok/s; less would prefill slower than a prompt-heavy
-# load arrives at 80%. On the CPU (2 threads) it gives chunks of ~100 tokens.
+# 1,500 tokens at batch 1-64, whose mixed steps the measured step table puts at 3.2-3.9x the decode step (an
+# eager step's launch cost is the floor at small batches) while prefilling at 21-25k tok/s; less would prefill
+# slower than a prompt-heavy load arrives at 80%. On the CPU (2 threads) it gives chunks of ~100 tokens.
 AUTO_ITL_DECODE_STEPS = 2.0
 
 
