@@ -218,7 +218,8 @@ class WorkerState:
 
     @property
     def ready(self) -> bool:
-        return self.engine_ready.is_set() and not self.draining and self.alive
+        # Its first load snapshot in as well: a worker never says ready beside a /load of 0 pages.
+        return self.engine_ready.is_set() and self.load is not None and not self.draining and self.alive
 
     @property
     def inflight(self) -> int:
