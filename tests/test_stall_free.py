@@ -259,3 +259,16 @@ def test_grammar_request_decodes_beside_chunks_with_the_same_tokens(smol_runner,
         assert_pool_clean(engine)
     assert outputs[TINY_TARGET_MS] == outputs[0.0]
     assert outputs[0.0][0][1] == "stop"
+
+
+def test_budget_follows_the_peak_prefill_speed_not_slow_small_steps(tiny_model: DecoderModel) -> None:
+    """On the H200 an eager step costs ~15 ms however small its chunk: a budget fed back from such steps
+    shrinks to its floor. The budget comes from the fastest prefill seen, so slow small steps leave it as is."""
+    sched = scheduler(tiny_model, 20.0, overlap=False, max_prefill_tokens=2048)
+    sched.prefill_speed.observe(2048, 0.05)  # a large chunk: 40,960 tok/s
+    assert sched.prefill_token_budget(decoding=True) == 816  # 20 ms of it, whole pages
+    for _ in range(50):
+        sched.mixed_speed.observe(64, 0.02)  # mixed steps at their launch floor
+        sched.prefill_speed.observe(64, 0.015)  # short prompts prefilled alone
+    assert sched.prefill_token_budget(decoding=True) == 816
+    assert sched.prefill_token_budget(decoding=False) == 2048
