@@ -1,0 +1,62 @@
+"""The router's per-worker in-flight counts: derived from the calls holding the worker and reconciled with
+the worker's own count of live requests, so a drift cannot lock a worker out with 429s (router/pool.py)."""
+
+from __future__ import annotations
+
+import time
+
+from router.admission import AdmissionLimits, decode_is_full
+from router.pool import WorkerPool, parse_load
+
+
+class _Call:
+    """Stands for an UpstreamCall in the pool's sets (only its identity matters there)."""
+
+    def kill(self, reason: str) -> None:
+        pass
+
+
+def _decode_load(live: int | None) -> dict[str, object]:
+    snap: dict[str, object] = {
+        "role": "decode",
+        "pod": "d0",
+        "running_requests": 0,
+        "waiting_requests": 0,
+        "free_pages": 512,
+        "total_pages": 512,
+        "page_size": 16,
+        "ready": True,
+        "max_running": 64,
+    }
+    if live is not None:
+        snap["live_requests"] = live
+    return snap
+
+
+def test_calls_the_worker_no_longer_knows_stop_counting_at_its_next_poll() -> None:
+    pool = WorkerPool(client=None)  # type: ignore[arg-type]
+    pool.set_targets("decode", ["http://d0"])
+    w = pool.workers["http://d0"]
+    limits = AdmissionLimits(max_waiting=64)
+    long_ago = time.monotonic() - 60
+    for _ in range(128):  # calls that were never closed: the lock-out of issue 24
+        w.decoding[_Call()] = long_ago
+    pool.report_load(w, parse_load(_decode_load(live=None)))  # a worker that does not report live requests
+    assert w.inflight_requests == 128 and decode_is_full(w, 100, limits)
+    pool.report_load(w, parse_load(_decode_load(live=0)))  # it has none: the stale calls hold nothing there
+    assert w.inflight_requests == 0 and not decode_is_full(w, 100, limits)
+
+
+def test_calls_sent_after_the_poll_count_until_the_worker_can_have_seen_them() -> None:
+    pool = WorkerPool(client=None)  # type: ignore[arg-type]
+    pool.set_targets("decode", ["http://d0"])
+    w = pool.workers["http://d0"]
+    pool.report_load(w, parse_load(_decode_load(live=3)), asked=time.monotonic())
+    old, new = _Call(), _Call()
+    w.decoding[old] = time.monotonic() - 60
+    w.decoding[new] = time.monotonic()
+    assert w.inflight_requests == 2  # min(mine 2, live 3 + 1 recent)
+    del w.decoding[old], w.decoding[new]
+    assert w.inflight_requests == 0  # what the router holds is the ceiling
+    w.prefilling[new] = (time.monotonic(), 300)
+    assert w.inflight_tokens == 300 and w.inflight_requests == 1
