@@ -77,10 +77,14 @@ class _Limited:
         self._cancel_deadline()
         super().connection_lost(exc)  # type: ignore[misc]
 
+    # Whether the next request's head begins with the next bytes after a message (h11, which reports no
+    # message start) or at the parser's own report of it (httptools: `on_message_begin`).
+    _head_starts_on_data = True
+
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
-        if self._phase == "idle":
+        if self._phase == "idle" and self._head_starts_on_data:
             self._begin_head()
         if self._phase == "head":
             self._head_bytes += len(data)
@@ -103,12 +107,10 @@ class _Limited:
         self._arm(self.limits.header_timeout_s, self._head_late)
 
     def _head_done(self) -> None:
-        if self._phase == "head":
-            self._phase = "body"
-            self._arm(self.limits.body_timeout_s, self._body_late)
+        self._phase = "body"
+        self._arm(self.limits.body_timeout_s, self._body_late)
 
     def _message_done(self) -> None:
-        self._head_done()
         self._phase = "idle"
         self._cancel_deadline()
 
@@ -179,20 +181,18 @@ class LimitedH11Protocol(_Limited, H11Protocol):
     def __init__(self, *args: Any, limits: HttpLimits, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._init_limits(limits)
-        self._their_state: Any = h11.IDLE
+        next_event = self.conn.next_event
 
-    def handle_events(self) -> None:
-        super().handle_events()
-        # Phases follow the client's side of h11's state machine, on its changes only (a pipelined head
-        # arriving while the client's side stays DONE, behind a response, keeps its deadline).
-        state = self.conn.their_state
-        if state is self._their_state:
-            return
-        self._their_state = state
-        if state is h11.SEND_BODY:
-            self._head_done()
-        elif state is not h11.IDLE:
-            self._message_done()
+        def observed() -> Any:
+            # Phases follow h11's events as uvicorn takes them (several requests may come in one read).
+            event = next_event()
+            if isinstance(event, h11.Request):
+                self._head_done()
+            elif isinstance(event, h11.EndOfMessage):
+                self._message_done()
+            return event
+
+        self.conn.next_event = observed  # type: ignore[method-assign]
 
 
 try:
@@ -204,9 +204,16 @@ except ImportError:  # httptools is optional: h11 then
 if HttpToolsProtocol is not None:
 
     class LimitedHttpToolsProtocol(_Limited, HttpToolsProtocol):  # type: ignore[misc, valid-type]
+        _head_starts_on_data = False
+
         def __init__(self, *args: Any, limits: HttpLimits, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._init_limits(limits)
+
+        def on_message_begin(self) -> None:
+            if self._phase != "head":  # (the connection's first head began at its opening)
+                self._begin_head()
+            super().on_message_begin()
 
         def on_headers_complete(self) -> None:
             self._head_done()

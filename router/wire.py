@@ -9,7 +9,7 @@ connections pooled per host, a request written in one call, and a response read 
 
 A pooled connection the worker closed while it sat idle shows up as EOF before any response byte; the
 request is then sent once more on a fresh connection (the worker never saw it). Idle connections are
-dropped before uvicorn's 5 s keep-alive timeout would close them under us.
+dropped before the workers' keep-alive timeout (`KVFERRY_HTTP_KEEP_ALIVE_S`, 5 s) would close them under us.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 __all__ = ["ConnectError", "ProtocolError", "Response", "WireClient", "WireError"]
 
-_IDLE_S = 4.0  # uvicorn closes idle keep-alive connections after 5 s
+_IDLE_S = 4.0  # under the workers' keep-alive timeout (KVFERRY_HTTP_KEEP_ALIVE_S, 5 s by default)
 _MAX_IDLE_PER_HOST = 256
 _MAX_LINE = 1 << 20
 

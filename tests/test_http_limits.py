@@ -356,6 +356,18 @@ def test_pipelined_and_keep_alive_requests_are_served(router_addr) -> None:
         assert read_response(s)[0] == 200
 
 
+def test_a_body_read_after_its_head_is_not_taken_for_a_head(router_addr) -> None:
+    """A reused connection: a request refused (413) before its body is read, the next one right behind it, so
+    that one read holds the end of the first and the head of the second, and later reads the second's body
+    (longer than any request line may be). Both are answered; the body is not taken for a head."""
+    oversized = b"x" * (LIMITS.max_body_bytes + 1)
+    body = b'{"model": "' + b"a" * (600 * 1024) + b'"}'
+    with connect(router_addr) as s:
+        s.sendall(post(CHAT, oversized) + post(CHAT, body))
+        statuses = read_statuses(s, 2)
+    assert statuses[0] == 413 and 400 <= statuses[1] < 500, statuses
+
+
 def test_idle_keep_alive_connection_is_closed(router_addr) -> None:
     with connect(router_addr) as s:
         s.sendall(get())
