@@ -482,6 +482,18 @@ def test_prefill_budget_caps_steps_beside_decoding_requests_only() -> None:
     assert prefill_token_budget(512, 16, 1e9, 0.02, decoding=True) == 512  # never above max_prefill_tokens
 
 
+def test_prefill_budget_grows_with_the_backlog_so_prefill_keeps_up() -> None:
+    from common.sched.prefill_budget import BACKLOG_STEPS, prefill_token_budget
+
+    itl_chunk = prefill_token_budget(2048, 16, 40_000.0, 0.02, decoding=True)
+    # A backlog the ITL chunk clears within BACKLOG_STEPS steps leaves it alone.
+    assert prefill_token_budget(2048, 16, 40_000.0, 0.02, True, backlog_tokens=itl_chunk * BACKLOG_STEPS) == 800
+    # A larger one takes its share per step, whole pages, up to max_prefill_tokens.
+    assert prefill_token_budget(2048, 16, 40_000.0, 0.02, True, backlog_tokens=1000 * BACKLOG_STEPS) == 992
+    assert prefill_token_budget(2048, 16, 40_000.0, 0.02, True, backlog_tokens=10**6) == 2048
+    assert prefill_token_budget(2048, 16, 40_000.0, 0.02, False, backlog_tokens=10) == 2048  # alone: all of it
+
+
 def test_itl_target_chunks_prefill_beside_decoding_and_keeps_outputs(tiny_model: DecoderModel) -> None:
     """With an ITL target a prompt that arrives while another request decodes is prefilled in capped chunks
     (the tiny model's measured speed puts the cap at the 4-page floor), and every output is unchanged."""

@@ -334,7 +334,13 @@ class Scheduler:
             speed,
             self.itl_target_s(),
             decoding=bool(self.running) if decoding is None else decoding,
+            backlog_tokens=self.backlog_tokens(),
         )
+
+    def backlog_tokens(self) -> int:
+        """Prompt tokens admitted and not yet computed (the waiting queue is bounded by admission)."""
+        chunked = self.chunked.prompt_len - self.chunked.cached_len if self.chunked is not None else 0
+        return chunked + sum(r.prompt_len - r.cached_len for r in self.waiting)
 
     def _can_decode(self, r: Req) -> bool:
         k = self.inflight(r)
