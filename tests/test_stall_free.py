@@ -11,7 +11,7 @@ import pytest
 
 from common.engine.model import DecoderModel
 from common.protocol import SamplingParams
-from common.sched.prefill_budget import AUTO_ITL_DECODE_STEPS, MIN_PAGES
+from common.sched.prefill_budget import AUTO_ITL_DECODE_STEPS, BACKLOG_STEPS, MIN_PAGES
 from common.sched.request import Req
 from common.sched.scheduler import Scheduler, SchedulerConfig
 from tests.engine_helpers import assert_pool_clean
@@ -131,6 +131,40 @@ def test_every_step_advances_every_running_request_while_a_prompt_prefills(
     budget = MIN_PAGES * PAGE
     assert chunks == [budget] * (300 // budget) + ([300 % budget] if 300 % budget else [])
     assert steps >= len(chunks)
+
+
+def test_prompts_queued_behind_a_prefill_grow_its_chunks() -> None:
+    """One long prompt alone is chunked at the ITL budget; prompts queued behind it make the chunk a
+    1/BACKLOG_STEPS share of what waits behind, so a queue is worked off instead of waiting on tiny chunks."""
+    tiny = build_tiny_model()
+    sched = scheduler(tiny, TINY_TARGET_MS, overlap=False)
+    running = Req(req_id="d", prompt_ids=prompts(51, [9])[0], sampling=SamplingParams(max_tokens=80, ignore_eos=True))
+    sched.add(running)
+    while not sched.running:
+        sched.step()
+    sched.step()
+    floor = MIN_PAGES * PAGE
+    long = Req(req_id="long", prompt_ids=prompts(52, [300])[0], sampling=SamplingParams(max_tokens=2))
+    behind = [
+        Req(req_id=f"q{i}", prompt_ids=p, sampling=SamplingParams(max_tokens=2))
+        for i, p in enumerate(prompts(53, [200, 200]))
+    ]
+    chunks: list[tuple[str, int]] = []
+    sched.on_prefill_chunk = lambda r, s, e: chunks.append((r.req_id, e - s))
+    sched.add(long)
+    assert sched.backlog_tokens() == 0  # alone: no one waits behind it
+    assert sched.prefill_token_budget(decoding=True) == floor
+    for r in behind:
+        sched.add(r)
+    assert sched.backlog_tokens() == 400
+    assert sched.prefill_token_budget(decoding=True) == 400 // BACKLOG_STEPS // PAGE * PAGE
+    while not all(r.output_ids for r in [long, *behind]):
+        sched.step()
+        check_invariants(sched)
+    first = chunks[0]
+    assert first == ("long", 400 // BACKLOG_STEPS // PAGE * PAGE)
+    assert sum(n for rid, n in chunks if rid == "long") == 300
+    assert len(running.output_ids) > 0
 
 
 def test_short_prompts_beside_a_large_batch_share_one_step(tiny_model: DecoderModel) -> None:

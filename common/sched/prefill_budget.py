@@ -20,9 +20,10 @@ the whole `max_prefill_tokens`.
 
 No starvation: the budget never falls below MIN_PAGES pages, so a waiting prompt progresses every step even
 when the target leaves no room (a decode step that alone exceeds it). Nor does the ITL target starve the queue:
-when the prompt tokens waiting (the backlog) exceed BACKLOG_STEPS chunks, the chunk grows to a
-1/BACKLOG_STEPS share of the backlog (at most `max_prefill_tokens`), so prefill keeps up with arrivals and a
-saturated worker runs full chunks with its decode rows riding along. Measured on the H200 (8B, bench/RESULTS.md
+when the prompt tokens queued behind the prompt being prefilled (the backlog: one long prompt alone has
+none) exceed BACKLOG_STEPS chunks, the chunk grows to a 1/BACKLOG_STEPS share of the backlog (at most
+`max_prefill_tokens`), so prefill keeps up with arrivals and a saturated worker runs full chunks with its
+decode rows riding along. Measured on the H200 (8B, bench/RESULTS.md
 "Stall-free batching"): the ITL chunk alone held ITL p99 to 23 ms at ~45% load (59 ms prefill-first) but
 served 0.57 of prefill-first's saturation throughput, each small eager mixed step paying a ~15 ms launch floor.
 """

@@ -338,9 +338,12 @@ class Scheduler:
         )
 
     def backlog_tokens(self) -> int:
-        """Prompt tokens admitted and not yet computed (the waiting queue is bounded by admission)."""
-        chunked = self.chunked.prompt_len - self.chunked.cached_len if self.chunked is not None else 0
-        return chunked + sum(r.prompt_len - r.cached_len for r in self.waiting)
+        """Prompt tokens queued behind the prompt prefilled first (the chunked one, else the head of the queue):
+        one long prompt alone is no backlog, its chunks follow the ITL target (the waiting queue is bounded by
+        admission, so this stays small)."""
+        queued = [self.chunked] if self.chunked is not None else []
+        queued.extend(self.waiting)
+        return sum(r.prompt_len - r.cached_len for r in queued[1:])
 
     def _can_decode(self, r: Req) -> bool:
         k = self.inflight(r)
