@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -226,8 +225,7 @@ def create_app(
                     try:
                         await body.aclose()
                     finally:
-                        await service.close(choices)
-                        service.release(ticket)
+                        await service.end(ticket, choices)
                         rec.finish_choices(200, choices)
 
                 handed_off = True
@@ -247,12 +245,7 @@ def create_app(
         finally:
             if not handed_off:
                 rec.finish(499, "abort")  # cancelled (a no-op when counted above)
-                try:
-                    if job is not None:
-                        with anyio.CancelScope(shield=True):
-                            await service.close(job.choices)
-                finally:
-                    service.release(ticket)
+                await service.end(ticket, job.choices if job is not None else [])
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Response:

@@ -14,7 +14,6 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-import anyio
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -274,8 +273,7 @@ def install_extra_routes(app: FastAPI, state: dict[str, Any]) -> None:
                     try:
                         await stream.aclose()
                     finally:
-                        await service.close(choices)
-                        service.release(ticket)
+                        await service.end(ticket, choices)
 
                 handed_off = True
                 return ManagedStream(stream, on_close, "text/event-stream", SSE_HEADERS)
@@ -288,12 +286,7 @@ def install_extra_routes(app: FastAPI, state: dict[str, Any]) -> None:
             return Response(status_code=499)
         finally:
             if not handed_off:
-                try:
-                    if job is not None:
-                        with anyio.CancelScope(shield=True):
-                            await service.close(job.choices)
-                finally:
-                    service.release(ticket)
+                await service.end(ticket, job.choices if job is not None else [])
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

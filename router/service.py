@@ -17,6 +17,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import anyio
+
 from router.choice import ChoiceDelta, ChoiceState, TokenInfo
 from router.errors import bad_request, context_too_long, rate_limited, upstream_failed
 from router.metrics import TokenGaps
@@ -241,6 +243,15 @@ class RouterService:
             await self.close(choices)
             raise
         return choices
+
+    async def end(self, ticket: Admission, choices: list[RunningChoice]) -> None:
+        """What a request holds here, let go however it ended: its upstream calls closed (shielded from the
+        cancel of a client that went away; abandoned whatever happens) and its admission ticket released."""
+        try:
+            with anyio.CancelScope(shield=True):
+                await self.close(choices)
+        finally:
+            self.release(ticket)
 
     async def close(self, choices: list[RunningChoice]) -> None:
         """Closes the choices' upstream calls (a finished stream's connection goes back to the pool). However
