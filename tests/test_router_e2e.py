@@ -73,6 +73,13 @@ def test_kvferry_up_command_serves_and_stops_on_ctrl_c(tmp_path: Path) -> None:
         assert printed["temperature"] == 0, printed
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=printed, timeout=120)
         assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"], r.text
+        # The workers' internal API wants the token `kvferry up` made for this run: another user of the
+        # machine who finds a worker's port gets 401 and changes nothing.
+        decode_url = text.split("decode-0 ready at ", 1)[1].split()[0]
+        gen = {"req_id": "stranger", "token_ids": [1, 2, 3], "sampling": {"max_tokens": 2}}
+        r = httpx.post(f"{decode_url}/internal/generate", json=gen, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_internal_token", r.text
+        assert httpx.get(f"{decode_url}/load", timeout=30).json()["live_requests"] == 0
     finally:
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)

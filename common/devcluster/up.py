@@ -4,6 +4,7 @@ that exits is restarted with back-off (common/devcluster/supervisor.py) while th
 from __future__ import annotations
 
 import argparse
+import secrets
 import signal
 import sys
 import time
@@ -11,7 +12,7 @@ import time
 from common.devcluster.cluster import LocalCluster, start_local_cluster
 from common.devcluster.process import ClusterError
 from common.devcluster.supervisor import Supervisor
-from common.settings_registry import API_KEY, MODEL
+from common.settings_registry import API_KEY, INTERNAL_TOKEN, MODEL
 
 __all__ = ["main"]
 
@@ -43,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         mixed = f" + {args.mixed} mixed" if args.mixed else ""
         say(f"kvferry up: {args.prefill} prefill + {args.decode} decode{mixed} workers, model {args.model}")
+        # The workers' internal API is closed to other users of this machine too: a token made for this run
+        # (unless one is set), given to every part in its environment and never printed.
+        token = ",".join(INTERNAL_TOKEN.read()) or secrets.token_urlsafe(32)
         cluster = start_local_cluster(
             args.prefill,
             args.decode,
@@ -54,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             log_dir=args.log_dir,
             progress=say,
             mixed=args.mixed,
+            env={INTERNAL_TOKEN.name: token},
         )
         shown = cluster.router_url.replace("0.0.0.0", "localhost")
         auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
