@@ -87,11 +87,12 @@ class PromptPlan:
 class _Retry(Exception):
     """A failure before the first token: try other pods."""
 
-    def __init__(self, error: OpenAIError, blame_decode: bool, blame_prefill: bool) -> None:
+    def __init__(self, error: OpenAIError, blame_decode: bool, blame_prefill: bool, local: bool = False) -> None:
         super().__init__(error.message)
         self.error = error
         self.blame_decode = blame_decode
         self.blame_prefill = blame_prefill
+        self.local = local  # retry with the prompt prefilled on the decode worker (no prefill worker)
 
 
 class Dispatcher:
@@ -239,6 +240,8 @@ class UpstreamCall:
                     exclude_d.add(decision.decode)
                 if r.blame_prefill and decision.prefill is not None:
                     exclude_p.add(decision.prefill)
+                if r.local:
+                    exclude_p.update(w.url for w in self.d.pool.prefillers())
                 log.warning(
                     "upstream attempt failed before the first token",
                     extra={
@@ -351,6 +354,11 @@ class UpstreamCall:
             # This request already reached the worker (a POST resent after a reused connection's EOF, whose
             # first copy did arrive): that copy is aborted when its unread response closes; retry under a new id.
             raise _Retry(upstream_failed(f"duplicate delivery: {message}"), False, False)
+        if status == 403 and code == "unknown_prefill_peer":
+            # The decode worker was not configured with this prefill worker as a peer (KVFERRY_PREFILL_PEERS,
+            # e.g. after an upgrade that kept old manifests): its own prefill serves the prompt, slower but
+            # answered, and the message (logged below) says which setting to set.
+            raise _Retry(upstream_failed(message), False, True, local=True)
         if status in (400, 413, 422):
             raise bad_request(message, None, code if isinstance(code, str) else None)
         if status == 429:

@@ -329,6 +329,35 @@ def test_default_router_prefills_on_the_decode_pod_holding_the_prefix(
     assert cached[0] == 0 and min(cached[1:]) > 400, cached
 
 
+def test_a_decode_worker_without_the_prefill_peer_prefills_the_prompt_itself(
+    cluster: LocalCluster, tok: RouterTokenizer, smol_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A router that names the prefill workers by an address the decode worker was not configured with
+    (``localhost`` where its KVFERRY_PREFILL_PEERS says 127.0.0.1: what an upgrade that kept old settings
+    looks like) gets 403 ``unknown_prefill_peer`` for a long prompt; it retries with the prompt prefilled on
+    the decode worker, so the client gets its answer, and the log names the setting to set."""
+    from router.app import create_app
+
+    elsewhere = [u.replace("127.0.0.1", "localhost") for u in cluster.prefill_urls]
+    app = create_app(
+        RouterConfig(model=MODEL, redis_url=cluster.redis_url),
+        RouterOptions(poll_interval_s=0.2),
+        tokenizer=tok,
+        model_info=ModelInfo.from_dir(MODEL, smol_path),
+        discovery=StaticDiscovery(elsewhere, cluster.decode_urls),
+    )
+    with caplog.at_level("WARNING", logger="kvferry"), start_router_thread(app) as s:
+        msgs = [{"role": "system", "content": _system_prompt("geology")}, *FRANCE]
+        body = {"messages": msgs, "temperature": 0, "max_tokens": 8}
+        r = httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] >= 256
+        decisions = httpx.get(f"{s.url}/router/workers").json()["decisions"]
+    assert decisions.get("disaggregated") == 1 and decisions.get("no-prefill") == 1, decisions
+    refused = [rec.getMessage() + str(getattr(rec, "error", "")) for rec in caplog.records]
+    assert any("KVFERRY_PREFILL_PEERS" in m for m in refused), refused
+
+
 def test_redis_stopped_mid_run_requests_still_succeed(client: openai.OpenAI, cluster: LocalCluster) -> None:
     system = _system_prompt("geology")
     msgs = [{"role": "system", "content": system}, {"role": "user", "content": "What is a rock?"}]

@@ -265,6 +265,12 @@ def add_decode_routes(app: FastAPI, state: WorkerState) -> None:
     http = httpx.AsyncClient(limits=limits, headers=state.cfg.internal_token.headers())  # peers' /internal/*
     peers = PrefillPeers(state, http)
     directory = PeerDirectory(state.cfg.prefill_peers)
+    if not state.cfg.prefill_peers:
+        log.warning(
+            "no prefill peers configured: disaggregated requests will be refused (403 unknown_prefill_peer) and "
+            "the router prefills them on this worker; set KVFERRY_PREFILL_PEERS to the prefill workers' URLs "
+            "(in Kubernetes the headless Service, e.g. http://kvferry-prefill:8100)"
+        )
     watch = PeerWatch(state, peers)
     state.event_handlers["awaiting_peers"] = watch.update
     state.on_engine_lost.append(lambda: (peers.known.clear(), watch.awaited.clear()))  # a new agent handshakes anew
@@ -290,6 +296,10 @@ def add_decode_routes(app: FastAPI, state: WorkerState) -> None:
             peer_url = await directory.resolve(gen.prefill_url)
             if peer_url is None:
                 message = f"prefill worker {gen.prefill_url!r} is not among this worker's KVFERRY_PREFILL_PEERS"
+                if not state.cfg.prefill_peers:
+                    message += " (unset: set KVFERRY_PREFILL_PEERS to the prefill workers' URLs to accept it)"
+                else:
+                    message += " (add it to KVFERRY_PREFILL_PEERS to accept it)"
                 return error_response(403, message, "invalid_request_error", "unknown_prefill_peer")
         if gen.req_id in client.streams:  # delivered twice: the live copy keeps its stream
             message = f"duplicate request id {gen.req_id!r}"
