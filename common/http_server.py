@@ -21,7 +21,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from common.http_guard import LimitError, limit_error
 from common.settings import HttpLimits
 
-__all__ = ["LimitedH11Protocol", "protocol_class", "server_options"]
+__all__ = ["REFUSAL_HOOK", "LimitedH11Protocol", "protocol_class", "server_options"]
 
 # The request line beyond its target: method, spaces, "HTTP/1.1" and the line end.
 _REQUEST_LINE_SLACK = 64
@@ -44,6 +44,22 @@ def _raw_response(err: LimitError) -> bytes:
 
 
 _REASONS = {408: "Request Timeout", 414: "URI Too Long", 431: "Request Header Fields Too Large"}
+
+# The attribute of an app's ``state`` called with the status of each answer given here, before the app saw
+# the request (the router counts them beside the responses its app gives: router/app.py).
+REFUSAL_HOOK = "http_refused"
+
+
+def _refusal_hook(app: Any) -> Any:
+    """``app.state.http_refused`` of the app uvicorn serves, under its wrappers (proxy headers, logging)."""
+    for _ in range(8):
+        hook = getattr(getattr(app, "state", None), REFUSAL_HOOK, None)
+        if hook is not None:
+            return hook
+        app = getattr(app, "app", None)
+        if app is None:
+            return None
+    return None
 
 
 class _Limited:
@@ -166,6 +182,9 @@ class _Limited:
         # side, drop whatever still comes, and close when the client does or after _LINGER_S.
         self._refused = True
         self._cancel_deadline()
+        hook = _refusal_hook(getattr(self, "app", None))
+        if hook is not None:
+            hook(err.status)
         self.transport.write(_raw_response(err))
         self.transport.write_eof()
         self._deadline = self.loop.call_later(_LINGER_S, self._close)

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from common.config import RouterConfig
 from common.http_guard import RequestLimits
+from common.http_server import REFUSAL_HOOK
 from common.log import limit_tracebacks
 from common.managed_stream import ManagedStream
 from common.observability.tracing import init_tracing
@@ -179,6 +180,11 @@ def create_app(
     # Outermost: counts FrontDoor's refusals too.
     app.add_middleware(ResponseCounter, metrics=metrics, static_paths=static_paths)
     app.state.router = state
+
+    def http_refused(status: int) -> None:  # a head refused before it was parsed (common/http_server.py)
+        metrics.http_requests.labels(method="unparsed", route="unparsed", status=str(status)).inc()
+
+    setattr(app.state, REFUSAL_HOOK, http_refused)
 
     # ---- OpenAI endpoints ------------------------------------------------------------------------
     def model_card() -> dict[str, Any]:

@@ -303,6 +303,29 @@ def test_endless_request_line_is_414_at_the_limit(router_addr) -> None:
     assert sent < LIMITS.max_url_bytes + 64 * 4096, sent
 
 
+def test_heads_refused_before_parsing_are_counted_by_status(router_addr) -> None:
+    """A head refused while it arrives (too big, too slow) never reaches the app, and is counted in
+    ``kvferry_router_http_requests_total`` all the same, by its status."""
+
+    def refused(status: int) -> float:
+        _, _, text = request(router_addr, get("/metrics"))
+        line = f'kvferry_router_http_requests_total{{method="unparsed",route="unparsed",status="{status}"}} '
+        return sum(float(x.removeprefix(line)) for x in text.decode().splitlines() if x.startswith(line))
+
+    before = {status: refused(status) for status in (408, 414, 431)}
+    with connect(router_addr) as s:
+        raw, _ = stream_until_answered(s, b"GET /health HTTP/1.1\r\nX-Big: ", b"a" * 65536, most=8 * 1024 * 1024)
+        assert status_of(raw) == 431
+    with connect(router_addr) as s:
+        raw, _ = stream_until_answered(s, b"GET /", b"x" * 4096, most=8 * 1024 * 1024)
+        assert status_of(raw) == 414
+    with connect(router_addr) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost")  # and nothing more: cut at the header deadline
+        raw, _ = read_until_closed(s)
+        assert status_of(raw) == 408
+    assert {status: refused(status) - before[status] for status in before} == {408: 1, 414: 1, 431: 1}
+
+
 # ---- deadlines: 408 or a close --------------------------------------------------------------------
 def test_partial_request_lines_are_closed_after_the_header_deadline(server: Server) -> None:
     """Many sockets each holding a partial request line (slowloris): each gets 408 and is closed."""
