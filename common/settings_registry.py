@@ -256,7 +256,7 @@ INTERNAL_TOKEN = declare(
     "required as `Authorization: Bearer` on the workers' `/internal/*` (else 401) and sent by the router and "
     "decode/mixed workers on every internal call; comma-separated: the first is sent, any is accepted (rotation)",
     "all",
-    "common/internal_auth.py",
+    "common/internal_auth.py, common/devcluster/up.py",
     shown_default="unset = the internal API is open",
 )
 LOG_LEVEL = declare(
