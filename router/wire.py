@@ -224,9 +224,10 @@ class WireClient:
                 return conn
             conn.close()
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(key[0], key[1], limit=_MAX_LINE), self.connect_timeout_s
-            )
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the connection when a cancel
+            # comes as it opens, and the cancel is lost (a stopped poll loop polled on).
+            async with asyncio.timeout(self.connect_timeout_s):
+                reader, writer = await asyncio.open_connection(key[0], key[1], limit=_MAX_LINE)
         except TimeoutError:
             raise ConnectError(f"no answer connecting to {key[0]}:{key[1]}", timed_out=True) from None
         except OSError as exc:

@@ -149,3 +149,31 @@ def test_closing_mid_stream_aborts_the_server_side(server) -> None:
             break
         asyncio.run(asyncio.sleep(0.02))
     assert state["aborted"] == before + 1
+
+
+def test_a_cancelled_request_is_cancelled_whenever_the_cancel_comes(server) -> None:
+    """Cancelled at each step of a fresh connection's life (connecting, connected, sending, reading), a
+    request ends cancelled, never with a response: a cancel that arrives as the connection opens is not
+    lost (Python 3.11's ``asyncio.wait_for`` returned the connection then; the router's worker polls went on
+    after the pool stopped them, and a router that could not bind its port never exited)."""
+    url, _ = server
+
+    async def go() -> list[int]:
+        lost = []
+        for steps in range(40):
+            client = WireClient(connect_timeout_s=5.0)
+            task = asyncio.ensure_future(client.get_json_body(f"{url}/json", 5.0))
+            for _ in range(steps):
+                await asyncio.sleep(0)
+            if task.done():
+                break  # answered before this many steps: every earlier moment was tried
+            task.cancel()
+            try:
+                await task
+                lost.append(steps)
+            except asyncio.CancelledError:
+                pass
+            await client.aclose()
+        return lost
+
+    assert run(go()) == []
