@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -88,6 +89,22 @@ def test_kvferry_up_command_serves_and_stops_on_ctrl_c(tmp_path: Path) -> None:
     # Nothing left listening: the router port is free again.
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+
+
+def test_kvferry_up_on_a_port_in_use_says_so_and_starts_nothing() -> None:
+    """Another server on the router's port: `kvferry up` stops at once naming the port, instead of taking that
+    server's answers for its router's and printing its URL."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        r = subprocess.run(
+            [sys.executable, "-m", "common.cli", "up", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert r.returncode == 1, r.stderr
+    assert f"port {port} on 127.0.0.1 is in use" in r.stderr and "--port" in r.stderr, r.stderr
+    assert "kvferry is up" not in r.stdout and "starting" not in r.stderr, r.stderr
 
 
 def test_kvferry_up_without_redis_says_how_to_install() -> None:

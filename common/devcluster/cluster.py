@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -83,6 +84,19 @@ class LocalCluster:
         self.stop()
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """Refuses a router port something already listens on: the router could not bind it, and the readiness
+    wait would take the other listener for it (a second `kvferry up` reported the first one's URL)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a closing socket is no obstacle
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise ClusterError(
+                f"port {port} on {host} is in use ({exc.strerror}); choose another with --port"
+            ) from None
+
+
 def start_local_cluster(
     prefill: int = 1,
     decode: int = 1,
@@ -110,6 +124,8 @@ def start_local_cluster(
     say = progress or (lambda _msg: None)
     if decode + mixed < 1 or min(prefill, decode, mixed) < 0:
         raise ClusterError("need at least one decode or mixed worker (and zero or more prefill workers)")
+    if port:
+        _check_port_free(host, port)
     logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="kvferry-up-"))
     logs.mkdir(parents=True, exist_ok=True)
     base_env = dict(os.environ)
