@@ -3,8 +3,10 @@ connection the server closed while idle, refused connections, aborts."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 from fastapi import FastAPI
@@ -177,3 +179,18 @@ def test_a_cancelled_request_is_cancelled_whenever_the_cancel_comes(server) -> N
         return lost
 
     assert run(go()) == []
+
+
+def test_production_code_never_uses_asyncio_wait_for() -> None:
+    """``asyncio.timeout`` everywhere instead: on Python 3.11 (the floor we support) ``wait_for`` loses a cancel
+    that comes as what it waits for completes, the bug the test above catches in the router's connects."""
+    root = Path(__file__).resolve().parents[1]
+    found = []
+    for path in (
+        p for pkg in ("common", "router", "prefill_worker", "decode_worker") for p in (root / pkg).rglob("*.py")
+    ):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "wait_for" and isinstance(node.value, ast.Name):
+                if node.value.id == "asyncio":
+                    found.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert found == [], found

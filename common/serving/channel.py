@@ -73,7 +73,8 @@ class EngineClient:
                 send(self.conn, {**msg, "rpc": rid}, self._lock)
             except OSError:
                 raise EngineError(ENGINE_EXITED, "engine_exited") from None
-            reply = await asyncio.wait_for(fut, timeout)
+            async with asyncio.timeout(timeout):
+                reply = await fut
         except TimeoutError:
             op = msg.get("op", "?")
             raise EngineError(f"the engine did not answer {op!r} within {timeout:g}s", ENGINE_TIMEOUT) from None

@@ -448,7 +448,8 @@ async def keep_engine(state: WorkerState) -> None:
         if state.client is not None and not state.client.closed.is_set():
             state.proc.kill()  # a pipe still open: the reader ends its streams once the process is gone
             try:
-                await asyncio.wait_for(state.client.closed.wait(), 5.0)
+                async with asyncio.timeout(5.0):
+                    await state.client.closed.wait()
             except TimeoutError:
                 pass
         state.forget_engine()

@@ -234,7 +234,8 @@ async def _remote_prefill(
                     lines = r.aiter_lines()
                     while True:
                         try:
-                            line = await asyncio.wait_for(anext(lines), PREFILL_STALL_S)
+                            async with asyncio.timeout(PREFILL_STALL_S):
+                                line = await anext(lines)
                         except StopAsyncIteration:
                             break
                         except TimeoutError:

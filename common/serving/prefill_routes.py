@@ -92,7 +92,8 @@ def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = Tru
             motion = EngineMotion(lambda: state.load, lambda: state.proc.pid if state.proc is not None else None)
             while True:
                 try:
-                    msg = await asyncio.wait_for(queue.get(), HEARTBEAT_S)
+                    async with asyncio.timeout(HEARTBEAT_S):
+                        msg = await queue.get()
                 except TimeoutError:
                     # The decode side waits as long as this keeps coming (decode_worker/app.py).
                     if motion.moved():
