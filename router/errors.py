@@ -105,9 +105,20 @@ def rate_limited(message: str, retry_after_s: int) -> OpenAIError:
     )
 
 
+# What a 503 for "no worker ready" tells a client to wait: a worker whose engine died is back in a few seconds
+# (docs/reliability.md), and the pool sees it within a poll; clients that honour Retry-After (the openai
+# library does) come back then instead of at once.
+NO_WORKER_RETRY_AFTER_S = 1
+
+
 def no_worker(role: str) -> OpenAIError:
     return OpenAIError(
-        503, f"No {role} worker is ready; try again shortly.", "server_error", None, "service_unavailable"
+        503,
+        f"No {role} worker is ready; try again shortly.",
+        "server_error",
+        None,
+        "service_unavailable",
+        headers={"Retry-After": str(NO_WORKER_RETRY_AFTER_S)},
     )
 
 

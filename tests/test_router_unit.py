@@ -323,8 +323,10 @@ def test_openapi_schema_advertises_the_statuses_the_router_answers(client) -> No
 def test_unknown_fields_are_ignored(client) -> None:
     # Valid apart from unknown fields: passes validation and reaches routing (503: no workers here).
     body = {"messages": MSG, "max_tokens": 4, "logit_bias": {"1": 2}, "user": "u", "tools": [], "frobnicate": 1}
-    err = assert_openai_error(client.post(CHAT, json=body), 503)
+    r = client.post(CHAT, json=body)
+    err = assert_openai_error(r, 503)
     assert err["code"] == "service_unavailable"
+    assert r.headers["retry-after"] == "1"  # a worker coming back (an engine restart) takes seconds
 
 
 def test_unknown_model_is_404(client) -> None:
