@@ -344,19 +344,24 @@ def test_partial_request_lines_are_closed_after_the_header_deadline(server: Serv
             s.close()
 
 
+def trickle(s: socket.socket, piece: bytes) -> None:
+    """Keeps sending `piece` until the server answers or closes (or CLOSED_WITHIN_S passes)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < CLOSED_WITHIN_S:
+        readable, _, _ = select.select([s], [], [], 0.05)
+        if readable:
+            return
+        try:
+            s.sendall(piece)
+        except (BrokenPipeError, ConnectionResetError):
+            return
+
+
 def test_headers_trickled_slowly_are_cut_at_the_deadline(router_addr) -> None:
     """A head that keeps coming, a byte at a time, never completes: the deadline counts from its start."""
     with connect(router_addr) as s:
         s.sendall(b"GET /health HTTP/1.1\r\n")
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < CLOSED_WITHIN_S:
-            readable, _, _ = select.select([s], [], [], 0.05)
-            if readable:
-                break
-            try:
-                s.sendall(b"X")
-            except (BrokenPipeError, ConnectionResetError):
-                break
+        trickle(s, b"X")
         raw, closed = read_until_closed(s)
     assert closed and status_of(raw) == 408
 
@@ -406,15 +411,7 @@ def test_never_ending_chunked_body_is_408(server: Server) -> None:
     path = server.post_path
     with connect(addr) as s:
         s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n".encode())
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < CLOSED_WITHIN_S:
-            readable, _, _ = select.select([s], [], [], 0.05)
-            if readable:
-                break
-            try:
-                s.sendall(b"1\r\n \r\n")
-            except (BrokenPipeError, ConnectionResetError):
-                break
+        trickle(s, b"1\r\n \r\n")
         raw, closed = read_until_closed(s)
     assert closed and status_of(raw) == 408
     assert error_of(raw)["code"] == "request_timeout"
