@@ -86,7 +86,9 @@ def _depth_within(value: Any, limit: int) -> bool:
 def check_schema_limits(schema: Any) -> str:
     """The schema as compact JSON; ValueError naming the limit when it is too deep or too large."""
     if not _depth_within(schema, MAX_SCHEMA_DEPTH):
-        raise ValueError(f"the JSON schema is nested deeper than {MAX_SCHEMA_DEPTH} levels (the limit)")
+        raise ValueError(
+            f"the JSON schema nests JSON objects and arrays deeper than {MAX_SCHEMA_DEPTH} levels (the limit)"
+        )
     text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
     if len(text.encode()) > MAX_SCHEMA_BYTES:
         raise ValueError(f"the JSON schema is larger than {MAX_SCHEMA_BYTES} bytes (the limit)")
@@ -113,7 +115,7 @@ def _json_text(value: Any, param: str) -> str:
             raise ValueError(f"{param}: the schema is not valid JSON") from None
         except RecursionError:
             raise ValueError(
-                f"{param}: the JSON schema is nested deeper than {MAX_SCHEMA_DEPTH} levels (the limit)"
+                f"{param}: the JSON schema nests JSON objects and arrays deeper than {MAX_SCHEMA_DEPTH} levels (the limit)"
             ) from None
     try:
         check_json_schema(value)

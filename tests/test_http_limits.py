@@ -473,7 +473,7 @@ def test_deep_json_schema_is_400_naming_the_limit(router_addr, levels: int) -> N
         status, _, raw = request(router_addr, post(CHAT, json.dumps(body).encode()))
         assert status == 400, (where, raw[:300])
         message = json.loads(raw)["error"]["message"]
-        assert f"nested deeper than {MAX_SCHEMA_DEPTH} levels" in message, (where, message)
+        assert f"nests JSON objects and arrays deeper than {MAX_SCHEMA_DEPTH} levels" in message, (where, message)
 
 
 def test_large_json_schema_is_400_naming_the_limit(router_addr) -> None:
