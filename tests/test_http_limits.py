@@ -41,20 +41,24 @@ CLOSED_WITHIN_S = 10.0  # far above every deadline in LIMITS
 CHAT = "/v1/chat/completions"
 
 
-@contextmanager
-def router_server(smol_path, http: str) -> Iterator[tuple[str, int]]:
+def router_app(smol_path, limits: HttpLimits = LIMITS):
+    """The real router app with no workers behind it (the limits are the router's own)."""
     from router.app import create_app
 
-    app = create_app(
+    return create_app(
         RouterConfig(api_key=None),
         RouterOptions(),
         tokenizer=RouterTokenizer.from_dir(smol_path),
         model_info=ModelInfo.from_dir("smollm2-135m-instruct", smol_path),
         discovery=StaticDiscovery([], []),
         use_redis=False,
-        http_limits=LIMITS,
+        http_limits=limits,
     )
-    with ServerThread(app, limits=LIMITS, http=http) as server:
+
+
+@contextmanager
+def router_server(smol_path, http: str) -> Iterator[tuple[str, int]]:
+    with ServerThread(router_app(smol_path), limits=LIMITS, http=http) as server:
         yield "127.0.0.1", server.port
 
 
@@ -506,17 +510,7 @@ class Records(logging.Handler):
 def test_a_500_logs_its_traceback_once_and_a_line_each_time(smol_path) -> None:
     """Every request hitting the same failure gets its 500 and a log line; the traceback (thousands of lines
     for a deep recursion) is written once, not per request."""
-    from router.app import create_app
-
-    app = create_app(
-        RouterConfig(api_key=None),
-        RouterOptions(),
-        tokenizer=RouterTokenizer.from_dir(smol_path),
-        model_info=ModelInfo.from_dir("smollm2-135m-instruct", smol_path),
-        discovery=StaticDiscovery([], []),
-        use_redis=False,
-        http_limits=LIMITS,
-    )
+    app = router_app(smol_path)
 
     def recurse(n: int) -> int:
         return recurse(n + 1) + 1
@@ -605,18 +599,8 @@ def test_garbage_requests_do_not_log_a_line_each(router_addr) -> None:
 
 # ---- connections: 503 beyond the cap ---------------------------------------------------------------
 def test_connections_beyond_the_cap_get_503(smol_path) -> None:
-    from router.app import create_app
-
     limits = HttpLimits(max_connections=4, header_timeout_s=30.0)
-    app = create_app(
-        RouterConfig(api_key=None),
-        RouterOptions(),
-        tokenizer=RouterTokenizer.from_dir(smol_path),
-        model_info=ModelInfo.from_dir("smollm2-135m-instruct", smol_path),
-        discovery=StaticDiscovery([], []),
-        use_redis=False,
-        http_limits=limits,
-    )
+    app = router_app(smol_path, limits)
     with ServerThread(app, limits=limits) as server:
         addr = ("127.0.0.1", server.port)
         held = [connect(addr) for _ in range(limits.max_connections)]
