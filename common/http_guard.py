@@ -35,25 +35,25 @@ class LimitError:
         self.payload = json.dumps(self.body).encode()
 
 
+# Each limit's refusal: status, message (formatted with the limit's value) and error code.
+_REFUSALS: dict[str, tuple[int, str, str]] = {
+    "max_url_bytes": (414, "The request URL is longer than {} bytes.", "url_too_long"),
+    "max_header_bytes": (
+        431,
+        "The request headers are larger than {} bytes in all.",
+        "request_header_fields_too_large",
+    ),
+    "max_header_count": (431, "The request has more than {} headers.", "request_header_fields_too_large"),
+    "max_body_bytes": (413, "Request body is larger than {} bytes.", "request_too_large"),
+    "header_timeout_s": (408, "The request headers did not arrive within {:g} s.", "request_timeout"),
+    "body_timeout_s": (408, "The request body did not arrive within {:g} s.", "request_timeout"),
+}
+
+
 def limit_error(name: str, limits: HttpLimits) -> LimitError:
     """The refusal for the limit ``name`` (a field of HttpLimits), naming the limit and its value."""
-    if name == "max_url_bytes":
-        return LimitError(414, f"The request URL is longer than {limits.max_url_bytes} bytes.", "url_too_long")
-    if name == "max_header_bytes":
-        message = f"The request headers are larger than {limits.max_header_bytes} bytes in all."
-        return LimitError(431, message, "request_header_fields_too_large")
-    if name == "max_header_count":
-        message = f"The request has more than {limits.max_header_count} headers."
-        return LimitError(431, message, "request_header_fields_too_large")
-    if name == "max_body_bytes":
-        return LimitError(413, f"Request body is larger than {limits.max_body_bytes} bytes.", "request_too_large")
-    if name == "header_timeout_s":
-        message = f"The request headers did not arrive within {limits.header_timeout_s:g} s."
-        return LimitError(408, message, "request_timeout")
-    if name == "body_timeout_s":
-        message = f"The request body did not arrive within {limits.body_timeout_s:g} s."
-        return LimitError(408, message, "request_timeout")
-    raise KeyError(name)
+    status, message, code = _REFUSALS[name]
+    return LimitError(status, message.format(getattr(limits, name)), code)
 
 
 def head_error(scope: Scope, limits: HttpLimits) -> LimitError | None:
