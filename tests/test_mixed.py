@@ -224,6 +224,21 @@ def test_adaptive_router_moves_requests_between_placements_as_load_moves(
 
 
 # ---- last in the module: it kills a worker of the shared cluster -----------------------------------------
+def _stream_on_one_of(
+    router_url: str, body: dict, worker_urls: tuple[str, ...]
+) -> tuple[threading.Thread, dict[str, tuple[str, str | None]], str]:
+    """Starts a stream in the background; once it has begun, the worker decoding it (its text lands in
+    out["run"] when the thread ends)."""
+    started = threading.Event()
+    out: dict[str, tuple[str, str | None]] = {}
+    t = threading.Thread(target=lambda: out.update(run=_stream_text(router_url, body, started)))
+    t.start()
+    assert started.wait(60)
+    victim_url = max(worker_urls, key=lambda u: Worker(u).load()["running_requests"])
+    assert Worker(victim_url).load()["running_requests"] > 0, "the stream ended before the kill"
+    return t, out, victim_url
+
+
 def _stream_text(url: str, body: dict, started: threading.Event | None = None) -> tuple[str, str | None]:
     """Streams a completion; (text, finish reason). `started` is set at the first text."""
     text, finish = "", None
@@ -254,13 +269,7 @@ def test_mixed_engine_killed_mid_stream_stream_moves_and_the_worker_heals(
         body = {"model": MODEL, "prompt": "Describe a walk along a river.", "max_tokens": 120, "temperature": 0}
         body["ignore_eos"] = True
         reference = _stream_text(router.url, body)
-        started = threading.Event()
-        out: dict[str, tuple[str, str | None]] = {}
-        t = threading.Thread(target=lambda: out.update(run=_stream_text(router.url, body, started)))
-        t.start()
-        assert started.wait(60)
-        victim_url = max((a.url, b.url), key=lambda u: Worker(u).load()["running_requests"])
-        assert Worker(victim_url).load()["running_requests"] > 0, "the stream ended before the kill"
+        t, out, victim_url = _stream_on_one_of(router.url, body, (a.url, b.url))
         victim = next(p for p in cluster.workers if p.url == victim_url)
         assert victim.proc is not None
         engine = _engine_pid(victim.proc.pid)
@@ -288,13 +297,7 @@ def test_stream_survives_its_mixed_decode_worker_dying(cluster: LocalCluster, fl
             "ignore_eos": True,
         }
         reference = _stream_text(router.url, body)
-        started = threading.Event()
-        out: dict[str, tuple[str, str | None]] = {}
-        t = threading.Thread(target=lambda: out.update(run=_stream_text(router.url, body, started)))
-        t.start()
-        assert started.wait(60)
-        victim_url = max((a.url, b.url), key=lambda u: Worker(u).load()["running_requests"])
-        assert Worker(victim_url).load()["running_requests"] > 0, "the stream ended before the kill"
+        t, out, victim_url = _stream_on_one_of(router.url, body, (a.url, b.url))
         next(p for p in cluster.workers if p.url == victim_url).kill_group()
         t.join(90)
         assert not t.is_alive(), "the stream hung after its decode worker died"
