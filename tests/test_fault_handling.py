@@ -15,6 +15,7 @@ from common.devcluster.process import ManagedProcess, wait_ready
 from common.devcluster.supervisor import Supervisor
 from common.net import free_port
 from common.serving.channel import ENGINE_TIMEOUT, EngineClient, EngineError
+from common.serving.messages import Generate, Stop, Tokens
 
 
 def test_an_unanswered_engine_call_is_a_retryable_engine_error_not_a_timeout() -> None:
@@ -23,7 +24,7 @@ def test_an_unanswered_engine_call_is_a_retryable_engine_error_not_a_timeout() -
         client = EngineClient(ours, asyncio.get_running_loop(), lambda _m: None)
         try:
             with pytest.raises(EngineError) as info:
-                await client.call({"op": "generate", "req_id": "r"}, timeout=0.2)
+                await client.call(Generate("r", [1], {}), timeout=0.2)
             return info.value
         finally:
             theirs.close()
@@ -35,19 +36,19 @@ def test_an_unanswered_engine_call_is_a_retryable_engine_error_not_a_timeout() -
 
 
 def test_engine_exit_ends_open_streams_with_a_retryable_error() -> None:
-    async def run() -> dict:
+    async def run() -> Tokens:
         ours, theirs = mp.Pipe(duplex=True)
         client = EngineClient(ours, asyncio.get_running_loop(), lambda _m: None)
         queue = client.open_stream("r")
         theirs.close()  # the engine process is gone
         msg = await asyncio.wait_for(queue.get(), 5)
         with pytest.raises(EngineError):
-            await client.call({"op": "stop"}, timeout=5)
+            await client.call(Stop(), timeout=5)
         ours.close()
         return msg
 
     msg = asyncio.run(run())
-    assert msg["finish_reason"] == "error" and msg["retryable"] is True
+    assert isinstance(msg, Tokens) and msg.finish_reason == "error" and msg.retryable is True
 
 
 # A part that exits with code 3 on its first `fail_runs` starts (counted in a file), then serves /ready.

@@ -49,8 +49,9 @@ from common.internal_auth import INTERNAL_PREFIX
 from common.log import limit_tracebacks
 from common.observability.tracing import init_tracing
 from common.protocol import LoadSnapshot
-from common.serving.channel import EngineClient, EngineError, Message
+from common.serving.channel import EngineClient, EngineError
 from common.serving.engine_metrics import EngineMetrics
+from common.serving.messages import AgentInfo, Event, KVIntegrity, Load, Ready, Steps, Stop
 from common.settings import HttpLimits
 
 log = logging.getLogger("kvferry.control")
@@ -197,7 +198,7 @@ class WorkerState:
         self.host_cls = host_cls
         self.metrics = WorkerMetrics(gpu=cfg.runner.device.startswith("cuda"))
         self.engine_ready = asyncio.Event()
-        self.agent: dict[str, Any] = {}
+        self.agent: AgentInfo | None = None  # the engine's, from its Ready event
         self.load: LoadSnapshot | None = None
         self.accepted = AcceptedWork(cfg.runner.page_size)  # what the engine took in since `load` was taken
         self.draining = False
@@ -206,8 +207,12 @@ class WorkerState:
         self.live: set[str] = set()
         self.proc: mp.process.BaseProcess | None = None
         self.client: EngineClient | None = None
-        self.event_handlers: dict[str, Callable[[Message], None]] = {
-            "kv_integrity": lambda m: self.metrics.kv_integrity_violations.inc(m["violations"]),
+        # The engine's events by type; a role's routes add theirs.
+        self.event_handlers: dict[type, Callable[[Any], None]] = {
+            Ready: self._on_ready,
+            Load: self._on_load,
+            Steps: lambda ev: self.metrics.engine.observe_steps(ev.decode),
+            KVIntegrity: lambda ev: self.metrics.kv_integrity_violations.inc(ev.violations),
         }
         # Called when the engine died and before its successor starts (routes drop what they knew of it).
         self.on_engine_lost: list[Callable[[], None]] = []
@@ -263,42 +268,36 @@ class WorkerState:
         for hook in self.on_engine_lost:
             hook()
 
-    def _on_event(self, msg: Message) -> None:
-        ev = msg.get("ev")
-        if ev == "batch":
-            assert self.client is not None
-            for item in msg["items"]:
-                self.client._dispatch(item)
-        elif ev == "load":
-            msg.pop("ev")
-            self.load = LoadSnapshot.model_validate(msg)
-            self.accepted.requests.clear()  # taken after the engine handled them: it counts them itself
-            self.metrics.observe_load(self.load)
-        elif ev == "steps":
-            self.metrics.engine.observe_steps(msg["decode"])
-        elif ev == "ready":
-            self.agent = msg["agent"]
-            self.engine_ready.set()
-            self.ever_ready = True
-            took = round(time.monotonic() - self.engine_started_at, 1)
-            extra = {"role": self.cfg.role, "pod": self.cfg.pod_name, "start_s": took}
-            if self.restarting:
-                self.restarting = False
-                log.warning("engine restarted", extra={**extra, "restarts": self.restarts})
-            else:
-                log.info("engine ready", extra=extra)
-        elif ev in self.event_handlers:
-            self.event_handlers[ev](msg)
+    def _on_event(self, ev: Event) -> None:
+        handler = self.event_handlers.get(type(ev))
+        if handler is not None:
+            handler(ev)
 
-    def observe_finish(self, item: Message) -> None:
-        reason = item.get("finish_reason")
+    def _on_load(self, ev: Load) -> None:
+        self.load = LoadSnapshot.model_validate(ev.snapshot)
+        self.accepted.requests.clear()  # taken after the engine handled them: it counts them itself
+        self.metrics.observe_load(self.load)
+
+    def _on_ready(self, ev: Ready) -> None:
+        self.agent = ev.agent
+        self.engine_ready.set()
+        self.ever_ready = True
+        took = round(time.monotonic() - self.engine_started_at, 1)
+        extra = {"role": self.cfg.role, "pod": self.cfg.pod_name, "start_s": took}
+        if self.restarting:
+            self.restarting = False
+            log.warning("engine restarted", extra={**extra, "restarts": self.restarts})
+        else:
+            log.info("engine ready", extra=extra)
+
+    def observe_finish(self, reason: str | None) -> None:
         if reason:
             self.metrics.requests.labels(outcome=reason).inc()
 
     async def stop_engine(self, timeout: float = 10.0) -> None:
         if self.client is not None and self.alive:
             try:
-                await self.client.call({"op": "stop"}, timeout=timeout)
+                await self.client.call(Stop(), timeout=timeout)
             except Exception:
                 pass
         if self.proc is not None:

@@ -1,12 +1,12 @@
 """The decode role of an engine loop: reserve pages for remote prefill, admit on the KV notice, decode.
 
-One request's transfer here (states in common/transfer/session.py): `generate` queues it, `_try_reserve`
-reserves its pages (session "reserved") and hands the page ids to the control plane, which may send them to
-the prefill peer only after `prefill_sending` moved the session to "requested". The peer's notice ends it
+One request's transfer here (states in common/transfer/session.py): `Generate` queues it, `_try_reserve`
+reserves its pages (session "reserved") and hands the page ids to the control plane (`Reserved`), which may
+send them to the prefill peer only after `PrefillSending` moved the session to "requested". The peer's notice ends it
 (`tick`): "landed" admits the request into the running batch. A request given up on before that keeps its
 pages (`held`) until its peer confirms that no write follows (its "closed" notice, or its answer to the
-cancel the control plane sends it: `transfers_settled`), or is known gone (`peer_gone`); the control plane
-cancels with, and watches, the peers listed in the "awaiting_peers" event.
+cancel the control plane sends it: `TransfersSettled`), or is known gone (`PeerGone`); the control plane
+cancels with, and watches, the peers listed in the `AwaitingPeers` event.
 """
 
 from __future__ import annotations
@@ -18,9 +18,21 @@ from dataclasses import dataclass
 import torch
 
 from common.kv.pool import checksums_match
+from common.protocol import SamplingParams
 from common.sched.request import Req
-from common.serving.channel import Message
-from common.serving.engine_host import EngineHost
+from common.serving.engine_host import EngineHost, Refused
+from common.serving.messages import (
+    AwaitingPeers,
+    Generate,
+    KVForcedRelease,
+    PeerGone,
+    PrefillFailed,
+    PrefillRefused,
+    PrefillSending,
+    Reserved,
+    Tokens,
+    TransfersSettled,
+)
 from common.transfer.receiver import Arrival, KVReceiver
 
 log = logging.getLogger("kvferry.decode")
@@ -45,47 +57,41 @@ class DecodeHost(EngineHost):
         # Given-up requests whose pages a prefill peer may still write: freed when their session ends.
         self.held: dict[str, Req] = {}
         self.scheduler.on_kv_abandoned = self._on_kv_abandoned
-        self.awaited: dict[tuple[str, str], list[str]] = {}  # last "awaiting_peers" sent to the control plane
+        self.awaited: dict[tuple[str, str], list[str]] = {}  # last AwaitingPeers sent to the control plane
+        self.handlers.update(
+            {
+                Generate: self._generate,
+                PrefillSending: self._prefill_sending,
+                PrefillRefused: lambda cmd: self.receiver.refused(cmd.req_id),
+                PrefillFailed: self._prefill_failed,
+                PeerGone: lambda cmd: self._peer_gone(cmd.peer, cmd.peer_instance),
+                TransfersSettled: self._transfers_settled,
+            }
+        )
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self.remote) or bool(self.held)
 
-    def handle_role(self, msg: Message) -> None:
-        op = msg["op"]
-        if op == "generate":
-            self._generate(msg)
-        elif op == "prefill_sending":
-            # The control plane asks before the page ids leave this worker: never for a request given up.
-            if self.receiver.begin(msg["req_id"], str(msg["peer"]), str(msg["peer_instance"])):
-                self.reply(msg)
-            else:
-                self.reject(msg, "the request no longer waits for its KV", "aborted")
-        elif op == "prefill_refused":
-            self.receiver.refused(msg["req_id"])
-            self.reply(msg)
-        elif op == "prefill_failed":  # cast
-            self._prefill_failed(msg["req_id"], str(msg.get("error", "prefill failed")), bool(msg.get("started")))
-        elif op == "peer_gone":  # cast
-            self._peer_gone(str(msg["peer"]), str(msg["peer_instance"]))
-        elif op == "transfers_settled":  # cast: the peer's answer to a cancel (decode_routes.PeerWatch)
-            for rid in self.receiver.settled(str(msg["peer"]), str(msg["peer_instance"]), list(msg["req_ids"])):
-                self._release_held(rid)
-        else:
-            self.reject(msg, f"unknown op {op!r}", "invalid_request")
-
-    def _generate(self, msg: Message) -> None:
-        req = self.make_req(msg)
-        if not msg.get("remote"):
+    def _generate(self, cmd: Generate) -> None:
+        req = self.make_req(cmd.req_id, cmd.token_ids, SamplingParams.model_validate(cmd.sampling), cmd.received)
+        if not cmd.remote:
             self.enqueue(req)
-            self.reply(msg)
             return
         self.scheduler.validate(req)
         if req.req_id in self.scheduler.by_id or req.req_id in self.remote or req.req_id in self.held:
-            self.reject(msg, f"duplicate request id {req.req_id!r}", "duplicate_request")
-            return
-        self.remote[req.req_id] = PendingRemote(req, time.monotonic() + float(msg.get("timeout_s", 60.0)))
-        self.reply(msg)
-        self._try_reserve()
+            raise Refused(f"duplicate request id {req.req_id!r}", "duplicate_request")
+        # Its pages are reserved by `tick`, in this loop turn when they are free.
+        self.remote[req.req_id] = PendingRemote(req, time.monotonic() + cmd.timeout_s)
+
+    def _prefill_sending(self, cmd: PrefillSending) -> None:
+        # The control plane asks before the page ids leave this worker: never for a request given up.
+        if not self.receiver.begin(cmd.req_id, cmd.peer, cmd.peer_instance):
+            raise Refused("the request no longer waits for its KV", "aborted")
+
+    def _transfers_settled(self, cmd: TransfersSettled) -> None:
+        """The peer's answer to a cancel (decode_routes.PeerWatch)."""
+        for rid in self.receiver.settled(cmd.peer, cmd.peer_instance, cmd.req_ids):
+            self._release_held(rid)
 
     def _try_reserve(self) -> None:
         for rid, pending in self.remote.items():
@@ -97,13 +103,13 @@ class DecodeHost(EngineHost):
             pending.reserved = True
             self.mark(rid, "pages_reserved")
             self.receiver.reserve(rid)
-            self.outbox.append({"ev": "reserved", "req_id": rid, "pages": pages.tolist()})
+            self.outbox.append(Reserved(rid, pages.tolist()))
 
     # ---- giving up -----------------------------------------------------------------------------------
     def abort(self, req_id: str, reason: str, error: str | None) -> None:
         pending = self.remote.pop(req_id, None)
         if pending is not None and not pending.reserved:
-            self.emit(req_id, token_ids=[], finish_reason=reason if error is None else "error", error=error)
+            self.emit(Tokens(req_id, [], finish_reason=reason if error is None else "error", error=error))
             return
         self.receiver.give_up(req_id, error or reason)  # first: `_on_kv_abandoned` asks the session
         event = self.scheduler.abort(req_id, reason="abort" if error is None else "error", error=error)
@@ -121,12 +127,12 @@ class DecodeHost(EngineHost):
         if req is not None:
             self.scheduler.free_abandoned(req)
 
-    def _prefill_failed(self, req_id: str, error: str, started: bool) -> None:
-        if req_id not in self.remote:
+    def _prefill_failed(self, cmd: PrefillFailed) -> None:
+        if cmd.req_id not in self.remote:
             return  # the KV arrived already, or the request ended: it no longer needs its peer
-        if not started:
-            self.receiver.give_up(req_id, error, never_started=True)
-        self.abort(req_id, "error", error)
+        if not cmd.started:
+            self.receiver.give_up(cmd.req_id, cmd.error, never_started=True)
+        self.abort(cmd.req_id, "error", cmd.error)
 
     def _peer_gone(self, peer: str, peer_instance: str) -> None:
         for rid in self.receiver.peer_gone(peer, peer_instance):
@@ -147,7 +153,7 @@ class DecodeHost(EngineHost):
         for rid in forced:
             self._release_held(rid)
         if forced:
-            self.outbox.append({"ev": "kv_forced_release", "requests": len(forced)})
+            self.outbox.append(KVForcedRelease(len(forced)))
         if self.remote:
             now = time.monotonic()
             for rid in [r for r, p in self.remote.items() if now > p.deadline]:
@@ -158,7 +164,7 @@ class DecodeHost(EngineHost):
         if awaited != self.awaited:
             self.awaited = awaited
             peers = [[agent, instance, rids] for (agent, instance), rids in sorted(awaited.items())]
-            self.outbox.append({"ev": "awaiting_peers", "peers": peers})
+            self.outbox.append(AwaitingPeers(peers))
 
     def _on_arrival(self, a: Arrival) -> None:
         if a.kind == "released":
@@ -194,6 +200,4 @@ class DecodeHost(EngineHost):
             return
         del self.remote[a.req_id]
         event = self.scheduler.admit_prefilled(a.req_id, notice.token, notice.logprob, notice.cached_tokens)
-        self.emit_step_events([event])
-        if verified:
-            self.outbox[-1]["kv_verified"] = True
+        self.emit_step_events([event], kv_verified=True if verified else None)

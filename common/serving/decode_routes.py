@@ -1,7 +1,7 @@
 """The decode role's control plane: `generate` streams token ids; remote prefill is arranged from here.
 
 For a request with a prefill peer, the engine reserves pages; this side then handshakes with the peer
-(once per peer instance), asks the engine's leave to send the page ids (`prefill_sending`: never for a
+(once per peer instance), asks the engine's leave to send the page ids (`PrefillSending`: never for a
 request given up meanwhile), and holds the peer's `/internal/prefill` stream open until the KV has landed.
 How that ends decides what the engine may do with the pages: a refusal (the peer registered nothing) frees
 them at once; anything after the peer may have started leaves them held until the peer settles them: its
@@ -35,8 +35,22 @@ from common.protocol import (
     PrefillProgress,
     PrefillRequest,
 )
-from common.serving.channel import ENGINE_TIMEOUT, EngineError, Message
+from common.serving.channel import ENGINE_TIMEOUT, EngineError
 from common.serving.control import WorkerState, error_response, read_message
+from common.serving.messages import (
+    Abort,
+    AgentInfo,
+    AwaitingPeers,
+    Generate,
+    KVForcedRelease,
+    PeerGone,
+    PrefillFailed,
+    PrefillRefused,
+    PrefillSending,
+    Reserved,
+    Tokens,
+    TransfersSettled,
+)
 from common.serving.peer_directory import PeerDirectory
 from common.serving.request_trace import DECODE_SPANS, WorkerTrace
 
@@ -77,13 +91,13 @@ class PrefillPeers:
         async with lock:
             if url in self.known and not force:
                 return self.known[url]
-            agent = self.state.agent
+            agent = _agent(self.state)
             body = HandshakeRequest(
-                agent_name=agent["agent_name"],
-                instance_id=agent["instance_id"],
-                agent_metadata_b64=agent["agent_metadata_b64"],
-                pool_info_b64=agent["pool_info_b64"],
-                layout=KVLayoutInfo.model_validate(agent["layout"]),
+                agent_name=agent.agent_name,
+                instance_id=agent.instance_id,
+                agent_metadata_b64=agent.agent_metadata_b64,
+                pool_info_b64=agent.pool_info_b64,
+                layout=KVLayoutInfo.model_validate(agent.layout),
             )
             started = time.perf_counter()
             try:
@@ -117,8 +131,8 @@ class PeerWatch:
     awaited: dict[tuple[str, str], list[str]] = field(default_factory=dict)
     task: asyncio.Task[None] | None = None
 
-    def update(self, msg: Message) -> None:
-        self.awaited = {(str(a), str(i)): [str(r) for r in rids] for a, i, rids in msg["peers"]}
+    def update(self, ev: AwaitingPeers) -> None:
+        self.awaited = {(str(a), str(i)): [str(r) for r in rids] for a, i, rids in ev.peers}
         if self.awaited and (self.task is None or self.task.done()):
             self.task = asyncio.get_running_loop().create_task(self._run())
 
@@ -133,19 +147,17 @@ class PeerWatch:
                 if await self._gone(url, instance):
                     log.info("prefill peer gone", extra={"peer": agent, "url": url})
                     self.awaited.pop((agent, instance), None)
-                    client.cast({"op": "peer_gone", "peer": agent, "peer_instance": instance})
+                    client.cast(PeerGone(agent, instance))
                     continue
                 settled = await self._cancel(url, rids)
                 if settled:
-                    client.cast(
-                        {"op": "transfers_settled", "peer": agent, "peer_instance": instance, "req_ids": settled}
-                    )
+                    client.cast(TransfersSettled(agent, instance, settled))
             await asyncio.sleep(PROBE_INTERVAL_S)
 
     async def _cancel(self, url: str, rids: list[str]) -> list[str]:
-        agent = self.state.agent
+        agent = _agent(self.state)
         body = CancelTransfers(
-            dst_agent=agent["agent_name"], dst_instance_id=agent["instance_id"], req_ids=rids[:MAX_CANCELS]
+            dst_agent=agent.agent_name, dst_instance_id=agent.instance_id, req_ids=rids[:MAX_CANCELS]
         )
         try:
             r = await self.peers.http.post(f"{url}/internal/cancel", json=body.model_dump(), timeout=5.0)
@@ -171,6 +183,11 @@ class PeerWatch:
         return body.get("instance_id") != instance or body.get("engine_alive") is False
 
 
+def _agent(state: WorkerState) -> AgentInfo:
+    assert state.agent is not None  # the routes that use it answer only once the engine was ready
+    return state.agent
+
+
 def _error_text(r: httpx.Response) -> str:
     try:
         return str(r.json()["error"]["message"])
@@ -194,20 +211,19 @@ async def _remote_prefill(
     try:
         for attempt in range(2):
             hs = await peers.ensure(url, force=attempt > 0)
-            leave = {"op": "prefill_sending", "req_id": gen.req_id, "peer": hs.agent_name}
             try:
-                await client.call({**leave, "peer_instance": hs.instance_id})
+                await client.call(PrefillSending(gen.req_id, hs.agent_name, hs.instance_id))
             except EngineError as e:
                 if e.code == ENGINE_TIMEOUT:  # the ids have not left: nothing can be written into the pages
                     raise PeerFailure(f"could not start the remote prefill: {e}", started=False) from None
                 return  # given up meanwhile: the page ids never leave this worker
-            agent = state.agent
+            agent = _agent(state)
             body = PrefillRequest(
                 req_id=gen.req_id,
                 token_ids=gen.token_ids,
                 sampling=gen.sampling,
-                dst_agent=agent["agent_name"],
-                dst_instance_id=agent["instance_id"],
+                dst_agent=agent.agent_name,
+                dst_instance_id=agent.instance_id,
                 dst_pages=pages,
                 deadline_s=timeout_s,
             )
@@ -223,7 +239,7 @@ async def _remote_prefill(
                 ) as r:
                     if r.status_code == 409 and attempt == 0:
                         # The peer restarted and lost our handshake; it registered nothing: redo it once.
-                        await client.call({"op": "prefill_refused", "req_id": gen.req_id})
+                        await client.call(PrefillRefused(gen.req_id))
                         continue
                     if r.status_code != 200:
                         await r.aread()
@@ -256,7 +272,7 @@ async def _remote_prefill(
                 raise PeerFailure(f"prefill worker {url} failed: {e!r}", started=True) from None
     except PeerFailure as e:
         peers.known.pop(url, None)
-        client.cast({"op": "prefill_failed", "req_id": gen.req_id, "error": str(e), "started": e.started})
+        client.cast(PrefillFailed(gen.req_id, str(e), e.started))
     except asyncio.CancelledError:
         return
 
@@ -273,17 +289,17 @@ def add_decode_routes(app: FastAPI, state: WorkerState) -> None:
             "(in Kubernetes the headless Service, e.g. http://kvferry-prefill:8100)"
         )
     watch = PeerWatch(state, peers)
-    state.event_handlers["awaiting_peers"] = watch.update
+    state.event_handlers[AwaitingPeers] = watch.update
     state.on_engine_lost.append(lambda: (peers.known.clear(), watch.awaited.clear()))  # a new agent handshakes anew
-    state.event_handlers["kv_forced_release"] = lambda m: state.metrics.kv_forced_releases.inc(m["requests"])
+    state.event_handlers[KVForcedRelease] = lambda ev: state.metrics.kv_forced_releases.inc(ev.requests)
     reservations: dict[str, asyncio.Future[list[int]]] = {}
 
-    def on_reserved(msg: Message) -> None:
-        fut = reservations.get(msg["req_id"])
+    def on_reserved(ev: Reserved) -> None:
+        fut = reservations.get(ev.req_id)
         if fut is not None and not fut.done():
-            fut.set_result(msg["pages"])
+            fut.set_result(ev.pages)
 
-    state.event_handlers["reserved"] = on_reserved
+    state.event_handlers[Reserved] = on_reserved
 
     @app.post("/internal/generate")
     async def generate(request: Request) -> Response:
@@ -333,19 +349,11 @@ def add_decode_routes(app: FastAPI, state: WorkerState) -> None:
             if prefill_task is not None and not prefill_task.done():
                 prefill_task.cancel()
             if abort:
-                client.cast({"op": "abort", "req_id": gen.req_id})
+                client.cast(Abort(gen.req_id))
 
         try:
             await client.call(
-                {
-                    "op": "generate",
-                    "req_id": gen.req_id,
-                    "token_ids": gen.token_ids,
-                    "sampling": gen.sampling.model_dump(),
-                    "remote": remote,
-                    "timeout_s": timeout_s,
-                    "received": trace.received,
-                }
+                Generate(gen.req_id, gen.token_ids, gen.sampling.model_dump(), remote, timeout_s, trace.received)
             )
         except BaseException as exc:
             # The engine may still take the request (a late answer, or the caller left): stop it then.
@@ -367,14 +375,16 @@ def add_decode_routes(app: FastAPI, state: WorkerState) -> None:
         async def stream() -> AsyncIterator[bytes]:
             nonlocal finished
             while not finished:
-                msg = await queue.get()
-                item = {k: v for k, v in msg.items() if k not in ("ev", "req_id")}
-                state.metrics.generated.inc(len(item.get("token_ids", ())))
-                if "cached_tokens" in item:
-                    state.metrics.cached.inc(item["cached_tokens"])
-                if item.get("finish_reason"):
+                ev = await queue.get()
+                if not isinstance(ev, Tokens):  # a decode stream's only event
+                    continue
+                item = ev.stream_item()
+                state.metrics.generated.inc(len(ev.token_ids))
+                if ev.cached_tokens is not None:
+                    state.metrics.cached.inc(ev.cached_tokens)
+                if ev.finish_reason:
                     finished = True
-                    state.observe_finish(item)
+                    state.observe_finish(ev.finish_reason)
                 timeline = item.get("timeline")
                 if timeline is not None:  # the first tokens: the stages so far, passed on to the router
                     timeline.update(trace.stamps)
@@ -397,5 +407,5 @@ def add_decode_routes(app: FastAPI, state: WorkerState) -> None:
     async def abort(request: Request) -> Response:
         ab: AbortRequest = await read_message(request, AbortRequest)
         assert state.client is not None
-        state.client.cast({"op": "abort", "req_id": ab.req_id})
+        state.client.cast(Abort(ab.req_id))
         return Response(status_code=204)

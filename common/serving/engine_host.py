@@ -11,6 +11,7 @@ import ctypes
 import logging
 import os
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -27,7 +28,22 @@ from common.protocol import LoadSnapshot, SamplingParams
 from common.sched.request import Req, ReqState
 from common.sched.scheduler import DuplicateRequest, RequestRejected, Scheduler, StepEvent
 from common.serving import tp_follower
-from common.serving.channel import Message, recv, send
+from common.serving.channel import recv, send
+from common.serving.messages import (
+    Abort,
+    AgentInfo,
+    Batch,
+    Call,
+    Event,
+    KVIntegrity,
+    Load,
+    Ready,
+    Reply,
+    Steps,
+    Stop,
+    Tokens,
+    Wire,
+)
 from common.serving.prefill_rate import PrefillRate
 from common.settings_registry import DEBUG_CHECKSUMS, TORCH_THREADS
 from common.transfer.agent import KVTransferAgent
@@ -38,6 +54,16 @@ LOAD_INTERVAL_S = 0.1
 DECODE_STEP_SMOOTHING = 0.1  # weight of the newest decode step in the published step time
 MAX_TIMELINES = 16384  # stage stamps kept for requests in flight; beyond it the oldest go (a leak guard)
 IDLE_TRIM_S = 1.0  # idle this long: hand the allocator's free memory back to the OS (once per idle spell)
+
+Handlers = dict[type, Callable[[Any], Wire | None]]  # command type -> what runs it (returns the reply's result)
+
+
+class Refused(Exception):
+    """A command the engine will not run; the caller's ``EngineError`` carries ``code``."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def stage_role(req: Req) -> str:
@@ -94,7 +120,7 @@ class EngineHost:
             access=cfg.redis_access,
         )
         self.scheduler.budget.on_cached = self.publisher.stored
-        self.outbox: list[Message] = []
+        self.outbox: list[Event] = []
         self.stopping = False
         self._last_load = 0.0
         self.prefill_rate = PrefillRate()
@@ -108,6 +134,8 @@ class EngineHost:
         self.step_started = 0.0  # time.time() when the current scheduler step began
         self.ledger_check = IdleLedgerCheck()
         self.decode_step_s = 0.0  # smoothed decode-only step time, published for the router's ITL model
+        # This role's commands, by type; role classes add theirs.
+        self.handlers: Handlers = {Stop: self._stop, Abort: self._abort}
 
     def hands_on_stamps(self, req_id: str) -> bool:
         """Whether this request's stage stamps leave with its KV (a prefill for a peer: in the KV notice and the
@@ -115,17 +143,23 @@ class EngineHost:
         return False
 
     # ---- helpers for subclasses ------------------------------------------------------------------
-    def make_req(self, msg: Message, prefill_only: bool = False) -> Req:
-        sampling = SamplingParams.model_validate(msg["sampling"])
-        req = Req(req_id=msg["req_id"], prompt_ids=list(msg["token_ids"]), sampling=sampling)
+    def make_req(
+        self,
+        req_id: str,
+        token_ids: list[int],
+        sampling: SamplingParams,
+        received: float | None,
+        prefill_only: bool = False,
+    ) -> Req:
+        req = Req(req_id=req_id, prompt_ids=list(token_ids), sampling=sampling)
         req.prefill_only = prefill_only
         req.block_hashes = chained_block_hashes(req.prompt_ids, self.page_size)
         if len(self.stamps) >= MAX_TIMELINES:
             del self.stamps[next(iter(self.stamps))]
         stage = stage_role(req)
         stamps = self.stamps[req.req_id] = {f"{stage}_engine_received": time.time()}
-        if isinstance(msg.get("received"), int | float):  # the control plane's stamp
-            stamps[f"{stage}_received"] = float(msg["received"])
+        if isinstance(received, int | float):  # the control plane's stamp
+            stamps[f"{stage}_received"] = float(received)
         return req
 
     def enqueue(self, req: Req) -> None:
@@ -139,50 +173,47 @@ class EngineHost:
         if stamps is not None:
             stamps[stage] = time.time() if t is None else t
 
-    def emit(self, req_id: str, **fields: Any) -> None:
-        if fields.get("finish_reason") and not self.hands_on_stamps(req_id):
-            self.stamps.pop(req_id, None)
-        self.outbox.append({"ev": "req", "req_id": req_id, **fields})
+    def emit(self, event: Tokens) -> None:
+        if event.finish_reason and not self.hands_on_stamps(event.req_id):
+            self.stamps.pop(event.req_id, None)
+        self.outbox.append(event)
 
-    def emit_step_events(self, events: list[StepEvent]) -> None:
+    def emit_step_events(self, events: list[StepEvent], kv_verified: bool | None = None) -> None:
         for e in events:
             r = e.req
-            item: dict[str, Any] = {"token_ids": e.tokens}
-            if e.logprobs:
-                item["logprobs"] = [lp.model_dump() for lp in e.logprobs]
-            if len(r.output_ids) == len(e.tokens):  # the request's first tokens
-                item["prompt_tokens"] = r.prompt_len
-                item["cached_tokens"] = r.prefix_hit_len
-                if not self.hands_on_stamps(r.req_id):
-                    stamps = self.stamps.pop(r.req_id, None)
-                    if stamps is not None:
-                        stamps["first_token"] = time.time()
-                        item["timeline"] = stamps
-            if e.finished:
-                item["finish_reason"] = r.finish_reason
-                if r.error:
-                    item["error"] = r.error
-            self.emit(r.req_id, **item)
-
-    def reply(self, msg: Message, ok: bool = True, **fields: Any) -> None:
-        self.outbox.append({"rpc": msg.get("rpc"), "ok": ok, **fields})
-
-    def reject(self, msg: Message, error: str, code: str) -> None:
-        self.reply(msg, ok=False, error=error, code=code)
+            first = len(r.output_ids) == len(e.tokens)  # the request's first tokens
+            timeline = None
+            if first and not self.hands_on_stamps(r.req_id):
+                timeline = self.stamps.pop(r.req_id, None)
+                if timeline is not None:
+                    timeline["first_token"] = time.time()
+            self.emit(
+                Tokens(
+                    r.req_id,
+                    e.tokens,
+                    logprobs=[lp.model_dump() for lp in e.logprobs] if e.logprobs else None,
+                    prompt_tokens=r.prompt_len if first else None,
+                    cached_tokens=r.prefix_hit_len if first else None,
+                    timeline=timeline,
+                    finish_reason=r.finish_reason if e.finished else None,
+                    error=(r.error or None) if e.finished else None,
+                    kv_verified=kv_verified,
+                )
+            )
 
     # ---- the loop --------------------------------------------------------------------------------
-    def agent_info(self) -> dict[str, Any]:
-        return {
-            "agent_name": self.agent.name,
-            "instance_id": self.agent.instance_id,
-            "agent_metadata_b64": self.agent.metadata_b64(),
-            "pool_info_b64": self.agent.pool_info_b64(),
-            "layout": self.agent.layout.model_dump(),
-        }
+    def agent_info(self) -> AgentInfo:
+        return AgentInfo(
+            agent_name=self.agent.name,
+            instance_id=self.agent.instance_id,
+            agent_metadata_b64=self.agent.metadata_b64(),
+            pool_info_b64=self.agent.pool_info_b64(),
+            layout=self.agent.layout.model_dump(),
+        )
 
     def run(self) -> None:
         self.publisher.start()
-        send(self.conn, {"ev": "ready", "agent": self.agent_info(), "pod": self.cfg.pod_name})
+        send(self.conn, Ready(self.agent_info(), self.cfg.pod_name))
         last_busy, trimmed = time.monotonic(), True
         while not self.stopping:
             busy = self.has_work()
@@ -228,9 +259,9 @@ class EngineHost:
             now = time.monotonic()
             if now - self._last_load >= LOAD_INTERVAL_S:
                 self._last_load = now
-                self.outbox.append({"ev": "load", **self.load().model_dump()})
+                self.outbox.append(Load(self.load().model_dump()))
                 if self._steps:
-                    self.outbox.append({"ev": "steps", "decode": self._steps})
+                    self.outbox.append(Steps(self._steps))
                     self._steps = []
             self.flush()
         self.shutdown()
@@ -242,7 +273,7 @@ class EngineHost:
             not self.has_work(), s.allocator, s.cache, ((r.pages, r.tree_pages) for r in s.by_id.values())
         )
         if problems:
-            self.outbox.append({"ev": "kv_integrity", "violations": len(problems)})
+            self.outbox.append(KVIntegrity(len(problems)))
 
     def _observe_step(self, started: float, events: list[StepEvent]) -> None:
         """Per step, never per token: a decode-only step's time and batch size; admissions of queued requests."""
@@ -266,29 +297,35 @@ class EngineHost:
         if not self.outbox:
             return
         batch, self.outbox = self.outbox, []
-        send(self.conn, {"ev": "batch", "items": batch})
+        send(self.conn, Batch(batch))
 
-    def handle(self, msg: Message) -> None:
-        op = msg.get("op")
+    def handle(self, msg: Wire) -> None:
+        """Runs a command (a ``Call``'s is answered with a ``Reply``; a cast's outcome is not reported)."""
+        rpc, cmd = (msg.rpc, msg.cmd) if isinstance(msg, Call) else (None, msg)
+        error: tuple[str, str] | None = None
+        result = None
         try:
-            if op == "stop":
-                self.stopping = True
-                self.reply(msg)
-            elif op == "abort":
-                self.abort(msg["req_id"], msg.get("reason", "abort"), msg.get("error"))
-            elif op == "checksums":
-                import torch
-
-                self.reply(msg, sums=self.runner.kv_checksums(torch.tensor(msg["pages"], dtype=torch.int64)))
-            else:
-                self.handle_role(msg)
+            handler = self.handlers.get(type(cmd))
+            if handler is None:
+                raise Refused(f"{type(cmd).__name__} is no command of a {self.role} engine", "invalid_request")
+            result = handler(cmd)
+        except Refused as e:
+            error = str(e), e.code
         except DuplicateRequest as e:
-            self.reject(msg, str(e), "duplicate_request")
+            error = str(e), "duplicate_request"
         except RequestRejected as e:
-            self.reject(msg, str(e), "invalid_request")
+            error = str(e), "invalid_request"
         except Exception as e:  # a bad command must not take the engine down
-            log.exception("engine command failed", extra={"op": op})
-            self.reject(msg, f"{type(e).__name__}: {e}", "engine_error")
+            log.exception("engine command failed", extra={"op": type(cmd).__name__})
+            error = f"{type(e).__name__}: {e}", "engine_error"
+        if rpc is not None:
+            self.outbox.append(Reply(rpc, result) if error is None else Reply(rpc, error=error[0], code=error[1]))
+
+    def _stop(self, cmd: Stop) -> None:
+        self.stopping = True
+
+    def _abort(self, cmd: Abort) -> None:
+        self.abort(cmd.req_id, cmd.reason, cmd.error)
 
     def shutdown(self) -> None:
         self.publisher.stop(deregister=True)
@@ -352,9 +389,6 @@ class EngineHost:
     # ---- role hooks --------------------------------------------------------------------------------
     def has_work(self) -> bool:
         return self.scheduler.has_work()
-
-    def handle_role(self, msg: Message) -> None:
-        raise NotImplementedError
 
     def abort(self, req_id: str, reason: str, error: str | None) -> None:
         raise NotImplementedError

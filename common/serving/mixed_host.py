@@ -7,15 +7,14 @@ peer asked for is `prefill_only` (parked once its first token is sampled, releas
 ends); every other request joins this engine's decode batch. The router chooses per request which of the
 three ways to use (router/cost_model.py), so the fleet can run both aggregated and disaggregated at once.
 
-The two roles share nothing per request: their engine ops are disjoint, `abort` goes to the role holding
+The two roles share nothing per request: their commands are disjoint (both add theirs to `handlers`), `abort` goes to the role holding
 the request, and the agent's notifications are read only by the decode side (the prefill side only sends).
 """
 
 from __future__ import annotations
 
-from common.serving.channel import Message
 from common.serving.decode_host import DecodeHost
-from common.serving.prefill_host import PREFILL_OPS, PrefillHost
+from common.serving.prefill_host import PrefillHost
 
 
 class MixedHost(DecodeHost, PrefillHost):
@@ -23,12 +22,6 @@ class MixedHost(DecodeHost, PrefillHost):
 
     def has_work(self) -> bool:
         return DecodeHost.has_work(self) or PrefillHost.has_work(self)
-
-    def handle_role(self, msg: Message) -> None:
-        if msg["op"] in PREFILL_OPS:
-            PrefillHost.handle_role(self, msg)
-        else:
-            DecodeHost.handle_role(self, msg)
 
     def abort(self, req_id: str, reason: str, error: str | None) -> None:
         if req_id in self.outbound:

@@ -1,6 +1,6 @@
 """The prefill role of an engine loop (for peers): chunked prefill over the radix cache, each chunk pushed over NIXL.
 
-One request's transfer here: `prefill` opens its session (`RequestTransfer`), every finished chunk's complete
+One request's transfer here: `Prefill` opens its session (`RequestTransfer`), every finished chunk's complete
 pages are posted as they are computed (`_on_chunk`), the rest and the "landed" notice when the first token is
 known (`_on_prefill_done`), and `tick` ends it: the request's pages go back to the scheduler only once the
 session is terminal, i.e. no posted write can still read them (common/transfer/session.py).
@@ -14,11 +14,21 @@ from dataclasses import dataclass
 
 import torch
 
-from common.protocol import HandshakeRequest, KVNotice, PrefillRequest
+from common.protocol import HandshakeRequest, KVNotice, PrefillRequest, SamplingParams
 from common.sched.request import Req
 from common.sched.scheduler import RequestRejected
-from common.serving.channel import Message
-from common.serving.engine_host import EngineHost
+from common.serving.engine_host import EngineHost, Refused
+from common.serving.messages import (
+    AddPeer,
+    Cancel,
+    PeerAdded,
+    Prefill,
+    PrefillDone,
+    PrefillError,
+    Settled,
+    TransferCounts,
+    TransferStats,
+)
 from common.serving.rank_writes import FollowerWrites
 from common.settings_registry import FAULT_WRITE_DELAY_S
 from common.transfer.agent import PeerError
@@ -28,7 +38,6 @@ from common.transfer.session import SAFETY_DEADLINE_S, TERMINAL, S
 
 log = logging.getLogger("kvferry.prefill")
 
-PREFILL_OPS = frozenset({"add_peer", "prefill", "transfer_stats", "cancel_transfers"})  # this role's engine ops
 # How long a request its decode worker cancelled before it arrived here stays refused: as long as that worker
 # could still be waiting on it (its last-resort deadline), so a late arrival can never write into pages freed.
 CANCELLED_KEEP_S = SAFETY_DEADLINE_S
@@ -63,6 +72,14 @@ class PrefillHost(EngineHost):
         self.scheduler.on_prefill_chunk = self._on_chunk
         self.scheduler.on_prefill_done = self._on_prefill_done
         self.stats = {"descs": 0, "bytes": 0, "transfers": 0}
+        self.handlers.update(
+            {
+                AddPeer: self._add_peer,
+                Prefill: self._accept,
+                Cancel: lambda cmd: Settled(self._cancel(cmd.dst_agent, cmd.req_ids)),
+                TransferStats: self._transfer_stats,
+            }
+        )
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self.outbound) or self.sender.writes_in_flight > 0
@@ -70,40 +87,25 @@ class PrefillHost(EngineHost):
     def hands_on_stamps(self, req_id: str) -> bool:
         return req_id in self.outbound
 
-    def handle_role(self, msg: Message) -> None:
-        op = msg["op"]
-        if op == "add_peer":
-            hs = HandshakeRequest.model_validate(msg["handshake"])
-            try:
-                self.agent.add_peer(hs.agent_name, hs.instance_id, hs.agent_metadata_b64, hs.pool_info_b64, hs.layout)
-            except LayoutMismatch as e:
-                self.reject(msg, str(e), "layout_mismatch")
-                return
-            except PeerError as e:  # undecodable or inconsistent handshake: the caller's fault (400)
-                self.reject(msg, str(e), "invalid_request")
-                return
-            if self.rank_writes is not None:
-                self.rank_writes.add_peer(hs)  # each follower's agent loads the peer too, before any post
-            self.reply(
-                msg,
-                agent_name=self.agent.name,
-                instance_id=self.agent.instance_id,
-                layout=self.agent.layout.model_dump(),
-            )
-        elif op == "prefill":
-            self._accept(msg, PrefillRequest.model_validate(msg["prefill"]))
-        elif op == "cancel_transfers":
-            self.reply(msg, settled=self._cancel(str(msg["dst_agent"]), list(msg["req_ids"])))
-        elif op == "transfer_stats":
-            states = [ob.transfer.state.value for ob in self.outbound.values()]
-            self.reply(
-                msg,
-                writes_in_flight=self.sender.writes_in_flight,
-                sessions={st: states.count(st) for st in set(states)},
-                **self.stats,
-            )
-        else:
-            self.reject(msg, f"unknown op {op!r}", "invalid_request")
+    def _add_peer(self, cmd: AddPeer) -> PeerAdded:
+        hs = HandshakeRequest.model_validate(cmd.handshake)
+        try:
+            self.agent.add_peer(hs.agent_name, hs.instance_id, hs.agent_metadata_b64, hs.pool_info_b64, hs.layout)
+        except LayoutMismatch as e:
+            raise Refused(str(e), "layout_mismatch") from None
+        except PeerError as e:  # undecodable or inconsistent handshake: the caller's fault (400)
+            raise Refused(str(e), "invalid_request") from None
+        if self.rank_writes is not None:
+            self.rank_writes.add_peer(hs)  # each follower's agent loads the peer too, before any post
+        return PeerAdded(self.agent.name, self.agent.instance_id, self.agent.layout.model_dump())
+
+    def _transfer_stats(self, cmd: TransferStats) -> TransferCounts:
+        states = [ob.transfer.state.value for ob in self.outbound.values()]
+        return TransferCounts(
+            writes_in_flight=self.sender.writes_in_flight,
+            sessions={st: states.count(st) for st in set(states)},
+            **self.stats,
+        )
 
     def _cancel(self, dst_agent: str, req_ids: list[str]) -> list[str]:
         """The decode worker gave these requests up. Those in flight here are aborted (their "closed" notice
@@ -124,43 +126,31 @@ class PrefillHost(EngineHost):
                 settled.append(rid)
         return settled
 
-    def _accept(self, msg: Message, pr: PrefillRequest) -> None:
+    def _accept(self, cmd: Prefill) -> None:
         """Opens the request's transfer session; a refusal here means nothing was registered (no write follows)."""
+        pr = PrefillRequest.model_validate(cmd.request)
         if pr.req_id in self.cancelled:
-            self.reject(msg, f"request {pr.req_id!r} was cancelled by its decode worker", "cancelled")
-            return
+            raise Refused(f"request {pr.req_id!r} was cancelled by its decode worker", "cancelled")
         if not self.agent.has_peer(pr.dst_agent, pr.dst_instance_id):
-            self.reject(msg, f"no handshake with {pr.dst_agent} instance {pr.dst_instance_id}", "unknown_peer")
-            return
+            raise Refused(f"no handshake with {pr.dst_agent} instance {pr.dst_instance_id}", "unknown_peer")
         if pr.req_id in self.outbound:
-            self.reject(msg, f"duplicate request id {pr.req_id!r}", "duplicate_request")
-            return
+            raise Refused(f"duplicate request id {pr.req_id!r}", "duplicate_request")
         # Checked here, not when the first chunk is posted: a bad page id raised inside a scheduler
         # step would take the engine process (and every request on it) down.
         dst_pool = self.agent.peer(pr.dst_agent).num_pages
         if any(p < 0 or p >= dst_pool for p in pr.dst_pages):
-            self.reject(msg, f"dst_pages must lie in [0, {dst_pool}) (the peer's pool)", "invalid_request")
-            return
+            raise Refused(f"dst_pages must lie in [0, {dst_pool}) (the peer's pool)", "invalid_request")
         dst = torch.tensor(pr.dst_pages, dtype=torch.int64)
         if dst.numel() != -(-len(pr.token_ids) // self.page_size):
-            self.reject(msg, "dst_pages does not cover the prompt", "invalid_request")
-            return
-        req = self.make_req(
-            {
-                "req_id": pr.req_id,
-                "token_ids": pr.token_ids,
-                "sampling": {**pr.sampling.model_dump(), "max_tokens": 1},
-                "received": msg.get("received"),
-            },
-            prefill_only=True,
-        )
+            raise Refused("dst_pages does not cover the prompt", "invalid_request")
+        sampling = SamplingParams.model_validate({**pr.sampling.model_dump(), "max_tokens": 1})
+        req = self.make_req(pr.req_id, pr.token_ids, sampling, cmd.received, prefill_only=True)
         try:
             self.enqueue(req)  # raises RequestRejected (-> a refusal) before anything is registered
         except RequestRejected:
             self.stamps.pop(pr.req_id, None)
             raise
         self.outbound[pr.req_id] = Outbound(req, self.sender.request(pr.req_id, pr.dst_agent, pr.deadline_s), dst)
-        self.reply(msg)
 
     # ---- scheduler hooks: the chunk's KV is in memory when they run ---------------------------------
     def _unsent(self, ob: Outbound, upto_pages: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -237,16 +227,9 @@ class PrefillHost(EngineHost):
             self.stats["descs"] += t.num_descs
             self.stats["bytes"] += t.num_bytes
             self.stats["transfers"] += 1
-            self.emit(
-                rid,
-                done=True,
-                descs=t.num_descs,
-                cached_tokens=ob.req.prefix_hit_len,
-                timeline=stamps,
-                transfer=self._transfer_figures(ob),
-            )
+            self.outbox.append(PrefillDone(rid, t.num_descs, ob.req.prefix_hit_len, stamps, self._transfer_figures(ob)))
         else:
-            self.emit(rid, error=t.error or "transfer failed")
+            self.outbox.append(PrefillError(rid, t.error or "transfer failed"))
 
     @staticmethod
     def _transfer_figures(ob: Outbound) -> dict[str, object]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import json
+import dataclasses
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -17,11 +17,13 @@ from common.protocol import (
     HandshakeRequest,
     HandshakeResponse,
     KVLayoutInfo,
+    PrefillProgress,
     PrefillRequest,
 )
 from common.serving.channel import ENGINE_TIMEOUT, EngineError
 from common.serving.control import WorkerState, error_response, read_message
 from common.serving.liveness import EngineMotion
+from common.serving.messages import Abort, AddPeer, Cancel, Prefill, PrefillDone, PrefillError, Tokens, TransferStats
 from common.serving.request_trace import PREFILL_SPANS, WorkerTrace
 
 HEARTBEAT_S = 1.0  # a progress line this often while the engine works on (or ahead of) a request
@@ -39,11 +41,11 @@ def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = Tru
         if not state.ready:
             return error_response(503, "prefill worker not ready", "unavailable", "not_ready")
         assert state.client is not None
-        reply = await state.client.call({"op": "add_peer", "handshake": hs.model_dump()})
+        added = await state.client.call(AddPeer(hs.model_dump()))
         resp = HandshakeResponse(
-            agent_name=reply["agent_name"],
-            instance_id=reply["instance_id"],
-            layout=KVLayoutInfo.model_validate(reply["layout"]),
+            agent_name=added.agent_name,
+            instance_id=added.instance_id,
+            layout=KVLayoutInfo.model_validate(added.layout),
         )
         return JSONResponse(resp.model_dump())
 
@@ -72,10 +74,10 @@ def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = Tru
             aborted.discard(pr.req_id)
             client.close_stream(pr.req_id)
             if abort is not None:
-                client.cast({"op": "abort", "req_id": pr.req_id, "error": abort})
+                client.cast(Abort(pr.req_id, error=abort))
 
         try:
-            await client.call({"op": "prefill", "prefill": pr.model_dump(), "received": trace.received})
+            await client.call(Prefill(pr.model_dump(), trace.received))
         except EngineError as exc:
             # engine_timeout: the engine may still take it: stop it then (answered 504, not a refusal)
             end("the engine answered too late" if exc.code == ENGINE_TIMEOUT else None)
@@ -93,26 +95,32 @@ def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = Tru
             while True:
                 try:
                     async with asyncio.timeout(HEARTBEAT_S):
-                        msg = await queue.get()
+                        ev = await queue.get()
                 except TimeoutError:
-                    # The decode side waits as long as this keeps coming (decode_worker/app.py).
+                    # The decode side waits as long as this keeps coming (decode_routes.py).
                     if motion.moved():
                         yield HEARTBEAT
                     continue
-                if "done" in msg or "error" in msg or msg.get("finish_reason") == "error":
+                if isinstance(ev, PrefillDone):
                     finished = True
-                    outcome = "done" if "error" not in msg else "abort" if pr.req_id in aborted else "error"
+                    state.metrics.requests.labels(outcome="done").inc()
+                    state.metrics.cached.inc(ev.cached_tokens)
+                    state.metrics.engine.observe_prefill_done(ev.timeline or {}, ev.transfer)
+                    trace.stamps = ev.timeline or {}
+                    if ev.transfer and "span" in ev.transfer:
+                        trace.extra = [("kv transfer", *ev.transfer["span"])]
+                    line = PrefillProgress(req_id=pr.req_id, done=True, descs=ev.descs, cached_tokens=ev.cached_tokens)
+                elif isinstance(ev, PrefillError) or (isinstance(ev, Tokens) and ev.finish_reason == "error"):
+                    # A Tokens error: the engine exited (common/serving/channel.py) or failed the request.
+                    finished = True
+                    outcome = "abort" if pr.req_id in aborted else "error"
                     state.metrics.requests.labels(outcome=outcome).inc()
-                    if outcome == "done":
-                        state.metrics.cached.inc(msg.get("cached_tokens", 0))
-                    stamps, transfer = msg.pop("timeline", None) or {}, msg.pop("transfer", None)
-                    if outcome == "done":
-                        state.metrics.engine.observe_prefill_done(stamps, transfer)
-                    trace.stamps = stamps
-                    if transfer and "span" in transfer:
-                        trace.extra = [("kv transfer", *transfer["span"])]
-                    yield (json.dumps({k: v for k, v in msg.items() if k not in ("ev",)}) + "\n").encode()
-                    return
+                    trace.stamps = {}
+                    line = PrefillProgress(req_id=pr.req_id, error=ev.error or "prefill failed")
+                else:
+                    continue
+                yield (line.model_dump_json(include=set(line.model_fields_set)) + "\n").encode()
+                return
 
         async def on_close() -> None:
             end(None if finished else "decode worker disconnected")
@@ -130,7 +138,7 @@ def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = Tru
             assert state.client is not None
             if ab.req_id in state.client.streams:
                 aborted.add(ab.req_id)
-            state.client.cast({"op": "abort", "req_id": ab.req_id, "error": "aborted"})
+            state.client.cast(Abort(ab.req_id, error="aborted"))
             return JSONResponse({"status": "ok"})
 
     @app.post("/internal/cancel")
@@ -139,9 +147,8 @@ def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = Tru
         (common/serving/decode_routes.py ``PeerWatch`` asks until each is settled or this worker is gone)."""
         ct: CancelTransfers = await read_message(request, CancelTransfers)  # type: ignore[assignment]
         assert state.client is not None
-        msg = {"op": "cancel_transfers", "dst_agent": ct.dst_agent, "req_ids": ct.req_ids}
-        reply = await state.client.call({**msg, "dst_instance": ct.dst_instance_id})
-        return JSONResponse(CancelReply(settled=reply["settled"]).model_dump())
+        settled = await state.client.call(Cancel(ct.dst_agent, ct.dst_instance_id, ct.req_ids))
+        return JSONResponse(CancelReply(settled=settled.req_ids).model_dump())
 
     @app.get("/internal/agent")
     async def agent() -> Response:
@@ -149,8 +156,8 @@ def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = Tru
         on a request asks, to learn that the instance it sent it to is gone (then nothing of it can land)."""
         return JSONResponse(
             {
-                "agent": state.agent.get("agent_name"),
-                "instance_id": state.agent.get("instance_id"),
+                "agent": state.agent.agent_name if state.agent is not None else None,
+                "instance_id": state.agent.instance_id if state.agent is not None else None,
                 "engine_alive": state.alive,
             }
         )
@@ -159,13 +166,13 @@ def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = Tru
     async def stats() -> Response:
         """The engine's transfer counters: writes NIXL still holds, open sessions by state, totals."""
         body: dict[str, object] = {
-            "agent": state.agent.get("agent_name"),
-            "instance_id": state.agent.get("instance_id"),
+            "agent": state.agent.agent_name if state.agent is not None else None,
+            "instance_id": state.agent.instance_id if state.agent is not None else None,
         }
         if state.alive and state.client is not None:
             try:
-                reply = await state.client.call({"op": "transfer_stats"}, timeout=5.0)
+                counts = await state.client.call(TransferStats(), timeout=5.0)
+                body["transfer"] = dataclasses.asdict(counts)
             except (EngineError, TimeoutError):
-                reply = {}
-            body["transfer"] = {k: v for k, v in reply.items() if k not in ("rpc", "ok")}
+                body["transfer"] = {}
         return JSONResponse(body)
