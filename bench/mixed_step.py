@@ -5,7 +5,8 @@
 
 1. Step table (device time, CUDA events, median of `--iters`): a decode step of B requests with `--context`
    tokens of KV each (CUDA graph), a prefill-only step of a c-token chunk, and a mixed step (the B decode rows
-   as one-token extends + the chunk, flashinfer's batched prefill). Per (B, c): mixed / decode, and the chunk's
+   as one-token extends + the chunk, flashinfer's batched prefill), the last two as piecewise CUDA graphs (the
+   default) and eager (`*_eager_ms`, the graphs switched off in the same process). Per (B, c): mixed / decode, and the chunk's
    marginal speed c / (mixed - decode) against the prefill-only speed: the auto ITL target (2 decode steps)
    leaves room for the chunk whose mixed step is 2x the decode step.
 2. Offline A/B (`--offline`): one engine, the serving workload's shape (prompts 512-3072, outputs 64-512, all
@@ -49,6 +50,17 @@ def device_ms(fn, iters: int) -> float:
     return statistics.median(times)
 
 
+def timed_both(runner, fb, iters: int) -> tuple[float, float]:
+    """Device ms of one step through the piecewise step graphs and eagerly (same runner, same batch)."""
+    graphed = device_ms(lambda: runner.forward(fb), iters)
+    steps, runner.gpu.step_graphs = runner.gpu.step_graphs, None
+    try:
+        eager = device_ms(lambda: runner.forward(fb), iters)
+    finally:
+        runner.gpu.step_graphs = steps
+    return graphed, eager
+
+
 def step_table(runner, batches: list[int], chunks: list[int], context: int, iters: int) -> list[dict]:
     pt = runner.page_table
     ps = runner.cfg.page_size
@@ -74,11 +86,14 @@ def step_table(runner, batches: list[int], chunks: list[int], context: int, iter
             )
             runner.forward(fb)
         new_row, new = rows[-1], seqs[-1]
-        prefill = {}
+        prefill, prefill_eager = {}, {}
         for c in chunks:
             fb = runner.build_batch([new[:c]], [0], [new_row], [True], False)
-            prefill[c] = device_ms(lambda fb=fb: runner.forward(fb), iters)
-            log(f"prefill-only chunk {c}: {prefill[c]:.2f} ms, {c / prefill[c] * 1e3:.0f} tok/s")
+            prefill[c], prefill_eager[c] = timed_both(runner, fb, iters)
+            log(
+                f"prefill-only chunk {c}: {prefill[c]:.2f} ms ({c / prefill[c] * 1e3:.0f} tok/s), "
+                f"eager {prefill_eager[c]:.2f} ms"
+            )
         for b in batches:
             ids = [[seqs[j][-1]] for j in range(b)]
             pos = [context - 1] * b
@@ -87,14 +102,16 @@ def step_table(runner, batches: list[int], chunks: list[int], context: int, iter
             log(f"decode B={b}: {dec:.2f} ms")
             for c in chunks:
                 fb = runner.build_batch([*ids, new[:c]], [*pos, 0], [*rows[:b], new_row], [True] * (b + 1), False)
-                mixed = device_ms(lambda fb=fb: runner.forward(fb), iters)
+                mixed, mixed_eager = timed_both(runner, fb, iters)
                 extra = mixed - dec
                 r = dict(
                     batch=b,
                     chunk=c,
                     decode_ms=round(dec, 3),
                     mixed_ms=round(mixed, 3),
+                    mixed_eager_ms=round(mixed_eager, 3),
                     prefill_only_ms=round(prefill[c], 3),
+                    prefill_only_eager_ms=round(prefill_eager[c], 3),
                     mixed_over_decode=round(mixed / dec, 3),
                     chunk_marginal_tok_per_s=round(c / extra * 1e3) if extra > 0 else None,
                     prefill_only_tok_per_s=round(c / prefill[c] * 1e3),
@@ -102,8 +119,8 @@ def step_table(runner, batches: list[int], chunks: list[int], context: int, iter
                 )
                 out.append(r)
                 log(
-                    f"  mixed B={b} c={c}: {mixed:.2f} ms = {r['mixed_over_decode']:.2f}x decode; separate steps "
-                    f"{dec + prefill[c]:.2f} ms ({r['separate_over_mixed']:.2f}x)"
+                    f"  mixed B={b} c={c}: {mixed:.2f} ms = {r['mixed_over_decode']:.2f}x decode (eager "
+                    f"{mixed_eager:.2f} ms); separate steps {dec + prefill[c]:.2f} ms ({r['separate_over_mixed']:.2f}x)"
                 )
     finally:
         for row in rows:
@@ -179,14 +196,25 @@ def main() -> int:
     if not args.no_offline:
         offline(runner, 16, -1.0, seed=99)  # warm-up: lazy inits, the kernels of odd shapes
         result["offline"] = []
-        for target in (0.0, -1.0):
+        steps = runner.gpu.step_graphs
+        for target, graphed in ((0.0, True), (-1.0, True), (-1.0, False)):
+            runner.gpu.step_graphs = steps if graphed else None
             r = offline(runner, args.offline_requests, target, seed=1)
+            r["step_graphs"] = graphed
             result["offline"].append(r)
-            log(f"offline ITL target {target}: {r['output_tok_per_s']:.0f} output tok/s, steps {r['step_kinds']}")
+            log(
+                f"offline ITL target {target}, step graphs {graphed}: {r['output_tok_per_s']:.0f} output tok/s, "
+                f"steps {r['step_kinds']}"
+            )
             out.write_text(json.dumps(result, indent=1))
-        a, b = result["offline"]
+        runner.gpu.step_graphs = steps
+        a, b, c = result["offline"]
         result["offline_auto_over_prefill_first"] = round(b["output_tok_per_s"] / a["output_tok_per_s"], 3)
-        log(f"offline throughput, auto / prefill-first: {result['offline_auto_over_prefill_first']:.3f}")
+        result["offline_auto_eager_over_prefill_first"] = round(c["output_tok_per_s"] / a["output_tok_per_s"], 3)
+        log(
+            f"offline throughput / prefill-first: auto {result['offline_auto_over_prefill_first']:.3f}, "
+            f"auto without step graphs {result['offline_auto_eager_over_prefill_first']:.3f}"
+        )
     out.write_text(json.dumps(result, indent=1))
     log(f"wrote {out}")
     return 0

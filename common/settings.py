@@ -28,6 +28,7 @@ class RunnerConfig:
     seed: int = 0
     attention: str = reg.ATTENTION.field()
     cuda_graph_max_bs: int = reg.CUDA_GRAPH_MAX_BS.field()
+    cuda_graph_max_tokens: int = reg.CUDA_GRAPH_MAX_TOKENS.field()
     decode_tc_min_batch: int = reg.DECODE_TC_MIN_BS.field()
     # GPU: Triton kernels (RoPE + K/V write in one; the GEMMs of steps of at most gemv_max_rows rows as GEMVs;
     # common/engine/gpu/). Off: flashinfer + cuBLAS only (the ablation baseline). gemv_prologues also folds the

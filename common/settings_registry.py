@@ -419,6 +419,14 @@ CUDA_GRAPH_MAX_BS = declare(
     "GPU workers",
     "common/settings.py",
 )
+CUDA_GRAPH_MAX_TOKENS = declare(
+    "KVFERRY_CUDA_GRAPH_MAX_TOKENS",
+    int,
+    2048,
+    "prefill and mixed steps of up to this many tokens run as piecewise CUDA graphs (all but attention); 0 = eager",
+    "GPU workers",
+    "common/settings.py",
+)
 DECODE_TC_MIN_BS = declare(
     "KVFERRY_DECODE_TC_MIN_BS",
     int,

@@ -479,6 +479,9 @@ def test_prefill_budget_caps_steps_beside_decoding_requests_only() -> None:
     assert prefill_token_budget(2048, 16, 0.0, 0.02, decoding=True) == 2048  # speed not measured yet
     assert prefill_token_budget(2048, 16, 40_000.0, 0.02, decoding=True) == 800  # 20 ms of prefill, whole pages
     assert prefill_token_budget(2048, 16, 100.0, 0.02, decoding=True) == MIN_PAGES * 16  # the floor
+    # The chunk fills what the target leaves beside the decode step: 20 ms - 5 ms of prefill.
+    assert prefill_token_budget(2048, 16, 40_000.0, 0.02, True, decode_step_s=0.005) == 592
+    assert prefill_token_budget(2048, 16, 40_000.0, 0.02, True, decode_step_s=0.03) == MIN_PAGES * 16
     assert prefill_token_budget(512, 16, 1e9, 0.02, decoding=True) == 512  # never above max_prefill_tokens
 
 

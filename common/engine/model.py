@@ -113,6 +113,14 @@ class DecoderModel(nn.Module):
         Returns logits of the tokens at `logits_indices` (every token when None), float32 unless
         `float_logits` is False (then in the model's dtype).
         """
+        hidden, residual = self.forward_hidden(input_ids, positions, attn)
+        return self.final_logits(hidden, residual, logits_indices, float_logits)
+
+    def forward_hidden(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer over `T` packed tokens: the last layer's output and the residual stream, before the final
+        norm (piecewise CUDA graphs capture this call, broken at each layer's attention)."""
         cfg, ops, tp = self.cfg, self.ops, self.tp
         eps = cfg.rms_norm_eps
         t = input_ids.shape[0]
@@ -135,6 +143,18 @@ class DecoderModel(nn.Module):
             )
             hidden = tp.all_reduce(ops.silu_linear(gate_up, layer.down_proj, pk.get("down_proj")))
         assert residual is not None
+        return hidden, residual
+
+    def final_logits(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor,
+        logits_indices: torch.Tensor | None = None,
+        float_logits: bool = True,
+    ) -> torch.Tensor:
+        """The final norm and LM head over the rows at `logits_indices` (every row when None)."""
+        cfg, ops, tp = self.cfg, self.ops, self.tp
+        eps = cfg.rms_norm_eps
         dtype = torch.float32 if float_logits else hidden.dtype
         if logits_indices is not None:
             if logits_indices.shape[0] == 0:  # a prefill step where no request samples (every rank skips alike)

@@ -2,15 +2,13 @@
 
 Every step carries one token for every running request; prompt chunks ride along up to a token budget. The
 budget follows an ITL target T: the step that carries a chunk is the gap between two of every running
-request's tokens, so the chunk is what the engine prefills in T at its peak device-timed prefill speed (the
-fastest chunk tokens per second of any prefill or mixed step so far: a large chunk's, where fixed costs are
-amortised, so a few short prompts prefilled alone do not lower it). A mixed step then takes about the decode
-step it replaces plus T.
-
-Not a feedback loop on the mixed steps' own time: a mixed step runs eagerly (no CUDA graph), and on the H200
-its launch alone costs ~15 ms for an 8B model, more than a 2x target at small batches. A budget fed back from
-that time shrinks to its floor while the step stays at 15-20 ms, and prefill stops keeping up: measured
-offline (bench/mixed_step.py, 160 requests) 569 output tok/s against 3,228 prefill-first.
+request's tokens, and it costs about the decode step D it replaces plus its chunk, so the chunk is what the
+engine prefills in T - D at its peak device-timed prefill speed (the fastest chunk tokens per second of any
+prefill or mixed step so far: a large chunk's, where fixed costs are amortised, so a few short prompts
+prefilled alone do not lower it). On the GPU prefill and mixed steps run as piecewise CUDA graphs
+(common/engine/gpu/step_graphs.py), so a mixed step is a decode step plus its chunk's compute; eagerly, an 8B
+step's launch alone cost ~15 ms on the H200 whatever its chunk, and a budget fed back from the mixed steps'
+own times shrank to its floor (bench/RESULTS.md "Stall-free batching").
 
 The target is by default `AUTO_ITL_DECODE_STEPS` of the engine's own decode step (device-timed, smoothed), so
 it follows the model, the hardware and the batch size without tuning; `itl_target_ms > 0` sets it in
@@ -23,9 +21,7 @@ when the target leaves no room (a decode step that alone exceeds it). Nor does t
 when the prompt tokens queued behind the prompt being prefilled (the backlog: one long prompt alone has
 none) exceed BACKLOG_STEPS chunks, the chunk grows to a 1/BACKLOG_STEPS share of the backlog (at most
 `max_prefill_tokens`), so prefill keeps up with arrivals and a saturated worker runs full chunks with its
-decode rows riding along. Measured on the H200 (8B, bench/RESULTS.md
-"Stall-free batching"): the ITL chunk alone held ITL p99 to 23 ms at ~45% load (59 ms prefill-first) but
-served 0.57 of prefill-first's saturation throughput, each small eager mixed step paying a ~15 ms launch floor.
+decode rows riding along.
 """
 
 from __future__ import annotations
@@ -33,11 +29,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MIN_PAGES = 4  # the budget never falls below this many pages: tiny chunks would starve prompts altogether
-# The auto ITL target in decode steps: the chunk beside decoding is what the engine prefills in this many decode
-# steps. From measurements (bench/RESULTS.md, "Stall-free batching"): on the H200 (8B) 2x gives chunks of 400-
-# 1,500 tokens at batch 1-64, whose mixed steps the measured step table puts at 3.2-3.9x the decode step (an
-# eager step's launch cost is the floor at small batches) while prefilling at 21-25k tok/s; less would prefill
-# slower than a prompt-heavy load arrives at 80%. On the CPU (2 threads) it gives chunks of ~100 tokens.
+# The auto ITL target in decode steps: a step beside decoding takes about this many decode steps, its chunk one
+# decode step's worth of prefill (bench/RESULTS.md, "Stall-free batching": on the H200, 8B, chunks of ~200-
+# 750 tokens at batch 1-64, inside the 2.5x bound of low load; the backlog rule takes over where arrivals
+# outpace that). On the CPU (2 threads) it gives chunks of ~50 tokens.
 AUTO_ITL_DECODE_STEPS = 2.0
 # A backlog of waiting prompt tokens is cleared in about this many steps at most: past BACKLOG_STEPS ITL chunks,
 # the chunk is the backlog's share instead (queue pressure beats the ITL target, else TTFT grows without bound).
@@ -51,13 +46,15 @@ def prefill_token_budget(
     itl_target_s: float,
     decoding: bool,
     backlog_tokens: int = 0,
+    decode_step_s: float = 0.0,
 ) -> int:
     """`max_tokens`, or while requests decode (and the target and speed are known) the tokens prefilled in
-    `itl_target_s` or, if larger, a BACKLOG_STEPS share of the `backlog_tokens` waiting; whole pages, at
-    least MIN_PAGES pages."""
+    what the target leaves beside the decode step (`itl_target_s - decode_step_s`) or, if larger, a
+    BACKLOG_STEPS share of the `backlog_tokens` waiting; whole pages, at least MIN_PAGES pages."""
     if not decoding or itl_target_s <= 0 or tokens_per_s <= 0:
         return max_tokens
-    tokens = max(int(tokens_per_s * itl_target_s), backlog_tokens // BACKLOG_STEPS)
+    room_s = max(itl_target_s - decode_step_s, 0.0)
+    tokens = max(int(tokens_per_s * room_s), backlog_tokens // BACKLOG_STEPS)
     return min(max_tokens, max(MIN_PAGES * page_size, tokens // page_size * page_size))
 
 

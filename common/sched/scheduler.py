@@ -325,8 +325,9 @@ class Scheduler:
 
     def prefill_token_budget(self, decoding: bool | None = None) -> int:
         """Prompt tokens the next step takes: all of max_prefill_tokens alone, or beside decoding requests what
-        the engine prefills in the ITL target at its peak device-timed prefill speed (common/sched/prefill_budget.py). `decoding` None:
-        whether requests decode now; True: the budget a step gets beside them (what the worker publishes)."""
+        the engine prefills, at its peak device-timed prefill speed, in what the ITL target leaves beside the
+        decode step (common/sched/prefill_budget.py). `decoding` None: whether requests decode now; True: the
+        budget a step gets beside them (what the worker publishes)."""
         speed = max(self.prefill_speed.peak_tokens_per_s, self.mixed_speed.peak_tokens_per_s)
         return prefill_token_budget(
             self.cfg.max_prefill_tokens,
@@ -335,6 +336,7 @@ class Scheduler:
             self.itl_target_s(),
             decoding=bool(self.running) if decoding is None else decoding,
             backlog_tokens=self.backlog_tokens(),
+            decode_step_s=self.decode_step.seconds,
         )
 
     def backlog_tokens(self) -> int:

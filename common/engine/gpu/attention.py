@@ -190,6 +190,7 @@ class FlashInferAttention:
         self._wrapper = wrapper
 
     def plan_prefill(self, meta: PageMeta, extend_lens_cpu: list[int]) -> None:
+        self._triton_meta = None
         w = self.prefill_wrapper
         qo = torch.zeros(len(extend_lens_cpu) + 1, dtype=torch.int32)
         torch.cumsum(torch.tensor(extend_lens_cpu, dtype=torch.int32), 0, out=qo[1:])
@@ -244,24 +245,42 @@ class FlashInferAttention:
         self, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] (views are fine; each token's heads contiguous) -> [T, Hq, D]."""
+        return self.attend(layer, self.store(layer, positions, q, k, v))
+
+    def store(
+        self,
+        layer: int,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """RoPE on q and k, and the step's K/V written into the pool; returns the rotated q (into `q_out` where
+        given). Piecewise CUDA graphs capture this half and run `attend` between the graphs."""
         loc = self._out_loc
-        assert loc is not None and self._wrapper is not None, "plan() must run before forward()"
+        assert loc is not None, "plan() or bind() must run before the layers"
         ko, vo = self.k_offsets[layer], self.v_offsets[layer]
         if self.rope_store is not None:
-            q = self.rope_store(positions, q, k, v, self.cos_sin, self.rows, loc, ko, vo)
-        else:
-            if layer == 0:  # every layer's write rows at once (inside the graph when captured)
-                self._kv_rows = self._kv_offsets[:, None] + loc[None, :]
-            assert self._kv_rows is not None
-            # One kernel for q and k; it reads views of the qkv projection strided and writes fresh tensors.
-            qr, kr = self.fi.apply_rope_with_cos_sin_cache(
-                positions, q.flatten(1), k.flatten(1), q.shape[-1], self.cos_sin, True
-            )
-            q = qr.view(q.shape)
-            self.rows.index_copy_(0, self._kv_rows[2 * layer], kr.view(k.shape))
-            self.rows.index_copy_(0, self._kv_rows[2 * layer + 1], v)
+            return self.rope_store(positions, q, k, v, self.cos_sin, self.rows, loc, ko, vo, q_out)
+        if layer == 0:  # every layer's write rows at once (inside the graph when captured)
+            self._kv_rows = self._kv_offsets[:, None] + loc[None, :]
+        assert self._kv_rows is not None
+        # One kernel for q and k; it reads views of the qkv projection strided and writes fresh tensors.
+        qr, kr = self.fi.apply_rope_with_cos_sin_cache(
+            positions, q.flatten(1), k.flatten(1), q.shape[-1], self.cos_sin, True
+        )
+        self.rows.index_copy_(0, self._kv_rows[2 * layer], kr.view(k.shape))
+        self.rows.index_copy_(0, self._kv_rows[2 * layer + 1], v)
+        if q_out is None:
+            return qr.view(q.shape)
+        return q_out.copy_(qr.view(q.shape))
+
+    def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of the rotated q over the layer's pages as planned (into `out` where given)."""
+        assert self._wrapper is not None, "plan() must run before forward()"
         if self._triton_meta is not None:
             indptr, indices, last, splits = self._triton_meta
             k_cache, v_cache = self.kv[layer]
             return self.triton_decode.decode_attention(q, k_cache, v_cache, indptr, indices, last, splits)  # type: ignore[union-attr]
-        return self._wrapper.run(q, self.kv[layer])
+        return self._wrapper.run(q, self.kv[layer], out=out)

@@ -22,8 +22,9 @@ def triton_available() -> bool:
 
 class GpuPath:
     """flashinfer attention + fused kernels (the model's forward with `FlashInferOps`) for every step; CUDA
-    graphs for decode steps that fit. flashinfer's kernels serve 16-bit dtypes only: float32 on a GPU runs the
-    plain torch path (`select_attention` picks it), without this class and without CUDA graphs.
+    graphs for decode steps that fit, piecewise graphs (all but attention) for prefill and mixed steps that fit
+    (common/engine/gpu/step_graphs.py; one rank only). flashinfer's kernels serve 16-bit dtypes only: float32 on
+    a GPU runs the plain torch path (`select_attention` picks it), without this class and without CUDA graphs.
 
     `page_table` is the runner's `[rows, max_seq_len]` token-location table; `dummy_page` a pool page outside
     the allocator's range: CUDA-graph padding rows write there; `cfg` gives the kernel switches (decode
@@ -53,14 +54,22 @@ class GpuPath:
             pool, page_table, model.cfg, model.dtype, self.workspace, model.rotary, cfg.decode_tc_min_batch, triton
         )
         self.graphs = None
+        self.step_graphs = None
         self.use_graphs = True
         if graph_max_bs > 0 and model.device.type == "cuda":
             from common.engine.gpu.cuda_graph import DecodeGraphs
 
             self.graphs = DecodeGraphs(model, self.attn, pool, dummy_page, page_table.shape[1], graph_max_bs)
+        step_tokens = cfg.cuda_graph_max_tokens
+        if step_tokens > 0 and model.device.type == "cuda" and model.tp.size == 1:
+            from common.engine.gpu.step_graphs import StepGraphs
+
+            self.step_graphs = StepGraphs(model, self.attn, pool, dummy_page, step_tokens)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self.use_graphs and self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
+        if self.use_graphs and self.step_graphs is not None and self.step_graphs.can_run(batch):
+            return self.step_graphs.run(batch)
         self.attn.plan(batch)
         return self.model(batch, self.attn)

@@ -75,15 +75,17 @@ def rope_store(
     out_rows: torch.Tensor,
     k_offset: int,
     v_offset: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Rotated q `[T, Hq, D]` (a new tensor); rotated k and v written to `rows[out_rows + k_offset]` and
+    """Rotated q `[T, Hq, D]` (into `out` where given, else a new tensor); rotated k and v written to `rows[out_rows + k_offset]` and
     `rows[out_rows + v_offset]`. q/k/v may be views (each token's heads contiguous, e.g. of a qkv projection);
     `rows` is the pool's `[rows, Hkv, D]` view, `out_rows` the step's layer-0 K rows (KVPool.token_rows)."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     if q.stride(1) != d or k.stride(1) != d or v.stride(1) != d or q.stride(2) != 1:
         raise ValueError("rope_store needs each token's heads contiguous")
-    out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
     if t == 0:
         return out
     # Few tokens (decode): two heads per program, the most parallel grid; many tokens (prefill): 16 heads per

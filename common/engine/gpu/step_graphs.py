@@ -1,0 +1,180 @@
+"""Prefill and mixed steps as piecewise CUDA graphs: everything but attention captured, per token count.
+
+An eager forward of an 8B model launches ~300 kernels from Python, ~15 ms on the H200 whatever the chunk
+(bench/mixed_step.py), three decode graphs' worth: that floor, not the GPU, set a mixed step's time. A step's
+attention cannot be captured cheaply (its plan follows the batch's shape: requests, chunk lengths, pages), but
+everything around it depends only on the number of tokens. So for a ladder of token counts the layers are
+captured as `L + 1` graphs broken at each layer's attention: graph 0 is the embedding and layer 0 up to its
+rotated q (K/V written into the pool inside the graph); graph i runs layer i-1's o projection and MLP and
+layer i up to its q; graph L ends with the last MLP and copies the hidden and residual rows out. Between
+graphs flashinfer's batched prefill runs eagerly from a static q buffer into a static output buffer, planned
+for the real batch. A step of T tokens replays the smallest captured count >= T; its padding rows write
+their K/V to the pool's dummy page and are never attended to nor sampled. The final norm and LM head run
+eagerly on the sampled rows only.
+
+The residual stream is one tensor updated in place by every layer (flashinfer's fused add + RMSNorm), so it
+is the only activation that crosses a break besides the static buffers. Counts are captured largest first in
+one memory pool, as the decode graphs are; replays never overlap.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from common.engine.forward_batch import ForwardBatch
+from common.engine.gpu.attention import FlashInferAttention
+
+if TYPE_CHECKING:
+    from common.engine.model import DecoderModel
+    from common.kv.pool import KVPool
+
+log = logging.getLogger("kvferry.engine")
+
+
+def graph_token_counts(max_tokens: int) -> list[int]:
+    """Every 64 tokens up to 512, every 128 up to 1,024, then every 256 (padding stays under ~12%); `max_tokens`
+    is always included."""
+    if max_tokens <= 0:
+        return []
+    ladder = [*range(64, 513, 64), *range(640, 1025, 128), *range(1280, max_tokens, 256)]
+    return sorted({t for t in ladder if t < max_tokens} | {max_tokens})
+
+
+class _BreakAtAttention:
+    """The attention backend the model sees while its layers are captured: it writes K/V and the rotated q inside
+    the current graph, then ends that graph and begins the next one; the attention itself is left to replay.
+    Outside capture (`graphs` None) it runs the same pieces eagerly: with `attend_rows` the planned attention
+    over that many rows in between (the replay's twin), else none (the warm-up)."""
+
+    def __init__(
+        self, owner: StepGraphs, tokens: int, graphs: list[torch.cuda.CUDAGraph] | None, attend_rows: int = 0
+    ) -> None:
+        self.owner = owner
+        self.tokens = tokens
+        self.graphs = graphs
+        self.attend_rows = attend_rows
+
+    def forward(
+        self, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        o = self.owner
+        o.attn.store(layer, positions, q, k, v, q_out=o.q_buf[: self.tokens])
+        if self.graphs is not None:
+            self.graphs[-1].capture_end()
+            self.graphs.append(torch.cuda.CUDAGraph())
+            self.graphs[-1].capture_begin(pool=o.mempool)
+        elif self.attend_rows:
+            n = self.attend_rows
+            o.attn.attend(layer, o.q_buf[:n], out=o.o_buf[:n])
+        return o.o_buf[: self.tokens]
+
+
+class StepGraphs:
+    def __init__(
+        self,
+        model: DecoderModel,
+        attn: FlashInferAttention,
+        pool: KVPool,
+        dummy_page: int,
+        max_tokens: int,
+        capture: bool = True,
+    ) -> None:
+        if model.tp.size > 1:
+            raise ValueError("piecewise step graphs run one rank (tensor-parallel steps stay eager)")
+        self.model = model
+        self.attn = attn
+        self.pool = pool
+        self.dummy_page = dummy_page
+        self.counts = graph_token_counts(max_tokens)
+        self.max_tokens = self.counts[-1] if self.counts else 0
+        cfg = model.cfg
+        dev = model.device
+        n = self.max_tokens
+        ps = pool.layout.page_size
+        self.dummy_slot = int(pool.token_rows(torch.tensor([dummy_page * ps]))[0])
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.out_loc = torch.full((n,), self.dummy_slot, dtype=torch.int64, device=dev)
+        self.q_buf = torch.zeros(n, cfg.num_heads, cfg.head_dim, dtype=model.dtype, device=dev)
+        self.o_buf = torch.zeros(n, cfg.num_heads, cfg.head_dim, dtype=model.dtype, device=dev)
+        self.hidden = torch.zeros(n, cfg.hidden_size, dtype=model.dtype, device=dev)
+        self.residual = torch.zeros(n, cfg.hidden_size, dtype=model.dtype, device=dev)
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.mempool = None
+        self.capture_seconds = 0.0
+        if capture and self.counts:
+            self.capture()
+
+    def pick(self, tokens: int) -> int:
+        for t in self.counts:
+            if t >= tokens:
+                return t
+        raise ValueError(f"a step of {tokens} tokens exceeds the largest captured count {self.max_tokens}")
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return 0 < batch.num_tokens <= self.max_tokens and bool(self.graphs)
+
+    def _layers(self, tokens: int, graphs: list[torch.cuda.CUDAGraph] | None, attend_rows: int = 0) -> None:
+        self.attn.bind(self.attn.prefill_wrapper, self.out_loc[:tokens])
+        breaks = _BreakAtAttention(self, tokens, graphs, attend_rows)
+        hidden, residual = self.model.forward_hidden(self.input_ids[:tokens], self.positions[:tokens], breaks)
+        self.hidden[:tokens].copy_(hidden)
+        self.residual[:tokens].copy_(residual)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.perf_counter()
+        self.mempool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        counts = sorted(self.counts, reverse=True)
+        self.out_loc.fill_(self.dummy_slot)
+        for n, tokens in enumerate(counts, 1):
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._layers(tokens, None)  # warm-up outside the graphs (lazy inits, autotuning)
+                torch.cuda.synchronize()
+                graphs = [torch.cuda.CUDAGraph()]
+                graphs[0].capture_begin(pool=self.mempool)
+                try:
+                    self._layers(tokens, graphs)
+                finally:
+                    graphs[-1].capture_end()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graphs[tokens] = graphs
+            log.debug("captured step graphs %d/%d (%d tokens, %d pieces)", n, len(counts), tokens, len(graphs))
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - start
+        log.info(
+            "captured step graphs for %d token counts up to %d in %.1f s",
+            len(counts),
+            self.max_tokens,
+            self.capture_seconds,
+        )
+
+    def run(self, batch: ForwardBatch, replay: bool = True) -> torch.Tensor:
+        """float32 logits of the rows at `batch.logits_indices` (a fresh tensor). `replay` False runs the same
+        pieces on the same buffers eagerly (a check of the capture)."""
+        t = batch.num_tokens
+        count = self.pick(t)
+        self.input_ids[:t].copy_(batch.input_ids)
+        self.positions[:t].copy_(batch.positions)
+        self.out_loc[:t].copy_(self.pool.token_rows(batch.out_loc))
+        if count > t:
+            self.out_loc[t:count].fill_(self.dummy_slot)
+            self.positions[t:count].zero_()
+        attn = self.attn
+        attn.plan_prefill(attn.page_meta(batch.table_rows, batch.seq_lens_cpu), batch.extend_lens_cpu)
+        if replay:
+            graphs = self.graphs[count]
+            q, o = self.q_buf[:t], self.o_buf[:t]
+            graphs[0].replay()
+            for layer, graph in enumerate(graphs[1:]):
+                attn.attend(layer, q, out=o)
+                graph.replay()
+        else:
+            self._layers(count, None, attend_rows=t)
+        return self.model.final_logits(self.hidden[:t], self.residual[:t], batch.logits_indices)
