@@ -52,7 +52,15 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     return {k: _write_tiny_model(root / k, k) for k in ("llama", "qwen3")}
 
 
-def _runner(path: Path, device: str, dtype: str, attention: str = "auto", graphs: int = 8, fused: bool = True):
+def _runner(
+    path: Path,
+    device: str,
+    dtype: str,
+    attention: str = "auto",
+    graphs: int = 8,
+    fused: bool = True,
+    max_running: int = 8,
+):
     from common.engine.runner import ModelRunner, RunnerConfig
 
     cfg = RunnerConfig(
@@ -60,7 +68,7 @@ def _runner(path: Path, device: str, dtype: str, attention: str = "auto", graphs
         device=device,
         dtype=dtype,
         num_pages=512,
-        max_running=8,
+        max_running=max_running,
         attention=attention,
         cuda_graph_max_bs=graphs,
         fused_kernels=fused,
@@ -251,12 +259,12 @@ def test_cuda_graph_step_identical_to_eager_step(tiny_dirs):
 @gpu
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_step_graph_replay_identical_to_eager_pieces(tiny_dirs, kind):
-    """A mixed step (three decode rows + a 64-token chunk: 67 tokens, padded to 128) replayed from its piecewise
+    """A mixed step (three decode rows + a 64-token chunk: 67 tokens, padded to 96) replayed from its piecewise
     graphs and the same pieces run eagerly on the same buffers: bit-identical, finite, and at bf16 level of the
     plain eager forward."""
     runner = _runner(tiny_dirs[kind], "cuda", "bfloat16")
     steps = runner.gpu.step_graphs
-    assert steps is not None and steps.pick(67) == 128 and len(steps.graphs[128]) == runner.model.cfg.num_layers + 1
+    assert steps is not None and steps.pick(67) == 96 and len(steps.graphs[96]) == runner.model.cfg.num_layers + 1
     dec = _prompts(3, seed=21, lo=40, hi=140)
     new = _prompts(1, seed=22, lo=100, hi=101)[0]
     rows = _rows_for(runner, [*dec, new], seed=23)
@@ -486,32 +494,32 @@ def _rows_for(runner, seqs: list[list[int]], seed: int) -> list[int]:
     return rows
 
 
-def _mixed_vs_separate(runner) -> tuple[float, float, torch.Tensor, torch.Tensor]:
-    """Three requests with 40-140 tokens of KV decode one token, and a 100-token prompt prefills a 64-token
+def _mixed_vs_separate(runner, n_dec: int = 3) -> tuple[float, float, torch.Tensor, torch.Tensor]:
+    """`n_dec` requests with 40-140 tokens of KV decode one token, and a 100-token prompt prefills a 64-token
     chunk: once as a decode step and a prefill step, once as one mixed step (decode rows first). Returns the
     relative differences of the decode rows' and the chunk's logits, and both runs' decode-row logits."""
-    dec = _prompts(3, seed=8, lo=40, hi=140)
+    dec = _prompts(n_dec, seed=8, lo=40, hi=140)
     new = _prompts(1, seed=9, lo=100, hi=101)[0]
     rows = _rows_for(runner, [*dec, new], seed=10)
     pt = runner.page_table
     try:
         # KV of every decode row's prefix (all but its last token), prefilled once.
-        fb = runner.build_batch([s[:-1] for s in dec], [0] * 3, rows[:3], [False] * 3, False)
+        fb = runner.build_batch([s[:-1] for s in dec], [0] * n_dec, rows[:n_dec], [False] * n_dec, False)
         runner.forward(fb)
         pos = [len(s) - 1 for s in dec]
         ids = [[s[-1]] for s in dec]
-        fb = runner.build_batch(ids, pos, rows[:3], [True] * 3, True)
+        fb = runner.build_batch(ids, pos, rows[:n_dec], [True] * n_dec, True)
         sep_dec = runner.forward(fb).clone()
-        fb = runner.build_batch([new[:64]], [0], rows[3:], [True], False)
+        fb = runner.build_batch([new[:64]], [0], rows[n_dec:], [True], False)
         fb.logits_indices = torch.arange(64, device=fb.input_ids.device)
         sep_pre = runner.forward(fb).clone()
-        fb = runner.build_batch([*ids, new[:64]], [*pos, 0], rows, [True] * 4, False)
-        fb.logits_indices = torch.arange(67, device=fb.input_ids.device)
+        fb = runner.build_batch([*ids, new[:64]], [*pos, 0], rows, [True] * (n_dec + 1), False)
+        fb.logits_indices = torch.arange(n_dec + 64, device=fb.input_ids.device)
         mixed = runner.forward(fb).clone()
     finally:
         for row in rows:
             pt.give_row(row)
-    return _rel(mixed[:3], sep_dec), _rel(mixed[3:], sep_pre), mixed[:3], sep_dec
+    return _rel(mixed[:n_dec], sep_dec), _rel(mixed[n_dec:], sep_pre), mixed[:n_dec], sep_dec
 
 
 @needs_cuda
@@ -532,6 +540,26 @@ def test_mixed_step_logits_match_separate_steps(tiny_dirs, kind):
     assert e_dec < 2e-2 and e_pre < 2e-2
     assert f_dec < 1e-4 and f_pre < 1e-4
     assert torch.equal(mixed.argmax(-1), sep.argmax(-1))
+
+
+@needs_cuda
+@gpu
+def test_mixed_step_with_many_decode_rows_splits_attention(tiny_dirs):
+    """20 decode rows beside a chunk: their attention runs on the decode kernel and the chunk's on the prefill
+    kernel (common/engine/gpu/attention.py SPLIT_DECODE_MIN_ROWS), in graphs and eagerly; logits at bf16 level
+    of separate decode and prefill steps, greedy tokens equal."""
+    from common.engine.gpu.attention import SPLIT_DECODE_MIN_ROWS
+
+    fi = _runner(tiny_dirs["llama"], "cuda", "bfloat16", graphs=32, max_running=32)
+    n = SPLIT_DECODE_MIN_ROWS + 4
+    for use_graphs in (True, False):
+        fi.gpu.use_graphs = use_graphs
+        e_dec, e_pre, mixed, sep = _mixed_vs_separate(fi, n_dec=n)
+        assert fi.gpu.attn._split is not None and fi.gpu.attn._split[0] == n
+        print(f"split mixed step (graphs {use_graphs}): rel diff decode rows {e_dec:.2e}, chunk {e_pre:.2e}")
+        assert e_dec < 2e-2 and e_pre < 2e-2
+        assert torch.equal(mixed.argmax(-1), sep.argmax(-1))
+    fi.gpu.use_graphs = True
 
 
 @needs_cuda

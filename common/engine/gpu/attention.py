@@ -29,6 +29,21 @@ WORKSPACE_BYTES = 256 << 20
 # it is available; larger batches keep flashinfer's. bench/decode_kernels.py on the H200 (per layer, 32 q / 8 kv
 # heads): b=1 1.62x at 1k context and 1.16x at 4k; b=2 1.40x / 0.95x; b=4 1.13x / 0.87x; b=8 1.06x / 0.86x.
 TRITON_DECODE_MAX_BS = 2
+# A prefill or mixed step whose leading requests extend one token each (a mixed step's decode rows) runs those
+# rows through the decode kernel and the rest through the prefill kernel once there are this many: the
+# prefill kernel gives each one-token row a whole query tile, and on the H200 (8B, 1.5k tokens of KV a row)
+# 64 decode rows beside a 256-token chunk took 25.2 ms in one prefill call against 17.1 ms as separate decode
+# and prefill steps (bench/mixed_step.py).
+SPLIT_DECODE_MIN_ROWS = 16
+
+
+def leading_single_token_rows(extend_lens: list[int]) -> int:
+    n = 0
+    for e in extend_lens:
+        if e != 1:
+            break
+        n += 1
+    return n
 
 
 def use_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
@@ -41,6 +56,13 @@ class PageMeta:
     indptr: torch.Tensor  # [B + 1] int32, CPU
     indices: torch.Tensor  # [nnz pages] int32, on the pool's device
     last_page_len: torch.Tensor  # [B] int32, CPU
+
+    def split(self, n: int) -> tuple[PageMeta, PageMeta]:
+        """The first `n` requests' metadata and the rest's."""
+        cut = int(self.indptr[n])
+        head = PageMeta(self.indptr[: n + 1], self.indices[:cut], self.last_page_len[:n])
+        tail = PageMeta(self.indptr[n:] - cut, self.indices[cut:], self.last_page_len[n:])
+        return head, tail
 
     def padded(self, bs: int, dummy_page: int) -> PageMeta:
         """Appends `bs - B` one-token requests that live on the dummy page (CUDA-graph padding)."""
@@ -110,6 +132,8 @@ class FlashInferAttention:
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
         self.decode_wrappers = {tc: self.make_decode_wrapper(tensor_cores=tc) for tc in {self.tensor_cores, False}}
         self._wrapper = None
+        # Set by plan_extend for a step split in two calls: (leading one-token rows, their planned decode wrapper).
+        self._split: tuple[int, object] | None = None
         self._out_loc: torch.Tensor | None = None
         # flashinfer's planner stages its plan in a pinned host buffer per wrapper and copies it to the device
         # on the stream; re-planning a wrapper before that copy ran would overwrite it (the overlap loop plans
@@ -188,9 +212,24 @@ class FlashInferAttention:
         )
         self._after_plan(wrapper)
         self._wrapper = wrapper
+        self._split = None
+
+    def plan_extend(self, meta: PageMeta, extend_lens_cpu: list[int]) -> None:
+        """A prefill or mixed step: one prefill call, or the leading one-token rows (SPLIT_DECODE_MIN_ROWS or
+        more) on the decode kernel and the rest on the prefill kernel."""
+        n = leading_single_token_rows(extend_lens_cpu)
+        if not SPLIT_DECODE_MIN_ROWS <= n < len(extend_lens_cpu):
+            self.plan_prefill(meta, extend_lens_cpu)
+            return
+        head, tail = meta.split(n)
+        self.plan_decode(self.decode_wrappers[self.decode_tensor_cores(n)], head)
+        decode = self._wrapper
+        self.plan_prefill(tail, extend_lens_cpu[n:])
+        self._split = (n, decode)
 
     def plan_prefill(self, meta: PageMeta, extend_lens_cpu: list[int]) -> None:
         self._triton_meta = None
+        self._split = None
         w = self.prefill_wrapper
         qo = torch.zeros(len(extend_lens_cpu) + 1, dtype=torch.int32)
         torch.cumsum(torch.tensor(extend_lens_cpu, dtype=torch.int32), 0, out=qo[1:])
@@ -217,7 +256,7 @@ class FlashInferAttention:
         if batch.is_decode:
             self.plan_decode(self.decode_wrappers[self.decode_tensor_cores(batch.batch_size)], meta)
         else:
-            self.plan_prefill(meta, batch.extend_lens_cpu)
+            self.plan_extend(meta, batch.extend_lens_cpu)
         self._out_loc = self.pool.token_rows(batch.out_loc)  # pool rows of layer 0's K, once per step
 
     def bind(
@@ -234,6 +273,7 @@ class FlashInferAttention:
         self._wrapper = wrapper
         self._out_loc = out_loc
         self._triton_meta = None
+        self._split = None
         if graph_meta is not None and self.triton_decode is not None:
             bs = int(graph_meta[2].shape[0])
             if bs <= TRITON_DECODE_MAX_BS:
@@ -283,4 +323,10 @@ class FlashInferAttention:
             indptr, indices, last, splits = self._triton_meta
             k_cache, v_cache = self.kv[layer]
             return self.triton_decode.decode_attention(q, k_cache, v_cache, indptr, indices, last, splits)  # type: ignore[union-attr]
+        if self._split is not None:
+            n, decode = self._split
+            out = torch.empty_like(q) if out is None else out
+            decode.run(q[:n], self.kv[layer], out=out[:n])  # type: ignore[attr-defined]
+            self._wrapper.run(q[n:], self.kv[layer], out=out[n:])
+            return out
         return self._wrapper.run(q, self.kv[layer], out=out)

@@ -36,11 +36,12 @@ log = logging.getLogger("kvferry.engine")
 
 
 def graph_token_counts(max_tokens: int) -> list[int]:
-    """Every 64 tokens up to 512, every 128 up to 1,024, then every 256 (padding stays under ~12%); `max_tokens`
-    is always included."""
+    """Every 32 tokens up to 512, every 64 up to 1,024, then every 128: a step pads at most 1/16 of its tokens
+    past 512 (a mixed step is a page-multiple chunk plus its decode rows, so it rarely lands on a count);
+    `max_tokens` is always included."""
     if max_tokens <= 0:
         return []
-    ladder = [*range(64, 513, 64), *range(640, 1025, 128), *range(1280, max_tokens, 256)]
+    ladder = [*range(32, 513, 32), *range(576, 1025, 64), *range(1152, max_tokens, 128)]
     return sorted({t for t in ladder if t < max_tokens} | {max_tokens})
 
 
@@ -167,7 +168,7 @@ class StepGraphs:
             self.out_loc[t:count].fill_(self.dummy_slot)
             self.positions[t:count].zero_()
         attn = self.attn
-        attn.plan_prefill(attn.page_meta(batch.table_rows, batch.seq_lens_cpu), batch.extend_lens_cpu)
+        attn.plan_extend(attn.page_meta(batch.table_rows, batch.seq_lens_cpu), batch.extend_lens_cpu)
         if replay:
             graphs = self.graphs[count]
             q, o = self.q_buf[:t], self.o_buf[:t]
