@@ -422,7 +422,7 @@ CUDA_GRAPH_MAX_BS = declare(
 CUDA_GRAPH_MAX_TOKENS = declare(
     "KVFERRY_CUDA_GRAPH_MAX_TOKENS",
     int,
-    2048,
+    512,
     "prefill and mixed steps of up to this many tokens run as piecewise CUDA graphs (all but attention); 0 = eager",
     "GPU workers",
     "common/settings.py",
@@ -484,8 +484,9 @@ ITL_TARGET_MS = declare(
     "KVFERRY_ITL_TARGET_MS",
     itl_target_ms,
     ITL_TARGET_AUTO,
-    "N = ms; 0 = prefill-first. Every step decodes every running request and takes prompt chunks up to what fits in "
-    "the target at the engine's peak device-timed prefill speed (at least 4 pages; `common/sched/prefill_budget.py`, "
+    "N = ms; 0 = prefill-first. Every step decodes every running request and takes prompt chunks up to what the "
+    "engine prefills, at its peak device-timed prefill speed, in the target less the decode step (at least 4 pages; "
+    "`common/sched/prefill_budget.py`, "
     '"Stall-free batching" above): bounds the ITL a prompt\'s prefill costs a running stream',
     "workers",
     "common/settings.py",

@@ -259,12 +259,12 @@ def test_cuda_graph_step_identical_to_eager_step(tiny_dirs):
 @gpu
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_step_graph_replay_identical_to_eager_pieces(tiny_dirs, kind):
-    """A mixed step (three decode rows + a 64-token chunk: 67 tokens, padded to 96) replayed from its piecewise
+    """A mixed step (three decode rows + a 64-token chunk: 67 tokens, padded to 80) replayed from its piecewise
     graphs and the same pieces run eagerly on the same buffers: bit-identical, finite, and at bf16 level of the
     plain eager forward."""
     runner = _runner(tiny_dirs[kind], "cuda", "bfloat16")
     steps = runner.gpu.step_graphs
-    assert steps is not None and steps.pick(67) == 96 and len(steps.graphs[96]) == runner.model.cfg.num_layers + 1
+    assert steps is not None and steps.pick(67) == 80 and len(steps.graphs[80]) == runner.model.cfg.num_layers + 1
     dec = _prompts(3, seed=21, lo=40, hi=140)
     new = _prompts(1, seed=22, lo=100, hi=101)[0]
     rows = _rows_for(runner, [*dec, new], seed=23)

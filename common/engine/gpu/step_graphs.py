@@ -36,12 +36,14 @@ log = logging.getLogger("kvferry.engine")
 
 
 def graph_token_counts(max_tokens: int) -> list[int]:
-    """Every 32 tokens up to 512, every 64 up to 1,024, then every 128: a step pads at most 1/16 of its tokens
-    past 512 (a mixed step is a page-multiple chunk plus its decode rows, so it rarely lands on a count);
-    `max_tokens` is always included."""
+    """Every 16 tokens up to 512, every 64 up to 1,024, then every 128; `max_tokens` is always included. A mixed
+    step is a page-multiple chunk plus its decode rows, so it rarely lands on a count: its padding is computed
+    for nothing, which on the H200 made graphed 8B steps of 513-1,025 tokens ~6% slower than eager ones, whose
+    launches the GPU work hides from ~512 tokens on (bench/RESULTS.md "Stall-free batching"); hence the
+    default limit of 512 tokens and the fine steps below it."""
     if max_tokens <= 0:
         return []
-    ladder = [*range(32, 513, 32), *range(576, 1025, 64), *range(1152, max_tokens, 128)]
+    ladder = [*range(16, 513, 16), *range(576, 1025, 64), *range(1152, max_tokens, 128)]
     return sorted({t for t in ladder if t < max_tokens} | {max_tokens})
 
 
