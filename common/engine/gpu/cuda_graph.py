@@ -17,6 +17,7 @@ import torch
 
 from common.engine.forward_batch import ForwardBatch
 from common.engine.gpu.attention import FlashInferAttention, PageMeta
+from common.engine.gpu.graph_inputs import GraphInputs, smallest_fit
 
 if TYPE_CHECKING:
     from common.engine.model import DecoderModel
@@ -52,11 +53,7 @@ class DecodeGraphs:
         self.sizes = graph_batch_sizes(max_bs)
         dev = model.device
         ps = pool.layout.page_size
-        # out_loc holds pool rows (KVPool.token_rows), not raw token locations.
-        self.dummy_slot = int(pool.token_rows(torch.tensor([dummy_page * ps]))[0])
-        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
-        self.out_loc = torch.full((max_bs,), self.dummy_slot, dtype=torch.int64, device=dev)
+        self.inputs = GraphInputs.allocate(max_bs, pool, dummy_page, dev)
         self.logits = torch.zeros(max_bs, model.cfg.vocab_size, dtype=torch.float32, device=dev)
         pages_per_req = -(-max_seq_len // ps)
         self.indptr_buf = torch.zeros(max_bs + 1, dtype=torch.int32, device=dev)
@@ -74,10 +71,7 @@ class DecodeGraphs:
             self.capture()
 
     def pick(self, b: int) -> int:
-        for bs in self.sizes:
-            if bs >= b:
-                return bs
-        raise ValueError(f"batch of {b} exceeds the largest captured size {self.max_bs}")
+        return smallest_fit(self.sizes, b, "a decode batch")
 
     def can_run(self, batch: ForwardBatch) -> bool:
         # Every token sampled, in order (a decode step from the scheduler always is).
@@ -89,16 +83,17 @@ class DecodeGraphs:
 
     def _body(self, bs: int) -> None:
         meta = (self.indptr_buf[: bs + 1], self.indices_buf, self.last_buf[:bs])
-        self.attn.bind(self.wrappers[bs], self.out_loc[:bs], meta)
+        inp = self.inputs
+        self.attn.bind(self.wrappers[bs], inp.out_loc[:bs], meta)
         # Logits in the model's dtype, cast by the copy into the float32 buffer (one kernel, not two).
-        logits = self.model.forward_tokens(self.input_ids[:bs], self.positions[:bs], self.attn, float_logits=False)
+        logits = self.model.forward_tokens(inp.input_ids[:bs], inp.positions[:bs], self.attn, float_logits=False)
         self.logits[:bs].copy_(logits)
 
     def _plan_dummy(self, bs: int) -> None:
         none = torch.zeros(0, dtype=torch.int32)
-        empty = PageMeta(torch.zeros(1, dtype=torch.int32), none.to(self.input_ids.device), none)
+        empty = PageMeta(torch.zeros(1, dtype=torch.int32), none.to(self.inputs.input_ids.device), none)
         meta = empty.padded(bs, self.dummy_page)
-        self.out_loc[:bs].fill_(self.dummy_slot)
+        self.inputs.out_loc[:bs].fill_(self.inputs.dummy_slot)
         self.attn.plan_decode(self.wrappers[bs], meta)
 
     @torch.inference_mode()
@@ -126,11 +121,7 @@ class DecodeGraphs:
         """Logits [B, vocab] float32: a view of the static buffer, valid until the next decode step."""
         b = batch.batch_size
         bs = self.pick(b)
-        self.input_ids[:b].copy_(batch.input_ids)
-        self.positions[:b].copy_(batch.positions)
-        self.out_loc[:b].copy_(self.pool.token_rows(batch.out_loc))
-        if bs > b:
-            self.out_loc[b:bs].fill_(self.dummy_slot)
+        self.inputs.load(batch, self.pool, bs)
         meta = self.attn.page_meta(batch.table_rows, batch.seq_lens_cpu).padded(bs, self.dummy_page)
         self.attn.plan_decode(self.wrappers[bs], meta)
         if replay:

@@ -27,6 +27,7 @@ import torch
 
 from common.engine.forward_batch import ForwardBatch
 from common.engine.gpu.attention import FlashInferAttention
+from common.engine.gpu.graph_inputs import GraphInputs, smallest_fit
 
 if TYPE_CHECKING:
     from common.engine.model import DecoderModel
@@ -97,11 +98,7 @@ class StepGraphs:
         cfg = model.cfg
         dev = model.device
         n = self.max_tokens
-        ps = pool.layout.page_size
-        self.dummy_slot = int(pool.token_rows(torch.tensor([dummy_page * ps]))[0])
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.out_loc = torch.full((n,), self.dummy_slot, dtype=torch.int64, device=dev)
+        self.inputs = GraphInputs.allocate(n, pool, dummy_page, dev)
         self.q_buf = torch.zeros(n, cfg.num_heads, cfg.head_dim, dtype=model.dtype, device=dev)
         self.o_buf = torch.zeros(n, cfg.num_heads, cfg.head_dim, dtype=model.dtype, device=dev)
         self.hidden = torch.zeros(n, cfg.hidden_size, dtype=model.dtype, device=dev)
@@ -113,18 +110,16 @@ class StepGraphs:
             self.capture()
 
     def pick(self, tokens: int) -> int:
-        for t in self.counts:
-            if t >= tokens:
-                return t
-        raise ValueError(f"a step of {tokens} tokens exceeds the largest captured count {self.max_tokens}")
+        return smallest_fit(self.counts, tokens, "a step")
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return 0 < batch.num_tokens <= self.max_tokens and bool(self.graphs)
 
     def _layers(self, tokens: int, graphs: list[torch.cuda.CUDAGraph] | None, attend_rows: int = 0) -> None:
-        self.attn.bind(self.attn.prefill_wrapper, self.out_loc[:tokens])
+        inp = self.inputs
+        self.attn.bind(self.attn.prefill_wrapper, inp.out_loc[:tokens])
         breaks = _BreakAtAttention(self, tokens, graphs, attend_rows)
-        hidden, residual = self.model.forward_hidden(self.input_ids[:tokens], self.positions[:tokens], breaks)
+        hidden, residual = self.model.forward_hidden(inp.input_ids[:tokens], inp.positions[:tokens], breaks)
         self.hidden[:tokens].copy_(hidden)
         self.residual[:tokens].copy_(residual)
 
@@ -134,7 +129,7 @@ class StepGraphs:
         self.mempool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         counts = sorted(self.counts, reverse=True)
-        self.out_loc.fill_(self.dummy_slot)
+        self.inputs.out_loc.fill_(self.inputs.dummy_slot)
         for n, tokens in enumerate(counts, 1):
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
@@ -163,12 +158,7 @@ class StepGraphs:
         pieces on the same buffers eagerly (a check of the capture)."""
         t = batch.num_tokens
         count = self.pick(t)
-        self.input_ids[:t].copy_(batch.input_ids)
-        self.positions[:t].copy_(batch.positions)
-        self.out_loc[:t].copy_(self.pool.token_rows(batch.out_loc))
-        if count > t:
-            self.out_loc[t:count].fill_(self.dummy_slot)
-            self.positions[t:count].zero_()
+        self.inputs.load(batch, self.pool, count)
         attn = self.attn
         attn.plan_extend(attn.page_meta(batch.table_rows, batch.seq_lens_cpu), batch.extend_lens_cpu)
         if replay:
