@@ -13,7 +13,7 @@ _ROLE_MAINS = {
     "router": "router.main",
     "prefill": "prefill_worker.main",
     "decode": "decode_worker.main",
-    "mixed": "decode_worker.mixed",
+    "mixed": "mixed_worker.main",
     "up": "common.devcluster.up",
 }
 

@@ -767,7 +767,7 @@ FAULT_WRITE_DELAY_S = declare(
     "N = every KV write of a prefill worker lands N s late and cannot be called back meanwhile (the transfer "
     "race tests)",
     "prefill workers",
-    "common/serving/prefill_host.py",
+    "prefill_worker/engine.py",
     shown_default="unset",
     kind="test",
 )

@@ -1,4 +1,5 @@
-"""The decode worker: decode routes (common/serving/decode_routes.py) over a decode engine loop."""
+"""The decode worker: its routes (decode_worker/routes.py) over an engine with the decode role
+(decode_worker/engine.py)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,11 @@ from fastapi import FastAPI
 
 from common.config import WorkerConfig
 from common.serving.control import WorkerState, create_worker_app
-from common.serving.decode_host import DecodeHost
-from common.serving.decode_routes import add_decode_routes
 from common.serving.engine_host import engine_main
+from decode_worker.engine import DecodeRole
+from decode_worker.routes import add_decode_routes
 
 
 def create_app(cfg: WorkerConfig | None = None) -> FastAPI:
     cfg = cfg or WorkerConfig.from_env("decode")
-    return create_worker_app(WorkerState(cfg, engine_main, DecodeHost), add_decode_routes)
+    return create_worker_app(WorkerState(cfg, engine_main, (DecodeRole,)), add_decode_routes)

@@ -1,4 +1,4 @@
-"""The decode role of an engine loop: reserve pages for remote prefill, admit on the KV notice, decode.
+"""The decode role of a worker's engine: reserve pages for remote prefill, admit on the KV notice, decode.
 
 One request's transfer here (states in common/transfer/session.py): `Generate` queues it, `_try_reserve`
 reserves its pages (session "reserved") and hands the page ids to the control plane (`Reserved`), which may
@@ -20,7 +20,7 @@ import torch
 from common.kv.pool import checksums_match
 from common.protocol import SamplingParams
 from common.sched.request import Req
-from common.serving.engine_host import EngineHost, Refused
+from common.serving.engine_host import EngineHost, Handlers, Refused
 from common.serving.messages import (
     AwaitingPeers,
     Generate,
@@ -47,38 +47,42 @@ class PendingRemote:
     reserved: bool = False
 
 
-class DecodeHost(EngineHost):
-    role = "decode"
+class DecodeRole:
+    """The engine's own requests: prefilled here or by a peer into pages reserved here, then decoded."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.receiver = KVReceiver(self.agent)
+    def __init__(self, host: EngineHost) -> None:
+        self.host = host
+        self.receiver = KVReceiver(self.host.agent)
         self.remote: dict[str, PendingRemote] = {}
         # Given-up requests whose pages a prefill peer may still write: freed when their session ends.
         self.held: dict[str, Req] = {}
-        self.scheduler.on_kv_abandoned = self._on_kv_abandoned
+        self.host.scheduler.on_kv_abandoned = self._on_kv_abandoned
         self.awaited: dict[tuple[str, str], list[str]] = {}  # last AwaitingPeers sent to the control plane
-        self.handlers.update(
-            {
-                Generate: self._generate,
-                PrefillSending: self._prefill_sending,
-                PrefillRefused: lambda cmd: self.receiver.refused(cmd.req_id),
-                PrefillFailed: self._prefill_failed,
-                PeerGone: lambda cmd: self._peer_gone(cmd.peer, cmd.peer_instance),
-                TransfersSettled: self._transfers_settled,
-            }
-        )
+        self.handlers: Handlers = {
+            Generate: self._generate,
+            PrefillSending: self._prefill_sending,
+            PrefillRefused: lambda cmd: self.receiver.refused(cmd.req_id),
+            PrefillFailed: self._prefill_failed,
+            PeerGone: lambda cmd: self._peer_gone(cmd.peer, cmd.peer_instance),
+            TransfersSettled: self._transfers_settled,
+        }
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.remote) or bool(self.held)
+        return bool(self.remote) or bool(self.held)
+
+    def holds(self, req_id: str) -> bool:
+        return True  # every request no other role holds is this role's (or none's: its abort is a no-op)
+
+    def hands_on_stamps(self, req_id: str) -> bool:
+        return False
 
     def _generate(self, cmd: Generate) -> None:
-        req = self.make_req(cmd.req_id, cmd.token_ids, SamplingParams.model_validate(cmd.sampling), cmd.received)
+        req = self.host.make_req(cmd.req_id, cmd.token_ids, SamplingParams.model_validate(cmd.sampling), cmd.received)
         if not cmd.remote:
-            self.enqueue(req)
+            self.host.enqueue(req)
             return
-        self.scheduler.validate(req)
-        if req.req_id in self.scheduler.by_id or req.req_id in self.remote or req.req_id in self.held:
+        self.host.scheduler.validate(req)
+        if req.req_id in self.host.scheduler.by_id or req.req_id in self.remote or req.req_id in self.held:
             raise Refused(f"duplicate request id {req.req_id!r}", "duplicate_request")
         # Its pages are reserved by `tick`, in this loop turn when they are free.
         self.remote[req.req_id] = PendingRemote(req, time.monotonic() + cmd.timeout_s)
@@ -89,7 +93,7 @@ class DecodeHost(EngineHost):
             raise Refused("the request no longer waits for its KV", "aborted")
 
     def _transfers_settled(self, cmd: TransfersSettled) -> None:
-        """The peer's answer to a cancel (decode_routes.PeerWatch)."""
+        """The peer's answer to a cancel (decode_worker/routes.py PeerWatch)."""
         for rid in self.receiver.settled(cmd.peer, cmd.peer_instance, cmd.req_ids):
             self._release_held(rid)
 
@@ -97,35 +101,35 @@ class DecodeHost(EngineHost):
         for rid, pending in self.remote.items():
             if pending.reserved:
                 continue
-            pages = self.scheduler.reserve_for_remote_prefill(pending.req)
+            pages = self.host.scheduler.reserve_for_remote_prefill(pending.req)
             if pages is None:
                 break  # first come, first served: later requests wait behind this one
             pending.reserved = True
-            self.mark(rid, "pages_reserved")
+            self.host.mark(rid, "pages_reserved")
             self.receiver.reserve(rid)
-            self.outbox.append(Reserved(rid, pages.tolist()))
+            self.host.outbox.append(Reserved(rid, pages.tolist()))
 
     # ---- giving up -----------------------------------------------------------------------------------
     def abort(self, req_id: str, reason: str, error: str | None) -> None:
         pending = self.remote.pop(req_id, None)
         if pending is not None and not pending.reserved:
-            self.emit(Tokens(req_id, [], finish_reason=reason if error is None else "error", error=error))
+            self.host.emit(Tokens(req_id, [], finish_reason=reason if error is None else "error", error=error))
             return
         self.receiver.give_up(req_id, error or reason)  # first: `_on_kv_abandoned` asks the session
-        event = self.scheduler.abort(req_id, reason="abort" if error is None else "error", error=error)
+        event = self.host.scheduler.abort(req_id, reason="abort" if error is None else "error", error=error)
         if event is not None:
-            self.emit_step_events([event])
+            self.host.emit_step_events([event])
 
     def _on_kv_abandoned(self, req: Req) -> None:
         if self.receiver.holds(req.req_id):
             self.held[req.req_id] = req  # a write may still land: the pages wait for the session's end
         else:
-            self.scheduler.free_abandoned(req)
+            self.host.scheduler.free_abandoned(req)
 
     def _release_held(self, req_id: str) -> None:
         req = self.held.pop(req_id, None)
         if req is not None:
-            self.scheduler.free_abandoned(req)
+            self.host.scheduler.free_abandoned(req)
 
     def _prefill_failed(self, cmd: PrefillFailed) -> None:
         if cmd.req_id not in self.remote:
@@ -153,7 +157,7 @@ class DecodeHost(EngineHost):
         for rid in forced:
             self._release_held(rid)
         if forced:
-            self.outbox.append(KVForcedRelease(len(forced)))
+            self.host.outbox.append(KVForcedRelease(len(forced)))
         if self.remote:
             now = time.monotonic()
             for rid in [r for r, p in self.remote.items() if now > p.deadline]:
@@ -164,7 +168,7 @@ class DecodeHost(EngineHost):
         if awaited != self.awaited:
             self.awaited = awaited
             peers = [[agent, instance, rids] for (agent, instance), rids in sorted(awaited.items())]
-            self.outbox.append(AwaitingPeers(peers))
+            self.host.outbox.append(AwaitingPeers(peers))
 
     def _on_arrival(self, a: Arrival) -> None:
         if a.kind == "released":
@@ -183,21 +187,21 @@ class DecodeHost(EngineHost):
         pending = self.remote.get(a.req_id)
         if pending is None:
             return
-        stamps = self.stamps.get(a.req_id)
+        stamps = self.host.stamps.get(a.req_id)
         if stamps is not None:
             stamps["kv_landed"] = time.time()
             if notice.timeline:  # the prefill worker's stages
                 stamps.update(notice.timeline)
         verified = None
         if notice.checksums is not None:
-            mine = self.runner.kv_checksums(torch.tensor(pending.req.pages, dtype=torch.int64))
+            mine = self.host.runner.kv_checksums(torch.tensor(pending.req.pages, dtype=torch.int64))
             verified = None if mine is None else checksums_match(mine, notice.checksums)
             if verified is False:
                 self.abort(a.req_id, "error", "KV pages arrived corrupted (checksum mismatch)")
                 return
-        if notice.token >= self.runner.model_config.vocab_size:
+        if notice.token >= self.host.runner.model_config.vocab_size:
             self.abort(a.req_id, "error", f"KV notice from {a.peer}: token {notice.token} outside the vocabulary")
             return
         del self.remote[a.req_id]
-        event = self.scheduler.admit_prefilled(a.req_id, notice.token, notice.logprob, notice.cached_tokens)
-        self.emit_step_events([event], kv_verified=True if verified else None)
+        event = self.host.scheduler.admit_prefilled(a.req_id, notice.token, notice.logprob, notice.cached_tokens)
+        self.host.emit_step_events([event], kv_verified=True if verified else None)

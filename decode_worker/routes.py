@@ -51,13 +51,13 @@ from common.serving.messages import (
     Tokens,
     TransfersSettled,
 )
-from common.serving.peer_directory import PeerDirectory
 from common.serving.request_trace import DECODE_SPANS, WorkerTrace
+from decode_worker.peer_directory import PeerDirectory
 
 log = logging.getLogger("kvferry.decode")
 
 # A remote prefill is given up when it stops making progress, not after a fixed time: the prefill worker sends a
-# progress line at least every second while its engine works (prefill_worker/app.py), so a long prompt on a busy
+# progress line at least every second while its engine works (prefill_worker/routes.py), so a long prompt on a busy
 # CPU may take minutes while a dead or frozen peer is noticed within PREFILL_STALL_S.
 PREFILL_STALL_S = 15.0
 PREFILL_HEAD_S = 45.0  # the peer's answer to the prefill request: its engine call may take up to 30 s

@@ -1,4 +1,4 @@
-"""The prefill role of an engine loop (for peers): chunked prefill over the radix cache, each chunk pushed over NIXL.
+"""The prefill role of a worker's engine (prefills for decode workers): chunked prefill over the radix cache, each chunk pushed over NIXL.
 
 One request's transfer here: `Prefill` opens its session (`RequestTransfer`), every finished chunk's complete
 pages are posted as they are computed (`_on_chunk`), the rest and the "landed" notice when the first token is
@@ -17,7 +17,7 @@ import torch
 from common.protocol import HandshakeRequest, KVNotice, PrefillRequest, SamplingParams
 from common.sched.request import Req
 from common.sched.scheduler import RequestRejected
-from common.serving.engine_host import EngineHost, Refused
+from common.serving.engine_host import EngineHost, Handlers, Refused
 from common.serving.messages import (
     AddPeer,
     Cancel,
@@ -55,34 +55,37 @@ class Outbound:
     first_token_at: float | None = None  # time.monotonic() when the prompt's first token was sampled
 
 
-class PrefillHost(EngineHost):
-    role = "prefill"
+class PrefillRole:
+    """The engine's prefills for decode workers: their transfer sessions, from the first chunk to the last write."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, host: EngineHost) -> None:
+        self.host = host
         # Ranks with NIXL agents of their own (GPUs) post their own heads' writes (common/serving/rank_writes.py).
         self.rank_writes = None
-        if self.runner.per_rank_agents:
-            assert self.runner.followers is not None
-            self.rank_writes = FollowerWrites(self.runner.followers, self.runner.tp.store, self.runner.tp.size)  # type: ignore[arg-type]
+        if self.host.runner.per_rank_agents:
+            assert self.host.runner.followers is not None
+            self.rank_writes = FollowerWrites(
+                self.host.runner.followers, self.host.runner.tp.store, self.host.runner.tp.size
+            )  # type: ignore[arg-type]
         # A test hook (fault injection, never set in a deployment): every write lands this many seconds late.
-        self.sender = KVSender(self.agent, fault_write_delay_s=FAULT_WRITE_DELAY_S.read(), ranks=self.rank_writes)
+        self.sender = KVSender(self.host.agent, fault_write_delay_s=FAULT_WRITE_DELAY_S.read(), ranks=self.rank_writes)
         self.outbound: dict[str, Outbound] = {}
         self.cancelled: dict[str, float] = {}  # req id -> monotonic time its decode worker cancelled it unseen
-        self.scheduler.on_prefill_chunk = self._on_chunk
-        self.scheduler.on_prefill_done = self._on_prefill_done
+        self.host.scheduler.on_prefill_chunk = self._on_chunk
+        self.host.scheduler.on_prefill_done = self._on_prefill_done
         self.stats = {"descs": 0, "bytes": 0, "transfers": 0}
-        self.handlers.update(
-            {
-                AddPeer: self._add_peer,
-                Prefill: self._accept,
-                Cancel: lambda cmd: Settled(self._cancel(cmd.dst_agent, cmd.req_ids)),
-                TransferStats: self._transfer_stats,
-            }
-        )
+        self.handlers: Handlers = {
+            AddPeer: self._add_peer,
+            Prefill: self._accept,
+            Cancel: lambda cmd: Settled(self._cancel(cmd.dst_agent, cmd.req_ids)),
+            TransferStats: self._transfer_stats,
+        }
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.outbound) or self.sender.writes_in_flight > 0
+        return bool(self.outbound) or self.sender.writes_in_flight > 0
+
+    def holds(self, req_id: str) -> bool:
+        return req_id in self.outbound
 
     def hands_on_stamps(self, req_id: str) -> bool:
         return req_id in self.outbound
@@ -90,14 +93,14 @@ class PrefillHost(EngineHost):
     def _add_peer(self, cmd: AddPeer) -> PeerAdded:
         hs = HandshakeRequest.model_validate(cmd.handshake)
         try:
-            self.agent.add_peer(hs.agent_name, hs.instance_id, hs.agent_metadata_b64, hs.pool_info_b64, hs.layout)
+            self.host.agent.add_peer(hs.agent_name, hs.instance_id, hs.agent_metadata_b64, hs.pool_info_b64, hs.layout)
         except LayoutMismatch as e:
             raise Refused(str(e), "layout_mismatch") from None
         except PeerError as e:  # undecodable or inconsistent handshake: the caller's fault (400)
             raise Refused(str(e), "invalid_request") from None
         if self.rank_writes is not None:
             self.rank_writes.add_peer(hs)  # each follower's agent loads the peer too, before any post
-        return PeerAdded(self.agent.name, self.agent.instance_id, self.agent.layout.model_dump())
+        return PeerAdded(self.host.agent.name, self.host.agent.instance_id, self.host.agent.layout.model_dump())
 
     def _transfer_stats(self, cmd: TransferStats) -> TransferCounts:
         states = [ob.transfer.state.value for ob in self.outbound.values()]
@@ -131,24 +134,24 @@ class PrefillHost(EngineHost):
         pr = PrefillRequest.model_validate(cmd.request)
         if pr.req_id in self.cancelled:
             raise Refused(f"request {pr.req_id!r} was cancelled by its decode worker", "cancelled")
-        if not self.agent.has_peer(pr.dst_agent, pr.dst_instance_id):
+        if not self.host.agent.has_peer(pr.dst_agent, pr.dst_instance_id):
             raise Refused(f"no handshake with {pr.dst_agent} instance {pr.dst_instance_id}", "unknown_peer")
         if pr.req_id in self.outbound:
             raise Refused(f"duplicate request id {pr.req_id!r}", "duplicate_request")
         # Checked here, not when the first chunk is posted: a bad page id raised inside a scheduler
         # step would take the engine process (and every request on it) down.
-        dst_pool = self.agent.peer(pr.dst_agent).num_pages
+        dst_pool = self.host.agent.peer(pr.dst_agent).num_pages
         if any(p < 0 or p >= dst_pool for p in pr.dst_pages):
             raise Refused(f"dst_pages must lie in [0, {dst_pool}) (the peer's pool)", "invalid_request")
         dst = torch.tensor(pr.dst_pages, dtype=torch.int64)
-        if dst.numel() != -(-len(pr.token_ids) // self.page_size):
+        if dst.numel() != -(-len(pr.token_ids) // self.host.page_size):
             raise Refused("dst_pages does not cover the prompt", "invalid_request")
         sampling = SamplingParams.model_validate({**pr.sampling.model_dump(), "max_tokens": 1})
-        req = self.make_req(pr.req_id, pr.token_ids, sampling, cmd.received, prefill_only=True)
+        req = self.host.make_req(pr.req_id, pr.token_ids, sampling, cmd.received, prefill_only=True)
         try:
-            self.enqueue(req)  # raises RequestRejected (-> a refusal) before anything is registered
+            self.host.enqueue(req)  # raises RequestRejected (-> a refusal) before anything is registered
         except RequestRejected:
-            self.stamps.pop(pr.req_id, None)
+            self.host.stamps.pop(pr.req_id, None)
             raise
         self.outbound[pr.req_id] = Outbound(req, self.sender.request(pr.req_id, pr.dst_agent, pr.deadline_s), dst)
 
@@ -174,17 +177,17 @@ class PrefillHost(EngineHost):
     def _on_chunk(self, req: Req, start: int, end: int) -> None:
         ob = self.outbound.get(req.req_id)
         if ob is not None and end < req.prompt_len:
-            self._post(ob, end // self.page_size)  # complete pages only; the rest goes with the next chunk
+            self._post(ob, end // self.host.page_size)  # complete pages only; the rest goes with the next chunk
 
     def _on_prefill_done(self, req: Req) -> None:
         ob = self.outbound.get(req.req_id)
         if ob is None:
-            self.scheduler.release(req)
+            self.host.scheduler.release(req)
             return
         ob.computed = True
         ob.first_token_at = time.monotonic()
-        self.note_admissions()  # a prompt admitted and done in this very step: its admission goes in the notice
-        self.mark(req.req_id, "prefill_first_token")
+        self.host.note_admissions()  # a prompt admitted and done in this very step: its admission goes in the notice
+        self.host.mark(req.req_id, "prefill_first_token")
         if ob.transfer.state not in (S.REQUESTED, S.WRITING):
             return
         notice = KVNotice(
@@ -193,10 +196,10 @@ class PrefillHost(EngineHost):
             token=req.output_ids[0],
             logprob=req.output_logprobs[0] if req.output_logprobs else None,
             cached_tokens=req.prefix_hit_len,
-            checksums=self.runner.kv_checksums(torch.tensor(req.pages, dtype=torch.int64))
-            if self.debug_checksums
+            checksums=self.host.runner.kv_checksums(torch.tensor(req.pages, dtype=torch.int64))
+            if self.host.debug_checksums
             else None,
-            timeline=self.stamps.get(req.req_id),
+            timeline=self.host.stamps.get(req.req_id),
         )
         empty = torch.zeros(0, dtype=torch.int64)
         src, dst = self._unsent(ob, len(ob.dst_pages)) or (empty, empty)
@@ -219,17 +222,19 @@ class PrefillHost(EngineHost):
         ob = self.outbound.pop(rid)
         t = ob.transfer
         if ob.computed:
-            self.scheduler.release(ob.req)
+            self.host.scheduler.release(ob.req)
         else:
-            self.scheduler.abort(rid, reason="error", error=t.error)
-        stamps = self.stamps.pop(rid, None)
+            self.host.scheduler.abort(rid, reason="error", error=t.error)
+        stamps = self.host.stamps.pop(rid, None)
         if t.state is S.LANDED:
             self.stats["descs"] += t.num_descs
             self.stats["bytes"] += t.num_bytes
             self.stats["transfers"] += 1
-            self.outbox.append(PrefillDone(rid, t.num_descs, ob.req.prefix_hit_len, stamps, self._transfer_figures(ob)))
+            self.host.outbox.append(
+                PrefillDone(rid, t.num_descs, ob.req.prefix_hit_len, stamps, self._transfer_figures(ob))
+            )
         else:
-            self.outbox.append(PrefillError(rid, t.error or "transfer failed"))
+            self.host.outbox.append(PrefillError(rid, t.error or "transfer failed"))
 
     @staticmethod
     def _transfer_figures(ob: Outbound) -> dict[str, object]:

@@ -22,9 +22,9 @@ from common.protocol import (
 )
 from common.serving.channel import ENGINE_TIMEOUT, EngineError
 from common.serving.control import WorkerState, error_response, read_message
-from common.serving.liveness import EngineMotion
 from common.serving.messages import Abort, AddPeer, Cancel, Prefill, PrefillDone, PrefillError, Tokens, TransferStats
 from common.serving.request_trace import PREFILL_SPANS, WorkerTrace
+from prefill_worker.liveness import EngineMotion
 
 HEARTBEAT_S = 1.0  # a progress line this often while the engine works on (or ahead of) a request
 HEARTBEAT = b'{"heartbeat":true}\n'
@@ -97,7 +97,7 @@ def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = Tru
                     async with asyncio.timeout(HEARTBEAT_S):
                         ev = await queue.get()
                 except TimeoutError:
-                    # The decode side waits as long as this keeps coming (decode_routes.py).
+                    # The decode side waits as long as this keeps coming (decode_worker/routes.py).
                     if motion.moved():
                         yield HEARTBEAT
                     continue
@@ -144,7 +144,7 @@ def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = Tru
     @app.post("/internal/cancel")
     async def cancel(request: Request) -> Response:
         """A decode worker gave these requests up: which of them no write of this worker can reach any more
-        (common/serving/decode_routes.py ``PeerWatch`` asks until each is settled or this worker is gone)."""
+        (decode_worker/routes.py ``PeerWatch`` asks until each is settled or this worker is gone)."""
         ct: CancelTransfers = await read_message(request, CancelTransfers)  # type: ignore[assignment]
         assert state.client is not None
         settled = await state.client.call(Cancel(ct.dst_agent, ct.dst_instance_id, ct.req_ids))

@@ -985,7 +985,7 @@ def test_dockerfiles_pin_their_inputs():
     [
         ("prefill_worker.app", "prefill", "base"),
         ("decode_worker.app", "decode", "base"),
-        ("decode_worker.mixed", "mixed", "mixed"),
+        ("mixed_worker.app", "mixed", "mixed"),
     ],
 )
 def test_probe_paths_exist_in_the_worker_apps(module, role, target):

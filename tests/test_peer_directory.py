@@ -1,10 +1,10 @@
-"""A decode worker contacts only the prefill workers it was configured with (common/serving/peer_directory.py)."""
+"""A decode worker contacts only the prefill workers it was configured with (decode_worker/peer_directory.py)."""
 
 from __future__ import annotations
 
 import asyncio
 
-from common.serving.peer_directory import PeerDirectory
+from decode_worker.peer_directory import PeerDirectory
 
 
 def _resolve(peers: list[str], url: str) -> str | None:

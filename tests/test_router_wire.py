@@ -187,7 +187,9 @@ def test_production_code_never_uses_asyncio_wait_for() -> None:
     root = Path(__file__).resolve().parents[1]
     found = []
     for path in (
-        p for pkg in ("common", "router", "prefill_worker", "decode_worker") for p in (root / pkg).rglob("*.py")
+        p
+        for pkg in ("common", "router", "prefill_worker", "decode_worker", "mixed_worker")
+        for p in (root / pkg).rglob("*.py")
     ):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr == "wait_for" and isinstance(node.value, ast.Name):

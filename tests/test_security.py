@@ -36,7 +36,7 @@ MODEL = "smollm2-135m-instruct"
 SECRET = "kvf-test-secret-7f3a9c2e51d84b06"
 INTERNAL_TOKEN = "kvf-internal-token-4be1c09d7a2f6e35"
 REDIS_PASSWORD = "kvf-redis-password-93d0b6a1f4c8e27c"
-SERVED_PACKAGES = ("common", "router", "prefill_worker", "decode_worker")
+SERVED_PACKAGES = ("common", "router", "prefill_worker", "decode_worker", "mixed_worker")
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 

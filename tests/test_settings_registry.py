@@ -19,7 +19,7 @@ from router.main import build_parser, parse_config
 from router.settings import RouterOptions
 
 ROOT = Path(__file__).resolve().parents[1]
-PRODUCTION = ("common", "router", "prefill_worker", "decode_worker")
+PRODUCTION = ("common", "router", "prefill_worker", "decode_worker", "mixed_worker")
 CONFIGS = (WorkerConfig, RunnerConfig, SchedulerConfig, RouterConfig, RouterOptions, HttpLimits, RedisAccess)
 CONSTANT = {s.name: const for const, s in vars(reg).items() if isinstance(s, reg.Setting)}
 

@@ -192,10 +192,10 @@ class AcceptedWork:
 class WorkerState:
     """The control plane's view of its engine process."""
 
-    def __init__(self, cfg: WorkerConfig, host_target: Callable[..., None], host_cls: type) -> None:
+    def __init__(self, cfg: WorkerConfig, host_target: Callable[..., None], roles: tuple[type, ...]) -> None:
         self.cfg = cfg
         self.host_target = host_target
-        self.host_cls = host_cls
+        self.roles = roles  # the engine's (common/serving/engine_host.py EngineRole), built in its process
         self.metrics = WorkerMetrics(gpu=cfg.runner.device.startswith("cuda"))
         self.engine_ready = asyncio.Event()
         self.agent: AgentInfo | None = None  # the engine's, from its Ready event
@@ -244,7 +244,7 @@ class WorkerState:
         ours, theirs = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(
             target=self.host_target,
-            args=(self.host_cls, self.cfg, theirs),
+            args=(self.roles, self.cfg, theirs),
             name=f"kvferry-{self.cfg.role}-engine",
             daemon=True,
         )
@@ -569,7 +569,7 @@ ENGINE_ERROR_STATUS = {
     # The id is live on this worker already: a resent delivery of the same request (router/upstream.py
     # retries under a new id) or a caller's bug; either way not this body's fault, hence not 400.
     "duplicate_request": 409,
-    # A prefill for a request its decode worker had already cancelled (prefill_host.py): refused, nothing registered.
+    # A prefill for a request its decode worker had already cancelled (prefill_worker/engine.py): refused, nothing registered.
     "cancelled": 410,
 }
 

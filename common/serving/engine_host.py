@@ -2,7 +2,8 @@
 
 The control plane (HTTP) talks to it over a pipe (common/serving/channel.py). Each loop turn drains
 commands, runs one scheduler step when there is work, advances transfers, and reports events in one
-message per turn. Role-specific behaviour lives in subclasses in the worker packages.
+message per turn. What a worker does with it comes from its roles (``EngineRole``: the decode role in
+decode_worker/engine.py, the prefill role in prefill_worker/engine.py; a mixed worker's engine has both).
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import ctypes
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Protocol
 
 from common.config import WorkerConfig
 from common.engine.runner import ModelRunner
@@ -82,12 +83,36 @@ def _malloc_trim() -> None:
         pass
 
 
-class EngineHost:
-    role = "worker"
+class EngineRole(Protocol):
+    """One job of an engine over its host's scheduler, pool and agent; built as ``role_cls(host)``."""
 
-    def __init__(self, cfg: WorkerConfig, conn: Connection) -> None:
+    handlers: Handlers  # this role's commands (disjoint from every other role's)
+
+    def has_work(self) -> bool: ...
+
+    def holds(self, req_id: str) -> bool:
+        """Whether this role is the one to abort the request (the first role holding it does)."""
+        ...
+
+    def abort(self, req_id: str, reason: str, error: str | None) -> None: ...
+
+    def hands_on_stamps(self, req_id: str) -> bool:
+        """Whether this request's stage stamps leave with its KV (a prefill for a peer: in the KV notice and
+        the done event) rather than with its first-token event, which drops them when the request finishes."""
+        ...
+
+    def tick(self) -> None:
+        """Advances transfers and deadlines; called every loop turn."""
+        ...
+
+
+class EngineHost:
+    def __init__(
+        self, cfg: WorkerConfig, conn: Connection, roles: Sequence[Callable[[EngineHost], EngineRole]]
+    ) -> None:
         self.cfg = cfg
         self.conn = conn
+        self.role = cfg.role
         agent_name = f"{self.role}-{cfg.pod_name}"
         cfg.runner.tp_agent_name = agent_name  # tensor-parallel followers with agents of their own derive theirs
         cfg.runner.tp_follower_main = tp_follower.__name__  # followers that can run those agents
@@ -136,13 +161,14 @@ class EngineHost:
         self.decode_step_s = 0.0  # smoothed decode-only step time, published for the router's ITL model
         # This role's commands, by type; role classes add theirs.
         self.handlers: Handlers = {Stop: self._stop, Abort: self._abort}
+        self.roles = [make(self) for make in roles]
+        for role in self.roles:
+            self.handlers.update(role.handlers)
 
     def hands_on_stamps(self, req_id: str) -> bool:
-        """Whether this request's stage stamps leave with its KV (a prefill for a peer: in the KV notice and the
-        "done" event) rather than with its first-token event, which drops them when the request finishes."""
-        return False
+        return any(role.hands_on_stamps(req_id) for role in self.roles)
 
-    # ---- helpers for subclasses ------------------------------------------------------------------
+    # ---- helpers for the roles ------------------------------------------------------------------
     def make_req(
         self,
         req_id: str,
@@ -250,7 +276,6 @@ class EngineHost:
                     # pages come back) and keep serving, rather than take the whole worker down.
                     log.exception("scheduler step failed; aborting the requests in flight")
                     self.fail_all("internal error in the engine step")
-                self.after_step()
             for tier, hashes in self.scheduler.cache.drain_index_events() if self.scheduler.cache is not None else []:
                 if tier is None:
                     self.publisher.removed(hashes)
@@ -386,21 +411,22 @@ class EngineHost:
         for rid in active:
             self.abort(rid, "error", error)
 
-    # ---- role hooks --------------------------------------------------------------------------------
+    # ---- what the roles add up to -------------------------------------------------------------------
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or any(role.has_work() for role in self.roles)
 
     def abort(self, req_id: str, reason: str, error: str | None) -> None:
-        raise NotImplementedError
+        for role in self.roles:
+            if role.holds(req_id):
+                role.abort(req_id, reason, error)
+                return
 
     def tick(self) -> None:
-        """Advances transfers and deadlines; called every loop turn."""
-
-    def after_step(self) -> None:
-        """Called after each scheduler step."""
+        for role in self.roles:
+            role.tick()
 
 
-def engine_main(host_cls: type[EngineHost], cfg: WorkerConfig, conn: Connection) -> None:
+def engine_main(roles: Sequence[type], cfg: WorkerConfig, conn: Connection) -> None:
     """Entry point of the engine process (multiprocessing spawn target)."""
     setup_logging()
     # oneDNN keeps up to 1024 compiled primitives, one per GEMM shape; a CPU engine sees a new shape at
@@ -411,7 +437,7 @@ def engine_main(host_cls: type[EngineHost], cfg: WorkerConfig, conn: Connection)
     threads = apply_engine_threads(cfg.runner.device, TORCH_THREADS.read())
     log.info("engine threads", extra={"torch_threads": threads, "device": cfg.runner.device})
     try:
-        host_cls(cfg, conn).run()
+        EngineHost(cfg, conn, roles).run()
     except Exception:
         log.exception("engine process failed")
         raise

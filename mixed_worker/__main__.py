@@ -1,0 +1,5 @@
+import sys
+
+from mixed_worker.main import main
+
+sys.exit(main())
