@@ -487,3 +487,65 @@ def test_grammars_and_penalties_keep_the_overlap_and_their_outputs(smol_runner, 
         if kw.get("grammar") is answer and r.finish_reason == "stop":
             assert text.startswith(("yes, because ", "no, because ")) and text.endswith(".")
     assert sum(r.finish_reason == "stop" for r, kw in zip(alone, kinds) if "grammar" in kw) >= 2
+
+
+STORY = {
+    "type": "object",
+    "properties": {"title": {"type": "string"}, "story": {"type": "string", "minLength": 4000}},
+    "required": ["title", "story"],
+    "additionalProperties": False,
+}
+
+
+def test_a_step_sends_its_host_data_in_two_copies_whatever_the_batch(smol_runner, smol_tokenizer):
+    """Grammar, penalty, seeded, logit_bias and min_tokens rows decoding together in the GPU's loop (overlap
+    on): every step sends its host data to the device in at most two copies, one with the forward's inputs
+    (the page table's writes in it) and one with sampling's (the grammar masks in it), and a decode step in
+    exactly two, whether 2, 6 or 16 requests decode. Counted at every call that would cross to the device
+    (tests/h2d_count.py), not timed."""
+    import json
+
+    from common.protocol import GrammarSpec
+    from common.sched.request import Req
+    from common.sched.scheduler import Scheduler
+    from common.settings import SchedulerConfig
+    from tests.h2d_count import count_host_to_device
+
+    spec = GrammarSpec(kind="json_schema", value=json.dumps(STORY))
+    chat = smol_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write a story as JSON."}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
+    kinds = [
+        dict(grammar=spec, frequency_penalty=0.5),
+        dict(repetition_penalty=1.2, presence_penalty=0.3, temperature=0.8),
+        dict(logit_bias={5: -1.0}, min_tokens=20),
+        dict(grammar=spec, temperature=0.7, repetition_penalty=1.1),
+    ]
+    per_decode_step = {}
+    for n in (2, 6, 16):
+        engine = fresh_engine(smol_runner)
+        sched = engine.scheduler = Scheduler(smol_runner, SchedulerConfig(), overlap=True)
+        for i in range(n):
+            sp = SamplingParams(max_tokens=20, seed=i, **kinds[i % len(kinds)])
+            sched.add(Req(req_id=f"c{i}", prompt_ids=list(chat), sampling=sp))
+        decode_steps, sites = [], set()
+        with count_host_to_device(smol_runner.device) as count:
+            for _ in range(12):
+                decoding = not sched.waiting and sched.chunked is None and len(sched.running) == n
+                count.reset()
+                sched.step()
+                assert count.total <= 2, dict(count.sites)
+                sites |= set(count.sites)
+                if decoding:
+                    decode_steps.append(count.total)
+        assert len(decode_steps) >= 8 and all(r.finish_reason is None for r in sched.running)
+        assert {s.split(":")[0] for s in sites} == {"common/engine/staging.py"}
+        per_decode_step[n] = set(decode_steps)
+        sched.flush()
+        for r in list(sched.running):
+            sched.abort(r.req_id)
+        assert_pool_clean(engine)
+    assert per_decode_step == {2: {2}, 6: {2}, 16: {2}}

@@ -7,6 +7,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from common.engine.attention import AttentionBackend, TorchPagedAttention
@@ -15,6 +16,7 @@ from common.engine.forward_batch import ForwardBatch, StepInputs
 from common.engine.kv_sizing import kv_pool_pages
 from common.engine.model import DecoderModel
 from common.engine.model_config import ModelConfig, named_config
+from common.engine.staging import HostToDevice
 from common.engine.tp import TPGroup, TPShard, tp_backend
 from common.engine.tp_ranks import HEADER_LEN, TPFollowers, TPRankLost, shared_pool_path
 from common.engine.weights import init_dummy_weights, load_safetensors_dir
@@ -129,6 +131,7 @@ class ModelRunner:
         self.pool.num_pages = num_pages
         self.rank_pools: list[KVPool] = [self.pool]
         self.page_table = PageTable(cfg.max_running, self.max_seq_len, cfg.page_size, self.device)
+        self.h2d = HostToDevice(self.device)  # each step's inputs and page-table writes: one copy
         self.attn: AttentionBackend = TorchPagedAttention(
             self.pool, self.page_table.table, mc.num_heads, mc.head_dim, model.rotary
         )
@@ -231,32 +234,40 @@ class ModelRunner:
         return self.batch_from_inputs(inputs)
 
     def batch_from_inputs(self, inputs: StepInputs) -> ForwardBatch:
-        dev = self.device
-        ext_t, start_t, rows_t = inputs.extend_lens, inputs.starts, inputs.table_rows
-        seq_t = start_t + ext_t
-        q_start = torch.cumsum(ext_t, 0) - ext_t
-        positions = torch.arange(int(ext_t.sum()), dtype=torch.int64) - torch.repeat_interleave(
-            q_start - start_t, ext_t
-        )
-        token_rows = torch.repeat_interleave(rows_t, ext_t)
-        # Host-to-device copies are non-blocking: a blocking one would wait for every step already queued.
-        nb = dict(non_blocking=True)
-        positions_dev = positions.to(dev, **nb)
-        out_loc = self.page_table.table[token_rows.to(dev, **nb), positions_dev].to(torch.int64)
-        last = q_start + ext_t - 1
-        logits_indices = torch.arange(len(positions)) if inputs.all_logits else last[inputs.sample_mask]
+        """The step on the device: its index arrays worked out on the host (numpy, no per-token Python), then
+        sent with the page table's pending writes in one copy (common/engine/staging.py)."""
+        ext = inputs.extend_lens.numpy()
+        start = inputs.starts.numpy()
+        rows = inputs.table_rows.numpy()
+        seq = start + ext
+        q_start = np.cumsum(ext) - ext
+        total = int(inputs.input_ids.shape[0])
+        if total == len(ext):  # one token each (decode rows): no expansion
+            positions, token_rows = start, rows
+        else:
+            positions = np.arange(total, dtype=np.int64) - np.repeat(q_start - start, ext)
+            token_rows = np.repeat(rows, ext)
+        last = q_start + ext - 1
+        logits_indices = np.arange(total, dtype=np.int64) if inputs.all_logits else last[inputs.sample_mask.numpy()]
+        at, pages = self.page_table.take_writes()
+        stage = self.h2d.stage()
+        for part in (inputs.input_ids, positions, token_rows, seq, ext, q_start, rows, logits_indices, at, pages):
+            stage.put(part, torch.int64)
+        ids_d, pos_d, token_rows_d, seq_d, ext_d, q_start_d, rows_d, logits_d, at_d, pages_d = stage.send()
+        self.page_table.apply_writes(at_d, pages_d)
+        out_loc = self.page_table.table[token_rows_d, pos_d].to(torch.int64)
         return ForwardBatch(
             is_decode=inputs.is_decode,
-            input_ids=inputs.input_ids.to(dev, **nb),
-            positions=positions_dev,
+            input_ids=ids_d,
+            positions=pos_d,
             out_loc=out_loc,
-            seq_lens=seq_t.to(dev, **nb),
-            extend_lens=ext_t.to(dev, **nb),
-            q_start=q_start.to(dev, **nb),
-            table_rows=rows_t.to(dev, **nb),
-            logits_indices=logits_indices.to(dev, **nb),
-            seq_lens_cpu=seq_t.tolist(),
-            extend_lens_cpu=ext_t.tolist(),
+            seq_lens=seq_d,
+            extend_lens=ext_d,
+            q_start=q_start_d,
+            table_rows=rows_d,
+            logits_indices=logits_d,
+            seq_lens_cpu=seq.tolist(),
+            extend_lens_cpu=ext.tolist(),
             inputs=inputs,
         )
 

@@ -46,6 +46,42 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch
     return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
+# How `slot_values` lays out one request's parameters (per-row device tensors keep them in this layout).
+FLOAT_PARAMS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
+INT_PARAMS = ("top_k", "seed")
+
+
+def slot_values(p: SamplingParams, seed: int, vocab: int) -> tuple[tuple[float, ...], tuple[int, int]]:
+    """A request's sampling parameters as the sampler reads them: temperature 0 for greedy, top_k `vocab`
+    when off."""
+    temp = 0.0 if p.greedy else p.temperature
+    top_k = vocab if p.top_k <= 0 else min(p.top_k, vocab)
+    return (temp, p.top_p, p.min_p, p.frequency_penalty, p.presence_penalty, p.repetition_penalty), (top_k, seed)
+
+
+@dataclass(frozen=True)
+class BatchFlags:
+    """What a batch's requests ask for, decided on the host: which parts of sampling run at all."""
+
+    all_greedy: bool
+    needs_filter: bool
+    needs_penalty: bool  # frequency or presence penalty
+    repetition: bool
+    max_top_logprobs: int
+    want_logprobs: bool
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams], vocab: int) -> BatchFlags:
+        return cls(
+            all_greedy=all(p.greedy for p in params),
+            needs_filter=any((0 < p.top_k < vocab) or p.top_p < 1.0 or p.min_p > 0.0 for p in params),
+            needs_penalty=any(p.frequency_penalty or p.presence_penalty for p in params),
+            repetition=any(p.repetition_penalty != 1.0 for p in params),
+            max_top_logprobs=max((p.top_logprobs for p in params), default=0),
+            want_logprobs=any(p.logprobs or p.top_logprobs > 0 for p in params),
+        )
+
+
 @dataclass
 class SamplingBatch:
     """Per-request sampling parameters of one step as tensors (built once per step)."""
@@ -71,7 +107,7 @@ class SamplingBatch:
     add_cols: torch.Tensor | None = None  # [N] int64
     add_vals: torch.Tensor | None = None  # [N] float32
     allowed_bits: torch.Tensor | None = None  # [B, ceil(V / 32)] int32 grammar bitmask, read on `grammar_rows`
-    grammar_rows: list[int] | None = None  # rows under a grammar (host ints)
+    grammar_rows: list[int] | torch.Tensor | None = None  # rows under a grammar (host ints, or int32 on a GPU)
 
     @classmethod
     def build(
@@ -91,42 +127,63 @@ class SamplingBatch:
         `grammar_done`, it allows nothing but its end, which wins). `output_counts` ([B, V], each row's
         output token counts) is read for the frequency/presence penalties, `seen` ([B, V] bool, tokens in a
         row's prompt or output) for the repetition penalty; both may already be on the device."""
-        temps = [0.0 if p.greedy else p.temperature for p in params]
-        top_k = [vocab if p.top_k <= 0 else min(p.top_k, vocab) for p in params]
-        freq = [p.frequency_penalty for p in params]
-        pres = [p.presence_penalty for p in params]
-        needs_penalty = any(freq) or any(pres)
-        if needs_penalty and output_counts is None:
+        flags = BatchFlags.of(params, vocab)
+        if flags.needs_penalty and output_counts is None:
             raise ValueError("frequency and presence penalties need the output token counts")
+        if flags.repetition and seen is None:
+            raise ValueError("repetition_penalty needs the tokens seen in prompt and output")
         step_list = list(steps)
-        rep = None
-        if any(p.repetition_penalty != 1.0 for p in params):
-            if seen is None:
-                raise ValueError("repetition_penalty needs the tokens seen in prompt and output")
-            rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device)
-        add = _sparse_additions(params, step_list, eos_ids, grammar_done)
-        f32 = dict(dtype=torch.float32, device=device)
-        i64 = dict(dtype=torch.int64, device=device)
+        floats, ints = zip(*(slot_values(p, seed, vocab) for p, seed in zip(params, seeds)))
+        f = torch.tensor(floats, dtype=torch.float32, device=device).view(-1, len(FLOAT_PARAMS))
+        i = torch.tensor(ints, dtype=torch.int64, device=device).view(-1, len(INT_PARAMS))
+        add = sparse_additions(params, step_list, eos_ids, grammar_done)
+        return cls.from_slots(
+            f,
+            i,
+            torch.tensor(step_list, dtype=torch.int64, device=device),
+            flags,
+            output_counts,
+            seen,
+            *((None, None, None) if add is None else (t.to(device) for t in add)),
+        )
+
+    @classmethod
+    def from_slots(
+        cls,
+        floats: torch.Tensor,
+        ints: torch.Tensor,
+        steps: torch.Tensor,
+        flags: BatchFlags,
+        output_counts: torch.Tensor | None = None,
+        seen: torch.Tensor | None = None,
+        add_rows: torch.Tensor | None = None,
+        add_cols: torch.Tensor | None = None,
+        add_vals: torch.Tensor | None = None,
+    ) -> SamplingBatch:
+        """From each row's parameters as `slot_values` lays them out (`floats` [B, len(FLOAT_PARAMS)],
+        `ints` [B, len(INT_PARAMS)]; column views, no copies), e.g. gathered from per-row device tensors."""
+        col = {name: floats[:, k] for k, name in enumerate(FLOAT_PARAMS)}
+        col.update({name: ints[:, k] for k, name in enumerate(INT_PARAMS)})
         return cls(
-            temperature=torch.tensor(temps, **f32),
-            top_k=torch.tensor(top_k, **i64),
-            top_p=torch.tensor([p.top_p for p in params], **f32),
-            min_p=torch.tensor([p.min_p for p in params], **f32),
-            seeds=torch.tensor(seeds, **i64),
-            steps=torch.tensor(step_list, **i64),
-            frequency_penalty=torch.tensor(freq, **f32),
-            presence_penalty=torch.tensor(pres, **f32),
-            all_greedy=all(t == 0.0 for t in temps),
-            needs_filter=any(k < vocab for k in top_k) or any(p.top_p < 1.0 or p.min_p > 0.0 for p in params),
-            needs_penalty=needs_penalty,
-            max_top_logprobs=max((p.top_logprobs for p in params), default=0),
-            want_logprobs=any(p.logprobs or p.top_logprobs > 0 for p in params),
-            output_counts=output_counts if needs_penalty else None,
-            repetition_penalty=rep,
-            seen=seen if rep is not None else None,
-            add_rows=None if add is None else add[0].to(device),
-            add_cols=None if add is None else add[1].to(device),
-            add_vals=None if add is None else add[2].to(device),
+            temperature=col["temperature"],
+            top_k=col["top_k"],
+            top_p=col["top_p"],
+            min_p=col["min_p"],
+            seeds=col["seed"],
+            steps=steps,
+            frequency_penalty=col["frequency_penalty"],
+            presence_penalty=col["presence_penalty"],
+            all_greedy=flags.all_greedy,
+            needs_filter=flags.needs_filter,
+            needs_penalty=flags.needs_penalty,
+            max_top_logprobs=flags.max_top_logprobs,
+            want_logprobs=flags.want_logprobs,
+            output_counts=output_counts if flags.needs_penalty else None,
+            repetition_penalty=col["repetition_penalty"] if flags.repetition else None,
+            seen=seen if flags.repetition else None,
+            add_rows=add_rows,
+            add_cols=add_cols,
+            add_vals=add_vals,
         )
 
     @property
@@ -150,15 +207,21 @@ def token_counts(ids: Sequence[Sequence[int]], vocab: int) -> torch.Tensor:
     return counts
 
 
-def _sparse_additions(
-    params: list[SamplingParams], steps: list[int], eos_ids: Sequence[int], grammar_done: Sequence[bool]
+def sparse_additions(
+    params: Sequence[SamplingParams],
+    steps: Sequence[int],
+    eos_ids: Sequence[int],
+    grammar_done: Sequence[bool],
+    candidates: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(rows, cols, values) to add to the logits: each request's logit_bias, and -inf on its EOS and stop
-    ids while it has produced fewer than min_tokens tokens (None when no request needs either)."""
+    ids while it has produced fewer than min_tokens tokens (None when no request needs either).
+    `candidates`: the only rows that may need any (default: all)."""
     rows: list[int] = []
     cols: list[int] = []
     vals: list[float] = []
-    for i, (p, step) in enumerate(zip(params, steps)):
+    for i in range(len(params)) if candidates is None else candidates:
+        p, step = params[i], steps[i]
         if p.logit_bias:
             rows += [i] * len(p.logit_bias)
             cols += p.logit_bias.keys()

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -8,18 +9,35 @@ class PageTable:
 
     Rows hold token locations rather than page ids so the KV write slot of token `pos` is one lookup,
     `table[row, pos]`; kernels that want page ids read every page_size-th entry.
+
+    Writes are kept on the host until the next step is built, which applies them on the device from the
+    step's one host-to-device copy (`take_writes`; common/engine/runner.py): a step that grows many requests'
+    pages makes no copy of its own per request. Only steps read the table on the device, each after its
+    writes; `table` read from outside applies what is pending first.
     """
 
     def __init__(self, max_rows: int, max_seq_len: int, page_size: int, device: torch.device) -> None:
         self.page_size = page_size
         self.max_seq_len = max_seq_len
         # One spare row so CUDA-graph padding has a row of its own to point at.
-        self.table = torch.zeros((max_rows + 1, max_seq_len), dtype=torch.int32, device=device)
+        self._table = torch.zeros((max_rows + 1, max_seq_len), dtype=torch.int32, device=device)
         self._free_rows = list(range(max_rows - 1, -1, -1))
-        self._offsets = torch.arange(page_size, dtype=torch.int32)
+        self._offsets = torch.arange(page_size, dtype=torch.int32, device=device)
+        # (flat index of the page's first slot, page id) of writes not yet applied, in write order.
+        self._pending_at: list[np.ndarray] = []
+        self._pending_pages: list[np.ndarray] = []
         # Tensor parallelism: rank 0 records its writes here and ships them with the next step, so every
         # rank's table (and so every rank's attention) addresses the same pages. None: not recorded.
         self.journal: list[tuple[int, int, torch.Tensor]] | None = None
+
+    @property
+    def table(self) -> torch.Tensor:
+        """The device table with every write applied (steps apply theirs through `take_writes`)."""
+        if self._pending_at:
+            at, pages = self.take_writes()
+            dev = torch.from_numpy(np.stack((at, pages))).to(self._table.device, non_blocking=True)
+            self.apply_writes(dev[0], dev[1])
+        return self._table
 
     def drain_journal(self) -> list[tuple[int, int, torch.Tensor]]:
         out, self.journal = self.journal or [], ([] if self.journal is not None else None)
@@ -38,9 +56,30 @@ class PageTable:
     def write_pages(self, row: int, first_page_index: int, pages: torch.Tensor) -> None:
         if pages.numel() == 0:
             return
+        pages = pages.to(torch.int64)
         if self.journal is not None:
-            self.journal.append((row, first_page_index, pages.to("cpu", torch.int64)))
-        locs = (pages.to(torch.int32)[:, None] * self.page_size + self._offsets[None, :]).flatten()
-        start = first_page_index * self.page_size
-        # Non-blocking: on CUDA a blocking host-to-device copy would wait for every step already queued.
-        self.table[row, start : start + locs.numel()] = locs.to(self.table.device, non_blocking=True)
+            self.journal.append((row, first_page_index, pages))
+        first = row * self.max_seq_len + first_page_index * self.page_size
+        self._pending_at.append(first + self.page_size * np.arange(pages.numel(), dtype=np.int64))
+        self._pending_pages.append(pages.numpy().copy())
+
+    def take_writes(self) -> tuple[np.ndarray, np.ndarray]:
+        """The pending writes, taken: (flat index of each page's first slot, page id), one entry per slot
+        range, the last write of a range kept (a row given back and taken again before a step)."""
+        at = np.concatenate(self._pending_at) if self._pending_at else np.zeros(0, dtype=np.int64)
+        pages = np.concatenate(self._pending_pages) if self._pending_pages else np.zeros(0, dtype=np.int64)
+        self._pending_at, self._pending_pages = [], []
+        if len(at) > 1:
+            last = len(at) - 1 - np.unique(at[::-1], return_index=True)[1]
+            if len(last) < len(at):
+                keep = np.sort(last)
+                at, pages = at[keep], pages[keep]
+        return at, pages
+
+    def apply_writes(self, at: torch.Tensor, pages: torch.Tensor) -> None:
+        """Writes taken pages (int64, on the device) into the table: two kernels for any number of pages."""
+        if at.numel() == 0:
+            return
+        slots = (at[:, None] + self._offsets[None, :]).view(-1)
+        locs = (pages.to(torch.int32)[:, None] * self.page_size + self._offsets[None, :]).view(-1)
+        self._table.view(-1).index_copy_(0, slots, locs)

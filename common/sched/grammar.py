@@ -10,7 +10,8 @@ A matcher must have accepted a request's previous token before it can mask the n
 that token is still on the device when the next step is launched. So the next step's forward is launched
 first; sampling waits only where a grammar row needs the step in flight: the scheduler processes that step
 (its tokens reach the matchers) while the forward runs, fills the batch's masks in one batched call
-(`BatchGrammarMatcher`), copies them to the device without blocking and then launches the
+(`BatchGrammarMatcher`) straight into the step's pinned staging buffer, copies them to the device with the
+rest of the sampling's inputs in one non-blocking copy (common/sched/step_sampling.py) and then launches the
 sampling, which applies them in place (common/sched/scheduler.py `_begin_sampling`). A batch with no grammar
 row samples right behind its forward, as before.
 """
@@ -139,19 +140,23 @@ class GrammarBook:
         """The grammar is complete and its stop token accepted: nothing may follow."""
         return self._state(req).matcher.is_terminated()
 
-    def fill(self, reqs: Sequence[Req], pin: bool = False) -> GrammarMasks:
-        """The bitmask of the tokens each grammar request in `reqs` may sample next (rows of the others and
-        of finished requests are left all ones and not read), in pinned memory with `pin` (copied to a GPU
-        without blocking). Each grammar request's matcher must have accepted all of its output (the step
-        before was processed)."""
-        bits = torch.full((len(reqs), (self.vocab + 31) // 32), -1, dtype=torch.int32, pin_memory=pin)
+    def fill(self, reqs: Sequence[Req], bits: torch.Tensor | None = None) -> GrammarMasks:
+        """The bitmask of the tokens each grammar request in `reqs` may sample next, written into `bits`
+        ([len(reqs), ceil(vocab / 32)] int32 on the host: the scheduler passes a view of the step's pinned
+        staging buffer, so the masks reach the device in the step's one copy; None: a new tensor). Only the
+        grammar rows are written (and read by the sampler); a grammar row that will not be filled (its
+        request finishes when this step is processed) allows everything. Each grammar request's matcher
+        must have accepted all of its output (the step before was processed)."""
+        if bits is None:
+            bits = torch.empty((len(reqs), (self.vocab + 31) // 32), dtype=torch.int32)
         rows = [i for i, r in enumerate(reqs) if r.sampling.grammar is not None and not r.finished]
         done = [False] * len(reqs)
         matchers = []
         for i in rows:
             st = self._state(reqs[i])
             if not self.advance(reqs[i]) or st.matcher.is_terminated():
-                continue  # it finishes when this step is processed; its row stays free
+                bits[i].fill_(-1)  # it finishes when this step is processed; its row stays free
+                continue
             matchers.append((i, st.matcher))
         if matchers:
             self._xgr_compiler()

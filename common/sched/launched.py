@@ -1,14 +1,12 @@
-"""A launched step whose sampled tokens the host has not read yet, and the copies that get them there."""
+"""A launched step whose sampled tokens the host has not read yet, and the copies that bring them back."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from common.engine.sampling import SamplingBatch
 from common.sched.request import Req
 
 
@@ -83,16 +81,3 @@ def copy_to_host(t: torch.Tensor | None) -> torch.Tensor | None:
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     out.copy_(t, non_blocking=True)
     return out
-
-
-def sampling_to_device(sb: SamplingBatch, device: torch.device) -> SamplingBatch:
-    """Moves a host-built sampling batch with non-blocking copies (a blocking one would wait for the stream);
-    tensors already on the device (the penalty counts) stay."""
-    if device.type == "cpu":
-        return sb
-    moved = {}
-    for f in dataclasses.fields(sb):
-        v = getattr(sb, f.name)
-        if isinstance(v, torch.Tensor) and v.device.type == "cpu":
-            moved[f.name] = v.pin_memory().to(device, non_blocking=True)
-    return dataclasses.replace(sb, **moved)

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from common.engine.staging import Stage
 from common.protocol import SamplingParams
 from common.sched.request import Req
 
@@ -41,33 +43,20 @@ class PenaltyCounts:
         owner = self._owner[row]
         return owner is not None and owner() is req
 
-    def gather(
-        self, reqs: Sequence[Req], rows: Sequence[int], rows_dev: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(output counts [B, V], seen [B, V]) of a batch on the device, in batch order; None when no request
-        needs them (seen: only when one asks for a repetition penalty). `rows_dev` is `rows` on the device."""
-        params = [r.sampling for r in reqs]
-        if not any(has_penalty(p) for p in params):
-            return None, None
-        repetition = any(p.repetition_penalty != 1.0 for p in params)
+    def stage_fill(self, reqs: Sequence[Req], rows: Sequence[int], stage: Stage) -> PendingFill | None:
+        """Host half of a batch's first sampling of its penalty rows (call when the batch is not the one
+        sampled last): the rows of requests sampling here for the first time, and their token ids, into the
+        step's staged copy, to be counted on the device (`apply_fill`; no [rows, V] tensor on the host).
+        Builds the tensors at the first request that needs them. None: nothing to fill."""
+        if not any(has_penalty(r.sampling) for r in reqs):
+            return None
         if self.counts is None:
             self.counts = torch.zeros(self.rows, self.vocab, dtype=torch.float32, device=self.device)
-        if repetition and self.in_prompt is None:
+        if self.in_prompt is None and any(r.sampling.repetition_penalty != 1.0 for r in reqs):
             self.in_prompt = torch.zeros(self.rows, self.vocab, dtype=torch.bool, device=self.device)
         fresh = [(r, row) for r, row in zip(reqs, rows) if has_penalty(r.sampling) and not self._owned(r, row)]
-        if fresh:
-            self._fill(fresh)
-        counts = self.counts.index_select(0, rows_dev)
-        seen = None
-        if repetition:
-            assert self.in_prompt is not None
-            seen = self.in_prompt.index_select(0, rows_dev) | (counts > 0)
-        return counts, seen
-
-    def _fill(self, fresh: list[tuple[Req, int]]) -> None:
-        """Writes the rows of requests sampling for the first time here (no token of theirs in flight): their
-        token ids go to the device, where they are counted (no [rows, V] tensor is built on the host)."""
-        assert self.counts is not None
+        if not fresh:
+            return None
         out_rows: list[int] = []
         out_ids: list[int] = []
         prompt_rows: list[int] = []
@@ -81,20 +70,31 @@ class PenaltyCounts:
                 prompt_rows += [row] * cut
                 prompt_ids += r.prompt_ids[:cut]
             self._owner[row] = weakref.ref(r)
-        rows = [row for _, row in fresh]
-        # One copy to the device for all of it: rows, then (row, id) pairs of the outputs, then of the prompts.
-        flat = _to(torch.tensor(rows + out_rows + out_ids + prompt_rows + prompt_ids, dtype=torch.int64), self.device)
-        n, m, k = len(rows), len(out_ids), len(prompt_ids)
-        rows_dev, out = flat[:n], flat[n : n + 2 * m].view(2, m)
+        parts = [[row for _, row in fresh], out_rows, out_ids, prompt_rows, prompt_ids]
+        return PendingFill([stage.put(part, torch.int64) for part in parts])
+
+    def apply_fill(self, fill: PendingFill, sent: list[torch.Tensor]) -> None:
+        """Device half: writes the staged rows (`sent`: the stage's device tensors)."""
+        assert self.counts is not None
+        rows_dev, out_rows, out_ids, prompt_rows, prompt_ids = (sent[i] for i in fill.parts)
         # Scatters on flat views: prompts repeat tokens, each occurrence counts.
         self.counts.index_fill_(0, rows_dev, 0.0)
-        ones = torch.ones(m, dtype=torch.float32, device=self.device)
-        self.counts.view(-1).scatter_add_(0, out[0] * self.vocab + out[1], ones)
-        if k:
+        ones = torch.ones(out_ids.shape, dtype=torch.float32, device=self.device)
+        self.counts.view(-1).scatter_add_(0, out_rows * self.vocab + out_ids, ones)
+        if prompt_ids.numel():
             assert self.in_prompt is not None
-            prompt = flat[n + 2 * m :].view(2, k)
             self.in_prompt.index_fill_(0, rows_dev, False)
-            self.in_prompt.view(-1).scatter_(0, prompt[0] * self.vocab + prompt[1], True)
+            self.in_prompt.view(-1).scatter_(0, prompt_rows * self.vocab + prompt_ids, True)
+
+    def gather(self, rows_dev: torch.Tensor, repetition: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(output counts [B, V], seen [B, V] with `repetition`, else None) of a batch's rows, in batch order."""
+        assert self.counts is not None
+        counts = self.counts.index_select(0, rows_dev)
+        seen = None
+        if repetition:
+            assert self.in_prompt is not None
+            seen = self.in_prompt.index_select(0, rows_dev) | (counts > 0)
+        return counts, seen
 
     def record(self, rows_dev: torch.Tensor, tokens: torch.Tensor) -> None:
         """Counts a step's sampled tokens (on the device, right after sampling them)."""
@@ -105,8 +105,6 @@ class PenaltyCounts:
             self.counts.index_put_((rows_dev, tokens), ones, accumulate=True)
 
 
-def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` without waiting for the stream (pinned, then copied non-blocking)."""
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
+@dataclass
+class PendingFill:
+    parts: list[int]  # indices in the stage: rows, output (row, id) pairs, prompt (row, id) pairs

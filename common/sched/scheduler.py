@@ -42,18 +42,18 @@ import torch
 
 from common.engine.forward_batch import ForwardBatch
 from common.engine.runner import ModelRunner
-from common.engine.sampling import SamplingBatch, sample
 from common.kv.allocator import PageAllocator
 from common.kv.host_tier import make_host_tier
 from common.kv.radix import RadixCache
 from common.protocol import TokenLogprob
 from common.sched.grammar import GrammarBook, GrammarError
-from common.sched.launched import Launched, StepTimer, copy_to_host, sampling_to_device
+from common.sched.launched import Launched, StepTimer, copy_to_host
 from common.sched.pages import KVBudget
 from common.sched.penalties import PenaltyCounts
 from common.sched.prefill import PrefillAdder
 from common.sched.prefill_budget import AUTO_ITL_DECODE_STEPS, PrefillSpeed, StepSeconds, prefill_token_budget
 from common.sched.request import Req, ReqState
+from common.sched.step_sampling import StepSampler
 from common.settings import SchedulerConfig
 
 log = logging.getLogger("kvferry.sched")
@@ -124,6 +124,9 @@ class Scheduler:
         # The newest sampled token of each table row, on the device (the next decode step's input).
         self.last_tokens = torch.zeros(runner.page_table.table.shape[0], dtype=torch.int64, device=self.device)
         self.penalties = PenaltyCounts(runner.page_table.table.shape[0], self.vocab, self.device)
+        self.sampler = StepSampler(
+            runner.page_table.table.shape[0], self.vocab, self.device, tuple(self.eos), self.grammars, self.penalties
+        )
         self._inflight: dict[Req, int] = {}  # tokens launched but not yet appended, per request
         self._pending: Launched | None = None
         self.prefill_tokens_launched = 0  # prompt tokens computed so far (the measured prefill rate's counter)
@@ -351,27 +354,27 @@ class Scheduler:
         k = self.inflight(r)
         return len(r.output_ids) + k < r.sampling.max_tokens and r.device_len + k < self.runner.max_seq_len
 
-    def _decode_rows(self, batch: list[Req]) -> tuple[list[list[int]], list[int], list[bool]]:
-        """Each decoding request's one input token (host id, or 0 where it is still on the device), its position
-        (its pages grown to cover it), and whether the step reads it from `last_tokens`."""
-        host_ids, positions, on_device = [], [], []
+    def _decode_rows(self, batch: list[Req]) -> tuple[list[list[int]], list[int], bool]:
+        """Each decoding request's one input token (host id, or -1 where it is still on the device), its
+        position (its pages grown to cover it), and whether any step input is read from `last_tokens`."""
+        host_ids, positions, on_device = [], [], False
         for r in batch:
             k = self.inflight(r)
             pos = r.device_len + k - 1  # position of this step's input token
             self.budget.grow(r, pos + 1)
             positions.append(pos)
-            host_ids.append([r.output_ids[-1] if k == 0 else 0])
-            on_device.append(k > 0)
+            host_ids.append([r.output_ids[-1] if k == 0 else -1])
+            on_device |= k > 0
         return host_ids, positions, on_device
 
-    def _device_inputs(self, fb: ForwardBatch, on_device: list[bool]) -> None:
-        """The first len(on_device) tokens of the step are decode rows: those whose token the host has not read
-        yet take it from `last_tokens` on the device (the overlap loop never waits for it)."""
-        if not any(on_device):
+    def _device_inputs(self, fb: ForwardBatch, decode_rows: int, on_device: bool) -> None:
+        """The first `decode_rows` tokens of the step are decode rows: those whose token the host has not read
+        yet (input id -1) take it from `last_tokens` on the device (the overlap loop never waits for it)."""
+        if not on_device:
             return
-        n = len(on_device)
-        mask = torch.tensor(on_device, dtype=torch.bool).to(self.device, non_blocking=True)
-        ids = torch.where(mask, self.last_tokens[fb.table_rows[:n]], fb.input_ids[:n])
+        n = decode_rows
+        ids = fb.input_ids[:n]
+        ids = torch.where(ids < 0, self.last_tokens[fb.table_rows[:n]], ids)
         fb.input_ids = ids if fb.input_ids.shape[0] == n else torch.cat((ids, fb.input_ids[n:]))
 
     def _launch_prefill(self, batch: list[Req], chunks: list[int]) -> Launched:
@@ -391,7 +394,7 @@ class Scheduler:
             [True] * len(decode) + done,
             is_decode=False,
         )
-        self._device_inputs(fb, on_device)
+        self._device_inputs(fb, len(decode), on_device)
         timer = StepTimer.start(self.device)
         logits = self.runner.forward(fb)
         # Stopped before sampling records the step's done event: processing the step (once done) then finds
@@ -419,7 +422,7 @@ class Scheduler:
     def _launch_decode(self, batch: list[Req]) -> Launched:
         host_ids, positions, on_device = self._decode_rows(batch)
         fb = self.runner.build_batch(host_ids, positions, [r.table_row for r in batch], [True] * len(batch), True)
-        self._device_inputs(fb, on_device)
+        self._device_inputs(fb, len(batch), on_device)
         timer = StepTimer.start(self.device)
         logits = self.runner.forward(fb)
         timer.stop()
@@ -447,29 +450,11 @@ class Scheduler:
         reqs = launched.reqs
         if reqs:
             assert logits is not None
-            masks = None
-            if any(r.sampling.grammar is not None for r in reqs):
-                # On a GPU the forward is still running: the masks are filled meanwhile, in pinned memory.
-                masks = self.grammars.fill(reqs, pin=self.device.type == "cuda")
-            rows = torch.tensor(launched.rows, dtype=torch.int64).to(self.device, non_blocking=True)
-            counts, seen = self.penalties.gather(reqs, launched.rows, rows)
-            sb = SamplingBatch.build(
-                [r.sampling for r in reqs],
-                [r.seed for r in reqs],
-                self.vocab,
-                torch.device("cpu"),
-                steps=launched.steps,
-                output_counts=counts,
-                seen=seen,
-                eos_ids=tuple(self.eos),
-                grammar_done=masks.done if masks is not None else (),
-            )
-            if masks is not None:
-                sb.allowed_bits, sb.grammar_rows = masks.bits, masks.rows
-            res = sample(logits, sampling_to_device(sb, self.device))
-            self.last_tokens.index_copy_(0, rows, res.tokens)
-            if counts is not None:
-                self.penalties.record(rows, res.tokens)
+            out = self.sampler.sample(reqs, launched.rows, launched.steps, logits)
+            res = out.result
+            self.last_tokens.index_copy_(0, out.rows_dev, res.tokens)
+            if out.penalty:
+                self.penalties.record(out.rows_dev, res.tokens)
             launched.tokens = copy_to_host(res.tokens)
             launched.logprobs = copy_to_host(res.logprobs)
             launched.top_ids = copy_to_host(res.top_ids)

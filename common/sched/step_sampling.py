@@ -1,0 +1,184 @@
+"""Each step's sampling inputs: per-row parameters kept on the device, the rest in one host-to-device copy.
+
+A request's sampling parameters do not change while it runs, so they are written once into per-table-row
+device tensors, at its first sampling in its row (as its penalty counts are: common/sched/penalties.py), and
+a step gathers its batch's rows from there. A step whose batch is the one sampled last (the common case in
+steady decoding) reuses that gather, the batch's row indices on the device and its host-side facts (greedy
+or not, filters, logprobs, penalties) as they are: its host work does not grow with the batch. What changes
+from step to step travels in the step's one staged copy (common/engine/staging.py): the output steps (the
+seeded noise's counter), the min_tokens bans of rows still short of them (only when that set changes), the
+grammar masks (xgrammar fills them straight into the pinned buffer), and, when the batch changed, its rows,
+the parameters of rows sampled for the first time and their penalty history.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from common.engine.sampling import (
+    FLOAT_PARAMS,
+    INT_PARAMS,
+    BatchFlags,
+    SampleResult,
+    SamplingBatch,
+    sample,
+    slot_values,
+    sparse_additions,
+)
+from common.engine.staging import HostToDevice
+from common.sched.grammar import GrammarBook
+from common.sched.penalties import PenaltyCounts, has_penalty
+from common.sched.request import Req
+
+
+@dataclass(eq=False)
+class _Batch:
+    """What stays true of a batch while its requests (same objects, same order) sample together."""
+
+    reqs: tuple[Req, ...]
+    rows_dev: torch.Tensor  # [B] int64 table rows
+    floats: torch.Tensor  # [B, len(FLOAT_PARAMS)]
+    ints: torch.Tensor  # [B, len(INT_PARAMS)]
+    flags: BatchFlags
+    penalty: bool  # some row has a frequency, presence or repetition penalty
+    grammar: bool  # some row has a grammar
+    additions: list[int]  # rows with a logit_bias or min_tokens (their additions are decided per step)
+    add_key: tuple[bool, ...] | None = None  # which of `additions` had their bans last step
+    add_dev: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # those additions on the device
+
+
+@dataclass
+class Sampled:
+    result: SampleResult
+    rows_dev: torch.Tensor  # the batch's table rows on the device
+    penalty: bool  # the batch reads penalty counts (so its tokens are counted)
+
+
+class StepSampler:
+    def __init__(
+        self,
+        rows: int,
+        vocab: int,
+        device: torch.device,
+        eos_ids: Sequence[int],
+        grammars: GrammarBook,
+        penalties: PenaltyCounts,
+    ) -> None:
+        self.vocab = vocab
+        self.device = device
+        self.eos_ids = tuple(eos_ids)
+        self.grammars = grammars
+        self.penalties = penalties
+        self.h2d = HostToDevice(device)
+        self.floats = torch.zeros(rows, len(FLOAT_PARAMS), dtype=torch.float32, device=device)
+        self.ints = torch.zeros(rows, len(INT_PARAMS), dtype=torch.int64, device=device)
+        self._owner: list[weakref.ref[Req] | None] = [None] * rows
+        self._last: _Batch | None = None
+
+    def sample(self, reqs: Sequence[Req], rows: Sequence[int], steps: Sequence[int], logits: torch.Tensor) -> Sampled:
+        """Samples one token for each of `reqs` (table `rows`, output `steps` before this step) from `logits`."""
+        batch = self._last
+        stage = self.h2d.stage()
+        masks = bits_part = None
+        if batch is not None and batch.reqs == tuple(reqs):
+            new_batch = None
+            any_grammar = batch.grammar
+        else:
+            new_batch = tuple(reqs)
+            any_grammar = any(r.sampling.grammar is not None for r in reqs)
+        if any_grammar:
+            # On a GPU the forward is still running: the masks are filled meanwhile, into the pinned buffer.
+            bits_part, bits = stage.reserve((len(reqs), (self.vocab + 31) // 32), torch.int32)
+            masks = self.grammars.fill(reqs, bits)
+        fresh_part = fill = rows_part = None
+        if new_batch is not None:
+            rows_part = stage.put(rows, torch.int64)
+            fresh = [(i, row) for i, (r, row) in enumerate(zip(reqs, rows)) if not self._owned(r, row)]
+            if fresh:
+                fresh_part = self._stage_params(reqs, fresh, stage)
+            fill = self.penalties.stage_fill(reqs, rows, stage)
+        steps_part = stage.put(steps, torch.int64)
+        params = [r.sampling for r in reqs] if new_batch is not None else None
+        additions = (
+            [i for i, p in enumerate(params) if p.logit_bias or p.min_tokens] if params is not None else batch.additions
+        )
+        add_key = add_parts = None
+        if additions:
+            done = masks.done if masks is not None else ()
+            add_key = tuple(steps[i] < reqs[i].sampling.min_tokens and not (done and done[i]) for i in additions)
+            if new_batch is not None or add_key != batch.add_key:
+                add = sparse_additions([r.sampling for r in reqs], steps, self.eos_ids, done, additions)
+                if add is not None:
+                    add_parts = [stage.put(t, t.dtype) for t in add]
+        grammar_part = None
+        if masks is not None and self.device.type == "cuda":
+            grammar_part = stage.put(masks.rows, torch.int32)  # xgrammar's GPU kernel reads its rows from here
+        sent = stage.send()
+        if new_batch is not None:
+            rows_dev = sent[rows_part]
+            if fresh_part is not None:
+                self._write_params(sent, fresh_part)
+            if fill is not None:
+                self.penalties.apply_fill(fill, sent)
+            assert params is not None
+            batch = _Batch(
+                reqs=new_batch,
+                rows_dev=rows_dev,
+                floats=self.floats.index_select(0, rows_dev),
+                ints=self.ints.index_select(0, rows_dev),
+                flags=BatchFlags.of(params, self.vocab),
+                penalty=any(has_penalty(p) for p in params),
+                grammar=any_grammar,
+                additions=additions,
+            )
+            self._last = batch
+        assert batch is not None
+        if additions:
+            if add_parts is not None:
+                batch.add_dev = (sent[add_parts[0]], sent[add_parts[1]], sent[add_parts[2]])
+            elif new_batch is not None or add_key != batch.add_key:
+                batch.add_dev = None  # nothing banned any more, no bias
+            batch.add_key = add_key
+        counts = seen = None
+        if batch.penalty:
+            counts, seen = self.penalties.gather(batch.rows_dev, batch.flags.repetition)
+        sb = SamplingBatch.from_slots(
+            batch.floats,
+            batch.ints,
+            sent[steps_part],
+            batch.flags,
+            counts,
+            seen,
+            *(batch.add_dev or (None, None, None)),
+        )
+        if masks is not None:
+            sb.allowed_bits = sent[bits_part] if bits_part is not None else None
+            sb.grammar_rows = sent[grammar_part] if grammar_part is not None else masks.rows
+        return Sampled(sample(logits, sb), batch.rows_dev, batch.penalty)
+
+    def _owned(self, req: Req, row: int) -> bool:
+        owner = self._owner[row]
+        return owner is not None and owner() is req
+
+    def _stage_params(self, reqs: Sequence[Req], fresh: list[tuple[int, int]], stage) -> tuple[int, int, int]:
+        floats: list[float] = []
+        ints: list[int] = []
+        for i, row in fresh:
+            f, n = slot_values(reqs[i].sampling, reqs[i].seed, self.vocab)
+            floats += f
+            ints += n
+            self._owner[row] = weakref.ref(reqs[i])
+        return (
+            stage.put([row for _, row in fresh], torch.int64),
+            stage.put(floats, torch.float32),
+            stage.put(ints, torch.int64),
+        )
+
+    def _write_params(self, sent: list[torch.Tensor], parts: tuple[int, int, int]) -> None:
+        rows_dev, floats, ints = (sent[p] for p in parts)
+        self.floats.index_copy_(0, rows_dev, floats.view(-1, len(FLOAT_PARAMS)))
+        self.ints.index_copy_(0, rows_dev, ints.view(-1, len(INT_PARAMS)))
