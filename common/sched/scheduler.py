@@ -125,7 +125,7 @@ class Scheduler:
         self.last_tokens = torch.zeros(runner.page_table.table.shape[0], dtype=torch.int64, device=self.device)
         self.penalties = PenaltyCounts(runner.page_table.table.shape[0], self.vocab, self.device)
         self.sampler = StepSampler(
-            runner.page_table.table.shape[0], self.vocab, self.device, tuple(self.eos), self.grammars, self.penalties
+            runner.page_table.table.shape[0], self.vocab, self.device, tuple(self.eos), self.penalties
         )
         self._inflight: dict[Req, int] = {}  # tokens launched but not yet appended, per request
         self._pending: Launched | None = None
@@ -450,7 +450,7 @@ class Scheduler:
         reqs = launched.reqs
         if reqs:
             assert logits is not None
-            out = self.sampler.sample(reqs, launched.rows, launched.steps, logits)
+            out = self.sampler.sample(reqs, launched.rows, launched.steps, logits, self.grammars)
             res = out.result
             self.last_tokens.index_copy_(0, out.rows_dev, res.tokens)
             if out.penalty:

@@ -65,13 +65,11 @@ class StepSampler:
         vocab: int,
         device: torch.device,
         eos_ids: Sequence[int],
-        grammars: GrammarBook,
         penalties: PenaltyCounts,
     ) -> None:
         self.vocab = vocab
         self.device = device
         self.eos_ids = tuple(eos_ids)
-        self.grammars = grammars
         self.penalties = penalties
         self.h2d = HostToDevice(device)
         self.floats = torch.zeros(rows, len(FLOAT_PARAMS), dtype=torch.float32, device=device)
@@ -79,8 +77,16 @@ class StepSampler:
         self._owner: list[weakref.ref[Req] | None] = [None] * rows
         self._last: _Batch | None = None
 
-    def sample(self, reqs: Sequence[Req], rows: Sequence[int], steps: Sequence[int], logits: torch.Tensor) -> Sampled:
-        """Samples one token for each of `reqs` (table `rows`, output `steps` before this step) from `logits`."""
+    def sample(
+        self,
+        reqs: Sequence[Req],
+        rows: Sequence[int],
+        steps: Sequence[int],
+        logits: torch.Tensor,
+        grammars: GrammarBook,
+    ) -> Sampled:
+        """Samples one token for each of `reqs` (table `rows`, output `steps` before this step) from `logits`;
+        `grammars`: the scheduler's matchers (their masks are filled here)."""
         batch = self._last
         stage = self.h2d.stage()
         masks = bits_part = None
@@ -93,7 +99,7 @@ class StepSampler:
         if any_grammar:
             # On a GPU the forward is still running: the masks are filled meanwhile, into the pinned buffer.
             bits_part, bits = stage.reserve((len(reqs), (self.vocab + 31) // 32), torch.int32)
-            masks = self.grammars.fill(reqs, bits)
+            masks = grammars.fill(reqs, bits)
         fresh_part = fill = rows_part = None
         if new_batch is not None:
             rows_part = stage.put(rows, torch.int64)
