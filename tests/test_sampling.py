@@ -500,8 +500,8 @@ STORY = {
 def test_a_step_sends_its_host_data_in_two_copies_whatever_the_batch(smol_runner, smol_tokenizer):
     """Grammar, penalty, seeded, logit_bias and min_tokens rows decoding together in the GPU's loop (overlap
     on): every step sends its host data to the device in at most two copies, one with the forward's inputs
-    (the page table's writes in it) and one with sampling's (the grammar masks in it), and a decode step in
-    exactly two, whether 2, 6 or 16 requests decode. Counted at every call that would cross to the device
+    (the page table's writes in it) and one with sampling's (the grammar masks in it), and a steady decode
+    step in exactly two, whether 2, 6 or 16 requests decode. Counted at every call that would cross to the device
     (tests/h2d_count.py), not timed."""
     import json
 
@@ -543,7 +543,7 @@ def test_a_step_sends_its_host_data_in_two_copies_whatever_the_batch(smol_runner
                     decode_steps.append(count.total)
         assert len(decode_steps) >= 8 and all(r.finish_reason is None for r in sched.running)
         assert {s.split(":")[0] for s in sites} == {"common/engine/staging.py"}
-        per_decode_step[n] = set(decode_steps)
+        per_decode_step[n] = set(decode_steps[1:])  # the first may sample a prefill step at its launch
         sched.flush()
         for r in list(sched.running):
             sched.abort(r.req_id)

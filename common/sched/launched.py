@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.sched.request import Req
+from common.sched.step_sampling import MaskJob
 
 
 @dataclass(eq=False)
@@ -30,6 +31,7 @@ class Launched:
     chunks: list[tuple[Req, int, int]] = field(default_factory=list)  # prefill: (request, start, end) per chunk
     done: torch.cuda.Event | None = None
     timer: StepTimer | None = None  # the forward's device time
+    masks: MaskJob | None = None  # its grammar masks, being filled while it waits for sampling
 
     def record_done(self, device: torch.device) -> None:
         """Marks the end of the step's device work (KV writes, sampling, copies to the host)."""

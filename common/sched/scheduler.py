@@ -26,9 +26,12 @@ launch, so such requests are never launched past their last token.
 Sampling features keep the overlap. Penalties read token counts kept on the device per table row and
 updated there by each step's sampling (common/sched/penalties.py). A grammar row needs its previous token
 accepted by its matcher before its mask can be filled: a decode step with such a row launches its forward,
-processes the step in flight while the forward runs, fills the masks and only then launches its sampling
-(`_begin_sampling`, `step`; common/sched/grammar.py). Every other row of that batch waits for the sampling
-launch too, but the forward never waits for the host.
+processes the step in flight while the forward runs, then fills the masks on a thread
+(common/sched/step_sampling.py) while the events go out and the next step is planned, and launches its
+sampling just before the next forward (`_begin_sampling`, `step`, `_settle`; common/sched/grammar.py). Every
+other row of that batch waits for the sampling launch too, but the forward never waits for the host. Each
+step's host data reaches the device in two copies, one for the forward and one for sampling
+(common/engine/staging.py).
 """
 
 from __future__ import annotations
@@ -258,12 +261,17 @@ class Scheduler:
 
     def step(self) -> list[StepEvent]:
         """Launches the next step and processes the one before it (with overlap off: the one just launched).
-        A step whose grammar rows wait for the one before is sampled once that one is processed."""
+        A step whose grammar rows wait for the one before has its masks filled on the fill thread once that
+        one is processed, while the caller handles the events and the next step is planned; it is sampled
+        before the next forward (`_settle`), or by `flush`."""
         events: list[StepEvent] = []
         launched = self._launch()
         events += self.flush()
         if launched is not None and launched.logits is not None:
-            self._sample(launched)
+            if self.overlap:
+                launched.masks = self.sampler.start_masks(launched.reqs, self.grammars)
+            else:
+                self._sample(launched)
         self._pending = launched
         if not self.overlap:
             events += self.flush()
@@ -271,8 +279,16 @@ class Scheduler:
 
     def flush(self) -> list[StepEvent]:
         """Processes the step in flight, if any (before reading every request's final state)."""
+        self._settle()
         launched, self._pending = self._pending, None
         return self._process(launched) if launched is not None else []
+
+    def _settle(self) -> None:
+        """Samples the step in flight if its sampling waited for its grammar masks: before the next forward,
+        which reads its tokens on the device, and before it is processed."""
+        pending = self._pending
+        if pending is not None and pending.logits is not None:
+            self._sample(pending)
 
     def inflight(self, req: Req) -> int:
         return self._inflight.get(req, 0)
@@ -394,6 +410,7 @@ class Scheduler:
             [True] * len(decode) + done,
             is_decode=False,
         )
+        self._settle()  # the step in flight's sampling (if it waited for masks) comes first on the stream
         self._device_inputs(fb, len(decode), on_device)
         timer = StepTimer.start(self.device)
         logits = self.runner.forward(fb)
@@ -422,6 +439,7 @@ class Scheduler:
     def _launch_decode(self, batch: list[Req]) -> Launched:
         host_ids, positions, on_device = self._decode_rows(batch)
         fb = self.runner.build_batch(host_ids, positions, [r.table_row for r in batch], [True] * len(batch), True)
+        self._settle()
         self._device_inputs(fb, len(batch), on_device)
         timer = StepTimer.start(self.device)
         logits = self.runner.forward(fb)
@@ -432,8 +450,8 @@ class Scheduler:
 
     def _begin_sampling(self, kind: str, reqs: list[Req], logits: torch.Tensor, decode_rows: int) -> Launched:
         """The step whose forward gave `logits`, sampled now unless one of its grammar rows has a token in the
-        step in flight (its matcher has not seen it yet): then `step` samples it once that step is processed,
-        and the forward runs meanwhile. The first `decode_rows` of `reqs` decode, the rest finish a prompt."""
+        step in flight (its matcher has not seen it yet): then its masks are filled once that step is
+        processed and it is sampled before the next forward (`step`, `_settle`); the forward runs meanwhile. The first `decode_rows` of `reqs` decode, the rest finish a prompt."""
         launched = Launched(kind, list(reqs), logits=logits, decode_rows=decode_rows)
         launched.rows = [r.table_row for r in reqs]
         launched.steps = [r.sampling.output_offset + len(r.output_ids) + self.inflight(r) for r in reqs]
@@ -450,7 +468,8 @@ class Scheduler:
         reqs = launched.reqs
         if reqs:
             assert logits is not None
-            out = self.sampler.sample(reqs, launched.rows, launched.steps, logits, self.grammars)
+            job, launched.masks = launched.masks, None
+            out = self.sampler.sample(reqs, launched.rows, launched.steps, logits, self.grammars, job)
             res = out.result
             self.last_tokens.index_copy_(0, out.rows_dev, res.tokens)
             if out.penalty:

@@ -9,12 +9,18 @@ from step to step travels in the step's one staged copy (common/engine/staging.p
 seeded noise's counter), the min_tokens bans of rows still short of them (only when that set changes), the
 grammar masks (xgrammar fills them straight into the pinned buffer), and, when the batch changed, its rows,
 the parameters of rows sampled for the first time and their penalty history.
+
+A step whose grammar rows wait for the step in flight has its masks filled on a thread of their own
+(`start_masks`: xgrammar's fill releases the GIL) while the scheduler's thread hands the processed step's
+events out and plans the next step; its sampling is issued once that plan is ready, before the next forward
+(common/sched/scheduler.py `_settle`).
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -29,8 +35,8 @@ from common.engine.sampling import (
     slot_values,
     sparse_additions,
 )
-from common.engine.staging import HostToDevice
-from common.sched.grammar import GrammarBook
+from common.engine.staging import HostToDevice, Stage
+from common.sched.grammar import GrammarBook, GrammarMasks
 from common.sched.penalties import PenaltyCounts, has_penalty
 from common.sched.request import Req
 
@@ -49,6 +55,15 @@ class _Batch:
     additions: list[int]  # rows with a logit_bias or min_tokens (their additions are decided per step)
     add_key: tuple[bool, ...] | None = None  # which of `additions` had their bans last step
     add_dev: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # those additions on the device
+
+
+@dataclass(eq=False)
+class MaskJob:
+    """A step's grammar masks being filled on the fill thread, into `stage`'s part `part`."""
+
+    stage: Stage
+    part: int
+    masks: Future[GrammarMasks]
 
 
 @dataclass
@@ -76,6 +91,24 @@ class StepSampler:
         self.ints = torch.zeros(rows, len(INT_PARAMS), dtype=torch.int64, device=device)
         self._owner: list[weakref.ref[Req] | None] = [None] * rows
         self._last: _Batch | None = None
+        self._fill_thread: ThreadPoolExecutor | None = None
+
+    def _has_grammar(self, reqs: Sequence[Req]) -> bool:
+        last = self._last
+        if last is not None and last.reqs == tuple(reqs):
+            return last.grammar
+        return any(r.sampling.grammar is not None for r in reqs)
+
+    def start_masks(self, reqs: Sequence[Req], grammars: GrammarBook) -> MaskJob | None:
+        """Begins the step's staged copy with its grammar masks, filled on the fill thread; `sample` with the
+        job joins it. None: no grammar row. Nothing else may touch `grammars`' matchers until then."""
+        if not self._has_grammar(reqs):
+            return None
+        stage = self.h2d.stage()
+        part, bits = stage.reserve((len(reqs), (self.vocab + 31) // 32), torch.int32)
+        if self._fill_thread is None:
+            self._fill_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvferry-masks")
+        return MaskJob(stage, part, self._fill_thread.submit(_fill, grammars, list(reqs), bits))
 
     def sample(
         self,
@@ -84,11 +117,12 @@ class StepSampler:
         steps: Sequence[int],
         logits: torch.Tensor,
         grammars: GrammarBook,
+        job: MaskJob | None = None,
     ) -> Sampled:
         """Samples one token for each of `reqs` (table `rows`, output `steps` before this step) from `logits`;
-        `grammars`: the scheduler's matchers (their masks are filled here)."""
+        `grammars`: the scheduler's matchers, whose masks are filled here unless `job` (`start_masks`) filled
+        them."""
         batch = self._last
-        stage = self.h2d.stage()
         masks = bits_part = None
         if batch is not None and batch.reqs == tuple(reqs):
             new_batch = None
@@ -96,10 +130,14 @@ class StepSampler:
         else:
             new_batch = tuple(reqs)
             any_grammar = any(r.sampling.grammar is not None for r in reqs)
-        if any_grammar:
-            # On a GPU the forward is still running: the masks are filled meanwhile, into the pinned buffer.
-            bits_part, bits = stage.reserve((len(reqs), (self.vocab + 31) // 32), torch.int32)
-            masks = grammars.fill(reqs, bits)
+        if job is not None:
+            stage, bits_part, masks = job.stage, job.part, job.masks.result()
+        else:
+            stage = self.h2d.stage()
+            if any_grammar:
+                # On a GPU the forward is still running: the masks are filled meanwhile, into the pinned buffer.
+                bits_part, bits = stage.reserve((len(reqs), (self.vocab + 31) // 32), torch.int32)
+                masks = grammars.fill(reqs, bits)
         fresh_part = fill = rows_part = None
         if new_batch is not None:
             rows_part = stage.put(rows, torch.int64)
@@ -166,6 +204,11 @@ class StepSampler:
             sb.grammar_rows = sent[grammar_part] if grammar_part is not None else masks.rows
         return Sampled(sample(logits, sb), batch.rows_dev, batch.penalty)
 
+    def close(self) -> None:
+        if self._fill_thread is not None:
+            self._fill_thread.shutdown(wait=True)
+            self._fill_thread = None
+
     def _owned(self, req: Req, row: int) -> bool:
         owner = self._owner[row]
         return owner is not None and owner() is req
@@ -188,3 +231,8 @@ class StepSampler:
         rows_dev, floats, ints = (sent[p] for p in parts)
         self.floats.index_copy_(0, rows_dev, floats.view(-1, len(FLOAT_PARAMS)))
         self.ints.index_copy_(0, rows_dev, ints.view(-1, len(INT_PARAMS)))
+
+
+@torch.inference_mode()
+def _fill(grammars: GrammarBook, reqs: list[Req], bits: torch.Tensor) -> GrammarMasks:
+    return grammars.fill(reqs, bits)  # inference mode is per thread: `bits` was made in it
