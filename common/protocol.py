@@ -136,6 +136,7 @@ class KVLayoutInfo(BaseModel):
     head_dim: int
     layout_version: int
     tp_size: int = 1
+    kv_scales: list[float] = []  # FP8 pools: K, V scale per layer (empty: 1.0 everywhere, or not FP8)
 
 
 class HandshakeRequest(_Message):

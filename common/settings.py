@@ -18,6 +18,8 @@ class RunnerConfig:
     model: str = reg.MODEL.field()
     device: str = reg.DEVICE.field()
     dtype: str = reg.DTYPE.field()
+    kv_dtype: str = reg.KV_DTYPE.field()
+    weight_dtype: str = reg.WEIGHT_DTYPE.field()
     page_size: int = reg.PAGE_SIZE.field()
     num_pages: int = reg.NUM_PAGES.field()
     # 0: chosen at start: on a GPU, the device memory free after the weights minus a reserve for activations,

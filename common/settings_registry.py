@@ -363,6 +363,29 @@ DTYPE = declare(
     "workers",
     "common/settings.py",
 )
+KV_DTYPE = declare(
+    "KVFERRY_KV_DTYPE",
+    str,
+    "auto",
+    "KV cache format: `auto` = the model's dtype; `fp8_e4m3` = float8 e4m3 pages (half the bytes of bf16 per "
+    "token, in the pool, over NIXL and in the host tier) with one static scale per layer for K and one for V "
+    "(the checkpoint's `k_scale` / `v_scale`, else 1.0); a prefill and a decode worker must agree",
+    "workers",
+    "common/settings.py",
+    choices=("auto", "fp8_e4m3"),
+)
+WEIGHT_DTYPE = declare(
+    "KVFERRY_WEIGHT_DTYPE",
+    str,
+    "auto",
+    "linear-layer weights: `auto` = as the checkpoint stores them (a compressed-tensors FP8 checkpoint loads as "
+    "FP8, anything else in `KVFERRY_DTYPE`); `fp8_e4m3` = quantized at load to float8 e4m3 with one scale per "
+    "output channel, activations scaled per token as each GEMM runs; embeddings, norms and the LM head keep "
+    "`KVFERRY_DTYPE`",
+    "workers",
+    "common/settings.py",
+    choices=("auto", "fp8_e4m3"),
+)
 PAGE_SIZE = declare("KVFERRY_PAGE_SIZE", int, 16, "tokens per KV page", "workers", "common/settings.py", flag=True)
 NUM_PAGES = declare(
     "KVFERRY_NUM_PAGES",

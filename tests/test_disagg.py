@@ -131,6 +131,32 @@ def test_layout_mismatch_refused_and_restart_rehandshaken(workers, redis_server,
     wait_pages_back(d)
 
 
+def test_fp8_kv_prefill_to_fp8_decode_equals_local_and_float32_decode_refuses_it(workers, redis_server, smol_tokenizer):
+    """FP8 KV pages (KVFERRY_KV_DTYPE=fp8_e4m3) move over NIXL as they are: half the bytes of bf16 per token,
+    the same tokens as the FP8 decode worker's own prefill. A float32 decode worker refuses the FP8 prefill
+    worker at the handshake, naming the KV format, and loses no page."""
+    _, d = workers
+    fp8 = {"KVFERRY_KV_DTYPE": "fp8_e4m3", "KVFERRY_DEBUG_CHECKSUMS": "1"}
+    p8 = start_worker("prefill", redis_server, env=fp8)
+    d8 = start_worker("decode", redis_server, env=fp8)
+    try:
+        wait_ready(p8, d8)
+        ids = smol_tokenizer.encode("Describe the water cycle in four short steps for a school class. " * 12)
+        assert len(ids) > 2 * CHUNK  # several chunks, several writes
+        local, _ = generate(d8, ids, None)
+        remote, events = generate(d8, ids, p8)
+        assert remote == local and len(remote) == 24
+        assert events[0]["kv_verified"] is True
+        tokens, events = generate(d, ids, p8)
+        assert tokens == [] and events[-1]["finish_reason"] == "error"
+        error = events[-1]["error"]
+        assert "dtype" in error and "float8_e4m3fn" in error and "KVFERRY_KV_DTYPE" in error, error
+        wait_pages_back(p8, d8, d)
+    finally:
+        p8.stop()
+        d8.stop()
+
+
 def test_internal_endpoints_reject_bad_messages(workers):
     p, d = workers
     r = httpx.post(f"{d.url}/internal/generate", content=b"{not json", timeout=10)

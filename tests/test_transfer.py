@@ -36,8 +36,10 @@ CHUNKS: list[tuple[list[int], list[int]]] = [
 CHUNK_RUNS = [2, 2, 4]
 
 
-def _layout(head_dim: int = 16, page_size: int = 16) -> KVLayout:
-    return KVLayout(num_layers=NUM_LAYERS, num_kv_heads=2, head_dim=head_dim, page_size=page_size, dtype=torch.float32)
+def _layout(
+    head_dim: int = 16, page_size: int = 16, dtype: torch.dtype = torch.float32, kv_scales: tuple[float, ...] = ()
+) -> KVLayout:
+    return KVLayout(NUM_LAYERS, 2, head_dim, page_size, dtype, kv_scales)
 
 
 def _handshake(agent: KVTransferAgent) -> dict[str, str]:
@@ -245,9 +247,21 @@ def test_chunked_write_lands_before_notification(spawn: Any, mode: str) -> None:
 # -- (b) layout mismatch -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("field", "kwargs"), [("head_dim", {"head_dim": 32}), ("page_size", {"page_size": 8})])
-def test_layout_mismatch_is_refused(field: str, kwargs: dict[str, int]) -> None:
-    local = KVTransferAgent("prefill-b", KVPool(_layout(), 8), model_id=MODEL)
+FP8 = {"dtype": torch.float8_e4m3fn}
+FP8_HALF_V = {**FP8, "kv_scales": (1.0, 0.5) * NUM_LAYERS}
+
+
+@pytest.mark.parametrize(
+    ("field", "local_kwargs", "kwargs"),
+    [
+        ("head_dim", {}, {"head_dim": 32}),
+        ("page_size", {}, {"page_size": 8}),
+        ("dtype", {}, FP8),  # a float32 pool and an FP8 one
+        ("kv_scales", FP8, FP8_HALF_V),  # two FP8 pools whose pages mean different values
+    ],
+)
+def test_layout_mismatch_is_refused(field: str, local_kwargs: dict[str, Any], kwargs: dict[str, Any]) -> None:
+    local = KVTransferAgent("prefill-b", KVPool(_layout(**local_kwargs), 8), model_id=MODEL)
     remote = KVTransferAgent(f"decode-b-{field}", KVPool(_layout(**kwargs), 8), model_id=MODEL)
     try:
         with pytest.raises(LayoutMismatch, match=field) as exc:

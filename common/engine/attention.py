@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from common.engine.forward_batch import ForwardBatch
+from common.engine.fp8 import as_stored, store_rows
 from common.engine.layers import RotaryCache
 from common.kv.pool import KVPool
 
@@ -138,11 +139,14 @@ class TorchPagedAttention:
         t, hq, d = q.shape
         rows = self.pool.rows
         ko, vo = self.pool.layer_offset(layer, 0), self.pool.layer_offset(layer, 1)
-        rows.index_copy_(0, self._out_rows + ko, k.to(rows.dtype))
-        rows.index_copy_(0, self._out_rows + vo, v.to(rows.dtype))
+        # FP8 pools: K/V stored as value / scale; the scales fold into the softmax scale and the output below,
+        # as flashinfer's FP8 kernels take them.
+        ks, vs = self.pool.layout.kv_scale(layer, 0), self.pool.layout.kv_scale(layer, 1)
+        store_rows(rows, self._out_rows + ko, k, ks)
+        store_rows(rows, self._out_rows + vo, v, vs)
         hkv = rows.shape[1]
         if self._segments is not None:
-            return self._forward_segments(q, k, v, ko, vo)
+            return self._forward_segments(q, k, v, ko, vo, ks, vs)
         kk = rows.index_select(0, self._kv_flat + ko).view(b, max_kv, hkv, d).transpose(1, 2)  # [B, Hkv, max_kv, D]
         vv = rows.index_select(0, self._kv_flat + vo).view(b, max_kv, hkv, d).transpose(1, 2)
         if self._q_padded:
@@ -154,14 +158,18 @@ class TorchPagedAttention:
             kk.to(q.dtype),
             vv.to(q.dtype),
             attn_mask=self._mask,
-            scale=self.scale,
+            scale=self.scale * ks,
             enable_gqa=True,
         ).transpose(1, 2)  # [B, max_q, Hq, D]
+        if vs != 1.0:
+            out = out * vs
         if self._q_padded:
             return out.reshape(b * max_q, hq, d).index_select(0, self._q_scatter)
         return out.reshape(t, hq, d)
 
-    def _forward_segments(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ko: int, vo: int) -> torch.Tensor:
+    def _forward_segments(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ko: int, vo: int, ks: float, vs: float
+    ) -> torch.Tensor:
         assert self._segments is not None
         rows = self.pool.rows
         out = torch.empty_like(q)
@@ -169,8 +177,8 @@ class TorchPagedAttention:
             qq = q[seg.q0 : seg.q1].transpose(0, 1)[None]  # [1, Hq, n, D]
             if seg.kv_flat is None:
                 # Round-trip through the pool dtype so the values match what later steps read from the pool.
-                kk = k[seg.q0 : seg.q1].to(rows.dtype).transpose(0, 1)[None]
-                vv = v[seg.q0 : seg.q1].to(rows.dtype).transpose(0, 1)[None]
+                kk = as_stored(k[seg.q0 : seg.q1], rows.dtype, ks).transpose(0, 1)[None]
+                vv = as_stored(v[seg.q0 : seg.q1], rows.dtype, vs).transpose(0, 1)[None]
             else:
                 kk = rows.index_select(0, seg.kv_flat + ko).transpose(0, 1)[None]
                 vv = rows.index_select(0, seg.kv_flat + vo).transpose(0, 1)[None]
@@ -180,8 +188,8 @@ class TorchPagedAttention:
                 vv.to(q.dtype),
                 attn_mask=seg.mask,
                 is_causal=seg.mask is None,
-                scale=self.scale,
+                scale=self.scale * ks,
                 enable_gqa=True,
             )
-            out[seg.q0 : seg.q1] = o[0].transpose(0, 1)
+            out[seg.q0 : seg.q1] = (o[0] * vs if vs != 1.0 else o[0]).transpose(0, 1)
         return out

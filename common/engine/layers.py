@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from common.engine.fp8 import Fp8Linear, fp8_linear_reference
 from common.engine.model_config import RopeConfig
 
 
@@ -36,9 +37,15 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | Fp8Linear | None = None,
 ) -> torch.Tensor:
-    """`F.linear`, through oneDNN with a pre-packed weight when one is given (CPU float32)."""
+    """`F.linear`, through oneDNN with a pre-packed weight when one is given (CPU float32); an FP8 weight
+    (`Fp8Linear`) runs as its FP8 GEMM's twin: per-token activation scales, computed by dequantizing."""
+    if isinstance(packed, Fp8Linear):
+        return fp8_linear_reference(x, packed, bias)
     if packed is not None and x.shape[0] > 0:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -116,13 +123,13 @@ class Ops(Protocol):
         eps: float,
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
-        packed: torch.Tensor | None = None,
+        packed: torch.Tensor | Fp8Linear | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(linear(rms_norm(residual + x)), residual + x): a layer's norm and the GEMM it feeds, the residual
         stream carried beside; with `residual` None (the first layer) the stream starts at x."""
 
     def silu_linear(
-        self, gate_up: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None
+        self, gate_up: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | Fp8Linear | None = None
     ) -> torch.Tensor:
         """linear(silu(gate) * up) for gate_up = [gate | up]: the MLP's activation and down projection."""
 
@@ -131,9 +138,10 @@ class Ops(Protocol):
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
-        packed: torch.Tensor | None = None,
+        packed: torch.Tensor | Fp8Linear | None = None,
     ) -> torch.Tensor:
-        """`packed`: the weight's oneDNN copy (CPU float32, `DecoderModel.pack_linears`), else None."""
+        """`packed`: the weight's oneDNN copy (CPU float32, `DecoderModel.pack_linears`), or its FP8 form
+        (`Fp8Linear`: `weight` is then the FP8 tensor itself), else None."""
 
 
 class ComposedOps:
@@ -148,7 +156,7 @@ class ComposedOps:
         eps: float,
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
-        packed: torch.Tensor | None = None,
+        packed: torch.Tensor | Fp8Linear | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             normed, residual = self.rms_norm(x, norm_weight, eps), x  # type: ignore[attr-defined]
@@ -157,7 +165,7 @@ class ComposedOps:
         return self.linear(normed, weight, bias, packed), residual  # type: ignore[attr-defined]
 
     def silu_linear(
-        self, gate_up: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None
+        self, gate_up: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | Fp8Linear | None = None
     ) -> torch.Tensor:
         return self.linear(self.silu_and_mul(gate_up), weight, None, packed)  # type: ignore[attr-defined]
 

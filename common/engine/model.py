@@ -13,6 +13,7 @@ from torch import nn
 
 from common.engine.attention import AttentionBackend
 from common.engine.forward_batch import ForwardBatch
+from common.engine.fp8 import FP8, Fp8Linear, quantize_rows
 from common.engine.layers import Ops, RotaryCache, TorchOps, onednn_linear_available, pack_linear_weight
 from common.engine.model_config import ModelConfig
 from common.engine.tp import TPGroup, single_rank
@@ -22,23 +23,51 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
-class DecoderLayer(nn.Module):
-    """One layer's weights; `cfg` is this rank's local config (its heads and MLP slice under tensor parallelism)."""
+# A layer's GEMM weights: what FP8 weights quantize (embeddings, norms and the LM head keep the model dtype).
+LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+
+class DecoderLayer(nn.Module):
+    """One layer's weights; `cfg` is this rank's local config (its heads and MLP slice under tensor parallelism).
+
+    `fp8`: the four GEMM weights are float8 e4m3 with a float32 scale per output row (`<name>_scale`)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, fp8: bool = False) -> None:
         super().__init__()
         h = cfg.hidden_size
         qkv = cfg.q_size + 2 * cfg.kv_size
+        wt = FP8 if fp8 else dtype
         self.input_norm = _param(h, dtype=dtype, device=device)
-        self.qkv_proj = _param(qkv, h, dtype=dtype, device=device)
+        self.qkv_proj = _param(qkv, h, dtype=wt, device=device)
         self.qkv_bias = _param(qkv, dtype=dtype, device=device) if cfg.qkv_bias else None
         self.q_norm = _param(cfg.head_dim, dtype=dtype, device=device) if cfg.qk_norm else None
         self.k_norm = _param(cfg.head_dim, dtype=dtype, device=device) if cfg.qk_norm else None
-        self.o_proj = _param(h, cfg.q_size, dtype=dtype, device=device)
+        self.o_proj = _param(h, cfg.q_size, dtype=wt, device=device)
         self.post_attn_norm = _param(h, dtype=dtype, device=device)
-        self.gate_up_proj = _param(2 * cfg.intermediate_size, h, dtype=dtype, device=device)
-        self.down_proj = _param(h, cfg.intermediate_size, dtype=dtype, device=device)
-        self.packed: dict[str, torch.Tensor] = {}  # CPU: oneDNN-packed copies of the GEMM weights (pack_linears)
+        self.gate_up_proj = _param(2 * cfg.intermediate_size, h, dtype=wt, device=device)
+        self.down_proj = _param(h, cfg.intermediate_size, dtype=wt, device=device)
+        if fp8:
+            for name in LINEARS:
+                rows = getattr(self, name).shape[0]
+                setattr(self, f"{name}_scale", _param(rows, dtype=torch.float32, device=device))
+        # The GEMM weights in the form the ops run them, by name: oneDNN-packed copies (CPU float32,
+        # `pack_linears`) or, FP8, each weight with its scales (`Fp8Linear`); empty: the plain weights.
+        self.packed: dict[str, torch.Tensor | Fp8Linear] = {}
+        self.fp8 = fp8
+        if fp8:
+            self.use_fp8_forms()
+
+    def use_fp8_forms(self) -> None:
+        self.packed = {n: Fp8Linear(getattr(self, n), getattr(self, f"{n}_scale")) for n in LINEARS}
+
+    def quantize_linears(self) -> None:
+        """Replaces the four GEMM weights by FP8 ones, one scale per output channel (common/engine/fp8.py)."""
+        for name in LINEARS:
+            weight, scale = quantize_rows(getattr(self, name).data)
+            setattr(self, name, nn.Parameter(weight, requires_grad=False))
+            setattr(self, f"{name}_scale", nn.Parameter(scale.flatten(), requires_grad=False))
+        self.fp8 = True
+        self.use_fp8_forms()
 
 
 class DecoderModel(nn.Module):
@@ -50,7 +79,14 @@ class DecoderModel(nn.Module):
     `rotary` where it writes K/V).
     """
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp: TPGroup | None = None,
+        fp8_weights: bool = False,
+    ) -> None:
         super().__init__()
         self.tp = tp if tp is not None else single_rank(cfg)
         self.full_cfg = cfg
@@ -59,13 +95,15 @@ class DecoderModel(nn.Module):
         self.device = device
         vocab_rows = self.tp.shard.vocab_per_rank
         self.embed = _param(vocab_rows, cfg.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, fp8_weights) for _ in range(cfg.num_layers))
         self.norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.lm_head = (
             None if cfg.tie_word_embeddings else _param(vocab_rows, cfg.hidden_size, dtype=dtype, device=device)
         )
         self.rotary = RotaryCache.build(cfg.head_dim, cfg.rope, cfg.max_position, device)
         self.ops: Ops = TorchOps()
+        # FP8 KV: the static K, V scale of each layer from the checkpoint (common/engine/fp8.py); empty: 1.0.
+        self.kv_scales: tuple[float, ...] = ()
         self.packed_lm_head: torch.Tensor | None = None
 
     def pack_linears(self) -> bool:
@@ -78,15 +116,29 @@ class DecoderModel(nn.Module):
         if self.device.type != "cpu" or self.dtype != torch.float32 or not onednn_linear_available():
             return False
         for layer in self.layers:
-            names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-            layer.packed = {n: pack_linear_weight(getattr(layer, n)) for n in names}
+            if not layer.fp8:  # FP8 weights keep their FP8 form
+                layer.packed = {n: pack_linear_weight(getattr(layer, n)) for n in LINEARS}
         self.packed_lm_head = pack_linear_weight(self.lm_head_weight)
         return True
 
     def unpack_linears(self) -> None:
         for layer in self.layers:
-            layer.packed = {}
+            if layer.fp8:
+                layer.use_fp8_forms()
+            else:
+                layer.packed = {}
         self.packed_lm_head = None
+
+    @property
+    def fp8_weights(self) -> bool:
+        return bool(self.layers) and self.layers[0].fp8
+
+    def quantize_linears(self) -> None:
+        """FP8 weights from this model's 16/32-bit ones, layer by layer (the dense copy of one layer at a time
+        is what it costs beyond the FP8 model). Packed CPU copies are dropped: call `pack_linears` again."""
+        for layer in self.layers:
+            if not layer.fp8:
+                layer.quantize_linears()
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -11,15 +11,16 @@ import numpy as np
 import torch
 
 from common.engine.attention import AttentionBackend, TorchPagedAttention
-from common.engine.dtypes import resolve_dtype
+from common.engine.dtypes import resolve_dtype, resolve_kv_dtype
 from common.engine.forward_batch import ForwardBatch, StepInputs
+from common.engine.fp8 import FP8_SETTING, is_fp8
 from common.engine.kv_sizing import kv_pool_pages
 from common.engine.model import DecoderModel
 from common.engine.model_config import ModelConfig, named_config
 from common.engine.staging import HostToDevice
 from common.engine.tp import TPGroup, TPShard, tp_backend
 from common.engine.tp_ranks import HEADER_LEN, TPFollowers, TPRankLost, shared_pool_path
-from common.engine.weights import init_dummy_weights, load_safetensors_dir
+from common.engine.weights import fp8_checkpoint, init_dummy_weights, load_safetensors_dir
 from common.kv.page_table import PageTable
 from common.kv.pool import KVLayout, KVPool
 from common.settings import RunnerConfig
@@ -52,14 +53,24 @@ def load_model(
     """Returns the model (this rank's part of it under tensor parallelism) and its directory (None: dummy)."""
     start = time.perf_counter()
     model_cfg, path = resolve_model_config(cfg)
-    model = DecoderModel(model_cfg, dtype, device, tp)
+    if cfg.weight_dtype not in ("auto", FP8_SETTING):
+        raise ValueError(f"unknown weight dtype {cfg.weight_dtype!r}; use auto or {FP8_SETTING}")
+    checkpoint = fp8_checkpoint(path) if path is not None else None
+    model = DecoderModel(model_cfg, dtype, device, tp, fp8_weights=checkpoint is not None)
     if path is None:
         init_dummy_weights(model, cfg.seed)
     else:
         load_safetensors_dir(model, path)
+    if cfg.weight_dtype == FP8_SETTING:
+        model.quantize_linears()  # a no-op for an FP8 checkpoint
     log.info(
         "model loaded",
-        extra={"model": cfg.model, "tp_rank": cfg.tp_rank, "seconds": round(time.perf_counter() - start, 2)},
+        extra={
+            "model": cfg.model,
+            "tp_rank": cfg.tp_rank,
+            "fp8_weights": model.fp8_weights,
+            "seconds": round(time.perf_counter() - start, 2),
+        },
     )
     return model, path
 
@@ -158,7 +169,9 @@ class ModelRunner:
     def _rank_layout(self, shard: TPShard) -> KVLayout:
         full = self.model.full_cfg
         heads = shard.kv_heads[1] - shard.kv_heads[0]
-        return KVLayout(full.num_layers, heads, full.head_dim, self.cfg.page_size, self.dtype)
+        kv_dtype = resolve_kv_dtype(self.cfg.kv_dtype, self.dtype)
+        scales = self.model.kv_scales if is_fp8(kv_dtype) else ()
+        return KVLayout(full.num_layers, heads, full.head_dim, self.cfg.page_size, kv_dtype, scales)
 
     def _map_follower_pools(self, num_pages: int) -> list[KVPool]:
         """CPU: every follower's pool, mapped from its shared-memory file (the files are unlinked once mapped)."""

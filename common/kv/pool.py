@@ -15,6 +15,12 @@ class KVLayout:
     head_dim: int
     page_size: int
     dtype: torch.dtype
+    # FP8 pools: the static scales, K then V per layer (`2 * num_layers` floats; empty = 1.0 everywhere). A
+    # stored value q means q * scale (common/engine/fp8.py); both ends of a transfer must hold the same ones.
+    kv_scales: tuple[float, ...] = ()
+
+    def kv_scale(self, layer: int, kv: int) -> float:
+        return self.kv_scales[2 * layer + kv] if self.kv_scales else 1.0
 
     @property
     def page_bytes(self) -> int:

@@ -21,7 +21,10 @@ class LayoutMismatch(ValueError):
     def __init__(self, fields: dict[str, tuple[object, object]]) -> None:
         self.fields = fields
         detail = ", ".join(f"{name}: local={lo!r} remote={re!r}" for name, (lo, re) in fields.items())
-        super().__init__(f"KV layout mismatch ({detail})")
+        hint = ""
+        if "dtype" in fields or "kv_scales" in fields:
+            hint = "; the KV format (KVFERRY_DTYPE, KVFERRY_KV_DTYPE, the checkpoint's KV scales) must match on both workers"
+        super().__init__(f"KV layout mismatch ({detail}){hint}")
 
 
 def dtype_name(dtype: object) -> str:
@@ -41,6 +44,7 @@ def layout_info(pool: KVPool, model_id: str, tp_size: int = 1, num_kv_heads: int
         head_dim=layout.head_dim,
         layout_version=LAYOUT_VERSION,
         tp_size=tp_size,
+        kv_scales=list(layout.kv_scales),
     )
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from common.engine.forward_batch import ForwardBatch
+from common.engine.fp8 import is_fp8, store_rows
 from common.engine.layers import RotaryCache
 from common.engine.model_config import ModelConfig
 from common.kv.pool import KVPool
@@ -103,7 +104,8 @@ class FlashInferAttention:
 
             if rope_store.supports(cfg.head_dim):
                 self.rope_store = rope_store.rope_store
-            if decode_attention.supports(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, pool.layout.page_size):
+            fits = decode_attention.supports(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, pool.layout.page_size)
+            if fits and not is_fp8(pool.layout.dtype):  # the split-KV kernel reads 16-bit pages only
                 self.triton_decode = decode_attention
         self.num_sms = (
             torch.cuda.get_device_properties(pool.device).multi_processor_count if pool.device.type == "cuda" else 1
@@ -117,6 +119,15 @@ class FlashInferAttention:
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         self.dtype = dtype
+        # FP8 pools: flashinfer reads e4m3 pages and takes each layer's static scales as two floats per call,
+        # folded into the softmax scale and the output (None where not FP8: no extra work).
+        self.kv_dtype = pool.layout.dtype
+        fp8 = is_fp8(self.kv_dtype)
+        layout = pool.layout
+        self.kv_scales = [(layout.kv_scale(i, 0), layout.kv_scale(i, 1)) for i in range(cfg.num_layers)]
+        self.run_scales = [
+            dict(k_scale=ks, v_scale=None if vs == 1.0 else vs) if fp8 else {} for ks, vs in self.kv_scales
+        ]
         self.tensor_cores = use_tensor_cores(cfg.num_heads, cfg.num_kv_heads)
         # Decode batches below this size use the CUDA-core kernel even where the GQA group allows tensor cores.
         self.tc_min_batch = max(1, tc_min_batch)
@@ -208,7 +219,7 @@ class FlashInferAttention:
             self.head_dim,
             self.page_size,
             q_data_type=self.dtype,
-            kv_data_type=self.dtype,
+            kv_data_type=self.kv_dtype,
         )
         self._after_plan(wrapper)
         self._wrapper = wrapper
@@ -245,7 +256,7 @@ class FlashInferAttention:
             self.page_size,
             causal=True,
             q_data_type=self.dtype,
-            kv_data_type=self.dtype,
+            kv_data_type=self.kv_dtype,
         )
         self._after_plan(w)
         self._wrapper = w
@@ -302,7 +313,9 @@ class FlashInferAttention:
         assert loc is not None, "plan() or bind() must run before the layers"
         ko, vo = self.k_offsets[layer], self.v_offsets[layer]
         if self.rope_store is not None:
-            return self.rope_store(positions, q, k, v, self.cos_sin, self.rows, loc, ko, vo, q_out)
+            return self.rope_store(
+                positions, q, k, v, self.cos_sin, self.rows, loc, ko, vo, q_out, *self.kv_scales[layer]
+            )
         if layer == 0:  # every layer's write rows at once (inside the graph when captured)
             self._kv_rows = self._kv_offsets[:, None] + loc[None, :]
         assert self._kv_rows is not None
@@ -310,8 +323,9 @@ class FlashInferAttention:
         qr, kr = self.fi.apply_rope_with_cos_sin_cache(
             positions, q.flatten(1), k.flatten(1), q.shape[-1], self.cos_sin, True
         )
-        self.rows.index_copy_(0, self._kv_rows[2 * layer], kr.view(k.shape))
-        self.rows.index_copy_(0, self._kv_rows[2 * layer + 1], v)
+        ks, vs = self.kv_scales[layer]
+        store_rows(self.rows, self._kv_rows[2 * layer], kr.view(k.shape), ks)
+        store_rows(self.rows, self._kv_rows[2 * layer + 1], v, vs)
         if q_out is None:
             return qr.view(q.shape)
         return q_out.copy_(qr.view(q.shape))
@@ -323,10 +337,11 @@ class FlashInferAttention:
             indptr, indices, last, splits = self._triton_meta
             k_cache, v_cache = self.kv[layer]
             return self.triton_decode.decode_attention(q, k_cache, v_cache, indptr, indices, last, splits)  # type: ignore[union-attr]
+        scales = self.run_scales[layer]
         if self._split is not None:
             n, decode = self._split
             out = torch.empty_like(q) if out is None else out
-            decode.run(q[:n], self.kv[layer], out=out[:n])  # type: ignore[attr-defined]
-            self._wrapper.run(q[n:], self.kv[layer], out=out[n:])
+            decode.run(q[:n], self.kv[layer], out=out[:n], **scales)  # type: ignore[attr-defined]
+            self._wrapper.run(q[n:], self.kv[layer], out=out[n:], **scales)
             return out
-        return self._wrapper.run(q, self.kv[layer], out=out)
+        return self._wrapper.run(q, self.kv[layer], out=out, **scales)

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from common.engine.fp8 import is_fp8
+
 
 @triton.jit
 def _rope_store_kernel(
@@ -28,6 +30,10 @@ def _rope_store_kernel(
     stride_vt,
     k_off,
     v_off,
+    k_inv_scale,
+    v_inv_scale,
+    FP8: tl.constexpr,
+    ROUND: tl.constexpr,
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     HALF: tl.constexpr,
@@ -46,18 +52,35 @@ def _rope_store_kernel(
     kh = tl.where(is_kv, hh - HQ, 0)
     qh = tl.where(is_q, hh, 0)
     src = tl.where(is_q, q_ptr + t * stride_qt + qh * (2 * HALF), k_ptr + t * stride_kt + kh * (2 * HALF))
-    dst = tl.where(is_q, qo_ptr + (t * HQ + qh) * (2 * HALF), rows_ptr + (loc + k_off) * row_elems + kh * (2 * HALF))
+    qdst = qo_ptr + (t * HQ + qh) * (2 * HALF)
+    kdst = rows_ptr + (loc + k_off) * row_elems + kh * (2 * HALF)
     ok = (is_q | is_kv)[:, None]
+    qmask = is_q[:, None]
+    vmask = is_kv[:, None]
     x1 = tl.load(src[:, None] + d[None, :], mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(src[:, None] + HALF + d[None, :], mask=ok, other=0.0).to(tl.float32)
-    tl.store(dst[:, None] + d[None, :], (x1 * cos - x2 * sin).to(qo_ptr.dtype.element_ty), mask=ok)
-    tl.store(dst[:, None] + HALF + d[None, :], (x2 * cos + x1 * sin).to(qo_ptr.dtype.element_ty), mask=ok)
-    vmask = is_kv[:, None]
+    r1 = x1 * cos - x2 * sin
+    r2 = x2 * cos + x1 * sin
+    tl.store(qdst[:, None] + d[None, :], r1.to(qo_ptr.dtype.element_ty), mask=qmask)
+    tl.store(qdst[:, None] + HALF + d[None, :], r2.to(qo_ptr.dtype.element_ty), mask=qmask)
+    if FP8:  # stored as value / scale, saturated at e4m3's +-448 (common/engine/fp8.py)
+        r1 = tl.clamp(r1 * k_inv_scale, -448.0, 448.0)
+        r2 = tl.clamp(r2 * k_inv_scale, -448.0, 448.0)
+    tl.store(kdst[:, None] + d[None, :], r1.to(rows_ptr.dtype.element_ty, fp_downcast_rounding=ROUND), mask=vmask)
+    tl.store(
+        kdst[:, None] + HALF + d[None, :], r2.to(rows_ptr.dtype.element_ty, fp_downcast_rounding=ROUND), mask=vmask
+    )
     vsrc = v_ptr + t * stride_vt + kh * (2 * HALF)
     vdst = rows_ptr + (loc + v_off) * row_elems + kh * (2 * HALF)
     for half in tl.static_range(2):
         val = tl.load(vsrc[:, None] + half * HALF + d[None, :], mask=vmask, other=0.0)
-        tl.store(vdst[:, None] + half * HALF + d[None, :], val, mask=vmask)
+        if FP8:
+            val = tl.clamp(val.to(tl.float32) * v_inv_scale, -448.0, 448.0)
+        tl.store(
+            vdst[:, None] + half * HALF + d[None, :],
+            val.to(rows_ptr.dtype.element_ty, fp_downcast_rounding=ROUND),
+            mask=vmask,
+        )
 
 
 def supports(head_dim: int) -> bool:
@@ -76,10 +99,13 @@ def rope_store(
     k_offset: int,
     v_offset: int,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Rotated q `[T, Hq, D]` (into `out` where given, else a new tensor); rotated k and v written to `rows[out_rows + k_offset]` and
     `rows[out_rows + v_offset]`. q/k/v may be views (each token's heads contiguous, e.g. of a qkv projection);
-    `rows` is the pool's `[rows, Hkv, D]` view, `out_rows` the step's layer-0 K rows (KVPool.token_rows)."""
+    `rows` is the pool's `[rows, Hkv, D]` view, `out_rows` the step's layer-0 K rows (KVPool.token_rows). An FP8
+    pool gets k / k_scale and v / v_scale (the layer's static scales)."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     if q.stride(1) != d or k.stride(1) != d or v.stride(1) != d or q.stride(2) != 1:
@@ -105,6 +131,11 @@ def rope_store(
         v.stride(0),
         k_offset,
         v_offset,
+        1.0 / k_scale,
+        1.0 / v_scale,
+        FP8=is_fp8(rows.dtype),
+        # Round to nearest even into FP8, as torch does (common/engine/fp8.py); None keeps a 16-bit pool's default.
+        ROUND="rtne" if is_fp8(rows.dtype) else None,
         HQ=hq,
         HKV=hkv,
         HALF=d // 2,
