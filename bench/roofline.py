@@ -5,7 +5,8 @@
 1. Ceilings, measured in this run: device-to-device copy bandwidth (bytes read + written) and the bf16
    GEMM rate (8192^3, random data).
 2. Decode step time for the llama-3.1-8b config (dummy weights, random KV) at batch 1/8/32/64/256 and
-   1k/4k context vs its floor: (weight bytes + KV bytes read) / bandwidth.
+   1k/4k context vs its floor: (weight bytes + KV bytes read) / bandwidth; beside it the FP8 floor, the GEMM
+   weights at one byte each (`floor_fp8_weights_ms`; bench/fp8_check.py times the FP8 engine against it).
 3. Prefill tokens/s for one 1k/4k/16k prompt vs its FLOP floor (linear + causal attention) / GEMM rate.
 4. Offline throughput: 256 requests, input and output lengths uniform in [100, 1024], for qwen3-0.6b and
    llama-3.1-8b, with and without CUDA graphs and overlap (the ablation).
@@ -91,6 +92,15 @@ def weight_bytes(runner: ModelRunner, batch: int) -> int:
         total -= m.embed.numel() * m.embed.element_size()
         total += batch * m.cfg.hidden_size * m.embed.element_size()
     return total
+
+
+def weight_bytes_fp8(runner: ModelRunner, batch: int) -> int:
+    """`weight_bytes` with every layer's GEMM weights at one byte each (FP8), the rest as stored: the floor an
+    FP8-weight model's decode step aims at (for an FP8 model the two are equal)."""
+    dense = sum(
+        p.numel() * p.element_size() for layer in runner.model.layers for p in layer.parameters() if p.dim() == 2
+    )
+    return weight_bytes(runner, batch) - dense + linear_params(runner)
 
 
 def linear_params(runner: ModelRunner) -> int:
@@ -201,6 +211,7 @@ def decode_bench(
             wbytes = weight_bytes(runner, b)
             kvbytes = b * ctx * bpt
             floor = (wbytes + kvbytes) / bw * 1e3
+            floor_fp8 = (weight_bytes_fp8(runner, b) + kvbytes) / bw * 1e3  # GEMM weights at one byte
             # Roofline per phase: the GEMMs take the larger of their bytes and their FLOPs (at b=256 the
             # FLOPs), attention its KV bytes.
             gemm_floor = max(wbytes / bw, 2 * b * gemm_params / rate) * 1e3
@@ -212,6 +223,7 @@ def decode_bench(
                 step_ms=t_step,
                 replay_ms=t_replay,
                 floor_ms=floor,
+                floor_fp8_weights_ms=floor_fp8,
                 weight_bytes=wbytes,
                 kv_bytes=kvbytes,
                 ratio=floor / t_step,
@@ -229,7 +241,7 @@ def decode_bench(
                 runner.gpu.use_graphs = True
             rows_out.append(r)
             log(
-                f"decode {key}: step {t_step:.3f} ms (replay {t_replay or float('nan'):.3f}), floor {floor:.3f} ms, "
+                f"decode {key}: step {t_step:.3f} ms (replay {t_replay or float('nan'):.3f}), floor {floor:.3f} ms (FP8 weights {floor_fp8:.3f}), "
                 f"ratio {r['ratio']:.2f} (replay {r['ratio_replay'] or float('nan'):.2f})"
             )
             give_rows(runner, rows)

@@ -119,3 +119,57 @@ def test_decode_attention_matches_float64(hq, hkv, d, splits):
         ref = torch.einsum("hn,nhd->hd", scores.softmax(-1), vv)
         assert torch.isfinite(out[i]).all()
         assert _rel(out[i], ref) < 1e-2, (i, n)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 64, 300])
+@pytest.mark.parametrize("n,k", [(96, 256), (6144, 4096), (4096, 14336)])
+def test_fp8_gemms_match_float64_of_their_operands(rows, n, k):
+    """FP8 weights (one scale per output channel): the GEMV (up to 16 rows, 16-bit activations) and the
+    scaled tensor-core GEMM (per-token activation scales) against float64 over the same quantized operands."""
+    from common.engine.fp8 import Fp8Linear, quantize_rows
+    from common.engine.gpu.fp8_gemm import fp8_linear
+    from common.engine.gpu.fp8_quant import quantize_rows as quantize_rows_triton
+    from common.engine.gpu.fused_gemv import MAX_ROWS, gemv
+
+    g = torch.Generator(device="cuda").manual_seed(rows * 131 + n + k)
+    x = torch.randn(rows, k, generator=g, device="cuda").to(torch.bfloat16)
+    wq, ws = quantize_rows(torch.randn(n, k, generator=g, device="cuda") * k**-0.5)
+    w = Fp8Linear(wq, ws.flatten())
+    dense = wq.double() * ws.double()
+    # The Triton activation quantizer writes what torch's does (round to nearest even, the same scales).
+    xq, sx = quantize_rows_triton(x)
+    xq_ref, sx_ref = quantize_rows(x)
+    torch.testing.assert_close(sx, sx_ref)
+    assert (xq.view(torch.uint8) != xq_ref.view(torch.uint8)).float().mean() < 1e-3  # ties may round apart
+    y = fp8_linear(x, w)
+    ref = (xq_ref.double() * sx_ref.double()) @ dense.T
+    assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+    assert _rel(y, ref) < 8e-3
+    assert _rel(y, x.double() @ dense.T) < 6e-2  # what per-token e4m3 activations cost
+    if rows <= MAX_ROWS:
+        yv, _ = gemv(x, wq, weight_scale=w.scale)
+        assert _rel(yv, x.double() @ dense.T) < 8e-3
+
+
+def test_rope_store_writes_fp8_pages_as_torch_rounds_them():
+    from common.engine.fp8 import to_fp8
+    from common.engine.gpu.rope_store import rope_store
+    from common.engine.layers import RotaryCache
+    from common.engine.model_config import RopeConfig
+
+    t, hq, hkv, d = 37, 8, 2, 128
+    g = torch.Generator(device="cuda").manual_seed(3)
+    rc = RotaryCache.build(d, RopeConfig(), 4096, torch.device("cuda"))
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g, device="cuda").to(torch.bfloat16) * 4
+    q, k, v = (p.view(t, -1, d) for p in qkv.split((hq * d, hkv * d, hkv * d), -1))
+    pos = torch.randint(0, 4000, (t,), generator=g, device="cuda")
+    rows = torch.zeros(400, hkv, d, dtype=torch.float8_e4m3fn, device="cuda")
+    loc = torch.randperm(100, generator=g, device="cuda")[:t]
+    out = rope_store(pos, q, k, v, rc.cos_sin(), rows, loc, 100, 200, k_scale=0.5, v_scale=2.0)
+    cos, sin = rc.cos[pos].unsqueeze(1), rc.sin[pos].unsqueeze(1)
+    x1, x2 = k.float().chunk(2, dim=-1)
+    k_rot = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    assert _rel(out.float(), RotaryCache.rotate(q.float(), cos, sin)) < 8e-3
+    same_k = rows[loc + 100].view(torch.uint8) == to_fp8(k_rot, 0.5).view(torch.uint8)
+    same_v = rows[loc + 200].view(torch.uint8) == to_fp8(v, 2.0).view(torch.uint8)
+    assert same_k.float().mean() > 0.99 and bool(same_v.all())

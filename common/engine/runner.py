@@ -61,8 +61,10 @@ def load_model(
         init_dummy_weights(model, cfg.seed)
     else:
         load_safetensors_dir(model, path)
-    if cfg.weight_dtype == FP8_SETTING:
-        model.quantize_linears()  # a no-op for an FP8 checkpoint
+    if cfg.weight_dtype == FP8_SETTING and not model.fp8_weights:
+        model.quantize_linears()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the 16-bit copies' memory back to the device, before the KV pool is sized
     log.info(
         "model loaded",
         extra={

@@ -53,6 +53,7 @@ def _gemv_kernel(
     r_ptr,
     nw_ptr,
     w_ptr,
+    ws_ptr,
     b_ptr,
     y_ptr,
     r_out_ptr,
@@ -66,6 +67,7 @@ def _gemv_kernel(
     eps,
     PROLOGUE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    W_FP8: tl.constexpr,
     USE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -117,6 +119,8 @@ def _gemv_kernel(
                 nw = tl.load(nw_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
                 a = a * rstd[:, None] * nw[None, :]
         w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if W_FP8:  # e4m3 weights: the MMA runs in the activations' dtype, the row scales applied at the end
+            w = w.to(y_ptr.dtype.element_ty)
         if USE_DOT:
             # Swapped operands: the weight tile is the MMA's tall side, the few rows its narrow side.
             acc += tl.dot(w, tl.trans(a.to(w.dtype)))
@@ -126,6 +130,8 @@ def _gemv_kernel(
         out = tl.trans(acc)
     else:
         out = tl.sum(acc2, axis=1)[None, :]
+    if W_FP8:
+        out = out * tl.load(ws_ptr + rn, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
         out += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(
@@ -145,8 +151,12 @@ def gemv(
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     config: GemvConfig | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(y, new residual or None) for `x` of at most `MAX_ROWS` rows; see the module doc for `prologue`."""
+    """(y, new residual or None) for `x` of at most `MAX_ROWS` rows; see the module doc for `prologue`.
+
+    An FP8 `weight` (e4m3) comes with `weight_scale`, float32 `[N]`, one per output row: the weight streams at one
+    byte per element and is widened to the activations' dtype in registers (activations stay 16-bit)."""
     m = x.shape[0]
     n, k = weight.shape
     code = PROLOGUES[prologue]
@@ -156,6 +166,9 @@ def gemv(
         raise ValueError("gemv needs unit-stride rows")
     if n * weight.stride(0) >= 1 << 31:
         raise ValueError("gemv indexes the weight with 32-bit offsets: this one is too large")
+    w_fp8 = weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if w_fp8 != (weight_scale is not None):
+        raise ValueError("an FP8 weight needs its weight_scale (and only an FP8 weight takes one)")
     if code == 3 and x.shape[1] != 2 * k:
         raise ValueError(f"silu prologue: x holds gate | up ({2 * k} columns), not {x.shape[1]}")
     if code != 3 and x.shape[1] != k:
@@ -175,6 +188,7 @@ def gemv(
         r,
         norm_weight if norm_weight is not None else x,
         weight,
+        weight_scale if weight_scale is not None else x,
         bias if bias is not None else x,
         y,
         r_out if r_out is not None else y,
@@ -188,6 +202,7 @@ def gemv(
         eps,
         PROLOGUE=code,
         HAS_BIAS=bias is not None,
+        W_FP8=w_fp8,
         USE_DOT=not one,
         BLOCK_M=1 if one else MAX_ROWS,
         BLOCK_N=cfg.block_n,

@@ -7,6 +7,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from common.engine.fp8 import Fp8Linear
+from common.engine.gpu.fp8_gemm import fp8_linear
 from common.engine.layers import ComposedOps
 
 # The Triton GEMV indexes a weight with 32-bit offsets: larger ones (a 256k vocabulary x 8192 LM head) use cuBLAS.
@@ -65,8 +67,14 @@ class FlashInferOps(ComposedOps):
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
-        packed: torch.Tensor | None = None,
+        packed: torch.Tensor | Fp8Linear | None = None,
     ) -> torch.Tensor:
+        if isinstance(packed, Fp8Linear):
+            # FP8 weights: the GEMV streams them at one byte each (16-bit activations); larger steps run FP8
+            # tensor-core GEMMs with per-token activation scales (common/engine/gpu/fp8_gemm.py).
+            if self._triton(x, weight):
+                return self.gemv(x, weight, bias, weight_scale=packed.scale)[0]  # type: ignore[misc]
+            return fp8_linear(x, packed, bias)
         if self._triton(x, weight):
             return self.gemv(x, weight, bias)[0]  # type: ignore[misc]
         return F.linear(x, weight, bias)
@@ -79,9 +87,9 @@ class FlashInferOps(ComposedOps):
         eps: float,
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
-        packed: torch.Tensor | None = None,
+        packed: torch.Tensor | Fp8Linear | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not (self.fold_prologues and self._triton(x, weight)):
+        if not (self.fold_prologues and self._triton(x, weight)) or isinstance(packed, Fp8Linear):
             return super().norm_linear(x, residual, norm_weight, eps, weight, bias, packed)
         if residual is None:
             return self.gemv(x, weight, bias, prologue="norm", norm_weight=norm_weight, eps=eps)[0], x  # type: ignore[misc]
@@ -91,8 +99,8 @@ class FlashInferOps(ComposedOps):
         return y, new_residual
 
     def silu_linear(
-        self, gate_up: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None
+        self, gate_up: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | Fp8Linear | None = None
     ) -> torch.Tensor:
-        if self.fold_prologues and self._triton(gate_up, weight):
+        if self.fold_prologues and self._triton(gate_up, weight) and not isinstance(packed, Fp8Linear):
             return self.gemv(gate_up, weight, prologue="silu")[0]  # type: ignore[misc]
         return super().silu_linear(gate_up, weight, packed)

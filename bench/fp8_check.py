@@ -1,0 +1,163 @@
+"""FP8 weights and FP8 KV against bf16 and a float32 reference on one GPU (run on the GPU machine).
+
+    python bench/fp8_check.py --out OUT.json [--model llama-3.1-8b] [--quick]
+
+Random weights of the model's shapes (`dummy:<model>`), one engine per variant, built one at a time:
+- accuracy: teacher-forced logits of one random 512-token prompt against the float32 engine (torch path on the
+  GPU): relative L2 error and argmax agreement for bf16, FP8 weights, FP8 KV and both;
+- speed: decode step b=1 and b=256 at 1k context (CUDA graphs), one 4k-token prefill, KV bytes per token;
+  each FP8 variant as a ratio to bf16 measured in this run, decode b=1 also against its bandwidth floor (every
+  weight read once, GEMM weights at one byte for FP8 weights, plus the KV read).
+Results are written to --out after each variant; the summary table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import roofline  # noqa: E402
+from bench.roofline import give_rows, take_rows, timed, weight_bytes  # noqa: E402
+from common.engine.runner import ModelRunner, RunnerConfig  # noqa: E402
+
+VARIANTS = {
+    "bf16": dict(dtype="bfloat16"),
+    "fp8_weights": dict(dtype="bfloat16", weight_dtype="fp8_e4m3"),
+    "fp8_kv": dict(dtype="bfloat16", kv_dtype="fp8_e4m3"),
+    "fp8_both": dict(dtype="bfloat16", weight_dtype="fp8_e4m3", kv_dtype="fp8_e4m3"),
+}
+PROMPT_LEN = 512
+CTX = 1024
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def make(model: str, kv_gb: float, max_running: int, **fmt: str) -> ModelRunner:
+    cfg = RunnerConfig(
+        model=f"dummy:{model}",
+        device="cuda",
+        kv_memory_gb=kv_gb,
+        max_running=max_running,
+        max_seq_len=8192,
+        cuda_graph_max_bs=max_running if fmt.get("dtype") != "float32" else 0,
+        **fmt,
+    )
+    return ModelRunner(cfg)
+
+
+@torch.inference_mode()
+def score(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    rows = take_rows(runner, [len(ids)])
+    fb = runner.build_batch([ids], [0], rows, [True], False, all_logits=True)
+    logits = runner.forward(fb).float()
+    torch.cuda.synchronize()
+    give_rows(runner, rows)
+    return logits
+
+
+@torch.inference_mode()
+def speed(runner: ModelRunner, quick: bool) -> dict:
+    mc = runner.model_config
+    iters = 10 if quick else 30
+    for block in runner.pool.kv.split(4096):  # random KV: never time on zeros
+        if block.dtype == torch.float8_e4m3fn:
+            block.copy_(torch.randn(block.shape, device=block.device).to(block.dtype))
+        else:
+            block.normal_()
+    out: dict = {}
+    for b in (1, 256):
+        rows = take_rows(runner, [CTX] * b)
+        ids = torch.randint(0, mc.vocab_size, (b,)).tolist()
+        fb = runner.build_batch([[t] for t in ids], [CTX - 1] * b, rows, [True] * b, True)
+        t = statistics.median(timed(lambda fb=fb: runner.forward(fb).argmax(-1), iters, 3))
+        out[f"decode_b{b}_ms"] = t
+        out[f"decode_b{b}_tok_per_s"] = b / (t * 1e-3)
+        out[f"decode_b{b}_kv_bytes"] = b * CTX * runner.layout.bytes_per_token
+        give_rows(runner, rows)
+    n = 4096
+    rows = take_rows(runner, [n])
+    ids = torch.randint(0, mc.vocab_size, (n,)).tolist()
+    fb = runner.build_batch([ids], [0], rows, [True], False)
+    t = statistics.median(timed(lambda fb=fb: runner.forward(fb), 3 if quick else 6, 2))
+    give_rows(runner, rows)
+    out["prefill_4k_ms"] = t
+    out["prefill_4k_tok_per_s"] = n / (t * 1e-3)
+    out["kv_bytes_per_token"] = runner.layout.bytes_per_token
+    out["weight_bytes_b1"] = weight_bytes(runner, 1)
+    bw = roofline.RESULTS["ceilings"]["copy_bytes_per_s"]
+    out["decode_b1_floor_ms"] = (out["weight_bytes_b1"] + out["decode_b1_kv_bytes"]) / bw * 1e3
+    out["decode_b1_ratio_to_floor"] = out["decode_b1_floor_ms"] / out["decode_b1_ms"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--kv-gb", type=float, default=40.0)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    results: dict = {"model": args.model, "prompt_tokens": PROMPT_LEN, "ctx": CTX, "variants": {}}
+    torch.manual_seed(0)
+    roofline.ceilings(quick=True)
+    results["ceilings"] = roofline.RESULTS["ceilings"]
+
+    def save() -> None:
+        args.out.write_text(json.dumps(results, indent=2))
+
+    ref_runner = make(args.model, 2.0, 4, dtype="float32", attention="torch")
+    ids = torch.randint(0, ref_runner.model_config.vocab_size, (PROMPT_LEN,)).tolist()
+    ref = score(ref_runner, ids)
+    del ref_runner
+    gc.collect()
+    torch.cuda.empty_cache()
+    for name, fmt in VARIANTS.items():
+        runner = make(args.model, args.kv_gb, 256, **fmt)
+        got = score(runner, ids)
+        r = dict(
+            logits_rel_err_vs_fp32=float((got - ref).norm() / ref.norm()),
+            argmax_agreement_vs_fp32=float((got.argmax(-1) == ref.argmax(-1)).float().mean()),
+            kv_dtype=str(runner.pool.kv.dtype),
+            fp8_weights=runner.model.fp8_weights,
+        )
+        log(
+            f"{name}: logits rel err {r['logits_rel_err_vs_fp32']:.3e}, argmax agree {r['argmax_agreement_vs_fp32']:.3f}"
+        )
+        r.update(speed(runner, args.quick))
+        log(f"{name}: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()})}")
+        results["variants"][name] = r
+        save()
+        del runner, got
+        gc.collect()
+        torch.cuda.empty_cache()
+    base = results["variants"]["bf16"]
+    lines = [
+        f"{'variant':>12} | err vs fp32 | argmax | dec b1 ms (floor ratio) | b256 tok/s (x bf16) | prefill 4k ms (x bf16) | KV B/tok"
+    ]
+    for name, r in results["variants"].items():
+        r["decode_b256_speedup_vs_bf16"] = r["decode_b256_tok_per_s"] / base["decode_b256_tok_per_s"]
+        r["decode_b1_speedup_vs_bf16"] = base["decode_b1_ms"] / r["decode_b1_ms"]
+        r["prefill_4k_speedup_vs_bf16"] = base["prefill_4k_ms"] / r["prefill_4k_ms"]
+        r["kv_bytes_ratio_vs_bf16"] = r["kv_bytes_per_token"] / base["kv_bytes_per_token"]
+        lines.append(
+            f"{name:>12} | {r['logits_rel_err_vs_fp32']:.2e} | {r['argmax_agreement_vs_fp32']:.3f} | "
+            f"{r['decode_b1_ms']:.3f} ({r['decode_b1_ratio_to_floor']:.2f}) | "
+            f"{r['decode_b256_tok_per_s']:.0f} ({r['decode_b256_speedup_vs_bf16']:.2f}x) | "
+            f"{r['prefill_4k_ms']:.1f} ({r['prefill_4k_speedup_vs_bf16']:.2f}x) | {r['kv_bytes_per_token']}"
+        )
+    save()
+    log("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
