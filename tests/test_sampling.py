@@ -420,8 +420,11 @@ PERSON = {
 def test_grammars_and_penalties_keep_the_overlap_and_their_outputs(smol_runner, smol_tokenizer, monkeypatch):
     """Grammar rows, penalty rows and plain rows in one batch, greedy and seeded: overlap on (each forward
     launched before the step in flight is processed, only a grammar row's sampling waits for its mask) gives
-    overlap off's tokens, which are each request's tokens decoded alone; grammar outputs are valid."""
+    overlap off's tokens, which are each request's tokens decoded alone; grammar outputs are valid. With
+    overlap on the waiting steps' masks are filled on their own thread, each while its step's forward is
+    launched and the step before it processed."""
     import json
+    import threading
 
     from common.protocol import GrammarSpec
     from common.sched.scheduler import Scheduler
@@ -469,11 +472,22 @@ def test_grammars_and_penalties_keep_the_overlap_and_their_outputs(smol_runner, 
             launched[0] += 1
             return forward(batch)
 
+        fill = sched.grammars.fill
+        fills: list[tuple[str, int]] = []  # (thread, steps launched and not processed) at each mask fill
+
+        def counted_fill(*a, fill=fill, fills=fills, launched=launched, processed=processed, **kw):
+            fills.append((threading.current_thread().name, launched[0] - processed[0]))
+            return fill(*a, **kw)
+
         monkeypatch.setattr(sched, "_process", counted_process)
+        monkeypatch.setattr(sched.grammars, "fill", counted_fill)
         monkeypatch.setattr(smol_runner, "forward", counted_forward)
         in_flight.clear()
         results = engine.generate(chats, params)
         monkeypatch.setattr(smol_runner, "forward", forward)
+        # Overlap on, a waiting step's masks fill on their own thread while its forward is on the device.
+        threaded = [n for name, n in fills if name.startswith("kvferry-masks")]
+        assert (len(threaded) > 10 and set(threaded) == {1}) if overlap else not threaded
         assert [(r.output_ids, r.finish_reason) for r in results] == [(r.output_ids, r.finish_reason) for r in alone]
         assert [lp.logprob for lp in results[5].logprobs] == pytest.approx(
             [lp.logprob for lp in alone[5].logprobs], abs=1e-4
