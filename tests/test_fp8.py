@@ -184,3 +184,24 @@ def test_unsupported_quantization_is_refused(smol_path, tmp_path):
     (ckpt / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="only FP8"):
         ModelRunner(RunnerConfig(model=str(ckpt), num_pages=64, max_running=2))
+
+
+def test_host_tier_keeps_fp8_pages_byte_for_byte():
+    """The host tier holds FP8 pages as the device pool does (one byte per value, half a bf16 page) and copies
+    them both ways unchanged."""
+    from common.engine.fp8 import to_fp8
+    from common.kv.host_tier import HostTier
+    from common.kv.pool import KVLayout, KVPool
+
+    fp8 = KVLayout(num_layers=3, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.float8_e4m3fn)
+    bf16 = KVLayout(num_layers=3, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16)
+    pool = KVPool(fp8, 12)
+    pool.kv.copy_(to_fp8(torch.randn(pool.kv.shape, generator=torch.Generator().manual_seed(1)) * 8))
+    tier = HostTier(pool, 6)
+    assert tier.pool.kv.dtype == torch.float8_e4m3fn
+    assert 2 * tier.pool.page_stride_bytes == KVPool(bf16, 1).page_stride_bytes
+    before = pool.kv[[2, 3, 7]].view(torch.uint8).clone()
+    tier.save(torch.tensor([2, 3, 7]), torch.tensor([0, 1, 4]))
+    pool.kv.view(torch.uint8)[[2, 3, 7]] = 0
+    tier.load(torch.tensor([0, 1, 4]), torch.tensor([9, 10, 11]))
+    assert torch.equal(pool.kv[[9, 10, 11]].view(torch.uint8), before)
