@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from router.detokenizer import IncrementalDetokenizer, StopMatcher
 from router.tokenizer import RouterTokenizer
-from router.upstream import UpstreamEvent
+from router.upstream_event import UpstreamEvent
 
 __all__ = ["ChoiceDelta", "ChoiceState", "TokenInfo"]
 

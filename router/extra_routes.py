@@ -24,6 +24,7 @@ from router.disconnect import ClientGone, unless_disconnected
 from router.errors import bad_request, model_not_found, no_worker, upstream_failed
 from router.openai_api import ChatCompletionRequest, _Lenient, _RefusesUnsupported
 from router.responses import SSE_HEADERS
+from router.runtime import RuntimeSlot
 from router.service import Job, RouterService, RunningChoice
 from router.tools import ToolCall, finish_reason_with_calls, parse_tool_calls
 
@@ -240,12 +241,12 @@ def _event(seq: int, kind: str, **fields: Any) -> bytes:
     )
 
 
-def install_extra_routes(app: FastAPI, state: dict[str, Any]) -> None:
-    """Adds /v1/responses, /tokenize and /detokenize to the router's app (`state` holds its service and pool)."""
+def install_extra_routes(app: FastAPI, slot: RuntimeSlot) -> None:
+    """Adds /v1/responses, /tokenize and /detokenize to the router's app (`slot`: its runtime)."""
 
     @app.post("/v1/responses")
     async def responses(request: Request, body: ResponsesRequest) -> Response:
-        service: RouterService = state["service"]
+        service = slot.service
         if not service.model.serves(body.model):
             raise model_not_found(body.model or "")
         try:
@@ -262,7 +263,7 @@ def install_extra_routes(app: FastAPI, state: dict[str, Any]) -> None:
         job: Job | None = None
         try:
             job = await service.prepare_chat(chat)
-            if not state["pool"].decoders():
+            if not slot.pool.decoders():
                 raise no_worker("decode")
             shape = _ResponseShape(body, chat, job.model)
             choices = await unless_disconnected(request, service.start(job))
@@ -290,7 +291,7 @@ def install_extra_routes(app: FastAPI, state: dict[str, Any]) -> None:
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        service: RouterService = state["service"]
+        service = slot.service
         if not service.model.serves(body.model):
             raise model_not_found(body.model or "")
         try:
@@ -311,7 +312,7 @@ def install_extra_routes(app: FastAPI, state: dict[str, Any]) -> None:
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        service: RouterService = state["service"]
+        service = slot.service
         if not service.model.serves(body.model):
             raise model_not_found(body.model or "")
         if any(t < 0 or t >= service.tok.vocab_size for t in body.tokens):

@@ -23,8 +23,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from common.protocol import SamplingParams
+from router.dispatch import Dispatcher, PromptPlan
 from router.errors import OpenAIError
-from router.upstream import Dispatcher, PromptPlan, UpstreamCall, UpstreamEvent
+from router.upstream import UpstreamCall
+from router.upstream_event import UpstreamEvent
 
 log = logging.getLogger("kvferry.router")
 

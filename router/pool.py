@@ -135,6 +135,27 @@ class Worker:
     def watchers(self) -> list[Watched]:
         return [*self.decoding, *self.prefilling]
 
+    # What a call holds here and lets go of (router/upstream.py), never awaiting between the two.
+    def hold_decode(self, call: Watched, now: float) -> None:
+        self.decoding[call] = now
+
+    def hold_prefill(self, call: Watched, now: float, prompt_tokens: int) -> None:
+        self.prefilling[call] = (now, prompt_tokens)
+
+    def release_prefill(self, call: Watched) -> None:
+        self.prefilling.pop(call, None)
+
+    def release_decode(self, call: Watched) -> None:
+        self.decoding.pop(call, None)
+
+    def streamed(self, now: float) -> None:
+        """An event arrived on one of its streams: a worker streaming to us is alive, however late its polls."""
+        self.last_seen = now
+
+    def refused_not_ready(self) -> None:
+        """It answered 503 (not ready, or draining): routed around until a poll says it is back."""
+        self.up = False
+
     @property
     def inflight_requests(self) -> int:
         """The requests this router has open on the worker, corrected by the worker's own count of its live

@@ -20,6 +20,7 @@ from typing import Any, Literal
 import anyio
 
 from router.choice import ChoiceDelta, ChoiceState, TokenInfo
+from router.dispatch import Dispatcher
 from router.errors import bad_request, context_too_long, rate_limited, upstream_failed
 from router.metrics import TokenGaps
 from router.migration import MigratingCall
@@ -40,7 +41,7 @@ from router.settings import RouterOptions
 from router.timeline import RequestRecord
 from router.tokenizer import ModelInfo, RouterTokenizer
 from router.tools import ToolCallStream, finish_reason_with_calls, parse_tool_calls
-from router.upstream import Dispatcher, UpstreamEvent
+from router.upstream_event import UpstreamEvent
 
 __all__ = ["Job", "RouterService"]
 

@@ -16,180 +16,25 @@ at once. Closing the call closes the HTTP stream, which the decode worker takes 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
 import anyio
-import orjson
 
-from common.prefix.hashing import chained_block_hashes
 from common.protocol import GenerateRequest, SamplingParams
-from router.admission import AdmissionLimits, decode_is_full, prefill_is_full
-from router.errors import OpenAIError, bad_request, no_worker, rate_limited, upstream_failed
-from router.locality import PrefixLocator
-from router.metrics import RouterMetrics
-from router.policy import RouteDecision, RoutingPolicy
-from router.pool import Worker, WorkerPool
-from router.wire import ConnectError, Response, WireClient, WireError
-
-if TYPE_CHECKING:
-    from router.timeline import RequestRecord
+from router.dispatch import Dispatcher, PromptPlan
+from router.errors import OpenAIError, no_worker, upstream_failed
+from router.policy import RouteDecision
+from router.pool import Worker
+from router.upstream_event import UpstreamEvent, lost_event
+from router.upstream_status import Retry, WorkerAnswer, error_message, failure_for, retry_after_seconds
+from router.wire import ConnectError, Response, WireError
 
 log = logging.getLogger("kvferry.router")
 
-__all__ = ["Dispatcher", "PromptPlan", "UpstreamCall", "UpstreamEvent"]
+__all__ = ["UpstreamCall"]
 
 STALL_GRACE_S = 5.0  # after its worker is declared down, a live stream must show a token this often
-
-
-@dataclass
-class UpstreamEvent:
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[str, Any]] | None = None  # TokenLogprob dicts: {"logprob", "top": [[id, lp], ...]}
-    finish_reason: str | None = None
-    error: str | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    # With "error": only the worker was lost (its stream broke or stalled, or its engine exited), not the
-    # request; router/migration.py continues it on another worker.
-    retryable: bool = False
-    timeline: dict[str, float] | None = None  # the first event's: the workers' stage stamps
-
-    @classmethod
-    def parse(cls, line: str) -> UpstreamEvent:
-        d = orjson.loads(line)
-        return cls(
-            token_ids=d.get("token_ids") or [],
-            logprobs=d.get("logprobs"),
-            finish_reason=d.get("finish_reason"),
-            error=d.get("error"),
-            prompt_tokens=d.get("prompt_tokens") or 0,
-            cached_tokens=d.get("cached_tokens") or 0,
-            retryable=bool(d.get("retryable")),
-            timeline=d.get("timeline"),
-        )
-
-
-@dataclass
-class PromptPlan:
-    """Per-prompt routing inputs, computed once and shared by the prompt's n choices."""
-
-    token_ids: list[int]
-    block_hashes: list[int]
-    matches: dict[str, int] | None
-    block_size: int
-    record: RequestRecord | None = None  # the request's timeline and trace (router/timeline.py), if kept
-
-
-class _Retry(Exception):
-    """A failure before the first token: try other pods."""
-
-    def __init__(self, error: OpenAIError, blame_decode: bool, blame_prefill: bool, local: bool = False) -> None:
-        super().__init__(error.message)
-        self.error = error
-        self.blame_decode = blame_decode
-        self.blame_prefill = blame_prefill
-        self.local = local  # retry with the prompt prefilled on the decode worker (no prefill worker)
-
-
-class Dispatcher:
-    """Everything an UpstreamCall needs, shared by all calls: pool, policy, prefix locator, HTTP client."""
-
-    def __init__(
-        self,
-        pool: WorkerPool,
-        policy: RoutingPolicy,
-        locator: PrefixLocator,
-        client: WireClient,
-        connect_timeout_s: float = 3.0,
-        first_token_timeout_s: float = 300.0,
-        inter_token_timeout_s: float = 120.0,
-        retry_after_s: int = 1,
-        limits: AdmissionLimits | None = None,
-        metrics: RouterMetrics | None = None,
-    ) -> None:
-        self.pool = pool
-        self.metrics = metrics or RouterMetrics()
-        self.limits = limits or AdmissionLimits()
-        self.policy = policy
-        self.locator = locator
-        self.client = client
-        self.connect_timeout_s = connect_timeout_s
-        self.first_token_timeout_s = first_token_timeout_s
-        self.inter_token_timeout_s = inter_token_timeout_s
-        self.retry_after_s = retry_after_s
-        self.decisions: dict[str, int] = {}  # reason (or rejection) -> count, for /router/workers and benchmarks
-
-    async def plan(self, token_ids: list[int]) -> PromptPlan:
-        """Hashes the prompt's blocks (same chain as the workers) and asks where they are cached.
-
-        A prompt shorter than the disaggregation threshold is prefilled on its decode pod whatever the
-        index says, so it skips the Redis round trip (its decode pod is chosen on load)."""
-        block_size = self.pool.block_size()
-        hashes = chained_block_hashes(token_ids, block_size)
-        if len(token_ids) < self.policy.cfg.disagg_min_prompt_tokens:
-            self.metrics.prefix_lookups.labels(result="skipped").inc()
-            return PromptPlan(token_ids, hashes, {}, block_size)
-        pods = [w.pod for w in self.pool.workers.values() if w.up and w.pod]
-        matches = await self.locator.lookup(hashes, pods)
-        if matches is None:
-            if self.locator.reader is not None:
-                self.metrics.redis_errors.inc()
-        else:
-            self.metrics.prefix_lookups.labels(result="hit" if any(matches.values()) else "miss").inc()
-        return PromptPlan(token_ids, hashes, matches, block_size)
-
-    def route(
-        self, plan: PromptPlan, max_tokens: int, exclude_decode: set[str], exclude_prefill: set[str]
-    ) -> RouteDecision:
-        """Chooses among the ready workers that have room (router/admission.py); raises 503 when no
-        decode worker is ready, 429 when none has room."""
-        decode = self.pool.decoders(exclude_decode)
-        if not decode:
-            raise no_worker("decode")
-        limits = self.limits
-        need = len(plan.token_ids) + max_tokens
-        open_decode = [w for w in decode if not decode_is_full(w, need, limits)]
-        if not open_decode:
-            self._count("rejected-decode-full")
-            raise rate_limited(
-                "All decode workers are at their admission limits (queued requests, prefill tokens or KV "
-                "memory); retry shortly.",
-                self.retry_after_s,
-            )
-        prefill = self.pool.prefillers(exclude_prefill)
-        open_prefill = [w for w in prefill if not prefill_is_full(w, limits)]
-        # Under fixed placement a long prompt goes to a prefill pod, so their being full refuses it; adaptive
-        # placement can still prefill it on its decode pod, and weighs that queue itself.
-        if (
-            prefill
-            and not open_prefill
-            and self.policy.cfg.placement == "fixed"
-            and len(plan.token_ids) >= self.policy.cfg.disagg_min_prompt_tokens
-        ):
-            self._count("rejected-prefill-full")
-            raise rate_limited(
-                "All prefill workers are at their admission limit of queued prompt tokens; retry shortly.",
-                self.retry_after_s,
-            )
-        decode, prefill = open_decode, open_prefill
-        decision = self.policy.choose(
-            len(plan.token_ids),
-            max_tokens,
-            plan.block_size,
-            [w.prefill_candidate() for w in prefill],
-            [w.decode_candidate() for w in decode],
-            plan.matches,
-        )
-        self._count(decision.reason)
-        return decision
-
-    def _count(self, reason: str) -> None:
-        self.decisions[reason] = self.decisions.get(reason, 0) + 1
-        self.metrics.decisions.labels(decision=reason).inc()
 
 
 class UpstreamCall:
@@ -233,7 +78,7 @@ class UpstreamCall:
                 self.d.metrics.retries.inc()
             try:
                 return await self._attempt(decision, attempt)
-            except _Retry as r:
+            except Retry as r:
                 await self._release()
                 last = r.error
                 if r.blame_decode:
@@ -263,15 +108,15 @@ class UpstreamCall:
         dw = pool.workers.get(decision.decode)
         pw = pool.workers.get(decision.prefill) if decision.prefill else None
         if dw is None:
-            raise _Retry(no_worker("decode"), True, False)
+            raise Retry(no_worker("decode"), True, False)
         if self._closed:  # closed while it was being started (its owner is gone): hold nothing anywhere
             raise upstream_failed("the request was closed before it was sent")
         self._killed = None
         self._decode, self._prefill = dw, pw
         now = time.monotonic()
-        dw.decoding[self] = now
+        dw.hold_decode(self, now)
         if pw is not None:
-            pw.prefilling[self] = (now, len(self.plan.token_ids) - decision.prefill_matched_tokens)
+            pw.hold_prefill(self, now, len(self.plan.token_ids) - decision.prefill_matched_tokens)
         # Remember the placement before the worker publishes it (router/locality.py says why).
         self.d.locator.placed((pw or dw).pod, self.plan.block_hashes)
         body = GenerateRequest(
@@ -304,23 +149,23 @@ class UpstreamCall:
         except TimeoutError:
             if self._killed:  # the pool declared a worker down: avoid that one
                 blame_d, blame_pf = not dw.up, pw is not None and not pw.up
-                raise _Retry(upstream_failed(self._killed), blame_d, blame_pf) from None
+                raise Retry(upstream_failed(self._killed), blame_d, blame_pf) from None
             reason = f"no first token within {self.d.first_token_timeout_s:g}s"
-            raise _Retry(upstream_failed(reason), True, blame_p) from None
+            raise Retry(upstream_failed(reason), True, blame_p) from None
         except ConnectError as exc:
             pool.report_failure(dw, f"connect: {exc}", hard=not exc.timed_out)
-            raise _Retry(upstream_failed(f"decode worker unreachable: {exc}"), True, False) from None
+            raise Retry(upstream_failed(f"decode worker unreachable: {exc}"), True, False) from None
         except (WireError, ValueError) as exc:  # reset mid-response, bad JSON line
-            raise _Retry(upstream_failed(f"decode worker failed: {type(exc).__name__}: {exc}"), True, blame_p) from None
+            raise Retry(upstream_failed(f"decode worker failed: {type(exc).__name__}: {exc}"), True, blame_p) from None
         finally:
             self._deadline = None
         if first is None:
-            raise _Retry(upstream_failed("decode worker closed the stream before the first token"), True, blame_p)
+            raise Retry(upstream_failed("decode worker closed the stream before the first token"), True, blame_p)
         if first.finish_reason == "error" and not first.token_ids:
             # Worker-reported failure before any token: with a prefill pod in play the transfer or the
             # prefill is the likely culprit, so the retry avoids that pod and may reuse the decode pod.
             msg = first.error or "worker error"
-            raise _Retry(upstream_failed(f"generation failed before the first token: {msg}"), not blame_p, blame_p)
+            raise Retry(upstream_failed(f"generation failed before the first token: {msg}"), not blame_p, blame_p)
         self._prefill_started()
         self._streaming = True
         if record is not None:
@@ -332,42 +177,13 @@ class UpstreamCall:
             raw = await resp.read()
         finally:
             await resp.aclose()
-        message = f"decode worker answered {resp.status}"
-        code = None
-        try:
-            body = json.loads(raw)
-            err = body.get("error") if isinstance(body, dict) else None
-            if isinstance(err, dict):
-                message = str(err.get("message") or message)
-                code = err.get("code")
-            elif isinstance(body, dict) and isinstance(body.get("detail"), str):
-                message = body["detail"]
-        except (ValueError, TypeError):
-            pass
-        status = resp.status
-        if status == 504 and code == "engine_timeout":
-            # The worker's engine did not answer its control call in time: overload, not a fault of the
-            # request; if no other worker takes it, the client is told to come back (429), not a 5xx.
-            retry_after = self.d.retry_after_s
-            raise _Retry(rate_limited(f"the decode worker is overloaded: {message}", retry_after), True, False)
-        if status == 409 and code == "duplicate_request":
-            # This request already reached the worker (a POST resent after a reused connection's EOF, whose
-            # first copy did arrive): that copy is aborted when its unread response closes; retry under a new id.
-            raise _Retry(upstream_failed(f"duplicate delivery: {message}"), False, False)
-        if status == 403 and code == "unknown_prefill_peer":
-            # The decode worker was not configured with this prefill worker as a peer (KVFERRY_PREFILL_PEERS,
-            # e.g. after an upgrade that kept old manifests): its own prefill serves the prompt, slower but
-            # answered, and the message (logged below) says which setting to set.
-            raise _Retry(upstream_failed(message), False, True, local=True)
-        if status in (400, 413, 422):
-            raise bad_request(message, None, code if isinstance(code, str) else None)
-        if status == 429:
-            retry_after = _seconds(resp.headers.get("retry-after"), self.d.retry_after_s)
-            raise _Retry(rate_limited(f"all decode workers are busy: {message}", retry_after), True, False)
-        if status == 503:
-            dw.up = False  # not ready or draining; the poller will say when it is back
-            raise _Retry(no_worker("decode"), True, False)
-        raise _Retry(upstream_failed(message), True, status >= 500 and self._prefill is not None)
+        message, code = error_message(resp.status, raw)
+        retry_after = self.d.retry_after_s
+        if resp.status == 429:
+            retry_after = retry_after_seconds(resp.headers.get("retry-after"), retry_after)
+        if resp.status == 503:
+            dw.refused_not_ready()
+        raise failure_for(WorkerAnswer(resp.status, code, message, retry_after, self._prefill is not None))
 
     def next_nowait(self) -> UpstreamEvent | None:
         """The next event if it has already arrived, else None (never waits): what a caller that fell
@@ -380,7 +196,7 @@ class UpstreamCall:
                 if line.strip():
                     return self._event(line)
         except ValueError as exc:
-            return _lost(f"decode worker failed: {type(exc).__name__}: {exc}")
+            return lost_event(f"decode worker failed: {type(exc).__name__}: {exc}")
         return None
 
     async def next(self) -> UpstreamEvent | None:
@@ -398,13 +214,13 @@ class UpstreamCall:
                 ev = await self._read_event()
         except TimeoutError:
             reason = f"{self._killed}; no token for {limit:g}s" if self._killed else f"no token for {limit:g}s"
-            return _lost(reason)
+            return lost_event(reason)
         except (WireError, ValueError) as exc:
-            return _lost(f"decode worker failed: {type(exc).__name__}: {exc}")
+            return lost_event(f"decode worker failed: {type(exc).__name__}: {exc}")
         finally:
             self._deadline = None
         if ev is None:
-            return _lost("decode worker closed the stream without finishing")
+            return lost_event("decode worker closed the stream without finishing")
         return ev
 
     async def _read_event(self) -> UpstreamEvent | None:
@@ -422,7 +238,7 @@ class UpstreamCall:
         # A worker streaming to us is alive, however late its load polls (router/pool.py).
         self._last_event = time.monotonic()
         if self._decode is not None:
-            self._decode.last_seen = self._last_event
+            self._decode.streamed(self._last_event)
         return ev
 
     def kill(self, reason: str) -> None:
@@ -452,7 +268,7 @@ class UpstreamCall:
         """First token seen: the prefill pod's part is over (its load and failures stop mattering)."""
         pw, self._prefill = self._prefill, None
         if pw is not None:
-            pw.prefilling.pop(self, None)
+            pw.release_prefill(self)
 
     def _let_go(self) -> Response | None:
         """Drops everything this call holds in the pool, at once (no await: no cancellation can come
@@ -460,7 +276,7 @@ class UpstreamCall:
         self._prefill_started()
         dw, self._decode = self._decode, None
         if dw is not None:
-            dw.decoding.pop(self, None)
+            dw.release_decode(self)
         self._streaming_resp = None
         resp, self._resp = self._resp, None
         return resp
@@ -499,14 +315,3 @@ class UpstreamCall:
             return
         self._closed = True
         await self._release()
-
-
-def _lost(reason: str) -> UpstreamEvent:
-    return UpstreamEvent(finish_reason="error", error=reason, retryable=True)
-
-
-def _seconds(value: str | None, default: int) -> int:
-    try:
-        return max(1, int(float(value))) if value else default
-    except ValueError:
-        return default

@@ -1,0 +1,129 @@
+"""Shared by every upstream call: the prompt's routing inputs (`PromptPlan`) and the choice of workers
+(`Dispatcher.route`: admission limits, then router/policy.py), with the decision counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from common.prefix.hashing import chained_block_hashes
+from router.admission import AdmissionLimits, decode_is_full, prefill_is_full
+from router.errors import no_worker, rate_limited
+from router.locality import PrefixLocator
+from router.metrics import RouterMetrics
+from router.policy import RouteDecision, RoutingPolicy
+from router.pool import WorkerPool
+from router.wire import WireClient
+
+if TYPE_CHECKING:
+    from router.timeline import RequestRecord
+
+__all__ = ["Dispatcher", "PromptPlan"]
+
+
+@dataclass
+class PromptPlan:
+    """Per-prompt routing inputs, computed once and shared by the prompt's n choices."""
+
+    token_ids: list[int]
+    block_hashes: list[int]
+    matches: dict[str, int] | None
+    block_size: int
+    record: RequestRecord | None = None  # the request's timeline and trace (router/timeline.py), if kept
+
+
+class Dispatcher:
+    """Everything an UpstreamCall needs, shared by all calls: pool, policy, prefix locator, HTTP client."""
+
+    def __init__(
+        self,
+        pool: WorkerPool,
+        policy: RoutingPolicy,
+        locator: PrefixLocator,
+        client: WireClient,
+        connect_timeout_s: float = 3.0,
+        first_token_timeout_s: float = 300.0,
+        inter_token_timeout_s: float = 120.0,
+        retry_after_s: int = 1,
+        limits: AdmissionLimits | None = None,
+        metrics: RouterMetrics | None = None,
+    ) -> None:
+        self.pool = pool
+        self.metrics = metrics or RouterMetrics()
+        self.limits = limits or AdmissionLimits()
+        self.policy = policy
+        self.locator = locator
+        self.client = client
+        self.connect_timeout_s = connect_timeout_s
+        self.first_token_timeout_s = first_token_timeout_s
+        self.inter_token_timeout_s = inter_token_timeout_s
+        self.retry_after_s = retry_after_s
+        self.decisions: dict[str, int] = {}  # reason (or rejection) -> count, for /router/workers and benchmarks
+
+    async def plan(self, token_ids: list[int]) -> PromptPlan:
+        """Hashes the prompt's blocks (same chain as the workers) and asks where they are cached.
+
+        A prompt shorter than the disaggregation threshold is prefilled on its decode pod whatever the
+        index says, so it skips the Redis round trip (its decode pod is chosen on load)."""
+        block_size = self.pool.block_size()
+        hashes = chained_block_hashes(token_ids, block_size)
+        if len(token_ids) < self.policy.cfg.disagg_min_prompt_tokens:
+            self.metrics.prefix_lookups.labels(result="skipped").inc()
+            return PromptPlan(token_ids, hashes, {}, block_size)
+        pods = [w.pod for w in self.pool.workers.values() if w.up and w.pod]
+        matches = await self.locator.lookup(hashes, pods)
+        if matches is None:
+            if self.locator.reader is not None:
+                self.metrics.redis_errors.inc()
+        else:
+            self.metrics.prefix_lookups.labels(result="hit" if any(matches.values()) else "miss").inc()
+        return PromptPlan(token_ids, hashes, matches, block_size)
+
+    def route(
+        self, plan: PromptPlan, max_tokens: int, exclude_decode: set[str], exclude_prefill: set[str]
+    ) -> RouteDecision:
+        """Chooses among the ready workers that have room (router/admission.py); raises 503 when no
+        decode worker is ready, 429 when none has room."""
+        decode = self.pool.decoders(exclude_decode)
+        if not decode:
+            raise no_worker("decode")
+        limits = self.limits
+        need = len(plan.token_ids) + max_tokens
+        open_decode = [w for w in decode if not decode_is_full(w, need, limits)]
+        if not open_decode:
+            self._count("rejected-decode-full")
+            raise rate_limited(
+                "All decode workers are at their admission limits (queued requests, prefill tokens or KV "
+                "memory); retry shortly.",
+                self.retry_after_s,
+            )
+        prefill = self.pool.prefillers(exclude_prefill)
+        open_prefill = [w for w in prefill if not prefill_is_full(w, limits)]
+        # Under fixed placement a long prompt goes to a prefill pod, so their being full refuses it; adaptive
+        # placement can still prefill it on its decode pod, and weighs that queue itself.
+        if (
+            prefill
+            and not open_prefill
+            and self.policy.cfg.placement == "fixed"
+            and len(plan.token_ids) >= self.policy.cfg.disagg_min_prompt_tokens
+        ):
+            self._count("rejected-prefill-full")
+            raise rate_limited(
+                "All prefill workers are at their admission limit of queued prompt tokens; retry shortly.",
+                self.retry_after_s,
+            )
+        decode, prefill = open_decode, open_prefill
+        decision = self.policy.choose(
+            len(plan.token_ids),
+            max_tokens,
+            plan.block_size,
+            [w.prefill_candidate() for w in prefill],
+            [w.decode_candidate() for w in decode],
+            plan.matches,
+        )
+        self._count(decision.reason)
+        return decision
+
+    def _count(self, reason: str) -> None:
+        self.decisions[reason] = self.decisions.get(reason, 0) + 1
+        self.metrics.decisions.labels(decision=reason).inc()

@@ -1,0 +1,164 @@
+"""The router's live parts behind its routes: one WireClient, the worker pool, routing and the request service.
+
+Built and started by the app's lifespan (`RouterRuntime.build`, `start`, `stop`); routes registered before the
+lifespan runs reach it through a `RuntimeSlot`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from common.config import RouterConfig
+from router.admission import AdmissionLimits
+from router.cost_model import SloTargets
+from router.discovery import Discovery
+from router.dispatch import Dispatcher
+from router.locality import PrefixLocator, RecentPlacements
+from router.metrics import RouterMetrics
+from router.migration import MIGRATIONS
+from router.policy import PolicyConfig, RoutingPolicy
+from router.pool import WorkerPool
+from router.service import RouterService
+from router.settings import RouterOptions
+from router.tokenizer import ModelInfo, RouterTokenizer
+from router.wire import WireClient
+
+
+def policy_config(opts: RouterOptions) -> PolicyConfig:
+    return PolicyConfig(
+        disagg_min_prompt_tokens=opts.disagg_min_prompt_tokens,
+        local_prefix_fraction=opts.local_prefix_fraction,
+        prefill_load_weight=opts.prefill_load_weight,
+        imbalance_abs_tokens=opts.imbalance_abs_tokens,
+        imbalance_ratio=opts.imbalance_ratio,
+        decode_kv_weight=opts.decode_kv_weight,
+        mode=opts.routing,
+        placement=opts.placement,
+        slo=SloTargets(opts.slo_ttft_s, opts.slo_itl_s, opts.transfer_tokens_per_s),
+    )
+
+
+@dataclass
+class RouterRuntime:
+    client: WireClient
+    pool: WorkerPool
+    locator: PrefixLocator
+    dispatcher: Dispatcher
+    service: RouterService
+    discovery: Discovery
+    index_reader: Any  # a PrefixIndexReader (common/prefix/reader.py) or None: route on load alone
+
+    @classmethod
+    def build(
+        cls,
+        config: RouterConfig,
+        opts: RouterOptions,
+        tok: RouterTokenizer,
+        info: ModelInfo,
+        discovery: Discovery,
+        index_reader: Any,
+        metrics: RouterMetrics,
+    ) -> RouterRuntime:
+        client = WireClient(connect_timeout_s=opts.connect_timeout_s, headers=config.internal_token.headers())
+        pool = WorkerPool(
+            client, opts.poll_interval_s, opts.poll_timeout_s, opts.down_after_failures, opts.down_after_s
+        )
+        locator = PrefixLocator(index_reader, RecentPlacements(opts.recent_route_ttl_s))
+        dispatcher = Dispatcher(
+            pool,
+            RoutingPolicy(policy_config(opts)),
+            locator,
+            client,
+            connect_timeout_s=opts.connect_timeout_s,
+            first_token_timeout_s=opts.first_token_timeout_s,
+            inter_token_timeout_s=opts.inter_token_timeout_s,
+            retry_after_s=opts.retry_after_s,
+            limits=AdmissionLimits(
+                opts.admit_max_waiting, opts.admit_max_queued_prefill_tokens, opts.admit_queue_seconds
+            ),
+            metrics=metrics,
+        )
+        metrics.watch_pool(lambda: list(pool.workers.values()))
+        service = RouterService(tok, info, dispatcher, opts)
+        return cls(client, pool, locator, dispatcher, service, discovery, index_reader)
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.pool.start()
+        # Discovery may report from its own thread; membership changes always run on the loop.
+        self.discovery.start(lambda role, urls: loop.call_soon_threadsafe(self.pool.set_targets, role, urls))
+
+    async def stop(self) -> None:
+        self.discovery.stop()
+        await self.pool.stop()
+        await self.client.aclose()
+        reader = self.index_reader
+        if hasattr(reader, "aclose"):
+            await reader.aclose()
+        elif hasattr(reader, "close"):
+            reader.close()
+
+    def workers_view(self) -> dict[str, Any]:
+        """`GET /router/workers`: each worker's state, the routing decisions so far and the placement inputs."""
+        locator = self.locator
+        return {
+            "workers": self.pool.snapshot(),
+            "decisions": dict(self.dispatcher.decisions),
+            "prefix_index": "disabled" if locator.reader is None else ("ok" if locator.redis_ok else "unavailable"),
+            "inflight": self.service.inflight,
+            "migrations": MIGRATIONS.snapshot(),
+            "placement": placement_inputs(self.pool, self.dispatcher.policy),
+        }
+
+
+def placement_inputs(pool: WorkerPool, policy: RoutingPolicy) -> dict[str, Any]:
+    """What the placement decision reads (router/cost_model.py): the mode, the SLO targets and each
+    worker's measured prefill rate, chunk size and queued prefill tokens."""
+    cfg = policy.cfg
+    return {
+        "mode": cfg.placement,
+        "slo": {"ttft_s": cfg.slo.ttft_s, "itl_s": cfg.slo.itl_s},
+        "transfer_tokens_per_s": cfg.slo.transfer_tokens_per_s,
+        "fixed": {
+            "disagg_min_prompt_tokens": cfg.disagg_min_prompt_tokens,
+            "local_prefix_fraction": cfg.local_prefix_fraction,
+        },
+        "workers": {
+            w.url: {
+                "prefill_tokens_per_s": w.load.prefill_tokens_per_s if w.load else 0.0,
+                "prefill_chunk_tokens": w.load.prefill_chunk_tokens if w.load else 0,
+                "prefill_step_tokens_per_s": w.load.prefill_step_tokens_per_s if w.load else 0.0,
+                "decode_step_s": w.load.decode_step_s if w.load else 0.0,
+                "itl_target_s": w.load.itl_target_s if w.load else 0.0,
+                "queued_prefill_tokens": w.load.queued_prefill_tokens if w.load else 0,
+                "inflight_tokens": w.inflight_tokens,
+            }
+            for w in pool.workers.values()
+        },
+    }
+
+
+class RuntimeSlot:
+    """Where routes find the runtime: empty until the app's lifespan has built it."""
+
+    def __init__(self) -> None:
+        self._runtime: RouterRuntime | None = None
+
+    def fill(self, runtime: RouterRuntime | None) -> None:
+        self._runtime = runtime
+
+    @property
+    def runtime(self) -> RouterRuntime:
+        if self._runtime is None:
+            raise RuntimeError("the router's runtime is not started (the app's lifespan has not run)")
+        return self._runtime
+
+    @property
+    def service(self) -> RouterService:
+        return self.runtime.service
+
+    @property
+    def pool(self) -> WorkerPool:
+        return self.runtime.pool

@@ -1,0 +1,90 @@
+"""What a decode worker's non-200 answer to `POST /internal/generate` means for the call: raised as is (the
+client's fault) or a `Retry` on other workers, with which worker to blame. One row per known answer."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from router.errors import OpenAIError, bad_request, no_worker, rate_limited, upstream_failed
+
+
+class Retry(Exception):
+    """A failure before the first token: try other pods."""
+
+    def __init__(self, error: OpenAIError, blame_decode: bool, blame_prefill: bool, local: bool = False) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.blame_decode = blame_decode
+        self.blame_prefill = blame_prefill
+        self.local = local  # retry with the prompt prefilled on the decode worker (no prefill worker)
+
+
+@dataclass(frozen=True)
+class WorkerAnswer:
+    status: int
+    code: str | None
+    message: str
+    retry_after_s: int  # the answer's Retry-After, else the router's default
+    has_prefill: bool  # the call used a prefill worker
+
+
+def error_message(status: int, raw: bytes) -> tuple[str, str | None]:
+    """The message and code of an OpenAI-style (or FastAPI `detail`) error body; a generic message otherwise."""
+    message, code = f"decode worker answered {status}", None
+    try:
+        body = json.loads(raw)
+        err = body.get("error") if isinstance(body, dict) else None
+        if isinstance(err, dict):
+            message = str(err.get("message") or message)
+            code = err.get("code") if isinstance(err.get("code"), str) else None
+        elif isinstance(body, dict) and isinstance(body.get("detail"), str):
+            message = body["detail"]
+    except (ValueError, TypeError):
+        pass
+    return message, code
+
+
+# (status, code or None for any) -> what to raise. Order matters: the first row that matches wins.
+_ROWS: list[tuple[int, str | None, Callable[[WorkerAnswer], Exception]]] = [
+    # The worker's engine did not answer its control call in time: overload, not a fault of the request; if no
+    # other worker takes it, the client is told to come back (429), not a 5xx.
+    (
+        504,
+        "engine_timeout",
+        lambda a: Retry(rate_limited(f"the decode worker is overloaded: {a.message}", a.retry_after_s), True, False),
+    ),
+    # This request already reached the worker (a POST resent after a reused connection's EOF, whose first copy
+    # did arrive): that copy is aborted when its unread response closes; retry under a new id.
+    (409, "duplicate_request", lambda a: Retry(upstream_failed(f"duplicate delivery: {a.message}"), False, False)),
+    # The decode worker was not configured with this prefill worker as a peer (KVFERRY_PREFILL_PEERS, e.g. after
+    # an upgrade that kept old manifests): its own prefill serves the prompt, slower but answered, and the
+    # message (logged) says which setting to set.
+    (403, "unknown_prefill_peer", lambda a: Retry(upstream_failed(a.message), False, True, local=True)),
+    (400, None, lambda a: bad_request(a.message, None, a.code)),
+    (413, None, lambda a: bad_request(a.message, None, a.code)),
+    (422, None, lambda a: bad_request(a.message, None, a.code)),
+    (
+        429,
+        None,
+        lambda a: Retry(rate_limited(f"all decode workers are busy: {a.message}", a.retry_after_s), True, False),
+    ),
+    # Not ready or draining (the caller marks the worker so until the poller says it is back).
+    (503, None, lambda a: Retry(no_worker("decode"), True, False)),
+]
+
+
+def failure_for(answer: WorkerAnswer) -> Exception:
+    """What to raise for a worker's non-200 answer."""
+    for status, code, make in _ROWS:
+        if answer.status == status and (code is None or answer.code == code):
+            return make(answer)
+    return Retry(upstream_failed(answer.message), True, answer.status >= 500 and answer.has_prefill)
+
+
+def retry_after_seconds(value: str | None, default: int) -> int:
+    try:
+        return max(1, int(float(value))) if value else default
+    except ValueError:
+        return default
