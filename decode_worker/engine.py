@@ -1,12 +1,13 @@
 """The decode role of a worker's engine: reserve pages for remote prefill, admit on the KV notice, decode.
 
 One request's transfer here (states in common/transfer/session.py): `Generate` queues it, `_try_reserve`
-reserves its pages (session "reserved") and hands the page ids to the control plane (`Reserved`), which may
-send them to the prefill peer only after `PrefillSending` moved the session to "requested". The peer's notice ends it
-(`tick`): "landed" admits the request into the running batch. A request given up on before that keeps its
-pages (`held`) until its peer confirms that no write follows (its "closed" notice, or its answer to the
-cancel the control plane sends it: `TransfersSettled`), or is known gone (`PeerGone`); the control plane
-cancels with, and watches, the peers listed in the `AwaitingPeers` event.
+(each loop turn) reserves its pages (session "reserved") and hands the page ids to the control plane
+(`Reserved`), which may send them to the prefill peer only after `PrefillSending` moved the session to
+"requested". The peer's notice ends it (`tick`): "landed" admits the request into the running batch. A
+request given up on before that keeps its pages (`held`) until its peer confirms that no write follows (its
+"closed" notice, or its answer to the cancel the control plane sends it: `TransfersSettled`), or is known
+gone (`PeerGone`); the control plane cancels with, and watches, the peers listed in the `AwaitingPeers`
+event (decode_worker/remote_prefill.py).
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class DecodeRole:
             raise Refused("the request no longer waits for its KV", "aborted")
 
     def _transfers_settled(self, cmd: TransfersSettled) -> None:
-        """The peer's answer to a cancel (decode_worker/routes.py PeerWatch)."""
+        """The peer's answer to a cancel (decode_worker/remote_prefill.py PeerWatch)."""
         for rid in self.receiver.settled(cmd.peer, cmd.peer_instance, cmd.req_ids):
             self._release_held(rid)
 

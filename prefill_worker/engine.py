@@ -1,4 +1,5 @@
-"""The prefill role of a worker's engine (prefills for decode workers): chunked prefill over the radix cache, each chunk pushed over NIXL.
+"""The prefill role of a worker's engine (prefills for decode workers): chunked prefill over the radix cache,
+each chunk pushed over NIXL.
 
 One request's transfer here: `Prefill` opens its session (`RequestTransfer`), every finished chunk's complete
 pages are posted as they are computed (`_on_chunk`), the rest and the "landed" notice when the first token is
@@ -61,12 +62,11 @@ class PrefillRole:
     def __init__(self, host: EngineHost) -> None:
         self.host = host
         # Ranks with NIXL agents of their own (GPUs) post their own heads' writes (common/serving/rank_writes.py).
+        runner = host.runner
         self.rank_writes = None
-        if self.host.runner.per_rank_agents:
-            assert self.host.runner.followers is not None
-            self.rank_writes = FollowerWrites(
-                self.host.runner.followers, self.host.runner.tp.store, self.host.runner.tp.size
-            )  # type: ignore[arg-type]
+        if runner.per_rank_agents:
+            assert runner.followers is not None
+            self.rank_writes = FollowerWrites(runner.followers, runner.tp.store, runner.tp.size)  # type: ignore[arg-type]
         # A test hook (fault injection, never set in a deployment): every write lands this many seconds late.
         self.sender = KVSender(self.host.agent, fault_write_delay_s=FAULT_WRITE_DELAY_S.read(), ranks=self.rank_writes)
         self.outbound: dict[str, Outbound] = {}

@@ -1,6 +1,6 @@
 """Whether a worker's engine process is moving: what a long-running exchange reports as progress.
 
-A prefill worker keeps a decode peer's wait alive with heartbeats while its engine works (decode_worker/routes.py
+A prefill worker keeps a decode peer's wait alive with heartbeats while its engine works (decode_worker/remote_prefill.py
 gives up on a prefill that shows none for a while instead of after a fixed time). Moving means one of two
 things since the last look: a load snapshot arrived (the engine loop turned; it sends one every 0.1 s between
 steps) or the engine process used CPU time (one long step under way, e.g. a 2k-token chunk on a busy CPU). A

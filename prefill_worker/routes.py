@@ -21,9 +21,10 @@ from common.protocol import (
     PrefillRequest,
 )
 from common.serving.channel import ENGINE_TIMEOUT, EngineError
-from common.serving.control import WorkerState, error_response, read_message
+from common.serving.http_errors import error_response, read_message
 from common.serving.messages import Abort, AddPeer, Cancel, Prefill, PrefillDone, PrefillError, Tokens, TransferStats
 from common.serving.request_trace import PREFILL_SPANS, WorkerTrace
+from common.serving.worker_state import WorkerState
 from prefill_worker.liveness import EngineMotion
 
 HEARTBEAT_S = 1.0  # a progress line this often while the engine works on (or ahead of) a request
@@ -97,7 +98,7 @@ def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = Tru
                     async with asyncio.timeout(HEARTBEAT_S):
                         ev = await queue.get()
                 except TimeoutError:
-                    # The decode side waits as long as this keeps coming (decode_worker/routes.py).
+                    # The decode side waits as long as this keeps coming (decode_worker/remote_prefill.py).
                     if motion.moved():
                         yield HEARTBEAT
                     continue
@@ -144,7 +145,7 @@ def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = Tru
     @app.post("/internal/cancel")
     async def cancel(request: Request) -> Response:
         """A decode worker gave these requests up: which of them no write of this worker can reach any more
-        (decode_worker/routes.py ``PeerWatch`` asks until each is settled or this worker is gone)."""
+        (decode_worker/remote_prefill.py ``PeerWatch`` asks until each is settled or this worker is gone)."""
         ct: CancelTransfers = await read_message(request, CancelTransfers)  # type: ignore[assignment]
         assert state.client is not None
         settled = await state.client.call(Cancel(ct.dst_agent, ct.dst_instance_id, ct.req_ids))

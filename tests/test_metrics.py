@@ -285,7 +285,7 @@ def test_transfer_speed_is_never_taken_from_an_untimed_write() -> None:
 
 # ---- the dashboard and the autoscaling rules query only what is exported ----------------------------------
 def exported_sample_names() -> set[str]:
-    from common.serving.control import WorkerMetrics
+    from common.serving.worker_metrics import WorkerMetrics
     from router.metrics import RouterMetrics
 
     names = set()

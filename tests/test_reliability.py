@@ -960,7 +960,7 @@ def test_frozen_prefill_engine_is_given_up_for_lack_of_progress(healthy: LocalCl
     """The prefill worker's engine freezes mid-prefill while its control plane keeps answering (so the router
     still believes it up): its heartbeats stop, the decode side gives up after PREFILL_STALL_S instead of
     waiting out a fixed deadline, and the router retries the request on the other prefill worker."""
-    from decode_worker.routes import PREFILL_STALL_S
+    from decode_worker.remote_prefill import PREFILL_STALL_S
 
     c = healthy
     t, out, victim_url = _long_prefill_under_way(c)

@@ -1,0 +1,103 @@
+"""A worker's Prometheus metrics: the engine's load as gauges, request outcomes and token counts, and the
+engine's latency and transfer histograms (common/serving/engine_metrics.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from common.protocol import LoadSnapshot
+from common.serving.engine_metrics import EngineMetrics
+
+
+@dataclass
+class WorkerMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    gpu: bool = False  # the engine's KV pool is on a GPU (transfers slower than NVLink are worth a warning)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.queued = Gauge("kvferry_prefill_queued_tokens", "Prompt tokens waiting for prefill", registry=r)
+        self.running = Gauge("kvferry_running_requests", "Requests admitted and not finished", registry=r)
+        self.waiting = Gauge("kvferry_waiting_requests", "Requests queued for admission", registry=r)
+        self.free = Gauge("kvferry_kv_pages_free", "KV pages free or reclaimable", registry=r)
+        self.total = Gauge("kvferry_kv_pages_total", "KV pages in the pool", registry=r)
+        self.usage = Gauge("kvferry_kv_usage_ratio", "Share of KV pages in use", registry=r)
+        # What the router's placement model reads (router/cost_model.py), as the worker publishes it in /load.
+        self.prefill_rate = Gauge(
+            "kvferry_prefill_tokens_per_second",
+            "Prompt tokens prefilled per second while prompts were queued",
+            registry=r,
+        )
+        self.prefill_step_speed = Gauge(
+            "kvferry_prefill_step_tokens_per_second",
+            "Device-timed prefill speed (what a chunk adds to a step)",
+            registry=r,
+        )
+        self.decode_step = Gauge("kvferry_decode_step_seconds_recent", "Recent decode step time, smoothed", registry=r)
+        self.prefill_chunk = Gauge(
+            "kvferry_prefill_chunk_tokens", "Prompt tokens one step takes beside the requests it decodes", registry=r
+        )
+        self.itl_target = Gauge(
+            "kvferry_itl_target_seconds", "The ITL the steps beside decoding requests aim at (0: none)", registry=r
+        )
+        self.host_cached = Gauge(
+            "kvferry_host_kv_pages_cached", "Host KV tier: pages holding cached prefixes", registry=r
+        )
+        self.host_total = Gauge(
+            "kvferry_host_kv_pages_total", "Host KV tier: pages in the tier (0: no tier)", registry=r
+        )
+        self.host_moves = Counter(
+            "kvferry_host_kv_pages_moved_total",
+            "Host KV tier: pages copied out of the device pool (saved) or back into it (loaded)",
+            ["direction"],
+            registry=r,
+        )
+        self._host_moved = {"saved": 0, "loaded": 0}
+        self.requests = Counter("kvferry_requests_total", "Finished requests by outcome", ["outcome"], registry=r)
+        self.engine_restarts = Counter(
+            "kvferry_engine_restarts_total", "Engine processes started again after one died", registry=r
+        )
+        self.cached = Counter(
+            "kvferry_prefix_cached_tokens_total", "Prompt tokens served from the prefix cache", registry=r
+        )
+        self.prompt = Counter("kvferry_prompt_tokens_total", "Prompt tokens received", registry=r)
+        self.generated = Counter("kvferry_generated_tokens_total", "Tokens generated", registry=r)
+        self.kv_integrity_violations = Counter(
+            "kvferry_kv_integrity_violations_total", "KV page ledger violations found by the idle check", registry=r
+        )
+        self.kv_forced_releases = Counter(
+            "kvferry_kv_forced_releases_total",
+            "KV pages freed at the safety deadline, unconfirmed by the peer",
+            registry=r,
+        )
+        # Latency and transfer histograms (common/serving/engine_metrics.py).
+        self.engine = EngineMetrics(r, gpu=self.gpu)
+
+    def forget_engine(self) -> None:
+        """The engine died: its pool and queues are gone with it, so the gauges read zero until the next one
+        reports (a dead engine's last numbers would say pages are free that no process holds)."""
+        for g in (self.queued, self.running, self.waiting, self.free, self.total, self.usage, self.host_cached):
+            g.set(0)
+        self.host_total.set(0)
+        self._host_moved = {"saved": 0, "loaded": 0}  # the next engine counts from zero
+
+    def observe_load(self, load: LoadSnapshot) -> None:
+        self.queued.set(load.queued_prefill_tokens)
+        self.running.set(load.running_requests)
+        self.waiting.set(load.waiting_requests)
+        self.free.set(load.free_pages)
+        self.total.set(load.total_pages)
+        self.usage.set(1.0 - load.free_pages / max(1, load.total_pages))
+        self.prefill_rate.set(load.prefill_tokens_per_s)
+        self.prefill_step_speed.set(load.prefill_step_tokens_per_s)
+        self.decode_step.set(load.decode_step_s)
+        self.prefill_chunk.set(load.prefill_chunk_tokens)
+        self.itl_target.set(load.itl_target_s)
+        self.host_cached.set(load.host_pages_cached)
+        self.host_total.set(load.host_pages_total)
+        for direction, now in (("saved", load.host_pages_saved), ("loaded", load.host_pages_loaded)):
+            if now > self._host_moved[direction]:  # cumulative in the engine: count the increase
+                self.host_moves.labels(direction=direction).inc(now - self._host_moved[direction])
+                self._host_moved[direction] = now
