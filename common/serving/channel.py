@@ -119,8 +119,13 @@ class EngineClient:
         except (EOFError, OSError):
             pass
         except Exception:  # a malformed message from our own engine is a bug: say so, then stop
+            if self.loop.is_closed():  # no: the control plane's loop closed first, nobody is left to tell
+                return
             log.exception("engine channel reader failed")
-        self.loop.call_soon_threadsafe(self._on_closed)
+        try:
+            self.loop.call_soon_threadsafe(self._on_closed)
+        except RuntimeError:  # the loop closed first (the control plane stopped): nothing waits on the engine
+            pass
 
     def _on_closed(self) -> None:
         self.closed.set()
