@@ -45,7 +45,8 @@ from common.kv.pool import KVLayout, KVPool, checksums_match
 from common.protocol import KVLayoutInfo
 from common.transfer.agent import KVTransferAgent
 from common.transfer.descs import page_runs
-from common.transfer.sender import KVSender, RequestTransfer
+from common.transfer.request_transfer import RequestTransfer, open_request
+from common.transfer.sender import KVSender
 from common.transfer.session import TERMINAL, SessionState
 
 LAYOUTS = {
@@ -147,7 +148,7 @@ def one_transfer(
     """`attach`: the last chunk carries the notice where it can (`post_final`, what prefill workers do); else
     every chunk is posted and the notice sent on its own after they are done (`finish`)."""
     t0 = time.monotonic()
-    rt: RequestTransfer = sender.request(tag, "bench-decode", TIMEOUT_S)
+    rt: RequestTransfer = open_request(sender, tag, "bench-decode", TIMEOUT_S)
     last = ((src.numel() - 1) // chunk_pages) * chunk_pages
     for i in range(0, last, chunk_pages):
         rt.post(src[i : i + chunk_pages], dst[i : i + chunk_pages])
@@ -224,7 +225,7 @@ def run_overlap(args: argparse.Namespace, sender: KVSender, rx: Any, dst_all: to
     def write(s: torch.Tensor, d: torch.Tensor, between: Any = None) -> None:
         t0 = time.perf_counter()
         tag = f"ov-{next(tags)}"
-        rt = sender.request(tag, "bench-decode", TIMEOUT_S)
+        rt = open_request(sender, tag, "bench-decode", TIMEOUT_S)
         rt.post(s, d)
         post_times.append(time.perf_counter() - t0)
         if between is not None:

@@ -33,8 +33,10 @@ from common.serving.messages import (
 from common.serving.rank_writes import FollowerWrites
 from common.settings_registry import FAULT_WRITE_DELAY_S
 from common.transfer.agent import PeerError
+from common.transfer.delayed_sender import make_sender
 from common.transfer.layout import LayoutMismatch
-from common.transfer.sender import KVSender, RequestTransfer, TransferError
+from common.transfer.request_transfer import RequestTransfer, open_request
+from common.transfer.sender import TransferError
 from common.transfer.session import SAFETY_DEADLINE_S, TERMINAL, S
 
 log = logging.getLogger("kvferry.prefill")
@@ -68,7 +70,7 @@ class PrefillRole:
             assert runner.followers is not None
             self.rank_writes = FollowerWrites(runner.followers, runner.tp.store, runner.tp.size)  # type: ignore[arg-type]
         # A test hook (fault injection, never set in a deployment): every write lands this many seconds late.
-        self.sender = KVSender(self.host.agent, fault_write_delay_s=FAULT_WRITE_DELAY_S.read(), ranks=self.rank_writes)
+        self.sender = make_sender(self.host.agent, self.rank_writes, FAULT_WRITE_DELAY_S.read())
         self.outbound: dict[str, Outbound] = {}
         self.cancelled: dict[str, float] = {}  # req id -> monotonic time its decode worker cancelled it unseen
         self.host.scheduler.on_prefill_chunk = self._on_chunk
@@ -153,7 +155,7 @@ class PrefillRole:
         except RequestRejected:
             self.host.stamps.pop(pr.req_id, None)
             raise
-        self.outbound[pr.req_id] = Outbound(req, self.sender.request(pr.req_id, pr.dst_agent, pr.deadline_s), dst)
+        self.outbound[pr.req_id] = Outbound(req, open_request(self.sender, pr.req_id, pr.dst_agent, pr.deadline_s), dst)
 
     # ---- scheduler hooks: the chunk's KV is in memory when they run ---------------------------------
     def _unsent(self, ob: Outbound, upto_pages: int) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -97,6 +97,8 @@ def _receiver_main(name: str, cmd_q: Any, out_q: Any) -> None:
 
 
 def _sender_main(name: str, cmd_q: Any, out_q: Any) -> None:
+    from common.transfer.delayed_sender import DelayedWriteSender
+    from common.transfer.request_transfer import open_request
     from common.transfer.sender import KVSender, TransferError
     from common.transfer.session import TERMINAL
 
@@ -124,8 +126,8 @@ def _sender_main(name: str, cmd_q: Any, out_q: Any) -> None:
             # mode "finish": every chunk posted, then the notice on its own; "final": the last chunk with the
             # notice (post_final); "final-pending": the same with earlier writes still in flight (delayed).
             _, peer, chunks, notif, mode = cmd
-            via = KVSender(agent, fault_write_delay_s=0.3) if mode == "final-pending" else sender
-            rt = via.request("req-1", peer, timeout_s=STEP_TIMEOUT_S)
+            via = DelayedWriteSender(agent, 0.3) if mode == "final-pending" else sender
+            rt = open_request(via, "req-1", peer, timeout_s=STEP_TIMEOUT_S)
             posted = chunks if mode == "finish" else chunks[:-1]
             handles = [rt.post(torch.tensor(s), torch.tensor(d)) for s, d in posted]
             if mode == "final":  # earlier writes done first, so the notice can ride on the last one
@@ -151,7 +153,7 @@ def _sender_main(name: str, cmd_q: Any, out_q: Any) -> None:
                 )
             )
         elif op == "begin":  # a request whose pages were reserved on the peer's current instance
-            held["rt"] = sender.request("req-held", cmd[1], timeout_s=STEP_TIMEOUT_S)
+            held["rt"] = open_request(sender, "req-held", cmd[1], timeout_s=STEP_TIMEOUT_S)
             out_q.put(("begun",))
         elif op == "post_held":
             try:

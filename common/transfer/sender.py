@@ -3,10 +3,7 @@
 `KVSender.post_write` turns a page list into ONE NIXL transfer request with one descriptor per run of
 consecutive pages (the pool is page-major: a page holds every layer's K and V), so a 4k-token write
 into a contiguous reservation is a single descriptor.
-`RequestTransfer` is the prefill side of one request's transfer session (common/transfer/session.py): it
-strings the request's chunk writes together, delivers the "landed" notice once every write completed (on
-the last write itself where NIXL's ordering allows, `post_final`), and on giving up waits for every posted
-write to settle before it sends the "closed" notice and lets the caller release the request's pages.
+One request's session of writes is `RequestTransfer` (common/transfer/request_transfer.py).
 
 A write is settled once NIXL has let go of it (completed, failed, or cancelled, and released): only then
 can it neither read the local pages nor write the peer's.
@@ -28,11 +25,9 @@ import numpy as np
 import torch
 from nixl._api import nixl_xfer_handle
 
-from common.protocol import KVNotice
 from common.transfer.agent import KVTransferAgent
 from common.transfer.descs import PageRuns, block_descs, check_pages, page_runs, run_descs
 from common.transfer.routes import HeadRoute
-from common.transfer.session import TERMINAL, S, SessionState, TransferSession
 from common.transfer.staging import StagingArea
 
 log = logging.getLogger(__name__)
@@ -62,8 +57,6 @@ class TransferHandle:
     done_at: float | None = None
     xfers: list[nixl_xfer_handle] = field(default_factory=list, repr=False)  # NIXL requests not yet released
     staged: list[tuple[int, int]] = field(default_factory=list, repr=False)  # staging (offset, bytes) it reads
-    started: bool = True  # False only under fault injection, until `start_at`
-    start_at: float = 0.0
 
     @property
     def settled(self) -> bool:
@@ -90,14 +83,11 @@ class RankWrites(Protocol):
 
 
 class KVSender:
-    """`fault_write_delay_s` (tests only, 0 = off): every write starts that many seconds after it was posted
-    and cannot be called back meanwhile, like a write stuck in flight: it still lands after an abort."""
+    """Posts, polls and releases WRITEs to decode peers (a fault-injecting variant for tests:
+    common/transfer/delayed_sender.py)."""
 
-    def __init__(
-        self, agent: KVTransferAgent, fault_write_delay_s: float = 0.0, ranks: RankWrites | None = None
-    ) -> None:
+    def __init__(self, agent: KVTransferAgent, ranks: RankWrites | None = None) -> None:
         self.agent = agent
-        self.fault_write_delay_s = fault_write_delay_s
         self.ranks = ranks  # the other ranks' writes of each request, where they post their own (RankWrites)
         self._unsettled: list[TransferHandle] = []  # finished or failed, still held by NIXL: retried each turn
         self._staged_pending: list[TransferHandle] = []  # in flight, reading from the staging area
@@ -178,10 +168,7 @@ class KVSender:
                 handle.xfers.append(xfer)
             if handle.staged:
                 self._staged_pending.append(handle)
-            if self.fault_write_delay_s > 0:
-                handle.started, handle.start_at = False, handle.posted_at + self.fault_write_delay_s
-                return handle
-            return self._after_start(handle, self._start(handle))
+            return self._begin(handle)
         except TransferError as e:
             return self._fail(handle, str(e))
         except Exception as e:  # NIXL raises nixl*Error (NOT_FOUND for unregistered ranges, disconnects)
@@ -242,10 +229,6 @@ class KVSender:
             self._fail(handle, f"peer {handle.peer} went away")
             return handle.state
         try:
-            if not handle.started:
-                if time.monotonic() < handle.start_at:
-                    return handle.state
-                return self._after_start(handle, self._start(handle)).state
             states = [self.agent.nixl.check_xfer_state(x) for x in handle.xfers]
         except Exception as e:
             self._fail(handle, f"transfer: {type(e).__name__}: {e}")
@@ -258,21 +241,8 @@ class KVSender:
             self._fail(handle, reason)
 
     def progress(self) -> None:
-        """Retries releasing writes NIXL still holds (and starts fault-delayed ones that are due); every turn."""
-        now = time.monotonic()
-        still = []
-        for h in self._unsettled:
-            if not h.started:
-                if now < h.start_at:
-                    still.append(h)
-                    continue
-                try:
-                    self._start(h)  # the write that could not be called back lands now
-                except Exception as e:
-                    log.warning("delayed write to %s: %s", h.peer, e)
-            if self._try_release(h):
-                still.append(h)
-        self._unsettled = still
+        """Retries releasing writes NIXL still holds; every turn."""
+        self._unsettled = [h for h in self._unsettled if self._try_release(h)]
         self._posted = [h for h in self._posted if not h.settled]
 
     @property
@@ -285,11 +255,6 @@ class KVSender:
             raise TransferError(f"peer {peer} is not instance {expect_instance} any more")
         self.agent.nixl.send_notif(peer, message)
 
-    def request(self, req_id: str, peer: str, timeout_s: float) -> RequestTransfer:
-        """Start the transfer session of one request to `peer`; its writes must all finish within `timeout_s`."""
-        session = TransferSession.start(req_id, "prefill", peer, self.agent.peer(peer).instance_id)
-        return RequestTransfer(self, session, time.monotonic() + timeout_s)
-
     def close(self) -> None:
         self.progress()
         if self._unsettled:
@@ -297,8 +262,11 @@ class KVSender:
 
     # -- internals ---------------------------------------------------------------------------------
 
+    def _begin(self, handle: TransferHandle) -> TransferHandle:
+        """Starts a posted write's NIXL requests."""
+        return self._after_start(handle, self._start(handle))
+
     def _start(self, handle: TransferHandle) -> list[str]:
-        handle.started = True
         return [self.agent.nixl.transfer(x) for x in handle.xfers]
 
     def _after_start(self, handle: TransferHandle, states: list[str]) -> TransferHandle:
@@ -311,8 +279,7 @@ class KVSender:
     def _finish(self, handle: TransferHandle, state: PollState) -> TransferHandle:
         handle.state = state
         handle.done_at = time.monotonic()
-        if not handle.started or self._try_release(handle):
-            # Fault injection: a posted write cannot be called back; it still starts (and lands) at start_at.
+        if self._try_release(handle):
             self._unsettled.append(handle)
         return handle
 
@@ -338,204 +305,3 @@ class KVSender:
             assert self.agent.staging is not None
             self.agent.staging.release(offset, nbytes)
         return False
-
-
-@dataclass
-class RequestTransfer:
-    """The prefill side of one request's transfer session: its writes to one decode peer and the notice
-    that ends them (`session.state`: requested -> writing -> landed | cancelling -> abandoned).
-
-    Ordering: NIXL orders a transfer's own notification after that transfer's data only; separate
-    transfer requests may complete in any order (UCX lanes, threads). So the "landed" notice rides on the
-    last write (`post_final`) only when every earlier write of the request already reported DONE and the
-    last one is a single NIXL request: the decode side then learns of it when the data lands, with no
-    separate message after the sender saw DONE. Otherwise (`finish`, or `post_final` with writes still
-    in flight) it goes out with `send_notif` once every write reports DONE, so every chunk is still posted
-    as soon as it is computed and a request whose pages all sit on the decode side already (zero writes)
-    still gets its notice. A write reports DONE after the UCX flush, i.e. once the data is placed remotely.
-    Giving up (`cancel`, an error, the deadline) waits for every posted write to settle, then sends the
-    "closed" notice: the decode side frees its pages on it, and the caller may release the local ones.
-    """
-
-    sender: KVSender
-    session: TransferSession
-    deadline: float  # time.monotonic() seconds
-    handles: list[TransferHandle] = field(default_factory=list)
-    notice: bytes | None = None  # the "landed" notice, sent once every write is done
-    notice_attached: bool = False  # the notice rides on the last write (NIXL delivers it with the data)
-    landed_at: float | None = None  # time.monotonic() when every write was seen done (and the notice out)
-
-    @property
-    def state(self) -> SessionState:
-        return self.session.state
-
-    @property
-    def error(self) -> str | None:
-        return self.session.error
-
-    @property
-    def peer(self) -> str:
-        return self.session.peer
-
-    @property
-    def settled(self) -> bool:
-        ranks = self.sender.ranks
-        own = all(h.settled for h in self.handles)
-        return own and (ranks is None or ranks.settled(self.session.req_id))
-
-    def post(self, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> TransferHandle:
-        """Post the write of one ready chunk. Raises `TransferError` once the request is given up."""
-        self._check_open()
-        return self._write(torch.as_tensor(src_pages).reshape(-1), torch.as_tensor(dst_pages).reshape(-1))
-
-    def finish(self, notice: bytes) -> SessionState:
-        """Declare the last chunk posted; `notice` (a "landed" KVNotice) goes out once all writes are done."""
-        if self.notice is not None:
-            raise RuntimeError("finish called twice")
-        self.notice = notice
-        return self.progress()
-
-    def post_final(self, src_pages: torch.Tensor, dst_pages: torch.Tensor, notice: bytes) -> SessionState:
-        """Post the last chunk and finish with `notice`; the notice rides on this write when every earlier
-        write is done and this one is a single NIXL request (see the class doc), else as `finish` sends it.
-        Raises `TransferError` once the request is given up."""
-        src = torch.as_tensor(src_pages).reshape(-1)
-        dst = torch.as_tensor(dst_pages).reshape(-1)
-        self._check_open()  # polls the earlier writes: the ones done are known done
-        attach = (
-            src.numel() > 0
-            and self.sender.ranks is None  # other ranks' writes must be done before the notice
-            and all(h.state == "done" for h in self.handles)
-            and self.sender.single_write(self.peer, int(src.numel()))
-        )
-        if not attach:
-            if src.numel() > 0:
-                self._write(src, dst)
-            return self.finish(notice)
-        self.notice, self.notice_attached = notice, True
-        self._write(src, dst, notif=notice)
-        return self.progress()
-
-    def _check_open(self) -> None:
-        """Before a post: the notice is not out yet, and the request (its writes polled now) not given up."""
-        if self.notice is not None:
-            raise RuntimeError("post after finish: the notice would not cover this write")
-        if self.progress() not in (S.REQUESTED, S.WRITING):
-            raise TransferError(self.error or "transfer given up")
-
-    def _write(self, src: torch.Tensor, dst: torch.Tensor, notif: bytes | None = None) -> TransferHandle:
-        """Posts `src` -> `dst` (this rank's writes, and the other ranks' through `sender.ranks`); `notif` rides
-        on the write (the caller made sure it is a single one)."""
-        if self.state is S.REQUESTED:
-            self.session.move(S.WRITING)
-        if self.sender.ranks is not None and src.numel() > 0:
-            self.sender.ranks.post(self.session.req_id, self.peer, src, dst, self.session.peer_instance)
-        step = self.sender.max_pages_per_post(self.peer)
-        for lo in range(0, max(1, src.numel()), step):
-            handle = self.sender.post_write(
-                self.peer,
-                src[lo : lo + step],
-                dst[lo : lo + step],
-                notif=notif,
-                expect_instance=self.session.peer_instance,
-            )
-            self.handles.append(handle)
-            if handle.state == "error":
-                self.cancel(handle.error or "post failed")
-                raise TransferError(self.error or "post failed")
-        return handle
-
-    def progress(self, now: float | None = None) -> SessionState:
-        """Non-blocking: poll writes, send the notice when due, give up on error or deadline, and end a
-        give-up once every write settled."""
-        if self.state in (S.REQUESTED, S.WRITING):
-            pending = False
-            for h in self.handles:
-                st = self.sender.poll(h)
-                if st == "error":
-                    self.cancel(h.error or "write failed")
-                    return self.state
-                pending |= st == "pending"
-            if self.sender.ranks is not None:
-                st, err = self.sender.ranks.state(self.session.req_id)
-                if st == "error":
-                    self.cancel(err or "a rank's write failed")
-                    return self.state
-                pending |= st == "pending"
-            if not pending and self.notice is not None:
-                try:
-                    if not self.notice_attached:
-                        self.sender.send_notif(self.peer, self.notice, expect_instance=self.session.peer_instance)
-                except Exception as e:
-                    self.cancel(f"notice not sent: {e}")
-                    return self.state
-                self.landed_at = time.monotonic()
-                self.session.move(S.LANDED)
-                if self.sender.ranks is not None:
-                    self.sender.ranks.forget(self.session.req_id)
-            elif self.expired(now):
-                self.cancel("transfer deadline exceeded")
-        elif self.state is S.CANCELLING:
-            self.sender.progress()
-            if self.settled:
-                self._abandon()
-        return self.state
-
-    def cancel(self, reason: str = "aborted") -> SessionState:
-        """Give up: cancel what is in flight; the "closed" notice goes out once every write settled."""
-        if self.state not in (S.REQUESTED, S.WRITING):
-            return self.state
-        for h in self.handles:
-            self.sender.abort(h, f"request given up: {reason}")
-        if self.sender.ranks is not None:
-            self.sender.ranks.abort(self.session.req_id)
-        self.session.move(S.CANCELLING, reason)
-        if self.settled:
-            self._abandon()
-        return self.state
-
-    def wait(self, poll_interval_s: float = 0.0) -> SessionState:
-        """Block until a terminal state (at most the deadline plus the time writes take to settle). Needs
-        `finish` first."""
-        if self.notice is None:
-            raise RuntimeError("wait before finish would only end at the deadline")
-        while self.progress() not in TERMINAL:
-            time.sleep(poll_interval_s)
-        return self.state
-
-    def expired(self, now: float | None = None) -> bool:
-        return (time.monotonic() if now is None else now) > self.deadline
-
-    @property
-    def num_descs(self) -> int:
-        return sum(h.num_descs for h in self.handles)
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(h.num_bytes for h in self.handles)
-
-    def timing(self) -> dict[str, object]:
-        """What this transfer measured (time.monotonic() seconds): its first write posted, its last write seen
-        complete, the notice sent, and per write [bytes, completion seen - post started]. A write's interval
-        covers the real transfer (it starts before the post call and ends at the poll that saw completion), so
-        bytes over it never exceed the link's speed."""
-        done = [h for h in self.handles if h.done_at is not None]
-        return {
-            "first_post": min((h.posted_at for h in self.handles), default=None),
-            "last_done": max((h.done_at for h in done), default=None),  # type: ignore[type-var]
-            "landed": self.landed_at,
-            "bytes": self.num_bytes,
-            "writes": [[h.num_bytes, h.done_at - h.posted_at] for h in done if h.state == "done"],  # type: ignore[operator]
-        }
-
-    def _abandon(self) -> None:
-        self.session.move(S.ABANDONED)
-        if self.sender.ranks is not None:
-            self.sender.ranks.forget(self.session.req_id)
-        notice = KVNotice(req_id=self.session.req_id, outcome="closed", error=(self.error or "aborted")[:4000])
-        try:
-            self.sender.send_notif(
-                self.peer, notice.model_dump_json().encode(), expect_instance=self.session.peer_instance
-            )
-        except Exception as e:  # the peer is gone (or restarted): its pages are not ours to worry about
-            log.info("closed notice for %s not sent: %s", self.session.req_id, e)
