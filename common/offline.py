@@ -86,6 +86,7 @@ class Engine:
             reqs.append(req)
         while any(not r.finished for r in reqs):
             self.scheduler.step()
+            self.scheduler.take_index_events()  # no prefix index listens here: the list would only grow
         results = []
         for r in reqs:
             text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True) if self.tokenizer else None

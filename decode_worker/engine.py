@@ -1,13 +1,14 @@
 """The decode role of a worker's engine: reserve pages for remote prefill, admit on the KV notice, decode.
 
-One request's transfer here (states in common/transfer/session.py): `Generate` queues it, `_try_reserve`
-(each loop turn) reserves its pages (session "reserved") and hands the page ids to the control plane
-(`Reserved`), which may send them to the prefill peer only after `PrefillSending` moved the session to
-"requested". The peer's notice ends it (`tick`): "landed" admits the request into the running batch. A
-request given up on before that keeps its pages (`held`) until its peer confirms that no write follows (its
-"closed" notice, or its answer to the cancel the control plane sends it: `TransfersSettled`), or is known
-gone (`PeerGone`); the control plane cancels with, and watches, the peers listed in the `AwaitingPeers`
-event (decode_worker/remote_prefill.py).
+One request's transfer here (states in common/transfer/session.py): `Generate` queues it, the scheduler
+reserves its pages when it next settles transfers, each loop turn (`_reserved`: session "reserved"), and hands
+the page ids to the control plane (`Reserved`), which may send them to the prefill peer only after
+`PrefillSending` moved the session to "requested". The peer's notice ends it (`tick`): "landed" admits the
+request into the running batch. A request given up on before that keeps its pages (`held`) until its peer
+confirms that no write follows (its "closed" notice, or its answer to the cancel the control plane sends it:
+`TransfersSettled`), or is known gone (`PeerGone`); the control plane cancels with, and watches, the peers
+listed in the `AwaitingPeers` event (decode_worker/remote_prefill.py). The scheduler reserves, admits and
+frees through `DecodeConnector` (common/sched/kv_connector.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from common.kv.pool import checksums_match
 from common.protocol import SamplingParams
+from common.sched.kv_connector import FinishedTransfers, KVArrival, NullConnector
 from common.sched.request import Req
 from common.serving.engine_host import EngineHost, Handlers, Refused
 from common.serving.messages import (
@@ -39,6 +41,28 @@ from common.transfer.receiver import Arrival, KVReceiver
 log = logging.getLogger("kvferry.decode")
 
 
+class DecodeConnector(NullConnector):
+    """The decode role's answers to the scheduler: which requests wait for pages, whose KV arrived, which
+    given-up requests' pages a peer may still write (held) and which of those its peer settled."""
+
+    def __init__(self, role: DecodeRole) -> None:
+        self.role = role
+        self.done = FinishedTransfers()
+
+    def aborted(self, req: Req) -> bool:
+        return self.role._hold_abandoned(req)
+
+    def reservations(self) -> list[Req]:
+        return [p.req for p in self.role.remote.values() if not p.reserved]
+
+    def reserved(self, req: Req, pages: list[int]) -> None:
+        self.role._reserved(req, pages)
+
+    def finished(self) -> FinishedTransfers | None:
+        done, self.done = self.done, FinishedTransfers()
+        return done
+
+
 @dataclass
 class PendingRemote:
     """A request waiting for pages (reservation) or for its KV to arrive (transfer)."""
@@ -56,8 +80,8 @@ class DecodeRole:
         self.receiver = KVReceiver(self.host.agent)
         self.remote: dict[str, PendingRemote] = {}
         # Given-up requests whose pages a prefill peer may still write: freed when their session ends.
-        self.held: dict[str, Req] = {}
-        self.host.scheduler.on_kv_abandoned = self._on_kv_abandoned
+        self.held: set[str] = set()
+        self.connector = DecodeConnector(self)
         self.awaited: dict[tuple[str, str], list[str]] = {}  # last AwaitingPeers sent to the control plane
         self.handlers: Handlers = {
             Generate: self._generate,
@@ -83,9 +107,9 @@ class DecodeRole:
             self.host.enqueue(req)
             return
         self.host.scheduler.validate(req)
-        if req.req_id in self.host.scheduler.by_id or req.req_id in self.remote or req.req_id in self.held:
+        if self.host.scheduler.has_request(req.req_id) or req.req_id in self.remote or req.req_id in self.held:
             raise Refused(f"duplicate request id {req.req_id!r}", "duplicate_request")
-        # Its pages are reserved by `tick`, in this loop turn when they are free.
+        # Its pages are reserved when the scheduler settles transfers, in this loop turn when they are free.
         self.remote[req.req_id] = PendingRemote(req, time.monotonic() + cmd.timeout_s)
 
     def _prefill_sending(self, cmd: PrefillSending) -> None:
@@ -98,17 +122,12 @@ class DecodeRole:
         for rid in self.receiver.settled(cmd.peer, cmd.peer_instance, cmd.req_ids):
             self._release_held(rid)
 
-    def _try_reserve(self) -> None:
-        for rid, pending in self.remote.items():
-            if pending.reserved:
-                continue
-            pages = self.host.scheduler.reserve_for_remote_prefill(pending.req)
-            if pages is None:
-                break  # first come, first served: later requests wait behind this one
-            pending.reserved = True
-            self.host.mark(rid, "pages_reserved")
-            self.receiver.reserve(rid)
-            self.host.outbox.append(Reserved(rid, pages.tolist()))
+    def _reserved(self, req: Req, pages: list[int]) -> None:
+        rid = req.req_id
+        self.remote[rid].reserved = True
+        self.host.mark(rid, "pages_reserved")
+        self.receiver.reserve(rid)
+        self.host.outbox.append(Reserved(rid, pages))
 
     # ---- giving up -----------------------------------------------------------------------------------
     def abort(self, req_id: str, reason: str, error: str | None) -> None:
@@ -116,21 +135,22 @@ class DecodeRole:
         if pending is not None and not pending.reserved:
             self.host.emit(Tokens(req_id, [], finish_reason=reason if error is None else "error", error=error))
             return
-        self.receiver.give_up(req_id, error or reason)  # first: `_on_kv_abandoned` asks the session
+        self.receiver.give_up(req_id, error or reason)  # first: `_hold_abandoned` asks the session
         event = self.host.scheduler.abort(req_id, reason="abort" if error is None else "error", error=error)
         if event is not None:
             self.host.emit_step_events([event])
 
-    def _on_kv_abandoned(self, req: Req) -> None:
+    def _hold_abandoned(self, req: Req) -> bool:
+        """An aborted request's pages stay held while a write may still land (until the session's end)."""
         if self.receiver.holds(req.req_id):
-            self.held[req.req_id] = req  # a write may still land: the pages wait for the session's end
-        else:
-            self.host.scheduler.free_abandoned(req)
+            self.held.add(req.req_id)
+            return True
+        return False
 
     def _release_held(self, req_id: str) -> None:
-        req = self.held.pop(req_id, None)
-        if req is not None:
-            self.host.scheduler.free_abandoned(req)
+        if req_id in self.held:
+            self.held.discard(req_id)
+            self.connector.done.released.append(req_id)  # the scheduler frees them when it next asks
 
     def _prefill_failed(self, cmd: PrefillFailed) -> None:
         if cmd.req_id not in self.remote:
@@ -164,7 +184,6 @@ class DecodeRole:
             for rid in [r for r, p in self.remote.items() if now > p.deadline]:
                 stage = "KV transfer" if self.remote[rid].reserved else "KV page reservation"
                 self.abort(rid, "error", f"{stage} did not finish within its deadline")
-            self._try_reserve()
         awaited = self.receiver.awaited_peers()
         if awaited != self.awaited:
             self.awaited = awaited
@@ -204,5 +223,7 @@ class DecodeRole:
             self.abort(a.req_id, "error", f"KV notice from {a.peer}: token {notice.token} outside the vocabulary")
             return
         del self.remote[a.req_id]
-        event = self.host.scheduler.admit_prefilled(a.req_id, notice.token, notice.logprob, notice.cached_tokens)
-        self.host.emit_step_events([event], kv_verified=True if verified else None)
+        # Joins the running batch when the scheduler settles transfers, right after this tick.
+        self.connector.done.arrived.append(KVArrival(a.req_id, notice.token, notice.logprob, notice.cached_tokens))
+        if verified:
+            self.host.kv_verified[a.req_id] = True

@@ -3,8 +3,10 @@ each chunk pushed over NIXL.
 
 One request's transfer here: `Prefill` opens its session (`RequestTransfer`), every finished chunk's complete
 pages are posted as they are computed (`_on_chunk`), the rest and the "landed" notice when the first token is
-known (`_on_prefill_done`), and `tick` ends it: the request's pages go back to the scheduler only once the
-session is terminal, i.e. no posted write can still read them (common/transfer/session.py).
+known (`_on_prefill_done`, which has the scheduler hold the pages), and `tick` ends it: the request's pages go
+back to the scheduler only once the session is terminal, i.e. no posted write can still read them
+(common/transfer/session.py). The scheduler asks all this through `PrefillConnector`
+(common/sched/kv_connector.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from common.protocol import HandshakeRequest, KVNotice, PrefillRequest, SamplingParams
+from common.sched.kv_connector import FinishedTransfers, NullConnector
 from common.sched.request import Req
 from common.sched.scheduler import RequestRejected
 from common.serving.engine_host import EngineHost, Handlers, Refused
@@ -54,8 +57,32 @@ class Outbound:
     transfer: RequestTransfer
     dst_pages: torch.Tensor
     sent_pages: int = 0
-    computed: bool = False  # prefill done: the scheduler parks its pages until `release`
+    computed: bool = False  # prefill done: the scheduler holds its pages until the connector releases them
     first_token_at: float | None = None  # time.monotonic() when the prompt's first token was sampled
+
+
+class PrefillConnector(NullConnector):
+    """The prefill role's answers to the scheduler: each chunk's complete pages are posted as computed; a
+    prompt done holds its pages while its session may read them; the sessions that ended release them."""
+
+    def __init__(self, role: PrefillRole) -> None:
+        self.role = role
+        self.done = FinishedTransfers()
+
+    def chunk_done(self, req: Req, start: int, end: int) -> None:
+        self.role._on_chunk(req, start, end)
+
+    def prefill_done(self, req: Req) -> bool:
+        return self.role._on_prefill_done(req)
+
+    def aborted(self, req: Req) -> bool:
+        # The scheduler aborts a request of this role only once its session is terminal (`_finish`): no
+        # posted write reads its pages any more.
+        return False
+
+    def finished(self) -> FinishedTransfers | None:
+        done, self.done = self.done, FinishedTransfers()
+        return done
 
 
 class PrefillRole:
@@ -73,8 +100,7 @@ class PrefillRole:
         self.sender = make_sender(self.host.agent, self.rank_writes, FAULT_WRITE_DELAY_S.read())
         self.outbound: dict[str, Outbound] = {}
         self.cancelled: dict[str, float] = {}  # req id -> monotonic time its decode worker cancelled it unseen
-        self.host.scheduler.on_prefill_chunk = self._on_chunk
-        self.host.scheduler.on_prefill_done = self._on_prefill_done
+        self.connector = PrefillConnector(self)
         self.stats = {"descs": 0, "bytes": 0, "transfers": 0}
         self.handlers: Handlers = {
             AddPeer: self._add_peer,
@@ -157,7 +183,7 @@ class PrefillRole:
             raise
         self.outbound[pr.req_id] = Outbound(req, open_request(self.sender, pr.req_id, pr.dst_agent, pr.deadline_s), dst)
 
-    # ---- scheduler hooks: the chunk's KV is in memory when they run ---------------------------------
+    # ---- the connector's asks: the chunk's KV is in memory when they come ---------------------------
     def _unsent(self, ob: Outbound, upto_pages: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The (local, peer) pages computed up to `upto_pages` and not posted yet; None when nothing is due."""
         if ob.transfer.state not in (S.REQUESTED, S.WRITING) or upto_pages <= ob.sent_pages:
@@ -181,17 +207,18 @@ class PrefillRole:
         if ob is not None and end < req.prompt_len:
             self._post(ob, end // self.host.page_size)  # complete pages only; the rest goes with the next chunk
 
-    def _on_prefill_done(self, req: Req) -> None:
+    def _on_prefill_done(self, req: Req) -> bool:
+        """Posts the rest of the prompt's pages and the "landed" notice; True: the scheduler holds the pages
+        until the session ends (`_finish`)."""
         ob = self.outbound.get(req.req_id)
         if ob is None:
-            self.host.scheduler.release(req)
-            return
+            return False
         ob.computed = True
         ob.first_token_at = time.monotonic()
         self.host.note_admissions()  # a prompt admitted and done in this very step: its admission goes in the notice
         self.host.mark(req.req_id, "prefill_first_token")
         if ob.transfer.state not in (S.REQUESTED, S.WRITING):
-            return
+            return True
         notice = KVNotice(
             req_id=req.req_id,
             outcome="landed",
@@ -210,6 +237,7 @@ class PrefillRole:
             ob.transfer.post_final(src, dst, notice.model_dump_json().encode())
         except TransferError:
             pass  # the session is given up; `tick` ends the request once its writes settled
+        return True
 
     # ---- progress --------------------------------------------------------------------------------
     def tick(self) -> None:
@@ -224,7 +252,7 @@ class PrefillRole:
         ob = self.outbound.pop(rid)
         t = ob.transfer
         if ob.computed:
-            self.host.scheduler.release(ob.req)
+            self.connector.done.released.append(rid)  # the scheduler frees them when it next asks
         else:
             self.host.scheduler.abort(rid, reason="error", error=t.error)
         stamps = self.host.stamps.pop(rid, None)
@@ -258,6 +286,6 @@ class PrefillRole:
         if ob is None:
             return
         # Until the posted writes settle the request stays in the scheduler (its pages are read by them); a
-        # prefill that completes meanwhile is parked by `_on_prefill_done` and released by `_finish`.
+        # prefill that completes meanwhile is held by `_on_prefill_done` and released by `_finish`.
         if ob.transfer.cancel(error or "aborted by the decode worker") in TERMINAL:
             self._finish(req_id)

@@ -17,6 +17,7 @@ from common.engine.runner import ModelRunner, RunnerConfig
 from common.engine.weights import init_dummy_weights
 from common.offline import Engine
 from common.protocol import SamplingParams
+from common.sched.kv_connector import NullConnector
 from common.sched.request import Req, ReqState
 from common.sched.scheduler import RequestRejected, Scheduler, SchedulerConfig
 from tests.engine_helpers import assert_pool_clean
@@ -81,6 +82,16 @@ def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 def new_req(prompt: list[int], max_tokens: int = 8, **kw) -> Req:
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw)
     return Req(req_id=uuid.uuid4().hex, prompt_ids=list(prompt), sampling=sp)
+
+
+class ChunkLog(NullConnector):
+    """A connector that only records each prompt chunk's (request id, start, end) once its KV is computed."""
+
+    def __init__(self) -> None:
+        self.chunks: list[tuple[str, int, int]] = []
+
+    def chunk_done(self, req: Req, start: int, end: int) -> None:
+        self.chunks.append((req.req_id, start, end))
 
 
 def check_invariants(sched: Scheduler) -> None:
@@ -505,9 +516,8 @@ def test_itl_target_chunks_prefill_beside_decoding_and_keeps_outputs(tiny_model:
     for target in (0.0, 0.1):
         engine = make_engine(tiny_model, max_prefill_tokens=512)
         cfg = SchedulerConfig(max_prefill_tokens=512, itl_target_ms=target)
-        sched = engine.scheduler = Scheduler(engine.runner, cfg)
-        seen: list[int] = []
-        sched.on_prefill_chunk = lambda r, s, e, seen=seen: seen.append(e - s) if r.req_id == "long" else None
+        chunks = ChunkLog()
+        sched = engine.scheduler = Scheduler(engine.runner, cfg, connector=chunks)
         first = new_req(short_prompt, max_tokens=40)
         first.req_id = "short"
         sched.add(first)
@@ -519,7 +529,7 @@ def test_itl_target_chunks_prefill_beside_decoding_and_keeps_outputs(tiny_model:
         sched.add(second)
         drain(sched)
         outputs[target] = (first.output_ids, second.output_ids)
-        chunk_lens[target] = seen
+        chunk_lens[target] = [e - s for rid, s, e in chunks.chunks if rid == "long"]
     assert outputs[0.1] == outputs[0.0]
     assert chunk_lens[0.0] == [300]  # one step without a target
     assert max(chunk_lens[0.1]) <= 4 * PAGE and sum(chunk_lens[0.1]) == 300

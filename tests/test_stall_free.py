@@ -11,11 +11,12 @@ import pytest
 
 from common.engine.model import DecoderModel
 from common.protocol import SamplingParams
+from common.sched.kv_connector import FinishedTransfers, KVConnector, NullConnector
 from common.sched.prefill_budget import AUTO_ITL_DECODE_STEPS, BACKLOG_STEPS, MIN_PAGES
 from common.sched.request import Req
 from common.sched.scheduler import Scheduler, SchedulerConfig
 from tests.engine_helpers import assert_pool_clean
-from tests.test_scheduler import PAGE, build_tiny_model, check_invariants, make_engine, prompts
+from tests.test_scheduler import PAGE, ChunkLog, build_tiny_model, check_invariants, make_engine, prompts
 
 
 @pytest.fixture(scope="module")
@@ -27,11 +28,18 @@ def tiny_model() -> DecoderModel:
 TINY_TARGET_MS = 1e-3
 
 
-def scheduler(model: DecoderModel, itl_target_ms: float, overlap: bool, prefix_cache: bool = True, **kw) -> Scheduler:
+def scheduler(
+    model: DecoderModel,
+    itl_target_ms: float,
+    overlap: bool,
+    prefix_cache: bool = True,
+    connector: KVConnector | None = None,
+    **kw,
+) -> Scheduler:
     max_prefill = kw.pop("max_prefill_tokens", 256)
     engine = make_engine(model, max_prefill_tokens=max_prefill, prefix_cache=prefix_cache, **kw)
     cfg = SchedulerConfig(max_prefill_tokens=max_prefill, enable_prefix_cache=prefix_cache, itl_target_ms=itl_target_ms)
-    engine.scheduler = Scheduler(engine.runner, cfg, overlap=overlap)
+    engine.scheduler = Scheduler(engine.runner, cfg, overlap=overlap, connector=connector)
     return engine.scheduler
 
 
@@ -106,7 +114,8 @@ def test_every_step_advances_every_running_request_while_a_prompt_prefills(
 ) -> None:
     """A 300-token prompt arrives while three requests decode: it is prefilled in floor-sized chunks (MIN_PAGES
     pages), and every one of those steps also gives each running request its next token."""
-    sched = scheduler(tiny_model, TINY_TARGET_MS, overlap)
+    log = ChunkLog()
+    sched = scheduler(tiny_model, TINY_TARGET_MS, overlap, connector=log)
     running = [
         Req(req_id=f"d{i}", prompt_ids=p, sampling=SamplingParams(max_tokens=60, ignore_eos=True))
         for i, p in enumerate(prompts(41, [12, 30, 7]))
@@ -117,8 +126,6 @@ def test_every_step_advances_every_running_request_while_a_prompt_prefills(
         sched.step()
     sched.step()  # all three decoding (with overlap on: one step in flight)
     long = Req(req_id="long", prompt_ids=prompts(42, [300])[0], sampling=SamplingParams(max_tokens=4))
-    chunks: list[int] = []
-    sched.on_prefill_chunk = lambda r, s, e: chunks.append(e - s) if r is long else None
     sched.add(long)
     steps = 0
     while not long.output_ids:
@@ -129,6 +136,7 @@ def test_every_step_advances_every_running_request_while_a_prompt_prefills(
         after = [len(r.output_ids) + sched.inflight(r) for r in running]
         assert [a - b for a, b in zip(after, before)] == [1, 1, 1], steps  # launched one token each, this step
     budget = MIN_PAGES * PAGE
+    chunks = [e - s for rid, s, e in log.chunks if rid == "long"]
     assert chunks == [budget] * (300 // budget) + ([300 % budget] if 300 % budget else [])
     assert steps >= len(chunks)
 
@@ -137,7 +145,8 @@ def test_prompts_queued_behind_a_prefill_grow_its_chunks() -> None:
     """One long prompt alone is chunked at the ITL budget; prompts queued behind it make the chunk a
     1/BACKLOG_STEPS share of what waits behind, so a queue is worked off instead of waiting on tiny chunks."""
     tiny = build_tiny_model()
-    sched = scheduler(tiny, TINY_TARGET_MS, overlap=False)
+    log = ChunkLog()
+    sched = scheduler(tiny, TINY_TARGET_MS, overlap=False, connector=log)
     running = Req(req_id="d", prompt_ids=prompts(51, [9])[0], sampling=SamplingParams(max_tokens=80, ignore_eos=True))
     sched.add(running)
     while not sched.running:
@@ -149,8 +158,7 @@ def test_prompts_queued_behind_a_prefill_grow_its_chunks() -> None:
         Req(req_id=f"q{i}", prompt_ids=p, sampling=SamplingParams(max_tokens=2))
         for i, p in enumerate(prompts(53, [200, 200]))
     ]
-    chunks: list[tuple[str, int]] = []
-    sched.on_prefill_chunk = lambda r, s, e: chunks.append((r.req_id, e - s))
+    seen = len(log.chunks)  # the chunks from here on
     sched.add(long)
     assert sched.backlog_tokens() == 0  # alone: no one waits behind it
     assert sched.prefill_token_budget(decoding=True) == floor
@@ -161,6 +169,7 @@ def test_prompts_queued_behind_a_prefill_grow_its_chunks() -> None:
     while not all(r.output_ids for r in [long, *behind]):
         sched.step()
         check_invariants(sched)
+    chunks = [(rid, e - s) for rid, s, e in log.chunks[seen:]]
     first = chunks[0]
     assert first == ("long", 400 // BACKLOG_STEPS // PAGE * PAGE)
     assert sum(n for rid, n in chunks if rid == "long") == 300
@@ -216,10 +225,27 @@ def test_auto_target_follows_the_measured_decode_step(tiny_model: DecoderModel) 
         check_invariants(sched)
 
 
+class Parking(NullConnector):
+    """Holds every prompt prefilled for a peer; releases what the test puts in `done`."""
+
+    def __init__(self) -> None:
+        self.parked: list[Req] = []
+        self.done = FinishedTransfers()
+
+    def prefill_done(self, req: Req) -> bool:
+        self.parked.append(req)
+        return True
+
+    def finished(self) -> FinishedTransfers | None:
+        done, self.done = self.done, FinishedTransfers()
+        return done
+
+
 def test_prefill_only_request_in_a_mixed_step_is_parked_and_decode_rows_are_not(tiny_model: DecoderModel) -> None:
-    """A mixed worker prefills for a peer while it decodes: the peer's request is handed to on_prefill_done
-    after its first token, the decoding request keeps decoding."""
-    sched = scheduler(tiny_model, TINY_TARGET_MS, overlap=False)
+    """A mixed worker prefills for a peer while it decodes: after its first token the peer's request is parked
+    (its connector holds the pages) until its transfer is released, the decoding request keeps decoding."""
+    parking = Parking()
+    sched = scheduler(tiny_model, TINY_TARGET_MS, overlap=False, connector=parking)
     dec = Req(req_id="dec", prompt_ids=prompts(71, [9])[0], sampling=SamplingParams(max_tokens=50, ignore_eos=True))
     sched.add(dec)
     for _ in range(3):
@@ -227,8 +253,7 @@ def test_prefill_only_request_in_a_mixed_step_is_parked_and_decode_rows_are_not(
     peer = Req(
         req_id="peer", prompt_ids=prompts(72, [150])[0], sampling=SamplingParams(max_tokens=8), prefill_only=True
     )
-    parked: list[Req] = []
-    sched.on_prefill_done = parked.append
+    parked = parking.parked
     sched.add(peer)
     while not parked:
         sched.step()
@@ -236,7 +261,8 @@ def test_prefill_only_request_in_a_mixed_step_is_parked_and_decode_rows_are_not(
             check_invariants(sched)
     assert parked == [peer] and len(peer.output_ids) == 1 and peer not in sched.running
     assert dec in sched.running and sched.processed_kind == "mixed"
-    sched.release(peer)
+    parking.done.released.append("peer")
+    assert sched.settle_transfers() == []
     sched.abort("dec")
     sched.flush()
     assert_pool_clean_sched(sched)

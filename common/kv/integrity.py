@@ -10,7 +10,7 @@ Cost: one pass over the pool and the tree, which is why it runs only when the wo
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -109,24 +109,19 @@ def page_ledger_violations(
 
 @dataclass
 class IdleLedgerCheck:
-    """Runs `page_ledger_violations` once per idle spell of a worker; logs what it finds."""
+    """Runs a page ledger check once per idle spell of a worker; logs what it finds."""
 
     checked: bool = False
 
-    def __call__(
-        self,
-        idle: bool,
-        allocator: PageAllocator,
-        cache: RadixCache | None,
-        requests: Iterable[tuple[Sequence[int], int]],
-    ) -> list[str]:
+    def __call__(self, idle: bool, violations: Callable[[], list[str]]) -> list[str]:
+        """`violations`: the check (`page_ledger_violations` over a scheduler's pages, `Scheduler.ledger_violations`)."""
         if not idle:
             self.checked = False
             return []
         if self.checked:
             return []
         self.checked = True
-        problems = page_ledger_violations(allocator, cache, requests)
+        problems = violations()
         for p in problems:
             log.error("KV page ledger violated: %s", p)
         return problems

@@ -327,9 +327,14 @@ class RadixCache:
 
     def drain_index_events(self) -> list[IndexEvent]:
         """Changes of tier since the last call, in order: (tier, hashes), tier None for blocks no longer
-        cached. Blocks entering the cache through `insert` are not listed (their inserter publishes them)."""
+        cached. Blocks entering the cache through `insert` are listed only as their inserter notes them
+        (`note_stored`)."""
         out, self._index_events = self._index_events, []
         return out
+
+    def note_stored(self, hashes: list[int]) -> None:
+        """Lists blocks an inserter put on the device (a request's prompt pages) among the index events."""
+        self._index_events.append(("device", hashes))
 
     def drain_evicted_hashes(self) -> list[int]:
         """Hashes of the blocks no longer cached since the last drain (`drain_index_events` without the

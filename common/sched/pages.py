@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from common.kv.allocator import PageAllocator
@@ -19,8 +17,6 @@ class KVBudget:
         self.cache = cache
         self.page_table = page_table
         self.page_size = page_table.page_size
-        # Told the block hashes of prompt pages entering the prefix cache (the Redis prefix index listens).
-        self.on_cached: Callable[[list[int]], None] | None = None
 
     def available_pages(self) -> int:
         evictable = self.cache.evictable_pages if self.cache is not None else 0
@@ -90,5 +86,5 @@ class KVBudget:
         req.cache_node = match.node
         req.pages[:n_pages] = tree.tolist()
         req.tree_pages = n_pages
-        if hashes is not None and self.on_cached is not None:
-            self.on_cached(list(hashes))
+        if hashes is not None:
+            cache.note_stored(list(hashes))  # for the Redis prefix index, in order with the cache's own changes

@@ -11,7 +11,7 @@ from common.protocol import SamplingParams, TokenLogprob
 class ReqState(enum.Enum):
     WAITING = "waiting"  # queued for prefill
     PREFILLING = "prefilling"  # admitted, prompt partly computed (chunked)
-    AWAITING_KV = "awaiting_kv"  # decode side: pages reserved, a prefill peer is writing them
+    AWAITING_KV = "awaiting_kv"  # decode side: pages reserved for its KV connector, a prefill peer writes them
     RUNNING = "running"  # decoding
     FINISHED = "finished"
 
@@ -45,7 +45,7 @@ class Req:
     error: str | None = None
     stream_cursor: int = 0  # outputs already handed to the caller
     # Prefilled for a peer (its KV is sent on, the decode happens elsewhere): once its first token is sampled
-    # the scheduler parks it (`Scheduler.on_prefill_done`) instead of letting it join the decode batch.
+    # it never joins the decode batch: held while its KV connector says so (`KVConnector.prefill_done`).
     prefill_only: bool = False
 
     def __post_init__(self) -> None:

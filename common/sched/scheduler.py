@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -47,15 +46,18 @@ from common.engine.forward_batch import ForwardBatch
 from common.engine.runner import ModelRunner
 from common.kv.allocator import PageAllocator
 from common.kv.host_tier import make_host_tier
+from common.kv.integrity import page_ledger_violations
 from common.kv.radix import RadixCache
 from common.protocol import TokenLogprob
 from common.sched.grammar import GrammarBook, GrammarError
+from common.sched.kv_connector import KVArrival, KVConnector, NullConnector
 from common.sched.launched import Launched, StepTimer, copy_to_host
 from common.sched.pages import KVBudget
 from common.sched.penalties import PenaltyCounts
 from common.sched.prefill import PrefillAdder
 from common.sched.prefill_budget import AUTO_ITL_DECODE_STEPS, PrefillSpeed, StepSeconds, prefill_token_budget
 from common.sched.request import Req, ReqState
+from common.sched.snapshot import SchedulerSnapshot
 from common.sched.step_sampling import StepSampler
 from common.settings import SchedulerConfig
 
@@ -80,11 +82,6 @@ class StepEvent:
     finished: bool = False
 
 
-# Called for every chunk of a prefill step once the step's device work is complete (its KV is in the pool),
-# with the token range whose KV is now written.
-ChunkHook = Callable[[Req, int, int], None]
-
-
 class Scheduler:
     def __init__(
         self,
@@ -92,6 +89,7 @@ class Scheduler:
         cfg: SchedulerConfig,
         eos_token_ids: tuple[int, ...] = (),
         overlap: bool | None = None,
+        connector: KVConnector | None = None,
     ) -> None:
         self.runner = runner
         self.cfg = cfg
@@ -140,13 +138,12 @@ class Scheduler:
         self.mixed_speed = PrefillSpeed()
         self.decode_step = StepSeconds()
         self.processed_kind: str | None = None  # kind of the step processed last ("prefill" | "decode" | "mixed")
-        self.on_prefill_chunk: ChunkHook | None = None
-        # A `prefill_only` request whose prompt is done (first token sampled) is handed to this callback and
-        # parked: its pages stay as they are, outside the prefix cache, until the owner calls `release` (after
-        # the KV transfer that reads them reached a terminal state). Other requests join the decode batch.
-        self.on_prefill_done: Callable[[Req], None] | None = None
-        # Decode side: receives aborted requests whose pages a remote prefill may still write into.
-        self.on_kv_abandoned: Callable[[Req], None] | None = None
+        # KV transfer (common/sched/kv_connector.py). Without it (the null connector) no ask is made at all.
+        self.connector: KVConnector = connector if connector is not None else NullConnector()
+        self._transfers = type(self.connector) is not NullConnector
+        # Requests whose pages the connector holds (a transfer reads or writes them), outside the active set
+        # until it releases them; True: their prefix is cached then (a prompt prefilled for a peer).
+        self.held: dict[str, tuple[Req, bool]] = {}
 
     # ---- admission -------------------------------------------------------------------------------
     def validate(self, req: Req) -> None:
@@ -181,7 +178,7 @@ class Scheduler:
             active.append(self.chunked)
         return sum(self.budget.pages_for(r.max_device_len) - len(r.pages) for r in active)
 
-    def reserve_for_remote_prefill(self, req: Req) -> torch.Tensor | None:
+    def _reserve(self, req: Req) -> list[int] | None:
         """Decode side: reserves pages for `req`'s prompt (and its output budget) so a prefill peer can write
         its KV into them. Returns the prompt's page ids, or None when memory or a table row is short."""
         self.validate(req)
@@ -199,20 +196,39 @@ class Scheduler:
         req.state = ReqState.AWAITING_KV
         self.awaiting_kv[req.req_id] = req
         self.by_id[req.req_id] = req
-        return torch.tensor(req.pages, dtype=torch.int64)
+        return list(req.pages)
 
-    def admit_prefilled(
-        self, req_id: str, first_token: int, logprob: TokenLogprob | None, cached_tokens: int
-    ) -> StepEvent:
+    def _admit_arrived(self, a: KVArrival) -> StepEvent:
         """Decode side: the prompt's KV has arrived; the request joins the running batch with its first token."""
-        req = self.awaiting_kv.pop(req_id)
+        req = self.awaiting_kv.pop(a.req_id)
         req.cached_len = req.prompt_len
-        req.prefix_hit_len = cached_tokens
+        req.prefix_hit_len = a.cached_tokens
         req.state = ReqState.RUNNING
         self.running.append(req)
         event = StepEvent(req)
-        self._append_token(req, first_token, logprob, event)
+        self._append_token(req, a.token, a.logprob, event)
         return event
+
+    def settle_transfers(self) -> list[StepEvent]:
+        """Asks the connector which transfers ended (held pages go back, requests whose KV arrived join the
+        running batch: their first-token events are returned), then reserves pages for the requests whose KV
+        a peer computes while they fit, first come first served. The owner calls it once per loop turn; with
+        the null connector it does nothing."""
+        if not self._transfers:
+            return []
+        events: list[StepEvent] = []
+        done = self.connector.finished()
+        if done:
+            for rid in done.released:
+                self._release_held(rid)
+            for a in done.arrived:
+                events.append(self._admit_arrived(a))
+        for req in list(self.connector.reservations()):
+            pages = self._reserve(req)
+            if pages is None:
+                break  # later requests wait behind this one
+            self.connector.reserved(req, pages)
+        return events
 
     # ---- abort / release ---------------------------------------------------------------------------
     def abort(self, req_id: str, reason: str = "abort", error: str | None = None) -> StepEvent | None:
@@ -229,31 +245,38 @@ class Scheduler:
             self.running.remove(req)
         req.finish_reason = reason
         req.error = error
-        if req.state is ReqState.AWAITING_KV and self.on_kv_abandoned is not None:
-            # A prefill peer may still be writing into these pages: their owner frees them once it is safe.
+        if req.req_id in self.held:
+            req.state = ReqState.FINISHED  # parked: its pages stay held until the connector releases them
+        elif self._transfers and self.connector.aborted(req):
+            # A transfer may still touch these pages (a peer writing into them): they go back once it is over.
             req.state = ReqState.FINISHED
-            self.on_kv_abandoned(req)
+            self.held[req_id] = (req, False)
         else:
             self._finish(req, cache_kv=False)
         return StepEvent(req, finished=True)
 
-    def free_abandoned(self, req: Req) -> None:
-        """Frees the pages of a request handed to `on_kv_abandoned` (no prefix caching: its KV is partial)."""
-        self.budget.release(req)
-        self.by_id.pop(req.req_id, None)
+    def _prefill_done(self, req: Req) -> None:
+        """A `prefill_only` request's first token is sampled: parked while the connector holds its pages (a
+        transfer reads them), else cached and freed now. It never joins the decode batch."""
+        if self._transfers and self.connector.prefill_done(req):
+            self.held[req.req_id] = (req, True)
+        else:
+            self._free(req, cache_kv=True)
 
-    def release(self, req: Req) -> None:
-        """Caches the prefix and frees the pages of a request parked by `on_prefill_done`."""
-        self.budget.cache_prefix(req, req.cached_len)
+    def _release_held(self, req_id: str) -> None:
+        held = self.held.pop(req_id, None)
+        if held is not None:
+            self._free(*held)
+
+    def _free(self, req: Req, cache_kv: bool) -> None:
+        if cache_kv:
+            self.budget.cache_prefix(req, req.cached_len)
         self.budget.release(req)
         self.by_id.pop(req.req_id, None)
 
     def _finish(self, req: Req, cache_kv: bool = True) -> None:
         req.state = ReqState.FINISHED
-        if cache_kv:
-            self.budget.cache_prefix(req, req.cached_len)
-        self.budget.release(req)
-        self.by_id.pop(req.req_id, None)
+        self._free(req, cache_kv)
 
     # ---- the loop ----------------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -492,10 +515,10 @@ class Scheduler:
             else:
                 speed = self.prefill_speed if launched.kind == "prefill" else self.mixed_speed
                 speed.observe(sum(e - s for _, s, e in launched.chunks), seconds)
-        if self.on_prefill_chunk is not None:
+        if self._transfers:
             for r, s, e in launched.chunks:
                 if not r.finished:  # aborted while in flight: nothing to send on
-                    self.on_prefill_chunk(r, s, e)
+                    self.connector.chunk_done(r, s, e)
         if not launched.reqs:
             return []
         tokens = launched.tokens.tolist()
@@ -519,8 +542,8 @@ class Scheduler:
             event = StepEvent(r)
             self._append_token(r, tokens[i], lp, event)
             events.append(event)
-            if i >= launched.decode_rows and r.prefill_only and self.on_prefill_done is not None:
-                self.on_prefill_done(r)
+            if i >= launched.decode_rows and r.prefill_only:
+                self._prefill_done(r)
         return events
 
     def _append_token(self, req: Req, token: int, lp: TokenLogprob | None, event: StepEvent) -> None:
@@ -547,10 +570,63 @@ class Scheduler:
                 self.running.remove(req)
                 self._finish(req)
             else:
-                # A prefill-only request (parked by on_prefill_done): the owner releases after sending the KV.
+                # A prefill-only request: `_prefill_done` parks or frees it once this token is processed.
                 req.state = ReqState.FINISHED
 
     # ---- introspection -----------------------------------------------------------------------------
+    def snapshot(self) -> SchedulerSnapshot:
+        """The load, the page ledger in numbers and the published step policy, read in one go."""
+        host = self.cache.host if self.cache is not None else None
+        host_cached = self.cache.host_cached_pages if self.cache is not None and host is not None else 0
+        return SchedulerSnapshot(
+            running=len(self.running) + len(self.awaiting_kv) + (1 if self.chunked is not None else 0),
+            waiting=len(self.waiting),
+            held=len(self.held),
+            queued_prefill_tokens=self.queued_prefill_tokens(),
+            prefill_tokens_launched=self.prefill_tokens_launched,
+            free_pages=self.free_pages() - self.reserved_pages(),
+            total_pages=self.allocator.num_pages,
+            prefill_chunk_tokens=self.prefill_token_budget(decoding=True) if self.mixed_batching else 0,
+            itl_target_s=self.itl_target_s(),
+            prefill_step_tokens_per_s=self.prefill_speed.tokens_per_s,
+            host_pages_cached=host_cached,
+            host_pages_total=host.num_pages if host is not None else 0,
+            host_pages_saved=host.saved_pages if host is not None else 0,
+            host_pages_loaded=host.loaded_pages if host is not None else 0,
+        )
+
+    def last_step_kind(self) -> str | None:
+        """Kind of the step processed last ("prefill", "decode", "mixed"; None before the first): the one thing
+        a worker reads every step, so it is not left to a snapshot (which costs ~10 us to build)."""
+        return self.processed_kind
+
+    def has_request(self, req_id: str) -> bool:
+        """Whether `req_id` is live here (queued, prefilling, decoding, awaiting its KV, or held)."""
+        return req_id in self.by_id
+
+    def live_request_ids(self) -> list[str]:
+        """Every request that has not finished: waiting, prefilling, decoding or awaiting its KV."""
+        live = [r.req_id for r in (*self.waiting, *self.running, *self.awaiting_kv.values())]
+        if self.chunked is not None:
+            live.append(self.chunked.req_id)
+        return live
+
+    def ledger_violations(self) -> list[str]:
+        """What is wrong with the page ledger (common/kv/integrity.py): every page free, cached, or owned by
+        exactly one live or held request."""
+        owners = ((r.pages, r.tree_pages) for r in self.by_id.values())
+        return page_ledger_violations(self.allocator, self.cache, owners)
+
+    def cached_block_hashes(self, tier: str = "device") -> list[int]:
+        """The prefix cache's block hashes in `tier` (for a prefix index resync; may raise RuntimeError when the
+        tree changes meanwhile: callers on another thread retry)."""
+        return self.cache.all_block_hashes(tier) if self.cache is not None else []
+
+    def take_index_events(self) -> list[tuple[str | None, list[int]]]:
+        """The prefix cache's changes since the last call, in order, for the prefix index: (tier, block
+        hashes), tier None for blocks no longer cached (common/kv/radix.py)."""
+        return self.cache.drain_index_events() if self.cache is not None else []
+
     def queued_prefill_tokens(self) -> int:
         queued = sum(r.prompt_len for r in self.waiting)
         if self.chunked is not None:

@@ -26,6 +26,7 @@ from common.observability.timeline import Stamps
 from common.prefix.hashing import chained_block_hashes
 from common.prefix.publisher import PrefixIndexPublisher
 from common.protocol import LoadSnapshot, SamplingParams
+from common.sched.kv_connector import KVConnector, combined
 from common.sched.request import Req, ReqState
 from common.sched.scheduler import DuplicateRequest, RequestRejected, Scheduler, StepEvent
 from common.serving import tp_follower
@@ -84,9 +85,11 @@ def _malloc_trim() -> None:
 
 
 class EngineRole(Protocol):
-    """One job of an engine over its host's scheduler, pool and agent; built as ``role_cls(host)``."""
+    """One job of an engine over its host's scheduler, pool and agent; built as ``role_cls(host)``, before the
+    scheduler (which it may use only once built)."""
 
     handlers: Handlers  # this role's commands (disjoint from every other role's)
+    connector: KVConnector  # what the scheduler asks it about KV transfer (common/sched/kv_connector.py)
 
     def has_work(self) -> bool: ...
 
@@ -117,9 +120,6 @@ class EngineHost:
         cfg.runner.tp_agent_name = agent_name  # tensor-parallel followers with agents of their own derive theirs
         cfg.runner.tp_follower_main = tp_follower.__name__  # followers that can run those agents
         self.runner = ModelRunner(cfg.runner)
-        # Overlap on the GPU (the CPU schedules step N+1 while step N runs); off on the CPU and under tensor
-        # parallelism (see common/sched/scheduler.py).
-        self.scheduler = Scheduler(self.runner, cfg.sched)
         self.page_size = cfg.runner.page_size
         remote_ranks = None
         if self.runner.per_rank_agents:
@@ -135,7 +135,13 @@ class EngineHost:
             staging_bytes=int(cfg.transfer_staging_mb * (1 << 20)),
             progress_delay_us=None if cfg.nixl_progress_delay_us < 0 else cfg.nixl_progress_delay_us,
         )
-        tiered = self.scheduler.cache is not None and self.scheduler.cache.host is not None
+        # The roles (built over the runner and the agent) answer the scheduler's KV-transfer asks through
+        # their connectors (common/sched/kv_connector.py). Overlap on the GPU (the CPU schedules step N+1
+        # while step N runs); off on the CPU and under tensor parallelism (see common/sched/scheduler.py).
+        self.roles = [make(self) for make in roles]
+        self.scheduler = Scheduler(self.runner, cfg.sched, connector=combined([r.connector for r in self.roles]))
+        self.kv_verified: dict[str, bool] = {}  # arrived KV whose checksums matched: said in the first-token event
+        tiered = self.scheduler.snapshot().host_pages_total > 0
         self.publisher = PrefixIndexPublisher(
             cfg.redis_url,
             cfg.runner.model,
@@ -144,7 +150,6 @@ class EngineHost:
             resync_host=(lambda: self._cached_hashes("host")) if tiered else None,
             access=cfg.redis_access,
         )
-        self.scheduler.budget.on_cached = self.publisher.stored
         self.outbox: list[Event] = []
         self.stopping = False
         self._last_load = 0.0
@@ -161,7 +166,6 @@ class EngineHost:
         self.decode_step_s = 0.0  # smoothed decode-only step time, published for the router's ITL model
         # This role's commands, by type; role classes add theirs.
         self.handlers: Handlers = {Stop: self._stop, Abort: self._abort}
-        self.roles = [make(self) for make in roles]
         for role in self.roles:
             self.handlers.update(role.handlers)
 
@@ -253,6 +257,7 @@ class EngineHost:
                 self.handle(recv(self.conn))
                 timeout = 0.0
             self.tick()
+            self.settle()
             self.check_ledger()
             if self.outbox:
                 # What the tick produced (a first token whose KV just landed) goes out now, not after the
@@ -276,7 +281,7 @@ class EngineHost:
                     # pages come back) and keep serving, rather than take the whole worker down.
                     log.exception("scheduler step failed; aborting the requests in flight")
                     self.fail_all("internal error in the engine step")
-            for tier, hashes in self.scheduler.cache.drain_index_events() if self.scheduler.cache is not None else []:
+            for tier, hashes in self.scheduler.take_index_events():
                 if tier is None:
                     self.publisher.removed(hashes)
                 else:
@@ -293,17 +298,17 @@ class EngineHost:
 
     def check_ledger(self) -> None:
         """While idle, every page must be free or cached exactly once (common/kv/integrity.py)."""
-        s = self.scheduler
-        problems = self.ledger_check(
-            not self.has_work(), s.allocator, s.cache, ((r.pages, r.tree_pages) for r in s.by_id.values())
-        )
+        problems = self.ledger_check(not self.has_work(), self.scheduler.ledger_violations)
         if problems:
             self.outbox.append(KVIntegrity(len(problems)))
 
     def _observe_step(self, started: float, events: list[StepEvent]) -> None:
         """Per step, never per token: a decode-only step's time and batch size; admissions of queued requests."""
-        decode_only = self.scheduler.processed_kind == "decode"  # not a mixed step that finished no prompt
-        if events and decode_only and all(len(e.req.output_ids) > len(e.tokens) for e in events):
+        if (
+            events
+            and self.scheduler.last_step_kind() == "decode"  # not a mixed step that finished no prompt
+            and all(len(e.req.output_ids) > len(e.tokens) for e in events)
+        ):
             seconds = time.time() - started
             self._steps += (seconds, len(events))
             prev = self.decode_step_s
@@ -358,58 +363,48 @@ class EngineHost:
         self.runner.close()
 
     def _cached_hashes(self, tier: str = "device") -> list[int]:
-        cache = self.scheduler.cache
-        if cache is None:
-            return []
         # Runs on the publisher's thread while the loop may change the tree: retry a torn walk.
         for _ in range(5):
             try:
-                return cache.all_block_hashes(tier)
+                return self.scheduler.cached_block_hashes(tier)
             except RuntimeError:
                 time.sleep(0.001)
         return []
 
-    def _host_tier_load(self) -> dict[str, int]:
-        cache = self.scheduler.cache
-        host = cache.host if cache is not None else None
-        if host is None:
-            return {}
-        return {
-            "host_pages_cached": cache.host_cached_pages,  # type: ignore[union-attr]
-            "host_pages_total": host.num_pages,
-            "host_pages_saved": host.saved_pages,
-            "host_pages_loaded": host.loaded_pages,
-        }
-
     def load(self) -> LoadSnapshot:
-        s = self.scheduler
-        queued = s.queued_prefill_tokens()
-        rate = self.prefill_rate.observe(time.monotonic(), s.prefill_tokens_launched, queued > 0)
+        snap = self.scheduler.snapshot()
+        queued = snap.queued_prefill_tokens
+        rate = self.prefill_rate.observe(time.monotonic(), snap.prefill_tokens_launched, queued > 0)
         return LoadSnapshot(
             role=self.role,  # type: ignore[arg-type]
             pod=self.cfg.pod_name,
             queued_prefill_tokens=queued,
             prefill_tokens_per_s=round(rate, 1),
-            prefill_chunk_tokens=s.prefill_token_budget(decoding=True) if s.mixed_batching else 0,
-            itl_target_s=round(s.itl_target_s(), 5),
-            prefill_step_tokens_per_s=round(s.prefill_speed.tokens_per_s, 1),
+            prefill_chunk_tokens=snap.prefill_chunk_tokens,
+            itl_target_s=round(snap.itl_target_s, 5),
+            prefill_step_tokens_per_s=round(snap.prefill_step_tokens_per_s, 1),
             decode_step_s=round(self.decode_step_s, 5),
-            running_requests=len(s.running) + len(s.awaiting_kv) + (1 if s.chunked else 0),
-            waiting_requests=len(s.waiting),
-            free_pages=s.free_pages() - s.reserved_pages(),
-            total_pages=s.allocator.num_pages,
+            running_requests=snap.running,
+            waiting_requests=snap.waiting,
+            free_pages=snap.free_pages,
+            total_pages=snap.total_pages,
             page_size=self.page_size,
             ready=True,
-            **self._host_tier_load(),
+            host_pages_cached=snap.host_pages_cached,
+            host_pages_total=snap.host_pages_total,
+            host_pages_saved=snap.host_pages_saved,
+            host_pages_loaded=snap.host_pages_loaded,
         )
 
     def fail_all(self, error: str) -> None:
-        s = self.scheduler
-        active = [r.req_id for r in (*s.waiting, *s.running, *s.awaiting_kv.values())]
-        if s.chunked is not None:
-            active.append(s.chunked.req_id)
-        for rid in active:
+        for rid in self.scheduler.live_request_ids():
             self.abort(rid, "error", error)
+
+    def settle(self) -> None:
+        """Transfers that ended this turn: held pages go back, requests whose KV arrived join the running
+        batch and their first tokens go out now, not after the next model step."""
+        for event in self.scheduler.settle_transfers():
+            self.emit_step_events([event], kv_verified=self.kv_verified.pop(event.req.req_id, None))
 
     # ---- what the roles add up to -------------------------------------------------------------------
     def has_work(self) -> bool:
