@@ -291,6 +291,11 @@ class FlashInferAttention:
                 splits = self.triton_decode.num_splits(bs, self.num_kv_heads, self.num_sms)
                 self._triton_meta = (*graph_meta, splits)
 
+    def write_rows(self, out_loc: torch.Tensor) -> None:
+        """Where `store` writes this step's K/V (pool rows, KVPool.token_rows), leaving the attention's plan as it
+        is: the piecewise step graphs capture `store` on a static buffer and attend as planned (plan_extend)."""
+        self._out_loc = out_loc
+
     # ---- per layer --------------------------------------------------------------------------------
     def forward(
         self, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -117,7 +117,8 @@ class StepGraphs:
 
     def _layers(self, tokens: int, graphs: list[torch.cuda.CUDAGraph] | None, attend_rows: int = 0) -> None:
         inp = self.inputs
-        self.attn.bind(self.attn.prefill_wrapper, inp.out_loc[:tokens])
+        # Only the write rows: rebinding a wrapper would drop a split plan_extend made for the eager twin.
+        self.attn.write_rows(inp.out_loc[:tokens])
         breaks = _BreakAtAttention(self, tokens, graphs, attend_rows)
         hidden, residual = self.model.forward_hidden(inp.input_ids[:tokens], inp.positions[:tokens], breaks)
         self.hidden[:tokens].copy_(hidden)
