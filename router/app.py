@@ -8,7 +8,6 @@ router/service.py, routing router/policy.py + router/upstream.py.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -32,8 +31,6 @@ from router.runtime import RouterRuntime, RuntimeSlot
 from router.settings import RouterOptions
 from router.timeline import RequestLog
 from router.tokenizer import ModelInfo, RouterTokenizer, load_tokenizer
-
-log = logging.getLogger("kvferry.router")
 
 __all__ = ["create_app"]
 
