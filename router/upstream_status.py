@@ -62,9 +62,8 @@ _ROWS: list[tuple[int, str | None, Callable[[WorkerAnswer], Exception]]] = [
     # an upgrade that kept old manifests): its own prefill serves the prompt, slower but answered, and the
     # message (logged) says which setting to set.
     (403, "unknown_prefill_peer", lambda a: Retry(upstream_failed(a.message), False, True, local=True)),
-    (400, None, lambda a: bad_request(a.message, None, a.code)),
-    (413, None, lambda a: bad_request(a.message, None, a.code)),
-    (422, None, lambda a: bad_request(a.message, None, a.code)),
+    # The client's fault: answered as is, never retried.
+    *((status, None, lambda a: bad_request(a.message, None, a.code)) for status in (400, 413, 422)),
     (
         429,
         None,
