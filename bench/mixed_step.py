@@ -175,11 +175,17 @@ def main() -> int:
     p.add_argument("--kv-gb", type=float, default=60.0)
     p.add_argument("--offline-requests", type=int, default=200)
     p.add_argument("--no-offline", action="store_true")
+    p.add_argument(
+        "--split-min-rows",
+        default="",
+        help="comma list: the step table again per value of attention.SPLIT_DECODE_MIN_ROWS (decode rows that "
+        "take the decode kernel in a mixed step)",
+    )
     p.add_argument("--out")
     args = p.parse_args()
 
     from common.engine.runner import ModelRunner
-    from common.settings import RunnerConfig
+    from common.settings import ITL_TARGET_AUTO, RunnerConfig
 
     t0 = time.perf_counter()
     runner = ModelRunner(
@@ -193,11 +199,22 @@ def main() -> int:
     chunks = [int(x) for x in args.chunks.split(",")]
     result["steps"] = step_table(runner, batches, chunks, args.context, args.iters)
     out.write_text(json.dumps(result, indent=1))
+    if args.split_min_rows:
+        from common.engine.gpu import attention
+
+        landed = attention.SPLIT_DECODE_MIN_ROWS
+        result["split_min_rows"] = {}
+        for n in (int(x) for x in args.split_min_rows.split(",")):
+            attention.SPLIT_DECODE_MIN_ROWS = n
+            log(f"step table with SPLIT_DECODE_MIN_ROWS={n}")
+            result["split_min_rows"][n] = step_table(runner, batches, chunks, args.context, args.iters)
+            out.write_text(json.dumps(result, indent=1))
+        attention.SPLIT_DECODE_MIN_ROWS = landed
     if not args.no_offline:
-        offline(runner, 16, -1.0, seed=99)  # warm-up: lazy inits, the kernels of odd shapes
+        offline(runner, 16, ITL_TARGET_AUTO, seed=99)  # warm-up: lazy inits, the kernels of odd shapes
         result["offline"] = []
         steps = runner.gpu.step_graphs
-        for target, graphed in ((0.0, True), (-1.0, True), (-1.0, False)):
+        for target, graphed in ((0.0, True), (ITL_TARGET_AUTO, True), (ITL_TARGET_AUTO, False)):
             runner.gpu.step_graphs = steps if graphed else None
             r = offline(runner, args.offline_requests, target, seed=1)
             r["step_graphs"] = graphed

@@ -30,12 +30,10 @@ if __package__ in (None, ""):  # run as a script: make the repo importable
 
 import torch
 
+from common.settings_registry import itl_target_ms
+
 OUT_DIR = Path(__file__).resolve().parent / "out"
 TEXT_MODULES = ("argparse", "inspect", "textwrap", "json.decoder", "email.message", "logging", "typing")
-
-
-def parse_target(value: str) -> float:
-    return -1.0 if value == "auto" else float(value)
 
 
 def run_policy(runner: Any, target_ms: float, stream_prompt: list[int], long_prompt: list[int], args) -> dict:
@@ -127,7 +125,7 @@ def main() -> int:
 
     results = []
     for t in args.targets.split(","):
-        r = run_policy(runner, parse_target(t.strip()), stream_prompt, long_prompt, args)
+        r = run_policy(runner, itl_target_ms(t.strip()), stream_prompt, long_prompt, args)
         results.append(r)
         print(
             f"ITL target {t:>5}: prefill {r['prefill_s']:.2f} s in {r['steps_while_prefilling']} steps, stream's worst "

@@ -154,16 +154,25 @@ def token_list(value: str) -> tuple[str, ...]:
     return tuple(t.strip() for t in value.split(",") if t.strip())
 
 
-ITL_TARGET_AUTO = -1.0  # `SchedulerConfig.itl_target_ms`: the target follows the engine's own decode step
+# `SchedulerConfig.itl_target_ms` below 0: the target is -itl_target_ms times the engine's own measured
+# decode step; the default (`auto`) is 2 of them (common/sched/prefill_budget.py).
+ITL_TARGET_AUTO = -2.0
 
 
 def itl_target_ms(value: str) -> float:
-    """`auto` (ITL_TARGET_AUTO: from the engine's measured decode step), milliseconds, or 0 (prefill-first)."""
-    if value.strip().lower() == "auto":
+    """`auto` (ITL_TARGET_AUTO), `<k>x` (k of the engine's measured decode steps, k >= 1), milliseconds, or 0
+    (prefill-first)."""
+    text = value.strip().lower()
+    if text == "auto":
         return ITL_TARGET_AUTO
-    ms = float(value)
+    if text.endswith("x"):
+        steps = float(text[:-1])
+        if steps < 1:
+            raise ValueError("a multiple of the decode step must be at least 1x")
+        return -steps
+    ms = float(text)
     if ms < 0:
-        raise ValueError("must be auto, 0 or a positive number of ms")
+        raise ValueError("must be auto, <k>x, 0 or a positive number of ms")
     return ms
 
 
@@ -507,8 +516,9 @@ ITL_TARGET_MS = declare(
     "KVFERRY_ITL_TARGET_MS",
     itl_target_ms,
     ITL_TARGET_AUTO,
-    "N = ms; 0 = prefill-first. Every step decodes every running request and takes prompt chunks up to what the "
-    "engine prefills, at its peak device-timed prefill speed, in the target less the decode step (at least 4 pages; "
+    "N = ms; `<k>x` = k measured decode steps; 0 = prefill-first. Every step decodes every running request and "
+    "takes prompt chunks up to what the engine prefills, at its peak device-timed prefill speed, in the target less "
+    "the decode step, or more to keep up with arriving prompts or work off a queue (at least 4 pages; "
     "`common/sched/prefill_budget.py`, "
     '"Stall-free batching" above): bounds the ITL a prompt\'s prefill costs a running stream',
     "workers",

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from common.protocol import SamplingParams
+from common.settings_registry import ITL_TARGET_AUTO
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
@@ -579,7 +580,7 @@ def test_mixed_steps_give_prefill_first_tokens_fp32_gpu(tiny_dirs, overlap):
     params = _mixed_params(7, [30, 45, 12], {1: sync[1][0][6]})
     expected = _generate(_engine(runner, overlap, 64), prompts, params)
     assert expected[1][1] == "stop"
-    for target in (1e-3, -1.0):
+    for target in (1e-3, ITL_TARGET_AUTO):
         engine = _engine(runner, overlap, 64, itl_target_ms=target)
         assert _generate(engine, prompts, params) == expected
 
@@ -590,7 +591,7 @@ def test_mixed_steps_on_flashinfer_with_graphs_complete_and_free_everything(tiny
     """bf16, CUDA graphs for the decode steps, overlap on, the auto target: mixed steps run, every request
     completes with its length, every page comes back."""
     runner = _runner(tiny_dirs["llama"], "cuda", "bfloat16")
-    engine = _engine(runner, True, 64, itl_target_ms=-1.0)
+    engine = _engine(runner, True, 64, itl_target_ms=ITL_TARGET_AUTO)
     kinds: dict[str, int] = {}
     step = engine.scheduler.step
 

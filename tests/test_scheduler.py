@@ -508,6 +508,40 @@ def test_prefill_budget_grows_with_the_backlog_so_prefill_keeps_up() -> None:
     assert prefill_token_budget(2048, 16, 40_000.0, 0.02, False, backlog_tokens=10) == 2048  # alone: all of it
 
 
+def test_prefill_budget_keeps_up_with_arriving_prompts() -> None:
+    """Beside decoding, the chunk is at least what keeps prefill KEEP_UP_MARGIN ahead of the prompt tokens
+    arriving: c / (decode step + c / speed) = margin x arrivals; all of max_prefill_tokens when no chunk can."""
+    from common.sched.prefill_budget import KEEP_UP_MARGIN, prefill_token_budget
+
+    itl = prefill_token_budget(2048, 16, 40_000.0, 0.02, True, decode_step_s=0.01)
+    assert itl == 400  # 10 ms of prefill beside a 10 ms decode step
+    slow = prefill_token_budget(2048, 16, 40_000.0, 0.02, True, decode_step_s=0.01, arrival_tokens_per_s=5_000.0)
+    assert slow == itl  # the ITL chunk prefills 20k tok/s: arrivals of 5k are kept up with
+    need = KEEP_UP_MARGIN * 20_000.0
+    chunk = need * 0.01 / (1 - need / 40_000.0)
+    fast = prefill_token_budget(2048, 16, 40_000.0, 0.02, True, decode_step_s=0.01, arrival_tokens_per_s=20_000.0)
+    assert fast == int(chunk) // 16 * 16 > itl
+    assert fast / (0.01 + fast / 40_000.0) >= 20_000.0  # the chunk's prefill rate outpaces the arrivals
+    over = prefill_token_budget(2048, 16, 40_000.0, 0.02, True, decode_step_s=0.01, arrival_tokens_per_s=35_000.0)
+    assert over == 2048
+
+
+def test_arrival_rate_needs_enough_arrivals_and_falls_while_none_come() -> None:
+    from common.sched.prefill_budget import ARRIVALS_SEEN, ArrivalRate
+
+    rate = ArrivalRate()
+    for i in range(ARRIVALS_SEEN - 1):  # one long prompt, or a few, is no rate
+        rate.add(i * 0.1, 1000)
+    assert rate.tokens_per_s(2.0) == 0.0
+    rate = ArrivalRate()
+    for i in range(ARRIVALS_SEEN + 4):
+        rate.add(i * 0.1, 1000)
+    last = (ARRIVALS_SEEN + 3) * 0.1
+    oldest = last - (ARRIVALS_SEEN - 1) * 0.1
+    assert rate.tokens_per_s(last) == pytest.approx((ARRIVALS_SEEN - 1) * 1000 / (last - oldest))  # 10k tok/s
+    assert rate.tokens_per_s(last + 10.0) < rate.tokens_per_s(last) / 5  # none arrive: the rate falls
+
+
 def test_itl_target_chunks_prefill_beside_decoding_and_keeps_outputs(tiny_model: DecoderModel) -> None:
     """With an ITL target a prompt that arrives while another request decodes is prefilled in capped chunks
     (the tiny model's measured speed puts the cap at the 4-page floor), and every output is unchanged."""

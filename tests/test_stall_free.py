@@ -12,9 +12,10 @@ import pytest
 from common.engine.model import DecoderModel
 from common.protocol import SamplingParams
 from common.sched.kv_connector import FinishedTransfers, KVConnector, NullConnector
-from common.sched.prefill_budget import AUTO_ITL_DECODE_STEPS, BACKLOG_STEPS, MIN_PAGES
+from common.sched.prefill_budget import BACKLOG_STEPS, MIN_PAGES
 from common.sched.request import Req
 from common.sched.scheduler import Scheduler, SchedulerConfig
+from common.settings_registry import ITL_TARGET_AUTO
 from tests.engine_helpers import assert_pool_clean
 from tests.test_scheduler import PAGE, ChunkLog, build_tiny_model, check_invariants, make_engine, prompts
 
@@ -93,7 +94,7 @@ def test_mixed_steps_give_prefill_first_tokens(tiny_model: DecoderModel, overlap
     """Greedy, seeded sampling, penalties, logprobs, chunked prompts, prefix-cache hits and an abort: the same
     outputs under mixed steps (small chunks, the auto target) as under prefill-first; every page comes back."""
     results = {}
-    for target in (0.0, TINY_TARGET_MS, -1.0):
+    for target in (0.0, TINY_TARGET_MS, ITL_TARGET_AUTO):
         sched = scheduler(tiny_model, target, overlap, prefix_cache)
         out, reqs, mixed = run_workload(sched)
         assert (mixed > 0) == (target != 0), (target, mixed)
@@ -105,7 +106,7 @@ def test_mixed_steps_give_prefill_first_tokens(tiny_model: DecoderModel, overlap
         assert sched.runner.page_table.num_free_rows == sched.max_running
         results[target] = out
     assert results[TINY_TARGET_MS] == results[0.0]
-    assert results[-1.0] == results[0.0]
+    assert results[ITL_TARGET_AUTO] == results[0.0]
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -143,7 +144,8 @@ def test_every_step_advances_every_running_request_while_a_prompt_prefills(
 
 def test_prompts_queued_behind_a_prefill_grow_its_chunks() -> None:
     """One long prompt alone is chunked at the ITL budget; prompts queued behind it make the chunk a
-    1/BACKLOG_STEPS share of what waits behind, so a queue is worked off instead of waiting on tiny chunks."""
+    1/BACKLOG_STEPS share of what waits behind, so a queue is worked off instead of waiting on tiny chunks
+    (and a short queue, which that share leaves below the ITL chunk, changes nothing)."""
     tiny = build_tiny_model()
     log = ChunkLog()
     sched = scheduler(tiny, TINY_TARGET_MS, overlap=False, connector=log)
@@ -156,22 +158,25 @@ def test_prompts_queued_behind_a_prefill_grow_its_chunks() -> None:
     long = Req(req_id="long", prompt_ids=prompts(52, [300])[0], sampling=SamplingParams(max_tokens=2))
     behind = [
         Req(req_id=f"q{i}", prompt_ids=p, sampling=SamplingParams(max_tokens=2))
-        for i, p in enumerate(prompts(53, [200, 200]))
+        for i, p in enumerate(prompts(53, [400] * 4))
     ]
     seen = len(log.chunks)  # the chunks from here on
     sched.add(long)
     assert sched.backlog_tokens() == 0  # alone: no one waits behind it
     assert sched.prefill_token_budget(decoding=True) == floor
-    for r in behind:
+    sched.add(behind[0])
+    assert sched.backlog_tokens() == 400 and sched.prefill_token_budget(decoding=True) == floor  # 400/16 < floor
+    for r in behind[1:]:
         sched.add(r)
-    assert sched.backlog_tokens() == 400
-    assert sched.prefill_token_budget(decoding=True) == 400 // BACKLOG_STEPS // PAGE * PAGE
+    assert sched.backlog_tokens() == 1600
+    grown = 1600 // BACKLOG_STEPS // PAGE * PAGE
+    assert grown > floor and sched.prefill_token_budget(decoding=True) == grown
     while not all(r.output_ids for r in [long, *behind]):
         sched.step()
         check_invariants(sched)
     chunks = [(rid, e - s) for rid, s, e in log.chunks[seen:]]
     first = chunks[0]
-    assert first == ("long", 400 // BACKLOG_STEPS // PAGE * PAGE)
+    assert first == ("long", grown)
     assert sum(n for rid, n in chunks if rid == "long") == 300
     assert len(running.output_ids) > 0
 
@@ -205,7 +210,7 @@ def test_short_prompts_beside_a_large_batch_share_one_step(tiny_model: DecoderMo
 
 
 def test_auto_target_follows_the_measured_decode_step(tiny_model: DecoderModel) -> None:
-    """The default target: no mixed step until a decode step has been measured, then AUTO_ITL_DECODE_STEPS of
+    """The default target: no mixed step until a decode step has been measured, then the auto multiple (2) of
     it; the budget a worker publishes is the one its steps use."""
     sched = scheduler(tiny_model, SchedulerConfig().itl_target_ms, overlap=False)
     assert sched.mixed_batching and sched.itl_target_s() == 0.0
@@ -216,7 +221,7 @@ def test_auto_target_follows_the_measured_decode_step(tiny_model: DecoderModel) 
     sched.add(Req(req_id="b", prompt_ids=prompts(62, [100])[0], sampling=SamplingParams(max_tokens=3)))
     sched.step()
     assert sched.processed_kind == "decode"  # the decode step that sets the target
-    assert sched.itl_target_s() == pytest.approx(AUTO_ITL_DECODE_STEPS * sched.decode_step.seconds)
+    assert sched.itl_target_s() == pytest.approx(-ITL_TARGET_AUTO * sched.decode_step.seconds)
     sched.step()
     assert sched.processed_kind == "mixed" and sched.mixed_speed.tokens_per_s > 0
     assert sched.prefill_token_budget(decoding=True) >= MIN_PAGES * PAGE

@@ -1,42 +1,47 @@
 """How many prompt tokens a step may take beside the requests it decodes (stall-free batching).
 
-Every step carries one token for every running request; prompt chunks ride along up to a token budget. The
-budget follows an ITL target T: the step that carries a chunk is the gap between two of every running
-request's tokens, and it costs about the decode step D it replaces plus its chunk, so the chunk is what the
-engine prefills in T - D at its peak device-timed prefill speed (the fastest chunk tokens per second of any
-prefill or mixed step so far: a large chunk's, where fixed costs are amortised, so a few short prompts
-prefilled alone do not lower it). On the GPU prefill and mixed steps run as piecewise CUDA graphs
-(common/engine/gpu/step_graphs.py), so a mixed step is a decode step plus its chunk's compute; eagerly, an 8B
-step's launch alone cost ~15 ms on the H200 whatever its chunk, and a budget fed back from the mixed steps'
-own times shrank to its floor (bench/RESULTS.md "Stall-free batching").
+Every step carries one token for every running request; prompt chunks ride along up to a token budget, the
+largest of three sizes:
+- **the ITL chunk**: the step that carries a chunk is the gap between two of every running request's tokens,
+  and it costs about the decode step D it replaces plus its chunk, so the chunk is what the engine prefills
+  in T - D (T: the ITL target) at its peak device-timed prefill speed (the fastest chunk tokens per second of
+  any prefill or mixed step so far: a large chunk's, where fixed costs are amortised, so a few short prompts
+  prefilled alone do not lower it). On the GPU prefill and mixed steps run as piecewise CUDA graphs
+  (common/engine/gpu/step_graphs.py), so a mixed step is a decode step plus its chunk's compute.
+- **the keep-up chunk**: prefill must keep up with the prompt tokens arriving (`ArrivalRate`, over the last
+  ARRIVALS_SEEN admissions, so one long prompt alone is not a rate) with KEEP_UP_MARGIN to spare: a chunk c
+  prefills at c / (D + c / speed), so c = m*rate*D / (1 - m*rate/speed), all of `max_prefill_tokens` once
+  that cannot be reached. Sustained load (on the H200, 8B, ~75% of saturation) makes steps a little longer
+  than the target instead of letting the queue and TTFT grow without bound.
+- **the backlog chunk**: the prompt tokens queued behind the prompt being prefilled (one long prompt alone has
+  none) are worked off within BACKLOG_STEPS steps: a burst grows the chunk in proportion to it, and a saturated
+  worker runs full chunks with its decode rows riding along.
 
-The target is by default `AUTO_ITL_DECODE_STEPS` of the engine's own decode step (device-timed, smoothed), so
-it follows the model, the hardware and the batch size without tuning; `itl_target_ms > 0` sets it in
-milliseconds; 0 turns mixed steps off (prefill-first: a waiting prompt's chunks run back to back, each taking
-`max_prefill_tokens`, and decoding waits for them; kept for A/B runs). Steps without decoding requests take
-the whole `max_prefill_tokens`.
+The target is by default a multiple (2) of the engine's own decode step (device-timed, smoothed), so it
+follows the model, the hardware and the batch size without tuning; `KVFERRY_ITL_TARGET_MS` sets another
+multiple (`2.5x`) or milliseconds; 0 turns mixed steps off (prefill-first: a waiting prompt's chunks run back
+to back, each taking `max_prefill_tokens`, and decoding waits for them; kept for A/B runs). Steps without
+decoding requests take the whole `max_prefill_tokens`.
 
 No starvation: the budget never falls below MIN_PAGES pages, so a waiting prompt progresses every step even
-when the target leaves no room (a decode step that alone exceeds it). Nor does the ITL target starve the queue:
-when the prompt tokens queued behind the prompt being prefilled (the backlog: one long prompt alone has
-none) exceed BACKLOG_STEPS chunks, the chunk grows to a 1/BACKLOG_STEPS share of the backlog (at most
-`max_prefill_tokens`), so prefill keeps up with arrivals and a saturated worker runs full chunks with its
-decode rows riding along.
+when the target leaves no room (a decode step that alone exceeds it).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 MIN_PAGES = 4  # the budget never falls below this many pages: tiny chunks would starve prompts altogether
-# The auto ITL target in decode steps: a step beside decoding takes about this many decode steps, its chunk one
-# decode step's worth of prefill (bench/RESULTS.md, "Stall-free batching": on the H200, 8B, chunks of ~200-
-# 750 tokens at batch 1-64, inside the 2.5x bound of low load; the backlog rule takes over where arrivals
-# outpace that). On the CPU (2 threads) it gives chunks of ~50 tokens.
-AUTO_ITL_DECODE_STEPS = 2.0
-# A backlog of waiting prompt tokens is cleared in about this many steps at most: past BACKLOG_STEPS ITL chunks,
-# the chunk is the backlog's share instead (queue pressure beats the ITL target, else TTFT grows without bound).
-BACKLOG_STEPS = 2
+# A backlog queued behind the prompt being prefilled is worked off in about this many steps: a burst of a few
+# prompts grows the chunk a little, a saturated queue to all of max_prefill_tokens. (A rule that jumped to half
+# the backlog as soon as it exceeded two ITL chunks fired whenever two prompts overlapped, at ~45% load on the
+# H200 already, and those steps were the ITL p99: bench/RESULTS.md "Stall-free batching".)
+BACKLOG_STEPS = 16
+# Prefill keeps up with arrivals with this margin: the keep-up chunk's prefill rate is this multiple of the
+# arrival rate (a queue's utilisation 1/KEEP_UP_MARGIN at most).
+KEEP_UP_MARGIN = 1.3
+ARRIVALS_SEEN = 16  # the arrival rate is measured over this many admissions (fewer: no rate yet)
 
 
 def prefill_token_budget(
@@ -47,15 +52,41 @@ def prefill_token_budget(
     decoding: bool,
     backlog_tokens: int = 0,
     decode_step_s: float = 0.0,
+    arrival_tokens_per_s: float = 0.0,
 ) -> int:
-    """`max_tokens`, or while requests decode (and the target and speed are known) the tokens prefilled in
-    what the target leaves beside the decode step (`itl_target_s - decode_step_s`) or, if larger, a
-    BACKLOG_STEPS share of the `backlog_tokens` waiting; whole pages, at least MIN_PAGES pages."""
+    """`max_tokens`, or while requests decode (and the target and speed are known) the largest of the ITL
+    chunk (what is prefilled in `itl_target_s - decode_step_s`), the keep-up chunk for `arrival_tokens_per_s`
+    and a 1/BACKLOG_STEPS share of the `backlog_tokens` queued; whole pages, at least MIN_PAGES pages."""
     if not decoding or itl_target_s <= 0 or tokens_per_s <= 0:
         return max_tokens
-    room_s = max(itl_target_s - decode_step_s, 0.0)
-    tokens = max(int(tokens_per_s * room_s), backlog_tokens // BACKLOG_STEPS)
+    itl = tokens_per_s * max(itl_target_s - decode_step_s, 0.0)
+    need = KEEP_UP_MARGIN * arrival_tokens_per_s
+    keep_up = max_tokens if need >= tokens_per_s else need * decode_step_s / (1.0 - need / tokens_per_s)
+    tokens = int(max(itl, keep_up, backlog_tokens / BACKLOG_STEPS))
     return min(max_tokens, max(MIN_PAGES * page_size, tokens // page_size * page_size))
+
+
+@dataclass
+class ArrivalRate:
+    """Prompt tokens per second arriving, over the last ARRIVALS_SEEN admissions: the tokens of all but the
+    oldest over the time since the oldest, so it falls while none arrive; 0 until that many were seen."""
+
+    seen: int = ARRIVALS_SEEN
+    _times: deque[float] = field(default_factory=deque)
+    _tokens: deque[int] = field(default_factory=deque)
+
+    def add(self, now: float, tokens: int) -> None:
+        self._times.append(now)
+        self._tokens.append(tokens)
+        if len(self._times) > self.seen:
+            self._times.popleft()
+            self._tokens.popleft()
+
+    def tokens_per_s(self, now: float) -> float:
+        if len(self._times) < self.seen:
+            return 0.0
+        span = now - self._times[0]
+        return (sum(self._tokens) - self._tokens[0]) / span if span > 0 else 0.0
 
 
 @dataclass

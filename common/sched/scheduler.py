@@ -37,6 +37,7 @@ step's host data reaches the device in two copies, one for the forward and one f
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -55,7 +56,7 @@ from common.sched.launched import Launched, StepTimer, copy_to_host
 from common.sched.pages import KVBudget
 from common.sched.penalties import PenaltyCounts
 from common.sched.prefill import PrefillAdder
-from common.sched.prefill_budget import AUTO_ITL_DECODE_STEPS, PrefillSpeed, StepSeconds, prefill_token_budget
+from common.sched.prefill_budget import ArrivalRate, PrefillSpeed, StepSeconds, prefill_token_budget
 from common.sched.request import Req, ReqState
 from common.sched.snapshot import SchedulerSnapshot
 from common.sched.step_sampling import StepSampler
@@ -137,6 +138,7 @@ class Scheduler:
         self.prefill_speed = PrefillSpeed()
         self.mixed_speed = PrefillSpeed()
         self.decode_step = StepSeconds()
+        self.arrivals = ArrivalRate()  # prompt tokens admitted per second (the budget's keep-up chunk)
         self.processed_kind: str | None = None  # kind of the step processed last ("prefill" | "decode" | "mixed")
         # KV transfer (common/sched/kv_connector.py). Without it (the null connector) no ask is made at all.
         self.connector: KVConnector = connector if connector is not None else NullConnector()
@@ -328,8 +330,8 @@ class Scheduler:
         measured decode step (0 until one is measured; 0 as well with mixed steps off)."""
         if self.cfg.itl_target_ms > 0:
             return self.cfg.itl_target_ms / 1000
-        if self.cfg.itl_target_ms < 0:
-            return AUTO_ITL_DECODE_STEPS * self.decode_step.seconds
+        if self.cfg.itl_target_ms < 0:  # a multiple of the measured decode step (ITL_TARGET_AUTO: 2)
+            return -self.cfg.itl_target_ms * self.decode_step.seconds
         return 0.0
 
     @torch.inference_mode()
@@ -361,8 +363,10 @@ class Scheduler:
         if self.chunked is not None:
             adder.add_continuing(self.chunked)
             self.chunked = None
+        now = time.monotonic()
         while self.waiting and adder.try_admit(self.waiting[0]):
-            self.waiting.popleft()
+            r = self.waiting.popleft()
+            self.arrivals.add(now, r.prompt_len - r.cached_len)
         return adder
 
     def prefill_token_budget(self, decoding: bool | None = None) -> int:
@@ -379,6 +383,7 @@ class Scheduler:
             decoding=bool(self.running) if decoding is None else decoding,
             backlog_tokens=self.backlog_tokens(),
             decode_step_s=self.decode_step.seconds,
+            arrival_tokens_per_s=self.arrivals.tokens_per_s(time.monotonic()),
         )
 
     def backlog_tokens(self) -> int:
