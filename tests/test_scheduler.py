@@ -511,7 +511,7 @@ def test_prefill_budget_grows_with_the_backlog_so_prefill_keeps_up() -> None:
 def test_prefill_budget_keeps_up_with_arriving_prompts() -> None:
     """Beside decoding, the chunk is at least what keeps prefill KEEP_UP_MARGIN ahead of the prompt tokens
     arriving: c / (decode step + c / speed) = margin x arrivals; all of max_prefill_tokens when no chunk can."""
-    from common.sched.prefill_budget import KEEP_UP_MARGIN, prefill_token_budget
+    from common.sched.prefill_budget import KEEP_UP_MARGIN, KEEP_UP_MAX_STEPS, prefill_token_budget
 
     itl = prefill_token_budget(2048, 16, 40_000.0, 0.02, True, decode_step_s=0.01)
     assert itl == 400  # 10 ms of prefill beside a 10 ms decode step
@@ -522,8 +522,25 @@ def test_prefill_budget_keeps_up_with_arriving_prompts() -> None:
     fast = prefill_token_budget(2048, 16, 40_000.0, 0.02, True, decode_step_s=0.01, arrival_tokens_per_s=20_000.0)
     assert fast == int(chunk) // 16 * 16 > itl
     assert fast / (0.01 + fast / 40_000.0) >= 20_000.0  # the chunk's prefill rate outpaces the arrivals
+    # Arrivals no chunk keeps up with: the step stops at KEEP_UP_MAX_STEPS decode steps (a growing queue is the
+    # backlog chunk's to work off).
     over = prefill_token_budget(2048, 16, 40_000.0, 0.02, True, decode_step_s=0.01, arrival_tokens_per_s=35_000.0)
-    assert over == 2048
+    assert over == int(40_000.0 * (KEEP_UP_MAX_STEPS - 1) * 0.01) // 16 * 16 < 2048
+    flood = dict(decode_step_s=0.01, arrival_tokens_per_s=35_000.0, backlog_tokens=10**6)
+    assert prefill_token_budget(2048, 16, 40_000.0, 0.02, True, **flood) == 2048
+
+
+def test_chunk_speed_is_the_mixed_steps_marginal_speed_within_bounds() -> None:
+    from common.sched.prefill_budget import CHUNK_SPEED_RANGE, chunk_speed, marginal_seconds
+
+    assert marginal_seconds(0.015, 0.006) == pytest.approx(0.009)  # the chunk added 9 ms to a 6 ms decode step
+    assert marginal_seconds(0.006, 0.0065) == pytest.approx(0.0006)  # timed under the decode step: not free
+    assert chunk_speed(40_000.0, 0.0) == 40_000.0  # no mixed step timed yet: the prefill-only peak
+    assert chunk_speed(0.0, 30_000.0) == 30_000.0
+    assert chunk_speed(40_000.0, 55_000.0) == 55_000.0  # beside decoding the weights are read anyway
+    lo, hi = CHUNK_SPEED_RANGE
+    assert chunk_speed(40_000.0, 1e9) == hi * 40_000.0
+    assert chunk_speed(40_000.0, 1.0) == lo * 40_000.0
 
 
 def test_arrival_rate_needs_enough_arrivals_and_falls_while_none_come() -> None:
@@ -538,8 +555,8 @@ def test_arrival_rate_needs_enough_arrivals_and_falls_while_none_come() -> None:
         rate.add(i * 0.1, 1000)
     last = (ARRIVALS_SEEN + 3) * 0.1
     oldest = last - (ARRIVALS_SEEN - 1) * 0.1
-    assert rate.tokens_per_s(last) == pytest.approx((ARRIVALS_SEEN - 1) * 1000 / (last - oldest))  # 10k tok/s
-    assert rate.tokens_per_s(last + 10.0) < rate.tokens_per_s(last) / 5  # none arrive: the rate falls
+    assert rate.tokens_per_s(last) == pytest.approx((ARRIVALS_SEEN - 1) * 1000 / (last - oldest))
+    assert rate.tokens_per_s(last + 30.0) < rate.tokens_per_s(last) / 5  # none arrive: the rate falls
 
 
 def test_itl_target_chunks_prefill_beside_decoding_and_keeps_outputs(tiny_model: DecoderModel) -> None:

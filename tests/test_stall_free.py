@@ -12,7 +12,7 @@ import pytest
 from common.engine.model import DecoderModel
 from common.protocol import SamplingParams
 from common.sched.kv_connector import FinishedTransfers, KVConnector, NullConnector
-from common.sched.prefill_budget import BACKLOG_STEPS, MIN_PAGES
+from common.sched.prefill_budget import BACKLOG_STEPS, CHUNK_SPEED_RANGE, MIN_PAGES, marginal_seconds
 from common.sched.request import Req
 from common.sched.scheduler import Scheduler, SchedulerConfig
 from common.settings_registry import ITL_TARGET_AUTO
@@ -326,14 +326,21 @@ def test_grammar_request_decodes_beside_chunks_with_the_same_tokens(smol_runner,
     assert outputs[0.0][0][1] == "stop"
 
 
-def test_budget_follows_the_peak_prefill_speed_not_slow_small_steps(tiny_model: DecoderModel) -> None:
-    """On the H200 an eager step costs ~15 ms however small its chunk: a budget fed back from such steps
-    shrinks to its floor. The budget comes from the fastest prefill seen, so slow small steps leave it as is."""
+def test_budget_follows_the_chunk_speed_beside_decoding(tiny_model: DecoderModel) -> None:
+    """The chunk beside decoding is sized by what a chunk adds to a mixed step (its time less the decode step's),
+    kept within CHUNK_SPEED_RANGE of the peak prefill-only speed; short prompts prefilled alone lower nothing."""
     sched = scheduler(tiny_model, 20.0, overlap=False, max_prefill_tokens=2048)
     sched.prefill_speed.observe(2048, 0.05)  # a large chunk: 40,960 tok/s
     assert sched.prefill_token_budget(decoding=True) == 816  # 20 ms of it, whole pages
     for _ in range(50):
-        sched.mixed_speed.observe(64, 0.02)  # mixed steps at their launch floor
         sched.prefill_speed.observe(64, 0.015)  # short prompts prefilled alone
     assert sched.prefill_token_budget(decoding=True) == 816
+    sched.decode_step.observe(0.005)
+    for _ in range(50):  # 256-token chunks that add 5 ms to a 5 ms decode step: 51,200 tok/s
+        sched.mixed_speed.observe(256, marginal_seconds(0.010, 0.005))
+    assert sched.prefill_token_budget(decoding=True) == int(51_200 * 0.015) // PAGE * PAGE
+    for _ in range(50):  # mixed steps far slower than any prefill: held at the range's floor
+        sched.mixed_speed.observe(64, marginal_seconds(0.030, 0.005))
+    low = int(CHUNK_SPEED_RANGE[0] * 40_960 * 0.015) // PAGE * PAGE
+    assert low > MIN_PAGES * PAGE and sched.prefill_token_budget(decoding=True) == low
     assert sched.prefill_token_budget(decoding=False) == 2048

@@ -3,16 +3,19 @@
 Every step carries one token for every running request; prompt chunks ride along up to a token budget, the
 largest of three sizes:
 - **the ITL chunk**: the step that carries a chunk is the gap between two of every running request's tokens,
-  and it costs about the decode step D it replaces plus its chunk, so the chunk is what the engine prefills
-  in T - D (T: the ITL target) at its peak device-timed prefill speed (the fastest chunk tokens per second of
-  any prefill or mixed step so far: a large chunk's, where fixed costs are amortised, so a few short prompts
-  prefilled alone do not lower it). On the GPU prefill and mixed steps run as piecewise CUDA graphs
-  (common/engine/gpu/step_graphs.py), so a mixed step is a decode step plus its chunk's compute.
+  and it costs the decode step D it replaces plus what its chunk adds, so the chunk is what the engine
+  prefills in T - D (T: the ITL target) at the chunk speed beside decoding: the chunk tokens over the mixed
+  steps' device time less the decode step's, smoothed (`chunk_speed`). That feedback settles where a chunk's
+  step takes T: on the H200 (8B) a chunk beside decoding adds 50-90k tok/s at 128-256 tokens, above the
+  ~40k tok/s of a large prefill-only chunk, since the decode rows already read the weights (bench/RESULTS.md
+  "Stall-free batching"). On the GPU prefill and mixed steps run as piecewise CUDA graphs
+  (common/engine/gpu/step_graphs.py), so a small chunk costs its compute, not the launch of every kernel.
 - **the keep-up chunk**: prefill must keep up with the prompt tokens arriving (`ArrivalRate`, over the last
   ARRIVALS_SEEN admissions, so one long prompt alone is not a rate) with KEEP_UP_MARGIN to spare: a chunk c
-  prefills at c / (D + c / speed), so c = m*rate*D / (1 - m*rate/speed), all of `max_prefill_tokens` once
-  that cannot be reached. Sustained load (on the H200, 8B, ~75% of saturation) makes steps a little longer
-  than the target instead of letting the queue and TTFT grow without bound.
+  prefills at c / (D + c / speed), so c = m*rate*D / (1 - m*rate/speed), its step at most KEEP_UP_MAX_STEPS
+  decode steps (near saturation that formula's pole turns a noisy rate into full chunks; a queue that still
+  grows is the backlog's). Sustained load (~75% of saturation) makes steps a little longer than the target
+  instead of letting the queue and TTFT grow without bound.
 - **the backlog chunk**: the prompt tokens queued behind the prompt being prefilled (one long prompt alone has
   none) are worked off within BACKLOG_STEPS steps: a burst grows the chunk in proportion to it, and a saturated
   worker runs full chunks with its decode rows riding along.
@@ -41,7 +44,12 @@ BACKLOG_STEPS = 16
 # Prefill keeps up with arrivals with this margin: the keep-up chunk's prefill rate is this multiple of the
 # arrival rate (a queue's utilisation 1/KEEP_UP_MARGIN at most).
 KEEP_UP_MARGIN = 1.3
-ARRIVALS_SEEN = 16  # the arrival rate is measured over this many admissions (fewer: no rate yet)
+ARRIVALS_SEEN = 32  # the arrival rate is measured over this many admissions (fewer: no rate yet)
+# The keep-up chunk's step is at most this many decode steps (the issue's bound at ~80% load is 4).
+KEEP_UP_MAX_STEPS = 3.5
+# The chunk speed beside decoding stays within these multiples of the peak prefill-only speed: a mixed step timed
+# at about the decode step (noise, a batch that changed) would otherwise claim an unbounded speed.
+CHUNK_SPEED_RANGE = (0.25, 2.5)
 
 
 def prefill_token_budget(
@@ -61,9 +69,25 @@ def prefill_token_budget(
         return max_tokens
     itl = tokens_per_s * max(itl_target_s - decode_step_s, 0.0)
     need = KEEP_UP_MARGIN * arrival_tokens_per_s
-    keep_up = max_tokens if need >= tokens_per_s else need * decode_step_s / (1.0 - need / tokens_per_s)
+    cap = tokens_per_s * (KEEP_UP_MAX_STEPS - 1.0) * decode_step_s
+    keep_up = cap if need >= tokens_per_s else min(cap, need * decode_step_s / (1.0 - need / tokens_per_s))
     tokens = int(max(itl, keep_up, backlog_tokens / BACKLOG_STEPS))
     return min(max_tokens, max(MIN_PAGES * page_size, tokens // page_size * page_size))
+
+
+def marginal_seconds(step_s: float, decode_step_s: float) -> float:
+    """What a mixed step's chunk added to the decode step, at least a tenth of the step (a step timed at about
+    the decode step says its chunk was cheap, not free)."""
+    return max(step_s - decode_step_s, 0.1 * step_s)
+
+
+def chunk_speed(peak_prefill_tokens_per_s: float, mixed_tokens_per_s: float) -> float:
+    """The budget's chunk tokens/s beside decoding: the mixed steps' (smoothed, marginal) within
+    CHUNK_SPEED_RANGE of the peak prefill-only speed, or that peak until a mixed step was timed."""
+    if mixed_tokens_per_s <= 0 or peak_prefill_tokens_per_s <= 0:
+        return max(peak_prefill_tokens_per_s, mixed_tokens_per_s)
+    lo, hi = CHUNK_SPEED_RANGE
+    return min(max(mixed_tokens_per_s, lo * peak_prefill_tokens_per_s), hi * peak_prefill_tokens_per_s)
 
 
 @dataclass

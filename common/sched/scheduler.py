@@ -56,7 +56,14 @@ from common.sched.launched import Launched, StepTimer, copy_to_host
 from common.sched.pages import KVBudget
 from common.sched.penalties import PenaltyCounts
 from common.sched.prefill import PrefillAdder
-from common.sched.prefill_budget import ArrivalRate, PrefillSpeed, StepSeconds, prefill_token_budget
+from common.sched.prefill_budget import (
+    ArrivalRate,
+    PrefillSpeed,
+    StepSeconds,
+    chunk_speed,
+    marginal_seconds,
+    prefill_token_budget,
+)
 from common.sched.request import Req, ReqState
 from common.sched.snapshot import SchedulerSnapshot
 from common.sched.step_sampling import StepSampler
@@ -132,9 +139,9 @@ class Scheduler:
         self._inflight: dict[Req, int] = {}  # tokens launched but not yet appended, per request
         self._pending: Launched | None = None
         self.prefill_tokens_launched = 0  # prompt tokens computed so far (the measured prefill rate's counter)
-        # Device-timed: prefill-only steps' prompt tokens/s (what a chunk adds to a step, published), mixed
-        # steps' chunk tokens/s (their peak, with prefill-only steps', sizes the budget beside decoding),
-        # decode-only steps' seconds (the auto ITL target).
+        # Device-timed: prefill-only steps' prompt tokens/s (published; their peak bounds the chunk speed), the
+        # chunk tokens/s a mixed step adds to the decode step (its time less the decode step's: sizes the
+        # budget beside decoding), decode-only steps' seconds (the auto ITL target).
         self.prefill_speed = PrefillSpeed()
         self.mixed_speed = PrefillSpeed()
         self.decode_step = StepSeconds()
@@ -374,7 +381,7 @@ class Scheduler:
         the engine prefills, at its peak device-timed prefill speed, in what the ITL target leaves beside the
         decode step (common/sched/prefill_budget.py). `decoding` None: whether requests decode now; True: the
         budget a step gets beside them (what the worker publishes)."""
-        speed = max(self.prefill_speed.peak_tokens_per_s, self.mixed_speed.peak_tokens_per_s)
+        speed = chunk_speed(self.prefill_speed.peak_tokens_per_s, self.mixed_speed.tokens_per_s)
         return prefill_token_budget(
             self.cfg.max_prefill_tokens,
             self.page_size,
@@ -515,11 +522,13 @@ class Scheduler:
         self.processed_kind = launched.kind
         if launched.timer is not None:
             seconds = launched.timer.seconds()
+            chunk_tokens = sum(e - s for _, s, e in launched.chunks)
             if launched.kind == "decode":
                 self.decode_step.observe(seconds)
-            else:
-                speed = self.prefill_speed if launched.kind == "prefill" else self.mixed_speed
-                speed.observe(sum(e - s for _, s, e in launched.chunks), seconds)
+            elif launched.kind == "prefill":
+                self.prefill_speed.observe(chunk_tokens, seconds)
+            elif self.decode_step.seconds > 0:
+                self.mixed_speed.observe(chunk_tokens, marginal_seconds(seconds, self.decode_step.seconds))
         if self._transfers:
             for r, s, e in launched.chunks:
                 if not r.finished:  # aborted while in flight: nothing to send on

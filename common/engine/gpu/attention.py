@@ -34,8 +34,10 @@ TRITON_DECODE_MAX_BS = 2
 # rows through the decode kernel and the rest through the prefill kernel once there are this many: the
 # prefill kernel gives each one-token row a whole query tile, and on the H200 (8B, 1.5k tokens of KV a row)
 # 64 decode rows beside a 256-token chunk took 25.2 ms in one prefill call against 17.1 ms as separate decode
-# and prefill steps (bench/mixed_step.py).
-SPLIT_DECODE_MIN_ROWS = 16
+# and prefill steps (bench/mixed_step.py). From one row on: at 1-8 decode rows the split step was 2-17%
+# cheaper than one prefill call (8 rows + 256 tokens: 9.85 against 11.28 ms; bench/mixed_step.py
+# --split-min-rows 1), and never dearer by more than the timing noise.
+SPLIT_DECODE_MIN_ROWS = 1
 
 
 def leading_single_token_rows(extend_lens: list[int]) -> int:
