@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -10,18 +11,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from common.engine.sampling import SamplingBatch, sample, token_counts, uniform_noise
+from common.engine.sampling import SamplingBatch, adjust_logits, sample, token_counts, uniform_noise
 from common.protocol import MAX_TOP_LOGPROBS, SamplingParams
 from tests.engine_helpers import assert_pool_clean, fresh_engine
 
 CPU = torch.device("cpu")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def _batch(params: list[SamplingParams], seeds: list[int] | None = None, outputs=None, vocab: int = 0) -> SamplingBatch:
     seeds = seeds if seeds is not None else [p.seed or 0 for p in params]
     outputs = outputs if outputs is not None else [[] for _ in params]
-    counts = token_counts(outputs, vocab)
-    return SamplingBatch.build(params, seeds, vocab, CPU, steps=[len(o) for o in outputs], output_counts=counts)
+    return SamplingBatch.build(params, seeds, vocab, CPU, steps=[len(o) for o in outputs], outputs=outputs)
 
 
 def _sample_many(logits: torch.Tensor, sp: SamplingParams, n: int, step_offset: int = 0) -> torch.Tensor:
@@ -187,6 +188,61 @@ def test_frequency_and_presence_penalties_move_the_argmax():
     assert float(lp.logprobs[0]) == pytest.approx(float(logits[0].log_softmax(-1)[1]), abs=1e-6)
 
 
+def _dense_penalties(
+    logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]], outputs: list[list[int]]
+) -> torch.Tensor:
+    """The penalties as elementwise passes over every [B, V] logit: what the sparse application must equal."""
+    vocab, device = logits.shape[1], logits.device
+    counts = token_counts(outputs, vocab).to(device)
+    seen = token_counts([p + o for p, o in zip(prompts, outputs)], vocab).to(device) > 0
+
+    def col(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32, device=device)[:, None]
+
+    rep = col("repetition_penalty")
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - col("frequency_penalty") * counts - col("presence_penalty") * (counts > 0)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_sparse_penalties_equal_the_dense_pass_bit_for_bit(device: str) -> None:
+    """Penalties gathered at each row's history ids and scattered back give the dense formula's float32 logits
+    exactly: ids repeated in the prompt and output, rows without penalties, repetition-only rows, rows with
+    no history, zero and negative logits; in place, or on a copy when logprobs read the raw logits."""
+    rng = random.Random(7)
+    batch, vocab, longest = (128, 128_256, 1500) if device == "cuda" else (40, 700, 90)
+    kinds = [
+        dict(),
+        dict(repetition_penalty=1.3),
+        dict(repetition_penalty=0.8),
+        dict(frequency_penalty=0.5),
+        dict(presence_penalty=-1.1),
+        dict(frequency_penalty=-0.4, presence_penalty=0.9, repetition_penalty=1.1),
+        dict(frequency_penalty=2.0, presence_penalty=0.3, repetition_penalty=1.7),
+    ]
+    for trial in range(4):
+        params, prompts, outputs = [], [], []
+        for _ in range(batch):
+            pool = [rng.randrange(vocab) for _ in range(rng.choice([3, 30, vocab]))]  # few ids: many repeats
+            shape = rng.choice(["empty", "prompt", "output", "both", "both"])
+            prompts.append([rng.choice(pool) for _ in range(rng.randrange(1, longest))] if shape != "output" else [])
+            outputs.append([rng.choice(pool) for _ in range(rng.randrange(1, longest))] if shape != "prompt" else [])
+            if shape == "empty":
+                prompts[-1], outputs[-1] = [], []
+            params.append(SamplingParams(logprobs=trial % 2 == 1, **rng.choice(kinds)))
+        gen = torch.Generator().manual_seed(trial)
+        logits = (torch.randn(batch, vocab, generator=gen) * 4).to(device)
+        logits[:, 3::5] = 0.0
+        logits[:, 1::9] = -0.0
+        expected = _dense_penalties(logits, params, prompts, outputs)
+        steps = [len(o) for o in outputs]
+        sb = SamplingBatch.build(params, [0] * batch, vocab, torch.device(device), steps, prompts, outputs)
+        given = logits.clone()
+        assert torch.equal(adjust_logits(given, sb), expected)
+        assert torch.equal(given, logits if sb.want_logprobs else expected)  # raw kept for logprobs
+        assert torch.equal(sample(logits.clone(), sb).tokens, expected.argmax(-1))
+
+
 def test_uniform_noise_never_reaches_one():
     """u = 1 would give +inf Gumbel noise: that token would win whatever its logit (NaN against a mask)."""
     top = torch.tensor([(1 << 32) - 1], dtype=torch.int64)  # the largest hash value, through the same scaling
@@ -222,14 +278,12 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
 def test_repetition_penalty_covers_prompt_and_output():
     logits = torch.tensor([[4.0, 3.0, -1.0, -2.0]] * 3)
     params = [SamplingParams(repetition_penalty=1.5)] * 2 + [SamplingParams()]
-    seen = token_counts([[0], [0], [0]], 4) > 0  # prompt + output: [0] + [], [] + [0], [0] + [0]
-    sb = SamplingBatch.build(params, [0] * 3, 4, CPU, steps=[0, 1, 1], seen=seen)
+    prompts, outputs = [[0], [], [0]], [[], [0], [0]]
+    sb = SamplingBatch.build(params, [0] * 3, 4, CPU, steps=[0, 1, 1], prompts=prompts, outputs=outputs)
     # 4 / 1.5 = 2.67 < 3: token 0, seen in the prompt (row 0) or the output (row 1), loses to token 1.
     assert sample(logits, sb).tokens.tolist() == [1, 1, 0]
     neg = torch.tensor([[-1.0, -1.2, -5.0, -5.0]])
-    sb = SamplingBatch.build(
-        [SamplingParams(repetition_penalty=1.5)], [0], 4, CPU, steps=[1], seen=token_counts([[0]], 4) > 0
-    )
+    sb = SamplingBatch.build([SamplingParams(repetition_penalty=1.5)], [0], 4, CPU, steps=[1], outputs=[[0]])
     assert sample(neg, sb).tokens.tolist() == [1]  # a negative logit is multiplied: -1.5 < -1.2
 
 

@@ -438,10 +438,10 @@ def test_overlap_on_equals_overlap_off(tiny_model: DecoderModel, prefix_cache: b
 
 
 def test_penalty_counts_on_the_device_follow_each_requests_history(tiny_model: DecoderModel) -> None:
-    """The counts the sampler reads are kept on the device, per table row: at every step (overlap on, a token
-    in flight) a penalty request's row holds its output's counts plus its tokens in flight, and its prompt's
-    tokens, however rows are reused (3 rows, 7 requests) and with earlier output from another worker
-    (`output_offset`). Outputs equal each request decoded alone."""
+    """The history and counts the sampler reads are kept on the device, per table row: at every step (overlap
+    on, a token in flight) a penalty request's row holds its prompt, output and tokens in flight, and its
+    output's counts plus its tokens in flight, however rows are reused (3 rows, 7 requests) and with earlier
+    output from another worker (`output_offset`). Outputs equal each request decoded alone."""
     from common.engine.sampling import token_counts
 
     ps = prompts(31, [20, 9, 40, 17, 33, 12, 26])
@@ -471,11 +471,14 @@ def test_penalty_counts_on_the_device_follow_each_requests_history(tiny_model: D
                 continue
             cut = r.prompt_len - r.sampling.output_offset
             host = token_counts([r.prompt_ids[cut:] + r.output_ids], VOCAB)[0]
-            extra = sched.penalties.counts[r.table_row] - host
+            penalties = sched.sampler.penalties
+            extra = penalties.counts[r.table_row] - host
             assert bool((extra >= 0).all()) and int(extra.sum()) == sched.inflight(r)
-            if r.sampling.repetition_penalty != 1:
-                prompt_seen = token_counts([r.prompt_ids[:cut]], VOCAB)[0] > 0
-                assert torch.equal(sched.penalties.in_prompt[r.table_row], prompt_seen)
+            # The history: prompt, output, the tokens in flight, then the first id repeated.
+            known = r.prompt_ids + r.output_ids
+            history = penalties.ids[r.table_row]
+            assert history[: len(known)].tolist() == known
+            assert bool((history[len(known) + sched.inflight(r) :] == known[0]).all())
             checked += 1
     assert checked > 40
     assert [r.output_ids for r in reqs] == alone

@@ -8,8 +8,12 @@ Before any of that the logits are adjusted, each adjustment built only when some
 for it (a batch without them pays nothing): repetition penalty (prompt and output tokens), frequency and
 presence penalties, logit_bias, bans (EOS and stop ids of a request still short of its min_tokens), and a
 grammar's token bitmask (one packed int32 row per request, 32 tokens per word; common/sched/grammar.py).
-The penalties' token counts come from the caller (the scheduler keeps them on the device:
-common/sched/penalties.py).
+
+A penalty can change only the logits of tokens in the request's prompt or output, so penalties are applied
+sparsely: the caller gives each row's history as token ids ([B, W], padded by repeating one of the row's ids)
+and the output count of each ([B, W]); the logits there are gathered, penalised and scattered back (the
+scheduler keeps both on the device: common/sched/penalties.py). Every occurrence of an id computes the same
+value from the same original logit, so the result equals the dense formula over [B, V] bit for bit.
 """
 
 from __future__ import annotations
@@ -99,9 +103,11 @@ class SamplingBatch:
     needs_penalty: bool
     max_top_logprobs: int
     want_logprobs: bool
-    output_counts: torch.Tensor | None = None  # [B, V] float32 token counts of each request's output
-    repetition_penalty: torch.Tensor | None = None  # [B] float32 (1 = off), with `seen`
-    seen: torch.Tensor | None = None  # [B, V] bool: token occurs in the request's prompt or output
+    # Penalties, read at each row's history (prompt and output ids; rows whose penalties are all off may hold
+    # any ids): the ids, padded to one width by repeating one of the row's ids, and the output count of each.
+    history_ids: torch.Tensor | None = None  # [B, W] int64, with any penalty
+    history_counts: torch.Tensor | None = None  # [B, W] float32, with a frequency or presence penalty
+    repetition_penalty: torch.Tensor | None = None  # [B] float32 (1 = off), with `history_ids`
     # Sparse additions to the logits: logit_bias entries, and -inf for banned (row, token) pairs.
     add_rows: torch.Tensor | None = None  # [N] int64
     add_cols: torch.Tensor | None = None  # [N] int64
@@ -117,22 +123,30 @@ class SamplingBatch:
         vocab: int,
         device: torch.device,
         steps: Sequence[int],
-        output_counts: torch.Tensor | None = None,
-        seen: torch.Tensor | None = None,
+        prompts: Sequence[Sequence[int]] = (),
+        outputs: Sequence[Sequence[int]] = (),
         eos_ids: Sequence[int] = (),
         grammar_done: Sequence[bool] = (),
     ) -> SamplingBatch:
         """`steps`: output tokens before this step (the noise's counter; with `min_tokens` it decides which
         requests still have their `eos_ids` and stop ids banned, except rows whose grammar is done:
-        `grammar_done`, it allows nothing but its end, which wins). `output_counts` ([B, V], each row's
-        output token counts) is read for the frequency/presence penalties, `seen` ([B, V] bool, tokens in a
-        row's prompt or output) for the repetition penalty; both may already be on the device."""
+        `grammar_done`, it allows nothing but its end, which wins). `prompts` and `outputs` (default: none)
+        are each row's token ids the penalties read: the repetition penalty both, frequency and presence the
+        outputs' counts."""
         flags = BatchFlags.of(params, vocab)
-        if flags.needs_penalty and output_counts is None:
-            raise ValueError("frequency and presence penalties need the output token counts")
-        if flags.repetition and seen is None:
-            raise ValueError("repetition_penalty needs the tokens seen in prompt and output")
         step_list = list(steps)
+        history_ids = history_counts = None
+        if flags.needs_penalty or flags.repetition:
+            history = [
+                [*(prompts[i] if i < len(prompts) else ()), *(outputs[i] if i < len(outputs) else ())]
+                for i in range(len(params))
+            ]
+            # A row without history has nothing to penalise: its penalties are off, so its padding id is inert.
+            params = [p if h else p.model_copy(update=NO_PENALTY) for p, h in zip(params, history)]
+            history_ids = padded_history(history)
+            output_counts = token_counts([outputs[i] if i < len(outputs) else () for i in range(len(params))], vocab)
+            history_counts = output_counts.gather(1, history_ids).to(device)
+            history_ids = history_ids.to(device)
         floats, ints = zip(*(slot_values(p, seed, vocab) for p, seed in zip(params, seeds)))
         f = torch.tensor(floats, dtype=torch.float32, device=device).view(-1, len(FLOAT_PARAMS))
         i = torch.tensor(ints, dtype=torch.int64, device=device).view(-1, len(INT_PARAMS))
@@ -142,8 +156,8 @@ class SamplingBatch:
             i,
             torch.tensor(step_list, dtype=torch.int64, device=device),
             flags,
-            output_counts,
-            seen,
+            history_ids,
+            history_counts,
             *((None, None, None) if add is None else (t.to(device) for t in add)),
         )
 
@@ -154,14 +168,15 @@ class SamplingBatch:
         ints: torch.Tensor,
         steps: torch.Tensor,
         flags: BatchFlags,
-        output_counts: torch.Tensor | None = None,
-        seen: torch.Tensor | None = None,
+        history_ids: torch.Tensor | None = None,
+        history_counts: torch.Tensor | None = None,
         add_rows: torch.Tensor | None = None,
         add_cols: torch.Tensor | None = None,
         add_vals: torch.Tensor | None = None,
     ) -> SamplingBatch:
         """From each row's parameters as `slot_values` lays them out (`floats` [B, len(FLOAT_PARAMS)],
-        `ints` [B, len(INT_PARAMS)]; column views, no copies), e.g. gathered from per-row device tensors."""
+        `ints` [B, len(INT_PARAMS)]; column views, no copies), e.g. gathered from per-row device tensors;
+        `history_ids` and `history_counts` as the fields of that name, read when a penalty asks for them."""
         col = {name: floats[:, k] for k, name in enumerate(FLOAT_PARAMS)}
         col.update({name: ints[:, k] for k, name in enumerate(INT_PARAMS)})
         return cls(
@@ -178,9 +193,9 @@ class SamplingBatch:
             needs_penalty=flags.needs_penalty,
             max_top_logprobs=flags.max_top_logprobs,
             want_logprobs=flags.want_logprobs,
-            output_counts=output_counts if flags.needs_penalty else None,
+            history_ids=history_ids if flags.needs_penalty or flags.repetition else None,
+            history_counts=history_counts if flags.needs_penalty else None,
             repetition_penalty=col["repetition_penalty"] if flags.repetition else None,
-            seen=seen if flags.repetition else None,
             add_rows=add_rows,
             add_cols=add_cols,
             add_vals=add_vals,
@@ -188,12 +203,17 @@ class SamplingBatch:
 
     @property
     def adjusts_logits(self) -> bool:
-        return (
-            (self.needs_penalty and self.output_counts is not None)
-            or self.repetition_penalty is not None
-            or self.add_rows is not None
-            or self.allowed_bits is not None
-        )
+        return self.history_ids is not None or self.add_rows is not None or self.allowed_bits is not None
+
+
+NO_PENALTY = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
+
+
+def padded_history(history: Sequence[Sequence[int]]) -> torch.Tensor:
+    """[B, W] int64 on the host: each row's ids, padded to the longest by repeating its first (0 if none)."""
+    width = max((len(h) for h in history), default=0)
+    rows = [[*h, *([h[0] if h else 0] * (width - len(h)))] for h in history]
+    return torch.tensor(rows, dtype=torch.int64).view(len(history), width)
 
 
 def token_counts(ids: Sequence[Sequence[int]], vocab: int) -> torch.Tensor:
@@ -243,14 +263,8 @@ def sparse_additions(
 def adjust_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """The logits every later step (greedy, temperature, filters) sees; a new tensor when anything applies."""
     raw = logits
-    if sb.repetition_penalty is not None and sb.seen is not None:
-        # Divide a positive logit, multiply a negative one: both make a seen token less likely (penalty > 1).
-        p = sb.repetition_penalty[:, None]
-        penalized = torch.where(logits > 0, logits / p, logits * p)
-        logits = torch.where(sb.seen, penalized, logits)
-    if sb.needs_penalty and sb.output_counts is not None:
-        counts = sb.output_counts
-        logits = logits - sb.frequency_penalty[:, None] * counts - sb.presence_penalty[:, None] * (counts > 0)
+    if sb.history_ids is not None:
+        logits = _penalize(logits, sb)
     if sb.add_rows is not None:
         # A scatter-add on the flat view (CUDA's sync debug mode reported no synchronizing op in sampling).
         vocab = logits.shape[-1]
@@ -265,6 +279,24 @@ def adjust_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
             logits = logits.clone()
         apply_token_bitmask_inplace(logits, sb.allowed_bits, vocab_size=logits.shape[-1], indices=sb.grammar_rows)
     return logits
+
+
+def _penalize(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """The penalties at each row's history ids: the dense formula's float32 operations, in its order, on the
+    gathered logits only. In place unless the raw logits still give logprobs."""
+    assert sb.history_ids is not None
+    ids = sb.history_ids
+    raw = logits.gather(1, ids)
+    value = raw
+    if sb.repetition_penalty is not None:
+        # Divide a positive logit, multiply a negative one: both make a seen token less likely (penalty > 1).
+        p = sb.repetition_penalty[:, None]
+        value = torch.where(raw > 0, raw / p, raw * p)
+    if sb.history_counts is not None:
+        counts = sb.history_counts
+        value = value - sb.frequency_penalty[:, None] * counts - sb.presence_penalty[:, None] * (counts > 0)
+    # An id repeated in a row writes the same value each time (all from its one original logit).
+    return logits.scatter(1, ids, value) if sb.want_logprobs else logits.scatter_(1, ids, value)
 
 
 @dataclass
@@ -292,7 +324,8 @@ def _filter(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
-    """logits: [B, V] float32 raw model logits (a grammar mask may be written into them)."""
+    """logits: [B, V] float32 raw model logits (penalties and a grammar mask may be written into them, unless
+    logprobs are wanted)."""
     raw = logits
     if sb.adjusts_logits:
         logits = adjust_logits(logits, sb)

@@ -1,16 +1,24 @@
-"""Penalty state on the device: each table row's output-token counts and the tokens of its prompt.
+"""Penalty state on the device: each table row's token history and its output-token counts.
 
-Frequency and presence penalties read how often each token occurs in a request's output; the repetition
-penalty reads which tokens occur in its prompt or output. Both live here as [rows, vocab] tensors indexed by
-table row, on the scheduler's device: a request's row is filled once, at its first sampling (its earlier
-output, the prompt's last `output_offset` tokens of a continued request, counts as output), and every
-sampled token is added on the device by the step that sampled it. So a step's penalties never wait for the
-host to learn the previous step's tokens, and no history travels to the device per step.
+Penalties change only the logits of tokens in a request's prompt or output, so the sampler reads them there
+(common/engine/sampling.py): each row's history (prompt, then output) as token ids, and how often each occurs
+in the output. Both live here, indexed by table row, on the scheduler's device: `ids` [rows, capacity] int64
+holds the history, and past its end the row's first id (so any window of a row is its ids padded by
+repeating one of them, which the sampler needs; a prompt is never empty), and `counts` [rows, V] float32 the
+output counts. A request's row is filled once, at its first sampling (its earlier output, the prompt's last
+`output_offset` tokens of a continued request, counts as output); every sampled token is appended and
+counted on the device by the step that sampled it, at position prompt length - output_offset + output step,
+which the step's staged output steps give. So a step's penalties never wait for the host to learn the
+previous step's tokens, and no history travels to the device per step. A batch reads a window as wide as
+its longest history: the host knows that width from the batch's first sampling on (each step adds one token
+to every row), so no step asks the device for lengths.
 
 A row is owned by the request that filled it: a request that later takes the row (any request, a finished
-one's token from a step still in flight included) fills it again before it reads it; rows of requests without
-penalties are read too (the batch is gathered whole) but weighed by zero penalties. The tensors are built at
-the first request that asks for them; a worker that never sees a penalty holds neither.
+one's token from a step still in flight included) fills it again before it reads it. Rows of requests
+without penalties are read too (the batch is gathered whole) but weighed by neutral penalties; they append
+from position 0 at each batch (so they stay inside the window) and are refilled before a penalty request
+reads them. The tensors are built at the first request that asks for them; a worker that never sees a
+penalty holds neither.
 """
 
 from __future__ import annotations
@@ -25,86 +33,144 @@ from common.engine.staging import Stage
 from common.protocol import SamplingParams
 from common.sched.request import Req
 
+MIN_CAPACITY = 256  # history columns first allocated; doubled when a batch's window outgrows them
+
 
 def has_penalty(p: SamplingParams) -> bool:
     return bool(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0)
 
 
-class PenaltyCounts:
+@dataclass
+class PenaltyPlan:
+    """The host half of a batch's penalty state: indices of its parts in the batch's staged copy."""
+
+    start: int  # per batch row: where its output step 0 goes in its history (negative: no penalty)
+    fill: list[int] | None  # fresh rows, their first ids, and (row, column, id) of each history token
+    outputs: int  # how many of those history tokens (the first ones) are output, to be counted
+    width: int  # the window at the batch's first sampling: its longest history
+    step: int  # output step of the batch's first row at that sampling
+
+
+@dataclass
+class PenaltyBatch:
+    """A batch's penalty state on the device, kept while its requests sample together."""
+
+    rows_dev: torch.Tensor  # [B] int64 table rows
+    start: torch.Tensor  # [B] int64, as `PenaltyPlan.start`
+    count_index: torch.Tensor  # [B] int64: each row's offset in the flat counts
+    ones: torch.Tensor  # [B] float32: one count per sampled token
+    width: int
+    step: int
+
+
+class PenaltyHistory:
     def __init__(self, rows: int, vocab: int, device: torch.device) -> None:
         self.rows = rows
         self.vocab = vocab
         self.device = device
+        self.ids: torch.Tensor | None = None  # [rows, capacity] int64: history, then the first id repeated
         self.counts: torch.Tensor | None = None  # [rows, V] float32: output tokens, per table row
-        self.in_prompt: torch.Tensor | None = None  # [rows, V] bool: prompt tokens (repetition penalty only)
         self._owner: list[weakref.ref[Req] | None] = [None] * rows
 
     def _owned(self, req: Req, row: int) -> bool:
         owner = self._owner[row]
         return owner is not None and owner() is req
 
-    def stage_fill(self, reqs: Sequence[Req], rows: Sequence[int], stage: Stage) -> PendingFill | None:
-        """Host half of a batch's first sampling of its penalty rows (call when the batch is not the one
-        sampled last): the rows of requests sampling here for the first time, and their token ids, into the
-        step's staged copy, to be counted on the device (`apply_fill`; no [rows, V] tensor on the host).
-        Builds the tensors at the first request that needs them. None: nothing to fill."""
+    def _reserve(self, width: int) -> None:
+        """At least `width` history columns: a copy into a wider tensor, past each row's end its first id."""
+        if self.ids is None:
+            self.ids = torch.zeros(self.rows, max(MIN_CAPACITY, width), dtype=torch.int64, device=self.device)
+            self.counts = torch.zeros(self.rows, self.vocab, dtype=torch.float32, device=self.device)
+        old = self.ids.shape[1]
+        if width > old:
+            capacity = max(width, 2 * old)
+            wider = torch.empty(self.rows, capacity, dtype=torch.int64, device=self.device)
+            wider[:, :old] = self.ids
+            wider[:, old:] = self.ids[:, :1]
+            self.ids = wider
+
+    def plan(self, reqs: Sequence[Req], rows: Sequence[int], steps: Sequence[int], stage: Stage) -> PenaltyPlan | None:
+        """Host half of a new batch's penalties (None: no row has one): where each row's tokens go, the
+        history of rows sampling here for the first time (into the step's staged copy), the window."""
         if not any(has_penalty(r.sampling) for r in reqs):
             return None
-        if self.counts is None:
-            self.counts = torch.zeros(self.rows, self.vocab, dtype=torch.float32, device=self.device)
-        if self.in_prompt is None and any(r.sampling.repetition_penalty != 1.0 for r in reqs):
-            self.in_prompt = torch.zeros(self.rows, self.vocab, dtype=torch.bool, device=self.device)
-        fresh = [(r, row) for r, row in zip(reqs, rows) if has_penalty(r.sampling) and not self._owned(r, row)]
-        if not fresh:
-            return None
-        out_rows: list[int] = []
-        out_ids: list[int] = []
-        prompt_rows: list[int] = []
-        prompt_ids: list[int] = []
-        for r, row in fresh:
-            cut = r.prompt_len - r.sampling.output_offset
-            earlier = r.prompt_ids[cut:] + r.output_ids
-            out_rows += [row] * len(earlier)
-            out_ids += earlier
-            if r.sampling.repetition_penalty != 1.0:
+        starts: list[int] = []
+        width = 0
+        fresh: list[tuple[Req, int]] = []
+        for r, row, step in zip(reqs, rows, steps):
+            if has_penalty(r.sampling):
+                cut = r.prompt_len - r.sampling.output_offset
+                starts.append(cut)
+                width = max(width, cut + step)
+                if not self._owned(r, row):
+                    fresh.append((r, row))
+            else:
+                starts.append(-step)  # its own tokens from 0 on, inside the window: read, never weighed
+        self._reserve(width + 1)  # + this step's token
+        fill = None
+        outputs = 0
+        if fresh:
+            out_rows: list[int] = []
+            out_cols: list[int] = []
+            out_ids: list[int] = []
+            prompt_rows: list[int] = []
+            prompt_cols: list[int] = []
+            prompt_ids: list[int] = []
+            for r, row in fresh:
+                cut = r.prompt_len - r.sampling.output_offset
+                earlier = r.prompt_ids[cut:] + r.output_ids
+                out_rows += [row] * len(earlier)
+                out_cols += range(cut, cut + len(earlier))
+                out_ids += earlier
                 prompt_rows += [row] * cut
+                prompt_cols += range(cut)
                 prompt_ids += r.prompt_ids[:cut]
-            self._owner[row] = weakref.ref(r)
-        parts = [[row for _, row in fresh], out_rows, out_ids, prompt_rows, prompt_ids]
-        return PendingFill([stage.put(part, torch.int64) for part in parts])
+                self._owner[row] = weakref.ref(r)
+            outputs = len(out_ids)
+            parts = [
+                [row for _, row in fresh],
+                [r.prompt_ids[0] for r, _ in fresh],
+                out_rows + prompt_rows,
+                out_cols + prompt_cols,
+                out_ids + prompt_ids,
+            ]
+            fill = [stage.put(part, torch.int64) for part in parts]
+        return PenaltyPlan(stage.put(starts, torch.int64), fill, outputs, width, steps[0])
 
-    def apply_fill(self, fill: PendingFill, sent: list[torch.Tensor]) -> None:
-        """Device half: writes the staged rows (`sent`: the stage's device tensors)."""
-        assert self.counts is not None
-        rows_dev, out_rows, out_ids, prompt_rows, prompt_ids = (sent[i] for i in fill.parts)
-        # Scatters on flat views: prompts repeat tokens, each occurrence counts.
-        self.counts.index_fill_(0, rows_dev, 0.0)
-        ones = torch.ones(out_ids.shape, dtype=torch.float32, device=self.device)
-        self.counts.view(-1).scatter_add_(0, out_rows * self.vocab + out_ids, ones)
-        if prompt_ids.numel():
-            assert self.in_prompt is not None
-            self.in_prompt.index_fill_(0, rows_dev, False)
-            self.in_prompt.view(-1).scatter_(0, prompt_rows * self.vocab + prompt_ids, True)
+    def begin(self, plan: PenaltyPlan, sent: list[torch.Tensor], rows_dev: torch.Tensor) -> PenaltyBatch:
+        """Device half (`sent`: the stage's device tensors): fills the fresh rows, keeps the batch's state."""
+        assert self.ids is not None and self.counts is not None
+        if plan.fill is not None:
+            fresh, first, rows, cols, ids = (sent[i] for i in plan.fill)
+            self.ids.index_copy_(0, fresh, first[:, None].expand(-1, self.ids.shape[1]))
+            self.ids.index_put_((rows, cols), ids)
+            self.counts.index_fill_(0, fresh, 0.0)
+            out = slice(0, plan.outputs)
+            # A scatter-add on the flat view: an output repeats tokens, each occurrence counts.
+            ones = torch.ones(plan.outputs, dtype=torch.float32, device=self.device)
+            self.counts.view(-1).scatter_add_(0, rows[out] * self.vocab + ids[out], ones)
+        return PenaltyBatch(
+            rows_dev=rows_dev,
+            start=sent[plan.start],
+            count_index=rows_dev * self.vocab,
+            ones=torch.ones(rows_dev.shape, dtype=torch.float32, device=self.device),
+            width=plan.width,
+            step=plan.step,
+        )
 
-    def gather(self, rows_dev: torch.Tensor, repetition: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(output counts [B, V], seen [B, V] with `repetition`, else None) of a batch's rows, in batch order."""
-        assert self.counts is not None
-        counts = self.counts.index_select(0, rows_dev)
-        seen = None
-        if repetition:
-            assert self.in_prompt is not None
-            seen = self.in_prompt.index_select(0, rows_dev) | (counts > 0)
-        return counts, seen
+    def history(
+        self, batch: PenaltyBatch, steps: Sequence[int], counted: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(ids [B, W], their output counts [B, W] when `counted`) of the batch's rows at output `steps`."""
+        width = batch.width + steps[0] - batch.step
+        self._reserve(width + 1)
+        assert self.ids is not None and self.counts is not None
+        ids = self.ids[:, :width].index_select(0, batch.rows_dev)
+        counts = self.counts.view(-1).take(batch.count_index[:, None] + ids) if counted else None
+        return ids, counts
 
-    def record(self, rows_dev: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Counts a step's sampled tokens (on the device, right after sampling them)."""
-        if self.counts is not None:
-            # index_put_ (8B on the H200: 0.93 of no penalties) rather than a flat scatter-add (0.63 in a later
-            # run with the same baseline; bench/RESULTS.md).
-            ones = torch.ones(tokens.shape, dtype=torch.float32, device=tokens.device)
-            self.counts.index_put_((rows_dev, tokens), ones, accumulate=True)
-
-
-@dataclass
-class PendingFill:
-    parts: list[int]  # indices in the stage: rows, output (row, id) pairs, prompt (row, id) pairs
+    def record(self, batch: PenaltyBatch, steps_dev: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Appends and counts a step's sampled tokens (on the device, right after sampling them)."""
+        assert self.ids is not None and self.counts is not None
+        self.ids.index_put_((batch.rows_dev, batch.start + steps_dev), tokens)
+        self.counts.index_put_((batch.rows_dev, tokens), batch.ones, accumulate=True)

@@ -23,8 +23,8 @@ processed, after N+1 was launched) is harmless: N+1 writes its KV into pages tha
 the same stream may hand to a new request; N+1's token for it is discarded. Finishing by length is known at
 launch, so such requests are never launched past their last token.
 
-Sampling features keep the overlap. Penalties read token counts kept on the device per table row and
-updated there by each step's sampling (common/sched/penalties.py). A grammar row needs its previous token
+Sampling features keep the overlap. Penalties read each table row's token history and output counts, kept
+on the device and updated there by each step's sampling (common/sched/penalties.py). A grammar row needs its previous token
 accepted by its matcher before its mask can be filled: a decode step with such a row launches its forward,
 processes the step in flight while the forward runs, then fills the masks on a thread
 (common/sched/step_sampling.py) while the events go out and the next step is planned, and launches its
@@ -54,7 +54,6 @@ from common.sched.grammar import GrammarBook, GrammarError
 from common.sched.kv_connector import KVArrival, KVConnector, NullConnector
 from common.sched.launched import Launched, StepTimer, copy_to_host
 from common.sched.pages import KVBudget
-from common.sched.penalties import PenaltyCounts
 from common.sched.prefill import PrefillAdder
 from common.sched.prefill_budget import (
     ArrivalRate,
@@ -132,10 +131,7 @@ class Scheduler:
         self.grammars = GrammarBook(runner.model_path, self.vocab, tuple(self.eos))
         # The newest sampled token of each table row, on the device (the next decode step's input).
         self.last_tokens = torch.zeros(runner.page_table.table.shape[0], dtype=torch.int64, device=self.device)
-        self.penalties = PenaltyCounts(runner.page_table.table.shape[0], self.vocab, self.device)
-        self.sampler = StepSampler(
-            runner.page_table.table.shape[0], self.vocab, self.device, tuple(self.eos), self.penalties
-        )
+        self.sampler = StepSampler(runner.page_table.table.shape[0], self.vocab, self.device, tuple(self.eos))
         self._inflight: dict[Req, int] = {}  # tokens launched but not yet appended, per request
         self._pending: Launched | None = None
         self.prefill_tokens_launched = 0  # prompt tokens computed so far (the measured prefill rate's counter)
@@ -507,8 +503,6 @@ class Scheduler:
             out = self.sampler.sample(reqs, launched.rows, launched.steps, logits, self.grammars, job)
             res = out.result
             self.last_tokens.index_copy_(0, out.rows_dev, res.tokens)
-            if out.penalty:
-                self.penalties.record(out.rows_dev, res.tokens)
             launched.tokens = copy_to_host(res.tokens)
             launched.logprobs = copy_to_host(res.logprobs)
             launched.top_ids = copy_to_host(res.top_ids)

@@ -1,7 +1,7 @@
 """Each step's sampling inputs: per-row parameters kept on the device, the rest in one host-to-device copy.
 
 A request's sampling parameters do not change while it runs, so they are written once into per-table-row
-device tensors, at its first sampling in its row (as its penalty counts are: common/sched/penalties.py), and
+device tensors, at its first sampling in its row (as its penalty history is: common/sched/penalties.py), and
 a step gathers its batch's rows from there. A step whose batch is the one sampled last (the common case in
 steady decoding) reuses that gather, the batch's row indices on the device and its host-side facts (greedy
 or not, filters, logprobs, penalties) as they are: its host work does not grow with the batch. What changes
@@ -37,7 +37,7 @@ from common.engine.sampling import (
 )
 from common.engine.staging import HostToDevice, Stage
 from common.sched.grammar import GrammarBook, GrammarMasks
-from common.sched.penalties import PenaltyCounts, has_penalty
+from common.sched.penalties import PenaltyBatch, PenaltyHistory
 from common.sched.request import Req
 
 
@@ -50,7 +50,7 @@ class _Batch:
     floats: torch.Tensor  # [B, len(FLOAT_PARAMS)]
     ints: torch.Tensor  # [B, len(INT_PARAMS)]
     flags: BatchFlags
-    penalty: bool  # some row has a frequency, presence or repetition penalty
+    penalty: PenaltyBatch | None  # some row has a frequency, presence or repetition penalty
     grammar: bool  # some row has a grammar
     additions: list[int]  # rows with a logit_bias or min_tokens (their additions are decided per step)
     add_key: tuple[bool, ...] | None = None  # which of `additions` had their bans last step
@@ -70,7 +70,6 @@ class MaskJob:
 class Sampled:
     result: SampleResult
     rows_dev: torch.Tensor  # the batch's table rows on the device
-    penalty: bool  # the batch reads penalty counts (so its tokens are counted)
 
 
 class StepSampler:
@@ -80,12 +79,11 @@ class StepSampler:
         vocab: int,
         device: torch.device,
         eos_ids: Sequence[int],
-        penalties: PenaltyCounts,
     ) -> None:
         self.vocab = vocab
         self.device = device
         self.eos_ids = tuple(eos_ids)
-        self.penalties = penalties
+        self.penalties = PenaltyHistory(rows, vocab, device)
         self.h2d = HostToDevice(device)
         self.floats = torch.zeros(rows, len(FLOAT_PARAMS), dtype=torch.float32, device=device)
         self.ints = torch.zeros(rows, len(INT_PARAMS), dtype=torch.int64, device=device)
@@ -138,13 +136,13 @@ class StepSampler:
                 # On a GPU the forward is still running: the masks are filled meanwhile, into the pinned buffer.
                 bits_part, bits = stage.reserve((len(reqs), (self.vocab + 31) // 32), torch.int32)
                 masks = grammars.fill(reqs, bits)
-        fresh_part = fill = rows_part = None
+        fresh_part = plan = rows_part = None
         if new_batch is not None:
             rows_part = stage.put(rows, torch.int64)
             fresh = [(i, row) for i, (r, row) in enumerate(zip(reqs, rows)) if not self._owned(r, row)]
             if fresh:
                 fresh_part = self._stage_params(reqs, fresh, stage)
-            fill = self.penalties.stage_fill(reqs, rows, stage)
+            plan = self.penalties.plan(reqs, rows, steps, stage)
         steps_part = stage.put(steps, torch.int64)
         params = [r.sampling for r in reqs] if new_batch is not None else None
         additions = (
@@ -166,8 +164,6 @@ class StepSampler:
             rows_dev = sent[rows_part]
             if fresh_part is not None:
                 self._write_params(sent, fresh_part)
-            if fill is not None:
-                self.penalties.apply_fill(fill, sent)
             assert params is not None
             batch = _Batch(
                 reqs=new_batch,
@@ -175,7 +171,7 @@ class StepSampler:
                 floats=self.floats.index_select(0, rows_dev),
                 ints=self.ints.index_select(0, rows_dev),
                 flags=BatchFlags.of(params, self.vocab),
-                penalty=any(has_penalty(p) for p in params),
+                penalty=None if plan is None else self.penalties.begin(plan, sent, rows_dev),
                 grammar=any_grammar,
                 additions=additions,
             )
@@ -187,22 +183,26 @@ class StepSampler:
             elif new_batch is not None or add_key != batch.add_key:
                 batch.add_dev = None  # nothing banned any more, no bias
             batch.add_key = add_key
-        counts = seen = None
-        if batch.penalty:
-            counts, seen = self.penalties.gather(batch.rows_dev, batch.flags.repetition)
+        history_ids = history_counts = None
+        if batch.penalty is not None:
+            history_ids, history_counts = self.penalties.history(batch.penalty, steps, batch.flags.needs_penalty)
+        steps_dev = sent[steps_part]
         sb = SamplingBatch.from_slots(
             batch.floats,
             batch.ints,
-            sent[steps_part],
+            steps_dev,
             batch.flags,
-            counts,
-            seen,
+            history_ids,
+            history_counts,
             *(batch.add_dev or (None, None, None)),
         )
         if masks is not None:
             sb.allowed_bits = sent[bits_part] if bits_part is not None else None
             sb.grammar_rows = sent[grammar_part] if grammar_part is not None else masks.rows
-        return Sampled(sample(logits, sb), batch.rows_dev, batch.penalty)
+        result = sample(logits, sb)
+        if batch.penalty is not None:
+            self.penalties.record(batch.penalty, steps_dev, result.tokens)
+        return Sampled(result, batch.rows_dev)
 
     def close(self) -> None:
         if self._fill_thread is not None:
