@@ -209,6 +209,7 @@ class PrefillProgress(BaseModel):
     descs: int = Field(0, ge=0)
     cached_tokens: int = Field(0, ge=0)
     heartbeat: bool = False  # sent while the prefill worker's engine is working: the decode side keeps waiting
+    engine_exited: bool = False  # with ``error``: the engine that would write this request is gone (no notice comes)
 
 
 class PrefillAccepted(_Message):
@@ -224,18 +225,13 @@ MAX_CANCELS = 1024  # request ids in one CancelTransfers
 
 
 class CancelTransfers(_Message):
-    """Decode -> prefill: these requests' KV is no longer wanted (their decode worker gave them up). The
-    answer says which of them no write can reach any more (``CancelReply``); for the others the prefill
-    engine cancels its writes and its "closed" notice follows once they settled."""
+    """Decode -> prefill: these requests' KV is no longer wanted (their decode worker gave them up). Those in
+    flight are aborted (their "closed" notice follows once their writes settled); the others are refused
+    should they arrive later. Answered 204."""
 
     dst_agent: str
     dst_instance_id: str
     req_ids: list[str] = Field(max_length=MAX_CANCELS)
-
-
-class CancelReply(BaseModel):
-    # Never registered here (and now refused if they come), or their session is over: no write follows.
-    settled: list[str]
 
 
 class LoadSnapshot(BaseModel):

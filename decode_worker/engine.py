@@ -4,11 +4,10 @@ One request's transfer here (states in common/transfer/session.py): `Generate` q
 reserves its pages when it next settles transfers, each loop turn (`_reserved`: session "reserved"), and hands
 the page ids to the control plane (`Reserved`), which may send them to the prefill peer only after
 `PrefillSending` moved the session to "requested". The peer's notice ends it (`tick`): "landed" admits the
-request into the running batch. A request given up on before that keeps its pages (`held`) until its peer
-confirms that no write follows (its "closed" notice, or its answer to the cancel the control plane sends it:
-`TransfersSettled`), or is known gone (`PeerGone`); the control plane cancels with, and watches, the peers
-listed in the `AwaitingPeers` event (decode_worker/remote_prefill.py). The scheduler reserves, admits and
-frees through `DecodeConnector` (common/sched/kv_connector.py).
+request into the running batch, "closed" fails it. A request given up on before that keeps its pages (`held`)
+until a notice of its peer, or until the control plane learns from the request's exchange with the peer that
+no write of it can come (`PrefillSettled`: decode_worker/remote_prefill.py). The scheduler reserves, admits
+and frees through `DecodeConnector` (common/sched/kv_connector.py).
 """
 
 from __future__ import annotations
@@ -25,16 +24,14 @@ from common.sched.kv_connector import FinishedTransfers, KVArrival, NullConnecto
 from common.sched.request import Req
 from common.serving.engine_host import EngineHost, Handlers, Refused
 from common.serving.messages import (
-    AwaitingPeers,
     Generate,
     KVForcedRelease,
-    PeerGone,
     PrefillFailed,
     PrefillRefused,
     PrefillSending,
+    PrefillSettled,
     Reserved,
     Tokens,
-    TransfersSettled,
 )
 from common.transfer.receiver import Arrival, KVReceiver
 
@@ -82,14 +79,12 @@ class DecodeRole:
         # Given-up requests whose pages a prefill peer may still write: freed when their session ends.
         self.held: set[str] = set()
         self.connector = DecodeConnector(self)
-        self.awaited: dict[tuple[str, str], list[str]] = {}  # last AwaitingPeers sent to the control plane
         self.handlers: Handlers = {
             Generate: self._generate,
             PrefillSending: self._prefill_sending,
             PrefillRefused: lambda cmd: self.receiver.refused(cmd.req_id),
             PrefillFailed: self._prefill_failed,
-            PeerGone: lambda cmd: self._peer_gone(cmd.peer, cmd.peer_instance),
-            TransfersSettled: self._transfers_settled,
+            PrefillSettled: self._prefill_settled,
         }
 
     def has_work(self) -> bool:
@@ -116,11 +111,6 @@ class DecodeRole:
         # The control plane asks before the page ids leave this worker: never for a request given up.
         if not self.receiver.begin(cmd.req_id, cmd.peer, cmd.peer_instance):
             raise Refused("the request no longer waits for its KV", "aborted")
-
-    def _transfers_settled(self, cmd: TransfersSettled) -> None:
-        """The peer's answer to a cancel (decode_worker/remote_prefill.py PeerWatch)."""
-        for rid in self.receiver.settled(cmd.peer, cmd.peer_instance, cmd.req_ids):
-            self._release_held(rid)
 
     def _reserved(self, req: Req, pages: list[int]) -> None:
         rid = req.req_id
@@ -153,18 +143,17 @@ class DecodeRole:
             self.connector.done.released.append(req_id)  # the scheduler frees them when it next asks
 
     def _prefill_failed(self, cmd: PrefillFailed) -> None:
-        if cmd.req_id not in self.remote:
-            return  # the KV arrived already, or the request ended: it no longer needs its peer
-        if not cmd.started:
-            self.receiver.give_up(cmd.req_id, cmd.error, never_started=True)
-        self.abort(cmd.req_id, "error", cmd.error)
+        if cmd.req_id in self.remote:  # else the KV arrived already, or the request ended
+            self.abort(cmd.req_id, "error", cmd.error)
 
-    def _peer_gone(self, peer: str, peer_instance: str) -> None:
-        for rid in self.receiver.peer_gone(peer, peer_instance):
-            if rid in self.held:
-                self._release_held(rid)
-            elif rid in self.remote:
-                self.abort(rid, "error", f"prefill worker {peer} is gone")
+    def _prefill_settled(self, cmd: PrefillSettled) -> None:
+        """No write of the request can come any more: its session ends, and so does the request if it waited."""
+        if not self.receiver.settle(cmd.req_id, cmd.error):
+            return  # its KV landed, or it ended already
+        if cmd.req_id in self.held:
+            self._release_held(cmd.req_id)
+        elif cmd.req_id in self.remote:
+            self.abort(cmd.req_id, "error", cmd.error)
 
     # ---- the loop turn ---------------------------------------------------------------------------------
     def tick(self) -> None:
@@ -184,11 +173,6 @@ class DecodeRole:
             for rid in [r for r, p in self.remote.items() if now > p.deadline]:
                 stage = "KV transfer" if self.remote[rid].reserved else "KV page reservation"
                 self.abort(rid, "error", f"{stage} did not finish within its deadline")
-        awaited = self.receiver.awaited_peers()
-        if awaited != self.awaited:
-            self.awaited = awaited
-            peers = [[agent, instance, rids] for (agent, instance), rids in sorted(awaited.items())]
-            self.host.outbox.append(AwaitingPeers(peers))
 
     def _on_arrival(self, a: Arrival) -> None:
         if a.kind == "released":

@@ -1,13 +1,21 @@
-"""The decode side of a remote prefill (``RemotePrefill``): the engine's reservation, the handshake, the peer's
-`/internal/prefill` stream, and the watch of peers that may still write into pages given up here.
+"""The decode side of a remote prefill: one ``PrefillCall`` per request, over ``RemotePrefill``'s HTTP client and
+handshakes.
 
-For a request with a prefill peer, the engine reserves pages; this side then handshakes with the peer
-(once per peer instance), asks the engine's leave to send the page ids (`PrefillSending`: never for a
-request given up meanwhile), and holds the peer's `/internal/prefill` stream open until the KV has landed.
-How that ends decides what the engine may do with the pages: a refusal (the peer registered nothing) frees
-them at once; anything after the peer may have started leaves them held until the peer settles them: its
-"closed" notice, or its answer to the cancel `PeerWatch` sends it (never registered there, and refused from
-then on), or `PeerWatch` finding the peer's agent instance gone (common/transfer/session.py).
+The two workers learn of each other one way each:
+
+- the KV's completion is the peer's NIXL notice, read by the engine (decode_worker/engine.py): "landed"
+  admits the request, "closed" (the peer gave it up once its writes settled) fails it and frees its pages;
+- the peer's liveness is the request's `/internal/prefill` exchange. It stays open, with a heartbeat line at
+  least every second while the peer's engine works, until the peer's session of the request is over (its
+  last line, sent after the notice), also after this side gave the request up (the peer is then sent one
+  cancel). How it ends says whether a write may still come:
+  - a refusal (nothing registered there), a connection that never carried the request, a break of the
+    stream (the peer's process is gone) or a last line saying the peer's engine exited: no write of the
+    request can come; the engine is told (``PrefillSettled``) and frees the pages, failing the request if it
+    still waited;
+  - no line for ``PREFILL_STALL_S`` (a frozen or partitioned peer) or an answer that says nothing of that:
+    the request fails (``PrefillFailed``); its pages stay held until the peer's notice, or the engine's
+    last-resort deadline (common/transfer/session.py).
 """
 
 from __future__ import annotations
@@ -16,12 +24,11 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import httpx
 
 from common.protocol import (
-    MAX_CANCELS,
-    CancelReply,
     CancelTransfers,
     GenerateRequest,
     HandshakeRequest,
@@ -31,16 +38,7 @@ from common.protocol import (
     PrefillRequest,
 )
 from common.serving.channel import ENGINE_TIMEOUT, EngineError
-from common.serving.messages import (
-    AgentInfo,
-    AwaitingPeers,
-    PeerGone,
-    PrefillFailed,
-    PrefillRefused,
-    PrefillSending,
-    Reserved,
-    TransfersSettled,
-)
+from common.serving.messages import AgentInfo, PrefillFailed, PrefillRefused, PrefillSending, PrefillSettled, Reserved
 from common.serving.request_trace import WorkerTrace
 from common.serving.worker_state import WorkerState
 
@@ -54,29 +52,204 @@ PREFILL_HEAD_S = 45.0  # the peer's answer to the prefill request: its engine ca
 # Outer bound of a remote prefill and its KV transfer however it progresses (GenerateRequest.kv_timeout_s
 # overrides it); kept under the transfer sessions' 300 s safety deadline (common/transfer/session.py).
 PREFILL_DEADLINE_S = 240.0
-PROBE_INTERVAL_S = 0.5  # how often a peer that may still write into given-up pages is asked whether it lives
 # Answers of a prefill worker that registered nothing (so it writes nothing): bad request, unknown peer
 # (handshake again), cancelled before it arrived, queue full, not ready.
 REFUSALS = frozenset({400, 409, 410, 429, 503})
+# The exchange broke (the peer's process closed it, or never took the request): no write of the request follows.
+BROKEN = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.ReadError, httpx.WriteError)
 
 
 class PeerFailure(RuntimeError):
-    def __init__(self, message: str, started: bool) -> None:
+    def __init__(self, message: str, settled: bool) -> None:
         super().__init__(message)
-        self.started = started  # the peer may have registered the request: writes may still come
+        self.settled = settled  # no write of the request can come any more
 
 
 @dataclass
-class PrefillPeers:
-    """Handshakes with prefill workers, by URL; a peer that restarted is handshaken again."""
+class PrefillCall:
+    """One request's remote prefill, from its reserved pages to the end of its exchange with the peer."""
+
+    gen: GenerateRequest
+    url: str
+    timeout_s: float
+    trace: WorkerTrace
+    reserved: asyncio.Future[list[int]]
+    # "preparing": nothing asked of the engine; "asking": its leave to send the page ids is asked (maybe given);
+    # "sent": the request may have reached the peer.
+    phase: Literal["preparing", "asking", "sent"] = "preparing"
+    given_up: bool = False  # this side no longer wants the KV
+    failed: bool = False  # the engine was told the request failed
+    task: asyncio.Task[None] | None = None
+
+
+@dataclass
+class RemotePrefill:
+    """Every remote prefill of this worker (``start``, ``give_up``), over one HTTP client and one set of handshakes
+    (by peer URL; a peer that restarted is handshaken again)."""
 
     state: WorkerState
     http: httpx.AsyncClient
+    calls: dict[str, PrefillCall] = field(default_factory=dict)
     known: dict[str, HandshakeResponse] = field(default_factory=dict)
     locks: dict[str, asyncio.Lock] = field(default_factory=dict)
-    urls: dict[tuple[str, str], str] = field(default_factory=dict)  # (agent, instance) -> URL, kept for PeerWatch
 
-    async def ensure(self, url: str, force: bool = False) -> HandshakeResponse:
+    @classmethod
+    def create(cls, state: WorkerState) -> RemotePrefill:
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
+        http = httpx.AsyncClient(limits=limits, headers=state.cfg.internal_token.headers())  # peers' /internal/*
+        remote = cls(state, http)
+        state.event_handlers[Reserved] = remote._on_reserved
+        state.on_engine_lost.append(remote._engine_lost)
+        return remote
+
+    # ---- what the request's stream asks ----------------------------------------------------------------
+    def expect(self, gen: GenerateRequest, url: str, timeout_s: float, trace: WorkerTrace) -> None:
+        """Called before the engine is asked to reserve: its ``Reserved`` event may come with its reply."""
+        fut = asyncio.get_running_loop().create_future()
+        self.calls[gen.req_id] = PrefillCall(gen, url, timeout_s, trace, fut)
+
+    def start(self, req_id: str) -> None:
+        """The engine took the request: once its pages are reserved, the peer is asked to fill them."""
+        call = self.calls[req_id]
+        call.task = asyncio.create_task(self._run(call))
+
+    def give_up(self, req_id: str) -> None:
+        """This side no longer wants the request's KV. Before anything went out the call just stops (the engine's
+        abort frees the pages); after, the peer is asked to cancel and the exchange is read on to its end."""
+        call = self.calls.get(req_id)
+        if call is None or call.given_up:
+            return
+        call.given_up = True
+        if call.task is None:
+            self.calls.pop(req_id, None)  # the engine never took it
+        elif call.phase != "sent":
+            call.task.cancel()
+        else:
+            asyncio.get_running_loop().create_task(self._cancel(call))
+
+    # ---- the engine's side -----------------------------------------------------------------------------
+    def _on_reserved(self, ev: Reserved) -> None:
+        call = self.calls.get(ev.req_id)
+        if call is not None and not call.reserved.done():
+            call.reserved.set_result(ev.pages)
+
+    def _engine_lost(self) -> None:
+        self.known.clear()  # a new agent handshakes anew
+        for call in list(self.calls.values()):
+            call.phase = "preparing"  # that engine is gone: nothing is owed to it
+            if call.task is not None:
+                call.task.cancel()  # closing an exchange makes its peer abort the request
+        self.calls.clear()
+
+    # ---- one call ----------------------------------------------------------------------------------------
+    async def _run(self, call: PrefillCall) -> None:
+        client = self.state.client
+        assert client is not None
+        rid = call.gen.req_id
+        try:
+            pages = await call.reserved
+            await self._exchange(call, pages)
+        except PeerFailure as e:
+            self.known.pop(call.url, None)
+            client.cast(PrefillSettled(rid, str(e)) if e.settled else PrefillFailed(rid, str(e)))
+        except asyncio.CancelledError:
+            if call.phase == "asking":  # the leave may have been given, but nothing was sent
+                client.cast(PrefillSettled(rid, "given up before the prefill request was sent"))
+        finally:
+            if self.calls.get(rid) is call:
+                del self.calls[rid]
+
+    async def _exchange(self, call: PrefillCall, pages: list[int]) -> None:
+        client = self.state.client
+        assert client is not None
+        gen = call.gen
+        for attempt in range(2):
+            hs = await self._handshake(call.url, force=attempt > 0)
+            call.phase = "asking"
+            try:
+                await client.call(PrefillSending(gen.req_id, hs.agent_name, hs.instance_id))
+            except EngineError as e:
+                if e.code == ENGINE_TIMEOUT:  # the ids have not left: nothing can be written into the pages
+                    raise PeerFailure(f"could not start the remote prefill: {e}", settled=True) from None
+                return  # given up meanwhile: the page ids never leave this worker
+            agent = _agent(self.state)
+            body = PrefillRequest(
+                req_id=gen.req_id,
+                token_ids=gen.token_ids,
+                sampling=gen.sampling,
+                dst_agent=agent.agent_name,
+                dst_instance_id=agent.instance_id,
+                dst_pages=pages,
+                deadline_s=call.timeout_s,
+            )
+            call.trace.mark("prefill_requested")
+            call.phase = "sent"
+            try:
+                async with self.http.stream(
+                    "POST",
+                    f"{call.url}/internal/prefill",
+                    json=body.model_dump(),
+                    headers=call.trace.headers(),
+                    timeout=httpx.Timeout(10.0, read=PREFILL_HEAD_S),
+                ) as r:
+                    if r.status_code == 409 and attempt == 0 and not call.given_up:
+                        # The peer restarted and lost our handshake; it registered nothing: redo it once.
+                        client.cast(PrefillRefused(gen.req_id))
+                        call.phase = "preparing"
+                        continue
+                    if r.status_code != 200:
+                        await r.aread()
+                        raise PeerFailure(
+                            f"prefill worker {call.url} refused the request: {_error_text(r)}",
+                            settled=r.status_code in REFUSALS,
+                        )
+                    await self._read(call, r)
+                    return
+            except httpx.RemoteProtocolError as e:  # the peer closed the connection before its last line
+                raise PeerFailure(f"prefill worker {call.url} is gone: {e!r}", settled=True) from None
+            except BROKEN as e:
+                raise PeerFailure(f"prefill worker {call.url} unreachable: {e!r}", settled=True) from None
+            except (httpx.HTTPError, ValueError) as e:
+                raise PeerFailure(f"prefill worker {call.url} failed: {e!r}", settled=False) from None
+
+    async def _read(self, call: PrefillCall, r: httpx.Response) -> None:
+        """The exchange's lines up to its last: its heartbeats keep the request waiting; one missing for
+        ``PREFILL_STALL_S`` fails it, and the exchange is read on (its end still tells whether a write may come)."""
+        client = self.state.client
+        assert client is not None
+        lines = r.aiter_lines()
+        while True:
+            try:
+                async with asyncio.timeout(None if call.given_up or call.failed else PREFILL_STALL_S):
+                    line = await anext(lines)
+            except StopAsyncIteration:  # a live peer ends its exchange with its last line only
+                raise PeerFailure(
+                    f"prefill worker {call.url} is gone: it closed the stream early", settled=True
+                ) from None
+            except TimeoutError:
+                if not call.given_up and not call.failed:
+                    call.failed = True
+                    error = f"prefill worker {call.url} showed no progress for {PREFILL_STALL_S:g}s"
+                    client.cast(PrefillFailed(call.gen.req_id, error))
+                continue
+            if not line:
+                continue
+            msg = PrefillProgress.model_validate_json(line)  # ValidationError is a ValueError
+            if msg.engine_exited:
+                raise PeerFailure(f"prefill failed: {msg.error}", settled=True)
+            if msg.done or msg.error is not None:
+                return  # the peer's session is over; its notice (sent first) tells the engine how
+
+    async def _cancel(self, call: PrefillCall) -> None:
+        """Tells the peer this side gave the request up: it aborts it, or refuses it should it arrive later."""
+        agent = _agent(self.state)
+        body = CancelTransfers(dst_agent=agent.agent_name, dst_instance_id=agent.instance_id, req_ids=[call.gen.req_id])
+        try:
+            await self.http.post(f"{call.url}/internal/cancel", json=body.model_dump(), timeout=5.0)
+        except httpx.HTTPError:
+            pass  # the exchange's end still says how the request ended there
+
+    async def _handshake(self, url: str, force: bool = False) -> HandshakeResponse:
         lock = self.locks.setdefault(url, asyncio.Lock())
         async with lock:
             if url in self.known and not force:
@@ -93,84 +266,16 @@ class PrefillPeers:
             try:
                 r = await self.http.post(f"{url}/internal/handshake", json=body.model_dump(), timeout=10.0)
             except httpx.HTTPError as e:
-                raise PeerFailure(f"handshake with prefill worker {url} failed: {e!r}", started=False) from None
+                raise PeerFailure(f"handshake with prefill worker {url} failed: {e!r}", settled=True) from None
             if r.status_code != 200:
-                raise PeerFailure(f"prefill worker {url} refused the handshake: {_error_text(r)}", started=False)
+                raise PeerFailure(f"prefill worker {url} refused the handshake: {_error_text(r)}", settled=True)
             try:
                 resp = HandshakeResponse.model_validate(r.json())
             except ValueError as e:
-                raise PeerFailure(f"prefill worker {url} sent a bad handshake: {e}", started=False) from None
+                raise PeerFailure(f"prefill worker {url} sent a bad handshake: {e}", settled=True) from None
             self.known[url] = resp
             self.state.metrics.engine.handshake.observe(time.perf_counter() - started)
-            self.urls[(resp.agent_name, resp.instance_id)] = url
             return resp
-
-
-@dataclass
-class PeerWatch:
-    """Settles the requests this worker gave up while a prefill peer may still write into their pages. Each
-    such peer is sent a cancel for them (``/internal/cancel``), which it answers with those no write of it
-    can reach any more (never registered there, now refused; or over); the others it aborts, and its
-    "closed" notice settles them once their writes did. Asked again every ``PROBE_INTERVAL_S`` until each is
-    settled. A peer that refuses connections, runs another agent instance, or has lost its engine is gone,
-    and the engine is told so. A peer that does not answer (frozen, partitioned) is not known gone: its
-    pages stay held (until the engine's last-resort deadline)."""
-
-    state: WorkerState
-    peers: PrefillPeers
-    awaited: dict[tuple[str, str], list[str]] = field(default_factory=dict)
-    task: asyncio.Task[None] | None = None
-
-    def update(self, ev: AwaitingPeers) -> None:
-        self.awaited = {(str(a), str(i)): [str(r) for r in rids] for a, i, rids in ev.peers}
-        if self.awaited and (self.task is None or self.task.done()):
-            self.task = asyncio.get_running_loop().create_task(self._run())
-
-    async def _run(self) -> None:
-        while self.awaited:
-            for (agent, instance), rids in list(self.awaited.items()):
-                url = self.peers.urls.get((agent, instance))
-                if url is None:
-                    continue
-                client = self.state.client
-                assert client is not None
-                if await self._gone(url, instance):
-                    log.info("prefill peer gone", extra={"peer": agent, "url": url})
-                    self.awaited.pop((agent, instance), None)
-                    client.cast(PeerGone(agent, instance))
-                    continue
-                settled = await self._cancel(url, rids)
-                if settled:
-                    client.cast(TransfersSettled(agent, instance, settled))
-            await asyncio.sleep(PROBE_INTERVAL_S)
-
-    async def _cancel(self, url: str, rids: list[str]) -> list[str]:
-        agent = _agent(self.state)
-        body = CancelTransfers(
-            dst_agent=agent.agent_name, dst_instance_id=agent.instance_id, req_ids=rids[:MAX_CANCELS]
-        )
-        try:
-            r = await self.peers.http.post(f"{url}/internal/cancel", json=body.model_dump(), timeout=5.0)
-            if r.status_code != 200:
-                return []
-            return CancelReply.model_validate(r.json()).settled
-        except (httpx.HTTPError, ValueError):
-            return []  # asked again next round
-
-    async def _gone(self, url: str, instance: str) -> bool:
-        try:
-            r = await self.peers.http.get(f"{url}/internal/agent", timeout=2.0)
-        except httpx.ConnectError:
-            return True  # nothing listens at its address: the process is gone
-        except httpx.HTTPError:
-            return False
-        if r.status_code != 200:
-            return False
-        try:
-            body = r.json()
-        except ValueError:
-            return False
-        return body.get("instance_id") != instance or body.get("engine_alive") is False
 
 
 def _agent(state: WorkerState) -> AgentInfo:
@@ -183,130 +288,3 @@ def _error_text(r: httpx.Response) -> str:
         return str(r.json()["error"]["message"])
     except Exception:
         return f"HTTP {r.status_code}"
-
-
-async def _remote_prefill(
-    state: WorkerState,
-    peers: PrefillPeers,
-    url: str,
-    gen: GenerateRequest,
-    pages: list[int],
-    timeout_s: float,
-    trace: WorkerTrace | None = None,
-) -> None:
-    """Asks the prefill peer at `url` (a known one: PeerDirectory) to fill `pages`; tells the engine when that cannot happen, and whether the peer
-    may have started (then the pages wait for its word)."""
-    client = state.client
-    assert client is not None
-    try:
-        for attempt in range(2):
-            hs = await peers.ensure(url, force=attempt > 0)
-            try:
-                await client.call(PrefillSending(gen.req_id, hs.agent_name, hs.instance_id))
-            except EngineError as e:
-                if e.code == ENGINE_TIMEOUT:  # the ids have not left: nothing can be written into the pages
-                    raise PeerFailure(f"could not start the remote prefill: {e}", started=False) from None
-                return  # given up meanwhile: the page ids never leave this worker
-            agent = _agent(state)
-            body = PrefillRequest(
-                req_id=gen.req_id,
-                token_ids=gen.token_ids,
-                sampling=gen.sampling,
-                dst_agent=agent.agent_name,
-                dst_instance_id=agent.instance_id,
-                dst_pages=pages,
-                deadline_s=timeout_s,
-            )
-            if trace is not None:
-                trace.mark("prefill_requested")
-            try:
-                async with peers.http.stream(
-                    "POST",
-                    f"{url}/internal/prefill",
-                    json=body.model_dump(),
-                    headers=trace.headers() if trace is not None else None,
-                    timeout=httpx.Timeout(10.0, read=PREFILL_HEAD_S),
-                ) as r:
-                    if r.status_code == 409 and attempt == 0:
-                        # The peer restarted and lost our handshake; it registered nothing: redo it once.
-                        await client.call(PrefillRefused(gen.req_id))
-                        continue
-                    if r.status_code != 200:
-                        await r.aread()
-                        raise PeerFailure(
-                            f"prefill worker {url} refused the request: {_error_text(r)}",
-                            started=r.status_code not in REFUSALS,
-                        )
-                    lines = r.aiter_lines()
-                    while True:
-                        try:
-                            async with asyncio.timeout(PREFILL_STALL_S):
-                                line = await anext(lines)
-                        except StopAsyncIteration:
-                            break
-                        except TimeoutError:
-                            raise PeerFailure(
-                                f"prefill worker {url} showed no progress for {PREFILL_STALL_S:g}s", started=True
-                            ) from None
-                        if not line:
-                            continue
-                        msg = PrefillProgress.model_validate_json(line)  # ValidationError is a ValueError
-                        if msg.error is not None:
-                            raise PeerFailure(f"prefill failed: {msg.error}", started=True)
-                        if msg.done:
-                            return
-                    raise PeerFailure(f"prefill worker {url} closed the stream before finishing", started=True)
-            except httpx.ConnectError as e:
-                raise PeerFailure(f"prefill worker {url} unreachable: {e!r}", started=False) from None
-            except (httpx.HTTPError, ValueError) as e:
-                raise PeerFailure(f"prefill worker {url} failed: {e!r}", started=True) from None
-    except PeerFailure as e:
-        peers.known.pop(url, None)
-        client.cast(PrefillFailed(gen.req_id, str(e), e.started))
-    except asyncio.CancelledError:
-        return
-
-
-class RemotePrefill:
-    """Every remote prefill of this worker: one per request (``expect`` before the engine is asked to reserve,
-    then ``start``), over one HTTP client, one set of handshakes and one ``PeerWatch``."""
-
-    def __init__(self, state: WorkerState) -> None:
-        self.state = state
-        limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
-        http = httpx.AsyncClient(limits=limits, headers=state.cfg.internal_token.headers())  # peers' /internal/*
-        self.peers = PrefillPeers(state, http)
-        self.watch = PeerWatch(state, self.peers)
-        self.reservations: dict[str, asyncio.Future[list[int]]] = {}
-        state.event_handlers[AwaitingPeers] = self.watch.update
-        state.event_handlers[Reserved] = self._on_reserved
-        state.on_engine_lost.append(self._engine_lost)
-
-    def _engine_lost(self) -> None:
-        self.peers.known.clear()  # a new agent handshakes anew
-        self.watch.awaited.clear()
-
-    def _on_reserved(self, ev: Reserved) -> None:
-        fut = self.reservations.get(ev.req_id)
-        if fut is not None and not fut.done():
-            fut.set_result(ev.pages)
-
-    def expect(self, req_id: str) -> None:
-        """Called before the engine is asked to reserve: its ``Reserved`` event may come with its reply."""
-        self.reservations[req_id] = asyncio.get_running_loop().create_future()
-
-    def forget(self, req_id: str) -> None:
-        self.reservations.pop(req_id, None)
-
-    def start(self, gen: GenerateRequest, url: str, timeout_s: float, trace: WorkerTrace) -> asyncio.Task[None]:
-        """Once the pages are reserved, asks the peer at ``url`` to fill them (``_remote_prefill``)."""
-        reserved = self.reservations[gen.req_id]
-
-        async def run() -> None:
-            try:
-                pages = await reserved
-            finally:
-                self.forget(gen.req_id)
-            await _remote_prefill(self.state, self.peers, url, gen, pages, timeout_s, trace)
-
-        return asyncio.create_task(run())

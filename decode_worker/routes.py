@@ -37,15 +37,15 @@ class DecodeStream:
     peer_url: str | None  # the prefill peer, or None: prefilled here
     trace: WorkerTrace
     finished: bool = False  # the engine sent the finish
+    landed: bool = False  # tokens came: the prompt's KV is here (a remote prefill is over)
     ended: bool = False  # let go of here (`end`)
-    prefill_task: asyncio.Task[None] | None = None  # the remote prefill, once started
 
     async def begin(self) -> None:
         """Hands the request to the engine (and, with a peer, the prefill to the peer once pages are reserved)."""
         gen, remote = self.gen, self.peer_url is not None
         timeout_s = gen.kv_timeout_s or PREFILL_DEADLINE_S
-        if remote:
-            self.remote.expect(gen.req_id)
+        if self.peer_url is not None:
+            self.remote.expect(gen, self.peer_url, timeout_s, self.trace)
         try:
             cmd = Generate(gen.req_id, gen.token_ids, gen.sampling.model_dump(), remote, timeout_s, self.trace.received)
             await self.client.call(cmd)
@@ -56,7 +56,7 @@ class DecodeStream:
         self.state.metrics.prompt.inc(len(gen.token_ids))
         self.state.accepted.add(gen.req_id, len(gen.token_ids), prefill_here=not remote)
         if self.peer_url is not None:
-            self.prefill_task = self.remote.start(gen, self.peer_url, timeout_s, self.trace)
+            self.remote.start(gen.req_id)
 
     def end(self, abort: bool) -> None:
         """Lets go of everything the request holds here, at once (no await: nothing can interrupt it);
@@ -69,9 +69,8 @@ class DecodeStream:
         self.state.live.discard(rid)
         self.state.accepted.ended(rid)
         self.client.close_stream(rid)
-        self.remote.forget(rid)
-        if self.prefill_task is not None and not self.prefill_task.done():
-            self.prefill_task.cancel()
+        if not self.landed:
+            self.remote.give_up(rid)
         if abort:
             self.client.cast(Abort(rid))
 
@@ -83,6 +82,7 @@ class DecodeStream:
             if not isinstance(ev, Tokens):  # a decode stream's only event
                 continue
             item = ev.stream_item()
+            self.landed = self.landed or bool(ev.token_ids)
             metrics.generated.inc(len(ev.token_ids))
             if ev.cached_tokens is not None:
                 metrics.cached.inc(ev.cached_tokens)
@@ -107,7 +107,7 @@ class DecodeStream:
 
 
 def add_decode_routes(app: FastAPI, state: WorkerState) -> None:
-    remote = RemotePrefill(state)
+    remote = RemotePrefill.create(state)
     directory = PeerDirectory(state.cfg.prefill_peers)
     if not state.cfg.prefill_peers:
         log.warning(

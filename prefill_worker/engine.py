@@ -29,7 +29,6 @@ from common.serving.messages import (
     Prefill,
     PrefillDone,
     PrefillError,
-    Settled,
     TransferCounts,
     TransferStats,
 )
@@ -105,7 +104,7 @@ class PrefillRole:
         self.handlers: Handlers = {
             AddPeer: self._add_peer,
             Prefill: self._accept,
-            Cancel: lambda cmd: Settled(self._cancel(cmd.dst_agent, cmd.req_ids)),
+            Cancel: lambda cmd: self._cancel(cmd.dst_agent, cmd.req_ids),
             TransferStats: self._transfer_stats,
         }
 
@@ -138,24 +137,21 @@ class PrefillRole:
             **self.stats,
         )
 
-    def _cancel(self, dst_agent: str, req_ids: list[str]) -> list[str]:
+    def _cancel(self, dst_agent: str, req_ids: list[str]) -> None:
         """The decode worker gave these requests up. Those in flight here are aborted (their "closed" notice
-        follows once their writes settled); the rest, never registered or already over, are settled: none
-        of their writes can come any more, and one that arrives later is refused."""
+        follows once their writes settled); the rest, never registered or already over, are refused should they
+        arrive later."""
         now = time.monotonic()
         for rid, at in list(self.cancelled.items()):
             if now - at <= CANCELLED_KEEP_S:
                 break  # oldest first: the rest are younger
             del self.cancelled[rid]
-        settled = []
         for rid in req_ids:
             ob = self.outbound.get(rid)
             if ob is not None and ob.transfer.peer == dst_agent:
                 self.abort(rid, "abort", "cancelled by the decode worker")  # its "closed" notice settles it
             elif ob is None:
                 self.cancelled[rid] = now
-                settled.append(rid)
-        return settled
 
     def _accept(self, cmd: Prefill) -> None:
         """Opens the request's transfer session; a refusal here means nothing was registered (no write follows)."""

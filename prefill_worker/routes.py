@@ -12,7 +12,6 @@ from fastapi.responses import JSONResponse, Response
 from common.managed_stream import ManagedStream
 from common.protocol import (
     AbortRequest,
-    CancelReply,
     CancelTransfers,
     HandshakeRequest,
     HandshakeResponse,
@@ -34,7 +33,7 @@ HEARTBEAT = b'{"heartbeat":true}\n'
 def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = True) -> None:
     """`abort_route` False: the app has its own `/internal/abort` (a mixed worker's decode routes), whose engine
     abort reaches requests of either role."""
-    aborted: set[str] = set()  # prefills the decode side called off: counted "abort", not "error"
+    aborted: set[str] = set()  # prefills the decode side called off (abort, cancel): counted "abort", not "error"
 
     @app.post("/internal/handshake")
     async def handshake(request: Request) -> Response:
@@ -112,12 +111,15 @@ def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = Tru
                         trace.extra = [("kv transfer", *ev.transfer["span"])]
                     line = PrefillProgress(req_id=pr.req_id, done=True, descs=ev.descs, cached_tokens=ev.cached_tokens)
                 elif isinstance(ev, PrefillError) or (isinstance(ev, Tokens) and ev.finish_reason == "error"):
-                    # A Tokens error: the engine exited (common/serving/channel.py) or failed the request.
+                    # A Tokens error: the engine exited (``retryable``, common/serving/channel.py) or failed the
+                    # request. An exited engine writes nothing more and sends no notice: the line says so, and
+                    # the decode side frees its pages on it.
                     finished = True
                     outcome = "abort" if pr.req_id in aborted else "error"
                     state.metrics.requests.labels(outcome=outcome).inc()
                     trace.stamps = {}
-                    line = PrefillProgress(req_id=pr.req_id, error=ev.error or "prefill failed")
+                    exited = isinstance(ev, Tokens) and bool(ev.retryable)
+                    line = PrefillProgress(req_id=pr.req_id, error=ev.error or "prefill failed", engine_exited=exited)
                 else:
                     continue
                 yield (line.model_dump_json(include=set(line.model_fields_set)) + "\n").encode()
@@ -144,24 +146,13 @@ def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = Tru
 
     @app.post("/internal/cancel")
     async def cancel(request: Request) -> Response:
-        """A decode worker gave these requests up: which of them no write of this worker can reach any more
-        (decode_worker/remote_prefill.py ``PeerWatch`` asks until each is settled or this worker is gone)."""
+        """A decode worker gave these requests up (decode_worker/remote_prefill.py): those in flight here are
+        aborted, the others refused should they arrive later; each one's exchange tells the decode side the rest."""
         ct: CancelTransfers = await read_message(request, CancelTransfers)  # type: ignore[assignment]
         assert state.client is not None
-        settled = await state.client.call(Cancel(ct.dst_agent, ct.dst_instance_id, ct.req_ids))
-        return JSONResponse(CancelReply(settled=settled.req_ids).model_dump())
-
-    @app.get("/internal/agent")
-    async def agent() -> Response:
-        """Which NIXL agent instance serves here and whether its engine lives: a decode worker that gave up
-        on a request asks, to learn that the instance it sent it to is gone (then nothing of it can land)."""
-        return JSONResponse(
-            {
-                "agent": state.agent.agent_name if state.agent is not None else None,
-                "instance_id": state.agent.instance_id if state.agent is not None else None,
-                "engine_alive": state.alive,
-            }
-        )
+        aborted.update(rid for rid in ct.req_ids if rid in state.client.streams)
+        await state.client.call(Cancel(ct.dst_agent, ct.dst_instance_id, ct.req_ids))
+        return Response(status_code=204)
 
     @app.get("/internal/stats")
     async def stats() -> Response:

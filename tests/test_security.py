@@ -161,7 +161,7 @@ INTERNAL_CALLS = [
     ("POST", "/internal/prefill", {"req_id": "x2", "token_ids": [1, 2, 3], "sampling": {}, "dst_agent": "a"}),
     ("POST", "/internal/handshake", {"agent_name": "intruder"}),
     ("POST", "/internal/abort", {"req_id": "x1"}),
-    ("GET", "/internal/agent", None),
+    ("POST", "/internal/cancel", {"dst_agent": "a", "dst_instance_id": "i", "req_ids": ["x2"]}),
     ("GET", "/internal/stats", None),
 ]
 

@@ -174,11 +174,12 @@ def _bad_prefill_main(port_q: Any) -> None:
             self.end_headers()
             self.wfile.write(data)
 
-        def do_GET(self) -> None:
-            self._json({"agent": agent.name, "instance_id": agent.instance_id, "engine_alive": True})
-
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path == "/internal/cancel":
+                self.send_response(204)
+                self.end_headers()
+                return
             if self.path == "/internal/handshake":
                 with lock:
                     agent.nixl.add_remote_agent(base64.b64decode(body["agent_metadata_b64"]))
@@ -247,16 +248,15 @@ def test_malformed_notice_fails_one_request_and_the_engine_keeps_serving(
     assert _metric(d, "kvferry_kv_integrity_violations_total") == 0
 
 
-def test_cancel_settles_a_request_the_peer_never_registered(pair: tuple[WorkerProc, WorkerProc]) -> None:
-    """A decode worker that gave a request up before its prefill request reached the peer asks the peer: the
-    peer answers that no write of it can come (it never registered it) and refuses it if it arrives later,
-    so the pages are freed by that answer, not by a deadline, and a late arrival can never write into them."""
+def test_a_request_cancelled_before_it_arrived_is_refused(pair: tuple[WorkerProc, WorkerProc]) -> None:
+    """A decode worker that gave a request up before its prefill request reached the peer cancels it there: the
+    peer refuses it when it arrives (410), a refusal that tells the decode worker, on the request's own
+    exchange, that no write of it can come, so its pages are freed then, and a late arrival never writes."""
     p, d = pair
     dst = {"dst_agent": "decode-agent", "dst_instance_id": "instance"}
     rid = uuid.uuid4().hex
     r = httpx.post(f"{p.url}/internal/cancel", json={**dst, "req_ids": [rid]}, timeout=10)
-    assert r.status_code == 200, r.text
-    assert r.json() == {"settled": [rid]}
+    assert r.status_code == 204, r.text
     late = {
         "req_id": rid,
         "token_ids": [1, 2, 3],

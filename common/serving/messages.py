@@ -63,13 +63,6 @@ class PeerAdded(Wire):
 
 
 @dataclass(frozen=True)
-class Settled(Wire):
-    """The cancelled requests that no write of the prefill worker can reach any more."""
-
-    req_ids: list[str]
-
-
-@dataclass(frozen=True)
 class TransferCounts(Wire):
     writes_in_flight: int
     sessions: dict[str, int]  # open transfer sessions by state
@@ -120,24 +113,20 @@ class PrefillRefused(Command[None]):
 
 @dataclass(frozen=True)
 class PrefillFailed(Command[None]):
+    """The remote prefill cannot finish (its peer shows no progress, or answered nonsense); the peer may still
+    write, so the pages stay held until its notice says otherwise (or ``PrefillSettled`` comes)."""
+
     req_id: str
     error: str
-    started: bool  # the peer may have registered it: writes may still come
 
 
 @dataclass(frozen=True)
-class PeerGone(Command[None]):
-    peer: str
-    peer_instance: str
+class PrefillSettled(Command[None]):
+    """The request's exchange with its peer says no write of it can come (the peer refused it or never got it,
+    or its process or engine is gone): its pages are free again, and a request still waiting fails."""
 
-
-@dataclass(frozen=True)
-class TransfersSettled(Command[None]):
-    """The peer's answer to a cancel: none of its writes can reach these requests' pages any more."""
-
-    peer: str
-    peer_instance: str
-    req_ids: list[str]
+    req_id: str
+    error: str
 
 
 # ---- commands: prefill side ----------------------------------------------------------------------------
@@ -153,7 +142,7 @@ class Prefill(Command[None]):
 
 
 @dataclass(frozen=True)
-class Cancel(Command[Settled]):
+class Cancel(Command[None]):
     """A decode worker gave these requests up (its cancel of them, `/internal/cancel`)."""
 
     dst_agent: str
@@ -238,13 +227,6 @@ class Reserved(Event):
 @dataclass(frozen=True)
 class KVForcedRelease(Event):
     requests: int  # given-up requests whose pages were freed at the safety deadline, unconfirmed
-
-
-@dataclass(frozen=True)
-class AwaitingPeers(Event):
-    """The prefill peers that may still write into pages of requests given up here: [[agent, instance, ids]]."""
-
-    peers: list[list[Any]]
 
 
 @dataclass(frozen=True)

@@ -66,36 +66,32 @@ class KVReceiver:
         if s is not None and s.state is S.REQUESTED:
             s.move(S.RESERVED)
 
-    def give_up(self, req_id: str, reason: str, never_started: bool = False) -> bool:
+    def give_up(self, req_id: str, reason: str) -> bool:
         """This side no longer wants the KV. True when the pages may be freed now; False while a peer that
-        was asked (and did not refuse) may still write them. `never_started`: the request provably never
-        reached the peer (connection refused before it was sent, or an error status)."""
+        was asked (and did not refuse) may still write them."""
         s = self.sessions.get(req_id)
         if s is None:
             return True
-        if s.state is S.RESERVED or (s.state is S.REQUESTED and never_started):
+        if s.state is S.RESERVED:
             self._end(s, S.ABANDONED, reason)
             return True
         if s.state is S.REQUESTED:
             s.move(S.CANCELLING, reason)
         return False
 
+    def settle(self, req_id: str, reason: str) -> bool:
+        """No write of this request can come any more (its peer refused it, never got it, or is gone): ends its
+        session, whatever its state short of landed. True when there was one to end."""
+        s = self.sessions.get(req_id)
+        if s is None:
+            return False
+        self._end(s, S.ABANDONED, reason)
+        return True
+
     def holds(self, req_id: str) -> bool:
         """Pages of this request must stay allocated: a peer may still write into them."""
         s = self.sessions.get(req_id)
         return s is not None and s.state is S.CANCELLING
-
-    def peer_gone(self, peer: str, peer_instance: str) -> list[str]:
-        """The peer's process (this instance) is known to be gone: nothing of it can land any more. Returns
-        the requests whose sessions ended, in REQUESTED (still to be failed) or CANCELLING (pages to free)."""
-        ended = [
-            s
-            for s in self.sessions.values()
-            if (s.peer, s.peer_instance) == (peer, peer_instance) and s.state in (S.REQUESTED, S.CANCELLING)
-        ]
-        for s in ended:
-            self._end(s, S.ABANDONED, f"prefill worker {peer} is gone")
-        return [s.req_id for s in ended]
 
     def overdue(self, now: float | None = None) -> list[str]:
         """Given-up sessions whose peer stayed silent past the safety deadline: ended by force."""
@@ -110,27 +106,6 @@ class KVReceiver:
             )
             self._end(s, S.ABANDONED, "safety deadline")
         return [s.req_id for s in late]
-
-    def awaited_peers(self) -> dict[tuple[str, str], list[str]]:
-        """(agent, instance) of every peer that may still write into pages this worker gave up on, with those
-        requests. (A request still in flight learns of its peer's death from the peer's HTTP stream.)"""
-        out: dict[tuple[str, str], list[str]] = {}
-        for s in self.sessions.values():
-            if s.state is S.CANCELLING:
-                out.setdefault((s.peer, s.peer_instance), []).append(s.req_id)
-        return {k: sorted(v) for k, v in out.items()}
-
-    def settled(self, peer: str, peer_instance: str, req_ids: list[str]) -> list[str]:
-        """The peer (this instance) answered a cancel: no write of these requests can reach their pages any
-        more (it never registered them and now refuses them, or their session there is over). Ends those
-        given-up sessions; returns their requests (pages to free)."""
-        ended = []
-        for rid in req_ids:
-            s = self.sessions.get(rid)
-            if s is not None and s.state is S.CANCELLING and (s.peer, s.peer_instance) == (peer, peer_instance):
-                self._end(s, S.ABANDONED, "the prefill worker confirmed the cancel")
-                ended.append(rid)
-        return ended
 
     # -- notices -------------------------------------------------------------------------------------
 

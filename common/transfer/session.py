@@ -9,8 +9,8 @@ How one request's KV moves (the decode worker D reserved pages, the prefill work
     Either side gives up (abort, deadline, error, a peer that restarted):
     P: requested|writing --> cancelling --(every posted write completed or was cancelled)--> abandoned,
        then P sends the "closed" notice: no write for this request follows it
-    D: requested --> cancelling --(P's "closed" or "landed" notice, P's answer to D's cancel that it never
-       registered the request (and refuses it from then on), or P known gone)--> abandoned
+    D: requested --> cancelling --(P's "closed" or "landed" notice, or the request's exchange with P ending
+       in a way that rules out a write: P refused the request, or P's process or engine is gone)--> abandoned
 
 Pages are given back only in a terminal state (landed, abandoned), the one that rules out a later write
 into them (D) or a later read from them (P): a peer's notice comes after all of that request's writes on
@@ -53,7 +53,7 @@ TERMINAL = frozenset({S.LANDED, S.ABANDONED})
 
 # The moves each side may make. Decode: RESERVED -> ABANDONED when the ids never left or the peer refused the
 # request outright; REQUESTED -> RESERVED when the peer refused it (nothing registered there: ask again);
-# REQUESTED -> ABANDONED on the peer's "closed" notice or its death. Prefill: straight to ABANDONED when
+# REQUESTED -> ABANDONED on the peer's "closed" notice, its refusal or its death. Prefill: straight to ABANDONED when
 # nothing was posted or everything posted has settled.
 MOVES: dict[Side, dict[SessionState, frozenset[SessionState]]] = {
     "decode": {
