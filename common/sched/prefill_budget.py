@@ -40,13 +40,14 @@ MIN_PAGES = 4  # the budget never falls below this many pages: tiny chunks would
 # prompts grows the chunk a little, a saturated queue to all of max_prefill_tokens. (A rule that jumped to half
 # the backlog as soon as it exceeded two ITL chunks fired whenever two prompts overlapped, at ~45% load on the
 # H200 already, and those steps were the ITL p99: bench/RESULTS.md "Stall-free batching".)
-BACKLOG_STEPS = 16
+BACKLOG_STEPS = 32
 # Prefill keeps up with arrivals with this margin: the keep-up chunk's prefill rate is this multiple of the
 # arrival rate (a queue's utilisation 1/KEEP_UP_MARGIN at most).
 KEEP_UP_MARGIN = 1.3
 ARRIVALS_SEEN = 32  # the arrival rate is measured over this many admissions (fewer: no rate yet)
-# The keep-up chunk's step is at most this many decode steps (the bound at ~80% load is 4).
-KEEP_UP_MAX_STEPS = 3.5
+# The keep-up chunk's step is at most this many decode steps: served on the H200 at ~75% load, a cap of 3.5 put
+# the ITL p90 at the cap (26 ms) and the p99 at 4.9x the decode step, past the 4x bound of ~80% load.
+KEEP_UP_MAX_STEPS = 3.0
 # The chunk speed beside decoding stays within these multiples of the peak prefill-only speed: a mixed step timed
 # at about the decode step (noise, a batch that changed) would otherwise claim an unbounded speed.
 CHUNK_SPEED_RANGE = (0.25, 2.5)
