@@ -173,4 +173,6 @@ class PenaltyHistory:
         """Appends and counts a step's sampled tokens (on the device, right after sampling them)."""
         assert self.ids is not None and self.counts is not None
         self.ids.index_put_((batch.rows_dev, batch.start + steps_dev), tokens)
-        self.counts.index_put_((batch.rows_dev, tokens), batch.ones, accumulate=True)
+        # A batch's rows are distinct, so are its (row, token) pairs: an index-add on the flat view (one kernel
+        # on a GPU; index_put_ with accumulate sorts its indices first).
+        self.counts.view(-1).index_add_(0, batch.count_index + tokens, batch.ones)
