@@ -1,9 +1,9 @@
 """The decode role of a worker's engine: reserve pages for remote prefill, admit on the KV notice, decode.
 
-One request's transfer here (states in common/transfer/session.py): `Generate` queues it, the scheduler
-reserves its pages when it next settles transfers, each loop turn (`_reserved`: session "reserved"), and hands
-the page ids to the control plane (`Reserved`), which may send them to the prefill peer only after
-`PrefillSending` moved the session to "requested". The peer's notice ends it (`tick`): "landed" admits the
+One request's transfer here (states in common/transfer/session.py): `Generate` with a peer queues it, the
+scheduler reserves its pages when it next settles transfers, each loop turn (`_reserved`), and the call's reply
+carries them: the control plane's leave to send them to that peer (session "requested"). The peer's notice
+ends it (`tick`): "landed" admits the
 request into the running batch, "closed" fails it. A request given up on before that keeps its pages (`held`)
 until a notice of its peer, or until the control plane learns from the request's exchange with the peer that
 no write of it can come (`PrefillSettled`: decode_worker/remote_prefill.py). The scheduler reserves, admits
@@ -22,13 +22,11 @@ from common.kv.pool import checksums_match
 from common.protocol import SamplingParams
 from common.sched.kv_connector import FinishedTransfers, KVArrival, NullConnector
 from common.sched.request import Req
-from common.serving.engine_host import EngineHost, Handlers, Refused
+from common.serving.engine_host import EngineHost, Handlers, Later, Refused
 from common.serving.messages import (
     Generate,
     KVForcedRelease,
     PrefillFailed,
-    PrefillRefused,
-    PrefillSending,
     PrefillSettled,
     Reserved,
     Tokens,
@@ -66,6 +64,9 @@ class PendingRemote:
 
     req: Req
     deadline: float
+    peer: str
+    peer_instance: str
+    reply: Later  # the ``Generate`` call's answer: the pages once reserved
     reserved: bool = False
 
 
@@ -81,8 +82,6 @@ class DecodeRole:
         self.connector = DecodeConnector(self)
         self.handlers: Handlers = {
             Generate: self._generate,
-            PrefillSending: self._prefill_sending,
-            PrefillRefused: lambda cmd: self.receiver.refused(cmd.req_id),
             PrefillFailed: self._prefill_failed,
             PrefillSettled: self._prefill_settled,
         }
@@ -96,33 +95,34 @@ class DecodeRole:
     def hands_on_stamps(self, req_id: str) -> bool:
         return False
 
-    def _generate(self, cmd: Generate) -> None:
+    def _generate(self, cmd: Generate) -> Later | None:
         req = self.host.make_req(cmd.req_id, cmd.token_ids, SamplingParams.model_validate(cmd.sampling), cmd.received)
-        if not cmd.remote:
+        if cmd.peer is None or cmd.peer_instance is None:
             self.host.enqueue(req)
-            return
+            return None
         self.host.scheduler.validate(req)
         if self.host.scheduler.has_request(req.req_id) or req.req_id in self.remote or req.req_id in self.held:
             raise Refused(f"duplicate request id {req.req_id!r}", "duplicate_request")
-        # Its pages are reserved when the scheduler settles transfers, in this loop turn when they are free.
-        self.remote[req.req_id] = PendingRemote(req, time.monotonic() + cmd.timeout_s)
-
-    def _prefill_sending(self, cmd: PrefillSending) -> None:
-        # The control plane asks before the page ids leave this worker: never for a request given up.
-        if not self.receiver.begin(cmd.req_id, cmd.peer, cmd.peer_instance):
-            raise Refused("the request no longer waits for its KV", "aborted")
+        # Its pages are reserved when the scheduler settles transfers, in this loop turn when they are free; the
+        # reply waits for them.
+        reply = self.host.later()
+        deadline = time.monotonic() + cmd.timeout_s
+        self.remote[req.req_id] = PendingRemote(req, deadline, cmd.peer, cmd.peer_instance, reply)
+        return reply
 
     def _reserved(self, req: Req, pages: list[int]) -> None:
         rid = req.req_id
-        self.remote[rid].reserved = True
+        pending = self.remote[rid]
+        pending.reserved = True
         self.host.mark(rid, "pages_reserved")
-        self.receiver.reserve(rid)
-        self.host.outbox.append(Reserved(rid, pages))
+        self.receiver.reserve(rid, pending.peer, pending.peer_instance)  # the ids leave with the reply
+        self.host.answer(pending.reply, Reserved(pages))
 
     # ---- giving up -----------------------------------------------------------------------------------
     def abort(self, req_id: str, reason: str, error: str | None) -> None:
         pending = self.remote.pop(req_id, None)
         if pending is not None and not pending.reserved:
+            self.host.answer(pending.reply, None)  # no pages: the stream says why
             self.host.emit(Tokens(req_id, [], finish_reason=reason if error is None else "error", error=error))
             return
         self.receiver.give_up(req_id, error or reason)  # first: `_hold_abandoned` asks the session

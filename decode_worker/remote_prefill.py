@@ -1,6 +1,10 @@
 """The decode side of a remote prefill: one ``PrefillCall`` per request, over ``RemotePrefill``'s HTTP client and
 handshakes.
 
+A request with a prefill peer is handshaken with that peer first (once per peer instance); then one engine call
+(``Generate`` naming the peer) reserves its pages, and its reply carries them: the leave to send them to that
+peer. The call then asks the peer (`POST /internal/prefill`) to fill them.
+
 The two workers learn of each other one way each:
 
 - the KV's completion is the peer's NIXL notice, read by the engine (decode_worker/engine.py): "landed"
@@ -24,7 +28,6 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Literal
 
 import httpx
 
@@ -37,8 +40,7 @@ from common.protocol import (
     PrefillProgress,
     PrefillRequest,
 )
-from common.serving.channel import ENGINE_TIMEOUT, EngineError
-from common.serving.messages import AgentInfo, PrefillFailed, PrefillRefused, PrefillSending, PrefillSettled, Reserved
+from common.serving.messages import AgentInfo, PrefillFailed, PrefillSettled
 from common.serving.request_trace import WorkerTrace
 from common.serving.worker_state import WorkerState
 
@@ -71,12 +73,11 @@ class PrefillCall:
 
     gen: GenerateRequest
     url: str
+    peer: HandshakeResponse  # the peer instance the pages were reserved for
+    pages: list[int]
     timeout_s: float
     trace: WorkerTrace
-    reserved: asyncio.Future[list[int]]
-    # "preparing": nothing asked of the engine; "asking": its leave to send the page ids is asked (maybe given);
-    # "sent": the request may have reached the peer.
-    phase: Literal["preparing", "asking", "sent"] = "preparing"
+    sent: bool = False  # the request may have reached the peer
     given_up: bool = False  # this side no longer wants the KV
     failed: bool = False  # the engine was told the request failed
     task: asyncio.Task[None] | None = None
@@ -84,8 +85,8 @@ class PrefillCall:
 
 @dataclass
 class RemotePrefill:
-    """Every remote prefill of this worker (``start``, ``give_up``), over one HTTP client and one set of handshakes
-    (by peer URL; a peer that restarted is handshaken again)."""
+    """Every remote prefill of this worker (``handshake``, then ``start`` with the reserved pages, ``give_up``),
+    over one HTTP client and one set of handshakes (by peer URL; a peer that restarted is handshaken again)."""
 
     state: WorkerState
     http: httpx.AsyncClient
@@ -98,45 +99,41 @@ class RemotePrefill:
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
         http = httpx.AsyncClient(limits=limits, headers=state.cfg.internal_token.headers())  # peers' /internal/*
         remote = cls(state, http)
-        state.event_handlers[Reserved] = remote._on_reserved
         state.on_engine_lost.append(remote._engine_lost)
         return remote
 
-    # ---- what the request's stream asks ----------------------------------------------------------------
-    def expect(self, gen: GenerateRequest, url: str, timeout_s: float, trace: WorkerTrace) -> None:
-        """Called before the engine is asked to reserve: its ``Reserved`` event may come with its reply."""
-        fut = asyncio.get_running_loop().create_future()
-        self.calls[gen.req_id] = PrefillCall(gen, url, timeout_s, trace, fut)
-
-    def start(self, req_id: str) -> None:
-        """The engine took the request: once its pages are reserved, the peer is asked to fill them."""
-        call = self.calls[req_id]
+    def start(
+        self,
+        gen: GenerateRequest,
+        url: str,
+        peer: HandshakeResponse,
+        pages: list[int],
+        timeout_s: float,
+        trace: WorkerTrace,
+    ) -> None:
+        """The engine reserved ``pages`` for the request and gave leave to send them to ``peer``: asks it to fill them."""
+        call = self.calls[gen.req_id] = PrefillCall(gen, url, peer, pages, timeout_s, trace)
         call.task = asyncio.create_task(self._run(call))
 
     def give_up(self, req_id: str) -> None:
-        """This side no longer wants the request's KV. Before anything went out the call just stops (the engine's
-        abort frees the pages); after, the peer is asked to cancel and the exchange is read on to its end."""
+        """This side no longer wants the request's KV. Before the request went out the call just stops, and the
+        engine learns that no write can come; after, the peer is asked to cancel and the exchange is read on to
+        its end."""
         call = self.calls.get(req_id)
         if call is None or call.given_up:
             return
         call.given_up = True
-        if call.task is None:
-            self.calls.pop(req_id, None)  # the engine never took it
-        elif call.phase != "sent":
-            call.task.cancel()
-        else:
+        if call.sent:
             asyncio.get_running_loop().create_task(self._cancel(call))
-
-    # ---- the engine's side -----------------------------------------------------------------------------
-    def _on_reserved(self, ev: Reserved) -> None:
-        call = self.calls.get(ev.req_id)
-        if call is not None and not call.reserved.done():
-            call.reserved.set_result(ev.pages)
+            return
+        assert call.task is not None and self.state.client is not None
+        call.task.cancel()
+        del self.calls[req_id]
+        self.state.client.cast(PrefillSettled(req_id, "given up before the prefill request was sent"))
 
     def _engine_lost(self) -> None:
         self.known.clear()  # a new agent handshakes anew
-        for call in list(self.calls.values()):
-            call.phase = "preparing"  # that engine is gone: nothing is owed to it
+        for call in self.calls.values():
             if call.task is not None:
                 call.task.cancel()  # closing an exchange makes its peer abort the request
         self.calls.clear()
@@ -147,43 +144,28 @@ class RemotePrefill:
         assert client is not None
         rid = call.gen.req_id
         try:
-            pages = await call.reserved
-            await self._exchange(call, pages)
+            await self._exchange(call)
         except PeerFailure as e:
             self.known.pop(call.url, None)
             client.cast(PrefillSettled(rid, str(e)) if e.settled else PrefillFailed(rid, str(e)))
-        except asyncio.CancelledError:
-            if call.phase == "asking":  # the leave may have been given, but nothing was sent
-                client.cast(PrefillSettled(rid, "given up before the prefill request was sent"))
         finally:
             if self.calls.get(rid) is call:
                 del self.calls[rid]
 
-    async def _exchange(self, call: PrefillCall, pages: list[int]) -> None:
-        client = self.state.client
-        assert client is not None
-        gen = call.gen
+    async def _exchange(self, call: PrefillCall) -> None:
+        gen, agent = call.gen, _agent(self.state)
+        body = PrefillRequest(
+            req_id=gen.req_id,
+            token_ids=gen.token_ids,
+            sampling=gen.sampling,
+            dst_agent=agent.agent_name,
+            dst_instance_id=agent.instance_id,
+            dst_pages=call.pages,
+            deadline_s=call.timeout_s,
+        )
         for attempt in range(2):
-            hs = await self._handshake(call.url, force=attempt > 0)
-            call.phase = "asking"
-            try:
-                await client.call(PrefillSending(gen.req_id, hs.agent_name, hs.instance_id))
-            except EngineError as e:
-                if e.code == ENGINE_TIMEOUT:  # the ids have not left: nothing can be written into the pages
-                    raise PeerFailure(f"could not start the remote prefill: {e}", settled=True) from None
-                return  # given up meanwhile: the page ids never leave this worker
-            agent = _agent(self.state)
-            body = PrefillRequest(
-                req_id=gen.req_id,
-                token_ids=gen.token_ids,
-                sampling=gen.sampling,
-                dst_agent=agent.agent_name,
-                dst_instance_id=agent.instance_id,
-                dst_pages=pages,
-                deadline_s=call.timeout_s,
-            )
             call.trace.mark("prefill_requested")
-            call.phase = "sent"
+            call.sent = True
             try:
                 async with self.http.stream(
                     "POST",
@@ -193,9 +175,10 @@ class RemotePrefill:
                     timeout=httpx.Timeout(10.0, read=PREFILL_HEAD_S),
                 ) as r:
                     if r.status_code == 409 and attempt == 0 and not call.given_up:
-                        # The peer restarted and lost our handshake; it registered nothing: redo it once.
-                        client.cast(PrefillRefused(gen.req_id))
-                        call.phase = "preparing"
+                        # The peer restarted and lost our handshake; it registered nothing. The same pages go
+                        # to its new instance (the same name and address) after a new handshake.
+                        call.sent = False
+                        await self.handshake(call.url, force=True)
                         continue
                     if r.status_code != 200:
                         await r.aread()
@@ -249,7 +232,9 @@ class RemotePrefill:
         except httpx.HTTPError:
             pass  # the exchange's end still says how the request ended there
 
-    async def _handshake(self, url: str, force: bool = False) -> HandshakeResponse:
+    async def handshake(self, url: str, force: bool = False) -> HandshakeResponse:
+        """The peer at ``url`` as this worker's agent knows it (handshaken once per peer instance); raises
+        ``PeerFailure``."""
         lock = self.locks.setdefault(url, asyncio.Lock())
         async with lock:
             if url in self.known and not force:

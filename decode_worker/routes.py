@@ -15,13 +15,13 @@ from fastapi.responses import Response
 
 from common.managed_stream import ManagedStream
 from common.protocol import AbortRequest, GenerateRequest
-from common.serving.channel import ENGINE_TIMEOUT, EngineClient, EngineError
+from common.serving.channel import CALL_TIMEOUT_S, ENGINE_TIMEOUT, EngineClient, EngineError
 from common.serving.http_errors import error_response, read_message
-from common.serving.messages import Abort, Generate, KVForcedRelease, StreamEvent, Tokens
+from common.serving.messages import Abort, Generate, KVForcedRelease, PrefillSettled, StreamEvent, Tokens
 from common.serving.request_trace import DECODE_SPANS, WorkerTrace
 from common.serving.worker_state import WorkerState
 from decode_worker.peer_directory import PeerDirectory
-from decode_worker.remote_prefill import PREFILL_DEADLINE_S, RemotePrefill
+from decode_worker.remote_prefill import PREFILL_DEADLINE_S, PeerFailure, RemotePrefill
 
 log = logging.getLogger("kvferry.decode")
 
@@ -41,22 +41,35 @@ class DecodeStream:
     ended: bool = False  # let go of here (`end`)
 
     async def begin(self) -> None:
-        """Hands the request to the engine (and, with a peer, the prefill to the peer once pages are reserved)."""
-        gen, remote = self.gen, self.peer_url is not None
+        """Hands the request to the engine; with a peer, the engine's reply carries the pages reserved for it,
+        which the peer is then asked to fill (decode_worker/remote_prefill.py)."""
+        gen, rid = self.gen, self.gen.req_id
         timeout_s = gen.kv_timeout_s or PREFILL_DEADLINE_S
+        peer = None
         if self.peer_url is not None:
-            self.remote.expect(gen, self.peer_url, timeout_s, self.trace)
+            try:
+                peer = await self.remote.handshake(self.peer_url)
+            except PeerFailure as e:  # the stream says so; the router tries another prefill worker
+                self.client.streams[rid].put_nowait(Tokens(rid, [], finish_reason="error", error=str(e)))
+                return
+        names = (peer.agent_name, peer.instance_id) if peer is not None else (None, None)
+        cmd = Generate(rid, gen.token_ids, gen.sampling.model_dump(), *names, timeout_s, self.trace.received)
         try:
-            cmd = Generate(gen.req_id, gen.token_ids, gen.sampling.model_dump(), remote, timeout_s, self.trace.received)
-            await self.client.call(cmd)
+            # With a peer the reply waits for free pages: at most the request's deadline (the engine's to keep).
+            reserved = await self.client.call(cmd, CALL_TIMEOUT_S + (timeout_s if peer is not None else 0.0))
         except BaseException as exc:
-            # The engine may still take the request (a late answer, or the caller left): stop it then.
-            self.end(abort=not isinstance(exc, EngineError) or exc.code == ENGINE_TIMEOUT)
+            # The engine may still take the request (a late answer, or the caller left): stop it then; pages it
+            # reserved meanwhile were never sent.
+            late = not isinstance(exc, EngineError) or exc.code == ENGINE_TIMEOUT
+            self.end(abort=late)
+            if late and peer is not None:
+                self.client.cast(PrefillSettled(rid, "the prefill request was never sent"))
             raise
         self.state.metrics.prompt.inc(len(gen.token_ids))
-        self.state.accepted.add(gen.req_id, len(gen.token_ids), prefill_here=not remote)
-        if self.peer_url is not None:
-            self.remote.start(gen.req_id)
+        self.state.accepted.add(rid, len(gen.token_ids), prefill_here=peer is None)
+        if peer is not None and reserved is not None:
+            assert self.peer_url is not None
+            self.remote.start(gen, self.peer_url, peer, reserved.pages, timeout_s, self.trace)
 
     def end(self, abort: bool) -> None:
         """Lets go of everything the request holds here, at once (no await: nothing can interrupt it);

@@ -19,9 +19,7 @@ SAMPLES: list[m.Wire] = [
     m.Stop(),
     m.Abort("r"),
     m.Abort("r", "error", "gone"),
-    m.Generate("r", [1, 2, 3], {"max_tokens": 4}, True, 30.0, 1.5),
-    m.PrefillSending("r", "prefill-p", "inst"),
-    m.PrefillRefused("r"),
+    m.Generate("r", [1, 2, 3], {"max_tokens": 4}, "prefill-p", "inst", 30.0, 1.5),
     m.PrefillFailed("r", "no progress"),
     m.PrefillSettled("r", "refused"),
     m.AddPeer({"agent_name": "d"}),
@@ -37,7 +35,7 @@ SAMPLES: list[m.Wire] = [
     m.Load({"pod": "p", "free_pages": 3}),
     m.Steps([0.01, 4.0]),
     m.KVIntegrity(2),
-    m.Reserved("r", [4, 5]),
+    m.Reserved([4, 5]),
     m.KVForcedRelease(1),
     m.Tokens("r", [1, 2], [{"token": 1, "logprob": -0.5, "top": []}], 3, 0, {"decode_received": 1.0}, "length"),
     m.Tokens("r", [], finish_reason="error", error="engine process exited", retryable=True),
@@ -86,12 +84,12 @@ def test_calls_casts_streams_and_events_over_a_pipe() -> None:
                 m.Reply(call.rpc, m.PeerAdded("p", "i", {})),
                 m.Tokens("r", [1]),
                 m.Tokens("other", [2]),
-                m.Reserved("r", [0]),
+                m.KVForcedRelease(1),
             ]
             send(engine, m.Batch(turn))
             assert await asyncio.wait_for(added, 5) == m.PeerAdded("p", "i", {})
             assert await asyncio.wait_for(stream.get(), 5) == m.Tokens("r", [1])
-            assert stream.empty() and events == [m.Reserved("r", [0])]
+            assert stream.empty() and events == [m.KVForcedRelease(1)]
 
             refused = asyncio.ensure_future(client.call(m.Prefill({"req_id": "r"})))
             call = await asyncio.to_thread(recv, engine)

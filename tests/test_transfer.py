@@ -373,10 +373,7 @@ def test_descriptor_addresses_match_pool() -> None:
 
 def test_session_moves_each_side_may_make() -> None:
     decode = TransferSession.start("r", "decode")
-    assert decode.state is S.RESERVED
-    with pytest.raises(IllegalMove):
-        decode.move(S.LANDED)  # nobody was asked yet: nothing can have landed
-    decode.move(S.REQUESTED)
+    assert decode.state is S.REQUESTED  # its pages' ids go to the peer with the reservation
     decode.move(S.CANCELLING, "client went away")
     with pytest.raises(IllegalMove):
         decode.move(S.LANDED)  # given up: only the peer's word (or death) ends it
@@ -385,7 +382,7 @@ def test_session_moves_each_side_may_make() -> None:
     prefill = TransferSession.start("r", "prefill")
     assert prefill.state is S.REQUESTED
     with pytest.raises(IllegalMove):
-        prefill.move(S.RESERVED)  # decode-only state
+        TransferSession.start("r2", "decode").move(S.WRITING)  # prefill-only state
     prefill.move(S.WRITING)
     prefill.move(S.LANDED)
     with pytest.raises(IllegalMove):

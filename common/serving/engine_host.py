@@ -57,7 +57,16 @@ DECODE_STEP_SMOOTHING = 0.1  # weight of the newest decode step in the published
 MAX_TIMELINES = 16384  # stage stamps kept for requests in flight; beyond it the oldest go (a leak guard)
 IDLE_TRIM_S = 1.0  # idle this long: hand the allocator's free memory back to the OS (once per idle spell)
 
-Handlers = dict[type, Callable[[Any], Wire | None]]  # command type -> what runs it (returns the reply's result)
+
+class Later:
+    """What a handler returns for a call it answers later (``EngineHost.answer``), e.g. once pages are free."""
+
+    def __init__(self, rpc: int | None) -> None:
+        self.rpc = rpc  # None: the command came as a cast, nobody waits for the answer
+
+
+# command type -> what runs it (returns the reply's result, or ``Later``)
+Handlers = dict[type, Callable[[Any], Wire | Later | None]]
 
 
 class Refused(Exception):
@@ -166,6 +175,7 @@ class EngineHost:
         self.decode_step_s = 0.0  # smoothed decode-only step time, published for the router's ITL model
         # This role's commands, by type; role classes add theirs.
         self.handlers: Handlers = {Stop: self._stop, Abort: self._abort}
+        self._rpc: int | None = None  # the call being handled (``later``)
         for role in self.roles:
             self.handlers.update(role.handlers)
 
@@ -332,6 +342,7 @@ class EngineHost:
     def handle(self, msg: Wire) -> None:
         """Runs a command (a ``Call``'s is answered with a ``Reply``; a cast's outcome is not reported)."""
         rpc, cmd = (msg.rpc, msg.cmd) if isinstance(msg, Call) else (None, msg)
+        self._rpc = rpc
         error: tuple[str, str] | None = None
         result = None
         try:
@@ -348,8 +359,16 @@ class EngineHost:
         except Exception as e:  # a bad command must not take the engine down
             log.exception("engine command failed", extra={"op": type(cmd).__name__})
             error = f"{type(e).__name__}: {e}", "engine_error"
-        if rpc is not None:
+        if rpc is not None and not (error is None and isinstance(result, Later)):
             self.outbox.append(Reply(rpc, result) if error is None else Reply(rpc, error=error[0], code=error[1]))
+
+    def later(self) -> Later:
+        """For the handler of the command being handled: its reply comes later, by ``answer``."""
+        return Later(self._rpc)
+
+    def answer(self, later: Later, result: Wire | None) -> None:
+        if later.rpc is not None:
+            self.outbox.append(Reply(later.rpc, result))
 
     def _stop(self, cmd: Stop) -> None:
         self.stopping = True

@@ -36,7 +36,7 @@ class Wire:
 
     @classmethod
     def name(cls) -> str:
-        """The snake_case name logs and errors use (``PrefillSending`` -> ``prefill_sending``)."""
+        """The snake_case name logs and errors use (``PrefillFailed`` -> ``prefill_failed``)."""
         return re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).lower()
 
 
@@ -63,6 +63,13 @@ class PeerAdded(Wire):
 
 
 @dataclass(frozen=True)
+class Reserved(Wire):
+    """The pages reserved for a remote prefill, to be filled by the peer the request named (decode side)."""
+
+    pages: list[int]
+
+
+@dataclass(frozen=True)
 class TransferCounts(Wire):
     writes_in_flight: int
     sessions: dict[str, int]  # open transfer sessions by state
@@ -86,29 +93,18 @@ class Abort(Command[None]):
 
 # ---- commands: decode side -----------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Generate(Command[None]):
+class Generate(Command["Reserved | None"]):
+    """A request to decode here. With a ``peer`` (a prefill worker's agent and instance) its prompt is prefilled
+    there: the reply comes once its pages are reserved, and carries them (the leave to send them to that peer),
+    or None if the request ended first (its stream says why)."""
+
     req_id: str
     token_ids: list[int]
     sampling: dict[str, Any]  # SamplingParams
-    remote: bool = False  # prefilled by a peer into pages reserved here (a ``Reserved`` event says which)
+    peer: str | None = None
+    peer_instance: str | None = None
     timeout_s: float = 60.0
     received: float | None = None  # the control plane's stamp
-
-
-@dataclass(frozen=True)
-class PrefillSending(Command[None]):
-    """Leave to send the reserved page ids to the peer; refused (code ``aborted``) for a request given up."""
-
-    req_id: str
-    peer: str
-    peer_instance: str
-
-
-@dataclass(frozen=True)
-class PrefillRefused(Command[None]):
-    """The peer registered nothing (it may be asked again after a new handshake)."""
-
-    req_id: str
 
 
 @dataclass(frozen=True)
@@ -214,14 +210,6 @@ class Steps(Event):
 @dataclass(frozen=True)
 class KVIntegrity(Event):
     violations: int
-
-
-@dataclass(frozen=True)
-class Reserved(Event):
-    """Pages reserved for a remote prefill (decode side)."""
-
-    req_id: str
-    pages: list[int]
 
 
 @dataclass(frozen=True)

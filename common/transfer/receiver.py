@@ -48,32 +48,15 @@ class KVReceiver:
 
     # -- the session's moves, as the worker loop makes them -----------------------------------------
 
-    def reserve(self, req_id: str) -> None:
-        self.sessions[req_id] = TransferSession.start(req_id, "decode")
-
-    def begin(self, req_id: str, peer: str, peer_instance: str) -> bool:
-        """The control plane is about to send the page ids to `peer`: allowed only while still reserved."""
-        s = self.sessions.get(req_id)
-        if s is None or s.state is not S.RESERVED:
-            return False
-        s.peer, s.peer_instance = peer, peer_instance
-        s.move(S.REQUESTED)
-        return True
-
-    def refused(self, req_id: str) -> None:
-        """The peer answered the request with a refusal: it registered nothing, so it will write nothing."""
-        s = self.sessions.get(req_id)
-        if s is not None and s.state is S.REQUESTED:
-            s.move(S.RESERVED)
+    def reserve(self, req_id: str, peer: str, peer_instance: str) -> None:
+        """Pages are reserved and their ids go to `peer` (this instance of it): from now on it may write them."""
+        self.sessions[req_id] = TransferSession.start(req_id, "decode", peer, peer_instance)
 
     def give_up(self, req_id: str, reason: str) -> bool:
         """This side no longer wants the KV. True when the pages may be freed now; False while a peer that
         was asked (and did not refuse) may still write them."""
         s = self.sessions.get(req_id)
         if s is None:
-            return True
-        if s.state is S.RESERVED:
-            self._end(s, S.ABANDONED, reason)
             return True
         if s.state is S.REQUESTED:
             s.move(S.CANCELLING, reason)

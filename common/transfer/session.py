@@ -2,7 +2,7 @@
 
 How one request's KV moves (the decode worker D reserved pages, the prefill worker P fills them):
 
-    D: reserved --(its control plane may send the page ids to P)--> requested
+    D: requested (pages reserved, their ids handed to the control plane for P)
     P: requested --(first chunk's write posted)--> writing --(every write done, notice sent)--> landed
     D: requested --(P's "landed" notice)--> landed: the request decodes in its pages
 
@@ -40,7 +40,6 @@ SAFETY_DEADLINE_S = 300.0
 
 
 class SessionState(enum.Enum):
-    RESERVED = "reserved"  # decode: pages set aside; their ids have not been sent to any peer
     REQUESTED = "requested"  # the peer was asked (decode) / the request was accepted (prefill)
     WRITING = "writing"  # prefill: at least one write posted
     LANDED = "landed"  # terminal: every write done and the notice sent (prefill) / received (decode)
@@ -51,14 +50,11 @@ class SessionState(enum.Enum):
 S = SessionState
 TERMINAL = frozenset({S.LANDED, S.ABANDONED})
 
-# The moves each side may make. Decode: RESERVED -> ABANDONED when the ids never left or the peer refused the
-# request outright; REQUESTED -> RESERVED when the peer refused it (nothing registered there: ask again);
-# REQUESTED -> ABANDONED on the peer's "closed" notice, its refusal or its death. Prefill: straight to ABANDONED when
-# nothing was posted or everything posted has settled.
+# The moves each side may make. Decode: REQUESTED -> ABANDONED on the peer's "closed" notice, its refusal or
+# its death. Prefill: straight to ABANDONED when nothing was posted or everything posted has settled.
 MOVES: dict[Side, dict[SessionState, frozenset[SessionState]]] = {
     "decode": {
-        S.RESERVED: frozenset({S.REQUESTED, S.ABANDONED}),
-        S.REQUESTED: frozenset({S.RESERVED, S.LANDED, S.CANCELLING, S.ABANDONED}),
+        S.REQUESTED: frozenset({S.LANDED, S.CANCELLING, S.ABANDONED}),
         S.CANCELLING: frozenset({S.ABANDONED}),
     },
     "prefill": {
@@ -85,8 +81,7 @@ class TransferSession:
 
     @classmethod
     def start(cls, req_id: str, side: Side, peer: str = "", peer_instance: str = "") -> TransferSession:
-        first = S.RESERVED if side == "decode" else S.REQUESTED
-        return cls(req_id, side, first, peer, peer_instance)
+        return cls(req_id, side, S.REQUESTED, peer, peer_instance)
 
     @property
     def terminal(self) -> bool:
