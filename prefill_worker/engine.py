@@ -134,6 +134,7 @@ class PrefillRole:
         return TransferCounts(
             writes_in_flight=self.sender.writes_in_flight,
             sessions={st: states.count(st) for st in set(states)},
+            posts_deferred=self.sender.posts_deferred,
             **self.stats,
         )
 

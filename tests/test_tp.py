@@ -125,6 +125,25 @@ def test_tp1_prefill_feeds_tp2_decode(tp_workers, smol_tokenizer) -> None:
     wait_pages_back(p1, d2, d1)
 
 
+def test_a_full_staging_area_puts_writes_off_instead_of_waiting(tp_workers, redis_server, smol_tokenizer) -> None:
+    """A prefill worker whose staging area holds two one-page packed writes, and whose writes land late (the
+    write-delay hook), feeds a TP=2 decode worker a prompt of many pages: the writes that find no room are put
+    off to a later loop turn of its engine (counted), not waited for, and the KV arrives whole."""
+    d2, d1 = tp_workers["decode2"], tp_workers["decode1"]
+    env = {"KVFERRY_DEBUG_CHECKSUMS": "1", "KVFERRY_TRANSFER_STAGING_MB": "2", "KVFERRY_FAULT_WRITE_DELAY_S": "0.2"}
+    p = start_worker("prefill", redis_server, env=env)
+    try:
+        wait_ready(p)
+        ids = smol_tokenizer.encode("A story about a harbor pilot. " * 12)
+        want, _ = generate(d1, ids, None)
+        got, events = generate(d2, ids, p)
+        assert got == want and events[0]["kv_verified"] is True
+        assert httpx.get(f"{p.url}/internal/stats", timeout=5).json()["transfer"]["posts_deferred"] > 0
+        wait_pages_back(p, d2)
+    finally:
+        p.stop()
+
+
 def test_tp1_prefill_feeds_decode_ranks_with_their_own_agents(tp_workers, smol_tokenizer) -> None:
     """Per-rank agents (the GPU path): one NIXL request per decode rank agent, then one notification."""
     p1, d2r, d1 = tp_workers["prefill1"], tp_workers["decode2r"], tp_workers["decode1"]

@@ -129,7 +129,8 @@ def _sender_main(name: str, cmd_q: Any, out_q: Any) -> None:
             via = DelayedWriteSender(agent, 0.3) if mode == "final-pending" else sender
             rt = open_request(via, "req-1", peer, timeout_s=STEP_TIMEOUT_S)
             posted = chunks if mode == "finish" else chunks[:-1]
-            handles = [rt.post(torch.tensor(s), torch.tensor(d)) for s, d in posted]
+            for s, d in posted:
+                rt.post(torch.tensor(s), torch.tensor(d))
             if mode == "final":  # earlier writes done first, so the notice can ride on the last one
                 while any(via.poll(h) == "pending" for h in rt.handles):
                     time.sleep(0.001)
@@ -137,7 +138,6 @@ def _sender_main(name: str, cmd_q: Any, out_q: Any) -> None:
                 state = rt.finish(notif)
             else:
                 state = rt.post_final(torch.tensor(chunks[-1][0]), torch.tensor(chunks[-1][1]), notif)
-                handles.append(rt.handles[-1])
             if state not in TERMINAL:
                 state = rt.wait()
             src = torch.tensor([p for s, _ in chunks for p in s])
@@ -146,8 +146,8 @@ def _sender_main(name: str, cmd_q: Any, out_q: Any) -> None:
                     "written",
                     state.value,
                     rt.error,
-                    [h.num_descs for h in handles],
-                    [h.num_runs for h in handles],
+                    [h.num_descs for h in rt.handles],
+                    [h.num_runs for h in rt.handles],
                     pool.page_checksums(src).tolist(),
                     rt.notice_attached,
                 )

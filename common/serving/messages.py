@@ -76,6 +76,7 @@ class TransferCounts(Wire):
     descs: int
     bytes: int
     transfers: int
+    posts_deferred: int = 0  # writes put off to a later loop turn for want of staging space
 
 
 # ---- commands: every role ------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.protocol import KVNotice
-from common.transfer.sender import KVSender, TransferError, TransferHandle
+from common.transfer.sender import KVSender, StagingBusy, TransferError, TransferHandle
 from common.transfer.session import TERMINAL, S, SessionState, TransferSession
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,8 @@ class RequestTransfer:
     notice: bytes | None = None  # the "landed" notice, sent once every write is done
     notice_attached: bool = False  # the notice rides on the last write (NIXL delivers it with the data)
     landed_at: float | None = None  # time.monotonic() when every write was seen done (and the notice out)
+    # Writes put off for want of staging space (`StagingBusy`), posted in order as `progress` finds space.
+    deferred: list[tuple[torch.Tensor, torch.Tensor, bytes | None]] = field(default_factory=list)
 
     @property
     def state(self) -> SessionState:
@@ -68,10 +70,10 @@ class RequestTransfer:
         own = all(h.settled for h in self.handles)
         return own and (ranks is None or ranks.settled(self.session.req_id))
 
-    def post(self, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> TransferHandle:
+    def post(self, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
         """Post the write of one ready chunk. Raises `TransferError` once the request is given up."""
         self._check_open()
-        return self._write(torch.as_tensor(src_pages).reshape(-1), torch.as_tensor(dst_pages).reshape(-1))
+        self._write(torch.as_tensor(src_pages).reshape(-1), torch.as_tensor(dst_pages).reshape(-1))
 
     def finish(self, notice: bytes) -> SessionState:
         """Declare the last chunk posted; `notice` (a "landed" KVNotice) goes out once all writes are done."""
@@ -90,6 +92,7 @@ class RequestTransfer:
         attach = (
             src.numel() > 0
             and self.sender.ranks is None  # other ranks' writes must be done before the notice
+            and not self.deferred
             and all(h.state == "done" for h in self.handles)
             and self.sender.single_write(self.peer, int(src.numel()))
         )
@@ -108,33 +111,44 @@ class RequestTransfer:
         if self.progress() not in (S.REQUESTED, S.WRITING):
             raise TransferError(self.error or "transfer given up")
 
-    def _write(self, src: torch.Tensor, dst: torch.Tensor, notif: bytes | None = None) -> TransferHandle:
+    def _write(self, src: torch.Tensor, dst: torch.Tensor, notif: bytes | None = None) -> None:
         """Posts `src` -> `dst` (this rank's writes, and the other ranks' through `sender.ranks`); `notif` rides
-        on the write (the caller made sure it is a single one)."""
+        on the write (the caller made sure it is a single one). A part the staging area has no room for yet is
+        kept, and so is everything after it, to be posted in order by `progress`."""
         if self.state is S.REQUESTED:
             self.session.move(S.WRITING)
         if self.sender.ranks is not None and src.numel() > 0:
             self.sender.ranks.post(self.session.req_id, self.peer, src, dst, self.session.peer_instance)
         step = self.sender.max_pages_per_post(self.peer)
-        for lo in range(0, max(1, src.numel()), step):
-            handle = self.sender.post_write(
-                self.peer,
-                src[lo : lo + step],
-                dst[lo : lo + step],
-                notif=notif,
-                expect_instance=self.session.peer_instance,
-            )
+        self.deferred += [
+            (src[lo : lo + step], dst[lo : lo + step], notif) for lo in range(0, max(1, src.numel()), step)
+        ]
+        self._post_deferred()
+
+    def _post_deferred(self) -> None:
+        while self.deferred:
+            src, dst, notif = self.deferred[0]
+            try:
+                handle = self.sender.post_write(
+                    self.peer, src, dst, notif=notif, expect_instance=self.session.peer_instance
+                )
+            except StagingBusy:
+                return  # earlier packed writes still hold the space: a later turn posts it
+            self.deferred.pop(0)
             self.handles.append(handle)
             if handle.state == "error":
                 self.cancel(handle.error or "post failed")
                 raise TransferError(self.error or "post failed")
-        return handle
 
     def progress(self, now: float | None = None) -> SessionState:
         """Non-blocking: poll writes, send the notice when due, give up on error or deadline, and end a
         give-up once every write settled."""
         if self.state in (S.REQUESTED, S.WRITING):
-            pending = False
+            try:
+                self._post_deferred()
+            except TransferError:
+                return self.state  # given up
+            pending = bool(self.deferred)
             for h in self.handles:
                 st = self.sender.poll(h)
                 if st == "error":
@@ -170,6 +184,7 @@ class RequestTransfer:
         """Give up: cancel what is in flight; the "closed" notice goes out once every write settled."""
         if self.state not in (S.REQUESTED, S.WRITING):
             return self.state
+        self.deferred.clear()  # never posted: nothing of them to wait for
         for h in self.handles:
             self.sender.abort(h, f"request given up: {reason}")
         if self.sender.ranks is not None:

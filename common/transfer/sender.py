@@ -28,17 +28,19 @@ from nixl._api import nixl_xfer_handle
 from common.transfer.agent import KVTransferAgent
 from common.transfer.descs import PageRuns, block_descs, check_pages, page_runs, run_descs
 from common.transfer.routes import HeadRoute
-from common.transfer.staging import StagingArea
 
 log = logging.getLogger(__name__)
 
 PollState = Literal["pending", "done", "error"]
 
-STAGING_WAIT_S = 5.0  # longest a post waits for staging space before failing its request
-
 
 class TransferError(RuntimeError):
     """A request's transfer failed or ran past its deadline; the decode side must not be told it is ready."""
+
+
+class StagingBusy(Exception):
+    """No staging space for a write now: earlier packed writes still read theirs. Nothing was posted; the caller
+    posts it again on a later loop turn (``RequestTransfer`` keeps it until then), never waiting here."""
 
 
 @dataclass
@@ -92,6 +94,7 @@ class KVSender:
         self._unsettled: list[TransferHandle] = []  # finished or failed, still held by NIXL: retried each turn
         self._staged_pending: list[TransferHandle] = []  # in flight, reading from the staging area
         self._posted: list[TransferHandle] = []  # every handle not yet settled, for `writes_in_flight`
+        self.posts_deferred = 0  # writes put off for want of staging space (``StagingBusy``), for the stats
 
     def post_write(
         self,
@@ -140,6 +143,11 @@ class KVSender:
                     return self._fail(handle, f"send_notif: {e}")
             return self._finish(handle, "done")
 
+        packed = [r for r in remote.routes if not r.direct]
+        try:
+            spaces = iter(self._take_staging(handle, [int(src.numel()) * r.dst.page_stride for r in packed]))
+        except TransferError as e:
+            return self._fail(handle, str(e))
         nixl = self.agent.nixl
         self._posted.append(handle)
         try:
@@ -150,7 +158,7 @@ class KVSender:
                 if route.direct:
                     local_rows.append(run_descs(route.src, runs.src_start, runs.length))
                 else:
-                    local_rows.append(self._stage(handle, route, src, runs))
+                    local_rows.append(self._stage(route, src, runs, next(spaces)))
                 remote_rows.append(run_descs(route.dst, runs.dst_start, runs.length))
             if handle.staged and self.agent.pool.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()  # the packed pages must be in memory before NIXL reads
@@ -190,13 +198,12 @@ class KVSender:
             return 1 << 62
         return max(1, staging.capacity // (2 * packed))  # half the area: the next post packs while this one moves
 
-    def _stage(self, handle: TransferHandle, route: HeadRoute, src: torch.Tensor, runs: PageRuns) -> np.ndarray:
-        """Packs the destination rank's heads of `src` pages into the staging area; returns the local rows."""
+    def _stage(self, route: HeadRoute, src: torch.Tensor, runs: PageRuns, offset: int) -> np.ndarray:
+        """Packs the destination rank's heads of `src` pages into the staging area at `offset`; returns the local
+        rows."""
         staging = self.agent.ensure_staging()
         pool = self.agent.local_pool(route.src.rank)
         n, stride = int(src.numel()), route.dst.page_stride
-        offset = self._alloc_staging(staging, n * stride, handle.peer)
-        handle.staged.append((offset, n * stride))
         layout = pool.layout
         shape = (n, layout.num_layers, 2, layout.page_size, route.dst.kv_heads, layout.head_dim)
         lo = route.head_offset
@@ -205,20 +212,31 @@ class KVSender:
         before = torch.cumsum(runs.length, 0) - runs.length  # pages packed ahead of each run
         return block_descs(staging.base_addr + offset, stride, route.src.device_id, before, runs.length)
 
-    def _alloc_staging(self, staging: StagingArea, nbytes: int, peer: str) -> int:
-        """Space in the staging area, waiting (bounded) for earlier packed writes to complete and free theirs."""
-        if nbytes > staging.capacity:
-            raise TransferError(f"{nbytes} bytes to pack exceed the {staging.capacity}-byte staging area")
-        deadline = time.monotonic() + STAGING_WAIT_S
-        while True:
-            offset = staging.alloc(nbytes)
-            if offset is not None:
-                return offset
-            self._staged_pending = [h for h in self._staged_pending if self.poll(h) == "pending"]
-            self.progress()
-            if time.monotonic() > deadline:
-                raise TransferError(f"staging area full for {STAGING_WAIT_S} s (transfers to {peer} too slow)")
-            time.sleep(0.0005)
+    def _take_staging(self, handle: TransferHandle, sizes: list[int]) -> list[int]:
+        """Staging space for each packed route of one write, all of it or none (``StagingBusy``, after one look
+        at the earlier packed writes: those that completed give theirs back)."""
+        if not sizes:
+            return []
+        staging = self.agent.ensure_staging()
+        if sum(sizes) > staging.capacity:
+            raise TransferError(f"{sum(sizes)} bytes to pack exceed the {staging.capacity}-byte staging area")
+        for attempt in range(2):
+            taken: list[tuple[int, int]] = []
+            for nbytes in sizes:
+                offset = staging.alloc(nbytes)
+                if offset is None:
+                    break
+                taken.append((offset, nbytes))
+            if len(taken) == len(sizes):
+                handle.staged.extend(taken)
+                return [offset for offset, _ in taken]
+            for offset, nbytes in taken:
+                staging.release(offset, nbytes)
+            if attempt == 0:
+                self._staged_pending = [h for h in self._staged_pending if self.poll(h) == "pending"]
+                self.progress()
+        self.posts_deferred += 1
+        raise StagingBusy(f"staging area full (transfers to {handle.peer} in flight)")
 
     def poll(self, handle: TransferHandle) -> PollState:
         """Non-blocking. A finished handle's NIXL requests are released here (or retried by `progress`)."""
