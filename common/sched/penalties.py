@@ -142,7 +142,7 @@ class PenaltyHistory:
         assert self.ids is not None and self.counts is not None
         if plan.fill is not None:
             fresh, first, rows, cols, ids = (sent[i] for i in plan.fill)
-            self.ids.index_copy_(0, fresh, first[:, None].expand(-1, self.ids.shape[1]))
+            self.ids.index_put_((fresh,), first[:, None])  # the whole row, then its history over it
             self.ids.index_put_((rows, cols), ids)
             self.counts.index_fill_(0, fresh, 0.0)
             out = slice(0, plan.outputs)
