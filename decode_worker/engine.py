@@ -1,13 +1,13 @@
 """The decode role of a worker's engine: reserve pages for remote prefill, admit on the KV notice, decode.
 
 One request's transfer here (states in common/transfer/session.py): `Generate` with a peer queues it, the
-scheduler reserves its pages when it next settles transfers, each loop turn (`_reserved`), and the call's reply
+scheduler reserves its pages when it next settles transfers, each loop turn (`reserved`), and the call's reply
 carries them: the control plane's leave to send them to that peer (session "requested"). The peer's notice
 ends it (`tick`): "landed" admits the
 request into the running batch, "closed" fails it. A request given up on before that keeps its pages (`held`)
 until a notice of its peer, or until the control plane learns from the request's exchange with the peer that
 no write of it can come (`PrefillSettled`: decode_worker/remote_prefill.py). The scheduler reserves, admits
-and frees through `DecodeConnector` (common/sched/kv_connector.py).
+and frees through the role, its KV connector (common/sched/kv_connector.py).
 """
 
 from __future__ import annotations
@@ -36,28 +36,6 @@ from common.transfer.receiver import Arrival, KVReceiver
 log = logging.getLogger("kvferry.decode")
 
 
-class DecodeConnector(NullConnector):
-    """The decode role's answers to the scheduler: which requests wait for pages, whose KV arrived, which
-    given-up requests' pages a peer may still write (held) and which of those its peer settled."""
-
-    def __init__(self, role: DecodeRole) -> None:
-        self.role = role
-        self.done = FinishedTransfers()
-
-    def aborted(self, req: Req) -> bool:
-        return self.role._hold_abandoned(req)
-
-    def reservations(self) -> list[Req]:
-        return [p.req for p in self.role.remote.values() if not p.reserved]
-
-    def reserved(self, req: Req, pages: list[int]) -> None:
-        self.role._reserved(req, pages)
-
-    def finished(self) -> FinishedTransfers | None:
-        done, self.done = self.done, FinishedTransfers()
-        return done
-
-
 @dataclass
 class PendingRemote:
     """A request waiting for pages (reservation) or for its KV to arrive (transfer)."""
@@ -70,8 +48,11 @@ class PendingRemote:
     reserved: bool = False
 
 
-class DecodeRole:
-    """The engine's own requests: prefilled here or by a peer into pages reserved here, then decoded."""
+class DecodeRole(NullConnector):
+    """The engine's own requests: prefilled here or by a peer into pages reserved here, then decoded. It is the
+    scheduler's KV connector for them: which requests wait for pages (`reservations`, `reserved`), whose KV
+    arrived, and which given-up requests' pages a peer may still write (`aborted`: held) or no longer can
+    (`finished`)."""
 
     def __init__(self, host: EngineHost) -> None:
         self.host = host
@@ -79,7 +60,7 @@ class DecodeRole:
         self.remote: dict[str, PendingRemote] = {}
         # Given-up requests whose pages a prefill peer may still write: freed when their session ends.
         self.held: set[str] = set()
-        self.connector = DecodeConnector(self)
+        self.done = FinishedTransfers()  # what `finished` hands the scheduler next
         self.handlers: Handlers = {
             Generate: self._generate,
             PrefillFailed: self._prefill_failed,
@@ -110,7 +91,10 @@ class DecodeRole:
         self.remote[req.req_id] = PendingRemote(req, deadline, cmd.peer, cmd.peer_instance, reply)
         return reply
 
-    def _reserved(self, req: Req, pages: list[int]) -> None:
+    def reservations(self) -> list[Req]:
+        return [p.req for p in self.remote.values() if not p.reserved]
+
+    def reserved(self, req: Req, pages: list[int]) -> None:
         rid = req.req_id
         pending = self.remote[rid]
         pending.reserved = True
@@ -125,12 +109,12 @@ class DecodeRole:
             self.host.answer(pending.reply, None)  # no pages: the stream says why
             self.host.emit(Tokens(req_id, [], finish_reason=reason if error is None else "error", error=error))
             return
-        self.receiver.give_up(req_id, error or reason)  # first: `_hold_abandoned` asks the session
+        self.receiver.give_up(req_id, error or reason)  # first: `aborted` asks the session
         event = self.host.scheduler.abort(req_id, reason="abort" if error is None else "error", error=error)
         if event is not None:
             self.host.emit_step_events([event])
 
-    def _hold_abandoned(self, req: Req) -> bool:
+    def aborted(self, req: Req) -> bool:
         """An aborted request's pages stay held while a write may still land (until the session's end)."""
         if self.receiver.holds(req.req_id):
             self.held.add(req.req_id)
@@ -140,7 +124,7 @@ class DecodeRole:
     def _release_held(self, req_id: str) -> None:
         if req_id in self.held:
             self.held.discard(req_id)
-            self.connector.done.released.append(req_id)  # the scheduler frees them when it next asks
+            self.done.released.append(req_id)  # the scheduler frees them when it next asks
 
     def _prefill_failed(self, cmd: PrefillFailed) -> None:
         if cmd.req_id in self.remote:  # else the KV arrived already, or the request ended
@@ -154,6 +138,10 @@ class DecodeRole:
             self._release_held(cmd.req_id)
         elif cmd.req_id in self.remote:
             self.abort(cmd.req_id, "error", cmd.error)
+
+    def finished(self) -> FinishedTransfers | None:
+        done, self.done = self.done, FinishedTransfers()
+        return done
 
     # ---- the loop turn ---------------------------------------------------------------------------------
     def tick(self) -> None:
@@ -208,6 +196,6 @@ class DecodeRole:
             return
         del self.remote[a.req_id]
         # Joins the running batch when the scheduler settles transfers, right after this tick.
-        self.connector.done.arrived.append(KVArrival(a.req_id, notice.token, notice.logprob, notice.cached_tokens))
+        self.done.arrived.append(KVArrival(a.req_id, notice.token, notice.logprob, notice.cached_tokens))
         if verified:
             self.host.kv_verified[a.req_id] = True

@@ -2,10 +2,10 @@
 each chunk pushed over NIXL.
 
 One request's transfer here: `Prefill` opens its session (`RequestTransfer`), every finished chunk's complete
-pages are posted as they are computed (`_on_chunk`), the rest and the "landed" notice when the first token is
-known (`_on_prefill_done`, which has the scheduler hold the pages), and `tick` ends it: the request's pages go
+pages are posted as they are computed (`chunk_done`), the rest and the "landed" notice when the first token is
+known (`prefill_done`, which has the scheduler hold the pages), and `tick` ends it: the request's pages go
 back to the scheduler only once the session is terminal, i.e. no posted write can still read them
-(common/transfer/session.py). The scheduler asks all this through `PrefillConnector`
+(common/transfer/session.py). The scheduler asks all this of the role, its KV connector
 (common/sched/kv_connector.py).
 """
 
@@ -60,32 +60,11 @@ class Outbound:
     first_token_at: float | None = None  # time.monotonic() when the prompt's first token was sampled
 
 
-class PrefillConnector(NullConnector):
-    """The prefill role's answers to the scheduler: each chunk's complete pages are posted as computed; a
-    prompt done holds its pages while its session may read them; the sessions that ended release them."""
-
-    def __init__(self, role: PrefillRole) -> None:
-        self.role = role
-        self.done = FinishedTransfers()
-
-    def chunk_done(self, req: Req, start: int, end: int) -> None:
-        self.role._on_chunk(req, start, end)
-
-    def prefill_done(self, req: Req) -> bool:
-        return self.role._on_prefill_done(req)
-
-    def aborted(self, req: Req) -> bool:
-        # The scheduler aborts a request of this role only once its session is terminal (`_finish`): no
-        # posted write reads its pages any more.
-        return False
-
-    def finished(self) -> FinishedTransfers | None:
-        done, self.done = self.done, FinishedTransfers()
-        return done
-
-
-class PrefillRole:
-    """The engine's prefills for decode workers: their transfer sessions, from the first chunk to the last write."""
+class PrefillRole(NullConnector):
+    """The engine's prefills for decode workers: their transfer sessions, from the first chunk to the last write.
+    It is the scheduler's KV connector for them: each chunk's complete pages are posted as computed
+    (`chunk_done`), a prompt done holds its pages while its session may read them (`prefill_done`), and the
+    sessions that ended release them (`finished`)."""
 
     def __init__(self, host: EngineHost) -> None:
         self.host = host
@@ -99,7 +78,7 @@ class PrefillRole:
         self.sender = make_sender(self.host.agent, self.rank_writes, FAULT_WRITE_DELAY_S.read())
         self.outbound: dict[str, Outbound] = {}
         self.cancelled: dict[str, float] = {}  # req id -> monotonic time its decode worker cancelled it unseen
-        self.connector = PrefillConnector(self)
+        self.done = FinishedTransfers()  # what `finished` hands the scheduler next
         self.stats = {"descs": 0, "bytes": 0, "transfers": 0}
         self.handlers: Handlers = {
             AddPeer: self._add_peer,
@@ -199,12 +178,12 @@ class PrefillRole:
         except TransferError:
             pass  # the session is given up; `tick` ends the request once its writes settled
 
-    def _on_chunk(self, req: Req, start: int, end: int) -> None:
+    def chunk_done(self, req: Req, start: int, end: int) -> None:
         ob = self.outbound.get(req.req_id)
         if ob is not None and end < req.prompt_len:
             self._post(ob, end // self.host.page_size)  # complete pages only; the rest goes with the next chunk
 
-    def _on_prefill_done(self, req: Req) -> bool:
+    def prefill_done(self, req: Req) -> bool:
         """Posts the rest of the prompt's pages and the "landed" notice; True: the scheduler holds the pages
         until the session ends (`_finish`)."""
         ob = self.outbound.get(req.req_id)
@@ -236,6 +215,15 @@ class PrefillRole:
             pass  # the session is given up; `tick` ends the request once its writes settled
         return True
 
+    def aborted(self, req: Req) -> bool:
+        # The scheduler aborts a request of this role only once its session is terminal (`_finish`): no
+        # posted write reads its pages any more.
+        return False
+
+    def finished(self) -> FinishedTransfers | None:
+        done, self.done = self.done, FinishedTransfers()
+        return done
+
     # ---- progress --------------------------------------------------------------------------------
     def tick(self) -> None:
         self.sender.progress()
@@ -249,7 +237,7 @@ class PrefillRole:
         ob = self.outbound.pop(rid)
         t = ob.transfer
         if ob.computed:
-            self.connector.done.released.append(rid)  # the scheduler frees them when it next asks
+            self.done.released.append(rid)  # the scheduler frees them when it next asks
         else:
             self.host.scheduler.abort(rid, reason="error", error=t.error)
         stamps = self.host.stamps.pop(rid, None)
@@ -283,6 +271,6 @@ class PrefillRole:
         if ob is None:
             return
         # Until the posted writes settle the request stays in the scheduler (its pages are read by them); a
-        # prefill that completes meanwhile is held by `_on_prefill_done` and released by `_finish`.
+        # prefill that completes meanwhile is held by `prefill_done` and released by `_finish`.
         if ob.transfer.cancel(error or "aborted by the decode worker") in TERMINAL:
             self._finish(req_id)

@@ -93,12 +93,12 @@ def _malloc_trim() -> None:
         pass
 
 
-class EngineRole(Protocol):
+class EngineRole(KVConnector, Protocol):
     """One job of an engine over its host's scheduler, pool and agent; built as ``role_cls(host)``, before the
-    scheduler (which it may use only once built)."""
+    scheduler (which it may use only once built). It is also what the scheduler asks about its requests' KV
+    transfer (common/sched/kv_connector.py)."""
 
     handlers: Handlers  # this role's commands (disjoint from every other role's)
-    connector: KVConnector  # what the scheduler asks it about KV transfer (common/sched/kv_connector.py)
 
     def has_work(self) -> bool: ...
 
@@ -148,7 +148,7 @@ class EngineHost:
         # their connectors (common/sched/kv_connector.py). Overlap on the GPU (the CPU schedules step N+1
         # while step N runs); off on the CPU and under tensor parallelism (see common/sched/scheduler.py).
         self.roles = [make(self) for make in roles]
-        self.scheduler = Scheduler(self.runner, cfg.sched, connector=combined([r.connector for r in self.roles]))
+        self.scheduler = Scheduler(self.runner, cfg.sched, connector=combined(self.roles))
         self.kv_verified: dict[str, bool] = {}  # arrived KV whose checksums matched: said in the first-token event
         tiered = self.scheduler.snapshot().host_pages_total > 0
         self.publisher = PrefixIndexPublisher(
