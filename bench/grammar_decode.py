@@ -167,7 +167,7 @@ def main() -> None:
     model = args.model or str(convert_default_model())
     engine = Engine(RunnerConfig(model=model, device=args.device, max_running=max(args.num_requests, 8)))
     tok_dir = Path(args.tokenizer) if args.tokenizer else engine.runner.model_path
-    cases = [c for c in args.cases.split(",") if c]
+    cases = [c for c in args.cases.split(",") if c and c != "none"]  # the baseline always runs
     if tok_dir is not None:
         tok = AutoTokenizer.from_pretrained(tok_dir)
         sched = engine.scheduler
