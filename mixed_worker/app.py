@@ -10,7 +10,7 @@ notifications are read only by the decode role (the prefill role only sends).
 
 It serves the decode routes (`/internal/generate`, local or remote prefill, and `/internal/abort`, whose
 engine abort reaches requests of either role) and the prefill routes (`/internal/handshake`,
-`/internal/prefill`, `/internal/cancel`, `/internal/agent`, `/internal/stats`), so the router can place
+`/internal/prefill`, `/internal/cancel`, `/internal/stats`), so the router can place
 each request aggregated on it, disaggregated from it to another decode-capable pod, or disaggregated into
 it from a prefill-capable one (router/cost_model.py).
 """
