@@ -154,6 +154,7 @@ def main() -> None:
     ap.add_argument("--fill-threads", default="", help="with --host-phases: all_grammar again per thread count")
     ap.add_argument("--sync-debug", action="store_true", help="CUDA: list the ops that synchronize, per case")
     ap.add_argument("--profile", default="", help="a case to run once more under torch.profiler (top host ops)")
+    ap.add_argument("--overlap", default="auto", help="the scheduler's overlap: auto | on | off (on: the GPU's loop)")
     args = ap.parse_args()
 
     import torch
@@ -162,10 +163,11 @@ def main() -> None:
     from common.default_model import convert_default_model
     from common.offline import Engine
     from common.sched.grammar import GrammarBook
-    from common.settings import RunnerConfig
+    from common.settings import RunnerConfig, SchedulerConfig
 
     model = args.model or str(convert_default_model())
-    engine = Engine(RunnerConfig(model=model, device=args.device, max_running=max(args.num_requests, 8)))
+    runner_cfg = RunnerConfig(model=model, device=args.device, max_running=max(args.num_requests, 8))
+    engine = Engine(runner_cfg, SchedulerConfig(overlap=args.overlap))
     tok_dir = Path(args.tokenizer) if args.tokenizer else engine.runner.model_path
     cases = [c for c in args.cases.split(",") if c and c != "none"]  # the baseline always runs
     if tok_dir is not None:

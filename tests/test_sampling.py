@@ -476,7 +476,9 @@ def test_grammars_and_penalties_keep_the_overlap_and_their_outputs(smol_runner, 
     launched before the step in flight is processed, only a grammar row's sampling waits for its mask) gives
     overlap off's tokens, which are each request's tokens decoded alone; grammar outputs are valid. With
     overlap on the waiting steps' masks are filled on their own thread, each while its step's forward is
-    launched and the step before it processed."""
+    launched and the step before it processed, and a decode row's token is accepted by its matcher there too,
+    in the fill's batch: the scheduler's thread feeds a matcher only a prompt's first token and a token that
+    may end the request."""
     import json
     import threading
 
@@ -533,8 +535,17 @@ def test_grammars_and_penalties_keep_the_overlap_and_their_outputs(smol_runner, 
             fills.append((threading.current_thread().name, launched[0] - processed[0]))
             return fill(*a, **kw)
 
+        advance = sched.grammars.advance
+        main_feeds: list[int] = []  # output tokens fed to a matcher on the scheduler's thread
+
+        def counted_advance(req, advance=advance, main_feeds=main_feeds):
+            if threading.current_thread() is threading.main_thread():
+                main_feeds.append(len(req.output_ids))
+            return advance(req)
+
         monkeypatch.setattr(sched, "_process", counted_process)
         monkeypatch.setattr(sched.grammars, "fill", counted_fill)
+        monkeypatch.setattr(sched.grammars, "advance", counted_advance)
         monkeypatch.setattr(smol_runner, "forward", counted_forward)
         in_flight.clear()
         results = engine.generate(chats, params)
@@ -542,6 +553,10 @@ def test_grammars_and_penalties_keep_the_overlap_and_their_outputs(smol_runner, 
         # Overlap on, a waiting step's masks fill on their own thread while its forward is on the device.
         threaded = [n for name, n in fills if name.startswith("kvferry-masks")]
         assert (len(threaded) > 10 and set(threaded) == {1}) if overlap else not threaded
+        grammar_rows = [r for r, kw in zip(results, kinds) if "grammar" in kw]
+        fed = sum(len(r.output_ids) for r in grammar_rows)
+        if overlap:  # on this thread: the prompt's fill, the first token, the last (it ends the request)
+            assert len(main_feeds) <= 3 * len(grammar_rows) < fed, main_feeds
         assert [(r.output_ids, r.finish_reason) for r in results] == [(r.output_ids, r.finish_reason) for r in alone]
         assert [lp.logprob for lp in results[5].logprobs] == pytest.approx(
             [lp.logprob for lp in alone[5].logprobs], abs=1e-4
@@ -617,3 +632,52 @@ def test_a_step_sends_its_host_data_in_two_copies_whatever_the_batch(smol_runner
             sched.abort(r.req_id)
         assert_pool_clean(engine)
     assert per_decode_step == {2: {2}, 6: {2}, 16: {2}}
+
+
+def test_a_token_outside_the_grammar_ends_the_request_there_in_both_loops(smol_runner, smol_tokenizer, monkeypatch):
+    """A decode row's token is accepted by its matcher in the next mask fill (off the scheduler's thread with
+    overlap on): a token its grammar does not allow (put into one step's sampled tokens, as a sampler fault
+    would) still ends that request at that token with an error, overlap on and off alike, and its neighbours
+    decode as they would alone."""
+    from common.protocol import GrammarSpec
+    from common.sched.scheduler import Scheduler
+    from common.settings import SchedulerConfig
+
+    answer = GrammarSpec(kind="regex", value=r"(yes|no), because [a-z ]{3,30}\.")
+    chat = list(
+        smol_tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Is Paris in France? Answer yes or no and why."}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+    )
+    params = [
+        SamplingParams(max_tokens=16, grammar=answer),
+        SamplingParams(max_tokens=16),
+        SamplingParams(max_tokens=16, grammar=answer, temperature=0.9, seed=5),
+    ]
+    alone = [fresh_engine(smol_runner).generate([chat], sp)[0] for sp in params]
+    bad = smol_tokenizer.encode("ZZZ", add_special_tokens=False)[0]  # no uppercase anywhere in the grammar
+    at = 3  # the output index it lands at: a decode row's token
+    for overlap in (False, True):
+        engine = fresh_engine(smol_runner)
+        sched = engine.scheduler = Scheduler(smol_runner, SchedulerConfig(), overlap=overlap)
+        process = sched._process
+
+        @torch.inference_mode()
+        def faulty_process(launched, process=process):
+            for i, r in enumerate(launched.reqs[: launched.decode_rows]):
+                if r.sampling is params[0] and len(r.output_ids) == at and not r.finished:
+                    launched.tokens[i] = bad
+            return process(launched)
+
+        monkeypatch.setattr(sched, "_process", faulty_process)
+        results = engine.generate([chat] * 3, params)
+        broken = results[0]
+        assert broken.output_ids == [*alone[0].output_ids[:at], bad], overlap
+        assert broken.finish_reason == "error"
+        assert [(r.output_ids, r.finish_reason) for r in results[1:]] == [
+            (r.output_ids, r.finish_reason) for r in alone[1:]
+        ]
+        assert_pool_clean(engine)

@@ -9,11 +9,15 @@ would tie both workers to one xgrammar build.
 A matcher must have accepted a request's previous token before it can mask the next one, and with overlap on
 that token is still on the device when the next step is launched. So the next step's forward is launched
 first; sampling waits only where a grammar row needs the step in flight: the scheduler processes that step
-(its tokens reach the matchers) while the forward runs, fills the batch's masks in one batched call
-(`BatchGrammarMatcher`) straight into the step's pinned staging buffer, copies them to the device with the
+while the forward runs, and one job on the fill thread has the matchers accept that step's tokens (one
+batched call, `BatchGrammarMatcher.batch_accept_token`) and then fills the batch's masks (one batched call)
+straight into the step's pinned staging buffer; the scheduler's thread copies them to the device with the
 rest of the sampling's inputs in one non-blocking copy (common/sched/step_sampling.py) and then launches the
 sampling, which applies them in place (common/sched/scheduler.py `_begin_sampling`). A batch with no grammar
-row samples right behind its forward, as before.
+row samples right behind its forward, as before. The scheduler's thread feeds a matcher itself only the
+tokens that may end a request (a stop token, the last token, a prompt's first), so it learns at once whether
+the request ends there (`Scheduler._append_token`); a decode token the grammar rejects, found by the fill,
+ends its request before any later token is appended (`GrammarMasks.broken`).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class GrammarError(ValueError):
 @dataclass(eq=False)
 class _Matching:
     matcher: Any  # xgrammar.GrammarMatcher
+    req_id: str
     consumed: int = 0  # output tokens the matcher has accepted
     broken: bool = False  # a token the grammar does not allow was appended
 
@@ -116,7 +121,7 @@ class GrammarBook:
             import xgrammar as xgr
 
             assert req.sampling.grammar is not None
-            st = _Matching(xgr.GrammarMatcher(self.compile(req.sampling.grammar)))
+            st = _Matching(xgr.GrammarMatcher(self.compile(req.sampling.grammar)), req.req_id)
             self._matching[req] = st
         return st
 
@@ -145,19 +150,51 @@ class GrammarBook:
         ([len(reqs), ceil(vocab / 32)] int32 on the host: the scheduler passes a view of the step's pinned
         staging buffer, so the masks reach the device in the step's one copy; None: a new tensor). Only the
         grammar rows are written (and read by the sampler); a grammar row that will not be filled (its
-        request finishes when this step is processed) allows everything. Each grammar request's matcher
-        must have accepted all of its output (the step before was processed)."""
+        request finishes when this step is processed, or its last token broke its grammar) allows everything.
+
+        The matchers first accept what they have not seen yet: the scheduler leaves a decode row's token to
+        this call unless it may end the request (`Scheduler._append_token`), so the step's tokens are accepted
+        in one batched call here, on the fill thread with overlap on (xgrammar releases the GIL inside it).
+        A request whose token accepted here broke its grammar comes back in `broken`; the scheduler finishes
+        it before any later token of it is appended (a break found replaying a request's earlier output is
+        found again when its first token is appended, as before)."""
         if bits is None:
             bits = torch.empty((len(reqs), (self.vocab + 31) // 32), dtype=torch.int32)
         rows = [i for i, r in enumerate(reqs) if r.sampling.grammar is not None and not r.finished]
+        states = [self._state(reqs[i]) for i in rows]
+        accepting: list[_Matching] = []
+        tokens: list[int] = []
+        fresh = [False] * len(rows)  # accepted a token here: not a stop token, so not terminated
+        for k, (i, st) in enumerate(zip(rows, states)):
+            r = reqs[i]
+            out = r.output_ids
+            if out and not st.broken and st.consumed == r.sampling.output_offset + len(out) - 1:
+                accepting.append(st)  # the step's one new token (a decode row's: never a stop token)
+                tokens.append(out[-1])
+                fresh[k] = True
+            else:
+                self.advance(r)  # up to date already, or a replay
+        broken: list[Req] = []
+        if accepting:
+            self._xgr_compiler()
+            import xgrammar as xgr
+
+            ok = xgr.BatchGrammarMatcher.batch_accept_token([st.matcher for st in accepting], tokens)
+            for st in accepting:
+                st.consumed += 1
+            if not all(ok):
+                for i, st, good in zip([i for k, i in enumerate(rows) if fresh[k]], accepting, ok):
+                    if not good:
+                        st.broken = True
+                        broken.append(reqs[i])
+                        log.warning("token outside the grammar", extra={"req_id": st.req_id})
         done = [False] * len(reqs)
         matchers = []
-        for i in rows:
-            st = self._state(reqs[i])
-            if not self.advance(reqs[i]) or st.matcher.is_terminated():
-                bits[i].fill_(-1)  # it finishes when this step is processed; its row stays free
+        for k, (i, st) in enumerate(zip(rows, states)):
+            if not st.broken and (fresh[k] or not st.matcher.is_terminated()):
+                matchers.append((i, st.matcher))
                 continue
-            matchers.append((i, st.matcher))
+            bits[i].fill_(-1)  # it finishes when this step is processed (or now: `broken`); its row stays free
         if matchers:
             self._xgr_compiler()
             self._batch.batch_fill_next_token_bitmask([m for _, m in matchers], bits, indices=[i for i, _ in matchers])
@@ -168,7 +205,7 @@ class GrammarBook:
                     cleared = 0xFFFFFFFF ^ (1 << (t % 32))  # as an int32: the sign bit is bit 31
                     row[t // 32] &= cleared - (1 << 32) if cleared >= 1 << 31 else cleared
                 done[i] = not bool(row.any())
-        return GrammarMasks(bits, rows, done)
+        return GrammarMasks(bits, rows, done, broken)
 
 
 @dataclass
@@ -176,6 +213,7 @@ class GrammarMasks:
     bits: torch.Tensor  # [B, ceil(vocab / 32)] int32 on the host
     rows: list[int]  # the rows under a grammar
     done: list[bool]  # per row: the grammar allows nothing but its end
+    broken: list[Req]  # requests whose last token the grammar did not allow (they finish with an error)
 
 
 def _first_line(exc: BaseException) -> str:

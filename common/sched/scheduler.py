@@ -24,14 +24,14 @@ the same stream may hand to a new request; N+1's token for it is discarded. Fini
 launch, so such requests are never launched past their last token.
 
 Sampling features keep the overlap. Penalties read each table row's token history and output counts, kept
-on the device and updated there by each step's sampling (common/sched/penalties.py). A grammar row needs its previous token
-accepted by its matcher before its mask can be filled: a decode step with such a row launches its forward,
-processes the step in flight while the forward runs, then fills the masks on a thread
-(common/sched/step_sampling.py) while the events go out and the next step is planned, and launches its
-sampling just before the next forward (`_begin_sampling`, `step`, `_settle`; common/sched/grammar.py). Every
-other row of that batch waits for the sampling launch too, but the forward never waits for the host. Each
-step's host data reaches the device in two copies, one for the forward and one for sampling
-(common/engine/staging.py).
+on the device and updated there by each step's sampling (common/sched/penalties.py). A grammar row needs its
+previous token accepted by its matcher before its mask can be filled: a decode step with such a row launches
+its forward, processes the step in flight while the forward runs, then has the matchers accept that step's
+tokens and fills the masks, one job on a thread (common/sched/step_sampling.py), while the events go out and
+the next step is planned, and launches its sampling just before the next forward (`_begin_sampling`, `step`,
+`_settle`; common/sched/grammar.py). Every other row of that batch waits for the sampling launch too, but the
+forward never waits for the host. Each step's host data reaches the device in two copies, one for the forward
+and one for sampling (common/engine/staging.py).
 """
 
 from __future__ import annotations
@@ -134,6 +134,7 @@ class Scheduler:
         self.sampler = StepSampler(runner.page_table.table.shape[0], self.vocab, self.device, tuple(self.eos))
         self._inflight: dict[Req, int] = {}  # tokens launched but not yet appended, per request
         self._pending: Launched | None = None
+        self._late: list[StepEvent] = []  # requests ended while sampling (a broken grammar), not yet returned
         self.prefill_tokens_launched = 0  # prompt tokens computed so far (the measured prefill rate's counter)
         # Device-timed: prefill-only steps' prompt tokens/s (published; their peak bounds the chunk speed), the
         # chunk tokens/s a mixed step adds to the decode step (its time less the decode step's: sizes the
@@ -303,13 +304,19 @@ class Scheduler:
         self._pending = launched
         if not self.overlap:
             events += self.flush()
-        return events
+        return self._with_late(events)
 
     def flush(self) -> list[StepEvent]:
         """Processes the step in flight, if any (before reading every request's final state)."""
         self._settle()
         launched, self._pending = self._pending, None
-        return self._process(launched) if launched is not None else []
+        return self._with_late(self._process(launched) if launched is not None else [])
+
+    def _with_late(self, events: list[StepEvent]) -> list[StepEvent]:
+        if not self._late:
+            return events
+        late, self._late = self._late, []
+        return late + events
 
     def _settle(self) -> None:
         """Samples the step in flight if its sampling waited for its grammar masks: before the next forward,
@@ -502,6 +509,8 @@ class Scheduler:
             job, launched.masks = launched.masks, None
             out = self.sampler.sample(reqs, launched.rows, launched.steps, logits, self.grammars, job)
             res = out.result
+            for r in out.broken:
+                self._grammar_broken(r)
             self.last_tokens.index_copy_(0, out.rows_dev, res.tokens)
             launched.tokens = copy_to_host(res.tokens)
             launched.logprobs = copy_to_host(res.logprobs)
@@ -548,13 +557,21 @@ class Scheduler:
                 top = list(zip(top_ids[i][:n], top_lp[i][:n])) if top_ids is not None and n else []
                 lp = TokenLogprob(logprob=chosen[i], top=top)
             event = StepEvent(r)
-            self._append_token(r, tokens[i], lp, event)
+            self._append_token(r, tokens[i], lp, event, decoded=i < launched.decode_rows)
             events.append(event)
             if i >= launched.decode_rows and r.prefill_only:
                 self._prefill_done(r)
         return events
 
-    def _append_token(self, req: Req, token: int, lp: TokenLogprob | None, event: StepEvent) -> None:
+    def _append_token(
+        self, req: Req, token: int, lp: TokenLogprob | None, event: StepEvent, decoded: bool = False
+    ) -> None:
+        """Appends a sampled token and decides whether the request finishes at it. A grammar row's matcher
+        accepts the token here only where that may end the request (a stop token, which may complete the
+        grammar; a token the request ends at anyway, whose reason a broken grammar overrides; a prompt's first
+        token): otherwise (`decoded`: a decode row's token that cannot end it) the next mask fill accepts it,
+        batched, off this thread (common/sched/grammar.py `fill`), and a token it does not allow finishes the
+        request there (`_grammar_broken`), before any later token is appended."""
         req.output_ids.append(token)
         req.device_len += 1
         if lp is not None:
@@ -563,23 +580,36 @@ class Scheduler:
         event.tokens.append(token)
         req.check()
         reason = None
-        if req.sampling.grammar is not None and not self.grammars.advance(req):
-            reason, req.error = "error", "a sampled token is outside the request's grammar"
-        elif req.sampling.grammar is not None and self.grammars.terminated(req):
-            reason = "stop"
-        elif (token in self.eos and not req.sampling.ignore_eos) or token in req.sampling.stop_token_ids:
+        if (token in self.eos and not req.sampling.ignore_eos) or token in req.sampling.stop_token_ids:
             reason = "stop"
         elif len(req.output_ids) >= req.sampling.max_tokens or req.device_len >= self.runner.max_seq_len:
             reason = "length"
+        if req.sampling.grammar is not None and (reason is not None or not decoded or token in self.eos):
+            if not self.grammars.advance(req):
+                reason, req.error = "error", "a sampled token is outside the request's grammar"
+            elif self.grammars.terminated(req):
+                reason = "stop"
         if reason is not None:
             req.finish_reason = reason
             event.finished = True
-            if req.state is ReqState.RUNNING:
-                self.running.remove(req)
-                self._finish(req)
-            else:
-                # A prefill-only request: `_prefill_done` parks or frees it once this token is processed.
-                req.state = ReqState.FINISHED
+            self._end(req)
+
+    def _end(self, req: Req) -> None:
+        if req.state is ReqState.RUNNING:
+            self.running.remove(req)
+            self._finish(req)
+        else:
+            # A prefill-only request: `_prefill_done` parks or frees it once this token is processed.
+            req.state = ReqState.FINISHED
+
+    def _grammar_broken(self, req: Req) -> None:
+        """A token appended earlier (the request's last) was outside its grammar: the request ends there, as
+        if found when it was appended; its event (no tokens) goes out with the next step's."""
+        if req.finished:
+            return
+        req.finish_reason, req.error = "error", "a sampled token is outside the request's grammar"
+        self._late.append(StepEvent(req, finished=True))
+        self._end(req)
 
     # ---- introspection -----------------------------------------------------------------------------
     def snapshot(self) -> SchedulerSnapshot:

@@ -10,8 +10,9 @@ seeded noise's counter), the min_tokens bans of rows still short of them (only w
 grammar masks (xgrammar fills them straight into the pinned buffer), and, when the batch changed, its rows,
 the parameters of rows sampled for the first time and their penalty history.
 
-A step whose grammar rows wait for the step in flight has its masks filled on a thread of their own
-(`start_masks`: xgrammar's fill releases the GIL) while the scheduler's thread hands the processed step's
+A step whose grammar rows wait for the step in flight has its matchers accept that step's tokens and its
+masks filled on a thread of their own (`start_masks`: xgrammar's batched accept and fill release the GIL)
+while the scheduler's thread hands the processed step's
 events out and plans the next step; its sampling is issued once that plan is ready, before the next forward
 (common/sched/scheduler.py `_settle`).
 """
@@ -70,6 +71,7 @@ class MaskJob:
 class Sampled:
     result: SampleResult
     rows_dev: torch.Tensor  # the batch's table rows on the device
+    broken: list[Req]  # grammar requests whose last token their grammar did not allow (found by the fill)
 
 
 class StepSampler:
@@ -202,7 +204,7 @@ class StepSampler:
         result = sample(logits, sb)
         if batch.penalty is not None:
             self.penalties.record(batch.penalty, steps_dev, result.tokens)
-        return Sampled(result, batch.rows_dev)
+        return Sampled(result, batch.rows_dev, masks.broken if masks is not None else [])
 
     def close(self) -> None:
         if self._fill_thread is not None:
