@@ -73,6 +73,9 @@ class DecodeRole(NullConnector):
     def holds(self, req_id: str) -> bool:
         return True  # every request no other role holds is this role's (or none's: its abort is a no-op)
 
+    def waits_only(self) -> bool:
+        return False  # a notice is read the turn it arrives
+
     def hands_on_stamps(self, req_id: str) -> bool:
         return False
 

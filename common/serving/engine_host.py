@@ -55,6 +55,9 @@ log = logging.getLogger("kvferry.engine")
 LOAD_INTERVAL_S = 0.1
 DECODE_STEP_SMOOTHING = 0.1  # weight of the newest decode step in the published step time
 MAX_TIMELINES = 16384  # stage stamps kept for requests in flight; beyond it the oldest go (a leak guard)
+# A turn with nothing to do but wait for staging space (prefill_worker/engine.py, `waits_only`) waits this long for
+# a command first, instead of polling its writes again at once: the space comes back only as they complete.
+STAGING_WAIT_S = 0.0005
 IDLE_TRIM_S = 1.0  # idle this long: hand the allocator's free memory back to the OS (once per idle spell)
 
 
@@ -107,6 +110,10 @@ class EngineRole(KVConnector, Protocol):
         ...
 
     def abort(self, req_id: str, reason: str, error: str | None) -> None: ...
+
+    def waits_only(self) -> bool:
+        """Whether all of this role's work waits on something no sooner loop turn brings (staging space)."""
+        ...
 
     def hands_on_stamps(self, req_id: str) -> bool:
         """Whether this request's stage stamps leave with its KV (a prefill for a peer: in the KV notice and
@@ -263,6 +270,8 @@ class EngineHost:
                 _malloc_trim()
                 trimmed = True
             timeout = 0.0 if busy else 0.002
+            if busy and not self.scheduler.has_work() and all(r.waits_only() for r in self.roles if r.has_work()):
+                timeout = STAGING_WAIT_S
             while self.conn.poll(timeout):
                 self.handle(recv(self.conn))
                 timeout = 0.0

@@ -95,6 +95,10 @@ class KVSender:
         self._staged_pending: list[TransferHandle] = []  # in flight, reading from the staging area
         self._posted: list[TransferHandle] = []  # every handle not yet settled, for `writes_in_flight`
         self.posts_deferred = 0  # writes put off for want of staging space (``StagingBusy``), for the stats
+        self._staging_frees = 0  # how often a released write gave its staging space back
+        # (frees seen, bytes asked) when a write last found no room: until space is given back, a write as large
+        # finds none either, so it is put off without a look (the engine loop waits meanwhile: `staging_blocked`)
+        self._busy_at: tuple[int, int] | None = None
 
     def post_write(
         self,
@@ -218,8 +222,11 @@ class KVSender:
         if not sizes:
             return []
         staging = self.agent.ensure_staging()
-        if sum(sizes) > staging.capacity:
-            raise TransferError(f"{sum(sizes)} bytes to pack exceed the {staging.capacity}-byte staging area")
+        need = sum(sizes)
+        if need > staging.capacity:
+            raise TransferError(f"{need} bytes to pack exceed the {staging.capacity}-byte staging area")
+        if self.staging_blocked and need >= self._busy_at[1]:  # type: ignore[index]
+            raise StagingBusy(f"staging area full (transfers to {handle.peer} in flight)")
         for attempt in range(2):
             taken: list[tuple[int, int]] = []
             for nbytes in sizes:
@@ -228,6 +235,7 @@ class KVSender:
                     break
                 taken.append((offset, nbytes))
             if len(taken) == len(sizes):
+                self._busy_at = None
                 handle.staged.extend(taken)
                 return [offset for offset, _ in taken]
             for offset, nbytes in taken:
@@ -236,7 +244,13 @@ class KVSender:
                 self._staged_pending = [h for h in self._staged_pending if self.poll(h) == "pending"]
                 self.progress()
         self.posts_deferred += 1
+        self._busy_at = (self._staging_frees, need)
         raise StagingBusy(f"staging area full (transfers to {handle.peer} in flight)")
+
+    @property
+    def staging_blocked(self) -> bool:
+        """A write found no staging space and none was given back since: what waits for it can only wait."""
+        return self._busy_at is not None and self._busy_at[0] == self._staging_frees
 
     def poll(self, handle: TransferHandle) -> PollState:
         """Non-blocking. A finished handle's NIXL requests are released here (or retried by `progress`)."""
@@ -319,6 +333,7 @@ class KVSender:
         if held:  # the staging space stays taken until all of them let go
             return True
         staged, handle.staged = handle.staged, []
+        self._staging_frees += bool(staged)
         for offset, nbytes in staged:
             assert self.agent.staging is not None
             self.agent.staging.release(offset, nbytes)
