@@ -13,7 +13,7 @@ The two workers learn of each other one way each:
   least every second while the peer's engine works, until the peer's session of the request is over (its
   last line, sent after the notice), also after this side gave the request up (the peer is then sent one
   cancel). How it ends says whether a write may still come:
-  - a refusal (nothing registered there), a connection that never carried the request, a break of the
+  - a refusal (nothing registered there; not a duplicate of a registration to this worker), a connection that never carried the request, a break of the
     stream (the peer's process is gone) or a last line saying the peer's engine exited: no write of the
     request can come; the engine is told (``PrefillSettled``) and frees the pages, failing the request if it
     still waited;
@@ -55,7 +55,8 @@ PREFILL_HEAD_S = 45.0  # the peer's answer to the prefill request: its engine ca
 # overrides it); kept under the transfer sessions' 300 s safety deadline (common/transfer/session.py).
 PREFILL_DEADLINE_S = 240.0
 # Answers of a prefill worker that registered nothing (so it writes nothing): bad request, unknown peer
-# (handshake again), cancelled before it arrived, queue full, not ready.
+# (handshake again) or a request id another worker's request holds there, cancelled before it arrived, queue full,
+# not ready. Not a 409 duplicate_request: the same request is on its way to this worker from there already.
 REFUSALS = frozenset({400, 409, 410, 429, 503})
 # The exchange broke (the peer's process closed it, or never took the request): no write of the request follows.
 BROKEN = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.ReadError, httpx.WriteError)
@@ -174,17 +175,21 @@ class RemotePrefill:
                     headers=call.trace.headers(),
                     timeout=httpx.Timeout(10.0, read=PREFILL_HEAD_S),
                 ) as r:
-                    if r.status_code == 409 and attempt == 0 and not call.given_up:
+                    if r.status_code != 200:
+                        await r.aread()
+                    code = _error_code(r) if r.status_code == 409 else None
+                    if code == "unknown_peer" and attempt == 0 and not call.given_up:
                         # The peer restarted and lost our handshake; it registered nothing. The same pages go
                         # to its new instance (the same name and address) after a new handshake.
                         call.sent = False
                         await self.handshake(call.url, force=True)
                         continue
                     if r.status_code != 200:
-                        await r.aread()
+                        # duplicate_request: an earlier registration of this request to this worker is live
+                        # there and owns its notice, which may yet write: this call fails, its pages held.
                         raise PeerFailure(
                             f"prefill worker {call.url} refused the request: {_error_text(r)}",
-                            settled=r.status_code in REFUSALS,
+                            settled=r.status_code in REFUSALS and code != "duplicate_request",
                         )
                     await self._read(call, r)
                     return
@@ -266,6 +271,13 @@ class RemotePrefill:
 def _agent(state: WorkerState) -> AgentInfo:
     assert state.agent is not None  # the routes that use it answer only once the engine was ready
     return state.agent
+
+
+def _error_code(r: httpx.Response) -> str | None:
+    try:
+        return str(r.json()["error"]["code"])
+    except Exception:
+        return None
 
 
 def _error_text(r: httpx.Response) -> str:

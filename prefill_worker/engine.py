@@ -145,8 +145,11 @@ class PrefillRole(NullConnector):
             raise Refused(f"request {pr.req_id!r} was cancelled by its decode worker", "cancelled")
         if not self.host.agent.has_peer(pr.dst_agent, pr.dst_instance_id):
             raise Refused(f"no handshake with {pr.dst_agent} instance {pr.dst_instance_id}", "unknown_peer")
-        if pr.req_id in self.outbound:
-            raise Refused(f"duplicate request id {pr.req_id!r}", "duplicate_request")
+        live = self.outbound.get(pr.req_id)
+        if live is not None:  # the registration in flight keeps the request, its pages and its notice
+            if live.transfer.peer == pr.dst_agent and live.transfer.session.peer_instance == pr.dst_instance_id:
+                raise Refused(f"duplicate request id {pr.req_id!r}: already on its way to you", "duplicate_request")
+            raise Refused(f"request id {pr.req_id!r} is in use by another decode worker's", "request_id_in_use")
         # Checked here, not when the first chunk is posted: a bad page id raised inside a scheduler
         # step would take the engine process (and every request on it) down.
         dst_pool = self.host.agent.peer(pr.dst_agent).num_pages

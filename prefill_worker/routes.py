@@ -34,6 +34,7 @@ def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = Tru
     """`abort_route` False: the app has its own `/internal/abort` (a mixed worker's decode routes), whose engine
     abort reaches requests of either role."""
     aborted: set[str] = set()  # prefills the decode side called off (abort, cancel): counted "abort", not "error"
+    sending: dict[str, tuple[str, str]] = {}  # req id -> the (agent, instance) its live exchange here sends to
 
     @app.post("/internal/handshake")
     async def handshake(request: Request) -> Response:
@@ -56,6 +57,15 @@ def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = Tru
             return error_response(503, "prefill worker not ready", "unavailable", "not_ready")
         client = state.client
         assert client is not None
+        dest = (pr.dst_agent, pr.dst_instance_id)
+        if pr.req_id in sending or pr.req_id in client.streams:
+            # A second copy: the live exchange keeps its stream and registration (the engine refuses the same).
+            if sending.get(pr.req_id) == dest:
+                message, code = f"duplicate request id {pr.req_id!r}: already on its way to you", "duplicate_request"
+            else:
+                message, code = f"request id {pr.req_id!r} is in use by another decode worker's", "request_id_in_use"
+            return error_response(409, message, "invalid_request_error", code)
+        sending[pr.req_id] = dest
         queue = client.open_stream(pr.req_id)
         state.live.add(pr.req_id)
         trace = WorkerTrace("prefill", pr.req_id, request.headers.get("traceparent"))
@@ -69,6 +79,7 @@ def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = Tru
             if ended:
                 return
             ended = True
+            sending.pop(pr.req_id, None)
             state.live.discard(pr.req_id)
             state.accepted.ended(pr.req_id)
             aborted.discard(pr.req_id)

@@ -13,9 +13,7 @@ mid-sized ``max_tokens`` or ``n`` get 4 and 2 (every other value goes through as
 
 from __future__ import annotations
 
-import ast
 import json
-import re
 import socket
 import uuid
 from collections.abc import Iterator
@@ -31,6 +29,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from common.devcluster.cluster import LocalCluster, start_local_cluster
 from tests.test_reliability import assert_openai_error, wait_pages_back
+from tests.workers import prefill_layout
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -503,31 +502,6 @@ def test_internal_messages_with_bad_values(cluster: LocalCluster) -> None:
         assert httpx.get(f"{url}/health", timeout=5).status_code == 200
 
 
-def _local_layout(prefill_url: str) -> dict[str, Any]:
-    """The prefill worker's KV layout, read off the mismatch it reports for a deliberately wrong one."""
-    layout = {
-        "model_id": "?",
-        "dtype": "?",
-        "page_size": 0,
-        "num_layers": 0,
-        "num_kv_heads": 0,
-        "head_dim": 0,
-        "layout_version": 0,
-    }
-    hs = {
-        "agent_name": "probe",
-        "instance_id": "probe",
-        "agent_metadata_b64": "",
-        "pool_info_b64": "",
-        "layout": layout,
-    }
-    r = httpx.post(f"{prefill_url}/internal/handshake", json=hs, timeout=10)
-    assert r.status_code == 400 and r.json()["error"]["code"] == "layout_mismatch", r.text
-    for field, local in re.findall(r"(\w+): local=('[^']*'|-?\d+)", r.json()["error"]["message"]):
-        layout[field] = ast.literal_eval(local)
-    return layout
-
-
 def test_internal_handshake_and_prefill_with_a_real_nixl_peer(cluster: LocalCluster) -> None:
     """This process becomes a decode-side NIXL agent (a tiny KV pool of its own), so the prefill worker's
     checks after the handshake are reachable: garbage metadata, then page ids outside our pool. None may
@@ -540,7 +514,7 @@ def test_internal_handshake_and_prefill_with_a_real_nixl_peer(cluster: LocalClus
     from common.transfer.agent import KVTransferAgent
 
     p = cluster.prefill_urls[0]
-    layout = _local_layout(p)
+    layout = prefill_layout(p)
     dtype = getattr(torch, layout["dtype"])
     pool = KVPool(
         KVLayout(layout["num_layers"], layout["num_kv_heads"], layout["head_dim"], layout["page_size"], dtype), 4

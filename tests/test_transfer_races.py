@@ -27,6 +27,7 @@ from tests.workers import (
     WorkerProc,
     generate,
     generate_body,
+    prefill_layout,
     run_concurrently,
     start_worker,
     wait_pages_back,
@@ -270,3 +271,59 @@ def test_a_request_cancelled_before_it_arrived_is_refused(pair: tuple[WorkerProc
     assert r.status_code == 410, r.text
     assert r.json()["error"]["code"] == "cancelled"
     assert _writes_in_flight(p) == 0
+
+
+def test_a_second_copy_of_a_live_prefill_leaves_the_first_alone(
+    pair: tuple[WorkerProc, WorkerProc], smol_tokenizer: Any
+) -> None:
+    """This process is a decode agent of its own (a small pool) with a prefill registered on the peer, its writes
+    landing late. A second copy of it to the same agent is refused 409 duplicate_request; the decode worker's
+    request under the same id is refused as another worker's (nothing registered for it: it fails at once, with
+    no new handshake, its pages back). The first exchange keeps its stream and ends with its KV in our pool."""
+    import torch
+
+    from common.kv.pool import KVLayout, KVPool
+    from common.transfer.agent import KVTransferAgent
+
+    p, d = pair
+    generate(d, _prompt(smol_tokenizer, 20, "warm"), p, max_tokens=2)  # the decode worker knows the peer
+    handshakes = _metric(d, "kvferry_kv_handshake_seconds_count")
+    layout = prefill_layout(p.url)
+    dims = (layout["num_layers"], layout["num_kv_heads"], layout["head_dim"], layout["page_size"])
+    pool = KVPool(KVLayout(*dims, getattr(torch, layout["dtype"])), 8)
+    agent = KVTransferAgent(f"dup-{uuid.uuid4().hex[:8]}", pool, model_id=layout["model_id"])
+    try:
+        hs = {
+            "agent_name": agent.name,
+            "instance_id": agent.instance_id,
+            "agent_metadata_b64": agent.metadata_b64(),
+            "pool_info_b64": agent.pool_info_b64(),
+            "layout": layout,
+        }
+        assert httpx.post(f"{p.url}/internal/handshake", json=hs, timeout=10).status_code == 200
+        ids = _prompt(smol_tokenizer, 60, "twice")
+        pages = list(range(-(-len(ids) // layout["page_size"])))
+        first = {
+            "req_id": uuid.uuid4().hex,
+            "token_ids": ids,
+            "sampling": {},
+            "dst_agent": agent.name,
+            "dst_instance_id": agent.instance_id,
+            "dst_pages": pages,
+            "deadline_s": 30,
+        }
+        with httpx.stream(
+            "POST", f"{p.url}/internal/prefill", json=first, timeout=httpx.Timeout(10, read=20)
+        ) as stream:
+            assert stream.status_code == 200
+            again = httpx.post(f"{p.url}/internal/prefill", json=first, timeout=10)
+            assert again.status_code == 409 and again.json()["error"]["code"] == "duplicate_request", again.text
+            events = _stream_generate(d, {**generate_body(ids, p.url, max_tokens=8), "req_id": first["req_id"]})
+            assert events[-1]["finish_reason"] == "error" and "in use" in events[-1]["error"], events[-1]
+            lines = [json.loads(line) for line in stream.iter_lines() if line]
+        assert lines[-1].get("done") is True, lines
+        assert pool.kv[: len(pages)].abs().sum() > 0  # the first copy's KV landed where it asked
+        assert _metric(d, "kvferry_kv_handshake_seconds_count") == handshakes
+    finally:
+        agent.close()
+    wait_pages_back(p, d)

@@ -4,8 +4,10 @@ is shown when it fails to start."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 import signal
 import subprocess
 import tempfile
@@ -14,6 +16,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -154,3 +157,28 @@ def start_router_thread(app, timeout: float = 20.0):
         assert time.monotonic() < deadline, "the router never saw the workers up"
         time.sleep(0.05)
     return s
+
+
+def prefill_layout(prefill_url: str) -> dict[str, Any]:
+    """The prefill worker's KV layout, read off the mismatch it reports for a deliberately wrong one."""
+    layout = {
+        "model_id": "?",
+        "dtype": "?",
+        "page_size": 0,
+        "num_layers": 0,
+        "num_kv_heads": 0,
+        "head_dim": 0,
+        "layout_version": 0,
+    }
+    hs = {
+        "agent_name": "probe",
+        "instance_id": "probe",
+        "agent_metadata_b64": "",
+        "pool_info_b64": "",
+        "layout": layout,
+    }
+    r = httpx.post(f"{prefill_url}/internal/handshake", json=hs, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "layout_mismatch", r.text
+    for field, local in re.findall(r"(\w+): local=('[^']*'|-?\d+)", r.json()["error"]["message"]):
+        layout[field] = ast.literal_eval(local)
+    return layout

@@ -62,6 +62,8 @@ ENGINE_ERROR_STATUS = {
     # The id is live on this worker already: a resent delivery of the same request (router/upstream.py
     # retries under a new id) or a caller's bug; either way not this body's fault, hence not 400.
     "duplicate_request": 409,
+    # A prefill worker's request id that a live request to another decode worker holds: nothing registered.
+    "request_id_in_use": 409,
     # A prefill for a request its decode worker had already cancelled (prefill_worker/engine.py): refused, nothing registered.
     "cancelled": 410,
 }
