@@ -21,6 +21,7 @@ from common.protocol import HandshakeRequest, KVNotice, PrefillRequest, Sampling
 from common.sched.kv_connector import FinishedTransfers, NullConnector
 from common.sched.request import Req
 from common.sched.scheduler import RequestRejected
+from common.serving.channel import CALL_TIMEOUT_S
 from common.serving.engine_host import EngineHost, Handlers, Refused
 from common.serving.messages import (
     AddPeer,
@@ -31,6 +32,7 @@ from common.serving.messages import (
     PrefillError,
     TransferCounts,
     TransferStats,
+    Unanswered,
 )
 from common.serving.rank_writes import FollowerWrites
 from common.settings_registry import FAULT_WRITE_DELAY_S
@@ -46,6 +48,11 @@ log = logging.getLogger("kvferry.prefill")
 # How long a request its decode worker cancelled before it arrived here stays refused: as long as that worker
 # could still be waiting on it (its last-resort deadline), so a late arrival can never write into pages freed.
 CANCELLED_KEEP_S = SAFETY_DEADLINE_S
+# How long a refusal is remembered for the control plane's `Unanswered`, which follows its `Prefill` at once when
+# the engine answered too late (common/serving/channel.py: CALL_TIMEOUT_S).
+REFUSED_KEEP_S = 2 * CALL_TIMEOUT_S
+# Refusals after which no "closed" notice may go out: no such peer, or a live registration of the request owns it.
+NO_NOTICE = frozenset({"unknown_peer", "duplicate_request", "request_id_in_use"})
 
 
 @dataclass
@@ -78,11 +85,14 @@ class PrefillRole(NullConnector):
         self.sender = make_sender(self.host.agent, self.rank_writes, FAULT_WRITE_DELAY_S.read())
         self.outbound: dict[str, Outbound] = {}
         self.cancelled: dict[str, float] = {}  # req id -> monotonic time its decode worker cancelled it unseen
+        # req id -> (when, the (agent, instance) a "closed" notice may go to, or None) of recent refusals
+        self.refused: dict[str, tuple[float, tuple[str, str] | None]] = {}
         self.done = FinishedTransfers()  # what `finished` hands the scheduler next
         self.stats = {"descs": 0, "bytes": 0, "transfers": 0}
         self.handlers: Handlers = {
             AddPeer: self._add_peer,
-            Prefill: self._accept,
+            Prefill: self._take,
+            Unanswered: self._unanswered,
             Cancel: lambda cmd: self._cancel(cmd.dst_agent, cmd.req_ids),
             TransferStats: self._transfer_stats,
         }
@@ -138,9 +148,39 @@ class PrefillRole(NullConnector):
             elif ob is None:
                 self.cancelled[rid] = now
 
-    def _accept(self, cmd: Prefill) -> None:
-        """Opens the request's transfer session; a refusal here means nothing was registered (no write follows)."""
+    def _take(self, cmd: Prefill) -> None:
         pr = PrefillRequest.model_validate(cmd.request)
+        try:
+            self._accept(pr, cmd.received)
+            self.refused.pop(pr.req_id, None)  # an earlier copy's refusal is not this one's
+        except (Refused, RequestRejected) as e:
+            now = time.monotonic()
+            for rid, (at, _) in list(self.refused.items()):
+                if now - at <= REFUSED_KEEP_S:
+                    break  # oldest first: the rest are younger
+                del self.refused[rid]
+            notify = not (isinstance(e, Refused) and e.code in NO_NOTICE)
+            self.refused[pr.req_id] = (now, (pr.dst_agent, pr.dst_instance_id) if notify else None)
+            raise
+
+    def _unanswered(self, cmd: Unanswered) -> None:
+        """The control plane told the decode worker the engine was too late (504): it holds the pages until a
+        notice. A request taken after all is aborted ("closed" follows its writes); one refused gets "closed" now."""
+        refused = self.refused.pop(cmd.req_id, None)
+        if refused is None:
+            self.abort(cmd.req_id, "abort", "the engine answered too late")
+            return
+        dest = refused[1]
+        if dest is None or cmd.req_id in self.outbound:
+            return  # no such peer, or a live registration of the request owns its notice
+        notice = KVNotice(req_id=cmd.req_id, outcome="closed", error="refused by the prefill worker's engine")
+        try:
+            self.sender.send_notif(dest[0], notice.model_dump_json().encode(), expect_instance=dest[1])
+        except Exception as e:  # the peer is gone (or restarted): its pages are not ours to worry about
+            log.info("closed notice for %s not sent: %s", cmd.req_id, e)
+
+    def _accept(self, pr: PrefillRequest, received: float | None) -> None:
+        """Opens the request's transfer session; a refusal here means nothing was registered (no write follows)."""
         if pr.req_id in self.cancelled:
             raise Refused(f"request {pr.req_id!r} was cancelled by its decode worker", "cancelled")
         if not self.host.agent.has_peer(pr.dst_agent, pr.dst_instance_id):
@@ -159,7 +199,7 @@ class PrefillRole(NullConnector):
         if dst.numel() != -(-len(pr.token_ids) // self.host.page_size):
             raise Refused("dst_pages does not cover the prompt", "invalid_request")
         sampling = SamplingParams.model_validate({**pr.sampling.model_dump(), "max_tokens": 1})
-        req = self.host.make_req(pr.req_id, pr.token_ids, sampling, cmd.received, prefill_only=True)
+        req = self.host.make_req(pr.req_id, pr.token_ids, sampling, received, prefill_only=True)
         try:
             self.host.enqueue(req)  # raises RequestRejected (-> a refusal) before anything is registered
         except RequestRejected:

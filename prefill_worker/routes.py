@@ -21,7 +21,17 @@ from common.protocol import (
 )
 from common.serving.channel import ENGINE_TIMEOUT, EngineError
 from common.serving.http_errors import error_response, read_message
-from common.serving.messages import Abort, AddPeer, Cancel, Prefill, PrefillDone, PrefillError, Tokens, TransferStats
+from common.serving.messages import (
+    Abort,
+    AddPeer,
+    Cancel,
+    Prefill,
+    PrefillDone,
+    PrefillError,
+    Tokens,
+    TransferStats,
+    Unanswered,
+)
 from common.serving.request_trace import PREFILL_SPANS, WorkerTrace
 from common.serving.worker_state import WorkerState
 from prefill_worker.liveness import EngineMotion
@@ -90,8 +100,11 @@ def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = Tru
         try:
             await client.call(Prefill(pr.model_dump(), trace.received))
         except EngineError as exc:
-            # engine_timeout: the engine may still take it: stop it then (answered 504, not a refusal)
-            end("the engine answered too late" if exc.code == ENGINE_TIMEOUT else None)
+            end(None)
+            if exc.code == ENGINE_TIMEOUT:
+                # Answered 504, not a refusal: the engine may still take it (then it stops it) or refuse it
+                # (then it tells the decode worker no write comes); either way the decode side hears it.
+                client.cast(Unanswered(pr.req_id))
             raise
         except BaseException:
             # The caller went away while the engine may have accepted it: stop it (a no-op if it did not).

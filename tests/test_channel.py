@@ -25,6 +25,7 @@ SAMPLES: list[m.Wire] = [
     m.AddPeer({"agent_name": "d"}),
     m.Prefill({"req_id": "r"}, 2.0),
     m.Cancel("decode-d", "inst", ["r"]),
+    m.Unanswered("r"),
     m.TransferStats(),
     m.Call(7, m.Generate("r", [1], {})),
     m.Reply(7, m.TransferCounts(0, {}, 0, 0, 0)),

@@ -14,6 +14,8 @@ from __future__ import annotations
 import base64
 import json
 import multiprocessing as mp
+import os
+import signal
 import threading
 import time
 import uuid
@@ -23,6 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.test_reliability import _engine_pid
 from tests.workers import (
     WorkerProc,
     generate,
@@ -327,3 +330,36 @@ def test_a_second_copy_of_a_live_prefill_leaves_the_first_alone(
     finally:
         agent.close()
     wait_pages_back(p, d)
+
+
+def test_a_prefill_refused_after_its_504_frees_the_pages_at_once(
+    pair: tuple[WorkerProc, WorkerProc], smol_tokenizer: Any
+) -> None:
+    """The prefill worker's engine frozen (SIGSTOP) with a cancel of a request queued for it, then the request:
+    its control plane answers the prefill 504 after 30 s, so the decode worker fails the request and holds its
+    pages (the engine may still take it). Thawed, the engine refuses it (cancelled) and, told of the 504, sends
+    the "closed" notice: the pages come back at once, not after the 300 s last-resort deadline."""
+    p, d = pair
+    generate(d, _prompt(smol_tokenizer, 20, "warm"), p, max_tokens=2)  # the handshake needs a running engine
+    body = generate_body(_prompt(smol_tokenizer, 60, "late"), p.url, max_tokens=8)
+    cancel = {"dst_agent": "decode-agent", "dst_instance_id": "instance", "req_ids": [body["req_id"]]}
+    engine = _engine_pid(p.proc.pid)
+    out: dict[str, Any] = {}
+    os.kill(engine, signal.SIGSTOP)
+    try:
+        cancelling = threading.Thread(
+            target=lambda: httpx.post(f"{p.url}/internal/cancel", json=cancel, timeout=60), daemon=True
+        )
+        cancelling.start()
+        time.sleep(1.0)  # its command goes down the engine's pipe ahead of the request's
+        requesting = threading.Thread(target=lambda: out.update(events=_stream_generate(d, body, timeout=90)))
+        requesting.start()
+        requesting.join(60)
+        assert not requesting.is_alive(), "the decode worker kept waiting on a prefill answered 504"
+        assert out["events"][-1]["finish_reason"] == "error", out["events"][-1]
+        assert d.load()["free_pages"] < d.load()["total_pages"]  # held: a late write was still possible
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    cancelling.join(60)
+    wait_pages_back(p, d, timeout=30)
+    assert _metric(d, "kvferry_kv_forced_releases_total") == 0

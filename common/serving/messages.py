@@ -148,6 +148,15 @@ class Cancel(Command[None]):
 
 
 @dataclass(frozen=True)
+class Unanswered(Command[None]):
+    """The control plane answered this request's ``Prefill`` 504: the engine was too late, so the decode worker
+    holds its pages until a notice. Sent behind the ``Prefill``: taken, it is aborted (its "closed" notice follows
+    once its writes settled); refused, its decode worker is sent the "closed" notice at once."""
+
+    req_id: str
+
+
+@dataclass(frozen=True)
 class TransferStats(Command[TransferCounts]):
     pass
 
