@@ -71,6 +71,7 @@ class GrammarBook:
         self._batch: Any = None
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._matching: weakref.WeakKeyDictionary[Req, _Matching] = weakref.WeakKeyDictionary()
+        self._last_rows: tuple[tuple[Req, ...], list[int], list[_Matching]] | None = None
 
     # ---- compiling -------------------------------------------------------------------------------
     def _xgr_compiler(self) -> Any:
@@ -145,6 +146,16 @@ class GrammarBook:
         """The grammar is complete and its stop token accepted: nothing may follow."""
         return self._state(req).matcher.is_terminated()
 
+    def _grammar_rows(self, reqs: Sequence[Req]) -> tuple[list[int], list[_Matching]]:
+        """The grammar rows of `reqs` and their matchers; the batch's of the last call again while it is the
+        same (steady decoding), without a lookup per row."""
+        key = tuple(reqs)
+        last = self._last_rows
+        if last is None or last[0] != key:
+            rows = [i for i, r in enumerate(reqs) if r.sampling.grammar is not None]
+            last = self._last_rows = (key, rows, [self._state(reqs[i]) for i in rows])
+        return last[1], last[2]
+
     def fill(self, reqs: Sequence[Req], bits: torch.Tensor | None = None) -> GrammarMasks:
         """The bitmask of the tokens each grammar request in `reqs` may sample next, written into `bits`
         ([len(reqs), ceil(vocab / 32)] int32 on the host: the scheduler passes a view of the step's pinned
@@ -160,8 +171,11 @@ class GrammarBook:
         found again when its first token is appended, as before)."""
         if bits is None:
             bits = torch.empty((len(reqs), (self.vocab + 31) // 32), dtype=torch.int32)
-        rows = [i for i, r in enumerate(reqs) if r.sampling.grammar is not None and not r.finished]
-        states = [self._state(reqs[i]) for i in rows]
+        rows, states = [], []
+        for i, st in zip(*self._grammar_rows(reqs)):
+            if not reqs[i].finished:
+                rows.append(i)
+                states.append(st)
         accepting: list[_Matching] = []
         tokens: list[int] = []
         fresh = [False] * len(rows)  # accepted a token here: not a stop token, so not terminated
