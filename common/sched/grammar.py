@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import re
+import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -70,6 +71,9 @@ class GrammarBook:
         self._compiler: Any = None
         self._batch: Any = None
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        # The fill thread compiles too (a matcher made for a replay): the LRU's reorder and eviction must not
+        # interleave with the scheduler thread's, or move_to_end meets a key the other just evicted.
+        self._compiled_lock = threading.Lock()
         self._matching: weakref.WeakKeyDictionary[Req, _Matching] = weakref.WeakKeyDictionary()
         self._last_rows: tuple[tuple[Req, ...], list[int], list[_Matching]] | None = None
 
@@ -93,10 +97,11 @@ class GrammarBook:
     def compile(self, spec: GrammarSpec) -> Any:
         """The compiled grammar for `spec` (cached); GrammarError when it does not compile."""
         key = (spec.kind, spec.value)
-        hit = self._compiled.get(key)
-        if hit is not None:
-            self._compiled.move_to_end(key)
-            return hit
+        with self._compiled_lock:
+            hit = self._compiled.get(key)
+            if hit is not None:
+                self._compiled.move_to_end(key)
+                return hit
         compiler = self._xgr_compiler()
         try:
             if spec.kind == "json_schema":
@@ -110,9 +115,10 @@ class GrammarBook:
                 compiled = compiler.compile_grammar(spec.value)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {_first_line(exc)}") from None
-        self._compiled[key] = compiled
-        if len(self._compiled) > _CACHE_ENTRIES:
-            self._compiled.popitem(last=False)
+        with self._compiled_lock:
+            self._compiled[key] = compiled
+            if len(self._compiled) > _CACHE_ENTRIES:
+                self._compiled.popitem(last=False)
         return compiled
 
     # ---- matching --------------------------------------------------------------------------------
