@@ -29,7 +29,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from common.devcluster.cluster import LocalCluster, start_local_cluster
 from tests.test_reliability import assert_openai_error, wait_pages_back
-from tests.workers import prefill_layout
+from tests.workers import prefill_layout, prefill_request
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -549,16 +549,7 @@ def test_internal_handshake_and_prefill_with_a_real_nixl_peer(cluster: LocalClus
 
     def prefill(pages: list[Any]) -> httpx.Response:
         _count("internal explicit")
-        body = {
-            "req_id": uuid.uuid4().hex,
-            "token_ids": ids,
-            "sampling": {},
-            "dst_agent": agent.name,
-            "dst_instance_id": agent.instance_id,
-            "dst_pages": pages,
-            "deadline_s": 20,
-        }
-        return httpx.post(f"{p}/internal/prefill", json=body, timeout=30)
+        return httpx.post(f"{p}/internal/prefill", json=prefill_request(agent, ids, pages, 20), timeout=30)
 
     for pages in ([10**6, 10**6 + 1], [-1, 0], [0], [0, 1, 2], [2**70, 0], ["a", "b"]):
         r = prefill(pages)

@@ -31,6 +31,7 @@ from tests.workers import (
     generate,
     generate_body,
     prefill_layout,
+    prefill_request,
     run_concurrently,
     start_worker,
     wait_pages_back,
@@ -306,15 +307,7 @@ def test_a_second_copy_of_a_live_prefill_leaves_the_first_alone(
         assert httpx.post(f"{p.url}/internal/handshake", json=hs, timeout=10).status_code == 200
         ids = _prompt(smol_tokenizer, 60, "twice")
         pages = list(range(-(-len(ids) // layout["page_size"])))
-        first = {
-            "req_id": uuid.uuid4().hex,
-            "token_ids": ids,
-            "sampling": {},
-            "dst_agent": agent.name,
-            "dst_instance_id": agent.instance_id,
-            "dst_pages": pages,
-            "deadline_s": 30,
-        }
+        first = prefill_request(agent, ids, pages, 30)
         with httpx.stream(
             "POST", f"{p.url}/internal/prefill", json=first, timeout=httpx.Timeout(10, read=20)
         ) as stream:

@@ -182,3 +182,16 @@ def prefill_layout(prefill_url: str) -> dict[str, Any]:
     for field, local in re.findall(r"(\w+): local=('[^']*'|-?\d+)", r.json()["error"]["message"]):
         layout[field] = ast.literal_eval(local)
     return layout
+
+
+def prefill_request(agent: Any, token_ids: list[int], pages: list[Any], deadline_s: float) -> dict[str, Any]:
+    """A body for a prefill worker's /internal/prefill whose KV goes to `agent` (a test's own NIXL agent)."""
+    return {
+        "req_id": uuid.uuid4().hex,
+        "token_ids": token_ids,
+        "sampling": {},
+        "dst_agent": agent.name,
+        "dst_instance_id": agent.instance_id,
+        "dst_pages": pages,
+        "deadline_s": deadline_s,
+    }
