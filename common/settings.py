@@ -58,8 +58,9 @@ class SchedulerConfig:
     max_prefill_tokens: int = reg.MAX_PREFILL_TOKENS.field()
     enable_prefix_cache: bool = True
     # Stall-free batching (common/sched/prefill_budget.py): every step decodes every running request and takes
-    # prompt chunks up to what fits in this ITL target. ITL_TARGET_AUTO (the default): a multiple of the
-    # engine's measured decode step; > 0: milliseconds; 0: prefill-first (decoding waits for whole prompts).
+    # prompt chunks up to what fits in this ITL target. Below 0: -itl_target_ms of the engine's measured
+    # decode steps (ITL_TARGET_AUTO, the default: 2); > 0: milliseconds; 0: prefill-first (decoding waits for
+    # whole prompts).
     itl_target_ms: float = reg.ITL_TARGET_MS.field()
     # GiB of host memory behind the prefix cache (common/kv/host_tier.py); 0: none; negative: chosen at start
     # (a GPU worker: 30% of the host memory it may use; the CPU: none).

@@ -517,7 +517,7 @@ ITL_TARGET_MS = declare(
     itl_target_ms,
     ITL_TARGET_AUTO,
     "N = ms; `<k>x` = k measured decode steps; 0 = prefill-first. Every step decodes every running request and "
-    "takes prompt chunks up to what the engine prefills, at its peak device-timed prefill speed, in the target less "
+    "takes prompt chunks up to what the engine prefills, at the chunk speed its mixed steps measured, in the target less "
     "the decode step, or more to keep up with arriving prompts or work off a queue (at least 4 pages; "
     "`common/sched/prefill_budget.py`, "
     '"Stall-free batching" above): bounds the ITL a prompt\'s prefill costs a running stream',

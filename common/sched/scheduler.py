@@ -380,9 +380,9 @@ class Scheduler:
         return adder
 
     def prefill_token_budget(self, decoding: bool | None = None) -> int:
-        """Prompt tokens the next step takes: all of max_prefill_tokens alone, or beside decoding requests what
-        the engine prefills, at its peak device-timed prefill speed, in what the ITL target leaves beside the
-        decode step (common/sched/prefill_budget.py). `decoding` None: whether requests decode now; True: the
+        """Prompt tokens the next step takes: all of max_prefill_tokens alone, or beside decoding requests the
+        largest of what the engine prefills, at the chunk speed its mixed steps measured, in what the ITL target
+        leaves beside the decode step, the keep-up chunk and the backlog's share (common/sched/prefill_budget.py). `decoding` None: whether requests decode now; True: the
         budget a step gets beside them (what the worker publishes)."""
         speed = chunk_speed(self.prefill_speed.peak_tokens_per_s, self.mixed_speed.tokens_per_s)
         return prefill_token_budget(
