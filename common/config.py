@@ -39,6 +39,7 @@ class WorkerConfig:
     drain_seconds: float = reg.DRAIN_SECONDS.field()
     transfer_staging_mb: float = reg.TRANSFER_STAGING_MB.field()  # packing area for peers that split KV heads (TP)
     nixl_progress_delay_us: int = reg.NIXL_PROGRESS_DELAY_US.field()  # -1: the agent's default
+    warm_up: str = reg.WARM_UP.field()  # auto | on | off (common/sched/warm_up.py)
     # An engine that died after it was ready is started again by its control plane; this many restarts in a
     # row that fail (die before ready, or not ready within engine_start_timeout_s) make the worker exit.
     engine_restarts: int = reg.ENGINE_RESTARTS.field()
@@ -60,6 +61,8 @@ class WorkerConfig:
         cfg.pod_name = cfg.pod_name or f"{socket.gethostname()}-{role}-{cfg.port}"
         if not reg.MAX_RUNNING.is_set(environ) or not cfg.runner.max_running:  # unset or 0: by device
             cfg.runner.max_running = default_max_running(cfg.runner.device)
+        if cfg.warm_up not in ("auto", "on", "off"):
+            raise ValueError(f"KVFERRY_WARM_UP must be auto, on or off, not {cfg.warm_up!r}")
         return cfg
 
     def apply_args(self, args: argparse.Namespace) -> WorkerConfig:

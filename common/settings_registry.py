@@ -554,6 +554,15 @@ TRANSFER_STAGING_MB = declare(
     "workers",
     "common/config.py",
 )
+WARM_UP = declare(
+    "KVFERRY_WARM_UP",
+    str,
+    "auto",
+    "run a small synthetic workload through the engine before the worker is ready, so its first users do not "
+    "wait for kernels to compile (`common/sched/warm_up.py`): `auto` = on a GPU, `on`, `off`",
+    "workers",
+    "common/config.py",
+)
 NIXL_PROGRESS_DELAY_US = declare(
     "KVFERRY_NIXL_PROGRESS_DELAY_US",
     int,

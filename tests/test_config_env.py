@@ -23,3 +23,13 @@ def test_fused_kernels_off_and_gemv_rows(monkeypatch: pytest.MonkeyPatch, value:
     runner = WorkerConfig.from_env("prefill").runner
     assert runner.fused_kernels is False
     assert runner.gemv_max_rows == 2
+
+
+def test_warm_up_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVFERRY_WARM_UP", raising=False)
+    assert WorkerConfig.from_env("decode").warm_up == "auto"  # on a GPU only (common/serving/engine_host.py)
+    monkeypatch.setenv("KVFERRY_WARM_UP", "off")
+    assert WorkerConfig.from_env("mixed").warm_up == "off"
+    monkeypatch.setenv("KVFERRY_WARM_UP", "sometimes")
+    with pytest.raises(ValueError, match="KVFERRY_WARM_UP"):
+        WorkerConfig.from_env("decode")

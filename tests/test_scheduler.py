@@ -511,6 +511,22 @@ def test_prefill_budget_grows_with_the_backlog_so_prefill_keeps_up() -> None:
     assert prefill_token_budget(2048, 16, 40_000.0, 0.02, False, backlog_tokens=10) == 2048  # alone: all of it
 
 
+def test_prefill_budget_caps_a_bursts_backlog_chunk_but_not_a_floods() -> None:
+    """With the decode step known, a burst's backlog grows the chunk only to BACKLOG_MAX_STEPS decode steps (the
+    ITL a burst costs stays bounded); a queue of BACKLOG_FLOOD_CHUNKS such chunks or more takes its full share."""
+    from common.sched.prefill_budget import BACKLOG_FLOOD_CHUNKS, BACKLOG_MAX_STEPS, BACKLOG_STEPS, prefill_token_budget
+
+    speed, step = 40_000.0, 0.005
+    cap = int(speed * (BACKLOG_MAX_STEPS - 1) * step) // 16 * 16
+    burst = 1500 * BACKLOG_STEPS  # a share of 1,500 tokens a step, above the cap, well below a flood
+    assert prefill_token_budget(4096, 16, speed, 0.01, True, decode_step_s=step, backlog_tokens=burst) == cap
+    small = 300 * BACKLOG_STEPS  # a share under the cap is kept as it is
+    assert prefill_token_budget(4096, 16, speed, 0.01, True, decode_step_s=step, backlog_tokens=small) == 288
+    flood = int(BACKLOG_FLOOD_CHUNKS * speed * (BACKLOG_MAX_STEPS - 1) * step) + 1
+    got = prefill_token_budget(4096, 16, speed, 0.01, True, decode_step_s=step, backlog_tokens=flood)
+    assert got == min(4096, flood // BACKLOG_STEPS // 16 * 16) > cap
+
+
 def test_prefill_budget_keeps_up_with_arriving_prompts() -> None:
     """Beside decoding, the chunk is at least what keeps prefill KEEP_UP_MARGIN ahead of the prompt tokens
     arriving: c / (decode step + c / speed) = margin x arrivals; all of max_prefill_tokens when no chunk can."""
@@ -587,3 +603,19 @@ def test_itl_target_chunks_prefill_beside_decoding_and_keeps_outputs(tiny_model:
     assert outputs[0.1] == outputs[0.0]
     assert chunk_lens[0.0] == [300]  # one step without a target
     assert max(chunk_lens[0.1]) <= 4 * PAGE and sum(chunk_lens[0.1]) == 300
+
+
+def test_warm_up_runs_every_step_kind_and_leaves_nothing_behind(tiny_model: DecoderModel) -> None:
+    """The start-up warm-up (common/sched/warm_up.py) runs prefill-only, decode and mixed steps through the
+    runner, then gives every page and table row back: a scheduler built after it serves the same tokens."""
+    from common.sched.warm_up import warm_up
+
+    engine = make_engine(tiny_model, num_pages=256, max_running=8, max_prefill_tokens=64)
+    runner = engine.runner
+    rows = runner.page_table.num_free_rows
+    report = warm_up(runner, SchedulerConfig(max_prefill_tokens=64))
+    assert {"prefill", "decode", "mixed"} <= set(report.kinds), report.kinds
+    assert runner.page_table.num_free_rows == rows
+    prompt_list = prompts(11, [40, 70])
+    got = [r.output_ids for r in engine.generate(prompt_list, SamplingParams(max_tokens=6, ignore_eos=True))]
+    assert got == reference_outputs(tiny_model, prompt_list, [6, 6])

@@ -17,8 +17,10 @@ largest of three sizes:
   grows is the backlog's). Sustained load (~75% of saturation) makes steps a little longer than the target
   instead of letting the queue and TTFT grow without bound.
 - **the backlog chunk**: the prompt tokens queued behind the prompt being prefilled (one long prompt alone has
-  none) are worked off within BACKLOG_STEPS steps: a burst grows the chunk in proportion to it, and a saturated
-  worker runs full chunks with its decode rows riding along.
+  none) are worked off within BACKLOG_STEPS steps: a burst grows the chunk in proportion to it, its step at most
+  BACKLOG_MAX_STEPS decode steps while the queue is shorter than BACKLOG_FLOOD_CHUNKS such chunks (a Poisson burst
+  at ~80% load: the ITL p99 is those steps); a longer queue (a saturated worker) runs full chunks with its
+  decode rows riding along.
 
 The target is by default a multiple (2) of the engine's own decode step (device-timed, smoothed), so it
 follows the model, the hardware and the batch size without tuning; `KVFERRY_ITL_TARGET_MS` sets another
@@ -44,6 +46,11 @@ BACKLOG_STEPS = 32
 # Prefill keeps up with arrivals with this margin: the keep-up chunk's prefill rate is this multiple of the
 # arrival rate (a queue's utilisation 1/KEEP_UP_MARGIN at most).
 KEEP_UP_MARGIN = 1.3
+# The backlog chunk's step is at most this many decode steps (below the issue's 4x bound at ~80% load) while the
+# queue holds fewer than BACKLOG_FLOOD_CHUNKS chunks that size; past that the queue's wait, not the ITL, is what
+# users see, and the chunk is the backlog's share uncapped (saturation throughput).
+BACKLOG_MAX_STEPS = 3.5
+BACKLOG_FLOOD_CHUNKS = 128
 ARRIVALS_SEEN = 32  # the arrival rate is measured over this many admissions (fewer: no rate yet)
 # The keep-up chunk's step is at most this many decode steps: served on the H200 at ~75% load, a cap of 3.5 put
 # the ITL p90 at the cap (26 ms) and the p99 at 4.9x the decode step, past the 4x bound of ~80% load.
@@ -65,14 +72,18 @@ def prefill_token_budget(
 ) -> int:
     """`max_tokens`, or while requests decode (and the target and speed are known) the largest of the ITL
     chunk (what is prefilled in `itl_target_s - decode_step_s`), the keep-up chunk for `arrival_tokens_per_s`
-    and a 1/BACKLOG_STEPS share of the `backlog_tokens` queued; whole pages, at least MIN_PAGES pages."""
+    and a 1/BACKLOG_STEPS share of the `backlog_tokens` queued (capped below a flood); whole pages, at least MIN_PAGES pages."""
     if not decoding or itl_target_s <= 0 or tokens_per_s <= 0:
         return max_tokens
     itl = tokens_per_s * max(itl_target_s - decode_step_s, 0.0)
     need = KEEP_UP_MARGIN * arrival_tokens_per_s
     cap = tokens_per_s * (KEEP_UP_MAX_STEPS - 1.0) * decode_step_s
     keep_up = cap if need >= tokens_per_s else min(cap, need * decode_step_s / (1.0 - need / tokens_per_s))
-    tokens = int(max(itl, keep_up, backlog_tokens / BACKLOG_STEPS))
+    backlog = backlog_tokens / BACKLOG_STEPS
+    backlog_cap = tokens_per_s * (BACKLOG_MAX_STEPS - 1.0) * decode_step_s
+    if backlog_tokens < BACKLOG_FLOOD_CHUNKS * backlog_cap:
+        backlog = min(backlog, backlog_cap)
+    tokens = int(max(itl, keep_up, backlog))
     return min(max_tokens, max(MIN_PAGES * page_size, tokens // page_size * page_size))
 
 

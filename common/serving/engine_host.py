@@ -29,6 +29,7 @@ from common.protocol import LoadSnapshot, SamplingParams
 from common.sched.kv_connector import KVConnector, combined
 from common.sched.request import Req, ReqState
 from common.sched.scheduler import DuplicateRequest, RequestRejected, Scheduler, StepEvent
+from common.sched.warm_up import warm_up
 from common.serving import tp_follower
 from common.serving.channel import recv, send
 from common.serving.messages import (
@@ -155,6 +156,8 @@ class EngineHost:
         # their connectors (common/sched/kv_connector.py). Overlap on the GPU (the CPU schedules step N+1
         # while step N runs); off on the CPU and under tensor parallelism (see common/sched/scheduler.py).
         self.roles = [make(self) for make in roles]
+        if cfg.warm_up == "on" or (cfg.warm_up == "auto" and self.runner.device.type == "cuda"):
+            warm_up(self.runner, cfg.sched)
         self.scheduler = Scheduler(self.runner, cfg.sched, connector=combined(self.roles))
         self.kv_verified: dict[str, bool] = {}  # arrived KV whose checksums matched: said in the first-token event
         tiered = self.scheduler.snapshot().host_pages_total > 0

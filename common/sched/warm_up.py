@@ -1,0 +1,98 @@
+"""A worker's step shapes run once before it serves, so the first users do not pay for compiling them.
+
+Decode steps are CUDA-graphed at start and prefill/mixed steps' layers likewise (common/engine/gpu/), but what
+runs eagerly between and after those graphs (a mixed step's attention over its decode rows and chunk, the LM
+head and sampling over the rows a step samples) met its kernels for the first time during the first mixed
+steps: on a fresh H200 those steps compiled Triton kernels, and the first served run's TTFT p99 was 1,304 ms
+against 257 ms for the same run right after (bench/RESULTS.md "The budget from the chunk speed beside
+decoding"). So the engine first serves a small synthetic workload of its own through a throwaway scheduler
+over the same runner: for a few batch sizes, decoding requests (greedy and sampled) with a prompt arriving
+beside them, so prefill-only, decode and mixed steps all run. Nothing of it stays: no prefix is cached, every
+page and table row comes back, and the serving scheduler starts fresh.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from common.engine.runner import ModelRunner
+from common.protocol import SamplingParams
+from common.sched.request import Req
+from common.sched.scheduler import Scheduler
+from common.settings import SchedulerConfig
+
+log = logging.getLogger("kvferry.engine")
+
+WARM_UP_BATCHES = (1, 3, 8, 20)  # decoding requests beside the arriving prompt: one row, a few, one tile, more
+STREAM_TOKENS = 24  # each decoding request's output (enough steps for the prompt's chunks to ride along)
+
+
+@dataclass(frozen=True)
+class WarmUpReport:
+    seconds: float
+    steps: int
+    kinds: dict[str, int]
+
+
+def warm_up_batches(max_running: int) -> list[int]:
+    """The warm-up's batch sizes that fit beside one more request (the arriving prompt)."""
+    return [b for b in WARM_UP_BATCHES if b + 1 <= max_running] or ([max_running - 1] if max_running > 1 else [])
+
+
+def warm_up(runner: ModelRunner, cfg: SchedulerConfig, seed: int = 0) -> WarmUpReport:
+    """Runs the synthetic workload through a scheduler of its own on `runner` (no prefix cache, no host tier,
+    no KV transfer) and checks it gave everything back."""
+    start = time.perf_counter()
+    sched = Scheduler(runner, replace(cfg, enable_prefix_cache=False, host_kv_gb=0))
+    ps = runner.cfg.page_size
+    g = torch.Generator().manual_seed(seed)
+    vocab = runner.model_config.vocab_size
+    # The arriving prompt spans a few budget-sized chunks beside decoding, and a prefill-only step before it.
+    prompt_len = max(ps, min(cfg.max_prefill_tokens, 1024, runner.max_seq_len - STREAM_TOKENS - 1))
+    stream_len = max(1, min(2 * ps, runner.max_seq_len - STREAM_TOKENS - 1))
+    kinds: dict[str, int] = {}
+    steps = 0
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+    def run_until(done) -> None:
+        nonlocal steps
+        while sched.has_work() and not done():
+            sched.step()
+            steps += 1
+            kinds[sched.processed_kind or "none"] = kinds.get(sched.processed_kind or "none", 0) + 1
+
+    for b in warm_up_batches(runner.cfg.max_running):
+        streams = [
+            Req(
+                f"warm-up-{b}-{i}",
+                ids(stream_len),
+                SamplingParams(
+                    max_tokens=STREAM_TOKENS,
+                    ignore_eos=True,
+                    temperature=0.0 if i % 2 == 0 else 0.8,
+                    top_p=1.0 if i % 2 == 0 else 0.9,
+                    seed=i,
+                ),
+            )
+            for i in range(b)
+        ]
+        for r in streams:
+            sched.add(r)
+        run_until(lambda streams=streams: all(r.output_ids for r in streams))  # they decode now
+        sched.add(Req(f"warm-up-{b}-prompt", ids(prompt_len), SamplingParams(max_tokens=2, ignore_eos=True)))
+        run_until(lambda: False)
+    run_until(lambda: False)
+    leaks = sched.ledger_violations()
+    if leaks or sched.allocator.num_free != runner.pool.num_pages:
+        raise RuntimeError(f"the warm-up did not give its pages back: {leaks}")
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    report = WarmUpReport(round(time.perf_counter() - start, 3), steps, kinds)
+    log.info("warm-up ran every step shape", extra={"seconds": report.seconds, "steps": steps, "kinds": kinds})
+    return report
