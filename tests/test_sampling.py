@@ -254,7 +254,7 @@ def test_uniform_noise_never_reaches_one():
 def test_logit_bias_bans_forces_and_stays_per_request():
     logits = torch.tensor([[5.0, 4.5, 0.0, 1.0]] * 3)
     params = [SamplingParams(logit_bias={0: -100.0}), SamplingParams(logit_bias={2: 100.0}), SamplingParams()]
-    assert sample(logits, _batch(params, vocab=4)).tokens.tolist() == [1, 2, 0]
+    assert sample(logits.clone(), _batch(params, vocab=4)).tokens.tolist() == [1, 2, 0]  # biases go in in place
     # Sampled too: a -100 bias is a ban in practice, whatever the draw.
     hot = [SamplingParams(temperature=2.0, seed=s, logit_bias={0: -100.0, 1: -100.0}) for s in range(64)]
     tokens = sample(logits[:1].expand(64, -1).contiguous(), _batch(hot, vocab=4)).tokens
@@ -269,7 +269,7 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     logits = torch.tensor([[1.0, 9.0, 8.0, 0.0]] * 3)  # token 1 is EOS, token 2 a stop id
     params = [SamplingParams(min_tokens=3, stop_token_ids=[2])] * 3
     sb = SamplingBatch.build(params, [0, 0, 0], 4, CPU, steps=[0, 2, 3], eos_ids=(1,))
-    assert sample(logits, sb).tokens.tolist() == [0, 0, 1]  # banned at steps 0 and 2, free at step 3
+    assert sample(logits.clone(), sb).tokens.tolist() == [0, 0, 1]  # banned at steps 0 and 2 (in place), free at 3
     ignore = SamplingParams(min_tokens=3, ignore_eos=True)
     sb = SamplingBatch.build([ignore], [0], 4, CPU, steps=[0], eos_ids=(1,))
     assert sample(logits[:1], sb).tokens.tolist() == [1]  # EOS is no end with ignore_eos: nothing to hold back
