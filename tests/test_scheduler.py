@@ -619,3 +619,14 @@ def test_warm_up_runs_every_step_kind_and_leaves_nothing_behind(tiny_model: Deco
     prompt_list = prompts(11, [40, 70])
     got = [r.output_ids for r in engine.generate(prompt_list, SamplingParams(max_tokens=6, ignore_eos=True))]
     assert got == reference_outputs(tiny_model, prompt_list, [6, 6])
+
+
+def test_warm_up_fits_a_small_engine(tiny_model: DecoderModel) -> None:
+    """A short context and a small pool get a smaller warm-up, never a refused request that stops the worker."""
+    from common.sched.warm_up import warm_up
+
+    engine = make_engine(tiny_model, num_pages=24, max_running=4, max_seq_len=48, max_prefill_tokens=32)
+    rows = engine.runner.page_table.num_free_rows
+    report = warm_up(engine.runner, SchedulerConfig(max_prefill_tokens=32))
+    assert report.steps > 0 and "decode" in report.kinds
+    assert engine.runner.page_table.num_free_rows == rows

@@ -22,7 +22,7 @@ import torch
 from common.engine.runner import ModelRunner
 from common.protocol import SamplingParams
 from common.sched.request import Req
-from common.sched.scheduler import Scheduler
+from common.sched.scheduler import RequestRejected, Scheduler
 from common.settings import SchedulerConfig
 
 log = logging.getLogger("kvferry.engine")
@@ -51,9 +51,11 @@ def warm_up(runner: ModelRunner, cfg: SchedulerConfig, seed: int = 0) -> WarmUpR
     ps = runner.cfg.page_size
     g = torch.Generator().manual_seed(seed)
     vocab = runner.model_config.vocab_size
-    # The arriving prompt spans a few budget-sized chunks beside decoding, and a prefill-only step before it.
-    prompt_len = max(ps, min(cfg.max_prefill_tokens, 1024, runner.max_seq_len - STREAM_TOKENS - 1))
-    stream_len = max(1, min(2 * ps, runner.max_seq_len - STREAM_TOKENS - 1))
+    # The arriving prompt spans a few budget-sized chunks beside decoding; all of it fits the context and the
+    # pool beside the streams (a small engine gets a small warm-up rather than a refused request).
+    room = runner.max_seq_len - STREAM_TOKENS
+    stream_len = max(1, min(2 * ps, room))
+    prompt_len = max(1, min(cfg.max_prefill_tokens, 1024, room, runner.pool.num_pages * ps // 4))
     kinds: dict[str, int] = {}
     steps = 0
 
@@ -82,8 +84,12 @@ def warm_up(runner: ModelRunner, cfg: SchedulerConfig, seed: int = 0) -> WarmUpR
             )
             for i in range(b)
         ]
-        for r in streams:
-            sched.add(r)
+        try:
+            for r in streams:
+                sched.add(r)
+        except RequestRejected as e:  # an engine too small for this phase: the phases before it ran
+            log.info("warm-up stopped early", extra={"reason": str(e)})
+            break
         run_until(lambda streams=streams: all(r.output_ids for r in streams))  # they decode now
         sched.add(Req(f"warm-up-{b}-prompt", ids(prompt_len), SamplingParams(max_tokens=2, ignore_eos=True)))
         run_until(lambda: False)
