@@ -154,6 +154,7 @@ def main() -> None:
     ap.add_argument("--fill-threads", default="", help="with --host-phases: all_grammar again per thread count")
     ap.add_argument("--sync-debug", action="store_true", help="CUDA: list the ops that synchronize, per case")
     ap.add_argument("--profile", default="", help="a case to run once more under torch.profiler (top host ops)")
+    ap.add_argument("--out", default="", help="JSON path (default bench/out/grammar_<device>[_<model>].json)")
     ap.add_argument("--overlap", default="auto", help="the scheduler's overlap: auto | on | off (on: the GPU's loop)")
     args = ap.parse_args()
 
@@ -253,9 +254,9 @@ def main() -> None:
         "ratios": ratios,
         "targets": {c: TARGETS[c] for c in cases},
     }
-    OUT_DIR.mkdir(exist_ok=True)
     tag = "" if not args.model else "_" + args.model.replace("dummy:", "dummy-").replace("/", "_")
-    path_out = OUT_DIR / f"grammar_{args.device.split(':')[0]}{tag}.json"
+    path_out = Path(args.out) if args.out else OUT_DIR / f"grammar_{args.device.split(':')[0]}{tag}.json"
+    path_out.parent.mkdir(parents=True, exist_ok=True)
     path_out.write_text(json.dumps(out, indent=2) + "\n")
     print(f"none: {best['none']['tokens_per_s']} tok/s")
     for c in cases:

@@ -180,6 +180,7 @@ def main() -> None:
     ap.add_argument("--histories", default="300,1500")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--out", default="", help="JSON path (default bench/out/penalty_apply_<device>.json)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -205,8 +206,8 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "cases": cases,
     }
-    OUT_DIR.mkdir(exist_ok=True)
-    path = OUT_DIR / f"penalty_apply_{device.type}.json"
+    path = Path(args.out) if args.out else OUT_DIR / f"penalty_apply_{device.type}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {path}")
 
