@@ -61,8 +61,6 @@ class WorkerConfig:
         cfg.pod_name = cfg.pod_name or f"{socket.gethostname()}-{role}-{cfg.port}"
         if not reg.MAX_RUNNING.is_set(environ) or not cfg.runner.max_running:  # unset or 0: by device
             cfg.runner.max_running = default_max_running(cfg.runner.device)
-        if cfg.warm_up not in ("auto", "on", "off"):
-            raise ValueError(f"KVFERRY_WARM_UP must be auto, on or off, not {cfg.warm_up!r}")
         return cfg
 
     def apply_args(self, args: argparse.Namespace) -> WorkerConfig:

@@ -141,6 +141,14 @@ def on_off(value: str) -> bool:
     return value.strip().lower() not in ("0", "off", "false")
 
 
+def auto_on_off(value: str) -> str:
+    """`auto`, `on` or `off` (any case); anything else is refused when the setting is read."""
+    choice = value.strip().lower()
+    if choice not in ("auto", "on", "off"):
+        raise ValueError("must be auto, on or off")
+    return choice
+
+
 def only_one(value: str) -> bool:
     """Debug switches: on only when exactly `1`."""
     return value.strip() == "1"
@@ -556,7 +564,7 @@ TRANSFER_STAGING_MB = declare(
 )
 WARM_UP = declare(
     "KVFERRY_WARM_UP",
-    str,
+    auto_on_off,
     "auto",
     "run a small synthetic workload through the engine before the worker is ready, so its first users do not "
     "wait for kernels to compile (`common/sched/warm_up.py`): `auto` = on a GPU, `on`, `off`",
