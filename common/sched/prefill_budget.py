@@ -77,14 +77,19 @@ def prefill_token_budget(
         return max_tokens
     itl = tokens_per_s * max(itl_target_s - decode_step_s, 0.0)
     need = KEEP_UP_MARGIN * arrival_tokens_per_s
-    cap = tokens_per_s * (KEEP_UP_MAX_STEPS - 1.0) * decode_step_s
+    cap = step_chunk(tokens_per_s, decode_step_s, KEEP_UP_MAX_STEPS)
     keep_up = cap if need >= tokens_per_s else min(cap, need * decode_step_s / (1.0 - need / tokens_per_s))
     backlog = backlog_tokens / BACKLOG_STEPS
-    backlog_cap = tokens_per_s * (BACKLOG_MAX_STEPS - 1.0) * decode_step_s
+    backlog_cap = step_chunk(tokens_per_s, decode_step_s, BACKLOG_MAX_STEPS)
     if backlog_tokens < BACKLOG_FLOOD_CHUNKS * backlog_cap:
         backlog = min(backlog, backlog_cap)
     tokens = int(max(itl, keep_up, backlog))
     return min(max_tokens, max(MIN_PAGES * page_size, tokens // page_size * page_size))
+
+
+def step_chunk(tokens_per_s: float, decode_step_s: float, decode_steps: float) -> float:
+    """The chunk whose mixed step takes `decode_steps` decode steps: the decode step plus what the chunk adds."""
+    return tokens_per_s * (decode_steps - 1.0) * decode_step_s
 
 
 def marginal_seconds(step_s: float, decode_step_s: float) -> float:

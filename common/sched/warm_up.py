@@ -93,7 +93,7 @@ def warm_up(runner: ModelRunner, cfg: SchedulerConfig, seed: int = 0) -> WarmUpR
         run_until(lambda streams=streams: all(r.output_ids for r in streams))  # they decode now
         sched.add(Req(f"warm-up-{b}-prompt", ids(prompt_len), SamplingParams(max_tokens=2, ignore_eos=True)))
         run_until(lambda: False)
-    run_until(lambda: False)
+    run_until(lambda: False)  # after a phase stopped early: the streams it did add
     leaks = sched.ledger_violations()
     if leaks or sched.allocator.num_free != runner.pool.num_pages:
         raise RuntimeError(f"the warm-up did not give its pages back: {leaks}")
