@@ -152,8 +152,9 @@ def main() -> None:
     ap.add_argument("--check", action="store_true", help="first compare overlap on and off on a mixed batch")
     ap.add_argument("--host-phases", action="store_true", help="one more round per case, timing the host's phases")
     ap.add_argument("--fill-threads", default="", help="with --host-phases: all_grammar again per thread count")
+    ap.add_argument("--switch-intervals", default="", help="seconds (comma-separated): every case again per GIL switch interval")
     ap.add_argument("--sync-debug", action="store_true", help="CUDA: list the ops that synchronize, per case")
-    ap.add_argument("--profile", default="", help="a case to run once more under torch.profiler (top host ops)")
+    ap.add_argument("--profile", default="", help="cases (comma-separated) to run once more under torch.profiler: top host ops, and device kernels on CUDA")
     ap.add_argument("--out", default="", help="JSON path (default bench/out/grammar_<device>[_<model>].json)")
     ap.add_argument("--overlap", default="auto", help="the scheduler's overlap: auto | on | off (on: the GPU's loop)")
     args = ap.parse_args()
@@ -213,6 +214,25 @@ def main() -> None:
                 engine, prompts, case_params("all_grammar", len(prompts), args.max_tokens), True
             )
             book._batch = default
+    by_interval = {}
+    for interval in [float(t) for t in args.switch_intervals.split(",") if t]:
+        # The fill thread and the scheduler's thread share the GIL: how long a thread back from xgrammar waits
+        # for the other to let go is Python's switch interval (5 ms by default).
+        default_interval = sys.getswitchinterval()
+        sys.setswitchinterval(interval)
+        rs = {
+            case: max(
+                (run(engine, prompts, case_params(case, len(prompts), args.max_tokens)) for _ in range(args.rounds)),
+                key=lambda r: r["tokens_per_s"],
+            )
+            for case in rounds
+        }
+        sys.setswitchinterval(default_interval)
+        by_interval[str(interval)] = {
+            "tokens_per_s": {c: r["tokens_per_s"] for c, r in rs.items()},
+            "ratios": {c: round(rs[c]["tokens_per_s"] / rs["none"]["tokens_per_s"], 3) for c in cases},
+        }
+        print(f"switch interval {interval * 1e3:g} ms: {by_interval[str(interval)]}")
     syncs = {}
     if args.sync_debug and args.device.startswith("cuda"):
         import warnings
@@ -229,12 +249,19 @@ def main() -> None:
                 found[where] = found.get(where, 0) + 1
             syncs[case] = found
             print(f"synchronizing ops, {case} (16 tokens): {found}")
-    if args.profile:
+    for case in [c for c in args.profile.split(",") if c]:
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            run(engine, prompts, case_params(args.profile, len(prompts), args.max_tokens))
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        on_gpu = args.device.startswith("cuda")
+        activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]
+        with profile(activities=activities) as prof:
+            run(engine, prompts, case_params(case, len(prompts), args.max_tokens))
+        table = prof.key_averages()
+        print(f"profile, {case}: top host ops")
+        print(table.table(sort_by="self_cpu_time_total", row_limit=25))
+        if on_gpu:  # what the device spends its time on (a pass over [batch, vocab] shows here)
+            print(f"profile, {case}: top device kernels")
+            print(table.table(sort_by="self_cuda_time_total", row_limit=25))
     ratios = {c: round(best[c]["tokens_per_s"] / best["none"]["tokens_per_s"], 3) for c in cases}
     out = {
         "device": args.device,
@@ -251,6 +278,7 @@ def main() -> None:
         "rounds": rounds,
         "host_phases": phases,
         "synchronizing_ops": syncs,
+        "switch_intervals": by_interval,
         "ratios": ratios,
         "targets": {c: TARGETS[c] for c in cases},
     }
