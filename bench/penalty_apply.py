@@ -89,7 +89,7 @@ class Sparse:
     def step(self, logits: torch.Tensor, sb, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         from common.engine.sampling import adjust_logits
 
-        sb.history_ids, sb.history_counts = self.state.history(self.batch, self.steps, True)
+        sb.history = self.state.view(self.batch, self.steps, True)
         logits = adjust_logits(logits, sb)
         self.state.record(self.batch, self.steps_dev, tokens)
         return logits

@@ -243,6 +243,25 @@ def test_sparse_penalties_equal_the_dense_pass_bit_for_bit(device: str) -> None:
         assert torch.equal(sample(logits.clone(), sb).tokens, expected.argmax(-1))
 
 
+@needs_cuda
+def test_penalty_record_kernel_appends_and_counts_like_the_torch_ops() -> None:
+    from common.engine.gpu.penalty import record
+
+    gen = torch.Generator().manual_seed(7)
+    rows_total, capacity, vocab, batch = 300, 700, 128_256, 200
+    ids = torch.randint(0, vocab, (rows_total, capacity), generator=gen).cuda()
+    counts = torch.randint(0, 3, (rows_total, vocab), generator=gen).float().cuda()
+    rows = torch.randperm(rows_total, generator=gen)[:batch].cuda()  # distinct, as in a batch
+    start = torch.randint(-50, 300, (batch,), generator=gen).cuda()
+    steps = torch.randint(50, 350, (batch,), generator=gen).cuda()
+    tokens = torch.randint(0, vocab, (batch,), generator=gen).cuda()
+    want_ids, want_counts = ids.clone(), counts.clone()
+    want_ids.index_put_((rows, start + steps), tokens)
+    want_counts.view(-1).index_add_(0, rows * vocab + tokens, torch.ones(batch, device="cuda"))
+    record(ids, counts, rows, start, steps, tokens)
+    assert torch.equal(ids, want_ids) and torch.equal(counts, want_counts)
+
+
 def test_uniform_noise_never_reaches_one():
     """u = 1 would give +inf Gumbel noise: that token would win whatever its logit (NaN against a mask)."""
     top = torch.tensor([(1 << 32) - 1], dtype=torch.int64)  # the largest hash value, through the same scaling

@@ -10,10 +10,12 @@ presence penalties, logit_bias, bans (EOS and stop ids of a request still short 
 grammar's token bitmask (one packed int32 row per request, 32 tokens per word; common/sched/grammar.py).
 
 A penalty can change only the logits of tokens in the request's prompt or output, so penalties are applied
-sparsely: the caller gives each row's history as token ids ([B, W], padded by repeating one of the row's ids)
-and the output count of each ([B, W]); the logits there are gathered, penalised and scattered back (the
-scheduler keeps both on the device: common/sched/penalties.py). Every occurrence of an id computes the same
-value from the same original logit, so the result equals the dense formula over [B, V] bit for bit.
+sparsely: the caller gives each row's history as a table of token ids (a row's ids, padded by repeating one
+of them) and of output counts per token id (`PenaltyView`; the scheduler keeps both on the device per table
+row: common/sched/penalties.py); the logits at a row's ids are gathered, penalised and scattered back, by
+torch ops on the CPU and by one kernel on a GPU (common/engine/gpu/penalty.py, the same float32 operations).
+Every occurrence of an id computes the same value from the same original logit, so the result equals the
+dense formula over [B, V] bit for bit.
 """
 
 from __future__ import annotations
@@ -87,6 +89,24 @@ class BatchFlags:
 
 
 @dataclass
+class PenaltyView:
+    """The penalty history a batch reads, in place: row `rows[b]` of the tables holds batch row b's history."""
+
+    ids: torch.Tensor  # [R, C] int64: each table row's history ids, padded by repeating one of them
+    counts: torch.Tensor | None  # [R, V] float32: output count of each token id (with frequency or presence)
+    rows: torch.Tensor  # [B] int64: each batch row's table row
+    width: int  # the window read: ids[rows[b], :width] (every row's history fits)
+
+    def gathered(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(ids [B, W], their output counts [B, W] or None): the window as the torch path reads it."""
+        ids = self.ids[:, : self.width].index_select(0, self.rows)
+        if self.counts is None:
+            return ids, None
+        vocab = self.counts.shape[1]
+        return ids, self.counts.view(-1).take(self.rows[:, None] * vocab + ids)
+
+
+@dataclass
 class SamplingBatch:
     """Per-request sampling parameters of one step as tensors (built once per step)."""
 
@@ -104,10 +124,9 @@ class SamplingBatch:
     max_top_logprobs: int
     want_logprobs: bool
     # Penalties, read at each row's history (prompt and output ids; rows whose penalties are all off may hold
-    # any ids): the ids, padded to one width by repeating one of the row's ids, and the output count of each.
-    history_ids: torch.Tensor | None = None  # [B, W] int64, with any penalty
-    history_counts: torch.Tensor | None = None  # [B, W] float32, with a frequency or presence penalty
-    repetition_penalty: torch.Tensor | None = None  # [B] float32 (1 = off), with `history_ids`
+    # any ids), with any penalty; its counts with a frequency or presence penalty.
+    history: PenaltyView | None = None
+    repetition_penalty: torch.Tensor | None = None  # [B] float32 (1 = off), with `history`
     # Sparse additions to the logits: logit_bias entries, and -inf for banned (row, token) pairs.
     add_rows: torch.Tensor | None = None  # [N] int64
     add_cols: torch.Tensor | None = None  # [N] int64
@@ -135,18 +154,19 @@ class SamplingBatch:
         outputs' counts."""
         flags = BatchFlags.of(params, vocab)
         step_list = list(steps)
-        history_ids = history_counts = None
+        history = None
         if flags.needs_penalty or flags.repetition:
-            history = [
+            rows = [
                 [*(prompts[i] if i < len(prompts) else ()), *(outputs[i] if i < len(outputs) else ())]
                 for i in range(len(params))
             ]
             # A row without history has nothing to penalise: its penalties are off, so its padding id is inert.
-            params = [p if h else p.model_copy(update=NO_PENALTY) for p, h in zip(params, history)]
-            history_ids = padded_history(history)
-            output_counts = token_counts([outputs[i] if i < len(outputs) else () for i in range(len(params))], vocab)
-            history_counts = output_counts.gather(1, history_ids).to(device)
-            history_ids = history_ids.to(device)
+            params = [p if h else p.model_copy(update=NO_PENALTY) for p, h in zip(params, rows)]
+            ids = padded_history(rows)
+            counts = token_counts([outputs[i] if i < len(outputs) else () for i in range(len(params))], vocab)
+            history = PenaltyView(
+                ids.to(device), counts.to(device), torch.arange(len(params), device=device), ids.shape[1]
+            )
         floats, ints = zip(*(slot_values(p, seed, vocab) for p, seed in zip(params, seeds)))
         f = torch.tensor(floats, dtype=torch.float32, device=device).view(-1, len(FLOAT_PARAMS))
         i = torch.tensor(ints, dtype=torch.int64, device=device).view(-1, len(INT_PARAMS))
@@ -156,8 +176,7 @@ class SamplingBatch:
             i,
             torch.tensor(step_list, dtype=torch.int64, device=device),
             flags,
-            history_ids,
-            history_counts,
+            history,
             *((None, None, None) if add is None else (t.to(device) for t in add)),
         )
 
@@ -168,15 +187,15 @@ class SamplingBatch:
         ints: torch.Tensor,
         steps: torch.Tensor,
         flags: BatchFlags,
-        history_ids: torch.Tensor | None = None,
-        history_counts: torch.Tensor | None = None,
+        history: PenaltyView | None = None,
         add_rows: torch.Tensor | None = None,
         add_cols: torch.Tensor | None = None,
         add_vals: torch.Tensor | None = None,
     ) -> SamplingBatch:
         """From each row's parameters as `slot_values` lays them out (`floats` [B, len(FLOAT_PARAMS)],
         `ints` [B, len(INT_PARAMS)]; column views, no copies), e.g. gathered from per-row device tensors;
-        `history_ids` and `history_counts` as the fields of that name, read when a penalty asks for them."""
+        `history` as the field of that name, read when a penalty asks for it (its counts with a frequency or
+        presence penalty)."""
         col = {name: floats[:, k] for k, name in enumerate(FLOAT_PARAMS)}
         col.update({name: ints[:, k] for k, name in enumerate(INT_PARAMS)})
         return cls(
@@ -193,8 +212,7 @@ class SamplingBatch:
             needs_penalty=flags.needs_penalty,
             max_top_logprobs=flags.max_top_logprobs,
             want_logprobs=flags.want_logprobs,
-            history_ids=history_ids if flags.needs_penalty or flags.repetition else None,
-            history_counts=history_counts if flags.needs_penalty else None,
+            history=_penalty_view(history, flags),
             repetition_penalty=col["repetition_penalty"] if flags.repetition else None,
             add_rows=add_rows,
             add_cols=add_cols,
@@ -203,7 +221,16 @@ class SamplingBatch:
 
     @property
     def adjusts_logits(self) -> bool:
-        return self.history_ids is not None or self.add_rows is not None or self.allowed_bits is not None
+        return self.history is not None or self.add_rows is not None or self.allowed_bits is not None
+
+
+def _penalty_view(history: PenaltyView | None, flags: BatchFlags) -> PenaltyView | None:
+    """`history` as this batch's flags read it: none without a penalty, no counts without frequency/presence."""
+    if history is None or not (flags.needs_penalty or flags.repetition):
+        return None
+    if flags.needs_penalty or history.counts is None:
+        return history
+    return PenaltyView(history.ids, None, history.rows, history.width)
 
 
 NO_PENALTY = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
@@ -263,7 +290,7 @@ def sparse_additions(
 def adjust_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """The logits every later step (greedy, temperature, filters) sees; a new tensor when anything applies."""
     raw = logits
-    if sb.history_ids is not None:
+    if sb.history is not None:
         logits = _penalize(logits, sb)
     if sb.add_rows is not None:
         # A scatter-add on the flat view (CUDA's sync debug mode reported no synchronizing op in sampling), in
@@ -288,17 +315,26 @@ def adjust_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 
 def _penalize(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """The penalties at each row's history ids: the dense formula's float32 operations, in its order, on the
-    gathered logits only. In place unless the raw logits still give logprobs."""
-    assert sb.history_ids is not None
-    ids = sb.history_ids
+    gathered logits only (one kernel on a GPU). In place unless the raw logits still give logprobs."""
+    view = sb.history
+    assert view is not None
+    if logits.is_cuda:
+        from common.engine.gpu.penalty import penalize  # Triton: imported only on a GPU
+
+        out = logits.clone() if sb.want_logprobs or logits.stride(1) != 1 else logits
+        penalize(
+            out, view.ids, view.counts, view.rows, view.width, sb.repetition_penalty, sb.frequency_penalty,
+            sb.presence_penalty,
+        )  # fmt: skip
+        return out
+    ids, counts = view.gathered()
     raw = logits.gather(1, ids)
     value = raw
     if sb.repetition_penalty is not None:
         # Divide a positive logit, multiply a negative one: both make a seen token less likely (penalty > 1).
         p = sb.repetition_penalty[:, None]
         value = torch.where(raw > 0, raw / p, raw * p)
-    if sb.history_counts is not None:
-        counts = sb.history_counts
+    if counts is not None:
         value = value - sb.frequency_penalty[:, None] * counts - sb.presence_penalty[:, None] * (counts > 0)
     # An id repeated in a row writes the same value each time (all from its one original logit).
     return logits.scatter(1, ids, value) if sb.want_logprobs else logits.scatter_(1, ids, value)

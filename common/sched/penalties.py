@@ -11,7 +11,8 @@ counted on the device by the step that sampled it, at position prompt length - o
 which the step's staged output steps give. So a step's penalties never wait for the host to learn the
 previous step's tokens, and no history travels to the device per step. A batch reads a window as wide as
 its longest history: the host knows that width from the batch's first sampling on (each step adds one token
-to every row), so no step asks the device for lengths.
+to every row), so no step asks the device for lengths. On a GPU the sampler reads both tables in place and
+a step's tokens are recorded by one kernel each (common/engine/gpu/penalty.py); on the CPU by torch ops.
 
 A row is owned by the request that filled it: a request that later takes the row (any request, a finished
 one's token from a step still in flight included) fills it again before it reads it. Rows of requests
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.engine.sampling import PenaltyView
 from common.engine.staging import Stage
 from common.protocol import SamplingParams
 from common.sched.request import Req
@@ -158,21 +160,21 @@ class PenaltyHistory:
             step=plan.step,
         )
 
-    def history(
-        self, batch: PenaltyBatch, steps: Sequence[int], counted: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(ids [B, W], their output counts [B, W] when `counted`) of the batch's rows at output `steps`."""
+    def view(self, batch: PenaltyBatch, steps: Sequence[int], counted: bool) -> PenaltyView:
+        """The batch's rows at output `steps` as the sampler reads them (their counts when `counted`)."""
         width = batch.width + steps[0] - batch.step
         self._reserve(width + 1)
         assert self.ids is not None and self.counts is not None
-        ids = self.ids[:, :width].index_select(0, batch.rows_dev)
-        counts = self.counts.view(-1).take(batch.count_index[:, None] + ids) if counted else None
-        return ids, counts
+        return PenaltyView(self.ids, self.counts if counted else None, batch.rows_dev, width)
 
     def record(self, batch: PenaltyBatch, steps_dev: torch.Tensor, tokens: torch.Tensor) -> None:
         """Appends and counts a step's sampled tokens (on the device, right after sampling them)."""
         assert self.ids is not None and self.counts is not None
+        if tokens.is_cuda:
+            from common.engine.gpu.penalty import record  # Triton: imported only on a GPU
+
+            record(self.ids, self.counts, batch.rows_dev, batch.start, steps_dev, tokens)
+            return
         self.ids.index_put_((batch.rows_dev, batch.start + steps_dev), tokens)
-        # A batch's rows are distinct, so are its (row, token) pairs: an index-add on the flat view (one kernel
-        # on a GPU; index_put_ with accumulate sorts its indices first).
+        # A batch's rows are distinct, so are its (row, token) pairs: an index-add on the flat view.
         self.counts.view(-1).index_add_(0, batch.count_index + tokens, batch.ones)

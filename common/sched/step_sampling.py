@@ -185,18 +185,12 @@ class StepSampler:
             elif new_batch is not None or add_key != batch.add_key:
                 batch.add_dev = None  # nothing banned any more, no bias
             batch.add_key = add_key
-        history_ids = history_counts = None
+        history = None
         if batch.penalty is not None:
-            history_ids, history_counts = self.penalties.history(batch.penalty, steps, batch.flags.needs_penalty)
+            history = self.penalties.view(batch.penalty, steps, batch.flags.needs_penalty)
         steps_dev = sent[steps_part]
         sb = SamplingBatch.from_slots(
-            batch.floats,
-            batch.ints,
-            steps_dev,
-            batch.flags,
-            history_ids,
-            history_counts,
-            *(batch.add_dev or (None, None, None)),
+            batch.floats, batch.ints, steps_dev, batch.flags, history, *(batch.add_dev or (None, None, None))
         )
         if masks is not None:
             sb.allowed_bits = sent[bits_part] if bits_part is not None else None

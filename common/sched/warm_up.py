@@ -6,8 +6,8 @@ head and sampling over the rows a step samples) met its kernels for the first ti
 steps: on a fresh H200 those steps compiled Triton kernels, and the first served run's TTFT p99 was 1,304 ms
 against 257 ms for the same run right after (bench/RESULTS.md "The budget from the chunk speed beside
 decoding"). So the engine first serves a small synthetic workload of its own through a throwaway scheduler
-over the same runner: for a few batch sizes, decoding requests (greedy and sampled) with a prompt arriving
-beside them, so prefill-only, decode and mixed steps all run. Nothing of it stays: no prefix is cached, every
+over the same runner: for a few batch sizes, decoding requests (greedy and sampled, some with penalties,
+whose Triton kernels compile at first use) with a prompt arriving beside them, so prefill-only, decode and mixed steps all run. Nothing of it stays: no prefix is cached, every
 page and table row comes back, and the serving scheduler starts fresh.
 """
 
@@ -29,6 +29,7 @@ log = logging.getLogger("kvferry.engine")
 
 WARM_UP_BATCHES = (1, 3, 8, 20)  # decoding requests beside the arriving prompt: one row, a few, one tile, more
 STREAM_TOKENS = 24  # each decoding request's output (enough steps for the prompt's chunks to ride along)
+WARM_UP_PENALTIES = {"frequency_penalty": 0.2, "presence_penalty": 0.1, "repetition_penalty": 1.1}
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ def warm_up(runner: ModelRunner, cfg: SchedulerConfig, seed: int = 0) -> WarmUpR
                     temperature=0.0 if i % 2 == 0 else 0.8,
                     top_p=1.0 if i % 2 == 0 else 0.9,
                     seed=i,
+                    **(WARM_UP_PENALTIES if i % 3 == 2 else {}),
                 ),
             )
             for i in range(b)

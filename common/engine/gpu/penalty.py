@@ -1,0 +1,156 @@
+"""Penalties on the GPU in two launches a step: one applies them at each row's history ids, one records the
+step's sampled tokens.
+
+The torch path (common/engine/sampling.py `_penalize`, common/sched/penalties.py `record`) issues ~18 small
+ops a step (window, counts, the gathered arithmetic, the scatter, the append, the count), each a launch and
+~20 us of host time; on a host-bound decode step that is what penalties cost. These kernels read the
+history and count tables in place and do the same float32 arithmetic in the same order, with IEEE division
+and no fused multiply-add (`enable_fp_fusion=False`), so the logits equal the torch path's bit for bit.
+
+A row's history may repeat an id (padding, or a token seen twice): every occurrence computes the same value
+from the one original logit, so each program first computes all its row's values into a scratch row, then
+(after a barrier) writes them back; no write can be read as an original logit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK = 512
+
+
+@triton.jit(do_not_specialize=["width"])
+def _penalize_kernel(
+    logits_ptr,
+    logits_stride,
+    ids_ptr,
+    ids_stride,
+    counts_ptr,
+    counts_stride,
+    rows_ptr,
+    rep_ptr,
+    rep_stride,
+    freq_ptr,
+    freq_stride,
+    pres_ptr,
+    pres_stride,
+    scratch_ptr,
+    width,
+    REPETITION: tl.constexpr,
+    COUNTED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    logits_row = logits_ptr + b * logits_stride
+    ids_row = ids_ptr + row * ids_stride
+    scratch_row = scratch_ptr + b * width
+    for start in range(0, width, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inside = offs < width
+        ids = tl.load(ids_row + offs, mask=inside, other=0)
+        value = tl.load(logits_row + ids, mask=inside, other=0.0)
+        if REPETITION:
+            p = tl.load(rep_ptr + b * rep_stride)
+            value = tl.where(value > 0, tl.math.div_rn(value, p), value * p)
+        if COUNTED:
+            f = tl.load(freq_ptr + b * freq_stride)
+            pres = tl.load(pres_ptr + b * pres_stride)
+            c = tl.load(counts_ptr + row * counts_stride + ids, mask=inside, other=0.0)
+            value = value - f * c
+            value = value - pres * (c > 0).to(tl.float32)
+        tl.store(scratch_row + offs, value, mask=inside)
+    tl.debug_barrier()
+    for start in range(0, width, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inside = offs < width
+        ids = tl.load(ids_row + offs, mask=inside, other=0)
+        value = tl.load(scratch_row + offs, mask=inside)
+        tl.store(logits_row + ids, value, mask=inside)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _record_kernel(
+    ids_ptr,
+    ids_stride,
+    counts_ptr,
+    counts_stride,
+    rows_ptr,
+    start_ptr,
+    steps_ptr,
+    tokens_ptr,
+    n,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < n
+    row = tl.load(rows_ptr + offs, mask=inside, other=0).to(tl.int64)
+    pos = tl.load(start_ptr + offs, mask=inside, other=0) + tl.load(steps_ptr + offs, mask=inside, other=0)
+    token = tl.load(tokens_ptr + offs, mask=inside, other=0)
+    tl.store(ids_ptr + row * ids_stride + pos, token, mask=inside)
+    # A batch's rows are distinct: no two lanes touch one count.
+    at = counts_ptr + row * counts_stride + token
+    tl.store(at, tl.load(at, mask=inside, other=0.0) + 1.0, mask=inside)
+
+
+def penalize(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    counts: torch.Tensor | None,
+    rows: torch.Tensor,
+    width: int,
+    repetition: torch.Tensor | None,
+    frequency: torch.Tensor,
+    presence: torch.Tensor,
+) -> None:
+    """Applies the penalties to `logits` [B, V] float32 in place, at ids `ids[rows[b], :width]` ([R, C] int64
+    table), with output counts `counts[rows[b], id]` ([R, V] float32; None: frequency and presence off);
+    `repetition` [B] (None: off), `frequency` and `presence` [B] float32 (strided views are fine)."""
+    batch = logits.shape[0]
+    if batch == 0 or width == 0:
+        return
+    scratch = torch.empty((batch, width), dtype=torch.float32, device=logits.device)
+    counted = counts is not None
+    _penalize_kernel[(batch,)](
+        logits,
+        logits.stride(0),
+        ids,
+        ids.stride(0),
+        counts if counted else logits,
+        counts.stride(0) if counted else 0,
+        rows,
+        repetition if repetition is not None else frequency,
+        repetition.stride(0) if repetition is not None else 0,
+        frequency,
+        frequency.stride(0),
+        presence,
+        presence.stride(0),
+        scratch,
+        width,
+        REPETITION=repetition is not None,
+        COUNTED=counted,
+        BLOCK=_BLOCK,
+        num_warps=4,
+        enable_fp_fusion=False,
+    )
+
+
+def record(
+    ids: torch.Tensor,
+    counts: torch.Tensor,
+    rows: torch.Tensor,
+    start: torch.Tensor,
+    steps: torch.Tensor,
+    tokens: torch.Tensor,
+) -> None:
+    """`ids[rows[b], start[b] + steps[b]] = tokens[b]` and `counts[rows[b], tokens[b]] += 1` ([B] int64 each;
+    the rows distinct)."""
+    n = tokens.shape[0]
+    if n == 0:
+        return
+    block = max(16, triton.next_power_of_2(min(n, 1024)))
+    _record_kernel[(triton.cdiv(n, block),)](
+        ids, ids.stride(0), counts, counts.stride(0), rows, start, steps, tokens, n, BLOCK=block, num_warps=4
+    )
