@@ -45,6 +45,19 @@ _SOURCE_PREFIX = re.compile(r"^(\[[^\]]*\]\s*)?\S+\.(cc|h|cpp):\d+:\s*")
 _CACHE_ENTRIES = 256  # compiled grammars kept per worker (xgrammar's compiler has its own cache too)
 
 
+MAX_FILL_THREADS = 4
+CORES_PER_FILL_THREAD = 4
+
+
+def default_fill_threads() -> int:
+    """xgrammar's threads for one batch fill: a quarter of the cores this process may use, 1 to 4. A JSON-schema
+    row inside a string takes ~20 us; 128 rows on the H200 host filled in 2.7 / 1.9 / 1.5 / 1.6 ms on 1 / 2 /
+    4 / 8 threads (bench/RESULTS.md "Run 6 and 7"; with torch at a thread per core, more were slower)."""
+    from common.engine.threads import usable_cores
+
+    return max(1, min(MAX_FILL_THREADS, usable_cores() // CORES_PER_FILL_THREAD))
+
+
 class GrammarError(ValueError):
     """A grammar this worker cannot compile (an invalid or unsupported schema, regex or EBNF)."""
 
@@ -61,11 +74,11 @@ class GrammarBook:
     """The grammars of one scheduler's requests. Built on first use: a worker that never sees a grammar
     never imports xgrammar or loads its tokenizer tables."""
 
-    def __init__(self, model_path: Path | None, vocab: int, stop_ids: Sequence[int], fill_threads: int = 1) -> None:
+    def __init__(
+        self, model_path: Path | None, vocab: int, stop_ids: Sequence[int], fill_threads: int | None = None
+    ) -> None:
         self.model_path = model_path
-        # One: xgrammar's batch fill on 8 threads took 1.5x the time of one thread (H200 host, 128 JSON rows:
-        # bench/RESULTS.md); a row takes ~20 us, less than handing it to a thread.
-        self.fill_threads = fill_threads
+        self.fill_threads = fill_threads if fill_threads is not None else default_fill_threads()
         self.vocab = vocab
         self.stop_ids = sorted(stop_ids)
         self._compiler: Any = None
@@ -75,7 +88,8 @@ class GrammarBook:
         # interleave with the scheduler thread's, or move_to_end meets a key the other just evicted.
         self._compiled_lock = threading.Lock()
         self._matching: weakref.WeakKeyDictionary[Req, _Matching] = weakref.WeakKeyDictionary()
-        self._last_rows: tuple[tuple[Req, ...], list[int], list[_Matching]] | None = None
+        self._last_rows: _BatchRows | None = None
+        self._stop_words: tuple[torch.Tensor, torch.Tensor] | None = None  # word index and bits of the stop ids
 
     # ---- compiling -------------------------------------------------------------------------------
     def _xgr_compiler(self) -> Any:
@@ -152,15 +166,16 @@ class GrammarBook:
         """The grammar is complete and its stop token accepted: nothing may follow."""
         return self._state(req).matcher.is_terminated()
 
-    def _grammar_rows(self, reqs: Sequence[Req]) -> tuple[list[int], list[_Matching]]:
-        """The grammar rows of `reqs` and their matchers; the batch's of the last call again while it is the
-        same (steady decoding), without a lookup per row."""
+    def _grammar_rows(self, reqs: Sequence[Req]) -> _BatchRows:
+        """The grammar rows of `reqs`, their matchers and xgrammar handles; the batch's of the last call again
+        while it is the same (steady decoding), without a lookup per row."""
         key = tuple(reqs)
         last = self._last_rows
-        if last is None or last[0] != key:
+        if last is None or last.key != key:
             rows = [i for i, r in enumerate(reqs) if r.sampling.grammar is not None]
-            last = self._last_rows = (key, rows, [self._state(reqs[i]) for i in rows])
-        return last[1], last[2]
+            states = [self._state(reqs[i]) for i in rows]
+            last = self._last_rows = _BatchRows(key, rows, states, [st.matcher._handle for st in states])
+        return last
 
     def fill(self, reqs: Sequence[Req], bits: torch.Tensor | None = None) -> GrammarMasks:
         """The bitmask of the tokens each grammar request in `reqs` may sample next, written into `bits`
@@ -174,55 +189,90 @@ class GrammarBook:
         in one batched call here, on the fill thread with overlap on (xgrammar releases the GIL inside it).
         A request whose token accepted here broke its grammar comes back in `broken`; the scheduler finishes
         it before any later token of it is appended (a break found replaying a request's earlier output is
-        found again when its first token is appended, as before)."""
+        found again when its first token is appended, as before).
+
+        The fill thread shares the GIL with the scheduler's thread, whose torch calls each let it go: Python
+        run here delays that thread's next op by as long (bench/RESULTS.md, "Run 6 and 7"). So the
+        steady case (every grammar row one new token, the batch unchanged) is a few list comprehensions and
+        three calls into xgrammar and torch, and a row's completion is read off its mask, not asked per row."""
         if bits is None:
             bits = torch.empty((len(reqs), (self.vocab + 31) // 32), dtype=torch.int32)
-        rows, states = [], []
-        for i, st in zip(*self._grammar_rows(reqs)):
-            if not reqs[i].finished:
-                rows.append(i)
-                states.append(st)
-        accepting: list[_Matching] = []
-        tokens: list[int] = []
-        fresh = [False] * len(rows)  # accepted a token here: not a stop token, so not terminated
-        for k, (i, st) in enumerate(zip(rows, states)):
-            r = reqs[i]
-            out = r.output_ids
-            if out and not st.broken and st.consumed == r.sampling.output_offset + len(out) - 1:
-                accepting.append(st)  # the step's one new token (a decode row's: never a stop token)
-                tokens.append(out[-1])
-                fresh[k] = True
-            else:
-                self.advance(r)  # up to date already, or a replay
+        batch = self._grammar_rows(reqs)
+        live = [not reqs[i].finished for i in batch.rows]
+        # The step's one new token of a row (a decode row's: never a stop token, so not terminated after it).
+        fresh = [
+            ok and not st.broken and st.consumed == reqs[i].sampling.output_offset + len(reqs[i].output_ids) - 1
+            for ok, i, st in zip(live, batch.rows, batch.states)
+        ]
+        if all(fresh):  # steady decoding
+            rows, states, handles = batch.rows, batch.states, batch.handles
+        else:
+            picked = [k for k, ok in enumerate(live) if ok]
+            rows = [batch.rows[k] for k in picked]
+            states = [batch.states[k] for k in picked]
+            for k in picked:
+                if not fresh[k]:
+                    self.advance(reqs[batch.rows[k]])  # up to date already, or a replay
+            handles = [batch.handles[k] for k in picked if fresh[k]]
+            fresh = [fresh[k] for k in picked]
         broken: list[Req] = []
-        if accepting:
-            ok = _batch_accept([st.matcher for st in accepting], tokens)
+        if handles:
+            at = rows if len(handles) == len(rows) else [i for i, f in zip(rows, fresh) if f]
+            ok = _batch_accept(handles, [reqs[i].output_ids[-1] for i in at])
+            accepting = states if len(handles) == len(states) else [st for st, f in zip(states, fresh) if f]
             for st in accepting:
                 st.consumed += 1
             if ok is not None:
-                for i, st, good in zip([i for k, i in enumerate(rows) if fresh[k]], accepting, ok):
+                for i, st, good in zip(at, accepting, ok):
                     if not good:
                         st.broken = True
                         broken.append(reqs[i])
                         log.warning("token outside the grammar", extra={"req_id": st.req_id})
+        filled = [
+            (i, st.matcher._handle)
+            for i, st, f in zip(rows, states, fresh)
+            if not st.broken and (f or not st.matcher.is_terminated())
+        ]
+        if len(filled) < len(rows):
+            left = {i for i, _ in filled}
+            for i in rows:
+                if i not in left:
+                    bits[i].fill_(-1)  # it finishes when this step is processed (or now: `broken`); its row stays free
         done = [False] * len(reqs)
-        matchers = []
-        for k, (i, st) in enumerate(zip(rows, states)):
-            if not st.broken and (fresh[k] or not st.matcher.is_terminated()):
-                matchers.append((i, st.matcher))
-                continue
-            bits[i].fill_(-1)  # it finishes when this step is processed (or now: `broken`); its row stays free
-        if matchers:
+        if filled:
             self._xgr_compiler()
-            self._batch.batch_fill_next_token_bitmask([m for _, m in matchers], bits, indices=[i for i, _ in matchers])
-        for i, m in matchers:
-            if m.is_completed():  # rare: is anything but a stop token allowed?
+            indices = [i for i, _ in filled]
+            _batch_fill(self._batch, [h for _, h in filled], bits, indices)
+            for i in self._stop_allowed(bits, indices):  # rare: is anything but a stop token allowed?
                 row = bits[i].clone()
                 for t in self.stop_ids:
                     cleared = 0xFFFFFFFF ^ (1 << (t % 32))  # as an int32: the sign bit is bit 31
                     row[t // 32] &= cleared - (1 << 32) if cleared >= 1 << 31 else cleared
                 done[i] = not bool(row.any())
         return GrammarMasks(bits, rows, done, broken)
+
+    def _stop_allowed(self, bits: torch.Tensor, rows: list[int]) -> list[int]:
+        """Those of `rows` whose mask allows a stop token (the grammar may end there: xgrammar's
+        `is_completed`), read off the masks in a few torch ops instead of a call per row."""
+        if self._stop_words is None:
+            words = sorted({t // 32 for t in self.stop_ids})
+            masks = [sum(1 << (t % 32) for t in self.stop_ids if t // 32 == w) for w in words]
+            signed = [m - (1 << 32) if m >= 1 << 31 else m for m in masks]
+            self._stop_words = (torch.tensor(words), torch.tensor(signed, dtype=torch.int32))
+        words, masks = self._stop_words
+        if not rows or not len(words):
+            return []
+        at = torch.tensor(rows)
+        hit = (bits.index_select(1, words).index_select(0, at) & masks).ne(0).any(1)
+        return at[hit].tolist()
+
+
+@dataclass(eq=False)
+class _BatchRows:
+    key: tuple[Req, ...]
+    rows: list[int]  # positions of the grammar requests in the batch
+    states: list[_Matching]
+    handles: list[Any]  # their matchers' xgrammar handles
 
 
 @dataclass
@@ -233,20 +283,21 @@ class GrammarMasks:
     broken: list[Req]  # requests whose last token the grammar did not allow (they finish with an error)
 
 
-def _batch_accept(matchers: list[Any], tokens: list[int]) -> list[bool] | None:
-    """Each matcher accepts its token, in one call that releases the GIL; None: all were allowed, else whether
-    each was. xgrammar's own wrapper turns the result into a list one element at a time through its FFI
-    (~2 us a row, holding the GIL): the common all-allowed case asks the result once instead."""
-    try:
-        from xgrammar.base import _core
-    except ImportError:  # another xgrammar layout: its public wrapper
-        import xgrammar as xgr
+def _batch_accept(handles: list[Any], tokens: list[int]) -> list[bool] | None:
+    """Each matcher (by its xgrammar handle) accepts its token, in one call that releases the GIL; None: all
+    were allowed, else whether each was. xgrammar's own wrapper turns the result into a list one element at a
+    time through its FFI (~2 us a row, holding the GIL): the common all-allowed case asks the result once."""
+    from xgrammar.base import _core
 
-        ok = xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
-        return None if all(ok) else ok
-    result = _core.BatchGrammarMatcher.batch_accept_token([m._handle for m in matchers], tokens, False)
+    result = _core.BatchGrammarMatcher.batch_accept_token(handles, tokens, False)
     rejected = 0 in result or False in result  # its elements are 0 or 1 (ints) in this build
     return [bool(v) for v in result] if rejected else None
+
+
+def _batch_fill(batch: Any, handles: list[Any], bits: torch.Tensor, indices: list[int]) -> None:
+    """xgrammar's batched fill (it releases the GIL) on handles the caller keeps: its wrapper would build the
+    handle list again per call."""
+    batch._handle.batch_fill_next_token_bitmask(handles, bits, indices, False)
 
 
 def _first_line(exc: BaseException) -> str:
