@@ -84,8 +84,16 @@ def run_workload(sched: Scheduler, abort_after: int = 3) -> tuple[list[tuple], l
             sched.abort("r2")  # with overlap on its next step is on the device now
             aborted = True
         check_invariants(sched)
-    out = [(r.output_ids, r.finish_reason, [round(lp.logprob, 4) for lp in r.output_logprobs]) for r in reqs]
+    out = [(r.output_ids, r.finish_reason, [lp.logprob for lp in r.output_logprobs]) for r in reqs]
     return out, reqs, mixed
+
+
+def assert_same_outputs(got: list[tuple], want: list[tuple]) -> None:
+    """Tokens and finish reasons exactly; logprobs to float32 rounding (a row's logits come from a forward of
+    another shape under mixed steps: their last bits may differ, and one rounded to 4 decimals then did)."""
+    assert [(tokens, reason) for tokens, reason, _ in got] == [(tokens, reason) for tokens, reason, _ in want]
+    for (_, _, lps), (_, _, expected) in zip(got, want):
+        assert lps == pytest.approx(expected, abs=1e-3)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -105,8 +113,8 @@ def test_mixed_steps_give_prefill_first_tokens(tiny_model: DecoderModel, overlap
         assert sched.allocator.num_free + cached == sched.allocator.num_pages
         assert sched.runner.page_table.num_free_rows == sched.max_running
         results[target] = out
-    assert results[TINY_TARGET_MS] == results[0.0]
-    assert results[ITL_TARGET_AUTO] == results[0.0]
+    assert_same_outputs(results[TINY_TARGET_MS], results[0.0])
+    assert_same_outputs(results[ITL_TARGET_AUTO], results[0.0])
 
 
 @pytest.mark.parametrize("overlap", [False, True])
