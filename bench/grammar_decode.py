@@ -173,11 +173,10 @@ class _Inline:
         pass
 
 
-def fill_mode(engine, mode: str, fill_s: float):
+def fill_mode(engine, mode: str):
     """Diagnostic variants of the grammar fill (`--fill-modes`): `thread` (as served), `inline` (no thread),
-    `sleep` (a thread that only sleeps `fill_s`, releasing the GIL, and allows every token: the threading's own
-    cost), `cfill` (xgrammar's batched fill alone on the thread, no accept and no per-row Python: the fill's
-    Python share). Returns an undo. Only `thread` and `inline` give grammar-valid output."""
+    `cfill` (xgrammar's batched fill alone on the thread: no accept, no per-row Python, so its masks stay those
+    of each grammar's start and a request's last token usually breaks it: timing only). Returns an undo."""
     from common.sched.grammar import GrammarMasks
 
     sched = engine.scheduler
@@ -185,16 +184,12 @@ def fill_mode(engine, mode: str, fill_s: float):
     if mode == "inline":
         sampler._fill_thread = _Inline()
         return lambda: setattr(sampler, "_fill_thread", None)
-    if mode in ("sleep", "cfill"):
+    if mode == "cfill":
 
         def fill(reqs, bits=None):
-            rows, states = book._grammar_rows(reqs)
-            if mode == "sleep":
-                time.sleep(fill_s)
-                bits[rows] = -1
-            else:
-                book._batch.batch_fill_next_token_bitmask([st.matcher for st in states], bits, indices=rows)
-            return GrammarMasks(bits, rows, [False] * len(reqs), [])
+            batch = book._grammar_rows(reqs)
+            book._batch._handle.batch_fill_next_token_bitmask(batch.handles, bits, batch.rows, False)
+            return GrammarMasks(bits, batch.rows, [False] * len(reqs), [])
 
         book.fill = fill
         return lambda: book.__dict__.pop("fill", None)
@@ -234,7 +229,7 @@ def main() -> None:
     ap.add_argument(
         "--fill-modes",
         default="",
-        help="all_grammar again per fill variant: thread,inline,sleep,cfill (diagnostics; see fill_mode)",
+        help="all_grammar again per fill variant: thread,inline,cfill (diagnostics; see fill_mode)",
     )
     ap.add_argument(
         "--switch-intervals", default="", help="seconds (comma-separated): every case again per GIL switch interval"
@@ -313,8 +308,7 @@ def main() -> None:
             book._batch = default
     by_fill_mode = {}
     for mode in [m for m in args.fill_modes.split(",") if m] if has_grammar else []:
-        fill_s = phases["all_grammar"]["host_s"]["fill"] / args.max_tokens if "all_grammar" in phases else 1e-3
-        undo = fill_mode(engine, mode, fill_s)
+        undo = fill_mode(engine, mode)
         params = case_params("all_grammar", len(prompts), args.max_tokens)
         best_mode = max((run(engine, prompts, params) for _ in range(args.rounds)), key=lambda r: r["tokens_per_s"])
         timed = run(engine, prompts, params, True)
