@@ -10,6 +10,9 @@ and no fused multiply-add (`enable_fp_fusion=False`), so the logits equal the to
 A row's history may repeat an id (padding, or a token seen twice): every occurrence computes the same value
 from the one original logit, so each program first computes all its row's values into a scratch row, then
 (after a barrier) writes them back; no write can be read as an original logit.
+
+CI runs both kernels on the CPU under Triton's interpreter against the torch path (tests/test_penalty_kernels.py);
+tests/test_sampling.py compares them on a GPU.
 """
 
 from __future__ import annotations
@@ -19,9 +22,17 @@ import triton
 import triton.language as tl
 
 _BLOCK = 512
+_RECORD_BLOCK = 128  # fixed: a block sized to the batch would compile a kernel per power of two while serving
 
 
-@triton.jit(do_not_specialize=["width"])
+# Every integer argument is a plain runtime value (not specialized on its value): one compiled kernel, which
+# the warm-up compiles, whatever the batch, the window or the penalties a batch asks for.
+@triton.jit(
+    do_not_specialize=[
+        "logits_stride", "ids_stride", "counts_stride", "rep_stride", "freq_stride", "pres_stride", "width",
+        "repetition", "counted",
+    ]
+)  # fmt: skip
 def _penalize_kernel(
     logits_ptr,
     logits_stride,
@@ -38,8 +49,8 @@ def _penalize_kernel(
     pres_stride,
     scratch_ptr,
     width,
-    REPETITION: tl.constexpr,
-    COUNTED: tl.constexpr,
+    repetition,
+    counted,
     BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -52,10 +63,10 @@ def _penalize_kernel(
         inside = offs < width
         ids = tl.load(ids_row + offs, mask=inside, other=0)
         value = tl.load(logits_row + ids, mask=inside, other=0.0)
-        if REPETITION:
+        if repetition:
             p = tl.load(rep_ptr + b * rep_stride)
             value = tl.where(value > 0, tl.math.div_rn(value, p), value * p)
-        if COUNTED:
+        if counted:
             f = tl.load(freq_ptr + b * freq_stride)
             pres = tl.load(pres_ptr + b * pres_stride)
             c = tl.load(counts_ptr + row * counts_stride + ids, mask=inside, other=0.0)
@@ -71,7 +82,7 @@ def _penalize_kernel(
         tl.store(logits_row + ids, value, mask=inside)
 
 
-@triton.jit(do_not_specialize=["n"])
+@triton.jit(do_not_specialize=["ids_stride", "counts_stride", "n"])
 def _record_kernel(
     ids_ptr,
     ids_stride,
@@ -129,8 +140,8 @@ def penalize(
         presence.stride(0),
         scratch,
         width,
-        REPETITION=repetition is not None,
-        COUNTED=counted,
+        int(repetition is not None),
+        int(counted),
         BLOCK=_BLOCK,
         num_warps=4,
         enable_fp_fusion=False,
@@ -150,7 +161,6 @@ def record(
     n = tokens.shape[0]
     if n == 0:
         return
-    block = max(16, triton.next_power_of_2(min(n, 1024)))
-    _record_kernel[(triton.cdiv(n, block),)](
-        ids, ids.stride(0), counts, counts.stride(0), rows, start, steps, tokens, n, BLOCK=block, num_warps=4
+    _record_kernel[(triton.cdiv(n, _RECORD_BLOCK),)](
+        ids, ids.stride(0), counts, counts.stride(0), rows, start, steps, tokens, n, BLOCK=_RECORD_BLOCK, num_warps=4
     )
