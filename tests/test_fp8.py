@@ -60,7 +60,7 @@ def compare_to_float32(
     smol_runner: ModelRunner,
     smol_tokenizer,
     tolerance: tuple[float, float],
-    chunked_exact: bool = False,
+    chunked: bool = False,
     min_greedy: float = MIN_GREEDY_AGREEMENT,
 ) -> None:
     ids = smol_tokenizer.encode(TEXT)
@@ -80,12 +80,21 @@ def compare_to_float32(
     agree = [agreement(a, b) for a, b in zip(first, ref_out)]
     print(f"greedy agreement with float32 (of 24): {agree}")
     assert sum(agree) >= min_greedy * 24 * len(prompts)
-    # Stable: the same requests again give the same tokens. FP8 KV alone: also when the longest is prefilled in
-    # 16-token chunks over its cached FP8 pages (with FP8 activations a different step shape can move an
-    # activation across a rounding boundary, so there only the repeat is exact).
-    again = fresh_engine(runner, max_prefill_tokens=16 if chunked_exact else 2048, prefix_cache=False)
+    # Stable: the same requests again, in the same steps, give the same tokens.
+    again = fresh_engine(runner, prefix_cache=False)
     assert [r.output_ids for r in again.generate(prompts, sp)] == first
     assert_pool_clean(again)
+    if chunked:
+        # Prefilled in 16-token chunks over cached FP8 pages, so in other steps beside other rows: as close as
+        # the first run is to float32, not exact. A K or V computed by a GEMM of another shape may differ in its
+        # last float32 bit and round to a neighbouring FP8 value: a prompt of 6 tokens, prefilled alone here, had
+        # logprobs 0.057 apart and swapped a near-tie at its 14th token on torch 2.13's CPU kernels.
+        chunked_engine = fresh_engine(runner, max_prefill_tokens=16, prefix_cache=False)
+        chunked_out = [r.output_ids for r in chunked_engine.generate(prompts, sp)]
+        assert_pool_clean(chunked_engine)
+        agree = [agreement(a, b) for a, b in zip(chunked_out, first)]
+        print(f"greedy agreement of chunked prefill with the first run (of 24): {agree}")
+        assert sum(agree) >= min_greedy * 24 * len(prompts)
 
 
 def test_fp8_kv_pool_is_half_of_bf16_and_close_to_float32(fp8_kv_runner, smol_runner, smol_tokenizer):
@@ -93,7 +102,7 @@ def test_fp8_kv_pool_is_half_of_bf16_and_close_to_float32(fp8_kv_runner, smol_ru
     assert fp8_kv_runner.pool.kv.dtype == torch.float8_e4m3fn
     assert layout.bytes_per_token == layout.num_layers * 2 * layout.num_kv_heads * layout.head_dim  # 1 B (bf16: 2)
     assert layout.bytes_per_token * 4 == smol_runner.layout.bytes_per_token  # float32
-    compare_to_float32(fp8_kv_runner, smol_runner, smol_tokenizer, KV_TOLERANCE, chunked_exact=True)
+    compare_to_float32(fp8_kv_runner, smol_runner, smol_tokenizer, KV_TOLERANCE, chunked=True)
 
 
 @pytest.fixture(scope="module")
