@@ -6,9 +6,11 @@ versions with real processes are in tests/test_reliability.py."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from common.protocol import GenerateRequest, SamplingParams
+from common.protocol import GenerateRequest, GrammarSpec, SamplingParams
 from tests.engine_helpers import fresh_engine
 
 PROMPT = "Once upon a time, in a small village by the sea,"
@@ -56,3 +58,19 @@ def test_output_offset_must_leave_a_prompt() -> None:
     with pytest.raises(ValueError, match="output_offset"):
         GenerateRequest(req_id="r", token_ids=[1, 2], sampling=SamplingParams(output_offset=2))
     GenerateRequest(req_id="r", token_ids=[1, 2, 3], sampling=SamplingParams(output_offset=2))
+
+
+@pytest.mark.parametrize("seam", [1, SEAM])
+def test_grammar_continuation_from_the_seam_equals_an_uninterrupted_run(smol_runner, smol_tokenizer, seam) -> None:
+    """A grammar request continued after `seam` tokens: its matcher replays the earlier output before its first
+    mask, also when it is one token (the fill then sees a matcher with nothing accepted and no output yet)."""
+    spec = GrammarSpec(
+        kind="json_schema", value=json.dumps({"type": "object", "properties": {"a": {"type": "string"}}})
+    )
+    prompt = smol_tokenizer.encode("Reply with a JSON object: ")
+    base = SamplingParams(max_tokens=TOKENS, ignore_eos=True, grammar=spec)
+    whole = fresh_engine(smol_runner).generate([prompt], base)[0].output_ids
+    continued = SamplingParams(max_tokens=TOKENS - seam, ignore_eos=True, grammar=spec, output_offset=seam)
+    rest = fresh_engine(smol_runner).generate([prompt + whole[:seam]], continued)[0]
+    assert rest.finish_reason != "error"
+    assert whole[:seam] + rest.output_ids == whole[: seam + len(rest.output_ids)]

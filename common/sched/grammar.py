@@ -201,7 +201,10 @@ class GrammarBook:
         live = [not reqs[i].finished for i in batch.rows]
         # The step's one new token of a row (a decode row's: never a stop token, so not terminated after it).
         fresh = [
-            ok and not st.broken and st.consumed == reqs[i].sampling.output_offset + len(reqs[i].output_ids) - 1
+            ok
+            and bool(reqs[i].output_ids)
+            and not st.broken
+            and st.consumed == reqs[i].sampling.output_offset + len(reqs[i].output_ids) - 1
             for ok, i, st in zip(live, batch.rows, batch.states)
         ]
         if all(fresh):  # steady decoding
