@@ -7,8 +7,9 @@ steps: on a fresh H200 those steps compiled Triton kernels, and the first served
 against 257 ms for the same run right after (bench/RESULTS.md "The budget from the chunk speed beside
 decoding"). So the engine first serves a small synthetic workload of its own through a throwaway scheduler
 over the same runner: for a few batch sizes, decoding requests (greedy and sampled, some with penalties,
-whose Triton kernels compile at first use) with a prompt arriving beside them, so prefill-only, decode and mixed steps all run. Nothing of it stays: no prefix is cached, every
-page and table row comes back, and the serving scheduler starts fresh.
+whose Triton kernels compile at first use) with a prompt arriving beside them, so prefill-only, decode and
+mixed steps all run. Nothing of it stays: no prefix is cached, every page and table row comes back, and the
+serving scheduler starts fresh.
 """
 
 from __future__ import annotations
