@@ -177,7 +177,7 @@ def fill_mode(engine, mode: str):
     """Diagnostic variants of the grammar fill (`--fill-modes`): `thread` (as served), `inline` (no thread),
     `cfill` (xgrammar's batched fill alone on the thread: no accept, no per-row Python, so its masks stay those
     of each grammar's start and a request's last token usually breaks it: timing only). Returns an undo."""
-    from common.sched.grammar import GrammarMasks
+    from common.sched.grammar import GrammarMasks, _batch_fill
 
     sched = engine.scheduler
     sampler, book = sched.sampler, sched.grammars
@@ -188,7 +188,7 @@ def fill_mode(engine, mode: str):
 
         def fill(reqs, bits=None):
             batch = book._grammar_rows(reqs)
-            book._batch._handle.batch_fill_next_token_bitmask(batch.handles, bits, batch.rows, False)
+            _batch_fill(book._batch, batch.handles, bits, batch.rows)
             return GrammarMasks(bits, batch.rows, [False] * len(reqs), [])
 
         book.fill = fill
@@ -357,7 +357,9 @@ def main() -> None:
         import io
         import pstats
 
-        prof = cProfile.Profile()  # the scheduler's thread only: where its host time goes, op by op
+        # Every thread's calls from Python 3.12 on (the fill thread's too: its functions show beside the
+        # scheduler's); on 3.11 the scheduler's thread only.
+        prof = cProfile.Profile()
         prof.enable()
         run(engine, prompts, case_params(case, len(prompts), args.max_tokens))
         prof.disable()
