@@ -53,6 +53,24 @@ SWEEP_ONE = [
         (64, 128, 8, 3),
     ]
 ]
+# FP8 weights stream half the bytes per tile: the sweep leans to wider K tiles and more rows per program.
+SWEEP_ONE_FP8 = [
+    GemvConfig(bn, bk, w, st)
+    for bn, bk, w, st in [
+        (8, 512, 4, 3),
+        (8, 256, 4, 3),
+        (8, 1024, 4, 3),
+        (8, 1024, 8, 3),
+        (16, 512, 4, 3),
+        (16, 1024, 4, 3),
+        (16, 1024, 8, 3),
+        (32, 512, 8, 3),
+        (4, 2048, 4, 3),
+        (8, 2048, 8, 2),
+        (16, 256, 4, 4),
+        (32, 256, 4, 4),
+    ]
+]
 SWEEP_FEW = [
     GemvConfig(bn, bk, w, st)
     for bn, bk, w, st in [
@@ -98,35 +116,57 @@ def copy_ceiling() -> float:
     return 2 * x.numel() * x.element_size() / (t * 1e-3)
 
 
-def bench_gemv(quick: bool) -> None:
+def bench_gemv(quick: bool, weight_dtype: str) -> None:
+    """The GEMV sweep with bf16 weights (against cuBLAS) or FP8 weights with row scales (against the engine's
+    FP8 alternative: per-token quantization + the row-wise scaled tensor-core GEMM; the LM head stays 16-bit in
+    FP8 models, so it is left out)."""
+    from common.engine.fp8 import Fp8Linear, quantize_rows
+    from common.engine.gpu.fp8_gemm import fp8_linear
+
+    fp8 = weight_dtype == "fp8"
     bw = RESULTS["copy_bytes_per_s"]
     rows_out = []
     for name, (n, k) in SHAPES.items():
-        nbytes = n * k * 2
+        if fp8 and name == "lm_head":
+            continue
+        nbytes = n * k * (1 if fp8 else 2)
         copies = 32 if nbytes * 32 < 12e9 else 4
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
+        packed = [Fp8Linear(q, s.squeeze(1)) for q, s in map(quantize_rows, ws)] if fp8 else []
+        if fp8:
+            ws = [p.weight for p in packed]
+        scale_of = {id(p.weight): p.scale for p in packed}
+
+        def run(x, w, cfg=None, scale_of=scale_of):
+            return gemv(x, w, config=cfg, weight_scale=scale_of.get(id(w)))
+
         for m in (1, 2, 4, 8):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            ref = F.linear(x, ws[0]).float()
-            t_cublas = graph_time(lambda x=x, ws=ws: [F.linear(x, w) for w in ws]) / copies
-            sweep = SWEEP_ONE if m == 1 else SWEEP_FEW
+            if fp8:
+                ref = F.linear(x, packed[0].dequantize(torch.float32).to(torch.bfloat16)).float()
+                t_cublas = graph_time(lambda x=x, packed=packed: [fp8_linear(x, p) for p in packed]) / copies
+            else:
+                ref = F.linear(x, ws[0]).float()
+                t_cublas = graph_time(lambda x=x, ws=ws: [F.linear(x, w) for w in ws]) / copies
+            sweep = (SWEEP_ONE_FP8 if fp8 else SWEEP_ONE) if m == 1 else SWEEP_FEW
             if quick:
-                sweep = [pick_config(m, n)]
+                sweep = [pick_config(m, n, fp8, k)]
             best = None
             per_cfg = {}
             for cfg in sweep:
-                y, _ = gemv(x, ws[0], config=cfg)
+                y, _ = run(x, ws[0], cfg)
                 err = float((y.float() - ref).norm() / ref.norm())
                 if not err < 1e-2:
                     per_cfg[str(cfg)] = f"wrong: rel err {err:.2e}"
                     continue
-                t = graph_time(lambda cfg=cfg, x=x, ws=ws: [gemv(x, w, config=cfg) for w in ws]) / copies
+                t = graph_time(lambda cfg=cfg, x=x, ws=ws: [run(x, w, cfg) for w in ws]) / copies
                 per_cfg[f"{cfg.block_n}x{cfg.block_k}/w{cfg.num_warps}/s{cfg.num_stages}"] = round(t * 1e3, 2)
                 if best is None or t < best[0]:
                     best = (t, cfg)
             assert best is not None
-            t_default = graph_time(lambda x=x, ws=ws: [gemv(x, w) for w in ws]) / copies
+            t_default = graph_time(lambda x=x, ws=ws: [run(x, w) for w in ws]) / copies
             r = dict(
+                weights=weight_dtype,
                 shape=name,
                 n=n,
                 k=k,
@@ -143,12 +183,12 @@ def bench_gemv(quick: bool) -> None:
             )
             rows_out.append(r)
             print(
-                f"{name:>8} m={m}: cuBLAS {t_cublas * 1e3:7.1f} us ({r['cublas_of_copy']:.2f} of copy)  "
+                f"{weight_dtype} {name:>8} m={m}: {'scaled GEMM' if fp8 else 'cuBLAS'} {t_cublas * 1e3:7.1f} us ({r['cublas_of_copy']:.2f} of copy)  "
                 f"triton default {t_default * 1e3:7.1f} us ({r['triton_default_of_copy']:.2f})  best {best[0] * 1e3:7.1f} us "
                 f"{best[1]}  default/cuBLAS speed {r['triton_default_vs_cublas']:.2f}",
                 flush=True,
             )
-            RESULTS["gemv"] = rows_out
+            RESULTS[f"gemv_{weight_dtype}"] = rows_out
             save()
         ws.clear()
         torch.cuda.empty_cache()
@@ -202,72 +242,110 @@ def bench_prologues() -> None:
     save()
 
 
-def bench_attention() -> None:
-    """Decode attention per layer: flashinfer's graph-mode wrapper (tensor cores, as the engine builds it) vs the
-    split-KV Triton kernel, batch 1-32 at 1k and 4k context, 32 layers' pools in one graph; outputs compared."""
+def fill_random(block: torch.Tensor) -> None:
+    if block.dtype == torch.float8_e4m3fn:
+        block.copy_(torch.randn(block.shape, device=block.device).to(block.dtype))
+    else:
+        block.normal_()
+
+
+# (pages per tile, warps, stages) for the Triton kernel's sweep; the first is its default.
+ATTN_TILES = [(4, 4, 2), (4, 4, 3), (8, 4, 2), (8, 8, 2), (2, 4, 3)]
+
+
+def bench_attention(kv_dtype: str, quick: bool) -> None:
+    """Decode attention per layer: flashinfer's graph-mode wrappers (tensor cores, as the engine builds them,
+    and CUDA cores) vs the split-KV Triton kernel over a sweep of tiles, 32 layers' pools in one graph; outputs
+    compared with flashinfer's. bf16 pages at batch 1-32; FP8 pages (static scales) at batch 1-256."""
     import flashinfer
 
     from common.engine.gpu import decode_attention as tda
     from common.kv.pool import KVLayout, KVPool
 
+    fp8 = kv_dtype == "fp8"
+    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
     hq, hkv, d, layers, ps = 32, 8, 128, 32, 16
+    ks, vs = (0.5, 0.25) if fp8 else (1.0, 1.0)
+    scales = dict(k_scale=ks, v_scale=vs) if fp8 else {}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    batches = (1, 2, 4, 8, 16, 32, 64, 128, 256) if fp8 else (1, 2, 4, 8, 16, 32)
+    tiles = [tda.TileConfig()] if quick else [tda.TileConfig(*t) for t in ATTN_TILES]
     out = {}
     for ctx in (1024, 4096):
-        for b in (1, 2, 4, 8, 16, 32):
+        for b in batches:
+            if ctx * b > 64 * 4096:
+                continue
             npages = ctx // ps
-            pool = KVPool(KVLayout(layers, hkv, d, ps, torch.bfloat16), b * npages + 8, torch.device("cuda"))
+            layout = KVLayout(layers, hkv, d, ps, dtype, (ks, vs) * layers if fp8 else ())
+            pool = KVPool(layout, b * npages + 8, torch.device("cuda"))
             for blk in pool.kv.split(1024):
-                blk.normal_()
+                fill_random(blk)
             indptr = torch.arange(0, (b + 1) * npages, npages, dtype=torch.int32)
             indices = torch.randperm(b * npages, device="cuda").to(torch.int32)
             last = torch.full((b,), ps, dtype=torch.int32)
             bufs = (indptr.cuda(), indices.clone(), last.cuda())
             q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
-            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                ws,
-                "NHD",
-                use_cuda_graph=True,
-                use_tensor_cores=True,
-                paged_kv_indptr_buffer=bufs[0],
-                paged_kv_indices_buffer=bufs[1],
-                paged_kv_last_page_len_buffer=bufs[2],
-                backend="fa2",
-            )
-            w.plan(indptr, indices, last, hq, hkv, d, ps, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
             kvs = [(pool.k_cache(i), pool.v_cache(i)) for i in range(layers)]
-            splits = tda.num_splits(b, hkv, sms)
-            ref = w.run(q, kvs[0]).float()
-            got = tda.decode_attention(q, *kvs[0], *bufs, splits).float()
-            err = float((got - ref).norm() / ref.norm())
-            t_fi = graph_time(lambda w=w, kvs=kvs, q=q: [w.run(q, kv) for kv in kvs]) / layers
-            t_tr = (
-                graph_time(
-                    lambda kvs=kvs, q=q, bufs=bufs, s=splits: [tda.decode_attention(q, *kv, *bufs, s) for kv in kvs]
+            times = {}
+            ref = None
+            for tc in (True, False):
+                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    ws,
+                    "NHD",
+                    use_cuda_graph=True,
+                    use_tensor_cores=tc,
+                    paged_kv_indptr_buffer=bufs[0],
+                    paged_kv_indices_buffer=bufs[1],
+                    paged_kv_last_page_len_buffer=bufs[2],
+                    backend="fa2",
                 )
-                / layers
-            )
-            kv_bytes = b * ctx * hkv * d * 2 * 2
-            key = f"b{b}_ctx{ctx}"
+                w.plan(indptr, indices, last, hq, hkv, d, ps, q_data_type=torch.bfloat16, kv_data_type=dtype)
+                if ref is None:
+                    ref = w.run(q, kvs[0], **scales).float()
+                times["flashinfer_tc" if tc else "flashinfer_cuda_cores"] = (
+                    graph_time(lambda w=w, kvs=kvs, q=q: [w.run(q, kv, **scales) for kv in kvs]) / layers
+                )
+            splits = tda.num_splits(b, hkv, sms)
+            errs = {}
+            for tile in tiles:
+                got = tda.decode_attention(q, *kvs[0], *bufs, splits, ks, vs, tile).float()
+                name = f"triton_ppt{tile.pages_per_tile}_w{tile.num_warps}_s{tile.num_stages}"
+                errs[name] = float((got - ref).norm() / ref.norm())
+                times[name] = (
+                    graph_time(
+                        lambda kvs=kvs, q=q, bufs=bufs, s=splits, t=tile: [
+                            tda.decode_attention(q, *kv, *bufs, s, ks, vs, t) for kv in kvs
+                        ]
+                    )
+                    / layers
+                )
+            kv_bytes = b * ctx * hkv * d * 2 * pool.kv.element_size()
+            key = f"{kv_dtype}_b{b}_ctx{ctx}"
+            fi_best = min(times["flashinfer_tc"], times["flashinfer_cuda_cores"])
+            tr_name = min((n for n in times if n.startswith("triton")), key=times.__getitem__)
             out[key] = dict(
-                flashinfer_us=t_fi * 1e3,
-                triton_us=t_tr * 1e3,
-                speedup=t_fi / t_tr,
+                us={n: t * 1e3 for n, t in times.items()},
+                of_copy={n: kv_bytes / (t * 1e-3) / RESULTS["copy_bytes_per_s"] for n, t in times.items()},
+                triton_default_vs_flashinfer_tc=times["flashinfer_tc"]
+                / times[next(n for n in times if n.startswith("triton"))],
+                triton_best=tr_name,
+                triton_best_vs_flashinfer_best=fi_best / times[tr_name],
                 splits=splits,
-                rel_diff=err,
+                rel_diff=errs,
                 kv_bytes=kv_bytes,
-                triton_of_copy=kv_bytes / (t_tr * 1e-3) / RESULTS["copy_bytes_per_s"],
             )
             print(
-                f"attention {key}: flashinfer {t_fi * 1e3:6.2f} us, triton {t_tr * 1e3:6.2f} us ({t_fi / t_tr:.2f}x, "
-                f"{splits} splits), rel diff {err:.1e}",
+                f"attention {key}: "
+                + ", ".join(f"{n} {t * 1e3:.1f} us ({out[key]['of_copy'][n]:.2f})" for n, t in times.items())
+                + f"; best triton / best flashinfer {fi_best / times[tr_name]:.2f}x, {splits} splits, "
+                f"max rel diff {max(errs.values()):.1e}",
                 flush=True,
             )
             del pool, kvs
             torch.cuda.empty_cache()
-    RESULTS["attention"] = out
-    save()
+            RESULTS[f"attention_{kv_dtype}"] = out
+            save()
 
 
 def bench_layer_ops() -> None:
@@ -325,19 +403,23 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out" / "decode_kernels.json")
     ap.add_argument("--quick", action="store_true", help="only the default Triton configs")
     ap.add_argument("--sections", default="gemv,prologue,layer,attention")
+    ap.add_argument("--kv-dtypes", default="bf16", help="attention pages: bf16, fp8 or both (bf16,fp8)")
+    ap.add_argument("--weight-dtypes", default="bf16", help="GEMV weights: bf16, fp8 or both (bf16,fp8)")
     args = ap.parse_args()
     OUT = args.out
     RESULTS["device"] = torch.cuda.get_device_name()
     RESULTS["copy_bytes_per_s"] = copy_ceiling()
     print(f"copy ceiling {RESULTS['copy_bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
     if "gemv" in args.sections:
-        bench_gemv(args.quick)
+        for wd in args.weight_dtypes.split(","):
+            bench_gemv(args.quick, wd)
     if "prologue" in args.sections:
         bench_prologues()
     if "layer" in args.sections:
         bench_layer_ops()
     if "attention" in args.sections:
-        bench_attention()
+        for kv in args.kv_dtypes.split(","):
+            bench_attention(kv, args.quick)
     save()
 
 

@@ -1,6 +1,6 @@
 """FP8 weights and FP8 KV against bf16 and a float32 reference on one GPU (run on the GPU machine).
 
-    python bench/fp8_check.py --out OUT.json [--model llama-3.1-8b] [--quick]
+    python bench/fp8_check.py --out OUT.json [--model llama-3.1-8b] [--quick] [--profile] [--variants bf16,fp8_kv]
 
 Random weights of the model's shapes (`dummy:<model>`), one engine per variant, built one at a time:
 - accuracy: teacher-forced logits of one random 512-token prompt against the float32 engine (torch path on the
@@ -36,6 +36,49 @@ VARIANTS = {
 }
 PROMPT_LEN = 512
 CTX = 1024
+# Kernel names -> what they are, for --profile's per-step breakdown (first match wins).
+KERNEL_KINDS = [
+    ("quantize", ("quantize_rows",)),
+    ("gemv", ("_gemv_kernel",)),
+    ("attention", ("decode_attention", "BatchDecode", "BatchPrefill", "Prefill", "Decode", "MergeState")),
+    ("gemm", ("gemm", "Gemm", "cutlass", "nvjet", "sm90_xmma", "scaled_mm", "cublas")),
+    ("norm", ("rmsnorm", "RMSNorm", "Norm")),
+    ("rope+kv write", ("rope", "Rope")),
+    ("activation", ("silu", "act_and_mul")),
+]
+
+
+def kind_of(name: str) -> str:
+    for kind, keys in KERNEL_KINDS:
+        if any(k in name for k in keys):
+            return kind
+    return "other"
+
+
+def kernel_breakdown(fn, calls: int = 3) -> dict:
+    """Device time per call by kernel kind, and the ten costliest kernels (us per call), from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, float] = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", 0.0) or getattr(ev, "cuda_time_total", 0.0)
+        if us > 0 and ev.key not in ("cudaGraphLaunch",):
+            per_kernel[ev.key] = per_kernel.get(ev.key, 0.0) + us / calls
+    kinds: dict[str, float] = {}
+    for name, us in per_kernel.items():
+        kinds[kind_of(name)] = kinds.get(kind_of(name), 0.0) + us
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:10]
+    return {
+        "total_us": round(sum(per_kernel.values()), 1),
+        "by_kind_us": {k: round(v, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+        "top_kernels_us": [[name[:90], round(us, 1)] for name, us in top],
+    }
 
 
 def log(msg: str) -> None:
@@ -66,7 +109,7 @@ def score(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def speed(runner: ModelRunner, quick: bool) -> dict:
+def speed(runner: ModelRunner, quick: bool, profile: bool = False) -> dict:
     mc = runner.model_config
     iters = 10 if quick else 30
     for block in runner.pool.kv.split(4096):  # random KV: never time on zeros
@@ -83,12 +126,16 @@ def speed(runner: ModelRunner, quick: bool) -> dict:
         out[f"decode_b{b}_ms"] = t
         out[f"decode_b{b}_tok_per_s"] = b / (t * 1e-3)
         out[f"decode_b{b}_kv_bytes"] = b * CTX * runner.layout.bytes_per_token
+        if profile:
+            out[f"decode_b{b}_kernels"] = kernel_breakdown(lambda fb=fb: runner.forward(fb).argmax(-1))
         give_rows(runner, rows)
     n = 4096
     rows = take_rows(runner, [n])
     ids = torch.randint(0, mc.vocab_size, (n,)).tolist()
     fb = runner.build_batch([ids], [0], rows, [True], False)
     t = statistics.median(timed(lambda fb=fb: runner.forward(fb), 3 if quick else 6, 2))
+    if profile:
+        out["prefill_4k_kernels"] = kernel_breakdown(lambda fb=fb: runner.forward(fb), calls=2)
     give_rows(runner, rows)
     out["prefill_4k_ms"] = t
     out["prefill_4k_tok_per_s"] = n / (t * 1e-3)
@@ -106,6 +153,8 @@ def main() -> None:
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--kv-gb", type=float, default=40.0)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="device time by kernel kind for each timed case")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="which of " + ",".join(VARIANTS))
     args = ap.parse_args()
     results: dict = {"model": args.model, "prompt_tokens": PROMPT_LEN, "ctx": CTX, "variants": {}}
     torch.manual_seed(0)
@@ -121,7 +170,8 @@ def main() -> None:
     del ref_runner
     gc.collect()
     torch.cuda.empty_cache()
-    for name, fmt in VARIANTS.items():
+    for name in args.variants.split(","):
+        fmt = VARIANTS[name]
         runner = make(args.model, args.kv_gb, 256, **fmt)
         got = score(runner, ids)
         r = dict(
@@ -133,7 +183,7 @@ def main() -> None:
         log(
             f"{name}: logits rel err {r['logits_rel_err_vs_fp32']:.3e}, argmax agree {r['argmax_agreement_vs_fp32']:.3f}"
         )
-        r.update(speed(runner, args.quick))
+        r.update(speed(runner, args.quick, args.profile))
         log(f"{name}: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()})}")
         results["variants"][name] = r
         save()

@@ -60,8 +60,11 @@ MODEL = "bench"
 TIMEOUT_S = 120.0
 
 
-def make_layout(name: str, device: str, page_size: int) -> KVLayout:
-    dtype = torch.bfloat16 if (name == "llama8b" or device == "cuda") else torch.float32
+def make_layout(name: str, device: str, page_size: int, kv_dtype: str = "auto") -> KVLayout:
+    if kv_dtype == "fp8":
+        dtype = torch.float8_e4m3fn
+    else:
+        dtype = torch.bfloat16 if (name == "llama8b" or device == "cuda") else torch.float32
     return KVLayout(page_size=page_size, dtype=dtype, **LAYOUTS[name])
 
 
@@ -81,7 +84,7 @@ def receiver_main(cfg: dict[str, Any], cmd_q: Any, out_q: Any) -> None:
     from common.engine.tp import split_range
     from common.transfer.receiver import KVReceiver
 
-    layout = make_layout(cfg["layout"], cfg["device"], cfg["page_size"])
+    layout = make_layout(cfg["layout"], cfg["device"], cfg["page_size"], cfg["kv_dtype"])
     ranks = [split_range(layout.num_kv_heads, cfg["dst_tp"], r) for r in range(cfg["dst_tp"])]
     dev = cfg["dst_device"]
     pools = [KVPool(replace(layout, num_kv_heads=hi - lo), cfg["num_pages"], dev) for lo, hi in ranks]
@@ -311,11 +314,28 @@ def main() -> None:
     ap.add_argument("--dst-tp", type=int, default=1, help="receiver's tensor-parallel ranks (heads split over pools)")
     ap.add_argument("--staging-mb", type=int, default=1024, help="sender's packing area when --dst-tp > 1")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
+    ap.add_argument(
+        "--kv-dtypes",
+        default="auto",
+        help="page formats, one receiver each, in one run: auto (bf16 on CUDA and for llama8b, else float32), "
+        "fp8 (e4m3); with both, each size's transfer time of the second as a ratio to the first's",
+    )
     args = ap.parse_args()
-    sizes = [int(v) for v in args.sizes.split(",")]
+    results = {kv: run_one(args, kv) for kv in args.kv_dtypes.split(",")}
+    if len(results) > 1:
+        (a, ra), (b, rb) = list(results.items())[:2]
+        for sa, sb in zip(ra.get("sizes", []), rb.get("sizes", [])):
+            print(
+                f"{sa['tokens']:>6} tokens: {b} {sb['xfer_s'] * 1e3:.2f} ms vs {a} {sa['xfer_s'] * 1e3:.2f} ms = "
+                f"{sb['xfer_s'] / sa['xfer_s']:.2f}x the time, {sb['bytes'] / sa['bytes']:.2f}x the bytes",
+                flush=True,
+            )
 
+
+def run_one(args: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
+    sizes = [int(v) for v in args.sizes.split(",")]
     backend_params = dict(kv.split("=", 1) for kv in args.backend_param)
-    layout = make_layout(args.layout, args.device, args.page_size)
+    layout = make_layout(args.layout, args.device, args.page_size, kv_dtype)
     max_pages = max(sizes + [args.overlap_tokens]) // args.page_size
     num_pages = (max_pages // args.run_pages + 4) * args.run_pages
     pool_gb = 2 * layout.num_layers * layout.page_bytes * num_pages / 1e9
@@ -337,12 +357,16 @@ def main() -> None:
         "dst_tp": args.dst_tp,
         "dst_device": args.dst_device or args.device,
         "progress_delay_us": args.progress_delay_us,
+        "kv_dtype": kv_dtype,
     }
     proc = ctx.Process(target=receiver_main, args=(cfg, cmd, rx), daemon=True)
     proc.start()
     try:
         pool = KVPool(layout, num_pages, args.device)
-        pool.kv.uniform_(-1, 1)
+        if kv_dtype == "fp8":
+            pool.kv.view(torch.uint8).random_(0, 0x7F)  # finite e4m3 values of both signs' magnitudes
+        else:
+            pool.kv.uniform_(-1, 1)
         copy_pool = KVPool(layout, num_pages, args.dst_device or args.device)  # cross-GPU: peer-to-peer copy
         agent = KVTransferAgent(
             "bench-prefill",
@@ -463,9 +487,11 @@ def main() -> None:
         suffix += f"_to_{args.dst_device.replace(':', '')}" if args.dst_device else ""
         suffix += f"_runs{args.run_pages}" if args.run_pages != 16 else ""
         suffix += f"_delay{args.progress_delay_us}" if args.progress_delay_us is not None else ""
+        suffix += "_fp8" if kv_dtype == "fp8" else ""
         path = args.out / f"transfer_{args.device}{suffix}.json"
         path.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {path}")
+        return result
     finally:
         cmd.put(("stop",))
         proc.join(15)

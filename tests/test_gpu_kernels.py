@@ -93,14 +93,18 @@ def test_gemv_refuses_what_it_cannot_serve():
 
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (4, 2, 128), (4, 1, 64)])
 @pytest.mark.parametrize("splits", [1, 3, 16])
-def test_decode_attention_matches_float64(hq, hkv, d, splits):
-    """Split-KV decode over shuffled pages, lengths with partial last pages (1 token, one page + 1, long)."""
+@pytest.mark.parametrize("fp8", [False, True])
+def test_decode_attention_matches_float64(hq, hkv, d, splits, fp8):
+    """Split-KV decode over shuffled pages, lengths with partial last pages (1 token, one page + 1, long);
+    bf16 pages, or e4m3 pages with K/V scales (the reference reads the same stored values times the scales)."""
     from common.engine.gpu.decode_attention import decode_attention
 
     g = torch.Generator(device="cuda").manual_seed(hq * 31 + splits)
     ps, pages = 16, 400
     lens = [1, 17, 300, 1000, 64]
-    kv = torch.randn(pages, 3, 2, ps, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
+    ks, vs = (0.5, 0.25) if fp8 else (1.0, 1.0)
+    kv = torch.randn(pages, 3, 2, ps, hkv, d, generator=g, device="cuda")
+    kv = kv.to(torch.float8_e4m3fn if fp8 else torch.bfloat16)
     layer = 1
     k_cache, v_cache = kv[:, layer, 0], kv[:, layer, 1]
     perm = torch.randperm(pages, generator=g, device="cuda")
@@ -109,12 +113,12 @@ def test_decode_attention_matches_float64(hq, hkv, d, splits):
     indices = perm[: sum(npages)].to(torch.int32)
     last = torch.tensor([n - (p - 1) * ps for n, p in zip(lens, npages)], dtype=torch.int32, device="cuda")
     q = torch.randn(len(lens), hq, d, generator=g, device="cuda").to(torch.bfloat16)
-    out = decode_attention(q, k_cache, v_cache, indptr, indices, last, splits)
+    out = decode_attention(q, k_cache, v_cache, indptr, indices, last, splits, ks, vs)
     group = hq // hkv
     for i, n in enumerate(lens):
         pg = indices[indptr[i] : indptr[i + 1]].long()
-        kk = k_cache[pg].reshape(-1, hkv, d)[:n].double().repeat_interleave(group, 1)  # [n, Hq, D]
-        vv = v_cache[pg].reshape(-1, hkv, d)[:n].double().repeat_interleave(group, 1)
+        kk = (k_cache[pg].reshape(-1, hkv, d)[:n].double() * ks).repeat_interleave(group, 1)  # [n, Hq, D]
+        vv = (v_cache[pg].reshape(-1, hkv, d)[:n].double() * vs).repeat_interleave(group, 1)
         scores = torch.einsum("hd,nhd->hn", q[i].double(), kk) * d**-0.5
         ref = torch.einsum("hn,nhd->hd", scores.softmax(-1), vv)
         assert torch.isfinite(out[i]).all()

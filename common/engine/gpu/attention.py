@@ -30,6 +30,10 @@ WORKSPACE_BYTES = 256 << 20
 # it is available; larger batches keep flashinfer's. bench/decode_kernels.py on the H200 (per layer, 32 q / 8 kv
 # heads): b=1 1.62x at 1k context and 1.16x at 4k; b=2 1.40x / 0.95x; b=4 1.13x / 0.87x; b=8 1.06x / 0.86x.
 TRITON_DECODE_MAX_BS = 2
+# FP8 pages: the same batches, 8 pages per tile (bench/decode_kernels.py --kv-dtypes fp8, H200, per layer: b=1
+# 8.3 vs flashinfer's 13.5 us at 1k, 12.4 vs 19.6 at 4k; b=2 8.8 vs 16.2 and 20.9 vs 20.9; from b=4 at 4k and
+# b=32 at 1k flashinfer's tensor-core kernel is faster).
+FP8_DECODE_TILE_PAGES = 8
 # A prefill or mixed step whose leading requests extend one token each (a mixed step's decode rows) runs those
 # rows through the decode kernel and the rest through the prefill kernel once there are this many: the
 # prefill kernel gives each one-token row a whole query tile, and on the H200 (8B, 1.5k tokens of KV a row)
@@ -101,14 +105,17 @@ class FlashInferAttention:
         self.cos_sin = rotary.cos_sin()
         self.rope_store = None
         self.triton_decode = None
+        self._triton_tile = None
         if triton_kernels:
             from common.engine.gpu import decode_attention, rope_store
 
             if rope_store.supports(cfg.head_dim):
                 self.rope_store = rope_store.rope_store
             fits = decode_attention.supports(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, pool.layout.page_size)
-            if fits and not is_fp8(pool.layout.dtype):  # the split-KV kernel reads 16-bit pages only
+            if fits:
                 self.triton_decode = decode_attention
+                pages = FP8_DECODE_TILE_PAGES if is_fp8(pool.layout.dtype) else decode_attention.PAGES_PER_TILE
+                self._triton_tile = decode_attention.TileConfig(pages_per_tile=pages)
         self.num_sms = (
             torch.cuda.get_device_properties(pool.device).multi_processor_count if pool.device.type == "cuda" else 1
         )
@@ -343,7 +350,10 @@ class FlashInferAttention:
         if self._triton_meta is not None:
             indptr, indices, last, splits = self._triton_meta
             k_cache, v_cache = self.kv[layer]
-            return self.triton_decode.decode_attention(q, k_cache, v_cache, indptr, indices, last, splits)  # type: ignore[union-attr]
+            ks, vs = self.kv_scales[layer]
+            return self.triton_decode.decode_attention(  # type: ignore[union-attr]
+                q, k_cache, v_cache, indptr, indices, last, splits, ks, vs, self._triton_tile
+            )
         scales = self.run_scales[layer]
         if self._split is not None:
             n, decode = self._split

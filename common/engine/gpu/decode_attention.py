@@ -10,9 +10,15 @@ how many pages each split takes is computed on the device from the request's len
 
 Inputs are the decode wrapper's CSR buffers (`kv_indptr`, `kv_indices`, `kv_last_page_len`, on the device)
 and the pool's per-layer `[pages, page_size, Hkv, D]` views, so the same plan serves both kernels.
+
+FP8 (e4m3) pages are read at one byte a value and widened to the queries' dtype in registers; the layer's
+static K scale is folded into the softmax scale and its V scale into the output, as flashinfer applies them.
+With one split a program writes its normalized output directly (no merge launch, no float32 partials).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -36,7 +42,9 @@ def _decode_attention_split_kernel(
     stride_qh,
     stride_page,
     stride_tok,
-    sm_scale,
+    qk_scale,
+    v_scale,
+    out_ptr,
     NUM_SPLITS: tl.constexpr,
     GROUP: tl.constexpr,
     HQ: tl.constexpr,
@@ -44,6 +52,7 @@ def _decode_attention_split_kernel(
     D: tl.constexpr,
     GPAD: tl.constexpr,
     PPT: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -76,7 +85,10 @@ def _decode_attention_split_kernel(
         off = page * stride_page + (t % PAGE) * stride_tok + head_off
         k = tl.load(k_ptr + off[:, None] + d[None, :], mask=tok_ok[:, None], other=0.0)
         v = tl.load(v_ptr + off[:, None] + d[None, :], mask=tok_ok[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * sm_scale  # [GPAD, tokens]
+        if KV_FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        scores = tl.dot(q, tl.trans(k)) * qk_scale  # [GPAD, tokens]
         scores = tl.where(tok_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -86,11 +98,15 @@ def _decode_attention_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
     has = l_sum > 0
-    out = acc / tl.where(has, l_sum, 1.0)[:, None]
-    lse = tl.where(has, m + tl.log(tl.where(has, l_sum, 1.0)), float("-inf"))
-    row = (b * HQ + h * GROUP + g) * NUM_SPLITS + s
-    tl.store(o_ptr + row[:, None] * D + d[None, :], out, mask=g_ok[:, None])
-    tl.store(lse_ptr + row, lse, mask=g_ok)
+    out = acc * (v_scale / tl.where(has, l_sum, 1.0))[:, None]
+    if NUM_SPLITS == 1:
+        row1 = b * HQ + h * GROUP + g
+        tl.store(out_ptr + row1[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+    else:
+        lse = tl.where(has, m + tl.log(tl.where(has, l_sum, 1.0)), float("-inf"))
+        row = (b * HQ + h * GROUP + g) * NUM_SPLITS + s
+        tl.store(o_ptr + row[:, None] * D + d[None, :], out, mask=g_ok[:, None])
+        tl.store(lse_ptr + row, lse, mask=g_ok)
 
 
 @triton.jit
@@ -122,6 +138,13 @@ def num_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
     return max(1, min(16, -(-num_sms // (batch * num_kv_heads))))
 
 
+@dataclass(frozen=True)
+class TileConfig:
+    pages_per_tile: int = PAGES_PER_TILE
+    num_warps: int = 4
+    num_stages: int = 2
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -130,18 +153,26 @@ def decode_attention(
     kv_indices: torch.Tensor,
     kv_last_page_len: torch.Tensor,
     splits: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    tile: TileConfig | None = None,
 ) -> torch.Tensor:
-    """q: [B, Hq, D]; k_cache/v_cache: [pages, page_size, Hkv, D] views of one layer (token rows contiguous);
-    the CSR tensors on q's device, as flashinfer's decode plan takes them. Returns [B, Hq, D] in q's dtype."""
+    """q: [B, Hq, D]; k_cache/v_cache: [pages, page_size, Hkv, D] views of one layer (token rows contiguous),
+    16-bit or e4m3 with the layer's scales; the CSR tensors on q's device, as flashinfer's decode plan takes
+    them. Returns [B, Hq, D] in q's dtype."""
+    tile = tile or TileConfig()
     b, hq, d = q.shape
     _, page, hkv, _ = k_cache.shape
     if k_cache.stride() != v_cache.stride() or k_cache.stride(2) != d or k_cache.stride(3) != 1:
         raise ValueError("K and V caches need the same strides with each token's heads contiguous")
     if q.stride(2) != 1:
         raise ValueError("q rows must be contiguous")
-    part = torch.empty(b * hq * splits, d, dtype=torch.float32, device=q.device)
-    lse = torch.empty(b * hq * splits, dtype=torch.float32, device=q.device)
+    kv_fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+    part = lse = out  # unused with one split
+    if splits > 1:
+        part = torch.empty(b * hq * splits, d, dtype=torch.float32, device=q.device)
+        lse = torch.empty(b * hq * splits, dtype=torch.float32, device=q.device)
     _decode_attention_split_kernel[(b, hkv, splits)](
         q,
         k_cache,
@@ -155,18 +186,22 @@ def decode_attention(
         q.stride(1),
         k_cache.stride(0),
         k_cache.stride(1),
-        d**-0.5,
+        d**-0.5 * k_scale,
+        v_scale,
+        out,
         NUM_SPLITS=splits,
         GROUP=hq // hkv,
         HQ=hq,
         PAGE=page,
         D=d,
         GPAD=GROUP_PAD,
-        PPT=PAGES_PER_TILE,
-        num_warps=4,
-        num_stages=2,
+        PPT=tile.pages_per_tile,
+        KV_FP8=kv_fp8,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )
-    _decode_attention_merge_kernel[(b * hq,)](
-        part, lse, out, NUM_SPLITS=splits, SPAD=max(2, triton.next_power_of_2(splits)), D=d
-    )
+    if splits > 1:
+        _decode_attention_merge_kernel[(b * hq,)](
+            part, lse, out, NUM_SPLITS=splits, SPAD=max(2, triton.next_power_of_2(splits)), D=d
+        )
     return out
