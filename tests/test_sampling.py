@@ -480,6 +480,31 @@ def test_grammar_on_the_real_model_ends_when_done_even_before_min_tokens(smol_ru
     assert_pool_clean(engine)
 
 
+def test_grammar_masks_cover_the_tokenizer_and_ban_a_padded_heads_extra_ids(smol_path, smol_tokenizer):
+    """A model whose LM head has rows past its tokenizer (Qwen2.5: 152,064 for 151,665 tokens): the masks cover
+    the tokenizer's ids only (xgrammar fills each padded id as a token of its own), and a grammar row never
+    samples a padded id, whatever its logit; a row without a grammar still may."""
+    from common.protocol import GrammarSpec
+    from common.sched.grammar import GrammarBook
+    from common.sched.request import Req
+
+    tok_vocab = len(smol_tokenizer.get_vocab())
+    vocab = tok_vocab + 70
+    book = GrammarBook(smol_path, vocab, [smol_tokenizer.eos_token_id])
+    assert (book.mask_vocab, book.mask_words) == (tok_vocab, (tok_vocab + 31) // 32)
+    grammar = SamplingParams(grammar=GrammarSpec(kind="ebnf", value='root ::= "yes" | "no"'))
+    reqs = [Req(req_id=str(i), prompt_ids=[1, 2], sampling=p) for i, p in enumerate([grammar, SamplingParams()])]
+    masks = book.fill(reqs)
+    assert masks.bits.shape == (2, book.mask_words) and masks.rows == [0]
+    logits = torch.zeros(2, vocab)
+    logits[:, tok_vocab + 5] = 100.0  # a padded id the model favours
+    sb = SamplingBatch.build([r.sampling for r in reqs], [0, 0], vocab, CPU, steps=[0, 0])
+    sb.allowed_bits, sb.grammar_rows, sb.grammar_vocab = masks.bits, masks.rows, book.mask_vocab
+    tokens = sample(logits, sb).tokens.tolist()
+    text = smol_tokenizer.decode(tokens[:1])
+    assert text and ("yes".startswith(text) or "no".startswith(text)) and tokens[1] == tok_vocab + 5
+
+
 # ---- grammars and penalties keep the overlap ---------------------------------------------------------------
 
 PERSON = {

@@ -131,8 +131,9 @@ class SamplingBatch:
     add_rows: torch.Tensor | None = None  # [N] int64
     add_cols: torch.Tensor | None = None  # [N] int64
     add_vals: torch.Tensor | None = None  # [N] float32
-    allowed_bits: torch.Tensor | None = None  # [B, ceil(V / 32)] int32 grammar bitmask, read on `grammar_rows`
+    allowed_bits: torch.Tensor | None = None  # [B, ceil(grammar_vocab / 32)] int32 grammar bitmask, on `grammar_rows`
     grammar_rows: list[int] | torch.Tensor | None = None  # rows under a grammar (host ints, or int32 on a GPU)
+    grammar_vocab: int = 0  # ids the bitmask covers (the tokenizer's; 0: all): the rest are banned on grammar rows
 
     @classmethod
     def build(
@@ -309,7 +310,15 @@ def adjust_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 
         if logits is raw and sb.want_logprobs:
             logits = logits.clone()
-        apply_token_bitmask_inplace(logits, sb.allowed_bits, vocab_size=logits.shape[-1], indices=sb.grammar_rows)
+        vocab = logits.shape[-1]
+        covered = min(sb.grammar_vocab or vocab, vocab)
+        apply_token_bitmask_inplace(logits, sb.allowed_bits, vocab_size=covered, indices=sb.grammar_rows)
+        if covered < vocab:  # an LM head padded past the tokenizer: no grammar allows those ids
+            if sb.grammar_rows is None:
+                logits[:, covered:] = float("-inf")
+            else:
+                rows = torch.as_tensor(sb.grammar_rows).to(logits.device, torch.int64)
+                logits[:, covered:].index_fill_(0, rows, float("-inf"))
     return logits
 
 

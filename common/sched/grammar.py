@@ -81,6 +81,10 @@ class GrammarBook:
         self.fill_threads = fill_threads if fill_threads is not None else default_fill_threads()
         self.vocab = vocab
         self.stop_ids = sorted(stop_ids)
+        # The ids the masks cover: the tokenizer's, where the model's LM head is padded past them (the sampler
+        # bans the rest on grammar rows). xgrammar treats every padded id as a token of its own (an empty
+        # string) in each fill: 79k of them made a 128-row fill 7.5x slower (bench/RESULTS.md, issue 26).
+        self._mask_vocab = 0
         self._compiler: Any = None
         self._batch: Any = None
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
@@ -102,11 +106,25 @@ class GrammarBook:
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(self.model_path)
-            info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab, stop_token_ids=self.stop_ids)
+            ids = tok.get_vocab().values()
+            self._mask_vocab = min(self.vocab, max(len(ids), max(ids) + 1))
+            stops = [t for t in self.stop_ids if t < self._mask_vocab] or None
+            info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self._mask_vocab, stop_token_ids=stops)
             threads = max(1, min(8, os.cpu_count() or 1))
             self._compiler = xgr.GrammarCompiler(info, max_threads=threads)
             self._batch = xgr.BatchGrammarMatcher(max_threads=self.fill_threads)
         return self._compiler
+
+    @property
+    def mask_vocab(self) -> int:
+        """The token ids a mask covers (the tokenizer's, at most the model's vocabulary); loads the tokenizer."""
+        self._xgr_compiler()
+        return self._mask_vocab
+
+    @property
+    def mask_words(self) -> int:
+        """int32 words in one row of a mask."""
+        return (self.mask_vocab + 31) // 32
 
     def compile(self, spec: GrammarSpec) -> Any:
         """The compiled grammar for `spec` (cached); GrammarError when it does not compile."""
@@ -179,7 +197,7 @@ class GrammarBook:
 
     def fill(self, reqs: Sequence[Req], bits: torch.Tensor | None = None) -> GrammarMasks:
         """The bitmask of the tokens each grammar request in `reqs` may sample next, written into `bits`
-        ([len(reqs), ceil(vocab / 32)] int32 on the host: the scheduler passes a view of the step's pinned
+        ([len(reqs), mask_words] int32 on the host: the scheduler passes a view of the step's pinned
         staging buffer, so the masks reach the device in the step's one copy; None: a new tensor). Only the
         grammar rows are written (and read by the sampler); a grammar row that will not be filled (its
         request finishes when this step is processed, or its last token broke its grammar) allows everything.
@@ -196,7 +214,7 @@ class GrammarBook:
         steady case (every grammar row one new token, the batch unchanged) is a few list comprehensions and
         three calls into xgrammar and torch, and a row's completion is read off its mask, not asked per row."""
         if bits is None:
-            bits = torch.empty((len(reqs), (self.vocab + 31) // 32), dtype=torch.int32)
+            bits = torch.empty((len(reqs), self.mask_words), dtype=torch.int32)
         batch = self._grammar_rows(reqs)
         live = [not reqs[i].finished for i in batch.rows]
         # The step's one new token of a row (a decode row's: never a stop token, so not terminated after it).
@@ -258,8 +276,9 @@ class GrammarBook:
         """Those of `rows` whose mask allows a stop token (the grammar may end there: xgrammar's
         `is_completed`), read off the masks in a few torch ops instead of a call per row."""
         if self._stop_words is None:
-            words = sorted({t // 32 for t in self.stop_ids})
-            masks = [sum(1 << (t % 32) for t in self.stop_ids if t // 32 == w) for w in words]
+            stops = [t for t in self.stop_ids if t < self._mask_vocab]
+            words = sorted({t // 32 for t in stops})
+            masks = [sum(1 << (t % 32) for t in stops if t // 32 == w) for w in words]
             signed = [m - (1 << 32) if m >= 1 << 31 else m for m in masks]
             self._stop_words = (torch.tensor(words), torch.tensor(signed, dtype=torch.int32))
         words, masks = self._stop_words
@@ -280,7 +299,7 @@ class _BatchRows:
 
 @dataclass
 class GrammarMasks:
-    bits: torch.Tensor  # [B, ceil(vocab / 32)] int32 on the host
+    bits: torch.Tensor  # [B, mask_words] int32 on the host
     rows: list[int]  # the rows under a grammar
     done: list[bool]  # per row: the grammar allows nothing but its end
     broken: list[Req]  # requests whose last token the grammar did not allow (they finish with an error)

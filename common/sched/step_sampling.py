@@ -105,7 +105,7 @@ class StepSampler:
         if not self._has_grammar(reqs):
             return None
         stage = self.h2d.stage()
-        part, bits = stage.reserve((len(reqs), (self.vocab + 31) // 32), torch.int32)
+        part, bits = stage.reserve((len(reqs), grammars.mask_words), torch.int32)
         if self._fill_thread is None:
             self._fill_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvferry-masks")
         return MaskJob(stage, part, self._fill_thread.submit(_fill, grammars, list(reqs), bits))
@@ -136,7 +136,7 @@ class StepSampler:
             stage = self.h2d.stage()
             if any_grammar:
                 # On a GPU the forward is still running: the masks are filled meanwhile, into the pinned buffer.
-                bits_part, bits = stage.reserve((len(reqs), (self.vocab + 31) // 32), torch.int32)
+                bits_part, bits = stage.reserve((len(reqs), grammars.mask_words), torch.int32)
                 masks = grammars.fill(reqs, bits)
         fresh_part = plan = rows_part = None
         if new_batch is not None:
@@ -195,6 +195,7 @@ class StepSampler:
         if masks is not None:
             sb.allowed_bits = sent[bits_part] if bits_part is not None else None
             sb.grammar_rows = sent[grammar_part] if grammar_part is not None else masks.rows
+            sb.grammar_vocab = grammars.mask_vocab
         result = sample(logits, sb)
         if batch.penalty is not None:
             self.penalties.record(batch.penalty, steps_dev, result.tokens)
