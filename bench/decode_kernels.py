@@ -253,6 +253,32 @@ def fill_random(block: torch.Tensor) -> None:
 ATTN_TILES = [(4, 4, 2), (4, 4, 3), (8, 4, 2), (8, 8, 2), (2, 4, 3)]
 
 
+def xqa_attention(q, table, ctx: int, ps: int, hkv: int, ks: float, vs: float):
+    """flashinfer's XQA decode kernel (TensorRT-LLM's; on Hopper with FP8 pages its FP8 tensor-core kernel, which
+    quantizes Q to FP8) over one layer's (K, V): a function of the layer's caches, or None where it cannot be
+    imported. K's scale rides on Q's (the kernel has one scale for K and V): q_scale = k / v, kv_scale = v."""
+    try:
+        from flashinfer.xqa import xqa
+    except ImportError as exc:
+        print(f"xqa unavailable: {exc}", flush=True)
+        return None
+    b = q.shape[0]
+    ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
+    sem = torch.zeros(8 << 20, dtype=torch.uint8, device="cuda")
+    lens = torch.full((b, 1), ctx, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q).unsqueeze(1)
+    q4, table = q.unsqueeze(1), table.contiguous()
+
+    def run(kv):
+        xqa(q4, kv[0], kv[1], table, lens, out, ws, sem, hkv, ps, q_scale=ks / vs, kv_scale=vs)
+        return out.squeeze(1)
+
+    return run
+
+
+XQA_FAILED: list[str] = []  # a build failure is reported once, not retried per shape
+
+
 def bench_attention(kv_dtype: str, quick: bool) -> None:
     """Decode attention per layer: flashinfer's graph-mode wrappers (tensor cores, as the engine builds them,
     and CUDA cores) vs the split-KV Triton kernel over a sweep of tiles, 32 layers' pools in one graph; outputs
@@ -308,6 +334,16 @@ def bench_attention(kv_dtype: str, quick: bool) -> None:
                 )
             splits = tda.num_splits(b, hkv, sms)
             errs = {}
+            xqa_run = (
+                xqa_attention(q, indices.view(b, npages), ctx, ps, hkv, ks, vs) if fp8 and not XQA_FAILED else None
+            )
+            if xqa_run is not None:
+                try:
+                    errs["xqa"] = float((xqa_run(kvs[0]).float() - ref).norm() / ref.norm())
+                    times["xqa"] = graph_time(lambda run=xqa_run, kvs=kvs: [run(kv) for kv in kvs]) / layers
+                except Exception as exc:  # a JIT build failure: keep the rest of the sweep
+                    XQA_FAILED.append(f"{type(exc).__name__}: {str(exc)[:600]}")
+                    print(f"xqa failed: {XQA_FAILED[0]}", flush=True)
             for tile in tiles:
                 got = tda.decode_attention(q, *kvs[0], *bufs, splits, ks, vs, tile).float()
                 name = f"triton_ppt{tile.pages_per_tile}_w{tile.num_warps}_s{tile.num_stages}"
@@ -331,6 +367,7 @@ def bench_attention(kv_dtype: str, quick: bool) -> None:
                 / times[next(n for n in times if n.startswith("triton"))],
                 triton_best=tr_name,
                 triton_best_vs_flashinfer_best=fi_best / times[tr_name],
+                xqa_vs_flashinfer_tc=times["flashinfer_tc"] / times["xqa"] if "xqa" in times else None,
                 splits=splits,
                 rel_diff=errs,
                 kv_bytes=kv_bytes,

@@ -125,6 +125,42 @@ def test_decode_attention_matches_float64(hq, hkv, d, splits, fp8):
         assert _rel(out[i], ref) < 1e-2, (i, n)
 
 
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (9, 3, 64)])  # llama-3.1-8b's heads, SmolLM2-135M's
+def test_xqa_decode_over_fp8_pages_matches_float64(hq, hkv, d):
+    """XQA's FP8 kernel (Hopper) over shuffled e4m3 pages with distinct K and V scales, lengths with partial last
+    pages, its page table and lengths derived from the CSR buffers a decode graph holds (padded past the rows);
+    its Q is quantized to e4m3 too, hence a looser bound than the 16-bit kernels'."""
+    from common.engine.gpu import xqa_decode
+
+    ps, pages, dtype = 16, 400, torch.float8_e4m3fn
+    if not xqa_decode.supported(torch.device("cuda"), dtype, ps, d):
+        pytest.skip("XQA's FP8 kernel needs Hopper")
+    g = torch.Generator(device="cuda").manual_seed(hq + d)
+    lens = [1, 17, 300, 1000, 64]
+    ks, vs = 0.5, 0.25
+    kv = torch.randn(pages, 3, 2, ps, hkv, d, generator=g, device="cuda").to(dtype)
+    k_cache, v_cache = kv[:, 1, 0], kv[:, 1, 1]
+    perm = torch.randperm(pages, generator=g, device="cuda")
+    npages = [-(-n // ps) for n in lens]
+    indptr = torch.tensor([0, *torch.tensor(npages).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    indices = torch.zeros(len(lens) * 64 + 8, dtype=torch.int32, device="cuda")  # a graph's buffer: longer
+    indices[: sum(npages)] = perm[: sum(npages)].to(torch.int32)
+    last = torch.tensor([n - (p - 1) * ps for n, p in zip(lens, npages)], dtype=torch.int32, device="cuda")
+    q = torch.randn(len(lens), hq, d, generator=g, device="cuda").to(torch.bfloat16)
+    xqa = xqa_decode.XqaDecode(torch.device("cuda"), hkv, ps, pages_per_seq=64)
+    xqa.bind(indptr, indices, last)
+    out = xqa.attend(q, k_cache, v_cache, ks, vs)
+    group = hq // hkv
+    for i, n in enumerate(lens):
+        pg = indices[indptr[i] : indptr[i + 1]].long()
+        kk = (k_cache[pg].reshape(-1, hkv, d)[:n].double() * ks).repeat_interleave(group, 1)
+        vv = (v_cache[pg].reshape(-1, hkv, d)[:n].double() * vs).repeat_interleave(group, 1)
+        scores = torch.einsum("hd,nhd->hn", q[i].double(), kk) * d**-0.5
+        ref = torch.einsum("hn,nhd->hd", scores.softmax(-1), vv)
+        assert torch.isfinite(out[i]).all()
+        assert _rel(out[i], ref) < 5e-2, (i, n, _rel(out[i], ref))
+
+
 @pytest.mark.parametrize("rows", [1, 5, 16, 64, 300])
 @pytest.mark.parametrize("n,k", [(96, 256), (6144, 4096), (4096, 14336)])
 def test_fp8_gemms_match_float64_of_their_operands(rows, n, k):

@@ -21,6 +21,7 @@ import torch
 
 from common.engine.forward_batch import ForwardBatch
 from common.engine.fp8 import is_fp8, store_rows
+from common.engine.gpu import xqa_decode
 from common.engine.layers import RotaryCache
 from common.engine.model_config import ModelConfig
 from common.kv.pool import KVPool
@@ -34,6 +35,8 @@ TRITON_DECODE_MAX_BS = 2
 # 8.3 vs flashinfer's 13.5 us at 1k, 12.4 vs 19.6 at 4k; b=2 8.8 vs 16.2 and 20.9 vs 20.9; from b=4 at 4k and
 # b=32 at 1k flashinfer's tensor-core kernel is faster).
 FP8_DECODE_TILE_PAGES = 8
+# Decode graphs over an FP8 pool from this batch up run XQA's FP8 kernel on Hopper (common/engine/gpu/xqa_decode.py).
+XQA_MIN_BS = TRITON_DECODE_MAX_BS + 1
 # A prefill or mixed step whose leading requests extend one token each (a mixed step's decode rows) runs those
 # rows through the decode kernel and the rest through the prefill kernel once there are this many: the
 # prefill kernel gives each one-token row a whole query tile, and on the H200 (8B, 1.5k tokens of KV a row)
@@ -119,6 +122,11 @@ class FlashInferAttention:
         self.num_sms = (
             torch.cuda.get_device_properties(pool.device).multi_processor_count if pool.device.type == "cuda" else 1
         )
+        self.xqa = None
+        self._xqa_bound = False  # the bound decode graph attends through XQA
+        if xqa_decode.supported(pool.device, pool.layout.dtype, pool.layout.page_size, cfg.head_dim):
+            pages = -(-page_table.shape[1] // pool.layout.page_size)
+            self.xqa = xqa_decode.XqaDecode(pool.device, cfg.num_kv_heads, pool.layout.page_size, pages)
         # Set by `bind` for a CUDA-graph decode step that runs the Triton kernel: (indptr, indices, last, splits).
         self._triton_meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
         self.pool = pool
@@ -249,6 +257,7 @@ class FlashInferAttention:
 
     def plan_prefill(self, meta: PageMeta, extend_lens_cpu: list[int]) -> None:
         self._triton_meta = None
+        self._xqa_bound = False
         self._split = None
         w = self.prefill_wrapper
         qo = torch.zeros(len(extend_lens_cpu) + 1, dtype=torch.int32)
@@ -272,6 +281,7 @@ class FlashInferAttention:
 
     def plan(self, batch: ForwardBatch) -> None:
         self._triton_meta = None
+        self._xqa_bound = False
         meta = self.page_meta(batch.table_rows, batch.seq_lens_cpu)
         if batch.is_decode:
             self.plan_decode(self.decode_wrappers[self.decode_tensor_cores(batch.batch_size)], meta)
@@ -293,12 +303,17 @@ class FlashInferAttention:
         self._wrapper = wrapper
         self._out_loc = out_loc
         self._triton_meta = None
+        self._xqa_bound = False
         self._split = None
-        if graph_meta is not None and self.triton_decode is not None:
-            bs = int(graph_meta[2].shape[0])
-            if bs <= TRITON_DECODE_MAX_BS:
-                splits = self.triton_decode.num_splits(bs, self.num_kv_heads, self.num_sms)
-                self._triton_meta = (*graph_meta, splits)
+        if graph_meta is None:
+            return
+        bs = int(graph_meta[2].shape[0])
+        if self.triton_decode is not None and bs <= TRITON_DECODE_MAX_BS:
+            splits = self.triton_decode.num_splits(bs, self.num_kv_heads, self.num_sms)
+            self._triton_meta = (*graph_meta, splits)
+        elif self.xqa is not None and bs >= XQA_MIN_BS:
+            self.xqa.bind(*graph_meta)
+            self._xqa_bound = True
 
     def write_rows(self, out_loc: torch.Tensor) -> None:
         """Where `store` writes this step's K/V (pool rows, KVPool.token_rows), leaving the attention's plan as it
@@ -347,6 +362,8 @@ class FlashInferAttention:
     def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of the rotated q over the layer's pages as planned (into `out` where given)."""
         assert self._wrapper is not None, "plan() must run before forward()"
+        if self._xqa_bound:
+            return self.xqa.attend(q, *self.kv[layer], *self.kv_scales[layer], out)  # type: ignore[union-attr]
         if self._triton_meta is not None:
             indptr, indices, last, splits = self._triton_meta
             k_cache, v_cache = self.kv[layer]

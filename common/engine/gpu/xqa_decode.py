@@ -1,0 +1,90 @@
+"""Decode attention over FP8 pages on Hopper through flashinfer's XQA kernel (TensorRT-LLM's FP8 MHA).
+
+flashinfer's paged decode reads e4m3 pages at ~2.3 TB/s on the H200 (its tensor-core kernel at batch 256, 1k
+context), where the same kernel streams bf16 pages at ~4 TB/s: with FP8 KV the attention time barely falls.
+XQA's Hopper kernel computes QK^T and PV on FP8 tensor cores (it quantizes Q to e4m3), which is what serving
+stacks run for FP8 KV on this GPU. It takes a dense page table [B, pages] and the sequence lengths; a decode
+graph derives both from its CSR buffers (flashinfer's indptr, page ids, last-page lengths) once per step, inside
+the graph. Its one scale covers K and V, so K's scale rides on Q's: q_scale = k / v, kv_scale = v (the kernel
+multiplies Q.K by q_scale * kv_scale / sqrt(d) and the output by kv_scale).
+"""
+
+from __future__ import annotations
+
+import torch
+
+SEMAPHORE_BYTES = 8 << 20
+SCRATCH_BYTES = 128 << 20
+
+
+def supported(device: torch.device, kv_dtype: torch.dtype, page_size: int, head_dim: int) -> bool:
+    """Hopper, e4m3 pages, a page size and head size the kernel is built for, and flashinfer's module there."""
+    if device.type != "cuda" or kv_dtype != torch.float8_e4m3fn or page_size not in (16, 32, 64, 128):
+        return False
+    if torch.cuda.get_device_capability(device)[0] != 9 or head_dim > 256:
+        return False
+    try:
+        import flashinfer.xqa  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def dense_pages(
+    indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor, cols: torch.Tensor, page_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense page table [B, len(cols)] int32 and the lengths [B, 1] int32 from flashinfer's CSR description
+    (`indptr` [B + 1], `indices`, `last` [B] last-page lengths): a few device ops, no host sync. A row's entries
+    past its last page repeat later ids (clamped to `indices`); the kernel stops at the row's length."""
+    at = (indptr[:-1].to(torch.int64)[:, None] + cols[None, :]).clamp_(max=indices.numel() - 1)
+    lens = (indptr[1:] - indptr[:-1] - 1) * page_size + last
+    return indices[at], lens.to(torch.int32)[:, None]
+
+
+class XqaDecode:
+    """One engine's XQA state: scratch and semaphores (the kernel resets the semaphores it used), and the
+    bound step's page table and lengths."""
+
+    def __init__(self, device: torch.device, num_kv_heads: int, page_size: int, pages_per_seq: int) -> None:
+        from flashinfer.xqa import xqa
+
+        self.xqa = xqa
+        self.num_kv_heads = num_kv_heads
+        self.page_size = page_size
+        self.scratch = torch.zeros(SCRATCH_BYTES, dtype=torch.uint8, device=device)
+        self.semaphores = torch.zeros(SEMAPHORE_BYTES, dtype=torch.uint8, device=device)
+        self.cols = torch.arange(pages_per_seq, dtype=torch.int64, device=device)
+        self.table: torch.Tensor | None = None
+        self.lens: torch.Tensor | None = None
+
+    def bind(self, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor) -> None:
+        """The page table and lengths of the step whose CSR metadata the decode graph holds (captured with it)."""
+        self.table, self.lens = dense_pages(indptr, indices, last, self.cols, self.page_size)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k_scale: float,
+        v_scale: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """q [B, Hq, D] over the bound step's pages -> [B, Hq, D] (into `out` where given)."""
+        assert self.table is not None and self.lens is not None, "bind() must run first"
+        out = torch.empty_like(q) if out is None else out
+        self.xqa(
+            q.unsqueeze(1),
+            k_cache,
+            v_cache,
+            self.table,
+            self.lens,
+            out.unsqueeze(1),
+            self.scratch,
+            self.semaphores,
+            self.num_kv_heads,
+            self.page_size,
+            q_scale=k_scale / v_scale,
+            kv_scale=v_scale,
+        )
+        return out
