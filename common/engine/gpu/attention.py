@@ -15,6 +15,7 @@ runs, q and k are rotated and the step's K/V written into the pool: one Triton k
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,8 @@ from common.engine.gpu import xqa_decode
 from common.engine.layers import RotaryCache
 from common.engine.model_config import ModelConfig
 from common.kv.pool import KVPool
+
+log = logging.getLogger("kvferry.engine")
 
 WORKSPACE_BYTES = 256 << 20
 # Decode graphs up to this batch run the split-KV Triton kernel (common/engine/gpu/decode_attention.py) where
@@ -126,7 +129,12 @@ class FlashInferAttention:
         self._xqa_bound = False  # the bound decode graph attends through XQA
         if xqa_decode.supported(pool.device, pool.layout.dtype, pool.layout.page_size, cfg.head_dim):
             pages = -(-page_table.shape[1] // pool.layout.page_size)
-            self.xqa = xqa_decode.XqaDecode(pool.device, cfg.num_kv_heads, pool.layout.page_size, pages)
+            try:
+                self.xqa = xqa_decode.XqaDecode(pool.device, cfg.num_kv_heads, pool.layout.page_size, pages)
+                self.xqa.probe(pool.k_cache(0), pool.v_cache(0), cfg.num_heads, dtype)
+            except Exception as exc:  # a kernel that does not build here: flashinfer decodes the FP8 pages
+                log.warning("XQA's FP8 decode kernel unavailable, flashinfer's runs: %s", str(exc)[:300])
+                self.xqa = None
         # Set by `bind` for a CUDA-graph decode step that runs the Triton kernel: (indptr, indices, last, splits).
         self._triton_meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
         self.pool = pool

@@ -61,6 +61,17 @@ class XqaDecode:
         """The page table and lengths of the step whose CSR metadata the decode graph holds (captured with it)."""
         self.table, self.lens = dense_pages(indptr, indices, last, self.cols, self.page_size)
 
+    def probe(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, dtype: torch.dtype) -> None:
+        """One call on page 0 (its output dropped): builds the kernel now (a JIT compile on a fresh machine), so a
+        build failure shows at start rather than inside a graph capture."""
+        one = torch.zeros(2, dtype=torch.int32, device=self.scratch.device)
+        one[1] = 1
+        self.bind(one, one[:1] * 0, one[1:])
+        self.attend(
+            torch.zeros(1, num_heads, k_cache.shape[-1], dtype=dtype, device=k_cache.device), k_cache, v_cache, 1.0, 1.0
+        )
+        self.table = self.lens = None
+
     def attend(
         self,
         q: torch.Tensor,
