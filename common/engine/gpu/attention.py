@@ -38,8 +38,6 @@ TRITON_DECODE_MAX_BS = 2
 # 8.3 vs flashinfer's 13.5 us at 1k, 12.4 vs 19.6 at 4k; b=2 8.8 vs 16.2 and 20.9 vs 20.9; from b=4 at 4k and
 # b=32 at 1k flashinfer's tensor-core kernel is faster).
 FP8_DECODE_TILE_PAGES = 8
-# Decode graphs over an FP8 pool from this batch up run XQA's FP8 kernel on Hopper (common/engine/gpu/xqa_decode.py).
-XQA_MIN_BS = TRITON_DECODE_MAX_BS + 1
 # A prefill or mixed step whose leading requests extend one token each (a mixed step's decode rows) runs those
 # rows through the decode kernel and the rest through the prefill kernel once there are this many: the
 # prefill kernel gives each one-token row a whole query tile, and on the H200 (8B, 1.5k tokens of KV a row)
@@ -316,12 +314,12 @@ class FlashInferAttention:
         if graph_meta is None:
             return
         bs = int(graph_meta[2].shape[0])
-        if self.triton_decode is not None and bs <= TRITON_DECODE_MAX_BS:
-            splits = self.triton_decode.num_splits(bs, self.num_kv_heads, self.num_sms)
-            self._triton_meta = (*graph_meta, splits)
-        elif self.xqa is not None and bs >= XQA_MIN_BS:
+        if self.xqa is not None:
             self.xqa.bind(*graph_meta)
             self._xqa_bound = True
+        elif self.triton_decode is not None and bs <= TRITON_DECODE_MAX_BS:
+            splits = self.triton_decode.num_splits(bs, self.num_kv_heads, self.num_sms)
+            self._triton_meta = (*graph_meta, splits)
 
     def write_rows(self, out_loc: torch.Tensor) -> None:
         """Where `store` writes this step's K/V (pool rows, KVPool.token_rows), leaving the attention's plan as it
