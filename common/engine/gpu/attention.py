@@ -36,7 +36,8 @@ WORKSPACE_BYTES = 256 << 20
 TRITON_DECODE_MAX_BS = 2
 # FP8 pages: the same batches, 8 pages per tile (bench/decode_kernels.py --kv-dtypes fp8, H200, per layer: b=1
 # 8.3 vs flashinfer's 13.5 us at 1k, 12.4 vs 19.6 at 4k; b=2 8.8 vs 16.2 and 20.9 vs 20.9; from b=4 at 4k and
-# b=32 at 1k flashinfer's tensor-core kernel is faster).
+# b=32 at 1k flashinfer's tensor-core kernel is faster). On Hopper XQA's FP8 kernel takes every FP8 decode graph
+# instead (common/engine/gpu/xqa_decode.py: b=1 6.7 us, b=256 at 1k 143.5 vs flashinfer's 236.4 us).
 FP8_DECODE_TILE_PAGES = 8
 # A prefill or mixed step whose leading requests extend one token each (a mixed step's decode rows) runs those
 # rows through the decode kernel and the rest through the prefill kernel once there are this many: the
