@@ -9,9 +9,11 @@ stream from HBM as in a model, not from L2). Reported per shape: time per call, 
 to the copy ceiling measured in this run, and Triton / cuBLAS. Sections (`--sections`):
 - gemv: the sweep above; prologue: the GEMV with each shape's norm / SiLU-mul folded in vs plain vs cuBLAS + op;
 - layer: RoPE + K/V write per layer at batch 1 and 8 (Triton's one kernel vs flashinfer's RoPE + two index_copy);
-- attention: decode attention per layer, flashinfer's graph-mode wrapper vs the split-KV Triton kernel, batch
-  1-32 at 1k and 4k context.
-Every Triton result is checked against cuBLAS / flashinfer on the same inputs first.
+- attention: decode attention per layer, flashinfer's graph-mode wrappers (tensor cores, CUDA cores) vs the
+  split-KV Triton kernel, batch 1-32 at 1k and 4k context; with `--kv-dtypes fp8` FP8 pages at batch 1-256, and
+  XQA's FP8 kernel beside them (common/engine/gpu/xqa_decode.py; skipped where it does not build).
+`--weight-dtypes fp8` runs the GEMV sweep over FP8 weights against per-token quantization + a scaled GEMM.
+Every Triton and XQA result is checked against cuBLAS / flashinfer on the same inputs first.
 """
 
 from __future__ import annotations
@@ -253,27 +255,20 @@ def fill_random(block: torch.Tensor) -> None:
 ATTN_TILES = [(4, 4, 2), (4, 4, 3), (8, 4, 2), (8, 8, 2), (2, 4, 3)]
 
 
-def xqa_attention(q, table, ctx: int, ps: int, hkv: int, ks: float, vs: float):
-    """flashinfer's XQA decode kernel (TensorRT-LLM's; on Hopper with FP8 pages its FP8 tensor-core kernel, which
-    quantizes Q to FP8) over one layer's (K, V): a function of the layer's caches, or None where it cannot be
-    imported. K's scale rides on Q's (the kernel has one scale for K and V): q_scale = k / v, kv_scale = v."""
-    try:
-        from flashinfer.xqa import xqa
-    except ImportError as exc:
-        print(f"xqa unavailable: {exc}", flush=True)
+def xqa_attention(q, bufs, ps: int, hkv: int, ks: float, vs: float):
+    """The engine's XQA path (common/engine/gpu/xqa_decode.py) over one layer's (K, V), its page table derived
+    from the CSR buffers as a decode graph does: a function of the layer's caches, or None where it is not
+    supported here."""
+    from common.engine.gpu import xqa_decode
+
+    if not xqa_decode.supported(q.device, torch.float8_e4m3fn, ps, q.shape[-1]):
+        print("xqa: not supported here", flush=True)
         return None
-    b = q.shape[0]
-    ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
-    sem = torch.zeros(8 << 20, dtype=torch.uint8, device="cuda")
-    lens = torch.full((b, 1), ctx, dtype=torch.int32, device="cuda")
-    out = torch.empty_like(q).unsqueeze(1)
-    q4, table = q.unsqueeze(1), table.contiguous()
-
-    def run(kv):
-        xqa(q4, kv[0], kv[1], table, lens, out, ws, sem, hkv, ps, q_scale=ks / vs, kv_scale=vs)
-        return out.squeeze(1)
-
-    return run
+    indptr, indices, last = bufs
+    xqa = xqa_decode.XqaDecode(q.device, hkv, ps, int(indptr[1] - indptr[0]))
+    xqa.bind(indptr, indices, last)
+    out = torch.empty_like(q)
+    return lambda kv: xqa.attend(q, kv[0], kv[1], ks, vs, out)
 
 
 XQA_FAILED: list[str] = []  # a build failure is reported once, not retried per shape
@@ -334,9 +329,7 @@ def bench_attention(kv_dtype: str, quick: bool) -> None:
                 )
             splits = tda.num_splits(b, hkv, sms)
             errs = {}
-            xqa_run = (
-                xqa_attention(q, indices.view(b, npages), ctx, ps, hkv, ks, vs) if fp8 and not XQA_FAILED else None
-            )
+            xqa_run = xqa_attention(q, bufs, ps, hkv, ks, vs) if fp8 and not XQA_FAILED else None
             if xqa_run is not None:
                 try:
                     errs["xqa"] = float((xqa_run(kvs[0]).float() - ref).norm() / ref.norm())
