@@ -11,6 +11,7 @@ import json
 import torch
 
 from common.engine.gpu.decode_attention import TileConfig, decode_attention
+from tests.paged_reference import attention_float64, csr_lengths
 
 
 def cases() -> list[dict]:
@@ -21,22 +22,13 @@ def cases() -> list[dict]:
     for dtype, ks, vs in [(torch.float32, 1.0, 1.0), (torch.float8_e4m3fn, 0.5, 0.25)]:
         kv = torch.randn(pages, 2, 2, ps, hkv, d, generator=g).to(dtype)
         k_cache, v_cache = kv[:, 1, 0], kv[:, 1, 1]  # layer 1 of 2: strided views, as the pool gives them
-        npages = [-(-n // ps) for n in lens]
-        indptr = torch.tensor([0, *torch.tensor(npages).cumsum(0).tolist()], dtype=torch.int32)
-        indices = torch.randperm(pages, generator=g)[: sum(npages)].to(torch.int32)
-        last = torch.tensor([n - (p - 1) * ps for n, p in zip(lens, npages)], dtype=torch.int32)
+        total, indptr, last = csr_lengths(lens, ps, "cpu")
+        indices = torch.randperm(pages, generator=g)[:total].to(torch.int32)
         q = torch.randn(len(lens), hq, d, generator=g)
-        group = hq // hkv
+        refs = attention_float64(q, k_cache, v_cache, indptr, indices, lens, ks, vs)
         for splits, tile in [(1, TileConfig()), (3, TileConfig()), (1, TileConfig(pages_per_tile=8))]:
             got = decode_attention(q, k_cache, v_cache, indptr, indices, last, splits, ks, vs, tile)
-            worst = 0.0
-            for i, n in enumerate(lens):
-                pg = indices[indptr[i] : indptr[i + 1]].long()
-                kk = (k_cache[pg].reshape(-1, hkv, d)[:n].double() * ks).repeat_interleave(group, 1)
-                vv = (v_cache[pg].reshape(-1, hkv, d)[:n].double() * vs).repeat_interleave(group, 1)
-                scores = torch.einsum("hd,nhd->hn", q[i].double(), kk) * d**-0.5
-                ref = torch.einsum("hn,nhd->hd", scores.softmax(-1), vv)
-                worst = max(worst, float((got[i].double() - ref).norm() / ref.norm()))
+            worst = max(float((got[i].double() - ref).norm() / ref.norm()) for i, ref in enumerate(refs))
             out.append({"pages": str(dtype), "splits": splits, "ppt": tile.pages_per_tile, "rel_err": worst})
     return out
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.paged_reference import attention_float64, csr_lengths
+
 CUDA = torch.cuda.is_available()
 pytestmark = [pytest.mark.skipif(not CUDA, reason="needs a CUDA device"), pytest.mark.gpu]
 
@@ -108,21 +110,13 @@ def test_decode_attention_matches_float64(hq, hkv, d, splits, fp8):
     layer = 1
     k_cache, v_cache = kv[:, layer, 0], kv[:, layer, 1]
     perm = torch.randperm(pages, generator=g, device="cuda")
-    npages = [-(-n // ps) for n in lens]
-    indptr = torch.tensor([0, *torch.tensor(npages).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    indices = perm[: sum(npages)].to(torch.int32)
-    last = torch.tensor([n - (p - 1) * ps for n, p in zip(lens, npages)], dtype=torch.int32, device="cuda")
+    total, indptr, last = csr_lengths(lens, ps, "cuda")
+    indices = perm[:total].to(torch.int32)
     q = torch.randn(len(lens), hq, d, generator=g, device="cuda").to(torch.bfloat16)
     out = decode_attention(q, k_cache, v_cache, indptr, indices, last, splits, ks, vs)
-    group = hq // hkv
-    for i, n in enumerate(lens):
-        pg = indices[indptr[i] : indptr[i + 1]].long()
-        kk = (k_cache[pg].reshape(-1, hkv, d)[:n].double() * ks).repeat_interleave(group, 1)  # [n, Hq, D]
-        vv = (v_cache[pg].reshape(-1, hkv, d)[:n].double() * vs).repeat_interleave(group, 1)
-        scores = torch.einsum("hd,nhd->hn", q[i].double(), kk) * d**-0.5
-        ref = torch.einsum("hn,nhd->hd", scores.softmax(-1), vv)
+    for i, ref in enumerate(attention_float64(q, k_cache, v_cache, indptr, indices, lens, ks, vs)):
         assert torch.isfinite(out[i]).all()
-        assert _rel(out[i], ref) < 1e-2, (i, n)
+        assert _rel(out[i], ref) < 1e-2, (i, lens[i])
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (9, 3, 64)])  # llama-3.1-8b's heads, SmolLM2-135M's
@@ -141,24 +135,16 @@ def test_xqa_decode_over_fp8_pages_matches_float64(hq, hkv, d):
     kv = torch.randn(pages, 3, 2, ps, hkv, d, generator=g, device="cuda").to(dtype)
     k_cache, v_cache = kv[:, 1, 0], kv[:, 1, 1]
     perm = torch.randperm(pages, generator=g, device="cuda")
-    npages = [-(-n // ps) for n in lens]
-    indptr = torch.tensor([0, *torch.tensor(npages).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    total, indptr, last = csr_lengths(lens, ps, "cuda")
     indices = torch.zeros(len(lens) * 64 + 8, dtype=torch.int32, device="cuda")  # a graph's buffer: longer
-    indices[: sum(npages)] = perm[: sum(npages)].to(torch.int32)
-    last = torch.tensor([n - (p - 1) * ps for n, p in zip(lens, npages)], dtype=torch.int32, device="cuda")
+    indices[:total] = perm[:total].to(torch.int32)
     q = torch.randn(len(lens), hq, d, generator=g, device="cuda").to(torch.bfloat16)
     xqa = xqa_decode.XqaDecode(torch.device("cuda"), hkv, ps, pages_per_seq=64)
     xqa.bind(indptr, indices, last)
     out = xqa.attend(q, k_cache, v_cache, ks, vs)
-    group = hq // hkv
-    for i, n in enumerate(lens):
-        pg = indices[indptr[i] : indptr[i + 1]].long()
-        kk = (k_cache[pg].reshape(-1, hkv, d)[:n].double() * ks).repeat_interleave(group, 1)
-        vv = (v_cache[pg].reshape(-1, hkv, d)[:n].double() * vs).repeat_interleave(group, 1)
-        scores = torch.einsum("hd,nhd->hn", q[i].double(), kk) * d**-0.5
-        ref = torch.einsum("hn,nhd->hd", scores.softmax(-1), vv)
+    for i, ref in enumerate(attention_float64(q, k_cache, v_cache, indptr, indices, lens, ks, vs)):
         assert torch.isfinite(out[i]).all()
-        assert _rel(out[i], ref) < 5e-2, (i, n, _rel(out[i], ref))
+        assert _rel(out[i], ref) < 5e-2, (i, lens[i], _rel(out[i], ref))
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 64, 300])
