@@ -8,12 +8,16 @@ Random weights of the model's shapes (`dummy:<model>`), one engine per variant, 
 - speed: decode step b=1 and b=256 at 1k context (CUDA graphs), one 4k-token prefill, KV bytes per token;
   each FP8 variant as a ratio to bf16 measured in this run, decode b=1 also against its bandwidth floor (every
   weight read once, GEMM weights at one byte for FP8 weights, plus the KV read).
+The `*_unfused` variants run an FP8 variant as the engine did before FP8 queries on FA3 (prefill attention over FP8
+pages on flashinfer's FA2 kernel) and before the fused activation quantization (the norm and SiLU-mul write 16-bit
+rows that a second kernel quantizes): the same engine with those two paths turned off, for an A/B in one run.
 Results are written to --out after each variant; the summary table is printed last.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -34,11 +38,14 @@ VARIANTS = {
     "fp8_kv": dict(dtype="bfloat16", kv_dtype="fp8_e4m3"),
     "fp8_both": dict(dtype="bfloat16", weight_dtype="fp8_e4m3", kv_dtype="fp8_e4m3"),
 }
+UNFUSED = "_unfused"
+VARIANTS.update({name + UNFUSED: VARIANTS[name] for name in ("fp8_weights", "fp8_kv", "fp8_both")})
 PROMPT_LEN = 512
 CTX = 1024
 # Kernel names -> what they are, for --profile's per-step breakdown (first match wins).
 KERNEL_KINDS = [
-    ("quantize", ("quantize_rows",)),
+    ("norm/act + quantize", ("_add_rms_norm_quant", "_silu_mul_quant")),
+    ("quantize", ("quantize_rows", "_saturate")),
     ("gemv", ("_gemv_kernel",)),
     ("attention", ("decode_attention", "BatchDecode", "BatchPrefill", "Prefill", "Decode", "MergeState")),
     ("gemm", ("gemm", "Gemm", "cutlass", "nvjet", "sm90_xmma", "scaled_mm", "cublas")),
@@ -79,6 +86,24 @@ def kernel_breakdown(fn, calls: int = 3) -> dict:
         "by_kind_us": {k: round(v, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
         "top_kernels_us": [[name[:90], round(us, 1)] for name, us in top],
     }
+
+
+@contextlib.contextmanager
+def unfused_fp8(on: bool):
+    """Within: FP8 pools prefill on FA2 with 16-bit queries, and FP8 GEMMs quantize their activations themselves."""
+    if not on:
+        yield
+        return
+    from common.engine.gpu import attention
+    from common.engine.gpu.ops import FlashInferOps
+
+    supported, fused = attention.fp8_prefill_supported, FlashInferOps._fp8_gemm
+    attention.fp8_prefill_supported = lambda *a: False
+    FlashInferOps._fp8_gemm = lambda *a: False
+    try:
+        yield
+    finally:
+        attention.fp8_prefill_supported, FlashInferOps._fp8_gemm = supported, fused
 
 
 def log(msg: str) -> None:
@@ -147,6 +172,23 @@ def speed(runner: ModelRunner, quick: bool, profile: bool = False) -> dict:
     return out
 
 
+def check(name: str, args: argparse.Namespace, ids: list[int], ref: torch.Tensor) -> dict:
+    """One variant's accuracy against the float32 logits `ref` and its speed."""
+    runner = make(args.model, args.kv_gb, 256, **VARIANTS[name])
+    got = score(runner, ids)
+    r = dict(
+        logits_rel_err_vs_fp32=float((got - ref).norm() / ref.norm()),
+        argmax_agreement_vs_fp32=float((got.argmax(-1) == ref.argmax(-1)).float().mean()),
+        kv_dtype=str(runner.pool.kv.dtype),
+        fp8_weights=runner.model.fp8_weights,
+        fp8_prefill_fa3=bool(getattr(runner.attn, "fp8_prefill", False)),
+    )
+    log(f"{name}: logits rel err {r['logits_rel_err_vs_fp32']:.3e}, argmax agree {r['argmax_agreement_vs_fp32']:.3f}")
+    r.update(speed(runner, args.quick, args.profile))
+    log(f"{name}: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()})}")
+    return r
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -171,28 +213,15 @@ def main() -> None:
     gc.collect()
     torch.cuda.empty_cache()
     for name in args.variants.split(","):
-        fmt = VARIANTS[name]
-        runner = make(args.model, args.kv_gb, 256, **fmt)
-        got = score(runner, ids)
-        r = dict(
-            logits_rel_err_vs_fp32=float((got - ref).norm() / ref.norm()),
-            argmax_agreement_vs_fp32=float((got.argmax(-1) == ref.argmax(-1)).float().mean()),
-            kv_dtype=str(runner.pool.kv.dtype),
-            fp8_weights=runner.model.fp8_weights,
-        )
-        log(
-            f"{name}: logits rel err {r['logits_rel_err_vs_fp32']:.3e}, argmax agree {r['argmax_agreement_vs_fp32']:.3f}"
-        )
-        r.update(speed(runner, args.quick, args.profile))
-        log(f"{name}: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()})}")
+        with unfused_fp8(name.endswith(UNFUSED)):
+            r = check(name, args, ids, ref)
         results["variants"][name] = r
         save()
-        del runner, got
         gc.collect()
         torch.cuda.empty_cache()
     base = results["variants"]["bf16"]
     lines = [
-        f"{'variant':>12} | err vs fp32 | argmax | dec b1 ms (floor ratio) | b256 tok/s (x bf16) | prefill 4k ms (x bf16) | KV B/tok"
+        f"{'variant':>20} | err vs fp32 | argmax | dec b1 ms (floor ratio) | b256 tok/s (x bf16) | prefill 4k ms (x bf16) | KV B/tok"
     ]
     for name, r in results["variants"].items():
         r["decode_b256_speedup_vs_bf16"] = r["decode_b256_tok_per_s"] / base["decode_b256_tok_per_s"]
@@ -200,7 +229,7 @@ def main() -> None:
         r["prefill_4k_speedup_vs_bf16"] = base["prefill_4k_ms"] / r["prefill_4k_ms"]
         r["kv_bytes_ratio_vs_bf16"] = r["kv_bytes_per_token"] / base["kv_bytes_per_token"]
         lines.append(
-            f"{name:>12} | {r['logits_rel_err_vs_fp32']:.2e} | {r['argmax_agreement_vs_fp32']:.3f} | "
+            f"{name:>20} | {r['logits_rel_err_vs_fp32']:.2e} | {r['argmax_agreement_vs_fp32']:.3f} | "
             f"{r['decode_b1_ms']:.3f} ({r['decode_b1_ratio_to_floor']:.2f}) | "
             f"{r['decode_b256_tok_per_s']:.0f} ({r['decode_b256_speedup_vs_bf16']:.2f}x) | "
             f"{r['prefill_4k_ms']:.1f} ({r['prefill_4k_speedup_vs_bf16']:.2f}x) | {r['kv_bytes_per_token']}"

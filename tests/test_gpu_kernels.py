@@ -199,3 +199,47 @@ def test_rope_store_writes_fp8_pages_as_torch_rounds_them():
     same_k = rows[loc + 100].view(torch.uint8) == to_fp8(k_rot, 0.5).view(torch.uint8)
     same_v = rows[loc + 200].view(torch.uint8) == to_fp8(v, 2.0).view(torch.uint8)
     assert same_k.float().mean() > 0.99 and bool(same_v.all())
+
+
+@pytest.mark.parametrize("rows", [1, 37, 300])
+@pytest.mark.parametrize("hidden,inter", [(576, 1536), (4096, 14336), (4096, 18944)])
+def test_fused_fp8_quantization_writes_what_the_unfused_ops_quantize(rows, hidden, inter):
+    """Add + RMSNorm + per-token FP8 quantization, and SiLU-mul + quantization, each one Triton launch, against
+    flashinfer's 16-bit op followed by `quantize_rows` (the path they replace): the same scales, the same e4m3 bytes
+    but for rounding ties, the residual stream updated alike; and the saturating cast of attention's queries."""
+    import flashinfer
+
+    from common.engine.fp8 import quantize_rows, to_fp8
+    from common.engine.gpu import fp8_quant
+
+    g = torch.Generator(device="cuda").manual_seed(rows + hidden + inter)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
+
+    def same(a, b) -> None:
+        (q, s), (q_ref, s_ref) = a, b
+        torch.testing.assert_close(s, s_ref, rtol=1e-2, atol=0)  # a 16-bit rounding of the row's largest value
+        assert q.shape == q_ref.shape and q.dtype == q_ref.dtype
+        deq, deq_ref = q.float() * s, q_ref.float() * s_ref
+        assert _rel(deq, deq_ref.double()) < 1e-2
+        assert (q.view(torch.uint8) != q_ref.view(torch.uint8)).float().mean() < 2e-2
+
+    x, res, w = randn(rows, hidden), randn(rows, hidden, scale=4.0), 1.0 + randn(hidden, scale=0.2)
+    q, s, stream = fp8_quant.add_rms_norm_quant(x, None, w, 1e-6)
+    assert stream is x
+    same((q, s), quantize_rows(flashinfer.rmsnorm(x, w, 1e-6)))
+    res_fused, x_ref, res_ref = res.clone(), x.clone(), res.clone()
+    q, s, stream = fp8_quant.add_rms_norm_quant(x, res_fused, w, 1e-6)
+    flashinfer.fused_add_rmsnorm(x_ref, res_ref, w, 1e-6)  # res_ref += x; x_ref = norm(res_ref)
+    assert stream is res_fused and torch.equal(res_fused, res_ref)
+    same((q, s), quantize_rows(x_ref))
+
+    gate_up = randn(rows, 2 * inter, scale=2.0)
+    expected = quantize_rows(flashinfer.silu_and_mul(gate_up))
+    for one_pass in (True, False):
+        same(fp8_quant.silu_mul_quant(gate_up, one_pass=one_pass), expected)
+
+    qh = randn(rows, 8, 64, scale=100.0)  # past e4m3's 448 in places: saturated, not NaN
+    sat = fp8_quant.saturate(qh)
+    assert sat.shape == qh.shape and torch.equal(sat.view(torch.uint8), to_fp8(qh).view(torch.uint8))

@@ -1,9 +1,11 @@
 """FP8 GEMMs on Hopper's FP8 tensor cores: `torch._scaled_mm` with row-wise scales.
 
 y = (x_q @ W_q^T) * s_x[:, None] * s_w[None, :], where W_q is the layer's e4m3 weight with one scale per output
-channel (`Fp8Linear`) and x_q the activations quantized per token as the GEMM runs (`quantize_rows`: one Triton
-launch, common/engine/gpu/fp8_quant.py, else torch's ops). cuBLASLt's row-wise scaled FP8 GEMM needs the inner dimension and the output width to be multiples of 16; a weight that is not
-(none of the supported models' GEMMs) runs dequantized through `F.linear`, logged once.
+channel (`Fp8Linear`) and x_q the activations quantized per token: by the op that produces them where one does
+(`scaled_linear` after common/engine/gpu/fp8_kernels.py's fused add + RMSNorm or SiLU-mul), else as the GEMM runs
+(`fp8_linear`). cuBLASLt's row-wise scaled FP8 GEMM needs the inner dimension and the output width to be multiples
+of 16; a weight that is not (none of the supported models' GEMMs) runs dequantized through `F.linear`, logged
+once.
 """
 
 from __future__ import annotations
@@ -13,18 +15,13 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from common.engine import fp8
 from common.engine.fp8 import Fp8Linear
+from common.engine.gpu.fp8_kernels import quantize_rows
 
 log = logging.getLogger("kvferry.engine")
 
 ALIGN = 16
 _warned: set[tuple[int, int]] = set()
-
-try:
-    from common.engine.gpu.fp8_quant import quantize_rows
-except ImportError:  # no Triton: the same quantization in torch's ops
-    quantize_rows = fp8.quantize_rows
 
 
 def fits(w: Fp8Linear) -> bool:
@@ -43,5 +40,15 @@ def fp8_linear(x: torch.Tensor, w: Fp8Linear, bias: torch.Tensor | None = None) 
     if x.shape[0] == 0:
         return x.new_empty(0, n)
     xq, sx = quantize_rows(x)
-    y = torch._scaled_mm(xq, w.weight.t(), scale_a=sx, scale_b=w.scale.view(1, n), out_dtype=x.dtype)
+    return scaled_linear(xq, sx, w, bias, x.dtype)
+
+
+def scaled_linear(
+    xq: torch.Tensor, sx: torch.Tensor, w: Fp8Linear, bias: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """The FP8 GEMM of activations already quantized per token (e4m3 `[M, K]`, scales `[M, 1]`; `fits(w)`)."""
+    n = w.weight.shape[0]
+    if xq.shape[0] == 0:
+        return torch.empty(0, n, dtype=dtype, device=xq.device)
+    y = torch._scaled_mm(xq, w.weight.t(), scale_a=sx, scale_b=w.scale.view(1, n), out_dtype=dtype)
     return y if bias is None else y.add_(bias)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from common.engine.fp8 import Fp8Linear
-from common.engine.gpu.fp8_gemm import fp8_linear
+from common.engine.gpu import fp8_gemm, fp8_kernels
 from common.engine.layers import ComposedOps
 
 # The Triton GEMV indexes a weight with 32-bit offsets: larger ones (a 256k vocabulary x 8192 LM head) use cuBLAS.
@@ -24,7 +24,11 @@ class FlashInferOps(ComposedOps):
 
     `fold_prologues` also folds the norm (qkv, gate_up, LM head) and SiLU-mul (down) into the GEMV, removing
     their kernels; on the H200 that measured slower (each program recomputes the row's norm), so it is off
-    unless a benchmark asks for it."""
+    unless a benchmark asks for it.
+
+    FP8 weights on the tensor-core GEMM (steps larger than the GEMV's rows) take their activations already
+    quantized from the op before: the add + RMSNorm and SiLU-mul kernels write e4m3 rows and per-token scales
+    (common/engine/gpu/fp8_kernels.py) instead of 16-bit rows that a second kernel would read back to quantize."""
 
     # Output width from which the few-row Triton GEMV beats cuBLAS (the gate_up and LM-head shapes).
     WIDE_N = 8192
@@ -50,6 +54,10 @@ class FlashInferOps(ComposedOps):
             return False
         return rows == 1 or weight.shape[0] > self.WIDE_N
 
+    def _fp8_gemm(self, x: torch.Tensor, weight: torch.Tensor, packed: object) -> bool:
+        """An FP8 weight whose GEMM runs on the tensor cores with per-token activation scales."""
+        return isinstance(packed, Fp8Linear) and fp8_gemm.fits(packed) and not self._triton(x, weight)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.fi.rmsnorm(x, weight, eps)
 
@@ -74,7 +82,7 @@ class FlashInferOps(ComposedOps):
             # tensor-core GEMMs with per-token activation scales (common/engine/gpu/fp8_gemm.py).
             if self._triton(x, weight):
                 return self.gemv(x, weight, bias, weight_scale=packed.scale)[0]  # type: ignore[misc]
-            return fp8_linear(x, packed, bias)
+            return fp8_gemm.fp8_linear(x, packed, bias)
         if self._triton(x, weight):
             return self.gemv(x, weight, bias)[0]  # type: ignore[misc]
         return F.linear(x, weight, bias)
@@ -89,6 +97,9 @@ class FlashInferOps(ComposedOps):
         bias: torch.Tensor | None = None,
         packed: torch.Tensor | Fp8Linear | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._fp8_gemm(x, weight, packed):
+            xq, sx, residual = fp8_kernels.add_rms_norm_quant(x, residual, norm_weight, eps)
+            return fp8_gemm.scaled_linear(xq, sx, packed, bias, x.dtype), residual  # type: ignore[arg-type]
         if not (self.fold_prologues and self._triton(x, weight)) or isinstance(packed, Fp8Linear):
             return super().norm_linear(x, residual, norm_weight, eps, weight, bias, packed)
         if residual is None:
@@ -101,6 +112,9 @@ class FlashInferOps(ComposedOps):
     def silu_linear(
         self, gate_up: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | Fp8Linear | None = None
     ) -> torch.Tensor:
+        if self._fp8_gemm(gate_up, weight, packed):
+            xq, sx = fp8_kernels.silu_mul_quant(gate_up)
+            return fp8_gemm.scaled_linear(xq, sx, packed, None, gate_up.dtype)  # type: ignore[arg-type]
         if self.fold_prologues and self._triton(gate_up, weight) and not isinstance(packed, Fp8Linear):
             return self.gemv(gate_up, weight, prologue="silu")[0]  # type: ignore[misc]
         return super().silu_linear(gate_up, weight, packed)
