@@ -47,7 +47,7 @@ KERNEL_KINDS = [
     ("norm/act + quantize", ("_add_rms_norm_quant", "_silu_mul_quant")),
     ("quantize", ("quantize_rows", "_saturate")),
     ("gemv", ("_gemv_kernel",)),
-    ("attention", ("decode_attention", "BatchDecode", "BatchPrefill", "Prefill", "Decode", "MergeState")),
+    ("attention", ("decode_attention", "BatchDecode", "BatchPrefill", "Prefill", "Decode", "MergeState", "kernel_mha")),
     ("gemm", ("gemm", "Gemm", "cutlass", "nvjet", "sm90_xmma", "scaled_mm", "cublas")),
     ("norm", ("rmsnorm", "RMSNorm", "Norm")),
     ("rope+kv write", ("rope", "Rope")),

@@ -218,3 +218,35 @@ def test_host_tier_keeps_fp8_pages_byte_for_byte():
     pool.kv.view(torch.uint8)[[2, 3, 7]] = 0
     tier.load(torch.tensor([0, 1, 4]), torch.tensor([9, 10, 11]))
     assert torch.equal(pool.kv[[9, 10, 11]].view(torch.uint8), before)
+
+
+def test_fp8_activation_quantization_off_the_gpu_quantizes_the_unfused_ops_output():
+    """The GPU path's fused norm/SiLU-mul + quantize entry points (common/engine/gpu/fp8_kernels.py) on tensors
+    without CUDA compose the 16-bit ops with `quantize_rows`, with the residual stream updated in place, as the
+    Triton kernels do on the GPU (tests/test_gpu_kernels.py holds those to flashinfer's ops)."""
+    from common.engine.fp8 import quantize_rows, to_fp8
+    from common.engine.gpu import fp8_kernels
+    from common.engine.layers import rms_norm, silu_and_mul
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    res = (torch.randn(5, 64, generator=g) * 4).to(torch.bfloat16)
+    w = (1 + 0.2 * torch.randn(64, generator=g)).to(torch.bfloat16)
+
+    def same(got, expected) -> None:
+        assert torch.equal(got[0].view(torch.uint8), expected[0].view(torch.uint8)) and torch.equal(got[1], expected[1])
+
+    q, s, stream = fp8_kernels.add_rms_norm_quant(x, None, w, 1e-6)
+    assert stream is x
+    same((q, s), quantize_rows(rms_norm(x, w, 1e-6)))
+    summed = res + x
+    stream_in = res.clone()
+    q, s, stream = fp8_kernels.add_rms_norm_quant(x, stream_in, w, 1e-6)
+    assert stream is stream_in and torch.equal(stream, summed)
+    same((q, s), quantize_rows(rms_norm(summed, w, 1e-6)))
+    gate_up = torch.randn(5, 96, generator=g).to(torch.bfloat16)
+    same(fp8_kernels.silu_mul_quant(gate_up), quantize_rows(silu_and_mul(gate_up)))
+    assert float(s.min()) > 0 and q.dtype == torch.float8_e4m3fn
+    big = torch.tensor([1000.0, -1000.0, 3.3]).to(torch.bfloat16)
+    assert torch.equal(fp8_kernels.saturate(big).float(), to_fp8(big).float())
+    assert fp8_kernels.saturate(big).float().abs().max() == 448.0
