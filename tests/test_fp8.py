@@ -182,6 +182,69 @@ def test_compressed_tensors_fp8_checkpoint_loads(
     compare_to_float32(runner, smol_runner, smol_tokenizer, CHECKPOINT_TOLERANCE, min_greedy=0.3)
 
 
+def write_fp8_method(src, dst, block: tuple[int, int] | None) -> None:
+    """An FP8 checkpoint in the `quant_method: fp8` format of the packaged model: with `block`, as the FP8
+    releases of Qwen3 and DeepSeek (e4m3 weights, a `weight_scale_inv` multiplier per block, the last blocks of
+    a row or column partial where the size is not a multiple: SmolLM2's 576 is 4.5 blocks of 128); without, one
+    `weight_scale` per tensor."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    out: dict[str, torch.Tensor] = {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if not name.endswith("_proj.weight"):
+            out[name] = t.to(torch.bfloat16)
+            continue
+        if block is None:
+            scale = (t.abs().amax() / 448.0).float().reshape(1)
+            out[name], out[name + "_scale"] = (t / scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+            continue
+        n, k = t.shape
+        rb, cb = -(-n // block[0]), -(-k // block[1])
+        padded = torch.zeros(rb * block[0], cb * block[1])
+        padded[:n, :k] = t.float()
+        amax = padded.view(rb, block[0], cb, block[1]).abs().amax(dim=(1, 3))
+        scale_inv = (amax.clamp(min=1e-12) / 448.0).float()
+        full = scale_inv.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+        out[name] = (t.float() / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+        out[name + "_scale_inv"] = scale_inv
+    dst.mkdir()
+    save_file(out, str(dst / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+    if block is not None:
+        cfg["quantization_config"]["weight_block_size"] = list(block)
+    (dst / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("block", [(128, 128), None], ids=["block-128", "per-tensor"])
+def test_fp8_method_checkpoint_loads(block, smol_path, smol_runner, smol_tokenizer, tmp_path):
+    """`quant_method: fp8` checkpoints (Qwen3-FP8's 128 x 128 block scales; older per-tensor exports) load as FP8
+    weights with one scale per output row, each within e4m3's rounding of the checkpoint's own weights, and serve
+    within the FP8-weights tolerance of float32."""
+    from common.engine.weights import rows_from_blocks
+
+    ckpt = tmp_path / f"smol-fp8-{'block' if block else 'tensor'}"
+    write_fp8_method(smol_path, ckpt, block)
+    runner = ModelRunner(RunnerConfig(model=str(ckpt), num_pages=512, max_running=8))
+    layer = runner.model.layers[2]
+    assert runner.model.fp8_weights and layer.down_proj.dtype == torch.float8_e4m3fn
+    dense = smol_runner.model.layers[2].down_proj
+    loaded = layer.down_proj.float() * layer.down_proj_scale[:, None]
+    assert float((loaded - dense).norm() / dense.norm()) < 0.06  # e4m3 twice at most: ~3% RMS each
+    compare_to_float32(runner, smol_runner, smol_tokenizer, WEIGHT_TOLERANCE, min_greedy=0.3)
+    # Blocks of one row sharing a scale, rows that reach e4m3's 448: the same values, bit for bit; a scale grid that
+    # misses the weight is refused.
+    w = (torch.randn(200, 300) * 3).clamp(-400, 400)
+    w[:, 7] = 448.0
+    w = w.to(torch.float8_e4m3fn)
+    wq, ws = rows_from_blocks(w, torch.full((2, 3), 0.5), (128, 128))
+    assert torch.equal(wq.float() * ws, w.float() * 0.5)
+    with pytest.raises(ValueError, match="do not cover"):
+        rows_from_blocks(w, torch.ones(1, 3), (128, 128))
+
+
 def test_unsupported_quantization_is_refused(smol_path, tmp_path):
     import json
     import shutil
@@ -196,6 +259,10 @@ def test_unsupported_quantization_is_refused(smol_path, tmp_path):
     }
     (ckpt / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="only FP8"):
+        ModelRunner(RunnerConfig(model=str(ckpt), num_pages=64, max_running=2))
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e5m2"}
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="e4m3 is"):
         ModelRunner(RunnerConfig(model=str(ckpt), num_pages=64, max_running=2))
 
 

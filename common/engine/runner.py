@@ -60,7 +60,7 @@ def load_model(
     if path is None:
         init_dummy_weights(model, cfg.seed)
     else:
-        load_safetensors_dir(model, path)
+        load_safetensors_dir(model, path, checkpoint.block if checkpoint is not None else None)
     if cfg.weight_dtype == FP8_SETTING and not model.fp8_weights:
         model.quantize_linears()
         if device.type == "cuda":

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from common.engine.fp8 import is_fp8
+from common.engine.fp8 import is_fp8, quantize_rows
 from common.engine.model import DecoderModel
 
 log = logging.getLogger("kvferry.model")
@@ -73,15 +73,22 @@ def _target(model: DecoderModel, name: str) -> tuple[torch.Tensor, slice | None,
 
 @dataclass(frozen=True)
 class Fp8Checkpoint:
-    """What a compressed-tensors FP8 checkpoint's `quantization_config` declares (as published for the
-    Llama / Qwen FP8 models): e4m3 weights of every Linear but the ignored ones (the LM head), their
-    `weight_scale` per tensor (`strategy: tensor`, one scalar) or per output channel (`channel`, `[out, 1]`);
-    `kv_cache` when it also ships static `k_scale` / `v_scale` for an FP8 KV cache. Activation scales it may
-    declare (static `input_scale`, or dynamic per token) are not read: activations are always scaled per
-    token at each GEMM."""
+    """What an FP8 checkpoint's `quantization_config` declares. Two formats are published:
+    - compressed-tensors (llm-compressor: the Llama / Qwen FP8 models of RedHatAI and others): e4m3 weights of
+      every Linear but the ignored ones (the LM head), their `weight_scale` per tensor (`strategy: tensor`, one
+      scalar) or per output channel (`channel`, `[out, 1]`); `kv_cache` when it also ships static `k_scale` /
+      `v_scale` for an FP8 KV cache;
+    - `quant_method: fp8` (the FP8 releases of Qwen3 and DeepSeek: `weight_block_size` [128, 128], one
+      `weight_scale_inv` multiplier per 128 x 128 block; without a block size, older exports with a per-tensor
+      `weight_scale`).
+    Block scales are taken to one scale per output channel at load (`rows_from_blocks`: each weight dequantized
+    with its blocks' scales and quantized again per row, as the FP8 GEMMs here take per-channel weights).
+    Activation scales a checkpoint may declare (static `input_scale`, or dynamic per token) are not read:
+    activations are always scaled per token at each GEMM."""
 
-    weight_strategy: str  # "tensor" | "channel"
+    weight_strategy: str  # "tensor" | "channel" | "block"
     kv_cache: bool
+    block: tuple[int, int] | None = None  # (rows, columns) of a scale block: the "block" strategy
 
 
 def fp8_checkpoint(path: Path) -> Fp8Checkpoint | None:
@@ -92,8 +99,17 @@ def fp8_checkpoint(path: Path) -> Fp8Checkpoint | None:
     if not qc:
         return None
     method = qc.get("quant_method")
+    if method == "fp8":
+        if qc.get("fmt", "e4m3") != "e4m3":
+            raise ValueError(f"{path}: FP8 weights in {qc.get('fmt')!r} are not supported (e4m3 is)")
+        block = qc.get("weight_block_size")
+        if block is None:
+            return Fp8Checkpoint(weight_strategy="tensor", kv_cache=False)
+        if len(block) != 2 or min(block) < 1:
+            raise ValueError(f"{path}: weight_block_size {block} is not [rows, columns]")
+        return Fp8Checkpoint(weight_strategy="block", kv_cache=False, block=(int(block[0]), int(block[1])))
     if method != "compressed-tensors":
-        raise ValueError(f"{path}: quantization {method!r} is not supported (FP8 compressed-tensors is)")
+        raise ValueError(f"{path}: quantization {method!r} is not supported (FP8: compressed-tensors or fp8)")
     groups = list((qc.get("config_groups") or {}).values())
     weights = [g.get("weights") or {} for g in groups]
     if not weights or any(w.get("type") != "float" or w.get("num_bits") != 8 for w in weights):
@@ -104,61 +120,93 @@ def fp8_checkpoint(path: Path) -> Fp8Checkpoint | None:
     return Fp8Checkpoint(weight_strategy=strategies.pop(), kv_cache=bool(qc.get("kv_cache_scheme")))
 
 
+def rows_from_blocks(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block-scaled e4m3 weight `[N, K]` (`scale_inv` `[ceil(N / rows), ceil(K / cols)]`, W = weight *
+    scale_inv of its block) as e4m3 with one scale per output row `[N, 1]`: dequantized in float32, quantized
+    again per row. A row's blocks whose scales differ get a coarser step; the largest of them keeps its own."""
+    n, k = weight.shape
+    rows, cols = block
+    s = scale_inv.float().repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
+    if s.shape != (n, k):
+        raise ValueError(f"block scales {tuple(scale_inv.shape)} do not cover a {n} x {k} weight in {block} blocks")
+    return quantize_rows(weight.float() * s)
+
+
 _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv])_proj\.output_scale)$")
 
 
-def load_safetensors_dir(model: DecoderModel, path: Path) -> None:
+def load_safetensors_dir(model: DecoderModel, path: Path, block: tuple[int, int] | None = None) -> None:
     """Loads a checkpoint, keeping only this rank's slice of every tensor under tensor parallelism.
 
-    An FP8 model (`DecoderModel(fp8_weights=True)`, for a compressed-tensors checkpoint) takes the e4m3
-    weights as they are and their `weight_scale`s as one scale per output row (a per-tensor scale repeated
-    over the tensor's rows: q, k and v keep their own in the merged qkv); static KV scales go to
-    `model.kv_scales`."""
+    An FP8 model (`DecoderModel(fp8_weights=True)`, for an FP8 checkpoint) takes the e4m3 weights as they are
+    and their `weight_scale`s as one scale per output row (a per-tensor scale repeated over the tensor's rows: q,
+    k and v keep their own in the merged qkv); with `block` (`Fp8Checkpoint.block`), each weight and its
+    `weight_scale_inv` become per-row e4m3 and scales (`rows_from_blocks`) before the same path. Static KV scales
+    go to `model.kv_scales`."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
     expected = {id(p) for p in model.parameters()}
     seen: set[int] = set()
-    shard = model.tp.shard
-    device = "cpu"
     kv_scales = [1.0] * (2 * model.cfg.num_layers)
+    pending: dict[str, dict[str, torch.Tensor]] = {}  # block-scaled weights waiting for their other half
     for file in files:
-        with safe_open(str(file), framework="pt", device=device) as f:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 kv = _KV_SCALE.match(name)
                 if kv is not None:
                     which = kv.group(2) or kv.group(3)
                     kv_scales[2 * int(kv.group(1)) + (which == "v")] = float(f.get_tensor(name).float().max())
                     continue
-                target = _target(model, name)
-                if target is None:
+                prefix, _, leaf = name.rpartition(".")
+                if block is not None and leaf in ("weight", "weight_scale_inv"):
+                    if _target(model, prefix + ".weight") is None:
+                        continue
+                    halves = pending.setdefault(prefix, {})
+                    halves[leaf] = f.get_tensor(name)
+                    if len(halves) == 2 and is_fp8(halves["weight"].dtype):
+                        wq, ws = rows_from_blocks(halves["weight"], halves["weight_scale_inv"], block)
+                        _put(model, name.replace("weight_scale_inv", "weight"), wq, seen)
+                        _put(model, prefix + ".weight_scale", ws, seen)
+                        del pending[prefix]
+                    elif leaf == "weight" and not is_fp8(halves["weight"].dtype):  # a 16-bit one (norms, LM head)
+                        _put(model, name, pending.pop(prefix)["weight"], seen)
                     continue
-                dst, rows, kind = target
-                tensor = f.get_tensor(name)
-                if name.endswith(".weight_scale"):
-                    view = dst.data if rows is None else dst.data[rows]
-                    if tensor.numel() == 1:  # per tensor: every output row of it
-                        dst_rows = view.shape[0]
-                        tensor = tensor.reshape(1).expand(dst_rows).contiguous()
-                    else:  # per channel, [out, 1]: sliced by rows like the weight (o / down: all of them)
-                        tensor = shard.hf_slice(
-                            kind if kind not in ("o", "down") else "none", tensor.flatten(), model.full_cfg
-                        )
-                else:
-                    tensor = shard.hf_slice(kind, tensor, model.full_cfg)
-                view = dst.data if rows is None else dst.data[rows]
-                if view.shape != tensor.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(view.shape)}")
-                if is_fp8(dst.dtype) and not is_fp8(tensor.dtype) and not name.endswith(".weight_scale"):
-                    raise ValueError(f"{name}: {tensor.dtype} in a checkpoint whose other GEMM weights are FP8")
-                view.copy_(tensor.to(dst.dtype))
-                seen.add(id(dst))
+                _put(model, name, f.get_tensor(name), seen)
+    if pending:
+        raise ValueError(f"checkpoint in {path}: block-scaled weights without their scales: {sorted(pending)[:4]}")
     if any(sc != 1.0 for sc in kv_scales):
         model.kv_scales = tuple(kv_scales)
     missing = expected - seen
     if missing:
         names = [n for n, p in model.named_parameters() if id(p) in missing]
         raise ValueError(f"checkpoint in {path} lacks weights for: {', '.join(names[:8])}")
+
+
+def _put(model: DecoderModel, name: str, tensor: torch.Tensor, seen: set[int]) -> None:
+    """One checkpoint tensor into this rank's part of its destination parameter (nothing where the model has no
+    use for it)."""
+    target = _target(model, name)
+    if target is None:
+        return
+    dst, rows, kind = target
+    shard = model.tp.shard
+    view = dst.data if rows is None else dst.data[rows]
+    if name.endswith(".weight_scale"):
+        if tensor.numel() == 1:  # per tensor: every output row of it
+            tensor = tensor.reshape(1).expand(view.shape[0]).contiguous()
+        else:  # per channel, [out, 1]: sliced by rows like the weight (o / down: all of them)
+            tensor = shard.hf_slice(kind if kind not in ("o", "down") else "none", tensor.flatten(), model.full_cfg)
+    else:
+        tensor = shard.hf_slice(kind, tensor, model.full_cfg)
+    if view.shape != tensor.shape:
+        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(view.shape)}")
+    if is_fp8(dst.dtype) and not is_fp8(tensor.dtype) and not name.endswith(".weight_scale"):
+        raise ValueError(f"{name}: {tensor.dtype} in a checkpoint whose other GEMM weights are FP8")
+    view.copy_(tensor.to(dst.dtype))
+    seen.add(id(dst))
 
 
 def _full_shape(model: DecoderModel, name: str, local: torch.Size) -> tuple[int, ...]:
