@@ -22,11 +22,26 @@ SILU_ONE_PASS_MAX = 16384
 
 
 @triton.jit
-def _store_quantized(q_row, s_ptr, row, y, cols, mask, FP8_MAX_C: tl.constexpr, MIN_AMAX_C: tl.constexpr):
-    scale = tl.maximum(tl.max(tl.abs(y), axis=0), MIN_AMAX_C) / FP8_MAX_C
+def _row_inv_scale(amax, s_ptr, row, FP8_MAX_C: tl.constexpr, MIN_AMAX_C: tl.constexpr):
+    """Stores the row's scale (its largest magnitude over 448) and returns its reciprocal."""
+    scale = tl.maximum(tl.max(amax, axis=0), MIN_AMAX_C) / FP8_MAX_C
     tl.store(s_ptr + row, scale)
-    v = tl.clamp(y * (1.0 / scale), -FP8_MAX_C, FP8_MAX_C)
-    tl.store(q_row + cols, v.to(q_row.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+    return 1.0 / scale
+
+
+@triton.jit
+def _write_e4m3(q_ptr, offs, mask, y, inv, FP8_MAX_C: tl.constexpr):
+    v = tl.clamp(y * inv, -FP8_MAX_C, FP8_MAX_C)
+    tl.store(q_ptr + offs, v.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+
+
+@triton.jit
+def _silu_mul(g_row, cols, mask, N):
+    """silu(gate) * up at `cols` of a [gate | up] row, in float32, rounded to the row's dtype (as SiLU-mul writes)."""
+    gate = tl.load(g_row + cols, mask=mask, other=0.0)
+    up = tl.load(g_row + N + cols, mask=mask, other=0.0).to(tl.float32)
+    gf = gate.to(tl.float32)
+    return (gf / (1.0 + tl.exp(-gf)) * up).to(gate.dtype).to(tl.float32)
 
 
 @triton.jit
@@ -39,14 +54,11 @@ def _quantize_rows_kernel(
     for k0 in range(0, K, BLOCK):
         rk = k0 + tl.arange(0, BLOCK)
         amax = tl.maximum(amax, tl.abs(tl.load(x_row + rk, mask=rk < K, other=0.0).to(tl.float32)))
-    scale = tl.maximum(tl.max(amax, axis=0), MIN_AMAX_C) / FP8_MAX_C
-    tl.store(s_ptr + row, scale)
-    inv = 1.0 / scale
+    inv = _row_inv_scale(amax, s_ptr, row, FP8_MAX_C, MIN_AMAX_C)
     for k0 in range(0, K, BLOCK):
         rk = k0 + tl.arange(0, BLOCK)
-        v = tl.load(x_row + rk, mask=rk < K, other=0.0).to(tl.float32) * inv
-        v = tl.clamp(v, -FP8_MAX_C, FP8_MAX_C)
-        tl.store(q_ptr + row * K + rk, v.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=rk < K)
+        v = tl.load(x_row + rk, mask=rk < K, other=0.0).to(tl.float32)
+        _write_e4m3(q_ptr + row * K, rk, rk < K, v, inv, FP8_MAX_C)
 
 
 @triton.jit
@@ -76,7 +88,8 @@ def _add_rms_norm_quant_kernel(
     rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / N + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = (s * rstd * w).to(x.dtype).to(tl.float32)
-    _store_quantized(q_ptr + row * N, s_ptr, row, y, cols, mask, FP8_MAX_C, MIN_AMAX_C)
+    inv = _row_inv_scale(tl.abs(y), s_ptr, row, FP8_MAX_C, MIN_AMAX_C)
+    _write_e4m3(q_ptr + row * N, cols, mask, y, inv, FP8_MAX_C)
 
 
 @triton.jit
@@ -94,41 +107,26 @@ def _silu_mul_quant_kernel(
     row = tl.program_id(0)
     g_row = g_ptr + row * stride_g
     q_row = q_ptr + row * N
-    if ONE_PASS:
+    if ONE_PASS:  # the row held in registers: read once
         cols = tl.arange(0, BLOCK)
-        mask = cols < N
-        gate = tl.load(g_row + cols, mask=mask, other=0.0)
-        up = tl.load(g_row + N + cols, mask=mask, other=0.0).to(tl.float32)
-        gf = gate.to(tl.float32)
-        y = (gf / (1.0 + tl.exp(-gf)) * up).to(gate.dtype).to(tl.float32)
-        _store_quantized(q_row, s_ptr, row, y, cols, mask, FP8_MAX_C, MIN_AMAX_C)
-    else:
+        y = _silu_mul(g_row, cols, cols < N, N)
+        inv = _row_inv_scale(tl.abs(y), s_ptr, row, FP8_MAX_C, MIN_AMAX_C)
+        _write_e4m3(q_row, cols, cols < N, y, inv, FP8_MAX_C)
+    else:  # read twice: the row's largest magnitude first, then the values
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for k0 in range(0, N, BLOCK):
             cols = k0 + tl.arange(0, BLOCK)
-            gate = tl.load(g_row + cols, mask=cols < N, other=0.0)
-            up = tl.load(g_row + N + cols, mask=cols < N, other=0.0).to(tl.float32)
-            gf = gate.to(tl.float32)
-            y = (gf / (1.0 + tl.exp(-gf)) * up).to(gate.dtype).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(y))
-        scale = tl.maximum(tl.max(amax, axis=0), MIN_AMAX_C) / FP8_MAX_C
-        tl.store(s_ptr + row, scale)
-        inv = 1.0 / scale
+            amax = tl.maximum(amax, tl.abs(_silu_mul(g_row, cols, cols < N, N)))
+        inv = _row_inv_scale(amax, s_ptr, row, FP8_MAX_C, MIN_AMAX_C)
         for k0 in range(0, N, BLOCK):
             cols = k0 + tl.arange(0, BLOCK)
-            gate = tl.load(g_row + cols, mask=cols < N, other=0.0)
-            up = tl.load(g_row + N + cols, mask=cols < N, other=0.0).to(tl.float32)
-            gf = gate.to(tl.float32)
-            y = (gf / (1.0 + tl.exp(-gf)) * up).to(gate.dtype).to(tl.float32)
-            v = tl.clamp(y * inv, -FP8_MAX_C, FP8_MAX_C)
-            tl.store(q_row + cols, v.to(q_row.dtype.element_ty, fp_downcast_rounding="rtne"), mask=cols < N)
+            _write_e4m3(q_row, cols, cols < N, _silu_mul(g_row, cols, cols < N, N), inv, FP8_MAX_C)
 
 
 @triton.jit
 def _saturate_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr, FP8_MAX_C: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    v = tl.clamp(tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32), -FP8_MAX_C, FP8_MAX_C)
-    tl.store(y_ptr + offs, v.to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=offs < n)
+    _write_e4m3(y_ptr, offs, offs < n, tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32), 1.0, FP8_MAX_C)
 
 
 def _empty_quantized(m: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
