@@ -162,21 +162,31 @@ def load_safetensors_dir(model: DecoderModel, path: Path, block: tuple[int, int]
                     continue
                 prefix, _, leaf = name.rpartition(".")
                 if block is not None and leaf in ("weight", "weight_scale_inv"):
-                    if _target(model, prefix + ".weight") is None:
+                    target = _target(model, prefix + ".weight")
+                    if target is None:
+                        continue
+                    tensor = f.get_tensor(name)
+                    if leaf == "weight" and not is_fp8(tensor.dtype):  # a 16-bit one (norms, embeddings, LM head)
+                        _put(model, target, name, tensor, seen)
                         continue
                     halves = pending.setdefault(prefix, {})
-                    halves[leaf] = f.get_tensor(name)
-                    if len(halves) == 2 and is_fp8(halves["weight"].dtype):
-                        wq, ws = rows_from_blocks(halves["weight"], halves["weight_scale_inv"], block)
-                        _put(model, name.replace("weight_scale_inv", "weight"), wq, seen)
-                        _put(model, prefix + ".weight_scale", ws, seen)
+                    halves[leaf] = tensor
+                    if len(halves) == 2:
                         del pending[prefix]
-                    elif leaf == "weight" and not is_fp8(halves["weight"].dtype):  # a 16-bit one (norms, LM head)
-                        _put(model, name, pending.pop(prefix)["weight"], seen)
+                        wq, ws = rows_from_blocks(halves["weight"], halves["weight_scale_inv"], block)
+                        _put(model, target, prefix + ".weight", wq, seen)
+                        scale = prefix + ".weight_scale"
+                        scale_target = _target(model, scale)
+                        assert scale_target is not None  # the weight's own scale rows
+                        _put(model, scale_target, scale, ws, seen)
                     continue
-                _put(model, name, f.get_tensor(name), seen)
+                target = _target(model, name)
+                if target is not None:
+                    _put(model, target, name, f.get_tensor(name), seen)
     if pending:
-        raise ValueError(f"checkpoint in {path}: block-scaled weights without their scales: {sorted(pending)[:4]}")
+        raise ValueError(
+            f"checkpoint in {path}: block-scaled weights or scales without the other: {sorted(pending)[:4]}"
+        )
     if any(sc != 1.0 for sc in kv_scales):
         model.kv_scales = tuple(kv_scales)
     missing = expected - seen
@@ -185,12 +195,10 @@ def load_safetensors_dir(model: DecoderModel, path: Path, block: tuple[int, int]
         raise ValueError(f"checkpoint in {path} lacks weights for: {', '.join(names[:8])}")
 
 
-def _put(model: DecoderModel, name: str, tensor: torch.Tensor, seen: set[int]) -> None:
-    """One checkpoint tensor into this rank's part of its destination parameter (nothing where the model has no
-    use for it)."""
-    target = _target(model, name)
-    if target is None:
-        return
+def _put(
+    model: DecoderModel, target: tuple[torch.Tensor, slice | None, str], name: str, tensor: torch.Tensor, seen: set[int]
+) -> None:
+    """The checkpoint tensor `name` into this rank's part of its destination (`_target(model, name)`)."""
     dst, rows, kind = target
     shard = model.tp.shard
     view = dst.data if rows is None else dst.data[rows]
