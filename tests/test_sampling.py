@@ -503,6 +503,11 @@ def test_grammar_masks_cover_the_tokenizer_and_ban_a_padded_heads_extra_ids(smol
     tokens = sample(logits, sb).tokens.tolist()
     text = smol_tokenizer.decode(tokens[:1])
     assert text and ("yes".startswith(text) or "no".startswith(text)) and tokens[1] == tok_vocab + 5
+    # A stop id in the padding (a generation config may list one): a grammar that can only end still ends.
+    book = GrammarBook(smol_path, vocab, [smol_tokenizer.eos_token_id, tok_vocab + 3])
+    ends = SamplingParams(grammar=GrammarSpec(kind="ebnf", value='root ::= ""'))
+    masks = book.fill([Req(req_id="end", prompt_ids=[1, 2], sampling=ends)])
+    assert masks.rows == [0] and masks.done == [True]
 
 
 # ---- grammars and penalties keep the overlap ---------------------------------------------------------------

@@ -86,6 +86,7 @@ class GrammarBook:
         # string) in each fill: 79k of them took a row's fill from 11 to 84 us, and an 8B step's 128-row fill to
         # 12.9 ms (bench/RESULTS.md, "Run 8").
         self._mask_vocab = 0
+        self._mask_stops: list[int] = []  # the stop ids inside the masks
         self._compiler: Any = None
         self._batch: Any = None
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
@@ -109,8 +110,10 @@ class GrammarBook:
             tok = AutoTokenizer.from_pretrained(self.model_path)
             ids = tok.get_vocab().values()
             self._mask_vocab = min(self.vocab, max(len(ids), max(ids) + 1))
-            stops = [t for t in self.stop_ids if t < self._mask_vocab] or None
-            info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self._mask_vocab, stop_token_ids=stops)
+            self._mask_stops = [t for t in self.stop_ids if t < self._mask_vocab]
+            info = xgr.TokenizerInfo.from_huggingface(
+                tok, vocab_size=self._mask_vocab, stop_token_ids=self._mask_stops or None
+            )
             threads = max(1, min(8, os.cpu_count() or 1))
             self._compiler = xgr.GrammarCompiler(info, max_threads=threads)
             self._batch = xgr.BatchGrammarMatcher(max_threads=self.fill_threads)
@@ -267,7 +270,7 @@ class GrammarBook:
             _batch_fill(self._batch, [h for _, h in filled], bits, indices)
             for i in self._stop_allowed(bits, indices):  # rare: is anything but a stop token allowed?
                 row = bits[i].clone()
-                for t in self.stop_ids:
+                for t in self._mask_stops:
                     cleared = 0xFFFFFFFF ^ (1 << (t % 32))  # as an int32: the sign bit is bit 31
                     row[t // 32] &= cleared - (1 << 32) if cleared >= 1 << 31 else cleared
                 done[i] = not bool(row.any())
@@ -277,7 +280,7 @@ class GrammarBook:
         """Those of `rows` whose mask allows a stop token (the grammar may end there: xgrammar's
         `is_completed`), read off the masks in a few torch ops instead of a call per row."""
         if self._stop_words is None:
-            stops = [t for t in self.stop_ids if t < self._mask_vocab]
+            stops = self._mask_stops
             words = sorted({t // 32 for t in stops})
             masks = [sum(1 << (t % 32) for t in stops if t // 32 == w) for w in words]
             signed = [m - (1 << 32) if m >= 1 << 31 else m for m in masks]
