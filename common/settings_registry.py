@@ -395,8 +395,9 @@ WEIGHT_DTYPE = declare(
     "KVFERRY_WEIGHT_DTYPE",
     str,
     "auto",
-    "linear-layer weights: `auto` = as the checkpoint stores them (a compressed-tensors FP8 checkpoint loads as "
-    "FP8, anything else in `KVFERRY_DTYPE`); `fp8_e4m3` = quantized at load to float8 e4m3 with one scale per "
+    "linear-layer weights: `auto` = as the checkpoint stores them (an FP8 checkpoint, compressed-tensors or "
+    "`quant_method: fp8` with per-tensor or 128 x 128 block scales, loads as FP8; anything else in "
+    "`KVFERRY_DTYPE`); `fp8_e4m3` = quantized at load to float8 e4m3 with one scale per "
     "output channel, activations scaled per token as each GEMM runs; embeddings, norms and the LM head keep "
     "`KVFERRY_DTYPE`",
     "workers",
