@@ -266,9 +266,9 @@ def xqa_attention(q, bufs, ps: int, hkv: int, ks: float, vs: float):
         return None
     indptr, indices, last = bufs
     xqa = xqa_decode.XqaDecode(q.device, hkv, ps, int(indptr[1] - indptr[0]))
-    xqa.bind(indptr, indices, last)
+    pages = xqa.pages(indptr, indices, last)
     out = torch.empty_like(q)
-    return lambda kv: xqa.attend(q, kv[0], kv[1], ks, vs, out)
+    return lambda kv: xqa.attend(q, kv[0], kv[1], ks, vs, pages, out)
 
 
 XQA_FAILED: list[str] = []  # a build failure is reported once, not retried per shape

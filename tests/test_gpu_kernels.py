@@ -140,8 +140,10 @@ def test_xqa_decode_over_fp8_pages_matches_float64(hq, hkv, d):
     indices[:total] = perm[:total].to(torch.int32)
     q = torch.randn(len(lens), hq, d, generator=g, device="cuda").to(torch.bfloat16)
     xqa = xqa_decode.XqaDecode(torch.device("cuda"), hkv, ps, pages_per_seq=64)
-    xqa.bind(indptr, indices, last)
-    out = xqa.attend(q, k_cache, v_cache, ks, vs)
+    out = xqa.attend(q, k_cache, v_cache, ks, vs, xqa.pages(indptr, indices, last))
+    # An eager step's pages (its decode rows known): the table only as wide as its longest row.
+    eager = xqa.attend(q, k_cache, v_cache, ks, vs, xqa.pages(indptr, indices, last, width=-(-1000 // ps)))
+    assert torch.equal(eager, out)
     for i, ref in enumerate(attention_float64(q, k_cache, v_cache, indptr, indices, lens, ks, vs)):
         assert torch.isfinite(out[i]).all()
         assert _rel(out[i], ref) < 5e-2, (i, lens[i], _rel(out[i], ref))
@@ -199,6 +201,12 @@ def test_rope_store_writes_fp8_pages_as_torch_rounds_them():
     same_k = rows[loc + 100].view(torch.uint8) == to_fp8(k_rot, 0.5).view(torch.uint8)
     same_v = rows[loc + 200].view(torch.uint8) == to_fp8(v, 2.0).view(torch.uint8)
     assert same_k.float().mean() > 0.99 and bool(same_v.all())
+    # e4m3 queries for FA3's FP8 prefill: the rotation rounded once, saturated at +-448 (a 4x larger input here
+    # lands some rotated values past it).
+    q8 = rope_store(pos, q * 64, k, v, rc.cos_sin(), rows, loc, 100, 200, k_scale=0.5, v_scale=2.0, q_fp8=True)
+    q_rot = RotaryCache.rotate((q * 64).float(), cos, sin)
+    assert q8.dtype == torch.float8_e4m3fn and bool((q_rot.abs() > 448).any())
+    assert (q8.view(torch.uint8) == to_fp8(q_rot).view(torch.uint8)).float().mean() > 0.99
 
 
 @pytest.mark.parametrize("rows", [1, 37, 300])

@@ -139,7 +139,7 @@ class FlashInferAttention:
             torch.cuda.get_device_properties(pool.device).multi_processor_count if pool.device.type == "cuda" else 1
         )
         self.xqa = None
-        self._xqa_bound = False  # the bound decode graph attends through XQA
+        self._xqa_pages: xqa_decode.XqaPages | None = None  # a decode step (graph or eager) attends through XQA
         if xqa_decode.supported(pool.device, pool.layout.dtype, pool.layout.page_size, cfg.head_dim):
             pages = -(-page_table.shape[1] // pool.layout.page_size)
             try:
@@ -267,6 +267,13 @@ class FlashInferAttention:
             ev = self._planned[id(wrapper)] = torch.cuda.Event()
         ev.record()
 
+    def _xqa_view(self, meta: PageMeta) -> xqa_decode.XqaPages:
+        """XQA's page table of an eager step's decode rows, as wide as its longest row."""
+        dev = meta.indices.device
+        width = int((meta.indptr[1:] - meta.indptr[:-1]).max())
+        indptr, last = meta.indptr.to(dev, non_blocking=True), meta.last_page_len.to(dev, non_blocking=True)
+        return self.xqa.pages(indptr, meta.indices, last, width)  # type: ignore[union-attr]
+
     def plan_decode(self, wrapper, meta: PageMeta) -> None:
         self._before_plan(wrapper)
         wrapper.plan(
@@ -292,14 +299,18 @@ class FlashInferAttention:
             self.plan_prefill(meta, extend_lens_cpu)
             return
         head, tail = meta.split(n)
-        self.plan_decode(self.decode_wrappers[self.decode_tensor_cores(n)], head)
-        decode = self._wrapper
+        decode: object
+        if self.xqa is not None:  # FP8 pages on Hopper: the rows attend as a decode graph's do
+            decode = self._xqa_view(head)
+        else:
+            self.plan_decode(self.decode_wrappers[self.decode_tensor_cores(n)], head)
+            decode = self._wrapper
         self.plan_prefill(tail, extend_lens_cpu[n:])
         self._split = (n, decode)
 
     def plan_prefill(self, meta: PageMeta, extend_lens_cpu: list[int]) -> None:
         self._triton_meta = None
-        self._xqa_bound = False
+        self._xqa_pages = None
         self._split = None
         w = self.prefill_wrapper
         qo = torch.zeros(len(extend_lens_cpu) + 1, dtype=torch.int32)
@@ -324,9 +335,12 @@ class FlashInferAttention:
 
     def plan(self, batch: ForwardBatch) -> None:
         self._triton_meta = None
-        self._xqa_bound = False
+        self._xqa_pages = None
         meta = self.page_meta(batch.table_rows, batch.seq_lens_cpu)
-        if batch.is_decode:
+        if batch.is_decode and self.xqa is not None:
+            self._xqa_pages = self._xqa_view(meta)
+            self._split = None
+        elif batch.is_decode:
             self.plan_decode(self.decode_wrappers[self.decode_tensor_cores(batch.batch_size)], meta)
         else:
             self.plan_extend(meta, batch.extend_lens_cpu)
@@ -346,14 +360,13 @@ class FlashInferAttention:
         self._wrapper = wrapper
         self._out_loc = out_loc
         self._triton_meta = None
-        self._xqa_bound = False
+        self._xqa_pages = None
         self._split = None
         if graph_meta is None:
             return
         bs = int(graph_meta[2].shape[0])
         if self.xqa is not None:
-            self.xqa.bind(*graph_meta)
-            self._xqa_bound = True
+            self._xqa_pages = self.xqa.pages(*graph_meta)
         elif self.triton_decode is not None and bs <= TRITON_DECODE_MAX_BS:
             splits = self.triton_decode.num_splits(bs, self.num_kv_heads, self.num_sms)
             self._triton_meta = (*graph_meta, splits)
@@ -385,8 +398,10 @@ class FlashInferAttention:
         assert loc is not None, "plan() or bind() must run before the layers"
         ko, vo = self.k_offsets[layer], self.v_offsets[layer]
         if self.rope_store is not None:
+            # A whole step on FA3's FP8 prefill gets its queries in e4m3 straight from the rotation.
+            q_fp8 = q_out is None and self.fp8_prefill and self._split is None and self._wrapper is self.prefill_wrapper
             return self.rope_store(
-                positions, q, k, v, self.cos_sin, self.rows, loc, ko, vo, q_out, *self.kv_scales[layer]
+                positions, q, k, v, self.cos_sin, self.rows, loc, ko, vo, q_out, *self.kv_scales[layer], q_fp8=q_fp8
             )
         if layer == 0:  # every layer's write rows at once (inside the graph when captured)
             self._kv_rows = self._kv_offsets[:, None] + loc[None, :]
@@ -404,9 +419,9 @@ class FlashInferAttention:
 
     def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of the rotated q over the layer's pages as planned (into `out` where given)."""
+        if self._xqa_pages is not None:
+            return self.xqa.attend(q, *self.kv[layer], *self.kv_scales[layer], self._xqa_pages, out)  # type: ignore[union-attr]
         assert self._wrapper is not None, "plan() must run before forward()"
-        if self._xqa_bound:
-            return self.xqa.attend(q, *self.kv[layer], *self.kv_scales[layer], out)  # type: ignore[union-attr]
         if self._triton_meta is not None:
             indptr, indices, last, splits = self._triton_meta
             k_cache, v_cache = self.kv[layer]
@@ -417,14 +432,18 @@ class FlashInferAttention:
         if self._split is not None:
             n, decode = self._split
             out = torch.empty_like(q) if out is None else out
-            decode.run(q[:n], self.kv[layer], out=out[:n], **self.run_scales[layer])  # type: ignore[attr-defined]
+            if isinstance(decode, xqa_decode.XqaPages):
+                self.xqa.attend(q[:n], *self.kv[layer], *self.kv_scales[layer], decode, out[:n])  # type: ignore[union-attr]
+            else:
+                decode.run(q[:n], self.kv[layer], out=out[:n], **self.run_scales[layer])  # type: ignore[attr-defined]
             self._run(self._wrapper, layer, q[n:], out[n:])
             return out
         return self._run(self._wrapper, layer, q, out)
 
     def _run(self, wrapper, layer: int, q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         if wrapper is self.prefill_wrapper and self.fp8_prefill:
-            out = torch.empty_like(q) if out is None else out
-            wrapper.run(fp8_kernels.saturate(q), self.kv[layer], out=out, **self.run_scales[layer])
+            out = torch.empty(q.shape, dtype=self.dtype, device=q.device) if out is None else out
+            q8 = q if is_fp8(q.dtype) else fp8_kernels.saturate(q)
+            wrapper.run(q8, self.kv[layer], out=out, **self.run_scales[layer])
             return out
         return wrapper.run(q, self.kv[layer], out=out, **self.run_scales[layer])

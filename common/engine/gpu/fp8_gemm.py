@@ -6,6 +6,12 @@ channel (`Fp8Linear`) and x_q the activations quantized per token: by the op tha
 (`fp8_linear`). cuBLASLt's row-wise scaled FP8 GEMM needs the inner dimension and the output width to be multiples
 of 16; a weight that is not (none of the supported models' GEMMs) runs dequantized through `F.linear`, logged
 once.
+
+The GEMMs run with fast accumulation, as vLLM's and torchao's FP8 inference GEMMs do: Hopper's FP8 MMA keeps its
+partial sums in reduced precision, and the default kernel promotes them to float32 every few K steps. On the H200
+(bench/fp8_gemm.py, an 8B layer's four GEMMs at 4,096 tokens) fast accumulation took 1.327 against 1.424 ms
+(1.79x against 1.66x bf16's 2.369 ms) for a relative error against float32 of the same quantized operands of
+2.1e-3 (3.3e-3 at K = 14,336) against 1.7e-3.
 """
 
 from __future__ import annotations
@@ -47,5 +53,5 @@ def scaled_linear(
     n = w.weight.shape[0]
     if xq.shape[0] == 0:
         return torch.empty(0, n, dtype=dtype, device=xq.device)
-    y = torch._scaled_mm(xq, w.weight.t(), scale_a=sx, scale_b=w.scale.view(1, n), out_dtype=dtype)
+    y = torch._scaled_mm(xq, w.weight.t(), scale_a=sx, scale_b=w.scale.view(1, n), out_dtype=dtype, use_fast_accum=True)
     return y if bias is None else y.add_(bias)

@@ -34,6 +34,7 @@ def _rope_store_kernel(
     v_inv_scale,
     FP8: tl.constexpr,
     ROUND: tl.constexpr,
+    Q_FP8: tl.constexpr,
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     HALF: tl.constexpr,
@@ -61,8 +62,14 @@ def _rope_store_kernel(
     x2 = tl.load(src[:, None] + HALF + d[None, :], mask=ok, other=0.0).to(tl.float32)
     r1 = x1 * cos - x2 * sin
     r2 = x2 * cos + x1 * sin
-    tl.store(qdst[:, None] + d[None, :], r1.to(qo_ptr.dtype.element_ty), mask=qmask)
-    tl.store(qdst[:, None] + HALF + d[None, :], r2.to(qo_ptr.dtype.element_ty), mask=qmask)
+    if Q_FP8:  # e4m3 queries at scale 1.0 for FA3's FP8 prefill, saturated as common/engine/fp8.py does
+        q1 = tl.clamp(r1, -448.0, 448.0).to(qo_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        q2 = tl.clamp(r2, -448.0, 448.0).to(qo_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    else:
+        q1 = r1.to(qo_ptr.dtype.element_ty)
+        q2 = r2.to(qo_ptr.dtype.element_ty)
+    tl.store(qdst[:, None] + d[None, :], q1, mask=qmask)
+    tl.store(qdst[:, None] + HALF + d[None, :], q2, mask=qmask)
     if FP8:  # stored as value / scale, saturated at e4m3's +-448 (common/engine/fp8.py)
         r1 = tl.clamp(r1 * k_inv_scale, -448.0, 448.0)
         r2 = tl.clamp(r2 * k_inv_scale, -448.0, 448.0)
@@ -101,17 +108,19 @@ def rope_store(
     out: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    q_fp8: bool = False,
 ) -> torch.Tensor:
     """Rotated q `[T, Hq, D]` (into `out` where given, else a new tensor); rotated k and v written to `rows[out_rows + k_offset]` and
     `rows[out_rows + v_offset]`. q/k/v may be views (each token's heads contiguous, e.g. of a qkv projection);
     `rows` is the pool's `[rows, Hkv, D]` view, `out_rows` the step's layer-0 K rows (KVPool.token_rows). An FP8
-    pool gets k / k_scale and v / v_scale (the layer's static scales)."""
+    pool gets k / k_scale and v / v_scale (the layer's static scales). `q_fp8` (or an e4m3 `out`) writes q in e4m3
+    at scale 1.0, saturated at +-448 (FA3's FP8 prefill reads that)."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     if q.stride(1) != d or k.stride(1) != d or v.stride(1) != d or q.stride(2) != 1:
         raise ValueError("rope_store needs each token's heads contiguous")
     if out is None:
-        out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
+        out = torch.empty(t, hq, d, dtype=torch.float8_e4m3fn if q_fp8 else q.dtype, device=q.device)
     if t == 0:
         return out
     # Few tokens (decode): two heads per program, the most parallel grid; many tokens (prefill): 16 heads per
@@ -136,6 +145,7 @@ def rope_store(
         FP8=is_fp8(rows.dtype),
         # Round to nearest even into FP8, as torch does (common/engine/fp8.py); None keeps a 16-bit pool's default.
         ROUND="rtne" if is_fp8(rows.dtype) else None,
+        Q_FP8=is_fp8(out.dtype),
         HQ=hq,
         HKV=hkv,
         HALF=d // 2,

@@ -11,6 +11,8 @@ multiplies Q.K by q_scale * kv_scale / sqrt(d) and the output by kv_scale).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 SEMAPHORE_BYTES = 8 << 20
@@ -41,9 +43,16 @@ def dense_pages(
     return indices[at], lens.to(torch.int32)[:, None]
 
 
+@dataclass
+class XqaPages:
+    """A step's dense page table [B, pages] int32 and lengths [B, 1] int32, on the device."""
+
+    table: torch.Tensor
+    lens: torch.Tensor
+
+
 class XqaDecode:
-    """One engine's XQA state: scratch and semaphores (the kernel resets the semaphores it used), and the
-    bound step's page table and lengths."""
+    """One engine's XQA state: scratch and semaphores (the kernel resets the semaphores it used)."""
 
     def __init__(self, device: torch.device, num_kv_heads: int, page_size: int, pages_per_seq: int) -> None:
         from flashinfer.xqa import xqa
@@ -54,23 +63,20 @@ class XqaDecode:
         self.scratch = torch.zeros(SCRATCH_BYTES, dtype=torch.uint8, device=device)
         self.semaphores = torch.zeros(SEMAPHORE_BYTES, dtype=torch.uint8, device=device)
         self.cols = torch.arange(pages_per_seq, dtype=torch.int64, device=device)
-        self.table: torch.Tensor | None = None
-        self.lens: torch.Tensor | None = None
 
-    def bind(self, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor) -> None:
-        """The page table and lengths of the step whose CSR metadata the decode graph holds (captured with it)."""
-        self.table, self.lens = dense_pages(indptr, indices, last, self.cols, self.page_size)
+    def pages(self, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor, width: int = 0) -> XqaPages:
+        """XQA's view of flashinfer's CSR description (device tensors); `width` pages a row where known (an eager
+        step), else the table's whole width (a graph, whose rows' lengths change between replays)."""
+        cols = self.cols[:width] if width else self.cols
+        return XqaPages(*dense_pages(indptr, indices, last, cols, self.page_size))
 
     def probe(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, dtype: torch.dtype) -> None:
         """One call on page 0 (its output dropped): builds the kernel now (a JIT compile on a fresh machine), so a
         build failure shows at start rather than inside a graph capture."""
         one = torch.zeros(2, dtype=torch.int32, device=self.scratch.device)
         one[1] = 1
-        self.bind(one, one[:1] * 0, one[1:])
-        self.attend(
-            torch.zeros(1, num_heads, k_cache.shape[-1], dtype=dtype, device=k_cache.device), k_cache, v_cache, 1.0, 1.0
-        )
-        self.table = self.lens = None
+        q = torch.zeros(1, num_heads, k_cache.shape[-1], dtype=dtype, device=k_cache.device)
+        self.attend(q, k_cache, v_cache, 1.0, 1.0, self.pages(one, one[:1] * 0, one[1:], 1))
 
     def attend(
         self,
@@ -79,17 +85,17 @@ class XqaDecode:
         v_cache: torch.Tensor,
         k_scale: float,
         v_scale: float,
+        pages: XqaPages,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q [B, Hq, D] over the bound step's pages -> [B, Hq, D] (into `out` where given)."""
-        assert self.table is not None and self.lens is not None, "bind() must run first"
+        """q [B, Hq, D] over `pages` -> [B, Hq, D] (into `out` where given)."""
         out = torch.empty_like(q) if out is None else out
         self.xqa(
             q.unsqueeze(1),
             k_cache,
             v_cache,
-            self.table,
-            self.lens,
+            pages.table,
+            pages.lens,
             out.unsqueeze(1),
             self.scratch,
             self.semaphores,
