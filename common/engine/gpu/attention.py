@@ -339,7 +339,7 @@ class FlashInferAttention:
         meta = self.page_meta(batch.table_rows, batch.seq_lens_cpu)
         if batch.is_decode and self.xqa is not None:
             self._xqa_pages = self._xqa_view(meta)
-            self._split = None
+            self._wrapper = self._split = None
         elif batch.is_decode:
             self.plan_decode(self.decode_wrappers[self.decode_tensor_cores(batch.batch_size)], meta)
         else:
@@ -399,7 +399,7 @@ class FlashInferAttention:
         ko, vo = self.k_offsets[layer], self.v_offsets[layer]
         if self.rope_store is not None:
             # A whole step on FA3's FP8 prefill gets its queries in e4m3 straight from the rotation.
-            q_fp8 = q_out is None and self.fp8_prefill and self._split is None and self._wrapper is self.prefill_wrapper
+            q_fp8 = self.fp8_prefill and q_out is None and self._split is None and self._wrapper is self.prefill_wrapper
             return self.rope_store(
                 positions, q, k, v, self.cos_sin, self.rows, loc, ko, vo, q_out, *self.kv_scales[layer], q_fp8=q_fp8
             )
