@@ -317,3 +317,46 @@ def test_fp8_activation_quantization_off_the_gpu_quantizes_the_unfused_ops_outpu
     big = torch.tensor([1000.0, -1000.0, 3.3]).to(torch.bfloat16)
     assert torch.equal(fp8_kernels.saturate(big).float(), to_fp8(big).float())
     assert fp8_kernels.saturate(big).float().abs().max() == 448.0
+
+
+def test_fp8_is_refused_before_loading_on_a_gpu_without_fp8(smol_path, monkeypatch):
+    """A GPU older than Ada (an A100: compute capability 8.0) has no FP8 tensor cores and Triton has no e4m3 there:
+    asking for FP8 weights or an FP8 KV cache fails at start with the reason, before any weight is read."""
+    from common.engine.fp8 import fp8_unsupported
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert fp8_unsupported(torch.device("cpu")) is None  # the CPU twin runs everywhere
+    assert "8.9 or newer" in fp8_unsupported(torch.device("cuda"))
+    for setting, fmt in (
+        ("KVFERRY_KV_DTYPE", dict(kv_dtype="fp8_e4m3")),
+        ("KVFERRY_WEIGHT_DTYPE", dict(weight_dtype="fp8_e4m3")),
+    ):
+        with pytest.raises(ValueError, match=f"{setting}=fp8_e4m3: FP8 needs a GPU of compute capability 8.9"):
+            ModelRunner(RunnerConfig(model=str(smol_path), device="cuda", num_pages=64, max_running=2, **fmt))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert fp8_unsupported(torch.device("cuda")) is None
+
+
+def test_fp8_checkpoint_serves_dequantized_where_fp8_cannot_run(
+    smol_path, smol_runner, smol_tokenizer, tmp_path, monkeypatch
+):
+    """An FP8 checkpoint on a device without FP8 kernels still serves: its GEMM weights are dequantized at load to
+    the model's dtype (the checkpoint's values exactly, at 16/32-bit memory cost), not refused."""
+    import common.engine.runner as runner_module
+    from common.engine.fp8 import Fp8Linear
+
+    ckpt = tmp_path / "smol-fp8-tensor"
+    write_fp8_method(smol_path, ckpt, None)
+    fp8 = ModelRunner(RunnerConfig(model=str(ckpt), num_pages=64, max_running=2)).model.layers[1]
+    monkeypatch.setattr(runner_module, "fp8_unsupported", lambda device: "no FP8 kernels here")
+    runner = ModelRunner(RunnerConfig(model=str(ckpt), num_pages=512, max_running=8))
+    layer = runner.model.layers[1]
+    assert not runner.model.fp8_weights and layer.gate_up_proj.dtype == torch.float32
+    assert not any(isinstance(w, Fp8Linear) for w in layer.packed.values())  # oneDNN-packed float32 on the CPU
+    assert not hasattr(layer, "gate_up_proj_scale")
+    assert torch.equal(layer.gate_up_proj, fp8.gate_up_proj.float() * fp8.gate_up_proj_scale[:, None])
+    ids = smol_tokenizer.encode(TEXT)
+    ref = fresh_engine(smol_runner).score(ids)
+    ours = fresh_engine(runner).score(ids)
+    assert ((ours - ref).norm() / ref.norm()).item() < WEIGHT_TOLERANCE[0]
+    assert nll(ours, ids) < nll(ref, ids) * (1 + WEIGHT_TOLERANCE[1])

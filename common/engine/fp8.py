@@ -27,8 +27,25 @@ FP8_SETTING = "fp8_e4m3"
 MIN_AMAX = 1e-12
 
 
+# e4m3 on a GPU: FP8 tensor cores (torch's scaled GEMMs) and Triton's e4m3 conversions need Ada or newer.
+FP8_MIN_CAPABILITY = (8, 9)
+
+
 def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def fp8_unsupported(device: torch.device) -> str | None:
+    """Why this device cannot run FP8 weights or an FP8 KV cache, or None where it can (the CPU runs the twin)."""
+    if device.type != "cuda":
+        return None
+    cap = torch.cuda.get_device_capability(device)
+    if cap >= FP8_MIN_CAPABILITY:
+        return None
+    need = ".".join(map(str, FP8_MIN_CAPABILITY))
+    return (
+        f"FP8 needs a GPU of compute capability {need} or newer (Ada, Hopper, Blackwell); this one is {cap[0]}.{cap[1]}"
+    )
 
 
 def to_fp8(x: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:

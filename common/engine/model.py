@@ -69,6 +69,15 @@ class DecoderLayer(nn.Module):
         self.fp8 = True
         self.use_fp8_forms()
 
+    def dequantize_linears(self, dtype: torch.dtype) -> None:
+        """FP8 GEMM weights back to `dtype` (W = weight * scale), for a device without FP8 kernels."""
+        for name in LINEARS:
+            w = Fp8Linear(getattr(self, name), getattr(self, f"{name}_scale")).dequantize(dtype)
+            setattr(self, name, nn.Parameter(w, requires_grad=False))
+            delattr(self, f"{name}_scale")
+        self.fp8 = False
+        self.packed = {}
+
 
 class DecoderModel(nn.Module):
     """The whole decoder, or one tensor-parallel rank's part of it (`tp`; see common/engine/tp.py).
@@ -139,6 +148,12 @@ class DecoderModel(nn.Module):
         for layer in self.layers:
             if not layer.fp8:
                 layer.quantize_linears()
+
+    def dequantize_linears(self) -> None:
+        """An FP8 model's GEMM weights in the model's dtype, layer by layer."""
+        for layer in self.layers:
+            if layer.fp8:
+                layer.dequantize_linears(self.dtype)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

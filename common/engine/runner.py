@@ -13,7 +13,7 @@ import torch
 from common.engine.attention import AttentionBackend, TorchPagedAttention
 from common.engine.dtypes import resolve_dtype, resolve_kv_dtype
 from common.engine.forward_batch import ForwardBatch, StepInputs
-from common.engine.fp8 import FP8_SETTING, is_fp8
+from common.engine.fp8 import FP8_SETTING, fp8_unsupported, is_fp8
 from common.engine.kv_sizing import kv_pool_pages
 from common.engine.model import DecoderModel
 from common.engine.model_config import ModelConfig, named_config
@@ -55,12 +55,18 @@ def load_model(
     model_cfg, path = resolve_model_config(cfg)
     if cfg.weight_dtype not in ("auto", FP8_SETTING):
         raise ValueError(f"unknown weight dtype {cfg.weight_dtype!r}; use auto or {FP8_SETTING}")
+    no_fp8 = fp8_unsupported(device)
+    if cfg.weight_dtype == FP8_SETTING and no_fp8:
+        raise ValueError(f"KVFERRY_WEIGHT_DTYPE={FP8_SETTING}: {no_fp8}; use auto")
     checkpoint = fp8_checkpoint(path) if path is not None else None
     model = DecoderModel(model_cfg, dtype, device, tp, fp8_weights=checkpoint is not None)
     if path is None:
         init_dummy_weights(model, cfg.seed)
     else:
         load_safetensors_dir(model, path, checkpoint.block if checkpoint is not None else None)
+    if model.fp8_weights and no_fp8:  # the checkpoint users downloaded still serves, at 16-bit weights' cost
+        log.warning("FP8 checkpoint dequantized to %s at load: %s", str(dtype).removeprefix("torch."), no_fp8)
+        model.dequantize_linears()
     if cfg.weight_dtype == FP8_SETTING and not model.fp8_weights:
         model.quantize_linears()
         if device.type == "cuda":
@@ -93,6 +99,9 @@ class ModelRunner:
             # `cuda:1` must be current or capture begins and ends on different devices' streams.
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
+        no_fp8 = fp8_unsupported(self.device) if is_fp8(resolve_kv_dtype(cfg.kv_dtype, self.dtype)) else None
+        if no_fp8:  # before any weight is read
+            raise ValueError(f"KVFERRY_KV_DTYPE={cfg.kv_dtype}: {no_fp8}; use auto")
         self.model_path: Path | None = None
         self.followers: TPFollowers | None = None
         tp: TPGroup | None = None
