@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from common.engine.forward_batch import ForwardBatch
@@ -10,6 +12,8 @@ from common.engine.gpu.ops import FlashInferOps
 from common.engine.model import DecoderModel
 from common.kv.pool import KVPool
 from common.settings import RunnerConfig
+
+log = logging.getLogger("kvferry.engine")
 
 
 def triton_available() -> bool:
@@ -65,6 +69,22 @@ class GpuPath:
             from common.engine.gpu.step_graphs import StepGraphs
 
             self.step_graphs = StepGraphs(model, self.attn, pool, dummy_page, step_tokens)
+        attn = self.attn
+        decode = "xqa" if attn.xqa is not None else "flashinfer"
+        if attn.xqa is None and attn.triton_decode is not None:
+            decode = "triton (1-2 rows), flashinfer"
+        log.info(
+            "gpu kernels",
+            extra={
+                "kv_dtype": str(pool.layout.dtype).removeprefix("torch."),
+                "fp8_weights": model.fp8_weights,
+                "prefill_attention": "fa3 e4m3" if attn.fp8_prefill else "flashinfer",
+                "decode_attention": decode,
+                "fused_kernels": triton,
+                "decode_graphs_max_bs": graph_max_bs if self.graphs is not None else 0,
+                "step_graphs_max_tokens": self.step_graphs.max_tokens if self.step_graphs is not None else 0,
+            },
+        )
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self.use_graphs and self.graphs is not None and self.graphs.can_run(batch):
