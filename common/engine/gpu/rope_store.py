@@ -63,8 +63,11 @@ def _rope_store_kernel(
     r1 = x1 * cos - x2 * sin
     r2 = x2 * cos + x1 * sin
     if Q_FP8:  # e4m3 queries at scale 1.0 for FA3's FP8 prefill, saturated as common/engine/fp8.py does
-        q1 = tl.clamp(r1, -448.0, 448.0).to(qo_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-        q2 = tl.clamp(r2, -448.0, 448.0).to(qo_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        # Rounded to the model's 16 bits first: the bytes the cast of a 16-bit q writes (graphs, split steps).
+        q1 = tl.clamp(r1.to(q_ptr.dtype.element_ty).to(tl.float32), -448.0, 448.0)
+        q2 = tl.clamp(r2.to(q_ptr.dtype.element_ty).to(tl.float32), -448.0, 448.0)
+        q1 = q1.to(qo_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        q2 = q2.to(qo_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
     else:
         q1 = r1.to(qo_ptr.dtype.element_ty)
         q2 = r2.to(qo_ptr.dtype.element_ty)
