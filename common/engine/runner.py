@@ -24,6 +24,7 @@ from common.engine.weights import fp8_checkpoint, init_dummy_weights, load_safet
 from common.kv.page_table import PageTable
 from common.kv.pool import KVLayout, KVPool
 from common.settings import RunnerConfig
+from common.settings_registry import KV_DTYPE, WEIGHT_DTYPE
 
 log = logging.getLogger("kvferry.engine")
 
@@ -57,7 +58,7 @@ def load_model(
         raise ValueError(f"unknown weight dtype {cfg.weight_dtype!r}; use auto or {FP8_SETTING}")
     no_fp8 = fp8_unsupported(device)
     if cfg.weight_dtype == FP8_SETTING and no_fp8:
-        raise ValueError(f"KVFERRY_WEIGHT_DTYPE={FP8_SETTING}: {no_fp8}; use auto")
+        raise ValueError(f"{WEIGHT_DTYPE.name}={FP8_SETTING}: {no_fp8}; use auto")
     checkpoint = fp8_checkpoint(path) if path is not None else None
     model = DecoderModel(model_cfg, dtype, device, tp, fp8_weights=checkpoint is not None)
     if path is None:
@@ -101,7 +102,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         no_fp8 = fp8_unsupported(self.device) if is_fp8(resolve_kv_dtype(cfg.kv_dtype, self.dtype)) else None
         if no_fp8:  # before any weight is read
-            raise ValueError(f"KVFERRY_KV_DTYPE={cfg.kv_dtype}: {no_fp8}; use auto")
+            raise ValueError(f"{KV_DTYPE.name}={cfg.kv_dtype}: {no_fp8}; use auto")
         self.model_path: Path | None = None
         self.followers: TPFollowers | None = None
         tp: TPGroup | None = None
