@@ -15,8 +15,8 @@ TFLOP/s, and the speed-up over bf16 in this run, per shape and summed over one l
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -25,29 +25,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.roofline import device_ms, log  # noqa: E402
 from common.engine.fp8 import quantize_rows  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 COPIES = 4
 VARIANTS = ("bf16", "rowwise", "rowwise_fast", "tensor", "tensor_fast")
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
-def device_ms(fn, iters: int) -> float:
-    for _ in range(3):
-        fn(0)
-    times = []
-    for i in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn(i % COPIES)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def make_call(variant: str, x: torch.Tensor, ws: list[torch.Tensor], xq, sx, wqs, sws):
@@ -98,7 +81,8 @@ def run_shape(name: str, n: int, k: int, m: int, iters: int, variants: list[str]
             out = fn(0).float()
             ref = reference(v, x, ws, xq, sx, wqs, sws)
             err = float((out - ref).norm() / ref.norm())
-            ms = device_ms(fn, iters)
+            copies = itertools.cycle(range(COPIES))
+            ms = device_ms(lambda fn=fn, copies=copies: fn(next(copies)), iters)
         except Exception as exc:  # a variant this torch / GPU does not run
             log(f"  {name} m={m} {v}: unavailable ({str(exc)[:160]})")
             row[v] = {"error": str(exc)[:300]}

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,25 +28,9 @@ if __package__ in (None, ""):
 
 import torch
 
+from bench.roofline import device_ms, log  # noqa: E402
+
 OUT_DIR = Path(__file__).resolve().parent / "out"
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
-def device_ms(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def timed_both(runner, fb, iters: int) -> tuple[float, float]:

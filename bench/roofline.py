@@ -65,6 +65,21 @@ def timed(fn, iters: int, warmup: int) -> list[float]:
     return [evs[i].elapsed_time(evs[i + 1]) for i in range(iters)]
 
 
+def device_ms(fn, iters: int) -> float:
+    """Median device time (ms) of one call, each timed on its own (events around it, synchronized), after 3 warm-ups."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
 # ---- 1. ceilings ---------------------------------------------------------------------------------------
 def ceilings(quick: bool) -> None:
     n = (1 << 30) if quick else (2 << 30)  # bytes per buffer
