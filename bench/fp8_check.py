@@ -11,6 +11,9 @@ Random weights of the model's shapes (`dummy:<model>`), one engine per variant, 
 The `*_unfused` variants run an FP8 variant as the engine did before FP8 queries on FA3 (prefill attention over FP8
 pages on flashinfer's FA2 kernel) and before the fused activation quantization (the norm and SiLU-mul write 16-bit
 rows that a second kernel quantizes): the same engine with those two paths turned off, for an A/B in one run.
+A variant may carry engine settings after its name, `NAME+field=value+...` (RunnerConfig fields), e.g.
+`fp8_both+pdl=0` (plain launches) or `fp8_both+gemv_prefetch_mb=32`; `--speed-only` skips the float32
+reference and the accuracy columns.
 Results are written to --out after each variant; the summary table is printed last.
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import statistics
@@ -172,18 +176,35 @@ def speed(runner: ModelRunner, quick: bool, profile: bool = False) -> dict:
     return out
 
 
-def check(name: str, args: argparse.Namespace, ids: list[int], ref: torch.Tensor) -> dict:
-    """One variant's accuracy against the float32 logits `ref` and its speed."""
-    runner = make(args.model, args.kv_gb, 256, **VARIANTS[name])
-    got = score(runner, ids)
-    r = dict(
-        logits_rel_err_vs_fp32=float((got - ref).norm() / ref.norm()),
-        argmax_agreement_vs_fp32=float((got.argmax(-1) == ref.argmax(-1)).float().mean()),
+def variant_settings(spec: str) -> dict:
+    """`NAME+field=value+...` -> the RunnerConfig keyword arguments (the variant's, then the fields given)."""
+    name, *extra = spec.split("+")
+    fields = {f.name: f.type for f in dataclasses.fields(RunnerConfig)}
+    kw = dict(VARIANTS[name])
+    parse = {"bool": lambda v: v in ("1", "true", "on"), "int": int, "float": float}
+    for item in extra:
+        key, value = item.split("=", 1)
+        kw[key] = parse.get(str(fields[key]), str)(value)
+    return kw
+
+
+def check(name: str, args: argparse.Namespace, ids: list[int], ref: torch.Tensor | None) -> dict:
+    """One variant's accuracy against the float32 logits `ref` (where given) and its speed."""
+    runner = make(args.model, args.kv_gb, 256, **variant_settings(name))
+    r: dict = {}
+    if ref is not None:
+        got = score(runner, ids)
+        r.update(
+            logits_rel_err_vs_fp32=float((got - ref).norm() / ref.norm()),
+            argmax_agreement_vs_fp32=float((got.argmax(-1) == ref.argmax(-1)).float().mean()),
+        )
+        log(f"{name}: logits rel err {r['logits_rel_err_vs_fp32']:.3e}, argmax {r['argmax_agreement_vs_fp32']:.3f}")
+    r.update(
         kv_dtype=str(runner.pool.kv.dtype),
         fp8_weights=runner.model.fp8_weights,
         fp8_prefill_fa3=bool(getattr(runner.attn, "fp8_prefill", False)),
+        pdl=bool(getattr(runner.gpu, "pdl", False)),
     )
-    log(f"{name}: logits rel err {r['logits_rel_err_vs_fp32']:.3e}, argmax agree {r['argmax_agreement_vs_fp32']:.3f}")
     r.update(speed(runner, args.quick, args.profile))
     log(f"{name}: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()})}")
     return r
@@ -196,7 +217,10 @@ def main() -> None:
     ap.add_argument("--kv-gb", type=float, default=40.0)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--profile", action="store_true", help="device time by kernel kind for each timed case")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="which of " + ",".join(VARIANTS))
+    ap.add_argument(
+        "--variants", default=",".join(VARIANTS), help="which of " + ",".join(VARIANTS) + " (each NAME[+field=value])"
+    )
+    ap.add_argument("--speed-only", action="store_true", help="no float32 reference, no accuracy columns")
     args = ap.parse_args()
     results: dict = {"model": args.model, "prompt_tokens": PROMPT_LEN, "ctx": CTX, "variants": {}}
     torch.manual_seed(0)
@@ -206,20 +230,23 @@ def main() -> None:
     def save() -> None:
         args.out.write_text(json.dumps(results, indent=2))
 
-    ref_runner = make(args.model, 2.0, 4, dtype="float32", attention="torch")
-    ids = torch.randint(0, ref_runner.model_config.vocab_size, (PROMPT_LEN,)).tolist()
-    ref = score(ref_runner, ids)
-    del ref_runner
-    gc.collect()
-    torch.cuda.empty_cache()
+    ids: list[int] = []
+    ref = None
+    if not args.speed_only:
+        ref_runner = make(args.model, 2.0, 4, dtype="float32", attention="torch")
+        ids = torch.randint(0, ref_runner.model_config.vocab_size, (PROMPT_LEN,)).tolist()
+        ref = score(ref_runner, ids)
+        del ref_runner
+        gc.collect()
+        torch.cuda.empty_cache()
     for name in args.variants.split(","):
-        with unfused_fp8(name.endswith(UNFUSED)):
+        with unfused_fp8(name.split("+")[0].endswith(UNFUSED)):
             r = check(name, args, ids, ref)
         results["variants"][name] = r
         save()
         gc.collect()
         torch.cuda.empty_cache()
-    base = results["variants"]["bf16"]
+    base = results["variants"].get("bf16") or next(iter(results["variants"].values()))
     lines = [
         f"{'variant':>20} | err vs fp32 | argmax | dec b1 ms (floor ratio) | b256 tok/s (x bf16) | prefill 4k ms (x bf16) | KV B/tok"
     ]
@@ -229,7 +256,8 @@ def main() -> None:
         r["prefill_4k_speedup_vs_bf16"] = base["prefill_4k_ms"] / r["prefill_4k_ms"]
         r["kv_bytes_ratio_vs_bf16"] = r["kv_bytes_per_token"] / base["kv_bytes_per_token"]
         lines.append(
-            f"{name:>20} | {r['logits_rel_err_vs_fp32']:.2e} | {r['argmax_agreement_vs_fp32']:.3f} | "
+            f"{name:>20} | {r.get('logits_rel_err_vs_fp32', float('nan')):.2e} | "
+            f"{r.get('argmax_agreement_vs_fp32', float('nan')):.3f} | "
             f"{r['decode_b1_ms']:.3f} ({r['decode_b1_ratio_to_floor']:.2f}) | "
             f"{r['decode_b256_tok_per_s']:.0f} ({r['decode_b256_speedup_vs_bf16']:.2f}x) | "
             f"{r['prefill_4k_ms']:.1f} ({r['prefill_4k_speedup_vs_bf16']:.2f}x) | {r['kv_bytes_per_token']}"

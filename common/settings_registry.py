@@ -484,6 +484,15 @@ FUSED_KERNELS = declare(
     "GPU workers",
     "common/settings.py",
 )
+PDL = declare(
+    "KVFERRY_PDL",
+    on_off,
+    True,
+    "Hopper and later: the GPU kernels launch as programmatic dependent launches (each starts while the one "
+    "before finishes; GEMVs prefetch their weights meanwhile); `0` = plain launches",
+    "GPU workers",
+    "common/settings.py",
+)
 GEMV_MAX_ROWS = declare(
     "KVFERRY_GEMV_MAX_ROWS",
     int,

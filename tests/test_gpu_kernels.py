@@ -81,6 +81,31 @@ def test_gemv_writes_every_output_and_nothing_else():
             assert _rel(y, x.double() @ weight.double().T) < 8e-3
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gemv_as_a_dependent_launch_computes_the_same(fp8):
+    """Launched with PDL, prefetching its weight's first lines (all of them, some, none) before it waits for the
+    kernel ahead: the same bytes out as a plain launch, right after a kernel that writes its input."""
+    from common.engine import fp8 as fp8_mod
+    from common.engine.gpu.fused_gemv import gemv
+    from common.engine.gpu.pdl import available
+
+    if not available(torch.device("cuda")):
+        pytest.skip("needs compute capability 9.0 and a Triton with launch_pdl")
+    g = torch.Generator(device="cuda").manual_seed(17)
+    weight = torch.randn(1000, 1536, generator=g, device="cuda").to(torch.bfloat16) * 0.03
+    scale = None
+    if fp8:
+        weight, scale = fp8_mod.quantize_rows(weight)
+        scale = scale.view(-1)
+    for rows in (1, 5):
+        src = torch.randn(rows, 1536, generator=g, device="cuda").to(torch.bfloat16)
+        plain, _ = gemv(src * 2, weight, weight_scale=scale)
+        for prefetch in (0, 1 << 16, 1 << 30):
+            x = src * 2  # written by the kernel just before: the GEMV must wait for it
+            y, _ = gemv(x, weight, weight_scale=scale, launch_pdl=True, prefetch_bytes=prefetch)
+            assert torch.equal(y, plain)
+
+
 def test_gemv_refuses_what_it_cannot_serve():
     from common.engine.gpu.fused_gemv import MAX_ROWS, gemv
 

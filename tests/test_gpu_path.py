@@ -63,6 +63,7 @@ def _runner(
     max_running: int = 8,
     kv_dtype: str = "auto",
     weight_dtype: str = "auto",
+    pdl: bool = True,
 ):
     from common.engine.runner import ModelRunner, RunnerConfig
 
@@ -77,6 +78,7 @@ def _runner(
         fused_kernels=fused,
         kv_dtype=kv_dtype,
         weight_dtype=weight_dtype,
+        pdl=pdl,
     )
     return ModelRunner(cfg)
 
@@ -228,6 +230,30 @@ def test_flashinfer_logits_match_fp32_transformers(tiny_dirs, kind, fused):
     for a, b in zip(got_graph, got_eager):
         assert _rel(a[:-n_dec], b[:-n_dec]) < 1e-2
         assert _rel(a[-n_dec:], b[-n_dec:]) < 1e-2
+
+
+@needs_cuda
+@gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8-weights-and-kv"])
+def test_dependent_launches_give_the_logits_of_plain_launches(tiny_dirs, fp8):
+    """Programmatic dependent launches (and the GEMVs' weight prefetch before their wait) change when kernels
+    start, never what they compute: chunked prefill, graph and eager decode steps give bit-identical logits with
+    them on and off (a kernel reading before the one ahead of it finished would not)."""
+    from common.engine.gpu.pdl import available
+
+    if not available(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0 and a Triton with launch_pdl")
+    fmt = dict(kv_dtype="fp8_e4m3", weight_dtype="fp8_e4m3") if fp8 else {}
+    seqs = _prompts(3, seed=11, lo=40, hi=140)
+    got = {}
+    for pdl in (True, False):
+        runner = _runner(tiny_dirs["llama"], "cuda", "bfloat16", pdl=pdl, **fmt)
+        assert runner.gpu.pdl == pdl
+        got[pdl] = [_teacher_forced(runner, seqs, chunk=32, n_decode=6, graphs=graphs) for graphs in (True, False)]
+        del runner
+    for on, off in zip(got[True], got[False]):
+        for a, b in zip(on, off):
+            assert torch.isfinite(a).all() and torch.equal(a, b)
 
 
 @needs_cuda

@@ -22,6 +22,7 @@ runs, q and k are rotated and the step's K/V written into the pool: one Triton k
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -117,6 +118,7 @@ class FlashInferAttention:
         rotary: RotaryCache,
         tc_min_batch: int = 1,
         triton_kernels: bool = True,
+        pdl: bool = False,
     ) -> None:
         import flashinfer
 
@@ -129,7 +131,7 @@ class FlashInferAttention:
             from common.engine.gpu import decode_attention, rope_store
 
             if rope_store.supports(cfg.head_dim):
-                self.rope_store = rope_store.rope_store
+                self.rope_store = functools.partial(rope_store.rope_store, launch_pdl=pdl)
             fits = decode_attention.supports(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, pool.layout.page_size)
             if fits:
                 self.triton_decode = decode_attention
@@ -143,7 +145,7 @@ class FlashInferAttention:
         if xqa_decode.supported(pool.device, pool.layout.dtype, pool.layout.page_size, cfg.head_dim):
             pages = -(-page_table.shape[1] // pool.layout.page_size)
             try:
-                self.xqa = xqa_decode.XqaDecode(pool.device, cfg.num_kv_heads, pool.layout.page_size, pages)
+                self.xqa = xqa_decode.XqaDecode(pool.device, cfg.num_kv_heads, pool.layout.page_size, pages, pdl)
                 self.xqa.probe(pool.k_cache(0), pool.v_cache(0), cfg.num_heads, dtype)
             except Exception as exc:  # a kernel that does not build here: flashinfer decodes the FP8 pages
                 log.warning("XQA's FP8 decode kernel unavailable, flashinfer's runs: %s", str(exc)[:300])
@@ -151,6 +153,7 @@ class FlashInferAttention:
         # Set by `bind` for a CUDA-graph decode step that runs the Triton kernel: (indptr, indices, last, splits).
         self._triton_meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
         self.pool = pool
+        self.pdl = pdl  # programmatic dependent launches for the Triton kernels and XQA (common/engine/gpu/pdl.py)
         self.table = page_table
         self.page_size = pool.layout.page_size
         self.num_heads = cfg.num_heads
@@ -427,7 +430,7 @@ class FlashInferAttention:
             k_cache, v_cache = self.kv[layer]
             ks, vs = self.kv_scales[layer]
             return self.triton_decode.decode_attention(  # type: ignore[union-attr]
-                q, k_cache, v_cache, indptr, indices, last, splits, ks, vs, self._triton_tile
+                q, k_cache, v_cache, indptr, indices, last, splits, ks, vs, self._triton_tile, self.pdl
             )
         if self._split is not None:
             n, decode = self._split

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from common.engine.gpu import pdl
+
 GROUP_PAD = 16  # query rows per program: the GQA group padded to the MMA's narrow side
 PAGES_PER_TILE = 4  # pages gathered per iteration
 
@@ -53,7 +55,11 @@ def _decode_attention_split_kernel(
     GPAD: tl.constexpr,
     PPT: tl.constexpr,
     KV_FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        pdl.release_next()
+        pdl.wait_prior()
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -111,8 +117,11 @@ def _decode_attention_split_kernel(
 
 @triton.jit
 def _decode_attention_merge_kernel(
-    o_ptr, lse_ptr, out_ptr, NUM_SPLITS: tl.constexpr, SPAD: tl.constexpr, D: tl.constexpr
+    o_ptr, lse_ptr, out_ptr, NUM_SPLITS: tl.constexpr, SPAD: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr
 ):
+    if PDL:
+        pdl.release_next()
+        pdl.wait_prior()
     row = tl.program_id(0)  # b * HQ + head
     sp = tl.arange(0, SPAD)
     d = tl.arange(0, D)
@@ -156,10 +165,12 @@ def decode_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     tile: TileConfig | None = None,
+    launch_pdl: bool = False,
 ) -> torch.Tensor:
     """q: [B, Hq, D]; k_cache/v_cache: [pages, page_size, Hkv, D] views of one layer (token rows contiguous),
     16-bit or e4m3 with the layer's scales; the CSR tensors on q's device, as flashinfer's decode plan takes
-    them. Returns [B, Hq, D] in q's dtype."""
+    them. Returns [B, Hq, D] in q's dtype. `launch_pdl`: programmatic dependent launches
+    (common/engine/gpu/pdl.py)."""
     tile = tile or TileConfig()
     b, hq, d = q.shape
     _, page, hkv, _ = k_cache.shape
@@ -197,11 +208,20 @@ def decode_attention(
         GPAD=GROUP_PAD,
         PPT=tile.pages_per_tile,
         KV_FP8=kv_fp8,
+        PDL=launch_pdl,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
+        **pdl.launch_options(launch_pdl),
     )
     if splits > 1:
         _decode_attention_merge_kernel[(b * hq,)](
-            part, lse, out, NUM_SPLITS=splits, SPAD=max(2, triton.next_power_of_2(splits)), D=d
+            part,
+            lse,
+            out,
+            NUM_SPLITS=splits,
+            SPAD=max(2, triton.next_power_of_2(splits)),
+            D=d,
+            PDL=launch_pdl,
+            **pdl.launch_options(launch_pdl),
         )
     return out

@@ -24,6 +24,12 @@ def triton_available() -> bool:
     return True
 
 
+def pdl_available(device: torch.device) -> bool:
+    from common.engine.gpu import pdl  # Triton: imported only where it is
+
+    return pdl.available(device)
+
+
 class GpuPath:
     """flashinfer attention + fused kernels (the model's forward with `FlashInferOps`) for every step; CUDA
     graphs for decode steps that fit, piecewise graphs (all but attention) for prefill and mixed steps that fit
@@ -51,11 +57,22 @@ class GpuPath:
             )
         self.model = model
         triton = cfg.fused_kernels and triton_available()
+        self.pdl = cfg.pdl and triton and pdl_available(model.device)
         # first: it sets how flashinfer is imported
-        model.ops = FlashInferOps(cfg.gemv_max_rows if triton else 0, cfg.gemv_prologues)
+        model.ops = FlashInferOps(
+            cfg.gemv_max_rows if triton else 0, cfg.gemv_prologues, self.pdl, int(cfg.gemv_prefetch_mb * (1 << 20))
+        )
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=model.device)
         self.attn = FlashInferAttention(
-            pool, page_table, model.cfg, model.dtype, self.workspace, model.rotary, cfg.decode_tc_min_batch, triton
+            pool,
+            page_table,
+            model.cfg,
+            model.dtype,
+            self.workspace,
+            model.rotary,
+            cfg.decode_tc_min_batch,
+            triton,
+            self.pdl,
         )
         self.graphs = None
         self.step_graphs = None
@@ -81,6 +98,7 @@ class GpuPath:
                 "prefill_attention": "fa3 e4m3" if attn.fp8_prefill else "flashinfer",
                 "decode_attention": decode,
                 "fused_kernels": triton,
+                "pdl": self.pdl,
                 "decode_graphs_max_bs": graph_max_bs if self.graphs is not None else 0,
                 "step_graphs_max_tokens": self.step_graphs.max_tokens if self.step_graphs is not None else 0,
             },

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from common.engine.fp8 import is_fp8
+from common.engine.gpu import pdl
 
 
 @triton.jit
@@ -39,7 +40,10 @@ def _rope_store_kernel(
     HKV: tl.constexpr,
     HALF: tl.constexpr,
     HEADS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        pdl.wait_prior()
     t = tl.program_id(0)
     hh = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # this program's heads: queries first, then KV heads
     d = tl.arange(0, HALF)
@@ -91,6 +95,10 @@ def _rope_store_kernel(
             val.to(rows_ptr.dtype.element_ty, fp_downcast_rounding=ROUND),
             mask=vmask,
         )
+    if PDL:
+        # Only now: attention, launched next, lets the output projection start early, and that GEMV's weight
+        # prefetch should overlap attention, not the QKV GEMV still streaming before this kernel.
+        pdl.release_next()
 
 
 def supports(head_dim: int) -> bool:
@@ -112,12 +120,14 @@ def rope_store(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     q_fp8: bool = False,
+    launch_pdl: bool = False,
 ) -> torch.Tensor:
     """Rotated q `[T, Hq, D]` (into `out` where given, else a new tensor); rotated k and v written to `rows[out_rows + k_offset]` and
     `rows[out_rows + v_offset]`. q/k/v may be views (each token's heads contiguous, e.g. of a qkv projection);
     `rows` is the pool's `[rows, Hkv, D]` view, `out_rows` the step's layer-0 K rows (KVPool.token_rows). An FP8
     pool gets k / k_scale and v / v_scale (the layer's static scales). `q_fp8` (or an e4m3 `out`) writes q in e4m3
-    at scale 1.0, saturated at +-448 (FA3's FP8 prefill reads that)."""
+    at scale 1.0, saturated at +-448 (FA3's FP8 prefill reads that). `launch_pdl`: a programmatic dependent launch
+    (common/engine/gpu/pdl.py)."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     if q.stride(1) != d or k.stride(1) != d or v.stride(1) != d or q.stride(2) != 1:
@@ -153,6 +163,8 @@ def rope_store(
         HKV=hkv,
         HALF=d // 2,
         HEADS=heads,
+        PDL=launch_pdl,
         num_warps=1 if heads == 2 else 4,
+        **pdl.launch_options(launch_pdl),
     )
     return out

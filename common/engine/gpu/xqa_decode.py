@@ -54,10 +54,13 @@ class XqaPages:
 class XqaDecode:
     """One engine's XQA state: scratch and semaphores (the kernel resets the semaphores it used)."""
 
-    def __init__(self, device: torch.device, num_kv_heads: int, page_size: int, pages_per_seq: int) -> None:
+    def __init__(
+        self, device: torch.device, num_kv_heads: int, page_size: int, pages_per_seq: int, pdl: bool = False
+    ) -> None:
         from flashinfer.xqa import xqa
 
         self.xqa = xqa
+        self.pdl = pdl  # a programmatic dependent launch (common/engine/gpu/pdl.py)
         self.num_kv_heads = num_kv_heads
         self.page_size = page_size
         self.scratch = torch.zeros(SCRATCH_BYTES, dtype=torch.uint8, device=device)
@@ -103,5 +106,6 @@ class XqaDecode:
             self.page_size,
             q_scale=k_scale / v_scale,
             kv_scale=v_scale,
+            enable_pdl=self.pdl,
         )
         return out
