@@ -12,7 +12,7 @@ The `*_unfused` variants run an FP8 variant as the engine did before FP8 queries
 pages on flashinfer's FA2 kernel) and before the fused activation quantization (the norm and SiLU-mul write 16-bit
 rows that a second kernel quantizes): the same engine with those two paths turned off, for an A/B in one run.
 A variant may carry engine settings after its name, `NAME+field=value+...` (RunnerConfig fields), e.g.
-`fp8_both+pdl=0` (plain launches) or `fp8_both+gemv_prefetch_mb=32`; `--speed-only` skips the float32
+`fp8_both+pdl=0` (plain launches) or `bf16+gemv_max_rows=4`; `--speed-only` skips the float32
 reference and the accuracy columns.
 Results are written to --out after each variant; the summary table is printed last.
 """

@@ -38,10 +38,8 @@ class RunnerConfig:
     fused_kernels: bool = reg.FUSED_KERNELS.field()
     gemv_max_rows: int = reg.GEMV_MAX_ROWS.field()
     gemv_prologues: bool = False
-    # Hopper: programmatic dependent launches (common/engine/gpu/pdl.py); a GEMV sends up to gemv_prefetch_mb of
-    # its weight to L2 before the kernel ahead of it has finished (benchmarks vary it).
+    # Hopper: programmatic dependent launches (common/engine/gpu/pdl.py).
     pdl: bool = reg.PDL.field()
-    gemv_prefetch_mb: float = 16.0
     cpu_linear: str = "auto"  # CPU float32 GEMMs: auto = oneDNN with packed weights when available; torch = F.linear
     tp_size: int = reg.TP_SIZE.field()  # rank 0 launches the others (common/engine/tp_ranks.py)
     tp_rank: int = 0  # set by rank 0 for its followers

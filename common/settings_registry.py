@@ -489,7 +489,7 @@ PDL = declare(
     on_off,
     True,
     "Hopper and later: the GPU kernels launch as programmatic dependent launches (each starts while the one "
-    "before finishes; GEMVs prefetch their weights meanwhile); `0` = plain launches",
+    "before finishes); `0` = plain launches",
     "GPU workers",
     "common/settings.py",
 )

@@ -236,9 +236,9 @@ def test_flashinfer_logits_match_fp32_transformers(tiny_dirs, kind, fused):
 @gpu
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8-weights-and-kv"])
 def test_dependent_launches_give_the_logits_of_plain_launches(tiny_dirs, fp8):
-    """Programmatic dependent launches (and the GEMVs' weight prefetch before their wait) change when kernels
-    start, never what they compute: chunked prefill, graph and eager decode steps give bit-identical logits with
-    them on and off (a kernel reading before the one ahead of it finished would not)."""
+    """Programmatic dependent launches change when kernels start, never what they compute: chunked prefill, graph
+    and eager decode steps give bit-identical logits with them on and off (a kernel reading before the one ahead
+    of it finished would not)."""
     from common.engine.gpu.pdl import available
 
     if not available(torch.device("cuda")):

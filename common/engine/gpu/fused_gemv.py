@@ -85,17 +85,11 @@ def _gemv_kernel(
     K_POW2: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr,
-    LINE_ELEMS: tl.constexpr,
-    W_EVICT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     if PDL:
         pdl.release_next()
-        if PREFETCH_LINES > 0:  # this program's first weight lines, while the kernel before still runs
-            lines = tl.arange(0, PREFETCH_LINES) * LINE_ELEMS
-            pdl.prefetch_l2(w_ptr + tl.minimum(rn, N - 1)[:, None] * stride_wn + lines[None, :])
         pdl.wait_prior()
     rm = tl.arange(0, BLOCK_M)
     rk0 = tl.arange(0, BLOCK_K)
@@ -138,12 +132,7 @@ def _gemv_kernel(
             if PROLOGUE == 1 or PROLOGUE == 2:
                 nw = tl.load(nw_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
                 a = a * rstd[:, None] * nw[None, :]
-        w = tl.load(
-            w_ptr + rn[:, None] * stride_wn + rk[None, :],
-            mask=n_ok[:, None] & k_ok[None, :],
-            other=0.0,
-            eviction_policy=W_EVICT,
-        )
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if W_FP8 and USE_DOT:  # e4m3 weights: the MMA runs in the activations' dtype, row scales at the end
             w = w.to(y_ptr.dtype.element_ty)
         if USE_DOT:
@@ -178,16 +167,13 @@ def gemv(
     config: GemvConfig | None = None,
     weight_scale: torch.Tensor | None = None,
     launch_pdl: bool = False,
-    prefetch_bytes: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(y, new residual or None) for `x` of at most `MAX_ROWS` rows; see the module doc for `prologue`.
 
     An FP8 `weight` (e4m3) comes with `weight_scale`, float32 `[N]`, one per output row: the weight streams at one
     byte per element and is widened to the activations' dtype in registers (activations stay 16-bit).
 
-    `launch_pdl` launches it as a programmatic dependent launch (common/engine/gpu/pdl.py; Hopper): before waiting
-    for the kernel before it, it sends up to `prefetch_bytes` of its weight (each row's first lines) to L2, and
-    then streams the weight with evict-first loads, which do not push those lines out."""
+    `launch_pdl` launches it as a programmatic dependent launch (common/engine/gpu/pdl.py; Hopper)."""
     m = x.shape[0]
     n, k = weight.shape
     code = PROLOGUES[prologue]
@@ -214,7 +200,6 @@ def gemv(
     r = residual if residual is not None else x
     if r_out is not None and r_out.stride(0) != r.stride(0):
         raise ValueError("residual and its output must share a row stride")
-    lines = pdl.prefetch_lines(prefetch_bytes, n, k * weight.element_size()) if launch_pdl else 0
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x,
         r,
@@ -242,9 +227,6 @@ def gemv(
         K_POW2=triton.next_power_of_2(k) if code in (1, 2) else 16,
         NUM_STAGES=cfg.num_stages,
         PDL=launch_pdl,
-        PREFETCH_LINES=lines,
-        LINE_ELEMS=pdl.LINE_BYTES // weight.element_size(),
-        W_EVICT="evict_first" if lines else "",
         num_warps=cfg.num_warps,
         **pdl.launch_options(launch_pdl),
     )

@@ -34,9 +34,7 @@ class FlashInferOps(ComposedOps):
     # Output width from which the few-row Triton GEMV beats cuBLAS (the gate_up and LM-head shapes).
     WIDE_N = 8192
 
-    def __init__(
-        self, gemv_max_rows: int = 0, fold_prologues: bool = False, pdl: bool = False, prefetch_bytes: int = 0
-    ) -> None:
+    def __init__(self, gemv_max_rows: int = 0, fold_prologues: bool = False, pdl: bool = False) -> None:
         # The CUDA norm kernels (what the bundle precompiles), not the CuTe-DSL ones; read at flashinfer's import.
         os.environ.setdefault("FLASHINFER_USE_CUDA_NORM", "1")
         import flashinfer
@@ -46,10 +44,6 @@ class FlashInferOps(ComposedOps):
         self.fold_prologues = fold_prologues
         # Programmatic dependent launches (common/engine/gpu/pdl.py) for the GEMVs and flashinfer's kernels alike.
         self.pdl = pdl
-        # The output projection's GEMV launches while attention runs (attention's kernels let their successor
-        # start early): its first weight lines go to L2 meanwhile. The other GEMVs follow a norm or SiLU-mul
-        # that lets them start only at its end, with nothing left to overlap.
-        self.prefetch_bytes = prefetch_bytes if pdl else 0
         self.gemv = None
         if gemv_max_rows > 0:
             from common.engine.gpu.fused_gemv import MAX_ROWS, gemv  # Triton: imported only when used
@@ -90,18 +84,11 @@ class FlashInferOps(ComposedOps):
             # FP8 weights: the GEMV streams them at one byte each (16-bit activations); larger steps run FP8
             # tensor-core GEMMs with per-token activation scales (common/engine/gpu/fp8_gemm.py).
             if self._triton(x, weight):
-                return self._gemv_after_attention(x, weight, bias, packed.scale)
+                return self.gemv(x, weight, bias, weight_scale=packed.scale)[0]  # type: ignore[misc]
             return fp8_gemm.fp8_linear(x, packed, bias)
         if self._triton(x, weight):
-            return self._gemv_after_attention(x, weight, bias, None)
+            return self.gemv(x, weight, bias)[0]  # type: ignore[misc]
         return F.linear(x, weight, bias)
-
-    def _gemv_after_attention(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None
-    ) -> torch.Tensor:
-        if self.prefetch_bytes:
-            return self.gemv(x, weight, bias, weight_scale=scale, prefetch_bytes=self.prefetch_bytes)[0]  # type: ignore[misc]
-        return self.gemv(x, weight, bias, weight_scale=scale)[0]  # type: ignore[misc]
 
     def norm_linear(
         self,

@@ -59,9 +59,7 @@ class GpuPath:
         triton = cfg.fused_kernels and triton_available()
         self.pdl = cfg.pdl and triton and pdl_available(model.device)
         # first: it sets how flashinfer is imported
-        model.ops = FlashInferOps(
-            cfg.gemv_max_rows if triton else 0, cfg.gemv_prologues, self.pdl, int(cfg.gemv_prefetch_mb * (1 << 20))
-        )
+        model.ops = FlashInferOps(cfg.gemv_max_rows if triton else 0, cfg.gemv_prologues, self.pdl)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=model.device)
         self.attn = FlashInferAttention(
             pool,

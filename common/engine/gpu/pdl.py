@@ -4,12 +4,15 @@ A decode step at batch 1 is ~330 kernels, most of them a few microseconds; betwe
 one grid and launches the next. Launched with PDL, a kernel may start as soon as every program of the kernel
 before it has called `release_next` (here: first thing), and it calls `wait_prior` before it touches memory the
 earlier kernel may write or read: the wait returns once that kernel has finished and its writes are visible.
-Launch and set-up overlap the earlier kernel's work, and a GEMV sends its first weight lines to L2
-(`prefetch_l2`) before the wait: weights are read-only, so the next GEMV's weights stream while the norm, RoPE
-or attention kernels before it run. flashinfer's norm, activation and XQA kernels take part the same way
-(their `enable_pdl`). Waiting is transitive (a kernel finishes only after its own wait), so a chain of PDL
-kernels keeps stream order for everything after the waits; kernels launched without PDL (cuBLAS, torch ops)
-serialize as always.
+Launch and set-up overlap the earlier kernel's work. flashinfer's norm, activation and XQA kernels take part
+the same way (their `enable_pdl`; its norms and SiLU-mul let their successor start only at their end).
+Waiting is transitive (a kernel finishes only after its own wait), so a chain of PDL kernels keeps stream order
+for everything after the waits; kernels launched without PDL (cuBLAS, torch ops) serialize as always.
+
+A GEMV could also send its first weight lines to L2 before its wait (weights are read-only): on the H200 that
+made FP8 decode at batch 1 slower, whether every GEMV prefetched (16 / 48 MB: 2.82 / 2.95 ms against 2.71) or
+only the output projection, which launches while attention runs (8 / 16 MB: 2.83 / 2.89 against 2.79), so no
+kernel prefetches (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -17,8 +20,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-LINE_BYTES = 128  # an L2 line: the unit `prefetch_l2` is counted in
 
 
 def available(device: torch.device) -> bool:
@@ -37,13 +38,6 @@ def launch_options(on: bool) -> dict[str, bool]:
     return {"launch_pdl": True} if on else {}
 
 
-def prefetch_lines(prefetch_bytes: int, rows: int, row_bytes: int) -> int:
-    """128-byte lines per row to prefetch so that `rows` rows take at most `prefetch_bytes` (a power of two, or 0;
-    never past a row's end)."""
-    lines = min(row_bytes, prefetch_bytes // max(rows, 1)) // LINE_BYTES
-    return 1 << (lines.bit_length() - 1) if lines > 0 else 0
-
-
 @triton.jit
 def release_next():
     """The next kernel (launched with PDL) may start once every program of this one has been here."""
@@ -54,9 +48,3 @@ def release_next():
 def wait_prior():
     """Returns once the kernel before this one has finished and its memory is visible."""
     tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """Brings the lines at `ptrs` (one pointer per line) into L2 without waiting for them."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)

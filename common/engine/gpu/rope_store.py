@@ -43,6 +43,7 @@ def _rope_store_kernel(
     PDL: tl.constexpr,
 ):
     if PDL:
+        pdl.release_next()
         pdl.wait_prior()
     t = tl.program_id(0)
     hh = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # this program's heads: queries first, then KV heads
@@ -95,10 +96,6 @@ def _rope_store_kernel(
             val.to(rows_ptr.dtype.element_ty, fp_downcast_rounding=ROUND),
             mask=vmask,
         )
-    if PDL:
-        # Only now: attention, launched next, lets the output projection start early, and that GEMV's weight
-        # prefetch should overlap attention, not the QKV GEMV still streaming before this kernel.
-        pdl.release_next()
 
 
 def supports(head_dim: int) -> bool:
