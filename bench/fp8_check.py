@@ -12,8 +12,7 @@ The `*_unfused` variants run an FP8 variant as the engine did before FP8 queries
 pages on flashinfer's FA2 kernel) and before the fused activation quantization (the norm and SiLU-mul write 16-bit
 rows that a second kernel quantizes): the same engine with those two paths turned off, for an A/B in one run.
 A variant may carry engine settings after its name, `NAME+field=value+...` (RunnerConfig fields), e.g.
-`fp8_both+pdl=0` (plain launches) or `bf16+gemv_max_rows=4`, and `+fi_norms` runs decode steps' add + RMSNorm and
-SiLU-mul on flashinfer instead of Triton; `--speed-only` skips the float32
+`fp8_both+pdl=0` (plain launches) or `bf16+gemv_max_rows=4`; `--speed-only` skips the float32
 reference and the accuracy columns.
 Results are written to --out after each variant; the summary table is printed last.
 """
@@ -111,22 +110,6 @@ def unfused_fp8(on: bool):
         attention.fp8_prefill_supported, FlashInferOps._fp8_gemm = supported, fused
 
 
-FI_NORMS = "fi_norms"  # a variant suffix: small steps' add + RMSNorm and SiLU-mul on flashinfer, not Triton
-
-
-@contextlib.contextmanager
-def flashinfer_norms(on: bool):
-    """Within: decode steps of GEMV size run flashinfer's add + RMSNorm and SiLU-mul (what they ran before)."""
-    from common.engine.gpu.ops import FlashInferOps
-
-    before = FlashInferOps.TRITON_NORMS
-    FlashInferOps.TRITON_NORMS = not on
-    try:
-        yield
-    finally:
-        FlashInferOps.TRITON_NORMS = before
-
-
 def log(msg: str) -> None:
     print(msg, flush=True)
 
@@ -199,7 +182,7 @@ def variant_settings(spec: str) -> dict:
     fields = {f.name: f.type for f in dataclasses.fields(RunnerConfig)}
     kw = dict(VARIANTS[name])
     parse = {"bool": lambda v: v in ("1", "true", "on"), "int": int, "float": float}
-    for item in (e for e in extra if e != FI_NORMS):
+    for item in extra:
         key, value = item.split("=", 1)
         kw[key] = parse.get(str(fields[key]), str)(value)
     return kw
@@ -257,7 +240,7 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
     for name in args.variants.split(","):
-        with unfused_fp8(name.split("+")[0].endswith(UNFUSED)), flashinfer_norms(FI_NORMS in name.split("+")):
+        with unfused_fp8(name.split("+")[0].endswith(UNFUSED)):
             r = check(name, args, ids, ref)
         results["variants"][name] = r
         save()

@@ -1,8 +1,5 @@
 """FP8 quantization kernels (Triton), each one launch: per-token activation scales for the FP8 GEMMs, fused into
 the add + RMSNorm and the SiLU-mul that produce the activations, and the plain saturating cast of attention's Q.
-The same add + RMSNorm and SiLU-mul kernels also write 16-bit rows (`add_rms_norm`, `silu_mul`): the decode
-steps' norms on Hopper, as programmatic dependent launches that let the GEMV after them launch first thing
-(common/engine/gpu/pdl.py; flashinfer's let it launch only at their end).
 
 Every kernel computes what its unfused twin in common/engine/fp8.py computes on the 16-bit result of the op it
 absorbs (flashinfer's fused add + RMSNorm: the sum kept in float32 for the norm, the residual stored in 16 bits;
@@ -17,7 +14,6 @@ import triton
 import triton.language as tl
 
 from common.engine.fp8 import FP8, FP8_MAX, MIN_AMAX
-from common.engine.gpu import pdl
 
 # The widest hidden size the fused norm holds in one program's registers (a 70B model's is 8192).
 NORM_MAX = 16384
@@ -80,12 +76,7 @@ def _add_rms_norm_quant_kernel(
     BLOCK: tl.constexpr,
     FP8_MAX_C: tl.constexpr,
     MIN_AMAX_C: tl.constexpr,
-    QUANT: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    if PDL:
-        pdl.release_next()
-        pdl.wait_prior()
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -96,13 +87,9 @@ def _add_rms_norm_quant_kernel(
         tl.store(r_ptr + row * stride_r + cols, s.to(x.dtype), mask=mask)
     rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / N + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = (s * rstd * w).to(x.dtype)
-    if QUANT:
-        y = y.to(tl.float32)
-        inv = _row_inv_scale(tl.abs(y), s_ptr, row, FP8_MAX_C, MIN_AMAX_C)
-        _write_e4m3(q_ptr + row * N, cols, mask, y, inv, FP8_MAX_C)
-    else:
-        tl.store(q_ptr + row * N + cols, y, mask=mask)
+    y = (s * rstd * w).to(x.dtype).to(tl.float32)
+    inv = _row_inv_scale(tl.abs(y), s_ptr, row, FP8_MAX_C, MIN_AMAX_C)
+    _write_e4m3(q_ptr + row * N, cols, mask, y, inv, FP8_MAX_C)
 
 
 @triton.jit
@@ -116,20 +103,11 @@ def _silu_mul_quant_kernel(
     BLOCK: tl.constexpr,
     FP8_MAX_C: tl.constexpr,
     MIN_AMAX_C: tl.constexpr,
-    QUANT: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    if PDL:
-        pdl.release_next()
-        pdl.wait_prior()
     row = tl.program_id(0)
     g_row = g_ptr + row * stride_g
     q_row = q_ptr + row * N
-    if not QUANT:  # 16-bit rows: no scale, so each program takes one block of columns
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        y = _silu_mul(g_row, cols, cols < N, N)
-        tl.store(q_row + cols, y.to(q_ptr.dtype.element_ty), mask=cols < N)
-    elif ONE_PASS:  # the row held in registers: read once
+    if ONE_PASS:  # the row held in registers: read once
         cols = tl.arange(0, BLOCK)
         y = _silu_mul(g_row, cols, cols < N, N)
         inv = _row_inv_scale(tl.abs(y), s_ptr, row, FP8_MAX_C, MIN_AMAX_C)
@@ -173,30 +151,8 @@ def add_rms_norm_quant(
     """(e4m3 rows, their scales, the residual stream): `quantize_rows(rms_norm(residual + x))` with `residual`
     updated in place to `residual + x` (flashinfer's fused add + RMSNorm), or the norm of x where `residual` is
     None (the stream is then x itself)."""
-    q, s = _empty_quantized(x.shape[0], x.shape[1], x.device)
-    return q, s, _add_rms_norm(x, residual, weight, eps, q, s, False)
-
-
-def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, launch_pdl: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(residual + x) in x's dtype, the residual stream): flashinfer's fused add + RMSNorm, with `residual`
-    updated in place, into a new output; `launch_pdl`: a programmatic dependent launch."""
-    out = torch.empty_like(x)
-    return out, _add_rms_norm(x, residual, weight, eps, out, None, launch_pdl)
-
-
-def _add_rms_norm(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,
-    eps: float,
-    out: torch.Tensor,
-    scales: torch.Tensor | None,
-    launch_pdl: bool,
-) -> torch.Tensor:
-    """Launches the fused add + RMSNorm into `out` (e4m3 with `scales`, or 16-bit without); returns the stream."""
     m, n = x.shape
+    q, s = _empty_quantized(m, n, x.device)
     block = triton.next_power_of_2(n)
     assert block <= NORM_MAX, f"hidden size {n} wider than NORM_MAX"
     if m > 0:
@@ -206,8 +162,8 @@ def _add_rms_norm(
             x,
             r,
             weight,
-            out,
-            out if scales is None else scales,
+            q,
+            s,
             n,
             x.stride(0),
             r.stride(0),
@@ -216,12 +172,9 @@ def _add_rms_norm(
             BLOCK=block,
             FP8_MAX_C=FP8_MAX,
             MIN_AMAX_C=MIN_AMAX,
-            QUANT=scales is not None,
-            PDL=launch_pdl,
             num_warps=8 if block >= 4096 else 4,
-            **pdl.launch_options(launch_pdl),
         )
-    return x if residual is None else residual
+    return q, s, (x if residual is None else residual)
 
 
 def silu_mul_quant(gate_up: torch.Tensor, one_pass: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,38 +197,9 @@ def silu_mul_quant(gate_up: torch.Tensor, one_pass: bool | None = None) -> tuple
             BLOCK=block,
             FP8_MAX_C=FP8_MAX,
             MIN_AMAX_C=MIN_AMAX,
-            QUANT=True,
-            PDL=False,
             num_warps=16 if one_pass and block > 8192 else 8,
         )
     return q, s
-
-
-def silu_mul(gate_up: torch.Tensor, launch_pdl: bool = False) -> torch.Tensor:
-    """silu(gate) * up for gate_up = [gate | up] `[M, 2N]` in its dtype (flashinfer's SiLU-mul), in one launch;
-    `launch_pdl`: a programmatic dependent launch."""
-    m, n2 = gate_up.shape
-    n = n2 // 2
-    out = torch.empty(m, n, dtype=gate_up.dtype, device=gate_up.device)
-    if m > 0:
-        assert gate_up.stride(1) == 1
-        block = 1024
-        _silu_mul_quant_kernel[(m, triton.cdiv(n, block))](
-            gate_up,
-            out,
-            out,
-            n,
-            gate_up.stride(0),
-            ONE_PASS=False,
-            BLOCK=block,
-            FP8_MAX_C=FP8_MAX,
-            MIN_AMAX_C=MIN_AMAX,
-            QUANT=False,
-            PDL=launch_pdl,
-            num_warps=4,
-            **pdl.launch_options(launch_pdl),
-        )
-    return out
 
 
 def saturate(x: torch.Tensor) -> torch.Tensor:

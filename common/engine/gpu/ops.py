@@ -33,9 +33,6 @@ class FlashInferOps(ComposedOps):
 
     # Output width from which the few-row Triton GEMV beats cuBLAS (the gate_up and LM-head shapes).
     WIDE_N = 8192
-    # Steps of the GEMVs' size run their add + RMSNorm and SiLU-mul on Triton (`_small_step`); the benchmarks'
-    # A/B switch (bench/fp8_check.py `+fi_norms`).
-    TRITON_NORMS = True
 
     def __init__(self, gemv_max_rows: int = 0, fold_prologues: bool = False, pdl: bool = False) -> None:
         # The CUDA norm kernels (what the bundle precompiles), not the CuTe-DSL ones; read at flashinfer's import.
@@ -48,14 +45,11 @@ class FlashInferOps(ComposedOps):
         # Programmatic dependent launches (common/engine/gpu/pdl.py) for the GEMVs and flashinfer's kernels alike.
         self.pdl = pdl
         self.gemv = None
-        self.small_norms = None
         if gemv_max_rows > 0:
-            from common.engine.gpu import fp8_quant  # Triton: imported only when used
-            from common.engine.gpu.fused_gemv import MAX_ROWS, gemv
+            from common.engine.gpu.fused_gemv import MAX_ROWS, gemv  # Triton: imported only when used
 
             self.gemv = functools.partial(gemv, launch_pdl=True) if pdl else gemv
             self.gemv_max_rows = min(gemv_max_rows, MAX_ROWS)
-            self.small_norms = fp8_quant
 
     def _triton(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         rows = x.shape[0]
@@ -70,22 +64,13 @@ class FlashInferOps(ComposedOps):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.fi.rmsnorm(x, weight, eps, enable_pdl=self.pdl)
 
-    def _small_step(self, x: torch.Tensor) -> bool:
-        """A step of the GEMVs' size: its add + RMSNorm and SiLU-mul run on Triton, which (with PDL) let the GEMV
-        after them launch first thing; flashinfer's let it launch only at their end."""
-        return self.small_norms is not None and 0 < x.shape[0] <= self.gemv_max_rows and self.TRITON_NORMS
-
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._small_step(x):
-            return self.small_norms.add_rms_norm(x, residual, weight, eps, self.pdl)  # type: ignore[union-attr]
         self.fi.fused_add_rmsnorm(x, residual, weight, eps, enable_pdl=self.pdl)  # residual += x; x = norm(residual)
         return x, residual
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self._small_step(gate_up):
-            return self.small_norms.silu_mul(gate_up, self.pdl)  # type: ignore[union-attr]
         return self.fi.silu_and_mul(gate_up, enable_pdl=self.pdl)
 
     def linear(
