@@ -24,7 +24,11 @@ def triton_available() -> bool:
     return True
 
 
-def pdl_available(device: torch.device) -> bool:
+def pdl_available(device: torch.device, triton: bool) -> bool:
+    """Programmatic dependent launches for every kernel the path runs: flashinfer's need compute capability 9.0;
+    the Triton kernels, where they run, also a Triton that launches that way."""
+    if not triton:
+        return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
     from common.engine.gpu import pdl  # Triton: imported only where it is
 
     return pdl.available(device)
@@ -57,7 +61,7 @@ class GpuPath:
             )
         self.model = model
         triton = cfg.fused_kernels and triton_available()
-        self.pdl = cfg.pdl and triton and pdl_available(model.device)
+        self.pdl = cfg.pdl and pdl_available(model.device, triton)
         # first: it sets how flashinfer is imported
         model.ops = FlashInferOps(cfg.gemv_max_rows if triton else 0, cfg.gemv_prologues, self.pdl)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=model.device)
