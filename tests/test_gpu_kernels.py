@@ -86,9 +86,9 @@ def test_gemv_as_a_dependent_launch_computes_the_same(fp8):
     """Launched with PDL, right after a kernel that writes its input: the same bytes out as a plain launch."""
     from common.engine import fp8 as fp8_mod
     from common.engine.gpu.fused_gemv import gemv
-    from common.engine.gpu.pdl import available
+    from common.engine.gpu.path import pdl_available
 
-    if not available(torch.device("cuda")):
+    if not pdl_available(torch.device("cuda"), triton=True):
         pytest.skip("needs compute capability 9.0 and a Triton with launch_pdl")
     g = torch.Generator(device="cuda").manual_seed(17)
     weight = torch.randn(1000, 1536, generator=g, device="cuda").to(torch.bfloat16) * 0.03

@@ -239,9 +239,9 @@ def test_dependent_launches_give_the_logits_of_plain_launches(tiny_dirs, fp8):
     """Programmatic dependent launches change when kernels start, never what they compute: chunked prefill, graph
     and eager decode steps give bit-identical logits with them on and off (a kernel reading before the one ahead
     of it finished would not)."""
-    from common.engine.gpu.pdl import available
+    from common.engine.gpu.path import pdl_available
 
-    if not available(torch.device("cuda")):
+    if not pdl_available(torch.device("cuda"), triton=True):
         pytest.skip("programmatic dependent launch needs compute capability 9.0 and a Triton with launch_pdl")
     fmt = dict(kv_dtype="fp8_e4m3", weight_dtype="fp8_e4m3") if fp8 else {}
     seqs = _prompts(3, seed=11, lo=40, hi=140)

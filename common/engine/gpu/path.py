@@ -27,11 +27,13 @@ def triton_available() -> bool:
 def pdl_available(device: torch.device, triton: bool) -> bool:
     """Programmatic dependent launches for every kernel the path runs: flashinfer's need compute capability 9.0;
     the Triton kernels, where they run, also a Triton that launches that way."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return False
     if not triton:
-        return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+        return True
     from common.engine.gpu import pdl  # Triton: imported only where it is
 
-    return pdl.available(device)
+    return pdl.triton_launches_pdl()
 
 
 class GpuPath:

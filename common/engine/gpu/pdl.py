@@ -17,15 +17,13 @@ kernel prefetches (bench/RESULTS.md).
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 
-def available(device: torch.device) -> bool:
-    """Compute capability 9.0 or later and a Triton that launches with PDL (`launch_pdl`, `gdc_wait`)."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
-        return False
+def triton_launches_pdl() -> bool:
+    """This Triton launches kernels with PDL (`launch_pdl`, `gdc_wait`); the GPU's side is
+    common/engine/gpu/path.py's `pdl_available`."""
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
     except ImportError:
