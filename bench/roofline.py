@@ -408,6 +408,7 @@ def make_runner(
         fused_kernels=runner.gpu.attn.rope_store is not None,
         gemv_max_rows=runner.model.ops.gemv_max_rows,
         gemv_prologues=runner.model.ops.fold_prologues,
+        gemv_stream_stats=runner.model.ops.stream_stats,
     )
     log(f"{label}: ready in {time.perf_counter() - start:.1f} s ({RESULTS['setup'][label]})")
     return runner

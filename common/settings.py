@@ -34,10 +34,13 @@ class RunnerConfig:
     decode_tc_min_batch: int = reg.DECODE_TC_MIN_BS.field()
     # GPU: Triton kernels (RoPE + K/V write in one; the GEMMs of steps of at most gemv_max_rows rows as GEMVs;
     # common/engine/gpu/). Off: flashinfer + cuBLAS only (the ablation baseline). gemv_prologues also folds the
-    # norms and SiLU-mul into those GEMVs (measured slower on the H200; for benchmarks).
+    # norms and SiLU-mul into those GEMVs (measured slower on the H200; for benchmarks). gemv_stream_stats: one-row
+    # steps add the o and down projections into the residual stream in their GEMVs, and the next GEMV applies
+    # the norm from the statistics those leave (no norm kernels; off for benchmarks' A/B).
     fused_kernels: bool = reg.FUSED_KERNELS.field()
     gemv_max_rows: int = reg.GEMV_MAX_ROWS.field()
     gemv_prologues: bool = False
+    gemv_stream_stats: bool = True
     # Hopper: programmatic dependent launches (common/engine/gpu/pdl.py).
     pdl: bool = reg.PDL.field()
     cpu_linear: str = "auto"  # CPU float32 GEMMs: auto = oneDNN with packed weights when available; torch = F.linear

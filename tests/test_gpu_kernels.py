@@ -68,6 +68,62 @@ def test_gemv_matches_float64(prologue, rows, n, k):
     assert torch.isfinite(x).all()
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_gemv_into_the_stream_then_its_norm_from_the_statistics(fp8, silu, rows):
+    """An output projection adding into the residual stream (its epilogue: stream += y, and the stream's
+    sum-of-squares partials), then the next GEMV applying RMSNorm from those partials: the stream is what the add
+    writes in 16 bits, the partials sum to its rows' sums of squares, and the second GEMV is the normed product."""
+    from common.engine.fp8 import quantize_rows
+    from common.engine.gpu.fused_gemv import gemv
+
+    hidden, inner, wide, eps = 4096, 1536, 12000, 1e-5
+    g = torch.Generator(device="cuda").manual_seed(rows * 17 + fp8 * 3 + silu)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (scale * torch.randn(*shape, generator=g, device="cuda")).to(torch.bfloat16)
+
+    x = randn(rows, 2 * inner if silu else inner)
+    w_out, w_next = randn(hidden, inner, scale=inner**-0.5), randn(wide, hidden, scale=hidden**-0.5)
+    out_scale = next_scale = None
+    if fp8:  # the operands as the FP8 model holds them; the references use their dequantized values
+        (w_out, out_scale), (w_next, next_scale) = quantize_rows(w_out), quantize_rows(w_next)
+        out_scale, next_scale = out_scale.flatten(), next_scale.flatten()
+    dense_out = w_out.double() * (out_scale.double()[:, None] if fp8 else 1.0)
+    dense_next = w_next.double() * (next_scale.double()[:, None] if fp8 else 1.0)
+    stream = randn(rows, hidden)
+    before = stream.clone()
+    norm_weight = (1.0 + 0.2 * torch.randn(hidden, generator=g, device="cuda")).to(torch.bfloat16)
+
+    new, sumsq = gemv(
+        x, w_out, prologue="silu" if silu else "none", weight_scale=out_scale, into_stream=stream, launch_pdl=False
+    )
+    assert new.data_ptr() == stream.data_ptr()  # in place, as flashinfer's add + RMSNorm updates it
+    xd = x.double()
+    if silu:
+        gate, up = xd[:, :inner], xd[:, inner:]
+        xd = gate * torch.sigmoid(gate) * up
+    ref = before.double() + xd @ dense_out.T
+    assert _rel(stream.double() - before.double(), ref - before.double()) < 1.5e-2  # the add rounds to 16 bits
+    assert sumsq.dtype == torch.float32 and sumsq.shape[0] == rows
+    torch.testing.assert_close(sumsq.double().sum(1), stream.double().pow(2).sum(1), rtol=1e-5, atol=0)
+
+    y, _ = gemv(
+        stream,
+        w_next,
+        prologue="stream_norm",
+        norm_weight=norm_weight,
+        eps=eps,
+        norm_stats=sumsq,
+        weight_scale=next_scale,
+    )
+    s = stream.double()
+    normed = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.double()
+    assert y.shape == (rows, wide) and torch.isfinite(y).all()
+    assert _rel(y, normed @ dense_next.T) < 8e-3
+
+
 def test_gemv_writes_every_output_and_nothing_else():
     """Outputs come from fresh buffers; run it twice on new inputs: no stale value survives (poisoned x)."""
     from common.engine.gpu.fused_gemv import gemv

@@ -402,7 +402,7 @@ def test_flashinfer_ops_match_torch_ops(head_dim):
     Triton GEMVs) and not (many rows: flashinfer + cuBLAS), on the operands the forward gives them; and the
     attention backend's RoPE + K/V write (Triton and flashinfer's) against `RotaryCache.apply` and a copy."""
     from common.engine.gpu.ops import FlashInferOps
-    from common.engine.layers import TorchOps
+    from common.engine.layers import InStream, TorchOps
 
     g = torch.Generator(device="cuda").manual_seed(0)
 
@@ -434,6 +434,15 @@ def test_flashinfer_ops_match_torch_ops(head_dim):
         gate_up = randn(t, 2 * inter)
         close(fused.silu_linear(gate_up, down), plain.silu_linear(gate_up, down))
         close(fused.linear(x, weight, bias), plain.linear(x, weight, bias))
+        for silu in (False, True):  # an output projection into the stream, then the next norm and GEMM
+            act = gate_up if silu else randn(t, inter)
+            h_f, s_f = fused.project(act, down, res.clone(), silu=silu)
+            h_p, s_p = plain.project(act, down, res.clone(), silu=silu)
+            assert isinstance(h_f, InStream) == (t == 1)  # one row: added in the GEMV, no norm kernel after
+            y_f, s_f = fused.norm_linear(h_f, s_f, w, eps, weight, bias)
+            y_p, s_p = plain.norm_linear(h_p, s_p, w, eps, weight, bias)
+            close(y_f, y_p)
+            close(s_f, s_p)
     # FP8 weights on the tensor-core GEMM: the norm and the activation write e4m3 rows and scales (fused), the
     # CPU twin quantizes its torch norm's 16-bit output. Inputs a 16-bit rounding apart round to neighbouring e4m3
     # values (1/16 apart) now and then, so the outputs agree as a whole (relative L2: 1.3e-2 measured on the H200),
@@ -455,6 +464,16 @@ def test_flashinfer_ops_match_torch_ops(head_dim):
             near(y_f, y_p)
             close(r_f, r_p)
         near(fp8_ops.silu_linear(gate_up, down, fp8_down), plain.silu_linear(gate_up, down, fp8_down))
+    # One row of FP8 weights: the GEMVs add the down projection into the stream and norm from its statistics
+    # (16-bit activations; the twin quantizes them per token, hence `near`).
+    gate_up, res = randn(1, 2 * inter), randn(1, hidden)
+    h_f, s_f = fp8_ops.project(gate_up, down, res.clone(), fp8_down, silu=True)
+    h_p, s_p = plain.project(gate_up, down, res.clone(), fp8_down, silu=True)
+    assert isinstance(h_f, InStream)
+    near(s_f - res, s_p - res)
+    y_f, _ = fp8_ops.norm_linear(h_f, s_f, w, eps, weight, bias, fp8_up)
+    y_p, _ = plain.norm_linear(h_p, s_p, w, eps, weight, bias, fp8_up)
+    near(y_f, y_p)
     for t in (37, 300):  # the decode grid (2 heads a program) and the prefill grid (16)
         _check_rope_store(head_dim, t, randn, close)
 

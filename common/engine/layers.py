@@ -5,7 +5,8 @@ implementations chosen at start: `TorchOps` (the CPU, and the GPU in float32) an
 (common/engine/gpu/ops.py: the GPU in 16 bits, flashinfer's and this project's fused kernels). The contract is the fused arrangement, so the GPU keeps its kernel
 count: the residual stream is carried beside the hidden states, and a norm comes with the GEMM it feeds
 (`norm_linear`: add + RMSNorm + GEMM, which small decode batches run as one kernel), as does the MLP's
-activation (`silu_linear`).
+activation (`silu_linear`). A sublayer's output projection (`project`) may add its output into the residual
+stream itself and hand the next norm its statistics (`InStream`), so one-row steps run no norm kernel at all.
 """
 
 from __future__ import annotations
@@ -107,6 +108,18 @@ class RotaryCache:
         return torch.cat((self.cos, self.sin), dim=-1).float().contiguous()
 
 
+@dataclass(frozen=True)
+class InStream:
+    """What `Ops.project` returns in place of a sublayer's output when it has already added that output into the
+    residual stream: the stream's per-row sum-of-squares partials (float32 `[T, parts]`; their sum over a row is
+    the row's sum of squares), which the next norm uses instead of a pass over the stream of its own."""
+
+    sumsq: torch.Tensor
+
+    def rows(self, index: torch.Tensor) -> InStream:
+        return InStream(self.sumsq[index])
+
+
 class Ops(Protocol):
     """What the decoder forward needs from a backend. An op may overwrite its inputs (flashinfer works in
     place), so callers use only what it returns. RoPE is not here: the attention backend applies it where
@@ -117,7 +130,7 @@ class Ops(Protocol):
 
     def norm_linear(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | InStream,
         residual: torch.Tensor | None,
         norm_weight: torch.Tensor,
         eps: float,
@@ -126,7 +139,21 @@ class Ops(Protocol):
         packed: torch.Tensor | Fp8Linear | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(linear(rms_norm(residual + x)), residual + x): a layer's norm and the GEMM it feeds, the residual
-        stream carried beside; with `residual` None (the first layer) the stream starts at x."""
+        stream carried beside; with `residual` None (the first layer) the stream starts at x; with x an
+        `InStream` (from `project`) the residual is the stream already."""
+
+    def project(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        residual: torch.Tensor,
+        packed: torch.Tensor | Fp8Linear | None = None,
+        silu: bool = False,
+    ) -> tuple[torch.Tensor | InStream, torch.Tensor]:
+        """A sublayer's output projection, `linear(x)` (`silu_linear(x)` with `silu`), as the pair the next
+        `norm_linear` takes: (the output, the residual unchanged), or (`InStream`, the residual with the output
+        added) from a backend that adds it in the projection's own kernel. One rank only: under tensor
+        parallelism the all-reduce sits between the projection and the add."""
 
     def silu_linear(
         self, gate_up: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | Fp8Linear | None = None
@@ -150,7 +177,7 @@ class ComposedOps:
 
     def norm_linear(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | InStream,
         residual: torch.Tensor | None,
         norm_weight: torch.Tensor,
         eps: float,
@@ -158,11 +185,25 @@ class ComposedOps:
         bias: torch.Tensor | None = None,
         packed: torch.Tensor | Fp8Linear | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
+        if isinstance(x, InStream):
+            assert residual is not None
+            normed = self.rms_norm(residual, norm_weight, eps)  # type: ignore[attr-defined]
+        elif residual is None:
             normed, residual = self.rms_norm(x, norm_weight, eps), x  # type: ignore[attr-defined]
         else:
             normed, residual = self.add_rms_norm(x, residual, norm_weight, eps)  # type: ignore[attr-defined]
         return self.linear(normed, weight, bias, packed), residual  # type: ignore[attr-defined]
+
+    def project(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        residual: torch.Tensor,
+        packed: torch.Tensor | Fp8Linear | None = None,
+        silu: bool = False,
+    ) -> tuple[torch.Tensor | InStream, torch.Tensor]:
+        out = self.silu_linear(x, weight, packed) if silu else self.linear(x, weight, None, packed)  # type: ignore[attr-defined]
+        return out, residual
 
     def silu_linear(
         self, gate_up: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | Fp8Linear | None = None

@@ -14,7 +14,14 @@ from torch import nn
 from common.engine.attention import AttentionBackend
 from common.engine.forward_batch import ForwardBatch
 from common.engine.fp8 import FP8, Fp8Linear, quantize_rows
-from common.engine.layers import Ops, RotaryCache, TorchOps, onednn_linear_available, pack_linear_weight
+from common.engine.layers import (
+    InStream,
+    Ops,
+    RotaryCache,
+    TorchOps,
+    onednn_linear_available,
+    pack_linear_weight,
+)
 from common.engine.model_config import ModelConfig
 from common.engine.tp import TPGroup, single_rank
 
@@ -185,9 +192,10 @@ class DecoderModel(nn.Module):
 
     def forward_hidden(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every layer over `T` packed tokens: the last layer's output and the residual stream, before the final
-        norm (piecewise CUDA graphs capture this call, broken at each layer's attention)."""
+    ) -> tuple[torch.Tensor | InStream, torch.Tensor]:
+        """Every layer over `T` packed tokens: the last layer's output (or `InStream`: already in the stream) and
+        the residual stream, before the final norm (piecewise CUDA graphs capture this call, broken at each
+        layer's attention)."""
         cfg, ops, tp = self.cfg, self.ops, self.tp
         eps = cfg.rms_norm_eps
         t = input_ids.shape[0]
@@ -204,17 +212,31 @@ class DecoderModel(nn.Module):
             if layer.q_norm is not None and layer.k_norm is not None:
                 q, k = ops.rms_norm(q, layer.q_norm, eps), ops.rms_norm(k, layer.k_norm, eps)
             o = attn.forward(i, positions, q, k, v).reshape(t, cfg.q_size)
-            hidden = tp.all_reduce(ops.linear(o, layer.o_proj, None, pk.get("o_proj")))
+            hidden, residual = self._project(o, layer.o_proj, residual, pk.get("o_proj"))
             gate_up, residual = ops.norm_linear(
                 hidden, residual, layer.post_attn_norm, eps, layer.gate_up_proj, None, pk.get("gate_up_proj")
             )
-            hidden = tp.all_reduce(ops.silu_linear(gate_up, layer.down_proj, pk.get("down_proj")))
+            hidden, residual = self._project(gate_up, layer.down_proj, residual, pk.get("down_proj"), silu=True)
         assert residual is not None
         return hidden, residual
 
+    def _project(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        residual: torch.Tensor,
+        packed: torch.Tensor | Fp8Linear | None,
+        silu: bool = False,
+    ) -> tuple[torch.Tensor | InStream, torch.Tensor]:
+        """A sublayer's output projection and the residual stream, as the next norm takes them (`Ops.project`)."""
+        if self.tp.size == 1:
+            return self.ops.project(x, weight, residual, packed, silu)
+        out = self.ops.silu_linear(x, weight, packed) if silu else self.ops.linear(x, weight, None, packed)
+        return self.tp.all_reduce(out), residual
+
     def final_logits(
         self,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor | InStream,
         residual: torch.Tensor,
         logits_indices: torch.Tensor | None = None,
         float_logits: bool = True,
@@ -222,10 +244,11 @@ class DecoderModel(nn.Module):
         """The final norm and LM head over the rows at `logits_indices` (every row when None)."""
         cfg, ops, tp = self.cfg, self.ops, self.tp
         eps = cfg.rms_norm_eps
-        dtype = torch.float32 if float_logits else hidden.dtype
+        dtype = torch.float32 if float_logits else residual.dtype
         if logits_indices is not None:
             if logits_indices.shape[0] == 0:  # a prefill step where no request samples (every rank skips alike)
-                return torch.empty(0, cfg.vocab_size, dtype=dtype, device=hidden.device)
-            hidden, residual = hidden[logits_indices], residual[logits_indices]
+                return torch.empty(0, cfg.vocab_size, dtype=dtype, device=residual.device)
+            hidden = hidden.rows(logits_indices) if isinstance(hidden, InStream) else hidden[logits_indices]
+            residual = residual[logits_indices]
         logits, _ = ops.norm_linear(hidden, residual, self.norm, eps, self.lm_head_weight, None, self.packed_lm_head)
         return tp.gather_logits(logits, cfg.vocab_size).to(dtype)

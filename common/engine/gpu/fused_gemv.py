@@ -9,6 +9,13 @@ consumes their output removes the launch and the round trip through memory:
   residual stream, written once by program 0)
 - `prologue="silu"`: y = (silu(x[:, :K]) * x[:, K:]) @ W^T
 - `prologue="none"`: y = x @ W^T
+- `prologue="stream_norm"`: y = (rms_norm(x) * w_norm) @ W^T where x is a residual stream whose per-row sums of
+  squares a GEMV with `into_stream` left in `norm_stats`: rstd is one scalar per row, so the product runs on
+  x * w_norm and is scaled by rstd at the end, and the weight stream never waits for the statistics.
+
+`into_stream=s` is the matching epilogue: s += x @ W^T (in place: each program owns its columns) and one partial
+sum of squares of the new s per row and program, in program order (deterministic: no atomics). A sublayer's
+output projection then feeds the next norm's GEMV with no add + RMSNorm kernel between them.
 
 Every program streams `BLOCK_N` rows of W over the whole K and recomputes the row statistics of x itself
 (x is a few KB, read from L2), so there is no cross-program sync. One row (M = 1) runs an elementwise-FMA
@@ -27,7 +34,7 @@ import triton.language as tl
 
 from common.engine.gpu import pdl
 
-PROLOGUES = {"none": 0, "norm": 1, "add_norm": 2, "silu": 3}
+PROLOGUES = {"none": 0, "norm": 1, "add_norm": 2, "silu": 3, "stream_norm": 4}
 MAX_ROWS = 16  # the dot kernel's row tile
 
 
@@ -67,6 +74,7 @@ def _gemv_kernel(
     b_ptr,
     y_ptr,
     r_out_ptr,
+    stats_ptr,
     M,
     N,
     K,
@@ -74,6 +82,8 @@ def _gemv_kernel(
     stride_rm,
     stride_wn,
     stride_ym,
+    stride_sm,
+    stats_parts,
     eps,
     PROLOGUE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -84,6 +94,8 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     K_POW2: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    INTO_STREAM: tl.constexpr,
+    PARTS_POW2: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -132,6 +144,8 @@ def _gemv_kernel(
             if PROLOGUE == 1 or PROLOGUE == 2:
                 nw = tl.load(nw_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
                 a = a * rstd[:, None] * nw[None, :]
+            if PROLOGUE == 4:
+                a = a * tl.load(nw_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
         w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if W_FP8 and USE_DOT:  # e4m3 weights: the MMA runs in the activations' dtype, row scales at the end
             w = w.to(y_ptr.dtype.element_ty)
@@ -146,13 +160,24 @@ def _gemv_kernel(
         out = tl.sum(acc2, axis=1)[None, :]
     if W_FP8:
         out = out * tl.load(ws_ptr + rn, mask=n_ok, other=0.0)[None, :]
+    if PROLOGUE == 4:
+        rp = tl.arange(0, PARTS_POW2)
+        parts = tl.load(
+            stats_ptr + rm[:, None] * stride_sm + rp[None, :],
+            mask=m_ok[:, None] & (rp < stats_parts)[None, :],
+            other=0.0,
+        )
+        out = out * tl.rsqrt(tl.sum(parts, axis=1) / K + eps)[:, None]
     if HAS_BIAS:
         out += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        y_ptr + rm[:, None] * stride_ym + rn[None, :],
-        out.to(y_ptr.dtype.element_ty),
-        mask=m_ok[:, None] & n_ok[None, :],
-    )
+    mn = m_ok[:, None] & n_ok[None, :]
+    if INTO_STREAM:
+        out += tl.load(r_rows + rn[None, :], mask=mn, other=0.0).to(tl.float32)
+        # The statistics of the stream as stored (16-bit), as the norm kernel would read it.
+        out = out.to(y_ptr.dtype.element_ty).to(tl.float32)
+        sq = tl.where(mn, out * out, 0.0)
+        tl.store(stats_ptr + rm * stride_sm + pid, tl.sum(sq, axis=1), mask=m_ok)
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], out.to(y_ptr.dtype.element_ty), mask=mn)
 
 
 def gemv(
@@ -167,8 +192,14 @@ def gemv(
     config: GemvConfig | None = None,
     weight_scale: torch.Tensor | None = None,
     launch_pdl: bool = False,
+    norm_stats: torch.Tensor | None = None,
+    into_stream: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(y, new residual or None) for `x` of at most `MAX_ROWS` rows; see the module doc for `prologue`.
+
+    With `into_stream` (the residual stream, `[m, N]`): (the stream, after adding y to it in place, and its
+    statistics for a `prologue="stream_norm"` GEMV: float32 `[m, programs]`). `prologue="stream_norm"` takes
+    those statistics as `norm_stats`.
 
     An FP8 `weight` (e4m3) comes with `weight_scale`, float32 `[N]`, one per output row: the weight streams at one
     byte per element and is widened to the activations' dtype in registers (activations stay 16-bit).
@@ -190,17 +221,30 @@ def gemv(
         raise ValueError(f"silu prologue: x holds gate | up ({2 * k} columns), not {x.shape[1]}")
     if code != 3 and x.shape[1] != k:
         raise ValueError(f"x has {x.shape[1]} columns, weight {k}")
+    if (code == 4) != (norm_stats is not None):
+        raise ValueError("the stream_norm prologue needs norm_stats (and only it takes them)")
+    if into_stream is not None and (code in (2, 4) or into_stream.shape != (m, n) or into_stream.stride(-1) != 1):
+        raise ValueError(
+            f"into_stream is the [{m}, {n}] unit-stride residual stream (and not with add_norm or stream_norm)"
+        )
     one = m == 1
     cfg = config or pick_config(m, n, w_fp8, k)
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    r_out = None
+    programs = triton.cdiv(n, cfg.block_n)
+    r_out = stats = None
+    if into_stream is not None:
+        y = into_stream
+        r_out = stats = torch.empty(m, programs, dtype=torch.float32, device=x.device)
+    else:
+        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if norm_stats is not None:
+        stats = norm_stats
     if code == 2:
         assert residual is not None and residual.stride(-1) == 1
         r_out = torch.empty_like(x)
-    r = residual if residual is not None else x
-    if r_out is not None and r_out.stride(0) != r.stride(0):
+    r = into_stream if into_stream is not None else residual if residual is not None else x
+    if code == 2 and r_out is not None and r_out.stride(0) != r.stride(0):
         raise ValueError("residual and its output must share a row stride")
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+    _gemv_kernel[(programs,)](
         x,
         r,
         norm_weight if norm_weight is not None else x,
@@ -208,7 +252,8 @@ def gemv(
         weight_scale if weight_scale is not None else x,
         bias if bias is not None else x,
         y,
-        r_out if r_out is not None else y,
+        r_out if r_out is not None and code == 2 else y,
+        stats if stats is not None else x,
         m,
         n,
         k,
@@ -216,6 +261,8 @@ def gemv(
         r.stride(0),
         weight.stride(0),
         y.stride(0),
+        stats.stride(0) if stats is not None else 0,
+        stats.shape[1] if stats is not None else 0,
         eps,
         PROLOGUE=code,
         HAS_BIAS=bias is not None,
@@ -226,6 +273,8 @@ def gemv(
         BLOCK_K=cfg.block_k,
         K_POW2=triton.next_power_of_2(k) if code in (1, 2) else 16,
         NUM_STAGES=cfg.num_stages,
+        INTO_STREAM=into_stream is not None,
+        PARTS_POW2=triton.next_power_of_2(stats.shape[1]) if code == 4 else 16,
         PDL=launch_pdl,
         num_warps=cfg.num_warps,
         **pdl.launch_options(launch_pdl),

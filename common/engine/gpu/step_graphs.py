@@ -121,6 +121,8 @@ class StepGraphs:
         self.attn.write_rows(inp.out_loc[:tokens])
         breaks = _BreakAtAttention(self, tokens, graphs, attend_rows)
         hidden, residual = self.model.forward_hidden(inp.input_ids[:tokens], inp.positions[:tokens], breaks)
+        # Ops add a projection into the stream themselves at one row only; captured counts start at 16.
+        assert isinstance(hidden, torch.Tensor)
         self.hidden[:tokens].copy_(hidden)
         self.residual[:tokens].copy_(residual)
 

@@ -1,0 +1,28 @@
+"""The GEMV's residual-stream epilogue and the norm-from-statistics prologue (common/engine/gpu/fused_gemv.py) on
+the CPU under Triton's interpreter, one row and a few, 16-bit-style and FP8 weights, against float64. The GPU runs
+the same at bfloat16 in tests/test_gpu_kernels.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gemv_stream_epilogue_and_norm_prologue_interpreted_match_float64() -> None:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.gemv_interpreted"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cases = json.loads(proc.stdout.strip().splitlines()[-1])["cases"]
+    assert len(cases) == 8 and {c["rows"] for c in cases} == {1, 3}
+    assert all(c["in_place"] and c["parts"] == 6 for c in cases), cases
+    assert all(max(c["stream_err"], c["sumsq_err"], c["y_err"]) < 1e-5 for c in cases), cases
