@@ -122,6 +122,17 @@ def _gemv_kernel(
             s = s.to(y_ptr.dtype.element_ty).to(tl.float32)
         rstd = tl.rsqrt(tl.sum(s * s, axis=1) / K + eps)
 
+    if PROLOGUE == 4:
+        # Loaded here and used after the loop: its latency hides behind the weight stream.
+        rp = tl.arange(0, PARTS_POW2)
+        parts = tl.load(
+            stats_ptr + rm[:, None] * stride_sm + rp[None, :],
+            mask=m_ok[:, None] & (rp < stats_parts)[None, :],
+            other=0.0,
+        )
+    else:
+        parts = tl.zeros([BLOCK_M, PARTS_POW2], dtype=tl.float32)
+
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
@@ -161,12 +172,6 @@ def _gemv_kernel(
     if W_FP8:
         out = out * tl.load(ws_ptr + rn, mask=n_ok, other=0.0)[None, :]
     if PROLOGUE == 4:
-        rp = tl.arange(0, PARTS_POW2)
-        parts = tl.load(
-            stats_ptr + rm[:, None] * stride_sm + rp[None, :],
-            mask=m_ok[:, None] & (rp < stats_parts)[None, :],
-            other=0.0,
-        )
         out = out * tl.rsqrt(tl.sum(parts, axis=1) / K + eps)[:, None]
     if HAS_BIAS:
         out += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]

@@ -91,7 +91,8 @@ class FlashInferOps(ComposedOps):
             # FP8 weights: the GEMV streams them at one byte each (16-bit activations); larger steps run FP8
             # tensor-core GEMMs with per-token activation scales (common/engine/gpu/fp8_gemm.py).
             if self._triton(x, weight):
-                return self.gemv(x, weight, bias, weight_scale=_scale(packed))[0]  # type: ignore[misc]
+                w, scale = _gemv_weight(weight, packed)
+                return self.gemv(x, w, bias, weight_scale=scale)[0]  # type: ignore[misc]
             return fp8_gemm.fp8_linear(x, packed, bias)
         if self._triton(x, weight):
             return self.gemv(x, weight, bias)[0]  # type: ignore[misc]
@@ -111,15 +112,16 @@ class FlashInferOps(ComposedOps):
             assert residual is not None
             if not self._triton(residual, weight):
                 return super().norm_linear(x, residual, norm_weight, eps, weight, bias, packed)
+            w, scale = _gemv_weight(weight, packed)
             y, _ = self.gemv(  # type: ignore[misc]
                 residual,
-                weight,
+                w,
                 bias,
                 prologue="stream_norm",
                 norm_weight=norm_weight,
                 eps=eps,
                 norm_stats=x.sumsq,
-                weight_scale=_scale(packed),
+                weight_scale=scale,
             )
             return y, residual
         if self._fp8_gemm(x, weight, packed):
@@ -148,7 +150,8 @@ class FlashInferOps(ComposedOps):
         if silu and not self.fold_prologues:
             x = self.silu_and_mul(x)
         fold = "silu" if silu and self.fold_prologues else "none"
-        stream, sumsq = self.gemv(x, weight, prologue=fold, weight_scale=_scale(packed), into_stream=residual)  # type: ignore[misc]
+        w, scale = _gemv_weight(weight, packed)
+        stream, sumsq = self.gemv(x, w, prologue=fold, weight_scale=scale, into_stream=residual)  # type: ignore[misc]
         return InStream(sumsq), stream
 
     def silu_linear(
@@ -162,6 +165,10 @@ class FlashInferOps(ComposedOps):
         return super().silu_linear(gate_up, weight, packed)
 
 
-def _scale(packed: torch.Tensor | Fp8Linear | None) -> torch.Tensor | None:
-    """An FP8 weight's per-row scales for the GEMV (None: a 16-bit weight)."""
-    return packed.scale if isinstance(packed, Fp8Linear) else None
+def _gemv_weight(
+    weight: torch.Tensor, packed: torch.Tensor | Fp8Linear | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The GEMV's weight operand and its per-row scales: an FP8 weight's own tensor and scales, else `weight`."""
+    if isinstance(packed, Fp8Linear):
+        return packed.weight, packed.scale
+    return weight, None
