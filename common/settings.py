@@ -41,9 +41,6 @@ class RunnerConfig:
     gemv_max_rows: int = reg.GEMV_MAX_ROWS.field()
     gemv_prologues: bool = False
     gemv_stream_stats: bool = True
-    # FP8 pools on Hopper: decode graphs of at least this many rows attend through XQA, smaller ones through the
-    # split-KV Triton kernel (for benchmarks' A/B).
-    xqa_min_batch: int = 1
     # Hopper: programmatic dependent launches (common/engine/gpu/pdl.py).
     pdl: bool = reg.PDL.field()
     cpu_linear: str = "auto"  # CPU float32 GEMMs: auto = oneDNN with packed weights when available; torch = F.linear

@@ -119,7 +119,6 @@ class FlashInferAttention:
         tc_min_batch: int = 1,
         triton_kernels: bool = True,
         pdl: bool = False,
-        xqa_min_batch: int = 1,
     ) -> None:
         import flashinfer
 
@@ -142,8 +141,6 @@ class FlashInferAttention:
             torch.cuda.get_device_properties(pool.device).multi_processor_count if pool.device.type == "cuda" else 1
         )
         self.xqa = None
-        # Decode graphs of fewer rows run the Triton kernel instead of XQA (where it is there).
-        self.xqa_min_batch = xqa_min_batch if self.triton_decode is not None else 1
         self._xqa_pages: xqa_decode.XqaPages | None = None  # a decode step (graph or eager) attends through XQA
         if xqa_decode.supported(pool.device, pool.layout.dtype, pool.layout.page_size, cfg.head_dim):
             pages = -(-page_table.shape[1] // pool.layout.page_size)
@@ -371,7 +368,7 @@ class FlashInferAttention:
         if graph_meta is None:
             return
         bs = int(graph_meta[2].shape[0])
-        if self.xqa is not None and bs >= self.xqa_min_batch:
+        if self.xqa is not None:
             self._xqa_pages = self.xqa.pages(*graph_meta)
         elif self.triton_decode is not None and bs <= TRITON_DECODE_MAX_BS:
             splits = self.triton_decode.num_splits(bs, self.num_kv_heads, self.num_sms)

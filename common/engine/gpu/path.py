@@ -79,7 +79,6 @@ class GpuPath:
             cfg.decode_tc_min_batch,
             triton,
             self.pdl,
-            cfg.xqa_min_batch,
         )
         self.graphs = None
         self.step_graphs = None
