@@ -1,6 +1,7 @@
 """Run by tests/test_gemv_interpreted.py under TRITON_INTERPRET=1 (Triton's interpreter, on the CPU): the GEMV
 that adds a projection into the residual stream (its epilogue) and the GEMV that applies the next RMSNorm from
-the statistics that epilogue left, against float64; prints one JSON line.
+the statistics that epilogue left, alone and with the MLP's SiLU-mul as its epilogue (`gated`: the weight read as
+[gate; up]), against float64; prints one JSON line.
 
 Activations are float32 here (the interpreter computes bfloat16 operands wrongly; tests/test_gpu_kernels.py runs
 bfloat16 on the GPU). Weights are float32 or e4m3 with a scale per output row; one row runs the FMA kernel, three
@@ -66,6 +67,18 @@ def cases() -> list[dict]:
                     weight_scale=next_scale,
                     config=cfg,
                 )
+                act, _ = gemv(
+                    stream,
+                    w_next,
+                    prologue="stream_norm",
+                    norm_weight=norm_weight,
+                    eps=eps,
+                    norm_stats=sumsq,
+                    weight_scale=next_scale,
+                    config=cfg,
+                    gated=True,
+                )
+                gate, up = (normed @ dense_next.T).chunk(2, dim=-1)
                 out.append(
                     {
                         "rows": rows,
@@ -76,6 +89,8 @@ def cases() -> list[dict]:
                         "stream_err": _rel(stream, ref_stream),
                         "sumsq_err": _rel(sumsq.sum(1), ref_stream.pow(2).sum(1)),
                         "y_err": _rel(y, normed @ dense_next.T),
+                        "act_shape": list(act.shape),
+                        "act_err": _rel(act, gate * torch.sigmoid(gate) * up),
                     }
                 )
     return out

@@ -1,4 +1,4 @@
-"""The GEMV's residual-stream epilogue and the norm-from-statistics prologue (common/engine/gpu/fused_gemv.py) on
+"""The GEMV's residual-stream epilogue, the norm-from-statistics prologue and the SiLU-mul epilogue (common/engine/gpu/fused_gemv.py) on
 the CPU under Triton's interpreter, one row and a few, 16-bit-style and FP8 weights, against float64. The GPU runs
 the same at bfloat16 in tests/test_gpu_kernels.py."""
 
@@ -25,4 +25,5 @@ def test_gemv_stream_epilogue_and_norm_prologue_interpreted_match_float64() -> N
     cases = json.loads(proc.stdout.strip().splitlines()[-1])["cases"]
     assert len(cases) == 8 and {c["rows"] for c in cases} == {1, 3}
     assert all(c["in_place"] and c["parts"] == 6 for c in cases), cases
-    assert all(max(c["stream_err"], c["sumsq_err"], c["y_err"]) < 1e-5 for c in cases), cases
+    assert all(c["act_shape"] == [c["rows"], 40] for c in cases), cases  # [gate; up] of 80 rows -> 40 columns
+    assert all(max(c["stream_err"], c["sumsq_err"], c["y_err"], c["act_err"]) < 1e-5 for c in cases), cases

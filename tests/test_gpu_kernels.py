@@ -122,6 +122,20 @@ def test_gemv_into_the_stream_then_its_norm_from_the_statistics(fp8, silu, rows)
     normed = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.double()
     assert y.shape == (rows, wide) and torch.isfinite(y).all()
     assert _rel(y, normed @ dense_next.T) < 8e-3
+    # The same GEMV read as the MLP's [gate; up], SiLU-mul in its epilogue.
+    act, _ = gemv(
+        stream,
+        w_next,
+        prologue="stream_norm",
+        norm_weight=norm_weight,
+        eps=eps,
+        norm_stats=sumsq,
+        weight_scale=next_scale,
+        gated=True,
+    )
+    gate, up = (normed @ dense_next.T).chunk(2, dim=-1)
+    assert act.shape == (rows, wide // 2) and torch.isfinite(act).all()
+    assert _rel(act, gate * torch.sigmoid(gate) * up) < 1e-2
 
 
 def test_gemv_writes_every_output_and_nothing_else():

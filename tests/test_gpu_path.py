@@ -402,7 +402,7 @@ def test_flashinfer_ops_match_torch_ops(head_dim):
     Triton GEMVs) and not (many rows: flashinfer + cuBLAS), on the operands the forward gives them; and the
     attention backend's RoPE + K/V write (Triton and flashinfer's) against `RotaryCache.apply` and a copy."""
     from common.engine.gpu.ops import FlashInferOps
-    from common.engine.layers import InStream, TorchOps
+    from common.engine.layers import Activated, InStream, TorchOps
 
     g = torch.Generator(device="cuda").manual_seed(0)
 
@@ -439,6 +439,11 @@ def test_flashinfer_ops_match_torch_ops(head_dim):
             h_f, s_f = fused.project(act, down, res.clone(), silu=silu)
             h_p, s_p = plain.project(act, down, res.clone(), silu=silu)
             assert isinstance(h_f, InStream) == (t == 1)  # one row: added in the GEMV, no norm kernel after
+            if t == 1:  # the MLP's gate_up: silu(gate) * up applied in the GEMV (the stream is not written)
+                a_f, _ = fused.norm_linear(h_f, s_f, w, eps, weight, gated=True)
+                a_p, _ = plain.norm_linear(h_p, s_p, w, eps, weight, gated=True)
+                assert isinstance(a_f, Activated) and isinstance(a_p, torch.Tensor)
+                close(a_f.act, plain.silu_and_mul(a_p))
             y_f, s_f = fused.norm_linear(h_f, s_f, w, eps, weight, bias)
             y_p, s_p = plain.norm_linear(h_p, s_p, w, eps, weight, bias)
             close(y_f, y_p)

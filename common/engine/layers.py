@@ -120,6 +120,14 @@ class InStream:
         return InStream(self.sumsq[index])
 
 
+@dataclass(frozen=True)
+class Activated:
+    """What `Ops.norm_linear(..., gated=True)` returns when its GEMM applied the MLP's activation itself:
+    silu(gate) * up, `[T, I]`, which `silu_linear` and `project(..., silu=True)` then take as it is."""
+
+    act: torch.Tensor
+
+
 class Ops(Protocol):
     """What the decoder forward needs from a backend. An op may overwrite its inputs (flashinfer works in
     place), so callers use only what it returns. RoPE is not here: the attention backend applies it where
@@ -137,14 +145,16 @@ class Ops(Protocol):
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
         packed: torch.Tensor | Fp8Linear | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        gated: bool = False,
+    ) -> tuple[torch.Tensor | Activated, torch.Tensor]:
         """(linear(rms_norm(residual + x)), residual + x): a layer's norm and the GEMM it feeds, the residual
         stream carried beside; with `residual` None (the first layer) the stream starts at x; with x an
-        `InStream` (from `project`) the residual is the stream already."""
+        `InStream` (from `project`) the residual is the stream already. `gated`: the GEMM is the MLP's
+        [gate | up], which a backend may return as `Activated` (the activation applied in the GEMM)."""
 
     def project(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | Activated,
         weight: torch.Tensor,
         residual: torch.Tensor,
         packed: torch.Tensor | Fp8Linear | None = None,
@@ -156,9 +166,10 @@ class Ops(Protocol):
         parallelism the all-reduce sits between the projection and the add."""
 
     def silu_linear(
-        self, gate_up: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | Fp8Linear | None = None
+        self, gate_up: torch.Tensor | Activated, weight: torch.Tensor, packed: torch.Tensor | Fp8Linear | None = None
     ) -> torch.Tensor:
-        """linear(silu(gate) * up) for gate_up = [gate | up]: the MLP's activation and down projection."""
+        """linear(silu(gate) * up) for gate_up = [gate | up] (or `Activated`: linear of it): the MLP's activation
+        and down projection."""
 
     def linear(
         self,
@@ -184,7 +195,8 @@ class ComposedOps:
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
         packed: torch.Tensor | Fp8Linear | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        gated: bool = False,
+    ) -> tuple[torch.Tensor | Activated, torch.Tensor]:
         if isinstance(x, InStream):
             assert residual is not None
             normed = self.rms_norm(residual, norm_weight, eps)  # type: ignore[attr-defined]
@@ -196,7 +208,7 @@ class ComposedOps:
 
     def project(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | Activated,
         weight: torch.Tensor,
         residual: torch.Tensor,
         packed: torch.Tensor | Fp8Linear | None = None,
@@ -206,9 +218,10 @@ class ComposedOps:
         return out, residual
 
     def silu_linear(
-        self, gate_up: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | Fp8Linear | None = None
+        self, gate_up: torch.Tensor | Activated, weight: torch.Tensor, packed: torch.Tensor | Fp8Linear | None = None
     ) -> torch.Tensor:
-        return self.linear(self.silu_and_mul(gate_up), weight, None, packed)  # type: ignore[attr-defined]
+        act = gate_up.act if isinstance(gate_up, Activated) else self.silu_and_mul(gate_up)  # type: ignore[attr-defined]
+        return self.linear(act, weight, None, packed)  # type: ignore[attr-defined]
 
 
 class TorchOps(ComposedOps):

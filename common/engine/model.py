@@ -15,6 +15,7 @@ from common.engine.attention import AttentionBackend
 from common.engine.forward_batch import ForwardBatch
 from common.engine.fp8 import FP8, Fp8Linear, quantize_rows
 from common.engine.layers import (
+    Activated,
     InStream,
     Ops,
     RotaryCache,
@@ -214,7 +215,14 @@ class DecoderModel(nn.Module):
             o = attn.forward(i, positions, q, k, v).reshape(t, cfg.q_size)
             hidden, residual = self._project(o, layer.o_proj, residual, pk.get("o_proj"))
             gate_up, residual = ops.norm_linear(
-                hidden, residual, layer.post_attn_norm, eps, layer.gate_up_proj, None, pk.get("gate_up_proj")
+                hidden,
+                residual,
+                layer.post_attn_norm,
+                eps,
+                layer.gate_up_proj,
+                None,
+                pk.get("gate_up_proj"),
+                gated=True,
             )
             hidden, residual = self._project(gate_up, layer.down_proj, residual, pk.get("down_proj"), silu=True)
         assert residual is not None
@@ -222,7 +230,7 @@ class DecoderModel(nn.Module):
 
     def _project(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | Activated,
         weight: torch.Tensor,
         residual: torch.Tensor,
         packed: torch.Tensor | Fp8Linear | None,

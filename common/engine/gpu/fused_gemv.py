@@ -13,6 +13,10 @@ consumes their output removes the launch and the round trip through memory:
   squares a GEMV with `into_stream` left in `norm_stats`: rstd is one scalar per row, so the product runs on
   x * w_norm and is scaled by rstd at the end, and the weight stream never waits for the statistics.
 
+`gated=True` is the MLP's activation as an epilogue: W holds [gate; up] (2I rows) and y = silu(x @ Wg^T) *
+(x @ Wu^T), `[m, I]`: each program takes BLOCK_N / 2 gate rows and the up rows that pair with them, so the SiLU-mul
+kernel between the gate_up and down GEMVs goes.
+
 `into_stream=s` is the matching epilogue: s += x @ W^T (in place: each program owns its columns) and one partial
 sum of squares of the new s per row and program, in program order (deterministic: no atomics). A sublayer's
 output projection then feeds the next norm's GEMV with no add + RMSNorm kernel between them.
@@ -94,17 +98,25 @@ def _gemv_kernel(
     NUM_STAGES: tl.constexpr,
     INTO_STREAM: tl.constexpr,
     PARTS_POW2: tl.constexpr,
+    GATED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GATED:  # N = I output columns; the tile's first half are gate rows, its second the matching up rows
+        HALF: tl.constexpr = BLOCK_N // 2
+        ri = tl.arange(0, BLOCK_N)
+        col = pid * HALF + ri % HALF
+        rn = tl.where(ri < HALF, col, N + col)
+        n_ok = col < N
+    else:
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < N
     if PDL:
         pdl.release_next()
         pdl.wait_prior()
     rm = tl.arange(0, BLOCK_M)
     rk0 = tl.arange(0, BLOCK_K)
     m_ok = rm < M
-    n_ok = rn < N
     x_rows = x_ptr + rm[:, None] * stride_xm
     r_rows = r_ptr + rm[:, None] * stride_rm
 
@@ -180,7 +192,17 @@ def _gemv_kernel(
         out = out.to(y_ptr.dtype.element_ty).to(tl.float32)
         sq = tl.where(mn, out * out, 0.0)
         tl.store(stats_ptr + rm * stride_sm + pid, tl.sum(sq, axis=1), mask=m_ok)
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], out.to(y_ptr.dtype.element_ty), mask=mn)
+    if GATED:
+        gate, up = tl.split(tl.permute(tl.reshape(out, [BLOCK_M, 2, HALF]), [0, 2, 1]))
+        ro = pid * HALF + tl.arange(0, HALF)
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(
+            y_ptr + rm[:, None] * stride_ym + ro[None, :],
+            act.to(y_ptr.dtype.element_ty),
+            mask=m_ok[:, None] & (ro < N)[None, :],
+        )
+    else:
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], out.to(y_ptr.dtype.element_ty), mask=mn)
 
 
 def gemv(
@@ -197,12 +219,13 @@ def gemv(
     launch_pdl: bool = False,
     norm_stats: torch.Tensor | None = None,
     into_stream: torch.Tensor | None = None,
+    gated: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(y, new residual or None) for `x` of at most `MAX_ROWS` rows; see the module doc for `prologue`.
 
     With `into_stream` (the residual stream, `[m, N]`): (the stream, after adding y to it in place, and its
     statistics for a `prologue="stream_norm"` GEMV: float32 `[m, programs]`). `prologue="stream_norm"` takes
-    those statistics as `norm_stats`.
+    those statistics as `norm_stats`. `gated`: `weight` is [gate; up] and y = silu(gate) * up, `[m, N / 2]`.
 
     An FP8 `weight` (e4m3) comes with `weight_scale`, float32 `[N]`, one per output row: the weight streams at one
     byte per element and is widened to the activations' dtype in registers (activations stay 16-bit).
@@ -230,15 +253,20 @@ def gemv(
         raise ValueError(
             f"into_stream is the [{m}, {n}] unit-stride residual stream (and not with add_norm or stream_norm)"
         )
+    if gated and (n % 2 or bias is not None or into_stream is not None):
+        raise ValueError("gated: an even number of weight rows ([gate; up]), no bias and no into_stream")
     one = m == 1
     cfg = config or pick_config(m, n, w_fp8, k)
-    programs = triton.cdiv(n, cfg.block_n)
+    if gated and cfg.block_n % 2:
+        raise ValueError("gated tiles pair gate and up rows: block_n must be even")
+    out_n = n // 2 if gated else n
+    programs = triton.cdiv(out_n, cfg.block_n // 2 if gated else cfg.block_n)
     r_out = stats = None
     if into_stream is not None:
         y = into_stream
         r_out = stats = torch.empty(m, programs, dtype=torch.float32, device=x.device)
     else:
-        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        y = torch.empty(m, out_n, dtype=x.dtype, device=x.device)
     if norm_stats is not None:
         stats = norm_stats
     if code == 2:
@@ -258,7 +286,7 @@ def gemv(
         r_out if r_out is not None and code == 2 else y,
         stats if stats is not None else x,
         m,
-        n,
+        out_n,
         k,
         x.stride(0),
         r.stride(0),
@@ -278,6 +306,7 @@ def gemv(
         NUM_STAGES=cfg.num_stages,
         INTO_STREAM=into_stream is not None,
         PARTS_POW2=triton.next_power_of_2(stats.shape[1]) if code == 4 else 16,
+        GATED=gated,
         PDL=launch_pdl,
         num_warps=cfg.num_warps,
         **pdl.launch_options(launch_pdl),

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from common.engine.fp8 import Fp8Linear
 from common.engine.gpu import fp8_gemm, fp8_kernels
-from common.engine.layers import ComposedOps, InStream
+from common.engine.layers import Activated, ComposedOps, InStream
 
 # The Triton GEMV indexes a weight with 32-bit offsets: larger ones (a 256k vocabulary x 8192 LM head) use cuBLAS.
 MAX_WEIGHT_ELEMENTS = 1 << 31
@@ -30,6 +30,8 @@ class FlashInferOps(ComposedOps):
     `stream_stats`: at one row the output projections (o, down) add their output into the residual stream in
     their GEMV's epilogue and leave the stream's sum-of-squares partials there; the next GEMV (qkv, gate_up, the LM
     head) applies the norm from those (`project`, `InStream`): 64 of a 32-layer model's 65 norm kernels go.
+    `gated_epilogue`: there the gate_up GEMV also applies silu(gate) * up in its epilogue (`Activated`), and the
+    SiLU-mul kernels go too.
 
     FP8 weights on the tensor-core GEMM (steps larger than the GEMV's rows) take their activations already
     quantized from the op before: the add + RMSNorm and SiLU-mul kernels write e4m3 rows and per-token scales
@@ -39,7 +41,12 @@ class FlashInferOps(ComposedOps):
     WIDE_N = 8192
 
     def __init__(
-        self, gemv_max_rows: int = 0, fold_prologues: bool = False, pdl: bool = False, stream_stats: bool = True
+        self,
+        gemv_max_rows: int = 0,
+        fold_prologues: bool = False,
+        pdl: bool = False,
+        stream_stats: bool = True,
+        gated_epilogue: bool = True,
     ) -> None:
         # The CUDA norm kernels (what the bundle precompiles), not the CuTe-DSL ones; read at flashinfer's import.
         os.environ.setdefault("FLASHINFER_USE_CUDA_NORM", "1")
@@ -49,6 +56,7 @@ class FlashInferOps(ComposedOps):
         self.gemv_max_rows = gemv_max_rows
         self.fold_prologues = fold_prologues
         self.stream_stats = stream_stats
+        self.gated_epilogue = gated_epilogue
         # Programmatic dependent launches (common/engine/gpu/pdl.py) for the GEMVs and flashinfer's kernels alike.
         self.pdl = pdl
         self.gemv = None
@@ -100,19 +108,21 @@ class FlashInferOps(ComposedOps):
 
     def norm_linear(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | InStream,
         residual: torch.Tensor | None,
         norm_weight: torch.Tensor,
         eps: float,
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
         packed: torch.Tensor | Fp8Linear | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        gated: bool = False,
+    ) -> tuple[torch.Tensor | Activated, torch.Tensor]:
         if isinstance(x, InStream):
             assert residual is not None
             if not self._triton(residual, weight):
                 return super().norm_linear(x, residual, norm_weight, eps, weight, bias, packed)
             w, scale = _gemv_weight(weight, packed)
+            gated = gated and self.gated_epilogue and bias is None
             y, _ = self.gemv(  # type: ignore[misc]
                 residual,
                 w,
@@ -122,8 +132,9 @@ class FlashInferOps(ComposedOps):
                 eps=eps,
                 norm_stats=x.sumsq,
                 weight_scale=scale,
+                gated=gated,
             )
-            return y, residual
+            return (Activated(y) if gated else y), residual
         if self._fp8_gemm(x, weight, packed):
             xq, sx, residual = fp8_kernels.add_rms_norm_quant(x, residual, norm_weight, eps)
             return fp8_gemm.scaled_linear(xq, sx, packed, bias, x.dtype), residual  # type: ignore[arg-type]
@@ -138,25 +149,32 @@ class FlashInferOps(ComposedOps):
 
     def project(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | Activated,
         weight: torch.Tensor,
         residual: torch.Tensor,
         packed: torch.Tensor | Fp8Linear | None = None,
         silu: bool = False,
     ) -> tuple[torch.Tensor | InStream, torch.Tensor]:
+        rows = x.act if isinstance(x, Activated) else x
         # One row only: steps captured piecewise (16 rows and more) carry plain hidden states across their breaks.
-        if not (self.stream_stats and x.shape[0] == 1 and self._triton(x, weight)):
+        if not (self.stream_stats and rows.shape[0] == 1 and self._triton(rows, weight)):
             return super().project(x, weight, residual, packed, silu)
-        if silu and not self.fold_prologues:
+        fold = "none"
+        if isinstance(x, Activated):
+            x = x.act
+        elif silu and self.fold_prologues:
+            fold = "silu"
+        elif silu:
             x = self.silu_and_mul(x)
-        fold = "silu" if silu and self.fold_prologues else "none"
         w, scale = _gemv_weight(weight, packed)
         stream, sumsq = self.gemv(x, w, prologue=fold, weight_scale=scale, into_stream=residual)  # type: ignore[misc]
         return InStream(sumsq), stream
 
     def silu_linear(
-        self, gate_up: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | Fp8Linear | None = None
+        self, gate_up: torch.Tensor | Activated, weight: torch.Tensor, packed: torch.Tensor | Fp8Linear | None = None
     ) -> torch.Tensor:
+        if isinstance(gate_up, Activated):
+            return self.linear(gate_up.act, weight, None, packed)
         if self._fp8_gemm(gate_up, weight, packed):
             xq, sx = fp8_kernels.silu_mul_quant(gate_up)
             return fp8_gemm.scaled_linear(xq, sx, packed, None, gate_up.dtype)  # type: ignore[arg-type]
