@@ -54,7 +54,8 @@ def pick_config(rows: int, n: int, w_fp8: bool = False, k: int = 0) -> GemvConfi
     """Block shapes by the sweep of bench/decode_kernels.py on the H200 (llama-3.1-8b shapes, weights streamed
     from HBM): one row, 8 x 512 tiles (8 x 256 for the widest outputs); a few rows, 64-row MMA tiles. One row of
     FP8 weights (half the bytes per tile): 8 x 1024 tiles (down 16.5 vs 17.9 us at 8 x 512, o 6.95 vs 7.2; qkv in
-    the whole b=1 step 2.665 vs 2.695 ms at 8 x 512), 32 x 256 for the widest outputs (gate_up 30.7 vs 35.0 us)."""
+    the whole b=1 step 2.665 vs 2.695 ms at 8 x 512), 32 x 256 for the widest outputs (gate_up 30.7 vs 35.0 us).
+    `k` completes the shape (bench/gemv_tiles_in_step.py overrides tiles per (n, k)); no rule needs it today."""
     if rows == 1 and w_fp8:
         if n > 16384:
             return GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
@@ -261,19 +262,18 @@ def gemv(
         raise ValueError("gated tiles pair gate and up rows: block_n must be even")
     out_n = n // 2 if gated else n
     programs = triton.cdiv(out_n, cfg.block_n // 2 if gated else cfg.block_n)
-    r_out = stats = None
+    stats = norm_stats  # read by stream_norm, written by into_stream
     if into_stream is not None:
         y = into_stream
-        r_out = stats = torch.empty(m, programs, dtype=torch.float32, device=x.device)
+        stats = torch.empty(m, programs, dtype=torch.float32, device=x.device)
     else:
         y = torch.empty(m, out_n, dtype=x.dtype, device=x.device)
-    if norm_stats is not None:
-        stats = norm_stats
+    r_out = None
     if code == 2:
         assert residual is not None and residual.stride(-1) == 1
         r_out = torch.empty_like(x)
     r = into_stream if into_stream is not None else residual if residual is not None else x
-    if code == 2 and r_out is not None and r_out.stride(0) != r.stride(0):
+    if r_out is not None and r_out.stride(0) != r.stride(0):
         raise ValueError("residual and its output must share a row stride")
     _gemv_kernel[(programs,)](
         x,
@@ -283,7 +283,7 @@ def gemv(
         weight_scale if weight_scale is not None else x,
         bias if bias is not None else x,
         y,
-        r_out if r_out is not None and code == 2 else y,
+        r_out if r_out is not None else y,
         stats if stats is not None else x,
         m,
         out_n,
@@ -311,4 +311,4 @@ def gemv(
         num_warps=cfg.num_warps,
         **pdl.launch_options(launch_pdl),
     )
-    return y, r_out
+    return y, (stats if into_stream is not None else r_out)
