@@ -1,6 +1,7 @@
-"""The GEMV's residual-stream epilogue, the norm-from-statistics prologue and the SiLU-mul epilogue (common/engine/gpu/fused_gemv.py) on
-the CPU under Triton's interpreter, one row and a few, 16-bit-style and FP8 weights, against float64. The GPU runs
-the same at bfloat16 in tests/test_gpu_kernels.py."""
+"""On the CPU under Triton's interpreter: the GEMV's residual-stream epilogue, norm-from-statistics prologue and
+SiLU-mul epilogue (common/engine/gpu/fused_gemv.py), one row and a few, 16-bit-style and FP8 weights, against
+float64; and a decode step of the whole decoder with them as its ops (`GemvOps`), against the unfused GEMVs and the
+CPU path. The GPU runs the kernels at bfloat16 in tests/test_gpu_kernels.py."""
 
 from __future__ import annotations
 
@@ -27,3 +28,14 @@ def test_gemv_stream_epilogue_and_norm_prologue_interpreted_match_float64() -> N
     assert all(c["in_place"] and c["parts"] == 6 for c in cases), cases
     assert all(c["act_shape"] == [c["rows"], 40] for c in cases), cases  # [gate; up] of 80 rows -> 40 columns
     assert all(max(c["stream_err"], c["sumsq_err"], c["y_err"], c["act_err"]) < 1e-5 for c in cases), cases
+    forward = json.loads(proc.stdout.strip().splitlines()[-1])["forward"]
+    assert len(forward) == 6
+    # The decode step handed the stream's statistics (and, gated, the activation) from GEMV to GEMV ...
+    assert all(
+        "InStream" in c["handed"] and ("Activated" in c["handed"]) != (c["ops"] == {"gated_epilogue": False})
+        for c in forward
+    ), forward
+    # ... and gives the logits of the unfused GEMVs; float32 weights, those of the CPU path itself.
+    assert all(c["rel_err_vs_unfused"] < 1e-5 for c in forward), forward
+    assert all(c["rel_err_vs_twin"] < 1e-5 for c in forward if not c["fp8"]), forward
+    assert all(c["rel_err_vs_twin"] < 0.15 for c in forward if c["fp8"]), forward  # per-token e4m3 activations

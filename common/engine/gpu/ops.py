@@ -1,4 +1,9 @@
-"""`FlashInferOps`: the model's ops (common/engine/layers.py `Ops`) on the GPU in 16 bits."""
+"""`FlashInferOps`: the model's ops (common/engine/layers.py `Ops`) on the GPU in 16 bits.
+
+`GemvOps` holds the GEMM choices (Triton GEMVs at a few rows, with the norm and activation moved into their
+prologues and epilogues; FP8 tensor-core GEMMs above) over the norm and activation primitives a subclass gives:
+flashinfer's in `FlashInferOps`; torch's where tests run the GEMVs under Triton's interpreter on the CPU.
+"""
 
 from __future__ import annotations
 
@@ -16,10 +21,9 @@ from common.engine.layers import Activated, ComposedOps, InStream
 MAX_WEIGHT_ELEMENTS = 1 << 31
 
 
-class FlashInferOps(ComposedOps):
-    """The GPU in bfloat16/float16: flashinfer's fused add + RMSNorm (in place) and SiLU-mul, and the GEMMs of
-    small decode batches on Triton GEMVs that stream the weight (common/engine/gpu/fused_gemv.py); cuBLAS
-    otherwise. Where the Triton GEMV wins (bench/decode_kernels.py, H200, llama-3.1-8b shapes, weights from HBM):
+class GemvOps(ComposedOps):
+    """The GEMMs of small decode batches on Triton GEMVs that stream the weight (common/engine/gpu/fused_gemv.py),
+    cuBLAS otherwise, over the primitives a subclass gives (rms_norm, add_rms_norm, silu_and_mul). Where the Triton GEMV wins (bench/decode_kernels.py, H200, llama-3.1-8b shapes, weights from HBM):
     at one row on every shape (4-25% faster than cuBLAS); at 2-8 rows only on the wide outputs (gate_up, LM
     head: 4-9%), so only those take it there. `gemv_max_rows` 0 turns the Triton GEMVs off.
 
@@ -48,11 +52,6 @@ class FlashInferOps(ComposedOps):
         stream_stats: bool = True,
         gated_epilogue: bool = True,
     ) -> None:
-        # The CUDA norm kernels (what the bundle precompiles), not the CuTe-DSL ones; read at flashinfer's import.
-        os.environ.setdefault("FLASHINFER_USE_CUDA_NORM", "1")
-        import flashinfer
-
-        self.fi = flashinfer
         self.gemv_max_rows = gemv_max_rows
         self.fold_prologues = fold_prologues
         self.stream_stats = stream_stats
@@ -75,18 +74,6 @@ class FlashInferOps(ComposedOps):
     def _fp8_gemm(self, x: torch.Tensor, weight: torch.Tensor, packed: object) -> bool:
         """An FP8 weight whose GEMM runs on the tensor cores with per-token activation scales."""
         return isinstance(packed, Fp8Linear) and fp8_gemm.fits(packed) and not self._triton(x, weight)
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return self.fi.rmsnorm(x, weight, eps, enable_pdl=self.pdl)
-
-    def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.fi.fused_add_rmsnorm(x, residual, weight, eps, enable_pdl=self.pdl)  # residual += x; x = norm(residual)
-        return x, residual
-
-    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return self.fi.silu_and_mul(gate_up, enable_pdl=self.pdl)
 
     def linear(
         self,
@@ -165,7 +152,7 @@ class FlashInferOps(ComposedOps):
         elif silu and self.fold_prologues:
             fold = "silu"
         elif silu:
-            x = self.silu_and_mul(x)
+            x = self.silu_and_mul(x)  # type: ignore[attr-defined]
         w, scale = _gemv_weight(weight, packed)
         stream, sumsq = self.gemv(x, w, prologue=fold, weight_scale=scale, into_stream=residual)  # type: ignore[misc]
         return InStream(sumsq), stream
@@ -181,6 +168,37 @@ class FlashInferOps(ComposedOps):
         if self.fold_prologues and self._triton(gate_up, weight) and not isinstance(packed, Fp8Linear):
             return self.gemv(gate_up, weight, prologue="silu")[0]  # type: ignore[misc]
         return super().silu_linear(gate_up, weight, packed)
+
+
+class FlashInferOps(GemvOps):
+    """The GPU in bfloat16/float16: `GemvOps` over flashinfer's fused add + RMSNorm (in place) and SiLU-mul."""
+
+    def __init__(
+        self,
+        gemv_max_rows: int = 0,
+        fold_prologues: bool = False,
+        pdl: bool = False,
+        stream_stats: bool = True,
+        gated_epilogue: bool = True,
+    ) -> None:
+        # The CUDA norm kernels (what the bundle precompiles), not the CuTe-DSL ones; read at flashinfer's import.
+        os.environ.setdefault("FLASHINFER_USE_CUDA_NORM", "1")
+        import flashinfer
+
+        self.fi = flashinfer
+        super().__init__(gemv_max_rows, fold_prologues, pdl, stream_stats, gated_epilogue)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.fi.rmsnorm(x, weight, eps, enable_pdl=self.pdl)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.fi.fused_add_rmsnorm(x, residual, weight, eps, enable_pdl=self.pdl)  # residual += x; x = norm(residual)
+        return x, residual
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.fi.silu_and_mul(gate_up, enable_pdl=self.pdl)
 
 
 def _gemv_weight(
