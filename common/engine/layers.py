@@ -6,7 +6,8 @@ implementations chosen at start: `TorchOps` (the CPU, and the GPU in float32) an
 count: the residual stream is carried beside the hidden states, and a norm comes with the GEMM it feeds
 (`norm_linear`: add + RMSNorm + GEMM, which small decode batches run as one kernel), as does the MLP's
 activation (`silu_linear`). A sublayer's output projection (`project`) may add its output into the residual
-stream itself and hand the next norm its statistics (`InStream`), so one-row steps run no norm kernel at all.
+stream itself and hand the next norm its statistics (`InStream`), and the MLP's gate_up GEMM may apply the
+activation itself (`Activated`), so one-row steps run no norm or activation kernel between their GEMVs.
 """
 
 from __future__ import annotations
