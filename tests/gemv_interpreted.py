@@ -19,17 +19,13 @@ import json
 import torch
 import torch.nn.functional as F
 
-from common.engine.fp8 import quantize_rows
 from common.engine.gpu.fused_gemv import GemvConfig, gemv
 from common.engine.gpu.ops import GemvOps
 from common.engine.layers import RotaryCache, TorchOps
 from common.engine.model import DecoderModel
 from common.engine.model_config import ModelConfig
 from common.engine.weights import init_dummy_weights
-
-
-def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((a.double() - ref).norm() / ref.norm())
+from tests.gemv_reference import rel_err, rms_norm64, silu_mul64, weight_operand
 
 
 def cases() -> list[dict]:
@@ -42,14 +38,10 @@ def cases() -> list[dict]:
         for fp8 in (False, True):
             for silu in (False, True):
                 x = torch.randn(rows, 2 * inner if silu else inner, generator=g)
-                w_out = torch.randn(hidden, inner, generator=g) * inner**-0.5
-                w_next = torch.randn(wide, hidden, generator=g) * hidden**-0.5
-                out_scale = next_scale = None
-                if fp8:
-                    (w_out, out_scale), (w_next, next_scale) = quantize_rows(w_out), quantize_rows(w_next)
-                    out_scale, next_scale = out_scale.flatten(), next_scale.flatten()
-                dense_out = w_out.double() * (out_scale.double()[:, None] if fp8 else 1.0)
-                dense_next = w_next.double() * (next_scale.double()[:, None] if fp8 else 1.0)
+                w_out, out_scale, dense_out = weight_operand(torch.randn(hidden, inner, generator=g) * inner**-0.5, fp8)
+                w_next, next_scale, dense_next = weight_operand(
+                    torch.randn(wide, hidden, generator=g) * hidden**-0.5, fp8
+                )
                 stream = torch.randn(rows, hidden, generator=g)
                 before = stream.double()
                 norm_weight = 1.0 + 0.2 * torch.randn(hidden, generator=g)
@@ -61,35 +53,22 @@ def cases() -> list[dict]:
                     into_stream=stream,
                     config=cfg,
                 )
-                xd = x.double()
-                if silu:
-                    gate, up = xd[:, :inner], xd[:, inner:]
-                    xd = gate * torch.sigmoid(gate) * up
-                ref_stream = before + xd @ dense_out.T
-                s = ref_stream
-                normed = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.double()
-                y, _ = gemv(
-                    stream,
-                    w_next,
-                    prologue="stream_norm",
-                    norm_weight=norm_weight,
-                    eps=eps,
-                    norm_stats=sumsq,
-                    weight_scale=next_scale,
-                    config=cfg,
+                ref_stream = before + (silu_mul64(x) if silu else x.double()) @ dense_out.T
+                ref_y = rms_norm64(ref_stream, norm_weight, eps) @ dense_next.T
+                y, act = (
+                    gemv(
+                        stream,
+                        w_next,
+                        prologue="stream_norm",
+                        norm_weight=norm_weight,
+                        eps=eps,
+                        norm_stats=sumsq,
+                        weight_scale=next_scale,
+                        config=cfg,
+                        gated=gated,
+                    )[0]
+                    for gated in (False, True)
                 )
-                act, _ = gemv(
-                    stream,
-                    w_next,
-                    prologue="stream_norm",
-                    norm_weight=norm_weight,
-                    eps=eps,
-                    norm_stats=sumsq,
-                    weight_scale=next_scale,
-                    config=cfg,
-                    gated=True,
-                )
-                gate, up = (normed @ dense_next.T).chunk(2, dim=-1)
                 out.append(
                     {
                         "rows": rows,
@@ -97,11 +76,11 @@ def cases() -> list[dict]:
                         "silu": silu,
                         "in_place": new.data_ptr() == stream.data_ptr(),
                         "parts": sumsq.shape[1],
-                        "stream_err": _rel(stream, ref_stream),
-                        "sumsq_err": _rel(sumsq.sum(1), ref_stream.pow(2).sum(1)),
-                        "y_err": _rel(y, normed @ dense_next.T),
+                        "stream_err": rel_err(stream, ref_stream),
+                        "sumsq_err": rel_err(sumsq.sum(1), ref_stream.pow(2).sum(1)),
+                        "y_err": rel_err(y, ref_y),
                         "act_shape": list(act.shape),
-                        "act_err": _rel(act, gate * torch.sigmoid(gate) * up),
+                        "act_err": rel_err(act, silu_mul64(ref_y)),
                     }
                 )
     return out

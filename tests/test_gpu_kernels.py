@@ -9,31 +9,24 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.gemv_reference import rel_err, rms_norm64, silu_mul64, weight_operand
 from tests.paged_reference import attention_float64, csr_lengths
 
 CUDA = torch.cuda.is_available()
 pytestmark = [pytest.mark.skipif(not CUDA, reason="needs a CUDA device"), pytest.mark.gpu]
 
 
-def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((a.double() - ref).norm() / ref.norm())
-
-
 def _reference(prologue: str, x, weight, bias, residual, norm_weight, eps):
-    xd = x.double()
     new_res = None
     if prologue == "silu":
-        k = weight.shape[1]
-        g, u = xd[:, :k], xd[:, k:]
-        a = g * torch.sigmoid(g) * u
+        a = silu_mul64(x)
     elif prologue in ("norm", "add_norm"):
-        s = xd
+        s = x
         if prologue == "add_norm":
-            new_res = (x.float() + residual.float()).to(x.dtype)
-            s = new_res.double()
-        a = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.double()
+            new_res = s = (x.float() + residual.float()).to(x.dtype)
+        a = rms_norm64(s, norm_weight, eps)
     else:
-        a = xd
+        a = x.double()
     y = a @ weight.double().T
     if bias is not None:
         y = y + bias.double()
@@ -59,7 +52,7 @@ def test_gemv_matches_float64(prologue, rows, n, k):
     y, new_res = gemv(x, weight, bias, prologue=prologue, residual=residual, norm_weight=norm_weight, eps=1e-5)
     ref, ref_res = _reference(prologue, x, weight, bias, residual, norm_weight, 1e-5)
     assert torch.isfinite(y).all()
-    assert _rel(y, ref) < 8e-3  # bf16 operands, float32 accumulation
+    assert rel_err(y, ref) < 8e-3  # bf16 operands, float32 accumulation
     if prologue == "add_norm":
         assert new_res is not None and torch.equal(new_res, ref_res)
     else:
@@ -74,8 +67,8 @@ def test_gemv_matches_float64(prologue, rows, n, k):
 def test_gemv_into_the_stream_then_its_norm_from_the_statistics(fp8, silu, rows):
     """An output projection adding into the residual stream (its epilogue: stream += y, and the stream's
     sum-of-squares partials), then the next GEMV applying RMSNorm from those partials: the stream is what the add
-    writes in 16 bits, the partials sum to its rows' sums of squares, and the second GEMV is the normed product."""
-    from common.engine.fp8 import quantize_rows
+    writes in 16 bits, the partials sum to its rows' sums of squares, and the second GEMV is the normed product,
+    also read as the MLP's [gate; up] with SiLU-mul in its epilogue."""
     from common.engine.gpu.fused_gemv import gemv
 
     hidden, inner, wide, eps = 4096, 1536, 12000, 1e-5
@@ -85,57 +78,39 @@ def test_gemv_into_the_stream_then_its_norm_from_the_statistics(fp8, silu, rows)
         return (scale * torch.randn(*shape, generator=g, device="cuda")).to(torch.bfloat16)
 
     x = randn(rows, 2 * inner if silu else inner)
-    w_out, w_next = randn(hidden, inner, scale=inner**-0.5), randn(wide, hidden, scale=hidden**-0.5)
-    out_scale = next_scale = None
-    if fp8:  # the operands as the FP8 model holds them; the references use their dequantized values
-        (w_out, out_scale), (w_next, next_scale) = quantize_rows(w_out), quantize_rows(w_next)
-        out_scale, next_scale = out_scale.flatten(), next_scale.flatten()
-    dense_out = w_out.double() * (out_scale.double()[:, None] if fp8 else 1.0)
-    dense_next = w_next.double() * (next_scale.double()[:, None] if fp8 else 1.0)
+    w_out, out_scale, dense_out = weight_operand(randn(hidden, inner, scale=inner**-0.5), fp8)
+    w_next, next_scale, dense_next = weight_operand(randn(wide, hidden, scale=hidden**-0.5), fp8)
     stream = randn(rows, hidden)
-    before = stream.clone()
+    before = stream.double()
     norm_weight = (1.0 + 0.2 * torch.randn(hidden, generator=g, device="cuda")).to(torch.bfloat16)
 
     new, sumsq = gemv(
         x, w_out, prologue="silu" if silu else "none", weight_scale=out_scale, into_stream=stream, launch_pdl=False
     )
     assert new.data_ptr() == stream.data_ptr()  # in place, as flashinfer's add + RMSNorm updates it
-    xd = x.double()
-    if silu:
-        gate, up = xd[:, :inner], xd[:, inner:]
-        xd = gate * torch.sigmoid(gate) * up
-    ref = before.double() + xd @ dense_out.T
-    assert _rel(stream.double() - before.double(), ref - before.double()) < 1.5e-2  # the add rounds to 16 bits
+    added = (silu_mul64(x) if silu else x.double()) @ dense_out.T
+    assert rel_err(stream.double() - before, added) < 1.5e-2  # the add rounds to 16 bits
     assert sumsq.dtype == torch.float32 and sumsq.shape[0] == rows
     torch.testing.assert_close(sumsq.double().sum(1), stream.double().pow(2).sum(1), rtol=1e-5, atol=0)
 
-    y, _ = gemv(
-        stream,
-        w_next,
-        prologue="stream_norm",
-        norm_weight=norm_weight,
-        eps=eps,
-        norm_stats=sumsq,
-        weight_scale=next_scale,
+    y, act = (
+        gemv(
+            stream,
+            w_next,
+            prologue="stream_norm",
+            norm_weight=norm_weight,
+            eps=eps,
+            norm_stats=sumsq,
+            weight_scale=next_scale,
+            gated=gated,
+        )[0]
+        for gated in (False, True)
     )
-    s = stream.double()
-    normed = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.double()
+    ref_y = rms_norm64(stream, norm_weight, eps) @ dense_next.T
     assert y.shape == (rows, wide) and torch.isfinite(y).all()
-    assert _rel(y, normed @ dense_next.T) < 8e-3
-    # The same GEMV read as the MLP's [gate; up], SiLU-mul in its epilogue.
-    act, _ = gemv(
-        stream,
-        w_next,
-        prologue="stream_norm",
-        norm_weight=norm_weight,
-        eps=eps,
-        norm_stats=sumsq,
-        weight_scale=next_scale,
-        gated=True,
-    )
-    gate, up = (normed @ dense_next.T).chunk(2, dim=-1)
+    assert rel_err(y, ref_y) < 8e-3
     assert act.shape == (rows, wide // 2) and torch.isfinite(act).all()
-    assert _rel(act, gate * torch.sigmoid(gate) * up) < 1e-2
+    assert rel_err(act, silu_mul64(ref_y)) < 1e-2
 
 
 def test_gemv_writes_every_output_and_nothing_else():
@@ -148,7 +123,7 @@ def test_gemv_writes_every_output_and_nothing_else():
         for _ in range(2):
             x = torch.randn(rows, 512, generator=g, device="cuda").to(torch.bfloat16)
             y, _ = gemv(x, weight)
-            assert _rel(y, x.double() @ weight.double().T) < 8e-3
+            assert rel_err(y, x.double() @ weight.double().T) < 8e-3
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -210,7 +185,7 @@ def test_decode_attention_matches_float64(hq, hkv, d, splits, fp8):
     out = decode_attention(q, k_cache, v_cache, indptr, indices, last, splits, ks, vs)
     for i, ref in enumerate(attention_float64(q, k_cache, v_cache, indptr, indices, lens, ks, vs)):
         assert torch.isfinite(out[i]).all()
-        assert _rel(out[i], ref) < 1e-2, (i, lens[i])
+        assert rel_err(out[i], ref) < 1e-2, (i, lens[i])
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (9, 3, 64)])  # llama-3.1-8b's heads, SmolLM2-135M's
@@ -240,7 +215,7 @@ def test_xqa_decode_over_fp8_pages_matches_float64(hq, hkv, d):
     assert torch.equal(eager, out)
     for i, ref in enumerate(attention_float64(q, k_cache, v_cache, indptr, indices, lens, ks, vs)):
         assert torch.isfinite(out[i]).all()
-        assert _rel(out[i], ref) < 5e-2, (i, lens[i], _rel(out[i], ref))
+        assert rel_err(out[i], ref) < 5e-2, (i, lens[i], rel_err(out[i], ref))
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 64, 300])
@@ -266,11 +241,11 @@ def test_fp8_gemms_match_float64_of_their_operands(rows, n, k):
     y = fp8_linear(x, w)
     ref = (xq_ref.double() * sx_ref.double()) @ dense.T
     assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
-    assert _rel(y, ref) < 8e-3
-    assert _rel(y, x.double() @ dense.T) < 6e-2  # what per-token e4m3 activations cost
+    assert rel_err(y, ref) < 8e-3
+    assert rel_err(y, x.double() @ dense.T) < 6e-2  # what per-token e4m3 activations cost
     if rows <= MAX_ROWS:
         yv, _ = gemv(x, wq, weight_scale=w.scale)
-        assert _rel(yv, x.double() @ dense.T) < 8e-3
+        assert rel_err(yv, x.double() @ dense.T) < 8e-3
 
 
 def test_rope_store_writes_fp8_pages_as_torch_rounds_them():
@@ -291,7 +266,7 @@ def test_rope_store_writes_fp8_pages_as_torch_rounds_them():
     cos, sin = rc.cos[pos].unsqueeze(1), rc.sin[pos].unsqueeze(1)
     x1, x2 = k.float().chunk(2, dim=-1)
     k_rot = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    assert _rel(out.float(), RotaryCache.rotate(q.float(), cos, sin)) < 8e-3
+    assert rel_err(out.float(), RotaryCache.rotate(q.float(), cos, sin)) < 8e-3
     same_k = rows[loc + 100].view(torch.uint8) == to_fp8(k_rot, 0.5).view(torch.uint8)
     same_v = rows[loc + 200].view(torch.uint8) == to_fp8(v, 2.0).view(torch.uint8)
     assert same_k.float().mean() > 0.99 and bool(same_v.all())
@@ -325,7 +300,7 @@ def test_fused_fp8_quantization_writes_what_the_unfused_ops_quantize(rows, hidde
         torch.testing.assert_close(s, s_ref, rtol=1e-2, atol=0)  # a 16-bit rounding of the row's largest value
         assert q.shape == q_ref.shape and q.dtype == q_ref.dtype
         deq, deq_ref = q.float() * s, q_ref.float() * s_ref
-        assert _rel(deq, deq_ref.double()) < 1e-2
+        assert rel_err(deq, deq_ref.double()) < 1e-2
         assert (q.view(torch.uint8) != q_ref.view(torch.uint8)).float().mean() < 2e-2
 
     x, res, w = randn(rows, hidden), randn(rows, hidden, scale=4.0), 1.0 + randn(hidden, scale=0.2)
