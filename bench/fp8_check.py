@@ -137,15 +137,20 @@ def score(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
     return logits
 
 
-@torch.inference_mode()
-def speed(runner: ModelRunner, quick: bool, profile: bool = False) -> dict:
-    mc = runner.model_config
-    iters = 10 if quick else 30
-    for block in runner.pool.kv.split(4096):  # random KV: never time on zeros
+def random_kv(runner: ModelRunner) -> None:
+    """Random values in the whole KV pool (16-bit or e4m3): never time attention on zeros."""
+    for block in runner.pool.kv.split(4096):
         if block.dtype == torch.float8_e4m3fn:
             block.copy_(torch.randn(block.shape, device=block.device).to(block.dtype))
         else:
             block.normal_()
+
+
+@torch.inference_mode()
+def speed(runner: ModelRunner, quick: bool, profile: bool = False) -> dict:
+    mc = runner.model_config
+    iters = 10 if quick else 30
+    random_kv(runner)
     out: dict = {}
     for b in (1, 256):
         rows = take_rows(runner, [CTX] * b)

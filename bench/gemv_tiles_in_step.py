@@ -19,15 +19,14 @@ import statistics
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.fp8_check import make, random_kv  # noqa: E402
 from bench.roofline import give_rows, take_rows, timed  # noqa: E402
 from common.engine.gpu import fused_gemv  # noqa: E402
 from common.engine.gpu.cuda_graph import DecodeGraphs  # noqa: E402
 from common.engine.gpu.fused_gemv import GemvConfig  # noqa: E402
-from common.engine.runner import ModelRunner, RunnerConfig  # noqa: E402
+from common.engine.runner import ModelRunner  # noqa: E402
 
 CTX = 1024
 DEFAULT_TILES = (
@@ -68,20 +67,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     print(f"building dummy:{args.model} ({args.weight_dtype} weights, {args.kv_dtype} KV)", flush=True)
-    runner = ModelRunner(
-        RunnerConfig(
-            model=f"dummy:{args.model}",
-            device="cuda",
-            kv_memory_gb=8.0,
-            max_running=1,
-            max_seq_len=8192,
-            cuda_graph_max_bs=1,
-            weight_dtype=args.weight_dtype,
-            kv_dtype=args.kv_dtype,
-        )
-    )
-    for block in runner.pool.kv.split(4096):  # random KV: never time on zeros
-        block.copy_(torch.randn(block.shape, device=block.device).to(block.dtype))
+    runner = make(args.model, 8.0, 1, weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype)  # one decode graph
+    random_kv(runner)
     gpu = runner.gpu
     assert gpu is not None and gpu.graphs is not None, "needs the GPU path with decode graphs"
     default_pick = fused_gemv.pick_config
