@@ -141,8 +141,6 @@ def _gemv_kernel(
             mask=m_ok[:, None] & (rp < stats_parts)[None, :],
             other=0.0,
         )
-    else:
-        parts = tl.zeros([BLOCK_M, PARTS_POW2], dtype=tl.float32)
 
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)

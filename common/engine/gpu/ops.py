@@ -173,20 +173,14 @@ class GemvOps(ComposedOps):
 class FlashInferOps(GemvOps):
     """The GPU in bfloat16/float16: `GemvOps` over flashinfer's fused add + RMSNorm (in place) and SiLU-mul."""
 
-    def __init__(
-        self,
-        gemv_max_rows: int = 0,
-        fold_prologues: bool = False,
-        pdl: bool = False,
-        stream_stats: bool = True,
-        gated_epilogue: bool = True,
-    ) -> None:
+    def __init__(self, gemv_max_rows: int = 0, **switches: bool) -> None:
+        """`switches`: `GemvOps`'s (fold_prologues, pdl, stream_stats, gated_epilogue)."""
         # The CUDA norm kernels (what the bundle precompiles), not the CuTe-DSL ones; read at flashinfer's import.
         os.environ.setdefault("FLASHINFER_USE_CUDA_NORM", "1")
         import flashinfer
 
         self.fi = flashinfer
-        super().__init__(gemv_max_rows, fold_prologues, pdl, stream_stats, gated_epilogue)
+        super().__init__(gemv_max_rows, **switches)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.fi.rmsnorm(x, weight, eps, enable_pdl=self.pdl)

@@ -66,7 +66,11 @@ class GpuPath:
         self.pdl = cfg.pdl and pdl_available(model.device, triton)
         # first: it sets how flashinfer is imported
         model.ops = FlashInferOps(
-            cfg.gemv_max_rows if triton else 0, cfg.gemv_prologues, self.pdl, cfg.gemv_stream_stats, cfg.gemv_gated
+            cfg.gemv_max_rows if triton else 0,
+            fold_prologues=cfg.gemv_prologues,
+            pdl=self.pdl,
+            stream_stats=cfg.gemv_stream_stats,
+            gated_epilogue=cfg.gemv_gated,
         )
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=model.device)
         self.attn = FlashInferAttention(
