@@ -410,6 +410,7 @@ def make_runner(
         gemv_prologues=runner.model.ops.fold_prologues,
         gemv_stream_stats=runner.model.ops.stream_stats,
         gemv_gated=runner.model.ops.gated_epilogue,
+        gemv_rope=runner.model.ops.rope_epilogue,
     )
     log(f"{label}: ready in {time.perf_counter() - start:.1f} s ({RESULTS['setup'][label]})")
     return runner

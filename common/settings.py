@@ -37,12 +37,14 @@ class RunnerConfig:
     # norms and SiLU-mul into those GEMVs (measured slower on the H200; for benchmarks). gemv_stream_stats: one-row
     # steps add the o and down projections into the residual stream in their GEMVs, and the next GEMV applies
     # the norm from the statistics those leave (no norm kernels; off for benchmarks' A/B); gemv_gated: there the
-    # gate_up GEMV applies silu(gate) * up in its epilogue too (no SiLU-mul kernels).
+    # gate_up GEMV applies silu(gate) * up in its epilogue too (no SiLU-mul kernels); gemv_rope: the qkv GEMV
+    # applies RoPE and writes K/V into the pool in its epilogue (no RoPE + K/V-write kernels at those rows).
     fused_kernels: bool = reg.FUSED_KERNELS.field()
     gemv_max_rows: int = reg.GEMV_MAX_ROWS.field()
     gemv_prologues: bool = False
     gemv_stream_stats: bool = True
     gemv_gated: bool = True
+    gemv_rope: bool = True
     # Hopper: programmatic dependent launches (common/engine/gpu/pdl.py).
     pdl: bool = reg.PDL.field()
     cpu_linear: str = "auto"  # CPU float32 GEMMs: auto = oneDNN with packed weights when available; torch = F.linear

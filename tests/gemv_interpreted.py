@@ -1,30 +1,37 @@
 """Run by tests/test_gemv_interpreted.py under TRITON_INTERPRET=1 (Triton's interpreter, on the CPU): the GEMV
 that adds a projection into the residual stream (its epilogue) and the GEMV that applies the next RMSNorm from
 the statistics that epilogue left, alone and with the MLP's SiLU-mul as its epilogue (`gated`: the weight read as
-[gate; up]), against float64; prints one JSON line.
+[gate; up]), against float64; the qkv GEMV that applies RoPE and writes K and V into pool rows in its epilogue
+(`kv_write`), against the unfused GEMV + RoPE/K-V-write kernel and float64; prints one JSON line.
 
 And the whole decoder forward of a one-token decode step with those GEMVs as its ops (`GemvOps` over torch's
-norm and activation), against the same forward on `TorchOps`: the stream, the statistics (`InStream`) and the
-gated activation (`Activated`) carried through the layers as the model runs them.
+norm and activation) and the CPU's paged attention, against the same forward on `TorchOps`: the stream, the
+statistics (`InStream`), the gated activation (`Activated`) and the rotated queries (`Rotated`, K/V already in the
+pool) carried through the layers as the model runs them.
 
-Activations are float32 here (the interpreter computes bfloat16 operands wrongly; tests/test_gpu_kernels.py runs
-bfloat16 on the GPU). Weights are float32 or e4m3 with a scale per output row; one row runs the FMA kernel, three
+Activations are float32 here (the interpreter computes bfloat16 operands wrongly, and rounds into e4m3 wrongly
+where rounding carries into the exponent: 0.4993 becomes 0.25; tests/test_gpu_kernels.py runs bfloat16 and FP8
+pools on the GPU against torch). Weights are float32 or e4m3 with a scale per output row; one row runs the FMA kernel, three
 rows the dot kernel."""
 
 from __future__ import annotations
 
-import copy
 import json
+from collections import Counter
 
 import torch
-import torch.nn.functional as F
 
+from common.engine.attention import TorchPagedAttention
+from common.engine.forward_batch import ForwardBatch
+from common.engine.fp8 import as_stored
 from common.engine.gpu.fused_gemv import GemvConfig, gemv
 from common.engine.gpu.ops import GemvOps
-from common.engine.layers import RotaryCache, TorchOps
+from common.engine.gpu.rope_store import rope_store
+from common.engine.layers import KvWrite, RotaryCache, TorchOps
 from common.engine.model import DecoderModel
-from common.engine.model_config import ModelConfig
+from common.engine.model_config import ModelConfig, RopeConfig
 from common.engine.weights import init_dummy_weights
+from common.kv.pool import KVLayout, KVPool
 from tests.gemv_reference import rel_err, rms_norm64, silu_mul64, weight_operand
 
 
@@ -86,42 +93,120 @@ def cases() -> list[dict]:
     return out
 
 
+def rope_cases() -> list[dict]:
+    """The qkv GEMV that rotates q and k and writes K and V into pool rows itself (`kv_write`), against the unfused
+    GEMV + RoPE/K-V-write kernel (bit for bit: the same float32 arithmetic) and against float64."""
+    g = torch.Generator().manual_seed(1)
+    hq, hkv, d, hidden = 4, 2, 16, 48
+    n = (hq + 2 * hkv) * d
+    rotary = RotaryCache.build(d, RopeConfig(), 32, torch.device("cpu"))
+    cfg = GemvConfig(block_n=8, block_k=16, num_warps=4, num_stages=1)  # 2 programs per head
+    out = []
+    for rows in (1, 3):
+        for fp8 in (False, True):
+            for pool_dtype in (torch.float32, torch.float8_e4m3fn):
+                x = torch.randn(rows, hidden, generator=g)
+                w, scale, dense = weight_operand(torch.randn(n, hidden, generator=g) * hidden**-0.5, fp8)
+                bias = 0.1 * torch.randn(n, generator=g)
+                positions = torch.randperm(32, generator=g)[:rows]
+                out_rows = torch.tensor([5, 9, 20][:rows])
+                scales = (0.5, 2.0) if pool_dtype != torch.float32 else (1.0, 1.0)
+
+                def write(pool: torch.Tensor) -> KvWrite:
+                    return KvWrite(positions, rotary.cos_sin(), pool, out_rows, 2, 30, *scales)  # noqa: B023
+
+                fused_pool = torch.zeros(64, hkv, d, dtype=pool_dtype)
+                q = gemv(x, w, bias, weight_scale=scale, config=cfg, kv_write=write(fused_pool))[0]
+                qkv = gemv(x, w, bias, weight_scale=scale, config=cfg)[0]
+                qq, kk, vv = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
+                unfused_pool = torch.zeros(64, hkv, d, dtype=pool_dtype)
+                q_ref = rope_store(
+                    positions,
+                    qq.view(rows, hq, d),
+                    kk.view(rows, hkv, d),
+                    vv.view(rows, hkv, d),
+                    rotary.cos_sin(),
+                    unfused_pool,
+                    out_rows,
+                    2,
+                    30,
+                    k_scale=scales[0],
+                    v_scale=scales[1],
+                )
+                y64 = (x.double() @ dense.T + bias.double()).view(rows, -1, d)
+                r64 = RotaryCache(rotary.cos.double(), rotary.sin.double())
+                q64, k64 = r64.apply(positions, y64[:, :hq], y64[:, hq : hq + hkv])
+                k_got = fused_pool[out_rows + 2].double() * scales[0]
+                v_got = fused_pool[out_rows + 30].double() * scales[1]
+                # What the pool should hold: the float64 values as the pool stores them (FP8: value / scale, rounded).
+                k64 = as_stored(k64.float(), pool_dtype, scales[0]).double() * scales[0]
+                v64 = as_stored(y64[:, hq + hkv :].float(), pool_dtype, scales[1]).double() * scales[1]
+                out.append(
+                    {
+                        "rows": rows,
+                        "fp8": fp8,
+                        "pool": str(pool_dtype),
+                        "q_shape": list(q.shape),
+                        "q_same_as_unfused": torch.equal(q, q_ref),
+                        "pool_same_as_unfused": torch.equal(
+                            fused_pool.view(torch.uint8), unfused_pool.view(torch.uint8)
+                        ),
+                        "rows_written": int((fused_pool.view(torch.uint8) != 0).any(-1).any(-1).sum()),
+                        "q_err": rel_err(q, q64),
+                        "k_err": rel_err(k_got, k64),
+                        "v_err": rel_err(v_got, v64),
+                    }
+                )
+    return out
+
+
 class TorchGemvOps(GemvOps, TorchOps):
-    """The GPU path's GEMM choices over torch's norm and activation; records what `project` and the gated
-    `norm_linear` handed on, so the test knows the fused path ran."""
+    """The GPU path's GEMM choices over torch's norm and activation; counts what `project` and `norm_linear`
+    handed on (by type), so the test knows the fused paths ran, layer by layer."""
 
     def __init__(self, **kw: bool) -> None:
         super().__init__(gemv_max_rows=8, **kw)
-        self.handed: set[str] = set()
+        self.handed: Counter[str] = Counter()
 
     def project(self, *args, **kw):  # type: ignore[no-untyped-def]
         out = super().project(*args, **kw)
-        self.handed.add(type(out[0]).__name__)
+        self.handed[type(out[0]).__name__] += 1
         return out
 
     def norm_linear(self, *args, **kw):  # type: ignore[no-untyped-def]
         out = super().norm_linear(*args, **kw)
-        self.handed.add(type(out[0]).__name__)
+        self.handed[type(out[0]).__name__] += 1
         return out
 
 
-class GrowingKV:
-    """Causal attention over every token this backend has seen (one sequence), keys kept per layer."""
+class OneSequence:
+    """The CPU's paged attention (`TorchPagedAttention`) over a small pool holding one sequence at slots 0, 1, ..."""
 
-    def __init__(self, rotary: RotaryCache) -> None:
-        self.rotary = rotary
-        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    def __init__(self, model: DecoderModel, page_size: int = 4, pages: int = 4) -> None:
+        cfg = model.cfg
+        layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page_size, torch.float32)
+        self.pool = KVPool(layout, pages)
+        table = torch.arange(pages * page_size, dtype=torch.int32)[None]
+        self.attn = TorchPagedAttention(self.pool, table, cfg.num_heads, cfg.head_dim, model.rotary)
 
-    def forward(self, layer: int, positions, q, k, v):  # type: ignore[no-untyped-def]
-        q, k = self.rotary.apply(positions, q, k)
-        if layer in self.kv:
-            k, v = torch.cat((self.kv[layer][0], k)), torch.cat((self.kv[layer][1], v))
-        self.kv[layer] = (k, v)
-        group = q.shape[1] // k.shape[1]
-        kk, vv = (t.repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))
-        allowed = torch.arange(k.shape[0])[None, :] <= positions[:, None]
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, attn_mask=allowed)
-        return o.transpose(0, 1)
+    def step(self, model: DecoderModel, ids: list[int], start: int) -> torch.Tensor:
+        n = len(ids)
+        positions = torch.arange(start, start + n)
+        batch = ForwardBatch(
+            is_decode=n == 1,
+            input_ids=torch.tensor(ids),
+            positions=positions,
+            out_loc=positions,
+            seq_lens=torch.tensor([start + n]),
+            extend_lens=torch.tensor([n]),
+            q_start=torch.tensor([0]),
+            table_rows=torch.tensor([0]),
+            logits_indices=torch.tensor([n - 1]),
+            seq_lens_cpu=[start + n],
+            extend_lens_cpu=[n],
+        )
+        self.attn.plan(batch)
+        return model(batch, self.attn)
 
 
 def forward_cases() -> list[dict]:
@@ -146,27 +231,33 @@ def forward_cases() -> list[dict]:
         init_dummy_weights(model, seed=1)
         if fp8:
             model.quantize_linears()
-        prompt, step = torch.tensor([5, 17, 42, 8, 61]), torch.tensor([33])
-        attn = GrowingKV(model.rotary)
+        kv = OneSequence(model)
         model.ops = TorchOps()
-        model.forward_tokens(prompt, torch.arange(5), attn)  # the prompt's K/V, on the torch path
+        kv.step(model, [5, 17, 42, 8, 61], 0)  # the prompt's K/V, on the torch path
+        step_rows = kv.pool.token_rows(torch.tensor([5]))[:, None] + torch.arange(2 * cfg.num_layers) * 4
 
-        def decode(ops: TorchOps, model=model, step=step, attn=attn) -> torch.Tensor:
+        def decode(ops: TorchOps, model=model, kv=kv, step_rows=step_rows) -> tuple[torch.Tensor, torch.Tensor]:
+            kv.pool.rows[step_rows] = 0.0  # each run writes the decode token's K/V afresh
             model.ops = ops
-            return model.forward_tokens(step, torch.tensor([5]), copy.deepcopy(attn))
+            return kv.step(model, [33], 5), kv.pool.rows[step_rows].clone()
 
         # FP8: the twin quantizes activations per token where the GEMV keeps them, so the fused paths are held
-        # to the unfused GEMVs (norm and SiLU-mul kernels between them) and the twin's distance is reported.
-        twin, unfused = decode(TorchOps()), decode(TorchGemvOps(stream_stats=False))
-        for kw in ({}, {"gated_epilogue": False}, {"fold_prologues": True}):
+        # to the unfused GEMVs (norm, SiLU-mul and RoPE + K/V-write kernels between them) and the twin's distance
+        # is reported.
+        (twin, _), (unfused, unfused_kv) = (
+            decode(TorchOps()),
+            decode(TorchGemvOps(stream_stats=False, rope_epilogue=False)),
+        )
+        for kw in ({}, {"gated_epilogue": False}, {"rope_epilogue": False}, {"fold_prologues": True}):
             ops = TorchGemvOps(**kw)
-            got = decode(ops)
+            got, got_kv = decode(ops)
             out.append(
                 {
                     "fp8": fp8,
                     "ops": kw,
-                    "handed": sorted(ops.handed),
+                    "handed": dict(ops.handed),
                     "rel_err_vs_unfused": float((got - unfused).norm() / unfused.norm()),
+                    "kv_err_vs_unfused": rel_err(got_kv, unfused_kv.double()),
                     "rel_err_vs_twin": float((got - twin).norm() / twin.norm()),
                 }
             )
@@ -174,4 +265,4 @@ def forward_cases() -> list[dict]:
 
 
 if __name__ == "__main__":
-    print(json.dumps({"cases": cases(), "forward": forward_cases()}))
+    print(json.dumps({"cases": cases(), "rope": rope_cases(), "forward": forward_cases()}))

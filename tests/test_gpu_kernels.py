@@ -279,6 +279,42 @@ def test_rope_store_writes_fp8_pages_as_torch_rounds_them():
     assert same_q.float().mean() > 0.99
 
 
+@pytest.mark.parametrize("pool", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (9, 3, 64)])  # llama-3.1-8b's heads, SmolLM2-135M's
+def test_qkv_gemv_rotates_and_writes_kv_as_the_rope_store_kernel(pool, fp8, rows, hq, hkv, d):
+    """The qkv GEMV's RoPE + K/V-write epilogue (`kv_write`) against the unfused GEMV followed by `rope_store`: the
+    same rotated q and the same pool bytes (but for rounding ties), each token's K and V rows and nothing else."""
+    from common.engine.gpu.fused_gemv import gemv
+    from common.engine.gpu.rope_store import rope_store
+    from common.engine.layers import KvWrite, RotaryCache
+    from common.engine.model_config import RopeConfig
+
+    g = torch.Generator(device="cuda").manual_seed(rows + hq)
+    hidden = 4096 if hq == 32 else 576
+    n = (hq + 2 * hkv) * d
+    dense = (torch.randn(n, hidden, generator=g, device="cuda") * hidden**-0.5).to(torch.bfloat16)
+    w, scale, _ = weight_operand(dense, fp8)
+    x = torch.randn(rows, hidden, generator=g, device="cuda").to(torch.bfloat16)
+    rc = RotaryCache.build(d, RopeConfig(), 4096, torch.device("cuda"))
+    pos = torch.randint(0, 4000, (rows,), generator=g, device="cuda")
+    loc = torch.randperm(100, generator=g, device="cuda")[:rows]
+    scales = (0.5, 2.0) if pool == torch.float8_e4m3fn else (1.0, 1.0)
+    fused, unfused = (torch.zeros(400, hkv, d, dtype=pool, device="cuda") for _ in range(2))
+    q, none = gemv(x, w, weight_scale=scale, kv_write=KvWrite(pos, rc.cos_sin(), fused, loc, 100, 200, *scales))
+    qkv, _ = gemv(x, w, weight_scale=scale)
+    qq, kk, vv = (p.view(rows, -1, d) for p in qkv.split((hq * d, hkv * d, hkv * d), -1))
+    q_ref = rope_store(pos, qq, kk, vv, rc.cos_sin(), unfused, loc, 100, 200, k_scale=scales[0], v_scale=scales[1])
+    assert none is None and q.shape == (rows, hq, d) and q.dtype == torch.bfloat16
+    assert (q != q_ref).float().mean() < 1e-3  # ties may round apart
+    assert rel_err(q, q_ref.double()) < 1e-3
+    same = fused.view(torch.uint8) == unfused.view(torch.uint8)
+    assert same.float().mean() > 0.999
+    written = (fused.view(torch.uint8) != 0).flatten(1).any(1).nonzero().flatten()
+    assert sorted(written.tolist()) == sorted((loc + 100).tolist() + (loc + 200).tolist())
+
+
 @pytest.mark.parametrize("rows", [1, 37, 300])
 @pytest.mark.parametrize("hidden,inter", [(576, 1536), (4096, 14336), (4096, 18944)])
 def test_fused_fp8_quantization_writes_what_the_unfused_ops_quantize(rows, hidden, inter):

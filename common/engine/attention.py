@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from common.engine.forward_batch import ForwardBatch
 from common.engine.fp8 import as_stored, store_rows
-from common.engine.layers import RotaryCache
+from common.engine.layers import KvWrite, RotaryCache
 from common.kv.pool import KVPool
 
 
@@ -26,6 +26,15 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] (views are fine), q/k not yet rotated -> [T, Hq, D]. RoPE at
         `positions`, the K/V write and attention are the backend's, so it can fuse them."""
+        ...
+
+    def kv_write(self, layer: int, positions: torch.Tensor) -> KvWrite | None:
+        """Where the layer's K/V of this step go, for a qkv GEMM that rotates and stores them itself (`attend`
+        follows); None where this step's attention needs them from `forward`."""
+        ...
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention of the rotated q `[T, Hq, D]` after the qkv GEMM wrote this step's K/V as `kv_write` said."""
         ...
 
 
@@ -135,18 +144,40 @@ class TorchPagedAttention:
         batch = self._batch
         assert batch is not None, "plan() must run before forward()"
         q, k = self.rotary.apply(positions, q, k)
-        b, max_q, max_kv = self._shape
-        t, hq, d = q.shape
         rows = self.pool.rows
         ko, vo = self.pool.layer_offset(layer, 0), self.pool.layer_offset(layer, 1)
-        # FP8 pools: K/V stored as value / scale; the scales fold into the softmax scale and the output below,
-        # as flashinfer's FP8 kernels take them.
         ks, vs = self.pool.layout.kv_scale(layer, 0), self.pool.layout.kv_scale(layer, 1)
         store_rows(rows, self._out_rows + ko, k, ks)
         store_rows(rows, self._out_rows + vo, v, vs)
-        hkv = rows.shape[1]
         if self._segments is not None:
             return self._forward_segments(q, k, v, ko, vo, ks, vs)
+        return self.attend(layer, q)
+
+    def kv_write(self, layer: int, positions: torch.Tensor) -> KvWrite | None:
+        if self._segments is not None:
+            return None  # a step run per request attends to this step's k/v as computed, not as stored
+        layout = self.pool.layout
+        return KvWrite(
+            positions,
+            self.rotary.cos_sin(),
+            self.pool.rows,
+            self._out_rows,
+            self.pool.layer_offset(layer, 0),
+            self.pool.layer_offset(layer, 1),
+            layout.kv_scale(layer, 0),
+            layout.kv_scale(layer, 1),
+        )
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """The padded layout over the pool, this step's K/V already stored. FP8 pools: K/V stored as value / scale;
+        the scales fold into the softmax scale and the output, as flashinfer's FP8 kernels take them."""
+        assert self._segments is None, "a step run per request attends in forward()"
+        b, max_q, max_kv = self._shape
+        t, hq, d = q.shape
+        rows = self.pool.rows
+        hkv = rows.shape[1]
+        ko, vo = self.pool.layer_offset(layer, 0), self.pool.layer_offset(layer, 1)
+        ks, vs = self.pool.layout.kv_scale(layer, 0), self.pool.layout.kv_scale(layer, 1)
         kk = rows.index_select(0, self._kv_flat + ko).view(b, max_kv, hkv, d).transpose(1, 2)  # [B, Hkv, max_kv, D]
         vv = rows.index_select(0, self._kv_flat + vo).view(b, max_kv, hkv, d).transpose(1, 2)
         if self._q_padded:

@@ -13,7 +13,7 @@ activation itself (`Activated`), so one-row steps run no norm or activation kern
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -83,6 +83,7 @@ class RotaryCache:
 
     cos: torch.Tensor  # [max_pos, head_dim // 2]
     sin: torch.Tensor
+    _table: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def build(cls, head_dim: int, rope: RopeConfig, max_position: int, device: torch.device) -> RotaryCache:
@@ -105,8 +106,11 @@ class RotaryCache:
         return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
 
     def cos_sin(self) -> torch.Tensor:
-        """flashinfer's table: [max_position, head_dim] float32, cos in the first half, sin in the second."""
-        return torch.cat((self.cos, self.sin), dim=-1).float().contiguous()
+        """flashinfer's table: [max_position, head_dim] float32, cos in the first half, sin in the second (built
+        once: the GPU's attention and the fused qkv GEMMs read the same one)."""
+        if self._table is None:
+            self._table = torch.cat((self.cos, self.sin), dim=-1).float().contiguous()
+        return self._table
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,31 @@ class Activated:
     act: torch.Tensor
 
 
+@dataclass(frozen=True)
+class KvWrite:
+    """Where a layer's K and V of this step go, for a qkv GEMM that rotates and stores them itself (the attention
+    backend's `kv_write`): the pool's rows (`[R, Hkv, D]`, KVPool.rows), each token's layer-0 K row
+    (`out_rows`, KVPool.token_rows) plus this layer's K and V row offsets, the layer's static K/V scales (an FP8
+    pool stores value / scale) and the RoPE table of `RotaryCache.cos_sin` read at `positions`."""
+
+    positions: torch.Tensor
+    cos_sin: torch.Tensor
+    rows: torch.Tensor
+    out_rows: torch.Tensor
+    k_offset: int
+    v_offset: int
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class Rotated:
+    """What `Ops.norm_linear(..., kv_write=...)` returns when its GEMM applied RoPE and wrote K and V to the pool
+    itself: the rotated queries, `[T, Hq, D]`, for the backend's `attend`."""
+
+    q: torch.Tensor
+
+
 class Ops(Protocol):
     """What the decoder forward needs from a backend. An op may overwrite its inputs (flashinfer works in
     place), so callers use only what it returns. RoPE is not here: the attention backend applies it where
@@ -147,11 +176,14 @@ class Ops(Protocol):
         bias: torch.Tensor | None = None,
         packed: torch.Tensor | Fp8Linear | None = None,
         gated: bool = False,
-    ) -> tuple[torch.Tensor | Activated, torch.Tensor]:
+        kv_write: KvWrite | None = None,
+    ) -> tuple[torch.Tensor | Activated | Rotated, torch.Tensor]:
         """(linear(rms_norm(residual + x)), residual + x): a layer's norm and the GEMM it feeds, the residual
         stream carried beside; with `residual` None (the first layer) the stream starts at x; with x an
         `InStream` (from `project`) the residual is the stream already. `gated`: the GEMM is the MLP's
-        [gate | up], which a backend may return as `Activated` (the activation applied in the GEMM)."""
+        [gate | up], which a backend may return as `Activated` (the activation applied in the GEMM). `kv_write`:
+        the GEMM is the attention's [q; k; v], which a backend may return as `Rotated` (RoPE applied to q and k
+        and K, V written to the pool in the GEMM); else the plain projection."""
 
     def project(
         self,
@@ -197,15 +229,21 @@ class ComposedOps:
         bias: torch.Tensor | None = None,
         packed: torch.Tensor | Fp8Linear | None = None,
         gated: bool = False,
-    ) -> tuple[torch.Tensor | Activated, torch.Tensor]:
+        kv_write: KvWrite | None = None,
+    ) -> tuple[torch.Tensor | Activated | Rotated, torch.Tensor]:
+        normed, residual = self.norm(x, residual, norm_weight, eps)
+        return self.linear(normed, weight, bias, packed), residual  # type: ignore[attr-defined]
+
+    def norm(
+        self, x: torch.Tensor | InStream, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(residual + x), residual + x) as `norm_linear` describes, with the unfused kernels."""
         if isinstance(x, InStream):
             assert residual is not None
-            normed = self.rms_norm(residual, norm_weight, eps)  # type: ignore[attr-defined]
-        elif residual is None:
-            normed, residual = self.rms_norm(x, norm_weight, eps), x  # type: ignore[attr-defined]
-        else:
-            normed, residual = self.add_rms_norm(x, residual, norm_weight, eps)  # type: ignore[attr-defined]
-        return self.linear(normed, weight, bias, packed), residual  # type: ignore[attr-defined]
+            return self.rms_norm(residual, norm_weight, eps), residual  # type: ignore[attr-defined]
+        if residual is None:
+            return self.rms_norm(x, norm_weight, eps), x  # type: ignore[attr-defined]
+        return self.add_rms_norm(x, residual, norm_weight, eps)  # type: ignore[attr-defined]
 
     def project(
         self,

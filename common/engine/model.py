@@ -19,6 +19,7 @@ from common.engine.layers import (
     InStream,
     Ops,
     RotaryCache,
+    Rotated,
     TorchOps,
     onednn_linear_available,
     pack_linear_weight,
@@ -205,14 +206,27 @@ class DecoderModel(nn.Module):
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
             pk = layer.packed
+            # The qkv GEMM may rotate q and k and store K/V itself, unless q/k norms sit between them.
+            write = attn.kv_write(i, positions) if layer.q_norm is None else None
             qkv, residual = ops.norm_linear(
-                hidden, residual, layer.input_norm, eps, layer.qkv_proj, layer.qkv_bias, pk.get("qkv_proj")
+                hidden,
+                residual,
+                layer.input_norm,
+                eps,
+                layer.qkv_proj,
+                layer.qkv_bias,
+                pk.get("qkv_proj"),
+                False,
+                write,
             )
-            q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
-            q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
-            if layer.q_norm is not None and layer.k_norm is not None:
-                q, k = ops.rms_norm(q, layer.q_norm, eps), ops.rms_norm(k, layer.k_norm, eps)
-            o = attn.forward(i, positions, q, k, v).reshape(t, cfg.q_size)
+            if isinstance(qkv, Rotated):
+                o = attn.attend(i, qkv.q).reshape(t, cfg.q_size)
+            else:
+                q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
+                q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+                if layer.q_norm is not None and layer.k_norm is not None:
+                    q, k = ops.rms_norm(q, layer.q_norm, eps), ops.rms_norm(k, layer.k_norm, eps)
+                o = attn.forward(i, positions, q, k, v).reshape(t, cfg.q_size)
             hidden, residual = self._project(o, layer.o_proj, residual, pk.get("o_proj"))
             gate_up, residual = ops.norm_linear(
                 hidden,

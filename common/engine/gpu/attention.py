@@ -31,7 +31,7 @@ import torch
 from common.engine.forward_batch import ForwardBatch
 from common.engine.fp8 import is_fp8, store_rows
 from common.engine.gpu import fp8_kernels, xqa_decode
-from common.engine.layers import RotaryCache
+from common.engine.layers import KvWrite, RotaryCache
 from common.engine.model_config import ModelConfig
 from common.kv.pool import KVPool
 
@@ -385,6 +385,23 @@ class FlashInferAttention:
     ) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] (views are fine; each token's heads contiguous) -> [T, Hq, D]."""
         return self.attend(layer, self.store(layer, positions, q, k, v))
+
+    def kv_write(self, layer: int, positions: torch.Tensor) -> KvWrite | None:
+        """Where `store` would write (the step's write rows, this layer's offsets and scales): the qkv GEMV's
+        epilogue rotates and writes there itself at a few rows (common/engine/gpu/fused_gemv.py), and `attend`
+        runs as planned. None without the Triton kernels."""
+        if self.rope_store is None:
+            return None
+        assert self._out_loc is not None, "plan() or bind() must run before the layers"
+        return KvWrite(
+            positions,
+            self.cos_sin,
+            self.rows,
+            self._out_loc,
+            self.k_offsets[layer],
+            self.v_offsets[layer],
+            *self.kv_scales[layer],
+        )
 
     def store(
         self,

@@ -36,7 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
+from common.engine.fp8 import is_fp8
 from common.engine.gpu import pdl
+from common.engine.gpu.rope_store import kv_value
+from common.engine.layers import KvWrite
 
 PROLOGUES = {"none": 0, "norm": 1, "add_norm": 2, "silu": 3, "stream_norm": 4}
 MAX_ROWS = 16  # the dot kernel's row tile
@@ -67,6 +70,18 @@ def pick_config(rows: int, n: int, w_fp8: bool = False, k: int = 0) -> GemvConfi
     return GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4)
 
 
+def _heads_fit(cfg: GemvConfig, n: int, kv_heads: int, head_dim: int) -> bool:
+    """A [q; k; v] weight of `n` rows in whole heads, whose rotation pairs the tile's two halves can hold."""
+    return n % head_dim == 0 and n > 2 * kv_heads * head_dim and head_dim % cfg.block_n == 0 and cfg.block_n % 2 == 0
+
+
+def kv_write_fits(rows: int, weight: torch.Tensor, kv_write: KvWrite) -> bool:
+    """Whether `gemv(..., kv_write=kv_write)` takes this weight at `rows` rows with the tiles it picks."""
+    n, k = weight.shape
+    hkv, head_dim = kv_write.rows.shape[1:]
+    return _heads_fit(pick_config(rows, n, is_fp8(weight.dtype), k), n, hkv, head_dim)
+
+
 @triton.jit
 def _gemv_kernel(
     x_ptr,
@@ -78,6 +93,10 @@ def _gemv_kernel(
     y_ptr,
     r_out_ptr,
     stats_ptr,
+    pos_ptr,
+    cs_ptr,
+    loc_ptr,
+    kv_ptr,
     M,
     N,
     K,
@@ -88,6 +107,10 @@ def _gemv_kernel(
     stride_sm,
     stats_parts,
     eps,
+    k_off,
+    v_off,
+    k_inv_scale,
+    v_inv_scale,
     PROLOGUE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     W_FP8: tl.constexpr,
@@ -100,10 +123,24 @@ def _gemv_kernel(
     INTO_STREAM: tl.constexpr,
     PARTS_POW2: tl.constexpr,
     GATED: tl.constexpr,
+    ROPE: tl.constexpr,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    KV_ROUND: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    if GATED:  # N = I output columns; the tile's first half are gate rows, its second the matching up rows
+    if ROPE:  # a head's rotation pairs: the tile's first half are dims j.., its second the dims j + D / 2 ..
+        PAIRS: tl.constexpr = BLOCK_N // 2
+        PER_HEAD: tl.constexpr = HEAD_DIM // BLOCK_N  # programs per head
+        head = pid // PER_HEAD
+        ri = tl.arange(0, BLOCK_N)
+        dim = (pid % PER_HEAD) * PAIRS + ri % PAIRS
+        rn = head * HEAD_DIM + tl.where(ri < PAIRS, dim, dim + HEAD_DIM // 2)
+        n_ok = rn < N
+    elif GATED:  # N = I output columns; the tile's first half are gate rows, its second the matching up rows
         HALF: tl.constexpr = BLOCK_N // 2
         ri = tl.arange(0, BLOCK_N)
         col = pid * HALF + ri % HALF
@@ -141,6 +178,13 @@ def _gemv_kernel(
             mask=m_ok[:, None] & (rp < stats_parts)[None, :],
             other=0.0,
         )
+
+    if ROPE:  # each row's position, cos/sin and pool row, loaded before the weight stream as the statistics are
+        jj = (pid % PER_HEAD) * PAIRS + tl.arange(0, PAIRS)
+        pos = tl.load(pos_ptr + rm, mask=m_ok, other=0).to(tl.int64)
+        cos = tl.load(cs_ptr + pos[:, None] * HEAD_DIM + jj[None, :], mask=m_ok[:, None], other=1.0)
+        sin = tl.load(cs_ptr + pos[:, None] * HEAD_DIM + HEAD_DIM // 2 + jj[None, :], mask=m_ok[:, None], other=0.0)
+        loc = tl.load(loc_ptr + rm, mask=m_ok, other=0).to(tl.int64)
 
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -191,7 +235,27 @@ def _gemv_kernel(
         out = out.to(y_ptr.dtype.element_ty).to(tl.float32)
         sq = tl.where(mn, out * out, 0.0)
         tl.store(stats_ptr + rm * stride_sm + pid, tl.sum(sq, axis=1), mask=m_ok)
-    if GATED:
+    if ROPE:
+        # Rotated from the projection as stored (16-bit), as the unfused RoPE kernel reads it.
+        out = out.to(y_ptr.dtype.element_ty).to(tl.float32)
+        x1, x2 = tl.split(tl.permute(tl.reshape(out, [BLOCK_M, 2, PAIRS]), [0, 2, 1]))
+        rotate = head < HQ + HKV  # q and k heads; v heads are stored as they are
+        r1 = tl.where(rotate, x1 * cos - x2 * sin, x1)
+        r2 = tl.where(rotate, x2 * cos + x1 * sin, x2)
+        mp = m_ok[:, None]
+        if head < HQ:
+            q_dst = y_ptr + rm[:, None] * stride_ym + head * HEAD_DIM + jj[None, :]
+            tl.store(q_dst, r1.to(y_ptr.dtype.element_ty), mask=mp)
+            tl.store(q_dst + HEAD_DIM // 2, r2.to(y_ptr.dtype.element_ty), mask=mp)
+        else:
+            is_v = head >= HQ + HKV
+            kv_head = head - HQ - tl.where(is_v, HKV, 0)
+            inv = tl.where(is_v, v_inv_scale, k_inv_scale)
+            row = loc + tl.where(is_v, v_off, k_off)
+            kv_dst = kv_ptr + row[:, None] * (HKV * HEAD_DIM) + kv_head * HEAD_DIM + jj[None, :]
+            tl.store(kv_dst, kv_value(r1, inv, kv_ptr, KV_FP8, KV_ROUND), mask=mp)
+            tl.store(kv_dst + HEAD_DIM // 2, kv_value(r2, inv, kv_ptr, KV_FP8, KV_ROUND), mask=mp)
+    elif GATED:
         gate, up = tl.split(tl.permute(tl.reshape(out, [BLOCK_M, 2, HALF]), [0, 2, 1]))
         ro = pid * HALF + tl.arange(0, HALF)
         act = gate / (1.0 + tl.exp(-gate)) * up
@@ -219,6 +283,7 @@ def gemv(
     norm_stats: torch.Tensor | None = None,
     into_stream: torch.Tensor | None = None,
     gated: bool = False,
+    kv_write: KvWrite | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(y, new residual or None) for `x` of at most `MAX_ROWS` rows; see the module doc for `prologue`.
 
@@ -228,6 +293,10 @@ def gemv(
 
     An FP8 `weight` (e4m3) comes with `weight_scale`, float32 `[N]`, one per output row: the weight streams at one
     byte per element and is widened to the activations' dtype in registers (activations stay 16-bit).
+
+    `kv_write`: `weight` is the attention's [q; k; v] (its rows head by head) and the epilogue applies RoPE to q and
+    k (neox halves, float32 cos/sin at each row's position) and writes K and V into the pool where `kv_write`
+    says: (the rotated q `[m, Hq, D]`, None).
 
     `launch_pdl` launches it as a programmatic dependent launch (common/engine/gpu/pdl.py; Hopper)."""
     m = x.shape[0]
@@ -256,6 +325,23 @@ def gemv(
         raise ValueError("gated: an even number of weight rows ([gate; up]), no bias and no into_stream")
     one = m == 1
     cfg = config or pick_config(m, n, w_fp8, k)
+    # The heads of a [q; k; v] weight (0, 0, 0 without kv_write: one compiled variant for every other call).
+    hq = hkv = head_dim = 0
+    if kv_write is not None:
+        hkv, head_dim = kv_write.rows.shape[1:]
+        hq = (n - 2 * hkv * head_dim) // head_dim
+    if kv_write is not None and (
+        gated
+        or into_stream is not None
+        or not _heads_fit(cfg, n, hkv, head_dim)
+        or kv_write.positions.shape[0] != m
+        or kv_write.out_rows.shape[0] != m
+        or not kv_write.rows.is_contiguous()
+    ):
+        raise ValueError(
+            f"kv_write: a [q; k; v] weight of whole {head_dim}-wide heads, tiles of an even block_n dividing the "
+            f"head ({cfg.block_n}), one position and pool row per x row, and no gated or into_stream epilogue"
+        )
     if gated and cfg.block_n % 2:
         raise ValueError("gated tiles pair gate and up rows: block_n must be even")
     out_n = n // 2 if gated else n
@@ -264,6 +350,8 @@ def gemv(
     if into_stream is not None:
         y = into_stream
         stats = torch.empty(m, programs, dtype=torch.float32, device=x.device)
+    elif kv_write is not None:
+        y = torch.empty(m, hq, head_dim, dtype=x.dtype, device=x.device)  # the rotated q; K and V go to the pool
     else:
         y = torch.empty(m, out_n, dtype=x.dtype, device=x.device)
     r_out = None
@@ -283,8 +371,12 @@ def gemv(
         y,
         r_out if r_out is not None else y,
         stats if stats is not None else x,
+        kv_write.positions if kv_write is not None else x,
+        kv_write.cos_sin if kv_write is not None else x,
+        kv_write.out_rows if kv_write is not None else x,
+        kv_write.rows if kv_write is not None else x,
         m,
-        out_n,
+        n if kv_write is not None else out_n,
         k,
         x.stride(0),
         r.stride(0),
@@ -293,6 +385,10 @@ def gemv(
         stats.stride(0) if stats is not None else 0,
         stats.shape[1] if stats is not None else 0,
         eps,
+        kv_write.k_offset if kv_write is not None else 0,
+        kv_write.v_offset if kv_write is not None else 0,
+        1.0 / kv_write.k_scale if kv_write is not None else 1.0,
+        1.0 / kv_write.v_scale if kv_write is not None else 1.0,
         PROLOGUE=code,
         HAS_BIAS=bias is not None,
         W_FP8=w_fp8,
@@ -305,6 +401,13 @@ def gemv(
         INTO_STREAM=into_stream is not None,
         PARTS_POW2=triton.next_power_of_2(stats.shape[1]) if code == 4 else 16,
         GATED=gated,
+        ROPE=kv_write is not None,
+        HQ=hq,
+        HKV=hkv,
+        HEAD_DIM=head_dim,
+        KV_FP8=kv_write is not None and is_fp8(kv_write.rows.dtype),
+        # Round to nearest even into FP8, as torch does (common/engine/fp8.py); None keeps a 16-bit pool's default.
+        KV_ROUND="rtne" if kv_write is not None and is_fp8(kv_write.rows.dtype) else None,
         PDL=launch_pdl,
         num_warps=cfg.num_warps,
         **pdl.launch_options(launch_pdl),

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from common.engine.fp8 import Fp8Linear
 from common.engine.gpu import fp8_gemm, fp8_kernels
-from common.engine.layers import Activated, ComposedOps, InStream
+from common.engine.layers import Activated, ComposedOps, InStream, KvWrite, Rotated
 
 # The Triton GEMV indexes a weight with 32-bit offsets: larger ones (a 256k vocabulary x 8192 LM head) use cuBLAS.
 MAX_WEIGHT_ELEMENTS = 1 << 31
@@ -51,19 +51,22 @@ class GemvOps(ComposedOps):
         pdl: bool = False,
         stream_stats: bool = True,
         gated_epilogue: bool = True,
+        rope_epilogue: bool = True,
     ) -> None:
         self.gemv_max_rows = gemv_max_rows
         self.fold_prologues = fold_prologues
         self.stream_stats = stream_stats
         self.gated_epilogue = gated_epilogue
+        self.rope_epilogue = rope_epilogue
         # Programmatic dependent launches (common/engine/gpu/pdl.py) for the GEMVs and flashinfer's kernels alike.
         self.pdl = pdl
         self.gemv = None
         if gemv_max_rows > 0:
-            from common.engine.gpu.fused_gemv import MAX_ROWS, gemv  # Triton: imported only when used
+            from common.engine.gpu.fused_gemv import MAX_ROWS, gemv, kv_write_fits  # Triton: imported only when used
 
             self.gemv = functools.partial(gemv, launch_pdl=True) if pdl else gemv
             self.gemv_max_rows = min(gemv_max_rows, MAX_ROWS)
+            self._kv_write_fits = kv_write_fits
 
     def _triton(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         rows = x.shape[0]
@@ -103,7 +106,14 @@ class GemvOps(ComposedOps):
         bias: torch.Tensor | None = None,
         packed: torch.Tensor | Fp8Linear | None = None,
         gated: bool = False,
-    ) -> tuple[torch.Tensor | Activated, torch.Tensor]:
+        kv_write: KvWrite | None = None,
+    ) -> tuple[torch.Tensor | Activated | Rotated, torch.Tensor]:
+        rows = residual if isinstance(x, InStream) else x
+        assert rows is not None
+        if kv_write is not None and not (
+            self.rope_epilogue and self._triton(rows, weight) and self._kv_write_fits(rows.shape[0], weight, kv_write)
+        ):
+            kv_write = None
         if isinstance(x, InStream):
             assert residual is not None
             if not self._triton(residual, weight):
@@ -120,8 +130,13 @@ class GemvOps(ComposedOps):
                 norm_stats=x.sumsq,
                 weight_scale=scale,
                 gated=gated,
+                kv_write=kv_write,
             )
-            return (Activated(y) if gated else y), residual
+            return (Activated(y) if gated else Rotated(y) if kv_write is not None else y), residual
+        if kv_write is not None:  # the norm's own kernel, then the GEMV that rotates and writes K/V
+            normed, residual = self.norm(x, residual, norm_weight, eps)
+            w, scale = _gemv_weight(weight, packed)
+            return Rotated(self.gemv(normed, w, bias, weight_scale=scale, kv_write=kv_write)[0]), residual  # type: ignore[misc]
         if self._fp8_gemm(x, weight, packed):
             xq, sx, residual = fp8_kernels.add_rms_norm_quant(x, residual, norm_weight, eps)
             return fp8_gemm.scaled_linear(xq, sx, packed, bias, x.dtype), residual  # type: ignore[arg-type]

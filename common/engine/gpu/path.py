@@ -71,6 +71,7 @@ class GpuPath:
             pdl=self.pdl,
             stream_stats=cfg.gemv_stream_stats,
             gated_epilogue=cfg.gemv_gated,
+            rope_epilogue=cfg.gemv_rope,
         )
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=model.device)
         self.attn = FlashInferAttention(

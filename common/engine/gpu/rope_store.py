@@ -17,6 +17,15 @@ from common.engine.gpu import pdl
 
 
 @triton.jit
+def kv_value(x, inv_scale, rows_ptr, FP8: tl.constexpr, ROUND: tl.constexpr):
+    """float32 `x` as the pool stores it: in an FP8 pool value / scale, saturated at e4m3's +-448 and rounded to
+    nearest even (common/engine/fp8.py); else the pool's 16 bits."""
+    if FP8:
+        x = tl.clamp(x * inv_scale, -448.0, 448.0)
+    return x.to(rows_ptr.dtype.element_ty, fp_downcast_rounding=ROUND)
+
+
+@triton.jit
 def _rope_store_kernel(
     q_ptr,
     k_ptr,
@@ -78,24 +87,13 @@ def _rope_store_kernel(
         q2 = r2.to(qo_ptr.dtype.element_ty)
     tl.store(qdst[:, None] + d[None, :], q1, mask=qmask)
     tl.store(qdst[:, None] + HALF + d[None, :], q2, mask=qmask)
-    if FP8:  # stored as value / scale, saturated at e4m3's +-448 (common/engine/fp8.py)
-        r1 = tl.clamp(r1 * k_inv_scale, -448.0, 448.0)
-        r2 = tl.clamp(r2 * k_inv_scale, -448.0, 448.0)
-    tl.store(kdst[:, None] + d[None, :], r1.to(rows_ptr.dtype.element_ty, fp_downcast_rounding=ROUND), mask=vmask)
-    tl.store(
-        kdst[:, None] + HALF + d[None, :], r2.to(rows_ptr.dtype.element_ty, fp_downcast_rounding=ROUND), mask=vmask
-    )
+    tl.store(kdst[:, None] + d[None, :], kv_value(r1, k_inv_scale, rows_ptr, FP8, ROUND), mask=vmask)
+    tl.store(kdst[:, None] + HALF + d[None, :], kv_value(r2, k_inv_scale, rows_ptr, FP8, ROUND), mask=vmask)
     vsrc = v_ptr + t * stride_vt + kh * (2 * HALF)
     vdst = rows_ptr + (loc + v_off) * row_elems + kh * (2 * HALF)
     for half in tl.static_range(2):
-        val = tl.load(vsrc[:, None] + half * HALF + d[None, :], mask=vmask, other=0.0)
-        if FP8:
-            val = tl.clamp(val.to(tl.float32) * v_inv_scale, -448.0, 448.0)
-        tl.store(
-            vdst[:, None] + half * HALF + d[None, :],
-            val.to(rows_ptr.dtype.element_ty, fp_downcast_rounding=ROUND),
-            mask=vmask,
-        )
+        val = tl.load(vsrc[:, None] + half * HALF + d[None, :], mask=vmask, other=0.0).to(tl.float32)
+        tl.store(vdst[:, None] + half * HALF + d[None, :], kv_value(val, v_inv_scale, rows_ptr, FP8, ROUND), mask=vmask)
 
 
 def supports(head_dim: int) -> bool:

@@ -28,6 +28,7 @@ import torch
 from common.engine.forward_batch import ForwardBatch
 from common.engine.gpu.attention import FlashInferAttention
 from common.engine.gpu.graph_inputs import GraphInputs, smallest_fit
+from common.engine.layers import KvWrite
 
 if TYPE_CHECKING:
     from common.engine.model import DecoderModel
@@ -67,6 +68,18 @@ class _BreakAtAttention:
     ) -> torch.Tensor:
         o = self.owner
         o.attn.store(layer, positions, q, k, v, q_out=o.q_buf[: self.tokens])
+        return self._break(layer)
+
+    def kv_write(self, layer: int, positions: torch.Tensor) -> KvWrite | None:
+        return self.owner.attn.kv_write(layer, positions)  # the static write rows `_layers` set
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q rotated and K/V stored by the qkv GEMM (`kv_write`): q into the static buffer the replay attends from."""
+        self.owner.q_buf[: self.tokens].copy_(q)
+        return self._break(layer)
+
+    def _break(self, layer: int) -> torch.Tensor:
+        o = self.owner
         if self.graphs is not None:
             self.graphs[-1].capture_end()
             self.graphs.append(torch.cuda.CUDAGraph())
