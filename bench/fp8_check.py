@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import roofline  # noqa: E402
 from bench.roofline import give_rows, take_rows, timed, weight_bytes  # noqa: E402
 from common.engine.runner import ModelRunner, RunnerConfig  # noqa: E402
+from common.engine.sampling import argmax_rows  # noqa: E402
 
 VARIANTS = {
     "bf16": dict(dtype="bfloat16"),
@@ -156,12 +157,12 @@ def speed(runner: ModelRunner, quick: bool, profile: bool = False) -> dict:
         rows = take_rows(runner, [CTX] * b)
         ids = torch.randint(0, mc.vocab_size, (b,)).tolist()
         fb = runner.build_batch([[t] for t in ids], [CTX - 1] * b, rows, [True] * b, True)
-        t = statistics.median(timed(lambda fb=fb: runner.forward(fb).argmax(-1), iters, 3))
+        t = statistics.median(timed(lambda fb=fb: argmax_rows(runner.forward(fb)), iters, 3))
         out[f"decode_b{b}_ms"] = t
         out[f"decode_b{b}_tok_per_s"] = b / (t * 1e-3)
         out[f"decode_b{b}_kv_bytes"] = b * CTX * runner.layout.bytes_per_token
         if profile:
-            out[f"decode_b{b}_kernels"] = kernel_breakdown(lambda fb=fb: runner.forward(fb).argmax(-1))
+            out[f"decode_b{b}_kernels"] = kernel_breakdown(lambda fb=fb: argmax_rows(runner.forward(fb)))
         give_rows(runner, rows)
     n = 4096
     rows = take_rows(runner, [n])

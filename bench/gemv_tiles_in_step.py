@@ -27,6 +27,7 @@ from common.engine.gpu import fused_gemv  # noqa: E402
 from common.engine.gpu.cuda_graph import DecodeGraphs  # noqa: E402
 from common.engine.gpu.fused_gemv import GemvConfig  # noqa: E402
 from common.engine.runner import ModelRunner  # noqa: E402
+from common.engine.sampling import argmax_rows  # noqa: E402
 
 CTX = 1024
 DEFAULT_TILES = (
@@ -52,7 +53,7 @@ def step_ms(runner: ModelRunner, repeats: int) -> list[float]:
     rows = take_rows(runner, [CTX])
     batch = runner.build_batch([[5]], [CTX - 1], rows, [True], True)
     try:
-        return [statistics.median(timed(lambda: runner.forward(batch).argmax(-1), 20, 3)) for _ in range(repeats)]
+        return [statistics.median(timed(lambda: argmax_rows(runner.forward(batch)), 20, 3)) for _ in range(repeats)]
     finally:
         give_rows(runner, rows)
 

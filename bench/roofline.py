@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.engine.runner import ModelRunner, RunnerConfig  # noqa: E402
+from common.engine.sampling import argmax_rows  # noqa: E402
 from common.protocol import SamplingParams  # noqa: E402
 from common.sched.request import Req  # noqa: E402
 from common.sched.scheduler import Scheduler  # noqa: E402
@@ -213,7 +214,7 @@ def decode_bench(
             fb = runner.build_batch([[t] for t in ids], [ctx - 1] * b, rows, [True] * b, True)
 
             def step(fb=fb):
-                runner.forward(fb).argmax(-1)
+                argmax_rows(runner.forward(fb))
 
             iters = 10 if quick else 30
             t_step = statistics.median(timed(step, iters, 3))

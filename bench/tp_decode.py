@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from roofline import give_rows, take_rows  # noqa: E402
 
 from common.engine.runner import ModelRunner, RunnerConfig  # noqa: E402
+from common.engine.sampling import argmax_rows  # noqa: E402
 
 
 def step_times(runner: ModelRunner, batch: int, ctx: int, iters: int) -> dict:
@@ -33,11 +34,11 @@ def step_times(runner: ModelRunner, batch: int, ctx: int, iters: int) -> dict:
     ids = torch.randint(0, runner.model_config.vocab_size, (batch,)).tolist()
     fb = runner.build_batch([[t] for t in ids], [ctx - 1] * batch, rows, [True] * batch, True)
     for _ in range(3):
-        runner.forward(fb).argmax(-1).cpu()
+        argmax_rows(runner.forward(fb)).cpu()
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
-        runner.forward(fb).argmax(-1).cpu()
+        argmax_rows(runner.forward(fb)).cpu()
         times.append((time.perf_counter() - t0) * 1e3)
     give_rows(runner, rows)
     return {"median_ms": statistics.median(times), "min_ms": min(times)}

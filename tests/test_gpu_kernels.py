@@ -357,3 +357,20 @@ def test_fused_fp8_quantization_writes_what_the_unfused_ops_quantize(rows, hidde
     qh = randn(rows, 8, 64, scale=100.0)  # past e4m3's 448 in places: saturated, not NaN
     sat = fp8_quant.saturate(qh)
     assert sat.shape == qh.shape and torch.equal(sat.view(torch.uint8), to_fp8(qh).view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 256])
+def test_two_launch_argmax_matches_torch_at_a_128k_vocabulary(rows, dtype):
+    """Greedy sampling's argmax (common/engine/sampling.py `argmax_rows`) against torch's: the same ids, ties to the
+    lowest id across chunks, a row of -inf to id 0."""
+    from common.engine.gpu.argmax import argmax_rows
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, 128256, generator=g, device="cuda").to(dtype)
+    x[0, [120000, 70000]] = 100.0
+    if rows > 1:
+        x[1] = float("-inf")
+    got = argmax_rows(x)
+    assert got.dtype == torch.int64 and torch.equal(got, x.argmax(-1))
+    assert int(got[0]) == 70000

@@ -373,13 +373,24 @@ def _filter(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(-1)` of `[B, V]` rows; on a GPU in two launches over chunks of each row (common/engine/gpu/argmax.py:
+    torch's one block per row took ~29 us for one 128k-wide row on the H200)."""
+    if x.is_cuda:
+        from common.engine.gpu import argmax  # Triton: imported only on a GPU
+
+        if argmax.fits(x):
+            return argmax.argmax_rows(x)
+    return x.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
     """logits: [B, V] float32 raw model logits (penalties and a grammar mask may be written into them, unless
     logprobs are wanted)."""
     raw = logits
     if sb.adjusts_logits:
         logits = adjust_logits(logits, sb)
-    greedy_tokens = logits.argmax(dim=-1)
+    greedy_tokens = argmax_rows(logits)
     if sb.all_greedy:
         tokens = greedy_tokens
     else:
@@ -388,7 +399,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
         if sb.needs_filter:
             scaled = _filter(scaled, sb)
         gumbel = -torch.log(-torch.log(uniform_noise(sb.seeds, sb.steps, logits.shape[-1])))
-        sampled = (scaled + gumbel).argmax(dim=-1)
+        sampled = argmax_rows(scaled + gumbel)
         tokens = torch.where(sb.temperature > 0, sampled, greedy_tokens)
     chosen = top_ids = top_lp = None
     if sb.want_logprobs:
