@@ -123,7 +123,14 @@ class DecodeGraphs:
         bs = self.pick(b)
         self.inputs.load(batch, self.pool, bs)
         meta = self.attn.page_meta(batch.table_rows, batch.seq_lens_cpu).padded(bs, self.dummy_page)
-        self.attn.plan_decode(self.wrappers[bs], meta)
+        if self.attn.xqa is not None:
+            # XQA reads the CSR buffers themselves (its dense table is derived inside the graph): flashinfer's plan,
+            # which would copy them there and schedule a kernel the graph does not run, is skipped.
+            self.indptr_buf[: bs + 1].copy_(meta.indptr, non_blocking=True)
+            self.indices_buf[: meta.indices.numel()].copy_(meta.indices, non_blocking=True)
+            self.last_buf[:bs].copy_(meta.last_page_len, non_blocking=True)
+        else:
+            self.attn.plan_decode(self.wrappers[bs], meta)
         if replay:
             self.graphs[bs].replay()
         else:

@@ -32,17 +32,6 @@ def supported(device: torch.device, kv_dtype: torch.dtype, page_size: int, head_
     return True
 
 
-def dense_pages(
-    indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor, cols: torch.Tensor, page_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A dense page table [B, len(cols)] int32 and the lengths [B, 1] int32 from flashinfer's CSR description
-    (`indptr` [B + 1], `indices`, `last` [B] last-page lengths): a few device ops, no host sync. A row's entries
-    past its last page repeat later ids (clamped to `indices`); the kernel stops at the row's length."""
-    at = (indptr[:-1].to(torch.int64)[:, None] + cols[None, :]).clamp_(max=indices.numel() - 1)
-    lens = (indptr[1:] - indptr[:-1] - 1) * page_size + last
-    return indices[at], lens.to(torch.int32)[:, None]
-
-
 @dataclass
 class XqaPages:
     """A step's dense page table [B, pages] int32 and lengths [B, 1] int32, on the device."""
@@ -59,19 +48,21 @@ class XqaDecode:
     ) -> None:
         from flashinfer.xqa import xqa
 
+        from common.engine.gpu.xqa_pages import dense_pages  # Triton: imported only where XQA runs
+
         self.xqa = xqa
+        self.dense_pages = dense_pages
         self.pdl = pdl  # a programmatic dependent launch (common/engine/gpu/pdl.py)
         self.num_kv_heads = num_kv_heads
         self.page_size = page_size
         self.scratch = torch.zeros(SCRATCH_BYTES, dtype=torch.uint8, device=device)
         self.semaphores = torch.zeros(SEMAPHORE_BYTES, dtype=torch.uint8, device=device)
-        self.cols = torch.arange(pages_per_seq, dtype=torch.int64, device=device)
+        self.pages_per_seq = pages_per_seq
 
     def pages(self, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor, width: int = 0) -> XqaPages:
         """XQA's view of flashinfer's CSR description (device tensors); `width` pages a row where known (an eager
         step), else the table's whole width (a graph, whose rows' lengths change between replays)."""
-        cols = self.cols[:width] if width else self.cols
-        return XqaPages(*dense_pages(indptr, indices, last, cols, self.page_size))
+        return XqaPages(*self.dense_pages(indptr, indices, last, width or self.pages_per_seq, self.page_size))
 
     def probe(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, dtype: torch.dtype) -> None:
         """One call on page 0 (its output dropped): builds the kernel now (a JIT compile on a fresh machine), so a
