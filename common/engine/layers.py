@@ -7,7 +7,9 @@ count: the residual stream is carried beside the hidden states, and a norm comes
 (`norm_linear`: add + RMSNorm + GEMM, which small decode batches run as one kernel), as does the MLP's
 activation (`silu_linear`). A sublayer's output projection (`project`) may add its output into the residual
 stream itself and hand the next norm its statistics (`InStream`), and the MLP's gate_up GEMM may apply the
-activation itself (`Activated`), so one-row steps run no norm or activation kernel between their GEMVs.
+activation itself (`Activated`), and the qkv GEMM may apply RoPE and write K/V into the pool where the attention
+backend says (`KvWrite` in, `Rotated` out), so one-row steps run no norm, activation or RoPE kernel between their
+GEMVs.
 """
 
 from __future__ import annotations

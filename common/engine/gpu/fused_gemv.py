@@ -17,7 +17,14 @@ consumes their output removes the launch and the round trip through memory:
 (x @ Wu^T), `[m, I]`: each program takes BLOCK_N / 2 gate rows and the up rows that pair with them, so the SiLU-mul
 kernel between the gate_up and down GEMVs goes.
 
-`into_stream=s` is the matching epilogue: s += x @ W^T (in place: each program owns its columns) and one partial
+`kv_write=KvWrite(...)` is the attention's epilogue: W holds [q; k; v] head by head, and each program takes
+BLOCK_N / 2 dims of one head and the dims D / 2 further (a rotation's pairs), applies RoPE to q and k heads from the
+float32 cos/sin table at each row's position, stores the rotated q (`[m, Hq, D]`) and writes K and V into the
+step's pool rows (an FP8 pool: value / scale, saturated, rounded to nearest even), so the RoPE + K/V-write kernel
+between the qkv GEMV and attention goes. The projection is rounded to 16 bits before the rotation, as the unfused
+kernel reads it.
+
+`into_stream=s` is the matching epilogue of the norms: s += x @ W^T (in place: each program owns its columns) and one partial
 sum of squares of the new s per row and program, in program order (deterministic: no atomics). A sublayer's
 output projection then feeds the next norm's GEMV with no add + RMSNorm kernel between them.
 
