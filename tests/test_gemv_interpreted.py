@@ -1,7 +1,8 @@
-"""On the CPU under Triton's interpreter: the GEMV's residual-stream epilogue, norm-from-statistics prologue and
-SiLU-mul epilogue (common/engine/gpu/fused_gemv.py), one row and a few, 16-bit-style and FP8 weights, against
-float64; and a decode step of the whole decoder with them as its ops (`GemvOps`), against the unfused GEMVs and the
-CPU path. The GPU runs the kernels at bfloat16 in tests/test_gpu_kernels.py."""
+"""On the CPU under Triton's interpreter: the GEMV's residual-stream epilogue, norm-from-statistics prologue,
+SiLU-mul epilogue and RoPE + K/V-write epilogue (common/engine/gpu/fused_gemv.py), one row and a few, 16-bit-style
+and FP8 weights, against float64 and the unfused kernels; and a decode step of the whole decoder with them as its
+ops (`GemvOps`) over the CPU's paged attention, against the unfused GEMVs and the CPU path. The GPU runs the
+kernels at bfloat16 in tests/test_gpu_kernels.py."""
 
 from __future__ import annotations
 
