@@ -6,30 +6,17 @@ kernels at bfloat16 in tests/test_gpu_kernels.py."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.interpreter import run_interpreted
 
 
 def test_gemv_stream_epilogue_and_norm_prologue_interpreted_match_float64() -> None:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.gemv_interpreted"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    cases = json.loads(proc.stdout.strip().splitlines()[-1])["cases"]
+    result = run_interpreted("tests.gemv_interpreted")
+    cases = result["cases"]
     assert len(cases) == 8 and {c["rows"] for c in cases} == {1, 3}
     assert all(c["in_place"] and c["parts"] == 6 for c in cases), cases
     assert all(c["act_shape"] == [c["rows"], 40] for c in cases), cases  # [gate; up] of 80 rows -> 40 columns
     assert all(max(c["stream_err"], c["sumsq_err"], c["y_err"], c["act_err"]) < 1e-5 for c in cases), cases
-    rope = json.loads(proc.stdout.strip().splitlines()[-1])["rope"]
+    rope = result["rope"]
     assert len(rope) == 8 and all(c["q_shape"] == [c["rows"], 4, 16] for c in rope), rope
     # Rotated q and the pool's bytes exactly as the unfused GEMV + RoPE/K-V-write kernel leave them, each token's
     # K and V rows (and no other row) written ...
@@ -39,7 +26,7 @@ def test_gemv_stream_epilogue_and_norm_prologue_interpreted_match_float64() -> N
     assert all(c["q_err"] < 1e-6 for c in rope), rope
     assert all(max(c["k_err"], c["v_err"]) < 1e-6 for c in rope if c["pool"] == "torch.float32"), rope
     assert all(max(c["k_err"], c["v_err"]) < 0.2 for c in rope), rope
-    forward = json.loads(proc.stdout.strip().splitlines()[-1])["forward"]
+    forward = result["forward"]
     assert len(forward) == 8
     # The decode step handed the stream's statistics (and, gated, the activation; with the RoPE epilogue, the
     # rotated q of every layer) from GEMV to GEMV ...
