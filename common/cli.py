@@ -8,6 +8,17 @@ import sys
 
 from common.log import setup_logging
 
+# What each command does, for `kvferry --help` (and the README's table).
+COMMANDS = {
+    "up": "the whole system on this machine: Redis, a router, prefill and decode workers (Ctrl-C stops it)",
+    "router": "the OpenAI front end: tokenizes, admits and places requests on workers",
+    "prefill": "a prefill worker: chunked prefill over a prefix cache, KV pushed to decode workers over NIXL",
+    "decode": "a decode worker: continuous-batching decode over a paged KV cache (prefills short prompts too)",
+    "mixed": "a worker that decodes, prefills its own prompts and prefills for its peers",
+    "generate": "complete one prompt offline, without a server",
+    "convert-default-model": "convert the embedded GGUF model once into the cache (KVFERRY_CACHE_DIR)",
+}
+
 # Roles run in packages that `common` must not import at module level; they are resolved by name.
 _ROLE_MAINS = {
     "router": "router.main",
@@ -50,12 +61,21 @@ def _convert(argv: list[str]) -> int:
     return 0
 
 
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    rows = "\n".join(f"  {name:<{width}}  {what}" for name, what in COMMANDS.items())
+    return (
+        "usage: kvferry COMMAND [options]   (kvferry COMMAND --help for its options)\n\ncommands:\n"
+        f"{rows}\n\nSettings come from KVFERRY_* environment variables (docs/architecture.md); flags override."
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = ["generate", "convert-default-model", *_ROLE_MAINS]
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print(f"usage: kvferry {{{','.join(commands)}}} [options]", file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        asked = bool(argv) and argv[0] in ("-h", "--help")
+        print(_usage(), file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
     setup_logging()
     cmd, rest = argv[0], argv[1:]
     if cmd == "generate":

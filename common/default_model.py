@@ -10,7 +10,9 @@ import importlib.util
 import logging
 import os
 import shutil
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 from common.settings_registry import CACHE_DIR, MODEL
@@ -45,23 +47,45 @@ def _gguf_path() -> Path:
     return path
 
 
+class StageProgress:
+    """Numbered stage lines with elapsed time on stderr: what a long step is doing, without a terminal."""
+
+    def __init__(self, title: str, total: int) -> None:
+        self.title, self.total, self.index = title, total, 0
+        self.started = time.monotonic()
+        self._say(title)
+
+    def next(self, what: str) -> None:
+        self.index += 1
+        self._say(f"  [{self.index}/{self.total}] {what} (at {time.monotonic() - self.started:.0f} s)")
+
+    def done(self) -> None:
+        self._say(f"  done in {time.monotonic() - self.started:.0f} s")
+
+    @staticmethod
+    def _say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+
 def convert_default_model(force: bool = False) -> Path:
     """Converts the packaged GGUF to a cached HF directory once; returns the directory."""
     out = default_model_dir()
     if (out / "config.json").exists() and not force:
         return out
-    from tqdm import tqdm
+    # One line per stage, terminal or not (a log file or CI shows them too); the bars of transformers' GGUF
+    # reader would print carriage-return noise into a file, so tqdm is off in this process (read at import).
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    transformers.utils.logging.disable_progress_bar()
+    stages = StageProgress(f"converting {DEFAULT_MODEL_NAME} once into {out}", 3)
     gguf = _gguf_path()
-    steps = tqdm(total=3, desc=f"converting {DEFAULT_MODEL_NAME} (once)", unit="step", disable=None)
-    steps.set_postfix_str("tokenizer")
+    stages.next("reading the tokenizer")
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    steps.update()
-    steps.set_postfix_str("dequantizing weights")
+    stages.next("dequantizing the GGUF weights (the slow part: 20-80 s on 2 cores)")
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
-    steps.update()
-    steps.set_postfix_str("writing safetensors")
+    stages.next("writing safetensors")
     out.parent.mkdir(parents=True, exist_ok=True)
     # Write beside the target and rename, so a crash mid-write never leaves a half directory that
     # later starts would take for a finished conversion.
@@ -75,8 +99,7 @@ def convert_default_model(force: bool = False) -> Path:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    steps.update()
-    steps.close()
+    stages.done()
     log.info("converted default model", extra={"path": str(out)})
     return out
 
@@ -92,7 +115,7 @@ def _save_plain(model: object, out: Path) -> None:
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    config.torch_dtype = "float32"
+    config.dtype = "float32"
     config.save_pretrained(out)
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import redis
 
 from common.config import RouterConfig
 from common.devcluster.cluster import LocalCluster, start_local_cluster
@@ -45,11 +46,11 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 # ---- `kvferry up` as a command (runs first: it needs the CPU the shared cluster would hold) ----------
-def test_kvferry_up_command_serves_and_stops_on_ctrl_c(tmp_path: Path) -> None:
+def test_kvferry_up_command_serves_and_stops_on_ctrl_c() -> None:
     port = free_port()
     env = dict(os.environ, **ENV)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "common.cli", "up", "--port", str(port), "--log-dir", str(tmp_path)],
+        [sys.executable, "-m", "common.cli", "up", "--port", str(port)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env=env,
@@ -81,11 +82,18 @@ def test_kvferry_up_command_serves_and_stops_on_ctrl_c(tmp_path: Path) -> None:
         r = httpx.post(f"{decode_url}/internal/generate", json=gen, timeout=30)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_internal_token", r.text
         assert httpx.get(f"{decode_url}/load", timeout=30).json()["live_requests"] == 0
+        # Its Redis (the prefix index) wants a password made for this run: a stranger cannot read or steer it.
+        redis_url = text.split("redis-server on ", 1)[1].split()[0]
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(redis_url, socket_timeout=5).keys("*")
     finally:
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, rest
     assert "stopped" in rest
+    # The log directory it made for this run goes with a clean stop (runs do not pile up in /tmp).
+    log_dir = Path(text.split("workers (logs in ", 1)[1].split(")", 1)[0])
+    assert log_dir.name.startswith("kvferry-up-") and not log_dir.exists(), log_dir
     # Nothing left listening: the router port is free again.
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)

@@ -11,6 +11,7 @@ up` (common/devcluster/up.py) is the same thing as a command.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -39,17 +40,26 @@ class LocalCluster:
     router: ManagedProcess | None = None
     workers: list[ManagedProcess] = field(default_factory=list)
     redis: ManagedProcess | None = None
+    temp_log_dir: bool = False  # made here (no log_dir given): removed on a clean stop
     _stopped: bool = False
 
     @property
     def parts(self) -> list[ManagedProcess]:
         return [p for p in (self.router, *self.workers, self.redis) if p is not None]
 
-    def stop(self, grace_s: float = 15.0) -> None:
-        """Stops everything (idempotent): router, then workers, then Redis; kills what lingers."""
+    def stop(self, grace_s: float = 15.0, keep_logs: bool = False) -> None:
+        """Stops everything (idempotent): router, then workers, then Redis; kills what lingers. A log directory
+        this cluster made goes too, unless ``keep_logs`` (something failed and its logs are the evidence)."""
         if self._stopped:
             return
         self._stopped = True
+        try:
+            self._stop_parts(grace_s)
+        finally:
+            if self.temp_log_dir and not keep_logs:
+                shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    def _stop_parts(self, grace_s: float) -> None:
         for group in ([self.router], self.workers, [self.redis]):
             procs = [p for p in group if p is not None]
             for p in procs:
@@ -94,6 +104,7 @@ def _check_port_free(host: str, port: int) -> None:
         except OSError as exc:
             raise ClusterError(
                 f"port {port} on {host} is in use ({exc.strerror}); choose another with --port"
+                ' (make up ARGS="--port N")'
             ) from None
 
 
@@ -140,7 +151,12 @@ def start_local_cluster(
         base_env.pop("KVFERRY_API_KEY", None)
 
     cluster = LocalCluster(
-        router_url=f"http://{host}:{port or free_port()}", prefill_urls=[], decode_urls=[], redis_url="", log_dir=logs
+        router_url=f"http://{host}:{port or free_port()}",
+        prefill_urls=[],
+        decode_urls=[],
+        redis_url="",
+        log_dir=logs,
+        temp_log_dir=not log_dir,
     )
     try:
         if redis_url is None:
@@ -214,5 +230,5 @@ def start_local_cluster(
         wait_ready([cluster.router], ready_timeout_s, say)
         return cluster
     except BaseException:
-        cluster.stop(grace_s=5.0)
+        cluster.stop(grace_s=5.0, keep_logs=True)
         raise

@@ -12,7 +12,7 @@ import time
 from common.devcluster.cluster import LocalCluster, start_local_cluster
 from common.devcluster.process import ClusterError
 from common.devcluster.supervisor import Supervisor
-from common.settings_registry import API_KEY, INTERNAL_TOKEN, MODEL
+from common.settings_registry import API_KEY, INTERNAL_TOKEN, MODEL, REDIS_PASSWORD
 
 __all__ = ["main"]
 
@@ -29,7 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=MODEL.read())
     p.add_argument("--redis-url", help="use this Redis instead of starting redis-server")
     p.add_argument("--api-key", default=API_KEY.read(), help="require this bearer token")
-    p.add_argument("--log-dir", help="where the parts write their logs (default: a temp dir)")
+    p.add_argument(
+        "--log-dir",
+        help="where the parts write their logs (default: a temp dir, removed on a clean stop and kept when a part failed)",
+    )
     args = p.parse_args(argv)
 
     def say(msg: str) -> None:
@@ -41,12 +44,18 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _term)
     cluster: LocalCluster | None = None
+    supervisor: Supervisor | None = None
     try:
         mixed = f" + {args.mixed} mixed" if args.mixed else ""
         say(f"kvferry up: {args.prefill} prefill + {args.decode} decode{mixed} workers, model {args.model}")
         # The workers' internal API is closed to other users of this machine too: a token made for this run
         # (unless one is set), given to every part in its environment and never printed.
         token = ",".join(INTERNAL_TOKEN.read()) or secrets.token_urlsafe(32)
+        secrets_env = {INTERNAL_TOKEN.name: token}
+        if args.redis_url is None:
+            # The prefix index's Redis likewise: other local users could read it, steer placement with fake
+            # entries, or flush it. The password reaches redis-server in a 0600 file, the parts in their env.
+            secrets_env[REDIS_PASSWORD.name] = REDIS_PASSWORD.read() or secrets.token_urlsafe(32)
         cluster = start_local_cluster(
             args.prefill,
             args.decode,
@@ -58,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             log_dir=args.log_dir,
             progress=say,
             mixed=args.mixed,
-            env={INTERNAL_TOKEN.name: token},
+            env=secrets_env,
         )
         shown = cluster.router_url.replace("0.0.0.0", "localhost")
         auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
@@ -81,8 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         if cluster is not None:
+            restarted = sorted(name for name, n in (supervisor.restarts if supervisor else {}).items() if n)
             try:
-                cluster.stop()
+                cluster.stop(keep_logs=bool(restarted))
+                if restarted and cluster.temp_log_dir:
+                    say(f"logs kept in {cluster.log_dir} ({', '.join(restarted)} restarted during the run)")
             except KeyboardInterrupt:  # a second Ctrl-C: stop waiting, kill every part (and its children)
                 say("killing...")
                 for part in cluster.parts:
