@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 PROTOCOL_VERSION = 1
 MAX_TOP_LOGPROBS = 20
+FinishReason = Literal["stop", "length", "abort", "error"]  # why a worker ended a request
 
 
 class _Message(BaseModel):
@@ -116,7 +117,7 @@ class TokenEvent(BaseModel):
     model_config = ConfigDict(extra="forbid")
     token_ids: list[int] = Field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
-    finish_reason: Literal["stop", "length", "abort", "error"] | None = None
+    finish_reason: FinishReason | None = None
     error: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0

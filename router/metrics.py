@@ -96,6 +96,12 @@ class _PoolView(Collector):
         yield g
 
 
+# Label values known up front are exported at 0 from the start, so a dashboard panel or a rate() over them shows
+# 0 rather than "no data" until the first event (a migration may never happen in a healthy fleet).
+MIGRATION_OUTCOMES = ("started", "succeeded", "failed")  # router/migration.py MigrationStats
+PREFIX_LOOKUP_RESULTS = ("hit", "miss", "skipped")  # router/dispatch.py
+
+
 class RouterMetrics:
     def __init__(self) -> None:
         self.multiprocess_dir = os.environ.get(MULTIPROC_ENV) or None
@@ -169,6 +175,10 @@ class RouterMetrics:
             registry=r,
             multiprocess_mode="livesum",
         )
+        for outcome in MIGRATION_OUTCOMES:
+            self.migrations.labels(outcome=outcome)
+        for result in PREFIX_LOOKUP_RESULTS:
+            self.prefix_lookups.labels(result=result)
         if self.multiprocess_dir is None:
             r.register(_PoolView(lambda: self._pool()))
 

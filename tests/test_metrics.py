@@ -326,3 +326,21 @@ def test_every_metric_the_dashboard_and_the_autoscalers_query_is_exported() -> N
     assert len(queried) > 20
     missing = sorted(queried - exported_sample_names())
     assert not missing, f"queried but not exported: {missing}"
+
+
+def test_labelled_counters_start_at_zero() -> None:
+    """A fresh router and worker export their known label values at 0, so the dashboard's migration and outcome
+    panels show 0 instead of "no data" until the first event."""
+    from prometheus_client import generate_latest
+
+    from common.serving.worker_metrics import WorkerMetrics
+    from router.metrics import RouterMetrics
+
+    router = samples(generate_latest(RouterMetrics().registry).decode())
+    for outcome in ("started", "succeeded", "failed"):
+        assert router[("kvferry_router_migrations_total", (("outcome", outcome),))] == 0.0
+    for result in ("hit", "miss", "skipped"):
+        assert router[("kvferry_router_prefix_lookups_total", (("result", result),))] == 0.0
+    worker = samples(generate_latest(WorkerMetrics().registry).decode())
+    for outcome in ("stop", "length", "abort", "error"):
+        assert worker[("kvferry_requests_total", (("outcome", outcome),))] == 0.0  # present, not defaulted

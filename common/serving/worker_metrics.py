@@ -4,10 +4,11 @@ engine's latency and transfer histograms (common/serving/engine_metrics.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from common.protocol import LoadSnapshot
+from common.protocol import FinishReason, LoadSnapshot
 from common.serving.engine_metrics import EngineMetrics
 
 
@@ -56,6 +57,10 @@ class WorkerMetrics:
         )
         self._host_moved = {"saved": 0, "loaded": 0}
         self.requests = Counter("kvferry_requests_total", "Finished requests by outcome", ["outcome"], registry=r)
+        for outcome in get_args(FinishReason):  # at 0 from the start: a panel shows 0, not "no data"
+            self.requests.labels(outcome=outcome)
+        for direction in self._host_moved:
+            self.host_moves.labels(direction=direction)
         self.engine_restarts = Counter(
             "kvferry_engine_restarts_total", "Engine processes started again after one died", registry=r
         )
