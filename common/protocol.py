@@ -66,6 +66,9 @@ class SamplingParams(BaseModel):
     # its own earlier output. The sampler counts them as output positions (a seeded draw at output position k
     # is the same on every worker) and the penalties as output tokens.
     output_offset: int = Field(0, ge=0)
+    # The request's SLO class (common/slo.py; "" = the deployment's default), which the router chose from its
+    # `priority` or `x-kvferry-class`: its queue deadline and the ITL target of the steps that decode it.
+    slo_class: str = Field("", max_length=64)
 
     @field_validator("logit_bias")
     @classmethod

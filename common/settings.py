@@ -8,9 +8,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from common import settings_registry as reg
-from common.settings_registry import ITL_TARGET_AUTO
+from common.settings_registry import ITL_TARGET_AUTO, ITL_TARGET_SLO
 
-__all__ = ["ITL_TARGET_AUTO", "HttpLimits", "RunnerConfig", "SchedulerConfig"]
+__all__ = ["ITL_TARGET_AUTO", "ITL_TARGET_SLO", "HttpLimits", "RunnerConfig", "SchedulerConfig"]
 
 
 @dataclass
@@ -67,10 +67,13 @@ class SchedulerConfig:
     max_prefill_tokens: int = reg.MAX_PREFILL_TOKENS.field()
     enable_prefix_cache: bool = True
     # Stall-free batching (common/sched/prefill_budget.py): every step decodes every running request and takes
-    # prompt chunks up to what fits in this ITL target. Below 0: -itl_target_ms of the engine's measured
-    # decode steps (ITL_TARGET_AUTO, the default: 2); > 0: milliseconds; 0: prefill-first (decoding waits for
-    # whole prompts).
+    # prompt chunks up to what fits in this ITL target. ITL_TARGET_SLO (inf, the default): the SLO classes'
+    # (below); below 0: -itl_target_ms of the engine's measured decode steps (ITL_TARGET_AUTO: 2); > 0:
+    # milliseconds; 0: prefill-first (decoding waits for whole prompts).
     itl_target_ms: float = reg.ITL_TARGET_MS.field()
+    # The SLO declaration (common/slo.py): request classes and their targets, and the default class.
+    slo_classes: str = reg.SLO_CLASSES.field()
+    slo_default_class: str = reg.SLO_DEFAULT_CLASS.field()
     # GiB of host memory behind the prefix cache (common/kv/host_tier.py); 0: none; negative: chosen at start
     # (a GPU worker: 30% of the host memory it may use; the CPU: none).
     host_kv_gb: float = reg.HOST_KV_GB.field()

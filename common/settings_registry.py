@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 import sys
@@ -21,6 +22,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
+
+from common.slo import DEFAULT_SLO_SPEC, parse_slo_classes
 
 __all__ = ["REGISTRY", "Setting", "add_flags", "declare", "read_fields", "render_table"]
 
@@ -165,12 +168,16 @@ def token_list(value: str) -> tuple[str, ...]:
 # `SchedulerConfig.itl_target_ms` below 0: the target is -itl_target_ms times the engine's own measured
 # decode step; the default (`auto`) is 2 of them (common/sched/prefill_budget.py).
 ITL_TARGET_AUTO = -2.0
+# The default: the tightest ITL target of the SLO classes being decoded (common/slo.py), at least two decode steps.
+ITL_TARGET_SLO = math.inf
 
 
 def itl_target_ms(value: str) -> float:
-    """`auto` (ITL_TARGET_AUTO), `<k>x` (k of the engine's measured decode steps, k >= 1), milliseconds, or 0
-    (prefill-first)."""
+    """`slo` (ITL_TARGET_SLO), `auto` (ITL_TARGET_AUTO), `<k>x` (k of the engine's measured decode steps, k >= 1),
+    milliseconds, or 0 (prefill-first)."""
     text = value.strip().lower()
+    if text == "slo":
+        return ITL_TARGET_SLO
     if text == "auto":
         return ITL_TARGET_AUTO
     if text.endswith("x"):
@@ -533,15 +540,41 @@ MAX_PREFILL_TOKENS = declare(
 ITL_TARGET_MS = declare(
     "KVFERRY_ITL_TARGET_MS",
     itl_target_ms,
-    ITL_TARGET_AUTO,
-    "N = ms; `<k>x` = k measured decode steps; 0 = prefill-first. Every step decodes every running request and "
-    "takes prompt chunks up to what the engine prefills, at the chunk speed its mixed steps measured, in the target less "
-    "the decode step, or more to keep up with arriving prompts or work off a queue (at least 4 pages; "
+    ITL_TARGET_SLO,
+    "`slo` = the tightest ITL target of the SLO classes being decoded (at least 2 decode steps); N = ms; `<k>x` = k "
+    "measured decode steps; 0 = prefill-first. Every step decodes every running request and takes the largest prompt "
+    "chunk whose step the engine's fitted step-time model predicts within the target (at least 4 pages; "
     "`common/sched/prefill_budget.py`, "
     '"Stall-free batching" above): bounds the ITL a prompt\'s prefill costs a running stream',
     "workers",
     "common/settings.py",
-    shown_default="`auto` = 2x the measured decode step",
+    shown_default="`slo`",
+)
+
+
+def slo_spec(value: str) -> str:
+    """A KVFERRY_SLO_CLASSES spec, checked (common/slo.py) and written back in its canonical form."""
+    return parse_slo_classes(value).spec()
+
+
+SLO_CLASSES = declare(
+    "KVFERRY_SLO_CLASSES",
+    slo_spec,
+    DEFAULT_SLO_SPEC,
+    "the request classes and their targets, highest priority first: `name:ttft=<time|none>,itl=<time>,p=<percentile>;...` "
+    "(`common/slo.py`; SLOs above). Workers size steps to the tightest ITL target of the requests they decode and "
+    "queue prompts by TTFT deadline; the router maps `priority` / `x-kvferry-class` to a class",
+    "all",
+    "common/slo.py",
+)
+SLO_DEFAULT_CLASS = declare(
+    "KVFERRY_SLO_DEFAULT_CLASS",
+    str,
+    "",
+    "the class of a request that names none",
+    "all",
+    "common/slo.py",
+    shown_default="the first declared class",
 )
 HOST_KV_GB = declare(
     "KVFERRY_HOST_KV_GB",

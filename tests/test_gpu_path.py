@@ -690,7 +690,7 @@ def test_mixed_steps_on_flashinfer_with_graphs_complete_and_free_everything(tiny
     out = _generate(engine, _prompts(9, seed=12, lo=20, hi=400), _mixed_params(9, [40, 25, 60]))
     assert kinds.get("mixed", 0) > 0 and kinds.get("decode", 0) > 0, kinds
     assert [len(o[0]) for o in out] == [[40, 25, 60][i % 3] for i in range(9)]
-    assert engine.scheduler.itl_target_s() > 0 and engine.scheduler.mixed_speed.tokens_per_s > 0
+    assert engine.scheduler.itl_target_s() > 0
 
 
 @needs_cuda

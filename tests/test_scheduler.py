@@ -485,97 +485,115 @@ def test_penalty_counts_on_the_device_follow_each_requests_history(tiny_model: D
     assert_pool_clean(engine)
 
 
-def test_prefill_budget_caps_steps_beside_decoding_requests_only() -> None:
-    from common.sched.prefill_budget import MIN_PAGES, prefill_token_budget
+def _fitted_model(base=0.004, per_token=25e-6, per_row=20e-6, per_ctx=5e-8, per_pair=0.0, noise=0.0, seed=0):
+    """A step-time model fitted to steps whose times follow the given costs (with Gaussian noise)."""
+    import random
 
-    assert prefill_token_budget(2048, 16, 40_000.0, 0.02, decoding=False) == 2048  # alone: the whole budget
-    assert prefill_token_budget(2048, 16, 40_000.0, 0.0, decoding=True) == 2048  # no target set
-    assert prefill_token_budget(2048, 16, 0.0, 0.02, decoding=True) == 2048  # speed not measured yet
-    assert prefill_token_budget(2048, 16, 40_000.0, 0.02, decoding=True) == 800  # 20 ms of prefill, whole pages
-    assert prefill_token_budget(2048, 16, 100.0, 0.02, decoding=True) == MIN_PAGES * 16  # the floor
-    # The chunk fills what the target leaves beside the decode step: 20 ms - 5 ms of prefill.
-    assert prefill_token_budget(2048, 16, 40_000.0, 0.02, True, decode_step_s=0.005) == 592
-    assert prefill_token_budget(2048, 16, 40_000.0, 0.02, True, decode_step_s=0.03) == MIN_PAGES * 16
-    assert prefill_token_budget(512, 16, 1e9, 0.02, decoding=True) == 512  # never above max_prefill_tokens
+    from common.sched.step_model import StepShape, StepTimeModel, chunk_attention
 
-
-def test_prefill_budget_grows_with_the_backlog_so_prefill_keeps_up() -> None:
-    from common.sched.prefill_budget import BACKLOG_STEPS, prefill_token_budget
-
-    itl_chunk = prefill_token_budget(2048, 16, 40_000.0, 0.02, decoding=True)
-    # A backlog the ITL chunk clears within BACKLOG_STEPS steps leaves it alone.
-    assert prefill_token_budget(2048, 16, 40_000.0, 0.02, True, backlog_tokens=itl_chunk * BACKLOG_STEPS) == 800
-    # A larger one takes its share per step, whole pages, up to max_prefill_tokens.
-    assert prefill_token_budget(2048, 16, 40_000.0, 0.02, True, backlog_tokens=1000 * BACKLOG_STEPS) == 992
-    assert prefill_token_budget(2048, 16, 40_000.0, 0.02, True, backlog_tokens=10**6) == 2048
-    assert prefill_token_budget(2048, 16, 40_000.0, 0.02, False, backlog_tokens=10) == 2048  # alone: all of it
+    rng = random.Random(seed)
+    model = StepTimeModel()
+    for _ in range(300):
+        rows = rng.randrange(0, 200)
+        ctx = rows * rng.randrange(100, 3000)
+        tokens = rng.choice([0, 0, rng.randrange(16, 2048)])
+        start = rng.randrange(0, 4096) if tokens else 0
+        pairs = chunk_attention(start, tokens)
+        t = base + per_token * tokens + per_row * rows + per_ctx * ctx + per_pair * pairs
+        model.observe(StepShape(tokens, rows, ctx, pairs), max(1e-5, t + rng.gauss(0, noise)))
+    return model
 
 
-def test_prefill_budget_caps_a_bursts_backlog_chunk_but_not_a_floods() -> None:
-    """With the decode step known, a burst's backlog grows the chunk only to BACKLOG_MAX_STEPS decode steps (the
-    ITL a burst costs stays bounded); a queue of BACKLOG_FLOOD_CHUNKS such chunks or more takes its full share."""
-    from common.sched.prefill_budget import BACKLOG_FLOOD_CHUNKS, BACKLOG_MAX_STEPS, BACKLOG_STEPS, prefill_token_budget
+def test_step_model_recovers_the_costs_of_what_a_step_computes() -> None:
+    from common.sched.step_model import StepShape, chunk_attention
 
-    speed, step = 40_000.0, 0.005
-    cap = int(speed * (BACKLOG_MAX_STEPS - 1) * step) // 16 * 16
-    burst = 1500 * BACKLOG_STEPS  # a share of 1,500 tokens a step, above the cap, well below a flood
-    assert prefill_token_budget(4096, 16, speed, 0.01, True, decode_step_s=step, backlog_tokens=burst) == cap
-    small = 300 * BACKLOG_STEPS  # a share under the cap is kept as it is
-    assert prefill_token_budget(4096, 16, speed, 0.01, True, decode_step_s=step, backlog_tokens=small) == 288
-    flood = int(BACKLOG_FLOOD_CHUNKS * speed * (BACKLOG_MAX_STEPS - 1) * step) + 1
-    got = prefill_token_budget(4096, 16, speed, 0.01, True, decode_step_s=step, backlog_tokens=flood)
-    assert got == min(4096, flood // BACKLOG_STEPS // 16 * 16) > cap
-
-
-def test_prefill_budget_keeps_up_with_arriving_prompts() -> None:
-    """Beside decoding, the chunk is at least what keeps prefill KEEP_UP_MARGIN ahead of the prompt tokens
-    arriving: c / (decode step + c / speed) = margin x arrivals; all of max_prefill_tokens when no chunk can."""
-    from common.sched.prefill_budget import KEEP_UP_MARGIN, KEEP_UP_MAX_STEPS, prefill_token_budget
-
-    itl = prefill_token_budget(2048, 16, 40_000.0, 0.02, True, decode_step_s=0.01)
-    assert itl == 400  # 10 ms of prefill beside a 10 ms decode step
-    slow = prefill_token_budget(2048, 16, 40_000.0, 0.02, True, decode_step_s=0.01, arrival_tokens_per_s=5_000.0)
-    assert slow == itl  # the ITL chunk prefills 20k tok/s: arrivals of 5k are kept up with
-    need = KEEP_UP_MARGIN * 20_000.0
-    chunk = need * 0.01 / (1 - need / 40_000.0)
-    fast = prefill_token_budget(2048, 16, 40_000.0, 0.02, True, decode_step_s=0.01, arrival_tokens_per_s=20_000.0)
-    assert fast == int(chunk) // 16 * 16 > itl
-    assert fast / (0.01 + fast / 40_000.0) >= 20_000.0  # the chunk's prefill rate outpaces the arrivals
-    # Arrivals no chunk keeps up with: the step stops at KEEP_UP_MAX_STEPS decode steps (a growing queue is the
-    # backlog chunk's to work off).
-    over = prefill_token_budget(2048, 16, 40_000.0, 0.02, True, decode_step_s=0.01, arrival_tokens_per_s=35_000.0)
-    assert over == int(40_000.0 * (KEEP_UP_MAX_STEPS - 1) * 0.01) // 16 * 16 < 2048
-    flood = dict(decode_step_s=0.01, arrival_tokens_per_s=35_000.0, backlog_tokens=10**6)
-    assert prefill_token_budget(2048, 16, 40_000.0, 0.02, True, **flood) == 2048
+    model = _fitted_model(per_pair=2e-9)
+    coef = model.coefficients()
+    assert coef["base_s"] == pytest.approx(0.004, rel=1e-3)
+    assert coef["per_prefill_token_s"] == pytest.approx(25e-6, rel=1e-3)
+    assert coef["per_decode_row_s"] == pytest.approx(20e-6, rel=1e-3)
+    assert coef["per_context_token_s"] == pytest.approx(5e-8, rel=1e-3)
+    assert coef["per_attention_pair_s"] == pytest.approx(2e-9, rel=1e-3)
+    shape = StepShape(512, 64, 64 * 1000, chunk_attention(2048, 512))
+    want = 0.004 + 25e-6 * 512 + 20e-6 * 64 + 5e-8 * 64_000 + 2e-9 * chunk_attention(2048, 512)
+    assert model.predict(shape) == pytest.approx(want, rel=1e-3)
+    assert model.spread_s < 1e-6
 
 
-def test_chunk_speed_is_the_mixed_steps_marginal_speed_within_bounds() -> None:
-    from common.sched.prefill_budget import CHUNK_SPEED_RANGE, chunk_speed, marginal_seconds
-
-    assert marginal_seconds(0.015, 0.006) == pytest.approx(0.009)  # the chunk added 9 ms to a 6 ms decode step
-    assert marginal_seconds(0.006, 0.0065) == pytest.approx(0.0006)  # timed under the decode step: not free
-    assert chunk_speed(40_000.0, 0.0) == 40_000.0  # no mixed step timed yet: the prefill-only peak
-    assert chunk_speed(0.0, 30_000.0) == 30_000.0
-    assert chunk_speed(40_000.0, 55_000.0) == 55_000.0  # beside decoding the weights are read anyway
-    lo, hi = CHUNK_SPEED_RANGE
-    assert chunk_speed(40_000.0, 1e9) == hi * 40_000.0
-    assert chunk_speed(40_000.0, 1.0) == lo * 40_000.0
+def test_step_model_costs_are_never_negative() -> None:
+    """Steps whose time does not depend on a feature (or falls with it, noise) give that feature no cost: a
+    negative cost would promise an unbounded chunk."""
+    model = _fitted_model(per_ctx=0.0, noise=2e-4, seed=3)
+    assert all(v >= 0 for k, v in model.coefficients().items() if k != "base_s")
 
 
-def test_arrival_rate_needs_enough_arrivals_and_falls_while_none_come() -> None:
-    from common.sched.prefill_budget import ARRIVALS_SEEN, ArrivalRate
+def test_budget_is_the_largest_chunk_whose_predicted_step_fits_the_target() -> None:
+    from common.sched.prefill_budget import MIN_PAGES, StepContext, prefill_token_budget
+    from common.sched.step_model import StepTimeModel
 
-    rate = ArrivalRate()
-    for i in range(ARRIVALS_SEEN - 1):  # one long prompt, or a few, is no rate
-        rate.add(i * 0.1, 1000)
-    assert rate.tokens_per_s(2.0) == 0.0
-    rate = ArrivalRate()
-    for i in range(ARRIVALS_SEEN + 4):
-        rate.add(i * 0.1, 1000)
-    last = (ARRIVALS_SEEN + 3) * 0.1
-    oldest = last - (ARRIVALS_SEEN - 1) * 0.1
-    assert rate.tokens_per_s(last) == pytest.approx((ARRIVALS_SEEN - 1) * 1000 / (last - oldest))
-    assert rate.tokens_per_s(last + 30.0) < rate.tokens_per_s(last) / 5  # none arrive: the rate falls
+    model = _fitted_model()
+    ctx = StepContext(decode_rows=64, decode_context=64_000, chunk_start=0)
+    # 50 ms - (4 ms + 1.28 ms rows + 3.2 ms context) = 41.52 ms of chunk at 25 us/token: 1660 tokens, whole pages
+    got = prefill_token_budget(2048, 16, 0.050, True, model, ctx)
+    assert got == int(0.04152 / 25e-6) // 16 * 16
+    assert prefill_token_budget(2048, 16, 0.050, False, model, ctx) == 2048  # alone: the whole budget
+    assert prefill_token_budget(2048, 16, 0.0, True, model, ctx) == 2048  # no target (prefill-first)
+    assert prefill_token_budget(512, 16, 0.050, True, model, ctx) == 512  # never above max_prefill_tokens
+    assert prefill_token_budget(2048, 16, 0.005, True, model, ctx) == MIN_PAGES * 16  # no room: the floor
+    # Deeper in a long prompt a chunk attends over more: the budget shrinks with the chunk's start.
+    deep = _fitted_model(per_pair=2e-9)
+    shallow = prefill_token_budget(2048, 16, 0.050, True, deep, ctx)
+    assert prefill_token_budget(2048, 16, 0.050, True, deep, StepContext(64, 64_000, 6000)) < shallow
+    # A margin of residual spreads: noisier steps, smaller chunks.
+    noisy = _fitted_model(noise=2e-3, seed=5)
+    assert prefill_token_budget(2048, 16, 0.050, True, noisy, ctx, margin_z=2.33) < got
+    # Before any chunk was timed: the measured prefill speed over the target less the decode step.
+    fresh = StepTimeModel()
+    assert prefill_token_budget(2048, 16, 0.02, True, fresh, ctx, prefill_tokens_per_s=40_000.0) == 800
+    assert prefill_token_budget(2048, 16, 0.02, True, fresh, ctx, 0.0, 40_000.0, 0.005) == 592
+    assert prefill_token_budget(2048, 16, 0.02, True, fresh, ctx) == 2048  # nothing measured: the whole budget
+
+
+def test_slo_classes_parse_and_map_priorities() -> None:
+    from common.slo import DEFAULT_SLO_SPEC, parse_slo_classes
+
+    slo = parse_slo_classes(DEFAULT_SLO_SPEC)
+    assert slo.names == ("interactive", "batch") and slo.default == "interactive"
+    assert slo.get("").name == "interactive" and slo.get("batch").ttft_s is None
+    assert slo.get("interactive").ttft_s == 1.0 and slo.get("interactive").itl_s == 0.05
+    assert parse_slo_classes(slo.spec()) == slo  # the canonical form reads back the same
+    # vLLM's priority: lower is sooner, 0 the default class; clamped to the declared classes.
+    assert [slo.by_priority(p).name for p in (-5, 0, 1, 7)] == ["interactive", "interactive", "batch", "batch"]
+    three = parse_slo_classes("gold:ttft=200ms,itl=20;silver:ttft=2s,itl=100ms;bronze:itl=1s", default="silver")
+    assert [three.by_priority(p).name for p in (-1, 0, 1)] == ["gold", "silver", "bronze"]
+    # A class without a TTFT target queues behind the others for ten of the tightest target, then goes first.
+    assert three.queue_deadline(three.get("bronze"), 100.0) == pytest.approx(102.0)
+    for bad in ("", "a:ttft=1s", "a:itl=0", "a:itl=5,b:itl=6;a:itl=7", "a:itl=5,p=120", "a b:itl=5", "a:itl=5,x=1"):
+        with pytest.raises(ValueError):
+            parse_slo_classes(bad)
+    with pytest.raises(ValueError, match="unknown SLO class 'gold'"):
+        slo.get("gold")
+
+
+def test_waiting_prompts_are_served_by_deadline_and_batch_is_not_starved() -> None:
+    from common.protocol import SamplingParams
+    from common.sched.request import Req
+    from common.sched.waiting import WaitingQueue
+
+    def req(name: str, deadline: float, rank: int) -> Req:
+        r = Req(name, [1, 2, 3], SamplingParams())
+        r.deadline_s, r.slo_rank = deadline, rank
+        return r
+
+    q = WaitingQueue()
+    # A batch request that arrived at t=0 (patience 10 s) and interactive ones arriving later (1 s targets).
+    for r in (req("batch-0", 10.0, 1), req("chat-1", 2.0, 0), req("chat-2", 3.0, 0), req("chat-3", 10.0, 0)):
+        q.append(r)
+    assert [r.req_id for r in q] == ["chat-1", "chat-2", "chat-3", "batch-0"]  # a tie goes to the higher class
+    q.append(req("chat-late", 11.5, 0))  # arrived after the batch request's patience ran out: it waits
+    assert [r.req_id for r in q][-2:] == ["batch-0", "chat-late"]
+    q.remove(q[1])
+    assert q.popleft().req_id == "chat-1" and len(q) == 3
 
 
 def test_itl_target_chunks_prefill_beside_decoding_and_keeps_outputs(tiny_model: DecoderModel) -> None:

@@ -12,10 +12,10 @@ import pytest
 from common.engine.model import DecoderModel
 from common.protocol import SamplingParams
 from common.sched.kv_connector import FinishedTransfers, KVConnector, NullConnector
-from common.sched.prefill_budget import BACKLOG_STEPS, CHUNK_SPEED_RANGE, MIN_PAGES, marginal_seconds
+from common.sched.prefill_budget import FLOOR_DECODE_STEPS, MIN_PAGES, StepContext
 from common.sched.request import Req
 from common.sched.scheduler import Scheduler, SchedulerConfig
-from common.settings_registry import ITL_TARGET_AUTO
+from common.settings_registry import ITL_TARGET_AUTO, ITL_TARGET_SLO
 from tests.engine_helpers import assert_pool_clean
 from tests.test_scheduler import PAGE, ChunkLog, build_tiny_model, check_invariants, make_engine, prompts
 
@@ -150,44 +150,60 @@ def test_every_step_advances_every_running_request_while_a_prompt_prefills(
     assert steps >= len(chunks)
 
 
-def test_prompts_queued_behind_a_prefill_grow_its_chunks() -> None:
-    """One long prompt alone is chunked at the ITL budget; prompts queued behind it make the chunk a
-    1/BACKLOG_STEPS share of what waits behind, so a queue is worked off instead of waiting on tiny chunks
-    (and a short queue, which that share leaves below the ITL chunk, changes nothing)."""
+def test_waiting_prompts_go_by_class_deadline_not_arrival() -> None:
+    """A batch prompt queued first and an interactive one queued after it: the interactive one is prefilled first
+    (its TTFT deadline is earlier), the batch one right after, and both complete with every page back."""
     tiny = build_tiny_model()
     log = ChunkLog()
     sched = scheduler(tiny, TINY_TARGET_MS, overlap=False, connector=log)
-    running = Req(req_id="d", prompt_ids=prompts(51, [9])[0], sampling=SamplingParams(max_tokens=80, ignore_eos=True))
+    running = Req(req_id="d", prompt_ids=prompts(51, [9])[0], sampling=SamplingParams(max_tokens=60, ignore_eos=True))
     sched.add(running)
     while not sched.running:
         sched.step()
-    sched.step()
-    floor = MIN_PAGES * PAGE
-    long = Req(req_id="long", prompt_ids=prompts(52, [300])[0], sampling=SamplingParams(max_tokens=2))
-    behind = [
-        Req(req_id=f"q{i}", prompt_ids=p, sampling=SamplingParams(max_tokens=2))
-        for i, p in enumerate(prompts(53, [400] * 7))
-    ]
-    seen = len(log.chunks)  # the chunks from here on
-    sched.add(long)
-    assert sched.backlog_tokens() == 0  # alone: no one waits behind it
-    assert sched.prefill_token_budget(decoding=True) == floor
-    sched.add(behind[0])
-    # 400 / BACKLOG_STEPS is under the floor
-    assert sched.backlog_tokens() == 400 and sched.prefill_token_budget(decoding=True) == floor
-    for r in behind[1:]:
-        sched.add(r)
-    assert sched.backlog_tokens() == 2800
-    grown = 2800 // BACKLOG_STEPS // PAGE * PAGE
-    assert grown > floor and sched.prefill_token_budget(decoding=True) == grown
-    while not all(r.output_ids for r in [long, *behind]):
+    batch_p, chat_p = prompts(52, [200, 200])
+    batch = Req(req_id="batch", prompt_ids=batch_p, sampling=SamplingParams(max_tokens=2, slo_class="batch"))
+    chat = Req(req_id="chat", prompt_ids=chat_p, sampling=SamplingParams(max_tokens=2, slo_class="interactive"))
+    seen = len(log.chunks)
+    sched.add(batch)
+    sched.add(chat)
+    assert [r.req_id for r in sched.waiting] == ["chat", "batch"]
+    while not (batch.output_ids and chat.output_ids):
         sched.step()
         check_invariants(sched)
-    chunks = [(rid, e - s) for rid, s, e in log.chunks[seen:]]
-    first = chunks[0]
-    assert first == ("long", grown)
-    assert sum(n for rid, n in chunks if rid == "long") == 300
-    assert len(running.output_ids) > 0
+    order = [rid for rid, _, _ in log.chunks[seen:]]
+    assert order.index("batch") > max(i for i, rid in enumerate(order) if rid == "chat")
+    with pytest.raises(ValueError, match="unknown SLO class"):
+        sched.add(Req(req_id="x", prompt_ids=[1, 2, 3], sampling=SamplingParams(slo_class="gold")))
+    while sched.has_work():
+        sched.step()
+    assert_pool_clean_sched(sched)
+
+
+def test_slo_target_is_the_tightest_class_being_decoded(tiny_model: DecoderModel) -> None:
+    """The default target: the tightest ITL target among the classes of the requests decoding (every class's
+    tightest while none decodes), never below FLOOR_DECODE_STEPS measured decode steps."""
+    sched = scheduler(tiny_model, ITL_TARGET_SLO, overlap=False)
+    assert sched.itl_target_s() == 0.0  # no decode step measured yet
+    relaxed = Req(
+        req_id="b",
+        prompt_ids=prompts(63, [12])[0],
+        sampling=SamplingParams(max_tokens=40, slo_class="batch", ignore_eos=True),
+    )
+    sched.add(relaxed)
+    while len(relaxed.output_ids) < 3:
+        sched.step()
+    step = sched.decode_step.seconds
+    assert step > 0
+    assert sched.itl_target_s() == pytest.approx(max(0.2, FLOOR_DECODE_STEPS * step))  # batch only: 200 ms
+    chat = Req(req_id="c", prompt_ids=prompts(64, [12])[0], sampling=SamplingParams(max_tokens=40, ignore_eos=True))
+    sched.add(chat)
+    while not chat.output_ids:
+        sched.step()
+    assert sched.itl_target_s() == pytest.approx(max(0.05, FLOOR_DECODE_STEPS * sched.decode_step.seconds))
+    sched.abort("c")
+    assert sched.itl_target_s() == pytest.approx(max(0.2, FLOOR_DECODE_STEPS * sched.decode_step.seconds))
+    while sched.has_work():
+        sched.step()
 
 
 def test_short_prompts_beside_a_large_batch_share_one_step(tiny_model: DecoderModel) -> None:
@@ -219,9 +235,9 @@ def test_short_prompts_beside_a_large_batch_share_one_step(tiny_model: DecoderMo
 
 
 def test_auto_target_follows_the_measured_decode_step(tiny_model: DecoderModel) -> None:
-    """The default target: no mixed step until a decode step has been measured, then the auto multiple (2) of
+    """The `auto` target: no mixed step until a decode step has been measured, then the auto multiple (2) of
     it; the budget a worker publishes is the one its steps use."""
-    sched = scheduler(tiny_model, SchedulerConfig().itl_target_ms, overlap=False)
+    sched = scheduler(tiny_model, ITL_TARGET_AUTO, overlap=False)
     assert sched.mixed_batching and sched.itl_target_s() == 0.0
     first = Req(req_id="a", prompt_ids=prompts(61, [20])[0], sampling=SamplingParams(max_tokens=30, ignore_eos=True))
     sched.add(first)
@@ -232,7 +248,7 @@ def test_auto_target_follows_the_measured_decode_step(tiny_model: DecoderModel) 
     assert sched.processed_kind == "decode"  # the decode step that sets the target
     assert sched.itl_target_s() == pytest.approx(-ITL_TARGET_AUTO * sched.decode_step.seconds)
     sched.step()
-    assert sched.processed_kind == "mixed" and sched.mixed_speed.tokens_per_s > 0
+    assert sched.processed_kind == "mixed"
     assert sched.prefill_token_budget(decoding=True) >= MIN_PAGES * PAGE
     while sched.has_work():
         sched.step()
@@ -335,21 +351,28 @@ def test_grammar_request_decodes_beside_chunks_with_the_same_tokens(smol_runner,
     assert outputs[0.0][0][1] == "stop"
 
 
-def test_budget_follows_the_chunk_speed_beside_decoding(tiny_model: DecoderModel) -> None:
-    """The chunk beside decoding is sized by what a chunk adds to a mixed step (its time less the decode step's),
-    kept within CHUNK_SPEED_RANGE of the peak prefill-only speed; short prompts prefilled alone lower nothing."""
+def test_budget_comes_from_the_step_model_once_chunks_were_timed(tiny_model: DecoderModel) -> None:
+    """Before any chunk was timed the budget is the prefill speed over the target less the decode step; once the
+    step model has timed chunks, it is the model's largest chunk within the target (with the SLO's margin)."""
     sched = scheduler(tiny_model, 20.0, overlap=False, max_prefill_tokens=2048)
     sched.prefill_speed.observe(2048, 0.05)  # a large chunk: 40,960 tok/s
-    assert sched.prefill_token_budget(decoding=True) == 816  # 20 ms of it, whole pages
-    for _ in range(50):
-        sched.prefill_speed.observe(64, 0.015)  # short prompts prefilled alone
-    assert sched.prefill_token_budget(decoding=True) == 816
-    sched.decode_step.observe(0.005)
-    for _ in range(50):  # 256-token chunks that add 5 ms to a 5 ms decode step: 51,200 tok/s
-        sched.mixed_speed.observe(256, marginal_seconds(0.010, 0.005))
-    assert sched.prefill_token_budget(decoding=True) == int(51_200 * 0.015) // PAGE * PAGE
-    for _ in range(50):  # mixed steps far slower than any prefill: held at the range's floor
-        sched.mixed_speed.observe(64, marginal_seconds(0.030, 0.005))
-    low = int(CHUNK_SPEED_RANGE[0] * 40_960 * 0.015) // PAGE * PAGE
-    assert low > MIN_PAGES * PAGE and sched.prefill_token_budget(decoding=True) == low
+    assert not sched.step_model.ready
+    assert sched.prefill_token_budget(decoding=True, context=StepContext()) == 816  # 20 ms of it, whole pages
+    decoding = Req(
+        req_id="d", prompt_ids=prompts(71, [12])[0], sampling=SamplingParams(max_tokens=200, ignore_eos=True)
+    )
+    sched.add(decoding)
+    queued = iter(prompts(72, [150] * 40))
+    for i in range(400):  # prompts arriving one after another beside the decoding request: mixed steps, timed
+        if sched.step_model.ready:
+            break
+        if not sched.waiting and sched.chunked is None:
+            sched.add(Req(req_id=f"p{i}", prompt_ids=next(queued), sampling=SamplingParams(max_tokens=2)))
+        sched.step()
+    assert sched.step_model.ready
+    ctx = StepContext(3, 300, 0)
+    want = sched.step_model.largest_chunk(0.02, 3, 300, 0, 2048, PAGE, sched.margin_z())
+    assert sched.prefill_token_budget(decoding=True, context=ctx) == min(2048, max(MIN_PAGES * PAGE, want))
     assert sched.prefill_token_budget(decoding=False) == 2048
+    while sched.has_work():
+        sched.step()

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.sched.request import Req
+from common.sched.step_model import StepShape
 from common.sched.step_sampling import MaskJob
 
 
@@ -31,6 +32,7 @@ class Launched:
     chunks: list[tuple[Req, int, int]] = field(default_factory=list)  # prefill: (request, start, end) per chunk
     done: torch.cuda.Event | None = None
     timer: StepTimer | None = None  # the forward's device time
+    shape: StepShape = field(default_factory=StepShape)  # what it computes (the step-time model's inputs)
     masks: MaskJob | None = None  # its grammar masks, being filled while it waits for sampling
 
     def record_done(self, device: torch.device) -> None:

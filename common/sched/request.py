@@ -47,6 +47,11 @@ class Req:
     # Prefilled for a peer (its KV is sent on, the decode happens elsewhere): once its first token is sampled
     # it never joins the decode batch: held while its KV connector says so (`KVConnector.prefill_done`).
     prefill_only: bool = False
+    # Its SLO class (common/slo.py), set when the scheduler takes it: the queue order and the ITL target of steps
+    # that decode it.
+    slo_rank: int = 0
+    itl_target_s: float = 0.0
+    deadline_s: float = 0.0  # monotonic time its first token is due (the waiting queue's order)
 
     def __post_init__(self) -> None:
         if self.sampling.seed is not None:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -56,17 +56,19 @@ from common.sched.launched import Launched, StepTimer, copy_to_host
 from common.sched.pages import KVBudget
 from common.sched.prefill import PrefillAdder
 from common.sched.prefill_budget import (
-    ArrivalRate,
+    FLOOR_DECODE_STEPS,
     PrefillSpeed,
+    StepContext,
     StepSeconds,
-    chunk_speed,
-    marginal_seconds,
     prefill_token_budget,
 )
 from common.sched.request import Req, ReqState
 from common.sched.snapshot import SchedulerSnapshot
+from common.sched.step_model import StepShape, StepTimeModel, chunk_attention, z_score
 from common.sched.step_sampling import StepSampler
-from common.settings import SchedulerConfig
+from common.sched.waiting import WaitingQueue
+from common.settings import ITL_TARGET_SLO, SchedulerConfig
+from common.slo import parse_slo_classes
 
 log = logging.getLogger("kvferry.sched")
 
@@ -121,7 +123,9 @@ class Scheduler:
             host = make_host_tier(runner.pool, cfg.host_kv_gb, runner.tp.size)  # None: no host tier
             self.cache = RadixCache(self.page_size, self.allocator, host)
         self.budget = KVBudget(self.allocator, self.cache, runner.page_table)
-        self.waiting: deque[Req] = deque()
+        self.waiting = WaitingQueue()  # earliest TTFT deadline first (common/sched/waiting.py)
+        self.slo = parse_slo_classes(cfg.slo_classes, cfg.slo_default_class)
+        self._decoding_itl: Counter[float] = Counter()  # ITL targets of the running requests, for the step target
         self.chunked: Req | None = None
         self.running: list[Req] = []
         self.awaiting_kv: dict[str, Req] = {}
@@ -136,13 +140,12 @@ class Scheduler:
         self._pending: Launched | None = None
         self._late: list[StepEvent] = []  # requests ended while sampling (a broken grammar), not yet returned
         self.prefill_tokens_launched = 0  # prompt tokens computed so far (the measured prefill rate's counter)
-        # Device-timed: prefill-only steps' prompt tokens/s (published; their peak bounds the chunk speed), the
-        # chunk tokens/s a mixed step adds to the decode step (its time less the decode step's: sizes the
-        # budget beside decoding), decode-only steps' seconds (the auto ITL target).
+        # Device-timed: every step's time against what it computed (the step-time model: sizes the chunk beside
+        # decoding, common/sched/step_model.py), prefill-only steps' prompt tokens/s (published; the chunk until
+        # the model has timed chunks), decode-only steps' seconds (the target's floor, `auto` targets).
+        self.step_model = StepTimeModel()
         self.prefill_speed = PrefillSpeed()
-        self.mixed_speed = PrefillSpeed()
         self.decode_step = StepSeconds()
-        self.arrivals = ArrivalRate()  # prompt tokens admitted per second (the budget's keep-up chunk)
         self.processed_kind: str | None = None  # kind of the step processed last ("prefill" | "decode" | "mixed")
         # KV transfer (common/sched/kv_connector.py). Without it (the null connector) no ask is made at all.
         self.connector: KVConnector = connector if connector is not None else NullConnector()
@@ -153,6 +156,12 @@ class Scheduler:
 
     # ---- admission -------------------------------------------------------------------------------
     def validate(self, req: Req) -> None:
+        try:
+            cls = self.slo.get(req.sampling.slo_class)
+        except ValueError as e:
+            raise RequestRejected(str(e)) from None
+        req.slo_rank, req.itl_target_s = cls.rank, cls.itl_s
+        req.deadline_s = self.slo.queue_deadline(cls, time.monotonic())
         if req.max_device_len > self.runner.max_seq_len:
             raise RequestRejected(
                 f"prompt ({req.prompt_len} tokens) plus max_tokens ({req.sampling.max_tokens}) exceeds the "
@@ -210,7 +219,7 @@ class Scheduler:
         req.cached_len = req.prompt_len
         req.prefix_hit_len = a.cached_tokens
         req.state = ReqState.RUNNING
-        self.running.append(req)
+        self._join_running(req)
         event = StepEvent(req)
         self._append_token(req, a.token, a.logprob, event)
         return event
@@ -248,7 +257,7 @@ class Scheduler:
         elif req.state is ReqState.AWAITING_KV:
             self.awaiting_kv.pop(req_id, None)
         elif req in self.running:
-            self.running.remove(req)
+            self._leave_running(req)
         req.finish_reason = reason
         req.error = error
         if req.req_id in self.held:
@@ -335,14 +344,40 @@ class Scheduler:
         off (ITL target 0): prefill-first, a waiting prompt's steps run before any decode step."""
         return self.cfg.itl_target_ms != 0
 
+    def _join_running(self, req: Req) -> None:
+        self.running.append(req)
+        self._decoding_itl[req.itl_target_s] += 1
+
+    def _leave_running(self, req: Req) -> None:
+        self.running.remove(req)
+        self._decoding_itl[req.itl_target_s] -= 1
+        if not self._decoding_itl[req.itl_target_s]:
+            del self._decoding_itl[req.itl_target_s]
+
     def itl_target_s(self) -> float:
-        """The ITL a step beside decoding requests aims at: the setting, or (auto) a multiple of this engine's
-        measured decode step (0 until one is measured; 0 as well with mixed steps off)."""
-        if self.cfg.itl_target_ms > 0:
-            return self.cfg.itl_target_ms / 1000
-        if self.cfg.itl_target_ms < 0:  # a multiple of the measured decode step (ITL_TARGET_AUTO: 2)
-            return -self.cfg.itl_target_ms * self.decode_step.seconds
+        """The ITL a step beside decoding requests aims at (0 until the decode step is measured; 0 as well with
+        mixed steps off): by default the tightest ITL target of the SLO classes being decoded (of every class
+        while none is), at least FLOOR_DECODE_STEPS measured decode steps; or the setting's milliseconds, or its
+        multiple of the decode step."""
+        target = self.cfg.itl_target_ms
+        step = self.decode_step.seconds
+        if target == ITL_TARGET_SLO:
+            if step <= 0:
+                return 0.0
+            slo = min(self._decoding_itl, default=min(c.itl_s for c in self.slo.classes))
+            return max(slo, FLOOR_DECODE_STEPS * step)
+        if target > 0:
+            return target / 1000
+        if target < 0:  # a multiple of the measured decode step (ITL_TARGET_AUTO: 2)
+            return -target * step
         return 0.0
+
+    def margin_z(self) -> float:
+        """How many residual spreads of the step-time model the budget keeps below the target: the normal
+        quantile of the percentile the SLO holds at (the strictest class's), only where the target is the SLO's."""
+        if self.cfg.itl_target_ms != ITL_TARGET_SLO:
+            return 0.0
+        return z_score(max(c.percentile for c in self.slo.classes))
 
     @torch.inference_mode()
     def _launch(self) -> Launched | None:
@@ -351,7 +386,8 @@ class Scheduler:
         if mixed and self.itl_target_s() <= 0:
             # The auto target is measured first: one decode step (two with overlap) before the first mixed one.
             return self._launch_decode(decode)
-        adder = self._schedule_prefill(decoding=bool(decode) if self.mixed_batching else bool(self.running))
+        context = StepContext(len(decode), sum(r.device_len for r in decode) if mixed else 0)
+        adder = self._schedule_prefill(bool(decode) if self.mixed_batching else bool(self.running), context)
         if adder is not None and adder.batch:
             if mixed:
                 return self._launch_mixed(decode, adder.batch, adder.chunks)
@@ -360,49 +396,43 @@ class Scheduler:
             return self._launch_decode(decode)
         return None
 
-    def _schedule_prefill(self, decoding: bool) -> PrefillAdder | None:
+    def _schedule_prefill(self, decoding: bool, context: StepContext) -> PrefillAdder | None:
         if not self.waiting and self.chunked is None:
             return None
+        head = self.chunked if self.chunked is not None else self.waiting[0]
+        context = StepContext(context.decode_rows, context.decode_context, head.cached_len)
         adder = PrefillAdder(
             budget=self.budget,
             page_table=self.runner.page_table,
-            token_budget=self.prefill_token_budget(decoding),
+            token_budget=self.prefill_token_budget(decoding, context),
             pages_available=self.budget.available_pages() - self.reserved_pages(),
             running_slots=self.max_running - len(self.running) - len(self.awaiting_kv) - (1 if self.chunked else 0),
         )
         if self.chunked is not None:
             adder.add_continuing(self.chunked)
             self.chunked = None
-        now = time.monotonic()
         while self.waiting and adder.try_admit(self.waiting[0]):
-            r = self.waiting.popleft()
-            self.arrivals.add(now, r.prompt_len - r.cached_len)
+            self.waiting.popleft()
         return adder
 
-    def prefill_token_budget(self, decoding: bool | None = None) -> int:
+    def prefill_token_budget(self, decoding: bool | None = None, context: StepContext | None = None) -> int:
         """Prompt tokens the next step takes: all of max_prefill_tokens alone, or beside decoding requests the
-        largest of what the engine prefills, at the chunk speed its mixed steps measured, in what the ITL target
-        leaves beside the decode step, the keep-up chunk and the backlog's share (common/sched/prefill_budget.py). `decoding` None: whether requests decode now; True: the
-        budget a step gets beside them (what the worker publishes)."""
-        speed = chunk_speed(self.prefill_speed.peak_tokens_per_s, self.mixed_speed.tokens_per_s)
+        largest chunk whose step the step-time model predicts within the ITL target (common/sched/prefill_budget.py).
+        `decoding` None: whether requests decode now; True: the budget a step gets beside them (what the worker
+        publishes). `context`: what the step decodes beside the chunk (default: every running request)."""
+        if context is None:
+            context = StepContext(len(self.running), sum(r.device_len for r in self.running))
         return prefill_token_budget(
             self.cfg.max_prefill_tokens,
             self.page_size,
-            speed,
             self.itl_target_s(),
             decoding=bool(self.running) if decoding is None else decoding,
-            backlog_tokens=self.backlog_tokens(),
+            model=self.step_model,
+            context=context,
+            margin_z=self.margin_z(),
+            prefill_tokens_per_s=self.prefill_speed.peak_tokens_per_s,
             decode_step_s=self.decode_step.seconds,
-            arrival_tokens_per_s=self.arrivals.tokens_per_s(time.monotonic()),
         )
-
-    def backlog_tokens(self) -> int:
-        """Prompt tokens queued behind the prompt prefilled first (the chunked one, else the head of the queue):
-        one long prompt alone is no backlog, its chunks follow the ITL target (the waiting queue is bounded by
-        admission, so this stays small)."""
-        queued = [self.chunked] if self.chunked is not None else []
-        queued.extend(self.waiting)
-        return sum(r.prompt_len - r.cached_len for r in queued[1:])
 
     def _can_decode(self, r: Req) -> bool:
         k = self.inflight(r)
@@ -466,12 +496,18 @@ class Scheduler:
         launched = self._begin_sampling("mixed" if decode else "prefill", decode + finishing, logits, len(decode))
         launched.chunks = [(r, s, s + n) for r, s, n in zip(batch, starts, chunks)]
         launched.timer = timer
+        launched.shape = StepShape(
+            sum(chunks),
+            len(decode),
+            sum(positions) + len(positions),
+            sum(chunk_attention(st, n) for st, n in zip(starts, chunks)),
+        )
         for r in finishing:
             if not r.prefill_only:
                 # Joins the running batch now: the next step reads its first token on the device.
                 self.budget.cache_prefix(r, r.prompt_len)
                 r.state = ReqState.RUNNING
-                self.running.append(r)
+                self._join_running(r)
         return launched
 
     def _launch_decode(self, batch: list[Req]) -> Launched:
@@ -484,6 +520,7 @@ class Scheduler:
         timer.stop()
         launched = self._begin_sampling("decode", batch, logits, len(batch))
         launched.timer = timer
+        launched.shape = StepShape(0, len(batch), sum(positions) + len(positions))
         return launched
 
     def _begin_sampling(self, kind: str, reqs: list[Req], logits: torch.Tensor, decode_rows: int) -> Launched:
@@ -525,13 +562,11 @@ class Scheduler:
         self.processed_kind = launched.kind
         if launched.timer is not None:
             seconds = launched.timer.seconds()
-            chunk_tokens = sum(e - s for _, s, e in launched.chunks)
+            self.step_model.observe(launched.shape, seconds)
             if launched.kind == "decode":
                 self.decode_step.observe(seconds)
             elif launched.kind == "prefill":
-                self.prefill_speed.observe(chunk_tokens, seconds)
-            elif self.decode_step.seconds > 0:
-                self.mixed_speed.observe(chunk_tokens, marginal_seconds(seconds, self.decode_step.seconds))
+                self.prefill_speed.observe(launched.shape.prefill_tokens, seconds)
         if self._transfers:
             for r, s, e in launched.chunks:
                 if not r.finished:  # aborted while in flight: nothing to send on
@@ -596,7 +631,7 @@ class Scheduler:
 
     def _end(self, req: Req) -> None:
         if req.state is ReqState.RUNNING:
-            self.running.remove(req)
+            self._leave_running(req)
             self._finish(req)
         else:
             # A prefill-only request: `_prefill_done` parks or frees it once this token is processed.

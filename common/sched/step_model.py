@@ -1,0 +1,163 @@
+"""How long a step takes, from what it computes: the engine's own capacity model, fitted to its timed steps.
+
+A step's device time is modelled as linear in what it computes:
+
+    t = base + a * prefill_tokens + b * decode_rows + c * decode_context + d * chunk_attention
+
+(decode_context: the KV tokens the decode rows attend over; chunk_attention: the prompt chunks' query-key
+pairs, n * (start + n/2) per chunk, the term that makes a chunk deep in a long prompt dearer than the first).
+The coefficients are a least-squares fit, with no negative cost, over the last WINDOW timed steps, refitted
+every REFIT_EVERY steps: a few microseconds per step on the host, and it follows a change of batch mix or of
+clocks within a few hundred steps. The residuals' spread says how far a step strays from its prediction; the
+budget keeps that much margin, so a target held at the 99th percentile is held by the steps, not only by the
+mean.
+
+The same model answers the scheduler (the largest prompt chunk whose step stays within the ITL target), the
+worker's /load (its prefill rate at that chunk, from which the router predicts TTFT) and the planner.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from statistics import NormalDist
+
+import numpy as np
+
+__all__ = ["StepShape", "StepTimeModel", "z_score"]
+
+WINDOW = 256  # timed steps the fit reads: a few seconds of steps on a GPU, enough to span batch sizes
+REFIT_EVERY = 16  # steps between refits (each a 5x5 solve: ~50 us, ~3 us a step)
+MIN_PREFILL_SAMPLES = 4  # timed steps with prompt tokens before the model sizes chunks (until then: no budget)
+# Feature scales: the fit solves in units near 1 whatever the model size, so the ridge term weighs them alike.
+_SCALES = np.array([1.0, 1e3, 1e2, 1e5, 1e6])
+_RIDGE = 1e-6
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one step computes."""
+
+    prefill_tokens: int = 0
+    decode_rows: int = 0
+    decode_context: int = 0  # KV tokens the decode rows attend over
+    chunk_attention: float = 0.0  # sum over prompt chunks of n * (start + n / 2)
+
+    def features(self) -> np.ndarray:
+        raw = (1.0, self.prefill_tokens, self.decode_rows, self.decode_context, self.chunk_attention)
+        return np.asarray(raw, dtype=np.float64) / _SCALES
+
+
+def chunk_attention(start: int, tokens: int) -> float:
+    return tokens * (start + tokens / 2)
+
+
+def z_score(percentile: float) -> float:
+    """The normal quantile of a percentile (99 -> 2.33): the margin, in residual spreads, that holds a target
+    at that percentile when the prediction errs like a normal variable."""
+    return NormalDist().inv_cdf(min(max(percentile, 50.0), 99.99) / 100)
+
+
+@dataclass
+class StepTimeModel:
+    window: int = WINDOW
+    refit_every: int = REFIT_EVERY
+    _x: deque[np.ndarray] = field(default_factory=deque)
+    _y: deque[float] = field(default_factory=deque)
+    _coef: np.ndarray | None = None
+    _spread: float = 0.0
+    _since_fit: int = 0
+    _prefill_samples: int = 0
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        if seconds <= 0 or not math.isfinite(seconds):
+            return
+        self._x.append(shape.features())
+        self._y.append(seconds)
+        if shape.prefill_tokens:
+            self._prefill_samples += 1
+        if len(self._x) > self.window:
+            self._x.popleft()
+            self._y.popleft()
+        self._since_fit += 1
+        if self._coef is None or self._since_fit >= self.refit_every or len(self._x) < self.refit_every:
+            self._fit()
+
+    @property
+    def ready(self) -> bool:
+        """Whether the fit has seen prompt chunks timed (until then a chunk's cost is unknown)."""
+        return self._coef is not None and self._prefill_samples >= MIN_PREFILL_SAMPLES and self._coef[1] > 0
+
+    @property
+    def spread_s(self) -> float:
+        """The residuals' standard deviation (seconds)."""
+        return self._spread
+
+    def predict(self, shape: StepShape) -> float:
+        if self._coef is None:
+            return 0.0
+        return float(shape.features() @ self._coef)
+
+    def coefficients(self) -> dict[str, float]:
+        """Seconds per unit of each feature (for /load and the planner)."""
+        names = ("base_s", "per_prefill_token_s", "per_decode_row_s", "per_context_token_s", "per_attention_pair_s")
+        coef = self._coef if self._coef is not None else np.zeros(5)
+        return {n: float(c / s) for n, c, s in zip(names, coef, _SCALES)}
+
+    def largest_chunk(
+        self,
+        target_s: float,
+        decode_rows: int,
+        decode_context: int,
+        chunk_start: int,
+        max_tokens: int,
+        granularity: int,
+        margin_z: float = 0.0,
+    ) -> int:
+        """The most prompt tokens (a multiple of `granularity`, at most `max_tokens`) a step beside `decode_rows`
+        rows can take while its predicted time plus `margin_z` residual spreads stays within `target_s`; 0 when
+        not even `granularity` tokens fit. Step time grows with the chunk, so a bisection over whole units."""
+        if not self.ready:
+            return 0
+        allowed = target_s - margin_z * self._spread
+
+        def fits(units: int) -> bool:
+            n = units * granularity
+            shape = StepShape(n, decode_rows, decode_context, chunk_attention(chunk_start, n))
+            return self.predict(shape) <= allowed
+
+        lo, hi = 0, max_tokens // granularity
+        if hi == 0 or not fits(1):
+            return 0
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * granularity
+
+    def _fit(self) -> None:
+        self._since_fit = 0
+        x = np.stack(self._x)
+        y = np.asarray(self._y)
+        active = np.ones(x.shape[1], dtype=bool)
+        coef = np.zeros(x.shape[1])
+        # Least squares with no negative cost: a feature whose fitted cost is negative (collinear with another,
+        # or not varied yet) is dropped and the rest refitted; at most one pass per feature.
+        for _ in range(x.shape[1]):
+            xa = x[:, active]
+            gram = xa.T @ xa + _RIDGE * len(y) * np.eye(xa.shape[1])
+            sol = np.linalg.solve(gram, xa.T @ y)
+            coef = np.zeros(x.shape[1])
+            coef[active] = sol
+            negative = active & (coef < 0)
+            negative[0] = False  # the base may be anything; the other costs are not negative
+            if not negative.any():
+                break
+            active &= ~negative
+        coef[1:] = np.maximum(coef[1:], 0.0)
+        self._coef = coef
+        resid = y - x @ coef
+        self._spread = float(np.sqrt(np.mean(resid**2))) if len(y) > x.shape[1] else 0.0

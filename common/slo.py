@@ -1,0 +1,131 @@
+"""The service-level objectives a deployment declares: request classes, each with its TTFT and ITL targets.
+
+One declaration (``KVFERRY_SLO_CLASSES``, common/settings_registry.py) is read by every layer: the scheduler
+sizes each step's prompt chunk to the strictest ITL target among the requests it decodes and orders waiting
+prompts by their TTFT deadlines (common/sched/); workers publish what predicts a new request's TTFT; the router
+maps a request to its class (the ``priority`` field, vLLM's name, or the ``x-kvferry-class`` header) and sheds
+the requests no worker can serve within their class's TTFT target, lower classes first.
+
+Classes are listed in priority order, first the highest. The spec is ``name:key=value,...;name:...`` with keys
+``ttft`` and ``itl`` (milliseconds, or with an ``ms`` / ``s`` suffix; ``ttft=none``: no TTFT target, the class
+queues and is never shed for TTFT) and ``p`` (the percentile the targets hold at). Default:
+``interactive:ttft=1s,itl=50ms,p=99;batch:ttft=none,itl=200ms,p=99`` (docs/architecture.md, "SLOs").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["DEFAULT_SLO_SPEC", "SloClass", "SloClasses", "parse_slo_classes"]
+
+DEFAULT_SLO_SPEC = "interactive:ttft=1s,itl=50ms,p=99;batch:ttft=none,itl=200ms,p=99"
+# A class without a TTFT target still gets a queue deadline, this many of the tightest TTFT target past its
+# arrival: it gives way to the classes with targets while they are within theirs, and is never starved.
+PATIENCE_TARGETS = 10.0
+
+
+@dataclass(frozen=True)
+class SloClass:
+    name: str
+    rank: int  # 0: the highest priority (sheds last)
+    ttft_s: float | None  # None: no TTFT target (queues; never shed for TTFT)
+    itl_s: float
+    percentile: float = 99.0
+
+    def describe(self) -> str:
+        ttft = "none" if self.ttft_s is None else f"{self.ttft_s * 1000:g}ms"
+        return f"{self.name}:ttft={ttft},itl={self.itl_s * 1000:g}ms,p={self.percentile:g}"
+
+
+@dataclass(frozen=True)
+class SloClasses:
+    """The declared classes in priority order; ``default`` is the class of a request that names none."""
+
+    classes: tuple[SloClass, ...]
+    default: str
+
+    def __post_init__(self) -> None:
+        if not self.classes:
+            raise ValueError("at least one SLO class is needed")
+        if self.default not in self.names:
+            raise ValueError(f"the default SLO class {self.default!r} is not declared ({', '.join(self.names)})")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.classes)
+
+    def get(self, name: str) -> SloClass:
+        """The class called `name` ("" = the default); ValueError naming the declared ones otherwise."""
+        for c in self.classes:
+            if c.name == (name or self.default):
+                return c
+        raise ValueError(f"unknown SLO class {name!r}; this deployment declares {', '.join(self.names)}")
+
+    def by_priority(self, priority: int) -> SloClass:
+        """vLLM's ``priority`` (lower is sooner, 0 the default): the default class shifted by that many ranks,
+        clamped to the declared ones."""
+        rank = self.get("").rank + priority
+        return self.classes[min(max(rank, 0), len(self.classes) - 1)]
+
+    def queue_deadline(self, cls: SloClass, arrival_s: float) -> float:
+        """When a request of `cls` that arrived at `arrival_s` must have its first token (its TTFT deadline), or
+        for a class without a TTFT target PATIENCE_TARGETS of the tightest target later (never infinite: a
+        deadline order with an infinite one would starve that class)."""
+        if cls.ttft_s is not None:
+            return arrival_s + cls.ttft_s
+        targets = [c.ttft_s for c in self.classes if c.ttft_s is not None]
+        return arrival_s + PATIENCE_TARGETS * (min(targets) if targets else 1.0)
+
+    def spec(self) -> str:
+        return ";".join(c.describe() for c in self.classes)
+
+
+def _seconds(text: str, key: str) -> float:
+    value = text.strip().lower()
+    scale = 1e-3
+    if value.endswith("ms"):
+        value = value[:-2]
+    elif value.endswith("s"):
+        value, scale = value[:-1], 1.0
+    seconds = float(value) * scale
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"{key}={text!r}: a target must be a positive time")
+    return seconds
+
+
+def parse_slo_classes(spec: str, default: str = "") -> SloClasses:
+    """Parses a ``KVFERRY_SLO_CLASSES`` spec (module docstring); `default` "" makes the first class the default."""
+    classes: list[SloClass] = []
+    for rank, part in enumerate(p for p in spec.split(";") if p.strip()):
+        name, _, body = part.partition(":")
+        name = name.strip()
+        if not name or not name.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"SLO class name {name!r}: letters, digits, '-' and '_' only")
+        if name in (c.name for c in classes):
+            raise ValueError(f"SLO class {name!r} is declared twice")
+        fields: dict[str, str] = {}
+        for item in (i for i in body.split(",") if i.strip()):
+            key, sep, value = item.partition("=")
+            key = key.strip().lower()
+            if not sep or key not in ("ttft", "itl", "p"):
+                raise ValueError(f"SLO class {name!r}: {item.strip()!r} is not ttft=, itl= or p=")
+            fields[key] = value.strip()
+        if "itl" not in fields:
+            raise ValueError(f"SLO class {name!r} needs an itl target")
+        ttft = fields.get("ttft", "none")
+        percentile = float(fields.get("p", "99"))
+        if not 0 < percentile <= 100:
+            raise ValueError(f"SLO class {name!r}: p={percentile:g} is not a percentile in (0, 100]")
+        classes.append(
+            SloClass(
+                name=name,
+                rank=rank,
+                ttft_s=None if ttft.lower() == "none" else _seconds(ttft, "ttft"),
+                itl_s=_seconds(fields["itl"], "itl"),
+                percentile=percentile,
+            )
+        )
+    if not classes:
+        raise ValueError("at least one SLO class is needed")
+    return SloClasses(tuple(classes), default or classes[0].name)
