@@ -54,6 +54,12 @@ from common.transfer.agent import KVTransferAgent
 log = logging.getLogger("kvferry.engine")
 
 LOAD_INTERVAL_S = 0.1
+# Idle, the load changes only with a command (which wakes the loop), so it goes out this seldom: the loop
+# blocks on the command pipe in between (an idle worker costs next to no CPU).
+IDLE_LOAD_INTERVAL_S = 1.0
+# A turn whose only work waits on transfers (a KV notice, writes in flight): NIXL has no descriptor to block
+# on, so the loop polls this often, waking at once for a command; a zero wait spun a core a peer needed.
+TRANSFER_POLL_S = 0.001
 DECODE_STEP_SMOOTHING = 0.1  # weight of the newest decode step in the published step time
 MAX_TIMELINES = 16384  # stage stamps kept for requests in flight; beyond it the oldest go (a leak guard)
 # A turn with nothing to do but wait for staging space (prefill_worker/engine.py, `waits_only`) waits this long for
@@ -172,6 +178,7 @@ class EngineHost:
         self.outbox: list[Event] = []
         self.stopping = False
         self._last_load = 0.0
+        self.loop_turns = 0  # loop turns so far (published: an idle engine's stays put)
         self.prefill_rate = PrefillRate()
         self.debug_checksums = DEBUG_CHECKSUMS.read()
         # Observability (common/serving/engine_metrics.py): per-request stage stamps, sent with the request's
@@ -266,15 +273,15 @@ class EngineHost:
         send(self.conn, Ready(self.agent_info(), self.cfg.pod_name))
         last_busy, trimmed = time.monotonic(), True
         while not self.stopping:
+            self.loop_turns += 1
             busy = self.has_work()
+            now = time.monotonic()
             if busy:
-                last_busy, trimmed = time.monotonic(), False
-            elif not trimmed and time.monotonic() - last_busy >= IDLE_TRIM_S:
+                last_busy, trimmed = now, False
+            elif not trimmed and now - last_busy >= IDLE_TRIM_S:
                 _malloc_trim()
                 trimmed = True
-            timeout = 0.0 if busy else 0.002
-            if busy and not self.scheduler.has_work() and all(r.waits_only() for r in self.roles if r.has_work()):
-                timeout = STAGING_WAIT_S
+            timeout = self._wait_s(busy, now, last_busy, trimmed)
             while self.conn.poll(timeout):
                 self.handle(recv(self.conn))
                 timeout = 0.0
@@ -309,7 +316,7 @@ class EngineHost:
                 else:
                     self.publisher.stored(hashes, tier)  # moved to the host tier, or loaded back
             now = time.monotonic()
-            if now - self._last_load >= LOAD_INTERVAL_S:
+            if now - self._last_load >= self._load_interval(last_busy):
                 self._last_load = now
                 self.outbox.append(Load(self.load().model_dump()))
                 if self._steps:
@@ -317,6 +324,25 @@ class EngineHost:
                     self._steps = []
             self.flush()
         self.shutdown()
+
+    def _load_interval(self, last_busy: float) -> float:
+        """Busy, or the first snapshot after work ended (the one that shows every page back): every
+        LOAD_INTERVAL_S; idle after that: every IDLE_LOAD_INTERVAL_S."""
+        return LOAD_INTERVAL_S if self._last_load <= last_busy else IDLE_LOAD_INTERVAL_S
+
+    def _wait_s(self, busy: bool, now: float, last_busy: float, trimmed: bool) -> float:
+        """How long this turn waits for a command before it moves on: not at all while the scheduler has
+        steps to run; briefly while only transfers are under way; idle, until the next thing with a time
+        (the load snapshot, the allocator trim), blocking on the pipe meanwhile (no polling)."""
+        if self.scheduler.has_work():
+            return 0.0
+        if busy:
+            waiting = [r for r in self.roles if r.has_work()]
+            return STAGING_WAIT_S if all(r.waits_only() for r in waiting) else TRANSFER_POLL_S
+        due = self._last_load + self._load_interval(last_busy)
+        if not trimmed:
+            due = min(due, last_busy + IDLE_TRIM_S)
+        return max(0.0, due - now)
 
     def check_ledger(self) -> None:
         """While idle, every page must be free or cached exactly once (common/kv/integrity.py)."""
@@ -421,6 +447,7 @@ class EngineHost:
             total_pages=snap.total_pages,
             page_size=self.page_size,
             ready=True,
+            loop_turns=self.loop_turns,
             host_pages_cached=snap.host_pages_cached,
             host_pages_total=snap.host_pages_total,
             host_pages_saved=snap.host_pages_saved,
