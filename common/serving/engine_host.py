@@ -68,15 +68,9 @@ STAGING_WAIT_S = 0.0005
 IDLE_TRIM_S = 1.0  # idle this long: hand the allocator's free memory back to the OS (once per idle spell)
 
 
-class Later:
-    """What a handler returns for a call it answers later (``EngineHost.answer``), e.g. once pages are free."""
-
-    def __init__(self, rpc: int | None) -> None:
-        self.rpc = rpc  # None: the command came as a cast, nobody waits for the answer
-
-
-# command type -> what runs it (returns the reply's result, or ``Later``)
-Handlers = dict[type, Callable[[Any], Wire | Later | None]]
+# command type -> what runs it (returns the reply's result). Every call is answered in the loop turn that handles
+# it: a handler queues what takes longer and reports it by events, so a caller never waits on admission.
+Handlers = dict[type, Callable[[Any], Wire | None]]
 
 
 class Refused(Exception):
@@ -192,7 +186,6 @@ class EngineHost:
         self.decode_step_s = 0.0  # smoothed decode-only step time, published for the router's ITL model
         # This role's commands, by type; role classes add theirs.
         self.handlers: Handlers = {Stop: self._stop, Abort: self._abort}
-        self._rpc: int | None = None  # the call being handled (``later``)
         for role in self.roles:
             self.handlers.update(role.handlers)
 
@@ -380,7 +373,6 @@ class EngineHost:
     def handle(self, msg: Wire) -> None:
         """Runs a command (a ``Call``'s is answered with a ``Reply``; a cast's outcome is not reported)."""
         rpc, cmd = (msg.rpc, msg.cmd) if isinstance(msg, Call) else (None, msg)
-        self._rpc = rpc
         error: tuple[str, str] | None = None
         result = None
         try:
@@ -397,16 +389,8 @@ class EngineHost:
         except Exception as e:  # a bad command must not take the engine down
             log.exception("engine command failed", extra={"op": type(cmd).__name__})
             error = f"{type(e).__name__}: {e}", "engine_error"
-        if rpc is not None and not (error is None and isinstance(result, Later)):
+        if rpc is not None:
             self.outbox.append(Reply(rpc, result) if error is None else Reply(rpc, error=error[0], code=error[1]))
-
-    def later(self) -> Later:
-        """For the handler of the command being handled: its reply comes later, by ``answer``."""
-        return Later(self._rpc)
-
-    def answer(self, later: Later, result: Wire | None) -> None:
-        if later.rpc is not None:
-            self.outbox.append(Reply(later.rpc, result))
 
     def _stop(self, cmd: Stop) -> None:
         self.stopping = True
