@@ -14,10 +14,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import httpx
 import pytest
 
 from common.devcluster.cluster import LocalCluster, start_local_cluster
 from tests.test_reliability import MODEL, _raw_post, completion, load, long_prompt, wait_all_up, wait_until
+from tests.workers import generate_body, start_worker, wait_pages_back, wait_ready
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -79,3 +81,29 @@ def test_hang_up_storm_mid_prefill_frees_everything_within_seconds(cluster: Loca
     with ThreadPoolExecutor(max_workers=2) as pool:
         rs = list(pool.map(lambda _: completion(c, long_prompt(300), max_tokens=2, timeout=120), range(2)))
     assert [r.status_code for r in rs] == [200, 200], [r.text for r in rs]
+
+
+def test_request_waiting_for_pages_is_dropped_when_its_caller_leaves(redis_server, smol_tokenizer) -> None:
+    """The decode pool is full with one remote prefill's reservation; a second request waits for pages. Its
+    stream opens at once (the engine answers when it queues it, not when pages free up), so a caller that
+    leaves is heard while it waits: nothing of it is ever reserved or prefilled, and every page comes back."""
+    env = {"KVFERRY_NUM_PAGES": "128"}  # 2,048 tokens: one ~1,500-token prompt fills it
+    p = start_worker("prefill", redis_server, env=env)
+    d = start_worker("decode", redis_server, env=env)
+    try:
+        wait_ready(p, d)
+        ids = smol_tokenizer.encode("Write a long story about a lighthouse keeper and the sea. " * 110)[:1500]
+        with httpx.stream("POST", f"{d.url}/internal/generate", json=generate_body(ids, p.url, 16), timeout=60) as a:
+            assert a.status_code == 200
+            wait_until(lambda: p.load()["running_requests"] == 1, 60, "the first prompt prefilling", 0.02)
+            t0 = time.monotonic()
+            with httpx.stream(
+                "POST", f"{d.url}/internal/generate", json=generate_body(ids[::-1], p.url, 16), timeout=10
+            ) as b:
+                assert b.status_code == 200
+                assert time.monotonic() - t0 < 5, "the stream waited for pages before it opened"
+        wait_pages_back(p, d, timeout=IDLE_WITHIN_S)
+        assert p.load()["running_requests"] == 0
+    finally:
+        p.stop()
+        d.stop()
