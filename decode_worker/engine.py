@@ -1,8 +1,9 @@
 """The decode role of a worker's engine: reserve pages for remote prefill, admit on the KV notice, decode.
 
-One request's transfer here (states in common/transfer/session.py): `Generate` with a peer queues it, the
-scheduler reserves its pages when it next settles transfers, each loop turn (`reserved`), and the call's reply
-carries them: the control plane's leave to send them to that peer (session "requested"). The peer's notice
+One request's transfer here (states in common/transfer/session.py): `Generate` with a peer queues it (its
+reply is immediate), the scheduler reserves its pages when it next settles transfers, each loop turn
+(`reserved`), and a `Reserved` event on the request's stream carries them: the control plane's leave to send
+them to that peer (session "requested"). The peer's notice
 ends it (`tick`): "landed" admits the
 request into the running batch, "closed" fails it. A request given up on before that keeps its pages (`held`)
 until a notice of its peer, or until the control plane learns from the request's exchange with the peer that
@@ -22,7 +23,7 @@ from common.kv.pool import checksums_match
 from common.protocol import SamplingParams
 from common.sched.kv_connector import FinishedTransfers, KVArrival, NullConnector
 from common.sched.request import Req
-from common.serving.engine_host import EngineHost, Handlers, Later, Refused
+from common.serving.engine_host import EngineHost, Handlers, Refused
 from common.serving.messages import (
     Generate,
     KVForcedRelease,
@@ -44,7 +45,6 @@ class PendingRemote:
     deadline: float
     peer: str
     peer_instance: str
-    reply: Later  # the ``Generate`` call's answer: the pages once reserved
     reserved: bool = False
 
 
@@ -79,7 +79,7 @@ class DecodeRole(NullConnector):
     def hands_on_stamps(self, req_id: str) -> bool:
         return False
 
-    def _generate(self, cmd: Generate) -> Later | None:
+    def _generate(self, cmd: Generate) -> None:
         req = self.host.make_req(cmd.req_id, cmd.token_ids, SamplingParams.model_validate(cmd.sampling), cmd.received)
         if cmd.peer is None or cmd.peer_instance is None:
             self.host.enqueue(req)
@@ -88,11 +88,9 @@ class DecodeRole(NullConnector):
         if self.host.scheduler.has_request(req.req_id) or req.req_id in self.remote or req.req_id in self.held:
             raise Refused(f"duplicate request id {req.req_id!r}", "duplicate_request")
         # Its pages are reserved when the scheduler settles transfers, in this loop turn when they are free; the
-        # reply waits for them.
-        reply = self.host.later()
+        # reply does not wait for them (a caller that leaves meanwhile is heard at once), the stream does.
         deadline = time.monotonic() + cmd.timeout_s
-        self.remote[req.req_id] = PendingRemote(req, deadline, cmd.peer, cmd.peer_instance, reply)
-        return reply
+        self.remote[req.req_id] = PendingRemote(req, deadline, cmd.peer, cmd.peer_instance)
 
     def reservations(self) -> list[Req]:
         return [p.req for p in self.remote.values() if not p.reserved]
@@ -103,13 +101,12 @@ class DecodeRole(NullConnector):
         pending.reserved = True
         self.host.mark(rid, "pages_reserved")
         self.receiver.reserve(rid, pending.peer, pending.peer_instance)  # the ids leave with the reply
-        self.host.answer(pending.reply, Reserved(pages))
+        self.host.outbox.append(Reserved(rid, pages))
 
     # ---- giving up -----------------------------------------------------------------------------------
     def abort(self, req_id: str, reason: str, error: str | None) -> None:
         pending = self.remote.pop(req_id, None)
-        if pending is not None and not pending.reserved:
-            self.host.answer(pending.reply, None)  # no pages: the stream says why
+        if pending is not None and not pending.reserved:  # no pages yet: nothing to hold
             self.host.emit(Tokens(req_id, [], finish_reason=reason if error is None else "error", error=error))
             return
         self.receiver.give_up(req_id, error or reason)  # first: `aborted` asks the session

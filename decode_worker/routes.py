@@ -14,10 +14,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from common.managed_stream import ManagedStream
-from common.protocol import AbortRequest, GenerateRequest
-from common.serving.channel import CALL_TIMEOUT_S, ENGINE_TIMEOUT, EngineClient, EngineError
+from common.protocol import AbortRequest, GenerateRequest, HandshakeResponse
+from common.serving.channel import ENGINE_TIMEOUT, EngineClient, EngineError
 from common.serving.http_errors import error_response, read_message
-from common.serving.messages import Abort, Generate, KVForcedRelease, PrefillSettled, StreamEvent, Tokens
+from common.serving.messages import Abort, Generate, KVForcedRelease, PrefillSettled, Reserved, StreamEvent, Tokens
 from common.serving.request_trace import DECODE_SPANS, WorkerTrace
 from common.serving.worker_state import WorkerState
 from decode_worker.peer_directory import PeerDirectory
@@ -39,12 +39,15 @@ class DecodeStream:
     finished: bool = False  # the engine sent the finish
     landed: bool = False  # tokens came: the prompt's KV is here (a remote prefill is over)
     ended: bool = False  # let go of here (`end`)
+    peer: HandshakeResponse | None = None  # the prefill peer's agent, once handshaken
+    asked: bool = False  # the peer was asked to fill the reserved pages (`reserved`)
 
     async def begin(self) -> None:
-        """Hands the request to the engine; with a peer, the engine's reply carries the pages reserved for it,
-        which the peer is then asked to fill (decode_worker/remote_prefill.py)."""
+        """Hands the request to the engine, which queues it and answers at once; with a peer, the pages it
+        reserves come later as a ``Reserved`` event on the stream (`lines`), and the peer is then asked to fill
+        them (decode_worker/remote_prefill.py). A caller that leaves while they wait is heard at once."""
         gen, rid = self.gen, self.gen.req_id
-        timeout_s = gen.kv_timeout_s or PREFILL_DEADLINE_S
+        timeout_s = self.kv_timeout_s
         peer = None
         if self.peer_url is not None:
             try:
@@ -52,24 +55,29 @@ class DecodeStream:
             except PeerFailure as e:  # the stream says so; the router tries another prefill worker
                 self.client.streams[rid].put_nowait(Tokens(rid, [], finish_reason="error", error=str(e)))
                 return
+        self.peer = peer
         names = (peer.agent_name, peer.instance_id) if peer is not None else (None, None)
         cmd = Generate(rid, gen.token_ids, gen.sampling.model_dump(), *names, timeout_s, self.trace.received)
         try:
-            # With a peer the reply waits for free pages: at most the request's deadline (the engine's to keep).
-            reserved = await self.client.call(cmd, CALL_TIMEOUT_S + (timeout_s if peer is not None else 0.0))
+            await self.client.call(cmd)
         except BaseException as exc:
-            # The engine may still take the request (a late answer, or the caller left): stop it then; pages it
-            # reserved meanwhile were never sent.
-            late = not isinstance(exc, EngineError) or exc.code == ENGINE_TIMEOUT
-            self.end(abort=late)
-            if late and peer is not None:
-                self.client.cast(PrefillSettled(rid, "the prefill request was never sent"))
+            # The engine may still take the request (a late answer, or the caller left): stop it then (`end`
+            # frees pages it reserved meanwhile: they were never sent).
+            self.end(abort=not isinstance(exc, EngineError) or exc.code == ENGINE_TIMEOUT)
             raise
         self.state.metrics.prompt.inc(len(gen.token_ids))
         self.state.accepted.add(rid, len(gen.token_ids), prefill_here=peer is None)
-        if peer is not None and reserved is not None:
-            assert self.peer_url is not None
-            self.remote.start(gen, self.peer_url, peer, reserved.pages, timeout_s, self.trace)
+
+    @property
+    def kv_timeout_s(self) -> float:
+        return self.gen.kv_timeout_s or PREFILL_DEADLINE_S
+
+    def reserved(self, ev: Reserved) -> None:
+        """The engine reserved the request's pages for its peer: the peer is asked to fill them."""
+        if self.ended or self.peer is None or self.peer_url is None:
+            return  # let go of already: the engine's abort frees them
+        self.asked = True
+        self.remote.start(self.gen, self.peer_url, self.peer, ev.pages, self.kv_timeout_s, self.trace)
 
     def end(self, abort: bool) -> None:
         """Lets go of everything the request holds here, at once (no await: nothing can interrupt it);
@@ -86,13 +94,19 @@ class DecodeStream:
             self.remote.give_up(rid)
         if abort:
             self.client.cast(Abort(rid))
+            if self.peer is not None and not self.asked:
+                # Pages the engine reserved meanwhile were never sent: nothing can write them, free them now.
+                self.client.cast(PrefillSettled(rid, "the prefill request was never sent"))
 
     async def lines(self, queue: asyncio.Queue[StreamEvent]) -> AsyncIterator[bytes]:
         """The engine's token events as NDJSON lines for the router, until the finish."""
         metrics = self.state.metrics
         while not self.finished:
             ev = await queue.get()
-            if not isinstance(ev, Tokens):  # a decode stream's only event
+            if isinstance(ev, Reserved):
+                self.reserved(ev)
+                continue
+            if not isinstance(ev, Tokens):
                 continue
             item = ev.stream_item()
             self.landed = self.landed or bool(ev.token_ids)

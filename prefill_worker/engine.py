@@ -264,9 +264,9 @@ class PrefillRole(NullConnector):
         return True
 
     def aborted(self, req: Req) -> bool:
-        # The scheduler aborts a request of this role only once its session is terminal (`_finish`): no
-        # posted write reads its pages any more.
-        return False
+        """A request given up while its session is open (`abort`) leaves the scheduler at once, computing no
+        further chunk, but its pages stay held while a posted write may still read them (until `_finish`)."""
+        return req.req_id in self.outbound
 
     def finished(self) -> FinishedTransfers | None:
         done, self.done = self.done, FinishedTransfers()
@@ -284,7 +284,7 @@ class PrefillRole(NullConnector):
         """The session is terminal: no posted write reads the request's pages any more; give them back."""
         ob = self.outbound.pop(rid)
         t = ob.transfer
-        if ob.computed:
+        if ob.req.finished:  # prefilled, or given up: the scheduler holds its pages (`prefill_done`, `aborted`)
             self.done.released.append(rid)  # the scheduler frees them when it next asks
         else:
             self.host.scheduler.abort(rid, reason="error", error=t.error)
@@ -318,7 +318,9 @@ class PrefillRole(NullConnector):
         ob = self.outbound.get(req_id)
         if ob is None:
             return
-        # Until the posted writes settle the request stays in the scheduler (its pages are read by them); a
-        # prefill that completes meanwhile is held by `prefill_done` and released by `_finish`.
+        # It stops at the next chunk boundary: out of the scheduler now, its pages held there while the posted
+        # writes may still read them (`aborted`), released by `_finish` once they settled ("closed" goes out).
         if ob.transfer.cancel(error or "aborted by the decode worker") in TERMINAL:
             self._finish(req_id)
+        elif not ob.req.finished:
+            self.host.scheduler.abort(req_id, reason="abort", error=error)

@@ -36,7 +36,7 @@ SAMPLES: list[m.Wire] = [
     m.Load({"pod": "p", "free_pages": 3}),
     m.Steps([0.01, 4.0]),
     m.KVIntegrity(2),
-    m.Reserved([4, 5]),
+    m.Reserved("r1", [4, 5]),
     m.KVForcedRelease(1),
     m.Tokens("r", [1, 2], [{"token": 1, "logprob": -0.5, "top": []}], 3, 0, {"decode_received": 1.0}, "length"),
     m.Tokens("r", [], finish_reason="error", error="engine process exited", retryable=True),

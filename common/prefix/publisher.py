@@ -138,6 +138,7 @@ class PrefixIndexPublisher:
             b.events.append((tier, items))
             b.n_hashes += len(items)
             b.pushed += 1
+            b.cond.notify_all()  # the thread may be waiting for work (`_wait_for_work`)
             if b.n_hashes > self.max_buffered_hashes:
                 # The thread cannot keep up (or is stuck on a slow Redis): drop and resync instead of
                 # growing without bound. Logged by the thread, not here (no I/O on the caller's path).
@@ -160,6 +161,8 @@ class PrefixIndexPublisher:
         the entries stay until the heartbeat expires (then they count 0 and are garbage-collected)."""
         self._deregister = deregister
         self._stop.set()
+        with self._buf.cond:
+            self._buf.cond.notify_all()  # wakes the thread out of `_wait_for_work`
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
@@ -202,8 +205,21 @@ class PrefixIndexPublisher:
                 LOG.exception("prefix publisher %s: unexpected error; will resync", self.pod_id)
                 self._on_failure(None)
                 backoff = min(self.max_backoff_s, max(0.1, backoff * 2))
-            self._stop.wait(backoff or self.flush_interval_s)
+            if backoff:
+                self._stop.wait(backoff)
+            else:
+                self._wait_for_work()
         self._shutdown()
+
+    def _wait_for_work(self) -> None:
+        """Waits ``flush_interval_s`` (events arriving meanwhile go out in one pipeline), then, with nothing
+        buffered, blocks until an event, the next heartbeat or gc, or ``stop``: an idle pod's thread sleeps."""
+        if self._stop.wait(self.flush_interval_s):
+            return
+        b = self._buf
+        with b.cond:
+            due = min(self._next_heartbeat, self._next_gc) - time.monotonic()
+            b.cond.wait_for(lambda: bool(b.events) or b.needs_sync or self._stop.is_set(), max(0.0, due))
 
     def _on_failure(self, exc: BaseException | None) -> None:
         if exc is not None:

@@ -54,6 +54,12 @@ from common.transfer.agent import KVTransferAgent
 log = logging.getLogger("kvferry.engine")
 
 LOAD_INTERVAL_S = 0.1
+# Idle, the load changes only with a command (which wakes the loop), so it goes out this seldom: the loop
+# blocks on the command pipe in between (an idle worker costs next to no CPU).
+IDLE_LOAD_INTERVAL_S = 1.0
+# A turn whose only work waits on transfers (a KV notice, writes in flight): NIXL has no descriptor to block
+# on, so the loop polls this often, waking at once for a command; a zero wait spun a core a peer needed.
+TRANSFER_POLL_S = 0.001
 DECODE_STEP_SMOOTHING = 0.1  # weight of the newest decode step in the published step time
 MAX_TIMELINES = 16384  # stage stamps kept for requests in flight; beyond it the oldest go (a leak guard)
 # A turn with nothing to do but wait for staging space (prefill_worker/engine.py, `waits_only`) waits this long for
@@ -62,15 +68,9 @@ STAGING_WAIT_S = 0.0005
 IDLE_TRIM_S = 1.0  # idle this long: hand the allocator's free memory back to the OS (once per idle spell)
 
 
-class Later:
-    """What a handler returns for a call it answers later (``EngineHost.answer``), e.g. once pages are free."""
-
-    def __init__(self, rpc: int | None) -> None:
-        self.rpc = rpc  # None: the command came as a cast, nobody waits for the answer
-
-
-# command type -> what runs it (returns the reply's result, or ``Later``)
-Handlers = dict[type, Callable[[Any], Wire | Later | None]]
+# command type -> what runs it (returns the reply's result). Every call is answered in the loop turn that handles
+# it: a handler queues what takes longer and reports it by events, so a caller never waits on admission.
+Handlers = dict[type, Callable[[Any], Wire | None]]
 
 
 class Refused(Exception):
@@ -172,6 +172,7 @@ class EngineHost:
         self.outbox: list[Event] = []
         self.stopping = False
         self._last_load = 0.0
+        self.loop_turns = 0  # loop turns so far (published: an idle engine's stays put)
         self.prefill_rate = PrefillRate()
         self.debug_checksums = DEBUG_CHECKSUMS.read()
         # Observability (common/serving/engine_metrics.py): per-request stage stamps, sent with the request's
@@ -185,7 +186,6 @@ class EngineHost:
         self.decode_step_s = 0.0  # smoothed decode-only step time, published for the router's ITL model
         # This role's commands, by type; role classes add theirs.
         self.handlers: Handlers = {Stop: self._stop, Abort: self._abort}
-        self._rpc: int | None = None  # the call being handled (``later``)
         for role in self.roles:
             self.handlers.update(role.handlers)
 
@@ -266,15 +266,15 @@ class EngineHost:
         send(self.conn, Ready(self.agent_info(), self.cfg.pod_name))
         last_busy, trimmed = time.monotonic(), True
         while not self.stopping:
+            self.loop_turns += 1
             busy = self.has_work()
+            now = time.monotonic()
             if busy:
-                last_busy, trimmed = time.monotonic(), False
-            elif not trimmed and time.monotonic() - last_busy >= IDLE_TRIM_S:
+                last_busy, trimmed = now, False
+            elif not trimmed and now - last_busy >= IDLE_TRIM_S:
                 _malloc_trim()
                 trimmed = True
-            timeout = 0.0 if busy else 0.002
-            if busy and not self.scheduler.has_work() and all(r.waits_only() for r in self.roles if r.has_work()):
-                timeout = STAGING_WAIT_S
+            timeout = self._wait_s(busy, now, last_busy, trimmed)
             while self.conn.poll(timeout):
                 self.handle(recv(self.conn))
                 timeout = 0.0
@@ -309,7 +309,7 @@ class EngineHost:
                 else:
                     self.publisher.stored(hashes, tier)  # moved to the host tier, or loaded back
             now = time.monotonic()
-            if now - self._last_load >= LOAD_INTERVAL_S:
+            if now - self._last_load >= self._load_interval(last_busy):
                 self._last_load = now
                 self.outbox.append(Load(self.load().model_dump()))
                 if self._steps:
@@ -317,6 +317,25 @@ class EngineHost:
                     self._steps = []
             self.flush()
         self.shutdown()
+
+    def _load_interval(self, last_busy: float) -> float:
+        """Busy, or the first snapshot after work ended (the one that shows every page back): every
+        LOAD_INTERVAL_S; idle after that: every IDLE_LOAD_INTERVAL_S."""
+        return LOAD_INTERVAL_S if self._last_load <= last_busy else IDLE_LOAD_INTERVAL_S
+
+    def _wait_s(self, busy: bool, now: float, last_busy: float, trimmed: bool) -> float:
+        """How long this turn waits for a command before it moves on: not at all while the scheduler has
+        steps to run; briefly while only transfers are under way; idle, until the next thing with a time
+        (the load snapshot, the allocator trim), blocking on the pipe meanwhile (no polling)."""
+        if self.scheduler.has_work():
+            return 0.0
+        if busy:
+            waiting = [r for r in self.roles if r.has_work()]
+            return STAGING_WAIT_S if all(r.waits_only() for r in waiting) else TRANSFER_POLL_S
+        due = self._last_load + self._load_interval(last_busy)
+        if not trimmed:
+            due = min(due, last_busy + IDLE_TRIM_S)
+        return max(0.0, due - now)
 
     def check_ledger(self) -> None:
         """While idle, every page must be free or cached exactly once (common/kv/integrity.py)."""
@@ -354,7 +373,6 @@ class EngineHost:
     def handle(self, msg: Wire) -> None:
         """Runs a command (a ``Call``'s is answered with a ``Reply``; a cast's outcome is not reported)."""
         rpc, cmd = (msg.rpc, msg.cmd) if isinstance(msg, Call) else (None, msg)
-        self._rpc = rpc
         error: tuple[str, str] | None = None
         result = None
         try:
@@ -371,16 +389,8 @@ class EngineHost:
         except Exception as e:  # a bad command must not take the engine down
             log.exception("engine command failed", extra={"op": type(cmd).__name__})
             error = f"{type(e).__name__}: {e}", "engine_error"
-        if rpc is not None and not (error is None and isinstance(result, Later)):
+        if rpc is not None:
             self.outbox.append(Reply(rpc, result) if error is None else Reply(rpc, error=error[0], code=error[1]))
-
-    def later(self) -> Later:
-        """For the handler of the command being handled: its reply comes later, by ``answer``."""
-        return Later(self._rpc)
-
-    def answer(self, later: Later, result: Wire | None) -> None:
-        if later.rpc is not None:
-            self.outbox.append(Reply(later.rpc, result))
 
     def _stop(self, cmd: Stop) -> None:
         self.stopping = True
@@ -421,6 +431,7 @@ class EngineHost:
             total_pages=snap.total_pages,
             page_size=self.page_size,
             ready=True,
+            loop_turns=self.loop_turns,
             host_pages_cached=snap.host_pages_cached,
             host_pages_total=snap.host_pages_total,
             host_pages_saved=snap.host_pages_saved,

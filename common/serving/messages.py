@@ -63,13 +63,6 @@ class PeerAdded(Wire):
 
 
 @dataclass(frozen=True)
-class Reserved(Wire):
-    """The pages reserved for a remote prefill, to be filled by the peer the request named (decode side)."""
-
-    pages: list[int]
-
-
-@dataclass(frozen=True)
 class TransferCounts(Wire):
     writes_in_flight: int
     sessions: dict[str, int]  # open transfer sessions by state
@@ -94,10 +87,10 @@ class Abort(Command[None]):
 
 # ---- commands: decode side -----------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Generate(Command["Reserved | None"]):
-    """A request to decode here. With a ``peer`` (a prefill worker's agent and instance) its prompt is prefilled
-    there: the reply comes once its pages are reserved, and carries them (the leave to send them to that peer),
-    or None if the request ended first (its stream says why)."""
+class Generate(Command[None]):
+    """A request to decode here, answered as soon as it is queued. With a ``peer`` (a prefill worker's agent and
+    instance) its prompt is prefilled there: once its pages are reserved a ``Reserved`` event on its stream
+    carries them (the leave to send them to that peer); a request that ends first gets its finish instead."""
 
     req_id: str
     token_ids: list[int]
@@ -245,6 +238,14 @@ class Tokens(StreamEvent):
 
     def stream_item(self) -> dict[str, Any]:
         return {k: v for k, v in _values(self).items() if k != "req_id" and v is not None}
+
+
+@dataclass(frozen=True)
+class Reserved(StreamEvent):
+    """The pages reserved for a remote prefill, to be filled by the peer the request named (decode side)."""
+
+    req_id: str
+    pages: list[int]
 
 
 @dataclass(frozen=True)
