@@ -99,6 +99,9 @@ class RouterConfig:
     api_key: str | None = reg.API_KEY.field()
     redis_access: RedisAccess = field(default_factory=RedisAccess)
     internal_token: InternalToken = field(default_factory=InternalToken)  # sent on every call to a worker
+    # The SLO declaration (common/slo.py): which class a request's `priority` / `x-kvferry-class` names.
+    slo_classes: str = reg.SLO_CLASSES.field()
+    slo_default_class: str = reg.SLO_DEFAULT_CLASS.field()
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> RouterConfig:

@@ -537,6 +537,15 @@ MAX_PREFILL_TOKENS = declare(
     "common/settings.py",
     flag=True,
 )
+MAX_STEP_MS = declare(
+    "KVFERRY_MAX_STEP_MS",
+    float,
+    1000.0,
+    "the longest step the engine plans (its step-time model's prediction): commands, aborts and load reports are "
+    "read between steps, so this bounds how long they wait; 0 = no bound",
+    "workers",
+    "common/settings.py",
+)
 ITL_TARGET_MS = declare(
     "KVFERRY_ITL_TARGET_MS",
     itl_target_ms,
@@ -565,7 +574,7 @@ SLO_CLASSES = declare(
     "(`common/slo.py`; SLOs above). Workers size steps to the tightest ITL target of the requests they decode and "
     "queue prompts by TTFT deadline; the router maps `priority` / `x-kvferry-class` to a class",
     "all",
-    "common/slo.py",
+    "common/settings.py, common/config.py",
 )
 SLO_DEFAULT_CLASS = declare(
     "KVFERRY_SLO_DEFAULT_CLASS",
@@ -573,7 +582,7 @@ SLO_DEFAULT_CLASS = declare(
     "",
     "the class of a request that names none",
     "all",
-    "common/slo.py",
+    "common/settings.py, common/config.py",
     shown_default="the first declared class",
 )
 HOST_KV_GB = declare(

@@ -135,6 +135,9 @@ class _SamplingRequest(_RefusesUnsupported):
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[int] | None = Field(None, max_length=1024)
+    # vLLM's request priority: lower is served sooner; 0 (the default) is the deployment's default SLO class,
+    # each step up or down one class (common/slo.py). The x-kvferry-class header names a class instead.
+    priority: int | None = Field(None, ge=-1000, le=1000)
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = Field(None, max_length=64 * 1024)
@@ -196,9 +199,11 @@ class _SamplingRequest(_RefusesUnsupported):
     def logit_bias_ids(self) -> dict[int, float]:
         return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
-    def sampling(self, max_tokens: int, choice: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
+    def sampling(
+        self, max_tokens: int, choice: int, logprobs: bool, top_logprobs: int, slo_class: str = ""
+    ) -> SamplingParams:
         """Worker-side sampling parameters for choice ``choice`` (seeded choices get seed + choice, so
-        n > 1 gives n different but reproducible samples)."""
+        n > 1 gives n different but reproducible samples), of SLO class ``slo_class``."""
         temperature = 1.0 if self.temperature is None else self.temperature
         top_p = 1.0 if self.top_p is None else self.top_p
         top_k = -1 if self.top_k is None else self.top_k
@@ -221,6 +226,7 @@ class _SamplingRequest(_RefusesUnsupported):
             min_tokens=min(self.min_tokens or 0, max_tokens),
             stop_token_ids=self.stop_token_ids or [],
             grammar=self.grammar,
+            slo_class=slo_class,
         )
 
 

@@ -15,7 +15,7 @@ from router.middleware import COUNTED
 from router.openai_api import ChatCompletionRequest, CompletionRequest
 from router.responses import SSE_HEADERS
 from router.runtime import RuntimeSlot
-from router.service import Job
+from router.service import SLO_CLASS_HEADER, Job
 from router.timeline import RequestLog
 from router.tokenizer import ModelInfo
 
@@ -51,6 +51,7 @@ def install_openai_routes(app: FastAPI, slot: RuntimeSlot, info: ModelInfo, requ
         job: Job | None = None
         try:
             job = await prepare(req)
+            job.slo_class = service.slo_class(req.priority, request.headers.get(SLO_CLASS_HEADER))
             job.record = rec
             rec.prepared(job.rid, sum(len(p) for p in job.prompts))
             if not pool.decoders():

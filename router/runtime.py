@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.config import RouterConfig
+from common.slo import parse_slo_classes
 from router.admission import AdmissionLimits
 from router.cost_model import SloTargets
 from router.discovery import Discovery
@@ -81,7 +82,8 @@ class RouterRuntime:
             metrics=metrics,
         )
         metrics.watch_pool(lambda: list(pool.workers.values()))
-        service = RouterService(tok, info, dispatcher, opts)
+        slo = parse_slo_classes(config.slo_classes, config.slo_default_class)
+        service = RouterService(tok, info, dispatcher, opts, slo)
         return cls(client, pool, locator, dispatcher, service, discovery, index_reader)
 
     def start(self) -> None:

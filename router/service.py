@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import anyio
 
+from common.slo import DEFAULT_SLO_SPEC, SloClasses, parse_slo_classes
 from router.choice import ChoiceDelta, ChoiceState, TokenInfo
 from router.dispatch import Dispatcher
 from router.errors import bad_request, context_too_long, rate_limited, upstream_failed
@@ -42,6 +43,8 @@ from router.timeline import RequestRecord
 from router.tokenizer import ModelInfo, RouterTokenizer
 from router.tools import ToolCallStream, finish_reason_with_calls, parse_tool_calls
 from router.upstream_event import UpstreamEvent
+
+SLO_CLASS_HEADER = "x-kvferry-class"  # names the request's SLO class (else `priority`, else the default)
 
 __all__ = ["Job", "RouterService"]
 
@@ -67,6 +70,7 @@ class Job:
     logprobs: bool
     top_logprobs: int
     include_usage: bool
+    slo_class: str = ""  # its SLO class (common/slo.py), from `priority` or the x-kvferry-class header
     record: RequestRecord | None = None  # timeline, trace and metrics of the request (router/timeline.py)
     # Every choice started for this request, registered before its first await: whoever owns the job closes
     # these when the request ends, whether or not ``RouterService.start`` got to return them.
@@ -95,8 +99,14 @@ class RunningChoice:
 
 class RouterService:
     def __init__(
-        self, tokenizer: RouterTokenizer, model: ModelInfo, dispatcher: Dispatcher, opts: RouterOptions
+        self,
+        tokenizer: RouterTokenizer,
+        model: ModelInfo,
+        dispatcher: Dispatcher,
+        opts: RouterOptions,
+        slo: SloClasses | None = None,
     ) -> None:
+        self.slo = slo if slo is not None else parse_slo_classes(DEFAULT_SLO_SPEC)
         self.tok = tokenizer
         self.model = model
         self.dispatcher = dispatcher
@@ -122,6 +132,16 @@ class RouterService:
     def release(self, ticket: Admission) -> None:
         """Idempotent: the request's ticket leaves the live set (a second release is a no-op)."""
         self._admitted.discard(ticket)
+
+    def slo_class(self, priority: int | None, header: str | None) -> str:
+        """The request's SLO class: the x-kvferry-class header's (400 if it names no declared class), else
+        vLLM's `priority` shifted from the default class (lower is sooner), else the default."""
+        if header:
+            try:
+                return self.slo.get(header.strip()).name
+            except ValueError as exc:
+                raise bad_request(str(exc), SLO_CLASS_HEADER) from None
+        return self.slo.by_priority(priority or 0).name
 
     # ---- preparing -----------------------------------------------------------------------------------
     async def prepare_chat(self, req: ChatCompletionRequest) -> Job:
@@ -219,7 +239,7 @@ class RouterService:
         for p_idx, plan in enumerate(plans):
             for i in range(job.n):
                 idx = p_idx * job.n + i
-                sampling = job.request.sampling(job.max_tokens[p_idx], i, job.logprobs, job.top_logprobs)
+                sampling = job.request.sampling(job.max_tokens[p_idx], i, job.logprobs, job.top_logprobs, job.slo_class)
                 call = MigratingCall(
                     self.dispatcher,
                     f"{job.rid}-{idx}",

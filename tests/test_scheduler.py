@@ -552,6 +552,11 @@ def test_budget_is_the_largest_chunk_whose_predicted_step_fits_the_target() -> N
     assert prefill_token_budget(2048, 16, 0.02, True, fresh, ctx, prefill_tokens_per_s=40_000.0) == 800
     assert prefill_token_budget(2048, 16, 0.02, True, fresh, ctx, 0.0, 40_000.0, 0.005) == 592
     assert prefill_token_budget(2048, 16, 0.02, True, fresh, ctx) == 2048  # nothing measured: the whole budget
+    # No step longer than max_step_s, alone or beside decoding: 20 ms at 25 us/token = 800 tokens.
+    assert prefill_token_budget(2048, 16, 0.050, False, model, ctx, max_step_s=0.024) == 800 - 800 % 16
+    assert prefill_token_budget(2048, 16, 0.0, True, model, ctx, max_step_s=0.024) == 800  # prefill-first too
+    assert prefill_token_budget(2048, 16, 0.050, True, model, ctx, max_step_s=1.0) == got  # the target is tighter
+    assert prefill_token_budget(2048, 16, 0.0, False, fresh, ctx, 0.0, 1000.0, max_step_s=0.5) == 496
 
 
 def test_slo_classes_parse_and_map_priorities() -> None:

@@ -17,6 +17,10 @@ waits for them; kept for A/B runs). Steps without decoding requests take the who
 Until the model has timed prompt chunks, the chunk is what the measured prefill speed computes in the target
 less the decode step (the same bound, from two numbers instead of a fit).
 
+Every step, with or without decoding, is also kept within `KVFERRY_MAX_STEP_MS` (default 1 s): the engine reads
+commands between steps, so a step must never be so long that a control call or a cancellation waits on it (a
+2k-token chunk on a loaded 2-core CPU took over 20 s). On a GPU no chunk comes near it.
+
 No starvation: the budget never falls below MIN_PAGES pages, so a waiting prompt progresses every step even
 when the target leaves no room (a decode step that alone exceeds it).
 """
@@ -52,18 +56,28 @@ def prefill_token_budget(
     margin_z: float = 0.0,
     prefill_tokens_per_s: float = 0.0,
     decode_step_s: float = 0.0,
+    max_step_s: float = 0.0,
 ) -> int:
-    """`max_tokens` alone (or with no target, or before any speed is known); beside decoding the largest chunk
-    whose step `model` predicts within `target_s` (less `margin_z` residual spreads), in whole pages, at least
-    MIN_PAGES pages."""
-    if not decoding or target_s <= 0:
+    """The prompt tokens of the next step, in whole pages, at least MIN_PAGES pages: beside decoding the largest
+    chunk whose step `model` predicts within `target_s` (less `margin_z` residual spreads); alone (or with no
+    target) `max_tokens`. Either way a step is predicted within `max_step_s` (0: no bound): the engine reads its
+    commands between steps, so a step of tens of seconds (a 2k-token chunk on a loaded CPU) would leave control
+    calls and cancellations unanswered that long. Before the model has timed chunks: the measured prefill speed
+    over the limit less the decode step; before any speed is known, `max_tokens`."""
+    beside = decoding and target_s > 0
+    limit = target_s if beside else 0.0
+    if max_step_s > 0:
+        limit = min(limit, max_step_s) if limit > 0 else max_step_s
+    if limit <= 0:
         return max_tokens
+    if not beside:
+        context, margin_z, decode_step_s = StepContext(chunk_start=context.chunk_start), 0.0, 0.0
     if model.ready:
         tokens = model.largest_chunk(
-            target_s, context.decode_rows, context.decode_context, context.chunk_start, max_tokens, page_size, margin_z
+            limit, context.decode_rows, context.decode_context, context.chunk_start, max_tokens, page_size, margin_z
         )
     elif prefill_tokens_per_s > 0:
-        tokens = int(prefill_tokens_per_s * max(target_s - decode_step_s, 0.0)) // page_size * page_size
+        tokens = int(prefill_tokens_per_s * max(limit - decode_step_s, 0.0)) // page_size * page_size
     else:
         return max_tokens
     return min(max_tokens, max(MIN_PAGES * page_size, tokens))

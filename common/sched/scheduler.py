@@ -432,6 +432,7 @@ class Scheduler:
             margin_z=self.margin_z(),
             prefill_tokens_per_s=self.prefill_speed.peak_tokens_per_s,
             decode_step_s=self.decode_step.seconds,
+            max_step_s=self.cfg.max_step_ms / 1000,
         )
 
     def _can_decode(self, r: Req) -> bool:
