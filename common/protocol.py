@@ -261,6 +261,9 @@ class LoadSnapshot(BaseModel):
     prefill_step_tokens_per_s: float = 0.0  # device-timed prefill speed: what a chunk adds to a step (0: unknown)
     decode_step_s: float = 0.0  # recent decode step time, smoothed (0: no decode step yet)
     live_requests: int = 0  # requests with an open stream on this worker (set by its control plane, not the engine)
+    # The most KV tokens one request may reserve here (its share of the pool, KVFERRY_MAX_REQUEST_KV_SHARE; set by
+    # the control plane); 0: not reported. The router admits by it (router/admission.py).
+    max_request_tokens: int = 0
 
 
 class ErrorBody(BaseModel):

@@ -349,6 +349,27 @@ ENGINE_START_TIMEOUT_S = declare(
     "workers",
     "common/config.py",
 )
+
+
+def _share(value: str) -> float:
+    """A fraction in (0, 1]."""
+    share = float(value)
+    if not 0 < share <= 1:
+        raise ValueError("must be in (0, 1]")
+    return share
+
+
+MAX_REQUEST_KV_SHARE = declare(
+    "KVFERRY_MAX_REQUEST_KV_SHARE",
+    _share,
+    0.5,
+    "the most of a decode worker's KV pool one request may reserve (all its choices: n x (prompt + max_tokens)), "
+    "and it is admitted only while as much again stays free (docs/reliability.md); the worker publishes it in /load "
+    "and refuses larger requests (400); 1 = the whole pool",
+    "workers",
+    "common/config.py",
+    flag=True,
+)
 TORCH_THREADS = declare(
     "KVFERRY_TORCH_THREADS",
     int,
