@@ -44,6 +44,9 @@ class WorkerConfig:
     # row that fail (die before ready, or not ready within engine_start_timeout_s) make the worker exit.
     engine_restarts: int = reg.ENGINE_RESTARTS.field()
     engine_start_timeout_s: float = reg.ENGINE_START_TIMEOUT_S.field()
+    # One request's KV reservation is at most this share of the pool (published in /load as max_request_tokens;
+    # the router admits by it, decode_worker/routes.py refuses past it for callers that bypass the router).
+    max_request_kv_share: float = reg.MAX_REQUEST_KV_SHARE.field()
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     sched: SchedulerConfig = field(default_factory=SchedulerConfig)
 

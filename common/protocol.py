@@ -266,6 +266,9 @@ class LoadSnapshot(BaseModel):
     decode_step_s: float = 0.0  # recent decode step time, smoothed (0: no decode step yet)
     live_requests: int = 0  # requests with an open stream on this worker (set by its control plane, not the engine)
     loop_turns: int = 0  # the engine loop's turns so far: an idle engine blocks, so this stays put (0: not reported)
+    # The most KV tokens one request may reserve here (its share of the pool, KVFERRY_MAX_REQUEST_KV_SHARE; set by
+    # the control plane); 0: not reported. The router admits by it (router/admission.py).
+    max_request_tokens: int = 0
 
 
 class ErrorBody(BaseModel):

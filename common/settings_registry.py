@@ -356,6 +356,27 @@ ENGINE_START_TIMEOUT_S = declare(
     "workers",
     "common/config.py",
 )
+
+
+def _share(value: str) -> float:
+    """A fraction in (0, 1]."""
+    share = float(value)
+    if not 0 < share <= 1:
+        raise ValueError("must be in (0, 1]")
+    return share
+
+
+MAX_REQUEST_KV_SHARE = declare(
+    "KVFERRY_MAX_REQUEST_KV_SHARE",
+    _share,
+    0.5,
+    "the most of a decode worker's KV pool one request may reserve (all its choices: n x (prompt + max_tokens)), "
+    "and it is admitted only while as much again stays free (docs/reliability.md); the worker publishes it in /load "
+    "and refuses larger requests (400); 1 = the whole pool",
+    "workers",
+    "common/config.py",
+    flag=True,
+)
 TORCH_THREADS = declare(
     "KVFERRY_TORCH_THREADS",
     int,
@@ -816,6 +837,31 @@ HTTP_KEEP_ALIVE_S = _http("keep_alive_s", float, 5.0, "an idle connection betwee
 HTTP_MAX_CONNECTIONS = _http(
     "max_connections", int, 16384, "open connections per server process; a request beyond it gets 503; 0 = no cap"
 )
+
+
+def _schema_limit(name: str, default: int, doc: str) -> Setting[int]:
+    """A bound on a client's output constraint, checked by the router before any work (400 naming it)."""
+    return declare(f"KVFERRY_ROUTER_{name.upper()}", int, default, doc, "router", "router/structured.py")
+
+
+ROUTER_SCHEMA_MAX_PROPERTIES = _schema_limit(
+    "schema_max_properties",
+    500,
+    "object properties in one JSON schema, all objects together (its grammar's compile time grows with them: 500 "
+    "optional ones in one object 1.5 s on a CPU core, 1,000 6 s)",
+)
+ROUTER_SCHEMA_MAX_ENUM_VALUES = _schema_limit(
+    "schema_max_enum_values", 1000, "`enum` values and `const`s in one JSON schema, all together (OpenAI's limit)"
+)
+ROUTER_SCHEMA_MAX_ENUM_CHARS = _schema_limit(
+    "schema_max_enum_chars",
+    15000,
+    "characters of the string `enum` values and `const`s of one JSON schema, and of `guided_choice` (OpenAI's limit)",
+)
+ROUTER_GRAMMAR_MAX_BYTES = _schema_limit(
+    "grammar_max_bytes", 16384, "a `guided_regex` or `guided_grammar` (EBNF), in UTF-8 bytes"
+)
+
 
 # ---- debugging -------------------------------------------------------------------------------------------------
 DEBUG_CHECKSUMS = declare(

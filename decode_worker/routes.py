@@ -133,6 +133,21 @@ class DecodeStream:
             self.state.metrics.requests.labels(outcome="abort").inc()
 
 
+def _over_share(state: WorkerState, gen: GenerateRequest) -> str | None:
+    """Why the request may not reserve its KV here (more than one request's share of the pool), or None. The
+    router admits by the same figure (router/admission.py); this is for callers that bypass it."""
+    load = state.load
+    cap = state.max_request_tokens(load.total_pages) if load is not None else 0
+    need = len(gen.token_ids) + gen.sampling.max_tokens
+    if cap <= 0 or need <= cap:
+        return None
+    return (
+        f"the request needs {need} tokens of KV memory (prompt {len(gen.token_ids)} + max_tokens "
+        f"{gen.sampling.max_tokens}); one request may take at most {cap} tokens on this worker "
+        f"(KVFERRY_MAX_REQUEST_KV_SHARE={state.cfg.max_request_kv_share:g} of its KV pool)"
+    )
+
+
 def add_decode_routes(app: FastAPI, state: WorkerState) -> None:
     remote = RemotePrefill.create(state)
     directory = PeerDirectory(state.cfg.prefill_peers)
@@ -151,6 +166,9 @@ def add_decode_routes(app: FastAPI, state: WorkerState) -> None:
             return error_response(503, "decode worker not ready", "unavailable", "not_ready")
         client = state.client
         assert client is not None
+        too_large = _over_share(state, gen)
+        if too_large is not None:
+            return error_response(400, too_large, "invalid_request_error", "request_too_large")
         peer_url = None
         if gen.prefill_url is not None:
             peer_url = await directory.resolve(gen.prefill_url)

@@ -16,9 +16,18 @@ decode worker d
         Prompt tokens waiting for its prefill (short prompts and prefix hits prefill on the decode pod),
         against what the worker prefills within the TTFT target at its measured rate (``rate_d``: the
         worker's own ``prefill_tokens_per_s``, measured while prompts were queued), with a floor.
-    free_pages_d * page_size < prompt + max_tokens  and  backlog_d > 0
-        Its KV cannot hold this request and others already wait: this one would wait behind them for
-        running requests to finish (decode pods reserve KV for the whole output).
+    free_d - need < min(request, pool_d - cap_d)
+        free_d = free_pages_d * page_size - unseen_kv_d (the KV this router sent there since its last snapshot);
+        need = prompt + max_tokens of this call, request = n x (prompt + max_tokens) of the whole request,
+        cap_d = the most one request may reserve there (``max_request_tokens`` in its /load:
+        KVFERRY_MAX_REQUEST_KV_SHARE of its pool). Decode pods reserve KV for the whole output, so a request
+        that does not fit now would wait in the worker's queue, and the requests behind it with it. After
+        its reservation at least as much must stay free as the request takes (at most what the share leaves
+        of the pool): the largest requests never take the room a normal one needs, so a normal request
+        beside any mix of large ones starts at once.
+
+A request larger than ``cap_d`` on every ready decode worker can never be admitted: 400 (`check_request_kv`),
+before anything is started.
 
 prefill worker p
     max(queued_prefill_tokens_p, inflight_tokens_p) >= max(admit_max_queued_prefill_tokens, rate_p x admit_queue_seconds)
@@ -33,11 +42,12 @@ queue is full) is skipped and the request retried once on another, then answered
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from router.pool import Worker
+from router.pool import Load, Worker
 
-__all__ = ["AdmissionLimits", "decode_is_full", "prefill_is_full"]
+__all__ = ["AdmissionLimits", "RequestKV", "decode_is_full", "kv_room", "largest_request_tokens", "prefill_is_full"]
 
 
 @dataclass(frozen=True)
@@ -53,7 +63,38 @@ class AdmissionLimits:
         return max(self.max_queued_prefill_tokens, int(rate * self.queue_seconds))
 
 
-def decode_is_full(w: Worker, need_tokens: int, limits: AdmissionLimits) -> bool:
+@dataclass(frozen=True)
+class RequestKV:
+    """The KV one call reserves on its decode worker, and what its whole request (all n choices) reserves."""
+
+    call_tokens: int  # prompt + max_tokens
+    request_tokens: int  # n x (prompt + max_tokens), summed over the request's prompts
+
+
+def largest_request_tokens(workers: Iterable[Worker]) -> int | None:
+    """The most KV tokens one request may reserve on any of `workers` (None: none has reported its pool yet)."""
+    caps = [_cap(w.load) for w in workers if w.load is not None and w.load.total_pages > 0]
+    return max(caps) if caps else None
+
+
+def kv_room(w: Worker, need: RequestKV) -> bool:
+    """Whether `w`'s KV pool takes the call now and keeps as much free as the request takes, at most what the
+    per-request share leaves of the pool (an unknown pool: yes, the worker refuses what it cannot hold)."""
+    load = w.load
+    if load is None or load.total_pages <= 0:
+        return True
+    pool = load.total_pages * load.page_size
+    free = load.free_pages * load.page_size - w.unseen_kv_tokens
+    headroom = min(need.request_tokens, pool - _cap(load))
+    return free - need.call_tokens >= headroom
+
+
+def _cap(load: Load) -> int:
+    pool = load.total_pages * load.page_size
+    return min(pool, load.max_request_tokens) if load.max_request_tokens > 0 else pool
+
+
+def decode_is_full(w: Worker, need: RequestKV, limits: AdmissionLimits) -> bool:
     load = w.load
     running, waiting = (load.running_requests, load.waiting_requests) if load is not None else (0, 0)
     free_slots = max(0, load.max_running - running) if load is not None else 0
@@ -64,7 +105,7 @@ def decode_is_full(w: Worker, need_tokens: int, limits: AdmissionLimits) -> bool
         return False
     if limits.max_queued_prefill_tokens and load.queued_prefill_tokens >= limits.queued_tokens_limit(w):
         return True
-    return backlog > 0 and load.total_pages > 0 and load.free_pages * load.page_size < need_tokens
+    return not kv_room(w, need)
 
 
 def prefill_is_full(w: Worker, limits: AdmissionLimits) -> bool:

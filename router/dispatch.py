@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from common.prefix.hashing import chained_block_hashes
-from router.admission import AdmissionLimits, decode_is_full, prefill_is_full
-from router.errors import no_worker, rate_limited
+from router.admission import AdmissionLimits, RequestKV, decode_is_full, largest_request_tokens, prefill_is_full
+from router.errors import bad_request, no_worker, rate_limited
 from router.locality import PrefixLocator
 from router.metrics import RouterMetrics
 from router.policy import RouteDecision, RoutingPolicy
@@ -30,6 +30,7 @@ class PromptPlan:
     matches: dict[str, int] | None
     block_size: int
     record: RequestRecord | None = None  # the request's timeline and trace (router/timeline.py), if kept
+    request_tokens: int = 0  # KV the whole request reserves, n x (prompt + max_tokens) (0: one call's own)
 
 
 class Dispatcher:
@@ -88,7 +89,8 @@ class Dispatcher:
         if not decode:
             raise no_worker("decode")
         limits = self.limits
-        need = len(plan.token_ids) + max_tokens
+        call_tokens = len(plan.token_ids) + max_tokens
+        need = RequestKV(call_tokens, max(call_tokens, plan.request_tokens))
         open_decode = [w for w in decode if not decode_is_full(w, need, limits)]
         if not open_decode:
             self._count("rejected-decode-full")
@@ -123,6 +125,20 @@ class Dispatcher:
         )
         self._count(decision.reason)
         return decision
+
+    def check_request_kv(self, request_tokens: int, detail: str) -> None:
+        """400 when the request reserves more KV than one request may take on any ready decode worker (it could
+        never be admitted); `detail` says how its figure adds up (n, prompt, max_tokens)."""
+        cap = largest_request_tokens(self.pool.decoders())
+        if cap is not None and request_tokens > cap:
+            self._count("rejected-request-too-large")
+            raise bad_request(
+                f"This request needs {request_tokens} tokens of KV memory ({detail}), more than one request may "
+                f"take: {cap} tokens (KVFERRY_MAX_REQUEST_KV_SHARE of a decode worker's KV pool). Lower max_tokens "
+                "or n.",
+                "max_tokens",
+                "request_too_large",
+            )
 
     def _count(self, reason: str) -> None:
         self.decisions[reason] = self.decisions.get(reason, 0) + 1

@@ -74,6 +74,7 @@ class Load:
     decode_step_s: float = 0.0  # recent decode step time (0: not reported)
     itl_target_s: float = 0.0  # the ITL its steps beside decoding aim at (0: none, or not reported)
     live_requests: int | None = None  # requests the worker has open (engine or stream); None: not reported
+    max_request_tokens: int = 0  # the most KV tokens one request may reserve there (0: not reported)
 
 
 def parse_load(data: Any) -> Load:
@@ -106,6 +107,7 @@ def parse_load(data: Any) -> Load:
         decode_step_s=rate("decode_step_s"),
         itl_target_s=rate("itl_target_s"),
         live_requests=num("live_requests") if "live_requests" in data else None,
+        max_request_tokens=num("max_request_tokens"),
     )
 
 
@@ -126,6 +128,9 @@ class Worker:
     # Counts are derived from these, so a call is counted only while it holds the worker (router/upstream.py
     # removes it on every way a call ends, without waiting on anything).
     decoding: dict[Watched, float] = field(default_factory=dict)
+    kv_tokens: dict[Watched, int] = field(
+        default_factory=dict
+    )  # the KV each decode call reserves (prompt + max_tokens)
     prefilling: dict[Watched, tuple[float, int]] = field(default_factory=dict)
     load_asked: float = 0.0  # monotonic time the poll that brought ``load`` was sent
     task: asyncio.Task[None] | None = None
@@ -136,8 +141,9 @@ class Worker:
         return [*self.decoding, *self.prefilling]
 
     # What a call holds here and lets go of (router/upstream.py), never awaiting between the two.
-    def hold_decode(self, call: Watched, now: float) -> None:
+    def hold_decode(self, call: Watched, now: float, kv_tokens: int = 0) -> None:
         self.decoding[call] = now
+        self.kv_tokens[call] = kv_tokens
 
     def hold_prefill(self, call: Watched, now: float, prompt_tokens: int) -> None:
         self.prefilling[call] = (now, prompt_tokens)
@@ -147,6 +153,7 @@ class Worker:
 
     def release_decode(self, call: Watched) -> None:
         self.decoding.pop(call, None)
+        self.kv_tokens.pop(call, None)
 
     def streamed(self, now: float) -> None:
         """An event arrived on one of its streams: a worker streaming to us is alive, however late its polls."""
@@ -169,6 +176,13 @@ class Worker:
         recent = sum(1 for t in self.decoding.values() if t >= since)
         recent += sum(1 for t, _ in self.prefilling.values() if t >= since)
         return min(mine, load.live_requests + recent)
+
+    @property
+    def unseen_kv_tokens(self) -> int:
+        """KV tokens of the decode calls sent here that its last snapshot may not count yet (sent after the poll
+        that brought it was asked, less the grace): its ``free_pages`` are that much too high."""
+        since = self.load_asked - RECONCILE_GRACE_S
+        return sum(self.kv_tokens.get(c, 0) for c, t in self.decoding.items() if t >= since)
 
     @property
     def inflight_tokens(self) -> int:

@@ -231,9 +231,12 @@ class RouterService:
     async def start(self, job: Job) -> list[RunningChoice]:
         """Routes every choice and waits for each one's first event; on any failure closes them all and
         raises the error (retries already happened per choice)."""
+        request_tokens = job.n * sum(len(ids) + m for ids, m in zip(job.prompts, job.max_tokens, strict=True))
+        self.dispatcher.check_request_kv(request_tokens, _kv_detail(job))
         plans = [await self.dispatcher.plan(ids) for ids in job.prompts]
         for plan in plans:
             plan.record = job.record
+            plan.request_tokens = request_tokens
         choices = job.choices
         context_ok = self.tok.needs_context
         for p_idx, plan in enumerate(plans):
@@ -475,6 +478,14 @@ class RouterService:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _kv_detail(job: Job) -> str:
+    """How a request's KV figure adds up, for the error that refuses it."""
+    terms = " + ".join(
+        f"(prompt {len(ids)} + max_tokens {m})" for ids, m in zip(job.prompts, job.max_tokens, strict=True)
+    )
+    return f"n={job.n} x {terms}" if len(job.prompts) == 1 else f"n={job.n} x [{terms}]"
 
 
 def _tool_stream(job: Job) -> ToolCallStream | None:

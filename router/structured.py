@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from common import settings_registry as reg
 from common.protocol import GrammarSpec
 
 __all__ = [
     "MAX_SCHEMA_BYTES",
     "MAX_SCHEMA_DEPTH",
+    "LIMITS",
+    "GrammarLimits",
     "JsonSchemaFormat",
     "ResponseFormat",
     "check_json_schema",
@@ -36,6 +40,24 @@ MAX_CHOICES = 256
 # generated ones included, stay far below both; docs/reliability.md lists them.
 MAX_SCHEMA_DEPTH = 64  # nested objects and arrays, the outermost counting 1
 MAX_SCHEMA_BYTES = 256 * 1024  # as compact JSON
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    """What a grammar may hold, checked here before the worker compiles it (xgrammar's compile time grows with
+    these: a 20,000-string enum took 15 s; docs/reliability.md has the table)."""
+
+    schema_max_properties: int = reg.ROUTER_SCHEMA_MAX_PROPERTIES.field()
+    schema_max_enum_values: int = reg.ROUTER_SCHEMA_MAX_ENUM_VALUES.field()
+    schema_max_enum_chars: int = reg.ROUTER_SCHEMA_MAX_ENUM_CHARS.field()
+    grammar_max_bytes: int = reg.ROUTER_GRAMMAR_MAX_BYTES.field()
+
+    @classmethod
+    def from_env(cls) -> GrammarLimits:
+        return cls(**reg.read_fields(cls))
+
+
+LIMITS = GrammarLimits.from_env()  # read once: validation runs inside the request models, with no options at hand
 
 
 class JsonSchemaFormat(BaseModel):
@@ -83,8 +105,39 @@ def _depth_within(value: Any, limit: int) -> bool:
     return True
 
 
-def check_schema_limits(schema: Any) -> str:
-    """The schema as compact JSON; ValueError naming the limit when it is too deep or too large."""
+def _schema_counts(schema: Any) -> tuple[int, int, int]:
+    """(object properties, enum values and consts, characters of their strings) in the whole schema, walked
+    without recursion (its depth is checked first)."""
+    properties = values = chars = 0
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        props = node.get("properties")
+        if isinstance(props, dict):
+            properties += len(props)
+        listed = node.get("enum")
+        found = list(listed) if isinstance(listed, list) else []
+        if "const" in node:
+            found.append(node["const"])
+        values += len(found)
+        chars += sum(len(v) for v in found if isinstance(v, str))
+        # Everything else may hold schemas (a property may be named "enum"); a const that is an object is walked
+        # too, which can only over-count.
+        stack.extend(
+            v for k, v in node.items() if isinstance(v, (dict, list)) and not (k == "enum" and isinstance(v, list))
+        )
+    return properties, values, chars
+
+
+def check_schema_limits(schema: Any, limits: GrammarLimits | None = None) -> str:
+    """The schema as compact JSON; ValueError naming the limit when it is too deep, too large, or holds too many
+    properties or enum values."""
+    limits = limits or LIMITS
     if not _depth_within(schema, MAX_SCHEMA_DEPTH):
         raise ValueError(
             f"the JSON schema nests JSON objects and arrays deeper than {MAX_SCHEMA_DEPTH} levels (the limit)"
@@ -92,7 +145,31 @@ def check_schema_limits(schema: Any) -> str:
     text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
     if len(text.encode()) > MAX_SCHEMA_BYTES:
         raise ValueError(f"the JSON schema is larger than {MAX_SCHEMA_BYTES} bytes (the limit)")
+    properties, values, chars = _schema_counts(schema)
+    if properties > limits.schema_max_properties:
+        raise ValueError(
+            f"the JSON schema has {properties} object properties, more than {limits.schema_max_properties} (the "
+            "limit, KVFERRY_ROUTER_SCHEMA_MAX_PROPERTIES)"
+        )
+    if values > limits.schema_max_enum_values:
+        raise ValueError(
+            f"the JSON schema has {values} enum values, more than {limits.schema_max_enum_values} (the limit, "
+            "KVFERRY_ROUTER_SCHEMA_MAX_ENUM_VALUES)"
+        )
+    if chars > limits.schema_max_enum_chars:
+        raise ValueError(
+            f"the JSON schema's enum strings have {chars} characters, more than {limits.schema_max_enum_chars} "
+            "(the limit, KVFERRY_ROUTER_SCHEMA_MAX_ENUM_CHARS)"
+        )
     return text
+
+
+def _check_grammar_size(text: str, param: str) -> None:
+    size = len(text.encode())
+    if size > LIMITS.grammar_max_bytes:
+        raise ValueError(
+            f"{param} is {size} bytes, more than {LIMITS.grammar_max_bytes} (the limit, KVFERRY_ROUTER_GRAMMAR_MAX_BYTES)"
+        )
 
 
 def check_json_schema(schema: Any) -> None:
@@ -130,6 +207,12 @@ def choice_grammar(choices: list[str]) -> GrammarSpec:
         raise ValueError(f"guided_choice needs 1 to {MAX_CHOICES} choices")
     if any(c == "" for c in choices):
         raise ValueError("guided_choice choices must not be empty")
+    chars = sum(len(c) for c in choices)
+    if chars > LIMITS.schema_max_enum_chars:
+        raise ValueError(
+            f"guided_choice choices have {chars} characters, more than {LIMITS.schema_max_enum_chars} (the limit, "
+            "KVFERRY_ROUTER_SCHEMA_MAX_ENUM_CHARS)"
+        )
     return GrammarSpec(kind="ebnf", value="root ::= " + " | ".join(json.dumps(c) for c in choices))
 
 
@@ -155,6 +238,7 @@ def grammar_from(
     if guided_json is not None:
         found.append((GrammarSpec(kind="json_schema", value=_json_text(guided_json, "guided_json")), "guided_json"))
     if guided_regex is not None:
+        _check_grammar_size(guided_regex, "guided_regex")
         try:
             re.compile(guided_regex)
         except re.error as e:
@@ -165,6 +249,7 @@ def grammar_from(
     if guided_grammar is not None:
         if not guided_grammar.strip():
             raise ValueError("guided_grammar must not be empty")
+        _check_grammar_size(guided_grammar, "guided_grammar")
         found.append((GrammarSpec(kind="ebnf", value=guided_grammar), "guided_grammar"))
     if len(found) > 1:
         raise ValueError(f"only one output constraint per request: got {', '.join(p for _, p in found)}")

@@ -114,7 +114,7 @@ class UpstreamCall:
         self._killed = None
         self._decode, self._prefill = dw, pw
         now = time.monotonic()
-        dw.hold_decode(self, now)
+        dw.hold_decode(self, now, len(self.plan.token_ids) + self.sampling.max_tokens)
         if pw is not None:
             pw.hold_prefill(self, now, len(self.plan.token_ids) - decision.prefill_matched_tokens)
         # Remember the placement before the worker publishes it (router/locality.py says why).

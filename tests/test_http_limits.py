@@ -490,6 +490,61 @@ def test_large_json_schema_is_400_naming_the_limit(router_addr) -> None:
         assert f"larger than {MAX_SCHEMA_BYTES} bytes" in json.loads(raw)["error"]["message"], where
 
 
+def big_grammar_requests() -> dict[str, tuple[dict, str]]:
+    """Requests whose output constraint is past one of the bounds on what a grammar may hold, each with the
+    setting its 400 must name."""
+    from router.structured import LIMITS
+
+    msgs = [{"role": "user", "content": "hi"}]
+    enum = {"type": "string", "enum": [f"v{i}" for i in range(20_000)]}  # 20,000 strings: compiled 15 s
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}}
+    long_enum = {"type": "string", "enum": ["x" * 200] * (LIMITS.schema_max_enum_chars // 200 + 1)}
+    hidden = {"type": "object", "properties": {"enum": enum}}  # a property named "enum" holds a schema too
+    out: dict[str, tuple[dict, str]] = {}
+    for name, schema, setting in (
+        ("enum values", enum, "KVFERRY_ROUTER_SCHEMA_MAX_ENUM_VALUES"),
+        ("properties", wide, "KVFERRY_ROUTER_SCHEMA_MAX_PROPERTIES"),
+        ("enum characters", long_enum, "KVFERRY_ROUTER_SCHEMA_MAX_ENUM_CHARS"),
+        ("nested enum", hidden, "KVFERRY_ROUTER_SCHEMA_MAX_ENUM_VALUES"),
+    ):
+        for where, body in deep_schema_requests(schema).items():
+            out[f"{name} in {where}"] = (body, setting)
+    big = LIMITS.grammar_max_bytes + 1
+    out["guided_regex"] = ({"messages": msgs, "guided_regex": "a" * big}, "KVFERRY_ROUTER_GRAMMAR_MAX_BYTES")
+    ebnf = 'root ::= "' + "a" * big + '"'
+    out["guided_grammar"] = ({"messages": msgs, "guided_grammar": ebnf}, "KVFERRY_ROUTER_GRAMMAR_MAX_BYTES")
+    choices = ["c" * 100 + str(i) for i in range(200)]
+    out["guided_choice"] = ({"messages": msgs, "guided_choice": choices}, "KVFERRY_ROUTER_SCHEMA_MAX_ENUM_CHARS")
+    return out
+
+
+def test_grammar_past_its_bounds_is_400_naming_the_limit(router_addr) -> None:
+    """Checked at the router before any work: a worker never compiles such a grammar (no worker here at all)."""
+    for where, (body, setting) in big_grammar_requests().items():
+        status, _, raw = request(router_addr, post(CHAT, json.dumps(body).encode()))
+        assert status == 400, (where, raw[:300])
+        message = json.loads(raw)["error"]["message"]
+        assert setting in message and "(the limit" in message, (where, message)
+
+
+def test_ordinary_schema_within_the_bounds_passes_validation(router_addr) -> None:
+    """OpenAI-sized schemas pass: every bound at once, just within it (the router, with no worker, answers 503)."""
+    from router.structured import LIMITS
+
+    per = LIMITS.schema_max_enum_chars // LIMITS.schema_max_enum_values
+    schema = {
+        "type": "object",
+        "properties": {f"p{i}": {"type": "string"} for i in range(LIMITS.schema_max_properties - 1)}
+        | {"kind": {"type": "string", "enum": ["x" * per] * LIMITS.schema_max_enum_values}},
+        "required": ["kind"],
+    }
+    for where, body in deep_schema_requests(schema).items():
+        if where == "tools":
+            continue  # a tool's schema is also in the prompt: this one is longer than the context
+        status, _, raw = request(router_addr, post(CHAT, json.dumps(body).encode()))
+        assert status == 503, (where, raw[:300])
+
+
 def test_schema_within_the_limits_passes_validation(router_addr) -> None:
     """Deep (but under the limit) schemas get past validation: the router, with no worker, answers 503."""
     for where, body in deep_schema_requests(nested_object_schema(20)).items():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from router.admission import AdmissionLimits, decode_is_full
+from router.admission import AdmissionLimits, RequestKV, decode_is_full
 from router.pool import WorkerPool, parse_load
 
 
@@ -42,9 +42,9 @@ def test_calls_the_worker_no_longer_knows_stop_counting_at_its_next_poll() -> No
     for _ in range(128):  # calls that were never closed: the lock-out of issue 24
         w.decoding[_Call()] = long_ago
     pool.report_load(w, parse_load(_decode_load(live=None)))  # a worker that does not report live requests
-    assert w.inflight_requests == 128 and decode_is_full(w, 100, limits)
+    assert w.inflight_requests == 128 and decode_is_full(w, RequestKV(100, 100), limits)
     pool.report_load(w, parse_load(_decode_load(live=0)))  # it has none: the stale calls hold nothing there
-    assert w.inflight_requests == 0 and not decode_is_full(w, 100, limits)
+    assert w.inflight_requests == 0 and not decode_is_full(w, RequestKV(100, 100), limits)
 
 
 def test_calls_sent_after_the_poll_count_until_the_worker_can_have_seen_them() -> None:

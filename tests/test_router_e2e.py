@@ -241,10 +241,10 @@ def test_error_cases(client: openai.OpenAI, cluster: LocalCluster) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=9000)
     assert e.value.code == "context_length_exceeded"
-    # Fits the context but not the decode worker's small KV pool: the worker's 400 passes through.
+    # Fits the context but not what one request may take of the decode worker's small KV pool.
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=7000)
-    assert "pages" in e.value.message
+    assert e.value.code == "request_too_large" and "more than one request may take" in e.value.message
     r = httpx.post(f"{cluster.router_url}/v1/completions", content=b"{", headers={"content-type": "application/json"})
     assert r.status_code == 400
 

@@ -174,6 +174,10 @@ class WorkerState:
         load = self.load
         return load is not None and load.waiting_requests >= max(1, self.cfg.runner.max_running)
 
+    def max_request_tokens(self, total_pages: int) -> int:
+        """The most KV tokens one request may reserve here: its share of the pool (0 while the pool is unknown)."""
+        return int(total_pages * self.cfg.runner.page_size * self.cfg.max_request_kv_share)
+
     def snapshot(self) -> LoadSnapshot:
         """The engine's latest load, plus what it accepted since (``AcceptedWork``)."""
         # A dead engine's last snapshot is not reported, even in the moment before keep_engine forgets it.
@@ -198,5 +202,6 @@ class WorkerState:
             "draining": self.draining,
             "max_running": self.cfg.runner.max_running,
             "live_requests": len(self.live),
+            "max_request_tokens": self.max_request_tokens(base.total_pages),
         }
         return base.model_copy(update=update)
