@@ -28,6 +28,7 @@ __all__ = [
     "install_error_handlers",
     "model_not_found",
     "no_worker",
+    "prompt_too_long",
     "rate_limited",
     "unauthorized",
     "upstream_failed",
@@ -72,6 +73,18 @@ def context_too_long(context: int, prompt: int, completion: int, param: str) -> 
         f"This model's maximum context length is {context} tokens. However, you requested "
         f"{prompt + completion} tokens ({prompt} in the {param}, {completion} in the completion). "
         f"Please reduce the length of the {param} or completion.",
+        "invalid_request_error",
+        param,
+        "context_length_exceeded",
+    )
+
+
+def prompt_too_long(context: int, at_least: int, param: str) -> OpenAIError:
+    """``context_too_long`` for a prompt refused before it was tokenized whole: its count is a lower bound."""
+    return OpenAIError(
+        400,
+        f"This model's maximum context length is {context} tokens. However, there are at least {at_least} "
+        f"tokens in the {param}. Please reduce the length of the {param}.",
         "invalid_request_error",
         param,
         "context_length_exceeded",
