@@ -41,8 +41,7 @@ from router.responses import (
 from router.settings import RouterOptions
 from router.timeline import RequestRecord
 from router.tokenizer import ModelInfo, PromptTooLong, RouterTokenizer
-from router.tools import Tool
-from router.tools import ToolCallStream, finish_reason_with_calls, parse_tool_calls
+from router.tools import Tool, ToolCallStream, finish_reason_with_calls, parse_tool_calls
 from router.upstream_event import UpstreamEvent
 
 __all__ = ["Job", "RouterService"]
