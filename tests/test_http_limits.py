@@ -300,6 +300,17 @@ def test_long_url_is_414(server: Server) -> None:
     assert request(addr, get(server.get_path + "?q=" + "x" * (LIMITS.max_url_bytes - 100)))[0] == 200
 
 
+def test_url_past_the_parsers_own_limit_is_414_json(server: Server) -> None:
+    """A request line of 64 KiB and more arriving at once (httptools refuses those itself, in plain text) gets
+    the same JSON 414 as one just over the limit."""
+    for size in (64 * 1024, 256 * 1024):
+        with connect(server.addr) as s:
+            s.sendall(get(server.get_path + "?q=" + "x" * size))
+            raw, closed = read_until_closed(s)
+        assert closed and status_of(raw) == 414, raw[:200]
+        assert error_of(raw)["code"] == "url_too_long"
+
+
 def test_endless_request_line_is_414_at_the_limit(router_addr) -> None:
     with connect(router_addr) as s:
         raw, sent = stream_until_answered(s, b"GET /", b"x" * 4096, most=64 * 1024 * 1024)
@@ -597,6 +608,57 @@ def test_garbage_requests_do_not_log_a_line_each(router_addr) -> None:
     assert len(handler.records) <= 1, [r.getMessage() for r in handler.records]
 
 
+def test_unparseable_requests_get_a_json_400(server: Server) -> None:
+    """Bytes the parser cannot read as HTTP/1.1 (not HTTP at all, a bad header line, a broken chunk) are
+    answered in OpenAI's error shape, not uvicorn's plain text, and closed."""
+    head = f"POST {server.post_path} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+    for raw_request in (
+        b"\x16\x03\x01 not http at all\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+        head + b"zz\r\nnot a chunk size\r\n",
+    ):
+        with connect(server.addr) as s:
+            s.sendall(raw_request)
+            raw, closed = read_until_closed(s)
+        assert closed and status_of(raw) == 400, (raw_request, raw[:200])
+        assert b"content-type: application/json" in raw.lower()
+        error = error_of(raw)
+        assert error["type"] == "invalid_request_error" and error["code"] == "invalid_http_request", error
+
+
+@pytest.mark.parametrize(
+    ("coding", "status", "code"),
+    [
+        ("gzip, chunked", 501, "unsupported_transfer_encoding"),  # RFC 9112 6.1: a coding not implemented
+        ("deflate,chunked", 501, "unsupported_transfer_encoding"),
+        ("gzip", 400, "invalid_transfer_encoding"),  # RFC 9112 6.3: chunked not final, length unknown
+        ("chunked, gzip", 400, "invalid_transfer_encoding"),
+        ("chunked, chunked", 400, "invalid_transfer_encoding"),
+    ],
+)
+def test_transfer_codings_other_than_plain_chunked_are_refused(
+    server: Server, coding: str, status: int, code: str
+) -> None:
+    """A body in a transfer coding the server does not decode is refused before any app reads it (it was read
+    as plain text under `gzip, chunked`); plain chunked is served."""
+    body = b'{"prompt": "hello"}'
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+
+    def send(te: str) -> bytes:
+        head = f"POST {server.post_path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        with connect(server.addr) as s:
+            s.sendall(head.encode() + f"Transfer-Encoding: {te}\r\nConnection: close\r\n\r\n".encode() + chunked)
+            raw, closed = read_until_closed(s)
+        assert closed
+        return raw
+
+    raw = send(coding)
+    assert status_of(raw) == status, raw[:300]
+    assert error_of(raw)["code"] == code and coding.split(",")[0].strip() in error_of(raw)["message"]
+    plain = send("chunked")  # the same body, plainly chunked, reaches the route (which judges its JSON)
+    assert status_of(plain) != 501 and b"transfer_encoding" not in plain and b"invalid_http_request" not in plain
+
+
 # ---- connections: 503 beyond the cap ---------------------------------------------------------------
 def test_connections_beyond_the_cap_get_503(smol_path) -> None:
     limits = HttpLimits(max_connections=4, header_timeout_s=30.0)
@@ -606,7 +668,10 @@ def test_connections_beyond_the_cap_get_503(smol_path) -> None:
         held = [connect(addr) for _ in range(limits.max_connections)]
         try:
             time.sleep(0.2)  # let the server accept them
-            assert request(addr, get())[0] == 503
+            status, headers, body = request(addr, get())
+            assert status == 503 and headers["content-type"] == "application/json"
+            error = json.loads(body)["error"]
+            assert error["code"] == "service_unavailable" and str(limits.max_connections) in error["message"]
         finally:
             for s in held:
                 s.close()
