@@ -8,7 +8,9 @@ the limits, not by what is sent; they close a head that takes longer than ``head
 that takes longer than ``body_timeout_s`` (408 when no response has begun). They also answer, in OpenAI's JSON
 error shape where uvicorn would write plain text: a request the parser cannot read (400), a
 ``Transfer-Encoding`` other than plain ``chunked`` (400 or 501: common/http_guard.py says which), and a request
-beyond ``max_connections`` (503). The exact per-request checks (URL, header count and size, body) are
+beyond ``max_connections`` (503). A response the client stops reading (the transport's buffer full, writing
+paused) for ``write_timeout_s`` is cut: the connection is aborted, which the app sees as the client's hang-up
+(the router aborts the request upstream, so its KV pages come back). The exact per-request checks (URL, header count and size, body) are
 common/http_guard.py's, on the parsed request.
 """
 
@@ -112,6 +114,7 @@ class _Limited:
         self._refused = False
         self._pending: LimitError | None = None  # a refusal decided inside the parser (see _Refused)
         self._head = bytearray()
+        self._write_stall: asyncio.TimerHandle | None = None  # armed while writing is paused
 
     # ---- asyncio.Protocol ---------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -129,6 +132,7 @@ class _Limited:
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_deadline()
+        self._cancel_write_stall()
         super().connection_lost(exc)  # type: ignore[misc]
 
     # Whether the next request's head begins with the next bytes after a message (h11, which reports no
@@ -197,6 +201,29 @@ class _Limited:
         if cap and (len(self.connections) >= cap or len(self.tasks) >= cap):
             return limit_error("max_connections", self.limits)
         return None
+
+    # ---- a client that stops reading ----------------------------------------------------------------
+    def pause_writing(self) -> None:
+        super().pause_writing()  # type: ignore[misc]
+        if self._write_stall is None:
+            self._write_stall = self.loop.call_later(self.limits.write_timeout_s, self._write_stalled)
+
+    def resume_writing(self) -> None:
+        self._cancel_write_stall()  # the client took some: progress
+        super().resume_writing()  # type: ignore[misc]
+
+    def _cancel_write_stall(self) -> None:
+        if self._write_stall is not None:
+            self._write_stall.cancel()
+            self._write_stall = None
+
+    def _write_stalled(self) -> None:
+        # Nothing to answer with (a response is under way and its bytes are what is stuck): drop the connection.
+        # ``connection_lost`` follows, and the app sees a disconnect, as for a client that hung up.
+        self._write_stall = None
+        self._refused = True
+        self._cancel_deadline()
+        self.transport.abort()
 
     # ---- phases -------------------------------------------------------------------------------------
     def _begin_head(self) -> None:

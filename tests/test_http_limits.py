@@ -7,6 +7,7 @@ the setting, so only a connection that is never closed fails it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import select
@@ -36,6 +37,7 @@ LIMITS = HttpLimits(
     header_timeout_s=0.5,
     body_timeout_s=0.5,
     keep_alive_s=0.5,
+    write_timeout_s=0.5,
 )
 CLOSED_WITHIN_S = 10.0  # far above every deadline in LIMITS
 CHAT = "/v1/chat/completions"
@@ -657,6 +659,49 @@ def test_transfer_codings_other_than_plain_chunked_are_refused(
     assert error_of(raw)["code"] == code and coding.split(",")[0].strip() in error_of(raw)["message"]
     plain = send("chunked")  # the same body, plainly chunked, reaches the route (which judges its JSON)
     assert status_of(plain) != 501 and b"transfer_encoding" not in plain and b"invalid_http_request" not in plain
+
+
+# ---- a client that stops reading ------------------------------------------------------------------
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_a_stream_nobody_reads_is_cut_and_its_request_ended(smol_path, http: str) -> None:
+    """A streaming client that stops reading (its receive window full) does not hold the stream: once no write
+    makes progress for ``write_timeout_s`` the connection is dropped and the stream's clean-up runs (where the
+    router aborts the request on its workers); a reading client of the same stream is not cut."""
+    from common.managed_stream import ManagedStream
+
+    app = router_app(smol_path)
+    ended = threading.Event()
+
+    async def endless() -> ManagedStream:
+        async def body():  # type: ignore[no-untyped-def]
+            while True:
+                await asyncio.sleep(0)  # as a stream awaits its upstream between events
+                yield b"data: " + b"x" * 16384 + b"\n\n"
+
+        async def on_close() -> None:
+            ended.set()
+
+        return ManagedStream(body(), on_close, "text/event-stream")
+
+    app.add_api_route("/v1/endless", endless, methods=["GET"])
+    with ServerThread(app, limits=LIMITS, http=http) as server:
+        addr = ("127.0.0.1", server.port)
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(addr)
+            s.sendall(get("/v1/endless"))
+            assert ended.wait(CLOSED_WITHIN_S), "the unread stream was never ended"
+            _, closed = read_until_closed(s)  # what was buffered, then the drop
+            assert closed
+        ended.clear()
+        with connect(addr) as s:  # a client that keeps reading, for longer than the timeout
+            s.sendall(get("/v1/endless"))
+            taken, until = 0, time.monotonic() + 4 * LIMITS.write_timeout_s
+            while time.monotonic() < until:
+                chunk = s.recv(1 << 20)
+                assert chunk, "a reading client's stream was cut"
+                taken += len(chunk)
+            assert taken > 0 and not ended.is_set()
 
 
 # ---- connections: 503 beyond the cap ---------------------------------------------------------------
