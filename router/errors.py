@@ -28,6 +28,7 @@ __all__ = [
     "install_error_handlers",
     "model_not_found",
     "no_worker",
+    "operator_only",
     "prompt_too_long",
     "rate_limited",
     "unauthorized",
@@ -99,6 +100,17 @@ def unauthorized() -> OpenAIError:
         None,
         "invalid_api_key",
         headers={"WWW-Authenticate": "Bearer"},
+    )
+
+
+def operator_only() -> OpenAIError:
+    return OpenAIError(
+        403,
+        "This operator route shows other clients' requests and the workers' addresses: with no API key set it "
+        "answers only on the router's own host (loopback). Set KVFERRY_API_KEY to reach it with the key.",
+        "invalid_request_error",
+        None,
+        "operator_only",
     )
 
 
