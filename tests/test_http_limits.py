@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import httpx
 import pytest
 import uvicorn
 
@@ -508,6 +509,65 @@ def test_schema_within_the_limits_passes_validation(router_addr) -> None:
     for where, body in deep_schema_requests(nested_object_schema(20)).items():
         status, _, raw = request(router_addr, post(CHAT, json.dumps(body).encode()))
         assert status == 503, (where, raw[:300])
+
+
+# ---- prompts: bounded before tokenizing ------------------------------------------------------------
+PROSE = "The harbour pilot climbs aboard at dawn, reads the tide tables and names the berth. "
+
+
+def prompt_bodies(text: str) -> dict[str, dict]:
+    return {
+        CHAT: {"messages": [{"role": "user", "content": text}]},
+        "/tokenize": {"prompt": text},
+        "/v1/completions": {"prompt": text, "max_tokens": 4},
+        "/v1/responses": {"input": text},
+    }
+
+
+def test_prompt_past_the_context_is_refused_without_tokenizing_it_all(router_addr, smol_path) -> None:
+    """Every route taking a prompt refuses one past the model's context with the context error, from a bound:
+    a prompt whose bytes prove it too long names that bound (its full count would be ~200 k tokens), one whose
+    bytes do not is refused once counting passes the context (its full count would be ~20 k)."""
+    tok = RouterTokenizer.from_dir(smol_path)
+    context = ModelInfo.from_dir("m", smol_path).max_context
+    huge = PROSE * (LIMITS.max_body_bytes // len(PROSE) - 100)
+    by_bytes = -(-len(huge.encode()) // tok.max_token_bytes)
+    medium = PROSE * 1000
+    assert by_bytes > context > len(medium.encode()) // tok.max_token_bytes
+    for text, at_least in ((huge, by_bytes), (medium, context + 1)):
+        for path, body in prompt_bodies(text).items():
+            status, _, raw = request(router_addr, post(path, json.dumps(body).encode()))
+            assert status == 400, (path, raw[:300])
+            error = json.loads(raw)["error"]
+            assert error["code"] == "context_length_exceeded", (path, error)
+            named = int(error["message"].split("at least ")[1].split(" tokens")[0])
+            assert at_least <= named <= at_least + 8, (path, error["message"])  # (+ a chat template's own bytes)
+    status, _, raw = request(router_addr, post("/tokenize", json.dumps({"prompt": PROSE * 100}).encode()))
+    assert status == 200 and json.loads(raw)["count"] == len(tok.encode(PROSE * 100))
+
+
+def test_big_prompts_leave_the_router_process_at_its_idle_memory() -> None:
+    """Twenty prompts of 7 MiB (under the default 8 MiB body cap) each answered 400 by a router process, whose
+    memory then is back within 50 MB of what it was idle (full tokenization took it from ~120 MB to ~1.4 GB)."""
+    from tests.workers import start_router_process
+
+    router = start_router_process()
+    try:
+        text = PROSE * (7 * 1024 * 1024 // len(PROSE))
+        bodies = [(path, json.dumps(body).encode()) for path, body in prompt_bodies(text).items()]
+        with httpx.Client(base_url=router.url, timeout=60) as client:
+            client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})  # template loaded
+            idle = router.rss_mb()
+            for i in range(20):
+                path, body = bodies[i % len(bodies)]
+                r = client.post(path, content=body, headers={"content-type": "application/json"})
+                assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
+        deadline = time.monotonic() + CLOSED_WITHIN_S
+        while router.rss_mb() > idle + 50:
+            assert time.monotonic() < deadline, f"router RSS {router.rss_mb():.0f} MB, idle {idle:.0f} MB"
+            time.sleep(0.1)
+    finally:
+        router.stop()
 
 
 # ---- 500s: a traceback at most once a minute ------------------------------------------------------
