@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.settings import HttpLimits
 
-__all__ = ["LimitError", "RequestLimits", "error_body", "limit_error"]
+__all__ = ["LimitError", "RequestLimits", "error_body", "limit_error", "malformed_request", "transfer_coding_error"]
 
 # Per header line beyond name and value: ": " and CRLF, as sent on the wire.
 HEADER_LINE_OVERHEAD = 4
@@ -27,11 +27,12 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 
 
 class LimitError:
-    """A refusal for crossing one HTTP limit: status, OpenAI error body, and the JSON bytes."""
+    """A refusal for crossing one HTTP limit (or of a request that is not HTTP we serve): status, OpenAI error
+    body, and the JSON bytes."""
 
-    def __init__(self, status: int, message: str, code: str) -> None:
+    def __init__(self, status: int, message: str, code: str, type_: str = "invalid_request_error") -> None:
         self.status = status
-        self.body = error_body(message, "invalid_request_error", None, code)
+        self.body = error_body(message, type_, None, code)
         self.payload = json.dumps(self.body).encode()
 
 
@@ -47,13 +48,43 @@ _REFUSALS: dict[str, tuple[int, str, str]] = {
     "max_body_bytes": (413, "Request body is larger than {} bytes.", "request_too_large"),
     "header_timeout_s": (408, "The request headers did not arrive within {:g} s.", "request_timeout"),
     "body_timeout_s": (408, "The request body did not arrive within {:g} s.", "request_timeout"),
+    "max_connections": (503, "The server has {} connections open, its limit; retry shortly.", "service_unavailable"),
 }
 
 
 def limit_error(name: str, limits: HttpLimits) -> LimitError:
     """The refusal for the limit ``name`` (a field of HttpLimits), naming the limit and its value."""
     status, message, code = _REFUSALS[name]
-    return LimitError(status, message.format(getattr(limits, name)), code)
+    type_ = "server_error" if status >= 500 else "invalid_request_error"
+    return LimitError(status, message.format(getattr(limits, name)), code, type_)
+
+
+def malformed_request() -> LimitError:
+    """The refusal of bytes the HTTP/1.1 parser cannot read as a request (bad framing, not HTTP at all)."""
+    return LimitError(400, "The request is not valid HTTP/1.1.", "invalid_http_request")
+
+
+def transfer_coding_error(values: list[bytes]) -> LimitError | None:
+    """The refusal of a request's ``Transfer-Encoding`` header values, if they are not plain ``chunked``.
+
+    RFC 9112: when chunked is not the final coding (or is applied twice) the body's length cannot be known,
+    which a server MUST answer 400 (section 6.3); a coding it does not implement (gzip, chunked) SHOULD be
+    501 (section 6.1). Either way the body cannot be read, so the connection is closed after the answer."""
+    codings = [c.strip().lower() for v in values for c in v.split(b",") if c.strip()]
+    if not values or codings == [b"chunked"]:
+        return None
+    shown = ", ".join(c.decode("latin-1") for c in codings)
+    if not codings or codings[-1] != b"chunked" or codings.count(b"chunked") > 1:
+        return LimitError(
+            400,
+            f"Transfer-Encoding {shown!r} does not end in a single chunked: the body's length cannot be known.",
+            "invalid_transfer_encoding",
+        )
+    return LimitError(
+        501,
+        f"Transfer-Encoding {shown!r} is not supported: send the body as plain chunked or with Content-Length.",
+        "unsupported_transfer_encoding",
+    )
 
 
 def head_error(scope: Scope, limits: HttpLimits) -> LimitError | None:

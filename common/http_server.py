@@ -5,8 +5,13 @@ header's pieces as they come, so a huge header costs time that grows faster than
 the event loop for ~20 s). The protocols here count the bytes of a head as they arrive and refuse it (414
 while still in the request line, else 431) once it passes what the limits allow, so its cost is bounded by
 the limits, not by what is sent; they close a head that takes longer than ``header_timeout_s`` and a body
-that takes longer than ``body_timeout_s`` (408 when no response has begun). The exact per-request checks
-(URL, header count and size, body) are common/http_guard.py's, on the parsed request.
+that takes longer than ``body_timeout_s`` (408 when no response has begun). They also answer, in OpenAI's JSON
+error shape where uvicorn would write plain text: a request the parser cannot read (400), a
+``Transfer-Encoding`` other than plain ``chunked`` (400 or 501: common/http_guard.py says which), and a request
+beyond ``max_connections`` (503). A response the client stops reading (the transport's buffer full, writing
+paused) for ``write_timeout_s`` is cut: the connection is aborted, which the app sees as the client's hang-up
+(the router aborts the request upstream, so its KV pages come back). The exact per-request checks (URL, header count and size, body) are
+common/http_guard.py's, on the parsed request.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from common.http_guard import LimitError, limit_error
+from common.http_guard import LimitError, limit_error, malformed_request, transfer_coding_error
 from common.settings import HttpLimits
 
 __all__ = ["REFUSAL_HOOK", "LimitedH11Protocol", "protocol_class", "server_options"]
@@ -43,7 +48,30 @@ def _raw_response(err: LimitError) -> bytes:
     return head.encode() + body
 
 
-_REASONS = {408: "Request Timeout", 414: "URI Too Long", 431: "Request Header Fields Too Large"}
+_REASONS = {
+    400: "Bad Request",
+    408: "Request Timeout",
+    414: "URI Too Long",
+    431: "Request Header Fields Too Large",
+    501: "Not Implemented",
+    503: "Service Unavailable",
+}
+
+
+class _Refused(Exception):
+    """Raised from inside the parser to stop it: uvicorn answers any parser error with ``send_400_response``,
+    which sends the refusal set aside in ``_pending`` instead."""
+
+
+def _transfer_codings(head: bytes) -> list[bytes]:
+    """The ``Transfer-Encoding`` values of a raw request head."""
+    values = []
+    for line in head.split(b"\r\n\r\n", 1)[0].split(b"\n")[1:]:
+        name, sep, value = line.partition(b":")
+        if sep and name.strip().lower() == b"transfer-encoding":
+            values.append(value.strip())
+    return values
+
 
 # The attribute of an app's ``state`` called with the status of each answer given here, before the app saw
 # the request (the router counts them beside the responses its app gives: router/app.py).
@@ -73,6 +101,8 @@ class _Limited:
     transport: asyncio.Transport
     loop: asyncio.AbstractEventLoop
     cycle: Any
+    connections: set[Any]
+    tasks: set[Any]
 
     def _init_limits(self, limits: HttpLimits) -> None:
         self.limits = limits
@@ -82,6 +112,9 @@ class _Limited:
         self._head_cap = limits.max_url_bytes + limits.max_header_bytes + _REQUEST_LINE_SLACK
         self._deadline: asyncio.TimerHandle | None = None
         self._refused = False
+        self._pending: LimitError | None = None  # a refusal decided inside the parser (see _Refused)
+        self._head = bytearray()
+        self._write_stall: asyncio.TimerHandle | None = None  # armed while writing is paused
 
     # ---- asyncio.Protocol ---------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -89,8 +122,17 @@ class _Limited:
         # A connection that never sends a byte is held to the header deadline too.
         self._begin_head()
 
+    def shutdown(self) -> None:
+        """Server shutdown: a refused connection (answered, lingering) is just closed; the parser's state after a
+        refusal is not one uvicorn's own shutdown expects."""
+        if self._refused:
+            self._close()
+        else:
+            super().shutdown()  # type: ignore[misc]
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_deadline()
+        self._cancel_write_stall()
         super().connection_lost(exc)  # type: ignore[misc]
 
     # Whether the next request's head begins with the next bytes after a message (h11, which reports no
@@ -103,9 +145,15 @@ class _Limited:
         if self._phase == "idle" and self._head_starts_on_data:
             self._begin_head()
         if self._phase == "head":
-            self._head_bytes += len(data)
             if not self._line_done:
-                self._line_done = b"\n" in data
+                end = data.find(b"\n")
+                if self._head_bytes + (len(data) if end < 0 else end) > self.limits.max_url_bytes + _REQUEST_LINE_SLACK:
+                    # Before the parser sees it: httptools refuses a request line over 64 KiB itself.
+                    self._refuse(limit_error("max_url_bytes", self.limits))
+                    return
+                self._line_done = end >= 0
+            self._head_bytes += len(data)
+            self._keep_head(data)
         super().data_received(data)  # type: ignore[misc]
         if self._phase != "head" or self._refused or self.transport.is_closing():
             return
@@ -115,15 +163,79 @@ class _Limited:
         elif self._head_bytes > self._head_cap:
             self._refuse(limit_error("max_header_bytes", self.limits))
 
+    def _keep_head(self, data: bytes) -> None:
+        """The head's bytes as they arrive (bounded by the head cap; dropped once it is parsed, ``b""``): the
+        parsers report no headers with their errors."""
+        if data:
+            self._head += data
+        else:
+            self._head = bytearray()
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a parser error (plain text, whatever the cause): the refusal a check set aside,
+        else the parser's own verdict, as JSON."""
+        err, self._pending = self._pending or self._parser_refusal(), None
+        self._refuse(err)
+
+    def _parser_refusal(self) -> LimitError:
+        # The parsers refuse some transfer codings themselves, without saying which: RFC 9112 answers some of
+        # those 400 and others 501, and the head tells.
+        if self._phase == "head":
+            err = transfer_coding_error(self._transfer_codings())
+            if err is not None:
+                return err
+        return malformed_request()
+
+    def _transfer_codings(self) -> list[bytes]:
+        """The ``Transfer-Encoding`` values of the head the parser stopped in."""
+        return _transfer_codings(bytes(self._head))
+
+    def _head_refusal(self, headers: list[tuple[bytes, bytes]]) -> LimitError | None:
+        """What a complete, parsed head is refused for before any app sees it: a transfer coding other than
+        plain chunked, or a connection beyond the cap (uvicorn's own check, which answers plain text, is off:
+        ``server_options``)."""
+        err = transfer_coding_error([v for k, v in headers if k.lower() == b"transfer-encoding"])
+        if err is not None:
+            return err
+        cap = self.limits.max_connections
+        if cap and (len(self.connections) >= cap or len(self.tasks) >= cap):
+            return limit_error("max_connections", self.limits)
+        return None
+
+    # ---- a client that stops reading ----------------------------------------------------------------
+    def pause_writing(self) -> None:
+        super().pause_writing()  # type: ignore[misc]
+        if self._write_stall is None:
+            self._write_stall = self.loop.call_later(self.limits.write_timeout_s, self._write_stalled)
+
+    def resume_writing(self) -> None:
+        self._cancel_write_stall()  # the client took some: progress
+        super().resume_writing()  # type: ignore[misc]
+
+    def _cancel_write_stall(self) -> None:
+        if self._write_stall is not None:
+            self._write_stall.cancel()
+            self._write_stall = None
+
+    def _write_stalled(self) -> None:
+        # Nothing to answer with (a response is under way and its bytes are what is stuck): drop the connection.
+        # ``connection_lost`` follows, and the app sees a disconnect, as for a client that hung up.
+        self._write_stall = None
+        self._refused = True
+        self._cancel_deadline()
+        self.transport.abort()
+
     # ---- phases -------------------------------------------------------------------------------------
     def _begin_head(self) -> None:
         self._phase = "head"
         self._head_bytes = 0
+        self._keep_head(b"")
         self._line_done = False
         self._arm(self.limits.header_timeout_s, self._head_late)
 
     def _head_done(self) -> None:
         self._phase = "body"
+        self._keep_head(b"")
         self._arm(self.limits.body_timeout_s, self._body_late)
 
     def _message_done(self) -> None:
@@ -206,6 +318,9 @@ class LimitedH11Protocol(_Limited, H11Protocol):
             # Phases follow h11's events as uvicorn takes them (several requests may come in one read).
             event = next_event()
             if isinstance(event, h11.Request):
+                self._pending = self._head_refusal(list(event.headers))
+                if self._pending is not None:
+                    raise h11.RemoteProtocolError("refused")  # uvicorn answers with send_400_response
                 self._head_done()
             elif isinstance(event, h11.EndOfMessage):
                 self._message_done()
@@ -235,6 +350,9 @@ if HttpToolsProtocol is not None:
             super().on_message_begin()
 
         def on_headers_complete(self) -> None:
+            self._pending = self._head_refusal(self.headers)
+            if self._pending is not None:
+                raise _Refused  # stops the parser; uvicorn then calls send_400_response
             self._head_done()
             super().on_headers_complete()
 
@@ -262,7 +380,7 @@ def server_options(limits: HttpLimits, http: str = "auto") -> dict[str, Any]:
     return dict(
         http=protocol_class(http, limits),
         timeout_keep_alive=limits.keep_alive_s,
-        limit_concurrency=limits.max_connections or None,
+        limit_concurrency=None,  # the cap is the protocols' (_Limited._head_refusal): a JSON 503
         h11_max_incomplete_event_size=limits.max_url_bytes + limits.max_header_bytes + _H11_SLACK,
         ws="none",  # no route speaks WebSocket: an upgrade request is answered as plain HTTP
         log_level="warning",

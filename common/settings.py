@@ -96,6 +96,7 @@ class HttpLimits:
     max_internal_body_bytes: int = reg.HTTP_MAX_INTERNAL_BODY_BYTES.field()
     header_timeout_s: float = reg.HTTP_HEADER_TIMEOUT_S.field()
     body_timeout_s: float = reg.HTTP_BODY_TIMEOUT_S.field()
+    write_timeout_s: float = reg.HTTP_WRITE_TIMEOUT_S.field()
     keep_alive_s: float = reg.HTTP_KEEP_ALIVE_S.field()
     max_connections: int = reg.HTTP_MAX_CONNECTIONS.field()
 

@@ -833,6 +833,13 @@ HTTP_BODY_TIMEOUT_S = _http(
     60.0,
     "from the end of the headers to the end of the body; then 408 (or a close, once a response has begun)",
 )
+HTTP_WRITE_TIMEOUT_S = _http(
+    "write_timeout_s",
+    float,
+    30.0,
+    "a response the client stops reading (nothing of it taken for this long while more waits to be sent) is cut: "
+    "the connection closed, as if the client had hung up (a router stream's request is aborted on its workers)",
+)
 HTTP_KEEP_ALIVE_S = _http("keep_alive_s", float, 5.0, "an idle connection between requests is closed after this")
 HTTP_MAX_CONNECTIONS = _http(
     "max_connections", int, 16384, "open connections per server process; a request beyond it gets 503; 0 = no cap"

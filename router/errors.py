@@ -28,6 +28,8 @@ __all__ = [
     "install_error_handlers",
     "model_not_found",
     "no_worker",
+    "operator_only",
+    "prompt_too_long",
     "rate_limited",
     "unauthorized",
     "upstream_failed",
@@ -78,6 +80,18 @@ def context_too_long(context: int, prompt: int, completion: int, param: str) -> 
     )
 
 
+def prompt_too_long(context: int, at_least: int, param: str) -> OpenAIError:
+    """``context_too_long`` for a prompt refused before it was tokenized whole: its count is a lower bound."""
+    return OpenAIError(
+        400,
+        f"This model's maximum context length is {context} tokens. However, there are at least {at_least} "
+        f"tokens in the {param}. Please reduce the length of the {param}.",
+        "invalid_request_error",
+        param,
+        "context_length_exceeded",
+    )
+
+
 def unauthorized() -> OpenAIError:
     return OpenAIError(
         401,
@@ -86,6 +100,17 @@ def unauthorized() -> OpenAIError:
         None,
         "invalid_api_key",
         headers={"WWW-Authenticate": "Bearer"},
+    )
+
+
+def operator_only() -> OpenAIError:
+    return OpenAIError(
+        403,
+        "This operator route shows other clients' requests and the workers' addresses: with no API key set it "
+        "answers only on the router's own host (loopback). Set KVFERRY_API_KEY to reach it with the key.",
+        "invalid_request_error",
+        None,
+        "operator_only",
     )
 
 

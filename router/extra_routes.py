@@ -294,20 +294,19 @@ def install_extra_routes(app: FastAPI, slot: RuntimeSlot) -> None:
         service = slot.service
         if not service.model.serves(body.model):
             raise model_not_found(body.model or "")
-        try:
-            if body.messages is not None:
+        # Tokenized as a prompt is (router/service.py): up to the model's context, longer texts are refused.
+        if body.messages is not None:
+            try:
                 chat = ChatCompletionRequest.model_validate({"messages": body.messages, "tools": body.tools})
-                ids = service.tok.encode_chat(chat.chat_messages(), chat.tools)
-            elif body.prompt is not None:
-                ids = service.tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-            else:
-                raise bad_request("send prompt or messages", "prompt")
-        except ValidationError as e:
-            raise bad_request(
-                str(e.errors()[0].get("msg", "invalid messages")).removeprefix("Value error, "), "messages"
-            ) from None
-        except ValueError as e:
-            raise bad_request(str(e), "prompt") from None
+            except ValidationError as e:
+                raise bad_request(
+                    str(e.errors()[0].get("msg", "invalid messages")).removeprefix("Value error, "), "messages"
+                ) from None
+            ids = await service.encode_chat(chat.chat_messages(), chat.tools)
+        elif body.prompt is not None:
+            ids = await service.encode_text(body.prompt, "prompt", body.add_special_tokens)
+        else:
+            raise bad_request("send prompt or messages", "prompt")
         return {"count": len(ids), "max_model_len": service.model.max_context, "tokens": ids, "token_strs": None}
 
     @app.post("/detokenize")

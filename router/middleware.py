@@ -2,7 +2,10 @@
 count of every response.
 
 Auth runs before the body is read, so an unauthenticated request costs neither reading nor parsing, and gets
-its 401 whatever its body looks like; the HTTP limits (413 and the rest: common/http_guard.py) come after it.
+its 401 whatever its body looks like. The operator routes (``/router/``: worker URLs and pool state;
+``/debug/``: every client's recent request ids and timelines) show what one client must not learn about the
+others: with an API key they want it like every other route; with none they answer only a client on this host
+(loopback, after uvicorn's proxy-header handling, which trusts only 127.0.0.1 by default), 403 otherwise; the HTTP limits (413 and the rest: common/http_guard.py) come after it.
 ``ResponseCounter`` wraps
 them: every response is counted by method, route and status, and a response to a generation route that no
 request record counted (refused before it was parsed, or by validation) is counted in
@@ -17,12 +20,14 @@ from collections.abc import Callable, Iterable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router.errors import OpenAIError, unauthorized
+from router.errors import OpenAIError, operator_only, unauthorized
 from router.metrics import RouterMetrics
 
 __all__ = ["COUNTED", "GENERATION_ROUTES", "FrontDoor", "ResponseCounter"]
 
 _PROTECTED = ("/v1/", "/router/", "/debug/", "/tokenize", "/detokenize")  # /health, /ready, /metrics stay open
+_OPERATOR = ("/router/", "/debug/")  # without an API key: loopback clients only
+_LOOPBACK = ("127.", "::1", "::ffff:127.")
 
 
 async def _send_error(send: Send, err: OpenAIError) -> None:
@@ -43,6 +48,9 @@ class FrontDoor:
             await self.app(scope, receive, send)
             return
         headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
+        if self.expected is None and scope["path"].startswith(_OPERATOR) and not _from_loopback(scope):
+            await _send_error(send, operator_only())
+            return
         if self.expected is not None and scope["path"].startswith(_PROTECTED):
             given = next((v for k, v in headers if k == b"authorization"), b"")
             scheme, _, token = given.strip().partition(b" ")
@@ -51,6 +59,11 @@ class FrontDoor:
                 await _send_error(send, unauthorized())
                 return
         await self.app(scope, receive, send)
+
+
+def _from_loopback(scope: Scope) -> bool:
+    client = scope.get("client")
+    return client is not None and str(client[0]).startswith(_LOOPBACK)
 
 
 GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})

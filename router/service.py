@@ -13,7 +13,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -22,7 +23,7 @@ import anyio
 from common.slo import DEFAULT_SLO_SPEC, SloClasses, parse_slo_classes
 from router.choice import ChoiceDelta, ChoiceState, TokenInfo
 from router.dispatch import Dispatcher
-from router.errors import bad_request, context_too_long, rate_limited, upstream_failed
+from router.errors import bad_request, context_too_long, prompt_too_long, rate_limited, upstream_failed
 from router.metrics import TokenGaps
 from router.migration import MigratingCall
 from router.openai_api import ChatCompletionRequest, CompletionRequest
@@ -40,8 +41,8 @@ from router.responses import (
 )
 from router.settings import RouterOptions
 from router.timeline import RequestRecord
-from router.tokenizer import ModelInfo, RouterTokenizer
-from router.tools import ToolCallStream, finish_reason_with_calls, parse_tool_calls
+from router.tokenizer import ModelInfo, PromptTooLong, RouterTokenizer
+from router.tools import Tool, ToolCallStream, finish_reason_with_calls, parse_tool_calls
 from router.upstream_event import UpstreamEvent
 
 SLO_CLASS_HEADER = "x-kvferry-class"  # names the request's SLO class (else `priority`, else the default)
@@ -52,6 +53,9 @@ log = logging.getLogger("kvferry.router")
 
 _CONTEXT_IDS = 4  # prompt ids fed to the detokenizer ahead of the output (SentencePiece leading spaces)
 _LONG_TEXT = 8192  # characters: tokenize off the event loop above this
+# Threads that tokenize long texts: bounded, so that a burst of long prompts queues here instead of taking
+# the process's cores (and a glibc malloc arena per thread) from the event loop.
+_TOKENIZE_THREADS = 2
 
 
 @dataclass
@@ -112,6 +116,7 @@ class RouterService:
         self.dispatcher = dispatcher
         self.opts = opts
         self._admitted: set[Admission] = set()
+        self._tokenizing = ThreadPoolExecutor(_TOKENIZE_THREADS, thread_name_prefix="tokenize")
 
     # ---- admission ---------------------------------------------------------------------------------
     @property
@@ -143,16 +148,39 @@ class RouterService:
                 raise bad_request(str(exc), SLO_CLASS_HEADER) from None
         return self.slo.by_priority(priority or 0).name
 
-    # ---- preparing -----------------------------------------------------------------------------------
-    async def prepare_chat(self, req: ChatCompletionRequest) -> Job:
-        messages = req.chat_messages()
+    # ---- tokenizing ----------------------------------------------------------------------------------
+    # A prompt is tokenized up to the model's context at most (router/tokenizer.py): one past it is refused
+    # (400) after about a context's worth of work, whatever its size; long texts are tokenized on the bounded
+    # pool, off the event loop.
+    async def _tokenize(self, chars: int, param: str, encode: Callable[[], list[int]]) -> list[int]:
         try:
-            if sum(len(m["content"] or "") for m in messages) > _LONG_TEXT:
-                ids = await asyncio.to_thread(self.tok.encode_chat, messages, req.tools)
-            else:
-                ids = self.tok.encode_chat(messages, req.tools)
+            if chars > _LONG_TEXT:
+                return await asyncio.get_running_loop().run_in_executor(self._tokenizing, encode)
+            return encode()
+        except PromptTooLong as exc:
+            raise prompt_too_long(self.model.max_context, exc.at_least, param) from None
+
+    async def encode_text(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """A text's token ids (OpenAIError 400 for text that is not Unicode or is longer than the context)."""
+        limit = self.model.max_context
+        try:
+            return await self._tokenize(len(text), param, lambda: self.tok.encode(text, add_special_tokens, limit))
+        except ValueError as exc:  # the tokenizer refuses text that is not valid Unicode
+            raise bad_request(str(exc), param) from None
+
+    async def encode_chat(self, messages: list[dict[str, Any]], tools: list[Tool] | None) -> list[int]:
+        """A conversation's prompt ids through the chat template (OpenAIError 400 as in ``encode_text``, or
+        for a conversation the template refuses)."""
+        chars = _text_chars(messages)
+        limit = self.model.max_context
+        try:
+            return await self._tokenize(chars, "messages", lambda: self.tok.encode_chat(messages, tools, limit))
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from None
+
+    # ---- preparing -----------------------------------------------------------------------------------
+    async def prepare_chat(self, req: ChatCompletionRequest) -> Job:
+        ids = await self.encode_chat(req.chat_messages(), req.tools)
         if not ids:
             raise bad_request("messages produce an empty prompt", "messages")
         max_tokens = self._max_tokens(len(ids), req.requested_max_tokens(), "messages", chat=True)
@@ -176,10 +204,7 @@ class RouterService:
         prompts: list[list[int]] = []
         for p in req.prompts():
             if isinstance(p, str):
-                try:
-                    ids = await asyncio.to_thread(self.tok.encode, p) if len(p) > _LONG_TEXT else self.tok.encode(p)
-                except (TypeError, ValueError):  # the tokenizer refuses text that is not valid Unicode
-                    raise bad_request("prompt is not valid Unicode text (lone surrogates?)", "prompt") from None
+                ids = await self.encode_text(p, "prompt")
                 if not ids:
                     raise bad_request("prompt must not be empty", "prompt")
             else:
@@ -486,6 +511,17 @@ def _kv_detail(job: Job) -> str:
         f"(prompt {len(ids)} + max_tokens {m})" for ids, m in zip(job.prompts, job.max_tokens, strict=True)
     )
     return f"n={job.n} x {terms}" if len(job.prompts) == 1 else f"n={job.n} x [{terms}]"
+
+
+def _text_chars(value: Any) -> int:
+    """Characters of all the strings in a JSON value: what a chat template may write out of it."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_chars(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_text_chars(v) for v in value)
+    return 0
 
 
 def _tool_stream(job: Job) -> ToolCallStream | None:

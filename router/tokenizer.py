@@ -20,7 +20,14 @@ from router.tools import Tool, render_for_template
 
 log = logging.getLogger("kvferry.router")
 
-__all__ = ["ModelInfo", "RouterTokenizer", "load_tokenizer"]
+__all__ = ["ModelInfo", "PromptTooLong", "RouterTokenizer", "load_tokenizer"]
+
+# A text longer than this (characters) is counted in pieces of this size before it is tokenized whole, so a
+# prompt far past the context costs about one context's worth of tokenizing, not its full length.
+_PIECE_CHARS = 16384
+# Tokens a cut between two pieces may add to their sum over the whole text's count (a word or a run of spaces
+# split in two): the count may pass the limit by this much per cut before the text is refused.
+_CUT_SLACK = 4
 
 
 @dataclass(frozen=True)
@@ -59,15 +66,36 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(bs, cs, strict=True)}
 
 
-def _check_unicode(text: str) -> None:
-    """JSON may carry lone surrogates (\\ud800), which are not Unicode text: refuse them clearly."""
+def _utf8_size(text: str) -> int:
+    """The text's size in UTF-8 bytes. JSON may carry lone surrogates (\\ud800), which are not Unicode text:
+    refuse them clearly."""
     try:
-        text.encode("utf-8")
+        return len(text.encode("utf-8"))
     except UnicodeEncodeError as exc:
         bad = text[exc.start]
         raise ValueError(
             f"the input contains a lone surrogate (\\u{ord(bad):04x}) at character {exc.start}: not valid Unicode"
         ) from None
+
+
+def _cut(text: str, end: int) -> int:
+    """Where a piece ending near ``end`` should end: before the last space or line break in its last quarter
+    (where the pre-tokenizer splits anyway), else at ``end``."""
+    if end >= len(text):
+        return len(text)
+    low = end - _PIECE_CHARS // 4
+    at = max(text.rfind(" ", low, end), text.rfind("\n", low, end))
+    return at if at > low else end
+
+
+class PromptTooLong(Exception):
+    """A text with more tokens than ``limit``, found out before tokenizing all of it: ``at_least`` is what its
+    bytes prove (or limit + 1 when counting stopped past the limit)."""
+
+    def __init__(self, at_least: int, limit: int) -> None:
+        super().__init__(f"at least {at_least} tokens, more than {limit}")
+        self.at_least = at_least
+        self.limit = limit
 
 
 class RouterTokenizer:
@@ -82,6 +110,8 @@ class RouterTokenizer:
         self.special_ids = frozenset(int(i) for i, t in backend.get_added_tokens_decoder().items() if t.special)
         self._byte_level = "ByteLevel" in repr(getattr(backend, "decoder", ""))
         self._bytes_cache: dict[int, bytes] = {}
+        # The longest token in bytes: a text of B bytes has at least B / this many tokens, whatever it says.
+        self.max_token_bytes = max(1, max(len(self.token_bytes(i)) for i in range(self.vocab_size)))
 
     @classmethod
     def from_dir(cls, path: Path) -> RouterTokenizer:
@@ -112,14 +142,35 @@ class RouterTokenizer:
         return not self._byte_level
 
     # ---- text -> ids -------------------------------------------------------------------------------
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        _check_unicode(text)
+    def encode(self, text: str, add_special_tokens: bool = True, limit: int | None = None) -> list[int]:
+        """The text's token ids. With ``limit``, a text that has more tokens than that raises PromptTooLong
+        after tokenizing at most about ``limit`` tokens of it (its bytes alone may show it): the caller's check
+        of the count stays exact, and its cost is bounded by the limit instead of the text."""
+        size = _utf8_size(text)
+        if limit is not None:
+            self._check_size(text, size, limit)
         return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def encode_chat(self, messages: list[dict[str, Any]], tools: list[Tool] | None = None) -> list[int]:
-        """Applies the model's chat template (with the assistant turn opened) and tokenizes the result.
-        Raises ValueError when the template rejects the conversation (e.g. roles out of order). Tools, and
-        tool calls and results in the history, go through the template (router/tools.py)."""
+    def _check_size(self, text: str, size: int, limit: int) -> None:
+        at_least = -(-size // self.max_token_bytes)
+        if at_least > limit:
+            raise PromptTooLong(at_least, limit)
+        if len(text) <= _PIECE_CHARS:
+            return
+        counted = cuts = start = 0
+        while start < len(text):
+            end = _cut(text, start + _PIECE_CHARS)
+            counted += len(self._backend.encode(text[start:end], add_special_tokens=False))
+            if counted > limit + cuts * _CUT_SLACK:
+                raise PromptTooLong(limit + 1, limit)
+            start, cuts = end, cuts + 1
+
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[Tool] | None = None, limit: int | None = None
+    ) -> list[int]:
+        """Applies the model's chat template (with the assistant turn opened) and tokenizes the result (``limit``
+        as in ``encode``). Raises ValueError when the template rejects the conversation (e.g. roles out of
+        order). Tools, and tool calls and results in the history, go through the template (router/tools.py)."""
         if not self.chat_template:
             raise ValueError("this model has no chat template: use /v1/completions")
         from transformers.utils.chat_template_utils import render_jinja_template
@@ -138,9 +189,8 @@ class RouterTokenizer:
         text = rendered[0] if isinstance(rendered, tuple) else rendered
         if isinstance(text, list):
             text = text[0]
-        _check_unicode(text)
         # The template writes the special tokens itself (as transformers' apply_chat_template does).
-        return list(self._backend.encode(text, add_special_tokens=False).ids)
+        return self.encode(text, add_special_tokens=False, limit=limit)
 
     # ---- ids -> text -------------------------------------------------------------------------------
     def decode(self, ids: Sequence[int]) -> str:

@@ -7,6 +7,7 @@ the setting, so only a connection that is never closed fails it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import select
@@ -18,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import httpx
 import pytest
 import uvicorn
 
@@ -36,6 +38,7 @@ LIMITS = HttpLimits(
     header_timeout_s=0.5,
     body_timeout_s=0.5,
     keep_alive_s=0.5,
+    write_timeout_s=0.5,
 )
 CLOSED_WITHIN_S = 10.0  # far above every deadline in LIMITS
 CHAT = "/v1/chat/completions"
@@ -300,6 +303,17 @@ def test_long_url_is_414(server: Server) -> None:
     assert request(addr, get(server.get_path + "?q=" + "x" * (LIMITS.max_url_bytes - 100)))[0] == 200
 
 
+def test_url_past_the_parsers_own_limit_is_414_json(server: Server) -> None:
+    """A request line of 64 KiB and more arriving at once (httptools refuses those itself, in plain text) gets
+    the same JSON 414 as one just over the limit."""
+    for size in (64 * 1024, 256 * 1024):
+        with connect(server.addr) as s:
+            s.sendall(get(server.get_path + "?q=" + "x" * size))
+            raw, closed = read_until_closed(s)
+        assert closed and status_of(raw) == 414, raw[:200]
+        assert error_of(raw)["code"] == "url_too_long"
+
+
 def test_endless_request_line_is_414_at_the_limit(router_addr) -> None:
     with connect(router_addr) as s:
         raw, sent = stream_until_answered(s, b"GET /", b"x" * 4096, most=64 * 1024 * 1024)
@@ -552,6 +566,65 @@ def test_schema_within_the_limits_passes_validation(router_addr) -> None:
         assert status == 503, (where, raw[:300])
 
 
+# ---- prompts: bounded before tokenizing ------------------------------------------------------------
+PROSE = "The harbour pilot climbs aboard at dawn, reads the tide tables and names the berth. "
+
+
+def prompt_bodies(text: str) -> dict[str, dict]:
+    return {
+        CHAT: {"messages": [{"role": "user", "content": text}]},
+        "/tokenize": {"prompt": text},
+        "/v1/completions": {"prompt": text, "max_tokens": 4},
+        "/v1/responses": {"input": text},
+    }
+
+
+def test_prompt_past_the_context_is_refused_without_tokenizing_it_all(router_addr, smol_path) -> None:
+    """Every route taking a prompt refuses one past the model's context with the context error, from a bound:
+    a prompt whose bytes prove it too long names that bound (its full count would be ~200 k tokens), one whose
+    bytes do not is refused once counting passes the context (its full count would be ~20 k)."""
+    tok = RouterTokenizer.from_dir(smol_path)
+    context = ModelInfo.from_dir("m", smol_path).max_context
+    huge = PROSE * (LIMITS.max_body_bytes // len(PROSE) - 100)
+    by_bytes = -(-len(huge.encode()) // tok.max_token_bytes)
+    medium = PROSE * 1000
+    assert by_bytes > context > len(medium.encode()) // tok.max_token_bytes
+    for text, at_least in ((huge, by_bytes), (medium, context + 1)):
+        for path, body in prompt_bodies(text).items():
+            status, _, raw = request(router_addr, post(path, json.dumps(body).encode()))
+            assert status == 400, (path, raw[:300])
+            error = json.loads(raw)["error"]
+            assert error["code"] == "context_length_exceeded", (path, error)
+            named = int(error["message"].split("at least ")[1].split(" tokens")[0])
+            assert at_least <= named <= at_least + 8, (path, error["message"])  # (+ a chat template's own bytes)
+    status, _, raw = request(router_addr, post("/tokenize", json.dumps({"prompt": PROSE * 100}).encode()))
+    assert status == 200 and json.loads(raw)["count"] == len(tok.encode(PROSE * 100))
+
+
+def test_big_prompts_leave_the_router_process_at_its_idle_memory() -> None:
+    """Twenty prompts of 7 MiB (under the default 8 MiB body cap) each answered 400 by a router process, whose
+    memory then is back within 50 MB of what it was idle (full tokenization took it from ~120 MB to ~1.4 GB)."""
+    from tests.workers import start_router_process
+
+    router = start_router_process()
+    try:
+        text = PROSE * (7 * 1024 * 1024 // len(PROSE))
+        bodies = [(path, json.dumps(body).encode()) for path, body in prompt_bodies(text).items()]
+        with httpx.Client(base_url=router.url, timeout=60) as client:
+            client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})  # template loaded
+            idle = router.rss_mb()
+            for i in range(20):
+                path, body = bodies[i % len(bodies)]
+                r = client.post(path, content=body, headers={"content-type": "application/json"})
+                assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
+        deadline = time.monotonic() + CLOSED_WITHIN_S
+        while router.rss_mb() > idle + 50:
+            assert time.monotonic() < deadline, f"router RSS {router.rss_mb():.0f} MB, idle {idle:.0f} MB"
+            time.sleep(0.1)
+    finally:
+        router.stop()
+
+
 # ---- 500s: a traceback at most once a minute ------------------------------------------------------
 class Records(logging.Handler):
     def __init__(self) -> None:
@@ -652,6 +725,100 @@ def test_garbage_requests_do_not_log_a_line_each(router_addr) -> None:
     assert len(handler.records) <= 1, [r.getMessage() for r in handler.records]
 
 
+def test_unparseable_requests_get_a_json_400(server: Server) -> None:
+    """Bytes the parser cannot read as HTTP/1.1 (not HTTP at all, a bad header line, a broken chunk) are
+    answered in OpenAI's error shape, not uvicorn's plain text, and closed."""
+    head = f"POST {server.post_path} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+    for raw_request in (
+        b"\x16\x03\x01 not http at all\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+        head + b"zz\r\nnot a chunk size\r\n",
+    ):
+        with connect(server.addr) as s:
+            s.sendall(raw_request)
+            raw, closed = read_until_closed(s)
+        assert closed and status_of(raw) == 400, (raw_request, raw[:200])
+        assert b"content-type: application/json" in raw.lower()
+        error = error_of(raw)
+        assert error["type"] == "invalid_request_error" and error["code"] == "invalid_http_request", error
+
+
+@pytest.mark.parametrize(
+    ("coding", "status", "code"),
+    [
+        ("gzip, chunked", 501, "unsupported_transfer_encoding"),  # RFC 9112 6.1: a coding not implemented
+        ("deflate,chunked", 501, "unsupported_transfer_encoding"),
+        ("gzip", 400, "invalid_transfer_encoding"),  # RFC 9112 6.3: chunked not final, length unknown
+        ("chunked, gzip", 400, "invalid_transfer_encoding"),
+        ("chunked, chunked", 400, "invalid_transfer_encoding"),
+    ],
+)
+def test_transfer_codings_other_than_plain_chunked_are_refused(
+    server: Server, coding: str, status: int, code: str
+) -> None:
+    """A body in a transfer coding the server does not decode is refused before any app reads it (it was read
+    as plain text under `gzip, chunked`); plain chunked is served."""
+    body = b'{"prompt": "hello"}'
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+
+    def send(te: str) -> bytes:
+        head = f"POST {server.post_path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        with connect(server.addr) as s:
+            s.sendall(head.encode() + f"Transfer-Encoding: {te}\r\nConnection: close\r\n\r\n".encode() + chunked)
+            raw, closed = read_until_closed(s)
+        assert closed
+        return raw
+
+    raw = send(coding)
+    assert status_of(raw) == status, raw[:300]
+    assert error_of(raw)["code"] == code and coding.split(",")[0].strip() in error_of(raw)["message"]
+    plain = send("chunked")  # the same body, plainly chunked, reaches the route (which judges its JSON)
+    assert status_of(plain) != 501 and b"transfer_encoding" not in plain and b"invalid_http_request" not in plain
+
+
+# ---- a client that stops reading ------------------------------------------------------------------
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_a_stream_nobody_reads_is_cut_and_its_request_ended(smol_path, http: str) -> None:
+    """A streaming client that stops reading (its receive window full) does not hold the stream: once no write
+    makes progress for ``write_timeout_s`` the connection is dropped and the stream's clean-up runs (where the
+    router aborts the request on its workers); a reading client of the same stream is not cut."""
+    from common.managed_stream import ManagedStream
+
+    app = router_app(smol_path)
+    ended = threading.Event()
+
+    async def endless() -> ManagedStream:
+        async def body():  # type: ignore[no-untyped-def]
+            while True:
+                await asyncio.sleep(0)  # as a stream awaits its upstream between events
+                yield b"data: " + b"x" * 16384 + b"\n\n"
+
+        async def on_close() -> None:
+            ended.set()
+
+        return ManagedStream(body(), on_close, "text/event-stream")
+
+    app.add_api_route("/v1/endless", endless, methods=["GET"])
+    with ServerThread(app, limits=LIMITS, http=http) as server:
+        addr = ("127.0.0.1", server.port)
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(addr)
+            s.sendall(get("/v1/endless"))
+            assert ended.wait(CLOSED_WITHIN_S), "the unread stream was never ended"
+            _, closed = read_until_closed(s)  # what was buffered, then the drop
+            assert closed
+        ended.clear()
+        with connect(addr) as s:  # a client that keeps reading, for longer than the timeout
+            s.sendall(get("/v1/endless"))
+            taken, until = 0, time.monotonic() + 4 * LIMITS.write_timeout_s
+            while time.monotonic() < until:
+                chunk = s.recv(1 << 20)
+                assert chunk, "a reading client's stream was cut"
+                taken += len(chunk)
+            assert taken > 0 and not ended.is_set()
+
+
 # ---- connections: 503 beyond the cap ---------------------------------------------------------------
 def test_connections_beyond_the_cap_get_503(smol_path) -> None:
     limits = HttpLimits(max_connections=4, header_timeout_s=30.0)
@@ -661,7 +828,10 @@ def test_connections_beyond_the_cap_get_503(smol_path) -> None:
         held = [connect(addr) for _ in range(limits.max_connections)]
         try:
             time.sleep(0.2)  # let the server accept them
-            assert request(addr, get())[0] == 503
+            status, headers, body = request(addr, get())
+            assert status == 503 and headers["content-type"] == "application/json"
+            error = json.loads(body)["error"]
+            assert error["code"] == "service_unavailable" and str(limits.max_connections) in error["message"]
         finally:
             for s in held:
                 s.close()

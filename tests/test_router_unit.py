@@ -13,7 +13,7 @@ from router.discovery import StaticDiscovery
 from router.locality import RecentPlacements
 from router.policy import DecodeCandidate, PolicyConfig, PrefillCandidate, RoutingPolicy
 from router.settings import RouterOptions
-from router.tokenizer import ModelInfo, RouterTokenizer
+from router.tokenizer import ModelInfo, PromptTooLong, RouterTokenizer
 
 MULTILINGUAL = [
     "Hello, world!",
@@ -488,3 +488,31 @@ def test_round_robin_mode_ignores_prefix_and_load() -> None:
     assert picks == ["p0", "p1", "p0", "p1"]
     with pytest.raises(ValueError):
         RoutingPolicy(PolicyConfig(mode="random"))
+
+
+# ---- prompts bounded before tokenizing ---------------------------------------------------------------------
+PROSE = "The harbour pilot climbs aboard at dawn, reads the tide tables and names the berth. "
+
+
+@pytest.mark.parametrize("text", [PROSE * 500, "word " * 40_000, "x" * 100_000, "\n" * 30_000 + PROSE * 300])
+def test_bounded_encode_is_exact_at_the_limit(router_tok: RouterTokenizer, text: str) -> None:
+    """Counting in pieces never refuses a text that fits: at exactly its own token count the ids are the
+    unbounded ones; below it by more than the slack its cuts allow, it is refused."""
+    ids = router_tok.encode(text, add_special_tokens=False)
+    assert router_tok.encode(text, add_special_tokens=False, limit=len(ids)) == ids
+    with pytest.raises(PromptTooLong):
+        router_tok.encode(text, add_special_tokens=False, limit=len(ids) - 1 - 4 * (len(text) // 16384 + 1))
+
+
+def test_bounded_encode_refuses_from_bytes_or_after_a_context_of_work(router_tok: RouterTokenizer) -> None:
+    """A text whose bytes prove it longer than the limit is refused on that alone (at_least from the longest
+    token); one whose bytes do not is refused once counting passes the limit, not at its full count."""
+    huge = PROSE * 100_000  # ~8 MB: ~1.7 M tokens
+    with pytest.raises(PromptTooLong) as refused:
+        router_tok.encode(huge, limit=8192)
+    assert refused.value.at_least == -(-len(huge.encode()) // router_tok.max_token_bytes) > 8192
+    medium = PROSE * 4000  # ~340 KB: under what its bytes alone refuse at 8192 tokens, ~70 k tokens
+    assert len(medium.encode()) // router_tok.max_token_bytes < 8192
+    with pytest.raises(PromptTooLong) as refused:
+        router_tok.encode(medium, limit=8192)
+    assert refused.value.at_least == 8193

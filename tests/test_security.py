@@ -40,6 +40,41 @@ SERVED_PACKAGES = ("common", "router", "prefill_worker", "decode_worker", "mixed
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
+# ---- the router with no API key -------------------------------------------------------------------
+def test_without_an_api_key_operator_routes_answer_only_loopback(smol_path) -> None:
+    """With no API key, the routes that show the workers' URLs and other clients' request ids answer only a
+    client on the router's host; a remote client (here: behind a proxy on this host, which uvicorn trusts to
+    name it in X-Forwarded-For) gets 403, and the OpenAI routes stay open to it."""
+    from common.config import RouterConfig
+    from router.app import create_app
+    from router.discovery import StaticDiscovery
+    from router.server_thread import ServerThread
+    from router.settings import RouterOptions
+    from router.tokenizer import ModelInfo, RouterTokenizer
+
+    worker_url = "http://10.11.12.13:8200"
+    app = create_app(
+        RouterConfig(api_key=None),
+        RouterOptions(),
+        tokenizer=RouterTokenizer.from_dir(smol_path),
+        model_info=ModelInfo.from_dir(MODEL, smol_path),
+        discovery=StaticDiscovery([], [worker_url]),
+        use_redis=False,
+    )
+    remote = {"X-Forwarded-For": "203.0.113.7"}
+    with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=30) as client:
+        rid = client.post("/v1/chat/completions", json={"messages": FRANCE}).json()  # (no worker answers)
+        assert "error" in rid
+        for path in ("/router/workers", "/debug/requests", "/debug/requests/chatcmpl-0"):
+            r = client.get(path, headers=remote)
+            assert r.status_code == 403, (path, r.text)
+            assert r.json()["error"]["code"] == "operator_only" and worker_url not in r.text
+        assert client.get("/v1/models", headers=remote).status_code == 200
+        local = client.get("/router/workers")
+        assert local.status_code == 200 and worker_url in local.text
+        assert client.get("/debug/requests").status_code == 200
+
+
 # ---- the router with an API key ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:

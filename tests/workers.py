@@ -159,6 +159,49 @@ def start_router_thread(app, timeout: float = 20.0):
     return s
 
 
+@dataclass
+class RouterProc:
+    proc: subprocess.Popen[bytes]
+    url: str
+
+    def rss_mb(self) -> float:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise AssertionError("no VmRSS")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def start_router_process(*args: str, timeout: float = 120.0) -> RouterProc:
+    """`python -m router` (static discovery) as its own process, on a free port, once it answers /health: where
+    what the router process itself holds (its memory) is measured."""
+    port = free_port()
+    log = open(LOG_DIR / f"router-{port}.log", "wb")
+    argv = ["python3", "-m", "router", "--host", "127.0.0.1", "--port", str(port), "--discovery", "static", *args]
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen(argv, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, stdout=log, stderr=log)
+    log.close()
+    router = RouterProc(proc, f"http://127.0.0.1:{port}")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(router.url + "/health", timeout=5).status_code == 200:
+                return router
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            router.stop()
+            raise AssertionError(f"router did not start: {(LOG_DIR / f'router-{port}.log').read_text()[-2000:]}")
+        time.sleep(0.1)
+
+
 def prefill_layout(prefill_url: str) -> dict[str, Any]:
     """The prefill worker's KV layout, read off the mismatch it reports for a deliberately wrong one."""
     layout = {
