@@ -926,6 +926,17 @@ FAULT_WRITE_DELAY_S = declare(
     shown_default="unset",
     kind="test",
 )
+FAULT_ENGINE_CALL_TIMEOUT_S = declare(
+    "KVFERRY_FAULT_ENGINE_CALL_TIMEOUT_S",
+    float,
+    0.0,
+    "N = a worker's control plane waits only N s (instead of 30) for its engine's answer to a call, so a busy "
+    "engine answers too late (504 `engine_timeout`: the overload tests)",
+    "workers",
+    "common/serving/channel.py",
+    shown_default="unset",
+    kind="test",
+)
 
 
 # ---- the docs --------------------------------------------------------------------------------------------------
