@@ -558,6 +558,15 @@ MAX_PREFILL_TOKENS = declare(
     "common/settings.py",
     flag=True,
 )
+GRAMMAR_COMPILE_TIMEOUT_S = declare(
+    "KVFERRY_GRAMMAR_COMPILE_TIMEOUT_S",
+    float,
+    10.0,
+    "a request's grammar (structured output) not compiled within this long fails that request alone; grammars "
+    "compile on a worker thread, never in the engine's step loop",
+    "workers",
+    "common/settings.py",
+)
 MAX_STEP_MS = declare(
     "KVFERRY_MAX_STEP_MS",
     float,
