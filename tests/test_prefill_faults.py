@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from collections.abc import Iterator
 
@@ -23,8 +25,10 @@ from tests.test_reliability import (
     assert_openai_error,
     load,
     long_prompt,
+    metric,
     part_for,
     restart,
+    router_says_up,
     wait_all_up,
     wait_pages_back,
     wait_until,
@@ -123,3 +127,34 @@ def test_prefill_engines_answering_too_late_give_no_5xx() -> None:
         wait_pages_back(worker_urls(c), timeout=60)
     finally:
         c.stop()
+
+
+def _stop_prefill(c: LocalCluster, sig: int) -> None:
+    for url in c.prefill_urls:
+        part = part_for(c, url)
+        assert part.proc is not None
+        os.killpg(part.proc.pid, sig)
+
+
+def test_local_prefill_is_given_back_when_a_prefill_worker_is_back(cluster: LocalCluster) -> None:
+    """Every prefill worker frozen (SIGSTOP): the router marks them down and a long prompt is prefilled on the decode
+    worker; once they answer again, the prompt (still before its first token) is given back to one of them."""
+    c = cluster
+    wait_all_up(c)
+    done = {u: metric(u, "kvferry_requests_total", '{outcome="done"}') for u in c.prefill_urls}
+    _stop_prefill(c, signal.SIGSTOP)
+    try:
+        wait_until(lambda: not any(router_says_up(c, u) for u in c.prefill_urls), 30, "the prefill workers down")
+        out: list[httpx.Response | BaseException] = []
+        t = threading.Thread(target=_send, args=(c, long_prompt(1800), out), daemon=True)
+        t.start()
+        wait_until(lambda: load(c.decode_urls[0])["queued_prefill_tokens"] > 0, 30, "the decode worker prefilling")
+    finally:
+        _stop_prefill(c, signal.SIGCONT)
+    t.join(120)
+    assert not t.is_alive() and len(out) == 1
+    r = out[0]
+    assert isinstance(r, httpx.Response) and r.status_code == 200, r
+    after = {u: metric(u, "kvferry_requests_total", '{outcome="done"}') for u in c.prefill_urls}
+    assert any(after[u] > done[u] for u in c.prefill_urls), "the prompt stayed on the decode worker"
+    wait_pages_back(worker_urls(c), timeout=60)
