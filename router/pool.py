@@ -361,6 +361,12 @@ class WorkerPool:
         for watched in list(w.watchers):
             watched.kill(f"{w.role} worker {w.url} is down ({reason})")
 
+    async def fresh_loads(self, since: float, timeout_s: float) -> None:
+        """Waits (at most ``timeout_s``) until every ready decode worker's load was asked for after ``since``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and any(w.load_asked <= since for w in self.decoders()):
+            await asyncio.sleep(0.02)
+
     # ---- queries ---------------------------------------------------------------------------------
     def ready(self, role: str, exclude: set[str] | frozenset[str] = frozenset()) -> list[Worker]:
         return self._ready_in({role}, exclude)

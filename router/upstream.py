@@ -70,9 +70,15 @@ class UpstreamCall:
         exclude_p: set[str] = set()
         last: OpenAIError | None = None
         spent = 0  # tries that failed on a decode worker (or on no particular worker)
+        moved_at: float | None = None  # when a local placement was given back (`prefill_back`)
         for attempt in range(MAX_ATTEMPTS):
             if spent >= DECODE_TRIES:
                 break
+            if moved_at is not None:
+                # The decode worker's last /load still counts the pages of the prefill just given back there:
+                # place the prompt again on a snapshot taken after it let go of them.
+                await self.d.pool.fresh_loads(moved_at, timeout_s=3 * self.d.pool.poll_interval_s)
+                moved_at = None
             try:
                 decision = self.d.route(self.plan, self.sampling.max_tokens, exclude_d, exclude_p)
             except OpenAIError as exc:
@@ -91,6 +97,7 @@ class UpstreamCall:
                 await self._release()
                 if r.moved:  # placed again now that a prefill worker is up: no failure, no try used up
                     exclude_p.clear()
+                    moved_at = time.monotonic()
                     log.info("local prefill given back to a prefill worker", extra={"req_id": self.req_id})
                     continue
                 last = r.error
