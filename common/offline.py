@@ -86,6 +86,8 @@ class Engine:
             reqs.append(req)
         while any(not r.finished for r in reqs):
             self.scheduler.step()
+            for rid, error in self.scheduler.take_compile_failures():  # a grammar that did not compile
+                self.scheduler.abort(rid, "error", error)
             self.scheduler.take_index_events()  # no prefix index listens here: the list would only grow
         results = []
         for r in reqs:

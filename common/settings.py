@@ -71,6 +71,7 @@ class SchedulerConfig:
     # (below); below 0: -itl_target_ms of the engine's measured decode steps (ITL_TARGET_AUTO: 2); > 0:
     # milliseconds; 0: prefill-first (decoding waits for whole prompts).
     itl_target_ms: float = reg.ITL_TARGET_MS.field()
+    grammar_compile_timeout_s: float = reg.GRAMMAR_COMPILE_TIMEOUT_S.field()  # then the request fails alone
     max_step_ms: float = reg.MAX_STEP_MS.field()  # no planned step longer (commands wait between steps)
     # The SLO declaration (common/slo.py): request classes and their targets, and the default class.
     slo_classes: str = reg.SLO_CLASSES.field()

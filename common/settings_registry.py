@@ -558,6 +558,15 @@ MAX_PREFILL_TOKENS = declare(
     "common/settings.py",
     flag=True,
 )
+GRAMMAR_COMPILE_TIMEOUT_S = declare(
+    "KVFERRY_GRAMMAR_COMPILE_TIMEOUT_S",
+    float,
+    10.0,
+    "a request's grammar (structured output) not compiled within this long fails that request alone; grammars "
+    "compile on a worker thread, never in the engine's step loop",
+    "workers",
+    "common/settings.py",
+)
 MAX_STEP_MS = declare(
     "KVFERRY_MAX_STEP_MS",
     float,
@@ -923,6 +932,17 @@ FAULT_WRITE_DELAY_S = declare(
     "race tests)",
     "prefill workers",
     "prefill_worker/engine.py",
+    shown_default="unset",
+    kind="test",
+)
+FAULT_ENGINE_CALL_TIMEOUT_S = declare(
+    "KVFERRY_FAULT_ENGINE_CALL_TIMEOUT_S",
+    float,
+    0.0,
+    "N = a worker's control plane waits only N s (instead of 30) for its engine's answer to a call, so a busy "
+    "engine answers too late (504 `engine_timeout`: the overload tests)",
+    "workers",
+    "common/serving/channel.py",
     shown_default="unset",
     kind="test",
 )

@@ -85,6 +85,7 @@ class DecodeRole(NullConnector):
             self.host.enqueue(req)
             return None
         self.host.scheduler.validate(req)
+        self.host.scheduler.prefetch_grammar(req)  # compiled off the loop while the peer prefills
         if self.host.scheduler.has_request(req.req_id) or req.req_id in self.remote or req.req_id in self.held:
             raise Refused(f"duplicate request id {req.req_id!r}", "duplicate_request")
         # Its pages are reserved when the scheduler settles transfers, in this loop turn when they are free; the

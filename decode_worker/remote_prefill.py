@@ -62,10 +62,21 @@ REFUSALS = frozenset({400, 409, 410, 429, 503})
 BROKEN = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.ReadError, httpx.WriteError)
 
 
+# Answers of a live prefill worker too busy to take the request now (its engine answered too late, its queue is
+# full): overload, not a fault; the router tries elsewhere and, if nothing takes it, answers 429.
+OVERLOADED = frozenset({(504, "engine_timeout"), (429, None)})
+
+
 class PeerFailure(RuntimeError):
-    def __init__(self, message: str, settled: bool) -> None:
+    def __init__(self, message: str, settled: bool, overloaded: bool = False) -> None:
         super().__init__(message)
         self.settled = settled  # no write of the request can come any more
+        self.overloaded = overloaded  # the peer is alive but too busy (`OVERLOADED`)
+
+
+def overloaded_answer(r: httpx.Response) -> bool:
+    code = _error_code(r)
+    return (r.status_code, code) in OVERLOADED or (r.status_code, None) in OVERLOADED
 
 
 @dataclass
@@ -94,6 +105,9 @@ class RemotePrefill:
     calls: dict[str, PrefillCall] = field(default_factory=dict)
     known: dict[str, HandshakeResponse] = field(default_factory=dict)
     locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+    # Requests whose remote prefill failed only because the peer was too busy; their error event says so
+    # (decode_worker/routes.py), so the router answers 429 rather than a 5xx if no other worker takes them.
+    overloaded: set[str] = field(default_factory=set)
 
     @classmethod
     def create(cls, state: WorkerState) -> RemotePrefill:
@@ -148,6 +162,8 @@ class RemotePrefill:
             await self._exchange(call)
         except PeerFailure as e:
             self.known.pop(call.url, None)
+            if e.overloaded and not call.given_up:
+                self.overloaded.add(rid)
             client.cast(PrefillSettled(rid, str(e)) if e.settled else PrefillFailed(rid, str(e)))
         finally:
             if self.calls.get(rid) is call:
@@ -177,7 +193,7 @@ class RemotePrefill:
                 ) as r:
                     if r.status_code != 200:
                         await r.aread()
-                    code = _error_code(r) if r.status_code == 409 else None
+                    code = _error_code(r) if r.status_code != 200 else None
                     if code == "unknown_peer" and attempt == 0 and not call.given_up:
                         # The peer restarted and lost our handshake; it registered nothing. The same pages go
                         # to its new instance (the same name and address) after a new handshake.
@@ -190,6 +206,7 @@ class RemotePrefill:
                         raise PeerFailure(
                             f"prefill worker {call.url} refused the request: {_error_text(r)}",
                             settled=r.status_code in REFUSALS and code != "duplicate_request",
+                            overloaded=overloaded_answer(r),
                         )
                     await self._read(call, r)
                     return
@@ -258,7 +275,11 @@ class RemotePrefill:
             except httpx.HTTPError as e:
                 raise PeerFailure(f"handshake with prefill worker {url} failed: {e!r}", settled=True) from None
             if r.status_code != 200:
-                raise PeerFailure(f"prefill worker {url} refused the handshake: {_error_text(r)}", settled=True)
+                raise PeerFailure(
+                    f"prefill worker {url} refused the handshake: {_error_text(r)}",
+                    settled=True,
+                    overloaded=overloaded_answer(r),
+                )
             try:
                 resp = HandshakeResponse.model_validate(r.json())
             except ValueError as e:

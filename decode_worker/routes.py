@@ -53,6 +53,8 @@ class DecodeStream:
             try:
                 peer = await self.remote.handshake(self.peer_url)
             except PeerFailure as e:  # the stream says so; the router tries another prefill worker
+                if e.overloaded:
+                    self.remote.overloaded.add(rid)
                 self.client.streams[rid].put_nowait(Tokens(rid, [], finish_reason="error", error=str(e)))
                 return
         self.peer = peer
@@ -87,6 +89,7 @@ class DecodeStream:
             return
         self.ended = True
         rid = self.gen.req_id
+        self.remote.overloaded.discard(rid)
         self.state.live.discard(rid)
         self.state.accepted.ended(rid)
         self.client.close_stream(rid)
@@ -109,6 +112,8 @@ class DecodeStream:
             if not isinstance(ev, Tokens):
                 continue
             item = ev.stream_item()
+            if ev.finish_reason == "error" and not self.landed and ev.req_id in self.remote.overloaded:
+                item["overloaded"] = True  # its prefill worker was only too busy: the router's 429, not a 5xx
             self.landed = self.landed or bool(ev.token_ids)
             metrics.generated.inc(len(ev.token_ids))
             if ev.cached_tokens is not None:

@@ -50,7 +50,7 @@ log = logging.getLogger("kvferry.prefill")
 CANCELLED_KEEP_S = SAFETY_DEADLINE_S
 # How long a refusal is remembered for the control plane's `Unanswered`, which follows its `Prefill` at once when
 # the engine answered too late (common/serving/channel.py: CALL_TIMEOUT_S).
-REFUSED_KEEP_S = 2 * CALL_TIMEOUT_S
+REFUSED_KEEP_S = max(2 * CALL_TIMEOUT_S, 60.0)
 # Refusals after which no "closed" notice may go out: no such peer, or a live registration of the request owns it.
 NO_NOTICE = frozenset({"unknown_peer", "duplicate_request", "request_id_in_use"})
 

@@ -50,6 +50,10 @@ class Watched(Protocol):
 
     def kill(self, reason: str) -> None: ...
 
+    def prefill_back(self) -> None:
+        """A prefill worker came (back) up: a prompt placed locally for lack of one may be placed again."""
+        ...
+
 
 @dataclass
 class Load:
@@ -322,11 +326,17 @@ class WorkerPool:
         w.stale = False
         w.last_ok = time.monotonic()
         routable = load.ready and not load.draining
-        if routable and not w.up:
+        back = routable and not w.up
+        if back:
             log.info("worker up", extra={"role": w.role, "url": w.url, "pod": w.pod})
         elif not routable and w.up:
             log.warning("worker not ready", extra={"role": w.role, "url": w.url, "draining": load.draining})
         w.up = routable
+        if back and w.role in PREFILL_ROLES:
+            for d in list(self.workers.values()):
+                if d is not w and d.role in DECODE_ROLES:
+                    for call in list(d.decoding):
+                        call.prefill_back()
 
     def report_failure(self, w: Worker, reason: str, hard: bool = False) -> None:
         """A failed poll; ``hard``: proof that the worker is gone (a refused connection, from a poll or
@@ -350,6 +360,12 @@ class WorkerPool:
         w.stale = False
         for watched in list(w.watchers):
             watched.kill(f"{w.role} worker {w.url} is down ({reason})")
+
+    async def fresh_loads(self, since: float, timeout_s: float) -> None:
+        """Waits (at most ``timeout_s``) until every ready decode worker's load was asked for after ``since``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and any(w.load_asked <= since for w in self.decoders()):
+            await asyncio.sleep(0.02)
 
     # ---- queries ---------------------------------------------------------------------------------
     def ready(self, role: str, exclude: set[str] | frozenset[str] = frozenset()) -> list[Worker]:

@@ -3,8 +3,8 @@
 ``UpstreamCall.start()`` routes the request, opens ``POST /internal/generate`` on the chosen decode pod
 (passing the chosen prefill pod's URL, or None to prefill locally) and waits for the first event. Any
 failure before that first token (refused connection, 429/5xx, a stream that ends or reports an error
-before producing a token, a pod declared down by the health poller, a deadline) is retried once on
-other pods; a 400 is the client's fault and is raised as is. After the first token, failures end the
+before producing a token, a pod declared down by the health poller, a deadline) is retried on other pods
+(once for the decode side; a failed or busy prefill pod moves the prompt to another one, or to the decode pod); a 400 is the client's fault and is raised as is. After the first token, failures end the
 call with ``finish_reason="error"``, marked ``retryable`` when only the worker was lost (router/migration.py
 then continues the choice on another worker).
 
@@ -23,7 +23,7 @@ import anyio
 
 from common.protocol import GenerateRequest, SamplingParams
 from router.dispatch import Dispatcher, PromptPlan
-from router.errors import OpenAIError, no_worker, upstream_failed
+from router.errors import OpenAIError, no_worker, rate_limited, upstream_failed
 from router.policy import RouteDecision
 from router.pool import Worker
 from router.upstream_event import UpstreamEvent, lost_event
@@ -35,6 +35,11 @@ log = logging.getLogger("kvferry.router")
 __all__ = ["UpstreamCall"]
 
 STALL_GRACE_S = 5.0  # after its worker is declared down, a live stream must show a token this often
+# Tries before the first token: a failure on the decode side (or of no one worker) uses up one of DECODE_TRIES; one
+# that only its prefill worker caused (gone, or too busy) moves the request to another prefill worker, or to a
+# prefill on the decode worker once none is left, without using one up. MAX_ATTEMPTS bounds them all.
+DECODE_TRIES = 2
+MAX_ATTEMPTS = 4
 
 
 class UpstreamCall:
@@ -51,6 +56,7 @@ class UpstreamCall:
         self._streaming_resp: Response | None = None  # the generate response once its status was 200
         self._deadline: asyncio.Timeout | None = None
         self._killed: str | None = None
+        self._given_back = False  # `prefill_back` ended the first-token wait of a local placement
         self._closed = False
         self._worker_finished = False  # the worker sent its last event: the stream can end cleanly
         self._last_event = 0.0  # monotonic time of the last event read
@@ -63,7 +69,16 @@ class UpstreamCall:
         exclude_d: set[str] = {avoid_decode} if avoid_decode else set()
         exclude_p: set[str] = set()
         last: OpenAIError | None = None
-        for attempt in range(2):
+        spent = 0  # tries that failed on a decode worker (or on no particular worker)
+        moved_at: float | None = None  # when a local placement was given back (`prefill_back`)
+        for attempt in range(MAX_ATTEMPTS):
+            if spent >= DECODE_TRIES:
+                break
+            if moved_at is not None:
+                # The decode worker's last /load still counts the pages of the prefill just given back there:
+                # place the prompt again on a snapshot taken after it let go of them.
+                await self.d.pool.fresh_loads(moved_at, timeout_s=3 * self.d.pool.poll_interval_s)
+                moved_at = None
             try:
                 decision = self.d.route(self.plan, self.sampling.max_tokens, exclude_d, exclude_p)
             except OpenAIError as exc:
@@ -80,7 +95,14 @@ class UpstreamCall:
                 return await self._attempt(decision, attempt)
             except Retry as r:
                 await self._release()
+                if r.moved:  # placed again now that a prefill worker is up: no failure, no try used up
+                    exclude_p.clear()
+                    moved_at = time.monotonic()
+                    log.info("local prefill given back to a prefill worker", extra={"req_id": self.req_id})
+                    continue
                 last = r.error
+                if r.blame_decode or not r.blame_prefill:
+                    spent += 1
                 if r.blame_decode:
                     exclude_d.add(decision.decode)
                 if r.blame_prefill and decision.prefill is not None:
@@ -112,6 +134,7 @@ class UpstreamCall:
         if self._closed:  # closed while it was being started (its owner is gone): hold nothing anywhere
             raise upstream_failed("the request was closed before it was sent")
         self._killed = None
+        self._given_back = False
         self._decode, self._prefill = dw, pw
         now = time.monotonic()
         dw.hold_decode(self, now, len(self.plan.token_ids) + self.sampling.max_tokens)
@@ -147,6 +170,8 @@ class UpstreamCall:
                 self._streaming_resp = resp
                 first = await self._read_event()
         except TimeoutError:
+            if self._given_back:
+                raise Retry(upstream_failed("given back to a prefill worker"), False, False, moved=True) from None
             if self._killed:  # the pool declared a worker down: avoid that one
                 blame_d, blame_pf = not dw.up, pw is not None and not pw.up
                 raise Retry(upstream_failed(self._killed), blame_d, blame_pf) from None
@@ -165,6 +190,9 @@ class UpstreamCall:
             # Worker-reported failure before any token: with a prefill pod in play the transfer or the
             # prefill is the likely culprit, so the retry avoids that pod and may reuse the decode pod.
             msg = first.error or "worker error"
+            if first.overloaded:  # its prefill worker is alive but too busy: a 429 if nothing else takes it
+                busy = rate_limited(f"the prefill workers are busy: {msg}", self.d.retry_after_s)
+                raise Retry(busy, False, True)
             raise Retry(upstream_failed(f"generation failed before the first token: {msg}"), not blame_p, blame_p)
         self._prefill_started()
         self._streaming = True
@@ -263,6 +291,26 @@ class UpstreamCall:
                 # The wait it bounded is already over: this call is itself declaring the worker down
                 # from its except clause (a refused connection), after the timeout block exited.
                 pass
+
+    def prefill_back(self) -> None:
+        """Called by the pool when a prefill worker comes (back) up. A prompt placed on its decode worker only
+        because no prefill worker was up, still before its first token, is given back: its wait ends at once
+        (closing the stream aborts its local prefill there) and it is placed again, on the prefill worker now
+        that one serves. A decode worker's local prefill runs in small chunks beside its streams (its ITL
+        target), so a long prompt left there would wait minutes for what a prefill worker does in seconds."""
+        decision = self.decision
+        if (
+            self._streaming
+            or self._given_back
+            or self._deadline is None
+            or decision is None
+            or decision.prefill is not None
+            or decision.reason != "no-prefill"
+            or len(self.plan.token_ids) < self.d.policy.cfg.disagg_min_prompt_tokens
+        ):
+            return
+        self._given_back = True
+        self._deadline.reschedule(asyncio.get_running_loop().time())
 
     def _prefill_started(self) -> None:
         """First token seen: the prefill pod's part is over (its load and failures stop mattering)."""

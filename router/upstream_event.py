@@ -20,6 +20,9 @@ class UpstreamEvent:
     # request; router/migration.py continues it on another worker.
     retryable: bool = False
     timeline: dict[str, float] | None = None  # the first event's: the workers' stage stamps
+    # With "error" before any token: the prefill worker was alive but too busy (overload, not a fault): the
+    # router tries elsewhere and otherwise answers 429, never a 5xx.
+    overloaded: bool = False
 
     @classmethod
     def parse(cls, line: str) -> UpstreamEvent:
@@ -33,6 +36,7 @@ class UpstreamEvent:
             cached_tokens=d.get("cached_tokens") or 0,
             retryable=bool(d.get("retryable")),
             timeline=d.get("timeline"),
+            overloaded=bool(d.get("overloaded")),
         )
 
 

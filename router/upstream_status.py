@@ -13,12 +13,15 @@ from router.errors import OpenAIError, bad_request, no_worker, rate_limited, ups
 class Retry(Exception):
     """A failure before the first token: try other pods."""
 
-    def __init__(self, error: OpenAIError, blame_decode: bool, blame_prefill: bool, local: bool = False) -> None:
+    def __init__(
+        self, error: OpenAIError, blame_decode: bool, blame_prefill: bool, local: bool = False, moved: bool = False
+    ) -> None:
         super().__init__(error.message)
         self.error = error
         self.blame_decode = blame_decode
         self.blame_prefill = blame_prefill
         self.local = local  # retry with the prompt prefilled on the decode worker (no prefill worker)
+        self.moved = moved  # not a failure: given back to be placed again (a prefill worker is up again)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,9 @@ class _Call:
     def kill(self, reason: str) -> None:
         pass
 
+    def prefill_back(self) -> None:
+        pass
+
 
 def _decode_load(live: int | None) -> dict[str, object]:
     snap: dict[str, object] = {

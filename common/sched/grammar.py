@@ -93,12 +93,22 @@ class GrammarBook:
         # The fill thread compiles too (a matcher made for a replay): the LRU's reorder and eviction must not
         # interleave with the scheduler thread's, or move_to_end meets a key the other just evicted.
         self._compiled_lock = threading.Lock()
+        self._init_lock = threading.Lock()
         self._matching: weakref.WeakKeyDictionary[Req, _Matching] = weakref.WeakKeyDictionary()
         self._last_rows: _BatchRows | None = None
         self._stop_words: tuple[torch.Tensor, torch.Tensor] | None = None  # word index and bits of the stop ids
 
     # ---- compiling -------------------------------------------------------------------------------
+    def cached(self, spec: GrammarSpec) -> bool:
+        """Whether `spec` is compiled already (`compile` returns at once)."""
+        with self._compiled_lock:
+            return (spec.kind, spec.value) in self._compiled
+
     def _xgr_compiler(self) -> Any:
+        with self._init_lock:  # the compile thread and the scheduler's may both be first
+            return self._make_compiler()
+
+    def _make_compiler(self) -> Any:
         if self._compiler is None:
             if self.model_path is None:
                 raise GrammarError(

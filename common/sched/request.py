@@ -9,6 +9,7 @@ from common.protocol import SamplingParams, TokenLogprob
 
 
 class ReqState(enum.Enum):
+    COMPILING = "compiling"  # its grammar compiles on a worker thread; queued for prefill once compiled
     WAITING = "waiting"  # queued for prefill
     PREFILLING = "prefilling"  # admitted, prompt partly computed (chunked)
     AWAITING_KV = "awaiting_kv"  # decode side: pages reserved for its KV connector, a prefill peer writes them

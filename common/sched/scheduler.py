@@ -50,7 +50,8 @@ from common.kv.host_tier import make_host_tier
 from common.kv.integrity import page_ledger_violations
 from common.kv.radix import RadixCache
 from common.protocol import TokenLogprob
-from common.sched.grammar import GrammarBook, GrammarError
+from common.sched.grammar import GrammarBook
+from common.sched.grammar_compiles import GrammarCompiles
 from common.sched.kv_connector import KVArrival, KVConnector, NullConnector
 from common.sched.launched import Launched, StepTimer, copy_to_host
 from common.sched.pages import KVBudget
@@ -133,6 +134,10 @@ class Scheduler:
         self.max_running = runner.cfg.max_running
         self.vocab = runner.model_config.vocab_size
         self.grammars = GrammarBook(runner.model_path, self.vocab, tuple(self.eos))
+        # Requests whose grammar compiles off this thread (common/sched/grammar_compiles.py), and those whose
+        # compile failed, for the owner to abort through its roles (`take_compile_failures`).
+        self.compiles = GrammarCompiles(self.grammars, cfg.grammar_compile_timeout_s)
+        self._compile_failures: dict[str, str] = {}
         # The newest sampled token of each table row, on the device (the next decode step's input).
         self.last_tokens = torch.zeros(runner.page_table.table.shape[0], dtype=torch.int64, device=self.device)
         self.sampler = StepSampler(runner.page_table.table.shape[0], self.vocab, self.device, tuple(self.eos))
@@ -173,18 +178,45 @@ class Scheduler:
             raise RequestRejected("prompt contains token ids outside the vocabulary")
         if any(t >= self.vocab for t in req.sampling.logit_bias):
             raise RequestRejected(f"logit_bias token ids must be below the vocabulary size ({self.vocab})")
-        if req.sampling.grammar is not None:
-            try:
-                self.grammars.compile(req.sampling.grammar)  # cached: the decode side replays with it later
-            except GrammarError as e:
-                raise RequestRejected(str(e)) from None
 
     def add(self, req: Req) -> None:
+        """Queues a request; one whose grammar is not compiled yet waits outside the queue while it compiles on
+        a worker thread (`poll_compiles` queues it, or fails it alone)."""
         if req.req_id in self.by_id:
             raise DuplicateRequest(f"duplicate request id {req.req_id!r}")
         self.validate(req)
         self.by_id[req.req_id] = req
+        spec = req.sampling.grammar
+        if spec is not None and not self.grammars.cached(spec):
+            req.state = ReqState.COMPILING
+            self.compiles.start(req)
+            return
         self.waiting.append(req)
+
+    def prefetch_grammar(self, req: Req) -> None:
+        """Compiles a request's grammar off this thread before it is needed (decode side: while a peer prefills
+        it), so that its first token finds it cached."""
+        spec = req.sampling.grammar
+        if spec is not None and not self.grammars.cached(spec):
+            self.compiles.prefetch(spec)
+
+    def poll_compiles(self) -> None:
+        """Requests whose grammar compiled join the waiting queue; those that failed are set aside for the owner
+        (`take_compile_failures`), which aborts them through whatever else holds them (a transfer session)."""
+        ready, failed = self.compiles.collect()
+        for req in ready:
+            req.state = ReqState.WAITING
+            self.waiting.append(req)
+        for req, error in failed:  # still COMPILING, never queued: `abort` ends it
+            self._compile_failures[req.req_id] = error
+
+    def take_compile_failures(self) -> list[tuple[str, str]]:
+        """The requests whose grammar failed to compile, with why; each stays live until it is aborted."""
+        return list(self._compile_failures.items())
+
+    def compiling_only(self) -> bool:
+        """All there is to do is wait for grammars to compile (the owner's loop waits instead of spinning)."""
+        return bool(self.compiles) and not (self.waiting or self.chunked or self.running or self._pending)
 
     def reserved_pages(self) -> int:
         """Pages promised to admitted requests but not yet allocated to them."""
@@ -250,7 +282,10 @@ class Scheduler:
         req = self.by_id.get(req_id)
         if req is None or req.finished:
             return None
-        if req.state is ReqState.WAITING:
+        if req.state is ReqState.COMPILING:
+            self.compiles.drop(req_id)
+            self._compile_failures.pop(req_id, None)
+        elif req.state is ReqState.WAITING:
             self.waiting.remove(req)
         elif req is self.chunked:
             self.chunked = None
@@ -295,7 +330,7 @@ class Scheduler:
 
     # ---- the loop ----------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.waiting or self.chunked or self.running or self._pending is not None)
+        return bool(self.waiting or self.chunked or self.running or self._pending is not None or self.compiles)
 
     def step(self) -> list[StepEvent]:
         """Launches the next step and processes the one before it (with overlap off: the one just launched).
@@ -303,6 +338,7 @@ class Scheduler:
         one is processed, while the caller handles the events and the next step is planned; it is sampled
         before the next forward (`_settle`), or by `flush`."""
         events: list[StepEvent] = []
+        self.poll_compiles()
         launched = self._launch()
         events += self.flush()
         if launched is not None and launched.logits is not None:
@@ -654,7 +690,7 @@ class Scheduler:
         host_cached = self.cache.host_cached_pages if self.cache is not None and host is not None else 0
         return SchedulerSnapshot(
             running=len(self.running) + len(self.awaiting_kv) + (1 if self.chunked is not None else 0),
-            waiting=len(self.waiting),
+            waiting=len(self.waiting) + len(self.compiles),
             held=len(self.held),
             queued_prefill_tokens=self.queued_prefill_tokens(),
             prefill_tokens_launched=self.prefill_tokens_launched,
@@ -681,6 +717,7 @@ class Scheduler:
     def live_request_ids(self) -> list[str]:
         """Every request that has not finished: waiting, prefilling, decoding or awaiting its KV."""
         live = [r.req_id for r in (*self.waiting, *self.running, *self.awaiting_kv.values())]
+        live += [*self.compiles.pending, *self._compile_failures]
         if self.chunked is not None:
             live.append(self.chunked.req_id)
         return live

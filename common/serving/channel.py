@@ -16,10 +16,13 @@ from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
 from common.serving.messages import Batch, Call, Command, Event, Reply, StreamEvent, Tokens, Wire, decode, encode
+from common.settings_registry import FAULT_ENGINE_CALL_TIMEOUT_S
 
 log = logging.getLogger("kvferry.channel")
 
-CALL_TIMEOUT_S = 30.0
+# How long the control plane waits for its engine's answer; the engine reads commands at least every planned
+# step (KVFERRY_MAX_STEP_MS), so only a starved engine misses it. The test hook shortens it (a busy engine).
+CALL_TIMEOUT_S = FAULT_ENGINE_CALL_TIMEOUT_S.read() or 30.0
 ENGINE_TIMEOUT = "engine_timeout"  # EngineError code of a call the engine did not answer in time
 ENGINE_EXITED = "engine process exited"
 

@@ -65,6 +65,7 @@ MAX_TIMELINES = 16384  # stage stamps kept for requests in flight; beyond it the
 # A turn with nothing to do but wait for staging space (prefill_worker/engine.py, `waits_only`) waits this long for
 # a command first, instead of polling its writes again at once: the space comes back only as they complete.
 STAGING_WAIT_S = 0.0005
+COMPILE_POLL_S = 0.002  # a turn whose only work is a grammar compiling off the loop waits this long for a command
 IDLE_TRIM_S = 1.0  # idle this long: hand the allocator's free memory back to the OS (once per idle spell)
 
 
@@ -303,6 +304,8 @@ class EngineHost:
                     # pages come back) and keep serving, rather than take the whole worker down.
                     log.exception("scheduler step failed; aborting the requests in flight")
                     self.fail_all("internal error in the engine step")
+            for rid, error in self.scheduler.take_compile_failures():
+                self.abort(rid, "error", error)  # through its role: a prefill for a peer ends its session too
             for tier, hashes in self.scheduler.take_index_events():
                 if tier is None:
                     self.publisher.removed(hashes)
@@ -327,8 +330,10 @@ class EngineHost:
         """How long this turn waits for a command before it moves on: not at all while the scheduler has
         steps to run; briefly while only transfers are under way; idle, until the next thing with a time
         (the load snapshot, the allocator trim), blocking on the pipe meanwhile (no polling)."""
-        if self.scheduler.has_work():
+        if self.scheduler.has_work() and not self.scheduler.compiling_only():
             return 0.0
+        if busy and not any(r.has_work() for r in self.roles):
+            return COMPILE_POLL_S  # only grammars compiling (on a worker thread): no spinning beside them
         if busy:
             waiting = [r for r in self.roles if r.has_work()]
             return STAGING_WAIT_S if all(r.waits_only() for r in waiting) else TRANSFER_POLL_S
