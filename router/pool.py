@@ -402,6 +402,9 @@ class WorkerPool:
                 "stale": w.stale,
                 "inflight_requests": w.inflight_requests,
                 "inflight_tokens": w.inflight_tokens,
+                # the KV pages its last /load reported free (what admission reads), None before the first
+                "free_pages": w.load.free_pages if w.load is not None else None,
+                "total_pages": w.load.total_pages if w.load is not None else None,
                 "last_error": w.last_error or None,
             }
             for w in self.workers.values()

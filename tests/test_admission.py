@@ -20,6 +20,7 @@ from common.devcluster.cluster import LocalCluster, start_local_cluster
 from tests.test_reliability import (
     MODEL,
     assert_openai_error,
+    router_workers,
     sse_events,
     wait_all_up,
     wait_pages_back,
@@ -50,9 +51,16 @@ def cluster() -> Iterator[LocalCluster]:
         c.stop()
 
 
+def router_sees_pool_free(cluster: LocalCluster) -> bool:
+    """The router's own view (what its admission reads): every decode worker's last /load shows the pool free."""
+    ws = [w for w in router_workers(cluster)["workers"] if w["role"] == "decode"]
+    return bool(ws) and all(w["free_pages"] == w["total_pages"] and not w["inflight_requests"] for w in ws)
+
+
 @pytest.fixture
 def idle(cluster: LocalCluster) -> Iterator[LocalCluster]:
     wait_pages_back(worker_urls(cluster))
+    wait_until(lambda: router_sees_pool_free(cluster), 30, "the router's view of a free pool")
     yield cluster
     wait_pages_back(worker_urls(cluster), timeout=30)
 
@@ -175,7 +183,7 @@ def test_large_request_is_admitted_again_once_the_pool_has_room(idle: LocalClust
         first.release.set()
         t.join(60)
     wait_pages_back(worker_urls(idle), timeout=30)
-    # The router's view catches up with the freed pool at its next poll.
+    wait_until(lambda: router_sees_pool_free(idle), 30, "the router's view of a free pool")
     again = HeldStream(chat_body(900, stream=True))
     t = threading.Thread(target=again.run, args=(idle.router_url,), daemon=True)
     t.start()
