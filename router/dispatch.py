@@ -211,11 +211,12 @@ class Dispatcher:
         name = plan.slo_class.name if plan.slo_class is not None else ""
         predicted = self.predicted_ttft_s(plan, w, name, remote)
         prompt = len(plan.token_ids)
-        w.place_prompt(
-            time.monotonic(), prompt - self.policy.matched_tokens(w.pod, plan.matches, plan.block_size, prompt)
-        )
-        if plan.record is not None and plan.record.predicted_ttft_s is None:
-            plan.record.predicted_ttft_s = predicted
+        matched = self.policy.matched_tokens(w.pod, plan.matches, plan.block_size, prompt)
+        prefilled = w.place_prompt(time.monotonic(), prompt - matched)
+        if plan.record is not None:
+            plan.record.on_first_token.append(prefilled)
+            if plan.record.predicted_ttft_s is None:
+                plan.record.predicted_ttft_s = predicted
 
     def check_request_kv(self, request_tokens: int, detail: str) -> None:
         """400 when the request reserves more KV than one request may take on any ready decode worker (it could

@@ -29,6 +29,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -212,11 +213,18 @@ class Worker:
         since = self.load_asked - RECONCILE_GRACE_S
         return sum(self.kv_tokens.get(c, 0) for c, t in self.decoding.items() if t >= since)
 
-    def place_prompt(self, now: float, tokens: int) -> None:
-        """This router placed a prompt here to prefill (router/dispatch.py)."""
+    def place_prompt(self, now: float, tokens: int) -> Callable[[], None]:
+        """This router placed a prompt here to prefill (router/dispatch.py); the call returned forgets it (its
+        first token is back: it is queued nowhere any more)."""
         since = self.load_asked - SNAPSHOT_LAG_S
-        self.placed = [(t, n) for t, n in self.placed if t >= since]
-        self.placed.append((now, tokens))
+        self.placed = [e for e in self.placed if e[0] >= since]
+        entry = (now, tokens)
+        self.placed.append(entry)
+
+        def prefilled() -> None:
+            self.placed = [e for e in self.placed if e is not entry]
+
+        return prefilled
 
     @property
     def unseen_prompt_tokens(self) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,7 @@ class RequestRecord:
     e2e_s: float | None = None
     slo: SloClass | None = None  # the request's SLO class (None: not counted per class)
     predicted_ttft_s: float | None = None  # its placement's predicted TTFT (router/dispatch.py)
+    on_first_token: list[Callable[[], None]] = field(default_factory=list)  # its prompts are queued no more
 
     def mark(self, stage: str) -> None:
         self.stamps[stage] = time.time()
@@ -84,6 +86,9 @@ class RequestRecord:
         are counted."""
         self.mark("first_token_router")
         self.ttft_s = time.monotonic() - self.started
+        for done in self.on_first_token:
+            done()
+        self.on_first_token.clear()
         self.owner.metrics.ttft.observe(self.ttft_s)
         itl = self.slo.itl_s if self.slo is not None else 0.0
         for c in choices:
