@@ -56,6 +56,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from common.observability import buckets
+from common.slo import DEFAULT_SLO_SPEC, parse_slo_classes
 
 __all__ = ["CONTENT_TYPE_LATEST", "MULTIPROC_ENV", "RouterMetrics", "TokenGaps", "prepare_multiprocess_dir"]
 
@@ -115,12 +116,13 @@ class _PoolView(Collector):
 # 0 rather than "no data" until the first event (a migration may never happen in a healthy fleet).
 MIGRATION_OUTCOMES = ("started", "succeeded", "failed")  # router/migration.py MigrationStats
 PREFIX_LOOKUP_RESULTS = ("hit", "miss", "skipped")  # router/dispatch.py
+DEFAULT_SLO_CLASSES = parse_slo_classes(DEFAULT_SLO_SPEC).names  # the deployment's own: declare_classes
 # Measured over predicted TTFT: 1 is exact; the buckets resolve a factor of 1.25 either side and the tails.
 PREDICTION_RATIO = (0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 10.0)
 
 
 class RouterMetrics:
-    def __init__(self) -> None:
+    def __init__(self, slo_classes: Iterable[str] = DEFAULT_SLO_CLASSES) -> None:
         self.multiprocess_dir = os.environ.get(MULTIPROC_ENV) or None
         self.registry = r = CollectorRegistry()
         self._pool: Callable[[], Iterable[Any]] = lambda: ()
@@ -217,6 +219,7 @@ class RouterMetrics:
             buckets=PREDICTION_RATIO,
             registry=r,
         )
+        self.declare_classes(slo_classes)
         for outcome in MIGRATION_OUTCOMES:
             self.migrations.labels(outcome=outcome)
         for result in PREFIX_LOOKUP_RESULTS:
