@@ -23,7 +23,10 @@ be started with one too (else tokens are counted one per SSE event, and the JSON
 
 Per point: TTFT, ITL (every gap between consecutive tokens as the client saw them), TPOT, end-to-end
 (p50/p90/p99), output tok/s, goodput at the SLOs (`--slo-ttft-ms`, `--slo-itl-ms`: a request is good when
-it completes, its TTFT is within the first and the p99 of its own ITLs within the second), HTTP outcomes,
+it completes, its TTFT is within the first and the p99 of its own ITLs within the second), and with
+`--class-mix interactive:0.5,batch:0.5` (each request sent with that `x-kvferry-class`) per SLO class its
+requests, 429s, TTFT / ITL attainment, good requests and goodput against the class's own targets
+(`--slo-classes`, else the deployment's defaults), HTTP outcomes,
 whether tokens arrived in bursts and who grouped them, and the client's own load (CPU, event-loop lag,
 send lateness). `--offline` first runs the offline engine on one device with the first point's workload
 (bench/serve_offline.py, its own process) and reports served / (offline x devices) for each mode.
@@ -55,8 +58,10 @@ if __package__ in (None, ""):
 
 from serve_deploy import DeployError, Deployment, DeploySpec, get_json, start_deployment  # noqa: E402
 from serve_load import Arrivals, LoadClient, TokenRange, make_workload, run_point  # noqa: E402
-from serve_metrics import SLO, summarize_point  # noqa: E402
+from serve_metrics import SLO, parse_class_slos, summarize_point  # noqa: E402
 from synthetic_tokenizer import build_word_tokenizer, count_words  # noqa: E402
+
+from common.slo import DEFAULT_SLO_SPEC  # noqa: E402
 
 OUT_DIR = BENCH_DIR / "out"
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -189,6 +194,10 @@ def progress_line(mode: str, arrivals: Arrivals, s: dict[str, Any]) -> str:
         + f", TPOT p50 {s['tpot_ms']['p50']:.1f} ms, goodput {s['goodput']['fraction']:.2f}"
         + f", bursts {s['bursts']['frac_tokens_in_multi_event_reads'] + s['bursts']['frac_tokens_in_multi_token_events']:.2f}"
         + f", client cpu {s['client']['cpu_fraction']:.2f} ({s['wall_s']:.1f} s)"
+        + "".join(
+            f"; {name}: good {c['good']}/{c['requests']} ({c['goodput_request_per_s']:.2f}/s), shed {c['shed_429']}"
+            for name, c in s.get("classes", {}).items()
+        )
     )
 
 
@@ -228,13 +237,19 @@ async def bench_mode(
         local = 0  # requests the router had the decode worker prefill
         for index, arrivals in enumerate(points):
             items = make_workload(
-                args.num, args.prompt_len, args.output_len, vocab, point_seed(args, index), args.model
+                args.num,
+                args.prompt_len,
+                args.output_len,
+                vocab,
+                point_seed(args, index),
+                args.model,
+                args.class_mix,
             )
             before = get_json(f"{url}/router/workers", 5.0) or {}
             run = await run_point(
                 client, items, arrivals, point_seed(args, index), args.drain_timeout, retry_429=args.retry_429
             )
-            summary = summarize_point(run, slo)
+            summary = summarize_point(run, slo, parse_class_slos(args.slo_classes or DEFAULT_SLO_SPEC))
             after = get_json(f"{url}/router/workers", 5.0) or {}
             # value inf (all at once) is stored as null: the label keeps it readable
             summary.update(kind=arrivals.kind, value=arrivals.value, label=arrivals.label, seed=point_seed(args, index))
@@ -306,6 +321,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-itl-ms", type=float, default=25.0, help="per request: p99 of its inter-token gaps")
+    p.add_argument(
+        "--class-mix",
+        type=parse_class_mix,
+        default=(),
+        help="SLO classes to send, with weights, e.g. interactive:0.5,batch:0.5 (the x-kvferry-class header); "
+        "each point then reports goodput and attainment per class",
+    )
+    p.add_argument(
+        "--slo-classes",
+        default="",
+        help="the classes' targets (KVFERRY_SLO_CLASSES syntax); given, the deployment started here gets them "
+        "too; default: the deployment's default classes",
+    )
     p.add_argument("--warmup", type=int, default=4, help="warm-up requests per mode (not measured)")
     p.add_argument("--offline", action="store_true", help="also run the offline engine on one device")
     p.add_argument("--worker-env", action="append", default=[], metavar="KEY=VALUE", help="extra worker env")
@@ -336,6 +364,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--plot-only", metavar="JSON", help="only draw the plots of an earlier run")
     return p
+
+
+def parse_class_mix(text: str) -> tuple[tuple[str, float], ...]:
+    """``name:weight,...`` -> ((name, weight), ...)."""
+    out = []
+    for part in (p for p in text.split(",") if p.strip()):
+        name, _, weight = part.partition(":")
+        w = float(weight or "1")
+        if not name.strip() or w < 0:
+            raise argparse.ArgumentTypeError(f"--class-mix {part!r}: expected name:weight")
+        out.append((name.strip(), w))
+    if not out or sum(w for _, w in out) <= 0:
+        raise argparse.ArgumentTypeError("--class-mix needs a class with a positive weight")
+    return tuple(out)
 
 
 def _clean(obj: Any) -> Any:
@@ -389,6 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompt_len.hi + args.output_len.hi > max_context:
         raise SystemExit(f"prompt + output up to {args.prompt_len.hi + args.output_len.hi} > context {max_context}")
     worker_env, router_env = parse_env(args.worker_env), parse_env(args.router_env)
+    if args.slo_classes:  # the deployment started here declares the classes the bench measures against
+        worker_env.setdefault("KVFERRY_SLO_CLASSES", args.slo_classes)
+        router_env.setdefault("KVFERRY_SLO_CLASSES", args.slo_classes)
     variant_envs: dict[str, dict[str, str]] = {}
     for item in args.variant_env:
         name, sep, pair = item.partition(":")

@@ -16,9 +16,11 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+SLO_CLASS_HEADER = "x-kvferry-class"  # the router's (router/service.py)
 
 __all__ = [
     "Arrivals",
@@ -61,14 +63,25 @@ class WorkItem:
     prompt_len: int
     max_tokens: int
     payload: bytes  # the request body, serialized before the clock starts
+    slo_class: str = ""  # sent as the x-kvferry-class header ("": none, the deployment's default class)
 
 
 def make_workload(
-    num: int, prompt_len: TokenRange, output_len: TokenRange, vocab: int, seed: int, model: str
+    num: int,
+    prompt_len: TokenRange,
+    output_len: TokenRange,
+    vocab: int,
+    seed: int,
+    model: str,
+    class_mix: Sequence[tuple[str, float]] = (),
 ) -> list[WorkItem]:
     """``num`` requests: random token-id prompts and output lengths, uniform in their ranges, exact
-    (``ignore_eos``). Different seeds give prompts that share no prefix (no cache hits across points)."""
+    (``ignore_eos``). Different seeds give prompts that share no prefix (no cache hits across points).
+    `class_mix` (SLO class, weight): each request's class drawn at those weights, from its own random stream
+    (the prompts stay those of a run without classes)."""
     rng = random.Random(seed)
+    pick = random.Random(seed + 7_777_777)
+    names, weights = [n for n, _ in class_mix], [w for _, w in class_mix]
     items = []
     for _ in range(num):
         n_in = rng.randint(prompt_len.lo, prompt_len.hi)
@@ -82,7 +95,8 @@ def make_workload(
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        items.append(WorkItem(n_in, n_out, json.dumps(body, separators=(",", ":")).encode()))
+        cls = pick.choices(names, weights)[0] if names else ""
+        items.append(WorkItem(n_in, n_out, json.dumps(body, separators=(",", ":")).encode(), cls))
     return items
 
 
@@ -118,6 +132,7 @@ class RequestRecord:
     error: str = ""
     retry_after_s: float | None = None  # a 429's Retry-After
     retries: int = 0  # 429s answered by waiting Retry-After and sending again (--retry-429)
+    slo_class: str = ""  # the SLO class it was sent as ("": none named)
 
 
 class _SSEReader:
@@ -208,6 +223,8 @@ class LoadClient:
     async def send(self, item: WorkItem, rec: RequestRecord) -> None:
         reader = _SSEReader(rec, self.count_tokens)
         headers = {"content-type": "application/json"}
+        if item.slo_class:
+            headers[SLO_CLASS_HEADER] = item.slo_class
         clock = time.perf_counter
         start = clock()
         try:
@@ -301,7 +318,7 @@ async def run_point(
     With ``retry_429`` a request refused 429 waits its Retry-After and is sent again, as a well-behaved
     client would (what a saturation measurement needs: the server's admission paces the load instead of
     dropping it); its TTFT then counts from the accepted attempt, and ``retries`` says how many it took."""
-    records = [RequestRecord(i, it.prompt_len, it.max_tokens) for i, it in enumerate(items)]
+    records = [RequestRecord(i, it.prompt_len, it.max_tokens, slo_class=it.slo_class) for i, it in enumerate(items)]
     lags: list[float] = []
     stop = asyncio.Event()
     probe = asyncio.create_task(_lag_probe(stop, lags))

@@ -11,7 +11,7 @@ from typing import Any
 
 from serve_load import PointRun, RequestRecord
 
-__all__ = ["SLO", "percentiles", "request_itls", "summarize_point"]
+__all__ = ["SLO", "ClassSLO", "parse_class_slos", "percentiles", "request_itls", "summarize_classes", "summarize_point"]
 
 PCTS = (50, 90, 99)
 
@@ -20,6 +20,51 @@ PCTS = (50, 90, 99)
 class SLO:
     ttft_s: float = 2.0
     itl_p99_s: float = 0.025  # per request: the p99 of its own inter-token gaps
+
+
+@dataclass(frozen=True)
+class ClassSLO:
+    """One SLO class's targets (the deployment's KVFERRY_SLO_CLASSES; common/slo.py's spec)."""
+
+    ttft_s: float | None  # None: no TTFT target
+    itl_s: float
+    percentile: float = 99.0
+
+
+def parse_class_slos(spec: str) -> dict[str, ClassSLO]:
+    from common.slo import parse_slo_classes
+
+    return {c.name: ClassSLO(c.ttft_s, c.itl_s, c.percentile) for c in parse_slo_classes(spec).classes}
+
+
+def summarize_classes(recs: Sequence[RequestRecord], wall_s: float, targets: dict[str, ClassSLO]) -> dict[str, Any]:
+    """Per SLO class the requests sent as it: how many were served, shed (429), within the class's TTFT target,
+    within its ITL target (the class's percentile of the request's own gaps), good (both), and the goodput. A
+    request's attainment counts against all those sent (a shed request is not good)."""
+    out: dict[str, Any] = {}
+    wall = max(wall_s, 1e-9)
+    for name in sorted({r.slo_class for r in recs if r.slo_class}):
+        mine = [r for r in recs if r.slo_class == name]
+        slo = targets.get(name, ClassSLO(None, math.inf))
+        ok = [r for r in mine if r.outcome == "ok" and r.ttft_s is not None]
+        ttft = [r for r in ok if slo.ttft_s is None or r.ttft_s <= slo.ttft_s]  # type: ignore[operator]
+        itl = [r for r in ok if not (g := request_itls(r)) or percentile(sorted(g), slo.percentile) <= slo.itl_s]
+        good = [r for r in ttft if r in itl]
+        sent = len(mine)
+        out[name] = {
+            "targets": {"ttft_ms": None if slo.ttft_s is None else slo.ttft_s * 1e3, "itl_ms": slo.itl_s * 1e3},
+            "requests": sent,
+            "completed": len(ok),
+            "shed_429": sum(1 for r in mine if r.http_status == 429),
+            "ttft_met": len(ttft),
+            "itl_met": len(itl),
+            "good": len(good),
+            "attainment": len(good) / sent if sent else math.nan,
+            "attainment_of_completed": len(good) / len(ok) if ok else math.nan,
+            "goodput_request_per_s": len(good) / wall,
+            "ttft_ms": percentiles(r.ttft_s for r in ok if r.ttft_s is not None),
+        }
+    return out
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -66,7 +111,7 @@ def _good(rec: RequestRecord, itls: list[float], slo: SLO) -> bool:
     return not itls or percentile(sorted(itls), 99) <= slo.itl_p99_s
 
 
-def summarize_point(run: PointRun, slo: SLO) -> dict[str, Any]:
+def summarize_point(run: PointRun, slo: SLO, classes: dict[str, ClassSLO] | None = None) -> dict[str, Any]:
     recs = run.records
     ok = [r for r in recs if r.outcome == "ok"]
     itls = {r.index: request_itls(r) for r in ok}
@@ -105,6 +150,7 @@ def summarize_point(run: PointRun, slo: SLO) -> dict[str, Any]:
             "fraction": len(good) / len(recs) if recs else math.nan,  # of all requests sent
             "request_per_s": len(good) / wall,
         },
+        "classes": summarize_classes(recs, run.wall_s, classes or {}),
         "token_counts": {
             "mismatch_vs_usage": sum(1 for r in ok if r.usage_tokens is not None and r.usage_tokens != r.tokens),
         },

@@ -269,6 +269,16 @@ class LoadSnapshot(BaseModel):
     # The most KV tokens one request may reserve here (its share of the pool, KVFERRY_MAX_REQUEST_KV_SHARE; set by
     # the control plane); 0: not reported. The router admits by it (router/admission.py).
     max_request_tokens: int = 0
+    # What predicts a new request's TTFT here (router/ttft_model.py; common/sched/snapshot.py says what each is):
+    # the step-time model's seconds per unit (base_s, per_prefill_token_s, per_decode_row_s, per_context_token_s,
+    # per_attention_pair_s; empty until fitted), the prompt chunk of the next step as the batch stands, the
+    # decode rows and their KV context beside it, and per SLO class the prompt tokens queued ahead of a request
+    # of that class arriving now.
+    step_coefficients: dict[str, float] = Field(default_factory=dict, max_length=8)
+    step_chunk_tokens: int = 0
+    decode_rows: int = 0
+    decode_context: int = 0
+    queued_ahead_tokens: dict[str, int] = Field(default_factory=dict, max_length=64)
 
 
 class ErrorBody(BaseModel):

@@ -791,6 +791,13 @@ ROUTER_ADMIT_MAX_QUEUED_PREFILL_TOKENS = _router(
 ROUTER_ADMIT_QUEUE_SECONDS = _router(
     "admit_queue_seconds", float, 2.0, "... raised to what the worker prefills in this long (its measured rate)"
 )
+ROUTER_ADMIT_BY_TTFT = _router(
+    "admit_by_ttft",
+    int,
+    1,
+    "1: a request no worker is predicted to serve within its SLO class's TTFT target gets 429 + Retry-After "
+    "at once, lower classes first (router/admission.py, router/ttft_model.py); 0 = off",
+)
 ROUTER_POLL_INTERVAL_S = _router(
     "poll_interval_s", float, 0.25, "worker load polls; also how fresh the load admission and routing read is"
 )

@@ -34,6 +34,22 @@ prefill worker p
         The prefill queue in tokens (the pod's figure or this router's own count of prompt tokens sent
         and not yet started, whichever is larger): TTFT grows linearly with it.
 
+the fleet, by predicted TTFT (``admit_by_ttft``; router/ttft_model.py predicts, `ttft_verdict` decides)
+    min over placements of predicted_ttft(request as class k) > limit_k, for any class k with a TTFT target
+    and rank <= the request's, where limit_k = ttft_k for the request's own class and
+    LOWER_CLASS_HEADROOM x ttft_k for a higher class
+        A request no worker (or prefill + decode pair) is predicted to serve within its class's TTFT target
+        would only wait, and make the requests behind it wait: it is refused at once, before any worker is
+        contacted, with ``Retry-After`` = ceil(predicted excess), at least 1 s (the queue ahead drains at the
+        worker's own rate, so that is when the same request would fit). Lower classes go first: a request is
+        also refused while a request of a higher class would be predicted past LOWER_CLASS_HEADROOM of that
+        class's target, so the lower class stops adding work before the higher one starts missing, and a
+        higher class is never refused while a lower one is admitted. A class without a TTFT target (batch)
+        is never refused for TTFT: it queues. A worker that has measured nothing predicts nothing, and
+        nothing is refused on a guess. The prediction counts the prompts queued ahead of the request in the
+        worker's deadline order, those this router placed there since its last snapshot, and the request's own
+        uncached tokens (the longest of its prompts).
+
 The router routes among the workers that are not full. When every ready decode worker is full, or a
 prompt long enough to disaggregate finds every prefill worker full, the request gets 429 with
 ``Retry-After`` (nothing was started anywhere). A worker that refuses a request itself (429: its engine
@@ -42,12 +58,29 @@ queue is full) is skipped and the request retried once on another, then answered
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from common.slo import SloClass, SloClasses
 from router.pool import Load, Worker
 
-__all__ = ["AdmissionLimits", "RequestKV", "decode_is_full", "kv_room", "largest_request_tokens", "prefill_is_full"]
+__all__ = [
+    "LOWER_CLASS_HEADROOM",
+    "AdmissionLimits",
+    "RequestKV",
+    "TtftVerdict",
+    "decode_is_full",
+    "kv_room",
+    "largest_request_tokens",
+    "prefill_is_full",
+    "ttft_verdict",
+]
+
+# A lower class is refused once a higher class's predicted TTFT passes this share of that class's target: the
+# rest is the higher class's alone, so it is not the one refused when load rises (a lower-class request queued
+# behind it still reaches the front once its own, later deadline comes).
+LOWER_CLASS_HEADROOM = 0.8
 
 
 @dataclass(frozen=True)
@@ -113,3 +146,35 @@ def prefill_is_full(w: Worker, limits: AdmissionLimits) -> bool:
         return False
     queued = w.load.queued_prefill_tokens if w.load is not None else 0
     return max(queued, w.inflight_tokens) >= limits.queued_tokens_limit(w)
+
+
+@dataclass(frozen=True)
+class TtftVerdict:
+    """Whether a request is refused for TTFT, and what its 429 says."""
+
+    shed: bool
+    retry_after_s: int = 0  # ceil(excess), at least 1 (when shed)
+    excess_s: float = 0.0  # how far the best placement's prediction is past the limit
+    limiting_class: str = ""  # the class whose limit it passes (the request's own, or a higher one)
+    predicted_s: float | None = None  # the best placement's predicted TTFT for the request's own class
+
+
+def ttft_verdict(classes: SloClasses, cls: SloClass, best_ttft_s: Callable[[SloClass], float | None]) -> TtftVerdict:
+    """The fleet rule of the module docstring. `best_ttft_s(k)`: the lowest predicted TTFT over the placements
+    of this request as a request of class k (None: nothing predicted)."""
+    own = best_ttft_s(cls)
+    if cls.ttft_s is None:
+        return TtftVerdict(False, predicted_s=own)
+    worst, limiting = 0.0, ""
+    for k in classes.classes:
+        if k.rank > cls.rank or k.ttft_s is None:
+            continue
+        best = own if k is cls else best_ttft_s(k)
+        if best is None:
+            continue
+        excess = best - (k.ttft_s if k is cls else LOWER_CLASS_HEADROOM * k.ttft_s)
+        if excess > worst:
+            worst, limiting = excess, k.name
+    if not limiting:
+        return TtftVerdict(False, predicted_s=own)
+    return TtftVerdict(True, max(1, math.ceil(worst)), worst, limiting, own)

@@ -1,18 +1,33 @@
 """Shared by every upstream call: the prompt's routing inputs (`PromptPlan`) and the choice of workers
-(`Dispatcher.route`: admission limits, then router/policy.py), with the decision counters."""
+(`Dispatcher.route`: admission limits, then router/policy.py), with the decision counters; and the request's
+admission by predicted TTFT (`Dispatcher.check_ttft`, once per request before any call starts).
+
+Placement prefers the workers predicted to meet the request's TTFT target (router/ttft_model.py): when some
+do, the policy chooses among those only; when none does (only possible for a request admitted anyway: a class
+without a target, or shedding off) it chooses among all, as before."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from common.prefix.hashing import chained_block_hashes
-from router.admission import AdmissionLimits, RequestKV, decode_is_full, largest_request_tokens, prefill_is_full
+from common.slo import DEFAULT_SLO_SPEC, SloClass, SloClasses, parse_slo_classes
+from router.admission import (
+    AdmissionLimits,
+    RequestKV,
+    decode_is_full,
+    largest_request_tokens,
+    prefill_is_full,
+    ttft_verdict,
+)
 from router.errors import bad_request, no_worker, rate_limited
 from router.locality import PrefixLocator
 from router.metrics import RouterMetrics
 from router.policy import RouteDecision, RoutingPolicy
-from router.pool import WorkerPool
+from router.pool import Worker, WorkerPool
+from router.ttft_model import WorkerFigures, predict_ttft_s
 from router.wire import WireClient
 
 if TYPE_CHECKING:
@@ -31,6 +46,7 @@ class PromptPlan:
     block_size: int
     record: RequestRecord | None = None  # the request's timeline and trace (router/timeline.py), if kept
     request_tokens: int = 0  # KV the whole request reserves, n x (prompt + max_tokens) (0: one call's own)
+    slo_class: SloClass | None = None  # the request's SLO class (None: placement ignores TTFT)
 
 
 class Dispatcher:
@@ -48,8 +64,12 @@ class Dispatcher:
         retry_after_s: int = 1,
         limits: AdmissionLimits | None = None,
         metrics: RouterMetrics | None = None,
+        slo: SloClasses | None = None,
+        admit_by_ttft: bool = True,
     ) -> None:
         self.pool = pool
+        self.slo = slo if slo is not None else parse_slo_classes(DEFAULT_SLO_SPEC)
+        self.admit_by_ttft = admit_by_ttft
         self.metrics = metrics or RouterMetrics()
         self.limits = limits or AdmissionLimits()
         self.policy = policy
@@ -114,7 +134,7 @@ class Dispatcher:
                 "All prefill workers are at their admission limit of queued prompt tokens; retry shortly.",
                 self.retry_after_s,
             )
-        decode, prefill = open_decode, open_prefill
+        decode, prefill = self._meeting_ttft(plan, open_decode, False), self._meeting_ttft(plan, open_prefill, True)
         decision = self.policy.choose(
             len(plan.token_ids),
             max_tokens,
@@ -124,7 +144,79 @@ class Dispatcher:
             plan.matches,
         )
         self._count(decision.reason)
+        self._placed(plan, decision)
         return decision
+
+    # ---- predicted TTFT (router/ttft_model.py) ------------------------------------------------------------
+    def predicted_ttft_s(self, plan: PromptPlan, w: Worker, slo_class: str, prefill_side: bool) -> float | None:
+        """The prompt's predicted TTFT as a request of `slo_class` prefilled on `w` (`prefill_side`: a prefill
+        pod, its KV then moved to the decode pod); None when `w` has measured nothing to predict from."""
+        if w.load is None:
+            return None
+        prompt = len(plan.token_ids)
+        own = prompt - self.policy.matched_tokens(w.pod, plan.matches, plan.block_size, prompt)
+        rate = self.policy.cfg.slo.transfer_tokens_per_s
+        transfer = prompt / rate if prefill_side and rate > 0 else 0.0
+        return predict_ttft_s(WorkerFigures.from_load(w.load, w.unseen_prompt_tokens), slo_class, own, transfer)
+
+    def _sides(self, plan: PromptPlan) -> list[tuple[Worker, bool]]:
+        """The workers that could prefill this prompt under the placement rules: its decode pods (local) and,
+        where the prompt may disaggregate, the prefill pods."""
+        decode, prefill = self.pool.decoders(), self.pool.prefillers()
+        cfg = self.policy.cfg
+        remote = bool(prefill) and (cfg.placement == "adaptive" or len(plan.token_ids) >= cfg.disagg_min_prompt_tokens)
+        local = not remote or cfg.placement == "adaptive"
+        return [(w, False) for w in decode if local] + [(w, True) for w in prefill if remote]
+
+    def check_ttft(self, plan: PromptPlan, cls: SloClass) -> float | None:
+        """429 with Retry-After for a request no placement is predicted to serve within its class's TTFT target,
+        lower classes first (router/admission.py, the fleet rule); nothing is contacted. Returns the best
+        placement's predicted TTFT (None: nothing predicted)."""
+        sides = self._sides(plan)
+
+        def best(k: SloClass) -> float | None:
+            preds = [p for w, remote in sides if (p := self.predicted_ttft_s(plan, w, k.name, remote)) is not None]
+            return min(preds, default=None)
+
+        verdict = ttft_verdict(self.slo, cls, best)
+        if verdict.shed and self.admit_by_ttft:
+            self._count("rejected-ttft")
+            self.metrics.slo_shed.labels(slo_class=cls.name).inc()
+            why = "its" if verdict.limiting_class == cls.name else f"the higher class {verdict.limiting_class!r}'s"
+            raise rate_limited(
+                f"No worker is predicted to serve this {cls.name!r} request within {why} time-to-first-token "
+                f"target (best predicted {verdict.excess_s:.2f} s past it); retry after {verdict.retry_after_s} s.",
+                verdict.retry_after_s,
+            )
+        return verdict.predicted_s
+
+    def _meeting_ttft(self, plan: PromptPlan, workers: list[Worker], prefill_side: bool) -> list[Worker]:
+        """The workers predicted to meet the request's TTFT target, when some are (else all of them)."""
+        cls = plan.slo_class
+        if cls is None or cls.ttft_s is None or len(workers) < 2:
+            return workers
+        target = cls.ttft_s
+        meeting = [
+            w for w in workers if (p := self.predicted_ttft_s(plan, w, cls.name, prefill_side)) is None or p <= target
+        ]
+        return meeting or workers
+
+    def _placed(self, plan: PromptPlan, decision: RouteDecision) -> None:
+        """The worker that prefills this prompt counts it until its snapshot does; the request's record keeps
+        the prediction of the placement taken (its first one), for the prediction-error metric."""
+        remote = decision.prefill is not None
+        w = self.pool.workers.get(decision.prefill if remote else decision.decode)  # type: ignore[arg-type]
+        if w is None:
+            return
+        name = plan.slo_class.name if plan.slo_class is not None else ""
+        predicted = self.predicted_ttft_s(plan, w, name, remote)
+        prompt = len(plan.token_ids)
+        matched = self.policy.matched_tokens(w.pod, plan.matches, plan.block_size, prompt)
+        prefilled = w.place_prompt(time.monotonic(), prompt - matched)
+        if plan.record is not None:
+            plan.record.on_first_token.append(prefilled)
+            if plan.record.predicted_ttft_s is None:
+                plan.record.predicted_ttft_s = predicted
 
     def check_request_kv(self, request_tokens: int, detail: str) -> None:
         """400 when the request reserves more KV than one request may take on any ready decode worker (it could

@@ -23,7 +23,13 @@ gives beside its engine counters; router/middleware.py's ``ResponseCounter``), `
 attempts before the first token), ``..._migrations_total{outcome}`` (router/migration.py: started |
 succeeded | failed; call ``dispatcher.metrics.migrations``), ``..._prefix_lookups_total{result}`` (hit |
 miss | skipped, a prompt too short to look up), ``..._redis_errors_total`` (lookups the prefix index did not
-answer). Gauges: ``kvferry_router_inflight_requests`` and ``kvferry_router_worker_up{role, worker}`` (read
+answer), and per SLO class (common/slo.py; label ``slo_class``, every declared class exported from 0):
+``kvferry_router_slo_requests_total`` (requests served: a 2xx response), ``..._slo_ttft_met_total`` (of those,
+TTFT within the class's target; a class without one always), ``..._slo_itl_met_total`` (the p-th percentile of
+the request's own inter-token gaps, every choice's, within the class's ITL target), ``..._slo_good_total`` (both:
+goodput is its rate) and ``..._slo_shed_total`` (429 by predicted TTFT, router/admission.py). Histogram
+``kvferry_router_ttft_prediction_ratio``: measured over predicted TTFT of each served request whose placement
+had a prediction (router/ttft_model.py; 1 is exact). Gauges: ``kvferry_router_inflight_requests`` and ``kvferry_router_worker_up{role, worker}`` (read
 from the pool when scraped: no cost per request).
 
 Several router processes (``KVFERRY_ROUTER_WORKERS`` > 1, one port): router/main.py points
@@ -50,6 +56,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from common.observability import buckets
+from common.slo import DEFAULT_SLO_SPEC, parse_slo_classes
 
 __all__ = ["CONTENT_TYPE_LATEST", "MULTIPROC_ENV", "RouterMetrics", "TokenGaps", "prepare_multiprocess_dir"]
 
@@ -60,12 +67,14 @@ class TokenGaps:
     """One choice's inter-token gaps, bucketed locally (no lock, no shared value per token) and added to
     the histogram once, when the request ends."""
 
-    __slots__ = ("counts", "total", "last")
+    __slots__ = ("counts", "total", "last", "itl_target_s", "over")
 
-    def __init__(self, n_buckets: int) -> None:
+    def __init__(self, n_buckets: int, itl_target_s: float = 0.0) -> None:
         self.counts = [0] * n_buckets
         self.total = 0.0
         self.last: float | None = None
+        self.itl_target_s = itl_target_s  # its SLO class's ITL target (0: none)
+        self.over = 0  # tokens whose gap exceeded it
 
     def add(self, tokens: int, now: float | None = None) -> None:
         """A worker event (or several read at once) carrying ``tokens`` arrived."""
@@ -76,6 +85,13 @@ class TokenGaps:
         gap = now - last
         self.counts[bisect_left(ITL_BOUNDS, gap / tokens)] += tokens
         self.total += gap
+        if self.itl_target_s and gap / tokens > self.itl_target_s:
+            self.over += tokens
+
+    def within(self, percentile: float) -> bool:
+        """Whether the `percentile`-th percentile of these gaps is within the ITL target: at most the share
+        of tokens above the percentile exceeded it."""
+        return self.over <= int(sum(self.counts) * (1 - percentile / 100) + 1e-9)
 
 
 ITL_BOUNDS = (*buckets.STEP_S, float("inf"))
@@ -100,10 +116,13 @@ class _PoolView(Collector):
 # 0 rather than "no data" until the first event (a migration may never happen in a healthy fleet).
 MIGRATION_OUTCOMES = ("started", "succeeded", "failed")  # router/migration.py MigrationStats
 PREFIX_LOOKUP_RESULTS = ("hit", "miss", "skipped")  # router/dispatch.py
+DEFAULT_SLO_CLASSES = parse_slo_classes(DEFAULT_SLO_SPEC).names  # the deployment's own: declare_classes
+# Measured over predicted TTFT: 1 is exact; the buckets resolve a factor of 1.25 either side and the tails.
+PREDICTION_RATIO = (0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 10.0)
 
 
 class RouterMetrics:
-    def __init__(self) -> None:
+    def __init__(self, slo_classes: Iterable[str] = DEFAULT_SLO_CLASSES) -> None:
         self.multiprocess_dir = os.environ.get(MULTIPROC_ENV) or None
         self.registry = r = CollectorRegistry()
         self._pool: Callable[[], Iterable[Any]] = lambda: ()
@@ -175,12 +194,54 @@ class RouterMetrics:
             registry=r,
             multiprocess_mode="livesum",
         )
+        slo = ("slo_class",)
+        self.slo_requests = Counter(
+            "kvferry_router_slo_requests_total", "Requests served, by SLO class", slo, registry=r
+        )
+        self.slo_ttft_met = Counter(
+            "kvferry_router_slo_ttft_met_total", "Requests served within their class's TTFT target", slo, registry=r
+        )
+        self.slo_itl_met = Counter(
+            "kvferry_router_slo_itl_met_total",
+            "Requests served whose own inter-token gaps held their class's ITL target (at its percentile)",
+            slo,
+            registry=r,
+        )
+        self.slo_good = Counter(
+            "kvferry_router_slo_good_total", "Requests served within both targets (goodput)", slo, registry=r
+        )
+        self.slo_shed = Counter(
+            "kvferry_router_slo_shed_total", "Requests refused (429) by predicted TTFT", slo, registry=r
+        )
+        self.ttft_prediction = Histogram(
+            "kvferry_router_ttft_prediction_ratio",
+            "Measured over predicted TTFT of a served request (1: exact)",
+            buckets=PREDICTION_RATIO,
+            registry=r,
+        )
+        self.declare_classes(slo_classes)
         for outcome in MIGRATION_OUTCOMES:
             self.migrations.labels(outcome=outcome)
         for result in PREFIX_LOOKUP_RESULTS:
             self.prefix_lookups.labels(result=result)
         if self.multiprocess_dir is None:
             r.register(_PoolView(lambda: self._pool()))
+
+    def declare_classes(self, names: Iterable[str]) -> None:
+        """Exports every declared SLO class's counters from 0 (a class may see no traffic for a while)."""
+        for name in names:
+            for c in (self.slo_requests, self.slo_ttft_met, self.slo_itl_met, self.slo_good, self.slo_shed):
+                c.labels(slo_class=name)
+
+    def observe_slo(self, slo_class: str, ttft_met: bool, itl_met: bool) -> None:
+        """One request served in `slo_class`: whether it met each target."""
+        self.slo_requests.labels(slo_class=slo_class).inc()
+        if ttft_met:
+            self.slo_ttft_met.labels(slo_class=slo_class).inc()
+        if itl_met:
+            self.slo_itl_met.labels(slo_class=slo_class).inc()
+        if ttft_met and itl_met:
+            self.slo_good.labels(slo_class=slo_class).inc()
 
     def watch_pool(self, workers: Callable[[], Iterable[Any]]) -> None:
         """Where ``kvferry_router_worker_up`` reads the pool from (set once the pool exists)."""
@@ -197,8 +258,8 @@ class RouterMetrics:
                 hist._buckets[i].inc(n)  # the histogram's own per-bucket values, as observe() bumps them
         hist._sum.inc(gaps.total)
 
-    def new_gaps(self) -> TokenGaps:
-        return TokenGaps(len(ITL_BOUNDS))
+    def new_gaps(self, itl_target_s: float = 0.0) -> TokenGaps:
+        return TokenGaps(len(ITL_BOUNDS), itl_target_s)
 
     def exposition(self) -> bytes:
         if self.multiprocess_dir is None:

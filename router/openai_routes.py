@@ -53,6 +53,7 @@ def install_openai_routes(app: FastAPI, slot: RuntimeSlot, info: ModelInfo, requ
             job = await prepare(req)
             job.slo_class = service.slo_class(req.priority, request.headers.get(SLO_CLASS_HEADER))
             job.record = rec
+            rec.slo = service.slo.get(job.slo_class)
             rec.prepared(job.rid, sum(len(p) for p in job.prompts))
             if not pool.decoders():
                 raise no_worker("decode")

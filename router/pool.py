@@ -27,7 +27,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -43,6 +45,9 @@ DECODE_ROLES = frozenset({"decode", "mixed"})  # take /internal/generate
 PREFILL_ROLES = frozenset({"prefill", "mixed"})  # take /internal/prefill for a peer's pages
 # A call sent up to this long before a poll may not have reached the worker when it answered.
 RECONCILE_GRACE_S = 1.0
+# A worker's /load answer is its engine's last snapshot (ten a second): a prompt placed there this long before
+# the poll was asked may not be in its queue figures yet (the TTFT prediction adds those, router/ttft_model.py).
+SNAPSHOT_LAG_S = 0.2
 
 
 class Watched(Protocol):
@@ -79,6 +84,12 @@ class Load:
     itl_target_s: float = 0.0  # the ITL its steps beside decoding aim at (0: none, or not reported)
     live_requests: int | None = None  # requests the worker has open (engine or stream); None: not reported
     max_request_tokens: int = 0  # the most KV tokens one request may reserve there (0: not reported)
+    # What predicts a new request's TTFT there (router/ttft_model.py; common/protocol.py LoadSnapshot).
+    step_coefficients: dict[str, float] = field(default_factory=dict)
+    step_chunk_tokens: int = 0
+    decode_rows: int = 0
+    decode_context: int = 0
+    queued_ahead_tokens: dict[str, int] = field(default_factory=dict)
 
 
 def parse_load(data: Any) -> Load:
@@ -112,7 +123,23 @@ def parse_load(data: Any) -> Load:
         itl_target_s=rate("itl_target_s"),
         live_requests=num("live_requests") if "live_requests" in data else None,
         max_request_tokens=num("max_request_tokens"),
+        step_coefficients=_numbers(data.get("step_coefficients"), float),
+        step_chunk_tokens=num("step_chunk_tokens"),
+        decode_rows=num("decode_rows"),
+        decode_context=num("decode_context"),
+        queued_ahead_tokens=_numbers(data.get("queued_ahead_tokens"), int),
     )
+
+
+def _numbers(value: Any, kind: type[float] | type[int]) -> dict[str, Any]:
+    """A name -> number map from /load, leniently: entries that are not finite numbers are left out."""
+    if not isinstance(value, dict):
+        return {}
+    return {
+        k: kind(v)
+        for k, v in value.items()
+        if isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    }
 
 
 @dataclass(eq=False)
@@ -137,6 +164,8 @@ class Worker:
     )  # the KV each decode call reserves (prompt + max_tokens)
     prefilling: dict[Watched, tuple[float, int]] = field(default_factory=dict)
     load_asked: float = 0.0  # monotonic time the poll that brought ``load`` was sent
+    # Prompts placed here to prefill (monotonic time, uncached tokens), kept until a snapshot must count them.
+    placed: list[tuple[float, int]] = field(default_factory=list)
     task: asyncio.Task[None] | None = None
     removed: bool = False
 
@@ -187,6 +216,26 @@ class Worker:
         that brought it was asked, less the grace): its ``free_pages`` are that much too high."""
         since = self.load_asked - RECONCILE_GRACE_S
         return sum(self.kv_tokens.get(c, 0) for c, t in self.decoding.items() if t >= since)
+
+    def place_prompt(self, now: float, tokens: int) -> Callable[[], None]:
+        """This router placed a prompt here to prefill (router/dispatch.py); the call returned forgets it (its
+        first token is back: it is queued nowhere any more)."""
+        since = self.load_asked - SNAPSHOT_LAG_S
+        self.placed = [e for e in self.placed if e[0] >= since]
+        entry = (now, tokens)
+        self.placed.append(entry)
+
+        def prefilled() -> None:
+            self.placed = [e for e in self.placed if e is not entry]
+
+        return prefilled
+
+    @property
+    def unseen_prompt_tokens(self) -> int:
+        """Prompt tokens placed here that its last snapshot may not count yet (placed after its poll was asked,
+        less the snapshot's lag): the TTFT prediction queues them ahead of a new request, whatever their class."""
+        since = self.load_asked - SNAPSHOT_LAG_S
+        return sum(n for t, n in self.placed if t >= since)
 
     @property
     def inflight_tokens(self) -> int:

@@ -67,6 +67,8 @@ class RouterRuntime:
             client, opts.poll_interval_s, opts.poll_timeout_s, opts.down_after_failures, opts.down_after_s
         )
         locator = PrefixLocator(index_reader, RecentPlacements(opts.recent_route_ttl_s))
+        slo = parse_slo_classes(config.slo_classes, config.slo_default_class)
+        metrics.declare_classes(slo.names)
         dispatcher = Dispatcher(
             pool,
             RoutingPolicy(policy_config(opts)),
@@ -80,9 +82,10 @@ class RouterRuntime:
                 opts.admit_max_waiting, opts.admit_max_queued_prefill_tokens, opts.admit_queue_seconds
             ),
             metrics=metrics,
+            slo=slo,
+            admit_by_ttft=opts.admit_by_ttft != 0,
         )
         metrics.watch_pool(lambda: list(pool.workers.values()))
-        slo = parse_slo_classes(config.slo_classes, config.slo_default_class)
         service = RouterService(tok, info, dispatcher, opts, slo)
         return cls(client, pool, locator, dispatcher, service, discovery, index_reader)
 

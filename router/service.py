@@ -259,9 +259,14 @@ class RouterService:
         request_tokens = job.n * sum(len(ids) + m for ids, m in zip(job.prompts, job.max_tokens, strict=True))
         self.dispatcher.check_request_kv(request_tokens, _kv_detail(job))
         plans = [await self.dispatcher.plan(ids) for ids in job.prompts]
+        cls = self.slo.get(job.slo_class)
         for plan in plans:
             plan.record = job.record
             plan.request_tokens = request_tokens
+            plan.slo_class = cls
+        # Admission by predicted TTFT, once per request and before any worker is contacted; its prompts queue
+        # together, so the longest one decides.
+        self.dispatcher.check_ttft(max(plans, key=lambda p: len(p.token_ids)), cls)
         choices = job.choices
         context_ok = self.tok.needs_context
         for p_idx, plan in enumerate(plans):

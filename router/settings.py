@@ -46,6 +46,7 @@ class RouterOptions:
     admit_max_waiting: int = reg.ROUTER_ADMIT_MAX_WAITING.field()
     admit_max_queued_prefill_tokens: int = reg.ROUTER_ADMIT_MAX_QUEUED_PREFILL_TOKENS.field()
     admit_queue_seconds: float = reg.ROUTER_ADMIT_QUEUE_SECONDS.field()
+    admit_by_ttft: int = reg.ROUTER_ADMIT_BY_TTFT.field()
     # Worker health (router/pool.py): a slow poll only makes a worker stale; down needs proof or silence.
     poll_interval_s: float = reg.ROUTER_POLL_INTERVAL_S.field()
     poll_timeout_s: float = reg.ROUTER_POLL_TIMEOUT_S.field()

@@ -15,11 +15,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from common.observability import tracing
 from common.observability.timeline import Stamps, offsets_ms, spans_between
+from common.slo import SloClass
 from router.metrics import RouterMetrics, TokenGaps
 
 log = logging.getLogger("kvferry.router.requests")
@@ -50,6 +52,9 @@ class RequestRecord:
     output_tokens: int = 0
     ttft_s: float | None = None
     e2e_s: float | None = None
+    slo: SloClass | None = None  # the request's SLO class (None: not counted per class)
+    predicted_ttft_s: float | None = None  # its placement's predicted TTFT (router/dispatch.py)
+    on_first_token: list[Callable[[], None]] = field(default_factory=list)  # its prompts are queued no more
 
     def mark(self, stage: str) -> None:
         self.stamps[stage] = time.time()
@@ -81,9 +86,13 @@ class RequestRecord:
         are counted."""
         self.mark("first_token_router")
         self.ttft_s = time.monotonic() - self.started
+        for done in self.on_first_token:
+            done()
+        self.on_first_token.clear()
         self.owner.metrics.ttft.observe(self.ttft_s)
+        itl = self.slo.itl_s if self.slo is not None else 0.0
         for c in choices:
-            c.gaps = self.owner.metrics.new_gaps()
+            c.gaps = self.owner.metrics.new_gaps(itl)
 
     def finish_choices(self, status: int, choices: list[Any], client_gone: bool = False) -> None:
         """Finishes with what the choices (RunningChoice) say: the outcome of the first one that did not
@@ -112,6 +121,7 @@ class RequestRecord:
             m.output_tokens.observe(output_tokens)
             for g in gaps:
                 m.add_gaps(g)
+            self._observe_slo(m, gaps)
         if self.span is not None:
             tracing.child_spans(self.span, spans_between(self.stamps, ROUTER_SPANS))
             attrs = {"http.status_code": status, "kvferry.outcome": outcome, "kvferry.request_id": self.rid}
@@ -119,6 +129,18 @@ class RequestRecord:
                 attrs["kvferry.decision"] = self.decision
             tracing.end_span(self.span, attributes=attrs, error=outcome if outcome in ("error",) else None)
         self.owner.keep(self)
+
+    def _observe_slo(self, m: RouterMetrics, gaps: list[TokenGaps]) -> None:
+        """A served request against its class's targets, and the TTFT prediction against what it measured."""
+        if self.ttft_s is None:
+            return
+        if self.predicted_ttft_s is not None and self.predicted_ttft_s > 0:
+            m.ttft_prediction.observe(self.ttft_s / self.predicted_ttft_s)
+        cls = self.slo
+        if cls is None:
+            return
+        ttft_met = cls.ttft_s is None or self.ttft_s <= cls.ttft_s
+        m.observe_slo(cls.name, ttft_met, all(g.within(cls.percentile) for g in gaps))
 
     def view(self) -> dict[str, Any]:
         return {
@@ -130,6 +152,8 @@ class RequestRecord:
             "prompt_tokens": self.prompt_tokens,
             "output_tokens": self.output_tokens,
             "ttft_ms": None if self.ttft_s is None else round(self.ttft_s * 1e3, 3),
+            "predicted_ttft_ms": None if self.predicted_ttft_s is None else round(self.predicted_ttft_s * 1e3, 3),
+            "slo_class": None if self.slo is None else self.slo.name,
             "e2e_ms": None if self.e2e_s is None else round(self.e2e_s * 1e3, 3),
             "received_at": self.stamps.get("router_received"),  # wall clock, seconds
             "trace_id": tracing.trace_id(self.span),

@@ -49,6 +49,9 @@ def test_serve_benchmark_disaggregated_cpu(tmp_path: Path) -> None:
         *("--prompt-len", "32-64", "--output-len", "4-8", "--seed", "3"),
         # Prompts this short stay on the decode worker by default; take them through prefill -> decode.
         *("--router-env", "KVFERRY_ROUTER_DISAGG_MIN_PROMPT_TOKENS=0"),
+        # Two SLO classes, with targets no CPU run misses: attainment per class, nothing shed.
+        *("--class-mix", "interactive:0.5,batch:0.5"),
+        *("--slo-classes", "interactive:ttft=60s,itl=30s;batch:ttft=none,itl=30s"),
         *("--out", str(out), "--no-plot"),
     ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
@@ -75,6 +78,9 @@ def test_serve_benchmark_disaggregated_cpu(tmp_path: Path) -> None:
         assert 0 <= p["p50"] <= p["p90"] <= p["p99"] <= p["max"], (key, p)
     assert point["itl_ms"]["n"] == sum(r["out"] - 1 for r in rows)
     assert point["output_tok_per_s"] > 0 and 0 <= point["goodput"]["fraction"] <= 1
+    classes = point["classes"]
+    assert set(classes) <= {"interactive", "batch"} and sum(c["requests"] for c in classes.values()) == 4
+    assert all(c["good"] == c["requests"] and c["shed_429"] == 0 and c["attainment"] == 1 for c in classes.values())
     # Every process of the deployment is gone once the benchmark has returned.
     assert mode["pids"] and not [pid for pid in mode["pids"] if _alive(pid)]
 
@@ -88,6 +94,27 @@ def test_serve_benchmark_disaggregated_cpu(tmp_path: Path) -> None:
         assert "matplotlib is not installed" in plotted.stdout
     else:
         assert (tmp_path / "serve_rate.png").stat().st_size > 0
+
+
+def test_attainment_per_class_counts_shed_requests_against_their_class() -> None:
+    from serve_metrics import parse_class_slos, summarize_classes
+
+    targets = parse_class_slos("interactive:ttft=1s,itl=50ms,p=99;batch:ttft=none,itl=200ms,p=99")
+    fast = [0.2 + 0.01 * k for k in range(20)]
+    recs = [
+        _record(0, "ok", fast),  # good
+        _record(1, "ok", [1.5 + 0.01 * k for k in range(20)]),  # TTFT missed
+        _record(2, "ok", [0.2, 0.21, 0.5, *[0.51 + 0.01 * k for k in range(17)]]),  # a 290 ms gap: ITL p99 missed
+        _record(3, "http_429", [], status=429),
+        _record(4, "ok", [9.0 + 0.1 * k for k in range(20)]),  # batch: no TTFT target, 100 ms gaps
+    ]
+    for r, cls in zip(recs, ["interactive"] * 4 + ["batch"], strict=True):
+        r.slo_class = cls
+    out = summarize_classes(recs, 10.0, targets)
+    i, b = out["interactive"], out["batch"]
+    assert (i["requests"], i["completed"], i["shed_429"], i["ttft_met"], i["itl_met"], i["good"]) == (4, 3, 1, 2, 2, 1)
+    assert i["attainment"] == 0.25 and i["goodput_request_per_s"] == 0.1
+    assert (b["requests"], b["good"], b["attainment"]) == (1, 1, 1.0) and b["targets"]["ttft_ms"] is None
 
 
 def _record(i: int, outcome: str, times: list[float], status: int = 200) -> RequestRecord:

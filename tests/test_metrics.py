@@ -242,6 +242,23 @@ def test_token_gaps_fill_the_histogram_as_observe_would() -> None:
         assert ours[(mine, labels)] == pytest.approx(v), (name, labels)
 
 
+def test_a_requests_itl_is_met_at_its_percentile() -> None:
+    from router.metrics import RouterMetrics
+
+    gaps = RouterMetrics().new_gaps(itl_target_s=0.05)
+    t = 0.0
+    gaps.add(1, t)
+    for i in range(200):  # 200 gaps of 10 ms, two of them 80 ms
+        t += 0.08 if i in (50, 150) else 0.01
+        gaps.add(1, t)
+    assert gaps.over == 2
+    assert gaps.within(99.0)  # 2 of 200 above: the 99th percentile is within
+    assert not gaps.within(99.5)  # 1 allowed
+    t += 0.2  # a 2-token event 200 ms late: 100 ms a token, both over
+    gaps.add(2, t)
+    assert gaps.over == 4 and not gaps.within(99.0)
+
+
 def samples_of(hist) -> dict:
     out = {}
     for fam in hist.collect():
@@ -341,6 +358,9 @@ def test_labelled_counters_start_at_zero() -> None:
         assert router[("kvferry_router_migrations_total", (("outcome", outcome),))] == 0.0
     for result in ("hit", "miss", "skipped"):
         assert router[("kvferry_router_prefix_lookups_total", (("result", result),))] == 0.0
+    for name in ("requests", "ttft_met", "itl_met", "good", "shed"):
+        for cls in ("interactive", "batch"):  # the default SLO classes (a deployment's own: declare_classes)
+            assert router[(f"kvferry_router_slo_{name}_total", (("slo_class", cls),))] == 0.0
     worker = samples(generate_latest(WorkerMetrics().registry).decode())
     for outcome in ("stop", "length", "abort", "error"):
         assert worker[("kvferry_requests_total", (("outcome", outcome),))] == 0.0  # present, not defaulted

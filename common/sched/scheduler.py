@@ -687,6 +687,7 @@ class Scheduler:
     def snapshot(self) -> SchedulerSnapshot:
         """The load, the page ledger in numbers and the published step policy, read in one go."""
         host = self.cache.host if self.cache is not None else None
+        beside = self.running if self.mixed_batching else []  # prefill-first steps decode nothing
         host_cached = self.cache.host_cached_pages if self.cache is not None and host is not None else 0
         return SchedulerSnapshot(
             running=len(self.running) + len(self.awaiting_kv) + (1 if self.chunked is not None else 0),
@@ -699,6 +700,11 @@ class Scheduler:
             prefill_chunk_tokens=self.prefill_token_budget(decoding=True) if self.mixed_batching else 0,
             itl_target_s=self.itl_target_s(),
             prefill_step_tokens_per_s=self.prefill_speed.tokens_per_s,
+            step_coefficients=self.step_model.coefficients() if self.step_model.ready else {},
+            step_chunk_tokens=self.prefill_token_budget(),
+            decode_rows=len(beside),
+            decode_context=sum(r.device_len for r in beside),
+            queued_ahead_tokens=self.queued_ahead_tokens(),
             host_pages_cached=host_cached,
             host_pages_total=host.num_pages if host is not None else 0,
             host_pages_saved=host.saved_pages if host is not None else 0,
@@ -743,6 +749,16 @@ class Scheduler:
         if self.chunked is not None:
             queued += self.chunked.prompt_len - self.chunked.cached_len
         return queued
+
+    def queued_ahead_tokens(self) -> dict[str, int]:
+        """Per SLO class, the prompt tokens a request of that class arriving now would wait behind: the chunked
+        prompt's rest and the waiting prompts due before its deadline (common/sched/waiting.py's order)."""
+        now = time.monotonic()
+        chunked = self.chunked.prompt_len - self.chunked.cached_len if self.chunked is not None else 0
+        return {
+            c.name: chunked + self.waiting.tokens_before(self.slo.queue_deadline(c, now), c.rank)
+            for c in self.slo.classes
+        }
 
     def free_pages(self) -> int:
         return self.budget.available_pages()

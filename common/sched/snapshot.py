@@ -9,7 +9,7 @@ loop never pays for a snapshot.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +26,16 @@ class SchedulerSnapshot:
     prefill_chunk_tokens: int
     itl_target_s: float
     prefill_step_tokens_per_s: float
+    # What predicts a new request's TTFT (router/ttft_model.py): the step-time model's seconds per unit of each
+    # feature (common/sched/step_model.py; empty until it has timed prompt chunks), the prompt chunk the next
+    # step takes as the batch stands (beside decoding, or alone), the decode rows and KV context such a step
+    # carries (0 with prefill-first steps: they decode nothing), and per SLO class the prompt tokens queued
+    # ahead of a request of that class arriving now (the waiting queue's deadline order, plus the chunked one).
+    step_coefficients: dict[str, float] = field(default_factory=dict)
+    step_chunk_tokens: int = 0
+    decode_rows: int = 0
+    decode_context: int = 0
+    queued_ahead_tokens: dict[str, int] = field(default_factory=dict)
     # The prefix cache's host tier (all 0 without one).
     host_pages_cached: int = 0
     host_pages_total: int = 0

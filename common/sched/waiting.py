@@ -37,6 +37,12 @@ class WaitingQueue:
         i = self._reqs.index(req)
         del self._keys[i], self._reqs[i]
 
+    def tokens_before(self, deadline_s: float, rank: int) -> int:
+        """Prompt tokens queued ahead of a request with this deadline and class rank (its place in the order,
+        ties going to those already queued): what a new request of a class waits behind."""
+        i = bisect.bisect(self._keys, (deadline_s, rank, float("inf")))
+        return sum(r.prompt_len for r in self._reqs[:i])
+
     def __getitem__(self, i: int) -> Req:
         return self._reqs[i]
 

@@ -1,0 +1,115 @@
+"""A new request's time to first token on one worker, predicted from that worker's /load: one pure function.
+
+A worker publishes (common/protocol.py LoadSnapshot, ten snapshots a second) its step-time model's seconds per
+unit of what a step computes (common/sched/step_model.py), the prompt chunk its next step takes as the batch
+stands (``step_chunk_tokens``: the budget beside its decode rows, or the whole prefill limit alone), the decode
+rows and KV context such a step carries, and per SLO class the prompt tokens queued ahead of a request of that
+class arriving now (its waiting queue runs by TTFT deadline, common/sched/waiting.py). A request of class c
+with ``own`` uncached prompt tokens then waits for
+
+    work   = ahead_c + unseen + own
+    steps  = ceil(work / chunk)
+    ttft   = steps * (base + per_row * rows + per_context * context)      the decode batch each step carries
+           + per_prefill_token * work                                       the prompt tokens themselves
+           + per_attention_pair * (own^2 / 2 + ahead * min(chunk, ahead) / 2)
+           + transfer                                                       disaggregated: prompt / transfer rate
+
+``unseen``: prompt tokens this router placed there that the snapshot may not count yet (router/pool.py). The
+attention term is exact for the request's own prompt (its chunks' query-key pairs sum to own^2 / 2) and a lower
+bound for the prompts ahead, whose lengths are not published (each of their tokens attends to at least half a
+chunk). That is the prefill rate the worker's ITL budget leaves beside its decode batch: ``chunk / step time``.
+
+A worker whose model has not timed prompt chunks yet (no coefficients) falls back to its measured prefill rate
+(``work / prefill_tokens_per_s``); with neither, nothing is predicted (None): the router never sheds on a guess.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from router.pool import Load
+
+__all__ = ["StepCost", "WorkerFigures", "predict_ttft_s", "prefill_rate"]
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds per unit of what a step computes (common/sched/step_model.py ``StepTimeModel.coefficients``)."""
+
+    base_s: float = 0.0
+    per_prefill_token_s: float = 0.0
+    per_decode_row_s: float = 0.0
+    per_context_token_s: float = 0.0
+    per_attention_pair_s: float = 0.0
+
+    @classmethod
+    def from_map(cls, m: Mapping[str, float]) -> StepCost:
+        return cls(**{k: float(m.get(k, 0.0)) for k in cls.__dataclass_fields__})
+
+    @property
+    def known(self) -> bool:
+        return self.per_prefill_token_s > 0
+
+    def overhead_s(self, rows: int, context: int) -> float:
+        """What every step costs whatever its chunk: the base and the decode batch it carries (never < 0)."""
+        return max(0.0, self.base_s + self.per_decode_row_s * rows + self.per_context_token_s * context)
+
+
+@dataclass(frozen=True)
+class WorkerFigures:
+    """One worker's TTFT inputs, as its last /load gave them (plus this router's own unseen placements)."""
+
+    chunk_tokens: int = 0  # prompt tokens the next step takes (0: not reported)
+    decode_rows: int = 0
+    decode_context: int = 0
+    cost: StepCost = field(default_factory=StepCost)
+    ahead_tokens: Mapping[str, int] = field(default_factory=dict)  # per SLO class
+    queued_tokens: int = 0  # all prompt tokens queued (a class the worker did not report waits behind all)
+    rate_tokens_per_s: float = 0.0  # measured prefill rate: the fallback without a step model
+    unseen_tokens: int = 0
+
+    @classmethod
+    def from_load(cls, load: Load, unseen_tokens: int = 0) -> WorkerFigures:
+        return cls(
+            chunk_tokens=load.step_chunk_tokens,
+            decode_rows=load.decode_rows,
+            decode_context=load.decode_context,
+            cost=StepCost.from_map(load.step_coefficients),
+            ahead_tokens=load.queued_ahead_tokens,
+            queued_tokens=load.queued_prefill_tokens,
+            rate_tokens_per_s=load.prefill_tokens_per_s,
+            unseen_tokens=unseen_tokens,
+        )
+
+    def ahead(self, slo_class: str) -> int:
+        return self.ahead_tokens.get(slo_class, self.queued_tokens) + self.unseen_tokens
+
+
+def prefill_rate(w: WorkerFigures) -> float:
+    """Prompt tokens per second at the worker's chunk beside its decode batch (0: unknown)."""
+    if w.cost.known and w.chunk_tokens > 0:
+        c = w.chunk_tokens
+        step = w.cost.overhead_s(w.decode_rows, w.decode_context) + w.cost.per_prefill_token_s * c
+        return c / (step + w.cost.per_attention_pair_s * c * c / 2)
+    return w.rate_tokens_per_s
+
+
+def predict_ttft_s(w: WorkerFigures, slo_class: str, own_tokens: int, transfer_s: float = 0.0) -> float | None:
+    """Predicted seconds until a request of `slo_class` with `own_tokens` uncached prompt tokens has its first
+    token on `w` (module docstring); None when the worker has measured nothing to predict from."""
+    ahead = w.ahead(slo_class)
+    own = max(own_tokens, 1)  # a full prefix hit still runs one step for its first token
+    work = ahead + own
+    if w.cost.known and w.chunk_tokens > 0:
+        c, cost = w.chunk_tokens, w.cost
+        steps = math.ceil(work / c)
+        pairs = own * own / 2 + ahead * min(c, ahead) / 2
+        compute = steps * cost.overhead_s(w.decode_rows, w.decode_context) + cost.per_prefill_token_s * work
+        return compute + cost.per_attention_pair_s * pairs + transfer_s
+    if w.rate_tokens_per_s > 0:
+        return work / w.rate_tokens_per_s + transfer_s
+    return None
