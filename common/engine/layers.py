@@ -187,6 +187,12 @@ class Ops(Protocol):
         the GEMM is the attention's [q; k; v], which a backend may return as `Rotated` (RoPE applied to q and k
         and K, V written to the pool in the GEMM); else the plain projection."""
 
+    def norm(
+        self, x: torch.Tensor | InStream, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(residual + x), residual + x) as `norm_linear` takes them, without a GEMM: what a
+        mixture-of-experts MLP takes (its router and experts read the normed states)."""
+
     def project(
         self,
         x: torch.Tensor | Activated,

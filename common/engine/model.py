@@ -1,7 +1,7 @@
-"""The decoder used for every supported family (Llama, Mistral, Qwen2, Qwen3).
+"""The decoder used for every supported family (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral).
 
 The families differ only in flags on `ModelConfig` (q/k/v bias, q/k RMSNorm, tied embeddings, RoPE
-scaling), so one file serves them all. Projections are merged (qkv, gate_up) so a layer is four GEMMs.
+scaling, which layers' MLP is a mixture of experts: common/engine/moe.py), so one file serves them all. Projections are merged (qkv, gate_up) so a layer is four GEMMs.
 One forward serves every backend: the CPU, the GPU in float32 and the GPU's fused kernels differ only in
 the ops object (common/engine/layers.py) and the attention backend they are given.
 """
@@ -25,6 +25,7 @@ from common.engine.layers import (
     pack_linear_weight,
 )
 from common.engine.model_config import ModelConfig
+from common.engine.moe import MoeExperts
 from common.engine.tp import TPGroup, single_rank
 
 
@@ -34,15 +35,20 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
 
 # A layer's GEMM weights: what FP8 weights quantize (embeddings, norms and the LM head keep the model dtype).
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+ATTENTION_LINEARS = LINEARS[:2]  # a mixture-of-experts layer's (its experts are `moe`'s)
 
 
 class DecoderLayer(nn.Module):
     """One layer's weights; `cfg` is this rank's local config (its heads and MLP slice under tensor parallelism).
 
-    `fp8`: the four GEMM weights are float8 e4m3 with a float32 scale per output row (`<name>_scale`)."""
+    `moe`: the layer's MLP is a mixture of experts (`MoeExperts`; no dense gate_up / down then).
+    `fp8`: the GEMM weights (`linears`) are float8 e4m3 with a float32 scale per output row (`<name>_scale`)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, fp8: bool = False) -> None:
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, fp8: bool = False, moe: bool = False
+    ) -> None:
         super().__init__()
+        self.linears = ATTENTION_LINEARS if moe else LINEARS
         h = cfg.hidden_size
         qkv = cfg.q_size + 2 * cfg.kv_size
         wt = FP8 if fp8 else dtype
@@ -53,10 +59,11 @@ class DecoderLayer(nn.Module):
         self.k_norm = _param(cfg.head_dim, dtype=dtype, device=device) if cfg.qk_norm else None
         self.o_proj = _param(h, cfg.q_size, dtype=wt, device=device)
         self.post_attn_norm = _param(h, dtype=dtype, device=device)
-        self.gate_up_proj = _param(2 * cfg.intermediate_size, h, dtype=wt, device=device)
-        self.down_proj = _param(h, cfg.intermediate_size, dtype=wt, device=device)
+        self.moe = MoeExperts(cfg.moe, h, dtype, device) if moe and cfg.moe is not None else None
+        self.gate_up_proj = None if moe else _param(2 * cfg.intermediate_size, h, dtype=wt, device=device)
+        self.down_proj = None if moe else _param(h, cfg.intermediate_size, dtype=wt, device=device)
         if fp8:
-            for name in LINEARS:
+            for name in self.linears:
                 rows = getattr(self, name).shape[0]
                 setattr(self, f"{name}_scale", _param(rows, dtype=torch.float32, device=device))
         # The GEMM weights in the form the ops run them, by name: oneDNN-packed copies (CPU float32,
@@ -67,11 +74,11 @@ class DecoderLayer(nn.Module):
             self.use_fp8_forms()
 
     def use_fp8_forms(self) -> None:
-        self.packed = {n: Fp8Linear(getattr(self, n), getattr(self, f"{n}_scale")) for n in LINEARS}
+        self.packed = {n: Fp8Linear(getattr(self, n), getattr(self, f"{n}_scale")) for n in self.linears}
 
     def quantize_linears(self) -> None:
-        """Replaces the four GEMM weights by FP8 ones, one scale per output channel (common/engine/fp8.py)."""
-        for name in LINEARS:
+        """Replaces the GEMM weights by FP8 ones, one scale per output channel (common/engine/fp8.py)."""
+        for name in self.linears:
             weight, scale = quantize_rows(getattr(self, name).data)
             setattr(self, name, nn.Parameter(weight, requires_grad=False))
             setattr(self, f"{name}_scale", nn.Parameter(scale.flatten(), requires_grad=False))
@@ -80,7 +87,7 @@ class DecoderLayer(nn.Module):
 
     def dequantize_linears(self, dtype: torch.dtype) -> None:
         """FP8 GEMM weights back to `dtype` (W = weight * scale), for a device without FP8 kernels."""
-        for name in LINEARS:
+        for name in self.linears:
             w = Fp8Linear(getattr(self, name), getattr(self, f"{name}_scale")).dequantize(dtype)
             setattr(self, name, nn.Parameter(w, requires_grad=False))
             delattr(self, f"{name}_scale")
@@ -113,7 +120,9 @@ class DecoderModel(nn.Module):
         self.device = device
         vocab_rows = self.tp.shard.vocab_per_rank
         self.embed = _param(vocab_rows, cfg.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, fp8_weights) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, dtype, device, fp8_weights, cfg.is_moe_layer(i)) for i in range(cfg.num_layers)
+        )
         self.norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.lm_head = (
             None if cfg.tie_word_embeddings else _param(vocab_rows, cfg.hidden_size, dtype=dtype, device=device)
@@ -135,7 +144,7 @@ class DecoderModel(nn.Module):
             return False
         for layer in self.layers:
             if not layer.fp8:  # FP8 weights keep their FP8 form
-                layer.packed = {n: pack_linear_weight(getattr(layer, n)) for n in LINEARS}
+                layer.packed = {n: pack_linear_weight(getattr(layer, n)) for n in layer.linears}
         self.packed_lm_head = pack_linear_weight(self.lm_head_weight)
         return True
 
@@ -228,6 +237,10 @@ class DecoderModel(nn.Module):
                     q, k = ops.rms_norm(q, layer.q_norm, eps), ops.rms_norm(k, layer.k_norm, eps)
                 o = attn.forward(i, positions, q, k, v).reshape(t, cfg.q_size)
             hidden, residual = self._project(o, layer.o_proj, residual, pk.get("o_proj"))
+            if layer.moe is not None:
+                normed, residual = ops.norm(hidden, residual, layer.post_attn_norm, eps)
+                hidden = tp.all_reduce(layer.moe(normed))  # partial sums under TP, as a dense down_proj's
+                continue
             gate_up, residual = ops.norm_linear(
                 hidden,
                 residual,

@@ -5,7 +5,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral")
 
 
 @dataclass(frozen=True)
@@ -16,6 +17,37 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts MLP: softmax over `num_experts` router logits, the `top_k` best kept (their weights
+    renormalised to sum to 1 when `renormalize`), each a SiLU-gated MLP of `intermediate_size`. `layers`: the
+    layers whose MLP is this one; the others keep the dense MLP of `ModelConfig.intermediate_size`."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    layers: tuple[int, ...]
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> MoeConfig:
+        model_type = cfg["model_type"]
+        # Qwen3-MoE's own configs say num_experts; transformers saves it under Mixtral's num_local_experts.
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        top_k = int(cfg.get("num_experts_per_tok", 0))
+        if experts < 1 or not 1 <= top_k <= experts:
+            raise ValueError(f"{model_type}: {experts} experts with {top_k} per token is not a mixture of experts")
+        layers = range(cfg["num_hidden_layers"])
+        if model_type == "mixtral":  # every layer sparse, the top-k always renormalised
+            return cls(experts, top_k, int(cfg["intermediate_size"]), True, tuple(layers))
+        if cfg.get("shared_expert_intermediate_size"):
+            raise ValueError(f"{model_type}: shared experts are not supported")
+        dense = set(cfg.get("mlp_only_layers") or ())
+        step = int(cfg.get("decoder_sparse_step", 1))
+        sparse = tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
+        return cls(experts, top_k, int(cfg["moe_intermediate_size"]), bool(cfg.get("norm_topk_prob", False)), sparse)
 
 
 @dataclass(frozen=True)
@@ -38,6 +70,10 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
+    moe: MoeConfig | None = None  # Qwen3-MoE, Mixtral: the routed experts and the layers that have them
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer in self.moe.layers
 
     @property
     def q_size(self) -> int:
@@ -84,9 +120,10 @@ class ModelConfig:
             rope=rope,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             eos_token_ids=eos_ids,
             name=name,
+            moe=MoeConfig.from_hf_dict(cfg) if model_type in MOE_ARCHITECTURES else None,
         )
 
     @classmethod
@@ -145,6 +182,28 @@ NAMED_CONFIGS: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-6,
         max_position_embeddings=40960,
         tie_word_embeddings=True,
+        rope_theta=1000000.0,
+        eos_token_id=151645,
+    ),
+    # The issue's MoE target: 48 layers of 128 experts (8 per token, renormalised), 3B of its 30B active.
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
         rope_theta=1000000.0,
         eos_token_id=151645,
     ),

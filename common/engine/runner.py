@@ -60,6 +60,8 @@ def load_model(
     if cfg.weight_dtype == FP8_SETTING and no_fp8:
         raise ValueError(f"{WEIGHT_DTYPE.name}={FP8_SETTING}: {no_fp8}; use auto")
     checkpoint = fp8_checkpoint(path) if path is not None else None
+    if model_cfg.moe is not None and (checkpoint is not None or cfg.weight_dtype == FP8_SETTING):
+        raise ValueError(f"{model_cfg.model_type}: FP8 experts are not supported yet; serve 16-bit weights")
     model = DecoderModel(model_cfg, dtype, device, tp, fp8_weights=checkpoint is not None)
     if path is None:
         init_dummy_weights(model, cfg.seed)

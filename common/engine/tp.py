@@ -7,6 +7,8 @@ Split (Megatron style, adapted to GQA):
   is replicated on `size / kv_heads` ranks and its query heads are divided among them;
 - qkv and gate/up are column-parallel (each rank computes its own output columns), o_proj and down_proj
   row-parallel (each rank holds the input rows of its heads / MLP slice, partial sums all-reduced);
+- a mixture-of-experts MLP is split the same way inside every expert: each rank holds a slice of every expert's
+  intermediate dim (and the whole router, so every rank routes each token alike), partial sums all-reduced;
 - the embedding and LM head are vocab-parallel: each rank holds a vocabulary slice; embeddings are summed
   (one rank contributes each token, the others zeros: exact), logits are all-gathered.
 
@@ -47,6 +49,7 @@ class TPShard:
     intermediate: tuple[int, int]
     vocab: tuple[int, int]  # rows of the vocabulary this rank holds (the last rank's may be short)
     vocab_per_rank: int  # every rank's slice is padded to this many rows, so logits gather evenly
+    moe_intermediate: tuple[int, int] = (0, 0)  # of every expert's intermediate dim (mixtures of experts)
 
     @classmethod
     def plan(cls, cfg: ModelConfig, rank: int, size: int) -> TPShard:
@@ -77,6 +80,7 @@ class TPShard:
             intermediate=split_range(cfg.intermediate_size, size, rank),
             vocab=(v_lo, min(v_lo + per_rank, cfg.vocab_size)),
             vocab_per_rank=per_rank,
+            moe_intermediate=split_range(cfg.moe.intermediate_size, size, rank) if cfg.moe else (0, 0),
         )
 
     @classmethod
@@ -85,11 +89,13 @@ class TPShard:
 
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
         """The config this rank's layers are built with (vocab_size stays the full vocabulary)."""
+        lo, hi = self.moe_intermediate
         return replace(
             cfg,
             num_heads=self.q_heads[1] - self.q_heads[0],
             num_kv_heads=self.kv_heads[1] - self.kv_heads[0],
             intermediate_size=self.intermediate[1] - self.intermediate[0],
+            moe=replace(cfg.moe, intermediate_size=hi - lo) if cfg.moe else None,
         )
 
     # -- slicing full tensors into this rank's part (weights from a checkpoint, or dummy weights) --------
@@ -102,7 +108,8 @@ class TPShard:
         return part
 
     def hf_slice(self, kind: str, full: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-        """This rank's part of one checkpoint tensor, by projection kind (q/k/v/o/gate/up/down/vocab/none)."""
+        """This rank's part of one checkpoint tensor, by projection kind (q/k/v/o/gate/up/down/vocab/none; an
+        expert's: expert_gate/expert_up/expert_down, and experts_w13/experts_w2 for all experts stacked)."""
         d = cfg.head_dim
         if kind == "q":
             return self.rows(full, *self.q_heads, unit=d)
@@ -116,6 +123,16 @@ class TPShard:
             return full[:, self.intermediate[0] : self.intermediate[1]]
         if kind == "vocab":
             return self.rows(full, *self.vocab, pad_to=self.vocab_per_rank)
+        lo, hi = self.moe_intermediate
+        if kind in ("expert_gate", "expert_up"):
+            return full[lo:hi]
+        if kind == "expert_down":
+            return full[:, lo:hi]
+        if kind == "experts_w13":  # [E, 2I, H]: each expert's gate rows, then its up rows
+            gate, up = full.chunk(2, dim=1)
+            return torch.cat((gate[:, lo:hi], up[:, lo:hi]), dim=1)
+        if kind == "experts_w2":
+            return full[:, :, lo:hi]
         return full
 
     def merged_slice(self, param: str, full: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -129,6 +146,7 @@ class TPShard:
             gate, up = full.chunk(2)
             return torch.cat((self.hf_slice("gate", gate, cfg), self.hf_slice("up", up, cfg)))
         kind = {"o_proj": "o", "down_proj": "down", "embed": "vocab", "lm_head": "vocab"}.get(leaf, "none")
+        kind = {"w13": "experts_w13", "w2": "experts_w2"}.get(leaf, kind)
         return self.hf_slice(kind, full, cfg)
 
 

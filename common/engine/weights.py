@@ -13,13 +13,20 @@ from safetensors import safe_open
 
 from common.engine.fp8 import is_fp8, quantize_rows
 from common.engine.model import DecoderModel
+from common.engine.moe import MoeExperts
 
 log = logging.getLogger("kvferry.model")
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# A routed expert's projection, as Qwen3-MoE (mlp.experts.3.gate_proj) and Mixtral (block_sparse_moe.experts.3.w1)
+# checkpoints name them: gate (w1), up (w3), down (w2).
+_EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_KIND = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+# Where a destination's rows are: all of it (None), a row range, or (an expert, a row range of it).
+Rows = slice | int | tuple[int, slice] | None
 
 
-def _target(model: DecoderModel, name: str) -> tuple[torch.Tensor, slice | None, str] | None:
+def _target(model: DecoderModel, name: str) -> tuple[torch.Tensor, Rows, str] | None:
     """Maps an HF tensor name to (destination parameter, rows of it, projection kind for tensor-parallel
     slicing) or None when the model has no use for it. Row slices are in this rank's local sizes."""
     cfg = model.cfg
@@ -34,6 +41,8 @@ def _target(model: DecoderModel, name: str) -> tuple[torch.Tensor, slice | None,
         return None
     layer = model.layers[int(m.group(1))]
     rest = m.group(2)
+    if layer.moe is not None and rest.startswith(("mlp.", "block_sparse_moe.")):
+        return _moe_target(layer.moe, rest)
     q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
     qkv_rows = {"q_proj": slice(0, q), "k_proj": slice(q, q + kv), "v_proj": slice(q + kv, q + 2 * kv)}
     direct = {
@@ -69,6 +78,22 @@ def _target(model: DecoderModel, name: str) -> tuple[torch.Tensor, slice | None,
     if short == "up_proj":
         return layer.gate_up_proj, slice(inter, 2 * inter), "up"
     return None
+
+
+def _moe_target(moe: MoeExperts, rest: str) -> tuple[torch.Tensor, Rows, str] | None:
+    """A mixture-of-experts layer's MLP tensors: the router, and each expert's projections into its row of the
+    stacked `w13` ([gate; up]) and `w2`."""
+    if rest in ("mlp.gate.weight", "block_sparse_moe.gate.weight"):
+        return moe.gate, None, "none"
+    m = _EXPERT.match(rest)
+    if m is None:
+        return None
+    e, kind = int(m.group(1)), _EXPERT_KIND[m.group(2)]
+    inter = moe.w2.shape[2]  # this rank's slice of the expert's intermediate dim
+    if kind == "down":
+        return moe.w2, e, "expert_down"
+    rows = slice(0, inter) if kind == "gate" else slice(inter, 2 * inter)
+    return moe.w13, (e, rows), f"expert_{kind}"
 
 
 @dataclass(frozen=True)
@@ -149,7 +174,7 @@ def load_safetensors_dir(model: DecoderModel, path: Path, block: tuple[int, int]
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
     expected = {id(p) for p in model.parameters()}
-    seen: set[int] = set()
+    seen: set[object] = set()
     kv_scales = [1.0] * (2 * model.cfg.num_layers)
     pending: dict[str, dict[str, torch.Tensor]] = {}  # block-scaled weights waiting for their other half
     for file in files:
@@ -193,10 +218,25 @@ def load_safetensors_dir(model: DecoderModel, path: Path, block: tuple[int, int]
     if missing:
         names = [n for n, p in model.named_parameters() if id(p) in missing]
         raise ValueError(f"checkpoint in {path} lacks weights for: {', '.join(names[:8])}")
+    lacking = _missing_experts(model, seen)
+    if lacking:
+        raise ValueError(f"checkpoint in {path} lacks expert weights: {', '.join(lacking[:8])}")
+
+
+def _missing_experts(model: DecoderModel, seen: set[object]) -> list[str]:
+    """Stacked experts are filled piece by piece: every expert's gate, up and down must have come."""
+    out = []
+    for i, layer in enumerate(model.layers):
+        if layer.moe is None:
+            continue
+        for e in range(layer.moe.w13.shape[0]):
+            pieces = ((layer.moe.w13, "expert_gate"), (layer.moe.w13, "expert_up"), (layer.moe.w2, "expert_down"))
+            out += [f"layer {i} expert {e} {kind[7:]}" for dst, kind in pieces if (id(dst), e, kind) not in seen]
+    return out
 
 
 def _put(
-    model: DecoderModel, target: tuple[torch.Tensor, slice | None, str], name: str, tensor: torch.Tensor, seen: set[int]
+    model: DecoderModel, target: tuple[torch.Tensor, Rows, str], name: str, tensor: torch.Tensor, seen: set[object]
 ) -> None:
     """The checkpoint tensor `name` into this rank's part of its destination (`_target(model, name)`)."""
     dst, rows, kind = target
@@ -215,6 +255,8 @@ def _put(
         raise ValueError(f"{name}: {tensor.dtype} in a checkpoint whose other GEMM weights are FP8")
     view.copy_(tensor.to(dst.dtype))
     seen.add(id(dst))
+    if kind.startswith("expert_"):  # one expert's piece of a stacked tensor (`_missing_experts`)
+        seen.add((id(dst), rows if isinstance(rows, int) else rows[0], kind))  # type: ignore[index]
 
 
 def _full_shape(model: DecoderModel, name: str, local: torch.Size) -> tuple[int, ...]:
@@ -230,6 +272,9 @@ def _full_shape(model: DecoderModel, name: str, local: torch.Size) -> tuple[int,
         "gate_up_proj": (2 * full.intermediate_size, full.hidden_size),
         "down_proj": (full.hidden_size, full.intermediate_size),
     }
+    if full.moe is not None:
+        e, i = full.moe.num_experts, full.moe.intermediate_size
+        shapes |= {"w13": (e, 2 * i, full.hidden_size), "w2": (e, full.hidden_size, i)}
     return shapes.get(leaf, tuple(local))
 
 

@@ -61,6 +61,10 @@ class GpuPath:
             raise ValueError(
                 f"the flashinfer backend needs bfloat16 or float16, not {model.dtype}; use attention=torch"
             )
+        if model.cfg.moe is not None:  # the experts' plain path syncs on the host: no CUDA graphs, no fused GEMMs
+            raise ValueError(
+                f"{model.cfg.model_type}: mixture-of-experts layers have no fused GPU path yet; use attention=torch"
+            )
         self.model = model
         triton = cfg.fused_kernels and triton_available()
         self.pdl = cfg.pdl and pdl_available(model.device, triton)
