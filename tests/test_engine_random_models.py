@@ -2,8 +2,8 @@
 
 Each model is built by transformers from a config, saved with `save_pretrained` (safetensors) and loaded back
 through `ModelRunner(RunnerConfig(model=<dir>))`, so the whole path (config parsing, weight name mapping,
-merged qkv / gate_up, q/k norm, qkv bias, tied embeddings, RoPE scaling) is checked against transformers'
-own forward pass. RMSNorm weights and biases are re-drawn at random (transformers initialises them to
+merged qkv / gate_up, q/k norm, qkv bias, tied embeddings, RoPE scaling, mixture-of-experts layers) is checked
+against transformers' own forward pass. RMSNorm weights and biases are re-drawn at random (transformers initialises them to
 ones / zeros, which would hide a mis-mapped norm or bias).
 """
 
@@ -54,6 +54,36 @@ CONFIGS = {
         ),
     ),
     "mistral": ("MistralConfig", dict(num_hidden_layers=2, tie_word_embeddings=False, sliding_window=None)),
+    # Mixtures of experts (common/engine/moe.py): top-2 of 8, renormalised, one layer dense (mlp_only_layers).
+    "qwen3-moe-norm-topk": (
+        "Qwen3MoeConfig",
+        dict(
+            num_hidden_layers=3,
+            tie_word_embeddings=False,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        ),
+    ),
+    # Top-2 weights as the softmax left them; every other layer sparse (decoder_sparse_step 2: layers 1 and 3).
+    "qwen3-moe-raw-topk": (
+        "Qwen3MoeConfig",
+        dict(
+            num_hidden_layers=4,
+            tie_word_embeddings=True,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            norm_topk_prob=False,
+            decoder_sparse_step=2,
+        ),
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        dict(num_hidden_layers=2, tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2),
+    ),
 }
 
 
@@ -90,6 +120,9 @@ def random_model(request, tmp_path_factory):
     assert mc.qk_norm == config_cls.startswith("Qwen3")
     assert mc.qkv_bias == config_cls.startswith("Qwen2")
     assert mc.tie_word_embeddings == bool(extra["tie_word_embeddings"])
+    # The layers whose MLP is a mixture of experts: the same ones as transformers' model.
+    sparse = [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")]
+    assert list(mc.moe.layers if mc.moe is not None else ()) == sparse
     if "rope_parameters" in extra:
         assert mc.rope.kind == "llama3" and mc.rope.factor == 8.0 and mc.rope.original_max_position == 64
     return name, hf, runner
