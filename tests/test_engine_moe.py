@@ -151,3 +151,24 @@ def test_served_through_router_prefill_and_decode_equals_transformers(moe_dir, s
         assert decisions.get("disaggregated") == 1, decisions
     finally:
         cluster.stop()
+
+
+def test_dummy_weights_of_tp_ranks_are_slices_of_every_expert() -> None:
+    """`dummy:` MoE weights under tensor parallelism: each rank holds its slice of every expert's intermediate dim of
+    the same full draw (so TP=N runs the TP=1 model), the router whole."""
+    from common.engine.model import DecoderModel
+    from common.engine.tp import TPGroup, TPShard
+    from common.engine.weights import init_dummy_weights
+
+    base = dict(vocab_size=64, hidden_size=16, intermediate_size=24, num_attention_heads=2, num_hidden_layers=1)
+    cfg = ModelConfig.from_hf_dict({**base, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2})
+    models = []
+    for tp in (None, *(TPGroup(TPShard.plan(cfg, r, 2)) for r in range(2))):
+        models.append(DecoderModel(cfg, torch.float32, torch.device("cpu"), tp))
+        init_dummy_weights(models[-1], seed=3)
+    full, *ranks = (m.layers[0].moe for m in models)
+    gate, up = full.w13.chunk(2, dim=1)
+    for r, (lo, hi) in zip(ranks, ((0, 12), (12, 24))):
+        assert torch.equal(r.gate, full.gate)
+        assert torch.equal(r.w13, torch.cat((gate[:, lo:hi], up[:, lo:hi]), dim=1))
+        assert torch.equal(r.w2, full.w2[:, :, lo:hi])

@@ -232,8 +232,21 @@ def test_tp_logits_match_at_rank_boundaries(tp2_engine, smol_runner, smol_tokeni
         ("LlamaConfig", dict(num_hidden_layers=2, tie_word_embeddings=False, num_key_value_heads=1)),
         # q/k/v biases sliced with their heads; tied embeddings through the vocab-parallel head.
         ("Qwen2Config", dict(num_hidden_layers=2, tie_word_embeddings=True)),
+        # Every expert's intermediate dim split 40 + 40 (the router whole on both ranks); layer 1 dense, split too.
+        (
+            "Qwen3MoeConfig",
+            dict(
+                num_hidden_layers=2,
+                tie_word_embeddings=False,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=80,
+                norm_topk_prob=True,
+                mlp_only_layers=[1],
+            ),
+        ),
     ],
-    ids=["llama-replicated-kv", "qwen2-bias-tied"],
+    ids=["llama-replicated-kv", "qwen2-bias-tied", "qwen3-moe-experts-split"],
 )
 def test_tp2_random_checkpoints_match_transformers(config_cls, extra, tmp_path) -> None:
     from tests.test_engine_random_models import _build_hf, _check_greedy, _random_prompts
@@ -247,6 +260,8 @@ def test_tp2_random_checkpoints_match_transformers(config_cls, extra, tmp_path) 
     )
     try:
         shards = [TPShard.plan(engine.runner.model.full_cfg, r, 2) for r in range(2)]
+        if "num_experts" in extra:
+            assert [s.moe_intermediate for s in shards] == [(0, 40), (40, 80)]
         if extra.get("num_key_value_heads") == 1:
             assert [s.kv_heads for s in shards] == [(0, 1), (0, 1)] and [s.q_heads for s in shards] == [(0, 2), (2, 4)]
         prompts = _random_prompts(3, [5, 40, 70])
