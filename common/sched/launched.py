@@ -33,6 +33,7 @@ class Launched:
     done: torch.cuda.Event | None = None
     timer: StepTimer | None = None  # the forward's device time
     shape: StepShape = field(default_factory=StepShape)  # what it computes (the step-time model's inputs)
+    launched_at: float = field(default_factory=time.perf_counter)  # host clock when its forward was launched
     masks: MaskJob | None = None  # its grammar masks, being filled while it waits for sampling
 
     def record_done(self, device: torch.device) -> None:

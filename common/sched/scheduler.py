@@ -149,6 +149,7 @@ class Scheduler:
         # decoding, common/sched/step_model.py), prefill-only steps' prompt tokens/s (published; the chunk until
         # the model has timed chunks), decode-only steps' seconds (the target's floor, `auto` targets).
         self.step_model = StepTimeModel()
+        self._processed_at: float | None = None  # host clock when the last step was processed
         self.prefill_speed = PrefillSpeed()
         self.decode_step = StepSeconds()
         self.processed_kind: str | None = None  # kind of the step processed last ("prefill" | "decode" | "mixed")
@@ -597,13 +598,21 @@ class Scheduler:
     def _process(self, launched: Launched) -> list[StepEvent]:
         launched.wait()
         self.processed_kind = launched.kind
+        now = time.perf_counter()
         if launched.timer is not None:
             seconds = launched.timer.seconds()
-            self.step_model.observe(launched.shape, seconds)
+            # What a stream sees is the period between steps, not the forward's device time: the host's sampling,
+            # events and scheduling add to it where they are not hidden (on the H200 at a 50 ms target, chunk
+            # steps predicted within it by device time reached 51 ms between tokens). A step launched before the
+            # one before it was processed ran back to back with it: its period is what the model learns.
+            back_to_back = self._processed_at is not None and launched.launched_at <= self._processed_at
+            period = now - self._processed_at if back_to_back and self._processed_at is not None else 0.0
+            self.step_model.observe(launched.shape, max(seconds, period))
             if launched.kind == "decode":
                 self.decode_step.observe(seconds)
             elif launched.kind == "prefill":
                 self.prefill_speed.observe(launched.shape.prefill_tokens, seconds)
+        self._processed_at = now
         if self._transfers:
             for r, s, e in launched.chunks:
                 if not r.finished:  # aborted while in flight: nothing to send on
