@@ -36,8 +36,8 @@ prefill worker p
 
 the fleet, by predicted TTFT (``admit_by_ttft``; router/ttft_model.py predicts, `ttft_verdict` decides)
     min over placements of predicted_ttft(request as class k) > limit_k, for any class k with a TTFT target
-    and rank <= the request's, where limit_k = ttft_k for the request's own class and
-    LOWER_CLASS_HEADROOM x ttft_k for a higher class
+    and rank <= the request's, where limit_k = max(ttft_k for the request's own class or LOWER_CLASS_HEADROOM x
+    ttft_k for a higher class, QUEUE_ALLOWANCE x the request's predicted TTFT with nothing queued ahead)
         A request no worker (or prefill + decode pair) is predicted to serve within its class's TTFT target
         would only wait, and make the requests behind it wait: it is refused at once, before any worker is
         contacted, with ``Retry-After`` = ceil(predicted excess), at least 1 s (the queue ahead drains at the
@@ -48,7 +48,10 @@ the fleet, by predicted TTFT (``admit_by_ttft``; router/ttft_model.py predicts, 
         is never refused for TTFT: it queues. A worker that has measured nothing predicts nothing, and
         nothing is refused on a guess. The prediction counts the prompts queued ahead of the request in the
         worker's deadline order, those this router placed there since its last snapshot, and the request's own
-        uncached tokens (the longest of its prompts).
+        uncached tokens (the longest of its prompts). Shedding is for queues: a request that would miss its
+        target even on an idle worker (a long prompt on a CPU) gains nothing from a 429, so it is held to
+        QUEUE_ALLOWANCE (2) times its own predicted TTFT instead, and waits at most about its own prefill behind
+        others.
 
 The router routes among the workers that are not full. When every ready decode worker is full, or a
 prompt long enough to disaggregate finds every prefill worker full, the request gets 429 with
@@ -81,6 +84,9 @@ __all__ = [
 # rest is the higher class's alone, so it is not the one refused when load rises (a lower-class request queued
 # behind it still reaches the front once its own, later deadline comes).
 LOWER_CLASS_HEADROOM = 0.8
+# A request that would miss its target even alone may still wait behind others as long as its own prefill takes:
+# the target it is held to is at least this many times its predicted TTFT on an idle worker.
+QUEUE_ALLOWANCE = 2.0
 
 
 @dataclass(frozen=True)
@@ -159,9 +165,17 @@ class TtftVerdict:
     predicted_s: float | None = None  # the best placement's predicted TTFT for the request's own class
 
 
-def ttft_verdict(classes: SloClasses, cls: SloClass, best_ttft_s: Callable[[SloClass], float | None]) -> TtftVerdict:
+def ttft_verdict(
+    classes: SloClasses,
+    cls: SloClass,
+    best_ttft_s: Callable[[SloClass], float | None],
+    alone_ttft_s: Callable[[SloClass], float | None] = lambda _k: None,
+) -> TtftVerdict:
     """The fleet rule of the module docstring. `best_ttft_s(k)`: the lowest predicted TTFT over the placements
-    of this request as a request of class k (None: nothing predicted)."""
+    of this request as a request of class k (None: nothing predicted); `alone_ttft_s(k)`: the same with nothing
+    queued ahead. A class's target never falls below QUEUE_ALLOWANCE times what the request costs alone: one
+    that cannot meet the target even on an idle worker (a long prompt on a CPU) is served as well as it can be,
+    and shed only for a queue that would keep it waiting longer than its own prefill."""
     own = best_ttft_s(cls)
     if cls.ttft_s is None:
         return TtftVerdict(False, predicted_s=own)
@@ -172,7 +186,8 @@ def ttft_verdict(classes: SloClasses, cls: SloClass, best_ttft_s: Callable[[SloC
         best = own if k is cls else best_ttft_s(k)
         if best is None:
             continue
-        excess = best - (k.ttft_s if k is cls else LOWER_CLASS_HEADROOM * k.ttft_s)
+        alone = alone_ttft_s(k) or 0.0
+        excess = best - max(k.ttft_s if k is cls else LOWER_CLASS_HEADROOM * k.ttft_s, QUEUE_ALLOWANCE * alone)
         if excess > worst:
             worst, limiting = excess, k.name
     if not limiting:

@@ -148,7 +148,9 @@ class Dispatcher:
         return decision
 
     # ---- predicted TTFT (router/ttft_model.py) ------------------------------------------------------------
-    def predicted_ttft_s(self, plan: PromptPlan, w: Worker, slo_class: str, prefill_side: bool) -> float | None:
+    def predicted_ttft_s(
+        self, plan: PromptPlan, w: Worker, slo_class: str, prefill_side: bool, queued: bool = True
+    ) -> float | None:
         """The prompt's predicted TTFT as a request of `slo_class` prefilled on `w` (`prefill_side`: a prefill
         pod, its KV then moved to the decode pod); None when `w` has measured nothing to predict from."""
         if w.load is None:
@@ -157,7 +159,8 @@ class Dispatcher:
         own = prompt - self.policy.matched_tokens(w.pod, plan.matches, plan.block_size, prompt)
         rate = self.policy.cfg.slo.transfer_tokens_per_s
         transfer = prompt / rate if prefill_side and rate > 0 else 0.0
-        return predict_ttft_s(WorkerFigures.from_load(w.load, w.unseen_prompt_tokens), slo_class, own, transfer)
+        figures = WorkerFigures.from_load(w.load, w.unseen_prompt_tokens)
+        return predict_ttft_s(figures, slo_class, own, transfer, queued)
 
     def _sides(self, plan: PromptPlan) -> list[tuple[Worker, bool]]:
         """The workers that could prefill this prompt under the placement rules: its decode pods (local) and,
@@ -174,11 +177,13 @@ class Dispatcher:
         placement's predicted TTFT (None: nothing predicted)."""
         sides = self._sides(plan)
 
-        def best(k: SloClass) -> float | None:
-            preds = [p for w, remote in sides if (p := self.predicted_ttft_s(plan, w, k.name, remote)) is not None]
+        def best(k: SloClass, queued: bool = True) -> float | None:
+            preds = [
+                p for w, remote in sides if (p := self.predicted_ttft_s(plan, w, k.name, remote, queued)) is not None
+            ]
             return min(preds, default=None)
 
-        verdict = ttft_verdict(self.slo, cls, best)
+        verdict = ttft_verdict(self.slo, cls, best, lambda k: best(k, queued=False))
         if verdict.shed and self.admit_by_ttft:
             self._count("rejected-ttft")
             self.metrics.slo_shed.labels(slo_class=cls.name).inc()

@@ -98,10 +98,13 @@ def prefill_rate(w: WorkerFigures) -> float:
     return w.rate_tokens_per_s
 
 
-def predict_ttft_s(w: WorkerFigures, slo_class: str, own_tokens: int, transfer_s: float = 0.0) -> float | None:
+def predict_ttft_s(
+    w: WorkerFigures, slo_class: str, own_tokens: int, transfer_s: float = 0.0, queued: bool = True
+) -> float | None:
     """Predicted seconds until a request of `slo_class` with `own_tokens` uncached prompt tokens has its first
-    token on `w` (module docstring); None when the worker has measured nothing to predict from."""
-    ahead = w.ahead(slo_class)
+    token on `w` (module docstring); None when the worker has measured nothing to predict from. `queued` False:
+    as if nothing waited ahead of it (what the request costs alone)."""
+    ahead = w.ahead(slo_class) if queued else 0
     own = max(own_tokens, 1)  # a full prefix hit still runs one step for its first token
     work = ahead + own
     if w.cost.known and w.chunk_tokens > 0:

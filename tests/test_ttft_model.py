@@ -8,7 +8,7 @@ import math
 import pytest
 
 from common.slo import parse_slo_classes
-from router.admission import LOWER_CLASS_HEADROOM, ttft_verdict
+from router.admission import LOWER_CLASS_HEADROOM, QUEUE_ALLOWANCE, ttft_verdict
 from router.pool import parse_load
 from router.ttft_model import StepCost, WorkerFigures, predict_ttft_s, prefill_rate
 
@@ -142,3 +142,17 @@ def test_a_higher_class_is_never_shed_while_a_lower_one_is_served(load: float) -
     assert shed[2] is False  # batch: never
     assert shed[:2] == sorted(shed[:2])  # False... then True...: never a higher class shed before a lower one
     assert shed[0] == (load > 1.0)  # the top class is shed exactly when no worker meets its target
+
+
+def test_a_request_that_misses_its_target_even_alone_is_shed_only_for_the_queue() -> None:
+    """A long prompt predicted at 3 s on an idle worker cannot meet gold's 1 s target anywhere: refusing it helps
+    nobody, so it is held to QUEUE_ALLOWANCE x its own 3 s, and shed only when the queue ahead would make it wait
+    longer than that."""
+    gold = SLO.get("gold")
+    alone = {"gold": 3.0}
+    assert not ttft_verdict(SLO, gold, lambda k: 3.0, lambda k: alone.get(k.name)).shed  # idle: served
+    assert not ttft_verdict(SLO, gold, lambda k: QUEUE_ALLOWANCE * 3.0, lambda k: alone.get(k.name)).shed
+    v = ttft_verdict(SLO, gold, lambda k: 9.5, lambda k: alone.get(k.name))
+    assert v.shed and v.retry_after_s == math.ceil(9.5 - QUEUE_ALLOWANCE * 3.0)
+    # A request that fits alone keeps its class's target: queued to 1.5 s it is shed.
+    assert ttft_verdict(SLO, gold, lambda k: 1.5, lambda k: 0.2).shed
