@@ -10,6 +10,7 @@ import pytest
 
 from common.protocol import GrammarSpec, SamplingParams
 from common.sched.request import Req, ReqState
+from common.sched.scheduler import RequestRejected
 from tests.engine_helpers import assert_pool_clean, fresh_engine
 
 pytestmark = pytest.mark.timeout(300)
@@ -76,12 +77,28 @@ def test_a_slow_grammar_compiles_while_other_streams_go_on(smol_runner, smol_tok
     assert_pool_clean(engine)
 
 
-def test_a_grammar_that_does_not_compile_fails_only_its_request(smol_runner, smol_tokenizer) -> None:
+def test_a_grammar_that_does_not_parse_is_refused_where_it_arrives(smol_runner, smol_tokenizer) -> None:
+    """A grammar that does not parse is refused when the request is added (a 400 at the worker's edge), before any
+    compile; the engine keeps serving and nothing is held."""
     engine = fresh_engine(smol_runner)
     prompt = _chat(smol_tokenizer, "Say hello.")
-    bad = SamplingParams(max_tokens=8, grammar=GrammarSpec(kind="regex", value="(unclosed[a-"))
-    good = SamplingParams(max_tokens=8)
-    failed, served = engine.generate([prompt, prompt], [bad, good])
+    for spec in (GrammarSpec(kind="regex", value="(unclosed[a-"), GrammarSpec(kind="ebnf", value="root ::= (")):
+        with pytest.raises(RequestRejected, match=f"invalid {spec.kind}"):
+            engine.scheduler.add(Req("bad", list(prompt), SamplingParams(max_tokens=8, grammar=spec)))
+    (served,) = engine.generate([prompt], [SamplingParams(max_tokens=8)])
+    assert served.finish_reason in ("stop", "length") and served.output_ids
+    assert not engine.scheduler.has_work()
+    assert_pool_clean(engine)
+
+
+def test_a_grammar_past_its_compile_deadline_fails_only_its_request(smol_runner, smol_tokenizer) -> None:
+    """The slow schema under a deadline far shorter than its compile: that request ends with an error and no
+    tokens, the other one is served, and every page comes back."""
+    engine = fresh_engine(smol_runner)
+    engine.scheduler.compiles.timeout_s = 1e-3
+    prompt = _chat(smol_tokenizer, "Say hello.")
+    slow = SamplingParams(max_tokens=8, grammar=GrammarSpec(kind="json_schema", value=json.dumps(SLOW_SCHEMA)))
+    failed, served = engine.generate([prompt, prompt], [slow, SamplingParams(max_tokens=8)])
     assert failed.finish_reason == "error" and failed.output_ids == []
     assert served.finish_reason in ("stop", "length") and served.output_ids
     assert engine.scheduler.take_compile_failures() == [] and not engine.scheduler.has_work()

@@ -203,6 +203,9 @@ def test_held_pages_come_back_on_abort_and_when_the_transfer_finishes(tiny_model
 
 # The scheduler's surface for the code that serves it: the loop, the connector's settling, the snapshot.
 SCHEDULER_SURFACE = {
+    "take_compile_failures",
+    "compiling_only",
+    "prefetch_grammar",
     "add",
     "abort",
     "step",

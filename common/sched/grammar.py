@@ -140,6 +140,25 @@ class GrammarBook:
         """int32 words in one row of a mask."""
         return (self.mask_vocab + 31) // 32
 
+    def check(self, spec: GrammarSpec) -> None:
+        """GrammarError when `spec` does not parse: the grammar alone, without the tokenizer's masks (a few ms for a
+        500-property schema, against ~1.5 s to compile), so a bad grammar is refused where the request arrives
+        and only the compile runs off the loop."""
+        if self.model_path is None:
+            raise GrammarError("structured output needs the model's tokenizer; this worker has none (dummy weights)")
+        import xgrammar as xgr
+
+        try:
+            if spec.kind == "json_schema":
+                json.loads(spec.value)
+                xgr.Grammar.from_json_schema(spec.value, any_whitespace=False, strict_mode=True)
+            elif spec.kind == "regex":
+                xgr.Grammar.from_regex(spec.value)
+            elif spec.kind == "ebnf":
+                xgr.Grammar.from_ebnf(spec.value)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {_first_line(exc)}") from None
+
     def compile(self, spec: GrammarSpec) -> Any:
         """The compiled grammar for `spec` (cached); GrammarError when it does not compile."""
         key = (spec.kind, spec.value)

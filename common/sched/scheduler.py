@@ -50,7 +50,7 @@ from common.kv.host_tier import make_host_tier
 from common.kv.integrity import page_ledger_violations
 from common.kv.radix import RadixCache
 from common.protocol import TokenLogprob
-from common.sched.grammar import GrammarBook
+from common.sched.grammar import GrammarBook, GrammarError
 from common.sched.grammar_compiles import GrammarCompiles
 from common.sched.kv_connector import KVArrival, KVConnector, NullConnector
 from common.sched.launched import Launched, StepTimer, copy_to_host
@@ -179,6 +179,12 @@ class Scheduler:
             raise RequestRejected("prompt contains token ids outside the vocabulary")
         if any(t >= self.vocab for t in req.sampling.logit_bias):
             raise RequestRejected(f"logit_bias token ids must be below the vocabulary size ({self.vocab})")
+        spec = req.sampling.grammar
+        if spec is not None and not self.grammars.cached(spec):
+            try:
+                self.grammars.check(spec)  # parse errors answer here (400); the slow compile runs off the loop
+            except GrammarError as e:
+                raise RequestRejected(str(e)) from None
 
     def add(self, req: Req) -> None:
         """Queues a request; one whose grammar is not compiled yet waits outside the queue while it compiles on
