@@ -137,3 +137,19 @@ def test_shed_by_predicted_ttft_and_admitted_once_capacity_returns(
     assert r.json()["choices"][0]["text"] is not None
     assert metric(router, "kvferry_router_slo_requests_total", '{slo_class="batch"}') >= 1
     assert metric(router, "kvferry_router_ttft_prediction_ratio_count") >= 1
+
+
+def test_a_request_names_its_class_by_header_or_priority(router: str) -> None:
+    """The x-kvferry-class header names a declared class (400 naming the declared ones otherwise); vLLM's
+    `priority` steps from the default class (1: one class lower, batch here); the class is counted per request."""
+    r = completion(router, "Hello", cls="gold")
+    err = assert_openai_error(r.json())
+    assert r.status_code == 400 and err["param"] == HEADER, r.text
+    assert "unknown SLO class 'gold'" in err["message"] and "interactive, batch" in err["message"], err
+    before = metric(router, "kvferry_router_slo_requests_total", '{slo_class="batch"}')
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0, "priority": 1}
+    r = httpx.post(f"{router}/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    assert metric(router, "kvferry_router_slo_requests_total", '{slo_class="batch"}') == before + 1
+    r = httpx.post(f"{router}/v1/completions", json={**body, "priority": "high"}, timeout=60)
+    assert r.status_code == 400 and assert_openai_error(r.json())["param"], r.text
