@@ -5,6 +5,7 @@ does not compile fails only its request, with a clear error, and every page come
 from __future__ import annotations
 
 import json
+import uuid
 
 import pytest
 
@@ -97,7 +98,8 @@ def test_a_grammar_past_its_compile_deadline_fails_only_its_request(smol_runner,
     engine = fresh_engine(smol_runner)
     engine.scheduler.compiles.timeout_s = 1e-3
     prompt = _chat(smol_tokenizer, "Say hello.")
-    slow = SamplingParams(max_tokens=8, grammar=GrammarSpec(kind="json_schema", value=json.dumps(SLOW_SCHEMA)))
+    unique = {**SLOW_SCHEMA, "properties": {**SLOW_SCHEMA["properties"], f"x{uuid.uuid4().hex}": {"type": "string"}}}
+    slow = SamplingParams(max_tokens=8, grammar=GrammarSpec(kind="json_schema", value=json.dumps(unique)))
     failed, served = engine.generate([prompt, prompt], [slow, SamplingParams(max_tokens=8)])
     assert failed.finish_reason == "error" and failed.output_ids == []
     assert served.finish_reason in ("stop", "length") and served.output_ids

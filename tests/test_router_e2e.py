@@ -472,7 +472,9 @@ def test_overload_is_answered_429_never_5xx(cluster: LocalCluster, tok: RouterTo
     cluster serves normally right after."""
     import asyncio
 
-    with _side_router(cluster, tok, smol_path, admit_max_waiting=4, poll_interval_s=0.1) as s:
+    # The waiting-queue rule alone (the TTFT prediction would refuse some of the burst first: its own tests are
+    # tests/test_slo_admission.py).
+    with _side_router(cluster, tok, smol_path, admit_max_waiting=4, poll_interval_s=0.1, admit_by_ttft=False) as s:
         results = asyncio.run(_burst(s.url, 24, max_tokens=8))
         rejected = _assert_200_or_429(results, 8)
         assert 0 < len(rejected) < len(results), [r[0] for r in results]
@@ -502,7 +504,8 @@ def test_worker_with_a_full_queue_answers_429_and_the_router_passes_it_on(
         second = await _burst(url, 8, max_tokens=4)
         return [*await first, *second]
 
-    with _side_router(cluster, tok, smol_path, admit_max_waiting=0, admit_max_queued_prefill_tokens=0) as s:
+    off = dict(admit_max_waiting=0, admit_max_queued_prefill_tokens=0, admit_by_ttft=False)
+    with _side_router(cluster, tok, smol_path, **off) as s:
         results = asyncio.run(two_waves(s.url))
     rejected = _assert_200_or_429(results[:24], 32) + _assert_200_or_429(results[24:], 4)
     assert rejected and all("engine queue is full" in m for m in rejected), rejected
