@@ -25,6 +25,12 @@ class _Compiling:
     req: Req
     future: Future[Any]
     deadline: float  # time.monotonic()
+    done_at: list[float] = field(default_factory=list)  # when the compile finished (set on its thread)
+
+    def __post_init__(self) -> None:
+        # The finish time, not the time of the loop's next look: a loop asleep past the deadline must not count
+        # a late compile as in time.
+        self.future.add_done_callback(lambda _f: self.done_at.append(time.monotonic()))
 
 
 @dataclass
@@ -64,7 +70,7 @@ class GrammarCompiles:
         ready: list[Req] = []
         failed: list[tuple[Req, str]] = []
         for rid, entry in list(self.pending.items()):
-            if entry.future.done():
+            if entry.future.done() and entry.done_at and entry.done_at[0] <= entry.deadline:
                 del self.pending[rid]
                 exc = entry.future.exception()
                 if exc is None:
@@ -73,7 +79,7 @@ class GrammarCompiles:
                     failed.append((entry.req, str(exc)))
                 else:
                     failed.append((entry.req, f"grammar compilation failed: {type(exc).__name__}: {exc}"))
-            elif now > entry.deadline:
+            elif now > entry.deadline or entry.done_at:
                 del self.pending[rid]
                 failed.append((entry.req, f"the grammar did not compile within {self.timeout_s:g}s"))
         return ready, failed
