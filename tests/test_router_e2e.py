@@ -616,5 +616,7 @@ def test_adaptive_placement_serves_what_fixed_placement_serves(
         local_only.stop()
     moved = {k: v - before.get(k, 0) for k, v in after["decisions"].items() if v != before.get(k, 0)}
     assert len(moved) == 1 and next(iter(moved)).startswith("adaptive-"), moved
-    assert after["placement"]["mode"] == "adaptive" and after["placement"]["slo"]["itl_s"] == 0.025
+    assert (
+        after["placement"]["mode"] == "adaptive" and after["placement"]["slo_default_class"]["itl_s"] == 0.05
+    )  # the declared default class's
     assert answers[0] and answers[0] == answers[1], answers
