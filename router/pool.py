@@ -438,9 +438,6 @@ class WorkerPool:
                 return w.load.page_size
         return 16
 
-    def known_pods(self) -> list[str]:
-        return [w.pod for w in self.workers.values() if w.up and w.pod]
-
     def snapshot(self) -> list[dict[str, Any]]:
         return [
             {
