@@ -8,7 +8,6 @@ Tiny random model on the CPU (tests/test_scheduler.py), every step driven by han
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from common.engine.model import DecoderModel
@@ -17,12 +16,7 @@ from common.protocol import SamplingParams
 from common.sched.kv_connector import FinishedTransfers, KVArrival, NullConnector
 from common.sched.request import Req, ReqState
 from common.sched.scheduler import Scheduler, SchedulerConfig
-from tests.test_scheduler import PAGE, build_tiny_model, make_engine, prompts
-
-
-@pytest.fixture(scope="module")
-def tiny_model() -> DecoderModel:
-    return build_tiny_model()
+from tests.test_scheduler import PAGE, make_engine, prompts
 
 
 def scheduler(model: DecoderModel, connector: NullConnector | None = None, num_pages: int = 64) -> Scheduler:

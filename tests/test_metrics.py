@@ -19,8 +19,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.devcluster.cluster import LocalCluster, start_local_cluster
+from common.devcluster.cluster import LocalCluster
 from common.observability.timeline import STAGES
+from tests.helpers import running_cluster
 from tests.otlp_collector import OtlpCollector
 
 MODEL = "smollm2-135m-instruct"
@@ -60,13 +61,10 @@ def collector() -> Iterator[OtlpCollector]:
 
 @pytest.fixture(scope="module")
 def cluster(collector: OtlpCollector) -> Iterator[LocalCluster]:
-    c = start_local_cluster(
-        prefill=1, decode=1, env={**ENV, "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url}, ready_timeout_s=300
-    )
-    try:
+    with running_cluster(
+        prefill=1, decode=1, env={**ENV, "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url}, wait_up=False
+    ) as c:
         yield c
-    finally:
-        c.stop()
 
 
 # One client for every request: a new httpx client builds its TLS context first (tens of ms on a busy CI box),

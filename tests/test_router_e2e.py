@@ -21,13 +21,14 @@ import pytest
 import redis
 
 from common.config import RouterConfig
-from common.devcluster.cluster import LocalCluster, start_local_cluster
+from common.devcluster.cluster import LocalCluster
 from common.net import free_port
 from common.settings import HttpLimits
 from router.discovery import StaticDiscovery
 from router.server_thread import ServerThread
 from router.settings import RouterOptions
 from router.tokenizer import ModelInfo, RouterTokenizer
+from tests.helpers import running_cluster
 from tests.workers import start_router_thread
 
 MODEL = "smollm2-135m-instruct"
@@ -131,11 +132,8 @@ def test_kvferry_up_without_redis_says_how_to_install() -> None:
 # ---- the shared cluster --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    c = start_local_cluster(prefill=2, decode=1, env=ENV, ready_timeout_s=300)
-    try:
+    with running_cluster(prefill=2, decode=1, env=ENV, wait_up=False) as c:
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.test_reliability import _engine_pid
+from tests.helpers import engine_pid, wait_pages_back
 from tests.workers import (
     WorkerProc,
     generate,
@@ -34,7 +34,6 @@ from tests.workers import (
     prefill_request,
     run_concurrently,
     start_worker,
-    wait_pages_back,
     wait_ready,
 )
 
@@ -336,7 +335,7 @@ def test_a_prefill_refused_after_its_504_frees_the_pages_at_once(
     generate(d, _prompt(smol_tokenizer, 20, "warm"), p, max_tokens=2)  # the handshake needs a running engine
     body = generate_body(_prompt(smol_tokenizer, 60, "late"), p.url, max_tokens=8)
     cancel = {"dst_agent": "decode-agent", "dst_instance_id": "instance", "req_ids": [body["req_id"]]}
-    engine = _engine_pid(p.proc.pid)
+    engine = engine_pid(p.proc.pid)
     out: dict[str, Any] = {}
     os.kill(engine, signal.SIGSTOP)
     try:
