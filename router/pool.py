@@ -446,6 +446,7 @@ class WorkerPool:
                 "pod": w.pod,
                 "up": w.up,
                 "stale": w.stale,
+                "poll_failures": w.failures,  # polls failed in a row
                 "inflight_requests": w.inflight_requests,
                 "inflight_tokens": w.inflight_tokens,
                 # the KV pages its last /load reported free (what admission reads), None before the first

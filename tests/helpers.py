@@ -3,6 +3,8 @@ worker's engine process, check an OpenAI-shaped error, run a local cluster for a
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -78,6 +80,22 @@ def engine_pid(worker_pid: int) -> int:
     """The worker's one running engine process."""
     (pid,) = engine_pids(worker_pid)
     return pid
+
+
+def engine_pipe_queued(pid: int) -> int:
+    """Bytes sent to process ``pid`` over its Unix sockets and not read yet (``ss``'s Recv-Q): for a stopped
+    engine, the commands its control plane queued on the pipe meanwhile."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        target = os.readlink(fd)
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    queued = 0
+    for line in subprocess.run(["ss", "-xn"], capture_output=True, text=True, check=True).stdout.splitlines()[1:]:
+        cols = line.split()  # Netid State Recv-Q Send-Q Local-Address Port Peer-Address Port
+        if len(cols) >= 6 and cols[5] in inodes:
+            queued += int(cols[2])
+    return queued
 
 
 def _cmdline(pid: int) -> bytes:

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers import engine_pid, wait_pages_back
+from tests.helpers import engine_pid, engine_pipe_queued, wait_pages_back, wait_until
 from tests.workers import (
     WorkerProc,
     generate,
@@ -240,9 +240,15 @@ def test_malformed_notice_fails_one_request_and_the_engine_keeps_serving(
         assert events[-1]["finish_reason"] == "error" and "malformed" in events[-1]["error"], events[-1]
         bystander.join(60)
         assert out["tokens"] == expected  # the request running beside it was untouched
-        # The misbehaving peer may still write into the failed request's pages: they stay held while it lives.
-        time.sleep(1.0)
-        assert d.load()["free_pages"] < d.load()["total_pages"]
+        # The misbehaving peer may still write into the failed request's pages: they stay held while it lives,
+        # however many turns the engine takes (each one polls the request's transfer session).
+        turns = d.load()["loop_turns"]
+        later = wait_until(
+            lambda: (ld := d.load())["loop_turns"] >= turns + 200 and ld["running_requests"] == 0 and ld,
+            30,
+            "200 engine turns with nothing running",
+        )
+        assert later["free_pages"] < later["total_pages"]
     finally:
         bad.kill()
         bad.join(10)
@@ -342,8 +348,10 @@ def test_a_prefill_refused_after_its_504_frees_the_pages_at_once(
         cancelling = threading.Thread(
             target=lambda: httpx.post(f"{p.url}/internal/cancel", json=cancel, timeout=60), daemon=True
         )
+        queued = engine_pipe_queued(engine)
         cancelling.start()
-        time.sleep(1.0)  # its command goes down the engine's pipe ahead of the request's
+        # Its command goes down the engine's pipe ahead of the request's.
+        wait_until(lambda: engine_pipe_queued(engine) > queued, 30, "the cancel queued for the stopped engine")
         requesting = threading.Thread(target=lambda: out.update(events=_stream_generate(d, body, timeout=90)))
         requesting.start()
         requesting.join(60)
