@@ -41,6 +41,22 @@ class Versioned(Schema, kw_only=True):
             )
 
 
+class _VersionOnly(Struct):
+    protocol_version: int = PROTOCOL_VERSION
+
+
+def foreign_version(data: bytes) -> str | None:
+    """Why a body that is no valid message is refused, when its reason is a protocol version this process does not
+    speak: said first, whatever else is wrong with it (its fields may be a newer version's)."""
+    try:
+        version = msgspec.json.decode(data, type=_VersionOnly).protocol_version
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        return None
+    if version == PROTOCOL_VERSION:
+        return None
+    return f"unsupported protocol_version {version}; this worker speaks {PROTOCOL_VERSION}"
+
+
 class GrammarSpec(Schema, frozen=True):
     """A constraint on the whole output, compiled by the worker that samples (common/sched/grammar.py):
     a JSON schema (text), any JSON object, a regular expression, or an EBNF grammar (xgrammar's dialect).

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from common.protocol import DecodeError, decode, encode
+from common.protocol import DecodeError, decode, encode, foreign_version
 
 T = TypeVar("T")
 
@@ -44,10 +44,11 @@ class BadMessage(ValueError):
 async def read_message(request: Request, model: type[T]) -> T:
     """Decodes and validates an internal protocol message (version included) from a request body: the pod's edge,
     after which the message travels typed."""
+    body = await request.body()
     try:
-        return decode(await request.body(), model)
+        return decode(body, model)
     except DecodeError as e:  # not JSON, or not the message: msgspec says what and where (`$.sampling.top_p`)
-        raise BadMessage(str(e) or "invalid request") from None
+        raise BadMessage(foreign_version(body) or str(e) or "invalid request") from None
 
 
 def message_response(msg: Any, status: int = 200) -> Response:
