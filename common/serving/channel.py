@@ -1,6 +1,6 @@
 """The local channel between a worker's control plane (HTTP) and its engine process (scheduler loop).
 
-Messages are the structs of common/serving/messages.py, as msgpack over a multiprocessing pipe (bytes framed
+Messages are the structs of common/serving/messages.py, as JSON over a multiprocessing pipe (bytes framed
 by the pipe; never pickled), so the engine loop never waits on HTTP work and the control plane never waits
 on a model step.
 """

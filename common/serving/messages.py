@@ -1,8 +1,8 @@
 """The messages between a worker's control plane and its engine process: one frozen, tagged msgspec Struct each.
 
 Commands go to the engine (a ``Call`` wraps one whose reply the caller awaits; a bare one is a cast); events
-come back, every loop turn's in one ``Batch``. On the pipe (common/serving/channel.py) a message is msgpack whose
-``"_t"`` names its class; ``encode`` and ``decode`` are the only functions that know that. Payloads are the
+come back, every loop turn's in one ``Batch``. On the pipe (common/serving/channel.py) a message is a JSON object
+whose ``"_t"`` names its class; ``encode`` and ``decode`` are the only functions that know that. Payloads are the
 typed structs of common/protocol.py, validated once at the pod's edge (its HTTP routes) and passed as they are.
 
 Each role's engine and control plane dispatch on the message's type (a dict keyed by class), never on a
@@ -248,8 +248,9 @@ AnyResult = PeerAdded | TransferCounts
 AnyEvent = Reply | Ready | Load | Steps | KVIntegrity | KVForcedRelease | Tokens | Reserved | PrefillDone | PrefillError
 Message = AnyCommand | Call | Batch | AnyEvent  # what one send on the pipe carries
 
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Message)
+# JSON, not msgpack: an int past 64 bits (a stop token id a caller made up) must cross as the engine refuses it.
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(Message)
 
 
 def encode(msg: Wire) -> bytes:
