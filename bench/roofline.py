@@ -99,11 +99,30 @@ def ceilings(quick: bool) -> None:
 
 
 # ---- helpers over a runner -----------------------------------------------------------------------------
+def experts_touched(runner: ModelRunner, tokens: int) -> float:
+    """The fraction of a mixture-of-experts layer's experts that `tokens` tokens route to, each taking k of E
+    distinct experts uniformly (what dummy weights' random router gives): 1 - (1 - k/E)^tokens (1 if dense)."""
+    moe = runner.model_config.moe
+    return 1.0 if moe is None else 1.0 - (1.0 - moe.top_k / moe.num_experts) ** tokens
+
+
+def _expert_bytes(runner: ModelRunner) -> int:
+    return sum(
+        p.numel() * p.element_size()
+        for layer in runner.model.layers
+        if layer.moe is not None
+        for p in (layer.moe.w13, layer.moe.w2)
+    )
+
+
 def weight_bytes(runner: ModelRunner, batch: int) -> int:
-    """Bytes of weights one step reads: every matrix and norm, the embedding table only for `batch` rows
-    (unless it is also the LM head)."""
+    """Bytes of weights one step reads: every matrix and norm (of a mixture of experts, only the experts the
+    batch routes to: `experts_touched`), the embedding table only for `batch` rows (unless it is also the LM
+    head)."""
     m = runner.model
     total = sum(p.numel() * p.element_size() for p in m.parameters())
+    experts = _expert_bytes(runner)
+    total -= round(experts * (1.0 - experts_touched(runner, batch)))
     if m.lm_head is not None:
         total -= m.embed.numel() * m.embed.element_size()
         total += batch * m.cfg.hidden_size * m.embed.element_size()
@@ -120,8 +139,16 @@ def weight_bytes_fp8(runner: ModelRunner, batch: int) -> int:
 
 
 def linear_params(runner: ModelRunner) -> int:
-    """Matrix parameters every token multiplies through (all layers), excluding the LM head."""
-    return sum(p.numel() for layer in runner.model.layers for p in layer.parameters() if p.dim() == 2)
+    """Matrix parameters every token multiplies through (all layers; of a mixture of experts its k routed
+    experts and the router), excluding the LM head."""
+    total = 0
+    for layer in runner.model.layers:
+        total += sum(p.numel() for p in layer.parameters() if p.dim() == 2)
+        if layer.moe is not None:
+            experts = layer.moe.w13.numel() + layer.moe.w2.numel()
+            total += sum(p.numel() for p in (layer.moe.w13, layer.moe.w2))  # 3-D: not counted above
+            total -= round(experts * (1.0 - layer.moe.top_k / layer.moe.w13.shape[0]))
+    return total
 
 
 def take_rows(runner: ModelRunner, lengths: list[int]) -> list[int]:

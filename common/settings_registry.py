@@ -771,8 +771,6 @@ ROUTER_PLACEMENT = _router(
     "`fixed` (the two thresholds above) or `adaptive`: local vs. disaggregated per request from predicted TTFT and "
     "ITL against the SLO targets and the workers' measured rates (router/cost_model.py)",
 )
-ROUTER_SLO_TTFT_S = _router("slo_ttft_s", float, 2.0, "TTFT target of adaptive placement")
-ROUTER_SLO_ITL_S = _router("slo_itl_s", float, 0.025, "ITL target of adaptive placement")
 ROUTER_TRANSFER_TOKENS_PER_S = _router(
     "transfer_tokens_per_s", float, 200_000.0, "KV transfer rate assumed until workers publish one"
 )

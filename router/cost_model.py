@@ -7,9 +7,10 @@ local on D
 disaggregated via P
     a prefill pod P computes the prompt, its KV moves to D, D decodes.
 
-Predicted time to first token (seconds), with ``rate_x`` the pod's own measured prefill rate
-(``prefill_tokens_per_s`` in its /load: prompt tokens computed per second while prompts were queued,
-common/serving/prefill_rate.py):
+Predicted time to first token (seconds): the one prediction admission also uses (router/ttft_model.py: the
+pod's step-time model over its queue ahead of this request's class, plus the transfer for P), set on each side
+as ``predicted_ttft_s`` by the dispatcher. A pod that has no step model yet falls back to its own measured
+prefill rate ``rate_x`` (``prefill_tokens_per_s`` in its /load, common/serving/prefill_rate.py):
 
     ttft_local   = (queued_D + uncached_D) / rate_D
     ttft_disagg  = (queued_P + uncached_P) / rate_P + prompt_len / transfer_tokens_per_s
@@ -33,13 +34,14 @@ decodes again: the chunk is then the whole uncached prompt), ``speed_x`` its dev
 speed (``prefill_step_tokens_per_s``: the time a chunk really adds to a step; the drain rate where a pod
 has not reported one), ``step_x`` its recent decode step (``decode_step_s``).
 
-Choice: every placement is scored ``(misses ITL SLO, misses TTFT SLO, ttft)`` and the lowest wins. So a
+Choice: every placement is scored ``(misses ITL SLO, misses TTFT SLO, ttft)`` against the request's own SLO
+class's targets (common/slo.py; a class without a TTFT target never misses it) and the lowest wins. So a
 placement meeting both SLOs wins over any that misses one, the lowest predicted TTFT among those; when
 none meets both, an ITL miss weighs more than a TTFT miss (an ITL miss slows every request in D's batch,
 a TTFT miss only this one), and among equal misses the lowest predicted TTFT wins. Ties go to the local
 placement (no transfer, no second pod).
 
-Missing measurements: a pod whose rate is 0 has not measured yet. D without a rate of its own takes the
+Missing measurements: a pod with neither a prediction nor a rate has not measured yet. D without a rate of its own takes the
 median of the prefill pods' (``with_fleet_prior``: one model on one kind of device; a decode pod that
 always disaggregates never prefills, so it would never measure). When no pod has a rate, or no prefill
 pod has one while some are up, ``choose_placement`` returns None: the caller falls back to the fixed
@@ -68,9 +70,10 @@ __all__ = [
 
 @dataclass(frozen=True)
 class SloTargets:
-    ttft_s: float = 2.0
-    itl_s: float = 0.025
-    transfer_tokens_per_s: float = 200_000.0
+    """One request's targets: its SLO class's (common/slo.py). ttft_s None: no TTFT target."""
+
+    ttft_s: float | None
+    itl_s: float
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,7 @@ class LocalSide:
     busy: bool  # D runs a decode batch that a local prefill would slow
     step_speed: float = 0.0  # D's device-timed prefill tokens/s: a chunk's time in a step (0: unknown -> rate)
     decode_step_s: float = 0.0  # D's recent decode step (0: unknown)
+    predicted_ttft_s: float | None = None  # router/ttft_model.py's prediction (None: the rate formula)
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,7 @@ class PrefillSide:
     busy: bool = False  # a mixed pod running its own decode batch, which this prefill would slow
     step_speed: float = 0.0
     decode_step_s: float = 0.0
+    predicted_ttft_s: float | None = None  # the prediction, transfer included (None: the rate formula)
 
 
 @dataclass(frozen=True)
@@ -116,7 +121,13 @@ class Placement:
         return f"adaptive-{kind}-slo-miss"
 
 
+def _known(side: LocalSide | PrefillSide) -> bool:
+    return side.predicted_ttft_s is not None or side.rate > 0
+
+
 def local_ttft_s(d: LocalSide) -> float:
+    if d.predicted_ttft_s is not None:
+        return d.predicted_ttft_s
     return (d.queued_tokens + d.uncached_tokens) / d.rate
 
 
@@ -126,7 +137,8 @@ def itl_cost_s(side: LocalSide | PrefillSide) -> float:
     if not side.busy or side.uncached_tokens <= 0:
         return 0.0
     chunk = min(side.chunk_tokens, side.uncached_tokens) if side.chunk_tokens > 0 else side.uncached_tokens
-    return side.decode_step_s + chunk / (side.step_speed if side.step_speed > 0 else side.rate)
+    speed = side.step_speed if side.step_speed > 0 else side.rate
+    return side.decode_step_s + (chunk / speed if speed > 0 else 0.0)
 
 
 def local_itl_cost_s(d: LocalSide) -> float:
@@ -149,36 +161,40 @@ def with_fleet_prior(d: LocalSide, prefill: Sequence[PrefillSide]) -> LocalSide:
     )
 
 
-def disagg_ttft_s(p: PrefillSide, prompt_len: int, slo: SloTargets) -> float:
-    transfer = prompt_len / slo.transfer_tokens_per_s if slo.transfer_tokens_per_s > 0 else 0.0
+def disagg_ttft_s(p: PrefillSide, prompt_len: int, transfer_tokens_per_s: float) -> float:
+    if p.predicted_ttft_s is not None:
+        return p.predicted_ttft_s
+    transfer = prompt_len / transfer_tokens_per_s if transfer_tokens_per_s > 0 else 0.0
     return (p.queued_tokens + p.uncached_tokens) / p.rate + transfer
 
 
 def _placement(prefill: str | None, ttft: float, itl: float, slo: SloTargets) -> Placement:
-    return Placement(prefill, ttft, itl, ttft <= slo.ttft_s, itl <= slo.itl_s)
+    return Placement(prefill, ttft, itl, slo.ttft_s is None or ttft <= slo.ttft_s, itl <= slo.itl_s)
 
 
-def placements(d: LocalSide, prefill: Sequence[PrefillSide], prompt_len: int, slo: SloTargets) -> list[Placement]:
-    """Every placement the model can predict (local first); empty when no pod has measured a rate."""
+def placements(
+    d: LocalSide, prefill: Sequence[PrefillSide], prompt_len: int, slo: SloTargets, transfer_tokens_per_s: float
+) -> list[Placement]:
+    """Every placement the model can predict (local first); empty when D has measured nothing."""
     d = with_fleet_prior(d, prefill)
-    if d.rate <= 0:
+    if not _known(d):
         return []
     out = [_placement(None, local_ttft_s(d), local_itl_cost_s(d), slo)]
     out += [
         # Zero on a prefill pod (busy False); a mixed pod's own batch bears the same cost as a local prefill.
-        _placement(p.key, disagg_ttft_s(p, prompt_len, slo), itl_cost_s(p), slo)
+        _placement(p.key, disagg_ttft_s(p, prompt_len, transfer_tokens_per_s), itl_cost_s(p), slo)
         for p in prefill
-        if p.rate > 0
+        if _known(p)
     ]
     return out
 
 
 def choose_placement(
-    d: LocalSide, prefill: Sequence[PrefillSide], prompt_len: int, slo: SloTargets
+    d: LocalSide, prefill: Sequence[PrefillSide], prompt_len: int, slo: SloTargets, transfer_tokens_per_s: float
 ) -> Placement | None:
     """The best placement by the order in the module docstring; None when the fixed rules must decide
     (D unmeasured, or no prefill pod measured while some are up)."""
-    options = placements(d, prefill, prompt_len, slo)
+    options = placements(d, prefill, prompt_len, slo, transfer_tokens_per_s)
     if not options or (prefill and len(options) == 1):
         return None
     # min() keeps the first of equal keys: local, then prefill pods in the caller's order.

@@ -9,7 +9,7 @@ without a target, or shedding off) it chooses among all, as before."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from common.prefix.hashing import chained_block_hashes
@@ -22,6 +22,7 @@ from router.admission import (
     prefill_is_full,
     ttft_verdict,
 )
+from router.cost_model import SloTargets
 from router.errors import bad_request, no_worker, rate_limited
 from router.locality import PrefixLocator
 from router.metrics import RouterMetrics
@@ -135,13 +136,22 @@ class Dispatcher:
                 self.retry_after_s,
             )
         decode, prefill = self._meeting_ttft(plan, open_decode, False), self._meeting_ttft(plan, open_prefill, True)
+        cls = plan.slo_class
+        name = cls.name if cls is not None else ""
         decision = self.policy.choose(
             len(plan.token_ids),
             max_tokens,
             plan.block_size,
-            [w.prefill_candidate() for w in prefill],
-            [w.decode_candidate() for w in decode],
+            [
+                replace(w.prefill_candidate(), predicted_ttft_s=self.predicted_ttft_s(plan, w, name, True))
+                for w in prefill
+            ],
+            [
+                replace(w.decode_candidate(), predicted_ttft_s=self.predicted_ttft_s(plan, w, name, False))
+                for w in decode
+            ],
             plan.matches,
+            SloTargets(cls.ttft_s, cls.itl_s) if cls is not None else None,
         )
         self._count(decision.reason)
         self._placed(plan, decision)
@@ -157,7 +167,7 @@ class Dispatcher:
             return None
         prompt = len(plan.token_ids)
         own = prompt - self.policy.matched_tokens(w.pod, plan.matches, plan.block_size, prompt)
-        rate = self.policy.cfg.slo.transfer_tokens_per_s
+        rate = self.policy.cfg.transfer_tokens_per_s
         transfer = prompt / rate if prefill_side and rate > 0 else 0.0
         figures = WorkerFigures.from_load(w.load, w.unseen_prompt_tokens)
         return predict_ttft_s(figures, slo_class, own, transfer, queued)

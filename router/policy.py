@@ -76,6 +76,7 @@ class PrefillCandidate:
     prefill_chunk_tokens: int = 0  # prompt tokens one of its prefill steps takes beside decoding (0: unknown)
     prefill_step_tokens_per_s: float = 0.0  # its device-timed prefill speed (0: unknown)
     decode_step_s: float = 0.0  # its recent decode step time (0: unknown)
+    predicted_ttft_s: float | None = None  # this request's TTFT prefilled here, transfer included (None: unknown)
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,7 @@ class DecodeCandidate:
     prefill_chunk_tokens: int = 0  # prompt tokens one of its prefill steps takes beside decoding (0: unknown)
     prefill_step_tokens_per_s: float = 0.0  # its device-timed prefill speed (0: unknown)
     decode_step_s: float = 0.0  # its recent decode step time (0: unknown)
+    predicted_ttft_s: float | None = None  # this request's TTFT prefilled locally here (None: unknown)
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,8 @@ class PolicyConfig:
     decode_kv_weight: float = 4.0
     mode: str = "cache_aware"  # cache_aware | round_robin
     placement: str = "fixed"  # fixed (the thresholds only) | adaptive (router/cost_model.py)
-    slo: SloTargets = field(default_factory=SloTargets)
+    transfer_tokens_per_s: float = 200_000.0  # assumed where a pod has no TTFT prediction (cost_model.py)
+    targets: SloTargets = field(default_factory=lambda: SloTargets(None, 0.05))  # of a request without a class
 
 
 class RoutingPolicy:
@@ -135,8 +138,10 @@ class RoutingPolicy:
         prefill: Sequence[PrefillCandidate],
         decode: Sequence[DecodeCandidate],
         matches: Mapping[str, int] | None,
+        targets: SloTargets | None = None,
     ) -> RouteDecision:
-        """Raises ValueError when there is no decode candidate (the caller answers 503 before this)."""
+        """Raises ValueError when there is no decode candidate (the caller answers 503 before this). `targets`:
+        the request's SLO class's (None: `PolicyConfig.targets`)."""
         if not decode:
             raise ValueError("no decode candidate")
         turn = next(self._turn)
@@ -147,7 +152,9 @@ class RoutingPolicy:
         if not prefill:
             return RouteDecision(d.key, None, "no-prefill", 0, d_matched)
         if cfg.placement == "adaptive":
-            adaptive = self.adaptive_placement(prompt_len, block_size, d, d_matched, prefill, matches)
+            adaptive = self.adaptive_placement(
+                prompt_len, block_size, d, d_matched, prefill, matches, targets or cfg.targets
+            )
             if adaptive is not None:
                 return adaptive
         if prompt_len < cfg.disagg_min_prompt_tokens:
@@ -165,6 +172,7 @@ class RoutingPolicy:
         d_matched: int,
         prefill: Sequence[PrefillCandidate],
         matches: Mapping[str, int] | None,
+        targets: SloTargets,
     ) -> RouteDecision | None:
         """The cost model's choice for decode pod ``d``; None until the pods have measured their rates."""
         local = LocalSide(
@@ -176,6 +184,7 @@ class RoutingPolicy:
             busy=max(d.running, d.inflight_requests) > 0,
             step_speed=d.prefill_step_tokens_per_s,
             decode_step_s=d.decode_step_s,
+            predicted_ttft_s=d.predicted_ttft_s,
         )
         p_matched = {c.key: self.matched_tokens(c.pod, matches, block_size, prompt_len) for c in prefill}
         sides = [
@@ -188,10 +197,11 @@ class RoutingPolicy:
                 busy=c.decoding,
                 step_speed=c.prefill_step_tokens_per_s,
                 decode_step_s=c.decode_step_s,
+                predicted_ttft_s=c.predicted_ttft_s,
             )
             for c in prefill
         ]
-        chosen = choose_placement(local, sides, prompt_len, self.cfg.slo)
+        chosen = choose_placement(local, sides, prompt_len, targets, self.cfg.transfer_tokens_per_s)
         if chosen is None:
             return None
         matched = p_matched[chosen.prefill] if chosen.prefill is not None else 0

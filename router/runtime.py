@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.config import RouterConfig
-from common.slo import parse_slo_classes
+from common.slo import SloClasses, parse_slo_classes
 from router.admission import AdmissionLimits
 from router.cost_model import SloTargets
 from router.discovery import Discovery
@@ -27,7 +27,9 @@ from router.tokenizer import ModelInfo, RouterTokenizer
 from router.wire import WireClient
 
 
-def policy_config(opts: RouterOptions) -> PolicyConfig:
+def policy_config(opts: RouterOptions, slo: SloClasses) -> PolicyConfig:
+    """`slo`: the SLO declaration, whose default class's targets apply to a request placed without a class."""
+    default = slo.get(slo.default)
     return PolicyConfig(
         disagg_min_prompt_tokens=opts.disagg_min_prompt_tokens,
         local_prefix_fraction=opts.local_prefix_fraction,
@@ -37,7 +39,8 @@ def policy_config(opts: RouterOptions) -> PolicyConfig:
         decode_kv_weight=opts.decode_kv_weight,
         mode=opts.routing,
         placement=opts.placement,
-        slo=SloTargets(opts.slo_ttft_s, opts.slo_itl_s, opts.transfer_tokens_per_s),
+        transfer_tokens_per_s=opts.transfer_tokens_per_s,
+        targets=SloTargets(default.ttft_s, default.itl_s),
     )
 
 
@@ -71,7 +74,7 @@ class RouterRuntime:
         metrics.declare_classes(slo.names)
         dispatcher = Dispatcher(
             pool,
-            RoutingPolicy(policy_config(opts)),
+            RoutingPolicy(policy_config(opts, slo)),
             locator,
             client,
             connect_timeout_s=opts.connect_timeout_s,
@@ -124,8 +127,8 @@ def placement_inputs(pool: WorkerPool, policy: RoutingPolicy) -> dict[str, Any]:
     cfg = policy.cfg
     return {
         "mode": cfg.placement,
-        "slo": {"ttft_s": cfg.slo.ttft_s, "itl_s": cfg.slo.itl_s},
-        "transfer_tokens_per_s": cfg.slo.transfer_tokens_per_s,
+        "slo_default_class": {"ttft_s": cfg.targets.ttft_s, "itl_s": cfg.targets.itl_s},
+        "transfer_tokens_per_s": cfg.transfer_tokens_per_s,
         "fixed": {
             "disagg_min_prompt_tokens": cfg.disagg_min_prompt_tokens,
             "local_prefix_fraction": cfg.local_prefix_fraction,

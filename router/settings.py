@@ -39,8 +39,6 @@ class RouterOptions:
     # Placement (router/cost_model.py): adaptive picks local vs. disaggregated per request from predicted
     # TTFT and ITL against these targets and the workers' measured rates; fixed uses the two thresholds above.
     placement: str = reg.ROUTER_PLACEMENT.field()
-    slo_ttft_s: float = reg.ROUTER_SLO_TTFT_S.field()
-    slo_itl_s: float = reg.ROUTER_SLO_ITL_S.field()
     transfer_tokens_per_s: float = reg.ROUTER_TRANSFER_TOKENS_PER_S.field()
     # Admission per worker (router/admission.py; 0 turns a check off): beyond these, 429 + Retry-After.
     admit_max_waiting: int = reg.ROUTER_ADMIT_MAX_WAITING.field()

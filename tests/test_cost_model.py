@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from router.cost_model import (
@@ -16,7 +18,8 @@ from router.cost_model import (
 )
 from router.policy import DecodeCandidate, PolicyConfig, PrefillCandidate, RoutingPolicy
 
-SLO = SloTargets(ttft_s=2.0, itl_s=0.025, transfer_tokens_per_s=100_000.0)
+SLO = SloTargets(ttft_s=2.0, itl_s=0.025)
+TRANSFER = 100_000.0  # tokens/s
 
 
 def local(queued: int = 0, uncached: int = 1000, rate: float = 10_000.0, chunk: int = 512, busy: bool = True):
@@ -35,18 +38,18 @@ def test_formulas() -> None:
     assert local_itl_cost_s(local(busy=False)) == 0.0  # nothing running on D: no batch to slow
     assert local_itl_cost_s(local(chunk=0)) == pytest.approx(0.1)  # chunk unknown: the whole prompt
     # (queued + uncached) / rate + prompt / transfer rate
-    assert disagg_ttft_s(remote(queued=4000, uncached=2000, rate=20_000.0), 3000, SLO) == pytest.approx(0.33)
+    assert disagg_ttft_s(remote(queued=4000, uncached=2000, rate=20_000.0), 3000, TRANSFER) == pytest.approx(0.33)
 
 
 def test_idle_decode_pod_prefills_locally() -> None:
     # D runs nothing and prefills as fast as P: a local prefill hurts no ITL and skips the transfer.
-    chosen = choose_placement(local(busy=False), [remote(rate=10_000.0)], 1000, SLO)
+    chosen = choose_placement(local(busy=False), [remote(rate=10_000.0)], 1000, SLO, TRANSFER)
     assert chosen is not None and chosen.prefill is None and chosen.reason == "adaptive-local"
 
 
 def test_busy_decode_pod_with_big_chunks_disaggregates() -> None:
     # 2048-token chunks at 10k tokens/s add 205 ms to each step of D's batch: over the 25 ms ITL SLO.
-    chosen = choose_placement(local(uncached=3000, chunk=2048), [remote(uncached=3000)], 3000, SLO)
+    chosen = choose_placement(local(uncached=3000, chunk=2048), [remote(uncached=3000)], 3000, SLO, TRANSFER)
     assert chosen is not None and chosen.prefill == "p0" and chosen.reason == "adaptive-disaggregated"
     assert chosen.itl_cost_s == 0.0 and chosen.meets_ttft
 
@@ -54,20 +57,22 @@ def test_busy_decode_pod_with_big_chunks_disaggregates() -> None:
 def test_small_chunks_and_a_queued_prefill_pod_stay_local() -> None:
     # 128-token chunks cost 12.8 ms per step (within ITL); P has 60k tokens queued (1.5 s + 0.3 s of work
     # + 0.03 s transfer) against 0.3 s locally: local has the lower TTFT and meets both SLOs.
-    chosen = choose_placement(local(uncached=3000, chunk=128), [remote(queued=60_000, uncached=3000)], 3000, SLO)
+    chosen = choose_placement(
+        local(uncached=3000, chunk=128), [remote(queued=60_000, uncached=3000)], 3000, SLO, TRANSFER
+    )
     assert chosen is not None and chosen.prefill is None and chosen.meets_itl and chosen.meets_ttft
 
 
 def test_least_loaded_prefill_pod_and_its_cached_prefix_win() -> None:
     sides = [remote("p0", queued=20_000), remote("p1", queued=0, uncached=3000), remote("p2", uncached=100)]
-    chosen = choose_placement(local(uncached=3000, chunk=2048), sides, 3000, SLO)
+    chosen = choose_placement(local(uncached=3000, chunk=2048), sides, 3000, SLO, TRANSFER)
     assert chosen is not None and chosen.prefill == "p2"  # holds most of the prompt, nothing queued
 
 
 def test_violations_ordered_itl_miss_weighs_more_than_ttft_miss() -> None:
     # Local: 0.2 s TTFT but 205 ms per step on D's batch. P: 100k tokens queued, 2.6 s TTFT (over 2 s).
     d = local(uncached=2000, chunk=2048)
-    chosen = choose_placement(d, [remote(queued=100_000, uncached=2000)], 2000, SLO)
+    chosen = choose_placement(d, [remote(queued=100_000, uncached=2000)], 2000, SLO, TRANSFER)
     assert chosen is not None and chosen.prefill == "p0" and chosen.reason == "adaptive-disaggregated-slo-miss"
     assert not chosen.meets_ttft and chosen.meets_itl
 
@@ -75,23 +80,23 @@ def test_violations_ordered_itl_miss_weighs_more_than_ttft_miss() -> None:
 def test_violations_ordered_lowest_ttft_among_equal_misses() -> None:
     # Both prefill pods miss TTFT (the local one misses ITL too): the less late prefill pod wins.
     sides = [remote("p0", queued=200_000), remote("p1", queued=100_000)]
-    chosen = choose_placement(local(queued=50_000, chunk=2048), sides, 1000, SLO)
+    chosen = choose_placement(local(queued=50_000, chunk=2048), sides, 1000, SLO, TRANSFER)
     assert chosen is not None and chosen.prefill == "p1" and not chosen.meets_ttft
     # No prefill pod at all: local, even though it misses both.
-    alone = choose_placement(local(queued=50_000, chunk=2048), [], 1000, SLO)
+    alone = choose_placement(local(queued=50_000, chunk=2048), [], 1000, SLO, TRANSFER)
     assert alone is not None and alone.prefill is None and alone.reason == "adaptive-local-slo-miss"
 
 
 def test_missing_measurements_fall_back() -> None:
-    assert choose_placement(local(rate=0.0), [remote(rate=0.0)], 1000, SLO) is None  # nobody has measured
-    assert choose_placement(local(), [remote(rate=0.0)], 1000, SLO) is None  # no prefill pod has
+    assert choose_placement(local(rate=0.0), [remote(rate=0.0)], 1000, SLO, TRANSFER) is None  # nobody has measured
+    assert choose_placement(local(), [remote(rate=0.0)], 1000, SLO, TRANSFER) is None  # no prefill pod has
     # An unmeasured prefill pod is left out while another one has a rate.
-    chosen = choose_placement(local(chunk=4096), [remote("p0", rate=0.0), remote("p1")], 1000, SLO)
+    chosen = choose_placement(local(chunk=4096), [remote("p0", rate=0.0), remote("p1")], 1000, SLO, TRANSFER)
     assert chosen is not None and chosen.prefill == "p1"
 
 
 def _policy(placement: str) -> RoutingPolicy:
-    return RoutingPolicy(PolicyConfig(placement=placement, slo=SLO))
+    return RoutingPolicy(PolicyConfig(placement=placement, transfer_tokens_per_s=TRANSFER, targets=SLO))
 
 
 def test_policy_uses_the_cost_model_when_adaptive() -> None:
@@ -132,10 +137,10 @@ def test_itl_is_the_decode_step_plus_one_chunk_at_the_device_timed_speed() -> No
     d = LocalSide("d0", 0, 4000, rate=10_000.0, chunk_tokens=512, busy=True, step_speed=51_200.0, decode_step_s=0.008)
     assert local_itl_cost_s(d) == pytest.approx(0.018)  # 8 ms step + 512 tokens at 51.2k tokens/s
     # An ITL-capped pod (its chunk is what fits its target) meets a target its uncapped twin misses.
-    capped = choose_placement(d, [remote(uncached=4000, rate=10_000.0)], 4000, SLO)
+    capped = choose_placement(d, [remote(uncached=4000, rate=10_000.0)], 4000, SLO, TRANSFER)
     assert capped is not None and capped.prefill is None and capped.meets_itl
     uncapped = LocalSide("d0", 0, 4000, 10_000.0, 2048, True, step_speed=51_200.0, decode_step_s=0.008)
-    chosen = choose_placement(uncapped, [remote(uncached=4000, rate=10_000.0)], 4000, SLO)
+    chosen = choose_placement(uncapped, [remote(uncached=4000, rate=10_000.0)], 4000, SLO, TRANSFER)
     assert chosen is not None and chosen.prefill == "p0"
 
 
@@ -145,9 +150,9 @@ def test_a_busy_mixed_prefill_pod_costs_its_own_batch_itl() -> None:
     d = local(uncached=3000, chunk=2048)  # misses ITL locally (205 ms per step)
     busy_mixed = PrefillSide("m1", 0, 3000, 40_000.0, chunk_tokens=2048, busy=True)
     idle_prefill = PrefillSide("p0", 0, 3000, 20_000.0)
-    chosen = choose_placement(d, [busy_mixed, idle_prefill], 3000, SLO)
+    chosen = choose_placement(d, [busy_mixed, idle_prefill], 3000, SLO, TRANSFER)
     assert chosen is not None and chosen.prefill == "p0" and chosen.meets_itl
-    both_busy = choose_placement(d, [busy_mixed], 3000, SLO)
+    both_busy = choose_placement(d, [busy_mixed], 3000, SLO, TRANSFER)
     assert both_busy is not None and both_busy.prefill == "m1" and not both_busy.meets_itl  # 4x faster prefill
 
 
@@ -163,3 +168,38 @@ def test_the_decode_pod_is_never_its_own_remote_prefill_pod() -> None:
 def test_policy_rejects_unknown_placement() -> None:
     with pytest.raises(ValueError, match="placement"):
         _policy("sometimes")
+
+
+def test_a_pods_ttft_prediction_decides_over_its_rate_formula() -> None:
+    """Where a pod publishes its step model, the dispatcher's prediction (the one admission uses) is the TTFT:
+    by rates alone D looks fast (0.1 s), but its predicted queue says 3 s, past the 2 s target."""
+    d = LocalSide("d0", 0, 1000, 10_000.0, 512, busy=False, predicted_ttft_s=3.0)
+    p = PrefillSide("p0", 0, 1000, 10_000.0, predicted_ttft_s=0.6)
+    chosen = choose_placement(d, [p], 1000, SLO, TRANSFER)
+    assert chosen is not None and chosen.prefill == "p0" and chosen.ttft_s == 0.6 and chosen.meets_ttft
+    assert local_ttft_s(LocalSide("d0", 0, 1000, 0.0, 512, busy=False, predicted_ttft_s=0.2)) == 0.2  # no rate needed
+
+
+def test_the_requests_own_class_targets_place_it() -> None:
+    """The same pods, two classes: a tight ITL target keeps the prompt off D's running batch (its 18 ms chunk
+    steps miss 10 ms), a looser one lets D prefill it itself, sooner; a class without a TTFT target never
+    misses one."""
+    d = LocalSide("d0", 0, 4000, 10_000.0, 512, busy=True, step_speed=51_200.0, decode_step_s=0.008)
+    d = replace(d, predicted_ttft_s=0.3)
+    p = PrefillSide("p0", 0, 4000, 10_000.0, predicted_ttft_s=0.5)
+    tight = choose_placement(d, [p], 4000, SloTargets(ttft_s=1.0, itl_s=0.010), TRANSFER)
+    loose = choose_placement(d, [p], 4000, SloTargets(ttft_s=1.0, itl_s=0.050), TRANSFER)
+    assert tight is not None and tight.prefill == "p0"
+    assert loose is not None and loose.prefill is None
+    batch = choose_placement(replace(d, predicted_ttft_s=30.0), [p], 4000, SloTargets(None, 0.050), TRANSFER)
+    assert batch is not None and batch.meets_ttft and batch.prefill == "p0"  # lowest TTFT among equals
+
+
+def test_policy_places_by_the_targets_it_is_given() -> None:
+    d = DecodeCandidate("d0", "pod-d", running=4, free_pages=100, total_pages=100, prefill_tokens_per_s=10_000.0)
+    d = replace(d, prefill_chunk_tokens=512, prefill_step_tokens_per_s=51_200.0, decode_step_s=0.008)
+    d = replace(d, predicted_ttft_s=0.3)
+    p = PrefillCandidate("p0", "pod-p", prefill_tokens_per_s=10_000.0, predicted_ttft_s=0.5)
+    policy = _policy("adaptive")
+    assert policy.choose(4000, 16, 16, [p], [d], None, SloTargets(1.0, 0.010)).prefill == "p0"
+    assert policy.choose(4000, 16, 16, [p], [d], None, SloTargets(1.0, 0.050)).prefill is None

@@ -234,6 +234,31 @@ def test_flashinfer_logits_match_fp32_transformers(tiny_dirs, kind, fused):
 
 @needs_cuda
 @gpu
+def test_moe_on_flashinfer_with_graphs_matches_fp32_transformers(tmp_path):
+    """A random Qwen3-MoE (8 experts, top-2, one dense layer) on the flashinfer path, its experts as grouped GEMMs
+    inside CUDA graphs: logits within what bf16 loses on the plain torch path of fp32 transformers'."""
+    from tests.test_engine_random_models import CONFIGS, _build_hf
+
+    cls, extra = CONFIGS["qwen3-moe-norm-topk"]
+    hf = _build_hf(cls, {**extra, "hidden_size": 256, "head_dim": 128, "vocab_size": 512}, seed=5)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    seqs = _prompts(3, seed=4, lo=40, hi=140)
+    hf = hf.cuda()
+    with torch.inference_mode():
+        ref = torch.cat([hf(torch.tensor([s], device="cuda")).logits[0].float() for s in seqs])
+    fi = _runner(tmp_path, "cuda", "bfloat16")
+    assert fi.backend == "flashinfer" and fi.gpu is not None and fi.gpu.graphs is not None
+    tb = _runner(tmp_path, "cuda", "bfloat16", attention="torch")
+    e_graph = _rel(torch.cat(_teacher_forced(fi, seqs, chunk=32, n_decode=6, graphs=True)), ref)
+    e_eager = _rel(torch.cat(_teacher_forced(fi, seqs, chunk=32, n_decode=6, graphs=False)), ref)
+    e_torch = _rel(torch.cat(_teacher_forced(tb, seqs, chunk=32, n_decode=6, graphs=False)), ref)
+    print(f"qwen3-moe: rel err vs fp32 transformers: graphs {e_graph:.2e}, eager {e_eager:.2e}, torch {e_torch:.2e}")
+    assert e_graph < 1.5 * e_torch + 2e-3 and e_graph < 3e-2
+    assert e_eager < 1.5 * e_torch + 2e-3 and e_eager < 3e-2
+
+
+@needs_cuda
+@gpu
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8-weights-and-kv"])
 def test_dependent_launches_give_the_logits_of_plain_launches(tiny_dirs, fp8):
     """Programmatic dependent launches change when kernels start, never what they compute: chunked prefill, graph

@@ -17,6 +17,7 @@ import pytest
 
 from common.config import RouterConfig
 from common.devcluster.cluster import LocalCluster
+from common.slo import DEFAULT_SLO_SPEC
 from router.discovery import StaticDiscovery
 from router.server_thread import ServerThread
 from router.settings import RouterOptions
@@ -118,18 +119,25 @@ def test_abort_while_a_mixed_worker_prefills_for_a_peer_returns_pages(fleet, smo
 
 
 # ---- adaptive placement over a prefill pod and a mixed pod ------------------------------------------------
-def _side_router(cluster: LocalCluster, smol_path, prefill: str, mixed: str, **opts: object) -> ServerThread:
-    return _side_router_over(cluster, smol_path, [mixed], [prefill], **opts)
+def _side_router(
+    cluster: LocalCluster, smol_path, prefill: str, mixed: str, slo_classes: str = DEFAULT_SLO_SPEC, **opts: object
+) -> ServerThread:
+    return _side_router_over(cluster, smol_path, [mixed], [prefill], slo_classes, **opts)
 
 
 def _side_router_over(
-    cluster: LocalCluster, smol_path, mixed: list[str], prefill: list[str] = (), **opts: object
+    cluster: LocalCluster,
+    smol_path,
+    mixed: list[str],
+    prefill: list[str] = (),
+    slo_classes: str = DEFAULT_SLO_SPEC,
+    **opts: object,
 ) -> ServerThread:
-    """A router in this process over some of the cluster's workers, with its own options."""
+    """A router in this process over some of the cluster's workers, with its own options and SLO classes."""
     from router.app import create_app
 
     app = create_app(
-        RouterConfig(model=MODEL, redis_url=cluster.redis_url),
+        RouterConfig(model=MODEL, redis_url=cluster.redis_url, slo_classes=slo_classes),
         RouterOptions(**{"placement": "adaptive", **opts}),  # type: ignore[arg-type]
         tokenizer=RouterTokenizer.from_dir(smol_path),
         model_info=ModelInfo.from_dir(MODEL, smol_path),
@@ -148,16 +156,16 @@ def test_adaptive_router_moves_requests_between_placements_as_load_moves(
 ) -> None:
     """Idle, the mixed pod prefills a request itself (no transfer, no second pod); while it decodes a batch, a
     local prefill would cost that batch more than the ITL target, so the request goes to the prefill pod. The
-    SLOs are set so the choice is certain on any CPU: a tiny ITL target and a transfer assumed slow (a
-    disaggregated TTFT always misses, which weighs less than an ITL miss)."""
+    request's class makes the choice certain on any CPU: a tiny ITL target and no TTFT target, with a transfer
+    assumed slow (idle, a disaggregated TTFT is always the longer)."""
     a, _, p, _ = fleet
     router = _side_router(
         cluster,
         smol_path,
         p.url,
         a.url,
+        "interactive:ttft=none,itl=1ms,p=99",  # this router's targets for the class (the workers know its name)
         placement="adaptive",
-        slo_itl_s=0.001,
         transfer_tokens_per_s=1.0,
         poll_interval_s=0.05,
     )

@@ -125,10 +125,10 @@ def test_env_then_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (cfg.port, cfg.runner.max_running, cfg.sched.host_kv_gb) == (9100, 64, -1.0)
     assert cfg.pod_name.endswith("-prefill-9100")
     monkeypatch.setenv("KVFERRY_DECODE_URLS", "http://a:1/, http://b:2")
-    monkeypatch.setenv("KVFERRY_ROUTER_SLO_ITL_S", "0.05")
+    monkeypatch.setenv("KVFERRY_ROUTER_TRANSFER_TOKENS_PER_S", "50000")
     config, options, _ = parse_config(["--port", "8001", "--max-inflight", "7"])
     assert (config.port, config.decode_urls, config.api_key) == (8001, ["http://a:1", "http://b:2"], None)
-    assert (options.slo_itl_s, options.max_inflight) == (0.05, 7)
+    assert (options.transfer_tokens_per_s, options.max_inflight) == (50000.0, 7)
 
 
 def test_a_bad_value_names_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,6 +8,7 @@ import torch
 
 from common.engine.forward_batch import ForwardBatch
 from common.engine.gpu.attention import WORKSPACE_BYTES, FlashInferAttention
+from common.engine.gpu.moe_experts import grouped_mm_experts, grouped_mm_unsupported
 from common.engine.gpu.ops import FlashInferOps
 from common.engine.model import DecoderModel
 from common.kv.pool import KVPool
@@ -61,10 +62,13 @@ class GpuPath:
             raise ValueError(
                 f"the flashinfer backend needs bfloat16 or float16, not {model.dtype}; use attention=torch"
             )
-        if model.cfg.moe is not None:  # the experts' plain path syncs on the host: no CUDA graphs, no fused GEMMs
-            raise ValueError(
-                f"{model.cfg.model_type}: mixture-of-experts layers have no fused GPU path yet; use attention=torch"
-            )
+        if model.cfg.moe is not None:  # the plain experts sync on the host: the grouped GEMMs keep CUDA graphs
+            why = grouped_mm_unsupported(model.device, model.dtype)
+            if why is not None:
+                raise ValueError(f"{model.cfg.model_type}: {why}; use attention=torch")
+            for layer in model.layers:
+                if layer.moe is not None:
+                    layer.moe.experts_fn = grouped_mm_experts
         self.model = model
         triton = cfg.fused_kernels and triton_available()
         self.pdl = cfg.pdl and pdl_available(model.device, triton)
