@@ -42,7 +42,7 @@ if __package__ in (None, ""):  # run as a script: make the repo importable (and 
 import torch
 
 from common.kv.pool import KVLayout, KVPool, checksums_match
-from common.protocol import KVLayoutInfo
+from common.protocol import KVLayoutInfo, decode, encode
 from common.transfer.agent import KVTransferAgent
 from common.transfer.descs import page_runs
 from common.transfer.request_transfer import RequestTransfer, open_request
@@ -105,7 +105,7 @@ def receiver_main(cfg: dict[str, Any], cmd_q: Any, out_q: Any) -> None:
             "instance_id": agent.instance_id,
             "metadata_b64": agent.metadata_b64(),
             "pool_info_b64": agent.pool_info_b64(),
-            "layout": agent.layout.model_dump_json(),
+            "layout": encode(agent.layout).decode(),
         }
     )
     while True:
@@ -387,7 +387,7 @@ def run_one(args: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
             hs["instance_id"],
             hs["metadata_b64"],
             hs["pool_info_b64"],
-            KVLayoutInfo.model_validate_json(hs["layout"]),
+            decode(hs["layout"], KVLayoutInfo),
         )
         handshake_s = time.monotonic() - t0
         dst_all = dst_pattern(max_pages, args.run_pages, num_pages, seed=1)

@@ -41,11 +41,20 @@ def _generate(argv: list[str]) -> int:
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
     from common.offline import Engine
-    from common.protocol import SamplingParams
+    from common.protocol import DecodeError, SamplingParams, convert
     from common.settings import RunnerConfig
 
+    try:  # the command line is this process's edge: its values are checked like a request's
+        fields = {
+            "max_tokens": args.max_tokens,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "seed": args.seed,
+        }
+        sp = convert(fields, SamplingParams)
+    except DecodeError as e:
+        p.error(str(e))
     engine = Engine(RunnerConfig(model=args.model, device=args.device, kv_memory_gb=0.25))
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     result = engine.generate([args.prompt], sp, chat=args.chat)[0]
     print(result.text)
     return 0

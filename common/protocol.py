@@ -1,112 +1,118 @@
-"""Messages between router and workers, as pydantic models (JSON on the wire, never pickle).
+"""Messages between router and workers, between workers over HTTP and NIXL, and the token stream: msgspec Structs.
 
-Every top-level message carries `protocol_version`; a receiver refuses versions it does not speak.
+One schema system for every boundary: a message is decoded (and so validated: types, ranges, the checks in
+``__post_init__``) once where it enters a process (``decode``), and travels typed from there, the engine pipe
+included (common/serving/messages.py). Every top-level HTTP message carries ``protocol_version``; a receiver
+refuses versions it does not speak. docs/architecture.md ("The wire") says why msgspec.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+import msgspec
+from msgspec import Meta, Struct
 
 PROTOCOL_VERSION = 1
 MAX_TOP_LOGPROBS = 20
-FinishReason = Literal["stop", "length", "abort", "error"]  # why a worker ended a request
-
-
-class _Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    protocol_version: int = PROTOCOL_VERSION
-
-    @field_validator("protocol_version")
-    @classmethod
-    def _known_version(cls, v: int) -> int:
-        if v != PROTOCOL_VERSION:
-            raise ValueError(f"unsupported protocol_version {v}; this worker speaks {PROTOCOL_VERSION}")
-        return v
-
-
 MAX_LOGIT_BIAS = 2048  # entries in one request's logit_bias map
 MAX_GRAMMAR_CHARS = 256 * 1024
+MAX_CANCELS = 1024  # request ids in one CancelTransfers
+FinishReason = Literal["stop", "length", "abort", "error"]  # why a worker ended a request
+
+ReqId = Annotated[str, Meta(min_length=1, max_length=128)]
+Prompt = Annotated[list[int], Meta(min_length=1)]
+T = TypeVar("T")
 
 
-class GrammarSpec(BaseModel):
+class Schema(Struct, forbid_unknown_fields=True):
+    """A wire struct: unknown fields refused."""
+
+
+class Versioned(Schema, kw_only=True):
+    """A top-level HTTP body between kvferry processes."""
+
+    protocol_version: int = PROTOCOL_VERSION
+
+    def __post_init__(self) -> None:
+        if self.protocol_version != PROTOCOL_VERSION:
+            raise ValueError(
+                f"unsupported protocol_version {self.protocol_version}; this worker speaks {PROTOCOL_VERSION}"
+            )
+
+
+class _VersionOnly(Struct):
+    protocol_version: int = PROTOCOL_VERSION
+
+
+def foreign_version(data: bytes) -> str | None:
+    """Why a body that is no valid message is refused, when its reason is a protocol version this process does not
+    speak: said first, whatever else is wrong with it (its fields may be a newer version's)."""
+    try:
+        version = msgspec.json.decode(data, type=_VersionOnly).protocol_version
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        return None
+    if version == PROTOCOL_VERSION:
+        return None
+    return f"unsupported protocol_version {version}; this worker speaks {PROTOCOL_VERSION}"
+
+
+class GrammarSpec(Schema, frozen=True):
     """A constraint on the whole output, compiled by the worker that samples (common/sched/grammar.py):
     a JSON schema (text), any JSON object, a regular expression, or an EBNF grammar (xgrammar's dialect).
     The spec travels, never compiled state: each worker compiles it (cached per spec) and replays the
     tokens sampled before it took over."""
 
-    model_config = ConfigDict(extra="forbid")
     kind: Literal["json_schema", "json_object", "regex", "ebnf"]
-    value: str = Field("", max_length=MAX_GRAMMAR_CHARS)
+    value: Annotated[str, Meta(max_length=MAX_GRAMMAR_CHARS)] = ""
 
 
-class SamplingParams(BaseModel):
-    """What decides the next token. Defaults are greedy with no limits."""
+class SamplingParams(Schema):
+    """What decides the next token. Defaults are greedy with no limits. Ranges are checked on decode (the
+    pod's edge); a struct built in code is trusted."""
 
-    model_config = ConfigDict(extra="forbid")
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(0.0, ge=0.0, le=100.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)  # -1 or 0: off
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # the sampler hashes it as an int64
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=1024)
+    max_tokens: Annotated[int, Meta(ge=1)] = 16
+    temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 0.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=-1)] = -1  # -1 or 0: off
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None  # the sampler hashes it as an int64
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    stop_token_ids: Annotated[list[int], Meta(max_length=1024)] = []
     ignore_eos: bool = False
     logprobs: bool = False
-    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0
     # Added to the logits before any other step (token id -> bias); -100 bans a token, +100 all but forces it.
-    logit_bias: dict[int, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)  # over prompt and output tokens; 1 = off
-    min_tokens: int = Field(0, ge=0)  # EOS and stop_token_ids are masked until this many tokens are out
+    logit_bias: Annotated[dict[int, float], Meta(max_length=MAX_LOGIT_BIAS)] = {}
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] = 1.0  # over prompt and output tokens; 1 = off
+    min_tokens: Annotated[int, Meta(ge=0)] = 0  # EOS and stop_token_ids are masked until this many tokens are out
     grammar: GrammarSpec | None = None
     # A request continued on another worker (router/migration.py): the last `output_offset` prompt tokens are
     # its own earlier output. The sampler counts them as output positions (a seeded draw at output position k
     # is the same on every worker) and the penalties as output tokens.
-    output_offset: int = Field(0, ge=0)
+    output_offset: Annotated[int, Meta(ge=0)] = 0
     # The request's SLO class (common/slo.py; "" = the deployment's default), which the router chose from its
     # `priority` or `x-kvferry-class`: its queue deadline and the ITL target of the steps that decode it.
-    slo_class: str = Field("", max_length=64)
+    slo_class: Annotated[str, Meta(max_length=64)] = ""
 
-    @field_validator("logit_bias")
-    @classmethod
-    def _check_bias(cls, v: dict[int, float]) -> dict[int, float]:
-        for token, bias in v.items():
+    def __post_init__(self) -> None:
+        for token, bias in self.logit_bias.items():
             if token < 0:
                 raise ValueError(f"logit_bias token id {token} is negative")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias value {bias} for token {token} is outside [-100, 100]")
-        return v
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
 
-class TokenLogprob(BaseModel):
-    """Log-probability of the chosen token, and the top-N alternatives (token id -> logprob)."""
+class TokenLogprob(Schema, frozen=True):
+    """Log-probability of the chosen token, and the top-N alternatives (token id, logprob)."""
 
     logprob: float
-    top: list[tuple[int, float]] = Field(default_factory=list)
-
-
-class GenerateRequest(_Message):
-    """Router -> decode worker. `prefill_url` None: the decode worker prefills locally."""
-
-    req_id: str = Field(min_length=1, max_length=128)
-    token_ids: list[int] = Field(min_length=1)
-    sampling: SamplingParams
-    prefill_url: str | None = None
-    # Deadline for the remote prefill and its KV transfer (None: the decode worker's default, 60 s); the prefill
-    # worker gets the same deadline for its writes.
-    kv_timeout_s: float | None = Field(None, gt=0, le=3600)
-
-    @model_validator(mode="after")
-    def _offset_in_prompt(self) -> GenerateRequest:
-        _check_output_offset(self.sampling, self.token_ids)
-        return self
+    top: list[tuple[int, float]] = []
 
 
 def _check_output_offset(sampling: SamplingParams, token_ids: list[int]) -> None:
@@ -114,24 +120,46 @@ def _check_output_offset(sampling: SamplingParams, token_ids: list[int]) -> None
         raise ValueError("sampling.output_offset must be shorter than the prompt")
 
 
-class TokenEvent(BaseModel):
-    """One line of the decode worker's NDJSON stream: new tokens, and on the last one a finish reason."""
+class GenerateRequest(Versioned):
+    """Router -> decode worker. `prefill_url` None: the decode worker prefills locally."""
 
-    model_config = ConfigDict(extra="forbid")
-    token_ids: list[int] = Field(default_factory=list)
+    req_id: ReqId
+    token_ids: Prompt
+    sampling: SamplingParams
+    prefill_url: str | None = None
+    # Deadline for the remote prefill and its KV transfer (None: the decode worker's default, 60 s); the prefill
+    # worker gets the same deadline for its writes.
+    kv_timeout_s: Annotated[float, Meta(gt=0, le=3600)] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_output_offset(self.sampling, self.token_ids)
+
+
+class TokenLine(Struct, kw_only=True, omit_defaults=True):
+    """One line of a decode worker's NDJSON generate stream (``/internal/generate``), written by the decode worker
+    and read by the router: new tokens; the first line carries the prompt's counts and the workers' stage stamps,
+    the last a finish reason. Unknown fields are ignored (a newer worker may add some)."""
+
+    token_ids: list[int] = []
     logprobs: list[TokenLogprob] | None = None
-    finish_reason: FinishReason | None = None
-    error: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    timeline: dict[str, float] | None = None  # the workers' stage stamps, by stage name
+    finish_reason: FinishReason | None = None
+    error: str | None = None
     kv_verified: bool | None = None  # debug mode: page checksums of the transferred KV matched
-    retryable: bool = False  # with "error": the worker lost its engine; the request may continue elsewhere
+    # With "error": only the worker was lost (its engine exited, or its stream broke or stalled), not the request;
+    # router/migration.py continues it on another worker.
+    retryable: bool = False
+    # With "error" before any token: the prefill worker was alive but too busy (overload, not a fault): the
+    # router tries elsewhere and otherwise answers 429, never a 5xx.
+    overloaded: bool = False
 
 
-class KVLayoutInfo(BaseModel):
+class KVLayoutInfo(Schema, frozen=True):
     """What must match between a prefill and a decode worker before KV moves between them."""
 
-    model_config = ConfigDict(extra="forbid")
     model_id: str
     dtype: str
     page_size: int
@@ -143,7 +171,7 @@ class KVLayoutInfo(BaseModel):
     kv_scales: list[float] = []  # FP8 pools: K, V scale per layer (empty: 1.0 everywhere, or not FP8)
 
 
-class HandshakeRequest(_Message):
+class HandshakeRequest(Versioned):
     """Decode -> prefill: the decode agent's NIXL metadata and KV layout."""
 
     agent_name: str
@@ -153,30 +181,29 @@ class HandshakeRequest(_Message):
     layout: KVLayoutInfo
 
 
-class HandshakeResponse(_Message):
+class HandshakeResponse(Versioned):
     agent_name: str
     instance_id: str
     layout: KVLayoutInfo
 
 
-class PrefillRequest(_Message):
+class PrefillRequest(Versioned):
     """Decode -> prefill: prefill `token_ids` and WRITE their KV into `dst_pages` of agent `dst_agent`."""
 
-    req_id: str = Field(min_length=1, max_length=128)
-    token_ids: list[int] = Field(min_length=1)
+    req_id: ReqId
+    token_ids: Prompt
     sampling: SamplingParams
     dst_agent: str
     dst_instance_id: str
     dst_pages: list[int]
-    deadline_s: float = Field(60.0, gt=0)
+    deadline_s: Annotated[float, Meta(gt=0)] = 60.0
 
-    @model_validator(mode="after")
-    def _offset_in_prompt(self) -> PrefillRequest:
+    def __post_init__(self) -> None:
+        super().__post_init__()
         _check_output_offset(self.sampling, self.token_ids)
-        return self
 
 
-class KVNotice(BaseModel):
+class KVNotice(Schema, frozen=True, omit_defaults=True):
     """Prefill -> decode over NIXL, the last message of one request's transfer: no write for `req_id` follows.
 
     "landed": every write completed; `token` (and `logprob`) is the first sampled token. "closed": the prefill
@@ -184,62 +211,50 @@ class KVNotice(BaseModel):
     See common/transfer/session.py.
     """
 
-    model_config = ConfigDict(extra="forbid")
-    req_id: str = Field(min_length=1, max_length=128)
+    req_id: ReqId
     outcome: Literal["landed", "closed"]
-    token: int | None = Field(None, ge=0)
+    token: Annotated[int, Meta(ge=0)] | None = None
     logprob: TokenLogprob | None = None
-    cached_tokens: int = Field(0, ge=0)
+    cached_tokens: Annotated[int, Meta(ge=0)] = 0
     checksums: list[float] | None = None  # debug mode: per-page sums on the prefill side
-    error: str | None = Field(None, max_length=4000)
+    error: Annotated[str, Meta(max_length=4000)] | None = None
     # The prefill side's stage stamps (common/observability/timeline.py), wall-clock seconds by stage name.
-    timeline: dict[str, float] | None = Field(None, max_length=32)
+    timeline: Annotated[dict[str, float], Meta(max_length=32)] | None = None
 
-    @model_validator(mode="after")
-    def _landed_has_token(self) -> KVNotice:
+    def __post_init__(self) -> None:
         if self.outcome == "landed" and self.token is None:
             raise ValueError("a landed notice carries the first token")
-        return self
 
 
-class PrefillProgress(BaseModel):
+class PrefillProgress(Struct, kw_only=True, omit_defaults=True):
     """One line of the prefill worker's `/internal/prefill` NDJSON stream; the last says `done` or `error`,
-    and is sent only once the request's transfer session is terminal (no write of it follows)."""
+    and is sent only once the request's transfer session is terminal (no write of it follows). Unknown fields
+    are ignored."""
 
-    model_config = ConfigDict(extra="ignore")
     req_id: str | None = None
     done: bool = False
     error: str | None = None
-    descs: int = Field(0, ge=0)
-    cached_tokens: int = Field(0, ge=0)
+    descs: Annotated[int, Meta(ge=0)] = 0
+    cached_tokens: Annotated[int, Meta(ge=0)] = 0
     heartbeat: bool = False  # sent while the prefill worker's engine is working: the decode side keeps waiting
     engine_exited: bool = False  # with ``error``: the engine that would write this request is gone (no notice comes)
 
 
-class PrefillAccepted(_Message):
-    req_id: str
-    cached_tokens: int
-
-
-class AbortRequest(_Message):
+class AbortRequest(Versioned):
     req_id: str
 
 
-MAX_CANCELS = 1024  # request ids in one CancelTransfers
-
-
-class CancelTransfers(_Message):
+class CancelTransfers(Versioned):
     """Decode -> prefill: these requests' KV is no longer wanted (their decode worker gave them up). Those in
     flight are aborted (their "closed" notice follows once their writes settled); the others are refused
     should they arrive later. Answered 204."""
 
     dst_agent: str
     dst_instance_id: str
-    req_ids: list[str] = Field(max_length=MAX_CANCELS)
+    req_ids: Annotated[list[str], Meta(max_length=MAX_CANCELS)]
 
 
-class LoadSnapshot(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class LoadSnapshot(Schema):
     role: Literal["prefill", "decode", "mixed"]
     pod: str
     queued_prefill_tokens: int
@@ -274,15 +289,43 @@ class LoadSnapshot(BaseModel):
     # per_attention_pair_s; empty until fitted), the prompt chunk of the next step as the batch stands, the
     # decode rows and their KV context beside it, and per SLO class the prompt tokens queued ahead of a request
     # of that class arriving now.
-    step_coefficients: dict[str, float] = Field(default_factory=dict, max_length=8)
+    step_coefficients: Annotated[dict[str, float], Meta(max_length=8)] = {}
     step_chunk_tokens: int = 0
     decode_rows: int = 0
     decode_context: int = 0
-    queued_ahead_tokens: dict[str, int] = Field(default_factory=dict, max_length=64)
+    queued_ahead_tokens: Annotated[dict[str, int], Meta(max_length=64)] = {}
 
 
-class ErrorBody(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
+# ---- encoding and decoding -----------------------------------------------------------------------------
+DecodeError = msgspec.DecodeError  # a body that is not JSON, or not the message (ValidationError is one)
+_encoder = msgspec.json.Encoder()
+_decoders: dict[Any, msgspec.json.Decoder[Any]] = {}
+
+
+def encode(msg: Any) -> bytes:
+    """A message (or any value of structs, lists and dicts) as JSON bytes."""
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes | str, type_: type[T]) -> T:
+    """JSON bytes as a ``type_``, validated; raises ``DecodeError`` saying what is wrong and where."""
+    dec = _decoders.get(type_)
+    if dec is None:
+        dec = _decoders[type_] = msgspec.json.Decoder(type_)
+    try:
+        return dec.decode(data)  # type: ignore[no-any-return]
+    except UnicodeDecodeError as e:  # a string that is not UTF-8: as malformed as any other bad byte
+        raise DecodeError(f"JSON is malformed: {e}") from None
+
+
+def convert(obj: Any, type_: type[T]) -> T:
+    """Plain values (parsed JSON, a dict of fields) as a ``type_``, validated like ``decode``."""
+    return msgspec.convert(obj, type_)
+
+
+def to_builtins(msg: Any) -> Any:
+    """A message as plain dicts, lists and scalars (for a JSON response body or a log)."""
+    return msgspec.to_builtins(msg)
+
+
+replace = msgspec.structs.replace  # a copy with some fields changed (not re-validated: the caller's values)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from common.kv.pool import checksums_match
-from common.protocol import SamplingParams
+from common.protocol import TokenLine
 from common.sched.kv_connector import FinishedTransfers, KVArrival, NullConnector
 from common.sched.request import Req
 from common.serving.engine_host import EngineHost, Handlers, Refused
@@ -80,7 +80,7 @@ class DecodeRole(NullConnector):
         return False
 
     def _generate(self, cmd: Generate) -> None:
-        req = self.host.make_req(cmd.req_id, cmd.token_ids, SamplingParams.model_validate(cmd.sampling), cmd.received)
+        req = self.host.make_req(cmd.req_id, cmd.token_ids, cmd.sampling, cmd.received)
         if cmd.peer is None or cmd.peer_instance is None:
             self.host.enqueue(req)
             return None
@@ -108,7 +108,8 @@ class DecodeRole(NullConnector):
     def abort(self, req_id: str, reason: str, error: str | None) -> None:
         pending = self.remote.pop(req_id, None)
         if pending is not None and not pending.reserved:  # no pages yet: nothing to hold
-            self.host.emit(Tokens(req_id, [], finish_reason=reason if error is None else "error", error=error))
+            line = TokenLine(finish_reason=reason if error is None else "error", error=error)  # type: ignore[arg-type]
+            self.host.emit(Tokens(req_id, line))
             return
         self.receiver.give_up(req_id, error or reason)  # first: `aborted` asks the session
         event = self.host.scheduler.abort(req_id, reason="abort" if error is None else "error", error=error)

@@ -33,12 +33,14 @@ import httpx
 
 from common.protocol import (
     CancelTransfers,
+    DecodeError,
     GenerateRequest,
     HandshakeRequest,
     HandshakeResponse,
-    KVLayoutInfo,
     PrefillProgress,
     PrefillRequest,
+    decode,
+    encode,
 )
 from common.serving.messages import AgentInfo, PrefillFailed, PrefillSettled
 from common.serving.request_trace import WorkerTrace
@@ -50,6 +52,7 @@ log = logging.getLogger("kvferry.decode")
 # progress line at least every second while its engine works (prefill_worker/routes.py), so a long prompt on a busy
 # CPU may take minutes while a dead or frozen peer is noticed within PREFILL_STALL_S.
 PREFILL_STALL_S = 15.0
+JSON_BODY = {"content-type": "application/json"}
 PREFILL_HEAD_S = 45.0  # the peer's answer to the prefill request: its engine call may take up to 30 s
 # Outer bound of a remote prefill and its KV transfer however it progresses (GenerateRequest.kv_timeout_s
 # overrides it); kept under the transfer sessions' 300 s safety deadline (common/transfer/session.py).
@@ -187,8 +190,8 @@ class RemotePrefill:
                 async with self.http.stream(
                     "POST",
                     f"{call.url}/internal/prefill",
-                    json=body.model_dump(),
-                    headers=call.trace.headers(),
+                    content=encode(body),
+                    headers={**call.trace.headers(), **JSON_BODY},
                     timeout=httpx.Timeout(10.0, read=PREFILL_HEAD_S),
                 ) as r:
                     if r.status_code != 200:
@@ -214,7 +217,7 @@ class RemotePrefill:
                 raise PeerFailure(f"prefill worker {call.url} is gone: {e!r}", settled=True) from None
             except BROKEN as e:
                 raise PeerFailure(f"prefill worker {call.url} unreachable: {e!r}", settled=True) from None
-            except (httpx.HTTPError, ValueError) as e:
+            except (httpx.HTTPError, ValueError, DecodeError) as e:
                 raise PeerFailure(f"prefill worker {call.url} failed: {e!r}", settled=False) from None
 
     async def _read(self, call: PrefillCall, r: httpx.Response) -> None:
@@ -239,7 +242,7 @@ class RemotePrefill:
                 continue
             if not line:
                 continue
-            msg = PrefillProgress.model_validate_json(line)  # ValidationError is a ValueError
+            msg = decode(line, PrefillProgress)
             if msg.engine_exited:
                 raise PeerFailure(f"prefill failed: {msg.error}", settled=True)
             if msg.done or msg.error is not None:
@@ -250,7 +253,7 @@ class RemotePrefill:
         agent = _agent(self.state)
         body = CancelTransfers(dst_agent=agent.agent_name, dst_instance_id=agent.instance_id, req_ids=[call.gen.req_id])
         try:
-            await self.http.post(f"{call.url}/internal/cancel", json=body.model_dump(), timeout=5.0)
+            await self.http.post(f"{call.url}/internal/cancel", content=encode(body), headers=JSON_BODY, timeout=5.0)
         except httpx.HTTPError:
             pass  # the exchange's end still says how the request ended there
 
@@ -267,11 +270,13 @@ class RemotePrefill:
                 instance_id=agent.instance_id,
                 agent_metadata_b64=agent.agent_metadata_b64,
                 pool_info_b64=agent.pool_info_b64,
-                layout=KVLayoutInfo.model_validate(agent.layout),
+                layout=agent.layout,
             )
             started = time.perf_counter()
             try:
-                r = await self.http.post(f"{url}/internal/handshake", json=body.model_dump(), timeout=10.0)
+                r = await self.http.post(
+                    f"{url}/internal/handshake", content=encode(body), headers=JSON_BODY, timeout=10.0
+                )
             except httpx.HTTPError as e:
                 raise PeerFailure(f"handshake with prefill worker {url} failed: {e!r}", settled=True) from None
             if r.status_code != 200:
@@ -281,8 +286,8 @@ class RemotePrefill:
                     overloaded=overloaded_answer(r),
                 )
             try:
-                resp = HandshakeResponse.model_validate(r.json())
-            except ValueError as e:
+                resp = decode(r.content, HandshakeResponse)
+            except DecodeError as e:
                 raise PeerFailure(f"prefill worker {url} sent a bad handshake: {e}", settled=True) from None
             self.known[url] = resp
             self.state.metrics.engine.handshake.observe(time.perf_counter() - started)

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -14,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from common.managed_stream import ManagedStream
-from common.protocol import AbortRequest, GenerateRequest, HandshakeResponse
+from common.protocol import AbortRequest, GenerateRequest, HandshakeResponse, TokenLine, encode, replace
 from common.serving.channel import ENGINE_TIMEOUT, EngineClient, EngineError
 from common.serving.http_errors import error_response, read_message
 from common.serving.messages import Abort, Generate, KVForcedRelease, PrefillSettled, Reserved, StreamEvent, Tokens
@@ -55,11 +54,11 @@ class DecodeStream:
             except PeerFailure as e:  # the stream says so; the router tries another prefill worker
                 if e.overloaded:
                     self.remote.overloaded.add(rid)
-                self.client.streams[rid].put_nowait(Tokens(rid, [], finish_reason="error", error=str(e)))
+                self.client.streams[rid].put_nowait(Tokens(rid, TokenLine(finish_reason="error", error=str(e))))
                 return
         self.peer = peer
         names = (peer.agent_name, peer.instance_id) if peer is not None else (None, None)
-        cmd = Generate(rid, gen.token_ids, gen.sampling.model_dump(), *names, timeout_s, self.trace.received)
+        cmd = Generate(rid, gen.token_ids, gen.sampling, *names, timeout_s, self.trace.received)
         try:
             await self.client.call(cmd)
         except BaseException as exc:
@@ -111,23 +110,22 @@ class DecodeStream:
                 continue
             if not isinstance(ev, Tokens):
                 continue
-            item = ev.stream_item()
-            if ev.finish_reason == "error" and not self.landed and ev.req_id in self.remote.overloaded:
-                item["overloaded"] = True  # its prefill worker was only too busy: the router's 429, not a 5xx
-            self.landed = self.landed or bool(ev.token_ids)
-            metrics.generated.inc(len(ev.token_ids))
-            if ev.cached_tokens is not None:
-                metrics.cached.inc(ev.cached_tokens)
-            if ev.finish_reason:
+            line = ev.line
+            if line.finish_reason == "error" and not self.landed and ev.req_id in self.remote.overloaded:
+                line = replace(line, overloaded=True)  # its prefill worker was only too busy: the router's 429
+            self.landed = self.landed or bool(line.token_ids)
+            metrics.generated.inc(len(line.token_ids))
+            metrics.cached.inc(line.cached_tokens)
+            if line.finish_reason:
                 self.finished = True
-                self.state.observe_finish(ev.finish_reason)
-            timeline = item.get("timeline")
+                self.state.observe_finish(line.finish_reason)
+            timeline = line.timeline
             if timeline is not None:  # the first tokens: the stages so far, passed on to the router
                 timeline.update(self.trace.stamps)
                 timeline["first_token_sent"] = time.time()
                 self.trace.stamps = timeline
                 metrics.engine.observe_decode_timeline(timeline)
-            yield (json.dumps(item) + "\n").encode()
+            yield encode(line) + b"\n"
 
     async def on_close(self) -> None:
         # However the response ended: streamed to its finish, or the caller gone at any moment (Starlette
@@ -166,7 +164,7 @@ def add_decode_routes(app: FastAPI, state: WorkerState) -> None:
 
     @app.post("/internal/generate")
     async def generate(request: Request) -> Response:
-        gen: GenerateRequest = await read_message(request, GenerateRequest)
+        gen = await read_message(request, GenerateRequest)
         if not state.ready:
             return error_response(503, "decode worker not ready", "unavailable", "not_ready")
         client = state.client
@@ -197,7 +195,7 @@ def add_decode_routes(app: FastAPI, state: WorkerState) -> None:
 
     @app.post("/internal/abort")
     async def abort(request: Request) -> Response:
-        ab: AbortRequest = await read_message(request, AbortRequest)
+        ab = await read_message(request, AbortRequest)
         assert state.client is not None
         state.client.cast(Abort(ab.req_id))
         return Response(status_code=204)

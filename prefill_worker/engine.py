@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.protocol import HandshakeRequest, KVNotice, PrefillRequest, SamplingParams
+from common.protocol import KVNotice, PrefillRequest, encode, replace
 from common.sched.kv_connector import FinishedTransfers, NullConnector
 from common.sched.request import Req
 from common.sched.scheduler import RequestRejected
@@ -31,6 +31,7 @@ from common.serving.messages import (
     PrefillDone,
     PrefillError,
     TransferCounts,
+    TransferFigures,
     TransferStats,
     Unanswered,
 )
@@ -112,7 +113,7 @@ class PrefillRole(NullConnector):
         return req_id in self.outbound
 
     def _add_peer(self, cmd: AddPeer) -> PeerAdded:
-        hs = HandshakeRequest.model_validate(cmd.handshake)
+        hs = cmd.handshake
         try:
             self.host.agent.add_peer(hs.agent_name, hs.instance_id, hs.agent_metadata_b64, hs.pool_info_b64, hs.layout)
         except LayoutMismatch as e:
@@ -121,7 +122,7 @@ class PrefillRole(NullConnector):
             raise Refused(str(e), "invalid_request") from None
         if self.rank_writes is not None:
             self.rank_writes.add_peer(hs)  # each follower's agent loads the peer too, before any post
-        return PeerAdded(self.host.agent.name, self.host.agent.instance_id, self.host.agent.layout.model_dump())
+        return PeerAdded(self.host.agent.name, self.host.agent.instance_id, self.host.agent.layout)
 
     def _transfer_stats(self, cmd: TransferStats) -> TransferCounts:
         states = [ob.transfer.state.value for ob in self.outbound.values()]
@@ -149,7 +150,7 @@ class PrefillRole(NullConnector):
                 self.cancelled[rid] = now
 
     def _take(self, cmd: Prefill) -> None:
-        pr = PrefillRequest.model_validate(cmd.request)
+        pr = cmd.request
         try:
             self._accept(pr, cmd.received)
             self.refused.pop(pr.req_id, None)  # an earlier copy's refusal is not this one's
@@ -175,7 +176,7 @@ class PrefillRole(NullConnector):
             return  # no such peer, or a live registration of the request owns its notice
         notice = KVNotice(req_id=cmd.req_id, outcome="closed", error="refused by the prefill worker's engine")
         try:
-            self.sender.send_notif(dest[0], notice.model_dump_json().encode(), expect_instance=dest[1])
+            self.sender.send_notif(dest[0], encode(notice), expect_instance=dest[1])
         except Exception as e:  # the peer is gone (or restarted): its pages are not ours to worry about
             log.info("closed notice for %s not sent: %s", cmd.req_id, e)
 
@@ -198,7 +199,7 @@ class PrefillRole(NullConnector):
         dst = torch.tensor(pr.dst_pages, dtype=torch.int64)
         if dst.numel() != -(-len(pr.token_ids) // self.host.page_size):
             raise Refused("dst_pages does not cover the prompt", "invalid_request")
-        sampling = SamplingParams.model_validate({**pr.sampling.model_dump(), "max_tokens": 1})
+        sampling = replace(pr.sampling, max_tokens=1)
         req = self.host.make_req(pr.req_id, pr.token_ids, sampling, received, prefill_only=True)
         try:
             self.host.enqueue(req)  # raises RequestRejected (-> a refusal) before anything is registered
@@ -258,7 +259,7 @@ class PrefillRole(NullConnector):
         src, dst = self._unsent(ob, len(ob.dst_pages)) or (empty, empty)
         try:
             # The last pages and the notice in one write where NIXL's ordering allows (RequestTransfer doc).
-            ob.transfer.post_final(src, dst, notice.model_dump_json().encode())
+            ob.transfer.post_final(src, dst, encode(notice))
         except TransferError:
             pass  # the session is given up; `tick` ends the request once its writes settled
         return True
@@ -300,19 +301,22 @@ class PrefillRole(NullConnector):
             self.host.outbox.append(PrefillError(rid, t.error or "transfer failed"))
 
     @staticmethod
-    def _transfer_figures(ob: Outbound) -> dict[str, object]:
+    def _transfer_figures(ob: Outbound) -> TransferFigures:
         """The landed transfer's figures for the control plane's histograms (common/serving/engine_metrics.py)."""
-        m = ob.transfer.timing()
-        m["peer"] = ob.transfer.peer
-        first, last, landed = m.pop("first_post"), m.pop("last_done"), m.pop("landed")
-        if first is not None and last is not None:
-            m["seconds"] = max(0.0, last - first)  # type: ignore[operator]
-        if landed is not None and ob.first_token_at is not None:
-            m["tail"] = max(0.0, landed - ob.first_token_at)  # type: ignore[operator]
+        t = ob.transfer.timing()
+        first, last, landed = t.first_post, t.last_done, t.landed
+        span = None
         if first is not None and landed is not None:  # wall clock, for the trace's transfer span
             to_wall = time.time() - time.monotonic()
-            m["span"] = [first + to_wall, landed + to_wall]  # type: ignore[operator]
-        return m
+            span = (first + to_wall, landed + to_wall)
+        return TransferFigures(
+            peer=ob.transfer.peer,
+            bytes=t.bytes,
+            writes=t.writes,
+            seconds=max(0.0, last - first) if first is not None and last is not None else None,
+            tail=max(0.0, landed - ob.first_token_at) if landed is not None and ob.first_token_at is not None else None,
+            span=span,
+        )
 
     def abort(self, req_id: str, reason: str, error: str | None) -> None:
         ob = self.outbound.get(req_id)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from msgspec.structs import asdict
 
 from common.managed_stream import ManagedStream
 from common.protocol import (
@@ -15,12 +15,12 @@ from common.protocol import (
     CancelTransfers,
     HandshakeRequest,
     HandshakeResponse,
-    KVLayoutInfo,
     PrefillProgress,
     PrefillRequest,
+    encode,
 )
 from common.serving.channel import ENGINE_TIMEOUT, EngineError
-from common.serving.http_errors import error_response, read_message
+from common.serving.http_errors import error_response, message_response, read_message
 from common.serving.messages import (
     Abort,
     AddPeer,
@@ -48,21 +48,18 @@ def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = Tru
 
     @app.post("/internal/handshake")
     async def handshake(request: Request) -> Response:
-        hs: HandshakeRequest = await read_message(request, HandshakeRequest)  # type: ignore[assignment]
+        hs = await read_message(request, HandshakeRequest)
         if not state.ready:
             return error_response(503, "prefill worker not ready", "unavailable", "not_ready")
         assert state.client is not None
-        added = await state.client.call(AddPeer(hs.model_dump()))
-        resp = HandshakeResponse(
-            agent_name=added.agent_name,
-            instance_id=added.instance_id,
-            layout=KVLayoutInfo.model_validate(added.layout),
+        added = await state.client.call(AddPeer(hs))
+        return message_response(
+            HandshakeResponse(agent_name=added.agent_name, instance_id=added.instance_id, layout=added.layout)
         )
-        return JSONResponse(resp.model_dump())
 
     @app.post("/internal/prefill")
     async def prefill(request: Request) -> Response:
-        pr: PrefillRequest = await read_message(request, PrefillRequest)  # type: ignore[assignment]
+        pr = await read_message(request, PrefillRequest)
         if not state.ready:
             return error_response(503, "prefill worker not ready", "unavailable", "not_ready")
         client = state.client
@@ -98,7 +95,7 @@ def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = Tru
                 client.cast(Abort(pr.req_id, error=abort))
 
         try:
-            await client.call(Prefill(pr.model_dump(), trace.received))
+            await client.call(Prefill(pr, trace.received))
         except EngineError as exc:
             end(None)
             if exc.code == ENGINE_TIMEOUT:
@@ -131,10 +128,10 @@ def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = Tru
                     state.metrics.cached.inc(ev.cached_tokens)
                     state.metrics.engine.observe_prefill_done(ev.timeline or {}, ev.transfer)
                     trace.stamps = ev.timeline or {}
-                    if ev.transfer and "span" in ev.transfer:
-                        trace.extra = [("kv transfer", *ev.transfer["span"])]
+                    if ev.transfer is not None and ev.transfer.span is not None:
+                        trace.extra = [("kv transfer", *ev.transfer.span)]
                     line = PrefillProgress(req_id=pr.req_id, done=True, descs=ev.descs, cached_tokens=ev.cached_tokens)
-                elif isinstance(ev, PrefillError) or (isinstance(ev, Tokens) and ev.finish_reason == "error"):
+                elif isinstance(ev, PrefillError) or (isinstance(ev, Tokens) and ev.line.finish_reason == "error"):
                     # A Tokens error: the engine exited (``retryable``, common/serving/channel.py) or failed the
                     # request. An exited engine writes nothing more and sends no notice: the line says so, and
                     # the decode side frees its pages on it.
@@ -142,11 +139,12 @@ def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = Tru
                     outcome = "abort" if pr.req_id in aborted else "error"
                     state.metrics.requests.labels(outcome=outcome).inc()
                     trace.stamps = {}
-                    exited = isinstance(ev, Tokens) and bool(ev.retryable)
-                    line = PrefillProgress(req_id=pr.req_id, error=ev.error or "prefill failed", engine_exited=exited)
+                    error = ev.error if isinstance(ev, PrefillError) else ev.line.error
+                    exited = isinstance(ev, Tokens) and ev.line.retryable
+                    line = PrefillProgress(req_id=pr.req_id, error=error or "prefill failed", engine_exited=exited)
                 else:
                     continue
-                yield (line.model_dump_json(include=set(line.model_fields_set)) + "\n").encode()
+                yield encode(line) + b"\n"
                 return
 
         async def on_close() -> None:
@@ -161,18 +159,18 @@ def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = Tru
 
         @app.post("/internal/abort")
         async def abort(request: Request) -> Response:
-            ab: AbortRequest = await read_message(request, AbortRequest)  # type: ignore[assignment]
+            ab = await read_message(request, AbortRequest)
             assert state.client is not None
             if ab.req_id in state.client.streams:
                 aborted.add(ab.req_id)
             state.client.cast(Abort(ab.req_id, error="aborted"))
-            return JSONResponse({"status": "ok"})
+            return Response(status_code=204)  # as on every role (decode_worker/routes.py)
 
     @app.post("/internal/cancel")
     async def cancel(request: Request) -> Response:
         """A decode worker gave these requests up (decode_worker/remote_prefill.py): those in flight here are
         aborted, the others refused should they arrive later; each one's exchange tells the decode side the rest."""
-        ct: CancelTransfers = await read_message(request, CancelTransfers)  # type: ignore[assignment]
+        ct = await read_message(request, CancelTransfers)
         assert state.client is not None
         aborted.update(rid for rid in ct.req_ids if rid in state.client.streams)
         await state.client.call(Cancel(ct.dst_agent, ct.dst_instance_id, ct.req_ids))
@@ -188,7 +186,7 @@ def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = Tru
         if state.alive and state.client is not None:
             try:
                 counts = await state.client.call(TransferStats(), timeout=5.0)
-                body["transfer"] = dataclasses.asdict(counts)
+                body["transfer"] = asdict(counts)
             except (EngineError, TimeoutError):
                 body["transfer"] = {}
         return JSONResponse(body)

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from common.protocol import TokenLine
 from router.detokenizer import IncrementalDetokenizer, StopMatcher
 from router.tokenizer import RouterTokenizer
-from router.upstream_event import UpstreamEvent
 
 __all__ = ["ChoiceDelta", "ChoiceState", "TokenInfo"]
 
@@ -62,7 +62,7 @@ class ChoiceState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def feed(self, ev: UpstreamEvent) -> ChoiceDelta:
+    def feed(self, ev: TokenLine) -> ChoiceDelta:
         """Consumes one worker event. After a finish (including a stop string found here) the caller
         closes the upstream stream and feeds nothing more."""
         if ev.prompt_tokens:
@@ -74,9 +74,10 @@ class ChoiceState:
         if self.want_logprobs and ids:
             lps = ev.logprobs or []
             for i, tid in enumerate(ids):
-                lp = lps[i] if i < len(lps) else {}
-                top = tuple((int(t), float(v)) for t, v in (lp.get("top") or ()))
-                delta.tokens.append(TokenInfo(int(tid), float(lp.get("logprob", 0.0)), top))
+                if i < len(lps):
+                    delta.tokens.append(TokenInfo(tid, lps[i].logprob, tuple(lps[i].top)))
+                else:
+                    delta.tokens.append(TokenInfo(tid, 0.0, ()))
         text = self.detok.push(ids)
         ended = ev.finish_reason is not None
         if ended:

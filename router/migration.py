@@ -22,11 +22,10 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from common.protocol import SamplingParams
+from common.protocol import SamplingParams, TokenLine, replace
 from router.dispatch import Dispatcher, PromptPlan
 from router.errors import OpenAIError
 from router.upstream import UpstreamCall
-from router.upstream_event import UpstreamEvent
 
 log = logging.getLogger("kvferry.router")
 
@@ -73,20 +72,20 @@ class MigratingCall:
         self.leg = UpstreamCall(dispatcher, req_id, plan, sampling)
         self.output_ids: list[int] = []  # every token received so far, over all legs
         self.migrations = 0
-        self._failure: UpstreamEvent | None = None  # a lost leg noticed by next_nowait, handled by next
+        self._failure: TokenLine | None = None  # a lost leg noticed by next_nowait, handled by next
         self._closed = False
 
-    async def start(self) -> UpstreamEvent:
+    async def start(self) -> TokenLine:
         """The first event (UpstreamCall.start: retried on other workers before any token)."""
         return self._seen(await self.leg.start())
 
-    def next_nowait(self) -> UpstreamEvent | None:
+    def next_nowait(self) -> TokenLine | None:
         if self._failure is not None:
             return None
         ev = self.leg.next_nowait()
         return None if ev is None else self._take(ev)
 
-    async def next(self) -> UpstreamEvent | None:
+    async def next(self) -> TokenLine | None:
         while not self._closed:
             if self._failure is not None:
                 failure, self._failure = self._failure, None
@@ -113,11 +112,11 @@ class MigratingCall:
         setattr(MIGRATIONS, outcome, getattr(MIGRATIONS, outcome) + 1)
         self.d.metrics.migrations.labels(outcome=outcome).inc()  # kvferry_router_migrations_total
 
-    def _seen(self, ev: UpstreamEvent) -> UpstreamEvent:
+    def _seen(self, ev: TokenLine) -> TokenLine:
         self.output_ids.extend(ev.token_ids)
         return ev
 
-    def _take(self, ev: UpstreamEvent) -> UpstreamEvent | None:
+    def _take(self, ev: TokenLine) -> TokenLine | None:
         """The event to hand on, or None when the leg was lost and the choice will migrate (tokens that
         came with the failure are handed on first)."""
         if ev.finish_reason != "error" or not ev.retryable:
@@ -128,18 +127,18 @@ class MigratingCall:
             return self._seen(ev)
         self._failure = ev
         if ev.token_ids:
-            return self._seen(UpstreamEvent(token_ids=ev.token_ids, logprobs=ev.logprobs))
+            return self._seen(TokenLine(token_ids=ev.token_ids, logprobs=ev.logprobs))
         return None
 
-    async def _migrate(self, failure: UpstreamEvent) -> UpstreamEvent:
+    async def _migrate(self, failure: TokenLine) -> TokenLine:
         lost = self.leg
         avoid = lost.decision.decode if lost.decision is not None else None
         await lost.aclose()  # closing the stream aborts the request on the old worker, if it still lives
         remaining = self.sampling.max_tokens - len(self.output_ids)
         if remaining <= 0:  # every token arrived, only the finish was lost
-            return UpstreamEvent(finish_reason="length")
+            return TokenLine(finish_reason="length")
         prompt = self.plan.token_ids + self.output_ids
-        sampling = self.sampling.model_copy(update={"max_tokens": remaining, "output_offset": len(self.output_ids)})
+        sampling = replace(self.sampling, max_tokens=remaining, output_offset=len(self.output_ids))
         plan = await self.d.plan(prompt)
         reason = failure.error or "worker lost"
         give_up_at = time.monotonic() + self.wait_s
@@ -176,9 +175,9 @@ class MigratingCall:
             first.cached_tokens = 0
             return self._take(first) or await self.next()
         if self._closed:  # the client left meanwhile: nobody reads this
-            return UpstreamEvent(finish_reason="abort")
+            return TokenLine(finish_reason="abort")
         self._count("failed")
-        return UpstreamEvent(
+        return TokenLine(
             finish_reason="error",
             error=f"{failure.error}; the request could not continue on another decode worker: {reason}",
         )

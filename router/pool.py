@@ -438,9 +438,6 @@ class WorkerPool:
                 return w.load.page_size
         return 16
 
-    def known_pods(self) -> list[str]:
-        return [w.pod for w in self.workers.values() if w.up and w.pod]
-
     def snapshot(self) -> list[dict[str, Any]]:
         return [
             {
@@ -449,6 +446,7 @@ class WorkerPool:
                 "pod": w.pod,
                 "up": w.up,
                 "stale": w.stale,
+                "poll_failures": w.failures,  # polls failed in a row
                 "inflight_requests": w.inflight_requests,
                 "inflight_tokens": w.inflight_tokens,
                 # the KV pages its last /load reported free (what admission reads), None before the first

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import anyio
 
+from common.protocol import TokenLine
 from common.slo import DEFAULT_SLO_SPEC, SloClasses, parse_slo_classes
 from router.choice import ChoiceDelta, ChoiceState, TokenInfo
 from router.dispatch import Dispatcher
@@ -43,7 +44,6 @@ from router.settings import RouterOptions
 from router.timeline import RequestRecord
 from router.tokenizer import ModelInfo, PromptTooLong, RouterTokenizer
 from router.tools import Tool, ToolCallStream, finish_reason_with_calls, parse_tool_calls
-from router.upstream_event import UpstreamEvent
 
 SLO_CLASS_HEADER = "x-kvferry-class"  # names the request's SLO class (else `priority`, else the default)
 
@@ -93,7 +93,7 @@ class RunningChoice:
     prompt_index: int
     call: MigratingCall
     state: ChoiceState
-    first: UpstreamEvent | None = None
+    first: TokenLine | None = None
     text: list[str] = field(default_factory=list)
     tokens: list[TokenInfo] = field(default_factory=list)
     offset: int = 0  # completions' text_offset of the next token

@@ -21,12 +21,11 @@ import time
 
 import anyio
 
-from common.protocol import GenerateRequest, SamplingParams
+from common.protocol import DecodeError, GenerateRequest, SamplingParams, TokenLine, decode, encode
 from router.dispatch import Dispatcher, PromptPlan
 from router.errors import OpenAIError, no_worker, rate_limited, upstream_failed
 from router.policy import RouteDecision
 from router.pool import Worker
-from router.upstream_event import UpstreamEvent, lost_event
 from router.upstream_status import Retry, WorkerAnswer, error_message, failure_for, retry_after_seconds
 from router.wire import ConnectError, Response, WireError
 
@@ -40,6 +39,11 @@ STALL_GRACE_S = 5.0  # after its worker is declared down, a live stream must sho
 # prefill on the decode worker once none is left, without using one up. MAX_ATTEMPTS bounds them all.
 DECODE_TRIES = 2
 MAX_ATTEMPTS = 4
+
+
+def lost_event(reason: str) -> TokenLine:
+    """The event a call ends with when only its worker was lost (router/migration.py continues the choice)."""
+    return TokenLine(finish_reason="error", error=reason, retryable=True)
 
 
 class UpstreamCall:
@@ -63,7 +67,7 @@ class UpstreamCall:
         self._streaming = False  # the first event is in: failures can no longer be retried
 
     # ---- lifecycle ---------------------------------------------------------------------------------
-    async def start(self, avoid_decode: str | None = None) -> UpstreamEvent:
+    async def start(self, avoid_decode: str | None = None) -> TokenLine:
         """Routes and returns the first event (with the first tokens, or a finish). Raises OpenAIError.
         ``avoid_decode``: a decode worker not to use (the one a migrated request left)."""
         exclude_d: set[str] = {avoid_decode} if avoid_decode else set()
@@ -125,7 +129,7 @@ class UpstreamCall:
         assert last is not None
         raise last
 
-    async def _attempt(self, decision: RouteDecision, attempt: int) -> UpstreamEvent:
+    async def _attempt(self, decision: RouteDecision, attempt: int) -> TokenLine:
         pool = self.d.pool
         dw = pool.workers.get(decision.decode)
         pw = pool.workers.get(decision.prefill) if decision.prefill else None
@@ -142,12 +146,14 @@ class UpstreamCall:
             pw.hold_prefill(self, now, len(self.plan.token_ids) - decision.prefill_matched_tokens)
         # Remember the placement before the worker publishes it (router/locality.py says why).
         self.d.locator.placed((pw or dw).pod, self.plan.block_hashes)
-        body = GenerateRequest(
-            req_id=self.req_id if attempt == 0 else f"{self.req_id}-retry{attempt}",
-            token_ids=self.plan.token_ids,
-            sampling=self.sampling,
-            prefill_url=pw.url if pw is not None else None,
-        ).model_dump_json()
+        body = encode(
+            GenerateRequest(
+                req_id=self.req_id if attempt == 0 else f"{self.req_id}-retry{attempt}",
+                token_ids=self.plan.token_ids,
+                sampling=self.sampling,
+                prefill_url=pw.url if pw is not None else None,
+            )
+        )
         blame_p = pw is not None
         record = self.plan.record
         headers = None
@@ -161,7 +167,7 @@ class UpstreamCall:
                 if self._killed:
                     deadline.reschedule(asyncio.get_running_loop().time())
                 url = f"{dw.url}/internal/generate"
-                self._resp = resp = await self.d.client.request("POST", url, body.encode(), headers=headers)
+                self._resp = resp = await self.d.client.request("POST", url, body, headers=headers)
                 if self._closed:  # abandoned while the request was under way: the response has no reader
                     self.abandon()
                     raise upstream_failed("the request was closed")
@@ -180,7 +186,7 @@ class UpstreamCall:
         except ConnectError as exc:
             pool.report_failure(dw, f"connect: {exc}", hard=not exc.timed_out)
             raise Retry(upstream_failed(f"decode worker unreachable: {exc}"), True, False) from None
-        except (WireError, ValueError) as exc:  # reset mid-response, bad JSON line
+        except (WireError, DecodeError) as exc:  # reset mid-response, a line that is no TokenLine
             raise Retry(upstream_failed(f"decode worker failed: {type(exc).__name__}: {exc}"), True, blame_p) from None
         finally:
             self._deadline = None
@@ -213,7 +219,7 @@ class UpstreamCall:
             dw.refused_not_ready()
         raise failure_for(WorkerAnswer(resp.status, code, message, retry_after, self._prefill is not None))
 
-    def next_nowait(self) -> UpstreamEvent | None:
+    def next_nowait(self) -> TokenLine | None:
         """The next event if it has already arrived, else None (never waits): what a caller that fell
         behind drains before writing, so one write carries every event it had."""
         resp = self._streaming_resp
@@ -223,11 +229,11 @@ class UpstreamCall:
             while (line := resp.line_nowait()) is not None:
                 if line.strip():
                     return self._event(line)
-        except ValueError as exc:
-            return lost_event(f"decode worker failed: {type(exc).__name__}: {exc}")
+        except DecodeError as exc:
+            return lost_event(f"decode worker sent a malformed line: {exc}")
         return None
 
-    async def next(self) -> UpstreamEvent | None:
+    async def next(self) -> TokenLine | None:
         """The next event, None at the end of the stream. Failures come back as an "error" finish."""
         if self._streaming_resp is None or self._closed:
             return None
@@ -243,15 +249,17 @@ class UpstreamCall:
         except TimeoutError:
             reason = f"{self._killed}; no token for {limit:g}s" if self._killed else f"no token for {limit:g}s"
             return lost_event(reason)
-        except (WireError, ValueError) as exc:
+        except WireError as exc:
             return lost_event(f"decode worker failed: {type(exc).__name__}: {exc}")
+        except DecodeError as exc:
+            return lost_event(f"decode worker sent a malformed line: {exc}")
         finally:
             self._deadline = None
         if ev is None:
             return lost_event("decode worker closed the stream without finishing")
         return ev
 
-    async def _read_event(self) -> UpstreamEvent | None:
+    async def _read_event(self) -> TokenLine | None:
         resp = self._streaming_resp
         assert resp is not None
         while (line := await resp.next_line()) is not None:
@@ -259,8 +267,8 @@ class UpstreamCall:
                 return self._event(line)
         return None
 
-    def _event(self, line: str) -> UpstreamEvent:
-        ev = UpstreamEvent.parse(line)
+    def _event(self, line: bytes) -> TokenLine:
+        ev = decode(line, TokenLine)
         if ev.finish_reason is not None:
             self._worker_finished = True
         # A worker streaming to us is alive, however late its load polls (router/pool.py).

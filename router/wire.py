@@ -140,7 +140,7 @@ class Response:
         """The whole body has been read."""
         return self._done or self._conn is None
 
-    def line_nowait(self) -> str | None:
+    def line_nowait(self) -> bytes | None:
         """The next complete line of the body if one is already here, else None (never waits)."""
         buf = self._buf
         nl = buf.find(b"\n")
@@ -148,9 +148,9 @@ class Response:
             return None
         line = bytes(buf[:nl])
         del buf[: nl + 1]
-        return line.decode()
+        return line
 
-    async def next_line(self) -> str | None:
+    async def next_line(self) -> bytes | None:
         """The next line of the body (without its line end); None at the end of the body."""
         while True:
             line = self.line_nowait()
@@ -162,11 +162,11 @@ class Response:
                 if self._buf:
                     rest = bytes(self._buf)
                     self._buf.clear()
-                    return rest.decode()
+                    return rest
                 return None
 
-    async def lines(self) -> AsyncIterator[str]:
-        """The body as text lines (without line ends), for NDJSON."""
+    async def lines(self) -> AsyncIterator[bytes]:
+        """The body's lines (without line ends), for NDJSON."""
         while (line := await self.next_line()) is not None:
             yield line
 

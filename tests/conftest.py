@@ -1,4 +1,5 @@
-"""Shared fixtures: one converted model, one engine and one transformers reference per test session."""
+"""Shared fixtures: one converted model, one engine, one transformers reference and one tiny random model per test
+session."""
 
 from __future__ import annotations
 
@@ -17,6 +18,14 @@ def smol_path():
     from common.default_model import convert_default_model
 
     return convert_default_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """A small random-weight llama (tests/test_scheduler.py `build_tiny_model`), read-only, shared."""
+    from tests.test_scheduler import build_tiny_model
+
+    return build_tiny_model()
 
 
 @pytest.fixture(scope="session")

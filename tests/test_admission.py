@@ -16,17 +16,9 @@ from typing import Any
 import httpx
 import pytest
 
-from common.devcluster.cluster import LocalCluster, start_local_cluster
-from tests.test_reliability import (
-    MODEL,
-    assert_openai_error,
-    router_workers,
-    sse_events,
-    wait_all_up,
-    wait_pages_back,
-    wait_until,
-    worker_urls,
-)
+from common.devcluster.cluster import LocalCluster
+from tests.helpers import assert_openai_error, running_cluster, wait_pages_back, wait_until
+from tests.test_reliability import MODEL, router_workers, sse_events, worker_urls
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -43,12 +35,8 @@ ENV = {
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    c = start_local_cluster(prefill=0, decode=1, env=ENV, ready_timeout_s=300)
-    try:
-        wait_all_up(c)
+    with running_cluster(prefill=0, decode=1, env=ENV) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def router_sees_pool_free(cluster: LocalCluster) -> bool:
@@ -59,10 +47,10 @@ def router_sees_pool_free(cluster: LocalCluster) -> bool:
 
 @pytest.fixture
 def idle(cluster: LocalCluster) -> Iterator[LocalCluster]:
-    wait_pages_back(worker_urls(cluster))
+    wait_pages_back(*worker_urls(cluster))
     wait_until(lambda: router_sees_pool_free(cluster), 30, "the router's view of a free pool")
     yield cluster
-    wait_pages_back(worker_urls(cluster), timeout=30)
+    wait_pages_back(*worker_urls(cluster), timeout=30)
 
 
 def chat_body(max_tokens: int, n: int = 1, stream: bool = False) -> dict[str, Any]:
@@ -166,7 +154,7 @@ def test_normal_request_runs_beside_any_mix_of_large_ones(idle: LocalCluster) ->
             h.release.set()
         for t in threads:
             t.join(60)
-    wait_pages_back(worker_urls(idle), timeout=30)
+    wait_pages_back(*worker_urls(idle), timeout=30)
 
 
 def test_large_request_is_admitted_again_once_the_pool_has_room(idle: LocalCluster) -> None:
@@ -182,7 +170,7 @@ def test_large_request_is_admitted_again_once_the_pool_has_room(idle: LocalClust
     finally:
         first.release.set()
         t.join(60)
-    wait_pages_back(worker_urls(idle), timeout=30)
+    wait_pages_back(*worker_urls(idle), timeout=30)
     wait_until(lambda: router_sees_pool_free(idle), 30, "the router's view of a free pool")
     again = HeldStream(chat_body(900, stream=True))
     t = threading.Thread(target=again.run, args=(idle.router_url,), daemon=True)

@@ -35,7 +35,8 @@ import httpx
 import pytest
 
 from common.net import free_port
-from tests.test_reliability import ENV, MODEL, long_prompt, sse_events, wait_pages_back, wait_until
+from tests.helpers import wait_pages_back, wait_until
+from tests.test_reliability import ENV, MODEL, long_prompt, sse_events
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -187,7 +188,7 @@ def test_killed_worker_is_restarted_and_requests_keep_being_answered(up: UpClust
     wait_until(c.all_up, 90, "the restarted worker back in routing", interval=0.2)
     assert c.proc.poll() is None, "kvferry up exited"
     assert "exited (code" in "".join(c.output)
-    wait_pages_back(c.urls())
+    wait_pages_back(*c.urls())
 
 
 def test_chaos_under_load(up: UpCluster) -> None:
@@ -244,7 +245,7 @@ def test_chaos_under_load(up: UpCluster) -> None:
         t.join(30)
     wall = time.monotonic() - t0
     wait_until(c.all_up, 120, "every killed worker back", interval=0.2)
-    wait_pages_back(c.urls(), timeout=30)
+    wait_pages_back(*c.urls(), timeout=30)
     stats = c.stats()
     after = stats["migrations"]
     latencies = sorted(r["seconds"] for _, r in results)

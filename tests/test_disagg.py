@@ -9,13 +9,13 @@ import time
 import httpx
 import pytest
 
+from tests.helpers import wait_pages_back
 from tests.workers import (
     generate,
     generate_body,
     give_up_during_remote_prefill,
     run_concurrently,
     start_worker,
-    wait_pages_back,
     wait_ready,
 )
 

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from tests.workers import WorkerProc, generate, start_worker, wait_pages_back, wait_ready
+from tests.helpers import wait_pages_back
+from tests.workers import WorkerProc, generate, start_worker, wait_ready
 
 pytestmark = pytest.mark.timeout(300)
 

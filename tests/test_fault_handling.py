@@ -14,6 +14,7 @@ import pytest
 from common.devcluster.process import ManagedProcess, wait_ready
 from common.devcluster.supervisor import Supervisor
 from common.net import free_port
+from common.protocol import SamplingParams
 from common.serving.channel import ENGINE_TIMEOUT, EngineClient, EngineError
 from common.serving.messages import Generate, Stop, Tokens
 
@@ -24,7 +25,7 @@ def test_an_unanswered_engine_call_is_a_retryable_engine_error_not_a_timeout() -
         client = EngineClient(ours, asyncio.get_running_loop(), lambda _m: None)
         try:
             with pytest.raises(EngineError) as info:
-                await client.call(Generate("r", [1], {}), timeout=0.2)
+                await client.call(Generate("r", [1], SamplingParams()), timeout=0.2)
             return info.value
         finally:
             theirs.close()
@@ -48,7 +49,7 @@ def test_engine_exit_ends_open_streams_with_a_retryable_error() -> None:
         return msg
 
     msg = asyncio.run(run())
-    assert isinstance(msg, Tokens) and msg.finish_reason == "error" and msg.retryable is True
+    assert isinstance(msg, Tokens) and msg.line.finish_reason == "error" and msg.line.retryable is True
 
 
 # A part that exits with code 3 on its first `fail_runs` starts (counted in a file), then serves /ready.

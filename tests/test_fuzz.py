@@ -27,8 +27,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import TypeAdapter, ValidationError
 
-from common.devcluster.cluster import LocalCluster, start_local_cluster
-from tests.test_reliability import assert_openai_error, wait_pages_back
+from common.devcluster.cluster import LocalCluster
+from tests.helpers import assert_openai_error, running_cluster, wait_pages_back
 from tests.workers import prefill_layout, prefill_request
 
 pytestmark = pytest.mark.timeout(300)
@@ -50,15 +50,14 @@ def _count(kind: str) -> None:
 # ---- the shared cluster --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    c = start_local_cluster(prefill=1, decode=1, env=ENV, ready_timeout_s=300)
     try:
-        yield c
-        # Whatever was thrown at them, the workers are alive, hold no request and no page.
-        for url in c.prefill_urls + c.decode_urls:
-            assert httpx.get(f"{url}/health", timeout=5).status_code == 200, url
-        wait_pages_back(c.prefill_urls + c.decode_urls)
+        with running_cluster(prefill=1, decode=1, env=ENV, wait_up=False) as c:
+            yield c
+            # Whatever was thrown at them, the workers are alive, hold no request and no page.
+            for url in c.prefill_urls + c.decode_urls:
+                assert httpx.get(f"{url}/health", timeout=5).status_code == 200, url
+            wait_pages_back(*c.prefill_urls, *c.decode_urls)
     finally:
-        c.stop()
         print(f"\ninputs tried: {sum(INPUTS.values())} {dict(sorted(INPUTS.items()))}")
 
 
@@ -562,7 +561,7 @@ def test_internal_handshake_and_prefill_with_a_real_nixl_peer(cluster: LocalClus
     assert last.get("done") is True, r.text
     assert pool.kv[1:3].abs().sum() > 0 and pool.kv[0].abs().sum() == 0  # the KV landed where we asked
     agent.close()
-    wait_pages_back([p])
+    wait_pages_back(p)
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.protocol import SamplingParams
+from common.protocol import SamplingParams, replace
 from common.settings_registry import ITL_TARGET_AUTO
 
 CUDA = torch.cuda.is_available()
@@ -138,8 +138,8 @@ def test_overlap_scheduler_matches_sync_on_cpu(tiny_dirs):
     # Stop tokens picked from the middle of two outputs: those requests finish while a step is in flight.
     stop = {0: sync[0][0][5], 4: sync[4][0][3]}
     params = _mixed_params(6, [17, 30, 9], stop)
-    params[3] = params[3].model_copy(update=dict(presence_penalty=0.5, frequency_penalty=0.3))
-    params[5] = params[5].model_copy(update=dict(repetition_penalty=1.3))
+    params[3] = replace(params[3], presence_penalty=0.5, frequency_penalty=0.3)
+    params[5] = replace(params[5], repetition_penalty=1.3)
     expected = _generate(_engine(runner, None), prompts, params)
     assert expected[0][1] == "stop" and expected[4][1] == "stop"
     for overlap in (True, False):
@@ -554,8 +554,8 @@ def test_overlap_with_graphs_matches_sync_on_gpu(tiny_dirs, kind):
     prompts = _prompts(7, seed=5)
     params = _mixed_params(7, [25, 40, 11])
     # Penalty rows beside plain ones: their history and counts are kept and read on the device.
-    params[3] = params[3].model_copy(update=dict(presence_penalty=0.5, frequency_penalty=0.3))
-    params[4] = params[4].model_copy(update=dict(repetition_penalty=1.3))
+    params[3] = replace(params[3], presence_penalty=0.5, frequency_penalty=0.3)
+    params[4] = replace(params[4], repetition_penalty=1.3)
     expected = _generate(_engine(runner, None), prompts, params)
     assert _generate(_engine(runner, True), prompts, params) == expected
     assert _generate(_engine(runner, False), prompts, params) == expected

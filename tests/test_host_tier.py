@@ -32,8 +32,9 @@ from common.protocol import SamplingParams
 from common.settings import SchedulerConfig
 from router.locality import saved_blocks
 from tests.engine_helpers import assert_pool_clean, fresh_engine
-from tests.test_scheduler import PAGE, VOCAB, prompts, tiny_model  # noqa: F401  (tiny_model: a fixture)
-from tests.workers import generate, start_worker, wait_pages_back, wait_ready
+from tests.helpers import wait_pages_back
+from tests.test_scheduler import PAGE, prompts
+from tests.workers import generate, start_worker, wait_ready
 
 PS = 4
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=2, page_size=PS, dtype=torch.float32)

@@ -8,21 +8,15 @@ Tiny random model on the CPU (tests/test_scheduler.py), every step driven by han
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from common.engine.model import DecoderModel
 from common.kv.integrity import page_ledger_violations
 from common.protocol import SamplingParams
-from common.sched.kv_connector import FinishedTransfers, KVArrival, NullConnector
+from common.sched.kv_connector import ConnectorSet, FinishedTransfers, KVArrival, NullConnector, combined
 from common.sched.request import Req, ReqState
 from common.sched.scheduler import Scheduler, SchedulerConfig
-from tests.test_scheduler import PAGE, build_tiny_model, make_engine, prompts
-
-
-@pytest.fixture(scope="module")
-def tiny_model() -> DecoderModel:
-    return build_tiny_model()
+from tests.test_scheduler import PAGE, make_engine, prompts
 
 
 def scheduler(model: DecoderModel, connector: NullConnector | None = None, num_pages: int = 64) -> Scheduler:
@@ -199,6 +193,85 @@ def test_held_pages_come_back_on_abort_and_when_the_transfer_finishes(tiny_model
     decode.abort("c")
     assert own_pages(decode) == 0 and ledger(decode, []) == []
     assert decode.runner.page_table.num_free_rows == decode.max_running and not decode.held
+
+
+class Holder(NullConnector):
+    """A prefill role in miniature: answers for its own (``prefill_only``) requests only, holding their pages
+    once prefilled until the test releases them; records every ask."""
+
+    def __init__(self) -> None:
+        self.chunks: list[tuple[str, int, int]] = []
+        self.prefilled: list[str] = []
+        self.done = FinishedTransfers()
+
+    def chunk_done(self, req: Req, start: int, end: int) -> None:
+        self.chunks.append((req.req_id, start, end))
+
+    def prefill_done(self, req: Req) -> bool:
+        self.prefilled.append(req.req_id)
+        return req.prefill_only
+
+    def aborted(self, req: Req) -> bool:
+        return req.prefill_only
+
+    def reserved(self, req: Req, pages: list[int]) -> None:
+        raise AssertionError(f"{req.req_id} was reserved for by the connector that did not list it")
+
+    def finished(self) -> FinishedTransfers | None:
+        done, self.done = self.done, FinishedTransfers()
+        return done
+
+
+def test_a_connector_set_asks_every_connector_and_routes_each_answer_to_its_own(tiny_model: DecoderModel) -> None:
+    """A mixed worker's scheduler asks both of its roles (common/sched/kv_connector.py ``ConnectorSet``): chunks
+    are told to every one, pages are held when one of them holds them, a reservation goes to the role that
+    listed it, and the transfers both report finished in one settle: one request joins the batch, the other's
+    held pages come back."""
+    assert isinstance(combined([]), NullConnector)
+    one = Holder()
+    assert combined([one]) is one
+    holder, receiver = Holder(), Receiver()
+    both = combined([holder, receiver])
+    assert isinstance(both, ConnectorSet) and both.finished() is None  # nothing finished: nothing to hand on
+    sched = scheduler(tiny_model, both)  # type: ignore[arg-type]
+    p_prompt, d_prompt = prompts(83, [100, 40])
+    preq = Req(req_id="for-peer", prompt_ids=p_prompt, sampling=SamplingParams(max_tokens=1), prefill_only=True)
+    dreq = Req(req_id="from-peer", prompt_ids=d_prompt, sampling=SamplingParams(max_tokens=6, ignore_eos=True))
+    receiver.waiting.append(dreq)
+    sched.add(preq)
+    assert sched.settle_transfers() == []
+    assert dreq.state is ReqState.AWAITING_KV and list(receiver.pages) == ["from-peer"]  # the lister's, only
+
+    while not holder.prefilled:
+        sched.step()
+    assert holder.chunks == [("for-peer", 0, 64), ("for-peer", 64, 100)]  # every connector is told each chunk
+    assert preq.finished and preq.pages and ledger(sched, [preq]) == []  # held: one connector said so
+    held = list(preq.pages)
+
+    # Both report in the same turn: one merged answer.
+    receiver.done.arrived.append(KVArrival("from-peer", 7, None, 0))
+    holder.done.released.append("for-peer")
+    [event] = sched.settle_transfers()
+    assert event.req is dreq and event.tokens == [7] and dreq.state is ReqState.RUNNING
+    # Its pages are back: the prompt's full ones in the prefix cache, the rest free.
+    assert preq.pages == [] and ledger(sched, []) == [] and own_pages(sched) == len(dreq.pages)
+    assert sched.cache is not None and sched.cache.cached_pages == 100 // PAGE
+    assert bool(sched.allocator.is_free(torch.tensor(held[100 // PAGE :])).all())
+    while sched.has_work():
+        sched.step()
+        assert ledger(sched, []) == []
+    assert len(dreq.output_ids) == 6 and own_pages(sched) == 0
+
+    # An abort is asked of every connector: the one whose request it is holds its pages.
+    again = Req(
+        req_id="again", prompt_ids=prompts(84, [150])[0], sampling=SamplingParams(max_tokens=1), prefill_only=True
+    )
+    sched.add(again)
+    sched.step()  # its first chunk of three
+    assert sched.abort("again") is not None and again.pages and ledger(sched, [again]) == []
+    holder.done.released.append("again")
+    sched.settle_transfers()
+    assert own_pages(sched) == 0 and ledger(sched, []) == []
 
 
 # The scheduler's surface for the code that serves it: the loop, the connector's settling, the snapshot.

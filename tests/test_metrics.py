@@ -19,8 +19,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.devcluster.cluster import LocalCluster, start_local_cluster
+from common.devcluster.cluster import LocalCluster
 from common.observability.timeline import STAGES
+from tests.helpers import running_cluster
 from tests.otlp_collector import OtlpCollector
 
 MODEL = "smollm2-135m-instruct"
@@ -60,13 +61,10 @@ def collector() -> Iterator[OtlpCollector]:
 
 @pytest.fixture(scope="module")
 def cluster(collector: OtlpCollector) -> Iterator[LocalCluster]:
-    c = start_local_cluster(
-        prefill=1, decode=1, env={**ENV, "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url}, ready_timeout_s=300
-    )
-    try:
+    with running_cluster(
+        prefill=1, decode=1, env={**ENV, "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url}, wait_up=False
+    ) as c:
         yield c
-    finally:
-        c.stop()
 
 
 # One client for every request: a new httpx client builds its TLS context first (tens of ms on a busy CI box),
@@ -291,10 +289,12 @@ def test_transfer_speed_is_never_taken_from_an_untimed_write() -> None:
     from prometheus_client import CollectorRegistry
 
     from common.serving.engine_metrics import EngineMetrics
+    from common.serving.messages import TransferFigures
 
     m = EngineMetrics(CollectorRegistry())
     # 1 GB in 0.5 s (2 GB/s), a write that completed inside its post call (0 s: nothing measured), no bytes.
-    m.observe_prefill_done({}, {"bytes": 10**9, "seconds": 0.5, "writes": [[10**9, 0.5], [4096, 0.0], [0, 0.1]]})
+    figures = TransferFigures("decode-d", 10**9, [(10**9, 0.5), (4096, 0.0), (0, 0.1)], seconds=0.5)
+    m.observe_prefill_done({}, figures)
     snap = samples_of(m.speed)
     assert snap[("kvferry_kv_transfer_speed_gb_per_s_count", ())] == 1
     assert snap[("kvferry_kv_transfer_speed_gb_per_s_sum", ())] == pytest.approx(2.0)

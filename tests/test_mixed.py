@@ -16,19 +16,14 @@ import httpx
 import pytest
 
 from common.config import RouterConfig
-from common.devcluster.cluster import LocalCluster, start_local_cluster
+from common.devcluster.cluster import LocalCluster
 from common.slo import DEFAULT_SLO_SPEC
 from router.discovery import StaticDiscovery
 from router.server_thread import ServerThread
 from router.settings import RouterOptions
 from router.tokenizer import ModelInfo, RouterTokenizer
-from tests.workers import (
-    generate,
-    give_up_during_remote_prefill,
-    run_concurrently,
-    start_router_thread,
-    wait_pages_back,
-)
+from tests.helpers import engine_pid, running_cluster, wait_pages_back
+from tests.workers import generate, give_up_during_remote_prefill, run_concurrently, start_router_thread
 
 MODEL = "smollm2-135m-instruct"
 CHUNK = 64
@@ -59,11 +54,8 @@ class Worker:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    c = start_local_cluster(prefill=1, decode=1, mixed=2, env=ENV, ready_timeout_s=300)
-    try:
+    with running_cluster(prefill=1, decode=1, mixed=2, env=ENV, wait_up=False) as c:
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture(scope="module")
@@ -269,7 +261,7 @@ def test_mixed_engine_killed_mid_stream_stream_moves_and_the_worker_heals(
     """kill -9 of a mixed worker's engine process only (its control plane lives): the stream moves to the
     other mixed worker with the fault-free text, and the worker starts a new engine by itself and is routed
     to again within 30 s (docs/reliability.md, Engine restart)."""
-    from tests.test_reliability import _back_by_itself, _engine_pid
+    from tests.test_reliability import _back_by_itself
 
     a, b, _, _ = fleet
     router = _side_router_over(cluster, smol_path, [a.url, b.url])
@@ -280,7 +272,7 @@ def test_mixed_engine_killed_mid_stream_stream_moves_and_the_worker_heals(
         t, out, victim_url = _stream_on_one_of(router.url, body, (a.url, b.url))
         victim = next(p for p in cluster.workers if p.url == victim_url)
         assert victim.proc is not None
-        engine = _engine_pid(victim.proc.pid)
+        engine = engine_pid(victim.proc.pid)
         os.kill(engine, signal.SIGKILL)
         killed = time.monotonic()
         t.join(90)

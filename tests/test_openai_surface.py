@@ -15,9 +15,10 @@ import jsonschema
 import openai
 import pytest
 
-from common.devcluster.cluster import LocalCluster, start_local_cluster
+from common.devcluster.cluster import LocalCluster
 from router.tokenizer import RouterTokenizer
 from router.tools import NamedToolChoice, Tool, ToolCallStream, parse_tool_calls
+from tests.helpers import running_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
@@ -158,11 +159,8 @@ def test_tool_history_renders_through_a_template_without_tool_support(smol_path)
 # ---- the cluster ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    c = start_local_cluster(prefill=1, decode=1, env=ENV, ready_timeout_s=300)
-    try:
+    with running_cluster(prefill=1, decode=1, env=ENV, wait_up=False) as c:
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture(scope="module")

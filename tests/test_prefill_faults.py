@@ -19,19 +19,16 @@ import httpx
 import pytest
 
 from common.devcluster.cluster import LocalCluster, start_local_cluster
+from tests.helpers import assert_openai_error, load, running_cluster, wait_pages_back, wait_until
 from tests.test_reliability import (
     ENV,
     MODEL,
-    assert_openai_error,
-    load,
     long_prompt,
     metric,
     part_for,
     restart,
     router_says_up,
     wait_all_up,
-    wait_pages_back,
-    wait_until,
     worker_urls,
 )
 
@@ -78,12 +75,8 @@ def _answered_or_429(threads: list[threading.Thread], out: list[httpx.Response |
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    c = start_local_cluster(prefill=2, decode=1, env=ENV, ready_timeout_s=300)
-    try:
-        wait_all_up(c)
+    with running_cluster(prefill=2, decode=1, env=ENV) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def test_kill9_prefill_control_process_mid_prefill_gives_no_5xx(cluster: LocalCluster) -> None:
@@ -91,7 +84,7 @@ def test_kill9_prefill_control_process_mid_prefill_gives_no_5xx(cluster: LocalCl
     seen: list[list[int]] = []
     for _ in range(ROUNDS):
         wait_all_up(c)
-        wait_pages_back(worker_urls(c), timeout=60)
+        wait_pages_back(*worker_urls(c), timeout=60)
         threads, out = _burst(c)
         victim_url = wait_until(
             lambda: next((u for u in c.prefill_urls if load(u)["running_requests"]), None),
@@ -107,7 +100,7 @@ def test_kill9_prefill_control_process_mid_prefill_gives_no_5xx(cluster: LocalCl
     assert any(200 in s for s in seen), seen  # the survivors served, not just refused
     print(f"\nstatuses per round: {seen}")
     wait_all_up(c)
-    wait_pages_back(worker_urls(c), timeout=60)
+    wait_pages_back(*worker_urls(c), timeout=60)
 
 
 def test_prefill_engines_answering_too_late_give_no_5xx() -> None:
@@ -124,7 +117,7 @@ def test_prefill_engines_answering_too_late_give_no_5xx() -> None:
         assert 200 in statuses, statuses
         print(f"\nstatuses: {statuses}")
         # Nothing is left held, on the workers that answered late either.
-        wait_pages_back(worker_urls(c), timeout=60)
+        wait_pages_back(*worker_urls(c), timeout=60)
     finally:
         c.stop()
 
@@ -157,4 +150,4 @@ def test_local_prefill_is_given_back_when_a_prefill_worker_is_back(cluster: Loca
     assert isinstance(r, httpx.Response) and r.status_code == 200, r
     after = {u: metric(u, "kvferry_requests_total", '{outcome="done"}') for u in c.prefill_urls}
     assert any(after[u] > done[u] for u in c.prefill_urls), "the prompt stayed on the decode worker"
-    wait_pages_back(worker_urls(c), timeout=60)
+    wait_pages_back(*worker_urls(c), timeout=60)

@@ -31,20 +31,13 @@ from tests.conftest_redis import (
     start_redis,
     stop_redis,
 )
+from tests.helpers import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 BS = 16
 
 tokens_st = st.lists(st.integers(min_value=0, max_value=2**31 - 1), max_size=200)
 block_st = st.integers(min_value=1, max_value=8)
-
-
-def wait_until(cond: Callable[[], bool], timeout_s: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def new_model() -> str:

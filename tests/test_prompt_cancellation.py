@@ -17,9 +17,10 @@ from typing import Any
 import httpx
 import pytest
 
-from common.devcluster.cluster import LocalCluster, start_local_cluster
-from tests.test_reliability import MODEL, _raw_post, completion, load, long_prompt, wait_all_up, wait_until
-from tests.workers import generate_body, start_worker, wait_pages_back, wait_ready
+from common.devcluster.cluster import LocalCluster
+from tests.helpers import load, running_cluster, wait_pages_back, wait_until
+from tests.test_reliability import MODEL, _raw_post, completion, long_prompt
+from tests.workers import generate_body, start_worker, wait_ready
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -36,12 +37,8 @@ ENV = {
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = start_local_cluster(prefill=1, decode=1, env=ENV, ready_timeout_s=300)
-    try:
-        wait_all_up(c)
+    with running_cluster(prefill=1, decode=1, env=ENV) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def held(c: LocalCluster) -> dict[str, dict[str, Any]]:

@@ -33,9 +33,10 @@ import openai
 import pytest
 import redis
 
-from common.devcluster.cluster import LocalCluster, start_local_cluster
+from common.devcluster.cluster import LocalCluster
 from common.devcluster.process import ManagedProcess, kvferry_argv, wait_ready
 from common.net import free_port
+from tests.helpers import assert_openai_error, engine_pid, load, running_cluster, wait_pages_back, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -53,52 +54,13 @@ ENV = {
 FAULTS_SURVIVED: list[str] = []
 
 
-# ---- helpers (also used by tests/test_soak.py and tests/test_fuzz.py) --------------------------------
+# ---- helpers of the cluster tests (shared ones: tests/helpers.py) --------------------------------
 def worker_urls(cluster: LocalCluster) -> list[str]:
     return [w.url for w in cluster.workers if w.url]
 
 
 def part_for(cluster: LocalCluster, url: str) -> ManagedProcess:
     return next(p for p in cluster.parts if p.url == url)
-
-
-def load(url: str) -> dict[str, Any]:
-    return httpx.get(f"{url}/load", timeout=5).json()
-
-
-def wait_until(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while True:
-        try:
-            last = pred()
-        except httpx.HTTPError as e:
-            last = e
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout:g}s waiting for {what}: {last!r}") from None
-            time.sleep(interval)
-            continue
-        if last:
-            return last
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(interval)
-
-
-def wait_pages_back(urls: list[str], timeout: float = 15.0) -> float:
-    """Every worker has all its KV pages free and nothing running; returns how long that took."""
-    t0 = time.monotonic()
-    deadline = t0 + timeout
-    while True:
-        loads = {u: load(u) for u in urls}
-        if all(
-            ld["free_pages"] == ld["total_pages"] > 0 and ld["running_requests"] == 0 and ld["waiting_requests"] == 0
-            for ld in loads.values()
-        ):
-            return time.monotonic() - t0
-        if time.monotonic() > deadline:
-            raise AssertionError(f"KV pages not returned within {timeout:g}s: {loads}")
-        time.sleep(0.05)
 
 
 def abort_times(urls: list[str], timeout: float) -> dict[str, float]:
@@ -136,15 +98,6 @@ def metric(url: str, name: str, labels: str = "") -> float:
             if head == name + labels or (not labels and head.split("{")[0] == name):
                 total += float(value)
     return total
-
-
-def assert_openai_error(body: Any) -> dict[str, Any]:
-    assert isinstance(body, dict) and isinstance(body.get("error"), dict), body
-    err = body["error"]
-    assert isinstance(err.get("message"), str) and err["message"], body
-    assert isinstance(err.get("type"), str) and err["type"], body
-    assert set(err) >= {"message", "type", "param", "code"}, body
-    return err
 
 
 def long_prompt(words: int = 300) -> str:
@@ -195,12 +148,10 @@ def assert_serving(cluster: LocalCluster) -> None:
 # ---- the shared cluster --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    c = start_local_cluster(prefill=2, decode=2, env=ENV, ready_timeout_s=300)
     try:
-        wait_all_up(c)
-        yield c
+        with running_cluster(prefill=2, decode=2, env=ENV) as c:
+            yield c
     finally:
-        c.stop()
         print(f"\nfaults survived: {len(FAULTS_SURVIVED)} ({', '.join(FAULTS_SURVIVED)})")
 
 
@@ -214,9 +165,9 @@ def healthy(cluster: LocalCluster) -> Iterator[LocalCluster]:
             else:
                 restart(p)
     wait_all_up(cluster)
-    wait_pages_back(worker_urls(cluster))
+    wait_pages_back(*worker_urls(cluster))
     yield cluster
-    wait_pages_back(worker_urls(cluster))
+    wait_pages_back(*worker_urls(cluster))
 
 
 def _busy(urls: list[str], min_running: int = 1) -> str | None:
@@ -273,7 +224,7 @@ def test_kill9_prefill_worker_mid_transfer_then_restart_on_same_address(healthy:
     assert r.json()["usage"]["completion_tokens"] >= 1
     assert out["seconds"] < 60, out
     survivors = [u for u in worker_urls(c) if u != victim_url]
-    wait_pages_back(survivors)
+    wait_pages_back(*survivors)
     assert_serving(c)
     wait_until(lambda: not router_says_up(c, victim_url), 10, "router marks the dead prefill worker down")
     FAULTS_SURVIVED.append("kill -9 prefill mid-transfer")
@@ -398,7 +349,7 @@ def test_kill9_decode_worker_mid_stream_streams_continue_unchanged(healthy: Loca
     migrated = router_workers(c)["migrations"]
     assert migrated["succeeded"] > before["succeeded"] and migrated["failed"] == before["failed"], migrated
     survivors = [u for u in worker_urls(c) if u != victim_url]
-    wait_pages_back(survivors)
+    wait_pages_back(*survivors)
     assert_serving(c)  # the other decode worker carries on (the dead one is routed around)
     wait_until(lambda: not router_says_up(c, victim_url), 10, "router marks the dead decode worker down")
     # Restarted on its address (a new NIXL agent under the same name): disaggregated requests through it
@@ -413,15 +364,6 @@ def test_kill9_decode_worker_mid_stream_streams_continue_unchanged(healthy: Loca
             break
     assert metric(victim_url, "kvferry_generated_tokens_total") > before, "nothing went through the restarted decode"
     FAULTS_SURVIVED.append("kill -9 decode mid-stream")
-
-
-def _engine_pid(worker_pid: int) -> int:
-    """The worker's engine process: its multiprocessing child (not the resource tracker)."""
-    kids: list[int] = []
-    for task in Path(f"/proc/{worker_pid}/task").iterdir():
-        kids += [int(k) for k in (task / "children").read_text().split()]
-    (engine,) = [k for k in kids if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
-    return engine
 
 
 ENGINE_BACK_S = 30.0  # a worker whose engine died serves again within this, by itself (docs/reliability.md)
@@ -440,7 +382,7 @@ def _back_by_itself(c: LocalCluster, victim: ManagedProcess, engine: int, killed
     )
     took = time.monotonic() - killed
     assert victim.alive() and victim.proc.pid == worker_pid  # nothing restarted the worker itself
-    assert _engine_pid(worker_pid) != engine
+    assert engine_pid(worker_pid) != engine
     assert metric(victim.url, "kvferry_engine_restarts_total") == 1 + ENGINE_RESTARTS.get(victim.name, 0)
     ENGINE_RESTARTS[victim.name] = ENGINE_RESTARTS.get(victim.name, 0) + 1
     wait_until(lambda: router_says_up(c, victim.url or ""), 10, "the router routes to it again")
@@ -466,7 +408,7 @@ def test_decode_engine_exit_mid_stream_continues_elsewhere(healthy: LocalCluster
         text = "".join(next(events)["choices"][0]["text"] for _ in range(3))  # type: ignore[index]
         victim = part_for(c, wait_until(lambda: _busy(c.decode_urls), 10, "the decode worker streaming"))
         assert victim.proc is not None
-        engine = _engine_pid(victim.proc.pid)
+        engine = engine_pid(victim.proc.pid)
         os.kill(engine, signal.SIGKILL)
         killed = time.monotonic()
         for ev in events:
@@ -490,7 +432,7 @@ def test_prefill_engine_exit_mid_prefill_is_retried_and_restarted(healthy: Local
     t, out, victim_url = _long_prefill_under_way(c)
     victim = part_for(c, victim_url)
     assert victim.proc is not None
-    engine = _engine_pid(victim.proc.pid)
+    engine = engine_pid(victim.proc.pid)
     os.kill(engine, signal.SIGKILL)
     killed = time.monotonic()
     t.join(90)
@@ -541,7 +483,7 @@ def test_stream_that_cannot_continue_ends_with_an_error_event_and_done(healthy: 
     finally:
         router.stop()
     assert victim is not None
-    wait_pages_back([u for u in worker_urls(c) if u != victim.url])
+    wait_pages_back(*[u for u in worker_urls(c) if u != victim.url])
     restart(victim)
     FAULTS_SURVIVED.append("stream that cannot continue ends with an error event")
 
@@ -578,7 +520,7 @@ def test_kill9_router_mid_stream(healthy: LocalCluster) -> None:
                 pass
         assert time.monotonic() - t0 < 10
     # The workers notice the dropped stream by themselves and free the request: pages back on all.
-    took = wait_pages_back(worker_urls(c), timeout=10)
+    took = wait_pages_back(*worker_urls(c), timeout=10)
     assert took < 5, took
     restart(c.router)
     wait_all_up(c)
@@ -622,7 +564,7 @@ def test_router_replica_keeps_serving_when_the_other_is_killed(healthy: LocalClu
         assert text == expected.json()["choices"][0]["text"]
         again = httpx.post(f"{replica.url}/v1/completions", json={**body, "max_tokens": 8}, timeout=60)
         assert again.status_code == 200
-        wait_pages_back(worker_urls(c), timeout=15)
+        wait_pages_back(*worker_urls(c), timeout=15)
     finally:
         replica.stop()
         restart(c.router)
@@ -688,7 +630,7 @@ def test_client_disconnect_mid_stream_aborts_on_both_workers(healthy: LocalClust
         pass  # the client hangs up here, mid-stream
     took = abort_times(worker_urls(c), timeout=5)  # the response is closed: the connection is gone
     assert max(took.values()) < 1.5, f"abort took {took}"
-    wait_pages_back(worker_urls(c))
+    wait_pages_back(*worker_urls(c))
     # The worker counts what it finished by outcome, what the caller gave up on included.
     wait_until(lambda: _count_outcome(c.decode_urls, "abort") == aborted + 1, 5, "the abort counted")
     FAULTS_SURVIVED.append("client disconnect mid-stream")
@@ -730,7 +672,7 @@ def test_client_disconnect_mid_prefill_aborts_on_both_workers(healthy: LocalClus
     took = abort_times(worker_urls(c), timeout=5)
     assert max(took.values()) < 1.5, f"abort took {took}"
     # Pages the prefill pod might still have been writing are held back briefly on the decode pod.
-    wait_pages_back(worker_urls(c))
+    wait_pages_back(*worker_urls(c))
     # Both workers count the request they gave up as aborted (the prefill one's is a prefill-only request).
     for role, urls in (("decode", c.decode_urls), ("prefill", c.prefill_urls)):
         want = aborted[role] + 1
@@ -847,7 +789,7 @@ def test_abort_the_client_did_not_ask_for_ends_its_stream_with_an_error(healthy:
                     assert a.status_code < 300, a.text
     assert done and not finishes, finishes
     assert len(errors) == 1 and "aborted" in assert_openai_error({"error": errors[0]})["message"], errors
-    wait_pages_back(worker_urls(c))
+    wait_pages_back(*worker_urls(c))
     assert_serving(c)
 
 
@@ -874,7 +816,7 @@ def test_decode_worker_contacts_only_its_prefill_peers(healthy: LocalCluster) ->
             listener.accept()  # the decode worker never called it
     finally:
         listener.close()
-    wait_pages_back(worker_urls(c))
+    wait_pages_back(*worker_urls(c))
     assert_serving(c)
 
 
@@ -918,7 +860,7 @@ def test_sigstopped_decode_worker_is_routed_around(healthy: LocalCluster) -> Non
             assert_serving(c)
             assert time.monotonic() - t1 < 20
         others = [u for u in worker_urls(c) if u != victim_url]
-        wait_pages_back(others)
+        wait_pages_back(*others)
     finally:
         _stop_group(victim, signal.SIGCONT)
     wait_until(lambda: router_says_up(c, victim_url), 15, "the worker back up after SIGCONT")
@@ -968,7 +910,7 @@ def test_frozen_prefill_engine_is_given_up_for_lack_of_progress(healthy: LocalCl
     t, out, victim_url = _long_prefill_under_way(c)
     victim = part_for(c, victim_url)
     assert victim.proc is not None
-    engine = _engine_pid(victim.proc.pid)
+    engine = engine_pid(victim.proc.pid)
     os.kill(engine, signal.SIGSTOP)
     try:
         t.join(90)

@@ -21,13 +21,16 @@ import pytest
 import redis
 
 from common.config import RouterConfig
-from common.devcluster.cluster import LocalCluster, start_local_cluster
+from common.devcluster.cluster import LocalCluster
 from common.net import free_port
+from common.prefix.hashing import chained_block_hashes
+from common.prefix.scripts import IndexKeys
 from common.settings import HttpLimits
 from router.discovery import StaticDiscovery
 from router.server_thread import ServerThread
 from router.settings import RouterOptions
 from router.tokenizer import ModelInfo, RouterTokenizer
+from tests.helpers import load, running_cluster, wait_until
 from tests.workers import start_router_thread
 
 MODEL = "smollm2-135m-instruct"
@@ -131,11 +134,8 @@ def test_kvferry_up_without_redis_says_how_to_install() -> None:
 # ---- the shared cluster --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    c = start_local_cluster(prefill=2, decode=1, env=ENV, ready_timeout_s=300)
-    try:
+    with running_cluster(prefill=2, decode=1, env=ENV, wait_up=False) as c:
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture(scope="module")
@@ -269,10 +269,7 @@ def test_error_cases_needing_other_router_settings(cluster: LocalCluster, tok: R
         return ServerThread(app, limits=limits).start()
 
     with router("sekrit", cluster.decode_urls, HttpLimits(max_body_bytes=2048)) as s:
-        for _ in range(100):
-            if httpx.get(f"{s.url}/ready").status_code == 200:
-                break
-            time.sleep(0.1)
+        wait_until(lambda: httpx.get(f"{s.url}/ready").status_code == 200, 10, "the side router ready")
         bad = openai.OpenAI(base_url=f"{s.url}/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             bad.chat.completions.create(model=MODEL, messages=FRANCE)
@@ -294,6 +291,15 @@ def test_error_cases_needing_other_router_settings(cluster: LocalCluster, tok: R
 
 
 # ---- prefix routing --------------------------------------------------------------------------------
+def _published(cluster: LocalCluster, worker_url: str, token_ids: list[int]) -> bool:
+    """The Redis prefix index (common/prefix/scripts.py) lists every full block of ``token_ids`` under the
+    worker's pod: what the router's locality lookup reads."""
+    ld = load(worker_url)
+    keys = IndexKeys(MODEL)
+    with redis.Redis.from_url(cluster.redis_url) as r:
+        return all(r.sismember(keys.block(h), ld["pod"]) for h in chained_block_hashes(token_ids, ld["page_size"]))
+
+
 def _system_prompt(topic: str) -> str:
     return (f"You are an expert on {topic}. Answer briefly, precisely and politely. " * 30).strip()
 
@@ -335,12 +341,14 @@ def test_default_router_prefills_on_the_decode_pod_holding_the_prefix(
         discovery=StaticDiscovery(cluster.prefill_urls, cluster.decode_urls),
     )
     with ServerThread(app) as s:
-        for _ in range(100):
-            if httpx.get(f"{s.url}/ready").status_code == 200 and all(
-                w["up"] for w in httpx.get(f"{s.url}/router/workers").json()["workers"]
-            ):
-                break
-            time.sleep(0.1)
+        wait_until(
+            lambda: (
+                httpx.get(f"{s.url}/ready").status_code == 200
+                and all(w["up"] for w in httpx.get(f"{s.url}/router/workers").json()["workers"])
+            ),
+            10,
+            "the side router ready with every worker up",
+        )
         c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0, timeout=180)
         system = _system_prompt("zoology")
         cached = []
@@ -348,7 +356,9 @@ def test_default_router_prefills_on_the_decode_pod_holding_the_prefix(
             msgs = [{"role": "system", "content": system}, {"role": "user", "content": q}]
             r = c.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=4)
             cached.append(r.usage.prompt_tokens_details.cached_tokens)
-            time.sleep(1.0)  # the decode pod publishes what it holds in batches; give it a moment
+            # The decode pod publishes what it holds in batches: the next request is placed once it has.
+            ids = tok.encode_chat(msgs)
+            wait_until(lambda ids=ids: _published(cluster, cluster.decode_urls[0], ids), 30, "its blocks published")
         decisions = httpx.get(f"{s.url}/router/workers").json()["decisions"]
     assert decisions.get("disaggregated") == 1 and decisions.get("decode-holds-prefix") == 2, decisions
     assert cached[0] == 0 and min(cached[1:]) > 400, cached
@@ -539,18 +549,20 @@ def test_a_worker_too_busy_to_answer_its_polls_is_not_declared_down(
         during: dict[str, httpx.Response] = {}
         os.kill(part.proc.pid, signal.SIGSTOP)
         try:
-            deadline = time.monotonic() + 10
-            while not _decode_entry(s.url)["stale"]:
-                assert time.monotonic() < deadline, "polls of a frozen worker never failed"
-                time.sleep(0.05)
+            wait_until(lambda: _decode_entry(s.url)["stale"], 10, "polls of the frozen worker failing")
             sender = threading.Thread(
                 target=lambda: during.setdefault(
                     "r", httpx.post(f"{s.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
                 )
             )
             sender.start()
-            time.sleep(2.5)
-            decode = _decode_entry(s.url)
+            # More polls failed in a row than down_after_failures, the new request waiting on the worker: it
+            # stays up while it was heard from within down_after_s.
+            decode = wait_until(
+                lambda: (e := _decode_entry(s.url))["poll_failures"] > 3 and e["inflight_requests"] == 2 and e,
+                10,
+                "polls of the frozen worker failing with the new request placed on it",
+            )
             assert decode["up"] and decode["stale"], decode
         finally:
             os.kill(part.proc.pid, signal.SIGCONT)
@@ -559,10 +571,7 @@ def test_a_worker_too_busy_to_answer_its_polls_is_not_declared_down(
         assert chunks[-1].choices[0].finish_reason == "length"
         sender.join(60)
         assert during["r"].status_code == 200, during["r"].text
-        deadline = time.monotonic() + 10
-        while _decode_entry(s.url)["stale"]:
-            assert time.monotonic() < deadline, "the worker answering again is not fresh again"
-            time.sleep(0.05)
+        wait_until(lambda: not _decode_entry(s.url)["stale"], 10, "the worker answering again fresh again")
 
 
 def _decode_entry(router_url: str) -> dict:

@@ -14,6 +14,7 @@ from router.locality import RecentPlacements
 from router.policy import DecodeCandidate, PolicyConfig, PrefillCandidate, RoutingPolicy
 from router.settings import RouterOptions
 from router.tokenizer import ModelInfo, PromptTooLong, RouterTokenizer
+from tests.helpers import assert_openai_error
 
 MULTILINGUAL = [
     "Hello, world!",
@@ -198,10 +199,11 @@ COMP = "/v1/completions"
 MSG = [{"role": "user", "content": "hi"}]
 
 
-def assert_openai_error(r, status: int, param: str | None = None, code: str | None = None) -> dict:
+def assert_error_answer(r, status: int, param: str | None = None, code: str | None = None) -> dict:
+    """The response is an OpenAI-shaped error of ``status`` (with ``param`` and ``code`` when given)."""
     assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    err = assert_openai_error(r.json())
+    assert set(err) == {"message", "type", "param", "code"}
     assert err["type"] == ("invalid_request_error" if status < 500 and status != 429 else err["type"])
     if param is not None:
         assert err["param"] == param
@@ -246,16 +248,16 @@ def assert_openai_error(r, status: int, param: str | None = None, code: str | No
     ],
 )
 def test_bad_parameters_are_400(client, path: str, body: dict, param: str | None) -> None:
-    err = assert_openai_error(client.post(path, json=body), 400)
+    err = assert_error_answer(client.post(path, json=body), 400)
     if param is not None:
         assert err["param"] == param
 
 
 def test_bad_json_is_400_not_422(client) -> None:
     r = client.post(CHAT, content=b"{not json", headers={"content-type": "application/json"})
-    assert_openai_error(r, 400)
+    assert_error_answer(r, 400)
     r = client.post(CHAT, content=b"[1, 2]", headers={"content-type": "application/json"})
-    assert_openai_error(r, 400)
+    assert_error_answer(r, 400)
 
 
 def _counts(client, name: str) -> dict[tuple[tuple[str, str], ...], float]:
@@ -324,32 +326,32 @@ def test_unknown_fields_are_ignored(client) -> None:
     # Valid apart from unknown fields: passes validation and reaches routing (503: no workers here).
     body = {"messages": MSG, "max_tokens": 4, "logit_bias": {"1": 2}, "user": "u", "tools": [], "frobnicate": 1}
     r = client.post(CHAT, json=body)
-    err = assert_openai_error(r, 503)
+    err = assert_error_answer(r, 503)
     assert err["code"] == "service_unavailable"
     assert r.headers["retry-after"] == "1"  # a worker coming back (an engine restart) takes seconds
 
 
 def test_unknown_model_is_404(client) -> None:
-    assert_openai_error(client.post(CHAT, json={"model": "gpt-7", "messages": MSG}), 404, "model", "model_not_found")
-    assert_openai_error(client.get("/v1/models/gpt-7"), 404, "model", "model_not_found")
+    assert_error_answer(client.post(CHAT, json={"model": "gpt-7", "messages": MSG}), 404, "model", "model_not_found")
+    assert_error_answer(client.get("/v1/models/gpt-7"), 404, "model", "model_not_found")
     assert client.get("/v1/models/smollm2-135m-instruct").json()["id"] == "smollm2-135m-instruct"
 
 
 def test_context_length_is_checked_before_routing(client) -> None:
     # No worker is up, yet the answer is 400: the check needs none.
     r = client.post(COMP, json={"prompt": "hello", "max_tokens": 8192})
-    assert_openai_error(r, 400, "prompt", "context_length_exceeded")
+    assert_error_answer(r, 400, "prompt", "context_length_exceeded")
     long_chat = [{"role": "user", "content": "word " * 9000}]
-    assert_openai_error(client.post(CHAT, json={"messages": long_chat}), 400, "messages", "context_length_exceeded")
+    assert_error_answer(client.post(CHAT, json={"messages": long_chat}), 400, "messages", "context_length_exceeded")
 
 
 def test_body_too_large_is_413(client) -> None:
     r = client.post(COMP, json={"prompt": "x" * 70_000})
-    assert_openai_error(r, 413, code="request_too_large")
+    assert_error_answer(r, 413, code="request_too_large")
 
 
 def test_no_worker_is_503_and_not_ready(client) -> None:
-    assert_openai_error(client.post(COMP, json={"prompt": "hi", "max_tokens": 2}), 503)
+    assert_error_answer(client.post(COMP, json={"prompt": "hi", "max_tokens": 2}), 503)
     r = client.get("/ready")
     assert r.status_code == 503 and r.json()["workers"] == {"prefill": 0, "decode": 0, "mixed": 0}
     assert client.get("/health").status_code == 200
@@ -358,8 +360,8 @@ def test_no_worker_is_503_and_not_ready(client) -> None:
 def test_models_and_unknown_route(client) -> None:
     data = client.get("/v1/models").json()
     assert data["object"] == "list" and data["data"][0]["id"] == "smollm2-135m-instruct"
-    assert_openai_error(client.get("/v1/nope"), 404)
-    assert_openai_error(client.get(CHAT), 405)
+    assert_error_answer(client.get("/v1/nope"), 404)
+    assert_error_answer(client.get(CHAT), 405)
 
 
 def test_auth_and_router_queue_limit(router_tok: RouterTokenizer, smol_path) -> None:
@@ -377,14 +379,14 @@ def test_auth_and_router_queue_limit(router_tok: RouterTokenizer, smol_path) -> 
         use_redis=False,
     )
     with TestClient(app) as c:
-        assert_openai_error(c.get("/v1/models"), 401, code="invalid_api_key")
+        assert_error_answer(c.get("/v1/models"), 401, code="invalid_api_key")
         r = c.post(CHAT, json={"messages": MSG}, headers={"Authorization": "Bearer wrong"})
-        assert_openai_error(r, 401)
+        assert_error_answer(r, 401)
         assert c.get("/health").status_code == 200  # probes need no key
         ok = {"Authorization": "Bearer sekret"}
         assert c.get("/v1/models", headers=ok).status_code == 200
         r = c.post(CHAT, json={"messages": MSG}, headers=ok)
-        err = assert_openai_error(r, 429)
+        err = assert_error_answer(r, 429)
         assert err["type"] == "rate_limit_error" and r.headers["retry-after"] == "3"
 
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pydantic import ValidationError
+from msgspec import ValidationError
 
 from common.engine.sampling import SamplingBatch, adjust_logits, sample, token_counts, uniform_noise
-from common.protocol import MAX_TOP_LOGPROBS, SamplingParams
+from common.protocol import MAX_TOP_LOGPROBS, SamplingParams, convert, replace
 from tests.engine_helpers import assert_pool_clean, fresh_engine
 
 CPU = torch.device("cpu")
@@ -279,9 +279,9 @@ def test_logit_bias_bans_forces_and_stays_per_request():
     tokens = sample(logits[:1].expand(64, -1).contiguous(), _batch(hot, vocab=4)).tokens
     assert set(tokens.tolist()) <= {2, 3}
     with pytest.raises(ValidationError):
-        SamplingParams(logit_bias={1: 101.0})
+        convert({"logit_bias": {1: 101.0}}, SamplingParams)
     with pytest.raises(ValidationError):
-        SamplingParams(logit_bias={-1: 1.0})
+        convert({"logit_bias": {-1: 1.0}}, SamplingParams)
 
 
 def test_min_tokens_masks_eos_and_stop_ids_until_reached():
@@ -358,7 +358,7 @@ def test_seeded_request_reproducible_alone_in_batch_and_across_engines(smol_runn
     again = engine.generate([target], SEEDED)[0]
     assert again.cached_tokens > 0 and again.output_ids == alone
     # A different seed draws a different continuation.
-    other_seed = engine.generate([target], SEEDED.model_copy(update={"seed": 43}))[0].output_ids
+    other_seed = engine.generate([target], replace(SEEDED, seed=43))[0].output_ids
     assert other_seed != alone
     assert_pool_clean(engine)
     # And on another fresh engine. (Engines over one runner share its KV pool, so an engine must not be used
@@ -372,9 +372,9 @@ def test_seeded_request_reproducible_alone_in_batch_and_across_engines(smol_runn
 def test_top_logprobs_validation():
     assert SamplingParams(top_logprobs=MAX_TOP_LOGPROBS).top_logprobs == 20
     with pytest.raises(ValidationError):
-        SamplingParams(top_logprobs=21)
+        convert({"top_logprobs": 21}, SamplingParams)
     with pytest.raises(ValidationError):
-        SamplingParams(top_logprobs=-1)
+        convert({"top_logprobs": -1}, SamplingParams)
 
 
 def test_logprobs_match_transformers(smol_runner, hf_smol, smol_tokenizer):

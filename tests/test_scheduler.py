@@ -26,11 +26,6 @@ VOCAB = 512
 PAGE = 16
 
 
-@pytest.fixture(scope="module")
-def tiny_model() -> DecoderModel:
-    return build_tiny_model()
-
-
 def build_tiny_model() -> DecoderModel:
     cfg = ModelConfig(
         model_type="llama",

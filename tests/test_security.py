@@ -15,7 +15,8 @@ import httpx
 import openai
 import pytest
 
-from common.devcluster.cluster import LocalCluster, start_local_cluster
+from common.devcluster.cluster import LocalCluster
+from tests.helpers import assert_openai_error, running_cluster
 from tests.test_k8s_manifests import (
     NAMESPACE,
     TARGETS,
@@ -29,7 +30,7 @@ from tests.test_k8s_manifests import (
     role_deployments,
     selector_matches,
 )
-from tests.test_reliability import assert_openai_error, metric
+from tests.test_reliability import metric
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
@@ -86,11 +87,8 @@ def cluster() -> Iterator[LocalCluster]:
         "KVFERRY_REDIS_PASSWORD": REDIS_PASSWORD,  # the cluster's own redis-server requires it
         "KVFERRY_ROUTER_DISAGG_MIN_PROMPT_TOKENS": "16",  # the prompts here go through the prefill worker
     }
-    c = start_local_cluster(prefill=1, decode=1, api_key=SECRET, env=env)
-    try:
+    with running_cluster(prefill=1, decode=1, api_key=SECRET, env=env, wait_up=False) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def _assert_401(r: httpx.Response) -> None:

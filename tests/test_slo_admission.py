@@ -18,7 +18,7 @@ from common.config import RouterConfig
 from router.discovery import StaticDiscovery
 from router.settings import RouterOptions
 from router.tokenizer import ModelInfo, RouterTokenizer
-from tests.test_reliability import assert_openai_error, wait_until
+from tests.helpers import assert_openai_error, wait_until
 from tests.workers import WorkerProc, generate, start_router_thread, start_worker, wait_ready
 
 pytestmark = pytest.mark.timeout(600)

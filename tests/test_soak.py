@@ -27,9 +27,9 @@ from typing import Any
 import httpx
 import pytest
 
-from common.devcluster.cluster import LocalCluster, start_local_cluster
+from common.devcluster.cluster import LocalCluster
 from common.serving.engine_host import IDLE_TRIM_S
-from tests.test_reliability import wait_pages_back
+from tests.helpers import running_cluster, wait_pages_back
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -83,11 +83,8 @@ def memory(cluster: LocalCluster) -> dict[str, float]:
 # ---- the cluster ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    c = start_local_cluster(prefill=1, decode=1, env=ENV, ready_timeout_s=300)
-    try:
+    with running_cluster(prefill=1, decode=1, env=ENV, wait_up=False) as c:
         yield c
-    finally:
-        c.stop()
 
 
 # ---- the load ------------------------------------------------------------------------------------
@@ -250,7 +247,7 @@ def test_soak_nothing_lost_nothing_leaked(cluster: LocalCluster) -> None:
     # the memory baseline: growth over the soak itself is what a leak would show.
     warm = asyncio.run(soak(cluster, 2 * CONCURRENCY, CONCURRENCY, seed=1))
     assert not warm.problems, warm.problems[:5]
-    wait_pages_back(urls, timeout=30)
+    wait_pages_back(*urls, timeout=30)
     time.sleep(IDLE_TRIM_S + 1.0)  # idle engines hand the allocator's free memory back (engine_host.py)
     before = memory(cluster)
 
@@ -259,7 +256,7 @@ def test_soak_nothing_lost_nothing_leaked(cluster: LocalCluster) -> None:
     wall = time.monotonic() - t0
 
     # Everything is back: no request left on a worker, every page free, nothing admitted in the router.
-    pages_back_s = wait_pages_back(urls, timeout=30)
+    pages_back_s = wait_pages_back(*urls, timeout=30)
     router = httpx.get(f"{cluster.router_url}/router/workers", timeout=5).json()
     time.sleep(IDLE_TRIM_S + 1.0)
     after = memory(cluster)

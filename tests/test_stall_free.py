@@ -17,13 +17,7 @@ from common.sched.request import Req
 from common.sched.scheduler import Scheduler, SchedulerConfig
 from common.settings_registry import ITL_TARGET_AUTO, ITL_TARGET_SLO
 from tests.engine_helpers import assert_pool_clean
-from tests.test_scheduler import PAGE, ChunkLog, build_tiny_model, check_invariants, make_engine, prompts
-
-
-@pytest.fixture(scope="module")
-def tiny_model() -> DecoderModel:
-    return build_tiny_model()
-
+from tests.test_scheduler import PAGE, ChunkLog, check_invariants, make_engine, prompts
 
 # A target far below any step: the budget beside decoding is its floor, so chunks are small and many.
 TINY_TARGET_MS = 1e-3
@@ -150,12 +144,11 @@ def test_every_step_advances_every_running_request_while_a_prompt_prefills(
     assert steps >= len(chunks)
 
 
-def test_waiting_prompts_go_by_class_deadline_not_arrival() -> None:
+def test_waiting_prompts_go_by_class_deadline_not_arrival(tiny_model: DecoderModel) -> None:
     """A batch prompt queued first and an interactive one queued after it: the interactive one is prefilled first
     (its TTFT deadline is earlier), the batch one right after, and both complete with every page back."""
-    tiny = build_tiny_model()
     log = ChunkLog()
-    sched = scheduler(tiny, TINY_TARGET_MS, overlap=False, connector=log)
+    sched = scheduler(tiny_model, TINY_TARGET_MS, overlap=False, connector=log)
     running = Req(req_id="d", prompt_ids=prompts(51, [9])[0], sampling=SamplingParams(max_tokens=60, ignore_eos=True))
     sched.add(running)
     while not sched.running:

@@ -17,14 +17,8 @@ from common.engine.tp import TPShard
 from common.offline import Engine
 from common.protocol import SamplingParams
 from common.settings import RunnerConfig, SchedulerConfig
-from tests.workers import (
-    generate,
-    give_up_during_remote_prefill,
-    run_concurrently,
-    start_worker,
-    wait_pages_back,
-    wait_ready,
-)
+from tests.helpers import wait_pages_back
+from tests.workers import generate, give_up_during_remote_prefill, run_concurrently, start_worker, wait_ready
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 CHUNK = 64  # KVFERRY_MAX_PREFILL_TOKENS of the test workers (tests/workers.py)

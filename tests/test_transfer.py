@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from common.kv.pool import KVLayout, KVPool
-from common.protocol import KVLayoutInfo
+from common.protocol import KVLayoutInfo, decode, encode, replace
 from common.transfer.agent import KVTransferAgent, PeerError
 from common.transfer.descs import PoolInfo, page_runs, pool_infos_from_b64, pool_infos_to_b64, run_descs
 from common.transfer.layout import LAYOUT_VERSION, LayoutMismatch, check_compatible, layout_info
@@ -49,7 +49,7 @@ def _handshake(agent: KVTransferAgent) -> dict[str, str]:
         "instance_id": agent.instance_id,
         "metadata_b64": agent.metadata_b64(),
         "pool_info_b64": agent.pool_info_b64(),
-        "layout": agent.layout.model_dump_json(),
+        "layout": encode(agent.layout).decode(),
     }
 
 
@@ -59,7 +59,7 @@ def _add_peer(agent: KVTransferAgent, hs: dict[str, str]) -> None:
         hs["instance_id"],
         hs["metadata_b64"],
         hs["pool_info_b64"],
-        KVLayoutInfo.model_validate_json(hs["layout"]),
+        decode(hs["layout"], KVLayoutInfo),
     )
 
 
@@ -277,9 +277,9 @@ def test_layout_mismatch_is_refused(field: str, local_kwargs: dict[str, Any], kw
 
 def test_check_compatible_names_every_field() -> None:
     a = layout_info(KVPool(_layout(), 2), MODEL)
-    b = a.model_copy(update={"head_dim": 32, "dtype": "bfloat16", "model_id": "other", "tp_size": 2})
-    check_compatible(a, a.model_copy())
-    check_compatible(a, a.model_copy(update={"tp_size": 2}))  # ranks are matched per head range instead
+    b = replace(a, head_dim=32, dtype="bfloat16", model_id="other", tp_size=2)
+    check_compatible(a, replace(a))
+    check_compatible(a, replace(a, tp_size=2))  # ranks are matched per head range instead
     with pytest.raises(LayoutMismatch) as exc:
         check_compatible(a, b)
     assert set(exc.value.fields) == {"head_dim", "dtype", "model_id"}

@@ -20,12 +20,13 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.test_reliability import _engine_pid
+from tests.helpers import assert_openai_error, engine_pid, engine_pipe_queued, wait_pages_back, wait_until
 from tests.workers import (
     WorkerProc,
     generate,
@@ -34,7 +35,6 @@ from tests.workers import (
     prefill_request,
     run_concurrently,
     start_worker,
-    wait_pages_back,
     wait_ready,
 )
 
@@ -241,9 +241,15 @@ def test_malformed_notice_fails_one_request_and_the_engine_keeps_serving(
         assert events[-1]["finish_reason"] == "error" and "malformed" in events[-1]["error"], events[-1]
         bystander.join(60)
         assert out["tokens"] == expected  # the request running beside it was untouched
-        # The misbehaving peer may still write into the failed request's pages: they stay held while it lives.
-        time.sleep(1.0)
-        assert d.load()["free_pages"] < d.load()["total_pages"]
+        # The misbehaving peer may still write into the failed request's pages: they stay held while it lives,
+        # however many turns the engine takes (each one polls the request's transfer session).
+        turns = d.load()["loop_turns"]
+        later = wait_until(
+            lambda: (ld := d.load())["loop_turns"] >= turns + 200 and ld["running_requests"] == 0 and ld,
+            30,
+            "200 engine turns with nothing running",
+        )
+        assert later["free_pages"] < later["total_pages"]
     finally:
         bad.kill()
         bad.join(10)
@@ -277,25 +283,19 @@ def test_a_request_cancelled_before_it_arrived_is_refused(pair: tuple[WorkerProc
     assert _writes_in_flight(p) == 0
 
 
-def test_a_second_copy_of_a_live_prefill_leaves_the_first_alone(
-    pair: tuple[WorkerProc, WorkerProc], smol_tokenizer: Any
-) -> None:
-    """This process is a decode agent of its own (a small pool) with a prefill registered on the peer, its writes
-    landing late. A second copy of it to the same agent is refused 409 duplicate_request; the decode worker's
-    request under the same id is refused as another worker's (nothing registered for it: it fails at once, with
-    no new handshake, its pages back). The first exchange keeps its stream and ends with its KV in our pool."""
+@contextmanager
+def _own_decode_agent(p: WorkerProc, tag: str) -> Iterator[tuple[Any, Any, dict[str, Any]]]:
+    """This process as a decode agent of its own (a small KV pool, a NIXL agent) handshaken with the prefill
+    worker ``p``: (agent, pool, layout)."""
     import torch
 
     from common.kv.pool import KVLayout, KVPool
     from common.transfer.agent import KVTransferAgent
 
-    p, d = pair
-    generate(d, _prompt(smol_tokenizer, 20, "warm"), p, max_tokens=2)  # the decode worker knows the peer
-    handshakes = _metric(d, "kvferry_kv_handshake_seconds_count")
     layout = prefill_layout(p.url)
     dims = (layout["num_layers"], layout["num_kv_heads"], layout["head_dim"], layout["page_size"])
     pool = KVPool(KVLayout(*dims, getattr(torch, layout["dtype"])), 8)
-    agent = KVTransferAgent(f"dup-{uuid.uuid4().hex[:8]}", pool, model_id=layout["model_id"])
+    agent = KVTransferAgent(f"{tag}-{uuid.uuid4().hex[:8]}", pool, model_id=layout["model_id"])
     try:
         hs = {
             "agent_name": agent.name,
@@ -305,6 +305,22 @@ def test_a_second_copy_of_a_live_prefill_leaves_the_first_alone(
             "layout": layout,
         }
         assert httpx.post(f"{p.url}/internal/handshake", json=hs, timeout=10).status_code == 200
+        yield agent, pool, layout
+    finally:
+        agent.close()
+
+
+def test_a_second_copy_of_a_live_prefill_leaves_the_first_alone(
+    pair: tuple[WorkerProc, WorkerProc], smol_tokenizer: Any
+) -> None:
+    """This process is a decode agent of its own (a small pool) with a prefill registered on the peer, its writes
+    landing late. A second copy of it to the same agent is refused 409 duplicate_request; the decode worker's
+    request under the same id is refused as another worker's (nothing registered for it: it fails at once, with
+    no new handshake, its pages back). The first exchange keeps its stream and ends with its KV in our pool."""
+    p, d = pair
+    generate(d, _prompt(smol_tokenizer, 20, "warm"), p, max_tokens=2)  # the decode worker knows the peer
+    handshakes = _metric(d, "kvferry_kv_handshake_seconds_count")
+    with _own_decode_agent(p, "dup") as (agent, pool, layout):
         ids = _prompt(smol_tokenizer, 60, "twice")
         pages = list(range(-(-len(ids) // layout["page_size"])))
         first = prefill_request(agent, ids, pages, 30)
@@ -320,9 +336,40 @@ def test_a_second_copy_of_a_live_prefill_leaves_the_first_alone(
         assert lines[-1].get("done") is True, lines
         assert pool.kv[: len(pages)].abs().sum() > 0  # the first copy's KV landed where it asked
         assert _metric(d, "kvferry_kv_handshake_seconds_count") == handshakes
-    finally:
-        agent.close()
     wait_pages_back(p, d)
+
+
+def test_a_request_id_live_for_one_decode_agent_is_refused_to_another(
+    pair: tuple[WorkerProc, WorkerProc], smol_tokenizer: Any
+) -> None:
+    """Two decode agents of this process, both handshaken with the prefill worker: while the first one's prefill
+    is live there (its writes land late), the same request id from the second is refused 409 request_id_in_use,
+    an OpenAI-shaped error, with nothing registered for it (no write reaches its pool); the first exchange ends
+    done, its KV in its own pool."""
+    p, _ = pair
+    with (
+        _own_decode_agent(p, "first") as (first, first_pool, layout),
+        _own_decode_agent(p, "second") as (
+            second,
+            second_pool,
+            _,
+        ),
+    ):
+        ids = _prompt(smol_tokenizer, 60, "in-use")
+        pages = list(range(-(-len(ids) // layout["page_size"])))
+        body = prefill_request(first, ids, pages, 30)
+        other = {**prefill_request(second, ids, pages, 30), "req_id": body["req_id"]}
+        with httpx.stream("POST", f"{p.url}/internal/prefill", json=body, timeout=httpx.Timeout(10, read=20)) as live:
+            assert live.status_code == 200
+            refused = httpx.post(f"{p.url}/internal/prefill", json=other, timeout=10)
+            assert refused.status_code == 409, refused.text
+            err = assert_openai_error(refused.json())
+            assert err["code"] == "request_id_in_use" and body["req_id"] in err["message"], err
+            lines = [json.loads(line) for line in live.iter_lines() if line]
+        assert lines[-1].get("done") is True, lines
+        assert first_pool.kv[: len(pages)].abs().sum() > 0
+        assert second_pool.kv.abs().sum() == 0  # nothing was written for the refused copy
+    wait_pages_back(p)
 
 
 def test_a_prefill_refused_after_its_504_frees_the_pages_at_once(
@@ -336,15 +383,17 @@ def test_a_prefill_refused_after_its_504_frees_the_pages_at_once(
     generate(d, _prompt(smol_tokenizer, 20, "warm"), p, max_tokens=2)  # the handshake needs a running engine
     body = generate_body(_prompt(smol_tokenizer, 60, "late"), p.url, max_tokens=8)
     cancel = {"dst_agent": "decode-agent", "dst_instance_id": "instance", "req_ids": [body["req_id"]]}
-    engine = _engine_pid(p.proc.pid)
+    engine = engine_pid(p.proc.pid)
     out: dict[str, Any] = {}
     os.kill(engine, signal.SIGSTOP)
     try:
         cancelling = threading.Thread(
             target=lambda: httpx.post(f"{p.url}/internal/cancel", json=cancel, timeout=60), daemon=True
         )
+        queued = engine_pipe_queued(engine)
         cancelling.start()
-        time.sleep(1.0)  # its command goes down the engine's pipe ahead of the request's
+        # Its command goes down the engine's pipe ahead of the request's.
+        wait_until(lambda: engine_pipe_queued(engine) > queued, 30, "the cancel queued for the stopped engine")
         requesting = threading.Thread(target=lambda: out.update(events=_stream_generate(d, body, timeout=90)))
         requesting.start()
         requesting.join(60)

@@ -9,7 +9,8 @@ import threading
 
 import httpx
 
-from tests.workers import generate_body, start_worker, wait_pages_back, wait_ready
+from tests.helpers import wait_pages_back
+from tests.workers import generate_body, start_worker, wait_ready
 
 PROMPT_TOKENS = 1536  # one prefill step (KVFERRY_MAX_PREFILL_TOKENS below): seconds on one CPU thread
 PAGE_SIZE = 16

@@ -8,11 +8,11 @@ import os
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.helpers import engine_pid, engine_pids, wait_until
 from tests.workers import generate_body, start_worker, wait_ready
 
 
@@ -29,22 +29,6 @@ def test_engine_that_fails_to_start_makes_the_worker_exit(redis_server) -> None:
         assert "/nonexistent/model-dir" in log  # the engine's own error names the cause
     finally:
         w.kill9()
-
-
-def _engine_pid(worker_pid: int) -> int | None:
-    """The worker's engine process (its multiprocessing child, not the resource tracker); None while none runs."""
-    kids: list[int] = []
-    for task in Path(f"/proc/{worker_pid}/task").iterdir():
-        kids += [int(k) for k in (task / "children").read_text().split()]
-    engines = [k for k in kids if b"spawn_main" in _cmdline(k)]
-    return engines[0] if engines else None
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
 
 
 def _metric(url: str, name: str) -> float:
@@ -64,7 +48,7 @@ def test_killed_engine_is_restarted_by_its_worker(redis_server, role: str) -> No
         wait_ready(w)
         before = w.load()
         assert before["ready"] and before["total_pages"] == 512
-        engine = _engine_pid(w.proc.pid)
+        engine = engine_pid(w.proc.pid)
         assert engine is not None
         os.kill(engine, signal.SIGKILL)
         killed = time.monotonic()
@@ -82,7 +66,7 @@ def test_killed_engine_is_restarted_by_its_worker(redis_server, role: str) -> No
             assert w.proc.poll() is None, w.part.log_tail()
             assert time.monotonic() - killed < 30, "the engine was not back within 30 s:\n" + w.part.log_tail()
             time.sleep(0.1)
-        assert _engine_pid(w.proc.pid) not in (None, engine)
+        assert engine_pids(w.proc.pid) not in ([], [engine])
         assert _metric(w.url, "kvferry_engine_restarts_total") == 1
         assert w.load()["total_pages"] == 512
         if role != "prefill":  # serves again (a prefill worker's serving is shown by the cluster tests)
@@ -104,13 +88,11 @@ def test_engine_that_cannot_be_restarted_makes_the_worker_exit(redis_server) -> 
     w = start_worker("decode", redis_server, env={"KVFERRY_ENGINE_RESTARTS": "1"})
     try:
         wait_ready(w)
-        first = _engine_pid(w.proc.pid)
-        assert first is not None
+        first = engine_pid(w.proc.pid)
         os.kill(first, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while (second := _engine_pid(w.proc.pid)) in (None, first):
-            assert w.proc.poll() is None and time.monotonic() < deadline, w.part.log_tail()
-            time.sleep(0.02)
+        (second,) = wait_until(
+            lambda: [k for k in engine_pids(w.proc.pid) if k != first], 30, "the engine started again", interval=0.02
+        )
         assert httpx.get(f"{w.url}/ready", timeout=2).status_code == 503  # still starting
         os.kill(second, signal.SIGKILL)
         try:

@@ -121,17 +121,6 @@ def give_up_during_remote_prefill(decode: WorkerProc, prefill: WorkerProc, ids: 
         assert prefill.load()["running_requests"] == 1  # the prefill is under way
 
 
-def wait_pages_back(*workers: WorkerProc, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        loads = [w.load() for w in workers]
-        if all(ld["free_pages"] == ld["total_pages"] and ld["running_requests"] == 0 for ld in loads):
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"pages not returned: {loads}")
-        time.sleep(0.1)
-
-
 def run_concurrently(fn, args_list):
     results: list = [None] * len(args_list)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.protocol import SamplingParams
+from common.protocol import SamplingParams, replace
 
 _M32 = 0xFFFFFFFF
 
@@ -162,7 +162,7 @@ class SamplingBatch:
                 for i in range(len(params))
             ]
             # A row without history has nothing to penalise: its penalties are off, so its padding id is inert.
-            params = [p if h else p.model_copy(update=NO_PENALTY) for p, h in zip(params, rows)]
+            params = [p if h else replace(p, **NO_PENALTY) for p, h in zip(params, rows)]
             ids = padded_history(rows)
             counts = token_counts([outputs[i] if i < len(outputs) else () for i in range(len(params))], vocab)
             history = PenaltyView(

@@ -1,6 +1,6 @@
 """The local channel between a worker's control plane (HTTP) and its engine process (scheduler loop).
 
-Messages are the dataclasses of common/serving/messages.py, as JSON over a multiprocessing pipe (bytes framed
+Messages are the structs of common/serving/messages.py, as JSON over a multiprocessing pipe (bytes framed
 by the pipe; never pickled), so the engine loop never waits on HTTP work and the control plane never waits
 on a model step.
 """
@@ -15,6 +15,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
+from common.protocol import TokenLine
 from common.serving.messages import Batch, Call, Command, Event, Reply, StreamEvent, Tokens, Wire, decode, encode
 from common.settings_registry import FAULT_ENGINE_CALL_TIMEOUT_S
 
@@ -134,7 +135,7 @@ class EngineClient:
         self.closed.set()
         for rid, q in self.streams.items():
             # Nothing of the request is lost but this worker: the router may continue it on another one.
-            q.put_nowait(Tokens(rid, [], finish_reason="error", error=ENGINE_EXITED, retryable=True))
+            q.put_nowait(Tokens(rid, TokenLine(finish_reason="error", error=ENGINE_EXITED, retryable=True)))
         for fut in self._replies.values():
             if not fut.done():
                 fut.set_result(Reply(0, error=ENGINE_EXITED, code="engine_exited"))

@@ -25,7 +25,7 @@ from common.log import setup_logging
 from common.observability.timeline import Stamps
 from common.prefix.hashing import chained_block_hashes
 from common.prefix.publisher import PrefixIndexPublisher
-from common.protocol import LoadSnapshot, SamplingParams
+from common.protocol import LoadSnapshot, SamplingParams, TokenLine
 from common.sched.kv_connector import KVConnector, combined
 from common.sched.request import Req, ReqState
 from common.sched.scheduler import DuplicateRequest, RequestRejected, Scheduler, StepEvent
@@ -238,19 +238,17 @@ class EngineHost:
                 timeline = self.stamps.pop(r.req_id, None)
                 if timeline is not None:
                     timeline["first_token"] = time.time()
-            self.emit(
-                Tokens(
-                    r.req_id,
-                    e.tokens,
-                    logprobs=[lp.model_dump() for lp in e.logprobs] if e.logprobs else None,
-                    prompt_tokens=r.prompt_len if first else None,
-                    cached_tokens=r.prefix_hit_len if first else None,
-                    timeline=timeline,
-                    finish_reason=r.finish_reason if e.finished else None,
-                    error=(r.error or None) if e.finished else None,
-                    kv_verified=kv_verified,
-                )
+            line = TokenLine(
+                token_ids=e.tokens,
+                logprobs=e.logprobs or None,
+                prompt_tokens=r.prompt_len if first else 0,
+                cached_tokens=r.prefix_hit_len if first else 0,
+                timeline=timeline,
+                finish_reason=r.finish_reason if e.finished else None,  # type: ignore[arg-type]
+                error=(r.error or None) if e.finished else None,
+                kv_verified=kv_verified,
             )
+            self.emit(Tokens(r.req_id, line))
 
     # ---- the loop --------------------------------------------------------------------------------
     def agent_info(self) -> AgentInfo:
@@ -259,7 +257,7 @@ class EngineHost:
             instance_id=self.agent.instance_id,
             agent_metadata_b64=self.agent.metadata_b64(),
             pool_info_b64=self.agent.pool_info_b64(),
-            layout=self.agent.layout.model_dump(),
+            layout=self.agent.layout,
         )
 
     def run(self) -> None:
@@ -314,7 +312,7 @@ class EngineHost:
             now = time.monotonic()
             if now - self._last_load >= self._load_interval(last_busy):
                 self._last_load = now
-                self.outbox.append(Load(self.load().model_dump()))
+                self.outbox.append(Load(self.load()))
                 if self._steps:
                     self.outbox.append(Steps(self._steps))
                     self._steps = []

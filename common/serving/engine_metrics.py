@@ -32,13 +32,12 @@ What each one measures (both workers expose all of them; those of the other role
 
 from __future__ import annotations
 
-from typing import Any
-
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 
 from common.observability import buckets
 from common.observability.timeline import Stamps
 from common.serving.link_check import PeerLinks
+from common.serving.messages import TransferFigures
 
 __all__ = ["EngineMetrics"]
 
@@ -137,21 +136,20 @@ class EngineMetrics:
             self._observe(self.prefill, _between(stamps, "decode_admitted", "first_token"))
         self._observe(self.ttft, _between(stamps, "decode_received", "first_token_sent"))
 
-    def observe_prefill_done(self, stamps: Stamps, transfer: dict[str, Any] | None) -> None:
+    def observe_prefill_done(self, stamps: Stamps, transfer: TransferFigures | None) -> None:
         """A prefill worker's request is done: its KV landed on the decode side."""
         self._observe(self.queue, _between(stamps, "prefill_engine_received", "prefill_admitted"))
         self._observe(self.prefill, _between(stamps, "prefill_admitted", "prefill_first_token"))
-        if not transfer:
+        if transfer is None:
             return
-        self._observe(self.transfer, transfer.get("seconds"))
-        peer, seconds = transfer.get("peer"), transfer.get("seconds")
-        if isinstance(peer, str) and isinstance(seconds, float) and self.links is not None:
-            median = self.links.observe(peer, int(transfer.get("bytes", 0)), seconds)
+        self._observe(self.transfer, transfer.seconds)
+        if transfer.seconds is not None and self.links is not None:
+            median = self.links.observe(transfer.peer, transfer.bytes, transfer.seconds)
             if median is not None:
-                self.peer_speed.labels(peer=peer).set(median)
-        self._observe(self.tail, transfer.get("tail"))
-        self.transfer_bytes.observe(transfer.get("bytes", 0))
-        for nbytes, seconds in transfer.get("writes", ()):
+                self.peer_speed.labels(peer=transfer.peer).set(median)
+        self._observe(self.tail, transfer.tail)
+        self.transfer_bytes.observe(transfer.bytes)
+        for nbytes, seconds in transfer.writes:
             if nbytes > 0 and seconds >= _MIN_INTERVAL_S:
                 self.speed.observe(nbytes / seconds / 1e9)
 

@@ -3,12 +3,14 @@ router's."""
 
 from __future__ import annotations
 
-import json
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from fastapi.responses import JSONResponse, Response
+
+from common.protocol import DecodeError, decode, encode, foreign_version
+
+T = TypeVar("T")
 
 
 def error_response(
@@ -27,6 +29,7 @@ def error_body(message: str, type_: str, code: str | None) -> dict[str, Any]:
 
 
 def validation_message(errors: Any) -> str:
+    """FastAPI's validation errors (of a route's own parameters) as one message."""
     parts = []
     for e in list(errors)[:5]:
         loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
@@ -38,16 +41,19 @@ class BadMessage(ValueError):
     """A malformed internal protocol message (answered with 400)."""
 
 
-async def read_message(request: Request, model: type) -> Any:
-    """Parses and validates an internal protocol message (version included) from a request body."""
+async def read_message(request: Request, model: type[T]) -> T:
+    """Decodes and validates an internal protocol message (version included) from a request body: the pod's edge,
+    after which the message travels typed."""
+    body = await request.body()
     try:
-        return model.model_validate(json.loads(await request.body()))
-    except ValidationError as e:
-        raise BadMessage(validation_message(e.errors())) from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise BadMessage(f"body is not valid JSON: {e}") from None
-    except RecursionError:  # json.loads on deeply nested arrays/objects
-        raise BadMessage("body is not valid JSON: nested too deeply") from None
+        return decode(body, model)
+    except DecodeError as e:  # not JSON, or not the message: msgspec says what and where (`$.sampling.top_p`)
+        raise BadMessage(foreign_version(body) or str(e) or "invalid request") from None
+
+
+def message_response(msg: Any, status: int = 200) -> Response:
+    """A protocol message as a JSON response."""
+    return Response(encode(msg), status_code=status, media_type="application/json")
 
 
 # Engine error codes -> HTTP status, for both workers.

@@ -17,6 +17,7 @@ from typing import Any
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common.internal_auth import INTERNAL_PREFIX
+from common.protocol import to_builtins
 from common.serving.http_errors import error_body
 from common.serving.worker_state import WorkerState
 
@@ -38,7 +39,7 @@ def _probe_answer(state: WorkerState, path: str) -> tuple[int, dict[str, Any]] |
             return 503, error_body(why, "unavailable", "not_ready")
         return 200, {"status": "ready"}
     if path == "/load":
-        return 200, state.snapshot().model_dump()
+        return 200, to_builtins(state.snapshot())
     return None
 
 

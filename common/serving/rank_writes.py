@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from common.protocol import HandshakeRequest
+from common.protocol import HandshakeRequest, convert, to_builtins
 from common.transfer.agent import KVTransferAgent
 from common.transfer.rank_agents import RankStore
 from common.transfer.sender import KVSender, PollState, TransferHandle
@@ -63,7 +63,7 @@ class FollowerWrites:
         self.followers.send_side(json.dumps(msg).encode())
 
     def add_peer(self, handshake: HandshakeRequest) -> None:
-        self._send(kind="add_peer", handshake=handshake.model_dump(mode="json"))
+        self._send(kind="add_peer", handshake=to_builtins(handshake))
 
     def post(self, req_id: str, peer: str, src: torch.Tensor, dst: torch.Tensor, expect_instance: str) -> None:
         self.posts[req_id] = self.posts.get(req_id, 0) + 1
@@ -123,7 +123,7 @@ class RankSender:
         msg = json.loads(raw)
         kind = msg.pop("kind")
         if kind == "add_peer":
-            hs = HandshakeRequest.model_validate(msg["handshake"])
+            hs = convert(msg["handshake"], HandshakeRequest)
             try:
                 self.agent.add_peer(hs.agent_name, hs.instance_id, hs.agent_metadata_b64, hs.pool_info_b64, hs.layout)
             except Exception as e:  # its posts will fail and say so; rank 0 accepted the same handshake

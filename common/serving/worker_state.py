@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.config import WorkerConfig
-from common.protocol import LoadSnapshot
+from common.protocol import LoadSnapshot, replace
 from common.serving.channel import EngineClient
 from common.serving.messages import AgentInfo, Event, KVIntegrity, Load, Ready, Steps, Stop
 from common.serving.worker_metrics import WorkerMetrics
@@ -44,12 +44,11 @@ class AcceptedWork:
             return load
         tokens = sum(n for n, here in self.requests.values() if here)
         pages = sum(-(-n // self.page_size) for n, _ in self.requests.values())  # the prompt's, at least
-        return load.model_copy(
-            update={
-                "running_requests": load.running_requests + len(self.requests),
-                "queued_prefill_tokens": load.queued_prefill_tokens + tokens,
-                "free_pages": max(0, load.free_pages - pages),
-            }
+        return replace(
+            load,
+            running_requests=load.running_requests + len(self.requests),
+            queued_prefill_tokens=load.queued_prefill_tokens + tokens,
+            free_pages=max(0, load.free_pages - pages),
         )
 
 
@@ -138,7 +137,7 @@ class WorkerState:
             handler(ev)
 
     def _on_load(self, ev: Load) -> None:
-        self.load = LoadSnapshot.model_validate(ev.snapshot)
+        self.load = ev.snapshot
         self.accepted.requests.clear()  # taken after the engine handled them: it counts them itself
         self.metrics.observe_load(self.load)
 
@@ -197,11 +196,11 @@ class WorkerState:
                 ready=False,
             )
         )
-        update = {
-            "ready": self.ready,
-            "draining": self.draining,
-            "max_running": self.cfg.runner.max_running,
-            "live_requests": len(self.live),
-            "max_request_tokens": self.max_request_tokens(base.total_pages),
-        }
-        return base.model_copy(update=update)
+        return replace(
+            base,
+            ready=self.ready,
+            draining=self.draining,
+            max_running=self.cfg.runner.max_running,
+            live_requests=len(self.live),
+            max_request_tokens=self.max_request_tokens(base.total_pages),
+        )

@@ -8,7 +8,7 @@ before any remote metadata is loaded.
 from __future__ import annotations
 
 from common.kv.pool import KVPool
-from common.protocol import KVLayoutInfo
+from common.protocol import KVLayoutInfo, to_builtins
 
 # Bump when the byte meaning of a pool changes (axis order, K/V interleave, page addressing): peers
 # that disagree must refuse each other even if every shape field happens to match.
@@ -55,7 +55,7 @@ MAY_DIFFER = frozenset({"tp_size"})
 
 def check_compatible(local: KVLayoutInfo, remote: KVLayoutInfo) -> None:
     """Raise `LayoutMismatch` naming every differing field (all of them, so one round trip tells all)."""
-    lo, re = local.model_dump(), remote.model_dump()
+    lo, re = to_builtins(local), to_builtins(remote)
     diff = {name: (lo[name], re.get(name)) for name in lo if lo[name] != re.get(name) and name not in MAY_DIFFER}
     if diff:
         raise LayoutMismatch(diff)

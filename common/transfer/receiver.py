@@ -22,9 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import ValidationError
-
-from common.protocol import KVNotice
+from common.protocol import DecodeError, KVNotice, convert
 from common.transfer.agent import KVTransferAgent
 from common.transfer.session import SAFETY_DEADLINE_S, S, TransferSession
 
@@ -125,9 +123,9 @@ class KVReceiver:
             log.warning("KV notice dropped (no open transfer of that request from this peer)", extra={"peer": peer})
             return None
         try:
-            notice = KVNotice.model_validate(data)
-        except ValidationError as e:
-            error = f"malformed KV notice from {peer}: {e.errors()[0].get('msg', 'invalid')}"
+            notice = convert(data, KVNotice)
+        except DecodeError as e:
+            error = f"malformed KV notice from {peer}: {e}"
             log.warning(error, extra={"req_id": s.req_id})
             if s.state is S.REQUESTED:
                 s.move(S.CANCELLING, error)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.protocol import KVNotice
+from common.protocol import KVNotice, encode
 from common.transfer.sender import KVSender, StagingBusy, TransferError, TransferHandle
 from common.transfer.session import TERMINAL, S, SessionState, TransferSession
 
@@ -23,6 +23,17 @@ def open_request(sender: KVSender, req_id: str, peer: str, timeout_s: float) -> 
     """Start the transfer session of one request to `peer`; its writes must all finish within `timeout_s`."""
     session = TransferSession.start(req_id, "prefill", peer, sender.agent.peer(peer).instance_id)
     return RequestTransfer(sender, session, time.monotonic() + timeout_s)
+
+
+@dataclass
+class TransferTiming:
+    """One transfer's times (time.monotonic() seconds; None: not yet) and bytes."""
+
+    first_post: float | None  # its first write posted
+    last_done: float | None  # its last write seen complete
+    landed: float | None  # the "landed" notice sent
+    bytes: int
+    writes: list[tuple[int, float]]  # (bytes, completion seen - post started) of each completed write
 
 
 @dataclass
@@ -214,19 +225,17 @@ class RequestTransfer:
     def num_bytes(self) -> int:
         return sum(h.num_bytes for h in self.handles)
 
-    def timing(self) -> dict[str, object]:
-        """What this transfer measured (time.monotonic() seconds): its first write posted, its last write seen
-        complete, the notice sent, and per write [bytes, completion seen - post started]. A write's interval
-        covers the real transfer (it starts before the post call and ends at the poll that saw completion), so
-        bytes over it never exceed the link's speed."""
+    def timing(self) -> TransferTiming:
+        """What this transfer measured. A write's interval covers the real transfer (it starts before the post call
+        and ends at the poll that saw completion), so bytes over it never exceed the link's speed."""
         done = [h for h in self.handles if h.done_at is not None]
-        return {
-            "first_post": min((h.posted_at for h in self.handles), default=None),
-            "last_done": max((h.done_at for h in done), default=None),  # type: ignore[type-var]
-            "landed": self.landed_at,
-            "bytes": self.num_bytes,
-            "writes": [[h.num_bytes, h.done_at - h.posted_at] for h in done if h.state == "done"],  # type: ignore[operator]
-        }
+        return TransferTiming(
+            first_post=min((h.posted_at for h in self.handles), default=None),
+            last_done=max((h.done_at for h in done), default=None),  # type: ignore[type-var]
+            landed=self.landed_at,
+            bytes=self.num_bytes,
+            writes=[(h.num_bytes, h.done_at - h.posted_at) for h in done if h.state == "done"],  # type: ignore[operator]
+        )
 
     def _abandon(self) -> None:
         self.session.move(S.ABANDONED)
@@ -234,8 +243,6 @@ class RequestTransfer:
             self.sender.ranks.forget(self.session.req_id)
         notice = KVNotice(req_id=self.session.req_id, outcome="closed", error=(self.error or "aborted")[:4000])
         try:
-            self.sender.send_notif(
-                self.peer, notice.model_dump_json().encode(), expect_instance=self.session.peer_instance
-            )
+            self.sender.send_notif(self.peer, encode(notice), expect_instance=self.session.peer_instance)
         except Exception as e:  # the peer is gone (or restarted): its pages are not ours to worry about
             log.info("closed notice for %s not sent: %s", self.session.req_id, e)

@@ -22,10 +22,6 @@ class StagingArea:
         self.base_addr = self.buf.data_ptr()
         self._free: list[tuple[int, int]] = [(0, nbytes)]  # (offset, size), sorted, coalesced
 
-    @property
-    def free_bytes(self) -> int:
-        return sum(size for _, size in self._free)
-
     def alloc(self, nbytes: int) -> int | None:
         """Offset of `nbytes` of free space, or None when no free block is large enough."""
         need = -(-nbytes // ALIGN) * ALIGN
