@@ -14,7 +14,7 @@ from common.engine.attention import AttentionBackend, TorchPagedAttention
 from common.engine.dtypes import resolve_dtype, resolve_kv_dtype
 from common.engine.forward_batch import ForwardBatch, StepInputs
 from common.engine.fp8 import FP8_SETTING, fp8_unsupported, is_fp8
-from common.engine.kv_sizing import kv_pool_pages
+from common.engine.kv_sizing import kv_pool_pages, model_kv_layout
 from common.engine.model import DecoderModel
 from common.engine.model_config import ModelConfig, named_config
 from common.engine.staging import HostToDevice
@@ -185,7 +185,7 @@ class ModelRunner:
         heads = shard.kv_heads[1] - shard.kv_heads[0]
         kv_dtype = resolve_kv_dtype(self.cfg.kv_dtype, self.dtype)
         scales = self.model.kv_scales if is_fp8(kv_dtype) else ()
-        return KVLayout(full.num_layers, heads, full.head_dim, self.cfg.page_size, kv_dtype, scales)
+        return model_kv_layout(full, self.cfg.page_size, kv_dtype, heads, scales)
 
     def _map_follower_pools(self, num_pages: int) -> list[KVPool]:
         """CPU: every follower's pool, mapped from its shared-memory file (the files are unlinked once mapped)."""
