@@ -21,7 +21,9 @@ def model_kv_layout(
     attention (MLA) one entry of `kv_lora_rank + qk_rope_head_dim` per token, no V and no static scales."""
     if cfg.mla is not None:
         return KVLayout(cfg.num_layers, 1, cfg.mla.latent_dim, page_size, dtype, kv_parts=1)
-    return KVLayout(cfg.num_layers, cfg.num_kv_heads if heads is None else heads, cfg.head_dim, page_size, dtype, scales)
+    return KVLayout(
+        cfg.num_layers, cfg.num_kv_heads if heads is None else heads, cfg.head_dim, page_size, dtype, scales
+    )
 
 
 def kv_pool_pages(layout: KVLayout, kv_memory_gb: float, num_pages: int, device: torch.device) -> int:

@@ -55,6 +55,11 @@ class TPShard:
     def plan(cls, cfg: ModelConfig, rank: int, size: int) -> TPShard:
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} outside a group of {size}")
+        if cfg.mla is not None and size > 1:
+            # Every head reads the one latent entry: splitting heads would replicate the cache on every rank.
+            raise ValueError(
+                f"{cfg.model_type}: latent attention (MLA) runs on one rank; tensor parallelism is not supported"
+            )
         kv, q = cfg.num_kv_heads, cfg.num_heads
         group = q // kv
         if kv >= size:
