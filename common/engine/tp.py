@@ -142,6 +142,8 @@ class TPShard:
 
     def merged_slice(self, param: str, full: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
         """This rank's part of a full merged parameter (`qkv_proj`, `gate_up_proj`, ...) by its name."""
+        if self.size == 1:
+            return full  # the whole of it (and latent attention's merged [q_a; kv_a], which runs on one rank)
         leaf = param.rsplit(".", 1)[-1]
         if leaf in ("qkv_proj", "qkv_bias"):
             q, kv = full.split((cfg.q_size, 2 * cfg.kv_size))
