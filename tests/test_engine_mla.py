@@ -422,7 +422,7 @@ def test_served_through_router_prefill_and_decode_equals_transformers(v3_checkpo
         "KVFERRY_ROUTER_TOKENIZER": str(smol_path),
         "KVFERRY_ROUTER_LOCAL_PREFIX_FRACTION": "2",  # prefill on the prefill pod, whatever the decode pod holds
     }
-    prompts = _random_prompts(71, [300, 180, 260])
+    prompts = _random_prompts(71, [300, 270, 260])
     tok = RouterTokenizer.from_dir(smol_path)
     cluster = start_local_cluster(prefill=1, decode=1, model=str(path), env=env, ready_timeout_s=300)
     try:
