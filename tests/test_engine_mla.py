@@ -370,11 +370,13 @@ def test_block_scaled_fp8_checkpoint_loads_dequantized(tmp_path) -> None:
         ModelRunner(RunnerConfig(model=str(fp8_dir), num_pages=16, max_running=2, max_seq_len=128))
 
 
-def test_flashinfer_and_tensor_parallelism_are_refused_for_latent_attention(tmp_path) -> None:
+def test_flashinfer_fp8_cache_and_tensor_parallelism_are_refused_for_latent_attention(tmp_path) -> None:
     hf = _build_deepseek("deepseek-v2-lite", seed=7)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     with pytest.raises(ValueError, match="KVFERRY_ATTENTION=torch"):
         ModelRunner(RunnerConfig(model=str(tmp_path), num_pages=16, max_running=2, attention="flashinfer"))
+    with pytest.raises(ValueError, match="FP8 latent"):
+        ModelRunner(RunnerConfig(model=str(tmp_path), num_pages=16, max_running=2, kv_dtype="fp8_e4m3"))
     with pytest.raises(ValueError, match="one rank"):
         TPShard.plan(named_config("deepseek-v2-lite"), 0, 2)
 
