@@ -3,6 +3,7 @@
     python bench/transfer.py --device cpu --layout smollm2
     python bench/transfer.py --device cuda --layout llama8b
     python bench/transfer.py --device cuda --layout llama8b --dst-tp 2   # TP=1 prefill -> TP=2 decode
+    python bench/transfer.py --device cuda --layout deepseek-v2-lite     # MLA latent pages (one entry per token)
 
 With `--dst-tp N` the receiver splits the KV heads over N rank pools (as a TP=N decode worker does) and the
 sender packs each rank's heads through its staging area before moving them; same bytes, same copy baseline.
@@ -54,6 +55,8 @@ LAYOUTS = {
     "smollm2": dict(num_layers=30, num_kv_heads=3, head_dim=64),
     # Llama-3-8B: 32 layers, 8 KV heads, head dim 128; bf16 = 128 KiB/token.
     "llama8b": dict(num_layers=32, num_kv_heads=8, head_dim=128),
+    # DeepSeek-V2-Lite's latent pages: 27 layers, one [512 latent | 64 RoPE key] entry per token; bf16 = 30 KiB/token.
+    "deepseek-v2-lite": dict(num_layers=27, num_kv_heads=1, head_dim=576, kv_parts=1),
 }
 SIZES = [1024, 4096, 16384]
 MODEL = "bench"
@@ -64,7 +67,7 @@ def make_layout(name: str, device: str, page_size: int, kv_dtype: str = "auto") 
     if kv_dtype == "fp8":
         dtype = torch.float8_e4m3fn
     else:
-        dtype = torch.bfloat16 if (name == "llama8b" or device == "cuda") else torch.float32
+        dtype = torch.bfloat16 if (name != "smollm2" or device == "cuda") else torch.float32
     return KVLayout(page_size=page_size, dtype=dtype, **LAYOUTS[name])
 
 
@@ -488,6 +491,7 @@ def run_one(args: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
         suffix += f"_runs{args.run_pages}" if args.run_pages != 16 else ""
         suffix += f"_delay{args.progress_delay_us}" if args.progress_delay_us is not None else ""
         suffix += "_fp8" if kv_dtype == "fp8" else ""
+        suffix += "_deepseek-v2-lite" if args.layout == "deepseek-v2-lite" else ""
         path = args.out / f"transfer_{args.device}{suffix}.json"
         path.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {path}")
