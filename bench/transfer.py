@@ -341,7 +341,7 @@ def run_one(args: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
     layout = make_layout(args.layout, args.device, args.page_size, kv_dtype)
     max_pages = max(sizes + [args.overlap_tokens]) // args.page_size
     num_pages = (max_pages // args.run_pages + 4) * args.run_pages
-    pool_gb = 2 * layout.num_layers * layout.page_bytes * num_pages / 1e9
+    pool_gb = layout.bytes_per_token * layout.page_size * num_pages / 1e9
     print(
         f"layout {args.layout} {layout.dtype} on {args.device}: {layout.bytes_per_token / 1024:.0f} KiB/token, "
         f"{num_pages} pages/pool ({pool_gb:.2f} GB), chunk {args.chunk_tokens} tokens, runs of {args.run_pages} pages",
@@ -399,7 +399,7 @@ def run_one(args: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
         # First transfer: UCX endpoint wire-up (and on CUDA the IPC handle mapping) lands here.
         n0 = sizes[0] // args.page_size
         first = one_transfer(sender, rx, torch.arange(n0), dst_all[:n0], chunk_pages, "first")
-        first_bytes = n0 * 2 * layout.num_layers * layout.page_bytes
+        first_bytes = n0 * layout.bytes_per_token * layout.page_size
         print(
             f"handshake (add_peer) {handshake_s * 1e3:.1f} ms; first transfer {sizes[0]} tokens: "
             f"{first.seconds * 1e3:.1f} ms = {gbps(first_bytes, first.seconds):.2f} GB/s",
@@ -429,7 +429,7 @@ def run_one(args: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
             for tokens in sizes:
                 n = tokens // args.page_size
                 src, dst = torch.arange(n), dst_all[:n]
-                nbytes = n * 2 * layout.num_layers * layout.page_bytes
+                nbytes = n * layout.bytes_per_token * layout.page_size
                 reps = [one_transfer(sender, rx, src, dst, chunk_pages, f"t{tokens}-{i}") for i in range(args.reps)]
                 # The same writes with the notice sent on its own after the last write is seen done.
                 apart = [
