@@ -3,6 +3,7 @@
     python bench/transfer.py --device cpu --layout smollm2
     python bench/transfer.py --device cuda --layout llama8b
     python bench/transfer.py --device cuda --layout llama8b --dst-tp 2   # TP=1 prefill -> TP=2 decode
+    python bench/transfer.py --device cuda --layout deepseek-v2-lite     # MLA latent pages (one entry per token)
 
 With `--dst-tp N` the receiver splits the KV heads over N rank pools (as a TP=N decode worker does) and the
 sender packs each rank's heads through its staging area before moving them; same bytes, same copy baseline.
@@ -54,6 +55,8 @@ LAYOUTS = {
     "smollm2": dict(num_layers=30, num_kv_heads=3, head_dim=64),
     # Llama-3-8B: 32 layers, 8 KV heads, head dim 128; bf16 = 128 KiB/token.
     "llama8b": dict(num_layers=32, num_kv_heads=8, head_dim=128),
+    # DeepSeek-V2-Lite's latent pages: 27 layers, one [512 latent | 64 RoPE key] entry per token; bf16 = 30 KiB/token.
+    "deepseek-v2-lite": dict(num_layers=27, num_kv_heads=1, head_dim=576, kv_parts=1),
 }
 SIZES = [1024, 4096, 16384]
 MODEL = "bench"
@@ -64,7 +67,7 @@ def make_layout(name: str, device: str, page_size: int, kv_dtype: str = "auto") 
     if kv_dtype == "fp8":
         dtype = torch.float8_e4m3fn
     else:
-        dtype = torch.bfloat16 if (name == "llama8b" or device == "cuda") else torch.float32
+        dtype = torch.bfloat16 if (name != "smollm2" or device == "cuda") else torch.float32
     return KVLayout(page_size=page_size, dtype=dtype, **LAYOUTS[name])
 
 
@@ -338,7 +341,7 @@ def run_one(args: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
     layout = make_layout(args.layout, args.device, args.page_size, kv_dtype)
     max_pages = max(sizes + [args.overlap_tokens]) // args.page_size
     num_pages = (max_pages // args.run_pages + 4) * args.run_pages
-    pool_gb = 2 * layout.num_layers * layout.page_bytes * num_pages / 1e9
+    pool_gb = layout.bytes_per_token * layout.page_size * num_pages / 1e9
     print(
         f"layout {args.layout} {layout.dtype} on {args.device}: {layout.bytes_per_token / 1024:.0f} KiB/token, "
         f"{num_pages} pages/pool ({pool_gb:.2f} GB), chunk {args.chunk_tokens} tokens, runs of {args.run_pages} pages",
@@ -396,7 +399,7 @@ def run_one(args: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
         # First transfer: UCX endpoint wire-up (and on CUDA the IPC handle mapping) lands here.
         n0 = sizes[0] // args.page_size
         first = one_transfer(sender, rx, torch.arange(n0), dst_all[:n0], chunk_pages, "first")
-        first_bytes = n0 * 2 * layout.num_layers * layout.page_bytes
+        first_bytes = n0 * layout.bytes_per_token * layout.page_size
         print(
             f"handshake (add_peer) {handshake_s * 1e3:.1f} ms; first transfer {sizes[0]} tokens: "
             f"{first.seconds * 1e3:.1f} ms = {gbps(first_bytes, first.seconds):.2f} GB/s",
@@ -426,7 +429,7 @@ def run_one(args: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
             for tokens in sizes:
                 n = tokens // args.page_size
                 src, dst = torch.arange(n), dst_all[:n]
-                nbytes = n * 2 * layout.num_layers * layout.page_bytes
+                nbytes = n * layout.bytes_per_token * layout.page_size
                 reps = [one_transfer(sender, rx, src, dst, chunk_pages, f"t{tokens}-{i}") for i in range(args.reps)]
                 # The same writes with the notice sent on its own after the last write is seen done.
                 apart = [
@@ -488,6 +491,7 @@ def run_one(args: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
         suffix += f"_runs{args.run_pages}" if args.run_pages != 16 else ""
         suffix += f"_delay{args.progress_delay_us}" if args.progress_delay_us is not None else ""
         suffix += "_fp8" if kv_dtype == "fp8" else ""
+        suffix += "_deepseek-v2-lite" if args.layout == "deepseek-v2-lite" else ""
         path = args.out / f"transfer_{args.device}{suffix}.json"
         path.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {path}")

@@ -169,6 +169,7 @@ class KVLayoutInfo(Schema, frozen=True):
     layout_version: int
     tp_size: int = 1
     kv_scales: list[float] = []  # FP8 pools: K, V scale per layer (empty: 1.0 everywhere, or not FP8)
+    kv_parts: int = 2  # entries per token and layer: K and V, or 1 (MLA's latent)
 
 
 class HandshakeRequest(Versioned):

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from common.engine.fp8 import FP8_SETTING
 from common.engine.gpu.moe_experts import grouped_mm_experts
-from common.engine.model_config import ModelConfig, named_config
+from common.engine.model_config import ModelConfig, MoeConfig, named_config
 from common.engine.moe import grouped_experts, route
 from common.engine.runner import ModelRunner, RunnerConfig
 from common.protocol import SamplingParams
@@ -32,13 +32,18 @@ def moe_dir(tmp_path_factory):
     return hf, path
 
 
+def _gating(experts: int, top_k: int, renormalize: bool) -> MoeConfig:
+    """Softmax top-k gating (Qwen3-MoE, Mixtral); the sizes of the experts do not matter to routing."""
+    return MoeConfig(num_experts=experts, top_k=top_k, intermediate_size=1, renormalize=renormalize, layers=())
+
+
 def test_route_softmax_top_k_renormalised_or_not() -> None:
     logits = torch.tensor([[2.0, 0.0, 1.0, -1.0], [0.0, 0.0, 3.0, 0.5]])
     probs = logits.softmax(-1)
-    raw_w, raw_ids = route(logits, 2, renormalize=False)
+    raw_w, raw_ids = route(logits, _gating(4, 2, renormalize=False))
     assert raw_ids.tolist() == [[0, 2], [2, 3]]
     torch.testing.assert_close(raw_w, probs.gather(1, raw_ids))
-    norm_w, norm_ids = route(logits, 2, renormalize=True)
+    norm_w, norm_ids = route(logits, _gating(4, 2, renormalize=True))
     assert torch.equal(norm_ids, raw_ids)
     torch.testing.assert_close(norm_w, raw_w / raw_w.sum(-1, keepdim=True))
     assert norm_w.dtype == torch.float32
@@ -53,7 +58,7 @@ def test_grouped_experts_equal_every_expert_on_every_token(tokens: int) -> None:
     x = torch.randn(tokens, h, generator=gen)
     w13 = torch.randn(e, 2 * i, h, generator=gen)
     w2 = torch.randn(e, h, i, generator=gen)
-    weights, ids = route(torch.randn(tokens, e, generator=gen), k, renormalize=True)
+    weights, ids = route(torch.randn(tokens, e, generator=gen), _gating(e, k, renormalize=True))
     gate, up = torch.einsum("th,eoh->eto", x, w13).chunk(2, dim=-1)
     every = torch.einsum("eti,ehi->eth", F.silu(gate) * up, w2)  # [E, T, H]
     picked = every[ids, torch.arange(tokens).unsqueeze(1)]  # [T, k, H]
@@ -71,7 +76,7 @@ def test_grouped_gemm_experts_equal_the_plain_ones(tokens: int) -> None:
     x = torch.randn(tokens, h, generator=gen)
     w13 = torch.randn(e, 2 * i, h, generator=gen)
     w2 = torch.randn(e, h, i, generator=gen)
-    weights, ids = route(torch.randn(tokens, e, generator=gen), k, renormalize=False)
+    weights, ids = route(torch.randn(tokens, e, generator=gen), _gating(e, k, renormalize=False))
     torch.testing.assert_close(
         grouped_mm_experts(x, weights, ids, w13, w2), grouped_experts(x, weights, ids, w13, w2), atol=1e-5, rtol=1e-5
     )

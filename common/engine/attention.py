@@ -172,31 +172,37 @@ class TorchPagedAttention:
         """The padded layout over the pool, this step's K/V already stored. FP8 pools: K/V stored as value / scale;
         the scales fold into the softmax scale and the output, as flashinfer's FP8 kernels take them."""
         assert self._segments is None, "a step run per request attends in forward()"
-        b, max_q, max_kv = self._shape
-        t, hq, d = q.shape
+        b, _, max_kv = self._shape
         rows = self.pool.rows
-        hkv = rows.shape[1]
+        hkv, d = rows.shape[1], rows.shape[2]
         ko, vo = self.pool.layer_offset(layer, 0), self.pool.layer_offset(layer, 1)
         ks, vs = self.pool.layout.kv_scale(layer, 0), self.pool.layout.kv_scale(layer, 1)
-        kk = rows.index_select(0, self._kv_flat + ko).view(b, max_kv, hkv, d).transpose(1, 2)  # [B, Hkv, max_kv, D]
-        vv = rows.index_select(0, self._kv_flat + vo).view(b, max_kv, hkv, d).transpose(1, 2)
+        kk = rows.index_select(0, self._kv_flat + ko).view(b, max_kv, hkv, d)
+        vv = rows.index_select(0, self._kv_flat + vo).view(b, max_kv, hkv, d)
+        out = self.attend_padded(q, kk.to(q.dtype), vv.to(q.dtype), self.scale * ks)
+        return out * vs if vs != 1.0 else out
+
+    def attend_padded(self, q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention of the packed queries `[T, Hq, D]` over each request's gathered keys `[B, max_kv, Hk, D]` and
+        values `[B, max_kv, Hk, Dv]` (Hk divides Hq; Dv may differ from D) in the padded layout `plan` set up:
+        `[T, Hq, Dv]`."""
+        b, max_q, max_kv = self._shape
+        t, hq, d = q.shape
         if self._q_padded:
             qq = q.index_select(0, self._q_gather).view(b, max_q, hq, d)
         else:
             qq = q.view(b, max_q, hq, d)  # decode: max_q == 1, T == B
         out = F.scaled_dot_product_attention(
             qq.transpose(1, 2),
-            kk.to(q.dtype),
-            vv.to(q.dtype),
+            kk.transpose(1, 2),
+            vv.transpose(1, 2),
             attn_mask=self._mask,
-            scale=self.scale * ks,
+            scale=scale,
             enable_gqa=True,
-        ).transpose(1, 2)  # [B, max_q, Hq, D]
-        if vs != 1.0:
-            out = out * vs
+        ).transpose(1, 2)  # [B, max_q, Hq, Dv]
         if self._q_padded:
-            return out.reshape(b * max_q, hq, d).index_select(0, self._q_scatter)
-        return out.reshape(t, hq, d)
+            return out.reshape(b * max_q, hq, -1).index_select(0, self._q_scatter)
+        return out.reshape(t, hq, -1)
 
     def _forward_segments(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ko: int, vo: int, ks: float, vs: float

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from common.engine.model_config import ModelConfig
 from common.kv.pool import KVLayout, KVPool
 
 CPU_DEFAULT_BYTES = 1 << 30
@@ -11,6 +12,18 @@ CPU_DEFAULT_BYTES = 1 << 30
 # and sampling workspaces, NCCL and NIXL buffers. 8% of the card (11 GiB on an H200), at least 4 GiB.
 GPU_RESERVE_FRACTION = 0.08
 GPU_RESERVE_MIN_BYTES = 4 << 30
+
+
+def model_kv_layout(
+    cfg: ModelConfig, page_size: int, dtype: torch.dtype, heads: int | None = None, scales: tuple[float, ...] = ()
+) -> KVLayout:
+    """The pool layout of `cfg` with `heads` of its KV heads (all when None): K and V per head, or for latent
+    attention (MLA) one entry of `kv_lora_rank + qk_rope_head_dim` per token, no V and no static scales."""
+    if cfg.mla is not None:
+        return KVLayout(cfg.num_layers, 1, cfg.mla.latent_dim, page_size, dtype, kv_parts=1)
+    return KVLayout(
+        cfg.num_layers, cfg.num_kv_heads if heads is None else heads, cfg.head_dim, page_size, dtype, scales
+    )
 
 
 def kv_pool_pages(layout: KVLayout, kv_memory_gb: float, num_pages: int, device: torch.device) -> int:

@@ -76,7 +76,24 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
         mid = (wl <= low_wl) & (wl >= high_wl)
         scaled = torch.where(mid, (1 - smooth) * inv / rope.factor + smooth * inv, scaled)
         inv = scaled
+    elif rope.kind == "yarn":
+        inv = _yarn_inv_freq(inv, head_dim, rope)
     return inv.float()
+
+
+def _yarn_inv_freq(inv: torch.Tensor, head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """YaRN: the frequencies that turn fewer than `beta_slow` times over the original context are interpolated
+    (divided by `factor`), those that turn more than `beta_fast` times kept, a linear ramp over the dims between."""
+
+    def dim_of(rotations: float) -> float:
+        wavelength_ratio = rope.original_max_position / (rotations * 2 * math.pi)
+        return head_dim * math.log(wavelength_ratio) / (2 * math.log(rope.theta))
+
+    low = max(math.floor(dim_of(rope.beta_fast)), 0)
+    high = min(math.ceil(dim_of(rope.beta_slow)), head_dim - 1)
+    span = (high - low) or 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / span).clamp(0, 1)
+    return inv / rope.factor * ramp + inv * (1 - ramp)
 
 
 @dataclass
@@ -92,7 +109,8 @@ class RotaryCache:
         inv = rope_inv_freq(head_dim, rope)
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv)
-        return cls(cos=freqs.cos().to(device), sin=freqs.sin().to(device))
+        scale = rope.cos_sin_scale  # YaRN's magnitude correction rides on cos and sin
+        return cls(cos=(freqs.cos() * scale).to(device), sin=(freqs.sin() * scale).to(device))
 
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

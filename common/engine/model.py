@@ -1,12 +1,15 @@
-"""The decoder used for every supported family (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral).
+"""The decoder used for every supported family (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V2/V3).
 
 The families differ only in flags on `ModelConfig` (q/k/v bias, q/k RMSNorm, tied embeddings, RoPE
-scaling, which layers' MLP is a mixture of experts: common/engine/moe.py), so one file serves them all. Projections are merged (qkv, gate_up) so a layer is four GEMMs.
+scaling, which layers' MLP is a mixture of experts: common/engine/moe.py, latent attention: common/engine/mla.py),
+so one file serves them all. Projections are merged (qkv, gate_up) so a layer is four GEMMs.
 One forward serves every backend: the CPU, the GPU in float32 and the GPU's fused kernels differ only in
 the ops object (common/engine/layers.py) and the attention backend they are given.
 """
 
 from __future__ import annotations
+
+from typing import cast
 
 import torch
 from torch import nn
@@ -24,6 +27,7 @@ from common.engine.layers import (
     onednn_linear_available,
     pack_linear_weight,
 )
+from common.engine.mla import MlaBackend, MlaProjections
 from common.engine.model_config import ModelConfig
 from common.engine.moe import MoeExperts
 from common.engine.tp import TPGroup, single_rank
@@ -42,7 +46,9 @@ class DecoderLayer(nn.Module):
     """One layer's weights; `cfg` is this rank's local config (its heads and MLP slice under tensor parallelism).
 
     `moe`: the layer's MLP is a mixture of experts (`MoeExperts`; no dense gate_up / down then).
-    `fp8`: the GEMM weights (`linears`) are float8 e4m3 with a float32 scale per output row (`<name>_scale`)."""
+    `fp8`: the GEMM weights (`linears`) are float8 e4m3 with a float32 scale per output row (`<name>_scale`).
+    Latent attention (`cfg.mla`): `qkv_proj` is [q_a (or q); kv_a], `o_proj` reads every head's value, and `mla`
+    holds the rest (`MlaProjections`)."""
 
     def __init__(
         self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, fp8: bool = False, moe: bool = False
@@ -50,14 +56,18 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.linears = ATTENTION_LINEARS if moe else LINEARS
         h = cfg.hidden_size
-        qkv = cfg.q_size + 2 * cfg.kv_size
+        if fp8 and cfg.mla is not None:
+            raise ValueError(f"{cfg.model_type}: latent attention runs 16/32-bit weights (FP8 ones are dequantized)")
+        self.mla = MlaProjections(cfg, dtype, device) if cfg.mla is not None else None
+        qkv = cfg.q_size + 2 * cfg.kv_size if self.mla is None else self.mla.q_rows + self.mla.mla.latent_dim
+        o_in = cfg.q_size if cfg.mla is None else cfg.num_heads * cfg.mla.v_head_dim
         wt = FP8 if fp8 else dtype
         self.input_norm = _param(h, dtype=dtype, device=device)
         self.qkv_proj = _param(qkv, h, dtype=wt, device=device)
         self.qkv_bias = _param(qkv, dtype=dtype, device=device) if cfg.qkv_bias else None
         self.q_norm = _param(cfg.head_dim, dtype=dtype, device=device) if cfg.qk_norm else None
         self.k_norm = _param(cfg.head_dim, dtype=dtype, device=device) if cfg.qk_norm else None
-        self.o_proj = _param(h, cfg.q_size, dtype=wt, device=device)
+        self.o_proj = _param(h, o_in, dtype=wt, device=device)
         self.post_attn_norm = _param(h, dtype=dtype, device=device)
         self.moe = MoeExperts(cfg.moe, h, dtype, device) if moe and cfg.moe is not None else None
         self.gate_up_proj = None if moe else _param(2 * cfg.intermediate_size, h, dtype=wt, device=device)
@@ -127,7 +137,7 @@ class DecoderModel(nn.Module):
         self.lm_head = (
             None if cfg.tie_word_embeddings else _param(vocab_rows, cfg.hidden_size, dtype=dtype, device=device)
         )
-        self.rotary = RotaryCache.build(cfg.head_dim, cfg.rope, cfg.max_position, device)
+        self.rotary = RotaryCache.build(cfg.rope_dim, cfg.rope, cfg.max_position, device)
         self.ops: Ops = TorchOps()
         # FP8 KV: the static K, V scale of each layer from the checkpoint (common/engine/fp8.py); empty: 1.0.
         self.kv_scales: tuple[float, ...] = ()
@@ -209,34 +219,15 @@ class DecoderModel(nn.Module):
         layer's attention)."""
         cfg, ops, tp = self.cfg, self.ops, self.tp
         eps = cfg.rms_norm_eps
-        t = input_ids.shape[0]
-        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         hidden = tp.embed(input_ids, self.embed)
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
             pk = layer.packed
-            # The qkv GEMM may rotate q and k and store K/V itself, unless q/k norms sit between them.
-            write = attn.kv_write(i, positions) if layer.q_norm is None else None
-            qkv, residual = ops.norm_linear(
-                hidden,
-                residual,
-                layer.input_norm,
-                eps,
-                layer.qkv_proj,
-                layer.qkv_bias,
-                pk.get("qkv_proj"),
-                False,
-                write,
-            )
-            if isinstance(qkv, Rotated):
-                o = attn.attend(i, qkv.q).reshape(t, cfg.q_size)
+            if layer.mla is not None:
+                o, residual = self._latent_attention(i, layer, hidden, residual, positions, attn)
+                hidden, residual = self._project(o, layer.o_proj, residual, pk.get("o_proj"))
             else:
-                q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
-                q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
-                if layer.q_norm is not None and layer.k_norm is not None:
-                    q, k = ops.rms_norm(q, layer.q_norm, eps), ops.rms_norm(k, layer.k_norm, eps)
-                o = attn.forward(i, positions, q, k, v).reshape(t, cfg.q_size)
-            hidden, residual = self._project(o, layer.o_proj, residual, pk.get("o_proj"))
+                hidden, residual = self._attention(i, layer, hidden, residual, positions, attn)
             if layer.moe is not None:
                 normed, residual = ops.norm(hidden, residual, layer.post_attn_norm, eps)
                 hidden = tp.all_reduce(layer.moe(normed))  # partial sums under TP, as a dense down_proj's
@@ -254,6 +245,66 @@ class DecoderModel(nn.Module):
             hidden, residual = self._project(gate_up, layer.down_proj, residual, pk.get("down_proj"), silu=True)
         assert residual is not None
         return hidden, residual
+
+    def _attention(
+        self,
+        i: int,
+        layer: DecoderLayer,
+        hidden: torch.Tensor | InStream,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+    ) -> tuple[torch.Tensor | InStream, torch.Tensor]:
+        """Layer `i`'s input norm, attention and output projection, with the residual stream beside."""
+        cfg, ops = self.cfg, self.ops
+        eps = cfg.rms_norm_eps
+        t = positions.shape[0]
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        pk = layer.packed
+        # The qkv GEMM may rotate q and k and store K/V itself, unless q/k norms sit between them.
+        write = attn.kv_write(i, positions) if layer.q_norm is None else None
+        qkv, residual = ops.norm_linear(
+            hidden,
+            residual,
+            layer.input_norm,
+            eps,
+            layer.qkv_proj,
+            layer.qkv_bias,
+            pk.get("qkv_proj"),
+            False,
+            write,
+        )
+        if isinstance(qkv, Rotated):
+            o = attn.attend(i, qkv.q).reshape(t, cfg.q_size)
+        else:
+            q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
+            q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q, k = ops.rms_norm(q, layer.q_norm, eps), ops.rms_norm(k, layer.k_norm, eps)
+            o = attn.forward(i, positions, q, k, v).reshape(t, cfg.q_size)
+        return self._project(o, layer.o_proj, residual, pk.get("o_proj"))
+
+    def _latent_attention(
+        self,
+        i: int,
+        layer: DecoderLayer,
+        hidden: torch.Tensor | InStream,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `i`'s input norm and latent attention (common/engine/mla.py): every head's value output
+        `[T, H * v_head_dim]`, before `o_proj`, and the residual stream."""
+        assert layer.mla is not None
+        eps = self.cfg.rms_norm_eps
+        qkv, residual = self.ops.norm_linear(
+            hidden, residual, layer.input_norm, eps, layer.qkv_proj, None, layer.packed.get("qkv_proj")
+        )
+        assert isinstance(qkv, torch.Tensor)
+        q_nope, q_pe, latent, k_pe = layer.mla.split(qkv, self.ops, eps)
+        backend = cast(MlaBackend, attn)
+        o = backend.forward_mla(i, positions, q_nope, q_pe, latent, k_pe, layer.mla)
+        return o.reshape(positions.shape[0], -1), residual
 
     def _project(
         self,

@@ -1,5 +1,5 @@
-"""The mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks each token's top-k experts, each a SiLU-gated
-MLP, and the token's output is their outputs weighted by the router.
+"""The mixture-of-experts MLP (Qwen3-MoE, Mixtral, DeepSeek-V2/V3): a router picks each token's top-k experts, each
+a SiLU-gated MLP, and the token's output is their outputs weighted by the router, plus DeepSeek's shared expert.
 
 `MoeExperts` holds one layer's weights, experts stacked (`w13`: every expert's [gate; up], `w2`: its down
 projection), and is what the decoder calls: `forward(hidden) -> hidden`. Routing (`route`) and the experts'
@@ -26,13 +26,29 @@ class ExpertsFn(Protocol):
         """sum over k of weights[t, k] * expert ids[t, k] (x[t]), `[T, H]` in x's dtype."""
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights `[T, k]` float32, expert ids `[T, k]`): softmax over every expert in float32, then the top k,
-    renormalised to sum to 1 when the family does (Mixtral always; Qwen3-MoE when `norm_topk_prob`)."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+def route(logits: torch.Tensor, moe: MoeConfig, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights `[T, k]` float32, expert ids `[T, k]`) by the family's gating (`MoeConfig`): softmax or sigmoid
+    scores in float32; the top k of them, from the best `topk_group` expert groups where the method limits the
+    choice by group, chosen by score + `bias` (DeepSeek-V3's correction bias) but weighted by the score alone;
+    renormalised to sum to 1 when the family does, then scaled by `routed_scaling_factor`."""
+    logits = logits.float()
+    scores = logits.sigmoid() if moe.scoring == "sigmoid" else logits.softmax(dim=-1)
+    choice = scores if bias is None else scores + bias.float()
+    if moe.n_group > 1:
+        grouped = choice.view(choice.shape[0], moe.n_group, -1)
+        if moe.topk_method == "noaux_tc":
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        else:  # group_limited_greedy: a group counts by its best expert
+            group_scores = grouped.amax(dim=-1)
+        best = group_scores.topk(moe.topk_group, dim=-1).indices
+        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        choice = grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).flatten(1)
+    ids = choice.topk(moe.top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if moe.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if moe.routed_scaling_factor != 1.0:
+        weights = weights * moe.routed_scaling_factor
     return weights, ids
 
 
@@ -60,26 +76,33 @@ def grouped_experts(
 
 class MoeExperts(nn.Module):
     """One layer's router and experts (this rank's slice of every expert's intermediate dim under tensor
-    parallelism: its output is then a partial sum, all-reduced by the caller as a dense MLP's is)."""
+    parallelism: its output is then a partial sum, all-reduced by the caller as a dense MLP's is), and the
+    shared expert where the family has one (`shared_w13`, `shared_w2`: one SiLU-gated MLP every token runs)."""
 
     def __init__(self, moe: MoeConfig, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         e, i, h = moe.num_experts, moe.intermediate_size, hidden_size
 
-        def param(*shape: int) -> nn.Parameter:
-            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+        def param(*shape: int, dt: torch.dtype = dtype) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dt, device=device), requires_grad=False)
 
-        self.gate = param(e, h)  # the router
+        self.gate = param(e, h, dt=torch.float32 if moe.float32_router else dtype)  # the router
+        self.correction_bias = param(e, dt=torch.float32) if moe.correction_bias else None
         self.w13 = param(e, 2 * i, h)  # each expert's [gate; up] projections
         self.w2 = param(e, h, i)  # each expert's down projection
-        self.top_k = moe.top_k
-        self.renormalize = moe.renormalize
+        s = moe.shared_intermediate_size
+        self.shared_w13 = param(2 * s, h) if s else None
+        self.shared_w2 = param(h, s) if s else None
+        self.config = moe
         self.experts_fn: ExpertsFn = grouped_experts
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return route(F.linear(x, self.gate), self.top_k, self.renormalize)
+        return route(F.linear(x.to(self.gate.dtype), self.gate), self.config, self.correction_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: `[T, H]`, the post-attention norm's output; the MLP's output, `[T, H]`."""
         weights, ids = self.route(x)
-        return self.experts_fn(x, weights, ids, self.w13, self.w2)
+        out = self.experts_fn(x, weights, ids, self.w13, self.w2)
+        if self.shared_w13 is not None and self.shared_w2 is not None:
+            out = out + F.linear(silu_and_mul(F.linear(x, self.shared_w13)), self.shared_w2)
+        return out

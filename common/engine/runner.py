@@ -14,7 +14,8 @@ from common.engine.attention import AttentionBackend, TorchPagedAttention
 from common.engine.dtypes import resolve_dtype, resolve_kv_dtype
 from common.engine.forward_batch import ForwardBatch, StepInputs
 from common.engine.fp8 import FP8_SETTING, fp8_unsupported, is_fp8
-from common.engine.kv_sizing import kv_pool_pages
+from common.engine.kv_sizing import kv_pool_pages, model_kv_layout
+from common.engine.mla import TorchMlaAttention
 from common.engine.model import DecoderModel
 from common.engine.model_config import ModelConfig, named_config
 from common.engine.staging import HostToDevice
@@ -24,7 +25,7 @@ from common.engine.weights import fp8_checkpoint, init_dummy_weights, load_safet
 from common.kv.page_table import PageTable
 from common.kv.pool import KVLayout, KVPool
 from common.settings import RunnerConfig
-from common.settings_registry import KV_DTYPE, WEIGHT_DTYPE
+from common.settings_registry import ATTENTION, KV_DTYPE, WEIGHT_DTYPE
 
 log = logging.getLogger("kvferry.engine")
 
@@ -60,13 +61,24 @@ def load_model(
     if cfg.weight_dtype == FP8_SETTING and no_fp8:
         raise ValueError(f"{WEIGHT_DTYPE.name}={FP8_SETTING}: {no_fp8}; use auto")
     checkpoint = fp8_checkpoint(path) if path is not None else None
-    if model_cfg.moe is not None and (checkpoint is not None or cfg.weight_dtype == FP8_SETTING):
+    # Mixtures of experts and latent attention have no FP8 GEMM path: block-scaled FP8 checkpoints (DeepSeek's
+    # format) are dequantized at load into the model's dtype.
+    plain_only = model_cfg.moe is not None or model_cfg.mla is not None
+    if plain_only and cfg.weight_dtype == FP8_SETTING:
         raise ValueError(f"{model_cfg.model_type}: FP8 experts are not supported yet; serve 16-bit weights")
-    model = DecoderModel(model_cfg, dtype, device, tp, fp8_weights=checkpoint is not None)
+    if plain_only and checkpoint is not None and checkpoint.weight_strategy != "block":
+        raise ValueError(
+            f"{model_cfg.model_type}: FP8 checkpoints of this family load from 128 x 128 block scales "
+            f"(weight_block_size, dequantized at load), not per-{checkpoint.weight_strategy} scales"
+        )
+    dequantize = plain_only and checkpoint is not None
+    model = DecoderModel(model_cfg, dtype, device, tp, fp8_weights=checkpoint is not None and not dequantize)
     if path is None:
         init_dummy_weights(model, cfg.seed)
     else:
         load_safetensors_dir(model, path, checkpoint.block if checkpoint is not None else None)
+    if dequantize:
+        log.info("FP8 block-scaled checkpoint dequantized to %s at load", str(dtype).removeprefix("torch."))
     if model.fp8_weights and no_fp8:  # the checkpoint users downloaded still serves, at 16-bit weights' cost
         log.warning("FP8 checkpoint dequantized to %s at load: %s", str(dtype).removeprefix("torch."), no_fp8)
         model.dequantize_linears()
@@ -146,6 +158,16 @@ class ModelRunner:
             num_pages = int(self.tp.all_reduce(mine).min())
         self.backend = select_attention(cfg.attention, self.device, self.dtype)
         gpu = self.backend == "flashinfer"
+        if mc.mla is not None and is_fp8(self.layout.dtype):
+            # Unscaled e4m3 latents lose too much (untested against a real checkpoint): refuse rather than guess.
+            raise ValueError(
+                f"{mc.model_type}: an FP8 latent (MLA) cache is not supported yet; set {KV_DTYPE.name}=auto"
+            )
+        if gpu and mc.mla is not None:
+            raise ValueError(
+                f"{mc.model_type}: latent attention (MLA) has no flashinfer path yet; "
+                f"set {ATTENTION.name}=torch to run it with the torch backend"
+            )
         # The GPU path keeps one page past the allocator's range (`num_pages`): CUDA-graph padding writes there.
         if self.tp.size > 1 and self.device.type == "cpu":
             prefix = cfg.tp_shm if cfg.tp_rank > 0 else self.followers.shm_prefix  # type: ignore[union-attr]
@@ -157,8 +179,10 @@ class ModelRunner:
         self.rank_pools: list[KVPool] = [self.pool]
         self.page_table = PageTable(cfg.max_running, self.max_seq_len, cfg.page_size, self.device)
         self.h2d = HostToDevice(self.device)  # each step's inputs and page-table writes: one copy
-        self.attn: AttentionBackend = TorchPagedAttention(
-            self.pool, self.page_table.table, mc.num_heads, mc.head_dim, model.rotary
+        self.attn: AttentionBackend = (
+            TorchPagedAttention(self.pool, self.page_table.table, mc.num_heads, mc.head_dim, model.rotary)
+            if mc.mla is None
+            else TorchMlaAttention(self.pool, self.page_table.table, mc.num_heads, mc.mla, model.rotary)
         )
         if cfg.cpu_linear not in ("auto", "torch"):
             raise ValueError(f"unknown cpu_linear {cfg.cpu_linear!r}; use auto or torch")
@@ -185,7 +209,7 @@ class ModelRunner:
         heads = shard.kv_heads[1] - shard.kv_heads[0]
         kv_dtype = resolve_kv_dtype(self.cfg.kv_dtype, self.dtype)
         scales = self.model.kv_scales if is_fp8(kv_dtype) else ()
-        return KVLayout(full.num_layers, heads, full.head_dim, self.cfg.page_size, kv_dtype, scales)
+        return model_kv_layout(full, self.cfg.page_size, kv_dtype, heads, scales)
 
     def _map_follower_pools(self, num_pages: int) -> list[KVPool]:
         """CPU: every follower's pool, mapped from its shared-memory file (the files are unlinked once mapped)."""

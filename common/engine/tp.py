@@ -55,6 +55,11 @@ class TPShard:
     def plan(cls, cfg: ModelConfig, rank: int, size: int) -> TPShard:
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} outside a group of {size}")
+        if cfg.mla is not None and size > 1:
+            # Every head reads the one latent entry: splitting heads would replicate the cache on every rank.
+            raise ValueError(
+                f"{cfg.model_type}: latent attention (MLA) runs on one rank; tensor parallelism is not supported"
+            )
         kv, q = cfg.num_kv_heads, cfg.num_heads
         group = q // kv
         if kv >= size:
@@ -137,6 +142,8 @@ class TPShard:
 
     def merged_slice(self, param: str, full: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
         """This rank's part of a full merged parameter (`qkv_proj`, `gate_up_proj`, ...) by its name."""
+        if self.size == 1:
+            return full  # the whole of it (and latent attention's merged [q_a; kv_a], which runs on one rank)
         leaf = param.rsplit(".", 1)[-1]
         if leaf in ("qkv_proj", "qkv_bias"):
             q, kv = full.split((cfg.q_size, 2 * cfg.kv_size))

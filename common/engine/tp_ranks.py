@@ -30,10 +30,10 @@ import torch
 
 from common.engine.dtypes import resolve_dtype
 from common.engine.forward_batch import StepInputs
+from common.engine.kv_sizing import model_kv_layout
 from common.engine.model_config import ModelConfig
 from common.engine.step_channel import StepChannel
 from common.engine.tp import TPGroup, TPShard, tp_backend
-from common.kv.pool import KVLayout
 from common.net import free_port
 from common.settings_registry import TORCH_THREADS, TP_PARENT
 
@@ -102,7 +102,7 @@ def shared_dir(cfg: RunnerConfig, model_cfg: ModelConfig) -> str:
     need = STEP_CHANNEL_WORDS * 8
     if not cfg.device.startswith("cuda"):
         dtype = resolve_dtype(cfg.dtype, torch.device("cpu"))
-        full = KVLayout(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, cfg.page_size, dtype)
+        full = model_kv_layout(model_cfg, cfg.page_size, dtype)
         per_page = full.bytes_per_token * cfg.page_size  # every rank's heads together
         pools = cfg.num_pages * per_page if cfg.num_pages else int(cfg.kv_memory_gb * (1 << 30)) * cfg.tp_size
         need += int(pools * 1.25)  # replicated heads and rounding

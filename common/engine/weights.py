@@ -12,7 +12,8 @@ import torch
 from safetensors import safe_open
 
 from common.engine.fp8 import is_fp8, quantize_rows
-from common.engine.model import DecoderModel
+from common.engine.model import DecoderLayer, DecoderModel
+from common.engine.model_config import MlaConfig
 from common.engine.moe import MoeExperts
 
 log = logging.getLogger("kvferry.model")
@@ -22,6 +23,7 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # checkpoints name them: gate (w1), up (w3), down (w2).
 _EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _EXPERT_KIND = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_SHARED = re.compile(r"^mlp\.shared_experts\.(gate|up|down)_proj\.weight$")
 # Where a destination's rows are: all of it (None), a row range, or (an expert, a row range of it).
 Rows = slice | int | tuple[int, slice] | None
 
@@ -37,12 +39,14 @@ def _target(model: DecoderModel, name: str) -> tuple[torch.Tensor, Rows, str] | 
     if name == "lm_head.weight":
         return (model.lm_head, None, "vocab") if model.lm_head is not None else None
     m = _LAYER.match(name)
-    if m is None:
+    if m is None or int(m.group(1)) >= len(model.layers):  # DeepSeek-V3's multi-token-prediction layer: unused
         return None
     layer = model.layers[int(m.group(1))]
     rest = m.group(2)
     if layer.moe is not None and rest.startswith(("mlp.", "block_sparse_moe.")):
         return _moe_target(layer.moe, rest)
+    if layer.mla is not None and rest.startswith("self_attn."):
+        return _mla_target(layer, rest.removeprefix("self_attn."))
     q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
     qkv_rows = {"q_proj": slice(0, q), "k_proj": slice(q, q + kv), "v_proj": slice(q + kv, q + 2 * kv)}
     direct = {
@@ -80,11 +84,58 @@ def _target(model: DecoderModel, name: str) -> tuple[torch.Tensor, Rows, str] | 
     return None
 
 
+def _mla_target(layer: DecoderLayer, rest: str) -> tuple[torch.Tensor, Rows, str] | None:
+    """A latent-attention layer's tensors (DeepSeek's names, `self_attn.` removed): q_a / q and kv_a into the merged
+    `qkv_proj`, the rest into `MlaProjections`. Kinds `mla_q` / `mla_kv_a`: rows whose RoPE part may need
+    reordering (`mla_rope_rows`)."""
+    mla = layer.mla
+    assert mla is not None
+    q = mla.q_rows
+    targets: dict[str, tuple[torch.Tensor | None, Rows, str]] = {
+        "q_proj.weight": (layer.qkv_proj, slice(0, q), "mla_q"),
+        "q_a_proj.weight": (layer.qkv_proj, slice(0, q), "none"),
+        "kv_a_proj_with_mqa.weight": (layer.qkv_proj, slice(q, q + mla.mla.latent_dim), "mla_kv_a"),
+        "q_a_layernorm.weight": (mla.q_a_norm, None, "none"),
+        "q_b_proj.weight": (mla.q_b_proj, None, "mla_q"),
+        "kv_a_layernorm.weight": (mla.kv_a_norm, None, "none"),
+        "kv_b_proj.weight": (mla.kv_b_proj, None, "none"),
+        "o_proj.weight": (layer.o_proj, None, "none"),
+    }
+    dst, rows, kind = targets.get(rest, (None, None, "none"))
+    return (dst, rows, kind) if dst is not None else None
+
+
+def mla_rope_rows(kind: str, tensor: torch.Tensor, mla: MlaConfig) -> torch.Tensor:
+    """An interleaved checkpoint's RoPE rows (pairs (0, 1), (2, 3), ... rotated together) reordered into halves
+    (evens, then odds), the pairing `RotaryCache` rotates: the same rotation, keys and queries permuted alike, so
+    every attention score is unchanged. Rows of q (`mla_q`: each head's nope then rope rows) or of kv_a (`mla_kv_a`:
+    the latent's rows then the rope rows)."""
+    if not mla.rope_interleaved or kind not in ("mla_q", "mla_kv_a"):
+        return tensor
+    r = mla.qk_rope_head_dim
+    order = torch.cat((torch.arange(0, r, 2), torch.arange(1, r, 2)))
+    if kind == "mla_kv_a":
+        return torch.cat((tensor[: mla.kv_lora_rank], tensor[mla.kv_lora_rank :][order]))
+    heads = tensor.view(-1, mla.qk_head_dim, *tensor.shape[1:])
+    rope = heads[:, mla.qk_nope_head_dim :][:, order]
+    return torch.cat((heads[:, : mla.qk_nope_head_dim], rope), dim=1).reshape(tensor.shape)
+
+
 def _moe_target(moe: MoeExperts, rest: str) -> tuple[torch.Tensor, Rows, str] | None:
-    """A mixture-of-experts layer's MLP tensors: the router, and each expert's projections into its row of the
-    stacked `w13` ([gate; up]) and `w2`."""
+    """A mixture-of-experts layer's MLP tensors: the router (and DeepSeek-V3's correction bias), each expert's
+    projections into its row of the stacked `w13` ([gate; up]) and `w2`, and DeepSeek's shared expert."""
     if rest in ("mlp.gate.weight", "block_sparse_moe.gate.weight"):
         return moe.gate, None, "none"
+    if rest == "mlp.gate.e_score_correction_bias":
+        return (moe.correction_bias, None, "none") if moe.correction_bias is not None else None
+    shared = _SHARED.match(rest)
+    if shared is not None:
+        if moe.shared_w13 is None or moe.shared_w2 is None:
+            return None
+        kind, width = shared.group(1), moe.shared_w2.shape[1]
+        if kind == "down":
+            return moe.shared_w2, None, "none"
+        return moe.shared_w13, slice(0, width) if kind == "gate" else slice(width, 2 * width), "none"
     m = _EXPERT.match(rest)
     if m is None:
         return None
@@ -145,18 +196,24 @@ def fp8_checkpoint(path: Path) -> Fp8Checkpoint | None:
     return Fp8Checkpoint(weight_strategy=strategies.pop(), kv_cache=bool(qc.get("kv_cache_scheme")))
 
 
-def rows_from_blocks(
-    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A block-scaled e4m3 weight `[N, K]` (`scale_inv` `[ceil(N / rows), ceil(K / cols)]`, W = weight *
-    scale_inv of its block) as e4m3 with one scale per output row `[N, 1]`: dequantized in float32, quantized
-    again per row. A row's blocks whose scales differ get a coarser step; the largest of them keeps its own."""
+def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """A block-scaled e4m3 weight `[N, K]` (`scale_inv` `[ceil(N / rows), ceil(K / cols)]`, W = weight * scale_inv
+    of its block, DeepSeek-V3's format) in float32."""
     n, k = weight.shape
     rows, cols = block
     s = scale_inv.float().repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
     if s.shape != (n, k):
         raise ValueError(f"block scales {tuple(scale_inv.shape)} do not cover a {n} x {k} weight in {block} blocks")
-    return quantize_rows(weight.float() * s)
+    return weight.float() * s
+
+
+def rows_from_blocks(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block-scaled e4m3 weight `[N, K]` as e4m3 with one scale per output row `[N, 1]`: dequantized in float32,
+    quantized again per row. A row's blocks whose scales differ get a coarser step; the largest of them keeps its
+    own."""
+    return quantize_rows(dequantize_blocks(weight, scale_inv, block))
 
 
 _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv])_proj\.output_scale)$")
@@ -168,8 +225,9 @@ def load_safetensors_dir(model: DecoderModel, path: Path, block: tuple[int, int]
     An FP8 model (`DecoderModel(fp8_weights=True)`, for an FP8 checkpoint) takes the e4m3 weights as they are
     and their `weight_scale`s as one scale per output row (a per-tensor scale repeated over the tensor's rows: q,
     k and v keep their own in the merged qkv); with `block` (`Fp8Checkpoint.block`), each weight and its
-    `weight_scale_inv` become per-row e4m3 and scales (`rows_from_blocks`) before the same path. Static KV scales
-    go to `model.kv_scales`."""
+    `weight_scale_inv` become per-row e4m3 and scales (`rows_from_blocks`) before the same path, or, into a model
+    of 16/32-bit weights (mixtures of experts, latent attention: no FP8 GEMM path yet), the weight in the model's
+    dtype (`dequantize_blocks`). Static KV scales go to `model.kv_scales`."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
@@ -198,6 +256,10 @@ def load_safetensors_dir(model: DecoderModel, path: Path, block: tuple[int, int]
                     halves[leaf] = tensor
                     if len(halves) == 2:
                         del pending[prefix]
+                        if not model.fp8_weights:  # a 16/32-bit model (latent attention, experts): dequantized
+                            w = dequantize_blocks(halves["weight"], halves["weight_scale_inv"], block)
+                            _put(model, target, prefix + ".weight", w, seen)
+                            continue
                         wq, ws = rows_from_blocks(halves["weight"], halves["weight_scale_inv"], block)
                         _put(model, target, prefix + ".weight", wq, seen)
                         scale = prefix + ".weight_scale"
@@ -248,6 +310,8 @@ def _put(
         else:  # per channel, [out, 1]: sliced by rows like the weight (o / down: all of them)
             tensor = shard.hf_slice(kind if kind not in ("o", "down") else "none", tensor.flatten(), model.full_cfg)
     else:
+        if model.cfg.mla is not None:
+            tensor = mla_rope_rows(kind, tensor, model.cfg.mla)
         tensor = shard.hf_slice(kind, tensor, model.full_cfg)
     if view.shape != tensor.shape:
         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(view.shape)}")
@@ -262,6 +326,8 @@ def _put(
 def _full_shape(model: DecoderModel, name: str, local: torch.Size) -> tuple[int, ...]:
     """The unsplit shape of a parameter, so every tensor-parallel rank draws the same full tensor."""
     full, leaf = model.full_cfg, name.rsplit(".", 1)[-1]
+    if full.mla is not None:
+        return tuple(local)  # one rank only (`TPShard.plan`): every local shape is the full one
     qkv = full.q_size + 2 * full.kv_size
     shapes = {
         "embed": (full.vocab_size, full.hidden_size),

@@ -6,7 +6,7 @@ fresh device pages before its prefill (`load_back`), so it computes only the unc
 costs a PCIe copy to reuse (~10 ms for 4k tokens of an 8B model at ~50 GB/s) where recomputing it costs a
 prefill (hundreds of ms), so the tier pays off whenever distinct prefixes outgrow the device pool.
 
-The host pool has the device pool's layout (`[pages, layers, 2, page_size, heads, head_dim]`), so a run of
+The host pool has the device pool's layout (`[pages, layers, kv_parts, page_size, heads, head_dim]`), so a run of
 consecutive pages is one copy each way, and its own free-page stack. On CUDA it is page-locked (registered
 with the driver) and every copy is issued on the current stream without waiting: the scheduler runs one
 stream, so a copy out is ordered after the steps that wrote the page and before any later step that reuses
@@ -101,7 +101,7 @@ class HostTier:
             raise ValueError("a host tier needs at least one page")
         layout = device_pool.layout
         self.device_pool = device_pool
-        shape = (num_pages, layout.num_layers, 2, layout.page_size, layout.num_kv_heads, layout.head_dim)
+        shape = (num_pages, *layout.page_shape)
         # empty, not zeros: the kernel commits the memory as pages are first written (a tier that is never
         # filled costs nothing); registration below commits it all on CUDA.
         kv = torch.empty(shape, dtype=layout.dtype)

@@ -18,18 +18,26 @@ class KVLayout:
     # FP8 pools: the static scales, K then V per layer (`2 * num_layers` floats; empty = 1.0 everywhere). A
     # stored value q means q * scale (common/engine/fp8.py); both ends of a transfer must hold the same ones.
     kv_scales: tuple[float, ...] = ()
+    # Entries per token and layer: 2 (K and V), or 1 for latent attention (DeepSeek's MLA: one shared
+    # [latent | roped key] row, `num_kv_heads` 1, its keys and values both read from it).
+    kv_parts: int = 2
 
     def kv_scale(self, layer: int, kv: int) -> float:
         return self.kv_scales[2 * layer + kv] if self.kv_scales else 1.0
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page of K (or V) for one layer: one contiguous block in the pool."""
+        """Bytes of one page of K (or V, or MLA's latent) for one layer: one contiguous block in the pool."""
         return self.page_size * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.page_bytes // self.page_size
+        return self.kv_parts * self.num_layers * self.page_bytes // self.page_size
+
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        """One page of the pool: `[layers, kv_parts, page_size, heads, head_dim]`."""
+        return (self.num_layers, self.kv_parts, self.page_size, self.num_kv_heads, self.head_dim)
 
 
 def checksums_match(mine: list[float], theirs: list[float], abs_tol: float = 1e-6) -> bool:
@@ -43,7 +51,8 @@ def checksums_match(mine: list[float], theirs: list[float], abs_tol: float = 1e-
 class KVPool:
     """The paged KV cache of one worker.
 
-    Layout `[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]` (page-major), chosen for two users:
+    Layout `[num_pages, num_layers, kv_parts, page_size, num_kv_heads, head_dim]` (page-major; `kv_parts` 2: K
+    and V, 1: MLA's latent entry, `KVLayout`), chosen for two users:
     - transfer: one page of every layer, K and V, is one contiguous block, and pages p..p+n are adjacent,
       so a run of consecutive pages is ONE NIXL descriptor. Posting costs ~10 us per descriptor on the
       H200 (bench/layout_probe.py: 512 MiB moved at 1.42 TB/s as 1 descriptor, 0.68 TB/s as 64), so a
@@ -59,20 +68,22 @@ class KVPool:
         self.layout = layout
         self.num_pages = num_pages
         self.device = torch.device(device)
-        shape = (num_pages, layout.num_layers, 2, layout.page_size, layout.num_kv_heads, layout.head_dim)
+        shape = (num_pages, *layout.page_shape)
         if kv is None:
             kv = torch.zeros(shape, dtype=layout.dtype, device=self.device)
         elif tuple(kv.shape) != shape or kv.dtype != layout.dtype or not kv.is_contiguous():
             raise ValueError(f"pool memory {tuple(kv.shape)} {kv.dtype} does not match the layout {shape}")
         self.kv = kv
-        # Every [H, D] row of the pool; row of (page p, layer l, K/V c, offset o) = ((p*L + l)*2 + c)*ps + o.
+        # Every [H, D] row of the pool; row of (page p, layer l, K/V c, offset o) = ((p*L + l)*parts + c)*ps + o.
         self.rows = self.kv.view(-1, layout.num_kv_heads, layout.head_dim)
-        self._rows_per_page = layout.num_layers * 2 * layout.page_size
+        self._rows_per_page = layout.num_layers * layout.kv_parts * layout.page_size
 
     def k_cache(self, layer: int) -> torch.Tensor:
         return self.kv[:, layer, 0]
 
     def v_cache(self, layer: int) -> torch.Tensor:
+        if self.layout.kv_parts < 2:
+            raise ValueError("a latent (MLA) pool has no separate V: values are read from each entry's latent")
         return self.kv[:, layer, 1]
 
     def token_rows(self, locs: torch.Tensor) -> torch.Tensor:
@@ -81,7 +92,7 @@ class KVPool:
         return torch.div(locs, ps, rounding_mode="floor") * self._rows_per_page + locs % ps
 
     def layer_offset(self, layer: int, kv: int) -> int:
-        return (2 * layer + kv) * self.layout.page_size
+        return (self.layout.kv_parts * layer + kv) * self.layout.page_size
 
     def page_checksums(self, pages: torch.Tensor) -> torch.Tensor:
         """Per-page float64 sums over all layers and K/V, for debug checks that pages arrived intact."""
@@ -90,14 +101,14 @@ class KVPool:
 
     @property
     def page_stride_bytes(self) -> int:
-        """Bytes of one page across all layers, K and V: one contiguous block."""
+        """Bytes of one page across all layers (K and V, or the latent): one contiguous block."""
         return self.kv.stride(0) * self.kv.element_size()
 
     @classmethod
     def in_shared_file(cls, layout: KVLayout, num_pages: int, path: str, create: bool) -> KVPool:
         """A CPU pool in a shared-memory file (`/dev/shm/...`), so another process can map the same pages:
         a tensor-parallel worker's rank 0 registers its followers' pools with its NIXL agent this way."""
-        shape = (num_pages, layout.num_layers, 2, layout.page_size, layout.num_kv_heads, layout.head_dim)
+        shape = (num_pages, *layout.page_shape)
         numel = math.prod(shape)
         if create:
             with open(path, "wb") as f:
@@ -107,4 +118,4 @@ class KVPool:
 
     @staticmethod
     def pages_for_bytes(layout: KVLayout, memory_bytes: int) -> int:
-        return max(1, memory_bytes // (2 * layout.num_layers * layout.page_bytes))
+        return max(1, memory_bytes // (layout.bytes_per_token * layout.page_size))

@@ -1,7 +1,7 @@
 """Where a pool's pages live in memory, and the NIXL descriptor rows for moving page runs.
 
-A pool is one contiguous page-major tensor `[pages, layers, 2, page_size, H, D]`, so page `p` (all
-layers, K and V) is the block `[base + p*page_stride, base + (p+1)*page_stride)` and a run of
+A pool is one contiguous page-major tensor `[pages, layers, kv_parts, page_size, H, D]`, so page `p` (all
+layers, K and V or MLA's latent) is the block `[base + p*page_stride, base + (p+1)*page_stride)` and a run of
 consecutive pages is one block: one descriptor.
 The peer only needs those few numbers (`PoolInfo`), not a list of registered descriptors: NIXL's own
 `get_serialized_descs` is pickle, which must never cross a trust boundary.

@@ -45,6 +45,7 @@ def layout_info(pool: KVPool, model_id: str, tp_size: int = 1, num_kv_heads: int
         layout_version=LAYOUT_VERSION,
         tp_size=tp_size,
         kv_scales=list(layout.kv_scales),
+        kv_parts=layout.kv_parts,
     )
 
 

@@ -209,7 +209,7 @@ class KVSender:
         pool = self.agent.local_pool(route.src.rank)
         n, stride = int(src.numel()), route.dst.page_stride
         layout = pool.layout
-        shape = (n, layout.num_layers, 2, layout.page_size, route.dst.kv_heads, layout.head_dim)
+        shape = (n, *layout.page_shape[:3], route.dst.kv_heads, layout.head_dim)
         lo = route.head_offset
         packed = staging.view(offset, shape, layout.dtype)
         torch.index_select(pool.kv[..., lo : lo + route.dst.kv_heads, :], 0, src.to(pool.device), out=packed)
