@@ -14,7 +14,7 @@ import torch
 from common.engine.model import DecoderModel
 from common.kv.integrity import page_ledger_violations
 from common.protocol import SamplingParams
-from common.sched.kv_connector import FinishedTransfers, KVArrival, NullConnector
+from common.sched.kv_connector import FinishedTransfers, KVArrival, KVConnector
 from common.sched.request import Req, ReqState
 from common.sched.scheduler import Scheduler, SchedulerConfig
 from tests.test_scheduler import PAGE, build_tiny_model, make_engine, prompts
@@ -25,7 +25,7 @@ def tiny_model() -> DecoderModel:
     return build_tiny_model()
 
 
-def scheduler(model: DecoderModel, connector: NullConnector | None = None, num_pages: int = 64) -> Scheduler:
+def scheduler(model: DecoderModel, connector: KVConnector | None = None, num_pages: int = 64) -> Scheduler:
     engine = make_engine(model, num_pages=num_pages, max_prefill_tokens=64)
     cfg = SchedulerConfig(max_prefill_tokens=64, itl_target_ms=0)
     return Scheduler(engine.runner, cfg, overlap=False, connector=connector)
@@ -46,9 +46,11 @@ def own_pages(sched: Scheduler) -> int:
     return sched.allocator.num_pages - sched.allocator.num_free - cached
 
 
-class Sender(NullConnector):
+class Sender(KVConnector):
     """Prefill side: each chunk's complete pages and then the rest are "sent" (copied into the decode side's
     reserved pages, in order); a prompt done is held until the test finishes its transfer."""
+
+    transfers = True
 
     def __init__(self) -> None:
         self.src: Scheduler | None = None  # the scheduler asking (set once both exist)
@@ -81,9 +83,11 @@ class Sender(NullConnector):
         return done
 
 
-class Receiver(NullConnector):
+class Receiver(KVConnector):
     """Decode side: the requests waiting for pages, the pages each got, arrivals as the test delivers them;
     an aborted request's pages are held while `hold_on_abort` says a write may still land."""
+
+    transfers = True
 
     def __init__(self) -> None:
         self.waiting: list[Req] = []

@@ -7,7 +7,7 @@ import torch
 from common.kv.page_table import PageTable
 from common.kv.radix import MatchResult
 from common.sched.pages import KVBudget
-from common.sched.request import Req, ReqState
+from common.sched.request import Req
 
 
 @dataclass
@@ -78,7 +78,6 @@ class PrefillAdder:
         req.cache_node = node
         req.cached_len = matched_len
         req.prefix_hit_len = matched_len
-        req.state = ReqState.PREFILLING
         self.page_table.write_pages(req.table_row, 0, torch.tensor(matched_pages, dtype=torch.int64))
         self.pages_available -= need + locked_now
         self.running_slots -= 1
