@@ -54,17 +54,12 @@ from common.sched.kv_connector import KVArrival, KVConnector
 from common.sched.launched import Launched, StepTimer, copy_to_host
 from common.sched.pages import KVBudget
 from common.sched.prefill import PrefillAdder
-from common.sched.prefill_budget import (
-    FLOOR_DECODE_STEPS,
-    PrefillSpeed,
-    StepContext,
-    StepSeconds,
-    prefill_token_budget,
-)
+from common.sched.prefill_budget import FLOOR_DECODE_STEPS, PrefillSpeed, StepContext, StepSeconds, prefill_budget
 from common.sched.request import Req, ReqState
 from common.sched.request_table import DuplicateRequest, RequestRejected, RequestTable
 from common.sched.snapshot import SchedulerSnapshot
 from common.sched.step_model import StepShape, StepTimeModel, chunk_attention, z_score
+from common.sched.step_plan import PlanInputs, StepPlan, can_decode, decode_growth, plan
 from common.sched.step_sampling import StepSampler
 from common.sched.waiting import WaitingQueue
 from common.settings import ITL_TARGET_SLO, SchedulerConfig
@@ -114,7 +109,7 @@ class Scheduler:
         if cfg.enable_prefix_cache:
             host = make_host_tier(runner.pool, cfg.host_kv_gb, runner.tp.size)  # None: no host tier
             self.cache = RadixCache(self.page_size, self.allocator, host)
-        self.budget = KVBudget(self.allocator, self.cache, runner.page_table)
+        self.budget = KVBudget(self.allocator, self.cache, runner.page_table, cfg.kv_reservation)
         # Every live request, indexed by state; the only thing that moves one (common/sched/request_table.py).
         self.table = RequestTable()
         self.slo = parse_slo_classes(cfg.slo_classes, cfg.slo_default_class)
@@ -130,6 +125,7 @@ class Scheduler:
         self.sampler = StepSampler(runner.page_table.table.shape[0], self.vocab, self.device, tuple(self.eos))
         self._inflight: dict[Req, int] = {}  # tokens launched but not yet appended, per request
         self._pending: Launched | None = None
+        self.last_plan: StepPlan | None = None  # what the last step was planned to compute, and why
         self._late: list[StepEvent] = []  # requests ended while sampling (a broken grammar), not yet returned
         self.prefill_tokens_launched = 0  # prompt tokens computed so far (the measured prefill rate's counter)
         # Device-timed: every step's time against what it computed (the step-time model: sizes the chunk beside
@@ -238,7 +234,7 @@ class Scheduler:
 
     def reserved_pages(self) -> int:
         """Pages promised to admitted requests but not yet allocated to them."""
-        return sum(self.budget.pages_for(r.max_device_len) - len(r.pages) for r in self.table.active())
+        return self.budget.reserved_pages(self.table.active())
 
     def _reserve(self, req: Req) -> list[int] | None:
         """Decode side: reserves pages for `req`'s prompt (and its output budget) so a prefill peer can write
@@ -246,13 +242,14 @@ class Scheduler:
         self.validate(req)
         if req.req_id in self.by_id:
             raise DuplicateRequest(f"duplicate request id {req.req_id!r}")
-        need = self.budget.pages_for(req.max_device_len)
+        reserve = self.budget.reserve_len(req)
         if (
             self.runner.page_table.num_free_rows == 0
-            or len(self.running) + len(self.awaiting_kv) >= self.max_running
-            or need > self.budget.available_pages() - self.reserved_pages()
+            or self.table.active_count() >= self.max_running
+            or self.budget.pages_for(reserve) > self.budget.available_pages() - self.reserved_pages()
         ):
             return None
+        req.reserve_len = reserve
         self.table.add_awaiting_kv(req)
         req.table_row = self.runner.page_table.take_row()
         self.budget.grow(req, req.prompt_len)
@@ -409,54 +406,81 @@ class Scheduler:
             return 0.0
         return z_score(max(c.percentile for c in self.slo.classes))
 
+    def plan_inputs(self) -> PlanInputs:
+        """What `plan` reads (common/sched/step_plan.py): the table's indexes, the budget and the page counts."""
+        return PlanInputs(
+            running=self.running,
+            chunked=self.chunked,
+            waiting=self.waiting,
+            inflight=self._inflight,
+            max_seq_len=self.runner.max_seq_len,
+            page_size=self.page_size,
+            mixed_batching=self.mixed_batching,
+            itl_target_s=self.itl_target_s(),
+            budget=self._budget,
+            spare_pages=self.budget.available_pages() - self.reserved_pages(),
+            running_slots=min(self.max_running - self.table.active_count(), self.runner.page_table.num_free_rows),
+            reserve_len=lambda r: r.reserve_len if r.table_row >= 0 else self.budget.reserve_len(r),
+            peek=self.budget.peek,
+        )
+
     @torch.inference_mode()
     def _launch(self) -> Launched | None:
-        decode = [r for r in self.running if self._can_decode(r)]
-        mixed = self.mixed_batching and bool(decode)
-        if mixed and self.itl_target_s() <= 0:
-            # The auto target is measured first: one decode step (two with overlap) before the first mixed one.
-            return self._launch_decode(decode)
-        context = StepContext(len(decode), sum(r.device_len for r in decode) if mixed else 0)
-        adder = self._schedule_prefill(bool(decode) if self.mixed_batching else bool(self.running), context)
-        if adder is not None and adder.batch:
-            if mixed:
-                return self._launch_mixed(decode, adder.batch, adder.chunks)
-            return self._launch_prefill(adder.batch, adder.chunks)
-        if decode:
-            return self._launch_decode(decode)
-        return None
+        """Plans the next step and executes the plan."""
+        step = plan(self.plan_inputs())
+        self.last_plan = step
+        for r in step.preempt:
+            self._preempt(r)
+        if step.chunks:
+            batch, chunks = self._take_chunks(step)
+            if batch:
+                if step.decode:
+                    return self._launch_mixed(list(step.decode), batch, chunks)
+                return self._launch_prefill(batch, chunks)
+        decode = list(step.decode) if step.kind != "prefill" else self._decodable()
+        return self._launch_decode(decode) if decode else None
 
-    def _schedule_prefill(self, decoding: bool, context: StepContext) -> PrefillAdder | None:
-        if not self.waiting and self.chunked is None:
-            return None
-        head = self.chunked if self.chunked is not None else self.waiting[0]
-        context = StepContext(context.decode_rows, context.decode_context, head.cached_len)
+    def _decodable(self) -> list[Req]:
+        return [r for r in self.running if can_decode(r, self.inflight(r), self.runner.max_seq_len)]
+
+    def _take_chunks(self, step: StepPlan) -> tuple[list[Req], list[int]]:
+        """The plan's prompt chunks, taken in order: the chunked prompt's next, then admissions until one does not
+        fit (the prefix cache changed under the plan: fewer tokens are computed, never more)."""
+        ps = self.page_size
+        growth = sum(decode_growth(r, self.inflight(r), r.reserve_len, ps) for r in step.decode)
         adder = PrefillAdder(
             budget=self.budget,
             page_table=self.runner.page_table,
-            token_budget=self.prefill_token_budget(decoding, context),
-            pages_available=self.budget.available_pages() - self.reserved_pages(),
-            running_slots=self.max_running - len(self.running) - len(self.awaiting_kv) - (1 if self.chunked else 0),
+            token_budget=step.token_budget,
+            pages_available=self.budget.available_pages() - self.reserved_pages() - growth,
+            running_slots=self.max_running - self.table.active_count(),
         )
-        chunked = self.table.take_chunked()
-        if chunked is not None:
-            adder.add_continuing(chunked)
-        while self.waiting and adder.try_admit(self.waiting[0]):
-            self.table.admit(self.waiting[0])
-        return adder
+        for c in step.chunks:
+            if not c.admit:
+                self.table.take_chunked()
+                adder.add_continuing(c.req, c.tokens)
+            elif adder.try_admit(c.req, c.tokens):
+                self.table.admit(c.req)
+            else:
+                break
+        return adder.batch, adder.chunks
 
-    def prefill_token_budget(self, decoding: bool | None = None, context: StepContext | None = None) -> int:
-        """Prompt tokens the next step takes: all of max_prefill_tokens alone, or beside decoding requests the
-        largest chunk whose step the step-time model predicts within the ITL target (common/sched/prefill_budget.py).
-        `decoding` None: whether requests decode now; True: the budget a step gets beside them (what the worker
-        publishes). `context`: what the step decodes beside the chunk (default: every running request)."""
-        if context is None:
-            context = StepContext(len(self.running), sum(r.device_len for r in self.running))
-        return prefill_token_budget(
+    def _preempt(self, req: Req) -> None:
+        """Frees a running request's pages and queues it again: its KV so far stays in the prefix cache (evictable)
+        and is recomputed, with its outputs, when it is admitted again (common/sched/step_plan.py chose it). A
+        token of it still in flight is appended when its step is processed, before it can be admitted."""
+        self.budget.cache_prefix(req, req.cached_len)
+        self.budget.release(req)
+        req.cached_len = 0
+        req.reserve_len = 0
+        self.table.preempt(req)
+
+    def _budget(self, decoding: bool, context: StepContext) -> tuple[int, str]:
+        return prefill_budget(
             self.cfg.max_prefill_tokens,
             self.page_size,
             self.itl_target_s(),
-            decoding=bool(self.running) if decoding is None else decoding,
+            decoding=decoding,
             model=self.step_model,
             context=context,
             margin_z=self.margin_z(),
@@ -465,9 +489,14 @@ class Scheduler:
             max_step_s=self.cfg.max_step_ms / 1000,
         )
 
-    def _can_decode(self, r: Req) -> bool:
-        k = self.inflight(r)
-        return len(r.output_ids) + k < r.sampling.max_tokens and r.device_len + k < self.runner.max_seq_len
+    def prefill_token_budget(self, decoding: bool | None = None, context: StepContext | None = None) -> int:
+        """Prompt tokens the next step takes: all of max_prefill_tokens alone, or beside decoding requests the
+        largest chunk whose step the step-time model predicts within the ITL target (common/sched/prefill_budget.py).
+        `decoding` None: whether requests decode now; True: the budget a step gets beside them (what the worker
+        publishes). `context`: what the step decodes beside the chunk (default: every running request)."""
+        if context is None:
+            context = StepContext(len(self.running), sum(r.device_len for r in self.running))
+        return self._budget(bool(self.running) if decoding is None else decoding, context)[0]
 
     def _decode_rows(self, batch: list[Req]) -> tuple[list[list[int]], list[int], bool]:
         """Each decoding request's one input token (host id, or -1 where it is still on the device), its
@@ -498,8 +527,8 @@ class Scheduler:
     def _launch_mixed(self, decode: list[Req], batch: list[Req], chunks: list[int]) -> Launched:
         """One step: a token for each of `decode` (first, as one-token extends), then each prompt chunk."""
         starts = [r.cached_len for r in batch]
-        token_chunks = [r.prompt_ids[s : s + n] for r, s, n in zip(batch, starts, chunks)]
-        done = [s + n == r.prompt_len for r, s, n in zip(batch, starts, chunks)]
+        token_chunks = [r.fill_ids()[s : s + n] for r, s, n in zip(batch, starts, chunks)]
+        done = [s + n == r.device_len for r, s, n in zip(batch, starts, chunks)]
         host_ids, positions, on_device = self._decode_rows(decode)
         self.prefill_tokens_launched += sum(chunks)
         fb = self.runner.build_batch(
@@ -535,7 +564,7 @@ class Scheduler:
         for r in finishing:
             if not r.prefill_only:
                 # Joins the running batch now: the next step reads its first token on the device.
-                self.budget.cache_prefix(r, r.prompt_len)
+                self.budget.cache_prefix(r, r.cached_len)
                 self.table.start_running(r)
         return launched
 
@@ -621,7 +650,7 @@ class Scheduler:
                 self._inflight[r] = k
             if r.finished:
                 continue  # finished (stop token, abort) while this step was in flight: its token is void
-            if i < launched.decode_rows:
+            if i < launched.decode_rows and r.state is ReqState.RUNNING:  # (not preempted meanwhile)
                 r.cached_len = r.device_len  # this step's input token now has its KV
             lp = None
             if chosen is not None and (r.sampling.logprobs or r.sampling.top_logprobs):
@@ -667,7 +696,7 @@ class Scheduler:
             self._end(req)
 
     def _end(self, req: Req) -> None:
-        if req.state is ReqState.RUNNING:
+        if req.state in (ReqState.RUNNING, ReqState.WAITING):  # waiting: preempted with its last token in flight
             self._finish(req)
         else:
             # A prefill-only request: `_prefill_done` parks or frees it once this token is processed.
@@ -739,7 +768,7 @@ class Scheduler:
         return self.cache.drain_index_events() if self.cache is not None else []
 
     def queued_prefill_tokens(self) -> int:
-        queued = sum(r.prompt_len for r in self.waiting)
+        queued = sum(r.device_len for r in self.waiting)
         if self.chunked is not None:
             queued += self.chunked.prompt_len - self.chunked.cached_len
         return queued
