@@ -69,8 +69,8 @@ def test_a_duplicate_request_id_is_refused_and_changes_nothing(tiny: DecoderMode
 def test_random_interleavings_keep_the_table_and_the_page_ledger(tiny: DecoderModel, overlap: str) -> None:
     """A seeded mix of adds (prompts sharing prefixes), aborts and steps on a pool too small for the requests'
     whole outputs: optimistic reservation preempts. After every operation the table and the page ledger hold;
-    every request ends once; the ones not aborted produce what they produce alone (with overlap on, the GPU
-    loop's shape: a preempted request's token is still in flight when it is preempted)."""
+    every request ends once; the ones not aborted produce what they produce alone, greedy and seeded (with
+    overlap on, the GPU loop's shape: a preempted request's token is still in flight when it is preempted)."""
     rng = random.Random(46)
     sched = scheduler(tiny, 24, "optimistic", overlap)
     bases = prompts(7, [48, 48])
@@ -82,7 +82,8 @@ def test_random_interleavings_keep_the_table_and_the_page_ledger(tiny: DecoderMo
         if op < 0.12 and len(made) < 24:
             base = bases[rng.randrange(2)]
             (tail,) = prompts(rng.randrange(10_000), [rng.randrange(1, 40)])
-            r = new_req(base[: rng.randrange(8, 48)] + tail, max_tokens=rng.randrange(8, 90))
+            seeded = {"temperature": 0.9, "seed": rng.randrange(1000)} if rng.random() < 0.3 else {}
+            r = new_req(base[: rng.randrange(8, 48)] + tail, max_tokens=rng.randrange(8, 90), **seeded)
             sched.add(r)
             made.append(r)
         elif op < 0.16 and made:
@@ -111,9 +112,9 @@ def test_random_interleavings_keep_the_table_and_the_page_ledger(tiny: DecoderMo
     assert all(r.finish_reason == "length" for r in kept)
 
 
-def pool_bound_requests(tokenizer, ref_engine: Engine, n: int) -> list[tuple[list[int], SamplingParams]]:
-    """`n` chat prompts asking max_tokens 400 whose output stops after 24-72 tokens: each stops at a token of its
-    own unpreempted greedy output (a stop id that does not occur earlier), found from a reference run."""
+def pool_bound_work(tokenizer, ref_engine: Engine, n: int) -> list[tuple[list[int], SamplingParams, list[int]]]:
+    """`n` chat prompts asking max_tokens 180 whose output stops after 8-48 tokens, with that output: each stops
+    at a token of its own greedy output (one that does not occur earlier), found by a run without a stop."""
     topics = ["the sea", "a small town", "bread", "winter", "trains", "a library", "the moon", "gardens"]
     ids = [
         list(
@@ -126,34 +127,30 @@ def pool_bound_requests(tokenizer, ref_engine: Engine, n: int) -> list[tuple[lis
         )
         for t in topics[:n]
     ]
-    free = ref_engine.generate(ids, SamplingParams(max_tokens=80, ignore_eos=True))
+    free = ref_engine.generate(ids, SamplingParams(max_tokens=56, ignore_eos=True))
     out = []
     for i, (prompt, res) in enumerate(zip(ids, free)):
         toks = res.output_ids
-        want = 24 + (i * 13) % 48
-        stop = next(j for j in range(want, len(toks)) if toks[j] not in toks[:j])
-        out.append((prompt, SamplingParams(max_tokens=400, stop_token_ids=[toks[stop]], ignore_eos=True)))
+        want = 8 + (i * 17) % 40
+        stop = min((j for j in range(4, len(toks)) if toks[j] not in toks[:j]), key=lambda j: abs(j - want))
+        sp = SamplingParams(max_tokens=180, stop_token_ids=[toks[stop]], ignore_eos=True)
+        out.append((prompt, sp, toks[: stop + 1]))
     return out
 
 
 def test_pool_bound_optimistic_admits_more_with_the_same_outputs(smol_path, smol_runner, smol_tokenizer) -> None:
-    """A KV pool too small for max_tokens 400 per request, outputs that stop much earlier: full reservation
-    runs a few at a time; optimistic admits more at once, preempts when the pool runs out, and every request
-    gives the tokens it gives unpreempted, greedy and seeded; every page comes back."""
+    """A KV pool too small for more than one request's max_tokens, outputs that stop much earlier: full
+    reservation runs one at a time; optimistic admits them all, preempts when the pool runs out, and every
+    request gives the tokens it gives unpreempted; every page comes back."""
     ref = Engine(runner=smol_runner, sched_cfg=SchedulerConfig(), load_tokenizer=False)
-    work = pool_bound_requests(smol_tokenizer, ref, 8)
-    work[1] = (work[1][0], work[1][1].model_copy(update={"temperature": 0.8, "seed": 7, "max_tokens": 60}))
-    ref_out = ref.generate([p for p, _ in work], [sp for _, sp in work])
-    expected = [(r.output_ids, r.finish_reason) for r in ref_out]
-    assert all(len(e) <= 80 for e, _ in expected)
-
-    # 48 pages of 16 tokens: one request's prompt + max_tokens (28 pages) at a time under full reservation.
-    runner = ModelRunner(RunnerConfig(model=str(smol_path), num_pages=48, max_running=16))
+    work = pool_bound_work(smol_tokenizer, ref, 6)
+    # 16 pages of 16 tokens: one request's prompt + max_tokens (15 pages) at a time under full reservation.
+    runner = ModelRunner(RunnerConfig(model=str(smol_path), num_pages=16, max_running=16))
     peak: dict[str, int] = {}
-    for policy in ("full", "optimistic"):
+    for policy in ("optimistic", "full"):
         engine = Engine(runner=runner, sched_cfg=SchedulerConfig(kv_reservation=policy), load_tokenizer=False)
         sched = engine.scheduler
-        reqs = [Req(f"{policy}-{i}", list(p), sp) for i, (p, sp) in enumerate(work)]
+        reqs = [Req(f"{policy}-{i}", list(p), sp) for i, (p, sp, _) in enumerate(work)]
         for r in reqs:
             sched.add(r)
         peak[policy] = 0
@@ -161,9 +158,41 @@ def test_pool_bound_optimistic_admits_more_with_the_same_outputs(smol_path, smol
             sched.step()
             peak[policy] = max(peak[policy], sched.table.active_count())
             assert sched.table_violations() == []
-        assert [(r.output_ids, r.finish_reason) for r in reqs] == expected, policy
+        assert [r.output_ids for r in reqs] == [want for _, _, want in work], policy
+        assert all(r.finish_reason == "stop" for r in reqs)
         assert_pool_clean(engine)
         if policy == "optimistic":
             assert sched.table.preemptions > 0
     print(f"\npeak admitted: {peak}")
     assert peak["optimistic"] >= 2 * peak["full"]
+
+
+def test_load_publishes_what_a_request_reserves_and_the_router_counts_the_same(tiny: DecoderModel) -> None:
+    """/load's free pages are the pages not used nor promised: under optimistic reservation a request is
+    promised its prompt and the allowance, and /load says so; the router's KV admission then counts a request
+    as the worker will, prompt + allowance, not prompt + max_tokens."""
+    from router.admission import RequestKV, kv_room
+    from router.pool import WorkerPool, parse_load
+
+    frees = {}
+    for policy in ("full", "optimistic"):
+        sched = scheduler(tiny, 64, policy)
+        (prompt,) = prompts(9, [40])
+        sched.add(new_req(prompt, max_tokens=400))
+        sched.step()  # admitted: 3 prompt pages, plus the reservation
+        snap = sched.snapshot()
+        frees[policy] = snap.free_pages
+        allowance = snap.kv_reserve_output_tokens
+        assert allowance == (0 if policy == "full" else 2 * PAGE)
+    assert frees == {"full": 64 - 28, "optimistic": 64 - 5}  # 440 tokens: 28 pages; 40 + 32: 5
+
+    pool = WorkerPool(client=None)  # type: ignore[arg-type]
+    pool.set_targets("decode", ["http://d0"])
+    w = pool.workers["http://d0"]
+    snap = {"role": "decode", "pod": "d0", "running_requests": 0, "waiting_requests": 0, "free_pages": 40}
+    snap |= {"total_pages": 64, "page_size": 16, "ready": True, "max_running": 8}
+    need = RequestKV(40 + 1000, 40 + 1000, 1000)  # prompt 40, max_tokens 1000: 1040 tokens > 40 pages' 640
+    pool.report_load(w, parse_load(snap))
+    assert not kv_room(w, need)
+    pool.report_load(w, parse_load(snap | {"kv_reserve_output_tokens": 32}))
+    assert kv_room(w, need) and need.on(w.load).call_tokens == 72

@@ -45,6 +45,11 @@ class KVBudget:
             return req.device_len
         return min(req.max_device_len, req.device_len + DECODE_ALLOWANCE_PAGES * self.page_size)
 
+    @property
+    def reserve_output_tokens(self) -> int:
+        """Output tokens a request reserves beyond its prompt (0: all of max_tokens), as /load publishes it."""
+        return DECODE_ALLOWANCE_PAGES * self.page_size if self.optimistic else 0
+
     def reserved_pages(self, active: list[Req]) -> int:
         """Pages promised to `active` requests but not yet allocated to them."""
         return sum(max(0, self.pages_for(r.reserve_len) - len(r.pages)) for r in active)

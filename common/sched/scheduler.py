@@ -737,6 +737,7 @@ class Scheduler:
             host_pages_total=host.num_pages if host is not None else 0,
             host_pages_saved=host.saved_pages if host is not None else 0,
             host_pages_loaded=host.loaded_pages if host is not None else 0,
+            kv_reserve_output_tokens=self.budget.reserve_output_tokens,
         )
 
     def last_step_kind(self) -> str | None:

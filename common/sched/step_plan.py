@@ -148,6 +148,10 @@ def plan(v: PlanInputs) -> StepPlan:
             left -= n
     stop = AdmitStop.PREEMPTING if preempt else AdmitStop.QUEUE_EMPTY
     slots = v.running_slots
+    # Decoding requests past their reservation take a page from the spare ones at their next page boundary:
+    # an admission leaves one for each, or it would be preempted back at the next boundary (a recompute for
+    # nothing, over and over while the pool is full).
+    spare -= sum(1 for r in decode if pages_for(r.device_len, ps) >= pages_for(v.reserve_len(r), ps))
     for req in () if preempt else v.waiting:
         if slots <= 0:
             stop = AdmitStop.MAX_RUNNING

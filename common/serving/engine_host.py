@@ -438,6 +438,7 @@ class EngineHost:
             running_requests=snap.running,
             waiting_requests=snap.waiting,
             free_pages=snap.free_pages,
+            kv_reserve_output_tokens=snap.kv_reserve_output_tokens,
             total_pages=snap.total_pages,
             page_size=self.page_size,
             ready=True,
