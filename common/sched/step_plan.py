@@ -98,6 +98,13 @@ def decode_growth(r: Req, inflight: int, reserve_len: int, page_size: int) -> in
     return max(0, pages_for(r.device_len + inflight, page_size) - have)
 
 
+def past_reservation(r: Req, reserve_len: int, page_size: int) -> bool:
+    """Whether the request's next page comes from the spare pages (it reserved less than its whole output, and
+    its pages reach its reservation)."""
+    reserved = pages_for(reserve_len, page_size)
+    return reserved < pages_for(r.max_device_len, page_size) and pages_for(r.device_len, page_size) >= reserved
+
+
 def freed_by(r: Req, reserve_len: int, page_size: int) -> int:
     """Pages preempting `r` gives back to the spare count, at least: its own pages and its unused reservation
     (prefix pages it shares with the cache stay there, evictable, and are not counted)."""
@@ -151,7 +158,7 @@ def plan(v: PlanInputs) -> StepPlan:
     # Decoding requests past their reservation take a page from the spare ones at their next page boundary:
     # an admission leaves one for each, or it would be preempted back at the next boundary (a recompute for
     # nothing, over and over while the pool is full).
-    spare -= sum(1 for r in decode if pages_for(r.device_len, ps) >= pages_for(v.reserve_len(r), ps))
+    spare -= sum(1 for r in decode if past_reservation(r, v.reserve_len(r), ps))
     for req in () if preempt else v.waiting:
         if slots <= 0:
             stop = AdmitStop.MAX_RUNNING
