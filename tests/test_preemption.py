@@ -113,7 +113,7 @@ def test_random_interleavings_keep_the_table_and_the_page_ledger(tiny: DecoderMo
 
 
 def pool_bound_work(tokenizer, ref_engine: Engine, n: int) -> list[tuple[list[int], SamplingParams, list[int]]]:
-    """`n` chat prompts asking max_tokens 120 whose output stops after 36-76 tokens, with that output: each stops
+    """`n` chat prompts asking max_tokens 300 whose output stops after 8-32 tokens, with that output: each stops
     at a token of its own greedy output (one that does not occur earlier), found by a run without a stop."""
     topics = ["the sea", "a small town", "bread", "winter", "trains", "a library", "the moon", "gardens"]
     ids = [
@@ -127,13 +127,13 @@ def pool_bound_work(tokenizer, ref_engine: Engine, n: int) -> list[tuple[list[in
         )
         for t in topics[:n]
     ]
-    free = ref_engine.generate(ids, SamplingParams(max_tokens=80, ignore_eos=True))
+    free = ref_engine.generate(ids, SamplingParams(max_tokens=40, ignore_eos=True))
     out = []
     for i, (prompt, res) in enumerate(zip(ids, free)):
         toks = res.output_ids
-        want = 36 + (i * 17) % 40
+        want = 8 + (i * 7) % 24
         stop = min((j for j in range(4, len(toks)) if toks[j] not in toks[:j]), key=lambda j: abs(j - want))
-        sp = SamplingParams(max_tokens=120, stop_token_ids=[toks[stop]], ignore_eos=True)
+        sp = SamplingParams(max_tokens=300, stop_token_ids=[toks[stop]], ignore_eos=True)
         out.append((prompt, sp, toks[: stop + 1]))
     return out
 
@@ -146,8 +146,8 @@ def test_pool_bound_optimistic_admits_more_with_the_same_outputs(smol_path, smol
     reference run's own policy; it is run here only until its first request ends, for its concurrency.)"""
     ref = Engine(runner=smol_runner, sched_cfg=SchedulerConfig(), load_tokenizer=False)
     work = pool_bound_work(smol_tokenizer, ref, 6)
-    # 10 pages of 16 tokens: one request's prompt + max_tokens (10 pages) at a time under full reservation.
-    runner = ModelRunner(RunnerConfig(model=str(smol_path), num_pages=10, max_running=16))
+    # 24 pages of 16 tokens: one request's prompt + max_tokens (22 pages) at a time under full reservation.
+    runner = ModelRunner(RunnerConfig(model=str(smol_path), num_pages=24, max_running=16))
     peak: dict[str, int] = {}
     for policy in ("optimistic", "full"):
         engine = Engine(runner=runner, sched_cfg=SchedulerConfig(kv_reservation=policy), load_tokenizer=False)
