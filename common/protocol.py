@@ -285,6 +285,9 @@ class LoadSnapshot(Schema):
     # The most KV tokens one request may reserve here (its share of the pool, KVFERRY_MAX_REQUEST_KV_SHARE; set by
     # the control plane); 0: not reported. The router admits by it (router/admission.py).
     max_request_tokens: int = 0
+    # Output tokens a request admitted here reserves beyond its prompt (KVFERRY_KV_RESERVATION=optimistic; it grows
+    # page by page after); 0: all of its max_tokens. The router's KV admission counts the same (router/admission.py).
+    kv_reserve_output_tokens: int = 0
     # What predicts a new request's TTFT here (router/ttft_model.py; common/sched/snapshot.py says what each is):
     # the step-time model's seconds per unit (base_s, per_prefill_token_s, per_decode_row_s, per_context_token_s,
     # per_attention_pair_s; empty until fitted), the prompt chunk of the next step as the batch stands, the

@@ -82,6 +82,8 @@ class SchedulerConfig:
     # auto: overlap on a GPU at TP=1, off otherwise (common/sched/scheduler.py); on | off force it (on runs the
     # GPU loop's shape on the CPU, for tests).
     overlap: str = reg.OVERLAP.field()
+    # full | optimistic: what an admitted request's KV reservation covers (common/sched/pages.py).
+    kv_reservation: str = reg.KV_RESERVATION.field()
 
 
 @dataclass(frozen=True)

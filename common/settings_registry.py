@@ -591,6 +591,20 @@ ITL_TARGET_MS = declare(
 )
 
 
+KV_RESERVATION = declare(
+    "KVFERRY_KV_RESERVATION",
+    str,
+    "full",
+    "KV pages an admitted request reserves: `full` = its prompt and all of max_tokens (nothing is ever preempted); "
+    "`optimistic` = its prompt and a small decode allowance, growing page by page; when the pool runs out the "
+    "lowest-class, latest-deadline running request is preempted and recomputed later, its output unchanged "
+    "(grammar requests reserve in full). `common/sched/pages.py`",
+    "workers",
+    "common/settings.py",
+    choices=("full", "optimistic"),
+)
+
+
 def slo_spec(value: str) -> str:
     """A KVFERRY_SLO_CLASSES spec, checked (common/slo.py) and written back in its canonical form."""
     return parse_slo_classes(value).spec()

@@ -21,7 +21,7 @@ import torch
 
 from common.kv.pool import checksums_match
 from common.protocol import TokenLine
-from common.sched.kv_connector import FinishedTransfers, KVArrival, NullConnector
+from common.sched.kv_connector import FinishedTransfers, KVArrival, KVConnector
 from common.sched.request import Req
 from common.serving.engine_host import EngineHost, Handlers, Refused
 from common.serving.messages import (
@@ -48,11 +48,13 @@ class PendingRemote:
     reserved: bool = False
 
 
-class DecodeRole(NullConnector):
+class DecodeRole(KVConnector):
     """The engine's own requests: prefilled here or by a peer into pages reserved here, then decoded. It is the
     scheduler's KV connector for them: which requests wait for pages (`reservations`, `reserved`), whose KV
     arrived, and which given-up requests' pages a peer may still write (`aborted`: held) or no longer can
     (`finished`)."""
+
+    transfers = True
 
     def __init__(self, host: EngineHost) -> None:
         self.host = host

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from common.protocol import KVNotice, PrefillRequest, encode, replace
-from common.sched.kv_connector import FinishedTransfers, NullConnector
+from common.sched.kv_connector import FinishedTransfers, KVConnector
 from common.sched.request import Req
 from common.sched.scheduler import RequestRejected
 from common.serving.channel import CALL_TIMEOUT_S
@@ -68,11 +68,13 @@ class Outbound:
     first_token_at: float | None = None  # time.monotonic() when the prompt's first token was sampled
 
 
-class PrefillRole(NullConnector):
+class PrefillRole(KVConnector):
     """The engine's prefills for decode workers: their transfer sessions, from the first chunk to the last write.
     It is the scheduler's KV connector for them: each chunk's complete pages are posted as computed
     (`chunk_done`), a prompt done holds its pages while its session may read them (`prefill_done`), and the
     sessions that ended release them (`finished`)."""
+
+    transfers = True
 
     def __init__(self, host: EngineHost) -> None:
         self.host = host

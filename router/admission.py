@@ -18,7 +18,9 @@ decode worker d
         worker's own ``prefill_tokens_per_s``, measured while prompts were queued), with a floor.
     free_d - need < min(request, pool_d - cap_d)
         free_d = free_pages_d * page_size - unseen_kv_d (the KV this router sent there since its last snapshot);
-        need = prompt + max_tokens of this call, request = n x (prompt + max_tokens) of the whole request,
+        need = prompt + max_tokens of this call, request = n x (prompt + max_tokens) of the whole request
+        (a worker whose /load says it reserves only ``kv_reserve_output_tokens`` of an output: that many instead
+        of max_tokens, as it counts its own free pages),
         cap_d = the most one request may reserve there (``max_request_tokens`` in its /load:
         KVFERRY_MAX_REQUEST_KV_SHARE of its pool). Decode pods reserve KV for the whole output, so a request
         that does not fit now would wait in the worker's queue, and the requests behind it with it. After
@@ -108,6 +110,17 @@ class RequestKV:
 
     call_tokens: int  # prompt + max_tokens
     request_tokens: int  # n x (prompt + max_tokens), summed over the request's prompts
+    output_tokens: int = 0  # the call's max_tokens (0: not told apart from the prompt)
+
+    def on(self, load: Load) -> RequestKV:
+        """What the request reserves on a worker with `load`: there an optimistic reservation takes its prompts
+        and `kv_reserve_output_tokens` of each output, not all of max_tokens (common/sched/pages.py)."""
+        allowance = load.kv_reserve_output_tokens
+        if allowance <= 0 or self.output_tokens <= allowance:
+            return self
+        saved = self.output_tokens - allowance
+        calls = max(1, round(self.request_tokens / self.call_tokens))  # n choices (and prompts) of this size
+        return RequestKV(self.call_tokens - saved, self.request_tokens - calls * saved, allowance)
 
 
 def largest_request_tokens(workers: Iterable[Worker]) -> int | None:
@@ -122,6 +135,7 @@ def kv_room(w: Worker, need: RequestKV) -> bool:
     load = w.load
     if load is None or load.total_pages <= 0:
         return True
+    need = need.on(load)
     pool = load.total_pages * load.page_size
     free = load.free_pages * load.page_size - w.unseen_kv_tokens
     headroom = min(need.request_tokens, pool - _cap(load))

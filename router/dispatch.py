@@ -111,7 +111,7 @@ class Dispatcher:
             raise no_worker("decode")
         limits = self.limits
         call_tokens = len(plan.token_ids) + max_tokens
-        need = RequestKV(call_tokens, max(call_tokens, plan.request_tokens))
+        need = RequestKV(call_tokens, max(call_tokens, plan.request_tokens), max_tokens)
         open_decode = [w for w in decode if not decode_is_full(w, need, limits)]
         if not open_decode:
             self._count("rejected-decode-full")

@@ -84,6 +84,7 @@ class Load:
     itl_target_s: float = 0.0  # the ITL its steps beside decoding aim at (0: none, or not reported)
     live_requests: int | None = None  # requests the worker has open (engine or stream); None: not reported
     max_request_tokens: int = 0  # the most KV tokens one request may reserve there (0: not reported)
+    kv_reserve_output_tokens: int = 0  # output tokens a request reserves there beyond its prompt (0: max_tokens)
     # What predicts a new request's TTFT there (router/ttft_model.py; common/protocol.py LoadSnapshot).
     step_coefficients: dict[str, float] = field(default_factory=dict)
     step_chunk_tokens: int = 0
@@ -123,6 +124,7 @@ def parse_load(data: Any) -> Load:
         itl_target_s=rate("itl_target_s"),
         live_requests=num("live_requests") if "live_requests" in data else None,
         max_request_tokens=num("max_request_tokens"),
+        kv_reserve_output_tokens=num("kv_reserve_output_tokens"),
         step_coefficients=_numbers(data.get("step_coefficients"), float),
         step_chunk_tokens=num("step_chunk_tokens"),
         decode_rows=num("decode_rows"),

@@ -13,13 +13,13 @@ import torch
 from common.engine.model import DecoderModel
 from common.kv.integrity import page_ledger_violations
 from common.protocol import SamplingParams
-from common.sched.kv_connector import ConnectorSet, FinishedTransfers, KVArrival, NullConnector, combined
+from common.sched.kv_connector import ConnectorSet, FinishedTransfers, KVArrival, KVConnector, combined
 from common.sched.request import Req, ReqState
 from common.sched.scheduler import Scheduler, SchedulerConfig
 from tests.test_scheduler import PAGE, make_engine, prompts
 
 
-def scheduler(model: DecoderModel, connector: NullConnector | None = None, num_pages: int = 64) -> Scheduler:
+def scheduler(model: DecoderModel, connector: KVConnector | None = None, num_pages: int = 64) -> Scheduler:
     engine = make_engine(model, num_pages=num_pages, max_prefill_tokens=64)
     cfg = SchedulerConfig(max_prefill_tokens=64, itl_target_ms=0)
     return Scheduler(engine.runner, cfg, overlap=False, connector=connector)
@@ -40,9 +40,11 @@ def own_pages(sched: Scheduler) -> int:
     return sched.allocator.num_pages - sched.allocator.num_free - cached
 
 
-class Sender(NullConnector):
+class Sender(KVConnector):
     """Prefill side: each chunk's complete pages and then the rest are "sent" (copied into the decode side's
     reserved pages, in order); a prompt done is held until the test finishes its transfer."""
+
+    transfers = True
 
     def __init__(self) -> None:
         self.src: Scheduler | None = None  # the scheduler asking (set once both exist)
@@ -75,9 +77,11 @@ class Sender(NullConnector):
         return done
 
 
-class Receiver(NullConnector):
+class Receiver(KVConnector):
     """Decode side: the requests waiting for pages, the pages each got, arrivals as the test delivers them;
     an aborted request's pages are held while `hold_on_abort` says a write may still land."""
+
+    transfers = True
 
     def __init__(self) -> None:
         self.waiting: list[Req] = []
@@ -195,9 +199,11 @@ def test_held_pages_come_back_on_abort_and_when_the_transfer_finishes(tiny_model
     assert decode.runner.page_table.num_free_rows == decode.max_running and not decode.held
 
 
-class Holder(NullConnector):
+class Holder(KVConnector):
     """A prefill role in miniature: answers for its own (``prefill_only``) requests only, holding their pages
     once prefilled until the test releases them; records every ask."""
+
+    transfers = True
 
     def __init__(self) -> None:
         self.chunks: list[tuple[str, int, int]] = []
@@ -227,7 +233,7 @@ def test_a_connector_set_asks_every_connector_and_routes_each_answer_to_its_own(
     are told to every one, pages are held when one of them holds them, a reservation goes to the role that
     listed it, and the transfers both report finished in one settle: one request joins the batch, the other's
     held pages come back."""
-    assert isinstance(combined([]), NullConnector)
+    assert type(combined([])) is KVConnector and not combined([]).transfers
     one = Holder()
     assert combined([one]) is one
     holder, receiver = Holder(), Receiver()

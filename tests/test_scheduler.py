@@ -17,7 +17,7 @@ from common.engine.runner import ModelRunner, RunnerConfig
 from common.engine.weights import init_dummy_weights
 from common.offline import Engine
 from common.protocol import SamplingParams
-from common.sched.kv_connector import NullConnector
+from common.sched.kv_connector import KVConnector
 from common.sched.request import Req, ReqState
 from common.sched.scheduler import RequestRejected, Scheduler, SchedulerConfig
 from tests.engine_helpers import assert_pool_clean
@@ -79,8 +79,10 @@ def new_req(prompt: list[int], max_tokens: int = 8, **kw) -> Req:
     return Req(req_id=uuid.uuid4().hex, prompt_ids=list(prompt), sampling=sp)
 
 
-class ChunkLog(NullConnector):
+class ChunkLog(KVConnector):
     """A connector that only records each prompt chunk's (request id, start, end) once its KV is computed."""
+
+    transfers = True
 
     def __init__(self) -> None:
         self.chunks: list[tuple[str, int, int]] = []
@@ -121,6 +123,7 @@ def check_invariants(sched: Scheduler) -> None:
     assert len(sched.running) <= sched.max_running
     for r in sched.waiting:
         assert r.state is ReqState.WAITING and r.table_row == -1 and r.pages == [] and r.output_ids == []
+    assert sched.table_violations() == []
 
 
 def drain(sched: Scheduler, max_steps: int = 10_000) -> int:

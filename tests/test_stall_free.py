@@ -11,7 +11,7 @@ import pytest
 
 from common.engine.model import DecoderModel
 from common.protocol import SamplingParams
-from common.sched.kv_connector import FinishedTransfers, KVConnector, NullConnector
+from common.sched.kv_connector import FinishedTransfers, KVConnector
 from common.sched.prefill_budget import FLOOR_DECODE_STEPS, MIN_PAGES, StepContext
 from common.sched.request import Req
 from common.sched.scheduler import Scheduler, SchedulerConfig
@@ -248,8 +248,10 @@ def test_auto_target_follows_the_measured_decode_step(tiny_model: DecoderModel) 
         check_invariants(sched)
 
 
-class Parking(NullConnector):
+class Parking(KVConnector):
     """Holds every prompt prefilled for a peer; releases what the test puts in `done`."""
+
+    transfers = True
 
     def __init__(self) -> None:
         self.parked: list[Req] = []

@@ -12,8 +12,8 @@ The scheduler owns every request's state and every page; the connector decides. 
   KV arrived (they join the running batch with the first token their peer sampled).
 
 Each call is per chunk, per request or per loop turn (`Scheduler.settle_transfers`), never per token. The
-offline engine runs the `NullConnector`: the scheduler then skips every ask, so its step is what it was
-before the seam. The roles' connectors live with them (prefill_worker/engine.py, decode_worker/engine.py); a
+offline engine runs the base `KVConnector`, which says it does not transfer: the scheduler then skips every
+ask. The roles' connectors live with them (prefill_worker/engine.py, decode_worker/engine.py); a
 mixed worker's engine asks both (`ConnectorSet`).
 """
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from common.protocol import TokenLogprob
 from common.sched.request import Req
@@ -48,65 +47,50 @@ class FinishedTransfers:
         return bool(self.released or self.arrived)
 
 
-class KVConnector(Protocol):
+class KVConnector:
+    """The seam's base: every ask answered "no transfer" (nothing held, nothing sent, nothing arrives), which is
+    what an aggregated pod and the offline engine run. A connector that transfers subclasses it, overrides the
+    asks it needs and says so with `transfers`: a scheduler whose connector does not transfer asks nothing at
+    all, so its step costs what it would without the seam."""
+
+    transfers: bool = False
+
     def chunk_done(self, req: Req, start: int, end: int) -> None:
         """The KV of prompt tokens [start, end) of `req` is in its pages."""
-        ...
+        return None
 
     def prefill_done(self, req: Req) -> bool:
         """A `prefill_only` request's first token is sampled. True: hold its pages until `finished` releases
         them; False: the scheduler caches its prefix and frees them now."""
-        ...
+        return False
 
     def aborted(self, req: Req) -> bool:
         """`req` is aborted. True: a transfer may still touch its pages: hold them until `finished` releases
         them (no prefix caching: their KV is partial); False: freed now."""
-        ...
+        return False
 
     def reservations(self) -> Sequence[Req]:
         """Requests whose KV a peer computes, still without pages, oldest first: the scheduler reserves pages
         for each in turn until one does not fit."""
-        ...
-
-    def reserved(self, req: Req, pages: list[int]) -> None:
-        """`req` holds `pages` for its prompt's KV (and its output budget) and awaits its KV."""
-        ...
-
-    def finished(self) -> FinishedTransfers | None:
-        """Transfers that ended since the last call (None: none)."""
-        ...
-
-
-class NullConnector:
-    """No KV transfer (an aggregated pod, the offline engine): nothing held, nothing sent, nothing arrives.
-    Also the base of connectors that need only some of the asks."""
-
-    def chunk_done(self, req: Req, start: int, end: int) -> None:
-        return None
-
-    def prefill_done(self, req: Req) -> bool:
-        return False
-
-    def aborted(self, req: Req) -> bool:
-        return False
-
-    def reservations(self) -> Sequence[Req]:
         return ()
 
     def reserved(self, req: Req, pages: list[int]) -> None:
+        """`req` holds `pages` for its prompt's KV (and its output budget) and awaits its KV."""
         return None
 
     def finished(self) -> FinishedTransfers | None:
+        """Transfers that ended since the last call (None: none)."""
         return None
 
 
-class ConnectorSet:
+class ConnectorSet(KVConnector):
     """Several connectors over one scheduler (a mixed worker's prefill and decode roles), each answering for
     its own requests: every one is asked, pages are held when any of them holds them, and the requests to
     reserve for are told to the one that listed them."""
 
     def __init__(self, connectors: Sequence[KVConnector]) -> None:
         self.connectors = list(connectors)
+        self.transfers = any(c.transfers for c in self.connectors)
         self._lister: dict[str, KVConnector] = {}
 
     def chunk_done(self, req: Req, start: int, end: int) -> None:
@@ -142,7 +126,7 @@ class ConnectorSet:
 
 
 def combined(connectors: Sequence[KVConnector]) -> KVConnector:
-    """The one connector a scheduler gets for these: none (the null connector), the one, or all of them."""
+    """The one connector a scheduler gets for these: none (the base, which transfers nothing), the one, or all."""
     if not connectors:
-        return NullConnector()
+        return KVConnector()
     return connectors[0] if len(connectors) == 1 else ConnectorSet(connectors)

@@ -6,17 +6,67 @@ from common.kv.allocator import PageAllocator
 from common.kv.page_table import PageTable
 from common.kv.radix import RadixCache
 from common.sched.request import Req
+from common.sched.step_plan import PrefixPeek
+
+# Optimistic reservation: the decode pages a request reserves beyond its prompt. Two pages: a request that has
+# just started or resumed always decodes a while before it needs the spare pages, so a full pool preempts
+# at page boundaries of long outputs, not at every admission.
+DECODE_ALLOWANCE_PAGES = 2
 
 
 class KVBudget:
     """Page accounting shared by admission and allocation: pages come from the free list, evicting
-    unlocked prefix-cache pages when it runs short."""
+    unlocked prefix-cache pages when it runs short.
 
-    def __init__(self, allocator: PageAllocator, cache: RadixCache | None, page_table: PageTable) -> None:
+    The memory policy (KVFERRY_KV_RESERVATION) is what an admitted request reserves (`reserve_len`): `full`,
+    its prompt and all of max_tokens, so a running request never runs out of pages and nothing is preempted,
+    at the price of pages promised and never used (a request that stops early held its whole max_tokens);
+    `optimistic`, its prompt and DECODE_ALLOWANCE_PAGES, then page by page from the spare pages, preempting
+    when they run out (common/sched/step_plan.py chooses whom). A grammar request reserves in full (its matcher
+    cannot be replayed), a prompt prefilled for a peer reserves its prompt alone (it never decodes here).
+    """
+
+    def __init__(
+        self, allocator: PageAllocator, cache: RadixCache | None, page_table: PageTable, reservation: str = "full"
+    ) -> None:
+        if reservation not in ("full", "optimistic"):
+            raise ValueError(f"kv reservation must be full or optimistic, not {reservation!r}")
         self.allocator = allocator
         self.cache = cache
         self.page_table = page_table
         self.page_size = page_table.page_size
+        self.optimistic = reservation == "optimistic"
+
+    def reserve_len(self, req: Req) -> int:
+        """Tokens whose pages `req` reserves when admitted (now: from its present length)."""
+        if not self.optimistic or req.sampling.grammar is not None:
+            return req.max_device_len
+        if req.prefill_only:
+            return req.device_len
+        return min(req.max_device_len, req.device_len + DECODE_ALLOWANCE_PAGES * self.page_size)
+
+    @property
+    def reserve_output_tokens(self) -> int:
+        """Output tokens a request reserves beyond its prompt (0: all of max_tokens), as /load publishes it."""
+        return DECODE_ALLOWANCE_PAGES * self.page_size if self.optimistic else 0
+
+    def reserved_pages(self, active: list[Req]) -> int:
+        """Pages promised to `active` requests but not yet allocated to them."""
+        return sum(max(0, self.pages_for(r.reserve_len) - len(r.pages)) for r in active)
+
+    def peek(self, req: Req) -> PrefixPeek:
+        """The prefix-cache hit `req` would take if admitted now, without locking it (it refreshes the hit's LRU
+        stamps, as a lookup does). At least one token is left to compute: its logits give the next token."""
+        cache = self.cache
+        if cache is None:
+            return PrefixPeek()
+        m = cache.match_prefix(req.fill_ids(), max_len=req.device_len - 1)
+        lock, node = 0, m.node
+        while node is not cache.root and node is not None:
+            if node.ref_count == 0:
+                lock += node.num_pages
+            node = node.parent
+        return PrefixPeek(m.matched_len + m.host_len, int(m.pages.numel()), lock)
 
     def available_pages(self) -> int:
         evictable = self.cache.evictable_pages if self.cache is not None else 0

@@ -7,16 +7,15 @@ import torch
 from common.kv.page_table import PageTable
 from common.kv.radix import MatchResult
 from common.sched.pages import KVBudget
-from common.sched.request import Req, ReqState
+from common.sched.request import Req
+from common.sched.step_plan import chunk_size
 
 
 @dataclass
 class PrefillAdder:
-    """Builds one prefill batch under two budgets: tokens computed this step, and KV pages.
-
-    The page budget reserves every admitted request's whole output up front (prompt + max_tokens), so a
-    running request never runs out of pages and nothing needs preempting.
-    """
+    """Executes a step plan's prompt chunks (common/sched/step_plan.py) under two budgets: tokens computed this
+    step, and KV pages (each admitted request reserves `KVBudget.reserve_len`). The plan decided them; this
+    takes the prefix hits and pages, and stops short where the cache changed under the plan."""
 
     budget: KVBudget
     page_table: PageTable
@@ -26,24 +25,21 @@ class PrefillAdder:
     batch: list[Req] = field(default_factory=list)
     chunks: list[int] = field(default_factory=list)
 
-    def _chunk_size(self, req: Req) -> int:
-        remaining = req.prompt_len - req.cached_len
-        if remaining <= self.token_budget:
-            return remaining
+    def _chunk_size(self, req: Req, tokens: int) -> int:
         # Chunks end on page boundaries so every chunk's pages are complete when it is sent onwards.
-        page = self.budget.page_size
-        return (self.token_budget // page) * page
+        return chunk_size(req.device_len - req.cached_len, min(tokens, self.token_budget), self.budget.page_size)
 
-    def add_continuing(self, req: Req) -> bool:
-        """Next chunk of a request admitted in an earlier step (its pages are already reserved)."""
-        n = self._chunk_size(req)
+    def add_continuing(self, req: Req, tokens: int) -> bool:
+        """Next chunk, of at most `tokens`, of a request admitted in an earlier step (its pages are reserved)."""
+        n = self._chunk_size(req, tokens)
         if n <= 0:
             return False
         self._take(req, n)
         return True
 
-    def try_admit(self, req: Req) -> bool:
-        """Admits a waiting request if a table row, its pages and some of the token budget are available."""
+    def try_admit(self, req: Req, tokens: int) -> bool:
+        """Admits a waiting request with a first chunk of at most `tokens` if a table row, its pages and some of
+        the token budget are available."""
         if self.running_slots <= 0 or self.page_table.num_free_rows == 0:
             return False
         cache = self.budget.cache
@@ -51,13 +47,14 @@ class PrefillAdder:
         m: MatchResult | None = None
         if cache is not None:
             # Match all but the last prompt token: at least one token must be computed to get logits.
-            m = cache.match_prefix(req.prompt_ids, max_len=req.prompt_len - 1)
+            m = cache.match_prefix(req.fill_ids(), max_len=req.device_len - 1)
             node, matched_len, matched_pages = m.node, m.matched_len, m.pages.tolist()
             before = cache.evictable_pages
             cache.lock(node)
             locked_now = before - cache.evictable_pages  # locking shrinks what eviction can reclaim
         # Pages of a host-tier hit come out of this same budget: they are loaded into fresh device pages.
-        need = self.budget.pages_for(req.max_device_len) - len(matched_pages)
+        reserve = self.budget.reserve_len(req)
+        need = self.budget.pages_for(reserve) - len(matched_pages)
         if need > self.pages_available - locked_now:
             if cache is not None:
                 cache.unlock(node)
@@ -67,8 +64,8 @@ class PrefillAdder:
             cache.lock(loaded.node)
             cache.unlock(node)
             node, matched_len, matched_pages = loaded.node, loaded.matched_len, loaded.pages.tolist()
-        first_chunk = min(req.prompt_len - matched_len, self.token_budget)
-        if first_chunk < req.prompt_len - matched_len and first_chunk < self.budget.page_size:
+        first_chunk = min(req.device_len - matched_len, tokens, self.token_budget)
+        if first_chunk < req.device_len - matched_len and first_chunk < self.budget.page_size:
             if cache is not None:
                 cache.unlock(node)
             return False
@@ -77,12 +74,13 @@ class PrefillAdder:
         req.tree_pages = len(matched_pages)
         req.cache_node = node
         req.cached_len = matched_len
-        req.prefix_hit_len = matched_len
-        req.state = ReqState.PREFILLING
+        req.reserve_len = reserve
+        if not req.output_ids:  # a resumed request reports the hit of its first admission
+            req.prefix_hit_len = matched_len
         self.page_table.write_pages(req.table_row, 0, torch.tensor(matched_pages, dtype=torch.int64))
         self.pages_available -= need + locked_now
         self.running_slots -= 1
-        self._take(req, self._chunk_size(req))
+        self._take(req, self._chunk_size(req, tokens))
         return True
 
     def _take(self, req: Req, n: int) -> None:

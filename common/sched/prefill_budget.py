@@ -46,7 +46,17 @@ class StepContext:
     chunk_start: int = 0  # where the next chunk starts in its prompt (its attention reads that prefix)
 
 
-def prefill_token_budget(
+class BudgetReason:
+    """What sized a step's prompt-token budget (named in the step plan, common/sched/step_plan.py)."""
+
+    ITL_TARGET = "itl_target"  # the largest chunk predicted within the ITL target beside the decode rows
+    MAX_STEP = "max_step"  # the largest chunk predicted within KVFERRY_MAX_STEP_MS
+    MAX_PREFILL_TOKENS = "max_prefill_tokens"  # the cap itself (no target applies, or the target allows more)
+    MIN_PAGES = "min_pages"  # the floor: the target leaves no room, the prompt still advances
+    UNMEASURED = "unmeasured"  # no step timed yet: the cap
+
+
+def prefill_budget(
     max_tokens: int,
     page_size: int,
     target_s: float,
@@ -57,19 +67,21 @@ def prefill_token_budget(
     prefill_tokens_per_s: float = 0.0,
     decode_step_s: float = 0.0,
     max_step_s: float = 0.0,
-) -> int:
-    """The prompt tokens of the next step, in whole pages, at least MIN_PAGES pages: beside decoding the largest
-    chunk whose step `model` predicts within `target_s` (less `margin_z` residual spreads); alone (or with no
-    target) `max_tokens`. Either way a step is predicted within `max_step_s` (0: no bound): the engine reads its
-    commands between steps, so a step of tens of seconds (a 2k-token chunk on a loaded CPU) would leave control
-    calls and cancellations unanswered that long. Before the model has timed chunks: the measured prefill speed
-    over the limit less the decode step; before any speed is known, `max_tokens`."""
+) -> tuple[int, str]:
+    """The prompt tokens of the next step, in whole pages, at least MIN_PAGES pages, and what sized them
+    (a `BudgetReason`): beside decoding the largest chunk whose step `model` predicts within `target_s` (less
+    `margin_z` residual spreads); alone (or with no target) `max_tokens`. Either way a step is predicted within
+    `max_step_s` (0: no bound): the engine reads its commands between steps, so a step of tens of seconds (a
+    2k-token chunk on a loaded CPU) would leave control calls and cancellations unanswered that long. Before
+    the model has timed chunks: the measured prefill speed over the limit less the decode step; before any
+    speed is known, `max_tokens`."""
     beside = decoding and target_s > 0
     limit = target_s if beside else 0.0
-    if max_step_s > 0:
-        limit = min(limit, max_step_s) if limit > 0 else max_step_s
+    bound = BudgetReason.ITL_TARGET
+    if max_step_s > 0 and (limit <= 0 or max_step_s < limit):
+        limit, bound = max_step_s, BudgetReason.MAX_STEP
     if limit <= 0:
-        return max_tokens
+        return max_tokens, BudgetReason.MAX_PREFILL_TOKENS
     if not beside:
         context, margin_z, decode_step_s = StepContext(chunk_start=context.chunk_start), 0.0, 0.0
     if model.ready:
@@ -79,8 +91,17 @@ def prefill_token_budget(
     elif prefill_tokens_per_s > 0:
         tokens = int(prefill_tokens_per_s * max(limit - decode_step_s, 0.0)) // page_size * page_size
     else:
-        return max_tokens
-    return min(max_tokens, max(MIN_PAGES * page_size, tokens))
+        return max_tokens, BudgetReason.UNMEASURED
+    if tokens >= max_tokens:
+        return max_tokens, BudgetReason.MAX_PREFILL_TOKENS
+    if tokens < MIN_PAGES * page_size:
+        return min(max_tokens, MIN_PAGES * page_size), BudgetReason.MIN_PAGES
+    return tokens, bound
+
+
+def prefill_token_budget(*args: object, **kwargs: object) -> int:
+    """`prefill_budget`'s tokens alone."""
+    return prefill_budget(*args, **kwargs)[0]  # type: ignore[arg-type]
 
 
 @dataclass

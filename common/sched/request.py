@@ -53,6 +53,8 @@ class Req:
     slo_rank: int = 0
     itl_target_s: float = 0.0
     deadline_s: float = 0.0  # monotonic time its first token is due (the waiting queue's order)
+    # Tokens whose pages it reserved when admitted (common/sched/pages.py `reserve_len`: the memory policy).
+    reserve_len: int = 0
 
     def __post_init__(self) -> None:
         if self.sampling.seed is not None:
@@ -81,3 +83,8 @@ class Req:
 
     def all_token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def fill_ids(self) -> list[int]:
+        """The tokens a prefill computes: its prompt, and after a preemption its outputs so far too (recomputed,
+        the next token is sampled from the last one's logits, as decoding would have)."""
+        return self.prompt_ids if not self.output_ids else self.prompt_ids + self.output_ids

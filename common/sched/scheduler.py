@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -47,39 +46,26 @@ from common.engine.forward_batch import ForwardBatch
 from common.engine.runner import ModelRunner
 from common.kv.allocator import PageAllocator
 from common.kv.host_tier import make_host_tier
-from common.kv.integrity import page_ledger_violations
 from common.kv.radix import RadixCache
 from common.protocol import TokenLogprob
 from common.sched.grammar import GrammarBook, GrammarError
 from common.sched.grammar_compiles import GrammarCompiles
-from common.sched.kv_connector import KVArrival, KVConnector, NullConnector
+from common.sched.kv_connector import KVArrival, KVConnector
 from common.sched.launched import Launched, StepTimer, copy_to_host
 from common.sched.pages import KVBudget
 from common.sched.prefill import PrefillAdder
-from common.sched.prefill_budget import (
-    FLOOR_DECODE_STEPS,
-    PrefillSpeed,
-    StepContext,
-    StepSeconds,
-    prefill_token_budget,
-)
+from common.sched.prefill_budget import FLOOR_DECODE_STEPS, PrefillSpeed, StepContext, StepSeconds, prefill_budget
 from common.sched.request import Req, ReqState
+from common.sched.request_table import DuplicateRequest, RequestRejected, RequestTable
 from common.sched.snapshot import SchedulerSnapshot
 from common.sched.step_model import StepShape, StepTimeModel, chunk_attention, z_score
+from common.sched.step_plan import PlanInputs, StepPlan, can_decode, decode_growth, plan
 from common.sched.step_sampling import StepSampler
 from common.sched.waiting import WaitingQueue
 from common.settings import ITL_TARGET_SLO, SchedulerConfig
 from common.slo import parse_slo_classes
 
 log = logging.getLogger("kvferry.sched")
-
-
-class RequestRejected(ValueError):
-    """A request that can never be served as asked (too long for the context or the KV pool)."""
-
-
-class DuplicateRequest(RequestRejected):
-    """A request id already live here: the same request delivered twice (a resent POST), or a caller's bug."""
 
 
 @dataclass
@@ -123,14 +109,10 @@ class Scheduler:
         if cfg.enable_prefix_cache:
             host = make_host_tier(runner.pool, cfg.host_kv_gb, runner.tp.size)  # None: no host tier
             self.cache = RadixCache(self.page_size, self.allocator, host)
-        self.budget = KVBudget(self.allocator, self.cache, runner.page_table)
-        self.waiting = WaitingQueue()  # earliest TTFT deadline first (common/sched/waiting.py)
+        self.budget = KVBudget(self.allocator, self.cache, runner.page_table, cfg.kv_reservation)
+        # Every live request, indexed by state; the only thing that moves one (common/sched/request_table.py).
+        self.table = RequestTable()
         self.slo = parse_slo_classes(cfg.slo_classes, cfg.slo_default_class)
-        self._decoding_itl: Counter[float] = Counter()  # ITL targets of the running requests, for the step target
-        self.chunked: Req | None = None
-        self.running: list[Req] = []
-        self.awaiting_kv: dict[str, Req] = {}
-        self.by_id: dict[str, Req] = {}
         self.max_running = runner.cfg.max_running
         self.vocab = runner.model_config.vocab_size
         self.grammars = GrammarBook(runner.model_path, self.vocab, tuple(self.eos))
@@ -143,6 +125,7 @@ class Scheduler:
         self.sampler = StepSampler(runner.page_table.table.shape[0], self.vocab, self.device, tuple(self.eos))
         self._inflight: dict[Req, int] = {}  # tokens launched but not yet appended, per request
         self._pending: Launched | None = None
+        self.last_plan: StepPlan | None = None  # what the last step was planned to compute, and why
         self._late: list[StepEvent] = []  # requests ended while sampling (a broken grammar), not yet returned
         self.prefill_tokens_launched = 0  # prompt tokens computed so far (the measured prefill rate's counter)
         # Device-timed: every step's time against what it computed (the step-time model: sizes the chunk beside
@@ -153,12 +136,38 @@ class Scheduler:
         self.prefill_speed = PrefillSpeed()
         self.decode_step = StepSeconds()
         self.processed_kind: str | None = None  # kind of the step processed last ("prefill" | "decode" | "mixed")
-        # KV transfer (common/sched/kv_connector.py). Without it (the null connector) no ask is made at all.
-        self.connector: KVConnector = connector if connector is not None else NullConnector()
-        self._transfers = type(self.connector) is not NullConnector
-        # Requests whose pages the connector holds (a transfer reads or writes them), outside the active set
-        # until it releases them; True: their prefix is cached then (a prompt prefilled for a peer).
-        self.held: dict[str, tuple[Req, bool]] = {}
+        # KV transfer (common/sched/kv_connector.py). A connector that does not transfer is asked nothing at all.
+        self.connector: KVConnector = connector if connector is not None else KVConnector()
+
+    # ---- the request table's indexes, read-only (the table moves requests) -------------------------
+    @property
+    def waiting(self) -> WaitingQueue:
+        return self.table.waiting
+
+    @property
+    def running(self) -> list[Req]:
+        return self.table.running
+
+    @property
+    def chunked(self) -> Req | None:
+        return self.table.chunked
+
+    @property
+    def awaiting_kv(self) -> dict[str, Req]:
+        return self.table.awaiting_kv
+
+    @property
+    def by_id(self) -> dict[str, Req]:
+        return self.table.by_id
+
+    @property
+    def held(self) -> dict[str, tuple[Req, bool]]:
+        return self.table.held
+
+    def table_violations(self) -> list[str]:
+        """What is wrong with the request table and the page ledger, in one call (tests; an idle worker: a pass
+        over the pool, never per step)."""
+        return self.table.violations(self.allocator, self.cache, self.runner.page_table, self.max_running)
 
     # ---- admission -------------------------------------------------------------------------------
     def validate(self, req: Req) -> None:
@@ -192,13 +201,12 @@ class Scheduler:
         if req.req_id in self.by_id:
             raise DuplicateRequest(f"duplicate request id {req.req_id!r}")
         self.validate(req)
-        self.by_id[req.req_id] = req
         spec = req.sampling.grammar
         if spec is not None and not self.grammars.cached(spec):
-            req.state = ReqState.COMPILING
+            self.table.add_compiling(req)
             self.compiles.start(req)
             return
-        self.waiting.append(req)
+        self.table.add_waiting(req)
 
     def prefetch_grammar(self, req: Req) -> None:
         """Compiles a request's grammar off this thread before it is needed (decode side: while a peer prefills
@@ -212,8 +220,7 @@ class Scheduler:
         (`take_compile_failures`), which aborts them through whatever else holds them (a transfer session)."""
         ready, failed = self.compiles.collect()
         for req in ready:
-            req.state = ReqState.WAITING
-            self.waiting.append(req)
+            self.table.compiled(req)
         for req, error in failed:  # still COMPILING, never queued: `abort` ends it
             self._compile_failures[req.req_id] = error
 
@@ -227,10 +234,7 @@ class Scheduler:
 
     def reserved_pages(self) -> int:
         """Pages promised to admitted requests but not yet allocated to them."""
-        active = list(self.running) + list(self.awaiting_kv.values())
-        if self.chunked is not None:
-            active.append(self.chunked)
-        return sum(self.budget.pages_for(r.max_device_len) - len(r.pages) for r in active)
+        return self.budget.reserved_pages(self.table.active())
 
     def _reserve(self, req: Req) -> list[int] | None:
         """Decode side: reserves pages for `req`'s prompt (and its output budget) so a prefill peer can write
@@ -238,27 +242,25 @@ class Scheduler:
         self.validate(req)
         if req.req_id in self.by_id:
             raise DuplicateRequest(f"duplicate request id {req.req_id!r}")
-        need = self.budget.pages_for(req.max_device_len)
+        reserve = self.budget.reserve_len(req)
         if (
             self.runner.page_table.num_free_rows == 0
-            or len(self.running) + len(self.awaiting_kv) >= self.max_running
-            or need > self.budget.available_pages() - self.reserved_pages()
+            or self.table.active_count() >= self.max_running
+            or self.budget.pages_for(reserve) > self.budget.available_pages() - self.reserved_pages()
         ):
             return None
+        req.reserve_len = reserve
+        self.table.add_awaiting_kv(req)
         req.table_row = self.runner.page_table.take_row()
         self.budget.grow(req, req.prompt_len)
-        req.state = ReqState.AWAITING_KV
-        self.awaiting_kv[req.req_id] = req
-        self.by_id[req.req_id] = req
         return list(req.pages)
 
     def _admit_arrived(self, a: KVArrival) -> StepEvent:
         """Decode side: the prompt's KV has arrived; the request joins the running batch with its first token."""
-        req = self.awaiting_kv.pop(a.req_id)
+        req = self.awaiting_kv[a.req_id]
         req.cached_len = req.prompt_len
         req.prefix_hit_len = a.cached_tokens
-        req.state = ReqState.RUNNING
-        self._join_running(req)
+        self.table.start_running(req)
         event = StepEvent(req)
         self._append_token(req, a.token, a.logprob, event)
         return event
@@ -268,7 +270,7 @@ class Scheduler:
         running batch: their first-token events are returned), then reserves pages for the requests whose KV
         a peer computes while they fit, first come first served. The owner calls it once per loop turn; with
         the null connector it does nothing."""
-        if not self._transfers:
+        if not self.connector.transfers:
             return []
         events: list[StepEvent] = []
         done = self.connector.finished()
@@ -292,22 +294,13 @@ class Scheduler:
         if req.state is ReqState.COMPILING:
             self.compiles.drop(req_id)
             self._compile_failures.pop(req_id, None)
-        elif req.state is ReqState.WAITING:
-            self.waiting.remove(req)
-        elif req is self.chunked:
-            self.chunked = None
-        elif req.state is ReqState.AWAITING_KV:
-            self.awaiting_kv.pop(req_id, None)
-        elif req in self.running:
-            self._leave_running(req)
         req.finish_reason = reason
         req.error = error
         if req.req_id in self.held:
             req.state = ReqState.FINISHED  # parked: its pages stay held until the connector releases them
-        elif self._transfers and self.connector.aborted(req):
+        elif self.connector.transfers and self.connector.aborted(req):
             # A transfer may still touch these pages (a peer writing into them): they go back once it is over.
-            req.state = ReqState.FINISHED
-            self.held[req_id] = (req, False)
+            self.table.hold(req, cache_kv=False, state=ReqState.FINISHED)
         else:
             self._finish(req, cache_kv=False)
         return StepEvent(req, finished=True)
@@ -315,13 +308,14 @@ class Scheduler:
     def _prefill_done(self, req: Req) -> None:
         """A `prefill_only` request's first token is sampled: parked while the connector holds its pages (a
         transfer reads them), else cached and freed now. It never joins the decode batch."""
-        if self._transfers and self.connector.prefill_done(req):
-            self.held[req.req_id] = (req, True)
+        if self.connector.transfers and self.connector.prefill_done(req):
+            self.table.hold(req, cache_kv=True)
         else:
+            self.table.end(req)
             self._free(req, cache_kv=True)
 
     def _release_held(self, req_id: str) -> None:
-        held = self.held.pop(req_id, None)
+        held = self.table.release(req_id)
         if held is not None:
             self._free(*held)
 
@@ -329,10 +323,10 @@ class Scheduler:
         if cache_kv:
             self.budget.cache_prefix(req, req.cached_len)
         self.budget.release(req)
-        self.by_id.pop(req.req_id, None)
+        self.table.forget(req)
 
     def _finish(self, req: Req, cache_kv: bool = True) -> None:
-        req.state = ReqState.FINISHED
+        self.table.end(req)
         self._free(req, cache_kv)
 
     # ---- the loop ----------------------------------------------------------------------------------
@@ -387,16 +381,6 @@ class Scheduler:
         off (ITL target 0): prefill-first, a waiting prompt's steps run before any decode step."""
         return self.cfg.itl_target_ms != 0
 
-    def _join_running(self, req: Req) -> None:
-        self.running.append(req)
-        self._decoding_itl[req.itl_target_s] += 1
-
-    def _leave_running(self, req: Req) -> None:
-        self.running.remove(req)
-        self._decoding_itl[req.itl_target_s] -= 1
-        if not self._decoding_itl[req.itl_target_s]:
-            del self._decoding_itl[req.itl_target_s]
-
     def itl_target_s(self) -> float:
         """The ITL a step beside decoding requests aims at (0 until the decode step is measured; 0 as well with
         mixed steps off): by default the tightest ITL target of the SLO classes being decoded (of every class
@@ -407,7 +391,7 @@ class Scheduler:
         if target == ITL_TARGET_SLO:
             if step <= 0:
                 return 0.0
-            slo = min(self._decoding_itl, default=min(c.itl_s for c in self.slo.classes))
+            slo = min(self.table.decoding_itl, default=min(c.itl_s for c in self.slo.classes))
             return max(slo, FLOOR_DECODE_STEPS * step)
         if target > 0:
             return target / 1000
@@ -422,54 +406,81 @@ class Scheduler:
             return 0.0
         return z_score(max(c.percentile for c in self.slo.classes))
 
+    def plan_inputs(self) -> PlanInputs:
+        """What `plan` reads (common/sched/step_plan.py): the table's indexes, the budget and the page counts."""
+        return PlanInputs(
+            running=self.running,
+            chunked=self.chunked,
+            waiting=self.waiting,
+            inflight=self._inflight,
+            max_seq_len=self.runner.max_seq_len,
+            page_size=self.page_size,
+            mixed_batching=self.mixed_batching,
+            itl_target_s=self.itl_target_s(),
+            budget=self._budget,
+            spare_pages=self.budget.available_pages() - self.reserved_pages(),
+            running_slots=min(self.max_running - self.table.active_count(), self.runner.page_table.num_free_rows),
+            reserve_len=lambda r: r.reserve_len if r.table_row >= 0 else self.budget.reserve_len(r),
+            peek=self.budget.peek,
+        )
+
     @torch.inference_mode()
     def _launch(self) -> Launched | None:
-        decode = [r for r in self.running if self._can_decode(r)]
-        mixed = self.mixed_batching and bool(decode)
-        if mixed and self.itl_target_s() <= 0:
-            # The auto target is measured first: one decode step (two with overlap) before the first mixed one.
-            return self._launch_decode(decode)
-        context = StepContext(len(decode), sum(r.device_len for r in decode) if mixed else 0)
-        adder = self._schedule_prefill(bool(decode) if self.mixed_batching else bool(self.running), context)
-        if adder is not None and adder.batch:
-            if mixed:
-                return self._launch_mixed(decode, adder.batch, adder.chunks)
-            return self._launch_prefill(adder.batch, adder.chunks)
-        if decode:
-            return self._launch_decode(decode)
-        return None
+        """Plans the next step and executes the plan."""
+        step = plan(self.plan_inputs())
+        self.last_plan = step
+        for r in step.preempt:
+            self._preempt(r)
+        if step.chunks:
+            batch, chunks = self._take_chunks(step)
+            if batch:
+                if step.decode:
+                    return self._launch_mixed(list(step.decode), batch, chunks)
+                return self._launch_prefill(batch, chunks)
+        decode = list(step.decode) if step.kind != "prefill" else self._decodable()
+        return self._launch_decode(decode) if decode else None
 
-    def _schedule_prefill(self, decoding: bool, context: StepContext) -> PrefillAdder | None:
-        if not self.waiting and self.chunked is None:
-            return None
-        head = self.chunked if self.chunked is not None else self.waiting[0]
-        context = StepContext(context.decode_rows, context.decode_context, head.cached_len)
+    def _decodable(self) -> list[Req]:
+        return [r for r in self.running if can_decode(r, self.inflight(r), self.runner.max_seq_len)]
+
+    def _take_chunks(self, step: StepPlan) -> tuple[list[Req], list[int]]:
+        """The plan's prompt chunks, taken in order: the chunked prompt's next, then admissions until one does not
+        fit (the prefix cache changed under the plan: fewer tokens are computed, never more)."""
+        ps = self.page_size
+        growth = sum(decode_growth(r, self.inflight(r), r.reserve_len, ps) for r in step.decode)
         adder = PrefillAdder(
             budget=self.budget,
             page_table=self.runner.page_table,
-            token_budget=self.prefill_token_budget(decoding, context),
-            pages_available=self.budget.available_pages() - self.reserved_pages(),
-            running_slots=self.max_running - len(self.running) - len(self.awaiting_kv) - (1 if self.chunked else 0),
+            token_budget=step.token_budget,
+            pages_available=self.budget.available_pages() - self.reserved_pages() - growth,
+            running_slots=self.max_running - self.table.active_count(),
         )
-        if self.chunked is not None:
-            adder.add_continuing(self.chunked)
-            self.chunked = None
-        while self.waiting and adder.try_admit(self.waiting[0]):
-            self.waiting.popleft()
-        return adder
+        for c in step.chunks:
+            if not c.admit:
+                self.table.take_chunked()
+                adder.add_continuing(c.req, c.tokens)
+            elif adder.try_admit(c.req, c.tokens):
+                self.table.admit(c.req)
+            else:
+                break
+        return adder.batch, adder.chunks
 
-    def prefill_token_budget(self, decoding: bool | None = None, context: StepContext | None = None) -> int:
-        """Prompt tokens the next step takes: all of max_prefill_tokens alone, or beside decoding requests the
-        largest chunk whose step the step-time model predicts within the ITL target (common/sched/prefill_budget.py).
-        `decoding` None: whether requests decode now; True: the budget a step gets beside them (what the worker
-        publishes). `context`: what the step decodes beside the chunk (default: every running request)."""
-        if context is None:
-            context = StepContext(len(self.running), sum(r.device_len for r in self.running))
-        return prefill_token_budget(
+    def _preempt(self, req: Req) -> None:
+        """Frees a running request's pages and queues it again: its KV so far stays in the prefix cache (evictable)
+        and is recomputed, with its outputs, when it is admitted again (common/sched/step_plan.py chose it). A
+        token of it still in flight is appended when its step is processed, before it can be admitted."""
+        self.budget.cache_prefix(req, req.cached_len)
+        self.budget.release(req)
+        req.cached_len = 0
+        req.reserve_len = 0
+        self.table.preempt(req)
+
+    def _budget(self, decoding: bool, context: StepContext) -> tuple[int, str]:
+        return prefill_budget(
             self.cfg.max_prefill_tokens,
             self.page_size,
             self.itl_target_s(),
-            decoding=bool(self.running) if decoding is None else decoding,
+            decoding=decoding,
             model=self.step_model,
             context=context,
             margin_z=self.margin_z(),
@@ -478,9 +489,14 @@ class Scheduler:
             max_step_s=self.cfg.max_step_ms / 1000,
         )
 
-    def _can_decode(self, r: Req) -> bool:
-        k = self.inflight(r)
-        return len(r.output_ids) + k < r.sampling.max_tokens and r.device_len + k < self.runner.max_seq_len
+    def prefill_token_budget(self, decoding: bool | None = None, context: StepContext | None = None) -> int:
+        """Prompt tokens the next step takes: all of max_prefill_tokens alone, or beside decoding requests the
+        largest chunk whose step the step-time model predicts within the ITL target (common/sched/prefill_budget.py).
+        `decoding` None: whether requests decode now; True: the budget a step gets beside them (what the worker
+        publishes). `context`: what the step decodes beside the chunk (default: every running request)."""
+        if context is None:
+            context = StepContext(len(self.running), sum(r.device_len for r in self.running))
+        return self._budget(bool(self.running) if decoding is None else decoding, context)[0]
 
     def _decode_rows(self, batch: list[Req]) -> tuple[list[list[int]], list[int], bool]:
         """Each decoding request's one input token (host id, or -1 where it is still on the device), its
@@ -511,8 +527,8 @@ class Scheduler:
     def _launch_mixed(self, decode: list[Req], batch: list[Req], chunks: list[int]) -> Launched:
         """One step: a token for each of `decode` (first, as one-token extends), then each prompt chunk."""
         starts = [r.cached_len for r in batch]
-        token_chunks = [r.prompt_ids[s : s + n] for r, s, n in zip(batch, starts, chunks)]
-        done = [s + n == r.prompt_len for r, s, n in zip(batch, starts, chunks)]
+        token_chunks = [r.fill_ids()[s : s + n] for r, s, n in zip(batch, starts, chunks)]
+        done = [s + n == r.device_len for r, s, n in zip(batch, starts, chunks)]
         host_ids, positions, on_device = self._decode_rows(decode)
         self.prefill_tokens_launched += sum(chunks)
         fb = self.runner.build_batch(
@@ -534,8 +550,7 @@ class Scheduler:
             r.cached_len = s + n
             r.check()
             if not d:
-                assert self.chunked is None, "one chunked request at a time"
-                self.chunked = r
+                self.table.set_chunked(r)
         finishing = [r for r, d in zip(batch, done) if d]
         launched = self._begin_sampling("mixed" if decode else "prefill", decode + finishing, logits, len(decode))
         launched.chunks = [(r, s, s + n) for r, s, n in zip(batch, starts, chunks)]
@@ -549,9 +564,8 @@ class Scheduler:
         for r in finishing:
             if not r.prefill_only:
                 # Joins the running batch now: the next step reads its first token on the device.
-                self.budget.cache_prefix(r, r.prompt_len)
-                r.state = ReqState.RUNNING
-                self._join_running(r)
+                self.budget.cache_prefix(r, r.cached_len)
+                self.table.start_running(r)
         return launched
 
     def _launch_decode(self, batch: list[Req]) -> Launched:
@@ -619,7 +633,7 @@ class Scheduler:
             elif launched.kind == "prefill":
                 self.prefill_speed.observe(launched.shape.prefill_tokens, seconds)
         self._processed_at = now
-        if self._transfers:
+        if self.connector.transfers:
             for r, s, e in launched.chunks:
                 if not r.finished:  # aborted while in flight: nothing to send on
                     self.connector.chunk_done(r, s, e)
@@ -636,7 +650,7 @@ class Scheduler:
                 self._inflight[r] = k
             if r.finished:
                 continue  # finished (stop token, abort) while this step was in flight: its token is void
-            if i < launched.decode_rows:
+            if i < launched.decode_rows and r.state is ReqState.RUNNING:  # (not preempted meanwhile)
                 r.cached_len = r.device_len  # this step's input token now has its KV
             lp = None
             if chosen is not None and (r.sampling.logprobs or r.sampling.top_logprobs):
@@ -682,12 +696,11 @@ class Scheduler:
             self._end(req)
 
     def _end(self, req: Req) -> None:
-        if req.state is ReqState.RUNNING:
-            self._leave_running(req)
+        if req.state in (ReqState.RUNNING, ReqState.WAITING):  # waiting: preempted with its last token in flight
             self._finish(req)
         else:
             # A prefill-only request: `_prefill_done` parks or frees it once this token is processed.
-            req.state = ReqState.FINISHED
+            self.table.end(req)
 
     def _grammar_broken(self, req: Req) -> None:
         """A token appended earlier (the request's last) was outside its grammar: the request ends there, as
@@ -724,6 +737,7 @@ class Scheduler:
             host_pages_total=host.num_pages if host is not None else 0,
             host_pages_saved=host.saved_pages if host is not None else 0,
             host_pages_loaded=host.loaded_pages if host is not None else 0,
+            kv_reserve_output_tokens=self.budget.reserve_output_tokens,
         )
 
     def last_step_kind(self) -> str | None:
@@ -736,18 +750,13 @@ class Scheduler:
         return req_id in self.by_id
 
     def live_request_ids(self) -> list[str]:
-        """Every request that has not finished: waiting, prefilling, decoding or awaiting its KV."""
-        live = [r.req_id for r in (*self.waiting, *self.running, *self.awaiting_kv.values())]
-        live += [*self.compiles.pending, *self._compile_failures]
-        if self.chunked is not None:
-            live.append(self.chunked.req_id)
-        return live
+        """Every request that has not finished: compiling, waiting, prefilling, decoding or awaiting its KV."""
+        return self.table.live_ids()
 
     def ledger_violations(self) -> list[str]:
-        """What is wrong with the page ledger (common/kv/integrity.py): every page free, cached, or owned by
-        exactly one live or held request."""
-        owners = ((r.pages, r.tree_pages) for r in self.by_id.values())
-        return page_ledger_violations(self.allocator, self.cache, owners)
+        """What is wrong with the request table and the page ledger (common/kv/integrity.py): every request in
+        the one index its state names, every page free, cached, or owned by exactly one live or held request."""
+        return self.table_violations()
 
     def cached_block_hashes(self, tier: str = "device") -> list[int]:
         """The prefix cache's block hashes in `tier` (for a prefix index resync; may raise RuntimeError when the
@@ -760,7 +769,7 @@ class Scheduler:
         return self.cache.drain_index_events() if self.cache is not None else []
 
     def queued_prefill_tokens(self) -> int:
-        queued = sum(r.prompt_len for r in self.waiting)
+        queued = sum(r.device_len for r in self.waiting)
         if self.chunked is not None:
             queued += self.chunked.prompt_len - self.chunked.cached_len
         return queued

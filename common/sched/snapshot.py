@@ -41,3 +41,6 @@ class SchedulerSnapshot:
     host_pages_total: int = 0
     host_pages_saved: int = 0
     host_pages_loaded: int = 0
+    # Output tokens an admitted request reserves beyond its prompt (optimistic reservation, common/sched/pages.py);
+    # 0: all of its max_tokens (full reservation).
+    kv_reserve_output_tokens: int = 0

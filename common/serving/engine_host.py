@@ -26,7 +26,7 @@ from common.observability.timeline import Stamps
 from common.prefix.hashing import chained_block_hashes
 from common.prefix.publisher import PrefixIndexPublisher
 from common.protocol import LoadSnapshot, SamplingParams, TokenLine
-from common.sched.kv_connector import KVConnector, combined
+from common.sched.kv_connector import combined
 from common.sched.request import Req, ReqState
 from common.sched.scheduler import DuplicateRequest, RequestRejected, Scheduler, StepEvent
 from common.sched.warm_up import warm_up
@@ -98,10 +98,10 @@ def _malloc_trim() -> None:
         pass
 
 
-class EngineRole(KVConnector, Protocol):
+class EngineRole(Protocol):
     """One job of an engine over its host's scheduler, pool and agent; built as ``role_cls(host)``, before the
-    scheduler (which it may use only once built). It is also what the scheduler asks about its requests' KV
-    transfer (common/sched/kv_connector.py)."""
+    scheduler (which it may use only once built). Each role is also a `KVConnector` subclass: what the scheduler
+    asks about its requests' KV transfer (common/sched/kv_connector.py)."""
 
     handlers: Handlers  # this role's commands (disjoint from every other role's)
 
@@ -436,6 +436,7 @@ class EngineHost:
             running_requests=snap.running,
             waiting_requests=snap.waiting,
             free_pages=snap.free_pages,
+            kv_reserve_output_tokens=snap.kv_reserve_output_tokens,
             total_pages=snap.total_pages,
             page_size=self.page_size,
             ready=True,

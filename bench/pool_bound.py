@@ -1,0 +1,217 @@
+"""Pool-bound serving, full against optimistic KV reservation (KVFERRY_KV_RESERVATION): admitted concurrency,
+goodput, preemptions, and whether any output changed.
+
+    python bench/pool_bound.py                                   # CPU, small: the packaged SmolLM2-135M
+    python bench/pool_bound.py --model /models/llama-3.1-8b --requests 400 --rate 12 \\
+        --prompt-tokens 512,3072 --output-tokens 64,512 --pool-fraction 0.1      # the issue's workload, GPU
+
+One engine, one scheduler per policy over the same runner and the same requests (seeded): every request asks
+max_tokens `--max-tokens` (4096) and its output ends after a length drawn from `--output-tokens` (the client
+stops it there, as a stop string would: the request is aborted with reason "stop", and its pages go back).
+Requests arrive as a Poisson process at `--rate` per second (0: all at once). The KV pool is
+`--pool-fraction` of the pool the engine sizes by default (its allocator's range is cut; the memory stays), or
+`--pool-pages`. A request is good when its TTFT <= `--ttft-s` and its own inter-token gaps' p99 <= `--itl-ms`.
+Per policy: peak and mean admitted requests (prefilling, decoding), goodput (good requests/s), output tokens/s,
+preemptions and the prompt tokens recomputed for them; then the optimistic/full ratios and whether every
+request's tokens are equal across the two policies (greedy). Wall clock, one process, both policies in the same
+run. Writes bench/out/pool_bound.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repo importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+OUT_DIR = Path(__file__).resolve().parent / "out"
+
+
+def span(text: str) -> tuple[int, int]:
+    lo, hi = (int(x) for x in text.split(","))
+    return lo, hi
+
+
+def workload(args, vocab: int) -> list[dict[str, Any]]:
+    """Seeded requests: arrival time, prompt ids, the output length at which the client stops it."""
+    rng = random.Random(args.seed)
+    t = 0.0
+    out = []
+    for i in range(args.requests):
+        if args.rate > 0:
+            t += rng.expovariate(args.rate)
+        n = rng.randint(*args.prompt_tokens)
+        out.append(
+            {
+                "id": f"r{i}",
+                "arrival_s": t,
+                "prompt": [rng.randrange(10, vocab - 10) for _ in range(n)],
+                "stop_after": rng.randint(*args.output_tokens),
+            }
+        )
+    return out
+
+
+def run_policy(runner: Any, policy: str, work: list[dict[str, Any]], args) -> dict[str, Any]:
+    from common.protocol import SamplingParams
+    from common.sched.request import Req
+    from common.sched.scheduler import Scheduler
+    from common.settings import SchedulerConfig
+
+    cfg = SchedulerConfig(max_prefill_tokens=args.max_prefill_tokens, kv_reservation=policy, host_kv_gb=0)
+    sched = Scheduler(runner, cfg)
+    pending = list(work)
+    reqs: dict[str, Req] = {}
+    stamps: dict[str, list[float]] = {}
+    admitted: list[int] = []
+    start = time.perf_counter()
+    done = 0
+    while done < len(work):
+        now = time.perf_counter() - start
+        while pending and pending[0]["arrival_s"] <= now:
+            w = pending.pop(0)
+            sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+            r = reqs[w["id"]] = Req(w["id"], list(w["prompt"]), sp)
+            stamps[w["id"]] = [start + w["arrival_s"]]
+            sched.add(r)
+        if not sched.has_work():
+            time.sleep(max(0.0, min(0.01, pending[0]["arrival_s"] - now)) if pending else 0.0)
+            continue
+        events = sched.step()
+        t = time.perf_counter()
+        admitted.append(sched.table.active_count())
+        for e in events:
+            stamps[e.req.req_id].extend([t] * len(e.tokens))
+            if e.finished:
+                done += 1
+        for w in work:  # the client's stop: O(requests) per step, the bench's own cost, not the engine's
+            r = reqs.get(w["id"])
+            if r is not None and not r.finished and len(r.output_ids) >= w["stop_after"]:
+                if sched.abort(r.req_id, "stop") is not None:
+                    done += 1
+    sched.flush()
+    elapsed = time.perf_counter() - start
+    good = 0
+    ttfts = []
+    for w in work:
+        s = stamps[w["id"]]
+        ttft = s[1] - s[0] if len(s) > 1 else float("inf")
+        ttfts.append(ttft)
+        gaps = sorted(b - a for a, b in zip(s[1:], s[2:]))
+        p99 = gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else 0.0
+        good += ttft <= args.ttft_s and p99 <= args.itl_ms / 1000
+    out_tokens = sum(min(len(r.output_ids), w["stop_after"]) for w, r in ((w, reqs[w["id"]]) for w in work))
+    prompts = sum(len(w["prompt"]) for w in work)
+    ttfts.sort()
+    return {
+        "policy": policy,
+        "elapsed_s": round(elapsed, 3),
+        "peak_admitted": max(admitted, default=0),
+        "mean_admitted": round(sum(admitted) / max(1, len(admitted)), 2),
+        "good_requests": good,
+        "goodput_rps": round(good / elapsed, 4),
+        "output_tokens_per_s": round(out_tokens / elapsed, 2),
+        "ttft_p50_s": round(ttfts[len(ttfts) // 2], 4),
+        "preemptions": sched.table.preemptions,
+        "recomputed_prompt_tokens": sched.prefill_tokens_launched - prompts,
+        "steps": len(admitted),
+        "outputs": {w["id"]: reqs[w["id"]].output_ids[: w["stop_after"]] for w in work},
+        "ledger_violations": sched.table_violations(),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m-instruct", help="a model path or a packaged model's name")
+    p.add_argument("--requests", type=int, default=24)
+    p.add_argument("--rate", type=float, default=0.0, help="arrivals per second (0: all at once)")
+    p.add_argument("--prompt-tokens", type=span, default=(32, 96), help="lo,hi")
+    p.add_argument("--output-tokens", type=span, default=(16, 64), help="lo,hi: where the client stops a request")
+    p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--pool-fraction", type=float, default=0.1, help="of the engine's default KV pool")
+    p.add_argument("--pool-pages", type=int, default=0, help="the KV pool in pages (overrides --pool-fraction)")
+    p.add_argument("--max-running", type=int, default=0, help="0: the engine's default for its device")
+    p.add_argument("--max-prefill-tokens", type=int, default=2048)
+    p.add_argument("--ttft-s", type=float, default=1.0)
+    p.add_argument("--itl-ms", type=float, default=50.0)
+    p.add_argument("--seed", type=int, default=46)
+    p.add_argument("--out", default=str(OUT_DIR / "pool_bound.json"))
+    args = p.parse_args()
+
+    from common.default_model import resolve_model_path
+    from common.engine.runner import ModelRunner
+    from common.settings import RunnerConfig
+
+    threads = int(os.environ.get("KVFERRY_TORCH_THREADS", "0") or 0)
+    if threads:
+        torch.set_num_threads(threads)
+    path = args.model if Path(args.model).exists() else str(resolve_model_path(args.model))
+    rcfg = RunnerConfig(model=path)
+    if args.max_running:
+        rcfg.max_running = args.max_running
+    runner = ModelRunner(rcfg)
+    if args.prompt_tokens[1] + args.max_tokens > runner.max_seq_len:
+        raise SystemExit(f"prompt + max_tokens exceeds the context ({runner.max_seq_len}): set KVFERRY_MAX_SEQ_LEN")
+    default_pages = runner.pool.num_pages
+    pages = args.pool_pages or max(1, int(default_pages * args.pool_fraction))
+    # The allocator's range is cut to `pages` (the pool's memory stays: nothing is reallocated).
+    runner.pool.num_pages = min(pages, default_pages)
+    need = -(-(args.prompt_tokens[1] + args.max_tokens) // runner.cfg.page_size)
+    if need > runner.pool.num_pages:
+        raise SystemExit(f"a request may need {need} pages, more than the pool's {runner.pool.num_pages}")
+    work = workload(args, runner.model_config.vocab_size)
+    print(
+        f"{args.requests} requests, prompts {args.prompt_tokens}, outputs {args.output_tokens} of max_tokens "
+        f"{args.max_tokens}; pool {runner.pool.num_pages} pages of {runner.cfg.page_size} "
+        f"({default_pages} by default), max_running {runner.cfg.max_running}, device {runner.device}",
+        flush=True,
+    )
+    results = {}
+    for policy in ("full", "optimistic"):
+        r = results[policy] = run_policy(runner, policy, work, args)
+        print(
+            f"{policy:>10}: admitted peak {r['peak_admitted']} mean {r['mean_admitted']}, goodput "
+            f"{r['goodput_rps']} req/s ({r['good_requests']}/{args.requests} good), {r['output_tokens_per_s']} "
+            f"out tok/s, TTFT p50 {r['ttft_p50_s']} s, {r['preemptions']} preemptions "
+            f"({r['recomputed_prompt_tokens']} tokens recomputed), {r['elapsed_s']} s",
+            flush=True,
+        )
+    full, opt = results["full"], results["optimistic"]
+    same = full["outputs"] == opt["outputs"]
+    ratios = {
+        "mean_admitted": round(opt["mean_admitted"] / max(full["mean_admitted"], 1e-9), 3),
+        "peak_admitted": round(opt["peak_admitted"] / max(full["peak_admitted"], 1), 3),
+        "goodput": round(opt["goodput_rps"] / full["goodput_rps"], 3) if full["goodput_rps"] else None,
+        "output_tokens_per_s": round(opt["output_tokens_per_s"] / max(full["output_tokens_per_s"], 1e-9), 3),
+    }
+    print(f"optimistic / full: {ratios}; outputs equal: {same}", flush=True)
+    for r in results.values():
+        r.pop("outputs")
+    report = {
+        "args": {k: v for k, v in vars(args).items()},
+        "pool_pages": runner.pool.num_pages,
+        "default_pool_pages": default_pages,
+        "device": str(runner.device),
+        "host": {"cpus": os.cpu_count(), "threads": torch.get_num_threads(), "machine": platform.machine()},
+        "results": results,
+        "optimistic_over_full": ratios,
+        "outputs_equal": same,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.out}")
+    return 0 if same and not any(r["ledger_violations"] for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""The step plan as a function (common/sched/step_plan.py): what a step decodes and prefills, in what order,
+under which budget and why, and whom it preempts; no model, no scheduler, nothing mutated."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from common.protocol import GrammarSpec, SamplingParams
+from common.sched.prefill_budget import BudgetReason, StepContext
+from common.sched.request import Req, ReqState
+from common.sched.step_plan import AdmitStop, PlanInputs, PrefixPeek, StepPlan, plan
+from common.sched.waiting import WaitingQueue
+
+PAGE = 16
+
+
+def req(rid: str, prompt: int, max_tokens: int = 64, rank: int = 0, deadline: float = 0.0, **kw) -> Req:
+    r = Req(rid, list(range(1, prompt + 1)), SamplingParams(max_tokens=max_tokens, **kw))
+    r.slo_rank, r.deadline_s = rank, deadline
+    return r
+
+
+def running(rid: str, prompt: int, outputs: int, pages: int, reserve: int, **kw) -> Req:
+    """A decoding request: its prompt and outputs computed but the last output, `pages` pages held."""
+    r = req(rid, prompt, **kw)
+    r.output_ids = [7] * outputs
+    r.device_len = prompt + outputs
+    r.cached_len = r.device_len - 1
+    r.pages = list(range(pages))
+    r.table_row, r.reserve_len, r.state = 0, reserve, ReqState.RUNNING
+    return r
+
+
+def inputs(**kw) -> PlanInputs:
+    def budget(decoding: bool, ctx: StepContext) -> tuple[int, str]:
+        return (64, BudgetReason.ITL_TARGET) if decoding else (256, BudgetReason.MAX_PREFILL_TOKENS)
+
+    base = PlanInputs(
+        running=[],
+        chunked=None,
+        waiting=[],
+        inflight={},
+        max_seq_len=4096,
+        page_size=PAGE,
+        mixed_batching=True,
+        itl_target_s=0.05,
+        budget=budget,
+        spare_pages=1000,
+        running_slots=16,
+        reserve_len=lambda r: r.max_device_len,
+        peek=lambda r: PrefixPeek(),
+    )
+    return replace(base, **kw)
+
+
+def queued(*reqs: Req) -> WaitingQueue:
+    q = WaitingQueue()
+    for r in reqs:
+        q.append(r)
+    return q
+
+
+def test_nothing_to_do_is_idle_and_decoding_alone_is_a_decode_step() -> None:
+    assert plan(inputs()) == StepPlan("idle")
+    a = running("a", 20, 3, 2, 84)
+    p = plan(inputs(running=[a]))
+    assert p.kind == "decode" and p.decode == (a,) and not p.chunks
+
+
+def test_prompts_join_in_deadline_order_class_first_on_ties() -> None:
+    """The queue's order is the plan's: earliest TTFT deadline, the higher class on a tie."""
+    late = req("late", 32, deadline=5.0)
+    early = req("early", 32, deadline=1.0)
+    batch_tie = req("batch", 32, rank=1, deadline=1.0)
+    p = plan(inputs(waiting=queued(late, batch_tie, early)))
+    assert [c.req.req_id for c in p.chunks] == ["early", "batch", "late"]
+    assert p.kind == "prefill" and p.token_budget == 256 and p.budget_reason == BudgetReason.MAX_PREFILL_TOKENS
+
+
+def test_every_running_request_decodes_while_a_prompt_prefills_and_the_budget_says_why() -> None:
+    a, b = running("a", 20, 3, 2, 84), running("b", 40, 9, 4, 104)
+    long = req("long", 500)
+    p = plan(inputs(running=[a, b], waiting=queued(long)))
+    assert p.kind == "mixed" and p.decode == (a, b)
+    assert [(c.req, c.tokens, c.admit) for c in p.chunks] == [(long, 64, True)]
+    assert (p.token_budget, p.budget_reason, p.admit_stop) == (64, BudgetReason.ITL_TARGET, AdmitStop.QUEUE_EMPTY)
+    # Prefill-first (no target: the budget is the cap): the prompt's step decodes nothing.
+    cap = inputs(itl_target_s=0.0, mixed_batching=False, budget=lambda d, c: (256, BudgetReason.MAX_PREFILL_TOKENS))
+    first = plan(replace(cap, running=[a, b], waiting=queued(long)))
+    assert first.kind == "prefill" and first.decode == () and first.chunks[0].tokens == 256
+
+
+def test_the_chunked_prompt_continues_first_and_a_batch_prompt_is_never_starved() -> None:
+    """A prompt mid-prefill takes its next chunk before any admission; a batch-class prompt at the head of the
+    queue (its patience ran out) is admitted like any other, beside the decode rows."""
+    chunked = req("chunked", 300)
+    chunked.cached_len, chunked.table_row, chunked.state = 128, 1, ReqState.PREFILLING
+    batch = req("batch", 20, rank=1, deadline=0.0)
+    chat = req("chat", 20, deadline=3.0)
+    a = running("a", 20, 3, 2, 84)
+    p = plan(inputs(running=[a], chunked=chunked, waiting=queued(chat, batch)))
+    assert [(c.req.req_id, c.tokens, c.admit) for c in p.chunks] == [("chunked", 64, False)]
+    assert p.admit_stop == AdmitStop.TOKENS and p.decode == (a,)
+    p = plan(inputs(running=[a], waiting=queued(chat, batch)))
+    assert [c.req.req_id for c in p.chunks] == ["batch", "chat"]
+
+
+def test_admission_stops_at_pages_slots_and_a_token_in_flight() -> None:
+    big, small = req("big", 32, max_tokens=1000), req("small", 32, max_tokens=16)
+    p = plan(inputs(waiting=queued(big, small), spare_pages=40))  # big reserves 65 pages
+    assert p.chunks == () and p.admit_stop == AdmitStop.PAGES and p.kind == "idle"
+    p = plan(inputs(waiting=queued(small, big), running_slots=1))
+    assert [c.req for c in p.chunks] == [small] and p.admit_stop == AdmitStop.MAX_RUNNING
+    p = plan(inputs(waiting=queued(small), inflight={small: 1}))
+    assert p.chunks == () and p.admit_stop == AdmitStop.IN_FLIGHT
+    # A prefix hit: fewer tokens to compute, fewer pages to take, the pages it locks counted.
+    hit = plan(inputs(waiting=queued(big), spare_pages=60, peek=lambda r: PrefixPeek(16, 1, 0)))
+    assert hit.admit_stop == AdmitStop.PAGES
+    hit = plan(inputs(waiting=queued(big), spare_pages=64, peek=lambda r: PrefixPeek(16, 1, 0)))
+    assert [(c.req, c.tokens) for c in hit.chunks] == [(big, 16)]
+
+
+def test_a_full_pool_preempts_the_lowest_class_latest_deadline_first_and_admits_nothing() -> None:
+    """Optimistic reservation: decode rows that need a page beyond their reservation take it from the spare
+    pages; when there are none, running requests are preempted: the lowest class first, then the latest
+    deadline; a grammar request never. Nothing is admitted in a step that preempts."""
+    grow = dict(outputs=13, pages=2, reserve=32)  # 33 tokens known, 32 on 2 pages: its next row needs a third
+    chat_old = running("chat-old", 20, deadline=1.0, **grow)
+    chat_new = running("chat-new", 20, deadline=2.0, **grow)
+    batch = running("batch", 20, rank=1, deadline=0.5, **grow)
+    schema = GrammarSpec(kind="json_schema", value="{}")
+    structured = running("json", 20, rank=2, deadline=9.0, grammar=schema, **grow)
+    waiting = queued(req("new", 16))
+    view = inputs(
+        running=[chat_old, chat_new, batch, structured],
+        waiting=waiting,
+        spare_pages=2,
+        reserve_len=lambda r: r.reserve_len,
+    )
+    p = plan(view)
+    # Four rows need a page each, two are spare: the batch request goes (2 pages back, 1 needed less), then the newer chat.
+    assert p.preempt == (batch,)
+    assert p.decode == (chat_old, chat_new, structured) and p.admit_stop == AdmitStop.PREEMPTING and not p.chunks
+    p = plan(replace(view, spare_pages=0))
+    assert p.preempt == (batch, chat_new) and p.decode == (chat_old, structured)
+    # Within the reservation, nothing is preempted.
+    assert plan(replace(view, spare_pages=4)).preempt == ()
