@@ -21,7 +21,7 @@ from common.engine.runner import ModelRunner, RunnerConfig
 from common.engine.tp import TPShard
 from common.kv.pool import KVPool
 from common.offline import Engine
-from common.protocol import SamplingParams
+from common.protocol import SamplingParams, replace
 from common.settings import SchedulerConfig
 from common.transfer.layout import LayoutMismatch, check_compatible, layout_info
 from tests.engine_helpers import assert_pool_clean, fresh_engine, hf_greedy
@@ -309,7 +309,7 @@ def test_transfer_layouts_tell_latent_from_gqa_pools() -> None:
     info = layout_info(lite, "m")
     assert (info.kv_parts, info.num_kv_heads, info.head_dim) == (1, 1, 576)
     check_compatible(info, layout_info(lite, "m"))
-    gqa = info.model_copy(update={"kv_parts": 2})
+    gqa = replace(info, kv_parts=2)
     with pytest.raises(LayoutMismatch, match="kv_parts"):
         check_compatible(info, gqa)
 

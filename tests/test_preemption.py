@@ -20,14 +20,9 @@ from common.sched.request import Req, ReqState
 from common.sched.request_table import DuplicateRequest
 from common.sched.scheduler import Scheduler, SchedulerConfig
 from tests.engine_helpers import assert_pool_clean
-from tests.test_scheduler import PAGE, build_tiny_model, new_req, prompts
+from tests.test_scheduler import PAGE, new_req, prompts
 
 pytestmark = pytest.mark.timeout(600)
-
-
-@pytest.fixture(scope="module")
-def tiny() -> DecoderModel:
-    return build_tiny_model()
 
 
 def scheduler(model: DecoderModel, num_pages: int, reservation: str, overlap: str = "off") -> Scheduler:
@@ -48,8 +43,8 @@ def run_alone(model: DecoderModel, reqs: list[Req]) -> dict[str, list[int]]:
     return {rid: c.output_ids for rid, c in copies.items()}
 
 
-def test_a_duplicate_request_id_is_refused_and_changes_nothing(tiny: DecoderModel) -> None:
-    sched = scheduler(tiny, 64, "full")
+def test_a_duplicate_request_id_is_refused_and_changes_nothing(tiny_model: DecoderModel) -> None:
+    sched = scheduler(tiny_model, 64, "full")
     (prompt,) = prompts(5, [40])
     first = new_req(prompt, max_tokens=4)
     sched.add(first)
@@ -66,13 +61,13 @@ def test_a_duplicate_request_id_is_refused_and_changes_nothing(tiny: DecoderMode
 
 
 @pytest.mark.parametrize("overlap", ["off", "on"])
-def test_random_interleavings_keep_the_table_and_the_page_ledger(tiny: DecoderModel, overlap: str) -> None:
+def test_random_interleavings_keep_the_table_and_the_page_ledger(tiny_model: DecoderModel, overlap: str) -> None:
     """A seeded mix of adds (prompts sharing prefixes), aborts and steps on a pool too small for the requests'
     whole outputs: optimistic reservation preempts. After every operation the table and the page ledger hold;
     every request ends once; the ones not aborted produce what they produce alone, greedy and seeded (with
     overlap on, the GPU loop's shape: a preempted request's token is still in flight when it is preempted)."""
     rng = random.Random(46)
-    sched = scheduler(tiny, 24, "optimistic", overlap)
+    sched = scheduler(tiny_model, 24, "optimistic", overlap)
     bases = prompts(7, [48, 48])
     made: list[Req] = []
     aborted: set[str] = set()
@@ -107,7 +102,7 @@ def test_random_interleavings_keep_the_table_and_the_page_ledger(tiny: DecoderMo
     cached = sched.cache.cached_pages if sched.cache is not None else 0
     assert sched.allocator.num_free + cached == sched.allocator.num_pages and sched.cache.protected_pages == 0
     kept = [r for r in made if r.req_id not in aborted]
-    alone = run_alone(tiny, kept)
+    alone = run_alone(tiny_model, kept)
     assert {r.req_id: r.output_ids for r in kept} == alone
     assert all(r.finish_reason == "length" for r in kept)
 
@@ -173,7 +168,7 @@ def test_pool_bound_optimistic_admits_more_with_the_same_outputs(smol_path, smol
     assert peak["optimistic"] >= 2 * peak["full"]
 
 
-def test_load_publishes_what_a_request_reserves_and_the_router_counts_the_same(tiny: DecoderModel) -> None:
+def test_load_publishes_what_a_request_reserves_and_the_router_counts_the_same(tiny_model: DecoderModel) -> None:
     """/load's free pages are the pages not used nor promised: under optimistic reservation a request is
     promised its prompt and the allowance, and /load says so; the router's KV admission then counts a request
     as the worker will, prompt + allowance, not prompt + max_tokens."""
@@ -182,7 +177,7 @@ def test_load_publishes_what_a_request_reserves_and_the_router_counts_the_same(t
 
     frees = {}
     for policy in ("full", "optimistic"):
-        sched = scheduler(tiny, 64, policy)
+        sched = scheduler(tiny_model, 64, policy)
         (prompt,) = prompts(9, [40])
         sched.add(new_req(prompt, max_tokens=400))
         sched.step()  # admitted: 3 prompt pages, plus the reservation
