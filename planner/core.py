@@ -5,12 +5,15 @@ the router over HTTP; the fleet simulator from its own router) and answers a ``D
 
 1. Forecast. The arrival rate's level and trend (Holt's linear smoothing) projected ``horizon_s`` ahead, the
    time a new pod takes to become ready: replicas asked for now serve the load of then. The plan sizes for
-   the larger of now and then.
+   the larger of now and then; the projection is held within ``max_growth`` of the level (one noisy
+   sample times a minute's horizon must not size a fleet).
 2. Size. planner/sizing.py turns that load and the SLOs into replica counts (common/capacity.py's model).
 3. Queue wait. When a new request would wait more than ``queue_alarm`` of the TTFT target (the workers'
    own predicted wait, what the router's admission reads) or requests are being shed, the model has
-   under-counted (a burst inside the window, longer prompts than the mean says): the prefill side (or the
-   mixed one) is sized up in proportion to the wait, from the replicas ready now, so pods still starting
+   under-counted (a burst inside the window, longer prompts than the mean says). The backlog is about
+   ``wait x ready`` worker-seconds of prefill; draining it within ``drain_s`` beside the arrivals takes
+   ``ready x wait / drain_s`` more workers (at least one), and shedding adds its share of the arrivals. The
+   prefill side (or the mixed one) is raised by that, from the replicas ready now, so pods still starting
    are not counted twice. This reacts within one interval of the queue starting to grow.
 4. Hysteresis. A role scales up at once (after ``up_cooldown_s`` since its last change); it scales down
    only when the plan has stayed ``down_band`` below its replicas for ``down_stable_s`` and its last change is
@@ -45,7 +48,9 @@ class PlannerConfig:
     interval_s: float = 5.0
     horizon_s: float = 60.0  # how far ahead to forecast: a new pod's time to ready
     queue_alarm: float = 0.5  # share of the TTFT target a queue wait may reach before the plan is raised
+    drain_s: float = 30.0  # a backlog is to be drained within this long
     max_step_up: float = 2.0  # at most this factor of the ready replicas per reaction to a queue
+    max_growth: float = 1.0  # the forecast stays within (1 + this) x the smoothed rate
     up_cooldown_s: float = 10.0
     down_cooldown_s: float = 60.0
     down_stable_s: float = 60.0
@@ -72,8 +77,9 @@ class RateForecast:
         self.level = self.alpha * rate + (1 - self.alpha) * (previous + self.trend)
         self.trend = self.beta * (self.level - previous) + (1 - self.beta) * self.trend
 
-    def ahead(self, samples: float) -> float:
-        return max(0.0, (self.level or 0.0) + self.trend * samples)
+    def ahead(self, samples: float, max_growth: float) -> float:
+        level = self.level or 0.0
+        return min(max(0.0, level + self.trend * samples), level * (1 + max_growth))
 
 
 @dataclass(frozen=True)
@@ -104,7 +110,7 @@ class Planner:
         if self._forecast is None:
             self._forecast = RateForecast(cfg.trend_alpha, cfg.trend_beta)
         self._forecast.update(obs.load.rate)
-        ahead = self._forecast.ahead(cfg.horizon_s / cfg.interval_s)
+        ahead = self._forecast.ahead(cfg.horizon_s / cfg.interval_s, cfg.max_growth)
         rate = max(obs.load.rate, ahead) + obs.shed_rate
         planned = size_fleet(self.spec, replace(obs.load, rate=rate))
         planned = self._queue_reaction(obs, planned)
@@ -118,19 +124,20 @@ class Planner:
         return decision
 
     def _queue_reaction(self, obs: Observation, planned: Counts) -> Counts:
-        """Raises the prefill side (or mixed) in proportion to a queue wait past the alarm, or to shedding."""
-        alarm = self.cfg.queue_alarm * self.spec.ttft_s
+        """Raises the prefill side (or mixed) by what drains a queue past the alarm, and by the shed share."""
+        cfg = self.cfg
+        alarm = cfg.queue_alarm * self.spec.ttft_s
         if obs.queue_wait_s <= alarm and obs.shed_rate <= 0:
             return planned
-        factor = max(obs.queue_wait_s / alarm if alarm > 0 else 1.0, 1.0)
-        if obs.shed_rate > 0 and obs.load.rate > 0:
-            factor = max(factor, 1 + obs.shed_rate / obs.load.rate)
-        factor = min(factor, self.cfg.max_step_up)
         role = "prefill" if "prefill" in self.spec.roles and obs.ready.prefill > 0 else "mixed"
         if role not in self.spec.roles:
             return planned
         ready = getattr(obs.ready, role)
-        wanted = max(getattr(planned, role), math.ceil(ready * factor), ready + 1)
+        extra = ready * obs.queue_wait_s / cfg.drain_s if obs.queue_wait_s > alarm else 0.0
+        if obs.shed_rate > 0 and obs.load.rate > 0:
+            extra += ready * obs.shed_rate / obs.load.rate
+        wanted = min(max(ready + max(1, math.ceil(extra)), getattr(planned, role)), math.ceil(ready * cfg.max_step_up))
+        wanted = max(wanted, getattr(planned, role))
         return replace(planned, **{role: min(wanted, getattr(self.spec.max_workers, role))})
 
     def _hysteresis(self, role: str, current: int, planned: int, t: float) -> tuple[int, str]:

@@ -57,7 +57,7 @@ class WorkerFigures:
             chunk_tokens=load.step_chunk_tokens,
             decode_rows=load.decode_rows,
             decode_context=load.decode_context,
-            cost=StepCost.from_map(load.step_coefficients),
+            cost=load.step_cost,
             ahead_tokens=load.queued_ahead_tokens,
             queued_tokens=load.queued_prefill_tokens,
             rate_tokens_per_s=load.prefill_tokens_per_s,

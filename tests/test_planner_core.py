@@ -61,9 +61,15 @@ def test_scale_up_on_queue_growth_before_the_rate_shows_it() -> None:
     ready = Counts(4, 4, 0)
     p.targets = ready
     assert not p.decide(obs(0, 10, ready)).changed  # plenty: 4 > 1 needed, but not long enough low to go down
-    d = p.decide(obs(5, 10, ready, wait=1.5))  # a queue of 1.5 s against a 0.5 s alarm: 3x, capped at 2x
-    assert d.targets.prefill == 8 and d.reasons["prefill"] == "up 4->8"
+    d = p.decide(obs(5, 10, ready, wait=1.5))  # past the 0.5 s alarm: 4 x 1.5 / 30 = 0.2 more, at least one
+    assert d.targets.prefill == 5 and d.reasons["prefill"] == "up 4->5"
     assert d.targets.decode == 4
+    p2 = Planner(SPEC)
+    p2.targets = ready
+    d = p2.decide(obs(0, 10, ready, wait=15.0))  # a 15 s backlog drained in 30 s: 4 x 15 / 30 = 2 more
+    assert d.targets.prefill == 6
+    d = Planner(SPEC).decide(obs(0, 10, ready, wait=300.0))  # never more than 2x the ready ones at once
+    assert d.targets.prefill == 8
 
 
 def test_shedding_raises_the_plan() -> None:
