@@ -27,6 +27,7 @@ import router.dispatch as router_dispatch
 import router.pool as router_pool
 from bench.fleet_sim.worker import Job, SimWorker, WorkerSpec
 from bench.fleet_sim.workload import SimRequest
+from common.capacity import prompt_steps_s
 from common.slo import SloClasses, parse_slo_classes
 from planner.observe import Totals
 from planner.sizing import Counts
@@ -60,6 +61,7 @@ class FleetConfig:
     net_s: float = 0.002  # router and HTTP hops a first token crosses
     prefix_cache_share: float = 0.5  # of a worker's KV pool that keeps finished prompts' blocks
     gpus_per_worker: int = 1
+    measure_from_s: float = 0.0  # requests arriving earlier (the fleet warming up) are left out of the figures
     seed: int = 0
 
 
@@ -100,10 +102,12 @@ class Result:
     request_per_s: float
     gpu_hours: float
     span_s: float
+    infeasible: int = 0  # requests no idle worker serves within the TTFT target (left out of the attainment)
     timeline: list[dict] = field(default_factory=list)
 
     @property
     def attainment(self) -> float:
+        """Good requests over those measured that an idle worker could serve within the targets (shed: not good)."""
         return self.good / self.n if self.n else 1.0
 
     def summary(self) -> dict:
@@ -427,15 +431,31 @@ class Fleet:
         i = int(np.searchsorted(c, q / 100 * c[-1]))
         return float(ITL_BINS[min(i, len(ITL_BINS) - 1)])
 
+    def _feasible(self, requests: list[SimRequest]) -> np.ndarray:
+        """Whether each request's own prefill (alone on an idle worker, its KV moved) fits the TTFT target."""
+        spec, ttft = self.cfg.worker, self.cls.ttft_s
+        if ttft is None:
+            return np.ones(len(requests), dtype=bool)
+        moved = 1 / spec.transfer_tokens_per_s if spec.transfer_tokens_per_s > 0 else 0.0
+        alone = {
+            p: prompt_steps_s(spec.cost, p, spec.max_prefill_tokens) + p * moved + self.cfg.net_s
+            for p in {r.prompt for r in requests}
+        }
+        return np.array([alone[r.prompt] <= ttft for r in requests], dtype=bool)
+
     def _result(self, requests: list[SimRequest], end: float) -> Result:
-        served = ~np.isnan(self.ttft)
+        measured = np.array([r.t >= self.cfg.measure_from_s for r in requests], dtype=bool)
+        feasible = self._feasible(requests)
+        counted = measured & feasible
+        served = ~np.isnan(self.ttft) & measured
         t = self.ttft[served]
         span = max(end, 1e-9)
         return Result(
-            n=len(requests),
+            n=int(counted.sum()),
             served=int(served.sum()),
-            shed=int(self.shed_mask.sum()),
-            good=int(self.good.sum()),
+            shed=int((self.shed_mask & measured).sum()),
+            good=int((self.good & counted).sum()),
+            infeasible=int((measured & ~feasible).sum()),
             ttft_p50_s=float(np.percentile(t, 50)) if t.size else math.nan,
             ttft_p99_s=float(np.percentile(t, 99)) if t.size else math.nan,
             itl_p50_s=self._itl_pct(50),
