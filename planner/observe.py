@@ -27,6 +27,7 @@ class Totals:
     requests: float = 0.0  # arrivals
     served: float = 0.0  # requests whose lengths are in the sums below
     prompt_tokens: float = 0.0
+    prompt_sq_tokens: float = 0.0  # sum of squared prompt lengths (0: unknown)
     output_tokens: float = 0.0
     cached_tokens: float = 0.0
     shed: float = 0.0
@@ -48,5 +49,6 @@ def observation(before: Totals, now: Totals, queue_wait: float, ready: Counts, f
     cached = now.cached_tokens - before.cached_tokens
     total_prompt = now.prompt_tokens - before.prompt_tokens
     hit = cached / total_prompt if total_prompt > 0 else fallback.prefix_hit
-    load = OfferedLoad(rate=(now.requests - before.requests) / dt, prompt=prompt, output=output, prefix_hit=hit)
+    sq = (now.prompt_sq_tokens - before.prompt_sq_tokens) / served if served > 0 else fallback.prompt_sq
+    load = OfferedLoad((now.requests - before.requests) / dt, prompt, output, hit, sq)
     return Observation(now.t, load, queue_wait, (now.shed - before.shed) / dt, ready)

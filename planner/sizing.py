@@ -4,10 +4,12 @@ Offered load: ``rate`` requests/s of ``prompt`` tokens (a fraction ``prefix_hit`
 ``output`` tokens. A worker's capacity comes from its step-time coefficients:
 
 prefill worker
-    Serves ``rate_p = chunk / step(chunk)`` uncached prompt tokens/s. A prompt alone takes ``s`` =
-    prompt_steps_s(uncached) + transfer; what the TTFT target leaves, ``W = ttft - s``, is the queue wait
-    allowed, which bounds the utilisation at ``W / (W + s)`` (a queue whose wait grows like s * rho / (1 - rho)),
-    at most MAX_UTILISATION. Workers: ``rate * uncached / (rate_p * rho)``.
+    A prompt of u uncached tokens takes ``ceil(u / chunk) * overhead + per_prefill_token * u +
+    per_attention_pair * u^2 / 2`` of a worker's time; over the load, with the mean square of the prompt
+    lengths (a few long prompts cost more attention than their mean says), ``work`` seconds per request. A
+    prompt alone takes ``s`` = that + its transfer; what the TTFT target leaves, ``W = ttft - s``, is the queue
+    wait allowed, which bounds the utilisation at ``W / (W + s)`` (a queue whose wait grows like
+    s * rho / (1 - rho)), at most MAX_UTILISATION. Workers: ``rate * work / rho``.
 decode worker
     Every step emits one token per row and must stay within the ITL target ``T`` (times ITL_HEADROOM: the
     target holds at a high percentile, the step time at its mean). With ``x`` requests/s a worker carries
@@ -29,7 +31,16 @@ from dataclasses import dataclass, field
 
 from common.capacity import StepCost, prompt_steps_s
 
-__all__ = ["Counts", "FleetSpec", "OfferedLoad", "decode_rate", "mixed_rate", "prefill_workers", "size_fleet"]
+__all__ = [
+    "Counts",
+    "FleetSpec",
+    "OfferedLoad",
+    "decode_rate",
+    "mixed_rate",
+    "prefill_work_s",
+    "prefill_workers",
+    "size_fleet",
+]
 
 MAX_UTILISATION = 0.9  # a queue run hotter than this waits without bound on the first burst
 ITL_HEADROOM = 0.8  # the share of the ITL target a mean step may take (the target holds at a percentile)
@@ -72,10 +83,19 @@ class OfferedLoad:
     prompt: float  # mean prompt tokens
     output: float  # mean output tokens
     prefix_hit: float = 0.0  # fraction of prompt tokens already cached
+    prompt_sq: float = 0.0  # mean square of the prompt lengths (0: as if every prompt were the mean)
+
+    @property
+    def miss(self) -> float:
+        return 1.0 - min(max(self.prefix_hit, 0.0), 1.0)
 
     @property
     def uncached(self) -> float:
-        return self.prompt * (1.0 - min(max(self.prefix_hit, 0.0), 1.0))
+        return self.prompt * self.miss
+
+    @property
+    def uncached_sq(self) -> float:
+        return max(self.prompt_sq, self.prompt * self.prompt) * self.miss * self.miss
 
 
 def _row_cost(cost: StepCost, load: OfferedLoad) -> float:
@@ -87,16 +107,23 @@ def _utilisation(service_s: float, ttft_s: float) -> float:
     return min(MAX_UTILISATION, wait / (wait + service_s)) if service_s > 0 else MAX_UTILISATION
 
 
+def prefill_work_s(spec: FleetSpec, load: OfferedLoad) -> float:
+    """A prefill worker's seconds per request of the load, on average (the module docstring)."""
+    cost, u = spec.cost, load.uncached
+    steps = u / spec.chunk_tokens + 1 if spec.chunk_tokens > 0 else 1
+    return (
+        steps * cost.overhead_s(0, 0) + cost.per_prefill_token_s * u + cost.per_attention_pair_s * load.uncached_sq / 2
+    )
+
+
 def prefill_workers(spec: FleetSpec, load: OfferedLoad) -> float:
     """Prefill workers (fractional) for the load's uncached prompt tokens within the TTFT target."""
-    rate = spec.cost.prefill_rate(spec.chunk_tokens)
-    if rate <= 0 or load.rate <= 0:
+    if not spec.cost.known or load.rate <= 0:
         return 0.0
-    own = int(load.uncached)
-    service = prompt_steps_s(spec.cost, own, spec.chunk_tokens)
+    service = prompt_steps_s(spec.cost, int(load.uncached), spec.chunk_tokens)
     if spec.transfer_tokens_per_s > 0:
         service += load.prompt / spec.transfer_tokens_per_s
-    return load.rate * load.uncached / (rate * _utilisation(service, spec.ttft_s))
+    return load.rate * prefill_work_s(spec, load) / _utilisation(service, spec.ttft_s)
 
 
 def _kv_and_slot_cap(spec: FleetSpec, load: OfferedLoad, step_s: float) -> float:
@@ -123,8 +150,10 @@ def mixed_rate(spec: FleetSpec, load: OfferedLoad) -> float:
     if not cost.known or target <= cost.base_s:
         return 0.0
     own = load.uncached
-    per_request = load.output * _row_cost(cost, load) + own * (
-        cost.per_prefill_token_s + cost.per_attention_pair_s * own / 2
+    per_request = (
+        load.output * _row_cost(cost, load)
+        + own * cost.per_prefill_token_s
+        + cost.per_attention_pair_s * load.uncached_sq / 2
     )
     x = (1 - cost.base_s / target) / max(per_request, 1e-12)
     # Its prompts run at the rate the ITL budget leaves beside the batch: the TTFT bound as for a prefill worker.

@@ -21,20 +21,30 @@ def obs(t: float, rate: float, ready: Counts, wait: float = 0.0, shed: float = 0
 
 
 def test_sizing_by_hand() -> None:
-    # prefill: 2048 / (0.004 + 2048 * 25e-6) = 37,101 tokens/s; a 2000-token prompt alone 0.054 s + 0.01 s transfer;
-    # rho = min(0.9, 0.936 / 1.0) = 0.9 -> 10 * 2000 / (37,101 * 0.9) = 0.599 workers
-    assert prefill_workers(SPEC, LOAD) == pytest.approx(0.5990, rel=1e-3)
+    # prefill: a 2000-token prompt takes (2000 / 2048 + 1) steps x 0.004 + 2000 x 25e-6 = 0.0579 s of a worker;
+    # alone 0.054 s + 0.01 s transfer leaves rho = min(0.9, 0.936 / 1.0) = 0.9 -> 10 x 0.0579 / 0.9 = 0.643 workers
+    assert prefill_workers(SPEC, LOAD) == pytest.approx(0.6434, rel=1e-3)
     # decode: T = 0.04; row cost 20e-6 + 5e-8 * 2150 = 1.275e-4; x = (1 - 0.1) / (300 * 1.275e-4) = 23.53 req/s,
     # but 256 batch slots hold 256 / (300 * 0.04) = 21.33 req/s
     assert decode_rate(SPEC, LOAD) == pytest.approx(21.33, rel=1e-3)
     assert decode_rate(replace(SPEC, max_running=1024), LOAD) == pytest.approx(23.53, rel=1e-3)
     assert size_fleet(SPEC, LOAD) == Counts(prefill=1, decode=1, mixed=0)
-    assert size_fleet(SPEC, replace(LOAD, rate=100.0)) == Counts(prefill=6, decode=6, mixed=0)
+    assert size_fleet(SPEC, replace(LOAD, rate=100.0)) == Counts(prefill=7, decode=6, mixed=0)
 
 
 def test_prefix_hits_need_fewer_prefill_workers() -> None:
     load = replace(LOAD, rate=100.0)
-    assert prefill_workers(SPEC, replace(load, prefix_hit=0.5)) == pytest.approx(prefill_workers(SPEC, load) / 2)
+    full, half = prefill_workers(SPEC, load), prefill_workers(SPEC, replace(load, prefix_hit=0.5))
+    assert 0.5 * full < half < 0.55 * full  # half the tokens; each prompt still takes its one short last step
+
+
+def test_long_prompts_cost_their_attention() -> None:
+    cost = replace(COST, per_attention_pair_s=1e-9)
+    spec = replace(SPEC, cost=cost, ttft_s=10.0)  # a loose target: the utilisation bound is MAX_UTILISATION
+    even = OfferedLoad(rate=10.0, prompt=10_000, output=300)
+    skewed = replace(even, prompt_sq=4 * 10_000**2)  # the same mean, a heavy tail
+    extra = 10 * 1e-9 * (4 - 1) * 10_000**2 / 2 / 0.9  # the attention the tail adds, in workers
+    assert prefill_workers(spec, skewed) - prefill_workers(spec, even) == pytest.approx(extra, rel=1e-6)
 
 
 def test_mixed_or_split_whichever_costs_fewer_gpus() -> None:

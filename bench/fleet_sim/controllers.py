@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from bench.fleet_sim.fleet import Fleet
 from planner.core import Decision, Planner
@@ -29,10 +29,7 @@ class PlannerController:
         return self.planner.cfg.interval_s
 
     def tick(self, fleet: Fleet, now: float) -> Counts | None:
-        tot = fleet.totals
-        now_totals = Totals(
-            now, tot.requests, tot.served, tot.prompt_tokens, tot.output_tokens, tot.cached_tokens, tot.shed
-        )
+        now_totals = replace(fleet.totals, t=now)
         self._totals.append(now_totals)
         while len(self._totals) > 1 and now - self._totals[0].t > self.window_s:
             self._totals.popleft()

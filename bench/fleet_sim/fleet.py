@@ -18,7 +18,7 @@ import heapq
 import math
 import random
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -356,9 +356,7 @@ class Fleet:
             decision = self.dispatcher.route(plan, req.output, set(), set())
         except OpenAIError:
             self.shed_mask[rid] = True
-            self.totals = Totals(
-                now, tot.requests + 1, tot.served, tot.prompt_tokens, tot.output_tokens, tot.cached_tokens, tot.shed + 1
-            )
+            self.totals = replace(tot, t=now, requests=tot.requests + 1, shed=tot.shed + 1)
             return
         d = self.sims[decision.decode]
         call = _Call(rid)
@@ -378,14 +376,15 @@ class Fleet:
             self._give(d, job)
         self._cache(d.name, req)
         job.call = call
-        self.totals = Totals(
-            now,
-            tot.requests + 1,
-            tot.served + 1,
-            tot.prompt_tokens + req.prompt,
-            tot.output_tokens + req.output,
-            tot.cached_tokens + matched,
-            tot.shed,
+        self.totals = replace(
+            tot,
+            t=now,
+            requests=tot.requests + 1,
+            served=tot.served + 1,
+            prompt_tokens=tot.prompt_tokens + req.prompt,
+            prompt_sq_tokens=tot.prompt_sq_tokens + req.prompt * req.prompt,
+            output_tokens=tot.output_tokens + req.output,
+            cached_tokens=tot.cached_tokens + matched,
         )
 
     def _on_first_token(self, w: SimWorker, job: Job, now: float) -> None:
