@@ -8,8 +8,9 @@ prefill worker
     per_attention_pair * u^2 / 2`` of a worker's time; over the load, with the mean square of the prompt
     lengths (a few long prompts cost more attention than their mean says), ``work`` seconds per request. A
     prompt alone takes ``s`` = that + its transfer; what the TTFT target leaves, ``W = ttft - s``, is the queue
-    wait allowed, which bounds the utilisation at ``W / (W + s)`` (a queue whose wait grows like
-    s * rho / (1 - rho)), at most MAX_UTILISATION. Workers: ``rate * work / rho``.
+    wait allowed. A queue's mean wait is ``rho / (1 - rho) * R``, R = E[S^2] / 2 E[S] (the work left of the
+    prompt in service: long prompts make it long), its tail QUEUE_TAIL times that, which bounds the utilisation
+    at ``W / (W + QUEUE_TAIL * R)``, at most MAX_UTILISATION. Workers: ``rate * work / rho``.
 decode worker
     Every step emits one token per row and must stay within the ITL target ``T`` (times ITL_HEADROOM: the
     target holds at a high percentile, the step time at its mean). With ``x`` requests/s a worker carries
@@ -45,6 +46,7 @@ __all__ = [
 MAX_UTILISATION = 0.9  # a queue run hotter than this waits without bound on the first burst
 ITL_HEADROOM = 0.8  # the share of the ITL target a mean step may take (the target holds at a percentile)
 MIN_WAIT_SHARE = 0.1  # a prompt whose own prefill nearly fills the TTFT target still gets this much queue
+QUEUE_TAIL = 3.0  # a queue's high-percentile wait over its mean
 
 
 @dataclass(frozen=True)
@@ -102,9 +104,15 @@ def _row_cost(cost: StepCost, load: OfferedLoad) -> float:
     return cost.per_decode_row_s + cost.per_context_token_s * (load.prompt + load.output / 2)
 
 
-def _utilisation(service_s: float, ttft_s: float) -> float:
+def _utilisation(service_s: float, ttft_s: float, residual_s: float | None = None) -> float:
+    """The utilisation whose queue wait, at its tail, stays within what the TTFT target leaves after a prompt's
+    own prefill: a queue's mean wait is ``rho / (1 - rho) * residual`` (Pollaczek-Khinchine; ``residual`` =
+    E[S^2] / 2 E[S], the work left of the prompt in service), its tail QUEUE_TAIL times that."""
     wait = max(ttft_s - service_s, MIN_WAIT_SHARE * ttft_s)
-    return min(MAX_UTILISATION, wait / (wait + service_s)) if service_s > 0 else MAX_UTILISATION
+    residual = service_s if residual_s is None else residual_s
+    if residual <= 0:
+        return MAX_UTILISATION
+    return min(MAX_UTILISATION, wait / (wait + QUEUE_TAIL * residual))
 
 
 def prefill_work_s(spec: FleetSpec, load: OfferedLoad) -> float:
@@ -123,7 +131,13 @@ def prefill_workers(spec: FleetSpec, load: OfferedLoad) -> float:
     service = prompt_steps_s(spec.cost, int(load.uncached), spec.chunk_tokens)
     if spec.transfer_tokens_per_s > 0:
         service += load.prompt / spec.transfer_tokens_per_s
-    return load.rate * prefill_work_s(spec, load) / _utilisation(service, spec.ttft_s)
+    work = prefill_work_s(spec, load)
+    # E[S^2] of the linear part of a prompt's work (its tokens and steps): heavy-tailed prompts wait longer
+    per_token = spec.cost.per_prefill_token_s + (
+        spec.cost.overhead_s(0, 0) / spec.chunk_tokens if spec.chunk_tokens > 0 else 0.0
+    )
+    residual = per_token * per_token * load.uncached_sq / (2 * work) if work > 0 else 0.0
+    return load.rate * work / _utilisation(service, spec.ttft_s, residual)
 
 
 def _kv_and_slot_cap(spec: FleetSpec, load: OfferedLoad, step_s: float) -> float:

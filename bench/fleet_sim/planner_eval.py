@@ -39,7 +39,11 @@ GOAL = 0.99
 
 def mean_load(reqs: list[wl.SimRequest], span: float) -> OfferedLoad:
     return OfferedLoad(
-        len(reqs) / span, statistics.mean(r.prompt for r in reqs), statistics.mean(r.output for r in reqs), 0.0
+        len(reqs) / span,
+        statistics.mean(r.prompt for r in reqs),
+        statistics.mean(r.output for r in reqs),
+        0.0,
+        statistics.mean(r.prompt * r.prompt for r in reqs),
     )
 
 
@@ -182,7 +186,7 @@ def main() -> int:
     ap.add_argument("--scale", type=float, default=4.0, help="trace rate multiplier")
     ap.add_argument("--span", type=float, default=900.0, help="simulated seconds")
     ap.add_argument("--warmup", type=float, default=120.0)
-    ap.add_argument("--startup", type=float, default=60.0, help="a new pod's seconds to ready")
+    ap.add_argument("--startup", type=float, default=30.0, help="a new pod's seconds to ready")
     ap.add_argument("--route-sample", type=int, default=0)
     ap.add_argument("--only", default="mooncake,azure,dynamo")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "planner_eval.json")
