@@ -15,6 +15,7 @@ COMMANDS = {
     "prefill": "a prefill worker: chunked prefill over a prefix cache, KV pushed to decode workers over NIXL",
     "decode": "a decode worker: continuous-batching decode over a paged KV cache (prefills short prompts too)",
     "mixed": "a worker that decodes, prefills its own prompts and prefills for its peers",
+    "planner": "sizes the prefill, decode and mixed Deployments to the SLOs from the routers' metrics",
     "generate": "complete one prompt offline, without a server",
     "convert-default-model": "convert the embedded GGUF model once into the cache (KVFERRY_CACHE_DIR)",
 }
@@ -25,6 +26,7 @@ _ROLE_MAINS = {
     "prefill": "prefill_worker.main",
     "decode": "decode_worker.main",
     "mixed": "mixed_worker.main",
+    "planner": "planner.main",
     "up": "common.devcluster.up",
 }
 

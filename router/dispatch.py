@@ -228,6 +228,7 @@ class Dispatcher:
         prompt = len(plan.token_ids)
         matched = self.policy.matched_tokens(w.pod, plan.matches, plan.block_size, prompt)
         prefilled = w.place_prompt(time.monotonic(), prompt - matched)
+        self.metrics.prompt_cached_tokens.inc(matched)
         if plan.record is not None:
             plan.record.on_first_token.append(prefilled)
             if plan.record.predicted_ttft_s is None:

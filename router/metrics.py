@@ -23,7 +23,8 @@ gives beside its engine counters; router/middleware.py's ``ResponseCounter``), `
 attempts before the first token), ``..._migrations_total{outcome}`` (router/migration.py: started |
 succeeded | failed; call ``dispatcher.metrics.migrations``), ``..._prefix_lookups_total{result}`` (hit |
 miss | skipped, a prompt too short to look up), ``..._redis_errors_total`` (lookups the prefix index did not
-answer), and per SLO class (common/slo.py; label ``slo_class``, every declared class exported from 0):
+answer), ``..._prompt_cached_tokens_total`` (prompt tokens the worker a prompt was placed on already held: over
+the prompt-token histogram's sum, the prefix hit rate the planner sizes prefill by), and per SLO class (common/slo.py; label ``slo_class``, every declared class exported from 0):
 ``kvferry_router_slo_requests_total`` (requests served: a 2xx response), ``..._slo_ttft_met_total`` (of those,
 TTFT within the class's target; a class without one always), ``..._slo_itl_met_total`` (the p-th percentile of
 the request's own inter-token gaps, every choice's, within the class's ITL target), ``..._slo_good_total`` (both:
@@ -187,6 +188,11 @@ class RouterMetrics:
         )
         self.redis_errors = Counter(
             "kvferry_router_redis_errors_total", "Prefix-index lookups Redis did not answer", registry=r
+        )
+        self.prompt_cached_tokens = Counter(
+            "kvferry_router_prompt_cached_tokens_total",
+            "Prompt tokens the worker placed to prefill already held (prefix index), at each placement",
+            registry=r,
         )
         self.inflight = Gauge(
             "kvferry_router_inflight_requests",

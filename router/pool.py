@@ -31,8 +31,10 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Protocol
 
+from common.capacity import StepCost
 from router.policy import DecodeCandidate, PrefillCandidate
 from router.wire import ConnectError, WireClient
 
@@ -91,6 +93,11 @@ class Load:
     decode_rows: int = 0
     decode_context: int = 0
     queued_ahead_tokens: dict[str, int] = field(default_factory=dict)
+
+    @cached_property
+    def step_cost(self) -> StepCost:
+        """`step_coefficients` as the capacity model's value, built once per snapshot (read per request)."""
+        return StepCost.from_map(self.step_coefficients)
 
 
 def parse_load(data: Any) -> Load:

@@ -123,7 +123,8 @@ class RouterRuntime:
 
 def placement_inputs(pool: WorkerPool, policy: RoutingPolicy) -> dict[str, Any]:
     """What the placement decision reads (router/cost_model.py): the mode, the SLO targets and each
-    worker's measured prefill rate, chunk size and queued prefill tokens."""
+    worker's measured prefill rate, chunk size and queued prefill tokens; and for the planner (planner/source.py)
+    each worker's role, whether it is routable and its step-time coefficients."""
     cfg = policy.cfg
     return {
         "mode": cfg.placement,
@@ -142,6 +143,10 @@ def placement_inputs(pool: WorkerPool, policy: RoutingPolicy) -> dict[str, Any]:
                 "itl_target_s": w.load.itl_target_s if w.load else 0.0,
                 "queued_prefill_tokens": w.load.queued_prefill_tokens if w.load else 0,
                 "inflight_tokens": w.inflight_tokens,
+                # the capacity model's inputs (common/capacity.py), for the planner
+                "role": w.role,
+                "up": w.up,
+                "step_coefficients": dict(w.load.step_coefficients) if w.load else {},
             }
             for w in pool.workers.values()
         },

@@ -1,7 +1,7 @@
 """A new request's time to first token on one worker, predicted from that worker's /load: one pure function.
 
 A worker publishes (common/protocol.py LoadSnapshot, ten snapshots a second) its step-time model's seconds per
-unit of what a step computes (common/sched/step_model.py), the prompt chunk its next step takes as the batch
+unit of what a step computes (common/sched/step_model.py; common/capacity.py), the prompt chunk its next step takes as the batch
 stands (``step_chunk_tokens``: the budget beside its decode rows, or the whole prefill limit alone), the decode
 rows and KV context such a step carries, and per SLO class the prompt tokens queued ahead of a request of that
 class arriving now (its waiting queue runs by TTFT deadline, common/sched/waiting.py). A request of class c
@@ -30,33 +30,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from common.capacity import StepCost
+
 if TYPE_CHECKING:
     from router.pool import Load
 
 __all__ = ["StepCost", "WorkerFigures", "predict_ttft_s", "prefill_rate"]
-
-
-@dataclass(frozen=True)
-class StepCost:
-    """Seconds per unit of what a step computes (common/sched/step_model.py ``StepTimeModel.coefficients``)."""
-
-    base_s: float = 0.0
-    per_prefill_token_s: float = 0.0
-    per_decode_row_s: float = 0.0
-    per_context_token_s: float = 0.0
-    per_attention_pair_s: float = 0.0
-
-    @classmethod
-    def from_map(cls, m: Mapping[str, float]) -> StepCost:
-        return cls(**{k: float(m.get(k, 0.0)) for k in cls.__dataclass_fields__})
-
-    @property
-    def known(self) -> bool:
-        return self.per_prefill_token_s > 0
-
-    def overhead_s(self, rows: int, context: int) -> float:
-        """What every step costs whatever its chunk: the base and the decode batch it carries (never < 0)."""
-        return max(0.0, self.base_s + self.per_decode_row_s * rows + self.per_context_token_s * context)
 
 
 @dataclass(frozen=True)
@@ -78,7 +57,7 @@ class WorkerFigures:
             chunk_tokens=load.step_chunk_tokens,
             decode_rows=load.decode_rows,
             decode_context=load.decode_context,
-            cost=StepCost.from_map(load.step_coefficients),
+            cost=load.step_cost,
             ahead_tokens=load.queued_ahead_tokens,
             queued_tokens=load.queued_prefill_tokens,
             rate_tokens_per_s=load.prefill_tokens_per_s,
@@ -92,9 +71,7 @@ class WorkerFigures:
 def prefill_rate(w: WorkerFigures) -> float:
     """Prompt tokens per second at the worker's chunk beside its decode batch (0: unknown)."""
     if w.cost.known and w.chunk_tokens > 0:
-        c = w.chunk_tokens
-        step = w.cost.overhead_s(w.decode_rows, w.decode_context) + w.cost.per_prefill_token_s * c
-        return c / (step + w.cost.per_attention_pair_s * c * c / 2)
+        return w.cost.prefill_rate(w.chunk_tokens, w.decode_rows, w.decode_context)
     return w.rate_tokens_per_s
 
 

@@ -44,7 +44,7 @@ def test_generate_chat_answers_paris():
     assert "Paris" in proc.stdout, proc.stdout
 
 
-COMMANDS = ("up", "router", "prefill", "decode", "mixed", "generate", "convert-default-model")
+COMMANDS = ("up", "router", "prefill", "decode", "mixed", "planner", "generate", "convert-default-model")
 
 
 def test_usage_describes_each_command():

@@ -54,11 +54,14 @@ COMPOSED = {
         "resources": ["overlays/mixed"],
         "components": ["components/custom-metrics-autoscaling"],
     },
+    "planner": {"resources": ["base"], "components": ["components/planner"]},
 }
 GPU_TARGETS = {"gpu", "gpu-autoscale-custom-metrics", "gpu-mixed", "gpu-mixed-beside"}
 CUSTOM_METRICS_TARGETS = {"autoscale-custom-metrics", "gpu-autoscale-custom-metrics", "mixed-autoscale-custom-metrics"}
 MIXED_ONLY_TARGETS = {"mixed", "gpu-mixed", "mixed-autoscale-custom-metrics"}
 MIXED_BESIDE_TARGETS = {"mixed-beside", "gpu-mixed-beside"}
+# The planner sizes the worker Deployments itself (components/planner): no HPA of theirs is left.
+PLANNER_TARGETS = {"planner"}
 
 NAMESPACE = "kvferry"
 ROLES = ("router", "prefill", "decode", "mixed")
@@ -68,6 +71,11 @@ MIXED_PORT = 8300
 NAME_LABEL = "app.kubernetes.io/name"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
+
+
+def autoscaled_roles(target: str) -> tuple[str, ...]:
+    """The roles an HPA sizes: the router always, the workers unless the planner does."""
+    return ("router",) if target in PLANNER_TARGETS else ("router", *workers_of(target))
 
 
 def workers_of(target: str) -> tuple[str, ...]:
@@ -324,10 +332,11 @@ def test_each_target_runs_its_roles(target, objs):
     is left); the mixed-workers component alone adds mixed pods beside them."""
     roles = {"router", *workers_of(target)}
     assert set(role_deployments(objs)) == roles
+    parts = roles | ({"planner"} if target in PLANNER_TARGETS else set())
     for obj in objs:
         labels = obj["metadata"].get("labels", {})
         if labels.get(NAME_LABEL) == "kvferry" and COMPONENT_LABEL in labels:
-            assert labels[COMPONENT_LABEL] in roles, f"{obj['kind']}/{obj['metadata']['name']}"
+            assert labels[COMPONENT_LABEL] in parts, f"{obj['kind']}/{obj['metadata']['name']}"
     for hpa in of_kind(objs, "HorizontalPodAutoscaler"):
         assert hpa["spec"]["scaleTargetRef"]["name"] in {f"kvferry-{r}" for r in roles}
 
@@ -390,7 +399,8 @@ def test_only_the_router_service_is_meant_to_be_exposed(target, objs):
     roles = role_deployments(objs)
     for svc in of_kind(objs, "Service"):
         assert svc["spec"].get("type", "ClusterIP") == "ClusterIP", svc["metadata"]["name"]
-        if selector_matches({"matchLabels": svc["spec"]["selector"]}, pod_labels(roles["router"])):
+        headless = svc["spec"].get("clusterIP") == "None"
+        if selector_matches({"matchLabels": svc["spec"]["selector"]}, pod_labels(roles["router"])) and not headless:
             assert [p["port"] for p in svc["spec"]["ports"]] == [80]
             assert resolve_port(svc["spec"]["ports"][0]["targetPort"], container(roles["router"])) == 8000
         else:
@@ -528,7 +538,8 @@ def test_router_rbac_is_read_only_on_pods(target, objs):
     account = router["spec"]["template"]["spec"]["serviceAccountName"]
     one(objs, "ServiceAccount", account)
 
-    roles = of_kind(objs, "Role")
+    bound = {b["roleRef"]["name"] for b in of_kind(objs, "RoleBinding") if b["subjects"][0]["name"] == account}
+    roles = [r for r in of_kind(objs, "Role") if r["metadata"]["name"] in bound]
     assert len(roles) == 1
     role = roles[0]
     assert len(role["rules"]) == 1
@@ -538,7 +549,7 @@ def test_router_rbac_is_read_only_on_pods(target, objs):
     assert sorted(rule["verbs"]) == ["get", "list", "watch"]
     assert not rule.get("resourceNames") and not rule.get("nonResourceURLs")
 
-    bindings = of_kind(objs, "RoleBinding")
+    bindings = [b for b in of_kind(objs, "RoleBinding") if b["roleRef"]["name"] == role["metadata"]["name"]]
     assert len(bindings) == 1
     binding = bindings[0]
     assert binding["roleRef"] == {
@@ -553,7 +564,55 @@ def test_router_rbac_is_read_only_on_pods(target, objs):
             continue
         spec = deploy["spec"]["template"]["spec"]
         assert spec.get("serviceAccountName", "default") != account, deploy["metadata"]["name"]
-        assert spec.get("automountServiceAccountToken") is False, deploy["metadata"]["name"]
+        if deploy["metadata"]["name"] != "kvferry-planner":  # its own rights: test_planner_rbac_*
+            assert spec.get("automountServiceAccountToken") is False, deploy["metadata"]["name"]
+
+
+def test_planner_rbac_is_get_and_patch_on_the_worker_deployments_scale(target, objs):
+    """The planner (components/planner) may only read and set the replicas of the Deployments it sizes; its
+    account is its own; its flags parse with the real `kvferry planner` parser and name those Deployments."""
+    planners = [d for d in of_kind(objs, "Deployment") if d["metadata"]["name"] == "kvferry-planner"]
+    if target not in PLANNER_TARGETS:
+        assert not planners
+        return
+    (planner,) = planners
+    assert planner["spec"]["replicas"] == 1 and planner["spec"]["strategy"]["type"] == "Recreate"
+    spec = planner["spec"]["template"]["spec"]
+    account = spec["serviceAccountName"]
+    assert one(objs, "ServiceAccount", account)["automountServiceAccountToken"] is False
+    assert spec["automountServiceAccountToken"] is True
+    for deploy in of_kind(objs, "Deployment"):
+        if deploy is not planner:
+            assert deploy["spec"]["template"]["spec"].get("serviceAccountName") != account
+
+    args = container(planner)["args"]
+    assert args[0] == "planner"
+    parsed = importlib.import_module("planner.main").build_parser().parse_args(args[1:])
+    sized = dict(pair.split("=") for pair in parsed.deployments.split(","))
+    assert set(sized) == set(workers_of(target)) and not parsed.dry_run
+    hpas = {h["spec"]["scaleTargetRef"]["name"] for h in of_kind(objs, "HorizontalPodAutoscaler")}
+    assert not hpas & set(sized.values()), "an HPA and the planner would fight over one replica count"
+
+    bindings = [b for b in of_kind(objs, "RoleBinding") if b["subjects"][0]["name"] == account]
+    assert len(bindings) == 1 and bindings[0]["subjects"] == [
+        {"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}
+    ]
+    role = one(objs, "Role", bindings[0]["roleRef"]["name"])
+    assert role["rules"] == [
+        {
+            "apiGroups": ["apps"],
+            "resources": ["deployments/scale"],
+            "resourceNames": sorted(sized.values(), key=list(sized.values()).index),
+            "verbs": ["get", "patch"],
+        }
+    ]
+    # its routers: the headless Service over every router pod, on the router's port
+    host = parsed.routers.split("//")[1].split(":")[0]
+    svc = one(objs, "Service", host)
+    assert svc["spec"]["clusterIP"] == "None"
+    router = role_deployments(objs)["router"]
+    assert selector_matches({"matchLabels": svc["spec"]["selector"]}, pod_labels(router))
+    assert resolve_port(svc["spec"]["ports"][0]["targetPort"], container(router)) == int(parsed.routers.split(":")[-1])
 
 
 # --------------------------------------------------------------------------- scaling, disruption
@@ -570,8 +629,7 @@ def test_hpas_target_existing_deployments(target, objs):
         # with spec.replicas in the manifest, every `kubectl apply` would undo the autoscaler
         assert "replicas" not in deploys[ref["name"]]["spec"], ref["name"]
         targets.append(ref["name"])
-    roles = ("router", *workers_of(target))
-    assert sorted(targets) == sorted(f"kvferry-{r}" for r in roles), "one HPA per role, no more"
+    assert sorted(targets) == sorted(f"kvferry-{r}" for r in autoscaled_roles(target)), "one HPA per role, no more"
 
 
 def test_hpa_metrics_per_overlay(target, objs):
@@ -582,7 +640,7 @@ def test_hpa_metrics_per_overlay(target, objs):
         "decode": ["kvferry_kv_usage_ratio"],
         "mixed": ["kvferry_prefill_queued_tokens", "kvferry_kv_usage_ratio"],
     }
-    for role in ("router", *workers_of(target)):
+    for role in autoscaled_roles(target):
         spec = one(objs, "HorizontalPodAutoscaler", f"kvferry-{role}")["spec"]
         kinds = [m["type"] for m in spec["metrics"]]
         if target in CUSTOM_METRICS_TARGETS and role in WORKERS:

@@ -13,7 +13,8 @@ budget keeps that much margin, so a target held at the 99th percentile is held b
 mean.
 
 The same model answers the scheduler (the largest prompt chunk whose step stays within the ITL target), the
-worker's /load (its prefill rate at that chunk, from which the router predicts TTFT) and the planner.
+worker's /load (its prefill rate at that chunk, from which the router predicts TTFT) and the planner; what its
+coefficients say about a worker's capacity is common/capacity.py.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from statistics import NormalDist
 
 import numpy as np
 
-__all__ = ["StepShape", "StepTimeModel", "z_score"]
+from common.capacity import chunk_attention, largest_fitting
+
+__all__ = ["StepShape", "StepTimeModel", "chunk_attention", "z_score"]
 
 WINDOW = 256  # timed steps the fit reads: a few seconds of steps on a GPU, enough to span batch sizes
 REFIT_EVERY = 16  # steps between refits (each a 5x5 solve: ~50 us, ~3 us a step)
@@ -47,10 +50,6 @@ class StepShape:
     def features(self) -> np.ndarray:
         raw = (1.0, self.prefill_tokens, self.decode_rows, self.decode_context, self.chunk_attention)
         return np.asarray(raw, dtype=np.float64) / _SCALES
-
-
-def chunk_attention(start: int, tokens: int) -> float:
-    return tokens * (start + tokens / 2)
 
 
 def z_score(percentile: float) -> float:
@@ -127,16 +126,7 @@ class StepTimeModel:
             shape = StepShape(n, decode_rows, decode_context, chunk_attention(chunk_start, n))
             return self.predict(shape) <= allowed
 
-        lo, hi = 0, max_tokens // granularity
-        if hi == 0 or not fits(1):
-            return 0
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo * granularity
+        return largest_fitting(fits, max_tokens // granularity) * granularity
 
     def _fit(self) -> None:
         self._since_fit = 0

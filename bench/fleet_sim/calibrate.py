@@ -1,0 +1,203 @@
+"""Fits the simulator's step times to the H200 microbenchmarks, then predicts this project's recorded
+single-H200 serving runs (bench/serve.py JSON) and writes predicted against measured.
+
+    python bench/fleet_sim/calibrate.py [--runs DIR] [--out bench/out/fleet_sim_calibration.json]
+
+Step times: the engine's own step-time model (common/sched/step_model.py ``StepTimeModel``, its real fit) fed
+the device times of bench/roofline.py (decode steps by batch and context, whole-prompt prefills) and
+bench/mixed_step.py (decode batches with a prompt chunk beside them), all dummy Llama-3.1-8B bf16 on one H200.
+A served step also spends host time (sampling, events, scheduling) that those device times lack, the live
+model's margin differs, and a first token crosses the router: three constants fitted to one point only (the
+lowest rate of serve_slo_period_h200.json: its median ITL, ITL p99 and median TTFT). Every other figure is a
+prediction. Each recorded point is replayed request by request (its send times and lengths).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from bench.fleet_sim.fleet import Fleet, FleetConfig  # noqa: E402
+from bench.fleet_sim.worker import WorkerSpec  # noqa: E402
+from bench.fleet_sim.workload import recorded_point  # noqa: E402
+from common.capacity import StepCost, chunk_attention  # noqa: E402
+from common.sched.step_model import StepShape, StepTimeModel  # noqa: E402
+from common.slo import parse_slo_classes  # noqa: E402
+from planner.sizing import Counts  # noqa: E402
+from router.policy import PolicyConfig  # noqa: E402
+
+# The recorded runs this predicts: (file, mode as recorded, what the simulated fleet is). serve_h200x2.json is
+# two H200s (agg: two aggregated workers; disagg: one prefill + one decode worker) of an earlier engine.
+RUNS = [
+    ("serve_slo_period_h200.json", "agg", "agg"),
+    ("serve_slo_deviceclock_h200.json", "agg", "agg"),
+    ("serve_slo_deviceclock_h200.json", "agg@pf", "agg-prefill-first"),
+    ("serve_h200x2.json", "agg", "agg2"),
+    ("serve_h200x2.json", "disagg", "disagg"),
+]
+KV_TOKENS = 55346 * 16  # the recorded agg worker's pool (pages x page size)
+
+
+def fit_step_cost(runs: Path) -> tuple[StepCost, float]:
+    """The real step-time model's fit over the microbenchmarks' points; its coefficients and residual spread."""
+    model = StepTimeModel(window=1024, refit_every=1)
+    roof = json.loads((runs / "roofline_h200.json").read_text())
+    mixed = json.loads((runs / "mixed_step_h200_graphs.json").read_text())
+    points: list[tuple[StepShape, float]] = []
+    for r in roof["decode"]:
+        if r.get("step_ms"):
+            points.append((StepShape(0, r["batch"], r["batch"] * r["ctx"]), r["step_ms"] / 1000))
+    for r in roof["prefill"]:
+        n = r["tokens"]
+        # one whole prompt: its chunk runs at the engine's largest step, the rest of it attends to what came before
+        points.append((StepShape(n, 0, 0, chunk_attention(0, n)), r["ms"] / 1000))
+    ctx = mixed["args"]["context"]
+    for r in mixed["steps"]:
+        b, c = r["batch"], r["chunk"]
+        points.append((StepShape(c, b, b * ctx, chunk_attention(0, c)), r["mixed_ms"] / 1000))
+        points.append((StepShape(c, 0, 0, chunk_attention(0, c)), r["prefill_only_ms"] / 1000))
+        points.append((StepShape(0, b, b * ctx), r["decode_ms"] / 1000))
+    for _ in range(4):
+        for shape, seconds in points:
+            model.observe(shape, seconds)
+    return StepCost.from_map(model.coefficients()), model.spread_s
+
+
+def fleet_for(kind: str, spec: WorkerSpec, slo_ttft_ms: float, slo_itl_ms: float) -> tuple[FleetConfig, Counts]:
+    slo = parse_slo_classes(f"interactive:ttft={slo_ttft_ms:g}ms,itl={slo_itl_ms:g}ms,p=99")
+    if kind == "agg-prefill-first":
+        spec = replace(spec, itl_target_s=0.0)
+    cfg = FleetConfig(worker=spec, slo=slo, policy=PolicyConfig(), startup_s=0.0)
+    if kind == "disagg":
+        return cfg, Counts(prefill=1, decode=1)
+    return cfg, Counts(decode=2 if kind == "agg2" else 1)
+
+
+def simulate_point(point: dict, cfg: FleetConfig, counts: Counts) -> dict:
+    reqs = recorded_point(point)
+    res = Fleet(cfg, counts).run(reqs)
+    return {
+        "ttft_p50_ms": res.ttft_p50_s * 1000,
+        "ttft_p99_ms": res.ttft_p99_s * 1000,
+        "itl_p50_ms": res.itl_p50_s * 1000,
+        "itl_p99_ms": res.itl_p99_s * 1000,
+        "output_tok_per_s": res.output_tok_per_s,
+        "shed": res.shed,
+        "good_fraction": res.attainment,
+    }
+
+
+def measured(point: dict) -> dict:
+    return {
+        "ttft_p50_ms": point["ttft_ms"]["p50"],
+        "ttft_p99_ms": point["ttft_ms"]["p99"],
+        "itl_p50_ms": point["itl_ms"]["p50"],
+        "itl_p99_ms": point["itl_ms"]["p99"],
+        "output_tok_per_s": point["output_tok_per_s"],
+        "shed": point["outcomes"].get("http_429", 0),
+        "good_fraction": point.get("goodput", {}).get("fraction"),
+    }
+
+
+def fit_host(point: dict, base: WorkerSpec, cfg_for) -> tuple[float, float, float]:  # type: ignore[no-untyped-def]
+    """Three constants from `point` alone, each by bisection: the host time per step from its median ITL, the
+    serving step model's residual spread from its ITL p99, and the time a first token spends outside the
+    engine (router, HTTP, tokenizing) from its median TTFT."""
+    want = point["itl_ms"]["p50"] / 1000
+    lo, hi = 0.0, 0.01
+    for _ in range(14):
+        mid = (lo + hi) / 2
+        cfg, counts = cfg_for(replace(base, host_s=mid))
+        got = Fleet(cfg, counts).run(recorded_point(point)).itl_p50_s
+        lo, hi = (mid, hi) if got < want else (lo, mid)
+    host = (lo + hi) / 2
+    # the margin the chunk budget keeps (z x the live model's residual spread) from its ITL p99
+    want = point["itl_ms"]["p99"] / 1000
+    lo, hi = 0.0, 0.02
+    for _ in range(12):
+        mid = (lo + hi) / 2
+        cfg, counts = cfg_for(replace(base, host_s=host, spread_s=mid))
+        got = Fleet(cfg, counts).run(recorded_point(point)).itl_p99_s
+        lo, hi = (lo, mid) if got < want else (mid, hi)
+    spread = (lo + hi) / 2
+    cfg, counts = cfg_for(replace(base, host_s=host, spread_s=spread))
+    ttft = Fleet(replace(cfg, net_s=0.0), counts).run(recorded_point(point)).ttft_p50_s
+    return host, spread, max(0.0, point["ttft_ms"]["p50"] / 1000 - ttft)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=Path, default=REPO / "bench" / "out")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "fleet_sim_calibration.json")
+    args = ap.parse_args()
+    started = time.perf_counter()
+    cost, spread = fit_step_cost(args.runs)
+    base = WorkerSpec(cost=cost, spread_s=spread, kv_tokens=KV_TOKENS)
+    first = json.loads((args.runs / RUNS[0][0]).read_text())
+    ttft_ms, itl_ms = first["config"]["slo_ttft_ms"], first["config"]["slo_itl_ms"]
+    host_s, served_spread, net_s = fit_host(
+        first["modes"]["agg"]["points"][0], base, lambda spec: fleet_for("agg", spec, ttft_ms, itl_ms)
+    )
+    spec = replace(base, host_s=host_s, spread_s=served_spread)
+    rows = []
+    for file, mode, kind in RUNS:
+        path = args.runs / file
+        if not path.exists():
+            print(f"skipped (not here): {file}")
+            continue
+        run = json.loads(path.read_text())
+        slo = run["config"].get("slo") or {}
+        cfg, counts = fleet_for(kind, spec, slo.get("ttft_ms") or 1000.0, slo.get("itl_p99_ms") or 50.0)
+        cfg = replace(cfg, net_s=net_s)
+        if run["config"].get("slo_ttft_ms") is None:
+            cfg = replace(cfg, admit_by_ttft=False)  # runs before TTFT admission existed
+        for point in run["modes"][mode]["points"]:
+            pred, meas = simulate_point(point, cfg, counts), measured(point)
+            err = {
+                k: (pred[k] / meas[k] - 1) if meas.get(k) else None
+                for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "output_tok_per_s")
+            }
+            rows.append(
+                {
+                    "file": file,
+                    "mode": mode,
+                    "rate": point.get("value"),
+                    "predicted": pred,
+                    "measured": meas,
+                    "error": err,
+                }
+            )
+            print(
+                f"{file:38s} {mode:7s} {point.get('value')!s:>5} | TTFT p50 {pred['ttft_p50_ms']:7.0f} vs {meas['ttft_p50_ms']:7.0f}"
+                f" p99 {pred['ttft_p99_ms']:7.0f} vs {meas['ttft_p99_ms']:7.0f} | ITL p99 {pred['itl_p99_ms']:6.1f} vs"
+                f" {meas['itl_p99_ms']:6.1f} | out tok/s {pred['output_tok_per_s']:6.0f} vs {meas['output_tok_per_s']:6.0f}"
+                f" | shed {pred['shed']} vs {meas['shed']}"
+            )
+    out = {
+        "step_cost": cost.as_map(),
+        "microbench_spread_s": spread,
+        "served_spread_s": served_spread,
+        "host_s": host_s,
+        "net_s": net_s,
+        "fitted_on": f"{RUNS[0][0]} agg, its first point: host_s (median ITL), served_spread_s (ITL p99), net_s (median TTFT)",
+        "points": rows,
+        "seconds": time.perf_counter() - started,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2))
+    print(
+        f"step cost {cost}, spread {served_spread * 1000:.2f} ms, host {host_s * 1000:.2f} ms/step, "
+        f"net {net_s * 1000:.1f} ms -> {args.out}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

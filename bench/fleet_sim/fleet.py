@@ -1,0 +1,473 @@
+"""The fleet: simulated workers (bench/fleet_sim/worker.py) behind the router's real admission and placement
+(router/dispatch.py ``Dispatcher.check_ttft`` and ``route``, over a real router/pool.py ``WorkerPool`` fed
+the workers' loads every poll interval), sized by a controller: fixed counts, the planner (planner/core.py),
+or one HPA per role on utilisation.
+
+The router's code reads ``time.monotonic()`` (when a prompt was placed, when a load was asked for): inside a
+run its modules see the simulated clock instead, so its bookkeeping of unseen placements holds in simulated
+time.
+
+Large fleets: routing over every worker costs the router's code O(workers) per request; ``route_sample`` > 0
+gives each request a random sample of that many workers per role plus the workers holding its prefix (the
+power of d choices), so a 1,000-GPU hour runs in minutes. Placement among the candidates is the router's own.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+import numpy as np
+
+import router.dispatch as router_dispatch
+import router.pool as router_pool
+from bench.fleet_sim.worker import Job, SimWorker, WorkerSpec
+from bench.fleet_sim.workload import SimRequest
+from common.capacity import prompt_steps_s
+from common.slo import SloClasses, parse_slo_classes
+from planner.observe import Totals
+from planner.sizing import Counts
+from router.admission import AdmissionLimits
+from router.dispatch import Dispatcher, PromptPlan
+from router.errors import OpenAIError
+from router.policy import PolicyConfig, RoutingPolicy
+from router.pool import Worker, WorkerPool
+
+__all__ = ["Controller", "Fleet", "FleetConfig", "Result"]
+
+ITL_BINS = np.logspace(-4, 1, 501)  # 0.1 ms .. 10 s
+
+
+class Controller(Protocol):
+    interval_s: float
+
+    def tick(self, fleet: Fleet, now: float) -> Counts | None: ...
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    worker: WorkerSpec
+    slo: SloClasses = field(default_factory=lambda: parse_slo_classes("interactive:ttft=1s,itl=50ms,p=99"))
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    limits: AdmissionLimits = field(default_factory=AdmissionLimits)
+    admit_by_ttft: bool = True
+    poll_s: float = 0.25
+    route_sample: int = 0  # 0: every worker is a candidate
+    startup_s: float = 60.0  # a new pod's time to ready
+    net_s: float = 0.002  # router and HTTP hops a first token crosses
+    prefix_cache_share: float = 0.5  # of a worker's KV pool that keeps finished prompts' blocks
+    gpus_per_worker: int = 1
+    measure_from_s: float = 0.0  # requests arriving earlier (the fleet warming up) are left out of the figures
+    seed: int = 0
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+class _Call:
+    """What the router's pool holds per request (router/upstream.py's UpstreamCall, minus the HTTP)."""
+
+    __slots__ = ("rid",)
+
+    def __init__(self, rid: int) -> None:
+        self.rid = rid
+
+    def kill(self, reason: str) -> None:
+        pass
+
+    def prefill_back(self) -> None:
+        pass
+
+
+@dataclass
+class Result:
+    n: int
+    served: int
+    shed: int
+    good: int
+    ttft_p50_s: float
+    ttft_p99_s: float
+    itl_p50_s: float
+    itl_p99_s: float
+    output_tok_per_s: float
+    request_per_s: float
+    gpu_hours: float
+    span_s: float
+    infeasible: int = 0  # requests no idle worker serves within the TTFT target (left out of the attainment)
+    timeline: list[dict] = field(default_factory=list)
+
+    @property
+    def attainment(self) -> float:
+        """Good requests over those measured that an idle worker could serve within the targets (shed: not good)."""
+        return self.good / self.n if self.n else 1.0
+
+    def summary(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if k != "timeline"}
+        out["attainment"] = self.attainment
+        return out
+
+
+class Fleet:
+    def __init__(self, cfg: FleetConfig, initial: Counts, controller: Controller | None = None) -> None:
+        self.cfg = cfg
+        self.controller = controller
+        self.rng = random.Random(cfg.seed)
+        self.clock = _Clock()
+        self.pool = WorkerPool(client=None)  # type: ignore[arg-type]  # never polls: loads are handed to it
+        self.dispatcher = Dispatcher(
+            self.pool,
+            RoutingPolicy(cfg.policy),
+            locator=None,  # type: ignore[arg-type]
+            client=None,  # type: ignore[arg-type]
+            limits=cfg.limits,
+            slo=cfg.slo,
+            admit_by_ttft=cfg.admit_by_ttft,
+        )
+        self.cls = cfg.slo.get("")
+        self.sims: dict[str, SimWorker] = {}
+        self.routers: dict[str, Worker] = {}  # the router's view of each simulated worker
+        self.starting: dict[str, tuple[str, float]] = {}  # name -> (role, ready at)
+        self.loaded_at: dict[str, float] = {}
+        self.caches: dict[str, OrderedDict[int, None]] = {}
+        self.holders: dict[int, set[str]] = {}  # first prefix block -> workers holding it
+        self._events: list[tuple[float, int, int, object]] = []
+        self._seq = 0
+        self._names = 0
+        self.live = 0  # workers holding a GPU (starting, up or draining)
+        self._gpu_s = 0.0
+        self._gpu_t = 0.0
+        self.totals = Totals(0.0)
+        self.first_token: dict[int, float] = {}
+        self.itl_hist = np.zeros(len(ITL_BINS) + 1)
+        self.timeline: list[dict] = []
+        for role in ("prefill", "decode", "mixed"):
+            for _ in range(getattr(initial, role)):
+                self._spawn(role, ready_at=0.0)
+
+    # ---- membership -----------------------------------------------------------------------------------------
+    def counts(self, include_starting: bool = True) -> Counts:
+        c = {"prefill": 0, "decode": 0, "mixed": 0}
+        for w in self.sims.values():
+            if not w.draining:
+                c[w.role] += 1
+        if include_starting:
+            for role, _ in self.starting.values():
+                c[role] += 1
+        return Counts(**c)
+
+    def _gpu_tick(self, now: float) -> None:
+        self._gpu_s += self.live * (now - self._gpu_t) * self.cfg.gpus_per_worker
+        self._gpu_t = now
+
+    def _spawn(self, role: str, ready_at: float) -> None:
+        self._gpu_tick(self.clock.now)
+        self.live += 1
+        self._names += 1
+        name = f"{role}-{self._names}"
+        if ready_at <= self.clock.now:
+            self._up(name, role)
+        else:
+            self.starting[name] = (role, ready_at)
+            self._push(ready_at, 2, name)
+
+    def _up(self, name: str, role: str) -> None:
+        sim = SimWorker(name, role, self.cfg.worker, self._on_first_token, self._on_finish, self._record_itl)
+        sim.itl_slo_s = self.cls.itl_s
+        self.sims[name] = sim
+        self.caches[name] = OrderedDict()
+        self.routers[name] = Worker(url=name, role=role)
+        self._report(name)
+
+    def _report(self, name: str) -> None:
+        self.pool.report_load(self.routers[name], self.sims[name].load(), asked=self.clock.now)
+        self.loaded_at[name] = self.clock.now
+
+    def scale_to(self, targets: Counts) -> None:
+        have = self.counts()
+        for role in ("prefill", "decode", "mixed"):
+            diff = getattr(targets, role) - getattr(have, role)
+            for _ in range(diff):
+                self._spawn(role, self.clock.now + self.cfg.startup_s)
+            if diff < 0:
+                self._drain(role, -diff)
+
+    def _drain(self, role: str, n: int) -> None:
+        """Cancels pods still starting first, then drains the least loaded: the router stops placing there and
+        the pod leaves once what it runs is done (its SIGTERM path)."""
+        for name in [k for k, (r, _) in self.starting.items() if r == role][:n]:
+            del self.starting[name]
+            self._gpu_tick(self.clock.now)
+            self.live -= 1
+            n -= 1
+        up = sorted(
+            (w for w in self.sims.values() if w.role == role and not w.draining),
+            key=lambda w: w.n_rows + len(w.waiting),
+        )
+        for w in up[:n]:
+            w.draining = True
+            self._report(w.name)
+            self._maybe_leave(w)
+
+    def _maybe_leave(self, w: SimWorker) -> None:
+        if w.draining and w.idle() and w.name in self.sims:
+            self._gpu_tick(self.clock.now)
+            self.live -= 1
+            del self.sims[w.name]
+            self.routers.pop(w.name, None)
+            self.caches.pop(w.name, None)
+
+    # ---- events -------------------------------------------------------------------------------------------------
+    def _push(self, t: float, kind: int, payload: object) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, self._seq, kind, payload))
+
+    def _wake_at(self, w: SimWorker, t: float | None) -> None:
+        if t is not None:
+            self._push(t, 0, (w, w.version))
+
+    def _give(self, w: SimWorker, job: Job) -> None:
+        if w.add(job, self.clock.now):
+            self._wake_at(w, w.wake(self.clock.now))
+        else:
+            self._wake_at(w, w.cut_span(self.clock.now))
+
+    def run(self, requests: list[SimRequest], until: float | None = None) -> Result:
+        saved = router_pool.time, router_dispatch.time
+        router_pool.time = router_dispatch.time = self.clock  # type: ignore[assignment]
+        try:
+            return self._run(requests, until)
+        finally:
+            router_pool.time, router_dispatch.time = saved
+
+    def _run(self, requests: list[SimRequest], until: float | None) -> Result:
+        n = len(requests)
+        self.ttft = np.full(n, np.nan)
+        self.good = np.zeros(n, dtype=bool)
+        self.shed_mask = np.zeros(n, dtype=bool)
+        self.out_tokens = 0
+        end = until if until is not None else (requests[-1].t if requests else 0.0)
+        if self.controller is not None:
+            self._push(0.0, 3, None)
+        i = 0
+        events = self._events
+        while True:
+            t_arr = requests[i].t if i < n else math.inf
+            if events and events[0][0] <= t_arr:
+                t, _, kind, payload = heapq.heappop(events)
+                if t > end and kind == 3:
+                    continue
+                self.clock.now = t
+                if kind == 0:
+                    w, version = payload  # type: ignore[misc]
+                    if w.version == version:
+                        self._wake_at(w, w.wake(t))
+                        self._maybe_leave(w)
+                elif kind == 1:
+                    w, job = payload  # type: ignore[misc]
+                    if w.name in self.sims:
+                        self._give(w, job)
+                elif kind == 2:
+                    name = payload  # type: ignore[assignment]
+                    if name in self.starting:
+                        role, _ = self.starting.pop(name)  # type: ignore[arg-type]
+                        self._up(name, role)  # type: ignore[arg-type]
+                elif kind == 3:
+                    self._tick(t)
+            elif i < n:
+                self.clock.now = t_arr
+                self._arrive(i, requests[i])
+                i += 1
+            else:
+                break
+        self._gpu_tick(max(self.clock.now, end))
+        return self._result(requests, max(self.clock.now, end))
+
+    def _tick(self, now: float) -> None:
+        assert self.controller is not None
+        targets = self.controller.tick(self, now)
+        if targets is not None:
+            self.scale_to(targets)
+        self._push(now + self.controller.interval_s, 3, None)
+
+    # ---- a request ----------------------------------------------------------------------------------------------
+    def _candidates(self, req: SimRequest) -> None:
+        """Hands the router's pool its candidates with fresh loads (each at most one poll interval old): every
+        worker, or with ``route_sample`` a sample plus the workers holding the prompt's prefix."""
+        cfg = self.cfg
+        now = self.clock.now
+        if cfg.route_sample and len(self.routers) > cfg.route_sample:
+            pick = self.rng.sample(list(self.routers), cfg.route_sample)
+            if req.blocks:
+                pick += [h for h in list(self.holders.get(req.blocks[0], ()))[:4] if h in self.routers]
+            self.pool.workers = {p: self.routers[p] for p in pick}
+        else:
+            self.pool.workers = self.routers
+        for name in self.pool.workers:
+            if now - self.loaded_at.get(name, -1e9) >= cfg.poll_s:
+                self._report(name)
+
+    def _matches(self, req: SimRequest) -> dict[str, int]:
+        if not req.blocks:
+            return {}
+        out = {}
+        for name in self.pool.workers:
+            cache = self.caches.get(name)
+            if not cache:
+                continue
+            k = 0
+            for b in req.blocks:
+                if b not in cache:
+                    break
+                k += 1
+            if k:
+                out[name] = min(req.prompt, k * req.block_tokens) // self.cfg.worker.page_size
+        return out
+
+    def _cache(self, name: str, req: SimRequest) -> None:
+        cache = self.caches.get(name)
+        if cache is None or not req.blocks:
+            return
+        for b in req.blocks:
+            cache[b] = None
+            cache.move_to_end(b)
+        room = int(self.cfg.worker.kv_tokens * self.cfg.prefix_cache_share) // req.block_tokens
+        while len(cache) > room:
+            cache.popitem(last=False)
+        self.holders.setdefault(req.blocks[0], set()).add(name)
+
+    def _arrive(self, rid: int, req: SimRequest) -> None:
+        cfg = self.cfg
+        now = self.clock.now
+        tot = self.totals
+        self._candidates(req)
+        matches = self._matches(req)
+        plan = PromptPlan(_tokens(req.prompt), [], matches, cfg.worker.page_size, slo_class=self.cls)
+        try:
+            self.dispatcher.check_ttft(plan, self.cls)
+            decision = self.dispatcher.route(plan, req.output, set(), set())
+        except OpenAIError:
+            self.shed_mask[rid] = True
+            self.totals = replace(tot, t=now, requests=tot.requests + 1, shed=tot.shed + 1)
+            return
+        d = self.sims[decision.decode]
+        call = _Call(rid)
+        rd = self.routers[decision.decode]
+        rd.hold_decode(call, now, req.prompt + req.output)
+        if decision.prefill is not None:
+            p = self.sims[decision.prefill]
+            matched = decision.prefill_matched_tokens
+            self.routers[decision.prefill].hold_prefill(call, now, req.prompt - matched)
+            job = Job(rid, req.t, req.prompt, max(1, req.prompt - matched), 0, req.prompt)
+            job.peer = (d, req)
+            self._give(p, job)
+            self._cache(p.name, req)
+        else:
+            matched = decision.decode_matched_tokens
+            job = Job(rid, req.t, req.prompt, max(1, req.prompt - matched), req.output, req.prompt + req.output)
+            self._give(d, job)
+        self._cache(d.name, req)
+        job.call = call
+        self.totals = replace(
+            tot,
+            t=now,
+            requests=tot.requests + 1,
+            served=tot.served + 1,
+            prompt_tokens=tot.prompt_tokens + req.prompt,
+            prompt_sq_tokens=tot.prompt_sq_tokens + req.prompt * req.prompt,
+            output_tokens=tot.output_tokens + req.output,
+            cached_tokens=tot.cached_tokens + matched,
+        )
+
+    def _on_first_token(self, w: SimWorker, job: Job, now: float) -> None:
+        if job.peer is not None:  # a prefill for a peer: its KV moves, then it decodes there
+            d, req = job.peer  # type: ignore[misc]
+            call = job.call
+            rw = self.routers.get(w.name)
+            if rw is not None:
+                rw.release_prefill(call)
+            spec = self.cfg.worker
+            arrive = now + (req.prompt / spec.transfer_tokens_per_s if spec.transfer_tokens_per_s > 0 else 0.0)
+            self.ttft[job.rid] = arrive - job.arrival + self.cfg.net_s
+            if req.output > 1:
+                dj = Job(job.rid, job.arrival, req.prompt, 0, req.output - 1, req.prompt + req.output)
+                dj.call = call
+                self._push(arrive, 1, (d, dj))
+            else:
+                self._finish(job.rid, d.name, call, 0.0)
+            self._maybe_leave(w)
+            return
+        self.ttft[job.rid] = now - job.arrival + self.cfg.net_s
+
+    def _on_finish(self, w: SimWorker, job: Job, now: float, slow: float) -> None:
+        self._finish(job.rid, w.name, job.call, slow)  # type: ignore[arg-type]
+
+    def _finish(self, rid: int, decode: str, call: _Call, slow: float) -> None:
+        rw = self.routers.get(decode)
+        if rw is not None:
+            rw.release_decode(call)
+        ttft = self.ttft[rid]
+        cls = self.cls
+        self.good[rid] = (cls.ttft_s is None or ttft <= cls.ttft_s) and slow <= 1 - cls.percentile / 100
+
+    def _record_itl(self, step_s: float, tokens: float) -> None:
+        self.itl_hist[np.searchsorted(ITL_BINS, step_s)] += tokens
+        self.out_tokens += tokens
+
+    # ---- results --------------------------------------------------------------------------------------------------
+    def _itl_pct(self, q: float) -> float:
+        c = np.cumsum(self.itl_hist)
+        if c[-1] <= 0:
+            return 0.0
+        i = int(np.searchsorted(c, q / 100 * c[-1]))
+        return float(ITL_BINS[min(i, len(ITL_BINS) - 1)])
+
+    def _feasible(self, requests: list[SimRequest]) -> np.ndarray:
+        """Whether each request's own prefill (alone on an idle worker, its KV moved) fits the TTFT target."""
+        spec, ttft = self.cfg.worker, self.cls.ttft_s
+        if ttft is None:
+            return np.ones(len(requests), dtype=bool)
+        moved = 1 / spec.transfer_tokens_per_s if spec.transfer_tokens_per_s > 0 else 0.0
+        alone = {
+            p: prompt_steps_s(spec.cost, p, spec.max_prefill_tokens) + p * moved + self.cfg.net_s
+            for p in {r.prompt for r in requests}
+        }
+        return np.array([alone[r.prompt] <= ttft for r in requests], dtype=bool)
+
+    def _result(self, requests: list[SimRequest], end: float) -> Result:
+        measured = np.array([r.t >= self.cfg.measure_from_s for r in requests], dtype=bool)
+        feasible = self._feasible(requests)
+        counted = measured & feasible
+        served = ~np.isnan(self.ttft) & measured
+        t = self.ttft[served]
+        span = max(end, 1e-9)
+        return Result(
+            n=int(counted.sum()),
+            served=int(served.sum()),
+            shed=int((self.shed_mask & measured).sum()),
+            good=int((self.good & counted).sum()),
+            infeasible=int((measured & ~feasible).sum()),
+            ttft_p50_s=float(np.percentile(t, 50)) if t.size else math.nan,
+            ttft_p99_s=float(np.percentile(t, 99)) if t.size else math.nan,
+            itl_p50_s=self._itl_pct(50),
+            itl_p99_s=self._itl_pct(99),
+            output_tok_per_s=sum(r.output for r, ok in zip(requests, served) if ok) / span,
+            request_per_s=int(served.sum()) / span,
+            gpu_hours=self._gpu_s / 3600,
+            span_s=span,
+            timeline=self.timeline,
+        )
+
+
+def _tokens(n: int) -> list[int]:
+    """A prompt of `n` tokens: the router's code here reads only its length (no prefix lookup runs), so a range
+    stands in for the token list without building one."""
+    return range(n)  # type: ignore[return-value]

@@ -1,0 +1,24 @@
+"""The simulated worker for dummy Llama-3.1-8B bf16 on one H200: the step-time coefficients the engine's own
+fit gives over the H200 microbenchmarks, and the three serving constants fitted to one recorded point, as
+bench/fleet_sim/calibrate.py printed them (bench/RESULTS.md, "Fleet simulator"; rerun it to refresh)."""
+
+from __future__ import annotations
+
+from bench.fleet_sim.worker import WorkerSpec
+from common.capacity import StepCost
+
+__all__ = ["H200_LLAMA8B"]
+
+H200_LLAMA8B = WorkerSpec(
+    cost=StepCost(
+        base_s=0.004142,
+        per_prefill_token_s=2.1049e-05,
+        per_decode_row_s=1.6300e-05,
+        per_context_token_s=3.3554e-08,
+        per_attention_pair_s=1.1208e-09,
+    ),
+    host_s=0.000623,
+    spread_s=0.00687,
+    kv_tokens=55346 * 16,
+)
+NET_S = 0.01296  # a first token's time outside the engine (router, HTTP, tokenizing)

@@ -1,0 +1,74 @@
+"""How fast the simulator runs a large fleet: a fixed fleet of about ``--gpus`` workers under the Mooncake trace
+rate-scaled to fill it, for ``--sim-s`` simulated seconds; prints simulated seconds per wall second and the
+wall time one simulated hour would take at that pace (the target: <= 600 s for 1,000 GPUs).
+
+    python bench/fleet_sim/speed.py [--gpus 1000] [--sim-s 20] [--route-sample 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from bench.fleet_sim import workload as wl  # noqa: E402
+from bench.fleet_sim.fleet import Fleet  # noqa: E402
+from bench.fleet_sim.scenarios import fleet_config, fleet_spec  # noqa: E402
+from planner.sizing import OfferedLoad, size_fleet  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gpus", type=int, default=1000)
+    ap.add_argument("--sim-s", type=float, default=20.0)
+    ap.add_argument("--route-sample", type=int, default=16)
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "fleet_sim_speed.json")
+    args = ap.parse_args()
+    logging.getLogger("kvferry.router").setLevel(logging.ERROR)
+    trace = wl.mooncake()
+    span = trace[-1].t
+    cfg = replace(fleet_config(2.0, 0.05, 30.0, route_sample=args.route_sample))
+    spec = fleet_spec(cfg.worker, 2.0, 0.05)
+    base = OfferedLoad(
+        len(trace) / span,
+        statistics.mean(r.prompt for r in trace),
+        statistics.mean(r.output for r in trace),
+        0.0,
+        statistics.mean(r.prompt * r.prompt for r in trace),
+    )
+    one = size_fleet(spec, base)  # the fleet the trace needs at its own rate
+    factor = args.gpus / one.total()
+    counts = size_fleet(spec, replace(base, rate=base.rate * factor))
+    reqs = wl.scale_rate(trace, factor, args.sim_s)
+    started = time.perf_counter()
+    res = Fleet(cfg, counts).run(reqs, until=args.sim_s)
+    wall = time.perf_counter() - started
+    hour = wall / args.sim_s * 3600
+    out = {
+        "gpus": counts.total(),
+        "counts": counts.__dict__,
+        "rate_req_per_s": len(reqs) / args.sim_s,
+        "requests": len(reqs),
+        "sim_s": args.sim_s,
+        "wall_s": wall,
+        "us_per_request": wall / max(len(reqs), 1) * 1e6,
+        "wall_s_per_simulated_hour": hour,
+        "route_sample": args.route_sample,
+        "served": res.served,
+    }
+    print(json.dumps(out, indent=1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+"""One simulated worker: a step loop whose steps take what the capacity model says (common/capacity.py).
+
+Like the engine's scheduler (common/sched/): every step decodes one token for each running row and, beside
+them, takes prompt chunks up to a budget: with rows decoding, the largest chunk whose step the model predicts
+within the ITL target less its margin (common/sched/prefill_budget.py's rule), at least MIN_PAGES pages;
+alone, ``max_prefill_tokens``. A prompt's last chunk gives its first token. Its load is published to the
+router as /load would (``load()``).
+
+Granularity: a step that carries prompt tokens is one event. A stretch of pure decode steps is one event
+until the next row finishes (all rows then take the same step time, its context the stretch's middle); new
+work arriving inside a stretch cuts it at the next step boundary. An idle worker has no events.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from common.capacity import StepCost, chunk_attention
+from router.pool import Load
+
+__all__ = ["Job", "SimWorker", "WorkerSpec"]
+
+MIN_PAGES = 4
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    cost: StepCost  # the device's step times (what the engine measures)
+    host_s: float = 0.0  # host time a served step adds (sampling, events, scheduling)
+    spread_s: float = 0.0  # the step-time model's residual spread (the budget's margin is z x this)
+    margin_z: float = 2.326  # the normal quantile of the SLO percentile (99)
+    itl_target_s: float = 0.05  # 0: prefill-first
+    max_prefill_tokens: int = 2048
+    max_running: int = 256
+    kv_tokens: int = 885_536  # KV pool (tokens)
+    page_size: int = 16
+    transfer_tokens_per_s: float = 200_000.0
+
+    @property
+    def published(self) -> StepCost:
+        """The coefficients its /load gives: fitted to the served step period, so the host share is in the base."""
+        c = self.cost
+        return StepCost(
+            c.base_s + self.host_s,
+            c.per_prefill_token_s,
+            c.per_decode_row_s,
+            c.per_context_token_s,
+            c.per_attention_pair_s,
+        )
+
+
+@dataclass(slots=True)
+class Job:
+    """A request on this worker: its prompt to prefill here (``todo``) and/or its output to decode here."""
+
+    rid: int
+    arrival: float
+    prompt: int
+    todo: int  # prompt tokens still to compute here
+    output: int  # tokens to decode here (0: a prefill-only job for a peer)
+    kv: int  # KV tokens it reserves here
+    done_prompt: int = 0
+    first_token: float = -1.0
+    join_step: int = 0
+    bad_at_join: int = 0
+    call: object = None  # what the router's pool holds for it
+    peer: object = None  # a prefill for a peer: (decode worker, request) its KV goes to
+
+
+@dataclass
+class SimWorker:
+    name: str
+    role: str  # prefill | decode | mixed (agg: a decode worker with no prefill peers)
+    spec: WorkerSpec
+    on_first_token: Callable[[SimWorker, Job, float], None]
+    on_finish: Callable[[SimWorker, Job, float, float], None]  # (worker, job, t, share of slow steps)
+    record_itl: Callable[[float, float], None]  # (step seconds, tokens that waited it)
+    waiting: deque[Job] = field(default_factory=deque)
+    joining: list[Job] = field(default_factory=list)  # decode rows whose KV arrived, for the next step
+    queued_tokens: int = 0
+    reserved_kv: int = 0
+    # decoding rows: finish step heap, and sums that give the KV context without a loop over rows
+    rows: list[tuple[int, int, Job]] = field(default_factory=list)
+    sum_prompt: int = 0
+    sum_join: int = 0
+    steps: int = 0
+    bad_steps: int = 0  # steps longer than the ITL target so far
+    held_gap_s: float = 0.0  # prefill-first: prompt steps the decode rows waited through since their last token
+    # the event in flight
+    busy_until: float = -1.0
+    span_start: float = 0.0
+    span_step_s: float = 0.0
+    span_steps: int = 0
+    span_chunks: list[tuple[Job, int]] = field(default_factory=list)
+    version: int = 0
+    busy_s: float = 0.0  # time spent stepping (what a GPU-utilisation metric reads)
+    prefill_tokens_done: int = 0
+    draining: bool = False
+    itl_slo_s: float = 0.05  # the SLO's ITL target (what a slow step is, also for prefill-first workers)
+    _step_seq: int = 0
+
+    # ---- what /load says ----------------------------------------------------------------------------------
+    @property
+    def n_rows(self) -> int:
+        return len(self.rows)
+
+    def context(self) -> int:
+        return self.sum_prompt + self.n_rows * self.steps - self.sum_join
+
+    def chunk_budget(self) -> int:
+        s = self.spec
+        if self.n_rows == 0 or s.itl_target_s <= 0:
+            return s.max_prefill_tokens
+        start = self.waiting[0].done_prompt if self.waiting else 0
+        target = s.itl_target_s - s.margin_z * s.spread_s
+        got = s.published.largest_chunk(target, self.n_rows, self.context(), start, s.max_prefill_tokens, s.page_size)
+        return min(s.max_prefill_tokens, max(MIN_PAGES * s.page_size, got))
+
+    def load(self) -> Load:
+        s = self.spec
+        pub = s.published
+        chunk = self.chunk_budget()
+        total = s.kv_tokens // s.page_size
+        return Load(
+            role=self.role,
+            pod=self.name,
+            queued_prefill_tokens=self.queued_tokens,
+            running_requests=self.n_rows + len(self.joining),
+            waiting_requests=len(self.waiting),
+            free_pages=max(0, total - math.ceil(self.reserved_kv / s.page_size)),
+            total_pages=total,
+            page_size=s.page_size,
+            ready=True,
+            draining=self.draining,
+            max_running=s.max_running,
+            prefill_tokens_per_s=pub.prefill_rate(s.max_prefill_tokens),
+            prefill_chunk_tokens=chunk if self.role != "prefill" else 0,
+            prefill_step_tokens_per_s=pub.prefill_rate(s.max_prefill_tokens),
+            decode_step_s=pub.overhead_s(max(self.n_rows, 1), self.context()),
+            itl_target_s=s.itl_target_s,
+            live_requests=self.n_rows + len(self.waiting) + len(self.joining),
+            max_request_tokens=s.kv_tokens,
+            step_coefficients=pub.as_map(),
+            step_chunk_tokens=chunk,
+            decode_rows=self.n_rows,
+            decode_context=self.context(),
+            queued_ahead_tokens={},
+        )
+
+    def idle(self) -> bool:
+        return not self.waiting and not self.rows and not self.joining and self.busy_until < 0
+
+    # ---- work arriving ------------------------------------------------------------------------------------
+    def add(self, job: Job, now: float) -> bool:
+        """Queues `job`; True when the worker was idle (the caller schedules its wake-up at `now`)."""
+        self.reserved_kv += job.kv
+        if job.todo > 0:
+            self.waiting.append(job)
+            self.queued_tokens += job.todo
+        else:
+            self.joining.append(job)  # joins the batch at the next step boundary
+        return self.busy_until < 0
+
+    def cut_span(self, now: float) -> float | None:
+        """A decode stretch in flight ends at the next step boundary after `now` (new work waits for it);
+        returns the new wake-up time, or None when nothing needs to change."""
+        if self.busy_until < 0 or self.span_steps <= 1 or self.span_chunks:
+            return None
+        done = int((now - self.span_start) / self.span_step_s) + 1
+        if done >= self.span_steps:
+            return None
+        self.span_steps = done
+        self.busy_until = self.span_start + done * self.span_step_s
+        self.version += 1
+        return self.busy_until
+
+    def _join(self, job: Job) -> None:
+        job.join_step = self.steps
+        job.bad_at_join = self.bad_steps
+        heapq.heappush(self.rows, (self.steps + job.output, self._next_seq(), job))
+        self.sum_prompt += job.prompt
+        self.sum_join += self.steps
+
+    def _next_seq(self) -> int:
+        self._step_seq += 1
+        return self._step_seq
+
+    # ---- the step loop ------------------------------------------------------------------------------------
+    def wake(self, now: float) -> float | None:
+        """Ends the event in flight at `now` and starts the next; returns its end (None: idle)."""
+        if self.busy_until >= 0:
+            self._finish_span(now)
+        return self._start(now)
+
+    def _finish_span(self, now: float) -> None:
+        k, s = self.span_steps, self.span_step_s
+        n = self.n_rows
+        self.busy_s += k * s
+        if self.span_chunks and self.spec.itl_target_s <= 0:
+            # prefill-first: the rows decoded nothing this step; their next gap is this much longer
+            self.held_gap_s += s
+            k = 0
+        elif n:
+            first = s + self.held_gap_s
+            self.record_itl(first, n)
+            if k > 1:
+                self.record_itl(s, n * (k - 1))
+            target = self.itl_slo_s
+            self.bad_steps += (first > target) + (k - 1) * (s > target)
+            self.held_gap_s = 0.0
+        self.steps += k
+        self.busy_until = -1.0
+        while self.rows and self.rows[0][0] <= self.steps:
+            _, _, job = heapq.heappop(self.rows)
+            self.sum_prompt -= job.prompt
+            self.sum_join -= job.join_step
+            self.reserved_kv -= job.kv
+            slow = (self.bad_steps - job.bad_at_join) / max(job.output, 1)
+            self.on_finish(self, job, now, slow)
+        for job, n_tok in self.span_chunks:
+            job.done_prompt += n_tok
+            job.todo -= n_tok
+            self.queued_tokens -= n_tok
+            self.prefill_tokens_done += n_tok
+            if job.todo <= 0:
+                if self.waiting and self.waiting[0] is job:
+                    self.waiting.popleft()
+                else:
+                    self.waiting.remove(job)
+                if job.output > 0:
+                    # its first token came with its last chunk; the rest decode here
+                    job.output -= 1
+                    self.on_first_token(self, job, now)
+                    if job.output > 0:
+                        self._join(job)
+                    else:
+                        self.reserved_kv -= job.kv
+                        self.on_finish(self, job, now, 0.0)
+                else:
+                    self.reserved_kv -= job.kv
+                    self.on_first_token(self, job, now)
+        self.span_chunks = []
+
+    def _start(self, now: float) -> float | None:
+        s = self.spec
+        for job in self.joining:
+            self._join(job)
+        self.joining.clear()
+        cost = s.cost
+        chunks: list[tuple[Job, int]] = []
+        if self.waiting and self.n_rows < s.max_running:
+            budget, attention = self.chunk_budget(), 0.0
+            rows_free = s.max_running - self.n_rows
+            for job in self.waiting:
+                if budget <= 0 or rows_free <= 0:
+                    break
+                take = min(budget, job.todo)
+                chunks.append((job, take))
+                attention += chunk_attention(job.done_prompt, take)
+                budget -= take
+                if take == job.todo and job.output > 0:
+                    rows_free -= 1
+        n, ctx = self.n_rows, self.context()
+        if chunks:
+            tokens = sum(t for _, t in chunks)
+            if s.itl_target_s <= 0:
+                n, ctx = 0, 0  # prefill-first: a prompt step decodes nothing
+            step = cost.step_s(tokens, n, ctx, attention) + s.host_s
+            self.span_chunks, self.span_steps = chunks, 1
+        elif n:
+            k = max(1, self.rows[0][0] - self.steps)
+            step = cost.overhead_s(n, ctx + n * (k // 2)) + s.host_s
+            self.span_steps = k
+        else:
+            return None
+        self.span_start, self.span_step_s = now, step
+        self.busy_until = now + step * self.span_steps
+        self.version += 1
+        return self.busy_until

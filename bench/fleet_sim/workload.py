@@ -1,0 +1,111 @@
+"""Requests for the simulator: public traces (../shared/traces), this project's recorded bench/serve.py runs,
+and synthetic Poisson or bursty loads, all as arrival time + lengths (+ prefix blocks where known)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import lzma
+import random
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+__all__ = ["SimRequest", "azure", "burst", "mooncake", "poisson", "recorded_point", "scale_rate", "swing"]
+
+TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
+MOONCAKE_BLOCK = 512  # tokens per hash_id in the Mooncake trace
+
+
+@dataclass(frozen=True, slots=True)
+class SimRequest:
+    t: float  # arrival, seconds from the start
+    prompt: int
+    output: int
+    blocks: tuple[int, ...] = ()  # prefix blocks (same id: same tokens); empty: nothing shared
+    block_tokens: int = MOONCAKE_BLOCK
+
+
+def mooncake(path: Path | None = None) -> list[SimRequest]:
+    out = []
+    with lzma.open(path or TRACES / "mooncake_fast25_conversation.jsonl.xz", "rt") as f:
+        for line in f:
+            r = json.loads(line)
+            out.append(
+                SimRequest(r["timestamp"] / 1000, r["input_length"], max(1, r["output_length"]), tuple(r["hash_ids"]))
+            )
+    return sorted(out, key=lambda r: r.t)
+
+
+def azure(path: Path | None = None) -> list[SimRequest]:
+    out, t0 = [], None
+    with lzma.open(path or TRACES / "azure_llm_2023_conv.csv.xz", "rt") as f:
+        for row in csv.DictReader(f):
+            stamp = datetime.fromisoformat(row["TIMESTAMP"][:26]).timestamp()
+            t0 = stamp if t0 is None else t0
+            out.append(SimRequest(stamp - t0, int(row["ContextTokens"]), max(1, int(row["GeneratedTokens"]))))
+    return sorted(out, key=lambda r: r.t)
+
+
+def scale_rate(reqs: list[SimRequest], factor: float, span_s: float | None = None) -> list[SimRequest]:
+    """The trace `factor` times as fast, repeated (shifted by its own span) to fill `span_s` if given: a 1 h
+    trace at 100x runs 36 s, so 100 copies fill the hour again, with fresh block ids per copy."""
+    base = [SimRequest(r.t / factor, r.prompt, r.output, r.blocks, r.block_tokens) for r in reqs]
+    if span_s is None or not base:
+        return base
+    period = max(base[-1].t, 1e-3)
+    out, copy = [], 0
+    while copy * period < span_s:
+        shift, tag = copy * period, copy << 32
+        out += [
+            SimRequest(r.t + shift, r.prompt, r.output, tuple(b | tag for b in r.blocks), r.block_tokens)
+            for r in base
+            if r.t + shift < span_s
+        ]
+        copy += 1
+    return out
+
+
+def poisson(
+    rate: float, span_s: float, prompt: tuple[int, int], output: tuple[int, int], seed: int = 0
+) -> list[SimRequest]:
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    while True:
+        t += rng.expovariate(rate)
+        if t >= span_s:
+            return out
+        out.append(SimRequest(t, rng.randint(*prompt), rng.randint(*output)))
+
+
+def burst(reqs: list[SimRequest], at_s: float, length_s: float, extra_rate: float, seed: int = 1) -> list[SimRequest]:
+    """`reqs` plus a burst of `extra_rate` requests/s for `length_s` from `at_s`, lengths drawn from `reqs`."""
+    rng = random.Random(seed)
+    t, extra = at_s, []
+    while extra_rate > 0:
+        t += rng.expovariate(extra_rate)
+        if t >= at_s + length_s:
+            break
+        like = rng.choice(reqs)
+        extra.append(SimRequest(t, like.prompt, like.output))
+    return sorted(reqs + extra, key=lambda r: r.t)
+
+
+def swing(
+    low: float, high: float, period_s: float, span_s: float, prompt: int, output: int, seed: int = 0
+) -> list[SimRequest]:
+    """Poisson arrivals whose rate alternates between `low` and `high` requests/s every `period_s` / 2."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    while t < span_s:
+        rate = high if (t % period_s) >= period_s / 2 else low
+        t += rng.expovariate(rate)
+        if t < span_s:
+            out.append(SimRequest(t, prompt, output))
+    return out
+
+
+def recorded_point(point: dict) -> list[SimRequest]:
+    """The exact requests of one recorded bench/serve.py point: each one's send time and lengths."""
+    rows = sorted(point["per_request"], key=lambda r: r["sent_ms"])
+    return [SimRequest(r["sent_ms"] / 1000, int(r["in"]), max(1, int(r["out"]))) for r in rows]

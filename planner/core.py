@@ -1,0 +1,163 @@
+"""The planner's decisions: from what the router observes, the replica counts each Deployment should have.
+
+Every ``interval_s`` (a few seconds) the planner reads one ``Observation`` (planner/source.py gathers it from
+the router over HTTP; the fleet simulator from its own router) and answers a ``Decision``:
+
+1. Forecast. The arrival rate's level and trend (Holt's linear smoothing) projected ``horizon_s`` ahead, the
+   time a new pod takes to become ready: replicas asked for now serve the load of then. The plan sizes for
+   the larger of now and then; the projection is held within ``max_growth`` of the level (one noisy
+   sample times a minute's horizon must not size a fleet).
+2. Size. planner/sizing.py turns that load and the SLOs into replica counts (common/capacity.py's model).
+3. Queue wait. When a new request would wait more than ``queue_alarm`` of the TTFT target (the workers'
+   own predicted wait, what the router's admission reads) or requests are being shed, the model has
+   under-counted (a burst inside the window, longer prompts than the mean says). The backlog is about
+   ``wait x ready`` worker-seconds of prefill; draining it within ``drain_s`` beside the arrivals takes
+   ``ready x wait / drain_s`` more workers (at least one), and shedding adds its share of the arrivals. The
+   prefill side (or the mixed one) is raised by that, from the replicas ready now, so pods still starting
+   are not counted twice. This reacts within one interval of the queue starting to grow.
+4. Hysteresis. A role scales up at once (after ``up_cooldown_s`` since its last change); it scales down
+   only when the plan has stayed ``down_band`` below its replicas for ``down_stable_s`` and its last change is
+   ``down_cooldown_s`` old, by at most ``down_step`` of its replicas at a time. A removed pod drains (its
+   SIGTERM path finishes what it runs, KVFERRY_DRAIN_SECONDS), so a scale-down loses no request.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+from planner.sizing import Counts, FleetSpec, OfferedLoad, size_fleet
+
+__all__ = ["Decision", "Observation", "Planner", "PlannerConfig", "RateForecast"]
+
+ROLES = ("prefill", "decode", "mixed")
+
+
+@dataclass(frozen=True)
+class Observation:
+    t: float  # seconds (any clock that only moves forward)
+    load: OfferedLoad  # arrival rate and mean lengths over the last window
+    queue_wait_s: float = 0.0  # predicted wait of a request arriving now, before its own prefill starts
+    shed_rate: float = 0.0  # requests/s refused (429) for TTFT or admission limits
+    ready: Counts = field(default_factory=Counts)  # replicas ready now
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    interval_s: float = 5.0
+    horizon_s: float = 60.0  # how far ahead to forecast: a new pod's time to ready
+    queue_alarm: float = 0.5  # share of the TTFT target a queue wait may reach before the plan is raised
+    drain_s: float = 30.0  # a backlog is to be drained within this long
+    max_step_up: float = 2.0  # at most this factor of the ready replicas per reaction to a queue
+    max_growth: float = 1.0  # the forecast stays within (1 + this) x the smoothed rate
+    up_cooldown_s: float = 10.0
+    down_cooldown_s: float = 60.0
+    down_stable_s: float = 60.0
+    down_band: float = 0.1
+    down_step: float = 0.25
+    trend_alpha: float = 0.5  # Holt's smoothing of the level
+    trend_beta: float = 0.2  # ... and of the trend
+
+
+@dataclass
+class RateForecast:
+    """Holt's linear smoothing of the arrival rate over samples `interval_s` apart."""
+
+    alpha: float
+    beta: float
+    level: float | None = None
+    trend: float = 0.0  # requests/s per sample
+
+    def update(self, rate: float) -> None:
+        if self.level is None:
+            self.level = rate
+            return
+        previous = self.level
+        self.level = self.alpha * rate + (1 - self.alpha) * (previous + self.trend)
+        self.trend = self.beta * (self.level - previous) + (1 - self.beta) * self.trend
+
+    def ahead(self, samples: float, max_growth: float) -> float:
+        level = self.level or 0.0
+        return min(max(0.0, level + self.trend * samples), level * (1 + max_growth))
+
+
+@dataclass(frozen=True)
+class Decision:
+    t: float
+    targets: Counts  # replicas each role should have
+    planned: Counts  # what the model sized for the forecast load, before hysteresis
+    forecast_rate: float
+    reasons: dict[str, str]  # role -> why it changed ("" if it did not)
+
+    @property
+    def changed(self) -> bool:
+        return any(self.reasons.values())
+
+
+@dataclass
+class Planner:
+    spec: FleetSpec
+    cfg: PlannerConfig = field(default_factory=PlannerConfig)
+    targets: Counts | None = None  # what it last asked for (None: not yet; the first observation's ready)
+    _forecast: RateForecast | None = None
+    _last_change: dict[str, float] = field(default_factory=dict)
+    _low_since: dict[str, float] = field(default_factory=dict)
+    _recent: deque[Decision] = field(default_factory=lambda: deque(maxlen=720))
+
+    def decide(self, obs: Observation) -> Decision:
+        cfg = self.cfg
+        if self._forecast is None:
+            self._forecast = RateForecast(cfg.trend_alpha, cfg.trend_beta)
+        self._forecast.update(obs.load.rate)
+        ahead = self._forecast.ahead(cfg.horizon_s / cfg.interval_s, cfg.max_growth)
+        rate = max(obs.load.rate, ahead) + obs.shed_rate
+        planned = size_fleet(self.spec, replace(obs.load, rate=rate))
+        planned = self._queue_reaction(obs, planned)
+        current = self.targets if self.targets is not None else obs.ready
+        targets, reasons = {}, {}
+        for role in ROLES:
+            targets[role], reasons[role] = self._hysteresis(role, getattr(current, role), getattr(planned, role), obs.t)
+        self.targets = Counts(**targets)
+        decision = Decision(obs.t, self.targets, planned, rate, reasons)
+        self._recent.append(decision)
+        return decision
+
+    def _queue_reaction(self, obs: Observation, planned: Counts) -> Counts:
+        """Raises the prefill side (or mixed) by what drains a queue past the alarm, and by the shed share."""
+        cfg = self.cfg
+        alarm = cfg.queue_alarm * self.spec.ttft_s
+        if obs.queue_wait_s <= alarm and obs.shed_rate <= 0:
+            return planned
+        role = "prefill" if "prefill" in self.spec.roles and obs.ready.prefill > 0 else "mixed"
+        if role not in self.spec.roles:
+            return planned
+        ready = getattr(obs.ready, role)
+        extra = ready * obs.queue_wait_s / cfg.drain_s if obs.queue_wait_s > alarm else 0.0
+        if obs.shed_rate > 0 and obs.load.rate > 0:
+            extra += ready * obs.shed_rate / obs.load.rate
+        wanted = min(max(ready + max(1, math.ceil(extra)), getattr(planned, role)), math.ceil(ready * cfg.max_step_up))
+        wanted = max(wanted, getattr(planned, role))
+        return replace(planned, **{role: min(wanted, getattr(self.spec.max_workers, role))})
+
+    def _hysteresis(self, role: str, current: int, planned: int, t: float) -> tuple[int, str]:
+        cfg = self.cfg
+        since_change = t - self._last_change.get(role, -math.inf)
+        if planned > current:
+            self._low_since.pop(role, None)
+            if since_change < cfg.up_cooldown_s:
+                return current, ""
+            self._last_change[role] = t
+            return planned, f"up {current}->{planned}"
+        if planned >= current * (1 - cfg.down_band) or planned == current:
+            self._low_since.pop(role, None)
+            return current, ""
+        low_since = self._low_since.setdefault(role, t)
+        if t - low_since < cfg.down_stable_s or since_change < cfg.down_cooldown_s:
+            return current, ""
+        target = max(planned, math.floor(current * (1 - cfg.down_step)), 0)
+        if target >= current:
+            return current, ""
+        self._last_change[role] = t
+        self._low_since.pop(role, None)
+        return target, f"down {current}->{target}"

@@ -1,0 +1,54 @@
+"""What the planner reads, reduced to an Observation the same way wherever it comes from: the router's HTTP
+endpoints (planner/source.py) or the fleet simulator's router (bench/fleet_sim/fleet.py).
+
+Over a window between two readings: arrivals (served, refused and failed requests alike: all of them are
+offered load), the prompt and output tokens of the requests served, the prompt tokens found cached, and the
+requests refused. The queue wait is the least predicted wait over the workers that prefill (their queued
+prompt tokens over their prefill rate): where the router would place a request arriving now, and what it
+would wait before its own prefill starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from planner.core import Observation
+from planner.sizing import Counts, OfferedLoad
+
+__all__ = ["Totals", "observation", "queue_wait_s"]
+
+
+@dataclass(frozen=True)
+class Totals:
+    """Running totals (counters) at one instant."""
+
+    t: float
+    requests: float = 0.0  # arrivals
+    served: float = 0.0  # requests whose lengths are in the sums below
+    prompt_tokens: float = 0.0
+    prompt_sq_tokens: float = 0.0  # sum of squared prompt lengths (0: unknown)
+    output_tokens: float = 0.0
+    cached_tokens: float = 0.0
+    shed: float = 0.0
+
+
+def queue_wait_s(queues: Iterable[tuple[float, float]]) -> float:
+    """The least wait over the prefilling workers, each given as (queued prompt tokens, prefill tokens/s);
+    workers that have measured no rate are left out (0 when none has)."""
+    waits = [q / r for q, r in queues if r > 0]
+    return min(waits, default=0.0)
+
+
+def observation(before: Totals, now: Totals, queue_wait: float, ready: Counts, fallback: OfferedLoad) -> Observation:
+    """The load between two totals; mean lengths from `fallback` where nothing was served in the window."""
+    dt = max(now.t - before.t, 1e-9)
+    served = now.served - before.served
+    prompt = (now.prompt_tokens - before.prompt_tokens) / served if served > 0 else fallback.prompt
+    output = (now.output_tokens - before.output_tokens) / served if served > 0 else fallback.output
+    cached = now.cached_tokens - before.cached_tokens
+    total_prompt = now.prompt_tokens - before.prompt_tokens
+    hit = cached / total_prompt if total_prompt > 0 else fallback.prefix_hit
+    sq = (now.prompt_sq_tokens - before.prompt_sq_tokens) / served if served > 0 else fallback.prompt_sq
+    load = OfferedLoad((now.requests - before.requests) / dt, prompt, output, hit, sq)
+    return Observation(now.t, load, queue_wait, (now.shed - before.shed) / dt, ready)

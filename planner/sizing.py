@@ -1,0 +1,213 @@
+"""How many workers of each role an offered load needs, from the capacity model (common/capacity.py): pure.
+
+Offered load: ``rate`` requests/s of ``prompt`` tokens (a fraction ``prefix_hit`` of them already cached) and
+``output`` tokens. A worker's capacity comes from its step-time coefficients:
+
+prefill worker
+    A prompt of u uncached tokens takes ``ceil(u / chunk) * overhead + per_prefill_token * u +
+    per_attention_pair * u^2 / 2`` of a worker's time; over the load, with the mean square of the prompt
+    lengths (a few long prompts cost more attention than their mean says), ``work`` seconds per request. A
+    prompt alone takes ``s`` = that + its transfer; what the TTFT target leaves, ``W = ttft - s``, is the queue
+    wait allowed. A queue's mean wait is ``rho / (1 - rho) * R``, R = E[S^2] / 2 E[S] (the work left of the
+    prompt in service: long prompts make it long), its tail QUEUE_TAIL times that, which bounds the utilisation
+    at ``W / (W + QUEUE_TAIL * R)``, at most MAX_UTILISATION. Workers: ``rate * work / rho``.
+decode worker
+    Every step emits one token per row and must stay within the ITL target ``T`` (times ITL_HEADROOM: the
+    target holds at a high percentile, the step time at its mean). With ``x`` requests/s a worker carries
+    ``x * output * T`` rows of ``prompt + output / 2`` KV tokens each, so
+    ``T = base + x * T * output * row_cost``, ``row_cost = per_row + per_context * (prompt + output / 2)``:
+    ``x = (1 - base / T) / (output * row_cost)``, capped by the batch slots and KV pool.
+mixed (aggregated) worker
+    The same step also carries the prompt chunks: ``x = (1 - base / T) / (output * row_cost + uncached *
+    (per_prefill_token + per_attention_pair * uncached / 2))``; its TTFT bound as for a prefill worker at the
+    prefill rate its ITL budget leaves.
+
+The GPU cost of a plan is its replica counts times the GPUs each takes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from common.capacity import StepCost, prompt_steps_s
+
+__all__ = [
+    "Counts",
+    "FleetSpec",
+    "OfferedLoad",
+    "decode_rate",
+    "mixed_rate",
+    "prefill_work_s",
+    "prefill_workers",
+    "size_fleet",
+]
+
+MAX_UTILISATION = 0.9  # a queue run hotter than this waits without bound on the first burst
+ITL_HEADROOM = 0.8  # the share of the ITL target a mean step may take (the target holds at a percentile)
+MIN_WAIT_SHARE = 0.1  # a prompt whose own prefill nearly fills the TTFT target still gets this much queue
+QUEUE_TAIL = 3.0  # a queue's high-percentile wait over its mean
+
+
+@dataclass(frozen=True)
+class Counts:
+    prefill: int = 0
+    decode: int = 0
+    mixed: int = 0
+
+    def gpus(self, spec: FleetSpec) -> int:
+        return spec.gpus_per_worker * (self.prefill + self.decode + self.mixed)
+
+    def total(self) -> int:
+        return self.prefill + self.decode + self.mixed
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    """What every worker of the fleet can do (one model on one kind of device) and the SLOs it is held to."""
+
+    cost: StepCost
+    ttft_s: float
+    itl_s: float
+    chunk_tokens: int = 8192  # a prefill worker's prompt tokens per step
+    max_running: int = 256  # decode batch slots per worker
+    kv_tokens: int = 800_000  # KV pool per decode worker, in tokens
+    transfer_tokens_per_s: float = 200_000.0
+    gpus_per_worker: int = 1
+    roles: tuple[str, ...] = ("prefill", "decode")  # which Deployments exist: prefill+decode, mixed, or all three
+    min_workers: Counts = field(default_factory=lambda: Counts(1, 1, 1))
+    max_workers: Counts = field(default_factory=lambda: Counts(10_000, 10_000, 10_000))
+
+
+@dataclass(frozen=True)
+class OfferedLoad:
+    rate: float  # requests/s
+    prompt: float  # mean prompt tokens
+    output: float  # mean output tokens
+    prefix_hit: float = 0.0  # fraction of prompt tokens already cached
+    prompt_sq: float = 0.0  # mean square of the prompt lengths (0: as if every prompt were the mean)
+
+    @property
+    def miss(self) -> float:
+        return 1.0 - min(max(self.prefix_hit, 0.0), 1.0)
+
+    @property
+    def uncached(self) -> float:
+        return self.prompt * self.miss
+
+    @property
+    def uncached_sq(self) -> float:
+        return max(self.prompt_sq, self.prompt * self.prompt) * self.miss * self.miss
+
+
+def _row_cost(cost: StepCost, load: OfferedLoad) -> float:
+    return cost.per_decode_row_s + cost.per_context_token_s * (load.prompt + load.output / 2)
+
+
+def _utilisation(service_s: float, ttft_s: float, residual_s: float | None = None) -> float:
+    """The utilisation whose queue wait, at its tail, stays within what the TTFT target leaves after a prompt's
+    own prefill: a queue's mean wait is ``rho / (1 - rho) * residual`` (Pollaczek-Khinchine; ``residual`` =
+    E[S^2] / 2 E[S], the work left of the prompt in service), its tail QUEUE_TAIL times that."""
+    wait = max(ttft_s - service_s, MIN_WAIT_SHARE * ttft_s)
+    residual = service_s if residual_s is None else residual_s
+    if residual <= 0:
+        return MAX_UTILISATION
+    return min(MAX_UTILISATION, wait / (wait + QUEUE_TAIL * residual))
+
+
+def prefill_work_s(spec: FleetSpec, load: OfferedLoad) -> float:
+    """A prefill worker's seconds per request of the load, on average (the module docstring)."""
+    cost, u = spec.cost, load.uncached
+    steps = u / spec.chunk_tokens + 1 if spec.chunk_tokens > 0 else 1
+    return (
+        steps * cost.overhead_s(0, 0) + cost.per_prefill_token_s * u + cost.per_attention_pair_s * load.uncached_sq / 2
+    )
+
+
+def prefill_workers(spec: FleetSpec, load: OfferedLoad) -> float:
+    """Prefill workers (fractional) for the load's uncached prompt tokens within the TTFT target."""
+    if not spec.cost.known or load.rate <= 0:
+        return 0.0
+    service = prompt_steps_s(spec.cost, int(load.uncached), spec.chunk_tokens)
+    if spec.transfer_tokens_per_s > 0:
+        service += load.prompt / spec.transfer_tokens_per_s
+    work = prefill_work_s(spec, load)
+    # E[S^2] of the linear part of a prompt's work (its tokens and steps): heavy-tailed prompts wait longer
+    per_token = spec.cost.per_prefill_token_s + (
+        spec.cost.overhead_s(0, 0) / spec.chunk_tokens if spec.chunk_tokens > 0 else 0.0
+    )
+    residual = per_token * per_token * load.uncached_sq / (2 * work) if work > 0 else 0.0
+    return load.rate * work / _utilisation(service, spec.ttft_s, residual)
+
+
+def _kv_and_slot_cap(spec: FleetSpec, load: OfferedLoad, step_s: float) -> float:
+    """Requests/s one decode worker can hold by batch slots and KV pool (rows = rate * output * step)."""
+    per_request = max(load.prompt + load.output, 1.0)
+    rows = min(spec.max_running, spec.kv_tokens / per_request)
+    return rows / max(load.output * step_s, 1e-9)
+
+
+def decode_rate(spec: FleetSpec, load: OfferedLoad) -> float:
+    """Requests/s one decode worker serves within the ITL target (0: unknown coefficients)."""
+    target = spec.itl_s * ITL_HEADROOM
+    cost = spec.cost
+    if not cost.known or load.output <= 0 or target <= cost.base_s:
+        return 0.0
+    x = (1 - cost.base_s / target) / (load.output * _row_cost(cost, load))
+    return min(x, _kv_and_slot_cap(spec, load, target))
+
+
+def mixed_rate(spec: FleetSpec, load: OfferedLoad) -> float:
+    """Requests/s one mixed worker serves within the ITL target, its prompts beside its decode batch."""
+    target = spec.itl_s * ITL_HEADROOM
+    cost = spec.cost
+    if not cost.known or target <= cost.base_s:
+        return 0.0
+    own = load.uncached
+    per_request = (
+        load.output * _row_cost(cost, load)
+        + own * cost.per_prefill_token_s
+        + cost.per_attention_pair_s * load.uncached_sq / 2
+    )
+    x = (1 - cost.base_s / target) / max(per_request, 1e-12)
+    # Its prompts run at the rate the ITL budget leaves beside the batch: the TTFT bound as for a prefill worker.
+    rows = x * load.output * target
+    chunk = cost.largest_chunk(target, int(rows), int(rows * (load.prompt + load.output / 2)), 0, 1 << 20, 16)
+    if chunk > 0:
+        service = prompt_steps_s(cost, int(own), chunk, int(rows), int(rows * (load.prompt + load.output / 2)))
+        x *= _utilisation(service, spec.ttft_s) / MAX_UTILISATION
+    return min(x, _kv_and_slot_cap(spec, load, target))
+
+
+def _clamp(n: float, lo: int, hi: int) -> int:
+    return min(max(math.ceil(n - 1e-9), lo), hi)
+
+
+def size_fleet(spec: FleetSpec, load: OfferedLoad) -> Counts:
+    """The replica counts of the roles `spec` deploys that serve `load` within the SLOs at the least GPU cost:
+    prefill + decode, or mixed, whichever takes fewer workers when both are deployed."""
+    lo, hi = spec.min_workers, spec.max_workers
+    options: list[Counts] = []
+    if "prefill" in spec.roles and "decode" in spec.roles:
+        d = decode_rate(spec, load)
+        n_d = load.rate / (d * MAX_UTILISATION) if d > 0 else 0.0
+        options.append(
+            Counts(
+                _clamp(prefill_workers(spec, load), lo.prefill, hi.prefill),
+                _clamp(n_d, lo.decode, hi.decode),
+                lo.mixed if "mixed" in spec.roles else 0,
+            )
+        )
+    if "mixed" in spec.roles:
+        m = mixed_rate(spec, load)
+        n_m = load.rate / (m * MAX_UTILISATION) if m > 0 else 0.0
+        options.append(
+            Counts(
+                lo.prefill if "prefill" in spec.roles else 0,
+                lo.decode if "decode" in spec.roles else 0,
+                _clamp(n_m, lo.mixed, hi.mixed),
+            )
+        )
+    if not options:
+        raise ValueError(f"no role set to size: {spec.roles} (prefill+decode, mixed, or all three)")
+    return min(options, key=lambda c: c.gpus(spec))

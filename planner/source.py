@@ -1,0 +1,138 @@
+"""What the planner reads from the routers over HTTP: each router's ``GET /metrics`` (Prometheus text: requests,
+prompt and output tokens, cached prompt tokens, sheds) and ``GET /router/workers`` (each worker's role, whether
+it is routable, its queued prompt tokens, prefill rate and step-time coefficients).
+
+Several router replicas each count their own requests: the planner sums every router's counters (with
+``--routers`` naming a headless Service, every address its name resolves to). The workers' view is the same in
+every router (each polls every worker), so the first router that answers gives it.
+"""
+
+from __future__ import annotations
+
+import socket
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from common.capacity import StepCost
+from planner.observe import Totals, queue_wait_s
+from planner.sizing import Counts
+
+__all__ = ["FleetView", "expand_urls", "parse_totals", "parse_workers", "read"]
+
+PREFILL_SIDE = ("prefill",)  # where a prefill pod exists, the queue that matters is its; else decode/mixed
+
+
+@dataclass(frozen=True)
+class FleetView:
+    totals: Totals
+    queue_wait_s: float
+    ready: Counts
+    cost: StepCost | None  # the median of the workers' fitted coefficients (None: none has fitted yet)
+
+
+def expand_urls(urls: Iterable[str]) -> list[str]:
+    """Each URL, or for a host that resolves to several addresses (a headless Service), one URL per address."""
+    out: list[str] = []
+    for url in urls:
+        parts = urlsplit(url)
+        host, port = parts.hostname or "", parts.port
+        try:
+            addrs = sorted({info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)})
+        except OSError:
+            addrs = [host]
+        for addr in addrs if len(addrs) > 1 else [host]:
+            netloc = f"[{addr}]" if ":" in addr else addr
+            out.append(urlunsplit(parts._replace(netloc=f"{netloc}:{port}" if port else netloc)))
+    return out
+
+
+def parse_totals(text: str, t: float) -> Totals:
+    """One router's counters from its Prometheus text."""
+    sums: dict[str, float] = {}
+    shed = 0.0
+    buckets: list[tuple[float, float]] = []  # the prompt-length histogram's (upper edge, cumulative count)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name
+            if name == "kvferry_router_prompt_tokens_bucket":
+                buckets.append((float(sample.labels.get("le", "inf")), sample.value))
+            if name == "kvferry_router_routing_decisions_total" and sample.labels.get("decision", "").startswith(
+                "rejected-"
+            ):
+                shed += sample.value
+            elif name in (
+                "kvferry_router_requests_total",
+                "kvferry_router_prompt_tokens_sum",
+                "kvferry_router_prompt_tokens_count",
+                "kvferry_router_output_tokens_sum",
+                "kvferry_router_prompt_cached_tokens_total",
+            ):
+                sums[name] = sums.get(name, 0.0) + sample.value
+    return Totals(
+        t=t,
+        requests=sums.get("kvferry_router_requests_total", 0.0),
+        served=sums.get("kvferry_router_prompt_tokens_count", 0.0),
+        prompt_tokens=sums.get("kvferry_router_prompt_tokens_sum", 0.0),
+        prompt_sq_tokens=_sum_of_squares(buckets),
+        output_tokens=sums.get("kvferry_router_output_tokens_sum", 0.0),
+        cached_tokens=sums.get("kvferry_router_prompt_cached_tokens_total", 0.0),
+        shed=shed,
+    )
+
+
+def _sum_of_squares(buckets: list[tuple[float, float]]) -> float:
+    """The prompt lengths' sum of squares, from the histogram: each bucket's count at its middle (the open-ended
+    one at twice the last edge)."""
+    total, below, last = 0.0, 0.0, 0.0
+    for edge, cumulative in sorted(buckets):
+        at = (last + edge) / 2 if edge != float("inf") else 2 * last
+        total += (cumulative - below) * at * at
+        below, last = cumulative, (edge if edge != float("inf") else last)
+    return total
+
+
+def parse_workers(view: dict) -> tuple[float, Counts, StepCost | None]:
+    """(queue wait, routable replicas per role, median step cost) from one router's /router/workers."""
+    workers = view.get("placement", {}).get("workers", {})
+    up = [w for w in workers.values() if w.get("up")]
+    ready = {role: sum(1 for w in up if w.get("role") == role) for role in ("prefill", "decode", "mixed")}
+    side = PREFILL_SIDE if ready["prefill"] else ("decode", "mixed")
+    wait = queue_wait_s(
+        (float(w.get("queued_prefill_tokens", 0)), float(w.get("prefill_tokens_per_s", 0.0)))
+        for w in up
+        if w.get("role") in side
+    )
+    costs = [StepCost.from_map(w["step_coefficients"]) for w in up if w.get("step_coefficients")]
+    costs = [c for c in costs if c.known]
+    cost = None
+    if costs:
+        cost = StepCost(**{k: statistics.median(getattr(c, k) for c in costs) for k in StepCost.__dataclass_fields__})
+    return wait, Counts(**ready), cost
+
+
+def read(client: httpx.Client, routers: list[str], t: float, headers: dict[str, str] | None = None) -> FleetView:
+    """Sums every router's counters and takes the workers' view from the first that answers; raises when no
+    router answers."""
+    totals: list[Totals] = []
+    workers = None
+    for url in expand_urls(routers):
+        try:
+            m = client.get(f"{url}/metrics", headers=headers)
+            m.raise_for_status()
+            totals.append(parse_totals(m.text, t))
+            if workers is None:
+                w = client.get(f"{url}/router/workers", headers=headers)
+                w.raise_for_status()
+                workers = w.json()
+        except (httpx.HTTPError, ValueError):
+            continue
+    if not totals or workers is None:
+        raise ConnectionError(f"no router answered: {', '.join(routers)}")
+    wait, ready, cost = parse_workers(workers)
+    total = Totals(t, **{k: sum(getattr(x, k) for x in totals) for k in Totals.__dataclass_fields__ if k != "t"})
+    return FleetView(total, wait, ready, cost)

@@ -1,0 +1,70 @@
+"""The fleet simulator (bench/fleet_sim/) on cases small enough to work out by hand: its step times are the
+capacity model's, its first tokens come with a prompt's last chunk (after the KV transfer, disaggregated), its
+router is the real one (admission refuses what no worker serves in time), and the planner's decisions reach the
+fleet after the pods' start-up time."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.fleet_sim.fleet import Fleet, FleetConfig
+from bench.fleet_sim.worker import WorkerSpec
+from bench.fleet_sim.workload import SimRequest, poisson, scale_rate
+from common.capacity import StepCost
+from common.slo import parse_slo_classes
+from planner.sizing import Counts
+
+COST = StepCost(base_s=0.01, per_prefill_token_s=1e-4)
+SLO = parse_slo_classes("interactive:ttft=1s,itl=50ms,p=99")
+
+
+def fleet(counts: Counts, **kw) -> Fleet:  # type: ignore[no-untyped-def]
+    spec = WorkerSpec(cost=COST, itl_target_s=0.05, transfer_tokens_per_s=200_000.0)
+    return Fleet(FleetConfig(worker=spec, slo=SLO, net_s=0.0, startup_s=kw.pop("startup_s", 0.0), **kw), counts)
+
+
+def test_one_request_on_one_worker_by_hand() -> None:
+    # prompt 1,000 in one step: 0.01 + 1000 x 1e-4 = 0.11 s -> first token; 4 more decode steps of 0.01 s each
+    res = fleet(Counts(decode=1)).run([SimRequest(0.0, 1000, 5)])
+    assert res.ttft_p50_s == pytest.approx(0.11)
+    assert res.itl_p50_s == pytest.approx(0.01, rel=0.02)  # the histogram's bin
+    assert res.span_s == pytest.approx(0.15)
+    assert (res.served, res.shed, res.good) == (1, 0, 1)
+
+
+def test_a_long_prompt_is_chunked_and_the_second_waits() -> None:
+    # 3,000 tokens at 2,048 a step: 0.01 + 0.2048 s; the second step takes the first prompt's last 952 tokens and,
+    # in the budget left (1,096 >= 500), the whole second prompt: 0.01 + 0.1452 s -> both first tokens at 0.37 s
+    res = fleet(Counts(decode=1)).run([SimRequest(0.0, 3000, 1), SimRequest(0.0, 500, 1)])
+    assert res.ttft_p50_s == pytest.approx(0.37) and res.ttft_p99_s == pytest.approx(0.37)
+
+
+def test_disaggregated_first_token_waits_for_the_transfer() -> None:
+    # prefill 0.11 s on the prefill worker, then 1,000 tokens / 200k tokens/s = 5 ms of KV transfer
+    res = fleet(Counts(prefill=1, decode=1)).run([SimRequest(0.0, 1000, 3)])
+    assert res.ttft_p50_s == pytest.approx(0.115)
+
+
+def test_the_real_admission_refuses_what_cannot_be_served_in_time() -> None:
+    # 40 prompts of 2,000 tokens at once: each takes ~0.2 s of the one worker, so past the fifth or so the
+    # predicted TTFT passes 1 s and the router answers 429 instead of queueing them
+    reqs = [SimRequest(0.0, 2000, 1) for _ in range(40)]
+    res = fleet(Counts(decode=1)).run(reqs)
+    assert res.shed > 20 and res.served + res.shed == 40
+    assert res.ttft_p99_s < 1.5  # those admitted are served about in time
+
+
+def test_a_scaled_trace_keeps_its_shape() -> None:
+    reqs = [SimRequest(0.0, 10, 1), SimRequest(10.0, 20, 2)]
+    fast = scale_rate(reqs, 10.0, span_s=3.0)
+    assert [(r.t, r.prompt) for r in fast] == [(0.0, 10), (1.0, 20), (1.0, 10), (2.0, 20), (2.0, 10)]
+
+
+def test_pods_asked_for_become_ready_after_the_start_up_time() -> None:
+    f = fleet(Counts(decode=1), startup_s=30.0)
+    f.scale_to(Counts(decode=3))
+    assert f.counts(include_starting=False) == Counts(decode=1) and f.counts() == Counts(decode=3)
+    res = f.run(poisson(2.0, 60.0, (100, 200), (5, 10), seed=1), until=60.0)
+    assert f.counts(include_starting=False) == Counts(decode=3)
+    # GPU-hours count every pod from the moment it is asked for: 1 x 60 s + 2 x 60 s
+    assert res.gpu_hours == pytest.approx(3 * res.span_s / 3600, rel=1e-6)

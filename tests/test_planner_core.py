@@ -1,0 +1,124 @@
+"""The planner's decisions on synthetic load steps (planner/core.py, planner/sizing.py): up on a step and on a
+growing queue, down only after the load stayed low, no flapping, cooldowns."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from common.capacity import StepCost
+from planner.core import Observation, Planner, PlannerConfig
+from planner.sizing import Counts, FleetSpec, OfferedLoad, decode_rate, mixed_rate, prefill_workers, size_fleet
+
+COST = StepCost(base_s=0.004, per_prefill_token_s=25e-6, per_decode_row_s=20e-6, per_context_token_s=5e-8)
+SPEC = FleetSpec(cost=COST, ttft_s=1.0, itl_s=0.05, chunk_tokens=2048)
+LOAD = OfferedLoad(rate=10.0, prompt=2000, output=300)
+
+
+def obs(t: float, rate: float, ready: Counts, wait: float = 0.0, shed: float = 0.0) -> Observation:
+    return Observation(t, replace(LOAD, rate=rate), wait, shed, ready)
+
+
+def test_sizing_by_hand() -> None:
+    # prefill: a 2000-token prompt takes (2000 / 2048 + 1) steps x 0.004 + 2000 x 25e-6 = 0.0579 s of a worker;
+    # alone 0.054 s + 0.01 s transfer leaves rho = min(0.9, 0.936 / 1.0) = 0.9 -> 10 x 0.0579 / 0.9 = 0.643 workers
+    assert prefill_workers(SPEC, LOAD) == pytest.approx(0.6434, rel=1e-3)
+    # decode: T = 0.04; row cost 20e-6 + 5e-8 * 2150 = 1.275e-4; x = (1 - 0.1) / (300 * 1.275e-4) = 23.53 req/s,
+    # but 256 batch slots hold 256 / (300 * 0.04) = 21.33 req/s
+    assert decode_rate(SPEC, LOAD) == pytest.approx(21.33, rel=1e-3)
+    assert decode_rate(replace(SPEC, max_running=1024), LOAD) == pytest.approx(23.53, rel=1e-3)
+    assert size_fleet(SPEC, LOAD) == Counts(prefill=1, decode=1, mixed=0)
+    assert size_fleet(SPEC, replace(LOAD, rate=100.0)) == Counts(prefill=7, decode=6, mixed=0)
+
+
+def test_prefix_hits_need_fewer_prefill_workers() -> None:
+    load = replace(LOAD, rate=100.0)
+    full, half = prefill_workers(SPEC, load), prefill_workers(SPEC, replace(load, prefix_hit=0.5))
+    assert 0.5 * full < half < 0.55 * full  # half the tokens; each prompt still takes its one short last step
+
+
+def test_long_prompts_cost_their_attention() -> None:
+    cost = replace(COST, per_attention_pair_s=1e-9)
+    spec = replace(SPEC, cost=cost, ttft_s=10.0)  # a loose target: the utilisation bound is MAX_UTILISATION
+    even = OfferedLoad(rate=10.0, prompt=10_000, output=300)
+    skewed = replace(even, prompt_sq=4 * 10_000**2)  # the same mean, a heavy tail
+    extra = 10 * 1e-9 * (4 - 1) * 10_000**2 / 2 / 0.9  # the attention the tail adds, in workers
+    assert prefill_workers(spec, skewed) - prefill_workers(spec, even) == pytest.approx(extra, rel=1e-6)
+
+
+def test_mixed_or_split_whichever_costs_fewer_gpus() -> None:
+    spec = replace(SPEC, roles=("prefill", "decode", "mixed"), min_workers=Counts(0, 0, 0))
+    load = replace(LOAD, rate=100.0)
+    got = size_fleet(spec, load)
+    split = size_fleet(replace(spec, roles=("prefill", "decode")), load)
+    alone = size_fleet(replace(spec, roles=("mixed",)), load)
+    assert got.total() == min(split.total(), alone.total())
+    assert 0 < mixed_rate(spec, load) < decode_rate(spec, load)  # its steps carry prompts too
+
+
+def test_scale_up_on_a_load_step_at_once() -> None:
+    p = Planner(SPEC)
+    ready = Counts(1, 1, 0)
+    assert p.decide(obs(0, 10, ready)).targets == Counts(1, 1, 0)
+    d = p.decide(obs(5, 100, ready))
+    assert d.targets.prefill >= 6 and d.targets.decode >= 5
+    assert d.reasons["prefill"].startswith("up")
+
+
+def test_scale_up_on_queue_growth_before_the_rate_shows_it() -> None:
+    p = Planner(SPEC)
+    ready = Counts(4, 4, 0)
+    p.targets = ready
+    assert not p.decide(obs(0, 10, ready)).changed  # plenty: 4 > 1 needed, but not long enough low to go down
+    d = p.decide(obs(5, 10, ready, wait=1.5))  # past the 0.5 s alarm: 4 x 1.5 / 30 = 0.2 more, at least one
+    assert d.targets.prefill == 5 and d.reasons["prefill"] == "up 4->5"
+    assert d.targets.decode == 4
+    p2 = Planner(SPEC)
+    p2.targets = ready
+    d = p2.decide(obs(0, 10, ready, wait=15.0))  # a 15 s backlog drained in 30 s: 4 x 15 / 30 = 2 more
+    assert d.targets.prefill == 6
+    d = Planner(SPEC).decide(obs(0, 10, ready, wait=300.0))  # never more than 2x the ready ones at once
+    assert d.targets.prefill == 8
+
+
+def test_shedding_raises_the_plan() -> None:
+    p = Planner(SPEC)
+    ready = Counts(2, 2, 0)
+    p.targets = ready
+    d = p.decide(obs(0, 10, ready, shed=5))
+    assert d.targets.prefill == 3  # 1 + 5/10 of the ready two, rounded up
+
+
+def test_scale_down_waits_for_a_stable_low_and_steps() -> None:
+    cfg = PlannerConfig(down_stable_s=60, down_cooldown_s=60, down_step=0.25)
+    p = Planner(SPEC, cfg)
+    ready = Counts(8, 8, 0)
+    p.targets = ready
+    for t in range(0, 60, 5):
+        assert p.decide(obs(t, 10, ready)).targets == ready
+    d = p.decide(obs(60, 10, ready))
+    assert d.targets == Counts(6, 6, 0) and d.reasons["decode"] == "down 8->6"
+    # the next step down waits out the cooldown and a fresh stable window
+    assert p.decide(obs(65, 10, d.targets)).targets == Counts(6, 6, 0)
+
+
+def test_flapping_load_does_not_flap_the_fleet() -> None:
+    p = Planner(SPEC)
+    ready = Counts(1, 1, 0)
+    changes = 0
+    for i in range(120):  # 10 minutes of load alternating every 5 s between 100 and 60 req/s
+        d = p.decide(obs(i * 5, 100 if i % 2 == 0 else 60, ready))
+        changes += d.changed
+        ready = d.targets
+    assert changes <= 2  # up once (maybe twice as the forecast settles), never down and up again
+
+
+def test_up_cooldown_holds_a_second_raise() -> None:
+    p = Planner(SPEC, PlannerConfig(up_cooldown_s=10))
+    ready = Counts(1, 1, 0)
+    p.targets = ready
+    first = p.decide(obs(0, 50, ready)).targets
+    assert first.prefill > 1
+    assert p.decide(obs(5, 200, ready)).targets == first  # within the cooldown
+    assert p.decide(obs(10, 200, ready)).targets.prefill > first.prefill
