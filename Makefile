@@ -20,10 +20,14 @@ HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 timed = @sh -c 't0=$$(date +%s); printf "==> %s\n" "$$0"; "$$@"; rc=$$?; \
 	printf "    %s: %ss%s\n" "$$0" $$(( $$(date +%s) - t0 )) "$$( [ $$rc -eq 0 ] || echo ", FAILED ($$rc)")"; exit $$rc'
 
-.PHONY: setup torch redis up test lint lock bench-cpu
+.PHONY: setup torch redis test-tools up test lint lock bench-cpu
 
 redis:
 	@command -v redis-server >/dev/null || { apt-get install -y -q redis-server || (apt-get update -q && apt-get install -y -q redis-server); } >/dev/null
+
+# `ss` (iproute2): a test reads a stopped engine's queued pipe bytes from it.
+test-tools:
+	@command -v ss >/dev/null || { apt-get install -y -q iproute2 || (apt-get update -q && apt-get install -y -q iproute2); } >/dev/null
 
 torch:
 ifeq ($(HAS_GPU),1)
@@ -49,6 +53,7 @@ up: setup
 	$(PYTHON) -m common.cli up $(ARGS)
 
 test: setup
+	$(timed) "test tools (ss; apt-get if missing)" $(MAKE) --no-print-directory -s test-tools
 	$(timed) "the test suite (pytest)" $(PYTHON) -m pytest -q $(ARGS)
 
 lint:
