@@ -66,6 +66,7 @@ SAMPLES: list[m.Wire] = [
     m.KVIntegrity(2),
     m.Reserved("r1", [4, 5]),
     m.KVForcedRelease(1),
+    m.Stopping("a tensor-parallel rank of this worker exited"),
     m.Tokens(
         "r",
         TokenLine(

@@ -44,6 +44,7 @@ from common.serving.messages import (
     Reply,
     Steps,
     Stop,
+    Stopping,
     Tokens,
     Wire,
 )
@@ -294,6 +295,7 @@ class EngineHost:
                     # This worker cannot compute any more: fail what is in flight, then exit, so /health turns
                     # 503 and the pod is restarted (a live process answering only errors would keep traffic).
                     log.exception("a tensor-parallel rank is gone; the engine stops")
+                    send(self.conn, Stopping("a tensor-parallel rank of this worker exited"))
                     self.fail_all("a tensor-parallel rank of this worker exited")
                     self.flush()
                     raise

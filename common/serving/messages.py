@@ -204,6 +204,13 @@ class KVForcedRelease(Event):
     requests: int  # given-up requests whose pages were freed at the safety deadline, unconfirmed
 
 
+class Stopping(Event):
+    """The engine cannot compute any more and is exiting (a tensor-parallel rank is gone): sent before it fails
+    its requests, so the worker is not ready from then on, not only once the process is gone."""
+
+    reason: str
+
+
 class Tokens(StreamEvent):
     """A generate stream's next line: ``line`` is what the decode worker streams to the router as it is."""
 
@@ -245,7 +252,19 @@ AnyCommand = (
     Stop | Abort | Generate | PrefillFailed | PrefillSettled | AddPeer | Prefill | Cancel | Unanswered | TransferStats
 )
 AnyResult = PeerAdded | TransferCounts
-AnyEvent = Reply | Ready | Load | Steps | KVIntegrity | KVForcedRelease | Tokens | Reserved | PrefillDone | PrefillError
+AnyEvent = (
+    Reply
+    | Ready
+    | Load
+    | Steps
+    | KVIntegrity
+    | KVForcedRelease
+    | Stopping
+    | Tokens
+    | Reserved
+    | PrefillDone
+    | PrefillError
+)
 Message = AnyCommand | Call | Batch | AnyEvent  # what one send on the pipe carries
 
 # JSON, not msgpack: an int past 64 bits (a stop token id a caller made up) must cross as the engine refuses it.

@@ -18,7 +18,7 @@ from typing import Any
 from common.config import WorkerConfig
 from common.protocol import LoadSnapshot, replace
 from common.serving.channel import EngineClient
-from common.serving.messages import AgentInfo, Event, KVIntegrity, Load, Ready, Steps, Stop
+from common.serving.messages import AgentInfo, Event, KVIntegrity, Load, Ready, Steps, Stop, Stopping
 from common.serving.worker_metrics import WorkerMetrics
 
 log = logging.getLogger("kvferry.control")
@@ -76,6 +76,7 @@ class WorkerState:
             Load: self._on_load,
             Steps: lambda ev: self.metrics.engine.observe_steps(ev.decode),
             KVIntegrity: lambda ev: self.metrics.kv_integrity_violations.inc(ev.violations),
+            Stopping: self._on_stopping,
         }
         # Called when the engine died and before its successor starts (routes drop what they knew of it).
         self.on_engine_lost: list[Callable[[], None]] = []
@@ -140,6 +141,10 @@ class WorkerState:
         self.load = ev.snapshot
         self.accepted.requests.clear()  # taken after the engine handled them: it counts them itself
         self.metrics.observe_load(self.load)
+
+    def _on_stopping(self, ev: Stopping) -> None:
+        log.warning("engine stopping", extra={"role": self.cfg.role, "pod": self.cfg.pod_name, "reason": ev.reason})
+        self.engine_ready.clear()  # not ready until its successor says Ready
 
     def _on_ready(self, ev: Ready) -> None:
         self.agent = ev.agent
