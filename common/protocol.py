@@ -2,7 +2,7 @@
 
 One schema system for every boundary: a message is decoded (and so validated: types, ranges, the checks in
 ``__post_init__``) once where it enters a process (``decode``), and travels typed from there, the engine pipe
-included (common/serving/messages.py). Every top-level HTTP message carries ``protocol_version``; a receiver
+included (common/worker/messages.py). Every top-level HTTP message carries ``protocol_version``; a receiver
 refuses versions it does not speak. docs/architecture.md ("The wire") says why msgspec.
 """
 

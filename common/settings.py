@@ -58,7 +58,7 @@ class RunnerConfig:
     tp_transfer: str = reg.TP_TRANSFER.field()
     tp_agent_name: str = ""  # per-rank: rank 0's NIXL agent name; follower r's agent is "<name>-r<r>"
     # The module rank 0 runs as each follower process (`python -m <module> <config JSON>`): the engine's own
-    # replays steps; a serving layer that gives each rank a NIXL agent names its own (common/serving/tp_follower.py).
+    # replays steps; a serving layer that gives each rank a NIXL agent names its own (common/worker/tp_follower.py).
     tp_follower_main: str = "common.engine.tp_follower"
 
 

@@ -383,7 +383,7 @@ TORCH_THREADS = declare(
     0,
     "engine process CPU threads (`common/engine/threads.py`)",
     "workers",
-    "common/serving/engine_host.py, common/engine/tp_follower.py",
+    "common/worker/engine_host.py, common/engine/tp_follower.py",
     shown_default="0 = chosen by the engine: 4 for a GPU engine, every usable core (affinity, cgroup CPU quota) "
     "for a CPU engine",
 )
@@ -905,7 +905,7 @@ DEBUG_CHECKSUMS = declare(
     False,
     "`1` = checksum KV pages on both ends of each transfer",
     "workers",
-    "common/serving/engine_host.py",
+    "common/worker/engine_host.py",
     shown_default="unset",
     kind="debug",
 )
@@ -961,7 +961,7 @@ FAULT_ENGINE_CALL_TIMEOUT_S = declare(
     "N = a worker's control plane waits only N s (instead of 30) for its engine's answer to a call, so a busy "
     "engine answers too late (504 `engine_timeout`: the overload tests)",
     "workers",
-    "common/serving/channel.py",
+    "common/worker/channel.py",
     shown_default="unset",
     kind="test",
 )

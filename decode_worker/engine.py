@@ -23,8 +23,9 @@ from common.kv.pool import checksums_match
 from common.protocol import TokenLine
 from common.sched.kv_connector import FinishedTransfers, KVArrival, KVConnector
 from common.sched.request import Req
-from common.serving.engine_host import EngineHost, Handlers, Refused
-from common.serving.messages import (
+from common.transfer.receiver import Arrival, KVReceiver
+from common.worker.engine_host import EngineHost, Handlers, Refused
+from common.worker.messages import (
     Generate,
     KVForcedRelease,
     PrefillFailed,
@@ -32,7 +33,6 @@ from common.serving.messages import (
     Reserved,
     Tokens,
 )
-from common.transfer.receiver import Arrival, KVReceiver
 
 log = logging.getLogger("kvferry.decode")
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from common.config import WorkerConfig, worker_arg_parser
-from common.serving.control import serve_worker
+from common.worker.control import serve_worker
 from decode_worker.app import create_app
 
 

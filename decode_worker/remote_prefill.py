@@ -42,9 +42,9 @@ from common.protocol import (
     decode,
     encode,
 )
-from common.serving.messages import AgentInfo, PrefillFailed, PrefillSettled
-from common.serving.request_trace import WorkerTrace
-from common.serving.worker_state import WorkerState
+from common.worker.messages import AgentInfo, PrefillFailed, PrefillSettled
+from common.worker.request_trace import WorkerTrace
+from common.worker.worker_state import WorkerState
 
 log = logging.getLogger("kvferry.decode")
 

@@ -14,11 +14,11 @@ from fastapi.responses import Response
 
 from common.managed_stream import ManagedStream
 from common.protocol import AbortRequest, GenerateRequest, HandshakeResponse, TokenLine, encode, replace
-from common.serving.channel import ENGINE_TIMEOUT, EngineClient, EngineError
-from common.serving.http_errors import error_response, read_message
-from common.serving.messages import Abort, Generate, KVForcedRelease, PrefillSettled, Reserved, StreamEvent, Tokens
-from common.serving.request_trace import DECODE_SPANS, WorkerTrace
-from common.serving.worker_state import WorkerState
+from common.worker.channel import ENGINE_TIMEOUT, EngineClient, EngineError
+from common.worker.http_errors import error_response, read_message
+from common.worker.messages import Abort, Generate, KVForcedRelease, PrefillSettled, Reserved, StreamEvent, Tokens
+from common.worker.request_trace import DECODE_SPANS, WorkerTrace
+from common.worker.worker_state import WorkerState
 from decode_worker.peer_directory import PeerDirectory
 from decode_worker.remote_prefill import PREFILL_DEADLINE_S, PeerFailure, RemotePrefill
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from common.config import WorkerConfig
-from common.serving.control import create_worker_app
-from common.serving.engine_host import engine_main
-from common.serving.worker_state import WorkerState
+from common.worker.control import create_worker_app
+from common.worker.engine_host import engine_main
+from common.worker.worker_state import WorkerState
 from decode_worker.engine import DecodeRole
 from decode_worker.routes import add_decode_routes
 from prefill_worker.engine import PrefillRole

@@ -6,10 +6,10 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from common.config import WorkerConfig
-from common.serving.control import create_worker_app
-from common.serving.engine_host import engine_main
-from common.serving.worker_state import WorkerState
 from common.settings import HttpLimits
+from common.worker.control import create_worker_app
+from common.worker.engine_host import engine_main
+from common.worker.worker_state import WorkerState
 from prefill_worker.engine import PrefillRole
 from prefill_worker.routes import add_prefill_routes
 

@@ -21,9 +21,16 @@ from common.protocol import KVNotice, PrefillRequest, encode, replace
 from common.sched.kv_connector import FinishedTransfers, KVConnector
 from common.sched.request import Req
 from common.sched.scheduler import RequestRejected
-from common.serving.channel import CALL_TIMEOUT_S
-from common.serving.engine_host import EngineHost, Handlers, Refused
-from common.serving.messages import (
+from common.settings_registry import FAULT_WRITE_DELAY_S
+from common.transfer.agent import PeerError
+from common.transfer.delayed_sender import make_sender
+from common.transfer.layout import LayoutMismatch
+from common.transfer.request_transfer import RequestTransfer, open_request
+from common.transfer.sender import TransferError
+from common.transfer.session import SAFETY_DEADLINE_S, TERMINAL, S
+from common.worker.channel import CALL_TIMEOUT_S
+from common.worker.engine_host import EngineHost, Handlers, Refused
+from common.worker.messages import (
     AddPeer,
     Cancel,
     PeerAdded,
@@ -35,14 +42,7 @@ from common.serving.messages import (
     TransferStats,
     Unanswered,
 )
-from common.serving.rank_writes import FollowerWrites
-from common.settings_registry import FAULT_WRITE_DELAY_S
-from common.transfer.agent import PeerError
-from common.transfer.delayed_sender import make_sender
-from common.transfer.layout import LayoutMismatch
-from common.transfer.request_transfer import RequestTransfer, open_request
-from common.transfer.sender import TransferError
-from common.transfer.session import SAFETY_DEADLINE_S, TERMINAL, S
+from common.worker.rank_writes import FollowerWrites
 
 log = logging.getLogger("kvferry.prefill")
 
@@ -50,7 +50,7 @@ log = logging.getLogger("kvferry.prefill")
 # could still be waiting on it (its last-resort deadline), so a late arrival can never write into pages freed.
 CANCELLED_KEEP_S = SAFETY_DEADLINE_S
 # How long a refusal is remembered for the control plane's `Unanswered`, which follows its `Prefill` at once when
-# the engine answered too late (common/serving/channel.py: CALL_TIMEOUT_S).
+# the engine answered too late (common/worker/channel.py: CALL_TIMEOUT_S).
 REFUSED_KEEP_S = max(2 * CALL_TIMEOUT_S, 60.0)
 # Refusals after which no "closed" notice may go out: no such peer, or a live registration of the request owns it.
 NO_NOTICE = frozenset({"unknown_peer", "duplicate_request", "request_id_in_use"})
@@ -78,7 +78,7 @@ class PrefillRole(KVConnector):
 
     def __init__(self, host: EngineHost) -> None:
         self.host = host
-        # Ranks with NIXL agents of their own (GPUs) post their own heads' writes (common/serving/rank_writes.py).
+        # Ranks with NIXL agents of their own (GPUs) post their own heads' writes (common/worker/rank_writes.py).
         runner = host.runner
         self.rank_writes = None
         if runner.per_rank_agents:
@@ -304,7 +304,7 @@ class PrefillRole(KVConnector):
 
     @staticmethod
     def _transfer_figures(ob: Outbound) -> TransferFigures:
-        """The landed transfer's figures for the control plane's histograms (common/serving/engine_metrics.py)."""
+        """The landed transfer's figures for the control plane's histograms (common/worker/engine_metrics.py)."""
         t = ob.transfer.timing()
         first, last, landed = t.first_post, t.last_done, t.landed
         span = None

@@ -19,9 +19,9 @@ from common.protocol import (
     PrefillRequest,
     encode,
 )
-from common.serving.channel import ENGINE_TIMEOUT, EngineError
-from common.serving.http_errors import error_response, message_response, read_message
-from common.serving.messages import (
+from common.worker.channel import ENGINE_TIMEOUT, EngineError
+from common.worker.http_errors import error_response, message_response, read_message
+from common.worker.messages import (
     Abort,
     AddPeer,
     Cancel,
@@ -32,8 +32,8 @@ from common.serving.messages import (
     TransferStats,
     Unanswered,
 )
-from common.serving.request_trace import PREFILL_SPANS, WorkerTrace
-from common.serving.worker_state import WorkerState
+from common.worker.request_trace import PREFILL_SPANS, WorkerTrace
+from common.worker.worker_state import WorkerState
 from prefill_worker.liveness import EngineMotion
 
 HEARTBEAT_S = 1.0  # a progress line this often while the engine works on (or ahead of) a request
@@ -132,7 +132,7 @@ def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = Tru
                         trace.extra = [("kv transfer", *ev.transfer.span)]
                     line = PrefillProgress(req_id=pr.req_id, done=True, descs=ev.descs, cached_tokens=ev.cached_tokens)
                 elif isinstance(ev, PrefillError) or (isinstance(ev, Tokens) and ev.line.finish_reason == "error"):
-                    # A Tokens error: the engine exited (``retryable``, common/serving/channel.py) or failed the
+                    # A Tokens error: the engine exited (``retryable``, common/worker/channel.py) or failed the
                     # request. An exited engine writes nothing more and sends no notice: the line says so, and
                     # the decode side frees its pages on it.
                     finished = True

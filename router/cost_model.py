@@ -10,7 +10,7 @@ disaggregated via P
 Predicted time to first token (seconds): the one prediction admission also uses (router/ttft_model.py: the
 pod's step-time model over its queue ahead of this request's class, plus the transfer for P), set on each side
 as ``predicted_ttft_s`` by the dispatcher. A pod that has no step model yet falls back to its own measured
-prefill rate ``rate_x`` (``prefill_tokens_per_s`` in its /load, common/serving/prefill_rate.py):
+prefill rate ``rate_x`` (``prefill_tokens_per_s`` in its /load, common/worker/prefill_rate.py):
 
     ttft_local   = (queued_D + uncached_D) / rate_D
     ttft_disagg  = (queued_P + uncached_P) / rate_P + prompt_len / transfer_tokens_per_s

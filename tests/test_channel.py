@@ -1,4 +1,4 @@
-"""The engine channel's typed messages (common/serving/messages.py) over a real pipe: every message survives
+"""The engine channel's typed messages (common/worker/messages.py) over a real pipe: every message survives
 the wire as itself, a call's reply carries its result or its refusal, a turn's batch reaches the right
 streams and handlers in order."""
 
@@ -20,8 +20,8 @@ from common.protocol import (
     TokenLine,
     TokenLogprob,
 )
-from common.serving import messages as m
-from common.serving.channel import EngineClient, EngineError, recv, send
+from common.worker import messages as m
+from common.worker.channel import EngineClient, EngineError, recv, send
 
 LAYOUT = KVLayoutInfo(
     model_id="m", dtype="float32", page_size=16, num_layers=2, num_kv_heads=1, head_dim=8, layout_version=1

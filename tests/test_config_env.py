@@ -31,7 +31,7 @@ def test_fused_kernels_off_and_gemv_rows(monkeypatch: pytest.MonkeyPatch, value:
 
 def test_warm_up_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVFERRY_WARM_UP", raising=False)
-    assert WorkerConfig.from_env("decode").warm_up == "auto"  # on a GPU only (common/serving/engine_host.py)
+    assert WorkerConfig.from_env("decode").warm_up == "auto"  # on a GPU only (common/worker/engine_host.py)
     monkeypatch.setenv("KVFERRY_WARM_UP", "off")
     assert WorkerConfig.from_env("mixed").warm_up == "off"
     monkeypatch.setenv("KVFERRY_WARM_UP", "sometimes")

@@ -15,8 +15,8 @@ from common.devcluster.process import ManagedProcess, wait_ready
 from common.devcluster.supervisor import Supervisor
 from common.net import free_port
 from common.protocol import SamplingParams
-from common.serving.channel import ENGINE_TIMEOUT, EngineClient, EngineError
-from common.serving.messages import Generate, Stop, Tokens
+from common.worker.channel import ENGINE_TIMEOUT, EngineClient, EngineError
+from common.worker.messages import Generate, Stop, Tokens
 
 
 def test_an_unanswered_engine_call_is_a_retryable_engine_error_not_a_timeout() -> None:

@@ -302,7 +302,7 @@ SCHEDULER_SURFACE = {
 
 
 def test_serving_reads_the_scheduler_only_through_its_surface() -> None:
-    """common/serving and the worker packages use `<host>.scheduler.<name>` for the names above only (no field
+    """common/worker and the worker packages use `<host>.scheduler.<name>` for the names above only (no field
     of the scheduler, no alias that would hide one), and each of those names is a public method of it."""
     import ast
     from pathlib import Path
@@ -310,7 +310,7 @@ def test_serving_reads_the_scheduler_only_through_its_surface() -> None:
     root = Path(__file__).resolve().parent.parent
     files = [
         p
-        for d in ("common/serving", "prefill_worker", "decode_worker", "mixed_worker")
+        for d in ("common/worker", "prefill_worker", "decode_worker", "mixed_worker")
         for p in (root / d).rglob("*.py")
     ]
     assert len(files) > 10

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from common.serving.link_check import GPU_SLOW_GB_S, MIN_BYTES, PeerLinks
+from common.worker.link_check import GPU_SLOW_GB_S, MIN_BYTES, PeerLinks
 
 
 def test_slow_gpu_peer_is_reported_once(caplog) -> None:

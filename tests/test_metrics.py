@@ -288,8 +288,8 @@ if sys.argv[1] == "2":
 def test_transfer_speed_is_never_taken_from_an_untimed_write() -> None:
     from prometheus_client import CollectorRegistry
 
-    from common.serving.engine_metrics import EngineMetrics
-    from common.serving.messages import TransferFigures
+    from common.worker.engine_metrics import EngineMetrics
+    from common.worker.messages import TransferFigures
 
     m = EngineMetrics(CollectorRegistry())
     # 1 GB in 0.5 s (2 GB/s), a write that completed inside its post call (0 s: nothing measured), no bytes.
@@ -302,7 +302,7 @@ def test_transfer_speed_is_never_taken_from_an_untimed_write() -> None:
 
 # ---- the dashboard and the autoscaling rules query only what is exported ----------------------------------
 def exported_sample_names() -> set[str]:
-    from common.serving.worker_metrics import WorkerMetrics
+    from common.worker.worker_metrics import WorkerMetrics
     from router.metrics import RouterMetrics
 
     names = set()
@@ -350,7 +350,7 @@ def test_labelled_counters_start_at_zero() -> None:
     panels show 0 instead of "no data" until the first event."""
     from prometheus_client import generate_latest
 
-    from common.serving.worker_metrics import WorkerMetrics
+    from common.worker.worker_metrics import WorkerMetrics
     from router.metrics import RouterMetrics
 
     router = samples(generate_latest(RouterMetrics().registry).decode())

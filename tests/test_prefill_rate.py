@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from common.serving.prefill_rate import PrefillRate
+from common.worker.prefill_rate import PrefillRate
 from router.admission import AdmissionLimits, prefill_is_full
 from router.pool import Worker, parse_load
 

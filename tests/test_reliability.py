@@ -395,7 +395,7 @@ ENGINE_RESTARTS: dict[str, int] = {}
 
 def test_decode_engine_exit_mid_stream_continues_elsewhere(healthy: LocalCluster) -> None:
     """The decode worker's engine process dies but its control plane lives: the control plane ends the stream
-    with a retryable error (common/serving/channel.py), the router continues it on the other worker, and the
+    with a retryable error (common/worker/channel.py), the router continues it on the other worker, and the
     control plane starts a new engine by itself and serves again within ENGINE_BACK_S."""
     c = healthy
     body = {"model": MODEL, "prompt": "Write a long poem about the sea.", "max_tokens": 80, "temperature": 0}

@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from common.devcluster.cluster import LocalCluster
-from common.serving.engine_host import IDLE_TRIM_S
+from common.worker.engine_host import IDLE_TRIM_S
 from tests.helpers import running_cluster, wait_pages_back
 
 pytestmark = pytest.mark.timeout(600)

@@ -25,7 +25,7 @@ def test_off_without_an_endpoint_loads_nothing_and_sends_no_header() -> None:
         """
 import sys
 from common.observability import tracing
-from common.serving.request_trace import WorkerTrace
+from common.worker.request_trace import WorkerTrace
 assert tracing.init_tracing("kvferry-test") is False
 assert tracing.start_span("x", "00-" + "1" * 32 + "-" + "2" * 16 + "-01") is None
 w = WorkerTrace("decode generate", "r1", "00-" + "1" * 32 + "-" + "2" * 16 + "-01")

@@ -6,7 +6,7 @@ Each follower publishes its agent's pool info (with the agent's metadata) in the
 (a TCPStore); rank 0 collects them and lists them in its handshake next to its own pool
 (`KVTransferAgent(remote_ranks=...)`). Such a worker receives KV (decode) into every rank directly and sends
 it (prefill) from every rank: rank 0 posts its own heads and tells the followers to post theirs
-(common/serving/rank_writes.py). On the CPU the ranks' pools are shared memory that rank 0 registers itself
+(common/worker/rank_writes.py). On the CPU the ranks' pools are shared memory that rank 0 registers itself
 (the default there).
 
 The caller (the serving layer, which owns both the model runner and the transfer) passes in the rank's

@@ -26,12 +26,12 @@ from common.http_guard import RequestLimits
 from common.http_server import server_options
 from common.log import limit_tracebacks
 from common.observability.tracing import init_tracing
-from common.serving.channel import EngineError
-from common.serving.http_errors import ENGINE_ERROR_STATUS, BadMessage, error_response, validation_message
-from common.serving.probes import ProbeFront
-from common.serving.supervision import keep_engine
-from common.serving.worker_state import WorkerState
 from common.settings import HttpLimits
+from common.worker.channel import EngineError
+from common.worker.http_errors import ENGINE_ERROR_STATUS, BadMessage, error_response, validation_message
+from common.worker.probes import ProbeFront
+from common.worker.supervision import keep_engine
+from common.worker.worker_state import WorkerState
 
 log = logging.getLogger("kvferry.control")
 

@@ -1,6 +1,6 @@
 """The engine process of a worker: model, KV pool, scheduler, NIXL agent and prefix publisher in one loop.
 
-The control plane (HTTP) talks to it over a pipe (common/serving/channel.py). Each loop turn drains
+The control plane (HTTP) talks to it over a pipe (common/worker/channel.py). Each loop turn drains
 commands, runs one scheduler step when there is work, advances transfers, and reports events in one
 message per turn. What a worker does with it comes from its roles (``EngineRole``: the decode role in
 decode_worker/engine.py, the prefill role in prefill_worker/engine.py; a mixed worker's engine has both).
@@ -30,9 +30,11 @@ from common.sched.kv_connector import combined
 from common.sched.request import Req, ReqState
 from common.sched.scheduler import DuplicateRequest, RequestRejected, Scheduler, StepEvent
 from common.sched.warm_up import warm_up
-from common.serving import tp_follower
-from common.serving.channel import recv, send
-from common.serving.messages import (
+from common.settings_registry import DEBUG_CHECKSUMS, TORCH_THREADS
+from common.transfer.agent import KVTransferAgent
+from common.worker import tp_follower
+from common.worker.channel import recv, send
+from common.worker.messages import (
     Abort,
     AgentInfo,
     Batch,
@@ -48,9 +50,7 @@ from common.serving.messages import (
     Tokens,
     Wire,
 )
-from common.serving.prefill_rate import PrefillRate
-from common.settings_registry import DEBUG_CHECKSUMS, TORCH_THREADS
-from common.transfer.agent import KVTransferAgent
+from common.worker.prefill_rate import PrefillRate
 
 log = logging.getLogger("kvferry.engine")
 
@@ -177,7 +177,7 @@ class EngineHost:
         self.loop_turns = 0  # loop turns so far (published: an idle engine's stays put)
         self.prefill_rate = PrefillRate()
         self.debug_checksums = DEBUG_CHECKSUMS.read()
-        # Observability (common/serving/engine_metrics.py): per-request stage stamps, sent with the request's
+        # Observability (common/worker/engine_metrics.py): per-request stage stamps, sent with the request's
         # first-token event; requests queued for a prefill batch, whose admission the step loop stamps; and
         # the decode steps' [seconds, batch size] since the last report.
         self.stamps: dict[str, Stamps] = {}

@@ -1,6 +1,6 @@
 """The local channel between a worker's control plane (HTTP) and its engine process (scheduler loop).
 
-Messages are the structs of common/serving/messages.py, as JSON over a multiprocessing pipe (bytes framed
+Messages are the structs of common/worker/messages.py, as JSON over a multiprocessing pipe (bytes framed
 by the pipe; never pickled), so the engine loop never waits on HTTP work and the control plane never waits
 on a model step.
 """
@@ -16,8 +16,8 @@ from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
 from common.protocol import TokenLine
-from common.serving.messages import Batch, Call, Command, Event, Reply, StreamEvent, Tokens, Wire, decode, encode
 from common.settings_registry import FAULT_ENGINE_CALL_TIMEOUT_S
+from common.worker.messages import Batch, Call, Command, Event, Reply, StreamEvent, Tokens, Wire, decode, encode
 
 log = logging.getLogger("kvferry.channel")
 

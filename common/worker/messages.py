@@ -1,7 +1,7 @@
 """The messages between a worker's control plane and its engine process: one frozen, tagged msgspec Struct each.
 
 Commands go to the engine (a ``Call`` wraps one whose reply the caller awaits; a bare one is a cast); events
-come back, every loop turn's in one ``Batch``. On the pipe (common/serving/channel.py) a message is a JSON object
+come back, every loop turn's in one ``Batch``. On the pipe (common/worker/channel.py) a message is a JSON object
 whose ``"_t"`` names its class; ``encode`` and ``decode`` are the only functions that know that. Payloads are the
 typed structs of common/protocol.py, validated once at the pod's edge (its HTTP routes) and passed as they are.
 
@@ -69,7 +69,7 @@ class TransferCounts(Wire):
 
 
 class TransferFigures(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
-    """A landed transfer's figures, for the control plane's histograms (common/serving/engine_metrics.py)."""
+    """A landed transfer's figures, for the control plane's histograms (common/worker/engine_metrics.py)."""
 
     peer: str
     bytes: int

@@ -17,9 +17,9 @@ from typing import Any
 
 from common.config import WorkerConfig
 from common.protocol import LoadSnapshot, replace
-from common.serving.channel import EngineClient
-from common.serving.messages import AgentInfo, Event, KVIntegrity, Load, Ready, Steps, Stop, Stopping
-from common.serving.worker_metrics import WorkerMetrics
+from common.worker.channel import EngineClient
+from common.worker.messages import AgentInfo, Event, KVIntegrity, Load, Ready, Steps, Stop, Stopping
+from common.worker.worker_metrics import WorkerMetrics
 
 log = logging.getLogger("kvferry.control")
 
@@ -58,7 +58,7 @@ class WorkerState:
     def __init__(self, cfg: WorkerConfig, host_target: Callable[..., None], roles: tuple[type, ...]) -> None:
         self.cfg = cfg
         self.host_target = host_target
-        self.roles = roles  # the engine's (common/serving/engine_host.py EngineRole), built in its process
+        self.roles = roles  # the engine's (common/worker/engine_host.py EngineRole), built in its process
         self.metrics = WorkerMetrics(gpu=cfg.runner.device.startswith("cuda"))
         self.engine_ready = asyncio.Event()
         self.agent: AgentInfo | None = None  # the engine's, from its Ready event

@@ -1,9 +1,9 @@
 """A worker's tensor-parallel follower rank: the engine's follower plus, where the ranks' pools are private
 to their processes (GPUs), a NIXL agent over this rank's pool (common/transfer/rank_agents.py), which posts
-this rank's KV writes when rank 0 of a prefill worker asks (common/serving/rank_writes.py).
+this rank's KV writes when rank 0 of a prefill worker asks (common/worker/rank_writes.py).
 
 A worker's engine host names this module as `RunnerConfig.tp_follower_main`, so rank 0 starts its followers
-as `python -m common.serving.tp_follower <config JSON>`.
+as `python -m common.worker.tp_follower <config JSON>`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import sys
 from typing import NoReturn
 
 from common.engine.tp_follower import Follower
-from common.serving.rank_writes import RankSender
 from common.transfer.rank_agents import publish_rank_agent
+from common.worker.rank_writes import RankSender
 
 
 def main(argv: list[str]) -> NoReturn:
@@ -32,7 +32,7 @@ def main(argv: list[str]) -> NoReturn:
         runner.cfg.tp_agent_name,
         runner.model.full_cfg.num_kv_heads,
     )
-    # Rank 0 of a prefill worker has this rank post its own heads' writes (common/serving/rank_writes.py).
+    # Rank 0 of a prefill worker has this rank post its own heads' writes (common/worker/rank_writes.py).
     writes = RankSender(agent, runner.tp.store, shard.rank)  # type: ignore[arg-type]
     follower.serve(on_stop=agent.close, on_side=writes.handle, on_idle=writes.progress)
 

@@ -18,8 +18,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common.internal_auth import INTERNAL_PREFIX
 from common.protocol import to_builtins
-from common.serving.http_errors import error_body
-from common.serving.worker_state import WorkerState
+from common.worker.http_errors import error_body
+from common.worker.worker_state import WorkerState
 
 RETRY_AFTER_S = 1
 

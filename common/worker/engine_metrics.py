@@ -3,7 +3,7 @@
 The engine never touches Prometheus: it stamps a request's stages (common/observability/timeline.py) and
 sends them with the request's first-token event (decode) or its "done" event (prefill), the achieved
 transfer figures with the "done" event, and its decode steps' durations and batch sizes in one "steps"
-event per load interval (common/serving/engine_host.py). The control plane observes them here, once per
+event per load interval (common/worker/engine_host.py). The control plane observes them here, once per
 request or per step, never per token.
 
 What each one measures (both workers expose all of them; those of the other role stay empty):
@@ -36,8 +36,8 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram
 
 from common.observability import buckets
 from common.observability.timeline import Stamps
-from common.serving.link_check import PeerLinks
-from common.serving.messages import TransferFigures
+from common.worker.link_check import PeerLinks
+from common.worker.messages import TransferFigures
 
 __all__ = ["EngineMetrics"]
 

@@ -3,7 +3,7 @@
 An engine process that dies after it was ready (kill -9, the OOM killer, a crash) is seen within 0.1 s (its
 process is gone or its pipe closed) and started again: meanwhile the worker answers ``/ready`` 503 and
 ``/load`` without the dead engine's numbers, its streams end with a retryable error (the router continues
-them elsewhere), and ``/health`` stays 200 so a kubelet leaves the pod alone (common/serving/probes.py). An
+them elsewhere), and ``/health`` stays 200 so a kubelet leaves the pod alone (common/worker/probes.py). An
 engine that cannot be restarted (``KVFERRY_ENGINE_RESTARTS`` failed starts in a row) makes the worker exit
 non-zero, as one that fails its first start does, and the supervisor (kubelet, ``kvferry up``) restarts the
 worker.
@@ -16,7 +16,7 @@ import logging
 import os
 import time
 
-from common.serving.worker_state import WorkerState
+from common.worker.worker_state import WorkerState
 
 log = logging.getLogger("kvferry.control")
 

@@ -1,5 +1,5 @@
 """A worker's Prometheus metrics: the engine's load as gauges, request outcomes and token counts, and the
-engine's latency and transfer histograms (common/serving/engine_metrics.py)."""
+engine's latency and transfer histograms (common/worker/engine_metrics.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import get_args
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from common.protocol import FinishReason, LoadSnapshot
-from common.serving.engine_metrics import EngineMetrics
+from common.worker.engine_metrics import EngineMetrics
 
 
 @dataclass
@@ -77,7 +77,7 @@ class WorkerMetrics:
             "KV pages freed at the safety deadline, unconfirmed by the peer",
             registry=r,
         )
-        # Latency and transfer histograms (common/serving/engine_metrics.py).
+        # Latency and transfer histograms (common/worker/engine_metrics.py).
         self.engine = EngineMetrics(r, gpu=self.gpu)
 
     def forget_engine(self) -> None:
