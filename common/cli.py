@@ -20,15 +20,14 @@ COMMANDS = {
     "convert-default-model": "convert the embedded GGUF model once into the cache (KVFERRY_CACHE_DIR)",
 }
 
-# Roles run in packages that `common` must not import at module level; they are resolved by name.
+# Roles run in packages that `common` must not import at module level; they are resolved by name. The worker
+# roles share one entry point (common/worker/main.py), which takes the role.
 _ROLE_MAINS = {
     "router": "router.main",
-    "prefill": "prefill_worker.main",
-    "decode": "decode_worker.main",
-    "mixed": "mixed_worker.main",
     "planner": "planner.main",
     "up": "common.devcluster.up",
 }
+_WORKER_ROLES = ("prefill", "decode", "mixed")
 
 
 def _generate(argv: list[str]) -> int:
@@ -93,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(rest)
     if cmd == "convert-default-model":
         return _convert(rest)
+    if cmd in _WORKER_ROLES:
+        from common.worker.main import main as worker_main
+
+        return worker_main(cmd, rest)
     return int(importlib.import_module(_ROLE_MAINS[cmd]).main(rest) or 0)
 
 

@@ -1,5 +1,5 @@
-"""The decode role's control plane: `/internal/generate` streams token ids (``DecodeStream``, one per request),
-`/internal/abort` stops a request; a remote prefill is arranged by decode_worker/remote_prefill.py."""
+"""The decode role's control plane: `/internal/generate` streams token ids (``DecodeStream``, one per request); a
+remote prefill is arranged by decode_worker/remote_prefill.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from common.managed_stream import ManagedStream
-from common.protocol import AbortRequest, GenerateRequest, HandshakeResponse, TokenLine, encode, replace
+from common.protocol import GenerateRequest, HandshakeResponse, TokenLine, encode, replace
 from common.worker.channel import ENGINE_TIMEOUT, EngineClient, EngineError
 from common.worker.http_errors import error_response, read_message
 from common.worker.messages import Abort, Generate, KVForcedRelease, PrefillSettled, Reserved, StreamEvent, Tokens
@@ -90,6 +90,7 @@ class DecodeStream:
         rid = self.gen.req_id
         self.remote.overloaded.discard(rid)
         self.state.live.discard(rid)
+        self.state.called_off.discard(rid)
         self.state.accepted.ended(rid)
         self.client.close_stream(rid)
         if not self.landed:
@@ -192,10 +193,3 @@ def add_decode_routes(app: FastAPI, state: WorkerState) -> None:
         stream = DecodeStream(state, client, remote, gen, peer_url, trace)
         await stream.begin()
         return ManagedStream(stream.lines(queue), stream.on_close, "application/x-ndjson")
-
-    @app.post("/internal/abort")
-    async def abort(request: Request) -> Response:
-        ab = await read_message(request, AbortRequest)
-        assert state.client is not None
-        state.client.cast(Abort(ab.req_id))
-        return Response(status_code=204)

@@ -1,5 +1,5 @@
 import sys
 
-from prefill_worker.main import main
+from common.worker.main import main
 
-sys.exit(main())
+sys.exit(main("prefill"))

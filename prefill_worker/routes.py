@@ -11,7 +11,6 @@ from msgspec.structs import asdict
 
 from common.managed_stream import ManagedStream
 from common.protocol import (
-    AbortRequest,
     CancelTransfers,
     HandshakeRequest,
     HandshakeResponse,
@@ -40,10 +39,8 @@ HEARTBEAT_S = 1.0  # a progress line this often while the engine works on (or ah
 HEARTBEAT = b'{"heartbeat":true}\n'
 
 
-def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = True) -> None:
-    """`abort_route` False: the app has its own `/internal/abort` (a mixed worker's decode routes), whose engine
-    abort reaches requests of either role."""
-    aborted: set[str] = set()  # prefills the decode side called off (abort, cancel): counted "abort", not "error"
+def add_prefill_routes(app: FastAPI, state: WorkerState) -> None:
+    aborted = state.called_off  # prefills the decode side called off (abort, cancel): counted "abort", not "error"
     sending: dict[str, tuple[str, str]] = {}  # req id -> the (agent, instance) its live exchange here sends to
 
     @app.post("/internal/handshake")
@@ -154,17 +151,6 @@ def add_prefill_routes(app: FastAPI, state: WorkerState, abort_route: bool = Tru
                 state.metrics.requests.labels(outcome="abort").inc()
 
         return ManagedStream(progress(), on_close, "application/x-ndjson")
-
-    if abort_route:
-
-        @app.post("/internal/abort")
-        async def abort(request: Request) -> Response:
-            ab = await read_message(request, AbortRequest)
-            assert state.client is not None
-            if ab.req_id in state.client.streams:
-                aborted.add(ab.req_id)
-            state.client.cast(Abort(ab.req_id, error="aborted"))
-            return Response(status_code=204)  # as on every role (decode_worker/routes.py)
 
     @app.post("/internal/cancel")
     async def cancel(request: Request) -> Response:

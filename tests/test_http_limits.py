@@ -68,9 +68,9 @@ def router_server(smol_path, http: str) -> Iterator[tuple[str, int]]:
 @contextmanager
 def worker_server() -> Iterator[tuple[str, int]]:
     """A prefill worker's control plane as serve_worker runs it (its engine is not started: lifespan off)."""
-    from prefill_worker.app import create_app
+    from common.worker.control import create_app
 
-    app = create_app(WorkerConfig.from_env("prefill"), http_limits=LIMITS)
+    app = create_app("prefill", WorkerConfig.from_env("prefill"), http_limits=LIMITS)
     port = free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", **server_options(LIMITS))
     server = uvicorn.Server(config)

@@ -1038,21 +1038,15 @@ def test_dockerfiles_pin_their_inputs():
 # --------------------------------------------------------------------------- the real apps
 
 
-@pytest.mark.parametrize(
-    ("module", "role", "target"),
-    [
-        ("prefill_worker.app", "prefill", "base"),
-        ("decode_worker.app", "decode", "base"),
-        ("mixed_worker.app", "mixed", "mixed"),
-    ],
-)
-def test_probe_paths_exist_in_the_worker_apps(module, role, target):
+@pytest.mark.parametrize(("role", "target"), [("prefill", "base"), ("decode", "base"), ("mixed", "mixed")])
+def test_probe_paths_exist_in_the_worker_apps(role, target):
     """The probe paths the manifests use are answered by the real worker apps (their probe front answers
     from the control plane's state, before any route: here, with no engine started, alive and not ready)."""
     from fastapi.testclient import TestClient
 
-    create_app = importlib.import_module(module).create_app
-    client = TestClient(create_app())  # no lifespan: the engine is not started
+    from common.worker.control import create_app
+
+    client = TestClient(create_app(role))  # no lifespan: the engine is not started
     cont = container(role_deployments(list(_render(target)))[role])
     probed = {cont[kind]["httpGet"]["path"] for kind in ("startupProbe", "livenessProbe", "readinessProbe")}
     assert probed == {"/health", "/ready"}

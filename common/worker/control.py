@@ -1,7 +1,7 @@
-"""A worker's control plane, assembled: the FastAPI app over its engine (``create_worker_app``) and the server
-that drains on SIGTERM (``serve_worker``). Its parts: the engine's state (worker_state.py), its supervision
+"""A worker's control plane, assembled: the FastAPI app over its engine (``create_app``) and the server that
+drains on SIGTERM (``serve_worker``). Its parts: the engine's state (worker_state.py), its supervision
 (supervision.py), the probes (probes.py), metrics (worker_metrics.py) and error answers (http_errors.py);
-the role's routes come from its worker package.
+what every role answers the same way is here, the role's own routes come from its plug-ins (roles.py).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
@@ -18,29 +18,35 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from common.config import WorkerConfig
 from common.http_guard import RequestLimits
 from common.http_server import server_options
 from common.log import limit_tracebacks
 from common.observability.tracing import init_tracing
+from common.protocol import AbortRequest
 from common.settings import HttpLimits
 from common.worker.channel import EngineError
-from common.worker.http_errors import ENGINE_ERROR_STATUS, BadMessage, error_response, validation_message
+from common.worker.engine_host import engine_main
+from common.worker.http_errors import ENGINE_ERROR_STATUS, BadMessage, error_response, read_message, validation_message
+from common.worker.messages import Abort
 from common.worker.probes import ProbeFront
+from common.worker.roles import plugins
 from common.worker.supervision import keep_engine
 from common.worker.worker_state import WorkerState
 
 log = logging.getLogger("kvferry.control")
 
 
-def create_worker_app(
-    state: WorkerState,
-    add_routes: Callable[[FastAPI, WorkerState], None],
-    http_limits: HttpLimits | None = None,
-) -> FastAPI:
+def create_app(role: str, cfg: WorkerConfig | None = None, http_limits: HttpLimits | None = None) -> FastAPI:
+    """The worker app of ``role`` (common/worker/roles.py): its plug-ins' engine parts and routes over one engine.
+    ``cfg`` defaults to ``WorkerConfig.from_env(role)``, ``http_limits`` to ``HttpLimits.from_env()``."""
+    parts = plugins(role)
+    state = WorkerState(cfg or WorkerConfig.from_env(role), engine_main, tuple(p.engine for p in parts))
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.start_engine()
@@ -83,7 +89,18 @@ def create_worker_app(
             state.metrics.observe_load(state.snapshot())  # the gauges count work accepted since the last snapshot
         return PlainTextResponse(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    add_routes(app, state)
+    @app.post("/internal/abort")
+    async def abort(request: Request) -> Response:
+        """Stops a request, whichever role holds it; 204 whether or not it was here."""
+        ab = await read_message(request, AbortRequest)
+        assert state.client is not None
+        if ab.req_id in state.client.streams:
+            state.called_off.add(ab.req_id)
+        state.client.cast(Abort(ab.req_id))
+        return Response(status_code=204)
+
+    for part in parts:
+        part.add_routes(app, state)
     return app
 
 

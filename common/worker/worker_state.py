@@ -68,6 +68,7 @@ class WorkerState:
         # Request ids with an open stream here (generate or prefill), from arrival until the stream ends however
         # it ends; reported as ``live_requests`` in /load, which the router reconciles its own counts with.
         self.live: set[str] = set()
+        self.called_off: set[str] = set()  # live requests /internal/abort (or a cancel) stopped: ended as "abort"
         self.proc: mp.process.BaseProcess | None = None
         self.client: EngineClient | None = None
         # The engine's events by type; a role's routes add theirs.
