@@ -3,20 +3,16 @@ remote prefill is arranged by decode_worker/remote_prefill.py."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from common.managed_stream import ManagedStream
-from common.protocol import GenerateRequest, HandshakeResponse, TokenLine, encode, replace
-from common.worker.channel import ENGINE_TIMEOUT, EngineClient, EngineError
+from common.protocol import GenerateRequest, HandshakeResponse, TokenLine, replace
 from common.worker.http_errors import error_response, read_message
-from common.worker.messages import Abort, Generate, KVForcedRelease, PrefillSettled, Reserved, StreamEvent, Tokens
+from common.worker.messages import Generate, KVForcedRelease, PrefillSettled, Reserved, StreamEvent, Tokens
+from common.worker.request import WorkerRequest, refuse_unready
 from common.worker.request_trace import DECODE_SPANS, WorkerTrace
 from common.worker.worker_state import WorkerState
 from decode_worker.peer_directory import PeerDirectory
@@ -25,49 +21,41 @@ from decode_worker.remote_prefill import PREFILL_DEADLINE_S, PeerFailure, Remote
 log = logging.getLogger("kvferry.decode")
 
 
-@dataclass
-class DecodeStream:
-    """One generate request on this worker, from its arrival to its stream's end however that comes."""
+class DecodeStream(WorkerRequest):
+    """One generate request on this worker: its token lines for the router; with a prefill peer, the handshake
+    and, once the engine reserved the pages, the peer asked to fill them (decode_worker/remote_prefill.py)."""
 
-    state: WorkerState
-    client: EngineClient
-    remote: RemotePrefill
-    gen: GenerateRequest
-    peer_url: str | None  # the prefill peer, or None: prefilled here
-    trace: WorkerTrace
-    finished: bool = False  # the engine sent the finish
-    landed: bool = False  # tokens came: the prompt's KV is here (a remote prefill is over)
-    ended: bool = False  # let go of here (`end`)
-    peer: HandshakeResponse | None = None  # the prefill peer's agent, once handshaken
-    asked: bool = False  # the peer was asked to fill the reserved pages (`reserved`)
+    spans = DECODE_SPANS
+    gone = "the caller went away"
+
+    def __init__(
+        self, state: WorkerState, remote: RemotePrefill, gen: GenerateRequest, peer_url: str | None, trace: WorkerTrace
+    ) -> None:
+        super().__init__(state, gen.req_id, trace)
+        self.remote = remote
+        self.gen = gen
+        self.peer_url = peer_url  # the prefill peer, or None: prefilled here
+        self.landed = False  # tokens came: the prompt's KV is here (a remote prefill is over)
+        self.peer: HandshakeResponse | None = None  # the prefill peer's agent, once handshaken
+        self.asked = False  # the peer was asked to fill the reserved pages (`reserved`)
 
     async def begin(self) -> None:
         """Hands the request to the engine, which queues it and answers at once; with a peer, the pages it
-        reserves come later as a ``Reserved`` event on the stream (`lines`), and the peer is then asked to fill
-        them (decode_worker/remote_prefill.py). A caller that leaves while they wait is heard at once."""
-        gen, rid = self.gen, self.gen.req_id
-        timeout_s = self.kv_timeout_s
-        peer = None
+        reserves come later as a ``Reserved`` event on the stream (`line`), and the peer is then asked to fill
+        them. A caller that leaves while they wait is heard at once."""
+        gen, rid = self.gen, self.req_id
         if self.peer_url is not None:
             try:
-                peer = await self.remote.handshake(self.peer_url)
+                self.peer = await self.remote.handshake(self.peer_url)
             except PeerFailure as e:  # the stream says so; the router tries another prefill worker
                 if e.overloaded:
                     self.remote.overloaded.add(rid)
-                self.client.streams[rid].put_nowait(Tokens(rid, TokenLine(finish_reason="error", error=str(e))))
+                self.queue.put_nowait(Tokens(rid, TokenLine(finish_reason="error", error=str(e))))
                 return
-        self.peer = peer
+        peer = self.peer
         names = (peer.agent_name, peer.instance_id) if peer is not None else (None, None)
-        cmd = Generate(rid, gen.token_ids, gen.sampling, *names, timeout_s, self.trace.received)
-        try:
-            await self.client.call(cmd)
-        except BaseException as exc:
-            # The engine may still take the request (a late answer, or the caller left): stop it then (`end`
-            # frees pages it reserved meanwhile: they were never sent).
-            self.end(abort=not isinstance(exc, EngineError) or exc.code == ENGINE_TIMEOUT)
-            raise
-        self.state.metrics.prompt.inc(len(gen.token_ids))
-        self.state.accepted.add(rid, len(gen.token_ids), prefill_here=peer is None)
+        cmd = Generate(rid, gen.token_ids, gen.sampling, *names, self.kv_timeout_s, self.trace.received)
+        await self.submit(cmd, len(gen.token_ids), prefill_here=peer is None)
 
     @property
     def kv_timeout_s(self) -> float:
@@ -80,61 +68,39 @@ class DecodeStream:
         self.asked = True
         self.remote.start(self.gen, self.peer_url, self.peer, ev.pages, self.kv_timeout_s, self.trace)
 
-    def end(self, abort: bool) -> None:
-        """Lets go of everything the request holds here, at once (no await: nothing can interrupt it);
-        idempotent. ``abort``: the engine may still hold the request (its caller went away): stop it,
-        which frees its pages (or, after a remote prefill began, holds them until the peer's word)."""
-        if self.ended:
-            return
-        self.ended = True
-        rid = self.gen.req_id
-        self.remote.overloaded.discard(rid)
-        self.state.live.discard(rid)
-        self.state.called_off.discard(rid)
-        self.state.accepted.ended(rid)
-        self.client.close_stream(rid)
+    def let_go(self, abort: bool) -> None:
+        # After a remote prefill began, the engine's abort holds the pages until the peer's word.
+        self.remote.overloaded.discard(self.req_id)
         if not self.landed:
-            self.remote.give_up(rid)
-        if abort:
-            self.client.cast(Abort(rid))
-            if self.peer is not None and not self.asked:
-                # Pages the engine reserved meanwhile were never sent: nothing can write them, free them now.
-                self.client.cast(PrefillSettled(rid, "the prefill request was never sent"))
+            self.remote.give_up(self.req_id)
+        super().let_go(abort)
+        if abort and self.peer is not None and not self.asked:
+            # Pages the engine reserved meanwhile were never sent: nothing can write them, free them now.
+            self.client.cast(PrefillSettled(self.req_id, "the prefill request was never sent"))
 
-    async def lines(self, queue: asyncio.Queue[StreamEvent]) -> AsyncIterator[bytes]:
-        """The engine's token events as NDJSON lines for the router, until the finish."""
+    def line(self, ev: StreamEvent) -> TokenLine | None:
+        if isinstance(ev, Reserved):
+            self.reserved(ev)
+            return None
+        if not isinstance(ev, Tokens):
+            return None
         metrics = self.state.metrics
-        while not self.finished:
-            ev = await queue.get()
-            if isinstance(ev, Reserved):
-                self.reserved(ev)
-                continue
-            if not isinstance(ev, Tokens):
-                continue
-            line = ev.line
-            if line.finish_reason == "error" and not self.landed and ev.req_id in self.remote.overloaded:
-                line = replace(line, overloaded=True)  # its prefill worker was only too busy: the router's 429
-            self.landed = self.landed or bool(line.token_ids)
-            metrics.generated.inc(len(line.token_ids))
-            metrics.cached.inc(line.cached_tokens)
-            if line.finish_reason:
-                self.finished = True
-                self.state.observe_finish(line.finish_reason)
-            timeline = line.timeline
-            if timeline is not None:  # the first tokens: the stages so far, passed on to the router
-                timeline.update(self.trace.stamps)
-                timeline["first_token_sent"] = time.time()
-                self.trace.stamps = timeline
-                metrics.engine.observe_decode_timeline(timeline)
-            yield encode(line) + b"\n"
-
-    async def on_close(self) -> None:
-        # However the response ended: streamed to its finish, or the caller gone at any moment (Starlette
-        # cancels the stream when it sees the disconnect, even before the stream's first step).
-        self.end(abort=not self.finished)
-        self.trace.end(DECODE_SPANS, error=None if self.finished else "the caller went away")
-        if not self.finished:
-            self.state.metrics.requests.labels(outcome="abort").inc()
+        line = ev.line
+        if line.finish_reason == "error" and not self.landed and ev.req_id in self.remote.overloaded:
+            line = replace(line, overloaded=True)  # its prefill worker was only too busy: the router's 429
+        self.landed = self.landed or bool(line.token_ids)
+        metrics.generated.inc(len(line.token_ids))
+        metrics.cached.inc(line.cached_tokens)
+        if line.finish_reason:
+            self.finished = True
+            self.state.observe_finish(line.finish_reason)
+        timeline = line.timeline
+        if timeline is not None:  # the first tokens: the stages so far, passed on to the router
+            timeline.update(self.trace.stamps)
+            timeline["first_token_sent"] = time.time()
+            self.trace.stamps = timeline
+            metrics.engine.observe_decode_timeline(timeline)
+        return line
 
 
 def _over_share(state: WorkerState, gen: GenerateRequest) -> str | None:
@@ -166,10 +132,9 @@ def add_decode_routes(app: FastAPI, state: WorkerState) -> None:
     @app.post("/internal/generate")
     async def generate(request: Request) -> Response:
         gen = await read_message(request, GenerateRequest)
-        if not state.ready:
-            return error_response(503, "decode worker not ready", "unavailable", "not_ready")
-        client = state.client
-        assert client is not None
+        unready = refuse_unready(state)
+        if unready is not None:
+            return unready
         too_large = _over_share(state, gen)
         if too_large is not None:
             return error_response(400, too_large, "invalid_request_error", "request_too_large")
@@ -183,13 +148,11 @@ def add_decode_routes(app: FastAPI, state: WorkerState) -> None:
                 else:
                     message += " (add it to KVFERRY_PREFILL_PEERS to accept it)"
                 return error_response(403, message, "invalid_request_error", "unknown_prefill_peer")
-        if gen.req_id in client.streams:  # delivered twice: the live copy keeps its stream
+        if gen.req_id in state.requests:  # delivered twice: the live copy keeps its stream
             message = f"duplicate request id {gen.req_id!r}"
             return error_response(409, message, "invalid_request_error", "duplicate_request")
-        queue = client.open_stream(gen.req_id)
-        state.live.add(gen.req_id)
         attrs = {"kvferry.remote": peer_url is not None}
         trace = WorkerTrace("decode generate", gen.req_id, request.headers.get("traceparent"), attrs)
-        stream = DecodeStream(state, client, remote, gen, peer_url, trace)
+        stream = DecodeStream(state, remote, gen, peer_url, trace)
         await stream.begin()
-        return ManagedStream(stream.lines(queue), stream.on_close, "application/x-ndjson")
+        return stream.response()

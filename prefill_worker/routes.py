@@ -1,36 +1,27 @@
-"""The prefill role's control plane: handshake with decode peers, accept prefill jobs, report progress."""
+"""The prefill role's control plane: handshakes with decode peers, their prefills (``PrefillExchange``, one per
+request: the job in the engine, heartbeats while it runs, the done line), their cancels, transfer stats."""
 
 from __future__ import annotations
-
-import asyncio
-from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from msgspec.structs import asdict
 
-from common.managed_stream import ManagedStream
-from common.protocol import (
-    CancelTransfers,
-    HandshakeRequest,
-    HandshakeResponse,
-    PrefillProgress,
-    PrefillRequest,
-    encode,
-)
+from common.protocol import CancelTransfers, HandshakeRequest, HandshakeResponse, PrefillProgress, PrefillRequest
 from common.worker.channel import ENGINE_TIMEOUT, EngineError
 from common.worker.http_errors import error_response, message_response, read_message
 from common.worker.messages import (
-    Abort,
     AddPeer,
     Cancel,
     Prefill,
     PrefillDone,
     PrefillError,
+    StreamEvent,
     Tokens,
     TransferStats,
     Unanswered,
 )
+from common.worker.request import WorkerRequest, refuse_unready
 from common.worker.request_trace import PREFILL_SPANS, WorkerTrace
 from common.worker.worker_state import WorkerState
 from prefill_worker.liveness import EngineMotion
@@ -39,15 +30,67 @@ HEARTBEAT_S = 1.0  # a progress line this often while the engine works on (or ah
 HEARTBEAT = b'{"heartbeat":true}\n'
 
 
-def add_prefill_routes(app: FastAPI, state: WorkerState) -> None:
-    aborted = state.called_off  # prefills the decode side called off (abort, cancel): counted "abort", not "error"
-    sending: dict[str, tuple[str, str]] = {}  # req id -> the (agent, instance) its live exchange here sends to
+class PrefillExchange(WorkerRequest):
+    """A decode peer's prefill here: its progress lines (heartbeats while the engine moves, then the done or
+    error line) are the peer's sign that a write of it may still come (decode_worker/remote_prefill.py)."""
 
+    spans = PREFILL_SPANS
+    gone = "the decode worker went away"
+    heartbeat_s = HEARTBEAT_S
+
+    def __init__(self, state: WorkerState, pr: PrefillRequest, trace: WorkerTrace) -> None:
+        super().__init__(state, pr.req_id, trace)
+        self.pr = pr
+        self.dest = (pr.dst_agent, pr.dst_instance_id)  # the decode worker's agent and instance it sends to
+        self.motion = EngineMotion(lambda: state.load, lambda: state.proc.pid if state.proc is not None else None)
+
+    async def begin(self) -> None:
+        await self.submit(Prefill(self.pr, self.trace.received), len(self.pr.token_ids), prefill_here=True)
+
+    def call_failed(self, exc: BaseException) -> None:
+        if isinstance(exc, EngineError) and exc.code == ENGINE_TIMEOUT:
+            # Answered 504, not a refusal: the engine may still take it (then it stops it) or refuse it (then it
+            # tells the decode worker no write comes); either way the decode side hears it.
+            self.end(abort=False)
+            self.client.cast(Unanswered(self.req_id))
+            return
+        super().call_failed(exc)
+
+    def heartbeat(self) -> bytes | None:
+        # The decode side waits as long as this keeps coming (decode_worker/remote_prefill.py).
+        return HEARTBEAT if self.motion.moved() else None
+
+    def line(self, ev: StreamEvent) -> PrefillProgress | None:
+        metrics = self.state.metrics
+        if isinstance(ev, PrefillDone):
+            self.finished = True
+            metrics.requests.labels(outcome="done").inc()
+            metrics.cached.inc(ev.cached_tokens)
+            metrics.engine.observe_prefill_done(ev.timeline or {}, ev.transfer)
+            self.trace.stamps = ev.timeline or {}
+            if ev.transfer is not None and ev.transfer.span is not None:
+                self.trace.extra = [("kv transfer", *ev.transfer.span)]
+            return PrefillProgress(req_id=self.req_id, done=True, descs=ev.descs, cached_tokens=ev.cached_tokens)
+        if isinstance(ev, PrefillError) or (isinstance(ev, Tokens) and ev.line.finish_reason == "error"):
+            # A Tokens error: the engine exited (``retryable``, common/worker/channel.py) or failed the request. An
+            # exited engine writes nothing more and sends no notice: the line says so, and the decode side frees
+            # its pages on it.
+            self.finished = True
+            metrics.requests.labels(outcome="abort" if self.called_off else "error").inc()
+            self.trace.stamps = {}
+            error = ev.error if isinstance(ev, PrefillError) else ev.line.error
+            exited = isinstance(ev, Tokens) and ev.line.retryable
+            return PrefillProgress(req_id=self.req_id, error=error or "prefill failed", engine_exited=exited)
+        return None
+
+
+def add_prefill_routes(app: FastAPI, state: WorkerState) -> None:
     @app.post("/internal/handshake")
     async def handshake(request: Request) -> Response:
         hs = await read_message(request, HandshakeRequest)
-        if not state.ready:
-            return error_response(503, "prefill worker not ready", "unavailable", "not_ready")
+        unready = refuse_unready(state)
+        if unready is not None:
+            return unready
         assert state.client is not None
         added = await state.client.call(AddPeer(hs))
         return message_response(
@@ -57,100 +100,20 @@ def add_prefill_routes(app: FastAPI, state: WorkerState) -> None:
     @app.post("/internal/prefill")
     async def prefill(request: Request) -> Response:
         pr = await read_message(request, PrefillRequest)
-        if not state.ready:
-            return error_response(503, "prefill worker not ready", "unavailable", "not_ready")
-        client = state.client
-        assert client is not None
-        dest = (pr.dst_agent, pr.dst_instance_id)
-        if pr.req_id in sending or pr.req_id in client.streams:
+        unready = refuse_unready(state)
+        if unready is not None:
+            return unready
+        live = state.requests.get(pr.req_id)
+        if live is not None:
             # A second copy: the live exchange keeps its stream and registration (the engine refuses the same).
-            if sending.get(pr.req_id) == dest:
+            if isinstance(live, PrefillExchange) and live.dest == (pr.dst_agent, pr.dst_instance_id):
                 message, code = f"duplicate request id {pr.req_id!r}: already on its way to you", "duplicate_request"
             else:
                 message, code = f"request id {pr.req_id!r} is in use by another decode worker's", "request_id_in_use"
             return error_response(409, message, "invalid_request_error", code)
-        sending[pr.req_id] = dest
-        queue = client.open_stream(pr.req_id)
-        state.live.add(pr.req_id)
-        trace = WorkerTrace("prefill", pr.req_id, request.headers.get("traceparent"))
-        finished = False
-        ended = False
-
-        def end(abort: str | None) -> None:
-            """Lets go of the request here, at once and once; ``abort``: why the engine must stop it (the
-            decode worker went away while the engine may hold it: stop computing and free its pages)."""
-            nonlocal ended
-            if ended:
-                return
-            ended = True
-            sending.pop(pr.req_id, None)
-            state.live.discard(pr.req_id)
-            state.accepted.ended(pr.req_id)
-            aborted.discard(pr.req_id)
-            client.close_stream(pr.req_id)
-            if abort is not None:
-                client.cast(Abort(pr.req_id, error=abort))
-
-        try:
-            await client.call(Prefill(pr, trace.received))
-        except EngineError as exc:
-            end(None)
-            if exc.code == ENGINE_TIMEOUT:
-                # Answered 504, not a refusal: the engine may still take it (then it stops it) or refuse it
-                # (then it tells the decode worker no write comes); either way the decode side hears it.
-                client.cast(Unanswered(pr.req_id))
-            raise
-        except BaseException:
-            # The caller went away while the engine may have accepted it: stop it (a no-op if it did not).
-            end("decode worker disconnected")
-            raise
-        state.metrics.prompt.inc(len(pr.token_ids))
-        state.accepted.add(pr.req_id, len(pr.token_ids), prefill_here=True)
-
-        async def progress() -> AsyncIterator[bytes]:
-            nonlocal finished
-            motion = EngineMotion(lambda: state.load, lambda: state.proc.pid if state.proc is not None else None)
-            while True:
-                try:
-                    async with asyncio.timeout(HEARTBEAT_S):
-                        ev = await queue.get()
-                except TimeoutError:
-                    # The decode side waits as long as this keeps coming (decode_worker/remote_prefill.py).
-                    if motion.moved():
-                        yield HEARTBEAT
-                    continue
-                if isinstance(ev, PrefillDone):
-                    finished = True
-                    state.metrics.requests.labels(outcome="done").inc()
-                    state.metrics.cached.inc(ev.cached_tokens)
-                    state.metrics.engine.observe_prefill_done(ev.timeline or {}, ev.transfer)
-                    trace.stamps = ev.timeline or {}
-                    if ev.transfer is not None and ev.transfer.span is not None:
-                        trace.extra = [("kv transfer", *ev.transfer.span)]
-                    line = PrefillProgress(req_id=pr.req_id, done=True, descs=ev.descs, cached_tokens=ev.cached_tokens)
-                elif isinstance(ev, PrefillError) or (isinstance(ev, Tokens) and ev.line.finish_reason == "error"):
-                    # A Tokens error: the engine exited (``retryable``, common/worker/channel.py) or failed the
-                    # request. An exited engine writes nothing more and sends no notice: the line says so, and
-                    # the decode side frees its pages on it.
-                    finished = True
-                    outcome = "abort" if pr.req_id in aborted else "error"
-                    state.metrics.requests.labels(outcome=outcome).inc()
-                    trace.stamps = {}
-                    error = ev.error if isinstance(ev, PrefillError) else ev.line.error
-                    exited = isinstance(ev, Tokens) and ev.line.retryable
-                    line = PrefillProgress(req_id=pr.req_id, error=error or "prefill failed", engine_exited=exited)
-                else:
-                    continue
-                yield encode(line) + b"\n"
-                return
-
-        async def on_close() -> None:
-            end(None if finished else "decode worker disconnected")
-            trace.end(PREFILL_SPANS, error=None if finished else "the decode worker went away")
-            if not finished:
-                state.metrics.requests.labels(outcome="abort").inc()
-
-        return ManagedStream(progress(), on_close, "application/x-ndjson")
+        exchange = PrefillExchange(state, pr, WorkerTrace("prefill", pr.req_id, request.headers.get("traceparent")))
+        await exchange.begin()
+        return exchange.response()
 
     @app.post("/internal/cancel")
     async def cancel(request: Request) -> Response:
@@ -158,7 +121,10 @@ def add_prefill_routes(app: FastAPI, state: WorkerState) -> None:
         aborted, the others refused should they arrive later; each one's exchange tells the decode side the rest."""
         ct = await read_message(request, CancelTransfers)
         assert state.client is not None
-        aborted.update(rid for rid in ct.req_ids if rid in state.client.streams)
+        for rid in ct.req_ids:
+            live = state.requests.get(rid)
+            if live is not None:
+                live.called_off = True
         await state.client.call(Cancel(ct.dst_agent, ct.dst_instance_id, ct.req_ids))
         return Response(status_code=204)
 

@@ -94,8 +94,9 @@ def create_app(role: str, cfg: WorkerConfig | None = None, http_limits: HttpLimi
         """Stops a request, whichever role holds it; 204 whether or not it was here."""
         ab = await read_message(request, AbortRequest)
         assert state.client is not None
-        if ab.req_id in state.client.streams:
-            state.called_off.add(ab.req_id)
+        live = state.requests.get(ab.req_id)
+        if live is not None:
+            live.called_off = True
         state.client.cast(Abort(ab.req_id))
         return Response(status_code=204)
 

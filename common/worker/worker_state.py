@@ -13,7 +13,7 @@ import multiprocessing as mp
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from common.config import WorkerConfig
 from common.protocol import LoadSnapshot, replace
@@ -22,6 +22,12 @@ from common.worker.messages import AgentInfo, Event, KVIntegrity, Load, Ready, S
 from common.worker.worker_metrics import WorkerMetrics
 
 log = logging.getLogger("kvferry.control")
+
+
+class LiveRequest(Protocol):
+    """What the control plane's routes mark on a live request (common/worker/request.py ``WorkerRequest``)."""
+
+    called_off: bool  # stopped by its caller (/internal/abort, a cancel): a failure counts as "abort"
 
 
 @dataclass
@@ -65,10 +71,10 @@ class WorkerState:
         self.load: LoadSnapshot | None = None
         self.accepted = AcceptedWork(cfg.runner.page_size)  # what the engine took in since `load` was taken
         self.draining = False
-        # Request ids with an open stream here (generate or prefill), from arrival until the stream ends however
-        # it ends; reported as ``live_requests`` in /load, which the router reconciles its own counts with.
-        self.live: set[str] = set()
-        self.called_off: set[str] = set()  # live requests /internal/abort (or a cancel) stopped: ended as "abort"
+        # The requests with an open stream here (generate or prefill, common/worker/request.py), from arrival
+        # until the stream ends however it ends; counted as ``live_requests`` in /load, which the router
+        # reconciles its own counts with.
+        self.requests: dict[str, LiveRequest] = {}
         self.proc: mp.process.BaseProcess | None = None
         self.client: EngineClient | None = None
         # The engine's events by type; a role's routes add theirs.
@@ -93,7 +99,7 @@ class WorkerState:
 
     @property
     def inflight(self) -> int:
-        return len(self.live)
+        return len(self.requests)
 
     @property
     def alive(self) -> bool:
@@ -207,6 +213,6 @@ class WorkerState:
             ready=self.ready,
             draining=self.draining,
             max_running=self.cfg.runner.max_running,
-            live_requests=len(self.live),
+            live_requests=len(self.requests),
             max_request_tokens=self.max_request_tokens(base.total_pages),
         )
