@@ -383,7 +383,7 @@ TORCH_THREADS = declare(
     0,
     "engine process CPU threads (`common/engine/threads.py`)",
     "workers",
-    "common/worker/engine_host.py, common/engine/tp_follower.py",
+    "common/worker/engine_loop.py, common/engine/tp_follower.py",
     shown_default="0 = chosen by the engine: 4 for a GPU engine, every usable core (affinity, cgroup CPU quota) "
     "for a CPU engine",
 )

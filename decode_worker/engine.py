@@ -24,7 +24,8 @@ from common.protocol import TokenLine
 from common.sched.kv_connector import FinishedTransfers, KVArrival, KVConnector
 from common.sched.request import Req
 from common.transfer.receiver import Arrival, KVReceiver
-from common.worker.engine_host import EngineHost, Handlers, Refused
+from common.worker.commands import Handlers, Refused
+from common.worker.engine_host import EngineHost
 from common.worker.messages import (
     Generate,
     KVForcedRelease,

@@ -29,7 +29,8 @@ from common.transfer.request_transfer import RequestTransfer, open_request
 from common.transfer.sender import TransferError
 from common.transfer.session import SAFETY_DEADLINE_S, TERMINAL, S
 from common.worker.channel import CALL_TIMEOUT_S
-from common.worker.engine_host import EngineHost, Handlers, Refused
+from common.worker.commands import Handlers, Refused
+from common.worker.engine_host import EngineHost
 from common.worker.messages import (
     AddPeer,
     Cancel,

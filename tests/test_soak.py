@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from common.devcluster.cluster import LocalCluster
-from common.worker.engine_host import IDLE_TRIM_S
+from common.worker.engine_loop import IDLE_TRIM_S
 from tests.helpers import running_cluster, wait_pages_back
 
 pytestmark = pytest.mark.timeout(600)
@@ -248,7 +248,7 @@ def test_soak_nothing_lost_nothing_leaked(cluster: LocalCluster) -> None:
     warm = asyncio.run(soak(cluster, 2 * CONCURRENCY, CONCURRENCY, seed=1))
     assert not warm.problems, warm.problems[:5]
     wait_pages_back(*urls, timeout=30)
-    time.sleep(IDLE_TRIM_S + 1.0)  # idle engines hand the allocator's free memory back (engine_host.py)
+    time.sleep(IDLE_TRIM_S + 1.0)  # idle engines hand the allocator's free memory back (engine_loop.py)
     before = memory(cluster)
 
     t0 = time.monotonic()

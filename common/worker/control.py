@@ -30,7 +30,7 @@ from common.observability.tracing import init_tracing
 from common.protocol import AbortRequest
 from common.settings import HttpLimits
 from common.worker.channel import EngineError
-from common.worker.engine_host import engine_main
+from common.worker.engine_loop import engine_main
 from common.worker.http_errors import ENGINE_ERROR_STATUS, BadMessage, error_response, read_message, validation_message
 from common.worker.messages import Abort
 from common.worker.probes import ProbeFront
