@@ -93,11 +93,11 @@ def create_app(role: str, cfg: WorkerConfig | None = None, http_limits: HttpLimi
     async def abort(request: Request) -> Response:
         """Stops a request, whichever role holds it; 204 whether or not it was here."""
         ab = await read_message(request, AbortRequest)
-        assert state.client is not None
         live = state.requests.get(ab.req_id)
         if live is not None:
             live.called_off = True
-        state.client.cast(Abort(ab.req_id))
+        if state.client is not None:  # no engine yet: nothing to stop
+            state.client.cast(Abort(ab.req_id))
         return Response(status_code=204)
 
     for part in parts:
