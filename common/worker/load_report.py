@@ -5,6 +5,7 @@ and the decode steps' times since the last one, sent every ``LOAD_INTERVAL_S`` w
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 from common.protocol import LoadSnapshot
 from common.sched.scheduler import Scheduler, StepEvent
@@ -18,16 +19,16 @@ IDLE_LOAD_INTERVAL_S = 1.0
 DECODE_STEP_SMOOTHING = 0.1  # weight of the newest decode step in the published step time
 
 
+@dataclass
 class LoadReport:
-    def __init__(self, scheduler: Scheduler, role: str, pod: str, page_size: int) -> None:
-        self.scheduler = scheduler
-        self.role = role
-        self.pod = pod
-        self.page_size = page_size
-        self.last_sent = 0.0  # time.monotonic() of the latest snapshot sent
-        self.prefill_rate = PrefillRate()
-        self.decode_step_s = 0.0  # smoothed decode-only step time, published for the router's ITL model
-        self.steps: list[float] = []  # the decode steps' [seconds, batch size] since the last report
+    scheduler: Scheduler
+    role: str
+    pod: str
+    page_size: int
+    last_sent: float = 0.0  # time.monotonic() of the latest snapshot sent
+    prefill_rate: PrefillRate = field(default_factory=PrefillRate)
+    decode_step_s: float = 0.0  # smoothed decode-only step time, published for the router's ITL model
+    steps: list[float] = field(default_factory=list)  # the decode steps' [seconds, batch size] since the last report
 
     def observe_step(self, started: float, events: list[StepEvent]) -> None:
         """A decode-only step's time and batch size: per step, never per token."""
