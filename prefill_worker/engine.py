@@ -109,7 +109,7 @@ class PrefillRole(KVConnector):
 
     def waits_only(self) -> bool:
         # A write put off for staging space blocks the writes after it; its space comes back only as the earlier
-        # writes complete, so the loop waits a little between polls instead of spinning (STAGING_WAIT_S).
+        # writes complete, so the loop waits a little between polls instead of spinning (STAGING_WAIT_S, common/worker/engine_loop.py).
         return self.sender.staging_blocked
 
     def hands_on_stamps(self, req_id: str) -> bool:

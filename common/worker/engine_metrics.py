@@ -3,7 +3,7 @@
 The engine never touches Prometheus: it stamps a request's stages (common/observability/timeline.py) and
 sends them with the request's first-token event (decode) or its "done" event (prefill), the achieved
 transfer figures with the "done" event, and its decode steps' durations and batch sizes in one "steps"
-event per load interval (common/worker/engine_host.py). The control plane observes them here, once per
+event per load interval (common/worker/load_report.py). The control plane observes them here, once per
 request or per step, never per token.
 
 What each one measures (both workers expose all of them; those of the other role stay empty):

@@ -24,7 +24,7 @@ __all__ = ["ROLE_TABLE", "RolePlugin", "plugins"]
 @dataclass(frozen=True)
 class RolePlugin:
     """What one pod package adds to a worker: ``engine(host)`` builds its part of the engine
-    (common/worker/engine_host.py ``EngineRole``); ``add_routes`` adds its HTTP routes to the control plane."""
+    (common/worker/commands.py ``EngineRole``); ``add_routes`` adds its HTTP routes to the control plane."""
 
     engine: type
     add_routes: Callable[[FastAPI, WorkerState], None]

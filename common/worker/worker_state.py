@@ -64,7 +64,7 @@ class WorkerState:
     def __init__(self, cfg: WorkerConfig, host_target: Callable[..., None], roles: tuple[type, ...]) -> None:
         self.cfg = cfg
         self.host_target = host_target
-        self.roles = roles  # the engine's (common/worker/engine_host.py EngineRole), built in its process
+        self.roles = roles  # the engine's (common/worker/commands.py EngineRole), built in its process
         self.metrics = WorkerMetrics(gpu=cfg.runner.device.startswith("cuda"))
         self.engine_ready = asyncio.Event()
         self.agent: AgentInfo | None = None  # the engine's, from its Ready event
