@@ -164,10 +164,11 @@ class ModelRunner:
                 f"{mc.model_type}: an FP8 latent (MLA) cache is not supported yet; set {KV_DTYPE.name}=auto"
             )
         if gpu and mc.mla is not None:
-            raise ValueError(
-                f"{mc.model_type}: latent attention (MLA) has no flashinfer path yet; "
-                f"set {ATTENTION.name}=torch to run it with the torch backend"
-            )
+            from common.engine.gpu.mla_attention import flashinfer_mla_unsupported  # imports no flashinfer
+
+            why = flashinfer_mla_unsupported(self.model.cfg)
+            if why is not None:
+                raise ValueError(f"{mc.model_type}: {why}; set {ATTENTION.name}=torch to run it with the torch backend")
         # The GPU path keeps one page past the allocator's range (`num_pages`): CUDA-graph padding writes there.
         if self.tp.size > 1 and self.device.type == "cpu":
             prefix = cfg.tp_shm if cfg.tp_rank > 0 else self.followers.shm_prefix  # type: ignore[union-attr]

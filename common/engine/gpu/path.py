@@ -8,6 +8,7 @@ import torch
 
 from common.engine.forward_batch import ForwardBatch
 from common.engine.gpu.attention import WORKSPACE_BYTES, FlashInferAttention
+from common.engine.gpu.mla_attention import FlashInferMlaAttention
 from common.engine.gpu.moe_experts import grouped_mm_experts, grouped_mm_unsupported
 from common.engine.gpu.ops import FlashInferOps
 from common.engine.model import DecoderModel
@@ -82,17 +83,21 @@ class GpuPath:
             rope_epilogue=cfg.gemv_rope,
         )
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=model.device)
-        self.attn = FlashInferAttention(
-            pool,
-            page_table,
-            model.cfg,
-            model.dtype,
-            self.workspace,
-            model.rotary,
-            cfg.decode_tc_min_batch,
-            triton,
-            self.pdl,
-        )
+        self.attn: FlashInferAttention | FlashInferMlaAttention
+        if model.cfg.mla is not None:
+            self.attn = FlashInferMlaAttention(pool, page_table, model.cfg, model.dtype, self.workspace, model.rotary)
+        else:
+            self.attn = FlashInferAttention(
+                pool,
+                page_table,
+                model.cfg,
+                model.dtype,
+                self.workspace,
+                model.rotary,
+                cfg.decode_tc_min_batch,
+                triton,
+                self.pdl,
+            )
         self.graphs = None
         self.step_graphs = None
         self.use_graphs = True
@@ -101,7 +106,8 @@ class GpuPath:
 
             self.graphs = DecodeGraphs(model, self.attn, pool, dummy_page, page_table.shape[1], graph_max_bs)
         step_tokens = cfg.cuda_graph_max_tokens
-        if step_tokens > 0 and model.device.type == "cuda" and model.tp.size == 1:
+        # Latent attention's prefill and mixed steps run eagerly: the piecewise graphs break at a GQA attention call.
+        if step_tokens > 0 and model.device.type == "cuda" and model.tp.size == 1 and model.cfg.mla is None:
             from common.engine.gpu.step_graphs import StepGraphs
 
             self.step_graphs = StepGraphs(model, self.attn, pool, dummy_page, step_tokens)
@@ -109,12 +115,15 @@ class GpuPath:
         decode = "xqa" if attn.xqa is not None else "flashinfer"
         if attn.xqa is None and attn.triton_decode is not None:
             decode = "triton (1-2 rows), flashinfer"
+        if isinstance(attn, FlashInferMlaAttention):
+            decode = f"flashinfer mla {attn.backend} (absorbed, every step)"
+        prefill = "fa3 e4m3" if attn.fp8_prefill else "flashinfer"
         log.info(
             "gpu kernels",
             extra={
                 "kv_dtype": str(pool.layout.dtype).removeprefix("torch."),
                 "fp8_weights": model.fp8_weights,
-                "prefill_attention": "fa3 e4m3" if attn.fp8_prefill else "flashinfer",
+                "prefill_attention": decode if isinstance(attn, FlashInferMlaAttention) else prefill,
                 "decode_attention": decode,
                 "fused_kernels": triton,
                 "pdl": self.pdl,
