@@ -178,7 +178,9 @@ class ModelRunner:
             self.pool = KVPool(self.layout, num_pages + int(gpu), self.device)
         self.pool.num_pages = num_pages
         self.rank_pools: list[KVPool] = [self.pool]
-        self.page_table = PageTable(cfg.max_running, self.max_seq_len, cfg.page_size, self.device)
+        self.page_table = PageTable(
+            cfg.max_running, self.max_seq_len, cfg.page_size, self.device, host_pages=gpu and mc.mla is not None
+        )
         self.h2d = HostToDevice(self.device)  # each step's inputs and page-table writes: one copy
         self.attn: AttentionBackend = (
             TorchPagedAttention(self.pool, self.page_table.table, mc.num_heads, mc.head_dim, model.rotary)
@@ -196,7 +198,8 @@ class ModelRunner:
             from common.engine.gpu.path import GpuPath
 
             graph_bs = cfg.max_running if cfg.cuda_graph_max_bs < 0 else min(cfg.cuda_graph_max_bs, cfg.max_running)
-            self.gpu = GpuPath(model, self.pool, self.page_table.table, num_pages, graph_bs, cfg)
+            table = self.page_table
+            self.gpu = GpuPath(model, self.pool, table.table, num_pages, graph_bs, cfg, table.host_pages)
             self.attn = self.gpu.attn
         if self.followers is not None:
             self.followers.barrier_ready()

@@ -81,7 +81,7 @@ def use_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
 @dataclass
 class PageMeta:
     indptr: torch.Tensor  # [B + 1] int32, CPU
-    indices: torch.Tensor  # [nnz pages] int32, on the pool's device
+    indices: torch.Tensor  # [nnz pages] int32, on the pool's device (the host's for latent attention's planner)
     last_page_len: torch.Tensor  # [B] int32, CPU
 
     def split(self, n: int) -> tuple[PageMeta, PageMeta]:
@@ -282,6 +282,9 @@ class FlashInferAttention:
     def page_meta(self, table_rows: torch.Tensor, seq_lens_cpu: list[int]) -> PageMeta:
         return page_meta(self.table, self.page_size, table_rows, seq_lens_cpu)
 
+    def step_meta(self, batch: ForwardBatch) -> PageMeta:
+        return self.page_meta(batch.table_rows, batch.seq_lens_cpu)
+
     def _before_plan(self, wrapper) -> None:
         self.fences.before(wrapper)
 
@@ -357,7 +360,7 @@ class FlashInferAttention:
     def plan(self, batch: ForwardBatch) -> None:
         self._triton_meta = None
         self._xqa_pages = None
-        meta = self.page_meta(batch.table_rows, batch.seq_lens_cpu)
+        meta = self.step_meta(batch)
         if batch.is_decode and self.xqa is not None:
             self._xqa_pages = self._xqa_view(meta)
             self._wrapper = self._split = None

@@ -122,7 +122,7 @@ class DecodeGraphs:
         b = batch.batch_size
         bs = self.pick(b)
         self.inputs.load(batch, self.pool, bs)
-        meta = self.attn.page_meta(batch.table_rows, batch.seq_lens_cpu).padded(bs, self.dummy_page)
+        meta = self.attn.step_meta(batch).padded(bs, self.dummy_page)
         if self.attn.xqa is not None:
             # XQA reads the CSR buffers themselves (its dense table is derived inside the graph): flashinfer's plan,
             # which would copy them there and schedule a kernel the graph does not run, is skipped.

@@ -19,14 +19,16 @@ fixed metadata buffers, as the GQA path's do).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from common.engine.forward_batch import ForwardBatch
 from common.engine.fp8 import store_rows
-from common.engine.gpu.attention import PageMeta, PlanFences, page_meta
+from common.engine.gpu.attention import PageMeta, PlanFences
 from common.engine.layers import KvWrite, RotaryCache
 from common.engine.mla import MlaProjections
 from common.engine.model_config import ModelConfig
+from common.kv.pool import KVPool
 
 # flashinfer's MLA kernels tile queries by (token, head) rows, 64 per CTA (128 per cluster of two); a tile edge that
 # falls inside a token's heads loses a visible key under the causal mask (flashinfer refuses such plans), so the
@@ -57,10 +59,24 @@ def mla_backend_name(device: torch.device) -> str:
     return "fa2"
 
 
+def host_page_meta(host_pages: np.ndarray, page_size: int, table_rows: np.ndarray, seq_lens_cpu: list[int]) -> PageMeta:
+    """`PageMeta` of a step's requests (table rows `table_rows`) built on the host, page ids included."""
+    seq = np.asarray(seq_lens_cpu, dtype=np.int64)
+    npages = (seq + page_size - 1) // page_size
+    indptr = np.zeros(len(seq) + 1, dtype=np.int64)
+    np.cumsum(npages, out=indptr[1:])
+    owner = np.repeat(np.arange(len(seq)), npages)
+    indices = host_pages[table_rows[owner], np.arange(int(indptr[-1])) - indptr[:-1][owner]]
+    last = seq - (npages - 1) * page_size
+    return PageMeta(
+        torch.from_numpy(indptr.astype(np.int32)), torch.from_numpy(indices), torch.from_numpy(last.astype(np.int32))
+    )
+
+
 class FlashInferMlaAttention:
     """The `MlaBackend` of the GPU path: plan once per step, `forward_mla` per layer. It offers what the decode graphs
-    (common/engine/gpu/cuda_graph.py) call on an attention backend: `page_meta`, `make_decode_wrapper`,
-    `plan_decode`, `bind`, `write_rows`."""
+    (common/engine/gpu/cuda_graph.py) call on an attention backend: `step_meta`, `make_decode_wrapper`,
+    `plan_decode`, `bind`, `write_rows`. `host_pages` is the page table's host copy (`PageTable.host_pages`)."""
 
     # Kernels of the GQA path that latent attention does not use (the decode graphs and benchmarks read these).
     xqa = None
@@ -72,8 +88,8 @@ class FlashInferMlaAttention:
 
     def __init__(
         self,
-        pool,
-        page_table: torch.Tensor,
+        pool: KVPool,
+        host_pages: np.ndarray,
         cfg: ModelConfig,
         dtype: torch.dtype,
         workspace: torch.Tensor,
@@ -95,7 +111,7 @@ class FlashInferMlaAttention:
         self._csr = MLAPlanMetadata.csr
         self.backend = mla_backend_name(pool.device)
         self.pool = pool
-        self.table = page_table
+        self.host_pages = host_pages
         self.page_size = layout.page_size
         self.num_heads = cfg.num_heads
         self.rank = mla.kv_lora_rank
@@ -115,8 +131,12 @@ class FlashInferMlaAttention:
         self._out_loc: torch.Tensor | None = None
 
     # ---- planning (outside any graph) ---------------------------------------------------------------
-    def page_meta(self, table_rows: torch.Tensor, seq_lens_cpu: list[int]) -> PageMeta:
-        return page_meta(self.table, self.page_size, table_rows, seq_lens_cpu)
+    def step_meta(self, batch: ForwardBatch) -> PageMeta:
+        """The step's pages from the host copy of the table (`PageTable.host_pages`): flashinfer's MLA planner reads
+        the page ids on the host, and handing it device ones would wait there for the step in flight."""
+        if batch.inputs is None:
+            raise ValueError("a latent-attention step on flashinfer needs its StepInputs (build it with build_batch)")
+        return host_page_meta(self.host_pages, self.page_size, batch.inputs.table_rows.numpy(), batch.seq_lens_cpu)
 
     def decode_tensor_cores(self, batch_size: int) -> bool:
         return False
@@ -172,7 +192,7 @@ class FlashInferMlaAttention:
         self._plan(self.eager_wrapper, meta, qo, causal=True)
 
     def plan(self, batch: ForwardBatch) -> None:
-        meta = self.page_meta(batch.table_rows, batch.seq_lens_cpu)
+        meta = self.step_meta(batch)
         if batch.is_decode:
             self.plan_decode(self.eager_wrapper, meta)
         else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from common.engine.forward_batch import ForwardBatch
@@ -46,7 +47,8 @@ class GpuPath:
 
     `page_table` is the runner's `[rows, max_seq_len]` token-location table; `dummy_page` a pool page outside
     the allocator's range: CUDA-graph padding rows write there; `cfg` gives the kernel switches (decode
-    tensor-core threshold, the Triton kernels). `use_graphs` can be switched off at run time
+    tensor-core threshold, the Triton kernels); `host_pages` the table's page ids on the host (`PageTable.host_pages`),
+    which latent attention's planner reads. `use_graphs` can be switched off at run time
     (the benchmark's ablation) without recapturing.
     """
 
@@ -58,6 +60,7 @@ class GpuPath:
         dummy_page: int,
         graph_max_bs: int,
         cfg: RunnerConfig,
+        host_pages: np.ndarray | None = None,
     ) -> None:
         if model.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(
@@ -85,7 +88,9 @@ class GpuPath:
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=model.device)
         self.attn: FlashInferAttention | FlashInferMlaAttention
         if model.cfg.mla is not None:
-            self.attn = FlashInferMlaAttention(pool, page_table, model.cfg, model.dtype, self.workspace, model.rotary)
+            if host_pages is None:
+                raise ValueError("latent attention on flashinfer plans from the page table's host copy (host_pages)")
+            self.attn = FlashInferMlaAttention(pool, host_pages, model.cfg, model.dtype, self.workspace, model.rotary)
         else:
             self.attn = FlashInferAttention(
                 pool,
