@@ -18,6 +18,7 @@ import torch
 from common.engine.forward_batch import ForwardBatch
 from common.engine.gpu.attention import FlashInferAttention, PageMeta
 from common.engine.gpu.graph_inputs import GraphInputs, smallest_fit
+from common.engine.gpu.mla_attention import FlashInferMlaAttention
 
 if TYPE_CHECKING:
     from common.engine.model import DecoderModel
@@ -38,7 +39,7 @@ class DecodeGraphs:
     def __init__(
         self,
         model: DecoderModel,
-        attn: FlashInferAttention,
+        attn: FlashInferAttention | FlashInferMlaAttention,
         pool: KVPool,
         dummy_page: int,
         max_seq_len: int,

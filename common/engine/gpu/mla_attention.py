@@ -13,8 +13,8 @@ KV, which is chunked prefill and prefix hits), as SGLang does for short prefixes
 expand every cached latent through `kv_b_proj` per layer and run a second kernel family (head dim 192 / 128),
 which flashinfer's MLA wrapper does not cover; the absorbed form costs `heads * kv_lora_rank` wider dot products
 instead, which for the prompt lengths P/D prefill pods serve (up to a few thousand tokens) keeps one code path
-and one plan per step. A step's plan is made outside any CUDA graph (decode graphs replay a wrapper planned into
-fixed metadata buffers, as the GQA path's do).
+and one plan per step. A step's plan is made outside any CUDA graph: decode graphs replay a wrapper planned into
+fixed metadata buffers, and the piecewise step graphs break at each layer's attention, as the GQA path's do.
 """
 
 from __future__ import annotations
@@ -75,8 +75,9 @@ def host_page_meta(host_pages: np.ndarray, page_size: int, table_rows: np.ndarra
 
 class FlashInferMlaAttention:
     """The `MlaBackend` of the GPU path: plan once per step, `forward_mla` per layer. It offers what the decode graphs
-    (common/engine/gpu/cuda_graph.py) call on an attention backend: `step_meta`, `make_decode_wrapper`,
-    `plan_decode`, `bind`, `write_rows`. `host_pages` is the page table's host copy (`PageTable.host_pages`)."""
+    (common/engine/gpu/cuda_graph.py) and the piecewise step graphs (common/engine/gpu/step_graphs.py) call on an
+    attention backend: `step_meta`, `make_decode_wrapper`, `plan_decode`, `plan_extend`, `bind`, `write_rows`,
+    `store` and `attend`. `host_pages` is the page table's host copy (`PageTable.host_pages`)."""
 
     # Kernels of the GQA path that latent attention does not use (the decode graphs and benchmarks read these).
     xqa = None
@@ -239,11 +240,16 @@ class FlashInferMlaAttention:
         store_rows(self.pool.rows, loc + self.offsets[layer], torch.cat((latent.unsqueeze(1), k_pe), dim=-1))
         return proj.absorb_query(q_nope), q_pe
 
-    def attend(
-        self, layer: int, q_latent: torch.Tensor, q_pe: torch.Tensor, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Each head's output in latent space `[T, H, kv_lora_rank]` (into `out` where given) as planned. Without
-        `out` it lands head-major (`[H, T, rank]` seen as `[T, H, rank]`), the layout W_UV's batched GEMM reads."""
+    def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of a packed absorbed query `[T, H, kv_lora_rank + rope]` (the step graphs' static buffer) as
+        planned: each head's output in latent space, `[T, H, kv_lora_rank]` (`out`'s first `kv_lora_rank` values
+        where given, which may be as wide as q)."""
+        r = self.rank
+        return self._attend(layer, q[..., :r], q[..., r:], None if out is None else out[..., :r])
+
+    def _attend(self, layer: int, q_latent: torch.Tensor, q_pe: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """flashinfer reads q and writes the output at the strides it is given. Without `out` the output lands
+        head-major (`[H, T, rank]` seen as `[T, H, rank]`), the layout W_UV's batched GEMM reads."""
         assert self._wrapper is not None, "plan() must run before the layers"
         if out is None:
             t, h, r = q_latent.shape
@@ -261,4 +267,4 @@ class FlashInferMlaAttention:
         proj: MlaProjections,
     ) -> torch.Tensor:
         q_latent, q_pe = self.store(layer, positions, q_nope, q_pe, latent, k_pe, proj)
-        return proj.values_from_latent(self.attend(layer, q_latent, q_pe))
+        return proj.values_from_latent(self._attend(layer, q_latent, q_pe, None))

@@ -111,8 +111,7 @@ class GpuPath:
 
             self.graphs = DecodeGraphs(model, self.attn, pool, dummy_page, page_table.shape[1], graph_max_bs)
         step_tokens = cfg.cuda_graph_max_tokens
-        # Latent attention's prefill and mixed steps run eagerly: the piecewise graphs break at a GQA attention call.
-        if step_tokens > 0 and model.device.type == "cuda" and model.tp.size == 1 and model.cfg.mla is None:
+        if step_tokens > 0 and model.device.type == "cuda" and model.tp.size == 1:
             from common.engine.gpu.step_graphs import StepGraphs
 
             self.step_graphs = StepGraphs(model, self.attn, pool, dummy_page, step_tokens)
