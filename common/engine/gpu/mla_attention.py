@@ -96,6 +96,7 @@ class FlashInferMlaAttention:
         workspace: torch.Tensor,
         rotary: RotaryCache,
     ) -> None:
+        import flashinfer
         from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
 
         why = flashinfer_mla_unsupported(cfg)
@@ -119,7 +120,8 @@ class FlashInferMlaAttention:
         self.rope_dim = mla.qk_rope_head_dim
         self.scale = mla.softmax_scale
         self.dtype = dtype
-        self.rotary = rotary
+        self.rope = flashinfer.apply_rope_with_cos_sin_cache
+        self.cos_sin = rotary.cos_sin()
         self.workspace = workspace
         self.fences = PlanFences(workspace.device)
         # Each layer's latent and roped-key parts: views of the pool ([pages, page_size, width], page-strided).
@@ -236,9 +238,12 @@ class FlashInferMlaAttention:
         absorbed query's two parts, W_UK^T q_nope `[T, H, kv_lora_rank]` and the roped q_pe `[T, H, rope]`."""
         loc = self._out_loc
         assert loc is not None, "plan() or bind() must run before the layers"
-        q_pe, k_pe = self.rotary.apply(positions, q_pe, k_pe.unsqueeze(1))
-        store_rows(self.pool.rows, loc + self.offsets[layer], torch.cat((latent.unsqueeze(1), k_pe), dim=-1))
-        return proj.absorb_query(q_nope), q_pe
+        t = q_pe.shape[0]
+        # One kernel for both RoPE parts (k_pe is read in place, a strided view of the merged projection).
+        q_pe, k_pe = self.rope(positions, q_pe.reshape(t, -1), k_pe, self.rope_dim, self.cos_sin, True)
+        entry = torch.cat((latent, k_pe), dim=-1).unsqueeze(1)  # [T, 1, latent_dim]
+        store_rows(self.pool.rows, loc + self.offsets[layer], entry)
+        return proj.absorb_query(q_nope), q_pe.view(t, -1, self.rope_dim)
 
     def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of a packed absorbed query `[T, H, kv_lora_rank + rope]` (the step graphs' static buffer) as
