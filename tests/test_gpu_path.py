@@ -840,6 +840,20 @@ def test_mla_on_flashinfer_logits_match_fp32_torch_path(mla_dir):
 
 @needs_cuda
 @gpu
+def test_mla_fp32_logits_on_the_gpu_equal_the_cpu_path(mla_dir):
+    """The issue's fp32 check for latent attention: the torch path (flashinfer's kernels are 16-bit only) in fp32 on
+    the GPU against the CPU's, teacher-forced through chunked prefill and decode: within 1e-4 relative L2 and 1e-3
+    absolute (summation order only; TF32 stays off)."""
+    seqs = _prompts(3, seed=33, lo=40, hi=140)
+    gpu_rows = torch.cat(_teacher_forced(_runner(mla_dir, "cuda", "float32", attention="torch"), seqs, 32, 6, False))
+    cpu_rows = torch.cat(_teacher_forced(_runner(mla_dir, "cpu", "float32"), seqs, 32, 6, False))
+    e = _rel(gpu_rows.cpu(), cpu_rows)
+    print(f"mla fp32 gpu vs cpu: rel {e:.2e}, max abs {float((gpu_rows.cpu() - cpu_rows).abs().max()):.2e}")
+    assert e < 1e-4 and float((gpu_rows.cpu() - cpu_rows).abs().max()) < 1e-3
+
+
+@needs_cuda
+@gpu
 def test_mla_step_graph_replay_identical_to_eager_pieces(mla_dir):
     """A mixed step of latent attention (three decode rows + a 64-token chunk, padded to 80) replayed from its piecewise
     graphs (broken at each layer's MLA kernel) and the same pieces run eagerly: bit-identical, finite, and at bf16
