@@ -81,7 +81,7 @@ def use_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
 @dataclass
 class PageMeta:
     indptr: torch.Tensor  # [B + 1] int32, CPU
-    indices: torch.Tensor  # [nnz pages] int32, on the pool's device
+    indices: torch.Tensor  # [nnz pages] int32, on the pool's device (the host's for latent attention's planner)
     last_page_len: torch.Tensor  # [B] int32, CPU
 
     def split(self, n: int) -> tuple[PageMeta, PageMeta]:
@@ -103,6 +103,50 @@ class PageMeta:
             indices=torch.cat((self.indices, dummy)),
             last_page_len=torch.cat((self.last_page_len, torch.ones(n, dtype=torch.int32))),
         )
+
+
+def page_meta(table: torch.Tensor, page_size: int, table_rows: torch.Tensor, seq_lens_cpu: list[int]) -> PageMeta:
+    """flashinfer's CSR page description of a step's requests from the token-location table (rows `table_rows`)."""
+    ps = page_size
+    b = len(seq_lens_cpu)
+    seq = torch.tensor(seq_lens_cpu, dtype=torch.int64)
+    npages = (seq + ps - 1) // ps
+    indptr = torch.zeros(b + 1, dtype=torch.int64)
+    torch.cumsum(npages, 0, out=indptr[1:])
+    last = seq - (npages - 1) * ps
+    max_pages = int(npages.max())
+    total = int(indptr[-1])
+    # Flat entry e belongs to request r(e) and is its page j(e): it sits at r * max_pages + j in the
+    # [B, max_pages] block of page-start locations gathered below.
+    owner = torch.repeat_interleave(torch.arange(b, dtype=torch.int64), npages, output_size=total)
+    flat = owner * max_pages + torch.arange(total, dtype=torch.int64) - indptr[:-1][owner]
+    firsts = table[:, : max_pages * ps : ps][table_rows].reshape(-1)
+    dev_flat = flat.to(table.device, non_blocking=True)
+    indices = torch.div(firsts[dev_flat], ps, rounding_mode="floor").to(torch.int32)
+    return PageMeta(indptr.to(torch.int32), indices, last.to(torch.int32))
+
+
+class PlanFences:
+    """flashinfer's planners stage a plan in a pinned host buffer and copy it to the device on the stream;
+    re-planning a wrapper before that copy ran would overwrite it (the overlap loop plans step N+1 while step N is
+    queued). One event per wrapper, recorded after its plan and waited on before its next, orders the two."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._planned: dict[int, torch.cuda.Event] = {}
+
+    def before(self, wrapper: object) -> None:
+        ev = self._planned.get(id(wrapper))
+        if ev is not None:
+            ev.synchronize()
+
+    def after(self, wrapper: object) -> None:
+        if not self.cuda:
+            return
+        ev = self._planned.get(id(wrapper))
+        if ev is None:
+            ev = self._planned[id(wrapper)] = torch.cuda.Event()
+        ev.record()
 
 
 class FlashInferAttention:
@@ -188,10 +232,7 @@ class FlashInferAttention:
         # Set by plan_extend for a step split in two calls: (leading one-token rows, their planned decode wrapper).
         self._split: tuple[int, object] | None = None
         self._out_loc: torch.Tensor | None = None
-        # flashinfer's planner stages its plan in a pinned host buffer per wrapper and copies it to the device
-        # on the stream; re-planning a wrapper before that copy ran would overwrite it (the overlap loop plans
-        # step N+1 while step N is queued). One event per wrapper orders the two.
-        self._planned: dict[int, torch.cuda.Event] = {}
+        self.fences = PlanFences(workspace.device)
         if fp8_prefill_supported(pool.device, self.kv_dtype, cfg.head_dim):
             self._start_fp8_prefill()
 
@@ -239,36 +280,16 @@ class FlashInferAttention:
 
     # ---- planning ---------------------------------------------------------------------------------
     def page_meta(self, table_rows: torch.Tensor, seq_lens_cpu: list[int]) -> PageMeta:
-        ps = self.page_size
-        b = len(seq_lens_cpu)
-        seq = torch.tensor(seq_lens_cpu, dtype=torch.int64)
-        npages = (seq + ps - 1) // ps
-        indptr = torch.zeros(b + 1, dtype=torch.int64)
-        torch.cumsum(npages, 0, out=indptr[1:])
-        last = seq - (npages - 1) * ps
-        max_pages = int(npages.max())
-        total = int(indptr[-1])
-        # Flat entry e belongs to request r(e) and is its page j(e): it sits at r * max_pages + j in the
-        # [B, max_pages] block of page-start locations gathered below.
-        owner = torch.repeat_interleave(torch.arange(b, dtype=torch.int64), npages, output_size=total)
-        flat = owner * max_pages + torch.arange(total, dtype=torch.int64) - indptr[:-1][owner]
-        firsts = self.table[:, : max_pages * ps : ps][table_rows].reshape(-1)
-        dev_flat = flat.to(self.table.device, non_blocking=True)
-        indices = torch.div(firsts[dev_flat], ps, rounding_mode="floor").to(torch.int32)
-        return PageMeta(indptr.to(torch.int32), indices, last.to(torch.int32))
+        return page_meta(self.table, self.page_size, table_rows, seq_lens_cpu)
+
+    def step_meta(self, batch: ForwardBatch) -> PageMeta:
+        return self.page_meta(batch.table_rows, batch.seq_lens_cpu)
 
     def _before_plan(self, wrapper) -> None:
-        ev = self._planned.get(id(wrapper))
-        if ev is not None:
-            ev.synchronize()
+        self.fences.before(wrapper)
 
     def _after_plan(self, wrapper) -> None:
-        if self.workspace.device.type != "cuda":
-            return
-        ev = self._planned.get(id(wrapper))
-        if ev is None:
-            ev = self._planned[id(wrapper)] = torch.cuda.Event()
-        ev.record()
+        self.fences.after(wrapper)
 
     def _xqa_view(self, meta: PageMeta) -> xqa_decode.XqaPages:
         """XQA's page table of an eager step's decode rows, as wide as its longest row."""
@@ -339,7 +360,7 @@ class FlashInferAttention:
     def plan(self, batch: ForwardBatch) -> None:
         self._triton_meta = None
         self._xqa_pages = None
-        meta = self.page_meta(batch.table_rows, batch.seq_lens_cpu)
+        meta = self.step_meta(batch)
         if batch.is_decode and self.xqa is not None:
             self._xqa_pages = self._xqa_view(meta)
             self._wrapper = self._split = None

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from common.engine.forward_batch import ForwardBatch
 from common.engine.gpu.attention import WORKSPACE_BYTES, FlashInferAttention
+from common.engine.gpu.mla_attention import FlashInferMlaAttention
 from common.engine.gpu.moe_experts import grouped_mm_experts, grouped_mm_unsupported
 from common.engine.gpu.ops import FlashInferOps
 from common.engine.model import DecoderModel
@@ -45,7 +47,8 @@ class GpuPath:
 
     `page_table` is the runner's `[rows, max_seq_len]` token-location table; `dummy_page` a pool page outside
     the allocator's range: CUDA-graph padding rows write there; `cfg` gives the kernel switches (decode
-    tensor-core threshold, the Triton kernels). `use_graphs` can be switched off at run time
+    tensor-core threshold, the Triton kernels); `host_pages` the table's page ids on the host (`PageTable.host_pages`),
+    which latent attention's planner reads. `use_graphs` can be switched off at run time
     (the benchmark's ablation) without recapturing.
     """
 
@@ -57,6 +60,7 @@ class GpuPath:
         dummy_page: int,
         graph_max_bs: int,
         cfg: RunnerConfig,
+        host_pages: np.ndarray | None = None,
     ) -> None:
         if model.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(
@@ -82,17 +86,23 @@ class GpuPath:
             rope_epilogue=cfg.gemv_rope,
         )
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=model.device)
-        self.attn = FlashInferAttention(
-            pool,
-            page_table,
-            model.cfg,
-            model.dtype,
-            self.workspace,
-            model.rotary,
-            cfg.decode_tc_min_batch,
-            triton,
-            self.pdl,
-        )
+        self.attn: FlashInferAttention | FlashInferMlaAttention
+        if model.cfg.mla is not None:
+            if host_pages is None:
+                raise ValueError("latent attention on flashinfer plans from the page table's host copy (host_pages)")
+            self.attn = FlashInferMlaAttention(pool, host_pages, model.cfg, model.dtype, self.workspace, model.rotary)
+        else:
+            self.attn = FlashInferAttention(
+                pool,
+                page_table,
+                model.cfg,
+                model.dtype,
+                self.workspace,
+                model.rotary,
+                cfg.decode_tc_min_batch,
+                triton,
+                self.pdl,
+            )
         self.graphs = None
         self.step_graphs = None
         self.use_graphs = True
@@ -109,12 +119,15 @@ class GpuPath:
         decode = "xqa" if attn.xqa is not None else "flashinfer"
         if attn.xqa is None and attn.triton_decode is not None:
             decode = "triton (1-2 rows), flashinfer"
+        if isinstance(attn, FlashInferMlaAttention):
+            decode = f"flashinfer mla {attn.backend} (absorbed, every step)"
+        prefill = "fa3 e4m3" if attn.fp8_prefill else "flashinfer"
         log.info(
             "gpu kernels",
             extra={
                 "kv_dtype": str(pool.layout.dtype).removeprefix("torch."),
                 "fp8_weights": model.fp8_weights,
-                "prefill_attention": "fa3 e4m3" if attn.fp8_prefill else "flashinfer",
+                "prefill_attention": decode if isinstance(attn, FlashInferMlaAttention) else prefill,
                 "decode_attention": decode,
                 "fused_kernels": triton,
                 "pdl": self.pdl,

@@ -12,6 +12,10 @@ for the real batch. A step of T tokens replays the smallest captured count >= T;
 their K/V to the pool's dummy page and are never attended to nor sampled. The final norm and LM head run
 eagerly on the sampled rows only.
 
+Latent attention (common/engine/gpu/mla_attention.py) breaks the same way: the graph before the break ends with
+the absorbed query [W_UK^T q_nope | q_pe] in the static buffer (as wide as a latent entry) and the step's entries
+in the pool, flashinfer's MLA kernel runs between the graphs, and the next graph starts with W_UV on its output.
+
 The residual stream is one tensor updated in place by every layer (flashinfer's fused add + RMSNorm), so it
 is the only activation that crosses a break besides the static buffers. Counts are captured largest first in
 one memory pool, as the decode graphs are; replays never overlap.
@@ -28,7 +32,9 @@ import torch
 from common.engine.forward_batch import ForwardBatch
 from common.engine.gpu.attention import FlashInferAttention
 from common.engine.gpu.graph_inputs import GraphInputs, smallest_fit
+from common.engine.gpu.mla_attention import FlashInferMlaAttention
 from common.engine.layers import KvWrite
+from common.engine.mla import MlaProjections
 
 if TYPE_CHECKING:
     from common.engine.model import DecoderModel
@@ -70,6 +76,26 @@ class _BreakAtAttention:
         o.attn.store(layer, positions, q, k, v, q_out=o.q_buf[: self.tokens])
         return self._break(layer)
 
+    def forward_mla(
+        self,
+        layer: int,
+        positions: torch.Tensor,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent: torch.Tensor,
+        k_pe: torch.Tensor,
+        proj: MlaProjections,
+    ) -> torch.Tensor:
+        """Latent attention: the entries written and the absorbed query [W_UK^T q_nope | q_pe] put in the static
+        buffer (as wide as a latent entry) inside the graph; after the break W_UV maps the latent output back."""
+        o = self.owner
+        q_latent, q_pe = o.attn.store(layer, positions, q_nope, q_pe, latent, k_pe, proj)  # type: ignore[call-arg]
+        q = o.q_buf[: self.tokens]
+        r = q_latent.shape[-1]
+        q[..., :r].copy_(q_latent)
+        q[..., r:].copy_(q_pe)
+        return proj.values_from_latent(self._break(layer)[..., :r])
+
     def kv_write(self, layer: int, positions: torch.Tensor) -> KvWrite | None:
         return self.owner.attn.kv_write(layer, positions)  # the static write rows `_layers` set
 
@@ -94,7 +120,7 @@ class StepGraphs:
     def __init__(
         self,
         model: DecoderModel,
-        attn: FlashInferAttention,
+        attn: FlashInferAttention | FlashInferMlaAttention,
         pool: KVPool,
         dummy_page: int,
         max_tokens: int,
@@ -176,7 +202,7 @@ class StepGraphs:
         count = self.pick(t)
         self.inputs.load(batch, self.pool, count)
         attn = self.attn
-        attn.plan_extend(attn.page_meta(batch.table_rows, batch.seq_lens_cpu), batch.extend_lens_cpu)
+        attn.plan_extend(attn.step_meta(batch), batch.extend_lens_cpu)
         if replay:
             graphs = self.graphs[count]
             q, o = self.q_buf[:t], self.o_buf[:t]
