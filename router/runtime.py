@@ -12,18 +12,18 @@ from typing import Any
 
 from common.config import RouterConfig
 from common.slo import SloClasses, parse_slo_classes
-from router.admission import AdmissionLimits
-from router.cost_model import SloTargets
-from router.discovery import Discovery
-from router.dispatch import Dispatcher
-from router.locality import PrefixLocator, RecentPlacements
+from router.decision.admission import AdmissionLimits
+from router.decision.cost_model import SloTargets
+from router.decision.discovery import Discovery
+from router.decision.dispatch import Dispatcher
+from router.decision.locality import PrefixLocator, RecentPlacements
+from router.decision.policy import PolicyConfig, RoutingPolicy
+from router.decision.pool import WorkerPool
 from router.metrics import RouterMetrics
-from router.migration import MIGRATIONS
-from router.policy import PolicyConfig, RoutingPolicy
-from router.pool import WorkerPool
-from router.service import RouterService
 from router.settings import RouterOptions
-from router.tokenizer import ModelInfo, RouterTokenizer
+from router.surface.service import RouterService
+from router.surface.tokenizer import ModelInfo, RouterTokenizer
+from router.upstream.migration import MIGRATIONS
 from router.wire import WireClient
 
 
@@ -122,7 +122,7 @@ class RouterRuntime:
 
 
 def placement_inputs(pool: WorkerPool, policy: RoutingPolicy) -> dict[str, Any]:
-    """What the placement decision reads (router/cost_model.py): the mode, the SLO targets and each
+    """What the placement decision reads (router/decision/cost_model.py): the mode, the SLO targets and each
     worker's measured prefill rate, chunk size and queued prefill tokens; and for the planner (planner/source.py)
     each worker's role, whether it is routable and its step-time coefficients."""
     cfg = policy.cfg

@@ -1,5 +1,5 @@
 """The fleet: simulated workers (bench/fleet_sim/worker.py) behind the router's real admission and placement
-(router/dispatch.py ``Dispatcher.check_ttft`` and ``route``, over a real router/pool.py ``WorkerPool`` fed
+(router/decision/dispatch.py ``Dispatcher.check_ttft`` and ``route``, over a real router/decision/pool.py ``WorkerPool`` fed
 the workers' loads every poll interval), sized by a controller: fixed counts, the planner (planner/core.py),
 or one HPA per role on utilisation.
 
@@ -23,19 +23,19 @@ from typing import Protocol
 
 import numpy as np
 
-import router.dispatch as router_dispatch
-import router.pool as router_pool
+import router.decision.dispatch as router_dispatch
+import router.decision.pool as router_pool
 from bench.fleet_sim.worker import Job, SimWorker, WorkerSpec
 from bench.fleet_sim.workload import SimRequest
 from common.capacity import prompt_steps_s
 from common.slo import SloClasses, parse_slo_classes
 from planner.observe import Totals
 from planner.sizing import Counts
-from router.admission import AdmissionLimits
-from router.dispatch import Dispatcher, PromptPlan
+from router.decision.admission import AdmissionLimits
+from router.decision.dispatch import Dispatcher, PromptPlan
+from router.decision.policy import PolicyConfig, RoutingPolicy
+from router.decision.pool import Worker, WorkerPool
 from router.errors import OpenAIError
-from router.policy import PolicyConfig, RoutingPolicy
-from router.pool import Worker, WorkerPool
 
 __all__ = ["Controller", "Fleet", "FleetConfig", "Result"]
 
@@ -74,7 +74,7 @@ class _Clock:
 
 
 class _Call:
-    """What the router's pool holds per request (router/upstream.py's UpstreamCall, minus the HTTP)."""
+    """What the router's pool holds per request (router/upstream/call.py's UpstreamCall, minus the HTTP)."""
 
     __slots__ = ("rid",)
 

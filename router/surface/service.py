@@ -22,13 +22,13 @@ import anyio
 
 from common.protocol import TokenLine
 from common.slo import DEFAULT_SLO_SPEC, SloClasses, parse_slo_classes
-from router.choice import ChoiceDelta, ChoiceState, TokenInfo
-from router.dispatch import Dispatcher
+from router.decision.dispatch import Dispatcher
 from router.errors import bad_request, context_too_long, prompt_too_long, rate_limited, upstream_failed
 from router.metrics import TokenGaps
-from router.migration import MigratingCall
-from router.openai_api import ChatCompletionRequest, CompletionRequest
-from router.responses import (
+from router.settings import RouterOptions
+from router.surface.choice import ChoiceDelta, ChoiceState, TokenInfo
+from router.surface.openai_api import ChatCompletionRequest, CompletionRequest
+from router.surface.responses import (
     SSE_DONE,
     ChunkFormat,
     chat_choice,
@@ -40,10 +40,10 @@ from router.responses import (
     sse,
     usage,
 )
-from router.settings import RouterOptions
+from router.surface.tokenizer import ModelInfo, PromptTooLong, RouterTokenizer
+from router.surface.tools import Tool, ToolCallStream, finish_reason_with_calls, parse_tool_calls
 from router.timeline import RequestRecord
-from router.tokenizer import ModelInfo, PromptTooLong, RouterTokenizer
-from router.tools import Tool, ToolCallStream, finish_reason_with_calls, parse_tool_calls
+from router.upstream.migration import MigratingCall
 
 SLO_CLASS_HEADER = "x-kvferry-class"  # names the request's SLO class (else `priority`, else the default)
 
@@ -149,7 +149,7 @@ class RouterService:
         return self.slo.by_priority(priority or 0).name
 
     # ---- tokenizing ----------------------------------------------------------------------------------
-    # A prompt is tokenized up to the model's context at most (router/tokenizer.py): one past it is refused
+    # A prompt is tokenized up to the model's context at most (router/surface/tokenizer.py): one past it is refused
     # (400) after about a context's worth of work, whatever its size; long texts are tokenized on the bounded
     # pool, off the event loop.
     async def _tokenize(self, chars: int, param: str, encode: Callable[[], list[int]]) -> list[int]:
@@ -387,7 +387,7 @@ class RouterService:
 
     # ---- streaming -----------------------------------------------------------------------------------
     async def stream(self, job: Job, choices: list[RunningChoice]) -> AsyncIterator[bytes]:
-        """SSE bytes: one piece per batch of worker events (router/responses.py ChunkFormat renders the
+        """SSE bytes: one piece per batch of worker events (router/surface/responses.py ChunkFormat renders the
         fields every chunk repeats once per response). Whatever fails once the response has started, the
         client still gets an error event and [DONE], never a stream that just stops."""
         try:
@@ -456,7 +456,7 @@ class RouterService:
     def _render_tools(
         self, job: Job, fmt: ChunkFormat, c: RunningChoice, tools: ToolCallStream, delta: ChoiceDelta
     ) -> bytes:
-        """A chat choice with tools: content or tool-call deltas (router/tools.py decides which)."""
+        """A chat choice with tools: content or tool-call deltas (router/surface/tools.py decides which)."""
         deltas = tools.push(delta.text)
         if delta.finish_reason is not None:
             deltas += tools.finish()

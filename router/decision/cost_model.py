@@ -1,13 +1,13 @@
 """Adaptive placement: predicted TTFT and ITL cost of each way to serve one request, as pure functions.
 
-A request can be placed two ways (router/policy.py picks the decode pod D first, by its own load):
+A request can be placed two ways (router/decision/policy.py picks the decode pod D first, by its own load):
 
 local on D
     D prefills the prompt itself, in chunks that join its running decode batch.
 disaggregated via P
     a prefill pod P computes the prompt, its KV moves to D, D decodes.
 
-Predicted time to first token (seconds): the one prediction admission also uses (router/ttft_model.py: the
+Predicted time to first token (seconds): the one prediction admission also uses (router/decision/ttft_model.py: the
 pod's step-time model over its queue ahead of this request's class, plus the transfer for P), set on each side
 as ``predicted_ttft_s`` by the dispatcher. A pod that has no step model yet falls back to its own measured
 prefill rate ``rate_x`` (``prefill_tokens_per_s`` in its /load, common/serving/prefill_rate.py):
@@ -88,7 +88,7 @@ class LocalSide:
     busy: bool  # D runs a decode batch that a local prefill would slow
     step_speed: float = 0.0  # D's device-timed prefill tokens/s: a chunk's time in a step (0: unknown -> rate)
     decode_step_s: float = 0.0  # D's recent decode step (0: unknown)
-    predicted_ttft_s: float | None = None  # router/ttft_model.py's prediction (None: the rate formula)
+    predicted_ttft_s: float | None = None  # router/decision/ttft_model.py's prediction (None: the rate formula)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ prefill worker p
         The prefill queue in tokens (the pod's figure or this router's own count of prompt tokens sent
         and not yet started, whichever is larger): TTFT grows linearly with it.
 
-the fleet, by predicted TTFT (``admit_by_ttft``; router/ttft_model.py predicts, `ttft_verdict` decides)
+the fleet, by predicted TTFT (``admit_by_ttft``; router/decision/ttft_model.py predicts, `ttft_verdict` decides)
     min over placements of predicted_ttft(request as class k) > limit_k, for any class k with a TTFT target
     and rank <= the request's, where limit_k = max(ttft_k for the request's own class or LOWER_CLASS_HEADROOM x
     ttft_k for a higher class, QUEUE_ALLOWANCE x the request's predicted TTFT with nothing queued ahead)
@@ -58,7 +58,7 @@ the fleet, by predicted TTFT (``admit_by_ttft``; router/ttft_model.py predicts, 
 The router routes among the workers that are not full. When every ready decode worker is full, or a
 prompt long enough to disaggregate finds every prefill worker full, the request gets 429 with
 ``Retry-After`` (nothing was started anywhere). A worker that refuses a request itself (429: its engine
-queue is full) is skipped and the request retried once on another, then answered 429 (router/upstream.py).
+queue is full) is skipped and the request retried once on another, then answered 429 (router/upstream/call.py).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from common.slo import SloClass, SloClasses
-from router.pool import Load, Worker
+from router.decision.pool import Load, Worker
 
 __all__ = [
     "LOWER_CLASS_HEADROOM",

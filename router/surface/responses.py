@@ -12,8 +12,8 @@ from typing import Any
 
 import orjson
 
-from router.choice import TokenInfo
-from router.tokenizer import RouterTokenizer
+from router.surface.choice import TokenInfo
+from router.surface.tokenizer import RouterTokenizer
 
 __all__ = [
     "chat_logprobs",

@@ -8,7 +8,7 @@ pods. The router therefore remembers, for a few seconds, which pod it just sent 
 Tiers: a pod may hold blocks in device memory or in its host-memory tier (common/kv/host_tier.py). A host
 block is reused after a copy back to the device, which costs a fraction (``host_hit_cost``) of computing it
 again, so ``lookup`` counts each host block as ``1 - host_hit_cost`` of a block: the policy's
-"matched tokens" (router/policy.py) are then the prefill work a pod saves, and it ranks a device hit above a
+"matched tokens" (router/decision/policy.py) are then the prefill work a pod saves, and it ranks a device hit above a
 host hit of the same length, and a host hit above recomputing. The default 0.1: copying 4k tokens of an 8B
 model's KV over PCIe (~512 MiB at ~50 GB/s, ~10 ms) against prefilling them (~150-250 ms on an H200).
 

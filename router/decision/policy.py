@@ -1,6 +1,6 @@
 """Which prefill pod and which decode pod serve a request: pure scoring over plain data.
 
-Inputs are snapshots (router/pool.py builds them from each worker's ``/load`` and the router's own
+Inputs are snapshots (router/decision/pool.py builds them from each worker's ``/load`` and the router's own
 in-flight counts) plus, per pod id, how many leading prompt blocks the pod holds (Redis prefix index,
 one round trip; None when Redis is down). Nothing here does I/O, so the formula is unit-tested directly.
 
@@ -45,7 +45,7 @@ decode pod is never also its remote prefill pod (that is the local placement).
 Adaptive placement (``placement="adaptive"``; the default is ``fixed`` until a GPU benchmark shows
 adaptive wins): when a prefill pod is up and the pods have measured their prefill rates, the choice
 between local and disaggregated prefill (and which prefill pod) comes from the cost model in
-router/cost_model.py (predicted TTFT per placement, the ITL cost a local prefill adds to the decode
+router/decision/cost_model.py (predicted TTFT per placement, the ITL cost a local prefill adds to the decode
 pod's batch, both against SLO settings) instead of the two fixed thresholds above; its reason is ``adaptive-local`` / ``adaptive-disaggregated`` (``-slo-miss`` when no placement met both SLOs).
 Until the pods have measured, and with ``placement="fixed"``, the thresholds decide as before.
 
@@ -59,7 +59,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from router.cost_model import LocalSide, PrefillSide, SloTargets, choose_placement
+from router.decision.cost_model import LocalSide, PrefillSide, SloTargets, choose_placement
 
 __all__ = ["DecodeCandidate", "PolicyConfig", "PrefillCandidate", "RouteDecision", "RoutingPolicy"]
 
@@ -115,7 +115,7 @@ class PolicyConfig:
     imbalance_ratio: float = 1.5
     decode_kv_weight: float = 4.0
     mode: str = "cache_aware"  # cache_aware | round_robin
-    placement: str = "fixed"  # fixed (the thresholds only) | adaptive (router/cost_model.py)
+    placement: str = "fixed"  # fixed (the thresholds only) | adaptive (router/decision/cost_model.py)
     transfer_tokens_per_s: float = 200_000.0  # assumed where a pod has no TTFT prediction (cost_model.py)
     targets: SloTargets = field(default_factory=lambda: SloTargets(None, 0.05))  # of a request without a class
 
