@@ -12,7 +12,6 @@ from typing import Any
 
 from common.config import RouterConfig
 from common.slo import SloClasses, parse_slo_classes
-from router.decision.admission import AdmissionLimits
 from router.decision.cost_model import SloTargets
 from router.decision.discovery import Discovery
 from router.decision.dispatch import Dispatcher
@@ -73,20 +72,7 @@ class RouterRuntime:
         slo = parse_slo_classes(config.slo_classes, config.slo_default_class)
         metrics.declare_classes(slo.names)
         dispatcher = Dispatcher(
-            pool,
-            RoutingPolicy(policy_config(opts, slo)),
-            locator,
-            client,
-            connect_timeout_s=opts.connect_timeout_s,
-            first_token_timeout_s=opts.first_token_timeout_s,
-            inter_token_timeout_s=opts.inter_token_timeout_s,
-            retry_after_s=opts.retry_after_s,
-            limits=AdmissionLimits(
-                opts.admit_max_waiting, opts.admit_max_queued_prefill_tokens, opts.admit_queue_seconds
-            ),
-            metrics=metrics,
-            slo=slo,
-            admit_by_ttft=opts.admit_by_ttft != 0,
+            pool, RoutingPolicy(policy_config(opts, slo)), locator, client, opts, metrics=metrics, slo=slo
         )
         metrics.watch_pool(lambda: list(pool.workers.values()))
         service = RouterService(tok, info, dispatcher, opts, slo)

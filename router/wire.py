@@ -20,6 +20,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from common import settings_registry as reg
+
 __all__ = ["ConnectError", "ProtocolError", "Response", "WireClient", "WireError"]
 
 _IDLE_S = 4.0  # under the workers' keep-alive timeout (KVFERRY_HTTP_KEEP_ALIVE_S, 5 s by default)
@@ -194,7 +196,9 @@ class Response:
 
 
 class WireClient:
-    def __init__(self, connect_timeout_s: float = 3.0, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, connect_timeout_s: float = reg.ROUTER_CONNECT_TIMEOUT_S.default, headers: dict[str, str] | None = None
+    ) -> None:
         """``headers``: sent on every request (the workers' internal token: common/internal_auth.py)."""
         self.connect_timeout_s = connect_timeout_s
         self._fixed_head = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())

@@ -36,6 +36,7 @@ from router.decision.dispatch import Dispatcher, PromptPlan
 from router.decision.policy import PolicyConfig, RoutingPolicy
 from router.decision.pool import Worker, WorkerPool
 from router.errors import OpenAIError
+from router.settings import RouterOptions
 
 __all__ = ["Controller", "Fleet", "FleetConfig", "Result"]
 
@@ -53,7 +54,8 @@ class FleetConfig:
     worker: WorkerSpec
     slo: SloClasses = field(default_factory=lambda: parse_slo_classes("interactive:ttft=1s,itl=50ms,p=99"))
     policy: PolicyConfig = field(default_factory=PolicyConfig)
-    limits: AdmissionLimits = field(default_factory=AdmissionLimits)
+    # 32 waiting per decode worker: the limit the simulated runs in bench/RESULTS.md were made with.
+    limits: AdmissionLimits = field(default_factory=lambda: AdmissionLimits(max_waiting=32))
     admit_by_ttft: bool = True
     poll_s: float = 0.25
     route_sample: int = 0  # 0: every worker is a candidate
@@ -128,9 +130,9 @@ class Fleet:
             RoutingPolicy(cfg.policy),
             locator=None,  # type: ignore[arg-type]
             client=None,  # type: ignore[arg-type]
+            opts=RouterOptions(admit_by_ttft=int(cfg.admit_by_ttft)),
             limits=cfg.limits,
             slo=cfg.slo,
-            admit_by_ttft=cfg.admit_by_ttft,
         )
         self.cls = cfg.slo.get("")
         self.sims: dict[str, SimWorker] = {}

@@ -67,8 +67,10 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from common import settings_registry as reg
 from common.slo import SloClass, SloClasses
 from router.decision.pool import Load, Worker
+from router.settings import RouterOptions
 
 __all__ = [
     "LOWER_CLASS_HEADROOM",
@@ -93,9 +95,15 @@ QUEUE_ALLOWANCE = 2.0
 
 @dataclass(frozen=True)
 class AdmissionLimits:
-    max_waiting: int = 32  # per decode worker: requests waiting for a batch slot
-    max_queued_prefill_tokens: int = 32768  # per worker: prompt tokens waiting for prefill (the floor)
-    queue_seconds: float = 2.0  # per worker: as many queued tokens as it prefills in this long, if more
+    max_waiting: int = reg.ROUTER_ADMIT_MAX_WAITING.default  # per decode worker: requests waiting for a batch slot
+    # per worker: prompt tokens waiting for prefill (the floor)
+    max_queued_prefill_tokens: int = reg.ROUTER_ADMIT_MAX_QUEUED_PREFILL_TOKENS.default
+    # per worker: as many queued tokens as it prefills in this long, if more
+    queue_seconds: float = reg.ROUTER_ADMIT_QUEUE_SECONDS.default
+
+    @classmethod
+    def from_options(cls, opts: RouterOptions) -> AdmissionLimits:
+        return cls(opts.admit_max_waiting, opts.admit_max_queued_prefill_tokens, opts.admit_queue_seconds)
 
     def queued_tokens_limit(self, w: Worker) -> int:
         """The floor, or the tokens the worker prefills in `queue_seconds` at its measured rate: an H200

@@ -29,6 +29,7 @@ from router.decision.pool import Worker, WorkerPool
 from router.decision.ttft_model import WorkerFigures, predict_ttft_s
 from router.errors import bad_request, no_worker, rate_limited
 from router.metrics import RouterMetrics
+from router.settings import RouterOptions
 from router.wire import WireClient
 
 if TYPE_CHECKING:
@@ -59,27 +60,26 @@ class Dispatcher:
         policy: RoutingPolicy,
         locator: PrefixLocator,
         client: WireClient,
-        connect_timeout_s: float = 3.0,
-        first_token_timeout_s: float = 300.0,
-        inter_token_timeout_s: float = 120.0,
-        retry_after_s: int = 1,
+        opts: RouterOptions | None = None,
         limits: AdmissionLimits | None = None,
         metrics: RouterMetrics | None = None,
         slo: SloClasses | None = None,
-        admit_by_ttft: bool = True,
     ) -> None:
+        """`opts`: the deadlines, Retry-After and TTFT admission (the registry's defaults when None); `limits`:
+        the per-worker admission limits (else `opts`')."""
+        opts = opts if opts is not None else RouterOptions()
         self.pool = pool
         self.slo = slo if slo is not None else parse_slo_classes(DEFAULT_SLO_SPEC)
-        self.admit_by_ttft = admit_by_ttft
+        self.admit_by_ttft = opts.admit_by_ttft != 0
         self.metrics = metrics or RouterMetrics()
-        self.limits = limits or AdmissionLimits()
+        self.limits = limits or AdmissionLimits.from_options(opts)
         self.policy = policy
         self.locator = locator
         self.client = client
-        self.connect_timeout_s = connect_timeout_s
-        self.first_token_timeout_s = first_token_timeout_s
-        self.inter_token_timeout_s = inter_token_timeout_s
-        self.retry_after_s = retry_after_s
+        self.connect_timeout_s = opts.connect_timeout_s
+        self.first_token_timeout_s = opts.first_token_timeout_s
+        self.inter_token_timeout_s = opts.inter_token_timeout_s
+        self.retry_after_s = opts.retry_after_s
         self.decisions: dict[str, int] = {}  # reason (or rejection) -> count, for /router/workers and benchmarks
 
     async def plan(self, token_ids: list[int]) -> PromptPlan:

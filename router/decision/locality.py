@@ -25,6 +25,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
+from common import settings_registry as reg
+
 log = logging.getLogger("kvferry.router")
 
 __all__ = ["HOST_HIT_COST", "PrefixLocator", "RecentPlacements", "saved_blocks"]
@@ -39,7 +41,7 @@ class _Reader(Protocol):
 class RecentPlacements:
     """Block hash -> {pod: expiry}; bounded LRU, entries expire after ``ttl_s``."""
 
-    def __init__(self, ttl_s: float = 10.0, max_blocks: int = 200_000) -> None:
+    def __init__(self, ttl_s: float = reg.ROUTER_RECENT_ROUTE_TTL_S.default, max_blocks: int = 200_000) -> None:
         self.ttl_s = ttl_s
         self.max_blocks = max_blocks
         self._blocks: OrderedDict[int, dict[str, float]] = OrderedDict()

@@ -59,6 +59,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from common import settings_registry as reg
 from router.decision.cost_model import LocalSide, PrefillSide, SloTargets, choose_placement
 
 __all__ = ["DecodeCandidate", "PolicyConfig", "PrefillCandidate", "RouteDecision", "RoutingPolicy"]
@@ -108,15 +109,16 @@ class RouteDecision:
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    disagg_min_prompt_tokens: int = 256
-    local_prefix_fraction: float = 0.8
-    prefill_load_weight: float = 0.5
-    imbalance_abs_tokens: int = 2048
-    imbalance_ratio: float = 1.5
-    decode_kv_weight: float = 4.0
-    mode: str = "cache_aware"  # cache_aware | round_robin
-    placement: str = "fixed"  # fixed (the thresholds only) | adaptive (router/decision/cost_model.py)
-    transfer_tokens_per_s: float = 200_000.0  # assumed where a pod has no TTFT prediction (cost_model.py)
+    disagg_min_prompt_tokens: int = reg.ROUTER_DISAGG_MIN_PROMPT_TOKENS.default
+    local_prefix_fraction: float = reg.ROUTER_LOCAL_PREFIX_FRACTION.default
+    prefill_load_weight: float = reg.ROUTER_PREFILL_LOAD_WEIGHT.default
+    imbalance_abs_tokens: int = reg.ROUTER_IMBALANCE_ABS_TOKENS.default
+    imbalance_ratio: float = reg.ROUTER_IMBALANCE_RATIO.default
+    decode_kv_weight: float = reg.ROUTER_DECODE_KV_WEIGHT.default
+    mode: str = reg.ROUTER_ROUTING.default  # cache_aware | round_robin
+    placement: str = reg.ROUTER_PLACEMENT.default  # fixed (the thresholds only) | adaptive (cost_model.py)
+    # assumed where a pod has no TTFT prediction (cost_model.py)
+    transfer_tokens_per_s: float = reg.ROUTER_TRANSFER_TOKENS_PER_S.default
     targets: SloTargets = field(default_factory=lambda: SloTargets(None, 0.05))  # of a request without a class
 
 

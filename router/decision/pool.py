@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Protocol
 
+from common import settings_registry as reg
 from common.capacity import StepCost
 from router.decision.policy import DecodeCandidate, PrefillCandidate
 from router.wire import ConnectError, WireClient
@@ -291,10 +292,10 @@ class WorkerPool:
     def __init__(
         self,
         client: WireClient,
-        poll_interval_s: float = 1.0,
-        poll_timeout_s: float = 2.0,
-        down_after_failures: int = 3,
-        down_after_s: float = 5.0,
+        poll_interval_s: float = reg.ROUTER_POLL_INTERVAL_S.default,
+        poll_timeout_s: float = reg.ROUTER_POLL_TIMEOUT_S.default,
+        down_after_failures: int = reg.ROUTER_DOWN_AFTER_FAILURES.default,
+        down_after_s: float = reg.ROUTER_DOWN_AFTER_S.default,
     ) -> None:
         self.client = client
         self.poll_interval_s = poll_interval_s
