@@ -741,7 +741,7 @@ ROUTER_WORKERS = _router(
     "workers",
     int,
     1,
-    "router processes in this pod, sharing its port (one streams ~17-19k tok/s); each has its own worker pool, "
+    "router processes in this pod, sharing its port (what one streams: bench/RESULTS.md, 'Router streaming capacity'); each has its own worker pool, "
     "polls, in-flight counts and admission, and they share the prefix index in Redis",
     shown_default="1 (the k8s router sets its CPU limit)",
 )
@@ -885,8 +885,8 @@ def _schema_limit(name: str, default: int, doc: str) -> Setting[int]:
 ROUTER_SCHEMA_MAX_PROPERTIES = _schema_limit(
     "schema_max_properties",
     500,
-    "object properties in one JSON schema, all objects together (its grammar's compile time grows with them: 500 "
-    "optional ones in one object 1.5 s on a CPU core, 1,000 6 s)",
+    "object properties in one JSON schema, all objects together (its grammar's compile time grows faster "
+    "than their count: bench/RESULTS.md, 'Figures behind choices in the code')",
 )
 ROUTER_SCHEMA_MAX_ENUM_VALUES = _schema_limit(
     "schema_max_enum_values", 1000, "`enum` values and `const`s in one JSON schema, all together (OpenAI's limit)"

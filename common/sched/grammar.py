@@ -50,9 +50,8 @@ CORES_PER_FILL_THREAD = 4
 
 
 def default_fill_threads() -> int:
-    """xgrammar's threads for one batch fill: a quarter of the cores this process may use, 1 to 4. A JSON-schema
-    row inside a string takes ~20 us; 128 rows on the H200 host filled in 2.7 / 1.9 / 1.5 / 1.6 ms on 1 / 2 /
-    4 / 8 threads (bench/RESULTS.md "Run 6 and 7"; with torch at a thread per core, more were slower)."""
+    """xgrammar's threads for one batch fill: a quarter of the cores this process may use, 1 to 4. Past 4 threads a
+    fill gained nothing, and with torch at a thread per core more were slower (bench/RESULTS.md, "Figures behind choices in the code")."""
     from common.engine.threads import usable_cores
 
     return max(1, min(MAX_FILL_THREADS, usable_cores() // CORES_PER_FILL_THREAD))
@@ -83,8 +82,7 @@ class GrammarBook:
         self.stop_ids = sorted(stop_ids)
         # The ids the masks cover: the tokenizer's, where the model's LM head is padded past them (the sampler
         # bans the rest on grammar rows). xgrammar treats every padded id as a token of its own (an empty
-        # string) in each fill: 79k of them took a row's fill from 11 to 84 us, and an 8B step's 128-row fill to
-        # 12.9 ms (bench/RESULTS.md, "Run 8").
+        # string) in each fill, several times a row's own work (bench/RESULTS.md, "Run 8").
         self._mask_vocab = 0
         self._mask_stops: list[int] = []  # the stop ids inside the masks
         self._compiler: Any = None
@@ -341,7 +339,7 @@ class GrammarMasks:
 def _batch_accept(handles: list[Any], tokens: list[int]) -> list[bool] | None:
     """Each matcher (by its xgrammar handle) accepts its token, in one call that releases the GIL; None: all
     were allowed, else whether each was. xgrammar's own wrapper turns the result into a list one element at a
-    time through its FFI (~2 us a row, holding the GIL): the common all-allowed case asks the result once."""
+    time through its FFI (per row, holding the GIL): the common all-allowed case asks the result once."""
     from xgrammar.base import _core
 
     result = _core.BatchGrammarMatcher.batch_accept_token(handles, tokens, False)

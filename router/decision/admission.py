@@ -106,8 +106,8 @@ class AdmissionLimits:
         return cls(opts.admit_max_waiting, opts.admit_max_queued_prefill_tokens, opts.admit_queue_seconds)
 
     def queued_tokens_limit(self, w: Worker) -> int:
-        """The floor, or the tokens the worker prefills in `queue_seconds` at its measured rate: an H200
-        prefills 25-40k tokens/s of an 8B model, a CPU pod a few hundred, and one constant fits neither."""
+        """The floor, or the tokens the worker prefills in `queue_seconds` at its measured rate: GPU and CPU
+        pods prefill at rates orders of magnitude apart, and one constant fits neither."""
         rate = w.load.prefill_tokens_per_s if w.load is not None else 0.0
         return max(self.max_queued_prefill_tokens, int(rate * self.queue_seconds))
 
