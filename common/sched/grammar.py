@@ -14,7 +14,7 @@ batched call, `BatchGrammarMatcher.batch_accept_token`) and then fills the batch
 straight into the step's pinned staging buffer; the scheduler's thread copies them to the device with the
 rest of the sampling's inputs in one non-blocking copy (common/sched/step_sampling.py) and then launches the
 sampling, which applies them in place (common/sched/scheduler.py `_begin_sampling`). A batch with no grammar
-row samples right behind its forward, as before. The scheduler's thread feeds a matcher itself only the
+row samples right behind its forward: it waits on no fill. The scheduler's thread feeds a matcher itself only the
 tokens that may end a request (a stop token, the last token, a prompt's first), so it learns at once whether
 the request ends there (`Scheduler._append_token`); a decode token the grammar rejects, found by the fill,
 ends its request before any later token is appended (`GrammarMasks.broken`).
@@ -238,7 +238,7 @@ class GrammarBook:
         in one batched call here, on the fill thread with overlap on (xgrammar releases the GIL inside it).
         A request whose token accepted here broke its grammar comes back in `broken`; the scheduler finishes
         it before any later token of it is appended (a break found replaying a request's earlier output is
-        found again when its first token is appended, as before).
+        found again when its first token is appended).
 
         The fill thread shares the GIL with the scheduler's thread, whose torch calls each let it go: Python
         run here delays that thread's next op by as long (bench/RESULTS.md, "Run 6 and 7"). So the

@@ -4,7 +4,8 @@ admission by predicted TTFT (`Dispatcher.check_ttft`, once per request before an
 
 Placement prefers the workers predicted to meet the request's TTFT target (router/decision/ttft_model.py): when some
 do, the policy chooses among those only; when none does (only possible for a request admitted anyway: a class
-without a target, or shedding off) it chooses among all, as before."""
+without a target, or shedding off) it chooses among all, so such a request is still served where it is
+served best."""
 
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ adaptive wins): when a prefill pod is up and the pods have measured their prefil
 between local and disaggregated prefill (and which prefill pod) comes from the cost model in
 router/decision/cost_model.py (predicted TTFT per placement, the ITL cost a local prefill adds to the decode
 pod's batch, both against SLO settings) instead of the two fixed thresholds above; its reason is ``adaptive-local`` / ``adaptive-disaggregated`` (``-slo-miss`` when no placement met both SLOs).
-Until the pods have measured, and with ``placement="fixed"``, the thresholds decide as before.
+Until the pods have measured, and with ``placement="fixed"``, the two thresholds decide.
 
 ``mode="round_robin"`` picks prefill pods in turn, ignoring prefix and load: the baseline that
 bench/prefix_routing.py compares against (and a fallback switch for operators).
