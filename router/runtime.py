@@ -65,9 +65,7 @@ class RouterRuntime:
         metrics: RouterMetrics,
     ) -> RouterRuntime:
         client = WireClient(connect_timeout_s=opts.connect_timeout_s, headers=config.internal_token.headers())
-        pool = WorkerPool(
-            client, opts.poll_interval_s, opts.poll_timeout_s, opts.down_after_failures, opts.down_after_s
-        )
+        pool = WorkerPool(client, opts)
         locator = PrefixLocator(index_reader, RecentPlacements(opts.recent_route_ttl_s))
         slo = parse_slo_classes(config.slo_classes, config.slo_default_class)
         metrics.declare_classes(slo.names)

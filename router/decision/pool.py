@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Protocol
 
-from common import settings_registry as reg
 from common.capacity import StepCost
 from router.decision.policy import DecodeCandidate, PrefillCandidate
+from router.settings import RouterOptions
 from router.wire import ConnectError, WireClient
 
 log = logging.getLogger("kvferry.router")
@@ -292,16 +292,15 @@ class WorkerPool:
     def __init__(
         self,
         client: WireClient,
-        poll_interval_s: float = reg.ROUTER_POLL_INTERVAL_S.default,
-        poll_timeout_s: float = reg.ROUTER_POLL_TIMEOUT_S.default,
-        down_after_failures: int = reg.ROUTER_DOWN_AFTER_FAILURES.default,
-        down_after_s: float = reg.ROUTER_DOWN_AFTER_S.default,
+        opts: RouterOptions | None = None,
     ) -> None:
+        """`opts`: the polls' interval and timeout and when a worker is down (the registry's defaults when None)."""
+        opts = opts if opts is not None else RouterOptions()
         self.client = client
-        self.poll_interval_s = poll_interval_s
-        self.poll_timeout_s = poll_timeout_s
-        self.down_after_failures = max(1, down_after_failures)
-        self.down_after_s = down_after_s
+        self.poll_interval_s = opts.poll_interval_s
+        self.poll_timeout_s = opts.poll_timeout_s
+        self.down_after_failures = max(1, opts.down_after_failures)
+        self.down_after_s = opts.down_after_s
         self.workers: dict[str, Worker] = {}
         self._targets: dict[str, set[str]] = {role: set() for role in ROLES}
         self._started = False

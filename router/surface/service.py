@@ -33,10 +33,9 @@ from router.surface.responses import (
     ChunkFormat,
     chat_choice,
     chat_logprobs,
-    chat_response,
     completion_choice,
     completion_logprobs,
-    completion_response,
+    response,
     sse,
     usage,
 )
@@ -185,20 +184,7 @@ class RouterService:
             raise bad_request("messages produce an empty prompt", "messages")
         max_tokens = self._max_tokens(len(ids), req.requested_max_tokens(), "messages", chat=True)
         self._check_sampling(req, [max_tokens])
-        return Job(
-            kind="chat",
-            rid=f"chatcmpl-{uuid.uuid4().hex}",
-            created=int(time.time()),
-            model=self.model.name,
-            request=req,
-            prompts=[ids],
-            max_tokens=[max_tokens],
-            n=req.n,
-            stops=req.stop_list,
-            logprobs=req.logprobs,
-            top_logprobs=req.top_logprobs or 0,
-            include_usage=req.include_usage,
-        )
+        return self._job("chat", req, [ids], [max_tokens], req.logprobs, req.top_logprobs or 0)
 
     async def prepare_completion(self, req: CompletionRequest) -> Job:
         prompts: list[list[int]] = []
@@ -214,9 +200,20 @@ class RouterService:
             prompts.append(ids)
         max_tokens = [self._max_tokens(len(ids), req.max_tokens, "prompt", chat=False) for ids in prompts]
         self._check_sampling(req, max_tokens)
+        return self._job("completion", req, prompts, max_tokens, req.logprobs is not None, req.logprobs or 0)
+
+    def _job(
+        self,
+        kind: Literal["chat", "completion"],
+        req: ChatCompletionRequest | CompletionRequest,
+        prompts: list[list[int]],
+        max_tokens: list[int],
+        logprobs: bool,
+        top_logprobs: int,
+    ) -> Job:
         return Job(
-            kind="completion",
-            rid=f"cmpl-{uuid.uuid4().hex}",
+            kind=kind,
+            rid=f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
             created=int(time.time()),
             model=self.model.name,
             request=req,
@@ -224,8 +221,8 @@ class RouterService:
             max_tokens=max_tokens,
             n=req.n,
             stops=req.stop_list,
-            logprobs=req.logprobs is not None,
-            top_logprobs=req.logprobs or 0,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
             include_usage=req.include_usage,
         )
 
@@ -374,8 +371,7 @@ class RouterService:
                 lp = completion_logprobs(c.tokens, self.tok, 0)[0] if job.logprobs else None
                 out.append(completion_choice(c.index, text, c.state.finish_reason, lp))
         use = self._usage(job, choices)
-        build = chat_response if job.kind == "chat" else completion_response
-        return build(job.rid, job.created, job.model, out, use)
+        return response(job.kind, job.rid, job.created, job.model, out, use)
 
     def _usage(self, job: Job, choices: list[RunningChoice]) -> dict[str, Any]:
         # Prompt tokens count once per prompt (not per choice), as OpenAI bills n > 1; cached tokens are

@@ -60,8 +60,8 @@ class MigratingCall:
         req_id: str,
         plan: PromptPlan,
         sampling: SamplingParams,
-        limit: int = 3,
-        wait_s: float = 30.0,
+        limit: int,
+        wait_s: float,
     ) -> None:
         self.d = dispatcher
         self.req_id = req_id
