@@ -42,12 +42,10 @@ load alone.
 Mixed pods (role ``mixed``: they decode and prefill for peers) are candidates on both sides; a request's
 decode pod is never also its remote prefill pod (that is the local placement).
 
-Adaptive placement (``placement="adaptive"``; the default is ``fixed`` until a GPU benchmark shows
-adaptive wins): when a prefill pod is up and the pods have measured their prefill rates, the choice
-between local and disaggregated prefill (and which prefill pod) comes from the cost model in
-router/decision/cost_model.py (predicted TTFT per placement, the ITL cost a local prefill adds to the decode
-pod's batch, both against SLO settings) instead of the two fixed thresholds above; its reason is ``adaptive-local`` / ``adaptive-disaggregated`` (``-slo-miss`` when no placement met both SLOs).
-Until the pods have measured, and with ``placement="fixed"``, the two thresholds decide.
+Adaptive placement (``placement="adaptive"``; ``fixed``, the default, until a GPU benchmark shows adaptive
+wins): once the pods have measured their prefill rates, router/decision/cost_model.py makes the local or
+disaggregated choice (reasons ``adaptive-local`` / ``adaptive-disaggregated``, ``-slo-miss`` when no placement
+met both SLOs) in place of the two thresholds above.
 
 ``mode="round_robin"`` picks prefill pods in turn, ignoring prefix and load: the baseline that
 bench/prefix_routing.py compares against (and a fallback switch for operators).
