@@ -55,7 +55,8 @@ def count_file(path: Path) -> Count:
         elif tok.type not in skip:
             rows = range(tok.start[0], tok.end[0] + 1)
             code_lines.update(r for r in rows if r not in docstrings)
-    prose = (comment_lines | docstrings) - code_lines
+    lines = text.splitlines()
+    prose = {n for n in (comment_lines | docstrings) - code_lines if lines[n - 1].strip()}
     return Count(str(path.relative_to(ROOT)), len(prose), len(code_lines))
 
 

@@ -17,9 +17,7 @@ __all__ = ["RouterOptions"]
 @dataclass
 class RouterOptions:
     tokenizer: str = reg.ROUTER_TOKENIZER.field()
-    # Router processes in this pod, sharing its port. Each has its own worker pool, polls, in-flight counts and
-    # admission (per-process by design: the workers' own load figures are the shared truth); the prefix index
-    # they share lives in Redis.
+    # Per-process pools, polls and admission by design: the workers' own load figures are the shared truth.
     workers: int = reg.ROUTER_WORKERS.field()
     event_loop: str = reg.ROUTER_EVENT_LOOP.field()
     http: str = reg.ROUTER_HTTP.field()
@@ -36,8 +34,7 @@ class RouterOptions:
     imbalance_ratio: float = reg.ROUTER_IMBALANCE_RATIO.field()
     decode_kv_weight: float = reg.ROUTER_DECODE_KV_WEIGHT.field()
     recent_route_ttl_s: float = reg.ROUTER_RECENT_ROUTE_TTL_S.field()
-    # Placement (router/decision/cost_model.py): adaptive picks local vs. disaggregated per request from predicted
-    # TTFT and ITL against these targets and the workers' measured rates; fixed uses the two thresholds above.
+    # Placement (router/decision/cost_model.py).
     placement: str = reg.ROUTER_PLACEMENT.field()
     transfer_tokens_per_s: float = reg.ROUTER_TRANSFER_TOKENS_PER_S.field()
     # Admission per worker (router/decision/admission.py; 0 turns a check off): beyond these, 429 + Retry-After.
