@@ -236,11 +236,19 @@ def test_flashinfer_logits_match_fp32_transformers(tiny_dirs, kind, fused):
 @gpu
 def test_moe_on_flashinfer_with_graphs_matches_fp32_transformers(tmp_path):
     """A random Qwen3-MoE (8 experts, top-2, one dense layer) on the flashinfer path, its experts as grouped GEMMs
-    inside CUDA graphs: logits within what bf16 loses on the plain torch path of fp32 transformers'."""
+    inside CUDA graphs: logits within what bf16 loses on the plain torch path of fp32 transformers'.
+
+    The router's weights are scaled up so each token's top-2 stand clear of the rest: with random weights the
+    scores sit within bf16's rounding of each other and which expert a token goes to would flip between any two
+    bf16 implementations, which measures the tie-break and not the experts."""
     from tests.test_engine_random_models import CONFIGS, _build_hf
 
     cls, extra = CONFIGS["qwen3-moe-norm-topk"]
     hf = _build_hf(cls, {**extra, "hidden_size": 256, "head_dim": 128, "vocab_size": 512}, seed=5)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(30.0)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     seqs = _prompts(3, seed=4, lo=40, hi=140)
     hf = hf.cuda()
@@ -253,8 +261,39 @@ def test_moe_on_flashinfer_with_graphs_matches_fp32_transformers(tmp_path):
     e_eager = _rel(torch.cat(_teacher_forced(fi, seqs, chunk=32, n_decode=6, graphs=False)), ref)
     e_torch = _rel(torch.cat(_teacher_forced(tb, seqs, chunk=32, n_decode=6, graphs=False)), ref)
     print(f"qwen3-moe: rel err vs fp32 transformers: graphs {e_graph:.2e}, eager {e_eager:.2e}, torch {e_torch:.2e}")
-    assert e_graph < 1.5 * e_torch + 2e-3 and e_graph < 3e-2
-    assert e_eager < 1.5 * e_torch + 2e-3 and e_eager < 3e-2
+    # The routing weights come from bf16 router logits (as transformers' own bf16 model computes them): their
+    # rounding, not the experts' GEMMs, sets this model's bf16 floor (~8%, the plain torch path's error too;
+    # the GEMMs alone are checked to 1e-2 by the test below). The claim here: the flashinfer path with grouped
+    # experts inside graphs computes what the plain path computes, within that path's own bf16 loss.
+    assert e_graph < 1.5 * e_torch + 2e-3 and e_graph < 0.15
+    assert e_eager < 1.5 * e_torch + 2e-3 and e_eager < 0.15
+
+
+@needs_cuda
+@gpu
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+def test_grouped_mm_experts_match_fp32_experts(tokens):
+    """The grouped-GEMM experts against the plain per-expert loop on the same routing, both in bf16, each
+    measured against the loop in fp32: the grouped path loses no more than the loop does (with experts that
+    get no token, and one token alone)."""
+    from common.engine.gpu.moe_experts import grouped_mm_experts
+    from common.engine.moe import grouped_experts
+
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    e, h, i, k = 16, 512, 256, 4
+    x = torch.randn(tokens, h, device="cuda", generator=gen)
+    w13 = torch.randn(e, 2 * i, h, device="cuda", generator=gen) / h**0.5
+    w2 = torch.randn(e, h, i, device="cuda", generator=gen) / i**0.5
+    # Routing to the first 12 experts only: the last four get no token.
+    ids = torch.stack([torch.randperm(12, device="cuda", generator=gen)[:k] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, k, device="cuda", generator=gen), dim=-1)
+    ref = grouped_experts(x, weights, ids, w13, w2)
+    bf = [t.bfloat16() for t in (x, w13, w2)]
+    plain = grouped_experts(bf[0], weights, ids, bf[1], bf[2])
+    fused = grouped_mm_experts(bf[0], weights, ids, bf[1], bf[2])
+    e_plain, e_fused = _rel(plain.float(), ref), _rel(fused.float(), ref)
+    print(f"experts, {tokens} tokens: rel err vs fp32: grouped GEMM {e_fused:.2e}, per-expert loop {e_plain:.2e}")
+    assert e_fused < 1.5 * e_plain + 1e-3 and e_fused < 1e-2
 
 
 @needs_cuda
