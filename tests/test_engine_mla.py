@@ -428,7 +428,7 @@ def test_served_through_router_prefill_and_decode_equals_transformers(v3_checkpo
     router's disaggregation threshold, so their latent pages are prefilled on the prefill worker and sent over NIXL
     (page checksums checked on arrival). Every answer is transformers' greedy continuation."""
     from common.devcluster.cluster import start_local_cluster
-    from router.tokenizer import RouterTokenizer
+    from router.surface.tokenizer import RouterTokenizer
 
     hf, path = v3_checkpoint
     env = {

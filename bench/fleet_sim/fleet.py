@@ -1,5 +1,5 @@
 """The fleet: simulated workers (bench/fleet_sim/worker.py) behind the router's real admission and placement
-(router/dispatch.py ``Dispatcher.check_ttft`` and ``route``, over a real router/pool.py ``WorkerPool`` fed
+(router/decision/dispatch.py ``Dispatcher.check_ttft`` and ``route``, over a real router/decision/pool.py ``WorkerPool`` fed
 the workers' loads every poll interval), sized by a controller: fixed counts, the planner (planner/core.py),
 or one HPA per role on utilisation.
 
@@ -23,19 +23,20 @@ from typing import Protocol
 
 import numpy as np
 
-import router.dispatch as router_dispatch
-import router.pool as router_pool
+import router.decision.dispatch as router_dispatch
+import router.decision.pool as router_pool
 from bench.fleet_sim.worker import Job, SimWorker, WorkerSpec
 from bench.fleet_sim.workload import SimRequest
 from common.capacity import prompt_steps_s
 from common.slo import SloClasses, parse_slo_classes
 from planner.observe import Totals
 from planner.sizing import Counts
-from router.admission import AdmissionLimits
-from router.dispatch import Dispatcher, PromptPlan
+from router.decision.admission import AdmissionLimits
+from router.decision.dispatch import Dispatcher, PromptPlan
+from router.decision.policy import PolicyConfig, RoutingPolicy
+from router.decision.pool import Worker, WorkerPool
 from router.errors import OpenAIError
-from router.policy import PolicyConfig, RoutingPolicy
-from router.pool import Worker, WorkerPool
+from router.settings import RouterOptions
 
 __all__ = ["Controller", "Fleet", "FleetConfig", "Result"]
 
@@ -53,7 +54,8 @@ class FleetConfig:
     worker: WorkerSpec
     slo: SloClasses = field(default_factory=lambda: parse_slo_classes("interactive:ttft=1s,itl=50ms,p=99"))
     policy: PolicyConfig = field(default_factory=PolicyConfig)
-    limits: AdmissionLimits = field(default_factory=AdmissionLimits)
+    # 32 waiting per decode worker: the limit the simulated runs in bench/RESULTS.md were made with.
+    limits: AdmissionLimits = field(default_factory=lambda: AdmissionLimits(max_waiting=32))
     admit_by_ttft: bool = True
     poll_s: float = 0.25
     route_sample: int = 0  # 0: every worker is a candidate
@@ -74,7 +76,7 @@ class _Clock:
 
 
 class _Call:
-    """What the router's pool holds per request (router/upstream.py's UpstreamCall, minus the HTTP)."""
+    """What the router's pool holds per request (router/upstream/call.py's UpstreamCall, minus the HTTP)."""
 
     __slots__ = ("rid",)
 
@@ -128,9 +130,9 @@ class Fleet:
             RoutingPolicy(cfg.policy),
             locator=None,  # type: ignore[arg-type]
             client=None,  # type: ignore[arg-type]
+            opts=RouterOptions(admit_by_ttft=int(cfg.admit_by_ttft)),
             limits=cfg.limits,
             slo=cfg.slo,
-            admit_by_ttft=cfg.admit_by_ttft,
         )
         self.cls = cfg.slo.get("")
         self.sims: dict[str, SimWorker] = {}

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from common.capacity import StepCost, chunk_attention
-from router.pool import Load
+from router.decision.pool import Load
 
 __all__ = ["Job", "SimWorker", "WorkerSpec"]
 

@@ -628,9 +628,9 @@ class Scheduler:
         if launched.timer is not None:
             seconds = launched.timer.seconds()
             # What a stream sees is the period between steps, not the forward's device time: the host's sampling,
-            # events and scheduling add to it where they are not hidden (on the H200 at a 50 ms target, chunk
-            # steps predicted within it by device time reached 51 ms between tokens). A step launched before the
-            # one before it was processed ran back to back with it: its period is what the model learns.
+            # events and scheduling add to it where they are not hidden (bench/RESULTS.md, "Figures behind choices
+            # in the code"). A step launched before the one before it was processed ran back to back with it: its
+            # period is what the model learns.
             back_to_back = self._processed_at is not None and launched.launched_at <= self._processed_at
             period = now - self._processed_at if back_to_back and self._processed_at is not None else 0.0
             self.step_model.observe(launched.shape, max(seconds, period))
@@ -750,7 +750,7 @@ class Scheduler:
 
     def last_step_kind(self) -> str | None:
         """Kind of the step processed last ("prefill", "decode", "mixed"; None before the first): the one thing
-        a worker reads every step, so it is not left to a snapshot (which costs ~10 us to build)."""
+        a worker reads every step, so it is not left to a snapshot (costlier to build)."""
         return self.processed_kind
 
     def has_request(self, req_id: str) -> bool:

@@ -8,8 +8,7 @@ per step. The indptr/last-page vectors stay on the CPU (flashinfer's planner rea
 passing device tensors would cost a device sync); the page ids are gathered on the device.
 
 FP8 pools on Hopper prefill on FP8 tensor cores: flashinfer's FA3 kernel takes e4m3 Q, K and V (its FA2 kernel,
-the only one that reads FP8 pages beside 16-bit queries, ran a 4k prefill's attention in 23 ms against FA3's 11 ms
-over bf16 pages on the H200), so a prefill or mixed step's queries are cast to e4m3 at scale 1.0 before the call,
+the only one that reads FP8 pages beside 16-bit queries, ran a prefill's attention at half FA3's speed: bench/RESULTS.md, "Figures behind choices in the code"), so a prefill or mixed step's queries are cast to e4m3 at scale 1.0 before the call,
 as vLLM's FA3 path does for FP8 KV (the KV pages hold K at scale 1.0 too unless the checkpoint gives one; the
 queries of the models measured stay far inside +-448). The kernel folds K's scale into the softmax scale and
 quantizes the probabilities to e4m3 for PV; decode rows keep 16-bit queries (XQA or flashinfer's decode kernel).
@@ -39,21 +38,17 @@ log = logging.getLogger("kvferry.engine")
 
 WORKSPACE_BYTES = 256 << 20
 # Decode graphs up to this batch run the split-KV Triton kernel (common/engine/gpu/decode_attention.py) where
-# it is available; larger batches keep flashinfer's. bench/decode_kernels.py on the H200 (per layer, 32 q / 8 kv
-# heads): b=1 1.62x at 1k context and 1.16x at 4k; b=2 1.40x / 0.95x; b=4 1.13x / 0.87x; b=8 1.06x / 0.86x.
+# it is available; larger batches keep flashinfer's, as fast or faster there at 4k context (bench/decode_kernels.py;
+# bench/RESULTS.md, "Figures behind choices in the code").
 TRITON_DECODE_MAX_BS = 2
-# FP8 pages: the same batches, 8 pages per tile (bench/decode_kernels.py --kv-dtypes fp8, H200, per layer: b=1
-# 8.3 vs flashinfer's 13.5 us at 1k, 12.4 vs 19.6 at 4k; b=2 8.8 vs 16.2 and 20.9 vs 20.9; from b=4 at 4k and
+# FP8 pages: the same batches, 8 pages per tile (bench/decode_kernels.py --kv-dtypes fp8; from b=4 at 4k and
 # b=32 at 1k flashinfer's tensor-core kernel is faster). On Hopper XQA's FP8 kernel takes every FP8 decode graph
-# instead (common/engine/gpu/xqa_decode.py: b=1 6.7 us, b=256 at 1k 143.5 vs flashinfer's 236.4 us).
+# (common/engine/gpu/xqa_decode.py), faster at every batch.
 FP8_DECODE_TILE_PAGES = 8
 # A prefill or mixed step whose leading requests extend one token each (a mixed step's decode rows) runs those
 # rows through the decode kernel and the rest through the prefill kernel once there are this many: the
-# prefill kernel gives each one-token row a whole query tile, and on the H200 (8B, 1.5k tokens of KV a row)
-# 64 decode rows beside a 256-token chunk took 25.2 ms in one prefill call against 17.1 ms as separate decode
-# and prefill steps (bench/mixed_step.py). From one row on: at 1-8 decode rows the split step was 2-17%
-# cheaper than one prefill call (8 rows + 256 tokens: 9.85 against 11.28 ms; bench/mixed_step.py
-# --split-min-rows 1), and never dearer by more than the timing noise.
+# prefill kernel gives each one-token row a whole query tile. From one decode row on the split step was the
+# cheaper, never dearer by more than the timing noise (bench/mixed_step.py --split-min-rows 1; bench/RESULTS.md, "Figures behind choices in the code").
 SPLIT_DECODE_MIN_ROWS = 1
 
 

@@ -1,7 +1,7 @@
 """Prefill and mixed steps as piecewise CUDA graphs: everything but attention captured, per token count.
 
-An eager forward of an 8B model launches ~300 kernels from Python, ~15 ms on the H200 whatever the chunk
-(bench/mixed_step.py), three decode graphs' worth: that floor, not the GPU, set a mixed step's time. A step's
+An eager forward of an 8B model launches ~300 kernels from Python, the same time whatever the chunk: that
+floor, not the GPU, set a mixed step's time (bench/RESULTS.md, "Stall-free batching"). A step's
 attention cannot be captured cheaply (its plan follows the batch's shape: requests, chunk lengths, pages), but
 everything around it depends only on the number of tokens. So for a ladder of token counts the layers are
 captured as `L + 1` graphs broken at each layer's attention: graph 0 is the embedding and layer 0 up to its
@@ -46,8 +46,8 @@ log = logging.getLogger("kvferry.engine")
 def graph_token_counts(max_tokens: int) -> list[int]:
     """Every 16 tokens up to 512, every 64 up to 1,024, then every 128; `max_tokens` is always included. A mixed
     step is a page-multiple chunk plus its decode rows, so it rarely lands on a count: its padding is computed
-    for nothing, which on the H200 made graphed 8B steps of 513-1,025 tokens ~6% slower than eager ones, whose
-    launches the GPU work hides from ~512 tokens on (bench/RESULTS.md "Stall-free batching"); hence the
+    for nothing, which made graphed 8B steps past 512 tokens slower than eager ones, whose launches the GPU
+    work hides there (bench/RESULTS.md, "Stall-free batching"); hence the
     default limit of 512 tokens and the fine steps below it."""
     if max_tokens <= 0:
         return []

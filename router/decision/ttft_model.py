@@ -14,7 +14,7 @@ with ``own`` uncached prompt tokens then waits for
            + per_attention_pair * (own^2 / 2 + ahead * min(chunk, ahead) / 2)
            + transfer                                                       disaggregated: prompt / transfer rate
 
-``unseen``: prompt tokens this router placed there that the snapshot may not count yet (router/pool.py). The
+``unseen``: prompt tokens this router placed there that the snapshot may not count yet (router/decision/pool.py). The
 attention term is exact for the request's own prompt (its chunks' query-key pairs sum to own^2 / 2) and a lower
 bound for the prompts ahead, whose lengths are not published (each of their tokens attends to at least half a
 chunk). That is the prefill rate the worker's ITL budget leaves beside its decode batch: ``chunk / step time``.
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from common.capacity import StepCost
 
 if TYPE_CHECKING:
-    from router.pool import Load
+    from router.decision.pool import Load
 
 __all__ = ["StepCost", "WorkerFigures", "predict_ttft_s", "prefill_rate"]
 

@@ -18,7 +18,7 @@ Declaring a worker down wakes every request still waiting on it (``Watched.kill`
 at once instead of waiting out their deadlines.
 
 In-flight counts are the router's own view, fresher than the polled ``/load`` figures (routing and
-router/admission.py use both): derived from the set of calls holding each worker, and corrected by the
+router/decision/admission.py use both): derived from the set of calls holding each worker, and corrected by the
 worker's own count of live requests, so a call the worker no longer knows of stops counting at the next poll.
 """
 
@@ -35,7 +35,8 @@ from functools import cached_property
 from typing import Any, Protocol
 
 from common.capacity import StepCost
-from router.policy import DecodeCandidate, PrefillCandidate
+from router.decision.policy import DecodeCandidate, PrefillCandidate
+from router.settings import RouterOptions
 from router.wire import ConnectError, WireClient
 
 log = logging.getLogger("kvferry.router")
@@ -48,7 +49,7 @@ PREFILL_ROLES = frozenset({"prefill", "mixed"})  # take /internal/prefill for a 
 # A call sent up to this long before a poll may not have reached the worker when it answered.
 RECONCILE_GRACE_S = 1.0
 # A worker's /load answer is its engine's last snapshot (ten a second): a prompt placed there this long before
-# the poll was asked may not be in its queue figures yet (the TTFT prediction adds those, router/ttft_model.py).
+# the poll was asked may not be in its queue figures yet (the TTFT prediction adds those, router/decision/ttft_model.py).
 SNAPSHOT_LAG_S = 0.2
 
 
@@ -87,7 +88,7 @@ class Load:
     live_requests: int | None = None  # requests the worker has open (engine or stream); None: not reported
     max_request_tokens: int = 0  # the most KV tokens one request may reserve there (0: not reported)
     kv_reserve_output_tokens: int = 0  # output tokens a request reserves there beyond its prompt (0: max_tokens)
-    # What predicts a new request's TTFT there (router/ttft_model.py; common/protocol.py LoadSnapshot).
+    # What predicts a new request's TTFT there (router/decision/ttft_model.py; common/protocol.py LoadSnapshot).
     step_coefficients: dict[str, float] = field(default_factory=dict)
     step_chunk_tokens: int = 0
     decode_rows: int = 0
@@ -161,11 +162,11 @@ class Worker:
     stale: bool = False  # its last poll failed: routed on its last known load until it answers again
     failures: int = 0  # polls failed in a row
     last_ok: float = 0.0  # monotonic time of the last good poll
-    last_seen: float = 0.0  # ... or of the last event read from one of its streams (set by router/upstream.py)
+    last_seen: float = 0.0  # ... or of the last event read from one of its streams (set by router/upstream/call.py)
     last_error: str = ""
     # The calls that hold this worker now, each with the monotonic time it was sent here: as decode worker
     # (until the call is closed) and as prefill worker (until its first token, with its prompt tokens).
-    # Counts are derived from these, so a call is counted only while it holds the worker (router/upstream.py
+    # Counts are derived from these, so a call is counted only while it holds the worker (router/upstream/call.py
     # removes it on every way a call ends, without waiting on anything).
     decoding: dict[Watched, float] = field(default_factory=dict)
     kv_tokens: dict[Watched, int] = field(
@@ -182,7 +183,7 @@ class Worker:
     def watchers(self) -> list[Watched]:
         return [*self.decoding, *self.prefilling]
 
-    # What a call holds here and lets go of (router/upstream.py), never awaiting between the two.
+    # What a call holds here and lets go of (router/upstream/call.py), never awaiting between the two.
     def hold_decode(self, call: Watched, now: float, kv_tokens: int = 0) -> None:
         self.decoding[call] = now
         self.kv_tokens[call] = kv_tokens
@@ -227,7 +228,7 @@ class Worker:
         return sum(self.kv_tokens.get(c, 0) for c, t in self.decoding.items() if t >= since)
 
     def place_prompt(self, now: float, tokens: int) -> Callable[[], None]:
-        """This router placed a prompt here to prefill (router/dispatch.py); the call returned forgets it (its
+        """This router placed a prompt here to prefill (router/decision/dispatch.py); the call returned forgets it (its
         first token is back: it is queued nowhere any more)."""
         since = self.load_asked - SNAPSHOT_LAG_S
         self.placed = [e for e in self.placed if e[0] >= since]
@@ -291,16 +292,15 @@ class WorkerPool:
     def __init__(
         self,
         client: WireClient,
-        poll_interval_s: float = 1.0,
-        poll_timeout_s: float = 2.0,
-        down_after_failures: int = 3,
-        down_after_s: float = 5.0,
+        opts: RouterOptions | None = None,
     ) -> None:
+        """`opts`: the polls' interval and timeout and when a worker is down (the registry's defaults when None)."""
+        opts = opts if opts is not None else RouterOptions()
         self.client = client
-        self.poll_interval_s = poll_interval_s
-        self.poll_timeout_s = poll_timeout_s
-        self.down_after_failures = max(1, down_after_failures)
-        self.down_after_s = down_after_s
+        self.poll_interval_s = opts.poll_interval_s
+        self.poll_timeout_s = opts.poll_timeout_s
+        self.down_after_failures = max(1, opts.down_after_failures)
+        self.down_after_s = opts.down_after_s
         self.workers: dict[str, Worker] = {}
         self._targets: dict[str, set[str]] = {role: set() for role in ROLES}
         self._started = False

@@ -1,10 +1,11 @@
 """Shared by every upstream call: the prompt's routing inputs (`PromptPlan`) and the choice of workers
-(`Dispatcher.route`: admission limits, then router/policy.py), with the decision counters; and the request's
+(`Dispatcher.route`: admission limits, then router/decision/policy.py), with the decision counters; and the request's
 admission by predicted TTFT (`Dispatcher.check_ttft`, once per request before any call starts).
 
-Placement prefers the workers predicted to meet the request's TTFT target (router/ttft_model.py): when some
+Placement prefers the workers predicted to meet the request's TTFT target (router/decision/ttft_model.py): when some
 do, the policy chooses among those only; when none does (only possible for a request admitted anyway: a class
-without a target, or shedding off) it chooses among all, as before."""
+without a target, or shedding off) it chooses among all, so such a request is still served where it is
+served best."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from common.prefix.hashing import chained_block_hashes
 from common.slo import DEFAULT_SLO_SPEC, SloClass, SloClasses, parse_slo_classes
-from router.admission import (
+from router.decision.admission import (
     AdmissionLimits,
     RequestKV,
     decode_is_full,
@@ -22,13 +23,14 @@ from router.admission import (
     prefill_is_full,
     ttft_verdict,
 )
-from router.cost_model import SloTargets
+from router.decision.cost_model import SloTargets
+from router.decision.locality import PrefixLocator
+from router.decision.policy import RouteDecision, RoutingPolicy
+from router.decision.pool import Worker, WorkerPool
+from router.decision.ttft_model import WorkerFigures, predict_ttft_s
 from router.errors import bad_request, no_worker, rate_limited
-from router.locality import PrefixLocator
 from router.metrics import RouterMetrics
-from router.policy import RouteDecision, RoutingPolicy
-from router.pool import Worker, WorkerPool
-from router.ttft_model import WorkerFigures, predict_ttft_s
+from router.settings import RouterOptions
 from router.wire import WireClient
 
 if TYPE_CHECKING:
@@ -59,27 +61,26 @@ class Dispatcher:
         policy: RoutingPolicy,
         locator: PrefixLocator,
         client: WireClient,
-        connect_timeout_s: float = 3.0,
-        first_token_timeout_s: float = 300.0,
-        inter_token_timeout_s: float = 120.0,
-        retry_after_s: int = 1,
+        opts: RouterOptions | None = None,
         limits: AdmissionLimits | None = None,
         metrics: RouterMetrics | None = None,
         slo: SloClasses | None = None,
-        admit_by_ttft: bool = True,
     ) -> None:
+        """`opts`: the deadlines, Retry-After and TTFT admission (the registry's defaults when None); `limits`:
+        the per-worker admission limits (else `opts`')."""
+        opts = opts if opts is not None else RouterOptions()
         self.pool = pool
         self.slo = slo if slo is not None else parse_slo_classes(DEFAULT_SLO_SPEC)
-        self.admit_by_ttft = admit_by_ttft
+        self.admit_by_ttft = opts.admit_by_ttft != 0
         self.metrics = metrics or RouterMetrics()
-        self.limits = limits or AdmissionLimits()
+        self.limits = limits or AdmissionLimits.from_options(opts)
         self.policy = policy
         self.locator = locator
         self.client = client
-        self.connect_timeout_s = connect_timeout_s
-        self.first_token_timeout_s = first_token_timeout_s
-        self.inter_token_timeout_s = inter_token_timeout_s
-        self.retry_after_s = retry_after_s
+        self.connect_timeout_s = opts.connect_timeout_s
+        self.first_token_timeout_s = opts.first_token_timeout_s
+        self.inter_token_timeout_s = opts.inter_token_timeout_s
+        self.retry_after_s = opts.retry_after_s
         self.decisions: dict[str, int] = {}  # reason (or rejection) -> count, for /router/workers and benchmarks
 
     async def plan(self, token_ids: list[int]) -> PromptPlan:
@@ -104,7 +105,7 @@ class Dispatcher:
     def route(
         self, plan: PromptPlan, max_tokens: int, exclude_decode: set[str], exclude_prefill: set[str]
     ) -> RouteDecision:
-        """Chooses among the ready workers that have room (router/admission.py); raises 503 when no
+        """Chooses among the ready workers that have room (router/decision/admission.py); raises 503 when no
         decode worker is ready, 429 when none has room."""
         decode = self.pool.decoders(exclude_decode)
         if not decode:
@@ -157,7 +158,7 @@ class Dispatcher:
         self._placed(plan, decision)
         return decision
 
-    # ---- predicted TTFT (router/ttft_model.py) ------------------------------------------------------------
+    # ---- predicted TTFT (router/decision/ttft_model.py) ------------------------------------------------------------
     def predicted_ttft_s(
         self, plan: PromptPlan, w: Worker, slo_class: str, prefill_side: bool, queued: bool = True
     ) -> float | None:
@@ -183,7 +184,7 @@ class Dispatcher:
 
     def check_ttft(self, plan: PromptPlan, cls: SloClass) -> float | None:
         """429 with Retry-After for a request no placement is predicted to serve within its class's TTFT target,
-        lower classes first (router/admission.py, the fleet rule); nothing is contacted. Returns the best
+        lower classes first (router/decision/admission.py, the fleet rule); nothing is contacted. Returns the best
         placement's predicted TTFT (None: nothing predicted)."""
         sides = self._sides(plan)
 
