@@ -135,13 +135,14 @@ class Fleet:
         self.cls = cfg.slo.get("")
         self.sims: dict[str, SimWorker] = {}
         self.routers: dict[str, Worker] = {}  # the router's view of each simulated worker
+        self._names: list[str] | None = None  # `routers`' keys, the sample's population (None: changed)
         self.starting: dict[str, tuple[str, float]] = {}  # name -> (role, ready at)
         self.loaded_at: dict[str, float] = {}
         self.caches: dict[str, OrderedDict[int, None]] = {}
         self.holders: dict[int, set[str]] = {}  # first prefix block -> workers holding it
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = 0
-        self._names = 0
+        self._spawned = 0
         self.live = 0  # workers holding a GPU (starting, up or draining)
         self._gpu_s = 0.0
         self._gpu_t = 0.0
@@ -171,8 +172,8 @@ class Fleet:
     def _spawn(self, role: str, ready_at: float) -> None:
         self._gpu_tick(self.clock.now)
         self.live += 1
-        self._names += 1
-        name = f"{role}-{self._names}"
+        self._spawned += 1
+        name = f"{role}-{self._spawned}"
         if ready_at <= self.clock.now:
             self._up(name, role)
         else:
@@ -185,6 +186,7 @@ class Fleet:
         self.sims[name] = sim
         self.caches[name] = OrderedDict()
         self.routers[name] = Worker(url=name, role=role)
+        self._names = None
         self._report(name)
 
     def _report(self, name: str) -> None:
@@ -223,6 +225,7 @@ class Fleet:
             self.live -= 1
             del self.sims[w.name]
             self.routers.pop(w.name, None)
+            self._names = None
             self.caches.pop(w.name, None)
 
     # ---- events -------------------------------------------------------------------------------------------------
@@ -305,7 +308,9 @@ class Fleet:
         cfg = self.cfg
         now = self.clock.now
         if cfg.route_sample and len(self.routers) > cfg.route_sample:
-            pick = self.rng.sample(list(self.routers), cfg.route_sample)
+            if self._names is None:
+                self._names = list(self.routers)
+            pick = self.rng.sample(self._names, cfg.route_sample)
             if req.blocks:
                 pick += [h for h in list(self.holders.get(req.blocks[0], ()))[:4] if h in self.routers]
             self.pool.workers = {p: self.routers[p] for p in pick}
