@@ -306,12 +306,13 @@ class Worker:
 
     def prefill_candidate(self, predicted_ttft_s: float | None = None) -> PrefillCandidate:
         load = self.load
+        held = self.held()
         return PrefillCandidate(
             key=self.url,
             pod=self.pod,
             queued_tokens=load.queued_prefill_tokens if load else 0,
-            inflight_tokens=self.inflight_tokens,
-            inflight_requests=self.inflight_requests,
+            inflight_tokens=held.inflight_tokens,
+            inflight_requests=held.inflight_requests,
             prefill_tokens_per_s=load.prefill_tokens_per_s if load else 0.0,
             decoding=self.role == "mixed" and load is not None and load.running_requests > 0,
             prefill_chunk_tokens=load.prefill_chunk_tokens if load else 0,
