@@ -8,8 +8,8 @@ run its modules see the simulated clock instead, so its bookkeeping of unseen pl
 time.
 
 Large fleets: routing over every worker costs the router's code O(workers) per request; ``route_sample`` > 0
-gives each request a random sample of that many workers per role plus the workers holding its prefix (the
-power of d choices), so a 1,000-GPU hour runs in minutes. Placement among the candidates is the router's own.
+gives each request a random sample of that many workers (any role) plus the four that cached its first prompt
+block last (the power of d choices). Placement among the candidates is the router's own.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import math
 import random
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
+from itertools import islice
 from typing import Protocol
 
 import numpy as np
@@ -139,7 +140,8 @@ class Fleet:
         self.starting: dict[str, tuple[str, float]] = {}  # name -> (role, ready at)
         self.loaded_at: dict[str, float] = {}
         self.caches: dict[str, OrderedDict[int, None]] = {}
-        self.holders: dict[int, set[str]] = {}  # first prefix block -> workers holding it
+        # first prefix block -> the workers that cached it, most recent last (a dict: ordered, whatever the hash seed)
+        self.holders: dict[int, dict[str, None]] = {}
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = 0
         self._spawned = 0
@@ -312,7 +314,9 @@ class Fleet:
                 self._names = list(self.routers)
             pick = self.rng.sample(self._names, cfg.route_sample)
             if req.blocks:
-                pick += [h for h in list(self.holders.get(req.blocks[0], ()))[:4] if h in self.routers]
+                # the four that cached it last (the likeliest to hold it still)
+                recent = islice(reversed(self.holders.get(req.blocks[0], {})), 4)
+                pick += [h for h in recent if h in self.routers]
             self.pool.workers = {p: self.routers[p] for p in pick}
         else:
             self.pool.workers = self.routers
@@ -347,7 +351,9 @@ class Fleet:
         room = int(self.cfg.worker.kv_tokens * self.cfg.prefix_cache_share) // req.block_tokens
         while len(cache) > room:
             cache.popitem(last=False)
-        self.holders.setdefault(req.blocks[0], set()).add(name)
+        held = self.holders.setdefault(req.blocks[0], {})
+        held.pop(name, None)
+        held[name] = None
 
     def _arrive(self, rid: int, req: SimRequest) -> None:
         cfg = self.cfg
