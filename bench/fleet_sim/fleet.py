@@ -8,8 +8,8 @@ run its modules see the simulated clock instead, so its bookkeeping of unseen pl
 time.
 
 Large fleets: routing over every worker costs the router's code O(workers) per request; ``route_sample`` > 0
-gives each request a random sample of that many workers per role plus the workers holding its prefix (the
-power of d choices), so a 1,000-GPU hour runs in minutes. Placement among the candidates is the router's own.
+gives each request a random sample of that many workers (any role) plus the four that cached its first prompt
+block last (the power of d choices). Placement among the candidates is the router's own.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import math
 import random
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
+from itertools import islice
 from typing import Protocol
 
 import numpy as np
@@ -137,13 +138,15 @@ class Fleet:
         self.cls = cfg.slo.get("")
         self.sims: dict[str, SimWorker] = {}
         self.routers: dict[str, Worker] = {}  # the router's view of each simulated worker
+        self._names: list[str] | None = None  # `routers`' keys, the sample's population (None: changed)
         self.starting: dict[str, tuple[str, float]] = {}  # name -> (role, ready at)
         self.loaded_at: dict[str, float] = {}
         self.caches: dict[str, OrderedDict[int, None]] = {}
-        self.holders: dict[int, set[str]] = {}  # first prefix block -> workers holding it
+        # first prefix block -> the workers that cached it, most recent last (a dict: ordered, whatever the hash seed)
+        self.holders: dict[int, dict[str, None]] = {}
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = 0
-        self._names = 0
+        self._spawned = 0
         self.live = 0  # workers holding a GPU (starting, up or draining)
         self._gpu_s = 0.0
         self._gpu_t = 0.0
@@ -173,8 +176,8 @@ class Fleet:
     def _spawn(self, role: str, ready_at: float) -> None:
         self._gpu_tick(self.clock.now)
         self.live += 1
-        self._names += 1
-        name = f"{role}-{self._names}"
+        self._spawned += 1
+        name = f"{role}-{self._spawned}"
         if ready_at <= self.clock.now:
             self._up(name, role)
         else:
@@ -187,6 +190,7 @@ class Fleet:
         self.sims[name] = sim
         self.caches[name] = OrderedDict()
         self.routers[name] = Worker(url=name, role=role)
+        self._names = None
         self._report(name)
 
     def _report(self, name: str) -> None:
@@ -225,6 +229,7 @@ class Fleet:
             self.live -= 1
             del self.sims[w.name]
             self.routers.pop(w.name, None)
+            self._names = None
             self.caches.pop(w.name, None)
 
     # ---- events -------------------------------------------------------------------------------------------------
@@ -307,9 +312,13 @@ class Fleet:
         cfg = self.cfg
         now = self.clock.now
         if cfg.route_sample and len(self.routers) > cfg.route_sample:
-            pick = self.rng.sample(list(self.routers), cfg.route_sample)
+            if self._names is None:
+                self._names = list(self.routers)
+            pick = self.rng.sample(self._names, cfg.route_sample)
             if req.blocks:
-                pick += [h for h in list(self.holders.get(req.blocks[0], ()))[:4] if h in self.routers]
+                # the four that cached it last (the likeliest to hold it still)
+                recent = islice(reversed(self.holders.get(req.blocks[0], {})), 4)
+                pick += [h for h in recent if h in self.routers]
             self.pool.workers = {p: self.routers[p] for p in pick}
         else:
             self.pool.workers = self.routers
@@ -344,7 +353,9 @@ class Fleet:
         room = int(self.cfg.worker.kv_tokens * self.cfg.prefix_cache_share) // req.block_tokens
         while len(cache) > room:
             cache.popitem(last=False)
-        self.holders.setdefault(req.blocks[0], set()).add(name)
+        held = self.holders.setdefault(req.blocks[0], {})
+        held.pop(name, None)
+        held[name] = None
 
     def _arrive(self, rid: int, req: SimRequest) -> None:
         cfg = self.cfg

@@ -19,6 +19,7 @@ from common.engine.mla import TorchMlaAttention
 from common.engine.model import DecoderModel
 from common.engine.model_config import ModelConfig, named_config
 from common.engine.staging import HostToDevice
+from common.engine.start_phases import StartPhases
 from common.engine.tp import TPGroup, TPShard, tp_backend
 from common.engine.tp_ranks import HEADER_LEN, TPFollowers, TPRankLost, shared_pool_path
 from common.engine.weights import fp8_checkpoint, init_dummy_weights, load_safetensors_dir
@@ -118,6 +119,7 @@ class ModelRunner:
         if no_fp8:  # before any weight is read
             raise ValueError(f"{KV_DTYPE.name}={cfg.kv_dtype}: {no_fp8}; use auto")
         self.model_path: Path | None = None
+        self.start_phases = StartPhases()  # what its start took, phase by phase (common/engine/start_phases.py)
         self.followers: TPFollowers | None = None
         tp: TPGroup | None = None
         if cfg.tp_size > 1:
@@ -139,7 +141,8 @@ class ModelRunner:
 
     def _build(self, cfg: RunnerConfig, model: DecoderModel | None, tp: TPGroup | None) -> None:
         if model is None:
-            model, self.model_path = load_model(cfg, self.device, self.dtype, tp)
+            with self.start_phases.timed("weights"):
+                model, self.model_path = load_model(cfg, self.device, self.dtype, tp)
         self.model = model
         self.tp = model.tp
         mc = model.cfg
@@ -199,7 +202,9 @@ class ModelRunner:
 
             graph_bs = cfg.max_running if cfg.cuda_graph_max_bs < 0 else min(cfg.cuda_graph_max_bs, cfg.max_running)
             table = self.page_table
-            self.gpu = GpuPath(model, self.pool, table.table, num_pages, graph_bs, cfg, table.host_pages)
+            self.gpu = GpuPath(
+                model, self.pool, table.table, num_pages, graph_bs, cfg, host_pages=table.host_pages, phases=self.start_phases
+            )
             self.attn = self.gpu.attn
         if self.followers is not None:
             self.followers.barrier_ready()

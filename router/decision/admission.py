@@ -189,8 +189,11 @@ def ttft_verdict(
         best = own if k is cls else best_ttft_s(k)
         if best is None:
             continue
+        limit = k.ttft_s if k is cls else LOWER_CLASS_HEADROOM * k.ttft_s
+        if best - limit <= worst:
+            continue  # the allowance only raises the limit: predicting alone cannot make this the worst excess
         alone = alone_ttft_s(k) or 0.0
-        excess = best - max(k.ttft_s if k is cls else LOWER_CLASS_HEADROOM * k.ttft_s, QUEUE_ALLOWANCE * alone)
+        excess = best - max(limit, QUEUE_ALLOWANCE * alone)
         if excess > worst:
             worst, limiting = excess, k.name
     if not limiting:

@@ -41,7 +41,7 @@ from router.wire import ConnectError, WireClient
 
 log = logging.getLogger("kvferry.router")
 
-__all__ = ["Watched", "Worker", "WorkerPool", "parse_load"]
+__all__ = ["HeldCounts", "Watched", "Worker", "WorkerPool", "parse_load"]
 
 ROLES = ("prefill", "decode", "mixed")
 DECODE_ROLES = frozenset({"decode", "mixed"})  # take /internal/generate
@@ -152,6 +152,20 @@ def _numbers(value: Any, kind: type[float] | type[int]) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True, slots=True)
+class HeldCounts:
+    """What the calls holding a worker add up to, and the state they were summed against (`Worker.held`)."""
+
+    load: Load | None
+    asked: float
+    revision: int
+    decoding: int  # calls of each kind: a dict changed outside hold/release shows here
+    prefilling: int
+    inflight_requests: int
+    unseen_kv_tokens: int
+    inflight_tokens: int
+
+
 @dataclass(eq=False)
 class Worker:
     url: str
@@ -176,6 +190,9 @@ class Worker:
     load_asked: float = 0.0  # monotonic time the poll that brought ``load`` was sent
     # Prompts placed here to prefill (monotonic time, uncached tokens), kept until a snapshot must count them.
     placed: list[tuple[float, int]] = field(default_factory=list)
+    placed_revision: int = 0  # bumped whenever `placed` changes: a TTFT input cached per snapshot reads it
+    holds_revision: int = 0  # bumped by every hold and release: what the calls add up to is cached against it
+    _held: HeldCounts | None = field(default=None, init=False, repr=False)
     task: asyncio.Task[None] | None = None
     removed: bool = False
 
@@ -187,16 +204,20 @@ class Worker:
     def hold_decode(self, call: Watched, now: float, kv_tokens: int = 0) -> None:
         self.decoding[call] = now
         self.kv_tokens[call] = kv_tokens
+        self.holds_revision += 1
 
     def hold_prefill(self, call: Watched, now: float, prompt_tokens: int) -> None:
         self.prefilling[call] = (now, prompt_tokens)
+        self.holds_revision += 1
 
     def release_prefill(self, call: Watched) -> None:
         self.prefilling.pop(call, None)
+        self.holds_revision += 1
 
     def release_decode(self, call: Watched) -> None:
         self.decoding.pop(call, None)
         self.kv_tokens.pop(call, None)
+        self.holds_revision += 1
 
     def streamed(self, now: float) -> None:
         """An event arrived on one of its streams: a worker streaming to us is alive, however late its polls."""
@@ -211,21 +232,51 @@ class Worker:
         """The requests this router has open on the worker, corrected by the worker's own count of its live
         requests (``live_requests`` in /load): calls sent before the poll that the worker does not count hold
         nothing there, so whatever its cause a drift cannot keep a worker looking full past one poll."""
-        mine = len(self.decoding) + len(self.prefilling)
-        load = self.load
-        if load is None or load.live_requests is None:
-            return mine
-        since = self.load_asked - RECONCILE_GRACE_S
-        recent = sum(1 for t in self.decoding.values() if t >= since)
-        recent += sum(1 for t, _ in self.prefilling.values() if t >= since)
-        return min(mine, load.live_requests + recent)
+        return self.held().inflight_requests
 
     @property
     def unseen_kv_tokens(self) -> int:
         """KV tokens of the decode calls sent here that its last snapshot may not count yet (sent after the poll
         that brought it was asked, less the grace): its ``free_pages`` are that much too high."""
+        return self.held().unseen_kv_tokens
+
+    def held(self) -> HeldCounts:
+        """What the calls holding the worker add up to against its last snapshot: summed once per change of
+        either, since admission and placement read it several times per request."""
+        h = self._held
+        if (
+            h is not None
+            and h.load is self.load
+            and h.asked == self.load_asked
+            and h.revision == self.holds_revision
+            and h.decoding == len(self.decoding)
+            and h.prefilling == len(self.prefilling)
+        ):
+            return h
         since = self.load_asked - RECONCILE_GRACE_S
-        return sum(self.kv_tokens.get(c, 0) for c, t in self.decoding.items() if t >= since)
+        recent = unseen_kv = prompt_tokens = 0
+        kv = self.kv_tokens
+        for call, t in self.decoding.items():
+            if t >= since:
+                recent += 1
+                unseen_kv += kv.get(call, 0)
+        for t, n in self.prefilling.values():
+            prompt_tokens += n
+            recent += t >= since
+        mine = len(self.decoding) + len(self.prefilling)
+        load = self.load
+        inflight = mine if load is None or load.live_requests is None else min(mine, load.live_requests + recent)
+        self._held = h = HeldCounts(
+            load,
+            self.load_asked,
+            self.holds_revision,
+            len(self.decoding),
+            len(self.prefilling),
+            inflight,
+            unseen_kv,
+            prompt_tokens,
+        )
+        return h
 
     def place_prompt(self, now: float, tokens: int) -> Callable[[], None]:
         """This router placed a prompt here to prefill (router/decision/dispatch.py); the call returned forgets it (its
@@ -234,9 +285,11 @@ class Worker:
         self.placed = [e for e in self.placed if e[0] >= since]
         entry = (now, tokens)
         self.placed.append(entry)
+        self.placed_revision += 1
 
         def prefilled() -> None:
             self.placed = [e for e in self.placed if e is not entry]
+            self.placed_revision += 1
 
         return prefilled
 
@@ -250,27 +303,31 @@ class Worker:
     @property
     def inflight_tokens(self) -> int:
         """Prompt tokens sent to this worker for prefill whose first token has not come back yet."""
-        return sum(tokens for _, tokens in self.prefilling.values())
+        return self.held().inflight_tokens
 
-    def prefill_candidate(self) -> PrefillCandidate:
+    def prefill_candidate(self, predicted_ttft_s: float | None = None) -> PrefillCandidate:
         load = self.load
+        held = self.held()
         return PrefillCandidate(
             key=self.url,
             pod=self.pod,
             queued_tokens=load.queued_prefill_tokens if load else 0,
-            inflight_tokens=self.inflight_tokens,
-            inflight_requests=self.inflight_requests,
+            inflight_tokens=held.inflight_tokens,
+            inflight_requests=held.inflight_requests,
             prefill_tokens_per_s=load.prefill_tokens_per_s if load else 0.0,
             decoding=self.role == "mixed" and load is not None and load.running_requests > 0,
             prefill_chunk_tokens=load.prefill_chunk_tokens if load else 0,
             prefill_step_tokens_per_s=load.prefill_step_tokens_per_s if load else 0.0,
             decode_step_s=load.decode_step_s if load else 0.0,
+            predicted_ttft_s=predicted_ttft_s,
         )
 
-    def decode_candidate(self) -> DecodeCandidate:
+    def decode_candidate(self, predicted_ttft_s: float | None = None) -> DecodeCandidate:
         load = self.load
         if load is None:
-            return DecodeCandidate(key=self.url, pod=self.pod, inflight_requests=self.inflight_requests)
+            return DecodeCandidate(
+                key=self.url, pod=self.pod, inflight_requests=self.inflight_requests, predicted_ttft_s=predicted_ttft_s
+            )
         return DecodeCandidate(
             key=self.url,
             pod=self.pod,
@@ -285,6 +342,7 @@ class Worker:
             prefill_chunk_tokens=load.prefill_chunk_tokens,
             prefill_step_tokens_per_s=load.prefill_step_tokens_per_s,
             decode_step_s=load.decode_step_s,
+            predicted_ttft_s=predicted_ttft_s,
         )
 
 

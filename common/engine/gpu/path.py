@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -13,6 +14,7 @@ from common.engine.gpu.mla_attention import FlashInferMlaAttention
 from common.engine.gpu.moe_experts import grouped_mm_experts, grouped_mm_unsupported
 from common.engine.gpu.ops import FlashInferOps
 from common.engine.model import DecoderModel
+from common.engine.start_phases import StartPhases
 from common.kv.pool import KVPool
 from common.settings import RunnerConfig
 
@@ -61,6 +63,7 @@ class GpuPath:
         graph_max_bs: int,
         cfg: RunnerConfig,
         host_pages: np.ndarray | None = None,
+        phases: StartPhases | None = None,
     ) -> None:
         if model.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(
@@ -74,6 +77,8 @@ class GpuPath:
                 if layer.moe is not None:
                     layer.moe.experts_fn = grouped_mm_experts
         self.model = model
+        phases = phases if phases is not None else StartPhases()
+        kernels_started = time.perf_counter()
         triton = cfg.fused_kernels and triton_available()
         self.pdl = cfg.pdl and pdl_available(model.device, triton)
         # first: it sets how flashinfer is imported
@@ -103,6 +108,8 @@ class GpuPath:
                 triton,
                 self.pdl,
             )
+        phases.record("kernels", time.perf_counter() - kernels_started)
+        graphs_started = time.perf_counter()
         self.graphs = None
         self.step_graphs = None
         self.use_graphs = True
@@ -115,6 +122,8 @@ class GpuPath:
             from common.engine.gpu.step_graphs import StepGraphs
 
             self.step_graphs = StepGraphs(model, self.attn, pool, dummy_page, step_tokens)
+        if self.graphs is not None or self.step_graphs is not None:
+            phases.record("graphs", time.perf_counter() - graphs_started)
         attn = self.attn
         decode = "xqa" if attn.xqa is not None else "flashinfer"
         if attn.xqa is None and attn.triton_decode is not None:
