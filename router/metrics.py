@@ -1,37 +1,6 @@
 """The router's Prometheus metrics (``GET /metrics``): request latencies as clients see them, routing,
-and the worker pool as this router sees it.
-
-Histograms (buckets in common/observability/buckets.py):
-
-- ``kvferry_router_time_to_first_token_seconds``: request received until the first token of every choice
-  was in the router (streaming: what the client's first content chunk waits for, less writing it);
-- ``kvferry_router_inter_token_latency_seconds``: gaps between a choice's successive worker events, each
-  split evenly over the tokens it carried (one observation per token);
-- ``kvferry_router_e2e_request_latency_seconds``: received until the response's last byte was handed on;
-- ``kvferry_router_time_to_dispatch_seconds``: received until the generate request was written to a decode
-  worker: tokenizing, the prefix lookup and routing (the router holds no queue: beyond its limits it
-  answers 429);
-- ``kvferry_router_prompt_tokens`` / ``kvferry_router_output_tokens``: per request (all choices).
-
-Counters: ``kvferry_router_requests_total{status, outcome}`` (every response to a generation route:
-``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``; outcome: stop | length | error | abort,
-the client left | rejected, an error status, whether the request failed validation, auth, the body limit or
-admission | ok, a ``/v1/responses`` request served), ``kvferry_router_http_requests_total{method, route,
-status}`` (every HTTP response of any route, by the route's template: what vLLM's HTTP-level counter
-gives beside its engine counters; router/middleware.py's ``ResponseCounter``), ``..._routing_decisions_total
-{decision}`` (router/policy.py's reasons and the admission rejections), ``..._retries_total`` (second
-attempts before the first token), ``..._migrations_total{outcome}`` (router/migration.py: started |
-succeeded | failed; call ``dispatcher.metrics.migrations``), ``..._prefix_lookups_total{result}`` (hit |
-miss | skipped, a prompt too short to look up), ``..._redis_errors_total`` (lookups the prefix index did not
-answer), ``..._prompt_cached_tokens_total`` (prompt tokens the worker a prompt was placed on already held: over
-the prompt-token histogram's sum, the prefix hit rate the planner sizes prefill by), and per SLO class (common/slo.py; label ``slo_class``, every declared class exported from 0):
-``kvferry_router_slo_requests_total`` (requests served: a 2xx response), ``..._slo_ttft_met_total`` (of those,
-TTFT within the class's target; a class without one always), ``..._slo_itl_met_total`` (the p-th percentile of
-the request's own inter-token gaps, every choice's, within the class's ITL target), ``..._slo_good_total`` (both:
-goodput is its rate) and ``..._slo_shed_total`` (429 by predicted TTFT, router/admission.py). Histogram
-``kvferry_router_ttft_prediction_ratio``: measured over predicted TTFT of each served request whose placement
-had a prediction (router/ttft_model.py; 1 is exact). Gauges: ``kvferry_router_inflight_requests`` and ``kvferry_router_worker_up{role, worker}`` (read
-from the pool when scraped: no cost per request).
+and the worker pool as this router sees it. What each one measures, its labels and their values:
+docs/architecture.md, "Metrics"; bucket edges: common/observability/buckets.py.
 
 Several router processes (``KVFERRY_ROUTER_WORKERS`` > 1, one port): router/main.py points
 ``PROMETHEUS_MULTIPROC_DIR`` at a fresh directory before they start, every process writes its values
@@ -115,8 +84,8 @@ class _PoolView(Collector):
 
 # Label values known up front are exported at 0 from the start, so a dashboard panel or a rate() over them shows
 # 0 rather than "no data" until the first event (a migration may never happen in a healthy fleet).
-MIGRATION_OUTCOMES = ("started", "succeeded", "failed")  # router/migration.py MigrationStats
-PREFIX_LOOKUP_RESULTS = ("hit", "miss", "skipped")  # router/dispatch.py
+MIGRATION_OUTCOMES = ("started", "succeeded", "failed")  # router/upstream/migration.py MigrationStats
+PREFIX_LOOKUP_RESULTS = ("hit", "miss", "skipped")  # router/decision/dispatch.py
 DEFAULT_SLO_CLASSES = parse_slo_classes(DEFAULT_SLO_SPEC).names  # the deployment's own: declare_classes
 # Measured over predicted TTFT: 1 is exact; the buckets resolve a factor of 1.25 either side and the tails.
 PREDICTION_RATIO = (0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 10.0)

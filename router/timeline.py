@@ -53,7 +53,7 @@ class RequestRecord:
     ttft_s: float | None = None
     e2e_s: float | None = None
     slo: SloClass | None = None  # the request's SLO class (None: not counted per class)
-    predicted_ttft_s: float | None = None  # its placement's predicted TTFT (router/dispatch.py)
+    predicted_ttft_s: float | None = None  # its placement's predicted TTFT (router/decision/dispatch.py)
     on_first_token: list[Callable[[], None]] = field(default_factory=list)  # its prompts are queued no more
 
     def mark(self, stage: str) -> None:
@@ -82,7 +82,7 @@ class RequestRecord:
                     self.stamps.setdefault(stage, float(t))
 
     def first_token(self, choices: list[Any]) -> None:
-        """Every choice's first event is in (router/service.py's RunningChoice): from here their tokens' gaps
+        """Every choice's first event is in (router/surface/service.py's RunningChoice): from here their tokens' gaps
         are counted."""
         self.mark("first_token_router")
         self.ttft_s = time.monotonic() - self.started

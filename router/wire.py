@@ -1,9 +1,9 @@
 """A minimal HTTP/1.1 client for the router's calls to workers, on asyncio streams.
 
-Why not httpx: measured on this project's machines, one streamed POST through httpx cost ~0.9 ms of
-CPU in the router (its transport, pool and event layers), ten times what the bytes need; on the GPU
-hosts' slower cores that alone broke the 2 ms added-latency budget. The router only ever speaks plain
-HTTP/1.1 to workers it knows (no TLS, no redirects, no proxies, no cookies), so this is small: keep-alive
+Why not httpx: its transport, pool and event layers cost a streamed POST about ten times the CPU its bytes
+need, which alone broke the router's 2 ms added-latency budget on the GPU hosts' slower cores
+(bench/RESULTS.md, "Figures behind choices in the code"). The router only ever speaks plain HTTP/1.1 to
+workers it knows (no TLS, no redirects, no proxies, no cookies), so this is small: keep-alive
 connections pooled per host, a request written in one call, and a response read with its framing
 (chunked, Content-Length, or until close). NDJSON responses are read line by line.
 
@@ -19,6 +19,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
+
+from common import settings_registry as reg
 
 __all__ = ["ConnectError", "ProtocolError", "Response", "WireClient", "WireError"]
 
@@ -194,7 +196,9 @@ class Response:
 
 
 class WireClient:
-    def __init__(self, connect_timeout_s: float = 3.0, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, connect_timeout_s: float = reg.ROUTER_CONNECT_TIMEOUT_S.default, headers: dict[str, str] | None = None
+    ) -> None:
         """``headers``: sent on every request (the workers' internal token: common/internal_auth.py)."""
         self.connect_timeout_s = connect_timeout_s
         self._fixed_head = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())

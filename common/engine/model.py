@@ -146,8 +146,8 @@ class DecoderModel(nn.Module):
     def pack_linears(self) -> bool:
         """CPU float32: keeps oneDNN-packed copies of every GEMM weight and uses them from now on.
 
-        On the CPUs measured (AMD EPYC, 2 threads) oneDNN with packed weights runs these GEMMs 2-2.4x faster than
-        `F.linear` (MKL sgemm) at every token count, decode and prefill alike. The copies are snapshots: call
+        oneDNN with packed weights runs these GEMMs faster than `F.linear` (MKL sgemm) at every token count, decode
+        and prefill alike (bench/RESULTS.md, "Figures behind choices in the code"). The copies are snapshots: call
         again after changing weights (or `unpack_linears`). Returns whether weights were packed.
         """
         if self.device.type != "cpu" or self.dtype != torch.float32 or not onednn_linear_available():

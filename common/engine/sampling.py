@@ -375,7 +375,7 @@ def _filter(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(-1)` of `[B, V]` rows; a few rows on a GPU in two launches over chunks of each row
-    (common/engine/gpu/argmax.py: torch's one block per row took ~29 us for one 128k-wide row on the H200)."""
+    (common/engine/gpu/argmax.py: torch reduces each row in one thread block)."""
     if x.is_cuda:
         from common.engine.gpu import argmax  # Triton: imported only on a GPU
 

@@ -1,7 +1,7 @@
 """Host-to-device staging: the small host tensors of one step packed into one buffer and sent by one copy.
 
 Each `.to(device, non_blocking=True)` of a small CPU tensor costs a launch and, from pageable memory, a
-staging copy inside the driver; a step used to make dozens. Here a step's parts are written straight into a
+staging copy inside the driver; a step has dozens of them. Here a step's parts are written straight into a
 pinned host buffer (`Stage.put`, or `Stage.reserve` for a part filled in place, like the grammar masks) and
 `Stage.send` issues one non-blocking copy and hands back device views, one per part, in put order.
 

@@ -1,7 +1,7 @@
 """Rank 0 -> follower ranks: one step message at a time through a shared-memory file.
 
-A gloo broadcast of the step (header, then payload) costs two TCP round trips on every forward:
-0.7-1.3 ms on this project's 2-core CPU box (bench note in docs/architecture.md), on the critical path of
+A gloo broadcast of the step (header, then payload) costs two TCP round trips on every forward
+(bench/RESULTS.md, "Figures behind choices in the code"), on the critical path of
 every tensor-parallel decode step. Here rank 0 writes the message into a shared int64 array and bumps a
 sequence number; followers spin on it for a few milliseconds after each message (decode steps come
 back to back) and then poll with short sleeps, so an idle worker costs little CPU.

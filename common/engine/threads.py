@@ -1,8 +1,8 @@
 """How many CPU threads an engine process gives torch, chosen by the engine itself.
 
-torch's default is one thread per core of the *host*, whatever the pod's CPU limit: on a 2x H200 node that
-was 32 threads per GPU engine, whose intra-op parallelism on tiny host tensors capped two GPUs at ~550
-output tok/s (4.4k with 4 threads). A GPU engine's host work is scheduling and small tensors: a few threads.
+torch's default is one thread per core of the *host*, whatever the pod's CPU limit: on a large GPU node
+that is dozens of threads per GPU engine, whose intra-op parallelism on tiny host tensors throttled serving
+(bench/RESULTS.md, "Figures behind choices in the code"). A GPU engine's host work is scheduling and small tensors: a few threads.
 A CPU engine computes with its threads: every core it may use (affinity and cgroup quota).
 """
 

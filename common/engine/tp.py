@@ -211,7 +211,7 @@ class TPGroup:
 
     def close(self) -> None:
         """Tear the communicators down now, by abort: a graceful NCCL teardown (at interpreter exit too)
-        waits on its peers and was seen to hang once a peer had stopped (H200 x2, NCCL 2-rank)."""
+        waits on its peers and was seen to hang once a peer had stopped."""
         for pg in {id(p): p for p in (self.pg, self.ctrl) if p is not None}.values():
             for name in ("abort", "shutdown"):
                 fn = getattr(pg, name, None)

@@ -3,8 +3,7 @@
 When the radix cache must free device pages it copies its least recently used entries here instead of
 dropping them (common/kv/radix.py: `evict`), and a later prompt that matches them has them copied back into
 fresh device pages before its prefill (`load_back`), so it computes only the uncached suffix. A host page
-costs a PCIe copy to reuse (~10 ms for 4k tokens of an 8B model at ~50 GB/s) where recomputing it costs a
-prefill (hundreds of ms), so the tier pays off whenever distinct prefixes outgrow the device pool.
+costs a PCIe copy to reuse, about a tenth of the prefill that recomputing it costs (bench/RESULTS.md, "Figures behind choices in the code"), so the tier pays off whenever distinct prefixes outgrow the device pool.
 
 The host pool has the device pool's layout (`[pages, layers, kv_parts, page_size, heads, head_dim]`), so a run of
 consecutive pages is one copy each way, and its own free-page stack. On CUDA it is page-locked (registered

@@ -16,7 +16,9 @@ class PageTable:
     writes; `table` read from outside applies what is pending first.
     """
 
-    def __init__(self, max_rows: int, max_seq_len: int, page_size: int, device: torch.device) -> None:
+    def __init__(
+        self, max_rows: int, max_seq_len: int, page_size: int, device: torch.device, host_pages: bool = False
+    ) -> None:
         self.page_size = page_size
         self.max_seq_len = max_seq_len
         # One spare row so CUDA-graph padding has a row of its own to point at.
@@ -29,6 +31,9 @@ class PageTable:
         # Tensor parallelism: rank 0 records its writes here and ships them with the next step, so every
         # rank's table (and so every rank's attention) addresses the same pages. None: not recorded.
         self.journal: list[tuple[int, int, torch.Tensor]] | None = None
+        # `host_pages`: every row's page ids on the host too, `[rows, pages]`, for a planner that reads a step's
+        # pages there (flashinfer's MLA planner checks their range on the host: from the device that is a sync).
+        self.host_pages = np.zeros((max_rows + 1, -(-max_seq_len // page_size)), dtype=np.int32) if host_pages else None
 
     @property
     def table(self) -> torch.Tensor:
@@ -62,6 +67,8 @@ class PageTable:
         first = row * self.max_seq_len + first_page_index * self.page_size
         self._pending_at.append(first + self.page_size * np.arange(pages.numel(), dtype=np.int64))
         self._pending_pages.append(pages.numpy().copy())
+        if self.host_pages is not None:
+            self.host_pages[row, first_page_index : first_page_index + pages.numel()] = self._pending_pages[-1]
 
     def take_writes(self) -> tuple[np.ndarray, np.ndarray]:
         """The pending writes, taken: (flat index of each page's first slot, page id), one entry per slot

@@ -54,9 +54,9 @@ class KVPool:
     Layout `[num_pages, num_layers, kv_parts, page_size, num_kv_heads, head_dim]` (page-major; `kv_parts` 2: K
     and V, 1: MLA's latent entry, `KVLayout`), chosen for two users:
     - transfer: one page of every layer, K and V, is one contiguous block, and pages p..p+n are adjacent,
-      so a run of consecutive pages is ONE NIXL descriptor. Posting costs ~10 us per descriptor on the
-      H200 (bench/layout_probe.py: 512 MiB moved at 1.42 TB/s as 1 descriptor, 0.68 TB/s as 64), so a
-      layer-major pool (2 x layers descriptors per run) would cap a 4k-token transfer at a third of copy speed;
+      so a run of consecutive pages is ONE NIXL descriptor. Each descriptor costs its own posting, so a
+      layer-major pool (2 x layers descriptors per run) would move a 4k-token transfer at a fraction of copy
+      speed (bench/RESULTS.md, "Why page-major: descriptor cost");
     - attention: `k_cache(l)` / `v_cache(l)` are `[num_pages, page_size, H, D]` views with a page stride,
       which flashinfer's NHD paged kernels read as they are (checked bit-exact against contiguous copies),
       and every K/V row of the pool is addressable in the flat `rows` view (see `token_rows`).

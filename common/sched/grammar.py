@@ -14,7 +14,7 @@ batched call, `BatchGrammarMatcher.batch_accept_token`) and then fills the batch
 straight into the step's pinned staging buffer; the scheduler's thread copies them to the device with the
 rest of the sampling's inputs in one non-blocking copy (common/sched/step_sampling.py) and then launches the
 sampling, which applies them in place (common/sched/scheduler.py `_begin_sampling`). A batch with no grammar
-row samples right behind its forward, as before. The scheduler's thread feeds a matcher itself only the
+row samples right behind its forward: it waits on no fill. The scheduler's thread feeds a matcher itself only the
 tokens that may end a request (a stop token, the last token, a prompt's first), so it learns at once whether
 the request ends there (`Scheduler._append_token`); a decode token the grammar rejects, found by the fill,
 ends its request before any later token is appended (`GrammarMasks.broken`).
@@ -50,9 +50,8 @@ CORES_PER_FILL_THREAD = 4
 
 
 def default_fill_threads() -> int:
-    """xgrammar's threads for one batch fill: a quarter of the cores this process may use, 1 to 4. A JSON-schema
-    row inside a string takes ~20 us; 128 rows on the H200 host filled in 2.7 / 1.9 / 1.5 / 1.6 ms on 1 / 2 /
-    4 / 8 threads (bench/RESULTS.md "Run 6 and 7"; with torch at a thread per core, more were slower)."""
+    """xgrammar's threads for one batch fill: a quarter of the cores this process may use, 1 to 4. Past 4 threads a
+    fill gained nothing, and with torch at a thread per core more were slower (bench/RESULTS.md, "Figures behind choices in the code")."""
     from common.engine.threads import usable_cores
 
     return max(1, min(MAX_FILL_THREADS, usable_cores() // CORES_PER_FILL_THREAD))
@@ -83,8 +82,7 @@ class GrammarBook:
         self.stop_ids = sorted(stop_ids)
         # The ids the masks cover: the tokenizer's, where the model's LM head is padded past them (the sampler
         # bans the rest on grammar rows). xgrammar treats every padded id as a token of its own (an empty
-        # string) in each fill: 79k of them took a row's fill from 11 to 84 us, and an 8B step's 128-row fill to
-        # 12.9 ms (bench/RESULTS.md, "Run 8").
+        # string) in each fill, several times a row's own work (bench/RESULTS.md, "Run 8").
         self._mask_vocab = 0
         self._mask_stops: list[int] = []  # the stop ids inside the masks
         self._compiler: Any = None
@@ -240,7 +238,7 @@ class GrammarBook:
         in one batched call here, on the fill thread with overlap on (xgrammar releases the GIL inside it).
         A request whose token accepted here broke its grammar comes back in `broken`; the scheduler finishes
         it before any later token of it is appended (a break found replaying a request's earlier output is
-        found again when its first token is appended, as before).
+        found again when its first token is appended).
 
         The fill thread shares the GIL with the scheduler's thread, whose torch calls each let it go: Python
         run here delays that thread's next op by as long (bench/RESULTS.md, "Run 6 and 7"). So the
@@ -341,7 +339,7 @@ class GrammarMasks:
 def _batch_accept(handles: list[Any], tokens: list[int]) -> list[bool] | None:
     """Each matcher (by its xgrammar handle) accepts its token, in one call that releases the GIL; None: all
     were allowed, else whether each was. xgrammar's own wrapper turns the result into a list one element at a
-    time through its FFI (~2 us a row, holding the GIL): the common all-allowed case asks the result once."""
+    time through its FFI (per row, holding the GIL): the common all-allowed case asks the result once."""
     from xgrammar.base import _core
 
     result = _core.BatchGrammarMatcher.batch_accept_token(handles, tokens, False)

@@ -1,15 +1,9 @@
 """The seam between the scheduler and KV transfer: what the scheduler asks about pages another process reads
 (a prefill worker sending a prompt's KV on) or writes (a decode worker's pages a peer prefills into).
 
-The scheduler owns every request's state and every page; the connector decides. It is asked:
-- `chunk_done`: a prompt chunk's KV is in its pages (the step that computed it is complete): send them on;
-- `prefill_done`: a `prefill_only` request's first token is sampled: hold its pages? (held: parked outside
-  the running batch until the transfer that reads them is over);
-- `aborted`: a request ends early: hold its pages? (a peer may still write into them);
-- `reservations` / `reserved`: requests whose KV a peer computes, waiting for pages, and the pages each got
-  (the request then awaits its KV: `ReqState.AWAITING_KV`);
-- `finished`: which transfers ended since the last ask: held requests whose pages go back, requests whose
-  KV arrived (they join the running batch with the first token their peer sampled).
+The scheduler owns every request's state and every page; the connector decides, asked (each method says
+what about) when a chunk's KV is in its pages, when a `prefill_only` request or an aborted one may hold its
+pages, which requests wait for pages a peer fills, and which transfers ended.
 
 Each call is per chunk, per request or per loop turn (`Scheduler.settle_transfers`), never per token. The
 offline engine runs the base `KVConnector`, which says it does not transfer: the scheduler then skips every

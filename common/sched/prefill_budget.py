@@ -17,9 +17,8 @@ waits for them; kept for A/B runs). Steps without decoding requests take the who
 Until the model has timed prompt chunks, the chunk is what the measured prefill speed computes in the target
 less the decode step (the same bound, from two numbers instead of a fit).
 
-Every step, with or without decoding, is also kept within `KVFERRY_MAX_STEP_MS` (default 1 s): the engine reads
-commands between steps, so a step must never be so long that a control call or a cancellation waits on it (a
-2k-token chunk on a loaded 2-core CPU took over 20 s). On a GPU no chunk comes near it.
+Every step, with or without decoding, is also kept within `KVFERRY_MAX_STEP_MS` (`prefill_budget` says why);
+on a GPU no chunk comes near it.
 
 No starvation: the budget never falls below MIN_PAGES pages, so a waiting prompt progresses every step even
 when the target leaves no room (a decode step that alone exceeds it).
@@ -72,7 +71,8 @@ def prefill_budget(
     (a `BudgetReason`): beside decoding the largest chunk whose step `model` predicts within `target_s` (less
     `margin_z` residual spreads); alone (or with no target) `max_tokens`. Either way a step is predicted within
     `max_step_s` (0: no bound): the engine reads its commands between steps, so a step of tens of seconds (a
-    2k-token chunk on a loaded CPU) would leave control calls and cancellations unanswered that long. Before
+    long chunk on a loaded CPU: bench/RESULTS.md, "Figures behind choices in the code") would leave control calls
+    and cancellations unanswered that long. Before
     the model has timed chunks: the measured prefill speed over the limit less the decode step; before any
     speed is known, `max_tokens`."""
     beside = decoding and target_s > 0

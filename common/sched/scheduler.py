@@ -50,6 +50,7 @@ from common.kv.radix import RadixCache
 from common.protocol import TokenLogprob
 from common.sched.grammar import GrammarBook, GrammarError
 from common.sched.grammar_compiles import GrammarCompiles
+from common.sched.itl_trim import ItlTrim
 from common.sched.kv_connector import KVArrival, KVConnector
 from common.sched.launched import Launched, StepTimer, copy_to_host
 from common.sched.pages import KVBudget
@@ -135,6 +136,7 @@ class Scheduler:
         self._processed_at: float | None = None  # host clock when the last step was processed
         self.prefill_speed = PrefillSpeed()
         self.decode_step = StepSeconds()
+        self.itl_trim = ItlTrim()  # the share of the ITL target chunk steps aim at (common/sched/itl_trim.py)
         self.processed_kind: str | None = None  # kind of the step processed last ("prefill" | "decode" | "mixed")
         # KV transfer (common/sched/kv_connector.py). A connector that does not transfer is asked nothing at all.
         self.connector: KVConnector = connector if connector is not None else KVConnector()
@@ -399,6 +401,10 @@ class Scheduler:
             return -target * step
         return 0.0
 
+    def budget_target_s(self) -> float:
+        """What a chunk step beside decoding aims at: the ITL target trimmed by the overruns measured so far."""
+        return self.itl_target_s() * self.itl_trim.factor
+
     def margin_z(self) -> float:
         """How many residual spreads of the step-time model the budget keeps below the target: the normal
         quantile of the percentile the SLO holds at (the strictest class's), only where the target is the SLO's."""
@@ -416,7 +422,7 @@ class Scheduler:
             max_seq_len=self.runner.max_seq_len,
             page_size=self.page_size,
             mixed_batching=self.mixed_batching,
-            itl_target_s=self.itl_target_s(),
+            itl_target_s=self.budget_target_s(),
             budget=self._budget,
             spare_pages=self.budget.available_pages() - self.reserved_pages(),
             running_slots=min(self.max_running - self.table.active_count(), self.runner.page_table.num_free_rows),
@@ -479,7 +485,7 @@ class Scheduler:
         return prefill_budget(
             self.cfg.max_prefill_tokens,
             self.page_size,
-            self.itl_target_s(),
+            self.budget_target_s(),
             decoding=decoding,
             model=self.step_model,
             context=context,
@@ -622,12 +628,14 @@ class Scheduler:
         if launched.timer is not None:
             seconds = launched.timer.seconds()
             # What a stream sees is the period between steps, not the forward's device time: the host's sampling,
-            # events and scheduling add to it where they are not hidden (on the H200 at a 50 ms target, chunk
-            # steps predicted within it by device time reached 51 ms between tokens). A step launched before the
-            # one before it was processed ran back to back with it: its period is what the model learns.
+            # events and scheduling add to it where they are not hidden (bench/RESULTS.md, "Figures behind choices
+            # in the code"). A step launched before the one before it was processed ran back to back with it: its
+            # period is what the model learns.
             back_to_back = self._processed_at is not None and launched.launched_at <= self._processed_at
             period = now - self._processed_at if back_to_back and self._processed_at is not None else 0.0
             self.step_model.observe(launched.shape, max(seconds, period))
+            if launched.kind == "mixed":
+                self.itl_trim.observe(max(seconds, period), self.itl_target_s())
             if launched.kind == "decode":
                 self.decode_step.observe(seconds)
             elif launched.kind == "prefill":
@@ -726,7 +734,7 @@ class Scheduler:
             free_pages=self.free_pages() - self.reserved_pages(),
             total_pages=self.allocator.num_pages,
             prefill_chunk_tokens=self.prefill_token_budget(decoding=True) if self.mixed_batching else 0,
-            itl_target_s=self.itl_target_s(),
+            itl_target_s=self.budget_target_s(),
             prefill_step_tokens_per_s=self.prefill_speed.tokens_per_s,
             step_coefficients=self.step_model.coefficients() if self.step_model.ready else {},
             step_chunk_tokens=self.prefill_token_budget(),
@@ -742,7 +750,7 @@ class Scheduler:
 
     def last_step_kind(self) -> str | None:
         """Kind of the step processed last ("prefill", "decode", "mixed"; None before the first): the one thing
-        a worker reads every step, so it is not left to a snapshot (which costs ~10 us to build)."""
+        a worker reads every step, so it is not left to a snapshot (costlier to build)."""
         return self.processed_kind
 
     def has_request(self, req_id: str) -> bool:

@@ -1,5 +1,5 @@
 """What a scheduler shows the code that serves it, in one value: the worker's load, its page ledger in
-numbers and the step policy it publishes for the router's cost model (router/cost_model.py).
+numbers and the step policy it publishes for the router's cost model (router/decision/cost_model.py).
 
 The serving side reads a `SchedulerSnapshot` (`Scheduler.snapshot()`, built on demand: a worker builds one per
 load report, ten a second) and never the scheduler's fields, so the scheduler's bookkeeping can change without
@@ -26,7 +26,7 @@ class SchedulerSnapshot:
     prefill_chunk_tokens: int
     itl_target_s: float
     prefill_step_tokens_per_s: float
-    # What predicts a new request's TTFT (router/ttft_model.py): the step-time model's seconds per unit of each
+    # What predicts a new request's TTFT (router/decision/ttft_model.py): the step-time model's seconds per unit of each
     # feature (common/sched/step_model.py; empty until it has timed prompt chunks), the prompt chunk the next
     # step takes as the batch stands (beside decoding, or alone), the decode rows and KV context such a step
     # carries (0 with prefill-first steps: they decode nothing), and per SLO class the prompt tokens queued

@@ -31,7 +31,7 @@ from common.capacity import chunk_attention, largest_fitting
 __all__ = ["StepShape", "StepTimeModel", "chunk_attention", "z_score"]
 
 WINDOW = 256  # timed steps the fit reads: a few seconds of steps on a GPU, enough to span batch sizes
-REFIT_EVERY = 16  # steps between refits (each a 5x5 solve: ~50 us, ~3 us a step)
+REFIT_EVERY = 16  # steps between refits (each a 5x5 solve, its cost spread over the steps)
 MIN_PREFILL_SAMPLES = 4  # timed steps with prompt tokens before the model sizes chunks (until then: no budget)
 # Feature scales: the fit solves in units near 1 whatever the model size, so the ridge term weighs them alike.
 _SCALES = np.array([1.0, 1e3, 1e2, 1e5, 1e6])

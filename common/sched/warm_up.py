@@ -3,9 +3,8 @@
 Decode steps are CUDA-graphed at start and prefill/mixed steps' layers likewise (common/engine/gpu/), but what
 runs eagerly between and after those graphs (a mixed step's attention over its decode rows and chunk, the LM
 head and sampling over the rows a step samples) met its kernels for the first time during the first mixed
-steps: on a fresh H200 those steps compiled Triton kernels, and the first served run's TTFT p99 was 1,304 ms
-against 257 ms for the same run right after (bench/RESULTS.md "The budget from the chunk speed beside
-decoding"). So the engine first serves a small synthetic workload of its own through a throwaway scheduler
+steps, which compiled Triton kernels while the first users waited (bench/RESULTS.md, "The budget from the
+chunk speed beside decoding", has the first served run's TTFT against the run right after). So the engine first serves a small synthetic workload of its own through a throwaway scheduler
 over the same runner: for a few batch sizes, decoding requests (greedy and sampled, some with penalties,
 whose Triton kernels compile at first use) with a prompt arriving beside them, so prefill-only, decode and
 mixed steps all run. Nothing of it stays: no prefix is cached, every page and table row comes back, and the

@@ -50,7 +50,7 @@ class Peer:
 
 
 # Sleep of NIXL's progress thread between polls. NIXL's Python wrapper fixes it at 0 (a busy loop): an idle
-# agent then burns about half a core (0.49 measured on this project's 2-core CPU box; 0.009 at 100 us).
+# agent then burns about half a core (bench/RESULTS.md, "Idle cost of a NIXL agent").
 # DRAM pools get 100 us (UCX moves their bytes inside the post and poll calls, so the thread only serves
 # the peer); VRAM pools keep 0 until a GPU run shows the delay costs nothing there.
 DRAM_PROGRESS_DELAY_US = 100

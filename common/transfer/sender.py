@@ -8,10 +8,9 @@ One request's session of writes is `RequestTransfer` (common/transfer/request_tr
 A write is settled once NIXL has let go of it (completed, failed, or cancelled, and released): only then
 can it neither read the local pages nor write the peer's.
 
-Measured (bench/transfer.py): posting is mostly synchronous CPU work. On CPU DRAM, UCX's cma transport
-copies inside the post call; on an H200 (cuda_ipc) each descriptor costs about 10 us to issue
-(bench/layout_probe.py: 512 MiB as 1 descriptor 1.42 TB/s, 64 descriptors 0.68 TB/s, 1024 descriptors
-47 GB/s). Fewer, longer runs (page-major pool, contiguous decode reservations) make transfers fast.
+Posting is mostly synchronous CPU work (bench/transfer.py): on CPU DRAM, UCX's cma transport copies inside
+the post call; between GPUs (cuda_ipc) each descriptor costs its own issue (bench/RESULTS.md, "Why page-major:
+descriptor cost"). Fewer, longer runs (page-major pool, contiguous decode reservations) make transfers fast.
 """
 
 from __future__ import annotations

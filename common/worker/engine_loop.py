@@ -53,7 +53,7 @@ class EngineLoop:
     def run(self) -> None:
         host = self.host
         host.publisher.start()
-        send(host.conn, Ready(host.agent_info(), host.cfg.pod_name))
+        send(host.conn, Ready(host.agent_info(), host.cfg.pod_name, host.runner.start_phases.seconds))
         self.last_busy, self.trimmed = time.monotonic(), True
         while not host.stopping:
             self.turn()

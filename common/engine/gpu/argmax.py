@@ -1,7 +1,7 @@
 """Argmax over each row of a few wide rows (greedy sampling of the logits), in two launches.
 
-torch's argmax reduces a row in one thread block: for one row of a 128k vocabulary that is ~29 us on the H200,
-~1% of an FP8 8B decode step at batch 1 (bench/RESULTS.md). Here every row is cut in chunks of `CHUNK` ids: one
+torch's argmax reduces a row in one thread block: for a 128k vocabulary a visible share of a batch-1 decode
+step (bench/RESULTS.md, "Figures behind choices in the code"). Here every row is cut in chunks of `CHUNK` ids: one
 program per (row, chunk) finds the chunk's largest logit and its first id, a second launch picks, per row, the
 first chunk holding the row's largest. Ties go to the lowest id, as torch's argmax breaks them. A NaN counts as +inf
 (torch ranks it above +inf; logits hold neither).

@@ -8,8 +8,7 @@ per step. The indptr/last-page vectors stay on the CPU (flashinfer's planner rea
 passing device tensors would cost a device sync); the page ids are gathered on the device.
 
 FP8 pools on Hopper prefill on FP8 tensor cores: flashinfer's FA3 kernel takes e4m3 Q, K and V (its FA2 kernel,
-the only one that reads FP8 pages beside 16-bit queries, ran a 4k prefill's attention in 23 ms against FA3's 11 ms
-over bf16 pages on the H200), so a prefill or mixed step's queries are cast to e4m3 at scale 1.0 before the call,
+the only one that reads FP8 pages beside 16-bit queries, ran a prefill's attention at half FA3's speed: bench/RESULTS.md, "Figures behind choices in the code"), so a prefill or mixed step's queries are cast to e4m3 at scale 1.0 before the call,
 as vLLM's FA3 path does for FP8 KV (the KV pages hold K at scale 1.0 too unless the checkpoint gives one; the
 queries of the models measured stay far inside +-448). The kernel folds K's scale into the softmax scale and
 quantizes the probabilities to e4m3 for PV; decode rows keep 16-bit queries (XQA or flashinfer's decode kernel).
@@ -39,21 +38,17 @@ log = logging.getLogger("kvferry.engine")
 
 WORKSPACE_BYTES = 256 << 20
 # Decode graphs up to this batch run the split-KV Triton kernel (common/engine/gpu/decode_attention.py) where
-# it is available; larger batches keep flashinfer's. bench/decode_kernels.py on the H200 (per layer, 32 q / 8 kv
-# heads): b=1 1.62x at 1k context and 1.16x at 4k; b=2 1.40x / 0.95x; b=4 1.13x / 0.87x; b=8 1.06x / 0.86x.
+# it is available; larger batches keep flashinfer's, as fast or faster there at 4k context (bench/decode_kernels.py;
+# bench/RESULTS.md, "Figures behind choices in the code").
 TRITON_DECODE_MAX_BS = 2
-# FP8 pages: the same batches, 8 pages per tile (bench/decode_kernels.py --kv-dtypes fp8, H200, per layer: b=1
-# 8.3 vs flashinfer's 13.5 us at 1k, 12.4 vs 19.6 at 4k; b=2 8.8 vs 16.2 and 20.9 vs 20.9; from b=4 at 4k and
+# FP8 pages: the same batches, 8 pages per tile (bench/decode_kernels.py --kv-dtypes fp8; from b=4 at 4k and
 # b=32 at 1k flashinfer's tensor-core kernel is faster). On Hopper XQA's FP8 kernel takes every FP8 decode graph
-# instead (common/engine/gpu/xqa_decode.py: b=1 6.7 us, b=256 at 1k 143.5 vs flashinfer's 236.4 us).
+# (common/engine/gpu/xqa_decode.py), faster at every batch.
 FP8_DECODE_TILE_PAGES = 8
 # A prefill or mixed step whose leading requests extend one token each (a mixed step's decode rows) runs those
 # rows through the decode kernel and the rest through the prefill kernel once there are this many: the
-# prefill kernel gives each one-token row a whole query tile, and on the H200 (8B, 1.5k tokens of KV a row)
-# 64 decode rows beside a 256-token chunk took 25.2 ms in one prefill call against 17.1 ms as separate decode
-# and prefill steps (bench/mixed_step.py). From one row on: at 1-8 decode rows the split step was 2-17%
-# cheaper than one prefill call (8 rows + 256 tokens: 9.85 against 11.28 ms; bench/mixed_step.py
-# --split-min-rows 1), and never dearer by more than the timing noise.
+# prefill kernel gives each one-token row a whole query tile. From one decode row on the split step was the
+# cheaper, never dearer by more than the timing noise (bench/mixed_step.py --split-min-rows 1; bench/RESULTS.md, "Figures behind choices in the code").
 SPLIT_DECODE_MIN_ROWS = 1
 
 
@@ -81,7 +76,7 @@ def use_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
 @dataclass
 class PageMeta:
     indptr: torch.Tensor  # [B + 1] int32, CPU
-    indices: torch.Tensor  # [nnz pages] int32, on the pool's device
+    indices: torch.Tensor  # [nnz pages] int32, on the pool's device (the host's for latent attention's planner)
     last_page_len: torch.Tensor  # [B] int32, CPU
 
     def split(self, n: int) -> tuple[PageMeta, PageMeta]:
@@ -103,6 +98,50 @@ class PageMeta:
             indices=torch.cat((self.indices, dummy)),
             last_page_len=torch.cat((self.last_page_len, torch.ones(n, dtype=torch.int32))),
         )
+
+
+def page_meta(table: torch.Tensor, page_size: int, table_rows: torch.Tensor, seq_lens_cpu: list[int]) -> PageMeta:
+    """flashinfer's CSR page description of a step's requests from the token-location table (rows `table_rows`)."""
+    ps = page_size
+    b = len(seq_lens_cpu)
+    seq = torch.tensor(seq_lens_cpu, dtype=torch.int64)
+    npages = (seq + ps - 1) // ps
+    indptr = torch.zeros(b + 1, dtype=torch.int64)
+    torch.cumsum(npages, 0, out=indptr[1:])
+    last = seq - (npages - 1) * ps
+    max_pages = int(npages.max())
+    total = int(indptr[-1])
+    # Flat entry e belongs to request r(e) and is its page j(e): it sits at r * max_pages + j in the
+    # [B, max_pages] block of page-start locations gathered below.
+    owner = torch.repeat_interleave(torch.arange(b, dtype=torch.int64), npages, output_size=total)
+    flat = owner * max_pages + torch.arange(total, dtype=torch.int64) - indptr[:-1][owner]
+    firsts = table[:, : max_pages * ps : ps][table_rows].reshape(-1)
+    dev_flat = flat.to(table.device, non_blocking=True)
+    indices = torch.div(firsts[dev_flat], ps, rounding_mode="floor").to(torch.int32)
+    return PageMeta(indptr.to(torch.int32), indices, last.to(torch.int32))
+
+
+class PlanFences:
+    """flashinfer's planners stage a plan in a pinned host buffer and copy it to the device on the stream;
+    re-planning a wrapper before that copy ran would overwrite it (the overlap loop plans step N+1 while step N is
+    queued). One event per wrapper, recorded after its plan and waited on before its next, orders the two."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._planned: dict[int, torch.cuda.Event] = {}
+
+    def before(self, wrapper: object) -> None:
+        ev = self._planned.get(id(wrapper))
+        if ev is not None:
+            ev.synchronize()
+
+    def after(self, wrapper: object) -> None:
+        if not self.cuda:
+            return
+        ev = self._planned.get(id(wrapper))
+        if ev is None:
+            ev = self._planned[id(wrapper)] = torch.cuda.Event()
+        ev.record()
 
 
 class FlashInferAttention:
@@ -188,10 +227,7 @@ class FlashInferAttention:
         # Set by plan_extend for a step split in two calls: (leading one-token rows, their planned decode wrapper).
         self._split: tuple[int, object] | None = None
         self._out_loc: torch.Tensor | None = None
-        # flashinfer's planner stages its plan in a pinned host buffer per wrapper and copies it to the device
-        # on the stream; re-planning a wrapper before that copy ran would overwrite it (the overlap loop plans
-        # step N+1 while step N is queued). One event per wrapper orders the two.
-        self._planned: dict[int, torch.cuda.Event] = {}
+        self.fences = PlanFences(workspace.device)
         if fp8_prefill_supported(pool.device, self.kv_dtype, cfg.head_dim):
             self._start_fp8_prefill()
 
@@ -239,36 +275,16 @@ class FlashInferAttention:
 
     # ---- planning ---------------------------------------------------------------------------------
     def page_meta(self, table_rows: torch.Tensor, seq_lens_cpu: list[int]) -> PageMeta:
-        ps = self.page_size
-        b = len(seq_lens_cpu)
-        seq = torch.tensor(seq_lens_cpu, dtype=torch.int64)
-        npages = (seq + ps - 1) // ps
-        indptr = torch.zeros(b + 1, dtype=torch.int64)
-        torch.cumsum(npages, 0, out=indptr[1:])
-        last = seq - (npages - 1) * ps
-        max_pages = int(npages.max())
-        total = int(indptr[-1])
-        # Flat entry e belongs to request r(e) and is its page j(e): it sits at r * max_pages + j in the
-        # [B, max_pages] block of page-start locations gathered below.
-        owner = torch.repeat_interleave(torch.arange(b, dtype=torch.int64), npages, output_size=total)
-        flat = owner * max_pages + torch.arange(total, dtype=torch.int64) - indptr[:-1][owner]
-        firsts = self.table[:, : max_pages * ps : ps][table_rows].reshape(-1)
-        dev_flat = flat.to(self.table.device, non_blocking=True)
-        indices = torch.div(firsts[dev_flat], ps, rounding_mode="floor").to(torch.int32)
-        return PageMeta(indptr.to(torch.int32), indices, last.to(torch.int32))
+        return page_meta(self.table, self.page_size, table_rows, seq_lens_cpu)
+
+    def step_meta(self, batch: ForwardBatch) -> PageMeta:
+        return self.page_meta(batch.table_rows, batch.seq_lens_cpu)
 
     def _before_plan(self, wrapper) -> None:
-        ev = self._planned.get(id(wrapper))
-        if ev is not None:
-            ev.synchronize()
+        self.fences.before(wrapper)
 
     def _after_plan(self, wrapper) -> None:
-        if self.workspace.device.type != "cuda":
-            return
-        ev = self._planned.get(id(wrapper))
-        if ev is None:
-            ev = self._planned[id(wrapper)] = torch.cuda.Event()
-        ev.record()
+        self.fences.after(wrapper)
 
     def _xqa_view(self, meta: PageMeta) -> xqa_decode.XqaPages:
         """XQA's page table of an eager step's decode rows, as wide as its longest row."""
@@ -339,7 +355,7 @@ class FlashInferAttention:
     def plan(self, batch: ForwardBatch) -> None:
         self._triton_meta = None
         self._xqa_pages = None
-        meta = self.page_meta(batch.table_rows, batch.seq_lens_cpu)
+        meta = self.step_meta(batch)
         if batch.is_decode and self.xqa is not None:
             self._xqa_pages = self._xqa_view(meta)
             self._wrapper = self._split = None

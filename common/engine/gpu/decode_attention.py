@@ -1,7 +1,6 @@
 """Split-KV paged decode attention for small batches (Triton), over flashinfer's page metadata.
 
-At batch 1 and 1k context flashinfer's decode takes ~11.4 us a layer on the H200 for 4 MB of KV (0.37 ms of
-a 4.4 ms step): its planner splits KV into chunks of at least 128 tokens, so 1k tokens x 8 KV heads make 64
+At batch 1 flashinfer's decode leaves the GPU mostly idle (bench/RESULTS.md, "Figures behind choices in the code"): its planner splits KV into chunks of at least 128 tokens, so 1k tokens x 8 KV heads make 64
 CTAs, each a chain of dependent page loads, then a merge kernel. Here one program takes one (request, KV
 head, split) with the split count chosen so the grid fills the chip, loads its pages as one gathered tile
 per iteration, and runs the GQA group's queries (padded to 16 rows) through `tl.dot`; a second kernel merges

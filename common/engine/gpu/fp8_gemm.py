@@ -8,10 +8,8 @@ of 16; a weight that is not (none of the supported models' GEMMs) runs dequantiz
 once.
 
 The GEMMs run with fast accumulation, as vLLM's and torchao's FP8 inference GEMMs do: Hopper's FP8 MMA keeps its
-partial sums in reduced precision, and the default kernel promotes them to float32 every few K steps. On the H200
-(bench/fp8_gemm.py, an 8B layer's four GEMMs at 4,096 tokens) fast accumulation took 1.327 against 1.424 ms
-(1.79x against 1.66x bf16's 2.369 ms) for a relative error against float32 of the same quantized operands of
-2.1e-3 (3.3e-3 at K = 14,336) against 1.7e-3.
+partial sums in reduced precision, and the default kernel promotes them to float32 every few K steps. Fast
+accumulation is faster for a small rise in the error against float32 (bench/fp8_gemm.py; bench/RESULTS.md, "Figures behind choices in the code").
 """
 
 from __future__ import annotations

@@ -61,10 +61,9 @@ class GemvConfig:
 
 
 def pick_config(rows: int, n: int, w_fp8: bool = False, k: int = 0) -> GemvConfig:
-    """Block shapes by the sweep of bench/decode_kernels.py on the H200 (llama-3.1-8b shapes, weights streamed
-    from HBM): one row, 8 x 512 tiles (8 x 256 for the widest outputs); a few rows, 64-row MMA tiles. One row of
-    FP8 weights (half the bytes per tile): 8 x 1024 tiles (down 16.5 vs 17.9 us at 8 x 512, o 6.95 vs 7.2; qkv in
-    the whole b=1 step 2.665 vs 2.695 ms at 8 x 512), 32 x 256 for the widest outputs (gate_up 30.7 vs 35.0 us).
+    """Block shapes by the sweep of bench/decode_kernels.py (llama-3.1-8b shapes, weights streamed from HBM;
+    bench/RESULTS.md, "Figures behind choices in the code"): one row, 8 x 512 tiles (8 x 256 for the widest outputs); a few rows, 64-row MMA tiles; one row of
+    FP8 weights (half the bytes per tile), 8 x 1024 tiles, 32 x 256 for the widest outputs.
     `k` completes the shape (bench/gemv_tiles_in_step.py overrides tiles per (n, k)); no rule needs it today."""
     if rows == 1 and w_fp8:
         if n > 16384:

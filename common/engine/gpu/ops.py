@@ -23,12 +23,13 @@ MAX_WEIGHT_ELEMENTS = 1 << 31
 
 class GemvOps(ComposedOps):
     """The GEMMs of small decode batches on Triton GEMVs that stream the weight (common/engine/gpu/fused_gemv.py),
-    cuBLAS otherwise, over the primitives a subclass gives (rms_norm, add_rms_norm, silu_and_mul). Where the Triton GEMV wins (bench/decode_kernels.py, H200, llama-3.1-8b shapes, weights from HBM):
-    at one row on every shape (4-25% faster than cuBLAS); at 2-8 rows only on the wide outputs (gate_up, LM
-    head: 4-9%), so only those take it there. `gemv_max_rows` 0 turns the Triton GEMVs off.
+    cuBLAS otherwise, over the primitives a subclass gives (rms_norm, add_rms_norm, silu_and_mul). Where the Triton GEMV wins
+    (bench/decode_kernels.py, llama-3.1-8b shapes, weights from HBM; bench/RESULTS.md, "Small-batch decode
+    kernels"): at one row on every shape; at 2-8 rows only on the wide outputs (gate_up, LM head), so only those
+    take it there. `gemv_max_rows` 0 turns the Triton GEMVs off.
 
     `fold_prologues` also folds the norm (qkv, gate_up, LM head) and SiLU-mul (down) into the GEMV, removing
-    their kernels; on the H200 that measured slower (each program recomputes the row's norm), so it is off
+    their kernels; that was slower (each program recomputes the row's norm; bench/RESULTS.md, "Sixth pass"), so it is off
     unless a benchmark asks for it.
 
     `stream_stats`: at one row the output projections (o, down) add their output into the residual stream in

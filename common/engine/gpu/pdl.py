@@ -9,10 +9,9 @@ the same way (their `enable_pdl`; its norms and SiLU-mul let their successor sta
 Waiting is transitive (a kernel finishes only after its own wait), so a chain of PDL kernels keeps stream order
 for everything after the waits; kernels launched without PDL (cuBLAS, torch ops) serialize as always.
 
-A GEMV could also send its first weight lines to L2 before its wait (weights are read-only): on the H200 that
-made FP8 decode at batch 1 slower, whether every GEMV prefetched (16 / 48 MB: 2.82 / 2.95 ms against 2.71) or
-only the output projection, which launches while attention runs (8 / 16 MB: 2.83 / 2.89 against 2.79), so no
-kernel prefetches (bench/RESULTS.md).
+A GEMV could also send its first weight lines to L2 before its wait (weights are read-only): that made FP8
+decode at batch 1 slower, whether every GEMV prefetched or only the output projection (which launches while
+attention runs), so no kernel prefetches (bench/RESULTS.md, "Fifth pass on the H200").
 """
 
 from __future__ import annotations

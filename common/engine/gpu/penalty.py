@@ -2,8 +2,9 @@
 step's sampled tokens.
 
 The torch path (common/engine/sampling.py `_penalize`, common/sched/penalties.py `record`) issues ~18 small
-ops a step (window, counts, the gathered arithmetic, the scatter, the append, the count), each a launch and
-~20 us of host time; on a host-bound decode step that is what penalties cost. These kernels read the
+ops a step (window, counts, the gathered arithmetic, the scatter, the append, the count), each a launch with
+its host time; on a host-bound decode step that is what penalties cost (bench/RESULTS.md, "Figures behind
+choices in the code"). These kernels read the
 history and count tables in place and do the same float32 arithmetic in the same order, with IEEE division
 and no fused multiply-add (`enable_fp_fusion=False`), so the logits equal the torch path's bit for bit.
 

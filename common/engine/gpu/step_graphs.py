@@ -1,7 +1,7 @@
 """Prefill and mixed steps as piecewise CUDA graphs: everything but attention captured, per token count.
 
-An eager forward of an 8B model launches ~300 kernels from Python, ~15 ms on the H200 whatever the chunk
-(bench/mixed_step.py), three decode graphs' worth: that floor, not the GPU, set a mixed step's time. A step's
+An eager forward of an 8B model launches ~300 kernels from Python, the same time whatever the chunk: that
+floor, not the GPU, set a mixed step's time (bench/RESULTS.md, "Stall-free batching"). A step's
 attention cannot be captured cheaply (its plan follows the batch's shape: requests, chunk lengths, pages), but
 everything around it depends only on the number of tokens. So for a ladder of token counts the layers are
 captured as `L + 1` graphs broken at each layer's attention: graph 0 is the embedding and layer 0 up to its
@@ -11,6 +11,10 @@ graphs flashinfer's batched prefill runs eagerly from a static q buffer into a s
 for the real batch. A step of T tokens replays the smallest captured count >= T; its padding rows write
 their K/V to the pool's dummy page and are never attended to nor sampled. The final norm and LM head run
 eagerly on the sampled rows only.
+
+Latent attention (common/engine/gpu/mla_attention.py) breaks the same way: the graph before the break ends with
+the absorbed query [W_UK^T q_nope | q_pe] in the static buffer (as wide as a latent entry) and the step's entries
+in the pool, flashinfer's MLA kernel runs between the graphs, and the next graph starts with W_UV on its output.
 
 The residual stream is one tensor updated in place by every layer (flashinfer's fused add + RMSNorm), so it
 is the only activation that crosses a break besides the static buffers. Counts are captured largest first in
@@ -28,7 +32,9 @@ import torch
 from common.engine.forward_batch import ForwardBatch
 from common.engine.gpu.attention import FlashInferAttention
 from common.engine.gpu.graph_inputs import GraphInputs, smallest_fit
+from common.engine.gpu.mla_attention import FlashInferMlaAttention
 from common.engine.layers import KvWrite
+from common.engine.mla import MlaProjections
 
 if TYPE_CHECKING:
     from common.engine.model import DecoderModel
@@ -40,8 +46,8 @@ log = logging.getLogger("kvferry.engine")
 def graph_token_counts(max_tokens: int) -> list[int]:
     """Every 16 tokens up to 512, every 64 up to 1,024, then every 128; `max_tokens` is always included. A mixed
     step is a page-multiple chunk plus its decode rows, so it rarely lands on a count: its padding is computed
-    for nothing, which on the H200 made graphed 8B steps of 513-1,025 tokens ~6% slower than eager ones, whose
-    launches the GPU work hides from ~512 tokens on (bench/RESULTS.md "Stall-free batching"); hence the
+    for nothing, which made graphed 8B steps past 512 tokens slower than eager ones, whose launches the GPU
+    work hides there (bench/RESULTS.md, "Stall-free batching"); hence the
     default limit of 512 tokens and the fine steps below it."""
     if max_tokens <= 0:
         return []
@@ -70,6 +76,26 @@ class _BreakAtAttention:
         o.attn.store(layer, positions, q, k, v, q_out=o.q_buf[: self.tokens])
         return self._break(layer)
 
+    def forward_mla(
+        self,
+        layer: int,
+        positions: torch.Tensor,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent: torch.Tensor,
+        k_pe: torch.Tensor,
+        proj: MlaProjections,
+    ) -> torch.Tensor:
+        """Latent attention: the entries written and the absorbed query [W_UK^T q_nope | q_pe] put in the static
+        buffer (as wide as a latent entry) inside the graph; after the break W_UV maps the latent output back."""
+        o = self.owner
+        q_latent, q_pe = o.attn.store(layer, positions, q_nope, q_pe, latent, k_pe, proj)  # type: ignore[call-arg]
+        q = o.q_buf[: self.tokens]
+        r = q_latent.shape[-1]
+        q[..., :r].copy_(q_latent)
+        q[..., r:].copy_(q_pe)
+        return proj.values_from_latent(self._break(layer)[..., :r])
+
     def kv_write(self, layer: int, positions: torch.Tensor) -> KvWrite | None:
         return self.owner.attn.kv_write(layer, positions)  # the static write rows `_layers` set
 
@@ -94,7 +120,7 @@ class StepGraphs:
     def __init__(
         self,
         model: DecoderModel,
-        attn: FlashInferAttention,
+        attn: FlashInferAttention | FlashInferMlaAttention,
         pool: KVPool,
         dummy_page: int,
         max_tokens: int,
@@ -176,7 +202,7 @@ class StepGraphs:
         count = self.pick(t)
         self.inputs.load(batch, self.pool, count)
         attn = self.attn
-        attn.plan_extend(attn.page_meta(batch.table_rows, batch.seq_lens_cpu), batch.extend_lens_cpu)
+        attn.plan_extend(attn.step_meta(batch), batch.extend_lens_cpu)
         if replay:
             graphs = self.graphs[count]
             q, o = self.q_buf[:t], self.o_buf[:t]

@@ -1,7 +1,7 @@
 """Decode attention over FP8 pages on Hopper through flashinfer's XQA kernel (TensorRT-LLM's FP8 MHA).
 
-flashinfer's paged decode reads e4m3 pages at ~2.3 TB/s on the H200 (its tensor-core kernel at batch 256, 1k
-context), where the same kernel streams bf16 pages at ~4 TB/s: with FP8 KV the attention time barely falls.
+flashinfer's paged decode (its tensor-core kernel) reads e4m3 pages barely faster than it streams bf16 ones
+(bench/RESULTS.md, "Second pass on the H200"): with FP8 KV the attention time barely falls.
 XQA's Hopper kernel computes QK^T and PV on FP8 tensor cores (it quantizes Q to e4m3), which is what serving
 stacks run for FP8 KV on this GPU. It takes a dense page table [B, pages] and the sequence lengths; a decode
 graph derives both from its CSR buffers (flashinfer's indptr, page ids, last-page lengths) once per step, inside

@@ -22,28 +22,27 @@ import anyio
 
 from common.protocol import TokenLine
 from common.slo import DEFAULT_SLO_SPEC, SloClasses, parse_slo_classes
-from router.choice import ChoiceDelta, ChoiceState, TokenInfo
-from router.dispatch import Dispatcher
+from router.decision.dispatch import Dispatcher
 from router.errors import bad_request, context_too_long, prompt_too_long, rate_limited, upstream_failed
 from router.metrics import TokenGaps
-from router.migration import MigratingCall
-from router.openai_api import ChatCompletionRequest, CompletionRequest
-from router.responses import (
+from router.settings import RouterOptions
+from router.surface.choice import ChoiceDelta, ChoiceState, TokenInfo
+from router.surface.openai_api import ChatCompletionRequest, CompletionRequest
+from router.surface.responses import (
     SSE_DONE,
     ChunkFormat,
     chat_choice,
     chat_logprobs,
-    chat_response,
     completion_choice,
     completion_logprobs,
-    completion_response,
+    response,
     sse,
     usage,
 )
-from router.settings import RouterOptions
+from router.surface.tokenizer import ModelInfo, PromptTooLong, RouterTokenizer
+from router.surface.tools import Tool, ToolCallStream, finish_reason_with_calls, parse_tool_calls
 from router.timeline import RequestRecord
-from router.tokenizer import ModelInfo, PromptTooLong, RouterTokenizer
-from router.tools import Tool, ToolCallStream, finish_reason_with_calls, parse_tool_calls
+from router.upstream.migration import MigratingCall
 
 SLO_CLASS_HEADER = "x-kvferry-class"  # names the request's SLO class (else `priority`, else the default)
 
@@ -149,7 +148,7 @@ class RouterService:
         return self.slo.by_priority(priority or 0).name
 
     # ---- tokenizing ----------------------------------------------------------------------------------
-    # A prompt is tokenized up to the model's context at most (router/tokenizer.py): one past it is refused
+    # A prompt is tokenized up to the model's context at most (router/surface/tokenizer.py): one past it is refused
     # (400) after about a context's worth of work, whatever its size; long texts are tokenized on the bounded
     # pool, off the event loop.
     async def _tokenize(self, chars: int, param: str, encode: Callable[[], list[int]]) -> list[int]:
@@ -185,20 +184,7 @@ class RouterService:
             raise bad_request("messages produce an empty prompt", "messages")
         max_tokens = self._max_tokens(len(ids), req.requested_max_tokens(), "messages", chat=True)
         self._check_sampling(req, [max_tokens])
-        return Job(
-            kind="chat",
-            rid=f"chatcmpl-{uuid.uuid4().hex}",
-            created=int(time.time()),
-            model=self.model.name,
-            request=req,
-            prompts=[ids],
-            max_tokens=[max_tokens],
-            n=req.n,
-            stops=req.stop_list,
-            logprobs=req.logprobs,
-            top_logprobs=req.top_logprobs or 0,
-            include_usage=req.include_usage,
-        )
+        return self._job("chat", req, [ids], [max_tokens], req.logprobs, req.top_logprobs or 0)
 
     async def prepare_completion(self, req: CompletionRequest) -> Job:
         prompts: list[list[int]] = []
@@ -214,9 +200,20 @@ class RouterService:
             prompts.append(ids)
         max_tokens = [self._max_tokens(len(ids), req.max_tokens, "prompt", chat=False) for ids in prompts]
         self._check_sampling(req, max_tokens)
+        return self._job("completion", req, prompts, max_tokens, req.logprobs is not None, req.logprobs or 0)
+
+    def _job(
+        self,
+        kind: Literal["chat", "completion"],
+        req: ChatCompletionRequest | CompletionRequest,
+        prompts: list[list[int]],
+        max_tokens: list[int],
+        logprobs: bool,
+        top_logprobs: int,
+    ) -> Job:
         return Job(
-            kind="completion",
-            rid=f"cmpl-{uuid.uuid4().hex}",
+            kind=kind,
+            rid=f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
             created=int(time.time()),
             model=self.model.name,
             request=req,
@@ -224,8 +221,8 @@ class RouterService:
             max_tokens=max_tokens,
             n=req.n,
             stops=req.stop_list,
-            logprobs=req.logprobs is not None,
-            top_logprobs=req.logprobs or 0,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
             include_usage=req.include_usage,
         )
 
@@ -374,8 +371,7 @@ class RouterService:
                 lp = completion_logprobs(c.tokens, self.tok, 0)[0] if job.logprobs else None
                 out.append(completion_choice(c.index, text, c.state.finish_reason, lp))
         use = self._usage(job, choices)
-        build = chat_response if job.kind == "chat" else completion_response
-        return build(job.rid, job.created, job.model, out, use)
+        return response(job.kind, job.rid, job.created, job.model, out, use)
 
     def _usage(self, job: Job, choices: list[RunningChoice]) -> dict[str, Any]:
         # Prompt tokens count once per prompt (not per choice), as OpenAI bills n > 1; cached tokens are
@@ -387,7 +383,7 @@ class RouterService:
 
     # ---- streaming -----------------------------------------------------------------------------------
     async def stream(self, job: Job, choices: list[RunningChoice]) -> AsyncIterator[bytes]:
-        """SSE bytes: one piece per batch of worker events (router/responses.py ChunkFormat renders the
+        """SSE bytes: one piece per batch of worker events (router/surface/responses.py ChunkFormat renders the
         fields every chunk repeats once per response). Whatever fails once the response has started, the
         client still gets an error event and [DONE], never a stream that just stops."""
         try:
@@ -456,7 +452,7 @@ class RouterService:
     def _render_tools(
         self, job: Job, fmt: ChunkFormat, c: RunningChoice, tools: ToolCallStream, delta: ChoiceDelta
     ) -> bytes:
-        """A chat choice with tools: content or tool-call deltas (router/tools.py decides which)."""
+        """A chat choice with tools: content or tool-call deltas (router/surface/tools.py decides which)."""
         deltas = tools.push(delta.text)
         if delta.finish_reason is not None:
             deltas += tools.finish()

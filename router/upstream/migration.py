@@ -1,7 +1,7 @@
 """Requests survive their decode worker: a stream whose worker is lost goes on on another one.
 
 When the decode worker streaming a choice is lost (its stream breaks or stalls, or it reports that its
-engine exited: an error event marked ``retryable``, router/upstream.py), the choice continues from where it
+engine exited: an error event marked ``retryable``, router/upstream/call.py), the choice continues from where it
 was. The new upstream request's prompt is the original prompt plus every token already received (prefilled
 remotely or locally like any prompt, the prefix cache helping), its budget the tokens left, and its sampling
 the same with ``output_offset`` = the tokens already out: the seeded sampler keys its noise by seed and
@@ -23,9 +23,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from common.protocol import SamplingParams, TokenLine, replace
-from router.dispatch import Dispatcher, PromptPlan
+from router.decision.dispatch import Dispatcher, PromptPlan
 from router.errors import OpenAIError
-from router.upstream import UpstreamCall
+from router.upstream.call import UpstreamCall
 
 log = logging.getLogger("kvferry.router")
 
@@ -60,8 +60,8 @@ class MigratingCall:
         req_id: str,
         plan: PromptPlan,
         sampling: SamplingParams,
-        limit: int = 3,
-        wait_s: float = 30.0,
+        limit: int,
+        wait_s: float,
     ) -> None:
         self.d = dispatcher
         self.req_id = req_id

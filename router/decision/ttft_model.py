@@ -14,7 +14,7 @@ with ``own`` uncached prompt tokens then waits for
            + per_attention_pair * (own^2 / 2 + ahead * min(chunk, ahead) / 2)
            + transfer                                                       disaggregated: prompt / transfer rate
 
-``unseen``: prompt tokens this router placed there that the snapshot may not count yet (router/pool.py). The
+``unseen``: prompt tokens this router placed there that the snapshot may not count yet (router/decision/pool.py). The
 attention term is exact for the request's own prompt (its chunks' query-key pairs sum to own^2 / 2) and a lower
 bound for the prompts ahead, whose lengths are not published (each of their tokens attends to at least half a
 chunk). That is the prefill rate the worker's ITL budget leaves beside its decode batch: ``chunk / step time``.
@@ -28,12 +28,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from common.capacity import StepCost
 
 if TYPE_CHECKING:
-    from router.pool import Load
+    from router.decision.pool import Load
 
 __all__ = ["StepCost", "WorkerFigures", "predict_ttft_s", "prefill_rate"]
 
@@ -67,6 +68,11 @@ class WorkerFigures:
     def ahead(self, slo_class: str) -> int:
         return self.ahead_tokens.get(slo_class, self.queued_tokens) + self.unseen_tokens
 
+    @cached_property
+    def step_overhead_s(self) -> float:
+        """What each of its steps costs beside its chunk (the base and the decode batch): once per figures."""
+        return self.cost.overhead_s(self.decode_rows, self.decode_context)
+
 
 def prefill_rate(w: WorkerFigures) -> float:
     """Prompt tokens per second at the worker's chunk beside its decode batch (0: unknown)."""
@@ -88,7 +94,7 @@ def predict_ttft_s(
         c, cost = w.chunk_tokens, w.cost
         steps = math.ceil(work / c)
         pairs = own * own / 2 + ahead * min(c, ahead) / 2
-        compute = steps * cost.overhead_s(w.decode_rows, w.decode_context) + cost.per_prefill_token_s * work
+        compute = steps * w.step_overhead_s + cost.per_prefill_token_s * work
         return compute + cost.per_attention_pair_s * pairs + transfer_s
     if w.rate_tokens_per_s > 0:
         return work / w.rate_tokens_per_s + transfer_s

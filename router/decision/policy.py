@@ -1,6 +1,6 @@
 """Which prefill pod and which decode pod serve a request: pure scoring over plain data.
 
-Inputs are snapshots (router/pool.py builds them from each worker's ``/load`` and the router's own
+Inputs are snapshots (router/decision/pool.py builds them from each worker's ``/load`` and the router's own
 in-flight counts) plus, per pod id, how many leading prompt blocks the pod holds (Redis prefix index,
 one round trip; None when Redis is down). Nothing here does I/O, so the formula is unit-tested directly.
 
@@ -42,12 +42,10 @@ load alone.
 Mixed pods (role ``mixed``: they decode and prefill for peers) are candidates on both sides; a request's
 decode pod is never also its remote prefill pod (that is the local placement).
 
-Adaptive placement (``placement="adaptive"``; the default is ``fixed`` until a GPU benchmark shows
-adaptive wins): when a prefill pod is up and the pods have measured their prefill rates, the choice
-between local and disaggregated prefill (and which prefill pod) comes from the cost model in
-router/cost_model.py (predicted TTFT per placement, the ITL cost a local prefill adds to the decode
-pod's batch, both against SLO settings) instead of the two fixed thresholds above; its reason is ``adaptive-local`` / ``adaptive-disaggregated`` (``-slo-miss`` when no placement met both SLOs).
-Until the pods have measured, and with ``placement="fixed"``, the thresholds decide as before.
+Adaptive placement (``placement="adaptive"``; ``fixed``, the default, until a GPU benchmark shows adaptive
+wins): once the pods have measured their prefill rates, router/decision/cost_model.py makes the local or
+disaggregated choice (reasons ``adaptive-local`` / ``adaptive-disaggregated``, ``-slo-miss`` when no placement
+met both SLOs) in place of the two thresholds above.
 
 ``mode="round_robin"`` picks prefill pods in turn, ignoring prefix and load: the baseline that
 bench/prefix_routing.py compares against (and a fallback switch for operators).
@@ -59,7 +57,8 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from router.cost_model import LocalSide, PrefillSide, SloTargets, choose_placement
+from common import settings_registry as reg
+from router.decision.cost_model import LocalSide, PrefillSide, SloTargets, choose_placement
 
 __all__ = ["DecodeCandidate", "PolicyConfig", "PrefillCandidate", "RouteDecision", "RoutingPolicy"]
 
@@ -108,15 +107,16 @@ class RouteDecision:
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    disagg_min_prompt_tokens: int = 256
-    local_prefix_fraction: float = 0.8
-    prefill_load_weight: float = 0.5
-    imbalance_abs_tokens: int = 2048
-    imbalance_ratio: float = 1.5
-    decode_kv_weight: float = 4.0
-    mode: str = "cache_aware"  # cache_aware | round_robin
-    placement: str = "fixed"  # fixed (the thresholds only) | adaptive (router/cost_model.py)
-    transfer_tokens_per_s: float = 200_000.0  # assumed where a pod has no TTFT prediction (cost_model.py)
+    disagg_min_prompt_tokens: int = reg.ROUTER_DISAGG_MIN_PROMPT_TOKENS.default
+    local_prefix_fraction: float = reg.ROUTER_LOCAL_PREFIX_FRACTION.default
+    prefill_load_weight: float = reg.ROUTER_PREFILL_LOAD_WEIGHT.default
+    imbalance_abs_tokens: int = reg.ROUTER_IMBALANCE_ABS_TOKENS.default
+    imbalance_ratio: float = reg.ROUTER_IMBALANCE_RATIO.default
+    decode_kv_weight: float = reg.ROUTER_DECODE_KV_WEIGHT.default
+    mode: str = reg.ROUTER_ROUTING.default  # cache_aware | round_robin
+    placement: str = reg.ROUTER_PLACEMENT.default  # fixed (the thresholds only) | adaptive (cost_model.py)
+    # assumed where a pod has no TTFT prediction (cost_model.py)
+    transfer_tokens_per_s: float = reg.ROUTER_TRANSFER_TOKENS_PER_S.default
     targets: SloTargets = field(default_factory=lambda: SloTargets(None, 0.05))  # of a request without a class
 
 

@@ -1,64 +1,45 @@
 """Admission: which workers can take one more request now, so overload is answered 429 + Retry-After
-before latency collapses, instead of queueing without bound (or failing with 5xx).
+before latency collapses, not queued without bound.
 
-A worker is *full* for a request when any of these holds (each threshold a ``KVFERRY_ROUTER_ADMIT_*``
-setting, router/settings.py; 0 turns that check off):
+A worker is *full* for a request when any of these holds (thresholds: ``KVFERRY_ROUTER_ADMIT_*``; 0 turns a
+check off):
 
 decode worker d
     backlog_d = waiting_d + max(0, unseen_d - free_slots_d) >= admit_max_waiting
         unseen_d = max(0, inflight_d - running_d - waiting_d), free_slots_d = max_running_d - running_d
-        Requests queued for admission on d: its last snapshot's waiting queue, plus the requests this
-        router has open on d beyond what that snapshot shows (sent after it, or waiting for a remote
-        prefill) that its free batch slots cannot take (with the slot count unreported, all of them:
-        the pessimistic reading of a stale figure). Every waiting request adds about one request's
-        worth of TTFT to those behind it, so a long queue is where latency collapses first.
+        Its snapshot's waiting queue plus the requests this router sent since that its free batch slots cannot
+        take (all of them when the slot count is unreported). Each waiting request adds about one request's
+        TTFT to those behind it: a long queue is where latency collapses first.
     queued_prefill_tokens_d >= max(admit_max_queued_prefill_tokens, rate_d x admit_queue_seconds)
-        Prompt tokens waiting for its prefill (short prompts and prefix hits prefill on the decode pod),
-        against what the worker prefills within the TTFT target at its measured rate (``rate_d``: the
-        worker's own ``prefill_tokens_per_s``, measured while prompts were queued), with a floor.
+        Prompt tokens waiting for its prefill against what it prefills in that time at its own measured rate.
     free_d - need < min(request, pool_d - cap_d)
-        free_d = free_pages_d * page_size - unseen_kv_d (the KV this router sent there since its last snapshot);
-        need = prompt + max_tokens of this call, request = n x (prompt + max_tokens) of the whole request
-        (a worker whose /load says it reserves only ``kv_reserve_output_tokens`` of an output: that many instead
-        of max_tokens, as it counts its own free pages),
-        cap_d = the most one request may reserve there (``max_request_tokens`` in its /load:
-        KVFERRY_MAX_REQUEST_KV_SHARE of its pool). Decode pods reserve KV for the whole output, so a request
-        that does not fit now would wait in the worker's queue, and the requests behind it with it. After
-        its reservation at least as much must stay free as the request takes (at most what the share leaves
-        of the pool): the largest requests never take the room a normal one needs, so a normal request
-        beside any mix of large ones starts at once.
+        free_d = free_pages_d * page_size - unseen_kv_d (KV this router sent since the snapshot); need =
+        prompt + max_tokens of this call (``kv_reserve_output_tokens`` of the output where the worker reserves
+        only that); request = n x that; cap_d = ``max_request_tokens`` from its /load. A decode pod reserves
+        the whole output, so a request that does not fit would wait in its queue with those behind it; and as
+        much must stay free as the request takes, so large requests never take a normal one's room.
 
-A request larger than ``cap_d`` on every ready decode worker can never be admitted: 400 (`check_request_kv`),
-before anything is started.
+A request larger than ``cap_d`` on every ready decode worker can never run: 400 (`check_request_kv`).
 
 prefill worker p
     max(queued_prefill_tokens_p, inflight_tokens_p) >= max(admit_max_queued_prefill_tokens, rate_p x admit_queue_seconds)
-        The prefill queue in tokens (the pod's figure or this router's own count of prompt tokens sent
-        and not yet started, whichever is larger): TTFT grows linearly with it.
+        The prefill queue in tokens (the pod's or this router's count, the larger): TTFT grows linearly with it.
 
-the fleet, by predicted TTFT (``admit_by_ttft``; router/ttft_model.py predicts, `ttft_verdict` decides)
+the fleet, by predicted TTFT (``admit_by_ttft``; router/decision/ttft_model.py predicts, `ttft_verdict` decides)
     min over placements of predicted_ttft(request as class k) > limit_k, for any class k with a TTFT target
     and rank <= the request's, where limit_k = max(ttft_k for the request's own class or LOWER_CLASS_HEADROOM x
     ttft_k for a higher class, QUEUE_ALLOWANCE x the request's predicted TTFT with nothing queued ahead)
-        A request no worker (or prefill + decode pair) is predicted to serve within its class's TTFT target
-        would only wait, and make the requests behind it wait: it is refused at once, before any worker is
-        contacted, with ``Retry-After`` = ceil(predicted excess), at least 1 s (the queue ahead drains at the
-        worker's own rate, so that is when the same request would fit). Lower classes go first: a request is
-        also refused while a request of a higher class would be predicted past LOWER_CLASS_HEADROOM of that
-        class's target, so the lower class stops adding work before the higher one starts missing, and a
-        higher class is never refused while a lower one is admitted. A class without a TTFT target (batch)
-        is never refused for TTFT: it queues. A worker that has measured nothing predicts nothing, and
-        nothing is refused on a guess. The prediction counts the prompts queued ahead of the request in the
-        worker's deadline order, those this router placed there since its last snapshot, and the request's own
-        uncached tokens (the longest of its prompts). Shedding is for queues: a request that would miss its
-        target even on an idle worker (a long prompt on a CPU) gains nothing from a 429, so it is held to
-        QUEUE_ALLOWANCE (2) times its own predicted TTFT instead, and waits at most about its own prefill behind
-        others.
+        A request no placement would serve within target would only wait and delay those behind it: it is
+        refused before any worker is contacted, ``Retry-After`` = ceil(predicted excess) (the queue drains at
+        the worker's rate), at least 1 s. Lower classes are refused first, once a higher class nears its
+        target, so a higher class is never refused while a lower one is admitted. A class without a TTFT
+        target queues; a worker that has measured nothing predicts nothing, and nothing is refused on a
+        guess. A request that would miss even on an idle worker gains nothing from a 429: QUEUE_ALLOWANCE
+        bounds its wait to about its own prefill.
 
-The router routes among the workers that are not full. When every ready decode worker is full, or a
-prompt long enough to disaggregate finds every prefill worker full, the request gets 429 with
-``Retry-After`` (nothing was started anywhere). A worker that refuses a request itself (429: its engine
-queue is full) is skipped and the request retried once on another, then answered 429 (router/upstream.py).
+The router routes among workers that are not full; when none is (decode, or prefill for a prompt long enough
+to disaggregate), 429 with ``Retry-After``, nothing started. A worker that answers 429 itself is skipped and
+the request retried once elsewhere (router/upstream/call.py).
 """
 
 from __future__ import annotations
@@ -67,8 +48,10 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from common import settings_registry as reg
 from common.slo import SloClass, SloClasses
-from router.pool import Load, Worker
+from router.decision.pool import Load, Worker
+from router.settings import RouterOptions
 
 __all__ = [
     "LOWER_CLASS_HEADROOM",
@@ -93,13 +76,19 @@ QUEUE_ALLOWANCE = 2.0
 
 @dataclass(frozen=True)
 class AdmissionLimits:
-    max_waiting: int = 32  # per decode worker: requests waiting for a batch slot
-    max_queued_prefill_tokens: int = 32768  # per worker: prompt tokens waiting for prefill (the floor)
-    queue_seconds: float = 2.0  # per worker: as many queued tokens as it prefills in this long, if more
+    max_waiting: int = reg.ROUTER_ADMIT_MAX_WAITING.default  # per decode worker: requests waiting for a batch slot
+    # per worker: prompt tokens waiting for prefill (the floor)
+    max_queued_prefill_tokens: int = reg.ROUTER_ADMIT_MAX_QUEUED_PREFILL_TOKENS.default
+    # per worker: as many queued tokens as it prefills in this long, if more
+    queue_seconds: float = reg.ROUTER_ADMIT_QUEUE_SECONDS.default
+
+    @classmethod
+    def from_options(cls, opts: RouterOptions) -> AdmissionLimits:
+        return cls(opts.admit_max_waiting, opts.admit_max_queued_prefill_tokens, opts.admit_queue_seconds)
 
     def queued_tokens_limit(self, w: Worker) -> int:
-        """The floor, or the tokens the worker prefills in `queue_seconds` at its measured rate: an H200
-        prefills 25-40k tokens/s of an 8B model, a CPU pod a few hundred, and one constant fits neither."""
+        """The floor, or the tokens the worker prefills in `queue_seconds` at its measured rate: GPU and CPU
+        pods prefill at rates orders of magnitude apart, and one constant fits neither."""
         rate = w.load.prefill_tokens_per_s if w.load is not None else 0.0
         return max(self.max_queued_prefill_tokens, int(rate * self.queue_seconds))
 
@@ -200,8 +189,11 @@ def ttft_verdict(
         best = own if k is cls else best_ttft_s(k)
         if best is None:
             continue
+        limit = k.ttft_s if k is cls else LOWER_CLASS_HEADROOM * k.ttft_s
+        if best - limit <= worst:
+            continue  # the allowance only raises the limit: predicting alone cannot make this the worst excess
         alone = alone_ttft_s(k) or 0.0
-        excess = best - max(k.ttft_s if k is cls else LOWER_CLASS_HEADROOM * k.ttft_s, QUEUE_ALLOWANCE * alone)
+        excess = best - max(limit, QUEUE_ALLOWANCE * alone)
         if excess > worst:
             worst, limiting = excess, k.name
     if not limiting:

@@ -12,15 +12,14 @@ from typing import Any
 
 import orjson
 
-from router.choice import TokenInfo
-from router.tokenizer import RouterTokenizer
+from router.surface.choice import TokenInfo
+from router.surface.tokenizer import RouterTokenizer
 
 __all__ = [
     "chat_logprobs",
-    "chat_response",
     "ChunkFormat",
     "completion_logprobs",
-    "completion_response",
+    "response",
     "sse",
     "usage",
 ]
@@ -73,12 +72,13 @@ def completion_logprobs(tokens: Sequence[TokenInfo], tok: RouterTokenizer, offse
 
 
 # ---- whole responses -----------------------------------------------------------------------------
-def chat_response(
-    rid: str, created: int, model: str, choices: list[dict[str, Any]], use: dict[str, Any]
+def response(
+    kind: str, rid: str, created: int, model: str, choices: list[dict[str, Any]], use: dict[str, Any]
 ) -> dict[str, Any]:
+    """A whole (unstreamed) response; `kind` "chat" is a chat.completion, else a text_completion."""
     return {
         "id": rid,
-        "object": "chat.completion",
+        "object": "chat.completion" if kind == "chat" else "text_completion",
         "created": created,
         "model": model,
         "system_fingerprint": None,
@@ -98,20 +98,6 @@ def chat_choice(
     if tool_calls:
         message["tool_calls"] = tool_calls
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def completion_response(
-    rid: str, created: int, model: str, choices: list[dict[str, Any]], use: dict[str, Any]
-) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": choices,
-        "usage": use,
-    }
 
 
 def completion_choice(

@@ -16,7 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from router.tools import Tool, render_for_template
+from router.surface.tools import Tool, render_for_template
 
 log = logging.getLogger("kvferry.router")
 
@@ -170,7 +170,7 @@ class RouterTokenizer:
     ) -> list[int]:
         """Applies the model's chat template (with the assistant turn opened) and tokenizes the result (``limit``
         as in ``encode``). Raises ValueError when the template rejects the conversation (e.g. roles out of
-        order). Tools, and tool calls and results in the history, go through the template (router/tools.py)."""
+        order). Tools, and tool calls and results in the history, go through the template (router/surface/tools.py)."""
         if not self.chat_template:
             raise ValueError("this model has no chat template: use /v1/completions")
         from transformers.utils.chat_template_utils import render_jinja_template

@@ -1,52 +1,16 @@
 """Adaptive placement: predicted TTFT and ITL cost of each way to serve one request, as pure functions.
 
-A request can be placed two ways (router/policy.py picks the decode pod D first, by its own load):
+Two placements once router/decision/policy.py has picked the decode pod D by load: local on D (its prompt
+chunks join D's decode batch) or disaggregated via a prefill pod P (P's KV moves to D). The formulas, the
+/load figures they read and the scoring are docs/architecture.md, "Placement: local or disaggregated prefill,
+per request": each placement is scored ``(misses ITL SLO, misses TTFT SLO, ttft)`` against the request's own
+class's targets, lowest wins, ties go local (no transfer, no second pod). An ITL miss weighs more than a TTFT
+miss because it slows every request in D's batch, a TTFT miss only this one.
 
-local on D
-    D prefills the prompt itself, in chunks that join its running decode batch.
-disaggregated via P
-    a prefill pod P computes the prompt, its KV moves to D, D decodes.
-
-Predicted time to first token (seconds): the one prediction admission also uses (router/ttft_model.py: the
-pod's step-time model over its queue ahead of this request's class, plus the transfer for P), set on each side
-as ``predicted_ttft_s`` by the dispatcher. A pod that has no step model yet falls back to its own measured
-prefill rate ``rate_x`` (``prefill_tokens_per_s`` in its /load, common/worker/prefill_rate.py):
-
-    ttft_local   = (queued_D + uncached_D) / rate_D
-    ttft_disagg  = (queued_P + uncached_P) / rate_P + prompt_len / transfer_tokens_per_s
-
-``queued_x`` is the prefill work ahead of this request (the pod's queue or the router's own count of
-tokens sent to it, whichever is larger), ``uncached_x`` the prompt tokens that pod does not hold. The
-transfer moves the whole prompt's KV; no pod publishes a transfer rate yet, so it is a setting
-(``transfer_tokens_per_s``, default 200k tokens/s: an 8B model's ~128 KiB of KV per token at ~25 GB/s).
-
-ITL that a prefill inflicts on the decode batch it joins (the gap between two of that batch's tokens while
-its chunks run: with stall-free batching every step carries one token of each running request plus at most
-one step's chunk budget, common/sched/prefill_budget.py), zero when the pod runs no batch:
-
-    itl_local  = step_D + min(chunk_D, uncached_D) / speed_D
-    itl_disagg = 0                                          (P is a prefill pod: D only receives KV pages)
-    itl_disagg = step_P + min(chunk_P, uncached_P) / speed_P   (P is a mixed pod decoding a batch of its own)
-
-``chunk_x`` is what one step of the pod takes beside the requests it decodes (the budget its ITL target
-allows, ``KVFERRY_ITL_TARGET_MS``; 0 from a prefill-first pod, whose prompt runs whole before its batch
-decodes again: the chunk is then the whole uncached prompt), ``speed_x`` its device-timed prefill
-speed (``prefill_step_tokens_per_s``: the time a chunk really adds to a step; the drain rate where a pod
-has not reported one), ``step_x`` its recent decode step (``decode_step_s``).
-
-Choice: every placement is scored ``(misses ITL SLO, misses TTFT SLO, ttft)`` against the request's own SLO
-class's targets (common/slo.py; a class without a TTFT target never misses it) and the lowest wins. So a
-placement meeting both SLOs wins over any that misses one, the lowest predicted TTFT among those; when
-none meets both, an ITL miss weighs more than a TTFT miss (an ITL miss slows every request in D's batch,
-a TTFT miss only this one), and among equal misses the lowest predicted TTFT wins. Ties go to the local
-placement (no transfer, no second pod).
-
-Missing measurements: a pod with neither a prediction nor a rate has not measured yet. D without a rate of its own takes the
-median of the prefill pods' (``with_fleet_prior``: one model on one kind of device; a decode pod that
-always disaggregates never prefills, so it would never measure). When no pod has a rate, or no prefill
-pod has one while some are up, ``choose_placement`` returns None: the caller falls back to the fixed
-thresholds (``disagg_min_prompt_tokens``, ``local_prefix_fraction``). Prefill pods without a rate are left
-out of the comparison while another one has a rate.
+Missing measurements: D without a rate of its own takes the prefill pods' median (``with_fleet_prior``: one
+model on one kind of device; a decode pod that always disaggregates would never measure). With no rate to
+compare, ``choose_placement`` returns None and the fixed thresholds decide; prefill pods without a rate are
+left out while another has one.
 """
 
 from __future__ import annotations
@@ -88,7 +52,7 @@ class LocalSide:
     busy: bool  # D runs a decode batch that a local prefill would slow
     step_speed: float = 0.0  # D's device-timed prefill tokens/s: a chunk's time in a step (0: unknown -> rate)
     decode_step_s: float = 0.0  # D's recent decode step (0: unknown)
-    predicted_ttft_s: float | None = None  # router/ttft_model.py's prediction (None: the rate formula)
+    predicted_ttft_s: float | None = None  # router/decision/ttft_model.py's prediction (None: the rate formula)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ Declaring a worker down wakes every request still waiting on it (``Watched.kill`
 at once instead of waiting out their deadlines.
 
 In-flight counts are the router's own view, fresher than the polled ``/load`` figures (routing and
-router/admission.py use both): derived from the set of calls holding each worker, and corrected by the
+router/decision/admission.py use both): derived from the set of calls holding each worker, and corrected by the
 worker's own count of live requests, so a call the worker no longer knows of stops counting at the next poll.
 """
 
@@ -35,12 +35,13 @@ from functools import cached_property
 from typing import Any, Protocol
 
 from common.capacity import StepCost
-from router.policy import DecodeCandidate, PrefillCandidate
+from router.decision.policy import DecodeCandidate, PrefillCandidate
+from router.settings import RouterOptions
 from router.wire import ConnectError, WireClient
 
 log = logging.getLogger("kvferry.router")
 
-__all__ = ["Watched", "Worker", "WorkerPool", "parse_load"]
+__all__ = ["HeldCounts", "Watched", "Worker", "WorkerPool", "parse_load"]
 
 ROLES = ("prefill", "decode", "mixed")
 DECODE_ROLES = frozenset({"decode", "mixed"})  # take /internal/generate
@@ -48,7 +49,7 @@ PREFILL_ROLES = frozenset({"prefill", "mixed"})  # take /internal/prefill for a 
 # A call sent up to this long before a poll may not have reached the worker when it answered.
 RECONCILE_GRACE_S = 1.0
 # A worker's /load answer is its engine's last snapshot (ten a second): a prompt placed there this long before
-# the poll was asked may not be in its queue figures yet (the TTFT prediction adds those, router/ttft_model.py).
+# the poll was asked may not be in its queue figures yet (the TTFT prediction adds those, router/decision/ttft_model.py).
 SNAPSHOT_LAG_S = 0.2
 
 
@@ -87,7 +88,7 @@ class Load:
     live_requests: int | None = None  # requests the worker has open (engine or stream); None: not reported
     max_request_tokens: int = 0  # the most KV tokens one request may reserve there (0: not reported)
     kv_reserve_output_tokens: int = 0  # output tokens a request reserves there beyond its prompt (0: max_tokens)
-    # What predicts a new request's TTFT there (router/ttft_model.py; common/protocol.py LoadSnapshot).
+    # What predicts a new request's TTFT there (router/decision/ttft_model.py; common/protocol.py LoadSnapshot).
     step_coefficients: dict[str, float] = field(default_factory=dict)
     step_chunk_tokens: int = 0
     decode_rows: int = 0
@@ -151,6 +152,20 @@ def _numbers(value: Any, kind: type[float] | type[int]) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True, slots=True)
+class HeldCounts:
+    """What the calls holding a worker add up to, and the state they were summed against (`Worker.held`)."""
+
+    load: Load | None
+    asked: float
+    revision: int
+    decoding: int  # calls of each kind: a dict changed outside hold/release shows here
+    prefilling: int
+    inflight_requests: int
+    unseen_kv_tokens: int
+    inflight_tokens: int
+
+
 @dataclass(eq=False)
 class Worker:
     url: str
@@ -161,11 +176,11 @@ class Worker:
     stale: bool = False  # its last poll failed: routed on its last known load until it answers again
     failures: int = 0  # polls failed in a row
     last_ok: float = 0.0  # monotonic time of the last good poll
-    last_seen: float = 0.0  # ... or of the last event read from one of its streams (set by router/upstream.py)
+    last_seen: float = 0.0  # ... or of the last event read from one of its streams (set by router/upstream/call.py)
     last_error: str = ""
     # The calls that hold this worker now, each with the monotonic time it was sent here: as decode worker
     # (until the call is closed) and as prefill worker (until its first token, with its prompt tokens).
-    # Counts are derived from these, so a call is counted only while it holds the worker (router/upstream.py
+    # Counts are derived from these, so a call is counted only while it holds the worker (router/upstream/call.py
     # removes it on every way a call ends, without waiting on anything).
     decoding: dict[Watched, float] = field(default_factory=dict)
     kv_tokens: dict[Watched, int] = field(
@@ -175,6 +190,9 @@ class Worker:
     load_asked: float = 0.0  # monotonic time the poll that brought ``load`` was sent
     # Prompts placed here to prefill (monotonic time, uncached tokens), kept until a snapshot must count them.
     placed: list[tuple[float, int]] = field(default_factory=list)
+    placed_revision: int = 0  # bumped whenever `placed` changes: a TTFT input cached per snapshot reads it
+    holds_revision: int = 0  # bumped by every hold and release: what the calls add up to is cached against it
+    _held: HeldCounts | None = field(default=None, init=False, repr=False)
     task: asyncio.Task[None] | None = None
     removed: bool = False
 
@@ -182,20 +200,24 @@ class Worker:
     def watchers(self) -> list[Watched]:
         return [*self.decoding, *self.prefilling]
 
-    # What a call holds here and lets go of (router/upstream.py), never awaiting between the two.
+    # What a call holds here and lets go of (router/upstream/call.py), never awaiting between the two.
     def hold_decode(self, call: Watched, now: float, kv_tokens: int = 0) -> None:
         self.decoding[call] = now
         self.kv_tokens[call] = kv_tokens
+        self.holds_revision += 1
 
     def hold_prefill(self, call: Watched, now: float, prompt_tokens: int) -> None:
         self.prefilling[call] = (now, prompt_tokens)
+        self.holds_revision += 1
 
     def release_prefill(self, call: Watched) -> None:
         self.prefilling.pop(call, None)
+        self.holds_revision += 1
 
     def release_decode(self, call: Watched) -> None:
         self.decoding.pop(call, None)
         self.kv_tokens.pop(call, None)
+        self.holds_revision += 1
 
     def streamed(self, now: float) -> None:
         """An event arrived on one of its streams: a worker streaming to us is alive, however late its polls."""
@@ -210,32 +232,64 @@ class Worker:
         """The requests this router has open on the worker, corrected by the worker's own count of its live
         requests (``live_requests`` in /load): calls sent before the poll that the worker does not count hold
         nothing there, so whatever its cause a drift cannot keep a worker looking full past one poll."""
-        mine = len(self.decoding) + len(self.prefilling)
-        load = self.load
-        if load is None or load.live_requests is None:
-            return mine
-        since = self.load_asked - RECONCILE_GRACE_S
-        recent = sum(1 for t in self.decoding.values() if t >= since)
-        recent += sum(1 for t, _ in self.prefilling.values() if t >= since)
-        return min(mine, load.live_requests + recent)
+        return self.held().inflight_requests
 
     @property
     def unseen_kv_tokens(self) -> int:
         """KV tokens of the decode calls sent here that its last snapshot may not count yet (sent after the poll
         that brought it was asked, less the grace): its ``free_pages`` are that much too high."""
+        return self.held().unseen_kv_tokens
+
+    def held(self) -> HeldCounts:
+        """What the calls holding the worker add up to against its last snapshot: summed once per change of
+        either, since admission and placement read it several times per request."""
+        h = self._held
+        if (
+            h is not None
+            and h.load is self.load
+            and h.asked == self.load_asked
+            and h.revision == self.holds_revision
+            and h.decoding == len(self.decoding)
+            and h.prefilling == len(self.prefilling)
+        ):
+            return h
         since = self.load_asked - RECONCILE_GRACE_S
-        return sum(self.kv_tokens.get(c, 0) for c, t in self.decoding.items() if t >= since)
+        recent = unseen_kv = prompt_tokens = 0
+        kv = self.kv_tokens
+        for call, t in self.decoding.items():
+            if t >= since:
+                recent += 1
+                unseen_kv += kv.get(call, 0)
+        for t, n in self.prefilling.values():
+            prompt_tokens += n
+            recent += t >= since
+        mine = len(self.decoding) + len(self.prefilling)
+        load = self.load
+        inflight = mine if load is None or load.live_requests is None else min(mine, load.live_requests + recent)
+        self._held = h = HeldCounts(
+            load,
+            self.load_asked,
+            self.holds_revision,
+            len(self.decoding),
+            len(self.prefilling),
+            inflight,
+            unseen_kv,
+            prompt_tokens,
+        )
+        return h
 
     def place_prompt(self, now: float, tokens: int) -> Callable[[], None]:
-        """This router placed a prompt here to prefill (router/dispatch.py); the call returned forgets it (its
+        """This router placed a prompt here to prefill (router/decision/dispatch.py); the call returned forgets it (its
         first token is back: it is queued nowhere any more)."""
         since = self.load_asked - SNAPSHOT_LAG_S
         self.placed = [e for e in self.placed if e[0] >= since]
         entry = (now, tokens)
         self.placed.append(entry)
+        self.placed_revision += 1
 
         def prefilled() -> None:
             self.placed = [e for e in self.placed if e is not entry]
+            self.placed_revision += 1
 
         return prefilled
 
@@ -249,27 +303,31 @@ class Worker:
     @property
     def inflight_tokens(self) -> int:
         """Prompt tokens sent to this worker for prefill whose first token has not come back yet."""
-        return sum(tokens for _, tokens in self.prefilling.values())
+        return self.held().inflight_tokens
 
-    def prefill_candidate(self) -> PrefillCandidate:
+    def prefill_candidate(self, predicted_ttft_s: float | None = None) -> PrefillCandidate:
         load = self.load
+        held = self.held()
         return PrefillCandidate(
             key=self.url,
             pod=self.pod,
             queued_tokens=load.queued_prefill_tokens if load else 0,
-            inflight_tokens=self.inflight_tokens,
-            inflight_requests=self.inflight_requests,
+            inflight_tokens=held.inflight_tokens,
+            inflight_requests=held.inflight_requests,
             prefill_tokens_per_s=load.prefill_tokens_per_s if load else 0.0,
             decoding=self.role == "mixed" and load is not None and load.running_requests > 0,
             prefill_chunk_tokens=load.prefill_chunk_tokens if load else 0,
             prefill_step_tokens_per_s=load.prefill_step_tokens_per_s if load else 0.0,
             decode_step_s=load.decode_step_s if load else 0.0,
+            predicted_ttft_s=predicted_ttft_s,
         )
 
-    def decode_candidate(self) -> DecodeCandidate:
+    def decode_candidate(self, predicted_ttft_s: float | None = None) -> DecodeCandidate:
         load = self.load
         if load is None:
-            return DecodeCandidate(key=self.url, pod=self.pod, inflight_requests=self.inflight_requests)
+            return DecodeCandidate(
+                key=self.url, pod=self.pod, inflight_requests=self.inflight_requests, predicted_ttft_s=predicted_ttft_s
+            )
         return DecodeCandidate(
             key=self.url,
             pod=self.pod,
@@ -284,6 +342,7 @@ class Worker:
             prefill_chunk_tokens=load.prefill_chunk_tokens,
             prefill_step_tokens_per_s=load.prefill_step_tokens_per_s,
             decode_step_s=load.decode_step_s,
+            predicted_ttft_s=predicted_ttft_s,
         )
 
 
@@ -291,16 +350,15 @@ class WorkerPool:
     def __init__(
         self,
         client: WireClient,
-        poll_interval_s: float = 1.0,
-        poll_timeout_s: float = 2.0,
-        down_after_failures: int = 3,
-        down_after_s: float = 5.0,
+        opts: RouterOptions | None = None,
     ) -> None:
+        """`opts`: the polls' interval and timeout and when a worker is down (the registry's defaults when None)."""
+        opts = opts if opts is not None else RouterOptions()
         self.client = client
-        self.poll_interval_s = poll_interval_s
-        self.poll_timeout_s = poll_timeout_s
-        self.down_after_failures = max(1, down_after_failures)
-        self.down_after_s = down_after_s
+        self.poll_interval_s = opts.poll_interval_s
+        self.poll_timeout_s = opts.poll_timeout_s
+        self.down_after_failures = max(1, opts.down_after_failures)
+        self.down_after_s = opts.down_after_s
         self.workers: dict[str, Worker] = {}
         self._targets: dict[str, set[str]] = {role: set() for role in ROLES}
         self._started = False

@@ -5,7 +5,7 @@
 failure before that first token (refused connection, 429/5xx, a stream that ends or reports an error
 before producing a token, a pod declared down by the health poller, a deadline) is retried on other pods
 (once for the decode side; a failed or busy prefill pod moves the prompt to another one, or to the decode pod); a 400 is the client's fault and is raised as is. After the first token, failures end the
-call with ``finish_reason="error"``, marked ``retryable`` when only the worker was lost (router/migration.py
+call with ``finish_reason="error"``, marked ``retryable`` when only the worker was lost (router/upstream/migration.py
 then continues the choice on another worker).
 
 Every wait has a deadline (first token, then between tokens), and the pool can cut a wait short: it
@@ -22,11 +22,11 @@ import time
 import anyio
 
 from common.protocol import DecodeError, GenerateRequest, SamplingParams, TokenLine, decode, encode
-from router.dispatch import Dispatcher, PromptPlan
+from router.decision.dispatch import Dispatcher, PromptPlan
+from router.decision.policy import RouteDecision
+from router.decision.pool import Worker
 from router.errors import OpenAIError, no_worker, rate_limited, upstream_failed
-from router.policy import RouteDecision
-from router.pool import Worker
-from router.upstream_status import Retry, WorkerAnswer, error_message, failure_for, retry_after_seconds
+from router.upstream.status import Retry, WorkerAnswer, error_message, failure_for, retry_after_seconds
 from router.wire import ConnectError, Response, WireError
 
 log = logging.getLogger("kvferry.router")
@@ -42,7 +42,7 @@ MAX_ATTEMPTS = 4
 
 
 def lost_event(reason: str) -> TokenLine:
-    """The event a call ends with when only its worker was lost (router/migration.py continues the choice)."""
+    """The event a call ends with when only its worker was lost (router/upstream/migration.py continues the choice)."""
     return TokenLine(finish_reason="error", error=reason, retryable=True)
 
 
@@ -144,7 +144,7 @@ class UpstreamCall:
         dw.hold_decode(self, now, len(self.plan.token_ids) + self.sampling.max_tokens)
         if pw is not None:
             pw.hold_prefill(self, now, len(self.plan.token_ids) - decision.prefill_matched_tokens)
-        # Remember the placement before the worker publishes it (router/locality.py says why).
+        # Remember the placement before the worker publishes it (router/decision/locality.py says why).
         self.d.locator.placed((pw or dw).pod, self.plan.block_hashes)
         body = encode(
             GenerateRequest(
@@ -271,7 +271,7 @@ class UpstreamCall:
         ev = decode(line, TokenLine)
         if ev.finish_reason is not None:
             self._worker_finished = True
-        # A worker streaming to us is alive, however late its load polls (router/pool.py).
+        # A worker streaming to us is alive, however late its load polls (router/decision/pool.py).
         self._last_event = time.monotonic()
         if self._decode is not None:
             self._decode.streamed(self._last_event)

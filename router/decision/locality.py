@@ -8,9 +8,9 @@ pods. The router therefore remembers, for a few seconds, which pod it just sent 
 Tiers: a pod may hold blocks in device memory or in its host-memory tier (common/kv/host_tier.py). A host
 block is reused after a copy back to the device, which costs a fraction (``host_hit_cost``) of computing it
 again, so ``lookup`` counts each host block as ``1 - host_hit_cost`` of a block: the policy's
-"matched tokens" (router/policy.py) are then the prefill work a pod saves, and it ranks a device hit above a
-host hit of the same length, and a host hit above recomputing. The default 0.1: copying 4k tokens of an 8B
-model's KV over PCIe (~512 MiB at ~50 GB/s, ~10 ms) against prefilling them (~150-250 ms on an H200).
+"matched tokens" (router/decision/policy.py) are then the prefill work a pod saves, and it ranks a device hit above a
+host hit of the same length, and a host hit above recomputing. The default 0.1: a copy back over PCIe costs about
+a tenth of prefilling the same tokens (bench/RESULTS.md, "Figures behind choices in the code").
 
 Redis down: ``lookup`` returns None (routing falls back to load alone; the local placements are not
 used either, so the behaviour is plainly "load only"), logged once, and prefix routing resumes by
@@ -24,6 +24,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
+
+from common import settings_registry as reg
 
 log = logging.getLogger("kvferry.router")
 
@@ -39,7 +41,7 @@ class _Reader(Protocol):
 class RecentPlacements:
     """Block hash -> {pod: expiry}; bounded LRU, entries expire after ``ttl_s``."""
 
-    def __init__(self, ttl_s: float = 10.0, max_blocks: int = 200_000) -> None:
+    def __init__(self, ttl_s: float = reg.ROUTER_RECENT_ROUTE_TTL_S.default, max_blocks: int = 200_000) -> None:
         self.ttl_s = ttl_s
         self.max_blocks = max_blocks
         self._blocks: OrderedDict[int, dict[str, float]] = OrderedDict()
