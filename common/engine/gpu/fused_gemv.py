@@ -90,6 +90,53 @@ def kv_write_fits(rows: int, weight: torch.Tensor, kv_write: KvWrite) -> bool:
 
 
 @triton.jit
+def gated_rows(pid, N, BLOCK_N: tl.constexpr):
+    """The weight rows of a gated tile over N = I output columns ([gate; up], 2I rows): its first half are gate
+    rows, its second the matching up rows. (rows, their columns' mask)."""
+    HALF: tl.constexpr = BLOCK_N // 2
+    ri = tl.arange(0, BLOCK_N)
+    col = pid * HALF + ri % HALF
+    return tl.where(ri < HALF, col, N + col), col < N
+
+
+@triton.jit
+def zero_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
+    """The accumulator of `accumulate`: the MMA's `[BLOCK_N, BLOCK_M]`, or one row's `[BLOCK_N, BLOCK_K]` FMA lanes."""
+    if USE_DOT:
+        return tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        return tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+
+
+@triton.jit
+def accumulate(acc, w, a, USE_DOT: tl.constexpr):
+    """acc + the weight tile w `[BLOCK_N, BLOCK_K]` times the rows a `[BLOCK_M, BLOCK_K]` (float32)."""
+    if USE_DOT:
+        # Swapped operands: the weight tile is the MMA's tall side, the few rows its narrow side.
+        acc += tl.dot(w, tl.trans(a.to(w.dtype)))
+    else:
+        acc += w.to(tl.float32) * a  # a: [1, BLOCK_K], broadcast over the BLOCK_N rows
+    return acc
+
+
+@triton.jit
+def acc_rows(acc, USE_DOT: tl.constexpr):
+    """The accumulator as the product's rows, `[BLOCK_M, BLOCK_N]`."""
+    if USE_DOT:
+        return tl.trans(acc)
+    else:
+        return tl.sum(acc, axis=1)[None, :]
+
+
+@triton.jit
+def silu_mul_halves(out, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """silu(gate) * up of a gated tile's product `[BLOCK_M, BLOCK_N]` (`gated_rows`): `[BLOCK_M, BLOCK_N / 2]`."""
+    HALF: tl.constexpr = BLOCK_N // 2
+    gate, up = tl.split(tl.permute(tl.reshape(out, [BLOCK_M, 2, HALF]), [0, 2, 1]))
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     r_ptr,
@@ -147,12 +194,8 @@ def _gemv_kernel(
         dim = (pid % PER_HEAD) * PAIRS + ri % PAIRS
         rn = head * HEAD_DIM + tl.where(ri < PAIRS, dim, dim + HEAD_DIM // 2)
         n_ok = rn < N
-    elif GATED:  # N = I output columns; the tile's first half are gate rows, its second the matching up rows
-        HALF: tl.constexpr = BLOCK_N // 2
-        ri = tl.arange(0, BLOCK_N)
-        col = pid * HALF + ri % HALF
-        rn = tl.where(ri < HALF, col, N + col)
-        n_ok = col < N
+    elif GATED:
+        rn, n_ok = gated_rows(pid, N, BLOCK_N)
     else:
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
@@ -193,10 +236,7 @@ def _gemv_kernel(
         sin = tl.load(cs_ptr + pos[:, None] * HEAD_DIM + HEAD_DIM // 2 + jj[None, :], mask=m_ok[:, None], other=0.0)
         loc = tl.load(loc_ptr + rm, mask=m_ok, other=0).to(tl.int64)
 
-    if USE_DOT:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc = zero_acc(BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         rk = k0 + rk0
         k_ok = rk < K
@@ -220,15 +260,8 @@ def _gemv_kernel(
         w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if W_FP8 and USE_DOT:  # e4m3 weights: the MMA runs in the activations' dtype, row scales at the end
             w = w.to(y_ptr.dtype.element_ty)
-        if USE_DOT:
-            # Swapped operands: the weight tile is the MMA's tall side, the few rows its narrow side.
-            acc += tl.dot(w, tl.trans(a.to(w.dtype)))
-        else:
-            acc2 += w.to(tl.float32) * a  # a: [1, BLOCK_K], broadcast over the BLOCK_N rows
-    if USE_DOT:
-        out = tl.trans(acc)
-    else:
-        out = tl.sum(acc2, axis=1)[None, :]
+        acc = accumulate(acc, w, a, USE_DOT)
+    out = acc_rows(acc, USE_DOT)
     if W_FP8:
         out = out * tl.load(ws_ptr + rn, mask=n_ok, other=0.0)[None, :]
     if PROLOGUE == 4:
@@ -263,9 +296,8 @@ def _gemv_kernel(
             tl.store(kv_dst, kv_value(r1, inv, kv_ptr, KV_FP8, KV_ROUND), mask=mp)
             tl.store(kv_dst + HEAD_DIM // 2, kv_value(r2, inv, kv_ptr, KV_FP8, KV_ROUND), mask=mp)
     elif GATED:
-        gate, up = tl.split(tl.permute(tl.reshape(out, [BLOCK_M, 2, HALF]), [0, 2, 1]))
-        ro = pid * HALF + tl.arange(0, HALF)
-        act = gate / (1.0 + tl.exp(-gate)) * up
+        act = silu_mul_halves(out, BLOCK_M, BLOCK_N)
+        ro = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         tl.store(
             y_ptr + rm[:, None] * stride_ym + ro[None, :],
             act.to(y_ptr.dtype.element_ty),
