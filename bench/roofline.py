@@ -409,6 +409,7 @@ def make_runner(
     tc_min_batch: int = 1,
     fused: bool = True,
     prologues: bool = False,
+    gemv_experts: bool = True,
 ) -> ModelRunner:
     start = time.perf_counter()
     runner = ModelRunner(
@@ -422,6 +423,7 @@ def make_runner(
             decode_tc_min_batch=tc_min_batch,
             fused_kernels=fused,
             gemv_prologues=prologues,
+            gemv_experts=gemv_experts,
         )
     )
     graphs = runner.gpu.graphs
@@ -439,6 +441,7 @@ def make_runner(
         gemv_stream_stats=runner.model.ops.stream_stats,
         gemv_gated=runner.model.ops.gated_epilogue,
         gemv_rope=runner.model.ops.rope_epilogue,
+        moe_gemv_max_tokens=runner.gpu.moe_gemv_max_tokens,
     )
     log(f"{label}: ready in {time.perf_counter() - start:.1f} s ({RESULTS['setup'][label]})")
     return runner

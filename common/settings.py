@@ -45,6 +45,9 @@ class RunnerConfig:
     gemv_stream_stats: bool = True
     gemv_gated: bool = True
     gemv_rope: bool = True
+    # Mixture-of-experts layers at those rows: the experts as two GEMV kernels reading each routed expert once
+    # (common/engine/gpu/moe_gemv.py) instead of the grouped GEMMs (off for benchmarks' A/B).
+    gemv_experts: bool = True
     # Hopper: programmatic dependent launches (common/engine/gpu/pdl.py).
     pdl: bool = reg.PDL.field()
     cpu_linear: str = "auto"  # CPU float32 GEMMs: auto = oneDNN with packed weights when available; torch = F.linear
