@@ -34,7 +34,9 @@ BATCHES = (1, 64, 256)
 
 def _section(name: str) -> None:
     runner = roofline.make_runner(name, kv_gb=40.0, max_seq_len=4096 + 64)
-    roofline.decode_bench(runner, quick=ARGS.quick, batches=BATCHES, key_name=f"decode/{name}", breakdowns=False)
+    # The MoE's kernel time by category at b=1 and b=256 (graph and eager): where its steps go beyond the floor.
+    breakdowns = name == MODELS[0]
+    roofline.decode_bench(runner, quick=ARGS.quick, batches=BATCHES, key_name=f"decode/{name}", breakdowns=breakdowns)
     roofline.prefill_bench(runner, quick=ARGS.quick)
     roofline.RESULTS[f"prefill/{name}"] = roofline.RESULTS.pop("prefill")
     del runner
@@ -47,7 +49,7 @@ def _grouped_b1() -> None:
     moe = MODELS[0]
     label = f"{moe}-grouped-experts"
     runner = roofline.make_runner(moe, kv_gb=4.0, max_seq_len=4096 + 64, max_running=8, label=label, gemv_experts=False)
-    roofline.decode_bench(runner, quick=ARGS.quick, batches=(1,), key_name=f"decode/{label}", breakdowns=False)
+    roofline.decode_bench(runner, quick=ARGS.quick, batches=(1,), key_name=f"decode/{label}", breakdowns=True)
     del runner
     gc.collect()
     torch.cuda.empty_cache()

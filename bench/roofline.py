@@ -187,6 +187,7 @@ def kernel_breakdown(fn, label: str) -> dict:
         "silu_and_mul": ("act_and_mul", "silu"),
         "attention": ("prefill", "decode", "attention", "mergestate", "merge_state"),
         "kv_write": ("index_copy", "indexcopy"),
+        "moe_experts": ("_experts_", "grouped_mm", "groupedmm"),
         "gemm": ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk", "sm90_"),
     }
     out: dict[str, float] = {k: 0.0 for k in cats}
