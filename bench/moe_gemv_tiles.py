@@ -23,13 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.engine.gpu.fused_gemv import GemvConfig  # noqa: E402
 from common.engine.gpu.moe_experts import grouped_mm_experts  # noqa: E402
-from common.engine.gpu.moe_gemv import experts_config, gemv_experts  # noqa: E402
+from common.engine.gpu.moe_gemv import DOWN_MIN_PROGRAMS, experts_config, gemv_experts  # noqa: E402
 
 EXPERTS, HIDDEN, INNER, TOP_K, LAYERS = 128, 2048, 768, 8, 16
 # (gate_up tiles, down tiles): None = experts_config's.
 SWEEP: list[tuple[GemvConfig | None, GemvConfig | None]] = [
     (None, None),
-    (None, GemvConfig(4, 512, 4, 3)),
+    (None, GemvConfig(8, 512, 4, 3)),
     (None, GemvConfig(8, 256, 4, 3)),
     (None, GemvConfig(8, 1024, 8, 2)),
     (GemvConfig(16, 256, 4, 3), None),
@@ -95,7 +95,7 @@ def at_tokens(tokens: int, w13: list[torch.Tensor], w2: list[torch.Tensor], copy
             "gemv",
             graph_ms(lambda cfg=cfg: every_layer(gemv_experts, *cfg)),
             gate_up=(cfg[0] or experts_config(tokens, 2 * INNER)).__dict__,
-            down=(cfg[1] or experts_config(tokens, HIDDEN)).__dict__,
+            down=(cfg[1] or experts_config(tokens, HIDDEN, DOWN_MIN_PROGRAMS)).__dict__,
             rel_err_vs_grouped=float((got - ref).norm() / ref.norm()),
         )
     return points

@@ -48,7 +48,7 @@ def test_gemv_experts_compile_for_hopper(tokens: int) -> None:
         ),
         moe_gemv._experts_down_kernel: (
             {"act_ptr": "*fp32", "wts_ptr": "*fp32", "w_ptr": "*bf16", "y_ptr": "*bf16", "stride_ym": "i32"},
-            moe_gemv.experts_config(tokens, 2048),
+            moe_gemv.experts_config(tokens, 2048, moe_gemv.DOWN_MIN_PROGRAMS),
         ),
     }
     for kernel, (types, cfg) in kernels.items():

@@ -47,12 +47,22 @@ __all__ = ["MAX_TOKENS", "DecodeExperts", "experts_config", "gemv_experts"]
 MAX_TOKENS = MAX_ROWS
 
 
-def experts_config(tokens: int, n: int) -> GemvConfig:
-    """One token: the dense GEMV's one-row tiles. A few: 16-row weight tiles (the MMA's smallest side), so the
-    down kernel's grid (hidden / block_n programs) still covers the SMs; not yet swept on a GPU."""
-    if tokens == 1:
-        return pick_config(1, n)
-    return GemvConfig(block_n=16, block_k=128, num_warps=4, num_stages=3)
+def experts_config(tokens: int, n: int, min_programs: int = 0) -> GemvConfig:
+    """One token: the dense GEMV's one-row tiles, narrowed (to 4 rows at least) until `n` rows make `min_programs`
+    programs. A few: 16-row weight tiles (the MMA's smallest side), so the down kernel's grid (hidden / block_n
+    programs) still covers the SMs. Not yet swept on a GPU (bench/moe_gemv_tiles.py)."""
+    if tokens > 1:
+        return GemvConfig(block_n=16, block_k=128, num_warps=4, num_stages=3)
+    cfg = pick_config(1, n)
+    block_n = cfg.block_n
+    while block_n > 4 and triton.cdiv(n, block_n) < min_programs:
+        block_n //= 2
+    return GemvConfig(block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
+
+
+# The down kernel's one-token grid: as many programs as the dense o projection's (4096 rows of 8), which streams at
+# the copy ceiling; the gate_up kernel's grid has a row of programs per routed expert already.
+DOWN_MIN_PROGRAMS = 512
 
 
 @triton.jit
@@ -214,7 +224,7 @@ def gemv_experts(
         num_warps=cfg.num_warps,
         **meta,
     )
-    cfg = down_config or experts_config(tokens, hidden)
+    cfg = down_config or experts_config(tokens, hidden, DOWN_MIN_PROGRAMS)
     y = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     _experts_down_kernel[(triton.cdiv(hidden, cfg.block_n),)](
         act,
