@@ -46,7 +46,8 @@ class RunnerConfig:
     gemv_gated: bool = True
     gemv_rope: bool = True
     # Mixture-of-experts layers at those rows: the experts as two GEMV kernels reading each routed expert once
-    # (common/engine/gpu/moe_gemv.py) instead of the grouped GEMMs (off for benchmarks' A/B).
+    # (common/engine/gpu/moe_gemv.py) instead of the grouped GEMMs, and softmax top-k routing as one kernel
+    # (common/engine/gpu/moe_route.py); off for benchmarks' A/B.
     gemv_experts: bool = True
     # Hopper: programmatic dependent launches (common/engine/gpu/pdl.py).
     pdl: bool = reg.PDL.field()

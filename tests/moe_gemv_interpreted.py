@@ -2,7 +2,7 @@
 GEMV experts (common/engine/gpu/moe_gemv.py) against the plain experts (`grouped_experts`), float32, over
 1..8 and 16 tokens (the row tile) and k = 1, 2, 8 of 16 experts (so some experts get no token and some several), even and odd
 sizes, the GPU's tiles and small ones; and `DecodeExperts` choosing them or the
-grouped GEMMs by the token count. Prints one JSON line."""
+grouped GEMMs by the token count; the one-kernel softmax top-k routing against `route`. Prints one JSON line."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 from common.engine.gpu.fused_gemv import GemvConfig
 from common.engine.gpu.moe_experts import grouped_mm_experts
 from common.engine.gpu.moe_gemv import MAX_TOKENS, DecodeExperts, gemv_experts
+from common.engine.gpu.moe_route import DecodeRoute
 from common.engine.model_config import MoeConfig
 from common.engine.moe import grouped_experts, route
 
@@ -83,5 +84,42 @@ def chooser_cases() -> list[dict]:
     return [*out, {"refused": refused}]
 
 
+def route_cases() -> list[dict]:
+    """The one-kernel softmax top-k against `route`: 1..8 tokens, k = 1, 2, 8 of 16 and of 60 experts (a padded
+    row), renormalised or not, scaled or not, float32 and bfloat16 logits; and `DecodeRoute` at 12 tokens (`route`)."""
+    g = torch.Generator().manual_seed(2)
+    out = []
+    for experts, top_k, renormalize, scale, dtype in (
+        (16, 1, False, 1.0, torch.float32),
+        (16, 2, True, 1.0, torch.float32),
+        (60, 8, True, 2.5, torch.bfloat16),
+        (60, 8, False, 1.0, torch.float32),
+    ):
+        moe = MoeConfig(experts, top_k, 8, renormalize, (), routed_scaling_factor=scale)
+        for tokens in (1, 3, 8, 12):
+            logits = (3 * torch.randn(tokens, experts, generator=g)).to(dtype)
+            weights, ids = route(logits, moe)
+            got_w, got_ids = DecodeRoute(8)(logits, moe)
+            # Equal probabilities (bfloat16 logits) may be taken in either order: the weights of the ids taken, as
+            # `route` would give them, must be those returned.
+            probs = logits.float().softmax(-1).gather(1, got_ids)
+            if renormalize:
+                probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
+            out.append(
+                {
+                    "experts": experts,
+                    "top_k": top_k,
+                    "tokens": tokens,
+                    "logits": str(dtype),
+                    "ids_equal": torch.equal(got_ids, ids),
+                    "ids_distinct": all(len(set(row)) == top_k for row in got_ids.tolist()),
+                    "ids_dtype": str(got_ids.dtype),
+                    "weights_err": float((got_w - weights).abs().max()),
+                    "weights_of_ids_err": float((got_w - probs * scale).abs().max()),
+                }
+            )
+    return out
+
+
 if __name__ == "__main__":
-    print(json.dumps({"cases": cases(), "chooser": chooser_cases()}))
+    print(json.dumps({"cases": cases(), "chooser": chooser_cases(), "route": route_cases()}))

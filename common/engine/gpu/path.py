@@ -11,7 +11,7 @@ from common.engine.gpu.attention import WORKSPACE_BYTES, FlashInferAttention
 from common.engine.gpu.moe_experts import grouped_mm_experts, grouped_mm_unsupported
 from common.engine.gpu.ops import FlashInferOps
 from common.engine.model import DecoderModel
-from common.engine.moe import ExpertsFn
+from common.engine.moe import ExpertsFn, RouteFn, route
 from common.kv.pool import KVPool
 from common.settings import RunnerConfig
 
@@ -70,14 +70,20 @@ class GpuPath:
             if why is not None:
                 raise ValueError(f"{model.cfg.model_type}: {why}; use attention=torch")
             experts_fn: ExpertsFn = grouped_mm_experts
+            route_fn: RouteFn = route
             if triton and cfg.gemv_max_rows > 0 and cfg.gemv_experts:
-                from common.engine.gpu.moe_gemv import MAX_TOKENS, DecodeExperts  # Triton: imported only when used
+                # Triton: imported only when used
+                from common.engine.gpu.moe_gemv import MAX_TOKENS, DecodeExperts
+                from common.engine.gpu.moe_route import DecodeRoute, softmax_top_k_fits
 
                 self.moe_gemv_max_tokens = min(cfg.gemv_max_rows, MAX_TOKENS)
                 experts_fn = DecodeExperts(self.moe_gemv_max_tokens, grouped_mm_experts)
+                if softmax_top_k_fits(model.cfg.moe):
+                    route_fn = DecodeRoute(self.moe_gemv_max_tokens)
             for layer in model.layers:
                 if layer.moe is not None:
                     layer.moe.experts_fn = experts_fn
+                    layer.moe.route_fn = route_fn
         self.model = model
         self.pdl = cfg.pdl and pdl_available(model.device, triton)
         # first: it sets how flashinfer is imported
