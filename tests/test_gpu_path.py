@@ -793,3 +793,24 @@ def test_gemv_experts_match_fp32_experts_as_grouped_gemms_do(top_k):
         static.copy_(new)
     graph.replay()
     assert torch.equal(out, gemv_experts(x2, weights2, ids2, w13, w2))
+
+
+@needs_cuda
+@gpu
+def test_softmax_top_k_kernel_routes_as_route_does():
+    """The decode steps' one-kernel routing (common/engine/gpu/moe_route.py) on the GPU: Qwen3-30B-A3B's gating
+    (128 experts, top-8, renormalised) and Mixtral's (8, top-2) at 1..8 tokens of float32 logits: `route`'s experts
+    and weights."""
+    from common.engine.gpu.moe_route import softmax_top_k
+    from common.engine.model_config import MoeConfig
+    from common.engine.moe import route
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for experts, top_k in ((128, 8), (8, 2)):
+        moe = MoeConfig(num_experts=experts, top_k=top_k, intermediate_size=1, renormalize=True, layers=())
+        for n in range(1, 9):
+            logits = 3 * torch.randn(n, experts, generator=g, device="cuda")
+            weights, ids = route(logits, moe)
+            got_w, got_ids = softmax_top_k(logits, moe)
+            assert torch.equal(got_ids, ids)
+            torch.testing.assert_close(got_w, weights, atol=1e-6, rtol=1e-5)
