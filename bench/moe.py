@@ -7,8 +7,8 @@ top-8; experts as grouped GEMMs inside CUDA graphs, common/engine/gpu/moe_expert
 steps at batch 1/64/256 (1k context) and prefill of 1k and 4k prompts (bench/roofline.py's sections). The
 decode floor counts only the weight bytes a step reads: of each MoE layer the experts its batch routes to
 (k of E for one token). Decode steps of up to 8 tokens run the experts as GEMV kernels
-(common/engine/gpu/moe_gemv.py); a second MoE runner with them off (`gemv_experts=False`: grouped GEMMs at every
-size) times b=1 again. Prints the MoE's b=1 ratio to its floor with and without them (target >= 0.7) and its
+(common/engine/gpu/moe_gemv.py) and the routing as one kernel (common/engine/gpu/moe_route.py); a second MoE
+runner with them off (`gemv_experts=False`: `route` and grouped GEMMs at every size) times b=1 again. Prints the MoE's b=1 ratio to its floor with and without them (target >= 0.7) and its
 throughput beside the 8B's at each point.
 """
 
@@ -97,7 +97,10 @@ def main() -> None:
         out = compare()
         roofline.save()
         print("\n== moe vs dense ==\n" + json.dumps(out, indent=1), flush=True)
-        for key, experts in (("decode_b1", "GEMV experts"), ("decode_b1_grouped_experts", "grouped GEMMs")):
+        for key, experts in (
+            ("decode_b1", "routing kernel + GEMV experts"),
+            ("decode_b1_grouped_experts", "route + grouped GEMMs"),
+        ):
             b1 = out.get(key)
             if b1:
                 print(

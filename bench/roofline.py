@@ -188,6 +188,7 @@ def kernel_breakdown(fn, label: str) -> dict:
         "attention": ("prefill", "decode", "attention", "mergestate", "merge_state"),
         "kv_write": ("index_copy", "indexcopy"),
         "moe_experts": ("_experts_", "grouped_mm", "groupedmm"),
+        "moe_route": ("_softmax_top_k", "softmax", "topk", "top_k"),
         "gemm": ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk", "sm90_"),
     }
     out: dict[str, float] = {k: 0.0 for k in cats}
