@@ -11,8 +11,8 @@ combine kernels cost more than the weights they move. Here:
   runs; the others mask every load off. Its tile is [gate; up] rows as the dense gated GEMV takes them
   (`fused_gemv.gated_rows`), silu(gate) * up in its epilogue, written as each routed token's pair row of a
   float32 `[T * k, I]` buffer.
-- down: a program per block of the hidden columns runs over the pairs (and each one's K tiles as one loop, so
-  the weight stream pipelines across experts), each expert once at its first pair, its rows scaled by their
+- down: a program per block of the hidden columns runs over the pairs' K tiles as one loop (no loop boundary
+  between experts to drain the weight stream at), each expert once at its first pair, its rows scaled by their
   tokens' routing weights: the sum over a token's k choices is this program's float32 accumulator, added in a
   fixed order (the experts' first pairs), with no atomics, so the output is deterministic.
 
@@ -60,8 +60,8 @@ def experts_config(tokens: int, n: int, min_programs: int = 0) -> GemvConfig:
     return GemvConfig(block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
 
 
-# The down kernel's one-token grid: as many programs as the dense o projection's (4096 rows of 8), which streams at
-# the copy ceiling; the gate_up kernel's grid has a row of programs per routed expert already.
+# The down kernel's one-token grid: as many programs as the dense 8B's o projection GEMV (4096 rows of 8) has, to keep
+# as many weight loads in flight; the gate_up kernel's grid has a row of programs per routed expert already.
 DOWN_MIN_PROGRAMS = 512
 
 
