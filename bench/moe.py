@@ -7,9 +7,10 @@ top-8; experts as grouped GEMMs inside CUDA graphs, common/engine/gpu/moe_expert
 steps at batch 1/64/256 (1k context) and prefill of 1k and 4k prompts (bench/roofline.py's sections). The
 decode floor counts only the weight bytes a step reads: of each MoE layer the experts its batch routes to
 (k of E for one token). Decode steps of up to 8 tokens run the experts as GEMV kernels
-(common/engine/gpu/moe_gemv.py) and the routing as one kernel (common/engine/gpu/moe_route.py); a second MoE
-runner with them off (`gemv_experts=False`: `route` and grouped GEMMs at every size) times b=1 again. Prints the MoE's b=1 ratio to its floor with and without them (target >= 0.7) and its
-throughput beside the 8B's at each point.
+(common/engine/gpu/moe_gemv.py) and the routing as one kernel (common/engine/gpu/moe_route.py); a MoE runner
+with them off (`gemv_experts=False`: `route` and grouped GEMMs at every size) times b=1 first, as the baseline.
+Prints the MoE's b=1 ratio to its floor with and without them (target >= 0.7), its steps' kernel time by
+category, and its throughput beside the 8B's at each point.
 """
 
 from __future__ import annotations
@@ -90,9 +91,9 @@ def main() -> None:
     roofline.RESULTS.update(device=torch.cuda.get_device_name(), torch=torch.__version__, argv=sys.argv)
     roofline.ceilings(ARGS.quick)
     try:
+        _grouped_b1()
         for name in MODELS:
             _section(name)
-        _grouped_b1()
     finally:
         out = compare()
         roofline.save()

@@ -2,7 +2,7 @@
 goodput, preemptions, and whether any output changed.
 
     python bench/pool_bound.py                                   # CPU, small: the packaged SmolLM2-135M
-    python bench/pool_bound.py --model /models/llama-3.1-8b --requests 400 --rate 12 \\
+    python bench/pool_bound.py --model dummy:llama-3.1-8b --requests 400 --rate 12 \\
         --prompt-tokens 512,3072 --output-tokens 64,512 --pool-fraction 0.1      # the issue's workload, GPU
 
 One engine, one scheduler per policy over the same runner and the same requests (seeded): every request asks
@@ -62,9 +62,17 @@ def workload(args, vocab: int) -> list[dict[str, Any]]:
     return out
 
 
+def differing(a: dict[str, list[int]], b: dict[str, list[int]], only: list[str] | None = None) -> dict[str, Any]:
+    """How many requests' tokens differ between two runs, and where the first difference falls on average."""
+    ids = only if only is not None else list(a)
+    firsts = [next((i for i, (x, y) in enumerate(zip(a[k], b[k])) if x != y), None) for k in ids]
+    hit = [f for f in firsts if f is not None]
+    return {"of": len(ids), "differ": len(hit), "mean_first_difference": round(sum(hit) / len(hit), 1) if hit else None}
+
+
 def run_policy(runner: Any, policy: str, work: list[dict[str, Any]], args) -> dict[str, Any]:
     from common.protocol import SamplingParams
-    from common.sched.request import Req
+    from common.sched.request import Req, ReqState
     from common.sched.scheduler import Scheduler
     from common.settings import SchedulerConfig
 
@@ -74,6 +82,7 @@ def run_policy(runner: Any, policy: str, work: list[dict[str, Any]], args) -> di
     reqs: dict[str, Req] = {}
     stamps: dict[str, list[float]] = {}
     admitted: list[int] = []
+    preempted: set[str] = set()
     start = time.perf_counter()
     done = 0
     while done < len(work):
@@ -96,6 +105,8 @@ def run_policy(runner: Any, policy: str, work: list[dict[str, Any]], args) -> di
                 done += 1
         for w in work:  # the client's stop: O(requests) per step, the bench's own cost, not the engine's
             r = reqs.get(w["id"])
+            if r is not None and r.output_ids and r.state is ReqState.WAITING:
+                preempted.add(w["id"])
             if r is not None and not r.finished and len(r.output_ids) >= w["stop_after"]:
                 if sched.abort(r.req_id, "stop") is not None:
                     done += 1
@@ -125,6 +136,7 @@ def run_policy(runner: Any, policy: str, work: list[dict[str, Any]], args) -> di
         "preemptions": sched.table.preemptions,
         "recomputed_prompt_tokens": sched.prefill_tokens_launched - prompts,
         "steps": len(admitted),
+        "preempted_ids": sorted(preempted),
         "outputs": {w["id"]: reqs[w["id"]].output_ids[: w["stop_after"]] for w in work},
         "ledger_violations": sched.table_violations(),
     }
@@ -145,18 +157,28 @@ def main() -> int:
     p.add_argument("--ttft-s", type=float, default=1.0)
     p.add_argument("--itl-ms", type=float, default=50.0)
     p.add_argument("--seed", type=int, default=46)
+    p.add_argument(
+        "--repeat-full",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run full reservation twice: the tokens two runs of one policy differ by (default: on a GPU)",
+    )
     p.add_argument("--out", default=str(OUT_DIR / "pool_bound.json"))
     args = p.parse_args()
 
+    from common.config import WorkerConfig
     from common.default_model import resolve_model_path
     from common.engine.runner import ModelRunner
-    from common.settings import RunnerConfig
 
     threads = int(os.environ.get("KVFERRY_TORCH_THREADS", "0") or 0)
     if threads:
         torch.set_num_threads(threads)
-    path = args.model if Path(args.model).exists() else str(resolve_model_path(args.model))
-    rcfg = RunnerConfig(model=path)
+    # dummy:<name> is a named shape with random weights (ModelRunner builds it); anything else is a path or name.
+    is_dir = args.model.startswith("dummy:") or Path(args.model).exists()
+    path = args.model if is_dir else str(resolve_model_path(args.model))
+    # The worker's own settings (KVFERRY_DEVICE, dtype, ...) so a GPU run sizes its pool as a pod would.
+    rcfg = WorkerConfig.from_env("decode").runner
+    rcfg.model = path
     if args.max_running:
         rcfg.max_running = args.max_running
     runner = ModelRunner(rcfg)
@@ -170,6 +192,8 @@ def main() -> int:
     if need > runner.pool.num_pages:
         raise SystemExit(f"a request may need {need} pages, more than the pool's {runner.pool.num_pages}")
     work = workload(args, runner.model_config.vocab_size)
+    if args.repeat_full is None:
+        args.repeat_full = runner.device.type == "cuda"
     print(
         f"{args.requests} requests, prompts {args.prompt_tokens}, outputs {args.output_tokens} of max_tokens "
         f"{args.max_tokens}; pool {runner.pool.num_pages} pages of {runner.cfg.page_size} "
@@ -177,10 +201,14 @@ def main() -> int:
         flush=True,
     )
     results = {}
-    for policy in ("full", "optimistic"):
-        r = results[policy] = run_policy(runner, policy, work, args)
+    # On a GPU a request's greedy tokens depend on the batch it ran in (kernels pick tiles by batch size, bf16
+    # sums in another order), and two runs of one policy batch differently: full reservation runs twice, and
+    # what differs between those two runs is the floor against which optimistic's differences are read.
+    policies = ["full", "full_again", "optimistic"] if args.repeat_full else ["full", "optimistic"]
+    for name in policies:
+        r = results[name] = run_policy(runner, name.removesuffix("_again"), work, args)
         print(
-            f"{policy:>10}: admitted peak {r['peak_admitted']} mean {r['mean_admitted']}, goodput "
+            f"{name:>10}: admitted peak {r['peak_admitted']} mean {r['mean_admitted']}, goodput "
             f"{r['goodput_rps']} req/s ({r['good_requests']}/{args.requests} good), {r['output_tokens_per_s']} "
             f"out tok/s, TTFT p50 {r['ttft_p50_s']} s, {r['preemptions']} preemptions "
             f"({r['recomputed_prompt_tokens']} tokens recomputed), {r['elapsed_s']} s",
@@ -188,13 +216,22 @@ def main() -> int:
         )
     full, opt = results["full"], results["optimistic"]
     same = full["outputs"] == opt["outputs"]
+    differ = {
+        "optimistic_vs_full": differing(full["outputs"], opt["outputs"]),
+        "preempted_vs_full": differing(full["outputs"], opt["outputs"], only=opt["preempted_ids"]),
+    }
+    if args.repeat_full:
+        differ["full_vs_full_again"] = differing(full["outputs"], results["full_again"]["outputs"])
     ratios = {
         "mean_admitted": round(opt["mean_admitted"] / max(full["mean_admitted"], 1e-9), 3),
         "peak_admitted": round(opt["peak_admitted"] / max(full["peak_admitted"], 1), 3),
         "goodput": round(opt["goodput_rps"] / full["goodput_rps"], 3) if full["goodput_rps"] else None,
         "output_tokens_per_s": round(opt["output_tokens_per_s"] / max(full["output_tokens_per_s"], 1e-9), 3),
     }
-    print(f"optimistic / full: {ratios}; outputs equal: {same}", flush=True)
+    print(f"optimistic / full: {ratios}; outputs equal: {same}; requests whose tokens differ: {differ}", flush=True)
+    lost = [
+        n for n, r in results.items() if len(r["outputs"]) != args.requests or any(not v for v in r["outputs"].values())
+    ]
     for r in results.values():
         r.pop("outputs")
     report = {
@@ -206,11 +243,17 @@ def main() -> int:
         "results": results,
         "optimistic_over_full": ratios,
         "outputs_equal": same,
+        "requests_differing": differ,
+        "policies_losing_requests": lost,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out}")
-    return 0 if same and not any(r["ledger_violations"] for r in results.values()) else 1
+    # Equal tokens are the claim where kernels do not depend on the batch (the CPU); elsewhere, every request
+    # answered and the page ledger clean in every run.
+    exact = str(runner.device) == "cpu"
+    ok = (same or not exact) and not lost and not any(r["ledger_violations"] for r in results.values())
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -251,7 +251,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=OUT_DIR / "prefix_routing.json")
     args = p.parse_args()
 
-    from router.tokenizer import load_tokenizer
+    from router.surface.tokenizer import load_tokenizer
 
     tok, _ = load_tokenizer(args.model, args.tokenizer)
     requests = make_workload(args, tok)

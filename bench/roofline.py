@@ -147,7 +147,7 @@ def linear_params(runner: ModelRunner) -> int:
         if layer.moe is not None:
             experts = layer.moe.w13.numel() + layer.moe.w2.numel()
             total += sum(p.numel() for p in (layer.moe.w13, layer.moe.w2))  # 3-D: not counted above
-            total -= round(experts * (1.0 - layer.moe.top_k / layer.moe.w13.shape[0]))
+            total -= round(experts * (1.0 - layer.moe.config.top_k / layer.moe.w13.shape[0]))
     return total
 
 

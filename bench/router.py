@@ -317,8 +317,8 @@ def decisions_per_second(redis_url: str, seconds: float) -> dict[str, Any]:
     from common.prefix.hashing import chained_block_hashes
     from common.prefix.publisher import PrefixIndexPublisher
     from common.prefix.reader import PrefixIndexReader
-    from router.locality import RecentPlacements
-    from router.policy import DecodeCandidate, PrefillCandidate, RoutingPolicy
+    from router.decision.locality import RecentPlacements
+    from router.decision.policy import DecodeCandidate, PrefillCandidate, RoutingPolicy
 
     try:
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
@@ -410,7 +410,7 @@ def main() -> int:
 
     from common.devcluster.redis_server import start_redis_server
     from common.net import free_port
-    from router.tokenizer import load_tokenizer
+    from router.surface.tokenizer import load_tokenizer
 
     tok, _ = load_tokenizer(MODEL, args.tokenizer)
     logs = Path(tempfile.mkdtemp(prefix="kvferry-bench-router-"))

@@ -65,7 +65,7 @@ from common.slo import DEFAULT_SLO_SPEC  # noqa: E402
 
 OUT_DIR = BENCH_DIR / "out"
 DEFAULT_MODEL = "smollm2-135m-instruct"
-# The router's placement reasons (router/policy.py) for a decode worker prefilling the prompt itself.
+# The router's placement reasons (router/decision/policy.py) for a decode worker prefilling the prompt itself.
 LOCAL_PREFILL_DECISIONS = ("short-prompt", "decode-holds-prefix", "no-prefill")
 
 

@@ -5,7 +5,7 @@ Shapes (``DeploySpec.mode``):
   - ``disagg``: prefill and decode workers; with n devices the first n // 2 prefill, the rest decode
     (2 devices: 1 prefill + 1 decode).
   - ``agg``: n decode workers and no prefill worker: the router has each decode worker prefill its own
-    requests (router/policy.py: "no-prefill").
+    requests (router/decision/policy.py: "no-prefill").
 With GPUs each worker process sees one GPU (``CUDA_VISIBLE_DEVICES``, ``KVFERRY_DEVICE=cuda``), as in a
 pod. Every process gets its own session, so stopping kills its children (the engine process) too.
 """
@@ -68,7 +68,7 @@ class DeploySpec:
 
     @property
     def placement(self) -> str:
-        """The router's placement (router/cost_model.py) for this mode."""
+        """The router's placement (router/decision/cost_model.py) for this mode."""
         return "adaptive" if self.mode in ("adaptive", "mixed") else "fixed"
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-SLO_CLASS_HEADER = "x-kvferry-class"  # the router's (router/service.py)
+SLO_CLASS_HEADER = "x-kvferry-class"  # the router's (router/surface/service.py)
 
 __all__ = [
     "Arrivals",

@@ -741,7 +741,7 @@ ROUTER_WORKERS = _router(
     "workers",
     int,
     1,
-    "router processes in this pod, sharing its port (one streams ~17-19k tok/s); each has its own worker pool, "
+    "router processes in this pod, sharing its port (what one streams: bench/RESULTS.md, 'Router streaming capacity'); each has its own worker pool, "
     "polls, in-flight counts and admission, and they share the prefix index in Redis",
     shown_default="1 (the k8s router sets its CPU limit)",
 )
@@ -759,7 +759,10 @@ ROUTER_DEFAULT_MAX_TOKENS = _router(
     "default_max_tokens", int, 1024, "chat without `max_tokens`: min(this, what fits the context)"
 )
 ROUTER_ROUTING = _router(
-    "routing", str, "cache_aware", "`cache_aware` or `round_robin` (the baseline); router/policy.py has the scores"
+    "routing",
+    str,
+    "cache_aware",
+    "`cache_aware` or `round_robin` (the baseline); router/decision/policy.py has the scores",
 )
 ROUTER_DISAGG_MIN_PROMPT_TOKENS = _router(
     "disagg_min_prompt_tokens", int, 256, "shorter prompts are prefilled on the decode pod (fixed placement)"
@@ -783,7 +786,7 @@ ROUTER_PLACEMENT = _router(
     str,
     "fixed",
     "`fixed` (the two thresholds above) or `adaptive`: local vs. disaggregated per request from predicted TTFT and "
-    "ITL against the SLO targets and the workers' measured rates (router/cost_model.py)",
+    "ITL against the SLO targets and the workers' measured rates (router/decision/cost_model.py)",
 )
 ROUTER_TRANSFER_TOKENS_PER_S = _router(
     "transfer_tokens_per_s", float, 200_000.0, "KV transfer rate assumed until workers publish one"
@@ -808,7 +811,7 @@ ROUTER_ADMIT_BY_TTFT = _router(
     int,
     1,
     "1: a request no worker is predicted to serve within its SLO class's TTFT target gets 429 + Retry-After "
-    "at once, lower classes first (router/admission.py, router/ttft_model.py); 0 = off",
+    "at once, lower classes first (router/decision/admission.py, router/decision/ttft_model.py); 0 = off",
 )
 ROUTER_POLL_INTERVAL_S = _router(
     "poll_interval_s", float, 0.25, "worker load polls; also how fresh the load admission and routing read is"
@@ -876,14 +879,14 @@ HTTP_MAX_CONNECTIONS = _http(
 
 def _schema_limit(name: str, default: int, doc: str) -> Setting[int]:
     """A bound on a client's output constraint, checked by the router before any work (400 naming it)."""
-    return declare(f"KVFERRY_ROUTER_{name.upper()}", int, default, doc, "router", "router/structured.py")
+    return declare(f"KVFERRY_ROUTER_{name.upper()}", int, default, doc, "router", "router/surface/structured.py")
 
 
 ROUTER_SCHEMA_MAX_PROPERTIES = _schema_limit(
     "schema_max_properties",
     500,
-    "object properties in one JSON schema, all objects together (its grammar's compile time grows with them: 500 "
-    "optional ones in one object 1.5 s on a CPU core, 1,000 6 s)",
+    "object properties in one JSON schema, all objects together (its grammar's compile time grows faster "
+    "than their count: bench/RESULTS.md, 'Figures behind choices in the code')",
 )
 ROUTER_SCHEMA_MAX_ENUM_VALUES = _schema_limit(
     "schema_max_enum_values", 1000, "`enum` values and `const`s in one JSON schema, all together (OpenAI's limit)"

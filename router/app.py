@@ -1,10 +1,5 @@
-"""The router's FastAPI app: OpenAI endpoints in front, the worker pool and routing behind.
-
-``create_app(config, options)`` wires the parts: the runtime its lifespan builds (router/runtime.py: one
-shared WireClient, router/wire.py, for every worker call), the OpenAI routes (router/openai_routes.py,
-router/extra_routes.py) and the operations routes (router/ops_routes.py). The request pipeline is
-router/service.py, routing router/policy.py + router/upstream.py.
-"""
+"""The router's FastAPI app: OpenAI endpoints in front, the worker pool and routing behind (the runtime its
+lifespan builds is router/runtime.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +15,7 @@ from common.http_server import REFUSAL_HOOK
 from common.log import limit_tracebacks
 from common.observability.tracing import init_tracing
 from common.settings import HttpLimits
-from router.discovery import Discovery, KubernetesDiscovery, StaticDiscovery
+from router.decision.discovery import Discovery, KubernetesDiscovery, StaticDiscovery
 from router.errors import install_error_handlers
 from router.extra_routes import install_extra_routes
 from router.metrics import RouterMetrics
@@ -29,8 +24,8 @@ from router.openai_routes import install_openai_routes
 from router.ops_routes import install_ops_routes
 from router.runtime import RouterRuntime, RuntimeSlot
 from router.settings import RouterOptions
+from router.surface.tokenizer import ModelInfo, RouterTokenizer, load_tokenizer
 from router.timeline import RequestLog
-from router.tokenizer import ModelInfo, RouterTokenizer, load_tokenizer
 
 __all__ = ["create_app"]
 
@@ -54,10 +49,7 @@ def create_app(
     use_redis: bool = True,
     http_limits: HttpLimits | None = None,
 ) -> FastAPI:
-    """Builds the router app. ``tokenizer``/``model_info`` default to loading ``config.model``;
-    ``discovery`` to the one ``config.discovery`` names; ``index_reader`` to a Redis
-    PrefixIndexReader on ``config.redis_url`` (``use_redis=False``: route on load alone); ``http_limits`` to
-    ``HttpLimits.from_env()``."""
+    """Builds the router app; each part defaults to what `config` names (``use_redis=False``: route on load alone)."""
     opts = options or RouterOptions.from_env()
     if tokenizer is None or model_info is None:
         tokenizer, model_info = load_tokenizer(config.model, opts.tokenizer)

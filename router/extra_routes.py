@@ -20,13 +20,13 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field, ValidationError, field_validator
 
 from common.managed_stream import ManagedStream
-from router.disconnect import ClientGone, unless_disconnected
 from router.errors import bad_request, model_not_found, no_worker, upstream_failed
-from router.openai_api import ChatCompletionRequest, _Lenient, _RefusesUnsupported
-from router.responses import SSE_HEADERS
 from router.runtime import RuntimeSlot
-from router.service import Job, RouterService, RunningChoice
-from router.tools import ToolCall, finish_reason_with_calls, parse_tool_calls
+from router.surface.disconnect import ClientGone, unless_disconnected
+from router.surface.openai_api import ChatCompletionRequest, _Lenient, _RefusesUnsupported
+from router.surface.responses import SSE_HEADERS
+from router.surface.service import Job, RouterService, RunningChoice
+from router.surface.tools import ToolCall, finish_reason_with_calls, parse_tool_calls
 
 __all__ = ["install_extra_routes"]
 
@@ -294,7 +294,7 @@ def install_extra_routes(app: FastAPI, slot: RuntimeSlot) -> None:
         service = slot.service
         if not service.model.serves(body.model):
             raise model_not_found(body.model or "")
-        # Tokenized as a prompt is (router/service.py): up to the model's context, longer texts are refused.
+        # Tokenized as a prompt is (router/surface/service.py): up to the model's context, longer texts are refused.
         if body.messages is not None:
             try:
                 chat = ChatCompletionRequest.model_validate({"messages": body.messages, "tools": body.tools})

@@ -1,46 +1,6 @@
-"""The router's Prometheus metrics (``GET /metrics``): request latencies as clients see them, routing,
-and the worker pool as this router sees it.
-
-Histograms (buckets in common/observability/buckets.py):
-
-- ``kvferry_router_time_to_first_token_seconds``: request received until the first token of every choice
-  was in the router (streaming: what the client's first content chunk waits for, less writing it);
-- ``kvferry_router_inter_token_latency_seconds``: gaps between a choice's successive worker events, each
-  split evenly over the tokens it carried (one observation per token);
-- ``kvferry_router_e2e_request_latency_seconds``: received until the response's last byte was handed on;
-- ``kvferry_router_time_to_dispatch_seconds``: received until the generate request was written to a decode
-  worker: tokenizing, the prefix lookup and routing (the router holds no queue: beyond its limits it
-  answers 429);
-- ``kvferry_router_prompt_tokens`` / ``kvferry_router_output_tokens``: per request (all choices).
-
-Counters: ``kvferry_router_requests_total{status, outcome}`` (every response to a generation route:
-``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``; outcome: stop | length | error | abort,
-the client left | rejected, an error status, whether the request failed validation, auth, the body limit or
-admission | ok, a ``/v1/responses`` request served), ``kvferry_router_http_requests_total{method, route,
-status}`` (every HTTP response of any route, by the route's template: what vLLM's HTTP-level counter
-gives beside its engine counters; router/middleware.py's ``ResponseCounter``), ``..._routing_decisions_total
-{decision}`` (router/policy.py's reasons and the admission rejections), ``..._retries_total`` (second
-attempts before the first token), ``..._migrations_total{outcome}`` (router/migration.py: started |
-succeeded | failed; call ``dispatcher.metrics.migrations``), ``..._prefix_lookups_total{result}`` (hit |
-miss | skipped, a prompt too short to look up), ``..._redis_errors_total`` (lookups the prefix index did not
-answer), ``..._prompt_cached_tokens_total`` (prompt tokens the worker a prompt was placed on already held: over
-the prompt-token histogram's sum, the prefix hit rate the planner sizes prefill by), and per SLO class (common/slo.py; label ``slo_class``, every declared class exported from 0):
-``kvferry_router_slo_requests_total`` (requests served: a 2xx response), ``..._slo_ttft_met_total`` (of those,
-TTFT within the class's target; a class without one always), ``..._slo_itl_met_total`` (the p-th percentile of
-the request's own inter-token gaps, every choice's, within the class's ITL target), ``..._slo_good_total`` (both:
-goodput is its rate) and ``..._slo_shed_total`` (429 by predicted TTFT, router/admission.py). Histogram
-``kvferry_router_ttft_prediction_ratio``: measured over predicted TTFT of each served request whose placement
-had a prediction (router/ttft_model.py; 1 is exact). Gauges: ``kvferry_router_inflight_requests`` and ``kvferry_router_worker_up{role, worker}`` (read
-from the pool when scraped: no cost per request).
-
-Several router processes (``KVFERRY_ROUTER_WORKERS`` > 1, one port): router/main.py points
-``PROMETHEUS_MULTIPROC_DIR`` at a fresh directory before they start, every process writes its values
-there, and whichever process answers a scrape reports the sum over all of them (prometheus-client's
-multiprocess mode); ``kvferry_router_worker_up`` is that process's own view of the pool (every process
-polls every worker). A single process keeps its values in memory.
-
-Per token the router only takes a clock reading and bumps a local bucket (``TokenGaps``); everything
-reaches the Prometheus values once per request.
+"""The router's Prometheus metrics (docs/architecture.md, "Metrics"). Several router processes share them
+through prometheus-client's multiprocess mode (router/main.py sets the directory); per token the router only
+bumps a local bucket (``TokenGaps``), and values reach Prometheus once per request.
 """
 
 from __future__ import annotations
@@ -65,8 +25,7 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 class TokenGaps:
-    """One choice's inter-token gaps, bucketed locally (no lock, no shared value per token) and added to
-    the histogram once, when the request ends."""
+    """One choice's inter-token gaps, bucketed locally and added to the histogram once, at the request's end."""
 
     __slots__ = ("counts", "total", "last", "itl_target_s", "over")
 
@@ -78,7 +37,6 @@ class TokenGaps:
         self.over = 0  # tokens whose gap exceeded it
 
     def add(self, tokens: int, now: float | None = None) -> None:
-        """A worker event (or several read at once) carrying ``tokens`` arrived."""
         now = time.monotonic() if now is None else now
         last, self.last = self.last, now
         if last is None or tokens <= 0:
@@ -90,8 +48,7 @@ class TokenGaps:
             self.over += tokens
 
     def within(self, percentile: float) -> bool:
-        """Whether the `percentile`-th percentile of these gaps is within the ITL target: at most the share
-        of tokens above the percentile exceeded it."""
+        """Whether the `percentile`-th percentile of these gaps is within the ITL target."""
         return self.over <= int(sum(self.counts) * (1 - percentile / 100) + 1e-9)
 
 
@@ -99,8 +56,6 @@ ITL_BOUNDS = (*buckets.STEP_S, float("inf"))
 
 
 class _PoolView(Collector):
-    """``kvferry_router_worker_up`` from the worker pool at scrape time."""
-
     def __init__(self, workers: Callable[[], Iterable[Any]]) -> None:
         self.workers = workers
 
@@ -113,10 +68,9 @@ class _PoolView(Collector):
         yield g
 
 
-# Label values known up front are exported at 0 from the start, so a dashboard panel or a rate() over them shows
-# 0 rather than "no data" until the first event (a migration may never happen in a healthy fleet).
-MIGRATION_OUTCOMES = ("started", "succeeded", "failed")  # router/migration.py MigrationStats
-PREFIX_LOOKUP_RESULTS = ("hit", "miss", "skipped")  # router/dispatch.py
+# Label values known up front are exported at 0, so a panel shows 0 rather than "no data" until the first event.
+MIGRATION_OUTCOMES = ("started", "succeeded", "failed")  # router/upstream/migration.py MigrationStats
+PREFIX_LOOKUP_RESULTS = ("hit", "miss", "skipped")  # router/decision/dispatch.py
 DEFAULT_SLO_CLASSES = parse_slo_classes(DEFAULT_SLO_SPEC).names  # the deployment's own: declare_classes
 # Measured over predicted TTFT: 1 is exact; the buckets resolve a factor of 1.25 either side and the tails.
 PREDICTION_RATIO = (0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 10.0)
@@ -234,13 +188,12 @@ class RouterMetrics:
             r.register(_PoolView(lambda: self._pool()))
 
     def declare_classes(self, names: Iterable[str]) -> None:
-        """Exports every declared SLO class's counters from 0 (a class may see no traffic for a while)."""
+        """Exports every declared SLO class's counters from 0."""
         for name in names:
             for c in (self.slo_requests, self.slo_ttft_met, self.slo_itl_met, self.slo_good, self.slo_shed):
                 c.labels(slo_class=name)
 
     def observe_slo(self, slo_class: str, ttft_met: bool, itl_met: bool) -> None:
-        """One request served in `slo_class`: whether it met each target."""
         self.slo_requests.labels(slo_class=slo_class).inc()
         if ttft_met:
             self.slo_ttft_met.labels(slo_class=slo_class).inc()
@@ -250,12 +203,10 @@ class RouterMetrics:
             self.slo_good.labels(slo_class=slo_class).inc()
 
     def watch_pool(self, workers: Callable[[], Iterable[Any]]) -> None:
-        """Where ``kvferry_router_worker_up`` reads the pool from (set once the pool exists)."""
         self._pool = workers
 
     def add_gaps(self, gaps: TokenGaps) -> None:
-        """Adds one choice's inter-token gaps to the histogram (bucket by bucket: ``observe`` per token
-        would take a lock per token)."""
+        """Adds one choice's gaps bucket by bucket (``observe`` per token would take a lock per token)."""
         if gaps.total == 0.0 and not any(gaps.counts):
             return
         hist = self.itl
@@ -279,8 +230,7 @@ class RouterMetrics:
 
 
 def prepare_multiprocess_dir() -> str:
-    """For several router processes: a directory for their values (PROMETHEUS_MULTIPROC_DIR as set, emptied of
-    an earlier run's files, else a fresh one), exported to the processes about to start."""
+    """A directory for several router processes' values (PROMETHEUS_MULTIPROC_DIR emptied, or a fresh one)."""
     path = os.environ.get(MULTIPROC_ENV)
     if path:
         os.makedirs(path, exist_ok=True)

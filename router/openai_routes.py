@@ -9,15 +9,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from common.managed_stream import ManagedStream
-from router.disconnect import ClientGone, unless_disconnected
 from router.errors import OpenAIError, model_not_found, no_worker
 from router.middleware import COUNTED
-from router.openai_api import ChatCompletionRequest, CompletionRequest
-from router.responses import SSE_HEADERS
 from router.runtime import RuntimeSlot
-from router.service import SLO_CLASS_HEADER, Job
+from router.surface.disconnect import ClientGone, unless_disconnected
+from router.surface.openai_api import ChatCompletionRequest, CompletionRequest
+from router.surface.responses import SSE_HEADERS
+from router.surface.service import SLO_CLASS_HEADER, Job
+from router.surface.tokenizer import ModelInfo
 from router.timeline import RequestLog
-from router.tokenizer import ModelInfo
 
 
 def install_openai_routes(app: FastAPI, slot: RuntimeSlot, info: ModelInfo, requests: RequestLog) -> None:

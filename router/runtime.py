@@ -12,18 +12,17 @@ from typing import Any
 
 from common.config import RouterConfig
 from common.slo import SloClasses, parse_slo_classes
-from router.admission import AdmissionLimits
-from router.cost_model import SloTargets
-from router.discovery import Discovery
-from router.dispatch import Dispatcher
-from router.locality import PrefixLocator, RecentPlacements
+from router.decision.cost_model import SloTargets
+from router.decision.discovery import Discovery
+from router.decision.dispatch import Dispatcher
+from router.decision.locality import PrefixLocator, RecentPlacements
+from router.decision.policy import PolicyConfig, RoutingPolicy
+from router.decision.pool import WorkerPool
 from router.metrics import RouterMetrics
-from router.migration import MIGRATIONS
-from router.policy import PolicyConfig, RoutingPolicy
-from router.pool import WorkerPool
-from router.service import RouterService
 from router.settings import RouterOptions
-from router.tokenizer import ModelInfo, RouterTokenizer
+from router.surface.service import RouterService
+from router.surface.tokenizer import ModelInfo, RouterTokenizer
+from router.upstream.migration import MIGRATIONS
 from router.wire import WireClient
 
 
@@ -66,27 +65,12 @@ class RouterRuntime:
         metrics: RouterMetrics,
     ) -> RouterRuntime:
         client = WireClient(connect_timeout_s=opts.connect_timeout_s, headers=config.internal_token.headers())
-        pool = WorkerPool(
-            client, opts.poll_interval_s, opts.poll_timeout_s, opts.down_after_failures, opts.down_after_s
-        )
+        pool = WorkerPool(client, opts)
         locator = PrefixLocator(index_reader, RecentPlacements(opts.recent_route_ttl_s))
         slo = parse_slo_classes(config.slo_classes, config.slo_default_class)
         metrics.declare_classes(slo.names)
         dispatcher = Dispatcher(
-            pool,
-            RoutingPolicy(policy_config(opts, slo)),
-            locator,
-            client,
-            connect_timeout_s=opts.connect_timeout_s,
-            first_token_timeout_s=opts.first_token_timeout_s,
-            inter_token_timeout_s=opts.inter_token_timeout_s,
-            retry_after_s=opts.retry_after_s,
-            limits=AdmissionLimits(
-                opts.admit_max_waiting, opts.admit_max_queued_prefill_tokens, opts.admit_queue_seconds
-            ),
-            metrics=metrics,
-            slo=slo,
-            admit_by_ttft=opts.admit_by_ttft != 0,
+            pool, RoutingPolicy(policy_config(opts, slo)), locator, client, opts, metrics=metrics, slo=slo
         )
         metrics.watch_pool(lambda: list(pool.workers.values()))
         service = RouterService(tok, info, dispatcher, opts, slo)
@@ -122,7 +106,7 @@ class RouterRuntime:
 
 
 def placement_inputs(pool: WorkerPool, policy: RoutingPolicy) -> dict[str, Any]:
-    """What the placement decision reads (router/cost_model.py): the mode, the SLO targets and each
+    """What the placement decision reads (router/decision/cost_model.py): the mode, the SLO targets and each
     worker's measured prefill rate, chunk size and queued prefill tokens; and for the planner (planner/source.py)
     each worker's role, whether it is routable and its step-time coefficients."""
     cfg = policy.cfg

@@ -17,9 +17,7 @@ __all__ = ["RouterOptions"]
 @dataclass
 class RouterOptions:
     tokenizer: str = reg.ROUTER_TOKENIZER.field()
-    # Router processes in this pod, sharing its port. Each has its own worker pool, polls, in-flight counts and
-    # admission (per-process by design: the workers' own load figures are the shared truth); the prefix index
-    # they share lives in Redis.
+    # Per-process pools, polls and admission by design: the workers' own load figures are the shared truth.
     workers: int = reg.ROUTER_WORKERS.field()
     event_loop: str = reg.ROUTER_EVENT_LOOP.field()
     http: str = reg.ROUTER_HTTP.field()
@@ -27,7 +25,7 @@ class RouterOptions:
     max_inflight: int = reg.ROUTER_MAX_INFLIGHT.field()
     retry_after_s: int = reg.ROUTER_RETRY_AFTER_S.field()
     default_max_tokens: int = reg.ROUTER_DEFAULT_MAX_TOKENS.field()
-    # Routing (router/policy.py documents how these enter the scores).
+    # Routing (router/decision/policy.py documents how these enter the scores).
     routing: str = reg.ROUTER_ROUTING.field()
     disagg_min_prompt_tokens: int = reg.ROUTER_DISAGG_MIN_PROMPT_TOKENS.field()
     local_prefix_fraction: float = reg.ROUTER_LOCAL_PREFIX_FRACTION.field()
@@ -36,16 +34,15 @@ class RouterOptions:
     imbalance_ratio: float = reg.ROUTER_IMBALANCE_RATIO.field()
     decode_kv_weight: float = reg.ROUTER_DECODE_KV_WEIGHT.field()
     recent_route_ttl_s: float = reg.ROUTER_RECENT_ROUTE_TTL_S.field()
-    # Placement (router/cost_model.py): adaptive picks local vs. disaggregated per request from predicted
-    # TTFT and ITL against these targets and the workers' measured rates; fixed uses the two thresholds above.
+    # Placement (router/decision/cost_model.py).
     placement: str = reg.ROUTER_PLACEMENT.field()
     transfer_tokens_per_s: float = reg.ROUTER_TRANSFER_TOKENS_PER_S.field()
-    # Admission per worker (router/admission.py; 0 turns a check off): beyond these, 429 + Retry-After.
+    # Admission per worker (router/decision/admission.py; 0 turns a check off): beyond these, 429 + Retry-After.
     admit_max_waiting: int = reg.ROUTER_ADMIT_MAX_WAITING.field()
     admit_max_queued_prefill_tokens: int = reg.ROUTER_ADMIT_MAX_QUEUED_PREFILL_TOKENS.field()
     admit_queue_seconds: float = reg.ROUTER_ADMIT_QUEUE_SECONDS.field()
     admit_by_ttft: int = reg.ROUTER_ADMIT_BY_TTFT.field()
-    # Worker health (router/pool.py): a slow poll only makes a worker stale; down needs proof or silence.
+    # Worker health (router/decision/pool.py): a slow poll only makes a worker stale; down needs proof or silence.
     poll_interval_s: float = reg.ROUTER_POLL_INTERVAL_S.field()
     poll_timeout_s: float = reg.ROUTER_POLL_TIMEOUT_S.field()
     down_after_failures: int = reg.ROUTER_DOWN_AFTER_FAILURES.field()
@@ -55,7 +52,7 @@ class RouterOptions:
     first_token_timeout_s: float = reg.ROUTER_FIRST_TOKEN_TIMEOUT_S.field()
     inter_token_timeout_s: float = reg.ROUTER_INTER_TOKEN_TIMEOUT_S.field()
     redis_timeout_s: float = reg.ROUTER_REDIS_TIMEOUT_S.field()
-    # A stream whose decode worker is lost continues on another one (router/migration.py).
+    # A stream whose decode worker is lost continues on another one (router/upstream/migration.py).
     migration_limit: int = reg.ROUTER_MIGRATION_LIMIT.field()
     migration_wait_s: float = reg.ROUTER_MIGRATION_WAIT_S.field()
 

@@ -1,7 +1,7 @@
 """Admission by what a request can take, against a real router and a real decode worker (CPU, packaged model):
 a request's KV is n x (prompt + max_tokens), reserved for its whole output. One that can never fit a worker's
 per-request share gets 400 naming the numbers, one that could fit but not now 429 + Retry-After, and a normal
-request beside any mix of accepted large ones runs at once (router/admission.py); the worker refuses past its
+request beside any mix of accepted large ones runs at once (router/decision/admission.py); the worker refuses past its
 share itself for callers that bypass the router (decode_worker/routes.py)."""
 
 from __future__ import annotations

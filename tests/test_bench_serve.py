@@ -158,7 +158,7 @@ def test_goodput_and_bursts_from_token_timelines() -> None:
 
 
 def test_synthetic_tokenizer_is_what_the_router_loads(tmp_path: Path) -> None:
-    from router.tokenizer import load_tokenizer
+    from router.surface.tokenizer import load_tokenizer
 
     path = build_word_tokenizer(tmp_path / "tok", vocab_size=1000, max_context=4096)
     tok, info = load_tokenizer("dummy:test", str(path))

@@ -5,7 +5,7 @@ as a command, its workers killed with -9 while clients stream greedy requests.
   and requests are answered throughout;
 - chaos: continuous streaming load with a worker (decode or prefill, in turn) killed every few seconds, while
   the one before it is back: every request completes under HTTP 200 with the text of a fault-free run, none
-  hangs, and every KV page comes back. Streams on a killed decode worker migrate (router/migration.py);
+  hangs, and every KV page comes back. Streams on a killed decode worker migrate (router/upstream/migration.py);
   requests in a killed prefill worker are retried before their first token.
 
 Size: at least KVFERRY_CHAOS_REQUESTS at KVFERRY_CHAOS_CONCURRENCY, and on until a worker of each role was

@@ -1,4 +1,4 @@
-"""The placement cost model (router/cost_model.py) and its use in router/policy.py: pure functions."""
+"""The placement cost model (router/decision/cost_model.py) and its use in router/decision/policy.py: pure functions."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from router.cost_model import (
+from router.decision.cost_model import (
     LocalSide,
     PrefillSide,
     SloTargets,
@@ -16,7 +16,7 @@ from router.cost_model import (
     local_ttft_s,
     with_fleet_prior,
 )
-from router.policy import DecodeCandidate, PolicyConfig, PrefillCandidate, RoutingPolicy
+from router.decision.policy import DecodeCandidate, PolicyConfig, PrefillCandidate, RoutingPolicy
 
 SLO = SloTargets(ttft_s=2.0, itl_s=0.025)
 TRANSFER = 100_000.0  # tokens/s

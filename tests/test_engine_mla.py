@@ -370,15 +370,31 @@ def test_block_scaled_fp8_checkpoint_loads_dequantized(tmp_path) -> None:
         ModelRunner(RunnerConfig(model=str(fp8_dir), num_pages=16, max_running=2, max_seq_len=128))
 
 
-def test_flashinfer_fp8_cache_and_tensor_parallelism_are_refused_for_latent_attention(tmp_path) -> None:
+def test_flashinfer_mla_shapes_fp8_cache_and_tensor_parallelism_are_refused_for_latent_attention(tmp_path) -> None:
     hf = _build_deepseek("deepseek-v2-lite", seed=7)
     hf.save_pretrained(tmp_path, safe_serialization=True)
-    with pytest.raises(ValueError, match="KVFERRY_ATTENTION=torch"):
+    # flashinfer's MLA kernels take kv_lora_rank in multiples of 128: the tiny config's 32 is refused at start.
+    with pytest.raises(ValueError, match="kv_lora_rank a multiple of 128.*KVFERRY_ATTENTION=torch"):
         ModelRunner(RunnerConfig(model=str(tmp_path), num_pages=16, max_running=2, attention="flashinfer"))
     with pytest.raises(ValueError, match="FP8 latent"):
         ModelRunner(RunnerConfig(model=str(tmp_path), num_pages=16, max_running=2, kv_dtype="fp8_e4m3"))
     with pytest.raises(ValueError, match="one rank"):
         TPShard.plan(named_config("deepseek-v2-lite"), 0, 2)
+
+
+def test_flashinfer_mla_takes_the_released_shapes_and_refuses_heads_that_split_a_tile() -> None:
+    from dataclasses import replace as dc_replace
+
+    from common.engine.gpu.mla_attention import flashinfer_mla_unsupported
+
+    lite = named_config("deepseek-v2-lite")  # 16 heads, rank 512, RoPE part 64
+    for heads in (16, 8, 128):  # V2-Lite's, a smaller one, V2's and V3's
+        assert flashinfer_mla_unsupported(dc_replace(lite, num_heads=heads)) is None
+    why = flashinfer_mla_unsupported(dc_replace(lite, num_heads=24))
+    assert why is not None and "24 heads" in why
+    assert "multiple of 64" in (
+        flashinfer_mla_unsupported(dc_replace(lite, mla=dc_replace(lite.mla, qk_rope_head_dim=32))) or ""
+    )
 
 
 def test_dummy_weights_serve_latent_attention() -> None:
@@ -412,7 +428,7 @@ def test_served_through_router_prefill_and_decode_equals_transformers(v3_checkpo
     router's disaggregation threshold, so their latent pages are prefilled on the prefill worker and sent over NIXL
     (page checksums checked on arrival). Every answer is transformers' greedy continuation."""
     from common.devcluster.cluster import start_local_cluster
-    from router.tokenizer import RouterTokenizer
+    from router.surface.tokenizer import RouterTokenizer
 
     hf, path = v3_checkpoint
     env = {

@@ -145,7 +145,7 @@ def test_served_through_router_prefill_and_decode_equals_transformers(moe_dir, s
     packaged tokenizer (the prompt is token ids, all within the model's vocabulary). The prompt is past the
     router's disaggregation threshold, so its KV is prefilled on the prefill worker and sent over NIXL."""
     from common.devcluster.cluster import start_local_cluster
-    from router.tokenizer import RouterTokenizer
+    from router.surface.tokenizer import RouterTokenizer
     from tests.engine_helpers import hf_greedy
 
     hf, path = moe_dir

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -146,6 +147,29 @@ def test_overlap_scheduler_matches_sync_on_cpu(tiny_dirs):
         assert _generate(_engine(runner, overlap), prompts, params) == expected
 
 
+def test_latent_attention_plans_from_the_host_copy_of_the_page_table():
+    """flashinfer's MLA planner gets a step's page ids from the page table's host copy: the same CSR description as
+    the device gather the GQA path makes, rows rewritten after being given back included (CPU)."""
+    from common.engine.gpu.attention import page_meta
+    from common.engine.gpu.mla_attention import host_page_meta
+    from common.kv.page_table import PageTable
+
+    ps = 4
+    pt = PageTable(max_rows=4, max_seq_len=64, page_size=ps, device=torch.device("cpu"), host_pages=True)
+    assert PageTable(4, 64, ps, torch.device("cpu")).host_pages is None  # kept only where asked for
+    pt.write_pages(0, 0, torch.tensor([9, 3, 7]))
+    pt.write_pages(1, 0, torch.tensor([1]))
+    pt.write_pages(2, 0, torch.tensor([4, 5, 6, 8, 2]))
+    pt.write_pages(1, 1, torch.tensor([11, 12]))  # a request's later pages
+    pt.write_pages(0, 1, torch.tensor([13]))  # row 0 given back and retaken: its second page rewritten
+    rows, seq = [2, 0, 1], [17, 9, 12]
+    host = host_page_meta(pt.host_pages, ps, np.array(rows), seq)
+    dev = page_meta(pt.table, ps, torch.tensor(rows), seq)
+    assert host.indices.tolist() == dev.indices.tolist() == [4, 5, 6, 8, 2, 9, 13, 7, 1, 11, 12]
+    assert torch.equal(host.indptr, dev.indptr) and torch.equal(host.last_page_len, dev.last_page_len)
+    assert host.indices.dtype == torch.int32 and host.indices.device.type == "cpu"
+
+
 # ---- GPU -------------------------------------------------------------------------------------------
 def _teacher_forced(runner, seqs: list[list[int]], chunk: int, n_decode: int, graphs: bool) -> list[torch.Tensor]:
     """Float32 logits at every position: prefill in chunks of `chunk` tokens (all requests batched, each
@@ -236,11 +260,19 @@ def test_flashinfer_logits_match_fp32_transformers(tiny_dirs, kind, fused):
 @gpu
 def test_moe_on_flashinfer_with_graphs_matches_fp32_transformers(tmp_path):
     """A random Qwen3-MoE (8 experts, top-2, one dense layer) on the flashinfer path, its experts as grouped GEMMs
-    inside CUDA graphs: logits within what bf16 loses on the plain torch path of fp32 transformers'."""
+    inside CUDA graphs: logits within what bf16 loses on the plain torch path of fp32 transformers'.
+
+    The router's weights are scaled up so each token's top-2 stand clear of the rest: with random weights the
+    scores sit within bf16's rounding of each other and which expert a token goes to would flip between any two
+    bf16 implementations, which measures the tie-break and not the experts."""
     from tests.test_engine_random_models import CONFIGS, _build_hf
 
     cls, extra = CONFIGS["qwen3-moe-norm-topk"]
     hf = _build_hf(cls, {**extra, "hidden_size": 256, "head_dim": 128, "vocab_size": 512}, seed=5)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(30.0)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     seqs = _prompts(3, seed=4, lo=40, hi=140)
     hf = hf.cuda()
@@ -253,8 +285,39 @@ def test_moe_on_flashinfer_with_graphs_matches_fp32_transformers(tmp_path):
     e_eager = _rel(torch.cat(_teacher_forced(fi, seqs, chunk=32, n_decode=6, graphs=False)), ref)
     e_torch = _rel(torch.cat(_teacher_forced(tb, seqs, chunk=32, n_decode=6, graphs=False)), ref)
     print(f"qwen3-moe: rel err vs fp32 transformers: graphs {e_graph:.2e}, eager {e_eager:.2e}, torch {e_torch:.2e}")
-    assert e_graph < 1.5 * e_torch + 2e-3 and e_graph < 3e-2
-    assert e_eager < 1.5 * e_torch + 2e-3 and e_eager < 3e-2
+    # The routing weights come from bf16 router logits (as transformers' own bf16 model computes them): their
+    # rounding, not the experts' GEMMs, sets this model's bf16 floor (~8%, the plain torch path's error too;
+    # the GEMMs alone are checked to 1e-2 by the test below). The claim here: the flashinfer path with grouped
+    # experts inside graphs computes what the plain path computes, within that path's own bf16 loss.
+    assert e_graph < 1.5 * e_torch + 2e-3 and e_graph < 0.15
+    assert e_eager < 1.5 * e_torch + 2e-3 and e_eager < 0.15
+
+
+@needs_cuda
+@gpu
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+def test_grouped_mm_experts_match_fp32_experts(tokens):
+    """The grouped-GEMM experts against the plain per-expert loop on the same routing, both in bf16, each
+    measured against the loop in fp32: the grouped path loses no more than the loop does (with experts that
+    get no token, and one token alone)."""
+    from common.engine.gpu.moe_experts import grouped_mm_experts
+    from common.engine.moe import grouped_experts
+
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    e, h, i, k = 16, 512, 256, 4
+    x = torch.randn(tokens, h, device="cuda", generator=gen)
+    w13 = torch.randn(e, 2 * i, h, device="cuda", generator=gen) / h**0.5
+    w2 = torch.randn(e, h, i, device="cuda", generator=gen) / i**0.5
+    # Routing to the first 12 experts only: the last four get no token.
+    ids = torch.stack([torch.randperm(12, device="cuda", generator=gen)[:k] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, k, device="cuda", generator=gen), dim=-1)
+    ref = grouped_experts(x, weights, ids, w13, w2)
+    bf = [t.bfloat16() for t in (x, w13, w2)]
+    plain = grouped_experts(bf[0], weights, ids, bf[1], bf[2])
+    fused = grouped_mm_experts(bf[0], weights, ids, bf[1], bf[2])
+    e_plain, e_fused = _rel(plain.float(), ref), _rel(fused.float(), ref)
+    print(f"experts, {tokens} tokens: rel err vs fp32: grouped GEMM {e_fused:.2e}, per-expert loop {e_plain:.2e}")
+    assert e_fused < 1.5 * e_plain + 1e-3 and e_fused < 1e-2
 
 
 @needs_cuda
@@ -795,6 +858,71 @@ def test_gemv_experts_match_fp32_experts_as_grouped_gemms_do(top_k):
     assert torch.equal(out, gemv_experts(x2, weights2, ids2, w13, w2))
 
 
+# ---- latent attention (DeepSeek's MLA) on flashinfer ---------------------------------------------------
+# DeepSeek-V2-Lite's attention shapes (16 heads, kv_lora_rank 512, RoPE part 64, nope 128, v 128, queries straight
+# from the hidden states, YaRN), the rest small: 3 layers (the first dense), 8 experts top-2 plus a shared one.
+_V2_LITE_ATTENTION = dict(
+    hidden_size=256,
+    num_attention_heads=16,
+    num_key_value_heads=16,  # transformers repeats per-head keys by heads // kv_heads: one each
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    head_dim=64,  # transformers sizes RoPE by head_dim: MLA's RoPE part
+    v_head_dim=128,
+    moe_intermediate_size=128,
+    max_position_embeddings=1024,
+)
+
+
+@pytest.fixture(scope="module")
+def mla_dir(tmp_path_factory) -> Path:
+    from tests.test_engine_mla import CONFIGS
+    from tests.test_engine_random_models import _build_hf
+
+    cls, extra = CONFIGS["deepseek-v2-lite"]
+    hf = _build_hf(cls, {**extra, **_V2_LITE_ATTENTION}, seed=9)
+    path = tmp_path_factory.mktemp("mla_v2_lite")
+    hf.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _mla_on_flashinfer(path, **kw):
+    from common.engine.gpu.mla_attention import FlashInferMlaAttention
+
+    runner = _runner(path, "cuda", "bfloat16", **kw)
+    assert runner.backend == "flashinfer" and isinstance(runner.gpu.attn, FlashInferMlaAttention)
+    assert runner.gpu.graphs is not None and runner.gpu.step_graphs is not None
+    return runner
+
+
+@needs_cuda
+@gpu
+def test_mla_on_flashinfer_logits_match_fp32_torch_path(mla_dir):
+    """Teacher-forced logits (chunked prefill over cached pages, then decode steps) of flashinfer's absorbed MLA, with
+    decode graphs and without, against the fp32 torch path (itself equal to transformers within 5e-4, CPU tests):
+    within what the torch path in bf16 loses plus a margin, and never more than 3% (relative L2 over every row)."""
+    seqs = _prompts(3, seed=31, lo=40, hi=140)
+    ref = torch.cat(_teacher_forced(_runner(mla_dir, "cuda", "float32", attention="torch"), seqs, 32, 6, False))
+    fi = _mla_on_flashinfer(mla_dir)
+    assert fi.gpu.attn.backend == ("fa3" if torch.cuda.get_device_capability()[0] == 9 else "fa2")
+    got_graph = _teacher_forced(fi, seqs, chunk=32, n_decode=6, graphs=True)
+    got_eager = _teacher_forced(fi, seqs, chunk=32, n_decode=6, graphs=False)
+    got_torch = _teacher_forced(_runner(mla_dir, "cuda", "bfloat16", attention="torch"), seqs, 32, 6, False)
+    e_graph, e_eager = _rel(torch.cat(got_graph), ref), _rel(torch.cat(got_eager), ref)
+    e_torch = _rel(torch.cat(got_torch), ref)
+    print(
+        f"mla v2-lite shapes: rel err vs fp32 torch: flashinfer+graphs {e_graph:.2e}, eager {e_eager:.2e}, torch bf16 {e_torch:.2e}"
+    )
+    for e in (e_graph, e_eager):
+        assert e < 1.5 * e_torch + 2e-3 and e < 3e-2
+    # Prefill rows differ by the piecewise graphs' padding (cuBLAS may pick other GEMM kernels), decode rows by the
+    # graph-mode plan's work split: close.
+    for a, b in zip(got_graph, got_eager):
+        assert _rel(a[:-6], b[:-6]) < 1e-2
+        assert _rel(a[-6:], b[-6:]) < 1e-2
+
+
 @needs_cuda
 @gpu
 def test_softmax_top_k_kernel_routes_as_route_does():
@@ -814,3 +942,120 @@ def test_softmax_top_k_kernel_routes_as_route_does():
             got_w, got_ids = softmax_top_k(logits, moe)
             assert torch.equal(got_ids, ids)
             torch.testing.assert_close(got_w, weights, atol=1e-6, rtol=1e-5)
+
+
+@needs_cuda
+@gpu
+def test_mla_fp32_logits_on_the_gpu_equal_the_cpu_path(mla_dir):
+    """The issue's fp32 check for latent attention: the torch path (flashinfer's kernels are 16-bit only) in fp32 on
+    the GPU against the CPU's, teacher-forced through chunked prefill and decode: within 1e-4 relative L2 and 1e-3
+    absolute (summation order only; TF32 stays off)."""
+    seqs = _prompts(3, seed=33, lo=40, hi=140)
+    gpu_rows = torch.cat(_teacher_forced(_runner(mla_dir, "cuda", "float32", attention="torch"), seqs, 32, 6, False))
+    cpu_rows = torch.cat(_teacher_forced(_runner(mla_dir, "cpu", "float32"), seqs, 32, 6, False))
+    e = _rel(gpu_rows.cpu(), cpu_rows)
+    print(f"mla fp32 gpu vs cpu: rel {e:.2e}, max abs {float((gpu_rows.cpu() - cpu_rows).abs().max()):.2e}")
+    assert e < 1e-4 and float((gpu_rows.cpu() - cpu_rows).abs().max()) < 1e-3
+
+
+@needs_cuda
+@gpu
+def test_mla_step_graph_replay_identical_to_eager_pieces(mla_dir):
+    """A mixed step of latent attention (three decode rows + a 64-token chunk, padded to 80) replayed from its piecewise
+    graphs (broken at each layer's MLA kernel) and the same pieces run eagerly: bit-identical, finite, and at bf16
+    level of the plain eager forward; a decode step replayed from its graph equals its eager twin too."""
+    runner = _mla_on_flashinfer(mla_dir)
+    steps = runner.gpu.step_graphs
+    assert steps.pick(67) == 80 and len(steps.graphs[80]) == runner.model.cfg.num_layers + 1
+    dec = _prompts(3, seed=61, lo=40, hi=140)
+    new = _prompts(1, seed=62, lo=100, hi=101)[0]
+    rows = _rows_for(runner, [*dec, new], seed=63)
+    try:
+        fb = runner.build_batch([s[:-2] for s in dec], [0] * 3, rows[:3], [False] * 3, False)
+        runner.forward(fb)
+        pos = [len(s) - 2 for s in dec]
+        fb = runner.build_batch([*[[s[-2]] for s in dec], new[:64]], [*pos, 0], rows, [True] * 4, False)
+        fb.logits_indices = torch.arange(67, device=fb.input_ids.device)
+        replayed = steps.run(fb, replay=True).clone()
+        pieces = steps.run(fb, replay=False).clone()
+        runner.gpu.use_graphs = False
+        eager = runner.forward(fb).clone()
+        runner.gpu.use_graphs = True
+        fb = runner.build_batch([[s[-1]] for s in dec], [p + 1 for p in pos], rows[:3], [True] * 3, True)
+        graphs = runner.gpu.graphs
+        assert graphs.can_run(fb) and graphs.pick(3) == 4  # padded
+        dec_replayed = graphs.run(fb, replay=True).clone()
+        dec_eager = graphs.run(fb, replay=False).clone()
+    finally:
+        runner.gpu.use_graphs = True
+        for row in rows:
+            runner.page_table.give_row(row)
+    assert torch.equal(replayed, pieces) and torch.isfinite(replayed).all()
+    assert _rel(replayed, eager) < 1e-2
+    assert torch.equal(dec_replayed, dec_eager) and torch.isfinite(dec_replayed).all()
+
+
+@needs_cuda
+@gpu
+@pytest.mark.parametrize("overlap", [True, False])
+def test_mla_on_flashinfer_greedy_with_prefix_hits_and_graphs_matches_fp32(mla_dir, overlap):
+    """Greedy tokens served with decode graphs (and the overlap loop), the later prompts hitting the first's cached
+    latent pages, mixed steps included: every token is fp32's argmax on the same context, except where fp32's top
+    two are closer than bf16 can tell (0.1 of the row's standard deviation: flashinfer's pick must then be within
+    that of the top); most steps are decisive; every page comes back."""
+    fi = _mla_on_flashinfer(mla_dir)
+    prefix = _prompts(1, seed=41, lo=70, hi=71)[0]
+    prompts = [prefix + s for s in _prompts(5, seed=42, lo=3, hi=40)]
+    engine = _engine(fi, overlap, max_prefill_tokens=48)
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    first = engine.generate(prompts[:1], sp)
+    rest = engine.generate(prompts[1:], sp)
+    page = fi.cfg.page_size
+    assert all(r.cached_tokens >= len(prefix) // page * page > 0 for r in rest), [r.cached_tokens for r in rest]
+    from tests.engine_helpers import assert_pool_clean
+
+    assert_pool_clean(engine)
+    del engine, fi
+    ref_engine = _engine(_runner(mla_dir, "cuda", "float32", attention="torch"), None)
+    decisive = steps = 0
+    for prompt, res in zip(prompts, [*first, *rest]):
+        assert res.finish_reason == "length" and len(res.output_ids) == 16
+        rows = ref_engine.score(prompt + res.output_ids)[len(prompt) - 1 : -1]
+        top2 = rows.topk(2, dim=-1).values
+        tol = 0.1 * rows.std(dim=-1)
+        picked = rows.gather(1, torch.tensor(res.output_ids, device=rows.device)[:, None])[:, 0]
+        sure = (top2[:, 0] - top2[:, 1]) > tol
+        assert (top2[:, 0] - picked <= tol).all()
+        assert rows.argmax(-1)[sure].tolist() == torch.tensor(res.output_ids, device=rows.device)[sure].tolist()
+        decisive += int(sure.sum())
+        steps += len(res.output_ids)
+    print(f"decisive steps {decisive}/{steps}")
+    assert decisive >= steps // 2
+
+
+@needs_cuda
+@gpu
+def test_mla_on_flashinfer_serves_dummy_deepseek_v2_lite():
+    """`dummy:deepseek-v2-lite` (the 16B model's shapes, random weights) on flashinfer with decode and step graphs:
+    teacher-forced logits finite and within 10% (relative L2) of the plain torch path's in bf16 on the same weights
+    (looser than the small model's 3%: bf16 noise flips some tokens' 6th-of-64 expert in 26 random MoE layers), and a
+    batch of greedy requests with a shared prefix served to the end with every page back."""
+    seqs = _prompts(2, seed=51, lo=200, hi=300, vocab=102400)
+    fi = _mla_on_flashinfer("dummy:deepseek-v2-lite", max_running=4)
+    assert fi.layout.bytes_per_token == 31104  # 27 layers x 576 x bf16
+    got = _teacher_forced(fi, seqs, chunk=128, n_decode=4, graphs=True)
+    prompts = [seqs[0][:100] + s for s in _prompts(3, seed=52, lo=5, hi=30, vocab=102400)]
+    engine = _engine(fi, None)
+    res = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert all(len(r.output_ids) == 12 for r in res)
+    from tests.engine_helpers import assert_pool_clean
+
+    assert_pool_clean(engine)
+    del engine, fi
+    torch.cuda.empty_cache()
+    ref = _teacher_forced(
+        _runner("dummy:deepseek-v2-lite", "cuda", "bfloat16", attention="torch", max_running=4), seqs, 128, 4, False
+    )
+    e = _rel(torch.cat(got), torch.cat(ref))
+    print(f"dummy deepseek-v2-lite: flashinfer+graphs vs torch bf16 rel err {e:.2e}")
+    assert all(torch.isfinite(g).all() for g in got) and e < 1e-1

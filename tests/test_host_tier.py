@@ -30,7 +30,7 @@ from common.prefix.reader import PrefixIndexReader
 from common.prefix.scripts import IndexKeys
 from common.protocol import SamplingParams
 from common.settings import SchedulerConfig
-from router.locality import saved_blocks
+from router.decision.locality import saved_blocks
 from tests.engine_helpers import assert_pool_clean, fresh_engine
 from tests.helpers import wait_pages_back
 from tests.test_scheduler import PAGE, prompts

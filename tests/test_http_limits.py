@@ -27,13 +27,13 @@ from common.config import RouterConfig, WorkerConfig
 from common.http_server import server_options
 from common.net import free_port
 from common.settings import HttpLimits
-from router.discovery import StaticDiscovery
+from router.decision.discovery import StaticDiscovery
 from router.server_thread import ServerThread
 from router.settings import RouterOptions
-from router.tokenizer import ModelInfo, RouterTokenizer
+from router.surface.tokenizer import ModelInfo, RouterTokenizer
 
 LIMITS = HttpLimits(
-    max_body_bytes=1024 * 1024,  # above the largest JSON schema allowed (router/structured.py)
+    max_body_bytes=1024 * 1024,  # above the largest JSON schema allowed (router/surface/structured.py)
     max_internal_body_bytes=512 * 1024,
     header_timeout_s=0.5,
     body_timeout_s=0.5,
@@ -485,7 +485,7 @@ def deep_schema_requests(schema: dict) -> dict[str, dict]:
 
 @pytest.mark.parametrize("levels", [33, 95, 300])
 def test_deep_json_schema_is_400_naming_the_limit(router_addr, levels: int) -> None:
-    from router.structured import MAX_SCHEMA_DEPTH
+    from router.surface.structured import MAX_SCHEMA_DEPTH
 
     for where, body in deep_schema_requests(nested_object_schema(levels)).items():
         status, _, raw = request(router_addr, post(CHAT, json.dumps(body).encode()))
@@ -495,7 +495,7 @@ def test_deep_json_schema_is_400_naming_the_limit(router_addr, levels: int) -> N
 
 
 def test_large_json_schema_is_400_naming_the_limit(router_addr) -> None:
-    from router.structured import MAX_SCHEMA_BYTES
+    from router.surface.structured import MAX_SCHEMA_BYTES
 
     wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(MAX_SCHEMA_BYTES // 16)}}
     for where, body in deep_schema_requests(wide).items():
@@ -507,7 +507,7 @@ def test_large_json_schema_is_400_naming_the_limit(router_addr) -> None:
 def big_grammar_requests() -> dict[str, tuple[dict, str]]:
     """Requests whose output constraint is past one of the bounds on what a grammar may hold, each with the
     setting its 400 must name."""
-    from router.structured import LIMITS
+    from router.surface.structured import LIMITS
 
     msgs = [{"role": "user", "content": "hi"}]
     enum = {"type": "string", "enum": [f"v{i}" for i in range(20_000)]}  # 20,000 strings: compiled 15 s
@@ -543,7 +543,7 @@ def test_grammar_past_its_bounds_is_400_naming_the_limit(router_addr) -> None:
 
 def test_ordinary_schema_within_the_bounds_passes_validation(router_addr) -> None:
     """OpenAI-sized schemas pass: every bound at once, just within it (the router, with no worker, answers 503)."""
-    from router.structured import LIMITS
+    from router.surface.structured import LIMITS
 
     per = LIMITS.schema_max_enum_chars // LIMITS.schema_max_enum_values
     schema = {
@@ -862,7 +862,7 @@ def test_every_limit_is_documented() -> None:
         name = f"KVFERRY_HTTP_{f.name.upper()}"
         assert name in documented, f"{name} is not in docs/reliability.md's table"
         assert documented[name] == getattr(defaults, f.name), name
-    from router.structured import MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH
+    from router.surface.structured import MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH
 
     assert f"| {MAX_SCHEMA_DEPTH} | `MAX_SCHEMA_DEPTH` |" in section
     assert f"| {MAX_SCHEMA_BYTES // 1024} KiB | `MAX_SCHEMA_BYTES` |" in section

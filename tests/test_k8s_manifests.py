@@ -1032,6 +1032,13 @@ def test_dockerfiles_pin_their_inputs():
         assert 'ENTRYPOINT ["tini", "--", "kvferry"]' in text
         assert ":latest" not in text
     assert '"flashinfer-python==0.7.4"' in cuda and '"nixl[cu13]==1.5.1"' in cuda and '"/src[gpu]"' in cuda
+    # The engine's kernels are compiled at build time for Hopper and Blackwell (docker/build_kernels.py), and the
+    # build context lets that script in.
+    assert 'ARG KERNEL_ARCHS="9.0a 10.0a"' in cuda and 'FLASHINFER_CUDA_ARCH_LIST="${KERNEL_ARCHS}"' in cuda
+    assert "python /opt/build_kernels.py" in cuda
+    assert "COPY --from=kernels /opt/venv /opt/venv" in cuda
+    ignore = (REPO / "docker" / "Dockerfile.cuda.dockerignore").read_text().splitlines()
+    assert ignore.index("!docker/build_kernels.py") > ignore.index("docker")
     assert _dockerfile_uid("Dockerfile.cpu") == _dockerfile_uid("Dockerfile.cuda") != 0
 
 

@@ -4,6 +4,7 @@ router process runs without torch."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -51,3 +52,19 @@ def test_router_import_loads_no_torch(smol_path) -> None:
 def test_router_app_build_loads_no_torch(smol_path) -> None:
     """Building the router's app (tokenizer and chat template included) leaves torch unloaded too."""
     assert not _router_loads_torch(smol_path, "build")
+
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+NAMED_PATH = re.compile(
+    r"(?<![\w/.-])((?:router|common|prefill_worker|decode_worker|mixed_worker|planner|bench|tests|k8s)/[\w./-]*\w/?)"
+)
+
+
+def test_architecture_names_only_existing_paths() -> None:
+    """Every file and folder docs/architecture.md names (the package map, the request's path table, the
+    settings table's modules) is in the tree: a moved or deleted file shows up here, not in a reader's walk."""
+    named = set(NAMED_PATH.findall(ARCHITECTURE.read_text()))
+    assert len(named) > 50, "the page's paths were not found: the pattern no longer matches them"
+    # The layer diagram names modules without their `.py`.
+    missing = sorted(p for p in named if not any((ROOT / f"{p.rstrip('/')}{end}").exists() for end in ("", ".py")))
+    assert not missing, missing

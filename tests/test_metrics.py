@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -30,6 +31,8 @@ ENV = {
     "KVFERRY_MAX_PREFILL_TOKENS": "128",
     "KVFERRY_ROUTER_DISAGG_MIN_PROMPT_TOKENS": "32",  # the test prompts (~40 tokens) go to the prefill worker
     "OTEL_BSP_SCHEDULE_DELAY": "100",  # spans leave the processes within 0.1 s
+    "KVFERRY_WARM_UP": "on",  # a GPU's default; on here too, so the start reports its warm-up phase
+    "KVFERRY_LOG_LEVEL": "INFO",  # the start phases' log lines
 }
 
 
@@ -172,6 +175,24 @@ def test_worker_histograms_count_the_requests_and_their_transfers(served: dict) 
     assert delta(served, "prefill", "kvferry_prefill_time_seconds_sum") < delta(
         served, "decode", "kvferry_remote_prefill_seconds_sum"
     )
+
+
+def test_workers_report_their_start_phases(cluster: LocalCluster) -> None:
+    """Each worker exports what its engine's start took, phase by phase, and logs each phase as one line: on the
+    CPU the weights and the warm-up (no kernels to load, no graphs to capture)."""
+    for role, url in (("prefill", cluster.prefill_urls[0]), ("decode", cluster.decode_urls[0])):
+        snap = scrape(url)
+        phases = {
+            dict(labels)["phase"]: v
+            for (name, labels), v in snap.items()
+            if name == "kvferry_worker_start_phase_seconds"
+        }
+        assert set(phases) == {"weights", "warm_up"}, (role, phases)
+        assert all(v > 0 for v in phases.values()), (role, phases)
+        assert value(snap, "kvferry_worker_start_seconds") >= sum(phases.values())
+        log = (cluster.log_dir / f"{role}-0.log").read_text()
+        logged = {m[0]: float(m[1]) for m in re.findall(r"start phase phase=(\w+) seconds=([0-9.]+)", log)}
+        assert set(logged) == {"weights", "warm_up"} and all(v > 0 for v in logged.values()), (role, logged)
 
 
 def test_the_timeline_route_gives_monotone_stages_of_every_process(cluster: LocalCluster, served: dict) -> None:

@@ -1,7 +1,7 @@
 """The seam of a migrated request, on the engine: a request continued from prompt + its first k output tokens
 with ``output_offset=k`` produces exactly the tokens an uninterrupted run produces after position k: greedy,
 seeded sampling (the sampler's noise is keyed by seed and output position) and penalties (the earlier output
-counts). The same scheduler runs on every worker, so this is what router/migration.py relies on; the kill -9
+counts). The same scheduler runs on every worker, so this is what router/upstream/migration.py relies on; the kill -9
 versions with real processes are in tests/test_reliability.py."""
 
 from __future__ import annotations

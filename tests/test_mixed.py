@@ -18,10 +18,10 @@ import pytest
 from common.config import RouterConfig
 from common.devcluster.cluster import LocalCluster
 from common.slo import DEFAULT_SLO_SPEC
-from router.discovery import StaticDiscovery
+from router.decision.discovery import StaticDiscovery
 from router.server_thread import ServerThread
 from router.settings import RouterOptions
-from router.tokenizer import ModelInfo, RouterTokenizer
+from router.surface.tokenizer import ModelInfo, RouterTokenizer
 from tests.helpers import engine_pid, running_cluster, wait_pages_back
 from tests.workers import generate, give_up_during_remote_prefill, run_concurrently, start_router_thread
 

@@ -16,8 +16,8 @@ import openai
 import pytest
 
 from common.devcluster.cluster import LocalCluster
-from router.tokenizer import RouterTokenizer
-from router.tools import NamedToolChoice, Tool, ToolCallStream, parse_tool_calls
+from router.surface.tokenizer import RouterTokenizer
+from router.surface.tools import NamedToolChoice, Tool, ToolCallStream, parse_tool_calls
 from tests.helpers import running_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,7 +120,7 @@ def test_named_tool_call_streams_its_arguments() -> None:
 
 
 def test_required_calls_are_bounded_and_a_cut_array_keeps_its_complete_calls() -> None:
-    from router.tools import MAX_PARALLEL_CALLS, tool_grammar
+    from router.surface.tools import MAX_PARALLEL_CALLS, tool_grammar
 
     tools = _tools()
     for parallel, bound in ((True, 2), (False, 1)):

@@ -21,9 +21,9 @@ from planner.core import Planner, PlannerConfig
 from planner.main import PlannerMetrics, build_parser, step
 from planner.scaler import DeploymentScaler, DryRun
 from planner.sizing import Counts, FleetSpec
+from router.decision.policy import RoutingPolicy
+from router.decision.pool import WorkerPool, parse_load
 from router.metrics import RouterMetrics
-from router.policy import RoutingPolicy
-from router.pool import WorkerPool, parse_load
 from router.runtime import placement_inputs
 
 COEF = {"base_s": 0.004, "per_prefill_token_s": 25e-6, "per_decode_row_s": 20e-6, "per_context_token_s": 5e-8}

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from common.serving.prefill_rate import PrefillRate
-from router.admission import AdmissionLimits, prefill_is_full
-from router.pool import Worker, parse_load
+from router.decision.admission import AdmissionLimits, prefill_is_full
+from router.decision.pool import Worker, parse_load
 
 
 def test_rate_counts_only_intervals_with_queued_prompts() -> None:

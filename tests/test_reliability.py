@@ -4,7 +4,7 @@ prefill worker restarted on the same address; Redis killed and restarted; client
 or mid-prefill; a worker that stops answering (SIGSTOP).
 
 Every test asserts the same four things: the request in flight succeeds (retried before its first token, or
-its stream continued on another decode worker with the text an uninterrupted run gives: router/migration.py)
+its stream continued on another decode worker with the text an uninterrupted run gives: router/upstream/migration.py)
 or, where nothing can save it, gets a clear OpenAI-shaped error; nothing waits past a deadline (every wait here is bounded); every KV page comes
 back on every worker (``/load``: free_pages == total_pages, running_requests == 0); and the system keeps
 serving (a follow-up request succeeds). Each test leaves the cluster whole again (killed parts are

@@ -1,12 +1,12 @@
 """The router's per-worker in-flight counts: derived from the calls holding the worker and reconciled with
-the worker's own count of live requests, so a drift cannot lock a worker out with 429s (router/pool.py)."""
+the worker's own count of live requests, so a drift cannot lock a worker out with 429s (router/decision/pool.py)."""
 
 from __future__ import annotations
 
 import time
 
-from router.admission import AdmissionLimits, RequestKV, decode_is_full
-from router.pool import WorkerPool, parse_load
+from router.decision.admission import AdmissionLimits, RequestKV, decode_is_full
+from router.decision.pool import WorkerPool, parse_load
 
 
 class _Call:

@@ -26,10 +26,10 @@ from common.net import free_port
 from common.prefix.hashing import chained_block_hashes
 from common.prefix.scripts import IndexKeys
 from common.settings import HttpLimits
-from router.discovery import StaticDiscovery
+from router.decision.discovery import StaticDiscovery
 from router.server_thread import ServerThread
 from router.settings import RouterOptions
-from router.tokenizer import ModelInfo, RouterTokenizer
+from router.surface.tokenizer import ModelInfo, RouterTokenizer
 from tests.helpers import load, running_cluster, wait_until
 from tests.workers import start_router_thread
 
@@ -578,7 +578,7 @@ def _decode_entry(router_url: str) -> dict:
     return next(w for w in httpx.get(f"{router_url}/router/workers").json()["workers"] if w["role"] == "decode")
 
 
-# ---- adaptive placement (router/cost_model.py) ---------------------------------------------------------
+# ---- adaptive placement (router/decision/cost_model.py) ---------------------------------------------------------
 def _measured(router_url: str) -> tuple[bool, bool]:
     """(the decode worker has a prefill rate, some prefill worker has one), as /router/workers shows."""
     view = httpx.get(f"{router_url}/router/workers").json()

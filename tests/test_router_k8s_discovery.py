@@ -17,7 +17,7 @@ import pytest
 from kubernetes import client as k8s_client
 
 from common.net import free_port
-from router.discovery import KubernetesDiscovery, pod_url
+from router.decision.discovery import KubernetesDiscovery, pod_url
 
 NS = "kvf"
 

@@ -8,12 +8,12 @@ from hypothesis import strategies as st
 
 from common.config import RouterConfig
 from common.settings import HttpLimits
-from router.detokenizer import IncrementalDetokenizer, StopMatcher
-from router.discovery import StaticDiscovery
-from router.locality import RecentPlacements
-from router.policy import DecodeCandidate, PolicyConfig, PrefillCandidate, RoutingPolicy
+from router.decision.discovery import StaticDiscovery
+from router.decision.locality import RecentPlacements
+from router.decision.policy import DecodeCandidate, PolicyConfig, PrefillCandidate, RoutingPolicy
 from router.settings import RouterOptions
-from router.tokenizer import ModelInfo, PromptTooLong, RouterTokenizer
+from router.surface.detokenizer import IncrementalDetokenizer, StopMatcher
+from router.surface.tokenizer import ModelInfo, PromptTooLong, RouterTokenizer
 from tests.helpers import assert_openai_error
 
 MULTILINGUAL = [

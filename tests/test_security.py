@@ -48,10 +48,10 @@ def test_without_an_api_key_operator_routes_answer_only_loopback(smol_path) -> N
     name it in X-Forwarded-For) gets 403, and the OpenAI routes stay open to it."""
     from common.config import RouterConfig
     from router.app import create_app
-    from router.discovery import StaticDiscovery
+    from router.decision.discovery import StaticDiscovery
     from router.server_thread import ServerThread
     from router.settings import RouterOptions
-    from router.tokenizer import ModelInfo, RouterTokenizer
+    from router.surface.tokenizer import ModelInfo, RouterTokenizer
 
     worker_url = "http://10.11.12.13:8200"
     app = create_app(

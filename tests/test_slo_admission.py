@@ -15,9 +15,9 @@ import httpx
 import pytest
 
 from common.config import RouterConfig
-from router.discovery import StaticDiscovery
+from router.decision.discovery import StaticDiscovery
 from router.settings import RouterOptions
-from router.tokenizer import ModelInfo, RouterTokenizer
+from router.surface.tokenizer import ModelInfo, RouterTokenizer
 from tests.helpers import assert_openai_error, wait_until
 from tests.workers import WorkerProc, generate, start_router_thread, start_worker, wait_ready
 

@@ -145,3 +145,27 @@ def test_a_full_pool_preempts_the_lowest_class_latest_deadline_first_and_admits_
     assert p.preempt == (batch, chat_new) and p.decode == (chat_old, structured)
     # Within the reservation, nothing is preempted.
     assert plan(replace(view, spare_pages=4)).preempt == ()
+
+
+def test_itl_trim_cuts_on_overruns_and_gives_back_after_calm_steps():
+    from common.sched.itl_trim import ItlTrim
+
+    trim = ItlTrim(calm_steps=10)
+    for _ in range(3):
+        trim.observe(0.055, 0.050)  # over the target: cut each time
+    assert trim.overruns == 3 and abs(trim.factor - 0.95**3) < 1e-9
+    for _ in range(200):
+        trim.observe(0.055, 0.050)
+    assert trim.factor == trim.floor  # never below the floor, however often it overruns
+    before = trim.factor
+    for _ in range(9):
+        trim.observe(0.030, 0.050)
+    assert trim.factor == before  # not yet a calm run
+    trim.observe(0.030, 0.050)
+    assert trim.factor > before
+    for _ in range(100_000):
+        trim.observe(0.030, 0.050)
+    assert trim.factor == 1.0  # never above the whole target
+    trim.observe(0.0, 0.050)
+    trim.observe(0.060, 0.0)  # unmeasured periods and steps without a target change nothing
+    assert trim.factor == 1.0 and trim.overruns == 203

@@ -1,4 +1,4 @@
-"""The router's TTFT predictor (router/ttft_model.py) and admission by predicted TTFT (router/admission.py
+"""The router's TTFT predictor (router/decision/ttft_model.py) and admission by predicted TTFT (router/decision/admission.py
 `ttft_verdict`): pure functions over plain figures."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import math
 import pytest
 
 from common.slo import parse_slo_classes
-from router.admission import LOWER_CLASS_HEADROOM, QUEUE_ALLOWANCE, ttft_verdict
-from router.pool import parse_load
-from router.ttft_model import StepCost, WorkerFigures, predict_ttft_s, prefill_rate
+from router.decision.admission import LOWER_CLASS_HEADROOM, QUEUE_ALLOWANCE, ttft_verdict
+from router.decision.pool import parse_load
+from router.decision.ttft_model import StepCost, WorkerFigures, predict_ttft_s, prefill_rate
 
 # 1 ms a prompt token, 10 ms a step, 1 ms a decode row, nothing per context token or attention pair.
 COST = StepCost(base_s=0.010, per_prefill_token_s=0.001, per_decode_row_s=0.001)

@@ -31,12 +31,13 @@ from common.capacity import StepCost, chunk_attention  # noqa: E402
 from common.sched.step_model import StepShape, StepTimeModel  # noqa: E402
 from common.slo import parse_slo_classes  # noqa: E402
 from planner.sizing import Counts  # noqa: E402
-from router.policy import PolicyConfig  # noqa: E402
+from router.decision.policy import PolicyConfig  # noqa: E402
 
 # The recorded runs this predicts: (file, mode as recorded, what the simulated fleet is). serve_h200x2.json is
 # two H200s (agg: two aggregated workers; disagg: one prefill + one decode worker) of an earlier engine.
 RUNS = [
     ("serve_slo_period_h200.json", "agg", "agg"),
+    ("serve_agg4_trim_h200.json", "agg", "agg"),  # the engine with the ITL trim, four rates
     ("serve_slo_deviceclock_h200.json", "agg", "agg"),
     ("serve_slo_deviceclock_h200.json", "agg@pf", "agg-prefill-first"),
     ("serve_h200x2.json", "agg", "agg2"),

@@ -1,5 +1,5 @@
 """The fleet: simulated workers (bench/fleet_sim/worker.py) behind the router's real admission and placement
-(router/dispatch.py ``Dispatcher.check_ttft`` and ``route``, over a real router/pool.py ``WorkerPool`` fed
+(router/decision/dispatch.py ``Dispatcher.check_ttft`` and ``route``, over a real router/decision/pool.py ``WorkerPool`` fed
 the workers' loads every poll interval), sized by a controller: fixed counts, the planner (planner/core.py),
 or one HPA per role on utilisation.
 
@@ -8,8 +8,8 @@ run its modules see the simulated clock instead, so its bookkeeping of unseen pl
 time.
 
 Large fleets: routing over every worker costs the router's code O(workers) per request; ``route_sample`` > 0
-gives each request a random sample of that many workers per role plus the workers holding its prefix (the
-power of d choices), so a 1,000-GPU hour runs in minutes. Placement among the candidates is the router's own.
+gives each request a random sample of that many workers (any role) plus the four that cached its first prompt
+block last (the power of d choices). Placement among the candidates is the router's own.
 """
 
 from __future__ import annotations
@@ -19,23 +19,25 @@ import math
 import random
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
+from itertools import islice
 from typing import Protocol
 
 import numpy as np
 
-import router.dispatch as router_dispatch
-import router.pool as router_pool
+import router.decision.dispatch as router_dispatch
+import router.decision.pool as router_pool
 from bench.fleet_sim.worker import Job, SimWorker, WorkerSpec
 from bench.fleet_sim.workload import SimRequest
 from common.capacity import prompt_steps_s
 from common.slo import SloClasses, parse_slo_classes
 from planner.observe import Totals
 from planner.sizing import Counts
-from router.admission import AdmissionLimits
-from router.dispatch import Dispatcher, PromptPlan
+from router.decision.admission import AdmissionLimits
+from router.decision.dispatch import Dispatcher, PromptPlan
+from router.decision.policy import PolicyConfig, RoutingPolicy
+from router.decision.pool import Worker, WorkerPool
 from router.errors import OpenAIError
-from router.policy import PolicyConfig, RoutingPolicy
-from router.pool import Worker, WorkerPool
+from router.settings import RouterOptions
 
 __all__ = ["Controller", "Fleet", "FleetConfig", "Result"]
 
@@ -53,7 +55,8 @@ class FleetConfig:
     worker: WorkerSpec
     slo: SloClasses = field(default_factory=lambda: parse_slo_classes("interactive:ttft=1s,itl=50ms,p=99"))
     policy: PolicyConfig = field(default_factory=PolicyConfig)
-    limits: AdmissionLimits = field(default_factory=AdmissionLimits)
+    # 32 waiting per decode worker: the limit the simulated runs in bench/RESULTS.md were made with.
+    limits: AdmissionLimits = field(default_factory=lambda: AdmissionLimits(max_waiting=32))
     admit_by_ttft: bool = True
     poll_s: float = 0.25
     route_sample: int = 0  # 0: every worker is a candidate
@@ -74,7 +77,7 @@ class _Clock:
 
 
 class _Call:
-    """What the router's pool holds per request (router/upstream.py's UpstreamCall, minus the HTTP)."""
+    """What the router's pool holds per request (router/upstream/call.py's UpstreamCall, minus the HTTP)."""
 
     __slots__ = ("rid",)
 
@@ -128,20 +131,22 @@ class Fleet:
             RoutingPolicy(cfg.policy),
             locator=None,  # type: ignore[arg-type]
             client=None,  # type: ignore[arg-type]
+            opts=RouterOptions(admit_by_ttft=int(cfg.admit_by_ttft)),
             limits=cfg.limits,
             slo=cfg.slo,
-            admit_by_ttft=cfg.admit_by_ttft,
         )
         self.cls = cfg.slo.get("")
         self.sims: dict[str, SimWorker] = {}
         self.routers: dict[str, Worker] = {}  # the router's view of each simulated worker
+        self._names: list[str] | None = None  # `routers`' keys, the sample's population (None: changed)
         self.starting: dict[str, tuple[str, float]] = {}  # name -> (role, ready at)
         self.loaded_at: dict[str, float] = {}
         self.caches: dict[str, OrderedDict[int, None]] = {}
-        self.holders: dict[int, set[str]] = {}  # first prefix block -> workers holding it
+        # first prefix block -> the workers that cached it, most recent last (a dict: ordered, whatever the hash seed)
+        self.holders: dict[int, dict[str, None]] = {}
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = 0
-        self._names = 0
+        self._spawned = 0
         self.live = 0  # workers holding a GPU (starting, up or draining)
         self._gpu_s = 0.0
         self._gpu_t = 0.0
@@ -171,8 +176,8 @@ class Fleet:
     def _spawn(self, role: str, ready_at: float) -> None:
         self._gpu_tick(self.clock.now)
         self.live += 1
-        self._names += 1
-        name = f"{role}-{self._names}"
+        self._spawned += 1
+        name = f"{role}-{self._spawned}"
         if ready_at <= self.clock.now:
             self._up(name, role)
         else:
@@ -185,6 +190,7 @@ class Fleet:
         self.sims[name] = sim
         self.caches[name] = OrderedDict()
         self.routers[name] = Worker(url=name, role=role)
+        self._names = None
         self._report(name)
 
     def _report(self, name: str) -> None:
@@ -223,6 +229,7 @@ class Fleet:
             self.live -= 1
             del self.sims[w.name]
             self.routers.pop(w.name, None)
+            self._names = None
             self.caches.pop(w.name, None)
 
     # ---- events -------------------------------------------------------------------------------------------------
@@ -305,9 +312,13 @@ class Fleet:
         cfg = self.cfg
         now = self.clock.now
         if cfg.route_sample and len(self.routers) > cfg.route_sample:
-            pick = self.rng.sample(list(self.routers), cfg.route_sample)
+            if self._names is None:
+                self._names = list(self.routers)
+            pick = self.rng.sample(self._names, cfg.route_sample)
             if req.blocks:
-                pick += [h for h in list(self.holders.get(req.blocks[0], ()))[:4] if h in self.routers]
+                # the four that cached it last (the likeliest to hold it still)
+                recent = islice(reversed(self.holders.get(req.blocks[0], {})), 4)
+                pick += [h for h in recent if h in self.routers]
             self.pool.workers = {p: self.routers[p] for p in pick}
         else:
             self.pool.workers = self.routers
@@ -342,7 +353,9 @@ class Fleet:
         room = int(self.cfg.worker.kv_tokens * self.cfg.prefix_cache_share) // req.block_tokens
         while len(cache) > room:
             cache.popitem(last=False)
-        self.holders.setdefault(req.blocks[0], set()).add(name)
+        held = self.holders.setdefault(req.blocks[0], {})
+        held.pop(name, None)
+        held[name] = None
 
     def _arrive(self, rid: int, req: SimRequest) -> None:
         cfg = self.cfg

@@ -18,9 +18,10 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from common.capacity import StepCost, chunk_attention
-from router.pool import Load
+from router.decision.pool import Load
 
 __all__ = ["Job", "SimWorker", "WorkerSpec"]
 
@@ -40,7 +41,7 @@ class WorkerSpec:
     page_size: int = 16
     transfer_tokens_per_s: float = 200_000.0
 
-    @property
+    @cached_property
     def published(self) -> StepCost:
         """The coefficients its /load gives: fitted to the served step period, so the host share is in the base."""
         c = self.cost
@@ -51,6 +52,16 @@ class WorkerSpec:
             c.per_context_token_s,
             c.per_attention_pair_s,
         )
+
+    @cached_property
+    def published_map(self) -> dict[str, float]:
+        """`published` as /load's ``step_coefficients`` (one map per spec: every snapshot shares it, read only)."""
+        return self.published.as_map()
+
+    @cached_property
+    def prefill_rate(self) -> float:
+        """Prompt tokens per second at its largest chunk, alone (what /load's prefill rates say)."""
+        return self.published.prefill_rate(self.max_prefill_tokens)
 
 
 @dataclass(slots=True)
@@ -137,14 +148,14 @@ class SimWorker:
             ready=True,
             draining=self.draining,
             max_running=s.max_running,
-            prefill_tokens_per_s=pub.prefill_rate(s.max_prefill_tokens),
+            prefill_tokens_per_s=s.prefill_rate,
             prefill_chunk_tokens=chunk if self.role != "prefill" else 0,
-            prefill_step_tokens_per_s=pub.prefill_rate(s.max_prefill_tokens),
+            prefill_step_tokens_per_s=s.prefill_rate,
             decode_step_s=pub.overhead_s(max(self.n_rows, 1), self.context()),
             itl_target_s=s.itl_target_s,
             live_requests=self.n_rows + len(self.waiting) + len(self.joining),
             max_request_tokens=s.kv_tokens,
-            step_coefficients=pub.as_map(),
+            step_coefficients=s.published_map,
             step_chunk_tokens=chunk,
             decode_rows=self.n_rows,
             decode_context=self.context(),

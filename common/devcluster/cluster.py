@@ -127,7 +127,7 @@ def start_local_cluster(
     mixed: int = 0,
 ) -> LocalCluster:
     """Starts Redis (unless ``redis_url`` names one), ``prefill`` + ``decode`` + ``mixed`` workers and a router
-    (placing adaptively, router/cost_model.py, when there are mixed workers and ``KVFERRY_ROUTER_PLACEMENT`` is unset);
+    (placing adaptively, router/decision/cost_model.py, when there are mixed workers and ``KVFERRY_ROUTER_PLACEMENT`` is unset);
     returns once all answer /ready. ``port`` 0 picks a free port for the router. ``env`` is added to
     every part's environment (e.g. KVFERRY_NUM_PAGES for small test pools), ``role_env[role]`` to the
     parts of one role ("prefill", "decode", "mixed", "router"). Raises ClusterError (with the failing part's log

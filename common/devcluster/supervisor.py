@@ -2,7 +2,7 @@
 again on its address after a back-off that doubles while it keeps failing (1 s up to 30 s, reset once it has
 stayed up for a minute), with its log tail printed. The router notices by itself: its health polls take the
 part out of routing while it is gone and put it back once it answers /ready, and the other parts serve on
-meanwhile (router/migration.py moves the streams of a lost decode worker)."""
+meanwhile (router/upstream/migration.py moves the streams of a lost decode worker)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from common.kv.pool import KVLayout, KVPool
 
 CPU_DEFAULT_BYTES = 1 << 30
 # Kept free on a GPU after the pool: activations of a prefill chunk, the CUDA graphs' memory pool, attention
-# and sampling workspaces, NCCL and NIXL buffers. 8% of the card (11 GiB on an H200), at least 4 GiB.
+# and sampling workspaces, NCCL and NIXL buffers. 8% of the card, at least 4 GiB.
 GPU_RESERVE_FRACTION = 0.08
 GPU_RESERVE_MIN_BYTES = 4 << 30
 

@@ -19,6 +19,7 @@ from common.engine.mla import TorchMlaAttention
 from common.engine.model import DecoderModel
 from common.engine.model_config import ModelConfig, named_config
 from common.engine.staging import HostToDevice
+from common.engine.start_phases import StartPhases
 from common.engine.tp import TPGroup, TPShard, tp_backend
 from common.engine.tp_ranks import HEADER_LEN, TPFollowers, TPRankLost, shared_pool_path
 from common.engine.weights import fp8_checkpoint, init_dummy_weights, load_safetensors_dir
@@ -118,6 +119,7 @@ class ModelRunner:
         if no_fp8:  # before any weight is read
             raise ValueError(f"{KV_DTYPE.name}={cfg.kv_dtype}: {no_fp8}; use auto")
         self.model_path: Path | None = None
+        self.start_phases = StartPhases()  # what its start took, phase by phase (common/engine/start_phases.py)
         self.followers: TPFollowers | None = None
         tp: TPGroup | None = None
         if cfg.tp_size > 1:
@@ -139,7 +141,8 @@ class ModelRunner:
 
     def _build(self, cfg: RunnerConfig, model: DecoderModel | None, tp: TPGroup | None) -> None:
         if model is None:
-            model, self.model_path = load_model(cfg, self.device, self.dtype, tp)
+            with self.start_phases.timed("weights"):
+                model, self.model_path = load_model(cfg, self.device, self.dtype, tp)
         self.model = model
         self.tp = model.tp
         mc = model.cfg
@@ -164,10 +167,11 @@ class ModelRunner:
                 f"{mc.model_type}: an FP8 latent (MLA) cache is not supported yet; set {KV_DTYPE.name}=auto"
             )
         if gpu and mc.mla is not None:
-            raise ValueError(
-                f"{mc.model_type}: latent attention (MLA) has no flashinfer path yet; "
-                f"set {ATTENTION.name}=torch to run it with the torch backend"
-            )
+            from common.engine.gpu.mla_attention import flashinfer_mla_unsupported  # imports no flashinfer
+
+            why = flashinfer_mla_unsupported(self.model.cfg)
+            if why is not None:
+                raise ValueError(f"{mc.model_type}: {why}; set {ATTENTION.name}=torch to run it with the torch backend")
         # The GPU path keeps one page past the allocator's range (`num_pages`): CUDA-graph padding writes there.
         if self.tp.size > 1 and self.device.type == "cpu":
             prefix = cfg.tp_shm if cfg.tp_rank > 0 else self.followers.shm_prefix  # type: ignore[union-attr]
@@ -177,7 +181,9 @@ class ModelRunner:
             self.pool = KVPool(self.layout, num_pages + int(gpu), self.device)
         self.pool.num_pages = num_pages
         self.rank_pools: list[KVPool] = [self.pool]
-        self.page_table = PageTable(cfg.max_running, self.max_seq_len, cfg.page_size, self.device)
+        self.page_table = PageTable(
+            cfg.max_running, self.max_seq_len, cfg.page_size, self.device, host_pages=gpu and mc.mla is not None
+        )
         self.h2d = HostToDevice(self.device)  # each step's inputs and page-table writes: one copy
         self.attn: AttentionBackend = (
             TorchPagedAttention(self.pool, self.page_table.table, mc.num_heads, mc.head_dim, model.rotary)
@@ -195,7 +201,17 @@ class ModelRunner:
             from common.engine.gpu.path import GpuPath
 
             graph_bs = cfg.max_running if cfg.cuda_graph_max_bs < 0 else min(cfg.cuda_graph_max_bs, cfg.max_running)
-            self.gpu = GpuPath(model, self.pool, self.page_table.table, num_pages, graph_bs, cfg)
+            table = self.page_table
+            self.gpu = GpuPath(
+                model,
+                self.pool,
+                table.table,
+                num_pages,
+                graph_bs,
+                cfg,
+                host_pages=table.host_pages,
+                phases=self.start_phases,
+            )
             self.attn = self.gpu.attn
         if self.followers is not None:
             self.followers.barrier_ready()

@@ -159,7 +159,8 @@ class EngineHost:
         # while step N runs); off on the CPU and under tensor parallelism (see common/sched/scheduler.py).
         self.roles = [make(self) for make in roles]
         if cfg.warm_up == "on" or (cfg.warm_up == "auto" and self.runner.device.type == "cuda"):
-            warm_up(self.runner, cfg.sched)
+            with self.runner.start_phases.timed("warm_up"):
+                warm_up(self.runner, cfg.sched)
         self.scheduler = Scheduler(self.runner, cfg.sched, connector=combined(self.roles))
         self.kv_verified: dict[str, bool] = {}  # arrived KV whose checksums matched: said in the first-token event
         tiered = self.scheduler.snapshot().host_pages_total > 0
@@ -263,7 +264,7 @@ class EngineHost:
 
     def run(self) -> None:
         self.publisher.start()
-        send(self.conn, Ready(self.agent_info(), self.cfg.pod_name))
+        send(self.conn, Ready(self.agent_info(), self.cfg.pod_name, self.runner.start_phases.seconds))
         last_busy, trimmed = time.monotonic(), True
         while not self.stopping:
             self.loop_turns += 1

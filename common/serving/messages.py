@@ -186,6 +186,7 @@ class AgentInfo(Wire):
 class Ready(Event):
     agent: AgentInfo
     pod: str
+    start_phases: dict[str, float] = {}  # phase -> seconds its start took (common/engine/start_phases.py)
 
 
 class Load(Event):

@@ -57,6 +57,16 @@ class WorkerMetrics:
         )
         self._host_moved = {"saved": 0, "loaded": 0}
         self.requests = Counter("kvferry_requests_total", "Finished requests by outcome", ["outcome"], registry=r)
+        # The latest engine start (common/engine/start_phases.py): each phase that ran, and the whole of it.
+        self.start_phase = Gauge(
+            "kvferry_worker_start_phase_seconds",
+            "Seconds the latest engine start spent in each phase (weights, kernels, graphs, warm_up)",
+            ["phase"],
+            registry=r,
+        )
+        self.start = Gauge(
+            "kvferry_worker_start_seconds", "Seconds from the latest engine process start to its Ready", registry=r
+        )
         for outcome in get_args(FinishReason):  # at 0 from the start: a panel shows 0, not "no data"
             self.requests.labels(outcome=outcome)
         for direction in self._host_moved:
@@ -87,6 +97,12 @@ class WorkerMetrics:
             g.set(0)
         self.host_total.set(0)
         self._host_moved = {"saved": 0, "loaded": 0}  # the next engine counts from zero
+
+    def observe_start(self, phases: dict[str, float], seconds: float) -> None:
+        self.start_phase.clear()  # a restarted engine's phases replace the last one's (it may run fewer)
+        for phase, took in phases.items():
+            self.start_phase.labels(phase=phase).set(took)
+        self.start.set(seconds)
 
     def observe_load(self, load: LoadSnapshot) -> None:
         self.queued.set(load.queued_prefill_tokens)

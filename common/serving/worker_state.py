@@ -151,6 +151,7 @@ class WorkerState:
         self.engine_ready.set()
         self.ever_ready = True
         took = round(time.monotonic() - self.engine_started_at, 1)
+        self.metrics.observe_start(ev.start_phases, time.monotonic() - self.engine_started_at)
         extra = {"role": self.cfg.role, "pod": self.cfg.pod_name, "start_s": took}
         if self.restarting:
             self.restarting = False

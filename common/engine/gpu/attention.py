@@ -1,23 +1,7 @@
-"""FlashInfer attention: paged prefill (chunked, causal) and paged decode over the KV pool.
-
-The pool's layout `[L, 2, pages, page_size, H, D]` gives per layer two contiguous NHD tensors, which is
-flashinfer's paged layout as a `(k_cache, v_cache)` tuple. The page table holds raw token locations, so a
-request's page ids are the locations at every page_size-th position divided by page_size; `page_meta`
-builds flashinfer's CSR description (kv_indptr, kv_indices, last_page_len) with a handful of tensor ops
-per step. The indptr/last-page vectors stay on the CPU (flashinfer's planner reads them there, so
-passing device tensors would cost a device sync); the page ids are gathered on the device.
-
-FP8 pools on Hopper prefill on FP8 tensor cores: flashinfer's FA3 kernel takes e4m3 Q, K and V (its FA2 kernel,
-the only one that reads FP8 pages beside 16-bit queries, ran a 4k prefill's attention in 23 ms against FA3's 11 ms
-over bf16 pages on the H200), so a prefill or mixed step's queries are cast to e4m3 at scale 1.0 before the call,
-as vLLM's FA3 path does for FP8 KV (the KV pages hold K at scale 1.0 too unless the checkpoint gives one; the
-queries of the models measured stay far inside +-448). The kernel folds K's scale into the softmax scale and
-quantizes the probabilities to e4m3 for PV; decode rows keep 16-bit queries (XQA or flashinfer's decode kernel).
-
-Causality in flashinfer's paged prefill aligns a request's queries with the end of its KV, so a chunk
-attends to its cached pages plus itself, which is exactly chunked prefill. Before the layer's attention
-runs, q and k are rotated and the step's K/V written into the pool: one Triton kernel for all three
-(common/engine/gpu/rope_store.py) where Triton is there, else flashinfer's RoPE and one index_copy each.
+"""FlashInfer attention: paged prefill (chunked, causal) and paged decode over the KV pool
+(docs/architecture.md, "GPU kernels" and "FP8"). The pool's `[L, 2, pages, page_size, H, D]` layout is
+flashinfer's paged NHD layout per layer. The indptr/last-page vectors stay on the CPU (flashinfer's planner
+reads them there: device tensors would cost a sync); the page ids are gathered on the device.
 """
 
 from __future__ import annotations
@@ -38,22 +22,13 @@ from common.kv.pool import KVPool
 log = logging.getLogger("kvferry.engine")
 
 WORKSPACE_BYTES = 256 << 20
-# Decode graphs up to this batch run the split-KV Triton kernel (common/engine/gpu/decode_attention.py) where
-# it is available; larger batches keep flashinfer's. bench/decode_kernels.py on the H200 (per layer, 32 q / 8 kv
-# heads): b=1 1.62x at 1k context and 1.16x at 4k; b=2 1.40x / 0.95x; b=4 1.13x / 0.87x; b=8 1.06x / 0.86x.
+# Decode graphs up to this batch run the split-KV Triton kernel (common/engine/gpu/decode_attention.py);
+# flashinfer's is as fast or faster above (bench/decode_kernels.py).
 TRITON_DECODE_MAX_BS = 2
-# FP8 pages: the same batches, 8 pages per tile (bench/decode_kernels.py --kv-dtypes fp8, H200, per layer: b=1
-# 8.3 vs flashinfer's 13.5 us at 1k, 12.4 vs 19.6 at 4k; b=2 8.8 vs 16.2 and 20.9 vs 20.9; from b=4 at 4k and
-# b=32 at 1k flashinfer's tensor-core kernel is faster). On Hopper XQA's FP8 kernel takes every FP8 decode graph
-# instead (common/engine/gpu/xqa_decode.py: b=1 6.7 us, b=256 at 1k 143.5 vs flashinfer's 236.4 us).
+# FP8 pages: the same batches, 8 pages per tile (bench/decode_kernels.py --kv-dtypes fp8); XQA takes them on Hopper.
 FP8_DECODE_TILE_PAGES = 8
-# A prefill or mixed step whose leading requests extend one token each (a mixed step's decode rows) runs those
-# rows through the decode kernel and the rest through the prefill kernel once there are this many: the
-# prefill kernel gives each one-token row a whole query tile, and on the H200 (8B, 1.5k tokens of KV a row)
-# 64 decode rows beside a 256-token chunk took 25.2 ms in one prefill call against 17.1 ms as separate decode
-# and prefill steps (bench/mixed_step.py). From one row on: at 1-8 decode rows the split step was 2-17%
-# cheaper than one prefill call (8 rows + 256 tokens: 9.85 against 11.28 ms; bench/mixed_step.py
-# --split-min-rows 1), and never dearer by more than the timing noise.
+# Mixed steps run their one-token rows on the decode kernel from this many rows (the prefill kernel gives each a
+# whole query tile; bench/mixed_step.py --split-min-rows).
 SPLIT_DECODE_MIN_ROWS = 1
 
 
@@ -81,18 +56,17 @@ def use_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
 @dataclass
 class PageMeta:
     indptr: torch.Tensor  # [B + 1] int32, CPU
-    indices: torch.Tensor  # [nnz pages] int32, on the pool's device
+    indices: torch.Tensor  # [nnz pages] int32, on the pool's device (the host's for latent attention's planner)
     last_page_len: torch.Tensor  # [B] int32, CPU
 
     def split(self, n: int) -> tuple[PageMeta, PageMeta]:
-        """The first `n` requests' metadata and the rest's."""
         cut = int(self.indptr[n])
         head = PageMeta(self.indptr[: n + 1], self.indices[:cut], self.last_page_len[:n])
         tail = PageMeta(self.indptr[n:] - cut, self.indices[cut:], self.last_page_len[n:])
         return head, tail
 
     def padded(self, bs: int, dummy_page: int) -> PageMeta:
-        """Appends `bs - B` one-token requests that live on the dummy page (CUDA-graph padding)."""
+        """Appends `bs - B` one-token requests on the dummy page (CUDA-graph padding)."""
         n = bs - int(self.last_page_len.shape[0])
         if n <= 0:
             return self
@@ -103,6 +77,48 @@ class PageMeta:
             indices=torch.cat((self.indices, dummy)),
             last_page_len=torch.cat((self.last_page_len, torch.ones(n, dtype=torch.int32))),
         )
+
+
+def page_meta(table: torch.Tensor, page_size: int, table_rows: torch.Tensor, seq_lens_cpu: list[int]) -> PageMeta:
+    """flashinfer's CSR page description of a step's requests from the token-location table."""
+    ps = page_size
+    b = len(seq_lens_cpu)
+    seq = torch.tensor(seq_lens_cpu, dtype=torch.int64)
+    npages = (seq + ps - 1) // ps
+    indptr = torch.zeros(b + 1, dtype=torch.int64)
+    torch.cumsum(npages, 0, out=indptr[1:])
+    last = seq - (npages - 1) * ps
+    max_pages = int(npages.max())
+    total = int(indptr[-1])
+    # Flat entry e is page j of request r: at r * max_pages + j in the [B, max_pages] gathered block.
+    owner = torch.repeat_interleave(torch.arange(b, dtype=torch.int64), npages, output_size=total)
+    flat = owner * max_pages + torch.arange(total, dtype=torch.int64) - indptr[:-1][owner]
+    firsts = table[:, : max_pages * ps : ps][table_rows].reshape(-1)
+    dev_flat = flat.to(table.device, non_blocking=True)
+    indices = torch.div(firsts[dev_flat], ps, rounding_mode="floor").to(torch.int32)
+    return PageMeta(indptr.to(torch.int32), indices, last.to(torch.int32))
+
+
+class PlanFences:
+    """flashinfer stages a plan in pinned memory and copies it on the stream; re-planning a wrapper before that
+    copy ran (the overlap loop plans step N+1 while N is queued) would overwrite it: one event per wrapper orders them."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._planned: dict[int, torch.cuda.Event] = {}
+
+    def before(self, wrapper: object) -> None:
+        ev = self._planned.get(id(wrapper))
+        if ev is not None:
+            ev.synchronize()
+
+    def after(self, wrapper: object) -> None:
+        if not self.cuda:
+            return
+        ev = self._planned.get(id(wrapper))
+        if ev is None:
+            ev = self._planned[id(wrapper)] = torch.cuda.Event()
+        ev.record()
 
 
 class FlashInferAttention:
@@ -150,7 +166,7 @@ class FlashInferAttention:
             except Exception as exc:  # a kernel that does not build here: flashinfer decodes the FP8 pages
                 log.warning("XQA's FP8 decode kernel unavailable, flashinfer's runs: %s", str(exc)[:300])
                 self.xqa = None
-        # Set by `bind` for a CUDA-graph decode step that runs the Triton kernel: (indptr, indices, last, splits).
+        # Set by `bind` for a CUDA-graph decode step on the Triton kernel: (indptr, indices, last, splits).
         self._triton_meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
         self.pool = pool
         self.pdl = pdl  # programmatic dependent launches for the Triton kernels and XQA (common/engine/gpu/pdl.py)
@@ -160,8 +176,7 @@ class FlashInferAttention:
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         self.dtype = dtype
-        # FP8 pools: flashinfer reads e4m3 pages and takes each layer's static scales as two floats per call,
-        # folded into the softmax scale and the output (None where not FP8: no extra work).
+        # FP8 pools: each layer's static scales, folded into the softmax scale and the output (None: not FP8).
         self.kv_dtype = pool.layout.dtype
         fp8 = is_fp8(self.kv_dtype)
         layout = pool.layout
@@ -170,7 +185,6 @@ class FlashInferAttention:
             dict(k_scale=ks, v_scale=None if vs == 1.0 else vs) if fp8 else {} for ks, vs in self.kv_scales
         ]
         self.tensor_cores = use_tensor_cores(cfg.num_heads, cfg.num_kv_heads)
-        # Decode batches below this size use the CUDA-core kernel even where the GQA group allows tensor cores.
         self.tc_min_batch = max(1, tc_min_batch)
         self.workspace = workspace
         self.kv = [(pool.k_cache(i), pool.v_cache(i)) for i in range(cfg.num_layers)]
@@ -185,19 +199,15 @@ class FlashInferAttention:
         self.fp8_prefill = False  # prefill steps run FA3 with e4m3 queries (FP8 pools on Hopper)
         self.decode_wrappers = {tc: self.make_decode_wrapper(tensor_cores=tc) for tc in {self.tensor_cores, False}}
         self._wrapper = None
-        # Set by plan_extend for a step split in two calls: (leading one-token rows, their planned decode wrapper).
+        # Set by plan_extend for a split step: (leading one-token rows, their planned decode wrapper).
         self._split: tuple[int, object] | None = None
         self._out_loc: torch.Tensor | None = None
-        # flashinfer's planner stages its plan in a pinned host buffer per wrapper and copies it to the device
-        # on the stream; re-planning a wrapper before that copy ran would overwrite it (the overlap loop plans
-        # step N+1 while step N is queued). One event per wrapper orders the two.
-        self._planned: dict[int, torch.cuda.Event] = {}
+        self.fences = PlanFences(workspace.device)
         if fp8_prefill_supported(pool.device, self.kv_dtype, cfg.head_dim):
             self._start_fp8_prefill()
 
     def _start_fp8_prefill(self) -> None:
-        """FA3 over FP8 pages, probed with one token on page 0 (its output dropped) so that a kernel that does not
-        build here shows at start and leaves flashinfer's FA2 kernel in place."""
+        """FA3 over FP8 pages, probed with one token at start so a kernel that does not build here leaves FA2."""
         fa2 = self.prefill_wrapper
         self.prefill_wrapper = self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa3")
         self.fp8_prefill = True
@@ -237,41 +247,19 @@ class FlashInferAttention:
             backend="fa2",
         )
 
-    # ---- planning ---------------------------------------------------------------------------------
     def page_meta(self, table_rows: torch.Tensor, seq_lens_cpu: list[int]) -> PageMeta:
-        ps = self.page_size
-        b = len(seq_lens_cpu)
-        seq = torch.tensor(seq_lens_cpu, dtype=torch.int64)
-        npages = (seq + ps - 1) // ps
-        indptr = torch.zeros(b + 1, dtype=torch.int64)
-        torch.cumsum(npages, 0, out=indptr[1:])
-        last = seq - (npages - 1) * ps
-        max_pages = int(npages.max())
-        total = int(indptr[-1])
-        # Flat entry e belongs to request r(e) and is its page j(e): it sits at r * max_pages + j in the
-        # [B, max_pages] block of page-start locations gathered below.
-        owner = torch.repeat_interleave(torch.arange(b, dtype=torch.int64), npages, output_size=total)
-        flat = owner * max_pages + torch.arange(total, dtype=torch.int64) - indptr[:-1][owner]
-        firsts = self.table[:, : max_pages * ps : ps][table_rows].reshape(-1)
-        dev_flat = flat.to(self.table.device, non_blocking=True)
-        indices = torch.div(firsts[dev_flat], ps, rounding_mode="floor").to(torch.int32)
-        return PageMeta(indptr.to(torch.int32), indices, last.to(torch.int32))
+        return page_meta(self.table, self.page_size, table_rows, seq_lens_cpu)
+
+    def step_meta(self, batch: ForwardBatch) -> PageMeta:
+        return self.page_meta(batch.table_rows, batch.seq_lens_cpu)
 
     def _before_plan(self, wrapper) -> None:
-        ev = self._planned.get(id(wrapper))
-        if ev is not None:
-            ev.synchronize()
+        self.fences.before(wrapper)
 
     def _after_plan(self, wrapper) -> None:
-        if self.workspace.device.type != "cuda":
-            return
-        ev = self._planned.get(id(wrapper))
-        if ev is None:
-            ev = self._planned[id(wrapper)] = torch.cuda.Event()
-        ev.record()
+        self.fences.after(wrapper)
 
     def _xqa_view(self, meta: PageMeta) -> xqa_decode.XqaPages:
-        """XQA's page table of an eager step's decode rows, as wide as its longest row."""
         dev = meta.indices.device
         width = int((meta.indptr[1:] - meta.indptr[:-1]).max())
         indptr, last = meta.indptr.to(dev, non_blocking=True), meta.last_page_len.to(dev, non_blocking=True)
@@ -295,8 +283,7 @@ class FlashInferAttention:
         self._split = None
 
     def plan_extend(self, meta: PageMeta, extend_lens_cpu: list[int]) -> None:
-        """A prefill or mixed step: one prefill call, or the leading one-token rows (SPLIT_DECODE_MIN_ROWS or
-        more) on the decode kernel and the rest on the prefill kernel."""
+        """A prefill or mixed step: one prefill call, or the leading one-token rows on the decode kernel."""
         n = leading_single_token_rows(extend_lens_cpu)
         if not SPLIT_DECODE_MIN_ROWS <= n < len(extend_lens_cpu):
             self.plan_prefill(meta, extend_lens_cpu)
@@ -339,7 +326,7 @@ class FlashInferAttention:
     def plan(self, batch: ForwardBatch) -> None:
         self._triton_meta = None
         self._xqa_pages = None
-        meta = self.page_meta(batch.table_rows, batch.seq_lens_cpu)
+        meta = self.step_meta(batch)
         if batch.is_decode and self.xqa is not None:
             self._xqa_pages = self._xqa_view(meta)
             self._wrapper = self._split = None
@@ -355,11 +342,8 @@ class FlashInferAttention:
         out_loc: torch.Tensor,
         graph_meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        """Points forward() at a planned wrapper and a write-location buffer (CUDA-graph capture and replay).
-
-        `out_loc` holds pool rows (KVPool.token_rows) of the tokens written this step; `graph_meta` the device
-        CSR buffers (indptr, indices, last page lengths) the wrapper was built over, which the Triton decode
-        kernel reads too for batches up to TRITON_DECODE_MAX_BS."""
+        """Points forward() at a planned wrapper and a write-location buffer (CUDA-graph capture and replay);
+        `graph_meta`: the device CSR buffers the wrapper (and the Triton decode kernel) reads."""
         self._wrapper = wrapper
         self._out_loc = out_loc
         self._triton_meta = None
@@ -375,11 +359,9 @@ class FlashInferAttention:
             self._triton_meta = (*graph_meta, splits)
 
     def write_rows(self, out_loc: torch.Tensor) -> None:
-        """Where `store` writes this step's K/V (pool rows, KVPool.token_rows), leaving the attention's plan as it
-        is: the piecewise step graphs capture `store` on a static buffer and attend as planned (plan_extend)."""
+        """Where `store` writes this step's K/V, the plan left as is (piecewise graphs capture `store`)."""
         self._out_loc = out_loc
 
-    # ---- per layer --------------------------------------------------------------------------------
     def forward(
         self, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
@@ -387,9 +369,7 @@ class FlashInferAttention:
         return self.attend(layer, self.store(layer, positions, q, k, v))
 
     def kv_write(self, layer: int, positions: torch.Tensor) -> KvWrite | None:
-        """Where `store` would write (the step's write rows, this layer's offsets and scales): the qkv GEMV's
-        epilogue rotates and writes there itself at a few rows (common/engine/gpu/fused_gemv.py), and `attend`
-        runs as planned. None without the Triton kernels."""
+        """Where `store` would write: the qkv GEMV's epilogue writes there itself at a few rows (None: no Triton)."""
         if self.rope_store is None:
             return None
         assert self._out_loc is not None, "plan() or bind() must run before the layers"
@@ -412,13 +392,11 @@ class FlashInferAttention:
         v: torch.Tensor,
         q_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """RoPE on q and k, and the step's K/V written into the pool; returns the rotated q (into `q_out` where
-        given). Piecewise CUDA graphs capture this half and run `attend` between the graphs."""
+        """RoPE on q and k and the step's K/V written; returns the rotated q (piecewise graphs capture this half)."""
         loc = self._out_loc
         assert loc is not None, "plan() or bind() must run before the layers"
         ko, vo = self.k_offsets[layer], self.v_offsets[layer]
         if self.rope_store is not None:
-            # A whole step on FA3's FP8 prefill gets its queries in e4m3 straight from the rotation.
             q_fp8 = self.fp8_prefill and q_out is None and self._split is None and self._wrapper is self.prefill_wrapper
             return self.rope_store(
                 positions, q, k, v, self.cos_sin, self.rows, loc, ko, vo, q_out, *self.kv_scales[layer], q_fp8=q_fp8
@@ -426,7 +404,6 @@ class FlashInferAttention:
         if layer == 0:  # every layer's write rows at once (inside the graph when captured)
             self._kv_rows = self._kv_offsets[:, None] + loc[None, :]
         assert self._kv_rows is not None
-        # One kernel for q and k; it reads views of the qkv projection strided and writes fresh tensors.
         qr, kr = self.fi.apply_rope_with_cos_sin_cache(
             positions, q.flatten(1), k.flatten(1), q.shape[-1], self.cos_sin, True
         )
@@ -438,7 +415,6 @@ class FlashInferAttention:
         return q_out.copy_(qr.view(q.shape))
 
     def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention of the rotated q over the layer's pages as planned (into `out` where given)."""
         if self._xqa_pages is not None:
             return self.xqa.attend(q, *self.kv[layer], *self.kv_scales[layer], self._xqa_pages, out)  # type: ignore[union-attr]
         assert self._wrapper is not None, "plan() must run before forward()"

@@ -18,6 +18,7 @@ import torch
 from common.engine.forward_batch import ForwardBatch
 from common.engine.gpu.attention import FlashInferAttention, PageMeta
 from common.engine.gpu.graph_inputs import GraphInputs, smallest_fit
+from common.engine.gpu.mla_attention import FlashInferMlaAttention
 
 if TYPE_CHECKING:
     from common.engine.model import DecoderModel
@@ -38,7 +39,7 @@ class DecodeGraphs:
     def __init__(
         self,
         model: DecoderModel,
-        attn: FlashInferAttention,
+        attn: FlashInferAttention | FlashInferMlaAttention,
         pool: KVPool,
         dummy_page: int,
         max_seq_len: int,
@@ -122,7 +123,7 @@ class DecodeGraphs:
         b = batch.batch_size
         bs = self.pick(b)
         self.inputs.load(batch, self.pool, bs)
-        meta = self.attn.page_meta(batch.table_rows, batch.seq_lens_cpu).padded(bs, self.dummy_page)
+        meta = self.attn.step_meta(batch).padded(bs, self.dummy_page)
         if self.attn.xqa is not None:
             # XQA reads the CSR buffers themselves (its dense table is derived inside the graph): flashinfer's plan,
             # which would copy them there and schedule a kernel the graph does not run, is skipped.

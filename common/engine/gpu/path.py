@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import logging
+import time
 
+import numpy as np
 import torch
 
 from common.engine.forward_batch import ForwardBatch
 from common.engine.gpu.attention import WORKSPACE_BYTES, FlashInferAttention
+from common.engine.gpu.mla_attention import FlashInferMlaAttention
 from common.engine.gpu.moe_experts import grouped_mm_experts, grouped_mm_unsupported
 from common.engine.gpu.ops import FlashInferOps
 from common.engine.model import DecoderModel
 from common.engine.moe import ExpertsFn, RouteFn, route
+from common.engine.start_phases import StartPhases
 from common.kv.pool import KVPool
 from common.settings import RunnerConfig
 
@@ -46,7 +50,8 @@ class GpuPath:
 
     `page_table` is the runner's `[rows, max_seq_len]` token-location table; `dummy_page` a pool page outside
     the allocator's range: CUDA-graph padding rows write there; `cfg` gives the kernel switches (decode
-    tensor-core threshold, the Triton kernels). `use_graphs` can be switched off at run time
+    tensor-core threshold, the Triton kernels); `host_pages` the table's page ids on the host (`PageTable.host_pages`),
+    which latent attention's planner reads. `use_graphs` can be switched off at run time
     (the benchmark's ablation) without recapturing.
     """
 
@@ -58,6 +63,8 @@ class GpuPath:
         dummy_page: int,
         graph_max_bs: int,
         cfg: RunnerConfig,
+        host_pages: np.ndarray | None = None,
+        phases: StartPhases | None = None,
     ) -> None:
         if model.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(
@@ -85,6 +92,8 @@ class GpuPath:
                     layer.moe.experts_fn = experts_fn
                     layer.moe.route_fn = route_fn
         self.model = model
+        phases = phases if phases is not None else StartPhases()
+        kernels_started = time.perf_counter()
         self.pdl = cfg.pdl and pdl_available(model.device, triton)
         # first: it sets how flashinfer is imported
         model.ops = FlashInferOps(
@@ -96,17 +105,25 @@ class GpuPath:
             rope_epilogue=cfg.gemv_rope,
         )
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=model.device)
-        self.attn = FlashInferAttention(
-            pool,
-            page_table,
-            model.cfg,
-            model.dtype,
-            self.workspace,
-            model.rotary,
-            cfg.decode_tc_min_batch,
-            triton,
-            self.pdl,
-        )
+        self.attn: FlashInferAttention | FlashInferMlaAttention
+        if model.cfg.mla is not None:
+            if host_pages is None:
+                raise ValueError("latent attention on flashinfer plans from the page table's host copy (host_pages)")
+            self.attn = FlashInferMlaAttention(pool, host_pages, model.cfg, model.dtype, self.workspace, model.rotary)
+        else:
+            self.attn = FlashInferAttention(
+                pool,
+                page_table,
+                model.cfg,
+                model.dtype,
+                self.workspace,
+                model.rotary,
+                cfg.decode_tc_min_batch,
+                triton,
+                self.pdl,
+            )
+        phases.record("kernels", time.perf_counter() - kernels_started)
+        graphs_started = time.perf_counter()
         self.graphs = None
         self.step_graphs = None
         self.use_graphs = True
@@ -119,16 +136,21 @@ class GpuPath:
             from common.engine.gpu.step_graphs import StepGraphs
 
             self.step_graphs = StepGraphs(model, self.attn, pool, dummy_page, step_tokens)
+        if self.graphs is not None or self.step_graphs is not None:
+            phases.record("graphs", time.perf_counter() - graphs_started)
         attn = self.attn
         decode = "xqa" if attn.xqa is not None else "flashinfer"
         if attn.xqa is None and attn.triton_decode is not None:
             decode = "triton (1-2 rows), flashinfer"
+        if isinstance(attn, FlashInferMlaAttention):
+            decode = f"flashinfer mla {attn.backend} (absorbed, every step)"
+        prefill = "fa3 e4m3" if attn.fp8_prefill else "flashinfer"
         log.info(
             "gpu kernels",
             extra={
                 "kv_dtype": str(pool.layout.dtype).removeprefix("torch."),
                 "fp8_weights": model.fp8_weights,
-                "prefill_attention": "fa3 e4m3" if attn.fp8_prefill else "flashinfer",
+                "prefill_attention": decode if isinstance(attn, FlashInferMlaAttention) else prefill,
                 "decode_attention": decode,
                 "fused_kernels": triton,
                 "moe_gemv_max_tokens": self.moe_gemv_max_tokens,

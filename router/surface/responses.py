@@ -1,8 +1,5 @@
-"""OpenAI response bodies: chat.completion(.chunk), text_completion, usage, and both logprobs shapes.
-
-The two endpoints report logprobs differently: chat has ``{"content": [{token, logprob, bytes,
-top_logprobs: [{token, logprob, bytes}]}]}``; legacy completions has parallel lists ``tokens``,
-``token_logprobs``, ``top_logprobs`` (one {token: logprob} dict per position) and ``text_offset``.
+"""OpenAI response bodies: chat.completion(.chunk), text_completion, usage, and both logprobs shapes (chat's
+``content`` list; legacy completions' parallel ``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset``).
 """
 
 from __future__ import annotations
@@ -12,15 +9,14 @@ from typing import Any
 
 import orjson
 
-from router.choice import TokenInfo
-from router.tokenizer import RouterTokenizer
+from router.surface.choice import TokenInfo
+from router.surface.tokenizer import RouterTokenizer
 
 __all__ = [
     "chat_logprobs",
-    "chat_response",
     "ChunkFormat",
     "completion_logprobs",
-    "completion_response",
+    "response",
     "sse",
     "usage",
 ]
@@ -56,8 +52,7 @@ def chat_logprobs(tokens: Sequence[TokenInfo], tok: RouterTokenizer) -> dict[str
 
 
 def completion_logprobs(tokens: Sequence[TokenInfo], tok: RouterTokenizer, offset: int) -> tuple[dict[str, Any], int]:
-    """Logprobs for a run of tokens whose text starts at character ``offset`` of the completion;
-    returns the object and the offset after them."""
+    """Logprobs of tokens whose text starts at character ``offset``; returns the object and the offset after."""
     strs, lps, tops, offsets = [], [], [], []
     for t in tokens:
         s = tok.token_str(t.token_id)
@@ -73,12 +68,12 @@ def completion_logprobs(tokens: Sequence[TokenInfo], tok: RouterTokenizer, offse
 
 
 # ---- whole responses -----------------------------------------------------------------------------
-def chat_response(
-    rid: str, created: int, model: str, choices: list[dict[str, Any]], use: dict[str, Any]
+def response(
+    kind: str, rid: str, created: int, model: str, choices: list[dict[str, Any]], use: dict[str, Any]
 ) -> dict[str, Any]:
     return {
         "id": rid,
-        "object": "chat.completion",
+        "object": "chat.completion" if kind == "chat" else "text_completion",
         "created": created,
         "model": model,
         "system_fingerprint": None,
@@ -100,20 +95,6 @@ def chat_choice(
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def completion_response(
-    rid: str, created: int, model: str, choices: list[dict[str, Any]], use: dict[str, Any]
-) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": choices,
-        "usage": use,
-    }
-
-
 def completion_choice(
     index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None
 ) -> dict[str, Any]:
@@ -122,9 +103,8 @@ def completion_choice(
 
 # ---- stream chunks -------------------------------------------------------------------------------
 class ChunkFormat:
-    """The SSE chunks of one streamed response. Every chunk repeats id, object, created, model (and
-    ``"usage": null`` with include_usage, on every chunk but the last); those are rendered once here
-    and only each chunk's choices are encoded per token."""
+    """The SSE chunks of one streamed response: the fields every chunk repeats are rendered once, only each
+    chunk's choices per token."""
 
     def __init__(self, object_name: str, rid: str, created: int, model: str, include_usage: bool) -> None:
         head = {"id": rid, "object": object_name, "created": created, "model": model, "system_fingerprint": None}
@@ -135,5 +115,4 @@ class ChunkFormat:
         return self._prefix + orjson.dumps(choices) + self._suffix
 
     def usage_chunk(self, use: dict[str, Any]) -> bytes:
-        """The last chunk with include_usage: no choices, the usage of the whole response."""
         return self._prefix + b'[],"usage":' + orjson.dumps(use) + b"}\n\n"

@@ -1,7 +1,7 @@
 """Where the workers are: static URL lists, or Kubernetes pods found by label.
 
 A discovery source calls ``on_change(role, urls)`` with the full current URL set of a role whenever it
-changes; the pool (router/pool.py) does the rest (health, pod ids, load). ``on_change`` may be called
+changes; the pool (router/decision/pool.py) does the rest (health, pod ids, load). ``on_change`` may be called
 from another thread: the app wraps it with ``loop.call_soon_threadsafe``.
 
 Kubernetes: one thread per role lists pods by label selector

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from common.protocol import TokenLine
-from router.detokenizer import IncrementalDetokenizer, StopMatcher
-from router.tokenizer import RouterTokenizer
+from router.surface.detokenizer import IncrementalDetokenizer, StopMatcher
+from router.surface.tokenizer import RouterTokenizer
 
 __all__ = ["ChoiceDelta", "ChoiceState", "TokenInfo"]
 

@@ -1,26 +1,5 @@
-"""The router's registry of workers: who they are, whether they answer, how loaded they are.
-
-Discovery (static lists or Kubernetes) only says which URLs exist. Each worker is then "handshaken"
-lazily by polling ``GET /load`` (every ``poll_interval_s``): the first good answer gives its pod id (the
-name it publishes to Redis under) and its load; a worker is routable while its answers say ready and
-not draining. It comes back by itself when it answers again.
-
-Busy is not dead. A poll that times out or answers garbage proves only that the worker (or this router)
-was slow: the worker turns *stale* and keeps being routed on its last known load. It is declared down
-only when
-  - the connection is refused or the host is unreachable (no process listens: it is gone), or
-  - ``down_after_failures`` polls in a row failed AND nothing was heard from it for ``down_after_s``:
-    no good poll and no event on any of its streams (a worker streaming tokens is evidently alive,
-    however late its polls), which is what a frozen (SIGSTOPped) or wedged pod looks like.
-A worker whose engine died answers its polls with ``ready: false`` (its control plane outlives the
-engine and its /health turns 503), so that case is seen at the next poll, not after the window.
-Declaring a worker down wakes every request still waiting on it (``Watched.kill``), so they fail over
-at once instead of waiting out their deadlines.
-
-In-flight counts are the router's own view, fresher than the polled ``/load`` figures (routing and
-router/admission.py use both): derived from the set of calls holding each worker, and corrected by the
-worker's own count of live requests, so a call the worker no longer knows of stops counting at the next poll.
-"""
+"""The router's registry of workers: who they are, whether they answer, how loaded they are (busy is not dead:
+docs/reliability.md, "How the router tells busy from dead")."""
 
 from __future__ import annotations
 
@@ -35,37 +14,32 @@ from functools import cached_property
 from typing import Any, Protocol
 
 from common.capacity import StepCost
-from router.policy import DecodeCandidate, PrefillCandidate
+from router.decision.policy import DecodeCandidate, PrefillCandidate
+from router.settings import RouterOptions
 from router.wire import ConnectError, WireClient
 
 log = logging.getLogger("kvferry.router")
 
-__all__ = ["Watched", "Worker", "WorkerPool", "parse_load"]
+__all__ = ["HeldCounts", "Watched", "Worker", "WorkerPool", "parse_load"]
 
 ROLES = ("prefill", "decode", "mixed")
 DECODE_ROLES = frozenset({"decode", "mixed"})  # take /internal/generate
 PREFILL_ROLES = frozenset({"prefill", "mixed"})  # take /internal/prefill for a peer's pages
 # A call sent up to this long before a poll may not have reached the worker when it answered.
 RECONCILE_GRACE_S = 1.0
-# A worker's /load answer is its engine's last snapshot (ten a second): a prompt placed there this long before
-# the poll was asked may not be in its queue figures yet (the TTFT prediction adds those, router/ttft_model.py).
+# /load is the engine's last snapshot (ten a second): a prompt placed this long before the poll may be missing.
 SNAPSHOT_LAG_S = 0.2
 
 
 class Watched(Protocol):
-    """A request waiting on a worker; told when that worker is declared down."""
-
     def kill(self, reason: str) -> None: ...
 
-    def prefill_back(self) -> None:
-        """A prefill worker came (back) up: a prompt placed locally for lack of one may be placed again."""
-        ...
+    def prefill_back(self) -> None: ...
 
 
 @dataclass
 class Load:
-    """The fields of a worker's /load snapshot the router uses (parsed leniently: newer workers may add
-    fields, and a missing one must not take the worker out of rotation)."""
+    """The fields of /load the router uses, parsed leniently: a missing one must not take the worker out."""
 
     role: str
     pod: str
@@ -79,7 +53,7 @@ class Load:
     draining: bool = False
     max_running: int = 0  # 0: not reported (older workers)
     prefill_tokens_per_s: float = 0.0  # the worker's measured prefill rate (0: not measured yet)
-    # prompt tokens one step takes beside the requests it decodes (0: not reported, or a prefill-first worker)
+    # prompt tokens one step takes beside decoding (0: not reported, or a prefill-first worker)
     prefill_chunk_tokens: int = 0
     prefill_step_tokens_per_s: float = 0.0  # device-timed prefill speed (0: not reported)
     decode_step_s: float = 0.0  # recent decode step time (0: not reported)
@@ -87,7 +61,6 @@ class Load:
     live_requests: int | None = None  # requests the worker has open (engine or stream); None: not reported
     max_request_tokens: int = 0  # the most KV tokens one request may reserve there (0: not reported)
     kv_reserve_output_tokens: int = 0  # output tokens a request reserves there beyond its prompt (0: max_tokens)
-    # What predicts a new request's TTFT there (router/ttft_model.py; common/protocol.py LoadSnapshot).
     step_coefficients: dict[str, float] = field(default_factory=dict)
     step_chunk_tokens: int = 0
     decode_rows: int = 0
@@ -96,7 +69,7 @@ class Load:
 
     @cached_property
     def step_cost(self) -> StepCost:
-        """`step_coefficients` as the capacity model's value, built once per snapshot (read per request)."""
+        """`step_coefficients` as the capacity model's value, built once per snapshot."""
         return StepCost.from_map(self.step_coefficients)
 
 
@@ -141,7 +114,6 @@ def parse_load(data: Any) -> Load:
 
 
 def _numbers(value: Any, kind: type[float] | type[int]) -> dict[str, Any]:
-    """A name -> number map from /load, leniently: entries that are not finite numbers are left out."""
     if not isinstance(value, dict):
         return {}
     return {
@@ -149,6 +121,18 @@ def _numbers(value: Any, kind: type[float] | type[int]) -> dict[str, Any]:
         for k, v in value.items()
         if isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     }
+
+
+@dataclass(frozen=True, slots=True)
+class HeldCounts:
+    load: Load | None
+    asked: float
+    revision: int
+    decoding: int  # calls of each kind: a dict changed outside hold/release shows here
+    prefilling: int
+    inflight_requests: int
+    unseen_kv_tokens: int
+    inflight_tokens: int
 
 
 @dataclass(eq=False)
@@ -161,20 +145,20 @@ class Worker:
     stale: bool = False  # its last poll failed: routed on its last known load until it answers again
     failures: int = 0  # polls failed in a row
     last_ok: float = 0.0  # monotonic time of the last good poll
-    last_seen: float = 0.0  # ... or of the last event read from one of its streams (set by router/upstream.py)
+    last_seen: float = 0.0  # ... or of the last event read from one of its streams (set by router/upstream/call.py)
     last_error: str = ""
-    # The calls that hold this worker now, each with the monotonic time it was sent here: as decode worker
-    # (until the call is closed) and as prefill worker (until its first token, with its prompt tokens).
-    # Counts are derived from these, so a call is counted only while it holds the worker (router/upstream.py
-    # removes it on every way a call ends, without waiting on anything).
+    # The calls holding this worker now, with the time each was sent: decode calls until closed, prefill calls
+    # until their first token. Counts derive from these (router/upstream/call.py removes them on every ending).
     decoding: dict[Watched, float] = field(default_factory=dict)
     kv_tokens: dict[Watched, int] = field(
         default_factory=dict
     )  # the KV each decode call reserves (prompt + max_tokens)
     prefilling: dict[Watched, tuple[float, int]] = field(default_factory=dict)
     load_asked: float = 0.0  # monotonic time the poll that brought ``load`` was sent
-    # Prompts placed here to prefill (monotonic time, uncached tokens), kept until a snapshot must count them.
     placed: list[tuple[float, int]] = field(default_factory=list)
+    placed_revision: int = 0  # bumped whenever `placed` changes: a TTFT input cached per snapshot reads it
+    holds_revision: int = 0  # bumped by every hold and release: what the calls add up to is cached against it
+    _held: HeldCounts | None = field(default=None, init=False, repr=False)
     task: asyncio.Task[None] | None = None
     removed: bool = False
 
@@ -182,94 +166,124 @@ class Worker:
     def watchers(self) -> list[Watched]:
         return [*self.decoding, *self.prefilling]
 
-    # What a call holds here and lets go of (router/upstream.py), never awaiting between the two.
     def hold_decode(self, call: Watched, now: float, kv_tokens: int = 0) -> None:
         self.decoding[call] = now
         self.kv_tokens[call] = kv_tokens
+        self.holds_revision += 1
 
     def hold_prefill(self, call: Watched, now: float, prompt_tokens: int) -> None:
         self.prefilling[call] = (now, prompt_tokens)
+        self.holds_revision += 1
 
     def release_prefill(self, call: Watched) -> None:
         self.prefilling.pop(call, None)
+        self.holds_revision += 1
 
     def release_decode(self, call: Watched) -> None:
         self.decoding.pop(call, None)
         self.kv_tokens.pop(call, None)
+        self.holds_revision += 1
 
     def streamed(self, now: float) -> None:
-        """An event arrived on one of its streams: a worker streaming to us is alive, however late its polls."""
         self.last_seen = now
 
     def refused_not_ready(self) -> None:
-        """It answered 503 (not ready, or draining): routed around until a poll says it is back."""
         self.up = False
 
     @property
     def inflight_requests(self) -> int:
-        """The requests this router has open on the worker, corrected by the worker's own count of its live
-        requests (``live_requests`` in /load): calls sent before the poll that the worker does not count hold
-        nothing there, so whatever its cause a drift cannot keep a worker looking full past one poll."""
-        mine = len(self.decoding) + len(self.prefilling)
-        load = self.load
-        if load is None or load.live_requests is None:
-            return mine
-        since = self.load_asked - RECONCILE_GRACE_S
-        recent = sum(1 for t in self.decoding.values() if t >= since)
-        recent += sum(1 for t, _ in self.prefilling.values() if t >= since)
-        return min(mine, load.live_requests + recent)
+        """The requests this router has open here, corrected by the worker's `live_requests` at each poll."""
+        return self.held().inflight_requests
 
     @property
     def unseen_kv_tokens(self) -> int:
-        """KV tokens of the decode calls sent here that its last snapshot may not count yet (sent after the poll
-        that brought it was asked, less the grace): its ``free_pages`` are that much too high."""
+        """KV tokens of decode calls sent here after its last snapshot's poll (less the grace)."""
+        return self.held().unseen_kv_tokens
+
+    def held(self) -> HeldCounts:
+        """The holding calls' sums against the last snapshot, cached per change (read several times a request)."""
+        h = self._held
+        if (
+            h is not None
+            and h.load is self.load
+            and h.asked == self.load_asked
+            and h.revision == self.holds_revision
+            and h.decoding == len(self.decoding)
+            and h.prefilling == len(self.prefilling)
+        ):
+            return h
         since = self.load_asked - RECONCILE_GRACE_S
-        return sum(self.kv_tokens.get(c, 0) for c, t in self.decoding.items() if t >= since)
+        recent = unseen_kv = prompt_tokens = 0
+        kv = self.kv_tokens
+        for call, t in self.decoding.items():
+            if t >= since:
+                recent += 1
+                unseen_kv += kv.get(call, 0)
+        for t, n in self.prefilling.values():
+            prompt_tokens += n
+            recent += t >= since
+        mine = len(self.decoding) + len(self.prefilling)
+        load = self.load
+        inflight = mine if load is None or load.live_requests is None else min(mine, load.live_requests + recent)
+        self._held = h = HeldCounts(
+            load,
+            self.load_asked,
+            self.holds_revision,
+            len(self.decoding),
+            len(self.prefilling),
+            inflight,
+            unseen_kv,
+            prompt_tokens,
+        )
+        return h
 
     def place_prompt(self, now: float, tokens: int) -> Callable[[], None]:
-        """This router placed a prompt here to prefill (router/dispatch.py); the call returned forgets it (its
-        first token is back: it is queued nowhere any more)."""
+        """This router placed a prompt here to prefill; the returned call forgets it once its first token is back."""
         since = self.load_asked - SNAPSHOT_LAG_S
         self.placed = [e for e in self.placed if e[0] >= since]
         entry = (now, tokens)
         self.placed.append(entry)
+        self.placed_revision += 1
 
         def prefilled() -> None:
             self.placed = [e for e in self.placed if e is not entry]
+            self.placed_revision += 1
 
         return prefilled
 
     @property
     def unseen_prompt_tokens(self) -> int:
-        """Prompt tokens placed here that its last snapshot may not count yet (placed after its poll was asked,
-        less the snapshot's lag): the TTFT prediction queues them ahead of a new request, whatever their class."""
+        """Prompt tokens placed here that the last snapshot may not count yet (the TTFT prediction adds them)."""
         since = self.load_asked - SNAPSHOT_LAG_S
         return sum(n for t, n in self.placed if t >= since)
 
     @property
     def inflight_tokens(self) -> int:
-        """Prompt tokens sent to this worker for prefill whose first token has not come back yet."""
-        return sum(tokens for _, tokens in self.prefilling.values())
+        return self.held().inflight_tokens
 
-    def prefill_candidate(self) -> PrefillCandidate:
+    def prefill_candidate(self, predicted_ttft_s: float | None = None) -> PrefillCandidate:
         load = self.load
+        held = self.held()
         return PrefillCandidate(
             key=self.url,
             pod=self.pod,
             queued_tokens=load.queued_prefill_tokens if load else 0,
-            inflight_tokens=self.inflight_tokens,
-            inflight_requests=self.inflight_requests,
+            inflight_tokens=held.inflight_tokens,
+            inflight_requests=held.inflight_requests,
             prefill_tokens_per_s=load.prefill_tokens_per_s if load else 0.0,
             decoding=self.role == "mixed" and load is not None and load.running_requests > 0,
             prefill_chunk_tokens=load.prefill_chunk_tokens if load else 0,
             prefill_step_tokens_per_s=load.prefill_step_tokens_per_s if load else 0.0,
             decode_step_s=load.decode_step_s if load else 0.0,
+            predicted_ttft_s=predicted_ttft_s,
         )
 
-    def decode_candidate(self) -> DecodeCandidate:
+    def decode_candidate(self, predicted_ttft_s: float | None = None) -> DecodeCandidate:
         load = self.load
         if load is None:
-            return DecodeCandidate(key=self.url, pod=self.pod, inflight_requests=self.inflight_requests)
+            return DecodeCandidate(
+                key=self.url, pod=self.pod, inflight_requests=self.inflight_requests, predicted_ttft_s=predicted_ttft_s
+            )
         return DecodeCandidate(
             key=self.url,
             pod=self.pod,
@@ -284,6 +298,7 @@ class Worker:
             prefill_chunk_tokens=load.prefill_chunk_tokens,
             prefill_step_tokens_per_s=load.prefill_step_tokens_per_s,
             decode_step_s=load.decode_step_s,
+            predicted_ttft_s=predicted_ttft_s,
         )
 
 
@@ -291,24 +306,20 @@ class WorkerPool:
     def __init__(
         self,
         client: WireClient,
-        poll_interval_s: float = 1.0,
-        poll_timeout_s: float = 2.0,
-        down_after_failures: int = 3,
-        down_after_s: float = 5.0,
+        opts: RouterOptions | None = None,
     ) -> None:
+        opts = opts if opts is not None else RouterOptions()
         self.client = client
-        self.poll_interval_s = poll_interval_s
-        self.poll_timeout_s = poll_timeout_s
-        self.down_after_failures = max(1, down_after_failures)
-        self.down_after_s = down_after_s
+        self.poll_interval_s = opts.poll_interval_s
+        self.poll_timeout_s = opts.poll_timeout_s
+        self.down_after_failures = max(1, opts.down_after_failures)
+        self.down_after_s = opts.down_after_s
         self.workers: dict[str, Worker] = {}
         self._targets: dict[str, set[str]] = {role: set() for role in ROLES}
         self._started = False
 
-    # ---- membership (from discovery) ---------------------------------------------------------------
     def set_targets(self, role: str, urls: set[str] | list[str]) -> None:
-        """Makes ``urls`` the set of ``role`` workers: new ones are polled at once, missing ones dropped
-        from routing (requests already on them finish)."""
+        """Makes ``urls`` the ``role`` workers: new ones polled at once, missing ones dropped from routing."""
         wanted = {u.rstrip("/") for u in urls}
         self._targets[role] = wanted
         for url in wanted:
@@ -333,7 +344,6 @@ class WorkerPool:
         if w.task is not None:
             w.task.cancel()
 
-    # ---- health ----------------------------------------------------------------------------------
     def start(self) -> None:
         self._started = True
         loop = asyncio.get_running_loop()
@@ -349,7 +359,7 @@ class WorkerPool:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _poll_loop(self, w: Worker) -> None:
-        # One loop per worker, so a hung worker's timeouts never delay the others' polls.
+        # One loop per worker: a hung worker's timeouts never delay the others' polls.
         while not w.removed:
             await self.poll(w)
             await asyncio.sleep(self.poll_interval_s)
@@ -364,8 +374,7 @@ class WorkerPool:
         except asyncio.CancelledError:
             raise
         except ConnectError as exc:
-            # Refused or unreachable: nothing listens there. A connect that only timed out is a full
-            # accept queue as often as a dead host: that one counts as slow.
+            # A connect that only timed out is a full accept queue as often as a dead host: slow, not gone.
             self.report_failure(w, f"ConnectError: {exc}", hard=not exc.timed_out)
             return
         except Exception as exc:  # timeouts, resets, garbage: slow or sick, not proven dead
@@ -397,9 +406,7 @@ class WorkerPool:
                         call.prefill_back()
 
     def report_failure(self, w: Worker, reason: str, hard: bool = False) -> None:
-        """A failed poll; ``hard``: proof that the worker is gone (a refused connection, from a poll or
-        from the request path), believed at once. Soft failures only make it stale until the window of
-        silence described in the module docstring has passed."""
+        """A failed poll; ``hard``: proof the worker is gone (a refused connection), believed at once."""
         w.failures += 1
         w.last_error = reason
         if not w.up:
@@ -420,28 +427,24 @@ class WorkerPool:
             watched.kill(f"{w.role} worker {w.url} is down ({reason})")
 
     async def fresh_loads(self, since: float, timeout_s: float) -> None:
-        """Waits (at most ``timeout_s``) until every ready decode worker's load was asked for after ``since``."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and any(w.load_asked <= since for w in self.decoders()):
             await asyncio.sleep(0.02)
 
-    # ---- queries ---------------------------------------------------------------------------------
     def ready(self, role: str, exclude: set[str] | frozenset[str] = frozenset()) -> list[Worker]:
         return self._ready_in({role}, exclude)
 
     def decoders(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[Worker]:
-        """Ready workers that decode: decode and mixed."""
         return self._ready_in(DECODE_ROLES, exclude)
 
     def prefillers(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[Worker]:
-        """Ready workers that prefill for a peer: prefill and mixed."""
         return self._ready_in(PREFILL_ROLES, exclude)
 
     def _ready_in(self, roles: set[str] | frozenset[str], exclude: set[str] | frozenset[str]) -> list[Worker]:
         return [w for w in self.workers.values() if w.role in roles and w.up and w.url not in exclude]
 
     def block_size(self) -> int:
-        """KV page size of the fleet (= prefix-index block size); all workers of a model agree."""
+        """KV page size of the fleet (= prefix-index block size)."""
         for w in self.workers.values():
             if w.load is not None:
                 return w.load.page_size
@@ -458,7 +461,6 @@ class WorkerPool:
                 "poll_failures": w.failures,  # polls failed in a row
                 "inflight_requests": w.inflight_requests,
                 "inflight_tokens": w.inflight_tokens,
-                # the KV pages its last /load reported free (what admission reads), None before the first
                 "free_pages": w.load.free_pages if w.load is not None else None,
                 "total_pages": w.load.total_pages if w.load is not None else None,
                 "last_error": w.last_error or None,

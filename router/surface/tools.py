@@ -59,7 +59,7 @@ class FunctionDef(_Model):
     @classmethod
     def _valid_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
         if v is not None:
-            from router.structured import check_json_schema
+            from router.surface.structured import check_json_schema
 
             check_json_schema(v)
         return v

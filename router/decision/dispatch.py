@@ -1,20 +1,17 @@
-"""Shared by every upstream call: the prompt's routing inputs (`PromptPlan`) and the choice of workers
-(`Dispatcher.route`: admission limits, then router/policy.py), with the decision counters; and the request's
-admission by predicted TTFT (`Dispatcher.check_ttft`, once per request before any call starts).
-
-Placement prefers the workers predicted to meet the request's TTFT target (router/ttft_model.py): when some
-do, the policy chooses among those only; when none does (only possible for a request admitted anyway: a class
-without a target, or shedding off) it chooses among all, as before."""
+"""Shared by every upstream call: the prompt's routing inputs (`PromptPlan`), the choice of workers (admission
+limits, then the policy, among those predicted to meet the TTFT target when any is), and admission by predicted
+TTFT (`check_ttft`, once per request)."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+from weakref import WeakKeyDictionary
 
 from common.prefix.hashing import chained_block_hashes
 from common.slo import DEFAULT_SLO_SPEC, SloClass, SloClasses, parse_slo_classes
-from router.admission import (
+from router.decision.admission import (
     AdmissionLimits,
     RequestKV,
     decode_is_full,
@@ -22,13 +19,14 @@ from router.admission import (
     prefill_is_full,
     ttft_verdict,
 )
-from router.cost_model import SloTargets
+from router.decision.cost_model import SloTargets
+from router.decision.locality import PrefixLocator
+from router.decision.policy import RouteDecision, RoutingPolicy
+from router.decision.pool import Load, Worker, WorkerPool
+from router.decision.ttft_model import WorkerFigures, predict_ttft_s
 from router.errors import bad_request, no_worker, rate_limited
-from router.locality import PrefixLocator
 from router.metrics import RouterMetrics
-from router.policy import RouteDecision, RoutingPolicy
-from router.pool import Worker, WorkerPool
-from router.ttft_model import WorkerFigures, predict_ttft_s
+from router.settings import RouterOptions
 from router.wire import WireClient
 
 if TYPE_CHECKING:
@@ -51,42 +49,38 @@ class PromptPlan:
 
 
 class Dispatcher:
-    """Everything an UpstreamCall needs, shared by all calls: pool, policy, prefix locator, HTTP client."""
-
     def __init__(
         self,
         pool: WorkerPool,
         policy: RoutingPolicy,
         locator: PrefixLocator,
         client: WireClient,
-        connect_timeout_s: float = 3.0,
-        first_token_timeout_s: float = 300.0,
-        inter_token_timeout_s: float = 120.0,
-        retry_after_s: int = 1,
+        opts: RouterOptions | None = None,
         limits: AdmissionLimits | None = None,
         metrics: RouterMetrics | None = None,
         slo: SloClasses | None = None,
-        admit_by_ttft: bool = True,
     ) -> None:
+        """`opts`: deadlines, Retry-After and TTFT admission (None: the registry's defaults); `limits`: per worker."""
+        opts = opts if opts is not None else RouterOptions()
         self.pool = pool
         self.slo = slo if slo is not None else parse_slo_classes(DEFAULT_SLO_SPEC)
-        self.admit_by_ttft = admit_by_ttft
+        self.admit_by_ttft = opts.admit_by_ttft != 0
         self.metrics = metrics or RouterMetrics()
-        self.limits = limits or AdmissionLimits()
+        self.limits = limits or AdmissionLimits.from_options(opts)
         self.policy = policy
         self.locator = locator
         self.client = client
-        self.connect_timeout_s = connect_timeout_s
-        self.first_token_timeout_s = first_token_timeout_s
-        self.inter_token_timeout_s = inter_token_timeout_s
-        self.retry_after_s = retry_after_s
+        self.connect_timeout_s = opts.connect_timeout_s
+        self.first_token_timeout_s = opts.first_token_timeout_s
+        self.inter_token_timeout_s = opts.inter_token_timeout_s
+        self.retry_after_s = opts.retry_after_s
         self.decisions: dict[str, int] = {}  # reason (or rejection) -> count, for /router/workers and benchmarks
+        # Per worker: (load, when asked, placement revision) its TTFT figures were built from.
+        self._figures: WeakKeyDictionary[Worker, tuple[Load, float, int, WorkerFigures]] = WeakKeyDictionary()
 
     async def plan(self, token_ids: list[int]) -> PromptPlan:
-        """Hashes the prompt's blocks (same chain as the workers) and asks where they are cached.
-
-        A prompt shorter than the disaggregation threshold is prefilled on its decode pod whatever the
-        index says, so it skips the Redis round trip (its decode pod is chosen on load)."""
+        """Hashes the prompt's blocks and asks where they are cached (a prompt under the disaggregation
+        threshold prefills on its decode pod anyway, so it skips Redis)."""
         block_size = self.pool.block_size()
         hashes = chained_block_hashes(token_ids, block_size)
         if len(token_ids) < self.policy.cfg.disagg_min_prompt_tokens:
@@ -104,8 +98,7 @@ class Dispatcher:
     def route(
         self, plan: PromptPlan, max_tokens: int, exclude_decode: set[str], exclude_prefill: set[str]
     ) -> RouteDecision:
-        """Chooses among the ready workers that have room (router/admission.py); raises 503 when no
-        decode worker is ready, 429 when none has room."""
+        """Chooses among the ready workers with room: 503 when no decode worker is ready, 429 when none has room."""
         decode = self.pool.decoders(exclude_decode)
         if not decode:
             raise no_worker("decode")
@@ -122,8 +115,7 @@ class Dispatcher:
             )
         prefill = self.pool.prefillers(exclude_prefill)
         open_prefill = [w for w in prefill if not prefill_is_full(w, limits)]
-        # Under fixed placement a long prompt goes to a prefill pod, so their being full refuses it; adaptive
-        # placement can still prefill it on its decode pod, and weighs that queue itself.
+        # Fixed placement sends a long prompt to a prefill pod, so their being full refuses it; adaptive may not.
         if (
             prefill
             and not open_prefill
@@ -135,46 +127,57 @@ class Dispatcher:
                 "All prefill workers are at their admission limit of queued prompt tokens; retry shortly.",
                 self.retry_after_s,
             )
-        decode, prefill = self._meeting_ttft(plan, open_decode, False), self._meeting_ttft(plan, open_prefill, True)
         cls = plan.slo_class
         name = cls.name if cls is not None else ""
+        # Each open worker's prediction once: the TTFT filter, the policy and the placement read it.
+        decode_preds = self._meeting_ttft(plan, open_decode, name, False)
+        prefill_preds = self._meeting_ttft(plan, open_prefill, name, True)
         decision = self.policy.choose(
             len(plan.token_ids),
             max_tokens,
             plan.block_size,
-            [
-                replace(w.prefill_candidate(), predicted_ttft_s=self.predicted_ttft_s(plan, w, name, True))
-                for w in prefill
-            ],
-            [
-                replace(w.decode_candidate(), predicted_ttft_s=self.predicted_ttft_s(plan, w, name, False))
-                for w in decode
-            ],
+            [w.prefill_candidate(p) for w, p in prefill_preds],
+            [w.decode_candidate(p) for w, p in decode_preds],
             plan.matches,
             SloTargets(cls.ttft_s, cls.itl_s) if cls is not None else None,
         )
         self._count(decision.reason)
-        self._placed(plan, decision)
+        remote = decision.prefill is not None
+        placed = decision.prefill if remote else decision.decode
+        predicted = next((p for w, p in (prefill_preds if remote else decode_preds) if w.url == placed), None)
+        self._placed(plan, decision, predicted)
         return decision
 
-    # ---- predicted TTFT (router/ttft_model.py) ------------------------------------------------------------
     def predicted_ttft_s(
         self, plan: PromptPlan, w: Worker, slo_class: str, prefill_side: bool, queued: bool = True
     ) -> float | None:
-        """The prompt's predicted TTFT as a request of `slo_class` prefilled on `w` (`prefill_side`: a prefill
-        pod, its KV then moved to the decode pod); None when `w` has measured nothing to predict from."""
+        """The prompt's predicted TTFT as `slo_class` prefilled on `w` (`prefill_side`: then moved); None: unmeasured."""
         if w.load is None:
             return None
+        figures, own, transfer = self._prediction_inputs(plan, w, prefill_side)
+        return predict_ttft_s(figures, slo_class, own, transfer, queued)
+
+    def _prediction_inputs(self, plan: PromptPlan, w: Worker, prefill_side: bool) -> tuple[WorkerFigures, int, float]:
+        """What predicting the prompt's TTFT on `w` reads, but the class: figures, uncached tokens, transfer."""
         prompt = len(plan.token_ids)
         own = prompt - self.policy.matched_tokens(w.pod, plan.matches, plan.block_size, prompt)
         rate = self.policy.cfg.transfer_tokens_per_s
         transfer = prompt / rate if prefill_side and rate > 0 else 0.0
-        figures = WorkerFigures.from_load(w.load, w.unseen_prompt_tokens)
-        return predict_ttft_s(figures, slo_class, own, transfer, queued)
+        return self.figures(w), own, transfer
+
+    def figures(self, w: Worker) -> WorkerFigures:
+        """`w`'s TTFT inputs, built once per load snapshot and placement (a prediction is then O(1))."""
+        load = w.load
+        assert load is not None
+        hit = self._figures.get(w)
+        if hit is not None and hit[0] is load and hit[1] == w.load_asked and hit[2] == w.placed_revision:
+            return hit[3]
+        figures = WorkerFigures.from_load(load, w.unseen_prompt_tokens)
+        self._figures[w] = (load, w.load_asked, w.placed_revision, figures)
+        return figures
 
     def _sides(self, plan: PromptPlan) -> list[tuple[Worker, bool]]:
-        """The workers that could prefill this prompt under the placement rules: its decode pods (local) and,
-        where the prompt may disaggregate, the prefill pods."""
+        """The workers that could prefill this prompt: its decode pods and, where it may disaggregate, prefill pods."""
         decode, prefill = self.pool.decoders(), self.pool.prefillers()
         cfg = self.policy.cfg
         remote = bool(prefill) and (cfg.placement == "adaptive" or len(plan.token_ids) >= cfg.disagg_min_prompt_tokens)
@@ -182,15 +185,12 @@ class Dispatcher:
         return [(w, False) for w in decode if local] + [(w, True) for w in prefill if remote]
 
     def check_ttft(self, plan: PromptPlan, cls: SloClass) -> float | None:
-        """429 with Retry-After for a request no placement is predicted to serve within its class's TTFT target,
-        lower classes first (router/admission.py, the fleet rule); nothing is contacted. Returns the best
-        placement's predicted TTFT (None: nothing predicted)."""
-        sides = self._sides(plan)
+        """429 for a request no placement is predicted to serve within its class's target, lower classes first;
+        returns the best placement's predicted TTFT (None: nothing predicted)."""
+        inputs = [self._prediction_inputs(plan, w, remote) for w, remote in self._sides(plan) if w.load is not None]
 
         def best(k: SloClass, queued: bool = True) -> float | None:
-            preds = [
-                p for w, remote in sides if (p := self.predicted_ttft_s(plan, w, k.name, remote, queued)) is not None
-            ]
+            preds = [p for f, own, tr in inputs if (p := predict_ttft_s(f, k.name, own, tr, queued)) is not None]
             return min(preds, default=None)
 
         verdict = ttft_verdict(self.slo, cls, best, lambda k: best(k, queued=False))
@@ -205,26 +205,24 @@ class Dispatcher:
             )
         return verdict.predicted_s
 
-    def _meeting_ttft(self, plan: PromptPlan, workers: list[Worker], prefill_side: bool) -> list[Worker]:
-        """The workers predicted to meet the request's TTFT target, when some are (else all of them)."""
+    def _meeting_ttft(
+        self, plan: PromptPlan, workers: list[Worker], slo_class: str, prefill_side: bool
+    ) -> list[tuple[Worker, float | None]]:
+        """Each worker with its predicted TTFT, kept to those meeting the target when some do."""
+        preds = [(w, self.predicted_ttft_s(plan, w, slo_class, prefill_side)) for w in workers]
         cls = plan.slo_class
         if cls is None or cls.ttft_s is None or len(workers) < 2:
-            return workers
+            return preds
         target = cls.ttft_s
-        meeting = [
-            w for w in workers if (p := self.predicted_ttft_s(plan, w, cls.name, prefill_side)) is None or p <= target
-        ]
-        return meeting or workers
+        meeting = [(w, p) for w, p in preds if p is None or p <= target]
+        return meeting or preds
 
-    def _placed(self, plan: PromptPlan, decision: RouteDecision) -> None:
-        """The worker that prefills this prompt counts it until its snapshot does; the request's record keeps
-        the prediction of the placement taken (its first one), for the prediction-error metric."""
+    def _placed(self, plan: PromptPlan, decision: RouteDecision, predicted: float | None) -> None:
+        """The prefilling worker counts this prompt until its snapshot does; the record keeps the first prediction."""
         remote = decision.prefill is not None
         w = self.pool.workers.get(decision.prefill if remote else decision.decode)  # type: ignore[arg-type]
         if w is None:
             return
-        name = plan.slo_class.name if plan.slo_class is not None else ""
-        predicted = self.predicted_ttft_s(plan, w, name, remote)
         prompt = len(plan.token_ids)
         matched = self.policy.matched_tokens(w.pod, plan.matches, plan.block_size, prompt)
         prefilled = w.place_prompt(time.monotonic(), prompt - matched)
@@ -235,8 +233,7 @@ class Dispatcher:
                 plan.record.predicted_ttft_s = predicted
 
     def check_request_kv(self, request_tokens: int, detail: str) -> None:
-        """400 when the request reserves more KV than one request may take on any ready decode worker (it could
-        never be admitted); `detail` says how its figure adds up (n, prompt, max_tokens)."""
+        """400 when the request's KV exceeds what one request may take on every ready decode worker."""
         cap = largest_request_tokens(self.pool.decoders())
         if cap is not None and request_tokens > cap:
             self._count("rejected-request-too-large")

@@ -28,7 +28,7 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Runs ``work`` but gives up (cancelling it) if the client disconnects first: a client that hangs up
     must not keep workers generating. What the work started is the caller's to close either way (the work
     may even finish despite the cancel: its result is then dropped), so callers register what they start
-    before awaiting it (router/service.py ``Job.choices``)."""
+    before awaiting it (router/surface/service.py ``Job.choices``)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:

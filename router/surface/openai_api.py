@@ -5,7 +5,7 @@ pydantic's errors into that), never a worker-side failure. A field that would ch
 this server cannot honour (`_REFUSED`: OpenAI's audio, legacy functions, reasoning options; vLLM's beam
 search and friends) is refused with a 400 naming it, never ignored; fields with no effect on the output
 (``user``, ``metadata``, ``store``, ``service_tier``, ``prediction`` ...) and unknown ones are ignored, as
-OpenAI does. Structured outputs: router/structured.py; tools: router/tools.py.
+OpenAI does. Structured outputs: router/surface/structured.py; tools: router/surface/tools.py.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic.json_schema import SkipJsonSchema
 
 from common.protocol import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, GrammarSpec, SamplingParams
-from router.structured import ResponseFormat, grammar_from
-from router.tools import MAX_TOOLS, NamedToolChoice, Tool, ToolMode, tool_grammar, tool_mode
+from router.surface.structured import ResponseFormat, grammar_from
+from router.surface.tools import MAX_TOOLS, NamedToolChoice, Tool, ToolMode, tool_grammar, tool_mode
 
 __all__ = [
     "MAX_N",

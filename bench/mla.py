@@ -1,0 +1,247 @@
+"""DeepSeek-V2-Lite (latent attention, 64 experts) on the GPU path (run on the GPU machine; dummy weights).
+
+    python bench/mla.py --out OUT.json [--quick] [--dense]
+
+In one run: the device's copy bandwidth and GEMM rate (the ceilings, bench/roofline.py), then for DeepSeek-V2-Lite
+(flashinfer's MLA kernel for every step, absorbed; decode and piecewise step graphs):
+1. decode steps at batch 1/64/256 and 1k/4k context against their floor (weight bytes the batch reads, its routed
+   experts only, plus the latent KV bytes) / bandwidth;
+2. prefill of 1k and 4k prompts against the FLOP floor;
+3. MLA attention per layer: flashinfer's kernel alone and the layer's whole latent attention (RoPE, the entry
+   write, W_UK folded into the query, the kernel, W_UV), for the same decode shapes (ratio: the latent KV bytes at
+   the copy bandwidth over the kernel's time) and one 4k prompt, causal (ratio: its FLOPs at the GEMM rate over the
+   kernel's time); beside the 4k prompt, the decompressed form (the latents expanded through kv_b_proj, then
+   flashinfer's ragged prefill at head dims 192 / 128), which does about a third of the absorbed form's
+   attention FLOPs;
+4. the latent KV bytes per token against Llama-3.1-8B's.
+`--dense` adds Llama-3.1-8B's decode and prefill (bench/roofline.py's sections) for throughput side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import roofline  # noqa: E402
+
+from common.engine.kv_sizing import model_kv_layout  # noqa: E402
+from common.engine.model_config import named_config  # noqa: E402
+
+MODEL = "deepseek-v2-lite"
+DENSE = "llama-3.1-8b"
+BATCHES = (1, 64, 256)
+
+
+def _section(name: str, quick: bool) -> roofline.ModelRunner:
+    runner = roofline.make_runner(name, kv_gb=40.0, max_seq_len=4096 + 64)
+    roofline.decode_bench(runner, quick=quick, batches=BATCHES, key_name=f"decode/{name}", breakdowns=False)
+    roofline.prefill_bench(runner, quick=quick)
+    roofline.RESULTS[f"prefill/{name}"] = roofline.RESULTS.pop("prefill")
+    return runner
+
+
+def _decompressed_prefill_ms(runner: roofline.ModelRunner, n: int, iters: int) -> float:
+    """One n-token prompt's attention in the decompressed form: every latent through kv_b_proj, then flashinfer's
+    ragged causal prefill with qk head dim nope + rope and value head dim v."""
+    import flashinfer
+
+    mla = runner.model_config.mla
+    h = runner.model_config.num_heads
+    proj = runner.model.layers[0].mla
+    dev, dt = runner.device, runner.dtype
+    latent = torch.randn(n, mla.kv_lora_rank, device=dev, dtype=dt)
+    k_pe = torch.randn(n, 1, mla.qk_rope_head_dim, device=dev, dtype=dt)
+    q = torch.randn(n, h, mla.qk_head_dim, device=dev, dtype=dt)
+    wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(runner.gpu.workspace, "NHD")
+    indptr = torch.tensor([0, n], dtype=torch.int32)
+    wrapper.plan(
+        indptr,
+        indptr,
+        h,
+        h,
+        mla.qk_head_dim,
+        head_dim_vo=mla.v_head_dim,
+        causal=True,
+        sm_scale=mla.softmax_scale,
+        q_data_type=dt,
+    )
+
+    def attend():
+        k_nope, v = proj.expand(latent)
+        k = torch.cat((k_nope, k_pe.expand(-1, h, -1)), dim=-1)
+        return wrapper.run(q, k, v)
+
+    return roofline.device_ms(attend, iters)
+
+
+@torch.inference_mode()
+def attention_bench(runner: roofline.ModelRunner, quick: bool) -> None:
+    bw = roofline.RESULTS["ceilings"]["copy_bytes_per_s"]
+    rate = roofline.RESULTS["ceilings"]["gemm_flop_per_s"]
+    mc = runner.model_config
+    mla = mc.mla
+    h, r, rope = mc.num_heads, mla.kv_lora_rank, mla.qk_rope_head_dim
+    attn = runner.gpu.attn
+    proj = runner.model.layers[0].mla
+    dev, dt = runner.device, runner.dtype
+    cap = runner.pool.num_pages * runner.cfg.page_size
+    iters = 10 if quick else 30
+    out = []
+
+    def shapes(b: int, q_len: int):
+        t = b * q_len
+        return dict(
+            q=torch.randn(t, h, r + rope, device=dev, dtype=dt),
+            q_nope=torch.randn(t, h, mla.qk_nope_head_dim, device=dev, dtype=dt),
+            q_pe=torch.randn(t, h, rope, device=dev, dtype=dt),
+            latent=torch.randn(t, r, device=dev, dtype=dt),
+            k_pe=torch.randn(t, rope, device=dev, dtype=dt),
+        )
+
+    def measure(fb, x) -> tuple[float, float]:
+        attn.plan(fb)
+        kernel = roofline.device_ms(lambda: attn.attend(0, x["q"]), iters)
+        layer = roofline.device_ms(
+            lambda: attn.forward_mla(0, fb.positions, x["q_nope"], x["q_pe"], x["latent"], x["k_pe"], proj), iters
+        )
+        return kernel, layer
+
+    bpe = (r + rope) * torch.empty((), dtype=dt).element_size()  # bytes of one latent entry
+    for ctx in (1024, 4096):
+        for b in BATCHES:
+            if b * (ctx + runner.cfg.page_size) > cap:
+                out.append(dict(batch=b, ctx=ctx, skipped="KV exceeds the pool"))
+                continue
+            rows = roofline.take_rows(runner, [ctx] * b)
+            fb = runner.build_batch([[0]] * b, [ctx - 1] * b, rows, [True] * b, True)
+            kernel, layer = measure(fb, shapes(b, 1))
+            roofline.give_rows(runner, rows)
+            kv_bytes = b * ctx * bpe
+            floor = kv_bytes / bw * 1e3
+            row = dict(
+                kind="decode",
+                batch=b,
+                ctx=ctx,
+                kernel_us=kernel * 1e3,
+                layer_us=layer * 1e3,
+                kv_bytes=kv_bytes,
+                floor_us=floor * 1e3,
+                ratio=floor / kernel,
+                kv_read_bytes_per_s=kv_bytes / (kernel * 1e-3),
+            )
+            out.append(row)
+            roofline.log(
+                f"mla attention decode b={b} ctx={ctx}: kernel {row['kernel_us']:.1f} us, layer {row['layer_us']:.1f} us, "
+                f"floor {row['floor_us']:.1f} us, ratio {row['ratio']:.2f}"
+            )
+    n = 4096
+    rows = roofline.take_rows(runner, [n])
+    fb = runner.build_batch([[0] * n], [0], rows, [True], False)
+    kernel, layer = measure(fb, shapes(1, n))
+    roofline.give_rows(runner, rows)
+    pairs = n * (n + 1) // 2
+    flops = 2 * pairs * h * ((r + rope) + r)  # QK^T over the latent entry, PV over its latent part
+    flops_decompressed = 2 * pairs * h * (mla.qk_head_dim + mla.v_head_dim) + 2 * n * r * h * (
+        mla.qk_nope_head_dim + mla.v_head_dim
+    )
+    try:
+        decompressed = _decompressed_prefill_ms(runner, n, iters)
+    except Exception as exc:  # a kernel that does not build here: the absorbed numbers stand alone
+        roofline.log(f"decompressed prefill unavailable: {str(exc)[:300]}")
+        decompressed = None
+    row = dict(
+        kind="prefill",
+        tokens=n,
+        kernel_ms=kernel,
+        layer_ms=layer,
+        flops=flops,
+        floor_ms=flops / rate * 1e3,
+        ratio=flops / rate * 1e3 / kernel,
+        decompressed_ms=decompressed,
+        flops_decompressed=flops_decompressed,
+        absorbed_over_decompressed=kernel / decompressed if decompressed else None,
+    )
+    out.append(row)
+    roofline.log(
+        f"mla attention prefill {n}: kernel {kernel:.2f} ms, layer {layer:.2f} ms, floor {row['floor_ms']:.2f} ms, "
+        f"ratio {row['ratio']:.2f}; decompressed {decompressed or float('nan'):.2f} ms"
+    )
+    roofline.RESULTS["mla_attention_per_layer"] = out
+    roofline.save()
+
+
+def kv_bytes() -> dict:
+    mine = model_kv_layout(named_config(MODEL), 16, torch.bfloat16).bytes_per_token
+    dense = model_kv_layout(named_config(DENSE), 16, torch.bfloat16).bytes_per_token
+    out = dict(latent_bytes_per_token=mine, dense_bytes_per_token=dense, dense_over_latent=dense / mine)
+    out["prompt_4k_bytes"] = dict(latent=4096 * mine, dense=4096 * dense)
+    roofline.RESULTS["kv_bytes"] = out
+    return out
+
+
+def compare(dense: bool) -> dict:
+    r = roofline.RESULTS
+    out: dict = {}
+    for a in r.get(f"decode/{MODEL}", []):
+        if "skipped" in a:
+            continue
+        out[f"decode_b{a['batch']}_ctx{a['ctx']}"] = dict(
+            step_ms=a["step_ms"], tok_per_s=a["tok_per_s"], ratio=a["ratio"]
+        )
+    for a in r.get(f"prefill/{MODEL}", []):
+        out[f"prefill_{a['tokens']}"] = dict(ms=a["ms"], tok_per_s=a["tok_per_s"], ratio=a["ratio"])
+    if dense:
+        d = {(x["batch"], x["ctx"]): x for x in r.get(f"decode/{DENSE}", []) if "skipped" not in x}
+        for key, v in out.items():
+            if key.startswith("decode_"):
+                b, ctx = (int(s) for s in key.removeprefix("decode_b").split("_ctx"))
+                if (b, ctx) in d:
+                    v["over_dense_tok_per_s"] = v["tok_per_s"] / d[(b, ctx)]["tok_per_s"]
+        p = {x["tokens"]: x for x in r.get(f"prefill/{DENSE}", [])}
+        for key, v in out.items():
+            if key.startswith("prefill_") and int(key.removeprefix("prefill_")) in p:
+                v["over_dense_tok_per_s"] = v["tok_per_s"] / p[int(key.removeprefix("prefill_"))]["tok_per_s"]
+    r["compare"] = out
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--dense", action="store_true", help=f"also {DENSE}'s decode and prefill, side by side")
+    args = ap.parse_args()
+    roofline.OUT = args.out
+    logging.basicConfig(level=logging.WARNING)
+    roofline.RESULTS.update(device=torch.cuda.get_device_name(), torch=torch.__version__, argv=sys.argv)
+    print("kv bytes: " + json.dumps(kv_bytes()), flush=True)
+    roofline.ceilings(args.quick)
+    try:
+        runner = _section(MODEL, args.quick)
+        roofline.RESULTS["mla_backend"] = runner.gpu.attn.backend
+        attention_bench(runner, args.quick)
+        del runner
+        gc.collect()
+        torch.cuda.empty_cache()
+        if args.dense:
+            runner = _section(DENSE, args.quick)
+            del runner
+            gc.collect()
+            torch.cuda.empty_cache()
+    finally:
+        out = compare(args.dense)
+        roofline.save()
+        print("\n== deepseek-v2-lite ==\n" + json.dumps(out, indent=1), flush=True)
+
+
+if __name__ == "__main__":
+    main()

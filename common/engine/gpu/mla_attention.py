@@ -1,0 +1,253 @@
+"""MLA on flashinfer: the absorbed form of latent attention over the latent pool, for every kind of step
+(docs/architecture.md, "Latent attention (MLA)"). Each layer's `ckv` / `kpe` operands are strided views of the
+pool (flashinfer reads the strides it is given), so nothing is copied. Prefill and mixed steps run the same
+absorbed kernel, causal: one code path and one plan per step, made outside any CUDA graph.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from common.engine.forward_batch import ForwardBatch
+from common.engine.fp8 import store_rows
+from common.engine.gpu.attention import PageMeta, PlanFences
+from common.engine.layers import KvWrite, RotaryCache
+from common.engine.mla import MlaProjections
+from common.engine.model_config import ModelConfig
+from common.kv.pool import KVPool
+
+# flashinfer's MLA kernels tile queries by (token, head) rows, 64 per CTA: a tile edge inside a token's heads
+# loses a visible key under the causal mask, so a token's heads must divide the tile (or be 128).
+_TILE_ROWS = 64
+
+
+def flashinfer_mla_unsupported(cfg: ModelConfig) -> str | None:
+    mla = cfg.mla
+    if mla is None:
+        return "the model has no latent attention"
+    if mla.kv_lora_rank % 128 or mla.qk_rope_head_dim % 64 or mla.qk_rope_head_dim == 0:
+        return (
+            f"flashinfer's MLA kernels need kv_lora_rank a multiple of 128 and qk_rope_head_dim a multiple of 64, "
+            f"not {mla.kv_lora_rank} and {mla.qk_rope_head_dim}"
+        )
+    h = cfg.num_heads
+    if _TILE_ROWS % h and h != 2 * _TILE_ROWS:
+        return f"flashinfer's MLA kernels tile 64 query rows of (token, head): {h} heads do not divide a tile"
+    return None
+
+
+def mla_backend_name(device: torch.device) -> str:
+    """FA3 (Hopper) where it builds, else FA2."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9:
+        return "fa3"
+    return "fa2"
+
+
+def host_page_meta(host_pages: np.ndarray, page_size: int, table_rows: np.ndarray, seq_lens_cpu: list[int]) -> PageMeta:
+    """`PageMeta` of a step's requests built on the host, page ids included."""
+    seq = np.asarray(seq_lens_cpu, dtype=np.int64)
+    npages = (seq + page_size - 1) // page_size
+    indptr = np.zeros(len(seq) + 1, dtype=np.int64)
+    np.cumsum(npages, out=indptr[1:])
+    owner = np.repeat(np.arange(len(seq)), npages)
+    indices = host_pages[table_rows[owner], np.arange(int(indptr[-1])) - indptr[:-1][owner]]
+    last = seq - (npages - 1) * page_size
+    return PageMeta(
+        torch.from_numpy(indptr.astype(np.int32)), torch.from_numpy(indices), torch.from_numpy(last.astype(np.int32))
+    )
+
+
+class FlashInferMlaAttention:
+    """The `MlaBackend` of the GPU path: plan once per step, `forward_mla` per layer, with the planning and
+    binding calls the decode and piecewise step graphs make on an attention backend."""
+
+    # GQA-path kernels latent attention does not use (the decode graphs and benchmarks read these).
+    xqa = None
+    triton_decode = None
+    rope_store = None
+    fp8_prefill = False
+    tensor_cores = False
+    tc_min_batch = 1
+
+    def __init__(
+        self,
+        pool: KVPool,
+        host_pages: np.ndarray,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        workspace: torch.Tensor,
+        rotary: RotaryCache,
+    ) -> None:
+        import flashinfer
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
+
+        why = flashinfer_mla_unsupported(cfg)
+        if why is not None:
+            raise ValueError(f"{cfg.model_type}: {why}")
+        mla = cfg.mla
+        assert mla is not None
+        layout = pool.layout
+        if layout.kv_parts != 1 or layout.head_dim != mla.latent_dim or layout.dtype != dtype:
+            raise ValueError(
+                f"flashinfer's MLA needs a {dtype} latent pool of {mla.latent_dim} per token, not {layout}"
+            )
+        self._wrapper_cls = BatchMLAPagedAttentionWrapper
+        self._csr = MLAPlanMetadata.csr
+        self.backend = mla_backend_name(pool.device)
+        self.pool = pool
+        self.host_pages = host_pages
+        self.page_size = layout.page_size
+        self.num_heads = cfg.num_heads
+        self.rank = mla.kv_lora_rank
+        self.rope_dim = mla.qk_rope_head_dim
+        self.scale = mla.softmax_scale
+        self.dtype = dtype
+        self.rope = flashinfer.apply_rope_with_cos_sin_cache
+        self.cos_sin = rotary.cos_sin()
+        self.workspace = workspace
+        self.fences = PlanFences(workspace.device)
+        # Each layer's latent and roped-key parts: page-strided views of the pool.
+        kv = pool.kv  # [pages, layers, 1, page_size, 1, latent_dim]
+        self.ckv = [kv[:, i, 0, :, 0, : self.rank] for i in range(cfg.num_layers)]
+        self.kpe = [kv[:, i, 0, :, 0, self.rank :] for i in range(cfg.num_layers)]
+        self.offsets = [pool.layer_offset(i, 0) for i in range(cfg.num_layers)]
+        self.eager_wrapper = self._wrapper_cls(workspace, backend=self.backend)
+        self._wrapper = None
+        self._out_loc: torch.Tensor | None = None
+
+    def step_meta(self, batch: ForwardBatch) -> PageMeta:
+        """The step's pages from the table's host copy: flashinfer's MLA planner reads page ids on the host, and
+        device ones would wait for the step in flight."""
+        if batch.inputs is None:
+            raise ValueError("a latent-attention step on flashinfer needs its StepInputs (build it with build_batch)")
+        return host_page_meta(self.host_pages, self.page_size, batch.inputs.table_rows.numpy(), batch.seq_lens_cpu)
+
+    def decode_tensor_cores(self, batch_size: int) -> bool:
+        return False
+
+    def make_decode_wrapper(
+        self, graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, tensor_cores: bool = False
+    ):
+        """A wrapper for eager steps, or one a decode graph captures over fixed buffers (its plans copy into them)."""
+        if graph_buffers is None:
+            return self._wrapper_cls(self.workspace, backend=self.backend)
+        indptr, indices, kv_lens = graph_buffers
+        bs = int(kv_lens.shape[0])
+        qo = torch.arange(bs + 1, dtype=torch.int32, device=indptr.device)  # one query per request
+        return self._wrapper_cls(
+            self.workspace,
+            use_cuda_graph=True,
+            qo_indptr=qo,
+            kv_indptr=indptr,
+            kv_indices=indices,
+            kv_len_arr=kv_lens,
+            backend=self.backend,
+        )
+
+    def _plan(self, wrapper, meta: PageMeta, qo_indptr: torch.Tensor, causal: bool) -> None:
+        pages = meta.indptr[1:] - meta.indptr[:-1]
+        kv_lens = (pages - 1) * self.page_size + meta.last_page_len
+        self.fences.before(wrapper)
+        wrapper.plan(
+            metadata=self._csr(qo_indptr, meta.indptr, meta.indices, kv_lens),
+            num_heads=self.num_heads,
+            head_dim_ckv=self.rank,
+            head_dim_kpe=self.rope_dim,
+            page_size=self.page_size,
+            causal=causal,
+            sm_scale=self.scale,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+            query_layout="split",
+            kv_cache_layout="split",
+        )
+        self.fences.after(wrapper)
+        self._wrapper = wrapper
+
+    def plan_decode(self, wrapper, meta: PageMeta) -> None:
+        b = int(meta.last_page_len.shape[0])
+        self._plan(wrapper, meta, torch.arange(b + 1, dtype=torch.int32), causal=False)
+
+    def plan_extend(self, meta: PageMeta, extend_lens_cpu: list[int]) -> None:
+        """A prefill or mixed step in one causal call (a decode row sees its whole KV)."""
+        qo = torch.zeros(len(extend_lens_cpu) + 1, dtype=torch.int32)
+        torch.cumsum(torch.tensor(extend_lens_cpu, dtype=torch.int32), 0, out=qo[1:])
+        self._plan(self.eager_wrapper, meta, qo, causal=True)
+
+    def plan(self, batch: ForwardBatch) -> None:
+        meta = self.step_meta(batch)
+        if batch.is_decode:
+            self.plan_decode(self.eager_wrapper, meta)
+        else:
+            self.plan_extend(meta, batch.extend_lens_cpu)
+        self._out_loc = self.pool.token_rows(batch.out_loc)
+
+    def bind(
+        self,
+        wrapper,
+        out_loc: torch.Tensor,
+        graph_meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """Points the layers at a planned wrapper and the step's write rows (graph capture)."""
+        self._wrapper = wrapper
+        self._out_loc = out_loc
+
+    def write_rows(self, out_loc: torch.Tensor) -> None:
+        self._out_loc = out_loc
+
+    def forward(
+        self, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        raise TypeError("latent attention layers call forward_mla")
+
+    def kv_write(self, layer: int, positions: torch.Tensor) -> KvWrite | None:
+        return None  # the entry is [normed latent | roped k_pe]: not a qkv GEMM's output
+
+    def store(
+        self,
+        layer: int,
+        positions: torch.Tensor,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent: torch.Tensor,
+        k_pe: torch.Tensor,
+        proj: MlaProjections,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE on q_pe and k_pe and this step's entries written; returns the absorbed query's two parts,
+        W_UK^T q_nope and the roped q_pe."""
+        loc = self._out_loc
+        assert loc is not None, "plan() or bind() must run before the layers"
+        t = q_pe.shape[0]
+        # One kernel for both RoPE parts (k_pe read in place, a strided view of the merged projection).
+        q_pe, k_pe = self.rope(positions, q_pe.reshape(t, -1), k_pe, self.rope_dim, self.cos_sin, True)
+        entry = torch.cat((latent, k_pe), dim=-1).unsqueeze(1)  # [T, 1, latent_dim]
+        store_rows(self.pool.rows, loc + self.offsets[layer], entry)
+        return proj.absorb_query(q_nope), q_pe.view(t, -1, self.rope_dim)
+
+    def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of a packed absorbed query as planned: each head's output in latent space (into the first
+        `kv_lora_rank` values of `out` where given)."""
+        r = self.rank
+        return self._attend(layer, q[..., :r], q[..., r:], None if out is None else out[..., :r])
+
+    def _attend(self, layer: int, q_latent: torch.Tensor, q_pe: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """Without `out` the output lands head-major (`[H, T, rank]` seen as `[T, H, rank]`) for W_UV's batched GEMM."""
+        assert self._wrapper is not None, "plan() must run before the layers"
+        if out is None:
+            t, h, r = q_latent.shape
+            out = q_latent.new_empty(h, t, r).transpose(0, 1)
+        return self._wrapper.run(query=(q_latent, q_pe), kv_cache=(self.ckv[layer], self.kpe[layer]), out=out)
+
+    def forward_mla(
+        self,
+        layer: int,
+        positions: torch.Tensor,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent: torch.Tensor,
+        k_pe: torch.Tensor,
+        proj: MlaProjections,
+    ) -> torch.Tensor:
+        q_latent, q_pe = self.store(layer, positions, q_nope, q_pe, latent, k_pe, proj)
+        return proj.values_from_latent(self._attend(layer, q_latent, q_pe, None))
