@@ -187,6 +187,8 @@ def kernel_breakdown(fn, label: str) -> dict:
         "silu_and_mul": ("act_and_mul", "silu"),
         "attention": ("prefill", "decode", "attention", "mergestate", "merge_state"),
         "kv_write": ("index_copy", "indexcopy"),
+        "moe_experts": ("_experts_", "grouped_mm", "groupedmm"),
+        "moe_route": ("_softmax_top_k", "softmax", "topk", "top_k"),
         "gemm": ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk", "sm90_"),
     }
     out: dict[str, float] = {k: 0.0 for k in cats}
@@ -409,6 +411,7 @@ def make_runner(
     tc_min_batch: int = 1,
     fused: bool = True,
     prologues: bool = False,
+    gemv_experts: bool = True,
 ) -> ModelRunner:
     start = time.perf_counter()
     runner = ModelRunner(
@@ -422,6 +425,7 @@ def make_runner(
             decode_tc_min_batch=tc_min_batch,
             fused_kernels=fused,
             gemv_prologues=prologues,
+            gemv_experts=gemv_experts,
         )
     )
     graphs = runner.gpu.graphs
@@ -439,6 +443,7 @@ def make_runner(
         gemv_stream_stats=runner.model.ops.stream_stats,
         gemv_gated=runner.model.ops.gated_epilogue,
         gemv_rope=runner.model.ops.rope_epilogue,
+        moe_gemv_max_tokens=runner.gpu.moe_gemv_max_tokens,
     )
     log(f"{label}: ready in {time.perf_counter() - start:.1f} s ({RESULTS['setup'][label]})")
     return runner

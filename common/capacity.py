@@ -1,17 +1,9 @@
-"""What one worker can do, from what its engine measures: the step-time model's seconds per unit of work
-(common/sched/step_model.py fits them; /load publishes them as ``step_coefficients``) turned into prefill
-rates, decode step times and the batch a step-time target allows.
-
-One copy of the formulas, read by the scheduler (the chunk a step beside decoding may take), the router
-(router/decision/ttft_model.py: a new request's TTFT; admission), the planner (planner/sizing.py: replicas for an
-offered load) and the fleet simulator (bench/fleet_sim/: how long each simulated step takes). A step's time:
+"""What one worker can do, from the step-time model's seconds per unit of work (``step_coefficients``): prefill
+rates, decode step times and the batch a step-time target allows. The one copy of the formulas, read by the
+scheduler, the router's TTFT prediction, the planner and the fleet simulator:
 
     step = base + per_prefill_token * prefill_tokens + per_decode_row * rows + per_context_token * context
-         + per_attention_pair * chunk_attention
-
-``chunk_attention`` is a prompt chunk's query-key pairs, n * (start + n / 2) for n tokens starting at
-``start``: a chunk deep in a long prompt costs more than the first. Moving a prompt's KV to a decode pod
-takes ``tokens / transfer_tokens_per_s`` seconds more.
+         + per_attention_pair * chunk_attention      (a chunk's query-key pairs: n * (start + n / 2))
 """
 
 from __future__ import annotations
@@ -24,13 +16,11 @@ __all__ = ["StepCost", "chunk_attention", "largest_fitting", "prompt_steps_s"]
 
 
 def chunk_attention(start: int, tokens: int) -> float:
-    """The query-key pairs of a chunk of `tokens` prompt tokens starting at `start`."""
     return tokens * (start + tokens / 2)
 
 
 def largest_fitting(fits: Callable[[int], bool], most: int) -> int:
-    """The largest u in [0, most] with fits(u), for a `fits` true up to some point and false beyond (a step's
-    time grows with what it carries): a bisection; 0 when not even 1 fits."""
+    """The largest u in [0, most] with fits(u), for a monotone `fits` (bisection); 0 when not even 1 fits."""
     if most <= 0 or not fits(1):
         return 0
     lo, hi = 1, most
@@ -45,7 +35,7 @@ def largest_fitting(fits: Callable[[int], bool], most: int) -> int:
 
 @dataclass(frozen=True)
 class StepCost:
-    """Seconds per unit of what a step computes (``StepTimeModel.coefficients``, /load's ``step_coefficients``)."""
+    """Seconds per unit of what a step computes (/load's ``step_coefficients``)."""
 
     base_s: float = 0.0
     per_prefill_token_s: float = 0.0
@@ -65,12 +55,11 @@ class StepCost:
         return self.per_prefill_token_s > 0
 
     def overhead_s(self, rows: int, context: int) -> float:
-        """What every step costs whatever its chunk: the base and the decode batch it carries (never < 0)."""
+        """What every step costs whatever its chunk: the base and the decode batch (never < 0)."""
         return max(0.0, self.base_s + self.per_decode_row_s * rows + self.per_context_token_s * context)
 
     def step_s(self, prefill_tokens: int, rows: int, context: int, attention: float = 0.0) -> float:
-        """One step's time: `prefill_tokens` prompt tokens (their query-key pairs `attention`) beside `rows`
-        decode rows attending over `context` KV tokens."""
+        """One step's time: `prefill_tokens` (their pairs `attention`) beside `rows` rows over `context` tokens."""
         return (
             self.overhead_s(rows, context)
             + self.per_prefill_token_s * prefill_tokens
@@ -84,8 +73,7 @@ class StepCost:
         return chunk / self.step_s(chunk, rows, context, chunk * chunk / 2)
 
     def largest_chunk(self, target_s: float, rows: int, context: int, start: int, most: int, granularity: int) -> int:
-        """The most prompt tokens (a multiple of `granularity`, at most `most`) a step beside `rows` decode rows
-        may take within `target_s`; 0 when not even `granularity` fit."""
+        """The most prompt tokens (a multiple of `granularity`, at most `most`) a step may take within `target_s`."""
         if not self.known:
             return 0
 
@@ -96,13 +84,12 @@ class StepCost:
         return largest_fitting(fits, most // granularity) * granularity
 
     def decode_rows_within(self, target_s: float, context_per_row: float, most: int) -> int:
-        """The most decode rows (each attending over `context_per_row` KV tokens) one step carries within
-        `target_s` with no prompt chunk beside it; 0 when not one fits."""
+        """The most decode rows one step carries within `target_s` with no chunk beside it."""
         return largest_fitting(lambda r: self.overhead_s(r, int(r * context_per_row)) <= target_s, most)
 
 
 def prompt_steps_s(cost: StepCost, prompt: int, chunk: int, rows: int = 0, context: int = 0) -> float:
-    """Seconds to prefill one `prompt` of that many tokens alone, `chunk` tokens a step, beside `rows` decode rows."""
+    """Seconds to prefill one `prompt` alone, `chunk` tokens a step, beside `rows` decode rows."""
     if prompt <= 0:
         return 0.0
     chunk = max(1, min(chunk, prompt)) if chunk > 0 else prompt

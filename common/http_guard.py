@@ -1,9 +1,5 @@
-"""The request side of the HTTP limits (common/settings.py HttpLimits), as plain ASGI ahead of the app.
-
-uvicorn's protocol (common/http_server.py) bounds what a request head may cost while it arrives; this guard
-checks the parsed request exactly: the target's length (414), the headers' count and size (431) and the body
-(413, declared or streamed). The body is read here, bounded, and replayed, so the app never sees half of an
-oversized body. Errors are OpenAI-shaped, like every other error of the router and the workers.
+"""The request side of the HTTP limits, as plain ASGI ahead of the app (docs/reliability.md, "HTTP limits"): the
+parsed target (414), headers (431) and body (413), read bounded and replayed so the app never sees half of one.
 """
 
 from __future__ import annotations
@@ -22,13 +18,11 @@ HEADER_LINE_OVERHEAD = 4
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    """OpenAI's error shape, ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 class LimitError:
-    """A refusal for crossing one HTTP limit (or of a request that is not HTTP we serve): status, OpenAI error
-    body, and the JSON bytes."""
+    """A refusal for crossing one HTTP limit (or for bytes that are not HTTP we serve), with its JSON body."""
 
     def __init__(self, status: int, message: str, code: str, type_: str = "invalid_request_error") -> None:
         self.status = status
@@ -53,23 +47,19 @@ _REFUSALS: dict[str, tuple[int, str, str]] = {
 
 
 def limit_error(name: str, limits: HttpLimits) -> LimitError:
-    """The refusal for the limit ``name`` (a field of HttpLimits), naming the limit and its value."""
     status, message, code = _REFUSALS[name]
     type_ = "server_error" if status >= 500 else "invalid_request_error"
     return LimitError(status, message.format(getattr(limits, name)), code, type_)
 
 
 def malformed_request() -> LimitError:
-    """The refusal of bytes the HTTP/1.1 parser cannot read as a request (bad framing, not HTTP at all)."""
+    """The refusal of bytes the HTTP/1.1 parser cannot read as a request."""
     return LimitError(400, "The request is not valid HTTP/1.1.", "invalid_http_request")
 
 
 def transfer_coding_error(values: list[bytes]) -> LimitError | None:
-    """The refusal of a request's ``Transfer-Encoding`` header values, if they are not plain ``chunked``.
-
-    RFC 9112: when chunked is not the final coding (or is applied twice) the body's length cannot be known,
-    which a server MUST answer 400 (section 6.3); a coding it does not implement (gzip, chunked) SHOULD be
-    501 (section 6.1). Either way the body cannot be read, so the connection is closed after the answer."""
+    """The refusal of ``Transfer-Encoding`` values other than plain ``chunked``: 400 when the body's length cannot be
+    known (RFC 9112 6.3), 501 for a coding not implemented (6.1); the connection closes after either."""
     codings = [c.strip().lower() for v in values for c in v.split(b",") if c.strip()]
     if not values or codings == [b"chunked"]:
         return None
@@ -88,7 +78,6 @@ def transfer_coding_error(values: list[bytes]) -> LimitError | None:
 
 
 def head_error(scope: Scope, limits: HttpLimits) -> LimitError | None:
-    """The limit a parsed request head crosses, if any."""
     target = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
     if target > limits.max_url_bytes:
         return limit_error("max_url_bytes", limits)
@@ -129,8 +118,7 @@ class RequestLimits:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await send_error(send, limit_error("max_body_bytes", self.limits))
             return
-        # Read the body here (bounded) and replay it: a chunked upload without Content-Length cannot
-        # exceed the limit either, and the app never sees a half-read body.
+        # Read here (bounded) and replayed: a chunked upload cannot exceed the limit, the app never sees half a body.
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -153,7 +141,7 @@ class RequestLimits:
             if not replayed:
                 replayed = True
                 return {"type": "http.request", "body": body, "more_body": False}
-            # After the body: the real channel, which is where a client's disconnect shows up.
+            # After the body: the real channel, where a client's disconnect shows up.
             msg: dict[str, Any] = await receive()
             return msg
 

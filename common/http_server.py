@@ -1,17 +1,10 @@
-"""uvicorn with the HTTP limits (common/settings.py HttpLimits) for the router and the workers' control planes.
+"""uvicorn with the HTTP limits (common/settings.py HttpLimits) for the router and the workers' control planes
+(docs/reliability.md, "HTTP limits").
 
-uvicorn bounds neither the size of a request head nor the time it takes to arrive, and httptools joins a
-header's pieces as they come, so a huge header costs time that grows faster than its size (a 128 MB one held
-the event loop for ~20 s). The protocols here count the bytes of a head as they arrive and refuse it (414
-while still in the request line, else 431) once it passes what the limits allow, so its cost is bounded by
-the limits, not by what is sent; they close a head that takes longer than ``header_timeout_s`` and a body
-that takes longer than ``body_timeout_s`` (408 when no response has begun). They also answer, in OpenAI's JSON
-error shape where uvicorn would write plain text: a request the parser cannot read (400), a
-``Transfer-Encoding`` other than plain ``chunked`` (400 or 501: common/http_guard.py says which), and a request
-beyond ``max_connections`` (503). A response the client stops reading (the transport's buffer full, writing
-paused) for ``write_timeout_s`` is cut: the connection is aborted, which the app sees as the client's hang-up
-(the router aborts the request upstream, so its KV pages come back). The exact per-request checks (URL, header count and size, body) are
-common/http_guard.py's, on the parsed request.
+uvicorn bounds neither a request head's size nor its arrival time, and httptools joins a header's pieces as
+they come (a 128 MB header held the loop for ~20 s): these protocols count a head's bytes as they arrive and
+refuse it past the limits, time out slow heads, bodies and stalled writes, and answer parser errors in
+OpenAI's JSON shape. The per-request checks are common/http_guard.py's.
 """
 
 from __future__ import annotations
@@ -32,8 +25,7 @@ __all__ = ["REFUSAL_HOOK", "LimitedH11Protocol", "protocol_class", "server_optio
 _REQUEST_LINE_SLACK = 64
 # How long a refused connection's further bytes are read (and dropped) before it is closed.
 _LINGER_S = 2.0
-# h11 refuses (400) a head larger than this on its own: above ours, and above one read (256 KiB), so that
-# ours answers first.
+# h11 refuses (400) a head larger than this itself: above ours and one read (256 KiB), so ours answers first.
 _H11_SLACK = 512 * 1024
 
 
@@ -59,12 +51,10 @@ _REASONS = {
 
 
 class _Refused(Exception):
-    """Raised from inside the parser to stop it: uvicorn answers any parser error with ``send_400_response``,
-    which sends the refusal set aside in ``_pending`` instead."""
+    """Stops the parser: uvicorn answers any parser error with ``send_400_response``, which sends ``_pending``."""
 
 
 def _transfer_codings(head: bytes) -> list[bytes]:
-    """The ``Transfer-Encoding`` values of a raw request head."""
     values = []
     for line in head.split(b"\r\n\r\n", 1)[0].split(b"\n")[1:]:
         name, sep, value = line.partition(b":")
@@ -73,13 +63,12 @@ def _transfer_codings(head: bytes) -> list[bytes]:
     return values
 
 
-# The attribute of an app's ``state`` called with the status of each answer given here, before the app saw
-# the request (the router counts them beside the responses its app gives: router/app.py).
+# The app ``state`` attribute called with each status answered here before the app saw the request (router/app.py).
 REFUSAL_HOOK = "http_refused"
 
 
 def _refusal_hook(app: Any) -> Any:
-    """``app.state.http_refused`` of the app uvicorn serves, under its wrappers (proxy headers, logging)."""
+    """``app.state.http_refused`` of the app uvicorn serves, under its wrappers."""
     for _ in range(8):
         hook = getattr(getattr(app, "state", None), REFUSAL_HOOK, None)
         if hook is not None:
@@ -91,12 +80,8 @@ def _refusal_hook(app: Any) -> Any:
 
 
 class _Limited:
-    """Head-size cap and head/body deadlines, mixed in ahead of one of uvicorn's HTTP/1.1 protocols.
-
-    The phase of the connection: ``head`` while a request head arrives (the header deadline runs), ``body``
-    while its body does (the body deadline runs), ``idle`` otherwise (uvicorn's keep-alive timer runs between
-    requests). The subclass tells it where a head and a message end.
-    """
+    """Head-size cap and head/body deadlines, mixed in ahead of one of uvicorn's HTTP/1.1 protocols. Phase:
+    ``head`` (header deadline), ``body`` (body deadline) or ``idle`` (uvicorn's keep-alive timer)."""
 
     transport: asyncio.Transport
     loop: asyncio.AbstractEventLoop
@@ -116,15 +101,13 @@ class _Limited:
         self._head = bytearray()
         self._write_stall: asyncio.TimerHandle | None = None  # armed while writing is paused
 
-    # ---- asyncio.Protocol ---------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)  # type: ignore[misc]
         # A connection that never sends a byte is held to the header deadline too.
         self._begin_head()
 
     def shutdown(self) -> None:
-        """Server shutdown: a refused connection (answered, lingering) is just closed; the parser's state after a
-        refusal is not one uvicorn's own shutdown expects."""
+        """Server shutdown: a refused connection is just closed (uvicorn's shutdown does not expect its state)."""
         if self._refused:
             self._close()
         else:
@@ -135,8 +118,7 @@ class _Limited:
         self._cancel_write_stall()
         super().connection_lost(exc)  # type: ignore[misc]
 
-    # Whether the next request's head begins with the next bytes after a message (h11, which reports no
-    # message start) or at the parser's own report of it (httptools: `on_message_begin`).
+    # Whether the next head begins with the bytes after a message (h11) or at `on_message_begin` (httptools).
     _head_starts_on_data = True
 
     def data_received(self, data: bytes) -> None:
@@ -157,29 +139,25 @@ class _Limited:
         super().data_received(data)  # type: ignore[misc]
         if self._phase != "head" or self._refused or self.transport.is_closing():
             return
-        # Still inside the head: refuse it as soon as it is longer than the limits let it be.
         if not self._line_done and self._head_bytes > self.limits.max_url_bytes + _REQUEST_LINE_SLACK:
             self._refuse(limit_error("max_url_bytes", self.limits))
         elif self._head_bytes > self._head_cap:
             self._refuse(limit_error("max_header_bytes", self.limits))
 
     def _keep_head(self, data: bytes) -> None:
-        """The head's bytes as they arrive (bounded by the head cap; dropped once it is parsed, ``b""``): the
-        parsers report no headers with their errors."""
+        """The head's bytes as they arrive (bounded by the cap): the parsers report no headers with their errors."""
         if data:
             self._head += data
         else:
             self._head = bytearray()
 
     def send_400_response(self, msg: str) -> None:
-        """uvicorn's answer to a parser error (plain text, whatever the cause): the refusal a check set aside,
-        else the parser's own verdict, as JSON."""
+        """uvicorn's answer to a parser error: the refusal a check set aside, else the parser's verdict, as JSON."""
         err, self._pending = self._pending or self._parser_refusal(), None
         self._refuse(err)
 
     def _parser_refusal(self) -> LimitError:
-        # The parsers refuse some transfer codings themselves, without saying which: RFC 9112 answers some of
-        # those 400 and others 501, and the head tells.
+        # The parsers refuse some transfer codings without saying which: RFC 9112 answers 400 or 501 by the head.
         if self._phase == "head":
             err = transfer_coding_error(self._transfer_codings())
             if err is not None:
@@ -187,13 +165,11 @@ class _Limited:
         return malformed_request()
 
     def _transfer_codings(self) -> list[bytes]:
-        """The ``Transfer-Encoding`` values of the head the parser stopped in."""
         return _transfer_codings(bytes(self._head))
 
     def _head_refusal(self, headers: list[tuple[bytes, bytes]]) -> LimitError | None:
-        """What a complete, parsed head is refused for before any app sees it: a transfer coding other than
-        plain chunked, or a connection beyond the cap (uvicorn's own check, which answers plain text, is off:
-        ``server_options``)."""
+        """Why a parsed head is refused before any app sees it: a transfer coding other than plain chunked, or a
+        connection past the cap (uvicorn's own plain-text check is off)."""
         err = transfer_coding_error([v for k, v in headers if k.lower() == b"transfer-encoding"])
         if err is not None:
             return err
@@ -202,7 +178,6 @@ class _Limited:
             return limit_error("max_connections", self.limits)
         return None
 
-    # ---- a client that stops reading ----------------------------------------------------------------
     def pause_writing(self) -> None:
         super().pause_writing()  # type: ignore[misc]
         if self._write_stall is None:
@@ -218,14 +193,12 @@ class _Limited:
             self._write_stall = None
 
     def _write_stalled(self) -> None:
-        # Nothing to answer with (a response is under way and its bytes are what is stuck): drop the connection.
-        # ``connection_lost`` follows, and the app sees a disconnect, as for a client that hung up.
+        # A response is under way and its bytes are stuck: drop the connection (the app sees a hang-up).
         self._write_stall = None
         self._refused = True
         self._cancel_deadline()
         self.transport.abort()
 
-    # ---- phases -------------------------------------------------------------------------------------
     def _begin_head(self) -> None:
         self._phase = "head"
         self._head_bytes = 0
@@ -252,16 +225,15 @@ class _Limited:
             self._deadline = None
 
     def _responding(self) -> bool:
-        """A response to an earlier request on this connection is still being sent (pipelining)."""
+        """A response to an earlier request is still being sent (pipelining)."""
         return self.cycle is not None and not self.cycle.response_complete and self._phase == "head"
 
-    # ---- deadlines ----------------------------------------------------------------------------------
     def _head_late(self) -> None:
         self._deadline = None
         if self._phase != "head" or self.transport.is_closing():
             return
         if self._responding():
-            # The next request's head waits behind a response still streaming: its clock starts after that.
+            # The next head waits behind a response still streaming: its clock starts after that.
             self._arm(self.limits.header_timeout_s, self._head_late)
             return
         if self._head_bytes == 0:
@@ -276,22 +248,19 @@ class _Limited:
         self._refuse(limit_error("body_timeout_s", self.limits))  # a close alone once a response has begun
 
     def _refuse(self, err: LimitError) -> None:
-        """Answer ``err`` where that cannot garble another response on this connection, and close."""
         cycle = self.cycle
         if self._phase == "head":  # ``cycle`` is the previous request's, if any
             may_answer = cycle is None or cycle.response_complete
         else:  # ``cycle`` is this request's
             may_answer = cycle is not None and not cycle.response_started
         if cycle is not None and not cycle.response_complete:
-            # The app, waiting for the body or still answering, sees the disconnect and writes nothing more.
             cycle.disconnected = True
             cycle.message_event.set()
         if not may_answer or not self.transport.can_write_eof():
             self._close()
             return
-        # A lingering close: closing at once with the client's unread bytes queued would reset the
-        # connection, and a reset can destroy the answer before the client reads it. So: answer, end our
-        # side, drop whatever still comes, and close when the client does or after _LINGER_S.
+        # A lingering close: closing with the client's unread bytes queued would reset the connection and can
+        # destroy the answer before it is read; so answer, end our side, drop what comes, close after _LINGER_S.
         self._refused = True
         self._cancel_deadline()
         hook = _refusal_hook(getattr(self, "app", None))
@@ -315,7 +284,6 @@ class LimitedH11Protocol(_Limited, H11Protocol):
         next_event = self.conn.next_event
 
         def observed() -> Any:
-            # Phases follow h11's events as uvicorn takes them (several requests may come in one read).
             event = next_event()
             if isinstance(event, h11.Request):
                 self._pending = self._head_refusal(list(event.headers))
@@ -362,7 +330,6 @@ if HttpToolsProtocol is not None:
 
 
 def protocol_class(http: str, limits: HttpLimits) -> Any:
-    """uvicorn's ``http`` argument: the parser ``http`` names (auto | httptools | h11) under the limits."""
     if http == "auto":
         http = "httptools" if HttpToolsProtocol is not None else "h11"
     if http == "httptools":
@@ -375,8 +342,7 @@ def protocol_class(http: str, limits: HttpLimits) -> Any:
 
 
 def server_options(limits: HttpLimits, http: str = "auto") -> dict[str, Any]:
-    """uvicorn settings (``uvicorn.Config`` / ``uvicorn.run`` keywords) for one of our servers: quiet, no
-    access log, and the HTTP limits."""
+    """uvicorn keywords for one of our servers: quiet, no access log, and the HTTP limits."""
     return dict(
         http=protocol_class(http, limits),
         timeout_keep_alive=limits.keep_alive_s,

@@ -1,12 +1,6 @@
-"""The shared secret on the workers' internal API (``/internal/*``: generate, prefill, handshake, abort,
-agent, stats): without it anyone who reaches a worker's port could start requests or register a NIXL peer.
-
-``KVFERRY_INTERNAL_TOKEN`` (in Kubernetes from a Secret) holds one token, or several separated by commas:
-callers (the router, a decode worker asking a prefill peer) send the first as ``Authorization: Bearer
-<token>``; workers accept any of them. That is how the token rotates without a failed call: add the new one
-second, restart everything, put it first, restart, drop the old one. Unset: the internal API is open (a
-local `kvferry up`, tests). ``/health``, ``/ready``, ``/load`` and ``/metrics`` stay open for
-probes and scrapers.
+"""The shared secret on the workers' internal API (``/internal/*``): without it anyone reaching a worker's port
+could start requests or register a NIXL peer. ``KVFERRY_INTERNAL_TOKEN`` holds one token or several (commas):
+the first is sent, any is accepted, which is how it rotates (docs/kubernetes.md). Unset: the API is open.
 """
 
 from __future__ import annotations
@@ -40,12 +34,11 @@ class InternalToken:
         return bool(self.tokens)
 
     def headers(self) -> dict[str, str]:
-        """What a caller sends (nothing when no token is set)."""
         return {"authorization": f"Bearer {self.tokens[0]}"} if self.tokens else {}
 
     def accepts(self, authorization: bytes | None) -> bool:
-        """Whether an ``Authorization`` header value carries one of the tokens (always, when none is set);
-        compared in constant time, every token tried (the time says nothing about which one nearly matched)."""
+        """Whether an ``Authorization`` value carries one of the tokens (always, when none is set), compared in
+        constant time against every token."""
         if not self.tokens:
             return True
         scheme, _, given = (authorization or b"").strip().partition(b" ")

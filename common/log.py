@@ -45,12 +45,8 @@ def setup_logging(level: str | None = None) -> None:
 
 
 class TracebackLimiter(logging.Filter):
-    """At most one full traceback a minute per (logger, exception type, raising line); every other record of
-    the same failure keeps its line, with the exception's type and message and how many came since.
-
-    A failure that each request hits (a bug, or input that slipped past validation) would otherwise write its
-    whole traceback per request: thousands of lines each for a deep recursion.
-    """
+    """At most one full traceback a minute per (logger, exception type, raising line); the others keep one line
+    with the count (a failure every request hits would write whole tracebacks per request)."""
 
     def __init__(self, interval_s: float = 60.0) -> None:
         super().__init__()
@@ -83,11 +79,8 @@ class TracebackLimiter(logging.Filter):
 
 
 class RepeatLimiter(logging.Filter):
-    """At most one record a minute per message of a logger (the rest dropped, counted in the next one kept).
-
-    For uvicorn's own per-connection warnings ("Invalid HTTP request received.", "Unsupported upgrade
-    request."): a client sending garbage would otherwise write a line per connection.
-    """
+    """At most one record a minute per message (the rest counted in the next kept): for uvicorn's per-connection
+    warnings, which garbage from a client would repeat per connection."""
 
     def __init__(self, interval_s: float = 60.0) -> None:
         super().__init__()
@@ -113,8 +106,7 @@ class RepeatLimiter(logging.Filter):
 
 _LIMITER = TracebackLimiter()
 _REPEATS = RepeatLimiter()
-# The loggers that log a 500's traceback: the router's handler of unexpected errors, uvicorn's for an
-# exception that leaves an app (a worker's, or one raised after a response began).
+# The loggers that log a 500's traceback (the router's handler, and uvicorn's for an exception leaving an app).
 _SERVING_LOGGERS = ("kvferry.router", "kvferry.control", "uvicorn.error")
 
 

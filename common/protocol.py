@@ -1,10 +1,5 @@
-"""Messages between router and workers, between workers over HTTP and NIXL, and the token stream: msgspec Structs.
-
-One schema system for every boundary: a message is decoded (and so validated: types, ranges, the checks in
-``__post_init__``) once where it enters a process (``decode``), and travels typed from there, the engine pipe
-included (common/worker/messages.py). Every top-level HTTP message carries ``protocol_version``; a receiver
-refuses versions it does not speak. docs/architecture.md ("The wire") says why msgspec.
-"""
+"""Messages between router and workers, between workers over HTTP and NIXL, and the token stream: msgspec Structs,
+decoded (validated) once where they enter a process and typed from there (docs/architecture.md, "The wire")."""
 
 from __future__ import annotations
 
@@ -46,8 +41,8 @@ class _VersionOnly(Struct):
 
 
 def foreign_version(data: bytes) -> str | None:
-    """Why a body that is no valid message is refused, when its reason is a protocol version this process does not
-    speak: said first, whatever else is wrong with it (its fields may be a newer version's)."""
+    """Why a body is refused when the reason is a protocol version this process does not speak (said first:
+    its other fields may be a newer version's)."""
     try:
         version = msgspec.json.decode(data, type=_VersionOnly).protocol_version
     except (msgspec.DecodeError, UnicodeDecodeError):
@@ -58,18 +53,15 @@ def foreign_version(data: bytes) -> str | None:
 
 
 class GrammarSpec(Schema, frozen=True):
-    """A constraint on the whole output, compiled by the worker that samples (common/sched/grammar.py):
-    a JSON schema (text), any JSON object, a regular expression, or an EBNF grammar (xgrammar's dialect).
-    The spec travels, never compiled state: each worker compiles it (cached per spec) and replays the
-    tokens sampled before it took over."""
+    """A constraint on the whole output (JSON schema, any JSON object, regex or EBNF). The spec travels, never
+    compiled state: each worker compiles it and replays the tokens sampled before it took over."""
 
     kind: Literal["json_schema", "json_object", "regex", "ebnf"]
     value: Annotated[str, Meta(max_length=MAX_GRAMMAR_CHARS)] = ""
 
 
 class SamplingParams(Schema):
-    """What decides the next token. Defaults are greedy with no limits. Ranges are checked on decode (the
-    pod's edge); a struct built in code is trusted."""
+    """What decides the next token; defaults are greedy with no limits. Ranges are checked on decode only."""
 
     max_tokens: Annotated[int, Meta(ge=1)] = 16
     temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 0.0
@@ -83,17 +75,15 @@ class SamplingParams(Schema):
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0
-    # Added to the logits before any other step (token id -> bias); -100 bans a token, +100 all but forces it.
+    # Added to the logits first (token id -> bias); -100 bans a token, +100 all but forces it.
     logit_bias: Annotated[dict[int, float], Meta(max_length=MAX_LOGIT_BIAS)] = {}
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] = 1.0  # over prompt and output tokens; 1 = off
     min_tokens: Annotated[int, Meta(ge=0)] = 0  # EOS and stop_token_ids are masked until this many tokens are out
     grammar: GrammarSpec | None = None
-    # A request continued on another worker (router/upstream/migration.py): the last `output_offset` prompt tokens are
-    # its own earlier output. The sampler counts them as output positions (a seeded draw at output position k
-    # is the same on every worker) and the penalties as output tokens.
+    # A continued request's last `output_offset` prompt tokens are its earlier output: sampled and penalised as
+    # output positions, so a seeded draw is the same on every worker.
     output_offset: Annotated[int, Meta(ge=0)] = 0
-    # The request's SLO class (common/slo.py; "" = the deployment's default), which the router chose from its
-    # `priority` or `x-kvferry-class`: its queue deadline and the ITL target of the steps that decode it.
+    # The SLO class (common/slo.py; "": the default): its queue deadline and ITL target.
     slo_class: Annotated[str, Meta(max_length=64)] = ""
 
     def __post_init__(self) -> None:
@@ -127,8 +117,7 @@ class GenerateRequest(Versioned):
     token_ids: Prompt
     sampling: SamplingParams
     prefill_url: str | None = None
-    # Deadline for the remote prefill and its KV transfer (None: the decode worker's default, 60 s); the prefill
-    # worker gets the same deadline for its writes.
+    # Deadline for the remote prefill and its KV transfer (None: the decode worker's default), the writes' too.
     kv_timeout_s: Annotated[float, Meta(gt=0, le=3600)] | None = None
 
     def __post_init__(self) -> None:
@@ -137,9 +126,8 @@ class GenerateRequest(Versioned):
 
 
 class TokenLine(Struct, kw_only=True, omit_defaults=True):
-    """One line of a decode worker's NDJSON generate stream (``/internal/generate``), written by the decode worker
-    and read by the router: new tokens; the first line carries the prompt's counts and the workers' stage stamps,
-    the last a finish reason. Unknown fields are ignored (a newer worker may add some)."""
+    """One line of the decode worker's NDJSON generate stream: new tokens; the first line carries the prompt's
+    counts and stage stamps, the last a finish reason. Unknown fields are ignored."""
 
     token_ids: list[int] = []
     logprobs: list[TokenLogprob] | None = None
@@ -149,11 +137,9 @@ class TokenLine(Struct, kw_only=True, omit_defaults=True):
     finish_reason: FinishReason | None = None
     error: str | None = None
     kv_verified: bool | None = None  # debug mode: page checksums of the transferred KV matched
-    # With "error": only the worker was lost (its engine exited, or its stream broke or stalled), not the request;
-    # router/upstream/migration.py continues it on another worker.
+    # With "error": only the worker was lost, not the request (router/upstream/migration.py continues it).
     retryable: bool = False
-    # With "error" before any token: the prefill worker was alive but too busy (overload, not a fault): the
-    # router tries elsewhere and otherwise answers 429, never a 5xx.
+    # With "error" before any token: the prefill worker was too busy; the router tries elsewhere, else 429.
     overloaded: bool = False
 
 
@@ -205,12 +191,8 @@ class PrefillRequest(Versioned):
 
 
 class KVNotice(Schema, frozen=True, omit_defaults=True):
-    """Prefill -> decode over NIXL, the last message of one request's transfer: no write for `req_id` follows.
-
-    "landed": every write completed; `token` (and `logprob`) is the first sampled token. "closed": the prefill
-    side gave up (`error` says why) after its posted writes completed or were cancelled.
-    See common/transfer/session.py.
-    """
+    """Prefill -> decode over NIXL, the last message of a transfer (common/transfer/session.py): "landed" (every
+    write completed; `token` is the first sampled token) or "closed" (the prefill side gave up, `error` says why)."""
 
     req_id: ReqId
     outcome: Literal["landed", "closed"]
@@ -219,7 +201,7 @@ class KVNotice(Schema, frozen=True, omit_defaults=True):
     cached_tokens: Annotated[int, Meta(ge=0)] = 0
     checksums: list[float] | None = None  # debug mode: per-page sums on the prefill side
     error: Annotated[str, Meta(max_length=4000)] | None = None
-    # The prefill side's stage stamps (common/observability/timeline.py), wall-clock seconds by stage name.
+    # The prefill side's stage stamps (common/observability/timeline.py), wall-clock seconds by stage.
     timeline: Annotated[dict[str, float], Meta(max_length=32)] | None = None
 
     def __post_init__(self) -> None:
@@ -228,9 +210,8 @@ class KVNotice(Schema, frozen=True, omit_defaults=True):
 
 
 class PrefillProgress(Struct, kw_only=True, omit_defaults=True):
-    """One line of the prefill worker's `/internal/prefill` NDJSON stream; the last says `done` or `error`,
-    and is sent only once the request's transfer session is terminal (no write of it follows). Unknown fields
-    are ignored."""
+    """One line of `/internal/prefill`'s NDJSON stream; the last (`done` or `error`) comes once the transfer is
+    terminal. Unknown fields are ignored."""
 
     req_id: str | None = None
     done: bool = False
@@ -246,9 +227,7 @@ class AbortRequest(Versioned):
 
 
 class CancelTransfers(Versioned):
-    """Decode -> prefill: these requests' KV is no longer wanted (their decode worker gave them up). Those in
-    flight are aborted (their "closed" notice follows once their writes settled); the others are refused
-    should they arrive later. Answered 204."""
+    """Decode -> prefill: these requests' KV is no longer wanted; in-flight ones are aborted, later ones refused."""
 
     dst_agent: str
     dst_instance_id: str
@@ -273,26 +252,19 @@ class LoadSnapshot(Schema):
     host_pages_total: int = 0
     host_pages_saved: int = 0
     host_pages_loaded: int = 0
-    # Prompt tokens one step takes at most beside the requests it decodes (stall-free batching: what fits in
-    # `itl_target_s`); 0: not reported, or prefill-first scheduling, where a prompt's chunks run back to back
-    # and decoding waits for all of them (the cost model then charges the whole prompt).
+    # Prompt tokens one step takes beside decoding (0: not reported, or prefill-first scheduling).
     prefill_chunk_tokens: int = 0
     itl_target_s: float = 0.0  # the ITL the scheduler's steps beside decoding aim at (0: none, or not measured yet)
     prefill_step_tokens_per_s: float = 0.0  # device-timed prefill speed: what a chunk adds to a step (0: unknown)
     decode_step_s: float = 0.0  # recent decode step time, smoothed (0: no decode step yet)
     live_requests: int = 0  # requests with an open stream on this worker (set by its control plane, not the engine)
     loop_turns: int = 0  # the engine loop's turns so far: an idle engine blocks, so this stays put (0: not reported)
-    # The most KV tokens one request may reserve here (its share of the pool, KVFERRY_MAX_REQUEST_KV_SHARE; set by
-    # the control plane); 0: not reported. The router admits by it (router/decision/admission.py).
+    # The most KV tokens one request may reserve here (KVFERRY_MAX_REQUEST_KV_SHARE); 0: not reported.
     max_request_tokens: int = 0
-    # Output tokens a request admitted here reserves beyond its prompt (KVFERRY_KV_RESERVATION=optimistic; it grows
-    # page by page after); 0: all of its max_tokens. The router's KV admission counts the same (router/decision/admission.py).
+    # Output tokens a request reserves beyond its prompt (KVFERRY_KV_RESERVATION=optimistic); 0: all of max_tokens.
     kv_reserve_output_tokens: int = 0
-    # What predicts a new request's TTFT here (router/decision/ttft_model.py; common/sched/snapshot.py says what each is):
-    # the step-time model's seconds per unit (base_s, per_prefill_token_s, per_decode_row_s, per_context_token_s,
-    # per_attention_pair_s; empty until fitted), the prompt chunk of the next step as the batch stands, the
-    # decode rows and their KV context beside it, and per SLO class the prompt tokens queued ahead of a request
-    # of that class arriving now.
+    # What predicts a new request's TTFT here (router/decision/ttft_model.py; common/sched/snapshot.py says what
+    # each is): the step-time model's coefficients, the next chunk, decode rows and queued tokens per class.
     step_coefficients: Annotated[dict[str, float], Meta(max_length=8)] = {}
     step_chunk_tokens: int = 0
     decode_rows: int = 0
@@ -307,7 +279,6 @@ _decoders: dict[Any, msgspec.json.Decoder[Any]] = {}
 
 
 def encode(msg: Any) -> bytes:
-    """A message (or any value of structs, lists and dicts) as JSON bytes."""
     return _encoder.encode(msg)
 
 
@@ -328,7 +299,6 @@ def convert(obj: Any, type_: type[T]) -> T:
 
 
 def to_builtins(msg: Any) -> Any:
-    """A message as plain dicts, lists and scalars (for a JSON response body or a log)."""
     return msgspec.to_builtins(msg)
 
 

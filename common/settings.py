@@ -1,6 +1,5 @@
-"""Engine, scheduler and HTTP settings: plain dataclasses with no torch, so the router can read them cheaply.
-
-Fields bound to a `KVFERRY_*` setting take its default and docs from common/settings_registry.py."""
+"""Engine, scheduler and HTTP settings: torch-free dataclasses (the router reads them), defaults from
+common/settings_registry.py."""
 
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ class RunnerConfig:
     weight_dtype: str = reg.WEIGHT_DTYPE.field()
     page_size: int = reg.PAGE_SIZE.field()
     num_pages: int = reg.NUM_PAGES.field()
-    # 0: chosen at start: on a GPU, the device memory free after the weights minus a reserve for activations,
-    # CUDA graphs and workspaces (common/engine/kv_sizing.py); on the CPU, 1 GiB.
+    # 0: chosen at start (GPU: free memory after weights less a reserve, common/engine/kv_sizing.py; CPU: 1 GiB).
     kv_memory_gb: float = reg.KV_MEMORY_GB.field()
     max_running: int = reg.MAX_RUNNING.field()  # WorkerConfig.from_env defaults it by device (GPU 256, CPU 64)
     max_seq_len: int = reg.MAX_SEQ_LEN.field()
@@ -32,20 +30,18 @@ class RunnerConfig:
     cuda_graph_max_bs: int = reg.CUDA_GRAPH_MAX_BS.field()
     cuda_graph_max_tokens: int = reg.CUDA_GRAPH_MAX_TOKENS.field()
     decode_tc_min_batch: int = reg.DECODE_TC_MIN_BS.field()
-    # GPU: Triton kernels (RoPE + K/V write in one; the GEMMs of steps of at most gemv_max_rows rows as GEMVs;
-    # common/engine/gpu/). Off: flashinfer + cuBLAS only (the ablation baseline). gemv_prologues also folds the
-    # norms and SiLU-mul into those GEMVs (slower: bench/RESULTS.md, "Sixth pass"; for benchmarks). gemv_stream_stats: one-row
-    # steps add the o and down projections into the residual stream in their GEMVs, and the next GEMV applies
-    # the norm from the statistics those leave (no norm kernels; off for benchmarks' A/B); gemv_gated: there the
-    # gate_up GEMV applies silu(gate) * up in its epilogue too (no SiLU-mul kernels); gemv_rope: the qkv GEMV
-    # applies RoPE and writes K/V into the pool in its epilogue (no RoPE + K/V-write kernels at those rows).
+    # GPU Triton kernels (docs/architecture.md, "GPU kernels"); off: flashinfer + cuBLAS only (the baseline).
+    # The gemv_* switches pick which fusions the one-row GEMVs apply (A/B runs).
     fused_kernels: bool = reg.FUSED_KERNELS.field()
     gemv_max_rows: int = reg.GEMV_MAX_ROWS.field()
     gemv_prologues: bool = False
     gemv_stream_stats: bool = True
     gemv_gated: bool = True
     gemv_rope: bool = True
-    # Hopper: programmatic dependent launches (common/engine/gpu/pdl.py).
+    # Mixture-of-experts layers at those rows: the experts as two GEMV kernels reading each routed expert once
+    # (common/engine/gpu/moe_gemv.py) instead of the grouped GEMMs, and softmax top-k routing as one kernel
+    # (common/engine/gpu/moe_route.py); off for benchmarks' A/B.
+    gemv_experts: bool = True
     pdl: bool = reg.PDL.field()
     cpu_linear: str = "auto"  # CPU float32 GEMMs: auto = oneDNN with packed weights when available; torch = F.linear
     tp_size: int = reg.TP_SIZE.field()  # rank 0 launches the others (common/engine/tp_ranks.py)
@@ -53,12 +49,10 @@ class RunnerConfig:
     tp_port: int = 0  # rank 0's TCPStore port (followers)
     tp_shm: str = ""  # shared-memory path prefix of the CPU ranks' KV pools (followers)
     tp_same_device: bool = False  # GPU: every rank on cfg.device, collectives via the host (checks on one GPU)
-    # How other workers reach the ranks' KV: "shared" = rank 0 registers every rank's pool (CPU shared
-    # memory), "per-rank" = each follower runs its own NIXL agent (GPU), "auto" = by device.
+    # How other workers reach the ranks' KV: "shared" (rank 0 registers all pools), "per-rank" (an agent per rank).
     tp_transfer: str = reg.TP_TRANSFER.field()
     tp_agent_name: str = ""  # per-rank: rank 0's NIXL agent name; follower r's agent is "<name>-r<r>"
-    # The module rank 0 runs as each follower process (`python -m <module> <config JSON>`): the engine's own
-    # replays steps; a serving layer that gives each rank a NIXL agent names its own (common/worker/tp_follower.py).
+    # The module each follower process runs (common/worker/tp_follower.py gives each rank a NIXL agent).
     tp_follower_main: str = "common.engine.tp_follower"
 
 
@@ -66,31 +60,23 @@ class RunnerConfig:
 class SchedulerConfig:
     max_prefill_tokens: int = reg.MAX_PREFILL_TOKENS.field()
     enable_prefix_cache: bool = True
-    # Stall-free batching (common/sched/prefill_budget.py): every step decodes every running request and takes
-    # prompt chunks up to what fits in this ITL target. ITL_TARGET_SLO (inf, the default): the SLO classes'
-    # (below); below 0: -itl_target_ms of the engine's measured decode steps (ITL_TARGET_AUTO: 2); > 0:
-    # milliseconds; 0: prefill-first (decoding waits for whole prompts).
+    # ITL target of stall-free batching (common/sched/prefill_budget.py): ITL_TARGET_SLO the SLO classes'; < 0:
+    # -itl_target_ms measured decode steps; > 0: milliseconds; 0: prefill-first.
     itl_target_ms: float = reg.ITL_TARGET_MS.field()
     grammar_compile_timeout_s: float = reg.GRAMMAR_COMPILE_TIMEOUT_S.field()  # then the request fails alone
     max_step_ms: float = reg.MAX_STEP_MS.field()  # no planned step longer (commands wait between steps)
-    # The SLO declaration (common/slo.py): request classes and their targets, and the default class.
     slo_classes: str = reg.SLO_CLASSES.field()
     slo_default_class: str = reg.SLO_DEFAULT_CLASS.field()
-    # GiB of host memory behind the prefix cache (common/kv/host_tier.py); 0: none; negative: chosen at start
-    # (a GPU worker: 30% of the host memory it may use; the CPU: none).
+    # GiB of host memory behind the prefix cache; 0: none; negative: chosen at start.
     host_kv_gb: float = reg.HOST_KV_GB.field()
-    # auto: overlap on a GPU at TP=1, off otherwise (common/sched/scheduler.py); on | off force it (on runs the
-    # GPU loop's shape on the CPU, for tests).
+    # auto: overlap on a GPU at TP=1, off otherwise; on | off force it (on: the GPU loop's shape on the CPU).
     overlap: str = reg.OVERLAP.field()
-    # full | optimistic: what an admitted request's KV reservation covers (common/sched/pages.py).
     kv_reservation: str = reg.KV_RESERVATION.field()
 
 
 @dataclass(frozen=True)
 class HttpLimits:
-    """What one HTTP request and connection may cost the router or a worker's control plane (`KVFERRY_HTTP_*`;
-    docs/reliability.md lists them with what a client sees). The protocol side is common/http_server.py, the
-    request side common/http_guard.py."""
+    """What one HTTP request and connection may cost (`KVFERRY_HTTP_*`; docs/reliability.md, "HTTP limits")."""
 
     max_url_bytes: int = reg.HTTP_MAX_URL_BYTES.field()
     max_header_bytes: int = reg.HTTP_MAX_HEADER_BYTES.field()

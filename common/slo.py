@@ -1,15 +1,6 @@
-"""The service-level objectives a deployment declares: request classes, each with its TTFT and ITL targets.
-
-One declaration (``KVFERRY_SLO_CLASSES``, common/settings_registry.py) is read by every layer: the scheduler
-sizes each step's prompt chunk to the strictest ITL target among the requests it decodes and orders waiting
-prompts by their TTFT deadlines (common/sched/); workers publish what predicts a new request's TTFT; the router
-maps a request to its class (the ``priority`` field, vLLM's name, or the ``x-kvferry-class`` header) and sheds
-the requests no worker can serve within their class's TTFT target, lower classes first.
-
-Classes are listed in priority order, first the highest. The spec is ``name:key=value,...;name:...`` with keys
-``ttft`` and ``itl`` (milliseconds, or with an ``ms`` / ``s`` suffix; ``ttft=none``: no TTFT target, the class
-queues and is never shed for TTFT) and ``p`` (the percentile the targets hold at). Default:
-``interactive:ttft=1s,itl=50ms,p=99;batch:ttft=none,itl=200ms,p=99`` (docs/architecture.md, "SLOs").
+"""The service-level objectives a deployment declares: request classes in priority order, each with TTFT and
+ITL targets (docs/architecture.md, "SLOs"). Spec: ``name:key=value,...;name:...``, keys ``ttft`` and ``itl``
+(milliseconds, or an ``ms`` / ``s`` suffix; ``ttft=none``: never shed) and ``p`` (the percentile held).
 """
 
 from __future__ import annotations
@@ -20,8 +11,8 @@ from dataclasses import dataclass
 __all__ = ["DEFAULT_SLO_SPEC", "SloClass", "SloClasses", "parse_slo_classes"]
 
 DEFAULT_SLO_SPEC = "interactive:ttft=1s,itl=50ms,p=99;batch:ttft=none,itl=200ms,p=99"
-# A class without a TTFT target still gets a queue deadline, this many of the tightest TTFT target past its
-# arrival: it gives way to the classes with targets while they are within theirs, and is never starved.
+# A class without a TTFT target gets a queue deadline this many of the tightest TTFT target after arrival: it
+# gives way to the others while they are within theirs, and is never starved.
 PATIENCE_TARGETS = 10.0
 
 
@@ -40,8 +31,6 @@ class SloClass:
 
 @dataclass(frozen=True)
 class SloClasses:
-    """The declared classes in priority order; ``default`` is the class of a request that names none."""
-
     classes: tuple[SloClass, ...]
     default: str
 
@@ -56,22 +45,19 @@ class SloClasses:
         return tuple(c.name for c in self.classes)
 
     def get(self, name: str) -> SloClass:
-        """The class called `name` ("" = the default); ValueError naming the declared ones otherwise."""
         for c in self.classes:
             if c.name == (name or self.default):
                 return c
         raise ValueError(f"unknown SLO class {name!r}; this deployment declares {', '.join(self.names)}")
 
     def by_priority(self, priority: int) -> SloClass:
-        """vLLM's ``priority`` (lower is sooner, 0 the default): the default class shifted by that many ranks,
-        clamped to the declared ones."""
+        """vLLM's ``priority`` (lower is sooner): the default class shifted by that many ranks, clamped."""
         rank = self.get("").rank + priority
         return self.classes[min(max(rank, 0), len(self.classes) - 1)]
 
     def queue_deadline(self, cls: SloClass, arrival_s: float) -> float:
-        """When a request of `cls` that arrived at `arrival_s` must have its first token (its TTFT deadline), or
-        for a class without a TTFT target PATIENCE_TARGETS of the tightest target later (never infinite: a
-        deadline order with an infinite one would starve that class)."""
+        """The request's TTFT deadline (without a target, PATIENCE_TARGETS of the tightest later: never infinite,
+        which would starve the class)."""
         if cls.ttft_s is not None:
             return arrival_s + cls.ttft_s
         targets = [c.ttft_s for c in self.classes if c.ttft_s is not None]
@@ -95,7 +81,7 @@ def _seconds(text: str, key: str) -> float:
 
 
 def parse_slo_classes(spec: str, default: str = "") -> SloClasses:
-    """Parses a ``KVFERRY_SLO_CLASSES`` spec (module docstring); `default` "" makes the first class the default."""
+    """Parses a ``KVFERRY_SLO_CLASSES`` spec; `default` "" makes the first class the default."""
     classes: list[SloClass] = []
     for rank, part in enumerate(p for p in spec.split(";") if p.strip()):
         name, _, body = part.partition(":")

@@ -1,24 +1,7 @@
-"""The planner's decisions: from what the router observes, the replica counts each Deployment should have.
-
-Every ``interval_s`` (a few seconds) the planner reads one ``Observation`` (planner/source.py gathers it from
-the router over HTTP; the fleet simulator from its own router) and answers a ``Decision``:
-
-1. Forecast. The arrival rate's level and trend (Holt's linear smoothing) projected ``horizon_s`` ahead, the
-   time a new pod takes to become ready: replicas asked for now serve the load of then. The plan sizes for
-   the larger of now and then; the projection is held within ``max_growth`` of the level (one noisy
-   sample times a minute's horizon must not size a fleet).
-2. Size. planner/sizing.py turns that load and the SLOs into replica counts (common/capacity.py's model).
-3. Queue wait. When a new request would wait more than ``queue_alarm`` of the TTFT target (the workers'
-   own predicted wait, what the router's admission reads) or requests are being shed, the model has
-   under-counted (a burst inside the window, longer prompts than the mean says). The backlog is about
-   ``wait x ready`` worker-seconds of prefill; draining it within ``drain_s`` beside the arrivals takes
-   ``ready x wait / drain_s`` more workers (at least one), and shedding adds its share of the arrivals. The
-   prefill side (or the mixed one) is raised by that, from the replicas ready now, so pods still starting
-   are not counted twice. This reacts within one interval of the queue starting to grow.
-4. Hysteresis. A role scales up at once (after ``up_cooldown_s`` since its last change); it scales down
-   only when the plan has stayed ``down_band`` below its replicas for ``down_stable_s`` and its last change is
-   ``down_cooldown_s`` old, by at most ``down_step`` of its replicas at a time. A removed pod drains (its
-   SIGTERM path finishes what it runs, KVFERRY_DRAIN_SECONDS), so a scale-down loses no request.
+"""The planner's decisions: from one ``Observation`` every ``interval_s``, the replica counts each Deployment
+should have (docs/architecture.md, "The planner"): a Holt forecast one pod start-up ahead (held within
+``max_growth`` of the level), sized by planner/sizing.py, raised when the predicted queue wait passes the alarm
+(from the replicas ready now, so starting pods are not counted twice), and hysteresis on the way down.
 """
 
 from __future__ import annotations
@@ -62,8 +45,6 @@ class PlannerConfig:
 
 @dataclass
 class RateForecast:
-    """Holt's linear smoothing of the arrival rate over samples `interval_s` apart."""
-
     alpha: float
     beta: float
     level: float | None = None
@@ -124,7 +105,6 @@ class Planner:
         return decision
 
     def _queue_reaction(self, obs: Observation, planned: Counts) -> Counts:
-        """Raises the prefill side (or mixed) by what drains a queue past the alarm, and by the shed share."""
         cfg = self.cfg
         alarm = cfg.queue_alarm * self.spec.ttft_s
         if obs.queue_wait_s <= alarm and obs.shed_rate <= 0:

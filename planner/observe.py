@@ -1,11 +1,6 @@
-"""What the planner reads, reduced to an Observation the same way wherever it comes from: the router's HTTP
-endpoints (planner/source.py) or the fleet simulator's router (bench/fleet_sim/fleet.py).
-
-Over a window between two readings: arrivals (served, refused and failed requests alike: all of them are
-offered load), the prompt and output tokens of the requests served, the prompt tokens found cached, and the
-requests refused. The queue wait is the least predicted wait over the workers that prefill (their queued
-prompt tokens over their prefill rate): where the router would place a request arriving now, and what it
-would wait before its own prefill starts.
+"""What the planner reads, reduced to an Observation the same way from the router's HTTP endpoints or the fleet
+simulator's router. Every arrival is offered load; the queue wait is the least predicted wait over the workers
+that prefill (where a request arriving now would go).
 """
 
 from __future__ import annotations
@@ -21,8 +16,6 @@ __all__ = ["Totals", "observation", "queue_wait_s"]
 
 @dataclass(frozen=True)
 class Totals:
-    """Running totals (counters) at one instant."""
-
     t: float
     requests: float = 0.0  # arrivals
     served: float = 0.0  # requests whose lengths are in the sums below
@@ -34,14 +27,12 @@ class Totals:
 
 
 def queue_wait_s(queues: Iterable[tuple[float, float]]) -> float:
-    """The least wait over the prefilling workers, each given as (queued prompt tokens, prefill tokens/s);
-    workers that have measured no rate are left out (0 when none has)."""
+    """The least wait over the prefilling workers, (queued prompt tokens, tokens/s) each; unmeasured ones left out."""
     waits = [q / r for q, r in queues if r > 0]
     return min(waits, default=0.0)
 
 
 def observation(before: Totals, now: Totals, queue_wait: float, ready: Counts, fallback: OfferedLoad) -> Observation:
-    """The load between two totals; mean lengths from `fallback` where nothing was served in the window."""
     dt = max(now.t - before.t, 1e-9)
     served = now.served - before.served
     prompt = (now.prompt_tokens - before.prompt_tokens) / served if served > 0 else fallback.prompt

@@ -1,28 +1,6 @@
-"""How many workers of each role an offered load needs, from the capacity model (common/capacity.py): pure.
-
-Offered load: ``rate`` requests/s of ``prompt`` tokens (a fraction ``prefix_hit`` of them already cached) and
-``output`` tokens. A worker's capacity comes from its step-time coefficients:
-
-prefill worker
-    A prompt of u uncached tokens takes ``ceil(u / chunk) * overhead + per_prefill_token * u +
-    per_attention_pair * u^2 / 2`` of a worker's time; over the load, with the mean square of the prompt
-    lengths (a few long prompts cost more attention than their mean says), ``work`` seconds per request. A
-    prompt alone takes ``s`` = that + its transfer; what the TTFT target leaves, ``W = ttft - s``, is the queue
-    wait allowed. A queue's mean wait is ``rho / (1 - rho) * R``, R = E[S^2] / 2 E[S] (the work left of the
-    prompt in service: long prompts make it long), its tail QUEUE_TAIL times that, which bounds the utilisation
-    at ``W / (W + QUEUE_TAIL * R)``, at most MAX_UTILISATION. Workers: ``rate * work / rho``.
-decode worker
-    Every step emits one token per row and must stay within the ITL target ``T`` (times ITL_HEADROOM: the
-    target holds at a high percentile, the step time at its mean). With ``x`` requests/s a worker carries
-    ``x * output * T`` rows of ``prompt + output / 2`` KV tokens each, so
-    ``T = base + x * T * output * row_cost``, ``row_cost = per_row + per_context * (prompt + output / 2)``:
-    ``x = (1 - base / T) / (output * row_cost)``, capped by the batch slots and KV pool.
-mixed (aggregated) worker
-    The same step also carries the prompt chunks: ``x = (1 - base / T) / (output * row_cost + uncached *
-    (per_prefill_token + per_attention_pair * uncached / 2))``; its TTFT bound as for a prefill worker at the
-    prefill rate its ITL budget leaves.
-
-The GPU cost of a plan is its replica counts times the GPUs each takes.
+"""How many workers of each role an offered load needs, from the capacity model (common/capacity.py): pure
+(the formulas: docs/architecture.md, "The planner"). The GPU cost of a plan is its replica counts times the GPUs
+each takes.
 """
 
 from __future__ import annotations
@@ -64,7 +42,7 @@ class Counts:
 
 @dataclass(frozen=True)
 class FleetSpec:
-    """What every worker of the fleet can do (one model on one kind of device) and the SLOs it is held to."""
+    """What every worker of the fleet can do (one model, one kind of device) and the SLOs it is held to."""
 
     cost: StepCost
     ttft_s: float
@@ -105,9 +83,8 @@ def _row_cost(cost: StepCost, load: OfferedLoad) -> float:
 
 
 def _utilisation(service_s: float, ttft_s: float, residual_s: float | None = None) -> float:
-    """The utilisation whose queue wait, at its tail, stays within what the TTFT target leaves after a prompt's
-    own prefill: a queue's mean wait is ``rho / (1 - rho) * residual`` (Pollaczek-Khinchine; ``residual`` =
-    E[S^2] / 2 E[S], the work left of the prompt in service), its tail QUEUE_TAIL times that."""
+    """The utilisation whose tail queue wait (Pollaczek-Khinchine: mean ``rho / (1 - rho) * residual``, times
+    QUEUE_TAIL) stays within what the TTFT target leaves after a prompt's own prefill."""
     wait = max(ttft_s - service_s, MIN_WAIT_SHARE * ttft_s)
     residual = service_s if residual_s is None else residual_s
     if residual <= 0:
@@ -116,7 +93,7 @@ def _utilisation(service_s: float, ttft_s: float, residual_s: float | None = Non
 
 
 def prefill_work_s(spec: FleetSpec, load: OfferedLoad) -> float:
-    """A prefill worker's seconds per request of the load, on average (the module docstring)."""
+    """A prefill worker's mean seconds per request of the load."""
     cost, u = spec.cost, load.uncached
     steps = u / spec.chunk_tokens + 1 if spec.chunk_tokens > 0 else 1
     return (
@@ -132,7 +109,7 @@ def prefill_workers(spec: FleetSpec, load: OfferedLoad) -> float:
     if spec.transfer_tokens_per_s > 0:
         service += load.prompt / spec.transfer_tokens_per_s
     work = prefill_work_s(spec, load)
-    # E[S^2] of the linear part of a prompt's work (its tokens and steps): heavy-tailed prompts wait longer
+    # E[S^2] of the linear part of a prompt's work: heavy-tailed prompts wait longer
     per_token = spec.cost.per_prefill_token_s + (
         spec.cost.overhead_s(0, 0) / spec.chunk_tokens if spec.chunk_tokens > 0 else 0.0
     )
@@ -141,7 +118,6 @@ def prefill_workers(spec: FleetSpec, load: OfferedLoad) -> float:
 
 
 def _kv_and_slot_cap(spec: FleetSpec, load: OfferedLoad, step_s: float) -> float:
-    """Requests/s one decode worker can hold by batch slots and KV pool (rows = rate * output * step)."""
     per_request = max(load.prompt + load.output, 1.0)
     rows = min(spec.max_running, spec.kv_tokens / per_request)
     return rows / max(load.output * step_s, 1e-9)
@@ -184,8 +160,7 @@ def _clamp(n: float, lo: int, hi: int) -> int:
 
 
 def size_fleet(spec: FleetSpec, load: OfferedLoad) -> Counts:
-    """The replica counts of the roles `spec` deploys that serve `load` within the SLOs at the least GPU cost:
-    prefill + decode, or mixed, whichever takes fewer workers when both are deployed."""
+    """The replica counts serving `load` within the SLOs at the least GPU cost (prefill + decode, or mixed)."""
     lo, hi = spec.min_workers, spec.max_workers
     options: list[Counts] = []
     if "prefill" in spec.roles and "decode" in spec.roles:

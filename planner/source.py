@@ -1,10 +1,6 @@
-"""What the planner reads from the routers over HTTP: each router's ``GET /metrics`` (Prometheus text: requests,
-prompt and output tokens, cached prompt tokens, sheds) and ``GET /router/workers`` (each worker's role, whether
-it is routable, its queued prompt tokens, prefill rate and step-time coefficients).
-
-Several router replicas each count their own requests: the planner sums every router's counters (with
-``--routers`` naming a headless Service, every address its name resolves to). The workers' view is the same in
-every router (each polls every worker), so the first router that answers gives it.
+"""What the planner reads from the routers over HTTP (``/metrics`` and ``/router/workers``): every router's
+counters summed (a headless Service's every address), the workers' view from the first that answers (each
+router polls every worker).
 """
 
 from __future__ import annotations
@@ -52,7 +48,6 @@ def expand_urls(urls: Iterable[str]) -> list[str]:
 
 
 def parse_totals(text: str, t: float) -> Totals:
-    """One router's counters from its Prometheus text."""
     sums: dict[str, float] = {}
     shed = 0.0
     buckets: list[tuple[float, float]] = []  # the prompt-length histogram's (upper edge, cumulative count)
@@ -86,8 +81,8 @@ def parse_totals(text: str, t: float) -> Totals:
 
 
 def _sum_of_squares(buckets: list[tuple[float, float]]) -> float:
-    """The prompt lengths' sum of squares, from the histogram: each bucket's count at its middle (the open-ended
-    one at twice the last edge)."""
+    """The prompt lengths' sum of squares from the histogram (each bucket at its middle, the open one at twice
+    the last edge)."""
     total, below, last = 0.0, 0.0, 0.0
     for edge, cumulative in sorted(buckets):
         at = (last + edge) / 2 if edge != float("inf") else 2 * last
@@ -116,8 +111,7 @@ def parse_workers(view: dict) -> tuple[float, Counts, StepCost | None]:
 
 
 def read(client: httpx.Client, routers: list[str], t: float, headers: dict[str, str] | None = None) -> FleetView:
-    """Sums every router's counters and takes the workers' view from the first that answers; raises when no
-    router answers."""
+    """Sums every router's counters, the workers' view from the first that answers; raises when none answers."""
     totals: list[Totals] = []
     workers = None
     for url in expand_urls(routers):

@@ -1,10 +1,5 @@
-"""The router's FastAPI app: OpenAI endpoints in front, the worker pool and routing behind.
-
-``create_app(config, options)`` wires the parts: the runtime its lifespan builds (router/runtime.py: one
-shared WireClient, router/wire.py, for every worker call), the OpenAI routes (router/openai_routes.py,
-router/extra_routes.py) and the operations routes (router/ops_routes.py). The request pipeline is
-router/surface/service.py, routing router/decision/policy.py + router/upstream/call.py.
-"""
+"""The router's FastAPI app: OpenAI endpoints in front, the worker pool and routing behind (the runtime its
+lifespan builds is router/runtime.py)."""
 
 from __future__ import annotations
 
@@ -54,10 +49,7 @@ def create_app(
     use_redis: bool = True,
     http_limits: HttpLimits | None = None,
 ) -> FastAPI:
-    """Builds the router app. ``tokenizer``/``model_info`` default to loading ``config.model``;
-    ``discovery`` to the one ``config.discovery`` names; ``index_reader`` to a Redis
-    PrefixIndexReader on ``config.redis_url`` (``use_redis=False``: route on load alone); ``http_limits`` to
-    ``HttpLimits.from_env()``."""
+    """Builds the router app; each part defaults to what `config` names (``use_redis=False``: route on load alone)."""
     opts = options or RouterOptions.from_env()
     if tokenizer is None or model_info is None:
         tokenizer, model_info = load_tokenizer(config.model, opts.tokenizer)

@@ -1,15 +1,6 @@
-"""The router's Prometheus metrics (``GET /metrics``): request latencies as clients see them, routing,
-and the worker pool as this router sees it. What each one measures, its labels and their values:
-docs/architecture.md, "Metrics"; bucket edges: common/observability/buckets.py.
-
-Several router processes (``KVFERRY_ROUTER_WORKERS`` > 1, one port): router/main.py points
-``PROMETHEUS_MULTIPROC_DIR`` at a fresh directory before they start, every process writes its values
-there, and whichever process answers a scrape reports the sum over all of them (prometheus-client's
-multiprocess mode); ``kvferry_router_worker_up`` is that process's own view of the pool (every process
-polls every worker). A single process keeps its values in memory.
-
-Per token the router only takes a clock reading and bumps a local bucket (``TokenGaps``); everything
-reaches the Prometheus values once per request.
+"""The router's Prometheus metrics (docs/architecture.md, "Metrics"). Several router processes share them
+through prometheus-client's multiprocess mode (router/main.py sets the directory); per token the router only
+bumps a local bucket (``TokenGaps``), and values reach Prometheus once per request.
 """
 
 from __future__ import annotations
@@ -34,8 +25,7 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 class TokenGaps:
-    """One choice's inter-token gaps, bucketed locally (no lock, no shared value per token) and added to
-    the histogram once, when the request ends."""
+    """One choice's inter-token gaps, bucketed locally and added to the histogram once, at the request's end."""
 
     __slots__ = ("counts", "total", "last", "itl_target_s", "over")
 
@@ -47,7 +37,6 @@ class TokenGaps:
         self.over = 0  # tokens whose gap exceeded it
 
     def add(self, tokens: int, now: float | None = None) -> None:
-        """A worker event (or several read at once) carrying ``tokens`` arrived."""
         now = time.monotonic() if now is None else now
         last, self.last = self.last, now
         if last is None or tokens <= 0:
@@ -59,8 +48,7 @@ class TokenGaps:
             self.over += tokens
 
     def within(self, percentile: float) -> bool:
-        """Whether the `percentile`-th percentile of these gaps is within the ITL target: at most the share
-        of tokens above the percentile exceeded it."""
+        """Whether the `percentile`-th percentile of these gaps is within the ITL target."""
         return self.over <= int(sum(self.counts) * (1 - percentile / 100) + 1e-9)
 
 
@@ -68,8 +56,6 @@ ITL_BOUNDS = (*buckets.STEP_S, float("inf"))
 
 
 class _PoolView(Collector):
-    """``kvferry_router_worker_up`` from the worker pool at scrape time."""
-
     def __init__(self, workers: Callable[[], Iterable[Any]]) -> None:
         self.workers = workers
 
@@ -82,8 +68,7 @@ class _PoolView(Collector):
         yield g
 
 
-# Label values known up front are exported at 0 from the start, so a dashboard panel or a rate() over them shows
-# 0 rather than "no data" until the first event (a migration may never happen in a healthy fleet).
+# Label values known up front are exported at 0, so a panel shows 0 rather than "no data" until the first event.
 MIGRATION_OUTCOMES = ("started", "succeeded", "failed")  # router/upstream/migration.py MigrationStats
 PREFIX_LOOKUP_RESULTS = ("hit", "miss", "skipped")  # router/decision/dispatch.py
 DEFAULT_SLO_CLASSES = parse_slo_classes(DEFAULT_SLO_SPEC).names  # the deployment's own: declare_classes
@@ -203,13 +188,12 @@ class RouterMetrics:
             r.register(_PoolView(lambda: self._pool()))
 
     def declare_classes(self, names: Iterable[str]) -> None:
-        """Exports every declared SLO class's counters from 0 (a class may see no traffic for a while)."""
+        """Exports every declared SLO class's counters from 0."""
         for name in names:
             for c in (self.slo_requests, self.slo_ttft_met, self.slo_itl_met, self.slo_good, self.slo_shed):
                 c.labels(slo_class=name)
 
     def observe_slo(self, slo_class: str, ttft_met: bool, itl_met: bool) -> None:
-        """One request served in `slo_class`: whether it met each target."""
         self.slo_requests.labels(slo_class=slo_class).inc()
         if ttft_met:
             self.slo_ttft_met.labels(slo_class=slo_class).inc()
@@ -219,12 +203,10 @@ class RouterMetrics:
             self.slo_good.labels(slo_class=slo_class).inc()
 
     def watch_pool(self, workers: Callable[[], Iterable[Any]]) -> None:
-        """Where ``kvferry_router_worker_up`` reads the pool from (set once the pool exists)."""
         self._pool = workers
 
     def add_gaps(self, gaps: TokenGaps) -> None:
-        """Adds one choice's inter-token gaps to the histogram (bucket by bucket: ``observe`` per token
-        would take a lock per token)."""
+        """Adds one choice's gaps bucket by bucket (``observe`` per token would take a lock per token)."""
         if gaps.total == 0.0 and not any(gaps.counts):
             return
         hist = self.itl
@@ -248,8 +230,7 @@ class RouterMetrics:
 
 
 def prepare_multiprocess_dir() -> str:
-    """For several router processes: a directory for their values (PROMETHEUS_MULTIPROC_DIR as set, emptied of
-    an earlier run's files, else a fresh one), exported to the processes about to start."""
+    """A directory for several router processes' values (PROMETHEUS_MULTIPROC_DIR emptied, or a fresh one)."""
     path = os.environ.get(MULTIPROC_ENV)
     if path:
         os.makedirs(path, exist_ok=True)

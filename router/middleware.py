@@ -1,15 +1,6 @@
-"""The router's front door, as plain ASGI (before FastAPI parses anything): bearer auth, and outside it the
-count of every response.
-
-Auth runs before the body is read, so an unauthenticated request costs neither reading nor parsing, and gets
-its 401 whatever its body looks like. The operator routes (``/router/``: worker URLs and pool state;
-``/debug/``: every client's recent request ids and timelines) show what one client must not learn about the
-others: with an API key they want it like every other route; with none they answer only a client on this host
-(loopback, after uvicorn's proxy-header handling, which trusts only 127.0.0.1 by default), 403 otherwise; the HTTP limits (413 and the rest: common/http_guard.py) come after it.
-``ResponseCounter`` wraps
-them: every response is counted by method, route and status, and a response to a generation route that no
-request record counted (refused before it was parsed, or by validation) is counted in
-``kvferry_router_requests_total`` as well, so that counter misses no rejection.
+"""The router's front door, as plain ASGI before FastAPI parses anything: bearer auth (before the body is read),
+and outside it the count of every response. Without an API key the operator routes (``/router/``, ``/debug/``)
+answer only loopback clients (403 otherwise): they show what one client must not learn about the others.
 """
 
 from __future__ import annotations
@@ -54,7 +45,7 @@ class FrontDoor:
         if self.expected is not None and scope["path"].startswith(_PROTECTED):
             given = next((v for k, v in headers if k == b"authorization"), b"")
             scheme, _, token = given.strip().partition(b" ")
-            # The scheme is case-insensitive (RFC 9110 11.1); the key itself is compared in constant time.
+            # The scheme is case-insensitive (RFC 9110 11.1); the key is compared in constant time.
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.expected):
                 await _send_error(send, unauthorized())
                 return
@@ -72,9 +63,8 @@ CLIENT_GONE = 499  # the status counted for a request whose client left before a
 
 
 class ResponseCounter:
-    """Counts every HTTP response (``kvferry_router_http_requests_total``) by method, route template (not the
-    path: ids in paths would grow the label set without bound) and status; and completes
-    ``kvferry_router_requests_total`` for generation requests refused before a request record took them."""
+    """Counts every HTTP response by method, route template (paths would grow the label set) and status, and
+    counts generation requests refused before a request record took them."""
 
     def __init__(self, app: ASGIApp, metrics: RouterMetrics, static_paths: Callable[[], Iterable[str]]) -> None:
         self.app = app

@@ -1,13 +1,6 @@
-"""One request's record in the router: its stage timeline, its trace span, and what it counts in the metrics.
-
-``RequestLog.begin`` opens a record when a request reaches the OpenAI handler; the pipeline stamps its
-stages (common/observability/timeline.py: ``tokenized``, ``routed``, ``dispatched``, ``first_token_router``)
-and the decode worker's first event brings the workers' stamps. ``finish`` (first call wins) observes the
-request's histograms and counters, ends its span (children rebuilt from the stamps), keeps the record
-among the recent ones for ``GET /debug/requests/{id}`` and writes it as one log line at DEBUG.
-
-Each router process keeps its own recent requests: with several processes on one port, ask the one that
-served the request (or read the DEBUG log line).
+"""One request's record in the router: its stage timeline, trace span and metrics. ``finish`` (first call wins)
+counts the request, ends its span and keeps the record for ``GET /debug/requests/{id}`` in this router process
+(with several processes on one port, ask the one that served it, or read the DEBUG log line).
 """
 
 from __future__ import annotations
@@ -75,15 +68,14 @@ class RequestRecord:
         self.mark("dispatched")
 
     def upstream(self, worker_stamps: dict[str, float] | None) -> None:
-        """The decode worker's first event: its (and its prefill peer's) stamps; the first choice's win."""
+        """The decode worker's first event: the workers' stamps; the first choice's win."""
         if worker_stamps and "decode_received" not in self.stamps:
             for stage, t in worker_stamps.items():
                 if isinstance(t, int | float):
                     self.stamps.setdefault(stage, float(t))
 
     def first_token(self, choices: list[Any]) -> None:
-        """Every choice's first event is in (router/surface/service.py's RunningChoice): from here their tokens' gaps
-        are counted."""
+        """Every choice's first event is in: from here their tokens' gaps are counted."""
         self.mark("first_token_router")
         self.ttft_s = time.monotonic() - self.started
         for done in self.on_first_token:
@@ -95,8 +87,7 @@ class RequestRecord:
             c.gaps = self.owner.metrics.new_gaps(itl)
 
     def finish_choices(self, status: int, choices: list[Any], client_gone: bool = False) -> None:
-        """Finishes with what the choices (RunningChoice) say: the outcome of the first one that did not
-        stop or run out of length, "abort" for one left unfinished (the client went away)."""
+        """Finishes with the outcome of the first choice that did not stop or hit its length ("abort": client gone)."""
         outcome = "abort" if client_gone else ""
         for c in choices:
             reason = c.state.finish_reason if c.state.finished else "abort"
@@ -162,8 +153,6 @@ class RequestRecord:
 
 
 class RequestLog:
-    """The recent requests of this router process (bounded), and where records report to."""
-
     def __init__(self, metrics: RouterMetrics, keep: int = 1024) -> None:
         self.metrics = metrics
         self.max_kept = keep

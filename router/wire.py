@@ -1,15 +1,8 @@
-"""A minimal HTTP/1.1 client for the router's calls to workers, on asyncio streams.
-
-Why not httpx: its transport, pool and event layers cost a streamed POST about ten times the CPU its bytes
-need, which alone broke the router's 2 ms added-latency budget on the GPU hosts' slower cores
-(bench/RESULTS.md, "Figures behind choices in the code"). The router only ever speaks plain HTTP/1.1 to
-workers it knows (no TLS, no redirects, no proxies, no cookies), so this is small: keep-alive
-connections pooled per host, a request written in one call, and a response read with its framing
-(chunked, Content-Length, or until close). NDJSON responses are read line by line.
-
-A pooled connection the worker closed while it sat idle shows up as EOF before any response byte; the
-request is then sent once more on a fresh connection (the worker never saw it). Idle connections are
-dropped before the workers' keep-alive timeout (`KVFERRY_HTTP_KEEP_ALIVE_S`, 5 s) would close them under us.
+"""A minimal HTTP/1.1 client for the router's calls to workers, on asyncio streams: httpx cost a streamed POST
+about ten times the CPU its bytes need, which alone broke the router's added-latency budget. Plain HTTP/1.1 to
+known workers only: pooled keep-alive connections, one write per request, responses read with their framing.
+A pooled connection found closed (EOF before any byte) resends once; idle ones drop before the workers'
+keep-alive timeout.
 """
 
 from __future__ import annotations
@@ -34,8 +27,8 @@ class WireError(Exception):
 
 
 class ConnectError(WireError):
-    """The connection could not be opened: refused or unreachable (nothing listens there), or, with
-    ``timed_out``, no answer to the connect within the deadline (a full accept queue looks the same)."""
+    """Refused or unreachable (nothing listens), or, with ``timed_out``, no answer to the connect in time (a
+    full accept queue looks the same)."""
 
     def __init__(self, message: str, timed_out: bool = False) -> None:
         super().__init__(message)
@@ -73,9 +66,8 @@ class Response:
     _buf: bytearray = field(default_factory=bytearray)
     _keep_alive: bool = True
 
-    # The body is read in whatever pieces the socket gives (one read per arrival, not one await per
-    # chunk header and chunk), undone from its framing into _buf; every complete line in _buf can then
-    # be taken without waiting (line_nowait), which lets a caller that fell behind catch up in one go.
+    # The body is read in whatever pieces the socket gives and unframed into _buf, whose complete lines are then
+    # taken without waiting (line_nowait): a caller that fell behind catches up in one go.
     _raw: bytearray = field(default_factory=bytearray)  # read, framing not yet undone
     _chunk_left: int = 0  # chunked: data bytes left in this chunk; 0: a size line next; -1: its CRLF; -2: trailers
 
@@ -120,7 +112,7 @@ class Response:
                 self._chunk_left = size if size > 0 else -2
 
     async def _fill(self) -> bool:
-        """Reads what the socket has into the body buffer; False once the body has ended."""
+        """Reads what the socket has into the body buffer; False once the body ended."""
         if self._done or self._conn is None:
             return False
         try:
@@ -139,11 +131,10 @@ class Response:
 
     @property
     def ended(self) -> bool:
-        """The whole body has been read."""
         return self._done or self._conn is None
 
     def line_nowait(self) -> bytes | None:
-        """The next complete line of the body if one is already here, else None (never waits)."""
+        """The next complete line of the body if already here, else None."""
         buf = self._buf
         nl = buf.find(b"\n")
         if nl < 0:
@@ -153,7 +144,7 @@ class Response:
         return line
 
     async def next_line(self) -> bytes | None:
-        """The next line of the body (without its line end); None at the end of the body."""
+        """The next line of the body (without its line end); None at its end."""
         while True:
             line = self.line_nowait()
             if line is not None:
@@ -168,7 +159,6 @@ class Response:
                 return None
 
     async def lines(self) -> AsyncIterator[bytes]:
-        """The body's lines (without line ends), for NDJSON."""
         while (line := await self.next_line()) is not None:
             yield line
 
@@ -183,9 +173,8 @@ class Response:
         self.close()
 
     def close(self) -> None:
-        """Returns the connection to the pool if the body was read to its end, else closes it (for a
-        generate stream that is the abort signal to the worker). Never waits, so no cancellation can
-        interrupt it."""
+        """Returns the connection to the pool if the body was read to its end, else closes it (for a generate
+        stream, the worker's abort signal). Never waits, so no cancellation can interrupt it."""
         conn, self._conn = self._conn, None
         if conn is None:
             return
@@ -199,7 +188,7 @@ class WireClient:
     def __init__(
         self, connect_timeout_s: float = reg.ROUTER_CONNECT_TIMEOUT_S.default, headers: dict[str, str] | None = None
     ) -> None:
-        """``headers``: sent on every request (the workers' internal token: common/internal_auth.py)."""
+        """``headers``: sent on every request (the internal token)."""
         self.connect_timeout_s = connect_timeout_s
         self._fixed_head = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
@@ -228,8 +217,7 @@ class WireClient:
                 return conn
             conn.close()
         try:
-            # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the connection when a cancel
-            # comes as it opens, and the cancel is lost (a stopped poll loop polled on).
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can return the connection and lose a cancel.
             async with asyncio.timeout(self.connect_timeout_s):
                 reader, writer = await asyncio.open_connection(key[0], key[1], limit=_MAX_LINE)
         except TimeoutError:
@@ -257,8 +245,7 @@ class WireClient:
         content_type: str = "application/json",
         headers: dict[str, str] | None = None,
     ) -> Response:
-        """Sends a request and reads the status line and headers; the body is read from the Response.
-        ``headers``: extra ones (a trace's traceparent)."""
+        """Sends a request and reads the status line and headers; ``headers``: extra ones (a traceparent)."""
         key, netloc, path = self._target(url)
         head = f"{method} {path} HTTP/1.1\r\nhost: {netloc}\r\n{self._fixed_head}"
         if body or method in ("POST", "PUT", "PATCH"):
@@ -316,7 +303,6 @@ class WireClient:
         return resp
 
     async def get_json_body(self, url: str, timeout_s: float) -> tuple[int, bytes]:
-        """GET with a deadline over the whole exchange; returns (status, body)."""
         async with asyncio.timeout(timeout_s):
             resp = await self.request("GET", url)
             try:

@@ -812,6 +812,52 @@ def test_fp8_on_flashinfer_matches_its_torch_twin(tiny_dirs, fp8):
         assert e < 1.5 * e_twin + 1e-2 and e < 0.15
 
 
+@needs_cuda
+@gpu
+@pytest.mark.parametrize("top_k", [2, 8])
+def test_gemv_experts_match_fp32_experts_as_grouped_gemms_do(top_k):
+    """The decode steps' GEMV experts (common/engine/gpu/moe_gemv.py) in bf16 at 1..8 tokens, against the plain
+    experts in fp32: within what the grouped GEMMs (bf16) lose against them; bit-identical run to run; and a CUDA
+    graph captured at one token count replays them on new tokens and new routing as they run eagerly."""
+    from common.engine.gpu.moe_experts import grouped_mm_experts, grouped_mm_unsupported
+    from common.engine.gpu.moe_gemv import MAX_TOKENS, gemv_experts
+    from common.engine.model_config import MoeConfig
+    from common.engine.moe import grouped_experts, route
+
+    why = grouped_mm_unsupported(torch.device("cuda"), torch.bfloat16)
+    if why is not None:
+        pytest.skip(why)
+    g = torch.Generator(device="cuda").manual_seed(top_k)
+    experts, hidden, inner = 32, 1000, 384  # an odd tile count over the hidden size; some experts get no token
+    w13 = (torch.randn(experts, 2 * inner, hidden, generator=g, device="cuda") * hidden**-0.5).to(torch.bfloat16)
+    w2 = (torch.randn(experts, hidden, inner, generator=g, device="cuda") * inner**-0.5).to(torch.bfloat16)
+    gating = MoeConfig(num_experts=experts, top_k=top_k, intermediate_size=inner, renormalize=True, layers=())
+
+    def tokens_of(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = torch.randn(n, hidden, generator=g, device="cuda").to(torch.bfloat16)
+        return x, *route(torch.randn(n, experts, generator=g, device="cuda"), gating)
+
+    for n in range(1, MAX_TOKENS + 1):
+        x, weights, ids = tokens_of(n)
+        ref = grouped_experts(x.float(), weights, ids, w13.float(), w2.float())
+        got = gemv_experts(x, weights, ids, w13, w2)
+        grouped = grouped_mm_experts(x, weights, ids, w13, w2)
+        e_gemv, e_grouped = _rel(got, ref), _rel(grouped, ref)
+        assert got.dtype == torch.bfloat16 and got.shape == (n, hidden)
+        assert e_gemv < 1.5 * e_grouped + 1e-3 and e_gemv < 1e-2, (n, e_gemv, e_grouped)
+        assert torch.equal(got, gemv_experts(x, weights, ids, w13, w2))
+    x, weights, ids = tokens_of(3)
+    gemv_experts(x, weights, ids, w13, w2)  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemv_experts(x, weights, ids, w13, w2)
+    x2, weights2, ids2 = tokens_of(3)
+    for static, new in ((x, x2), (weights, weights2), (ids, ids2)):
+        static.copy_(new)
+    graph.replay()
+    assert torch.equal(out, gemv_experts(x2, weights2, ids2, w13, w2))
+
+
 # ---- latent attention (DeepSeek's MLA) on flashinfer ---------------------------------------------------
 # DeepSeek-V2-Lite's attention shapes (16 heads, kv_lora_rank 512, RoPE part 64, nope 128, v 128, queries straight
 # from the hidden states, YaRN), the rest small: 3 layers (the first dense), 8 experts top-2 plus a shared one.
@@ -875,6 +921,27 @@ def test_mla_on_flashinfer_logits_match_fp32_torch_path(mla_dir):
     for a, b in zip(got_graph, got_eager):
         assert _rel(a[:-6], b[:-6]) < 1e-2
         assert _rel(a[-6:], b[-6:]) < 1e-2
+
+
+@needs_cuda
+@gpu
+def test_softmax_top_k_kernel_routes_as_route_does():
+    """The decode steps' one-kernel routing (common/engine/gpu/moe_route.py) on the GPU: Qwen3-30B-A3B's gating
+    (128 experts, top-8, renormalised) and Mixtral's (8, top-2) at 1..8 tokens of float32 logits: `route`'s experts
+    and weights."""
+    from common.engine.gpu.moe_route import softmax_top_k
+    from common.engine.model_config import MoeConfig
+    from common.engine.moe import route
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for experts, top_k in ((128, 8), (8, 2)):
+        moe = MoeConfig(num_experts=experts, top_k=top_k, intermediate_size=1, renormalize=True, layers=())
+        for n in range(1, 9):
+            logits = 3 * torch.randn(n, experts, generator=g, device="cuda")
+            weights, ids = route(logits, moe)
+            got_w, got_ids = softmax_top_k(logits, moe)
+            assert torch.equal(got_ids, ids)
+            torch.testing.assert_close(got_w, weights, atol=1e-6, rtol=1e-5)
 
 
 @needs_cuda

@@ -37,6 +37,7 @@ from router.decision.policy import PolicyConfig  # noqa: E402
 # two H200s (agg: two aggregated workers; disagg: one prefill + one decode worker) of an earlier engine.
 RUNS = [
     ("serve_slo_period_h200.json", "agg", "agg"),
+    ("serve_agg4_trim_h200.json", "agg", "agg"),  # the engine with the ITL trim, four rates
     ("serve_slo_deviceclock_h200.json", "agg", "agg"),
     ("serve_slo_deviceclock_h200.json", "agg@pf", "agg-prefill-first"),
     ("serve_h200x2.json", "agg", "agg2"),

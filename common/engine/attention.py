@@ -1,9 +1,5 @@
-"""Attention backends: plan once per step, run per layer.
-
-A backend owns RoPE, the KV write (store this step's rotated K and V into the pool at `out_loc`) and the
-attention over each request's cached + new tokens. The torch backend below serves the CPU; the flashinfer backend
-(GPU) implements the same two calls with its paged prefill/decode wrappers.
-"""
+"""Attention backends: plan once per step, run per layer; a backend owns RoPE, the K/V write and the attention
+(torch here for the CPU; flashinfer on the GPU)."""
 
 from __future__ import annotations
 
@@ -24,23 +20,19 @@ class AttentionBackend(Protocol):
     def forward(
         self, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hkv, D] (views are fine), q/k not yet rotated -> [T, Hq, D]. RoPE at
-        `positions`, the K/V write and attention are the backend's, so it can fuse them."""
+        """q: [T, Hq, D], k/v: [T, Hkv, D], not yet rotated -> [T, Hq, D] (RoPE, K/V write and attention fused)."""
         ...
 
     def kv_write(self, layer: int, positions: torch.Tensor) -> KvWrite | None:
-        """Where the layer's K/V of this step go, for a qkv GEMM that rotates and stores them itself (`attend`
-        follows); None where this step's attention needs them from `forward`."""
+        """Where this step's K/V go for a qkv GEMM that rotates and stores them itself; None: `forward` needed."""
         ...
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """Attention of the rotated q `[T, Hq, D]` after the qkv GEMM wrote this step's K/V as `kv_write` said."""
+        """Attention of the rotated q after the qkv GEMM wrote this step's K/V as `kv_write` said."""
         ...
 
 
 class _Segment:
-    """One request of a prefill step run on its own: packed query rows [q0, q1) against its keys."""
-
     __slots__ = ("q0", "q1", "kv_flat", "mask")
 
     def __init__(self, q0: int, q1: int, kv_flat: torch.Tensor | None, mask: torch.Tensor | None) -> None:
@@ -50,16 +42,9 @@ class _Segment:
 
 
 class TorchPagedAttention:
-    """Paged attention in plain torch on top of `scaled_dot_product_attention`.
-
-    Indices and masks are built once per step in `plan`; per layer, `forward` stores the step's K/V into the
-    pool (one index_copy each) and runs attention in one of two layouts:
-    - padded batch (decode steps, and prefill steps whose requests have similar lengths): each request's KV
-      slots gathered into `[B, max_kv]` with `index_select` (advanced indexing with a 2-D index is several
-      times slower on CPU), one SDPA call under a padding/causal mask;
-    - per request (prefill steps where padding would waste much of the work): one causal SDPA call per
-      request; a request with no cached prefix attends to this step's k/v directly (no gather, no mask).
-    """
+    """Paged attention in plain torch on `scaled_dot_product_attention`, indices and masks planned once per step:
+    a padded batch (`index_select` gathers: 2-D advanced indexing is several times slower on CPU) under one mask,
+    or, where padding would waste much of the work, one causal call per request."""
 
     # Prefill layout: "auto" (by estimated cost), "padded" or "segments" (tests and benchmarks force one).
     prefill_layout = "auto"
@@ -103,7 +88,6 @@ class TorchPagedAttention:
         rows = self.page_table[:, :max_kv].index_select(0, batch.table_rows).to(torch.int64)  # [B, max_kv]
         kv_valid = kv_pos[None, :] < batch.seq_lens[:, None]
         self._kv_flat = self.pool.token_rows(torch.where(kv_valid, rows, torch.zeros_like(rows)).flatten())
-        # Queries: [B, max_q] padded layout, gathered from / returned to the packed [T] layout.
         self._q_padded = max_q > 1
         if max_q == 1:
             # Decode: one query per request, at its last position, which sees every valid key.
@@ -115,7 +99,7 @@ class TorchPagedAttention:
         q_abs = (batch.seq_lens - batch.extend_lens)[:, None] + q_pos[None, :]
         mask = (kv_pos[None, None, :] <= q_abs[:, :, None]) & kv_valid[:, None, :]
         mask &= q_valid[:, :, None]
-        # Padded query rows would see no key at all (NaN softmax): let them see key 0; they are discarded.
+        # Padded query rows would see no key (NaN softmax): they see key 0 and are discarded.
         mask[:, :, 0] |= ~q_valid
         self._mask = mask[:, None, :, :]  # [B, 1, max_q, max_kv]
         if self._q_padded:
@@ -169,8 +153,7 @@ class TorchPagedAttention:
         )
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """The padded layout over the pool, this step's K/V already stored. FP8 pools: K/V stored as value / scale;
-        the scales fold into the softmax scale and the output, as flashinfer's FP8 kernels take them."""
+        """The padded layout over the pool; FP8 scales fold into the softmax scale and output, as in flashinfer."""
         assert self._segments is None, "a step run per request attends in forward()"
         b, _, max_kv = self._shape
         rows = self.pool.rows
@@ -183,9 +166,8 @@ class TorchPagedAttention:
         return out * vs if vs != 1.0 else out
 
     def attend_padded(self, q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, scale: float) -> torch.Tensor:
-        """Attention of the packed queries `[T, Hq, D]` over each request's gathered keys `[B, max_kv, Hk, D]` and
-        values `[B, max_kv, Hk, Dv]` (Hk divides Hq; Dv may differ from D) in the padded layout `plan` set up:
-        `[T, Hq, Dv]`."""
+        """Attention of the packed queries over each request's gathered keys and values (Hk divides Hq; Dv may
+        differ from D) in the padded layout `plan` set up: `[T, Hq, Dv]`."""
         b, max_q, max_kv = self._shape
         t, hq, d = q.shape
         if self._q_padded:
@@ -213,7 +195,7 @@ class TorchPagedAttention:
         for seg in self._segments:
             qq = q[seg.q0 : seg.q1].transpose(0, 1)[None]  # [1, Hq, n, D]
             if seg.kv_flat is None:
-                # Round-trip through the pool dtype so the values match what later steps read from the pool.
+                # Round-trip through the pool dtype: the values later steps read from the pool.
                 kk = as_stored(k[seg.q0 : seg.q1], rows.dtype, ks).transpose(0, 1)[None]
                 vv = as_stored(v[seg.q0 : seg.q1], rows.dtype, vs).transpose(0, 1)[None]
             else:

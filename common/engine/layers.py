@@ -1,15 +1,7 @@
-"""The decoder's building blocks: plain torch functions and the two op sets the one forward calls.
-
-`DecoderModel.forward` (common/engine/model.py) is written against one small contract, `Ops`, with two
-implementations chosen at start: `TorchOps` (the CPU, and the GPU in float32) and `FlashInferOps`
-(common/engine/gpu/ops.py: the GPU in 16 bits, flashinfer's and this project's fused kernels). The contract is the fused arrangement, so the GPU keeps its kernel
-count: the residual stream is carried beside the hidden states, and a norm comes with the GEMM it feeds
-(`norm_linear`: add + RMSNorm + GEMM, which small decode batches run as one kernel), as does the MLP's
-activation (`silu_linear`). A sublayer's output projection (`project`) may add its output into the residual
-stream itself and hand the next norm its statistics (`InStream`), and the MLP's gate_up GEMM may apply the
-activation itself (`Activated`), and the qkv GEMM may apply RoPE and write K/V into the pool where the attention
-backend says (`KvWrite` in, `Rotated` out), so one-row steps run no norm, activation or RoPE kernel between their
-GEMVs.
+"""The decoder's building blocks: plain torch functions and the two op sets the one forward calls (`TorchOps`;
+`FlashInferOps` in common/engine/gpu/ops.py). The `Ops` contract is the fused arrangement (a norm with the GEMM
+it feeds, the residual carried beside), so one-row GPU steps run no norm, activation or RoPE kernel between
+their GEMVs.
 """
 
 from __future__ import annotations
@@ -46,8 +38,7 @@ def linear(
     bias: torch.Tensor | None = None,
     packed: torch.Tensor | Fp8Linear | None = None,
 ) -> torch.Tensor:
-    """`F.linear`, through oneDNN with a pre-packed weight when one is given (CPU float32); an FP8 weight
-    (`Fp8Linear`) runs as its FP8 GEMM's twin: per-token activation scales, computed by dequantizing."""
+    """`F.linear`, through oneDNN with a pre-packed weight (CPU float32); an `Fp8Linear` as its FP8 GEMM's twin."""
     if isinstance(packed, Fp8Linear):
         return fp8_linear_reference(x, packed, bias)
     if packed is not None and x.shape[0] > 0:
@@ -82,8 +73,8 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
 
 
 def _yarn_inv_freq(inv: torch.Tensor, head_dim: int, rope: RopeConfig) -> torch.Tensor:
-    """YaRN: the frequencies that turn fewer than `beta_slow` times over the original context are interpolated
-    (divided by `factor`), those that turn more than `beta_fast` times kept, a linear ramp over the dims between."""
+    """YaRN: frequencies turning under `beta_slow` times over the original context are divided by `factor`,
+    those over `beta_fast` kept, a linear ramp between."""
 
     def dim_of(rotations: float) -> float:
         wavelength_ratio = rope.original_max_position / (rotations * 2 * math.pi)
@@ -120,14 +111,12 @@ class RotaryCache:
         return out.to(x.dtype)
 
     def apply(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hkv, D] (views are fine) rotated to their positions."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
 
     def cos_sin(self) -> torch.Tensor:
-        """flashinfer's table: [max_position, head_dim] float32, cos in the first half, sin in the second (built
-        once: the GPU's attention and the fused qkv GEMMs read the same one)."""
+        """flashinfer's table: [max_position, head_dim] float32, cos then sin (shared by attention and qkv GEMMs)."""
         if self._table is None:
             self._table = torch.cat((self.cos, self.sin), dim=-1).float().contiguous()
         return self._table
@@ -135,9 +124,8 @@ class RotaryCache:
 
 @dataclass(frozen=True)
 class InStream:
-    """What `Ops.project` returns in place of a sublayer's output when it has already added that output into the
-    residual stream: the stream's per-row sum-of-squares partials (float32 `[T, parts]`; their sum over a row is
-    the row's sum of squares), which the next norm uses instead of a pass over the stream of its own."""
+    """`Ops.project`'s result when it added the output into the residual stream itself: the stream's per-row
+    sum-of-squares partials (float32 `[T, parts]`), which the next norm uses instead of its own pass."""
 
     sumsq: torch.Tensor
 
@@ -147,18 +135,15 @@ class InStream:
 
 @dataclass(frozen=True)
 class Activated:
-    """What `Ops.norm_linear(..., gated=True)` returns when its GEMM applied the MLP's activation itself:
-    silu(gate) * up, `[T, I]`, which `silu_linear` and `project(..., silu=True)` then take as it is."""
+    """`norm_linear(..., gated=True)`'s result when its GEMM applied the activation: silu(gate) * up, `[T, I]`."""
 
     act: torch.Tensor
 
 
 @dataclass(frozen=True)
 class KvWrite:
-    """Where a layer's K and V of this step go, for a qkv GEMM that rotates and stores them itself (the attention
-    backend's `kv_write`): the pool's rows (`[R, Hkv, D]`, KVPool.rows), each token's layer-0 K row
-    (`out_rows`, KVPool.token_rows) plus this layer's K and V row offsets, the layer's static K/V scales (an FP8
-    pool stores value / scale) and the RoPE table of `RotaryCache.cos_sin` read at `positions`."""
+    """Where a layer's K and V go, for a qkv GEMM that rotates and stores them itself (`kv_write`): pool rows,
+    token rows plus this layer's offsets, the static K/V scales, and the RoPE table read at `positions`."""
 
     positions: torch.Tensor
     cos_sin: torch.Tensor
@@ -172,16 +157,14 @@ class KvWrite:
 
 @dataclass(frozen=True)
 class Rotated:
-    """What `Ops.norm_linear(..., kv_write=...)` returns when its GEMM applied RoPE and wrote K and V to the pool
-    itself: the rotated queries, `[T, Hq, D]`, for the backend's `attend`."""
+    """`norm_linear(..., kv_write=...)`'s result when its GEMM applied RoPE and wrote K/V: the rotated queries."""
 
     q: torch.Tensor
 
 
 class Ops(Protocol):
-    """What the decoder forward needs from a backend. An op may overwrite its inputs (flashinfer works in
-    place), so callers use only what it returns. RoPE is not here: the attention backend applies it where
-    it writes K/V (common/engine/attention.py)."""
+    """What the decoder forward needs from a backend. Ops may overwrite their inputs (flashinfer works in place):
+    callers use only what they return."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x: [T, H] or [T, heads, head_dim]."""
@@ -198,18 +181,13 @@ class Ops(Protocol):
         gated: bool = False,
         kv_write: KvWrite | None = None,
     ) -> tuple[torch.Tensor | Activated | Rotated, torch.Tensor]:
-        """(linear(rms_norm(residual + x)), residual + x): a layer's norm and the GEMM it feeds, the residual
-        stream carried beside; with `residual` None (the first layer) the stream starts at x; with x an
-        `InStream` (from `project`) the residual is the stream already. `gated`: the GEMM is the MLP's
-        [gate | up], which a backend may return as `Activated` (the activation applied in the GEMM). `kv_write`:
-        the GEMM is the attention's [q; k; v], which a backend may return as `Rotated` (RoPE applied to q and k
-        and K, V written to the pool in the GEMM); else the plain projection."""
+        """(linear(rms_norm(residual + x)), residual + x); `residual` None starts the stream at x, an `InStream`
+        x is the stream already. `gated` may return `Activated`, `kv_write` may return `Rotated`."""
 
     def norm(
         self, x: torch.Tensor | InStream, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rms_norm(residual + x), residual + x) as `norm_linear` takes them, without a GEMM: what a
-        mixture-of-experts MLP takes (its router and experts read the normed states)."""
+        """(rms_norm(residual + x), residual + x) without a GEMM (what a mixture-of-experts MLP takes)."""
 
     def project(
         self,
@@ -219,16 +197,13 @@ class Ops(Protocol):
         packed: torch.Tensor | Fp8Linear | None = None,
         silu: bool = False,
     ) -> tuple[torch.Tensor | InStream, torch.Tensor]:
-        """A sublayer's output projection, `linear(x)` (`silu_linear(x)` with `silu`), as the pair the next
-        `norm_linear` takes: (the output, the residual unchanged), or (`InStream`, the residual with the output
-        added) from a backend that adds it in the projection's own kernel. One rank only: under tensor
-        parallelism the all-reduce sits between the projection and the add."""
+        """A sublayer's output projection as the pair `norm_linear` takes: (output, residual), or (`InStream`,
+        residual + output). One rank only: under tensor parallelism the all-reduce sits before the add."""
 
     def silu_linear(
         self, gate_up: torch.Tensor | Activated, weight: torch.Tensor, packed: torch.Tensor | Fp8Linear | None = None
     ) -> torch.Tensor:
-        """linear(silu(gate) * up) for gate_up = [gate | up] (or `Activated`: linear of it): the MLP's activation
-        and down projection."""
+        """linear(silu(gate) * up) (or linear of an `Activated`): the MLP's activation and down projection."""
 
     def linear(
         self,
@@ -237,13 +212,11 @@ class Ops(Protocol):
         bias: torch.Tensor | None = None,
         packed: torch.Tensor | Fp8Linear | None = None,
     ) -> torch.Tensor:
-        """`packed`: the weight's oneDNN copy (CPU float32, `DecoderModel.pack_linears`), or its FP8 form
-        (`Fp8Linear`: `weight` is then the FP8 tensor itself), else None."""
+        """`packed`: the weight's oneDNN copy (CPU float32), or its FP8 form (`Fp8Linear`), else None."""
 
 
 class ComposedOps:
-    """`Ops` built from the unfused primitives a subclass provides (rms_norm, add_rms_norm, silu_and_mul,
-    linear)."""
+    """`Ops` built from unfused primitives a subclass provides (rms_norm, add_rms_norm, silu_and_mul, linear)."""
 
     def norm_linear(
         self,
@@ -263,7 +236,7 @@ class ComposedOps:
     def norm(
         self, x: torch.Tensor | InStream, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rms_norm(residual + x), residual + x) as `norm_linear` describes, with the unfused kernels."""
+        """(rms_norm(residual + x), residual + x) with the unfused kernels."""
         if isinstance(x, InStream):
             assert residual is not None
             return self.rms_norm(residual, norm_weight, eps), residual  # type: ignore[attr-defined]

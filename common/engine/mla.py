@@ -1,17 +1,8 @@
-"""DeepSeek's multi-head latent attention (MLA) on the paged pool: the layer's projections and the torch backend.
-
-Per token and layer the cache holds one entry of `kv_lora_rank + qk_rope_head_dim` values (`MlaConfig.latent_dim`):
-the normed latent `c` and the roped key part `k_pe` shared by every head. Each head's key is [W_UK_h c | k_pe] and
-its value W_UV_h c, where `kv_b_proj` stacks [W_UK_h; W_UV_h] per head. Two ways to attend, equal in exact
-arithmetic:
-- decompressed (prefill): expand every cached latent through `kv_b_proj` into per-head keys and values, then plain
-  attention with `qk_head_dim`-wide heads. Each key is expanded once per step, and a prefill step has about as many
-  queries as keys, so this is the cheaper form there;
-- absorbed (decode): fold W_UK_h into the query, q_h' = [W_UK_h^T q_nope_h | q_pe_h], and attend over the cached
-  entries themselves as one key head shared by all heads, their first `kv_lora_rank` values being the values;
-  W_UV_h then maps each head's output back. A decode step has one query per request against the whole context:
-  expanding the context would cost `heads * (nope + v) * kv_lora_rank` per cached token and step, absorbing costs
-  that once per query, and attention reads only the latent entries (what DeepSeek describes for inference).
+"""DeepSeek's multi-head latent attention (MLA) on the paged pool: the layer's projections and the torch backend
+(docs/architecture.md, "Latent attention (MLA)"). The cache holds one `[latent | k_pe]` entry per token and layer.
+Prefill may attend decompressed (keys expanded through `kv_b_proj` once per step); decode attends absorbed
+(W_UK folded into the query, the entries read as one shared key head, W_UV applied after), which costs the
+expansion once per query instead of per cached token.
 """
 
 from __future__ import annotations
@@ -31,9 +22,8 @@ from common.kv.pool import KVPool
 
 
 class MlaProjections(nn.Module):
-    """One layer's MLA weights beside its merged input projection (`DecoderLayer.qkv_proj`: [q_a or q; kv_a], one
-    GEMM of the normed hidden states) and `o_proj`: the query's low-rank norm and up-projection (`q_lora_rank` > 0),
-    the latent's norm and `kv_b_proj` `[heads * (nope + v), kv_lora_rank]`."""
+    """One layer's MLA weights beside its merged input projection ([q_a or q; kv_a]) and `o_proj`: the query's
+    low-rank norm and up-projection, the latent's norm and `kv_b_proj` `[heads * (nope + v), kv_lora_rank]`."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -52,14 +42,13 @@ class MlaProjections(nn.Module):
 
     @property
     def q_rows(self) -> int:
-        """Rows of the merged input projection that make the query (q_a's, or q's without a low-rank step)."""
+        """Rows of the merged input projection that make the query."""
         return self.mla.q_lora_rank or self.num_heads * self.mla.qk_head_dim
 
     def split(
         self, qkv: torch.Tensor, ops: Ops, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The merged projection's output `[T, q_rows + latent_dim]` as (q_nope `[T, H, nope]`, q_pe `[T, H, rope]`,
-        the normed latent `[T, kv_lora_rank]`, k_pe `[T, rope]`), RoPE not yet applied."""
+        """The merged projection's output as (q_nope, q_pe, the normed latent, k_pe), RoPE not yet applied."""
         mla, t = self.mla, qkv.shape[0]
         q, latent, k_pe = qkv.split((self.q_rows, mla.kv_lora_rank, mla.qk_rope_head_dim), dim=-1)
         if self.q_b_proj is not None and self.q_a_norm is not None:
@@ -70,24 +59,21 @@ class MlaProjections(nn.Module):
         return q_nope, q_pe, ops.rms_norm(latent, self.kv_a_norm, eps), k_pe
 
     def _up(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_UK `[H, nope, kv_lora_rank]`, W_UV `[H, v, kv_lora_rank]`): views of `kv_b_proj`."""
         w = self.kv_b_proj.view(self.num_heads, -1, self.mla.kv_lora_rank)
         return w[:, : self.mla.qk_nope_head_dim], w[:, self.mla.qk_nope_head_dim :]
 
     def expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cached latents `[N, kv_lora_rank]` as each head's key part without RoPE `[N, H, nope]` and value
-        `[N, H, v]` (the decompressed form)."""
+        """Cached latents as each head's key part without RoPE and value (the decompressed form)."""
         kv = F.linear(latent, self.kv_b_proj).view(latent.shape[0], self.num_heads, -1)
         return kv.split((self.mla.qk_nope_head_dim, self.mla.v_head_dim), dim=-1)
 
     def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
-        """q_nope `[T, H, nope]` in latent space, W_UK_h^T q_h: `[T, H, kv_lora_rank]` (the absorbed form)."""
+        """q_nope in latent space, W_UK_h^T q_h: `[T, H, kv_lora_rank]` (the absorbed form)."""
         w_uk, _ = self._up()
         return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
 
     def values_from_latent(self, out: torch.Tensor) -> torch.Tensor:
-        """Each head's attention output in latent space `[T, H, kv_lora_rank]` as its value output, W_UV_h o_h:
-        `[T, H, v]` (the absorbed form's last step)."""
+        """Each head's latent-space output as its value output, W_UV_h o_h (the absorbed form's last step)."""
         _, w_uv = self._up()
         return torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
@@ -105,16 +91,13 @@ class MlaBackend(Protocol):
         k_pe: torch.Tensor,
         proj: MlaProjections,
     ) -> torch.Tensor:
-        """RoPE on q_pe `[T, H, rope]` and k_pe `[T, rope]` at `positions`, this step's [latent | k_pe] stored at
-        the step's slots, attention over each request's entries: `[T, H, v_head_dim]`."""
+        """RoPE on q_pe and k_pe, this step's entries stored, attention over each request's: `[T, H, v_head_dim]`."""
         ...
 
 
 class TorchMlaAttention(TorchPagedAttention):
-    """MLA over a latent pool (`KVLayout.kv_parts` 1, one `[1, latent_dim]` row per token and layer) in plain torch,
-    with the paged layouts and step plan of `TorchPagedAttention`. Steps of one query per request (decode) attend
-    in the absorbed form, others decompressed (`absorbed_decode` False: every step decompressed, which tests
-    compare the absorbed form against)."""
+    """MLA over a latent pool in plain torch, on `TorchPagedAttention`'s layouts: decode steps absorbed, others
+    decompressed (`absorbed_decode` False: all decompressed, what tests compare against)."""
 
     absorbed_decode = True
 
@@ -189,7 +172,6 @@ class TorchMlaAttention(TorchPagedAttention):
         return rows.view(b, max_kv, 1, -1).to(dtype)
 
     def _decompress(self, entries: torch.Tensor, proj: MlaProjections) -> tuple[torch.Tensor, torch.Tensor]:
-        """Entries `[N, latent_dim]` as per-head keys `[N, H, qk_head_dim]` and values `[N, H, v]`."""
         k_nope, v = proj.expand(entries[:, : self.mla.kv_lora_rank])
         k_pe = entries[:, None, self.mla.kv_lora_rank :].expand(-1, k_nope.shape[1], -1)
         return torch.cat((k_nope, k_pe), dim=-1), v

@@ -1,10 +1,6 @@
-"""The decoder used for every supported family (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V2/V3).
-
-The families differ only in flags on `ModelConfig` (q/k/v bias, q/k RMSNorm, tied embeddings, RoPE
-scaling, which layers' MLP is a mixture of experts: common/engine/moe.py, latent attention: common/engine/mla.py),
-so one file serves them all. Projections are merged (qkv, gate_up) so a layer is four GEMMs.
-One forward serves every backend: the CPU, the GPU in float32 and the GPU's fused kernels differ only in
-the ops object (common/engine/layers.py) and the attention backend they are given.
+"""The decoder used for every supported family (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V2/V3):
+they differ only in `ModelConfig` flags. Projections are merged (qkv, gate_up), and backends differ only in the
+ops object and attention backend given to the one forward.
 """
 
 from __future__ import annotations
@@ -43,12 +39,8 @@ ATTENTION_LINEARS = LINEARS[:2]  # a mixture-of-experts layer's (its experts are
 
 
 class DecoderLayer(nn.Module):
-    """One layer's weights; `cfg` is this rank's local config (its heads and MLP slice under tensor parallelism).
-
-    `moe`: the layer's MLP is a mixture of experts (`MoeExperts`; no dense gate_up / down then).
-    `fp8`: the GEMM weights (`linears`) are float8 e4m3 with a float32 scale per output row (`<name>_scale`).
-    Latent attention (`cfg.mla`): `qkv_proj` is [q_a (or q); kv_a], `o_proj` reads every head's value, and `mla`
-    holds the rest (`MlaProjections`)."""
+    """One layer's weights under this rank's local `cfg`. `moe`: a mixture-of-experts MLP; `fp8`: e4m3 GEMM
+    weights with a float32 scale per output row; `cfg.mla`: latent attention (`mla` holds its extra projections)."""
 
     def __init__(
         self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, fp8: bool = False, moe: bool = False
@@ -76,8 +68,7 @@ class DecoderLayer(nn.Module):
             for name in self.linears:
                 rows = getattr(self, name).shape[0]
                 setattr(self, f"{name}_scale", _param(rows, dtype=torch.float32, device=device))
-        # The GEMM weights in the form the ops run them, by name: oneDNN-packed copies (CPU float32,
-        # `pack_linears`) or, FP8, each weight with its scales (`Fp8Linear`); empty: the plain weights.
+        # The GEMM weights as the ops run them: oneDNN-packed (CPU float32) or FP8 with scales; empty: plain.
         self.packed: dict[str, torch.Tensor | Fp8Linear] = {}
         self.fp8 = fp8
         if fp8:
@@ -87,7 +78,7 @@ class DecoderLayer(nn.Module):
         self.packed = {n: Fp8Linear(getattr(self, n), getattr(self, f"{n}_scale")) for n in self.linears}
 
     def quantize_linears(self) -> None:
-        """Replaces the GEMM weights by FP8 ones, one scale per output channel (common/engine/fp8.py)."""
+        """Replaces the GEMM weights by FP8 ones, one scale per output channel."""
         for name in self.linears:
             weight, scale = quantize_rows(getattr(self, name).data)
             setattr(self, name, nn.Parameter(weight, requires_grad=False))
@@ -96,7 +87,7 @@ class DecoderLayer(nn.Module):
         self.use_fp8_forms()
 
     def dequantize_linears(self, dtype: torch.dtype) -> None:
-        """FP8 GEMM weights back to `dtype` (W = weight * scale), for a device without FP8 kernels."""
+        """FP8 GEMM weights back to `dtype`, for a device without FP8 kernels."""
         for name in self.linears:
             w = Fp8Linear(getattr(self, name), getattr(self, f"{name}_scale")).dequantize(dtype)
             setattr(self, name, nn.Parameter(w, requires_grad=False))
@@ -106,13 +97,8 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """The whole decoder, or one tensor-parallel rank's part of it (`tp`; see common/engine/tp.py).
-
-    `full_cfg` is the checkpoint's config; `cfg` is this rank's (its heads and MLP slice; the full vocabulary).
-    `ops` runs the norms, activation and GEMMs (common/engine/layers.py): `TorchOps` unless the GPU path
-    puts `FlashInferOps` there at start; attention is the backend passed to each step (it applies RoPE from
-    `rotary` where it writes K/V).
-    """
+    """The whole decoder, or one tensor-parallel rank's part of it (`cfg`: this rank's; `full_cfg`: the
+    checkpoint's). `ops` runs norms, activation and GEMMs; attention is the backend passed to each step."""
 
     def __init__(
         self,
@@ -139,17 +125,13 @@ class DecoderModel(nn.Module):
         )
         self.rotary = RotaryCache.build(cfg.rope_dim, cfg.rope, cfg.max_position, device)
         self.ops: Ops = TorchOps()
-        # FP8 KV: the static K, V scale of each layer from the checkpoint (common/engine/fp8.py); empty: 1.0.
+        # FP8 KV: each layer's static K, V scale from the checkpoint; empty: 1.0.
         self.kv_scales: tuple[float, ...] = ()
         self.packed_lm_head: torch.Tensor | None = None
 
     def pack_linears(self) -> bool:
-        """CPU float32: keeps oneDNN-packed copies of every GEMM weight and uses them from now on.
-
-        oneDNN with packed weights runs these GEMMs faster than `F.linear` (MKL sgemm) at every token count, decode
-        and prefill alike (bench/RESULTS.md, "Figures behind choices in the code"). The copies are snapshots: call
-        again after changing weights (or `unpack_linears`). Returns whether weights were packed.
-        """
+        """CPU float32: keeps oneDNN-packed copies of every GEMM weight (faster than `F.linear` at every token
+        count) and uses them from now on; call again after changing weights. Returns whether it packed."""
         if self.device.type != "cpu" or self.dtype != torch.float32 or not onednn_linear_available():
             return False
         for layer in self.layers:
@@ -171,14 +153,12 @@ class DecoderModel(nn.Module):
         return bool(self.layers) and self.layers[0].fp8
 
     def quantize_linears(self) -> None:
-        """FP8 weights from this model's 16/32-bit ones, layer by layer (the dense copy of one layer at a time
-        is what it costs beyond the FP8 model). Packed CPU copies are dropped: call `pack_linears` again."""
+        """FP8 weights from this model's, one layer at a time (packed CPU copies are dropped)."""
         for layer in self.layers:
             if not layer.fp8:
                 layer.quantize_linears()
 
     def dequantize_linears(self) -> None:
-        """An FP8 model's GEMM weights in the model's dtype, layer by layer."""
         for layer in self.layers:
             if layer.fp8:
                 layer.dequantize_linears(self.dtype)
@@ -190,7 +170,6 @@ class DecoderModel(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Runs one planned step; returns float32 logits of the tokens at `batch.logits_indices` only."""
-        # A decode step samples every token in order: no gather needed before the final norm.
         every_token = batch.is_decode and batch.logits_indices.shape[0] == batch.num_tokens
         indices = None if every_token else batch.logits_indices
         return self.forward_tokens(batch.input_ids, batch.positions, attn, indices)
@@ -203,20 +182,16 @@ class DecoderModel(nn.Module):
         logits_indices: torch.Tensor | None = None,
         float_logits: bool = True,
     ) -> torch.Tensor:
-        """The decoder over `T` packed tokens (CUDA graphs capture this call on static buffers).
-
-        Returns logits of the tokens at `logits_indices` (every token when None), float32 unless
-        `float_logits` is False (then in the model's dtype).
-        """
+        """The decoder over `T` packed tokens (CUDA graphs capture this call); logits at `logits_indices` (None:
+        every token), float32 unless `float_logits` is False."""
         hidden, residual = self.forward_hidden(input_ids, positions, attn)
         return self.final_logits(hidden, residual, logits_indices, float_logits)
 
     def forward_hidden(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
     ) -> tuple[torch.Tensor | InStream, torch.Tensor]:
-        """Every layer over `T` packed tokens: the last layer's output (or `InStream`: already in the stream) and
-        the residual stream, before the final norm (piecewise CUDA graphs capture this call, broken at each
-        layer's attention)."""
+        """Every layer over `T` packed tokens: the last output (or `InStream`) and the residual stream, before
+        the final norm (piecewise graphs break this call at each layer's attention)."""
         cfg, ops, tp = self.cfg, self.ops, self.tp
         eps = cfg.rms_norm_eps
         hidden = tp.embed(input_ids, self.embed)
@@ -255,7 +230,6 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,
         attn: AttentionBackend,
     ) -> tuple[torch.Tensor | InStream, torch.Tensor]:
-        """Layer `i`'s input norm, attention and output projection, with the residual stream beside."""
         cfg, ops = self.cfg, self.ops
         eps = cfg.rms_norm_eps
         t = positions.shape[0]
@@ -293,8 +267,7 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,
         attn: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `i`'s input norm and latent attention (common/engine/mla.py): every head's value output
-        `[T, H * v_head_dim]`, before `o_proj`, and the residual stream."""
+        """Layer `i`'s input norm and latent attention: every head's value output before `o_proj`, and the stream."""
         assert layer.mla is not None
         eps = self.cfg.rms_norm_eps
         qkv, residual = self.ops.norm_linear(
@@ -314,7 +287,6 @@ class DecoderModel(nn.Module):
         packed: torch.Tensor | Fp8Linear | None,
         silu: bool = False,
     ) -> tuple[torch.Tensor | InStream, torch.Tensor]:
-        """A sublayer's output projection and the residual stream, as the next norm takes them (`Ops.project`)."""
         if self.tp.size == 1:
             return self.ops.project(x, weight, residual, packed, silu)
         out = self.ops.silu_linear(x, weight, packed) if silu else self.ops.linear(x, weight, None, packed)
@@ -327,7 +299,7 @@ class DecoderModel(nn.Module):
         logits_indices: torch.Tensor | None = None,
         float_logits: bool = True,
     ) -> torch.Tensor:
-        """The final norm and LM head over the rows at `logits_indices` (every row when None)."""
+        """The final norm and LM head over the rows at `logits_indices` (None: every row)."""
         cfg, ops, tp = self.cfg, self.ops, self.tp
         eps = cfg.rms_norm_eps
         dtype = torch.float32 if float_logits else residual.dtype

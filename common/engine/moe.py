@@ -4,7 +4,8 @@ a SiLU-gated MLP, and the token's output is their outputs weighted by the router
 `MoeExperts` holds one layer's weights, experts stacked (`w13`: every expert's [gate; up], `w2`: its down
 projection), and is what the decoder calls: `forward(hidden) -> hidden`. Routing (`route`) and the experts'
 GEMMs (`experts_fn`) are apart so a fused path (flashinfer's fused MoE, a grouped GEMM) can take the experts
-with the same routing, by setting `experts_fn`; `grouped_experts` is the plain one the CPU runs.
+with the same routing, by setting `experts_fn`; `grouped_experts` is the plain one the CPU runs. `route_fn`
+likewise lets a fused kernel compute the same routing from the router's logits.
 """
 
 from __future__ import annotations
@@ -24,6 +25,13 @@ class ExpertsFn(Protocol):
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
     ) -> torch.Tensor:
         """sum over k of weights[t, k] * expert ids[t, k] (x[t]), `[T, H]` in x's dtype."""
+
+
+class RouteFn(Protocol):
+    def __call__(
+        self, logits: torch.Tensor, moe: MoeConfig, bias: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights `[T, k]` float32, expert ids `[T, k]`) from the router's logits `[T, E]`, as `route`."""
 
 
 def route(logits: torch.Tensor, moe: MoeConfig, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,9 +103,10 @@ class MoeExperts(nn.Module):
         self.shared_w2 = param(h, s) if s else None
         self.config = moe
         self.experts_fn: ExpertsFn = grouped_experts
+        self.route_fn: RouteFn = route
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return route(F.linear(x.to(self.gate.dtype), self.gate), self.config, self.correction_bias)
+        return self.route_fn(F.linear(x.to(self.gate.dtype), self.gate), self.config, self.correction_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: `[T, H]`, the post-attention norm's output; the MLP's output, `[T, H]`."""

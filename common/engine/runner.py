@@ -203,7 +203,14 @@ class ModelRunner:
             graph_bs = cfg.max_running if cfg.cuda_graph_max_bs < 0 else min(cfg.cuda_graph_max_bs, cfg.max_running)
             table = self.page_table
             self.gpu = GpuPath(
-                model, self.pool, table.table, num_pages, graph_bs, cfg, host_pages=table.host_pages, phases=self.start_phases
+                model,
+                self.pool,
+                table.table,
+                num_pages,
+                graph_bs,
+                cfg,
+                host_pages=table.host_pages,
+                phases=self.start_phases,
             )
             self.attn = self.gpu.attn
         if self.followers is not None:

@@ -1,21 +1,9 @@
 """Batched sampling with per-request parameters, reproducible per request.
 
-Random draws come from a counter-based hash of (request seed, output step, vocab id) and the Gumbel-max
-trick, so a seeded request samples the same tokens whatever batch it shares, on CPU and GPU alike, with
-no per-request generator objects and no host sync inside the step.
-
-Before any of that the logits are adjusted, each adjustment built only when some request in the batch asks
-for it (a batch without them pays nothing): repetition penalty (prompt and output tokens), frequency and
-presence penalties, logit_bias, bans (EOS and stop ids of a request still short of its min_tokens), and a
-grammar's token bitmask (one packed int32 row per request, 32 tokens per word; common/sched/grammar.py).
-
-A penalty can change only the logits of tokens in the request's prompt or output, so penalties are applied
-sparsely: the caller gives each row's history as a table of token ids (a row's ids, padded by repeating one
-of them) and of output counts per token id (`PenaltyView`; the scheduler keeps both on the device per table
-row: common/sched/penalties.py); the logits at a row's ids are gathered, penalised and scattered back, by
-torch ops on the CPU and by one kernel on a GPU (common/engine/gpu/penalty.py, the same float32 operations).
-Every occurrence of an id computes the same value from the same original logit, so the result equals the
-dense formula over [B, V] bit for bit.
+Random draws hash (request seed, output step, vocab id) and pick by Gumbel-max, so a seeded request samples
+the same tokens whatever batch it shares, on CPU and GPU alike, with no generator objects and no host sync.
+Logit adjustments are built only when some row asks for them. Penalties touch only the logits at a row's
+history ids (gathered, penalised, scattered back), which equals the dense [B, V] formula bit for bit.
 """
 
 from __future__ import annotations
@@ -31,8 +19,7 @@ _M32 = 0xFFFFFFFF
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer finalizer on int64 tensors holding values in [0, 2^32). Products wrap in int64,
-    but only their low 32 bits are kept, which wrapping leaves exact."""
+    """A 32-bit integer finalizer on int64 holding [0, 2^32): products wrap, but their low 32 bits stay exact."""
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & _M32
     x = x ^ (x >> 15)
@@ -47,19 +34,17 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch
     s = _mix32(s ^ ((steps * 0x9E3779B9) & _M32))
     ids = (torch.arange(vocab, device=device, dtype=torch.int64) * 0x85EBCA6B) & _M32
     h = _mix32(s[:, None] ^ ids[None, :])
-    # 23 bits: (k + 0.5) / 2^23 stays below 1 in float32 (with 24 bits the top value rounds to 1.0, whose
-    # Gumbel noise is +inf: that token would win whatever its probability, and a masked one would give NaN).
+    # 23 bits: with 24 the top value rounds to 1.0, whose Gumbel noise is +inf (a masked token would give NaN).
     return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
-# How `slot_values` lays out one request's parameters (per-row device tensors keep them in this layout).
+# How `slot_values` lays out one request's parameters (per-row device tensors keep this layout).
 FLOAT_PARAMS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
 INT_PARAMS = ("top_k", "seed")
 
 
 def slot_values(p: SamplingParams, seed: int, vocab: int) -> tuple[tuple[float, ...], tuple[int, int]]:
-    """A request's sampling parameters as the sampler reads them: temperature 0 for greedy, top_k `vocab`
-    when off."""
+    """A request's sampling parameters as the sampler reads them (greedy: temperature 0; top_k off: `vocab`)."""
     temp = 0.0 if p.greedy else p.temperature
     top_k = vocab if p.top_k <= 0 else min(p.top_k, vocab)
     return (temp, p.top_p, p.min_p, p.frequency_penalty, p.presence_penalty, p.repetition_penalty), (top_k, seed)
@@ -98,7 +83,6 @@ class PenaltyView:
     width: int  # the window read: ids[rows[b], :width] (every row's history fits)
 
     def gathered(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(ids [B, W], their output counts [B, W] or None): the window as the torch path reads it."""
         ids = self.ids[:, : self.width].index_select(0, self.rows)
         if self.counts is None:
             return ids, None
@@ -108,8 +92,6 @@ class PenaltyView:
 
 @dataclass
 class SamplingBatch:
-    """Per-request sampling parameters of one step as tensors (built once per step)."""
-
     temperature: torch.Tensor  # [B] float32, 0 for greedy
     top_k: torch.Tensor  # [B] int64, vocab size when off
     top_p: torch.Tensor  # [B] float32
@@ -123,8 +105,7 @@ class SamplingBatch:
     needs_penalty: bool
     max_top_logprobs: int
     want_logprobs: bool
-    # Penalties, read at each row's history (prompt and output ids; rows whose penalties are all off may hold
-    # any ids), with any penalty; its counts with a frequency or presence penalty.
+    # Penalties, read at each row's history ids (rows with penalties off may hold any ids).
     history: PenaltyView | None = None
     repetition_penalty: torch.Tensor | None = None  # [B] float32 (1 = off), with `history`
     # Sparse additions to the logits: logit_bias entries, and -inf for banned (row, token) pairs.
@@ -148,11 +129,8 @@ class SamplingBatch:
         eos_ids: Sequence[int] = (),
         grammar_done: Sequence[bool] = (),
     ) -> SamplingBatch:
-        """`steps`: output tokens before this step (the noise's counter; with `min_tokens` it decides which
-        requests still have their `eos_ids` and stop ids banned, except rows whose grammar is done:
-        `grammar_done`, it allows nothing but its end, which wins). `prompts` and `outputs` (default: none)
-        are each row's token ids the penalties read: the repetition penalty both, frequency and presence the
-        outputs' counts."""
+        """`steps`: output tokens before this step (the noise's counter; with `min_tokens`, which rows still ban
+        their stop ids unless `grammar_done`). `prompts` and `outputs`: each row's ids the penalties read."""
         flags = BatchFlags.of(params, vocab)
         step_list = list(steps)
         history = None
@@ -161,7 +139,6 @@ class SamplingBatch:
                 [*(prompts[i] if i < len(prompts) else ()), *(outputs[i] if i < len(outputs) else ())]
                 for i in range(len(params))
             ]
-            # A row without history has nothing to penalise: its penalties are off, so its padding id is inert.
             params = [p if h else replace(p, **NO_PENALTY) for p, h in zip(params, rows)]
             ids = padded_history(rows)
             counts = token_counts([outputs[i] if i < len(outputs) else () for i in range(len(params))], vocab)
@@ -193,10 +170,7 @@ class SamplingBatch:
         add_cols: torch.Tensor | None = None,
         add_vals: torch.Tensor | None = None,
     ) -> SamplingBatch:
-        """From each row's parameters as `slot_values` lays them out (`floats` [B, len(FLOAT_PARAMS)],
-        `ints` [B, len(INT_PARAMS)]; column views, no copies), e.g. gathered from per-row device tensors;
-        `history` as the field of that name, read when a penalty asks for it (its counts with a frequency or
-        presence penalty)."""
+        """From per-row parameters laid out as `slot_values` does (column views, no copies)."""
         col = {name: floats[:, k] for k, name in enumerate(FLOAT_PARAMS)}
         col.update({name: ints[:, k] for k, name in enumerate(INT_PARAMS)})
         return cls(
@@ -226,7 +200,6 @@ class SamplingBatch:
 
 
 def _penalty_view(history: PenaltyView | None, flags: BatchFlags) -> PenaltyView | None:
-    """`history` as this batch's flags read it: none without a penalty, no counts without frequency/presence."""
     if history is None or not (flags.needs_penalty or flags.repetition):
         return None
     if flags.needs_penalty or history.counts is None:
@@ -262,9 +235,8 @@ def sparse_additions(
     grammar_done: Sequence[bool],
     candidates: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(rows, cols, values) to add to the logits: each request's logit_bias, and -inf on its EOS and stop
-    ids while it has produced fewer than min_tokens tokens (None when no request needs either).
-    `candidates`: the only rows that may need any (default: all)."""
+    """(rows, cols, values) to add to the logits: logit_bias, and -inf on stop ids while short of min_tokens
+    (None when no row needs either); `candidates`: the only rows that may."""
     rows: list[int] = []
     cols: list[int] = []
     vals: list[float] = []
@@ -294,9 +266,7 @@ def adjust_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     if sb.history is not None:
         logits = _penalize(logits, sb)
     if sb.add_rows is not None:
-        # A scatter-add on the flat view (CUDA's sync debug mode reported no synchronizing op in sampling), in
-        # place unless the raw logits still give logprobs: out of place it copied all of [B, V] every step a
-        # request was short of its min_tokens (65 MB for the 8B at batch 128).
+        # In place unless the raw logits still give logprobs: a copy cost all of [B, V] every such step.
         vocab = logits.shape[-1]
         index = sb.add_rows * vocab + sb.add_cols
         if (logits is raw and sb.want_logprobs) or not logits.is_contiguous():
@@ -304,8 +274,7 @@ def adjust_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         else:
             logits.view(-1).scatter_add_(0, index, sb.add_vals)
     if sb.allowed_bits is not None:
-        # xgrammar's kernel (C++ on the CPU, a GPU kernel on CUDA) masks the grammar rows in place: on a copy
-        # when nothing above made one and the raw logits still give logprobs (else the caller's logits).
+        # xgrammar masks the grammar rows in place: on a copy only if the raw logits still give logprobs.
         from xgrammar import apply_token_bitmask_inplace
 
         if logits is raw and sb.want_logprobs:
@@ -323,8 +292,7 @@ def adjust_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 
 
 def _penalize(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    """The penalties at each row's history ids: the dense formula's float32 operations, in its order, on the
-    gathered logits only (one kernel on a GPU). In place unless the raw logits still give logprobs."""
+    """The penalties at each row's history ids, in the dense formula's float32 order (one kernel on a GPU)."""
     view = sb.history
     assert view is not None
     if logits.is_cuda:
@@ -364,7 +332,7 @@ def _filter(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     remove = ranks >= sb.top_k[:, None]
     probs = sorted_logits.softmax(dim=-1)
-    # top-p: drop a token when the mass strictly before it already reaches p (the top token always stays).
+    # top-p: drop a token once the mass strictly before it reaches p (the top token always stays).
     before = probs.cumsum(dim=-1) - probs
     remove |= before >= sb.top_p[:, None]
     remove |= probs < (sb.min_p[:, None] * probs[:, :1])
@@ -374,8 +342,7 @@ def _filter(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """`x.argmax(-1)` of `[B, V]` rows; a few rows on a GPU in two launches over chunks of each row
-    (common/engine/gpu/argmax.py: torch reduces each row in one thread block)."""
+    """`x.argmax(-1)` of `[B, V]` rows (a few rows on a GPU: common/engine/gpu/argmax.py, chunked per row)."""
     if x.is_cuda:
         from common.engine.gpu import argmax  # Triton: imported only on a GPU
 
@@ -385,8 +352,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
-    """logits: [B, V] float32 raw model logits (penalties and a grammar mask may be written into them, unless
-    logprobs are wanted)."""
+    """logits: [B, V] float32 raw (penalties and grammar masks may be written into them without logprobs)."""
     raw = logits
     if sb.adjusts_logits:
         logits = adjust_logits(logits, sb)

@@ -1,16 +1,7 @@
-"""Host-to-device staging: the small host tensors of one step packed into one buffer and sent by one copy.
-
-Each `.to(device, non_blocking=True)` of a small CPU tensor costs a launch and, from pageable memory, a
-staging copy inside the driver; a step has dozens of them. Here a step's parts are written straight into a
-pinned host buffer (`Stage.put`, or `Stage.reserve` for a part filled in place, like the grammar masks) and
-`Stage.send` issues one non-blocking copy and hands back device views, one per part, in put order.
-
-The overlap loop plans step N+1 while step N is queued, so a buffer whose copy may not have run yet must not
-be written: each `HostToDevice` keeps `slots` buffers used in turn, and an event per buffer (recorded right
-after its copy) is waited on before the buffer is written again; by then it has long fired (the step two
-stages back is processed). The device side is a fresh tensor per send from the caching allocator, so the
-views stay valid as long as they are held, on the CPU as on a GPU (there the send is a plain copy, not an
-alias of the buffer that a later stage rewrites).
+"""Host-to-device staging: a step's small host tensors written into one pinned buffer and sent by one
+non-blocking copy (each small copy costs a launch and a driver staging copy). The overlap loop plans step N+1
+while N is queued, so each `HostToDevice` rotates `slots` buffers and waits on a buffer's copy event before
+writing it again; device views are fresh tensors, valid as long as they are held.
 """
 
 from __future__ import annotations
@@ -48,8 +39,6 @@ class _Part:
 
 @dataclass(eq=False)
 class Stage:
-    """One step's host-to-device copy being assembled; `send` once."""
-
     owner: HostToDevice
     slot: _Slot
     used: int = 0
@@ -77,7 +66,7 @@ class Stage:
     def put(
         self, values: Sequence[int] | Sequence[float] | Sequence[bool] | np.ndarray | torch.Tensor, dtype: torch.dtype
     ) -> int:
-        """Stages a 1-D part (a list, a numpy array or a CPU tensor); returns its index in `send()`'s list."""
+        """Stages a 1-D part; returns its index in `send()`'s list."""
         if isinstance(values, torch.Tensor):
             values = values.numpy()
         n = len(values)
@@ -87,8 +76,7 @@ class Stage:
         return len(self.parts) - 1
 
     def reserve(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, torch.Tensor]:
-        """A part filled in place: (its index, a host view of it). Fill the view before the next put or
-        reserve (a buffer that grows moves)."""
+        """A part filled in place: (its index, a host view); fill it before the next put (a growing buffer moves)."""
         off, nbytes = self._place(shape, dtype)
         view = self.slot.host[off : off + nbytes].view(dtype).view(shape)
         return len(self.parts) - 1, view
@@ -108,7 +96,7 @@ class Stage:
 
 
 class HostToDevice:
-    """Stages and sends host tensors to `device` (see the module's docstring); `copies` counts the sends."""
+    """Stages and sends host tensors to `device`; `copies` counts the sends."""
 
     def __init__(self, device: torch.device, slots: int = 2, capacity: int = 1 << 16) -> None:
         self.device = device

@@ -1,12 +1,5 @@
-"""An engine's start, phase by phase: each phase is logged as one structured line when it ends and kept, so the
-worker can export them (``kvferry_worker_start_phase_seconds{phase=...}`` on its /metrics).
-
-Phases, in the order an engine runs them (only those that ran are reported; a CPU engine has no kernels or graphs):
-    weights   the checkpoint (or dummy weights) into the model's parameters on its device
-    kernels   the GPU kernels' modules loaded (flashinfer, Triton, XQA): compiled here unless a kernel cache has them
-    graphs    CUDA-graph capture of decode and prefill/mixed steps (a kernel first run inside a capture compiles
-              there when no cache has it)
-    warm_up   a synthetic workload through every step shape (common/sched/warm_up.py)
+"""An engine's start, phase by phase (weights, kernels, graphs, warm_up; only those that ran), each logged as one
+line when it ends and kept for ``kvferry_worker_start_phase_seconds{phase=...}``.
 """
 
 from __future__ import annotations

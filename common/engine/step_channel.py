@@ -1,15 +1,9 @@
-"""Rank 0 -> follower ranks: one step message at a time through a shared-memory file.
+"""Rank 0 -> follower ranks: one step message at a time through a shared-memory file (a gloo broadcast cost two
+TCP round trips per step). Followers spin briefly after each message, then poll with short sleeps.
 
-A gloo broadcast of the step (header, then payload) costs two TCP round trips on every forward
-(bench/RESULTS.md, "Figures behind choices in the code"), on the critical path of
-every tensor-parallel decode step. Here rank 0 writes the message into a shared int64 array and bumps a
-sequence number; followers spin on it for a few milliseconds after each message (decode steps come
-back to back) and then poll with short sleeps, so an idle worker costs little CPU.
-
-Layout (int64): [0] sequence number, [1] message length, [2 + r] the last sequence follower r copied out,
-then the message area. Rank 0 writes a message only after every follower has copied the previous one.
-The writer stores the message, then its length, then the sequence number; readers load the sequence
-number first: on x86 (TSO) stores are seen in program order, which is what the ordering relies on.
+Layout (int64): [0] sequence, [1] length, [2 + r] the last sequence follower r copied, then the message. Rank 0
+writes only after every follower copied the previous one, storing message, length, then sequence; readers load
+the sequence first: x86 (TSO) sees stores in program order, which the ordering relies on.
 """
 
 from __future__ import annotations
@@ -48,10 +42,8 @@ class StepChannel:
         except FileNotFoundError:
             pass
 
-    # -- rank 0 --------------------------------------------------------------------------------------
     def send(self, message: np.ndarray, check_alive: Callable[[], None], timeout_s: float | None = None) -> None:
-        """Publishes `message` (int64, at most `capacity` long) once every follower took the last one
-        (TimeoutError after `timeout_s` if one never does)."""
+        """Publishes `message` once every follower took the last one (TimeoutError after `timeout_s`)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         n = int(message.size)
         if n > self.capacity:
@@ -71,10 +63,8 @@ class StepChannel:
         w[1] = n
         w[0] = seq + 1
 
-    # -- followers -----------------------------------------------------------------------------------
     def recv(self, rank: int, idle: Callable[[], None] | None = None) -> torch.Tensor:
-        """Waits for the next message and returns a copy of it (then rank 0 may overwrite the area). `idle`
-        runs between polls once the spin phase is over (a follower's own transfers progress there)."""
+        """Waits for the next message and returns a copy; `idle` runs between polls once the spin is over."""
         w = self.words
         while int(w[0]) == self._seen:
             if time.monotonic() - self._last_message_at > SPIN_S:

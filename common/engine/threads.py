@@ -1,9 +1,6 @@
-"""How many CPU threads an engine process gives torch, chosen by the engine itself.
-
-torch's default is one thread per core of the *host*, whatever the pod's CPU limit: on a large GPU node
-that is dozens of threads per GPU engine, whose intra-op parallelism on tiny host tensors throttled serving
-(bench/RESULTS.md, "Figures behind choices in the code"). A GPU engine's host work is scheduling and small tensors: a few threads.
-A CPU engine computes with its threads: every core it may use (affinity and cgroup quota).
+"""How many CPU threads an engine process gives torch: torch's default (one per host core, whatever the pod's
+limit) throttled GPU serving with intra-op threads on tiny tensors, so a GPU engine takes a few; a CPU engine
+computes with every core it may use.
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ GPU_ENGINE_THREADS = 4
 
 
 def usable_cores() -> int:
-    """Cores this process may run on: its CPU affinity, capped by a cgroup v2/v1 CPU quota (a pod's limit)."""
+    """Cores this process may run on: its CPU affinity, capped by a cgroup CPU quota."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux

@@ -1,19 +1,7 @@
-"""Tensor parallelism: how a model is split over ranks, and the collectives the split needs.
-
-Split (Megatron style, adapted to GQA):
-- attention is split by KV-head groups: rank r owns a contiguous range of KV heads and exactly the query
-  heads that attend to them, so attention runs on each rank with no communication. Head counts need not
-  divide evenly (SmolLM2's 3 KV heads over 2 ranks: 2 + 1). With fewer KV heads than ranks, each KV head
-  is replicated on `size / kv_heads` ranks and its query heads are divided among them;
-- qkv and gate/up are column-parallel (each rank computes its own output columns), o_proj and down_proj
-  row-parallel (each rank holds the input rows of its heads / MLP slice, partial sums all-reduced);
-- a mixture-of-experts MLP is split the same way inside every expert: each rank holds a slice of every expert's
-  intermediate dim (and the whole router, so every rank routes each token alike), partial sums all-reduced;
-- the embedding and LM head are vocab-parallel: each rank holds a vocabulary slice; embeddings are summed
-  (one rank contributes each token, the others zeros: exact), logits are all-gathered.
-
-Groups are built directly on a TCPStore (no `init_process_group`), so one process may hold several
-independent groups (tests run TP=1 and TP=2 runners side by side).
+"""Tensor parallelism: how a model is split over ranks, and the collectives the split needs (docs/architecture.md,
+"Tensor parallelism"): attention by KV-head groups (no communication), qkv and gate/up column-parallel, o and down
+row-parallel (all-reduced), experts split inside each, embedding and LM head vocab-parallel. Groups are built on a
+TCPStore, not `init_process_group`, so one process may hold several.
 """
 
 from __future__ import annotations
@@ -40,7 +28,7 @@ def split_range(n: int, parts: int, index: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class TPShard:
-    """What rank `rank` of `size` owns. Ranges are [lo, hi) over the full model's heads / rows."""
+    """What rank `rank` of `size` owns; ranges are [lo, hi) over the full model's heads / rows."""
 
     rank: int
     size: int
@@ -103,8 +91,6 @@ class TPShard:
             moe=replace(cfg.moe, intermediate_size=hi - lo) if cfg.moe else None,
         )
 
-    # -- slicing full tensors into this rank's part (weights from a checkpoint, or dummy weights) --------
-
     def rows(self, full: torch.Tensor, lo: int, hi: int, unit: int = 1, pad_to: int = 0) -> torch.Tensor:
         part = full[lo * unit : hi * unit]
         if pad_to > part.shape[0]:
@@ -113,8 +99,7 @@ class TPShard:
         return part
 
     def hf_slice(self, kind: str, full: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-        """This rank's part of one checkpoint tensor, by projection kind (q/k/v/o/gate/up/down/vocab/none; an
-        expert's: expert_gate/expert_up/expert_down, and experts_w13/experts_w2 for all experts stacked)."""
+        """This rank's part of one checkpoint tensor, by projection kind."""
         d = cfg.head_dim
         if kind == "q":
             return self.rows(full, *self.q_heads, unit=d)
@@ -141,7 +126,6 @@ class TPShard:
         return full
 
     def merged_slice(self, param: str, full: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-        """This rank's part of a full merged parameter (`qkv_proj`, `gate_up_proj`, ...) by its name."""
         if self.size == 1:
             return full  # the whole of it (and latent attention's merged [q_a; kv_a], which runs on one rank)
         leaf = param.rsplit(".", 1)[-1]
@@ -158,19 +142,14 @@ class TPShard:
 
 
 def tp_backend(cfg: RunnerConfig) -> str:
-    """The model group's collectives backend for `cfg`'s device (see `TPGroup.connect`)."""
     if not cfg.device.startswith("cuda"):
         return "gloo"
     return "gloo-via-host" if cfg.tp_same_device else "nccl"
 
 
 class TPGroup:
-    """Collectives of one tensor-parallel group; `size == 1` makes every call a no-op.
-
-    Two process groups: `pg` for the model's collectives (gloo on CPU, NCCL on GPU) and `ctrl` (gloo, CPU
-    tensors) for rank 0's per-step broadcast. The control group waits without a practical time limit (a
-    follower idles in it between requests); the model group's limit bounds a step stuck on a lost rank.
-    """
+    """Collectives of one tensor-parallel group (`size == 1`: no-ops): `pg` for the model's (gloo or NCCL, whose
+    timeout bounds a step stuck on a lost rank), `ctrl` (gloo) for rank 0's per-step broadcast, waiting unbounded."""
 
     def __init__(
         self, shard: TPShard, pg: object | None = None, ctrl: object | None = None, via_host: bool = False
@@ -180,15 +159,13 @@ class TPGroup:
         self.size = shard.size
         self.pg = pg
         self.ctrl = ctrl if ctrl is not None else pg
-        # gloo over GPU tensors (ranks sharing one GPU, for functional runs without a second GPU): each
-        # collective goes through a host copy, which gloo handles for every op.
+        # gloo over GPU tensors (ranks sharing one GPU, functional runs): each collective goes through the host.
         self.via_host = via_host
         self.store: object | None = None  # the TCPStore the group was built on (rank 0 serves it)
 
     @classmethod
     def connect(cls, shard: TPShard, host: str, port: int, backend: str, timeout_s: float = 120.0) -> TPGroup:
-        """Join the group whose rank 0 hosts a TCPStore at host:port. backend: gloo (CPU), nccl (GPU), or
-        gloo-via-host (GPU ranks sharing one device: functional checks only)."""
+        """Joins the group whose rank 0 hosts a TCPStore at host:port (gloo, nccl, or gloo-via-host)."""
         import torch.distributed as dist
 
         store = dist.TCPStore(host, port, shard.size, shard.rank == 0, timeout=timedelta(seconds=timeout_s))
@@ -203,15 +180,13 @@ class TPGroup:
         group = cls(shard, pg, ctrl, via_host=backend == "gloo-via-host")
         group.store = store  # the store must outlive the groups (rank 0 serves it)
         if backend == "nccl":
-            # Create the communicator now, eagerly, rather than inside the first forward (which may be a
-            # CUDA-graph capture, where NCCL set-up must not happen).
+            # Created now: the first forward may be a CUDA-graph capture, where NCCL set-up must not happen.
             group.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())))
             torch.cuda.synchronize()
         return group
 
     def close(self) -> None:
-        """Tear the communicators down now, by abort: a graceful NCCL teardown (at interpreter exit too)
-        waits on its peers and was seen to hang once a peer had stopped."""
+        """Tears the communicators down by abort: a graceful NCCL teardown hung once a peer had stopped."""
         for pg in {id(p): p for p in (self.pg, self.ctrl) if p is not None}.values():
             for name in ("abort", "shutdown"):
                 fn = getattr(pg, name, None)
@@ -240,7 +215,7 @@ class TPGroup:
         return x
 
     def embed(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Vocab-parallel embedding lookup: each token's row comes from the one rank that holds it."""
+        """Vocab-parallel embedding lookup: each token's row comes from the one rank holding it."""
         if self.size == 1:
             return F.embedding(ids, weight)
         lo, hi = self.shard.vocab
@@ -251,7 +226,6 @@ class TPGroup:
         return self.all_reduce(out)
 
     def gather_logits(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        """[R, vocab_per_rank] on each rank -> [R, vocab] everywhere (padding rows dropped)."""
         if self.size == 1:
             return local
         src = local.cpu() if self.via_host else local.contiguous()

@@ -1,9 +1,6 @@
 """A tensor-parallel follower rank: builds its part of the model, then replays rank 0's steps until told to stop.
-
-Rank 0 starts this module (`python -m common.engine.tp_follower <config JSON>`, the default of
-`RunnerConfig.tp_follower_main`; see common/engine/tp_ranks.py for the step messages). A layer above the
-engine that needs more in each follower process (the serving layer's per-rank NIXL agent) runs its own
-module, which starts a `Follower` the same way and passes what to close on stop.
+A layer above the engine that needs more per follower (the per-rank NIXL agent) runs its own module that starts
+a `Follower` the same way.
 """
 
 from __future__ import annotations
@@ -52,8 +49,7 @@ class Follower:
 
     @classmethod
     def start(cls, spec: dict[str, Any]) -> Follower:
-        """Joins rank 0's group as `spec["tp_rank"]` (`spec`: rank 0's RunnerConfig fields plus the step
-        channel's path) and builds this rank's model and pool."""
+        """Joins rank 0's group as `spec["tp_rank"]` and builds this rank's model and pool."""
         setup_logging()
         faulthandler.enable()
         if HANG_DUMP_S.read() > 0:  # diagnosing a stuck rank: print every thread's stack then exit
@@ -73,8 +69,8 @@ class Follower:
         on_side: Callable[[bytes], None] | None = None,
         on_idle: Callable[[], None] | None = None,
     ) -> NoReturn:
-        """Replays steps until rank 0 sends STOP, then runs `on_stop` and exits the process. `on_side` gets the
-        layer above's messages (`TPFollowers.send_side`); `on_idle` runs between polls and after each message."""
+        """Replays steps until STOP, then runs `on_stop` and exits; `on_side` gets the layer above's messages,
+        `on_idle` runs between polls."""
         runner = self.runner
         while True:
             message = self.channel.recv(self.rank, on_idle)

@@ -1,15 +1,7 @@
-"""The ranks of one tensor-parallel worker: rank 0 decides, followers replay.
-
-Rank 0 is the engine process (scheduler, page ledger, sampling, NIXL). It launches ranks 1..N-1 as
-child processes (`python -m <cfg.tp_follower_main> <config JSON>`, common/engine/tp_follower.py by
-default), and before each forward it broadcasts the step: the same `StepInputs` it built its own batch
-from, plus the page-table writes it made since the last step. Followers apply the writes to their own
-page table and run the same forward, so batches, pages and collectives agree on every rank; only rank 0
-samples (every rank holds the gathered logits, the followers drop them). Nothing is pickled: the step is
-int64 words in a shared-memory channel (common/engine/step_channel.py; gloo for a step too large for it).
-
-On the CPU every rank's KV pool lives in a shared-memory file that rank 0 maps too, so rank 0's NIXL
-agent can register all ranks' pools and move each rank's heads without the followers taking part.
+"""The ranks of one tensor-parallel worker: rank 0 (the engine: scheduler, pages, sampling, NIXL) decides and
+broadcasts each step (its `StepInputs` and page-table writes, as int64 words in a shared-memory channel, never
+pickled); followers apply the writes and run the same forward. On the CPU every rank's pool is a shared file
+rank 0 maps, so its NIXL agent moves every rank's heads.
 """
 
 from __future__ import annotations
@@ -61,7 +53,7 @@ class ReceivedStep:
 
 
 def encode_step(inputs: StepInputs, journal: Journal) -> np.ndarray:
-    """The step as one int64 array: an 8-word header, then the payload (numpy: a few microseconds)."""
+    """The step as one int64 array: an 8-word header, then the payload."""
     pages = [j[2].numpy() for j in journal]
     jp = sum(len(p) for p in pages)
     header = [OP_STEP, int(inputs.is_decode), inputs.extend_lens.numel(), inputs.input_ids.numel()]
@@ -82,7 +74,6 @@ def encode_step(inputs: StepInputs, journal: Journal) -> np.ndarray:
 
 
 def payload_parts(header: torch.Tensor) -> tuple[int, ...]:
-    """Lengths of the payload's pieces, as `encode_step` lays them out (from the header)."""
     _, _, b, t, j, jp = (int(v) for v in header[:6])
     return (t, b, b, b, b, j, j, j, jp)
 
@@ -96,9 +87,8 @@ def decode_step(header: torch.Tensor, payload: torch.Tensor) -> ReceivedStep:
 
 
 def shared_dir(cfg: RunnerConfig, model_cfg: ModelConfig) -> str:
-    """Where the ranks' shared files go: /dev/shm when it has room for the CPU pools (a container's default
-    /dev/shm is 64 MiB, and writing past a full tmpfs kills the process with SIGBUS), else the temp dir
-    (a shared file mapping works on any filesystem; the kernel writes its pages back in the background)."""
+    """Where the ranks' shared files go: /dev/shm when it has room (a full tmpfs kills the writer with SIGBUS;
+    a container's default is 64 MiB), else the temp dir."""
     need = STEP_CHANNEL_WORDS * 8
     if not cfg.device.startswith("cuda"):
         dtype = resolve_dtype(cfg.dtype, torch.device("cpu"))
@@ -121,8 +111,6 @@ def shared_pool_path(prefix: str, rank: int) -> str:
 
 
 class TPFollowers:
-    """Rank 0's handle on its follower processes."""
-
     def __init__(
         self, group: TPGroup, procs: list[subprocess.Popen[bytes]], shm_prefix: str, channel: StepChannel
     ) -> None:
@@ -135,7 +123,7 @@ class TPFollowers:
 
     @classmethod
     def launch(cls, cfg: RunnerConfig, model_cfg: ModelConfig) -> TPFollowers:
-        """Start ranks 1..N-1 of `cfg` (tp_size > 1) and join their group as rank 0."""
+        """Starts ranks 1..N-1 of `cfg` and joins their group as rank 0."""
         size = cfg.tp_size
         port = free_port()
         shm_prefix = os.path.join(shared_dir(cfg, model_cfg), f"kvferry-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -160,7 +148,7 @@ class TPFollowers:
         return cls(group, procs, shm_prefix, channel)
 
     def check_alive(self, wait_s: float = 0.0) -> None:
-        """Raises TPRankLost if a follower has exited (waiting up to `wait_s` for one that is dying)."""
+        """Raises TPRankLost if a follower has exited (waiting up to `wait_s` for a dying one)."""
         deadline = time.monotonic() + wait_s
         while True:
             for rank, p in enumerate(self.procs, start=1):
@@ -186,16 +174,14 @@ class TPFollowers:
         self.group.broadcast(torch.from_numpy(message[HEADER_LEN:].copy()))
 
     def send_side(self, payload: bytes) -> None:
-        """A message for the followers' layer above the engine (their `Follower.serve(on_side=...)`), in order
-        with the steps: a follower handles it after every step sent before it."""
+        """A message for the followers' layer above the engine, handled after every step sent before it."""
         pad = (-len(payload)) % 8
         words = np.frombuffer(payload + b"\0" * pad, dtype=np.int64)
         header = np.array([OP_SIDE, len(payload)] + [0] * (HEADER_LEN - 2), dtype=np.int64)
         self.channel.send(np.concatenate((header, words)), self.check_alive)
 
     def barrier_ready(self) -> None:
-        """Waits until every follower has built its model and pool (they broadcast-wait on READY); by then
-        each has mapped the step channel, whose file can go."""
+        """Waits until every follower built its model and pool (and mapped the step channel, whose file can go)."""
         self.group.broadcast(torch.tensor([OP_READY] + [0] * (HEADER_LEN - 1), dtype=torch.int64))
         self.channel.unlink()
 

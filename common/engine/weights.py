@@ -19,8 +19,7 @@ from common.engine.moe import MoeExperts
 log = logging.getLogger("kvferry.model")
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-# A routed expert's projection, as Qwen3-MoE (mlp.experts.3.gate_proj) and Mixtral (block_sparse_moe.experts.3.w1)
-# checkpoints name them: gate (w1), up (w3), down (w2).
+# A routed expert's projection as Qwen3-MoE (gate_proj) and Mixtral (w1 gate, w3 up, w2 down) name them.
 _EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _EXPERT_KIND = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 _SHARED = re.compile(r"^mlp\.shared_experts\.(gate|up|down)_proj\.weight$")
@@ -29,8 +28,8 @@ Rows = slice | int | tuple[int, slice] | None
 
 
 def _target(model: DecoderModel, name: str) -> tuple[torch.Tensor, Rows, str] | None:
-    """Maps an HF tensor name to (destination parameter, rows of it, projection kind for tensor-parallel
-    slicing) or None when the model has no use for it. Row slices are in this rank's local sizes."""
+    """An HF tensor name's (destination, rows in this rank's local sizes, kind for tensor-parallel slicing); None:
+    unused."""
     cfg = model.cfg
     if name == "model.embed_tokens.weight":
         return model.embed, None, "vocab"
@@ -85,9 +84,8 @@ def _target(model: DecoderModel, name: str) -> tuple[torch.Tensor, Rows, str] | 
 
 
 def _mla_target(layer: DecoderLayer, rest: str) -> tuple[torch.Tensor, Rows, str] | None:
-    """A latent-attention layer's tensors (DeepSeek's names, `self_attn.` removed): q_a / q and kv_a into the merged
-    `qkv_proj`, the rest into `MlaProjections`. Kinds `mla_q` / `mla_kv_a`: rows whose RoPE part may need
-    reordering (`mla_rope_rows`)."""
+    """A latent-attention layer's tensors (DeepSeek's names): q_a / q and kv_a into `qkv_proj`, the rest into
+    `MlaProjections`; kinds `mla_q` / `mla_kv_a` may need their RoPE rows reordered."""
     mla = layer.mla
     assert mla is not None
     q = mla.q_rows
@@ -106,10 +104,8 @@ def _mla_target(layer: DecoderLayer, rest: str) -> tuple[torch.Tensor, Rows, str
 
 
 def mla_rope_rows(kind: str, tensor: torch.Tensor, mla: MlaConfig) -> torch.Tensor:
-    """An interleaved checkpoint's RoPE rows (pairs (0, 1), (2, 3), ... rotated together) reordered into halves
-    (evens, then odds), the pairing `RotaryCache` rotates: the same rotation, keys and queries permuted alike, so
-    every attention score is unchanged. Rows of q (`mla_q`: each head's nope then rope rows) or of kv_a (`mla_kv_a`:
-    the latent's rows then the rope rows)."""
+    """An interleaved checkpoint's RoPE rows reordered into halves (evens, then odds), as `RotaryCache` rotates:
+    keys and queries permuted alike, so every attention score is unchanged."""
     if not mla.rope_interleaved or kind not in ("mla_q", "mla_kv_a"):
         return tensor
     r = mla.qk_rope_head_dim
@@ -122,8 +118,8 @@ def mla_rope_rows(kind: str, tensor: torch.Tensor, mla: MlaConfig) -> torch.Tens
 
 
 def _moe_target(moe: MoeExperts, rest: str) -> tuple[torch.Tensor, Rows, str] | None:
-    """A mixture-of-experts layer's MLP tensors: the router (and DeepSeek-V3's correction bias), each expert's
-    projections into its row of the stacked `w13` ([gate; up]) and `w2`, and DeepSeek's shared expert."""
+    """A mixture-of-experts layer's MLP tensors: the router (and its bias), experts into the stacked `w13` and
+    `w2`, and DeepSeek's shared expert."""
     if rest in ("mlp.gate.weight", "block_sparse_moe.gate.weight"):
         return moe.gate, None, "none"
     if rest == "mlp.gate.e_score_correction_bias":
@@ -149,18 +145,9 @@ def _moe_target(moe: MoeExperts, rest: str) -> tuple[torch.Tensor, Rows, str] | 
 
 @dataclass(frozen=True)
 class Fp8Checkpoint:
-    """What an FP8 checkpoint's `quantization_config` declares. Two formats are published:
-    - compressed-tensors (llm-compressor: the Llama / Qwen FP8 models of RedHatAI and others): e4m3 weights of
-      every Linear but the ignored ones (the LM head), their `weight_scale` per tensor (`strategy: tensor`, one
-      scalar) or per output channel (`channel`, `[out, 1]`); `kv_cache` when it also ships static `k_scale` /
-      `v_scale` for an FP8 KV cache;
-    - `quant_method: fp8` (the FP8 releases of Qwen3 and DeepSeek: `weight_block_size` [128, 128], one
-      `weight_scale_inv` multiplier per 128 x 128 block; without a block size, older exports with a per-tensor
-      `weight_scale`).
-    Block scales are taken to one scale per output channel at load (`rows_from_blocks`: each weight dequantized
-    with its blocks' scales and quantized again per row, as the FP8 GEMMs here take per-channel weights).
-    Activation scales a checkpoint may declare (static `input_scale`, or dynamic per token) are not read:
-    activations are always scaled per token at each GEMM."""
+    """What an FP8 checkpoint's `quantization_config` declares: compressed-tensors (per-tensor or per-channel
+    `weight_scale`, optional static KV scales) or `quant_method: fp8` (128 x 128 block scales, taken to one scale
+    per output row at load). Activation scales are not read: activations are scaled per token at each GEMM."""
 
     weight_strategy: str  # "tensor" | "channel" | "block"
     kv_cache: bool
@@ -168,8 +155,7 @@ class Fp8Checkpoint:
 
 
 def fp8_checkpoint(path: Path) -> Fp8Checkpoint | None:
-    """The FP8 format of the checkpoint in `path` (None: not quantized); raises for a quantization this engine
-    does not load (another method, integer or 4-bit weights, per-group scales)."""
+    """The FP8 format of the checkpoint in `path` (None: not quantized); raises for one this engine cannot load."""
     with open(path / "config.json") as f:
         qc = json.load(f).get("quantization_config")
     if not qc:
@@ -197,8 +183,7 @@ def fp8_checkpoint(path: Path) -> Fp8Checkpoint | None:
 
 
 def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """A block-scaled e4m3 weight `[N, K]` (`scale_inv` `[ceil(N / rows), ceil(K / cols)]`, W = weight * scale_inv
-    of its block, DeepSeek-V3's format) in float32."""
+    """A block-scaled e4m3 weight `[N, K]` (DeepSeek-V3's format: W = weight * its block's scale_inv) in float32."""
     n, k = weight.shape
     rows, cols = block
     s = scale_inv.float().repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
@@ -210,9 +195,7 @@ def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tupl
 def rows_from_blocks(
     weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A block-scaled e4m3 weight `[N, K]` as e4m3 with one scale per output row `[N, 1]`: dequantized in float32,
-    quantized again per row. A row's blocks whose scales differ get a coarser step; the largest of them keeps its
-    own."""
+    """A block-scaled e4m3 weight as e4m3 with one scale per output row (dequantized, quantized again per row)."""
     return quantize_rows(dequantize_blocks(weight, scale_inv, block))
 
 
@@ -220,14 +203,9 @@ _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv]
 
 
 def load_safetensors_dir(model: DecoderModel, path: Path, block: tuple[int, int] | None = None) -> None:
-    """Loads a checkpoint, keeping only this rank's slice of every tensor under tensor parallelism.
-
-    An FP8 model (`DecoderModel(fp8_weights=True)`, for an FP8 checkpoint) takes the e4m3 weights as they are
-    and their `weight_scale`s as one scale per output row (a per-tensor scale repeated over the tensor's rows: q,
-    k and v keep their own in the merged qkv); with `block` (`Fp8Checkpoint.block`), each weight and its
-    `weight_scale_inv` become per-row e4m3 and scales (`rows_from_blocks`) before the same path, or, into a model
-    of 16/32-bit weights (mixtures of experts, latent attention: no FP8 GEMM path yet), the weight in the model's
-    dtype (`dequantize_blocks`). Static KV scales go to `model.kv_scales`."""
+    """Loads a checkpoint, keeping only this rank's slice of every tensor under tensor parallelism. FP8 weights
+    keep one scale per output row; block-scaled ones are converted to that (`rows_from_blocks`), or dequantized
+    into a model without an FP8 GEMM path. Static KV scales go to `model.kv_scales`."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
@@ -300,7 +278,6 @@ def _missing_experts(model: DecoderModel, seen: set[object]) -> list[str]:
 def _put(
     model: DecoderModel, target: tuple[torch.Tensor, Rows, str], name: str, tensor: torch.Tensor, seen: set[object]
 ) -> None:
-    """The checkpoint tensor `name` into this rank's part of its destination (`_target(model, name)`)."""
     dst, rows, kind = target
     shard = model.tp.shard
     view = dst.data if rows is None else dst.data[rows]
@@ -345,10 +322,8 @@ def _full_shape(model: DecoderModel, name: str, local: torch.Size) -> tuple[int,
 
 
 def init_dummy_weights(model: DecoderModel, seed: int = 0) -> None:
-    """Random weights (never zeros) with scales that keep activations finite through every layer.
-
-    Each rank draws the full tensor and keeps its slice, so TP=N ranks together hold TP=1's weights.
-    """
+    """Random weights with scales that keep activations finite; each rank draws the full tensor and keeps its
+    slice, so TP=N ranks together hold TP=1's weights."""
     # Generated on the parameter's device: an 8B model's worth of randn on the CPU takes minutes.
     gen = torch.Generator(device=model.device).manual_seed(seed)
     shard = model.tp.shard

@@ -1,20 +1,6 @@
-"""The prefix cache's second tier: KV pages in host memory behind the device pool.
-
-When the radix cache must free device pages it copies its least recently used entries here instead of
-dropping them (common/kv/radix.py: `evict`), and a later prompt that matches them has them copied back into
-fresh device pages before its prefill (`load_back`), so it computes only the uncached suffix. A host page
-costs a PCIe copy to reuse, about a tenth of the prefill that recomputing it costs (bench/RESULTS.md, "Figures behind choices in the code"), so the tier pays off whenever distinct prefixes outgrow the device pool.
-
-The host pool has the device pool's layout (`[pages, layers, kv_parts, page_size, heads, head_dim]`), so a run of
-consecutive pages is one copy each way, and its own free-page stack. On CUDA it is page-locked (registered
-with the driver) and every copy is issued on the current stream without waiting: the scheduler runs one
-stream, so a copy out is ordered after the steps that wrote the page and before any later step that reuses
-the device page, and a copy back is ordered before the prefill that reads it; nothing on the host reads
-the tier's memory. On the CPU the "device" pool is host memory too: the tier is a second, separate tensor
-with the same code path and the same limits, and its copies are synchronous.
-
-The tier is exclusive: a page lives on the device or on the host, never both, so each tier's ledger is
-simply free + cached == total.
+"""The prefix cache's second tier: KV pages in host memory behind the device pool (docs/architecture.md, "Host
+KV tier"). Same page layout as the device pool, so a run of pages is one copy; copies are issued on the one
+scheduler stream without waiting, which orders them against the steps. Exclusive: a page is in one tier.
 """
 
 from __future__ import annotations
@@ -31,9 +17,7 @@ from common.kv.pool import KVPool
 
 log = logging.getLogger("kvferry.kv")
 
-# Share of the worker's usable memory (its cgroup limit, or what the machine has available) that an unset
-# KVFERRY_HOST_KV_GB gives the tier on a GPU. The rest is the process itself (weights are loaded by then,
-# but tokenizers, NIXL buffers and the Python heap grow) and whatever else the pod runs.
+# Share of the usable host memory an unset KVFERRY_HOST_KV_GB gives the tier on a GPU (the process grows too).
 AUTO_HOST_SHARE = 0.3
 
 
@@ -58,8 +42,7 @@ def _mem_available_bytes() -> int:
 
 
 def usable_host_memory_bytes() -> int:
-    """Memory this process may still use: the cgroup's limit (v2, else v1) when one is set, capped by what
-    the machine has available now."""
+    """Memory this process may still use: the cgroup limit (v2, else v1), capped by what is available now."""
     available = _mem_available_bytes()
     for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
         limit = _read_int(path)
@@ -69,9 +52,8 @@ def usable_host_memory_bytes() -> int:
 
 
 def host_tier_bytes(host_kv_gb: float, device_type: str) -> int:
-    """Bytes for the tier: `host_kv_gb` GiB when >= 0 (0: no tier), else chosen here: on a GPU a share of
-    the usable host memory (`AUTO_HOST_SHARE`), on the CPU none (the device pool is host memory already;
-    set it to give the CPU the same two tiers a GPU has)."""
+    """Bytes for the tier: `host_kv_gb` GiB when >= 0 (0: none), else on a GPU `AUTO_HOST_SHARE` of the usable
+    host memory, on the CPU none."""
     if host_kv_gb >= 0:
         return int(host_kv_gb * (1 << 30))
     if device_type != "cuda":
@@ -101,13 +83,11 @@ class HostTier:
         layout = device_pool.layout
         self.device_pool = device_pool
         shape = (num_pages, *layout.page_shape)
-        # empty, not zeros: the kernel commits the memory as pages are first written (a tier that is never
-        # filled costs nothing); registration below commits it all on CUDA.
+        # empty, not zeros: the memory is committed as pages are first written (registration commits it on CUDA).
         kv = torch.empty(shape, dtype=layout.dtype)
         self._unregister: weakref.finalize | None = None
         if device_pool.device.type == "cuda" and self._register(kv):
-            # A tier dropped without `close` (a scheduler replaced in one process) must not leave its memory
-            # page-locked: torch would reuse the range, and registering it again fails ("already mapped").
+            # A tier dropped without `close` must not stay page-locked: registering the reused range would fail.
             self._unregister = weakref.finalize(self, _unregister, kv)
         self.pool = KVPool(layout, num_pages, "cpu", kv)
         self.allocator = PageAllocator(num_pages)
@@ -117,13 +97,10 @@ class HostTier:
 
     @staticmethod
     def _register(kv: torch.Tensor) -> bool:
-        """Page-locks the tensor in place. Registration rather than a pinned allocation: torch's pinned
-        allocator rounds every block up to a power of two, which would waste up to half of a large tier."""
+        """Page-locks in place: torch's pinned allocator rounds to a power of two, wasting up to half a tier."""
         rc = torch.cuda.cudart().cudaHostRegister(kv.data_ptr(), kv.numel() * kv.element_size(), 0)
         if int(getattr(rc, "value", rc)) != 0:
-            # The failed call left CUDA's last-error set; the next kernel launch would report it as its own
-            # failure (seen: a 127 GiB tier on a 128 GiB host made the scheduler's first allocation "fail").
-            # A launch here consumes it.
+            # The failure left CUDA's last-error set, which the next launch would report as its own: consume it.
             try:
                 torch.zeros(1, device="cuda")
             except Exception:
@@ -133,12 +110,12 @@ class HostTier:
         return True
 
     def save(self, device_pages: torch.Tensor, host_pages: torch.Tensor) -> None:
-        """Copies device pages into host pages (asynchronous on CUDA, ordered on the current stream)."""
+        """Device pages into host pages (asynchronous on CUDA, ordered on the current stream)."""
         self._copy(self.device_pool.kv, device_pages, self.pool.kv, host_pages)
         self.saved_pages += int(device_pages.numel())
 
     def load(self, host_pages: torch.Tensor, device_pages: torch.Tensor) -> None:
-        """Copies host pages into device pages (asynchronous on CUDA, ordered on the current stream)."""
+        """Host pages into device pages (asynchronous on CUDA, ordered on the current stream)."""
         self._copy(self.pool.kv, host_pages, self.device_pool.kv, device_pages)
         self.loaded_pages += int(host_pages.numel())
 
@@ -156,10 +133,8 @@ def _unregister(kv: torch.Tensor) -> None:
 
 
 def make_host_tier(device_pool: KVPool, host_kv_gb: float, tp_size: int = 1) -> HostTier | None:
-    """The tier a scheduler gets from its setting (None: no tier).
-
-    Tensor-parallel workers run without one: every rank holds its own heads of each page, and the copies
-    would have to be replayed on every rank in step with rank 0's evictions."""
+    """The tier a scheduler gets (None: none). Tensor-parallel workers run without: copies would have to be
+    replayed on every rank in step with rank 0's evictions."""
     nbytes = host_tier_bytes(host_kv_gb, device_pool.device.type)
     if nbytes <= 0:
         return None

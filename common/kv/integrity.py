@@ -1,10 +1,6 @@
-"""The page ledger check a worker runs when idle: every KV page is in exactly one place.
-
-A page is free (the allocator), cached (the radix cache's tree), or owned by one live request; so
-free + cached + owned == total, and no page is in two places. With a host tier its pages are a second
-ledger: free (its allocator) or cached (host nodes of the tree), free + cached == host total. A violation is a bug that would hand one
-page to two writers (silent corruption) or lose it for good (a leak); the worker logs and counts it.
-Cost: one pass over the pool and the tree, which is why it runs only when the worker is idle.
+"""The page ledger check a worker runs when idle (one pass over pool and tree): every page is free, cached or
+owned by one live request (free + cached + owned == total), and the host tier's free + cached == its total. A
+violation would give one page two writers or leak it; the worker logs and counts it.
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ log = logging.getLogger("kvferry.kv")
 
 
 def tree_pages(cache: RadixCache, host: bool = False) -> torch.Tensor:
-    """Every device page (host-tier page with `host`) the radix cache holds (int64, in tree order)."""
+    """Every device page (host-tier page with `host`) the radix cache holds."""
     chunks = []
     stack = list(cache.root.children.values())
     while stack:
@@ -34,7 +30,7 @@ def tree_pages(cache: RadixCache, host: bool = False) -> torch.Tensor:
 
 
 def host_tier_violations(cache: RadixCache) -> list[str]:
-    """What is wrong with the host tier's ledger, and with the tiers' order in the tree (empty when nothing)."""
+    """What is wrong with the host tier's ledger and the tiers' order in the tree (empty: nothing)."""
     host = cache.host
     if host is None:
         return []
@@ -65,11 +61,8 @@ def host_tier_violations(cache: RadixCache) -> list[str]:
 def page_ledger_violations(
     allocator: PageAllocator, cache: RadixCache | None, requests: Iterable[tuple[Sequence[int], int]]
 ) -> list[str]:
-    """What is wrong with the page ledger (empty when nothing is).
-
-    `requests`: for each live request (running, parked, or held for a transfer), its page list and how many
-    leading pages of it belong to the radix cache (shared, locked through the request) rather than to it.
-    """
+    """What is wrong with the page ledger (empty: nothing). `requests`: each live request's pages and how many
+    leading ones belong to the radix cache."""
     total = allocator.num_pages
     tree = tree_pages(cache) if cache is not None else torch.empty(0, dtype=torch.int64)
     owned_lists, shared_lists = [], []
@@ -109,12 +102,9 @@ def page_ledger_violations(
 
 @dataclass
 class IdleLedgerCheck:
-    """Runs a page ledger check once per idle spell of a worker; logs what it finds."""
-
     checked: bool = False
 
     def __call__(self, idle: bool, violations: Callable[[], list[str]]) -> list[str]:
-        """`violations`: the check (`page_ledger_violations` over a scheduler's pages, `Scheduler.ledger_violations`)."""
         if not idle:
             self.checked = False
             return []

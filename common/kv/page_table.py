@@ -5,16 +5,9 @@ import torch
 
 
 class PageTable:
-    """Per-request rows of raw token locations (`page * page_size + offset`), plus table-row bookkeeping.
-
-    Rows hold token locations rather than page ids so the KV write slot of token `pos` is one lookup,
-    `table[row, pos]`; kernels that want page ids read every page_size-th entry.
-
-    Writes are kept on the host until the next step is built, which applies them on the device from the
-    step's one host-to-device copy (`take_writes`; common/engine/runner.py): a step that grows many requests'
-    pages makes no copy of its own per request. Only steps read the table on the device, each after its
-    writes; `table` read from outside applies what is pending first.
-    """
+    """Per-request rows of raw token locations (`page * page_size + offset`: a token's write slot is one lookup),
+    plus table-row bookkeeping. Writes wait on the host and reach the device with the next step's one copy
+    (`take_writes`); `table` read from outside applies what is pending first."""
 
     def __init__(
         self, max_rows: int, max_seq_len: int, page_size: int, device: torch.device, host_pages: bool = False
@@ -28,16 +21,13 @@ class PageTable:
         # (flat index of the page's first slot, page id) of writes not yet applied, in write order.
         self._pending_at: list[np.ndarray] = []
         self._pending_pages: list[np.ndarray] = []
-        # Tensor parallelism: rank 0 records its writes here and ships them with the next step, so every
-        # rank's table (and so every rank's attention) addresses the same pages. None: not recorded.
+        # Tensor parallelism: rank 0 records its writes to ship with the next step (None: not recorded).
         self.journal: list[tuple[int, int, torch.Tensor]] | None = None
-        # `host_pages`: every row's page ids on the host too, `[rows, pages]`, for a planner that reads a step's
-        # pages there (flashinfer's MLA planner checks their range on the host: from the device that is a sync).
+        # Every row's page ids on the host too, for flashinfer's MLA planner (a device read would sync).
         self.host_pages = np.zeros((max_rows + 1, -(-max_seq_len // page_size)), dtype=np.int32) if host_pages else None
 
     @property
     def table(self) -> torch.Tensor:
-        """The device table with every write applied (steps apply theirs through `take_writes`)."""
         if self._pending_at:
             at, pages = self.take_writes()
             dev = torch.from_numpy(np.stack((at, pages))).to(self._table.device, non_blocking=True)
@@ -71,8 +61,8 @@ class PageTable:
             self.host_pages[row, first_page_index : first_page_index + pages.numel()] = self._pending_pages[-1]
 
     def take_writes(self) -> tuple[np.ndarray, np.ndarray]:
-        """The pending writes, taken: (flat index of each page's first slot, page id), one entry per slot
-        range, the last write of a range kept (a row given back and taken again before a step)."""
+        """The pending writes, taken: (flat index of each page's first slot, page id), the last write of a
+        range kept."""
         at = np.concatenate(self._pending_at) if self._pending_at else np.zeros(0, dtype=np.int64)
         pages = np.concatenate(self._pending_pages) if self._pending_pages else np.zeros(0, dtype=np.int64)
         self._pending_at, self._pending_pages = [], []
@@ -84,7 +74,7 @@ class PageTable:
         return at, pages
 
     def apply_writes(self, at: torch.Tensor, pages: torch.Tensor) -> None:
-        """Writes taken pages (int64, on the device) into the table: two kernels for any number of pages."""
+        """Writes taken pages into the table: two kernels for any number of pages."""
         if at.numel() == 0:
             return
         slots = (at[:, None] + self._offsets[None, :]).view(-1)

@@ -8,18 +8,16 @@ import torch
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Shape of a KV pool; equal layouts are required on both ends of a transfer."""
+    """Shape of a KV pool; both ends of a transfer need equal layouts."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     page_size: int
     dtype: torch.dtype
-    # FP8 pools: the static scales, K then V per layer (`2 * num_layers` floats; empty = 1.0 everywhere). A
-    # stored value q means q * scale (common/engine/fp8.py); both ends of a transfer must hold the same ones.
+    # FP8 pools: the static scales, K then V per layer (empty: 1.0); both ends of a transfer hold the same ones.
     kv_scales: tuple[float, ...] = ()
-    # Entries per token and layer: 2 (K and V), or 1 for latent attention (DeepSeek's MLA: one shared
-    # [latent | roped key] row, `num_kv_heads` 1, its keys and values both read from it).
+    # Entries per token and layer: 2 (K and V), or 1 for latent attention (one shared [latent | roped key] row).
     kv_parts: int = 2
 
     def kv_scale(self, layer: int, kv: int) -> float:
@@ -27,7 +25,7 @@ class KVLayout:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page of K (or V, or MLA's latent) for one layer: one contiguous block in the pool."""
+        """Bytes of one page of K (or V, or the latent) for one layer: one contiguous block."""
         return self.page_size * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
 
     @property
@@ -36,31 +34,20 @@ class KVLayout:
 
     @property
     def page_shape(self) -> tuple[int, ...]:
-        """One page of the pool: `[layers, kv_parts, page_size, heads, head_dim]`."""
         return (self.num_layers, self.kv_parts, self.page_size, self.num_kv_heads, self.head_dim)
 
 
 def checksums_match(mine: list[float], theirs: list[float], abs_tol: float = 1e-6) -> bool:
-    """Whether two ends' `page_checksums` agree: float64 sums of the same values, where a different split of
-    the heads over tensor-parallel ranks changes only the summation order."""
+    """Whether two ends' `page_checksums` agree (a different tensor-parallel split only reorders the sums)."""
     return len(mine) == len(theirs) and all(
         math.isclose(a, b, rel_tol=1e-9, abs_tol=abs_tol) for a, b in zip(mine, theirs, strict=True)
     )
 
 
 class KVPool:
-    """The paged KV cache of one worker.
-
-    Layout `[num_pages, num_layers, kv_parts, page_size, num_kv_heads, head_dim]` (page-major; `kv_parts` 2: K
-    and V, 1: MLA's latent entry, `KVLayout`), chosen for two users:
-    - transfer: one page of every layer, K and V, is one contiguous block, and pages p..p+n are adjacent,
-      so a run of consecutive pages is ONE NIXL descriptor. Each descriptor costs its own posting, so a
-      layer-major pool (2 x layers descriptors per run) would move a 4k-token transfer at a fraction of copy
-      speed (bench/RESULTS.md, "Why page-major: descriptor cost");
-    - attention: `k_cache(l)` / `v_cache(l)` are `[num_pages, page_size, H, D]` views with a page stride,
-      which flashinfer's NHD paged kernels read as they are (checked bit-exact against contiguous copies),
-      and every K/V row of the pool is addressable in the flat `rows` view (see `token_rows`).
-    """
+    """The paged KV cache of one worker, page-major: `[num_pages, num_layers, kv_parts, page_size, heads,
+    head_dim]`, so a run of consecutive pages is one NIXL descriptor (posting costs per descriptor), and
+    `k_cache(l)` / `v_cache(l)` are page-strided views flashinfer's NHD kernels read as they are."""
 
     def __init__(
         self, layout: KVLayout, num_pages: int, device: torch.device | str = "cpu", kv: torch.Tensor | None = None
@@ -74,7 +61,7 @@ class KVPool:
         elif tuple(kv.shape) != shape or kv.dtype != layout.dtype or not kv.is_contiguous():
             raise ValueError(f"pool memory {tuple(kv.shape)} {kv.dtype} does not match the layout {shape}")
         self.kv = kv
-        # Every [H, D] row of the pool; row of (page p, layer l, K/V c, offset o) = ((p*L + l)*parts + c)*ps + o.
+        # Every [H, D] row; row of (page p, layer l, K/V c, offset o) = ((p*L + l)*parts + c)*ps + o.
         self.rows = self.kv.view(-1, layout.num_kv_heads, layout.head_dim)
         self._rows_per_page = layout.num_layers * layout.kv_parts * layout.page_size
 
@@ -95,19 +82,17 @@ class KVPool:
         return (self.layout.kv_parts * layer + kv) * self.layout.page_size
 
     def page_checksums(self, pages: torch.Tensor) -> torch.Tensor:
-        """Per-page float64 sums over all layers and K/V, for debug checks that pages arrived intact."""
+        """Per-page float64 sums over all layers and K/V (debug checks that pages arrived intact)."""
         sel = self.kv[pages.to(self.device, torch.int64)]
         return sel.to(torch.float64).sum(dim=(1, 2, 3, 4, 5)).cpu()
 
     @property
     def page_stride_bytes(self) -> int:
-        """Bytes of one page across all layers (K and V, or the latent): one contiguous block."""
         return self.kv.stride(0) * self.kv.element_size()
 
     @classmethod
     def in_shared_file(cls, layout: KVLayout, num_pages: int, path: str, create: bool) -> KVPool:
-        """A CPU pool in a shared-memory file (`/dev/shm/...`), so another process can map the same pages:
-        a tensor-parallel worker's rank 0 registers its followers' pools with its NIXL agent this way."""
+        """A CPU pool in a shared-memory file, so another process (a tensor-parallel rank 0) can map its pages."""
         shape = (num_pages, *layout.page_shape)
         numel = math.prod(shape)
         if create:

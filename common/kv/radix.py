@@ -1,24 +1,7 @@
-"""Page-aligned radix (prefix) cache over token ids.
-
-Every edge of the tree is labelled by a run of whole pages of token ids and carries the KV page ids
-holding those tokens, so a prompt that shares a prefix with an earlier one can reuse its KV pages
-instead of recomputing them. Only whole pages are cached: a page is the unit the allocator hands out,
-the unit transferred between workers and the unit hashed for the Redis prefix index.
-
-Ownership: pages stored in the tree belong to the cache; it gives them back to the `PageAllocator`
-only through `evict` and `reset`. Pages of nodes locked by a running request ("protected") are never
-given back.
-
-Two tiers (with a `HostTier`, common/kv/host_tier.py): `evict` copies the least recently used entries to
-host memory instead of dropping them, and `load_back` copies a match's host part into fresh device pages.
-A node lives in one tier; its `pages` are ids in that tier's pool. The device nodes form the top of the tree
-(a device node's parent is a device node or the root), so a match is a device prefix followed by a host
-suffix, only device nodes are ever locked, and eviction runs leaf-first in each tier: device leaves (device
-nodes without device children) move down to the host, host leaves (host nodes without children) are
-dropped, least recently used first across both (a device leaf older than every host leaf is dropped rather
-than pushing a newer host entry out).
-
-The prefix index hears of every change of tier through `drain_index_events`, in order.
+"""Page-aligned radix (prefix) cache over token ids, in two tiers with a `HostTier` (docs/architecture.md,
+"Host KV tier"). Only whole pages are cached (the unit allocated, transferred and hashed). Pages in the tree
+belong to it until `evict` or `reset`; locked nodes' pages never go back. Device nodes form the top of the
+tree, so a match is a device prefix then a host suffix and only device nodes are locked.
 """
 
 from __future__ import annotations
@@ -44,17 +27,12 @@ def _empty_pages() -> torch.Tensor:
 
 @dataclass(eq=False)
 class RadixNode:
-    """One edge of the tree plus the node it leads to.
-
-    `eq=False` keeps identity hashing, so nodes can sit in sets and be compared with `is`.
-    `block_hashes` is either parallel to `pages` or empty (inserted without hashes).
-    """
+    """One edge of the tree plus the node it leads to (`eq=False`: identity hashing, so nodes sit in sets)."""
 
     key: TokenKey = ()
     pages: torch.Tensor = field(default_factory=_empty_pages)
     block_hashes: list[int] = field(default_factory=list)
-    # Keyed by the first page of the child's key: siblings never share a first page, so one dict
-    # lookup per edge finds the only candidate.
+    # Keyed by the child's first page: siblings never share one.
     children: dict[TokenKey, RadixNode] = field(default_factory=dict, repr=False)
     parent: RadixNode | None = field(default=None, repr=False)
     ref_count: int = 0
@@ -72,15 +50,13 @@ class MatchResult:
     node: RadixNode  # deepest fully matched device node, ending exactly at matched_len (root when none)
     pages: torch.Tensor  # int64 device page ids of the matched tokens, in order
     matched_len: int  # tokens matched on the device; always a multiple of page_size
-    # The match's continuation in the host tier (top down, the last ending exactly at matched_len + host_len):
-    # `RadixCache.load_back` brings it onto the device.
+    # The match's continuation in the host tier, top down (`RadixCache.load_back` brings it onto the device).
     host_nodes: list[RadixNode] = field(default_factory=list)
     host_len: int = 0
 
 
 def _as_tokens(token_ids: Sequence[int] | torch.Tensor) -> TokenKey:
-    # Tuples compare and slice in C, which is what makes page-wise key comparison cheap; going
-    # through tolist() avoids creating one 0-d tensor per element for tensor/ndarray input.
+    # Tuples compare and slice in C; tolist() avoids a 0-d tensor per element.
     if isinstance(token_ids, tuple):
         return token_ids
     tolist = getattr(token_ids, "tolist", None)
@@ -97,11 +73,9 @@ class RadixCache:
         self.allocator = allocator
         self.host = host
         self.root = RadixNode()
-        # Kept incrementally so metrics and admission control never walk the tree.
         self._evictable = 0
         self._protected = 0
-        # Non-root device nodes without device children: the only device eviction candidates. Tracking them
-        # avoids a full tree walk on every evict call.
+        # Non-root device nodes without device children: the only device eviction candidates.
         self._leaves: set[RadixNode] = set()
         self._host_leaves: set[RadixNode] = set()  # host nodes without children: what the host tier drops
         self._host_cached = 0
@@ -109,10 +83,7 @@ class RadixCache:
         self._pinned: set[RadixNode] = set()  # host nodes being loaded back: never dropped meanwhile
         self._index_events: list[IndexEvent] = []
         self._clock = 0
-        # Tie-breaker for the eviction heap: nodes themselves are not orderable.
         self._seq = itertools.count()
-
-    # ---- counters -------------------------------------------------------------------------------
 
     @property
     def evictable_pages(self) -> int:
@@ -124,22 +95,15 @@ class RadixCache:
 
     @property
     def cached_pages(self) -> int:
-        """Device pages the tree holds."""
         return self._evictable + self._protected
 
     @property
     def host_cached_pages(self) -> int:
-        """Host-tier pages the tree holds."""
         return self._host_cached
 
-    # ---- lookup ---------------------------------------------------------------------------------
-
     def match_prefix(self, token_ids: Sequence[int], max_len: int | None = None) -> MatchResult:
-        """Longest page-aligned prefix of `token_ids[:max_len]` in the tree; refreshes LRU stamps on the path.
-
-        Accepts lists, tuples and int tensors. Does not lock: the caller locks `node` if it reuses the pages.
-        The part of the match in the host tier is in `host_nodes` / `host_len` (`load_back` fetches it).
-        """
+        """Longest page-aligned prefix of `token_ids[:max_len]`, its host part in `host_nodes`; refreshes LRU
+        stamps. Does not lock: the caller locks `node` if it reuses the pages."""
         tokens = _as_tokens(token_ids)
         if max_len is not None:
             tokens = tokens[: max(max_len, 0)]
@@ -157,8 +121,7 @@ class RadixCache:
                 break
             matched = self._matched_tokens(child.key, tokens, pos, limit)
             if matched < len(child.key):
-                # Split so the returned node ends exactly at matched_len: the caller locks it, and a
-                # lock must cover exactly the pages it reuses.
+                # The returned node must end exactly at matched_len: a lock covers exactly the pages reused.
                 child = self._split(child, matched // self.page_size)
             child.last_access = tick
             node = child
@@ -173,14 +136,12 @@ class RadixCache:
         return MatchResult(device_node, pages, device_len, host_nodes, pos - device_len)
 
     def load_back(self, match: MatchResult) -> MatchResult:
-        """Copies the host part of `match` into fresh device pages (evicting for them) and returns the match
-        as it now stands on the device. Without device pages to spare it returns the device part alone.
-        Locks nothing: the caller locks the returned node as after `match_prefix`."""
+        """Copies `match`'s host part into fresh device pages and returns the match as it now stands on the
+        device (its device part alone without pages to spare). Locks nothing."""
         if not match.host_nodes:
             return match
         assert self.host is not None
         need = sum(n.num_pages for n in match.host_nodes)
-        # Hold the device part and the host nodes in place while eviction makes room.
         self.lock(match.node)
         self._pinned = set(match.host_nodes)
         try:
@@ -202,8 +163,6 @@ class RadixCache:
             off += k
         return MatchResult(match.host_nodes[-1], torch.cat([match.pages, dev]), match.matched_len + match.host_len)
 
-    # ---- locking --------------------------------------------------------------------------------
-
     def lock(self, node: RadixNode) -> None:
         self._check_attached(node)
         if node.on_host:
@@ -219,8 +178,7 @@ class RadixCache:
     def unlock(self, node: RadixNode) -> None:
         if node is self.root:
             return
-        # Ancestors always hold at least the node's count, so checking the node alone guarantees no
-        # ancestor underflows and nothing is half-decremented when we raise.
+        # Ancestors hold at least the node's count: checking it alone means nothing is half-decremented on raise.
         if node.ref_count <= 0:
             raise RuntimeError("RadixCache.unlock: ref_count underflow")
         self._check_attached(node)
@@ -232,23 +190,15 @@ class RadixCache:
             assert node.parent is not None
             node = node.parent
 
-    # ---- insertion ------------------------------------------------------------------------------
-
     def insert(
         self,
         token_ids: Sequence[int],
         pages: torch.Tensor,
         block_hashes: Sequence[int] | None = None,
     ) -> tuple[int, RadixNode]:
-        """Caches the page-aligned prefix of `token_ids` backed by `pages`.
-
-        Returns `(already_cached_len, last_node)`. The cache takes ownership of
-        `pages[already_cached_len // page_size : n]` only; the caller keeps the rest of what it
-        passed (the already-cached range, where the tree keeps its own pages, and anything past `n`).
-        Exception: a host-tier node on the path adopts the caller's device pages for its range (they hold
-        the same KV) and frees its host copy, so with a host tier the caller compares `match_prefix`'s
-        pages with its own to know which of them the tree kept.
-        """
+        """Caches the page-aligned prefix of `token_ids` backed by `pages`; returns `(already_cached_len,
+        last_node)`. The cache owns `pages[already_cached_len // page_size : n]` only, except that a host node on
+        the path adopts the caller's device pages for its range (compare with `match_prefix`'s pages)."""
         tokens = _as_tokens(token_ids)
         ps = self.page_size
         n = min(len(tokens) // ps, int(pages.numel()))
@@ -291,15 +241,9 @@ class RadixCache:
             pos += matched
         return pos, node
 
-    # ---- eviction -------------------------------------------------------------------------------
-
     def evict(self, num_pages: int) -> int:
-        """Frees at least `num_pages` device pages when that many are evictable; returns how many it freed.
-
-        Least recently used device leaves go first. With a host tier each is copied to the host (making room
-        there by dropping host entries used less recently) before its device pages are freed; one that finds
-        no room is dropped, and with it whatever of its subtree was on the host.
-        """
+        """Frees at least `num_pages` device pages when that many are evictable, LRU device leaves first (moved to
+        the host tier when it has room); returns how many it freed."""
         if num_pages <= 0:
             return 0
         heap = [(leaf.last_access, next(self._seq), leaf) for leaf in self._leaves if leaf.ref_count == 0]
@@ -326,23 +270,19 @@ class RadixCache:
         return freed
 
     def drain_index_events(self) -> list[IndexEvent]:
-        """Changes of tier since the last call, in order: (tier, hashes), tier None for blocks no longer
-        cached. Blocks entering the cache through `insert` are listed only as their inserter notes them
-        (`note_stored`)."""
+        """Changes of tier since the last call, in order: (tier, hashes), tier None for blocks no longer cached.
+        Inserted blocks appear only as their inserter notes them (`note_stored`)."""
         out, self._index_events = self._index_events, []
         return out
 
     def note_stored(self, hashes: list[int]) -> None:
-        """Lists blocks an inserter put on the device (a request's prompt pages) among the index events."""
         self._index_events.append(("device", hashes))
 
     def drain_evicted_hashes(self) -> list[int]:
-        """Hashes of the blocks no longer cached since the last drain (`drain_index_events` without the
-        changes of tier: for a cache without a host tier, where nothing else happens)."""
+        """Hashes of blocks no longer cached since the last drain (for a cache without a host tier)."""
         return [h for tier, hashes in self.drain_index_events() if tier is None for h in hashes]
 
     def all_block_hashes(self, tier: str | None = None) -> list[int]:
-        """Every cached block's hash; only those in one tier ("device" / "host") when `tier` is given."""
         out: list[int] = []
         stack = [self.root]
         while stack:
@@ -353,7 +293,6 @@ class RadixCache:
         return out
 
     def reset(self) -> None:
-        """Gives every cached page back to the allocator; their hashes go to the evicted list."""
         if self._protected:
             raise RuntimeError("RadixCache.reset: nodes are still locked")
         to_free: list[torch.Tensor] = []
@@ -365,8 +304,7 @@ class RadixCache:
             (host_free if node.on_host else to_free).append(node.pages)
             gone.extend(node.block_hashes)
             stack.extend(node.children.values())
-            # Detach so a stale reference held by a caller fails loudly in lock() instead of
-            # resurrecting freed pages.
+            # Detached: a stale reference fails loudly in lock() instead of resurrecting freed pages.
             node.parent = None
             node.children = {}
         self.root.children = {}
@@ -383,20 +321,14 @@ class RadixCache:
             assert self.host is not None
             self.host.allocator.free(torch.cat(host_free))
 
-    # ---- internals ------------------------------------------------------------------------------
-
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
 
     def _matched_tokens(self, key: TokenKey, tokens: TokenKey, pos: int, limit: int) -> int:
-        """Tokens of `key` matching `tokens[pos:limit]`, rounded down to whole pages.
-
-        The caller already found `key` by its first page, so the result is at least one page.
-        """
+        """Tokens of `key` matching `tokens[pos:limit]`, rounded down to whole pages (at least one)."""
         ps = self.page_size
         span = min(len(key), limit - pos)
-        # Fast path: one C-level comparison covers the common case of a full edge match.
         if tokens[pos : pos + span] == key[:span]:
             return span
         off = ps
@@ -405,11 +337,8 @@ class RadixCache:
         return off
 
     def _split(self, node: RadixNode, at_pages: int) -> RadixNode:
-        """Splits `node` after `at_pages` pages and returns the new upper half.
-
-        The original object keeps the lower half so that it still ends at the same depth: callers
-        holding it (locked or as `last_node`) keep referring to the same token range.
-        """
+        """Splits `node` after `at_pages` pages and returns the new upper half; `node` keeps the lower half, so
+        holders of it still refer to the same token range."""
         assert 0 < at_pages < node.num_pages
         ps = self.page_size
         cut = at_pages * ps
@@ -420,8 +349,7 @@ class RadixCache:
             pages=node.pages[:at_pages].clone(),
             block_hashes=node.block_hashes[:at_pages],
             parent=parent,
-            # Every lock through `node` also passes through its new ancestor, and both halves keep
-            # the same lock state, so the evictable/protected counters need no change.
+            # Both halves keep the lock state: the evictable/protected counters need no change.
             ref_count=node.ref_count,
             last_access=node.last_access,
             on_host=node.on_host,
@@ -436,8 +364,7 @@ class RadixCache:
         return upper
 
     def _demote(self, leaf: RadixNode) -> bool:
-        """Moves an unlocked device leaf to the host tier (its device pages are the caller's to free);
-        False when there is no tier or no room in it for entries this old."""
+        """Moves an unlocked device leaf to the host tier (the caller frees its device pages); False without room."""
         host = self.host
         n = leaf.num_pages
         if host is None or not self._make_host_room(n, leaf.last_access):
@@ -461,8 +388,7 @@ class RadixCache:
         return True
 
     def _to_device(self, node: RadixNode, device_pages: torch.Tensor) -> None:
-        """A host node whose KV is now in `device_pages` (its host pages already freed) joins the device
-        tier; its parent must be on the device."""
+        """A host node whose KV is now in `device_pages` joins the device tier (its parent must be there)."""
         parent = node.parent
         assert parent is not None and not parent.on_host and node.on_host and node.ref_count == 0
         n = node.num_pages
@@ -478,7 +404,7 @@ class RadixCache:
         self._index_events.append(("device", list(node.block_hashes)))
 
     def _make_host_room(self, n: int, older_than: int) -> bool:
-        """Drops least recently used host leaves, none used after `older_than`, until `n` host pages are free."""
+        """Drops LRU host leaves, none used after `older_than`, until `n` host pages are free."""
         host = self.host
         assert host is not None
         if n > host.num_pages:
@@ -519,8 +445,7 @@ class RadixCache:
         self._index_events.append((None, list(node.block_hashes)))
 
     def _drop_device_leaf(self, leaf: RadixNode) -> None:
-        """Detaches an unlocked device leaf (its device pages are the caller's to free) and drops the host
-        subtree below it."""
+        """Detaches an unlocked device leaf (the caller frees its pages) and drops the host subtree below it."""
         parent = leaf.parent
         assert parent is not None and not leaf.on_host and leaf.device_children == 0 and leaf.ref_count == 0
         gone = list(leaf.block_hashes)

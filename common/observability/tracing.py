@@ -1,17 +1,6 @@
-"""OpenTelemetry spans for the request path, off unless an OTLP endpoint is configured.
-
-``init_tracing(service)`` is called once per serving process (router, each worker's control plane; engine
-processes never trace: their stage times reach the control plane with their events). With neither
-``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` nor ``OTEL_EXPORTER_OTLP_ENDPOINT`` set it does nothing and every
-helper here returns at its first line: no OpenTelemetry import, no span, no ``traceparent`` header.
-With one set, spans go out over OTLP/HTTP (protobuf) through the SDK's batch processor; the standard
-``OTEL_*`` variables (service name, resource attributes, batch delays, sampler) apply as usual.
-
-Context crosses processes as a W3C ``traceparent`` header on the internal calls (router -> decode worker
--> prefill worker). Spans whose context another process needs (the router's request, the decode worker's
-generate call, the prefill worker's prefill) are started live; the stages inside them are recorded as
-timeline stamps (common/observability/timeline.py) and turned into child spans with their real start and
-end times when the request ends (``child_spans``), so the hot path only takes timestamps.
+"""OpenTelemetry spans for the request path, off (no import, no span, no header) unless an OTLP endpoint is set.
+Context crosses processes as W3C ``traceparent`` on internal calls; the stages inside a live span are timeline
+stamps turned into child spans when the request ends, so the hot path only takes timestamps.
 """
 
 from __future__ import annotations
@@ -43,7 +32,7 @@ def tracing_enabled() -> bool:
 
 
 def init_tracing(service: str, environ: dict[str, str] | None = None) -> bool:
-    """Turns tracing on for this process when an OTLP endpoint is set; True when on. Idempotent."""
+    """Turns tracing on when an OTLP endpoint is set; True when on. Idempotent."""
     global _tracer
     env = os.environ if environ is None else environ
     if _tracer is not None or not any(env.get(v) for v in ENDPOINT_VARS):
@@ -53,12 +42,10 @@ def init_tracing(service: str, environ: dict[str, str] | None = None) -> bool:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    # OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES, when set, win over the role's default name.
     resource = Resource.create({SERVICE_NAME: env.get("OTEL_SERVICE_NAME") or service})
     provider = TracerProvider(resource=resource)
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-    # A provider of our own, not the global one: libraries that trace through the global provider (FastAPI's
-    # native telemetry spans every request, the router's /load polls included) stay off unless configured.
+    # Our own provider, not the global one: libraries tracing through it (FastAPI's per-request spans) stay off.
     _tracer = provider.get_tracer("kvferry")
     log.info("tracing on", extra={"service": service})
     return True
@@ -74,8 +61,7 @@ def start_span(
     start: float | None = None,
     attributes: dict[str, Any] | None = None,
 ) -> Any:
-    """A live span (None when tracing is off), child of the remote context in ``parent_traceparent`` if any.
-    ``start``: wall-clock seconds (default now)."""
+    """A live span (None when off), child of ``parent_traceparent``'s context if any; ``start``: wall-clock seconds."""
     if _tracer is None:
         return None
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -85,7 +71,6 @@ def start_span(
 
 
 def traceparent(span: Any) -> str | None:
-    """The W3C traceparent naming ``span`` as the parent, for an outgoing internal call."""
     if span is None:
         return None
     c = span.get_span_context()
@@ -97,7 +82,6 @@ def trace_id(span: Any) -> str | None:
 
 
 def child_spans(parent: Any, spans: list[tuple[str, float, float]], attributes: dict[str, Any] | None = None) -> None:
-    """Records finished children of ``parent``: (name, start, end) in wall-clock seconds."""
     if parent is None or _tracer is None:
         return
     from opentelemetry import trace

@@ -1,13 +1,6 @@
-"""How a kvferry deployment reaches its Redis: credentials, TLS and the key prefix it writes under.
-
-- ``KVFERRY_REDIS_URL``: ``redis://`` or ``rediss://`` (TLS); it may carry ``user:password@`` itself;
-- ``KVFERRY_REDIS_PASSWORD`` (and ``KVFERRY_REDIS_USERNAME`` for an ACL user): the credentials kept out of
-  the URL, e.g. from a Kubernetes Secret (a password in the URL wins over this one);
-- ``KVFERRY_REDIS_TLS_CA``: the CA file that verifies a ``rediss://`` server (default: the system's);
-  ``KVFERRY_REDIS_TLS_CERT`` / ``KVFERRY_REDIS_TLS_KEY``: a client certificate for a server that asks for one;
-- ``KVFERRY_REDIS_PREFIX`` (``kvf``): the first part of every key, so two deployments can share one Redis.
-
-Plain settings, no redis import: common/config.py carries them to the router and to the engine process.
+"""How a kvferry deployment reaches its Redis (``KVFERRY_REDIS_*``: URL, credentials kept out of it, TLS files,
+the key prefix two deployments sharing a Redis tell apart by). Plain settings, no redis import: common/config.py
+carries them to the router and the engine process.
 """
 
 from __future__ import annotations
@@ -37,8 +30,7 @@ class RedisAccess:
         return cls(**reg.read_fields(cls, environ))
 
     def client_kwargs(self, url: str) -> dict[str, Any]:
-        """Keyword arguments for redis-py's ``from_url(url, ...)`` (credentials in the URL take precedence:
-        redis-py applies the URL's over these)."""
+        """Keyword arguments for redis-py's ``from_url(url, ...)`` (credentials in the URL win)."""
         kw: dict[str, Any] = {}
         if self.password:
             kw["password"] = self.password

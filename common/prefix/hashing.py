@@ -1,14 +1,6 @@
-"""Chained block hashes of token ids, the keys of the fleet-wide prefix index.
-
-A prompt is cut into blocks of ``block_size`` tokens (the KV page size, so one hash names one KV page
-worth of prefix). Block ``i`` is hashed together with the hash of block ``i - 1``, so a hash names the
-whole prefix up to and including its block, not just the block's own tokens: two prompts that share
-hash ``h_i`` share every token before it. That is what lets the router look a prompt up block by block
-and stop at the first miss.
-
-The router and every worker must compute identical hashes in different processes, on different
-machines, so Python's ``hash`` (salted per process by ``PYTHONHASHSEED``) is out; blake2b with an 8-byte
-digest is in the standard library, is stable, and is fast enough for short inputs (one call per block).
+"""Chained block hashes of token ids, the keys of the fleet-wide prefix index: block ``i`` (``block_size`` =
+the KV page size) is hashed with block ``i - 1``'s hash, so a hash names the whole prefix and a lookup stops at
+the first miss. blake2b, not Python's per-process salted ``hash``: router and workers must agree.
 """
 
 from __future__ import annotations
@@ -23,8 +15,7 @@ __all__ = ["DEFAULT_BLOCK_SIZE", "HASH_BYTES", "chained_block_hashes", "root_has
 DEFAULT_BLOCK_SIZE = 16
 HASH_BYTES = 8
 
-# Domain-separation string for the chain root: changing the hashing scheme in an incompatible way must
-# change this tag, so old and new processes cannot produce colliding keys during a rolling upgrade.
+# Chain root tag: an incompatible scheme change must change it, so a rolling upgrade cannot collide keys.
 _ROOT_TAG = b"kvferry/prefix/v1"
 _LITTLE_ENDIAN = sys.byteorder == "little"
 _blake2b = hashlib.blake2b
@@ -32,11 +23,7 @@ _from_bytes = int.from_bytes
 
 
 def root_hash(seed: int = 0) -> int:
-    """The chain's ``h_{-1}``: a constant derived from ``seed``.
-
-    The seed lets callers keep separate hash spaces (e.g. per LoRA adapter or per tokenizer revision)
-    without changing the key layout; the same seed always gives the same root.
-    """
+    """The chain's ``h_{-1}`` from ``seed`` (separate hash spaces, e.g. per tokenizer revision)."""
     seed_bytes = (seed & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")
     return _from_bytes(_blake2b(_ROOT_TAG + seed_bytes, digest_size=HASH_BYTES).digest(), "little")
 
@@ -47,22 +34,15 @@ def chained_block_hashes(
     seed: int = 0,
     parent: int | None = None,
 ) -> list[int]:
-    """Return one unsigned 64-bit hash per FULL block of ``token_ids``.
-
-    ``h_i = blake2b_64(h_{i-1} as 8 little-endian bytes || tokens of block i as little-endian int32)``.
-    ``h_{-1}`` is ``root_hash(seed)``, or ``parent`` to continue a chain from an earlier call (then
-    ``seed`` is ignored). A trailing partial block gets no hash: its KV page is not full yet, so no
-    other request can reuse it as a whole page.
-
-    Raises ``OverflowError`` for a token id outside int32 (no real vocabulary comes near it).
-    """
+    """One unsigned 64-bit hash per FULL block of ``token_ids``: ``h_i = blake2b_64(h_{i-1} as 8 LE bytes ||
+    block i as LE int32)``, ``h_{-1}`` = ``root_hash(seed)`` or ``parent``. A partial block gets none (its page
+    is not reusable whole). OverflowError for a token id outside int32."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     n_blocks = len(token_ids) // block_size
     if n_blocks == 0:
         return []
-    # Pack all full blocks in one C-level call instead of one struct.pack per block; slicing the
-    # resulting bytes per block is cheap. array('i') is native order, so swap on big-endian hosts.
+    # All full blocks packed in one C call; array('i') is native order, so swapped on big-endian hosts.
     packed = array("i", token_ids[: n_blocks * block_size])
     if not _LITTLE_ENDIAN:
         packed.byteswap()
@@ -72,8 +52,7 @@ def chained_block_hashes(
     prev = (root_hash(seed) if parent is None else parent & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")
     out: list[int] = []
     append = out.append
-    # The chain is carried as digest bytes (prev) so each step is one blake2b construction over two
-    # buffers; the int conversion is only for the returned values.
+    # The chain is carried as digest bytes: one blake2b per block over two buffers.
     for off in range(0, n_blocks * step, step):
         h = _blake2b(prev, digest_size=HASH_BYTES)
         h.update(buf[off : off + step])

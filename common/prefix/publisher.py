@@ -26,12 +26,11 @@ _SNAPSHOT_CHUNK = 10000
 
 @dataclass
 class _Buffer:
-    """Events from the scheduler loop, waiting for the publisher thread. Guarded by ``cond``."""
+    """Events from the scheduler loop, waiting for the publisher thread; guarded by ``cond``."""
 
     events: list[tuple[str | None, tuple[int, ...]]] = field(default_factory=list)  # (tier or None, hashes)
     n_hashes: int = 0
-    # False while Redis is known to be down: events are dropped on arrival (memory stays bounded) and the
-    # resync after reconnecting restores the truth.
+    # False while Redis is down: events are dropped (bounded memory) and the resync restores the truth.
     accepting: bool = True
     # Full resync wanted: at startup, after an outage, a lost heartbeat key, or a buffer overflow.
     needs_sync: bool = True
@@ -45,25 +44,11 @@ class _Buffer:
 class PrefixIndexPublisher:
     """Publishes one pod's block hashes for one model; owned by a worker.
 
-    ``stored()`` and ``removed()`` are called from the scheduler loop: they only append to an in-memory
-    buffer under a lock and never touch the network. A daemon thread writes the buffer in one pipeline per
-    ``flush_interval_s``, refreshes the heartbeat every ``heartbeat_s`` (TTL ``ttl_s``), and on startup
-    replaces whatever this pod id published before (a restarted pod must not leave stale entries).
-
-    ``resync`` returns the cache's current block hashes. It is called on the publisher thread after
-    startup and after every outage, so it must be safe to call concurrently with the scheduler (e.g. copy
-    under the cache's lock). A snapshot that races with cache updates is fine: every update after the
-    publisher resumes buffering is replayed on top of it. Without ``resync`` the pod's entries are cleared
-    after an outage and only later events are published (under-reporting, never stale).
-
-    Tiers: ``stored(hashes, "host")`` records blocks a pod keeps in its host-memory tier (``hblk:`` keys),
-    ``stored(hashes)`` blocks in device memory; a block moves between the two as the pod's cache moves it.
-    ``resync_host`` returns the host tier's hashes for a full sync, as ``resync`` does the device's; a pod
-    given one (or that ever stores a host block) also clears a block's host entry when it stores it on the
-    device or removes it.
-
-    Every ``gc_interval_s`` the thread also removes the leftovers of pods whose heartbeat expired (crashed
-    pods with random Deployment names would otherwise leave their block entries in Redis forever).
+    ``stored()`` and ``removed()`` (scheduler loop) only append to a buffer, never touching the network. The
+    thread writes it in one pipeline per ``flush_interval_s``, keeps the heartbeat, replaces this pod id's
+    earlier entries at start, and collects dead pods' leftovers every ``gc_interval_s``. ``resync`` (and
+    ``resync_host`` for ``hblk:`` keys) returns the cache's hashes and must be safe beside the scheduler: events
+    buffered after it starts are replayed on top. Without it an outage only clears (under-reporting, never stale).
     """
 
     def __init__(
@@ -101,8 +86,7 @@ class PrefixIndexPublisher:
         self._r = redis.Redis.from_url(redis_url, **client_options(socket_timeout_s), **access.client_kwargs(redis_url))
         self._clear_batch = self._r.register_script(CLEAR_BATCH_LUA)
         self._pod_status = self._r.register_script(POD_STATUS_LUA)
-        # Heartbeat value identifying this publisher instance: seeing another value means a second live
-        # publisher uses the same pod id (misconfiguration worth a warning).
+        # Identifies this publisher instance: another value in the heartbeat means a second publisher on this pod id.
         self._token = uuid.uuid4().hex
         self._buf = _Buffer()
         self._outage = OutageLog(f"prefix publisher {pod_id}")
@@ -113,16 +97,14 @@ class PrefixIndexPublisher:
         self._next_gc = 0.0
         self._warned_duplicate = False
 
-    # ---- called from the scheduler loop -------------------------------------------------------------
-
     def stored(self, hashes: Iterable[int], tier: str = "device") -> None:
-        """The cache now holds these blocks in `tier` ("device" or "host"). O(len(hashes)), no I/O."""
+        """The cache now holds these blocks in `tier` ("device" or "host"); no I/O."""
         if tier not in ("device", "host"):
             raise ValueError(f"unknown tier {tier!r}")
         self._push(tier, hashes)
 
     def removed(self, hashes: Iterable[int]) -> None:
-        """The cache evicted these blocks. O(len(hashes)), no I/O."""
+        """The cache evicted these blocks; no I/O."""
         self._push(None, hashes)
 
     def _push(self, tier: str | None, hashes: Iterable[int]) -> None:
@@ -140,14 +122,11 @@ class PrefixIndexPublisher:
             b.pushed += 1
             b.cond.notify_all()  # the thread may be waiting for work (`_wait_for_work`)
             if b.n_hashes > self.max_buffered_hashes:
-                # The thread cannot keep up (or is stuck on a slow Redis): drop and resync instead of
-                # growing without bound. Logged by the thread, not here (no I/O on the caller's path).
+                # The thread cannot keep up: drop and resync instead of growing (logged by the thread: no I/O here).
                 b.events.clear()
                 b.n_hashes = 0
                 b.needs_sync = True
                 b.overflowed = True
-
-    # ---- lifecycle ----------------------------------------------------------------------------------
 
     def start(self) -> None:
         if self._thread is not None:
@@ -156,9 +135,8 @@ class PrefixIndexPublisher:
         self._thread.start()
 
     def stop(self, deregister: bool = True, timeout_s: float = 5.0) -> None:
-        """Stop the thread. With ``deregister`` (graceful drain) the heartbeat goes first, so routers stop
-        counting this pod's prefixes at once, then all its entries; without it the buffer is flushed and
-        the entries stay until the heartbeat expires (then they count 0 and are garbage-collected)."""
+        """Stops the thread. ``deregister`` (graceful drain): the heartbeat goes first, so routers stop counting
+        this pod at once, then its entries; otherwise they stay until the heartbeat expires and gc takes them."""
         self._deregister = deregister
         self._stop.set()
         with self._buf.cond:
@@ -172,15 +150,13 @@ class PrefixIndexPublisher:
                     timeout_s,
                 )
         with self._buf.cond:
-            # Later calls become no-ops instead of growing a buffer nobody drains.
             self._buf.accepting = False
             self._buf.events.clear()
             self._buf.n_hashes = 0
         self._r.close()
 
     def wait_idle(self, timeout_s: float = 5.0) -> bool:
-        """Block until every event pushed before this call is in Redis (after the initial sync). For tests
-        and for a worker that wants its cache advertised before reporting ready; never needed otherwise."""
+        """Blocks until every event pushed before this call is in Redis (tests; a worker advertising before ready)."""
         b = self._buf
         with b.cond:
             target = b.pushed
@@ -188,8 +164,6 @@ class PrefixIndexPublisher:
                 lambda: not (b.needs_sync or b.syncing) and b.flushed >= target,
                 timeout_s,
             )
-
-    # ---- publisher thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
         backoff = 0.0
@@ -212,8 +186,8 @@ class PrefixIndexPublisher:
         self._shutdown()
 
     def _wait_for_work(self) -> None:
-        """Waits ``flush_interval_s`` (events arriving meanwhile go out in one pipeline), then, with nothing
-        buffered, blocks until an event, the next heartbeat or gc, or ``stop``: an idle pod's thread sleeps."""
+        """Waits ``flush_interval_s`` (events meanwhile share one pipeline); with nothing buffered, sleeps until
+        an event, the next heartbeat or gc, or ``stop``."""
         if self._stop.wait(self.flush_interval_s):
             return
         b = self._buf
@@ -226,8 +200,7 @@ class PrefixIndexPublisher:
             self._outage.failed(exc)
         b = self._buf
         with b.cond:
-            # Anything buffered may or may not have reached Redis; stop buffering (bounded memory) and
-            # rebuild this pod's entries from the cache once Redis answers again.
+            # Buffered events may or may not have reached Redis: stop buffering and resync once it answers.
             b.events.clear()
             b.n_hashes = 0
             b.accepting = False
@@ -250,19 +223,14 @@ class PrefixIndexPublisher:
             self._collect_dead_pods()
 
     def _full_sync(self) -> None:
-        """Replace this pod's entries with the cache's current hashes."""
         b = self._buf
         with b.cond:
-            # Resume buffering before taking the snapshot: every change from here on is replayed after the
-            # snapshot is written, so a snapshot that races with the scheduler still converges (SADD/SREM
-            # replays are idempotent and the last event per hash wins).
+            # Buffering resumes before the snapshot: later changes replay on top (idempotent, last event wins).
             b.accepting = True
-            # Claim the request now, so one raised meanwhile (buffer overflow, vanished heartbeat) is
-            # not lost when this sync finishes; a failure sets it again.
+            # Claimed now, so a request raised meanwhile is not lost when this sync finishes.
             b.needs_sync = False
             b.syncing = True
-        # Heartbeat first: a collector on another pod checks it atomically per batch, so from here on it
-        # cannot delete what we are about to write.
+        # Heartbeat first: another pod's collector checks it atomically per batch, so it cannot delete what follows.
         self._heartbeat(time.monotonic())
         self._r.sadd(self._keys.pods, self.pod_id)
         self._clear_own(gc=False)
@@ -285,7 +253,6 @@ class PrefixIndexPublisher:
             LOG.info("prefix publisher %s: synced %d blocks", self.pod_id, synced)
 
     def _flush(self) -> None:
-        """Write buffered events (and the heartbeat when due) in one pipeline."""
         b = self._buf
         with b.cond:
             events, b.events = b.events, []
@@ -308,9 +275,8 @@ class PrefixIndexPublisher:
             blocks_key = self._keys.pod_blocks(self.pod_id)
             pipe = self._r.pipeline(transaction=False)
             if hb_due:
-                # SET ... GET returns the previous value: None means the key vanished (Redis restarted
-                # or was flushed without us seeing a connection error, or we stalled past the TTL and
-                # were garbage-collected), so our entries are incomplete: resync.
+                # SET ... GET: None means the key vanished (Redis restarted, or we stalled past the TTL and were
+                # collected), so our entries are incomplete: resync.
                 pipe.set(
                     self._keys.heartbeat(self.pod_id),
                     self._token,
@@ -360,7 +326,7 @@ class PrefixIndexPublisher:
             )
 
     def _clear_own(self, gc: bool, pod_id: str | None = None) -> bool:
-        """Remove a pod's published entries in batches; False if a gc run found the pod alive again."""
+        """Removes a pod's entries in batches; False if a gc run found the pod alive again."""
         pod = self.pod_id if pod_id is None else pod_id
         keys = [self._keys.pod_blocks(pod), self._keys.heartbeat(pod), self._keys.pods]
         args = [self._keys.prefix, pod, _CLEAR_BATCH, "1" if gc else "0"]
@@ -392,5 +358,4 @@ class PrefixIndexPublisher:
             elif not self._buf.needs_sync:
                 self._flush()
         except REDIS_DOWN as exc:
-            # Leftovers stop counting when the heartbeat expires and are collected by the other pods.
             LOG.warning("prefix publisher %s: could not deregister (%s)", self.pod_id, exc)

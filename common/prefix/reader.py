@@ -1,9 +1,6 @@
-"""Reads the prefix index on the caller's event loop (redis.asyncio): how many leading blocks of a prompt
-each candidate pod holds. The router calls it once per long prompt; keys and scripts: common/prefix/scripts.py.
-
-One EVALSHA per lookup (the match script walks the blocks server-side, heartbeat-checked). While Redis is
-down every call answers None at once for a backoff period (requests are not each delayed by a connect
-timeout), then it tries again by itself; the outage is logged once when it starts and once when it ends.
+"""Reads the prefix index on the caller's event loop: how many leading blocks of a prompt each candidate pod
+holds, one EVALSHA per lookup. While Redis is down every call answers None at once for a backoff period, then
+it retries by itself; the outage is logged when it starts and ends.
 """
 
 from __future__ import annotations
@@ -39,8 +36,7 @@ class PrefixIndexReader:
         self._keys = IndexKeys(model_id, access.key_prefix)
         options = client_options(socket_timeout_s, for_asyncio=True)
         self._r = aredis.Redis.from_url(redis_url, **options, **access.client_kwargs(redis_url))
-        # register_script computes the SHA locally; each call is one EVALSHA, and after a Redis restart
-        # (script cache empty) redis-py loads the script once and retries.
+        # One EVALSHA per call; after a Redis restart redis-py loads the script once and retries.
         self._match = self._r.register_script(MATCH_LUA)
         self._pod_status = self._r.register_script(POD_STATUS_LUA)
         self._outage = OutageLog("prefix reader")
@@ -48,14 +44,13 @@ class PrefixIndexReader:
         self._backoff = 0.0
 
     async def match(self, block_hashes: Sequence[int], pods: Sequence[str]) -> dict[str, int] | None:
-        """For each candidate pod, the number of leading blocks of ``block_hashes`` it holds in either tier
-        (0 for a pod with an expired heartbeat). One round trip. None if Redis is unavailable."""
+        """Per candidate pod, its leading blocks of ``block_hashes`` in either tier (0: expired heartbeat); None
+        if Redis is unavailable."""
         tiers = await self.match_tiers(block_hashes, pods)
         return None if tiers is None else {pod: device + host for pod, (device, host) in tiers.items()}
 
     async def match_tiers(self, block_hashes: Sequence[int], pods: Sequence[str]) -> dict[str, TierMatch] | None:
-        """For each candidate pod, (blocks in device memory, blocks after them in its host tier) of the leading
-        blocks of ``block_hashes`` it holds. One round trip. None if Redis is unavailable."""
+        """Per candidate pod, (device blocks, host blocks after them) of the leading blocks; None if unavailable."""
         if not pods:
             return {}
         if not block_hashes:
@@ -72,7 +67,7 @@ class PrefixIndexReader:
         return out
 
     async def live_pods(self) -> list[str] | None:
-        """Pods with a live heartbeat for this model (one round trip). None if Redis is unavailable."""
+        """Pods with a live heartbeat for this model; None if Redis is unavailable."""
         res = await self._call(lambda: self._pod_status(keys=[self._keys.pods], args=[self._keys.prefix]))
         if res is None:
             return None

@@ -1,31 +1,14 @@
-"""The prefix index's contract with Redis: key names and the server-side scripts.
+"""The prefix index's contract with Redis: key names and the server-side scripts (a routing hint, never a
+correctness input: a stale entry costs a cache miss, a missing Redis means routing on load).
 
-The index says which worker pod holds which chained block hash (common/prefix/hashing.py). Workers write it
-(common/prefix/publisher.py), routers read it (common/prefix/reader.py); both build every key and run every
-script from here, so they agree. The index is a routing hint, never a correctness input: a stale entry only
-costs a cache miss on the chosen pod, and a missing Redis only means routing on load alone.
-
-Keys (``kvf`` is the deployment's prefix, KVFERRY_REDIS_PREFIX: common/prefix/access.py; ``{model}`` is the
-model id, ``{hash}`` the 16-digit lowercase hex of a 64-bit block hash):
-
-- ``kvf:{model}:blk:{hash}``: SET of pod ids holding that block in device memory.
-- ``kvf:{model}:hblk:{hash}``: SET of pod ids holding that block in their host-memory tier (common/kv/
-  host_tier.py): reusable after a copy back, cheaper than recomputing, dearer than a device hit. A pod is
-  in at most one of the two sets of a block. Added beside ``blk:`` rather than changing it, so a reader
-  that knows only ``blk:`` still reads device hits right (and a host hit as a miss).
-- ``kvf:{model}:pod:{pod}:blocks``: SET of the hashes (hex) this pod published (either tier), so the pod's
-  entries can be removed without scanning the keyspace (restart, graceful drain, garbage collection).
-- ``kvf:{model}:hb:{pod}``: heartbeat STRING with a TTL; a pod whose heartbeat expired counts as holding
-  nothing, whatever its block entries say (it crashed, or lost Redis and its entries are stale).
-- ``kvf:{model}:pods``: SET of pod ids that have published, so live pods can be listed and a dead pod's
-  leftover entries garbage-collected without SCAN.
-
-Requires Redis >= 6.2 (SMISMEMBER, SET ... GET, SPOP with count).
-
-Key names are built inside the scripts from the model prefix instead of being passed as KEYS: a match over
-an 8k-token prompt names ~500 block keys, and building and encoding one argument per key dominated the
-client's cost (redis-py packs each argument in Python). This is fine for a standalone Redis (what kvferry
-deploys); Redis Cluster would need all of a model's keys in one slot.
+Keys (``kvf``: KVFERRY_REDIS_PREFIX; ``{hash}``: 16 lowercase hex digits):
+- ``kvf:{model}:blk:{hash}`` / ``hblk:{hash}``: SETs of pods holding the block on the device / in the host
+  tier (a pod in at most one; ``hblk:`` added beside so old readers see a host hit as a miss).
+- ``kvf:{model}:pod:{pod}:blocks``: SET of the hashes a pod published, to remove them without a scan.
+- ``kvf:{model}:hb:{pod}``: heartbeat with a TTL; an expired pod holds nothing, whatever its entries say.
+- ``kvf:{model}:pods``: SET of pods that published, to list them and collect dead ones without SCAN.
+Requires Redis >= 6.2. Scripts build key names from the prefix (passing ~500 keys as KEYS dominated the
+client's cost), so all of a model's keys would need one slot in a Redis Cluster.
 """
 
 from __future__ import annotations
@@ -40,20 +23,17 @@ __all__ = ["CLEAR_BATCH_LUA", "MATCH_LUA", "POD_STATUS_LUA", "IndexKeys", "hash_
 
 
 def hash_hex(h: int) -> str:
-    """Fixed-width hex of a block hash: the ``{hash}`` part of a block key."""
     return f"{h & 0xFFFFFFFFFFFFFFFF:016x}"
 
 
 def hashes_hex(hashes: Sequence[int]) -> str:
-    """``hash_hex`` of every hash, concatenated; one C-level pack instead of a format call per hash
-    (big-endian, so each 16-digit slice equals ``hash_hex``)."""
+    """``hash_hex`` of every hash, concatenated, in one C-level pack (big-endian: each slice equals ``hash_hex``)."""
     return struct.pack(f">{len(hashes)}Q", *hashes).hex()
 
 
 @dataclass(frozen=True)
 class IndexKeys:
-    """Key names for one model's index in one deployment (``deployment``: KVFERRY_REDIS_PREFIX, so two
-    installs sharing a Redis never see each other's pods or blocks)."""
+    """Key names for one model's index in one deployment (two installs may share a Redis)."""
 
     model_id: str
     deployment: str = DEFAULT_KEY_PREFIX
@@ -81,11 +61,8 @@ class IndexKeys:
 
 # ARGV: prefix, hashes (16 hex digits per block, concatenated), pod_1..pod_n
 #   ->  {device_1, host_1, ..., device_n, host_n}
-# Walk the blocks in order with the pods still matching; a pod drops out at its first miss in both tiers (a
-# later hit is useless: its KV cannot be reused without the blocks before it); stop when no pod is left. One
-# SMISMEMBER per block checks all remaining pods' device entries, and a second one, only when some missed,
-# their host entries. A pod's count is its device hits then its host hits (a pod's host blocks extend its
-# device ones: common/kv/radix.py keeps the device part of the tree on top).
+# Blocks in order; a pod drops out at its first miss in both tiers (its KV past a gap is useless), counting its
+# device hits then its host hits (the radix cache keeps the device part on top). One SMISMEMBER per block.
 MATCH_LUA = """
 local prefix = ARGV[1]
 local hashes = ARGV[2]
@@ -161,11 +138,8 @@ return {live, dead}
 """
 
 # KEYS: pod's blocks set, pod's heartbeat, pods registry. ARGV: prefix, pod, batch, gc flag.
-# Removes up to `batch` of the pod's published blocks (the pod id from each block set) and returns how
-# many are left. Batched so a pod with a million blocks does not block Redis for a second in one script.
-# With the gc flag set (another pod collecting a dead pod's leftovers) each batch first checks the
-# heartbeat atomically and returns -1 if the pod came back, so the collector cannot delete entries a
-# restarted pod is re-publishing; the registry entry goes only when the last block is gone.
+# Removes up to `batch` of the pod's blocks (a million in one script would block Redis) and returns how many are
+# left. With gc set each batch first checks the heartbeat atomically (-1: the pod came back and re-publishes).
 CLEAR_BATCH_LUA = """
 local gc = ARGV[4] == '1'
 if gc and redis.call('EXISTS', KEYS[2]) == 1 then return -1 end

@@ -1,23 +1,8 @@
 """Grammar-constrained decoding: compiled grammars and one matcher per request, on the worker that samples.
 
-A request carries its grammar as a spec (common/protocol.py `GrammarSpec`), never as compiled state: the
-prefill worker compiles it, masks the first token and hands that token on; the decode worker compiles the
-same spec (a cache hit after the first request with that schema), and its matcher replays the tokens already
-sampled before it masks the next one. Replaying a few tokens costs microseconds; shipping matcher state
-would tie both workers to one xgrammar build.
-
-A matcher must have accepted a request's previous token before it can mask the next one, and with overlap on
-that token is still on the device when the next step is launched. So the next step's forward is launched
-first; sampling waits only where a grammar row needs the step in flight: the scheduler processes that step
-while the forward runs, and one job on the fill thread has the matchers accept that step's tokens (one
-batched call, `BatchGrammarMatcher.batch_accept_token`) and then fills the batch's masks (one batched call)
-straight into the step's pinned staging buffer; the scheduler's thread copies them to the device with the
-rest of the sampling's inputs in one non-blocking copy (common/sched/step_sampling.py) and then launches the
-sampling, which applies them in place (common/sched/scheduler.py `_begin_sampling`). A batch with no grammar
-row samples right behind its forward: it waits on no fill. The scheduler's thread feeds a matcher itself only the
-tokens that may end a request (a stop token, the last token, a prompt's first), so it learns at once whether
-the request ends there (`Scheduler._append_token`); a decode token the grammar rejects, found by the fill,
-ends its request before any later token is appended (`GrammarMasks.broken`).
+A request carries its grammar as a spec, never as compiled state: the decode worker compiles the same spec and
+replays the tokens already sampled (microseconds), where shipping matcher state would tie both workers to one
+xgrammar build. How masks keep the overlap: docs/architecture.md, "The scheduler loop".
 """
 
 from __future__ import annotations
@@ -50,8 +35,7 @@ CORES_PER_FILL_THREAD = 4
 
 
 def default_fill_threads() -> int:
-    """xgrammar's threads for one batch fill: a quarter of the cores this process may use, 1 to 4. Past 4 threads a
-    fill gained nothing, and with torch at a thread per core more were slower (bench/RESULTS.md, "Figures behind choices in the code")."""
+    """xgrammar's threads for one batch fill: a quarter of the usable cores, 1 to 4 (more gained nothing)."""
     from common.engine.threads import usable_cores
 
     return max(1, min(MAX_FILL_THREADS, usable_cores() // CORES_PER_FILL_THREAD))
@@ -70,8 +54,7 @@ class _Matching:
 
 
 class GrammarBook:
-    """The grammars of one scheduler's requests. Built on first use: a worker that never sees a grammar
-    never imports xgrammar or loads its tokenizer tables."""
+    """The grammars of one scheduler's requests; xgrammar is imported on first use only."""
 
     def __init__(
         self, model_path: Path | None, vocab: int, stop_ids: Sequence[int], fill_threads: int | None = None
@@ -80,25 +63,21 @@ class GrammarBook:
         self.fill_threads = fill_threads if fill_threads is not None else default_fill_threads()
         self.vocab = vocab
         self.stop_ids = sorted(stop_ids)
-        # The ids the masks cover: the tokenizer's, where the model's LM head is padded past them (the sampler
-        # bans the rest on grammar rows). xgrammar treats every padded id as a token of its own (an empty
-        # string) in each fill, several times a row's own work (bench/RESULTS.md, "Run 8").
+        # The ids the masks cover: the tokenizer's, not an LM head padded past them (xgrammar would fill each
+        # padded id as a token of its own; the sampler bans them on grammar rows).
         self._mask_vocab = 0
         self._mask_stops: list[int] = []  # the stop ids inside the masks
         self._compiler: Any = None
         self._batch: Any = None
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
-        # The fill thread compiles too (a matcher made for a replay): the LRU's reorder and eviction must not
-        # interleave with the scheduler thread's, or move_to_end meets a key the other just evicted.
+        # The fill thread compiles too: the LRU's reorder and eviction must not interleave with the scheduler's.
         self._compiled_lock = threading.Lock()
         self._init_lock = threading.Lock()
         self._matching: weakref.WeakKeyDictionary[Req, _Matching] = weakref.WeakKeyDictionary()
         self._last_rows: _BatchRows | None = None
         self._stop_words: tuple[torch.Tensor, torch.Tensor] | None = None  # word index and bits of the stop ids
 
-    # ---- compiling -------------------------------------------------------------------------------
     def cached(self, spec: GrammarSpec) -> bool:
-        """Whether `spec` is compiled already (`compile` returns at once)."""
         with self._compiled_lock:
             return (spec.kind, spec.value) in self._compiled
 
@@ -129,19 +108,17 @@ class GrammarBook:
 
     @property
     def mask_vocab(self) -> int:
-        """The token ids a mask covers (the tokenizer's, at most the model's vocabulary); loads the tokenizer."""
+        """The token ids a mask covers (the tokenizer's, at most the model's vocabulary)."""
         self._xgr_compiler()
         return self._mask_vocab
 
     @property
     def mask_words(self) -> int:
-        """int32 words in one row of a mask."""
         return (self.mask_vocab + 31) // 32
 
     def check(self, spec: GrammarSpec) -> None:
-        """GrammarError when `spec` does not parse: the grammar alone, without the tokenizer's masks (a few ms for a
-        500-property schema, against ~1.5 s to compile), so a bad grammar is refused where the request arrives
-        and only the compile runs off the loop."""
+        """GrammarError when `spec` does not parse (milliseconds, against seconds to compile): a bad grammar is
+        refused on arrival and only the compile runs off the loop."""
         if self.model_path is None:
             raise GrammarError("structured output needs the model's tokenizer; this worker has none (dummy weights)")
         import xgrammar as xgr
@@ -158,7 +135,6 @@ class GrammarBook:
             raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {_first_line(exc)}") from None
 
     def compile(self, spec: GrammarSpec) -> Any:
-        """The compiled grammar for `spec` (cached); GrammarError when it does not compile."""
         key = (spec.kind, spec.value)
         with self._compiled_lock:
             hit = self._compiled.get(key)
@@ -184,7 +160,6 @@ class GrammarBook:
                 self._compiled.popitem(last=False)
         return compiled
 
-    # ---- matching --------------------------------------------------------------------------------
     def _state(self, req: Req) -> _Matching:
         st = self._matching.get(req)
         if st is None:
@@ -196,8 +171,8 @@ class GrammarBook:
         return st
 
     def advance(self, req: Req) -> bool:
-        """Feeds the request's new output tokens to its matcher; False once one was not allowed. A request
-        continued from another worker (`output_offset`) has its earlier output at the prompt's end."""
+        """Feeds the request's new output tokens to its matcher; False once one was not allowed (a continued
+        request's earlier output sits at its prompt's end)."""
         st = self._state(req)
         offset = req.sampling.output_offset
         earlier = req.prompt_ids[req.prompt_len - offset :] if offset else []
@@ -212,12 +187,10 @@ class GrammarBook:
         return not st.broken
 
     def terminated(self, req: Req) -> bool:
-        """The grammar is complete and its stop token accepted: nothing may follow."""
         return self._state(req).matcher.is_terminated()
 
     def _grammar_rows(self, reqs: Sequence[Req]) -> _BatchRows:
-        """The grammar rows of `reqs`, their matchers and xgrammar handles; the batch's of the last call again
-        while it is the same (steady decoding), without a lookup per row."""
+        """The grammar rows of `reqs` and their handles; the last call's again while the batch is unchanged."""
         key = tuple(reqs)
         last = self._last_rows
         if last is None or last.key != key:
@@ -227,28 +200,17 @@ class GrammarBook:
         return last
 
     def fill(self, reqs: Sequence[Req], bits: torch.Tensor | None = None) -> GrammarMasks:
-        """The bitmask of the tokens each grammar request in `reqs` may sample next, written into `bits`
-        ([len(reqs), mask_words] int32 on the host: the scheduler passes a view of the step's pinned
-        staging buffer, so the masks reach the device in the step's one copy; None: a new tensor). Only the
-        grammar rows are written (and read by the sampler); a grammar row that will not be filled (its
-        request finishes when this step is processed, or its last token broke its grammar) allows everything.
+        """The bitmask of the tokens each grammar request may sample next, written into `bits` (a view of the
+        step's pinned staging buffer; None: a new tensor). Rows not filled (finishing, or broken) allow all.
 
-        The matchers first accept what they have not seen yet: the scheduler leaves a decode row's token to
-        this call unless it may end the request (`Scheduler._append_token`), so the step's tokens are accepted
-        in one batched call here, on the fill thread with overlap on (xgrammar releases the GIL inside it).
-        A request whose token accepted here broke its grammar comes back in `broken`; the scheduler finishes
-        it before any later token of it is appended (a break found replaying a request's earlier output is
-        found again when its first token is appended).
-
-        The fill thread shares the GIL with the scheduler's thread, whose torch calls each let it go: Python
-        run here delays that thread's next op by as long (bench/RESULTS.md, "Run 6 and 7"). So the
-        steady case (every grammar row one new token, the batch unchanged) is a few list comprehensions and
-        three calls into xgrammar and torch, and a row's completion is read off its mask, not asked per row."""
+        The matchers first accept the step's unseen tokens in one batched call; requests whose token broke the
+        grammar come back in `broken`. This runs on the fill thread, sharing the GIL with the scheduler's:
+        the steady case is kept to a few list comprehensions and three calls into xgrammar and torch."""
         if bits is None:
             bits = torch.empty((len(reqs), self.mask_words), dtype=torch.int32)
         batch = self._grammar_rows(reqs)
         live = [not reqs[i].finished for i in batch.rows]
-        # The step's one new token of a row (a decode row's: never a stop token, so not terminated after it).
+        # A row's one new token (a decode row's: never a stop token, so not terminated after it).
         fresh = [
             ok
             and bool(reqs[i].output_ids)
@@ -304,8 +266,7 @@ class GrammarBook:
         return GrammarMasks(bits, rows, done, broken)
 
     def _stop_allowed(self, bits: torch.Tensor, rows: list[int]) -> list[int]:
-        """Those of `rows` whose mask allows a stop token (the grammar may end there: xgrammar's
-        `is_completed`), read off the masks in a few torch ops instead of a call per row."""
+        """Those of `rows` whose mask allows a stop token (the grammar may end there), read off the masks."""
         if self._stop_words is None:
             stops = self._mask_stops
             words = sorted({t // 32 for t in stops})
@@ -337,9 +298,8 @@ class GrammarMasks:
 
 
 def _batch_accept(handles: list[Any], tokens: list[int]) -> list[bool] | None:
-    """Each matcher (by its xgrammar handle) accepts its token, in one call that releases the GIL; None: all
-    were allowed, else whether each was. xgrammar's own wrapper turns the result into a list one element at a
-    time through its FFI (per row, holding the GIL): the common all-allowed case asks the result once."""
+    """Each matcher accepts its token in one GIL-free call; None: all allowed (xgrammar's wrapper would convert
+    the result row by row, holding the GIL)."""
     from xgrammar.base import _core
 
     result = _core.BatchGrammarMatcher.batch_accept_token(handles, tokens, False)
@@ -348,13 +308,12 @@ def _batch_accept(handles: list[Any], tokens: list[int]) -> list[bool] | None:
 
 
 def _batch_fill(batch: Any, handles: list[Any], bits: torch.Tensor, indices: list[int]) -> None:
-    """xgrammar's batched fill (it releases the GIL) on handles the caller keeps: its wrapper would build the
-    handle list again per call."""
+    """xgrammar's batched fill on handles the caller keeps (its wrapper rebuilds the list per call)."""
     batch._handle.batch_fill_next_token_bitmask(handles, bits, indices, False)
 
 
 def _first_line(exc: BaseException) -> str:
-    """xgrammar's messages start with a time and a C++ source location: keep what follows them."""
+    """xgrammar's messages start with a time and a C++ source location: keep what follows."""
     lines = str(exc).strip().splitlines()
     text = lines[0] if lines else type(exc).__name__
     return _SOURCE_PREFIX.sub("", text) or type(exc).__name__

@@ -1,9 +1,6 @@
-"""Grammars compiled off the step loop: a request whose grammar is not compiled yet waits here, outside the
-waiting queue, while a worker thread compiles it (xgrammar releases the GIL, so steps go on meanwhile); it joins
-the queue once compiled, or fails alone on a compile error or past its deadline.
-
-A schema within the router's limits can still take seconds to compile (500 optional properties: ~1.5 s on one
-CPU core); compiled on the loop, every stream of the worker would stall that long.
+"""Grammars compiled off the step loop (a schema can take seconds, which would stall every stream): the request
+waits outside the queue while a thread compiles it (xgrammar releases the GIL), then joins the queue, or fails
+alone on an error or its deadline.
 """
 
 from __future__ import annotations
@@ -28,15 +25,12 @@ class _Compiling:
     done_at: list[float] = field(default_factory=list)  # when the compile finished (set on its thread)
 
     def __post_init__(self) -> None:
-        # The finish time, not the time of the loop's next look: a loop asleep past the deadline must not count
-        # a late compile as in time.
+        # The finish time, not the loop's next look: a loop asleep past the deadline must not count a late compile in time.
         self.future.add_done_callback(lambda _f: self.done_at.append(time.monotonic()))
 
 
 @dataclass
 class GrammarCompiles:
-    """Requests whose grammar compiles on the worker thread (`start`), collected once done (`collect`)."""
-
     book: GrammarBook
     timeout_s: float
     pending: dict[str, _Compiling] = field(default_factory=dict)
@@ -48,7 +42,7 @@ class GrammarCompiles:
         return self._pool
 
     def prefetch(self, spec: GrammarSpec) -> Future[Any]:
-        """Compiles `spec` into the book's cache on the worker thread (its result or GrammarError in the future)."""
+        """Compiles `spec` into the book's cache on the worker thread."""
         return self._executor().submit(self.book.compile, spec)
 
     def start(self, req: Req) -> None:
@@ -57,13 +51,13 @@ class GrammarCompiles:
         self.pending[req.req_id] = _Compiling(req, self.prefetch(req.sampling.grammar), deadline)
 
     def drop(self, req_id: str) -> Req | None:
-        """Forgets a request (aborted): a compile under way finishes into the cache, harmlessly."""
+        """Forgets an aborted request; a compile under way finishes into the cache, harmlessly."""
         entry = self.pending.pop(req_id, None)
         return entry.req if entry is not None else None
 
     def collect(self) -> tuple[list[Req], list[tuple[Req, str]]]:
-        """(requests compiled, in arrival order; requests failed, with why). A deadline missed fails the request
-        even though its compile goes on (it cannot be stopped; it fills the cache for the next one)."""
+        """(requests compiled, in arrival order; requests failed, with why). A missed deadline fails the request;
+        its compile goes on and fills the cache."""
         if not self.pending:
             return [], []
         now = time.monotonic()

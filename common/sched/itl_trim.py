@@ -1,15 +1,7 @@
-"""How much of the ITL target a step with a prompt chunk aims at, kept by the gaps those steps measure.
-
-The budget (common/sched/prefill_budget.py) predicts a chunk's step within the target less the step-time
-model's residual spread, as if its errors were normal. They are not: a host hiccup, a batch that just grew or a
-prompt's attention over a long prefix land a step above any Gaussian margin, and a request's own ITL p99 over
-a few hundred gaps is its second- or third-largest gap (under a hundred gaps, its largest). For 99% of requests
-to hold the target, steps beside decoding may overrun it a few times in ten thousand, not once in a hundred.
-
-So each such step's measured period is checked against the target it was planned for: an overrun cuts the
-share of the target the budget aims at (`cut`), a run of `calm_steps` without one gives a little back
-(`regrow`), never above the whole target nor under `floor`. Multiplicative decrease against slow increase
-settles where overruns are about one in `calm_steps * ln(1/cut) / ln(regrow)` (~2,500) chunk steps.
+"""How much of the ITL target a step with a prompt chunk aims at, kept by the gaps those steps measure. Step
+errors are not normal (host hiccups, a grown batch), and a request's p99 over a few hundred gaps is about its
+second-largest, so steps beside decoding may overrun only a few times in ten thousand: an overrun cuts the share
+(`cut`), `calm_steps` without one regrow it a little, settling near one overrun per ~2,500 chunk steps.
 """
 
 from __future__ import annotations
@@ -28,7 +20,7 @@ class ItlTrim:
     _calm: int = 0
 
     def observe(self, period_s: float, target_s: float) -> None:
-        """One step that carried a prompt chunk beside decoding rows: its period and the target it had."""
+        """One step that carried a chunk beside decoding rows: its period and its target."""
         if target_s <= 0 or period_s <= 0:
             return
         if period_s > target_s:

@@ -1,14 +1,6 @@
-"""The seam between the scheduler and KV transfer: what the scheduler asks about pages another process reads
-(a prefill worker sending a prompt's KV on) or writes (a decode worker's pages a peer prefills into).
-
-The scheduler owns every request's state and every page; the connector decides, asked (each method says
-what about) when a chunk's KV is in its pages, when a `prefill_only` request or an aborted one may hold its
-pages, which requests wait for pages a peer fills, and which transfers ended.
-
-Each call is per chunk, per request or per loop turn (`Scheduler.settle_transfers`), never per token. The
-offline engine runs the base `KVConnector`, which says it does not transfer: the scheduler then skips every
-ask. The roles' connectors live with them (prefill_worker/engine.py, decode_worker/engine.py); a
-mixed worker's engine asks both (`ConnectorSet`).
+"""The seam between the scheduler and KV transfer (docs/architecture.md, "The scheduler loop"): the scheduler
+owns every state and page, the connector decides about pages another process reads or writes. Asked per
+chunk, per request or per loop turn, never per token.
 """
 
 from __future__ import annotations
@@ -42,10 +34,8 @@ class FinishedTransfers:
 
 
 class KVConnector:
-    """The seam's base: every ask answered "no transfer" (nothing held, nothing sent, nothing arrives), which is
-    what an aggregated pod and the offline engine run. A connector that transfers subclasses it, overrides the
-    asks it needs and says so with `transfers`: a scheduler whose connector does not transfer asks nothing at
-    all, so its step costs what it would without the seam."""
+    """The base: every ask answered "no transfer". A subclass that transfers says so with `transfers`; otherwise
+    the scheduler asks nothing, so its step costs what it would without the seam."""
 
     transfers: bool = False
 
@@ -54,18 +44,15 @@ class KVConnector:
         return None
 
     def prefill_done(self, req: Req) -> bool:
-        """A `prefill_only` request's first token is sampled. True: hold its pages until `finished` releases
-        them; False: the scheduler caches its prefix and frees them now."""
+        """A `prefill_only` request's first token is sampled; True: hold its pages until `finished` releases them."""
         return False
 
     def aborted(self, req: Req) -> bool:
-        """`req` is aborted. True: a transfer may still touch its pages: hold them until `finished` releases
-        them (no prefix caching: their KV is partial); False: freed now."""
+        """`req` is aborted; True: a transfer may still touch its pages: hold them (uncached) until released."""
         return False
 
     def reservations(self) -> Sequence[Req]:
-        """Requests whose KV a peer computes, still without pages, oldest first: the scheduler reserves pages
-        for each in turn until one does not fit."""
+        """Requests a peer prefills, still without pages, oldest first (reserved in turn until one does not fit)."""
         return ()
 
     def reserved(self, req: Req, pages: list[int]) -> None:
@@ -78,9 +65,7 @@ class KVConnector:
 
 
 class ConnectorSet(KVConnector):
-    """Several connectors over one scheduler (a mixed worker's prefill and decode roles), each answering for
-    its own requests: every one is asked, pages are held when any of them holds them, and the requests to
-    reserve for are told to the one that listed them."""
+    """Several connectors over one scheduler (a mixed worker's roles): pages are held when any holds them."""
 
     def __init__(self, connectors: Sequence[KVConnector]) -> None:
         self.connectors = list(connectors)
@@ -120,7 +105,7 @@ class ConnectorSet(KVConnector):
 
 
 def combined(connectors: Sequence[KVConnector]) -> KVConnector:
-    """The one connector a scheduler gets for these: none (the base, which transfers nothing), the one, or all."""
+    """The one connector for these: the base (none), the one, or a set."""
     if not connectors:
         return KVConnector()
     return connectors[0] if len(connectors) == 1 else ConnectorSet(connectors)

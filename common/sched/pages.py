@@ -8,23 +8,15 @@ from common.kv.radix import RadixCache
 from common.sched.request import Req
 from common.sched.step_plan import PrefixPeek
 
-# Optimistic reservation: the decode pages a request reserves beyond its prompt. Two pages: a request that has
-# just started or resumed always decodes a while before it needs the spare pages, so a full pool preempts
-# at page boundaries of long outputs, not at every admission.
+# Optimistic reservation's decode pages beyond the prompt: a fresh or resumed request decodes a while before it
+# needs spare pages, so a full pool preempts at long outputs' page boundaries, not at every admission.
 DECODE_ALLOWANCE_PAGES = 2
 
 
 class KVBudget:
-    """Page accounting shared by admission and allocation: pages come from the free list, evicting
-    unlocked prefix-cache pages when it runs short.
-
-    The memory policy (KVFERRY_KV_RESERVATION) is what an admitted request reserves (`reserve_len`): `full`,
-    its prompt and all of max_tokens, so a running request never runs out of pages and nothing is preempted,
-    at the price of pages promised and never used (a request that stops early held its whole max_tokens);
-    `optimistic`, its prompt and DECODE_ALLOWANCE_PAGES, then page by page from the spare pages, preempting
-    when they run out (common/sched/step_plan.py chooses whom). A grammar request reserves in full (its matcher
-    cannot be replayed), a prompt prefilled for a peer reserves its prompt alone (it never decodes here).
-    """
+    """Page accounting shared by admission and allocation (evicting unlocked prefix-cache pages when short), under
+    the memory policy (docs/architecture.md, "The scheduler loop"): `full` reserves prompt and max_tokens;
+    `optimistic` the prompt and DECODE_ALLOWANCE_PAGES, growing from spare pages (grammar requests: in full)."""
 
     def __init__(
         self, allocator: PageAllocator, cache: RadixCache | None, page_table: PageTable, reservation: str = "full"
@@ -38,7 +30,7 @@ class KVBudget:
         self.optimistic = reservation == "optimistic"
 
     def reserve_len(self, req: Req) -> int:
-        """Tokens whose pages `req` reserves when admitted (now: from its present length)."""
+        """Tokens whose pages `req` reserves when admitted (from its present length)."""
         if not self.optimistic or req.sampling.grammar is not None:
             return req.max_device_len
         if req.prefill_only:
@@ -47,16 +39,14 @@ class KVBudget:
 
     @property
     def reserve_output_tokens(self) -> int:
-        """Output tokens a request reserves beyond its prompt (0: all of max_tokens), as /load publishes it."""
+        """Output tokens reserved beyond the prompt (0: all of max_tokens), as /load publishes it."""
         return DECODE_ALLOWANCE_PAGES * self.page_size if self.optimistic else 0
 
     def reserved_pages(self, active: list[Req]) -> int:
-        """Pages promised to `active` requests but not yet allocated to them."""
         return sum(max(0, self.pages_for(r.reserve_len) - len(r.pages)) for r in active)
 
     def peek(self, req: Req) -> PrefixPeek:
-        """The prefix-cache hit `req` would take if admitted now, without locking it (it refreshes the hit's LRU
-        stamps, as a lookup does). At least one token is left to compute: its logits give the next token."""
+        """The prefix hit `req` would take now, unlocked (LRU stamps refreshed); at least one token is left to compute."""
         cache = self.cache
         if cache is None:
             return PrefixPeek()
@@ -84,7 +74,6 @@ class KVBudget:
         return pages
 
     def grow(self, req: Req, num_tokens: int) -> None:
-        """Makes the request's pages cover positions [0, num_tokens)."""
         need = self.pages_for(num_tokens) - len(req.pages)
         if need <= 0:
             return
@@ -93,7 +82,7 @@ class KVBudget:
         req.pages.extend(pages.tolist())
 
     def release(self, req: Req) -> None:
-        """Returns the request's own pages and its table row, and unlocks its prefix-cache node."""
+        """Returns the request's own pages and table row, and unlocks its prefix-cache node."""
         own = req.pages[req.tree_pages :]
         if own:
             self.allocator.free(torch.tensor(own, dtype=torch.int64))
@@ -107,11 +96,8 @@ class KVBudget:
             req.table_row = -1
 
     def cache_prefix(self, req: Req, num_tokens: int) -> None:
-        """Inserts the request's first `num_tokens` tokens (page-aligned down) into the prefix cache.
-
-        Pages another request inserted meanwhile are duplicates: the row is re-pointed at the tree's pages
-        before the duplicates are freed, so no table entry ever points at a freed page.
-        """
+        """Inserts the request's first `num_tokens` tokens (page-aligned down) into the prefix cache; the row is
+        re-pointed at the tree's pages before duplicates are freed, so no entry points at a freed page."""
         cache = self.cache
         if cache is None:
             return

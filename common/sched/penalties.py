@@ -1,25 +1,10 @@
 """Penalty state on the device: each table row's token history and its output-token counts.
 
-Penalties change only the logits of tokens in a request's prompt or output, so the sampler reads them there
-(common/engine/sampling.py): each row's history (prompt, then output) as token ids, and how often each occurs
-in the output. Both live here, indexed by table row, on the scheduler's device: `ids` [rows, capacity] int64
-holds the history, and past its end the row's first id (so any window of a row is its ids padded by
-repeating one of them, which the sampler needs; a prompt is never empty), and `counts` [rows, V] float32 the
-output counts. A request's row is filled once, at its first sampling (its earlier output, the prompt's last
-`output_offset` tokens of a continued request, counts as output); every sampled token is appended and
-counted on the device by the step that sampled it, at position prompt length - output_offset + output step,
-which the step's staged output steps give. So a step's penalties never wait for the host to learn the
-previous step's tokens, and no history travels to the device per step. A batch reads a window as wide as
-its longest history: the host knows that width from the batch's first sampling on (each step adds one token
-to every row), so no step asks the device for lengths. On a GPU the sampler reads both tables in place and
-a step's tokens are recorded by one kernel each (common/engine/gpu/penalty.py); on the CPU by torch ops.
-
-A row is owned by the request that filled it: a request that later takes the row (any request, a finished
-one's token from a step still in flight included) fills it again before it reads it. Rows of requests
-without penalties are read too (the batch is gathered whole) but weighed by neutral penalties; they append
-from position 0 at each batch (so they stay inside the window) and are refilled before a penalty request
-reads them. The tensors are built at the first request that asks for them; a worker that never sees a
-penalty holds neither.
+`ids` [rows, capacity] holds each row's history (prompt, then output), padded past its end with its first id, so
+any window is its ids padded by repetition; `counts` [rows, V] its output counts. A row is filled at its
+request's first sampling and then appended and counted on the device by each step that samples it, so a step's
+penalties never wait for the host and no history travels per step. Whoever takes a row next refills it before
+reading it. The tensors are built at the first request asking for a penalty.
 """
 
 from __future__ import annotations
@@ -44,8 +29,6 @@ def has_penalty(p: SamplingParams) -> bool:
 
 @dataclass
 class PenaltyPlan:
-    """The host half of a batch's penalty state: indices of its parts in the batch's staged copy."""
-
     start: int  # per batch row: where its output step 0 goes in its history (negative: no penalty)
     fill: list[int] | None  # fresh rows, their first ids, and (row, column, id) of each history token
     outputs: int  # how many of those history tokens (the first ones) are output, to be counted
@@ -55,8 +38,6 @@ class PenaltyPlan:
 
 @dataclass
 class PenaltyBatch:
-    """A batch's penalty state on the device, kept while its requests sample together."""
-
     rows_dev: torch.Tensor  # [B] int64 table rows
     start: torch.Tensor  # [B] int64, as `PenaltyPlan.start`
     count_index: torch.Tensor  # [B] int64: each row's offset in the flat counts
@@ -79,7 +60,7 @@ class PenaltyHistory:
         return owner is not None and owner() is req
 
     def _reserve(self, width: int) -> None:
-        """At least `width` history columns: a copy into a wider tensor, past each row's end its first id."""
+        """At least `width` history columns (a copy into a wider tensor, padded with each row's first id)."""
         if self.ids is None:
             self.ids = torch.zeros(self.rows, max(MIN_CAPACITY, width), dtype=torch.int64, device=self.device)
             self.counts = torch.zeros(self.rows, self.vocab, dtype=torch.float32, device=self.device)
@@ -92,8 +73,7 @@ class PenaltyHistory:
             self.ids = wider
 
     def plan(self, reqs: Sequence[Req], rows: Sequence[int], steps: Sequence[int], stage: Stage) -> PenaltyPlan | None:
-        """Host half of a new batch's penalties (None: no row has one): where each row's tokens go, the
-        history of rows sampling here for the first time (into the step's staged copy), the window."""
+        """Host half of a new batch's penalties (None: no row has one): token slots, fresh rows' history, window."""
         if not any(has_penalty(r.sampling) for r in reqs):
             return None
         starts: list[int] = []
@@ -140,7 +120,7 @@ class PenaltyHistory:
         return PenaltyPlan(stage.put(starts, torch.int64), fill, outputs, width, steps[0])
 
     def begin(self, plan: PenaltyPlan, sent: list[torch.Tensor], rows_dev: torch.Tensor) -> PenaltyBatch:
-        """Device half (`sent`: the stage's device tensors): fills the fresh rows, keeps the batch's state."""
+        """Device half: fills the fresh rows, keeps the batch's state."""
         assert self.ids is not None and self.counts is not None
         if plan.fill is not None:
             fresh, first, rows, cols, ids = (sent[i] for i in plan.fill)
@@ -161,14 +141,13 @@ class PenaltyHistory:
         )
 
     def view(self, batch: PenaltyBatch, steps: Sequence[int], counted: bool) -> PenaltyView:
-        """The batch's rows at output `steps` as the sampler reads them (their counts when `counted`)."""
         width = batch.width + steps[0] - batch.step
         self._reserve(width + 1)
         assert self.ids is not None and self.counts is not None
         return PenaltyView(self.ids, self.counts if counted else None, batch.rows_dev, width)
 
     def record(self, batch: PenaltyBatch, steps_dev: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Appends and counts a step's sampled tokens (on the device, right after sampling them)."""
+        """Appends and counts a step's sampled tokens on the device, right after sampling them."""
         assert self.ids is not None and self.counts is not None
         if tokens.is_cuda:
             from common.engine.gpu.penalty import record  # Triton: imported only on a GPU

@@ -19,12 +19,8 @@ class ReqState(enum.Enum):
 
 @dataclass(eq=False)
 class Req:
-    """The ledger of one request.
-
-    Progress is three lengths, `cached_len <= device_len <= max_device_len`: tokens whose KV is in the
-    pool, tokens known (prompt + sampled outputs), and the most this request may ever hold. Only the
-    scheduler moves them, at launch time.
-    """
+    """The ledger of one request: `cached_len <= device_len <= max_device_len` (KV in the pool, tokens known, the
+    most it may hold), moved only by the scheduler, at launch."""
 
     req_id: str
     prompt_ids: list[int]
@@ -45,15 +41,13 @@ class Req:
     finish_reason: str | None = None
     error: str | None = None
     stream_cursor: int = 0  # outputs already handed to the caller
-    # Prefilled for a peer (its KV is sent on, the decode happens elsewhere): once its first token is sampled
-    # it never joins the decode batch: held while its KV connector says so (`KVConnector.prefill_done`).
+    # Prefilled for a peer: once its first token is sampled it never joins the decode batch.
     prefill_only: bool = False
-    # Its SLO class (common/slo.py), set when the scheduler takes it: the queue order and the ITL target of steps
-    # that decode it.
+    # Its SLO class's rank, set when the scheduler takes it (queue order, ITL target of its steps).
     slo_rank: int = 0
     itl_target_s: float = 0.0
     deadline_s: float = 0.0  # monotonic time its first token is due (the waiting queue's order)
-    # Tokens whose pages it reserved when admitted (common/sched/pages.py `reserve_len`: the memory policy).
+    # Tokens whose pages it reserved when admitted (the memory policy).
     reserve_len: int = 0
 
     def __post_init__(self) -> None:
@@ -85,6 +79,5 @@ class Req:
         return self.prompt_ids + self.output_ids
 
     def fill_ids(self) -> list[int]:
-        """The tokens a prefill computes: its prompt, and after a preemption its outputs so far too (recomputed,
-        the next token is sampled from the last one's logits, as decoding would have)."""
+        """The tokens a prefill computes: its prompt, plus its outputs after a preemption (recomputed)."""
         return self.prompt_ids if not self.output_ids else self.prompt_ids + self.output_ids

@@ -1,11 +1,6 @@
-"""Every live request of a scheduler, indexed by where it is; the one place that moves a request between states.
-
-A request is in exactly one index: compiling (its grammar compiles off the loop), waiting (queued for prefill,
-earliest TTFT deadline first), prefilling (admitted; `chunked` is the one whose prompt continues next step),
-awaiting_kv (decode side: its pages reserved, a peer writes its KV), running (decoding), or held (its pages
-belong to a transfer until the connector releases them; its state then says how it ended). Each move is a
-method here, so a state and its index never disagree, and `violations` checks that, with the page ledger
-(common/kv/integrity.py), in one call. Moves are O(1) or O(batch) (leaving the running list): nothing per token.
+"""Every live request of a scheduler, in exactly one index by state (compiling, waiting, prefilling, awaiting
+KV, running, held); the one place that moves a request, so a state and its index never disagree. Moves are O(1)
+or O(batch), nothing per token.
 """
 
 from __future__ import annotations
@@ -43,11 +38,10 @@ class RequestTable:
     awaiting_kv: dict[str, Req] = field(default_factory=dict)
     running: list[Req] = field(default_factory=list)
     held: dict[str, tuple[Req, bool]] = field(default_factory=dict)  # True: cache its prefix when released
-    # ITL targets of the running requests (the step's ITL target is the tightest of them).
+    # ITL targets of the running requests (the step's is the tightest).
     decoding_itl: Counter[float] = field(default_factory=Counter)
     preemptions: int = 0  # running requests sent back to the waiting queue (their KV recomputed later)
 
-    # ---- entering ------------------------------------------------------------------------------------
     def _enter(self, req: Req) -> None:
         if req.req_id in self.by_id:
             raise DuplicateRequest(f"duplicate request id {req.req_id!r}")
@@ -64,27 +58,23 @@ class RequestTable:
         self.waiting.append(req)
 
     def add_awaiting_kv(self, req: Req) -> None:
-        """Decode side: its pages are reserved; a peer prefills into them."""
         self._enter(req)
         req.state = ReqState.AWAITING_KV
         self.awaiting_kv[req.req_id] = req
 
-    # ---- moving --------------------------------------------------------------------------------------
     def compiled(self, req: Req) -> None:
-        """COMPILING -> WAITING."""
         del self.compiling[req.req_id]
         req.state = ReqState.WAITING
         self.waiting.append(req)
 
     def admit(self, req: Req) -> None:
-        """WAITING (the queue's head) -> PREFILLING: it has a table row and its pages now."""
+        """WAITING (the queue's head) -> PREFILLING, with a table row and pages."""
         assert self.waiting and self.waiting[0] is req, "admission follows the queue's order"
         self.waiting.popleft()
         req.state = ReqState.PREFILLING
         self.prefilling[req.req_id] = req
 
     def take_chunked(self) -> Req | None:
-        """The request whose prompt continues this step (it stays PREFILLING)."""
         req, self.chunked = self.chunked, None
         return req
 
@@ -94,7 +84,6 @@ class RequestTable:
         self.chunked = req
 
     def start_running(self, req: Req) -> None:
-        """PREFILLING (its prompt computed) or AWAITING_KV (its KV arrived) -> RUNNING."""
         if req.state is ReqState.AWAITING_KV:
             del self.awaiting_kv[req.req_id]
         else:
@@ -105,7 +94,7 @@ class RequestTable:
         self.decoding_itl[req.itl_target_s] += 1
 
     def preempt(self, req: Req) -> None:
-        """RUNNING -> WAITING: its pages were freed; its prompt and outputs so far are recomputed on admission."""
+        """RUNNING -> WAITING: pages freed; prompt and outputs are recomputed on admission."""
         self._leave_running(req)
         req.state = ReqState.WAITING
         self.waiting.append(req)
@@ -119,12 +108,11 @@ class RequestTable:
         self.held[req.req_id] = (req, cache_kv)
 
     def end(self, req: Req) -> None:
-        """-> FINISHED, out of every index but `by_id` (its pages are freed, or held, by the caller next)."""
+        """-> FINISHED, out of every index but `by_id` (the caller frees or holds its pages next)."""
         self._leave(req)
         req.state = ReqState.FINISHED
 
     def forget(self, req: Req) -> None:
-        """Its pages are back: it is no longer live here."""
         self.held.pop(req.req_id, None)
         self.by_id.pop(req.req_id, None)
 
@@ -156,16 +144,14 @@ class RequestTable:
         if not self.decoding_itl[req.itl_target_s]:
             del self.decoding_itl[req.itl_target_s]
 
-    # ---- reading -------------------------------------------------------------------------------------
     def active(self) -> list[Req]:
-        """Requests that hold a table row and pages the scheduler may still grow: prefilling, awaiting KV, running."""
+        """Requests holding a table row and growable pages: prefilling, awaiting KV, running."""
         return [*self.prefilling.values(), *self.awaiting_kv.values(), *self.running]
 
     def active_count(self) -> int:
         return len(self.prefilling) + len(self.awaiting_kv) + len(self.running)
 
     def live_ids(self) -> list[str]:
-        """Every request that has not finished (held ones are finished for their caller)."""
         return [rid for rid, r in self.by_id.items() if rid not in self.held and r.state is not ReqState.FINISHED]
 
     def violations(
@@ -175,9 +161,8 @@ class RequestTable:
         page_table: PageTable | None = None,
         max_running: int = 0,
     ) -> list[str]:
-        """What is wrong with the table (each request in the one index its state names, rows and pages where
-        they belong) and, given the allocator, with the page ledger. Empty when nothing is. A few passes over the
-        live requests and the pool: for tests and an idle worker, never per step."""
+        """What is wrong with the table and, given the allocator, the page ledger (empty: nothing). Passes over
+        the live requests and the pool: for tests and an idle worker, never per step."""
         problems: list[str] = []
         indexed: list[tuple[str, Req]] = [(rid, r) for rid, r in self.compiling.items()]
         indexed += [(r.req_id, r) for r in self.waiting]

@@ -1,38 +1,5 @@
 """The one scheduler every worker and the offline engine run: continuous batching over a paged KV pool and a
-prefix cache, with the host's scheduling overlapped with the device's work.
-
-`step()` launches the next batch, then processes the previous one (overlap on), or processes each batch right
-after launching it (overlap off: the CPU, where there is nothing to overlap, and tensor parallelism, whose
-followers need every step's token ids on the host). Both are the same code; only the moment a launched step
-is processed differs, so CI exercises the loop the GPU runs.
-
-Steps are stall-free (common/sched/prefill_budget.py): each one carries one token of every running request
-and, while prompts wait, their chunks up to a token budget sized to an ITL target ("mixed" steps: the
-decode rows first, as one-token extends, then the chunks, one forward). Nothing decoding: prefill-only
-steps of max_prefill_tokens; nothing waiting: decode steps (CUDA graphs on the GPU). ITL target 0 keeps
-prefill-first scheduling, where a waiting prompt's steps run before any decode step.
-
-A request's progress is decided at launch: the lengths that do not depend on the sampled token (its KV
-position, its pages, its next chunk) move then, and the token itself is appended when its step is
-processed. Sampled tokens stay on the device: they are written into `last_tokens[table_row]`, and the next
-decode step reads its input ids from there, so a step never waits for the host to learn the previous
-step's tokens. The only wait is on the done event of the step being processed.
-
-Everything runs on one device stream, so a request that finishes at step N (a stop token, found when N is
-processed, after N+1 was launched) is harmless: N+1 writes its KV into pages that a step launched later on
-the same stream may hand to a new request; N+1's token for it is discarded. Finishing by length is known at
-launch, so such requests are never launched past their last token.
-
-Sampling features keep the overlap. Penalties read each table row's token history and output counts, kept
-on the device and updated there by each step's sampling (common/sched/penalties.py). A grammar row needs its
-previous token accepted by its matcher before its mask can be filled: a decode step with such a row launches
-its forward, processes the step in flight while the forward runs, then has the matchers accept that step's
-tokens and fills the masks, one job on a thread (common/sched/step_sampling.py), while the events go out and
-the next step is planned, and launches its sampling just before the next forward (`_begin_sampling`, `step`,
-`_settle`; common/sched/grammar.py). Every other row of that batch waits for the sampling launch too, but the
-forward never waits for the host. Each step's host data reaches the device in two copies, one for the forward
-and one for sampling (common/engine/staging.py).
-"""
+prefix cache, the host's work overlapped with the device's (docs/architecture.md, "The scheduler loop")."""
 
 from __future__ import annotations
 
@@ -111,17 +78,13 @@ class Scheduler:
             host = make_host_tier(runner.pool, cfg.host_kv_gb, runner.tp.size)  # None: no host tier
             self.cache = RadixCache(self.page_size, self.allocator, host)
         self.budget = KVBudget(self.allocator, self.cache, runner.page_table, cfg.kv_reservation)
-        # Every live request, indexed by state; the only thing that moves one (common/sched/request_table.py).
         self.table = RequestTable()
         self.slo = parse_slo_classes(cfg.slo_classes, cfg.slo_default_class)
         self.max_running = runner.cfg.max_running
         self.vocab = runner.model_config.vocab_size
         self.grammars = GrammarBook(runner.model_path, self.vocab, tuple(self.eos))
-        # Requests whose grammar compiles off this thread (common/sched/grammar_compiles.py), and those whose
-        # compile failed, for the owner to abort through its roles (`take_compile_failures`).
         self.compiles = GrammarCompiles(self.grammars, cfg.grammar_compile_timeout_s)
         self._compile_failures: dict[str, str] = {}
-        # The newest sampled token of each table row, on the device (the next decode step's input).
         self.last_tokens = torch.zeros(runner.page_table.table.shape[0], dtype=torch.int64, device=self.device)
         self.sampler = StepSampler(runner.page_table.table.shape[0], self.vocab, self.device, tuple(self.eos))
         self._inflight: dict[Req, int] = {}  # tokens launched but not yet appended, per request
@@ -129,16 +92,12 @@ class Scheduler:
         self.last_plan: StepPlan | None = None  # what the last step was planned to compute, and why
         self._late: list[StepEvent] = []  # requests ended while sampling (a broken grammar), not yet returned
         self.prefill_tokens_launched = 0  # prompt tokens computed so far (the measured prefill rate's counter)
-        # Device-timed: every step's time against what it computed (the step-time model: sizes the chunk beside
-        # decoding, common/sched/step_model.py), prefill-only steps' prompt tokens/s (published; the chunk until
-        # the model has timed chunks), decode-only steps' seconds (the target's floor, `auto` targets).
         self.step_model = StepTimeModel()
         self._processed_at: float | None = None  # host clock when the last step was processed
         self.prefill_speed = PrefillSpeed()
         self.decode_step = StepSeconds()
         self.itl_trim = ItlTrim()  # the share of the ITL target chunk steps aim at (common/sched/itl_trim.py)
         self.processed_kind: str | None = None  # kind of the step processed last ("prefill" | "decode" | "mixed")
-        # KV transfer (common/sched/kv_connector.py). A connector that does not transfer is asked nothing at all.
         self.connector: KVConnector = connector if connector is not None else KVConnector()
 
     # ---- the request table's indexes, read-only (the table moves requests) -------------------------
@@ -167,8 +126,7 @@ class Scheduler:
         return self.table.held
 
     def table_violations(self) -> list[str]:
-        """What is wrong with the request table and the page ledger, in one call (tests; an idle worker: a pass
-        over the pool, never per step)."""
+        """Request table and page ledger violations (a pass over the pool: never per step)."""
         return self.table.violations(self.allocator, self.cache, self.runner.page_table, self.max_running)
 
     # ---- admission -------------------------------------------------------------------------------
@@ -198,8 +156,7 @@ class Scheduler:
                 raise RequestRejected(str(e)) from None
 
     def add(self, req: Req) -> None:
-        """Queues a request; one whose grammar is not compiled yet waits outside the queue while it compiles on
-        a worker thread (`poll_compiles` queues it, or fails it alone)."""
+        """Queues a request; one whose grammar is not compiled yet compiles off this thread first."""
         if req.req_id in self.by_id:
             raise DuplicateRequest(f"duplicate request id {req.req_id!r}")
         self.validate(req)
@@ -211,15 +168,13 @@ class Scheduler:
         self.table.add_waiting(req)
 
     def prefetch_grammar(self, req: Req) -> None:
-        """Compiles a request's grammar off this thread before it is needed (decode side: while a peer prefills
-        it), so that its first token finds it cached."""
+        """Compiles a request's grammar off this thread before its first token needs it."""
         spec = req.sampling.grammar
         if spec is not None and not self.grammars.cached(spec):
             self.compiles.prefetch(spec)
 
     def poll_compiles(self) -> None:
-        """Requests whose grammar compiled join the waiting queue; those that failed are set aside for the owner
-        (`take_compile_failures`), which aborts them through whatever else holds them (a transfer session)."""
+        """Queues the requests whose grammar compiled; failures wait for the owner to abort them."""
         ready, failed = self.compiles.collect()
         for req in ready:
             self.table.compiled(req)
@@ -227,20 +182,17 @@ class Scheduler:
             self._compile_failures[req.req_id] = error
 
     def take_compile_failures(self) -> list[tuple[str, str]]:
-        """The requests whose grammar failed to compile, with why; each stays live until it is aborted."""
         return list(self._compile_failures.items())
 
     def compiling_only(self) -> bool:
-        """All there is to do is wait for grammars to compile (the owner's loop waits instead of spinning)."""
+        """Only grammar compiles are pending (the owner waits instead of spinning)."""
         return bool(self.compiles) and not (self.waiting or self.chunked or self.running or self._pending)
 
     def reserved_pages(self) -> int:
-        """Pages promised to admitted requests but not yet allocated to them."""
         return self.budget.reserved_pages(self.table.active())
 
     def _reserve(self, req: Req) -> list[int] | None:
-        """Decode side: reserves pages for `req`'s prompt (and its output budget) so a prefill peer can write
-        its KV into them. Returns the prompt's page ids, or None when memory or a table row is short."""
+        """Decode side: reserves `req`'s pages for a peer to write into; None when pages or a row are short."""
         self.validate(req)
         if req.req_id in self.by_id:
             raise DuplicateRequest(f"duplicate request id {req.req_id!r}")
@@ -258,7 +210,6 @@ class Scheduler:
         return list(req.pages)
 
     def _admit_arrived(self, a: KVArrival) -> StepEvent:
-        """Decode side: the prompt's KV has arrived; the request joins the running batch with its first token."""
         req = self.awaiting_kv[a.req_id]
         req.cached_len = req.prompt_len
         req.prefix_hit_len = a.cached_tokens
@@ -268,10 +219,8 @@ class Scheduler:
         return event
 
     def settle_transfers(self) -> list[StepEvent]:
-        """Asks the connector which transfers ended (held pages go back, requests whose KV arrived join the
-        running batch: their first-token events are returned), then reserves pages for the requests whose KV
-        a peer computes while they fit, first come first served. The owner calls it once per loop turn; with
-        the null connector it does nothing."""
+        """Once per loop turn: ends finished transfers (returns arrived requests' first tokens), then reserves
+        pages for requests a peer prefills, first come first served."""
         if not self.connector.transfers:
             return []
         events: list[StepEvent] = []
@@ -308,8 +257,7 @@ class Scheduler:
         return StepEvent(req, finished=True)
 
     def _prefill_done(self, req: Req) -> None:
-        """A `prefill_only` request's first token is sampled: parked while the connector holds its pages (a
-        transfer reads them), else cached and freed now. It never joins the decode batch."""
+        """A prefill-only request's first token is sampled: held while a transfer reads its pages, else freed."""
         if self.connector.transfers and self.connector.prefill_done(req):
             self.table.hold(req, cache_kv=True)
         else:
@@ -336,10 +284,7 @@ class Scheduler:
         return bool(self.waiting or self.chunked or self.running or self._pending is not None or self.compiles)
 
     def step(self) -> list[StepEvent]:
-        """Launches the next step and processes the one before it (with overlap off: the one just launched).
-        A step whose grammar rows wait for the one before has its masks filled on the fill thread once that
-        one is processed, while the caller handles the events and the next step is planned; it is sampled
-        before the next forward (`_settle`), or by `flush`."""
+        """Launches the next step and processes the one before it (overlap off: the one just launched)."""
         events: list[StepEvent] = []
         self.poll_compiles()
         launched = self._launch()
@@ -355,7 +300,6 @@ class Scheduler:
         return self._with_late(events)
 
     def flush(self) -> list[StepEvent]:
-        """Processes the step in flight, if any (before reading every request's final state)."""
         self._settle()
         launched, self._pending = self._pending, None
         return self._with_late(self._process(launched) if launched is not None else [])
@@ -367,8 +311,7 @@ class Scheduler:
         return late + events
 
     def _settle(self) -> None:
-        """Samples the step in flight if its sampling waited for its grammar masks: before the next forward,
-        which reads its tokens on the device, and before it is processed."""
+        """Samples the step in flight if it waited for grammar masks (the next forward reads its tokens)."""
         pending = self._pending
         if pending is not None and pending.logits is not None:
             self._sample(pending)
@@ -379,15 +322,10 @@ class Scheduler:
     # ---- launch ------------------------------------------------------------------------------------
     @property
     def mixed_batching(self) -> bool:
-        """Whether steps decode every running request beside prompt chunks (common/sched/prefill_budget.py);
-        off (ITL target 0): prefill-first, a waiting prompt's steps run before any decode step."""
         return self.cfg.itl_target_ms != 0
 
     def itl_target_s(self) -> float:
-        """The ITL a step beside decoding requests aims at (0 until the decode step is measured; 0 as well with
-        mixed steps off): by default the tightest ITL target of the SLO classes being decoded (of every class
-        while none is), at least FLOOR_DECODE_STEPS measured decode steps; or the setting's milliseconds, or its
-        multiple of the decode step."""
+        """The ITL a chunk step beside decoding aims at (0: unmeasured or mixed steps off)."""
         target = self.cfg.itl_target_ms
         step = self.decode_step.seconds
         if target == ITL_TARGET_SLO:
@@ -402,18 +340,15 @@ class Scheduler:
         return 0.0
 
     def budget_target_s(self) -> float:
-        """What a chunk step beside decoding aims at: the ITL target trimmed by the overruns measured so far."""
         return self.itl_target_s() * self.itl_trim.factor
 
     def margin_z(self) -> float:
-        """How many residual spreads of the step-time model the budget keeps below the target: the normal
-        quantile of the percentile the SLO holds at (the strictest class's), only where the target is the SLO's."""
+        """Residual spreads of the step-time model kept below the SLO target (its percentile's normal quantile)."""
         if self.cfg.itl_target_ms != ITL_TARGET_SLO:
             return 0.0
         return z_score(max(c.percentile for c in self.slo.classes))
 
     def plan_inputs(self) -> PlanInputs:
-        """What `plan` reads (common/sched/step_plan.py): the table's indexes, the budget and the page counts."""
         return PlanInputs(
             running=self.running,
             chunked=self.chunked,
@@ -432,7 +367,6 @@ class Scheduler:
 
     @torch.inference_mode()
     def _launch(self) -> Launched | None:
-        """Plans the next step and executes the plan."""
         step = plan(self.plan_inputs())
         self.last_plan = step
         for r in step.preempt:
@@ -450,8 +384,7 @@ class Scheduler:
         return [r for r in self.running if can_decode(r, self.inflight(r), self.runner.max_seq_len)]
 
     def _take_chunks(self, step: StepPlan) -> tuple[list[Req], list[int]]:
-        """The plan's prompt chunks, taken in order: the chunked prompt's next, then admissions until one does not
-        fit (the prefix cache changed under the plan: fewer tokens are computed, never more)."""
+        """The plan's chunks, taken until one no longer fits (the prefix cache may have changed under the plan)."""
         ps = self.page_size
         growth = sum(decode_growth(r, self.inflight(r), r.reserve_len, ps) for r in step.decode)
         adder = PrefillAdder(
@@ -472,9 +405,7 @@ class Scheduler:
         return adder.batch, adder.chunks
 
     def _preempt(self, req: Req) -> None:
-        """Frees a running request's pages and queues it again: its KV so far stays in the prefix cache (evictable)
-        and is recomputed, with its outputs, when it is admitted again (common/sched/step_plan.py chose it). A
-        token of it still in flight is appended when its step is processed, before it can be admitted."""
+        """Frees a running request's pages and requeues it; its KV stays cached and is recomputed on readmission."""
         self.budget.cache_prefix(req, req.cached_len)
         self.budget.release(req)
         req.cached_len = 0
@@ -496,17 +427,14 @@ class Scheduler:
         )
 
     def prefill_token_budget(self, decoding: bool | None = None, context: StepContext | None = None) -> int:
-        """Prompt tokens the next step takes: all of max_prefill_tokens alone, or beside decoding requests the
-        largest chunk whose step the step-time model predicts within the ITL target (common/sched/prefill_budget.py).
-        `decoding` None: whether requests decode now; True: the budget a step gets beside them (what the worker
-        publishes). `context`: what the step decodes beside the chunk (default: every running request)."""
+        """Prompt tokens the next step takes (common/sched/prefill_budget.py); `decoding` True: the budget beside
+        decoding requests, as published."""
         if context is None:
             context = StepContext(len(self.running), sum(r.device_len for r in self.running))
         return self._budget(bool(self.running) if decoding is None else decoding, context)[0]
 
     def _decode_rows(self, batch: list[Req]) -> tuple[list[list[int]], list[int], bool]:
-        """Each decoding request's one input token (host id, or -1 where it is still on the device), its
-        position (its pages grown to cover it), and whether any step input is read from `last_tokens`."""
+        """Each decode row's input id (-1: still on the device), its position, and whether any is on the device."""
         host_ids, positions, on_device = [], [], False
         for r in batch:
             k = self.inflight(r)
@@ -518,8 +446,6 @@ class Scheduler:
         return host_ids, positions, on_device
 
     def _device_inputs(self, fb: ForwardBatch, decode_rows: int, on_device: bool) -> None:
-        """The first `decode_rows` tokens of the step are decode rows: those whose token the host has not read
-        yet (input id -1) take it from `last_tokens` on the device (the overlap loop never waits for it)."""
         if not on_device:
             return
         n = decode_rows
@@ -531,7 +457,6 @@ class Scheduler:
         return self._launch_mixed([], batch, chunks)
 
     def _launch_mixed(self, decode: list[Req], batch: list[Req], chunks: list[int]) -> Launched:
-        """One step: a token for each of `decode` (first, as one-token extends), then each prompt chunk."""
         starts = [r.cached_len for r in batch]
         token_chunks = [r.fill_ids()[s : s + n] for r, s, n in zip(batch, starts, chunks)]
         done = [s + n == r.device_len for r, s, n in zip(batch, starts, chunks)]
@@ -548,9 +473,7 @@ class Scheduler:
         self._device_inputs(fb, len(decode), on_device)
         timer = StepTimer.start(self.device)
         logits = self.runner.forward(fb)
-        # Stopped before sampling records the step's done event: processing the step (once done) then finds
-        # both timing events complete. Stopped after, the end event could still be pending on the device
-        # ("Both events must be completed"), which failed a mixed worker's engine step under load.
+        # Stopped before sampling records its event: a pending end event failed a mixed step under load.
         timer.stop()
         for r, s, n, d in zip(batch, starts, chunks, done):
             r.cached_len = s + n
@@ -569,7 +492,6 @@ class Scheduler:
         )
         for r in finishing:
             if not r.prefill_only:
-                # Joins the running batch now: the next step reads its first token on the device.
                 self.budget.cache_prefix(r, r.cached_len)
                 self.table.start_running(r)
         return launched
@@ -588,9 +510,8 @@ class Scheduler:
         return launched
 
     def _begin_sampling(self, kind: str, reqs: list[Req], logits: torch.Tensor, decode_rows: int) -> Launched:
-        """The step whose forward gave `logits`, sampled now unless one of its grammar rows has a token in the
-        step in flight (its matcher has not seen it yet): then its masks are filled once that step is
-        processed and it is sampled before the next forward (`step`, `_settle`); the forward runs meanwhile. The first `decode_rows` of `reqs` decode, the rest finish a prompt."""
+        """Samples now unless a grammar row's previous token is still in flight: then after it is processed,
+        before the next forward. The first `decode_rows` of `reqs` decode."""
         launched = Launched(kind, list(reqs), logits=logits, decode_rows=decode_rows)
         launched.rows = [r.table_row for r in reqs]
         launched.steps = [r.sampling.output_offset + len(r.output_ids) + self.inflight(r) for r in reqs]
@@ -627,10 +548,7 @@ class Scheduler:
         now = time.perf_counter()
         if launched.timer is not None:
             seconds = launched.timer.seconds()
-            # What a stream sees is the period between steps, not the forward's device time: the host's sampling,
-            # events and scheduling add to it where they are not hidden (bench/RESULTS.md, "Figures behind choices
-            # in the code"). A step launched before the one before it was processed ran back to back with it: its
-            # period is what the model learns.
+            # A stream sees the period between steps, not device time; only back-to-back steps' periods are learnt.
             back_to_back = self._processed_at is not None and launched.launched_at <= self._processed_at
             period = now - self._processed_at if back_to_back and self._processed_at is not None else 0.0
             self.step_model.observe(launched.shape, max(seconds, period))
@@ -675,12 +593,8 @@ class Scheduler:
     def _append_token(
         self, req: Req, token: int, lp: TokenLogprob | None, event: StepEvent, decoded: bool = False
     ) -> None:
-        """Appends a sampled token and decides whether the request finishes at it. A grammar row's matcher
-        accepts the token here only where that may end the request (a stop token, which may complete the
-        grammar; a token the request ends at anyway, whose reason a broken grammar overrides; a prompt's first
-        token): otherwise (`decoded`: a decode row's token that cannot end it) the next mask fill accepts it,
-        batched, off this thread (common/sched/grammar.py `fill`), and a token it does not allow finishes the
-        request there (`_grammar_broken`), before any later token is appended."""
+        """Appends a sampled token and decides whether the request finishes there. A grammar row's matcher
+        accepts it here only if it may end the request; otherwise the next (batched, off-thread) mask fill does."""
         req.output_ids.append(token)
         req.device_len += 1
         if lp is not None:
@@ -707,12 +621,10 @@ class Scheduler:
         if req.state in (ReqState.RUNNING, ReqState.WAITING):  # waiting: preempted with its last token in flight
             self._finish(req)
         else:
-            # A prefill-only request: `_prefill_done` parks or frees it once this token is processed.
             self.table.end(req)
 
     def _grammar_broken(self, req: Req) -> None:
-        """A token appended earlier (the request's last) was outside its grammar: the request ends there, as
-        if found when it was appended; its event (no tokens) goes out with the next step's."""
+        """A token appended earlier broke the grammar: the request ends there; its event goes with the next step's."""
         if req.finished:
             return
         req.finish_reason, req.error = "error", "a sampled token is outside the request's grammar"
@@ -721,7 +633,6 @@ class Scheduler:
 
     # ---- introspection -----------------------------------------------------------------------------
     def snapshot(self) -> SchedulerSnapshot:
-        """The load, the page ledger in numbers and the published step policy, read in one go."""
         host = self.cache.host if self.cache is not None else None
         beside = self.running if self.mixed_batching else []  # prefill-first steps decode nothing
         host_cached = self.cache.host_cached_pages if self.cache is not None and host is not None else 0
@@ -749,31 +660,25 @@ class Scheduler:
         )
 
     def last_step_kind(self) -> str | None:
-        """Kind of the step processed last ("prefill", "decode", "mixed"; None before the first): the one thing
-        a worker reads every step, so it is not left to a snapshot (costlier to build)."""
+        """Kind of the step processed last, read every step (a snapshot costs more)."""
         return self.processed_kind
 
     def has_request(self, req_id: str) -> bool:
-        """Whether `req_id` is live here (queued, prefilling, decoding, awaiting its KV, or held)."""
         return req_id in self.by_id
 
     def live_request_ids(self) -> list[str]:
-        """Every request that has not finished: compiling, waiting, prefilling, decoding or awaiting its KV."""
         return self.table.live_ids()
 
     def ledger_violations(self) -> list[str]:
-        """What is wrong with the request table and the page ledger (common/kv/integrity.py): every request in
-        the one index its state names, every page free, cached, or owned by exactly one live or held request."""
+        """Request table and page ledger violations (common/kv/integrity.py)."""
         return self.table_violations()
 
     def cached_block_hashes(self, tier: str = "device") -> list[int]:
-        """The prefix cache's block hashes in `tier` (for a prefix index resync; may raise RuntimeError when the
-        tree changes meanwhile: callers on another thread retry)."""
+        """The prefix cache's block hashes in `tier` (may raise RuntimeError if the tree changes: retry)."""
         return self.cache.all_block_hashes(tier) if self.cache is not None else []
 
     def take_index_events(self) -> list[tuple[str | None, list[int]]]:
-        """The prefix cache's changes since the last call, in order, for the prefix index: (tier, block
-        hashes), tier None for blocks no longer cached (common/kv/radix.py)."""
+        """The prefix cache's changes since the last call: (tier, hashes), tier None for evicted blocks."""
         return self.cache.drain_index_events() if self.cache is not None else []
 
     def queued_prefill_tokens(self) -> int:
@@ -783,8 +688,7 @@ class Scheduler:
         return queued
 
     def queued_ahead_tokens(self) -> dict[str, int]:
-        """Per SLO class, the prompt tokens a request of that class arriving now would wait behind: the chunked
-        prompt's rest and the waiting prompts due before its deadline (common/sched/waiting.py's order)."""
+        """Per SLO class, the prompt tokens an arrival now would wait behind (common/sched/waiting.py's order)."""
         now = time.monotonic()
         chunked = self.chunked.prompt_len - self.chunked.cached_len if self.chunked is not None else 0
         return {

@@ -1,20 +1,7 @@
-"""How long a step takes, from what it computes: the engine's own capacity model, fitted to its timed steps.
-
-A step's device time is modelled as linear in what it computes:
-
-    t = base + a * prefill_tokens + b * decode_rows + c * decode_context + d * chunk_attention
-
-(decode_context: the KV tokens the decode rows attend over; chunk_attention: the prompt chunks' query-key
-pairs, n * (start + n/2) per chunk, the term that makes a chunk deep in a long prompt dearer than the first).
-The coefficients are a least-squares fit, with no negative cost, over the last WINDOW timed steps, refitted
-every REFIT_EVERY steps: a few microseconds per step on the host, and it follows a change of batch mix or of
-clocks within a few hundred steps. The residuals' spread says how far a step strays from its prediction; the
-budget keeps that much margin, so a target held at the 99th percentile is held by the steps, not only by the
-mean.
-
-The same model answers the scheduler (the largest prompt chunk whose step stays within the ITL target), the
-worker's /load (its prefill rate at that chunk, from which the router predicts TTFT) and the planner; what its
-coefficients say about a worker's capacity is common/capacity.py.
+"""How long a step takes, from what it computes: the engine's own capacity model (common/capacity.py), a
+least-squares fit with no negative cost over the last WINDOW timed steps, refitted every REFIT_EVERY steps
+(microseconds on the host; it follows a change of batch mix within a few hundred steps). The budget keeps a
+margin of residual spreads, so a percentile target is held by the steps, not only by the mean.
 """
 
 from __future__ import annotations
@@ -40,8 +27,6 @@ _RIDGE = 1e-6
 
 @dataclass(frozen=True)
 class StepShape:
-    """What one step computes."""
-
     prefill_tokens: int = 0
     decode_rows: int = 0
     decode_context: int = 0  # KV tokens the decode rows attend over
@@ -53,8 +38,7 @@ class StepShape:
 
 
 def z_score(percentile: float) -> float:
-    """The normal quantile of a percentile (99 -> 2.33): the margin, in residual spreads, that holds a target
-    at that percentile when the prediction errs like a normal variable."""
+    """The normal quantile of a percentile (99 -> 2.33): the margin, in residual spreads, holding it."""
     return NormalDist().inv_cdf(min(max(percentile, 50.0), 99.99) / 100)
 
 
@@ -85,12 +69,11 @@ class StepTimeModel:
 
     @property
     def ready(self) -> bool:
-        """Whether the fit has seen prompt chunks timed (until then a chunk's cost is unknown)."""
+        """Whether the fit has timed prompt chunks (until then a chunk's cost is unknown)."""
         return self._coef is not None and self._prefill_samples >= MIN_PREFILL_SAMPLES and self._coef[1] > 0
 
     @property
     def spread_s(self) -> float:
-        """The residuals' standard deviation (seconds)."""
         return self._spread
 
     def predict(self, shape: StepShape) -> float:
@@ -99,7 +82,6 @@ class StepTimeModel:
         return float(shape.features() @ self._coef)
 
     def coefficients(self) -> dict[str, float]:
-        """Seconds per unit of each feature (for /load and the planner)."""
         names = ("base_s", "per_prefill_token_s", "per_decode_row_s", "per_context_token_s", "per_attention_pair_s")
         coef = self._coef if self._coef is not None else np.zeros(5)
         return {n: float(c / s) for n, c, s in zip(names, coef, _SCALES)}
@@ -115,8 +97,7 @@ class StepTimeModel:
         margin_z: float = 0.0,
     ) -> int:
         """The most prompt tokens (a multiple of `granularity`, at most `max_tokens`) a step beside `decode_rows`
-        rows can take while its predicted time plus `margin_z` residual spreads stays within `target_s`; 0 when
-        not even `granularity` tokens fit. Step time grows with the chunk, so a bisection over whole units."""
+        may take, predicted plus `margin_z` spreads within `target_s`; 0 when not even `granularity` fits."""
         if not self.ready:
             return 0
         allowed = target_s - margin_z * self._spread
@@ -134,8 +115,7 @@ class StepTimeModel:
         y = np.asarray(self._y)
         active = np.ones(x.shape[1], dtype=bool)
         coef = np.zeros(x.shape[1])
-        # Least squares with no negative cost: a feature whose fitted cost is negative (collinear with another,
-        # or not varied yet) is dropped and the rest refitted; at most one pass per feature.
+        # No negative cost: a feature fitted negative (collinear, or not varied yet) is dropped and the rest refitted.
         for _ in range(x.shape[1]):
             xa = x[:, active]
             gram = xa.T @ xa + _RIDGE * len(y) * np.eye(xa.shape[1])

@@ -1,11 +1,5 @@
-"""What the next step computes, decided by one pure function: `plan(PlanInputs) -> StepPlan`.
-
-The plan names the step's kind, its decode rows, its prompt chunks (the chunked prompt's next chunk first,
-then waiting prompts in the queue's order: class, then TTFT deadline), the prompt-token budget and what sized
-it, what stopped admission, and which running requests are preempted to make room (optimistic reservation,
-common/sched/pages.py). `plan` reads the scheduler through `PlanInputs` and changes nothing; the scheduler's
-launch code executes the plan (it may compute less than planned where the prefix cache changed under it, never
-more). So the budget, the order and the memory policy are functions with unit tests of their own.
+"""What the next step computes, decided by one pure function, `plan(PlanInputs) -> StepPlan`, which changes
+nothing; the launch code executes it (computing less where the prefix cache changed under it, never more).
 """
 
 from __future__ import annotations
@@ -18,8 +12,6 @@ from common.sched.request import Req
 
 
 class AdmitStop:
-    """Why no further waiting prompt joins the step."""
-
     QUEUE_EMPTY = "queue_empty"  # every waiting prompt joined (or none waits)
     TOKENS = "tokens"  # the token budget is spent (less than a page left for the next prompt)
     PAGES = "pages"  # the next prompt's reservation does not fit the pages not yet promised
@@ -48,8 +40,6 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class PrefixPeek:
-    """A waiting prompt's prefix-cache hit, looked at without taking it."""
-
     tokens: int = 0  # tokens found (device and host tier)
     device_pages: int = 0  # pages of the hit already on the device (not allocated anew)
     lock_pages: int = 0  # evictable pages the hit stops being once locked (they leave the page budget)
@@ -65,7 +55,7 @@ class PlanInputs:
     page_size: int
     mixed_batching: bool  # False: prefill-first (a prompt's steps run before any decode step)
     itl_target_s: float
-    # (decoding, context) -> (tokens, BudgetReason): the step-time model's budget (common/sched/prefill_budget.py)
+    # (decoding, context) -> (tokens, BudgetReason): the step-time model's budget
     budget: Callable[[bool, StepContext], tuple[int, str]]
     spare_pages: int  # pages neither used nor promised to an admitted request
     running_slots: int  # requests that may still be admitted (max_running and free table rows)
@@ -82,37 +72,33 @@ def can_decode(r: Req, inflight: int, max_seq_len: int) -> bool:
 
 
 def preemptible(r: Req) -> bool:
-    """A grammar's matcher has seen the request's tokens (recomputing would replay it): such requests reserve
-    their whole output instead and are never preempted; nor are prompts prefilled for a peer."""
+    """Grammar requests (their matcher saw the tokens) and prompts prefilled for a peer are never preempted."""
     return r.sampling.grammar is None and not r.prefill_only
 
 
 def victim_order(running: Sequence[Req]) -> list[Req]:
-    """Who is preempted first: the lowest class, then the latest TTFT deadline (the newest arrival)."""
+    """Who is preempted first: the lowest class, then the latest TTFT deadline."""
     return sorted((r for r in running if preemptible(r)), key=lambda r: (r.slo_rank, r.deadline_s), reverse=True)
 
 
 def decode_growth(r: Req, inflight: int, reserve_len: int, page_size: int) -> int:
-    """Pages the request's next decode row takes beyond its reservation (from the spare pages)."""
     have = max(len(r.pages), pages_for(reserve_len, page_size))
     return max(0, pages_for(r.device_len + inflight, page_size) - have)
 
 
 def past_reservation(r: Req, reserve_len: int, page_size: int) -> bool:
-    """Whether the request's next page comes from the spare pages (it reserved less than its whole output, and
-    its pages reach its reservation)."""
+    """Whether the request's next page comes from the spare pages (its pages reach its partial reservation)."""
     reserved = pages_for(reserve_len, page_size)
     return reserved < pages_for(r.max_device_len, page_size) and pages_for(r.device_len, page_size) >= reserved
 
 
 def freed_by(r: Req, reserve_len: int, page_size: int) -> int:
-    """Pages preempting `r` gives back to the spare count, at least: its own pages and its unused reservation
-    (prefix pages it shares with the cache stay there, evictable, and are not counted)."""
+    """Pages preempting `r` gives back, at least (shared prefix pages stay cached and are not counted)."""
     return len(r.pages) - r.tree_pages + max(0, pages_for(reserve_len, page_size) - len(r.pages))
 
 
 def chunk_size(remaining: int, budget: int, page_size: int) -> int:
-    """A prompt's next chunk: all of it if it fits, else whole pages (so each chunk's pages are complete)."""
+    """A prompt's next chunk: all of it if it fits, else whole pages."""
     return remaining if remaining <= budget else budget // page_size * page_size
 
 
@@ -155,9 +141,8 @@ def plan(v: PlanInputs) -> StepPlan:
             left -= n
     stop = AdmitStop.PREEMPTING if preempt else AdmitStop.QUEUE_EMPTY
     slots = v.running_slots
-    # Decoding requests past their reservation take a page from the spare ones at their next page boundary:
-    # an admission leaves one for each, or it would be preempted back at the next boundary (a recompute for
-    # nothing, over and over while the pool is full).
+    # An admission leaves a spare page for each decoding request past its reservation, or it would be preempted
+    # back at its next page boundary, over and over while the pool is full.
     spare -= sum(1 for r in decode if past_reservation(r, v.reserve_len(r), ps))
     for req in () if preempt else v.waiting:
         if slots <= 0:
@@ -183,6 +168,5 @@ def plan(v: PlanInputs) -> StepPlan:
 
     if not chunks:
         return StepPlan("decode" if decode else "idle", tuple(decode), (), budget, reason, stop, tuple(preempt))
-    # Prefill-first: a step with prompts decodes nothing.
     rows = tuple(decode) if mixed else ()
     return StepPlan("mixed" if rows else "prefill", rows, tuple(chunks), budget, reason, stop, tuple(preempt))

@@ -1,20 +1,7 @@
-"""Each step's sampling inputs: per-row parameters kept on the device, the rest in one host-to-device copy.
-
-A request's sampling parameters do not change while it runs, so they are written once into per-table-row
-device tensors, at its first sampling in its row (as its penalty history is: common/sched/penalties.py), and
-a step gathers its batch's rows from there. A step whose batch is the one sampled last (the common case in
-steady decoding) reuses that gather, the batch's row indices on the device and its host-side facts (greedy
-or not, filters, logprobs, penalties) as they are: its host work does not grow with the batch. What changes
-from step to step travels in the step's one staged copy (common/engine/staging.py): the output steps (the
-seeded noise's counter), the min_tokens bans of rows still short of them (only when that set changes), the
-grammar masks (xgrammar fills them straight into the pinned buffer), and, when the batch changed, its rows,
-the parameters of rows sampled for the first time and their penalty history.
-
-A step whose grammar rows wait for the step in flight has its matchers accept that step's tokens and its
-masks filled on a thread of their own (`start_masks`: xgrammar's batched accept and fill release the GIL)
-while the scheduler's thread hands the processed step's
-events out and plans the next step; its sampling is issued once that plan is ready, before the next forward
-(common/sched/scheduler.py `_settle`).
+"""Each step's sampling inputs: per-row parameters written once into device tensors at a request's first
+sampling and gathered per step (reused as is while the batch is unchanged, so host work does not grow with it);
+what changes per step travels in the step's one staged copy. Grammar masks are filled on a thread of their own
+(`start_masks`; xgrammar releases the GIL) while the scheduler plans the next step.
 """
 
 from __future__ import annotations
@@ -44,8 +31,6 @@ from common.sched.request import Req
 
 @dataclass(eq=False)
 class _Batch:
-    """What stays true of a batch while its requests (same objects, same order) sample together."""
-
     reqs: tuple[Req, ...]
     rows_dev: torch.Tensor  # [B] int64 table rows
     floats: torch.Tensor  # [B, len(FLOAT_PARAMS)]
@@ -60,8 +45,6 @@ class _Batch:
 
 @dataclass(eq=False)
 class MaskJob:
-    """A step's grammar masks being filled on the fill thread, into `stage`'s part `part`."""
-
     stage: Stage
     part: int
     masks: Future[GrammarMasks]
@@ -100,8 +83,8 @@ class StepSampler:
         return any(r.sampling.grammar is not None for r in reqs)
 
     def start_masks(self, reqs: Sequence[Req], grammars: GrammarBook) -> MaskJob | None:
-        """Begins the step's staged copy with its grammar masks, filled on the fill thread; `sample` with the
-        job joins it. None: no grammar row. Nothing else may touch `grammars`' matchers until then."""
+        """Begins the step's staged copy with its grammar masks, filled on the fill thread (None: no grammar row);
+        nothing else may touch `grammars`' matchers until `sample` joins it."""
         if not self._has_grammar(reqs):
             return None
         stage = self.h2d.stage()
@@ -119,9 +102,8 @@ class StepSampler:
         grammars: GrammarBook,
         job: MaskJob | None = None,
     ) -> Sampled:
-        """Samples one token for each of `reqs` (table `rows`, output `steps` before this step) from `logits`;
-        `grammars`: the scheduler's matchers, whose masks are filled here unless `job` (`start_masks`) filled
-        them."""
+        """Samples one token per request of `reqs` (table `rows`, output `steps`) from `logits`; fills the grammar
+        masks here unless `job` did."""
         batch = self._last
         masks = bits_part = None
         if batch is not None and batch.reqs == tuple(reqs):

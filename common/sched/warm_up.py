@@ -1,14 +1,7 @@
-"""A worker's step shapes run once before it serves, so the first users do not pay for compiling them.
-
-Decode steps are CUDA-graphed at start and prefill/mixed steps' layers likewise (common/engine/gpu/), but what
-runs eagerly between and after those graphs (a mixed step's attention over its decode rows and chunk, the LM
-head and sampling over the rows a step samples) met its kernels for the first time during the first mixed
-steps, which compiled Triton kernels while the first users waited (bench/RESULTS.md, "The budget from the
-chunk speed beside decoding", has the first served run's TTFT against the run right after). So the engine first serves a small synthetic workload of its own through a throwaway scheduler
-over the same runner: for a few batch sizes, decoding requests (greedy and sampled, some with penalties,
-whose Triton kernels compile at first use) with a prompt arriving beside them, so prefill-only, decode and
-mixed steps all run. Nothing of it stays: no prefix is cached, every page and table row comes back, and the
-serving scheduler starts fresh.
+"""A worker's step shapes run once before it serves, so the first users do not pay for compiling them: what
+runs eagerly around the CUDA graphs (a mixed step's attention, the LM head, sampling and penalty kernels) met
+its kernels during the first users' steps. A throwaway scheduler over the same runner decodes a few batches
+beside an arriving prompt; nothing of it stays.
 """
 
 from __future__ import annotations
@@ -40,20 +33,17 @@ class WarmUpReport:
 
 
 def warm_up_batches(max_running: int) -> list[int]:
-    """The warm-up's batch sizes that fit beside one more request (the arriving prompt)."""
     return [b for b in WARM_UP_BATCHES if b + 1 <= max_running] or ([max_running - 1] if max_running > 1 else [])
 
 
 def warm_up(runner: ModelRunner, cfg: SchedulerConfig, seed: int = 0) -> WarmUpReport:
-    """Runs the synthetic workload through a scheduler of its own on `runner` (no prefix cache, no host tier,
-    no KV transfer) and checks it gave everything back."""
+    """Runs the synthetic workload on `runner` (no prefix cache, host tier or transfer); checks all came back."""
     start = time.perf_counter()
     sched = Scheduler(runner, replace(cfg, enable_prefix_cache=False, host_kv_gb=0))
     ps = runner.cfg.page_size
     g = torch.Generator().manual_seed(seed)
     vocab = runner.model_config.vocab_size
-    # The arriving prompt spans a few budget-sized chunks beside decoding; all of it fits the context and the
-    # pool beside the streams (a small engine gets a small warm-up rather than a refused request).
+    # The arriving prompt spans a few chunks beside decoding, within the context and the pool.
     room = runner.max_seq_len - STREAM_TOKENS
     stream_len = max(1, min(2 * ps, room))
     prompt_len = max(1, min(cfg.max_prefill_tokens, 1024, room, runner.pool.num_pages * ps // 4))

@@ -1,9 +1,5 @@
-"""One worker's NIXL agent: registers its KV pool and keeps the table of peers it may write to.
-
-Both workers own one `KVTransferAgent`. The decode side publishes `metadata_b64()` and
-`pool_info_b64()` in its handshake; the prefill side feeds them to `add_peer`, after which `KVSender`
-can WRITE into the decode pool. Not thread-safe: it is driven by one scheduler loop (the NIXL agent
-runs without a listener thread, so NIXL's own sync mode is NONE; keep every call on one thread).
+"""One worker's NIXL agent: registers its KV pool and keeps the table of peers it may write to. Not
+thread-safe: one scheduler loop drives it (NIXL runs without a listener thread, sync mode NONE).
 """
 
 from __future__ import annotations
@@ -49,10 +45,8 @@ class Peer:
         return self.pools[0].num_pages
 
 
-# Sleep of NIXL's progress thread between polls. NIXL's Python wrapper fixes it at 0 (a busy loop): an idle
-# agent then burns about half a core (bench/RESULTS.md, "Idle cost of a NIXL agent").
-# DRAM pools get 100 us (UCX moves their bytes inside the post and poll calls, so the thread only serves
-# the peer); VRAM pools keep 0 until a GPU run shows the delay costs nothing there.
+# NIXL's progress thread sleeps this long between polls on DRAM pools (its default 0 busy-loops half a core
+# idle; UCX moves DRAM bytes inside the post and poll calls); VRAM pools keep 0 until measured on a GPU.
 DRAM_PROGRESS_DELAY_US = 100
 
 
@@ -71,12 +65,9 @@ def _create_nixl_agent(name: str, config: nixl_agent_config, progress_delay_us: 
 
 
 class KVTransferAgent:
-    """`rank_pools`: under tensor parallelism, the ranks' pools this agent registers, with the model KV heads
-    each holds (rank 0 first, `pool` itself). `remote_ranks`: the further ranks, which run their own agents
-    (their pool info with agent name and metadata); they are published in the handshake, so a peer
-    writes into them directly, but this agent never posts from them: they post their own heads.
-    `own_heads_only`: this agent is one such rank's (common/transfer/rank_agents.py): it routes only the peer
-    ranks its own heads feed, and `model_kv_heads` names the model's total."""
+    """`rank_pools`: the tensor-parallel ranks' pools this agent registers (rank 0's first). `remote_ranks`: ranks
+    running their own agents, published in the handshake but never posted from here. `own_heads_only`: this is
+    one such rank's agent (common/transfer/rank_agents.py), routing only the peer ranks its heads feed."""
 
     def __init__(
         self,
@@ -94,15 +85,14 @@ class KVTransferAgent:
         own_heads_only: bool = False,
         model_kv_heads: int | None = None,
     ) -> None:
-        """`progress_delay_us`: None = 100 us for a DRAM pool, 0 for VRAM (see DRAM_PROGRESS_DELAY_US)."""
+        """`progress_delay_us`: None = DRAM_PROGRESS_DELAY_US for a DRAM pool, 0 for VRAM."""
         self.name = name
         self.pool = pool
         self.backend = backend
         self.rank_pools = rank_pools or [(pool, (0, pool.layout.num_kv_heads))]
         if self.rank_pools[0][0] is not pool:
             raise ValueError("rank_pools must start with this rank's pool")
-        # Fresh per process start: a peer that restarts under the same name is told apart by this,
-        # so stale metadata (old addresses, old rkeys) is never used against the new process.
+        # Fresh per process start: a peer restarted under the same name never gets stale metadata used against it.
         self.instance_id = uuid.uuid4().hex
         self._pool_infos = [
             PoolInfo.from_pool(p, name, self.instance_id, heads, rank)
@@ -116,8 +106,6 @@ class KVTransferAgent:
         self._staging_reg: object | None = None
         self._peers: dict[str, Peer] = {}
         self._closed = False
-        # The progress thread completes transfers and notifications even while this process computes;
-        # between polls it sleeps `progress_delay_us`.
         if progress_delay_us is None:
             progress_delay_us = DRAM_PROGRESS_DELAY_US if pool.device.type == "cpu" else 0
         self._nixl = _create_nixl_agent(
@@ -125,14 +113,10 @@ class KVTransferAgent:
         )
         if backend not in self._nixl.plugin_list:
             raise RuntimeError(f"NIXL backend {backend!r} unavailable (plugins: {self._nixl.plugin_list})")
-        # Created by hand (not through the config) so backend init parameters can be passed, e.g. the
-        # UCX plugin's `num_threads` / `num_workers` (see `get_plugin_params`).
+        # Created by hand so backend init parameters (UCX's `num_threads`, ...) can be passed.
         self._nixl.create_backend(backend, dict(backend_params or {}))
-        # One registration per rank's pool: every transfer is a sub-range of one, so no per-request
-        # registration cost. The tensor decides DRAM vs VRAM.
+        # One registration per rank's pool: every transfer is a sub-range, no per-request registration.
         self._regs = [self._nixl.register_memory(p.kv, backends=[backend]) for p, _ in self.rank_pools]
-
-    # -- what this side publishes ------------------------------------------------------------------
 
     @property
     def nixl(self) -> nixl_agent:
@@ -140,7 +124,6 @@ class KVTransferAgent:
 
     @property
     def pool_info(self) -> PoolInfo:
-        """Rank 0's pool."""
         return self._pool_infos[0]
 
     @property
@@ -151,21 +134,18 @@ class KVTransferAgent:
         return self.rank_pools[rank][0]
 
     def ensure_staging(self) -> StagingArea:
-        """The packing area for peers that split heads differently, allocated and registered on first use."""
+        """The packing area for peers that split heads differently, registered on first use."""
         if self.staging is None:
             self.staging = StagingArea(self._staging_bytes, self.pool.device)
             self._staging_reg = self._nixl.register_memory(self.staging.buf, backends=[self.backend])
         return self.staging
 
     def metadata_b64(self) -> str:
-        # Taken after register_memory: metadata fetched earlier lacks the pool's remote keys and the
-        # peer's createXferReq fails with NOT_FOUND.
+        # After register_memory: earlier metadata lacks the pool's remote keys (the peer fails with NOT_FOUND).
         return base64.b64encode(self._nixl.get_agent_metadata()).decode("ascii")
 
     def pool_info_b64(self) -> str:
         return pool_infos_to_b64(self._pool_infos)
-
-    # -- peers -------------------------------------------------------------------------------------
 
     def add_peer(
         self,
@@ -175,7 +155,7 @@ class KVTransferAgent:
         pool_info_b64: str,
         layout: KVLayoutInfo,
     ) -> Peer:
-        """Load a peer so this agent can write into its pool. Idempotent for the same instance."""
+        """Loads a peer so this agent can write into its pool; idempotent for the same instance."""
         self._check_open()
         check_compatible(self.layout, layout)
         try:
@@ -192,11 +172,9 @@ class KVTransferAgent:
         if len(infos) != layout.tp_size or info.num_layers != self.pool.layout.num_layers:
             raise PeerError(f"pool geometry of {agent_name!r} disagrees with its declared layout")
         try:
-            # Every rank of this worker is known here unless this is a rank's own agent: then it routes its heads.
             routes = plan_routes(self._pool_infos, infos, partial=self.own_heads_only)
         except ValueError as e:
             raise PeerError(f"cannot move KV to {agent_name!r}: {e}") from e
-        # Ranks with agents of their own (`remote_ranks`) post their heads themselves.
         own = self._pool_infos[: len(self.rank_pools)]
         routes = [r for r in routes if any(r.src is i for i in own)]
 
@@ -218,7 +196,7 @@ class KVTransferAgent:
         return peer
 
     def _load_remote(self, metadata: bytes, expected: str, context: str) -> None:
-        """Loads one remote agent's NIXL metadata; PeerError (nothing left loaded) unless it names `expected`."""
+        """Loads one remote agent's metadata; PeerError (nothing left loaded) unless it names `expected`."""
         try:
             loaded = self._nixl.add_remote_agent(metadata)
         except Exception as e:  # NIXL refuses metadata it cannot deserialize (nixlMismatchError)
@@ -230,8 +208,7 @@ class KVTransferAgent:
             raise PeerError(f"{context}: metadata names agent {name!r}, expected {expected!r}")
 
     def _load_rank_agents(self, peer: str, infos: list[PoolInfo]) -> tuple[str, ...]:
-        """Loads the NIXL metadata of the peer's ranks that run their own agents (after the peer's own);
-        on a bad one, unloads the peer and those loaded so far."""
+        """Loads the peer's own-agent ranks' metadata; on a bad one unloads everything loaded for the peer."""
         loaded: list[str] = []
         try:
             for info in infos:
@@ -261,7 +238,7 @@ class KVTransferAgent:
             raise KeyError(f"unknown transfer peer {name!r}: handshake first") from None
 
     def remove_peer(self, name: str) -> bool:
-        """Forget a peer and disconnect from it; in-flight writes to it will report an error."""
+        """Forgets a peer and disconnects; in-flight writes to it will report an error."""
         peer = self._peers.pop(name, None)
         if peer is None:
             return False
@@ -272,10 +249,8 @@ class KVTransferAgent:
                 log.warning("remove_remote_agent(%s): %s", agent, e)
         return True
 
-    # -- lifetime ----------------------------------------------------------------------------------
-
     def close(self) -> None:
-        """Drop peers and deregister the pool. Release transfer handles (KVSender.close) first."""
+        """Drops peers and deregisters the pool; release transfer handles (KVSender.close) first."""
         if self._closed:
             return
         self._closed = True

@@ -1,13 +1,6 @@
-"""Where a pool's pages live in memory, and the NIXL descriptor rows for moving page runs.
-
-A pool is one contiguous page-major tensor `[pages, layers, kv_parts, page_size, H, D]`, so page `p` (all
-layers, K and V or MLA's latent) is the block `[base + p*page_stride, base + (p+1)*page_stride)` and a run of
-consecutive pages is one block: one descriptor.
-The peer only needs those few numbers (`PoolInfo`), not a list of registered descriptors: NIXL's own
-`get_serialized_descs` is pickle, which must never cross a trust boundary.
-
-Everything here is torch tensor arithmetic: a 16k-token transfer is a handful of vector ops, never a
-Python loop over pages or tokens.
+"""Where a pool's pages live in memory, and the NIXL descriptor rows for moving page runs. The pool is one
+page-major tensor, so a run of consecutive pages is one block: the peer needs only a few numbers (`PoolInfo`),
+never NIXL's pickled descriptor lists. All tensor arithmetic, no Python loop over pages.
 """
 
 from __future__ import annotations
@@ -40,8 +33,7 @@ class PoolInfo:
     kv_head_start: int  # the model's KV heads this rank's pool holds: [kv_head_start, kv_head_end)
     kv_head_end: int
     rank: int = 0
-    # Set when this rank has its own NIXL agent (`agent_name` differs from rank 0's; GPU tensor parallelism,
-    # where a rank's memory can be registered only by its own process); rank 0's comes in the handshake.
+    # Set when this rank runs its own NIXL agent (GPU tensor parallelism: only its process can register its memory).
     agent_metadata_b64: str = ""
     version: int = POOL_INFO_VERSION
 
@@ -83,7 +75,7 @@ class PoolInfo:
         return info
 
     def validate(self) -> None:
-        """Refuse geometry that would let computed addresses leave the registered region."""
+        """Refuses geometry that would let computed addresses leave the registered region."""
         if min(self.num_layers, self.num_pages, self.page_stride) <= 0:
             raise ValueError("pool info has non-positive sizes")
         if self.page_stride * self.num_pages > self.total_bytes:
@@ -95,7 +87,6 @@ class PoolInfo:
 
 
 def pool_infos_to_b64(infos: list[PoolInfo]) -> str:
-    """Every rank's pool of one worker, as the handshake carries it (JSON, never pickle)."""
     return base64.b64encode(json.dumps([asdict(i) for i in infos], sort_keys=True).encode()).decode("ascii")
 
 
@@ -118,8 +109,6 @@ def pool_infos_from_b64(text: str) -> list[PoolInfo]:
 
 @dataclass(frozen=True)
 class PageRuns:
-    """Maximal runs where both source and destination page ids step by +1."""
-
     src_start: torch.Tensor  # int64 [R]
     dst_start: torch.Tensor  # int64 [R]
     length: torch.Tensor  # int64 [R], pages per run
@@ -130,7 +119,7 @@ class PageRuns:
 
 
 def page_runs(src_pages: torch.Tensor, dst_pages: torch.Tensor) -> PageRuns:
-    """Coalesce page pairs into runs, vectorized: a break wherever either side does not step by +1."""
+    """Coalesces page pairs into runs, vectorized: a break wherever either side does not step by +1."""
     src = torch.as_tensor(src_pages).to("cpu", torch.int64).reshape(-1)
     dst = torch.as_tensor(dst_pages).to("cpu", torch.int64).reshape(-1)
     if src.numel() != dst.numel():
@@ -154,13 +143,11 @@ def check_pages(pages: torch.Tensor, num_pages: int, side: str) -> None:
 def block_descs(
     base_addr: int, page_stride: int, device_id: int, starts: torch.Tensor, lengths: torch.Tensor
 ) -> np.ndarray:
-    """NIXL `(addr, len, dev)` rows for runs of `page_stride`-byte pages laid end to end from `base_addr`."""
+    """NIXL `(addr, len, dev)` rows for runs of `page_stride`-byte pages from `base_addr`."""
     addr = base_addr + starts * page_stride
     rows = torch.stack([addr, lengths * page_stride, torch.full_like(addr, device_id)], dim=1)
-    # User-space addresses fit in int64; NIXL wants uint64 rows.
     return rows.numpy().astype(np.uint64)
 
 
 def run_descs(info: PoolInfo, starts: torch.Tensor, lengths: torch.Tensor) -> np.ndarray:
-    """NIXL rows, one per run of consecutive pages of a pool (all layers, K and V at once)."""
     return block_descs(info.base_addr, info.page_stride, info.device_id, starts, lengths)

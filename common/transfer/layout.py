@@ -1,8 +1,5 @@
-"""The KV layout descriptor both ends of a transfer exchange, and the check that they agree.
-
-Pages are moved as raw bytes at computed addresses, so any difference in shape, dtype or model would
-not fail loudly: it would silently write garbage into the decode pool. The check runs in the handshake,
-before any remote metadata is loaded.
+"""The KV layout both ends of a transfer exchange, checked in the handshake: pages move as raw bytes at computed
+addresses, so a mismatch would write garbage silently rather than fail.
 """
 
 from __future__ import annotations
@@ -10,14 +7,11 @@ from __future__ import annotations
 from common.kv.pool import KVPool
 from common.protocol import KVLayoutInfo, to_builtins
 
-# Bump when the byte meaning of a pool changes (axis order, K/V interleave, page addressing): peers
-# that disagree must refuse each other even if every shape field happens to match.
+# Bump when a pool's byte meaning changes: peers that disagree refuse each other even if every shape matches.
 LAYOUT_VERSION = 2  # 2: page-major pool
 
 
 class LayoutMismatch(ValueError):
-    """Two KV layouts cannot exchange pages; `fields` names every field that differs."""
-
     def __init__(self, fields: dict[str, tuple[object, object]]) -> None:
         self.fields = fields
         detail = ", ".join(f"{name}: local={lo!r} remote={re!r}" for name, (lo, re) in fields.items())
@@ -28,7 +22,7 @@ class LayoutMismatch(ValueError):
 
 
 def dtype_name(dtype: object) -> str:
-    """`torch.bfloat16` -> `"bfloat16"`: a stable, torch-version-independent wire spelling."""
+    """`torch.bfloat16` -> `"bfloat16"`: a torch-version-independent wire spelling."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -49,13 +43,12 @@ def layout_info(pool: KVPool, model_id: str, tp_size: int = 1, num_kv_heads: int
     )
 
 
-# Fields the two ends may differ in: how each splits the heads over its ranks is matched per rank by
-# `common/transfer/routes.py`.
+# Fields the ends may differ in (the head split is matched per rank by common/transfer/routes.py).
 MAY_DIFFER = frozenset({"tp_size"})
 
 
 def check_compatible(local: KVLayoutInfo, remote: KVLayoutInfo) -> None:
-    """Raise `LayoutMismatch` naming every differing field (all of them, so one round trip tells all)."""
+    """Raises `LayoutMismatch` naming every differing field at once."""
     lo, re = to_builtins(local), to_builtins(remote)
     diff = {name: (lo[name], re.get(name)) for name in lo if lo[name] != re.get(name) and name not in MAY_DIFFER}
     if diff:

@@ -1,17 +1,6 @@
-"""Decode side of every request's transfer session: which requests' KV has landed, and which pages are safe.
-
-The decode worker never posts transfers: a prefill peer WRITEs into its reserved pages and ends each
-request with one `KVNotice` over NIXL (see `RequestTransfer`). `KVReceiver` keeps one `TransferSession` per
-reservation and turns what arrives into `Arrival`s for the worker loop:
-
-- "landed": the KV is in the pages; the request may decode.
-- "closed": the peer gave up before anything was admitted; nothing more will be written, free the pages.
-- "released": a request this side had given up on is confirmed by its peer: free its pages now.
-- "malformed": a notice for this request that failed validation; fail the request (its pages wait for
-  the peer's confirmation or death like any other give-up).
-
-A notice counts only from the peer the request was sent to; anything else is logged and dropped. See
-common/transfer/session.py for the states and when pages may be freed.
+"""Decode side of every request's transfer session: one `TransferSession` per reservation, the peer's notices
+turned into `Arrival`s ("landed", "closed", "released", "malformed") for the worker loop. A notice counts only
+from the peer the request was sent to.
 """
 
 from __future__ import annotations
@@ -44,15 +33,12 @@ class KVReceiver:
         self.sessions: dict[str, TransferSession] = {}  # open sessions only: terminal ones are dropped
         self.dropped_notices = 0  # unparseable, unknown request, or from a peer the request was not sent to
 
-    # -- the session's moves, as the worker loop makes them -----------------------------------------
-
     def reserve(self, req_id: str, peer: str, peer_instance: str) -> None:
-        """Pages are reserved and their ids go to `peer` (this instance of it): from now on it may write them."""
+        """Pages are reserved and their ids go to `peer` (this instance): from now on it may write them."""
         self.sessions[req_id] = TransferSession.start(req_id, "decode", peer, peer_instance)
 
     def give_up(self, req_id: str, reason: str) -> bool:
-        """This side no longer wants the KV. True when the pages may be freed now; False while a peer that
-        was asked (and did not refuse) may still write them."""
+        """This side no longer wants the KV; True when the pages may be freed now (no asked peer may write)."""
         s = self.sessions.get(req_id)
         if s is None:
             return True
@@ -61,8 +47,7 @@ class KVReceiver:
         return False
 
     def settle(self, req_id: str, reason: str) -> bool:
-        """No write of this request can come any more (its peer refused it, never got it, or is gone): ends its
-        session, whatever its state short of landed. True when there was one to end."""
+        """No write of this request can come any more: ends its session short of landed; True if there was one."""
         s = self.sessions.get(req_id)
         if s is None:
             return False
@@ -88,10 +73,7 @@ class KVReceiver:
             self._end(s, S.ABANDONED, "safety deadline")
         return [s.req_id for s in late]
 
-    # -- notices -------------------------------------------------------------------------------------
-
     def poll(self) -> list[Arrival]:
-        """Non-blocking: what the notices since the last call mean for their requests."""
         out = []
         for peer, raw in self.poll_notifications():
             arrival = self._read(peer, raw)
@@ -100,11 +82,8 @@ class KVReceiver:
         return out
 
     def poll_notifications(self) -> list[tuple[str, bytes]]:
-        """Non-blocking: (peer agent name, raw message) for every notification since the last call.
-
-        Messages from one peer keep their send order. A peer name alone does not prove the sender's
-        instance, so messages are matched against requests actually sent to that peer.
-        """
+        """Non-blocking: (peer agent name, raw message) per notification, in send order per peer (a name alone
+        does not prove the instance: messages are matched against requests sent to that peer)."""
         out: list[tuple[str, bytes]] = []
         for name, messages in self.agent.nixl.get_new_notifs().items():
             peer = name.decode() if isinstance(name, bytes) else str(name)

@@ -1,7 +1,5 @@
-"""The prefill side of one request's transfer session (common/transfer/session.py): it strings the request's
-chunk writes (common/transfer/sender.py) together, delivers the "landed" notice once every write completed (on
-the last write itself where NIXL's ordering allows, `post_final`), and on giving up waits for every posted
-write to settle before it sends the "closed" notice and lets the caller release the request's pages.
+"""The prefill side of one request's transfer session (common/transfer/session.py): its chunk writes, the
+"landed" notice once all completed, and on giving up the "closed" notice once every posted write settled.
 """
 
 from __future__ import annotations
@@ -20,15 +18,13 @@ log = logging.getLogger(__name__)
 
 
 def open_request(sender: KVSender, req_id: str, peer: str, timeout_s: float) -> RequestTransfer:
-    """Start the transfer session of one request to `peer`; its writes must all finish within `timeout_s`."""
+    """Starts the transfer session of one request to `peer`; its writes must all finish within `timeout_s`."""
     session = TransferSession.start(req_id, "prefill", peer, sender.agent.peer(peer).instance_id)
     return RequestTransfer(sender, session, time.monotonic() + timeout_s)
 
 
 @dataclass
 class TransferTiming:
-    """One transfer's times (time.monotonic() seconds; None: not yet) and bytes."""
-
     first_post: float | None  # its first write posted
     last_done: float | None  # its last write seen complete
     landed: float | None  # the "landed" notice sent
@@ -38,20 +34,13 @@ class TransferTiming:
 
 @dataclass
 class RequestTransfer:
-    """The prefill side of one request's transfer session: its writes to one decode peer and the notice
-    that ends them (`session.state`: requested -> writing -> landed | cancelling -> abandoned).
+    """The prefill side of one request's transfer session (requested -> writing -> landed | cancelling ->
+    abandoned).
 
-    Ordering: NIXL orders a transfer's own notification after that transfer's data only; separate
-    transfer requests may complete in any order (UCX lanes, threads). So the "landed" notice rides on the
-    last write (`post_final`) only when every earlier write of the request already reported DONE and the
-    last one is a single NIXL request: the decode side then learns of it when the data lands, with no
-    separate message after the sender saw DONE. Otherwise (`finish`, or `post_final` with writes still
-    in flight) it goes out with `send_notif` once every write reports DONE, so every chunk is still posted
-    as soon as it is computed and a request whose pages all sit on the decode side already (zero writes)
-    still gets its notice. A write reports DONE after the UCX flush, i.e. once the data is placed remotely.
-    Giving up (`cancel`, an error, the deadline) waits for every posted write to settle, then sends the
-    "closed" notice: the decode side frees its pages on it, and the caller may release the local ones.
-    """
+    NIXL orders a notification after its own transfer's data only, so the "landed" notice rides on the last write
+    only when every earlier write is DONE and that one is a single NIXL request; otherwise it is sent once every
+    write is DONE (after UCX's flush: placed remotely). Giving up waits for every posted write to settle before
+    "closed", on which the decode side frees its pages and the caller may release the local ones."""
 
     sender: KVSender
     session: TransferSession
@@ -60,7 +49,7 @@ class RequestTransfer:
     notice: bytes | None = None  # the "landed" notice, sent once every write is done
     notice_attached: bool = False  # the notice rides on the last write (NIXL delivers it with the data)
     landed_at: float | None = None  # time.monotonic() when every write was seen done (and the notice out)
-    # Writes put off for want of staging space (`StagingBusy`), posted in order as `progress` finds space.
+    # Writes put off for want of staging space, posted in order as `progress` finds space.
     deferred: list[tuple[torch.Tensor, torch.Tensor, bytes | None]] = field(default_factory=list)
 
     @property
@@ -82,21 +71,19 @@ class RequestTransfer:
         return own and (ranks is None or ranks.settled(self.session.req_id))
 
     def post(self, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
-        """Post the write of one ready chunk. Raises `TransferError` once the request is given up."""
+        """Posts the write of one ready chunk; `TransferError` once the request is given up."""
         self._check_open()
         self._write(torch.as_tensor(src_pages).reshape(-1), torch.as_tensor(dst_pages).reshape(-1))
 
     def finish(self, notice: bytes) -> SessionState:
-        """Declare the last chunk posted; `notice` (a "landed" KVNotice) goes out once all writes are done."""
+        """Declares the last chunk posted; `notice` goes out once all writes are done."""
         if self.notice is not None:
             raise RuntimeError("finish called twice")
         self.notice = notice
         return self.progress()
 
     def post_final(self, src_pages: torch.Tensor, dst_pages: torch.Tensor, notice: bytes) -> SessionState:
-        """Post the last chunk and finish with `notice`; the notice rides on this write when every earlier
-        write is done and this one is a single NIXL request (see the class doc), else as `finish` sends it.
-        Raises `TransferError` once the request is given up."""
+        """Posts the last chunk and finishes with `notice` (on this write where the class doc allows)."""
         src = torch.as_tensor(src_pages).reshape(-1)
         dst = torch.as_tensor(dst_pages).reshape(-1)
         self._check_open()  # polls the earlier writes: the ones done are known done
@@ -116,16 +103,14 @@ class RequestTransfer:
         return self.progress()
 
     def _check_open(self) -> None:
-        """Before a post: the notice is not out yet, and the request (its writes polled now) not given up."""
         if self.notice is not None:
             raise RuntimeError("post after finish: the notice would not cover this write")
         if self.progress() not in (S.REQUESTED, S.WRITING):
             raise TransferError(self.error or "transfer given up")
 
     def _write(self, src: torch.Tensor, dst: torch.Tensor, notif: bytes | None = None) -> None:
-        """Posts `src` -> `dst` (this rank's writes, and the other ranks' through `sender.ranks`); `notif` rides
-        on the write (the caller made sure it is a single one). A part the staging area has no room for yet is
-        kept, and so is everything after it, to be posted in order by `progress`."""
+        """Posts `src` -> `dst` (and the other ranks' writes); a part without staging room, and all after it,
+        waits for `progress`."""
         if self.state is S.REQUESTED:
             self.session.move(S.WRITING)
         if self.sender.ranks is not None and src.numel() > 0:
@@ -152,8 +137,7 @@ class RequestTransfer:
                 raise TransferError(self.error or "post failed")
 
     def progress(self, now: float | None = None) -> SessionState:
-        """Non-blocking: poll writes, send the notice when due, give up on error or deadline, and end a
-        give-up once every write settled."""
+        """Non-blocking: polls writes, sends the notice when due, gives up on error or deadline."""
         if self.state in (S.REQUESTED, S.WRITING):
             try:
                 self._post_deferred()
@@ -192,7 +176,7 @@ class RequestTransfer:
         return self.state
 
     def cancel(self, reason: str = "aborted") -> SessionState:
-        """Give up: cancel what is in flight; the "closed" notice goes out once every write settled."""
+        """Gives up: cancels what is in flight; "closed" goes out once every write settled."""
         if self.state not in (S.REQUESTED, S.WRITING):
             return self.state
         self.deferred.clear()  # never posted: nothing of them to wait for
@@ -206,8 +190,7 @@ class RequestTransfer:
         return self.state
 
     def wait(self, poll_interval_s: float = 0.0) -> SessionState:
-        """Block until a terminal state (at most the deadline plus the time writes take to settle). Needs
-        `finish` first."""
+        """Blocks until a terminal state (needs `finish` first)."""
         if self.notice is None:
             raise RuntimeError("wait before finish would only end at the deadline")
         while self.progress() not in TERMINAL:
@@ -226,8 +209,7 @@ class RequestTransfer:
         return sum(h.num_bytes for h in self.handles)
 
     def timing(self) -> TransferTiming:
-        """What this transfer measured. A write's interval covers the real transfer (it starts before the post call
-        and ends at the poll that saw completion), so bytes over it never exceed the link's speed."""
+        """What this transfer measured; a write's interval spans post to the poll that saw it complete."""
         done = [h for h in self.handles if h.done_at is not None]
         return TransferTiming(
             first_post=min((h.posted_at for h in self.handles), default=None),

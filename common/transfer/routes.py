@@ -1,11 +1,6 @@
-"""Which local rank's pool feeds which remote rank's pool when the two workers split KV heads differently.
-
-Each remote (decode) rank holds a contiguous range of the model's KV heads; it is fed by the one local
-(prefill) rank whose range contains it. Equal ranges move pages as they are (one descriptor per run of
-pages); a narrower destination range is packed first (`common/transfer/staging.py`) into the
-destination's page layout, then moved the same way. A destination range that straddles two local ranks
-(e.g. prefill TP=2 into decode TP=1) is refused at the handshake: decode TP must be at least prefill TP,
-with ranks that nest.
+"""Which local rank's pool feeds which remote rank's pool when the workers split KV heads differently: each
+remote rank is fed by the one local rank containing its heads (a narrower range packed first); a range
+straddling two local ranks is refused at the handshake.
 """
 
 from __future__ import annotations
@@ -22,7 +17,6 @@ class HeadRoute:
 
     @property
     def head_offset(self) -> int:
-        """First destination head, counted within the source rank's heads."""
         return self.dst.kv_head_start - self.src.kv_head_start
 
     @property
@@ -31,9 +25,8 @@ class HeadRoute:
 
 
 def plan_routes(local: list[PoolInfo], remote: list[PoolInfo], partial: bool = False) -> list[HeadRoute]:
-    """One route per remote rank; raises ValueError when some remote rank cannot be fed by one local rank.
-    `partial`: `local` is some of this worker's ranks only (one rank's own agent): remote ranks outside their
-    heads are skipped, not refused (the worker's rank 0 checks the whole)."""
+    """One route per remote rank; ValueError when one cannot be fed by one local rank. `partial`: `local` is one
+    rank's own agent, so remote ranks outside its heads are skipped."""
     heads = max(i.kv_head_end for i in local)
     if not partial and max(i.kv_head_end for i in remote) != heads:
         raise ValueError(f"the peer's pools hold {max(i.kv_head_end for i in remote)} KV heads, this worker's {heads}")

@@ -1,16 +1,8 @@
 """Prefill side: WRITE KV pages into a decode peer's reserved pages, and tell it when they landed.
 
-`KVSender.post_write` turns a page list into ONE NIXL transfer request with one descriptor per run of
-consecutive pages (the pool is page-major: a page holds every layer's K and V), so a 4k-token write
-into a contiguous reservation is a single descriptor.
-One request's session of writes is `RequestTransfer` (common/transfer/request_transfer.py).
-
-A write is settled once NIXL has let go of it (completed, failed, or cancelled, and released): only then
-can it neither read the local pages nor write the peer's.
-
-Posting is mostly synchronous CPU work (bench/transfer.py): on CPU DRAM, UCX's cma transport copies inside
-the post call; between GPUs (cuda_ipc) each descriptor costs its own issue (bench/RESULTS.md, "Why page-major:
-descriptor cost"). Fewer, longer runs (page-major pool, contiguous decode reservations) make transfers fast.
+One NIXL request per write, one descriptor per run of consecutive pages (the pool is page-major, so a
+contiguous reservation is one descriptor: posting costs per descriptor). A write is settled once NIXL has let
+go of it (completed, failed or cancelled, and released): only then can it touch neither side's pages.
 """
 
 from __future__ import annotations
@@ -38,13 +30,12 @@ class TransferError(RuntimeError):
 
 
 class StagingBusy(Exception):
-    """No staging space for a write now: earlier packed writes still read theirs. Nothing was posted; the caller
-    posts it again on a later loop turn (``RequestTransfer`` keeps it until then), never waiting here."""
+    """No staging space now (earlier packed writes still read theirs); nothing was posted: retry on a later turn."""
 
 
 @dataclass
 class TransferHandle:
-    """One posted NIXL WRITE. `num_descs` is what NIXL was asked to move, for the posting-cost budget."""
+    """One posted NIXL WRITE; `num_descs` counts toward the posting-cost budget."""
 
     peer: str
     peer_instance: str
@@ -61,14 +52,13 @@ class TransferHandle:
 
     @property
     def settled(self) -> bool:
-        """NIXL has let go of every request of this write: it can no longer read or write any page."""
+        """NIXL has let go of every request of this write: it can no longer touch any page."""
         return self.state != "pending" and not self.xfers
 
 
 class RankWrites(Protocol):
-    """The writes other ranks of this worker make for a request (tensor-parallel ranks with NIXL agents of their
-    own: each posts its own heads). `RequestTransfer` treats them as part of the request: the notice waits for
-    them, a give-up aborts them and waits for them to settle."""
+    """The writes other tensor-parallel ranks of this worker post for a request: the notice waits for them, a
+    give-up aborts them and waits for them to settle."""
 
     def post(self, req_id: str, peer: str, src: torch.Tensor, dst: torch.Tensor, expect_instance: str) -> None: ...
 
@@ -84,8 +74,7 @@ class RankWrites(Protocol):
 
 
 class KVSender:
-    """Posts, polls and releases WRITEs to decode peers (a fault-injecting variant for tests:
-    common/transfer/delayed_sender.py)."""
+    """Posts, polls and releases WRITEs to decode peers (fault-injecting twin: common/transfer/delayed_sender.py)."""
 
     def __init__(self, agent: KVTransferAgent, ranks: RankWrites | None = None) -> None:
         self.agent = agent
@@ -95,8 +84,7 @@ class KVSender:
         self._posted: list[TransferHandle] = []  # every handle not yet settled, for `writes_in_flight`
         self.posts_deferred = 0  # writes put off for want of staging space (``StagingBusy``), for the stats
         self._staging_frees = 0  # how often a released write gave its staging space back
-        # (frees seen, bytes asked) when a write last found no room: until space is given back, a write as large
-        # finds none either, so it is put off without a look (the engine loop waits meanwhile: `staging_blocked`)
+        # (frees seen, bytes asked) when a write last found no room: a write as large is put off until space is freed.
         self._busy_at: tuple[int, int] | None = None
 
     def post_write(
@@ -108,17 +96,12 @@ class KVSender:
         *,
         expect_instance: str | None = None,
     ) -> TransferHandle:
-        """Post one WRITE of `src_pages` (local) into `dst_pages` (peer), pairwise, for every peer rank.
+        """Posts one WRITE of `src_pages` (local) into `dst_pages` (peer), pairwise, for every peer rank.
 
-        Caller bugs (unknown peer, bad page ids) raise; NIXL failures come back as a handle in state
-        "error" so a scheduler loop handles them like any other failed request. `notif` rides on this
-        write only: use `RequestTransfer` when earlier writes must land first. `expect_instance` pins
-        the peer process: a peer restarted since the pages were reserved must not receive the write.
-        The source pages must be final when this is called: NIXL reads them from another thread or
-        engine, so on CUDA the step that wrote them must have completed.
-        Peer ranks holding fewer heads than the local rank that feeds them get their heads packed into the
-        staging area first (`max_pages_per_post` bounds how many pages one call may move then).
-        """
+        Caller bugs raise; NIXL failures come back as a handle in state "error". `notif` rides on this write
+        only; `expect_instance` refuses a peer restarted since the pages were reserved. The source pages must be
+        final (on CUDA: the step that wrote them completed), since NIXL reads them from another thread. Peer ranks
+        with fewer heads get theirs packed into the staging area first."""
         remote = self.agent.peer(peer)
         local = self.agent.pool_info
         src = torch.as_tensor(src_pages).to("cpu", torch.int64).reshape(-1)
@@ -154,7 +137,7 @@ class KVSender:
         nixl = self.agent.nixl
         self._posted.append(handle)
         try:
-            # One NIXL request per peer agent: ranks of a GPU peer run their own agents (rank 0's is `peer`).
+            # One NIXL request per peer agent: ranks of a GPU peer run their own agents.
             by_agent: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
             for route in remote.routes:
                 local_rows, remote_rows = by_agent.setdefault(route.dst.agent_name, ([], []))
@@ -186,14 +169,13 @@ class KVSender:
             return self._fail(handle, f"post failed: {type(e).__name__}: {e}")
 
     def single_write(self, peer: str, num_pages: int) -> bool:
-        """Whether `num_pages` pages to `peer` go out as one NIXL request: one post (no staging split) to one
-        agent (not a peer whose ranks run agents of their own). Only such a write may carry the request's
-        notice, since NIXL orders a notification after its own transfer's data only."""
+        """Whether `num_pages` pages to `peer` go out as one NIXL request to one agent: only such a write may carry
+        the notice (NIXL orders a notification after its own transfer's data only)."""
         agents = {r.dst.agent_name for r in self.agent.peer(peer).routes}
         return len(agents) == 1 and num_pages <= self.max_pages_per_post(peer)
 
     def max_pages_per_post(self, peer: str) -> int:
-        """Pages one `post_write` may move: all of them, unless the peer needs packing into the staging area."""
+        """Pages one `post_write` may move: all, unless the peer needs packing into the staging area."""
         routes = self.agent.peer(peer).routes
         packed = sum(r.dst.page_stride for r in routes if not r.direct)
         staging = self.agent.staging
@@ -202,8 +184,7 @@ class KVSender:
         return max(1, staging.capacity // (2 * packed))  # half the area: the next post packs while this one moves
 
     def _stage(self, route: HeadRoute, src: torch.Tensor, runs: PageRuns, offset: int) -> np.ndarray:
-        """Packs the destination rank's heads of `src` pages into the staging area at `offset`; returns the local
-        rows."""
+        """Packs the destination rank's heads of `src` pages into staging at `offset`; returns the local rows."""
         staging = self.agent.ensure_staging()
         pool = self.agent.local_pool(route.src.rank)
         n, stride = int(src.numel()), route.dst.page_stride
@@ -216,8 +197,7 @@ class KVSender:
         return block_descs(staging.base_addr + offset, stride, route.src.device_id, before, runs.length)
 
     def _take_staging(self, handle: TransferHandle, sizes: list[int]) -> list[int]:
-        """Staging space for each packed route of one write, all of it or none (``StagingBusy``, after one look
-        at the earlier packed writes: those that completed give theirs back)."""
+        """Staging space for each packed route of one write, all or none (``StagingBusy``)."""
         if not sizes:
             return []
         staging = self.agent.ensure_staging()
@@ -248,11 +228,11 @@ class KVSender:
 
     @property
     def staging_blocked(self) -> bool:
-        """A write found no staging space and none was given back since: what waits for it can only wait."""
+        """A write found no staging space and none was freed since: waiting is all that helps."""
         return self._busy_at is not None and self._busy_at[0] == self._staging_frees
 
     def poll(self, handle: TransferHandle) -> PollState:
-        """Non-blocking. A finished handle's NIXL requests are released here (or retried by `progress`)."""
+        """Non-blocking; a finished handle's NIXL requests are released here (or retried by `progress`)."""
         if handle.state != "pending":
             return handle.state
         if not self.agent.has_peer(handle.peer, handle.peer_instance):
@@ -267,18 +247,17 @@ class KVSender:
         return self._after_start(handle, states).state
 
     def abort(self, handle: TransferHandle, reason: str = "aborted") -> None:
-        """Cancel if still in flight (NIXL cancels on release) and mark failed; `settled` says when it let go."""
+        """Cancels if in flight (NIXL cancels on release) and marks failed; `settled` says when it let go."""
         if handle.state == "pending":
             self._fail(handle, reason)
 
     def progress(self) -> None:
-        """Retries releasing writes NIXL still holds; every turn."""
+        """Retries releasing writes NIXL still holds (every turn)."""
         self._unsettled = [h for h in self._unsettled if self._try_release(h)]
         self._posted = [h for h in self._posted if not h.settled]
 
     @property
     def writes_in_flight(self) -> int:
-        """Posted writes NIXL has not let go of yet (pending, or finished but not released)."""
         return sum(not h.settled for h in self._posted)
 
     def send_notif(self, peer: str, message: bytes, *, expect_instance: str | None = None) -> None:
@@ -291,10 +270,7 @@ class KVSender:
         if self._unsettled:
             log.warning("%d transfer handles could not be released", len(self._unsettled))
 
-    # -- internals ---------------------------------------------------------------------------------
-
     def _begin(self, handle: TransferHandle) -> TransferHandle:
-        """Starts a posted write's NIXL requests."""
         return self._after_start(handle, self._start(handle))
 
     def _start(self, handle: TransferHandle) -> list[str]:
@@ -320,7 +296,7 @@ class KVSender:
         return self._finish(handle, "error")
 
     def _try_release(self, handle: TransferHandle) -> bool:
-        """Releases what NIXL lets go of; True while some request is still held (retry later)."""
+        """Releases what NIXL lets go of; True while some request is still held."""
         held = []
         for xfer in handle.xfers:
             try:

@@ -1,27 +1,5 @@
-"""One request's KV transfer, as a state machine both workers run (each its own copy, one per request).
-
-How one request's KV moves (the decode worker D reserved pages, the prefill worker P fills them):
-
-    D: requested (pages reserved, their ids handed to the control plane for P)
-    P: requested --(first chunk's write posted)--> writing --(every write done, notice sent)--> landed
-    D: requested --(P's "landed" notice)--> landed: the request decodes in its pages
-
-    Either side gives up (abort, deadline, error, a peer that restarted):
-    P: requested|writing --> cancelling --(every posted write completed or was cancelled)--> abandoned,
-       then P sends the "closed" notice: no write for this request follows it
-    D: requested --> cancelling --(P's "closed" or "landed" notice, or the request's exchange with P ending
-       in a way that rules out a write: P refused the request, or P's process or engine is gone)--> abandoned
-
-Pages are given back only in a terminal state (landed, abandoned), the one that rules out a later write
-into them (D) or a later read from them (P): a peer's notice comes after all of that request's writes on
-its side settled, and a peer process that is gone (refused connection, another instance behind its
-address) writes nothing. A timer alone never frees pages; D's last resort, `SAFETY_DEADLINE_S` after it
-gave up without hearing from a live-looking peer, is logged and counted as a forced release.
-
-The notice is the only message on the NIXL side channel (`common.protocol.KVNotice`); it is validated on
-receipt and one that fails validation fails its own request only (see `common/transfer/receiver.py`).
-Who moves what: P in `common/transfer/sender.py` (`RequestTransfer`), D in `common/transfer/receiver.py`
-(`KVReceiver`); the worker loops map terminal states onto their schedulers' pages.
+"""One request's KV transfer, as a state machine both workers run, one per request (docs/architecture.md, "One
+request's KV transfer"): pages go back only in a terminal state, which rules out a later write or read.
 """
 
 from __future__ import annotations
@@ -33,9 +11,8 @@ from typing import Literal
 
 Side = Literal["prefill", "decode"]
 
-# Seconds after D gave up on a request whose peer neither confirmed nor is known gone, before D frees the
-# pages anyway. Far beyond any transfer deadline (a prefill worker's writes end at its own deadline, which
-# D sets); reaching it means a peer that is alive but silent, which an operator should hear about.
+# Seconds after D gave up on a silent, live-looking peer before D frees the pages anyway (far beyond any
+# transfer deadline: an operator should hear about it).
 SAFETY_DEADLINE_S = 300.0
 
 
@@ -50,8 +27,8 @@ class SessionState(enum.Enum):
 S = SessionState
 TERMINAL = frozenset({S.LANDED, S.ABANDONED})
 
-# The moves each side may make. Decode: REQUESTED -> ABANDONED on the peer's "closed" notice, its refusal or
-# its death. Prefill: straight to ABANDONED when nothing was posted or everything posted has settled.
+# The moves each side may make (decode: REQUESTED -> ABANDONED on "closed", a refusal or the peer's death;
+# prefill: straight to ABANDONED when nothing posted is unsettled).
 MOVES: dict[Side, dict[SessionState, frozenset[SessionState]]] = {
     "decode": {
         S.REQUESTED: frozenset({S.LANDED, S.CANCELLING, S.ABANDONED}),

@@ -1,46 +1,5 @@
-"""Admission: which workers can take one more request now, so overload is answered 429 + Retry-After
-before latency collapses, not queued without bound.
-
-A worker is *full* for a request when any of these holds (thresholds: ``KVFERRY_ROUTER_ADMIT_*``; 0 turns a
-check off):
-
-decode worker d
-    backlog_d = waiting_d + max(0, unseen_d - free_slots_d) >= admit_max_waiting
-        unseen_d = max(0, inflight_d - running_d - waiting_d), free_slots_d = max_running_d - running_d
-        Its snapshot's waiting queue plus the requests this router sent since that its free batch slots cannot
-        take (all of them when the slot count is unreported). Each waiting request adds about one request's
-        TTFT to those behind it: a long queue is where latency collapses first.
-    queued_prefill_tokens_d >= max(admit_max_queued_prefill_tokens, rate_d x admit_queue_seconds)
-        Prompt tokens waiting for its prefill against what it prefills in that time at its own measured rate.
-    free_d - need < min(request, pool_d - cap_d)
-        free_d = free_pages_d * page_size - unseen_kv_d (KV this router sent since the snapshot); need =
-        prompt + max_tokens of this call (``kv_reserve_output_tokens`` of the output where the worker reserves
-        only that); request = n x that; cap_d = ``max_request_tokens`` from its /load. A decode pod reserves
-        the whole output, so a request that does not fit would wait in its queue with those behind it; and as
-        much must stay free as the request takes, so large requests never take a normal one's room.
-
-A request larger than ``cap_d`` on every ready decode worker can never run: 400 (`check_request_kv`).
-
-prefill worker p
-    max(queued_prefill_tokens_p, inflight_tokens_p) >= max(admit_max_queued_prefill_tokens, rate_p x admit_queue_seconds)
-        The prefill queue in tokens (the pod's or this router's count, the larger): TTFT grows linearly with it.
-
-the fleet, by predicted TTFT (``admit_by_ttft``; router/decision/ttft_model.py predicts, `ttft_verdict` decides)
-    min over placements of predicted_ttft(request as class k) > limit_k, for any class k with a TTFT target
-    and rank <= the request's, where limit_k = max(ttft_k for the request's own class or LOWER_CLASS_HEADROOM x
-    ttft_k for a higher class, QUEUE_ALLOWANCE x the request's predicted TTFT with nothing queued ahead)
-        A request no placement would serve within target would only wait and delay those behind it: it is
-        refused before any worker is contacted, ``Retry-After`` = ceil(predicted excess) (the queue drains at
-        the worker's rate), at least 1 s. Lower classes are refused first, once a higher class nears its
-        target, so a higher class is never refused while a lower one is admitted. A class without a TTFT
-        target queues; a worker that has measured nothing predicts nothing, and nothing is refused on a
-        guess. A request that would miss even on an idle worker gains nothing from a 429: QUEUE_ALLOWANCE
-        bounds its wait to about its own prefill.
-
-The router routes among workers that are not full; when none is (decode, or prefill for a prompt long enough
-to disaggregate), 429 with ``Retry-After``, nothing started. A worker that answers 429 itself is skipped and
-the request retried once elsewhere (router/upstream/call.py).
-"""
+"""Admission: which workers can take one more request now, so overload is answered 429 + Retry-After before
+latency collapses (the rules: docs/architecture.md, "SLOs", Admission)."""
 
 from __future__ import annotations
 
@@ -65,21 +24,18 @@ __all__ = [
     "ttft_verdict",
 ]
 
-# A lower class is refused once a higher class's predicted TTFT passes this share of that class's target: the
-# rest is the higher class's alone, so it is not the one refused when load rises (a lower-class request queued
-# behind it still reaches the front once its own, later deadline comes).
+# A lower class is refused once a higher class's predicted TTFT passes this share of its target: the rest is
+# the higher class's alone, so it is not the one refused when load rises.
 LOWER_CLASS_HEADROOM = 0.8
-# A request that would miss its target even alone may still wait behind others as long as its own prefill takes:
-# the target it is held to is at least this many times its predicted TTFT on an idle worker.
+# A request that would miss its target even alone may wait as long as its own prefill: its target is at least
+# this many times its predicted TTFT on an idle worker.
 QUEUE_ALLOWANCE = 2.0
 
 
 @dataclass(frozen=True)
 class AdmissionLimits:
     max_waiting: int = reg.ROUTER_ADMIT_MAX_WAITING.default  # per decode worker: requests waiting for a batch slot
-    # per worker: prompt tokens waiting for prefill (the floor)
     max_queued_prefill_tokens: int = reg.ROUTER_ADMIT_MAX_QUEUED_PREFILL_TOKENS.default
-    # per worker: as many queued tokens as it prefills in this long, if more
     queue_seconds: float = reg.ROUTER_ADMIT_QUEUE_SECONDS.default
 
     @classmethod
@@ -87,8 +43,7 @@ class AdmissionLimits:
         return cls(opts.admit_max_waiting, opts.admit_max_queued_prefill_tokens, opts.admit_queue_seconds)
 
     def queued_tokens_limit(self, w: Worker) -> int:
-        """The floor, or the tokens the worker prefills in `queue_seconds` at its measured rate: GPU and CPU
-        pods prefill at rates orders of magnitude apart, and one constant fits neither."""
+        """The floor, or the tokens `w` prefills in `queue_seconds` (GPU and CPU rates are orders apart)."""
         rate = w.load.prefill_tokens_per_s if w.load is not None else 0.0
         return max(self.max_queued_prefill_tokens, int(rate * self.queue_seconds))
 
@@ -102,8 +57,7 @@ class RequestKV:
     output_tokens: int = 0  # the call's max_tokens (0: not told apart from the prompt)
 
     def on(self, load: Load) -> RequestKV:
-        """What the request reserves on a worker with `load`: there an optimistic reservation takes its prompts
-        and `kv_reserve_output_tokens` of each output, not all of max_tokens (common/sched/pages.py)."""
+        """What the request reserves on a worker with `load` (an optimistic one takes part of each output)."""
         allowance = load.kv_reserve_output_tokens
         if allowance <= 0 or self.output_tokens <= allowance:
             return self
@@ -113,14 +67,13 @@ class RequestKV:
 
 
 def largest_request_tokens(workers: Iterable[Worker]) -> int | None:
-    """The most KV tokens one request may reserve on any of `workers` (None: none has reported its pool yet)."""
+    """The most KV tokens one request may reserve on any of `workers` (None: no pool reported yet)."""
     caps = [_cap(w.load) for w in workers if w.load is not None and w.load.total_pages > 0]
     return max(caps) if caps else None
 
 
 def kv_room(w: Worker, need: RequestKV) -> bool:
-    """Whether `w`'s KV pool takes the call now and keeps as much free as the request takes, at most what the
-    per-request share leaves of the pool (an unknown pool: yes, the worker refuses what it cannot hold)."""
+    """Whether `w`'s pool takes the call and keeps as much free as the request takes (unknown pool: yes)."""
     load = w.load
     if load is None or load.total_pages <= 0:
         return True
@@ -174,11 +127,9 @@ def ttft_verdict(
     best_ttft_s: Callable[[SloClass], float | None],
     alone_ttft_s: Callable[[SloClass], float | None] = lambda _k: None,
 ) -> TtftVerdict:
-    """The fleet rule of the module docstring. `best_ttft_s(k)`: the lowest predicted TTFT over the placements
-    of this request as a request of class k (None: nothing predicted); `alone_ttft_s(k)`: the same with nothing
-    queued ahead. A class's target never falls below QUEUE_ALLOWANCE times what the request costs alone: one
-    that cannot meet the target even on an idle worker (a long prompt on a CPU) is served as well as it can be,
-    and shed only for a queue that would keep it waiting longer than its own prefill."""
+    """Refuses when no placement is predicted within class k's target. `best_ttft_s(k)`: the lowest predicted
+    TTFT as class k (None: nothing predicted); `alone_ttft_s(k)`: with nothing queued ahead. A target never falls
+    below QUEUE_ALLOWANCE times the request's cost alone."""
     own = best_ttft_s(cls)
     if cls.ttft_s is None:
         return TtftVerdict(False, predicted_s=own)

@@ -1,16 +1,7 @@
-"""Adaptive placement: predicted TTFT and ITL cost of each way to serve one request, as pure functions.
-
-Two placements once router/decision/policy.py has picked the decode pod D by load: local on D (its prompt
-chunks join D's decode batch) or disaggregated via a prefill pod P (P's KV moves to D). The formulas, the
-/load figures they read and the scoring are docs/architecture.md, "Placement: local or disaggregated prefill,
-per request": each placement is scored ``(misses ITL SLO, misses TTFT SLO, ttft)`` against the request's own
-class's targets, lowest wins, ties go local (no transfer, no second pod). An ITL miss weighs more than a TTFT
-miss because it slows every request in D's batch, a TTFT miss only this one.
-
-Missing measurements: D without a rate of its own takes the prefill pods' median (``with_fleet_prior``: one
-model on one kind of device; a decode pod that always disaggregates would never measure). With no rate to
-compare, ``choose_placement`` returns None and the fixed thresholds decide; prefill pods without a rate are
-left out while another has one.
+"""Adaptive placement: predicted TTFT and ITL cost of serving one request locally on its decode pod or through
+a prefill pod, as pure functions (docs/architecture.md, "Placement"). Scored ``(misses ITL, misses TTFT, ttft)``,
+lowest wins, ties local: an ITL miss slows D's whole batch, a TTFT miss only this request. No rate to compare:
+None, and the fixed thresholds decide.
 """
 
 from __future__ import annotations
@@ -34,7 +25,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class SloTargets:
-    """One request's targets: its SLO class's (common/slo.py). ttft_s None: no TTFT target."""
+    """One request's targets, its SLO class's; ttft_s None: no TTFT target."""
 
     ttft_s: float | None
     itl_s: float
@@ -42,8 +33,6 @@ class SloTargets:
 
 @dataclass(frozen=True)
 class LocalSide:
-    """The decode pod D, as the model sees it."""
-
     key: str
     queued_tokens: int  # prefill work ahead of this request on D
     uncached_tokens: int  # prompt tokens D would compute
@@ -78,7 +67,6 @@ class Placement:
 
     @property
     def reason(self) -> str:
-        """The routing-decision label: which placement won and whether it meets the SLOs."""
         kind = "local" if self.prefill is None else "disaggregated"
         if self.meets_ttft and self.meets_itl:
             return f"adaptive-{kind}"
@@ -96,8 +84,7 @@ def local_ttft_s(d: LocalSide) -> float:
 
 
 def itl_cost_s(side: LocalSide | PrefillSide) -> float:
-    """The gap between two tokens of the decode batch a prefill joins, while its chunks run: the pod's decode
-    step plus one chunk's compute (0 when the pod decodes nothing)."""
+    """The gap a prefill opens in the decode batch it joins: decode step plus one chunk (0: nothing decoding)."""
     if not side.busy or side.uncached_tokens <= 0:
         return 0.0
     chunk = min(side.chunk_tokens, side.uncached_tokens) if side.chunk_tokens > 0 else side.uncached_tokens
@@ -110,8 +97,7 @@ def local_itl_cost_s(d: LocalSide) -> float:
 
 
 def with_fleet_prior(d: LocalSide, prefill: Sequence[PrefillSide]) -> LocalSide:
-    """D's rates, or where D has measured none the median of the prefill pods' (same model, same kind of
-    device): a decode pod that the fixed rules always disaggregate never prefills, so it would never measure."""
+    """D's rates, or the prefill pods' median where D measured none (it may always disaggregate, never measuring)."""
     if d.rate > 0:
         return d
     rates = sorted(p.rate for p in prefill if p.rate > 0)
@@ -139,13 +125,12 @@ def _placement(prefill: str | None, ttft: float, itl: float, slo: SloTargets) ->
 def placements(
     d: LocalSide, prefill: Sequence[PrefillSide], prompt_len: int, slo: SloTargets, transfer_tokens_per_s: float
 ) -> list[Placement]:
-    """Every placement the model can predict (local first); empty when D has measured nothing."""
     d = with_fleet_prior(d, prefill)
     if not _known(d):
         return []
     out = [_placement(None, local_ttft_s(d), local_itl_cost_s(d), slo)]
     out += [
-        # Zero on a prefill pod (busy False); a mixed pod's own batch bears the same cost as a local prefill.
+        # Zero on a prefill pod; a mixed pod's own batch bears the same cost as a local prefill.
         _placement(p.key, disagg_ttft_s(p, prompt_len, transfer_tokens_per_s), itl_cost_s(p), slo)
         for p in prefill
         if _known(p)
@@ -156,8 +141,7 @@ def placements(
 def choose_placement(
     d: LocalSide, prefill: Sequence[PrefillSide], prompt_len: int, slo: SloTargets, transfer_tokens_per_s: float
 ) -> Placement | None:
-    """The best placement by the order in the module docstring; None when the fixed rules must decide
-    (D unmeasured, or no prefill pod measured while some are up)."""
+    """The best placement (module docstring's order); None: the fixed rules decide."""
     options = placements(d, prefill, prompt_len, slo, transfer_tokens_per_s)
     if not options or (prefill and len(options) == 1):
         return None

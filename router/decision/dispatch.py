@@ -1,11 +1,6 @@
-"""Shared by every upstream call: the prompt's routing inputs (`PromptPlan`) and the choice of workers
-(`Dispatcher.route`: admission limits, then router/decision/policy.py), with the decision counters; and the request's
-admission by predicted TTFT (`Dispatcher.check_ttft`, once per request before any call starts).
-
-Placement prefers the workers predicted to meet the request's TTFT target (router/decision/ttft_model.py): when some
-do, the policy chooses among those only; when none does (only possible for a request admitted anyway: a class
-without a target, or shedding off) it chooses among all, so such a request is still served where it is
-served best."""
+"""Shared by every upstream call: the prompt's routing inputs (`PromptPlan`), the choice of workers (admission
+limits, then the policy, among those predicted to meet the TTFT target when any is), and admission by predicted
+TTFT (`check_ttft`, once per request)."""
 
 from __future__ import annotations
 
@@ -54,8 +49,6 @@ class PromptPlan:
 
 
 class Dispatcher:
-    """Everything an UpstreamCall needs, shared by all calls: pool, policy, prefix locator, HTTP client."""
-
     def __init__(
         self,
         pool: WorkerPool,
@@ -67,8 +60,7 @@ class Dispatcher:
         metrics: RouterMetrics | None = None,
         slo: SloClasses | None = None,
     ) -> None:
-        """`opts`: the deadlines, Retry-After and TTFT admission (the registry's defaults when None); `limits`:
-        the per-worker admission limits (else `opts`')."""
+        """`opts`: deadlines, Retry-After and TTFT admission (None: the registry's defaults); `limits`: per worker."""
         opts = opts if opts is not None else RouterOptions()
         self.pool = pool
         self.slo = slo if slo is not None else parse_slo_classes(DEFAULT_SLO_SPEC)
@@ -83,14 +75,12 @@ class Dispatcher:
         self.inter_token_timeout_s = opts.inter_token_timeout_s
         self.retry_after_s = opts.retry_after_s
         self.decisions: dict[str, int] = {}  # reason (or rejection) -> count, for /router/workers and benchmarks
-        # Per worker: (the load, when it was asked, its placement revision) its TTFT figures were built from.
+        # Per worker: (load, when asked, placement revision) its TTFT figures were built from.
         self._figures: WeakKeyDictionary[Worker, tuple[Load, float, int, WorkerFigures]] = WeakKeyDictionary()
 
     async def plan(self, token_ids: list[int]) -> PromptPlan:
-        """Hashes the prompt's blocks (same chain as the workers) and asks where they are cached.
-
-        A prompt shorter than the disaggregation threshold is prefilled on its decode pod whatever the
-        index says, so it skips the Redis round trip (its decode pod is chosen on load)."""
+        """Hashes the prompt's blocks and asks where they are cached (a prompt under the disaggregation
+        threshold prefills on its decode pod anyway, so it skips Redis)."""
         block_size = self.pool.block_size()
         hashes = chained_block_hashes(token_ids, block_size)
         if len(token_ids) < self.policy.cfg.disagg_min_prompt_tokens:
@@ -108,8 +98,7 @@ class Dispatcher:
     def route(
         self, plan: PromptPlan, max_tokens: int, exclude_decode: set[str], exclude_prefill: set[str]
     ) -> RouteDecision:
-        """Chooses among the ready workers that have room (router/decision/admission.py); raises 503 when no
-        decode worker is ready, 429 when none has room."""
+        """Chooses among the ready workers with room: 503 when no decode worker is ready, 429 when none has room."""
         decode = self.pool.decoders(exclude_decode)
         if not decode:
             raise no_worker("decode")
@@ -126,8 +115,7 @@ class Dispatcher:
             )
         prefill = self.pool.prefillers(exclude_prefill)
         open_prefill = [w for w in prefill if not prefill_is_full(w, limits)]
-        # Under fixed placement a long prompt goes to a prefill pod, so their being full refuses it; adaptive
-        # placement can still prefill it on its decode pod, and weighs that queue itself.
+        # Fixed placement sends a long prompt to a prefill pod, so their being full refuses it; adaptive may not.
         if (
             prefill
             and not open_prefill
@@ -141,7 +129,7 @@ class Dispatcher:
             )
         cls = plan.slo_class
         name = cls.name if cls is not None else ""
-        # Each open worker's prediction once: the TTFT filter, the policy's candidates and the placement read it.
+        # Each open worker's prediction once: the TTFT filter, the policy and the placement read it.
         decode_preds = self._meeting_ttft(plan, open_decode, name, False)
         prefill_preds = self._meeting_ttft(plan, open_prefill, name, True)
         decision = self.policy.choose(
@@ -160,20 +148,17 @@ class Dispatcher:
         self._placed(plan, decision, predicted)
         return decision
 
-    # ---- predicted TTFT (router/decision/ttft_model.py) ------------------------------------------------------------
     def predicted_ttft_s(
         self, plan: PromptPlan, w: Worker, slo_class: str, prefill_side: bool, queued: bool = True
     ) -> float | None:
-        """The prompt's predicted TTFT as a request of `slo_class` prefilled on `w` (`prefill_side`: a prefill
-        pod, its KV then moved to the decode pod); None when `w` has measured nothing to predict from."""
+        """The prompt's predicted TTFT as `slo_class` prefilled on `w` (`prefill_side`: then moved); None: unmeasured."""
         if w.load is None:
             return None
         figures, own, transfer = self._prediction_inputs(plan, w, prefill_side)
         return predict_ttft_s(figures, slo_class, own, transfer, queued)
 
     def _prediction_inputs(self, plan: PromptPlan, w: Worker, prefill_side: bool) -> tuple[WorkerFigures, int, float]:
-        """What predicting the prompt's TTFT on `w` (which has a load) reads, but the class: its figures, the
-        prompt's tokens not cached there, the KV transfer."""
+        """What predicting the prompt's TTFT on `w` reads, but the class: figures, uncached tokens, transfer."""
         prompt = len(plan.token_ids)
         own = prompt - self.policy.matched_tokens(w.pod, plan.matches, plan.block_size, prompt)
         rate = self.policy.cfg.transfer_tokens_per_s
@@ -181,7 +166,7 @@ class Dispatcher:
         return self.figures(w), own, transfer
 
     def figures(self, w: Worker) -> WorkerFigures:
-        """`w`'s TTFT inputs, built once per load snapshot and placement there (a prediction is then O(1))."""
+        """`w`'s TTFT inputs, built once per load snapshot and placement (a prediction is then O(1))."""
         load = w.load
         assert load is not None
         hit = self._figures.get(w)
@@ -192,8 +177,7 @@ class Dispatcher:
         return figures
 
     def _sides(self, plan: PromptPlan) -> list[tuple[Worker, bool]]:
-        """The workers that could prefill this prompt under the placement rules: its decode pods (local) and,
-        where the prompt may disaggregate, the prefill pods."""
+        """The workers that could prefill this prompt: its decode pods and, where it may disaggregate, prefill pods."""
         decode, prefill = self.pool.decoders(), self.pool.prefillers()
         cfg = self.policy.cfg
         remote = bool(prefill) and (cfg.placement == "adaptive" or len(plan.token_ids) >= cfg.disagg_min_prompt_tokens)
@@ -201,9 +185,8 @@ class Dispatcher:
         return [(w, False) for w in decode if local] + [(w, True) for w in prefill if remote]
 
     def check_ttft(self, plan: PromptPlan, cls: SloClass) -> float | None:
-        """429 with Retry-After for a request no placement is predicted to serve within its class's TTFT target,
-        lower classes first (router/decision/admission.py, the fleet rule); nothing is contacted. Returns the best
-        placement's predicted TTFT (None: nothing predicted)."""
+        """429 for a request no placement is predicted to serve within its class's target, lower classes first;
+        returns the best placement's predicted TTFT (None: nothing predicted)."""
         inputs = [self._prediction_inputs(plan, w, remote) for w, remote in self._sides(plan) if w.load is not None]
 
         def best(k: SloClass, queued: bool = True) -> float | None:
@@ -225,8 +208,7 @@ class Dispatcher:
     def _meeting_ttft(
         self, plan: PromptPlan, workers: list[Worker], slo_class: str, prefill_side: bool
     ) -> list[tuple[Worker, float | None]]:
-        """Each worker with its predicted TTFT, kept to those predicted to meet the request's TTFT target when
-        some are (else all of them)."""
+        """Each worker with its predicted TTFT, kept to those meeting the target when some do."""
         preds = [(w, self.predicted_ttft_s(plan, w, slo_class, prefill_side)) for w in workers]
         cls = plan.slo_class
         if cls is None or cls.ttft_s is None or len(workers) < 2:
@@ -236,8 +218,7 @@ class Dispatcher:
         return meeting or preds
 
     def _placed(self, plan: PromptPlan, decision: RouteDecision, predicted: float | None) -> None:
-        """The worker that prefills this prompt counts it until its snapshot does; the request's record keeps
-        the prediction of the placement taken (its first one), for the prediction-error metric."""
+        """The prefilling worker counts this prompt until its snapshot does; the record keeps the first prediction."""
         remote = decision.prefill is not None
         w = self.pool.workers.get(decision.prefill if remote else decision.decode)  # type: ignore[arg-type]
         if w is None:
@@ -252,8 +233,7 @@ class Dispatcher:
                 plan.record.predicted_ttft_s = predicted
 
     def check_request_kv(self, request_tokens: int, detail: str) -> None:
-        """400 when the request reserves more KV than one request may take on any ready decode worker (it could
-        never be admitted); `detail` says how its figure adds up (n, prompt, max_tokens)."""
+        """400 when the request's KV exceeds what one request may take on every ready decode worker."""
         cap = largest_request_tokens(self.pool.decoders())
         if cap is not None and request_tokens > cap:
             self._count("rejected-request-too-large")

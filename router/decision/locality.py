@@ -1,20 +1,7 @@
-"""Where a prompt's prefix already is: the Redis prefix index, plus the router's own recent placements.
-
-Workers publish a block to Redis only after they computed it (prefill done, then a ~50 ms batch), so a
-burst of requests sharing a new system prompt would otherwise all miss the index and scatter over the
-pods. The router therefore remembers, for a few seconds, which pod it just sent each block to
-(speculative indexing, as llm-d does) and takes the larger of the two answers per pod.
-
-Tiers: a pod may hold blocks in device memory or in its host-memory tier (common/kv/host_tier.py). A host
-block is reused after a copy back to the device, which costs a fraction (``host_hit_cost``) of computing it
-again, so ``lookup`` counts each host block as ``1 - host_hit_cost`` of a block: the policy's
-"matched tokens" (router/decision/policy.py) are then the prefill work a pod saves, and it ranks a device hit above a
-host hit of the same length, and a host hit above recomputing. The default 0.1: a copy back over PCIe costs about
-a tenth of prefilling the same tokens (bench/RESULTS.md, "Figures behind choices in the code").
-
-Redis down: ``lookup`` returns None (routing falls back to load alone; the local placements are not
-used either, so the behaviour is plainly "load only"), logged once, and prefix routing resumes by
-itself when Redis answers again (the reader retries with backoff).
+"""Where a prompt's prefix already is: the Redis prefix index, plus the router's own recent placements (workers
+publish a block only after computing it, so a burst sharing a new prefix would all miss). A host-tier block
+counts as ``1 - host_hit_cost`` of one (a copy back costs about a tenth of a prefill). Redis down: None, routing
+on load alone, resuming by itself.
 """
 
 from __future__ import annotations
@@ -39,8 +26,6 @@ class _Reader(Protocol):
 
 
 class RecentPlacements:
-    """Block hash -> {pod: expiry}; bounded LRU, entries expire after ``ttl_s``."""
-
     def __init__(self, ttl_s: float = reg.ROUTER_RECENT_ROUTE_TTL_S.default, max_blocks: int = 200_000) -> None:
         self.ttl_s = ttl_s
         self.max_blocks = max_blocks
@@ -83,8 +68,7 @@ HOST_HIT_COST = 0.1
 
 
 def saved_blocks(device: int, host: int, host_hit_cost: float = HOST_HIT_COST) -> int:
-    """Blocks of prefill work a pod holding `device` then `host` leading blocks saves: host ones discounted and
-    rounded down, so a host hit never ties with a device hit of the same length."""
+    """Blocks of prefill work a pod saves: host ones discounted and rounded down (never tying a device hit)."""
     return device + int(host * (1.0 - host_hit_cost))
 
 
@@ -98,8 +82,7 @@ class PrefixLocator:
         self.redis_ok = True
 
     async def lookup(self, hashes: Sequence[int], pods: Sequence[str]) -> dict[str, int] | None:
-        """Leading matched blocks per pod (host-tier blocks discounted, see above), or None when the index is
-        unavailable."""
+        """Leading matched blocks per pod (host blocks discounted); None when the index is unavailable."""
         if self.reader is None:
             return None
         if not pods:

@@ -1,54 +1,5 @@
-"""Which prefill pod and which decode pod serve a request: pure scoring over plain data.
-
-Inputs are snapshots (router/decision/pool.py builds them from each worker's ``/load`` and the router's own
-in-flight counts) plus, per pod id, how many leading prompt blocks the pod holds (Redis prefix index,
-one round trip; None when Redis is down). Nothing here does I/O, so the formula is unit-tested directly.
-
-Prefill pod p (units: prompt tokens of prefill work):
-
-    load_p     = max(queued_prefill_tokens_p, inflight_tokens_p)
-                 (the pod's own queue, ~1 s stale, vs. what this router sent it and has not seen start;
-                 max, not sum: the fresher number usually already includes the other)
-    uncached_p = prompt_len - matched_tokens_p
-    cost_p     = prefill_load_weight * load_p + uncached_p
-
-``uncached_p`` is the work this request adds on p; ``load_p`` is the work ahead of it. The load is
-discounted (default 0.5) because chunked prefill batches queued prompts together, so waiting behind
-them costs less than computing a prefix again. Lowest cost wins.
-
-Load-imbalance guard (traffic must not collapse onto the one pod that holds a popular prefix): with
-``L_min`` the smallest load, pod p is only eligible when NOT
-``load_p - L_min > imbalance_abs_tokens and load_p > imbalance_ratio * L_min``.
-The least-loaded pod is always eligible. Ties go round-robin.
-
-Decode pod d (units: requests):
-
-    active_d = max(running_d + waiting_d, inflight_requests_d)
-    cost_d   = active_d + decode_kv_weight * (1 - free_pages_d / total_pages_d)
-
-restricted to pods with enough free pages for prompt + max_tokens when any has them (a pod short of
-pages would queue the request). Ties prefer the pod holding more of the prefix, then round-robin.
-
-Conditional disaggregation: the decode pod prefills locally (``prefill`` None) when no prefill pod is
-up, when the prompt is shorter than ``disagg_min_prompt_tokens`` (the KV transfer and the extra hop cost
-more than they save), or when the chosen decode pod already holds most of the prefix (matched >=
-``local_prefix_fraction`` of the prompt: only a short suffix is left to compute, and decode pods publish
-the blocks they received or computed, so a conversation's next turn often finds its prefix there).
-``local_prefix_fraction`` > 1 turns that last rule off.
-
-Without prefix information (``matches`` None: Redis down) every matched length is 0 and routing is on
-load alone.
-
-Mixed pods (role ``mixed``: they decode and prefill for peers) are candidates on both sides; a request's
-decode pod is never also its remote prefill pod (that is the local placement).
-
-Adaptive placement (``placement="adaptive"``; ``fixed``, the default, until a GPU benchmark shows adaptive
-wins): once the pods have measured their prefill rates, router/decision/cost_model.py makes the local or
-disaggregated choice (reasons ``adaptive-local`` / ``adaptive-disaggregated``, ``-slo-miss`` when no placement
-met both SLOs) in place of the two thresholds above.
-
-``mode="round_robin"`` picks prefill pods in turn, ignoring prefix and load: the baseline that
-bench/prefix_routing.py compares against (and a fallback switch for operators).
+"""Which prefill pod and which decode pod serve a request: pure scoring over snapshots and prefix matches, no
+I/O (the formulas: docs/architecture.md, "Placement: local or disaggregated prefill, per request").
 """
 
 from __future__ import annotations
@@ -115,7 +66,7 @@ class PolicyConfig:
     decode_kv_weight: float = reg.ROUTER_DECODE_KV_WEIGHT.default
     mode: str = reg.ROUTER_ROUTING.default  # cache_aware | round_robin
     placement: str = reg.ROUTER_PLACEMENT.default  # fixed (the thresholds only) | adaptive (cost_model.py)
-    # assumed where a pod has no TTFT prediction (cost_model.py)
+    # assumed where a pod has no TTFT prediction
     transfer_tokens_per_s: float = reg.ROUTER_TRANSFER_TOKENS_PER_S.default
     targets: SloTargets = field(default_factory=lambda: SloTargets(None, 0.05))  # of a request without a class
 
@@ -129,7 +80,6 @@ class RoutingPolicy:
             raise ValueError(f"unknown placement {self.cfg.placement!r} (adaptive | fixed)")
         self._turn = itertools.count()
 
-    # ---- the decision -------------------------------------------------------------------------------
     def choose(
         self,
         prompt_len: int,
@@ -140,8 +90,7 @@ class RoutingPolicy:
         matches: Mapping[str, int] | None,
         targets: SloTargets | None = None,
     ) -> RouteDecision:
-        """Raises ValueError when there is no decode candidate (the caller answers 503 before this). `targets`:
-        the request's SLO class's (None: `PolicyConfig.targets`)."""
+        """Raises ValueError without a decode candidate; `targets`: the request's SLO class's (None: the config's)."""
         if not decode:
             raise ValueError("no decode candidate")
         turn = next(self._turn)
@@ -174,7 +123,6 @@ class RoutingPolicy:
         matches: Mapping[str, int] | None,
         targets: SloTargets,
     ) -> RouteDecision | None:
-        """The cost model's choice for decode pod ``d``; None until the pods have measured their rates."""
         local = LocalSide(
             key=d.key,
             queued_tokens=d.queued_tokens,
@@ -207,7 +155,6 @@ class RoutingPolicy:
         matched = p_matched[chosen.prefill] if chosen.prefill is not None else 0
         return RouteDecision(d.key, chosen.prefill, chosen.reason, matched, d_matched)
 
-    # ---- prefill -----------------------------------------------------------------------------------
     def prefill_costs(
         self,
         prompt_len: int,
@@ -215,7 +162,6 @@ class RoutingPolicy:
         prefill: Sequence[PrefillCandidate],
         matches: Mapping[str, int] | None,
     ) -> list[tuple[float, bool, int]]:
-        """Per candidate: (cost, eligible under the imbalance guard, matched tokens)."""
         cfg = self.cfg
         loads = [max(c.queued_tokens, c.inflight_tokens) for c in prefill]
         l_min = min(loads)
@@ -252,7 +198,6 @@ class RoutingPolicy:
                 best, best_key = i, key
         return prefill[best], costs[best][2]
 
-    # ---- decode ------------------------------------------------------------------------------------
     def decode_cost(self, c: DecodeCandidate) -> float:
         active = max(c.running + c.waiting, c.inflight_requests)
         used = 1.0 - (c.free_pages / c.total_pages if c.total_pages > 0 else 0.0)

@@ -1,26 +1,5 @@
-"""The router's registry of workers: who they are, whether they answer, how loaded they are.
-
-Discovery (static lists or Kubernetes) only says which URLs exist. Each worker is then "handshaken"
-lazily by polling ``GET /load`` (every ``poll_interval_s``): the first good answer gives its pod id (the
-name it publishes to Redis under) and its load; a worker is routable while its answers say ready and
-not draining. It comes back by itself when it answers again.
-
-Busy is not dead. A poll that times out or answers garbage proves only that the worker (or this router)
-was slow: the worker turns *stale* and keeps being routed on its last known load. It is declared down
-only when
-  - the connection is refused or the host is unreachable (no process listens: it is gone), or
-  - ``down_after_failures`` polls in a row failed AND nothing was heard from it for ``down_after_s``:
-    no good poll and no event on any of its streams (a worker streaming tokens is evidently alive,
-    however late its polls), which is what a frozen (SIGSTOPped) or wedged pod looks like.
-A worker whose engine died answers its polls with ``ready: false`` (its control plane outlives the
-engine and its /health turns 503), so that case is seen at the next poll, not after the window.
-Declaring a worker down wakes every request still waiting on it (``Watched.kill``), so they fail over
-at once instead of waiting out their deadlines.
-
-In-flight counts are the router's own view, fresher than the polled ``/load`` figures (routing and
-router/decision/admission.py use both): derived from the set of calls holding each worker, and corrected by the
-worker's own count of live requests, so a call the worker no longer knows of stops counting at the next poll.
-"""
+"""The router's registry of workers: who they are, whether they answer, how loaded they are (busy is not dead:
+docs/reliability.md, "How the router tells busy from dead")."""
 
 from __future__ import annotations
 
@@ -48,25 +27,19 @@ DECODE_ROLES = frozenset({"decode", "mixed"})  # take /internal/generate
 PREFILL_ROLES = frozenset({"prefill", "mixed"})  # take /internal/prefill for a peer's pages
 # A call sent up to this long before a poll may not have reached the worker when it answered.
 RECONCILE_GRACE_S = 1.0
-# A worker's /load answer is its engine's last snapshot (ten a second): a prompt placed there this long before
-# the poll was asked may not be in its queue figures yet (the TTFT prediction adds those, router/decision/ttft_model.py).
+# /load is the engine's last snapshot (ten a second): a prompt placed this long before the poll may be missing.
 SNAPSHOT_LAG_S = 0.2
 
 
 class Watched(Protocol):
-    """A request waiting on a worker; told when that worker is declared down."""
-
     def kill(self, reason: str) -> None: ...
 
-    def prefill_back(self) -> None:
-        """A prefill worker came (back) up: a prompt placed locally for lack of one may be placed again."""
-        ...
+    def prefill_back(self) -> None: ...
 
 
 @dataclass
 class Load:
-    """The fields of a worker's /load snapshot the router uses (parsed leniently: newer workers may add
-    fields, and a missing one must not take the worker out of rotation)."""
+    """The fields of /load the router uses, parsed leniently: a missing one must not take the worker out."""
 
     role: str
     pod: str
@@ -80,7 +53,7 @@ class Load:
     draining: bool = False
     max_running: int = 0  # 0: not reported (older workers)
     prefill_tokens_per_s: float = 0.0  # the worker's measured prefill rate (0: not measured yet)
-    # prompt tokens one step takes beside the requests it decodes (0: not reported, or a prefill-first worker)
+    # prompt tokens one step takes beside decoding (0: not reported, or a prefill-first worker)
     prefill_chunk_tokens: int = 0
     prefill_step_tokens_per_s: float = 0.0  # device-timed prefill speed (0: not reported)
     decode_step_s: float = 0.0  # recent decode step time (0: not reported)
@@ -88,7 +61,6 @@ class Load:
     live_requests: int | None = None  # requests the worker has open (engine or stream); None: not reported
     max_request_tokens: int = 0  # the most KV tokens one request may reserve there (0: not reported)
     kv_reserve_output_tokens: int = 0  # output tokens a request reserves there beyond its prompt (0: max_tokens)
-    # What predicts a new request's TTFT there (router/decision/ttft_model.py; common/protocol.py LoadSnapshot).
     step_coefficients: dict[str, float] = field(default_factory=dict)
     step_chunk_tokens: int = 0
     decode_rows: int = 0
@@ -97,7 +69,7 @@ class Load:
 
     @cached_property
     def step_cost(self) -> StepCost:
-        """`step_coefficients` as the capacity model's value, built once per snapshot (read per request)."""
+        """`step_coefficients` as the capacity model's value, built once per snapshot."""
         return StepCost.from_map(self.step_coefficients)
 
 
@@ -142,7 +114,6 @@ def parse_load(data: Any) -> Load:
 
 
 def _numbers(value: Any, kind: type[float] | type[int]) -> dict[str, Any]:
-    """A name -> number map from /load, leniently: entries that are not finite numbers are left out."""
     if not isinstance(value, dict):
         return {}
     return {
@@ -154,8 +125,6 @@ def _numbers(value: Any, kind: type[float] | type[int]) -> dict[str, Any]:
 
 @dataclass(frozen=True, slots=True)
 class HeldCounts:
-    """What the calls holding a worker add up to, and the state they were summed against (`Worker.held`)."""
-
     load: Load | None
     asked: float
     revision: int
@@ -178,17 +147,14 @@ class Worker:
     last_ok: float = 0.0  # monotonic time of the last good poll
     last_seen: float = 0.0  # ... or of the last event read from one of its streams (set by router/upstream/call.py)
     last_error: str = ""
-    # The calls that hold this worker now, each with the monotonic time it was sent here: as decode worker
-    # (until the call is closed) and as prefill worker (until its first token, with its prompt tokens).
-    # Counts are derived from these, so a call is counted only while it holds the worker (router/upstream/call.py
-    # removes it on every way a call ends, without waiting on anything).
+    # The calls holding this worker now, with the time each was sent: decode calls until closed, prefill calls
+    # until their first token. Counts derive from these (router/upstream/call.py removes them on every ending).
     decoding: dict[Watched, float] = field(default_factory=dict)
     kv_tokens: dict[Watched, int] = field(
         default_factory=dict
     )  # the KV each decode call reserves (prompt + max_tokens)
     prefilling: dict[Watched, tuple[float, int]] = field(default_factory=dict)
     load_asked: float = 0.0  # monotonic time the poll that brought ``load`` was sent
-    # Prompts placed here to prefill (monotonic time, uncached tokens), kept until a snapshot must count them.
     placed: list[tuple[float, int]] = field(default_factory=list)
     placed_revision: int = 0  # bumped whenever `placed` changes: a TTFT input cached per snapshot reads it
     holds_revision: int = 0  # bumped by every hold and release: what the calls add up to is cached against it
@@ -200,7 +166,6 @@ class Worker:
     def watchers(self) -> list[Watched]:
         return [*self.decoding, *self.prefilling]
 
-    # What a call holds here and lets go of (router/upstream/call.py), never awaiting between the two.
     def hold_decode(self, call: Watched, now: float, kv_tokens: int = 0) -> None:
         self.decoding[call] = now
         self.kv_tokens[call] = kv_tokens
@@ -220,29 +185,23 @@ class Worker:
         self.holds_revision += 1
 
     def streamed(self, now: float) -> None:
-        """An event arrived on one of its streams: a worker streaming to us is alive, however late its polls."""
         self.last_seen = now
 
     def refused_not_ready(self) -> None:
-        """It answered 503 (not ready, or draining): routed around until a poll says it is back."""
         self.up = False
 
     @property
     def inflight_requests(self) -> int:
-        """The requests this router has open on the worker, corrected by the worker's own count of its live
-        requests (``live_requests`` in /load): calls sent before the poll that the worker does not count hold
-        nothing there, so whatever its cause a drift cannot keep a worker looking full past one poll."""
+        """The requests this router has open here, corrected by the worker's `live_requests` at each poll."""
         return self.held().inflight_requests
 
     @property
     def unseen_kv_tokens(self) -> int:
-        """KV tokens of the decode calls sent here that its last snapshot may not count yet (sent after the poll
-        that brought it was asked, less the grace): its ``free_pages`` are that much too high."""
+        """KV tokens of decode calls sent here after its last snapshot's poll (less the grace)."""
         return self.held().unseen_kv_tokens
 
     def held(self) -> HeldCounts:
-        """What the calls holding the worker add up to against its last snapshot: summed once per change of
-        either, since admission and placement read it several times per request."""
+        """The holding calls' sums against the last snapshot, cached per change (read several times a request)."""
         h = self._held
         if (
             h is not None
@@ -279,8 +238,7 @@ class Worker:
         return h
 
     def place_prompt(self, now: float, tokens: int) -> Callable[[], None]:
-        """This router placed a prompt here to prefill (router/decision/dispatch.py); the call returned forgets it (its
-        first token is back: it is queued nowhere any more)."""
+        """This router placed a prompt here to prefill; the returned call forgets it once its first token is back."""
         since = self.load_asked - SNAPSHOT_LAG_S
         self.placed = [e for e in self.placed if e[0] >= since]
         entry = (now, tokens)
@@ -295,14 +253,12 @@ class Worker:
 
     @property
     def unseen_prompt_tokens(self) -> int:
-        """Prompt tokens placed here that its last snapshot may not count yet (placed after its poll was asked,
-        less the snapshot's lag): the TTFT prediction queues them ahead of a new request, whatever their class."""
+        """Prompt tokens placed here that the last snapshot may not count yet (the TTFT prediction adds them)."""
         since = self.load_asked - SNAPSHOT_LAG_S
         return sum(n for t, n in self.placed if t >= since)
 
     @property
     def inflight_tokens(self) -> int:
-        """Prompt tokens sent to this worker for prefill whose first token has not come back yet."""
         return self.held().inflight_tokens
 
     def prefill_candidate(self, predicted_ttft_s: float | None = None) -> PrefillCandidate:
@@ -352,7 +308,6 @@ class WorkerPool:
         client: WireClient,
         opts: RouterOptions | None = None,
     ) -> None:
-        """`opts`: the polls' interval and timeout and when a worker is down (the registry's defaults when None)."""
         opts = opts if opts is not None else RouterOptions()
         self.client = client
         self.poll_interval_s = opts.poll_interval_s
@@ -363,10 +318,8 @@ class WorkerPool:
         self._targets: dict[str, set[str]] = {role: set() for role in ROLES}
         self._started = False
 
-    # ---- membership (from discovery) ---------------------------------------------------------------
     def set_targets(self, role: str, urls: set[str] | list[str]) -> None:
-        """Makes ``urls`` the set of ``role`` workers: new ones are polled at once, missing ones dropped
-        from routing (requests already on them finish)."""
+        """Makes ``urls`` the ``role`` workers: new ones polled at once, missing ones dropped from routing."""
         wanted = {u.rstrip("/") for u in urls}
         self._targets[role] = wanted
         for url in wanted:
@@ -391,7 +344,6 @@ class WorkerPool:
         if w.task is not None:
             w.task.cancel()
 
-    # ---- health ----------------------------------------------------------------------------------
     def start(self) -> None:
         self._started = True
         loop = asyncio.get_running_loop()
@@ -407,7 +359,7 @@ class WorkerPool:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _poll_loop(self, w: Worker) -> None:
-        # One loop per worker, so a hung worker's timeouts never delay the others' polls.
+        # One loop per worker: a hung worker's timeouts never delay the others' polls.
         while not w.removed:
             await self.poll(w)
             await asyncio.sleep(self.poll_interval_s)
@@ -422,8 +374,7 @@ class WorkerPool:
         except asyncio.CancelledError:
             raise
         except ConnectError as exc:
-            # Refused or unreachable: nothing listens there. A connect that only timed out is a full
-            # accept queue as often as a dead host: that one counts as slow.
+            # A connect that only timed out is a full accept queue as often as a dead host: slow, not gone.
             self.report_failure(w, f"ConnectError: {exc}", hard=not exc.timed_out)
             return
         except Exception as exc:  # timeouts, resets, garbage: slow or sick, not proven dead
@@ -455,9 +406,7 @@ class WorkerPool:
                         call.prefill_back()
 
     def report_failure(self, w: Worker, reason: str, hard: bool = False) -> None:
-        """A failed poll; ``hard``: proof that the worker is gone (a refused connection, from a poll or
-        from the request path), believed at once. Soft failures only make it stale until the window of
-        silence described in the module docstring has passed."""
+        """A failed poll; ``hard``: proof the worker is gone (a refused connection), believed at once."""
         w.failures += 1
         w.last_error = reason
         if not w.up:
@@ -478,28 +427,24 @@ class WorkerPool:
             watched.kill(f"{w.role} worker {w.url} is down ({reason})")
 
     async def fresh_loads(self, since: float, timeout_s: float) -> None:
-        """Waits (at most ``timeout_s``) until every ready decode worker's load was asked for after ``since``."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and any(w.load_asked <= since for w in self.decoders()):
             await asyncio.sleep(0.02)
 
-    # ---- queries ---------------------------------------------------------------------------------
     def ready(self, role: str, exclude: set[str] | frozenset[str] = frozenset()) -> list[Worker]:
         return self._ready_in({role}, exclude)
 
     def decoders(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[Worker]:
-        """Ready workers that decode: decode and mixed."""
         return self._ready_in(DECODE_ROLES, exclude)
 
     def prefillers(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[Worker]:
-        """Ready workers that prefill for a peer: prefill and mixed."""
         return self._ready_in(PREFILL_ROLES, exclude)
 
     def _ready_in(self, roles: set[str] | frozenset[str], exclude: set[str] | frozenset[str]) -> list[Worker]:
         return [w for w in self.workers.values() if w.role in roles and w.up and w.url not in exclude]
 
     def block_size(self) -> int:
-        """KV page size of the fleet (= prefix-index block size); all workers of a model agree."""
+        """KV page size of the fleet (= prefix-index block size)."""
         for w in self.workers.values():
             if w.load is not None:
                 return w.load.page_size
@@ -516,7 +461,6 @@ class WorkerPool:
                 "poll_failures": w.failures,  # polls failed in a row
                 "inflight_requests": w.inflight_requests,
                 "inflight_tokens": w.inflight_tokens,
-                # the KV pages its last /load reported free (what admission reads), None before the first
                 "free_pages": w.load.free_pages if w.load is not None else None,
                 "total_pages": w.load.total_pages if w.load is not None else None,
                 "last_error": w.last_error or None,

@@ -1,26 +1,13 @@
 """A new request's time to first token on one worker, predicted from that worker's /load: one pure function.
+For class c with ``own`` uncached prompt tokens (``ahead_c`` queued ahead, ``unseen`` placed by this router
+since the snapshot):
 
-A worker publishes (common/protocol.py LoadSnapshot, ten snapshots a second) its step-time model's seconds per
-unit of what a step computes (common/sched/step_model.py; common/capacity.py), the prompt chunk its next step takes as the batch
-stands (``step_chunk_tokens``: the budget beside its decode rows, or the whole prefill limit alone), the decode
-rows and KV context such a step carries, and per SLO class the prompt tokens queued ahead of a request of that
-class arriving now (its waiting queue runs by TTFT deadline, common/sched/waiting.py). A request of class c
-with ``own`` uncached prompt tokens then waits for
+    work   = ahead_c + unseen + own;  steps = ceil(work / chunk)
+    ttft   = steps * (base + per_row * rows + per_context * context) + per_prefill_token * work
+           + per_attention_pair * (own^2 / 2 + ahead * min(chunk, ahead) / 2) + transfer
 
-    work   = ahead_c + unseen + own
-    steps  = ceil(work / chunk)
-    ttft   = steps * (base + per_row * rows + per_context * context)      the decode batch each step carries
-           + per_prefill_token * work                                       the prompt tokens themselves
-           + per_attention_pair * (own^2 / 2 + ahead * min(chunk, ahead) / 2)
-           + transfer                                                       disaggregated: prompt / transfer rate
-
-``unseen``: prompt tokens this router placed there that the snapshot may not count yet (router/decision/pool.py). The
-attention term is exact for the request's own prompt (its chunks' query-key pairs sum to own^2 / 2) and a lower
-bound for the prompts ahead, whose lengths are not published (each of their tokens attends to at least half a
-chunk). That is the prefill rate the worker's ITL budget leaves beside its decode batch: ``chunk / step time``.
-
-A worker whose model has not timed prompt chunks yet (no coefficients) falls back to its measured prefill rate
-(``work / prefill_tokens_per_s``); with neither, nothing is predicted (None): the router never sheds on a guess.
+The attention term is exact for the request's own prompt and a lower bound for those ahead (their lengths are
+not published). Without coefficients: ``work / prefill_tokens_per_s``; with neither, None (never shed on a guess).
 """
 
 from __future__ import annotations
@@ -41,7 +28,7 @@ __all__ = ["StepCost", "WorkerFigures", "predict_ttft_s", "prefill_rate"]
 
 @dataclass(frozen=True)
 class WorkerFigures:
-    """One worker's TTFT inputs, as its last /load gave them (plus this router's own unseen placements)."""
+    """One worker's TTFT inputs from its last /load (plus this router's unseen placements)."""
 
     chunk_tokens: int = 0  # prompt tokens the next step takes (0: not reported)
     decode_rows: int = 0
@@ -70,7 +57,7 @@ class WorkerFigures:
 
     @cached_property
     def step_overhead_s(self) -> float:
-        """What each of its steps costs beside its chunk (the base and the decode batch): once per figures."""
+        """Each step's cost beside its chunk (the base and the decode batch), computed once per figures."""
         return self.cost.overhead_s(self.decode_rows, self.decode_context)
 
 
@@ -84,9 +71,8 @@ def prefill_rate(w: WorkerFigures) -> float:
 def predict_ttft_s(
     w: WorkerFigures, slo_class: str, own_tokens: int, transfer_s: float = 0.0, queued: bool = True
 ) -> float | None:
-    """Predicted seconds until a request of `slo_class` with `own_tokens` uncached prompt tokens has its first
-    token on `w` (module docstring); None when the worker has measured nothing to predict from. `queued` False:
-    as if nothing waited ahead of it (what the request costs alone)."""
+    """Predicted seconds until a request of `slo_class` with `own_tokens` uncached tokens has its first token on
+    `w`; None: nothing measured. `queued` False: as if nothing waited ahead."""
     ahead = w.ahead(slo_class) if queued else 0
     own = max(own_tokens, 1)  # a full prefix hit still runs one step for its first token
     work = ahead + own

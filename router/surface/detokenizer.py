@@ -1,15 +1,9 @@
 """Token ids -> text, one token at a time, and stop strings matched on that text.
 
-Why incremental decoding needs care: one character can span several tokens (byte-level BPE splits an
-emoji or a CJK character into byte tokens; SentencePiece uses ``<0xNN>`` byte fallback), and decoding a
-token alone loses context (SentencePiece drops the leading space of a sequence's first word). So we
-decode a small sliding window of ids and emit only what the window adds beyond its already-emitted
-head, and we hold text back while it ends in U+FFFD (an incomplete UTF-8 sequence that the next token
-may finish). The concatenated deltas equal the full decode of all ids.
-
-Stop strings are matched on the emitted text, across token boundaries: text that could be the start of
-a stop string is held back until it either completes the stop string (then the text is cut before it,
-as OpenAI does, and generation ends) or cannot any more (then it is released).
+A character can span several tokens and a token decoded alone loses context (SentencePiece drops a leading
+space), so a small sliding window is decoded and only what it adds is emitted, held back while it ends in
+U+FFFD. Text that could start a stop string is held until it completes one (cut before it, as OpenAI does) or
+cannot any more.
 """
 
 from __future__ import annotations
@@ -22,24 +16,19 @@ _REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    """Feed token ids with ``push``; get back the new text they complete.
-
-    ``decode`` maps ids to text (special tokens skipped). ``context_ids`` are the last few prompt ids:
-    decoding the first output token after them keeps its leading space where a tokenizer would strip it
-    at the start of a sequence; they are never emitted.
-    """
+    """``push`` token ids, get back the text they complete. ``context_ids``: the last prompt ids, never emitted,
+    so the first output token keeps its leading space."""
 
     def __init__(self, decode: Callable[[Sequence[int]], str], context_ids: Sequence[int] = ()) -> None:
         self._decode = decode
         self._ids: list[int] = list(context_ids)
-        # Window: ids[_prefix:_read] were already turned into text (or are prompt context); ids from
-        # _read on are not emitted yet. _prefix_text caches decode(ids[_prefix:_read]).
+        # ids[_prefix:_read] are emitted (or prompt context), decoded as _prefix_text; ids from _read on are not.
         self._prefix = 0
         self._read = len(self._ids)
         self._prefix_text = decode(self._ids) if self._ids else ""
 
     def push(self, ids: Sequence[int]) -> str:
-        """Adds ids; returns the text they complete ("" while a character is still incomplete)."""
+        """Adds ids; returns the text they complete ("" while a character is incomplete)."""
         if not ids:
             return ""
         self._ids.extend(ids)
@@ -49,7 +38,7 @@ class IncrementalDetokenizer:
         return self._advance(text)
 
     def flush(self) -> str:
-        """At the end of generation: whatever is still held back (e.g. a truly invalid byte sequence)."""
+        """At the end of generation: whatever is still held back."""
         if self._read >= len(self._ids):
             return ""
         text = self._decode(self._ids[self._prefix :])
@@ -60,7 +49,7 @@ class IncrementalDetokenizer:
 
     def _advance(self, text: str) -> str:
         delta = text[len(self._prefix_text) :]
-        # Slide the window: what was unread becomes the new head, so the window stays a few tokens long.
+        # Slide the window: the unread part becomes the new head, so it stays a few tokens long.
         self._prefix = self._read
         self._read = len(self._ids)
         self._prefix_text = self._decode(self._ids[self._prefix : self._read])
@@ -68,12 +57,8 @@ class IncrementalDetokenizer:
 
 
 class StopMatcher:
-    """Cuts a text stream at the first occurrence of any stop string.
-
-    ``push`` returns the part of the text that is safe to emit; a tail that might still grow into a
-    stop string is held back. Once a stop string is complete, ``stopped`` is True and the returned text
-    ends right before it (the stop string itself is never emitted).
-    """
+    """Cuts a text stream before the first stop string: ``push`` returns the text safe to emit; once a stop
+    string completes, ``stopped`` is True."""
 
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = [s for s in stops if s]
@@ -99,12 +84,11 @@ class StopMatcher:
         return buf[: len(buf) - hold]
 
     def flush(self) -> str:
-        """Generation ended without a stop string: release the held-back tail."""
+        """Generation ended without a stop string: releases the held-back tail."""
         out, self._pending = self._pending, ""
         return "" if self.stopped else out
 
     def _partial_suffix(self, buf: str) -> int:
-        """Length of the longest tail of ``buf`` that is a proper prefix of some stop string."""
         for k in range(min(len(buf), self._max_hold), 0, -1):
             tail = buf[-k:]
             if any(s.startswith(tail) for s in self.stops):

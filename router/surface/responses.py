@@ -1,8 +1,5 @@
-"""OpenAI response bodies: chat.completion(.chunk), text_completion, usage, and both logprobs shapes.
-
-The two endpoints report logprobs differently: chat has ``{"content": [{token, logprob, bytes,
-top_logprobs: [{token, logprob, bytes}]}]}``; legacy completions has parallel lists ``tokens``,
-``token_logprobs``, ``top_logprobs`` (one {token: logprob} dict per position) and ``text_offset``.
+"""OpenAI response bodies: chat.completion(.chunk), text_completion, usage, and both logprobs shapes (chat's
+``content`` list; legacy completions' parallel ``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset``).
 """
 
 from __future__ import annotations
@@ -55,8 +52,7 @@ def chat_logprobs(tokens: Sequence[TokenInfo], tok: RouterTokenizer) -> dict[str
 
 
 def completion_logprobs(tokens: Sequence[TokenInfo], tok: RouterTokenizer, offset: int) -> tuple[dict[str, Any], int]:
-    """Logprobs for a run of tokens whose text starts at character ``offset`` of the completion;
-    returns the object and the offset after them."""
+    """Logprobs of tokens whose text starts at character ``offset``; returns the object and the offset after."""
     strs, lps, tops, offsets = [], [], [], []
     for t in tokens:
         s = tok.token_str(t.token_id)
@@ -75,7 +71,6 @@ def completion_logprobs(tokens: Sequence[TokenInfo], tok: RouterTokenizer, offse
 def response(
     kind: str, rid: str, created: int, model: str, choices: list[dict[str, Any]], use: dict[str, Any]
 ) -> dict[str, Any]:
-    """A whole (unstreamed) response; `kind` "chat" is a chat.completion, else a text_completion."""
     return {
         "id": rid,
         "object": "chat.completion" if kind == "chat" else "text_completion",
@@ -108,9 +103,8 @@ def completion_choice(
 
 # ---- stream chunks -------------------------------------------------------------------------------
 class ChunkFormat:
-    """The SSE chunks of one streamed response. Every chunk repeats id, object, created, model (and
-    ``"usage": null`` with include_usage, on every chunk but the last); those are rendered once here
-    and only each chunk's choices are encoded per token."""
+    """The SSE chunks of one streamed response: the fields every chunk repeats are rendered once, only each
+    chunk's choices per token."""
 
     def __init__(self, object_name: str, rid: str, created: int, model: str, include_usage: bool) -> None:
         head = {"id": rid, "object": object_name, "created": created, "model": model, "system_fingerprint": None}
@@ -121,5 +115,4 @@ class ChunkFormat:
         return self._prefix + orjson.dumps(choices) + self._suffix
 
     def usage_chunk(self, use: dict[str, Any]) -> bytes:
-        """The last chunk with include_usage: no choices, the usage of the whole response."""
         return self._prefix + b'[],"usage":' + orjson.dumps(use) + b"}\n\n"

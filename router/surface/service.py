@@ -1,10 +1,6 @@
-"""The request pipeline behind both OpenAI endpoints: prompt -> token ids -> checks -> n upstream calls
--> one JSON body or one SSE stream.
-
-Order matters for error statuses: everything that can be the client's fault (template, token ids,
-context length) is checked before any worker is called, and the first token of every choice is awaited
-before the HTTP response starts, so routing failures (no worker, all busy) still get a real status code
-instead of an error inside a 200 stream.
+"""The request pipeline behind both OpenAI endpoints: prompt -> token ids -> checks -> n upstream calls -> one
+JSON body or one SSE stream. The client's faults are checked, and every choice's first token awaited, before
+the response starts, so failures still get a real status code instead of an error inside a 200 stream.
 """
 
 from __future__ import annotations
@@ -52,15 +48,12 @@ log = logging.getLogger("kvferry.router")
 
 _CONTEXT_IDS = 4  # prompt ids fed to the detokenizer ahead of the output (SentencePiece leading spaces)
 _LONG_TEXT = 8192  # characters: tokenize off the event loop above this
-# Threads that tokenize long texts: bounded, so that a burst of long prompts queues here instead of taking
-# the process's cores (and a glibc malloc arena per thread) from the event loop.
+# Bounded: a burst of long prompts queues here instead of taking the event loop's cores (and malloc arenas).
 _TOKENIZE_THREADS = 2
 
 
 @dataclass
 class Job:
-    """One HTTP request, after validation and tokenization."""
-
     kind: Literal["chat", "completion"]
     rid: str
     created: int
@@ -75,8 +68,7 @@ class Job:
     include_usage: bool
     slo_class: str = ""  # its SLO class (common/slo.py), from `priority` or the x-kvferry-class header
     record: RequestRecord | None = None  # timeline, trace and metrics of the request (router/timeline.py)
-    # Every choice started for this request, registered before its first await: whoever owns the job closes
-    # these when the request ends, whether or not ``RouterService.start`` got to return them.
+    # Every choice started, registered before its first await: the job's owner closes them however it ends.
     choices: list[RunningChoice] = field(default_factory=list)
 
 
@@ -120,7 +112,7 @@ class RouterService:
     # ---- admission ---------------------------------------------------------------------------------
     @property
     def inflight(self) -> int:
-        """Requests admitted and not yet released: counted from the live admissions, never a sum of +1/-1."""
+        """Counted from the live admissions, never a sum of +1/-1."""
         return len(self._admitted)
 
     def admit(self) -> Admission:
@@ -134,12 +126,10 @@ class RouterService:
         return ticket
 
     def release(self, ticket: Admission) -> None:
-        """Idempotent: the request's ticket leaves the live set (a second release is a no-op)."""
         self._admitted.discard(ticket)
 
     def slo_class(self, priority: int | None, header: str | None) -> str:
-        """The request's SLO class: the x-kvferry-class header's (400 if it names no declared class), else
-        vLLM's `priority` shifted from the default class (lower is sooner), else the default."""
+        """The x-kvferry-class header's class (400 if undeclared), else vLLM's `priority` shifted from the default."""
         if header:
             try:
                 return self.slo.get(header.strip()).name
@@ -147,10 +137,7 @@ class RouterService:
                 raise bad_request(str(exc), SLO_CLASS_HEADER) from None
         return self.slo.by_priority(priority or 0).name
 
-    # ---- tokenizing ----------------------------------------------------------------------------------
-    # A prompt is tokenized up to the model's context at most (router/surface/tokenizer.py): one past it is refused
-    # (400) after about a context's worth of work, whatever its size; long texts are tokenized on the bounded
-    # pool, off the event loop.
+    # ---- tokenizing: up to the model's context at most (one past it: 400); long texts off the event loop ----
     async def _tokenize(self, chars: int, param: str, encode: Callable[[], list[int]]) -> list[int]:
         try:
             if chars > _LONG_TEXT:
@@ -160,7 +147,7 @@ class RouterService:
             raise prompt_too_long(self.model.max_context, exc.at_least, param) from None
 
     async def encode_text(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
-        """A text's token ids (OpenAIError 400 for text that is not Unicode or is longer than the context)."""
+        """A text's token ids (400 for text that is not Unicode or longer than the context)."""
         limit = self.model.max_context
         try:
             return await self._tokenize(len(text), param, lambda: self.tok.encode(text, add_special_tokens, limit))
@@ -168,8 +155,7 @@ class RouterService:
             raise bad_request(str(exc), param) from None
 
     async def encode_chat(self, messages: list[dict[str, Any]], tools: list[Tool] | None) -> list[int]:
-        """A conversation's prompt ids through the chat template (OpenAIError 400 as in ``encode_text``, or
-        for a conversation the template refuses)."""
+        """A conversation's prompt ids through the chat template (400 as in ``encode_text``, or if refused)."""
         chars = _text_chars(messages)
         limit = self.model.max_context
         try:
@@ -227,7 +213,6 @@ class RouterService:
         )
 
     def _check_sampling(self, req: ChatCompletionRequest | CompletionRequest, max_tokens: list[int]) -> None:
-        """What needs the tokenizer or the output budget to check."""
         bad = [t for t in req.logit_bias_ids() if t >= self.tok.vocab_size]
         if bad:
             raise bad_request(f"logit_bias token ids must be in [0, {self.tok.vocab_size}); got {bad[0]}", "logit_bias")
@@ -239,8 +224,8 @@ class RouterService:
     def _max_tokens(self, prompt_len: int, requested: int | None, param: str, chat: bool) -> int:
         ctx = self.model.max_context
         if requested is None:
-            # OpenAI's defaults: 16 for legacy completions; chat runs "to the end", which here is a
-            # configurable cap, since workers reserve KV for the whole output up front.
+            # OpenAI's defaults: 16 for legacy completions; chat runs to a configurable cap (workers reserve KV
+            # for the whole output up front).
             room = ctx - prompt_len
             if room < 1:
                 raise context_too_long(ctx, prompt_len, 1, param)
@@ -251,8 +236,7 @@ class RouterService:
 
     # ---- starting ----------------------------------------------------------------------------------
     async def start(self, job: Job) -> list[RunningChoice]:
-        """Routes every choice and waits for each one's first event; on any failure closes them all and
-        raises the error (retries already happened per choice)."""
+        """Routes every choice and waits for each first event; on any failure closes them all and raises."""
         request_tokens = job.n * sum(len(ids) + m for ids, m in zip(job.prompts, job.max_tokens, strict=True))
         self.dispatcher.check_request_kv(request_tokens, _kv_detail(job))
         plans = [await self.dispatcher.plan(ids) for ids in job.prompts]
@@ -261,8 +245,7 @@ class RouterService:
             plan.record = job.record
             plan.request_tokens = request_tokens
             plan.slo_class = cls
-        # Admission by predicted TTFT, once per request and before any worker is contacted; its prompts queue
-        # together, so the longest one decides.
+        # Admission by predicted TTFT, once per request: its prompts queue together, so the longest decides.
         self.dispatcher.check_ttft(max(plans, key=lambda p: len(p.token_ids)), cls)
         choices = job.choices
         context_ok = self.tok.needs_context
@@ -296,8 +279,7 @@ class RouterService:
         return choices
 
     async def end(self, ticket: Admission, choices: list[RunningChoice]) -> None:
-        """What a request holds here, let go however it ended: its upstream calls closed (shielded from the
-        cancel of a client that went away; abandoned whatever happens) and its admission ticket released."""
+        """Lets go of what a request holds, however it ended: its calls closed (shielded), its ticket released."""
         try:
             with anyio.CancelScope(shield=True):
                 await self.close(choices)
@@ -305,8 +287,7 @@ class RouterService:
             self.release(ticket)
 
     async def close(self, choices: list[RunningChoice]) -> None:
-        """Closes the choices' upstream calls (a finished stream's connection goes back to the pool). However
-        this is interrupted, every call ends up abandoned: nothing held, its upstream connection closed."""
+        """Closes the choices' upstream calls; however interrupted, every call ends up abandoned."""
         try:
             for c in choices:
                 await c.call.aclose()
@@ -315,10 +296,8 @@ class RouterService:
                 c.call.abandon()
 
     async def _drive(self, c: RunningChoice) -> AsyncIterator[list[ChoiceDelta]]:
-        """Feeds one choice's events through its state until it finishes, in batches: one awaited
-        event plus every event that had already arrived behind it (a stream that fell behind catches up
-        in one write). Closes the upstream stream as soon as the choice finishes (a stop string ends
-        generation on the workers too)."""
+        """Feeds one choice's events through its state until it finishes, in batches (one awaited event plus all
+        already behind it); closes the upstream stream at once when the choice finishes."""
         ev = c.first
         gaps = c.gaps
         try:
@@ -374,8 +353,7 @@ class RouterService:
         return response(job.kind, job.rid, job.created, job.model, out, use)
 
     def _usage(self, job: Job, choices: list[RunningChoice]) -> dict[str, Any]:
-        # Prompt tokens count once per prompt (not per choice), as OpenAI bills n > 1; cached tokens are
-        # those of each prompt's first choice, for the same reason.
+        # Prompt tokens count once per prompt, cached tokens per prompt's first choice (OpenAI bills n > 1 so).
         prompt = sum(len(p) for p in job.prompts)
         completion = sum(c.state.completion_tokens for c in choices)
         cached = sum(c.state.cached_tokens for c in choices if c.index % job.n == 0)
@@ -383,9 +361,8 @@ class RouterService:
 
     # ---- streaming -----------------------------------------------------------------------------------
     async def stream(self, job: Job, choices: list[RunningChoice]) -> AsyncIterator[bytes]:
-        """SSE bytes: one piece per batch of worker events (router/surface/responses.py ChunkFormat renders the
-        fields every chunk repeats once per response). Whatever fails once the response has started, the
-        client still gets an error event and [DONE], never a stream that just stops."""
+        """SSE bytes, one piece per batch of worker events; whatever fails after the start, the client still
+        gets an error event and [DONE]."""
         try:
             async for piece in self._stream(job, choices):
                 yield piece
@@ -452,7 +429,7 @@ class RouterService:
     def _render_tools(
         self, job: Job, fmt: ChunkFormat, c: RunningChoice, tools: ToolCallStream, delta: ChoiceDelta
     ) -> bytes:
-        """A chat choice with tools: content or tool-call deltas (router/surface/tools.py decides which)."""
+        """A chat choice with tools: content or tool-call deltas (router/surface/tools.py decides)."""
         deltas = tools.push(delta.text)
         if delta.finish_reason is not None:
             deltas += tools.finish()
@@ -480,8 +457,7 @@ class RouterService:
             async for batch in self._drive(choices[0]):
                 yield batch
             return
-        # Unbounded on purpose: a pump must never block on put while being cancelled; what it can buffer
-        # is bounded by max_tokens anyway.
+        # Unbounded: a pump must never block on put while cancelled; max_tokens bounds it anyway.
         queue: asyncio.Queue[list[ChoiceDelta] | None] = asyncio.Queue()
 
         async def pump(c: RunningChoice) -> None:
@@ -507,7 +483,6 @@ class RouterService:
 
 
 def _kv_detail(job: Job) -> str:
-    """How a request's KV figure adds up, for the error that refuses it."""
     terms = " + ".join(
         f"(prompt {len(ids)} + max_tokens {m})" for ids, m in zip(job.prompts, job.max_tokens, strict=True)
     )
@@ -515,7 +490,6 @@ def _kv_detail(job: Job) -> str:
 
 
 def _text_chars(value: Any) -> int:
-    """Characters of all the strings in a JSON value: what a chat template may write out of it."""
     if isinstance(value, str):
         return len(value)
     if isinstance(value, dict):

@@ -1,10 +1,6 @@
-"""Structured outputs at the router: the request's constraint as a grammar spec the workers compile.
-
-OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``) and vLLM's extensions
-(``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``) all become one
-`GrammarSpec` (common/protocol.py). The router checks what it can without the grammar library (which
-brings torch, kept out of the router): a JSON schema must be a valid schema (its meta-schema), a regex
-must compile; the worker compiles the grammar and refuses (400) what its compiler does not support.
+"""Structured outputs at the router: OpenAI's ``response_format`` and vLLM's ``guided_*`` become one
+`GrammarSpec`. The router checks what it can without the grammar library (it brings torch): schemas against
+their meta-schema, regexes compile; the worker refuses (400) what its compiler does not support.
 """
 
 from __future__ import annotations
@@ -34,18 +30,15 @@ __all__ = [
 ]
 
 MAX_CHOICES = 256
-# A client's JSON schema (response_format, guided_json, a tool's parameters) is refused (400, naming the limit)
-# beyond these, before anything walks it recursively: the schema check and the worker's grammar compiler
-# recurse per level (95 levels exhausted Python's stack), and compile time grows with size. Real schemas,
-# generated ones included, stay far below both; docs/reliability.md lists them.
+# Schemas are refused beyond these before anything walks them recursively (95 levels exhausted Python's stack
+# in the check and the compiler); docs/reliability.md lists them.
 MAX_SCHEMA_DEPTH = 64  # nested objects and arrays, the outermost counting 1
 MAX_SCHEMA_BYTES = 256 * 1024  # as compact JSON
 
 
 @dataclass(frozen=True)
 class GrammarLimits:
-    """What a grammar may hold, checked here before the worker compiles it (xgrammar's compile time grows with
-    these: docs/reliability.md has the table)."""
+    """What a grammar may hold, checked before the worker compiles it (compile time grows with these)."""
 
     schema_max_properties: int = reg.ROUTER_SCHEMA_MAX_PROPERTIES.field()
     schema_max_enum_values: int = reg.ROUTER_SCHEMA_MAX_ENUM_VALUES.field()
@@ -89,7 +82,7 @@ def _check_schema_text(text: str) -> None:
 
 
 def _depth_within(value: Any, limit: int) -> bool:
-    """Whether ``value`` nests objects and arrays at most ``limit`` deep (no recursion: any depth is safe)."""
+    """Whether ``value`` nests objects and arrays at most ``limit`` deep (no recursion)."""
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         node, depth = stack.pop()
@@ -106,8 +99,7 @@ def _depth_within(value: Any, limit: int) -> bool:
 
 
 def _schema_counts(schema: Any) -> tuple[int, int, int]:
-    """(object properties, enum values and consts, characters of their strings) in the whole schema, walked
-    without recursion (its depth is checked first)."""
+    """(properties, enum values and consts, their strings' characters) in the schema, walked without recursion."""
     properties = values = chars = 0
     stack: list[Any] = [schema]
     while stack:
@@ -126,8 +118,7 @@ def _schema_counts(schema: Any) -> tuple[int, int, int]:
             found.append(node["const"])
         values += len(found)
         chars += sum(len(v) for v in found if isinstance(v, str))
-        # Everything else may hold schemas (a property may be named "enum"); a const that is an object is walked
-        # too, which can only over-count.
+        # Everything else may hold schemas (a property may be named "enum"): over-counting only.
         stack.extend(
             v for k, v in node.items() if isinstance(v, (dict, list)) and not (k == "enum" and isinstance(v, list))
         )
@@ -135,8 +126,7 @@ def _schema_counts(schema: Any) -> tuple[int, int, int]:
 
 
 def check_schema_limits(schema: Any, limits: GrammarLimits | None = None) -> str:
-    """The schema as compact JSON; ValueError naming the limit when it is too deep, too large, or holds too many
-    properties or enum values."""
+    """The schema as compact JSON; ValueError naming the limit it exceeds."""
     limits = limits or LIMITS
     if not _depth_within(schema, MAX_SCHEMA_DEPTH):
         raise ValueError(
@@ -182,7 +172,6 @@ def check_json_schema(schema: Any) -> None:
 
 
 def _json_text(value: Any, param: str) -> str:
-    """A schema given as an object or as JSON text, checked, as text."""
     if isinstance(value, str):
         if len(value.encode()) > MAX_SCHEMA_BYTES:
             raise ValueError(f"{param}: the JSON schema is larger than {MAX_SCHEMA_BYTES} bytes (the limit)")
@@ -223,7 +212,6 @@ def grammar_from(
     guided_choice: list[str] | None = None,
     guided_grammar: str | None = None,
 ) -> tuple[GrammarSpec | None, str | None]:
-    """(the grammar, the parameter it came from); ValueError for an invalid or conflicting one."""
     found: list[tuple[GrammarSpec, str]] = []
     if response_format is not None and response_format.type != "text":
         if response_format.type == "json_object":

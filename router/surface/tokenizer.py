@@ -1,9 +1,6 @@
-"""The served model's tokenizer at the router: prompts and chat templates to ids, ids to text and bytes.
-
-Tokenizing at the router lets it hash the prompt's blocks for prefix routing and check the context
-length before any worker is involved; workers only ever see token ids. The hot paths (``decode`` per
-streamed token, ``encode``) call the Rust ``tokenizers`` backend directly: transformers' Python wrapper
-adds several microseconds per call, which matters once per token per stream.
+"""The served model's tokenizer at the router: prompts and chat templates to ids, ids to text and bytes (workers
+only see ids). Hot paths call the Rust ``tokenizers`` backend directly: transformers' wrapper adds microseconds
+per call, once per token per stream.
 """
 
 from __future__ import annotations
@@ -22,18 +19,14 @@ log = logging.getLogger("kvferry.router")
 
 __all__ = ["ModelInfo", "PromptTooLong", "RouterTokenizer", "load_tokenizer"]
 
-# A text longer than this (characters) is counted in pieces of this size before it is tokenized whole, so a
-# prompt far past the context costs about one context's worth of tokenizing, not its full length.
+# Texts longer than this are counted in pieces first, so a prompt far past the context costs about a context's work.
 _PIECE_CHARS = 16384
-# Tokens a cut between two pieces may add to their sum over the whole text's count (a word or a run of spaces
-# split in two): the count may pass the limit by this much per cut before the text is refused.
+# Tokens a cut between two pieces may add to their sum (a word split in two): allowed past the limit per cut.
 _CUT_SLACK = 4
 
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """What the router needs to know about the served model besides its tokenizer."""
-
     name: str  # the id clients pass as "model" (and the prefix index's model id)
     path: Path | None
     max_context: int  # max_position_embeddings: prompt + completion must fit
@@ -67,8 +60,7 @@ def _byte_decoder() -> dict[str, int]:
 
 
 def _utf8_size(text: str) -> int:
-    """The text's size in UTF-8 bytes. JSON may carry lone surrogates (\\ud800), which are not Unicode text:
-    refuse them clearly."""
+    """The text's size in UTF-8 bytes; lone surrogates (valid in JSON, not Unicode) are refused clearly."""
     try:
         return len(text.encode("utf-8"))
     except UnicodeEncodeError as exc:
@@ -79,8 +71,7 @@ def _utf8_size(text: str) -> int:
 
 
 def _cut(text: str, end: int) -> int:
-    """Where a piece ending near ``end`` should end: before the last space or line break in its last quarter
-    (where the pre-tokenizer splits anyway), else at ``end``."""
+    """Where a piece ending near ``end`` ends: before the last space or line break in its last quarter, else ``end``."""
     if end >= len(text):
         return len(text)
     low = end - _PIECE_CHARS // 4
@@ -89,8 +80,7 @@ def _cut(text: str, end: int) -> int:
 
 
 class PromptTooLong(Exception):
-    """A text with more tokens than ``limit``, found out before tokenizing all of it: ``at_least`` is what its
-    bytes prove (or limit + 1 when counting stopped past the limit)."""
+    """A text with more tokens than ``limit``, found before tokenizing all of it (``at_least``: what is proven)."""
 
     def __init__(self, at_least: int, limit: int) -> None:
         super().__init__(f"at least {at_least} tokens, more than {limit}")
@@ -99,8 +89,7 @@ class PromptTooLong(Exception):
 
 
 class RouterTokenizer:
-    """The model's `tokenizers` (Rust) tokenizer plus its chat template, loaded without transformers' model
-    classes: transformers imports torch whenever torch is installed, and the router must not carry it."""
+    """The model's Rust tokenizer plus its chat template, without transformers (which imports torch)."""
 
     def __init__(self, backend: Any, chat_template: str | None, special_tokens: dict[str, str]) -> None:
         self._backend = backend
@@ -110,7 +99,7 @@ class RouterTokenizer:
         self.special_ids = frozenset(int(i) for i, t in backend.get_added_tokens_decoder().items() if t.special)
         self._byte_level = "ByteLevel" in repr(getattr(backend, "decoder", ""))
         self._bytes_cache: dict[int, bytes] = {}
-        # The longest token in bytes: a text of B bytes has at least B / this many tokens, whatever it says.
+        # The longest token in bytes: a text of B bytes has at least B / this many tokens.
         self.max_token_bytes = max(1, max(len(self.token_bytes(i)) for i in range(self.vocab_size)))
 
     @classmethod
@@ -137,15 +126,12 @@ class RouterTokenizer:
 
     @property
     def needs_context(self) -> bool:
-        """Whether decoding the first output token needs prompt ids before it: SentencePiece-style
-        tokenizers drop a sequence's leading space; byte-level BPE decodes each token the same anywhere."""
+        """Whether the first output token needs prompt ids before it (SentencePiece drops a leading space)."""
         return not self._byte_level
 
-    # ---- text -> ids -------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True, limit: int | None = None) -> list[int]:
-        """The text's token ids. With ``limit``, a text that has more tokens than that raises PromptTooLong
-        after tokenizing at most about ``limit`` tokens of it (its bytes alone may show it): the caller's check
-        of the count stays exact, and its cost is bounded by the limit instead of the text."""
+        """The text's token ids; with ``limit``, PromptTooLong after about ``limit`` tokens at most (cost bounded
+        by the limit, the count still exact)."""
         size = _utf8_size(text)
         if limit is not None:
             self._check_size(text, size, limit)
@@ -168,9 +154,8 @@ class RouterTokenizer:
     def encode_chat(
         self, messages: list[dict[str, Any]], tools: list[Tool] | None = None, limit: int | None = None
     ) -> list[int]:
-        """Applies the model's chat template (with the assistant turn opened) and tokenizes the result (``limit``
-        as in ``encode``). Raises ValueError when the template rejects the conversation (e.g. roles out of
-        order). Tools, and tool calls and results in the history, go through the template (router/surface/tools.py)."""
+        """The chat template applied (assistant turn opened) and tokenized (``limit`` as in ``encode``);
+        ValueError when the template rejects the conversation."""
         if not self.chat_template:
             raise ValueError("this model has no chat template: use /v1/completions")
         from transformers.utils.chat_template_utils import render_jinja_template
@@ -189,15 +174,14 @@ class RouterTokenizer:
         text = rendered[0] if isinstance(rendered, tuple) else rendered
         if isinstance(text, list):
             text = text[0]
-        # The template writes the special tokens itself (as transformers' apply_chat_template does).
+        # The template writes the special tokens itself.
         return self.encode(text, add_special_tokens=False, limit=limit)
 
-    # ---- ids -> text -------------------------------------------------------------------------------
     def decode(self, ids: Sequence[int]) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=True)
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The raw bytes one token stands for (what OpenAI's chat logprobs report as ``bytes``)."""
+        """The raw bytes one token stands for (OpenAI's logprobs ``bytes``)."""
         cached = self._bytes_cache.get(token_id)
         if cached is not None:
             return cached
@@ -221,8 +205,7 @@ class RouterTokenizer:
         return out
 
     def token_str(self, token_id: int) -> str:
-        """One token as text; a token that is only part of a UTF-8 character is shown as escaped bytes,
-        the way OpenAI shows it (``bytes:\\xe4\\xb8``)."""
+        """One token as text; part of a UTF-8 character shows as escaped bytes, as OpenAI does."""
         raw = self.token_bytes(token_id)
         try:
             return raw.decode()
@@ -231,11 +214,8 @@ class RouterTokenizer:
 
 
 def load_tokenizer(model: str, tokenizer_dir: str = "") -> tuple[RouterTokenizer, ModelInfo]:
-    """Loads the tokenizer and model info for ``model`` (the embedded default's name or a local dir).
-
-    ``tokenizer_dir`` (a directory with the tokenizer files and config.json) serves a model whose id is
-    not a directory: workers running ``dummy:<config>`` weights for benchmarks, say. The model id stays
-    what clients pass and what workers publish to the prefix index under."""
+    """Loads the tokenizer and model info for ``model``; ``tokenizer_dir`` serves a model id that is not a
+    directory (``dummy:<config>`` workers); the id stays what clients pass."""
     from common.default_model import resolve_model_path
 
     path = Path(tokenizer_dir).expanduser() if tokenizer_dir else resolve_model_path(model)

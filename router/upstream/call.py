@@ -1,16 +1,9 @@
 """One choice's generation on the workers: placement, the decode worker's NDJSON stream, one retry.
 
-``UpstreamCall.start()`` routes the request, opens ``POST /internal/generate`` on the chosen decode pod
-(passing the chosen prefill pod's URL, or None to prefill locally) and waits for the first event. Any
-failure before that first token (refused connection, 429/5xx, a stream that ends or reports an error
-before producing a token, a pod declared down by the health poller, a deadline) is retried on other pods
-(once for the decode side; a failed or busy prefill pod moves the prompt to another one, or to the decode pod); a 400 is the client's fault and is raised as is. After the first token, failures end the
-call with ``finish_reason="error"``, marked ``retryable`` when only the worker was lost (router/upstream/migration.py
-then continues the choice on another worker).
-
-Every wait has a deadline (first token, then between tokens), and the pool can cut a wait short: it
-calls ``kill`` when a worker this call depends on is declared down, which fires the current deadline
-at once. Closing the call closes the HTTP stream, which the decode worker takes as an abort.
+Failures before the first token are retried on other pods (a 400 is raised as is); after it they end the call
+with ``finish_reason="error"``, ``retryable`` when only the worker was lost (router/upstream/migration.py then
+continues the choice). Every wait has a deadline, which the pool's ``kill`` fires at once when a worker this call
+depends on is declared down. Closing the call closes the stream, which the decode worker takes as an abort.
 """
 
 from __future__ import annotations
@@ -34,15 +27,14 @@ log = logging.getLogger("kvferry.router")
 __all__ = ["UpstreamCall"]
 
 STALL_GRACE_S = 5.0  # after its worker is declared down, a live stream must show a token this often
-# Tries before the first token: a failure on the decode side (or of no one worker) uses up one of DECODE_TRIES; one
-# that only its prefill worker caused (gone, or too busy) moves the request to another prefill worker, or to a
-# prefill on the decode worker once none is left, without using one up. MAX_ATTEMPTS bounds them all.
+# Tries before the first token: a decode-side failure uses one of DECODE_TRIES; one its prefill worker caused
+# moves the prompt to another prefill worker (or the decode worker) without using one. MAX_ATTEMPTS bounds all.
 DECODE_TRIES = 2
 MAX_ATTEMPTS = 4
 
 
 def lost_event(reason: str) -> TokenLine:
-    """The event a call ends with when only its worker was lost (router/upstream/migration.py continues the choice)."""
+    """The event a call ends with when only its worker was lost."""
     return TokenLine(finish_reason="error", error=reason, retryable=True)
 
 
@@ -66,10 +58,8 @@ class UpstreamCall:
         self._last_event = 0.0  # monotonic time of the last event read
         self._streaming = False  # the first event is in: failures can no longer be retried
 
-    # ---- lifecycle ---------------------------------------------------------------------------------
     async def start(self, avoid_decode: str | None = None) -> TokenLine:
-        """Routes and returns the first event (with the first tokens, or a finish). Raises OpenAIError.
-        ``avoid_decode``: a decode worker not to use (the one a migrated request left)."""
+        """Routes and returns the first event; raises OpenAIError. ``avoid_decode``: a migrated request's old worker."""
         exclude_d: set[str] = {avoid_decode} if avoid_decode else set()
         exclude_p: set[str] = set()
         last: OpenAIError | None = None
@@ -79,15 +69,13 @@ class UpstreamCall:
             if spent >= DECODE_TRIES:
                 break
             if moved_at is not None:
-                # The decode worker's last /load still counts the pages of the prefill just given back there:
-                # place the prompt again on a snapshot taken after it let go of them.
+                # The decode worker's last /load still counts the pages of the prefill just given back there.
                 await self.d.pool.fresh_loads(moved_at, timeout_s=3 * self.d.pool.poll_interval_s)
                 moved_at = None
             try:
                 decision = self.d.route(self.plan, self.sampling.max_tokens, exclude_d, exclude_p)
             except OpenAIError as exc:
-                # No worker left to retry on: the first attempt's error says more than "none ready",
-                # but "no room" stays a 429 (overload is never answered with a 5xx).
+                # No worker left: the first attempt's error says more than "none ready", but "no room" stays 429.
                 if last is not None and exc.status != 429:
                     raise last from None
                 raise
@@ -193,8 +181,7 @@ class UpstreamCall:
         if first is None:
             raise Retry(upstream_failed("decode worker closed the stream before the first token"), True, blame_p)
         if first.finish_reason == "error" and not first.token_ids:
-            # Worker-reported failure before any token: with a prefill pod in play the transfer or the
-            # prefill is the likely culprit, so the retry avoids that pod and may reuse the decode pod.
+            # Failure before any token: with a prefill pod in play it is the likely culprit, so the retry avoids it.
             msg = first.error or "worker error"
             if first.overloaded:  # its prefill worker is alive but too busy: a 429 if nothing else takes it
                 busy = rate_limited(f"the prefill workers are busy: {msg}", self.d.retry_after_s)
@@ -220,8 +207,7 @@ class UpstreamCall:
         raise failure_for(WorkerAnswer(resp.status, code, message, retry_after, self._prefill is not None))
 
     def next_nowait(self) -> TokenLine | None:
-        """The next event if it has already arrived, else None (never waits): what a caller that fell
-        behind drains before writing, so one write carries every event it had."""
+        """The next event if already arrived, else None: a caller that fell behind drains these before writing."""
         resp = self._streaming_resp
         if resp is None or self._closed:
             return None
@@ -234,7 +220,7 @@ class UpstreamCall:
         return None
 
     async def next(self) -> TokenLine | None:
-        """The next event, None at the end of the stream. Failures come back as an "error" finish."""
+        """The next event, None at the end of the stream; failures come back as an "error" finish."""
         if self._streaming_resp is None or self._closed:
             return None
         ev = self.next_nowait()  # already here: no deadline to arm
@@ -278,12 +264,8 @@ class UpstreamCall:
         return ev
 
     def kill(self, reason: str) -> None:
-        """Called by the pool when a worker this call waits on is declared down.
-
-        Before the first token the wait ends at once (the call is retried elsewhere). A stream already
-        producing tokens only gets a short grace deadline per token instead: a worker can miss its
-        health polls while busy yet stream fine, and cutting a live stream would be the worse mistake;
-        a stream that has really stopped still ends within ``STALL_GRACE_S`` of its last token."""
+        """The pool declared a worker this call waits on down. Before the first token the wait ends at once; a
+        live stream only gets a grace deadline per token (a busy worker may miss polls yet stream fine)."""
         if self._killed is None:
             self._killed = reason
         if self._deadline is not None:
@@ -296,16 +278,12 @@ class UpstreamCall:
             try:
                 self._deadline.reschedule(when)
             except RuntimeError:
-                # The wait it bounded is already over: this call is itself declaring the worker down
-                # from its except clause (a refused connection), after the timeout block exited.
+                # The wait is already over: this call itself is declaring the worker down (a refused connection).
                 pass
 
     def prefill_back(self) -> None:
-        """Called by the pool when a prefill worker comes (back) up. A prompt placed on its decode worker only
-        because no prefill worker was up, still before its first token, is given back: its wait ends at once
-        (closing the stream aborts its local prefill there) and it is placed again, on the prefill worker now
-        that one serves. A decode worker's local prefill runs in small chunks beside its streams (its ITL
-        target), so a long prompt left there would wait minutes for what a prefill worker does in seconds."""
+        """A prefill worker came (back) up: a prompt placed on its decode worker for lack of one, still before its
+        first token, is placed again (a decode worker's local prefill runs in small chunks beside its streams)."""
         decision = self.decision
         if (
             self._streaming
@@ -321,14 +299,13 @@ class UpstreamCall:
         self._deadline.reschedule(asyncio.get_running_loop().time())
 
     def _prefill_started(self) -> None:
-        """First token seen: the prefill pod's part is over (its load and failures stop mattering)."""
+        """First token seen: the prefill pod's part is over."""
         pw, self._prefill = self._prefill, None
         if pw is not None:
             pw.release_prefill(self)
 
     def _let_go(self) -> Response | None:
-        """Drops everything this call holds in the pool, at once (no await: no cancellation can come
-        between); returns the upstream response still to be closed, if any."""
+        """Drops everything this call holds in the pool, with no await; returns the response still to close."""
         self._prefill_started()
         dw, self._decode = self._decode, None
         if dw is not None:
@@ -344,22 +321,18 @@ class UpstreamCall:
             return
         try:
             if finished and not resp.ended:
-                # A finished stream has only its terminating chunk left: read it, so the connection goes
-                # back to the pool instead of being torn down (a new TCP connection per request costs more
-                # than everything else the router does).
+                # Reading the terminating chunk returns the connection to the pool (a new one costs more).
                 with anyio.move_on_after(1.0):
                     try:
                         await resp.read()
                     except WireError:
                         pass
         finally:
-            # Closing an unfinished stream is the abort signal for the workers; it never waits, so even a
-            # cancelled read above cannot leave the worker generating for nobody.
+            # Closing an unfinished stream is the workers' abort signal; it never waits.
             resp.close()
 
     def abandon(self) -> None:
-        """Ends the call without waiting for anything: nothing held, the upstream stream closed (which the
-        decode worker takes as an abort). Idempotent; what every way a request ends comes down to."""
+        """Ends the call without waiting: nothing held, the stream closed (an abort). Idempotent."""
         self._closed = True
         resp = self._let_go()
         if resp is not None:

@@ -1,17 +1,7 @@
-"""Requests survive their decode worker: a stream whose worker is lost goes on on another one.
-
-When the decode worker streaming a choice is lost (its stream breaks or stalls, or it reports that its
-engine exited: an error event marked ``retryable``, router/upstream/call.py), the choice continues from where it
-was. The new upstream request's prompt is the original prompt plus every token already received (prefilled
-remotely or locally like any prompt, the prefix cache helping), its budget the tokens left, and its sampling
-the same with ``output_offset`` = the tokens already out: the seeded sampler keys its noise by seed and
-output position (common/engine/sampling.py), so position k after the seam draws what an uninterrupted run
-would, and penalties count the earlier output. The client's side (text, stop strings, logprobs, usage) is
-one ChoiceState fed across the seam; the continuation's first event reports its own, longer prompt, which is
-dropped so usage counts the original prompt once.
-
-A choice migrates at most ``limit`` times. A continuation that finds no decode worker ready (all restarting)
-waits for one, with back-off, for up to ``wait_s`` before the stream ends with an error event.
+"""Requests survive their decode worker (docs/reliability.md, "Decode migration"): a lost stream continues on
+another worker with the prompt plus every token received, the tokens left, and ``output_offset`` = the tokens
+already out, so seeded sampling and penalties go on as an uninterrupted run would. At most ``limit`` times;
+with no decode worker ready it waits up to ``wait_s``.
 """
 
 from __future__ import annotations
@@ -36,8 +26,7 @@ _BACKOFF_S = (0.25, 0.5, 1.0, 2.0)  # between tries while no decode worker is re
 
 @dataclass
 class MigrationStats:
-    """This router process's migration counters, shown in ``/router/workers``; ``/metrics`` has the same
-    as ``kvferry_router_migrations_total{outcome}`` (router/metrics.py)."""
+    """This router process's migration counters (``/router/workers``; ``kvferry_router_migrations_total``)."""
 
     started: int = 0  # continuations sent to a worker
     succeeded: int = 0  # continuations that produced their first event: the client's stream went on
@@ -51,8 +40,7 @@ MIGRATIONS = MigrationStats()
 
 
 class MigratingCall:
-    """One choice's generation, moved to another decode worker whenever its worker is lost. The same
-    interface as UpstreamCall (start, next_nowait, next, aclose), which does the work of each leg."""
+    """One choice's generation, moved whenever its worker is lost; UpstreamCall's interface, which runs each leg."""
 
     def __init__(
         self,
@@ -76,7 +64,6 @@ class MigratingCall:
         self._closed = False
 
     async def start(self) -> TokenLine:
-        """The first event (UpstreamCall.start: retried on other workers before any token)."""
         return self._seen(await self.leg.start())
 
     def next_nowait(self) -> TokenLine | None:
@@ -103,11 +90,9 @@ class MigratingCall:
         await self.leg.aclose()
 
     def abandon(self) -> None:
-        """Ends the choice at once, holding nothing (UpstreamCall.abandon)."""
         self._closed = True
         self.leg.abandon()
 
-    # ---- the seam --------------------------------------------------------------------------------------
     def _count(self, outcome: str) -> None:
         setattr(MIGRATIONS, outcome, getattr(MIGRATIONS, outcome) + 1)
         self.d.metrics.migrations.labels(outcome=outcome).inc()  # kvferry_router_migrations_total
@@ -117,8 +102,7 @@ class MigratingCall:
         return ev
 
     def _take(self, ev: TokenLine) -> TokenLine | None:
-        """The event to hand on, or None when the leg was lost and the choice will migrate (tokens that
-        came with the failure are handed on first)."""
+        """The event to hand on; None when the leg was lost and the choice migrates (its tokens handed on first)."""
         if ev.finish_reason != "error" or not ev.retryable:
             return self._seen(ev)
         if self.migrations >= self.limit:
@@ -153,7 +137,7 @@ class MigratingCall:
             except OpenAIError as exc:
                 reason = exc.message
                 if exc.status in (429, 503) and time.monotonic() < give_up_at:
-                    # No decode worker ready or room (they may be restarting): wait, without using up a try.
+                    # No decode worker ready or room (restarting, maybe): wait, without using up a try.
                     self.migrations -= 1
                     await asyncio.sleep(_BACKOFF_S[min(waits, len(_BACKOFF_S) - 1)])
                     waits += 1

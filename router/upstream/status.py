@@ -51,34 +51,28 @@ def error_message(status: int, raw: bytes) -> tuple[str, str | None]:
 
 # (status, code or None for any) -> what to raise. Order matters: the first row that matches wins.
 _ROWS: list[tuple[int, str | None, Callable[[WorkerAnswer], Exception]]] = [
-    # The worker's engine did not answer its control call in time: overload, not a fault of the request; if no
-    # other worker takes it, the client is told to come back (429), not a 5xx.
+    # The engine did not answer its control call in time: overload, so 429 if no other worker takes it.
     (
         504,
         "engine_timeout",
         lambda a: Retry(rate_limited(f"the decode worker is overloaded: {a.message}", a.retry_after_s), True, False),
     ),
-    # This request already reached the worker (a POST resent after a reused connection's EOF, whose first copy
-    # did arrive): that copy is aborted when its unread response closes; retry under a new id.
+    # A resent POST whose first copy arrived: that copy is aborted when its response closes; retry under a new id.
     (409, "duplicate_request", lambda a: Retry(upstream_failed(f"duplicate delivery: {a.message}"), False, False)),
-    # The decode worker was not configured with this prefill worker as a peer (KVFERRY_PREFILL_PEERS, e.g. after
-    # an upgrade that kept old manifests): its own prefill serves the prompt, slower but answered, and the
-    # message (logged) says which setting to set.
+    # The decode worker lacks this prefill peer (KVFERRY_PREFILL_PEERS): its own prefill serves, the log says why.
     (403, "unknown_prefill_peer", lambda a: Retry(upstream_failed(a.message), False, True, local=True)),
-    # The client's fault: answered as is, never retried.
     *((status, None, lambda a: bad_request(a.message, None, a.code)) for status in (400, 413, 422)),
     (
         429,
         None,
         lambda a: Retry(rate_limited(f"all decode workers are busy: {a.message}", a.retry_after_s), True, False),
     ),
-    # Not ready or draining (the caller marks the worker so until the poller says it is back).
+    # Not ready or draining (marked so until the poller says it is back).
     (503, None, lambda a: Retry(no_worker("decode"), True, False)),
 ]
 
 
 def failure_for(answer: WorkerAnswer) -> Exception:
-    """What to raise for a worker's non-200 answer."""
     for status, code, make in _ROWS:
         if answer.status == status and (code is None or answer.code == code):
             return make(answer)

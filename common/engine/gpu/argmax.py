@@ -1,14 +1,6 @@
-"""Argmax over each row of a few wide rows (greedy sampling of the logits), in two launches.
-
-torch's argmax reduces a row in one thread block: for a 128k vocabulary a visible share of a batch-1 decode
-step (bench/RESULTS.md, "Figures behind choices in the code"). Here every row is cut in chunks of `CHUNK` ids: one
-program per (row, chunk) finds the chunk's largest logit and its first id, a second launch picks, per row, the
-first chunk holding the row's largest. Ties go to the lowest id, as torch's argmax breaks them. A NaN counts as +inf
-(torch ranks it above +inf; logits hold neither).
-
-Batches of more than `MAX_ROWS` rows keep torch's argmax: its blocks then fill the GPU already.
-
-CI runs the kernels on the CPU under Triton's interpreter against torch (tests/test_small_kernels_interpreted.py).
+"""Argmax over each row of a few wide rows (greedy sampling), in two launches: torch reduces a row in one thread
+block, a visible share of a batch-1 step. One program per (row, chunk), then a pick per row; ties go to the lowest
+id as in torch, and a NaN counts as +inf. Batches over `MAX_ROWS` keep torch's.
 """
 
 from __future__ import annotations
@@ -52,7 +44,6 @@ def fits(x: torch.Tensor) -> bool:
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """`x.argmax(-1)` (int64) of a `[B, V]` float tensor `fits` accepts."""
     b, vocab = x.shape
     chunks = triton.cdiv(vocab, CHUNK)
     vals = torch.empty(b, chunks, dtype=torch.float32, device=x.device)

@@ -1,22 +1,7 @@
-"""FlashInfer attention: paged prefill (chunked, causal) and paged decode over the KV pool.
-
-The pool's layout `[L, 2, pages, page_size, H, D]` gives per layer two contiguous NHD tensors, which is
-flashinfer's paged layout as a `(k_cache, v_cache)` tuple. The page table holds raw token locations, so a
-request's page ids are the locations at every page_size-th position divided by page_size; `page_meta`
-builds flashinfer's CSR description (kv_indptr, kv_indices, last_page_len) with a handful of tensor ops
-per step. The indptr/last-page vectors stay on the CPU (flashinfer's planner reads them there, so
-passing device tensors would cost a device sync); the page ids are gathered on the device.
-
-FP8 pools on Hopper prefill on FP8 tensor cores: flashinfer's FA3 kernel takes e4m3 Q, K and V (its FA2 kernel,
-the only one that reads FP8 pages beside 16-bit queries, ran a prefill's attention at half FA3's speed: bench/RESULTS.md, "Figures behind choices in the code"), so a prefill or mixed step's queries are cast to e4m3 at scale 1.0 before the call,
-as vLLM's FA3 path does for FP8 KV (the KV pages hold K at scale 1.0 too unless the checkpoint gives one; the
-queries of the models measured stay far inside +-448). The kernel folds K's scale into the softmax scale and
-quantizes the probabilities to e4m3 for PV; decode rows keep 16-bit queries (XQA or flashinfer's decode kernel).
-
-Causality in flashinfer's paged prefill aligns a request's queries with the end of its KV, so a chunk
-attends to its cached pages plus itself, which is exactly chunked prefill. Before the layer's attention
-runs, q and k are rotated and the step's K/V written into the pool: one Triton kernel for all three
-(common/engine/gpu/rope_store.py) where Triton is there, else flashinfer's RoPE and one index_copy each.
+"""FlashInfer attention: paged prefill (chunked, causal) and paged decode over the KV pool
+(docs/architecture.md, "GPU kernels" and "FP8"). The pool's `[L, 2, pages, page_size, H, D]` layout is
+flashinfer's paged NHD layout per layer. The indptr/last-page vectors stay on the CPU (flashinfer's planner
+reads them there: device tensors would cost a sync); the page ids are gathered on the device.
 """
 
 from __future__ import annotations
@@ -37,18 +22,13 @@ from common.kv.pool import KVPool
 log = logging.getLogger("kvferry.engine")
 
 WORKSPACE_BYTES = 256 << 20
-# Decode graphs up to this batch run the split-KV Triton kernel (common/engine/gpu/decode_attention.py) where
-# it is available; larger batches keep flashinfer's, as fast or faster there at 4k context (bench/decode_kernels.py;
-# bench/RESULTS.md, "Figures behind choices in the code").
+# Decode graphs up to this batch run the split-KV Triton kernel (common/engine/gpu/decode_attention.py);
+# flashinfer's is as fast or faster above (bench/decode_kernels.py).
 TRITON_DECODE_MAX_BS = 2
-# FP8 pages: the same batches, 8 pages per tile (bench/decode_kernels.py --kv-dtypes fp8; from b=4 at 4k and
-# b=32 at 1k flashinfer's tensor-core kernel is faster). On Hopper XQA's FP8 kernel takes every FP8 decode graph
-# (common/engine/gpu/xqa_decode.py), faster at every batch.
+# FP8 pages: the same batches, 8 pages per tile (bench/decode_kernels.py --kv-dtypes fp8); XQA takes them on Hopper.
 FP8_DECODE_TILE_PAGES = 8
-# A prefill or mixed step whose leading requests extend one token each (a mixed step's decode rows) runs those
-# rows through the decode kernel and the rest through the prefill kernel once there are this many: the
-# prefill kernel gives each one-token row a whole query tile. From one decode row on the split step was the
-# cheaper, never dearer by more than the timing noise (bench/mixed_step.py --split-min-rows 1; bench/RESULTS.md, "Figures behind choices in the code").
+# Mixed steps run their one-token rows on the decode kernel from this many rows (the prefill kernel gives each a
+# whole query tile; bench/mixed_step.py --split-min-rows).
 SPLIT_DECODE_MIN_ROWS = 1
 
 
@@ -80,14 +60,13 @@ class PageMeta:
     last_page_len: torch.Tensor  # [B] int32, CPU
 
     def split(self, n: int) -> tuple[PageMeta, PageMeta]:
-        """The first `n` requests' metadata and the rest's."""
         cut = int(self.indptr[n])
         head = PageMeta(self.indptr[: n + 1], self.indices[:cut], self.last_page_len[:n])
         tail = PageMeta(self.indptr[n:] - cut, self.indices[cut:], self.last_page_len[n:])
         return head, tail
 
     def padded(self, bs: int, dummy_page: int) -> PageMeta:
-        """Appends `bs - B` one-token requests that live on the dummy page (CUDA-graph padding)."""
+        """Appends `bs - B` one-token requests on the dummy page (CUDA-graph padding)."""
         n = bs - int(self.last_page_len.shape[0])
         if n <= 0:
             return self
@@ -101,7 +80,7 @@ class PageMeta:
 
 
 def page_meta(table: torch.Tensor, page_size: int, table_rows: torch.Tensor, seq_lens_cpu: list[int]) -> PageMeta:
-    """flashinfer's CSR page description of a step's requests from the token-location table (rows `table_rows`)."""
+    """flashinfer's CSR page description of a step's requests from the token-location table."""
     ps = page_size
     b = len(seq_lens_cpu)
     seq = torch.tensor(seq_lens_cpu, dtype=torch.int64)
@@ -111,8 +90,7 @@ def page_meta(table: torch.Tensor, page_size: int, table_rows: torch.Tensor, seq
     last = seq - (npages - 1) * ps
     max_pages = int(npages.max())
     total = int(indptr[-1])
-    # Flat entry e belongs to request r(e) and is its page j(e): it sits at r * max_pages + j in the
-    # [B, max_pages] block of page-start locations gathered below.
+    # Flat entry e is page j of request r: at r * max_pages + j in the [B, max_pages] gathered block.
     owner = torch.repeat_interleave(torch.arange(b, dtype=torch.int64), npages, output_size=total)
     flat = owner * max_pages + torch.arange(total, dtype=torch.int64) - indptr[:-1][owner]
     firsts = table[:, : max_pages * ps : ps][table_rows].reshape(-1)
@@ -122,9 +100,8 @@ def page_meta(table: torch.Tensor, page_size: int, table_rows: torch.Tensor, seq
 
 
 class PlanFences:
-    """flashinfer's planners stage a plan in a pinned host buffer and copy it to the device on the stream;
-    re-planning a wrapper before that copy ran would overwrite it (the overlap loop plans step N+1 while step N is
-    queued). One event per wrapper, recorded after its plan and waited on before its next, orders the two."""
+    """flashinfer stages a plan in pinned memory and copies it on the stream; re-planning a wrapper before that
+    copy ran (the overlap loop plans step N+1 while N is queued) would overwrite it: one event per wrapper orders them."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -189,7 +166,7 @@ class FlashInferAttention:
             except Exception as exc:  # a kernel that does not build here: flashinfer decodes the FP8 pages
                 log.warning("XQA's FP8 decode kernel unavailable, flashinfer's runs: %s", str(exc)[:300])
                 self.xqa = None
-        # Set by `bind` for a CUDA-graph decode step that runs the Triton kernel: (indptr, indices, last, splits).
+        # Set by `bind` for a CUDA-graph decode step on the Triton kernel: (indptr, indices, last, splits).
         self._triton_meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
         self.pool = pool
         self.pdl = pdl  # programmatic dependent launches for the Triton kernels and XQA (common/engine/gpu/pdl.py)
@@ -199,8 +176,7 @@ class FlashInferAttention:
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         self.dtype = dtype
-        # FP8 pools: flashinfer reads e4m3 pages and takes each layer's static scales as two floats per call,
-        # folded into the softmax scale and the output (None where not FP8: no extra work).
+        # FP8 pools: each layer's static scales, folded into the softmax scale and the output (None: not FP8).
         self.kv_dtype = pool.layout.dtype
         fp8 = is_fp8(self.kv_dtype)
         layout = pool.layout
@@ -209,7 +185,6 @@ class FlashInferAttention:
             dict(k_scale=ks, v_scale=None if vs == 1.0 else vs) if fp8 else {} for ks, vs in self.kv_scales
         ]
         self.tensor_cores = use_tensor_cores(cfg.num_heads, cfg.num_kv_heads)
-        # Decode batches below this size use the CUDA-core kernel even where the GQA group allows tensor cores.
         self.tc_min_batch = max(1, tc_min_batch)
         self.workspace = workspace
         self.kv = [(pool.k_cache(i), pool.v_cache(i)) for i in range(cfg.num_layers)]
@@ -224,7 +199,7 @@ class FlashInferAttention:
         self.fp8_prefill = False  # prefill steps run FA3 with e4m3 queries (FP8 pools on Hopper)
         self.decode_wrappers = {tc: self.make_decode_wrapper(tensor_cores=tc) for tc in {self.tensor_cores, False}}
         self._wrapper = None
-        # Set by plan_extend for a step split in two calls: (leading one-token rows, their planned decode wrapper).
+        # Set by plan_extend for a split step: (leading one-token rows, their planned decode wrapper).
         self._split: tuple[int, object] | None = None
         self._out_loc: torch.Tensor | None = None
         self.fences = PlanFences(workspace.device)
@@ -232,8 +207,7 @@ class FlashInferAttention:
             self._start_fp8_prefill()
 
     def _start_fp8_prefill(self) -> None:
-        """FA3 over FP8 pages, probed with one token on page 0 (its output dropped) so that a kernel that does not
-        build here shows at start and leaves flashinfer's FA2 kernel in place."""
+        """FA3 over FP8 pages, probed with one token at start so a kernel that does not build here leaves FA2."""
         fa2 = self.prefill_wrapper
         self.prefill_wrapper = self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa3")
         self.fp8_prefill = True
@@ -273,7 +247,6 @@ class FlashInferAttention:
             backend="fa2",
         )
 
-    # ---- planning ---------------------------------------------------------------------------------
     def page_meta(self, table_rows: torch.Tensor, seq_lens_cpu: list[int]) -> PageMeta:
         return page_meta(self.table, self.page_size, table_rows, seq_lens_cpu)
 
@@ -287,7 +260,6 @@ class FlashInferAttention:
         self.fences.after(wrapper)
 
     def _xqa_view(self, meta: PageMeta) -> xqa_decode.XqaPages:
-        """XQA's page table of an eager step's decode rows, as wide as its longest row."""
         dev = meta.indices.device
         width = int((meta.indptr[1:] - meta.indptr[:-1]).max())
         indptr, last = meta.indptr.to(dev, non_blocking=True), meta.last_page_len.to(dev, non_blocking=True)
@@ -311,8 +283,7 @@ class FlashInferAttention:
         self._split = None
 
     def plan_extend(self, meta: PageMeta, extend_lens_cpu: list[int]) -> None:
-        """A prefill or mixed step: one prefill call, or the leading one-token rows (SPLIT_DECODE_MIN_ROWS or
-        more) on the decode kernel and the rest on the prefill kernel."""
+        """A prefill or mixed step: one prefill call, or the leading one-token rows on the decode kernel."""
         n = leading_single_token_rows(extend_lens_cpu)
         if not SPLIT_DECODE_MIN_ROWS <= n < len(extend_lens_cpu):
             self.plan_prefill(meta, extend_lens_cpu)
@@ -371,11 +342,8 @@ class FlashInferAttention:
         out_loc: torch.Tensor,
         graph_meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        """Points forward() at a planned wrapper and a write-location buffer (CUDA-graph capture and replay).
-
-        `out_loc` holds pool rows (KVPool.token_rows) of the tokens written this step; `graph_meta` the device
-        CSR buffers (indptr, indices, last page lengths) the wrapper was built over, which the Triton decode
-        kernel reads too for batches up to TRITON_DECODE_MAX_BS."""
+        """Points forward() at a planned wrapper and a write-location buffer (CUDA-graph capture and replay);
+        `graph_meta`: the device CSR buffers the wrapper (and the Triton decode kernel) reads."""
         self._wrapper = wrapper
         self._out_loc = out_loc
         self._triton_meta = None
@@ -391,11 +359,9 @@ class FlashInferAttention:
             self._triton_meta = (*graph_meta, splits)
 
     def write_rows(self, out_loc: torch.Tensor) -> None:
-        """Where `store` writes this step's K/V (pool rows, KVPool.token_rows), leaving the attention's plan as it
-        is: the piecewise step graphs capture `store` on a static buffer and attend as planned (plan_extend)."""
+        """Where `store` writes this step's K/V, the plan left as is (piecewise graphs capture `store`)."""
         self._out_loc = out_loc
 
-    # ---- per layer --------------------------------------------------------------------------------
     def forward(
         self, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
@@ -403,9 +369,7 @@ class FlashInferAttention:
         return self.attend(layer, self.store(layer, positions, q, k, v))
 
     def kv_write(self, layer: int, positions: torch.Tensor) -> KvWrite | None:
-        """Where `store` would write (the step's write rows, this layer's offsets and scales): the qkv GEMV's
-        epilogue rotates and writes there itself at a few rows (common/engine/gpu/fused_gemv.py), and `attend`
-        runs as planned. None without the Triton kernels."""
+        """Where `store` would write: the qkv GEMV's epilogue writes there itself at a few rows (None: no Triton)."""
         if self.rope_store is None:
             return None
         assert self._out_loc is not None, "plan() or bind() must run before the layers"
@@ -428,13 +392,11 @@ class FlashInferAttention:
         v: torch.Tensor,
         q_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """RoPE on q and k, and the step's K/V written into the pool; returns the rotated q (into `q_out` where
-        given). Piecewise CUDA graphs capture this half and run `attend` between the graphs."""
+        """RoPE on q and k and the step's K/V written; returns the rotated q (piecewise graphs capture this half)."""
         loc = self._out_loc
         assert loc is not None, "plan() or bind() must run before the layers"
         ko, vo = self.k_offsets[layer], self.v_offsets[layer]
         if self.rope_store is not None:
-            # A whole step on FA3's FP8 prefill gets its queries in e4m3 straight from the rotation.
             q_fp8 = self.fp8_prefill and q_out is None and self._split is None and self._wrapper is self.prefill_wrapper
             return self.rope_store(
                 positions, q, k, v, self.cos_sin, self.rows, loc, ko, vo, q_out, *self.kv_scales[layer], q_fp8=q_fp8
@@ -442,7 +404,6 @@ class FlashInferAttention:
         if layer == 0:  # every layer's write rows at once (inside the graph when captured)
             self._kv_rows = self._kv_offsets[:, None] + loc[None, :]
         assert self._kv_rows is not None
-        # One kernel for q and k; it reads views of the qkv projection strided and writes fresh tensors.
         qr, kr = self.fi.apply_rope_with_cos_sin_cache(
             positions, q.flatten(1), k.flatten(1), q.shape[-1], self.cos_sin, True
         )
@@ -454,7 +415,6 @@ class FlashInferAttention:
         return q_out.copy_(qr.view(q.shape))
 
     def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention of the rotated q over the layer's pages as planned (into `out` where given)."""
         if self._xqa_pages is not None:
             return self.xqa.attend(q, *self.kv[layer], *self.kv_scales[layer], self._xqa_pages, out)  # type: ignore[union-attr]
         assert self._wrapper is not None, "plan() must run before forward()"

@@ -1,18 +1,8 @@
-"""Split-KV paged decode attention for small batches (Triton), over flashinfer's page metadata.
-
-At batch 1 flashinfer's decode leaves the GPU mostly idle (bench/RESULTS.md, "Figures behind choices in the code"): its planner splits KV into chunks of at least 128 tokens, so 1k tokens x 8 KV heads make 64
-CTAs, each a chain of dependent page loads, then a merge kernel. Here one program takes one (request, KV
-head, split) with the split count chosen so the grid fills the chip, loads its pages as one gathered tile
-per iteration, and runs the GQA group's queries (padded to 16 rows) through `tl.dot`; a second kernel merges
-the splits by their log-sum-exp. The split count is fixed per batch size (CUDA graphs capture the grid);
-how many pages each split takes is computed on the device from the request's length.
-
-Inputs are the decode wrapper's CSR buffers (`kv_indptr`, `kv_indices`, `kv_last_page_len`, on the device)
-and the pool's per-layer `[pages, page_size, Hkv, D]` views, so the same plan serves both kernels.
-
-FP8 (e4m3) pages are read at one byte a value and widened to the queries' dtype in registers; the layer's
-static K scale is folded into the softmax scale and its V scale into the output, as flashinfer applies them.
-With one split a program writes its normalized output directly (no merge launch, no float32 partials).
+"""Split-KV paged decode attention for small batches (Triton), over flashinfer's page metadata: flashinfer's
+planner splits KV into chunks of at least 128 tokens, too few programs at batch 1. One program per (request, KV
+head, split), the split count fixed per batch size (graphs capture the grid) to fill the chip, then a
+log-sum-exp merge (skipped with one split). FP8 pages are widened in registers, their scales folded as
+flashinfer folds them.
 """
 
 from __future__ import annotations
@@ -142,7 +132,6 @@ def supports(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int) -
 
 
 def num_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
-    """Splits per (request, KV head): enough programs to fill every multiprocessor once, at most 16."""
     return max(1, min(16, -(-num_sms // (batch * num_kv_heads))))
 
 
@@ -166,10 +155,8 @@ def decode_attention(
     tile: TileConfig | None = None,
     launch_pdl: bool = False,
 ) -> torch.Tensor:
-    """q: [B, Hq, D]; k_cache/v_cache: [pages, page_size, Hkv, D] views of one layer (token rows contiguous),
-    16-bit or e4m3 with the layer's scales; the CSR tensors on q's device, as flashinfer's decode plan takes
-    them. Returns [B, Hq, D] in q's dtype. `launch_pdl`: programmatic dependent launches
-    (common/engine/gpu/pdl.py)."""
+    """q: [B, Hq, D]; k_cache/v_cache: one layer's `[pages, page_size, Hkv, D]` views (16-bit or e4m3 with its
+    scales); the CSR tensors as flashinfer's decode plan takes them. Returns [B, Hq, D] in q's dtype."""
     tile = tile or TileConfig()
     b, hq, d = q.shape
     _, page, hkv, _ = k_cache.shape

@@ -1,15 +1,6 @@
-"""FP8 GEMMs on Hopper's FP8 tensor cores: `torch._scaled_mm` with row-wise scales.
-
-y = (x_q @ W_q^T) * s_x[:, None] * s_w[None, :], where W_q is the layer's e4m3 weight with one scale per output
-channel (`Fp8Linear`) and x_q the activations quantized per token: by the op that produces them where one does
-(`scaled_linear` after common/engine/gpu/fp8_kernels.py's fused add + RMSNorm or SiLU-mul), else as the GEMM runs
-(`fp8_linear`). cuBLASLt's row-wise scaled FP8 GEMM needs the inner dimension and the output width to be multiples
-of 16; a weight that is not (none of the supported models' GEMMs) runs dequantized through `F.linear`, logged
-once.
-
-The GEMMs run with fast accumulation, as vLLM's and torchao's FP8 inference GEMMs do: Hopper's FP8 MMA keeps its
-partial sums in reduced precision, and the default kernel promotes them to float32 every few K steps. Fast
-accumulation is faster for a small rise in the error against float32 (bench/fp8_gemm.py; bench/RESULTS.md, "Figures behind choices in the code").
+"""FP8 GEMMs on Hopper's FP8 tensor cores: `torch._scaled_mm` with row-wise scales (per output channel and per
+token), with fast accumulation as vLLM's and torchao's do. cuBLASLt needs K and N multiples of 16; a weight that
+is not runs dequantized through `F.linear`.
 """
 
 from __future__ import annotations
@@ -34,7 +25,6 @@ def fits(w: Fp8Linear) -> bool:
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Linear, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x `[M, K]` (16-bit) @ the FP8 weight `[N, K]`^T -> `[M, N]` in x's dtype."""
     if not fits(w):
         if w.weight.shape not in _warned:
             _warned.add(tuple(w.weight.shape))
@@ -47,7 +37,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Linear, bias: torch.Tensor | None = None) 
 def scaled_linear(
     xq: torch.Tensor, sx: torch.Tensor, w: Fp8Linear, bias: torch.Tensor | None, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The FP8 GEMM of activations already quantized per token (e4m3 `[M, K]`, scales `[M, 1]`; `fits(w)`)."""
+    """The FP8 GEMM of activations already quantized per token (`fits(w)`)."""
     n = w.weight.shape[0]
     if xq.shape[0] == 0:
         return torch.empty(0, n, dtype=dtype, device=xq.device)

@@ -1,38 +1,9 @@
-"""Skinny GEMMs (decode steps of a few rows) with the elementwise op before them folded into their prologue.
-
-At batch 1 a decoder layer is four weight-streaming GEMVs and, around them, a norm, an add + norm and a
-SiLU-mul: each of those is a launch of ~2-3 us that moves a few KB. Folding them into the GEMV that
-consumes their output removes the launch and the round trip through memory:
-
-- `prologue="norm"`: y = (rms_norm(x) * w_norm) @ W^T
-- `prologue="add_norm"`: s = x + residual; y = (rms_norm(s) * w_norm) @ W^T; also returns s (the new
-  residual stream, written once by program 0)
-- `prologue="silu"`: y = (silu(x[:, :K]) * x[:, K:]) @ W^T
-- `prologue="none"`: y = x @ W^T
-- `prologue="stream_norm"`: y = (rms_norm(x) * w_norm) @ W^T where x is a residual stream whose per-row sums of
-  squares a GEMV with `into_stream` left in `norm_stats`: rstd is one scalar per row, so the product runs on
-  x * w_norm and is scaled by rstd at the end, and the weight stream never waits for the statistics.
-
-`gated=True` is the MLP's activation as an epilogue: W holds [gate; up] (2I rows) and y = silu(x @ Wg^T) *
-(x @ Wu^T), `[m, I]`: each program takes BLOCK_N / 2 gate rows and the up rows that pair with them, so the SiLU-mul
-kernel between the gate_up and down GEMVs goes.
-
-`kv_write=KvWrite(...)` is the attention's epilogue: W holds [q; k; v] head by head, and each program takes
-BLOCK_N / 2 dims of one head and the dims D / 2 further (a rotation's pairs), applies RoPE to q and k heads from the
-float32 cos/sin table at each row's position, stores the rotated q (`[m, Hq, D]`) and writes K and V into the
-step's pool rows (an FP8 pool: value / scale, saturated, rounded to nearest even), so the RoPE + K/V-write kernel
-between the qkv GEMV and attention goes. The projection is rounded to 16 bits before the rotation, as the unfused
-kernel reads it.
-
-`into_stream=s` is the matching epilogue of the norms: s += x @ W^T (in place: each program owns its columns) and one partial
-sum of squares of the new s per row and program, in program order (deterministic: no atomics). A sublayer's
-output projection then feeds the next norm's GEMV with no add + RMSNorm kernel between them.
-
-Every program streams `BLOCK_N` rows of W over the whole K and recomputes the row statistics of x itself
-(x is a few KB, read from L2), so there is no cross-program sync. One row (M = 1) runs an elementwise-FMA
-loop reduced once at the end; a few rows run `tl.dot` with the operands swapped (the weight tile is the MMA's
-tall side, the rows, padded to 16, its narrow side), the usual arrangement for skinny GEMMs. The activation is kept in float32 into the product with the M = 1 kernel; the 16-bit path of
-the unfused ops rounds it first, so outputs differ by bf16 rounding only.
+"""Skinny GEMMs (decode steps of a few rows) with the elementwise op before them folded into their prologue and
+the one after into their epilogue, removing a launch and a memory round trip each (docs/architecture.md, "GPU
+kernels"). Prologues: `norm`, `add_norm` (also returns the new residual), `silu`, `none`, `stream_norm` (from the
+row statistics an `into_stream` GEMV left). Epilogues: `gated` (silu(gate) * up), `kv_write` (RoPE and the K/V
+write), `into_stream` (s += x @ W^T plus per-program sums of squares, in program order: deterministic).
+Each program streams `BLOCK_N` rows of W and recomputes x's row statistics itself, so programs never sync.
 """
 
 from __future__ import annotations
@@ -61,10 +32,8 @@ class GemvConfig:
 
 
 def pick_config(rows: int, n: int, w_fp8: bool = False, k: int = 0) -> GemvConfig:
-    """Block shapes by the sweep of bench/decode_kernels.py (llama-3.1-8b shapes, weights streamed from HBM;
-    bench/RESULTS.md, "Figures behind choices in the code"): one row, 8 x 512 tiles (8 x 256 for the widest outputs); a few rows, 64-row MMA tiles; one row of
-    FP8 weights (half the bytes per tile), 8 x 1024 tiles, 32 x 256 for the widest outputs.
-    `k` completes the shape (bench/gemv_tiles_in_step.py overrides tiles per (n, k)); no rule needs it today."""
+    """Block shapes by bench/decode_kernels.py's sweep (8B shapes): one row 8 x 512 (8 x 256 widest), a few rows
+    64-row MMA tiles, FP8 one row 8 x 1024 (32 x 256 widest). `k` completes the shape; no rule needs it today."""
     if rows == 1 and w_fp8:
         if n > 16384:
             return GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
@@ -82,10 +51,56 @@ def _heads_fit(cfg: GemvConfig, n: int, kv_heads: int, head_dim: int) -> bool:
 
 
 def kv_write_fits(rows: int, weight: torch.Tensor, kv_write: KvWrite) -> bool:
-    """Whether `gemv(..., kv_write=kv_write)` takes this weight at `rows` rows with the tiles it picks."""
     n, k = weight.shape
     hkv, head_dim = kv_write.rows.shape[1:]
     return _heads_fit(pick_config(rows, n, is_fp8(weight.dtype), k), n, hkv, head_dim)
+
+
+@triton.jit
+def gated_rows(pid, N, BLOCK_N: tl.constexpr):
+    """The weight rows of a gated tile over N = I output columns ([gate; up], 2I rows): its first half are gate
+    rows, its second the matching up rows. (rows, their columns' mask)."""
+    HALF: tl.constexpr = BLOCK_N // 2
+    ri = tl.arange(0, BLOCK_N)
+    col = pid * HALF + ri % HALF
+    return tl.where(ri < HALF, col, N + col), col < N
+
+
+@triton.jit
+def zero_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
+    """The accumulator of `accumulate`: the MMA's `[BLOCK_N, BLOCK_M]`, or one row's `[BLOCK_N, BLOCK_K]` FMA lanes."""
+    if USE_DOT:
+        return tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        return tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+
+
+@triton.jit
+def accumulate(acc, w, a, USE_DOT: tl.constexpr):
+    """acc + the weight tile w `[BLOCK_N, BLOCK_K]` times the rows a `[BLOCK_M, BLOCK_K]` (float32)."""
+    if USE_DOT:
+        # Swapped operands: the weight tile is the MMA's tall side, the few rows its narrow side.
+        acc += tl.dot(w, tl.trans(a.to(w.dtype)))
+    else:
+        acc += w.to(tl.float32) * a  # a: [1, BLOCK_K], broadcast over the BLOCK_N rows
+    return acc
+
+
+@triton.jit
+def acc_rows(acc, USE_DOT: tl.constexpr):
+    """The accumulator as the product's rows, `[BLOCK_M, BLOCK_N]`."""
+    if USE_DOT:
+        return tl.trans(acc)
+    else:
+        return tl.sum(acc, axis=1)[None, :]
+
+
+@triton.jit
+def silu_mul_halves(out, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """silu(gate) * up of a gated tile's product `[BLOCK_M, BLOCK_N]` (`gated_rows`): `[BLOCK_M, BLOCK_N / 2]`."""
+    HALF: tl.constexpr = BLOCK_N // 2
+    gate, up = tl.split(tl.permute(tl.reshape(out, [BLOCK_M, 2, HALF]), [0, 2, 1]))
+    return gate / (1.0 + tl.exp(-gate)) * up
 
 
 @triton.jit
@@ -146,12 +161,8 @@ def _gemv_kernel(
         dim = (pid % PER_HEAD) * PAIRS + ri % PAIRS
         rn = head * HEAD_DIM + tl.where(ri < PAIRS, dim, dim + HEAD_DIM // 2)
         n_ok = rn < N
-    elif GATED:  # N = I output columns; the tile's first half are gate rows, its second the matching up rows
-        HALF: tl.constexpr = BLOCK_N // 2
-        ri = tl.arange(0, BLOCK_N)
-        col = pid * HALF + ri % HALF
-        rn = tl.where(ri < HALF, col, N + col)
-        n_ok = col < N
+    elif GATED:
+        rn, n_ok = gated_rows(pid, N, BLOCK_N)
     else:
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
@@ -177,7 +188,7 @@ def _gemv_kernel(
         rstd = tl.rsqrt(tl.sum(s * s, axis=1) / K + eps)
 
     if PROLOGUE == 4:
-        # Loaded here and used after the loop: its latency hides behind the weight stream.
+        # Loaded here, used after the loop: its latency hides behind the weight stream.
         rp = tl.arange(0, PARTS_POW2)
         parts = tl.load(
             stats_ptr + rm[:, None] * stride_sm + rp[None, :],
@@ -192,10 +203,7 @@ def _gemv_kernel(
         sin = tl.load(cs_ptr + pos[:, None] * HEAD_DIM + HEAD_DIM // 2 + jj[None, :], mask=m_ok[:, None], other=0.0)
         loc = tl.load(loc_ptr + rm, mask=m_ok, other=0).to(tl.int64)
 
-    if USE_DOT:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc = zero_acc(BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         rk = k0 + rk0
         k_ok = rk < K
@@ -219,15 +227,8 @@ def _gemv_kernel(
         w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if W_FP8 and USE_DOT:  # e4m3 weights: the MMA runs in the activations' dtype, row scales at the end
             w = w.to(y_ptr.dtype.element_ty)
-        if USE_DOT:
-            # Swapped operands: the weight tile is the MMA's tall side, the few rows its narrow side.
-            acc += tl.dot(w, tl.trans(a.to(w.dtype)))
-        else:
-            acc2 += w.to(tl.float32) * a  # a: [1, BLOCK_K], broadcast over the BLOCK_N rows
-    if USE_DOT:
-        out = tl.trans(acc)
-    else:
-        out = tl.sum(acc2, axis=1)[None, :]
+        acc = accumulate(acc, w, a, USE_DOT)
+    out = acc_rows(acc, USE_DOT)
     if W_FP8:
         out = out * tl.load(ws_ptr + rn, mask=n_ok, other=0.0)[None, :]
     if PROLOGUE == 4:
@@ -262,9 +263,8 @@ def _gemv_kernel(
             tl.store(kv_dst, kv_value(r1, inv, kv_ptr, KV_FP8, KV_ROUND), mask=mp)
             tl.store(kv_dst + HEAD_DIM // 2, kv_value(r2, inv, kv_ptr, KV_FP8, KV_ROUND), mask=mp)
     elif GATED:
-        gate, up = tl.split(tl.permute(tl.reshape(out, [BLOCK_M, 2, HALF]), [0, 2, 1]))
-        ro = pid * HALF + tl.arange(0, HALF)
-        act = gate / (1.0 + tl.exp(-gate)) * up
+        act = silu_mul_halves(out, BLOCK_M, BLOCK_N)
+        ro = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         tl.store(
             y_ptr + rm[:, None] * stride_ym + ro[None, :],
             act.to(y_ptr.dtype.element_ty),
@@ -291,20 +291,10 @@ def gemv(
     gated: bool = False,
     kv_write: KvWrite | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(y, new residual or None) for `x` of at most `MAX_ROWS` rows; see the module doc for `prologue`.
-
-    With `into_stream` (the residual stream, `[m, N]`): (the stream, after adding y to it in place, and its
-    statistics for a `prologue="stream_norm"` GEMV: float32 `[m, programs]`). `prologue="stream_norm"` takes
-    those statistics as `norm_stats`. `gated`: `weight` is [gate; up] and y = silu(gate) * up, `[m, N / 2]`.
-
-    An FP8 `weight` (e4m3) comes with `weight_scale`, float32 `[N]`, one per output row: the weight streams at one
-    byte per element and is widened to the activations' dtype in registers (activations stay 16-bit).
-
-    `kv_write`: `weight` is the attention's [q; k; v] (its rows head by head) and the epilogue applies RoPE to q and
-    k (neox halves, float32 cos/sin at each row's position) and writes K and V into the pool where `kv_write`
-    says: (the rotated q `[m, Hq, D]`, None).
-
-    `launch_pdl` launches it as a programmatic dependent launch (common/engine/gpu/pdl.py; Hopper)."""
+    """(y, new residual or None) for `x` of at most `MAX_ROWS` rows (the module doc says what each mode does).
+    `into_stream`: returns (the stream, y added in place, and its float32 `[m, programs]` statistics). An FP8
+    `weight` comes with float32 `weight_scale` per output row and is widened in registers. `kv_write`: returns
+    (the rotated q `[m, Hq, D]`, None). `launch_pdl`: a programmatic dependent launch (Hopper)."""
     m = x.shape[0]
     n, k = weight.shape
     code = PROLOGUES[prologue]
@@ -331,7 +321,7 @@ def gemv(
         raise ValueError("gated: an even number of weight rows ([gate; up]), no bias and no into_stream")
     one = m == 1
     cfg = config or pick_config(m, n, w_fp8, k)
-    # The heads of a [q; k; v] weight (0, 0, 0 without kv_write: one compiled variant for every other call).
+    # A [q; k; v] weight's heads (0 without kv_write: one compiled variant for every other call).
     hq = hkv = head_dim = 0
     if kv_write is not None:
         hkv, head_dim = kv_write.rows.shape[1:]
@@ -412,7 +402,7 @@ def gemv(
         HKV=hkv,
         HEAD_DIM=head_dim,
         KV_FP8=kv_write is not None and is_fp8(kv_write.rows.dtype),
-        # Round to nearest even into FP8, as torch does (common/engine/fp8.py); None keeps a 16-bit pool's default.
+        # Round to nearest even into FP8, as torch does; None keeps a 16-bit pool's default.
         KV_ROUND="rtne" if kv_write is not None and is_fp8(kv_write.rows.dtype) else None,
         PDL=launch_pdl,
         num_warps=cfg.num_warps,

@@ -1,20 +1,7 @@
-"""MLA on flashinfer: the absorbed form of latent attention over the latent pool, for every kind of step.
-
-flashinfer's `BatchMLAPagedAttentionWrapper` attends queries in latent space, q' = [W_UK^T q_nope | q_pe], over
-paged entries [latent (kv_lora_rank) | roped key (qk_rope_head_dim)] shared by every head, and returns each head's
-output in latent space; W_UV maps it back (common/engine/mla.py). The pool holds exactly those entries, one row of
-`latent_dim` per token and layer, so each layer's `ckv` / `kpe` operands are views of it (`[pages, page_size,
-kv_lora_rank]` and `[pages, page_size, rope]` with the pool's page stride): flashinfer's FA2/FA3 MLA kernels read
-the page and token strides they are given (16-byte aligned, last dim contiguous), so nothing is copied and the
-pool's one layout keeps serving NIXL and the host tier.
-
-Prefill and mixed steps run the same absorbed kernel, causal (each request's queries aligned with the end of its
-KV, which is chunked prefill and prefix hits), as SGLang does for short prefixes. The decompressed form would
-expand every cached latent through `kv_b_proj` per layer and run a second kernel family (head dim 192 / 128),
-which flashinfer's MLA wrapper does not cover; the absorbed form costs `heads * kv_lora_rank` wider dot products
-instead, which for the prompt lengths P/D prefill pods serve (up to a few thousand tokens) keeps one code path
-and one plan per step. A step's plan is made outside any CUDA graph: decode graphs replay a wrapper planned into
-fixed metadata buffers, and the piecewise step graphs break at each layer's attention, as the GQA path's do.
+"""MLA on flashinfer: the absorbed form of latent attention over the latent pool, for every kind of step
+(docs/architecture.md, "Latent attention (MLA)"). Each layer's `ckv` / `kpe` operands are strided views of the
+pool (flashinfer reads the strides it is given), so nothing is copied. Prefill and mixed steps run the same
+absorbed kernel, causal: one code path and one plan per step, made outside any CUDA graph.
 """
 
 from __future__ import annotations
@@ -30,14 +17,12 @@ from common.engine.mla import MlaProjections
 from common.engine.model_config import ModelConfig
 from common.kv.pool import KVPool
 
-# flashinfer's MLA kernels tile queries by (token, head) rows, 64 per CTA (128 per cluster of two); a tile edge that
-# falls inside a token's heads loses a visible key under the causal mask (flashinfer refuses such plans), so the
-# heads of a token must divide the tile: 1-64 heads that divide 64, or 128 (clusters of two from 64 rows on).
+# flashinfer's MLA kernels tile queries by (token, head) rows, 64 per CTA: a tile edge inside a token's heads
+# loses a visible key under the causal mask, so a token's heads must divide the tile (or be 128).
 _TILE_ROWS = 64
 
 
 def flashinfer_mla_unsupported(cfg: ModelConfig) -> str | None:
-    """Why this model's latent attention cannot run on flashinfer's MLA kernels; None where it can."""
     mla = cfg.mla
     if mla is None:
         return "the model has no latent attention"
@@ -53,14 +38,14 @@ def flashinfer_mla_unsupported(cfg: ModelConfig) -> str | None:
 
 
 def mla_backend_name(device: torch.device) -> str:
-    """FA3 (Hopper's warp-specialised kernel) where it builds, else FA2."""
+    """FA3 (Hopper) where it builds, else FA2."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9:
         return "fa3"
     return "fa2"
 
 
 def host_page_meta(host_pages: np.ndarray, page_size: int, table_rows: np.ndarray, seq_lens_cpu: list[int]) -> PageMeta:
-    """`PageMeta` of a step's requests (table rows `table_rows`) built on the host, page ids included."""
+    """`PageMeta` of a step's requests built on the host, page ids included."""
     seq = np.asarray(seq_lens_cpu, dtype=np.int64)
     npages = (seq + page_size - 1) // page_size
     indptr = np.zeros(len(seq) + 1, dtype=np.int64)
@@ -74,12 +59,10 @@ def host_page_meta(host_pages: np.ndarray, page_size: int, table_rows: np.ndarra
 
 
 class FlashInferMlaAttention:
-    """The `MlaBackend` of the GPU path: plan once per step, `forward_mla` per layer. It offers what the decode graphs
-    (common/engine/gpu/cuda_graph.py) and the piecewise step graphs (common/engine/gpu/step_graphs.py) call on an
-    attention backend: `step_meta`, `make_decode_wrapper`, `plan_decode`, `plan_extend`, `bind`, `write_rows`,
-    `store` and `attend`. `host_pages` is the page table's host copy (`PageTable.host_pages`)."""
+    """The `MlaBackend` of the GPU path: plan once per step, `forward_mla` per layer, with the planning and
+    binding calls the decode and piecewise step graphs make on an attention backend."""
 
-    # Kernels of the GQA path that latent attention does not use (the decode graphs and benchmarks read these).
+    # GQA-path kernels latent attention does not use (the decode graphs and benchmarks read these).
     xqa = None
     triton_decode = None
     rope_store = None
@@ -124,7 +107,7 @@ class FlashInferMlaAttention:
         self.cos_sin = rotary.cos_sin()
         self.workspace = workspace
         self.fences = PlanFences(workspace.device)
-        # Each layer's latent and roped-key parts: views of the pool ([pages, page_size, width], page-strided).
+        # Each layer's latent and roped-key parts: page-strided views of the pool.
         kv = pool.kv  # [pages, layers, 1, page_size, 1, latent_dim]
         self.ckv = [kv[:, i, 0, :, 0, : self.rank] for i in range(cfg.num_layers)]
         self.kpe = [kv[:, i, 0, :, 0, self.rank :] for i in range(cfg.num_layers)]
@@ -133,10 +116,9 @@ class FlashInferMlaAttention:
         self._wrapper = None
         self._out_loc: torch.Tensor | None = None
 
-    # ---- planning (outside any graph) ---------------------------------------------------------------
     def step_meta(self, batch: ForwardBatch) -> PageMeta:
-        """The step's pages from the host copy of the table (`PageTable.host_pages`): flashinfer's MLA planner reads
-        the page ids on the host, and handing it device ones would wait there for the step in flight."""
+        """The step's pages from the table's host copy: flashinfer's MLA planner reads page ids on the host, and
+        device ones would wait for the step in flight."""
         if batch.inputs is None:
             raise ValueError("a latent-attention step on flashinfer needs its StepInputs (build it with build_batch)")
         return host_page_meta(self.host_pages, self.page_size, batch.inputs.table_rows.numpy(), batch.seq_lens_cpu)
@@ -147,8 +129,7 @@ class FlashInferMlaAttention:
     def make_decode_wrapper(
         self, graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, tensor_cores: bool = False
     ):
-        """A wrapper for eager steps, or one a decode graph captures over the fixed buffers (indptr `[bs + 1]`,
-        page ids, and `[bs]` that holds the KV lengths here): its plans copy the metadata into them."""
+        """A wrapper for eager steps, or one a decode graph captures over fixed buffers (its plans copy into them)."""
         if graph_buffers is None:
             return self._wrapper_cls(self.workspace, backend=self.backend)
         indptr, indices, kv_lens = graph_buffers
@@ -189,7 +170,7 @@ class FlashInferMlaAttention:
         self._plan(wrapper, meta, torch.arange(b + 1, dtype=torch.int32), causal=False)
 
     def plan_extend(self, meta: PageMeta, extend_lens_cpu: list[int]) -> None:
-        """A prefill or mixed step in one causal call: a decode row (one query) sees its whole KV under it."""
+        """A prefill or mixed step in one causal call (a decode row sees its whole KV)."""
         qo = torch.zeros(len(extend_lens_cpu) + 1, dtype=torch.int32)
         torch.cumsum(torch.tensor(extend_lens_cpu, dtype=torch.int32), 0, out=qo[1:])
         self._plan(self.eager_wrapper, meta, qo, causal=True)
@@ -208,14 +189,13 @@ class FlashInferMlaAttention:
         out_loc: torch.Tensor,
         graph_meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        """Points the layers at a planned wrapper and the step's write rows (KVPool.token_rows): graph capture."""
+        """Points the layers at a planned wrapper and the step's write rows (graph capture)."""
         self._wrapper = wrapper
         self._out_loc = out_loc
 
     def write_rows(self, out_loc: torch.Tensor) -> None:
         self._out_loc = out_loc
 
-    # ---- per layer --------------------------------------------------------------------------------
     def forward(
         self, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
@@ -234,27 +214,25 @@ class FlashInferMlaAttention:
         k_pe: torch.Tensor,
         proj: MlaProjections,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE on q_pe and k_pe, this step's [latent | k_pe] entries written at the step's rows; returns the
-        absorbed query's two parts, W_UK^T q_nope `[T, H, kv_lora_rank]` and the roped q_pe `[T, H, rope]`."""
+        """RoPE on q_pe and k_pe and this step's entries written; returns the absorbed query's two parts,
+        W_UK^T q_nope and the roped q_pe."""
         loc = self._out_loc
         assert loc is not None, "plan() or bind() must run before the layers"
         t = q_pe.shape[0]
-        # One kernel for both RoPE parts (k_pe is read in place, a strided view of the merged projection).
+        # One kernel for both RoPE parts (k_pe read in place, a strided view of the merged projection).
         q_pe, k_pe = self.rope(positions, q_pe.reshape(t, -1), k_pe, self.rope_dim, self.cos_sin, True)
         entry = torch.cat((latent, k_pe), dim=-1).unsqueeze(1)  # [T, 1, latent_dim]
         store_rows(self.pool.rows, loc + self.offsets[layer], entry)
         return proj.absorb_query(q_nope), q_pe.view(t, -1, self.rope_dim)
 
     def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention of a packed absorbed query `[T, H, kv_lora_rank + rope]` (the step graphs' static buffer) as
-        planned: each head's output in latent space, `[T, H, kv_lora_rank]` (`out`'s first `kv_lora_rank` values
-        where given, which may be as wide as q)."""
+        """Attention of a packed absorbed query as planned: each head's output in latent space (into the first
+        `kv_lora_rank` values of `out` where given)."""
         r = self.rank
         return self._attend(layer, q[..., :r], q[..., r:], None if out is None else out[..., :r])
 
     def _attend(self, layer: int, q_latent: torch.Tensor, q_pe: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        """flashinfer reads q and writes the output at the strides it is given. Without `out` the output lands
-        head-major (`[H, T, rank]` seen as `[T, H, rank]`), the layout W_UV's batched GEMM reads."""
+        """Without `out` the output lands head-major (`[H, T, rank]` seen as `[T, H, rank]`) for W_UV's batched GEMM."""
         assert self._wrapper is not None, "plan() must run before the layers"
         if out is None:
             t, h, r = q_latent.shape

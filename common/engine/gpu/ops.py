@@ -1,8 +1,5 @@
-"""`FlashInferOps`: the model's ops (common/engine/layers.py `Ops`) on the GPU in 16 bits.
-
-`GemvOps` holds the GEMM choices (Triton GEMVs at a few rows, with the norm and activation moved into their
-prologues and epilogues; FP8 tensor-core GEMMs above) over the norm and activation primitives a subclass gives:
-flashinfer's in `FlashInferOps`; torch's where tests run the GEMVs under Triton's interpreter on the CPU.
+"""`FlashInferOps`: the model's ops on the GPU in 16 bits; `GemvOps` holds the GEMM choices over the norm and
+activation primitives a subclass gives (flashinfer's, or torch's under Triton's interpreter in tests).
 """
 
 from __future__ import annotations
@@ -17,30 +14,16 @@ from common.engine.fp8 import Fp8Linear
 from common.engine.gpu import fp8_gemm, fp8_kernels
 from common.engine.layers import Activated, ComposedOps, InStream, KvWrite, Rotated
 
-# The Triton GEMV indexes a weight with 32-bit offsets: larger ones (a 256k vocabulary x 8192 LM head) use cuBLAS.
+# The Triton GEMV indexes a weight with 32-bit offsets: larger ones (a 256k vocabulary LM head) use cuBLAS.
 MAX_WEIGHT_ELEMENTS = 1 << 31
 
 
 class GemvOps(ComposedOps):
-    """The GEMMs of small decode batches on Triton GEMVs that stream the weight (common/engine/gpu/fused_gemv.py),
-    cuBLAS otherwise, over the primitives a subclass gives (rms_norm, add_rms_norm, silu_and_mul). Where the Triton GEMV wins
-    (bench/decode_kernels.py, llama-3.1-8b shapes, weights from HBM; bench/RESULTS.md, "Small-batch decode
-    kernels"): at one row on every shape; at 2-8 rows only on the wide outputs (gate_up, LM head), so only those
-    take it there. `gemv_max_rows` 0 turns the Triton GEMVs off.
-
-    `fold_prologues` also folds the norm (qkv, gate_up, LM head) and SiLU-mul (down) into the GEMV, removing
-    their kernels; that was slower (each program recomputes the row's norm; bench/RESULTS.md, "Sixth pass"), so it is off
-    unless a benchmark asks for it.
-
-    `stream_stats`: at one row the output projections (o, down) add their output into the residual stream in
-    their GEMV's epilogue and leave the stream's sum-of-squares partials there; the next GEMV (qkv, gate_up, the LM
-    head) applies the norm from those (`project`, `InStream`): 64 of a 32-layer model's 65 norm kernels go.
-    `gated_epilogue`: there the gate_up GEMV also applies silu(gate) * up in its epilogue (`Activated`), and the
-    SiLU-mul kernels go too.
-
-    FP8 weights on the tensor-core GEMM (steps larger than the GEMV's rows) take their activations already
-    quantized from the op before: the add + RMSNorm and SiLU-mul kernels write e4m3 rows and per-token scales
-    (common/engine/gpu/fp8_kernels.py) instead of 16-bit rows that a second kernel would read back to quantize."""
+    """The GEMMs of small decode batches on Triton GEMVs that stream the weight, cuBLAS otherwise (docs/architecture.md,
+    "GPU kernels"): one row on every shape, 2-8 rows on the wide outputs only (where they measured faster);
+    `gemv_max_rows` 0: off. The switches pick the fusions: `fold_prologues` (measured slower: off by default),
+    `stream_stats` and `gated_epilogue` (one-row norms and SiLU-mul moved into the GEMVs). FP8 tensor-core GEMMs
+    take activations already quantized by the op before (common/engine/gpu/fp8_kernels.py)."""
 
     # Output width from which the few-row Triton GEMV beats cuBLAS (the gate_up and LM-head shapes).
     WIDE_N = 8192
@@ -59,7 +42,6 @@ class GemvOps(ComposedOps):
         self.stream_stats = stream_stats
         self.gated_epilogue = gated_epilogue
         self.rope_epilogue = rope_epilogue
-        # Programmatic dependent launches (common/engine/gpu/pdl.py) for the GEMVs and flashinfer's kernels alike.
         self.pdl = pdl
         self.gemv = None
         if gemv_max_rows > 0:
@@ -87,8 +69,7 @@ class GemvOps(ComposedOps):
         packed: torch.Tensor | Fp8Linear | None = None,
     ) -> torch.Tensor:
         if isinstance(packed, Fp8Linear):
-            # FP8 weights: the GEMV streams them at one byte each (16-bit activations); larger steps run FP8
-            # tensor-core GEMMs with per-token activation scales (common/engine/gpu/fp8_gemm.py).
+            # FP8: the GEMV streams one byte per weight; larger steps run tensor-core GEMMs (fp8_gemm.py).
             if self._triton(x, weight):
                 w, scale = _gemv_weight(weight, packed)
                 return self.gemv(x, w, bias, weight_scale=scale)[0]  # type: ignore[misc]
@@ -159,7 +140,7 @@ class GemvOps(ComposedOps):
         silu: bool = False,
     ) -> tuple[torch.Tensor | InStream, torch.Tensor]:
         rows = x.act if isinstance(x, Activated) else x
-        # One row only: steps captured piecewise (16 rows and more) carry plain hidden states across their breaks.
+        # One row only: piecewise-captured steps (16 rows and up) carry plain hidden states across their breaks.
         if not (self.stream_stats and rows.shape[0] == 1 and self._triton(rows, weight)):
             return super().project(x, weight, residual, packed, silu)
         fold = "none"
@@ -191,7 +172,7 @@ class FlashInferOps(GemvOps):
 
     def __init__(self, gemv_max_rows: int = 0, **switches: bool) -> None:
         """`switches`: `GemvOps`'s (fold_prologues, pdl, stream_stats, gated_epilogue)."""
-        # The CUDA norm kernels (what the bundle precompiles), not the CuTe-DSL ones; read at flashinfer's import.
+        # The CUDA norm kernels (what the bundle precompiles), not CuTe-DSL's; read at flashinfer's import.
         os.environ.setdefault("FLASHINFER_USE_CUDA_NORM", "1")
         import flashinfer
 
@@ -214,7 +195,6 @@ class FlashInferOps(GemvOps):
 def _gemv_weight(
     weight: torch.Tensor, packed: torch.Tensor | Fp8Linear | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The GEMV's weight operand and its per-row scales: an FP8 weight's own tensor and scales, else `weight`."""
     if isinstance(packed, Fp8Linear):
         return packed.weight, packed.scale
     return weight, None

@@ -14,6 +14,7 @@ from common.engine.gpu.mla_attention import FlashInferMlaAttention
 from common.engine.gpu.moe_experts import grouped_mm_experts, grouped_mm_unsupported
 from common.engine.gpu.ops import FlashInferOps
 from common.engine.model import DecoderModel
+from common.engine.moe import ExpertsFn, RouteFn, route
 from common.engine.start_phases import StartPhases
 from common.kv.pool import KVPool
 from common.settings import RunnerConfig
@@ -69,17 +70,30 @@ class GpuPath:
             raise ValueError(
                 f"the flashinfer backend needs bfloat16 or float16, not {model.dtype}; use attention=torch"
             )
+        triton = cfg.fused_kernels and triton_available()
+        self.moe_gemv_max_tokens = 0
         if model.cfg.moe is not None:  # the plain experts sync on the host: the grouped GEMMs keep CUDA graphs
             why = grouped_mm_unsupported(model.device, model.dtype)
             if why is not None:
                 raise ValueError(f"{model.cfg.model_type}: {why}; use attention=torch")
+            experts_fn: ExpertsFn = grouped_mm_experts
+            route_fn: RouteFn = route
+            if triton and cfg.gemv_max_rows > 0 and cfg.gemv_experts:
+                # Triton: imported only when used
+                from common.engine.gpu.moe_gemv import MAX_TOKENS, DecodeExperts
+                from common.engine.gpu.moe_route import DecodeRoute, softmax_top_k_fits
+
+                self.moe_gemv_max_tokens = min(cfg.gemv_max_rows, MAX_TOKENS)
+                experts_fn = DecodeExperts(self.moe_gemv_max_tokens, grouped_mm_experts)
+                if softmax_top_k_fits(model.cfg.moe):
+                    route_fn = DecodeRoute(self.moe_gemv_max_tokens)
             for layer in model.layers:
                 if layer.moe is not None:
-                    layer.moe.experts_fn = grouped_mm_experts
+                    layer.moe.experts_fn = experts_fn
+                    layer.moe.route_fn = route_fn
         self.model = model
         phases = phases if phases is not None else StartPhases()
         kernels_started = time.perf_counter()
-        triton = cfg.fused_kernels and triton_available()
         self.pdl = cfg.pdl and pdl_available(model.device, triton)
         # first: it sets how flashinfer is imported
         model.ops = FlashInferOps(
@@ -139,6 +153,7 @@ class GpuPath:
                 "prefill_attention": decode if isinstance(attn, FlashInferMlaAttention) else prefill,
                 "decode_attention": decode,
                 "fused_kernels": triton,
+                "moe_gemv_max_tokens": self.moe_gemv_max_tokens,
                 "pdl": self.pdl,
                 "decode_graphs_max_bs": graph_max_bs if self.graphs is not None else 0,
                 "step_graphs_max_tokens": self.step_graphs.max_tokens if self.step_graphs is not None else 0,

@@ -1,17 +1,7 @@
-"""Programmatic dependent launch (PDL, Hopper and later) for the GPU path's Triton kernels.
-
-A decode step at batch 1 is ~330 kernels, most of them a few microseconds; between two of them the GPU drains
-one grid and launches the next. Launched with PDL, a kernel may start as soon as every program of the kernel
-before it has called `release_next` (here: first thing), and it calls `wait_prior` before it touches memory the
-earlier kernel may write or read: the wait returns once that kernel has finished and its writes are visible.
-Launch and set-up overlap the earlier kernel's work. flashinfer's norm, activation and XQA kernels take part
-the same way (their `enable_pdl`; its norms and SiLU-mul let their successor start only at their end).
-Waiting is transitive (a kernel finishes only after its own wait), so a chain of PDL kernels keeps stream order
-for everything after the waits; kernels launched without PDL (cuBLAS, torch ops) serialize as always.
-
-A GEMV could also send its first weight lines to L2 before its wait (weights are read-only): that made FP8
-decode at batch 1 slower, whether every GEMV prefetched or only the output projection (which launches while
-attention runs), so no kernel prefetches (bench/RESULTS.md, "Fifth pass on the H200").
+"""Programmatic dependent launch (PDL, Hopper and later) for the GPU path's Triton kernels: a kernel starts once
+the one before has called `release_next` (first thing) and calls `wait_prior` before touching memory, so launch
+and set-up overlap the earlier kernel. Waiting is transitive, so stream order holds after the waits. No kernel
+prefetches weights before its wait: that measured slower.
 """
 
 from __future__ import annotations
@@ -21,8 +11,7 @@ import triton.language as tl
 
 
 def triton_launches_pdl() -> bool:
-    """This Triton launches kernels with PDL (`launch_pdl`, `gdc_wait`); the GPU's side is
-    common/engine/gpu/path.py's `pdl_available`."""
+    """This Triton launches kernels with PDL (the GPU's side: common/engine/gpu/path.py `pdl_available`)."""
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
     except ImportError:
@@ -31,7 +20,7 @@ def triton_launches_pdl() -> bool:
 
 
 def launch_options(on: bool) -> dict[str, bool]:
-    """A Triton launch's keyword arguments for PDL (none when off: a Triton without PDL takes no such option)."""
+    """A Triton launch's keyword arguments for PDL (none when off: an older Triton takes no such option)."""
     return {"launch_pdl": True} if on else {}
 
 

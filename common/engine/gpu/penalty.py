@@ -1,19 +1,7 @@
-"""Penalties on the GPU in two launches a step: one applies them at each row's history ids, one records the
-step's sampled tokens.
-
-The torch path (common/engine/sampling.py `_penalize`, common/sched/penalties.py `record`) issues ~18 small
-ops a step (window, counts, the gathered arithmetic, the scatter, the append, the count), each a launch with
-its host time; on a host-bound decode step that is what penalties cost (bench/RESULTS.md, "Figures behind
-choices in the code"). These kernels read the
-history and count tables in place and do the same float32 arithmetic in the same order, with IEEE division
-and no fused multiply-add (`enable_fp_fusion=False`), so the logits equal the torch path's bit for bit.
-
-A row's history may repeat an id (padding, or a token seen twice): every occurrence computes the same value
-from the one original logit, so each program first computes all its row's values into a scratch row, then
-(after a barrier) writes them back; no write can be read as an original logit.
-
-CI runs both kernels on the CPU under Triton's interpreter against the torch path (tests/test_penalty_kernels.py);
-tests/test_sampling.py compares them on a GPU.
+"""Penalties on the GPU in two launches a step (applying them at each row's history ids; recording the sampled
+tokens) in place of ~18 small torch ops. Same float32 arithmetic in the same order, IEEE division and no FMA,
+so the logits equal the torch path's bit for bit. A row's repeated ids all compute from the one original
+logit: values go to a scratch row first, written back after a barrier.
 """
 
 from __future__ import annotations
@@ -26,8 +14,7 @@ _BLOCK = 512
 _RECORD_BLOCK = 128  # fixed: a block sized to the batch would compile a kernel per power of two while serving
 
 
-# Every integer argument is a plain runtime value (not specialized on its value): one compiled kernel, which
-# the warm-up compiles, whatever the batch, the window or the penalties a batch asks for.
+# Integer arguments are not specialized on their values: one compiled kernel, whatever the batch.
 @triton.jit(
     do_not_specialize=[
         "logits_stride", "ids_stride", "counts_stride", "rep_stride", "freq_stride", "pres_stride", "width",
@@ -117,9 +104,8 @@ def penalize(
     frequency: torch.Tensor,
     presence: torch.Tensor,
 ) -> None:
-    """Applies the penalties to `logits` [B, V] float32 in place, at ids `ids[rows[b], :width]` ([R, C] int64
-    table), with output counts `counts[rows[b], id]` ([R, V] float32; None: frequency and presence off);
-    `repetition` [B] (None: off), `frequency` and `presence` [B] float32 (strided views are fine)."""
+    """Applies the penalties to `logits` [B, V] float32 in place at `ids[rows[b], :width]`, with output counts
+    `counts[rows[b], id]` (None: frequency and presence off) and `repetition` (None: off)."""
     batch = logits.shape[0]
     if batch == 0 or width == 0:
         return
@@ -157,8 +143,7 @@ def record(
     steps: torch.Tensor,
     tokens: torch.Tensor,
 ) -> None:
-    """`ids[rows[b], start[b] + steps[b]] = tokens[b]` and `counts[rows[b], tokens[b]] += 1` ([B] int64 each;
-    the rows distinct)."""
+    """`ids[rows[b], start[b] + steps[b]] = tokens[b]` and `counts[rows[b], tokens[b]] += 1` (rows distinct)."""
     n = tokens.shape[0]
     if n == 0:
         return

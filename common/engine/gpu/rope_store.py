@@ -1,9 +1,5 @@
-"""RoPE on q and k and the layer's K/V write into the paged pool, in one launch.
-
-Unfused this is three kernels per layer (flashinfer's RoPE, then one index_copy each for K and V); at
-batch 1 they cost more in launches than in bytes. One program per (token, block of heads): a query head is
-rotated into the output, a KV head's key is rotated and written to its pool row and its value copied beside it.
-Rotation is the neox half-split form over the same float32 cos/sin table flashinfer's RoPE reads.
+"""RoPE on q and k and the layer's K/V write into the paged pool, in one launch (unfused: three kernels a
+layer, costing more in launches than in bytes at batch 1). Neox half-split over flashinfer's cos/sin table.
 """
 
 from __future__ import annotations
@@ -18,8 +14,7 @@ from common.engine.gpu import pdl
 
 @triton.jit
 def kv_value(x, inv_scale, rows_ptr, FP8: tl.constexpr, ROUND: tl.constexpr):
-    """float32 `x` as the pool stores it: in an FP8 pool value / scale, saturated at e4m3's +-448 and rounded to
-    nearest even (common/engine/fp8.py); else the pool's 16 bits."""
+    """float32 `x` as the pool stores it (FP8: value / scale, saturated and rounded to nearest even)."""
     if FP8:
         x = tl.clamp(x * inv_scale, -448.0, 448.0)
     return x.to(rows_ptr.dtype.element_ty, fp_downcast_rounding=ROUND)
@@ -77,7 +72,7 @@ def _rope_store_kernel(
     r1 = x1 * cos - x2 * sin
     r2 = x2 * cos + x1 * sin
     if Q_FP8:  # e4m3 queries at scale 1.0 for FA3's FP8 prefill, saturated as common/engine/fp8.py does
-        # Rounded to the model's 16 bits first: the bytes the cast of a 16-bit q writes (graphs, split steps).
+        # Rounded to the model's 16 bits first: the bytes a cast of a 16-bit q writes.
         q1 = tl.clamp(r1.to(q_ptr.dtype.element_ty).to(tl.float32), -448.0, 448.0)
         q2 = tl.clamp(r2.to(q_ptr.dtype.element_ty).to(tl.float32), -448.0, 448.0)
         q1 = q1.to(qo_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
@@ -117,12 +112,9 @@ def rope_store(
     q_fp8: bool = False,
     launch_pdl: bool = False,
 ) -> torch.Tensor:
-    """Rotated q `[T, Hq, D]` (into `out` where given, else a new tensor); rotated k and v written to `rows[out_rows + k_offset]` and
-    `rows[out_rows + v_offset]`. q/k/v may be views (each token's heads contiguous, e.g. of a qkv projection);
-    `rows` is the pool's `[rows, Hkv, D]` view, `out_rows` the step's layer-0 K rows (KVPool.token_rows). An FP8
-    pool gets k / k_scale and v / v_scale (the layer's static scales). `q_fp8` (or an e4m3 `out`) writes q in e4m3
-    at scale 1.0, saturated at +-448 (FA3's FP8 prefill reads that). `launch_pdl`: a programmatic dependent launch
-    (common/engine/gpu/pdl.py)."""
+    """Rotated q `[T, Hq, D]` (into `out` where given); rotated k and v written to `rows[out_rows + k_offset]` and
+    `rows[out_rows + v_offset]` (FP8: divided by the layer's scales). `q_fp8` (or an e4m3 `out`) writes q in e4m3
+    at scale 1.0 for FA3's FP8 prefill."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     if q.stride(1) != d or k.stride(1) != d or v.stride(1) != d or q.stride(2) != 1:
@@ -131,8 +123,7 @@ def rope_store(
         out = torch.empty(t, hq, d, dtype=torch.float8_e4m3fn if q_fp8 else q.dtype, device=q.device)
     if t == 0:
         return out
-    # Few tokens (decode): two heads per program, the most parallel grid; many tokens (prefill): 16 heads per
-    # program, so the grid is not hundreds of thousands of one-warp programs.
+    # Few tokens: two heads per program (the most parallel grid); many: 16, not a grid of tiny programs.
     heads = 2 if t <= 64 else 16
     _rope_store_kernel[(t, triton.cdiv(hq + hkv, heads))](
         q,
@@ -151,7 +142,7 @@ def rope_store(
         1.0 / k_scale,
         1.0 / v_scale,
         FP8=is_fp8(rows.dtype),
-        # Round to nearest even into FP8, as torch does (common/engine/fp8.py); None keeps a 16-bit pool's default.
+        # Round to nearest even into FP8, as torch does; None keeps a 16-bit pool's default.
         ROUND="rtne" if is_fp8(rows.dtype) else None,
         Q_FP8=is_fp8(out.dtype),
         HQ=hq,

@@ -1,24 +1,10 @@
 """Prefill and mixed steps as piecewise CUDA graphs: everything but attention captured, per token count.
 
-An eager forward of an 8B model launches ~300 kernels from Python, the same time whatever the chunk: that
-floor, not the GPU, set a mixed step's time (bench/RESULTS.md, "Stall-free batching"). A step's
-attention cannot be captured cheaply (its plan follows the batch's shape: requests, chunk lengths, pages), but
-everything around it depends only on the number of tokens. So for a ladder of token counts the layers are
-captured as `L + 1` graphs broken at each layer's attention: graph 0 is the embedding and layer 0 up to its
-rotated q (K/V written into the pool inside the graph); graph i runs layer i-1's o projection and MLP and
-layer i up to its q; graph L ends with the last MLP and copies the hidden and residual rows out. Between
-graphs flashinfer's batched prefill runs eagerly from a static q buffer into a static output buffer, planned
-for the real batch. A step of T tokens replays the smallest captured count >= T; its padding rows write
-their K/V to the pool's dummy page and are never attended to nor sampled. The final norm and LM head run
-eagerly on the sampled rows only.
-
-Latent attention (common/engine/gpu/mla_attention.py) breaks the same way: the graph before the break ends with
-the absorbed query [W_UK^T q_nope | q_pe] in the static buffer (as wide as a latent entry) and the step's entries
-in the pool, flashinfer's MLA kernel runs between the graphs, and the next graph starts with W_UV on its output.
-
-The residual stream is one tensor updated in place by every layer (flashinfer's fused add + RMSNorm), so it
-is the only activation that crosses a break besides the static buffers. Counts are captured largest first in
-one memory pool, as the decode graphs are; replays never overlap.
+An eager 8B forward launches ~300 kernels from Python, a floor that set a mixed step's time. Attention's plan
+follows the batch's shape, but everything around it depends only on the token count, so for a ladder of counts
+the layers are captured as `L + 1` graphs broken at each layer's attention (or MLA's absorbed attention), which
+runs eagerly between them from static buffers. A step replays the smallest count >= its tokens; padding rows
+write K/V to the dummy page and are never read. The residual stream is the only activation crossing a break.
 """
 
 from __future__ import annotations
@@ -44,11 +30,8 @@ log = logging.getLogger("kvferry.engine")
 
 
 def graph_token_counts(max_tokens: int) -> list[int]:
-    """Every 16 tokens up to 512, every 64 up to 1,024, then every 128; `max_tokens` is always included. A mixed
-    step is a page-multiple chunk plus its decode rows, so it rarely lands on a count: its padding is computed
-    for nothing, which made graphed 8B steps past 512 tokens slower than eager ones, whose launches the GPU
-    work hides there (bench/RESULTS.md, "Stall-free batching"); hence the
-    default limit of 512 tokens and the fine steps below it."""
+    """Every 16 tokens up to 512, every 64 up to 1,024, then every 128, plus `max_tokens`. Padding is computed for
+    nothing: graphed 8B steps past 512 tokens were slower than eager ones, hence the fine steps and default limit."""
     if max_tokens <= 0:
         return []
     ladder = [*range(16, 513, 16), *range(576, 1025, 64), *range(1152, max_tokens, 128)]
@@ -56,10 +39,9 @@ def graph_token_counts(max_tokens: int) -> list[int]:
 
 
 class _BreakAtAttention:
-    """The attention backend the model sees while its layers are captured: it writes K/V and the rotated q inside
-    the current graph, then ends that graph and begins the next one; the attention itself is left to replay.
-    Outside capture (`graphs` None) it runs the same pieces eagerly: with `attend_rows` the planned attention
-    over that many rows in between (the replay's twin), else none (the warm-up)."""
+    """The attention backend the model sees while captured: writes K/V and the rotated q inside the current graph,
+    then ends it and begins the next. Outside capture (`graphs` None) it runs the pieces eagerly, with the planned
+    attention over `attend_rows` rows in between (the replay's twin) or none (the warm-up)."""
 
     def __init__(
         self, owner: StepGraphs, tokens: int, graphs: list[torch.cuda.CUDAGraph] | None, attend_rows: int = 0
@@ -86,8 +68,8 @@ class _BreakAtAttention:
         k_pe: torch.Tensor,
         proj: MlaProjections,
     ) -> torch.Tensor:
-        """Latent attention: the entries written and the absorbed query [W_UK^T q_nope | q_pe] put in the static
-        buffer (as wide as a latent entry) inside the graph; after the break W_UV maps the latent output back."""
+        """Latent attention: entries written and the absorbed query put in the static buffer inside the graph;
+        after the break W_UV maps the latent output back."""
         o = self.owner
         q_latent, q_pe = o.attn.store(layer, positions, q_nope, q_pe, latent, k_pe, proj)  # type: ignore[call-arg]
         q = o.q_buf[: self.tokens]
@@ -100,7 +82,7 @@ class _BreakAtAttention:
         return self.owner.attn.kv_write(layer, positions)  # the static write rows `_layers` set
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """q rotated and K/V stored by the qkv GEMM (`kv_write`): q into the static buffer the replay attends from."""
+        """q rotated and K/V stored by the qkv GEMM: q into the static buffer the replay attends from."""
         self.owner.q_buf[: self.tokens].copy_(q)
         return self._break(layer)
 
@@ -196,8 +178,7 @@ class StepGraphs:
         )
 
     def run(self, batch: ForwardBatch, replay: bool = True) -> torch.Tensor:
-        """float32 logits of the rows at `batch.logits_indices` (a fresh tensor). `replay` False runs the same
-        pieces on the same buffers eagerly (a check of the capture)."""
+        """float32 logits of the rows at `batch.logits_indices`; `replay` False runs the pieces eagerly (a check)."""
         t = batch.num_tokens
         count = self.pick(t)
         self.inputs.load(batch, self.pool, count)

@@ -1,12 +1,6 @@
-"""Decode attention over FP8 pages on Hopper through flashinfer's XQA kernel (TensorRT-LLM's FP8 MHA).
-
-flashinfer's paged decode (its tensor-core kernel) reads e4m3 pages barely faster than it streams bf16 ones
-(bench/RESULTS.md, "Second pass on the H200"): with FP8 KV the attention time barely falls.
-XQA's Hopper kernel computes QK^T and PV on FP8 tensor cores (it quantizes Q to e4m3), which is what serving
-stacks run for FP8 KV on this GPU. It takes a dense page table [B, pages] and the sequence lengths; a decode
-graph derives both from its CSR buffers (flashinfer's indptr, page ids, last-page lengths) once per step, inside
-the graph. Its one scale covers K and V, so K's scale rides on Q's: q_scale = k / v, kv_scale = v (the kernel
-multiplies Q.K by q_scale * kv_scale / sqrt(d) and the output by kv_scale).
+"""Decode attention over FP8 pages on Hopper through flashinfer's XQA kernel (QK^T and PV on FP8 tensor cores;
+flashinfer's paged decode reads e4m3 pages barely faster than bf16). It takes a dense page table, derived from
+the CSR buffers inside the graph. Its one scale covers K and V, so K's rides on Q's: q_scale = k / v, kv_scale = v.
 """
 
 from __future__ import annotations
@@ -20,7 +14,7 @@ SCRATCH_BYTES = 128 << 20
 
 
 def supported(device: torch.device, kv_dtype: torch.dtype, page_size: int, head_dim: int) -> bool:
-    """Hopper, e4m3 pages, a page size and head size the kernel is built for, and flashinfer's module there."""
+    """Hopper, e4m3 pages, a page and head size the kernel is built for, and flashinfer's module there."""
     if device.type != "cuda" or kv_dtype != torch.float8_e4m3fn or page_size not in (16, 32, 64, 128):
         return False
     if torch.cuda.get_device_capability(device)[0] != 9 or head_dim > 256:
@@ -34,14 +28,12 @@ def supported(device: torch.device, kv_dtype: torch.dtype, page_size: int, head_
 
 @dataclass
 class XqaPages:
-    """A step's dense page table [B, pages] int32 and lengths [B, 1] int32, on the device."""
-
     table: torch.Tensor
     lens: torch.Tensor
 
 
 class XqaDecode:
-    """One engine's XQA state: scratch and semaphores (the kernel resets the semaphores it used)."""
+    """One engine's XQA state: scratch and semaphores (the kernel resets those it used)."""
 
     def __init__(
         self, device: torch.device, num_kv_heads: int, page_size: int, pages_per_seq: int, pdl: bool = False
@@ -60,13 +52,11 @@ class XqaDecode:
         self.pages_per_seq = pages_per_seq
 
     def pages(self, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor, width: int = 0) -> XqaPages:
-        """XQA's view of flashinfer's CSR description (device tensors); `width` pages a row where known (an eager
-        step), else the table's whole width (a graph, whose rows' lengths change between replays)."""
+        """XQA's view of flashinfer's CSR description; `width` pages a row where known (eager), else the table's."""
         return XqaPages(*self.dense_pages(indptr, indices, last, width or self.pages_per_seq, self.page_size))
 
     def probe(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, dtype: torch.dtype) -> None:
-        """One call on page 0 (its output dropped): builds the kernel now (a JIT compile on a fresh machine), so a
-        build failure shows at start rather than inside a graph capture."""
+        """One call on page 0 builds the kernel at start, not inside a graph capture (a JIT compile may fail)."""
         one = torch.zeros(2, dtype=torch.int32, device=self.scratch.device)
         one[1] = 1
         q = torch.zeros(1, num_heads, k_cache.shape[-1], dtype=dtype, device=k_cache.device)
@@ -82,7 +72,6 @@ class XqaDecode:
         pages: XqaPages,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q [B, Hq, D] over `pages` -> [B, Hq, D] (into `out` where given)."""
         out = torch.empty_like(q) if out is None else out
         self.xqa(
             q.unsqueeze(1),

@@ -1,9 +1,5 @@
-"""XQA's dense page table from flashinfer's CSR page description, in one launch (common/engine/gpu/xqa_decode.py).
-
-XQA takes a dense page table [B, pages] and the sequence lengths; a decode graph derives both from its CSR
-buffers (indptr, page ids, last-page lengths) once a step, inside the graph. As torch ops that was nine launches;
-here one program per row copies the row's page ids and computes its
-length. CI runs it on the CPU under Triton's interpreter (tests/test_small_kernels_interpreted.py).
+"""XQA's dense page table from flashinfer's CSR page description, in one launch inside the decode graph (as torch
+ops, nine launches).
 """
 
 from __future__ import annotations
@@ -28,10 +24,8 @@ def _dense_pages_kernel(indptr_ptr, indices_ptr, last_ptr, table_ptr, lens_ptr, 
 def dense_pages(
     indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor, width: int, page_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A dense page table [B, width] int32 and the lengths [B, 1] int32 from flashinfer's CSR description (int32
-    `indptr` [B + 1], `indices`, `last` [B] last-page lengths), in one launch and no host sync: a decode graph runs
-    it once a step (as torch ops, nine launches). Entries past a
-    row's last page hold page 0: XQA stops at the row's length."""
+    """A dense page table [B, width] int32 and lengths [B, 1] int32 from flashinfer's CSR description, with no host
+    sync. Entries past a row's last page hold page 0: XQA stops at the row's length."""
     b = last.shape[0]
     table = torch.empty(b, width, dtype=torch.int32, device=indices.device)
     lens = torch.empty(b, 1, dtype=torch.int32, device=indices.device)
