@@ -872,6 +872,9 @@ _V2_LITE_ATTENTION = dict(
     v_head_dim=128,
     moe_intermediate_size=128,
     max_position_embeddings=1024,
+    # Every layer dense: these tests are about the attention. With routed experts a random model's bf16 routing
+    # flips put the plain torch path itself 23% (relative L2) from fp32 on the H200, which hides what they check.
+    first_k_dense_replace=3,
 )
 
 
@@ -1040,6 +1043,12 @@ def test_mla_on_flashinfer_serves_dummy_deepseek_v2_lite():
     teacher-forced logits finite and within 10% (relative L2) of the plain torch path's in bf16 on the same weights
     (looser than the small model's 3%: bf16 noise flips some tokens' 6th-of-64 expert in 26 random MoE layers), and a
     batch of greedy requests with a shared prefix served to the end with every page back."""
+    import gc
+
+    # The 16B model's graphs are captured after the module's other runners: what they left cached must go first
+    # (run after them on the H200 its capture failed; alone it passed).
+    gc.collect()
+    torch.cuda.empty_cache()
     seqs = _prompts(2, seed=51, lo=200, hi=300, vocab=102400)
     fi = _mla_on_flashinfer("dummy:deepseek-v2-lite", max_running=4)
     assert fi.layout.bytes_per_token == 31104  # 27 layers x 576 x bf16
