@@ -143,7 +143,7 @@ def offline(runner, n: int, target_ms: float, seed: int) -> dict:
         wall_s=round(wall, 2),
         output_tok_per_s=round(sum(outs) / wall, 1),
         step_kinds=kinds,
-        itl_target_s=round(sched.itl_target_s(), 5),
+        itl_target_s=round(sched.pacing.itl_target_s(), 5),
         chunk_beside_decoding=sched.prefill_token_budget(decoding=True),
     )
 

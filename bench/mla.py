@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import roofline  # noqa: E402
 
 from common.engine.kv_sizing import model_kv_layout  # noqa: E402
-from common.engine.model_config import named_config  # noqa: E402
+from common.engine.named_configs import named_config  # noqa: E402
 
 MODEL = "deepseek-v2-lite"
 DENSE = "llama-3.1-8b"

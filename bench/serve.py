@@ -77,7 +77,7 @@ def say(msg: str) -> None:
 def model_shape(model: str) -> tuple[int, int]:
     """(vocab size, context length) of the served model, without loading torch."""
     if model.startswith("dummy:"):
-        from common.engine.model_config import NAMED_CONFIGS
+        from common.engine.named_configs import NAMED_CONFIGS
 
         name = model.split(":", 1)[1]
         if name not in NAMED_CONFIGS:

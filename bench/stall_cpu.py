@@ -81,7 +81,7 @@ def run_policy(runner: Any, target_ms: float, stream_prompt: list[int], long_pro
         "stream_tokens_while_prefilling": len(gaps),
         "step_kinds": kinds,
         "budget_beside_decoding": sched.prefill_token_budget(decoding=True),
-        "itl_target_s": round(sched.itl_target_s(), 4),
+        "itl_target_s": round(sched.pacing.itl_target_s(), 4),
         "stream_ids": stream.output_ids,
         "long_ids": long.output_ids,
     }

@@ -1,5 +1,6 @@
-"""Every setting kvferry reads from the environment (`KVFERRY_*`), each declared once: name, type, default, what
-it does, which component reads it and where.
+"""One file because it is the registry: every setting kvferry reads from the environment, declared in one place.
+
+Each `KVFERRY_*` setting is declared once: name, type, default, what it does, which component reads it and where.
 
 Config dataclasses bind a field to a declaration (`page_size: int = PAGE_SIZE.field()`): the field's default is
 the declared one, `read_fields` fills the fields from the environment, `add_flags` gives the commands their

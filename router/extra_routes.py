@@ -23,9 +23,10 @@ from common.managed_stream import ManagedStream
 from router.errors import bad_request, model_not_found, no_worker, upstream_failed
 from router.runtime import RuntimeSlot
 from router.surface.disconnect import ClientGone, unless_disconnected
+from router.surface.job import Job, RunningChoice
 from router.surface.openai_api import ChatCompletionRequest, _Lenient, _RefusesUnsupported
 from router.surface.responses import SSE_HEADERS
-from router.surface.service import Job, RouterService, RunningChoice
+from router.surface.service import RouterService
 from router.surface.tools import ToolCall, finish_reason_with_calls, parse_tool_calls
 
 __all__ = ["install_extra_routes"]
@@ -262,7 +263,7 @@ def install_extra_routes(app: FastAPI, slot: RuntimeSlot) -> None:
         handed_off = False
         job: Job | None = None
         try:
-            job = await service.prepare_chat(chat)
+            job = await service.prompts.prepare_chat(chat)
             if not slot.pool.decoders():
                 raise no_worker("decode")
             shape = _ResponseShape(body, chat, job.model)
@@ -302,9 +303,9 @@ def install_extra_routes(app: FastAPI, slot: RuntimeSlot) -> None:
                 raise bad_request(
                     str(e.errors()[0].get("msg", "invalid messages")).removeprefix("Value error, "), "messages"
                 ) from None
-            ids = await service.encode_chat(chat.chat_messages(), chat.tools)
+            ids = await service.prompts.encode_chat(chat.chat_messages(), chat.tools)
         elif body.prompt is not None:
-            ids = await service.encode_text(body.prompt, "prompt", body.add_special_tokens)
+            ids = await service.prompts.encode_text(body.prompt, "prompt", body.add_special_tokens)
         else:
             raise bad_request("send prompt or messages", "prompt")
         return {"count": len(ids), "max_model_len": service.model.max_context, "tokens": ids, "token_strs": None}

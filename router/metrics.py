@@ -81,6 +81,19 @@ class RouterMetrics:
         self.multiprocess_dir = os.environ.get(MULTIPROC_ENV) or None
         self.registry = r = CollectorRegistry()
         self._pool: Callable[[], Iterable[Any]] = lambda: ()
+        self._declare_request_histograms(r)
+        self._declare_traffic_counters(r)
+        self._declare_slo_metrics(r)
+        self.declare_classes(slo_classes)
+        for outcome in MIGRATION_OUTCOMES:
+            self.migrations.labels(outcome=outcome)
+        for result in PREFIX_LOOKUP_RESULTS:
+            self.prefix_lookups.labels(result=result)
+        if self.multiprocess_dir is None:
+            r.register(_PoolView(lambda: self._pool()))
+
+    def _declare_request_histograms(self, r: CollectorRegistry) -> None:
+        """Per-request latencies and sizes."""
         self.ttft = Histogram(
             "kvferry_router_time_to_first_token_seconds",
             "Request received until every choice's first token was in the router",
@@ -114,6 +127,9 @@ class RouterMetrics:
             buckets=buckets.TOKENS,
             registry=r,
         )
+
+    def _declare_traffic_counters(self, r: CollectorRegistry) -> None:
+        """Requests, routing decisions, retries, migrations and prefix lookups as they happen."""
         self.requests = Counter(
             "kvferry_router_requests_total", "Requests by HTTP status and outcome", ["status", "outcome"], registry=r
         )
@@ -154,6 +170,9 @@ class RouterMetrics:
             registry=r,
             multiprocess_mode="livesum",
         )
+
+    def _declare_slo_metrics(self, r: CollectorRegistry) -> None:
+        """Per-SLO-class outcomes (labelled by class) and the accuracy of the TTFT prediction."""
         slo = ("slo_class",)
         self.slo_requests = Counter(
             "kvferry_router_slo_requests_total", "Requests served, by SLO class", slo, registry=r
@@ -179,13 +198,6 @@ class RouterMetrics:
             buckets=PREDICTION_RATIO,
             registry=r,
         )
-        self.declare_classes(slo_classes)
-        for outcome in MIGRATION_OUTCOMES:
-            self.migrations.labels(outcome=outcome)
-        for result in PREFIX_LOOKUP_RESULTS:
-            self.prefix_lookups.labels(result=result)
-        if self.multiprocess_dir is None:
-            r.register(_PoolView(lambda: self._pool()))
 
     def declare_classes(self, names: Iterable[str]) -> None:
         """Exports every declared SLO class's counters from 0."""

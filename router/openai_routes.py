@@ -13,9 +13,10 @@ from router.errors import OpenAIError, model_not_found, no_worker
 from router.middleware import COUNTED
 from router.runtime import RuntimeSlot
 from router.surface.disconnect import ClientGone, unless_disconnected
+from router.surface.job import Job
 from router.surface.openai_api import ChatCompletionRequest, CompletionRequest
 from router.surface.responses import SSE_HEADERS
-from router.surface.service import SLO_CLASS_HEADER, Job
+from router.surface.service import SLO_CLASS_HEADER
 from router.surface.tokenizer import ModelInfo
 from router.timeline import RequestLog
 
@@ -90,8 +91,8 @@ def install_openai_routes(app: FastAPI, slot: RuntimeSlot, info: ModelInfo, requ
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Response:
-        return await serve(request, body, slot.service.prepare_completion)
+        return await serve(request, body, slot.service.prompts.prepare_completion)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
-        return await serve(request, body, slot.service.prepare_chat)
+        return await serve(request, body, slot.service.prompts.prepare_chat)

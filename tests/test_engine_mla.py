@@ -15,8 +15,9 @@ from safetensors.torch import load_file, save_file
 
 from common.engine.fp8 import FP8, FP8_MAX
 from common.engine.kv_sizing import model_kv_layout
-from common.engine.model_config import ModelConfig, named_config
+from common.engine.model_config import ModelConfig
 from common.engine.moe import route
+from common.engine.named_configs import named_config
 from common.engine.runner import ModelRunner, RunnerConfig
 from common.engine.tp import TPShard
 from common.kv.pool import KVPool

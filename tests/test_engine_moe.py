@@ -13,8 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from common.engine.fp8 import FP8_SETTING
 from common.engine.gpu.moe_experts import grouped_mm_experts
-from common.engine.model_config import ModelConfig, MoeConfig, named_config
+from common.engine.model_config import ModelConfig, MoeConfig
 from common.engine.moe import grouped_experts, route
+from common.engine.named_configs import named_config
 from common.engine.runner import ModelRunner, RunnerConfig
 from common.protocol import SamplingParams
 from tests.engine_helpers import assert_pool_clean, fresh_engine

@@ -645,7 +645,7 @@ def test_prefill_timer_is_complete_when_its_step_is(tiny_dirs, monkeypatch):
     monkeypatch.setattr(Launched, "wait", checked_wait)
     _generate(engine, _prompts(7, seed=3, lo=100, hi=200), _mixed_params(7, [8, 12]))
     assert complete and all(complete), complete
-    assert engine.scheduler.prefill_speed.tokens_per_s > 0
+    assert engine.scheduler.pacing.prefill_speed.tokens_per_s > 0
 
 
 # ---- stall-free batching: mixed steps (decode rows + prompt chunks in one forward) -----------------------
@@ -778,7 +778,7 @@ def test_mixed_steps_on_flashinfer_with_graphs_complete_and_free_everything(tiny
     out = _generate(engine, _prompts(9, seed=12, lo=20, hi=400), _mixed_params(9, [40, 25, 60]))
     assert kinds.get("mixed", 0) > 0 and kinds.get("decode", 0) > 0, kinds
     assert [len(o[0]) for o in out] == [[40, 25, 60][i % 3] for i in range(9)]
-    assert engine.scheduler.itl_target_s() > 0
+    assert engine.scheduler.pacing.itl_target_s() > 0
 
 
 @needs_cuda

@@ -21,8 +21,9 @@ from planner.core import Planner, PlannerConfig
 from planner.main import PlannerMetrics, build_parser, step
 from planner.scaler import DeploymentScaler, DryRun
 from planner.sizing import Counts, FleetSpec
+from router.decision.load import parse_load
 from router.decision.policy import RoutingPolicy
-from router.decision.pool import WorkerPool, parse_load
+from router.decision.pool import WorkerPool
 from router.metrics import RouterMetrics
 from router.runtime import placement_inputs
 

@@ -173,7 +173,8 @@ def test_load_publishes_what_a_request_reserves_and_the_router_counts_the_same(t
     promised its prompt and the allowance, and /load says so; the router's KV admission then counts a request
     as the worker will, prompt + allowance, not prompt + max_tokens."""
     from router.decision.admission import RequestKV, kv_room
-    from router.decision.pool import WorkerPool, parse_load
+    from router.decision.load import parse_load
+    from router.decision.pool import WorkerPool
 
     frees = {}
     for policy in ("full", "optimistic"):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from common.worker.prefill_rate import PrefillRate
 from router.decision.admission import AdmissionLimits, prefill_is_full
-from router.decision.pool import Worker, parse_load
+from router.decision.load import parse_load
+from router.decision.pool import Worker
 
 
 def test_rate_counts_only_intervals_with_queued_prompts() -> None:

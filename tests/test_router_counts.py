@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 
 from router.decision.admission import AdmissionLimits, RequestKV, decode_is_full
-from router.decision.pool import WorkerPool, parse_load
+from router.decision.load import parse_load
+from router.decision.pool import WorkerPool
 
 
 class _Call:

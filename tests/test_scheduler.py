@@ -614,7 +614,7 @@ def test_itl_target_chunks_prefill_beside_decoding_and_keeps_outputs(tiny_model:
         sched.add(first)
         for _ in range(4):  # the short request prefills (the speed is measured) and starts decoding
             sched.step()
-        assert sched.running and sched.prefill_speed.tokens_per_s > 0
+        assert sched.running and sched.pacing.prefill_speed.tokens_per_s > 0
         second = new_req(long_prompt, max_tokens=8)
         second.req_id = "long"
         sched.add(second)

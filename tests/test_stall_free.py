@@ -176,7 +176,7 @@ def test_slo_target_is_the_tightest_class_being_decoded(tiny_model: DecoderModel
     """The default target: the tightest ITL target among the classes of the requests decoding (every class's
     tightest while none decodes), never below FLOOR_DECODE_STEPS measured decode steps."""
     sched = scheduler(tiny_model, ITL_TARGET_SLO, overlap=False)
-    assert sched.itl_target_s() == 0.0  # no decode step measured yet
+    assert sched.pacing.itl_target_s() == 0.0  # no decode step measured yet
     relaxed = Req(
         req_id="b",
         prompt_ids=prompts(63, [12])[0],
@@ -185,16 +185,18 @@ def test_slo_target_is_the_tightest_class_being_decoded(tiny_model: DecoderModel
     sched.add(relaxed)
     while len(relaxed.output_ids) < 3:
         sched.step()
-    step = sched.decode_step.seconds
+    step = sched.pacing.decode_step.seconds
     assert step > 0
-    assert sched.itl_target_s() == pytest.approx(max(0.2, FLOOR_DECODE_STEPS * step))  # batch only: 200 ms
+    assert sched.pacing.itl_target_s() == pytest.approx(max(0.2, FLOOR_DECODE_STEPS * step))  # batch only: 200 ms
     chat = Req(req_id="c", prompt_ids=prompts(64, [12])[0], sampling=SamplingParams(max_tokens=40, ignore_eos=True))
     sched.add(chat)
     while not chat.output_ids:
         sched.step()
-    assert sched.itl_target_s() == pytest.approx(max(0.05, FLOOR_DECODE_STEPS * sched.decode_step.seconds))
+    assert sched.pacing.itl_target_s() == pytest.approx(
+        max(0.05, FLOOR_DECODE_STEPS * sched.pacing.decode_step.seconds)
+    )
     sched.abort("c")
-    assert sched.itl_target_s() == pytest.approx(max(0.2, FLOOR_DECODE_STEPS * sched.decode_step.seconds))
+    assert sched.pacing.itl_target_s() == pytest.approx(max(0.2, FLOOR_DECODE_STEPS * sched.pacing.decode_step.seconds))
     while sched.has_work():
         sched.step()
 
@@ -231,15 +233,15 @@ def test_auto_target_follows_the_measured_decode_step(tiny_model: DecoderModel) 
     """The `auto` target: no mixed step until a decode step has been measured, then the auto multiple (2) of
     it; the budget a worker publishes is the one its steps use."""
     sched = scheduler(tiny_model, ITL_TARGET_AUTO, overlap=False)
-    assert sched.mixed_batching and sched.itl_target_s() == 0.0
+    assert sched.mixed_batching and sched.pacing.itl_target_s() == 0.0
     first = Req(req_id="a", prompt_ids=prompts(61, [20])[0], sampling=SamplingParams(max_tokens=30, ignore_eos=True))
     sched.add(first)
     sched.step()  # prefill alone: the whole budget, and a prefill speed
-    assert sched.processed_kind == "prefill" and sched.prefill_speed.tokens_per_s > 0
+    assert sched.processed_kind == "prefill" and sched.pacing.prefill_speed.tokens_per_s > 0
     sched.add(Req(req_id="b", prompt_ids=prompts(62, [100])[0], sampling=SamplingParams(max_tokens=3)))
     sched.step()
     assert sched.processed_kind == "decode"  # the decode step that sets the target
-    assert sched.itl_target_s() == pytest.approx(-ITL_TARGET_AUTO * sched.decode_step.seconds)
+    assert sched.pacing.itl_target_s() == pytest.approx(-ITL_TARGET_AUTO * sched.pacing.decode_step.seconds)
     sched.step()
     assert sched.processed_kind == "mixed"
     assert sched.prefill_token_budget(decoding=True) >= MIN_PAGES * PAGE
@@ -352,9 +354,9 @@ def test_budget_comes_from_the_step_model_once_chunks_were_timed(tiny_model: Dec
     sched = scheduler(tiny_model, 20.0, overlap=False, max_prefill_tokens=2048)
     # The whole target, whatever this loaded CPU's steps overrun (the trim has its own tests): chunks of one
     # size would leave the model nothing to fit a per-token cost from.
-    sched.itl_trim.floor = 1.0
-    sched.prefill_speed.observe(2048, 0.05)  # a large chunk: 40,960 tok/s
-    assert not sched.step_model.ready
+    sched.pacing.itl_trim.floor = 1.0
+    sched.pacing.prefill_speed.observe(2048, 0.05)  # a large chunk: 40,960 tok/s
+    assert not sched.pacing.step_model.ready
     assert sched.prefill_token_budget(decoding=True, context=StepContext()) == 816  # 20 ms of it, whole pages
     decoding = Req(
         req_id="d", prompt_ids=prompts(71, [12])[0], sampling=SamplingParams(max_tokens=200, ignore_eos=True)
@@ -363,14 +365,14 @@ def test_budget_comes_from_the_step_model_once_chunks_were_timed(tiny_model: Dec
     # Enough prompts that a loaded CPU's noisy timings still fit a positive per-token cost before they run out.
     queued = iter(prompts(72, [150] * 200))
     for i in range(2000):  # prompts arriving one after another beside the decoding request: mixed steps, timed
-        if sched.step_model.ready:
+        if sched.pacing.step_model.ready:
             break
         if not sched.waiting and sched.chunked is None:
             sched.add(Req(req_id=f"p{i}", prompt_ids=next(queued), sampling=SamplingParams(max_tokens=2)))
         sched.step()
-    assert sched.step_model.ready
+    assert sched.pacing.step_model.ready
     ctx = StepContext(3, 300, 0)
-    want = sched.step_model.largest_chunk(0.02, 3, 300, 0, 2048, PAGE, sched.margin_z())
+    want = sched.pacing.step_model.largest_chunk(0.02, 3, 300, 0, 2048, PAGE, sched.pacing.margin_z())
     assert sched.prefill_token_budget(decoding=True, context=ctx) == min(2048, max(MIN_PAGES * PAGE, want))
     assert sched.prefill_token_budget(decoding=False) == 2048
     while sched.has_work():

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from common.engine.model_config import named_config
+from common.engine.named_configs import named_config
 from common.engine.tp import TPShard
 from common.offline import Engine
 from common.protocol import SamplingParams

@@ -9,7 +9,7 @@ import pytest
 
 from common.slo import parse_slo_classes
 from router.decision.admission import LOWER_CLASS_HEADROOM, QUEUE_ALLOWANCE, ttft_verdict
-from router.decision.pool import parse_load
+from router.decision.load import parse_load
 from router.decision.ttft_model import StepCost, WorkerFigures, predict_ttft_s, prefill_rate
 
 # 1 ms a prompt token, 10 ms a step, 1 ms a decode row, nothing per context token or attention pair.

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from common.capacity import StepCost, chunk_attention
-from router.decision.pool import Load
+from router.decision.load import Load
 
 __all__ = ["Job", "SimWorker", "WorkerSpec"]
 

@@ -139,17 +139,7 @@ def start_local_cluster(
         _check_port_free(host, port)
     logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="kvferry-up-"))
     logs.mkdir(parents=True, exist_ok=True)
-    base_env = dict(os.environ)
-    base_env.update(env or {})
-    base_env["KVFERRY_MODEL"] = model
-    base_env.setdefault("KVFERRY_DRAIN_SECONDS", "2")  # local: stop quickly on Ctrl-C
-    n_workers = prefill + decode + mixed
-    base_env.setdefault("KVFERRY_TORCH_THREADS", str(max(1, (os.cpu_count() or 1) // n_workers)))
-    if api_key:
-        base_env["KVFERRY_API_KEY"] = api_key  # env, not argv: keys do not belong in `ps` output
-    else:
-        base_env.pop("KVFERRY_API_KEY", None)
-
+    base_env = _base_env(env, model, api_key, prefill + decode + mixed)
     cluster = LocalCluster(
         router_url=f"http://{host}:{port or free_port()}",
         prefill_urls=[],
@@ -160,12 +150,7 @@ def start_local_cluster(
     )
     try:
         if redis_url is None:
-            cluster.redis = redis_server(free_port(), logs / "redis.log", base_env)
-            cluster.redis.start()
-            wait_redis(cluster.redis, 10.0)
-            redis_url = cluster.redis.url
-            say(f"redis-server on {redis_url}")
-        assert redis_url is not None
+            redis_url = _start_redis(cluster, base_env, say)
         cluster.redis_url = redis_url
         base_env["KVFERRY_REDIS_URL"] = redis_url
 
@@ -174,61 +159,98 @@ def start_local_cluster(
 
             say(f"model {model}: {resolve_model_path(model)}")
 
-        urls = {"prefill": cluster.prefill_urls, "decode": cluster.decode_urls, "mixed": cluster.mixed_urls}
-        roles = [
-            (r, i) for r, count in (("prefill", prefill), ("decode", decode), ("mixed", mixed)) for i in range(count)
-        ]
-        ports: dict[tuple[str, int], int] = {}
-        while len(set(ports.values())) < len(roles):
-            ports = {part: free_port() for part in roles}
-        # The prefill workers a decode or mixed worker may ask for remote prefills: this cluster's.
-        peers = ",".join(f"http://127.0.0.1:{ports[r]}" for r in roles if r[0] in ("prefill", "mixed"))
-        for role, i in roles:
-            wenv = dict(base_env, KVFERRY_POD_NAME=f"local-{role}-{i}", KVFERRY_PREFILL_PEERS=peers)
-            wenv.update((role_env or {}).get(role, {}))
-            part = worker_process(
-                role, ports[(role, i)], redis_url, wenv, logs / f"{role}-{i}.log", name=f"{role}-{i}", args=worker_args
-            )
-            part.start()
-            cluster.workers.append(part)
-            urls[role].append(part.url or "")
+        counts = {"prefill": prefill, "decode": decode, "mixed": mixed}
+        _start_workers(cluster, counts, base_env, role_env or {}, worker_args)
         shape = f"{prefill} prefill + {decode} decode" + (f" + {mixed} mixed" if mixed else "")
         say(f"starting {shape} workers (logs in {logs})")
         wait_ready(cluster.workers, ready_timeout_s, say)
 
-        rport_s = cluster.router_url.rsplit(":", 1)[1]
         router_env = dict(base_env, **(role_env or {}).get("router", {}))
         if mixed:
             router_env.setdefault("KVFERRY_ROUTER_PLACEMENT", "adaptive")
-        cluster.router = ManagedProcess(
-            "router",
-            kvferry_argv(
-                "router",
-                "--host",
-                host,
-                "--port",
-                rport_s,
-                "--model",
-                model,
-                "--redis-url",
-                redis_url,
-                "--discovery",
-                "static",
-                "--prefill-urls",
-                ",".join(cluster.prefill_urls),
-                "--decode-urls",
-                ",".join(cluster.decode_urls),
-                "--mixed-urls",
-                ",".join(cluster.mixed_urls),
-                *router_args,
-            ),
-            router_env,
-            logs / "router.log",
-            url=cluster.router_url,
-        )
+        cluster.router = _router_process(cluster, host, model, router_env, router_args)
         cluster.router.start()
         wait_ready([cluster.router], ready_timeout_s, say)
         return cluster
     except BaseException:
         cluster.stop(grace_s=5.0, keep_logs=True)
         raise
+
+
+def _base_env(env: dict[str, str] | None, model: str, api_key: str | None, n_workers: int) -> dict[str, str]:
+    """The environment every part starts from: ours, ``env``, the model and local defaults."""
+    base_env = dict(os.environ)
+    base_env.update(env or {})
+    base_env["KVFERRY_MODEL"] = model
+    base_env.setdefault("KVFERRY_DRAIN_SECONDS", "2")  # local: stop quickly on Ctrl-C
+    base_env.setdefault("KVFERRY_TORCH_THREADS", str(max(1, (os.cpu_count() or 1) // n_workers)))
+    if api_key:
+        base_env["KVFERRY_API_KEY"] = api_key  # env, not argv: keys do not belong in `ps` output
+    else:
+        base_env.pop("KVFERRY_API_KEY", None)
+    return base_env
+
+
+def _start_redis(cluster: LocalCluster, base_env: dict[str, str], say: Callable[[str], None]) -> str:
+    """Starts the cluster's own Redis on a free port and returns its URL once it answers."""
+    cluster.redis = redis_server(free_port(), cluster.log_dir / "redis.log", base_env)
+    cluster.redis.start()
+    wait_redis(cluster.redis, 10.0)
+    url = cluster.redis.url
+    assert url is not None
+    say(f"redis-server on {url}")
+    return url
+
+
+def _start_workers(
+    cluster: LocalCluster,
+    counts: dict[str, int],
+    base_env: dict[str, str],
+    role_env: dict[str, dict[str, str]],
+    worker_args: Sequence[str],
+) -> None:
+    """Starts ``counts[role]`` workers of each role on distinct free ports (not waiting for them)."""
+    urls = {"prefill": cluster.prefill_urls, "decode": cluster.decode_urls, "mixed": cluster.mixed_urls}
+    roles = [(r, i) for r, count in counts.items() for i in range(count)]
+    ports: dict[tuple[str, int], int] = {}
+    while len(set(ports.values())) < len(roles):
+        ports = {part: free_port() for part in roles}
+    # The prefill workers a decode or mixed worker may ask for remote prefills: this cluster's.
+    peers = ",".join(f"http://127.0.0.1:{ports[r]}" for r in roles if r[0] in ("prefill", "mixed"))
+    for role, i in roles:
+        wenv = dict(base_env, KVFERRY_POD_NAME=f"local-{role}-{i}", KVFERRY_PREFILL_PEERS=peers)
+        wenv.update(role_env.get(role, {}))
+        log = cluster.log_dir / f"{role}-{i}.log"
+        part = worker_process(
+            role, ports[(role, i)], cluster.redis_url, wenv, log, name=f"{role}-{i}", args=worker_args
+        )
+        part.start()
+        cluster.workers.append(part)
+        urls[role].append(part.url or "")
+
+
+def _router_process(
+    cluster: LocalCluster, host: str, model: str, router_env: dict[str, str], router_args: Sequence[str]
+) -> ManagedProcess:
+    """The router, routing to the cluster's workers as static lists."""
+    argv = kvferry_argv(
+        "router",
+        "--host",
+        host,
+        "--port",
+        cluster.router_url.rsplit(":", 1)[1],
+        "--model",
+        model,
+        "--redis-url",
+        cluster.redis_url,
+        "--discovery",
+        "static",
+        "--prefill-urls",
+        ",".join(cluster.prefill_urls),
+        "--decode-urls",
+        ",".join(cluster.decode_urls),
+        "--mixed-urls",
+        ",".join(cluster.mixed_urls),
+        *router_args,
+    )
+    return ManagedProcess("router", argv, router_env, cluster.log_dir / "router.log", url=cluster.router_url)

@@ -8,6 +8,7 @@ import secrets
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 from common.devcluster.cluster import LocalCluster, start_local_cluster
 from common.devcluster.process import ClusterError
@@ -18,6 +19,51 @@ __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    # SIGTERM behaves like Ctrl-C: unwind through the same stop path.
+    def _term(_signo: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _term)
+    cluster: LocalCluster | None = None
+    supervisor: Supervisor | None = None
+    try:
+        mixed = f" + {args.mixed} mixed" if args.mixed else ""
+        say(f"kvferry up: {args.prefill} prefill + {args.decode} decode{mixed} workers, model {args.model}")
+        cluster = start_local_cluster(
+            args.prefill,
+            args.decode,
+            args.port,
+            args.model,
+            host=args.host,
+            redis_url=args.redis_url,
+            api_key=args.api_key,
+            log_dir=args.log_dir,
+            progress=say,
+            mixed=args.mixed,
+            env=_secrets_env(args.redis_url),
+        )
+        _print_try_request(cluster, args)
+        supervisor = Supervisor(cluster.parts, say)
+        while True:
+            time.sleep(0.5)
+            supervisor.check()
+    except KeyboardInterrupt:
+        say("\nstopping...")
+        return 0
+    except ClusterError as exc:
+        say(f"kvferry up failed: {exc}")
+        return 1
+    finally:
+        if cluster is not None:
+            _stop(cluster, supervisor, say)
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="kvferry up", description="Run Redis, a router and prefill/decode workers on this machine."
     )
@@ -33,70 +79,42 @@ def main(argv: list[str] | None = None) -> int:
         "--log-dir",
         help="where the parts write their logs (default: a temp dir, removed on a clean stop and kept when a part failed)",
     )
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
-    def say(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
 
-    # SIGTERM behaves like Ctrl-C: unwind through the same stop path.
-    def _term(_signo: int, _frame: object) -> None:
-        raise KeyboardInterrupt
+def _secrets_env(redis_url: str | None) -> dict[str, str]:
+    """The workers' internal API is closed to other users of this machine too: a token made for this run
+    (unless one is set), given to every part in its environment and never printed."""
+    token = ",".join(INTERNAL_TOKEN.read()) or secrets.token_urlsafe(32)
+    secrets_env = {INTERNAL_TOKEN.name: token}
+    if redis_url is None:
+        # The prefix index's Redis likewise: other local users could read it, steer placement with fake
+        # entries, or flush it. The password reaches redis-server in a 0600 file, the parts in their env.
+        secrets_env[REDIS_PASSWORD.name] = REDIS_PASSWORD.read() or secrets.token_urlsafe(32)
+    return secrets_env
 
-    signal.signal(signal.SIGTERM, _term)
-    cluster: LocalCluster | None = None
-    supervisor: Supervisor | None = None
+
+def _print_try_request(cluster: LocalCluster, args: argparse.Namespace) -> None:
+    shown = cluster.router_url.replace("0.0.0.0", "localhost")
+    auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
+    print(
+        f"\nkvferry is up: {shown}/v1  (OpenAI API; Ctrl-C stops everything)\n\n"
+        f"curl -s {shown}/v1/chat/completions -H 'content-type: application/json'{auth} \\\n"
+        f'  -d \'{{"model": "{args.model}", "temperature": 0, "messages": [{{"role": "user", "content": '
+        f'"What is the capital of France?"}}]}}\'\n',
+        flush=True,
+    )
+
+
+def _stop(cluster: LocalCluster, supervisor: Supervisor | None, say: Callable[[str], None]) -> None:
+    """Stops every part; logs are kept when a part had to be restarted during the run."""
+    restarted = sorted(name for name, n in (supervisor.restarts if supervisor else {}).items() if n)
     try:
-        mixed = f" + {args.mixed} mixed" if args.mixed else ""
-        say(f"kvferry up: {args.prefill} prefill + {args.decode} decode{mixed} workers, model {args.model}")
-        # The workers' internal API is closed to other users of this machine too: a token made for this run
-        # (unless one is set), given to every part in its environment and never printed.
-        token = ",".join(INTERNAL_TOKEN.read()) or secrets.token_urlsafe(32)
-        secrets_env = {INTERNAL_TOKEN.name: token}
-        if args.redis_url is None:
-            # The prefix index's Redis likewise: other local users could read it, steer placement with fake
-            # entries, or flush it. The password reaches redis-server in a 0600 file, the parts in their env.
-            secrets_env[REDIS_PASSWORD.name] = REDIS_PASSWORD.read() or secrets.token_urlsafe(32)
-        cluster = start_local_cluster(
-            args.prefill,
-            args.decode,
-            args.port,
-            args.model,
-            host=args.host,
-            redis_url=args.redis_url,
-            api_key=args.api_key,
-            log_dir=args.log_dir,
-            progress=say,
-            mixed=args.mixed,
-            env=secrets_env,
-        )
-        shown = cluster.router_url.replace("0.0.0.0", "localhost")
-        auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
-        print(
-            f"\nkvferry is up: {shown}/v1  (OpenAI API; Ctrl-C stops everything)\n\n"
-            f"curl -s {shown}/v1/chat/completions -H 'content-type: application/json'{auth} \\\n"
-            f'  -d \'{{"model": "{args.model}", "temperature": 0, "messages": [{{"role": "user", "content": '
-            f'"What is the capital of France?"}}]}}\'\n',
-            flush=True,
-        )
-        supervisor = Supervisor(cluster.parts, say)
-        while True:
-            time.sleep(0.5)
-            supervisor.check()
-    except KeyboardInterrupt:
-        say("\nstopping...")
-        return 0
-    except ClusterError as exc:
-        say(f"kvferry up failed: {exc}")
-        return 1
-    finally:
-        if cluster is not None:
-            restarted = sorted(name for name, n in (supervisor.restarts if supervisor else {}).items() if n)
-            try:
-                cluster.stop(keep_logs=bool(restarted))
-                if restarted and cluster.temp_log_dir:
-                    say(f"logs kept in {cluster.log_dir} ({', '.join(restarted)} restarted during the run)")
-            except KeyboardInterrupt:  # a second Ctrl-C: stop waiting, kill every part (and its children)
-                say("killing...")
-                for part in cluster.parts:
-                    part.kill_group()
-            say("stopped")
+        cluster.stop(keep_logs=bool(restarted))
+        if restarted and cluster.temp_log_dir:
+            say(f"logs kept in {cluster.log_dir} ({', '.join(restarted)} restarted during the run)")
+    except KeyboardInterrupt:  # a second Ctrl-C: stop waiting, kill every part (and its children)
+        say("killing...")
+        for part in cluster.parts:
+            part.kill_group()
+    say("stopped")

@@ -17,7 +17,8 @@ from common.engine.fp8 import FP8_SETTING, fp8_unsupported, is_fp8
 from common.engine.kv_sizing import kv_pool_pages, model_kv_layout
 from common.engine.mla import TorchMlaAttention
 from common.engine.model import DecoderModel
-from common.engine.model_config import ModelConfig, named_config
+from common.engine.model_config import ModelConfig
+from common.engine.named_configs import named_config
 from common.engine.staging import HostToDevice
 from common.engine.start_phases import StartPhases
 from common.engine.tp import TPGroup, TPShard, tp_backend

@@ -1,4 +1,6 @@
-"""Page-aligned radix (prefix) cache over token ids, in two tiers with a `HostTier` (docs/architecture.md,
+"""One file because match, insert, evict and the moves between tiers all keep the same tree's invariants.
+
+Page-aligned radix (prefix) cache over token ids, in two tiers with a `HostTier` (docs/architecture.md,
 "Host KV tier"). Only whole pages are cached (the unit allocated, transferred and hashed). Pages in the tree
 belong to it until `evict` or `reset`; locked nodes' pages never go back. Device nodes form the top of the
 tree, so a match is a device prefix then a host suffix and only device nodes are locked.

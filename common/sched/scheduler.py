@@ -1,5 +1,9 @@
-"""The one scheduler every worker and the offline engine run: continuous batching over a paged KV pool and a
-prefix cache, the host's work overlapped with the device's (docs/architecture.md, "The scheduler loop")."""
+"""One file because one class owns the request table, the page budget and the step in flight that every move changes.
+
+The one scheduler every worker and the offline engine run: continuous batching over a paged KV pool and a
+prefix cache, the host's work overlapped with the device's (docs/architecture.md, "The scheduler loop"). Its
+parts with a job of their own live beside it: planning (step_plan.py), pacing (step_pacing.py), sampling
+(step_sampling.py), pages (pages.py, prefill.py) and the request table (request_table.py)."""
 
 from __future__ import annotations
 
@@ -17,20 +21,20 @@ from common.kv.radix import RadixCache
 from common.protocol import TokenLogprob
 from common.sched.grammar import GrammarBook, GrammarError
 from common.sched.grammar_compiles import GrammarCompiles
-from common.sched.itl_trim import ItlTrim
 from common.sched.kv_connector import KVArrival, KVConnector
 from common.sched.launched import Launched, StepTimer, copy_to_host
 from common.sched.pages import KVBudget
 from common.sched.prefill import PrefillAdder
-from common.sched.prefill_budget import FLOOR_DECODE_STEPS, PrefillSpeed, StepContext, StepSeconds, prefill_budget
+from common.sched.prefill_budget import StepContext
 from common.sched.request import Req, ReqState
 from common.sched.request_table import DuplicateRequest, RequestRejected, RequestTable
 from common.sched.snapshot import SchedulerSnapshot
-from common.sched.step_model import StepShape, StepTimeModel, chunk_attention, z_score
+from common.sched.step_model import StepShape, chunk_attention
+from common.sched.step_pacing import StepPacing
 from common.sched.step_plan import PlanInputs, StepPlan, can_decode, decode_growth, plan
 from common.sched.step_sampling import StepSampler
 from common.sched.waiting import WaitingQueue
-from common.settings import ITL_TARGET_SLO, SchedulerConfig
+from common.settings import SchedulerConfig
 from common.slo import parse_slo_classes
 
 log = logging.getLogger("kvferry.sched")
@@ -92,11 +96,7 @@ class Scheduler:
         self.last_plan: StepPlan | None = None  # what the last step was planned to compute, and why
         self._late: list[StepEvent] = []  # requests ended while sampling (a broken grammar), not yet returned
         self.prefill_tokens_launched = 0  # prompt tokens computed so far (the measured prefill rate's counter)
-        self.step_model = StepTimeModel()
-        self._processed_at: float | None = None  # host clock when the last step was processed
-        self.prefill_speed = PrefillSpeed()
-        self.decode_step = StepSeconds()
-        self.itl_trim = ItlTrim()  # the share of the ITL target chunk steps aim at (common/sched/itl_trim.py)
+        self.pacing = StepPacing(cfg, self.page_size, self.slo, self.table)
         self.processed_kind: str | None = None  # kind of the step processed last ("prefill" | "decode" | "mixed")
         self.connector: KVConnector = connector if connector is not None else KVConnector()
 
@@ -324,30 +324,6 @@ class Scheduler:
     def mixed_batching(self) -> bool:
         return self.cfg.itl_target_ms != 0
 
-    def itl_target_s(self) -> float:
-        """The ITL a chunk step beside decoding aims at (0: unmeasured or mixed steps off)."""
-        target = self.cfg.itl_target_ms
-        step = self.decode_step.seconds
-        if target == ITL_TARGET_SLO:
-            if step <= 0:
-                return 0.0
-            slo = min(self.table.decoding_itl, default=min(c.itl_s for c in self.slo.classes))
-            return max(slo, FLOOR_DECODE_STEPS * step)
-        if target > 0:
-            return target / 1000
-        if target < 0:  # a multiple of the measured decode step (ITL_TARGET_AUTO: 2)
-            return -target * step
-        return 0.0
-
-    def budget_target_s(self) -> float:
-        return self.itl_target_s() * self.itl_trim.factor
-
-    def margin_z(self) -> float:
-        """Residual spreads of the step-time model kept below the SLO target (its percentile's normal quantile)."""
-        if self.cfg.itl_target_ms != ITL_TARGET_SLO:
-            return 0.0
-        return z_score(max(c.percentile for c in self.slo.classes))
-
     def plan_inputs(self) -> PlanInputs:
         return PlanInputs(
             running=self.running,
@@ -357,8 +333,8 @@ class Scheduler:
             max_seq_len=self.runner.max_seq_len,
             page_size=self.page_size,
             mixed_batching=self.mixed_batching,
-            itl_target_s=self.budget_target_s(),
-            budget=self._budget,
+            itl_target_s=self.pacing.budget_target_s(),
+            budget=self.pacing.budget,
             spare_pages=self.budget.available_pages() - self.reserved_pages(),
             running_slots=min(self.max_running - self.table.active_count(), self.runner.page_table.num_free_rows),
             reserve_len=lambda r: r.reserve_len if r.table_row >= 0 else self.budget.reserve_len(r),
@@ -412,26 +388,12 @@ class Scheduler:
         req.reserve_len = 0
         self.table.preempt(req)
 
-    def _budget(self, decoding: bool, context: StepContext) -> tuple[int, str]:
-        return prefill_budget(
-            self.cfg.max_prefill_tokens,
-            self.page_size,
-            self.budget_target_s(),
-            decoding=decoding,
-            model=self.step_model,
-            context=context,
-            margin_z=self.margin_z(),
-            prefill_tokens_per_s=self.prefill_speed.peak_tokens_per_s,
-            decode_step_s=self.decode_step.seconds,
-            max_step_s=self.cfg.max_step_ms / 1000,
-        )
-
     def prefill_token_budget(self, decoding: bool | None = None, context: StepContext | None = None) -> int:
         """Prompt tokens the next step takes (common/sched/prefill_budget.py); `decoding` True: the budget beside
         decoding requests, as published."""
         if context is None:
             context = StepContext(len(self.running), sum(r.device_len for r in self.running))
-        return self._budget(bool(self.running) if decoding is None else decoding, context)[0]
+        return self.pacing.budget(bool(self.running) if decoding is None else decoding, context)[0]
 
     def _decode_rows(self, batch: list[Req]) -> tuple[list[list[int]], list[int], bool]:
         """Each decode row's input id (-1: still on the device), its position, and whether any is on the device."""
@@ -545,20 +507,7 @@ class Scheduler:
     def _process(self, launched: Launched) -> list[StepEvent]:
         launched.wait()
         self.processed_kind = launched.kind
-        now = time.perf_counter()
-        if launched.timer is not None:
-            seconds = launched.timer.seconds()
-            # A stream sees the period between steps, not device time; only back-to-back steps' periods are learnt.
-            back_to_back = self._processed_at is not None and launched.launched_at <= self._processed_at
-            period = now - self._processed_at if back_to_back and self._processed_at is not None else 0.0
-            self.step_model.observe(launched.shape, max(seconds, period))
-            if launched.kind == "mixed":
-                self.itl_trim.observe(max(seconds, period), self.itl_target_s())
-            if launched.kind == "decode":
-                self.decode_step.observe(seconds)
-            elif launched.kind == "prefill":
-                self.prefill_speed.observe(launched.shape.prefill_tokens, seconds)
-        self._processed_at = now
+        self.pacing.observe(launched)
         if self.connector.transfers:
             for r, s, e in launched.chunks:
                 if not r.finished:  # aborted while in flight: nothing to send on
@@ -645,9 +594,9 @@ class Scheduler:
             free_pages=self.free_pages() - self.reserved_pages(),
             total_pages=self.allocator.num_pages,
             prefill_chunk_tokens=self.prefill_token_budget(decoding=True) if self.mixed_batching else 0,
-            itl_target_s=self.budget_target_s(),
-            prefill_step_tokens_per_s=self.prefill_speed.tokens_per_s,
-            step_coefficients=self.step_model.coefficients() if self.step_model.ready else {},
+            itl_target_s=self.pacing.budget_target_s(),
+            prefill_step_tokens_per_s=self.pacing.prefill_speed.tokens_per_s,
+            step_coefficients=self.pacing.step_model.coefficients() if self.pacing.step_model.ready else {},
             step_chunk_tokens=self.prefill_token_budget(),
             decode_rows=len(beside),
             decode_context=sum(r.device_len for r in beside),

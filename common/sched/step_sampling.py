@@ -24,8 +24,9 @@ from common.engine.sampling import (
     sparse_additions,
 )
 from common.engine.staging import HostToDevice, Stage
+from common.protocol import SamplingParams
 from common.sched.grammar import GrammarBook, GrammarMasks
-from common.sched.penalties import PenaltyBatch, PenaltyHistory
+from common.sched.penalties import PenaltyBatch, PenaltyHistory, PenaltyPlan
 from common.sched.request import Req
 
 
@@ -105,28 +106,14 @@ class StepSampler:
         """Samples one token per request of `reqs` (table `rows`, output `steps`) from `logits`; fills the grammar
         masks here unless `job` did."""
         batch = self._last
-        masks = bits_part = None
         if batch is not None and batch.reqs == tuple(reqs):
             new_batch = None
             any_grammar = batch.grammar
         else:
             new_batch = tuple(reqs)
             any_grammar = any(r.sampling.grammar is not None for r in reqs)
-        if job is not None:
-            stage, bits_part, masks = job.stage, job.part, job.masks.result()
-        else:
-            stage = self.h2d.stage()
-            if any_grammar:
-                # On a GPU the forward is still running: the masks are filled meanwhile, into the pinned buffer.
-                bits_part, bits = stage.reserve((len(reqs), grammars.mask_words), torch.int32)
-                masks = grammars.fill(reqs, bits)
-        fresh_part = plan = rows_part = None
-        if new_batch is not None:
-            rows_part = stage.put(rows, torch.int64)
-            fresh = [(i, row) for i, (r, row) in enumerate(zip(reqs, rows)) if not self._owned(r, row)]
-            if fresh:
-                fresh_part = self._stage_params(reqs, fresh, stage)
-            plan = self.penalties.plan(reqs, rows, steps, stage)
+        stage, bits_part, masks = self._begin_stage(reqs, grammars, job, any_grammar)
+        new_parts = self._stage_new_batch(reqs, rows, steps, stage) if new_batch is not None else None
         steps_part = stage.put(steps, torch.int64)
         params = [r.sampling for r in reqs] if new_batch is not None else None
         additions = (
@@ -134,32 +121,17 @@ class StepSampler:
         )
         add_key = add_parts = None
         if additions:
-            done = masks.done if masks is not None else ()
-            add_key = tuple(steps[i] < reqs[i].sampling.min_tokens and not (done and done[i]) for i in additions)
-            if new_batch is not None or add_key != batch.add_key:
-                add = sparse_additions([r.sampling for r in reqs], steps, self.eos_ids, done, additions)
-                if add is not None:
-                    add_parts = [stage.put(t, t.dtype) for t in add]
+            last_key = None if batch is None or new_batch is not None else batch.add_key
+            add_key, add_parts = self._stage_additions(
+                reqs, steps, additions, masks, new_batch is not None, last_key, stage
+            )
         grammar_part = None
         if masks is not None and self.device.type == "cuda":
             grammar_part = stage.put(masks.rows, torch.int32)  # xgrammar's GPU kernel reads its rows from here
         sent = stage.send()
         if new_batch is not None:
-            rows_dev = sent[rows_part]
-            if fresh_part is not None:
-                self._write_params(sent, fresh_part)
-            assert params is not None
-            batch = _Batch(
-                reqs=new_batch,
-                rows_dev=rows_dev,
-                floats=self.floats.index_select(0, rows_dev),
-                ints=self.ints.index_select(0, rows_dev),
-                flags=BatchFlags.of(params, self.vocab),
-                penalty=None if plan is None else self.penalties.begin(plan, sent, rows_dev),
-                grammar=any_grammar,
-                additions=additions,
-            )
-            self._last = batch
+            assert params is not None and new_parts is not None
+            batch = self._adopt_batch(new_batch, params, sent, new_parts, any_grammar, additions)
         assert batch is not None
         if additions:
             if add_parts is not None:
@@ -182,6 +154,73 @@ class StepSampler:
         if batch.penalty is not None:
             self.penalties.record(batch.penalty, steps_dev, result.tokens)
         return Sampled(result, batch.rows_dev, masks.broken if masks is not None else [])
+
+    def _begin_stage(
+        self, reqs: Sequence[Req], grammars: GrammarBook, job: MaskJob | None, any_grammar: bool
+    ) -> tuple[Stage, int | None, GrammarMasks | None]:
+        """The step's staged copy and its grammar masks: `job`'s, or filled here when some row has a grammar."""
+        if job is not None:
+            return job.stage, job.part, job.masks.result()
+        stage = self.h2d.stage()
+        if not any_grammar:
+            return stage, None, None
+        # On a GPU the forward is still running: the masks are filled meanwhile, into the pinned buffer.
+        bits_part, bits = stage.reserve((len(reqs), grammars.mask_words), torch.int32)
+        return stage, bits_part, grammars.fill(reqs, bits)
+
+    def _stage_new_batch(
+        self, reqs: Sequence[Req], rows: Sequence[int], steps: Sequence[int], stage: Stage
+    ) -> tuple[int, tuple[int, int, int] | None, PenaltyPlan | None]:
+        """Stages a changed batch's table rows, the parameters of rows not yet written, and its penalty plan."""
+        rows_part = stage.put(rows, torch.int64)
+        fresh = [(i, row) for i, (r, row) in enumerate(zip(reqs, rows)) if not self._owned(r, row)]
+        fresh_part = self._stage_params(reqs, fresh, stage) if fresh else None
+        return rows_part, fresh_part, self.penalties.plan(reqs, rows, steps, stage)
+
+    def _stage_additions(
+        self,
+        reqs: Sequence[Req],
+        steps: Sequence[int],
+        additions: list[int],
+        masks: GrammarMasks | None,
+        batch_is_new: bool,
+        last_key: tuple[bool, ...] | None,
+        stage: Stage,
+    ) -> tuple[tuple[bool, ...], list[int] | None]:
+        """Which addition rows ban end-of-sequence this step, and their logit additions staged when that changed."""
+        done = masks.done if masks is not None else ()
+        add_key = tuple(steps[i] < reqs[i].sampling.min_tokens and not (done and done[i]) for i in additions)
+        if not batch_is_new and add_key == last_key:
+            return add_key, None
+        add = sparse_additions([r.sampling for r in reqs], steps, self.eos_ids, done, additions)
+        return add_key, None if add is None else [stage.put(t, t.dtype) for t in add]
+
+    def _adopt_batch(
+        self,
+        reqs: tuple[Req, ...],
+        params: list[SamplingParams],
+        sent: list[torch.Tensor],
+        parts: tuple[int, tuple[int, int, int] | None, PenaltyPlan | None],
+        any_grammar: bool,
+        additions: list[int],
+    ) -> _Batch:
+        """Writes a changed batch's fresh parameters and gathers its rows; it is reused while the batch holds."""
+        rows_part, fresh_part, plan = parts
+        rows_dev = sent[rows_part]
+        if fresh_part is not None:
+            self._write_params(sent, fresh_part)
+        batch = _Batch(
+            reqs=reqs,
+            rows_dev=rows_dev,
+            floats=self.floats.index_select(0, rows_dev),
+            ints=self.ints.index_select(0, rows_dev),
+            flags=BatchFlags.of(params, self.vocab),
+            penalty=None if plan is None else self.penalties.begin(plan, sent, rows_dev),
+            grammar=any_grammar,
+            additions=additions,
+        )
+        self._last = batch
+        return batch
 
     def close(self) -> None:
         if self._fill_thread is not None:

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from common import settings_registry as reg
 from common.slo import SloClass, SloClasses
-from router.decision.pool import Load, Worker
+from router.decision.load import Load
+from router.decision.pool import Worker
 from router.settings import RouterOptions
 
 __all__ = [

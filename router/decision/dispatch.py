@@ -20,9 +20,10 @@ from router.decision.admission import (
     ttft_verdict,
 )
 from router.decision.cost_model import SloTargets
+from router.decision.load import Load
 from router.decision.locality import PrefixLocator
 from router.decision.policy import RouteDecision, RoutingPolicy
-from router.decision.pool import Load, Worker, WorkerPool
+from router.decision.pool import Worker, WorkerPool
 from router.decision.ttft_model import WorkerFigures, predict_ttft_s
 from router.errors import bad_request, no_worker, rate_limited
 from router.metrics import RouterMetrics

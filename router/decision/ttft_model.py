@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from common.capacity import StepCost
 
 if TYPE_CHECKING:
-    from router.decision.pool import Load
+    from router.decision.load import Load
 
 __all__ = ["StepCost", "WorkerFigures", "predict_ttft_s", "prefill_rate"]
 

@@ -1,4 +1,6 @@
-"""Request bodies of the OpenAI endpoints, validated with pydantic.
+"""One file because both OpenAI endpoints' bodies share one sampling model, its limits and its validators.
+
+Request bodies of the OpenAI endpoints, validated with pydantic.
 
 Known fields are range-checked so a bad value is a 400 naming the parameter (router/errors.py turns
 pydantic's errors into that), never a worker-side failure. A field that would change the output and that

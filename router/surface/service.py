@@ -7,23 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-import uuid
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 
-from common.protocol import TokenLine
 from common.slo import DEFAULT_SLO_SPEC, SloClasses, parse_slo_classes
 from router.decision.dispatch import Dispatcher
-from router.errors import bad_request, context_too_long, prompt_too_long, rate_limited, upstream_failed
-from router.metrics import TokenGaps
+from router.errors import bad_request, rate_limited, upstream_failed
 from router.settings import RouterOptions
-from router.surface.choice import ChoiceDelta, ChoiceState, TokenInfo
-from router.surface.openai_api import ChatCompletionRequest, CompletionRequest
+from router.surface.choice import ChoiceDelta, ChoiceState
+from router.surface.job import Admission, Job, RunningChoice
+from router.surface.openai_api import ChatCompletionRequest
+from router.surface.prepare import PromptPreparer
 from router.surface.responses import (
     SSE_DONE,
     ChunkFormat,
@@ -35,61 +31,17 @@ from router.surface.responses import (
     sse,
     usage,
 )
-from router.surface.tokenizer import ModelInfo, PromptTooLong, RouterTokenizer
-from router.surface.tools import Tool, ToolCallStream, finish_reason_with_calls, parse_tool_calls
-from router.timeline import RequestRecord
+from router.surface.tokenizer import ModelInfo, RouterTokenizer
+from router.surface.tools import ToolCallStream, finish_reason_with_calls, parse_tool_calls
 from router.upstream.migration import MigratingCall
 
 SLO_CLASS_HEADER = "x-kvferry-class"  # names the request's SLO class (else `priority`, else the default)
 
-__all__ = ["Job", "RouterService"]
+__all__ = ["RouterService"]
 
 log = logging.getLogger("kvferry.router")
 
 _CONTEXT_IDS = 4  # prompt ids fed to the detokenizer ahead of the output (SentencePiece leading spaces)
-_LONG_TEXT = 8192  # characters: tokenize off the event loop above this
-# Bounded: a burst of long prompts queues here instead of taking the event loop's cores (and malloc arenas).
-_TOKENIZE_THREADS = 2
-
-
-@dataclass
-class Job:
-    kind: Literal["chat", "completion"]
-    rid: str
-    created: int
-    model: str
-    request: ChatCompletionRequest | CompletionRequest
-    prompts: list[list[int]]
-    max_tokens: list[int]  # per prompt
-    n: int
-    stops: list[str]
-    logprobs: bool
-    top_logprobs: int
-    include_usage: bool
-    slo_class: str = ""  # its SLO class (common/slo.py), from `priority` or the x-kvferry-class header
-    record: RequestRecord | None = None  # timeline, trace and metrics of the request (router/timeline.py)
-    # Every choice started, registered before its first await: the job's owner closes them however it ends.
-    choices: list[RunningChoice] = field(default_factory=list)
-
-
-class Admission:
-    """One admitted request (an identity: the live set of these is the router's in-flight count)."""
-
-    __slots__ = ()
-
-
-@dataclass
-class RunningChoice:
-    index: int
-    prompt_index: int
-    call: MigratingCall
-    state: ChoiceState
-    first: TokenLine | None = None
-    text: list[str] = field(default_factory=list)
-    tokens: list[TokenInfo] = field(default_factory=list)
-    offset: int = 0  # completions' text_offset of the next token
-    gaps: TokenGaps | None = None  # inter-token gaps, for the router's histogram
-    tools: ToolCallStream | None = None  # chat with tools: tool calls parsed out of the text
 
 
 class RouterService:
@@ -107,7 +59,7 @@ class RouterService:
         self.dispatcher = dispatcher
         self.opts = opts
         self._admitted: set[Admission] = set()
-        self._tokenizing = ThreadPoolExecutor(_TOKENIZE_THREADS, thread_name_prefix="tokenize")
+        self.prompts = PromptPreparer(tokenizer, model, opts)
 
     # ---- admission ---------------------------------------------------------------------------------
     @property
@@ -136,103 +88,6 @@ class RouterService:
             except ValueError as exc:
                 raise bad_request(str(exc), SLO_CLASS_HEADER) from None
         return self.slo.by_priority(priority or 0).name
-
-    # ---- tokenizing: up to the model's context at most (one past it: 400); long texts off the event loop ----
-    async def _tokenize(self, chars: int, param: str, encode: Callable[[], list[int]]) -> list[int]:
-        try:
-            if chars > _LONG_TEXT:
-                return await asyncio.get_running_loop().run_in_executor(self._tokenizing, encode)
-            return encode()
-        except PromptTooLong as exc:
-            raise prompt_too_long(self.model.max_context, exc.at_least, param) from None
-
-    async def encode_text(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
-        """A text's token ids (400 for text that is not Unicode or longer than the context)."""
-        limit = self.model.max_context
-        try:
-            return await self._tokenize(len(text), param, lambda: self.tok.encode(text, add_special_tokens, limit))
-        except ValueError as exc:  # the tokenizer refuses text that is not valid Unicode
-            raise bad_request(str(exc), param) from None
-
-    async def encode_chat(self, messages: list[dict[str, Any]], tools: list[Tool] | None) -> list[int]:
-        """A conversation's prompt ids through the chat template (400 as in ``encode_text``, or if refused)."""
-        chars = _text_chars(messages)
-        limit = self.model.max_context
-        try:
-            return await self._tokenize(chars, "messages", lambda: self.tok.encode_chat(messages, tools, limit))
-        except ValueError as exc:
-            raise bad_request(str(exc), "messages") from None
-
-    # ---- preparing -----------------------------------------------------------------------------------
-    async def prepare_chat(self, req: ChatCompletionRequest) -> Job:
-        ids = await self.encode_chat(req.chat_messages(), req.tools)
-        if not ids:
-            raise bad_request("messages produce an empty prompt", "messages")
-        max_tokens = self._max_tokens(len(ids), req.requested_max_tokens(), "messages", chat=True)
-        self._check_sampling(req, [max_tokens])
-        return self._job("chat", req, [ids], [max_tokens], req.logprobs, req.top_logprobs or 0)
-
-    async def prepare_completion(self, req: CompletionRequest) -> Job:
-        prompts: list[list[int]] = []
-        for p in req.prompts():
-            if isinstance(p, str):
-                ids = await self.encode_text(p, "prompt")
-                if not ids:
-                    raise bad_request("prompt must not be empty", "prompt")
-            else:
-                ids = [int(t) for t in p]
-                if any(t < 0 or t >= self.tok.vocab_size for t in ids):
-                    raise bad_request(f"prompt token ids must be in [0, {self.tok.vocab_size})", "prompt")
-            prompts.append(ids)
-        max_tokens = [self._max_tokens(len(ids), req.max_tokens, "prompt", chat=False) for ids in prompts]
-        self._check_sampling(req, max_tokens)
-        return self._job("completion", req, prompts, max_tokens, req.logprobs is not None, req.logprobs or 0)
-
-    def _job(
-        self,
-        kind: Literal["chat", "completion"],
-        req: ChatCompletionRequest | CompletionRequest,
-        prompts: list[list[int]],
-        max_tokens: list[int],
-        logprobs: bool,
-        top_logprobs: int,
-    ) -> Job:
-        return Job(
-            kind=kind,
-            rid=f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
-            created=int(time.time()),
-            model=self.model.name,
-            request=req,
-            prompts=prompts,
-            max_tokens=max_tokens,
-            n=req.n,
-            stops=req.stop_list,
-            logprobs=logprobs,
-            top_logprobs=top_logprobs,
-            include_usage=req.include_usage,
-        )
-
-    def _check_sampling(self, req: ChatCompletionRequest | CompletionRequest, max_tokens: list[int]) -> None:
-        bad = [t for t in req.logit_bias_ids() if t >= self.tok.vocab_size]
-        if bad:
-            raise bad_request(f"logit_bias token ids must be in [0, {self.tok.vocab_size}); got {bad[0]}", "logit_bias")
-        if any(t < 0 or t >= self.tok.vocab_size for t in req.stop_token_ids or []):
-            raise bad_request(f"stop_token_ids must be in [0, {self.tok.vocab_size})", "stop_token_ids")
-        if req.min_tokens and req.min_tokens > min(max_tokens):
-            raise bad_request(f"min_tokens ({req.min_tokens}) exceeds max_tokens ({min(max_tokens)})", "min_tokens")
-
-    def _max_tokens(self, prompt_len: int, requested: int | None, param: str, chat: bool) -> int:
-        ctx = self.model.max_context
-        if requested is None:
-            # OpenAI's defaults: 16 for legacy completions; chat runs to a configurable cap (workers reserve KV
-            # for the whole output up front).
-            room = ctx - prompt_len
-            if room < 1:
-                raise context_too_long(ctx, prompt_len, 1, param)
-            return min(room, self.opts.default_max_tokens) if chat else min(room, 16)
-        if prompt_len + requested > ctx:
-            raise context_too_long(ctx, prompt_len, requested, param)
-        return requested
 
     # ---- starting ----------------------------------------------------------------------------------
     async def start(self, job: Job) -> list[RunningChoice]:
@@ -487,16 +342,6 @@ def _kv_detail(job: Job) -> str:
         f"(prompt {len(ids)} + max_tokens {m})" for ids, m in zip(job.prompts, job.max_tokens, strict=True)
     )
     return f"n={job.n} x {terms}" if len(job.prompts) == 1 else f"n={job.n} x [{terms}]"
-
-
-def _text_chars(value: Any) -> int:
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, dict):
-        return sum(_text_chars(v) for v in value.values())
-    if isinstance(value, list):
-        return sum(_text_chars(v) for v in value)
-    return 0
 
 
 def _tool_stream(job: Job) -> ToolCallStream | None:

@@ -1,0 +1,86 @@
+"""How long the scheduler's steps take, learnt from their device times, and so the ITL a step beside decoding aims
+at and the prompt tokens the next step takes (common/sched/prefill_budget.py)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from common.sched.itl_trim import ItlTrim
+from common.sched.launched import Launched
+from common.sched.prefill_budget import FLOOR_DECODE_STEPS, PrefillSpeed, StepContext, StepSeconds, prefill_budget
+from common.sched.request_table import RequestTable
+from common.sched.step_model import StepTimeModel, z_score
+from common.settings import ITL_TARGET_SLO, SchedulerConfig
+from common.slo import SloClasses
+
+__all__ = ["StepPacing"]
+
+
+@dataclass
+class StepPacing:
+    cfg: SchedulerConfig
+    page_size: int
+    slo: SloClasses
+    table: RequestTable  # its decoding requests' ITL targets set the SLO target
+    step_model: StepTimeModel = field(default_factory=StepTimeModel)
+    prefill_speed: PrefillSpeed = field(default_factory=PrefillSpeed)
+    decode_step: StepSeconds = field(default_factory=StepSeconds)
+    itl_trim: ItlTrim = field(default_factory=ItlTrim)  # the share of the ITL target chunk steps aim at
+    _processed_at: float | None = None  # host clock when the last step was processed
+
+    def itl_target_s(self) -> float:
+        """The ITL a chunk step beside decoding aims at (0: unmeasured or mixed steps off)."""
+        target = self.cfg.itl_target_ms
+        step = self.decode_step.seconds
+        if target == ITL_TARGET_SLO:
+            if step <= 0:
+                return 0.0
+            slo = min(self.table.decoding_itl, default=min(c.itl_s for c in self.slo.classes))
+            return max(slo, FLOOR_DECODE_STEPS * step)
+        if target > 0:
+            return target / 1000
+        if target < 0:  # a multiple of the measured decode step (ITL_TARGET_AUTO: 2)
+            return -target * step
+        return 0.0
+
+    def budget_target_s(self) -> float:
+        return self.itl_target_s() * self.itl_trim.factor
+
+    def margin_z(self) -> float:
+        """Residual spreads of the step-time model kept below the SLO target (its percentile's normal quantile)."""
+        if self.cfg.itl_target_ms != ITL_TARGET_SLO:
+            return 0.0
+        return z_score(max(c.percentile for c in self.slo.classes))
+
+    def budget(self, decoding: bool, context: StepContext) -> tuple[int, str]:
+        """Prompt tokens the next step takes, and why."""
+        return prefill_budget(
+            self.cfg.max_prefill_tokens,
+            self.page_size,
+            self.budget_target_s(),
+            decoding=decoding,
+            model=self.step_model,
+            context=context,
+            margin_z=self.margin_z(),
+            prefill_tokens_per_s=self.prefill_speed.peak_tokens_per_s,
+            decode_step_s=self.decode_step.seconds,
+            max_step_s=self.cfg.max_step_ms / 1000,
+        )
+
+    def observe(self, launched: Launched) -> None:
+        """Learns from a processed step's device time (and its period, when it ran back to back with the last)."""
+        now = time.perf_counter()
+        if launched.timer is not None:
+            seconds = launched.timer.seconds()
+            # A stream sees the period between steps, not device time; only back-to-back steps' periods are learnt.
+            back_to_back = self._processed_at is not None and launched.launched_at <= self._processed_at
+            period = now - self._processed_at if back_to_back and self._processed_at is not None else 0.0
+            self.step_model.observe(launched.shape, max(seconds, period))
+            if launched.kind == "mixed":
+                self.itl_trim.observe(max(seconds, period), self.itl_target_s())
+            if launched.kind == "decode":
+                self.decode_step.observe(seconds)
+            elif launched.kind == "prefill":
+                self.prefill_speed.observe(launched.shape.prefill_tokens, seconds)
+        self._processed_at = now

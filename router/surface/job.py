@@ -1,0 +1,56 @@
+"""The records of one request in the pipeline (router/surface/service.py): the job, its admission, its choices."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from common.protocol import TokenLine
+from router.metrics import TokenGaps
+from router.surface.choice import ChoiceState, TokenInfo
+from router.surface.openai_api import ChatCompletionRequest, CompletionRequest
+from router.surface.tools import ToolCallStream
+from router.timeline import RequestRecord
+from router.upstream.migration import MigratingCall
+
+__all__ = ["Admission", "Job", "RunningChoice"]
+
+
+@dataclass
+class Job:
+    kind: Literal["chat", "completion"]
+    rid: str
+    created: int
+    model: str
+    request: ChatCompletionRequest | CompletionRequest
+    prompts: list[list[int]]
+    max_tokens: list[int]  # per prompt
+    n: int
+    stops: list[str]
+    logprobs: bool
+    top_logprobs: int
+    include_usage: bool
+    slo_class: str = ""  # its SLO class (common/slo.py), from `priority` or the x-kvferry-class header
+    record: RequestRecord | None = None  # timeline, trace and metrics of the request (router/timeline.py)
+    # Every choice started, registered before its first await: the job's owner closes them however it ends.
+    choices: list[RunningChoice] = field(default_factory=list)
+
+
+class Admission:
+    """One admitted request (an identity: the live set of these is the router's in-flight count)."""
+
+    __slots__ = ()
+
+
+@dataclass
+class RunningChoice:
+    index: int
+    prompt_index: int
+    call: MigratingCall
+    state: ChoiceState
+    first: TokenLine | None = None
+    text: list[str] = field(default_factory=list)
+    tokens: list[TokenInfo] = field(default_factory=list)
+    offset: int = 0  # completions' text_offset of the next token
+    gaps: TokenGaps | None = None  # inter-token gaps, for the router's histogram
+    tools: ToolCallStream | None = None  # chat with tools: tool calls parsed out of the text
