@@ -904,7 +904,7 @@ def _mla_on_flashinfer(path, **kw):
 def test_mla_on_flashinfer_logits_match_fp32_torch_path(mla_dir):
     """Teacher-forced logits (chunked prefill over cached pages, then decode steps) of flashinfer's absorbed MLA, with
     decode graphs and without, against the fp32 torch path (itself equal to transformers within 5e-4, CPU tests):
-    within what the torch path in bf16 loses plus a margin, and never more than 3% (relative L2 over every row)."""
+    within what the torch path in bf16 loses plus a margin (relative L2 over every row)."""
     seqs = _prompts(3, seed=31, lo=40, hi=140)
     ref = torch.cat(_teacher_forced(_runner(mla_dir, "cuda", "float32", attention="torch"), seqs, 32, 6, False))
     fi = _mla_on_flashinfer(mla_dir)
@@ -917,8 +917,14 @@ def test_mla_on_flashinfer_logits_match_fp32_torch_path(mla_dir):
     print(
         f"mla v2-lite shapes: rel err vs fp32 torch: flashinfer+graphs {e_graph:.2e}, eager {e_eager:.2e}, torch bf16 {e_torch:.2e}"
     )
+    # The bf16 weights alone put this random MLA model's logits ~22% from fp32 on either path (H200: torch bf16
+    # 0.222, flashinfer 0.217, graphs = eager): the claim is that flashinfer's kernels lose no more than the plain
+    # path does, and that the two bf16 paths are closer to each other than either is to fp32.
+    direct = _rel(torch.cat(got_graph), torch.cat(got_torch).float())
+    print(f"flashinfer+graphs vs torch bf16: {direct:.2e}")
+    assert direct < e_torch
     for e in (e_graph, e_eager):
-        assert e < 1.5 * e_torch + 2e-3 and e < 3e-2
+        assert e < 1.5 * e_torch + 2e-3 and e < 0.3
     # Prefill rows differ by the piecewise graphs' padding (cuBLAS may pick other GEMM kernels), decode rows by the
     # graph-mode plan's work split: close.
     for a, b in zip(got_graph, got_eager):
@@ -1003,9 +1009,11 @@ def test_mla_step_graph_replay_identical_to_eager_pieces(mla_dir):
 @pytest.mark.parametrize("overlap", [True, False])
 def test_mla_on_flashinfer_greedy_with_prefix_hits_and_graphs_matches_fp32(mla_dir, overlap):
     """Greedy tokens served with decode graphs (and the overlap loop), the later prompts hitting the first's cached
-    latent pages, mixed steps included: every token is fp32's argmax on the same context, except where fp32's top
-    two are closer than bf16 can tell (0.1 of the row's standard deviation: flashinfer's pick must then be within
-    that of the top); most steps are decisive; every page comes back."""
+    latent pages, mixed steps included: every token is the plain torch path's argmax on the same context and the
+    same bf16 weights, except where its top two are closer than bf16 can tell (0.1 of the row's standard deviation:
+    flashinfer's pick must then be within that of the top); most steps are decisive; every page comes back.
+    The reference is bf16, not fp32: on this random MLA model the bf16 weights alone move the logits ~22% from
+    fp32 (both paths alike, the logits test), which flips greedy picks whatever the kernels do."""
     fi = _mla_on_flashinfer(mla_dir)
     prefix = _prompts(1, seed=41, lo=70, hi=71)[0]
     prompts = [prefix + s for s in _prompts(5, seed=42, lo=3, hi=40)]
@@ -1019,7 +1027,7 @@ def test_mla_on_flashinfer_greedy_with_prefix_hits_and_graphs_matches_fp32(mla_d
 
     assert_pool_clean(engine)
     del engine, fi
-    ref_engine = _engine(_runner(mla_dir, "cuda", "float32", attention="torch"), None)
+    ref_engine = _engine(_runner(mla_dir, "cuda", "bfloat16", attention="torch"), None)
     decisive = steps = 0
     for prompt, res in zip(prompts, [*first, *rest]):
         assert res.finish_reason == "length" and len(res.output_ids) == 16
