@@ -2,7 +2,8 @@
 
 UCX picks the transport for each peer by itself and says which only in its debug output: two GPU pools on
 one node should get cuda_ipc (NVLink, hundreds of GB/s), but a missing shared PID/IPC namespace or an
-unreachable peer GPU makes it fall back to TCP or host staging silently (0.4 GB/s measured here). What the
+unreachable peer GPU makes it fall back to TCP or host staging silently (bench/RESULTS.md, "Figures behind
+choices in the code"). What the
 worker can see is the achieved speed, so it reports that per peer and warns when it is far below NVLink's.
 """
 

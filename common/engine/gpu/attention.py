@@ -1,5 +1,5 @@
-"""FlashInfer attention: paged prefill (chunked, causal) and paged decode over the KV pool
-(docs/architecture.md, "GPU kernels" and "FP8"). The pool's `[L, 2, pages, page_size, H, D]` layout is
+"""One file because one object plans every attention kernel of a step (FlashInfer's paged prefill and decode, the
+Triton and XQA decodes) over the KV pool (docs/architecture.md, "GPU kernels" and "FP8"). The pool's `[L, 2, pages, page_size, H, D]` layout is
 flashinfer's paged NHD layout per layer. The indptr/last-page vectors stay on the CPU (flashinfer's planner
 reads them there: device tensors would cost a sync); the page ids are gathered on the device.
 """
@@ -144,28 +144,12 @@ class FlashInferAttention:
         self.triton_decode = None
         self._triton_tile = None
         if triton_kernels:
-            from common.engine.gpu import decode_attention, rope_store
-
-            if rope_store.supports(cfg.head_dim):
-                self.rope_store = functools.partial(rope_store.rope_store, launch_pdl=pdl)
-            fits = decode_attention.supports(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, pool.layout.page_size)
-            if fits:
-                self.triton_decode = decode_attention
-                pages = FP8_DECODE_TILE_PAGES if is_fp8(pool.layout.dtype) else decode_attention.PAGES_PER_TILE
-                self._triton_tile = decode_attention.TileConfig(pages_per_tile=pages)
+            self._choose_triton(cfg, pool, pdl)
         self.num_sms = (
             torch.cuda.get_device_properties(pool.device).multi_processor_count if pool.device.type == "cuda" else 1
         )
-        self.xqa = None
         self._xqa_pages: xqa_decode.XqaPages | None = None  # a decode step (graph or eager) attends through XQA
-        if xqa_decode.supported(pool.device, pool.layout.dtype, pool.layout.page_size, cfg.head_dim):
-            pages = -(-page_table.shape[1] // pool.layout.page_size)
-            try:
-                self.xqa = xqa_decode.XqaDecode(pool.device, cfg.num_kv_heads, pool.layout.page_size, pages, pdl)
-                self.xqa.probe(pool.k_cache(0), pool.v_cache(0), cfg.num_heads, dtype)
-            except Exception as exc:  # a kernel that does not build here: flashinfer decodes the FP8 pages
-                log.warning("XQA's FP8 decode kernel unavailable, flashinfer's runs: %s", str(exc)[:300])
-                self.xqa = None
+        self.xqa = self._start_xqa(cfg, pool, page_table, dtype, pdl)
         # Set by `bind` for a CUDA-graph decode step on the Triton kernel: (indptr, indices, last, splits).
         self._triton_meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
         self.pool = pool
@@ -205,6 +189,31 @@ class FlashInferAttention:
         self.fences = PlanFences(workspace.device)
         if fp8_prefill_supported(pool.device, self.kv_dtype, cfg.head_dim):
             self._start_fp8_prefill()
+
+    def _choose_triton(self, cfg: ModelConfig, pool: KVPool, pdl: bool) -> None:
+        from common.engine.gpu import decode_attention, rope_store
+
+        if rope_store.supports(cfg.head_dim):
+            self.rope_store = functools.partial(rope_store.rope_store, launch_pdl=pdl)
+        if decode_attention.supports(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, pool.layout.page_size):
+            self.triton_decode = decode_attention
+            pages = FP8_DECODE_TILE_PAGES if is_fp8(pool.layout.dtype) else decode_attention.PAGES_PER_TILE
+            self._triton_tile = decode_attention.TileConfig(pages_per_tile=pages)
+
+    @staticmethod
+    def _start_xqa(
+        cfg: ModelConfig, pool: KVPool, page_table: torch.Tensor, dtype: torch.dtype, pdl: bool
+    ) -> xqa_decode.XqaDecode | None:
+        if not xqa_decode.supported(pool.device, pool.layout.dtype, pool.layout.page_size, cfg.head_dim):
+            return None
+        pages = -(-page_table.shape[1] // pool.layout.page_size)
+        try:
+            xqa = xqa_decode.XqaDecode(pool.device, cfg.num_kv_heads, pool.layout.page_size, pages, pdl)
+            xqa.probe(pool.k_cache(0), pool.v_cache(0), cfg.num_heads, dtype)
+            return xqa
+        except Exception as exc:  # a kernel that does not build here: flashinfer decodes the FP8 pages
+            log.warning("XQA's FP8 decode kernel unavailable, flashinfer's runs: %s", str(exc)[:300])
+            return None
 
     def _start_fp8_prefill(self) -> None:
         """FA3 over FP8 pages, probed with one token at start so a kernel that does not build here leaves FA2."""

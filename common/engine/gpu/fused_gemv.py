@@ -1,4 +1,4 @@
-"""Skinny GEMMs (decode steps of a few rows) with the elementwise op before them folded into their prologue and
+"""One file because every prologue and epilogue is a branch of one kernel. Skinny GEMMs (decode steps of a few rows) with the elementwise op before them folded into their prologue and
 the one after into their epilogue, removing a launch and a memory round trip each (docs/architecture.md, "GPU
 kernels"). Prologues: `norm`, `add_norm` (also returns the new residual), `silu`, `none`, `stream_norm` (from the
 row statistics an `into_stream` GEMV left). Epilogues: `gated` (silu(gate) * up), `kv_write` (RoPE and the K/V

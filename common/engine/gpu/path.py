@@ -71,26 +71,7 @@ class GpuPath:
                 f"the flashinfer backend needs bfloat16 or float16, not {model.dtype}; use attention=torch"
             )
         triton = cfg.fused_kernels and triton_available()
-        self.moe_gemv_max_tokens = 0
-        if model.cfg.moe is not None:  # the plain experts sync on the host: the grouped GEMMs keep CUDA graphs
-            why = grouped_mm_unsupported(model.device, model.dtype)
-            if why is not None:
-                raise ValueError(f"{model.cfg.model_type}: {why}; use attention=torch")
-            experts_fn: ExpertsFn = grouped_mm_experts
-            route_fn: RouteFn = route
-            if triton and cfg.gemv_max_rows > 0 and cfg.gemv_experts:
-                # Triton: imported only when used
-                from common.engine.gpu.moe_gemv import MAX_TOKENS, DecodeExperts
-                from common.engine.gpu.moe_route import DecodeRoute, softmax_top_k_fits
-
-                self.moe_gemv_max_tokens = min(cfg.gemv_max_rows, MAX_TOKENS)
-                experts_fn = DecodeExperts(self.moe_gemv_max_tokens, grouped_mm_experts)
-                if softmax_top_k_fits(model.cfg.moe):
-                    route_fn = DecodeRoute(self.moe_gemv_max_tokens)
-            for layer in model.layers:
-                if layer.moe is not None:
-                    layer.moe.experts_fn = experts_fn
-                    layer.moe.route_fn = route_fn
+        self.moe_gemv_max_tokens = self._install_experts(model, cfg, triton)
         self.model = model
         phases = phases if phases is not None else StartPhases()
         kernels_started = time.perf_counter()
@@ -105,40 +86,89 @@ class GpuPath:
             rope_epilogue=cfg.gemv_rope,
         )
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=model.device)
-        self.attn: FlashInferAttention | FlashInferMlaAttention
+        self.attn = self._attention(model, pool, page_table, host_pages, cfg, triton)
+        phases.record("kernels", time.perf_counter() - kernels_started)
+        graphs_started = time.perf_counter()
+        self.use_graphs = True
+        self._capture(model, pool, page_table, dummy_page, graph_max_bs, cfg.cuda_graph_max_tokens)
+        if self.graphs is not None or self.step_graphs is not None:
+            phases.record("graphs", time.perf_counter() - graphs_started)
+        self._log_kernels(pool, triton, graph_max_bs)
+
+    @staticmethod
+    def _install_experts(model: DecoderModel, cfg: RunnerConfig, triton: bool) -> int:
+        """Sets every MoE layer's experts and routing to device paths that keep CUDA graphs (the plain experts
+        sync on the host); returns the most tokens the GEMV experts take (0: grouped GEMMs only)."""
+        if model.cfg.moe is None:
+            return 0
+        why = grouped_mm_unsupported(model.device, model.dtype)
+        if why is not None:
+            raise ValueError(f"{model.cfg.model_type}: {why}; use attention=torch")
+        experts_fn: ExpertsFn = grouped_mm_experts
+        route_fn: RouteFn = route
+        gemv_tokens = 0
+        if triton and cfg.gemv_max_rows > 0 and cfg.gemv_experts:
+            # Triton: imported only when used
+            from common.engine.gpu.moe_gemv import MAX_TOKENS, DecodeExperts
+            from common.engine.gpu.moe_route import DecodeRoute, softmax_top_k_fits
+
+            gemv_tokens = min(cfg.gemv_max_rows, MAX_TOKENS)
+            experts_fn = DecodeExperts(gemv_tokens, grouped_mm_experts)
+            if softmax_top_k_fits(model.cfg.moe):
+                route_fn = DecodeRoute(gemv_tokens)
+        for layer in model.layers:
+            if layer.moe is not None:
+                layer.moe.experts_fn = experts_fn
+                layer.moe.route_fn = route_fn
+        return gemv_tokens
+
+    def _attention(
+        self,
+        model: DecoderModel,
+        pool: KVPool,
+        page_table: torch.Tensor,
+        host_pages: np.ndarray | None,
+        cfg: RunnerConfig,
+        triton: bool,
+    ) -> FlashInferAttention | FlashInferMlaAttention:
         if model.cfg.mla is not None:
             if host_pages is None:
                 raise ValueError("latent attention on flashinfer plans from the page table's host copy (host_pages)")
-            self.attn = FlashInferMlaAttention(pool, host_pages, model.cfg, model.dtype, self.workspace, model.rotary)
-        else:
-            self.attn = FlashInferAttention(
-                pool,
-                page_table,
-                model.cfg,
-                model.dtype,
-                self.workspace,
-                model.rotary,
-                cfg.decode_tc_min_batch,
-                triton,
-                self.pdl,
-            )
-        phases.record("kernels", time.perf_counter() - kernels_started)
-        graphs_started = time.perf_counter()
+            return FlashInferMlaAttention(pool, host_pages, model.cfg, model.dtype, self.workspace, model.rotary)
+        return FlashInferAttention(
+            pool,
+            page_table,
+            model.cfg,
+            model.dtype,
+            self.workspace,
+            model.rotary,
+            cfg.decode_tc_min_batch,
+            triton,
+            self.pdl,
+        )
+
+    def _capture(
+        self,
+        model: DecoderModel,
+        pool: KVPool,
+        page_table: torch.Tensor,
+        dummy_page: int,
+        graph_max_bs: int,
+        step_tokens: int,
+    ) -> None:
         self.graphs = None
         self.step_graphs = None
-        self.use_graphs = True
         if graph_max_bs > 0 and model.device.type == "cuda":
             from common.engine.gpu.cuda_graph import DecodeGraphs
 
             self.graphs = DecodeGraphs(model, self.attn, pool, dummy_page, page_table.shape[1], graph_max_bs)
-        step_tokens = cfg.cuda_graph_max_tokens
         if step_tokens > 0 and model.device.type == "cuda" and model.tp.size == 1:
             from common.engine.gpu.step_graphs import StepGraphs
 
             self.step_graphs = StepGraphs(model, self.attn, pool, dummy_page, step_tokens)
-        if self.graphs is not None or self.step_graphs is not None:
-            phases.record("graphs", time.perf_counter() - graphs_started)
-        attn = self.attn
+
+    def _log_kernels(self, pool: KVPool, triton: bool, graph_max_bs: int) -> None:
+        attn, model = self.attn, self.model
         decode = "xqa" if attn.xqa is not None else "flashinfer"
         if attn.xqa is None and attn.triton_decode is not None:
             decode = "triton (1-2 rows), flashinfer"
