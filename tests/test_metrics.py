@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common.devcluster.cluster import LocalCluster
 from common.observability.timeline import STAGES
-from tests.helpers import running_cluster
+from tests.helpers import running_cluster, wait_pages_back, wait_until
 from tests.otlp_collector import OtlpCollector
 
 MODEL = "smollm2-135m-instruct"
@@ -109,13 +109,20 @@ def stream_chat(router: str, content: str, max_tokens: int = 12) -> dict:
 def served(cluster: LocalCluster) -> dict:
     """Metrics before and after three disaggregated streamed requests, and what the client measured."""
     stream_chat(cluster.router_url, "Warm up the workers, please.")  # first requests pay one-off costs
-    time.sleep(0.3)  # a load interval: the engines' step reports are in
     urls = {"router": cluster.router_url, "prefill": cluster.prefill_urls[0], "decode": cluster.decode_urls[0]}
-    before = {k: scrape(u) for k, u in urls.items()}
+    before = settled(urls)
     runs = [stream_chat(cluster.router_url, f"Describe the history of the city of Paris, part {i}.") for i in range(3)]
-    time.sleep(0.3)
-    after = {k: scrape(u) for k, u in urls.items()}
+    after = settled(urls)
     return {"before": before, "after": after, "runs": runs}
+
+
+def settled(urls: dict[str, str]) -> dict[str, dict]:
+    """Every part's metrics once the requests sent so far are counted everywhere: the router has none in
+    flight (it counts a request before it leaves), and each worker's engine reported its pages back, in the
+    same message as its decode steps since the previous report."""
+    wait_until(lambda: value(scrape(urls["router"]), "kvferry_router_inflight_requests") == 0, 30, "router idle")
+    wait_pages_back(urls["prefill"], urls["decode"], timeout=30)
+    return {k: scrape(u) for k, u in urls.items()}
 
 
 def delta(served: dict, part: str, name: str, **labels: str) -> float:
@@ -217,14 +224,14 @@ def test_one_trace_spans_router_decode_and_prefill(cluster: LocalCluster, served
     rid = served["runs"][-1]["id"]
     trace_id = httpx.get(f"{cluster.router_url}/debug/requests/{rid}", timeout=10).json()["trace_id"]
     assert trace_id
-    deadline = time.monotonic() + 15
-    while True:
+
+    def whole_trace() -> list:
         spans = collector.trace(trace_id)
-        if {"kvferry-router", "kvferry-decode", "kvferry-prefill"} <= {s.service for s in spans}:
-            if any(s.name == "kv transfer" for s in spans):
-                break
-        assert time.monotonic() < deadline, [(s.service, s.name) for s in spans]
-        time.sleep(0.2)
+        services = {s.service for s in spans}
+        whole = {"kvferry-router", "kvferry-decode", "kvferry-prefill"} <= services
+        return spans if whole and any(s.name == "kv transfer" for s in spans) else []
+
+    spans = wait_until(whole_trace, 15, "the trace's spans from all three processes", interval=0.2)
     by_name = {s.name: s for s in spans}
     root = by_name["POST /v1/chat/completions"]
     decode, prefill, transfer = by_name["decode generate"], by_name["prefill"], by_name["kv transfer"]

@@ -22,7 +22,7 @@ from router.decision.discovery import StaticDiscovery
 from router.server_thread import ServerThread
 from router.settings import RouterOptions
 from router.surface.tokenizer import ModelInfo, RouterTokenizer
-from tests.helpers import engine_pid, running_cluster, wait_pages_back
+from tests.helpers import engine_pid, running_cluster, wait_pages_back, wait_until
 from tests.workers import generate, give_up_during_remote_prefill, run_concurrently, start_router_thread
 
 MODEL = "smollm2-135m-instruct"
@@ -146,6 +146,12 @@ def _side_router_over(
     return start_router_thread(app)
 
 
+def _router_view(router_url: str, worker_url: str) -> dict:
+    """The router's entry for one worker in `/router/workers`: what its latest poll of that worker read."""
+    workers = httpx.get(f"{router_url}/router/workers").json()["workers"]
+    return next(w for w in workers if w["url"] == worker_url)
+
+
 def _rates_known(router_url: str) -> bool:
     rates = httpx.get(f"{router_url}/router/workers").json()["placement"]["workers"]
     return all(r["prefill_tokens_per_s"] > 0 for r in rates.values())
@@ -208,11 +214,7 @@ def test_adaptive_router_moves_requests_between_placements_as_load_moves(
         busy_ids = smol_tokenizer.encode("Count from one to one thousand: one, two, three,")
         long_decode = threading.Thread(target=generate, args=(a, busy_ids, None, 400))
         long_decode.start()
-        deadline = time.monotonic() + 30
-        while a.load()["running_requests"] == 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        time.sleep(0.3)  # the router's next polls see A decoding
+        wait_until(lambda: _router_view(router.url, a.url)["running_requests"], 30, "the router to see A decoding")
         busy_reason, busy_text = ask()
         long_decode.join(300)
     finally:

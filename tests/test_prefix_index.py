@@ -220,17 +220,29 @@ def test_key_layout(make_pub, url: str, model: str) -> None:
     r.close()
 
 
-def test_heartbeat_expiry_counts_zero(make_pub, reader: LoopReader) -> None:
+def test_heartbeat_expiry_counts_zero(make_pub, reader: LoopReader, url: str, model: str) -> None:
     hashes = chained_block_hashes(toks(64), BS)
     pub = make_pub("pod-a", heartbeat_s=0.1, ttl_s=0.4)
     pub.stored(hashes)
     assert pub.wait_idle()
     assert reader.match(hashes, ["pod-a"]) == {"pod-a": 4}
-    time.sleep(0.6)  # heartbeats keep it alive past the TTL while running
+    # Heartbeats keep it alive past the TTL while running: Redis's own clock passes the expiry the heartbeat
+    # key had at first, and the entries still count.
+    r = redis.Redis.from_url(url)
+    first_expiry_ms = r.pexpiretime(IndexKeys(model).heartbeat("pod-a"))
+    assert first_expiry_ms > 0
+    wait_until(lambda: redis_clock_ms(r) > first_expiry_ms, 3.0, "the first heartbeat's TTL to run out")
+    r.close()
     assert reader.match(hashes, ["pod-a"]) == {"pod-a": 4}
     pub.stop(deregister=False)  # a crash: entries stay, heartbeat stops
     wait_until(lambda: reader.match(hashes, ["pod-a"]) == {"pod-a": 0}, 3.0, "heartbeat expiry")
     assert reader.live_pods() == []
+
+
+def redis_clock_ms(r: redis.Redis) -> int:
+    """Redis's clock, the one its TTLs run on, in ms since the epoch."""
+    secs, micros = r.time()
+    return secs * 1000 + micros // 1000
 
 
 def test_restarted_publisher_replaces_old_entries(make_pub, reader: LoopReader) -> None:
@@ -362,7 +374,8 @@ def test_redis_outage_and_recovery(caplog: pytest.LogCaptureFixture) -> None:
         for _ in range(2000):
             cache_store(hashes[4:8])
         assert time.perf_counter() - t0 < 0.5
-        time.sleep(0.4)
+        # The publisher's thread tried to write those with Redis gone, and said so.
+        wait_until(lambda: published_outage(caplog), 3.0, "the publisher to find Redis gone")
         assert reader.match(hashes, ["pod-a"]) is None
         assert not pub.wait_idle(0.1)
 
@@ -381,11 +394,19 @@ def test_redis_outage_and_recovery(caplog: pytest.LogCaptureFixture) -> None:
         pub.stop()
         reader.close()
         stop_redis(proc)
-    msgs = [rec.getMessage() for rec in caplog.records if rec.name == "kvferry.prefix"]
+    msgs = _prefix_messages(caplog)
     assert sum("unavailable" in m for m in msgs if "publisher" in m) == 1, msgs
     assert sum("unavailable" in m for m in msgs if "reader" in m) == 1, msgs
     assert sum("recovered" in m for m in msgs if "publisher" in m) == 1, msgs
     assert sum("recovered" in m for m in msgs if "reader" in m) == 1, msgs
+
+
+def published_outage(caplog: pytest.LogCaptureFixture) -> bool:
+    return any("publisher" in m and "unavailable" in m for m in _prefix_messages(caplog))
+
+
+def _prefix_messages(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [rec.getMessage() for rec in caplog.records if rec.name == "kvferry.prefix"]
 
 
 def _monitor_lines(sock: socket.socket) -> list[str]:

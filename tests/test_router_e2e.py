@@ -409,14 +409,14 @@ def test_redis_stopped_mid_run_requests_still_succeed(client: openai.OpenAI, clu
         assert stats["prefix_index"] == "unavailable"
     finally:
         cluster.start_redis()
-    # Redis is back (empty): the router notices by itself, the workers resync, prefix routing resumes.
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+
+    # Redis is back (empty): the router notices by itself (at a request's lookup), the workers resync, prefix
+    # routing resumes.
+    def prefix_routing_back() -> bool:
         client.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=2)
-        if httpx.get(f"{cluster.router_url}/router/workers").json()["prefix_index"] == "ok":
-            break
-        time.sleep(0.5)
-    assert httpx.get(f"{cluster.router_url}/router/workers").json()["prefix_index"] == "ok"
+        return httpx.get(f"{cluster.router_url}/router/workers").json()["prefix_index"] == "ok"
+
+    wait_until(prefix_routing_back, 30, "the router to use the prefix index again", interval=0.5)
 
 
 # ---- overload: 200 or 429, never 5xx -------------------------------------------------------------------

@@ -372,6 +372,7 @@ class WorkerPool:
                 "poll_failures": w.failures,  # polls failed in a row
                 "inflight_requests": w.inflight_requests,
                 "inflight_tokens": w.inflight_tokens,
+                "running_requests": w.load.running_requests if w.load is not None else None,
                 "free_pages": w.load.free_pages if w.load is not None else None,
                 "total_pages": w.load.total_pages if w.load is not None else None,
                 "last_error": w.last_error or None,
