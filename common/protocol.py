@@ -259,6 +259,7 @@ class LoadSnapshot(Schema):
     decode_step_s: float = 0.0  # recent decode step time, smoothed (0: no decode step yet)
     live_requests: int = 0  # requests with an open stream on this worker (set by its control plane, not the engine)
     loop_turns: int = 0  # the engine loop's turns so far: an idle engine blocks, so this stays put (0: not reported)
+    idle_trimmed: bool = False  # idle since its last work (or start), the engine handed its free heap memory back
     # The most KV tokens one request may reserve here (KVFERRY_MAX_REQUEST_KV_SHARE); 0: not reported.
     max_request_tokens: int = 0
     # Output tokens a request reserves beyond its prompt (KVFERRY_KV_RESERVATION=optimistic); 0: all of max_tokens.

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.helpers import wait_pages_back
+from tests.helpers import wait_pages_back, wait_until
 from tests.workers import WorkerProc, generate, start_worker, wait_ready
 
 pytestmark = pytest.mark.timeout(300)
@@ -49,6 +49,8 @@ def test_idle_engines_block_instead_of_polling(workers, smol_tokenizer):
         assert w.load()["loop_turns"] > 0
         rate = idle_turns_per_s(w)
         assert rate <= MAX_IDLE_TURNS_PER_S, f"{w.role} engine turned {rate:.0f} times a second while idle"
+        # Idle past IDLE_TRIM_S, the engine handed its free heap memory back, and says so.
+        wait_until(lambda w=w: w.load()["idle_trimmed"], 10, f"the {w.role} engine's idle trim")
     # Blocking does not make it deaf: a request after the idle spell is served at once.
     tokens, _ = generate(d, ids[:40], p, max_tokens=2, timeout=30)
     assert len(tokens) == 2

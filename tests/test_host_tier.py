@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 import uuid
 
 import httpx
@@ -32,9 +31,9 @@ from common.protocol import SamplingParams
 from common.settings import SchedulerConfig
 from router.decision.locality import saved_blocks
 from tests.engine_helpers import assert_pool_clean, fresh_engine
-from tests.helpers import wait_pages_back
+from tests.helpers import pages_back, wait_pages_back, wait_until
 from tests.test_scheduler import PAGE, prompts
-from tests.workers import generate, start_worker, wait_ready
+from tests.workers import WorkerProc, generate, start_worker, wait_ready
 
 PS = 4
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=2, page_size=PS, dtype=torch.float32)
@@ -288,14 +287,13 @@ def test_worker_serves_prefixes_from_its_host_tier(redis_server, smol_tokenizer,
         for doc in docs:
             generate(d, doc + questions[0], None, max_tokens=4)
         r = redis.Redis.from_url(redis_server)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:  # the publisher flushes every 50 ms
-            on_host = [k for k in r.scan_iter(match="kvf:*:hblk:*", count=1000) if r.sismember(k, d.pod)]
-            if on_host:
-                break
-            time.sleep(0.1)
+        wait_until(  # the publisher flushes every 50 ms
+            lambda: any(r.sismember(k, d.pod) for k in r.scan_iter(match="kvf:*:hblk:*", count=1000)),
+            5,
+            "the worker to publish host-tier blocks",
+            interval=0.1,
+        )
         r.close()
-        assert on_host, "the worker published no host-tier blocks"
         cold = fresh_engine(smol_runner, prefix_cache=False)
         for doc in docs:
             prompt = doc + questions[1]
@@ -303,8 +301,7 @@ def test_worker_serves_prefixes_from_its_host_tier(redis_server, smol_tokenizer,
             assert events[0]["cached_tokens"] >= 0.7 * len(prompt)
             ref = cold.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))[0].output_ids
             assert tokens == ref
-        wait_pages_back(d)
-        time.sleep(0.5)  # idle: the worker runs its ledger check (both tiers)
+        wait_ledger_checked(d)
         metrics = httpx.get(f"{d.url}/metrics", timeout=5).text
         line = next(ln for ln in metrics.splitlines() if ln.startswith("kvferry_kv_integrity_violations_total"))
         assert float(line.split()[-1]) == 0
@@ -319,3 +316,12 @@ def test_worker_serves_prefixes_from_its_host_tier(redis_server, smol_tokenizer,
         assert moved["saved"] > 0 and moved["loaded"] > 0
     finally:
         d.stop()
+
+
+def wait_ledger_checked(w: WorkerProc) -> None:
+    """The worker is idle with every page back and its engine has run its idle ledger check: the check runs on
+    the first idle turn, before that turn's report, so a load report from a later turn than the first one
+    showing every page back comes after it (and after any violation it counted)."""
+    wait_pages_back(w)
+    idle_turn = w.load()["loop_turns"]
+    wait_until(lambda: (ld := w.load())["loop_turns"] > idle_turn and pages_back(ld), 10, "the idle ledger check")

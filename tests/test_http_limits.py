@@ -31,6 +31,7 @@ from router.decision.discovery import StaticDiscovery
 from router.server_thread import ServerThread
 from router.settings import RouterOptions
 from router.surface.tokenizer import ModelInfo, RouterTokenizer
+from tests.helpers import wait_until
 
 LIMITS = HttpLimits(
     max_body_bytes=1024 * 1024,  # above the largest JSON schema allowed (router/surface/structured.py)
@@ -827,7 +828,8 @@ def test_connections_beyond_the_cap_get_503(smol_path) -> None:
         addr = ("127.0.0.1", server.port)
         held = [connect(addr) for _ in range(limits.max_connections)]
         try:
-            time.sleep(0.2)  # let the server accept them
+            accepted = server.server.server_state.connections  # uvicorn's, one per accepted connection
+            wait_until(lambda: len(accepted) >= len(held), 10, "the server to accept the held connections", 0.01)
             status, headers, body = request(addr, get())
             assert status == 503 and headers["content-type"] == "application/json"
             error = json.loads(body)["error"]
@@ -835,10 +837,7 @@ def test_connections_beyond_the_cap_get_503(smol_path) -> None:
         finally:
             for s in held:
                 s.close()
-        deadline = time.monotonic() + CLOSED_WITHIN_S
-        while request(addr, get())[0] != 200:
-            assert time.monotonic() < deadline, "still refused once the held connections closed"
-            time.sleep(0.05)
+        wait_until(lambda: request(addr, get())[0] == 200, CLOSED_WITHIN_S, "a request served once the held closed")
 
 
 _UNITS = {"": 1, "s": 1, "KiB": 1024, "MiB": 1024 * 1024}

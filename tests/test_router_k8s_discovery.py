@@ -18,6 +18,7 @@ from kubernetes import client as k8s_client
 
 from common.net import free_port
 from router.decision.discovery import KubernetesDiscovery, pod_url
+from tests.helpers import wait_until
 
 NS = "kvf"
 
@@ -35,6 +36,7 @@ class FakeKube:
         self.deliver = True  # False: events are logged but live watches do not see them
         self.list_calls = 0
         self.watch_calls = 0
+        self.watched: list[str] = []  # each watch call's label selector, in order
 
     # ---- state changes (test side) ---------------------------------------------------------------
     def _emit(self, kind: str, pod: dict[str, Any]) -> None:
@@ -174,6 +176,7 @@ def make_handler(kube: FakeKube) -> type[BaseHTTPRequestHandler]:
             inbox: queue.Queue[tuple[int, str, dict[str, Any]] | None] = queue.Queue()
             with kube.lock:
                 kube.watch_calls += 1
+                kube.watched.append(selector)
                 expired = since < kube.oldest_rv
                 backlog = [] if expired else [e for e in kube.log if e[0] > since]
                 if not expired:
@@ -322,10 +325,7 @@ def test_410_gone_relists_and_catches_up_on_missed_changes(cluster) -> None:
     seen.expect({"http://10.0.0.2:8100"}, {"http://10.0.1.1:8200"})
     assert kube.list_calls >= lists_before + 2  # both roles relisted
     # Every role's watcher relists (mixed too, with no pods): each on its own thread, so wait for the last one.
-    deadline = time.monotonic() + 10
-    while not all(w.relists >= 2 for w in disc.watchers):
-        assert time.monotonic() < deadline, [(w.role, w.relists) for w in disc.watchers]
-        time.sleep(0.02)
+    wait_until(lambda: all(w.relists >= 2 for w in disc.watchers), 10, "every watcher to relist", interval=0.02)
     # And the watch works again after the relist.
     kube.modify("pf-1", ip="10.0.0.3")
     seen.expect({"http://10.0.0.3:8100"}, {"http://10.0.1.1:8200"})
@@ -340,7 +340,13 @@ def test_watch_timeout_resumes_without_relist(cluster) -> None:
     decode = next(w for w in disc.watchers if w.role == "decode")
     relists = decode.relists
     watches = kube.watch_calls
-    time.sleep(2.8)  # the server ends each 2 s watch; the client resumes from its last version
+
+    def decode_watches() -> int:
+        return sum("component=decode" in s for s in kube.watched)
+
+    # The server ends each 2 s watch; the client resumes from its last version.
+    started = decode_watches()
+    wait_until(lambda: decode_watches() > started, 10, "the decode watch to end and resume")
     kube.add_pod("dc-1", "decode", ip="10.0.1.2", ready=True)
     seen.expect(set(), {"http://10.0.1.1:8200", "http://10.0.1.2:8200"})
     assert kube.watch_calls > watches

@@ -7,7 +7,7 @@ a kvferry process receives (a source scan of every module that runs in the pods)
 from __future__ import annotations
 
 import ast
-import time
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from common.devcluster.cluster import LocalCluster
-from tests.helpers import assert_openai_error, running_cluster
+from tests.helpers import assert_openai_error, running_cluster, wait_pages_back, wait_until
 from tests.test_k8s_manifests import (
     NAMESPACE,
     TARGETS,
@@ -169,13 +169,17 @@ def test_secret_never_logged_nor_in_process_arguments(cluster: LocalCluster) -> 
         json={"prompt": "Hi", "max_tokens": 2, "stream": True},
         timeout=60,
     ) as r:
+        last_id = json.loads(next(ln for ln in r.iter_lines() if ln.startswith("data: {"))[6:])["id"]
         r.read()
-    # Let the parts flush (their loggers write line by line; give stragglers a moment).
-    time.sleep(1.0)
+    # Everything the parts log about these requests is written (line by line) by the time the router logs the
+    # last one's timeline and the workers' requests have ended (every page back).
+    router_log = cluster.log_dir / "router.log"
+    wait_until(lambda: last_id in router_log.read_text(errors="replace"), 30, "the last request's timeline line")
+    wait_pages_back(*cluster.prefill_urls, *cluster.decode_urls, timeout=30)
     logs = sorted(cluster.log_dir.glob("*.log"))
     assert {p.name for p in logs} >= {"router.log", "prefill-0.log", "decode-0.log"}
-    router_log = (cluster.log_dir / "router.log").read_text(errors="replace")
-    assert "router starting" in router_log and "auth=True" in router_log  # DEBUG output was captured
+    router_text = router_log.read_text(errors="replace")
+    assert "router starting" in router_text and "auth=True" in router_text  # DEBUG output was captured
     for path in logs:
         text = path.read_text(errors="replace")
         # The prompt we sent was the secret itself: a worker that logged prompt text would show it too.

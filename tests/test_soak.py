@@ -29,7 +29,7 @@ import pytest
 
 from common.devcluster.cluster import LocalCluster
 from common.worker.engine_loop import IDLE_TRIM_S
-from tests.helpers import running_cluster, wait_pages_back
+from tests.helpers import load, pages_back, running_cluster, wait_pages_back, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -78,6 +78,13 @@ def rss_mb(pid: int) -> float:
 def memory(cluster: LocalCluster) -> dict[str, float]:
     parts = [*cluster.workers, cluster.router]
     return {p.name: round(rss_mb(p.proc.pid), 1) for p in parts if p is not None and p.proc is not None}
+
+
+def wait_trimmed(urls: list[str]) -> None:
+    """Every worker is idle and its engine handed the allocator's free memory back (engine_loop.py): what its
+    RSS is then is what it holds, not what glibc keeps for reuse."""
+    for u in urls:
+        wait_until(lambda u=u: (ld := load(u))["idle_trimmed"] and pages_back(ld), IDLE_TRIM_S + 10, f"{u} trimmed")
 
 
 # ---- the cluster ---------------------------------------------------------------------------------
@@ -248,7 +255,7 @@ def test_soak_nothing_lost_nothing_leaked(cluster: LocalCluster) -> None:
     warm = asyncio.run(soak(cluster, 2 * CONCURRENCY, CONCURRENCY, seed=1))
     assert not warm.problems, warm.problems[:5]
     wait_pages_back(*urls, timeout=30)
-    time.sleep(IDLE_TRIM_S + 1.0)  # idle engines hand the allocator's free memory back (engine_loop.py)
+    wait_trimmed(urls)
     before = memory(cluster)
 
     t0 = time.monotonic()
@@ -258,7 +265,7 @@ def test_soak_nothing_lost_nothing_leaked(cluster: LocalCluster) -> None:
     # Everything is back: no request left on a worker, every page free, nothing admitted in the router.
     pages_back_s = wait_pages_back(*urls, timeout=30)
     router = httpx.get(f"{cluster.router_url}/router/workers", timeout=5).json()
-    time.sleep(IDLE_TRIM_S + 1.0)
+    wait_trimmed(urls)
     after = memory(cluster)
     lat = sorted(stats.latencies)
     p50 = lat[len(lat) // 2] if lat else 0.0

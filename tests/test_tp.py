@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 
 import httpx
 import pytest
@@ -17,7 +16,7 @@ from common.engine.tp import TPShard
 from common.offline import Engine
 from common.protocol import SamplingParams
 from common.settings import RunnerConfig, SchedulerConfig
-from tests.helpers import wait_pages_back
+from tests.helpers import wait_pages_back, wait_until
 from tests.workers import generate, give_up_during_remote_prefill, run_concurrently, start_worker, wait_ready
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -282,14 +281,13 @@ def test_lost_rank_fails_requests_and_the_worker_heals(redis_server, smol_tokeni
         assert tokens == [] and events[-1]["finish_reason"] == "error"
         error = events[-1]["error"]  # whichever the worker reports first: the lost rank or its engine's exit
         assert "tensor-parallel rank" in error or "engine process exited" in error, error
-        deadline = time.monotonic() + 60
-        while True:
-            assert time.monotonic() < deadline, "worker not serving again 60 s after losing a rank"
-            if httpx.get(f"{d.url}/ready", timeout=5).status_code == 200:
-                healed = generate(d, ids, None, timeout=60)[0]
-                if healed:
-                    break
-            time.sleep(0.5)
+
+        def serving_again() -> list[int]:
+            if httpx.get(f"{d.url}/ready", timeout=5).status_code != 200:
+                return []
+            return generate(d, ids, None, timeout=60)[0]
+
+        healed = wait_until(serving_again, 60, "the worker serving again after losing a rank", interval=0.5)
         assert healed == before  # greedy: the same text from the new engine
         found = subprocess.run(["pgrep", "-s", str(d.proc.pid), "-f", "tp_follower"], capture_output=True)
         assert [int(p) for p in found.stdout.split()] not in ([], followers)  # a new follower rank

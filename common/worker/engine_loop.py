@@ -48,7 +48,7 @@ class EngineLoop:
     def __init__(self, host: EngineHost) -> None:
         self.host = host
         self.last_busy = time.monotonic()  # when the latest turn with work began
-        self.trimmed = True  # the allocator was trimmed since then
+        self.trimmed = True  # the allocator was trimmed since then (reported in /load as idle_trimmed)
 
     def run(self) -> None:
         host = self.host
@@ -89,7 +89,7 @@ class EngineLoop:
                 host.publisher.removed(hashes)
             else:
                 host.publisher.stored(hashes, tier)  # moved to the host tier, or loaded back
-        host.outbox += host.report.due(host.loop_turns, time.monotonic(), self.last_busy)
+        host.outbox += host.report.due(host.loop_turns, time.monotonic(), self.last_busy, self.trimmed)
         host.flush()
 
     def step(self) -> None:

@@ -50,18 +50,18 @@ class LoadReport:
     def next_due(self, last_busy: float) -> float:
         return self.last_sent + self.interval(last_busy)
 
-    def due(self, loop_turns: int, now: float, last_busy: float) -> list[Event]:
+    def due(self, loop_turns: int, now: float, last_busy: float, idle_trimmed: bool = False) -> list[Event]:
         """The report's events when one is due at ``now`` (time.monotonic()), else none."""
         if now < self.next_due(last_busy):
             return []
         self.last_sent = now
-        events: list[Event] = [Load(self.snapshot(loop_turns))]
+        events: list[Event] = [Load(self.snapshot(loop_turns, idle_trimmed))]
         if self.steps:
             events.append(Steps(self.steps))
             self.steps = []
         return events
 
-    def snapshot(self, loop_turns: int) -> LoadSnapshot:
+    def snapshot(self, loop_turns: int, idle_trimmed: bool = False) -> LoadSnapshot:
         snap = self.scheduler.snapshot()
         queued = snap.queued_prefill_tokens
         rate = self.prefill_rate.observe(time.monotonic(), snap.prefill_tokens_launched, queued > 0)
@@ -87,6 +87,7 @@ class LoadReport:
             page_size=self.page_size,
             ready=True,
             loop_turns=loop_turns,
+            idle_trimmed=idle_trimmed,
             host_pages_cached=snap.host_pages_cached,
             host_pages_total=snap.host_pages_total,
             host_pages_saved=snap.host_pages_saved,
