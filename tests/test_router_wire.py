@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from common.net import free_port
 from router.server_thread import ServerThread
 from router.wire import ConnectError, ProtocolError, WireClient
+from tests.helpers import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -88,19 +89,24 @@ def test_stale_pooled_connection_is_retried_once() -> None:
     served = []
 
     async def go() -> None:
+        closed = asyncio.Event()
+
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             await reader.readuntil(b"\r\n\r\n")
             served.append(1)
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
             await writer.drain()
             writer.close()  # close right after answering, keep-alive notwithstanding
+            await writer.wait_closed()
+            closed.set()
 
         srv = await asyncio.start_server(handle, "127.0.0.1", port)
         c = WireClient()
         for _ in range(3):
             status, body = await c.get_json_body(f"http://127.0.0.1:{port}/", 5)
             assert (status, body) == (200, b"ok")
-            await asyncio.sleep(0.05)
+            await asyncio.wait_for(closed.wait(), 5)  # the pooled connection is closed on the server's side
+            closed.clear()
         await c.aclose()
         srv.close()
         await srv.wait_closed()
@@ -146,10 +152,7 @@ def test_closing_mid_stream_aborts_the_server_side(server) -> None:
 
     before = state["aborted"]
     run(go())
-    for _ in range(100):
-        if state["aborted"] > before:
-            break
-        asyncio.run(asyncio.sleep(0.02))
+    wait_until(lambda: state["aborted"] > before, 2, "the server to see the stream aborted", interval=0.02)
     assert state["aborted"] == before + 1
 
 

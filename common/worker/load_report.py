@@ -50,7 +50,7 @@ class LoadReport:
     def next_due(self, last_busy: float) -> float:
         return self.last_sent + self.interval(last_busy)
 
-    def due(self, loop_turns: int, now: float, last_busy: float, idle_trimmed: bool = False) -> list[Event]:
+    def due(self, loop_turns: int, now: float, last_busy: float, idle_trimmed: bool) -> list[Event]:
         """The report's events when one is due at ``now`` (time.monotonic()), else none."""
         if now < self.next_due(last_busy):
             return []
@@ -61,7 +61,7 @@ class LoadReport:
             self.steps = []
         return events
 
-    def snapshot(self, loop_turns: int, idle_trimmed: bool = False) -> LoadSnapshot:
+    def snapshot(self, loop_turns: int, idle_trimmed: bool) -> LoadSnapshot:
         snap = self.scheduler.snapshot()
         queued = snap.queued_prefill_tokens
         rate = self.prefill_rate.observe(time.monotonic(), snap.prefill_tokens_launched, queued > 0)
