@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import signal
 import threading
-import time
 import uuid
 
 import httpx
 import redis
 
+from tests.helpers import wait_until
 from tests.workers import start_worker, wait_ready
 
 
@@ -37,10 +37,7 @@ def test_sigterm_drains_in_flight_stream(redis_server, smol_tokenizer):
         t.start()
         assert started.wait(60)
         d.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 5
-        while httpx.get(f"{d.url}/ready", timeout=5).status_code == 200:
-            assert time.monotonic() < deadline, "readiness did not drop on SIGTERM"
-            time.sleep(0.05)
+        wait_until(lambda: httpx.get(f"{d.url}/ready", timeout=5).status_code != 200, 5, "readiness to drop on SIGTERM")
         refused = httpx.post(f"{d.url}/internal/generate", json={**body, "req_id": "late"}, timeout=10)
         assert refused.status_code == 503
         t.join(120)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
+from tests.helpers import wait_until
 from tests.otlp_collector import OtlpCollector
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,10 +57,7 @@ print(tracing.traceparent(span))
         )
         version, trace_id, span_id, flags = out.strip().split("-")
         assert (version, trace_id, flags) == ("00", parent_trace, "01") and len(span_id) == 16
-        deadline = time.monotonic() + 10
-        while len(collector.trace(parent_trace)) < 2:
-            assert time.monotonic() < deadline, collector.spans
-            time.sleep(0.05)
+        wait_until(lambda: len(collector.trace(parent_trace)) >= 2, 10, "both spans at the collector")
         spans = {s.name: s for s in collector.trace(parent_trace)}
         assert spans["prefill"].parent_span_id == parent_span and spans["prefill"].span_id == span_id
         assert spans["prefill"].service == "kvferry-test"

@@ -104,10 +104,7 @@ def test_abort_while_writes_in_flight(pair: tuple[WorkerProc, WorkerProc], smol_
     body = generate_body(victim, p.url, max_tokens=8)
     with httpx.stream("POST", f"{d.url}/internal/generate", json=body, timeout=60) as r:
         assert r.status_code == 200
-        deadline = time.monotonic() + 30
-        while _writes_in_flight(p) == 0:
-            assert time.monotonic() < deadline, "the prefill worker never posted a write"
-            time.sleep(0.02)
+        wait_until(lambda: _writes_in_flight(p), 30, "the prefill worker to post a write", interval=0.02)
     # The client hung up with writes in flight. The next request on the decode worker would get the very
     # pages the late writes land in, had they been freed.
     tokens, events = generate(d, reuse, None, max_tokens=24)

@@ -52,10 +52,7 @@ def test_killed_engine_is_restarted_by_its_worker(redis_server, role: str) -> No
         assert engine is not None
         os.kill(engine, signal.SIGKILL)
         killed = time.monotonic()
-        deadline = killed + 5
-        while httpx.get(f"{w.url}/ready", timeout=2).status_code == 200:
-            assert time.monotonic() < deadline, "the worker still said ready 5 s after its engine died"
-            time.sleep(0.05)
+        wait_until(lambda: httpx.get(f"{w.url}/ready", timeout=2).status_code != 200, 5, "readiness to drop")
         during = w.load()
         assert not during["ready"]
         assert during["total_pages"] == 0 and during["free_pages"] == 0  # no pool without an engine

@@ -23,6 +23,7 @@ import httpx
 from common.devcluster.process import ManagedProcess, worker_process
 from common.devcluster.process import wait_ready as wait_parts_ready
 from common.net import free_port
+from tests.helpers import wait_until
 
 LOG_DIR = Path(tempfile.mkdtemp(prefix="kvferry-test-workers-"))
 
@@ -115,9 +116,7 @@ def give_up_during_remote_prefill(decode: WorkerProc, prefill: WorkerProc, ids: 
     body = generate_body(ids, prefill.url, max_tokens=64)
     with httpx.stream("POST", f"{decode.url}/internal/generate", json=body, timeout=60) as r:
         assert r.status_code == 200
-        deadline = time.monotonic() + 10
-        while prefill.load()["running_requests"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: prefill.load()["running_requests"], 10, "the peer to prefill it", interval=0.02)
         assert prefill.load()["running_requests"] == 1  # the prefill is under way
 
 
@@ -141,10 +140,11 @@ def start_router_thread(app, timeout: float = 20.0):
     from router.server_thread import ServerThread
 
     s = ServerThread(app).start()
-    deadline = time.monotonic() + timeout
-    while not all(w["up"] for w in httpx.get(f"{s.url}/router/workers").json()["workers"]):
-        assert time.monotonic() < deadline, "the router never saw the workers up"
-        time.sleep(0.05)
+
+    def workers_up() -> bool:
+        return all(w["up"] for w in httpx.get(f"{s.url}/router/workers").json()["workers"])
+
+    wait_until(workers_up, timeout, "the router to see every worker up")
     return s
 
 
