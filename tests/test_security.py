@@ -169,8 +169,8 @@ def test_secret_never_logged_nor_in_process_arguments(cluster: LocalCluster) -> 
         json={"prompt": "Hi", "max_tokens": 2, "stream": True},
         timeout=60,
     ) as r:
-        last_id = json.loads(next(ln for ln in r.iter_lines() if ln.startswith("data: {"))[6:])["id"]
-        r.read()
+        events = [ln for ln in r.iter_lines() if ln.startswith("data: {")]
+    last_id = json.loads(events[0][6:])["id"]
     # Everything the parts log about these requests is written (line by line) by the time the router logs the
     # last one's timeline and the workers' requests have ended (every page back).
     router_log = cluster.log_dir / "router.log"
