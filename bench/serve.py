@@ -12,7 +12,7 @@ For each mode it starts a deployment (bench/serve_deploy.py: redis-server, worke
 separate `kvferry` processes configured by KVFERRY_* env vars; `--gpus` gives each worker one GPU,
 `--gpus 0,0` two workers one GPU; `--worker-env K=V` adds a worker setting, e.g. the KV pool size,
 whose 1 GB default suits the CPU; a mode written `MODE@NAME` runs MODE with the extra worker settings
-`--variant-env NAME:K=V` gives, so two policies are measured in one run), or targets a running one (`--url`), warms it up, and runs every
+`--variant-env NAME:K=V` gives; `KVFERRY_ROUTER_*` keys go to that variant's router, the rest to its workers, so two policies are measured in one run), or targets a running one (`--url`), warms it up, and runs every
 load point: Poisson arrivals at each `--rates` value and a closed loop at each `--concurrency` value,
 `--num` requests per point. Prompts are random token ids and outputs exact (`ignore_eos`), lengths uniform in `--prompt-len` / `--output-len`;
 each point has its own prompts (no prefix-cache hits across points) and the modes get the same ones.
@@ -391,6 +391,15 @@ def _clean(obj: Any) -> Any:
     return obj
 
 
+def _for_router(env: dict[str, str]) -> dict[str, str]:
+    # A variant is a policy, and a policy can be the router's (its admission) as well as the worker's.
+    return {k: v for k, v in env.items() if k.startswith("KVFERRY_ROUTER_")}
+
+
+def _for_worker(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if not k.startswith("KVFERRY_ROUTER_")}
+
+
 def plot(path: Path) -> None:
     from serve_plot import plot_file
 
@@ -490,8 +499,8 @@ def main(argv: list[str] | None = None) -> int:
                 tokenizer_dir=str(tok_dir),
                 gpus=tuple(args.gpus),
                 cpu_workers=args.workers,
-                worker_env={**worker_env, **variant_envs.get(variant, {})},
-                router_env=router_env,
+                worker_env={**worker_env, **_for_worker(variant_envs.get(variant, {}))},
+                router_env={**router_env, **_for_router(variant_envs.get(variant, {}))},
                 ready_timeout_s=args.ready_timeout,
                 log_dir=mode_log_dir,
             )

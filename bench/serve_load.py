@@ -132,6 +132,7 @@ class RequestRecord:
     error: str = ""
     retry_after_s: float | None = None  # a 429's Retry-After
     retries: int = 0  # 429s answered by waiting Retry-After and sending again (--retry-429)
+    refusals_s: list[float] = field(default_factory=list)  # each 429's time from its send to the answer
     slo_class: str = ""  # the SLO class it was sent as ("": none named)
 
 
@@ -259,6 +260,8 @@ class LoadClient:
             return
         rec.e2e_s = clock() - start
         rec.outcome = _outcome(rec, reader.done)
+        if rec.http_status == 429:
+            rec.refusals_s.append(rec.e2e_s)
 
 
 def _seconds(header: str | None) -> float | None:

@@ -133,6 +133,10 @@ def summarize_point(run: PointRun, slo: SLO, classes: dict[str, ClassSLO] | None
         "outcomes": dict(sorted(outcomes.items())),
         "http_status": dict(sorted(statuses.items())),
         "retries_after_429": sum(r.retries for r in recs),
+        # A client honouring Retry-After: of the requests refused once, how many the first retry got served.
+        "retried_requests": sum(1 for r in recs if r.retries),
+        "served_on_first_retry": sum(1 for r in recs if r.retries == 1 and r.outcome in ("ok", "short")),
+        "refusal_ms": percentiles(s for r in recs for s in r.refusals_s),
         "wall_s": run.wall_s,
         "output_tokens": out_tokens,
         "input_tokens": in_tokens,

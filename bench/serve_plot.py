@@ -1,4 +1,4 @@
-"""Plots of a bench/serve.py run, every mode on the same axes: output throughput, TTFT, ITL and goodput
+"""Plots of a bench/serve.py run, every mode on the same axes: output throughput, goodput, attainment, sheds, TTFT, ITL
 against the request rate (Poisson points) and against concurrency (closed-loop points).
 
     python bench/serve_plot.py bench/out/serve_X.json      # or: python bench/serve.py --plot-only FILE
@@ -34,8 +34,8 @@ def _plot_kind(result: dict[str, Any], kind: str, path: Path) -> bool:
     modes = {m: pts for m, pts in modes.items() if pts}
     if not modes:
         return False
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
-    (ax_tput, ax_good), (ax_ttft, ax_itl) = axes
+    fig, axes = plt.subplots(3, 2, figsize=(12, 12))
+    (ax_tput, ax_goodput), (ax_good, ax_shed), (ax_ttft, ax_itl) = axes
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     offline = (result.get("offline") or {}).get("output_tok_per_s")
     for i, (mode, pts) in enumerate(modes.items()):
@@ -43,6 +43,8 @@ def _plot_kind(result: dict[str, Any], kind: str, path: Path) -> bool:
         x = [p["value"] for p in pts]
         ax_tput.plot(x, [p["output_tok_per_s"] for p in pts], "o-", color=c, label=mode)
         ax_good.plot(x, [p["goodput"]["fraction"] for p in pts], "o-", color=c, label=mode)
+        ax_goodput.plot(x, [p["goodput"]["request_per_s"] for p in pts], "o-", color=c, label=mode)
+        ax_shed.plot(x, [p.get("http_status", {}).get("429", 0) for p in pts], "o-", color=c, label=mode)
         for q, style in (("p50", "o-"), ("p99", "s--")):
             ax_ttft.plot(x, [p["ttft_ms"][q] for p in pts], style, color=c, label=f"{mode} {q}")
             ax_itl.plot(x, [p["itl_ms"][q] for p in pts], style, color=c, label=f"{mode} {q}")
@@ -55,7 +57,9 @@ def _plot_kind(result: dict[str, Any], kind: str, path: Path) -> bool:
     if slo.get("itl_p99_ms"):
         ax_itl.axhline(slo["itl_p99_ms"], color="grey", ls=":", lw=1, label="SLO (per-request p99)")
     ax_tput.set_ylabel("output tokens/s")
-    ax_good.set_ylabel("goodput (fraction of requests)")
+    ax_good.set_ylabel("attainment (good / requests sent)")
+    ax_goodput.set_ylabel("goodput (good requests/s)")
+    ax_shed.set_ylabel("429 answers (shed, retries included)")
     ax_good.set_title(
         f"good: TTFT <= {slo.get('ttft_ms', 0):g} ms and per-request ITL p99 <= {slo.get('itl_p99_ms', 0):g} ms",
         fontsize=9,
