@@ -39,7 +39,7 @@ class PlannerController:
         queues = []
         for w in fleet.sims.values():
             if w.role in roles and not w.draining:
-                load = w.load()
+                load = w.load(now)
                 queues.append((load.queued_prefill_tokens, load.prefill_tokens_per_s))
         obs = observation(before, now_totals, queue_wait_s(queues), fleet.counts(include_starting=False), self.fallback)
         decision = self.planner.decide(obs)

@@ -194,7 +194,7 @@ class Fleet:
         self._report(name)
 
     def _report(self, name: str) -> None:
-        self.pool.report_load(self.routers[name], self.sims[name].load(), asked=self.clock.now)
+        self.pool.report_load(self.routers[name], self.sims[name].load(self.clock.now), asked=self.clock.now)
         self.loaded_at[name] = self.clock.now
 
     def scale_to(self, targets: Counts) -> None:
@@ -245,7 +245,7 @@ class Fleet:
         if w.add(job, self.clock.now):
             self._wake_at(w, w.wake(self.clock.now))
         else:
-            self._wake_at(w, w.cut_span(self.clock.now))
+            self._wake_at(w, w.cut_span(self.clock.now, job))
 
     def run(self, requests: list[SimRequest], until: float | None = None) -> Result:
         saved = router_pool.time, router_dispatch.time

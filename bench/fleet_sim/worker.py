@@ -6,15 +6,19 @@ within the ITL target less its margin (common/sched/prefill_budget.py's rule), a
 alone, ``max_prefill_tokens``. A prompt's last chunk gives its first token. Its load is published to the
 router as /load would (``load()``).
 
-Granularity: a step that carries prompt tokens is one event. A stretch of pure decode steps is one event
-until the next row finishes (all rows then take the same step time, its context the stretch's middle); new
-work arriving inside a stretch cuts it at the next step boundary. An idle worker has no events.
+Granularity: a step that carries prompt tokens is one event, and so is a run of steps that each take a full
+chunk of the first waiting prompt with no row decoding (nothing arriving changes those steps but a row joining,
+which cuts the run at the next step boundary; /load inside a run counts the steps done by then). A stretch of
+pure decode steps is one event until the next row finishes (all rows then take the same step time, its context
+the stretch's middle); new work arriving inside a stretch cuts it at the next step boundary. An idle worker has
+no events.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -106,7 +110,10 @@ class SimWorker:
     span_start: float = 0.0
     span_step_s: float = 0.0
     span_steps: int = 0
-    span_chunks: list[tuple[Job, int]] = field(default_factory=list)
+    span_chunks: list[tuple[Job, int]] = field(default_factory=list)  # per step (a prompt run: its one chunk)
+    # a prompt run: each step's time and end (a run's steps differ: each chunk attends to more of its prompt)
+    run_steps_s: list[float] = field(default_factory=list)
+    run_ends: list[float] = field(default_factory=list)
     version: int = 0
     busy_s: float = 0.0  # time spent stepping (what a GPU-utilisation metric reads)
     prefill_tokens_done: int = 0
@@ -131,7 +138,13 @@ class SimWorker:
         got = s.published.largest_chunk(target, self.n_rows, self.context(), start, s.max_prefill_tokens, s.page_size)
         return min(s.max_prefill_tokens, max(MIN_PAGES * s.page_size, got))
 
-    def load(self) -> Load:
+    def run_tokens_done(self, now: float) -> int:
+        """Prompt tokens the steps of a prompt run in flight have finished by `now` (0: no run)."""
+        if not self.run_ends:
+            return 0
+        return bisect_right(self.run_ends, now) * self.span_chunks[0][1]
+
+    def load(self, now: float) -> Load:
         s = self.spec
         pub = s.published
         chunk = self.chunk_budget()
@@ -139,7 +152,7 @@ class SimWorker:
         return Load(
             role=self.role,
             pod=self.name,
-            queued_prefill_tokens=self.queued_tokens,
+            queued_prefill_tokens=self.queued_tokens - self.run_tokens_done(now),
             running_requests=self.n_rows + len(self.joining),
             waiting_requests=len(self.waiting),
             free_pages=max(0, total - math.ceil(self.reserved_kv / s.page_size)),
@@ -176,10 +189,24 @@ class SimWorker:
             self.joining.append(job)  # joins the batch at the next step boundary
         return self.busy_until < 0
 
-    def cut_span(self, now: float) -> float | None:
-        """A decode stretch in flight ends at the next step boundary after `now` (new work waits for it);
-        returns the new wake-up time, or None when nothing needs to change."""
-        if self.busy_until < 0 or self.span_steps <= 1 or self.span_chunks:
+    def cut_span(self, now: float, job: Job) -> float | None:
+        """A decode stretch in flight ends at the next step boundary after `now` (new work waits for it), and so
+        does a prompt run when `job` joins the batch there; returns the new wake-up time, or None when nothing
+        needs to change."""
+        if self.busy_until < 0 or self.span_steps <= 1:
+            return None
+        if self.run_ends:
+            if job.todo > 0:
+                return None  # waits behind the prompt the run's steps fill
+            done = bisect_right(self.run_ends, now) + 1
+            if done >= self.span_steps:
+                return None
+            self.span_steps = done
+            del self.run_steps_s[done:], self.run_ends[done:]
+            self.busy_until = self.run_ends[-1]
+            self.version += 1
+            return self.busy_until
+        if self.span_chunks:
             return None
         done = int((now - self.span_start) / self.span_step_s) + 1
         if done >= self.span_steps:
@@ -208,6 +235,9 @@ class SimWorker:
         return self._start(now)
 
     def _finish_span(self, now: float) -> None:
+        if self.run_ends:
+            self._finish_run()
+            return
         k, s = self.span_steps, self.span_step_s
         n = self.n_rows
         self.busy_s += k * s
@@ -256,6 +286,27 @@ class SimWorker:
                     self.on_first_token(self, job, now)
         self.span_chunks = []
 
+    def _finish_run(self) -> None:
+        """The steps of a prompt run, one by one as _finish_span takes a prompt step (no row decodes, none
+        finishes, its prompt does not)."""
+        prefill_first = self.spec.itl_target_s <= 0
+        for s in self.run_steps_s:
+            self.busy_s += s
+            if prefill_first:
+                self.held_gap_s += s
+        k = len(self.run_steps_s)
+        if not prefill_first:
+            self.steps += k
+        job, n_tok = self.span_chunks[0]
+        job.done_prompt += k * n_tok
+        job.todo -= k * n_tok
+        self.queued_tokens -= k * n_tok
+        self.prefill_tokens_done += k * n_tok
+        self.busy_until = -1.0
+        self.span_chunks = []
+        self.run_steps_s = []
+        self.run_ends = []
+
     def _start(self, now: float) -> float | None:
         s = self.spec
         for job in self.joining:
@@ -276,6 +327,8 @@ class SimWorker:
                 if take == job.todo and job.output > 0:
                     rows_free -= 1
         n, ctx = self.n_rows, self.context()
+        if n == 0 and len(chunks) == 1 and chunks[0][1] < chunks[0][0].todo - chunks[0][1]:
+            return self._start_run(now, chunks[0][0], chunks[0][1])
         if chunks:
             tokens = sum(t for _, t in chunks)
             if s.itl_target_s <= 0:
@@ -292,3 +345,25 @@ class SimWorker:
         self.busy_until = now + step * self.span_steps
         self.version += 1
         return self.busy_until
+
+    def _start_run(self, now: float, job: Job, chunk: int) -> float:
+        """Full chunks of `job` while more than a chunk of it stays for the step after (its last chunk, and what
+        the budget left then takes of the next prompt, is a step of its own); the times as step by step."""
+        s = self.spec
+        cost = s.cost
+        steps = (job.todo - 1) // chunk  # the steps with more than `chunk` of it still to do before them
+        times, ends = [], []
+        t, start = now, job.done_prompt
+        for _ in range(steps):
+            step = cost.step_s(chunk, 0, 0, 0.0 + chunk_attention(start, chunk)) + s.host_s
+            t = t + step
+            times.append(step)
+            ends.append(t)
+            start += chunk
+        self.span_chunks = [(job, chunk)]
+        self.run_steps_s, self.run_ends = times, ends
+        self.span_steps = steps
+        self.span_start, self.span_step_s = now, times[0]
+        self.busy_until = t
+        self.version += 1
+        return t
