@@ -18,7 +18,7 @@ import heapq
 import math
 import random
 from collections import OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from itertools import islice
 from typing import Protocol
 
@@ -150,13 +150,20 @@ class Fleet:
         self.live = 0  # workers holding a GPU (starting, up or draining)
         self._gpu_s = 0.0
         self._gpu_t = 0.0
-        self.totals = Totals(0.0)
+        # the router's counters (planner/observe.py's Totals, built when read): the last arrival's time, and
+        # requests, served, prompt tokens, prompt tokens squared, output tokens, cached tokens, shed
+        self._totals_t = 0.0
+        self._sums = [0.0] * 7
         self.first_token: dict[int, float] = {}
         self.itl_hist = np.zeros(len(ITL_BINS) + 1)
         self.timeline: list[dict] = []
         for role in ("prefill", "decode", "mixed"):
             for _ in range(getattr(initial, role)):
                 self._spawn(role, ready_at=0.0)
+
+    @property
+    def totals(self) -> Totals:
+        return Totals(self._totals_t, *self._sums)
 
     # ---- membership -----------------------------------------------------------------------------------------
     def counts(self, include_starting: bool = True) -> Counts:
@@ -347,9 +354,9 @@ class Fleet:
         cache = self.caches.get(name)
         if cache is None or not req.blocks:
             return
-        for b in req.blocks:
-            cache[b] = None
-            cache.move_to_end(b)
+        for b in req.blocks:  # each to the most recent end, in the prompt's order
+            cache.pop(b, None)
+        cache.update(dict.fromkeys(req.blocks))
         room = int(self.cfg.worker.kv_tokens * self.cfg.prefix_cache_share) // req.block_tokens
         while len(cache) > room:
             cache.popitem(last=False)
@@ -360,7 +367,9 @@ class Fleet:
     def _arrive(self, rid: int, req: SimRequest) -> None:
         cfg = self.cfg
         now = self.clock.now
-        tot = self.totals
+        sums = self._sums
+        self._totals_t = now
+        sums[0] += 1
         self._candidates(req)
         matches = self._matches(req)
         plan = PromptPlan(_tokens(req.prompt), [], matches, cfg.worker.page_size, slo_class=self.cls)
@@ -369,7 +378,7 @@ class Fleet:
             decision = self.dispatcher.route(plan, req.output, set(), set())
         except OpenAIError:
             self.shed_mask[rid] = True
-            self.totals = replace(tot, t=now, requests=tot.requests + 1, shed=tot.shed + 1)
+            sums[6] += 1
             return
         d = self.sims[decision.decode]
         call = _Call(rid)
@@ -389,16 +398,11 @@ class Fleet:
             self._give(d, job)
         self._cache(d.name, req)
         job.call = call
-        self.totals = replace(
-            tot,
-            t=now,
-            requests=tot.requests + 1,
-            served=tot.served + 1,
-            prompt_tokens=tot.prompt_tokens + req.prompt,
-            prompt_sq_tokens=tot.prompt_sq_tokens + req.prompt * req.prompt,
-            output_tokens=tot.output_tokens + req.output,
-            cached_tokens=tot.cached_tokens + matched,
-        )
+        sums[1] += 1
+        sums[2] += req.prompt
+        sums[3] += req.prompt * req.prompt
+        sums[4] += req.output
+        sums[5] += matched
 
     def _on_first_token(self, w: SimWorker, job: Job, now: float) -> None:
         if job.peer is not None:  # a prefill for a peer: its KV moves, then it decodes there

@@ -149,7 +149,7 @@ class SimWorker:
         pub = s.published
         chunk = self.chunk_budget()
         total = s.kv_tokens // s.page_size
-        return Load(
+        load = Load(
             role=self.role,
             pod=self.name,
             queued_prefill_tokens=self.queued_tokens - self.run_tokens_done(now),
@@ -174,6 +174,8 @@ class SimWorker:
             decode_context=self.context(),
             queued_ahead_tokens={},
         )
+        load.__dict__["step_cost"] = pub  # what parsing its step_coefficients gives, shared by every snapshot
+        return load
 
     def idle(self) -> bool:
         return not self.waiting and not self.rows and not self.joining and self.busy_until < 0

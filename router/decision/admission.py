@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from common import settings_registry as reg
 from common.slo import SloClass, SloClasses
 from router.decision.load import Load
-from router.decision.pool import Worker
+from router.decision.pool import HeldCounts, Worker
 from router.settings import RouterOptions
 
 __all__ = [
@@ -73,14 +73,15 @@ def largest_request_tokens(workers: Iterable[Worker]) -> int | None:
     return max(caps) if caps else None
 
 
-def kv_room(w: Worker, need: RequestKV) -> bool:
-    """Whether `w`'s pool takes the call and keeps as much free as the request takes (unknown pool: yes)."""
+def kv_room(w: Worker, need: RequestKV, held: HeldCounts | None = None) -> bool:
+    """Whether `w`'s pool takes the call and keeps as much free as the request takes (unknown pool: yes);
+    `held`: `w.held()` where the caller has it."""
     load = w.load
     if load is None or load.total_pages <= 0:
         return True
     need = need.on(load)
     pool = load.total_pages * load.page_size
-    free = load.free_pages * load.page_size - w.unseen_kv_tokens
+    free = load.free_pages * load.page_size - (held or w.held()).unseen_kv_tokens
     headroom = min(need.request_tokens, pool - _cap(load))
     return free - need.call_tokens >= headroom
 
@@ -92,16 +93,17 @@ def _cap(load: Load) -> int:
 
 def decode_is_full(w: Worker, need: RequestKV, limits: AdmissionLimits) -> bool:
     load = w.load
+    held = w.held()
     running, waiting = (load.running_requests, load.waiting_requests) if load is not None else (0, 0)
     free_slots = max(0, load.max_running - running) if load is not None else 0
-    backlog = waiting + max(0, w.inflight_requests - running - waiting - free_slots)
+    backlog = waiting + max(0, held.inflight_requests - running - waiting - free_slots)
     if limits.max_waiting and backlog >= limits.max_waiting:
         return True
     if load is None:
         return False
     if limits.max_queued_prefill_tokens and load.queued_prefill_tokens >= limits.queued_tokens_limit(w):
         return True
-    return not kv_room(w, need)
+    return not kv_room(w, need, held)
 
 
 def prefill_is_full(w: Worker, limits: AdmissionLimits) -> bool:

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-from weakref import WeakKeyDictionary
+from typing import TYPE_CHECKING, Any
 
 from common.prefix.hashing import chained_block_hashes
 from common.slo import DEFAULT_SLO_SPEC, SloClass, SloClasses, parse_slo_classes
@@ -20,7 +19,6 @@ from router.decision.admission import (
     ttft_verdict,
 )
 from router.decision.cost_model import SloTargets
-from router.decision.load import Load
 from router.decision.locality import PrefixLocator
 from router.decision.policy import RouteDecision, RoutingPolicy
 from router.decision.pool import Worker, WorkerPool
@@ -76,8 +74,7 @@ class Dispatcher:
         self.inter_token_timeout_s = opts.inter_token_timeout_s
         self.retry_after_s = opts.retry_after_s
         self.decisions: dict[str, int] = {}  # reason (or rejection) -> count, for /router/workers and benchmarks
-        # Per worker: (load, when asked, placement revision) its TTFT figures were built from.
-        self._figures: WeakKeyDictionary[Worker, tuple[Load, float, int, WorkerFigures]] = WeakKeyDictionary()
+        self._decision_counters: dict[str, Any] = {}  # reason -> its labelled counter (labels() costs per call)
 
     async def plan(self, token_ids: list[int]) -> PromptPlan:
         """Hashes the prompt's blocks and asks where they are cached (a prompt under the disaggregation
@@ -164,18 +161,7 @@ class Dispatcher:
         own = prompt - self.policy.matched_tokens(w.pod, plan.matches, plan.block_size, prompt)
         rate = self.policy.cfg.transfer_tokens_per_s
         transfer = prompt / rate if prefill_side and rate > 0 else 0.0
-        return self.figures(w), own, transfer
-
-    def figures(self, w: Worker) -> WorkerFigures:
-        """`w`'s TTFT inputs, built once per load snapshot and placement (a prediction is then O(1))."""
-        load = w.load
-        assert load is not None
-        hit = self._figures.get(w)
-        if hit is not None and hit[0] is load and hit[1] == w.load_asked and hit[2] == w.placed_revision:
-            return hit[3]
-        figures = WorkerFigures.from_load(load, w.unseen_prompt_tokens)
-        self._figures[w] = (load, w.load_asked, w.placed_revision, figures)
-        return figures
+        return w.figures(), own, transfer
 
     def _sides(self, plan: PromptPlan) -> list[tuple[Worker, bool]]:
         """The workers that could prefill this prompt: its decode pods and, where it may disaggregate, prefill pods."""
@@ -248,4 +234,7 @@ class Dispatcher:
 
     def _count(self, reason: str) -> None:
         self.decisions[reason] = self.decisions.get(reason, 0) + 1
-        self.metrics.decisions.labels(decision=reason).inc()
+        counter = self._decision_counters.get(reason)
+        if counter is None:
+            counter = self._decision_counters[reason] = self.metrics.decisions.labels(decision=reason)
+        counter.inc()

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from router.decision.load import ROLES, Load, parse_load
 from router.decision.policy import DecodeCandidate, PrefillCandidate
+from router.decision.ttft_model import WorkerFigures
 from router.settings import RouterOptions
 from router.wire import ConnectError, WireClient
 
@@ -70,6 +71,8 @@ class Worker:
     placed_revision: int = 0  # bumped whenever `placed` changes: a TTFT input cached per snapshot reads it
     holds_revision: int = 0  # bumped by every hold and release: what the calls add up to is cached against it
     _held: HeldCounts | None = field(default=None, init=False, repr=False)
+    # (load, when asked, placement revision) the TTFT figures were built from, and the figures
+    _figures: tuple[Load, float, int, WorkerFigures] | None = field(default=None, init=False, repr=False)
     task: asyncio.Task[None] | None = None
     removed: bool = False
 
@@ -162,6 +165,18 @@ class Worker:
 
         return prefilled
 
+    def figures(self) -> WorkerFigures:
+        """Its TTFT inputs (router/decision/ttft_model.py), built once per load snapshot and placement (a
+        prediction is then O(1)); needs a load."""
+        load = self.load
+        assert load is not None
+        hit = self._figures
+        if hit is not None and hit[0] is load and hit[1] == self.load_asked and hit[2] == self.placed_revision:
+            return hit[3]
+        figures = WorkerFigures.from_load(load, self.unseen_prompt_tokens)
+        self._figures = (load, self.load_asked, self.placed_revision, figures)
+        return figures
+
     @property
     def unseen_prompt_tokens(self) -> int:
         """Prompt tokens placed here that the last snapshot may not count yet (the TTFT prediction adds them)."""
@@ -191,16 +206,17 @@ class Worker:
 
     def decode_candidate(self, predicted_ttft_s: float | None = None) -> DecodeCandidate:
         load = self.load
+        inflight = self.held().inflight_requests
         if load is None:
             return DecodeCandidate(
-                key=self.url, pod=self.pod, inflight_requests=self.inflight_requests, predicted_ttft_s=predicted_ttft_s
+                key=self.url, pod=self.pod, inflight_requests=inflight, predicted_ttft_s=predicted_ttft_s
             )
         return DecodeCandidate(
             key=self.url,
             pod=self.pod,
             running=load.running_requests,
             waiting=load.waiting_requests,
-            inflight_requests=self.inflight_requests,
+            inflight_requests=inflight,
             free_pages=load.free_pages,
             total_pages=load.total_pages,
             page_size=load.page_size,

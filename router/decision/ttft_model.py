@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import TYPE_CHECKING
 
 from common.capacity import StepCost
@@ -26,7 +25,7 @@ if TYPE_CHECKING:
 __all__ = ["StepCost", "WorkerFigures", "predict_ttft_s", "prefill_rate"]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built per load snapshot and placement: a frozen one's __init__ costs ~3x
 class WorkerFigures:
     """One worker's TTFT inputs from its last /load (plus this router's unseen placements)."""
 
@@ -38,6 +37,10 @@ class WorkerFigures:
     queued_tokens: int = 0  # all prompt tokens queued (a class the worker did not report waits behind all)
     rate_tokens_per_s: float = 0.0  # measured prefill rate: the fallback without a step model
     unseen_tokens: int = 0
+    step_overhead_s: float = field(init=False)  # each step's cost beside its chunk (the base and the decode batch)
+
+    def __post_init__(self) -> None:
+        self.step_overhead_s = self.cost.overhead_s(self.decode_rows, self.decode_context)
 
     @classmethod
     def from_load(cls, load: Load, unseen_tokens: int = 0) -> WorkerFigures:
@@ -54,11 +57,6 @@ class WorkerFigures:
 
     def ahead(self, slo_class: str) -> int:
         return self.ahead_tokens.get(slo_class, self.queued_tokens) + self.unseen_tokens
-
-    @cached_property
-    def step_overhead_s(self) -> float:
-        """Each step's cost beside its chunk (the base and the decode batch), computed once per figures."""
-        return self.cost.overhead_s(self.decode_rows, self.decode_context)
 
 
 def prefill_rate(w: WorkerFigures) -> float:
