@@ -779,6 +779,14 @@ ROUTER_IMBALANCE_ABS_TOKENS = _router(
 )
 ROUTER_IMBALANCE_RATIO = _router("imbalance_ratio", float, 1.5, "load ratio beyond which load wins over cache hits")
 ROUTER_DECODE_KV_WEIGHT = _router("decode_kv_weight", float, 4.0, "weight of a decode pod's KV use in its score")
+ROUTER_SAMPLE_WORKERS = _router(
+    "sample_workers",
+    int,
+    0,
+    "per request, score this many ready workers of each role picked at random plus as many of those holding the "
+    "longest cached prefix, not every worker (power of k choices: a large fleet's per-request cost stays O(k)); "
+    "0 = every ready worker",
+)
 ROUTER_RECENT_ROUTE_TTL_S = _router(
     "recent_route_ttl_s", float, 10.0, "how long the router's own placements count as cached"
 )

@@ -34,6 +34,7 @@ class RouterOptions:
     imbalance_ratio: float = reg.ROUTER_IMBALANCE_RATIO.field()
     decode_kv_weight: float = reg.ROUTER_DECODE_KV_WEIGHT.field()
     recent_route_ttl_s: float = reg.ROUTER_RECENT_ROUTE_TTL_S.field()
+    sample_workers: int = reg.ROUTER_SAMPLE_WORKERS.field()
     # Placement (router/decision/cost_model.py).
     placement: str = reg.ROUTER_PLACEMENT.field()
     transfer_tokens_per_s: float = reg.ROUTER_TRANSFER_TOKENS_PER_S.field()

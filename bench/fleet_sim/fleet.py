@@ -7,9 +7,11 @@ The router's code reads ``time.monotonic()`` (when a prompt was placed, when a l
 run its modules see the simulated clock instead, so its bookkeeping of unseen placements holds in simulated
 time.
 
-Large fleets: routing over every worker costs the router's code O(workers) per request; ``route_sample`` > 0
-gives each request a random sample of that many workers (any role) plus the four that cached its first prompt
-block last (the power of d choices). Placement among the candidates is the router's own.
+Large fleets: routing over every worker costs the router's code O(workers) per request; ``route_sample`` k > 0
+is the router's own ``sample_workers`` (router/decision/dispatch.py ``Dispatcher.choose_candidates``): each
+request is scored on k workers of each role at random plus the k holding the longest prefix of it, the prefix
+index here being the four workers that cached its first prompt block last. Only the candidates' loads are
+refreshed (each at most one poll interval old) and only their prefix matches computed.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from __future__ import annotations
 import heapq
 import math
 import random
+from bisect import bisect_left
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Protocol
@@ -42,6 +46,7 @@ from router.settings import RouterOptions
 __all__ = ["Controller", "Fleet", "FleetConfig", "Result"]
 
 ITL_BINS = np.logspace(-4, 1, 501)  # 0.1 ms .. 10 s
+_ITL_EDGES = ITL_BINS.tolist()  # the same edges for bisect (a step's numpy lookup costs more than its bisect)
 
 
 class Controller(Protocol):
@@ -125,20 +130,20 @@ class Fleet:
         self.controller = controller
         self.rng = random.Random(cfg.seed)
         self.clock = _Clock()
-        self.pool = WorkerPool(client=None)  # type: ignore[arg-type]  # never polls: loads are handed to it
+        # the router's view of each simulated worker; it never polls: loads are handed to it
+        self.pool = WorkerPool(client=None)  # type: ignore[arg-type]
         self.dispatcher = Dispatcher(
             self.pool,
             RoutingPolicy(cfg.policy),
             locator=None,  # type: ignore[arg-type]
             client=None,  # type: ignore[arg-type]
-            opts=RouterOptions(admit_by_ttft=int(cfg.admit_by_ttft)),
+            opts=RouterOptions(admit_by_ttft=int(cfg.admit_by_ttft), sample_workers=cfg.route_sample),
             limits=cfg.limits,
             slo=cfg.slo,
+            rng=self.rng,
         )
         self.cls = cfg.slo.get("")
         self.sims: dict[str, SimWorker] = {}
-        self.routers: dict[str, Worker] = {}  # the router's view of each simulated worker
-        self._names: list[str] | None = None  # `routers`' keys, the sample's population (None: changed)
         self.starting: dict[str, tuple[str, float]] = {}  # name -> (role, ready at)
         self.loaded_at: dict[str, float] = {}
         self.caches: dict[str, OrderedDict[int, None]] = {}
@@ -155,7 +160,7 @@ class Fleet:
         self._totals_t = 0.0
         self._sums = [0.0] * 7
         self.first_token: dict[int, float] = {}
-        self.itl_hist = np.zeros(len(ITL_BINS) + 1)
+        self.itl_hist = [0.0] * (len(ITL_BINS) + 1)
         self.timeline: list[dict] = []
         for role in ("prefill", "decode", "mixed"):
             for _ in range(getattr(initial, role)):
@@ -196,12 +201,11 @@ class Fleet:
         sim.itl_slo_s = self.cls.itl_s
         self.sims[name] = sim
         self.caches[name] = OrderedDict()
-        self.routers[name] = Worker(url=name, role=role)
-        self._names = None
+        self.pool.add(name, role)
         self._report(name)
 
     def _report(self, name: str) -> None:
-        self.pool.report_load(self.routers[name], self.sims[name].load(self.clock.now), asked=self.clock.now)
+        self.pool.report_load(self.pool.workers[name], self.sims[name].load(self.clock.now), asked=self.clock.now)
         self.loaded_at[name] = self.clock.now
 
     def scale_to(self, targets: Counts) -> None:
@@ -235,8 +239,9 @@ class Fleet:
             self._gpu_tick(self.clock.now)
             self.live -= 1
             del self.sims[w.name]
-            self.routers.pop(w.name, None)
-            self._names = None
+            rw = self.pool.workers.get(w.name)
+            if rw is not None:
+                self.pool.remove(rw)
             self.caches.pop(w.name, None)
 
     # ---- events -------------------------------------------------------------------------------------------------
@@ -313,31 +318,34 @@ class Fleet:
         self._push(now + self.controller.interval_s, 3, None)
 
     # ---- a request ----------------------------------------------------------------------------------------------
-    def _candidates(self, req: SimRequest) -> None:
-        """Hands the router's pool its candidates with fresh loads (each at most one poll interval old): every
-        worker, or with ``route_sample`` a sample plus the workers holding the prompt's prefix."""
+    def _candidates(self, req: SimRequest, plan: PromptPlan) -> None:
+        """Gives `plan` its prefix matches and its candidates fresh loads (each at most one poll interval old):
+        every worker, or with ``route_sample`` those the router samples, told the prompt's prefix holders."""
         cfg = self.cfg
         now = self.clock.now
-        if cfg.route_sample and len(self.routers) > cfg.route_sample:
-            if self._names is None:
-                self._names = list(self.routers)
-            pick = self.rng.sample(self._names, cfg.route_sample)
+        workers: Iterable[Worker]
+        if cfg.route_sample:
             if req.blocks:
                 # the four that cached it last (the likeliest to hold it still)
                 recent = islice(reversed(self.holders.get(req.blocks[0], {})), 4)
-                pick += [h for h in recent if h in self.routers]
-            self.pool.workers = {p: self.routers[p] for p in pick}
+                plan.matches = self._matches(req, [h for h in recent if h in self.pool.workers])
+            self.dispatcher.choose_candidates(plan)
+            workers = plan.candidates or []
+            plan.matches = self._matches(req, [w.url for w in workers])
         else:
-            self.pool.workers = self.routers
-        for name in self.pool.workers:
-            if now - self.loaded_at.get(name, -1e9) >= cfg.poll_s:
-                self._report(name)
+            workers = self.pool.workers.values()
+            plan.matches = self._matches(req, self.pool.workers)
+        loaded_at = self.loaded_at
+        for w in workers:
+            if now - loaded_at.get(w.url, -1e9) >= cfg.poll_s:
+                self._report(w.url)
 
-    def _matches(self, req: SimRequest) -> dict[str, int]:
+    def _matches(self, req: SimRequest, names: Iterable[str]) -> dict[str, int]:
+        """What the prefix index says of `names`: the pages of the prompt's leading blocks each holds."""
         if not req.blocks:
             return {}
         out = {}
-        for name in self.pool.workers:
+        for name in names:
             cache = self.caches.get(name)
             if not cache:
                 continue
@@ -354,8 +362,8 @@ class Fleet:
         cache = self.caches.get(name)
         if cache is None or not req.blocks:
             return
-        for b in req.blocks:  # each to the most recent end, in the prompt's order
-            cache.pop(b, None)
+        for b in cache.keys() & req.blocks:  # each block to the most recent end, in the prompt's order
+            del cache[b]
         cache.update(dict.fromkeys(req.blocks))
         room = int(self.cfg.worker.kv_tokens * self.cfg.prefix_cache_share) // req.block_tokens
         while len(cache) > room:
@@ -370,9 +378,8 @@ class Fleet:
         sums = self._sums
         self._totals_t = now
         sums[0] += 1
-        self._candidates(req)
-        matches = self._matches(req)
-        plan = PromptPlan(_tokens(req.prompt), [], matches, cfg.worker.page_size, slo_class=self.cls)
+        plan = PromptPlan(_tokens(req.prompt), [], {}, cfg.worker.page_size, slo_class=self.cls)
+        self._candidates(req, plan)
         try:
             self.dispatcher.check_ttft(plan, self.cls)
             decision = self.dispatcher.route(plan, req.output, set(), set())
@@ -382,12 +389,12 @@ class Fleet:
             return
         d = self.sims[decision.decode]
         call = _Call(rid)
-        rd = self.routers[decision.decode]
+        rd = self.pool.workers[decision.decode]
         rd.hold_decode(call, now, req.prompt + req.output)
         if decision.prefill is not None:
             p = self.sims[decision.prefill]
             matched = decision.prefill_matched_tokens
-            self.routers[decision.prefill].hold_prefill(call, now, req.prompt - matched)
+            self.pool.workers[decision.prefill].hold_prefill(call, now, req.prompt - matched)
             job = Job(rid, req.t, req.prompt, max(1, req.prompt - matched), 0, req.prompt)
             job.peer = (d, req)
             self._give(p, job)
@@ -408,7 +415,7 @@ class Fleet:
         if job.peer is not None:  # a prefill for a peer: its KV moves, then it decodes there
             d, req = job.peer  # type: ignore[misc]
             call = job.call
-            rw = self.routers.get(w.name)
+            rw = self.pool.workers.get(w.name)
             if rw is not None:
                 rw.release_prefill(call)
             spec = self.cfg.worker
@@ -428,7 +435,7 @@ class Fleet:
         self._finish(job.rid, w.name, job.call, slow)  # type: ignore[arg-type]
 
     def _finish(self, rid: int, decode: str, call: _Call, slow: float) -> None:
-        rw = self.routers.get(decode)
+        rw = self.pool.workers.get(decode)
         if rw is not None:
             rw.release_decode(call)
         ttft = self.ttft[rid]
@@ -436,7 +443,7 @@ class Fleet:
         self.good[rid] = (cls.ttft_s is None or ttft <= cls.ttft_s) and slow <= 1 - cls.percentile / 100
 
     def _record_itl(self, step_s: float, tokens: float) -> None:
-        self.itl_hist[np.searchsorted(ITL_BINS, step_s)] += tokens
+        self.itl_hist[bisect_left(_ITL_EDGES, step_s)] += tokens
         self.out_tokens += tokens
 
     # ---- results --------------------------------------------------------------------------------------------------

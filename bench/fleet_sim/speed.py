@@ -79,6 +79,11 @@ def main() -> int:
         "cpu_s_per_simulated_hour_second_half": cpu_steady,
         "route_sample": args.route_sample,
         "served": res.served,
+        "shed": res.shed,
+        "attainment": res.attainment,
+        "ttft_p50_s": res.ttft_p50_s,
+        "ttft_p99_s": res.ttft_p99_s,
+        "itl_p99_s": res.itl_p99_s,
     }
     print(json.dumps(out, indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)

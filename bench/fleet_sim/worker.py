@@ -127,15 +127,16 @@ class SimWorker:
         return len(self.rows)
 
     def context(self) -> int:
-        return self.sum_prompt + self.n_rows * self.steps - self.sum_join
+        return self.sum_prompt + len(self.rows) * self.steps - self.sum_join
 
     def chunk_budget(self) -> int:
         s = self.spec
-        if self.n_rows == 0 or s.itl_target_s <= 0:
+        rows = len(self.rows)
+        if rows == 0 or s.itl_target_s <= 0:
             return s.max_prefill_tokens
         start = self.waiting[0].done_prompt if self.waiting else 0
         target = s.itl_target_s - s.margin_z * s.spread_s
-        got = s.published.largest_chunk(target, self.n_rows, self.context(), start, s.max_prefill_tokens, s.page_size)
+        got = s.published.largest_chunk(target, rows, self.context(), start, s.max_prefill_tokens, s.page_size)
         return min(s.max_prefill_tokens, max(MIN_PAGES * s.page_size, got))
 
     def run_tokens_done(self, now: float) -> int:
@@ -149,11 +150,12 @@ class SimWorker:
         pub = s.published
         chunk = self.chunk_budget()
         total = s.kv_tokens // s.page_size
+        rows, ctx = len(self.rows), self.context()
         load = Load(
             role=self.role,
             pod=self.name,
             queued_prefill_tokens=self.queued_tokens - self.run_tokens_done(now),
-            running_requests=self.n_rows + len(self.joining),
+            running_requests=rows + len(self.joining),
             waiting_requests=len(self.waiting),
             free_pages=max(0, total - math.ceil(self.reserved_kv / s.page_size)),
             total_pages=total,
@@ -164,14 +166,14 @@ class SimWorker:
             prefill_tokens_per_s=s.prefill_rate,
             prefill_chunk_tokens=chunk if self.role != "prefill" else 0,
             prefill_step_tokens_per_s=s.prefill_rate,
-            decode_step_s=pub.overhead_s(max(self.n_rows, 1), self.context()),
+            decode_step_s=pub.overhead_s(max(rows, 1), ctx),
             itl_target_s=s.itl_target_s,
-            live_requests=self.n_rows + len(self.waiting) + len(self.joining),
+            live_requests=rows + len(self.waiting) + len(self.joining),
             max_request_tokens=s.kv_tokens,
             step_coefficients=s.published_map,
             step_chunk_tokens=chunk,
-            decode_rows=self.n_rows,
-            decode_context=self.context(),
+            decode_rows=rows,
+            decode_context=ctx,
             queued_ahead_tokens={},
         )
         load.__dict__["step_cost"] = pub  # what parsing its step_coefficients gives, shared by every snapshot
@@ -241,7 +243,7 @@ class SimWorker:
             self._finish_run()
             return
         k, s = self.span_steps, self.span_step_s
-        n = self.n_rows
+        n = len(self.rows)
         self.busy_s += k * s
         if self.span_chunks and self.spec.itl_target_s <= 0:
             # prefill-first: the rows decoded nothing this step; their next gap is this much longer
@@ -316,9 +318,9 @@ class SimWorker:
         self.joining.clear()
         cost = s.cost
         chunks: list[tuple[Job, int]] = []
-        if self.waiting and self.n_rows < s.max_running:
+        if self.waiting and len(self.rows) < s.max_running:
             budget, attention = self.chunk_budget(), 0.0
-            rows_free = s.max_running - self.n_rows
+            rows_free = s.max_running - len(self.rows)
             for job in self.waiting:
                 if budget <= 0 or rows_free <= 0:
                     break
@@ -328,7 +330,7 @@ class SimWorker:
                 budget -= take
                 if take == job.todo and job.output > 0:
                     rows_free -= 1
-        n, ctx = self.n_rows, self.context()
+        n, ctx = len(self.rows), self.context()
         if n == 0 and len(chunks) == 1 and chunks[0][1] < chunks[0][0].todo - chunks[0][1]:
             return self._start_run(now, chunks[0][0], chunks[0][1])
         if chunks:

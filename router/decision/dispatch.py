@@ -4,8 +4,9 @@ TTFT (`check_ttft`, once per request)."""
 
 from __future__ import annotations
 
+import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from common.prefix.hashing import chained_block_hashes
@@ -21,7 +22,7 @@ from router.decision.admission import (
 from router.decision.cost_model import SloTargets
 from router.decision.locality import PrefixLocator
 from router.decision.policy import RouteDecision, RoutingPolicy
-from router.decision.pool import Worker, WorkerPool
+from router.decision.pool import DECODE_ROLES, PREFILL_ROLES, Worker, WorkerPool
 from router.decision.ttft_model import WorkerFigures, predict_ttft_s
 from router.errors import bad_request, no_worker, rate_limited
 from router.metrics import RouterMetrics
@@ -45,6 +46,10 @@ class PromptPlan:
     record: RequestRecord | None = None  # the request's timeline and trace (router/timeline.py), if kept
     request_tokens: int = 0  # KV the whole request reserves, n x (prompt + max_tokens) (0: one call's own)
     slo_class: SloClass | None = None  # the request's SLO class (None: placement ignores TTFT)
+    candidates: list[Worker] | None = None  # the workers it is scored on (None: every ready one)
+    # (worker, prefill side, class, queued) -> (the figures it was predicted from, the prediction): admission and
+    # each route read a worker's prediction again, and it holds while the worker's figures do
+    predictions: dict[tuple[Worker, bool, str, bool], tuple[WorkerFigures, float | None]] = field(default_factory=dict)
 
 
 class Dispatcher:
@@ -58,8 +63,10 @@ class Dispatcher:
         limits: AdmissionLimits | None = None,
         metrics: RouterMetrics | None = None,
         slo: SloClasses | None = None,
+        rng: random.Random | None = None,
     ) -> None:
-        """`opts`: deadlines, Retry-After and TTFT admission (None: the registry's defaults); `limits`: per worker."""
+        """`opts`: deadlines, Retry-After and TTFT admission (None: the registry's defaults); `limits`: per worker;
+        `rng`: what samples the candidates (with `opts.sample_workers`)."""
         opts = opts if opts is not None else RouterOptions()
         self.pool = pool
         self.slo = slo if slo is not None else parse_slo_classes(DEFAULT_SLO_SPEC)
@@ -73,6 +80,8 @@ class Dispatcher:
         self.first_token_timeout_s = opts.first_token_timeout_s
         self.inter_token_timeout_s = opts.inter_token_timeout_s
         self.retry_after_s = opts.retry_after_s
+        self.sample_workers = max(0, opts.sample_workers)
+        self.rng = rng or random.Random()
         self.decisions: dict[str, int] = {}  # reason (or rejection) -> count, for /router/workers and benchmarks
         self._decision_counters: dict[str, Any] = {}  # reason -> its labelled counter (labels() costs per call)
 
@@ -83,7 +92,9 @@ class Dispatcher:
         hashes = chained_block_hashes(token_ids, block_size)
         if len(token_ids) < self.policy.cfg.disagg_min_prompt_tokens:
             self.metrics.prefix_lookups.labels(result="skipped").inc()
-            return PromptPlan(token_ids, hashes, {}, block_size)
+            plan = PromptPlan(token_ids, hashes, {}, block_size)
+            self.choose_candidates(plan)
+            return plan
         pods = [w.pod for w in self.pool.workers.values() if w.up and w.pod]
         matches = await self.locator.lookup(hashes, pods)
         if matches is None:
@@ -91,13 +102,41 @@ class Dispatcher:
                 self.metrics.redis_errors.inc()
         else:
             self.metrics.prefix_lookups.labels(result="hit" if any(matches.values()) else "miss").inc()
-        return PromptPlan(token_ids, hashes, matches, block_size)
+        plan = PromptPlan(token_ids, hashes, matches, block_size)
+        self.choose_candidates(plan)
+        return plan
+
+    def choose_candidates(self, plan: PromptPlan) -> None:
+        """With `sample_workers` k: the workers the request is scored on are k ready ones of each role at random
+        and the k with the longest cached prefix (power of k choices); without, every ready worker."""
+        k = self.sample_workers
+        if k <= 0:
+            return
+        pool = self.pool
+        picked = pool.sample(DECODE_ROLES, k, self.rng) + pool.sample(PREFILL_ROLES, k, self.rng)
+        if plan.matches:
+            held = sorted((n, pod) for pod, n in plan.matches.items() if n > 0)
+            for _, pod in held[-k:]:
+                w = pool.by_pod(pod)
+                if w is not None and w.up:
+                    picked.append(w)
+        plan.candidates = list(dict.fromkeys(picked))
+
+    def _ready(
+        self, plan: PromptPlan, roles: frozenset[str], exclude: set[str] | frozenset[str] = frozenset()
+    ) -> list[Worker]:
+        """The request's ready candidates of `roles`, less `exclude` (a retry that excludes every sampled one
+        looks at the whole pool)."""
+        if plan.candidates is None:
+            return self.pool.ready_in(roles, exclude)
+        out = [w for w in plan.candidates if w.role in roles and w.up and w.url not in exclude]
+        return out if out or not exclude else self.pool.ready_in(roles, exclude)
 
     def route(
         self, plan: PromptPlan, max_tokens: int, exclude_decode: set[str], exclude_prefill: set[str]
     ) -> RouteDecision:
         """Chooses among the ready workers with room: 503 when no decode worker is ready, 429 when none has room."""
-        decode = self.pool.decoders(exclude_decode)
+        decode = self._ready(plan, DECODE_ROLES, exclude_decode)
         if not decode:
             raise no_worker("decode")
         limits = self.limits
@@ -111,7 +150,7 @@ class Dispatcher:
                 "memory); retry shortly.",
                 self.retry_after_s,
             )
-        prefill = self.pool.prefillers(exclude_prefill)
+        prefill = self._ready(plan, PREFILL_ROLES, exclude_prefill)
         open_prefill = [w for w in prefill if not prefill_is_full(w, limits)]
         # Fixed placement sends a long prompt to a prefill pod, so their being full refuses it; adaptive may not.
         if (
@@ -152,20 +191,22 @@ class Dispatcher:
         """The prompt's predicted TTFT as `slo_class` prefilled on `w` (`prefill_side`: then moved); None: unmeasured."""
         if w.load is None:
             return None
-        figures, own, transfer = self._prediction_inputs(plan, w, prefill_side)
-        return predict_ttft_s(figures, slo_class, own, transfer, queued)
-
-    def _prediction_inputs(self, plan: PromptPlan, w: Worker, prefill_side: bool) -> tuple[WorkerFigures, int, float]:
-        """What predicting the prompt's TTFT on `w` reads, but the class: figures, uncached tokens, transfer."""
+        figures = w.figures()
+        key = (w, prefill_side, slo_class, queued)
+        hit = plan.predictions.get(key)
+        if hit is not None and hit[0] is figures:
+            return hit[1]
         prompt = len(plan.token_ids)
         own = prompt - self.policy.matched_tokens(w.pod, plan.matches, plan.block_size, prompt)
         rate = self.policy.cfg.transfer_tokens_per_s
         transfer = prompt / rate if prefill_side and rate > 0 else 0.0
-        return w.figures(), own, transfer
+        predicted = predict_ttft_s(figures, slo_class, own, transfer, queued)
+        plan.predictions[key] = (figures, predicted)
+        return predicted
 
     def _sides(self, plan: PromptPlan) -> list[tuple[Worker, bool]]:
         """The workers that could prefill this prompt: its decode pods and, where it may disaggregate, prefill pods."""
-        decode, prefill = self.pool.decoders(), self.pool.prefillers()
+        decode, prefill = self._ready(plan, DECODE_ROLES), self._ready(plan, PREFILL_ROLES)
         cfg = self.policy.cfg
         remote = bool(prefill) and (cfg.placement == "adaptive" or len(plan.token_ids) >= cfg.disagg_min_prompt_tokens)
         local = not remote or cfg.placement == "adaptive"
@@ -174,10 +215,10 @@ class Dispatcher:
     def check_ttft(self, plan: PromptPlan, cls: SloClass) -> float | None:
         """429 for a request no placement is predicted to serve within its class's target, lower classes first;
         returns the best placement's predicted TTFT (None: nothing predicted)."""
-        inputs = [self._prediction_inputs(plan, w, remote) for w, remote in self._sides(plan) if w.load is not None]
+        sides = [(w, remote) for w, remote in self._sides(plan) if w.load is not None]
 
         def best(k: SloClass, queued: bool = True) -> float | None:
-            preds = [p for f, own, tr in inputs if (p := predict_ttft_s(f, k.name, own, tr, queued)) is not None]
+            preds = [p for w, r in sides if (p := self.predicted_ttft_s(plan, w, k.name, r, queued)) is not None]
             return min(preds, default=None)
 
         verdict = ttft_verdict(self.slo, cls, best, lambda k: best(k, queued=False))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -244,6 +245,8 @@ class WorkerPool:
         self.workers: dict[str, Worker] = {}
         self._targets: dict[str, set[str]] = {role: set() for role in ROLES}
         self._started = False
+        self._by_pod: dict[str, Worker] = {}  # the pod each worker's last snapshot named
+        self._members: dict[frozenset[str], list[Worker]] = {}  # roles -> their workers (cleared on a change)
 
     def set_targets(self, role: str, urls: set[str] | list[str]) -> None:
         """Makes ``urls`` the ``role`` workers: new ones polled at once, missing ones dropped from routing."""
@@ -253,23 +256,43 @@ class WorkerPool:
             w = self.workers.get(url)
             if w is None or w.role != role:
                 if w is not None:
-                    self._remove(w)
-                w = Worker(url=url, role=role)
-                self.workers[url] = w
-                log.info("worker discovered", extra={"role": role, "url": url})
-                if self._started:
-                    w.task = asyncio.get_running_loop().create_task(self._poll_loop(w))
+                    self.remove(w)
+                self.add(url, role)
         for url, w in list(self.workers.items()):
             if w.role == role and url not in wanted:
-                self._remove(w)
+                self.remove(w)
 
-    def _remove(self, w: Worker) -> None:
+    def add(self, url: str, role: str) -> Worker:
+        """A new worker at `url`, polled from now on when the pool runs."""
+        w = Worker(url=url, role=role)
+        self.workers[url] = w
+        self._members.clear()
+        log.info("worker discovered", extra={"role": role, "url": url})
+        if self._started:
+            w.task = asyncio.get_running_loop().create_task(self._poll_loop(w))
+        return w
+
+    def remove(self, w: Worker) -> None:
         log.info("worker removed", extra={"role": w.role, "url": w.url})
         w.removed = True
         w.up = False
         self.workers.pop(w.url, None)
+        self._members.clear()
+        if w.pod is not None and self._by_pod.get(w.pod) is w:
+            del self._by_pod[w.pod]
         if w.task is not None:
             w.task.cancel()
+
+    def by_pod(self, pod: str) -> Worker | None:
+        return self._by_pod.get(pod)
+
+    def sample(self, roles: frozenset[str], k: int, rng: random.Random) -> list[Worker]:
+        """`k` of the workers of `roles` picked at random, those ready kept (O(k): the member list is cached)."""
+        members = self._members.get(roles)
+        if members is None:
+            members = self._members[roles] = [w for w in self.workers.values() if w.role in roles]
+        picked = rng.sample(members, k) if k < len(members) else members
+        return [w for w in picked if w.up]
 
     def start(self) -> None:
         self._started = True
@@ -315,6 +338,10 @@ class WorkerPool:
             return
         w.load = load
         w.load_asked = time.monotonic() if asked is None else asked
+        if w.pod != load.pod:
+            if w.pod is not None and self._by_pod.get(w.pod) is w:
+                del self._by_pod[w.pod]
+            self._by_pod[load.pod] = w
         w.pod = load.pod
         w.failures = 0
         w.stale = False
@@ -359,15 +386,15 @@ class WorkerPool:
             await asyncio.sleep(0.02)
 
     def ready(self, role: str, exclude: set[str] | frozenset[str] = frozenset()) -> list[Worker]:
-        return self._ready_in({role}, exclude)
+        return self.ready_in({role}, exclude)
 
     def decoders(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[Worker]:
-        return self._ready_in(DECODE_ROLES, exclude)
+        return self.ready_in(DECODE_ROLES, exclude)
 
     def prefillers(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[Worker]:
-        return self._ready_in(PREFILL_ROLES, exclude)
+        return self.ready_in(PREFILL_ROLES, exclude)
 
-    def _ready_in(self, roles: set[str] | frozenset[str], exclude: set[str] | frozenset[str]) -> list[Worker]:
+    def ready_in(self, roles: set[str] | frozenset[str], exclude: set[str] | frozenset[str]) -> list[Worker]:
         return [w for w in self.workers.values() if w.role in roles and w.up and w.url not in exclude]
 
     def block_size(self) -> int:
