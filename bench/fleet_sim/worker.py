@@ -119,6 +119,10 @@ class SimWorker:
     prefill_tokens_done: int = 0
     draining: bool = False
     itl_slo_s: float = 0.05  # the SLO's ITL target (what a slow step is, also for prefill-first workers)
+    added: int = 0  # jobs given so far
+    # the last snapshot and what it was taken at: (version, added, draining, a run's steps done) -- nothing else
+    # changes what /load says, so an unchanged worker hands the router the same snapshot again
+    _last_load: tuple[tuple[int, int, bool, int], Load] | None = None
     _step_seq: int = 0
 
     # ---- what /load says ----------------------------------------------------------------------------------
@@ -146,6 +150,11 @@ class SimWorker:
         return bisect_right(self.run_ends, now) * self.span_chunks[0][1]
 
     def load(self, now: float) -> Load:
+        done = self.run_tokens_done(now)
+        stamp = (self.version, self.added, self.draining, done)
+        last = self._last_load
+        if last is not None and last[0] == stamp:
+            return last[1]
         s = self.spec
         pub = s.published
         chunk = self.chunk_budget()
@@ -154,7 +163,7 @@ class SimWorker:
         load = Load(
             role=self.role,
             pod=self.name,
-            queued_prefill_tokens=self.queued_tokens - self.run_tokens_done(now),
+            queued_prefill_tokens=self.queued_tokens - done,
             running_requests=rows + len(self.joining),
             waiting_requests=len(self.waiting),
             free_pages=max(0, total - math.ceil(self.reserved_kv / s.page_size)),
@@ -177,6 +186,7 @@ class SimWorker:
             queued_ahead_tokens={},
         )
         load.__dict__["step_cost"] = pub  # what parsing its step_coefficients gives, shared by every snapshot
+        self._last_load = (stamp, load)
         return load
 
     def idle(self) -> bool:
@@ -185,6 +195,7 @@ class SimWorker:
     # ---- work arriving ------------------------------------------------------------------------------------
     def add(self, job: Job, now: float) -> bool:
         """Queues `job`; True when the worker was idle (the caller schedules its wake-up at `now`)."""
+        self.added += 1
         self.reserved_kv += job.kv
         if job.todo > 0:
             self.waiting.append(job)
@@ -235,6 +246,7 @@ class SimWorker:
     def wake(self, now: float) -> float | None:
         """Ends the event in flight at `now` and starts the next; returns its end (None: idle)."""
         if self.busy_until >= 0:
+            self.version += 1  # its state moves on (also when it goes idle: no next event bumps it then)
             self._finish_span(now)
         return self._start(now)
 
