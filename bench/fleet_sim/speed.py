@@ -3,8 +3,10 @@ rate-scaled to fill it, for ``--sim-s`` simulated seconds; prints the wall time 
 at that pace (the target: <= 600 s for 1,000 GPUs). The fleet fills up over its first seconds (decode batches
 grow), and a fuller fleet costs more per request: the pace is also measured over the run's second half alone
 (the difference between a run to ``--sim-s`` and one to half of it), the steady state an hour runs in.
+``--route-sample`` k is the router's KVFERRY_ROUTER_SAMPLE_WORKERS: each request is scored on k workers of each
+role at random plus the k holding the longest prefix of it (0: on every worker, O(fleet) per request).
 
-    python bench/fleet_sim/speed.py [--gpus 1000] [--sim-s 60] [--route-sample 8]
+    python bench/fleet_sim/speed.py [--gpus 1000] [--sim-s 60] [--route-sample 2]
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpus", type=int, default=1000)
     ap.add_argument("--sim-s", type=float, default=60.0)
-    ap.add_argument("--route-sample", type=int, default=8)
+    ap.add_argument("--route-sample", type=int, default=2)
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "fleet_sim_speed.json")
     args = ap.parse_args()
     logging.getLogger("kvferry.router").setLevel(logging.ERROR)
