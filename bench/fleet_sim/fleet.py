@@ -366,7 +366,7 @@ class Fleet:
             del cache[b]
         cache.update(dict.fromkeys(req.blocks))
         room = int(self.cfg.worker.kv_tokens * self.cfg.prefix_cache_share) // req.block_tokens
-        while len(cache) > room:
+        for _ in range(len(cache) - room):
             cache.popitem(last=False)
         held = self.holders.setdefault(req.blocks[0], {})
         held.pop(name, None)

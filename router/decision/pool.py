@@ -291,8 +291,16 @@ class WorkerPool:
         members = self._members.get(roles)
         if members is None:
             members = self._members[roles] = [w for w in self.workers.values() if w.role in roles]
-        picked = rng.sample(members, k) if k < len(members) else members
-        return [w for w in picked if w.up]
+        n = len(members)
+        if k >= n:
+            return [w for w in members if w.up]
+        # k distinct indices by rejection (k is small against the fleet): random.sample costs several times more
+        picked: list[int] = []
+        while len(picked) < k:
+            i = int(rng.random() * n)
+            if i not in picked:
+                picked.append(i)
+        return [w for i in picked if (w := members[i]).up]
 
     def start(self) -> None:
         self._started = True
