@@ -167,7 +167,7 @@ def token_list(value: str) -> tuple[str, ...]:
 
 
 # `SchedulerConfig.itl_target_ms` below 0: the target is -itl_target_ms times the engine's own measured
-# decode step; the default (`auto`) is 2 of them (common/sched/prefill_budget.py).
+# decode step; `auto` is 2 of them (common/sched/prefill_budget.py).
 ITL_TARGET_AUTO = -2.0
 # The default: the tightest ITL target of the SLO classes being decoded (common/slo.py), at least two decode steps.
 ITL_TARGET_SLO = math.inf
