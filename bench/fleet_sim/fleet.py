@@ -192,6 +192,10 @@ class Fleet:
         sim.itl_slo_s = self.cls.itl_s
         if self.cfg.workers_per_gpu > 1:
             sim.device = place(self.devices, sim, self.cfg.workers_per_gpu, self._moved)
+            for other in sim.device.members[:-1]:
+                # a worker alone on its GPU steps as on its own (decode stretches): its stretch ends at the next
+                # step, the steps after it share the GPU (the step in flight finishes as it was)
+                self._wake_at(other, other.cut_span(self.clock.now))
         self.sims[name] = sim
         self.caches[name] = OrderedDict()
         self.routers[name] = Worker(url=name, role=role)

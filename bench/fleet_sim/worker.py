@@ -9,8 +9,8 @@ router as /load would (``load()``).
 Granularity: a step that carries prompt tokens is one event. A stretch of pure decode steps is one event
 until the next row finishes (all rows then take the same step time, its context the stretch's middle); new
 work arriving inside a stretch cuts it at the next step boundary. An idle worker has no events. A worker that
-time-shares its GPU with others (``device``, bench/fleet_sim/device.py) takes one event per step: what shares
-the device changes each step's time, and its ITL is each step's own.
+time-shares its GPU with others (``device``, bench/fleet_sim/device.py) takes one event per step while another
+is on it: what else runs there changes each step's time, and its ITL is each step's own.
 """
 
 from __future__ import annotations
@@ -126,6 +126,7 @@ class SimWorker:
     draining: bool = False
     itl_slo_s: float = 0.05  # the SLO's ITL target (what a slow step is, also for prefill-first workers)
     device: SharedDevice | None = None  # the GPU it time-shares with other workers (None: a GPU of its own)
+    span_shared: bool = False  # the step in flight runs on a GPU other workers are on
     _step_seq: int = 0
 
     # ---- what /load says ----------------------------------------------------------------------------------
@@ -229,7 +230,7 @@ class SimWorker:
 
     def _finish_span(self, now: float) -> None:
         k, s = self.span_steps, self.span_step_s
-        if self.device is not None:
+        if self.span_shared:
             s = now - self.span_start  # one step, as long as sharing its GPU made it
         n = self.n_rows
         self.busy_s += k * s
@@ -298,6 +299,7 @@ class SimWorker:
                 if take == job.todo and job.output > 0:
                     rows_free -= 1
         n, ctx = self.n_rows, self.context()
+        shared = self.device is not None and len(self.device.members) > 1
         if chunks:
             tokens = sum(t for _, t in chunks)
             if s.itl_target_s <= 0:
@@ -305,15 +307,15 @@ class SimWorker:
             step = cost.step_s(tokens, n, ctx, attention) + s.host_s
             self.span_chunks, self.span_steps = chunks, 1
         elif n:
-            k = 1 if self.device is not None else max(1, self.rows[0][0] - self.steps)
+            k = 1 if shared else max(1, self.rows[0][0] - self.steps)
             step = cost.overhead_s(n, ctx + n * (k // 2)) + s.host_s
             self.span_steps = k
         else:
             return None
-        self.span_start, self.span_step_s = now, step
-        if self.device is None:
-            self.busy_until = now + step * self.span_steps
+        self.span_start, self.span_step_s, self.span_shared = now, step, shared
+        if shared:
+            self.busy_until = self.device.start(self, step - s.host_s, now) + s.host_s  # type: ignore[union-attr]
         else:
-            self.busy_until = self.device.start(self, step - s.host_s, now) + s.host_s
+            self.busy_until = now + step * self.span_steps
         self.version += 1
         return self.busy_until
