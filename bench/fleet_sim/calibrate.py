@@ -49,6 +49,7 @@ RUNS = [
     ("serve_h200x2.json", "agg", "agg2"),
     ("serve_h200x2.json", "disagg", "disagg"),
     ("serve_pd_shared_h200.json", "disagg", "disagg-shared"),  # 1 prefill + 1 decode worker on one H200
+    ("serve_pd_shared_h200.json", "disagg", "disagg"),  # the same pair as if each had its GPU (what sharing adds)
 ]
 KV_TOKENS = 55346 * 16  # the recorded agg worker's pool (pages x page size)
 KV_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2  # Llama-3.1-8B bf16: layers x KV heads x head dim x (K, V) x bytes
@@ -204,6 +205,7 @@ def main() -> int:
                 {
                     "file": file,
                     "mode": mode,
+                    "simulated": kind,
                     "rate": point.get("value"),
                     "predicted": pred,
                     "measured": meas,
@@ -211,7 +213,7 @@ def main() -> int:
                 }
             )
             print(
-                f"{file:38s} {mode:7s} {point.get('value')!s:>5} | TTFT p50 {pred['ttft_p50_ms']:7.0f} vs {meas['ttft_p50_ms']:7.0f}"
+                f"{file:32s} {kind:13s} {point.get('value')!s:>5} | TTFT p50 {pred['ttft_p50_ms']:7.0f} vs {meas['ttft_p50_ms']:7.0f}"
                 f" p99 {pred['ttft_p99_ms']:7.0f} vs {meas['ttft_p99_ms']:7.0f} | ITL p99 {pred['itl_p99_ms']:6.1f} vs"
                 f" {meas['itl_p99_ms']:6.1f} | out tok/s {pred['output_tok_per_s']:6.0f} vs {meas['output_tok_per_s']:6.0f}"
                 f" | shed {pred['shed']} vs {meas['shed']}"
