@@ -45,6 +45,15 @@ def test_disaggregated_first_token_waits_for_the_transfer() -> None:
     assert res.ttft_p50_s == pytest.approx(0.115)
 
 
+def test_a_first_token_from_a_peer_leaves_at_the_decode_worker_s_next_step() -> None:
+    # A: prefill 0.11 s, KV landed at 0.115, decoding from then on in steps of 0.01 s (boundaries 0.115 + k x 0.01).
+    # B at 0.2: prefill 1,200 tokens, 0.13 s, + 6 ms of transfer: landed at 0.336, taken in (and its first token
+    # sent) at the decode worker's next step boundary, 0.345: TTFT 0.145 s
+    f = fleet(Counts(prefill=1, decode=1))
+    f.run([SimRequest(0.0, 1000, 50), SimRequest(0.2, 1200, 3)])
+    assert list(f.ttft) == pytest.approx([0.115, 0.145])
+
+
 def test_the_real_admission_refuses_what_cannot_be_served_in_time() -> None:
     # 40 prompts of 2,000 tokens at once: each takes ~0.2 s of the one worker, so past the fifth or so the
     # predicted TTFT passes 1 s and the router answers 429 instead of queueing them

@@ -282,7 +282,10 @@ class SimWorker:
     def _start(self, now: float) -> float | None:
         s = self.spec
         for job in self.joining:
+            # its KV arrived from a peer: the engine's loop turn takes it in (Scheduler.settle_transfers) and sends
+            # its first token then, at the step boundary after it landed
             self._join(job)
+            self.on_first_token(self, job, now)
         self.joining.clear()
         cost = s.cost
         chunks: list[tuple[Job, int]] = []
