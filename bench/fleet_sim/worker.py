@@ -302,7 +302,8 @@ class SimWorker:
                 if take == job.todo and job.output > 0:
                     rows_free -= 1
         n, ctx = self.n_rows, self.context()
-        shared = self.device is not None and len(self.device.members) > 1
+        device = self.device if self.device is not None and len(self.device.members) > 1 else None
+        shared = device is not None
         if chunks:
             tokens = sum(t for _, t in chunks)
             if s.itl_target_s <= 0:
@@ -316,8 +317,8 @@ class SimWorker:
         else:
             return None
         self.span_start, self.span_step_s, self.span_shared = now, step, shared
-        if shared:
-            self.busy_until = self.device.start(self, step - s.host_s, now) + s.host_s  # type: ignore[union-attr]
+        if device is not None:
+            self.busy_until = device.start(self, step - s.host_s, now) + s.host_s
         else:
             self.busy_until = now + step * self.span_steps
         self.version += 1
