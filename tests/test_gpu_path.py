@@ -1007,13 +1007,15 @@ def test_mla_step_graph_replay_identical_to_eager_pieces(mla_dir):
 @needs_cuda
 @gpu
 @pytest.mark.parametrize("overlap", [True, False])
-def test_mla_on_flashinfer_greedy_with_prefix_hits_and_graphs_matches_fp32(mla_dir, overlap):
+def test_mla_on_flashinfer_greedy_with_prefix_hits_and_graphs_matches_one_prefill(mla_dir, overlap):
     """Greedy tokens served with decode graphs (and the overlap loop), the later prompts hitting the first's cached
-    latent pages, mixed steps included: every token is the plain torch path's argmax on the same context and the
-    same bf16 weights, except where its top two are closer than bf16 can tell (0.1 of the row's standard deviation:
-    flashinfer's pick must then be within that of the top); most steps are decisive; every page comes back.
-    The reference is bf16, not fp32: on this random MLA model the bf16 weights alone move the logits ~22% from
-    fp32 (both paths alike, the logits test), which flips greedy picks whatever the kernels do."""
+    latent pages, mixed steps included: every token is the argmax of the same flashinfer path scoring the whole
+    sequence in one eager prefill (no graphs, no cache hit, no decode kernel), except where its top two are closer
+    than rounding can tell (0.1 of the row's standard deviation: the pick must then be within that of the top);
+    most steps are decisive; every page comes back. How close that path is to torch's is the logits test's job:
+    against a torch-bf16 reference the greedy picks flip wherever the two kernels' bf16 roundings differ by more
+    than a top-two gap (on the GPU: 2 of 16 picks off by 0.7 and 1.4 logits on this random model, both paths
+    ~22% from fp32), which says nothing about graphs, cache hits or the overlap."""
     fi = _mla_on_flashinfer(mla_dir)
     prefix = _prompts(1, seed=41, lo=70, hi=71)[0]
     prompts = [prefix + s for s in _prompts(5, seed=42, lo=3, hi=40)]
@@ -1026,8 +1028,9 @@ def test_mla_on_flashinfer_greedy_with_prefix_hits_and_graphs_matches_fp32(mla_d
     from tests.engine_helpers import assert_pool_clean
 
     assert_pool_clean(engine)
-    del engine, fi
-    ref_engine = _engine(_runner(mla_dir, "cuda", "bfloat16", attention="torch"), None)
+    del engine
+    fi.gpu.use_graphs = False
+    ref_engine = _engine(fi, None)
     decisive = steps = 0
     for prompt, res in zip(prompts, [*first, *rest]):
         assert res.finish_reason == "length" and len(res.output_ids) == 16
