@@ -274,9 +274,8 @@ class DecoderModel(nn.Module):
             hidden, residual, layer.input_norm, eps, layer.qkv_proj, None, layer.packed.get("qkv_proj")
         )
         assert isinstance(qkv, torch.Tensor)
-        q_nope, q_pe, latent, k_pe = layer.mla.split(qkv, self.ops, eps)
         backend = cast(MlaBackend, attn)
-        o = backend.forward_mla(i, positions, q_nope, q_pe, latent, k_pe, layer.mla)
+        o = backend.forward_mla(i, positions, layer.mla.split(qkv, self.ops, eps), layer.mla)
         return o.reshape(positions.shape[0], -1), residual
 
     def _project(
