@@ -170,9 +170,7 @@ def _gemv_kernel(
     else:
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
-    if PDL:
-        pdl.release_next()
-        pdl.wait_prior()
+    pdl.start(PDL)
     rm = tl.arange(0, BLOCK_M)
     rk0 = tl.arange(0, BLOCK_K)
     m_ok = rm < M
