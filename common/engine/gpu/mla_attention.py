@@ -11,7 +11,7 @@ import torch
 
 from common.engine.forward_batch import ForwardBatch
 from common.engine.fp8 import store_rows
-from common.engine.gpu.attention import PageMeta, PlanFences
+from common.engine.gpu.attention import GraphBuffers, PageMeta, PlanFences
 from common.engine.layers import RotaryCache
 from common.engine.mla import LatentOnly, MlaParts, MlaProjections
 from common.engine.model_config import ModelConfig
@@ -126,9 +126,7 @@ class FlashInferMlaAttention(LatentOnly):
     def decode_tensor_cores(self, batch_size: int) -> bool:
         return False
 
-    def make_decode_wrapper(
-        self, graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, tensor_cores: bool = False
-    ):
+    def make_decode_wrapper(self, graph_buffers: GraphBuffers | None = None, tensor_cores: bool = False):
         """A wrapper for eager steps, or one a decode graph captures over fixed buffers (its plans copy into them)."""
         if graph_buffers is None:
             return self._wrapper_cls(self.workspace, backend=self.backend)
@@ -183,12 +181,7 @@ class FlashInferMlaAttention(LatentOnly):
             self.plan_extend(meta, batch.extend_lens_cpu)
         self._out_loc = self.pool.token_rows(batch.out_loc)
 
-    def bind(
-        self,
-        wrapper,
-        out_loc: torch.Tensor,
-        graph_meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    ) -> None:
+    def bind(self, wrapper, out_loc: torch.Tensor, graph_meta: GraphBuffers | None = None) -> None:
         """Points the layers at a planned wrapper and the step's write rows (graph capture)."""
         self._wrapper = wrapper
         self._out_loc = out_loc
