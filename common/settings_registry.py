@@ -22,11 +22,11 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Self, TypeVar
 
 from common.slo import DEFAULT_SLO_SPEC, parse_slo_classes
 
-__all__ = ["REGISTRY", "Setting", "add_flags", "declare", "read_fields", "render_table"]
+__all__ = ["REGISTRY", "EnvFields", "Setting", "add_flags", "declare", "read_fields", "render_table"]
 
 T = TypeVar("T")
 _META = "kvferry_setting"  # the dataclass field metadata key that binds a field to its Setting
@@ -114,6 +114,14 @@ def read_fields(cls: type, environ: Mapping[str, str] | None = None) -> dict[str
         if setting is not None and setting.is_set(environ):
             values[f.name] = setting.read(environ)
     return values
+
+
+class EnvFields:
+    """Base of a config dataclass read whole from the environment: `from_env` fills the fields bound to settings."""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Self:
+        return cls(**read_fields(cls, environ))
 
 
 def add_flags(parser: argparse._ActionsContainer, *classes: type, dest_prefix: str = "") -> None:

@@ -218,10 +218,7 @@ def gemv_experts(
         x.stride(0),
         w13.stride(0),
         w13.stride(1),
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        NUM_STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps,
+        **cfg.launch_meta(),
         **meta,
     )
     cfg = down_config or experts_config(tokens, hidden, DOWN_MIN_PROGRAMS)
@@ -238,10 +235,7 @@ def gemv_experts(
         w2.stride(0),
         w2.stride(1),
         y.stride(0),
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        NUM_STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps,
+        **cfg.launch_meta(),
         **meta,
     )
     return y
