@@ -109,13 +109,13 @@ class GpuPath:
         gemv_tokens = 0
         if triton and cfg.gemv_max_rows > 0 and cfg.gemv_experts:
             # Triton: imported only when used
-            from common.engine.gpu.moe_gemv import MAX_TOKENS, DecodeExperts
+            from common.engine.gpu.moe_gemv import MAX_TOKENS, SERVING_TOKENS, DecodeExperts
             from common.engine.gpu.moe_route import DecodeRoute, softmax_top_k_fits
 
-            gemv_tokens = min(cfg.gemv_max_rows, MAX_TOKENS)
+            gemv_tokens = min(cfg.gemv_max_rows, MAX_TOKENS, SERVING_TOKENS)
             experts_fn = DecodeExperts(gemv_tokens, grouped_mm_experts)
             if softmax_top_k_fits(model.cfg.moe):
-                route_fn = DecodeRoute(gemv_tokens)
+                route_fn = DecodeRoute(min(cfg.gemv_max_rows, MAX_TOKENS))
         for layer in model.layers:
             if layer.moe is not None:
                 layer.moe.experts_fn = experts_fn
