@@ -1,12 +1,12 @@
 """The planner in dry run beside a real prefill + decode pair, against the fleet simulator on the same load.
 
-    python bench/planner_dryrun.py --steps 0.5:20,3:20,0.5:20 --prompt-len 256-320 --output-len 8-16   # CPU
+    python bench/planner_dryrun.py --steps 0.5:20,3:20,0.5:20 --prompt-len 32-64 --output-len 4-8     # CPU
     python bench/planner_dryrun.py --model dummy:llama-3.1-8b --gpus 0,0 --worker-env KVFERRY_KV_MEMORY_GB=30 \
         --steps 4:60,24:90,4:90 --prompt-len 1000-3000 --output-len 64-128 \
         --out bench/out/planner_dryrun_h200.json                                          # one H200, ~6 min
 
 It starts a ``disagg`` deployment with bench/serve_deploy.py (one prefill and one decode worker; ``--gpus 0,0``
-puts both on one GPU), warms it up until every worker publishes its fitted step model, then starts
+puts both on one GPU), warms it up until a worker publishes its fitted step model, then starts
 ``kvferry planner --dry-run`` pointed at the router (its decision interval, rate window and forecast horizon
 from ``--planner-interval``, ``--planner-window``, ``--startup``; its KV pool and batch slots those the decode
 worker reports on /load). A stepped Poisson load (``--steps RATE:SECONDS,...``, bench/serve_load.py's client
@@ -66,6 +66,8 @@ from common.slo import DEFAULT_SLO_SPEC, parse_slo_classes  # noqa: E402
 from planner.main import build_parser as planner_parser  # noqa: E402
 from planner.main import build_planner  # noqa: E402
 from planner.sizing import Counts, OfferedLoad  # noqa: E402
+from router.runtime import policy_config  # noqa: E402
+from router.settings import RouterOptions  # noqa: E402
 
 GAUGES = {
     "kvferry_planner_desired_replicas": "desired",
@@ -76,6 +78,8 @@ SCALARS = {
     "kvferry_planner_forecast_rate": "forecast_rate",
     "kvferry_planner_queue_wait_seconds": "queue_wait_s",
 }
+CPU_SLO = "interactive:ttft=2s,itl=100ms,p=99"  # a 135M model's CPU steps, two workers sharing the cores
+CPU_DISAGG_MIN_PROMPT = 16
 DECISION_LINE = re.compile(r"^(\d\d):(\d\d):(\d\d) info kvferry\.planner: decision targets=(\{.*?\}) reasons=(\{.*\})")
 
 
@@ -209,17 +213,19 @@ async def stepped_load(
 
 
 async def warm_up(url: str, args: argparse.Namespace, vocab: int, loads: Any) -> None:
-    """Requests until every worker has fitted its step model (the planner sizes nothing before one has)."""
+    """Requests until a worker has fitted its step model (the planner sizes nothing before one has)."""
     async with LoadClient(url, args.request_timeout) as client:
         client.count_tokens = count_words
         deadline = time.monotonic() + args.ready_timeout
         for round_ in range(1000):
-            items = make_workload(4, args.prompt_len, args.output_len, vocab, 10_000_000 + round_, args.model)
-            run = await run_point(client, items, Arrivals("rate", float("inf")), 0, args.drain_timeout)
+            items = make_workload(2, args.prompt_len, args.output_len, vocab, 10_000_000 + round_, args.model)
+            # one at a time, a refusal retried: before its model is fitted the router's TTFT estimate is a guess
+            run = await run_point(client, items, Arrivals("concurrency", 1), 0, args.drain_timeout, retry_429=True)
             bad = [(r.outcome, r.http_status, r.error) for r in run.records if r.outcome != "ok"]
             if bad:
                 raise DeployError(f"warm-up failed: {bad}")
-            if all(w.get("step_coefficients") for w in loads()):
+            # a decode worker that prefills nothing never fits (its model needs timed prompt chunks)
+            if any(w.get("step_coefficients") for w in loads()):
                 return
             if time.monotonic() > deadline:
                 raise DeployError("the workers published no step model within --ready-timeout")
@@ -270,13 +276,16 @@ def simulate(
     worker: WorkerSpec,
     net_s: float,
     slo: str,
+    router_env: dict[str, str],
     planner_argv: list[str],
     until: float,
 ) -> dict[str, Any]:
     reqs = sorted(
         (SimRequest(off + r.sent_s, r.prompt_len, max(1, r.max_tokens)) for _, off, r in rows), key=lambda q: q.t
     )
-    cfg = FleetConfig(worker=worker, slo=parse_slo_classes(slo), startup_s=0.0, net_s=net_s)
+    classes = parse_slo_classes(slo)
+    policy = policy_config(RouterOptions.from_env(router_env), classes)  # the real router's, from the same env
+    cfg = FleetConfig(worker=worker, slo=classes, policy=policy, startup_s=0.0, net_s=net_s)
     pargs = planner_parser().parse_args(planner_argv)
     planner = build_planner(pargs)
     planner.spec = replace(planner.spec, cost=worker.published)  # what the real one reads from /load
@@ -409,9 +418,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--gpus", type=lambda s: [g.strip() for g in s.split(",") if g.strip()], default=[])
     p.add_argument("--steps", type=parse_steps, default=parse_steps("0.5:20,3:20,0.5:20"), help="RATE:SECONDS,...")
-    p.add_argument("--prompt-len", type=TokenRange.parse, default=TokenRange(256, 320))
-    p.add_argument("--output-len", type=TokenRange.parse, default=TokenRange(8, 16))
-    p.add_argument("--slo", default=DEFAULT_SLO_SPEC, help="SLO classes: the router's, the workers' and the planner's")
+    p.add_argument("--prompt-len", type=TokenRange.parse, default=TokenRange(32, 64))
+    p.add_argument("--output-len", type=TokenRange.parse, default=TokenRange(4, 8))
+    p.add_argument(
+        "--slo",
+        default=None,
+        help=f"SLO classes: the router's, the workers' and the planner's (default: {CPU_SLO} on the CPU, "
+        f"{DEFAULT_SLO_SPEC} with --gpus)",
+    )
     p.add_argument("--planner-interval", type=float, default=2.0, help="seconds between the planner's decisions")
     p.add_argument("--planner-window", type=float, default=10.0, help="seconds its rates are read over")
     p.add_argument("--startup", type=float, default=60.0, help="a new pod's seconds to ready (its forecast horizon)")
@@ -429,6 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     steps: list[Step] = args.steps
+    args.slo = args.slo or (DEFAULT_SLO_SPEC if args.gpus else CPU_SLO)
     vocab, max_context = model_shape(args.model)
     out = args.out or OUT_DIR / f"planner_dryrun_{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -436,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     worker_env = {"KVFERRY_SLO_CLASSES": args.slo, **parse_env(args.worker_env)}
     router_env = {"KVFERRY_SLO_CLASSES": args.slo, **parse_env(args.router_env)}
+    if not args.gpus:  # the CPU's short prompts go to the prefill worker too (else the decode worker prefills them)
+        router_env.setdefault("KVFERRY_ROUTER_DISAGG_MIN_PROMPT_TOKENS", str(CPU_DISAGG_MIN_PROMPT))
     if not args.gpus and "KVFERRY_TORCH_THREADS" not in {**os.environ, **worker_env}:
         worker_env["KVFERRY_TORCH_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // 2))
     spec = DeploySpec(
@@ -480,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
             f"--kv-tokens={kv_tokens}",
             f"--port={port}",
         ]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "KVFERRY_LOG_LEVEL": "INFO"}
         planner = ManagedProcess(
             "planner", kvferry_argv("planner", *planner_argv), env, log_dir / "planner.log", cwd=REPO
         )
@@ -534,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         real_up = first_up(real_samples, up_at) if up_at is not None else None
         for name, (worker, net_s) in sources.items():
-            sim = simulate(rows, worker, net_s, args.slo, planner_argv, end)
+            sim = simulate(rows, worker, net_s, args.slo, {**os.environ, **router_env}, planner_argv, end)
             cmp = compare(real_samples, sim["timeline"], end, args.planner_interval)
             cmp["first_up_after_step_s"] = {
                 "step_at_s": up_at,
