@@ -17,13 +17,16 @@ Then the fleet simulator (bench/fleet_sim/) replays the requests exactly as they
 lengths) on one prefill and one decode simulated worker, the planner's own code deciding every interval from
 the simulated router's counters, in dry run as well (nothing is scaled, as nothing is on the real side). The
 simulated worker's step times come from:
-  - ``h200`` (with ``--gpus``): bench/fleet_sim/h200.py, the simulator's calibration of one H200 worker;
-  - ``published``: the median of the coefficients the real workers fitted and published on /load (what the
-    real planner sized with). The simulator has no CPU calibration (bench/fleet_sim/calibrate.py fits H200
-    runs only), so on the CPU this is the one source and the comparison is of direction and timing.
+  - ``h200`` (with ``--gpus``): bench/fleet_sim/h200.py, the simulator's calibration of one H200 worker (its
+    planner sizes with those coefficients too): the simulator predicting on its own;
+  - ``published``: the median over the load of the coefficients the real workers fitted and published on /load,
+    its planner sizing at each decision with the coefficients the real planner read by then (sampled every
+    2 s). The simulator has no CPU calibration (bench/fleet_sim/calibrate.py fits H200 runs only), so on the CPU
+    this is the one source, and what compares is the decisions' direction and timing.
 Printed and saved (``--out``): the decision sequence (target prefill / decode over time) real against simulated,
 the arrival rate and queue wait each measured, the first scale-up after the first step up, and the match ratio
-(the share of the real planner's decision times at which the simulated planner held the same targets).
+(the share of the decision times, every interval over the load, at which the simulated planner held the real
+one's targets; and within one interval, as the two decide at different phases of it).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -116,10 +119,11 @@ def arrivals_within(rate: float, seconds: float, seed: int) -> int:
 
 # ---- the real side ---------------------------------------------------------------------------------------------
 class PlannerSampler:
-    """Reads the planner's /metrics every `period_s` (a thread): its gauges over time, from `t0` on."""
+    """Reads the planner's /metrics every `period_s` (a thread): its gauges over time, from `t0` on; and every
+    `cost_every` readings the step cost it sizes with (the workers' fits, as planner/source.py takes them)."""
 
-    def __init__(self, url: str, period_s: float = 0.5) -> None:
-        self.url, self.period_s = url, period_s
+    def __init__(self, url: str, workers: list[str], period_s: float = 0.5, cost_every: int = 4) -> None:
+        self.url, self.workers, self.period_s, self.cost_every = url, workers, period_s, cost_every
         self.t0 = time.monotonic()
         self.samples: list[dict[str, Any]] = []
         self._stop = threading.Event()
@@ -150,9 +154,15 @@ class PlannerSampler:
         return out if out["desired"] else None  # no decision exported yet
 
     def _run(self) -> None:
+        n = 0
         while not self._stop.is_set():
             got = self.read()
             if got is not None:
+                if n % self.cost_every == 0:
+                    cost = median_cost(worker_loads(self.workers))
+                    if cost is not None:
+                        got["cost"] = cost.as_map()
+                n += 1
                 self.samples.append({"t": round(time.monotonic() - self.t0, 2), **got})
             self._stop.wait(self.period_s)
 
@@ -175,12 +185,15 @@ def worker_loads(urls: list[str]) -> list[dict[str, Any]]:
     return [load for load in (get_json(f"{u}/load", 5.0) for u in urls) if load]
 
 
+def median_of(costs: list[StepCost]) -> StepCost:
+    return StepCost(**{k: statistics.median(getattr(c, k) for c in costs) for k in StepCost.__dataclass_fields__})
+
+
 def median_cost(loads: list[dict[str, Any]]) -> StepCost | None:
+    """What planner/source.py sizes with: the median of the workers' fitted coefficients (None: none fitted)."""
     costs = [StepCost.from_map(w["step_coefficients"]) for w in loads if w.get("step_coefficients")]
     costs = [c for c in costs if c.known]
-    if not costs:
-        return None
-    return StepCost(**{k: statistics.median(getattr(c, k) for c in costs) for k in StepCost.__dataclass_fields__})
+    return median_of(costs) if costs else None
 
 
 async def stepped_load(
@@ -258,15 +271,20 @@ def _pct(xs: list[float], q: float) -> float | None:
 # ---- the simulated side -----------------------------------------------------------------------------------------
 @dataclass
 class DryRunController:
-    """The simulator's planner controller, its decisions recorded and none applied (the real planner's --dry-run)."""
+    """The simulator's planner controller, its decisions recorded and none applied (the real planner's --dry-run).
+    With `costs` ((t, step cost), in time order) its planner sizes with the cost the real one read by then."""
 
     inner: PlannerController
+    costs: list[tuple[float, StepCost]] = field(default_factory=list)
 
     @property
     def interval_s(self) -> float:
         return self.inner.interval_s
 
     def tick(self, fleet: Fleet, now: float) -> Counts | None:
+        if self.costs:
+            cost = next((c for t, c in reversed(self.costs) if t <= now), self.costs[0][1])
+            self.inner.planner.spec = replace(self.inner.planner.spec, cost=cost)
         self.inner.tick(fleet, now)
         return None
 
@@ -279,6 +297,7 @@ def simulate(
     router_env: dict[str, str],
     planner_argv: list[str],
     until: float,
+    planner_costs: list[tuple[float, StepCost]],
 ) -> dict[str, Any]:
     reqs = sorted(
         (SimRequest(off + r.sent_s, r.prompt_len, max(1, r.max_tokens)) for _, off, r in rows), key=lambda q: q.t
@@ -290,7 +309,7 @@ def simulate(
     planner = build_planner(pargs)
     planner.spec = replace(planner.spec, cost=worker.published)  # what the real one reads from /load
     ctl = PlannerController(planner, OfferedLoad(0.0, 1.0, 1.0), window_s=pargs.window)  # main.step's fallback
-    fleet = Fleet(cfg, Counts(prefill=1, decode=1), DryRunController(ctl))
+    fleet = Fleet(cfg, Counts(prefill=1, decode=1), DryRunController(ctl, planner_costs))
     res = fleet.run(reqs, until=until)
     timeline = [
         {
@@ -340,7 +359,9 @@ def first_up(timeline: list[dict[str, Any]], after: float) -> float | None:
 
 
 def compare(real: list[dict[str, Any]], sim: list[dict[str, Any]], end: float, interval: float) -> dict[str, Any]:
-    """On the planner's interval grid over the load: the targets each held; matched where both agree."""
+    """On the planner's interval grid over the load: the targets each held; matched where both agree, and
+    "near" where the simulated planner held the real one's targets within one interval (the two decide at
+    different phases of their interval)."""
     grid = [round(k * interval, 3) for k in range(int(end / interval) + 1)]
     rows = []
     for t in grid:
@@ -356,10 +377,16 @@ def compare(real: list[dict[str, Any]], sim: list[dict[str, Any]], end: float, i
                 "sim_rate": round(s["rate"], 3),
                 "real_wait_s": round(r.get("queue_wait_s", 0.0), 3),
                 "sim_wait_s": round(s["queue_wait_s"], 3),
+                "near": _pd(r) in {_pd(y) for y in (_at(sim, t - interval), s, _at(sim, t + interval)) if y},
             }
         )
-    matched = sum(x["real"] == x["sim"] for x in rows)
-    return {"rows": rows, "match_ratio": matched / len(rows) if rows else None, "points": len(rows)}
+    n = len(rows)
+    return {
+        "rows": rows,
+        "points": n,
+        "match_ratio": sum(x["real"] == x["sim"] for x in rows) / n if n else None,
+        "match_ratio_within_interval": sum(x["near"] for x in rows) / n if n else None,
+    }
 
 
 def changes(timeline: list[dict[str, Any]]) -> list[tuple[float, tuple[int, int]]]:
@@ -386,7 +413,7 @@ def print_report(result: dict[str, Any], steps: list[Step]) -> None:
         say(f"== simulated with the {name} step model: {result['sim'][name]['worker']}")
         say(f"{'t':>6} {'real P+D':>9} {'sim P+D':>8} {'rate real':>10} {'sim':>6} {'wait real':>10} {'sim':>7}")
         for r in cmp["rows"]:
-            mark = "" if r["real"] == r["sim"] else "  *"
+            mark = "" if r["real"] == r["sim"] else "  ~" if r["near"] else "  *"
             real, sim = "{}+{}".format(*r["real"]), "{}+{}".format(*r["sim"])
             say(
                 f"{r['t']:6.0f} {real:>9} {sim:>8} {r['real_rate']:10.2f} "
@@ -395,10 +422,11 @@ def print_report(result: dict[str, Any], steps: list[Step]) -> None:
         up = cmp["first_up_after_step_s"]
         say(f"real: {fmt_changes(cmp['real_changes'])}")
         say(f"sim:  {fmt_changes(cmp['sim_changes'])}")
-        ratio = cmp["match_ratio"]
+        ratio, near = cmp["match_ratio"], cmp["match_ratio_within_interval"]
         say(
             f"first scale-up after the step up at {up['step_at_s']} s: real +{up['real']} s, sim +{up['sim']} s; "
-            f"match ratio {ratio if ratio is None else round(ratio, 3)} over {cmp['points']} decision times"
+            f"match ratio {ratio if ratio is None else round(ratio, 3)} ({near if near is None else round(near, 3)} "
+            f"within one interval) over {cmp['points']} decision times"
         )
 
 
@@ -502,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
             "planner", kvferry_argv("planner", *planner_argv), env, log_dir / "planner.log", cwd=REPO
         )
         planner.start()
-        sampler = PlannerSampler(f"http://127.0.0.1:{port}")
+        sampler = PlannerSampler(f"http://127.0.0.1:{port}", urls)
         # its rates are counter differences between its own readings: the warm-up, done before, is in none
         deadline = time.monotonic() + args.planner_window + 3 * args.planner_interval + 30
         while sampler.read() is None:
@@ -529,11 +557,16 @@ def main(argv: list[str] | None = None) -> int:
             ],
             "planner_argv": planner_argv,
             "steps": step_summary(rows, steps),
+            "requests": [  # (step, sent s from the load's start, prompt, max_tokens, outcome, TTFT s)
+                [i, round(off + r.sent_s, 4), r.prompt_len, r.max_tokens, r.outcome, r.ttft_s] for i, off, r in rows
+            ],
             "samples": real_samples,
             "decision_log": decision_lines(log_dir / "planner.log", wall0 + shift),
         }
-        published = median_cost(worker_loads(urls) or loads)
-        sources: dict[str, tuple[WorkerSpec, float]] = {}
+        read = [(x["t"], StepCost.from_map(x["cost"])) for x in real_samples if "cost" in x]
+        during = [c for t, c in read if 0 <= t <= end]
+        published = median_of(during) if during else median_cost(worker_loads(urls) or loads)
+        sources: dict[str, tuple[WorkerSpec, float, list[tuple[float, StepCost]]]] = {}
         base = dict(
             itl_target_s=parse_slo_classes(args.slo).classes[0].itl_s,
             max_prefill_tokens=int(worker_env.get("KVFERRY_MAX_PREFILL_TOKENS", 2048)),
@@ -542,16 +575,17 @@ def main(argv: list[str] | None = None) -> int:
             page_size=int(decode["page_size"]),
         )
         if args.gpus:
-            sources["h200"] = (replace(H200_LLAMA8B, **base), NET_S)
+            sources["h200"] = (replace(H200_LLAMA8B, **base), NET_S, [])
         if published is not None:
-            sources["published"] = (WorkerSpec(cost=published, **base), FleetConfig.net_s)
+            # the simulated workers step at the load's median fit; its planner sizes with what the real one read
+            sources["published"] = (WorkerSpec(cost=published, **base), FleetConfig.net_s, read)
         result["sim"], result["comparison"] = {}, {}
         up_at = next(
             (sum(s.seconds for s in steps[:i]) for i in range(1, len(steps)) if steps[i].rate > steps[i - 1].rate), None
         )
         real_up = first_up(real_samples, up_at) if up_at is not None else None
-        for name, (worker, net_s) in sources.items():
-            sim = simulate(rows, worker, net_s, args.slo, {**os.environ, **router_env}, planner_argv, end)
+        for name, (worker, net_s, costs) in sources.items():
+            sim = simulate(rows, worker, net_s, args.slo, {**os.environ, **router_env}, planner_argv, end, costs)
             cmp = compare(real_samples, sim["timeline"], end, args.planner_interval)
             cmp["first_up_after_step_s"] = {
                 "step_at_s": up_at,
