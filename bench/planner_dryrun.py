@@ -21,7 +21,7 @@ simulated worker's step times come from:
     planner sizes with those coefficients too): the simulator predicting on its own;
   - ``published``: the median over the load of the coefficients the real workers fitted and published on /load,
     its planner sizing at each decision with the coefficients the real planner read by then (sampled every
-    2 s). The simulator has no CPU calibration (bench/fleet_sim/calibrate.py fits H200 runs only), so on the CPU
+    half second). The simulator has no CPU calibration (bench/fleet_sim/calibrate.py fits H200 runs only), so on the CPU
     this is the one source, and what compares is the decisions' direction and timing.
 Printed and saved (``--out``): the decision sequence (target prefill / decode over time) real against simulated,
 the arrival rate and queue wait each measured, the first scale-up after the first step up, and the match ratio
@@ -32,6 +32,7 @@ one's targets; and within one interval, as the two decide at different phases of
 from __future__ import annotations
 
 import argparse
+import ast
 import asyncio
 import json
 import os
@@ -122,7 +123,7 @@ class PlannerSampler:
     """Reads the planner's /metrics every `period_s` (a thread): its gauges over time, from `t0` on; and every
     `cost_every` readings the step cost it sizes with (the workers' fits, as planner/source.py takes them)."""
 
-    def __init__(self, url: str, workers: list[str], period_s: float = 0.5, cost_every: int = 4) -> None:
+    def __init__(self, url: str, workers: list[str], period_s: float = 0.5, cost_every: int = 1) -> None:
         self.url, self.workers, self.period_s, self.cost_every = url, workers, period_s, cost_every
         self.t0 = time.monotonic()
         self.samples: list[dict[str, Any]] = []
@@ -177,7 +178,14 @@ def decision_lines(log: Path, wall0: float) -> list[dict[str, Any]]:
         if m:
             h, mi, s = (int(x) for x in m.groups()[:3])
             t = (h * 3600 + mi * 60 + s - day0) % 86400
-            out.append({"t": round(t if t < 43200 else t - 86400, 1), "targets": m.group(4), "reasons": m.group(5)})
+            targets, reasons = ast.literal_eval(m.group(4)), ast.literal_eval(m.group(5))
+            out.append(
+                {
+                    "t": round(t if t < 43200 else t - 86400, 1),
+                    "desired": {k: v for k, v in targets.items() if k != "mixed"},
+                    "reasons": {k: v for k, v in reasons.items() if v},
+                }
+            )
     return out
 
 
@@ -358,24 +366,26 @@ def first_up(timeline: list[dict[str, Any]], after: float) -> float | None:
     return None
 
 
-def compare(real: list[dict[str, Any]], sim: list[dict[str, Any]], end: float, interval: float) -> dict[str, Any]:
+def compare(
+    real: list[dict[str, Any]], measured: list[dict[str, Any]], sim: list[dict[str, Any]], end: float, interval: float
+) -> dict[str, Any]:
     """On the planner's interval grid over the load: the targets each held; matched where both agree, and
     "near" where the simulated planner held the real one's targets within one interval (the two decide at
     different phases of their interval)."""
     grid = [round(k * interval, 3) for k in range(int(end / interval) + 1)]
     rows = []
     for t in grid:
-        r, s = _at(real, t), _at(sim, t)
-        if r is None or s is None:
+        r, m, s = _at(real, t), _at(measured, t), _at(sim, t)
+        if r is None or m is None or s is None:
             continue
         rows.append(
             {
                 "t": t,
                 "real": _pd(r),
                 "sim": _pd(s),
-                "real_rate": round(r.get("rate", 0.0), 3),
+                "real_rate": round(m.get("rate", 0.0), 3),
                 "sim_rate": round(s["rate"], 3),
-                "real_wait_s": round(r.get("queue_wait_s", 0.0), 3),
+                "real_wait_s": round(m.get("queue_wait_s", 0.0), 3),
                 "sim_wait_s": round(s["queue_wait_s"], 3),
                 "near": _pd(r) in {_pd(y) for y in (_at(sim, t - interval), s, _at(sim, t + interval)) if y},
             }
@@ -497,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {k: str(v) if isinstance(v, (TokenRange, Path)) else v for k, v in vars(args).items()},
         "git": git_commit(),
         "host": host_info(),
+        "load_average_at_start": os.getloadavg(),
     }
     result["config"]["steps"] = [s.__dict__ for s in steps]
     say(f"starting prefill + decode ({args.model}, logs in {log_dir})")
@@ -583,18 +594,23 @@ def main(argv: list[str] | None = None) -> int:
         up_at = next(
             (sum(s.seconds for s in steps[:i]) for i in range(1, len(steps)) if steps[i].rate > steps[i - 1].rate), None
         )
-        real_up = first_up(real_samples, up_at) if up_at is not None else None
+        # the real targets over time: the planner's own decision lines (its gauges, sampled, lag them a little)
+        log_lines = result["real"]["decision_log"]
+        start = min([-1.0] + [x["t"] - 1 for x in log_lines])
+        real_targets = [{"t": start, "desired": {"prefill": 1, "decode": 1}}, *log_lines]
+        real_up = first_up(real_targets, up_at) if up_at is not None else None
         for name, (worker, net_s, costs) in sources.items():
             sim = simulate(rows, worker, net_s, args.slo, {**os.environ, **router_env}, planner_argv, end, costs)
-            cmp = compare(real_samples, sim["timeline"], end, args.planner_interval)
+            cmp = compare(real_targets, real_samples, sim["timeline"], end, args.planner_interval)
             cmp["first_up_after_step_s"] = {
                 "step_at_s": up_at,
                 "real": real_up,
                 "sim": first_up(sim["timeline"], up_at) if up_at is not None else None,
             }
-            cmp["real_changes"] = changes([x for x in real_samples if 0 <= x["t"] <= end])
+            cmp["real_changes"] = changes([x for x in real_targets if x["t"] <= end])
             cmp["sim_changes"] = changes(sim["timeline"])
             result["sim"][name], result["comparison"][name] = sim, cmp
+        result["load_average_at_end"] = os.getloadavg()
         print_report(result, steps)
     except (DeployError, KeyboardInterrupt) as exc:
         failed = True
