@@ -298,7 +298,7 @@ class DryRunController:
 
 
 def simulate(
-    rows: list[tuple[int, float, RequestRecord]],
+    reqs: list[SimRequest],
     worker: WorkerSpec,
     net_s: float,
     slo: str,
@@ -307,9 +307,6 @@ def simulate(
     until: float,
     planner_costs: list[tuple[float, StepCost]],
 ) -> dict[str, Any]:
-    reqs = sorted(
-        (SimRequest(off + r.sent_s, r.prompt_len, max(1, r.max_tokens)) for _, off, r in rows), key=lambda q: q.t
-    )
     classes = parse_slo_classes(slo)
     policy = policy_config(RouterOptions.from_env(router_env), classes)  # the real router's, from the same env
     cfg = FleetConfig(worker=worker, slo=classes, policy=policy, startup_s=0.0, net_s=net_s)
@@ -411,7 +408,7 @@ def fmt_changes(seq: list[tuple[float, tuple[int, int]]]) -> str:
     return " -> ".join(f"{p}P+{d}D@{t:.0f}s" for t, (p, d) in seq) or "(none)"
 
 
-def print_report(result: dict[str, Any], steps: list[Step]) -> None:
+def print_report(result: dict[str, Any]) -> None:
     for i, s in enumerate(result["real"]["steps"]):
         p50, p99 = s["ttft_p50_s"], s["ttft_p99_s"]
         say(
@@ -450,6 +447,53 @@ def _load(url: str, steps: list[Step], args: argparse.Namespace, vocab: int) -> 
     return got[0]
 
 
+def analyse(result: dict[str, Any]) -> None:
+    """The simulated side and the comparison, from what the real run recorded (`result`, as saved)."""
+    cfg, real = result["config"], result["real"]
+    steps = [Step(**x) for x in cfg["steps"]]
+    end = sum(s.seconds for s in steps)
+    reqs = sorted((SimRequest(t, p, max(1, o)) for _, t, p, o, *_ in real["requests"]), key=lambda q: q.t)
+    read = [(x["t"], StepCost.from_map(x["cost"])) for x in real["samples"] if "cost" in x]
+    during = [c for t, c in read if 0 <= t <= end]
+    published = median_of(during) if during else median_cost(real["worker_loads"])
+    decode = real["decode_worker"]
+    base = dict(
+        itl_target_s=parse_slo_classes(cfg["slo"]).classes[0].itl_s,
+        max_prefill_tokens=real["chunk_tokens"],
+        max_running=decode["max_running"],
+        kv_tokens=decode["kv_tokens"],
+        page_size=decode["page_size"],
+    )
+    sources: dict[str, tuple[WorkerSpec, float, list[tuple[float, StepCost]]]] = {}
+    if cfg["gpus"]:
+        sources["h200"] = (replace(H200_LLAMA8B, **base), NET_S, [])
+    if published is not None:
+        # the simulated workers step at the load's median fit; its planner sizes with what the real one read
+        sources["published"] = (WorkerSpec(cost=published, **base), FleetConfig.net_s, read)
+    up_at = next(
+        (sum(s.seconds for s in steps[:i]) for i in range(1, len(steps)) if steps[i].rate > steps[i - 1].rate), None
+    )
+    # the real targets over time: the planner's own decision lines (its gauges, sampled, lag them a little)
+    log_lines = real["decision_log"]
+    start = min([-1.0] + [x["t"] - 1 for x in log_lines])
+    real_targets = [{"t": start, "desired": {"prefill": 1, "decode": 1}}, *log_lines]
+    real_up = first_up(real_targets, up_at) if up_at is not None else None
+    router_env = {**os.environ, **real["router_env"]}
+    result["sim"], result["comparison"] = {}, {}
+    for name, (worker, net_s, costs) in sources.items():
+        sim = simulate(reqs, worker, net_s, cfg["slo"], router_env, real["planner_argv"], end, costs)
+        cmp = compare(real_targets, real["samples"], sim["timeline"], end, cfg["planner_interval"])
+        cmp["first_up_after_step_s"] = {
+            "step_at_s": up_at,
+            "real": real_up,
+            "sim": first_up(sim["timeline"], up_at) if up_at is not None else None,
+        }
+        cmp["real_changes"] = changes([x for x in real_targets if x["t"] <= end])
+        cmp["sim_changes"] = changes(sim["timeline"])
+        result["sim"][name], result["comparison"][name] = sim, cmp
+    print_report(result)
+
+
 # ---- main -------------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -475,11 +519,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--log-dir", default=None, help="keep the parts' logs here (default: a temporary folder)")
     p.add_argument("--out", type=Path, default=None, help="JSON (default bench/out/planner_dryrun_<time>.json)")
+    p.add_argument("--replay", type=Path, default=None, help="a saved run: simulate and compare again (no deployment)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.replay:
+        result = json.loads(args.replay.read_text())
+        analyse(result)
+        (args.out or args.replay).write_text(json.dumps(result, indent=1, default=str))
+        return 0
     steps: list[Step] = args.steps
     args.slo = args.slo or (DEFAULT_SLO_SPEC if args.gpus else CPU_SLO)
     vocab, max_context = model_shape(args.model)
@@ -560,13 +610,19 @@ def main(argv: list[str] | None = None) -> int:
         sampler.stop()
         planner.stop()
         real_samples = [{**x, "t": round(x["t"] - shift, 2)} for x in sampler.samples]
-        end = sum(s.seconds for s in steps)
         result["real"] = {
             "worker_loads": [
                 {k: w.get(k) for k in ("role", "step_coefficients", "total_pages", "page_size", "max_running")}
                 for w in worker_loads(urls)
             ],
             "planner_argv": planner_argv,
+            "router_env": router_env,
+            "decode_worker": {
+                "max_running": int(decode["max_running"]),
+                "kv_tokens": kv_tokens,
+                "page_size": int(decode["page_size"]),
+            },
+            "chunk_tokens": int(worker_env.get("KVFERRY_MAX_PREFILL_TOKENS", 2048)),
             "steps": step_summary(rows, steps),
             "requests": [  # (step, sent s from the load's start, prompt, max_tokens, outcome, TTFT s)
                 [i, round(off + r.sent_s, 4), r.prompt_len, r.max_tokens, r.outcome, r.ttft_s] for i, off, r in rows
@@ -574,44 +630,8 @@ def main(argv: list[str] | None = None) -> int:
             "samples": real_samples,
             "decision_log": decision_lines(log_dir / "planner.log", wall0 + shift),
         }
-        read = [(x["t"], StepCost.from_map(x["cost"])) for x in real_samples if "cost" in x]
-        during = [c for t, c in read if 0 <= t <= end]
-        published = median_of(during) if during else median_cost(worker_loads(urls) or loads)
-        sources: dict[str, tuple[WorkerSpec, float, list[tuple[float, StepCost]]]] = {}
-        base = dict(
-            itl_target_s=parse_slo_classes(args.slo).classes[0].itl_s,
-            max_prefill_tokens=int(worker_env.get("KVFERRY_MAX_PREFILL_TOKENS", 2048)),
-            max_running=int(decode["max_running"]),
-            kv_tokens=kv_tokens,
-            page_size=int(decode["page_size"]),
-        )
-        if args.gpus:
-            sources["h200"] = (replace(H200_LLAMA8B, **base), NET_S, [])
-        if published is not None:
-            # the simulated workers step at the load's median fit; its planner sizes with what the real one read
-            sources["published"] = (WorkerSpec(cost=published, **base), FleetConfig.net_s, read)
-        result["sim"], result["comparison"] = {}, {}
-        up_at = next(
-            (sum(s.seconds for s in steps[:i]) for i in range(1, len(steps)) if steps[i].rate > steps[i - 1].rate), None
-        )
-        # the real targets over time: the planner's own decision lines (its gauges, sampled, lag them a little)
-        log_lines = result["real"]["decision_log"]
-        start = min([-1.0] + [x["t"] - 1 for x in log_lines])
-        real_targets = [{"t": start, "desired": {"prefill": 1, "decode": 1}}, *log_lines]
-        real_up = first_up(real_targets, up_at) if up_at is not None else None
-        for name, (worker, net_s, costs) in sources.items():
-            sim = simulate(rows, worker, net_s, args.slo, {**os.environ, **router_env}, planner_argv, end, costs)
-            cmp = compare(real_targets, real_samples, sim["timeline"], end, args.planner_interval)
-            cmp["first_up_after_step_s"] = {
-                "step_at_s": up_at,
-                "real": real_up,
-                "sim": first_up(sim["timeline"], up_at) if up_at is not None else None,
-            }
-            cmp["real_changes"] = changes([x for x in real_targets if x["t"] <= end])
-            cmp["sim_changes"] = changes(sim["timeline"])
-            result["sim"][name], result["comparison"][name] = sim, cmp
         result["load_average_at_end"] = os.getloadavg()
-        print_report(result, steps)
+        analyse(result)
     except (DeployError, KeyboardInterrupt) as exc:
         failed = True
         result["error"] = str(exc)
