@@ -1,12 +1,14 @@
 """The planner in dry run beside a real prefill + decode pair, against the fleet simulator on the same load.
 
-    python bench/planner_dryrun.py --steps 0.5:20,3:20,0.5:20 --prompt-len 32-64 --output-len 4-8     # CPU
+    python bench/planner_dryrun.py --steps 0.5:20,3:20,0.5:80 --prompt-len 32-64 --output-len 4-8     # CPU
     python bench/planner_dryrun.py --model dummy:llama-3.1-8b --gpus 0,0 --worker-env KVFERRY_KV_MEMORY_GB=30 \
-        --steps 4:60,24:90,4:90 --prompt-len 1000-3000 --output-len 64-128 \
-        --out bench/out/planner_dryrun_h200.json                                          # one H200, ~6 min
+        --steps 4:45,24:60,4:135 --prompt-len 1000-3000 --output-len 64-128 --planner-interval 5 \
+        --planner-window 30 --out bench/out/planner_dryrun_h200.json                       # one H200, < 6 min
+    python bench/planner_dryrun.py --replay bench/out/planner_dryrun_h200.json   # simulate and compare again
 
 It starts a ``disagg`` deployment with bench/serve_deploy.py (one prefill and one decode worker; ``--gpus 0,0``
-puts both on one GPU), warms it up until a worker publishes its fitted step model, then starts
+puts both on one GPU; on the CPU the router sends prompts from 16 tokens to the prefill worker, so the short
+prompts a CPU serves in time are disaggregated too), warms it up until a worker publishes its fitted step model, then starts
 ``kvferry planner --dry-run`` pointed at the router (its decision interval, rate window and forecast horizon
 from ``--planner-interval``, ``--planner-window``, ``--startup``; its KV pool and batch slots those the decode
 worker reports on /load). A stepped Poisson load (``--steps RATE:SECONDS,...``, bench/serve_load.py's client
