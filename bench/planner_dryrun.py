@@ -38,6 +38,7 @@ import ast
 import asyncio
 import json
 import os
+import random
 import re
 import shutil
 import statistics
@@ -111,8 +112,6 @@ def parse_steps(text: str) -> list[Step]:
 
 def arrivals_within(rate: float, seconds: float, seed: int) -> int:
     """How many of run_point's Poisson sends (the same seed, the same draws) fall within `seconds`."""
-    import random
-
     rng, t, n = random.Random(seed), 0.0, 0
     while t < seconds:
         n += 1
