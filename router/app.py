@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from common.config import RouterConfig
+from common.gc_pauses import GcPauses, freeze_startup_objects
 from common.http_guard import RequestLimits
 from common.http_server import REFUSAL_HOOK
 from common.log import limit_tracebacks
@@ -72,9 +73,14 @@ def create_app(
         runtime = RouterRuntime.build(config, opts, tok, info, disc, index_reader, metrics)
         slot.fill(runtime)
         runtime.start()
+        # The tokenizer, templates and app are built: out of the collector's walks, so a collection during
+        # streaming costs the objects made since (common/gc_pauses.py); long ones are logged.
+        freeze_startup_objects()
+        pauses = GcPauses().install()
         try:
             yield
         finally:
+            pauses.uninstall()
             await runtime.stop()
 
     app = FastAPI(title="kvferry router", version="1", lifespan=lifespan)
