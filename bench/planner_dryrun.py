@@ -19,8 +19,9 @@ Then the fleet simulator (bench/fleet_sim/) replays the requests exactly as they
 lengths) on one prefill and one decode simulated worker, the planner's own code deciding every interval from
 the simulated router's counters, in dry run as well (nothing is scaled, as nothing is on the real side). The
 simulated worker's step times come from:
-  - ``h200`` (with ``--gpus``): bench/fleet_sim/h200.py, the simulator's calibration of one H200 worker (its
-    planner sizes with those coefficients too): the simulator predicting on its own;
+  - ``h200`` (with ``--gpus``): bench/fleet_sim/h200.py, the simulator's calibration of one H200 worker, the
+    workers time-sharing a GPU as they do here (``--gpus 0,0``; its planner sizes with those coefficients too):
+    the simulator predicting on its own;
   - ``published``: the median over the load of the coefficients the real workers fitted and published on /load,
     its planner sizing at each decision with the coefficients the real planner read by then (sampled every
     half second). The simulator has no CPU calibration (bench/fleet_sim/calibrate.py fits H200 runs only), so on the CPU
@@ -300,8 +301,7 @@ class DryRunController:
 
 def simulate(
     reqs: list[SimRequest],
-    worker: WorkerSpec,
-    net_s: float,
+    fleet_cfg: FleetConfig,
     slo: str,
     router_env: dict[str, str],
     planner_argv: list[str],
@@ -310,7 +310,8 @@ def simulate(
 ) -> dict[str, Any]:
     classes = parse_slo_classes(slo)
     policy = policy_config(RouterOptions.from_env(router_env), classes)  # the real router's, from the same env
-    cfg = FleetConfig(worker=worker, slo=classes, policy=policy, startup_s=0.0, net_s=net_s)
+    cfg = replace(fleet_cfg, slo=classes, policy=policy, startup_s=0.0)
+    worker = cfg.worker
     pargs = planner_parser().parse_args(planner_argv)
     planner = build_planner(pargs)
     planner.spec = replace(planner.spec, cost=worker.published)  # what the real one reads from /load
@@ -465,12 +466,15 @@ def analyse(result: dict[str, Any]) -> None:
         kv_tokens=decode["kv_tokens"],
         page_size=decode["page_size"],
     )
-    sources: dict[str, tuple[WorkerSpec, float, list[tuple[float, StepCost]]]] = {}
+    sources: dict[str, tuple[FleetConfig, list[tuple[float, StepCost]]]] = {}
     if cfg["gpus"]:
-        sources["h200"] = (replace(H200_LLAMA8B, **base), NET_S, [])
+        # `--gpus 0,0`: the two workers time-share one GPU (bench/fleet_sim/device.py)
+        per_gpu = len(cfg["gpus"]) // len(set(cfg["gpus"]))
+        sources["h200"] = (FleetConfig(replace(H200_LLAMA8B, **base), net_s=NET_S, workers_per_gpu=per_gpu), [])
     if published is not None:
         # the simulated workers step at the load's median fit; its planner sizes with what the real one read
-        sources["published"] = (WorkerSpec(cost=published, **base), FleetConfig.net_s, read)
+        # (their fits already hold whatever else ran on their device: each simulated worker has its own)
+        sources["published"] = (FleetConfig(WorkerSpec(cost=published, **base)), read)
     up_at = next(
         (sum(s.seconds for s in steps[:i]) for i in range(1, len(steps)) if steps[i].rate > steps[i - 1].rate), None
     )
@@ -481,8 +485,8 @@ def analyse(result: dict[str, Any]) -> None:
     real_up = first_up(real_targets, up_at) if up_at is not None else None
     router_env = {**os.environ, **real["router_env"]}
     result["sim"], result["comparison"] = {}, {}
-    for name, (worker, net_s, costs) in sources.items():
-        sim = simulate(reqs, worker, net_s, cfg["slo"], router_env, real["planner_argv"], end, costs)
+    for name, (fleet_cfg, costs) in sources.items():
+        sim = simulate(reqs, fleet_cfg, cfg["slo"], router_env, real["planner_argv"], end, costs)
         cmp = compare(real_targets, real["samples"], sim["timeline"], end, cfg["planner_interval"])
         cmp["first_up_after_step_s"] = {
             "step_at_s": up_at,
