@@ -196,8 +196,14 @@ def test_a_step_far_past_the_itl_target_is_logged_once_per_interval_with_its_sha
         step(0.090)  # slow, but within the interval: counted
         pacing._slow_logged_at -= SLOW_STEP_LOG_S
         step(0.100)
+        # A quick step after the host held the streams for 120 ms since the last decoding step: a gap they saw.
+        pacing._slow_logged_at -= SLOW_STEP_LOG_S
+        assert pacing._processed_at is not None
+        pacing._processed_at -= 0.120
+        step(0.010)
     lines = [r for r in caplog.records if r.getMessage() == "slow step"]
-    assert [(r.ms, r.target_ms, r.slow_steps) for r in lines] == [(80.0, 50.0, 1), (100.0, 50.0, 2)]
+    assert [(r.ms, r.target_ms, r.slow_steps) for r in lines[:2]] == [(80.0, 50.0, 1), (100.0, 50.0, 2)]
+    assert len(lines) == 3 and 120.0 <= lines[2].ms < 150.0 and lines[2].device_ms == 10.0
     assert (lines[0].kind, lines[0].decode_rows, lines[0].prefill_tokens, lines[0].decode_context) == (
         "mixed",
         8,

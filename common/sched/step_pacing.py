@@ -39,6 +39,7 @@ class StepPacing:
     _processed_at: float | None = None  # host clock when the last step was processed
     _slow_logged_at: float = 0.0
     _slow_unlogged: int = 0  # slow steps since the last line
+    _last_decoding: bool = False  # the last processed step decoded running requests
 
     def itl_target_s(self) -> float:
         """The ITL a chunk step beside decoding aims at (0: unmeasured or mixed steps off)."""
@@ -87,7 +88,10 @@ class StepPacing:
             # A stream sees the period between steps, not device time; only back-to-back steps' periods are learnt.
             back_to_back = self._processed_at is not None and launched.launched_at <= self._processed_at
             period = now - self._processed_at if back_to_back and self._processed_at is not None else 0.0
-            self._log_if_slow(launched, seconds, period, now)
+            # What a decoding stream saw: the time since the last step that decoded it (a host stall between
+            # steps included, which the model does not learn from).
+            seen = now - self._processed_at if self._processed_at is not None and self._last_decoding else 0.0
+            self._log_if_slow(launched, seconds, seen, now)
             self.step_model.observe(launched.shape, max(seconds, period))
             if launched.kind == "mixed":
                 self.itl_trim.observe(max(seconds, period), self.itl_target_s())
@@ -96,10 +100,11 @@ class StepPacing:
             elif launched.kind == "prefill":
                 self.prefill_speed.observe(launched.shape.prefill_tokens, seconds)
         self._processed_at = now
+        self._last_decoding = launched.kind != "prefill"
 
-    def _log_if_slow(self, launched: Launched, seconds: float, period: float, now: float) -> None:
+    def _log_if_slow(self, launched: Launched, seconds: float, seen: float, now: float) -> None:
         target = self.itl_target_s()
-        took = max(seconds, period)
+        took = max(seconds, seen)
         if launched.kind == "prefill" or target <= 0 or took <= SLOW_STEP_RATIO * target:
             return
         self._slow_unlogged += 1
@@ -111,7 +116,7 @@ class StepPacing:
             "slow step",
             extra={
                 "kind": launched.kind,
-                "ms": round(took * 1e3, 1),
+                "ms": round(took * 1e3, 1),  # since the step before (host time between steps included)
                 "device_ms": round(seconds * 1e3, 1),
                 "predicted_ms": round(self.step_model.predict(shape) * 1e3, 1),
                 "target_ms": round(target * 1e3, 1),
