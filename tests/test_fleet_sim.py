@@ -45,6 +45,15 @@ def test_disaggregated_first_token_waits_for_the_transfer() -> None:
     assert res.ttft_p50_s == pytest.approx(0.115)
 
 
+def test_a_first_token_from_a_peer_leaves_at_the_decode_worker_s_next_step() -> None:
+    # A: prefill 0.11 s, KV landed at 0.115, decoding from then on in steps of 0.01 s (boundaries 0.115 + k x 0.01).
+    # B at 0.2: prefill 1,200 tokens, 0.13 s, + 6 ms of transfer: landed at 0.336, taken in (and its first token
+    # sent) at the decode worker's next step boundary, 0.345: TTFT 0.145 s
+    f = fleet(Counts(prefill=1, decode=1))
+    f.run([SimRequest(0.0, 1000, 50), SimRequest(0.2, 1200, 3)])
+    assert list(f.ttft) == pytest.approx([0.115, 0.145])
+
+
 def test_the_real_admission_refuses_what_cannot_be_served_in_time() -> None:
     # 40 prompts of 2,000 tokens at once: each takes ~0.2 s of the one worker, so past the fifth or so the
     # predicted TTFT passes 1 s and the router answers 429 instead of queueing them
@@ -68,3 +77,49 @@ def test_pods_asked_for_become_ready_after_the_start_up_time() -> None:
     assert f.counts(include_starting=False) == Counts(decode=3)
     # GPU-hours count every pod from the moment it is asked for: 1 x 60 s + 2 x 60 s
     assert res.gpu_hours == pytest.approx(3 * res.span_s / 3600, rel=1e-6)
+
+
+def shared(counts: Counts, per_gpu: int, **spec_kw) -> Fleet:  # type: ignore[no-untyped-def]
+    spec = WorkerSpec(cost=COST, itl_target_s=0.05, transfer_tokens_per_s=200_000.0, **spec_kw)
+    cfg = FleetConfig(worker=spec, slo=SLO, net_s=0.0, startup_s=0.0, workers_per_gpu=per_gpu)
+    return Fleet(cfg, counts)
+
+
+def test_two_workers_time_sharing_a_gpu_share_its_time() -> None:
+    # two prompts at once, one per worker: 1,000 tokens (0.11 s alone) and 400 (0.05 s alone). On one GPU each
+    # gets half of it while both run: the 400 is done at 2 x 0.05 = 0.10 s, the 1,000 when the device has done
+    # both, 0.11 + 0.05 = 0.16 s
+    reqs = [SimRequest(0.0, 1000, 1), SimRequest(0.0, 400, 1)]
+    apart = shared(Counts(decode=2), per_gpu=1)
+    together = shared(Counts(decode=2), per_gpu=2)
+    a, t = apart.run(reqs), together.run(reqs)
+    assert sorted(apart.ttft) == pytest.approx([0.05, 0.11])
+    assert sorted(together.ttft) == pytest.approx([0.10, 0.16])
+    assert len(together.devices) == 1 and a.served == t.served == 2
+    # GPU-hours count GPUs: one for the two workers sharing it, two apart
+    assert t.gpu_hours == pytest.approx(t.span_s / 3600) and a.gpu_hours == pytest.approx(2 * a.span_s / 3600)
+
+
+def test_a_step_s_host_part_holds_no_share_of_the_gpu() -> None:
+    # each step: 0.01 s of host time after its device part. The 400-token step needs 0.05 s of device (half
+    # speed: done at 0.10 s, its step at 0.11 s); the 1,000 then has the GPU alone: 0.11 + 0.05 device, +0.01
+    reqs = [SimRequest(0.0, 1000, 1), SimRequest(0.0, 400, 1)]
+    together = shared(Counts(decode=2), per_gpu=2, host_s=0.01)
+    together.run(reqs)
+    assert sorted(together.ttft) == pytest.approx([0.11, 0.17])
+
+
+def test_one_worker_on_a_shareable_gpu_runs_as_on_its_own() -> None:
+    reqs = poisson(4.0, 20.0, (100, 3000), (5, 60), seed=2)
+    alone, shareable = shared(Counts(decode=1), per_gpu=1).run(reqs), shared(Counts(decode=1), per_gpu=2).run(reqs)
+    for field in ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "output_tok_per_s", "served", "good"):
+        assert getattr(shareable, field) == pytest.approx(getattr(alone, field)), field
+
+
+def test_a_pair_on_one_gpu_moves_kv_by_a_local_copy() -> None:
+    # prefill 0.11 s, then the local copy: 1 ms + 1,000 tokens at 1M tokens/s = 2 ms (between GPUs: 5 ms)
+    local = {"local_transfer_base_s": 0.001, "local_transfer_tokens_per_s": 1_000_000.0}
+    pair = shared(Counts(prefill=1, decode=1), per_gpu=2, **local)
+    assert pair.run([SimRequest(0.0, 1000, 3)]).ttft_p50_s == pytest.approx(0.112)
+    apart = shared(Counts(prefill=1, decode=1), per_gpu=1, **local)
+    assert apart.run([SimRequest(0.0, 1000, 3)]).ttft_p50_s == pytest.approx(0.115)

@@ -20,5 +20,8 @@ H200_LLAMA8B = WorkerSpec(
     host_s=0.000623,
     spread_s=0.00687,
     kv_tokens=55346 * 16,
+    # a prefill and a decode worker time-sharing one H200: their KV moves by a device-local copy (bench/transfer.py)
+    local_transfer_base_s=0.000695,
+    local_transfer_tokens_per_s=5.93e6,
 )
 NET_S = 0.01296  # a first token's time outside the engine (router, HTTP, tokenizing)

@@ -11,7 +11,8 @@ chunk of the first waiting prompt with no row decoding (nothing arriving changes
 which cuts the run at the next step boundary; /load inside a run counts the steps done by then). A stretch of
 pure decode steps is one event until the next row finishes (all rows then take the same step time, its context
 the stretch's middle); new work arriving inside a stretch cuts it at the next step boundary. An idle worker has
-no events.
+no events. A worker that time-shares its GPU with others (``device``, bench/fleet_sim/device.py) takes one event
+per step while another is on it: what else runs there changes each step's time, and its ITL is each step's own.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from bench.fleet_sim.device import SharedDevice
 from common.capacity import StepCost, chunk_attention
 from router.decision.load import Load
 
@@ -44,6 +46,10 @@ class WorkerSpec:
     kv_tokens: int = 885_536  # KV pool (tokens)
     page_size: int = 16
     transfer_tokens_per_s: float = 200_000.0
+    # a KV transfer between two workers on one GPU is a device-local copy: its fixed time and its rate (rate 0:
+    # as between GPUs)
+    local_transfer_base_s: float = 0.0
+    local_transfer_tokens_per_s: float = 0.0
 
     @cached_property
     def published(self) -> StepCost:
@@ -61,6 +67,12 @@ class WorkerSpec:
     def published_map(self) -> dict[str, float]:
         """`published` as /load's ``step_coefficients`` (one map per spec: every snapshot shares it, read only)."""
         return self.published.as_map()
+
+    def transfer_s(self, tokens: int, local: bool = False) -> float:
+        """A prompt's KV moving to its decode worker (`local`: on the same GPU)."""
+        if local and self.local_transfer_tokens_per_s > 0:
+            return self.local_transfer_base_s + tokens / self.local_transfer_tokens_per_s
+        return tokens / self.transfer_tokens_per_s if self.transfer_tokens_per_s > 0 else 0.0
 
     @cached_property
     def prefill_rate(self) -> float:
@@ -119,6 +131,8 @@ class SimWorker:
     prefill_tokens_done: int = 0
     draining: bool = False
     itl_slo_s: float = 0.05  # the SLO's ITL target (what a slow step is, also for prefill-first workers)
+    device: SharedDevice | None = None  # the GPU it time-shares with other workers (None: a GPU of its own)
+    span_shared: bool = False  # the step in flight runs on a GPU other workers are on
     added: int = 0  # jobs given so far
     # the last snapshot and what it was taken at: (version, added, draining, a run's steps done) -- nothing else
     # changes what /load says, so an unchanged worker hands the router the same snapshot again
@@ -204,14 +218,14 @@ class SimWorker:
             self.joining.append(job)  # joins the batch at the next step boundary
         return self.busy_until < 0
 
-    def cut_span(self, now: float, job: Job) -> float | None:
+    def cut_span(self, now: float, job: Job | None = None) -> float | None:
         """A decode stretch in flight ends at the next step boundary after `now` (new work waits for it), and so
-        does a prompt run when `job` joins the batch there; returns the new wake-up time, or None when nothing
-        needs to change."""
+        does a prompt run unless the new `job` only queues behind its prompt (None: something else changed);
+        returns the new wake-up time, or None when nothing needs to change."""
         if self.busy_until < 0 or self.span_steps <= 1:
             return None
         if self.run_ends:
-            if job.todo > 0:
+            if job is not None and job.todo > 0:
                 return None  # waits behind the prompt the run's steps fill
             done = bisect_right(self.run_ends, now) + 1
             if done >= self.span_steps:
@@ -250,11 +264,19 @@ class SimWorker:
             self._finish_span(now)
         return self._start(now)
 
+    def retime(self, device_end: float) -> float:
+        """Its step's device part now ends at `device_end` (another step started on its GPU); the new wake-up."""
+        self.busy_until = device_end + self.spec.host_s
+        self.version += 1
+        return self.busy_until
+
     def _finish_span(self, now: float) -> None:
         if self.run_ends:
             self._finish_run()
             return
         k, s = self.span_steps, self.span_step_s
+        if self.span_shared:
+            s = now - self.span_start  # one step, as long as sharing its GPU made it
         n = len(self.rows)
         self.busy_s += k * s
         if self.span_chunks and self.spec.itl_target_s <= 0:
@@ -326,7 +348,10 @@ class SimWorker:
     def _start(self, now: float) -> float | None:
         s = self.spec
         for job in self.joining:
+            # its KV arrived from a peer: the engine's loop turn takes it in (Scheduler.settle_transfers) and sends
+            # its first token then, at the step boundary after it landed
             self._join(job)
+            self.on_first_token(self, job, now)
         self.joining.clear()
         cost = s.cost
         chunks: list[tuple[Job, int]] = []
@@ -343,7 +368,9 @@ class SimWorker:
                 if take == job.todo and job.output > 0:
                     rows_free -= 1
         n, ctx = len(self.rows), self.context()
-        if n == 0 and len(chunks) == 1 and chunks[0][1] < chunks[0][0].todo - chunks[0][1]:
+        device = self.device if self.device is not None and len(self.device.members) > 1 else None
+        shared = device is not None
+        if not shared and n == 0 and len(chunks) == 1 and chunks[0][1] < chunks[0][0].todo - chunks[0][1]:
             return self._start_run(now, chunks[0][0], chunks[0][1])
         if chunks:
             tokens = sum(t for _, t in chunks)
@@ -352,13 +379,16 @@ class SimWorker:
             step = cost.step_s(tokens, n, ctx, attention) + s.host_s
             self.span_chunks, self.span_steps = chunks, 1
         elif n:
-            k = max(1, self.rows[0][0] - self.steps)
+            k = 1 if shared else max(1, self.rows[0][0] - self.steps)
             step = cost.overhead_s(n, ctx + n * (k // 2)) + s.host_s
             self.span_steps = k
         else:
             return None
-        self.span_start, self.span_step_s = now, step
-        self.busy_until = now + step * self.span_steps
+        self.span_start, self.span_step_s, self.span_shared = now, step, shared
+        if device is not None:
+            self.busy_until = device.start(self, step - s.host_s, now) + s.host_s
+        else:
+            self.busy_until = now + step * self.span_steps
         self.version += 1
         return self.busy_until
 

@@ -1,0 +1,162 @@
+"""Two processes time-sharing one GPU: a decode step's and a prompt chunk's time alone and while the other process
+steps beside it, against fair processor sharing (bench/fleet_sim/device.py's model: overlapping device times add,
+so two loops that keep the device busy each run at half speed and together keep all of it).
+
+    python bench/gpu_share.py --out bench/out/gpu_share_h200.json          # dummy Llama-3.1-8B on one GPU
+    python bench/gpu_share.py --device cpu --model smollm2-135m-instruct --batch 2 --context 64 --chunk 64 \
+        --iters 5 --seconds 2 --kv-gb 0.05 --out /tmp/gpu_share_cpu.json   # the plumbing, on the CPU
+
+Each process builds its own engine (ModelRunner) on the device. One steps a decode batch of `--batch` rows at
+`--context` tokens of KV each, the other a prompt chunk of `--chunk` tokens (the prefill worker's step). Phases:
+the decode loop alone, the chunk loop alone (`--iters` steps each, the other process waiting), then both back to
+back for `--seconds`. A step's time is wall clock around forward + sampling + synchronize, so it holds the time
+the device gave the other process. Reported per loop: p50 / p99 alone and shared, the slowdown (shared mean /
+alone mean) and the share of the device it kept (alone mean / shared mean); `device_kept` sums the two shares
+(1.0: work-conserving sharing as the simulator models it; below: time lost to switching; above: overlap or host
+gaps the other filled). These are microbenchmark figures for the simulator's sharing model, not a serving run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.roofline import give_rows, log, take_rows  # noqa: E402
+from common.engine.runner import ModelRunner, RunnerConfig  # noqa: E402
+from common.engine.sampling import argmax_rows  # noqa: E402
+
+ROLES = ("decode", "prefill")
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _step_fn(runner: ModelRunner, role: str, args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """One step of `role` on fresh rows (random KV: never time on zeros); returns (step, its rows)."""
+    vocab = runner.model_config.vocab_size
+    for block in runner.pool.kv.split(4096):
+        block.normal_()
+    if role == "decode":
+        rows = take_rows(runner, [args.context] * args.batch)
+        ids = torch.randint(0, vocab, (args.batch,)).tolist()
+        fb = runner.build_batch([[t] for t in ids], [args.context - 1] * args.batch, rows, [True] * args.batch, True)
+    else:
+        rows = take_rows(runner, [args.chunk])
+        fb = runner.build_batch([torch.randint(0, vocab, (args.chunk,)).tolist()], [0], rows, [True], False)
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        argmax_rows(runner.forward(fb))
+        _sync(args.device)
+        return (time.perf_counter() - t0) * 1000
+
+    return step, rows
+
+
+@torch.inference_mode()
+def _child(role: str, args: argparse.Namespace, barrier, results) -> None:  # type: ignore[no-untyped-def]
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    runner = ModelRunner(
+        RunnerConfig(
+            model=args.model,
+            device=args.device,
+            kv_memory_gb=args.kv_gb,
+            max_running=max(8, args.batch),
+            max_seq_len=max(args.context, args.chunk) + 16,
+            cuda_graph_max_bs=max(8, args.batch),
+        )
+    )
+    step, rows = _step_fn(runner, role, args)
+    for _ in range(3):
+        step()  # warm-up: lazy inits, graph planning
+    alone: list[float] = []
+    barrier.wait()  # both engines ready
+    for turn in ROLES:  # each loop alone while the other waits
+        if turn == role:
+            alone = [step() for _ in range(args.iters)]
+        barrier.wait()
+    shared: list[float] = []
+    end = time.perf_counter() + args.seconds
+    while time.perf_counter() < end:
+        shared.append(step())
+    give_rows(runner, rows)
+    results.put((role, alone, shared))
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q / 100 * len(s)))] if s else float("nan")
+
+
+def summarize(got: dict[str, tuple[list[float], list[float]]]) -> dict:
+    out: dict = {}
+    kept = 0.0
+    for role in ROLES:
+        alone, shared = got[role]
+        a, s = statistics.fmean(alone), statistics.fmean(shared)
+        out[role] = {
+            "alone_ms": {"p50": _pct(alone, 50), "p99": _pct(alone, 99), "mean": a, "n": len(alone)},
+            "shared_ms": {"p50": _pct(shared, 50), "p99": _pct(shared, 99), "mean": s, "n": len(shared)},
+            "slowdown": s / a,
+            "device_share": a / s,
+        }
+        kept += a / s
+    out["device_kept"] = kept
+    out["fair_share_slowdown"] = 2.0
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="dummy:llama-3.1-8b")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--batch", type=int, default=32, help="decode rows")
+    p.add_argument("--context", type=int, default=2048, help="KV tokens per decode row")
+    p.add_argument("--chunk", type=int, default=2048, help="prompt tokens per prefill step")
+    p.add_argument("--iters", type=int, default=50, help="steps of each loop alone")
+    p.add_argument("--seconds", type=float, default=10.0, help="both loops together")
+    p.add_argument("--kv-gb", type=float, default=20.0, help="each process's KV pool")
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out" / "gpu_share.json")
+    args = p.parse_args()
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_child, args=(role, args, barrier, results)) for role in ROLES]
+    for proc in procs:
+        proc.start()
+    got = {}
+    for _ in ROLES:
+        role, alone, shared = results.get(timeout=1800)
+        got[role] = (alone, shared)
+    for proc in procs:
+        proc.join()
+    result = {"args": {k: str(v) for k, v in vars(args).items()}, **summarize(got)}
+    if args.device.startswith("cuda"):
+        result["device_name"] = torch.cuda.get_device_name()
+    for role in ROLES:
+        r = result[role]
+        log(
+            f"{role}: alone p50 {r['alone_ms']['p50']:.2f} ms, shared p50 {r['shared_ms']['p50']:.2f} / p99 "
+            f"{r['shared_ms']['p99']:.2f} ms, slowdown {r['slowdown']:.2f}x (fair share: 2x), device share "
+            f"{r['device_share']:.2f}"
+        )
+    log(f"device kept by the two together: {result['device_kept']:.2f} (work-conserving sharing: 1.0)")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    log(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
