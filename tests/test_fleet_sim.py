@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from bench.fleet_sim.fleet import Fleet, FleetConfig
-from bench.fleet_sim.worker import WorkerSpec
+from bench.fleet_sim.worker import Job, SimWorker, WorkerSpec
 from bench.fleet_sim.workload import SimRequest, poisson, scale_rate
 from common.capacity import StepCost
 from common.slo import parse_slo_classes
@@ -123,3 +123,20 @@ def test_a_pair_on_one_gpu_moves_kv_by_a_local_copy() -> None:
     assert pair.run([SimRequest(0.0, 1000, 3)]).ttft_p50_s == pytest.approx(0.112)
     apart = shared(Counts(prefill=1, decode=1), per_gpu=1, **local)
     assert apart.run([SimRequest(0.0, 1000, 3)]).ttft_p50_s == pytest.approx(0.115)
+
+
+def test_a_long_prompt_steps_chunk_by_chunk_and_a_joining_row_cuts_its_run() -> None:
+    # 7,000 tokens alone at 2,048 a step: three full chunks (0.01 + 0.2048 s each), then 856 (0.0956 s)
+    assert fleet(Counts(decode=1)).run([SimRequest(0.0, 7000, 1)]).ttft_p50_s == pytest.approx(0.74)
+    spec = WorkerSpec(cost=COST, itl_target_s=0.05)
+    w = SimWorker("d", "decode", spec, lambda *_: None, lambda *_: None, lambda *_: None)
+    w.add(Job(0, 0.0, 7000, 7000, 1, 7001), 0.0)
+    assert w.wake(0.0) == pytest.approx(3 * 0.2148)  # nothing but this prompt can change those steps
+    assert w.load(0.25).queued_prefill_tokens == 7000 - 2048  # /load between them counts the steps done
+    row = Job(1, 0.0, 100, 0, 5, 105)  # a peer's prefilled row whose KV lands inside the second step
+    w.add(row, 0.3)
+    boundary = w.cut_span(0.3, row)
+    assert boundary == pytest.approx(2 * 0.2148)
+    # from there the row decodes beside the prompt: the chunk one 50 ms step allows, 400 tokens
+    assert w.wake(boundary) == pytest.approx(2 * 0.2148 + 0.05)
+    assert w.load(boundary).queued_prefill_tokens == 7000 - 2 * 2048
