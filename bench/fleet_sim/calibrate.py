@@ -12,8 +12,10 @@ lowest rate of serve_slo_period_h200.json: its median ITL, ITL p99 and median TT
 prediction. Each recorded point is replayed request by request (its send times and lengths).
 
 A prefill and a decode worker time-sharing one GPU (serve_pd_shared_h200.json) run on one simulated device
-(bench/fleet_sim/device.py: their steps' device times add where they overlap), their KV moving by a device-local
-copy whose fixed time and rate are fitted to bench/transfer.py's one-GPU run (transfer_cuda_llama8b_h200.json).
+(bench/fleet_sim/device.py: the device's time goes to the steps in flight by the length of their kernels, and
+overlapping steps' device times add), the weight of a prompt step's kernels against a decode step's derived from
+bench/gpu_share.py's two loops on one GPU (gpu_share_h200.json), their KV moving by a device-local copy whose fixed
+time and rate are fitted to bench/transfer.py's one-GPU run (transfer_cuda_llama8b_h200.json).
 """
 
 from __future__ import annotations
@@ -87,6 +89,16 @@ def fit_local_transfer(runs: Path) -> tuple[float, float]:
     sizes = json.loads((runs / "transfer_cuda_llama8b_h200.json").read_text())["sizes"]
     per_token, base = np.polyfit([r["tokens"] for r in sizes], [r["e2e_s"] for r in sizes], 1)
     return float(base), float(1 / per_token)
+
+
+def fit_share_weight(runs: Path) -> float:
+    """A prompt step's share weight per device second against a decode step's (device.py), from bench/gpu_share.py's
+    decode loop and prompt-chunk loop on one GPU: both always have work there, so each keeps a constant share,
+    weight x its step time alone over the sum, and the ratio of the two shares measured gives the weight."""
+    got = json.loads((runs / "gpu_share_h200.json").read_text())
+    decode, prefill = got["decode"], got["prefill"]
+    kept = prefill["device_share"] / decode["device_share"]
+    return kept * decode["alone_ms"]["mean"] / prefill["alone_ms"]["mean"]
 
 
 def kv_tokens(run: dict) -> int:
@@ -175,12 +187,14 @@ def main() -> int:
         first["modes"]["agg"]["points"][0], base, lambda spec: fleet_for("agg", spec, ttft_ms, itl_ms)
     )
     local_base_s, local_tokens_per_s = fit_local_transfer(args.runs)
+    share_weight = fit_share_weight(args.runs)
     spec = replace(
         base,
         host_s=host_s,
         spread_s=served_spread,
         local_transfer_base_s=local_base_s,
         local_transfer_tokens_per_s=local_tokens_per_s,
+        prefill_share_weight=share_weight,
     )
     rows = []
     for file, mode, kind in RUNS:
@@ -225,6 +239,7 @@ def main() -> int:
         "host_s": host_s,
         "net_s": net_s,
         "local_transfer": {"base_s": local_base_s, "tokens_per_s": local_tokens_per_s},
+        "prefill_share_weight": share_weight,
         "fitted_on": f"{RUNS[0][0]} agg, its first point: host_s (median ITL), served_spread_s (ITL p99), net_s (median TTFT)",
         "points": rows,
         "seconds": time.perf_counter() - started,
@@ -234,7 +249,7 @@ def main() -> int:
     print(
         f"step cost {cost}, spread {served_spread * 1000:.2f} ms, host {host_s * 1000:.2f} ms/step, "
         f"net {net_s * 1000:.1f} ms, local KV copy {local_base_s * 1000:.2f} ms + {local_tokens_per_s / 1e6:.2f} M "
-        f"tokens/s -> {args.out}"
+        f"tokens/s, prompt-step share weight {share_weight:.3f} -> {args.out}"
     )
     return 0
 

@@ -47,6 +47,9 @@ class WorkerSpec:
     # as between GPUs)
     local_transfer_base_s: float = 0.0
     local_transfer_tokens_per_s: float = 0.0
+    # on a GPU it time-shares: the share weight per device second of a step carrying prompt tokens, against a
+    # pure decode step's 1 (bench/fleet_sim/device.py; 1: shares by device time alone)
+    prefill_share_weight: float = 1.0
 
     @cached_property
     def published(self) -> StepCost:
@@ -318,7 +321,8 @@ class SimWorker:
             return None
         self.span_start, self.span_step_s, self.span_shared = now, step, shared
         if device is not None:
-            self.busy_until = device.start(self, step - s.host_s, now) + s.host_s
+            kind_weight = s.prefill_share_weight if chunks else 1.0
+            self.busy_until = device.start(self, step - s.host_s, now, kind_weight) + s.host_s
         else:
             self.busy_until = now + step * self.span_steps
         self.version += 1
