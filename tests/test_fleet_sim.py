@@ -137,7 +137,7 @@ def test_two_loops_on_one_device_keep_the_shares_measured() -> None:
     # bench/gpu_share.py's decode loop and prompt-chunk loop, replayed on one simulated device with the weight
     # calibrate.py derives from them: each keeps the share of the device it kept on the GPU, and together all of it
     got = json.loads((REPO / "bench" / "out" / "gpu_share_h200.json").read_text())
-    weight = fit_share_weight(REPO / "bench" / "out")
+    weight = fit_share_weight(REPO / "bench" / "out" / "gpu_share_h200.json")
     step_s = {role: got[role]["alone_ms"]["mean"] / 1000 for role in ("decode", "prefill")}
     kind = {"decode": 1.0, "prefill": weight}
     ends: dict[str, float] = {}

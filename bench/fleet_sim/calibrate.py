@@ -1,7 +1,7 @@
 """Fits the simulator's step times to the H200 microbenchmarks, then predicts this project's recorded
 single-H200 serving runs (bench/serve.py JSON) and writes predicted against measured.
 
-    python bench/fleet_sim/calibrate.py [--runs DIR] [--out bench/out/fleet_sim_calibration.json]
+    python bench/fleet_sim/calibrate.py [--runs DIR] [--share gpu_share_h200.json] [--out bench/out/fleet_sim_calibration.json]
 
 Step times: the engine's own step-time model (common/sched/step_model.py ``StepTimeModel``, its real fit) fed
 the device times of bench/roofline.py (decode steps by batch and context, whole-prompt prefills) and
@@ -91,11 +91,11 @@ def fit_local_transfer(runs: Path) -> tuple[float, float]:
     return float(base), float(1 / per_token)
 
 
-def fit_share_weight(runs: Path) -> float:
+def fit_share_weight(path: Path) -> float:
     """A prompt step's share weight per device second against a decode step's (device.py), from bench/gpu_share.py's
     decode loop and prompt-chunk loop on one GPU: both always have work there, so each keeps a constant share,
     weight x its step time alone over the sum, and the ratio of the two shares measured gives the weight."""
-    got = json.loads((runs / "gpu_share_h200.json").read_text())
+    got = json.loads(path.read_text())
     decode, prefill = got["decode"], got["prefill"]
     kept = prefill["device_share"] / decode["device_share"]
     return kept * decode["alone_ms"]["mean"] / prefill["alone_ms"]["mean"]
@@ -176,6 +176,7 @@ def fit_host(point: dict, base: WorkerSpec, cfg_for) -> tuple[float, float, floa
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=Path, default=REPO / "bench" / "out")
+    ap.add_argument("--share", default="gpu_share_h200.json", help="bench/gpu_share.py's run, in --runs")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "fleet_sim_calibration.json")
     args = ap.parse_args()
     started = time.perf_counter()
@@ -187,7 +188,7 @@ def main() -> int:
         first["modes"]["agg"]["points"][0], base, lambda spec: fleet_for("agg", spec, ttft_ms, itl_ms)
     )
     local_base_s, local_tokens_per_s = fit_local_transfer(args.runs)
-    share_weight = fit_share_weight(args.runs)
+    share_weight = fit_share_weight(args.runs / args.share)
     spec = replace(
         base,
         host_s=host_s,
@@ -240,6 +241,7 @@ def main() -> int:
         "net_s": net_s,
         "local_transfer": {"base_s": local_base_s, "tokens_per_s": local_tokens_per_s},
         "prefill_share_weight": share_weight,
+        "share_from": args.share,
         "fitted_on": f"{RUNS[0][0]} agg, its first point: host_s (median ITL), served_spread_s (ITL p99), net_s (median TTFT)",
         "points": rows,
         "seconds": time.perf_counter() - started,
