@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.fleet_sim.calibrate import fit_share_weight
+from bench.fleet_sim.calibrate import fit_share_weights
 from bench.fleet_sim.device import SharedDevice
 from bench.fleet_sim.fleet import Fleet, FleetConfig
 from bench.fleet_sim.worker import WorkerSpec
@@ -106,6 +106,15 @@ def test_two_prompt_steps_time_sharing_a_gpu_end_together() -> None:
     assert t.gpu_hours == pytest.approx(t.span_s / 3600) and a.gpu_hours == pytest.approx(2 * a.span_s / 3600)
 
 
+def test_with_one_share_per_kind_two_prompt_steps_split_the_gpu_equally() -> None:
+    # exponent 0, weight 1: whatever their lengths the two steps get half the device each while both run. The 400
+    # (0.05 s alone) is done at 2 x 0.05 = 0.10 s, the 1,000 (0.11 s) when the device has done both, 0.16 s
+    reqs = [SimRequest(0.0, 1000, 1), SimRequest(0.0, 400, 1)]
+    together = shared(Counts(decode=2), per_gpu=2, share_length_exponent=0.0)
+    together.run(reqs)
+    assert sorted(together.ttft) == pytest.approx([0.10, 0.16])
+
+
 def test_a_step_s_host_part_holds_no_share_of_the_gpu() -> None:
     # each step: 0.01 s of host time after its device part. The 400-token step (0.05 s of device) runs alone for
     # 0.02 s; from then on beside the 1,000's (0.11 s) it keeps 0.05 / 0.16 of the device: its last 0.03 s take
@@ -137,9 +146,10 @@ def test_two_loops_on_one_device_keep_the_shares_measured() -> None:
     # bench/gpu_share.py's decode loop and prompt-chunk loop, replayed on one simulated device with the weight
     # calibrate.py derives from them: each keeps the share of the device it kept on the GPU, and together all of it
     got = json.loads((REPO / "bench" / "out" / "gpu_share_h200.json").read_text())
-    weight = fit_share_weight(REPO / "bench" / "out" / "gpu_share_h200.json")
+    weight, exponent = fit_share_weights([REPO / "bench" / "out" / "gpu_share_h200.json"])
+    spec = WorkerSpec(cost=COST, prefill_share_weight=weight, share_length_exponent=exponent)
     step_s = {role: got[role]["alone_ms"]["mean"] / 1000 for role in ("decode", "prefill")}
-    kind = {"decode": 1.0, "prefill": weight}
+    kind = {role: spec.share_weight(step_s[role], role == "prefill") for role in step_s}
     ends: dict[str, float] = {}
     device = SharedDevice(2, ends.__setitem__)
     for role in step_s:
@@ -170,3 +180,22 @@ def test_a_pair_on_one_gpu_moves_kv_by_a_local_copy() -> None:
     assert pair.run([SimRequest(0.0, 1000, 3)]).ttft_p50_s == pytest.approx(0.112)
     apart = shared(Counts(prefill=1, decode=1), per_gpu=1, **local)
     assert apart.run([SimRequest(0.0, 1000, 3)]).ttft_p50_s == pytest.approx(0.115)
+
+
+def share_run(path: Path, decode_ms: float, prefill_ms: float, decode_share: float) -> Path:
+    """A bench/gpu_share.py result with the fields the fit reads."""
+    run = {
+        "decode": {"alone_ms": {"mean": decode_ms}, "device_share": decode_share},
+        "prefill": {"alone_ms": {"mean": prefill_ms}, "device_share": 1 - decode_share},
+    }
+    path.write_text(json.dumps(run))
+    return path
+
+
+def test_the_share_weights_come_from_the_measured_shares(tmp_path: Path) -> None:
+    # share ratio = weight x (prompt step / decode step) ** exponent. A 40 ms chunk beside a 10 ms decode step
+    # keeping 0.8 of the device: ratio 4 at step ratio 4; a 160 ms chunk keeping 8/9: ratio 8 at 16
+    short = share_run(tmp_path / "short.json", 10.0, 40.0, 0.2)
+    long = share_run(tmp_path / "long.json", 10.0, 160.0, 1 / 9)
+    assert fit_share_weights([short]) == pytest.approx((1.0, 1.0))  # one run: by kernel length, 4 / 4
+    assert fit_share_weights([short, long]) == pytest.approx((2.0, 0.5))  # 4 = 2 x 4 ** 0.5, 8 = 2 x 16 ** 0.5

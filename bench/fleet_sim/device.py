@@ -1,21 +1,24 @@
 """One GPU that several simulated workers time-share (processes on one device, e.g. a prefill and a decode worker
 of one pair): weighted processor sharing between the device parts of their steps.
 
-The model: without MPS a GPU runs one process's kernels at a time, and while two processes have work queued it
-takes their kernels in turn; a kernel once started runs to its end, so a decode kernel waits behind the prompt
-kernel in flight and the other way round. In the fluid limit of that alternation each step whose device part is
-in flight gets a share of the device proportional to the length of its kernels. A step of one kind runs a fixed
-number of kernels (the model's layers times a layer's kernels), so its kernels lengthen with its device time: its
-weight is its device time alone times a weight per step kind (a pure decode step 1, a step carrying prompt tokens
-``WorkerSpec.prefill_share_weight``: the kinds' kernel counts differ, and the ratio of their shares is measured,
-bench/gpu_share.py). Hence a short decode step beside a long prompt chunk keeps a small part of the device, and two
-steps of one kind that start together end together, when the device has done both.
+The model: without MPS a GPU runs one process's kernels at a time and switches between the processes that have
+work queued. In the fluid limit each step whose device part is in flight gets a share of the device proportional
+to its weight, fixed for the step's life: its kind's weight (a pure decode step 1, a step carrying prompt tokens
+``WorkerSpec.prefill_share_weight``) times its device time alone to a power (``WorkerSpec.share_length_exponent``,
+``WorkerSpec.share_weight``). Exponent 1 is kernel-by-kernel alternation: a kernel once started runs to its end, so
+a decode kernel waits behind the prompt kernel in flight and each side keeps the length of its kernels; a step of
+one kind runs a fixed number of kernels (the model's layers times a layer's kernels), so its kernels lengthen with
+its device time, and the kinds' kernel counts differ by the measured ratio of their shares (bench/gpu_share.py).
+Two steps of one kind that start together then end together, when the device has done both. Exponent 0 is time
+slices between queues that never empty: one share per kind whatever a step's length (weight 1 for both: equal
+shares). bench/fleet_sim/calibrate.py derives the weight from one bench/gpu_share.py run (exponent 1), or both
+from runs at two prompt-chunk lengths.
 
 The shares always sum to one (work-conserving): the device is never idle while a step has work, overlapping steps'
 device times add, and a step alone runs at full speed. A step's host part (scheduling, sampling, events, on its
 process's own CPU) holds no share: meanwhile the others have the whole device. Not modelled: the cost of a context
-switch itself, the spread of where a step falls against the other's kernels, and kernels of two processes running
-at once (MPS, green contexts).
+switch itself, the spread of where a step falls against the other's kernels or slices, and kernels of two
+processes running at once (MPS, green contexts).
 """
 
 from __future__ import annotations
@@ -40,17 +43,17 @@ class SharedDevice:
     left: list[list[Any]] = field(default_factory=list)
     t: float = 0.0  # when `left` was last brought up to date
 
-    def start(self, worker: Any, device_s: float, now: float, kind_weight: float = 1.0) -> float:
-        """`worker` starts a step needing `device_s` of the device alone, its kind weighing `kind_weight` per
-        second of that; returns when its device part ends if nothing else starts meanwhile. The steps it now
-        shares the device with end later: `moved` hears of each."""
-        if kind_weight <= 0:
-            raise ValueError(f"a step kind's share weight must be positive, got {kind_weight}")
+    def start(self, worker: Any, device_s: float, now: float, weight: float) -> float:
+        """`worker` starts a step needing `device_s` of the device alone, its share weighing `weight`; returns
+        when its device part ends if nothing else starts meanwhile. The steps it now shares the device with end
+        later: `moved` hears of each."""
+        if weight <= 0:
+            raise ValueError(f"a step's share weight must be positive, got {weight}")
         self._advance(now)
         self.left = [e for e in self.left if e[0] is not worker]
         if device_s <= _DONE_S:
             return now
-        self.left.append([worker, device_s, device_s * kind_weight])
+        self.left.append([worker, device_s, weight])
         mine = 0.0
         for other, end in self._ends():
             if other is worker:
