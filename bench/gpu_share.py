@@ -4,7 +4,8 @@ simulator's sharing weights (bench/fleet_sim/device.py; fair sharing would give 
 
     python bench/gpu_share.py --out bench/out/gpu_share_h200.json          # dummy Llama-3.1-8B on one GPU
     python bench/gpu_share.py --overlap --out bench/out/gpu_share_overlap_h200.json   # loops as the engine's
-    python bench/gpu_share.py --chunk 512 --out bench/out/gpu_share_chunk512_h200.json  # shorter prompt kernels
+    python bench/gpu_share.py --overlap --chunk 512 --out bench/out/gpu_share_overlap_chunk512_h200.json
+    python bench/gpu_share.py --kernels ...   # also each step's kernels alone: how many, how long (profiler)
     python bench/gpu_share.py --device cpu --model smollm2-135m-instruct --batch 2 --context 64 --chunk 64 \
         --iters 5 --seconds 2 --kv-gb 0.05 --out /tmp/gpu_share_cpu.json   # the plumbing, on the CPU
 
@@ -104,6 +105,21 @@ def _steps(launch, overlap: bool, count: int = 0, until: float = 0.0) -> list[fl
     return times
 
 
+def _kernels(launch) -> dict:  # type: ignore[no-untyped-def]
+    """The kernels of one step alone, as the profiler sees them (copies and memsets left out): how many and how
+    long. Kernel-by-kernel alternation gives each process the length of its kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        launch().synchronize()
+    us = [
+        e.time_range.elapsed_us()
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
+    ]
+    return {"count": len(us), "mean_us": statistics.fmean(us) if us else 0.0, "total_us": float(sum(us))}
+
+
 @torch.inference_mode()
 def _child(role: str, args: argparse.Namespace, barrier, results) -> None:  # type: ignore[no-untyped-def]
     if args.device == "cpu":
@@ -121,6 +137,7 @@ def _child(role: str, args: argparse.Namespace, barrier, results) -> None:  # ty
     launch, rows = _step_fn(runner, role, args)
     _steps(launch, False, count=3)  # warm-up: lazy inits, graph planning
     _sync(args.device)
+    kernels = _kernels(launch) if args.kernels else None
     alone: list[float] = []
     barrier.wait()  # both engines ready
     for turn in ROLES:  # each loop alone while the other waits
@@ -129,7 +146,7 @@ def _child(role: str, args: argparse.Namespace, barrier, results) -> None:  # ty
         barrier.wait()
     shared = _steps(launch, args.overlap, until=time.perf_counter() + args.seconds)
     give_rows(runner, rows)
-    results.put((role, alone, shared))
+    results.put((role, alone, shared, kernels))
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -137,11 +154,11 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q / 100 * len(s)))] if s else float("nan")
 
 
-def summarize(got: dict[str, tuple[list[float], list[float]]]) -> dict:
+def summarize(got: dict[str, tuple[list[float], list[float], dict | None]]) -> dict:
     out: dict = {}
     kept = 0.0
     for role in ROLES:
-        alone, shared = got[role]
+        alone, shared, kernels = got[role]
         a, s = statistics.fmean(alone), statistics.fmean(shared)
         out[role] = {
             "alone_ms": {"p50": _pct(alone, 50), "p99": _pct(alone, 99), "mean": a, "n": len(alone)},
@@ -149,6 +166,8 @@ def summarize(got: dict[str, tuple[list[float], list[float]]]) -> dict:
             "slowdown": s / a,
             "device_share": a / s,
         }
+        if kernels is not None:
+            out[role]["kernels"] = kernels
         kept += a / s
     out["device_kept"] = kept
     out["fair_share_slowdown"] = 2.0
@@ -166,8 +185,11 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=10.0, help="both loops together")
     p.add_argument("--kv-gb", type=float, default=20.0, help="each process's KV pool")
     p.add_argument("--overlap", action="store_true", help="launch each next step before waiting (the serving loop)")
+    p.add_argument("--kernels", action="store_true", help="profile one step of each alone: its kernels (GPU)")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out" / "gpu_share.json")
     args = p.parse_args()
+    if args.kernels and not args.device.startswith("cuda"):
+        p.error("--kernels profiles GPU kernels: it needs --device cuda")
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(2), ctx.Queue()
     procs = [ctx.Process(target=_child, args=(role, args, barrier, results)) for role in ROLES]
@@ -175,8 +197,8 @@ def main() -> int:
         proc.start()
     got = {}
     for _ in ROLES:
-        role, alone, shared = results.get(timeout=1800)
-        got[role] = (alone, shared)
+        role, alone, shared, kernels = results.get(timeout=1800)
+        got[role] = (alone, shared, kernels)
     for proc in procs:
         proc.join()
     result = {"args": {k: str(v) for k, v in vars(args).items()}, **summarize(got)}
@@ -189,6 +211,9 @@ def main() -> int:
             f"{r['shared_ms']['p99']:.2f} ms, slowdown {r['slowdown']:.2f}x (fair share: 2x), device share "
             f"{r['device_share']:.2f}"
         )
+        if "kernels" in r:
+            k = r["kernels"]
+            log(f"{role}: {k['count']} kernels a step alone, {k['mean_us']:.1f} us each, {k['total_us'] / 1000:.2f} ms")
     log(f"device kept by the two together: {result['device_kept']:.2f} (work-conserving sharing: 1.0)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
