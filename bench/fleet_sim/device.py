@@ -47,12 +47,12 @@ class SharedDevice:
         """`worker` starts a step needing `device_s` of the device alone, its share weighing `weight`; returns
         when its device part ends if nothing else starts meanwhile. The steps it now shares the device with end
         later: `moved` hears of each."""
-        if weight <= 0:
-            raise ValueError(f"a step's share weight must be positive, got {weight}")
         self._advance(now)
         self.left = [e for e in self.left if e[0] is not worker]
         if device_s <= _DONE_S:
             return now
+        if weight <= 0:
+            raise ValueError(f"a step's share weight must be positive, got {weight}")
         self.left.append([worker, device_s, weight])
         mine = 0.0
         for other, end in self._ends():
