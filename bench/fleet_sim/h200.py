@@ -23,5 +23,7 @@ H200_LLAMA8B = WorkerSpec(
     # a prefill and a decode worker time-sharing one H200: their KV moves by a device-local copy (bench/transfer.py)
     local_transfer_base_s=0.000695,
     local_transfer_tokens_per_s=5.93e6,
+    # and a prompt step's kernels against a decode step's, for the share of the GPU each keeps (bench/gpu_share.py)
+    prefill_share_weight=0.4505,
 )
 NET_S = 0.01296  # a first token's time outside the engine (router, HTTP, tokenizing)
