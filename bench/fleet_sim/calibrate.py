@@ -1,7 +1,7 @@
 """Fits the simulator's step times to the H200 microbenchmarks, then predicts this project's recorded
 single-H200 serving runs (bench/serve.py JSON) and writes predicted against measured.
 
-    python bench/fleet_sim/calibrate.py [--runs DIR] [--out bench/out/fleet_sim_calibration.json]
+    python bench/fleet_sim/calibrate.py [--runs DIR] [--share gpu_share_h200.json ...] [--out OUT.json]
 
 Step times: the engine's own step-time model (common/sched/step_model.py ``StepTimeModel``, its real fit) fed
 the device times of bench/roofline.py (decode steps by batch and context, whole-prompt prefills) and
@@ -12,8 +12,10 @@ lowest rate of serve_slo_period_h200.json: its median ITL, ITL p99 and median TT
 prediction. Each recorded point is replayed request by request (its send times and lengths).
 
 A prefill and a decode worker time-sharing one GPU (serve_pd_shared_h200.json) run on one simulated device
-(bench/fleet_sim/device.py: their steps' device times add where they overlap), their KV moving by a device-local
-copy whose fixed time and rate are fitted to bench/transfer.py's one-GPU run (transfer_cuda_llama8b_h200.json).
+(bench/fleet_sim/device.py: the device's time goes to the steps in flight by their weights, and overlapping steps'
+device times add), a prompt step's weight against a decode step's derived from bench/gpu_share.py's two loops on
+one GPU (gpu_share_h200.json; --share names others), their KV moving by a device-local copy whose fixed time and
+rate are fitted to bench/transfer.py's one-GPU run (transfer_cuda_llama8b_h200.json).
 """
 
 from __future__ import annotations
@@ -87,6 +89,24 @@ def fit_local_transfer(runs: Path) -> tuple[float, float]:
     sizes = json.loads((runs / "transfer_cuda_llama8b_h200.json").read_text())["sizes"]
     per_token, base = np.polyfit([r["tokens"] for r in sizes], [r["e2e_s"] for r in sizes], 1)
     return float(base), float(1 / per_token)
+
+
+def fit_share_weights(paths: list[Path]) -> tuple[float, float]:
+    """A prompt step's share weight against a decode step's and the exponent of a step's device time in it
+    (device.py), from bench/gpu_share.py runs: a decode loop and a prompt-chunk loop on one GPU both always have
+    work, so each keeps a constant share, and the ratio of the two measured is weight x (prompt step / decode
+    step)**exponent, their times alone. One run gives the weight at exponent 1 (by the length of their kernels);
+    runs at different chunk lengths give both (least squares of the ratio's log on the step ratio's)."""
+    step_ratio, kept = [], []
+    for path in paths:
+        got = json.loads(path.read_text())
+        decode, prefill = got["decode"], got["prefill"]
+        step_ratio.append(prefill["alone_ms"]["mean"] / decode["alone_ms"]["mean"])
+        kept.append(prefill["device_share"] / decode["device_share"])
+    if len(set(step_ratio)) < 2:
+        return float(np.mean(kept) / np.mean(step_ratio)), 1.0
+    exponent, log_weight = np.polyfit(np.log(step_ratio), np.log(kept), 1)
+    return float(np.exp(log_weight)), float(exponent)
 
 
 def kv_tokens(run: dict) -> int:
@@ -164,6 +184,9 @@ def fit_host(point: dict, base: WorkerSpec, cfg_for) -> tuple[float, float, floa
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=Path, default=REPO / "bench" / "out")
+    ap.add_argument(
+        "--share", action="append", help="bench/gpu_share.py runs in --runs (repeat; default gpu_share_h200.json)"
+    )
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "fleet_sim_calibration.json")
     args = ap.parse_args()
     started = time.perf_counter()
@@ -175,12 +198,16 @@ def main() -> int:
         first["modes"]["agg"]["points"][0], base, lambda spec: fleet_for("agg", spec, ttft_ms, itl_ms)
     )
     local_base_s, local_tokens_per_s = fit_local_transfer(args.runs)
+    share_from = args.share or ["gpu_share_h200.json"]
+    share_weight, share_exponent = fit_share_weights([args.runs / name for name in share_from])
     spec = replace(
         base,
         host_s=host_s,
         spread_s=served_spread,
         local_transfer_base_s=local_base_s,
         local_transfer_tokens_per_s=local_tokens_per_s,
+        prefill_share_weight=share_weight,
+        share_length_exponent=share_exponent,
     )
     rows = []
     for file, mode, kind in RUNS:
@@ -225,6 +252,9 @@ def main() -> int:
         "host_s": host_s,
         "net_s": net_s,
         "local_transfer": {"base_s": local_base_s, "tokens_per_s": local_tokens_per_s},
+        "prefill_share_weight": share_weight,
+        "share_length_exponent": share_exponent,
+        "share_from": share_from,
         "fitted_on": f"{RUNS[0][0]} agg, its first point: host_s (median ITL), served_spread_s (ITL p99), net_s (median TTFT)",
         "points": rows,
         "seconds": time.perf_counter() - started,
@@ -234,7 +264,7 @@ def main() -> int:
     print(
         f"step cost {cost}, spread {served_spread * 1000:.2f} ms, host {host_s * 1000:.2f} ms/step, "
         f"net {net_s * 1000:.1f} ms, local KV copy {local_base_s * 1000:.2f} ms + {local_tokens_per_s / 1e6:.2f} M "
-        f"tokens/s -> {args.out}"
+        f"tokens/s, prompt-step share weight {share_weight:.3f} x device time ** {share_exponent:.2f} -> {args.out}"
     )
     return 0
 

@@ -50,6 +50,11 @@ class WorkerSpec:
     # as between GPUs)
     local_transfer_base_s: float = 0.0
     local_transfer_tokens_per_s: float = 0.0
+    # on a GPU it time-shares, a step's share weight (bench/fleet_sim/device.py): its kind's (a step carrying
+    # prompt tokens this, a pure decode step 1) x its device time alone ** the exponent (1: by the length of its
+    # kernels; 0: one share per kind)
+    prefill_share_weight: float = 1.0
+    share_length_exponent: float = 1.0
 
     @cached_property
     def published(self) -> StepCost:
@@ -67,6 +72,11 @@ class WorkerSpec:
     def published_map(self) -> dict[str, float]:
         """`published` as /load's ``step_coefficients`` (one map per spec: every snapshot shares it, read only)."""
         return self.published.as_map()
+
+    def share_weight(self, device_s: float, prompt: bool) -> float:
+        """The weight of a step needing `device_s` of the device alone on a GPU it time-shares (`prompt`: it
+        carries prompt tokens)."""
+        return (self.prefill_share_weight if prompt else 1.0) * device_s**self.share_length_exponent
 
     def transfer_s(self, tokens: int, local: bool = False) -> float:
         """A prompt's KV moving to its decode worker (`local`: on the same GPU)."""
@@ -386,7 +396,9 @@ class SimWorker:
             return None
         self.span_start, self.span_step_s, self.span_shared = now, step, shared
         if device is not None:
-            self.busy_until = device.start(self, step - s.host_s, now) + s.host_s
+            device_s = step - s.host_s
+            weight = s.share_weight(device_s, bool(chunks))
+            self.busy_until = device.start(self, device_s, now, weight) + s.host_s
         else:
             self.busy_until = now + step * self.span_steps
         self.version += 1
