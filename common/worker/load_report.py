@@ -92,4 +92,7 @@ class LoadReport:
             host_pages_total=snap.host_pages_total,
             host_pages_saved=snap.host_pages_saved,
             host_pages_loaded=snap.host_pages_loaded,
+            preemptions=snap.preemptions,
+            preemptions_parked=snap.preemptions_parked,
+            recomputed_tokens=snap.recomputed_tokens,
         )
