@@ -103,6 +103,7 @@ def run_policy(runner: Any, name: str, work: list[dict[str, Any]], args) -> dict
     admitted: list[int] = []
     preempted: set[str] = set()
     start = time.perf_counter()
+    cpu_start = time.process_time()
     done = 0
     while done < len(work):
         now = time.perf_counter() - start
@@ -131,6 +132,7 @@ def run_policy(runner: Any, name: str, work: list[dict[str, Any]], args) -> dict
                     done += 1
     sched.flush()
     elapsed = time.perf_counter() - start
+    cpu_s = time.process_time() - cpu_start
     good = 0
     ttfts = []
     for w in work:
@@ -148,6 +150,8 @@ def run_policy(runner: Any, name: str, work: list[dict[str, Any]], args) -> dict
         "kv_reservation": reservation,
         "preempt_mode": mode,
         "elapsed_s": round(elapsed, 3),
+        # The process's CPU time: on a shared CPU box, the cost that other processes' load inflates least.
+        "cpu_s": round(cpu_s, 3),
         "peak_admitted": max(admitted, default=0),
         "mean_admitted": round(sum(admitted) / max(1, len(admitted)), 2),
         "good_requests": good,
@@ -190,7 +194,9 @@ def main() -> int:
         default=None,
         help="run full reservation twice: the tokens two runs of one policy differ by (default: on a GPU)",
     )
-    p.add_argument("--policies", default="", help=f"comma-separated, of {','.join(POLICIES)} (default: all)")
+    p.add_argument(
+        "--policies", default="", help=f"comma-separated, run in this order, of {','.join(POLICIES)} (default: all)"
+    )
     p.add_argument("--out", default=str(OUT_DIR / "pool_bound.json"))
     args = p.parse_args()
 
@@ -237,15 +243,19 @@ def main() -> int:
     # what differs between those two runs is the floor against which the other policies' differences are read.
     names = ["full", "full_again"] if args.repeat_full else ["full"]
     names += ["optimistic", "optimistic_park"] if args.host_kv_gb > 0 else ["optimistic"]
-    if args.policies:
-        names = [n for n in names if n in args.policies.split(",")]
+    if args.policies:  # in the order given (on a shared box, swapping the order shows what the load did)
+        names = args.policies.split(",")
+        unknown = [n for n in names if n not in POLICIES]
+        if unknown:
+            raise SystemExit(f"unknown policies {unknown}: choose from {list(POLICIES)}")
     for name in names:
         r = results[name] = run_policy(runner, name, work, args)
         print(
             f"{name:>15}: admitted peak {r['peak_admitted']} mean {r['mean_admitted']}, goodput "
             f"{r['goodput_rps']} req/s ({r['good_requests']}/{args.requests} good), {r['output_tokens_per_s']} "
             f"out tok/s, TTFT p50 {r['ttft_p50_s']} s, {r['preemptions']} preemptions ({r['preemptions_parked']} "
-            f"parked, {r['recomputed_tokens']} tokens recomputed), {r['elapsed_s']} s",
+            f"parked, {r['recomputed_tokens']} tokens recomputed), {r['steps']} steps, {r['elapsed_s']} s "
+            f"({r['cpu_s']} s of CPU)",
             flush=True,
         )
     ref = results[names[0]]  # full reservation unless --policies leaves it out
