@@ -24,6 +24,7 @@ policies in the same run. Writes bench/out/pool_bound.json.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -145,12 +146,12 @@ def run_policy(runner: Any, name: str, work: list[dict[str, Any]], args) -> dict
     out_tokens = sum(min(len(r.output_ids), w["stop_after"]) for w, r in ((w, reqs[w["id"]]) for w in work))
     ttfts.sort()
     snap = sched.snapshot()
-    return {
+    result = {
         "policy": name,
         "kv_reservation": reservation,
         "preempt_mode": mode,
         "elapsed_s": round(elapsed, 3),
-        # The process's CPU time: on a shared CPU box, the cost that other processes' load inflates least.
+        # The process's CPU time beside the wall clock (on a shared box both grow with the others' load).
         "cpu_s": round(cpu_s, 3),
         "peak_admitted": max(admitted, default=0),
         "mean_admitted": round(sum(admitted) / max(1, len(admitted)), 2),
@@ -168,6 +169,9 @@ def run_policy(runner: Any, name: str, work: list[dict[str, Any]], args) -> dict
         "outputs": {w["id"]: reqs[w["id"]].output_ids[: w["stop_after"]] for w in work},
         "ledger_violations": sched.table_violations(),
     }
+    if sched.cache is not None and sched.cache.host is not None:
+        sched.cache.host.close()  # unpinned now: the next policy pins a tier of its own
+    return result
 
 
 def main() -> int:
@@ -250,6 +254,7 @@ def main() -> int:
             raise SystemExit(f"unknown policies {unknown}: choose from {list(POLICIES)}")
     for name in names:
         r = results[name] = run_policy(runner, name, work, args)
+        gc.collect()  # the run's scheduler and its host tier go before the next one is built
         print(
             f"{name:>15}: admitted peak {r['peak_admitted']} mean {r['mean_admitted']}, goodput "
             f"{r['goodput_rps']} req/s ({r['good_requests']}/{args.requests} good), {r['output_tokens_per_s']} "
