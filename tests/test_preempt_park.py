@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(600)
 
 MAX_TOKENS = 24
 PAGE = 4  # small pages: a short output crosses several page boundaries, so a small pool preempts early
-POOL_PAGES = 30  # the four prompts share 29 tokens; each grows to 62: 16 pages, the pool is short by ~half
+POOL_PAGES = 30  # the four prompts share 29 tokens (7 pages); each grows to ~62 (16 pages): ~43 pages in all
 TOPICS = ["the sea", "a small town", "bread", "winter"]
 
 
@@ -91,8 +91,10 @@ def work(smol_path, smol_tokenizer) -> tuple[list[list[int]], list[list[int]]]:
 
 
 def test_a_parked_request_resumes_with_the_same_tokens_and_nothing_recomputed(smol_path, work) -> None:
-    """A pool too small for four requests' outputs: optimistic reservation admits them and preempts as they grow. Parked, their KV goes to the host tier and comes back: tokens equal to the unpreempted
-    run's (greedy and seeded), no token recomputed, every parked host page given back on resume."""
+    """A pool too small for four requests' outputs: optimistic reservation admits them and preempts as they
+    grow. Parked, their KV goes to the host tier and comes back: tokens equal to the unpreempted run's (greedy
+    and seeded), no token recomputed, and every parked host page given back on resume (the host ledger, checked
+    after every step, counts a resumed request's pages as free or leaked, never as parked)."""
     prompts, expected = work
     sched, reqs, most_parked = run(smol_path, prompts, POOL_PAGES, "park", 64)
     snap = sched.snapshot()
