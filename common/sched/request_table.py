@@ -227,6 +227,6 @@ class RequestTable:
             owners = ((r.pages, r.tree_pages) for r in self.by_id.values())
             parked = [r.parked.host_pages for r in self.by_id.values() if r.parked is not None]
             problems += page_ledger_violations(allocator, cache, owners, parked)
-        if any(r.parked is not None and r.state is not ReqState.WAITING for r in self.by_id.values()):
-            problems.append("a request holds parked KV, yet is not waiting")
+        if any(r.parked is not None for r in active):
+            problems.append("an admitted request still holds parked KV")
         return problems
