@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import roofline  # noqa: E402
 
 from common.engine.kv_sizing import model_kv_layout  # noqa: E402
+from common.engine.mla import MlaParts  # noqa: E402
 from common.engine.named_configs import named_config  # noqa: E402
 
 MODEL = "deepseek-v2-lite"
@@ -110,9 +111,8 @@ def attention_bench(runner: roofline.ModelRunner, quick: bool) -> None:
     def measure(fb, x) -> tuple[float, float]:
         attn.plan(fb)
         kernel = roofline.device_ms(lambda: attn.attend(0, x["q"]), iters)
-        layer = roofline.device_ms(
-            lambda: attn.forward_mla(0, fb.positions, x["q_nope"], x["q_pe"], x["latent"], x["k_pe"], proj), iters
-        )
+        parts = MlaParts(x["q_nope"], x["q_pe"], x["latent"], x["k_pe"])
+        layer = roofline.device_ms(lambda: attn.forward_mla(0, fb.positions, parts, proj), iters)
         return kernel, layer
 
     bpe = (r + rope) * torch.empty((), dtype=dt).element_size()  # bytes of one latent entry

@@ -50,8 +50,8 @@ class WorkerConfig:
     def from_env(cls, role: str, environ: Mapping[str, str] | None = None) -> WorkerConfig:
         cfg = cls(
             role=role,
-            runner=RunnerConfig(**reg.read_fields(RunnerConfig, environ)),
-            sched=SchedulerConfig(**reg.read_fields(SchedulerConfig, environ)),
+            runner=RunnerConfig.from_env(environ),
+            sched=SchedulerConfig.from_env(environ),
             redis_access=RedisAccess.from_env(environ),
             internal_token=InternalToken.from_env(environ),
             **reg.read_fields(cls, environ),

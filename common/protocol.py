@@ -276,6 +276,10 @@ class LoadSnapshot(Schema):
     decode_rows: int = 0
     decode_context: int = 0
     queued_ahead_tokens: Annotated[dict[str, int], Meta(max_length=64)] = {}
+    # The engine process's garbage collections since it started (common/gc_pauses.py): count, seconds, longest.
+    gc_collections: int = 0
+    gc_pause_s: float = 0.0
+    gc_pause_max_s: float = 0.0
 
 
 # ---- encoding and decoding -----------------------------------------------------------------------------

@@ -3,7 +3,6 @@ common/settings_registry.py."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from common import settings_registry as reg
@@ -13,7 +12,7 @@ __all__ = ["ITL_TARGET_AUTO", "ITL_TARGET_SLO", "HttpLimits", "RunnerConfig", "S
 
 
 @dataclass
-class RunnerConfig:
+class RunnerConfig(reg.EnvFields):
     model: str = reg.MODEL.field()
     device: str = reg.DEVICE.field()
     dtype: str = reg.DTYPE.field()
@@ -57,7 +56,7 @@ class RunnerConfig:
 
 
 @dataclass
-class SchedulerConfig:
+class SchedulerConfig(reg.EnvFields):
     max_prefill_tokens: int = reg.MAX_PREFILL_TOKENS.field()
     enable_prefix_cache: bool = True
     # ITL target of stall-free batching (common/sched/prefill_budget.py): ITL_TARGET_SLO the SLO classes'; < 0:
@@ -76,7 +75,7 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
-class HttpLimits:
+class HttpLimits(reg.EnvFields):
     """What one HTTP request and connection may cost (`KVFERRY_HTTP_*`; docs/reliability.md, "HTTP limits")."""
 
     max_url_bytes: int = reg.HTTP_MAX_URL_BYTES.field()
@@ -89,7 +88,3 @@ class HttpLimits:
     write_timeout_s: float = reg.HTTP_WRITE_TIMEOUT_S.field()
     keep_alive_s: float = reg.HTTP_KEEP_ALIVE_S.field()
     max_connections: int = reg.HTTP_MAX_CONNECTIONS.field()
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> HttpLimits:
-        return cls(**reg.read_fields(cls, environ))

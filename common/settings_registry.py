@@ -22,11 +22,11 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Self, TypeVar
 
 from common.slo import DEFAULT_SLO_SPEC, parse_slo_classes
 
-__all__ = ["REGISTRY", "Setting", "add_flags", "declare", "read_fields", "render_table"]
+__all__ = ["REGISTRY", "EnvFields", "Setting", "add_flags", "declare", "read_fields", "render_table"]
 
 T = TypeVar("T")
 _META = "kvferry_setting"  # the dataclass field metadata key that binds a field to its Setting
@@ -116,6 +116,14 @@ def read_fields(cls: type, environ: Mapping[str, str] | None = None) -> dict[str
     return values
 
 
+class EnvFields:
+    """Base of a config dataclass read whole from the environment: `from_env` fills the fields bound to settings."""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Self:
+        return cls(**read_fields(cls, environ))
+
+
 def add_flags(parser: argparse._ActionsContainer, *classes: type, dest_prefix: str = "") -> None:
     """The flag of every field of `classes` bound to a setting declared with `flag=True` (dest: the field's name
     after `dest_prefix`; unset flags stay None, so the environment's value stands)."""
@@ -167,7 +175,7 @@ def token_list(value: str) -> tuple[str, ...]:
 
 
 # `SchedulerConfig.itl_target_ms` below 0: the target is -itl_target_ms times the engine's own measured
-# decode step; the default (`auto`) is 2 of them (common/sched/prefill_budget.py).
+# decode step; `auto` is 2 of them (common/sched/prefill_budget.py).
 ITL_TARGET_AUTO = -2.0
 # The default: the tightest ITL target of the SLO classes being decoded (common/slo.py), at least two decode steps.
 ITL_TARGET_SLO = math.inf

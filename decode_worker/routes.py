@@ -10,9 +10,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from common.protocol import GenerateRequest, HandshakeResponse, TokenLine, replace
-from common.worker.http_errors import error_response, read_message
+from common.worker.http_errors import error_response
 from common.worker.messages import Generate, KVForcedRelease, PrefillSettled, Reserved, StreamEvent, Tokens
-from common.worker.request import WorkerRequest, refuse_unready
+from common.worker.request import WorkerRequest, read_when_ready
 from common.worker.request_trace import DECODE_SPANS, WorkerTrace
 from common.worker.worker_state import WorkerState
 from decode_worker.peer_directory import PeerDirectory
@@ -131,10 +131,9 @@ def add_decode_routes(app: FastAPI, state: WorkerState) -> None:
 
     @app.post("/internal/generate")
     async def generate(request: Request) -> Response:
-        gen = await read_message(request, GenerateRequest)
-        unready = refuse_unready(state)
-        if unready is not None:
-            return unready
+        gen = await read_when_ready(request, state, GenerateRequest)
+        if isinstance(gen, Response):
+            return gen
         too_large = _over_share(state, gen)
         if too_large is not None:
             return error_response(400, too_large, "invalid_request_error", "request_too_large")

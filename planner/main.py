@@ -28,7 +28,7 @@ from planner.scaler import DeploymentScaler, DryRun, Scaler
 from planner.sizing import Counts, FleetSpec, OfferedLoad
 from planner.source import read
 
-__all__ = ["PlannerMetrics", "build_parser", "main", "step"]
+__all__ = ["PlannerMetrics", "build_parser", "build_planner", "main", "step"]
 
 log = logging.getLogger("kvferry.planner")
 ROLES = ("prefill", "decode", "mixed")
@@ -134,14 +134,13 @@ def step(
     return decision
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def build_planner(args: argparse.Namespace) -> Planner:
+    """The planner the flags describe; its step cost is the workers' own fit, replaced at every reading."""
     cls = parse_slo_classes(args.slo or reg.SLO_CLASSES.read()).classes[0]
-    deployments = {k: str(v) for k, v in _pairs(args.deployments).items()}
     lo, hi = _pairs(args.min, int), _pairs(args.max, int)
-    roles = tuple(r for r in ROLES if r in deployments)
+    roles = tuple(r for r in ROLES if r in _pairs(args.deployments))
     spec = FleetSpec(
-        cost=StepCost(),  # the workers' own fit replaces it at every reading
+        cost=StepCost(),
         ttft_s=cls.ttft_s or 10.0,
         itl_s=cls.itl_s,
         chunk_tokens=args.chunk_tokens,
@@ -151,7 +150,13 @@ def main(argv: list[str] | None = None) -> int:
         min_workers=Counts(**{r: int(lo.get(r, 0)) if r in roles else 0 for r in ROLES}),  # type: ignore[arg-type]
         max_workers=Counts(**{r: int(hi.get(r, 0)) if r in roles else 0 for r in ROLES}),  # type: ignore[arg-type]
     )
-    planner = Planner(spec, PlannerConfig(interval_s=args.interval, horizon_s=args.startup))
+    return Planner(spec, PlannerConfig(interval_s=args.interval, horizon_s=args.startup))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    deployments = {k: str(v) for k, v in _pairs(args.deployments).items()}
+    planner = build_planner(args)
     scaler: Scaler
     if args.dry_run:
         scaler = DryRun()

@@ -129,7 +129,10 @@ def decode_rate(spec: FleetSpec, load: OfferedLoad) -> float:
     cost = spec.cost
     if not cost.known or load.output <= 0 or target <= cost.base_s:
         return 0.0
-    x = (1 - cost.base_s / target) / (load.output * _row_cost(cost, load))
+    row_s = load.output * _row_cost(cost, load)
+    # a fit with no decode rows in it (a prefill worker's: the only one a P+D fleet publishes when every prompt
+    # is long enough to go to it) prices a row at 0: the batch slots and KV pool alone bound the rate
+    x = (1 - cost.base_s / target) / row_s if row_s > 0 else math.inf
     return min(x, _kv_and_slot_cap(spec, load, target))
 
 

@@ -62,6 +62,7 @@ def parse_totals(text: str, t: float) -> Totals:
                 shed += sample.value
             elif name in (
                 "kvferry_router_requests_total",
+                "kvferry_router_inflight_requests",
                 "kvferry_router_prompt_tokens_sum",
                 "kvferry_router_prompt_tokens_count",
                 "kvferry_router_output_tokens_sum",
@@ -70,7 +71,9 @@ def parse_totals(text: str, t: float) -> Totals:
                 sums[name] = sums.get(name, 0.0) + sample.value
     return Totals(
         t=t,
-        requests=sums.get("kvferry_router_requests_total", 0.0),
+        # a request is counted in requests_total when it ends: with those still in the router, when it arrived
+        # (under a growing queue the finished ones alone read the throughput, not the offered load)
+        requests=sums.get("kvferry_router_requests_total", 0.0) + sums.get("kvferry_router_inflight_requests", 0.0),
         served=sums.get("kvferry_router_prompt_tokens_count", 0.0),
         prompt_tokens=sums.get("kvferry_router_prompt_tokens_sum", 0.0),
         prompt_sq_tokens=_sum_of_squares(buckets),

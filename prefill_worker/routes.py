@@ -21,7 +21,7 @@ from common.worker.messages import (
     TransferStats,
     Unanswered,
 )
-from common.worker.request import WorkerRequest, refuse_unready
+from common.worker.request import WorkerRequest, read_when_ready
 from common.worker.request_trace import PREFILL_SPANS, WorkerTrace
 from common.worker.worker_state import WorkerState
 from prefill_worker.liveness import EngineMotion
@@ -87,10 +87,9 @@ class PrefillExchange(WorkerRequest):
 def add_prefill_routes(app: FastAPI, state: WorkerState) -> None:
     @app.post("/internal/handshake")
     async def handshake(request: Request) -> Response:
-        hs = await read_message(request, HandshakeRequest)
-        unready = refuse_unready(state)
-        if unready is not None:
-            return unready
+        hs = await read_when_ready(request, state, HandshakeRequest)
+        if isinstance(hs, Response):
+            return hs
         assert state.client is not None
         added = await state.client.call(AddPeer(hs))
         return message_response(
@@ -99,10 +98,9 @@ def add_prefill_routes(app: FastAPI, state: WorkerState) -> None:
 
     @app.post("/internal/prefill")
     async def prefill(request: Request) -> Response:
-        pr = await read_message(request, PrefillRequest)
-        unready = refuse_unready(state)
-        if unready is not None:
-            return unready
+        pr = await read_when_ready(request, state, PrefillRequest)
+        if isinstance(pr, Response):
+            return pr
         live = state.requests.get(pr.req_id)
         if live is not None:
             # A second copy: the live exchange keeps its stream and registration (the engine refuses the same).

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from common.config import RouterConfig
+from common.gc_pauses import GcPauses, freeze_startup_objects
 from common.http_guard import RequestLimits
 from common.http_server import REFUSAL_HOOK
 from common.log import limit_tracebacks
@@ -48,8 +49,10 @@ def create_app(
     index_reader: Any = None,
     use_redis: bool = True,
     http_limits: HttpLimits | None = None,
+    freeze_gc: bool = False,
 ) -> FastAPI:
-    """Builds the router app; each part defaults to what `config` names (``use_redis=False``: route on load alone)."""
+    """Builds the router app; each part defaults to what `config` names (``use_redis=False``: route on load alone).
+    ``freeze_gc``: the serving process's own app (router/main.py), whose startup objects live as long as it does."""
     opts = options or RouterOptions.from_env()
     if tokenizer is None or model_info is None:
         tokenizer, model_info = load_tokenizer(config.model, opts.tokenizer)
@@ -72,9 +75,15 @@ def create_app(
         runtime = RouterRuntime.build(config, opts, tok, info, disc, index_reader, metrics)
         slot.fill(runtime)
         runtime.start()
+        # The tokenizer, templates and app are built: out of the collector's walks, so a collection during
+        # streaming costs the objects made since (common/gc_pauses.py); long ones are logged.
+        if freeze_gc:
+            freeze_startup_objects()
+        pauses = GcPauses().install()
         try:
             yield
         finally:
+            pauses.uninstall()
             await runtime.stop()
 
     app = FastAPI(title="kvferry router", version="1", lifespan=lifespan)

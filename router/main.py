@@ -57,7 +57,7 @@ def child_app() -> Any:
     data = json.loads(reg.ROUTER_CHILD_SETTINGS.read())
     if data["log_level"]:
         setup_logging(data["log_level"])
-    return create_app(RouterConfig(**data["config"]), RouterOptions(**data["options"]))
+    return create_app(RouterConfig(**data["config"]), RouterOptions(**data["options"]), freeze_gc=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,5 +96,5 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from router.app import create_app
 
-    uvicorn.run(create_app(config, options), **server)  # type: ignore[arg-type]
+    uvicorn.run(create_app(config, options, freeze_gc=True), **server)  # type: ignore[arg-type]
     return 0

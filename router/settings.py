@@ -6,7 +6,6 @@ the ``kvferry router`` flag ``--<name>`` (router/main.py). Defaults suit a small
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from common import settings_registry as reg
@@ -15,7 +14,7 @@ __all__ = ["RouterOptions"]
 
 
 @dataclass
-class RouterOptions:
+class RouterOptions(reg.EnvFields):
     tokenizer: str = reg.ROUTER_TOKENIZER.field()
     # Per-process pools, polls and admission by design: the workers' own load figures are the shared truth.
     workers: int = reg.ROUTER_WORKERS.field()
@@ -55,7 +54,3 @@ class RouterOptions:
     # A stream whose decode worker is lost continues on another one (router/upstream/migration.py).
     migration_limit: int = reg.ROUTER_MIGRATION_LIMIT.field()
     migration_wait_s: float = reg.ROUTER_MIGRATION_WAIT_S.field()
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> RouterOptions:
-        return cls(**reg.read_fields(cls, environ))

@@ -5,8 +5,13 @@ fleet after the pods' start-up time."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
+from bench.fleet_sim.calibrate import fit_share_weights
+from bench.fleet_sim.device import SharedDevice
 from bench.fleet_sim.fleet import Fleet, FleetConfig
 from bench.fleet_sim.worker import WorkerSpec
 from bench.fleet_sim.workload import SimRequest, poisson, scale_rate
@@ -14,6 +19,7 @@ from common.capacity import StepCost
 from common.slo import parse_slo_classes
 from planner.sizing import Counts
 
+REPO = Path(__file__).resolve().parents[1]
 COST = StepCost(base_s=0.01, per_prefill_token_s=1e-4)
 SLO = parse_slo_classes("interactive:ttft=1s,itl=50ms,p=99")
 
@@ -45,6 +51,15 @@ def test_disaggregated_first_token_waits_for_the_transfer() -> None:
     assert res.ttft_p50_s == pytest.approx(0.115)
 
 
+def test_a_first_token_from_a_peer_leaves_at_the_decode_worker_s_next_step() -> None:
+    # A: prefill 0.11 s, KV landed at 0.115, decoding from then on in steps of 0.01 s (boundaries 0.115 + k x 0.01).
+    # B at 0.2: prefill 1,200 tokens, 0.13 s, + 6 ms of transfer: landed at 0.336, taken in (and its first token
+    # sent) at the decode worker's next step boundary, 0.345: TTFT 0.145 s
+    f = fleet(Counts(prefill=1, decode=1))
+    f.run([SimRequest(0.0, 1000, 50), SimRequest(0.2, 1200, 3)])
+    assert list(f.ttft) == pytest.approx([0.115, 0.145])
+
+
 def test_the_real_admission_refuses_what_cannot_be_served_in_time() -> None:
     # 40 prompts of 2,000 tokens at once: each takes ~0.2 s of the one worker, so past the fifth or so the
     # predicted TTFT passes 1 s and the router answers 429 instead of queueing them
@@ -68,3 +83,119 @@ def test_pods_asked_for_become_ready_after_the_start_up_time() -> None:
     assert f.counts(include_starting=False) == Counts(decode=3)
     # GPU-hours count every pod from the moment it is asked for: 1 x 60 s + 2 x 60 s
     assert res.gpu_hours == pytest.approx(3 * res.span_s / 3600, rel=1e-6)
+
+
+def shared(counts: Counts, per_gpu: int, **spec_kw) -> Fleet:  # type: ignore[no-untyped-def]
+    spec = WorkerSpec(cost=COST, itl_target_s=0.05, transfer_tokens_per_s=200_000.0, **spec_kw)
+    cfg = FleetConfig(worker=spec, slo=SLO, net_s=0.0, startup_s=0.0, workers_per_gpu=per_gpu)
+    return Fleet(cfg, counts)
+
+
+def test_two_prompt_steps_time_sharing_a_gpu_end_together() -> None:
+    # two prompts at once, one per worker: 1,000 tokens (0.11 s alone) and 400 (0.05 s alone). On one GPU each step
+    # keeps a share by the length of its kernels (one kind: by its time), 0.11 / 0.16 and 0.05 / 0.16, so both are
+    # done when the device has done both: 0.16 s
+    reqs = [SimRequest(0.0, 1000, 1), SimRequest(0.0, 400, 1)]
+    apart = shared(Counts(decode=2), per_gpu=1)
+    together = shared(Counts(decode=2), per_gpu=2)
+    a, t = apart.run(reqs), together.run(reqs)
+    assert sorted(apart.ttft) == pytest.approx([0.05, 0.11])
+    assert sorted(together.ttft) == pytest.approx([0.16, 0.16])
+    assert len(together.devices) == 1 and a.served == t.served == 2
+    # GPU-hours count GPUs: one for the two workers sharing it, two apart
+    assert t.gpu_hours == pytest.approx(t.span_s / 3600) and a.gpu_hours == pytest.approx(2 * a.span_s / 3600)
+
+
+def test_with_one_share_per_kind_two_prompt_steps_split_the_gpu_equally() -> None:
+    # exponent 0, weight 1: whatever their lengths the two steps get half the device each while both run. The 400
+    # (0.05 s alone) is done at 2 x 0.05 = 0.10 s, the 1,000 (0.11 s) when the device has done both, 0.16 s
+    reqs = [SimRequest(0.0, 1000, 1), SimRequest(0.0, 400, 1)]
+    together = shared(Counts(decode=2), per_gpu=2, share_length_exponent=0.0)
+    together.run(reqs)
+    assert sorted(together.ttft) == pytest.approx([0.10, 0.16])
+
+
+def test_a_step_s_host_part_holds_no_share_of_the_gpu() -> None:
+    # each step: 0.01 s of host time after its device part. The 400-token step (0.05 s of device) runs alone for
+    # 0.02 s; from then on beside the 1,000's (0.11 s) it keeps 0.05 / 0.16 of the device: its last 0.03 s take
+    # 0.096 s, device done at 0.116, first token at 0.126. The 1,000 has done 0.066 s by then and its last 0.044 s
+    # run alone while the other's host part runs: device done at 0.16, first token at 0.17 (sent at 0.02: 0.15)
+    reqs = [SimRequest(0.0, 400, 1), SimRequest(0.02, 1000, 1)]
+    together = shared(Counts(decode=2), per_gpu=2, host_s=0.01)
+    together.run(reqs)
+    assert list(together.ttft) == pytest.approx([0.126, 0.15])
+
+
+def test_a_decode_step_beside_a_prompt_step_keeps_the_share_of_its_kernels() -> None:
+    # a prefill and a decode worker on one GPU, a prompt step's kernels weighing 0.5 a device second against a decode
+    # step's 1. A: 100 tokens, short enough to be prefilled where it decodes (0.02 s alone), then 0.01 s steps.
+    # B at 0.055, on the prefill worker: a 1,100-token prompt step (0.12 s, weight 0.06) beside the decode step in
+    # flight (its last 0.005 s, weight 0.01): the decode side keeps 1/7 of the device. That step ends at 0.09
+    # (ITL 0.04), the next at 0.16 (0.07), B's prompt at 0.195 (0.12 s of device in 0.14 s) and the decode step in
+    # flight, alone from then, at 0.2 (0.04). B's KV lands at 0.2005 (5.5 ms), its one token: TTFT 0.1455 s
+    pair = shared(Counts(prefill=1, decode=1), per_gpu=2, prefill_share_weight=0.5)
+    res = pair.run([SimRequest(0.0, 100, 40), SimRequest(0.055, 1100, 1)])
+    assert list(pair.ttft) == pytest.approx([0.02, 0.1455])
+    assert res.itl_p50_s == pytest.approx(0.01, rel=0.025)  # the histogram's bin
+    assert res.itl_p99_s == pytest.approx(0.07, rel=0.025)  # 3 of A's 39 gaps were slow: 0.04, 0.07, 0.04
+    # work-conserving: the device was never idle, so all is done when its work is, 0.02 + 39 x 0.01 + 0.12 s
+    assert res.span_s == pytest.approx(0.53)
+
+
+def test_two_loops_on_one_device_keep_the_shares_measured() -> None:
+    # bench/gpu_share.py's decode loop and prompt-chunk loop, replayed on one simulated device with the weight
+    # calibrate.py derives from them: each keeps the share of the device it kept on the GPU, and together all of it
+    got = json.loads((REPO / "bench" / "out" / "gpu_share_h200.json").read_text())
+    weight, exponent = fit_share_weights([REPO / "bench" / "out" / "gpu_share_h200.json"])
+    spec = WorkerSpec(cost=COST, prefill_share_weight=weight, share_length_exponent=exponent)
+    step_s = {role: got[role]["alone_ms"]["mean"] / 1000 for role in ("decode", "prefill")}
+    kind = {role: spec.share_weight(step_s[role], role == "prefill") for role in step_s}
+    ends: dict[str, float] = {}
+    device = SharedDevice(2, ends.__setitem__)
+    for role in step_s:
+        ends[role] = device.start(role, step_s[role], 0.0, kind[role])
+    steps = dict.fromkeys(step_s, 0)
+    span = 10.0
+    while min(ends.values()) <= span:
+        role = min(ends, key=lambda r: ends[r])
+        steps[role] += 1
+        ends[role] = device.start(role, step_s[role], ends[role], kind[role])
+    share = {role: steps[role] * step_s[role] / span for role in step_s}
+    for role in step_s:
+        assert share[role] == pytest.approx(got[role]["device_share"], abs=0.01), role
+    assert sum(share.values()) == pytest.approx(1.0, abs=0.01)
+
+
+def test_one_worker_on_a_shareable_gpu_runs_as_on_its_own() -> None:
+    reqs = poisson(4.0, 20.0, (100, 3000), (5, 60), seed=2)
+    alone, shareable = shared(Counts(decode=1), per_gpu=1).run(reqs), shared(Counts(decode=1), per_gpu=2).run(reqs)
+    for field in ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "output_tok_per_s", "served", "good"):
+        assert getattr(shareable, field) == pytest.approx(getattr(alone, field)), field
+
+
+def test_a_pair_on_one_gpu_moves_kv_by_a_local_copy() -> None:
+    # prefill 0.11 s, then the local copy: 1 ms + 1,000 tokens at 1M tokens/s = 2 ms (between GPUs: 5 ms)
+    local = {"local_transfer_base_s": 0.001, "local_transfer_tokens_per_s": 1_000_000.0}
+    pair = shared(Counts(prefill=1, decode=1), per_gpu=2, **local)
+    assert pair.run([SimRequest(0.0, 1000, 3)]).ttft_p50_s == pytest.approx(0.112)
+    apart = shared(Counts(prefill=1, decode=1), per_gpu=1, **local)
+    assert apart.run([SimRequest(0.0, 1000, 3)]).ttft_p50_s == pytest.approx(0.115)
+
+
+def share_run(path: Path, decode_ms: float, prefill_ms: float, decode_share: float) -> Path:
+    """A bench/gpu_share.py result with the fields the fit reads."""
+    run = {
+        "decode": {"alone_ms": {"mean": decode_ms}, "device_share": decode_share},
+        "prefill": {"alone_ms": {"mean": prefill_ms}, "device_share": 1 - decode_share},
+    }
+    path.write_text(json.dumps(run))
+    return path
+
+
+def test_the_share_weights_come_from_the_measured_shares(tmp_path: Path) -> None:
+    # share ratio = weight x (prompt step / decode step) ** exponent. A 40 ms chunk beside a 10 ms decode step
+    # keeping 0.8 of the device: ratio 4 at step ratio 4; a 160 ms chunk keeping 8/9: ratio 8 at 16
+    short = share_run(tmp_path / "short.json", 10.0, 40.0, 0.2)
+    long = share_run(tmp_path / "long.json", 10.0, 160.0, 1 / 9)
+    assert fit_share_weights([short]) == pytest.approx((1.0, 1.0))  # one run: by kernel length, 4 / 4
+    assert fit_share_weights([short, long]) == pytest.approx((2.0, 0.5))  # 4 = 2 x 4 ** 0.5, 8 = 2 x 16 ** 0.5

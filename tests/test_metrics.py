@@ -202,6 +202,14 @@ def test_workers_report_their_start_phases(cluster: LocalCluster) -> None:
         log = (cluster.log_dir / f"{role}-0.log").read_text()
         logged = {m[0]: float(m[1]) for m in re.findall(r"start phase phase=(\w+) seconds=([0-9.]+)", log)}
         assert set(logged) == {"weights", "warm_up"} and all(v > 0 for v in logged.values()), (role, logged)
+        # The engine reports its garbage collections (common/gc_pauses.py; startup's objects are frozen, so an
+        # engine may serve without one): a pause is reported exactly when a collection is.
+        collections = value(snap, "kvferry_engine_gc_collections")
+        pause, longest = (
+            value(snap, "kvferry_engine_gc_pause_seconds"),
+            value(snap, "kvferry_engine_gc_pause_max_seconds"),
+        )
+        assert pause >= longest >= 0 and (collections > 0) == (pause > 0), (role, collections, pause, longest)
 
 
 def test_the_timeline_route_gives_monotone_stages_of_every_process(cluster: LocalCluster, served: dict) -> None:

@@ -26,6 +26,7 @@ from router.decision.policy import RoutingPolicy
 from router.decision.pool import WorkerPool
 from router.metrics import RouterMetrics
 from router.runtime import placement_inputs
+from router.timeline import RequestLog
 
 COEF = {"base_s": 0.004, "per_prefill_token_s": 25e-6, "per_decode_row_s": 20e-6, "per_context_token_s": 5e-8}
 
@@ -153,6 +154,20 @@ def test_a_growing_queue_at_the_router_raises_prefill(backend) -> None:
         d = step(planner, http, [url], history, 60.0, DryRun(), metrics, now=10.0)
     assert d.targets.prefill == 2 and d.reasons["prefill"] == "up 1->2" and d.targets.decode == 1
     assert metrics.wait._value.get() == pytest.approx(3.0)
+
+
+def test_requests_still_in_the_router_count_as_arrivals(backend) -> None:
+    b, url = backend
+    planner, history, metrics = _planner(), deque(), PlannerMetrics()
+    planner.targets = Counts(1, 1, 0)
+    log = RequestLog(b.metrics)
+    with httpx.Client() as http:
+        step(planner, http, [url], history, 60.0, DryRun(), metrics, now=0.0)
+        b.serve(10, 2000, 300)
+        for _ in range(40):  # arrived, not finished: queued behind a saturated fleet
+            log.begin(True, None, "/v1/completions")
+        step(planner, http, [url], history, 60.0, DryRun(), metrics, now=10.0)
+    assert metrics.rate._value.get() == pytest.approx(5.0)  # 50 arrivals in 10 s, not the 10 that finished
 
 
 def test_flags_parse() -> None:

@@ -32,6 +32,16 @@ def test_sizing_by_hand() -> None:
     assert size_fleet(SPEC, replace(LOAD, rate=100.0)) == Counts(prefill=7, decode=6, mixed=0)
 
 
+def test_a_fit_without_decode_rows_sizes_decode_by_its_slots() -> None:
+    # what a P+D fleet publishes when every prompt goes to the prefill worker: the decode worker never fits
+    # (its model needs timed prompt chunks), the prefill worker's fit has never seen a decode row
+    spec = replace(SPEC, cost=replace(COST, per_decode_row_s=0.0, per_context_token_s=0.0))
+    assert decode_rate(spec, LOAD) == pytest.approx(21.33, rel=1e-3)  # 256 slots / (300 tokens x 0.04 s)
+    assert size_fleet(spec, replace(LOAD, rate=30.0)).decode == 2
+    p = Planner(spec)
+    assert p.decide(obs(0, 30.0, Counts(1, 1, 0))).targets.decode == 2
+
+
 def test_prefix_hits_need_fewer_prefill_workers() -> None:
     load = replace(LOAD, rate=100.0)
     full, half = prefill_workers(SPEC, load), prefill_workers(SPEC, replace(load, prefix_hit=0.5))

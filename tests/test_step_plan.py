@@ -169,3 +169,44 @@ def test_itl_trim_cuts_on_overruns_and_gives_back_after_calm_steps():
     trim.observe(0.0, 0.050)
     trim.observe(0.060, 0.0)  # unmeasured periods and steps without a target change nothing
     assert trim.factor == 1.0 and trim.overruns == 203
+
+
+def test_a_step_far_past_the_itl_target_is_logged_once_per_interval_with_its_shape(caplog) -> None:
+    """One line says what the step computed, how long it took and what the model predicted; the next slow steps
+    within the interval are counted into the following line, not logged each (quiet logs)."""
+    import logging
+
+    from common.sched.launched import Launched, StepTimer
+    from common.sched.request_table import RequestTable
+    from common.sched.step_model import StepShape
+    from common.sched.step_pacing import SLOW_STEP_LOG_S, StepPacing
+    from common.settings import SchedulerConfig
+    from common.slo import parse_slo_classes
+
+    cfg = SchedulerConfig(itl_target_ms=50.0)
+    pacing = StepPacing(cfg, PAGE, parse_slo_classes(cfg.slo_classes, cfg.slo_default_class), RequestTable())
+    shape = StepShape(prefill_tokens=512, decode_rows=8, decode_context=4000)
+
+    def step(seconds: float) -> None:
+        pacing.observe(Launched("mixed", [], timer=StepTimer(0.0, seconds), shape=shape))
+
+    with caplog.at_level(logging.WARNING, logger="kvferry.sched"):
+        step(0.060)  # within 1.25 x 50 ms: not a slow step
+        step(0.080)
+        step(0.090)  # slow, but within the interval: counted
+        pacing._slow_logged_at -= SLOW_STEP_LOG_S
+        step(0.100)
+        # A quick step after the host held the streams for 120 ms since the last decoding step: a gap they saw.
+        pacing._slow_logged_at -= SLOW_STEP_LOG_S
+        assert pacing._processed_at is not None
+        pacing._processed_at -= 0.120
+        step(0.010)
+    lines = [r for r in caplog.records if r.getMessage() == "slow step"]
+    assert [(r.ms, r.target_ms, r.slow_steps) for r in lines[:2]] == [(80.0, 50.0, 1), (100.0, 50.0, 2)]
+    assert len(lines) == 3 and 120.0 <= lines[2].ms < 150.0 and lines[2].device_ms == 10.0
+    assert (lines[0].kind, lines[0].decode_rows, lines[0].prefill_tokens, lines[0].decode_context) == (
+        "mixed",
+        8,
+        512,
+        4000,
+    )

@@ -1,7 +1,7 @@
 """Fits the simulator's step times to the H200 microbenchmarks, then predicts this project's recorded
 single-H200 serving runs (bench/serve.py JSON) and writes predicted against measured.
 
-    python bench/fleet_sim/calibrate.py [--runs DIR] [--out bench/out/fleet_sim_calibration.json]
+    python bench/fleet_sim/calibrate.py [--runs DIR] [--share gpu_share_h200.json ...] [--out OUT.json]
 
 Step times: the engine's own step-time model (common/sched/step_model.py ``StepTimeModel``, its real fit) fed
 the device times of bench/roofline.py (decode steps by batch and context, whole-prompt prefills) and
@@ -10,6 +10,12 @@ A served step also spends host time (sampling, events, scheduling) that those de
 model's margin differs, and a first token crosses the router: three constants fitted to one point only (the
 lowest rate of serve_slo_period_h200.json: its median ITL, ITL p99 and median TTFT). Every other figure is a
 prediction. Each recorded point is replayed request by request (its send times and lengths).
+
+A prefill and a decode worker time-sharing one GPU (serve_pd_shared_h200.json) run on one simulated device
+(bench/fleet_sim/device.py: the device's time goes to the steps in flight by their weights, and overlapping steps'
+device times add), a prompt step's weight against a decode step's derived from bench/gpu_share.py's two loops on
+one GPU (gpu_share_h200.json; --share names others), their KV moving by a device-local copy whose fixed time and
+rate are fitted to bench/transfer.py's one-GPU run (transfer_cuda_llama8b_h200.json).
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+
+import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -42,8 +50,12 @@ RUNS = [
     ("serve_slo_deviceclock_h200.json", "agg@pf", "agg-prefill-first"),
     ("serve_h200x2.json", "agg", "agg2"),
     ("serve_h200x2.json", "disagg", "disagg"),
+    ("serve_pd_shared_h200.json", "disagg", "disagg-shared"),  # 1 prefill + 1 decode worker on one H200
+    ("serve_pd_shared_h200.json", "disagg", "disagg"),  # the same pair as if each had its GPU (what sharing adds)
 ]
 KV_TOKENS = 55346 * 16  # the recorded agg worker's pool (pages x page size)
+KV_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2  # Llama-3.1-8B bf16: layers x KV heads x head dim x (K, V) x bytes
+PAGE_SIZE = 16
 
 
 def fit_step_cost(runs: Path) -> tuple[StepCost, float]:
@@ -71,11 +83,47 @@ def fit_step_cost(runs: Path) -> tuple[StepCost, float]:
     return StepCost.from_map(model.coefficients()), model.spread_s
 
 
+def fit_local_transfer(runs: Path) -> tuple[float, float]:
+    """A device-local KV copy's fixed time and rate (tokens/s): least squares over bench/transfer.py's one-GPU
+    sizes (the time from posting to the decode side's notice)."""
+    sizes = json.loads((runs / "transfer_cuda_llama8b_h200.json").read_text())["sizes"]
+    per_token, base = np.polyfit([r["tokens"] for r in sizes], [r["e2e_s"] for r in sizes], 1)
+    return float(base), float(1 / per_token)
+
+
+def fit_share_weights(paths: list[Path]) -> tuple[float, float]:
+    """A prompt step's share weight against a decode step's and the exponent of a step's device time in it
+    (device.py), from bench/gpu_share.py runs: a decode loop and a prompt-chunk loop on one GPU both always have
+    work, so each keeps a constant share, and the ratio of the two measured is weight x (prompt step / decode
+    step)**exponent, their times alone. One run gives the weight at exponent 1 (by the length of their kernels);
+    runs at different chunk lengths give both (least squares of the ratio's log on the step ratio's)."""
+    step_ratio, kept = [], []
+    for path in paths:
+        got = json.loads(path.read_text())
+        decode, prefill = got["decode"], got["prefill"]
+        step_ratio.append(prefill["alone_ms"]["mean"] / decode["alone_ms"]["mean"])
+        kept.append(prefill["device_share"] / decode["device_share"])
+    if len(set(step_ratio)) < 2:
+        return float(np.mean(kept) / np.mean(step_ratio)), 1.0
+    exponent, log_weight = np.polyfit(np.log(step_ratio), np.log(kept), 1)
+    return float(np.exp(log_weight)), float(exponent)
+
+
+def kv_tokens(run: dict) -> int:
+    """The run's KV pool in tokens where its workers were given KVFERRY_KV_MEMORY_GB, else the agg worker's."""
+    gb = float(run["config"].get("worker_env_applied", {}).get("KVFERRY_KV_MEMORY_GB", 0) or 0)
+    if gb <= 0:
+        return KV_TOKENS
+    return int(gb * (1 << 30)) // (KV_BYTES_PER_TOKEN * PAGE_SIZE) * PAGE_SIZE
+
+
 def fleet_for(kind: str, spec: WorkerSpec, slo_ttft_ms: float, slo_itl_ms: float) -> tuple[FleetConfig, Counts]:
     slo = parse_slo_classes(f"interactive:ttft={slo_ttft_ms:g}ms,itl={slo_itl_ms:g}ms,p=99")
     if kind == "agg-prefill-first":
         spec = replace(spec, itl_target_s=0.0)
     cfg = FleetConfig(worker=spec, slo=slo, policy=PolicyConfig(), startup_s=0.0)
+    if kind == "disagg-shared":
+        return replace(cfg, workers_per_gpu=2), Counts(prefill=1, decode=1)
     if kind == "disagg":
         return cfg, Counts(prefill=1, decode=1)
     return cfg, Counts(decode=2 if kind == "agg2" else 1)
@@ -136,6 +184,9 @@ def fit_host(point: dict, base: WorkerSpec, cfg_for) -> tuple[float, float, floa
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=Path, default=REPO / "bench" / "out")
+    ap.add_argument(
+        "--share", action="append", help="bench/gpu_share.py runs in --runs (repeat; default gpu_share_h200.json)"
+    )
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "fleet_sim_calibration.json")
     args = ap.parse_args()
     started = time.perf_counter()
@@ -146,7 +197,18 @@ def main() -> int:
     host_s, served_spread, net_s = fit_host(
         first["modes"]["agg"]["points"][0], base, lambda spec: fleet_for("agg", spec, ttft_ms, itl_ms)
     )
-    spec = replace(base, host_s=host_s, spread_s=served_spread)
+    local_base_s, local_tokens_per_s = fit_local_transfer(args.runs)
+    share_from = args.share or ["gpu_share_h200.json"]
+    share_weight, share_exponent = fit_share_weights([args.runs / name for name in share_from])
+    spec = replace(
+        base,
+        host_s=host_s,
+        spread_s=served_spread,
+        local_transfer_base_s=local_base_s,
+        local_transfer_tokens_per_s=local_tokens_per_s,
+        prefill_share_weight=share_weight,
+        share_length_exponent=share_exponent,
+    )
     rows = []
     for file, mode, kind in RUNS:
         path = args.runs / file
@@ -155,7 +217,8 @@ def main() -> int:
             continue
         run = json.loads(path.read_text())
         slo = run["config"].get("slo") or {}
-        cfg, counts = fleet_for(kind, spec, slo.get("ttft_ms") or 1000.0, slo.get("itl_p99_ms") or 50.0)
+        run_spec = replace(spec, kv_tokens=kv_tokens(run))
+        cfg, counts = fleet_for(kind, run_spec, slo.get("ttft_ms") or 1000.0, slo.get("itl_p99_ms") or 50.0)
         cfg = replace(cfg, net_s=net_s)
         if run["config"].get("slo_ttft_ms") is None:
             cfg = replace(cfg, admit_by_ttft=False)  # runs before TTFT admission existed
@@ -169,6 +232,7 @@ def main() -> int:
                 {
                     "file": file,
                     "mode": mode,
+                    "simulated": kind,
                     "rate": point.get("value"),
                     "predicted": pred,
                     "measured": meas,
@@ -176,7 +240,7 @@ def main() -> int:
                 }
             )
             print(
-                f"{file:38s} {mode:7s} {point.get('value')!s:>5} | TTFT p50 {pred['ttft_p50_ms']:7.0f} vs {meas['ttft_p50_ms']:7.0f}"
+                f"{file:32s} {kind:13s} {point.get('value')!s:>5} | TTFT p50 {pred['ttft_p50_ms']:7.0f} vs {meas['ttft_p50_ms']:7.0f}"
                 f" p99 {pred['ttft_p99_ms']:7.0f} vs {meas['ttft_p99_ms']:7.0f} | ITL p99 {pred['itl_p99_ms']:6.1f} vs"
                 f" {meas['itl_p99_ms']:6.1f} | out tok/s {pred['output_tok_per_s']:6.0f} vs {meas['output_tok_per_s']:6.0f}"
                 f" | shed {pred['shed']} vs {meas['shed']}"
@@ -187,6 +251,10 @@ def main() -> int:
         "served_spread_s": served_spread,
         "host_s": host_s,
         "net_s": net_s,
+        "local_transfer": {"base_s": local_base_s, "tokens_per_s": local_tokens_per_s},
+        "prefill_share_weight": share_weight,
+        "share_length_exponent": share_exponent,
+        "share_from": share_from,
         "fitted_on": f"{RUNS[0][0]} agg, its first point: host_s (median ITL), served_spread_s (ITL p99), net_s (median TTFT)",
         "points": rows,
         "seconds": time.perf_counter() - started,
@@ -195,7 +263,8 @@ def main() -> int:
     args.out.write_text(json.dumps(out, indent=2))
     print(
         f"step cost {cost}, spread {served_spread * 1000:.2f} ms, host {host_s * 1000:.2f} ms/step, "
-        f"net {net_s * 1000:.1f} ms -> {args.out}"
+        f"net {net_s * 1000:.1f} ms, local KV copy {local_base_s * 1000:.2f} ms + {local_tokens_per_s / 1e6:.2f} M "
+        f"tokens/s, prompt-step share weight {share_weight:.3f} x device time ** {share_exponent:.2f} -> {args.out}"
     )
     return 0
 

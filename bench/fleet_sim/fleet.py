@@ -26,6 +26,7 @@ import numpy as np
 
 import router.decision.dispatch as router_dispatch
 import router.decision.pool as router_pool
+from bench.fleet_sim.device import SharedDevice, place
 from bench.fleet_sim.worker import Job, SimWorker, WorkerSpec
 from bench.fleet_sim.workload import SimRequest
 from common.capacity import prompt_steps_s
@@ -64,6 +65,7 @@ class FleetConfig:
     net_s: float = 0.002  # router and HTTP hops a first token crosses
     prefix_cache_share: float = 0.5  # of a worker's KV pool that keeps finished prompts' blocks
     gpus_per_worker: int = 1
+    workers_per_gpu: int = 1  # > 1: workers (any role) time-share a GPU (bench/fleet_sim/device.py), filled in order
     measure_from_s: float = 0.0  # requests arriving earlier (the fleet warming up) are left out of the figures
     seed: int = 0
 
@@ -154,6 +156,7 @@ class Fleet:
         self.first_token: dict[int, float] = {}
         self.itl_hist = np.zeros(len(ITL_BINS) + 1)
         self.timeline: list[dict] = []
+        self.devices: list[SharedDevice] = []  # GPUs that workers time-share
         for role in ("prefill", "decode", "mixed"):
             for _ in range(getattr(initial, role)):
                 self._spawn(role, ready_at=0.0)
@@ -170,7 +173,7 @@ class Fleet:
         return Counts(**c)
 
     def _gpu_tick(self, now: float) -> None:
-        self._gpu_s += self.live * (now - self._gpu_t) * self.cfg.gpus_per_worker
+        self._gpu_s += self.live * (now - self._gpu_t) * self.cfg.gpus_per_worker / self.cfg.workers_per_gpu
         self._gpu_t = now
 
     def _spawn(self, role: str, ready_at: float) -> None:
@@ -187,6 +190,12 @@ class Fleet:
     def _up(self, name: str, role: str) -> None:
         sim = SimWorker(name, role, self.cfg.worker, self._on_first_token, self._on_finish, self._record_itl)
         sim.itl_slo_s = self.cls.itl_s
+        if self.cfg.workers_per_gpu > 1:
+            sim.device = place(self.devices, sim, self.cfg.workers_per_gpu, self._moved)
+            for other in sim.device.members[:-1]:
+                # a worker alone on its GPU steps as on its own (decode stretches): its stretch ends at the next
+                # step, the steps after it share the GPU (the step in flight finishes as it was)
+                self._wake_at(other, other.cut_span(self.clock.now))
         self.sims[name] = sim
         self.caches[name] = OrderedDict()
         self.routers[name] = Worker(url=name, role=role)
@@ -228,6 +237,8 @@ class Fleet:
             self._gpu_tick(self.clock.now)
             self.live -= 1
             del self.sims[w.name]
+            if w.device is not None:
+                w.device.members.remove(w)
             self.routers.pop(w.name, None)
             self._names = None
             self.caches.pop(w.name, None)
@@ -240,6 +251,9 @@ class Fleet:
     def _wake_at(self, w: SimWorker, t: float | None) -> None:
         if t is not None:
             self._push(t, 0, (w, w.version))
+
+    def _moved(self, w: SimWorker, device_end: float) -> None:
+        self._wake_at(w, w.retime(device_end))
 
     def _give(self, w: SimWorker, job: Job) -> None:
         if w.add(job, self.clock.now):
@@ -407,8 +421,7 @@ class Fleet:
             rw = self.routers.get(w.name)
             if rw is not None:
                 rw.release_prefill(call)
-            spec = self.cfg.worker
-            arrive = now + (req.prompt / spec.transfer_tokens_per_s if spec.transfer_tokens_per_s > 0 else 0.0)
+            arrive = now + self.cfg.worker.transfer_s(req.prompt, local=w.device is not None and w.device is d.device)
             self.ttft[job.rid] = arrive - job.arrival + self.cfg.net_s
             if req.output > 1:
                 dj = Job(job.rid, job.arrival, req.prompt, 0, req.output - 1, req.prompt + req.output)
@@ -448,9 +461,9 @@ class Fleet:
         spec, ttft = self.cfg.worker, self.cls.ttft_s
         if ttft is None:
             return np.ones(len(requests), dtype=bool)
-        moved = 1 / spec.transfer_tokens_per_s if spec.transfer_tokens_per_s > 0 else 0.0
+        local = self.cfg.workers_per_gpu > 1
         alone = {
-            p: prompt_steps_s(spec.cost, p, spec.max_prefill_tokens) + p * moved + self.cfg.net_s
+            p: prompt_steps_s(spec.cost, p, spec.max_prefill_tokens) + spec.transfer_s(p, local) + self.cfg.net_s
             for p in {r.prompt for r in requests}
         }
         return np.array([alone[r.prompt] <= ttft for r in requests], dtype=bool)

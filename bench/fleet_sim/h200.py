@@ -20,5 +20,13 @@ H200_LLAMA8B = WorkerSpec(
     host_s=0.000623,
     spread_s=0.00687,
     kv_tokens=55346 * 16,
+    # a prefill and a decode worker time-sharing one H200: their KV moves by a device-local copy (bench/transfer.py)
+    local_transfer_base_s=0.000695,
+    local_transfer_tokens_per_s=5.93e6,
+    # and how they share the GPU: equal shares. The kernel-length model fitted to bench/gpu_share.py (weight 0.45,
+    # exponent 1) predicted the served pair worse (TTFT -36 to -54%, bench/RESULTS.md): that microbenchmark waits
+    # on every step, the engine overlaps them; its overlapped run (`--overlap`) is what decides.
+    prefill_share_weight=1.0,
+    share_length_exponent=0.0,
 )
 NET_S = 0.01296  # a first token's time outside the engine (router, HTTP, tokenizing)

@@ -8,7 +8,9 @@ router as /load would (``load()``).
 
 Granularity: a step that carries prompt tokens is one event. A stretch of pure decode steps is one event
 until the next row finishes (all rows then take the same step time, its context the stretch's middle); new
-work arriving inside a stretch cuts it at the next step boundary. An idle worker has no events.
+work arriving inside a stretch cuts it at the next step boundary. An idle worker has no events. A worker that
+time-shares its GPU with others (``device``, bench/fleet_sim/device.py) takes one event per step while another
+is on it: what else runs there changes each step's time, and its ITL is each step's own.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from bench.fleet_sim.device import SharedDevice
 from common.capacity import StepCost, chunk_attention
 from router.decision.load import Load
 
@@ -40,6 +43,15 @@ class WorkerSpec:
     kv_tokens: int = 885_536  # KV pool (tokens)
     page_size: int = 16
     transfer_tokens_per_s: float = 200_000.0
+    # a KV transfer between two workers on one GPU is a device-local copy: its fixed time and its rate (rate 0:
+    # as between GPUs)
+    local_transfer_base_s: float = 0.0
+    local_transfer_tokens_per_s: float = 0.0
+    # on a GPU it time-shares, a step's share weight (bench/fleet_sim/device.py): its kind's (a step carrying
+    # prompt tokens this, a pure decode step 1) x its device time alone ** the exponent (1: by the length of its
+    # kernels; 0: one share per kind)
+    prefill_share_weight: float = 1.0
+    share_length_exponent: float = 1.0
 
     @cached_property
     def published(self) -> StepCost:
@@ -57,6 +69,17 @@ class WorkerSpec:
     def published_map(self) -> dict[str, float]:
         """`published` as /load's ``step_coefficients`` (one map per spec: every snapshot shares it, read only)."""
         return self.published.as_map()
+
+    def share_weight(self, device_s: float, prompt: bool) -> float:
+        """The weight of a step needing `device_s` of the device alone on a GPU it time-shares (`prompt`: it
+        carries prompt tokens)."""
+        return (self.prefill_share_weight if prompt else 1.0) * device_s**self.share_length_exponent
+
+    def transfer_s(self, tokens: int, local: bool = False) -> float:
+        """A prompt's KV moving to its decode worker (`local`: on the same GPU)."""
+        if local and self.local_transfer_tokens_per_s > 0:
+            return self.local_transfer_base_s + tokens / self.local_transfer_tokens_per_s
+        return tokens / self.transfer_tokens_per_s if self.transfer_tokens_per_s > 0 else 0.0
 
     @cached_property
     def prefill_rate(self) -> float:
@@ -112,6 +135,8 @@ class SimWorker:
     prefill_tokens_done: int = 0
     draining: bool = False
     itl_slo_s: float = 0.05  # the SLO's ITL target (what a slow step is, also for prefill-first workers)
+    device: SharedDevice | None = None  # the GPU it time-shares with other workers (None: a GPU of its own)
+    span_shared: bool = False  # the step in flight runs on a GPU other workers are on
     _step_seq: int = 0
 
     # ---- what /load says ----------------------------------------------------------------------------------
@@ -207,8 +232,16 @@ class SimWorker:
             self._finish_span(now)
         return self._start(now)
 
+    def retime(self, device_end: float) -> float:
+        """Its step's device part now ends at `device_end` (another step started on its GPU); the new wake-up."""
+        self.busy_until = device_end + self.spec.host_s
+        self.version += 1
+        return self.busy_until
+
     def _finish_span(self, now: float) -> None:
         k, s = self.span_steps, self.span_step_s
+        if self.span_shared:
+            s = now - self.span_start  # one step, as long as sharing its GPU made it
         n = self.n_rows
         self.busy_s += k * s
         if self.span_chunks and self.spec.itl_target_s <= 0:
@@ -259,7 +292,10 @@ class SimWorker:
     def _start(self, now: float) -> float | None:
         s = self.spec
         for job in self.joining:
+            # its KV arrived from a peer: the engine's loop turn takes it in (Scheduler.settle_transfers) and sends
+            # its first token then, at the step boundary after it landed
             self._join(job)
+            self.on_first_token(self, job, now)
         self.joining.clear()
         cost = s.cost
         chunks: list[tuple[Job, int]] = []
@@ -276,6 +312,8 @@ class SimWorker:
                 if take == job.todo and job.output > 0:
                     rows_free -= 1
         n, ctx = self.n_rows, self.context()
+        device = self.device if self.device is not None and len(self.device.members) > 1 else None
+        shared = device is not None
         if chunks:
             tokens = sum(t for _, t in chunks)
             if s.itl_target_s <= 0:
@@ -283,12 +321,17 @@ class SimWorker:
             step = cost.step_s(tokens, n, ctx, attention) + s.host_s
             self.span_chunks, self.span_steps = chunks, 1
         elif n:
-            k = max(1, self.rows[0][0] - self.steps)
+            k = 1 if shared else max(1, self.rows[0][0] - self.steps)
             step = cost.overhead_s(n, ctx + n * (k // 2)) + s.host_s
             self.span_steps = k
         else:
             return None
-        self.span_start, self.span_step_s = now, step
-        self.busy_until = now + step * self.span_steps
+        self.span_start, self.span_step_s, self.span_shared = now, step, shared
+        if device is not None:
+            device_s = step - s.host_s
+            weight = s.share_weight(device_s, bool(chunks))
+            self.busy_until = device.start(self, device_s, now, weight) + s.host_s
+        else:
+            self.busy_until = now + step * self.span_steps
         self.version += 1
         return self.busy_until

@@ -14,7 +14,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -66,13 +65,7 @@ class LocalCluster:
                 p.signal(signal.SIGTERM)
             deadline = time.monotonic() + grace_s
             for p in procs:
-                if p.proc is None:
-                    continue
-                try:
-                    p.proc.wait(max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
-                p.kill_group()
+                p.finish(deadline, at_least_s=0.1)
 
     def stop_redis(self) -> None:
         """Stops the cluster's Redis (tests: routing must carry on without the prefix index)."""

@@ -57,13 +57,13 @@ class ManagedProcess:
         self.signal(signal.SIGTERM)
         self.finish(time.monotonic() + grace_s)
 
-    def finish(self, deadline: float) -> None:
-        """Waits for the process until `deadline` (monotonic; several parts stopping together share one),
-        then kills its whole process group: the engine process and anything else it started."""
+    def finish(self, deadline: float, at_least_s: float = 0.0) -> None:
+        """Waits for the process until `deadline` (monotonic; several parts stopping together share one), or
+        `at_least_s` past it, then kills its whole process group: the engine process and anything else it started."""
         if self.proc is None:
             return
         try:
-            self.proc.wait(max(0.0, deadline - time.monotonic()))
+            self.proc.wait(max(at_least_s, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
         self.kill_group()

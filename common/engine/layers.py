@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -162,12 +161,33 @@ class Rotated:
     q: torch.Tensor
 
 
-class Ops(Protocol):
-    """What the decoder forward needs from a backend. Ops may overwrite their inputs (flashinfer works in place):
-    callers use only what they return."""
+class Ops:
+    """What the decoder forward needs from a backend, composed here from the unfused primitives a subclass gives
+    (`rms_norm`, `add_rms_norm`, `silu_and_mul`, `linear`); a subclass overrides what it fuses. Ops may overwrite
+    their inputs (flashinfer works in place): callers use only what they return."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x: [T, H] or [T, heads, head_dim]."""
+        raise NotImplementedError
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(residual + x), residual + x)."""
+        raise NotImplementedError
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        packed: torch.Tensor | Fp8Linear | None = None,
+    ) -> torch.Tensor:
+        """`packed`: the weight's oneDNN copy (CPU float32), or its FP8 form (`Fp8Linear`), else None."""
+        raise NotImplementedError
 
     def norm_linear(
         self,
@@ -183,11 +203,19 @@ class Ops(Protocol):
     ) -> tuple[torch.Tensor | Activated | Rotated, torch.Tensor]:
         """(linear(rms_norm(residual + x)), residual + x); `residual` None starts the stream at x, an `InStream`
         x is the stream already. `gated` may return `Activated`, `kv_write` may return `Rotated`."""
+        normed, residual = self.norm(x, residual, norm_weight, eps)
+        return self.linear(normed, weight, bias, packed), residual
 
     def norm(
         self, x: torch.Tensor | InStream, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(residual + x), residual + x) without a GEMM (what a mixture-of-experts MLP takes)."""
+        if isinstance(x, InStream):
+            assert residual is not None
+            return self.rms_norm(residual, norm_weight, eps), residual
+        if residual is None:
+            return self.rms_norm(x, norm_weight, eps), x
+        return self.add_rms_norm(x, residual, norm_weight, eps)
 
     def project(
         self,
@@ -199,70 +227,18 @@ class Ops(Protocol):
     ) -> tuple[torch.Tensor | InStream, torch.Tensor]:
         """A sublayer's output projection as the pair `norm_linear` takes: (output, residual), or (`InStream`,
         residual + output). One rank only: under tensor parallelism the all-reduce sits before the add."""
-
-    def silu_linear(
-        self, gate_up: torch.Tensor | Activated, weight: torch.Tensor, packed: torch.Tensor | Fp8Linear | None = None
-    ) -> torch.Tensor:
-        """linear(silu(gate) * up) (or linear of an `Activated`): the MLP's activation and down projection."""
-
-    def linear(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        packed: torch.Tensor | Fp8Linear | None = None,
-    ) -> torch.Tensor:
-        """`packed`: the weight's oneDNN copy (CPU float32), or its FP8 form (`Fp8Linear`), else None."""
-
-
-class ComposedOps:
-    """`Ops` built from unfused primitives a subclass provides (rms_norm, add_rms_norm, silu_and_mul, linear)."""
-
-    def norm_linear(
-        self,
-        x: torch.Tensor | InStream,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        eps: float,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        packed: torch.Tensor | Fp8Linear | None = None,
-        gated: bool = False,
-        kv_write: KvWrite | None = None,
-    ) -> tuple[torch.Tensor | Activated | Rotated, torch.Tensor]:
-        normed, residual = self.norm(x, residual, norm_weight, eps)
-        return self.linear(normed, weight, bias, packed), residual  # type: ignore[attr-defined]
-
-    def norm(
-        self, x: torch.Tensor | InStream, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rms_norm(residual + x), residual + x) with the unfused kernels."""
-        if isinstance(x, InStream):
-            assert residual is not None
-            return self.rms_norm(residual, norm_weight, eps), residual  # type: ignore[attr-defined]
-        if residual is None:
-            return self.rms_norm(x, norm_weight, eps), x  # type: ignore[attr-defined]
-        return self.add_rms_norm(x, residual, norm_weight, eps)  # type: ignore[attr-defined]
-
-    def project(
-        self,
-        x: torch.Tensor | Activated,
-        weight: torch.Tensor,
-        residual: torch.Tensor,
-        packed: torch.Tensor | Fp8Linear | None = None,
-        silu: bool = False,
-    ) -> tuple[torch.Tensor | InStream, torch.Tensor]:
-        out = self.silu_linear(x, weight, packed) if silu else self.linear(x, weight, None, packed)  # type: ignore[attr-defined]
+        out = self.silu_linear(x, weight, packed) if silu else self.linear(x, weight, None, packed)
         return out, residual
 
     def silu_linear(
         self, gate_up: torch.Tensor | Activated, weight: torch.Tensor, packed: torch.Tensor | Fp8Linear | None = None
     ) -> torch.Tensor:
-        act = gate_up.act if isinstance(gate_up, Activated) else self.silu_and_mul(gate_up)  # type: ignore[attr-defined]
-        return self.linear(act, weight, None, packed)  # type: ignore[attr-defined]
+        """linear(silu(gate) * up) (or linear of an `Activated`): the MLP's activation and down projection."""
+        act = gate_up.act if isinstance(gate_up, Activated) else self.silu_and_mul(gate_up)
+        return self.linear(act, weight, None, packed)
 
 
-class TorchOps(ComposedOps):
+class TorchOps(Ops):
     """Plain torch: the CPU path (oneDNN packed GEMMs where packed) and the GPU float32 path."""
 
     rms_norm = staticmethod(rms_norm)

@@ -7,7 +7,7 @@ expansion once per query instead of per cached token.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,16 @@ from common.engine.fp8 import as_stored, store_rows
 from common.engine.layers import KvWrite, Ops, RotaryCache
 from common.engine.model_config import MlaConfig, ModelConfig
 from common.kv.pool import KVPool
+
+
+class MlaParts(NamedTuple):
+    """A step's merged input projection split for latent attention, RoPE not yet applied: each head's query
+    without and with position (`[T, H, nope]`, `[T, H, rope]`), the normed latent and the shared key's RoPE part."""
+
+    q_nope: torch.Tensor
+    q_pe: torch.Tensor
+    latent: torch.Tensor
+    k_pe: torch.Tensor
 
 
 class MlaProjections(nn.Module):
@@ -45,10 +55,8 @@ class MlaProjections(nn.Module):
         """Rows of the merged input projection that make the query."""
         return self.mla.q_lora_rank or self.num_heads * self.mla.qk_head_dim
 
-    def split(
-        self, qkv: torch.Tensor, ops: Ops, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The merged projection's output as (q_nope, q_pe, the normed latent, k_pe), RoPE not yet applied."""
+    def split(self, qkv: torch.Tensor, ops: Ops, eps: float) -> MlaParts:
+        """The merged projection's output as the parts latent attention takes."""
         mla, t = self.mla, qkv.shape[0]
         q, latent, k_pe = qkv.split((self.q_rows, mla.kv_lora_rank, mla.qk_rope_head_dim), dim=-1)
         if self.q_b_proj is not None and self.q_a_norm is not None:
@@ -56,7 +64,7 @@ class MlaProjections(nn.Module):
         q_nope, q_pe = q.reshape(t, self.num_heads, mla.qk_head_dim).split(
             (mla.qk_nope_head_dim, mla.qk_rope_head_dim), dim=-1
         )
-        return q_nope, q_pe, ops.rms_norm(latent, self.kv_a_norm, eps), k_pe
+        return MlaParts(q_nope, q_pe, ops.rms_norm(latent, self.kv_a_norm, eps), k_pe)
 
     def _up(self) -> tuple[torch.Tensor, torch.Tensor]:
         w = self.kv_b_proj.view(self.num_heads, -1, self.mla.kv_lora_rank)
@@ -81,21 +89,24 @@ class MlaProjections(nn.Module):
 class MlaBackend(Protocol):
     """What a decoder layer with latent attention needs from its attention backend."""
 
-    def forward_mla(
-        self,
-        layer: int,
-        positions: torch.Tensor,
-        q_nope: torch.Tensor,
-        q_pe: torch.Tensor,
-        latent: torch.Tensor,
-        k_pe: torch.Tensor,
-        proj: MlaProjections,
-    ) -> torch.Tensor:
+    def forward_mla(self, layer: int, positions: torch.Tensor, parts: MlaParts, proj: MlaProjections) -> torch.Tensor:
         """RoPE on q_pe and k_pe, this step's entries stored, attention over each request's: `[T, H, v_head_dim]`."""
         ...
 
 
-class TorchMlaAttention(TorchPagedAttention):
+class LatentOnly:
+    """An MLA backend's answer to the calls a grouped-query layer makes (first in its bases)."""
+
+    def forward(
+        self, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        raise TypeError("latent attention layers call forward_mla")
+
+    def kv_write(self, layer: int, positions: torch.Tensor) -> KvWrite | None:
+        return None  # the entry is [normed latent | roped k_pe]: not a qkv GEMM's output
+
+
+class TorchMlaAttention(LatentOnly, TorchPagedAttention):
     """MLA over a latent pool in plain torch, on `TorchPagedAttention`'s layouts: decode steps absorbed, others
     decompressed (`absorbed_decode` False: all decompressed, what tests compare against)."""
 
@@ -110,28 +121,12 @@ class TorchMlaAttention(TorchPagedAttention):
         self.mla = mla
         self.scale = mla.softmax_scale
 
-    def forward(
-        self, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        raise TypeError("latent attention layers call forward_mla")
-
-    def kv_write(self, layer: int, positions: torch.Tensor) -> KvWrite | None:
-        return None  # the entry is [normed latent | roped k_pe]: not a qkv GEMM's output
-
     def plan(self, batch: ForwardBatch) -> None:
         super().plan(batch)
         self._absorbed = self.absorbed_decode and self._segments is None and self._shape[1] == 1
 
-    def forward_mla(
-        self,
-        layer: int,
-        positions: torch.Tensor,
-        q_nope: torch.Tensor,
-        q_pe: torch.Tensor,
-        latent: torch.Tensor,
-        k_pe: torch.Tensor,
-        proj: MlaProjections,
-    ) -> torch.Tensor:
+    def forward_mla(self, layer: int, positions: torch.Tensor, parts: MlaParts, proj: MlaProjections) -> torch.Tensor:
+        q_nope, q_pe, latent, k_pe = parts
         q_pe, k_pe = self.rotary.apply(positions, q_pe, k_pe.unsqueeze(1))
         entry = torch.cat((latent.unsqueeze(1), k_pe), dim=-1)  # [T, 1, latent_dim]
         offset = self.pool.layer_offset(layer, 0)

@@ -198,11 +198,7 @@ class DecoderModel(nn.Module):
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
             pk = layer.packed
-            if layer.mla is not None:
-                o, residual = self._latent_attention(i, layer, hidden, residual, positions, attn)
-                hidden, residual = self._project(o, layer.o_proj, residual, pk.get("o_proj"))
-            else:
-                hidden, residual = self._attention(i, layer, hidden, residual, positions, attn)
+            hidden, residual = self._attention(i, layer, hidden, residual, positions, attn)
             if layer.moe is not None:
                 normed, residual = ops.norm(hidden, residual, layer.post_attn_norm, eps)
                 hidden = tp.all_reduce(layer.moe(normed))  # partial sums under TP, as a dense down_proj's
@@ -230,12 +226,14 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,
         attn: AttentionBackend,
     ) -> tuple[torch.Tensor | InStream, torch.Tensor]:
+        """Layer `i`'s input norm, attention (grouped-query or latent) and output projection into the stream."""
         cfg, ops = self.cfg, self.ops
         eps = cfg.rms_norm_eps
         t = positions.shape[0]
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         pk = layer.packed
-        # The qkv GEMM may rotate q and k and store K/V itself, unless q/k norms sit between them.
+        # The qkv GEMM may rotate q and k and store K/V itself, unless q/k norms sit between them (a latent
+        # backend's entry is no GEMM's output: its `kv_write` is None).
         write = attn.kv_write(i, positions) if layer.q_norm is None else None
         qkv, residual = ops.norm_linear(
             hidden,
@@ -248,36 +246,18 @@ class DecoderModel(nn.Module):
             False,
             write,
         )
-        if isinstance(qkv, Rotated):
-            o = attn.attend(i, qkv.q).reshape(t, cfg.q_size)
+        if layer.mla is not None:
+            assert isinstance(qkv, torch.Tensor)
+            o = cast(MlaBackend, attn).forward_mla(i, positions, layer.mla.split(qkv, ops, eps), layer.mla)
+        elif isinstance(qkv, Rotated):
+            o = attn.attend(i, qkv.q)
         else:
             q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
             q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
             if layer.q_norm is not None and layer.k_norm is not None:
                 q, k = ops.rms_norm(q, layer.q_norm, eps), ops.rms_norm(k, layer.k_norm, eps)
-            o = attn.forward(i, positions, q, k, v).reshape(t, cfg.q_size)
-        return self._project(o, layer.o_proj, residual, pk.get("o_proj"))
-
-    def _latent_attention(
-        self,
-        i: int,
-        layer: DecoderLayer,
-        hidden: torch.Tensor | InStream,
-        residual: torch.Tensor | None,
-        positions: torch.Tensor,
-        attn: AttentionBackend,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `i`'s input norm and latent attention: every head's value output before `o_proj`, and the stream."""
-        assert layer.mla is not None
-        eps = self.cfg.rms_norm_eps
-        qkv, residual = self.ops.norm_linear(
-            hidden, residual, layer.input_norm, eps, layer.qkv_proj, None, layer.packed.get("qkv_proj")
-        )
-        assert isinstance(qkv, torch.Tensor)
-        q_nope, q_pe, latent, k_pe = layer.mla.split(qkv, self.ops, eps)
-        backend = cast(MlaBackend, attn)
-        o = backend.forward_mla(i, positions, q_nope, q_pe, latent, k_pe, layer.mla)
-        return o.reshape(positions.shape[0], -1), residual
+            o = attn.forward(i, positions, q, k, v)
+        return self._project(o.reshape(t, -1), layer.o_proj, residual, pk.get("o_proj"))
 
     def _project(
         self,

@@ -9,6 +9,16 @@ from common.engine.model_config import ModelConfig
 
 __all__ = ["NAMED_CONFIGS", "named_config"]
 
+# What every Qwen3 checkpoint shares: tokenizer, head size, norm epsilon, context and RoPE base.
+_QWEN3: dict[str, Any] = dict(
+    vocab_size=151936,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    eos_token_id=151645,
+)
+
 NAMED_CONFIGS: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": dict(
         model_type="llama",
@@ -32,39 +42,29 @@ NAMED_CONFIGS: dict[str, dict[str, Any]] = {
         ),
     ),
     "qwen3-8b": dict(
+        _QWEN3,
         model_type="qwen3",
-        vocab_size=151936,
         hidden_size=4096,
         intermediate_size=12288,
         num_hidden_layers=36,
         num_attention_heads=32,
         num_key_value_heads=8,
-        head_dim=128,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=40960,
         tie_word_embeddings=False,
-        rope_theta=1000000.0,
-        eos_token_id=151645,
     ),
     "qwen3-0.6b": dict(
+        _QWEN3,
         model_type="qwen3",
-        vocab_size=151936,
         hidden_size=1024,
         intermediate_size=3072,
         num_hidden_layers=28,
         num_attention_heads=16,
         num_key_value_heads=8,
-        head_dim=128,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=40960,
         tie_word_embeddings=True,
-        rope_theta=1000000.0,
-        eos_token_id=151645,
     ),
     # The MoE target: 48 layers of 128 experts (8 per token, renormalised), 3B of its 30B active.
     "qwen3-30b-a3b": dict(
+        _QWEN3,
         model_type="qwen3_moe",
-        vocab_size=151936,
         hidden_size=2048,
         intermediate_size=6144,
         moe_intermediate_size=768,
@@ -76,12 +76,7 @@ NAMED_CONFIGS: dict[str, dict[str, Any]] = {
         num_hidden_layers=48,
         num_attention_heads=32,
         num_key_value_heads=4,
-        head_dim=128,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=40960,
         tie_word_embeddings=False,
-        rope_theta=1000000.0,
-        eos_token_id=151645,
     ),
     # The MLA target (16B, 2.4B active): 27 layers, the first dense, then 64 routed experts (6 per
     # token, softmax weights kept as they are) and 2 shared ones; queries without a low-rank step; a 512 + 64

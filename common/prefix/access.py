@@ -5,7 +5,6 @@ carries them to the router and the engine process.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,17 +16,13 @@ DEFAULT_KEY_PREFIX = reg.REDIS_PREFIX.default
 
 
 @dataclass(frozen=True)
-class RedisAccess:
+class RedisAccess(reg.EnvFields):
     password: str | None = reg.REDIS_PASSWORD.field()
     username: str | None = reg.REDIS_USERNAME.field()
     tls_ca: str | None = reg.REDIS_TLS_CA.field()
     tls_cert: str | None = reg.REDIS_TLS_CERT.field()
     tls_key: str | None = reg.REDIS_TLS_KEY.field()
     key_prefix: str = reg.REDIS_PREFIX.field()
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> RedisAccess:
-        return cls(**reg.read_fields(cls, environ))
 
     def client_kwargs(self, url: str) -> dict[str, Any]:
         """Keyword arguments for redis-py's ``from_url(url, ...)`` (credentials in the URL win)."""

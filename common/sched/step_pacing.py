@@ -3,6 +3,7 @@ at and the prompt tokens the next step takes (common/sched/prefill_budget.py).""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -16,6 +17,14 @@ from common.slo import SloClasses
 
 __all__ = ["StepPacing"]
 
+log = logging.getLogger("kvferry.sched")
+
+# A step beside decoding this far past the ITL target is a gap a request's p99 may keep: one line says its shape
+# and what the model predicted, at most once per SLOW_STEP_LOG_S (the trim keeps such steps to a few in ten
+# thousand; the line is there to find what the model cannot see: host stalls, a batch no graph covers).
+SLOW_STEP_RATIO = 1.25
+SLOW_STEP_LOG_S = 10.0
+
 
 @dataclass
 class StepPacing:
@@ -28,6 +37,9 @@ class StepPacing:
     decode_step: StepSeconds = field(default_factory=StepSeconds)
     itl_trim: ItlTrim = field(default_factory=ItlTrim)  # the share of the ITL target chunk steps aim at
     _processed_at: float | None = None  # host clock when the last step was processed
+    _slow_logged_at: float = 0.0
+    _slow_unlogged: int = 0  # slow steps since the last line
+    _last_decoding: bool = False  # the last processed step decoded running requests
 
     def itl_target_s(self) -> float:
         """The ITL a chunk step beside decoding aims at (0: unmeasured or mixed steps off)."""
@@ -76,6 +88,10 @@ class StepPacing:
             # A stream sees the period between steps, not device time; only back-to-back steps' periods are learnt.
             back_to_back = self._processed_at is not None and launched.launched_at <= self._processed_at
             period = now - self._processed_at if back_to_back and self._processed_at is not None else 0.0
+            # What a decoding stream saw: the time since the last step that decoded it (a host stall between
+            # steps included, which the model does not learn from).
+            seen = now - self._processed_at if self._processed_at is not None and self._last_decoding else 0.0
+            self._log_if_slow(launched, seconds, seen, now)
             self.step_model.observe(launched.shape, max(seconds, period))
             if launched.kind == "mixed":
                 self.itl_trim.observe(max(seconds, period), self.itl_target_s())
@@ -84,3 +100,29 @@ class StepPacing:
             elif launched.kind == "prefill":
                 self.prefill_speed.observe(launched.shape.prefill_tokens, seconds)
         self._processed_at = now
+        self._last_decoding = launched.kind != "prefill"
+
+    def _log_if_slow(self, launched: Launched, seconds: float, seen: float, now: float) -> None:
+        target = self.itl_target_s()
+        took = max(seconds, seen)
+        if launched.kind == "prefill" or target <= 0 or took <= SLOW_STEP_RATIO * target:
+            return
+        self._slow_unlogged += 1
+        if now - self._slow_logged_at < SLOW_STEP_LOG_S:
+            return
+        slow, self._slow_unlogged, self._slow_logged_at = self._slow_unlogged, 0, now
+        shape = launched.shape
+        log.warning(
+            "slow step",
+            extra={
+                "kind": launched.kind,
+                "ms": round(took * 1e3, 1),  # since the step before (host time between steps included)
+                "device_ms": round(seconds * 1e3, 1),
+                "predicted_ms": round(self.step_model.predict(shape) * 1e3, 1),
+                "target_ms": round(target * 1e3, 1),
+                "decode_rows": shape.decode_rows,
+                "prefill_tokens": shape.prefill_tokens,
+                "decode_context": shape.decode_context,
+                "slow_steps": slow,  # this one and those since the last line
+            },
+        )

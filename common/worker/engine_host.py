@@ -14,6 +14,7 @@ from multiprocessing.connection import Connection
 
 from common.config import WorkerConfig
 from common.engine.runner import ModelRunner
+from common.gc_pauses import GcPauses, freeze_startup_objects
 from common.kv.integrity import IdleLedgerCheck
 from common.observability.timeline import Stamps
 from common.prefix.hashing import chained_block_hashes
@@ -87,7 +88,10 @@ class EngineHost:
         self.outbox: list[Event] = []
         self.stopping = False
         self.loop_turns = 0  # loop turns so far (published: an idle engine's stays put)
-        self.report = LoadReport(self.scheduler, self.role, cfg.pod_name, self.page_size)
+        # Everything built so far (weights, modules, graphs) lives as long as the engine: out of the collector's
+        # walks, so a full collection costs the objects made since, not the model (common/gc_pauses.py).
+        freeze_startup_objects()
+        self.report = LoadReport(self.scheduler, self.role, cfg.pod_name, self.page_size, gc=GcPauses().install())
         self.debug_checksums = DEBUG_CHECKSUMS.read()
         # Observability (common/worker/engine_metrics.py): per-request stage stamps, sent with the request's
         # first-token event; requests queued for a prefill batch, whose admission the step loop stamps.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from common.gc_pauses import GcPauses
 from common.protocol import LoadSnapshot
 from common.sched.scheduler import Scheduler, StepEvent
 from common.worker.messages import Event, Load, Steps
@@ -29,6 +30,7 @@ class LoadReport:
     prefill_rate: PrefillRate = field(default_factory=PrefillRate)
     decode_step_s: float = 0.0  # smoothed decode-only step time, published for the router's ITL model
     steps: list[float] = field(default_factory=list)  # the decode steps' [seconds, batch size] since the last report
+    gc: GcPauses = field(default_factory=GcPauses)
 
     def observe_step(self, started: float, events: list[StepEvent]) -> None:
         """A decode-only step's time and batch size: per step, never per token."""
@@ -95,4 +97,7 @@ class LoadReport:
             preemptions=snap.preemptions,
             preemptions_parked=snap.preemptions_parked,
             recomputed_tokens=snap.recomputed_tokens,
+            gc_collections=self.gc.count,
+            gc_pause_s=round(self.gc.total_s, 6),
+            gc_pause_max_s=round(self.gc.max_s, 6),
         )

@@ -10,26 +10,31 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
+from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from common.managed_stream import ManagedStream
 from common.protocol import encode
 from common.worker.channel import ENGINE_TIMEOUT, EngineError
-from common.worker.http_errors import error_response
+from common.worker.http_errors import error_response, read_message
 from common.worker.messages import Abort, Command, StreamEvent
 from common.worker.request_trace import WorkerTrace
 from common.worker.worker_state import WorkerState
 
-__all__ = ["WorkerRequest", "refuse_unready"]
+__all__ = ["WorkerRequest", "read_when_ready"]
+
+T = TypeVar("T")
 
 
-def refuse_unready(state: WorkerState) -> JSONResponse | None:
-    """The answer to a request that may not start yet (503), or None: the same on every route of every role."""
-    if state.ready:
-        return None
-    return error_response(503, f"{state.cfg.role} worker not ready", "unavailable", "not_ready")
+async def read_when_ready(request: Request, state: WorkerState, model: type[T]) -> T | JSONResponse:
+    """The request's message, or the answer to a request that may not start yet (503): the same on every route
+    of every role. A malformed body is refused (400) first, ready or not."""
+    message = await read_message(request, model)
+    if not state.ready:
+        return error_response(503, f"{state.cfg.role} worker not ready", "unavailable", "not_ready")
+    return message
 
 
 class WorkerRequest:

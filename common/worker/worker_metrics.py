@@ -67,6 +67,16 @@ class WorkerMetrics:
             "kvferry_recomputed_tokens_total", "Tokens prefilled again that had KV before a preemption", registry=r
         )
         self._preempt_seen = {"park": 0, "recompute": 0, "tokens": 0}
+        # The engine process's garbage collections since it started (common/gc_pauses.py).
+        self.gc_collections = Gauge(
+            "kvferry_engine_gc_collections", "Engine garbage collections since start", registry=r
+        )
+        self.gc_pause = Gauge(
+            "kvferry_engine_gc_pause_seconds", "Seconds the engine spent in garbage collection since start", registry=r
+        )
+        self.gc_pause_max = Gauge(
+            "kvferry_engine_gc_pause_max_seconds", "The engine's longest garbage collection since start", registry=r
+        )
         self.requests = Counter("kvferry_requests_total", "Finished requests by outcome", ["outcome"], registry=r)
         # The latest engine start (common/engine/start_phases.py): each phase that ran, and the whole of it.
         self.start_phase = Gauge(
@@ -132,6 +142,9 @@ class WorkerMetrics:
         self.itl_target.set(load.itl_target_s)
         self.host_cached.set(load.host_pages_cached)
         self.host_total.set(load.host_pages_total)
+        self.gc_collections.set(load.gc_collections)
+        self.gc_pause.set(load.gc_pause_s)
+        self.gc_pause_max.set(load.gc_pause_max_s)
         for direction, now in (("saved", load.host_pages_saved), ("loaded", load.host_pages_loaded)):
             if now > self._host_moved[direction]:  # cumulative in the engine: count the increase
                 self.host_moves.labels(direction=direction).inc(now - self._host_moved[direction])

@@ -37,17 +37,13 @@ MAX_SCHEMA_BYTES = 256 * 1024  # as compact JSON
 
 
 @dataclass(frozen=True)
-class GrammarLimits:
+class GrammarLimits(reg.EnvFields):
     """What a grammar may hold, checked before the worker compiles it (compile time grows with these)."""
 
     schema_max_properties: int = reg.ROUTER_SCHEMA_MAX_PROPERTIES.field()
     schema_max_enum_values: int = reg.ROUTER_SCHEMA_MAX_ENUM_VALUES.field()
     schema_max_enum_chars: int = reg.ROUTER_SCHEMA_MAX_ENUM_CHARS.field()
     grammar_max_bytes: int = reg.ROUTER_GRAMMAR_MAX_BYTES.field()
-
-    @classmethod
-    def from_env(cls) -> GrammarLimits:
-        return cls(**reg.read_fields(cls))
 
 
 LIMITS = GrammarLimits.from_env()  # read once: validation runs inside the request models, with no options at hand

@@ -79,6 +79,11 @@ class PageMeta:
         )
 
 
+# A decode graph's fixed device CSR buffers (indptr, page ids, last-page lengths): what its wrapper was built over
+# and what the Triton and XQA decode kernels read.
+GraphBuffers = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 def page_meta(table: torch.Tensor, page_size: int, table_rows: torch.Tensor, seq_lens_cpu: list[int]) -> PageMeta:
     """flashinfer's CSR page description of a step's requests from the token-location table."""
     ps = page_size
@@ -235,9 +240,7 @@ class FlashInferAttention:
     def decode_tensor_cores(self, batch_size: int) -> bool:
         return self.tensor_cores and batch_size >= self.tc_min_batch
 
-    def make_decode_wrapper(
-        self, graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, tensor_cores: bool = False
-    ):
+    def make_decode_wrapper(self, graph_buffers: GraphBuffers | None = None, tensor_cores: bool = False):
         import flashinfer
 
         if graph_buffers is None:
@@ -274,16 +277,15 @@ class FlashInferAttention:
         indptr, last = meta.indptr.to(dev, non_blocking=True), meta.last_page_len.to(dev, non_blocking=True)
         return self.xqa.pages(indptr, meta.indices, last, width)  # type: ignore[union-attr]
 
+    def _pages_and_heads(self, meta: PageMeta) -> tuple[torch.Tensor | int, ...]:
+        """The leading arguments of every flashinfer plan call: the page CSR, then the head and page shape."""
+        indptr, indices, last = meta.indptr, meta.indices, meta.last_page_len
+        return indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim, self.page_size
+
     def plan_decode(self, wrapper, meta: PageMeta) -> None:
         self._before_plan(wrapper)
         wrapper.plan(
-            meta.indptr,
-            meta.indices,
-            meta.last_page_len,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            self.page_size,
+            *self._pages_and_heads(meta),
             q_data_type=self.dtype,
             kv_data_type=self.kv_dtype,
         )
@@ -317,13 +319,7 @@ class FlashInferAttention:
         self._before_plan(w)
         w.plan(
             qo,
-            meta.indptr,
-            meta.indices,
-            meta.last_page_len,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            self.page_size,
+            *self._pages_and_heads(meta),
             causal=True,
             q_data_type=self.kv_dtype if self.fp8_prefill else self.dtype,
             kv_data_type=self.kv_dtype,
@@ -345,12 +341,7 @@ class FlashInferAttention:
             self.plan_extend(meta, batch.extend_lens_cpu)
         self._out_loc = self.pool.token_rows(batch.out_loc)  # pool rows of layer 0's K, once per step
 
-    def bind(
-        self,
-        wrapper,
-        out_loc: torch.Tensor,
-        graph_meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    ) -> None:
+    def bind(self, wrapper, out_loc: torch.Tensor, graph_meta: GraphBuffers | None = None) -> None:
         """Points forward() at a planned wrapper and a write-location buffer (CUDA-graph capture and replay);
         `graph_meta`: the device CSR buffers the wrapper (and the Triton decode kernel) reads."""
         self._wrapper = wrapper

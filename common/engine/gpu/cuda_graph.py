@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.engine.forward_batch import ForwardBatch
-from common.engine.gpu.attention import FlashInferAttention, PageMeta
+from common.engine.gpu.attention import FlashInferAttention, GraphBuffers, PageMeta
 from common.engine.gpu.graph_inputs import GraphInputs, smallest_fit
 from common.engine.gpu.mla_attention import FlashInferMlaAttention
 
@@ -61,10 +61,7 @@ class DecodeGraphs:
         self.indices_buf = torch.zeros(max_bs * pages_per_req + max_bs, dtype=torch.int32, device=dev)
         self.last_buf = torch.ones(max_bs, dtype=torch.int32, device=dev)
         self.wrappers = {
-            bs: self.attn.make_decode_wrapper(
-                (self.indptr_buf[: bs + 1], self.indices_buf, self.last_buf[:bs]), self.attn.decode_tensor_cores(bs)
-            )
-            for bs in self.sizes
+            bs: self.attn.make_decode_wrapper(self._buffers(bs), self.attn.decode_tensor_cores(bs)) for bs in self.sizes
         }
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0
@@ -82,10 +79,12 @@ class DecodeGraphs:
             and batch.logits_indices.shape[0] == batch.num_tokens == batch.batch_size
         )
 
+    def _buffers(self, bs: int) -> GraphBuffers:
+        return self.indptr_buf[: bs + 1], self.indices_buf, self.last_buf[:bs]
+
     def _body(self, bs: int) -> None:
-        meta = (self.indptr_buf[: bs + 1], self.indices_buf, self.last_buf[:bs])
         inp = self.inputs
-        self.attn.bind(self.wrappers[bs], inp.out_loc[:bs], meta)
+        self.attn.bind(self.wrappers[bs], inp.out_loc[:bs], self._buffers(bs))
         # Logits in the model's dtype, cast by the copy into the float32 buffer (one kernel, not two).
         logits = self.model.forward_tokens(inp.input_ids[:bs], inp.positions[:bs], self.attn, float_logits=False)
         self.logits[:bs].copy_(logits)

@@ -46,9 +46,7 @@ def _decode_attention_split_kernel(
     KV_FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:
-        pdl.release_next()
-        pdl.wait_prior()
+    pdl.start(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -108,9 +106,7 @@ def _decode_attention_split_kernel(
 def _decode_attention_merge_kernel(
     o_ptr, lse_ptr, out_ptr, NUM_SPLITS: tl.constexpr, SPAD: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr
 ):
-    if PDL:
-        pdl.release_next()
-        pdl.wait_prior()
+    pdl.start(PDL)
     row = tl.program_id(0)  # b * HQ + head
     sp = tl.arange(0, SPAD)
     d = tl.arange(0, D)

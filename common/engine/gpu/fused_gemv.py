@@ -30,6 +30,10 @@ class GemvConfig:
     num_warps: int
     num_stages: int
 
+    def launch_meta(self) -> dict[str, int]:
+        """The tile as the launch keywords of every GEMV kernel (this one's and the MoE experts')."""
+        return dict(BLOCK_N=self.block_n, BLOCK_K=self.block_k, NUM_STAGES=self.num_stages, num_warps=self.num_warps)
+
 
 def pick_config(rows: int, n: int, w_fp8: bool = False, k: int = 0) -> GemvConfig:
     """Block shapes by bench/decode_kernels.py's sweep (8B shapes): one row 8 x 512 (8 x 256 widest), a few rows
@@ -166,9 +170,7 @@ def _gemv_kernel(
     else:
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
-    if PDL:
-        pdl.release_next()
-        pdl.wait_prior()
+    pdl.start(PDL)
     rm = tl.arange(0, BLOCK_M)
     rk0 = tl.arange(0, BLOCK_K)
     m_ok = rm < M
@@ -390,10 +392,7 @@ def gemv(
         W_FP8=w_fp8,
         USE_DOT=not one,
         BLOCK_M=1 if one else MAX_ROWS,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
         K_POW2=triton.next_power_of_2(k) if code in (1, 2) else 16,
-        NUM_STAGES=cfg.num_stages,
         INTO_STREAM=into_stream is not None,
         PARTS_POW2=triton.next_power_of_2(stats.shape[1]) if code == 4 else 16,
         GATED=gated,
@@ -405,7 +404,7 @@ def gemv(
         # Round to nearest even into FP8, as torch does; None keeps a 16-bit pool's default.
         KV_ROUND="rtne" if kv_write is not None and is_fp8(kv_write.rows.dtype) else None,
         PDL=launch_pdl,
-        num_warps=cfg.num_warps,
+        **cfg.launch_meta(),
         **pdl.launch_options(launch_pdl),
     )
     return y, (stats if into_stream is not None else r_out)

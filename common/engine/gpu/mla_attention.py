@@ -11,9 +11,9 @@ import torch
 
 from common.engine.forward_batch import ForwardBatch
 from common.engine.fp8 import store_rows
-from common.engine.gpu.attention import PageMeta, PlanFences
-from common.engine.layers import KvWrite, RotaryCache
-from common.engine.mla import MlaProjections
+from common.engine.gpu.attention import GraphBuffers, PageMeta, PlanFences
+from common.engine.layers import RotaryCache
+from common.engine.mla import LatentOnly, MlaParts, MlaProjections
 from common.engine.model_config import ModelConfig
 from common.kv.pool import KVPool
 
@@ -58,7 +58,7 @@ def host_page_meta(host_pages: np.ndarray, page_size: int, table_rows: np.ndarra
     )
 
 
-class FlashInferMlaAttention:
+class FlashInferMlaAttention(LatentOnly):
     """The `MlaBackend` of the GPU path: plan once per step, `forward_mla` per layer, with the planning and
     binding calls the decode and piecewise step graphs make on an attention backend."""
 
@@ -126,9 +126,7 @@ class FlashInferMlaAttention:
     def decode_tensor_cores(self, batch_size: int) -> bool:
         return False
 
-    def make_decode_wrapper(
-        self, graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, tensor_cores: bool = False
-    ):
+    def make_decode_wrapper(self, graph_buffers: GraphBuffers | None = None, tensor_cores: bool = False):
         """A wrapper for eager steps, or one a decode graph captures over fixed buffers (its plans copy into them)."""
         if graph_buffers is None:
             return self._wrapper_cls(self.workspace, backend=self.backend)
@@ -183,12 +181,7 @@ class FlashInferMlaAttention:
             self.plan_extend(meta, batch.extend_lens_cpu)
         self._out_loc = self.pool.token_rows(batch.out_loc)
 
-    def bind(
-        self,
-        wrapper,
-        out_loc: torch.Tensor,
-        graph_meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    ) -> None:
+    def bind(self, wrapper, out_loc: torch.Tensor, graph_meta: GraphBuffers | None = None) -> None:
         """Points the layers at a planned wrapper and the step's write rows (graph capture)."""
         self._wrapper = wrapper
         self._out_loc = out_loc
@@ -196,26 +189,12 @@ class FlashInferMlaAttention:
     def write_rows(self, out_loc: torch.Tensor) -> None:
         self._out_loc = out_loc
 
-    def forward(
-        self, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        raise TypeError("latent attention layers call forward_mla")
-
-    def kv_write(self, layer: int, positions: torch.Tensor) -> KvWrite | None:
-        return None  # the entry is [normed latent | roped k_pe]: not a qkv GEMM's output
-
     def store(
-        self,
-        layer: int,
-        positions: torch.Tensor,
-        q_nope: torch.Tensor,
-        q_pe: torch.Tensor,
-        latent: torch.Tensor,
-        k_pe: torch.Tensor,
-        proj: MlaProjections,
+        self, layer: int, positions: torch.Tensor, parts: MlaParts, proj: MlaProjections
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE on q_pe and k_pe and this step's entries written; returns the absorbed query's two parts,
         W_UK^T q_nope and the roped q_pe."""
+        q_nope, q_pe, latent, k_pe = parts
         loc = self._out_loc
         assert loc is not None, "plan() or bind() must run before the layers"
         t = q_pe.shape[0]
@@ -239,15 +218,6 @@ class FlashInferMlaAttention:
             out = q_latent.new_empty(h, t, r).transpose(0, 1)
         return self._wrapper.run(query=(q_latent, q_pe), kv_cache=(self.ckv[layer], self.kpe[layer]), out=out)
 
-    def forward_mla(
-        self,
-        layer: int,
-        positions: torch.Tensor,
-        q_nope: torch.Tensor,
-        q_pe: torch.Tensor,
-        latent: torch.Tensor,
-        k_pe: torch.Tensor,
-        proj: MlaProjections,
-    ) -> torch.Tensor:
-        q_latent, q_pe = self.store(layer, positions, q_nope, q_pe, latent, k_pe, proj)
+    def forward_mla(self, layer: int, positions: torch.Tensor, parts: MlaParts, proj: MlaProjections) -> torch.Tensor:
+        q_latent, q_pe = self.store(layer, positions, parts, proj)
         return proj.values_from_latent(self._attend(layer, q_latent, q_pe, None))

@@ -45,6 +45,11 @@ __all__ = ["MAX_TOKENS", "DecodeExperts", "experts_config", "gemv_experts"]
 # One token's k choices are distinct experts, so at 8 tokens a layer touches at most 8k of its experts with a few
 # rows each (Qwen3-30B-A3B: 64 pairs over 128 experts); the dot kernel's row tile holds up to MAX_ROWS tokens.
 MAX_TOKENS = MAX_ROWS
+# The most tokens the serving path gives these kernels: on an H200 (Qwen3-30B-A3B's experts) they beat the
+# grouped GEMMs at one token (28 vs 79 us a layer, at the copy rate) and lose from two on (137 vs 119, 258 vs 163,
+# 492 vs 245 us at 2 / 4 / 8): a few tokens' routed experts overlap little, so the grouped GEMM's one pass
+# per expert wins once its fixed cost is spread (bench/RESULTS.md, "The GEMV experts' tiles").
+SERVING_TOKENS = 1
 
 
 def experts_config(tokens: int, n: int, min_programs: int = 0) -> GemvConfig:
@@ -218,10 +223,7 @@ def gemv_experts(
         x.stride(0),
         w13.stride(0),
         w13.stride(1),
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        NUM_STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps,
+        **cfg.launch_meta(),
         **meta,
     )
     cfg = down_config or experts_config(tokens, hidden, DOWN_MIN_PROGRAMS)
@@ -238,10 +240,7 @@ def gemv_experts(
         w2.stride(0),
         w2.stride(1),
         y.stride(0),
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        NUM_STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps,
+        **cfg.launch_meta(),
         **meta,
     )
     return y

@@ -12,13 +12,13 @@ import torch.nn.functional as F
 
 from common.engine.fp8 import Fp8Linear
 from common.engine.gpu import fp8_gemm, fp8_kernels
-from common.engine.layers import Activated, ComposedOps, InStream, KvWrite, Rotated
+from common.engine.layers import Activated, InStream, KvWrite, Ops, Rotated
 
 # The Triton GEMV indexes a weight with 32-bit offsets: larger ones (a 256k vocabulary LM head) use cuBLAS.
 MAX_WEIGHT_ELEMENTS = 1 << 31
 
 
-class GemvOps(ComposedOps):
+class GemvOps(Ops):
     """The GEMMs of small decode batches on Triton GEMVs that stream the weight, cuBLAS otherwise (docs/architecture.md,
     "GPU kernels"): one row on every shape, 2-8 rows on the wide outputs only (where they measured faster);
     `gemv_max_rows` 0: off. The switches pick the fusions: `fold_prologues` (measured slower: off by default),
@@ -149,7 +149,7 @@ class GemvOps(ComposedOps):
         elif silu and self.fold_prologues:
             fold = "silu"
         elif silu:
-            x = self.silu_and_mul(x)  # type: ignore[attr-defined]
+            x = self.silu_and_mul(x)
         w, scale = _gemv_weight(weight, packed)
         stream, sumsq = self.gemv(x, w, prologue=fold, weight_scale=scale, into_stream=residual)  # type: ignore[misc]
         return InStream(sumsq), stream

@@ -90,7 +90,7 @@ class GpuPath:
         phases.record("kernels", time.perf_counter() - kernels_started)
         graphs_started = time.perf_counter()
         self.use_graphs = True
-        self._capture(model, pool, page_table, dummy_page, graph_max_bs, cfg.cuda_graph_max_tokens)
+        self._capture(pool, dummy_page, page_table.shape[1], graph_max_bs, cfg.cuda_graph_max_tokens)
         if self.graphs is not None or self.step_graphs is not None:
             phases.record("graphs", time.perf_counter() - graphs_started)
         self._log_kernels(pool, triton, graph_max_bs)
@@ -109,13 +109,13 @@ class GpuPath:
         gemv_tokens = 0
         if triton and cfg.gemv_max_rows > 0 and cfg.gemv_experts:
             # Triton: imported only when used
-            from common.engine.gpu.moe_gemv import MAX_TOKENS, DecodeExperts
+            from common.engine.gpu.moe_gemv import MAX_TOKENS, SERVING_TOKENS, DecodeExperts
             from common.engine.gpu.moe_route import DecodeRoute, softmax_top_k_fits
 
-            gemv_tokens = min(cfg.gemv_max_rows, MAX_TOKENS)
+            gemv_tokens = min(cfg.gemv_max_rows, MAX_TOKENS, SERVING_TOKENS)
             experts_fn = DecodeExperts(gemv_tokens, grouped_mm_experts)
             if softmax_top_k_fits(model.cfg.moe):
-                route_fn = DecodeRoute(gemv_tokens)
+                route_fn = DecodeRoute(min(cfg.gemv_max_rows, MAX_TOKENS))
         for layer in model.layers:
             if layer.moe is not None:
                 layer.moe.experts_fn = experts_fn
@@ -147,21 +147,14 @@ class GpuPath:
             self.pdl,
         )
 
-    def _capture(
-        self,
-        model: DecoderModel,
-        pool: KVPool,
-        page_table: torch.Tensor,
-        dummy_page: int,
-        graph_max_bs: int,
-        step_tokens: int,
-    ) -> None:
+    def _capture(self, pool: KVPool, dummy_page: int, max_seq_len: int, graph_max_bs: int, step_tokens: int) -> None:
+        model = self.model
         self.graphs = None
         self.step_graphs = None
         if graph_max_bs > 0 and model.device.type == "cuda":
             from common.engine.gpu.cuda_graph import DecodeGraphs
 
-            self.graphs = DecodeGraphs(model, self.attn, pool, dummy_page, page_table.shape[1], graph_max_bs)
+            self.graphs = DecodeGraphs(model, self.attn, pool, dummy_page, max_seq_len, graph_max_bs)
         if step_tokens > 0 and model.device.type == "cuda" and model.tp.size == 1:
             from common.engine.gpu.step_graphs import StepGraphs
 

@@ -34,3 +34,11 @@ def release_next():
 def wait_prior():
     """Returns once the kernel before this one has finished and its memory is visible."""
     tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def start(PDL: tl.constexpr):
+    """A kernel's first step with PDL on (nothing with it off): the next kernel may start, then this one waits."""
+    if PDL:
+        release_next()
+        wait_prior()

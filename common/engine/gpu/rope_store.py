@@ -46,9 +46,7 @@ def _rope_store_kernel(
     HEADS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:
-        pdl.release_next()
-        pdl.wait_prior()
+    pdl.start(PDL)
     t = tl.program_id(0)
     hh = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # this program's heads: queries first, then KV heads
     d = tl.arange(0, HALF)

@@ -20,7 +20,7 @@ from common.engine.gpu.attention import FlashInferAttention
 from common.engine.gpu.graph_inputs import GraphInputs, smallest_fit
 from common.engine.gpu.mla_attention import FlashInferMlaAttention
 from common.engine.layers import KvWrite
-from common.engine.mla import MlaProjections
+from common.engine.mla import MlaParts, MlaProjections
 
 if TYPE_CHECKING:
     from common.engine.model import DecoderModel
@@ -58,20 +58,11 @@ class _BreakAtAttention:
         o.attn.store(layer, positions, q, k, v, q_out=o.q_buf[: self.tokens])
         return self._break(layer)
 
-    def forward_mla(
-        self,
-        layer: int,
-        positions: torch.Tensor,
-        q_nope: torch.Tensor,
-        q_pe: torch.Tensor,
-        latent: torch.Tensor,
-        k_pe: torch.Tensor,
-        proj: MlaProjections,
-    ) -> torch.Tensor:
+    def forward_mla(self, layer: int, positions: torch.Tensor, parts: MlaParts, proj: MlaProjections) -> torch.Tensor:
         """Latent attention: entries written and the absorbed query put in the static buffer inside the graph;
         after the break W_UV maps the latent output back."""
         o = self.owner
-        q_latent, q_pe = o.attn.store(layer, positions, q_nope, q_pe, latent, k_pe, proj)  # type: ignore[call-arg]
+        q_latent, q_pe = o.attn.store(layer, positions, parts, proj)  # type: ignore[call-arg]
         q = o.q_buf[: self.tokens]
         r = q_latent.shape[-1]
         q[..., :r].copy_(q_latent)
