@@ -1,5 +1,6 @@
-"""Pool-bound serving, full against optimistic KV reservation (KVFERRY_KV_RESERVATION): admitted concurrency,
-goodput, preemptions, and whether any output changed.
+"""Pool-bound serving under the memory policies: full against optimistic KV reservation (KVFERRY_KV_RESERVATION),
+and optimistic's two preemption modes, recompute against parking in the host KV tier (KVFERRY_PREEMPT_MODE):
+admitted concurrency, goodput, preemptions, recomputed tokens, and whether any output changed.
 
     python bench/pool_bound.py                                   # CPU, small: the packaged SmolLM2-135M
     python bench/pool_bound.py --model dummy:llama-3.1-8b --requests 400 --rate 12 \\
@@ -10,16 +11,20 @@ max_tokens `--max-tokens` (4096) and its output ends after a length drawn from `
 stops it there, as a stop string would: the request is aborted with reason "stop", and its pages go back).
 Requests arrive as a Poisson process at `--rate` per second (0: all at once). The KV pool is
 `--pool-fraction` of the pool the engine sizes by default (its allocator's range is cut; the memory stays), or
-`--pool-pages`. A request is good when its TTFT <= `--ttft-s` and its own inter-token gaps' p99 <= `--itl-ms`.
+`--pool-pages`. Every policy runs with the same host KV tier (`--host-kv-gb`; by default twice the cut pool's
+bytes), so the preemption modes differ only in what becomes of a preempted request's KV: recompute leaves it
+to the prefix cache (and the tier behind it) and prefills what eviction took; park copies it all to the tier and
+back. A request is good when its TTFT <= `--ttft-s` and its own inter-token gaps' p99 <= `--itl-ms`.
 Per policy: peak and mean admitted requests (prefilling, decoding), goodput (good requests/s), output tokens/s,
-preemptions and the prompt tokens recomputed for them; then the optimistic/full ratios and whether every
-request's tokens are equal across the two policies (greedy). Wall clock, one process, both policies in the same
-run. Writes bench/out/pool_bound.json.
+preemptions (and how many parked), the tokens recomputed for them; then the optimistic/full and park/recompute
+ratios and whether every request's tokens are equal across the policies (greedy). Wall clock, one process, all
+policies in the same run. Writes bench/out/pool_bound.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -70,13 +75,28 @@ def differing(a: dict[str, list[int]], b: dict[str, list[int]], only: list[str] 
     return {"of": len(ids), "differ": len(hit), "mean_first_difference": round(sum(hit) / len(hit), 1) if hit else None}
 
 
-def run_policy(runner: Any, policy: str, work: list[dict[str, Any]], args) -> dict[str, Any]:
+# name -> (KVFERRY_KV_RESERVATION, KVFERRY_PREEMPT_MODE)
+POLICIES = {
+    "full": ("full", "recompute"),
+    "full_again": ("full", "recompute"),
+    "optimistic": ("optimistic", "recompute"),
+    "optimistic_park": ("optimistic", "park"),
+}
+
+
+def run_policy(runner: Any, name: str, work: list[dict[str, Any]], args) -> dict[str, Any]:
     from common.protocol import SamplingParams
     from common.sched.request import Req, ReqState
     from common.sched.scheduler import Scheduler
     from common.settings import SchedulerConfig
 
-    cfg = SchedulerConfig(max_prefill_tokens=args.max_prefill_tokens, kv_reservation=policy, host_kv_gb=0)
+    reservation, mode = POLICIES[name]
+    cfg = SchedulerConfig(
+        max_prefill_tokens=args.max_prefill_tokens,
+        kv_reservation=reservation,
+        preempt_mode=mode,
+        host_kv_gb=args.host_kv_gb,
+    )
     sched = Scheduler(runner, cfg)
     pending = list(work)
     reqs: dict[str, Req] = {}
@@ -84,6 +104,7 @@ def run_policy(runner: Any, policy: str, work: list[dict[str, Any]], args) -> di
     admitted: list[int] = []
     preempted: set[str] = set()
     start = time.perf_counter()
+    cpu_start = time.process_time()
     done = 0
     while done < len(work):
         now = time.perf_counter() - start
@@ -112,6 +133,7 @@ def run_policy(runner: Any, policy: str, work: list[dict[str, Any]], args) -> di
                     done += 1
     sched.flush()
     elapsed = time.perf_counter() - start
+    cpu_s = time.process_time() - cpu_start
     good = 0
     ttfts = []
     for w in work:
@@ -122,24 +144,34 @@ def run_policy(runner: Any, policy: str, work: list[dict[str, Any]], args) -> di
         p99 = gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else 0.0
         good += ttft <= args.ttft_s and p99 <= args.itl_ms / 1000
     out_tokens = sum(min(len(r.output_ids), w["stop_after"]) for w, r in ((w, reqs[w["id"]]) for w in work))
-    prompts = sum(len(w["prompt"]) for w in work)
     ttfts.sort()
-    return {
-        "policy": policy,
+    snap = sched.snapshot()
+    result = {
+        "policy": name,
+        "kv_reservation": reservation,
+        "preempt_mode": mode,
         "elapsed_s": round(elapsed, 3),
+        # The process's CPU time beside the wall clock (on a shared box both grow with the others' load).
+        "cpu_s": round(cpu_s, 3),
         "peak_admitted": max(admitted, default=0),
         "mean_admitted": round(sum(admitted) / max(1, len(admitted)), 2),
         "good_requests": good,
         "goodput_rps": round(good / elapsed, 4),
         "output_tokens_per_s": round(out_tokens / elapsed, 2),
         "ttft_p50_s": round(ttfts[len(ttfts) // 2], 4),
-        "preemptions": sched.table.preemptions,
-        "recomputed_prompt_tokens": sched.prefill_tokens_launched - prompts,
+        "preemptions": snap.preemptions,
+        "preemptions_parked": snap.preemptions_parked,
+        "recomputed_tokens": snap.recomputed_tokens,
+        "host_pages_saved": snap.host_pages_saved,
+        "host_pages_loaded": snap.host_pages_loaded,
         "steps": len(admitted),
         "preempted_ids": sorted(preempted),
         "outputs": {w["id"]: reqs[w["id"]].output_ids[: w["stop_after"]] for w in work},
         "ledger_violations": sched.table_violations(),
     }
+    if sched.cache is not None and sched.cache.host is not None:
+        sched.cache.host.close()  # unpinned now: the next policy pins a tier of its own
+    return result
 
 
 def main() -> int:
@@ -154,6 +186,9 @@ def main() -> int:
     p.add_argument("--pool-pages", type=int, default=0, help="the KV pool in pages (overrides --pool-fraction)")
     p.add_argument("--max-running", type=int, default=0, help="0: the engine's default for its device")
     p.add_argument("--max-prefill-tokens", type=int, default=2048)
+    p.add_argument(
+        "--host-kv-gb", type=float, default=-1.0, help="the host KV tier of every policy (-1: twice the cut pool)"
+    )
     p.add_argument("--ttft-s", type=float, default=1.0)
     p.add_argument("--itl-ms", type=float, default=50.0)
     p.add_argument("--seed", type=int, default=46)
@@ -162,6 +197,9 @@ def main() -> int:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="run full reservation twice: the tokens two runs of one policy differ by (default: on a GPU)",
+    )
+    p.add_argument(
+        "--policies", default="", help=f"comma-separated, run in this order, of {','.join(POLICIES)} (default: all)"
     )
     p.add_argument("--out", default=str(OUT_DIR / "pool_bound.json"))
     args = p.parse_args()
@@ -191,44 +229,66 @@ def main() -> int:
     need = -(-(args.prompt_tokens[1] + args.max_tokens) // runner.cfg.page_size)
     if need > runner.pool.num_pages:
         raise SystemExit(f"a request may need {need} pages, more than the pool's {runner.pool.num_pages}")
+    if args.host_kv_gb < 0:
+        args.host_kv_gb = 2 * runner.pool.num_pages * runner.pool.page_stride_bytes / (1 << 30)
     work = workload(args, runner.model_config.vocab_size)
     if args.repeat_full is None:
         args.repeat_full = runner.device.type == "cuda"
     print(
         f"{args.requests} requests, prompts {args.prompt_tokens}, outputs {args.output_tokens} of max_tokens "
         f"{args.max_tokens}; pool {runner.pool.num_pages} pages of {runner.cfg.page_size} "
-        f"({default_pages} by default), max_running {runner.cfg.max_running}, device {runner.device}",
+        f"({default_pages} by default), host tier {args.host_kv_gb:.3g} GiB, max_running {runner.cfg.max_running}, "
+        f"device {runner.device}",
         flush=True,
     )
     results = {}
     # On a GPU a request's greedy tokens depend on the batch it ran in (kernels pick tiles by batch size, bf16
     # sums in another order), and two runs of one policy batch differently: full reservation runs twice, and
-    # what differs between those two runs is the floor against which optimistic's differences are read.
-    policies = ["full", "full_again", "optimistic"] if args.repeat_full else ["full", "optimistic"]
-    for name in policies:
-        r = results[name] = run_policy(runner, name.removesuffix("_again"), work, args)
+    # what differs between those two runs is the floor against which the other policies' differences are read.
+    names = ["full", "full_again"] if args.repeat_full else ["full"]
+    names += ["optimistic", "optimistic_park"] if args.host_kv_gb > 0 else ["optimistic"]
+    if args.policies:  # in the order given (on a shared box, swapping the order shows what the load did)
+        names = args.policies.split(",")
+        unknown = [n for n in names if n not in POLICIES]
+        if unknown:
+            raise SystemExit(f"unknown policies {unknown}: choose from {list(POLICIES)}")
+    for name in names:
+        r = results[name] = run_policy(runner, name, work, args)
+        gc.collect()  # the run's scheduler and its host tier go before the next one is built
         print(
-            f"{name:>10}: admitted peak {r['peak_admitted']} mean {r['mean_admitted']}, goodput "
+            f"{name:>15}: admitted peak {r['peak_admitted']} mean {r['mean_admitted']}, goodput "
             f"{r['goodput_rps']} req/s ({r['good_requests']}/{args.requests} good), {r['output_tokens_per_s']} "
-            f"out tok/s, TTFT p50 {r['ttft_p50_s']} s, {r['preemptions']} preemptions "
-            f"({r['recomputed_prompt_tokens']} tokens recomputed), {r['elapsed_s']} s",
+            f"out tok/s, TTFT p50 {r['ttft_p50_s']} s, {r['preemptions']} preemptions ({r['preemptions_parked']} "
+            f"parked, {r['recomputed_tokens']} tokens recomputed), {r['steps']} steps, {r['elapsed_s']} s "
+            f"({r['cpu_s']} s of CPU)",
             flush=True,
         )
-    full, opt = results["full"], results["optimistic"]
-    same = full["outputs"] == opt["outputs"]
-    differ = {
-        "optimistic_vs_full": differing(full["outputs"], opt["outputs"]),
-        "preempted_vs_full": differing(full["outputs"], opt["outputs"], only=opt["preempted_ids"]),
-    }
-    if args.repeat_full:
-        differ["full_vs_full_again"] = differing(full["outputs"], results["full_again"]["outputs"])
-    ratios = {
-        "mean_admitted": round(opt["mean_admitted"] / max(full["mean_admitted"], 1e-9), 3),
-        "peak_admitted": round(opt["peak_admitted"] / max(full["peak_admitted"], 1), 3),
-        "goodput": round(opt["goodput_rps"] / full["goodput_rps"], 3) if full["goodput_rps"] else None,
-        "output_tokens_per_s": round(opt["output_tokens_per_s"] / max(full["output_tokens_per_s"], 1e-9), 3),
-    }
-    print(f"optimistic / full: {ratios}; outputs equal: {same}; requests whose tokens differ: {differ}", flush=True)
+    ref = results[names[0]]  # full reservation unless --policies leaves it out
+    same = all(r["outputs"] == ref["outputs"] for r in results.values())
+    differ = {}
+    for name in names[1:]:
+        r = results[name]
+        differ[f"{name}_vs_{names[0]}"] = differing(ref["outputs"], r["outputs"])
+        if r["preempted_ids"]:
+            only = r["preempted_ids"]
+            differ[f"{name}_preempted_vs_{names[0]}"] = differing(ref["outputs"], r["outputs"], only=only)
+
+    def ratios(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float | None]:
+        return {
+            "mean_admitted": round(a["mean_admitted"] / max(b["mean_admitted"], 1e-9), 3),
+            "peak_admitted": round(a["peak_admitted"] / max(b["peak_admitted"], 1), 3),
+            "goodput": round(a["goodput_rps"] / b["goodput_rps"], 3) if b["goodput_rps"] else None,
+            "output_tokens_per_s": round(a["output_tokens_per_s"] / max(b["output_tokens_per_s"], 1e-9), 3),
+        }
+
+    compared = {}
+    if "optimistic" in results and "full" in results:
+        compared["optimistic_over_full"] = ratios(results["optimistic"], results["full"])
+    if "optimistic_park" in results and "optimistic" in results:
+        compared["park_over_recompute"] = ratios(results["optimistic_park"], results["optimistic"])
+    for what, r in compared.items():
+        print(f"{what}: {r}", flush=True)
+    print(f"outputs equal: {same}; requests whose tokens differ: {differ}", flush=True)
     lost = [
         n for n, r in results.items() if len(r["outputs"]) != args.requests or any(not v for v in r["outputs"].values())
     ]
@@ -241,7 +301,7 @@ def main() -> int:
         "device": str(runner.device),
         "host": {"cpus": os.cpu_count(), "threads": torch.get_num_threads(), "machine": platform.machine()},
         "results": results,
-        "optimistic_over_full": ratios,
+        **compared,
         "outputs_equal": same,
         "requests_differing": differ,
         "policies_losing_requests": lost,

@@ -264,6 +264,11 @@ class LoadSnapshot(Schema):
     max_request_tokens: int = 0
     # Output tokens a request reserves beyond its prompt (KVFERRY_KV_RESERVATION=optimistic); 0: all of max_tokens.
     kv_reserve_output_tokens: int = 0
+    # Preemptions since start: all, those whose KV was parked in the host tier (KVFERRY_PREEMPT_MODE), and
+    # the tokens prefilled again that had KV before one.
+    preemptions: int = 0
+    preemptions_parked: int = 0
+    recomputed_tokens: int = 0
     # What predicts a new request's TTFT here (router/decision/ttft_model.py; common/sched/snapshot.py says what
     # each is): the step-time model's coefficients, the next chunk, decode rows and queued tokens per class.
     step_coefficients: Annotated[dict[str, float], Meta(max_length=8)] = {}

@@ -71,6 +71,7 @@ class SchedulerConfig(reg.EnvFields):
     # auto: overlap on a GPU at TP=1, off otherwise; on | off force it (on: the GPU loop's shape on the CPU).
     overlap: str = reg.OVERLAP.field()
     kv_reservation: str = reg.KV_RESERVATION.field()
+    preempt_mode: str = reg.PREEMPT_MODE.field()  # recompute | park (the host tier) | auto
 
 
 @dataclass(frozen=True)

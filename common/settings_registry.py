@@ -612,6 +612,18 @@ KV_RESERVATION = declare(
     "common/settings.py",
     choices=("full", "optimistic"),
 )
+PREEMPT_MODE = declare(
+    "KVFERRY_PREEMPT_MODE",
+    str,
+    "auto",
+    "What a preempted request's KV becomes (optimistic reservation): `recompute` = freed, its prompt and outputs "
+    "prefilled again on readmission; `park` = copied to the host KV tier and copied back on readmission, nothing "
+    "recomputed (the worker refuses to start without a host tier; a request the tier cannot hold is recomputed); "
+    "`auto` = park when the worker has a host tier, else recompute. `common/sched/pages.py`",
+    "workers",
+    "common/settings.py",
+    choices=("auto", "recompute", "park"),
+)
 
 
 def slo_spec(value: str) -> str:

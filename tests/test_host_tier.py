@@ -112,6 +112,29 @@ def test_evicted_prefix_goes_to_host_and_comes_back_intact() -> None:
     t.check()
 
 
+def test_parked_pages_displace_the_oldest_cached_prefixes_and_the_ledger_counts_them() -> None:
+    """A preempted request parks its KV in host pages taken from the tier's cached prefixes, least recently used
+    first (common/sched/pages.py); the ledger counts them (free + cached + parked == total) and catches a parked
+    page that is also free. More pages than the tier holds: None, nothing dropped."""
+    t = Tiers(device_pages=8, host_pages=8)
+    a, b = seq(1, 4 * PS), seq(2, 4 * PS)
+    t.add(a)
+    t.add(b)
+    t.cache.evict(8)  # both prefixes to the host: the tier is full
+    t.cache.match_prefix(b)  # `b` used since: `a` is the older
+    assert t.host.allocator.num_free == 0 and t.cache.host_cached_pages == 8
+    assert t.cache.take_host_pages(9) is None and t.cache.host_cached_pages == 8
+    parked = t.cache.take_host_pages(3)
+    assert parked is not None and parked.numel() == 3
+    assert t.cache.match_prefix(a).host_len == 0 and t.cache.match_prefix(b).host_len == 4 * PS
+    assert page_ledger_violations(t.alloc, t.cache, [], [parked]) == []
+    assert page_ledger_violations(t.alloc, t.cache, []) != []  # the parked pages, unaccounted for
+    t.host.allocator.free(parked[:1])
+    assert page_ledger_violations(t.alloc, t.cache, [], [parked]) != []  # a parked page also free
+    t.host.allocator.free(parked[1:])
+    t.check()
+
+
 def test_partial_host_match_splits_and_loads_only_the_shared_pages() -> None:
     t = Tiers(device_pages=8, host_pages=16)
     a = seq(1, 6 * PS)

@@ -25,9 +25,15 @@ from tests.test_scheduler import PAGE, new_req, prompts
 pytestmark = pytest.mark.timeout(600)
 
 
-def scheduler(model: DecoderModel, num_pages: int, reservation: str, overlap: str = "off") -> Scheduler:
+def scheduler(
+    model: DecoderModel, num_pages: int, reservation: str, overlap: str = "off", host_pages: int = 0
+) -> Scheduler:
+    """`host_pages` > 0: a host KV tier of that many pages, where preempted requests park (KVFERRY_PREEMPT_MODE)."""
     runner = ModelRunner(RunnerConfig(page_size=PAGE, num_pages=num_pages, max_running=8, max_seq_len=512), model=model)
-    cfg = SchedulerConfig(max_prefill_tokens=64, kv_reservation=reservation, overlap=overlap)
+    # Half a page over: the tier's size in pages is rounded down from its bytes.
+    gb = (host_pages + 0.5) * runner.pool.page_stride_bytes / (1 << 30) if host_pages else 0
+    cfg = SchedulerConfig(max_prefill_tokens=64, kv_reservation=reservation, overlap=overlap, host_kv_gb=gb)
+    cfg.preempt_mode = "park" if host_pages else "auto"
     return Scheduler(runner, cfg)
 
 
@@ -61,13 +67,18 @@ def test_a_duplicate_request_id_is_refused_and_changes_nothing(tiny_model: Decod
 
 
 @pytest.mark.parametrize("overlap", ["off", "on"])
-def test_random_interleavings_keep_the_table_and_the_page_ledger(tiny_model: DecoderModel, overlap: str) -> None:
+@pytest.mark.parametrize("host_pages", [0, 40], ids=["recompute", "park"])
+def test_random_interleavings_keep_the_table_and_the_page_ledger(
+    tiny_model: DecoderModel, overlap: str, host_pages: int
+) -> None:
     """A seeded mix of adds (prompts sharing prefixes), aborts and steps on a pool too small for the requests'
-    whole outputs: optimistic reservation preempts. After every operation the table and the page ledger hold;
+    whole outputs: optimistic reservation preempts, recomputing or (with a host tier) parking, some of them
+    aborted while parked. After every operation the table and the page ledger (device and host pages) hold;
     every request ends once; the ones not aborted produce what they produce alone, greedy and seeded (with
     overlap on, the GPU loop's shape: a preempted request's token is still in flight when it is preempted)."""
     rng = random.Random(46)
-    sched = scheduler(tiny_model, 24, "optimistic", overlap)
+    sched = scheduler(tiny_model, 16 if host_pages else 24, "optimistic", overlap, host_pages)
+    aborted_parked = 0
     bases = prompts(7, [48, 48])
     made: list[Req] = []
     aborted: set[str] = set()
@@ -82,7 +93,9 @@ def test_random_interleavings_keep_the_table_and_the_page_ledger(tiny_model: Dec
             sched.add(r)
             made.append(r)
         elif op < 0.16 and made:
-            victim = rng.choice(made)
+            parked = [r for r in made if r.parked is not None]
+            victim = rng.choice(parked if parked and rng.random() < 0.5 else made)
+            aborted_parked += victim.parked is not None
             if sched.abort(victim.req_id) is not None:
                 aborted.add(victim.req_id)
                 ended[victim.req_id] = ended.get(victim.req_id, 0) + 1
@@ -97,6 +110,13 @@ def test_random_interleavings_keep_the_table_and_the_page_ledger(tiny_model: Dec
                 ended[e.req.req_id] = ended.get(e.req.req_id, 0) + 1
         assert sched.table_violations() == []
     assert sched.table.preemptions > 0, "the pool never ran short: the test exercises nothing"
+    if host_pages:
+        assert sched.table.parked > 0 and aborted_parked > 0, (sched.table.parked, aborted_parked)
+        host = sched.cache.host
+        assert host.allocator.num_free + sched.cache.host_cached_pages == host.num_pages
+    else:
+        assert sched.table.parked == 0
+    print(f"\npreemptions {sched.table.preemptions}, parked {sched.table.parked}, aborted parked {aborted_parked}")
     assert ended == {r.req_id: 1 for r in made}  # every request ended, once
     assert not sched.by_id and sched.table_violations() == []
     cached = sched.cache.cached_pages if sched.cache is not None else 0

@@ -643,11 +643,12 @@ def test_warm_up_runs_every_step_kind_and_leaves_nothing_behind(tiny_model: Deco
 
 
 def test_warm_up_fits_a_small_engine(tiny_model: DecoderModel) -> None:
-    """A short context and a small pool get a smaller warm-up, never a refused request that stops the worker."""
+    """A short context and a small pool get a smaller warm-up, never a refused request that stops the worker (nor
+    a setting its throwaway scheduler cannot honour: it has no host tier to park preempted requests in)."""
     from common.sched.warm_up import warm_up
 
     engine = make_engine(tiny_model, num_pages=24, max_running=4, max_seq_len=48, max_prefill_tokens=32)
     rows = engine.runner.page_table.num_free_rows
-    report = warm_up(engine.runner, SchedulerConfig(max_prefill_tokens=32))
+    report = warm_up(engine.runner, SchedulerConfig(max_prefill_tokens=32, host_kv_gb=1, preempt_mode="park"))
     assert report.steps > 0 and "decode" in report.kinds
     assert engine.runner.page_table.num_free_rows == rows

@@ -1,6 +1,7 @@
 """The page ledger check a worker runs when idle (one pass over pool and tree): every page is free, cached or
-owned by one live request (free + cached + owned == total), and the host tier's free + cached == its total. A
-violation would give one page two writers or leak it; the worker logs and counts it.
+owned by one live request (free + cached + owned == total), and every host-tier page is free, cached or parked
+(a preempted request's KV: free + cached + parked == its total). A violation would give one page two writers or
+leak it; the worker logs and counts it.
 """
 
 from __future__ import annotations
@@ -29,13 +30,15 @@ def tree_pages(cache: RadixCache, host: bool = False) -> torch.Tensor:
     return torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.int64)
 
 
-def host_tier_violations(cache: RadixCache) -> list[str]:
-    """What is wrong with the host tier's ledger and the tiers' order in the tree (empty: nothing)."""
+def host_tier_violations(cache: RadixCache, parked: torch.Tensor | None = None) -> list[str]:
+    """What is wrong with the host tier's ledger and the tiers' order in the tree (empty: nothing). `parked`:
+    the host pages preempted requests own."""
     host = cache.host
     if host is None:
-        return []
+        return [] if parked is None or not parked.numel() else ["requests own host pages, and there is no host tier"]
     problems = []
-    held = tree_pages(cache, host=True)
+    tree = tree_pages(cache, host=True)
+    held = tree if parked is None else torch.cat([tree, parked.to(torch.int64)])
     total = host.allocator.num_pages
     if held.numel() and (int(held.min()) < 0 or int(held.max()) >= total):
         return [f"host page ids outside the host pool [0, {total}) are held"]
@@ -44,10 +47,13 @@ def host_tier_violations(cache: RadixCache) -> list[str]:
         problems.append(f"{int((counts > 1).sum())} host pages held twice")
     if bool((host.allocator.is_free(torch.arange(total)) & (counts > 0)).any()):
         problems.append("free host pages are also held")
-    if cache.host_cached_pages != held.numel():
-        problems.append(f"radix cache counts {cache.host_cached_pages} host pages, its tree holds {held.numel()}")
+    if cache.host_cached_pages != tree.numel():
+        problems.append(f"radix cache counts {cache.host_cached_pages} host pages, its tree holds {tree.numel()}")
     if host.allocator.num_free + held.numel() != total:
-        problems.append(f"host tier: free {host.allocator.num_free} + cached {held.numel()} != total {total} pages")
+        problems.append(
+            f"host tier: free {host.allocator.num_free} + cached {tree.numel()} + parked "
+            f"{held.numel() - tree.numel()} != total {total} pages"
+        )
     stack = list(cache.root.children.values())
     while stack:
         node = stack.pop()
@@ -59,10 +65,13 @@ def host_tier_violations(cache: RadixCache) -> list[str]:
 
 
 def page_ledger_violations(
-    allocator: PageAllocator, cache: RadixCache | None, requests: Iterable[tuple[Sequence[int], int]]
+    allocator: PageAllocator,
+    cache: RadixCache | None,
+    requests: Iterable[tuple[Sequence[int], int]],
+    parked: Iterable[torch.Tensor] = (),
 ) -> list[str]:
     """What is wrong with the page ledger (empty: nothing). `requests`: each live request's pages and how many
-    leading ones belong to the radix cache."""
+    leading ones belong to the radix cache; `parked`: the host-tier pages of each parked request."""
     total = allocator.num_pages
     tree = tree_pages(cache) if cache is not None else torch.empty(0, dtype=torch.int64)
     owned_lists, shared_lists = [], []
@@ -95,8 +104,12 @@ def page_ledger_violations(
         problems.append(
             f"free {allocator.num_free} + cached {tree.numel()} + owned {owned.numel()} != total {total} pages"
         )
+    parked_lists = [p.to(torch.int64).flatten() for p in parked]
+    parked_pages = torch.cat(parked_lists) if parked_lists else torch.empty(0, dtype=torch.int64)
     if cache is not None:
-        problems += host_tier_violations(cache)
+        problems += host_tier_violations(cache, parked_pages)
+    elif parked_pages.numel():
+        problems.append("requests own host pages, and there is no host tier")
     return problems
 
 

@@ -165,6 +165,19 @@ class RadixCache:
             off += k
         return MatchResult(match.host_nodes[-1], torch.cat([match.pages, dev]), match.matched_len + match.host_len)
 
+    def take_host_pages(self, n: int) -> torch.Tensor | None:
+        """`n` host-tier pages for a live request's KV (a preempted request parks there), dropping cached host
+        prefixes, least recently used first, to make room: a parked request's KV is certain to be read again,
+        a cached prefix only may be. None without a tier or when it cannot hold `n`. The caller frees them to
+        `host.allocator`."""
+        if self.host is None or n <= 0:
+            return None
+        try:
+            room = self._make_host_room(n, older_than=self._clock)
+        finally:
+            self._host_heap = None
+        return self.host.allocator.alloc(n) if room else None
+
     def lock(self, node: RadixNode) -> None:
         self._check_attached(node)
         if node.on_host:

@@ -5,7 +5,7 @@ import torch
 from common.kv.allocator import PageAllocator
 from common.kv.page_table import PageTable
 from common.kv.radix import RadixCache
-from common.sched.request import Req
+from common.sched.request import ParkedKV, Req
 from common.sched.step_plan import PrefixPeek
 
 # Optimistic reservation's decode pages beyond the prompt: a fresh or resumed request decodes a while before it
@@ -16,7 +16,8 @@ DECODE_ALLOWANCE_PAGES = 2
 class KVBudget:
     """Page accounting shared by admission and allocation (evicting unlocked prefix-cache pages when short), under
     the memory policy (docs/architecture.md, "The scheduler loop"): `full` reserves prompt and max_tokens;
-    `optimistic` the prompt and DECODE_ALLOWANCE_PAGES, growing from spare pages (grammar requests: in full)."""
+    `optimistic` the prompt and DECODE_ALLOWANCE_PAGES, growing from spare pages (grammar requests: in full). A
+    preempted request's KV is parked in the host tier or left to the prefix cache (`preempt`)."""
 
     def __init__(
         self, allocator: PageAllocator, cache: RadixCache | None, page_table: PageTable, reservation: str = "full"
@@ -48,6 +49,8 @@ class KVBudget:
     def peek(self, req: Req) -> PrefixPeek:
         """The prefix hit `req` would take now, unlocked (LRU stamps refreshed); at least one token is left to compute."""
         cache = self.cache
+        if req.parked is not None:
+            return PrefixPeek(req.parked.tokens)  # all of it comes back into fresh pages
         if cache is None:
             return PrefixPeek()
         m = cache.match_prefix(req.fill_ids(), max_len=req.device_len - 1)
@@ -81,8 +84,46 @@ class KVBudget:
         self.page_table.write_pages(req.table_row, len(req.pages), pages)
         req.pages.extend(pages.tolist())
 
+    def preempt(self, req: Req, park: bool) -> bool:
+        """Frees a running request's pages and table row. With `park`, its KV is first copied to the host tier
+        (one copy per run of pages) when the tier can hold it: True, parked. Otherwise its whole pages go to the
+        prefix cache, where a readmission finds what eviction has left of them."""
+        parked = park and self._park(req)
+        if not parked:
+            self.cache_prefix(req, req.cached_len)
+        self._release_device(req)
+        return parked
+
+    def _park(self, req: Req) -> bool:
+        cache = self.cache
+        n = self.pages_for(req.cached_len)
+        host_pages = cache.take_host_pages(n) if cache is not None else None
+        if host_pages is None or cache is None or cache.host is None:
+            return False
+        cache.host.save(torch.tensor(req.pages[:n], dtype=torch.int64), host_pages)
+        req.parked = ParkedKV(host_pages, req.cached_len)
+        return True
+
+    def unpark(self, req: Req) -> None:
+        """Copies a parked request's KV back into fresh pages of its (new, empty) table row; the pages come out
+        of the admission's reservation."""
+        parked, req.parked = req.parked, None
+        assert parked is not None and not req.pages and self.cache is not None and self.cache.host is not None
+        self.grow(req, parked.tokens)
+        host = self.cache.host
+        host.load(parked.host_pages, torch.tensor(req.pages, dtype=torch.int64))
+        host.allocator.free(parked.host_pages)
+        req.cached_len = parked.tokens
+
     def release(self, req: Req) -> None:
-        """Returns the request's own pages and table row, and unlocks its prefix-cache node."""
+        """Returns the request's own pages, host-tier pages and table row, and unlocks its prefix-cache node."""
+        self._release_device(req)
+        if req.parked is not None:
+            assert self.cache is not None and self.cache.host is not None
+            self.cache.host.allocator.free(req.parked.host_pages)
+            req.parked = None
+
+    def _release_device(self, req: Req) -> None:
         own = req.pages[req.tree_pages :]
         if own:
             self.allocator.free(torch.tensor(own, dtype=torch.int64))

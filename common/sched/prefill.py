@@ -42,6 +42,8 @@ class PrefillAdder:
         the token budget are available."""
         if self.running_slots <= 0 or self.page_table.num_free_rows == 0:
             return False
+        if req.parked is not None:
+            return self._resume_parked(req, tokens)
         cache = self.budget.cache
         node, matched_pages, matched_len, locked_now = None, [], 0, 0
         m: MatchResult | None = None
@@ -79,6 +81,24 @@ class PrefillAdder:
             req.prefix_hit_len = matched_len
         self.page_table.write_pages(req.table_row, 0, torch.tensor(matched_pages, dtype=torch.int64))
         self.pages_available -= need + locked_now
+        self.running_slots -= 1
+        self._take(req, self._chunk_size(req, tokens))
+        return True
+
+    def _resume_parked(self, req: Req, tokens: int) -> bool:
+        """A parked request's KV comes back from the host tier into fresh pages of its reservation; what is left
+        to compute is the token(s) sampled since its KV was taken, as a decode step would have."""
+        assert req.parked is not None
+        reserve = self.budget.reserve_len(req)
+        need = self.budget.pages_for(reserve)
+        remaining = req.device_len - req.parked.tokens
+        first_chunk = min(remaining, tokens, self.token_budget)
+        if need > self.pages_available or (first_chunk < remaining and first_chunk < self.budget.page_size):
+            return False
+        req.table_row = self.page_table.take_row()
+        req.reserve_len = reserve
+        self.budget.unpark(req)
+        self.pages_available -= need
         self.running_slots -= 1
         self._take(req, self._chunk_size(req, tokens))
         return True

@@ -5,6 +5,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from common.protocol import SamplingParams, TokenLogprob
 
 
@@ -15,6 +17,14 @@ class ReqState(enum.Enum):
     AWAITING_KV = "awaiting_kv"  # decode side: pages reserved for its KV connector, a prefill peer writes them
     RUNNING = "running"  # decoding
     FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class ParkedKV:
+    """A preempted request's KV in the host tier: its first `tokens` tokens, in `host_pages` (in order)."""
+
+    host_pages: torch.Tensor  # int64 host-tier page ids, owned by the request until resumed or ended
+    tokens: int
 
 
 @dataclass(eq=False)
@@ -49,6 +59,10 @@ class Req:
     deadline_s: float = 0.0  # monotonic time its first token is due (the waiting queue's order)
     # Tokens whose pages it reserved when admitted (the memory policy).
     reserve_len: int = 0
+    # Preemption: its KV parked in the host tier while it waits (None: recomputed on readmission), and the
+    # tokens whose KV it had when last preempted (a prefill below that is a recompute, counted).
+    parked: ParkedKV | None = None
+    preempted_kv_len: int = 0
 
     def __post_init__(self) -> None:
         if self.sampling.seed is not None:

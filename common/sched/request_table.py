@@ -40,7 +40,8 @@ class RequestTable:
     held: dict[str, tuple[Req, bool]] = field(default_factory=dict)  # True: cache its prefix when released
     # ITL targets of the running requests (the step's is the tightest).
     decoding_itl: Counter[float] = field(default_factory=Counter)
-    preemptions: int = 0  # running requests sent back to the waiting queue (their KV recomputed later)
+    preemptions: int = 0  # running requests sent back to the waiting queue
+    parked: int = 0  # of those, the ones whose KV was parked in the host tier (the rest are recomputed)
 
     def _enter(self, req: Req) -> None:
         if req.req_id in self.by_id:
@@ -93,12 +94,14 @@ class RequestTable:
         self.running.append(req)
         self.decoding_itl[req.itl_target_s] += 1
 
-    def preempt(self, req: Req) -> None:
-        """RUNNING -> WAITING: pages freed; prompt and outputs are recomputed on admission."""
+    def preempt(self, req: Req, parked: bool = False) -> None:
+        """RUNNING -> WAITING: device pages freed; its KV comes back from the host tier on admission (`parked`)
+        or its prompt and outputs are recomputed."""
         self._leave_running(req)
         req.state = ReqState.WAITING
         self.waiting.append(req)
         self.preemptions += 1
+        self.parked += int(parked)
 
     def hold(self, req: Req, cache_kv: bool, state: ReqState | None = None) -> None:
         """Its pages go to a transfer until `release`; `state` (default: as it is) says how it ended."""
@@ -222,5 +225,8 @@ class RequestTable:
             problems.append(f"{self.active_count()} active requests, more than max_running {max_running}")
         if allocator is not None:
             owners = ((r.pages, r.tree_pages) for r in self.by_id.values())
-            problems += page_ledger_violations(allocator, cache, owners)
+            parked = [r.parked.host_pages for r in self.by_id.values() if r.parked is not None]
+            problems += page_ledger_violations(allocator, cache, owners, parked)
+        if any(r.parked is not None for r in active):
+            problems.append("an admitted request still holds parked KV")
         return problems

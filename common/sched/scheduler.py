@@ -82,6 +82,7 @@ class Scheduler:
             host = make_host_tier(runner.pool, cfg.host_kv_gb, runner.tp.size)  # None: no host tier
             self.cache = RadixCache(self.page_size, self.allocator, host)
         self.budget = KVBudget(self.allocator, self.cache, runner.page_table, cfg.kv_reservation)
+        self.park_preempted = self._park_preempted(cfg.preempt_mode)
         self.table = RequestTable()
         self.slo = parse_slo_classes(cfg.slo_classes, cfg.slo_default_class)
         self.max_running = runner.cfg.max_running
@@ -99,6 +100,19 @@ class Scheduler:
         self.pacing = StepPacing(cfg, self.page_size, self.slo, self.table)
         self.processed_kind: str | None = None  # kind of the step processed last ("prefill" | "decode" | "mixed")
         self.connector: KVConnector = connector if connector is not None else KVConnector()
+        self.recomputed_tokens = 0  # tokens prefilled again that had KV before a preemption
+
+    def _park_preempted(self, mode: str) -> bool:
+        """Whether a preempted request's KV is parked in the host tier (KVFERRY_PREEMPT_MODE)."""
+        if mode not in ("auto", "recompute", "park"):
+            raise ValueError(f"preempt mode must be auto, recompute or park, not {mode!r}")
+        has_tier = self.cache is not None and self.cache.host is not None
+        if mode == "park" and not has_tier:
+            raise ValueError(
+                "KVFERRY_PREEMPT_MODE=park needs a host KV tier (KVFERRY_HOST_KV_GB > 0, the prefix cache on, one "
+                "tensor-parallel rank)"
+            )
+        return has_tier and mode != "recompute"
 
     # ---- the request table's indexes, read-only (the table moves requests) -------------------------
     @property
@@ -381,12 +395,13 @@ class Scheduler:
         return adder.batch, adder.chunks
 
     def _preempt(self, req: Req) -> None:
-        """Frees a running request's pages and requeues it; its KV stays cached and is recomputed on readmission."""
-        self.budget.cache_prefix(req, req.cached_len)
-        self.budget.release(req)
+        """Frees a running request's pages and requeues it: its KV parked in the host tier and copied back on
+        readmission, or left to the prefix cache and what eviction took of it recomputed (KVBudget.preempt)."""
+        req.preempted_kv_len = req.cached_len
+        parked = self.budget.preempt(req, self.park_preempted)
         req.cached_len = 0
         req.reserve_len = 0
-        self.table.preempt(req)
+        self.table.preempt(req, parked)
 
     def prefill_token_budget(self, decoding: bool | None = None, context: StepContext | None = None) -> int:
         """Prompt tokens the next step takes (common/sched/prefill_budget.py); `decoding` True: the budget beside
@@ -438,6 +453,8 @@ class Scheduler:
         # Stopped before sampling records its event: a pending end event failed a mixed step under load.
         timer.stop()
         for r, s, n, d in zip(batch, starts, chunks, done):
+            if s < r.preempted_kv_len:
+                self.recomputed_tokens += min(s + n, r.preempted_kv_len) - s
             r.cached_len = s + n
             r.check()
             if not d:
@@ -606,6 +623,9 @@ class Scheduler:
             host_pages_saved=host.saved_pages if host is not None else 0,
             host_pages_loaded=host.loaded_pages if host is not None else 0,
             kv_reserve_output_tokens=self.budget.reserve_output_tokens,
+            preemptions=self.table.preemptions,
+            preemptions_parked=self.table.parked,
+            recomputed_tokens=self.recomputed_tokens,
         )
 
     def last_step_kind(self) -> str | None:

@@ -33,3 +33,8 @@ class SchedulerSnapshot:
     host_pages_loaded: int = 0
     # Output tokens a request reserves beyond its prompt (optimistic reservation); 0: all of max_tokens.
     kv_reserve_output_tokens: int = 0
+    # Preemptions since start (optimistic reservation): all, those parked in the host tier, and the tokens
+    # prefilled again that had KV before one (counters).
+    preemptions: int = 0
+    preemptions_parked: int = 0
+    recomputed_tokens: int = 0

@@ -39,7 +39,7 @@ def warm_up_batches(max_running: int) -> list[int]:
 def warm_up(runner: ModelRunner, cfg: SchedulerConfig, seed: int = 0) -> WarmUpReport:
     """Runs the synthetic workload on `runner` (no prefix cache, host tier or transfer); checks all came back."""
     start = time.perf_counter()
-    sched = Scheduler(runner, replace(cfg, enable_prefix_cache=False, host_kv_gb=0))
+    sched = Scheduler(runner, replace(cfg, enable_prefix_cache=False, host_kv_gb=0, preempt_mode="recompute"))
     ps = runner.cfg.page_size
     g = torch.Generator().manual_seed(seed)
     vocab = runner.model_config.vocab_size

@@ -56,6 +56,17 @@ class WorkerMetrics:
             registry=r,
         )
         self._host_moved = {"saved": 0, "loaded": 0}
+        self.preemptions = Counter(
+            "kvferry_preemptions_total",
+            "Running requests preempted for KV pages, by what became of their KV (parked in the host tier or "
+            "recomputed)",
+            ["mode"],
+            registry=r,
+        )
+        self.recomputed = Counter(
+            "kvferry_recomputed_tokens_total", "Tokens prefilled again that had KV before a preemption", registry=r
+        )
+        self._preempt_seen = {"park": 0, "recompute": 0, "tokens": 0}
         # The engine process's garbage collections since it started (common/gc_pauses.py).
         self.gc_collections = Gauge(
             "kvferry_engine_gc_collections", "Engine garbage collections since start", registry=r
@@ -81,6 +92,8 @@ class WorkerMetrics:
             self.requests.labels(outcome=outcome)
         for direction in self._host_moved:
             self.host_moves.labels(direction=direction)
+        for mode in ("park", "recompute"):
+            self.preemptions.labels(mode=mode)
         self.engine_restarts = Counter(
             "kvferry_engine_restarts_total", "Engine processes started again after one died", registry=r
         )
@@ -107,6 +120,7 @@ class WorkerMetrics:
             g.set(0)
         self.host_total.set(0)
         self._host_moved = {"saved": 0, "loaded": 0}  # the next engine counts from zero
+        self._preempt_seen = {"park": 0, "recompute": 0, "tokens": 0}
 
     def observe_start(self, phases: dict[str, float], seconds: float) -> None:
         self.start_phase.clear()  # a restarted engine's phases replace the last one's (it may run fewer)
@@ -135,3 +149,13 @@ class WorkerMetrics:
             if now > self._host_moved[direction]:  # cumulative in the engine: count the increase
                 self.host_moves.labels(direction=direction).inc(now - self._host_moved[direction])
                 self._host_moved[direction] = now
+        parked = load.preemptions_parked
+        for key, now in (
+            ("park", parked),
+            ("recompute", load.preemptions - parked),
+            ("tokens", load.recomputed_tokens),
+        ):
+            if now > self._preempt_seen[key]:  # cumulative in the engine: count the increase
+                counter = self.recomputed if key == "tokens" else self.preemptions.labels(mode=key)
+                counter.inc(now - self._preempt_seen[key])
+                self._preempt_seen[key] = now
