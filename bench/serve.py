@@ -234,10 +234,12 @@ async def bench_mode(
                 )
                 client.count_tokens = _one_per_event
         record["token_count"] = "words" if client.count_tokens is count_words else "events"
-        local = 0  # requests the router had the decode worker prefill
+        local = sent = 0  # requests the router had the decode worker prefill; requests sent
         for index, arrivals in enumerate(points):
+            count = point_requests(args, arrivals)
+            sent += count
             items = make_workload(
-                args.num,
+                count,
                 args.prompt_len,
                 args.output_len,
                 vocab,
@@ -264,9 +266,17 @@ async def bench_mode(
             await asyncio.sleep(1.0)  # let the router's load view settle before the next point
         if mode == "disagg" and local:
             say(
-                f"{mode}: {local} of {len(points) * args.num} requests were prefilled on the decode worker (see "
+                f"{mode}: {local} of {sent} requests were prefilled on the decode worker (see "
                 "router_decisions; prompts shorter than the router's disagg_min_prompt_tokens stay local)"
             )
+
+
+def point_requests(args: argparse.Namespace, arrivals: Arrivals) -> int:
+    """Requests a point sends: `--num`, or with `--seconds` a Poisson point's rate times that many seconds, so an
+    overloaded point is a steady state rather than a burst its queue absorbs."""
+    if args.seconds and arrivals.kind == "rate" and math.isfinite(arrivals.value):
+        return max(1, round(arrivals.value * args.seconds))
+    return args.num
 
 
 def _one_per_event(text: str) -> int:
@@ -316,6 +326,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--concurrency", help="closed-loop concurrency levels")
     p.add_argument("--num", type=int, default=100, help="requests per point")
+    p.add_argument(
+        "--seconds",
+        type=float,
+        default=0.0,
+        help="Poisson points send rate x this many requests instead of --num (a steady state at every rate)",
+    )
     p.add_argument("--prompt-len", type=TokenRange.parse, default=TokenRange(512, 3072))
     p.add_argument("--output-len", type=TokenRange.parse, default=TokenRange(64, 512))
     p.add_argument("--seed", type=int, default=0)

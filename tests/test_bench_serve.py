@@ -197,5 +197,24 @@ def test_retry_429_waits_retry_after_and_sends_again() -> None:
         retried = asyncio.run(point(True))
         assert retried[0].outcome == "ok" and retried[0].retries == 2 and retried[0].tokens == 2
         assert seen[1] - seen[0] >= 0.19 and seen[2] - seen[1] >= 0.19  # Retry-After honoured
+        # What the point's summary says of it: each refusal's latency, and the retry count of the served request.
+        assert len(retried[0].refusals_s) == 2 and all(0 < t < 5 for t in retried[0].refusals_s)
+        summary = summarize_point(PointRun(retried, 1.0, [], 0.0, 0.0, 0), SLO(1.0, 0.05))
+        assert summary["retried_requests"] == 1 and summary["served_on_first_retry"] == 0
+        assert summary["refusal_ms"]["n"] == 2
     finally:
         server.stop()
+
+
+def test_seconds_per_point_sends_rate_times_seconds() -> None:
+    """--seconds makes a Poisson point a steady state (rate x seconds requests); other points keep --num."""
+    import argparse
+
+    from serve import point_requests
+
+    args = argparse.Namespace(num=100, seconds=20.0)
+    assert point_requests(args, Arrivals("rate", 36.0)) == 720
+    assert point_requests(args, Arrivals("rate", 0.01)) == 1
+    assert point_requests(args, Arrivals("rate", float("inf"))) == 100
+    assert point_requests(args, Arrivals("concurrency", 16)) == 100
+    assert point_requests(argparse.Namespace(num=100, seconds=0.0), Arrivals("rate", 36.0)) == 100
