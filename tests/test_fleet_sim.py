@@ -201,13 +201,39 @@ def test_the_share_weights_come_from_the_measured_shares(tmp_path: Path) -> None
     assert fit_share_weights([short, long]) == pytest.approx((2.0, 0.5))  # 4 = 2 x 4 ** 0.5, 8 = 2 x 16 ** 0.5
 
 
+def test_a_prompt_arriving_during_a_run_shares_its_last_chunk_unless_that_step_has_started() -> None:
+    # 7,000 tokens alone: steps end at 0.2148, 0.4296, 0.6444 (full chunks) and 0.74 (its last 856 tokens)
+    spec = WorkerSpec(cost=COST, itl_target_s=0.05)
+
+    def worker() -> SimWorker:
+        w = SimWorker("p", "prefill", spec, lambda *_: None, lambda *_: None, lambda *_: None)
+        w.add(Job(0, 0.0, 7000, 7000, 0, 7000), 0.0)
+        assert w.wake(0.0) == pytest.approx(0.74)
+        return w
+
+    w = worker()
+    second = Job(1, 0.3, 1000, 1000, 0, 1000)
+    w.add(second, 0.3)
+    assert w.cut_span(0.3, second) == pytest.approx(3 * 0.2148)  # the run ends before its last chunk
+    assert w.load(0.5).queued_prefill_tokens == 8000 - 2 * 2048
+    # one step takes the 856 left and the newcomer's 1,000: 0.01 + 1856 x 1e-4
+    assert w.wake(3 * 0.2148) == pytest.approx(3 * 0.2148 + 0.1956)
+
+    w = worker()
+    assert w.load(0.7).queued_prefill_tokens == 856  # the last chunk's step is under way
+    late = Job(1, 0.7, 1000, 1000, 0, 1000)
+    w.add(late, 0.7)
+    assert w.cut_span(0.7, late) is None  # it waits for that step
+    assert w.wake(0.74) == pytest.approx(0.74 + 0.11)
+
+
 def test_a_long_prompt_steps_chunk_by_chunk_and_a_joining_row_cuts_its_run() -> None:
     # 7,000 tokens alone at 2,048 a step: three full chunks (0.01 + 0.2048 s each), then 856 (0.0956 s)
     assert fleet(Counts(decode=1)).run([SimRequest(0.0, 7000, 1)]).ttft_p50_s == pytest.approx(0.74)
     spec = WorkerSpec(cost=COST, itl_target_s=0.05)
     w = SimWorker("d", "decode", spec, lambda *_: None, lambda *_: None, lambda *_: None)
     w.add(Job(0, 0.0, 7000, 7000, 1, 7001), 0.0)
-    assert w.wake(0.0) == pytest.approx(3 * 0.2148)  # nothing but this prompt can change those steps
+    assert w.wake(0.0) == pytest.approx(0.74)  # alone: nothing but this prompt changes its steps, its last included
     assert w.load(0.25).queued_prefill_tokens == 7000 - 2048  # /load between them counts the steps done
     row = Job(1, 0.0, 100, 0, 5, 105)  # a peer's prefilled row whose KV lands inside the second step
     w.add(row, 0.3)

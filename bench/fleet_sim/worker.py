@@ -8,7 +8,9 @@ router as /load would (``load()``).
 
 Granularity: a step that carries prompt tokens is one event, and so is a run of steps that each take a full
 chunk of the first waiting prompt with no row decoding (nothing arriving changes those steps but a row joining,
-which cuts the run at the next step boundary; /load inside a run counts the steps done by then). A stretch of
+which cuts the run at the next step boundary; /load inside a run counts the steps done by then). A prompt alone
+in the queue ends its run with its last chunk (a prompt arriving before that step starts cuts the run there: the
+last chunk then shares its step with the newcomer). A stretch of
 pure decode steps is one event until the next row finishes (all rows then take the same step time, its context
 the stretch's middle); new work arriving inside a stretch cuts it at the next step boundary. An idle worker has
 no events. A worker that time-shares its GPU with others (``device``, bench/fleet_sim/device.py) takes one event
@@ -136,6 +138,7 @@ class SimWorker:
     # a prompt run: each step's time and end (a run's steps differ: each chunk attends to more of its prompt)
     run_steps_s: list[float] = field(default_factory=list)
     run_ends: list[float] = field(default_factory=list)
+    run_last: int = 0  # the run's last step takes its prompt's last chunk, this many tokens (0: no such step)
     version: int = 0
     busy_s: float = 0.0  # time spent stepping (what a GPU-utilisation metric reads)
     prefill_tokens_done: int = 0
@@ -171,7 +174,11 @@ class SimWorker:
         """Prompt tokens the steps of a prompt run in flight have finished by `now` (0: no run)."""
         if not self.run_ends:
             return 0
-        return bisect_right(self.run_ends, now) * self.span_chunks[0][1]
+        steps = bisect_right(self.run_ends, now)
+        if self.run_last:
+            # the last chunk counts at the event that ends the run, as a step of its own would
+            steps = min(steps, len(self.run_ends) - 1)
+        return steps * self.span_chunks[0][1]
 
     def load(self, now: float) -> Load:
         done = self.run_tokens_done(now)
@@ -235,12 +242,19 @@ class SimWorker:
         if self.busy_until < 0 or self.span_steps <= 1:
             return None
         if self.run_ends:
+            finished = bisect_right(self.run_ends, now)
             if job is not None and job.todo > 0:
-                return None  # waits behind the prompt the run's steps fill
-            done = bisect_right(self.run_ends, now) + 1
-            if done >= self.span_steps:
-                return None
+                # it waits behind the prompt the run's steps fill, and shares its last chunk's step if that has
+                # not started yet: the run then ends before it
+                if not self.run_last or finished >= self.span_steps - 1:
+                    return None
+                done = self.span_steps - 1
+            else:
+                done = finished + 1
+                if done >= self.span_steps:
+                    return None
             self.span_steps = done
+            self.run_last = 0
             del self.run_steps_s[done:], self.run_ends[done:]
             self.busy_until = self.run_ends[-1]
             self.version += 1
@@ -282,7 +296,7 @@ class SimWorker:
 
     def _finish_span(self, now: float) -> None:
         if self.run_ends:
-            self._finish_run()
+            self._finish_run(now)
             return
         k, s = self.span_steps, self.span_step_s
         if self.span_shared:
@@ -316,27 +330,31 @@ class SimWorker:
             self.queued_tokens -= n_tok
             self.prefill_tokens_done += n_tok
             if job.todo <= 0:
-                if self.waiting and self.waiting[0] is job:
-                    self.waiting.popleft()
-                else:
-                    self.waiting.remove(job)
-                if job.output > 0:
-                    # its first token came with its last chunk; the rest decode here
-                    job.output -= 1
-                    self.on_first_token(self, job, now)
-                    if job.output > 0:
-                        self._join(job)
-                    else:
-                        self.reserved_kv -= job.kv
-                        self.on_finish(self, job, now, 0.0)
-                else:
-                    self.reserved_kv -= job.kv
-                    self.on_first_token(self, job, now)
+                self._prompt_done(job, now)
         self.span_chunks = []
 
-    def _finish_run(self) -> None:
+    def _prompt_done(self, job: Job, now: float) -> None:
+        """`job`'s last chunk is done at `now`: its first token."""
+        if self.waiting and self.waiting[0] is job:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(job)
+        if job.output > 0:
+            # its first token came with its last chunk; the rest decode here
+            job.output -= 1
+            self.on_first_token(self, job, now)
+            if job.output > 0:
+                self._join(job)
+            else:
+                self.reserved_kv -= job.kv
+                self.on_finish(self, job, now, 0.0)
+        else:
+            self.reserved_kv -= job.kv
+            self.on_first_token(self, job, now)
+
+    def _finish_run(self, now: float) -> None:
         """The steps of a prompt run, one by one as _finish_span takes a prompt step (no row decodes, none
-        finishes, its prompt does not)."""
+        finishes, its prompt only at a last step carrying its last chunk)."""
         prefill_first = self.spec.itl_target_s <= 0
         for s in self.run_steps_s:
             self.busy_s += s
@@ -346,14 +364,23 @@ class SimWorker:
         if not prefill_first:
             self.steps += k
         job, n_tok = self.span_chunks[0]
-        job.done_prompt += k * n_tok
-        job.todo -= k * n_tok
-        self.queued_tokens -= k * n_tok
-        self.prefill_tokens_done += k * n_tok
+        last = self.run_last
+        full = k - 1 if last else k
+        job.done_prompt += full * n_tok
+        job.todo -= full * n_tok
+        self.queued_tokens -= full * n_tok
+        self.prefill_tokens_done += full * n_tok
         self.busy_until = -1.0
         self.span_chunks = []
         self.run_steps_s = []
         self.run_ends = []
+        self.run_last = 0
+        if last:
+            job.done_prompt += last
+            job.todo -= last
+            self.queued_tokens -= last
+            self.prefill_tokens_done += last
+            self._prompt_done(job, now)
 
     def _start(self, now: float) -> float | None:
         s = self.spec
@@ -380,8 +407,10 @@ class SimWorker:
         n, ctx = len(self.rows), self.context()
         device = self.device if self.device is not None and len(self.device.members) > 1 else None
         shared = device is not None
-        if not shared and n == 0 and len(chunks) == 1 and chunks[0][1] < chunks[0][0].todo - chunks[0][1]:
-            return self._start_run(now, chunks[0][0], chunks[0][1])
+        if not shared and n == 0 and len(chunks) == 1:
+            job, chunk = chunks[0]
+            if chunk < job.todo - chunk or (chunk < job.todo and len(self.waiting) == 1):
+                return self._start_run(now, job, chunk)
         if chunks:
             tokens = sum(t for _, t in chunks)
             if s.itl_target_s <= 0:
@@ -406,20 +435,24 @@ class SimWorker:
 
     def _start_run(self, now: float, job: Job, chunk: int) -> float:
         """Full chunks of `job` while more than a chunk of it stays for the step after (its last chunk, and what
-        the budget left then takes of the next prompt, is a step of its own); the times as step by step."""
+        the budget left then takes of the next prompt, is a step of its own unless it waits alone); the times as
+        step by step."""
         s = self.spec
         cost = s.cost
         steps = (job.todo - 1) // chunk  # the steps with more than `chunk` of it still to do before them
+        last = job.todo - steps * chunk if len(self.waiting) == 1 else 0
         times, ends = [], []
         t, start = now, job.done_prompt
-        for _ in range(steps):
-            step = cost.step_s(chunk, 0, 0, 0.0 + chunk_attention(start, chunk)) + s.host_s
+        for i in range(steps + (last > 0)):
+            take = chunk if i < steps else last
+            step = cost.step_s(take, 0, 0, 0.0 + chunk_attention(start, take)) + s.host_s
             t = t + step
             times.append(step)
             ends.append(t)
-            start += chunk
+            start += take
         self.span_chunks = [(job, chunk)]
-        self.run_steps_s, self.run_ends = times, ends
+        self.run_steps_s, self.run_ends, self.run_last = times, ends, last
+        steps = len(times)
         self.span_steps = steps
         self.span_start, self.span_step_s = now, times[0]
         self.busy_until = t
