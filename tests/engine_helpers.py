@@ -38,3 +38,18 @@ def assert_pool_clean(engine: Engine) -> None:
     assert protected == 0
     assert sched.allocator.num_free + cached == sched.allocator.num_pages
     assert sched.runner.page_table.num_free_rows == sched.runner.cfg.max_running
+
+
+def story_prompts(tokenizer, topics: list[str]) -> list[list[int]]:
+    """Chat prompts asking for a long story about each topic: long answers from short, distinct prompts."""
+    return [
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": f"Write a long story about {t}."}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+        )
+        for t in topics
+    ]

@@ -13,6 +13,7 @@ from common.protocol import LoadSnapshot, SamplingParams
 from common.sched.request import Req
 from common.sched.scheduler import Scheduler, SchedulerConfig
 from common.worker.worker_metrics import WorkerMetrics
+from tests.engine_helpers import story_prompts
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -20,20 +21,6 @@ MAX_TOKENS = 24
 PAGE = 4  # small pages: a short output crosses several page boundaries, so a small pool preempts early
 POOL_PAGES = 30  # the four prompts share 29 tokens (7 pages); each grows to ~62 (16 pages): ~43 pages in all
 TOPICS = ["the sea", "a small town", "bread", "winter"]
-
-
-def chat_prompts(tokenizer) -> list[list[int]]:
-    return [
-        list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": f"Write a long story about {t}."}],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=False,
-            )
-        )
-        for t in TOPICS
-    ]
 
 
 def sampling(i: int) -> SamplingParams:
@@ -84,7 +71,7 @@ def assert_everything_back(sched: Scheduler) -> None:
 @pytest.fixture(scope="module")
 def work(smol_path, smol_tokenizer) -> tuple[list[list[int]], list[list[int]]]:
     """The prompts, and each one's output from a pool that never runs short (full reservation, no preemption)."""
-    prompts = chat_prompts(smol_tokenizer)
+    prompts = story_prompts(smol_tokenizer, TOPICS)
     sched, reqs, _ = run(smol_path, prompts, 256, "recompute", 0, reservation="full")
     assert sched.table.preemptions == 0
     return prompts, [r.output_ids for r in reqs]

@@ -19,7 +19,7 @@ from common.protocol import SamplingParams
 from common.sched.request import Req, ReqState
 from common.sched.request_table import DuplicateRequest
 from common.sched.scheduler import Scheduler, SchedulerConfig
-from tests.engine_helpers import assert_pool_clean
+from tests.engine_helpers import assert_pool_clean, story_prompts
 from tests.test_scheduler import PAGE, new_req, prompts
 
 pytestmark = pytest.mark.timeout(600)
@@ -131,17 +131,7 @@ def pool_bound_work(tokenizer, ref_engine: Engine, n: int) -> list[tuple[list[in
     """`n` chat prompts asking max_tokens 300 whose output stops after 8-32 tokens, with that output: each stops
     at a token of its own greedy output (one that does not occur earlier), found by a run without a stop."""
     topics = ["the sea", "a small town", "bread", "winter", "trains", "a library", "the moon", "gardens"]
-    ids = [
-        list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": f"Write a long story about {t}."}],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=False,
-            )
-        )
-        for t in topics[:n]
-    ]
+    ids = story_prompts(tokenizer, topics[:n])
     free = ref_engine.generate(ids, SamplingParams(max_tokens=40, ignore_eos=True))
     out = []
     for i, (prompt, res) in enumerate(zip(ids, free)):
