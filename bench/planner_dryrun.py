@@ -41,7 +41,6 @@ import json
 import os
 import random
 import re
-import shutil
 import statistics
 import sys
 import tempfile
@@ -58,7 +57,7 @@ sys.path.insert(0, str(BENCH_DIR))
 sys.path.insert(0, str(REPO))
 
 from serve import DEFAULT_MODEL, OUT_DIR, git_commit, host_info, model_shape, parse_env, run_asyncio  # noqa: E402
-from serve_deploy import DeployError, DeploySpec, get_json, start_deployment  # noqa: E402
+from serve_deploy import DeployError, DeploySpec, get_json, settle_logs, start_deployment  # noqa: E402
 from serve_load import Arrivals, LoadClient, RequestRecord, TokenRange, make_workload, run_point  # noqa: E402
 from synthetic_tokenizer import build_word_tokenizer, count_words  # noqa: E402
 
@@ -647,10 +646,7 @@ def main(argv: list[str] | None = None) -> int:
         deployment.stop()
         out.write_text(json.dumps(result, indent=1, default=str))
         say(f"wrote {out}")
-    if failed:
-        say(f"logs kept in {log_dir}")
-    elif not args.log_dir:
-        shutil.rmtree(log_dir, ignore_errors=True)
+    settle_logs(log_dir, failed, bool(args.log_dir), say)
     return 1 if failed else 0
 
 

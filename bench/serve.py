@@ -56,7 +56,7 @@ sys.path.insert(0, str(BENCH_DIR))
 if __package__ in (None, ""):
     sys.path.insert(0, str(BENCH_DIR.parent))
 
-from serve_deploy import DeployError, Deployment, DeploySpec, get_json, start_deployment  # noqa: E402
+from serve_deploy import DeployError, Deployment, DeploySpec, get_json, settle_logs, start_deployment  # noqa: E402
 from serve_load import Arrivals, LoadClient, TokenRange, make_workload, run_point  # noqa: E402
 from serve_metrics import SLO, parse_class_slos, summarize_point  # noqa: E402
 from synthetic_tokenizer import build_word_tokenizer, count_words  # noqa: E402
@@ -556,10 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"wrote {out}")
     if not args.no_plot:
         plot(out)
-    if failed:
-        say(f"logs kept in {log_dir}")
-    elif not args.log_dir:
-        shutil.rmtree(log_dir, ignore_errors=True)
+    settle_logs(log_dir, failed, bool(args.log_dir), say)
     return 1 if failed else 0
 
 

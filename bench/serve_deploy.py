@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 import urllib.error
@@ -27,7 +28,7 @@ from common.devcluster.process import ClusterError, ManagedProcess, kvferry_argv
 from common.devcluster.redis_server import redis_server, wait_redis
 from common.net import free_port
 
-__all__ = ["DeployError", "DeploySpec", "Deployment", "start_deployment"]
+__all__ = ["DeployError", "DeploySpec", "Deployment", "settle_logs", "start_deployment"]
 
 Say = Callable[[str], None]
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -119,6 +120,15 @@ def get_json(url: str, timeout_s: float) -> dict[str, Any] | None:
             return json.loads(resp.read()) if resp.status == 200 else None
     except (OSError, urllib.error.URLError, ValueError):
         return None
+
+
+def settle_logs(log_dir: Path, failed: bool, asked_for: bool, say: Say) -> None:
+    """A failed run keeps its deployment's logs (and says where); a good one removes them unless they were asked
+    for (`--log-dir`)."""
+    if failed:
+        say(f"logs kept in {log_dir}")
+    elif not asked_for:
+        shutil.rmtree(log_dir, ignore_errors=True)
 
 
 def _start_redis(log_dir: Path, env: dict[str, str]) -> ManagedProcess:
