@@ -269,6 +269,10 @@ class LoadSnapshot(Schema):
     preemptions: int = 0
     preemptions_parked: int = 0
     recomputed_tokens: int = 0
+    # Steps beside decoding past the ITL target since start: caused by their chunk (each trims the budget), and
+    # gaps that were mostly host time (common/sched/itl_trim.py).
+    step_overruns: int = 0
+    step_stalls: int = 0
     # What predicts a new request's TTFT here (router/decision/ttft_model.py; common/sched/snapshot.py says what
     # each is): the step-time model's coefficients, the next chunk, decode rows and queued tokens per class.
     step_coefficients: Annotated[dict[str, float], Meta(max_length=8)] = {}

@@ -125,6 +125,8 @@ def placement_inputs(pool: WorkerPool, policy: RoutingPolicy) -> dict[str, Any]:
                 "prefill_step_tokens_per_s": w.load.prefill_step_tokens_per_s if w.load else 0.0,
                 "decode_step_s": w.load.decode_step_s if w.load else 0.0,
                 "itl_target_s": w.load.itl_target_s if w.load else 0.0,
+                "step_overruns": w.load.step_overruns if w.load else 0,
+                "step_stalls": w.load.step_stalls if w.load else 0,
                 "queued_prefill_tokens": w.load.queued_prefill_tokens if w.load else 0,
                 "inflight_tokens": w.inflight_tokens,
                 # the capacity model's inputs (common/capacity.py), for the planner

@@ -171,6 +171,66 @@ def test_itl_trim_cuts_on_overruns_and_gives_back_after_calm_steps():
     assert trim.factor == 1.0 and trim.overruns == 203
 
 
+def test_itl_trim_does_not_cut_for_a_host_stall_and_settles_at_the_rate_the_percentile_allows():
+    """A gap past the target with the device busy for under half of it is a stall no chunk caused: counted, no cut.
+    The calm run follows the allowed overrun rate: one cut is regrown after 1/rate chunk steps."""
+    import math
+
+    from common.sched.itl_trim import ItlTrim
+
+    trim = ItlTrim()
+    trim.observe(0.100, 0.050, device_s=0.015)  # 85 ms of host time: a stall
+    assert (trim.stalls, trim.overruns, trim.factor) == (1, 0, 1.0)
+    trim.observe(0.060, 0.050, device_s=0.045)  # the device ran past the target: the chunk's doing
+    assert (trim.stalls, trim.overruns) == (1, 1) and trim.factor < 1.0
+    for rate in (1 / 500, 1 / 5000):
+        t = ItlTrim().allow_overruns(rate)
+        steps_to_regrow_one_cut = t.calm_steps * math.log(1 / t.cut) / math.log(t.regrow)
+        assert abs(steps_to_regrow_one_cut * rate - 1) < 0.05
+
+
+def test_step_pacing_learns_a_stalled_gap_as_the_step_device_time_and_sets_the_trim_from_the_slo():
+    """A back-to-back step whose gap was mostly host time teaches the step model its device time, so one stall
+    neither pulls the fit nor widens the margin every later chunk keeps; the trim allows a fifth of the p99 tail."""
+    from common.sched.itl_trim import OVERRUNS_PER_TAIL
+    from common.sched.launched import Launched, StepTimer
+    from common.sched.request_table import RequestTable
+    from common.sched.step_model import StepShape
+    from common.sched.step_pacing import StepPacing
+    from common.settings import SchedulerConfig
+    from common.slo import parse_slo_classes
+
+    cfg = SchedulerConfig(itl_target_ms=50.0)
+    pacing = StepPacing(cfg, PAGE, parse_slo_classes(cfg.slo_classes, cfg.slo_default_class), RequestTable())
+    expected = _calm_steps_for(0.01 * OVERRUNS_PER_TAIL)
+    assert pacing.itl_trim.calm_steps == expected
+
+    def step(tokens: int, device_s: float, host_stall_s: float = 0.0) -> None:
+        shape = StepShape(prefill_tokens=tokens, decode_rows=8, decode_context=4000)
+        launched = Launched("mixed", [], timer=StepTimer(0.0, device_s), shape=shape)
+        if pacing._processed_at is not None:  # launched before the last step was processed: back to back
+            launched.launched_at = pacing._processed_at - 1.0
+            pacing._processed_at -= device_s + host_stall_s  # the gap since then, as the streams saw it
+        pacing.observe(launched)
+
+    for i in range(64):
+        step(256 * (1 + i % 4), 0.005 + 256 * (1 + i % 4) * 20e-6)
+    spread = pacing.step_model.spread_s
+    predicted = pacing.step_model.predict(StepShape(512, 8, 4000))
+    step(512, 0.005 + 512 * 20e-6, host_stall_s=0.085)
+    assert pacing.itl_trim.stalls == 1 and pacing.itl_trim.overruns == 0 and pacing.itl_trim.factor == 1.0
+    for i in range(16):  # past a refit
+        step(256 * (1 + i % 4), 0.005 + 256 * (1 + i % 4) * 20e-6)
+    assert pacing.step_model.spread_s < spread + 0.001
+    assert abs(pacing.step_model.predict(StepShape(512, 8, 4000)) - predicted) < 0.001
+
+
+def _calm_steps_for(rate: float) -> int:
+    from common.sched.itl_trim import ItlTrim
+
+    return ItlTrim().allow_overruns(rate).calm_steps
+
+
 def test_a_step_far_past_the_itl_target_is_logged_once_per_interval_with_its_shape(caplog) -> None:
     """One line says what the step computed, how long it took and what the model predicted; the next slow steps
     within the interval are counted into the following line, not logged each (quiet logs)."""

@@ -625,6 +625,8 @@ class Scheduler:
             kv_reserve_output_tokens=self.budget.reserve_output_tokens,
             preemptions=self.table.preemptions,
             preemptions_parked=self.table.parked,
+            step_overruns=self.pacing.itl_trim.overruns,
+            step_stalls=self.pacing.itl_trim.stalls,
             recomputed_tokens=self.recomputed_tokens,
         )
 

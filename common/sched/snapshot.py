@@ -38,3 +38,7 @@ class SchedulerSnapshot:
     preemptions: int = 0
     preemptions_parked: int = 0
     recomputed_tokens: int = 0
+    # Steps beside decoding past the ITL target (counters): those the chunk caused (each trims the budget,
+    # common/sched/itl_trim.py) and gaps that were mostly host time (stalls no chunk size would avoid).
+    step_overruns: int = 0
+    step_stalls: int = 0

@@ -7,7 +7,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from common.sched.itl_trim import ItlTrim
+from common.sched.itl_trim import OVERRUNS_PER_TAIL, ItlTrim, stall_dominated
 from common.sched.launched import Launched
 from common.sched.prefill_budget import FLOOR_DECODE_STEPS, PrefillSpeed, StepContext, StepSeconds, prefill_budget
 from common.sched.request_table import RequestTable
@@ -40,6 +40,10 @@ class StepPacing:
     _slow_logged_at: float = 0.0
     _slow_unlogged: int = 0  # slow steps since the last line
     _last_decoding: bool = False  # the last processed step decoded running requests
+
+    def __post_init__(self) -> None:
+        tail = 1 - max(c.percentile for c in self.slo.classes) / 100
+        self.itl_trim.allow_overruns(max(tail, 1e-4) * OVERRUNS_PER_TAIL)
 
     def itl_target_s(self) -> float:
         """The ITL a chunk step beside decoding aims at (0: unmeasured or mixed steps off)."""
@@ -92,9 +96,12 @@ class StepPacing:
             # steps included, which the model does not learn from).
             seen = now - self._processed_at if self._processed_at is not None and self._last_decoding else 0.0
             self._log_if_slow(launched, seconds, seen, now)
-            self.step_model.observe(launched.shape, max(seconds, period))
+            # A period mostly of host time is a stall, not what the step computed: learnt, it would pull the fit
+            # and widen the margin for the whole window, shrinking every chunk for a gap no chunk caused.
+            took = seconds if stall_dominated(period, seconds) else max(seconds, period)
+            self.step_model.observe(launched.shape, took)
             if launched.kind == "mixed":
-                self.itl_trim.observe(max(seconds, period), self.itl_target_s())
+                self.itl_trim.observe(max(seconds, period), self.itl_target_s(), seconds)
             if launched.kind == "decode":
                 self.decode_step.observe(seconds)
             elif launched.kind == "prefill":

@@ -97,6 +97,8 @@ class LoadReport:
             preemptions=snap.preemptions,
             preemptions_parked=snap.preemptions_parked,
             recomputed_tokens=snap.recomputed_tokens,
+            step_overruns=snap.step_overruns,
+            step_stalls=snap.step_stalls,
             gc_collections=self.gc.count,
             gc_pause_s=round(self.gc.total_s, 6),
             gc_pause_max_s=round(self.gc.max_s, 6),

@@ -67,6 +67,14 @@ class WorkerMetrics:
             "kvferry_recomputed_tokens_total", "Tokens prefilled again that had KV before a preemption", registry=r
         )
         self._preempt_seen = {"park": 0, "recompute": 0, "tokens": 0}
+        self.slow_steps = Counter(
+            "kvferry_slow_steps_total",
+            "Steps beside decoding past the ITL target, by cause: their prompt chunk (the budget is trimmed for "
+            "each) or a host stall between steps",
+            ["cause"],
+            registry=r,
+        )
+        self._slow_seen = {"chunk": 0, "stall": 0}
         # The engine process's garbage collections since it started (common/gc_pauses.py).
         self.gc_collections = Gauge(
             "kvferry_engine_gc_collections", "Engine garbage collections since start", registry=r
@@ -94,6 +102,8 @@ class WorkerMetrics:
             self.host_moves.labels(direction=direction)
         for mode in ("park", "recompute"):
             self.preemptions.labels(mode=mode)
+        for cause in self._slow_seen:
+            self.slow_steps.labels(cause=cause)
         self.engine_restarts = Counter(
             "kvferry_engine_restarts_total", "Engine processes started again after one died", registry=r
         )
@@ -159,3 +169,7 @@ class WorkerMetrics:
                 counter = self.recomputed if key == "tokens" else self.preemptions.labels(mode=key)
                 counter.inc(now - self._preempt_seen[key])
                 self._preempt_seen[key] = now
+        for cause, now in (("chunk", load.step_overruns), ("stall", load.step_stalls)):
+            if now > self._slow_seen[cause]:
+                self.slow_steps.labels(cause=cause).inc(now - self._slow_seen[cause])
+                self._slow_seen[cause] = now
