@@ -72,6 +72,7 @@ class SchedulerConfig(reg.EnvFields):
     overlap: str = reg.OVERLAP.field()
     kv_reservation: str = reg.KV_RESERVATION.field()
     preempt_mode: str = reg.PREEMPT_MODE.field()  # recompute | park (the host tier) | auto
+    step_trace: str = reg.STEP_TRACE.field()  # a JSON-lines file of timed steps ("": off)
 
 
 @dataclass(frozen=True)

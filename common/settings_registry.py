@@ -624,6 +624,16 @@ PREEMPT_MODE = declare(
     "common/settings.py",
     choices=("auto", "recompute", "park"),
 )
+STEP_TRACE = declare(
+    "KVFERRY_STEP_TRACE",
+    str,
+    "",
+    "a JSON-lines file each timed engine step is appended to: its kind, prompt tokens, decode rows, their context, "
+    "device seconds, the gap its streams saw, the step model's prediction and the ITL target (what the step-time "
+    "model is fitted to, for diagnosing a budget; `common/sched/step_trace.py`); empty = off",
+    "workers",
+    "common/settings.py",
+)
 
 
 def slo_spec(value: str) -> str:

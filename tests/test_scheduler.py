@@ -555,6 +555,10 @@ def test_budget_is_the_largest_chunk_whose_predicted_step_fits_the_target() -> N
     assert prefill_token_budget(2048, 16, 0.0, True, model, ctx, max_step_s=0.024) == 800  # prefill-first too
     assert prefill_token_budget(2048, 16, 0.050, True, model, ctx, max_step_s=1.0) == got  # the target is tighter
     assert prefill_token_budget(2048, 16, 0.0, False, fresh, ctx, 0.0, 1000.0, max_step_s=0.5) == 496
+    # A fitted model is bounded by the measured speed: no chunk is priced below the decode step plus its tokens at
+    # the fastest prefill seen alone (here 20k tokens/s: (50 - 10) ms -> 800 tokens, where the fit allows 1,660).
+    assert prefill_token_budget(2048, 16, 0.050, True, model, ctx, 0.0, 20_000.0, 0.010) == 800
+    assert prefill_token_budget(2048, 16, 0.050, True, model, ctx, 0.0, 400_000.0, 0.010) == got  # the fit binds
 
 
 def test_slo_classes_parse_and_map_priorities() -> None:

@@ -270,3 +270,31 @@ def test_a_step_far_past_the_itl_target_is_logged_once_per_interval_with_its_sha
         512,
         4000,
     )
+
+
+def test_step_trace_writes_one_json_line_per_timed_step(tmp_path) -> None:
+    """KVFERRY_STEP_TRACE: each timed step as the model saw it (shape, device time, gap, prediction, target)."""
+    import json
+
+    from common.sched.launched import Launched, StepTimer
+    from common.sched.request_table import RequestTable
+    from common.sched.step_model import StepShape
+    from common.sched.step_pacing import StepPacing
+    from common.settings import SchedulerConfig
+    from common.slo import parse_slo_classes
+
+    path = tmp_path / "steps.jsonl"
+    cfg = SchedulerConfig(itl_target_ms=50.0, step_trace=str(path))
+    pacing = StepPacing(cfg, PAGE, parse_slo_classes(cfg.slo_classes, cfg.slo_default_class), RequestTable())
+    shape = StepShape(prefill_tokens=512, decode_rows=8, decode_context=4000)
+    pacing.observe(Launched("mixed", [], timer=StepTimer(0.0, 0.020), shape=shape))
+    pacing.observe(Launched("decode", [], timer=StepTimer(0.0, 0.005), shape=StepShape(decode_rows=8)))
+    pacing.observe(Launched("mixed", [], shape=shape))  # not timed: not written
+    assert pacing.trace is not None
+    pacing.trace.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["kind"], r["prefill_tokens"], r["decode_rows"], r["device_s"]) for r in rows] == [
+        ("mixed", 512, 8, 0.02),
+        ("decode", 0, 8, 0.005),
+    ]
+    assert rows[0]["target_s"] == 0.05 and rows[1]["gap_s"] > 0

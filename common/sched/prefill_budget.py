@@ -56,12 +56,17 @@ def prefill_budget(
         return max_tokens, BudgetReason.MAX_PREFILL_TOKENS
     if not beside:
         context, margin_z, decode_step_s = StepContext(chunk_start=context.chunk_start), 0.0, 0.0
+    # No step takes less than its decode step plus its prompt tokens at the fastest prefill measured alone: a
+    # bound on the fit, whose prompt-token cost can come out near zero while its window's chunks are all alike.
+    by_speed = int(prefill_tokens_per_s * max(limit - decode_step_s, 0.0)) // page_size * page_size
     if model.ready:
         tokens = model.largest_chunk(
             limit, context.decode_rows, context.decode_context, context.chunk_start, max_tokens, page_size, margin_z
         )
+        if prefill_tokens_per_s > 0:
+            tokens = min(tokens, by_speed)
     elif prefill_tokens_per_s > 0:
-        tokens = int(prefill_tokens_per_s * max(limit - decode_step_s, 0.0)) // page_size * page_size
+        tokens = by_speed
     else:
         return max_tokens, BudgetReason.UNMEASURED
     if tokens >= max_tokens:

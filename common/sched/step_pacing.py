@@ -12,6 +12,7 @@ from common.sched.launched import Launched
 from common.sched.prefill_budget import FLOOR_DECODE_STEPS, PrefillSpeed, StepContext, StepSeconds, prefill_budget
 from common.sched.request_table import RequestTable
 from common.sched.step_model import StepTimeModel, z_score
+from common.sched.step_trace import StepTrace
 from common.settings import ITL_TARGET_SLO, SchedulerConfig
 from common.slo import SloClasses
 
@@ -40,8 +41,11 @@ class StepPacing:
     _slow_logged_at: float = 0.0
     _slow_unlogged: int = 0  # slow steps since the last line
     _last_decoding: bool = False  # the last processed step decoded running requests
+    trace: StepTrace | None = None  # KVFERRY_STEP_TRACE
 
     def __post_init__(self) -> None:
+        if self.cfg.step_trace and self.trace is None:
+            self.trace = StepTrace(self.cfg.step_trace)
         tail = 1 - max(c.percentile for c in self.slo.classes) / 100
         self.itl_trim.allow_overruns(max(tail, 1e-4) * OVERRUNS_PER_TAIL)
 
@@ -96,6 +100,9 @@ class StepPacing:
             # steps included, which the model does not learn from).
             seen = now - self._processed_at if self._processed_at is not None and self._last_decoding else 0.0
             self._log_if_slow(launched, seconds, seen, now)
+            if self.trace is not None:
+                predicted = self.step_model.predict(launched.shape)
+                self.trace.write(launched.kind, launched.shape, seconds, seen or period, predicted, self.itl_target_s())
             # A period mostly of host time is a stall, not what the step computed: learnt, it would pull the fit
             # and widen the margin for the whole window, shrinking every chunk for a gap no chunk caused.
             took = seconds if stall_dominated(period, seconds) else max(seconds, period)

@@ -43,6 +43,8 @@ class Load:
     decode_rows: int = 0
     decode_context: int = 0
     queued_ahead_tokens: dict[str, int] = field(default_factory=dict)
+    step_overruns: int = 0  # steps beside decoding past the ITL target that their chunk caused (a counter)
+    step_stalls: int = 0  # such gaps that were mostly host time (a counter)
 
     @cached_property
     def step_cost(self) -> StepCost:
@@ -87,6 +89,8 @@ def parse_load(data: Any) -> Load:
         decode_rows=num("decode_rows"),
         decode_context=num("decode_context"),
         queued_ahead_tokens=_numbers(data.get("queued_ahead_tokens"), int),
+        step_overruns=num("step_overruns"),
+        step_stalls=num("step_stalls"),
     )
 
 
