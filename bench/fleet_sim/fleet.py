@@ -203,7 +203,7 @@ class Fleet:
         sim = SimWorker(name, role, self.cfg.worker, self._on_first_token, self._on_finish, self._record_itl)
         sim.itl_slo_s = self.cls.itl_s
         if self.cfg.workers_per_gpu > 1:
-            sim.device = place(self.devices, sim, self.cfg.workers_per_gpu, self._moved)
+            sim.device = place(self.devices, sim, self.cfg.workers_per_gpu, self._moved, self.cfg.worker.share_slice_s)
             for other in sim.device.members[:-1]:
                 # a worker alone on its GPU steps as on its own (decode stretches): its stretch ends at the next
                 # step, the steps after it share the GPU (the step in flight finishes as it was)

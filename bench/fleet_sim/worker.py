@@ -57,6 +57,9 @@ class WorkerSpec:
     # kernels; 0: one share per kind)
     prefill_share_weight: float = 1.0
     share_length_exponent: float = 1.0
+    # > 0: the GPU time-slices its workers instead (device.py): a worker holds it for slices of this length while
+    # another waits, and keeps it between its own steps (the engine queues its next step before the last ends)
+    share_slice_s: float = 0.0
 
     @cached_property
     def published(self) -> StepCost:
@@ -286,7 +289,10 @@ class SimWorker:
         if self.busy_until >= 0:
             self.version += 1  # its state moves on (also when it goes idle: no next event bumps it then)
             self._finish_span(now)
-        return self._start(now)
+        end = self._start(now)
+        if end is None and self.device is not None:
+            self.device.release(self, now)  # nothing queued: the GPU goes to whoever waits
+        return end
 
     def retime(self, device_end: float) -> float:
         """Its step's device part now ends at `device_end` (another step started on its GPU); the new wake-up."""
