@@ -1,7 +1,7 @@
 """Fits the simulator's step times to the H200 microbenchmarks, then predicts this project's recorded
 single-H200 serving runs (bench/serve.py JSON) and writes predicted against measured.
 
-    python bench/fleet_sim/calibrate.py [--runs DIR] [--share gpu_share_h200.json ...] [--out OUT.json]
+    python bench/fleet_sim/calibrate.py [--runs DIR] [--share gpu_share_h200.json ...] [--slice-ms MS] [--out OUT.json]
 
 Step times: the engine's own step-time model (common/sched/step_model.py ``StepTimeModel``, its real fit) fed
 the device times of bench/roofline.py (decode steps by batch and context, whole-prompt prefills) and
@@ -207,6 +207,12 @@ def main() -> int:
     ap.add_argument(
         "--share", action="append", help="bench/gpu_share.py runs in --runs (repeat; default gpu_share_h200.json)"
     )
+    ap.add_argument(
+        "--slice-ms",
+        type=float,
+        default=0.0,
+        help="the sliced rows' time slice, set by hand (default: fitted to --share)",
+    )
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "fleet_sim_calibration.json")
     args = ap.parse_args()
     started = time.perf_counter()
@@ -220,7 +226,7 @@ def main() -> int:
     local_base_s, local_tokens_per_s = fit_local_transfer(args.runs)
     share_from = args.share or ["gpu_share_h200.json"]
     share_weight, share_exponent = fit_share_weights([args.runs / name for name in share_from])
-    slice_s = fit_slice_s([args.runs / name for name in share_from])
+    slice_s = args.slice_ms / 1000 if args.slice_ms > 0 else fit_slice_s([args.runs / name for name in share_from])
     spec = replace(
         base,
         host_s=host_s,

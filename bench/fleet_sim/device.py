@@ -82,9 +82,11 @@ class SharedDevice:
         """`worker` has no next step queued (its engine went idle, or a loop that waits on each step ended one):
         with time slices it gives the device up at once to the next member with a step in flight, whose slice
         starts now. Shares: nothing to do (a worker between steps holds none)."""
-        if self.slice_s <= 0 or self.owner is not worker:
+        if self.slice_s <= 0:
             return
-        self._advance(now)
+        self._advance(now)  # first: whose slice it is now
+        if self.owner is not worker:
+            return
         nxt = self._next_owner(self.owner, self.left)
         self.owner, self.slice_end = nxt, now + self.slice_s
         for other, end in self._ends():
