@@ -148,6 +148,9 @@ class SimWorker:
     draining: bool = False
     itl_slo_s: float = 0.05  # the SLO's ITL target (what a slow step is, also for prefill-first workers)
     device: SharedDevice | None = None  # the GPU it time-shares with other workers (None: a GPU of its own)
+    # prompts a peer is to prefill for it: (prefill worker, its job). Its engine reserves their pages at its next
+    # loop turn (a step boundary) and only then asks the peer (decode_worker/routes.py); the fleet gives them then
+    asks: list[tuple[object, Job]] = field(default_factory=list)
     span_shared: bool = False  # the step in flight runs on a GPU other workers are on
     added: int = 0  # jobs given so far
     # the last snapshot and what it was taken at: (version, added, draining, a run's steps done) -- nothing else
