@@ -415,9 +415,10 @@ class Fleet:
             job.peer = (d, req)
             if d.busy_until < 0:
                 self._give(p, job)  # an idle engine takes it in at once
+            elif d.span_shared:
+                d.asks.append((p, job))  # its step's end moves with what else runs on its GPU: asked at its wake
             else:
-                d.asks.append((p, job))
-                self._wake_at(d, d.cut_span(now))
+                self._push(d.next_boundary(now), 1, (p, job))  # its steps are unchanged by it: no need to cut them
             self._cache(p.name, req)
         else:
             matched = decision.decode_matched_tokens

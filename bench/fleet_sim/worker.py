@@ -148,8 +148,9 @@ class SimWorker:
     draining: bool = False
     itl_slo_s: float = 0.05  # the SLO's ITL target (what a slow step is, also for prefill-first workers)
     device: SharedDevice | None = None  # the GPU it time-shares with other workers (None: a GPU of its own)
-    # prompts a peer is to prefill for it: (prefill worker, its job). Its engine reserves their pages at its next
-    # loop turn (a step boundary) and only then asks the peer (decode_worker/routes.py); the fleet gives them then
+    # prompts a peer is to prefill for it while it time-shares a GPU: (prefill worker, its job). Its engine reserves
+    # their pages at its next loop turn (a step boundary) and only then asks the peer (decode_worker/routes.py); the
+    # fleet gives them at its next wake (on a GPU of its own, at `next_boundary`)
     asks: list[tuple[object, Job]] = field(default_factory=list)
     span_shared: bool = False  # the step in flight runs on a GPU other workers are on
     added: int = 0  # jobs given so far
@@ -240,6 +241,17 @@ class SimWorker:
         else:
             self.joining.append(job)  # joins the batch at the next step boundary
         return self.busy_until < 0
+
+    def next_boundary(self, now: float) -> float:
+        """When its step in flight at `now` ends (its loop's next turn): `now` when idle."""
+        if self.busy_until < 0:
+            return now
+        if self.run_ends:
+            return self.run_ends[min(bisect_right(self.run_ends, now), len(self.run_ends) - 1)]
+        if self.span_steps > 1 and not self.span_shared:
+            done = int((now - self.span_start) / self.span_step_s) + 1
+            return min(self.busy_until, self.span_start + done * self.span_step_s)
+        return self.busy_until
 
     def cut_span(self, now: float, job: Job | None = None) -> float | None:
         """A decode stretch in flight ends at the next step boundary after `now` (new work waits for it), and so
