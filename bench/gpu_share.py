@@ -5,6 +5,7 @@ simulator's sharing weights (bench/fleet_sim/device.py; fair sharing would give 
     python bench/gpu_share.py --out bench/out/gpu_share_h200.json          # dummy Llama-3.1-8B on one GPU
     python bench/gpu_share.py --overlap --out bench/out/gpu_share_overlap_h200.json   # loops as the engine's
     python bench/gpu_share.py --overlap --chunk 512 --out bench/out/gpu_share_overlap_chunk512_h200.json
+    python bench/gpu_share.py --overlap --prefill-gap-ms 100 --out bench/out/gpu_share_gap100_h200.json  # lone prompts
     python bench/gpu_share.py --kernels ...   # also each step's kernels alone: how many, how long (profiler)
     python bench/gpu_share.py --device cpu --model smollm2-135m-instruct --batch 2 --context 64 --chunk 64 \
         --iters 5 --seconds 2 --kv-gb 0.05 --out /tmp/gpu_share_cpu.json   # the plumbing, on the CPU
@@ -80,19 +81,22 @@ def _step_fn(runner: ModelRunner, role: str, args: argparse.Namespace):  # type:
     return launch, rows
 
 
-def _steps(launch, overlap: bool, count: int = 0, until: float = 0.0) -> list[float]:  # type: ignore[no-untyped-def]
+def _steps(launch, overlap: bool, count: int = 0, until: float = 0.0, gap_s: float = 0.0) -> list[float]:  # type: ignore[no-untyped-def]
     """Step times (ms) of `count` steps, or of the steps until `until` (perf_counter): each waited on before the
-    next is launched, or with `overlap` the next launched first."""
+    next is launched, or with `overlap` the next launched first; with `gap_s` each waited on, then the loop idles
+    that long before the next (prompts arriving one at a time: nothing queued between them)."""
     times: list[float] = []
 
     def more() -> bool:
         return len(times) < count if count else time.perf_counter() < until
 
-    if not overlap:
+    if not overlap or gap_s > 0:
         while more():
             t0 = time.perf_counter()
             launch().synchronize()
             times.append((time.perf_counter() - t0) * 1000)
+            if gap_s > 0:
+                time.sleep(gap_s)
         return times
     pending, last = launch(), time.perf_counter()
     while more():
@@ -144,7 +148,8 @@ def _child(role: str, args: argparse.Namespace, barrier, results) -> None:  # ty
         if turn == role:
             alone = _steps(launch, args.overlap, count=args.iters)
         barrier.wait()
-    shared = _steps(launch, args.overlap, until=time.perf_counter() + args.seconds)
+    gap_s = args.prefill_gap_ms / 1000 if role == "prefill" else 0.0
+    shared = _steps(launch, args.overlap, until=time.perf_counter() + args.seconds, gap_s=gap_s)
     give_rows(runner, rows)
     results.put((role, alone, shared, kernels))
 
@@ -162,9 +167,19 @@ def summarize(got: dict[str, tuple[list[float], list[float], dict | None]]) -> d
         a, s = statistics.fmean(alone), statistics.fmean(shared)
         out[role] = {
             "alone_ms": {"p50": _pct(alone, 50), "p99": _pct(alone, 99), "mean": a, "n": len(alone)},
-            "shared_ms": {"p50": _pct(shared, 50), "p99": _pct(shared, 99), "mean": s, "n": len(shared)},
+            "shared_ms": {
+                "p50": _pct(shared, 50),
+                "p90": _pct(shared, 90),
+                "p99": _pct(shared, 99),
+                "max": max(shared),
+                "mean": s,
+                "n": len(shared),
+            },
             "slowdown": s / a,
             "device_share": a / s,
+            # every step beside the other loop, in order: how the stretch is spread over steps (a few long waits
+            # or many short ones) is what the simulator's slice rule must reproduce
+            "shared_steps_ms": [round(x, 3) for x in shared],
         }
         if kernels is not None:
             out[role]["kernels"] = kernels
@@ -185,6 +200,12 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=10.0, help="both loops together")
     p.add_argument("--kv-gb", type=float, default=20.0, help="each process's KV pool")
     p.add_argument("--overlap", action="store_true", help="launch each next step before waiting (the serving loop)")
+    p.add_argument(
+        "--prefill-gap-ms",
+        type=float,
+        default=0.0,
+        help="the chunk loop idles this long after each chunk (a lone prompt at a time; its share is then not a busy loop's)",
+    )
     p.add_argument("--kernels", action="store_true", help="profile one step of each alone: its kernels (GPU)")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out" / "gpu_share.json")
     args = p.parse_args()

@@ -60,6 +60,18 @@ def test_a_first_token_from_a_peer_leaves_at_the_decode_worker_s_next_step() -> 
     assert list(f.ttft) == pytest.approx([0.115, 0.145])
 
 
+def test_a_busy_decode_worker_asks_its_prefill_peer_at_its_next_step_boundary() -> None:
+    # the decode worker reserves a prompt's pages at a loop turn and only then asks its peer to prefill it. A: 100
+    # tokens, prefilled where it decodes (0.02 s), then steps of 0.01 s. B at 0.055 is asked for at 0.06: prefill
+    # 1,100 tokens, 0.12 s, done at 0.18, its KV landed 5.5 ms later: TTFT 0.1305 s (asked for at once: 0.1255)
+    f = fleet(Counts(prefill=1, decode=1))
+    f.run([SimRequest(0.0, 100, 40), SimRequest(0.055, 1100, 1)])
+    assert list(f.ttft) == pytest.approx([0.02, 0.1305])
+    idle = fleet(Counts(prefill=1, decode=1))  # an idle decode worker takes it in at once
+    idle.run([SimRequest(0.055, 1100, 1)])
+    assert list(idle.ttft) == pytest.approx([0.1255])
+
+
 def test_the_real_admission_refuses_what_cannot_be_served_in_time() -> None:
     # 40 prompts of 2,000 tokens at once: each takes ~0.2 s of the one worker, so past the fifth or so the
     # predicted TTFT passes 1 s and the router answers 429 instead of queueing them
@@ -129,15 +141,15 @@ def test_a_step_s_host_part_holds_no_share_of_the_gpu() -> None:
 def test_a_decode_step_beside_a_prompt_step_keeps_the_share_of_its_kernels() -> None:
     # a prefill and a decode worker on one GPU, a prompt step's kernels weighing 0.5 a device second against a decode
     # step's 1. A: 100 tokens, short enough to be prefilled where it decodes (0.02 s alone), then 0.01 s steps.
-    # B at 0.055, on the prefill worker: a 1,100-token prompt step (0.12 s, weight 0.06) beside the decode step in
-    # flight (its last 0.005 s, weight 0.01): the decode side keeps 1/7 of the device. That step ends at 0.09
-    # (ITL 0.04), the next at 0.16 (0.07), B's prompt at 0.195 (0.12 s of device in 0.14 s) and the decode step in
-    # flight, alone from then, at 0.2 (0.04). B's KV lands at 0.2005 (5.5 ms), its one token: TTFT 0.1455 s
+    # B at 0.055: the decode worker reserves its pages at its next step boundary, 0.06, and only then asks the prefill
+    # worker: a 1,100-token prompt step (0.12 s, weight 0.06) beside decode steps of weight 0.01, so the decode side
+    # keeps 1/7 of the device: its steps end at 0.13 and 0.20 (ITL 0.07 each), and so does B's prompt (0.12 s of
+    # device in 0.14 s). B's KV lands at 0.2055 (5.5 ms), its one token: TTFT 0.1505 s
     pair = shared(Counts(prefill=1, decode=1), per_gpu=2, prefill_share_weight=0.5)
     res = pair.run([SimRequest(0.0, 100, 40), SimRequest(0.055, 1100, 1)])
-    assert list(pair.ttft) == pytest.approx([0.02, 0.1455])
+    assert list(pair.ttft) == pytest.approx([0.02, 0.1505])
     assert res.itl_p50_s == pytest.approx(0.01, rel=0.025)  # the histogram's bin
-    assert res.itl_p99_s == pytest.approx(0.07, rel=0.025)  # 3 of A's 39 gaps were slow: 0.04, 0.07, 0.04
+    assert res.itl_p99_s == pytest.approx(0.07, rel=0.025)  # 2 of A's 39 gaps were slow, 0.07 each
     # work-conserving: the device was never idle, so all is done when its work is, 0.02 + 39 x 0.01 + 0.12 s
     assert res.span_s == pytest.approx(0.53)
 

@@ -1,7 +1,7 @@
 """Fits the simulator's step times to the H200 microbenchmarks, then predicts this project's recorded
 single-H200 serving runs (bench/serve.py JSON) and writes predicted against measured.
 
-    python bench/fleet_sim/calibrate.py [--runs DIR] [--share gpu_share_h200.json ...] [--out OUT.json]
+    python bench/fleet_sim/calibrate.py [--runs DIR] [--share gpu_share_h200.json ...] [--slice-ms MS] [--out OUT.json]
 
 Step times: the engine's own step-time model (common/sched/step_model.py ``StepTimeModel``, its real fit) fed
 the device times of bench/roofline.py (decode steps by batch and context, whole-prompt prefills) and
@@ -12,10 +12,11 @@ lowest rate of serve_slo_period_h200.json: its median ITL, ITL p99 and median TT
 prediction. Each recorded point is replayed request by request (its send times and lengths).
 
 A prefill and a decode worker time-sharing one GPU (serve_pd_shared_h200.json) run on one simulated device
-(bench/fleet_sim/device.py: the device's time goes to the steps in flight by their weights, and overlapping steps'
-device times add), a prompt step's weight against a decode step's derived from bench/gpu_share.py's two loops on
-one GPU (gpu_share_h200.json; --share names others), their KV moving by a device-local copy whose fixed time and
-rate are fitted to bench/transfer.py's one-GPU run (transfer_cuda_llama8b_h200.json).
+(bench/fleet_sim/device.py), three ways: shares by kernel length, a prompt step's weight against a decode step's
+derived from bench/gpu_share.py's two loops on one GPU (gpu_share_h200.json; --share names others); equal shares
+(what bench/fleet_sim/h200.py runs); and time slices, the slice's length from the same loops (`fit_slice_s`).
+Their KV moves by a device-local copy whose fixed time and rate are fitted to bench/transfer.py's one-GPU run
+(transfer_cuda_llama8b_h200.json).
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ RUNS = [
     ("serve_h200x2.json", "agg", "agg2"),
     ("serve_h200x2.json", "disagg", "disagg"),
     ("serve_pd_shared_h200.json", "disagg", "disagg-shared"),  # 1 prefill + 1 decode worker on one H200
+    ("serve_pd_shared_h200.json", "disagg", "disagg-shared-equal"),  # the same, equal shares (bench/fleet_sim/h200.py)
+    ("serve_pd_shared_h200.json", "disagg", "disagg-shared-sliced"),  # the same, time slices (share_slice_s)
     ("serve_pd_shared_h200.json", "disagg", "disagg"),  # the same pair as if each had its GPU (what sharing adds)
 ]
 KV_TOKENS = 55346 * 16  # the recorded agg worker's pool (pages x page size)
@@ -109,6 +112,18 @@ def fit_share_weights(paths: list[Path]) -> tuple[float, float]:
     return float(np.exp(log_weight)), float(exponent)
 
 
+def fit_slice_s(paths: list[Path]) -> float:
+    """The GPU's time slice (device.py, ``share_slice_s``) from bench/gpu_share.py runs: that decode loop waits on
+    each step, so its queue runs dry at every step's end and the device goes to the chunk loop, whose queue never
+    does; the decode loop's next step then waits out the chunk loop's whole slice and runs alone. A shared decode
+    step is its time alone plus one slice (mean over the runs)."""
+    waits = []
+    for path in paths:
+        decode = json.loads(path.read_text())["decode"]
+        waits.append(decode["shared_ms"]["mean"] - decode["alone_ms"]["mean"])
+    return float(np.mean(waits)) / 1000
+
+
 def kv_tokens(run: dict) -> int:
     """The run's KV pool in tokens where its workers were given KVFERRY_KV_MEMORY_GB, else the agg worker's."""
     gb = float(run["config"].get("worker_env_applied", {}).get("KVFERRY_KV_MEMORY_GB", 0) or 0)
@@ -122,7 +137,12 @@ def fleet_for(kind: str, spec: WorkerSpec, slo_ttft_ms: float, slo_itl_ms: float
     if kind == "agg-prefill-first":
         spec = replace(spec, itl_target_s=0.0)
     cfg = FleetConfig(worker=spec, slo=slo, policy=PolicyConfig(), startup_s=0.0)
-    if kind == "disagg-shared":
+    if kind.startswith("disagg-shared"):
+        if kind == "disagg-shared-equal":
+            spec = replace(spec, prefill_share_weight=1.0, share_length_exponent=0.0, share_slice_s=0.0)
+        elif kind != "disagg-shared-sliced":
+            spec = replace(spec, share_slice_s=0.0)
+        cfg = replace(cfg, worker=spec)
         return replace(cfg, workers_per_gpu=2), Counts(prefill=1, decode=1)
     if kind == "disagg":
         return cfg, Counts(prefill=1, decode=1)
@@ -187,6 +207,12 @@ def main() -> int:
     ap.add_argument(
         "--share", action="append", help="bench/gpu_share.py runs in --runs (repeat; default gpu_share_h200.json)"
     )
+    ap.add_argument(
+        "--slice-ms",
+        type=float,
+        default=0.0,
+        help="the sliced rows' time slice, set by hand (default: fitted to --share)",
+    )
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "fleet_sim_calibration.json")
     args = ap.parse_args()
     started = time.perf_counter()
@@ -200,6 +226,7 @@ def main() -> int:
     local_base_s, local_tokens_per_s = fit_local_transfer(args.runs)
     share_from = args.share or ["gpu_share_h200.json"]
     share_weight, share_exponent = fit_share_weights([args.runs / name for name in share_from])
+    slice_s = args.slice_ms / 1000 if args.slice_ms > 0 else fit_slice_s([args.runs / name for name in share_from])
     spec = replace(
         base,
         host_s=host_s,
@@ -208,6 +235,7 @@ def main() -> int:
         local_transfer_tokens_per_s=local_tokens_per_s,
         prefill_share_weight=share_weight,
         share_length_exponent=share_exponent,
+        share_slice_s=slice_s,
     )
     rows = []
     for file, mode, kind in RUNS:
@@ -244,6 +272,7 @@ def main() -> int:
                 f" p99 {pred['ttft_p99_ms']:7.0f} vs {meas['ttft_p99_ms']:7.0f} | ITL p99 {pred['itl_p99_ms']:6.1f} vs"
                 f" {meas['itl_p99_ms']:6.1f} | out tok/s {pred['output_tok_per_s']:6.0f} vs {meas['output_tok_per_s']:6.0f}"
                 f" | shed {pred['shed']} vs {meas['shed']}"
+                + (f" | ITL p50 {pred['itl_p50_ms']:5.1f} vs {meas['itl_p50_ms']:5.1f}" if "shared" in kind else "")
             )
     out = {
         "step_cost": cost.as_map(),
@@ -254,6 +283,7 @@ def main() -> int:
         "local_transfer": {"base_s": local_base_s, "tokens_per_s": local_tokens_per_s},
         "prefill_share_weight": share_weight,
         "share_length_exponent": share_exponent,
+        "share_slice_s": slice_s,
         "share_from": share_from,
         "fitted_on": f"{RUNS[0][0]} agg, its first point: host_s (median ITL), served_spread_s (ITL p99), net_s (median TTFT)",
         "points": rows,
@@ -264,7 +294,8 @@ def main() -> int:
     print(
         f"step cost {cost}, spread {served_spread * 1000:.2f} ms, host {host_s * 1000:.2f} ms/step, "
         f"net {net_s * 1000:.1f} ms, local KV copy {local_base_s * 1000:.2f} ms + {local_tokens_per_s / 1e6:.2f} M "
-        f"tokens/s, prompt-step share weight {share_weight:.3f} x device time ** {share_exponent:.2f} -> {args.out}"
+        f"tokens/s, prompt-step share weight {share_weight:.3f} x device time ** {share_exponent:.2f}, time slice "
+        f"{slice_s * 1000:.1f} ms -> {args.out}"
     )
     return 0
 

@@ -203,7 +203,7 @@ class Fleet:
         sim = SimWorker(name, role, self.cfg.worker, self._on_first_token, self._on_finish, self._record_itl)
         sim.itl_slo_s = self.cls.itl_s
         if self.cfg.workers_per_gpu > 1:
-            sim.device = place(self.devices, sim, self.cfg.workers_per_gpu, self._moved)
+            sim.device = place(self.devices, sim, self.cfg.workers_per_gpu, self._moved, self.cfg.worker.share_slice_s)
             for other in sim.device.members[:-1]:
                 # a worker alone on its GPU steps as on its own (decode stretches): its stretch ends at the next
                 # step, the steps after it share the GPU (the step in flight finishes as it was)
@@ -303,6 +303,8 @@ class Fleet:
                     w, version = payload  # type: ignore[misc]
                     if w.version == version:
                         self._wake_at(w, w.wake(t))
+                        if w.asks:
+                            self._ask_peers(w)
                         self._maybe_leave(w)
                 elif kind == 1:
                     w, job = payload  # type: ignore[misc]
@@ -411,7 +413,12 @@ class Fleet:
             self.pool.workers[decision.prefill].hold_prefill(call, now, req.prompt - matched)
             job = Job(rid, req.t, req.prompt, max(1, req.prompt - matched), 0, req.prompt)
             job.peer = (d, req)
-            self._give(p, job)
+            if d.busy_until < 0:
+                self._give(p, job)  # an idle engine takes it in at once
+            elif d.span_shared:
+                d.asks.append((p, job))  # its step's end moves with what else runs on its GPU: asked at its wake
+            else:
+                self._push(d.next_boundary(now), 1, (p, job))  # its steps are unchanged by it: no need to cut them
             self._cache(p.name, req)
         else:
             matched = decision.decode_matched_tokens
@@ -424,6 +431,13 @@ class Fleet:
         sums[3] += req.prompt * req.prompt
         sums[4] += req.output
         sums[5] += matched
+
+    def _ask_peers(self, d: SimWorker) -> None:
+        """`d`'s loop turn: the prompts it reserved pages for go to their prefill workers."""
+        asks, d.asks = d.asks, []
+        for p, job in asks:
+            if p.name in self.sims:  # type: ignore[attr-defined]
+                self._give(p, job)  # type: ignore[arg-type]
 
     def _on_first_token(self, w: SimWorker, job: Job, now: float) -> None:
         if job.peer is not None:  # a prefill for a peer: its KV moves, then it decodes there

@@ -25,7 +25,9 @@ H200_LLAMA8B = WorkerSpec(
     local_transfer_tokens_per_s=5.93e6,
     # and how they share the GPU: equal shares. The kernel-length model fitted to bench/gpu_share.py (weight 0.45,
     # exponent 1) predicted the served pair worse (TTFT -36 to -54%, bench/RESULTS.md): that microbenchmark waits
-    # on every step, the engine overlaps them; its overlapped run (`--overlap`) is what decides.
+    # on every step, the engine overlaps them; its overlapped run (`--overlap`) is what decides. Time slices fitted to
+    # the same loops (share_slice_s, bench/RESULTS.md "Time slices in the simulator") get the tail at the highest
+    # rate only and over-predict it 2x at the lowest: not used here either.
     prefill_share_weight=1.0,
     share_length_exponent=0.0,
 )

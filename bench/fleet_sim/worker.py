@@ -57,6 +57,9 @@ class WorkerSpec:
     # kernels; 0: one share per kind)
     prefill_share_weight: float = 1.0
     share_length_exponent: float = 1.0
+    # > 0: the GPU time-slices its workers instead (device.py): a worker holds it for slices of this length while
+    # another waits, and keeps it between its own steps (the engine queues its next step before the last ends)
+    share_slice_s: float = 0.0
 
     @cached_property
     def published(self) -> StepCost:
@@ -145,6 +148,10 @@ class SimWorker:
     draining: bool = False
     itl_slo_s: float = 0.05  # the SLO's ITL target (what a slow step is, also for prefill-first workers)
     device: SharedDevice | None = None  # the GPU it time-shares with other workers (None: a GPU of its own)
+    # prompts a peer is to prefill for it while it time-shares a GPU: (prefill worker, its job). Its engine reserves
+    # their pages at its next loop turn (a step boundary) and only then asks the peer (decode_worker/routes.py); the
+    # fleet gives them at its next wake (on a GPU of its own, at `next_boundary`)
+    asks: list[tuple[object, Job]] = field(default_factory=list)
     span_shared: bool = False  # the step in flight runs on a GPU other workers are on
     added: int = 0  # jobs given so far
     # the last snapshot and what it was taken at: (version, added, draining, a run's steps done) -- nothing else
@@ -235,6 +242,17 @@ class SimWorker:
             self.joining.append(job)  # joins the batch at the next step boundary
         return self.busy_until < 0
 
+    def next_boundary(self, now: float) -> float:
+        """When its step in flight at `now` ends (its loop's next turn): `now` when idle."""
+        if self.busy_until < 0:
+            return now
+        if self.run_ends:
+            return self.run_ends[min(bisect_right(self.run_ends, now), len(self.run_ends) - 1)]
+        if self.span_steps > 1 and not self.span_shared:
+            done = int((now - self.span_start) / self.span_step_s) + 1
+            return min(self.busy_until, self.span_start + done * self.span_step_s)
+        return self.busy_until
+
     def cut_span(self, now: float, job: Job | None = None) -> float | None:
         """A decode stretch in flight ends at the next step boundary after `now` (new work waits for it), and so
         does a prompt run unless the new `job` only queues behind its prompt (None: something else changed);
@@ -286,7 +304,10 @@ class SimWorker:
         if self.busy_until >= 0:
             self.version += 1  # its state moves on (also when it goes idle: no next event bumps it then)
             self._finish_span(now)
-        return self._start(now)
+        end = self._start(now)
+        if end is None and self.device is not None:
+            self.device.release(self, now)  # nothing queued: the GPU goes to whoever waits
+        return end
 
     def retime(self, device_end: float) -> float:
         """Its step's device part now ends at `device_end` (another step started on its GPU); the new wake-up."""
