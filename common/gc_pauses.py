@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["GcPauses", "freeze_startup_objects"]
@@ -36,6 +37,7 @@ class GcPauses:
     count: int = 0
     total_s: float = 0.0
     max_s: float = 0.0
+    on_pause: Callable[[float], None] | None = None  # each pause in seconds (a metric's observe)
     _started: float = 0.0
     _installed: bool = False
 
@@ -58,6 +60,8 @@ class GcPauses:
         self.count += 1
         self.total_s += took
         self.max_s = max(self.max_s, took)
+        if self.on_pause is not None:
+            self.on_pause(took)
         if took >= SLOW_PAUSE_S:
             log.warning(
                 "slow garbage collection",

@@ -79,7 +79,7 @@ def create_app(
         # streaming costs the objects made since (common/gc_pauses.py); long ones are logged.
         if freeze_gc:
             freeze_startup_objects()
-        pauses = GcPauses().install()
+        pauses = GcPauses(on_pause=metrics.gc_pause.observe).install()
         try:
             yield
         finally:

@@ -100,6 +100,12 @@ class RouterMetrics:
             buckets=buckets.LATENCY_S,
             registry=r,
         )
+        self.gc_pause = Histogram(
+            "kvferry_router_gc_pause_seconds",
+            "Each garbage collection of a router process: every stream it relays waits that long",
+            buckets=buckets.STEP_S,
+            registry=r,
+        )
         self.itl = Histogram(
             "kvferry_router_inter_token_latency_seconds",
             "Gap between a choice's successive tokens as they reached the router",

@@ -28,6 +28,22 @@ def test_each_collection_is_counted_with_its_pause_until_uninstalled() -> None:
     assert pauses.count == seen
 
 
+def test_the_router_publishes_each_of_its_collections_as_a_pause_histogram() -> None:
+    """The router's process hands each pause to `kvferry_router_gc_pause_seconds` (router/app.py's lifespan)."""
+    from router.metrics import RouterMetrics
+
+    metrics = RouterMetrics()
+    pauses = GcPauses(on_pause=metrics.gc_pause.observe).install()
+    try:
+        gc.collect()
+        gc.collect()
+    finally:
+        pauses.uninstall()
+    count = metrics.registry.get_sample_value("kvferry_router_gc_pause_seconds_count")
+    total = metrics.registry.get_sample_value("kvferry_router_gc_pause_seconds_sum")
+    assert count == pauses.count >= 2 and total is not None and abs(total - pauses.total_s) < 1e-9
+
+
 def test_objects_alive_at_freeze_leave_the_collectors_generations() -> None:
     kept = [_Cycle() for _ in range(1000)]
     try:
