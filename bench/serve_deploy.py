@@ -38,6 +38,9 @@ class DeployError(RuntimeError):
     pass
 
 
+K8S_ROUTER_PROCESSES = 2  # the router Deployment's CPU limit, so its KVFERRY_ROUTER_WORKERS
+
+
 @dataclass(frozen=True)
 class DeploySpec:
     mode: str  # agg | disagg | adaptive (disagg's roles, adaptive placement) | mixed (all mixed, adaptive)
@@ -232,6 +235,11 @@ def start_deployment(spec: DeploySpec, say: Say) -> Deployment:
             KVFERRY_ROUTER_TOKENIZER=spec.tokenizer_dir,
             KVFERRY_ROUTER_PLACEMENT=spec.placement,
         )
+        if spec.gpus:
+            # As the k8s router pod runs: one process per CPU of its limit (k8s/base/router.yaml). One process
+            # relays a step's tokens to every stream in turn; at ~6k tok/s over ~250 streams that spread alone
+            # pushed most requests' ITL p99 past 50 ms while the engine's steps were within it (bench/RESULTS.md).
+            router_env.setdefault("KVFERRY_ROUTER_WORKERS", str(K8S_ROUTER_PROCESSES))
         router_env.update(spec.router_env)
         deployment.router = ManagedProcess(
             "router",

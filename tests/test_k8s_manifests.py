@@ -1085,3 +1085,14 @@ def test_same_node_nvlink_overlay_shares_host_namespaces_for_workers_only() -> N
             term = spec["affinity"]["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
             assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
             assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_the_serving_benchmark_runs_as_many_router_processes_as_the_router_pod() -> None:
+    """bench/serve.py on GPUs measures serving as pods run it: the router pod's processes follow its CPU limit."""
+    from bench.serve_deploy import K8S_ROUTER_PROCESSES
+
+    router = one(list(_render("base")), "Deployment", "kvferry-router")
+    cont = container(router)
+    workers = env_of(cont)["KVFERRY_ROUTER_WORKERS"]
+    assert workers["valueFrom"]["resourceFieldRef"]["resource"] == "limits.cpu"
+    assert int(cont["resources"]["limits"]["cpu"]) == K8S_ROUTER_PROCESSES
