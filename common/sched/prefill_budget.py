@@ -57,13 +57,15 @@ def prefill_budget(
     if not beside:
         context, margin_z, decode_step_s = StepContext(chunk_start=context.chunk_start), 0.0, 0.0
     # No step takes less than its decode step plus its prompt tokens at the fastest prefill measured alone: a
-    # bound on the fit, whose prompt-token cost can come out near zero while its window's chunks are all alike.
+    # bound on the fit beside decoding, whose prompt-token cost can come out near zero while its window's chunks
+    # are all alike. (Not for the max-step bound alone: the fastest prefill seen may be a short prompt's, whose
+    # fixed cost makes it slower per token than the long chunk being sized.)
     by_speed = int(prefill_tokens_per_s * max(limit - decode_step_s, 0.0)) // page_size * page_size
     if model.ready:
         tokens = model.largest_chunk(
             limit, context.decode_rows, context.decode_context, context.chunk_start, max_tokens, page_size, margin_z
         )
-        if prefill_tokens_per_s > 0:
+        if beside and prefill_tokens_per_s > 0:
             tokens = min(tokens, by_speed)
     elif prefill_tokens_per_s > 0:
         tokens = by_speed
