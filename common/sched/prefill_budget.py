@@ -90,6 +90,10 @@ class PrefillSpeed:
     tokens_per_s: float = 0.0
     peak_tokens_per_s: float = 0.0  # the fastest interval (the budget's speed: one model on one device)
 
+    def seed_peak(self, tokens_per_s: float) -> None:
+        """A speed measured before serving (the warm-up's full-size prefill): the peak starts there."""
+        self.peak_tokens_per_s = max(self.peak_tokens_per_s, tokens_per_s)
+
     def observe(self, tokens: int, seconds: float, allow_zero: bool = False) -> None:
         """One interval; `allow_zero`: an interval that computed nothing (a stalled queue) counts as a sample."""
         if seconds <= 0 or tokens < 0 or (tokens == 0 and not allow_zero):

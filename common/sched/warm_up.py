@@ -30,6 +30,10 @@ class WarmUpReport:
     seconds: float
     steps: int
     kinds: dict[str, int]
+    # The fastest prefill-only step, warm, at the warm-up's longest prompt: what the serving scheduler's budget
+    # starts from (common/sched/prefill_budget.py bounds its step model by it; short prompts alone are slower
+    # per token, so the first requests' own speed would understate it).
+    prefill_tokens_per_s: float = 0.0
 
 
 def warm_up_batches(max_running: int) -> list[int]:
@@ -86,11 +90,18 @@ def warm_up(runner: ModelRunner, cfg: SchedulerConfig, seed: int = 0) -> WarmUpR
         sched.add(Req(f"warm-up-{b}-prompt", ids(prompt_len), SamplingParams(max_tokens=2, ignore_eos=True)))
         run_until(lambda: False)
     run_until(lambda: False)  # after a phase stopped early: the streams it did add
+    try:  # one prompt alone, every kernel warm: a full-size prefill-only step, timed
+        sched.add(Req("warm-up-alone", ids(prompt_len), SamplingParams(max_tokens=1, ignore_eos=True)))
+    except RequestRejected as e:
+        log.info("warm-up stopped early", extra={"reason": str(e)})
+    run_until(lambda: False)
     leaks = sched.ledger_violations()
     if leaks or sched.allocator.num_free != runner.pool.num_pages:
         raise RuntimeError(f"the warm-up did not give its pages back: {leaks}")
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
-    report = WarmUpReport(round(time.perf_counter() - start, 3), steps, kinds)
+    report = WarmUpReport(
+        round(time.perf_counter() - start, 3), steps, kinds, sched.pacing.prefill_speed.peak_tokens_per_s
+    )
     log.info("warm-up ran every step shape", extra={"seconds": report.seconds, "steps": steps, "kinds": kinds})
     return report

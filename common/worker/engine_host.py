@@ -73,8 +73,12 @@ class EngineHost:
         self.roles = [make(self) for make in roles]
         if cfg.warm_up == "on" or (cfg.warm_up == "auto" and self.runner.device.type == "cuda"):
             with self.runner.start_phases.timed("warm_up"):
-                warm_up(self.runner, cfg.sched)
+                warmed = warm_up(self.runner, cfg.sched)
+        else:
+            warmed = None
         self.scheduler = Scheduler(self.runner, cfg.sched, connector=combined(self.roles))
+        if warmed is not None:
+            self.scheduler.pacing.prefill_speed.seed_peak(warmed.prefill_tokens_per_s)
         self.kv_verified: dict[str, bool] = {}  # arrived KV whose checksums matched: said in the first-token event
         tiered = self.scheduler.snapshot().host_pages_total > 0
         self.publisher = PrefixIndexPublisher(
