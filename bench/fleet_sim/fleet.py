@@ -16,6 +16,7 @@ refreshed (each at most one poll interval old) and only their prefix matches com
 
 from __future__ import annotations
 
+import gc
 import heapq
 import math
 import random
@@ -276,10 +277,16 @@ class Fleet:
     def run(self, requests: list[SimRequest], until: float | None = None) -> Result:
         saved = router_pool.time, router_dispatch.time
         router_pool.time = router_dispatch.time = self.clock  # type: ignore[assignment]
+        # A run makes no cyclic garbage (reference counts free what it drops), so the collector's passes over
+        # the fleet's objects would find nothing: off for the run (about 5% of a large fleet's time).
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             return self._run(requests, until)
         finally:
             router_pool.time, router_dispatch.time = saved
+            if collecting:
+                gc.enable()
 
     def _run(self, requests: list[SimRequest], until: float | None) -> Result:
         n = len(requests)
