@@ -346,13 +346,19 @@ class Fleet:
         now = self.clock.now
         workers: Iterable[Worker]
         if cfg.route_sample:
+            held: list[str] = []
             if req.blocks:
                 # the four that cached it last (the likeliest to hold it still)
                 recent = islice(reversed(self.holders.get(req.blocks[0], {})), 4)
-                plan.matches = self._matches(req, [h for h in recent if h in self.pool.workers])
+                held = [h for h in recent if h in self.pool.workers]
+                plan.matches = self._matches(req, held)
+            known = plan.matches or {}
             self.dispatcher.choose_candidates(plan)
             workers = plan.candidates or []
-            plan.matches = self._matches(req, [w.url for w in workers])
+            # the holders' matches are known already (the longest to compute: they run far into the prompt)
+            names = [w.url for w in workers]
+            fresh = self._matches(req, [n for n in names if n not in held])
+            plan.matches = {n: m for n in names if (m := known.get(n) or fresh.get(n))}
         else:
             workers = self.pool.workers.values()
             plan.matches = self._matches(req, self.pool.workers)
@@ -383,9 +389,14 @@ class Fleet:
         cache = self.caches.get(name)
         if cache is None or not req.blocks:
             return
-        for b in cache.keys() & req.blocks:  # each block to the most recent end, in the prompt's order
-            del cache[b]
-        cache.update(dict.fromkeys(req.blocks))
+        # each block to the most recent end, in the prompt's order (a prompt's blocks are distinct: each one's id
+        # is its whole prefix's)
+        to_end = cache.move_to_end
+        for b in req.blocks:
+            if b in cache:
+                to_end(b)
+            else:
+                cache[b] = None
         room = int(self.cfg.worker.kv_tokens * self.cfg.prefix_cache_share) // req.block_tokens
         for _ in range(len(cache) - room):
             cache.popitem(last=False)
