@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
@@ -51,7 +52,8 @@ class HeldCounts:
 @dataclass(slots=True)
 class _CallSums:
     """What a worker's holding calls add up to against one snapshot's poll time (`since`: sent at or after it
-    is recent), kept up by each hold and release so a read costs O(1), not O(calls); rebuilt once per poll."""
+    is recent), kept up by each hold and release so a read costs O(1), not O(calls). Calls held in time order
+    (the router's clock only moves on) have their recent ones last: a new poll recounts only those."""
 
     since: float
     decoding: int  # the calls the sums cover: a dict changed outside hold/release no longer matches
@@ -59,19 +61,55 @@ class _CallSums:
     recent: int  # calls sent since `since`, which the worker's snapshot may not count yet
     unseen_kv: int  # KV tokens of the recent decode calls
     prompt_tokens: int  # prompt tokens of the prefill calls
+    newest_decode: float = -math.inf  # the latest time a call of each kind was held
+    newest_prefill: float = -math.inf
+    in_order: bool = True  # each call held no earlier than those before it in its dict
 
     @classmethod
     def of(cls, w: Worker, since: float) -> _CallSums:
-        recent = unseen_kv = prompt_tokens = 0
+        s = cls(since, len(w.decoding), len(w.prefilling), 0, 0, 0)
         kv = w.kv_tokens
         for call, t in w.decoding.items():
+            s.decoded(t)
             if t >= since:
-                recent += 1
-                unseen_kv += kv.get(call, 0)
+                s.recent += 1
+                s.unseen_kv += kv.get(call, 0)
         for t, n in w.prefilling.values():
-            prompt_tokens += n
-            recent += t >= since
-        return cls(since, len(w.decoding), len(w.prefilling), recent, unseen_kv, prompt_tokens)
+            s.prefilled(t)
+            s.prompt_tokens += n
+            s.recent += t >= since
+        return s
+
+    def decoded(self, t: float) -> None:
+        if t < self.newest_decode:
+            self.in_order = False
+        else:
+            self.newest_decode = t
+
+    def prefilled(self, t: float) -> None:
+        if t < self.newest_prefill:
+            self.in_order = False
+        else:
+            self.newest_prefill = t
+
+    def rebase(self, w: Worker, since: float) -> bool:
+        """Recounts the recent calls against a new poll's `since` from each dict's newest end; False when the
+        calls were not held in time order (then only a full count is right)."""
+        if not self.in_order:
+            return False
+        recent = unseen_kv = 0
+        kv = w.kv_tokens
+        for call, t in reversed(w.decoding.items()):
+            if t < since:
+                break
+            recent += 1
+            unseen_kv += kv.get(call, 0)
+        for t, _ in reversed(w.prefilling.values()):
+            if t < since:
+                break
+            recent += 1
+        self.since, self.recent, self.unseen_kv = since, recent, unseen_kv
+        return True
 
 
 @dataclass(eq=False)
@@ -117,6 +155,7 @@ class Worker:
         self.holds_revision += 1
         if s is not None:
             s.decoding += 1
+            s.decoded(now)
             if now >= s.since:
                 s.recent += 1
                 s.unseen_kv += kv_tokens
@@ -129,6 +168,7 @@ class Worker:
         self.holds_revision += 1
         if s is not None:
             s.prefilling += 1
+            s.prefilled(now)
             s.prompt_tokens += prompt_tokens
             s.recent += now >= s.since
 
@@ -190,7 +230,7 @@ class Worker:
             return h
         since = self.load_asked - RECONCILE_GRACE_S
         s = self._sums_in_step()
-        if s is None or s.since != since:
+        if s is None or (s.since != since and not s.rebase(self, since)):
             s = self._sums = _CallSums.of(self, since)
         mine = s.decoding + s.prefilling
         load = self.load
