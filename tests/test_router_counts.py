@@ -86,15 +86,16 @@ def test_counts_kept_through_holds_releases_and_polls_match_a_recount() -> None:
     now, decoding, prefilling = 1000.0, [], []
     for i in range(3000):
         now += rng.expovariate(20.0)
-        t = now - rng.uniform(0, 3) if i in (700, 1800) else now  # two calls stamped out of order
         op = rng.random()
-        if op < 0.3:
+        if i in (700, 1800):  # a call stamped out of order, held to the end
+            w.hold_decode(_Call(), now - 2.5, 100)
+        elif op < 0.3:
             call = _Call()
-            w.hold_decode(call, t, rng.randint(1, 5000))
+            w.hold_decode(call, now, rng.randint(1, 5000))
             decoding.append(call)
         elif op < 0.45:
             call = _Call()
-            w.hold_prefill(call, t, rng.randint(1, 5000))
+            w.hold_prefill(call, now, rng.randint(1, 5000))
             prefilling.append(call)
         elif op < 0.65 and decoding:
             w.release_decode(decoding.pop(rng.randrange(len(decoding))))
