@@ -290,9 +290,11 @@ class Fleet:
 
     def _run(self, requests: list[SimRequest], until: float | None) -> Result:
         n = len(requests)
-        self.ttft = np.full(n, np.nan)
-        self.good = np.zeros(n, dtype=bool)
-        self.shed_mask = np.zeros(n, dtype=bool)
+        # per request, as lists while the run writes them one at a time (a numpy element costs several times more)
+        # and as arrays once it is done
+        self.ttft: list[float] | np.ndarray = [math.nan] * n
+        self.good: list[bool] | np.ndarray = [False] * n
+        self.shed_mask: list[bool] | np.ndarray = [False] * n
         self.out_tokens = 0
         end = until if until is not None else (requests[-1].t if requests else 0.0)
         if self.controller is not None:
@@ -310,7 +312,8 @@ class Fleet:
                     w, version = payload  # type: ignore[misc]
                     if w.version == version:
                         self._wake_at(w, w.wake(t))
-                        self._maybe_leave(w)
+                        if w.draining:
+                            self._maybe_leave(w)
                 elif kind == 1:
                     w, job = payload  # type: ignore[misc]
                     if w.name in self.sims:
@@ -498,6 +501,9 @@ class Fleet:
         return np.array([alone[r.prompt] <= ttft for r in requests], dtype=bool)
 
     def _result(self, requests: list[SimRequest], end: float) -> Result:
+        self.ttft = np.array(self.ttft, dtype=float)
+        self.good = np.array(self.good, dtype=bool)
+        self.shed_mask = np.array(self.shed_mask, dtype=bool)
         measured = np.array([r.t >= self.cfg.measure_from_s for r in requests], dtype=bool)
         feasible = self._feasible(requests)
         counted = measured & feasible
