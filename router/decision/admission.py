@@ -110,7 +110,7 @@ def prefill_is_full(w: Worker, limits: AdmissionLimits) -> bool:
     if not limits.max_queued_prefill_tokens:
         return False
     queued = w.load.queued_prefill_tokens if w.load is not None else 0
-    return max(queued, w.inflight_tokens) >= limits.queued_tokens_limit(w)
+    return max(queued, w.held().inflight_tokens) >= limits.queued_tokens_limit(w)
 
 
 @dataclass(frozen=True)
