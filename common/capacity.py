@@ -14,15 +14,28 @@ from dataclasses import dataclass
 
 __all__ = ["StepCost", "chunk_attention", "largest_fitting", "prompt_steps_s"]
 
+GUESS_STEPS = 4  # single steps from a guess before bisection takes over (a good guess is off by at most one)
+
 
 def chunk_attention(start: int, tokens: int) -> float:
     return tokens * (start + tokens / 2)
 
 
-def largest_fitting(fits: Callable[[int], bool], most: int) -> int:
-    """The largest u in [0, most] with fits(u), for a monotone `fits` (bisection); 0 when not even 1 fits."""
+def largest_fitting(fits: Callable[[int], bool], most: int, guess: int | None = None) -> int:
+    """The largest u in [0, most] with fits(u), for a monotone `fits` (bisection); 0 when not even 1 fits.
+    `guess`: an estimate of u (a closed form's), searched from by single steps first: the same answer, in two
+    or three calls of `fits` where bisection takes log2(most)."""
     if most <= 0 or not fits(1):
         return 0
+    if guess is not None:
+        u = min(max(guess, 1), most)
+        for _ in range(GUESS_STEPS):
+            if not fits(u):
+                u -= 1  # >= 1: fits(1) holds
+            elif u == most or not fits(u + 1):
+                return u
+            else:
+                u += 1
     lo, hi = 1, most
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -81,7 +94,28 @@ class StepCost:
             n = units * granularity
             return self.step_s(n, rows, context, chunk_attention(start, n)) <= target_s
 
-        return largest_fitting(fits, most // granularity) * granularity
+        guess = self._chunk_guess(target_s, rows, context, start, most)
+        units = largest_fitting(fits, most // granularity, None if guess is None else guess // granularity)
+        return units * granularity
+
+    def _chunk_guess(self, target_s: float, rows: int, context: int, start: int, most: int) -> int | None:
+        """Where `largest_chunk`'s search starts, in tokens: the root of the step time's quadratic in the chunk n,
+        overhead + (per_prefill_token + per_attention_pair * start) n + per_attention_pair n^2 / 2 = target
+        (None where a negative coefficient could make the step time fall as n grows)."""
+        a = self.per_attention_pair_s / 2
+        b = self.per_prefill_token_s + self.per_attention_pair_s * start
+        if a < 0 or self.per_prefill_token_s < 0 or start < 0:
+            return None
+        room = target_s - self.overhead_s(rows, context)
+        if room <= 0:
+            return 0
+        if a > 0:
+            n = 2 * room / (b + math.sqrt(b * b + 4 * a * room))  # the root's cancellation-free form
+        elif b > 0:
+            n = room / b
+        else:
+            return most
+        return int(min(n, most))
 
     def decode_rows_within(self, target_s: float, context_per_row: float, most: int) -> int:
         """The most decode rows one step carries within `target_s` with no chunk beside it."""

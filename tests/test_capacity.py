@@ -39,3 +39,24 @@ def test_a_prompt_alone_runs_its_chunks_back_to_back() -> None:
 def test_largest_fitting_bisects() -> None:
     assert largest_fitting(lambda u: u <= 37, 100) == 37
     assert largest_fitting(lambda u: False, 100) == 0
+
+
+def test_largest_fitting_from_a_guess_finds_what_bisection_finds() -> None:
+    for guess in (0, 1, 36, 37, 38, 41, 99, 500):  # near, far (bisection takes over) and out of range
+        assert largest_fitting(lambda u: u <= 37, 100, guess) == 37
+    assert largest_fitting(lambda u: u <= 37, 30, 90) == 30
+    assert largest_fitting(lambda u: False, 100, 50) == 0
+
+
+def test_largest_chunk_with_attention_is_the_largest_within_the_target() -> None:
+    cost = StepCost(base_s=0.005, per_prefill_token_s=2e-5, per_decode_row_s=1.6e-5, per_attention_pair_s=1.1e-9)
+    for start in (0, 1000, 30_000):
+        for target in (0.02, 0.05, 0.2):
+            got = cost.largest_chunk(target, 40, 120_000, start, 2048, 16)
+
+            def step(n: int, start: int = start) -> float:
+                return cost.step_s(n, 40, 120_000, chunk_attention(start, n))
+
+            assert got % 16 == 0 and 0 <= got <= 2048
+            assert got == 0 or step(got) <= target
+            assert got == 2048 or step(got + 16) > target

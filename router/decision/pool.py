@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
@@ -36,7 +37,7 @@ class Watched(Protocol):
     def prefill_back(self) -> None: ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # built on each change of a worker's calls: a frozen one's __init__ costs ~3x
 class HeldCounts:
     load: Load | None
     asked: float
@@ -46,6 +47,69 @@ class HeldCounts:
     inflight_requests: int
     unseen_kv_tokens: int
     inflight_tokens: int
+
+
+@dataclass(slots=True)
+class _CallSums:
+    """What a worker's holding calls add up to against one snapshot's poll time (`since`: sent at or after it
+    is recent), kept up by each hold and release so a read costs O(1), not O(calls). Calls held in time order
+    (the router's clock only moves on) have their recent ones last: a new poll recounts only those."""
+
+    since: float
+    decoding: int  # the calls the sums cover: a dict changed outside hold/release no longer matches
+    prefilling: int
+    recent: int  # calls sent since `since`, which the worker's snapshot may not count yet
+    unseen_kv: int  # KV tokens of the recent decode calls
+    prompt_tokens: int  # prompt tokens of the prefill calls
+    newest_decode: float = -math.inf  # the latest time a call of each kind was held
+    newest_prefill: float = -math.inf
+    in_order: bool = True  # each call held no earlier than those before it in its dict
+
+    @classmethod
+    def of(cls, w: Worker, since: float) -> _CallSums:
+        s = cls(since, len(w.decoding), len(w.prefilling), 0, 0, 0)
+        kv = w.kv_tokens
+        for call, t in w.decoding.items():
+            s.decoded(t)
+            if t >= since:
+                s.recent += 1
+                s.unseen_kv += kv.get(call, 0)
+        for t, n in w.prefilling.values():
+            s.prefilled(t)
+            s.prompt_tokens += n
+            s.recent += t >= since
+        return s
+
+    def decoded(self, t: float) -> None:
+        if t < self.newest_decode:
+            self.in_order = False
+        else:
+            self.newest_decode = t
+
+    def prefilled(self, t: float) -> None:
+        if t < self.newest_prefill:
+            self.in_order = False
+        else:
+            self.newest_prefill = t
+
+    def rebase(self, w: Worker, since: float) -> bool:
+        """Recounts the recent calls against a new poll's `since` from each dict's newest end; False when the
+        calls were not held in time order (then only a full count is right)."""
+        if not self.in_order:
+            return False
+        recent = unseen_kv = 0
+        kv = w.kv_tokens
+        for call, t in reversed(w.decoding.items()):
+            if t < since:
+                break
+            recent += 1
+            unseen_kv += kv.get(call, 0)
+        for t, _ in reversed(w.prefilling.values()):
+            if t < since:
+                break
+            recent += 1
+        self.since, self.recent, self.unseen_kv = since, recent, unseen_kv
+        return True
 
 
 @dataclass(eq=False)
@@ -72,6 +136,7 @@ class Worker:
     placed_revision: int = 0  # bumped whenever `placed` changes: a TTFT input cached per snapshot reads it
     holds_revision: int = 0  # bumped by every hold and release: what the calls add up to is cached against it
     _held: HeldCounts | None = field(default=None, init=False, repr=False)
+    _sums: _CallSums | None = field(default=None, init=False, repr=False)
     # (load, when asked, placement revision) the TTFT figures were built from, and the figures
     _figures: tuple[Load, float, int, WorkerFigures] | None = field(default=None, init=False, repr=False)
     task: asyncio.Task[None] | None = None
@@ -82,22 +147,58 @@ class Worker:
         return [*self.decoding, *self.prefilling]
 
     def hold_decode(self, call: Watched, now: float, kv_tokens: int = 0) -> None:
+        s = self._sums_in_step()
+        if call in self.decoding:
+            s = self._sums = None
         self.decoding[call] = now
         self.kv_tokens[call] = kv_tokens
         self.holds_revision += 1
+        if s is not None:
+            s.decoding += 1
+            s.decoded(now)
+            if now >= s.since:
+                s.recent += 1
+                s.unseen_kv += kv_tokens
 
     def hold_prefill(self, call: Watched, now: float, prompt_tokens: int) -> None:
+        s = self._sums_in_step()
+        if call in self.prefilling:
+            s = self._sums = None
         self.prefilling[call] = (now, prompt_tokens)
         self.holds_revision += 1
+        if s is not None:
+            s.prefilling += 1
+            s.prefilled(now)
+            s.prompt_tokens += prompt_tokens
+            s.recent += now >= s.since
 
     def release_prefill(self, call: Watched) -> None:
-        self.prefilling.pop(call, None)
+        s = self._sums_in_step()
+        held = self.prefilling.pop(call, None)
         self.holds_revision += 1
+        if s is not None and held is not None:
+            s.prefilling -= 1
+            s.prompt_tokens -= held[1]
+            s.recent -= held[0] >= s.since
 
     def release_decode(self, call: Watched) -> None:
-        self.decoding.pop(call, None)
-        self.kv_tokens.pop(call, None)
+        s = self._sums_in_step()
+        t = self.decoding.pop(call, None)
+        kv = self.kv_tokens.pop(call, None)
         self.holds_revision += 1
+        if s is not None and t is not None:
+            s.decoding -= 1
+            if t >= s.since:
+                s.recent -= 1
+                s.unseen_kv -= kv or 0
+
+    def _sums_in_step(self) -> _CallSums | None:
+        """The running sums when they still match the calls (a dict changed outside hold/release: None)."""
+        s = self._sums
+        if s is None or s.decoding != len(self.decoding) or s.prefilling != len(self.prefilling):
+            self._sums = None
+            return None
+        return s
 
     def streamed(self, now: float) -> None:
         self.last_seen = now
@@ -128,27 +229,21 @@ class Worker:
         ):
             return h
         since = self.load_asked - RECONCILE_GRACE_S
-        recent = unseen_kv = prompt_tokens = 0
-        kv = self.kv_tokens
-        for call, t in self.decoding.items():
-            if t >= since:
-                recent += 1
-                unseen_kv += kv.get(call, 0)
-        for t, n in self.prefilling.values():
-            prompt_tokens += n
-            recent += t >= since
-        mine = len(self.decoding) + len(self.prefilling)
+        s = self._sums_in_step()
+        if s is None or (s.since != since and not s.rebase(self, since)):
+            s = self._sums = _CallSums.of(self, since)
+        mine = s.decoding + s.prefilling
         load = self.load
-        inflight = mine if load is None or load.live_requests is None else min(mine, load.live_requests + recent)
+        inflight = mine if load is None or load.live_requests is None else min(mine, load.live_requests + s.recent)
         self._held = h = HeldCounts(
             load,
             self.load_asked,
             self.holds_revision,
-            len(self.decoding),
-            len(self.prefilling),
+            s.decoding,
+            s.prefilling,
             inflight,
-            unseen_kv,
-            prompt_tokens,
+            s.unseen_kv,
+            s.prompt_tokens,
         )
         return h
 

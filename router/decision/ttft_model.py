@@ -38,9 +38,11 @@ class WorkerFigures:
     rate_tokens_per_s: float = 0.0  # measured prefill rate: the fallback without a step model
     unseen_tokens: int = 0
     step_overhead_s: float = field(init=False)  # each step's cost beside its chunk (the base and the decode batch)
+    stepped: bool = field(init=False)  # predicted step by step (a step model and a chunk), not by the rate alone
 
     def __post_init__(self) -> None:
         self.step_overhead_s = self.cost.overhead_s(self.decode_rows, self.decode_context)
+        self.stepped = self.cost.known and self.chunk_tokens > 0
 
     @classmethod
     def from_load(cls, load: Load, unseen_tokens: int = 0) -> WorkerFigures:
@@ -61,7 +63,7 @@ class WorkerFigures:
 
 def prefill_rate(w: WorkerFigures) -> float:
     """Prompt tokens per second at the worker's chunk beside its decode batch (0: unknown)."""
-    if w.cost.known and w.chunk_tokens > 0:
+    if w.stepped:
         return w.cost.prefill_rate(w.chunk_tokens, w.decode_rows, w.decode_context)
     return w.rate_tokens_per_s
 
@@ -74,7 +76,7 @@ def predict_ttft_s(
     ahead = w.ahead(slo_class) if queued else 0
     own = max(own_tokens, 1)  # a full prefix hit still runs one step for its first token
     work = ahead + own
-    if w.cost.known and w.chunk_tokens > 0:
+    if w.stepped:
         c, cost = w.chunk_tokens, w.cost
         steps = math.ceil(work / c)
         pairs = own * own / 2 + ahead * min(c, ahead) / 2
