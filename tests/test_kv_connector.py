@@ -298,6 +298,7 @@ SCHEDULER_SURFACE = {
     "ledger_violations",
     "cached_block_hashes",
     "take_index_events",
+    "seed_prefill_speed",
 }
 
 

@@ -641,6 +641,9 @@ def test_warm_up_runs_every_step_kind_and_leaves_nothing_behind(tiny_model: Deco
     report = warm_up(runner, SchedulerConfig(max_prefill_tokens=64))
     assert {"prefill", "decode", "mixed"} <= set(report.kinds), report.kinds
     assert report.prefill_tokens_per_s > 0  # its full-size prompt alone, timed: the serving budget starts there
+    serving = Scheduler(runner, SchedulerConfig(max_prefill_tokens=64))
+    serving.seed_prefill_speed(report.prefill_tokens_per_s)
+    assert serving.pacing.prefill_speed.peak_tokens_per_s == report.prefill_tokens_per_s
     assert runner.page_table.num_free_rows == rows
     prompt_list = prompts(11, [40, 70])
     got = [r.output_ids for r in engine.generate(prompt_list, SamplingParams(max_tokens=6, ignore_eos=True))]

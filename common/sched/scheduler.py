@@ -598,6 +598,11 @@ class Scheduler:
         self._end(req)
 
     # ---- introspection -----------------------------------------------------------------------------
+    def seed_prefill_speed(self, tokens_per_s: float) -> None:
+        """A prefill speed measured before serving (the warm-up's full-size prompt alone): the budget's speed
+        bound starts there, not at the first requests' (common/sched/prefill_budget.py)."""
+        self.pacing.prefill_speed.seed_peak(tokens_per_s)
+
     def snapshot(self) -> SchedulerSnapshot:
         host = self.cache.host if self.cache is not None else None
         beside = self.running if self.mixed_batching else []  # prefill-first steps decode nothing

@@ -78,7 +78,7 @@ class EngineHost:
             warmed = None
         self.scheduler = Scheduler(self.runner, cfg.sched, connector=combined(self.roles))
         if warmed is not None:
-            self.scheduler.pacing.prefill_speed.seed_peak(warmed.prefill_tokens_per_s)
+            self.scheduler.seed_prefill_speed(warmed.prefill_tokens_per_s)
         self.kv_verified: dict[str, bool] = {}  # arrived KV whose checksums matched: said in the first-token event
         tiered = self.scheduler.snapshot().host_pages_total > 0
         self.publisher = PrefixIndexPublisher(
