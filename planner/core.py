@@ -1,7 +1,8 @@
 """The planner's decisions: from one ``Observation`` every ``interval_s``, the replica counts each Deployment
 should have (docs/architecture.md, "The planner"): a Holt forecast one pod start-up ahead (held within
 ``max_growth`` of the level), sized by planner/sizing.py, raised when the predicted queue wait passes the alarm
-(from the replicas ready now, so starting pods are not counted twice), and hysteresis on the way down.
+(from the replicas ready now, so starting pods are not counted twice), never below a reserve that absorbs a
+step of the load while new pods start (``step_reserve``), and hysteresis on the way down.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from planner.sizing import Counts, FleetSpec, OfferedLoad, size_fleet
+from planner.sizing import Counts, FleetSpec, OfferedLoad, reserve_fleet, size_fleet
 
 __all__ = ["Decision", "Observation", "Planner", "PlannerConfig", "RateForecast"]
 
@@ -41,6 +42,12 @@ class PlannerConfig:
     down_step: float = 0.25
     trend_alpha: float = 0.5  # Holt's smoothing of the level
     trend_beta: float = 0.2  # ... and of the trend
+    # The fleet keeps up with a step of (1 + this) x the baseline load with the pods it already has: a step
+    # faster than a pod start (horizon_s) is met by what runs, however soon the plan reacts (0: no reserve).
+    step_reserve: float = 0.0
+    # The baseline the reserve is sized from: the load smoothed over this long, so that a burst of a minute or
+    # two does not raise the reserve for a second step on top of itself.
+    baseline_s: float = 300.0
 
 
 @dataclass
@@ -82,6 +89,8 @@ class Planner:
     cfg: PlannerConfig = field(default_factory=PlannerConfig)
     targets: Counts | None = None  # what it last asked for (None: not yet; the first observation's ready)
     _forecast: RateForecast | None = None
+    _baseline: OfferedLoad | None = None
+    _baseline_t: float = 0.0
     _last_change: dict[str, float] = field(default_factory=dict)
     _low_since: dict[str, float] = field(default_factory=dict)
     _recent: deque[Decision] = field(default_factory=lambda: deque(maxlen=720))
@@ -94,6 +103,7 @@ class Planner:
         ahead = self._forecast.ahead(cfg.horizon_s / cfg.interval_s, cfg.max_growth)
         rate = max(obs.load.rate, ahead) + obs.shed_rate
         planned = size_fleet(self.spec, replace(obs.load, rate=rate))
+        planned = self._reserve(obs, planned)
         planned = self._queue_reaction(obs, planned)
         current = self.targets if self.targets is not None else obs.ready
         targets, reasons = {}, {}
@@ -103,6 +113,26 @@ class Planner:
         decision = Decision(obs.t, self.targets, planned, rate, reasons)
         self._recent.append(decision)
         return decision
+
+    def _reserve(self, obs: Observation, planned: Counts) -> Counts:
+        """Raises the plan to what a step of ``step_reserve`` over the baseline load needs at full utilisation."""
+        cfg = self.cfg
+        load = obs.load
+        if self._baseline is None:
+            self._baseline = load
+        else:
+            # every figure smoothed, the lengths too: one window's mean prompt swings with a heavy tail
+            keep = math.exp(-max(obs.t - self._baseline_t, 0.0) / cfg.baseline_s)
+            b = self._baseline
+            self._baseline = OfferedLoad(
+                *(keep * getattr(b, f) + (1 - keep) * getattr(load, f) for f in OfferedLoad.__dataclass_fields__)
+            )
+        self._baseline_t = obs.t
+        if cfg.step_reserve <= 0:
+            return planned
+        b = self._baseline
+        need = reserve_fleet(self.spec, replace(b, rate=b.rate * (1 + cfg.step_reserve)))
+        return Counts(max(planned.prefill, need.prefill), max(planned.decode, need.decode), planned.mixed)
 
     def _queue_reaction(self, obs: Observation, planned: Counts) -> Counts:
         cfg = self.cfg

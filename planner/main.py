@@ -77,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--startup", type=float, default=60.0, help="a new worker pod's seconds to ready (the forecast horizon)"
     )
+    p.add_argument(
+        "--step-reserve",
+        type=float,
+        default=0.0,
+        help="keep up with a load step of (1 + this) x the load of the last minutes with the pods already up "
+        "(1: a doubling; 0: none)",
+    )
     p.add_argument("--namespace", default="kvferry")
     p.add_argument(
         "--deployments",
@@ -150,7 +157,9 @@ def build_planner(args: argparse.Namespace) -> Planner:
         min_workers=Counts(**{r: int(lo.get(r, 0)) if r in roles else 0 for r in ROLES}),  # type: ignore[arg-type]
         max_workers=Counts(**{r: int(hi.get(r, 0)) if r in roles else 0 for r in ROLES}),  # type: ignore[arg-type]
     )
-    return Planner(spec, PlannerConfig(interval_s=args.interval, horizon_s=args.startup))
+    return Planner(
+        spec, PlannerConfig(interval_s=args.interval, horizon_s=args.startup, step_reserve=args.step_reserve)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

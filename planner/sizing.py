@@ -18,6 +18,7 @@ __all__ = [
     "mixed_rate",
     "prefill_work_s",
     "prefill_workers",
+    "reserve_fleet",
     "size_fleet",
 ]
 
@@ -131,9 +132,16 @@ def decode_rate(spec: FleetSpec, load: OfferedLoad) -> float:
         return 0.0
     row_s = load.output * _row_cost(cost, load)
     # a fit with no decode rows in it (a prefill worker's: the only one a P+D fleet publishes when every prompt
-    # is long enough to go to it) prices a row at 0: the batch slots and KV pool alone bound the rate
+    # is long enough to go to it) prices a row at 0: the batch slots and KV pool alone bound the rate, each step
+    # taken at the ITL budget
     x = (1 - cost.base_s / target) / row_s if row_s > 0 else math.inf
-    return min(x, _kv_and_slot_cap(spec, load, target))
+    step = target
+    if row_s > 0:
+        # a full batch steps as long as the model prices it, at most the budget: priced at the budget, every
+        # slot looked held longer than it is, and decode came out well above what the load keeps busy
+        rows = min(spec.max_running, spec.kv_tokens / max(load.prompt + load.output, 1.0))
+        step = min(target, cost.base_s + rows * _row_cost(cost, load))
+    return min(x, _kv_and_slot_cap(spec, load, step))
 
 
 def mixed_rate(spec: FleetSpec, load: OfferedLoad) -> float:
@@ -189,3 +197,18 @@ def size_fleet(spec: FleetSpec, load: OfferedLoad) -> Counts:
     if not options:
         raise ValueError(f"no role set to size: {spec.roles} (prefill+decode, mixed, or all three)")
     return min(options, key=lambda c: c.gpus(spec))
+
+
+def reserve_fleet(spec: FleetSpec, load: OfferedLoad) -> Counts:
+    """The fewest prefill and decode workers that keep up with `load`: what must already run when a load step
+    comes, since no pod asked for then is ready before the step has done its harm. ``size_fleet``'s margins
+    are for a load held for good (a tail wait at any length of time); for the minute or so a step lasts before
+    new pods are up, a prompt queue at MAX_UTILISATION and decode at its ITL-budget rate hold the targets."""
+    if not spec.cost.known or load.rate <= 0:
+        return Counts()
+    d = decode_rate(spec, load)
+    return Counts(
+        math.ceil(load.rate * prefill_work_s(spec, load) / MAX_UTILISATION - 1e-9) if "prefill" in spec.roles else 0,
+        math.ceil(load.rate / d - 1e-9) if "decode" in spec.roles and d > 0 else 0,
+        0,
+    )

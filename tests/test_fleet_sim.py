@@ -11,13 +11,16 @@ from pathlib import Path
 import pytest
 
 from bench.fleet_sim.calibrate import fit_share_weights
+from bench.fleet_sim.controllers import PlannerController
 from bench.fleet_sim.device import SharedDevice
 from bench.fleet_sim.fleet import Fleet, FleetConfig
+from bench.fleet_sim.scenarios import fleet_spec
 from bench.fleet_sim.worker import Job, SimWorker, WorkerSpec
 from bench.fleet_sim.workload import SimRequest, poisson, scale_rate
 from common.capacity import StepCost
 from common.slo import parse_slo_classes
-from planner.sizing import Counts
+from planner.core import Planner
+from planner.sizing import Counts, OfferedLoad
 
 REPO = Path(__file__).resolve().parents[1]
 COST = StepCost(base_s=0.01, per_prefill_token_s=1e-4)
@@ -95,6 +98,16 @@ def test_pods_asked_for_become_ready_after_the_start_up_time() -> None:
     assert f.counts(include_starting=False) == Counts(decode=3)
     # GPU-hours count every pod from the moment it is asked for: 1 x 60 s + 2 x 60 s
     assert res.gpu_hours == pytest.approx(3 * res.span_s / 3600, rel=1e-6)
+
+
+def test_the_planner_first_decides_on_a_window_it_has_read() -> None:
+    # as planner/main.py: a decision on one reading would see a rate of 0 and take the first real one for a step
+    spec = WorkerSpec(cost=COST, itl_target_s=0.05, transfer_tokens_per_s=200_000.0)
+    ctl = PlannerController(Planner(fleet_spec(spec, 1.0, 0.05)), OfferedLoad(0.0, 150, 8))
+    cfg = FleetConfig(worker=spec, slo=SLO, net_s=0.0, startup_s=0.0)
+    Fleet(cfg, Counts(1, 1, 0), ctl).run(poisson(20.0, 30.0, (100, 200), (5, 10), seed=1), until=30.0)
+    assert ctl.decisions[0].t == ctl.interval_s
+    assert all(d.forecast_rate > 10 for d in ctl.decisions)
 
 
 def shared(counts: Counts, per_gpu: int, **spec_kw) -> Fleet:  # type: ignore[no-untyped-def]

@@ -18,7 +18,7 @@ from kubernetes import client as k8s
 
 from common.capacity import StepCost
 from planner.core import Planner, PlannerConfig
-from planner.main import PlannerMetrics, build_parser, step
+from planner.main import PlannerMetrics, build_parser, build_planner, step
 from planner.scaler import DeploymentScaler, DryRun
 from planner.sizing import Counts, FleetSpec
 from router.decision.load import parse_load
@@ -175,3 +175,9 @@ def test_flags_parse() -> None:
         ["--dry-run", "--routers", "http://r:8000", "--deployments", "mixed=kvferry-mixed"]
     )
     assert args.dry_run and args.routers == "http://r:8000" and args.deployments == "mixed=kvferry-mixed"
+
+
+def test_the_step_reserve_flag_reaches_the_planner() -> None:
+    base = ["--slo", "interactive:ttft=1s,itl=50ms"]
+    assert build_planner(build_parser().parse_args(base)).cfg.step_reserve == 0.0
+    assert build_planner(build_parser().parse_args([*base, "--step-reserve", "1"])).cfg.step_reserve == 1.0

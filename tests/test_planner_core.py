@@ -1,5 +1,6 @@
 """The planner's decisions on synthetic load steps (planner/core.py, planner/sizing.py): up on a step and on a
-growing queue, down only after the load stayed low, no flapping, cooldowns."""
+growing queue, down only after the load stayed low, no flapping, cooldowns, a reserve for a step held before it
+comes and not stacked on a burst."""
 
 from __future__ import annotations
 
@@ -9,7 +10,16 @@ import pytest
 
 from common.capacity import StepCost
 from planner.core import Observation, Planner, PlannerConfig
-from planner.sizing import Counts, FleetSpec, OfferedLoad, decode_rate, mixed_rate, prefill_workers, size_fleet
+from planner.sizing import (
+    Counts,
+    FleetSpec,
+    OfferedLoad,
+    decode_rate,
+    mixed_rate,
+    prefill_workers,
+    reserve_fleet,
+    size_fleet,
+)
 
 COST = StepCost(base_s=0.004, per_prefill_token_s=25e-6, per_decode_row_s=20e-6, per_context_token_s=5e-8)
 SPEC = FleetSpec(cost=COST, ttft_s=1.0, itl_s=0.05, chunk_tokens=2048)
@@ -25,11 +35,15 @@ def test_sizing_by_hand() -> None:
     # alone 0.054 s + 0.01 s transfer leaves rho = min(0.9, 0.936 / 1.0) = 0.9 -> 10 x 0.0579 / 0.9 = 0.643 workers
     assert prefill_workers(SPEC, LOAD) == pytest.approx(0.6434, rel=1e-3)
     # decode: T = 0.04; row cost 20e-6 + 5e-8 * 2150 = 1.275e-4; x = (1 - 0.1) / (300 * 1.275e-4) = 23.53 req/s,
-    # but 256 batch slots hold 256 / (300 * 0.04) = 21.33 req/s
-    assert decode_rate(SPEC, LOAD) == pytest.approx(21.33, rel=1e-3)
+    # but 256 batch slots, each step of the full batch 0.004 + 256 * 1.275e-4 = 0.03664 s, hold
+    # 256 / (300 * 0.03664) = 23.29 req/s
+    assert decode_rate(SPEC, LOAD) == pytest.approx(23.29, rel=1e-3)
+    # 1024 slots: the KV pool holds 800,000 / 2,300 = 347.8 rows, whose step (0.0484 s) passes T: T bounds it,
+    # 347.8 / (300 * 0.04) = 28.99 req/s, above the 23.53 the ITL budget allows
     assert decode_rate(replace(SPEC, max_running=1024), LOAD) == pytest.approx(23.53, rel=1e-3)
     assert size_fleet(SPEC, LOAD) == Counts(prefill=1, decode=1, mixed=0)
-    assert size_fleet(SPEC, replace(LOAD, rate=100.0)) == Counts(prefill=7, decode=6, mixed=0)
+    # 100 / (23.29 * 0.9) = 4.77 decode workers
+    assert size_fleet(SPEC, replace(LOAD, rate=100.0)) == Counts(prefill=7, decode=5, mixed=0)
 
 
 def test_a_fit_without_decode_rows_sizes_decode_by_its_slots() -> None:
@@ -132,3 +146,51 @@ def test_up_cooldown_holds_a_second_raise() -> None:
     assert first.prefill > 1
     assert p.decide(obs(5, 200, ready)).targets == first  # within the cooldown
     assert p.decide(obs(10, 200, ready)).targets.prefill > first.prefill
+
+
+def test_the_reserve_keeps_up_with_a_step_at_full_utilisation() -> None:
+    # a tight TTFT target: the steady-state sizing holds prefill far below MAX_UTILISATION, the reserve does not
+    spec = replace(SPEC, ttft_s=0.2)
+    load = replace(LOAD, rate=100.0)
+    # prefill: 100 x 0.0579 s of work / 0.9 = 6.43 workers; decode: 100 / 23.29 = 4.29 (no 0.9: the ITL budget
+    # already leaves its margin)
+    assert reserve_fleet(spec, load) == Counts(prefill=7, decode=5, mixed=0)
+    assert size_fleet(spec, load).prefill > 7
+
+
+def hold(planner: Planner, rate: float, seconds: float, start: float = 0.0) -> Counts:
+    """The planner deciding every 5 s on a steady `rate`, its targets becoming ready at once; the last targets."""
+    ready = planner.targets or Counts(1, 1, 0)
+    t = start
+    while t < start + seconds:
+        ready = planner.decide(obs(t, rate, ready)).targets
+        t += 5
+    return ready
+
+
+def test_a_step_reserve_holds_what_a_doubling_needs_before_it_comes() -> None:
+    plain = hold(Planner(SPEC), 50.0, 300)
+    reserved = hold(Planner(SPEC, PlannerConfig(step_reserve=1.0)), 50.0, 300)
+    assert plain == size_fleet(SPEC, replace(LOAD, rate=50.0)) == Counts(4, 3, 0)
+    # at 50 req/s it already runs what 100 req/s needs at full utilisation: the step finds its pods up
+    assert reserved == reserve_fleet(SPEC, replace(LOAD, rate=100.0)) == Counts(7, 5, 0)
+
+
+def test_a_burst_does_not_stack_a_second_reserve_on_itself() -> None:
+    def planned_after_burst(baseline_s: float) -> Counts:
+        p = Planner(SPEC, PlannerConfig(step_reserve=1.0, baseline_s=baseline_s))
+        hold(p, 50.0, 300)
+        ready = p.targets
+        assert ready is not None
+        for t in range(300, 420, 5):  # two minutes at twice the rate
+            d = p.decide(obs(t, 100.0, ready))
+            ready = d.targets
+        return d.planned
+
+    slow, instant = planned_after_burst(300.0), planned_after_burst(5.0)
+    # a reserve that followed the burst asks for a doubling of the doubled rate: 200 req/s, 200 x 0.0579 / 0.9 =
+    # 12.9 prefill and 200 / 23.29 = 8.6 decode workers
+    assert instant == reserve_fleet(SPEC, replace(LOAD, rate=200.0)) == Counts(13, 9, 0)
+    # the 5-minute baseline has moved a third of the way, 50 + 50 x (1 - e^(-120/300)) = 66.5 req/s: its
+    # doubling, 133 req/s, needs 8.55 prefill and 5.71 decode workers (the burst's own 100 req/s sizes 7 + 5)
+    assert slow == Counts(9, 6, 0)

@@ -33,7 +33,9 @@ class PlannerController:
         self._totals.append(now_totals)
         while len(self._totals) > 1 and now - self._totals[0].t > self.window_s:
             self._totals.popleft()
-        before = self._totals[0] if len(self._totals) > 1 else Totals(now - self.interval_s)
+        if len(self._totals) < 2:
+            return None  # as planner/main.py: no decision before a second reading gives the window a length
+        before = self._totals[0]
         # the instant figures: the queue wait over the workers that prefill, and the replicas ready now
         roles = ("prefill",) if any(w.role == "prefill" for w in fleet.sims.values()) else ("decode", "mixed")
         queues = []
