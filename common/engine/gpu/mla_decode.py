@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from common.engine.gpu import pdl
-from common.engine.gpu.decode_attention import TileConfig, merge_splits
+from common.engine.gpu.decode_attention import TileConfig, merge_splits, num_splits
 
 HEAD_BLOCK = 16  # query heads per program: the MMA's narrow side; more would not fit the [heads, rank] accumulator
 TILE_TOKENS = 32  # tokens gathered per iteration: a [32, kv_lora_rank] latent tile per pipeline stage
@@ -111,6 +111,11 @@ def supports(kv_lora_rank: int, rope_dim: int, page_size: int) -> bool:
 
 def head_blocks(num_heads: int) -> int:
     return -(-num_heads // HEAD_BLOCK)
+
+
+def splits_for(batch: int, num_heads: int, num_sms: int) -> int:
+    """The dense kernel's rule with a block of heads in place of a KV head."""
+    return num_splits(batch, head_blocks(num_heads), num_sms)
 
 
 def default_tile(page_size: int) -> TileConfig:
