@@ -1,6 +1,6 @@
 """DeepSeek-V2-Lite (latent attention, 64 experts) on the GPU path (run on the GPU machine; dummy weights).
 
-    python bench/mla.py --out OUT.json [--quick] [--dense] [--small-kernel on|off]
+    python bench/mla.py --out OUT.json [--quick] [--dense] [--small-kernel on|off] [--sweep]
 
 In one run: the device's copy bandwidth and GEMM rate (the ceilings, bench/roofline.py), then for DeepSeek-V2-Lite
 (flashinfer's MLA kernel for every step, absorbed; decode and piecewise step graphs):
@@ -20,11 +20,13 @@ In one run: the device's copy bandwidth and GEMM rate (the ceilings, bench/roofl
 4. the latent KV bytes per token against Llama-3.1-8B's.
 `--dense` adds Llama-3.1-8B's decode and prefill (bench/roofline.py's sections) for throughput side by side.
 `--small-kernel off` builds the runner without the split-KV kernel: every step (section 1 too) on flashinfer's.
+`--sweep` adds the split-KV kernel alone over tile shapes and split counts at batch 1/4/16 (compiles ~40 variants).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import logging
@@ -109,18 +111,77 @@ def _graph_us(attn: FlashInferMlaAttention, meta: PageMeta, q: torch.Tensor, spl
         wrapper = attn.make_decode_wrapper(buffers)
         attn.plan_decode(wrapper, meta)
         attn.bind(wrapper, torch.zeros(b, dtype=torch.int64, device=dev), buffers)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            attn.attend(0, q)  # compiles and lazy set-up outside the graph
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(GRAPH_REPS):
-                attn.attend(0, q)
-        return roofline.device_ms(graph.replay, iters) / GRAPH_REPS * 1e3
+        return _graph_call_us(lambda: attn.attend(0, q), iters)
     finally:
         attn.split_decode_max_bs = saved
+
+
+def _graph_call_us(fn, iters: int) -> float:
+    """Microseconds per call of `fn` captured GRAPH_REPS times in one CUDA graph (no host time between calls)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compiles and lazy set-up outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(GRAPH_REPS):
+            fn()
+    return roofline.device_ms(graph.replay, iters) / GRAPH_REPS * 1e3
+
+
+def _split_tile_sweep(runner: roofline.ModelRunner, iters: int) -> list[dict]:
+    """The split-KV kernel alone (graph-captured) over tile shapes and split counts at a few small-batch shapes:
+    what `mla_decode.TILE_TOKENS`, `default_tile` and the split rule would move to."""
+    from common.engine.gpu.decode_attention import TileConfig
+    from common.engine.gpu.mla_decode import mla_decode, splits_for
+
+    attn = runner.gpu.attn
+    mc = runner.model_config
+    h, r, rope, ps = mc.num_heads, mc.mla.kv_lora_rank, mc.mla.qk_rope_head_dim, runner.cfg.page_size
+    dev, dt = runner.device, runner.dtype
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    tiles = [
+        TileConfig(pages_per_tile=max(1, tokens // ps), num_warps=warps, num_stages=stages)
+        for tokens, warps, stages in (
+            (16, 4, 2),
+            (32, 4, 2),
+            (32, 8, 2),
+            (64, 4, 2),
+            (64, 8, 3),
+        )
+    ]
+    out = []
+    for b, ctx in ((1, 1024), (1, 4096), (4, 1024), (16, 1024), (16, 4096)):
+        rows = roofline.take_rows(runner, [ctx] * b)
+        fb = runner.build_batch([[0]] * b, [ctx - 1] * b, rows, [True] * b, True)
+        meta = attn.step_meta(fb)
+        pages = meta.indptr[1:] - meta.indptr[:-1]
+        lens = ((pages - 1) * ps + meta.last_page_len).to(dev)
+        indptr, indices = meta.indptr.to(dev), meta.indices.to(dev)
+        q_nope = torch.randn(b, h, r, device=dev, dtype=dt)
+        q_pe = torch.randn(b, h, rope, device=dev, dtype=dt)
+        base = splits_for(b, h, sms)
+        for splits in sorted({max(1, base // 2), base, 2 * base, 4 * base}):
+            for tile in tiles:
+                args = (q_nope, q_pe, attn.ckv[0], attn.kpe[0], indptr, indices, lens, splits, attn.scale, None, tile)
+                us = _graph_call_us(functools.partial(mla_decode, *args, attn.pdl), iters)
+                out.append(
+                    dict(
+                        batch=b,
+                        ctx=ctx,
+                        splits=splits,
+                        path_splits=splits == base,
+                        tile_tokens=tile.pages_per_tile * ps,
+                        num_warps=tile.num_warps,
+                        num_stages=tile.num_stages,
+                        us=us,
+                    )
+                )
+        roofline.give_rows(runner, rows)
+        best = min((x for x in out if x["batch"] == b and x["ctx"] == ctx), key=lambda x: x["us"])
+        roofline.log(f"  split-kv sweep b={b} ctx={ctx}: best {best}")
+    return out
 
 
 def _split_vs_flashinfer(runner: roofline.ModelRunner, fb, x: dict, row: dict, iters: int) -> None:
@@ -164,7 +225,7 @@ def _split_vs_flashinfer(runner: roofline.ModelRunner, fb, x: dict, row: dict, i
 
 
 @torch.inference_mode()
-def attention_bench(runner: roofline.ModelRunner, quick: bool) -> None:
+def attention_bench(runner: roofline.ModelRunner, quick: bool, sweep: bool = False) -> None:
     bw = roofline.RESULTS["ceilings"]["copy_bytes_per_s"]
     rate = roofline.RESULTS["ceilings"]["gemm_flop_per_s"]
     mc = runner.model_config
@@ -264,6 +325,8 @@ def attention_bench(runner: roofline.ModelRunner, quick: bool) -> None:
         f"ratio {row['ratio']:.2f}; decompressed {decompressed or float('nan'):.2f} ms"
     )
     roofline.RESULTS["mla_attention_per_layer"] = out
+    if split and sweep:
+        roofline.RESULTS["split_decode_tile_sweep"] = _split_tile_sweep(runner, iters)
     roofline.save()
 
 
@@ -313,6 +376,9 @@ def main() -> None:
         default="on",
         help="the split-KV Triton decode kernel at small batches (on: also timed beside flashinfer's per shape)",
     )
+    ap.add_argument(
+        "--sweep", action="store_true", help="with the split-KV kernel on: its tile shapes and split counts alone"
+    )
     args = ap.parse_args()
     roofline.OUT = args.out
     logging.basicConfig(level=logging.WARNING)
@@ -325,7 +391,7 @@ def main() -> None:
         runner = _section(MODEL, args.quick, args.small_kernel == "on")
         roofline.RESULTS["mla_backend"] = runner.gpu.attn.backend
         roofline.RESULTS["split_decode_max_bs"] = runner.gpu.attn.split_decode_max_bs
-        attention_bench(runner, args.quick)
+        attention_bench(runner, args.quick, args.sweep)
         del runner
         gc.collect()
         torch.cuda.empty_cache()
