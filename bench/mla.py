@@ -1,10 +1,10 @@
 """DeepSeek-V2-Lite (latent attention, 64 experts) on the GPU path (run on the GPU machine; dummy weights).
 
-    python bench/mla.py --out OUT.json [--quick] [--dense]
+    python bench/mla.py --out OUT.json [--quick] [--dense] [--small-kernel on|off] [--sweep]
 
 In one run: the device's copy bandwidth and GEMM rate (the ceilings, bench/roofline.py), then for DeepSeek-V2-Lite
 (flashinfer's MLA kernel for every step, absorbed; decode and piecewise step graphs):
-1. decode steps at batch 1/64/256 and 1k/4k context against their floor (weight bytes the batch reads, its routed
+1. decode steps at batch 1/16/64/256 and 1k/4k context against their floor (weight bytes the batch reads, its routed
    experts only, plus the latent KV bytes) / bandwidth;
 2. prefill of 1k and 4k prompts against the FLOP floor;
 3. MLA attention per layer: flashinfer's kernel alone and the layer's whole latent attention (RoPE, the entry
@@ -13,13 +13,20 @@ In one run: the device's copy bandwidth and GEMM rate (the ceilings, bench/roofl
    kernel's time); beside the 4k prompt, the decompressed form (the latents expanded through kv_b_proj, then
    flashinfer's ragged prefill at head dims 192 / 128), which does about a third of the absorbed form's
    attention FLOPs;
+   With `--small-kernel on` (the default) each decode shape (batch 1/4/16/64/256) also runs the split-KV Triton
+   kernel (common/engine/gpu/mla_decode.py; the path takes it up to `SPLIT_DECODE_MAX_BS` requests), every shape,
+   so the crossover shows: both kernels eager and captured in a CUDA graph (the decode graphs' form: no host time),
+   the ratio flashinfer / Triton, and the Triton output's error against flashinfer's;
 4. the latent KV bytes per token against Llama-3.1-8B's.
 `--dense` adds Llama-3.1-8B's decode and prefill (bench/roofline.py's sections) for throughput side by side.
+`--small-kernel off` builds the runner without the split-KV kernel: every step (section 1 too) on flashinfer's.
+`--sweep` adds the split-KV kernel alone over tile shapes and split counts at batch 1/4/16 (compiles ~40 variants).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import logging
@@ -33,17 +40,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import roofline  # noqa: E402
 
+from common.engine.gpu.attention import PageMeta  # noqa: E402
+from common.engine.gpu.mla_attention import SPLIT_DECODE_MAX_BS, FlashInferMlaAttention  # noqa: E402
 from common.engine.kv_sizing import model_kv_layout  # noqa: E402
 from common.engine.mla import MlaParts  # noqa: E402
 from common.engine.named_configs import named_config  # noqa: E402
 
 MODEL = "deepseek-v2-lite"
 DENSE = "llama-3.1-8b"
-BATCHES = (1, 64, 256)
+BATCHES = (1, 16, 64, 256)
+ATTENTION_BATCHES = (1, 4, 16, 64, 256)
+GRAPH_REPS = 20  # attention calls per captured graph: one replay's time over these, each call's
 
 
-def _section(name: str, quick: bool) -> roofline.ModelRunner:
-    runner = roofline.make_runner(name, kv_gb=40.0, max_seq_len=4096 + 64)
+def _section(name: str, quick: bool, split_decode: bool = True) -> roofline.ModelRunner:
+    runner = roofline.make_runner(name, kv_gb=40.0, max_seq_len=4096 + 64, mla_split_decode=split_decode)
     roofline.decode_bench(runner, quick=quick, batches=BATCHES, key_name=f"decode/{name}", breakdowns=False)
     roofline.prefill_bench(runner, quick=quick)
     roofline.RESULTS[f"prefill/{name}"] = roofline.RESULTS.pop("prefill")
@@ -84,8 +95,137 @@ def _decompressed_prefill_ms(runner: roofline.ModelRunner, n: int, iters: int) -
     return roofline.device_ms(attend, iters)
 
 
+def _graph_us(attn: FlashInferMlaAttention, meta: PageMeta, q: torch.Tensor, split_max_bs: int, iters: int) -> float:
+    """One layer's decode attention as a decode graph runs it (over fixed CSR buffers, launches captured), on the
+    split-KV kernel up to `split_max_bs` requests, else flashinfer's: microseconds per call."""
+    b = int(meta.last_page_len.shape[0])
+    dev = q.device
+    buffers = (
+        torch.zeros(b + 1, dtype=torch.int32, device=dev),
+        torch.zeros(meta.indices.numel(), dtype=torch.int32, device=dev),
+        torch.ones(b, dtype=torch.int32, device=dev),
+    )
+    saved = attn.split_decode_max_bs
+    attn.split_decode_max_bs = split_max_bs
+    try:
+        wrapper = attn.make_decode_wrapper(buffers)
+        attn.plan_decode(wrapper, meta)
+        attn.bind(wrapper, torch.zeros(b, dtype=torch.int64, device=dev), buffers)
+        return _graph_call_us(lambda: attn.attend(0, q), iters)
+    finally:
+        attn.split_decode_max_bs = saved
+
+
+def _graph_call_us(fn, iters: int) -> float:
+    """Microseconds per call of `fn` captured GRAPH_REPS times in one CUDA graph (no host time between calls)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compiles and lazy set-up outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(GRAPH_REPS):
+            fn()
+    return roofline.device_ms(graph.replay, iters) / GRAPH_REPS * 1e3
+
+
+def _split_tile_sweep(runner: roofline.ModelRunner, iters: int) -> list[dict]:
+    """The split-KV kernel alone (graph-captured) over tile shapes and split counts at a few small-batch shapes:
+    what `mla_decode.TILE_TOKENS`, `default_tile` and the split rule would move to."""
+    from common.engine.gpu.decode_attention import TileConfig
+    from common.engine.gpu.mla_decode import mla_decode, splits_for
+
+    attn = runner.gpu.attn
+    mc = runner.model_config
+    h, r, rope, ps = mc.num_heads, mc.mla.kv_lora_rank, mc.mla.qk_rope_head_dim, runner.cfg.page_size
+    dev, dt = runner.device, runner.dtype
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    tiles = [
+        TileConfig(pages_per_tile=max(1, tokens // ps), num_warps=warps, num_stages=stages)
+        for tokens, warps, stages in (
+            (16, 4, 2),
+            (32, 4, 2),
+            (32, 8, 2),
+            (64, 4, 2),
+            (64, 8, 3),
+        )
+    ]
+    out = []
+    for b, ctx in ((1, 1024), (1, 4096), (4, 1024), (16, 1024), (16, 4096)):
+        rows = roofline.take_rows(runner, [ctx] * b)
+        fb = runner.build_batch([[0]] * b, [ctx - 1] * b, rows, [True] * b, True)
+        meta = attn.step_meta(fb)
+        pages = meta.indptr[1:] - meta.indptr[:-1]
+        lens = ((pages - 1) * ps + meta.last_page_len).to(dev)
+        indptr, indices = meta.indptr.to(dev), meta.indices.to(dev)
+        q_nope = torch.randn(b, h, r, device=dev, dtype=dt)
+        q_pe = torch.randn(b, h, rope, device=dev, dtype=dt)
+        base = splits_for(b, h, sms)
+        for splits in sorted({max(1, base // 2), base, 2 * base, 4 * base}):
+            for tile in tiles:
+                args = (q_nope, q_pe, attn.ckv[0], attn.kpe[0], indptr, indices, lens, splits, attn.scale, None, tile)
+                us = _graph_call_us(functools.partial(mla_decode, *args, attn.pdl), iters)
+                out.append(
+                    dict(
+                        batch=b,
+                        ctx=ctx,
+                        splits=splits,
+                        path_splits=splits == base,
+                        tile_tokens=tile.pages_per_tile * ps,
+                        num_warps=tile.num_warps,
+                        num_stages=tile.num_stages,
+                        us=us,
+                    )
+                )
+        roofline.give_rows(runner, rows)
+        best = min((x for x in out if x["batch"] == b and x["ctx"] == ctx), key=lambda x: x["us"])
+        roofline.log(f"  split-kv sweep b={b} ctx={ctx}: best {best}")
+    return out
+
+
+def _split_vs_flashinfer(runner: roofline.ModelRunner, fb, x: dict, row: dict, iters: int) -> None:
+    """The split-KV kernel beside flashinfer's at one decode shape (eager and graph-captured), into `row`."""
+    attn = runner.gpu.attn
+    proj = runner.model.layers[0].mla
+    b = row["batch"]
+    saved = attn.split_decode_max_bs
+    attn.split_decode_max_bs = b  # the split-KV kernel at this batch, whatever the path's threshold
+    try:
+        attn.plan(fb)
+        split_out = attn.attend(0, x["q"]).float()
+        kernel = roofline.device_ms(lambda: attn.attend(0, x["q"]), iters)
+        parts = MlaParts(x["q_nope"], x["q_pe"], x["latent"], x["k_pe"])
+        layer = roofline.device_ms(lambda: attn.forward_mla(0, fb.positions, parts, proj), iters)
+        attn.split_decode_max_bs = 0
+        attn.plan(fb)
+        ref = attn.attend(0, x["q"]).float()
+    finally:
+        attn.split_decode_max_bs = saved
+    meta = attn.step_meta(fb)
+    graph_fi = _graph_us(attn, meta, x["q"], 0, iters)
+    graph_split = _graph_us(attn, meta, x["q"], b, iters)
+    row.update(
+        split_kernel_us=kernel * 1e3,
+        split_layer_us=layer * 1e3,
+        graph_flashinfer_us=graph_fi,
+        graph_split_us=graph_split,
+        flashinfer_over_split_graph=graph_fi / graph_split,
+        flashinfer_over_split_eager=row["kernel_us"] / (kernel * 1e3),
+        split_ratio=row["floor_us"] / graph_split,
+        split_rel_err=float((split_out - ref).norm() / ref.norm()),
+        path_takes_split=b <= SPLIT_DECODE_MAX_BS,
+    )
+    roofline.log(
+        f"  split-kv b={b}: kernel {row['split_kernel_us']:.1f} us eager / {graph_split:.1f} us graph "
+        f"(flashinfer {row['kernel_us']:.1f} / {graph_fi:.1f}): flashinfer/split {row['flashinfer_over_split_graph']:.2f} "
+        f"graph, {row['flashinfer_over_split_eager']:.2f} eager; layer {row['split_layer_us']:.1f} us; "
+        f"floor/split {row['split_ratio']:.2f}; rel err vs flashinfer {row['split_rel_err']:.1e}"
+    )
+
+
 @torch.inference_mode()
-def attention_bench(runner: roofline.ModelRunner, quick: bool) -> None:
+def attention_bench(runner: roofline.ModelRunner, quick: bool, sweep: bool = False) -> None:
     bw = roofline.RESULTS["ceilings"]["copy_bytes_per_s"]
     rate = roofline.RESULTS["ceilings"]["gemm_flop_per_s"]
     mc = runner.model_config
@@ -108,8 +248,14 @@ def attention_bench(runner: roofline.ModelRunner, quick: bool) -> None:
             k_pe=torch.randn(t, rope, device=dev, dtype=dt),
         )
 
+    split = attn.split_decode_max_bs > 0
+
     def measure(fb, x) -> tuple[float, float]:
+        """flashinfer's kernel alone and the whole layer on it (eager)."""
+        saved = attn.split_decode_max_bs
+        attn.split_decode_max_bs = 0
         attn.plan(fb)
+        attn.split_decode_max_bs = saved
         kernel = roofline.device_ms(lambda: attn.attend(0, x["q"]), iters)
         parts = MlaParts(x["q_nope"], x["q_pe"], x["latent"], x["k_pe"])
         layer = roofline.device_ms(lambda: attn.forward_mla(0, fb.positions, parts, proj), iters)
@@ -117,14 +263,14 @@ def attention_bench(runner: roofline.ModelRunner, quick: bool) -> None:
 
     bpe = (r + rope) * torch.empty((), dtype=dt).element_size()  # bytes of one latent entry
     for ctx in (1024, 4096):
-        for b in BATCHES:
+        for b in ATTENTION_BATCHES:
             if b * (ctx + runner.cfg.page_size) > cap:
                 out.append(dict(batch=b, ctx=ctx, skipped="KV exceeds the pool"))
                 continue
             rows = roofline.take_rows(runner, [ctx] * b)
             fb = runner.build_batch([[0]] * b, [ctx - 1] * b, rows, [True] * b, True)
-            kernel, layer = measure(fb, shapes(b, 1))
-            roofline.give_rows(runner, rows)
+            x = shapes(b, 1)
+            kernel, layer = measure(fb, x)
             kv_bytes = b * ctx * bpe
             floor = kv_bytes / bw * 1e3
             row = dict(
@@ -143,6 +289,9 @@ def attention_bench(runner: roofline.ModelRunner, quick: bool) -> None:
                 f"mla attention decode b={b} ctx={ctx}: kernel {row['kernel_us']:.1f} us, layer {row['layer_us']:.1f} us, "
                 f"floor {row['floor_us']:.1f} us, ratio {row['ratio']:.2f}"
             )
+            if split:
+                _split_vs_flashinfer(runner, fb, x, row, iters)
+            roofline.give_rows(runner, rows)
     n = 4096
     rows = roofline.take_rows(runner, [n])
     fb = runner.build_batch([[0] * n], [0], rows, [True], False)
@@ -176,6 +325,8 @@ def attention_bench(runner: roofline.ModelRunner, quick: bool) -> None:
         f"ratio {row['ratio']:.2f}; decompressed {decompressed or float('nan'):.2f} ms"
     )
     roofline.RESULTS["mla_attention_per_layer"] = out
+    if split and sweep:
+        roofline.RESULTS["split_decode_tile_sweep"] = _split_tile_sweep(runner, iters)
     roofline.save()
 
 
@@ -219,16 +370,28 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--dense", action="store_true", help=f"also {DENSE}'s decode and prefill, side by side")
+    ap.add_argument(
+        "--small-kernel",
+        choices=("on", "off"),
+        default="on",
+        help="the split-KV Triton decode kernel at small batches (on: also timed beside flashinfer's per shape)",
+    )
+    ap.add_argument(
+        "--sweep", action="store_true", help="with the split-KV kernel on: its tile shapes and split counts alone"
+    )
     args = ap.parse_args()
     roofline.OUT = args.out
     logging.basicConfig(level=logging.WARNING)
-    roofline.RESULTS.update(device=torch.cuda.get_device_name(), torch=torch.__version__, argv=sys.argv)
+    roofline.RESULTS.update(
+        device=torch.cuda.get_device_name(), torch=torch.__version__, argv=sys.argv, small_kernel=args.small_kernel
+    )
     print("kv bytes: " + json.dumps(kv_bytes()), flush=True)
     roofline.ceilings(args.quick)
     try:
-        runner = _section(MODEL, args.quick)
+        runner = _section(MODEL, args.quick, args.small_kernel == "on")
         roofline.RESULTS["mla_backend"] = runner.gpu.attn.backend
-        attention_bench(runner, args.quick)
+        roofline.RESULTS["split_decode_max_bs"] = runner.gpu.attn.split_decode_max_bs
+        attention_bench(runner, args.quick, args.sweep)
         del runner
         gc.collect()
         torch.cuda.empty_cache()

@@ -412,6 +412,7 @@ def make_runner(
     fused: bool = True,
     prologues: bool = False,
     gemv_experts: bool = True,
+    mla_split_decode: bool = True,
 ) -> ModelRunner:
     start = time.perf_counter()
     runner = ModelRunner(
@@ -426,6 +427,7 @@ def make_runner(
             fused_kernels=fused,
             gemv_prologues=prologues,
             gemv_experts=gemv_experts,
+            mla_split_decode=mla_split_decode,
         )
     )
     graphs = runner.gpu.graphs

@@ -41,6 +41,9 @@ class RunnerConfig(reg.EnvFields):
     # (common/engine/gpu/moe_gemv.py) instead of the grouped GEMMs, and softmax top-k routing as one kernel
     # (common/engine/gpu/moe_route.py); off for benchmarks' A/B.
     gemv_experts: bool = True
+    # Latent attention's decode steps of a few requests on the split-KV Triton kernel
+    # (common/engine/gpu/mla_decode.py); off: flashinfer's MLA kernel for every step (benchmarks' A/B).
+    mla_split_decode: bool = True
     pdl: bool = reg.PDL.field()
     cpu_linear: str = "auto"  # CPU float32 GEMMs: auto = oneDNN with packed weights when available; torch = F.linear
     tp_size: int = reg.TP_SIZE.field()  # rank 0 launches the others (common/engine/tp_ranks.py)

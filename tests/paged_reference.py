@@ -37,3 +37,26 @@ def attention_float64(
         scores = torch.einsum("hd,nhd->hn", q[i].double(), kk) * d**-0.5
         refs.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), vv))
     return refs
+
+
+def mla_attention_float64(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    ckv: torch.Tensor,
+    kpe: torch.Tensor,
+    indptr: torch.Tensor,
+    indices: torch.Tensor,
+    lens: list[int],
+    scale: float,
+) -> list[torch.Tensor]:
+    """Each request's absorbed latent attention [H, rank] float64: every head scores q_nope . c_kv + q_pe . k_pe
+    over the request's latent pages (`ckv` [pages, page_size, rank], `kpe` [pages, page_size, rope]), the first
+    `lens[i]` tokens, and averages the latents themselves."""
+    refs = []
+    for i, n in enumerate(lens):
+        pg = indices[indptr[i] : indptr[i + 1]].long()
+        c = ckv[pg].reshape(-1, ckv.shape[-1])[:n].double()
+        kp = kpe[pg].reshape(-1, kpe.shape[-1])[:n].double()
+        scores = (q_nope[i].double() @ c.T + q_pe[i].double() @ kp.T) * scale  # [H, n]
+        refs.append(scores.softmax(-1) @ c)
+    return refs

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.gemv_reference import rel_err, rms_norm64, silu_mul64, weight_operand
-from tests.paged_reference import attention_float64, csr_lengths
+from tests.paged_reference import attention_float64, csr_lengths, mla_attention_float64
 
 CUDA = torch.cuda.is_available()
 pytestmark = [pytest.mark.skipif(not CUDA, reason="needs a CUDA device"), pytest.mark.gpu]
@@ -216,6 +216,59 @@ def test_xqa_decode_over_fp8_pages_matches_float64(hq, hkv, d):
     for i, ref in enumerate(attention_float64(q, k_cache, v_cache, indptr, indices, lens, ks, vs)):
         assert torch.isfinite(out[i]).all()
         assert rel_err(out[i], ref) < 5e-2, (i, lens[i], rel_err(out[i], ref))
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_mla_split_decode_matches_flashinfer_mla_and_float64(batch):
+    """DeepSeek-V2-Lite's latent attention (16 heads, kv_lora_rank 512, RoPE 64, 16-token pages, bf16) over strided
+    layer views of a latent pool, shuffled pages, ragged lengths (one token, partial last pages, shorter than a
+    split, long): the split-KV Triton kernel at the path's split count, into a head-major buffer as the layer reads
+    it, against float64 and against flashinfer's MLA kernel planned as common/engine/gpu/mla_attention.py plans it."""
+    pytest.importorskip("flashinfer")
+    from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
+
+    from common.engine.gpu.attention import PageMeta
+    from common.engine.gpu.mla_attention import kv_lengths, mla_backend_name
+    from common.engine.gpu.mla_decode import mla_decode, splits_for
+
+    heads, rank, rope, ps, pages = 16, 512, 64, 16, 1600
+    dev = torch.device("cuda")
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    lens = ([1500, 17, 300, 1] + torch.randint(1, 1500, (batch,), generator=g, device="cuda").tolist())[:batch]
+    kv = torch.randn(pages, 2, 1, ps, 1, rank + rope, generator=g, device="cuda").to(torch.bfloat16)
+    ckv, kpe = kv[:, 1, 0, :, 0, :rank], kv[:, 1, 0, :, 0, rank:]
+    total, indptr, last = csr_lengths(lens, ps, "cpu")
+    indices = torch.randperm(pages, generator=g, device="cuda")[:total].to(torch.int32)
+    q = torch.randn(batch, heads, rank + rope, generator=g, device="cuda").to(torch.bfloat16)
+    q_nope, q_pe = q[..., :rank], q[..., rank:]
+    scale = (128 + rope) ** -0.5
+    kv_lens = kv_lengths(PageMeta(indptr, indices.cpu(), last), ps)
+    splits = splits_for(batch, heads, torch.cuda.get_device_properties(dev).multi_processor_count)
+    out = torch.full((heads, batch, rank), float("nan"), dtype=torch.bfloat16, device=dev).transpose(0, 1)
+    got = mla_decode(q_nope, q_pe, ckv, kpe, indptr.to(dev), indices, kv_lens.to(dev), splits, scale, out)
+    assert got.data_ptr() == out.data_ptr() and torch.isfinite(out).all()
+
+    workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
+    wrapper = BatchMLAPagedAttentionWrapper(workspace, backend=mla_backend_name(dev))
+    wrapper.plan(
+        metadata=MLAPlanMetadata.csr(torch.arange(batch + 1, dtype=torch.int32), indptr, indices.cpu(), kv_lens),
+        num_heads=heads,
+        head_dim_ckv=rank,
+        head_dim_kpe=rope,
+        page_size=ps,
+        causal=False,
+        sm_scale=scale,
+        q_data_type=torch.bfloat16,
+        kv_data_type=torch.bfloat16,
+        query_layout="split",
+        kv_cache_layout="split",
+    )
+    flashinfer_out = wrapper.run(query=(q_nope, q_pe), kv_cache=(ckv, kpe))
+    refs = mla_attention_float64(q_nope, q_pe, ckv, kpe, indptr, indices, lens, scale)
+    for i, ref in enumerate(refs):
+        mine, theirs = rel_err(out[i], ref), rel_err(flashinfer_out[i], ref)
+        assert mine < 1e-2 and mine < 1.5 * theirs + 2e-3, (i, lens[i], mine, theirs)
+        assert rel_err(out[i], flashinfer_out[i].double()) < 2e-2, (i, lens[i])
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 64, 300])

@@ -65,6 +65,7 @@ def _runner(
     kv_dtype: str = "auto",
     weight_dtype: str = "auto",
     pdl: bool = True,
+    mla_split_decode: bool = True,
 ):
     from common.engine.runner import ModelRunner, RunnerConfig
 
@@ -80,6 +81,7 @@ def _runner(
         kv_dtype=kv_dtype,
         weight_dtype=weight_dtype,
         pdl=pdl,
+        mla_split_decode=mla_split_decode,
     )
     return ModelRunner(cfg)
 
@@ -930,6 +932,31 @@ def test_mla_on_flashinfer_logits_match_fp32_torch_path(mla_dir):
     for a, b in zip(got_graph, got_eager):
         assert _rel(a[:-6], b[:-6]) < 1e-2
         assert _rel(a[-6:], b[-6:]) < 1e-2
+
+
+@needs_cuda
+@gpu
+def test_mla_split_decode_steps_match_flashinfers_kernel(mla_dir):
+    """Latent attention's decode steps of a few requests run the split-KV Triton kernel (common/engine/gpu/mla_decode.py)
+    in every captured decode graph (sizes up to 8 here) and eagerly: teacher-forced decode logits within bf16 level
+    of the same model's with flashinfer's MLA kernel for every step (as close as the graph-mode and eager work splits
+    of flashinfer's are to each other, test_mla_on_flashinfer_logits_match_fp32_torch_path)."""
+    from common.engine.gpu.mla_attention import SPLIT_DECODE_MAX_BS, SplitDecode
+
+    seqs = _prompts(3, seed=35, lo=40, hi=140)
+    split = _mla_on_flashinfer(mla_dir)
+    assert split.gpu.attn.split_decode_max_bs == SPLIT_DECODE_MAX_BS >= max(split.gpu.graphs.sizes)
+    assert all(isinstance(w, SplitDecode) for w in split.gpu.graphs.wrappers.values())
+    got = {graphs: _teacher_forced(split, seqs, 32, 6, graphs) for graphs in (True, False)}
+    del split
+    fi = _mla_on_flashinfer(mla_dir, mla_split_decode=False)
+    assert fi.gpu.attn.split_decode_max_bs == 0
+    assert not any(isinstance(w, SplitDecode) for w in fi.gpu.graphs.wrappers.values())
+    ref = _teacher_forced(fi, seqs, 32, 6, True)
+    for rows in got.values():
+        for a, b in zip(rows, ref):
+            assert torch.isfinite(a).all()
+            assert _rel(a[-6:], b[-6:]) < 1e-2
 
 
 @needs_cuda

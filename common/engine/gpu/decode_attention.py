@@ -104,7 +104,16 @@ def _decode_attention_split_kernel(
 
 @triton.jit
 def _decode_attention_merge_kernel(
-    o_ptr, lse_ptr, out_ptr, NUM_SPLITS: tl.constexpr, SPAD: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr
+    o_ptr,
+    lse_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    HQ: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPAD: tl.constexpr,
+    D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl.start(PDL)
     row = tl.program_id(0)  # b * HQ + head
@@ -118,7 +127,8 @@ def _decode_attention_merge_kernel(
     o = tl.load(o_ptr + (row * NUM_SPLITS + sp)[:, None] * D + d[None, :], mask=sp_ok[:, None], other=0.0)
     total = tl.sum(w, axis=0)
     merged = tl.sum(o * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + row * D + d, merged.to(out_ptr.dtype.element_ty))
+    dst = out_ptr + (row // HQ) * stride_ob + (row % HQ) * stride_oh + d
+    tl.store(dst, merged.to(out_ptr.dtype.element_ty))
 
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int) -> bool:
@@ -196,14 +206,24 @@ def decode_attention(
         **pdl.launch_options(launch_pdl),
     )
     if splits > 1:
-        _decode_attention_merge_kernel[(b * hq,)](
-            part,
-            lse,
-            out,
-            NUM_SPLITS=splits,
-            SPAD=max(2, triton.next_power_of_2(splits)),
-            D=d,
-            PDL=launch_pdl,
-            **pdl.launch_options(launch_pdl),
-        )
+        merge_splits(part, lse, out, splits, launch_pdl)
     return out
+
+
+def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, splits: int, launch_pdl: bool) -> None:
+    """out [B, H, D] (rows contiguous, any batch and head strides) from each (request, head)'s `splits` partial
+    outputs `part` [B * H * splits, D] float32 and their log-sum-exps `lse` [B * H * splits]."""
+    b, h, d = out.shape
+    _decode_attention_merge_kernel[(b * h,)](
+        part,
+        lse,
+        out,
+        out.stride(0),
+        out.stride(1),
+        HQ=h,
+        NUM_SPLITS=splits,
+        SPAD=max(2, triton.next_power_of_2(splits)),
+        D=d,
+        PDL=launch_pdl,
+        **pdl.launch_options(launch_pdl),
+    )

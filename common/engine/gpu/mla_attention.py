@@ -1,10 +1,13 @@
 """MLA on flashinfer: the absorbed form of latent attention over the latent pool, for every kind of step
 (docs/architecture.md, "Latent attention (MLA)"). Each layer's `ckv` / `kpe` operands are strided views of the
 pool (flashinfer reads the strides it is given), so nothing is copied. Prefill and mixed steps run the same
-absorbed kernel, causal: one code path and one plan per step, made outside any CUDA graph.
+absorbed kernel, causal: one code path and one plan per step, made outside any CUDA graph. Decode steps of a few
+requests run the split-KV Triton kernel (common/engine/gpu/mla_decode.py) instead, over the same page CSR.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -20,6 +23,12 @@ from common.kv.pool import KVPool
 # flashinfer's MLA kernels tile queries by (token, head) rows, 64 per CTA: a tile edge inside a token's heads
 # loses a visible key under the causal mask, so a token's heads must divide the tile (or be 128).
 _TILE_ROWS = 64
+# Decode steps up to this batch run the split-KV Triton kernel: flashinfer's MLA decode costs about the same per
+# layer from batch 1 to 64 (bench/RESULTS.md, "Latent attention on flashinfer's MLA kernels"), too few programs per
+# request to fill the chip; up to 16 requests the Triton kernel still gives each request several splits (its count
+# chosen to fill the chip).
+# `bench/mla.py --small-kernel on` times both kernels per batch to move this.
+SPLIT_DECODE_MAX_BS = 16
 
 
 def flashinfer_mla_unsupported(cfg: ModelConfig) -> str | None:
@@ -58,9 +67,27 @@ def host_page_meta(host_pages: np.ndarray, page_size: int, table_rows: np.ndarra
     )
 
 
+@dataclass(frozen=True)
+class SplitDecode:
+    """A decode step on the split-KV Triton kernel: the device page CSR it reads (each request's KV length, as
+    flashinfer's MLA plan takes it) and its split count; a decode graph's are its fixed buffers."""
+
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    kv_lens: torch.Tensor
+    splits: int
+
+
+def kv_lengths(meta: PageMeta, page_size: int) -> torch.Tensor:
+    pages = meta.indptr[1:] - meta.indptr[:-1]
+    return (pages - 1) * page_size + meta.last_page_len
+
+
 class FlashInferMlaAttention(LatentOnly):
     """The `MlaBackend` of the GPU path: plan once per step, `forward_mla` per layer, with the planning and
-    binding calls the decode and piecewise step graphs make on an attention backend."""
+    binding calls the decode and piecewise step graphs make on an attention backend. `split_decode_max_bs` > 0:
+    decode steps (eager and captured) of up to that many requests on the split-KV Triton kernel, launched with
+    PDL where `pdl`."""
 
     # GQA-path kernels latent attention does not use (the decode graphs and benchmarks read these).
     xqa = None
@@ -78,6 +105,8 @@ class FlashInferMlaAttention(LatentOnly):
         dtype: torch.dtype,
         workspace: torch.Tensor,
         rotary: RotaryCache,
+        split_decode_max_bs: int = 0,
+        pdl: bool = False,
     ) -> None:
         import flashinfer
         from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
@@ -115,6 +144,17 @@ class FlashInferMlaAttention(LatentOnly):
         self.eager_wrapper = self._wrapper_cls(workspace, backend=self.backend)
         self._wrapper = None
         self._out_loc: torch.Tensor | None = None
+        self.pdl = pdl
+        self.split_decode_max_bs = 0  # 0: flashinfer's kernel for every decode step
+        self._split_decode = None
+        if split_decode_max_bs > 0:
+            from common.engine.gpu import mla_decode  # Triton: imported only where it is used
+
+            if mla_decode.supports(self.rank, self.rope_dim, self.page_size):
+                self._split_decode = mla_decode
+                self._split_tile = mla_decode.default_tile(self.page_size)
+                self._num_sms = torch.cuda.get_device_properties(pool.device).multi_processor_count
+                self.split_decode_max_bs = split_decode_max_bs
 
     def step_meta(self, batch: ForwardBatch) -> PageMeta:
         """The step's pages from the table's host copy: flashinfer's MLA planner reads page ids on the host, and
@@ -127,11 +167,14 @@ class FlashInferMlaAttention(LatentOnly):
         return False
 
     def make_decode_wrapper(self, graph_buffers: GraphBuffers | None = None, tensor_cores: bool = False):
-        """A wrapper for eager steps, or one a decode graph captures over fixed buffers (its plans copy into them)."""
+        """A wrapper for eager steps, or one a decode graph captures over fixed buffers (its plans copy into them):
+        at a batch the split-KV kernel takes, its `SplitDecode` over those buffers."""
         if graph_buffers is None:
             return self._wrapper_cls(self.workspace, backend=self.backend)
         indptr, indices, kv_lens = graph_buffers
         bs = int(kv_lens.shape[0])
+        if bs <= self.split_decode_max_bs:
+            return SplitDecode(indptr, indices, kv_lens, self._splits(bs))
         qo = torch.arange(bs + 1, dtype=torch.int32, device=indptr.device)  # one query per request
         return self._wrapper_cls(
             self.workspace,
@@ -143,12 +186,15 @@ class FlashInferMlaAttention(LatentOnly):
             backend=self.backend,
         )
 
+    def _splits(self, batch: int) -> int:
+        """Enough (request, head block, split) programs to fill the chip, fixed per batch (graphs capture the grid)."""
+        assert self._split_decode is not None
+        return self._split_decode.splits_for(batch, self.num_heads, self._num_sms)
+
     def _plan(self, wrapper, meta: PageMeta, qo_indptr: torch.Tensor, causal: bool) -> None:
-        pages = meta.indptr[1:] - meta.indptr[:-1]
-        kv_lens = (pages - 1) * self.page_size + meta.last_page_len
         self.fences.before(wrapper)
         wrapper.plan(
-            metadata=self._csr(qo_indptr, meta.indptr, meta.indices, kv_lens),
+            metadata=self._csr(qo_indptr, meta.indptr, meta.indices, kv_lengths(meta, self.page_size)),
             num_heads=self.num_heads,
             head_dim_ckv=self.rank,
             head_dim_kpe=self.rope_dim,
@@ -164,6 +210,14 @@ class FlashInferMlaAttention(LatentOnly):
         self._wrapper = wrapper
 
     def plan_decode(self, wrapper, meta: PageMeta) -> None:
+        if isinstance(wrapper, SplitDecode):
+            # The graph's buffers take the CSR directly (stream-ordered after the step that read them last); no
+            # flashinfer plan, whose schedule the graph would not run.
+            wrapper.indptr.copy_(meta.indptr, non_blocking=True)
+            wrapper.indices[: meta.indices.numel()].copy_(meta.indices, non_blocking=True)
+            wrapper.kv_lens.copy_(kv_lengths(meta, self.page_size), non_blocking=True)
+            self._wrapper = wrapper
+            return
         b = int(meta.last_page_len.shape[0])
         self._plan(wrapper, meta, torch.arange(b + 1, dtype=torch.int32), causal=False)
 
@@ -175,7 +229,14 @@ class FlashInferMlaAttention(LatentOnly):
 
     def plan(self, batch: ForwardBatch) -> None:
         meta = self.step_meta(batch)
-        if batch.is_decode:
+        if batch.is_decode and batch.batch_size <= self.split_decode_max_bs:
+            dev = self.pool.device
+            lens = kv_lengths(meta, self.page_size)
+            self._wrapper = SplitDecode(
+                *(x.to(dev, non_blocking=True) for x in (meta.indptr, meta.indices, lens)),
+                splits=self._splits(batch.batch_size),
+            )
+        elif batch.is_decode:
             self.plan_decode(self.eager_wrapper, meta)
         else:
             self.plan_extend(meta, batch.extend_lens_cpu)
@@ -212,10 +273,28 @@ class FlashInferMlaAttention(LatentOnly):
 
     def _attend(self, layer: int, q_latent: torch.Tensor, q_pe: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """Without `out` the output lands head-major (`[H, T, rank]` seen as `[T, H, rank]`) for W_UV's batched GEMM."""
-        assert self._wrapper is not None, "plan() must run before the layers"
+        w = self._wrapper
+        assert w is not None, "plan() must run before the layers"
         if out is None:
             t, h, r = q_latent.shape
             out = q_latent.new_empty(h, t, r).transpose(0, 1)
+        if isinstance(w, SplitDecode):
+            assert self._split_decode is not None
+            ckv, kpe = self.ckv[layer], self.kpe[layer]
+            return self._split_decode.mla_decode(
+                q_latent,
+                q_pe,
+                ckv,
+                kpe,
+                w.indptr,
+                w.indices,
+                w.kv_lens,
+                w.splits,
+                self.scale,
+                out,
+                self._split_tile,
+                self.pdl,
+            )
         return self._wrapper.run(query=(q_latent, q_pe), kv_cache=(self.ckv[layer], self.kpe[layer]), out=out)
 
     def forward_mla(self, layer: int, positions: torch.Tensor, parts: MlaParts, proj: MlaProjections) -> torch.Tensor:

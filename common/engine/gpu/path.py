@@ -10,7 +10,7 @@ import torch
 
 from common.engine.forward_batch import ForwardBatch
 from common.engine.gpu.attention import WORKSPACE_BYTES, FlashInferAttention
-from common.engine.gpu.mla_attention import FlashInferMlaAttention
+from common.engine.gpu.mla_attention import SPLIT_DECODE_MAX_BS, FlashInferMlaAttention
 from common.engine.gpu.moe_experts import grouped_mm_experts, grouped_mm_unsupported
 from common.engine.gpu.ops import FlashInferOps
 from common.engine.model import DecoderModel
@@ -134,7 +134,10 @@ class GpuPath:
         if model.cfg.mla is not None:
             if host_pages is None:
                 raise ValueError("latent attention on flashinfer plans from the page table's host copy (host_pages)")
-            return FlashInferMlaAttention(pool, host_pages, model.cfg, model.dtype, self.workspace, model.rotary)
+            split_max_bs = SPLIT_DECODE_MAX_BS if triton and cfg.mla_split_decode else 0
+            return FlashInferMlaAttention(
+                pool, host_pages, model.cfg, model.dtype, self.workspace, model.rotary, split_max_bs, self.pdl
+            )
         return FlashInferAttention(
             pool,
             page_table,
@@ -165,15 +168,17 @@ class GpuPath:
         decode = "xqa" if attn.xqa is not None else "flashinfer"
         if attn.xqa is None and attn.triton_decode is not None:
             decode = "triton (1-2 rows), flashinfer"
-        if isinstance(attn, FlashInferMlaAttention):
-            decode = f"flashinfer mla {attn.backend} (absorbed, every step)"
         prefill = "fa3 e4m3" if attn.fp8_prefill else "flashinfer"
+        if isinstance(attn, FlashInferMlaAttention):
+            prefill = decode = f"flashinfer mla {attn.backend} (absorbed, every step)"
+            if attn.split_decode_max_bs:
+                decode = f"triton split-kv mla (1-{attn.split_decode_max_bs} rows), {prefill}"
         log.info(
             "gpu kernels",
             extra={
                 "kv_dtype": str(pool.layout.dtype).removeprefix("torch."),
                 "fp8_weights": model.fp8_weights,
-                "prefill_attention": decode if isinstance(attn, FlashInferMlaAttention) else prefill,
+                "prefill_attention": prefill,
                 "decode_attention": decode,
                 "fused_kernels": triton,
                 "moe_gemv_max_tokens": self.moe_gemv_max_tokens,
