@@ -42,8 +42,9 @@ class RunnerConfig(reg.EnvFields):
     # (common/engine/gpu/moe_route.py); off for benchmarks' A/B.
     gemv_experts: bool = True
     # Latent attention's decode steps of a few requests on the split-KV Triton kernel
-    # (common/engine/gpu/mla_decode.py); off: flashinfer's MLA kernel for every step (benchmarks' A/B).
-    mla_split_decode: bool = True
+    # (common/engine/gpu/mla_decode.py); off: flashinfer's MLA kernel for every step. Off until the kernel has
+    # been checked and timed on a GPU (its CPU check is the interpreted test); benchmarks turn it on for A/B.
+    mla_split_decode: bool = False
     pdl: bool = reg.PDL.field()
     cpu_linear: str = "auto"  # CPU float32 GEMMs: auto = oneDNN with packed weights when available; torch = F.linear
     tp_size: int = reg.TP_SIZE.field()  # rank 0 launches the others (common/engine/tp_ranks.py)
