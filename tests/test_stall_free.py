@@ -373,6 +373,9 @@ def test_budget_comes_from_the_step_model_once_chunks_were_timed(tiny_model: Dec
     assert sched.pacing.step_model.ready
     ctx = StepContext(3, 300, 0)
     want = sched.pacing.step_model.largest_chunk(0.02, 3, 300, 0, 2048, PAGE, sched.pacing.margin_z())
+    # ... and never past the measured prefill speed over the target less the decode step (the fit's bound)
+    speed, decode_s = sched.pacing.prefill_speed.peak_tokens_per_s, sched.pacing.decode_step.seconds
+    want = min(want, int(speed * max(0.02 - decode_s, 0.0)) // PAGE * PAGE)
     assert sched.prefill_token_budget(decoding=True, context=ctx) == min(2048, max(MIN_PAGES * PAGE, want))
     assert sched.prefill_token_budget(decoding=False) == 2048
     while sched.has_work():
