@@ -181,3 +181,16 @@ def test_the_step_reserve_flag_reaches_the_planner() -> None:
     base = ["--slo", "interactive:ttft=1s,itl=50ms"]
     assert build_planner(build_parser().parse_args(base)).cfg.step_reserve == 0.0
     assert build_planner(build_parser().parse_args([*base, "--step-reserve", "1"])).cfg.step_reserve == 1.0
+
+
+def test_the_k8s_planner_runs_with_the_step_reserve_it_was_evaluated_with() -> None:
+    """k8s/components/planner's args parse as the CLI's and ride out a doubling (bench/RESULTS.md, "Planner")."""
+    from pathlib import Path
+
+    import yaml
+
+    manifest = Path(__file__).resolve().parents[1] / "k8s/components/planner/planner.yaml"
+    deploy = next(d for d in yaml.safe_load_all(manifest.read_text()) if d and d["kind"] == "Deployment")
+    args = deploy["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[0] == "planner"
+    assert build_planner(build_parser().parse_args(args[1:])).cfg.step_reserve == 1.0
