@@ -141,6 +141,9 @@ class TokenLine(Struct, kw_only=True, omit_defaults=True):
     retryable: bool = False
     # With "error" before any token: the prefill worker was too busy; the router tries elsewhere, else 429.
     overloaded: bool = False
+    # With "error": the request cannot be served as asked (its grammar admits no token of this model's
+    # vocabulary): the router answers 400 and does not retry it elsewhere.
+    invalid_request: bool = False
 
 
 class KVLayoutInfo(Schema, frozen=True):

@@ -346,6 +346,9 @@ BAD_CHAT_BODIES = [
     ({"extra": {"guided_regex": "("}}, None),
     ({"extra": {"guided_grammar": "root ::= "}}, None),  # the worker's compiler refuses it: still a 400
     ({"extra": {"guided_regex": "(?<=a)b"}}, None),  # Python's re takes it, the grammar compiler does not
+    # A character no token of this model spells (an unassigned code point whose bytes the tokenizer never learnt):
+    # the grammar allows no token at all, the request's fault, whichever worker runs it.
+    ({"extra": {"guided_regex": "\U00040000"}}, None),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, None),
     ({"min_tokens": 50, "max_tokens": 10}, "min_tokens"),
     ({"messages": [{"role": "tool", "content": "42"}]}, "messages.0"),

@@ -189,6 +189,16 @@ class GrammarBook:
     def terminated(self, req: Req) -> bool:
         return self._state(req).matcher.is_terminated()
 
+    def dead_end(self, req: Req) -> bool:
+        """Whether the request's grammar, where its matcher stopped, allows no token of the vocabulary at all (a
+        character no token spells, e.g. an unassigned code point whose bytes the tokenizer never learnt): nothing
+        the sampler could have picked, so the request, not the engine, is at fault."""
+        import xgrammar as xgr
+
+        bits = xgr.allocate_token_bitmask(1, self.mask_vocab)
+        self._state(req).matcher.fill_next_token_bitmask(bits)
+        return not bool(bits.any())
+
     def _grammar_rows(self, reqs: Sequence[Req]) -> _BatchRows:
         """The grammar rows of `reqs` and their handles; the last call's again while the batch is unchanged."""
         key = tuple(reqs)

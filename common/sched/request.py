@@ -50,6 +50,7 @@ class Req:
     state: ReqState = ReqState.WAITING
     finish_reason: str | None = None
     error: str | None = None
+    request_fault: bool = False  # the error is the request's own (a grammar no token can follow): a 400, no retry
     stream_cursor: int = 0  # outputs already handed to the caller
     # Prefilled for a peer: once its first token is sampled it never joins the decode batch.
     prefill_only: bool = False

@@ -575,7 +575,8 @@ class Scheduler:
             reason = "length"
         if req.sampling.grammar is not None and (reason is not None or not decoded or token in self.eos):
             if not self.grammars.advance(req):
-                reason, req.error = "error", "a sampled token is outside the request's grammar"
+                reason = "error"
+                self._grammar_error(req)
             elif self.grammars.terminated(req):
                 reason = "stop"
         if reason is not None:
@@ -589,11 +590,22 @@ class Scheduler:
         else:
             self.table.end(req)
 
+    def _grammar_error(self, req: Req) -> None:
+        if self.grammars.dead_end(req):
+            req.error = (
+                f"the request's grammar allows no token of this model's vocabulary after {len(req.output_ids) - 1}"
+            )
+            req.error += " generated tokens"
+            req.request_fault = True
+        else:
+            req.error = "a sampled token is outside the request's grammar"
+
     def _grammar_broken(self, req: Req) -> None:
         """A token appended earlier broke the grammar: the request ends there; its event goes with the next step's."""
         if req.finished:
             return
-        req.finish_reason, req.error = "error", "a sampled token is outside the request's grammar"
+        req.finish_reason = "error"
+        self._grammar_error(req)
         self._late.append(StepEvent(req, finished=True))
         self._end(req)
 

@@ -165,6 +165,7 @@ class EngineHost:
                 finish_reason=r.finish_reason if e.finished else None,  # type: ignore[arg-type]
                 error=(r.error or None) if e.finished else None,
                 kv_verified=kv_verified,
+                invalid_request=r.request_fault and e.finished,
             )
             self.emit(Tokens(r.req_id, line))
 

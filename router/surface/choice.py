@@ -57,6 +57,7 @@ class ChoiceState:
         self.cached_tokens = 0
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.invalid_request = False  # the error was the request's own fault (a 400)
 
     @property
     def finished(self) -> bool:
@@ -97,6 +98,7 @@ class ChoiceState:
                     "generation failed" if ev.finish_reason == "error" else "the request was aborted on its worker"
                 )
                 delta.error = self.error
+                self.invalid_request = ev.invalid_request
             elif ev.finish_reason == "length":
                 self.finish_reason = "length"
             else:  # "stop": EOS or a stop token

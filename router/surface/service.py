@@ -188,6 +188,8 @@ class RouterService:
             await asyncio.gather(*(run(c) for c in choices))
         failed = [c for c in choices if c.state.finish_reason == "error"]
         if failed:
+            if failed[0].state.invalid_request:
+                raise bad_request(f"generation failed: {failed[0].state.error}")
             raise upstream_failed(f"generation failed: {failed[0].state.error}")
         out = []
         for c in choices:

@@ -18,7 +18,7 @@ from common.protocol import DecodeError, GenerateRequest, SamplingParams, TokenL
 from router.decision.dispatch import Dispatcher, PromptPlan
 from router.decision.policy import RouteDecision
 from router.decision.pool import Worker
-from router.errors import OpenAIError, no_worker, rate_limited, upstream_failed
+from router.errors import OpenAIError, bad_request, no_worker, rate_limited, upstream_failed
 from router.upstream.status import Retry, WorkerAnswer, error_message, failure_for, retry_after_seconds
 from router.wire import ConnectError, Response, WireError
 
@@ -183,6 +183,8 @@ class UpstreamCall:
         if first.finish_reason == "error" and not first.token_ids:
             # Failure before any token: with a prefill pod in play it is the likely culprit, so the retry avoids it.
             msg = first.error or "worker error"
+            if first.invalid_request:  # the request's own fault: the same on any worker
+                raise bad_request(msg)
             if first.overloaded:  # its prefill worker is alive but too busy: a 429 if nothing else takes it
                 busy = rate_limited(f"the prefill workers are busy: {msg}", self.d.retry_after_s)
                 raise Retry(busy, False, True)
