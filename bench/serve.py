@@ -497,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     def save() -> None:
-        out.write_text(json.dumps(_clean(result), indent=1))
+        out.write_text(json.dumps(_clean(result), separators=(",", ":")))  # compact: run files travel to the GPU
 
     failed = False
     try:
