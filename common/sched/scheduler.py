@@ -593,9 +593,9 @@ class Scheduler:
     def _grammar_error(self, req: Req) -> None:
         if self.grammars.dead_end(req):
             req.error = (
-                f"the request's grammar allows no token of this model's vocabulary after {len(req.output_ids) - 1}"
+                "the request's grammar allows no token of this model's vocabulary "
+                f"after {len(req.output_ids) - 1} generated tokens"
             )
-            req.error += " generated tokens"
             req.request_fault = True
         else:
             req.error = "a sampled token is outside the request's grammar"
