@@ -15,7 +15,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,51 @@ class _Matching:
     broken: bool = False  # a token the grammar does not allow was appended
 
 
+@dataclass(eq=False)
+class _Compiler:
+    """One tokenizer's xgrammar compiler and the grammars it compiled, shared by every scheduler of the process
+    (an engine rebuilt after a fault starts warm): the tokenizer's tables take seconds to build."""
+
+    xgr: Any  # xgrammar.GrammarCompiler
+    mask_vocab: int  # the token ids a mask covers: the tokenizer's, not an LM head padded past them
+    mask_stops: list[int]  # the stop ids inside the masks
+    compiled: OrderedDict[tuple[str, str], Any] = field(default_factory=OrderedDict)
+    # Compile threads and fill threads share it: the LRU's reorder and eviction must not interleave.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_compilers: dict[tuple[str, int, tuple[int, ...]], _Compiler] = {}
+_compilers_lock = threading.Lock()
+
+
+def _compiler_key(model_path: Path | None, vocab: int, stop_ids: Sequence[int]) -> tuple[str, int, tuple[int, ...]]:
+    return (str(model_path), vocab, tuple(stop_ids))
+
+
+def _shared_compiler(model_path: Path, vocab: int, stop_ids: Sequence[int]) -> _Compiler:
+    key = _compiler_key(model_path, vocab, stop_ids)
+    with _compilers_lock:  # a second scheduler starting meanwhile waits for this one's tables
+        shared = _compilers.get(key)
+        if shared is None:
+            shared = _compilers[key] = _build_compiler(model_path, vocab, stop_ids)
+        return shared
+
+
+def _build_compiler(model_path: Path, vocab: int, stop_ids: Sequence[int]) -> _Compiler:
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    ids = tok.get_vocab().values()
+    # xgrammar would fill each id of an LM head padded past the tokenizer as a token of its own; the sampler
+    # bans those ids on grammar rows.
+    mask_vocab = min(vocab, max(len(ids), max(ids) + 1))
+    mask_stops = [t for t in stop_ids if t < mask_vocab]
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=mask_vocab, stop_token_ids=mask_stops or None)
+    threads = max(1, min(8, os.cpu_count() or 1))
+    return _Compiler(xgr.GrammarCompiler(info, max_threads=threads), mask_vocab, mask_stops)
+
+
 class GrammarBook:
     """The grammars of one scheduler's requests; xgrammar is imported on first use only."""
 
@@ -63,54 +108,39 @@ class GrammarBook:
         self.fill_threads = fill_threads if fill_threads is not None else default_fill_threads()
         self.vocab = vocab
         self.stop_ids = sorted(stop_ids)
-        # The ids the masks cover: the tokenizer's, not an LM head padded past them (xgrammar would fill each
-        # padded id as a token of its own; the sampler bans them on grammar rows).
-        self._mask_vocab = 0
-        self._mask_stops: list[int] = []  # the stop ids inside the masks
-        self._compiler: Any = None
+        self._shared: _Compiler | None = None
         self._batch: Any = None
-        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
-        # The fill thread compiles too: the LRU's reorder and eviction must not interleave with the scheduler's.
-        self._compiled_lock = threading.Lock()
         self._init_lock = threading.Lock()
         self._matching: weakref.WeakKeyDictionary[Req, _Matching] = weakref.WeakKeyDictionary()
         self._last_rows: _BatchRows | None = None
         self._stop_words: tuple[torch.Tensor, torch.Tensor] | None = None  # word index and bits of the stop ids
 
     def cached(self, spec: GrammarSpec) -> bool:
-        with self._compiled_lock:
-            return (spec.kind, spec.value) in self._compiled
+        shared = self._shared or _compilers.get(_compiler_key(self.model_path, self.vocab, self.stop_ids))
+        if shared is None:
+            return False
+        with shared.lock:
+            return (spec.kind, spec.value) in shared.compiled
 
-    def _xgr_compiler(self) -> Any:
+    def _compiler(self) -> _Compiler:
+        if self._shared is not None:
+            return self._shared
         with self._init_lock:  # the compile thread and the scheduler's may both be first
-            return self._make_compiler()
+            if self._shared is None:
+                if self.model_path is None:
+                    raise GrammarError(
+                        "structured output needs the model's tokenizer; this worker has none (dummy weights)"
+                    )
+                import xgrammar as xgr
 
-    def _make_compiler(self) -> Any:
-        if self._compiler is None:
-            if self.model_path is None:
-                raise GrammarError(
-                    "structured output needs the model's tokenizer; this worker has none (dummy weights)"
-                )
-            import xgrammar as xgr
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(self.model_path)
-            ids = tok.get_vocab().values()
-            self._mask_vocab = min(self.vocab, max(len(ids), max(ids) + 1))
-            self._mask_stops = [t for t in self.stop_ids if t < self._mask_vocab]
-            info = xgr.TokenizerInfo.from_huggingface(
-                tok, vocab_size=self._mask_vocab, stop_token_ids=self._mask_stops or None
-            )
-            threads = max(1, min(8, os.cpu_count() or 1))
-            self._compiler = xgr.GrammarCompiler(info, max_threads=threads)
-            self._batch = xgr.BatchGrammarMatcher(max_threads=self.fill_threads)
-        return self._compiler
+                self._shared = _shared_compiler(self.model_path, self.vocab, self.stop_ids)
+                self._batch = xgr.BatchGrammarMatcher(max_threads=self.fill_threads)
+            return self._shared
 
     @property
     def mask_vocab(self) -> int:
         """The token ids a mask covers (the tokenizer's, at most the model's vocabulary)."""
-        self._xgr_compiler()
-        return self._mask_vocab
+        return self._compiler().mask_vocab
 
     @property
     def mask_words(self) -> int:
@@ -135,13 +165,14 @@ class GrammarBook:
             raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {_first_line(exc)}") from None
 
     def compile(self, spec: GrammarSpec) -> Any:
+        shared = self._compiler()
         key = (spec.kind, spec.value)
-        with self._compiled_lock:
-            hit = self._compiled.get(key)
+        with shared.lock:
+            hit = shared.compiled.get(key)
             if hit is not None:
-                self._compiled.move_to_end(key)
+                shared.compiled.move_to_end(key)
                 return hit
-        compiler = self._xgr_compiler()
+        compiler = shared.xgr
         try:
             if spec.kind == "json_schema":
                 json.loads(spec.value)  # a clearer message than the converter's for text that is not JSON
@@ -154,10 +185,10 @@ class GrammarBook:
                 compiled = compiler.compile_grammar(spec.value)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {_first_line(exc)}") from None
-        with self._compiled_lock:
-            self._compiled[key] = compiled
-            if len(self._compiled) > _CACHE_ENTRIES:
-                self._compiled.popitem(last=False)
+        with shared.lock:
+            shared.compiled[key] = compiled
+            if len(shared.compiled) > _CACHE_ENTRIES:
+                shared.compiled.popitem(last=False)
         return compiled
 
     def _state(self, req: Req) -> _Matching:
@@ -264,12 +295,12 @@ class GrammarBook:
                     bits[i].fill_(-1)  # it finishes when this step is processed (or now: `broken`); its row stays free
         done = [False] * len(reqs)
         if filled:
-            self._xgr_compiler()
+            stops = self._compiler().mask_stops
             indices = [i for i, _ in filled]
             _batch_fill(self._batch, [h for _, h in filled], bits, indices)
             for i in self._stop_allowed(bits, indices):  # rare: is anything but a stop token allowed?
                 row = bits[i].clone()
-                for t in self._mask_stops:
+                for t in stops:
                     cleared = 0xFFFFFFFF ^ (1 << (t % 32))  # as an int32: the sign bit is bit 31
                     row[t // 32] &= cleared - (1 << 32) if cleared >= 1 << 31 else cleared
                 done[i] = not bool(row.any())
@@ -278,7 +309,7 @@ class GrammarBook:
     def _stop_allowed(self, bits: torch.Tensor, rows: list[int]) -> list[int]:
         """Those of `rows` whose mask allows a stop token (the grammar may end there), read off the masks."""
         if self._stop_words is None:
-            stops = self._mask_stops
+            stops = self._compiler().mask_stops
             words = sorted({t // 32 for t in stops})
             masks = [sum(1 << (t % 32) for t in stops if t // 32 == w) for w in words]
             signed = [m - (1 << 32) if m >= 1 << 31 else m for m in masks]
