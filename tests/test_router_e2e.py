@@ -148,6 +148,38 @@ def tok(smol_path) -> RouterTokenizer:
     return RouterTokenizer.from_dir(smol_path)
 
 
+def test_a_router_port_taken_before_the_router_binds_it_is_picked_again(cluster: LocalCluster, monkeypatch) -> None:
+    """`kvferry up` picks the router's port when it starts the router, after the workers are up: another process may
+    bind it in between (a test suite's next cluster, a worker's listener); the router then exits and is started
+    on a new port, not reported as a failed start."""
+    import tempfile
+
+    from common.devcluster import cluster as devcluster
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        picks = iter([taken])
+        monkeypatch.setattr(devcluster, "free_port", lambda: next(picks, 0) or free_port())
+        said: list[str] = []
+        own = LocalCluster(
+            router_url="",
+            prefill_urls=[],
+            decode_urls=cluster.decode_urls,
+            redis_url=cluster.redis_url,
+            log_dir=Path(tempfile.mkdtemp(prefix="kvferry-port-")),
+            temp_log_dir=True,
+        )
+        try:
+            devcluster.start_router(own, "127.0.0.1", 0, MODEL, dict(os.environ, **ENV), [], 120, said.append)
+            assert any("was taken" in line for line in said), said
+            assert not own.router_url.endswith(f":{taken}")
+            assert httpx.get(f"{own.router_url}/v1/models", timeout=10).status_code == 200
+        finally:
+            own.stop(grace_s=2.0)
+
+
 def test_models(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
 

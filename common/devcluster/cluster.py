@@ -134,7 +134,7 @@ def start_local_cluster(
     logs.mkdir(parents=True, exist_ok=True)
     base_env = _base_env(env, model, api_key, prefill + decode + mixed)
     cluster = LocalCluster(
-        router_url=f"http://{host}:{port or free_port()}",
+        router_url="",
         prefill_urls=[],
         decode_urls=[],
         redis_url="",
@@ -161,9 +161,7 @@ def start_local_cluster(
         router_env = dict(base_env, **(role_env or {}).get("router", {}))
         if mixed:
             router_env.setdefault("KVFERRY_ROUTER_PLACEMENT", "adaptive")
-        cluster.router = _router_process(cluster, host, model, router_env, router_args)
-        cluster.router.start()
-        wait_ready([cluster.router], ready_timeout_s, say)
+        start_router(cluster, host, port, model, router_env, router_args, ready_timeout_s, say)
         return cluster
     except BaseException:
         cluster.stop(grace_s=5.0, keep_logs=True)
@@ -220,6 +218,35 @@ def _start_workers(
         part.start()
         cluster.workers.append(part)
         urls[role].append(part.url or "")
+
+
+_PORT_ATTEMPTS = 3
+
+
+def start_router(
+    cluster: LocalCluster,
+    host: str,
+    port: int,
+    model: str,
+    router_env: dict[str, str],
+    router_args: Sequence[str],
+    ready_timeout_s: float,
+    say: Callable[[str], None],
+) -> None:
+    """Starts the router and waits for it. A port picked here (``port`` 0) is free when picked, not when the router
+    binds it: another process that takes it first makes the router exit, and a new port is picked."""
+    for attempt in range(_PORT_ATTEMPTS):
+        cluster.router_url = f"http://{host}:{port or free_port()}"
+        cluster.router = _router_process(cluster, host, model, router_env, router_args)
+        cluster.router.start()
+        try:
+            wait_ready([cluster.router], ready_timeout_s, say)
+            return
+        except ClusterError as e:
+            if port or attempt == _PORT_ATTEMPTS - 1 or "address already in use" not in str(e).lower():
+                raise
+            say(f"router port {cluster.router_url} was taken before it bound it; picking another")
+            cluster.router.stop(grace_s=1.0)
 
 
 def _router_process(
