@@ -55,3 +55,27 @@ def test_objects_alive_at_freeze_leave_the_collectors_generations() -> None:
         assert gc.collect() >= 10
     finally:
         gc.unfreeze()
+
+
+def test_a_slow_collection_is_logged_with_its_generations_size_at_most_once_a_minute(monkeypatch, caplog) -> None:
+    """The line says whether a long pause walked a large heap or waited for a core: the objects the collected
+    generation holds and those frozen out of it; the walk that counts them runs at most once a minute."""
+    import logging
+
+    from common import gc_pauses
+
+    monkeypatch.setattr(gc_pauses, "SLOW_PAUSE_S", 0.0)  # every collection counts as slow here
+    kept = [_Cycle() for _ in range(2000)]
+    pauses = GcPauses().install()
+    gc.disable()  # only the two collections below
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvferry.gc"):
+            gc.collect()
+            gc.collect()
+    finally:
+        gc.enable()
+        pauses.uninstall()
+    lines = [r for r in caplog.records if r.getMessage() == "slow garbage collection"]
+    assert len(lines) == 2
+    assert lines[0].generation == 2 and lines[0].objects >= len(kept) and lines[0].frozen >= 0
+    assert not hasattr(lines[1], "objects")
