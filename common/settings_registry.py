@@ -910,7 +910,11 @@ HTTP_WRITE_TIMEOUT_S = _http(
     "a response the client stops reading (nothing of it taken for this long while more waits to be sent) is cut: "
     "the connection closed, as if the client had hung up (a router stream's request is aborted on its workers)",
 )
-HTTP_KEEP_ALIVE_S = _http("keep_alive_s", float, 5.0, "an idle connection between requests is closed after this")
+# Above the idle timeouts of what sits in front (httpx and the openai SDK drop idle connections after 5 s, nginx
+# 60-75 s, cloud load balancers 60 s): the client should be the side that closes an idle connection. When the
+# server closes it first, a request the client sends on it meanwhile is lost in transit (a read error the client
+# cannot safely retry: a soak's client waiting out a 5 s Retry-After on a 5 s keep-alive lost one that way).
+HTTP_KEEP_ALIVE_S = _http("keep_alive_s", float, 75.0, "an idle connection between requests is closed after this")
 HTTP_MAX_CONNECTIONS = _http(
     "max_connections", int, 16384, "open connections per server process; a request beyond it gets 503; 0 = no cap"
 )

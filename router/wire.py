@@ -17,7 +17,7 @@ from common import settings_registry as reg
 
 __all__ = ["ConnectError", "ProtocolError", "Response", "WireClient", "WireError"]
 
-_IDLE_S = 4.0  # under the workers' keep-alive timeout (KVFERRY_HTTP_KEEP_ALIVE_S, 5 s by default)
+_IDLE_S = 4.0  # well under the workers' keep-alive timeout (KVFERRY_HTTP_KEEP_ALIVE_S, 75 s by default)
 _MAX_IDLE_PER_HOST = 256
 _MAX_LINE = 1 << 20
 
