@@ -139,7 +139,7 @@ def test_local_prefill_is_given_back_when_a_prefill_worker_is_back(cluster: Loca
     try:
         wait_until(lambda: not any(router_says_up(c, u) for u in c.prefill_urls), 30, "the prefill workers down")
         out: list[httpx.Response | BaseException] = []
-        t = threading.Thread(target=_send, args=(c, long_prompt(3000), out), daemon=True)
+        t = threading.Thread(target=_send, args=(c, long_prompt(1800), out), daemon=True)
         t.start()
         wait_until(lambda: load(c.decode_urls[0])["queued_prefill_tokens"] > 0, 30, "the decode worker prefilling")
     finally:
