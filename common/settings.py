@@ -66,6 +66,7 @@ class SchedulerConfig(reg.EnvFields):
     # ITL target of stall-free batching (common/sched/prefill_budget.py): ITL_TARGET_SLO the SLO classes'; < 0:
     # -itl_target_ms measured decode steps; > 0: milliseconds; 0: prefill-first.
     itl_target_ms: float = reg.ITL_TARGET_MS.field()
+    itl_delivery_ms: float = reg.ITL_DELIVERY_MS.field()  # of an SLO ITL target, left to the relay
     grammar_compile_timeout_s: float = reg.GRAMMAR_COMPILE_TIMEOUT_S.field()  # then the request fails alone
     max_step_ms: float = reg.MAX_STEP_MS.field()  # no planned step longer (commands wait between steps)
     slo_classes: str = reg.SLO_CLASSES.field()

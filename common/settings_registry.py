@@ -200,6 +200,14 @@ def itl_target_ms(value: str) -> float:
     return ms
 
 
+def milliseconds(value: str) -> float:
+    """A duration in ms, 0 or more."""
+    ms = float(value)
+    if not ms >= 0:
+        raise ValueError("must be 0 or a positive number of ms")
+    return ms
+
+
 def key_prefix(value: str) -> str:
     prefix = value.strip()
     if any(c.isspace() for c in prefix):
@@ -566,6 +574,16 @@ MAX_PREFILL_TOKENS = declare(
     "workers",
     "common/settings.py",
     flag=True,
+)
+ITL_DELIVERY_MS = declare(
+    "KVFERRY_ITL_DELIVERY_MS",
+    milliseconds,
+    0.0,
+    "with `KVFERRY_ITL_TARGET_MS=slo`: the part of each class's ITL target left to the path after the engine (the "
+    "worker's and the router's relay, the network): steps beside decoding aim at the target less this, so a request's "
+    "own ITL p99 as its client measures it stays within the target",
+    "workers",
+    "common/settings.py",
 )
 GRAMMAR_COMPILE_TIMEOUT_S = declare(
     "KVFERRY_GRAMMAR_COMPILE_TIMEOUT_S",

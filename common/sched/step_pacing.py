@@ -57,7 +57,7 @@ class StepPacing:
             if step <= 0:
                 return 0.0
             slo = min(self.table.decoding_itl, default=min(c.itl_s for c in self.slo.classes))
-            return max(slo, FLOOR_DECODE_STEPS * step)
+            return max(slo - self.cfg.itl_delivery_ms / 1000, FLOOR_DECODE_STEPS * step)
         if target > 0:
             return target / 1000
         if target < 0:  # a multiple of the measured decode step (ITL_TARGET_AUTO: 2)
