@@ -85,6 +85,9 @@ class SamplingParams(Schema):
     output_offset: Annotated[int, Meta(ge=0)] = 0
     # The SLO class (common/slo.py; "": the default): its queue deadline and ITL target.
     slo_class: Annotated[str, Meta(max_length=64)] = ""
+    # Of the class's ITL target, the part the path after the engine takes (the router's measured relay lateness,
+    # common/loop_lag.py): the request's steps aim that much under the target (at most a share of it).
+    itl_allowance_ms: Annotated[float, Meta(ge=0.0, le=10_000.0)] = 0.0
 
     def __post_init__(self) -> None:
         for token, bias in self.logit_bias.items():

@@ -14,6 +14,9 @@ DEFAULT_SLO_SPEC = "interactive:ttft=1s,itl=50ms,p=99;batch:ttft=none,itl=200ms,
 # A class without a TTFT target gets a queue deadline this many of the tightest TTFT target after arrival: it
 # gives way to the others while they are within theirs, and is never starved.
 PATIENCE_TARGETS = 10.0
+# Of a class's ITL target, the most that may be left to the path after the engine (relay and network): the engine's
+# steps never aim below 80% of the target, whatever the relay measures.
+MAX_ALLOWANCE_SHARE = 0.2
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,11 @@ class SloClass:
     ttft_s: float | None  # None: no TTFT target (queues; never shed for TTFT)
     itl_s: float
     percentile: float = 99.0
+
+    def engine_itl_s(self, allowance_s: float) -> float:
+        """The ITL target the engine's steps aim at: the class's less what the path after the engine takes (at most
+        MAX_ALLOWANCE_SHARE of it: past that, the relay, not the engine, must change)."""
+        return self.itl_s - min(max(allowance_s, 0.0), MAX_ALLOWANCE_SHARE * self.itl_s)
 
     def describe(self) -> str:
         ttft = "none" if self.ttft_s is None else f"{self.ttft_s * 1000:g}ms"

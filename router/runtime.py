@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.config import RouterConfig
+from common.loop_lag import LoopLag
 from common.slo import SloClasses, parse_slo_classes
 from router.decision.cost_model import SloTargets
 from router.decision.discovery import Discovery
@@ -52,6 +53,7 @@ class RouterRuntime:
     service: RouterService
     discovery: Discovery
     index_reader: Any  # a PrefixIndexReader (common/prefix/reader.py) or None: route on load alone
+    loop_lag: LoopLag  # this process's relay lateness, told to the workers with each request
 
     @classmethod
     def build(
@@ -73,17 +75,20 @@ class RouterRuntime:
             pool, RoutingPolicy(policy_config(opts, slo)), locator, client, opts, metrics=metrics, slo=slo
         )
         metrics.watch_pool(lambda: list(pool.workers.values()))
-        service = RouterService(tok, info, dispatcher, opts, slo)
-        return cls(client, pool, locator, dispatcher, service, discovery, index_reader)
+        loop_lag = LoopLag()
+        service = RouterService(tok, info, dispatcher, opts, slo, relay_lag=loop_lag if opts.relay_allowance else None)
+        return cls(client, pool, locator, dispatcher, service, discovery, index_reader, loop_lag)
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
+        self.loop_lag.start()
         self.pool.start()
         # Discovery may report from its own thread; membership changes always run on the loop.
         self.discovery.start(lambda role, urls: loop.call_soon_threadsafe(self.pool.set_targets, role, urls))
 
     async def stop(self) -> None:
         self.discovery.stop()
+        await self.loop_lag.stop()
         await self.pool.stop()
         await self.client.aclose()
         reader = self.index_reader
@@ -100,6 +105,7 @@ class RouterRuntime:
             "decisions": dict(self.dispatcher.decisions),
             "prefix_index": "disabled" if locator.reader is None else ("ok" if locator.redis_ok else "unavailable"),
             "inflight": self.service.inflight,
+            "loop_lag_p99_ms": round(self.loop_lag.p99_s() * 1e3, 2),
             "migrations": MIGRATIONS.snapshot(),
             "placement": placement_inputs(self.pool, self.dispatcher.policy),
         }

@@ -149,7 +149,8 @@ class Scheduler:
             cls = self.slo.get(req.sampling.slo_class)
         except ValueError as e:
             raise RequestRejected(str(e)) from None
-        req.slo_rank, req.itl_target_s = cls.rank, cls.itl_s
+        allowance_s = max(self.cfg.itl_delivery_ms, req.sampling.itl_allowance_ms) / 1000
+        req.slo_rank, req.itl_target_s = cls.rank, cls.engine_itl_s(allowance_s)
         req.deadline_s = self.slo.queue_deadline(cls, time.monotonic())
         if req.max_device_len > self.runner.max_seq_len:
             raise RequestRejected(

@@ -56,8 +56,9 @@ class StepPacing:
         if target == ITL_TARGET_SLO:
             if step <= 0:
                 return 0.0
-            slo = min(self.table.decoding_itl, default=min(c.itl_s for c in self.slo.classes))
-            return max(slo - self.cfg.itl_delivery_ms / 1000, FLOOR_DECODE_STEPS * step)
+            idle = min(c.engine_itl_s(self.cfg.itl_delivery_ms / 1000) for c in self.slo.classes)
+            slo = min(self.table.decoding_itl, default=idle)
+            return max(slo, FLOOR_DECODE_STEPS * step)
         if target > 0:
             return target / 1000
         if target < 0:  # a multiple of the measured decode step (ITL_TARGET_AUTO: 2)

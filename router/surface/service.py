@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
+import msgspec
 
+from common.loop_lag import LoopLag
 from common.slo import DEFAULT_SLO_SPEC, SloClasses, parse_slo_classes
 from router.decision.dispatch import Dispatcher
 from router.errors import bad_request, rate_limited, upstream_failed
@@ -52,8 +55,10 @@ class RouterService:
         dispatcher: Dispatcher,
         opts: RouterOptions,
         slo: SloClasses | None = None,
+        relay_lag: LoopLag | None = None,
     ) -> None:
         self.slo = slo if slo is not None else parse_slo_classes(DEFAULT_SLO_SPEC)
+        self.relay_lag = relay_lag  # None: workers aim at the class's ITL target itself
         self.tok = tokenizer
         self.model = model
         self.dispatcher = dispatcher
@@ -104,10 +109,14 @@ class RouterService:
         self.dispatcher.check_ttft(max(plans, key=lambda p: len(p.token_ids)), cls)
         choices = job.choices
         context_ok = self.tok.needs_context
+        # Whole milliseconds: a worker keeps one count per distinct target among the requests it decodes.
+        allowance_ms = float(math.ceil(self.relay_lag.p99_s() * 1e3)) if self.relay_lag is not None else 0.0
         for p_idx, plan in enumerate(plans):
             for i in range(job.n):
                 idx = p_idx * job.n + i
                 sampling = job.request.sampling(job.max_tokens[p_idx], i, job.logprobs, job.top_logprobs, job.slo_class)
+                if allowance_ms:
+                    sampling = msgspec.structs.replace(sampling, itl_allowance_ms=allowance_ms)
                 call = MigratingCall(
                     self.dispatcher,
                     f"{job.rid}-{idx}",
