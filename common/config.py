@@ -35,6 +35,7 @@ class WorkerConfig:
     redis_access: RedisAccess = field(default_factory=RedisAccess)  # password, TLS, key prefix
     internal_token: InternalToken = field(default_factory=InternalToken)  # on /internal/* (common/internal_auth.py)
     drain_seconds: float = reg.DRAIN_SECONDS.field()
+    relay_allowance: bool = reg.RELAY_ALLOWANCE.field()  # this process's loop lateness added to ITL allowances
     transfer_staging_mb: float = reg.TRANSFER_STAGING_MB.field()  # packing area for peers that split KV heads (TP)
     nixl_progress_delay_us: int = reg.NIXL_PROGRESS_DELAY_US.field()  # -1: the agent's default
     warm_up: str = reg.WARM_UP.field()  # auto | on | off (common/sched/warm_up.py)
@@ -100,6 +101,7 @@ class RouterConfig:
     internal_token: InternalToken = field(default_factory=InternalToken)  # sent on every call to a worker
     slo_classes: str = reg.SLO_CLASSES.field()
     slo_default_class: str = reg.SLO_DEFAULT_CLASS.field()
+    relay_allowance: bool = reg.RELAY_ALLOWANCE.field()  # this process's loop lateness sent as an ITL allowance
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> RouterConfig:

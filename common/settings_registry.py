@@ -231,6 +231,17 @@ MODEL = declare(
     shown_default="`smollm2-135m-instruct` (the embedded default)",
     flag=True,
 )
+RELAY_ALLOWANCE = declare(
+    "KVFERRY_RELAY_ALLOWANCE",
+    on_off,
+    True,
+    "the router and each decode worker measure how late their event loop runs what is due (the p99 over the last "
+    "~5 s: how late they relay a step's tokens to the streams they reach last, `common/loop_lag.py`) and add it to "
+    "each request's ITL allowance: its steps aim that much under the class's ITL target (at most 20% of it; "
+    "`KVFERRY_ITL_DELIVERY_MS` the least)",
+    "all",
+    "common/config.py",
+)
 HOST = declare("KVFERRY_HOST", str, "0.0.0.0", "address to listen on", "all", "common/config.py", flag=True)
 PORT = declare(
     "KVFERRY_PORT",
@@ -581,7 +592,7 @@ ITL_DELIVERY_MS = declare(
     0.0,
     "with `KVFERRY_ITL_TARGET_MS=slo`: the least part of each class's ITL target left to the path after the engine "
     "(the worker's and the router's relay, the network; the router's measured relay lateness may raise it, "
-    "`KVFERRY_ROUTER_RELAY_ALLOWANCE`): steps beside decoding aim at the target less this (at most 20% of it), so a "
+    "`KVFERRY_RELAY_ALLOWANCE`): steps beside decoding aim at the target less this (at most 20% of it), so a "
     "request's own ITL p99 as its client measures it stays within the target",
     "workers",
     "common/settings.py",
@@ -794,14 +805,6 @@ ROUTER_WORKERS = _router(
     "router processes in this pod, sharing its port (what one streams: bench/RESULTS.md, 'Router streaming capacity'); each has its own worker pool, "
     "polls, in-flight counts and admission, and they share the prefix index in Redis",
     shown_default="1 (the k8s router sets its CPU limit)",
-)
-ROUTER_RELAY_ALLOWANCE = _router(
-    "relay_allowance",
-    on_off,
-    True,
-    "each request tells its workers the p99 of this router process's event-loop lateness over the last seconds "
-    "(`common/loop_lag.py`: how late it relays a step's tokens to the streams it reaches last), and their steps aim "
-    "that much under the class's ITL target (at most 20% of it; with `KVFERRY_ITL_DELIVERY_MS` as the least)",
 )
 ROUTER_EVENT_LOOP = _router(
     "event_loop", str, "auto", "uvicorn's event loop: `auto` (uvloop when installed), `uvloop`, `asyncio`"

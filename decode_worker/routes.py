@@ -4,12 +4,13 @@ remote prefill is arranged by decode_worker/remote_prefill.py."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from common.protocol import GenerateRequest, HandshakeResponse, TokenLine, replace
+from common.protocol import GenerateRequest, HandshakeResponse, SamplingParams, TokenLine, replace
 from common.worker.http_errors import error_response
 from common.worker.messages import Generate, KVForcedRelease, PrefillSettled, Reserved, StreamEvent, Tokens
 from common.worker.request import WorkerRequest, read_when_ready
@@ -54,8 +55,16 @@ class DecodeStream(WorkerRequest):
                 return
         peer = self.peer
         names = (peer.agent_name, peer.instance_id) if peer is not None else (None, None)
-        cmd = Generate(rid, gen.token_ids, gen.sampling, *names, self.kv_timeout_s, self.trace.received)
+        cmd = Generate(rid, gen.token_ids, self._sampling(), *names, self.kv_timeout_s, self.trace.received)
         await self.submit(cmd, len(gen.token_ids), prefill_here=peer is None)
+
+    def _sampling(self) -> SamplingParams:
+        """The request's sampling, its ITL allowance (the router's relay lateness) raised by this process's own."""
+        own_ms = math.ceil(self.state.relay_lag.p99_s() * 1e3)
+        sampling = self.gen.sampling
+        if not own_ms or not self.state.cfg.relay_allowance:
+            return sampling
+        return replace(sampling, itl_allowance_ms=sampling.itl_allowance_ms + own_ms)
 
     @property
     def kv_timeout_s(self) -> float:

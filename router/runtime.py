@@ -76,7 +76,9 @@ class RouterRuntime:
         )
         metrics.watch_pool(lambda: list(pool.workers.values()))
         loop_lag = LoopLag()
-        service = RouterService(tok, info, dispatcher, opts, slo, relay_lag=loop_lag if opts.relay_allowance else None)
+        service = RouterService(
+            tok, info, dispatcher, opts, slo, relay_lag=loop_lag if config.relay_allowance else None
+        )
         return cls(client, pool, locator, dispatcher, service, discovery, index_reader, loop_lag)
 
     def start(self) -> None:

@@ -42,7 +42,6 @@ class RouterOptions(reg.EnvFields):
     admit_max_queued_prefill_tokens: int = reg.ROUTER_ADMIT_MAX_QUEUED_PREFILL_TOKENS.field()
     admit_queue_seconds: float = reg.ROUTER_ADMIT_QUEUE_SECONDS.field()
     admit_by_ttft: int = reg.ROUTER_ADMIT_BY_TTFT.field()
-    relay_allowance: bool = reg.ROUTER_RELAY_ALLOWANCE.field()  # workers aim under the ITL target by its loop lag
     # Worker health (router/decision/pool.py): a slow poll only makes a worker stale; down needs proof or silence.
     poll_interval_s: float = reg.ROUTER_POLL_INTERVAL_S.field()
     poll_timeout_s: float = reg.ROUTER_POLL_TIMEOUT_S.field()

@@ -50,11 +50,13 @@ def create_app(role: str, cfg: WorkerConfig | None = None, http_limits: HttpLimi
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.start_engine()
+        state.relay_lag.start()
         watch = asyncio.create_task(keep_engine(state))
         try:
             yield
         finally:
             watch.cancel()
+            await state.relay_lag.stop()
             await state.stop_engine()
 
     limit_tracebacks()  # a 500's traceback at most once a minute per failure (common/log.py)

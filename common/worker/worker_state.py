@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from common.config import WorkerConfig
+from common.loop_lag import LoopLag
 from common.protocol import LoadSnapshot, replace
 from common.worker.channel import EngineClient
 from common.worker.messages import AgentInfo, Event, KVIntegrity, Load, Ready, Steps, Stop, Stopping
@@ -88,6 +89,9 @@ class WorkerState:
         # Called when the engine died and before its successor starts (routes drop what they knew of it).
         self.on_engine_lost: list[Callable[[], None]] = []
         self.engine_started_at = 0.0  # time.monotonic() of the latest engine start
+        # This process writes each step's tokens to its streams one after another: its loop's lateness is this
+        # worker's part of what the path after the engine adds to a stream's gaps (decode_worker/routes.py).
+        self.relay_lag = LoopLag()
         self.restarts = 0  # engines started after the first
         self.restarting = False  # the engine died and its successor is not ready yet
         self.ever_ready = False  # an engine was ready once: one that dies now is restarted, not fatal

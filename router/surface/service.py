@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
-import msgspec
 
 from common.loop_lag import LoopLag
+from common.protocol import replace
 from common.slo import DEFAULT_SLO_SPEC, SloClasses, parse_slo_classes
 from router.decision.dispatch import Dispatcher
 from router.errors import bad_request, rate_limited, upstream_failed
@@ -116,7 +116,7 @@ class RouterService:
                 idx = p_idx * job.n + i
                 sampling = job.request.sampling(job.max_tokens[p_idx], i, job.logprobs, job.top_logprobs, job.slo_class)
                 if allowance_ms:
-                    sampling = msgspec.structs.replace(sampling, itl_allowance_ms=allowance_ms)
+                    sampling = replace(sampling, itl_allowance_ms=allowance_ms)
                 call = MigratingCall(
                     self.dispatcher,
                     f"{job.rid}-{idx}",
