@@ -61,6 +61,7 @@ from serve_load import Arrivals, LoadClient, TokenRange, make_workload, run_poin
 from serve_metrics import SLO, parse_class_slos, summarize_point  # noqa: E402
 from synthetic_tokenizer import build_word_tokenizer, count_words  # noqa: E402
 
+from common.settings_registry import REGISTRY  # noqa: E402
 from common.slo import DEFAULT_SLO_SPEC  # noqa: E402
 
 OUT_DIR = BENCH_DIR / "out"
@@ -408,8 +409,10 @@ def _clean(obj: Any) -> Any:
 
 
 def _for_router(env: dict[str, str]) -> dict[str, str]:
-    # A variant is a policy, and a policy can be the router's (its admission) as well as the worker's.
-    return {k: v for k, v in env.items() if k.startswith("KVFERRY_ROUTER_")}
+    # A variant is a policy, and a policy can be the router's (its admission) as well as the worker's; a setting
+    # every component reads (the settings registry's "all") goes to both.
+    shared = {name for name, s in REGISTRY.items() if s.who == "all"}
+    return {k: v for k, v in env.items() if k.startswith("KVFERRY_ROUTER_") or k in shared}
 
 
 def _for_worker(env: dict[str, str]) -> dict[str, str]:
