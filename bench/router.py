@@ -275,6 +275,9 @@ def streaming_capacity(args: argparse.Namespace, redis_url: str, logs: Path) -> 
                     args.capacity_seconds,
                 )
                 cores = (process_tree_cpu_s(router.pid) - cpu0) / (time.monotonic() - t0)
+                # The relay lateness the router would send as each request's ITL allowance (common/loop_lag.py),
+                # read right after the load: one process's view (each router process keeps its own).
+                lag_ms = httpx.get(f"{router_url}/router/workers", timeout=10).json().get("loop_lag_p99_ms")
             finally:
                 stop([router])
             tok_s = res.tokens / args.capacity_seconds
@@ -291,6 +294,7 @@ def streaming_capacity(args: argparse.Namespace, redis_url: str, logs: Path) -> 
                 "first_error": res.first_error or None,
                 "ttft": summary_ms(res.ttft_s) if res.ttft_s else None,
                 "itl": summary_ms(res.itl_s) if res.itl_s else None,
+                "router_loop_lag_p99_ms": lag_ms,
                 "loadavg": list(os.getloadavg()),
             }
             print(json.dumps(run), file=sys.stderr)

@@ -4,7 +4,6 @@ remote prefill is arranged by decode_worker/remote_prefill.py."""
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 from fastapi import FastAPI, Request
@@ -60,7 +59,7 @@ class DecodeStream(WorkerRequest):
 
     def _sampling(self) -> SamplingParams:
         """The request's sampling, its ITL allowance (the router's relay lateness) raised by this process's own."""
-        own_ms = math.ceil(self.state.relay_lag.p99_s() * 1e3)
+        own_ms = round(self.state.relay_lag.p99_s() * 1e3)
         sampling = self.gen.sampling
         if not own_ms or not self.state.cfg.relay_allowance:
             return sampling

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -110,7 +109,7 @@ class RouterService:
         choices = job.choices
         context_ok = self.tok.needs_context
         # Whole milliseconds: a worker keeps one count per distinct target among the requests it decodes.
-        allowance_ms = float(math.ceil(self.relay_lag.p99_s() * 1e3)) if self.relay_lag is not None else 0.0
+        allowance_ms = float(round(self.relay_lag.p99_s() * 1e3)) if self.relay_lag is not None else 0.0
         for p_idx, plan in enumerate(plans):
             for i in range(job.n):
                 idx = p_idx * job.n + i
