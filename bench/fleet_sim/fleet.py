@@ -21,7 +21,6 @@ import heapq
 import math
 import random
 from bisect import bisect_left
-from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import islice
@@ -32,6 +31,7 @@ import numpy as np
 import router.decision.dispatch as router_dispatch
 import router.decision.pool as router_pool
 from bench.fleet_sim.device import SharedDevice, place
+from bench.fleet_sim.prefix_cache import PrefixCache
 from bench.fleet_sim.worker import Job, SimWorker, WorkerSpec
 from bench.fleet_sim.workload import SimRequest
 from common.capacity import prompt_steps_s
@@ -149,7 +149,7 @@ class Fleet:
         self.sims: dict[str, SimWorker] = {}
         self.starting: dict[str, tuple[str, float]] = {}  # name -> (role, ready at)
         self.loaded_at: dict[str, float] = {}
-        self.caches: dict[str, OrderedDict[int, None]] = {}
+        self.caches: dict[str, PrefixCache] = {}
         # first prefix block -> the workers that cached it, most recent last (a dict: ordered, whatever the hash seed)
         self.holders: dict[int, dict[str, None]] = {}
         self._events: list[tuple[float, int, int, object]] = []
@@ -210,7 +210,7 @@ class Fleet:
                 # step, the steps after it share the GPU (the step in flight finishes as it was)
                 self._wake_at(other, other.cut_span(self.clock.now))
         self.sims[name] = sim
-        self.caches[name] = OrderedDict()
+        self.caches[name] = PrefixCache()
         self.pool.add(name, role)
         self._report(name)
 
@@ -378,16 +378,10 @@ class Fleet:
         if not req.blocks:
             return {}
         out = {}
+        caches, blocks = self.caches, req.blocks
         for name in names:
-            cache = self.caches.get(name)
-            if not cache:
-                continue
-            k = 0
-            for b in req.blocks:
-                if b not in cache:
-                    break
-                k += 1
-            if k:
+            cache = caches.get(name)
+            if cache is not None and (k := cache.leading(blocks)):
                 out[name] = min(req.prompt, k * req.block_tokens) // self.cfg.worker.page_size
         return out
 
@@ -395,17 +389,7 @@ class Fleet:
         cache = self.caches.get(name)
         if cache is None or not req.blocks:
             return
-        # each block to the most recent end, in the prompt's order (a prompt's blocks are distinct: each one's id
-        # is its whole prefix's)
-        to_end = cache.move_to_end
-        for b in req.blocks:
-            if b in cache:
-                to_end(b)
-            else:
-                cache[b] = None
-        room = int(self.cfg.worker.kv_tokens * self.cfg.prefix_cache_share) // req.block_tokens
-        for _ in range(len(cache) - room):
-            cache.popitem(last=False)
+        cache.touch(req.blocks, int(self.cfg.worker.kv_tokens * self.cfg.prefix_cache_share) // req.block_tokens)
         held = self.holders.setdefault(req.blocks[0], {})
         held.pop(name, None)
         held[name] = None
