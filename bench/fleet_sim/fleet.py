@@ -378,10 +378,16 @@ class Fleet:
         if not req.blocks:
             return {}
         out = {}
-        caches, blocks = self.caches, req.blocks
         for name in names:
-            cache = caches.get(name)
-            if cache is not None and (k := cache.leading(blocks)):
+            cache = self.caches.get(name)
+            if not cache:
+                continue
+            k = 0
+            for b in req.blocks:
+                if b not in cache:
+                    break
+                k += 1
+            if k:
                 out[name] = min(req.prompt, k * req.block_tokens) // self.cfg.worker.page_size
         return out
 
