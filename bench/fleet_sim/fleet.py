@@ -263,7 +263,8 @@ class Fleet:
 
     def _wake_at(self, w: SimWorker, t: float | None) -> None:
         if t is not None:
-            self._push(t, 0, (w, w.version))
+            self._seq += 1
+            heapq.heappush(self._events, (t, self._seq, 0, (w, w.version)))
 
     def _moved(self, w: SimWorker, device_end: float) -> None:
         self._wake_at(w, w.retime(device_end))
@@ -302,13 +303,15 @@ class Fleet:
             self._push(0.0, 3, None)
         i = 0
         events = self._events
+        clock = self.clock
+        pop = heapq.heappop
+        t_arr = requests[0].t if n else math.inf
         while True:
-            t_arr = requests[i].t if i < n else math.inf
             if events and events[0][0] <= t_arr:
-                t, _, kind, payload = heapq.heappop(events)
+                t, _, kind, payload = pop(events)
                 if t > end and kind == 3:
                     continue
-                self.clock.now = t
+                clock.now = t
                 if kind == 0:
                     w, version = payload  # type: ignore[misc]
                     if w.version == version:
@@ -329,9 +332,10 @@ class Fleet:
                 elif kind == 3:
                     self._tick(t)
             elif i < n:
-                self.clock.now = t_arr
+                clock.now = t_arr
                 self._arrive(i, requests[i])
                 i += 1
+                t_arr = requests[i].t if i < n else math.inf
             else:
                 break
         self._gpu_tick(max(self.clock.now, end))
@@ -368,10 +372,11 @@ class Fleet:
         else:
             workers = self.pool.workers.values()
             plan.matches = self._matches(req, self.pool.workers)
-        loaded_at = self.loaded_at
+        loaded_at, poll_s = self.loaded_at, cfg.poll_s
         for w in workers:
-            if now - loaded_at.get(w.url, -1e9) >= cfg.poll_s:
-                self._report(w.url)
+            if now - loaded_at.get(w.url, -1e9) >= poll_s:
+                self.pool.report_load(w, self.sims[w.url].load(now), asked=now)
+                loaded_at[w.url] = now
 
     def _matches(self, req: SimRequest, names: Iterable[str]) -> dict[str, int]:
         """What the prefix index says of `names`: the pages of the prompt's leading blocks each holds."""

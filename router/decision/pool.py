@@ -277,7 +277,7 @@ class Worker:
     def unseen_prompt_tokens(self) -> int:
         """Prompt tokens placed here that the last snapshot may not count yet (the TTFT prediction adds them)."""
         since = self.load_asked - SNAPSHOT_LAG_S
-        return sum(n for t, n in self.placed if t >= since)
+        return sum([n for t, n in self.placed if t >= since])  # a list: no generator to start for a few entries
 
     @property
     def inflight_tokens(self) -> int:
