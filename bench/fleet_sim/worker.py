@@ -223,7 +223,9 @@ class SimWorker:
             decode_context=ctx,
             queued_ahead_tokens={},
         )
-        load.__dict__["step_cost"] = pub  # what parsing its step_coefficients gives, shared by every snapshot
+        # what parsing its step_coefficients gives, shared by every snapshot (set as an attribute: a cached_property
+        # takes it so, and reading __dict__ would turn the snapshot's compact attribute values into a dict)
+        load.step_cost = pub
         self._last_load = (stamp, load)
         return load
 
