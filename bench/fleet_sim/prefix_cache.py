@@ -1,10 +1,11 @@
 """One simulated worker's prefix cache: the prompt blocks it keeps, least recently used evicted first.
 
-Kept per touch, not per block: the cache maps each block to the touch that used it last (one dict update in C for
-a whole prompt) and queues each touch's blocks in the prompt's order. The oldest touch's blocks, less those a later
-touch stamped again, are then exactly the least recently used ones in order, so eviction walks them from the head
-of the queue: the same blocks leave in the same order as from a per-block LRU list, while a touch costs no Python
-step per block. Being a dict, ``block in cache`` is the lookup the prefix matches make.
+Kept per touch, not per block: the cache maps each block to the touch that used it last (a plain store, where a
+per-block LRU list moves or links a node) and queues each touch's blocks in the prompt's order. The oldest touch's
+blocks, less those a later touch stamped again, are then exactly the least recently used ones in order, so eviction
+walks them from the head of the queue: the same blocks leave in the same order as from a per-block LRU list, in half
+the memory of an OrderedDict (a large fleet's caches outgrow the CPU's caches). Being a dict, ``block in cache`` is
+the lookup the prefix matches make.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ class PrefixCache(dict[int, int]):
     def touch(self, blocks: tuple[int, ...], room: int) -> None:
         """`blocks` (distinct, in the prompt's order) used now: cached, the most recent; the least recently used
         leave until it holds at most `room` blocks."""
-        self._touch += 1
-        self.update(dict.fromkeys(blocks, self._touch))
+        self._touch = touch = self._touch + 1
+        for b in blocks:
+            self[b] = touch
         touches = self._touches
-        touches.append((self._touch, blocks))
+        touches.append((touch, blocks))
         excess = len(self) - room
         while excess > 0:
             n, oldest = touches[0]
