@@ -263,8 +263,7 @@ class Fleet:
 
     def _wake_at(self, w: SimWorker, t: float | None) -> None:
         if t is not None:
-            self._seq += 1
-            heapq.heappush(self._events, (t, self._seq, 0, (w, w.version)))
+            self._push(t, 0, (w, w.version))
 
     def _moved(self, w: SimWorker, device_end: float) -> None:
         self._wake_at(w, w.retime(device_end))
@@ -375,8 +374,7 @@ class Fleet:
         loaded_at, poll_s = self.loaded_at, cfg.poll_s
         for w in workers:
             if now - loaded_at.get(w.url, -1e9) >= poll_s:
-                self.pool.report_load(w, self.sims[w.url].load(now), asked=now)
-                loaded_at[w.url] = now
+                self._report(w.url)
 
     def _matches(self, req: SimRequest, names: Iterable[str]) -> dict[str, int]:
         """What the prefix index says of `names`: the pages of the prompt's leading blocks each holds."""
