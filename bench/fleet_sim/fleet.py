@@ -21,7 +21,6 @@ import heapq
 import math
 import random
 from bisect import bisect_left
-from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import islice
@@ -32,6 +31,7 @@ import numpy as np
 import router.decision.dispatch as router_dispatch
 import router.decision.pool as router_pool
 from bench.fleet_sim.device import SharedDevice, place
+from bench.fleet_sim.prefix_cache import PrefixCache
 from bench.fleet_sim.worker import Job, SimWorker, WorkerSpec
 from bench.fleet_sim.workload import SimRequest
 from common.capacity import prompt_steps_s
@@ -149,7 +149,7 @@ class Fleet:
         self.sims: dict[str, SimWorker] = {}
         self.starting: dict[str, tuple[str, float]] = {}  # name -> (role, ready at)
         self.loaded_at: dict[str, float] = {}
-        self.caches: dict[str, OrderedDict[int, None]] = {}
+        self.caches: dict[str, PrefixCache] = {}
         # first prefix block -> the workers that cached it, most recent last (a dict: ordered, whatever the hash seed)
         self.holders: dict[int, dict[str, None]] = {}
         self._events: list[tuple[float, int, int, object]] = []
@@ -210,7 +210,7 @@ class Fleet:
                 # step, the steps after it share the GPU (the step in flight finishes as it was)
                 self._wake_at(other, other.cut_span(self.clock.now))
         self.sims[name] = sim
-        self.caches[name] = OrderedDict()
+        self.caches[name] = PrefixCache()
         self.pool.add(name, role)
         self._report(name)
 
@@ -302,13 +302,15 @@ class Fleet:
             self._push(0.0, 3, None)
         i = 0
         events = self._events
+        clock = self.clock
+        pop = heapq.heappop
+        t_arr = requests[0].t if n else math.inf
         while True:
-            t_arr = requests[i].t if i < n else math.inf
             if events and events[0][0] <= t_arr:
-                t, _, kind, payload = heapq.heappop(events)
+                t, _, kind, payload = pop(events)
                 if t > end and kind == 3:
                     continue
-                self.clock.now = t
+                clock.now = t
                 if kind == 0:
                     w, version = payload  # type: ignore[misc]
                     if w.version == version:
@@ -329,9 +331,10 @@ class Fleet:
                 elif kind == 3:
                     self._tick(t)
             elif i < n:
-                self.clock.now = t_arr
+                clock.now = t_arr
                 self._arrive(i, requests[i])
                 i += 1
+                t_arr = requests[i].t if i < n else math.inf
             else:
                 break
         self._gpu_tick(max(self.clock.now, end))
@@ -368,9 +371,9 @@ class Fleet:
         else:
             workers = self.pool.workers.values()
             plan.matches = self._matches(req, self.pool.workers)
-        loaded_at = self.loaded_at
+        loaded_at, poll_s = self.loaded_at, cfg.poll_s
         for w in workers:
-            if now - loaded_at.get(w.url, -1e9) >= cfg.poll_s:
+            if now - loaded_at.get(w.url, -1e9) >= poll_s:
                 self._report(w.url)
 
     def _matches(self, req: SimRequest, names: Iterable[str]) -> dict[str, int]:
@@ -395,17 +398,7 @@ class Fleet:
         cache = self.caches.get(name)
         if cache is None or not req.blocks:
             return
-        # each block to the most recent end, in the prompt's order (a prompt's blocks are distinct: each one's id
-        # is its whole prefix's)
-        to_end = cache.move_to_end
-        for b in req.blocks:
-            if b in cache:
-                to_end(b)
-            else:
-                cache[b] = None
-        room = int(self.cfg.worker.kv_tokens * self.cfg.prefix_cache_share) // req.block_tokens
-        for _ in range(len(cache) - room):
-            cache.popitem(last=False)
+        cache.touch(req.blocks, int(self.cfg.worker.kv_tokens * self.cfg.prefix_cache_share) // req.block_tokens)
         held = self.holders.setdefault(req.blocks[0], {})
         held.pop(name, None)
         held[name] = None

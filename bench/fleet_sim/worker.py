@@ -113,7 +113,7 @@ class Job:
     peer: object = None  # a prefill for a peer: (decode worker, request) its KV goes to
 
 
-@dataclass
+@dataclass(slots=True)  # read and written at every event: slot access is the quickest
 class SimWorker:
     name: str
     role: str  # prefill | decode | mixed (agg: a decode worker with no prefill peers)
@@ -223,7 +223,9 @@ class SimWorker:
             decode_context=ctx,
             queued_ahead_tokens={},
         )
-        load.__dict__["step_cost"] = pub  # what parsing its step_coefficients gives, shared by every snapshot
+        # what parsing its step_coefficients gives, shared by every snapshot (set as an attribute: a cached_property
+        # takes it so, and reading __dict__ would turn the snapshot's compact attribute values into a dict)
+        load.step_cost = pub
         self._last_load = (stamp, load)
         return load
 

@@ -7,6 +7,7 @@ import csv
 import json
 import lzma
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -26,14 +27,20 @@ class SimRequest:
     block_tokens: int = MOONCAKE_BLOCK
 
 
+def _interned(blocks: Iterable[int], ids: dict[int, int]) -> tuple[int, ...]:
+    """`blocks` as the one int object `ids` keeps per id: the prefix caches then find a block by identity, not by
+    comparing two equal ints' digits (a parsed trace gives each occurrence an object of its own)."""
+    return tuple([ids.setdefault(b, b) for b in blocks])
+
+
 def mooncake(path: Path | None = None) -> list[SimRequest]:
-    out = []
+    out: list[SimRequest] = []
+    ids: dict[int, int] = {}
     with lzma.open(path or TRACES / "mooncake_fast25_conversation.jsonl.xz", "rt") as f:
         for line in f:
             r = json.loads(line)
-            out.append(
-                SimRequest(r["timestamp"] / 1000, r["input_length"], max(1, r["output_length"]), tuple(r["hash_ids"]))
-            )
+            blocks = _interned(r["hash_ids"], ids)
+            out.append(SimRequest(r["timestamp"] / 1000, r["input_length"], max(1, r["output_length"]), blocks))
     return sorted(out, key=lambda r: r.t)
 
 
@@ -57,8 +64,9 @@ def scale_rate(reqs: list[SimRequest], factor: float, span_s: float | None = Non
     out, copy = [], 0
     while copy * period < span_s:
         shift, tag = copy * period, copy << 32
+        ids: dict[int, int] = {}
         out += [
-            SimRequest(r.t + shift, r.prompt, r.output, tuple(b | tag for b in r.blocks), r.block_tokens)
+            SimRequest(r.t + shift, r.prompt, r.output, _interned((b | tag for b in r.blocks), ids), r.block_tokens)
             for r in base
             if r.t + shift < span_s
         ]

@@ -91,9 +91,10 @@ def _cap(load: Load) -> int:
     return min(pool, load.max_request_tokens) if load.max_request_tokens > 0 else pool
 
 
-def decode_is_full(w: Worker, need: RequestKV, limits: AdmissionLimits) -> bool:
+def decode_is_full(w: Worker, need: RequestKV, limits: AdmissionLimits, held: HeldCounts | None = None) -> bool:
+    """Whether `w` takes no more decode calls now; `held`: `w.held()` where the caller has it."""
     load = w.load
-    held = w.held()
+    held = held or w.held()
     running, waiting = (load.running_requests, load.waiting_requests) if load is not None else (0, 0)
     free_slots = max(0, load.max_running - running) if load is not None else 0
     backlog = waiting + max(0, held.inflight_requests - running - waiting - free_slots)
@@ -106,11 +107,12 @@ def decode_is_full(w: Worker, need: RequestKV, limits: AdmissionLimits) -> bool:
     return not kv_room(w, need, held)
 
 
-def prefill_is_full(w: Worker, limits: AdmissionLimits) -> bool:
+def prefill_is_full(w: Worker, limits: AdmissionLimits, held: HeldCounts | None = None) -> bool:
+    """Whether `w` takes no more prompts now; `held`: `w.held()` where the caller has it."""
     if not limits.max_queued_prefill_tokens:
         return False
     queued = w.load.queued_prefill_tokens if w.load is not None else 0
-    return max(queued, w.held().inflight_tokens) >= limits.queued_tokens_limit(w)
+    return max(queued, (held or w.held()).inflight_tokens) >= limits.queued_tokens_limit(w)
 
 
 @dataclass(slots=True)  # one per request: a frozen one's __init__ costs ~3x

@@ -22,7 +22,7 @@ from router.decision.admission import (
 from router.decision.cost_model import SloTargets
 from router.decision.locality import PrefixLocator
 from router.decision.policy import RouteDecision, RoutingPolicy
-from router.decision.pool import DECODE_ROLES, PREFILL_ROLES, Worker, WorkerPool
+from router.decision.pool import DECODE_ROLES, PREFILL_ROLES, HeldCounts, Worker, WorkerPool
 from router.decision.ttft_model import WorkerFigures, predict_ttft_s
 from router.errors import bad_request, no_worker, rate_limited
 from router.metrics import RouterMetrics
@@ -142,7 +142,8 @@ class Dispatcher:
         limits = self.limits
         call_tokens = len(plan.token_ids) + max_tokens
         need = RequestKV(call_tokens, max(call_tokens, plan.request_tokens), max_tokens)
-        open_decode = [w for w in decode if not decode_is_full(w, need, limits)]
+        # each worker's held calls read once: its fullness and its candidate record both need them
+        open_decode = [(w, h) for w in decode if not decode_is_full(w, need, limits, h := w.held())]
         if not open_decode:
             self._count("rejected-decode-full")
             raise rate_limited(
@@ -151,7 +152,7 @@ class Dispatcher:
                 self.retry_after_s,
             )
         prefill = self._ready(plan, PREFILL_ROLES, exclude_prefill)
-        open_prefill = [w for w in prefill if not prefill_is_full(w, limits)]
+        open_prefill = [(w, h) for w in prefill if not prefill_is_full(w, limits, h := w.held())]
         # Fixed placement sends a long prompt to a prefill pod, so their being full refuses it; adaptive may not.
         if (
             prefill
@@ -173,15 +174,15 @@ class Dispatcher:
             len(plan.token_ids),
             max_tokens,
             plan.block_size,
-            [w.prefill_candidate(p) for w, p in prefill_preds],
-            [w.decode_candidate(p) for w, p in decode_preds],
+            [w.prefill_candidate(p, h) for w, h, p in prefill_preds],
+            [w.decode_candidate(p, h) for w, h, p in decode_preds],
             plan.matches,
             SloTargets(cls.ttft_s, cls.itl_s) if cls is not None else None,
         )
         self._count(decision.reason)
         remote = decision.prefill is not None
         placed = decision.prefill if remote else decision.decode
-        predicted = next((p for w, p in (prefill_preds if remote else decode_preds) if w.url == placed), None)
+        predicted = next((p for w, _, p in (prefill_preds if remote else decode_preds) if w.url == placed), None)
         self._placed(plan, decision, predicted)
         return decision
 
@@ -234,15 +235,15 @@ class Dispatcher:
         return verdict.predicted_s
 
     def _meeting_ttft(
-        self, plan: PromptPlan, workers: list[Worker], slo_class: str, prefill_side: bool
-    ) -> list[tuple[Worker, float | None]]:
-        """Each worker with its predicted TTFT, kept to those meeting the target when some do."""
-        preds = [(w, self.predicted_ttft_s(plan, w, slo_class, prefill_side)) for w in workers]
+        self, plan: PromptPlan, workers: list[tuple[Worker, HeldCounts]], slo_class: str, prefill_side: bool
+    ) -> list[tuple[Worker, HeldCounts, float | None]]:
+        """Each (worker, its held calls) with its predicted TTFT, kept to those meeting the target when some do."""
+        preds = [(w, h, self.predicted_ttft_s(plan, w, slo_class, prefill_side)) for w, h in workers]
         cls = plan.slo_class
         if cls is None or cls.ttft_s is None or len(workers) < 2:
             return preds
         target = cls.ttft_s
-        meeting = [(w, p) for w, p in preds if p is None or p <= target]
+        meeting = [e for e in preds if e[2] is None or e[2] <= target]
         return meeting or preds
 
     def _placed(self, plan: PromptPlan, decision: RouteDecision, predicted: float | None) -> None:

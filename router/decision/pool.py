@@ -277,15 +277,18 @@ class Worker:
     def unseen_prompt_tokens(self) -> int:
         """Prompt tokens placed here that the last snapshot may not count yet (the TTFT prediction adds them)."""
         since = self.load_asked - SNAPSHOT_LAG_S
-        return sum(n for t, n in self.placed if t >= since)
+        return sum([n for t, n in self.placed if t >= since])  # a list: no generator to start for a few entries
 
     @property
     def inflight_tokens(self) -> int:
         return self.held().inflight_tokens
 
-    def prefill_candidate(self, predicted_ttft_s: float | None = None) -> PrefillCandidate:
+    def prefill_candidate(
+        self, predicted_ttft_s: float | None = None, held: HeldCounts | None = None
+    ) -> PrefillCandidate:
+        """Its policy inputs; `held`: `self.held()` where the caller has it."""
         load = self.load
-        held = self.held()
+        held = held or self.held()
         return PrefillCandidate(
             key=self.url,
             pod=self.pod,
@@ -300,9 +303,12 @@ class Worker:
             predicted_ttft_s=predicted_ttft_s,
         )
 
-    def decode_candidate(self, predicted_ttft_s: float | None = None) -> DecodeCandidate:
+    def decode_candidate(
+        self, predicted_ttft_s: float | None = None, held: HeldCounts | None = None
+    ) -> DecodeCandidate:
+        """Its policy inputs; `held`: `self.held()` where the caller has it."""
         load = self.load
-        inflight = self.held().inflight_requests
+        inflight = (held or self.held()).inflight_requests
         if load is None:
             return DecodeCandidate(
                 key=self.url, pod=self.pod, inflight_requests=inflight, predicted_ttft_s=predicted_ttft_s
