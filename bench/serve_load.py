@@ -134,6 +134,7 @@ class RequestRecord:
     retries: int = 0  # 429s answered by waiting Retry-After and sending again (--retry-429)
     refusals_s: list[float] = field(default_factory=list)  # each 429's time from its send to the answer
     slo_class: str = ""  # the SLO class it was sent as ("": none named)
+    attempt_at: float = 0.0  # perf_counter when its last attempt was sent: its token_times count from here
 
 
 class _SSEReader:
@@ -227,7 +228,7 @@ class LoadClient:
         if item.slo_class:
             headers[SLO_CLASS_HEADER] = item.slo_class
         clock = time.perf_counter
-        start = clock()
+        start = rec.attempt_at = clock()
         try:
             if self.backend == "aiohttp":
                 async with self._session.post(self.url, data=item.payload, headers=headers) as resp:
@@ -298,14 +299,20 @@ class PointRun:
     client_cpu_s: float  # CPU time of this process during the point
     client_parse_s: float  # of which parsing responses
     timed_out: int
+    loop_lag_end_at: list[float] = field(default_factory=list)  # perf_counter when each lag sample ended
 
 
-async def _lag_probe(stop: asyncio.Event, out: list[float], period_s: float = 0.005) -> None:
+LAG_PROBE_PERIOD_S = 0.005
+
+
+async def _lag_probe(stop: asyncio.Event, out: list[float], ends: list[float]) -> None:
     clock = time.perf_counter
     while not stop.is_set():
         t = clock()
-        await asyncio.sleep(period_s)
-        out.append(max(0.0, clock() - t - period_s))
+        await asyncio.sleep(LAG_PROBE_PERIOD_S)
+        now = clock()
+        out.append(max(0.0, now - t - LAG_PROBE_PERIOD_S))
+        ends.append(now)
 
 
 async def run_point(
@@ -323,12 +330,13 @@ async def run_point(
     dropping it); its TTFT then counts from the accepted attempt, and ``retries`` says how many it took."""
     records = [RequestRecord(i, it.prompt_len, it.max_tokens, slo_class=it.slo_class) for i, it in enumerate(items)]
     lags: list[float] = []
+    lag_ends: list[float] = []
     stop = asyncio.Event()
-    probe = asyncio.create_task(_lag_probe(stop, lags))
-    cpu0 = time.process_time()
-    parse0 = client.parse_s
     clock = time.perf_counter
     start = clock()
+    probe = asyncio.create_task(_lag_probe(stop, lags, lag_ends))
+    cpu0 = time.process_time()
+    parse0 = client.parse_s
 
     async def one(i: int) -> None:
         rec = records[i]
@@ -378,4 +386,4 @@ async def run_point(
         if r.outcome == "pending":  # a closed-loop request never sent before the deadline
             r.outcome = "timeout"
         timed_out += r.outcome == "timeout"
-    return PointRun(records, wall, lags, time.process_time() - cpu0, client.parse_s - parse0, timed_out)
+    return PointRun(records, wall, lags, time.process_time() - cpu0, client.parse_s - parse0, timed_out, lag_ends)

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from serve_load import PointRun, RequestRecord
+from serve_load import LAG_PROBE_PERIOD_S, PointRun, RequestRecord
 
 __all__ = ["SLO", "ClassSLO", "parse_class_slos", "percentiles", "request_itls", "summarize_classes", "summarize_point"]
 
@@ -111,6 +111,24 @@ def _good(rec: RequestRecord, itls: list[float], slo: SLO) -> bool:
     return not itls or percentile(sorted(itls), 99) <= slo.itl_p99_s
 
 
+def itl_misses(ok: Sequence[RequestRecord], itls: dict[int, list[float]], run: PointRun, slo: SLO) -> dict[str, int]:
+    """The requests that missed their own ITL p99, and of them those whose every gap past the target this client's
+    own event loop explains: a lag sample ending within the gap (or one probe period after it: the read that ended
+    it was late) at least as long as the gap's excess. The server may not have caused those."""
+    stalls = [(end, lag) for end, lag in zip(run.loop_lag_end_at, run.loop_lag_s) if lag > 0.001]
+    missed = explained = 0
+    for r in ok:
+        gaps = itls[r.index]
+        if not gaps or percentile(sorted(gaps), 99) <= slo.itl_p99_s:
+            continue
+        missed += 1
+        arrivals = [r.attempt_at + t for t in r.token_times]
+        late = [(arrivals[i], arrivals[i + 1], g - slo.itl_p99_s) for i, g in enumerate(gaps) if g > slo.itl_p99_s]
+        if all(any(a < e <= b + LAG_PROBE_PERIOD_S and lag >= x for e, lag in stalls) for a, b, x in late):
+            explained += 1
+    return {"itl_missed": missed, "itl_missed_during_client_stalls": explained}
+
+
 def summarize_point(run: PointRun, slo: SLO, classes: dict[str, ClassSLO] | None = None) -> dict[str, Any]:
     recs = run.records
     ok = [r for r in recs if r.outcome == "ok"]
@@ -164,6 +182,7 @@ def summarize_point(run: PointRun, slo: SLO, classes: dict[str, ClassSLO] | None
             "parse_us_per_read": run.client_parse_s / reads * 1e6 if reads else math.nan,
             "loop_lag_ms": percentiles(run.loop_lag_s),
             "send_lag_ms": percentiles(send_lag),
+            **itl_misses(ok, itls, run, slo),
         },
         "per_request": [_request_row(r, itls.get(r.index, [])) for r in recs],
     }

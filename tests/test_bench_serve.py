@@ -155,6 +155,12 @@ def test_goodput_and_bursts_from_token_timelines() -> None:
     b = s["bursts"]
     assert abs(b["frac_tokens_in_multi_token_events"] - 3 / 28) < 1e-9
     assert b["verdict"].startswith("server")  # 3 of 28 tokens grouped by the server (> 5%)
+    # `bursty` missed its own ITL p99 (a 100 ms gap); the client's loop did not stall then: the server's miss.
+    assert s["client"]["itl_missed"] == 1 and s["client"]["itl_missed_during_client_stalls"] == 0
+    # The same gap with this client's loop stalled 90 ms until just before the late read: the client's own.
+    run.loop_lag_s, run.loop_lag_end_at = [0.0001, 0.090], [0.05, 0.208]
+    s = summarize_point(run, SLO(ttft_s=2.0, itl_p99_s=0.025))
+    assert s["client"]["itl_missed"] == 1 and s["client"]["itl_missed_during_client_stalls"] == 1
 
 
 def test_synthetic_tokenizer_is_what_the_router_loads(tmp_path: Path) -> None:
