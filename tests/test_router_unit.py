@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -199,6 +201,11 @@ COMP = "/v1/completions"
 MSG = [{"role": "user", "content": "hi"}]
 
 
+def _post_json(client, path: str, body: dict):
+    """Posts the body as JSON with non-ASCII escaped, as clients send it (a lone surrogate as \\ud800)."""
+    return client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+
+
 def assert_error_answer(r, status: int, param: str | None = None, code: str | None = None) -> dict:
     """The response is an OpenAI-shaped error of ``status`` (with ``param`` and ``code`` when given)."""
     assert r.status_code == status, r.text
@@ -230,6 +237,7 @@ def assert_error_answer(r, status: int, param: str | None = None, code: str | No
         (CHAT, {"messages": MSG, "frequency_penalty": -2.5}, "frequency_penalty"),
         (CHAT, {"messages": MSG, "min_p": 2}, "min_p"),
         (CHAT, {"messages": MSG, "seed": 2**64}, "seed"),
+        (CHAT, {"messages": MSG, "logit_bias": {"\u00b2": 1}}, "logit_bias"),  # a digit to isdigit(), not to int()
         (CHAT, {"messages": MSG, "stream_options": {"include_usage": True}}, None),
         (CHAT, {"messages": []}, "messages"),
         (CHAT, {}, "messages"),
@@ -248,7 +256,7 @@ def assert_error_answer(r, status: int, param: str | None = None, code: str | No
     ],
 )
 def test_bad_parameters_are_400(client, path: str, body: dict, param: str | None) -> None:
-    err = assert_error_answer(client.post(path, json=body), 400)
+    err = assert_error_answer(_post_json(client, path, body), 400)
     if param is not None:
         assert err["param"] == param
 
@@ -334,6 +342,9 @@ def test_unknown_fields_are_ignored(client) -> None:
 def test_unknown_model_is_404(client) -> None:
     assert_error_answer(client.post(CHAT, json={"model": "gpt-7", "messages": MSG}), 404, "model", "model_not_found")
     assert_error_answer(client.get("/v1/models/gpt-7"), 404, "model", "model_not_found")
+    # A name that is no Unicode (JSON may carry a lone surrogate) is quoted back escaped, still a 404.
+    err = assert_error_answer(_post_json(client, CHAT, {"model": "gpt\ud800", "messages": MSG}), 404, "model")
+    assert "gpt\\ud800" in err["message"]
     assert client.get("/v1/models/smollm2-135m-instruct").json()["id"] == "smollm2-135m-instruct"
 
 

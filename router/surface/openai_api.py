@@ -150,7 +150,7 @@ class _SamplingRequest(_RefusesUnsupported):
     @classmethod
     def _check_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (v or {}).items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):  # "²".isdigit() is true, yet int() refuses it
                 raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"the bias for token {key} is {bias}; biases must lie in [-100, 100]")
