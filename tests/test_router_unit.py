@@ -229,7 +229,7 @@ def assert_error_answer(r, status: int, param: str | None = None, code: str | No
         (CHAT, {"messages": MSG, "n": 17}, "n"),
         (CHAT, {"messages": MSG, "max_tokens": 0}, "max_tokens"),
         (CHAT, {"messages": MSG, "max_completion_tokens": -3}, "max_completion_tokens"),
-        (CHAT, {"messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        (CHAT, {"messages": MSG, "stop": [f"s{i}" for i in range(65)]}, "stop"),
         (CHAT, {"messages": MSG, "stop": [""]}, "stop"),
         (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         (CHAT, {"messages": MSG, "top_logprobs": 2}, None),
@@ -337,6 +337,21 @@ def test_unknown_fields_are_ignored(client) -> None:
     err = assert_error_answer(r, 503)
     assert err["code"] == "service_unavailable"
     assert r.headers["retry-after"] == "1"  # a worker coming back (an engine restart) takes seconds
+
+
+def test_stop_lists_of_evaluation_suites_pass_validation(client) -> None:
+    # lm-eval's humaneval stops on five sequences, plus the EOS text the harness adds (OpenAI allows 4, vLLM any).
+    stops = ["\nclass", "\ndef", "\n#", "\nif", "\nprint", "<|im_end|>"]
+    err = assert_error_answer(client.post(COMP, json={"prompt": "def f():", "max_tokens": 4, "stop": stops}), 503)
+    assert err["code"] == "service_unavailable"  # past validation: refused only for want of a worker
+
+
+def test_text_parts_of_a_message_are_joined_by_line_breaks() -> None:
+    from router.surface.openai_api import ChatCompletionRequest
+
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": parts}]})
+    assert req.chat_messages() == [{"role": "user", "content": "Hello\nworld"}]
 
 
 def test_unknown_model_is_404(client) -> None:

@@ -31,7 +31,9 @@ __all__ = [
 ]
 
 MAX_N = 16  # choices per request: n upstream requests, so bounded like a batch
-MAX_STOP = 4  # OpenAI's limit on stop sequences
+# OpenAI allows 4 stop sequences; vLLM any number, and evaluation suites pointed at vLLM send more (lm-eval's
+# humaneval: 5, plus the EOS text the harness adds). Bounded: each is matched on every text delta.
+MAX_STOP = 64
 MAX_PROMPTS = 64  # batched prompts in one /v1/completions call
 _SEED_MAX = 2**63 - 1 - MAX_N  # seed + i (one per choice) must stay a signed 64-bit integer
 _SEED_MIN = -(2**63)
@@ -332,7 +334,8 @@ class ChatMessage(_Lenient):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text or "" for part in self.content)
+        # Parts joined by line breaks, as vLLM renders them: joined with nothing, "Hello" "world" would merge.
+        return "\n".join(part.text or "" for part in self.content)
 
 
 class ChatCompletionRequest(_SamplingRequest):
