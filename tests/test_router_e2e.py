@@ -186,6 +186,29 @@ def test_streamed_equals_non_streamed_under_greedy(client: openai.OpenAI, endpoi
         assert full.choices[0].finish_reason in ("length", "stop")
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_continuous_usage_stats_count_each_choice_as_it_streams(client: openai.OpenAI, endpoint: str) -> None:
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries its choice's usage so far, and the
+    stream still ends with the whole request's usage."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    kw = dict(model=MODEL, temperature=0, max_tokens=12, n=2, stream=True, stream_options=opts)
+    if endpoint == "chat":
+        chunks = list(client.chat.completions.create(messages=FRANCE, **kw))  # type: ignore[call-overload]
+    else:
+        chunks = list(client.completions.create(prompt="The capital of France is", **kw))  # type: ignore[call-overload]
+    *body, last = chunks
+    assert not last.choices
+    counts = {0: 0, 1: 0}
+    for c in body:
+        assert c.usage.prompt_tokens == last.usage.prompt_tokens  # one prompt
+        assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+        for choice in c.choices:  # one, or both in chat's opening chunk (0 tokens yet)
+            assert c.usage.completion_tokens >= counts[choice.index]  # a choice's count only grows
+            counts[choice.index] = c.usage.completion_tokens
+    assert all(0 < n <= 12 for n in counts.values())
+    assert last.usage.completion_tokens == counts[0] + counts[1]
+
+
 def test_stop_strings(client: openai.OpenAI) -> None:
     prompt = "Count from one to ten in words: one, two,"
     base = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=24).choices[0].text

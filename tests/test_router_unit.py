@@ -239,6 +239,7 @@ def assert_error_answer(r, status: int, param: str | None = None, code: str | No
         (CHAT, {"messages": MSG, "seed": 2**64}, "seed"),
         (CHAT, {"messages": MSG, "logit_bias": {"\u00b2": 1}}, "logit_bias"),  # a digit to isdigit(), not to int()
         (CHAT, {"messages": MSG, "stream_options": {"include_usage": True}}, None),
+        (CHAT, {"messages": MSG, "continue_final_message": True}, None),  # with add_generation_prompt's default
         (CHAT, {"messages": []}, "messages"),
         (CHAT, {}, "messages"),
         (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, None),

@@ -30,6 +30,7 @@ class Job:
     logprobs: bool
     top_logprobs: int
     include_usage: bool
+    continuous_usage: bool = False  # every stream chunk carries its choice's usage so far
     slo_class: str = ""  # its SLO class (common/slo.py), from `priority` or the x-kvferry-class header
     record: RequestRecord | None = None  # timeline, trace and metrics of the request (router/timeline.py)
     # Every choice started, registered before its first await: the job's owner closes them however it ends.

@@ -46,6 +46,8 @@ class _Lenient(BaseModel):
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries its choice's usage so far (not only the last chunk).
+    continuous_usage_stats: bool = False
 
 
 # Fields that change the output and that this server does not honour: (values that change nothing, reason).
@@ -73,8 +75,6 @@ _REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "chat_template": ((None,), "a per-request chat_template is not supported"),
     "chat_template_kwargs": ((None, {}), "chat_template_kwargs is not supported"),
     "documents": ((None, []), "documents are not supported"),
-    "continue_final_message": ((None, False), "continue_final_message is not supported"),
-    "add_generation_prompt": ((None, True), "add_generation_prompt=false is not supported"),
 }
 
 
@@ -105,8 +105,6 @@ class _RefusesUnsupported(_Lenient):
     chat_template: SkipJsonSchema[Any] = None
     chat_template_kwargs: SkipJsonSchema[Any] = None
     documents: SkipJsonSchema[Any] = None
-    continue_final_message: SkipJsonSchema[Any] = None
-    add_generation_prompt: SkipJsonSchema[Any] = None
 
     @field_validator(*_REFUSED, mode="before")
     @classmethod
@@ -196,6 +194,10 @@ class _SamplingRequest(_RefusesUnsupported):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -348,6 +350,18 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's chat template options: an assistant turn opened after the messages (the default), or the last
+    # message continued as it stands (an assistant reply prefilled by the client).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @model_validator(mode="after")
+    def _check_template_options(self) -> ChatCompletionRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError(
+                "continue_final_message continues the last message: set add_generation_prompt to false with it"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:

@@ -47,17 +47,29 @@ class PromptPreparer:
         except ValueError as exc:  # the tokenizer refuses text that is not valid Unicode
             raise bad_request(str(exc), param) from None
 
-    async def encode_chat(self, messages: list[dict[str, Any]], tools: list[Tool] | None) -> list[int]:
+    async def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[Tool] | None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[int]:
         """A conversation's prompt ids through the chat template (400 as in ``encode_text``, or if refused)."""
         chars = _text_chars(messages)
         limit = self.model.max_context
+
+        def encode() -> list[int]:
+            return self.tok.encode_chat(messages, tools, limit, add_generation_prompt, continue_final_message)
+
         try:
-            return await self._tokenize(chars, "messages", lambda: self.tok.encode_chat(messages, tools, limit))
+            return await self._tokenize(chars, "messages", encode)
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from None
 
     async def prepare_chat(self, req: ChatCompletionRequest) -> Job:
-        ids = await self.encode_chat(req.chat_messages(), req.tools)
+        ids = await self.encode_chat(
+            req.chat_messages(), req.tools, req.add_generation_prompt, req.continue_final_message
+        )
         if not ids:
             raise bad_request("messages produce an empty prompt", "messages")
         max_tokens = self._max_tokens(len(ids), req.requested_max_tokens(), "messages", chat=True)
@@ -102,6 +114,7 @@ class PromptPreparer:
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             include_usage=req.include_usage,
+            continuous_usage=req.continuous_usage,
         )
 
     def _check_sampling(self, req: ChatCompletionRequest | CompletionRequest, max_tokens: list[int]) -> None:

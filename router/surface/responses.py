@@ -111,8 +111,11 @@ class ChunkFormat:
         self._prefix = b"data: " + orjson.dumps(head)[:-1] + b',"choices":'
         self._suffix = b',"usage":null}\n\n' if include_usage else b"}\n\n"
 
-    def chunk(self, choices: list[dict[str, Any]]) -> bytes:
-        return self._prefix + orjson.dumps(choices) + self._suffix
+    def chunk(self, choices: list[dict[str, Any]], use: dict[str, Any] | None = None) -> bytes:
+        """One chunk; ``use``: the usage it carries (continuous usage stats), else the stream's default."""
+        if use is None:
+            return self._prefix + orjson.dumps(choices) + self._suffix
+        return self._prefix + orjson.dumps(choices) + b',"usage":' + orjson.dumps(use) + b"}\n\n"
 
     def usage_chunk(self, use: dict[str, Any]) -> bytes:
         return self._prefix + b'[],"usage":' + orjson.dumps(use) + b"}\n\n"
