@@ -267,6 +267,14 @@ def test_bad_json_is_400_not_422(client) -> None:
     assert_error_answer(r, 400)
     r = client.post(CHAT, content=b"[1, 2]", headers={"content-type": "application/json"})
     assert_error_answer(r, 400)
+    # curl -d without a JSON Content-Type (it sends a form's type): the answer says what to send.
+    body = b'{"messages": [{"role": "user", "content": "hi"}]}'
+    for content_type in ("application/x-www-form-urlencoded", None):
+        headers = {"content-type": content_type} if content_type else {}
+        err = assert_error_answer(client.post(CHAT, content=body, headers=headers), 400)
+        assert "Content-Type: application/json" in err["message"], err
+    err = assert_error_answer(client.post(CHAT, content=b"", headers={"content-type": "application/json"}), 400)
+    assert "empty" in err["message"]
 
 
 def _counts(client, name: str) -> dict[tuple[tuple[str, str], ...], float]:
