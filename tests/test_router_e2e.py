@@ -253,6 +253,14 @@ def test_logprobs(client: openai.OpenAI, tok: RouterTokenizer) -> None:
     lp = c.choices[0].logprobs
     assert len(lp.tokens) == 5 and all(len(t) == 2 for t in lp.top_logprobs)
     assert "".join(lp.tokens) == c.choices[0].text
+    # Sampled, the chosen token may be outside the top ones: the legacy shape still lists it (as OpenAI and
+    # vLLM do: up to logprobs + 1 entries), and logprobs=0 lists only it.
+    for k in (0, 1):
+        kw = dict(model=MODEL, prompt="Name a fruit:", temperature=2.0, seed=11, max_tokens=16, logprobs=k)
+        lp = client.completions.create(**kw).choices[0].logprobs  # type: ignore[call-overload]
+        for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+            assert top[token] == logprob and len(top) <= k + 1
+        assert k == 0 or any(len(top) == 2 for top in lp.top_logprobs)  # temperature 2 leaves the top at times
 
 
 def test_error_cases(client: openai.OpenAI, cluster: LocalCluster) -> None:

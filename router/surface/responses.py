@@ -61,6 +61,8 @@ def completion_logprobs(tokens: Sequence[TokenInfo], tok: RouterTokenizer, offse
         top: dict[str, float] = {}
         for i, lp in t.top:
             top.setdefault(tok.token_str(i), lp)  # two ids can print alike; keep the likelier
+        # OpenAI's legacy shape always holds the sampled token too (up to logprobs + 1 entries; {token} for 0).
+        top.setdefault(s, t.logprob)
         tops.append(top)
         offsets.append(offset)
         offset += len(s)
