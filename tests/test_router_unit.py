@@ -226,7 +226,8 @@ def assert_error_answer(r, status: int, param: str | None = None, code: str | No
         (CHAT, {"messages": MSG, "temperature": "hot"}, "temperature"),
         (CHAT, {"messages": MSG, "top_p": 1.5}, "top_p"),
         (CHAT, {"messages": MSG, "n": 0}, "n"),
-        (CHAT, {"messages": MSG, "n": 17}, "n"),
+        (CHAT, {"messages": MSG, "n": 129}, "n"),
+        (COMP, {"prompt": ["x"] * 9, "n": 128}, None),  # 1152 choices: more than one request may hold
         (CHAT, {"messages": MSG, "max_tokens": 0}, "max_tokens"),
         (CHAT, {"messages": MSG, "max_completion_tokens": -3}, "max_completion_tokens"),
         (CHAT, {"messages": MSG, "stop": [f"s{i}" for i in range(65)]}, "stop"),
@@ -348,10 +349,12 @@ def test_unknown_fields_are_ignored(client) -> None:
     assert r.headers["retry-after"] == "1"  # a worker coming back (an engine restart) takes seconds
 
 
-def test_stop_lists_of_evaluation_suites_pass_validation(client) -> None:
-    # lm-eval's humaneval stops on five sequences, plus the EOS text the harness adds (OpenAI allows 4, vLLM any).
+def test_requests_of_evaluation_suites_pass_validation(client) -> None:
+    # lm-eval's humaneval stops on five sequences, plus the EOS text the harness adds (OpenAI allows 4, vLLM any);
+    # pass@k samples n in the tens or hundreds (OpenAI allows up to 128).
     stops = ["\nclass", "\ndef", "\n#", "\nif", "\nprint", "<|im_end|>"]
-    err = assert_error_answer(client.post(COMP, json={"prompt": "def f():", "max_tokens": 4, "stop": stops}), 503)
+    body = {"prompt": "def f():", "max_tokens": 4, "stop": stops, "n": 128, "temperature": 0.8}
+    err = assert_error_answer(client.post(COMP, json=body), 503)
     assert err["code"] == "service_unavailable"  # past validation: refused only for want of a worker
 
 

@@ -30,11 +30,12 @@ __all__ = [
     "StreamOptions",
 ]
 
-MAX_N = 16  # choices per request: n upstream requests, so bounded like a batch
+MAX_N = 128  # OpenAI's bound on n (sampling evaluations ask for pass@k with n in the tens or hundreds)
 # OpenAI allows 4 stop sequences; vLLM any number, and evaluation suites pointed at vLLM send more (lm-eval's
 # humaneval: 5, plus the EOS text the harness adds). Bounded: each is matched on every text delta.
 MAX_STOP = 64
 MAX_PROMPTS = 64  # batched prompts in one /v1/completions call
+MAX_CHOICES = 1024  # prompts x n: one upstream request each, so bounded like a batch
 _SEED_MAX = 2**63 - 1 - MAX_N  # seed + i (one per choice) must stay a signed 64-bit integer
 _SEED_MIN = -(2**63)
 
@@ -256,6 +257,13 @@ class CompletionRequest(_SamplingRequest):
             if isinstance(v[0], list) and any(not p for p in v):
                 raise ValueError("a token-id prompt must not be empty")
         return v
+
+    @model_validator(mode="after")
+    def _check_choices(self) -> CompletionRequest:
+        prompts = len(self.prompt) if isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list)) else 1
+        if prompts * self.n > MAX_CHOICES:
+            raise ValueError(f"{prompts} prompts x n={self.n} is more than {MAX_CHOICES} choices in one request")
+        return self
 
     @model_validator(mode="after")
     def _check_unsupported(self) -> CompletionRequest:
