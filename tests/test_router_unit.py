@@ -398,6 +398,7 @@ def test_no_worker_is_503_and_not_ready(client) -> None:
 def test_models_and_unknown_route(client) -> None:
     data = client.get("/v1/models").json()
     assert data["object"] == "list" and data["data"][0]["id"] == "smollm2-135m-instruct"
+    assert data["data"][0]["max_model_len"] == 8192  # vLLM's field: SmolLM2's context
     assert_error_answer(client.get("/v1/nope"), 404)
     assert_error_answer(client.get(CHAT), 405)
 
