@@ -209,6 +209,20 @@ def test_continuous_usage_stats_count_each_choice_as_it_streams(client: openai.O
     assert last.usage.completion_tokens == counts[0] + counts[1]
 
 
+def test_echo_puts_the_prompt_before_the_output(client: openai.OpenAI, tok: RouterTokenizer) -> None:
+    prompt = "The three largest cities in Japan are"
+    kw = dict(model=MODEL, temperature=0, max_tokens=8)
+    plain = client.completions.create(prompt=prompt, **kw).choices[0].text  # type: ignore[call-overload]
+    echoed = client.completions.create(prompt=prompt, echo=True, **kw)  # type: ignore[call-overload]
+    assert echoed.choices[0].text == prompt + plain
+    assert echoed.usage.prompt_tokens == len(tok.encode(prompt))
+    chunks = client.completions.create(prompt=prompt, echo=True, stream=True, **kw)  # type: ignore[call-overload]
+    assert "".join(c.choices[0].text for c in chunks) == prompt + plain
+    ids = tok.encode(prompt)  # a token-id prompt echoes as its text
+    by_ids = client.completions.create(prompt=[ids, ids[:3]], echo=True, **kw)  # type: ignore[call-overload]
+    assert by_ids.choices[0].text == prompt + plain and by_ids.choices[1].text.startswith(tok.decode(ids[:3]))
+
+
 def test_stop_strings(client: openai.OpenAI) -> None:
     prompt = "Count from one to ten in words: one, two,"
     base = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=24).choices[0].text

@@ -246,7 +246,7 @@ def assert_error_answer(r, status: int, param: str | None = None, code: str | No
         (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, None),
         (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, None),
         (COMP, {"prompt": "x", "logprobs": 21}, "logprobs"),
-        (COMP, {"prompt": "x", "echo": True}, None),
+        (COMP, {"prompt": "x", "echo": True, "logprobs": 1}, None),  # the prompt's logprobs are not computed
         (COMP, {"prompt": "x", "best_of": 3}, None),
         (COMP, {"prompt": []}, "prompt"),
         (COMP, {"prompt": [[1, 2], []]}, None),

@@ -267,8 +267,9 @@ class CompletionRequest(_SamplingRequest):
 
     @model_validator(mode="after")
     def _check_unsupported(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
+        if self.echo and self.logprobs is not None:
+            # The prompt's tokens would need their logprobs too (the workers compute only the output's).
+            raise ValueError("echo with logprobs is not supported (the prompt's logprobs are not computed)")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:

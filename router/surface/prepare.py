@@ -78,6 +78,7 @@ class PromptPreparer:
 
     async def prepare_completion(self, req: CompletionRequest) -> Job:
         prompts: list[list[int]] = []
+        echo: list[str] = []
         for p in req.prompts():
             if isinstance(p, str):
                 ids = await self.encode_text(p, "prompt")
@@ -88,9 +89,13 @@ class PromptPreparer:
                 if any(t < 0 or t >= self.tok.vocab_size for t in ids):
                     raise bad_request(f"prompt token ids must be in [0, {self.tok.vocab_size})", "prompt")
             prompts.append(ids)
+            if req.echo:
+                echo.append(p if isinstance(p, str) else self.tok.decode(ids))
         max_tokens = [self._max_tokens(len(ids), req.max_tokens, "prompt", chat=False) for ids in prompts]
         self._check_sampling(req, max_tokens)
-        return self._job("completion", req, prompts, max_tokens, req.logprobs is not None, req.logprobs or 0)
+        job = self._job("completion", req, prompts, max_tokens, req.logprobs is not None, req.logprobs or 0)
+        job.echo = echo
+        return job
 
     def _job(
         self,

@@ -205,6 +205,8 @@ class RouterService:
                 out.append(chat_choice(c.index, text, c.state.finish_reason, lp))
             else:
                 lp = completion_logprobs(c.tokens, self.tok, 0)[0] if job.logprobs else None
+                if job.echo:
+                    text = job.echo[c.prompt_index] + text
                 out.append(completion_choice(c.index, text, c.state.finish_reason, lp))
         use = self._usage(job, choices)
         return response(job.kind, job.rid, job.created, job.model, out, use)
@@ -284,9 +286,10 @@ class RouterService:
         lp = None
         if job.logprobs:
             lp, c.offset = completion_logprobs(delta.tokens, self.tok, c.offset)
-        return fmt.chunk(
-            [{"index": c.index, "text": delta.text, "logprobs": lp, "finish_reason": delta.finish_reason}], use
-        )
+        text = delta.text
+        if job.echo and not c.echoed:  # the prompt's text opens the choice's first chunk
+            text, c.echoed = job.echo[c.prompt_index] + text, True
+        return fmt.chunk([{"index": c.index, "text": text, "logprobs": lp, "finish_reason": delta.finish_reason}], use)
 
     @staticmethod
     def _choice_usage(job: Job, c: RunningChoice) -> dict[str, Any]:
