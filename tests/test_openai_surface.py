@@ -521,3 +521,9 @@ def test_assistant_prefill_continues_the_final_message(client: openai.OpenAI, cl
     assert chat.usage.prompt_tokens == len(ids)
     plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
     assert chat.choices[0].message.content == plain.choices[0].text
+    # vLLM's echo: the prefilled text comes back ahead of its continuation, whole or streamed.
+    whole = prefill[-1]["content"] + plain.choices[0].text
+    kw = dict(model=MODEL, messages=prefill, max_tokens=8, temperature=0, extra_body={**flags, "echo": True})
+    assert client.chat.completions.create(**kw).choices[0].message.content == whole  # type: ignore[call-overload]
+    chunks = client.chat.completions.create(stream=True, **kw)  # type: ignore[call-overload]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole

@@ -31,7 +31,8 @@ class Job:
     top_logprobs: int
     include_usage: bool
     continuous_usage: bool = False  # every stream chunk carries its choice's usage so far
-    echo: list[str] = field(default_factory=list)  # completions' echo: each prompt's text, put before its output
+    # echo: each prompt's text before its output (completions), the final assistant message's before the reply (chat)
+    echo: list[str] = field(default_factory=list)
     slo_class: str = ""  # its SLO class (common/slo.py), from `priority` or the x-kvferry-class header
     record: RequestRecord | None = None  # timeline, trace and metrics of the request (router/timeline.py)
     # Every choice started, registered before its first await: the job's owner closes them however it ends.

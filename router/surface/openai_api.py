@@ -363,6 +363,7 @@ class ChatCompletionRequest(_SamplingRequest):
     # message continued as it stands (an assistant reply prefilled by the client).
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    echo: bool = False  # vLLM's: a final assistant message's text goes before the reply (with a prefilled reply)
 
     @model_validator(mode="after")
     def _check_template_options(self) -> ChatCompletionRequest:
@@ -410,6 +411,11 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def named_tool(self) -> NamedToolChoice | None:
         return self.tool_choice if isinstance(self.tool_choice, NamedToolChoice) else None
+
+    def echo_text(self) -> str | None:
+        """What ``echo`` puts before the reply: the last message's text when it is the assistant's."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else None
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens replaced max_tokens in OpenAI's chat API; the newer one wins.

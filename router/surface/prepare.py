@@ -74,7 +74,10 @@ class PromptPreparer:
             raise bad_request("messages produce an empty prompt", "messages")
         max_tokens = self._max_tokens(len(ids), req.requested_max_tokens(), "messages", chat=True)
         self._check_sampling(req, [max_tokens])
-        return self._job("chat", req, [ids], [max_tokens], req.logprobs, req.top_logprobs or 0)
+        job = self._job("chat", req, [ids], [max_tokens], req.logprobs, req.top_logprobs or 0)
+        echo = req.echo_text()
+        job.echo = [echo] if echo else []
+        return job
 
     async def prepare_completion(self, req: CompletionRequest) -> Job:
         prompts: list[list[int]] = []

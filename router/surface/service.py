@@ -200,9 +200,10 @@ class RouterService:
                     req = c.tools
                     content, calls = parse_tool_calls(text, req.mode, req.tools, req.choice)
                     reason = finish_reason_with_calls(c.state.finish_reason, calls)
+                    content = job.echo[0] + (content or "") if job.echo else content
                     out.append(chat_choice(c.index, content, reason, lp, [x.as_dict() for x in calls]))
                     continue
-                out.append(chat_choice(c.index, text, c.state.finish_reason, lp))
+                out.append(chat_choice(c.index, job.echo[0] + text if job.echo else text, c.state.finish_reason, lp))
             else:
                 lp = completion_logprobs(c.tokens, self.tok, 0)[0] if job.logprobs else None
                 if job.echo:
@@ -248,6 +249,14 @@ class RouterService:
                 ],
                 usage(len(job.prompts[0]), 0, 0) if job.continuous_usage else None,
             )
+            if job.echo:  # the final assistant message's text, ahead of the reply
+                yield fmt.chunk(
+                    [
+                        {"index": c.index, "delta": {"content": job.echo[0]}, "logprobs": None, "finish_reason": None}
+                        for c in choices
+                    ],
+                    usage(len(job.prompts[0]), 0, 0) if job.continuous_usage else None,
+                )
         by_index = {c.index: c for c in choices}
         async for batch in self._merged(choices):
             out: list[bytes] = []
