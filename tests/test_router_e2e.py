@@ -193,18 +193,19 @@ def test_continuous_usage_stats_count_each_choice_as_it_streams(client: openai.O
     opts = {"include_usage": True, "continuous_usage_stats": True}
     kw = dict(model=MODEL, temperature=0, max_tokens=12, n=2, stream=True, stream_options=opts)
     if endpoint == "chat":
-        chunks = list(client.chat.completions.create(messages=FRANCE, **kw))  # type: ignore[call-overload]
+        chunks = list(client.chat.completions.create(messages=FRANCE, logprobs=True, **kw))  # type: ignore[call-overload]
     else:
-        chunks = list(client.completions.create(prompt="The capital of France is", **kw))  # type: ignore[call-overload]
+        chunks = list(client.completions.create(prompt="The capital of France is", logprobs=0, **kw))  # type: ignore[call-overload]
     *body, last = chunks
     assert not last.choices
-    counts = {0: 0, 1: 0}
+    counts = {0: 0, 1: 0}  # tokens each choice's chunks have carried so far (their logprobs list them)
     for c in body:
         assert c.usage.prompt_tokens == last.usage.prompt_tokens  # one prompt
         assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
         for choice in c.choices:  # one, or both in chat's opening chunk (0 tokens yet)
-            assert c.usage.completion_tokens >= counts[choice.index]  # a choice's count only grows
-            counts[choice.index] = c.usage.completion_tokens
+            lp = choice.logprobs
+            counts[choice.index] += len((lp.content if endpoint == "chat" else lp.tokens) or []) if lp else 0
+            assert c.usage.completion_tokens == counts[choice.index]
     assert all(0 < n <= 12 for n in counts.values())
     assert last.usage.completion_tokens == counts[0] + counts[1]
 

@@ -277,7 +277,7 @@ class RouterService:
 
     def _render(self, job: Job, fmt: ChunkFormat, c: RunningChoice, delta: ChoiceDelta) -> bytes:
         # vLLM's continuous usage stats: the choice's own counts so far, on every chunk.
-        use = self._choice_usage(job, c) if job.continuous_usage else None
+        use = self._choice_usage(job, c, delta) if job.continuous_usage else None
         if c.tools is not None:
             return self._render_tools(job, fmt, c, c.tools, delta, use)
         if job.kind == "chat":
@@ -301,8 +301,8 @@ class RouterService:
         return fmt.chunk([{"index": c.index, "text": text, "logprobs": lp, "finish_reason": delta.finish_reason}], use)
 
     @staticmethod
-    def _choice_usage(job: Job, c: RunningChoice) -> dict[str, Any]:
-        return usage(len(job.prompts[c.prompt_index]), c.state.completion_tokens, c.state.cached_tokens)
+    def _choice_usage(job: Job, c: RunningChoice, delta: ChoiceDelta) -> dict[str, Any]:
+        return usage(len(job.prompts[c.prompt_index]), delta.completion_tokens, c.state.cached_tokens)
 
     def _render_tools(
         self,
