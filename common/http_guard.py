@@ -18,7 +18,15 @@ HEADER_LINE_OVERHEAD = 4
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return {"error": {"message": _encodable(message), "type": type_, "param": _encodable(param), "code": code}}
+
+
+def _encodable(text: str | None) -> str | None:
+    """The text with lone surrogates escaped: JSON may carry them (a model name, a dict key) and an error that
+    quotes one back must still encode as UTF-8."""
+    if text is None or text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class LimitError:

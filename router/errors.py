@@ -157,7 +157,7 @@ _UNION_BRANCHES = frozenset({"str", "int", "float", "bool", "dict", "list", "non
 _UNION_PREFIXES = ("function-", "list[", "dict[", "literal[", "tuple[")
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def _validation_message(exc: RequestValidationError, content_type: str) -> tuple[str, str | None]:
     """First validation error as ``param: message`` (OpenAI reports one problem at a time)."""
     errors = exc.errors()
     if not errors:
@@ -167,6 +167,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
     if err.get("type") == "json_invalid":
         return "We could not parse the JSON body of your request.", None
+    if not loc and err.get("type") == "missing":
+        return "The request body is empty: send a JSON object.", None
+    if not loc and "json" not in content_type.lower():
+        # FastAPI parses JSON only when the request says it is JSON (curl -d sends a form's type by default).
+        got = f"'{content_type}'" if content_type else "none"
+        return f"Send the body as JSON with 'Content-Type: application/json' (the Content-Type was {got}).", None
     param = ".".join(p for p in loc if p not in _UNION_BRANCHES and not p.startswith(_UNION_PREFIXES)) or None
     msg = str(err.get("msg", "invalid value"))
     # pydantic prefixes custom ValueErrors with "Value error, "; the client does not need to see that.
@@ -216,8 +222,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc, request.headers.get("content-type", ""))
         return error_response(bad_request(message, param))
 
     @app.exception_handler(StarletteHTTPException)

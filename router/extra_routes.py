@@ -298,12 +298,21 @@ def install_extra_routes(app: FastAPI, slot: RuntimeSlot) -> None:
         # Tokenized as a prompt is (router/surface/service.py): up to the model's context, longer texts are refused.
         if body.messages is not None:
             try:
-                chat = ChatCompletionRequest.model_validate({"messages": body.messages, "tools": body.tools})
+                chat = ChatCompletionRequest.model_validate(
+                    {
+                        "messages": body.messages,
+                        "tools": body.tools,
+                        "add_generation_prompt": body.add_generation_prompt,
+                        "continue_final_message": body.continue_final_message,
+                    }
+                )
             except ValidationError as e:
                 raise bad_request(
                     str(e.errors()[0].get("msg", "invalid messages")).removeprefix("Value error, "), "messages"
                 ) from None
-            ids = await service.prompts.encode_chat(chat.chat_messages(), chat.tools)
+            ids = await service.prompts.encode_chat(
+                chat.chat_messages(), chat.tools, chat.add_generation_prompt, chat.continue_final_message
+            )
         elif body.prompt is not None:
             ids = await service.prompts.encode_text(body.prompt, "prompt", body.add_special_tokens)
         else:
@@ -378,13 +387,7 @@ class TokenizeRequest(_Lenient):
     tools: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
-
-    @field_validator("add_generation_prompt")
-    @classmethod
-    def _generation_prompt(cls, v: bool) -> bool:
-        if not v:
-            raise ValueError("add_generation_prompt=false is not supported")
-        return v
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(_Lenient):

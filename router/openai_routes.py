@@ -23,7 +23,9 @@ from router.timeline import RequestLog
 
 def install_openai_routes(app: FastAPI, slot: RuntimeSlot, info: ModelInfo, requests: RequestLog) -> None:
     def model_card() -> dict[str, Any]:
-        return {"id": info.name, "object": "model", "created": info.created, "owned_by": "kvferry"}
+        # max_model_len: vLLM's field, which load generators and evaluation clients read to size their prompts.
+        card = {"id": info.name, "object": "model", "created": info.created, "owned_by": "kvferry"}
+        return {**card, "max_model_len": info.max_context}
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:

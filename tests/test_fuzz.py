@@ -336,7 +336,7 @@ def _cases() -> list[tuple[str, str, bytes, int, str | None]]:
         ("top_logprobs without logprobs", chat, j({**CHAT, "top_logprobs": 3}), 400, None),
         ("top_logprobs too many", chat, j({**CHAT, "logprobs": True, "top_logprobs": 1000}), 400, "top_logprobs"),
         ("stream_options without stream", chat, j({**CHAT, "stream_options": {"include_usage": True}}), 400, None),
-        ("echo", comp, j({**COMPLETION, "echo": True}), 400, None),
+        ("echo with logprobs", comp, j({**COMPLETION, "echo": True, "logprobs": 1}), 400, None),
         ("too many prompts", comp, j({**COMPLETION, "prompt": ["a"] * 1000}), 400, "prompt"),
         ("n with stream", chat, j({**CHAT, "n": 3, "stream": True}), 200, None),
         ("temperature 0 top_p 0", chat, j({**CHAT, "temperature": 0, "top_p": 0}), 200, None),

@@ -414,6 +414,7 @@ SUPPORTED_CHAT = {
     "repetition_penalty": 1.1,
     "stop_token_ids": [2],
     "guided_choice": ["a", "b"],
+    "add_generation_prompt": False,
 }
 REFUSED_CHAT = {
     "audio": {"voice": "alloy", "format": "wav"},
@@ -446,7 +447,7 @@ def test_every_chat_field_works_or_is_refused_by_name(cluster: LocalCluster, fie
     "field,value,ok",
     [
         ("best_of", 1, True),
-        ("echo", True, False),
+        ("echo", True, True),
         ("suffix", "x", False),
         ("logprobs", 2, True),
         ("logit_bias", {"12": -1}, True),
@@ -506,3 +507,23 @@ def test_tokenize_and_detokenize(cluster: LocalCluster, tok: RouterTokenizer) ->
     back = httpx.post(f"{cluster.router_url}/detokenize", json={"tokens": r["tokens"]}).json()
     assert back == {"prompt": "Hello world"}
     assert httpx.post(f"{cluster.router_url}/detokenize", json={"tokens": [-1]}).status_code == 400
+
+
+def test_assistant_prefill_continues_the_final_message(client: openai.OpenAI, cluster: LocalCluster) -> None:
+    """vLLM's continue_final_message: the prompt ends inside the assistant's prefilled reply (no turn closed,
+    none opened), so the answer continues it: the same text as the completions endpoint gives for those ids."""
+    prefill = [*FRANCE, {"role": "assistant", "content": "The capital of France is"}]
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    ids = httpx.post(f"{cluster.router_url}/tokenize", json={"messages": prefill, **flags}).json()["tokens"]
+    opened = httpx.post(f"{cluster.router_url}/tokenize", json={"messages": prefill}).json()["tokens"]
+    assert len(ids) < len(opened)  # neither the end of the assistant turn nor a new one
+    chat = client.chat.completions.create(model=MODEL, messages=prefill, max_tokens=8, temperature=0, extra_body=flags)
+    assert chat.usage.prompt_tokens == len(ids)
+    plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    assert chat.choices[0].message.content == plain.choices[0].text
+    # vLLM's echo: the prefilled text comes back ahead of its continuation, whole or streamed.
+    whole = prefill[-1]["content"] + plain.choices[0].text
+    kw = dict(model=MODEL, messages=prefill, max_tokens=8, temperature=0, extra_body={**flags, "echo": True})
+    assert client.chat.completions.create(**kw).choices[0].message.content == whole  # type: ignore[call-overload]
+    chunks = client.chat.completions.create(stream=True, **kw)  # type: ignore[call-overload]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole

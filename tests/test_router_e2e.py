@@ -218,6 +218,44 @@ def test_streamed_equals_non_streamed_under_greedy(client: openai.OpenAI, endpoi
         assert full.choices[0].finish_reason in ("length", "stop")
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_continuous_usage_stats_count_each_choice_as_it_streams(client: openai.OpenAI, endpoint: str) -> None:
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries its choice's usage so far, and the
+    stream still ends with the whole request's usage."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    kw = dict(model=MODEL, temperature=0, max_tokens=12, n=2, stream=True, stream_options=opts)
+    if endpoint == "chat":
+        chunks = list(client.chat.completions.create(messages=FRANCE, logprobs=True, **kw))  # type: ignore[call-overload]
+    else:
+        chunks = list(client.completions.create(prompt="The capital of France is", logprobs=0, **kw))  # type: ignore[call-overload]
+    *body, last = chunks
+    assert not last.choices
+    counts = {0: 0, 1: 0}  # tokens each choice's chunks have carried so far (their logprobs list them)
+    for c in body:
+        assert c.usage.prompt_tokens == last.usage.prompt_tokens  # one prompt
+        assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+        for choice in c.choices:  # one, or both in chat's opening chunk (0 tokens yet)
+            lp = choice.logprobs
+            counts[choice.index] += len((lp.content if endpoint == "chat" else lp.tokens) or []) if lp else 0
+            assert c.usage.completion_tokens == counts[choice.index]
+    assert all(0 < n <= 12 for n in counts.values())
+    assert last.usage.completion_tokens == counts[0] + counts[1]
+
+
+def test_echo_puts_the_prompt_before_the_output(client: openai.OpenAI, tok: RouterTokenizer) -> None:
+    prompt = "The three largest cities in Japan are"
+    kw = dict(model=MODEL, temperature=0, max_tokens=8)
+    plain = client.completions.create(prompt=prompt, **kw).choices[0].text  # type: ignore[call-overload]
+    echoed = client.completions.create(prompt=prompt, echo=True, **kw)  # type: ignore[call-overload]
+    assert echoed.choices[0].text == prompt + plain
+    assert echoed.usage.prompt_tokens == len(tok.encode(prompt))
+    chunks = client.completions.create(prompt=prompt, echo=True, stream=True, **kw)  # type: ignore[call-overload]
+    assert "".join(c.choices[0].text for c in chunks) == prompt + plain
+    ids = tok.encode(prompt)  # a token-id prompt echoes as its text
+    by_ids = client.completions.create(prompt=[ids, ids[:3]], echo=True, **kw)  # type: ignore[call-overload]
+    assert by_ids.choices[0].text == prompt + plain and by_ids.choices[1].text.startswith(tok.decode(ids[:3]))
+
+
 def test_stop_strings(client: openai.OpenAI) -> None:
     prompt = "Count from one to ten in words: one, two,"
     base = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=24).choices[0].text
@@ -262,6 +300,14 @@ def test_logprobs(client: openai.OpenAI, tok: RouterTokenizer) -> None:
     lp = c.choices[0].logprobs
     assert len(lp.tokens) == 5 and all(len(t) == 2 for t in lp.top_logprobs)
     assert "".join(lp.tokens) == c.choices[0].text
+    # Sampled, the chosen token may be outside the top ones: the legacy shape still lists it (as OpenAI and
+    # vLLM do: up to logprobs + 1 entries), and logprobs=0 lists only it.
+    for k in (0, 1):
+        kw = dict(model=MODEL, prompt="Name a fruit:", temperature=2.0, seed=11, max_tokens=16, logprobs=k)
+        lp = client.completions.create(**kw).choices[0].logprobs  # type: ignore[call-overload]
+        for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+            assert top[token] == logprob and len(top) <= k + 1
+        assert k == 0 or any(len(top) == 2 for top in lp.top_logprobs)  # temperature 2 leaves the top at times
 
 
 def test_error_cases(client: openai.OpenAI, cluster: LocalCluster) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -199,6 +201,11 @@ COMP = "/v1/completions"
 MSG = [{"role": "user", "content": "hi"}]
 
 
+def _post_json(client, path: str, body: dict):
+    """Posts the body as JSON with non-ASCII escaped, as clients send it (a lone surrogate as \\ud800)."""
+    return client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+
+
 def assert_error_answer(r, status: int, param: str | None = None, code: str | None = None) -> dict:
     """The response is an OpenAI-shaped error of ``status`` (with ``param`` and ``code`` when given)."""
     assert r.status_code == status, r.text
@@ -219,10 +226,11 @@ def assert_error_answer(r, status: int, param: str | None = None, code: str | No
         (CHAT, {"messages": MSG, "temperature": "hot"}, "temperature"),
         (CHAT, {"messages": MSG, "top_p": 1.5}, "top_p"),
         (CHAT, {"messages": MSG, "n": 0}, "n"),
-        (CHAT, {"messages": MSG, "n": 17}, "n"),
+        (CHAT, {"messages": MSG, "n": 129}, "n"),
+        (COMP, {"prompt": ["x"] * 9, "n": 128}, None),  # 1152 choices: more than one request may hold
         (CHAT, {"messages": MSG, "max_tokens": 0}, "max_tokens"),
         (CHAT, {"messages": MSG, "max_completion_tokens": -3}, "max_completion_tokens"),
-        (CHAT, {"messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        (CHAT, {"messages": MSG, "stop": [f"s{i}" for i in range(65)]}, "stop"),
         (CHAT, {"messages": MSG, "stop": [""]}, "stop"),
         (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         (CHAT, {"messages": MSG, "top_logprobs": 2}, None),
@@ -230,13 +238,15 @@ def assert_error_answer(r, status: int, param: str | None = None, code: str | No
         (CHAT, {"messages": MSG, "frequency_penalty": -2.5}, "frequency_penalty"),
         (CHAT, {"messages": MSG, "min_p": 2}, "min_p"),
         (CHAT, {"messages": MSG, "seed": 2**64}, "seed"),
+        (CHAT, {"messages": MSG, "logit_bias": {"\u00b2": 1}}, "logit_bias"),  # a digit to isdigit(), not to int()
         (CHAT, {"messages": MSG, "stream_options": {"include_usage": True}}, None),
+        (CHAT, {"messages": MSG, "continue_final_message": True}, None),  # with add_generation_prompt's default
         (CHAT, {"messages": []}, "messages"),
         (CHAT, {}, "messages"),
         (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, None),
         (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, None),
         (COMP, {"prompt": "x", "logprobs": 21}, "logprobs"),
-        (COMP, {"prompt": "x", "echo": True}, None),
+        (COMP, {"prompt": "x", "echo": True, "logprobs": 1}, None),  # the prompt's logprobs are not computed
         (COMP, {"prompt": "x", "best_of": 3}, None),
         (COMP, {"prompt": []}, "prompt"),
         (COMP, {"prompt": [[1, 2], []]}, None),
@@ -248,7 +258,7 @@ def assert_error_answer(r, status: int, param: str | None = None, code: str | No
     ],
 )
 def test_bad_parameters_are_400(client, path: str, body: dict, param: str | None) -> None:
-    err = assert_error_answer(client.post(path, json=body), 400)
+    err = assert_error_answer(_post_json(client, path, body), 400)
     if param is not None:
         assert err["param"] == param
 
@@ -258,6 +268,14 @@ def test_bad_json_is_400_not_422(client) -> None:
     assert_error_answer(r, 400)
     r = client.post(CHAT, content=b"[1, 2]", headers={"content-type": "application/json"})
     assert_error_answer(r, 400)
+    # curl -d without a JSON Content-Type (it sends a form's type): the answer says what to send.
+    body = b'{"messages": [{"role": "user", "content": "hi"}]}'
+    for content_type in ("application/x-www-form-urlencoded", None):
+        headers = {"content-type": content_type} if content_type else {}
+        err = assert_error_answer(client.post(CHAT, content=body, headers=headers), 400)
+        assert "Content-Type: application/json" in err["message"], err
+    err = assert_error_answer(client.post(CHAT, content=b"", headers={"content-type": "application/json"}), 400)
+    assert "empty" in err["message"]
 
 
 def _counts(client, name: str) -> dict[tuple[tuple[str, str], ...], float]:
@@ -331,9 +349,29 @@ def test_unknown_fields_are_ignored(client) -> None:
     assert r.headers["retry-after"] == "1"  # a worker coming back (an engine restart) takes seconds
 
 
+def test_requests_of_evaluation_suites_pass_validation(client) -> None:
+    # lm-eval's humaneval stops on five sequences, plus the EOS text the harness adds (OpenAI allows 4, vLLM any);
+    # pass@k samples n in the tens or hundreds (OpenAI allows up to 128).
+    stops = ["\nclass", "\ndef", "\n#", "\nif", "\nprint", "<|im_end|>"]
+    body = {"prompt": "def f():", "max_tokens": 4, "stop": stops, "n": 128, "temperature": 0.8}
+    err = assert_error_answer(client.post(COMP, json=body), 503)
+    assert err["code"] == "service_unavailable"  # past validation: refused only for want of a worker
+
+
+def test_text_parts_of_a_message_are_joined_by_line_breaks() -> None:
+    from router.surface.openai_api import ChatCompletionRequest
+
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": parts}]})
+    assert req.chat_messages() == [{"role": "user", "content": "Hello\nworld"}]
+
+
 def test_unknown_model_is_404(client) -> None:
     assert_error_answer(client.post(CHAT, json={"model": "gpt-7", "messages": MSG}), 404, "model", "model_not_found")
     assert_error_answer(client.get("/v1/models/gpt-7"), 404, "model", "model_not_found")
+    # A name that is no Unicode (JSON may carry a lone surrogate) is quoted back escaped, still a 404.
+    err = assert_error_answer(_post_json(client, CHAT, {"model": "gpt\ud800", "messages": MSG}), 404, "model")
+    assert "gpt\\ud800" in err["message"]
     assert client.get("/v1/models/smollm2-135m-instruct").json()["id"] == "smollm2-135m-instruct"
 
 
@@ -360,6 +398,7 @@ def test_no_worker_is_503_and_not_ready(client) -> None:
 def test_models_and_unknown_route(client) -> None:
     data = client.get("/v1/models").json()
     assert data["object"] == "list" and data["data"][0]["id"] == "smollm2-135m-instruct"
+    assert data["data"][0]["max_model_len"] == 8192  # vLLM's field: SmolLM2's context
     assert_error_answer(client.get("/v1/nope"), 404)
     assert_error_answer(client.get(CHAT), 405)
 

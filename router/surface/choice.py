@@ -33,6 +33,7 @@ class ChoiceDelta:
     tokens: list[TokenInfo] = field(default_factory=list)  # only when logprobs were asked for
     finish_reason: str | None = None  # stop | length | error
     error: str | None = None
+    completion_tokens: int = 0  # the choice's tokens up to and including this delta's
 
     @property
     def empty(self) -> bool:
@@ -105,4 +106,5 @@ class ChoiceState:
                 self.finish_reason = "stop"
         delta.text = text
         delta.finish_reason = self.finish_reason
+        delta.completion_tokens = self.completion_tokens
         return delta

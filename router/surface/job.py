@@ -30,6 +30,9 @@ class Job:
     logprobs: bool
     top_logprobs: int
     include_usage: bool
+    continuous_usage: bool = False  # every stream chunk carries its choice's usage so far
+    # echo: each prompt's text before its output (completions), the final assistant message's before the reply (chat)
+    echo: list[str] = field(default_factory=list)
     slo_class: str = ""  # its SLO class (common/slo.py), from `priority` or the x-kvferry-class header
     record: RequestRecord | None = None  # timeline, trace and metrics of the request (router/timeline.py)
     # Every choice started, registered before its first await: the job's owner closes them however it ends.
@@ -52,5 +55,6 @@ class RunningChoice:
     text: list[str] = field(default_factory=list)
     tokens: list[TokenInfo] = field(default_factory=list)
     offset: int = 0  # completions' text_offset of the next token
+    echoed: bool = False  # the prompt's text (echo) has gone out ahead of the output
     gaps: TokenGaps | None = None  # inter-token gaps, for the router's histogram
     tools: ToolCallStream | None = None  # chat with tools: tool calls parsed out of the text

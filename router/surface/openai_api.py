@@ -30,9 +30,12 @@ __all__ = [
     "StreamOptions",
 ]
 
-MAX_N = 16  # choices per request: n upstream requests, so bounded like a batch
-MAX_STOP = 4  # OpenAI's limit on stop sequences
+MAX_N = 128  # OpenAI's bound on n (sampling evaluations ask for pass@k with n in the tens or hundreds)
+# OpenAI allows 4 stop sequences; vLLM any number, and evaluation suites pointed at vLLM send more (lm-eval's
+# humaneval: 5, plus the EOS text the harness adds). Bounded: each is matched on every text delta.
+MAX_STOP = 64
 MAX_PROMPTS = 64  # batched prompts in one /v1/completions call
+MAX_CHOICES = 1024  # prompts x n: one upstream request each, so bounded like a batch
 _SEED_MAX = 2**63 - 1 - MAX_N  # seed + i (one per choice) must stay a signed 64-bit integer
 _SEED_MIN = -(2**63)
 
@@ -44,6 +47,8 @@ class _Lenient(BaseModel):
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries its choice's usage so far (not only the last chunk).
+    continuous_usage_stats: bool = False
 
 
 # Fields that change the output and that this server does not honour: (values that change nothing, reason).
@@ -71,8 +76,6 @@ _REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "chat_template": ((None,), "a per-request chat_template is not supported"),
     "chat_template_kwargs": ((None, {}), "chat_template_kwargs is not supported"),
     "documents": ((None, []), "documents are not supported"),
-    "continue_final_message": ((None, False), "continue_final_message is not supported"),
-    "add_generation_prompt": ((None, True), "add_generation_prompt=false is not supported"),
 }
 
 
@@ -103,8 +106,6 @@ class _RefusesUnsupported(_Lenient):
     chat_template: SkipJsonSchema[Any] = None
     chat_template_kwargs: SkipJsonSchema[Any] = None
     documents: SkipJsonSchema[Any] = None
-    continue_final_message: SkipJsonSchema[Any] = None
-    add_generation_prompt: SkipJsonSchema[Any] = None
 
     @field_validator(*_REFUSED, mode="before")
     @classmethod
@@ -150,7 +151,7 @@ class _SamplingRequest(_RefusesUnsupported):
     @classmethod
     def _check_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (v or {}).items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):  # "²".isdigit() is true, yet int() refuses it
                 raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"the bias for token {key} is {bias}; biases must lie in [-100, 100]")
@@ -194,6 +195,10 @@ class _SamplingRequest(_RefusesUnsupported):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -254,9 +259,17 @@ class CompletionRequest(_SamplingRequest):
         return v
 
     @model_validator(mode="after")
+    def _check_choices(self) -> CompletionRequest:
+        prompts = len(self.prompt) if isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list)) else 1
+        if prompts * self.n > MAX_CHOICES:
+            raise ValueError(f"{prompts} prompts x n={self.n} is more than {MAX_CHOICES} choices in one request")
+        return self
+
+    @model_validator(mode="after")
     def _check_unsupported(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
+        if self.echo and self.logprobs is not None:
+            # The prompt's tokens would need their logprobs too (the workers compute only the output's).
+            raise ValueError("echo with logprobs is not supported (the prompt's logprobs are not computed)")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -332,7 +345,8 @@ class ChatMessage(_Lenient):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text or "" for part in self.content)
+        # Parts joined by line breaks, as vLLM renders them: joined with nothing, "Hello" "world" would merge.
+        return "\n".join(part.text or "" for part in self.content)
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -345,6 +359,19 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's chat template options: an assistant turn opened after the messages (the default), or the last
+    # message continued as it stands (an assistant reply prefilled by the client).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False  # vLLM's: a final assistant message's text goes before the reply (with a prefilled reply)
+
+    @model_validator(mode="after")
+    def _check_template_options(self) -> ChatCompletionRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError(
+                "continue_final_message continues the last message: set add_generation_prompt to false with it"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
@@ -384,6 +411,11 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def named_tool(self) -> NamedToolChoice | None:
         return self.tool_choice if isinstance(self.tool_choice, NamedToolChoice) else None
+
+    def echo_text(self) -> str | None:
+        """What ``echo`` puts before the reply: the last message's text when it is the assistant's."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else None
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens replaced max_tokens in OpenAI's chat API; the newer one wins.

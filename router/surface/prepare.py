@@ -47,25 +47,41 @@ class PromptPreparer:
         except ValueError as exc:  # the tokenizer refuses text that is not valid Unicode
             raise bad_request(str(exc), param) from None
 
-    async def encode_chat(self, messages: list[dict[str, Any]], tools: list[Tool] | None) -> list[int]:
+    async def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[Tool] | None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[int]:
         """A conversation's prompt ids through the chat template (400 as in ``encode_text``, or if refused)."""
         chars = _text_chars(messages)
         limit = self.model.max_context
+
+        def encode() -> list[int]:
+            return self.tok.encode_chat(messages, tools, limit, add_generation_prompt, continue_final_message)
+
         try:
-            return await self._tokenize(chars, "messages", lambda: self.tok.encode_chat(messages, tools, limit))
+            return await self._tokenize(chars, "messages", encode)
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from None
 
     async def prepare_chat(self, req: ChatCompletionRequest) -> Job:
-        ids = await self.encode_chat(req.chat_messages(), req.tools)
+        ids = await self.encode_chat(
+            req.chat_messages(), req.tools, req.add_generation_prompt, req.continue_final_message
+        )
         if not ids:
             raise bad_request("messages produce an empty prompt", "messages")
         max_tokens = self._max_tokens(len(ids), req.requested_max_tokens(), "messages", chat=True)
         self._check_sampling(req, [max_tokens])
-        return self._job("chat", req, [ids], [max_tokens], req.logprobs, req.top_logprobs or 0)
+        job = self._job("chat", req, [ids], [max_tokens], req.logprobs, req.top_logprobs or 0)
+        echo = req.echo_text()
+        job.echo = [echo] if echo else []
+        return job
 
     async def prepare_completion(self, req: CompletionRequest) -> Job:
         prompts: list[list[int]] = []
+        echo: list[str] = []
         for p in req.prompts():
             if isinstance(p, str):
                 ids = await self.encode_text(p, "prompt")
@@ -76,9 +92,13 @@ class PromptPreparer:
                 if any(t < 0 or t >= self.tok.vocab_size for t in ids):
                     raise bad_request(f"prompt token ids must be in [0, {self.tok.vocab_size})", "prompt")
             prompts.append(ids)
+            if req.echo:
+                echo.append(p if isinstance(p, str) else self.tok.decode(ids))
         max_tokens = [self._max_tokens(len(ids), req.max_tokens, "prompt", chat=False) for ids in prompts]
         self._check_sampling(req, max_tokens)
-        return self._job("completion", req, prompts, max_tokens, req.logprobs is not None, req.logprobs or 0)
+        job = self._job("completion", req, prompts, max_tokens, req.logprobs is not None, req.logprobs or 0)
+        job.echo = echo
+        return job
 
     def _job(
         self,
@@ -102,6 +122,7 @@ class PromptPreparer:
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             include_usage=req.include_usage,
+            continuous_usage=req.continuous_usage,
         )
 
     def _check_sampling(self, req: ChatCompletionRequest | CompletionRequest, max_tokens: list[int]) -> None:

@@ -61,6 +61,8 @@ def completion_logprobs(tokens: Sequence[TokenInfo], tok: RouterTokenizer, offse
         top: dict[str, float] = {}
         for i, lp in t.top:
             top.setdefault(tok.token_str(i), lp)  # two ids can print alike; keep the likelier
+        # OpenAI's legacy shape always holds the sampled token too (up to logprobs + 1 entries; {token} for 0).
+        top.setdefault(s, t.logprob)
         tops.append(top)
         offsets.append(offset)
         offset += len(s)
@@ -111,8 +113,11 @@ class ChunkFormat:
         self._prefix = b"data: " + orjson.dumps(head)[:-1] + b',"choices":'
         self._suffix = b',"usage":null}\n\n' if include_usage else b"}\n\n"
 
-    def chunk(self, choices: list[dict[str, Any]]) -> bytes:
-        return self._prefix + orjson.dumps(choices) + self._suffix
+    def chunk(self, choices: list[dict[str, Any]], use: dict[str, Any] | None = None) -> bytes:
+        """One chunk; ``use``: the usage it carries (continuous usage stats), else the stream's default."""
+        if use is None:
+            return self._prefix + orjson.dumps(choices) + self._suffix
+        return self._prefix + orjson.dumps(choices) + b',"usage":' + orjson.dumps(use) + b"}\n\n"
 
     def usage_chunk(self, use: dict[str, Any]) -> bytes:
         return self._prefix + b'[],"usage":' + orjson.dumps(use) + b"}\n\n"

@@ -208,11 +208,14 @@ class RouterService:
                     req = c.tools
                     content, calls = parse_tool_calls(text, req.mode, req.tools, req.choice)
                     reason = finish_reason_with_calls(c.state.finish_reason, calls)
+                    content = job.echo[0] + (content or "") if job.echo else content
                     out.append(chat_choice(c.index, content, reason, lp, [x.as_dict() for x in calls]))
                     continue
-                out.append(chat_choice(c.index, text, c.state.finish_reason, lp))
+                out.append(chat_choice(c.index, job.echo[0] + text if job.echo else text, c.state.finish_reason, lp))
             else:
                 lp = completion_logprobs(c.tokens, self.tok, 0)[0] if job.logprobs else None
+                if job.echo:
+                    text = job.echo[c.prompt_index] + text
                 out.append(completion_choice(c.index, text, c.state.finish_reason, lp))
         use = self._usage(job, choices)
         return response(job.kind, job.rid, job.created, job.model, out, use)
@@ -251,8 +254,17 @@ class RouterService:
                         "finish_reason": None,
                     }
                     for c in choices
-                ]
+                ],
+                usage(len(job.prompts[0]), 0, 0) if job.continuous_usage else None,
             )
+            if job.echo:  # the final assistant message's text, ahead of the reply
+                yield fmt.chunk(
+                    [
+                        {"index": c.index, "delta": {"content": job.echo[0]}, "logprobs": None, "finish_reason": None}
+                        for c in choices
+                    ],
+                    usage(len(job.prompts[0]), 0, 0) if job.continuous_usage else None,
+                )
         by_index = {c.index: c for c in choices}
         async for batch in self._merged(choices):
             out: list[bytes] = []
@@ -272,27 +284,42 @@ class RouterService:
         yield b"".join([*tail, SSE_DONE])
 
     def _render(self, job: Job, fmt: ChunkFormat, c: RunningChoice, delta: ChoiceDelta) -> bytes:
+        # vLLM's continuous usage stats: the choice's own counts so far, on every chunk.
+        use = self._choice_usage(job, c, delta) if job.continuous_usage else None
         if c.tools is not None:
-            return self._render_tools(job, fmt, c, c.tools, delta)
+            return self._render_tools(job, fmt, c, c.tools, delta, use)
         if job.kind == "chat":
             parts = b""
             if delta.text or delta.tokens:
                 lp = chat_logprobs(delta.tokens, self.tok) if job.logprobs else None
                 parts = fmt.chunk(
-                    [{"index": c.index, "delta": {"content": delta.text}, "logprobs": lp, "finish_reason": None}]
+                    [{"index": c.index, "delta": {"content": delta.text}, "logprobs": lp, "finish_reason": None}], use
                 )
             if delta.finish_reason is not None:
                 parts += fmt.chunk(
-                    [{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": delta.finish_reason}]
+                    [{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": delta.finish_reason}], use
                 )
             return parts
         lp = None
         if job.logprobs:
             lp, c.offset = completion_logprobs(delta.tokens, self.tok, c.offset)
-        return fmt.chunk([{"index": c.index, "text": delta.text, "logprobs": lp, "finish_reason": delta.finish_reason}])
+        text = delta.text
+        if job.echo and not c.echoed:  # the prompt's text opens the choice's first chunk
+            text, c.echoed = job.echo[c.prompt_index] + text, True
+        return fmt.chunk([{"index": c.index, "text": text, "logprobs": lp, "finish_reason": delta.finish_reason}], use)
+
+    @staticmethod
+    def _choice_usage(job: Job, c: RunningChoice, delta: ChoiceDelta) -> dict[str, Any]:
+        return usage(len(job.prompts[c.prompt_index]), delta.completion_tokens, c.state.cached_tokens)
 
     def _render_tools(
-        self, job: Job, fmt: ChunkFormat, c: RunningChoice, tools: ToolCallStream, delta: ChoiceDelta
+        self,
+        job: Job,
+        fmt: ChunkFormat,
+        c: RunningChoice,
+        tools: ToolCallStream,
+        delta: ChoiceDelta,
+        use: dict[str, Any] | None,
     ) -> bytes:
         """A chat choice with tools: content or tool-call deltas (router/surface/tools.py decides)."""
         deltas = tools.push(delta.text)
@@ -304,11 +331,11 @@ class RouterService:
         parts = b""
         for i, d in enumerate(deltas):
             parts += fmt.chunk(
-                [{"index": c.index, "delta": d, "logprobs": lp if i == 0 else None, "finish_reason": None}]
+                [{"index": c.index, "delta": d, "logprobs": lp if i == 0 else None, "finish_reason": None}], use
             )
         if delta.finish_reason is not None:
             reason = finish_reason_with_calls(delta.finish_reason, tools.calls)
-            parts += fmt.chunk([{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": reason}])
+            parts += fmt.chunk([{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": reason}], use)
         return parts
 
     async def deltas(self, choices: list[RunningChoice]) -> AsyncIterator[list[ChoiceDelta]]:

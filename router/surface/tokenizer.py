@@ -152,10 +152,15 @@ class RouterTokenizer:
             start, cuts = end, cuts + 1
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], tools: list[Tool] | None = None, limit: int | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[Tool] | None = None,
+        limit: int | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[int]:
-        """The chat template applied (assistant turn opened) and tokenized (``limit`` as in ``encode``);
-        ValueError when the template rejects the conversation."""
+        """The chat template applied (an assistant turn opened, or the last message left open to continue) and
+        tokenized (``limit`` as in ``encode``); ValueError when the template rejects the conversation."""
         if not self.chat_template:
             raise ValueError("this model has no chat template: use /v1/completions")
         from transformers.utils.chat_template_utils import render_jinja_template
@@ -166,7 +171,8 @@ class RouterTokenizer:
                 [messages],
                 tools=template_tools,
                 chat_template=self.chat_template,
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
                 **self.special_tokens,
             )
         except Exception as exc:  # jinja's TemplateError and friends: the client's conversation is at fault
