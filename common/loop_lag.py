@@ -13,6 +13,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from common.protocol import SamplingParams, replace
+
 __all__ = ["LoopLag"]
 
 
@@ -53,3 +55,9 @@ class LoopLag:
             self._tail_s = samples[int(0.99 * (len(samples) - 1))] if samples else 0.0
             self._tail_at = now
         return self._tail_s
+
+    def add_to(self, sampling: SamplingParams) -> SamplingParams:
+        """`sampling` with this loop's recent lateness added to its ITL allowance, in whole ms (a worker keeps one
+        count per distinct target among the requests it decodes; a calm loop's fraction of a ms adds nothing)."""
+        ms = round(self.p99_s() * 1e3)
+        return replace(sampling, itl_allowance_ms=sampling.itl_allowance_ms + ms) if ms else sampling

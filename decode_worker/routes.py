@@ -59,11 +59,8 @@ class DecodeStream(WorkerRequest):
 
     def _sampling(self) -> SamplingParams:
         """The request's sampling, its ITL allowance (the router's relay lateness) raised by this process's own."""
-        own_ms = round(self.state.relay_lag.p99_s() * 1e3)
         sampling = self.gen.sampling
-        if not own_ms or not self.state.cfg.relay_allowance:
-            return sampling
-        return replace(sampling, itl_allowance_ms=sampling.itl_allowance_ms + own_ms)
+        return self.state.relay_lag.add_to(sampling) if self.state.cfg.relay_allowance else sampling
 
     @property
     def kv_timeout_s(self) -> float:

@@ -52,3 +52,29 @@ def test_a_requests_itl_allowance_sets_the_target_its_steps_aim_at(tiny_model) -
     sched.validate(plain)
     assert told.itl_target_s == pytest.approx(0.044)  # the default class: 50 ms
     assert plain.itl_target_s == pytest.approx(0.048)
+
+
+def test_each_relaying_process_adds_its_own_lateness_to_a_requests_allowance() -> None:
+    """The router sets the allowance from its loop, the decode worker adds its own (`LoopLag.add_to`), in whole
+    ms."""
+    from common.protocol import SamplingParams
+
+    async def main() -> tuple[SamplingParams, SamplingParams]:
+        router, worker = LoopLag(interval_s=0.005, recompute_s=0.0), LoopLag(interval_s=0.005, recompute_s=0.0)
+        router.start()
+        worker.start()
+        await asyncio.sleep(0.03)
+        for _ in range(3):  # both loops (one loop here) held up 30 ms, a few times
+            time.sleep(0.03)
+            await asyncio.sleep(0.01)
+        sent = router.add_to(SamplingParams(max_tokens=7))
+        taken = worker.add_to(sent)
+        await router.stop()
+        await worker.stop()
+        return sent, taken
+
+    quiet = SamplingParams()
+    assert LoopLag().add_to(quiet) is quiet  # no lateness measured: the request goes as it came
+    sent, taken = asyncio.run(main())
+    assert sent.itl_allowance_ms >= 20 and sent.itl_allowance_ms == int(sent.itl_allowance_ms)
+    assert taken.itl_allowance_ms >= sent.itl_allowance_ms + 20 and taken.max_tokens == 7

@@ -13,7 +13,6 @@ from typing import Any
 import anyio
 
 from common.loop_lag import LoopLag
-from common.protocol import replace
 from common.slo import DEFAULT_SLO_SPEC, SloClasses, parse_slo_classes
 from router.decision.dispatch import Dispatcher
 from router.errors import bad_request, rate_limited, upstream_failed
@@ -108,14 +107,12 @@ class RouterService:
         self.dispatcher.check_ttft(max(plans, key=lambda p: len(p.token_ids)), cls)
         choices = job.choices
         context_ok = self.tok.needs_context
-        # Whole milliseconds: a worker keeps one count per distinct target among the requests it decodes.
-        allowance_ms = float(round(self.relay_lag.p99_s() * 1e3)) if self.relay_lag is not None else 0.0
         for p_idx, plan in enumerate(plans):
             for i in range(job.n):
                 idx = p_idx * job.n + i
                 sampling = job.request.sampling(job.max_tokens[p_idx], i, job.logprobs, job.top_logprobs, job.slo_class)
-                if allowance_ms:
-                    sampling = replace(sampling, itl_allowance_ms=allowance_ms)
+                if self.relay_lag is not None:
+                    sampling = self.relay_lag.add_to(sampling)
                 call = MigratingCall(
                     self.dispatcher,
                     f"{job.rid}-{idx}",
