@@ -105,10 +105,15 @@ def _read_gaps(rec: RequestRecord) -> list[float]:
     return [b - a for a, b in zip(distinct, distinct[1:])]
 
 
+def _itl_ok(itls: list[float], slo: SLO) -> bool:
+    """A request's own ITL p99 within the target (no gaps: nothing to miss)."""
+    return not itls or percentile(sorted(itls), 99) <= slo.itl_p99_s
+
+
 def _good(rec: RequestRecord, itls: list[float], slo: SLO) -> bool:
     if rec.outcome != "ok" or rec.ttft_s is None or rec.ttft_s > slo.ttft_s:
         return False
-    return not itls or percentile(sorted(itls), 99) <= slo.itl_p99_s
+    return _itl_ok(itls, slo)
 
 
 def itl_misses(ok: Sequence[RequestRecord], itls: dict[int, list[float]], run: PointRun, slo: SLO) -> dict[str, int]:
@@ -119,7 +124,7 @@ def itl_misses(ok: Sequence[RequestRecord], itls: dict[int, list[float]], run: P
     missed = explained = 0
     for r in ok:
         gaps = itls[r.index]
-        if not gaps or percentile(sorted(gaps), 99) <= slo.itl_p99_s:
+        if _itl_ok(gaps, slo):
             continue
         missed += 1
         arrivals = [r.attempt_at + t for t in r.token_times]

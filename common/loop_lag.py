@@ -2,7 +2,8 @@
 its own lateness. A router relays every token of every stream on its loop: while it works through one decode
 step's tokens, the streams it reaches last get theirs late, so the lateness's tail is the spread the relay adds to
 inter-token gaps (the worker's engine cannot see it). The router hands it to the workers with each request
-(`SamplingParams.itl_allowance_ms`), and their steps aim that much under the class's ITL target.
+(`SamplingParams.itl_allowance_ms`), a decode worker adds its own HTTP process's, and the request's steps aim that
+much under the class's ITL target.
 """
 
 from __future__ import annotations

@@ -60,7 +60,11 @@ class DecodeStream(WorkerRequest):
     def _sampling(self) -> SamplingParams:
         """The request's sampling, its ITL allowance (the router's relay lateness) raised by this process's own."""
         sampling = self.gen.sampling
-        return self.state.relay_lag.add_to(sampling) if self.state.cfg.relay_allowance else sampling
+        if not self.state.cfg.relay_allowance:
+            return sampling
+        lag = self.state.relay_lag
+        lag.start()  # timed from the first stream on: a prefill-only worker never runs the timer
+        return lag.add_to(sampling)
 
     @property
     def kv_timeout_s(self) -> float:

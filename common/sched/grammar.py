@@ -41,6 +41,9 @@ def default_fill_threads() -> int:
     return max(1, min(MAX_FILL_THREADS, usable_cores() // CORES_PER_FILL_THREAD))
 
 
+_NO_TOKENIZER = "structured output needs the model's tokenizer; this worker has none (dummy weights)"
+
+
 class GrammarError(ValueError):
     """A grammar this worker cannot compile (an invalid or unsupported schema, regex or EBNF)."""
 
@@ -128,9 +131,7 @@ class GrammarBook:
         with self._init_lock:  # the compile thread and the scheduler's may both be first
             if self._shared is None:
                 if self.model_path is None:
-                    raise GrammarError(
-                        "structured output needs the model's tokenizer; this worker has none (dummy weights)"
-                    )
+                    raise GrammarError(_NO_TOKENIZER)
                 import xgrammar as xgr
 
                 self._shared = _shared_compiler(self.model_path, self.vocab, self.stop_ids)
@@ -150,7 +151,7 @@ class GrammarBook:
         """GrammarError when `spec` does not parse (milliseconds, against seconds to compile): a bad grammar is
         refused on arrival and only the compile runs off the loop."""
         if self.model_path is None:
-            raise GrammarError("structured output needs the model's tokenizer; this worker has none (dummy weights)")
+            raise GrammarError(_NO_TOKENIZER)
         import xgrammar as xgr
 
         try:

@@ -42,10 +42,12 @@ class StepPacing:
     _slow_unlogged: int = 0  # slow steps since the last line
     _last_decoding: bool = False  # the last processed step decoded running requests
     trace: StepTrace | None = None  # KVFERRY_STEP_TRACE
+    _idle_itl_s: float = 0.0  # the target while nothing decodes: every class's tightest, less the least allowance
 
     def __post_init__(self) -> None:
         if self.cfg.step_trace and self.trace is None:
             self.trace = StepTrace(self.cfg.step_trace)
+        self._idle_itl_s = min(c.engine_itl_s(self.cfg.itl_delivery_ms / 1000) for c in self.slo.classes)
         tail = 1 - max(c.percentile for c in self.slo.classes) / 100
         self.itl_trim.allow_overruns(max(tail, 1e-4) * OVERRUNS_PER_TAIL)
 
@@ -56,8 +58,7 @@ class StepPacing:
         if target == ITL_TARGET_SLO:
             if step <= 0:
                 return 0.0
-            idle = min(c.engine_itl_s(self.cfg.itl_delivery_ms / 1000) for c in self.slo.classes)
-            slo = min(self.table.decoding_itl, default=idle)
+            slo = min(self.table.decoding_itl, default=self._idle_itl_s)
             return max(slo, FLOOR_DECODE_STEPS * step)
         if target > 0:
             return target / 1000

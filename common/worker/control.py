@@ -50,7 +50,6 @@ def create_app(role: str, cfg: WorkerConfig | None = None, http_limits: HttpLimi
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.start_engine()
-        state.relay_lag.start()
         watch = asyncio.create_task(keep_engine(state))
         try:
             yield

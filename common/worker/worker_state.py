@@ -90,7 +90,8 @@ class WorkerState:
         self.on_engine_lost: list[Callable[[], None]] = []
         self.engine_started_at = 0.0  # time.monotonic() of the latest engine start
         # This process writes each step's tokens to its streams one after another: its loop's lateness is this
-        # worker's part of what the path after the engine adds to a stream's gaps (decode_worker/routes.py).
+        # worker's part of what the path after the engine adds to a stream's gaps (decode_worker/routes.py starts
+        # it with the first stream; the lifespan stops it).
         self.relay_lag = LoopLag()
         self.restarts = 0  # engines started after the first
         self.restarting = False  # the engine died and its successor is not ready yet

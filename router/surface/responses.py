@@ -115,9 +115,8 @@ class ChunkFormat:
 
     def chunk(self, choices: list[dict[str, Any]], use: dict[str, Any] | None = None) -> bytes:
         """One chunk; ``use``: the usage it carries (continuous usage stats), else the stream's default."""
-        if use is None:
-            return self._prefix + orjson.dumps(choices) + self._suffix
-        return self._prefix + orjson.dumps(choices) + b',"usage":' + orjson.dumps(use) + b"}\n\n"
+        tail = self._suffix if use is None else b',"usage":' + orjson.dumps(use) + b"}\n\n"
+        return self._prefix + orjson.dumps(choices) + tail
 
     def usage_chunk(self, use: dict[str, Any]) -> bytes:
-        return self._prefix + b'[],"usage":' + orjson.dumps(use) + b"}\n\n"
+        return self.chunk([], use)

@@ -199,21 +199,20 @@ class RouterService:
         out = []
         for c in choices:
             text = "".join(c.text)
+            echo = job.echo[c.prompt_index] if job.echo else ""  # its prompt's text, or the final assistant message's
             if job.kind == "chat":
                 lp = chat_logprobs(c.tokens, self.tok) if job.logprobs else None
                 if c.tools is not None:
                     req = c.tools
                     content, calls = parse_tool_calls(text, req.mode, req.tools, req.choice)
                     reason = finish_reason_with_calls(c.state.finish_reason, calls)
-                    content = job.echo[0] + (content or "") if job.echo else content
+                    content = echo + (content or "") if echo else content
                     out.append(chat_choice(c.index, content, reason, lp, [x.as_dict() for x in calls]))
                     continue
-                out.append(chat_choice(c.index, job.echo[0] + text if job.echo else text, c.state.finish_reason, lp))
+                out.append(chat_choice(c.index, echo + text, c.state.finish_reason, lp))
             else:
                 lp = completion_logprobs(c.tokens, self.tok, 0)[0] if job.logprobs else None
-                if job.echo:
-                    text = job.echo[c.prompt_index] + text
-                out.append(completion_choice(c.index, text, c.state.finish_reason, lp))
+                out.append(completion_choice(c.index, echo + text, c.state.finish_reason, lp))
         use = self._usage(job, choices)
         return response(job.kind, job.rid, job.created, job.model, out, use)
 
@@ -242,6 +241,7 @@ class RouterService:
             "chat.completion.chunk" if chat else "text_completion", job.rid, job.created, job.model, job.include_usage
         )
         if chat:  # OpenAI opens each choice with the role
+            opening = usage(len(job.prompts[0]), 0, 0) if job.continuous_usage else None
             yield fmt.chunk(
                 [
                     {
@@ -252,7 +252,7 @@ class RouterService:
                     }
                     for c in choices
                 ],
-                usage(len(job.prompts[0]), 0, 0) if job.continuous_usage else None,
+                opening,
             )
             if job.echo:  # the final assistant message's text, ahead of the reply
                 yield fmt.chunk(
@@ -260,7 +260,7 @@ class RouterService:
                         {"index": c.index, "delta": {"content": job.echo[0]}, "logprobs": None, "finish_reason": None}
                         for c in choices
                     ],
-                    usage(len(job.prompts[0]), 0, 0) if job.continuous_usage else None,
+                    opening,
                 )
         by_index = {c.index: c for c in choices}
         async for batch in self._merged(choices):
