@@ -22,11 +22,11 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, Self, TypeVar
+from typing import Any, Generic, Self, TypeVar, get_origin, get_type_hints
 
 from common.slo import DEFAULT_SLO_SPEC, parse_slo_classes
 
-__all__ = ["REGISTRY", "EnvFields", "Setting", "add_flags", "declare", "read_fields", "render_table"]
+__all__ = ["REGISTRY", "EnvFields", "Setting", "add_flags", "declare", "read_fields", "rebuilt", "render_table"]
 
 T = TypeVar("T")
 _META = "kvferry_setting"  # the dataclass field metadata key that binds a field to its Setting
@@ -104,6 +104,26 @@ def declare(
 
 def binding(f: dataclasses.Field[Any]) -> Setting[Any] | None:
     return f.metadata.get(_META)
+
+
+C = TypeVar("C")
+
+
+def rebuilt(cls: type[C], data: Mapping[str, Any]) -> C:
+    """A config dataclass back from `dataclasses.asdict` after a JSON round trip (how a parent process hands its
+    resolved settings to its children): nested config dataclasses and tuples are rebuilt, not left dicts and lists."""
+    hints = get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if not f.init or f.name not in data:
+            continue
+        value, hint = data[f.name], hints[f.name]
+        if dataclasses.is_dataclass(hint) and isinstance(value, Mapping):
+            value = rebuilt(hint, value)  # type: ignore[arg-type]
+        elif get_origin(hint) is tuple and isinstance(value, list):
+            value = tuple(value)
+        values[f.name] = value
+    return cls(**values)
 
 
 def read_fields(cls: type, environ: Mapping[str, str] | None = None) -> dict[str, Any]:

@@ -57,7 +57,9 @@ def child_app() -> Any:
     data = json.loads(reg.ROUTER_CHILD_SETTINGS.read())
     if data["log_level"]:
         setup_logging(data["log_level"])
-    return create_app(RouterConfig(**data["config"]), RouterOptions(**data["options"]), freeze_gc=True)
+    return create_app(
+        reg.rebuilt(RouterConfig, data["config"]), reg.rebuilt(RouterOptions, data["options"]), freeze_gc=True
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import json
 import re
 from pathlib import Path
 
@@ -135,3 +136,21 @@ def test_a_bad_value_names_its_variable(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("KVFERRY_PAGE_SIZE", "sixteen")
     with pytest.raises(ValueError, match="KVFERRY_PAGE_SIZE='sixteen'"):
         WorkerConfig.from_env("decode")
+
+
+def test_several_router_processes_get_the_settings_their_parent_resolved(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With KVFERRY_ROUTER_WORKERS > 1 each router process builds its config from the JSON its parent hands down:
+    the nested settings (Redis credentials and key prefix, the internal token) come back as what they were."""
+    monkeypatch.setenv("KVFERRY_REDIS_PASSWORD", "s3cret")
+    monkeypatch.setenv("KVFERRY_REDIS_PREFIX", "team-a")
+    monkeypatch.setenv("KVFERRY_INTERNAL_TOKEN", "tok-1,tok-2")
+    config, options, _ = parse_config(["--port", "9123"])
+    handed = json.loads(json.dumps({"config": dataclasses.asdict(config), "options": dataclasses.asdict(options)}))
+    again = reg.rebuilt(RouterConfig, handed["config"])
+    assert again == config and again.port == 9123
+    assert (
+        again.redis_access.key_prefix == "team-a"
+        and again.redis_access.client_kwargs("redis://r")["password"] == "s3cret"
+    )
+    assert again.internal_token.tokens == ("tok-1", "tok-2")
+    assert reg.rebuilt(RouterOptions, handed["options"]) == options
