@@ -275,6 +275,7 @@ class FlashInferMlaAttention(LatentOnly):
 
     def plan(self, batch: ForwardBatch) -> None:
         meta = self.step_meta(batch)
+        self.decompressed_from = None
         if batch.is_decode and batch.batch_size <= self.split_decode_max_bs:
             dev = self.pool.device
             lens = kv_lengths(meta, self.page_size)
