@@ -66,6 +66,7 @@ def _runner(
     weight_dtype: str = "auto",
     pdl: bool = True,
     mla_split_decode: bool = True,
+    mla_decompressed_prefill: bool = True,
 ):
     from common.engine.runner import ModelRunner, RunnerConfig
 
@@ -82,6 +83,7 @@ def _runner(
         weight_dtype=weight_dtype,
         pdl=pdl,
         mla_split_decode=mla_split_decode,
+        mla_decompressed_prefill=mla_decompressed_prefill,
     )
     return ModelRunner(cfg)
 
@@ -910,6 +912,10 @@ def mla_dir(tmp_path_factory) -> Path:
     return path
 
 
+# Absorbed and decompressed attention are the same function (float32 logits on the CPU: 2.6e-5 apart), but on this
+# random model bf16 rounding in one form or the other moves teacher-forced logits 0.10 (relative L2; CPU, torch path,
+# both 0.22 from fp32). Comparisons of graphed steps (absorbed) with eager ones hold the form fixed
+# (`mla_decompressed_prefill=False`); the forms meet layer by layer in test_mla_decompressed_prefill_matches_absorbed_and_fp32.
 def _mla_on_flashinfer(path, **kw):
     from common.engine.gpu.mla_attention import FlashInferMlaAttention
 
@@ -927,10 +933,12 @@ def test_mla_on_flashinfer_logits_match_fp32_torch_path(mla_dir):
     within what the torch path in bf16 loses plus a margin (relative L2 over every row)."""
     seqs = _prompts(3, seed=31, lo=40, hi=140)
     ref = torch.cat(_teacher_forced(_runner(mla_dir, "cuda", "float32", attention="torch"), seqs, 32, 6, False))
-    fi = _mla_on_flashinfer(mla_dir)
+    fi = _mla_on_flashinfer(mla_dir, mla_decompressed_prefill=False)
     assert fi.gpu.attn.backend == ("fa3" if torch.cuda.get_device_capability()[0] == 9 else "fa2")
     got_graph = _teacher_forced(fi, seqs, chunk=32, n_decode=6, graphs=True)
     got_eager = _teacher_forced(fi, seqs, chunk=32, n_decode=6, graphs=False)
+    fi.gpu.attn.decompressed_prefill = True  # the first chunks (no cached prefix) decompressed
+    got_dec = _teacher_forced(fi, seqs, chunk=32, n_decode=6, graphs=False)
     got_torch = _teacher_forced(_runner(mla_dir, "cuda", "bfloat16", attention="torch"), seqs, 32, 6, False)
     e_graph, e_eager = _rel(torch.cat(got_graph), ref), _rel(torch.cat(got_eager), ref)
     e_torch = _rel(torch.cat(got_torch), ref)
@@ -941,9 +949,13 @@ def test_mla_on_flashinfer_logits_match_fp32_torch_path(mla_dir):
     # 0.222, flashinfer 0.217, graphs = eager): the claim is that flashinfer's kernels lose no more than the plain
     # path does, and that the two bf16 paths are closer to each other than either is to fp32.
     direct = _rel(torch.cat(got_graph), torch.cat(got_torch).float())
-    print(f"flashinfer+graphs vs torch bf16: {direct:.2e}")
-    assert direct < e_torch
-    for e in (e_graph, e_eager):
+    e_dec, direct_dec = _rel(torch.cat(got_dec), ref), _rel(torch.cat(got_dec), torch.cat(got_torch).float())
+    print(
+        f"flashinfer+graphs vs torch bf16: {direct:.2e}; first chunks decompressed: vs fp32 {e_dec:.2e}, "
+        f"vs torch bf16 {direct_dec:.2e}"
+    )
+    assert direct < e_torch and direct_dec < e_torch
+    for e in (e_graph, e_eager, e_dec):
         assert e < 1.5 * e_torch + 2e-3 and e < 0.3
     # Prefill rows differ by the piecewise graphs' padding (cuBLAS may pick other GEMM kernels), decode rows by the
     # graph-mode plan's work split: close.
@@ -962,12 +974,12 @@ def test_mla_split_decode_steps_match_flashinfers_kernel(mla_dir):
     from common.engine.gpu.mla_attention import SPLIT_DECODE_MAX_BS, SplitDecode
 
     seqs = _prompts(3, seed=35, lo=40, hi=140)
-    split = _mla_on_flashinfer(mla_dir)
+    split = _mla_on_flashinfer(mla_dir, mla_decompressed_prefill=False)
     assert split.gpu.attn.split_decode_max_bs == SPLIT_DECODE_MAX_BS >= max(split.gpu.graphs.sizes)
     assert all(isinstance(w, SplitDecode) for w in split.gpu.graphs.wrappers.values())
     got = {graphs: _teacher_forced(split, seqs, 32, 6, graphs) for graphs in (True, False)}
     del split
-    fi = _mla_on_flashinfer(mla_dir, mla_split_decode=False)
+    fi = _mla_on_flashinfer(mla_dir, mla_split_decode=False, mla_decompressed_prefill=False)
     assert fi.gpu.attn.split_decode_max_bs == 0
     assert not any(isinstance(w, SplitDecode) for w in fi.gpu.graphs.wrappers.values())
     ref = _teacher_forced(fi, seqs, 32, 6, True)
@@ -1017,8 +1029,10 @@ def test_mla_fp32_logits_on_the_gpu_equal_the_cpu_path(mla_dir):
 def test_mla_step_graph_replay_identical_to_eager_pieces(mla_dir):
     """A mixed step of latent attention (three decode rows + a 64-token chunk, padded to 80) replayed from its piecewise
     graphs (broken at each layer's MLA kernel) and the same pieces run eagerly: bit-identical, finite, and at bf16
-    level of the plain eager forward; a decode step replayed from its graph equals its eager twin too."""
-    runner = _mla_on_flashinfer(mla_dir)
+    level of the plain eager forward (absorbed, as the graphs are); eagerly with the decompressed form on, the step
+    splits (the decode rows absorbed, the chunk decompressed) and stays finite; a decode step replayed from its graph
+    equals its eager twin too."""
+    runner = _mla_on_flashinfer(mla_dir, mla_decompressed_prefill=False)
     steps = runner.gpu.step_graphs
     assert steps.pick(67) == 80 and len(steps.graphs[80]) == runner.model.cfg.num_layers + 1
     dec = _prompts(3, seed=61, lo=40, hi=140)
@@ -1034,6 +1048,10 @@ def test_mla_step_graph_replay_identical_to_eager_pieces(mla_dir):
         pieces = steps.run(fb, replay=False).clone()
         runner.gpu.use_graphs = False
         eager = runner.forward(fb).clone()
+        runner.gpu.attn.decompressed_prefill = True
+        split = runner.forward(fb).clone()
+        split_from = runner.gpu.attn.decompressed_from
+        runner.gpu.attn.decompressed_prefill = False
         runner.gpu.use_graphs = True
         fb = runner.build_batch([[s[-1]] for s in dec], [p + 1 for p in pos], rows[:3], [True] * 3, True)
         graphs = runner.gpu.graphs
@@ -1046,18 +1064,22 @@ def test_mla_step_graph_replay_identical_to_eager_pieces(mla_dir):
             runner.page_table.give_row(row)
     assert torch.equal(replayed, pieces) and torch.isfinite(replayed).all()
     assert _rel(replayed, eager) < 1e-2
+    assert split_from == 3 and torch.isfinite(split).all()
     assert torch.equal(dec_replayed, dec_eager) and torch.isfinite(dec_replayed).all()
 
 
 def _scored_both_ways(fi, mla_dir, prompts, results) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Each served sequence (prompt + output) scored in one eager prefill by the flashinfer runner `fi` (no graphs,
-    no cache hit, no decode kernel) and by the torch path in bf16: float32 logits of every position, both ways."""
+    no cache hit, no decode kernel), absorbed, and by the torch path in bf16 (decompressed): float32 logits of every
+    position, both ways. Their distance then holds what bf16 rounding in either form moves a row by, as the served
+    steps mix the forms."""
     fi.gpu.use_graphs = False
+    saved, fi.gpu.attn.decompressed_prefill = fi.gpu.attn.decompressed_prefill, False
     ref_engine = _engine(fi, None)
     seqs = [prompt + res.output_ids for prompt, res in zip(prompts, results)]
     flashinfer_rows = [ref_engine.score(seq) for seq in seqs]
     del ref_engine
-    fi.gpu.use_graphs = True
+    fi.gpu.use_graphs, fi.gpu.attn.decompressed_prefill = True, saved
     torch_engine = _engine(_runner(mla_dir, "cuda", "bfloat16", attention="torch"), None)
     return flashinfer_rows, [torch_engine.score(seq) for seq in seqs]
 
