@@ -3,16 +3,18 @@
     python bench/mla.py --out OUT.json [--quick] [--dense] [--small-kernel on|off] [--sweep]
 
 In one run: the device's copy bandwidth and GEMM rate (the ceilings, bench/roofline.py), then for DeepSeek-V2-Lite
-(flashinfer's MLA kernel for every step, absorbed; decode and piecewise step graphs):
+(flashinfer's MLA kernels, absorbed, except eager prompt chunks with no cached prefix, decompressed: the latents
+expanded through kv_b_proj, then flashinfer's ragged prefill at head dims 192 / 128; decode and piecewise step
+graphs):
 1. decode steps at batch 1/16/64/256 and 1k/4k context against their floor (weight bytes the batch reads, its routed
    experts only, plus the latent KV bytes) / bandwidth;
-2. prefill of 1k and 4k prompts against the FLOP floor;
+2. prefill of 1k and 4k prompts against the FLOP floor (decompressed, the path's default); then the same two whole
+   prefill steps in both forms, alternately in this run: ratio absorbed / decompressed (`prefill_forms`);
 3. MLA attention per layer: flashinfer's kernel alone and the layer's whole latent attention (RoPE, the entry
    write, W_UK folded into the query, the kernel, W_UV), for the same decode shapes (ratio: the latent KV bytes at
    the copy bandwidth over the kernel's time) and one 4k prompt, causal (ratio: its FLOPs at the GEMM rate over the
-   kernel's time); beside the 4k prompt, the decompressed form (the latents expanded through kv_b_proj, then
-   flashinfer's ragged prefill at head dims 192 / 128), which does about a third of the absorbed form's
-   attention FLOPs;
+   kernel's time); beside the 4k prompt, the decompressed form (the expansion with the ragged kernel, and the whole
+   layer), which does about a third of the absorbed form's attention FLOPs;
    With `--small-kernel on` (the default) each decode shape (batch 1/4/16/64/256) also runs the split-KV Triton
    kernel (common/engine/gpu/mla_decode.py; the path takes it up to `SPLIT_DECODE_MAX_BS` requests), every shape,
    so the crossover shows: both kernels eager and captured in a CUDA graph (the decode graphs' form: no host time),
@@ -30,6 +32,7 @@ import functools
 import gc
 import json
 import logging
+import statistics
 import sys
 from pathlib import Path
 
@@ -61,38 +64,64 @@ def _section(name: str, quick: bool, split_decode: bool = True) -> roofline.Mode
     return runner
 
 
-def _decompressed_prefill_ms(runner: roofline.ModelRunner, n: int, iters: int) -> float:
-    """One n-token prompt's attention in the decompressed form: every latent through kv_b_proj, then flashinfer's
-    ragged causal prefill with qk head dim nope + rope and value head dim v."""
-    import flashinfer
-
-    mla = runner.model_config.mla
-    h = runner.model_config.num_heads
+def _decompressed_prefill_ms(runner: roofline.ModelRunner, fb, x: dict, iters: int) -> tuple[float, float]:
+    """A no-prefix prompt's attention in the path's decompressed form (`FlashInferMlaAttention.attend_decompressed`:
+    every latent through kv_b_proj, then flashinfer's ragged causal prefill with qk head dim nope + rope and value
+    head dim v), and the whole layer in that form (RoPE, the entry write, then the same): ms each."""
+    attn = runner.gpu.attn
     proj = runner.model.layers[0].mla
-    dev, dt = runner.device, runner.dtype
-    latent = torch.randn(n, mla.kv_lora_rank, device=dev, dtype=dt)
-    k_pe = torch.randn(n, 1, mla.qk_rope_head_dim, device=dev, dtype=dt)
-    q = torch.randn(n, h, mla.qk_head_dim, device=dev, dtype=dt)
-    wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(runner.gpu.workspace, "NHD")
-    indptr = torch.tensor([0, n], dtype=torch.int32)
-    wrapper.plan(
-        indptr,
-        indptr,
-        h,
-        h,
-        mla.qk_head_dim,
-        head_dim_vo=mla.v_head_dim,
-        causal=True,
-        sm_scale=mla.softmax_scale,
-        q_data_type=dt,
-    )
+    saved = attn.decompressed_prefill
+    attn.decompressed_prefill = True
+    try:
+        attn.plan(fb)
+    finally:
+        attn.decompressed_prefill = saved
+    assert attn.decompressed_from == 0, "a prompt with no cached prefix plans decompressed"
+    parts = MlaParts(x["q_nope"], x["q_pe"], x["latent"], x["k_pe"])
+    kernel = roofline.device_ms(lambda: attn.attend_decompressed(*parts, proj), iters)
+    layer = roofline.device_ms(lambda: attn.forward_mla(0, fb.positions, parts, proj), iters)
+    return kernel, layer
 
-    def attend():
-        k_nope, v = proj.expand(latent)
-        k = torch.cat((k_nope, k_pe.expand(-1, h, -1)), dim=-1)
-        return wrapper.run(q, k, v)
 
-    return roofline.device_ms(attend, iters)
+@torch.inference_mode()
+def prefill_forms(runner: roofline.ModelRunner, quick: bool) -> list[dict]:
+    """The model's whole prefill step of one fresh 1k and 4k prompt (eager: past the step graphs' tokens), its
+    attention decompressed and absorbed in turn, in this run: ratio absorbed / decompressed."""
+    attn = runner.gpu.attn
+    iters = 3 if quick else 6
+    out = []
+    saved = attn.decompressed_prefill
+    try:
+        for n in (1024, 4096):
+            if n > runner.max_seq_len:
+                continue
+            rows = roofline.take_rows(runner, [n])
+            ids = torch.randint(0, runner.model_config.vocab_size, (n,)).tolist()
+            fb = runner.build_batch([ids], [0], rows, [True], False)
+            times: dict[str, list[float]] = {"decompressed": [], "absorbed": []}
+            for form, on in 2 * (("decompressed", True), ("absorbed", False)):  # alternated: clock drift evens out
+                attn.decompressed_prefill = on
+                times[form] += roofline.timed(lambda fb=fb: runner.forward(fb), iters, 2)
+                assert attn.decompressed_from == (0 if on else None), f"the {form} step planned otherwise"
+            roofline.give_rows(runner, rows)
+            ms = {form: statistics.median(t) for form, t in times.items()}
+            row = dict(
+                tokens=n,
+                decompressed_ms=ms["decompressed"],
+                absorbed_ms=ms["absorbed"],
+                absorbed_over_decompressed=ms["absorbed"] / ms["decompressed"],
+                decompressed_tok_per_s=n / (ms["decompressed"] * 1e-3),
+            )
+            out.append(row)
+            roofline.log(
+                f"prefill {n} whole step: decompressed {row['decompressed_ms']:.2f} ms, absorbed "
+                f"{row['absorbed_ms']:.2f} ms, absorbed/decompressed {row['absorbed_over_decompressed']:.3f}"
+            )
+    finally:
+        attn.decompressed_prefill = saved
+    roofline.RESULTS["prefill_forms"] = out
+    roofline.save()
+    return out
 
 
 def _graph_us(attn: FlashInferMlaAttention, meta: PageMeta, q: torch.Tensor, split_max_bs: int, iters: int) -> float:
@@ -251,11 +280,11 @@ def attention_bench(runner: roofline.ModelRunner, quick: bool, sweep: bool = Fal
     split = attn.split_decode_max_bs > 0
 
     def measure(fb, x) -> tuple[float, float]:
-        """flashinfer's kernel alone and the whole layer on it (eager)."""
-        saved = attn.split_decode_max_bs
-        attn.split_decode_max_bs = 0
+        """flashinfer's MLA kernel alone and the whole layer on it (eager, absorbed)."""
+        saved = attn.split_decode_max_bs, attn.decompressed_prefill
+        attn.split_decode_max_bs, attn.decompressed_prefill = 0, False
         attn.plan(fb)
-        attn.split_decode_max_bs = saved
+        attn.split_decode_max_bs, attn.decompressed_prefill = saved
         kernel = roofline.device_ms(lambda: attn.attend(0, x["q"]), iters)
         parts = MlaParts(x["q_nope"], x["q_pe"], x["latent"], x["k_pe"])
         layer = roofline.device_ms(lambda: attn.forward_mla(0, fb.positions, parts, proj), iters)
@@ -295,18 +324,19 @@ def attention_bench(runner: roofline.ModelRunner, quick: bool, sweep: bool = Fal
     n = 4096
     rows = roofline.take_rows(runner, [n])
     fb = runner.build_batch([[0] * n], [0], rows, [True], False)
-    kernel, layer = measure(fb, shapes(1, n))
-    roofline.give_rows(runner, rows)
+    x = shapes(1, n)
+    kernel, layer = measure(fb, x)
     pairs = n * (n + 1) // 2
     flops = 2 * pairs * h * ((r + rope) + r)  # QK^T over the latent entry, PV over its latent part
     flops_decompressed = 2 * pairs * h * (mla.qk_head_dim + mla.v_head_dim) + 2 * n * r * h * (
         mla.qk_nope_head_dim + mla.v_head_dim
     )
     try:
-        decompressed = _decompressed_prefill_ms(runner, n, iters)
+        decompressed, decompressed_layer = _decompressed_prefill_ms(runner, fb, x, iters)
     except Exception as exc:  # a kernel that does not build here: the absorbed numbers stand alone
         roofline.log(f"decompressed prefill unavailable: {str(exc)[:300]}")
-        decompressed = None
+        decompressed = decompressed_layer = None
+    roofline.give_rows(runner, rows)
     row = dict(
         kind="prefill",
         tokens=n,
@@ -316,13 +346,16 @@ def attention_bench(runner: roofline.ModelRunner, quick: bool, sweep: bool = Fal
         floor_ms=flops / rate * 1e3,
         ratio=flops / rate * 1e3 / kernel,
         decompressed_ms=decompressed,
+        decompressed_layer_ms=decompressed_layer,
         flops_decompressed=flops_decompressed,
         absorbed_over_decompressed=kernel / decompressed if decompressed else None,
+        absorbed_over_decompressed_layer=layer / decompressed_layer if decompressed_layer else None,
     )
     out.append(row)
     roofline.log(
         f"mla attention prefill {n}: kernel {kernel:.2f} ms, layer {layer:.2f} ms, floor {row['floor_ms']:.2f} ms, "
-        f"ratio {row['ratio']:.2f}; decompressed {decompressed or float('nan'):.2f} ms"
+        f"ratio {row['ratio']:.2f}; decompressed {decompressed or float('nan'):.2f} ms, "
+        f"layer {decompressed_layer or float('nan'):.2f} ms"
     )
     roofline.RESULTS["mla_attention_per_layer"] = out
     if split and sweep:
@@ -350,6 +383,10 @@ def compare(dense: bool) -> dict:
         )
     for a in r.get(f"prefill/{MODEL}", []):
         out[f"prefill_{a['tokens']}"] = dict(ms=a["ms"], tok_per_s=a["tok_per_s"], ratio=a["ratio"])
+    for a in r.get("prefill_forms", []):
+        out.setdefault(f"prefill_{a['tokens']}", {}).update(
+            absorbed_ms=a["absorbed_ms"], absorbed_over_decompressed=a["absorbed_over_decompressed"]
+        )
     if dense:
         d = {(x["batch"], x["ctx"]): x for x in r.get(f"decode/{DENSE}", []) if "skipped" not in x}
         for key, v in out.items():
@@ -391,6 +428,7 @@ def main() -> None:
         runner = _section(MODEL, args.quick, args.small_kernel == "on")
         roofline.RESULTS["mla_backend"] = runner.gpu.attn.backend
         roofline.RESULTS["split_decode_max_bs"] = runner.gpu.attn.split_decode_max_bs
+        prefill_forms(runner, args.quick)
         attention_bench(runner, args.quick, args.sweep)
         del runner
         gc.collect()

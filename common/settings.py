@@ -45,6 +45,9 @@ class RunnerConfig(reg.EnvFields):
     # (common/engine/gpu/mla_decode.py); off: flashinfer's MLA kernel for every step. Off until the kernel has
     # been checked and timed on a GPU (its CPU check is the interpreted test); benchmarks turn it on for A/B.
     mla_split_decode: bool = False
+    # Latent attention's eager prompt chunks with no cached prefix in the decompressed form (flashinfer's ragged
+    # prefill over keys and values expanded through kv_b_proj); off: absorbed for every step.
+    mla_decompressed_prefill: bool = reg.MLA_DECOMPRESSED_PREFILL.field()
     pdl: bool = reg.PDL.field()
     cpu_linear: str = "auto"  # CPU float32 GEMMs: auto = oneDNN with packed weights when available; torch = F.linear
     tp_size: int = reg.TP_SIZE.field()  # rank 0 launches the others (common/engine/tp_ranks.py)

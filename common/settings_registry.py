@@ -560,6 +560,15 @@ FUSED_KERNELS = declare(
     "GPU workers",
     "common/settings.py",
 )
+MLA_DECOMPRESSED_PREFILL = declare(
+    "KVFERRY_MLA_DECOMPRESSED_PREFILL",
+    on_off,
+    True,
+    "latent attention on flashinfer: eager steps' prompt chunks with no cached prefix attend decompressed (keys "
+    "and values expanded through `kv_b_proj`, flashinfer's ragged prefill); `0` = absorbed for every step",
+    "GPU workers",
+    "common/settings.py",
+)
 PDL = declare(
     "KVFERRY_PDL",
     on_off,

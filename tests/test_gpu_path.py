@@ -66,6 +66,7 @@ def _runner(
     weight_dtype: str = "auto",
     pdl: bool = True,
     mla_split_decode: bool = True,
+    mla_decompressed_prefill: bool = True,
 ):
     from common.engine.runner import ModelRunner, RunnerConfig
 
@@ -82,6 +83,7 @@ def _runner(
         weight_dtype=weight_dtype,
         pdl=pdl,
         mla_split_decode=mla_split_decode,
+        mla_decompressed_prefill=mla_decompressed_prefill,
     )
     return ModelRunner(cfg)
 
@@ -170,6 +172,24 @@ def test_latent_attention_plans_from_the_host_copy_of_the_page_table():
     assert host.indices.tolist() == dev.indices.tolist() == [4, 5, 6, 8, 2, 9, 13, 7, 1, 11, 12]
     assert torch.equal(host.indptr, dev.indptr) and torch.equal(host.last_page_len, dev.last_page_len)
     assert host.indices.dtype == torch.int32 and host.indices.device.type == "cpu"
+
+
+def test_latent_attention_attends_decompressed_only_chunks_with_no_cached_prefix():
+    """Which form a prefill or mixed step of latent attention takes on flashinfer, from its rows' extend and KV
+    lengths (CPU): prompt chunks with no cached prefix decompressed, leading decode rows absorbed beside them; a
+    chunk with a cached prefix (a radix hit, or a prompt's later chunk) keeps the whole step absorbed."""
+    from common.engine.gpu.mla_attention import decompressed_rows_from
+
+    assert decompressed_rows_from([300], [300]) == 0
+    assert decompressed_rows_from([200, 137], [200, 137]) == 0
+    assert decompressed_rows_from([1, 1, 64], [90, 41, 64]) == 2  # two decode rows, then a fresh prompt
+    assert decompressed_rows_from([1, 64, 30], [12, 64, 30]) == 1
+    assert decompressed_rows_from([2048], [4096]) is None  # a prompt's second chunk
+    assert decompressed_rows_from([540], [940]) is None  # a prefix hit
+    assert decompressed_rows_from([64, 100], [64, 160]) is None  # one row with a prefix: all absorbed
+    assert decompressed_rows_from([1, 1, 64], [90, 41, 96]) is None
+    assert decompressed_rows_from([1, 1], [50, 60]) is None  # decode rows only
+    assert decompressed_rows_from([64, 1], [64, 50]) is None  # a decode row not among the leading rows
 
 
 # ---- GPU -------------------------------------------------------------------------------------------
@@ -892,6 +912,10 @@ def mla_dir(tmp_path_factory) -> Path:
     return path
 
 
+# Absorbed and decompressed attention are the same function (float32 logits on the CPU: 2.6e-5 apart), but on this
+# random model bf16 rounding in one form or the other moves teacher-forced logits 0.10 (relative L2; CPU, torch path,
+# both 0.22 from fp32). Comparisons of graphed steps (absorbed) with eager ones hold the form fixed
+# (`mla_decompressed_prefill=False`); the forms meet layer by layer in test_mla_decompressed_prefill_matches_absorbed_and_fp32.
 def _mla_on_flashinfer(path, **kw):
     from common.engine.gpu.mla_attention import FlashInferMlaAttention
 
@@ -909,10 +933,12 @@ def test_mla_on_flashinfer_logits_match_fp32_torch_path(mla_dir):
     within what the torch path in bf16 loses plus a margin (relative L2 over every row)."""
     seqs = _prompts(3, seed=31, lo=40, hi=140)
     ref = torch.cat(_teacher_forced(_runner(mla_dir, "cuda", "float32", attention="torch"), seqs, 32, 6, False))
-    fi = _mla_on_flashinfer(mla_dir)
+    fi = _mla_on_flashinfer(mla_dir, mla_decompressed_prefill=False)
     assert fi.gpu.attn.backend == ("fa3" if torch.cuda.get_device_capability()[0] == 9 else "fa2")
     got_graph = _teacher_forced(fi, seqs, chunk=32, n_decode=6, graphs=True)
     got_eager = _teacher_forced(fi, seqs, chunk=32, n_decode=6, graphs=False)
+    fi.gpu.attn.decompressed_prefill = True  # the first chunks (no cached prefix) decompressed
+    got_dec = _teacher_forced(fi, seqs, chunk=32, n_decode=6, graphs=False)
     got_torch = _teacher_forced(_runner(mla_dir, "cuda", "bfloat16", attention="torch"), seqs, 32, 6, False)
     e_graph, e_eager = _rel(torch.cat(got_graph), ref), _rel(torch.cat(got_eager), ref)
     e_torch = _rel(torch.cat(got_torch), ref)
@@ -923,9 +949,13 @@ def test_mla_on_flashinfer_logits_match_fp32_torch_path(mla_dir):
     # 0.222, flashinfer 0.217, graphs = eager): the claim is that flashinfer's kernels lose no more than the plain
     # path does, and that the two bf16 paths are closer to each other than either is to fp32.
     direct = _rel(torch.cat(got_graph), torch.cat(got_torch).float())
-    print(f"flashinfer+graphs vs torch bf16: {direct:.2e}")
-    assert direct < e_torch
-    for e in (e_graph, e_eager):
+    e_dec, direct_dec = _rel(torch.cat(got_dec), ref), _rel(torch.cat(got_dec), torch.cat(got_torch).float())
+    print(
+        f"flashinfer+graphs vs torch bf16: {direct:.2e}; first chunks decompressed: vs fp32 {e_dec:.2e}, "
+        f"vs torch bf16 {direct_dec:.2e}"
+    )
+    assert direct < e_torch and direct_dec < e_torch
+    for e in (e_graph, e_eager, e_dec):
         assert e < 1.5 * e_torch + 2e-3 and e < 0.3
     # Prefill rows differ by the piecewise graphs' padding (cuBLAS may pick other GEMM kernels), decode rows by the
     # graph-mode plan's work split: close.
@@ -944,12 +974,12 @@ def test_mla_split_decode_steps_match_flashinfers_kernel(mla_dir):
     from common.engine.gpu.mla_attention import SPLIT_DECODE_MAX_BS, SplitDecode
 
     seqs = _prompts(3, seed=35, lo=40, hi=140)
-    split = _mla_on_flashinfer(mla_dir)
+    split = _mla_on_flashinfer(mla_dir, mla_decompressed_prefill=False)
     assert split.gpu.attn.split_decode_max_bs == SPLIT_DECODE_MAX_BS >= max(split.gpu.graphs.sizes)
     assert all(isinstance(w, SplitDecode) for w in split.gpu.graphs.wrappers.values())
     got = {graphs: _teacher_forced(split, seqs, 32, 6, graphs) for graphs in (True, False)}
     del split
-    fi = _mla_on_flashinfer(mla_dir, mla_split_decode=False)
+    fi = _mla_on_flashinfer(mla_dir, mla_split_decode=False, mla_decompressed_prefill=False)
     assert fi.gpu.attn.split_decode_max_bs == 0
     assert not any(isinstance(w, SplitDecode) for w in fi.gpu.graphs.wrappers.values())
     ref = _teacher_forced(fi, seqs, 32, 6, True)
@@ -999,8 +1029,10 @@ def test_mla_fp32_logits_on_the_gpu_equal_the_cpu_path(mla_dir):
 def test_mla_step_graph_replay_identical_to_eager_pieces(mla_dir):
     """A mixed step of latent attention (three decode rows + a 64-token chunk, padded to 80) replayed from its piecewise
     graphs (broken at each layer's MLA kernel) and the same pieces run eagerly: bit-identical, finite, and at bf16
-    level of the plain eager forward; a decode step replayed from its graph equals its eager twin too."""
-    runner = _mla_on_flashinfer(mla_dir)
+    level of the plain eager forward (absorbed, as the graphs are); eagerly with the decompressed form on, the step
+    splits (the decode rows absorbed, the chunk decompressed) and stays finite; a decode step replayed from its graph
+    equals its eager twin too."""
+    runner = _mla_on_flashinfer(mla_dir, mla_decompressed_prefill=False)
     steps = runner.gpu.step_graphs
     assert steps.pick(67) == 80 and len(steps.graphs[80]) == runner.model.cfg.num_layers + 1
     dec = _prompts(3, seed=61, lo=40, hi=140)
@@ -1016,6 +1048,10 @@ def test_mla_step_graph_replay_identical_to_eager_pieces(mla_dir):
         pieces = steps.run(fb, replay=False).clone()
         runner.gpu.use_graphs = False
         eager = runner.forward(fb).clone()
+        runner.gpu.attn.decompressed_prefill = True
+        split = runner.forward(fb).clone()
+        split_from = runner.gpu.attn.decompressed_from
+        runner.gpu.attn.decompressed_prefill = False
         runner.gpu.use_graphs = True
         fb = runner.build_batch([[s[-1]] for s in dec], [p + 1 for p in pos], rows[:3], [True] * 3, True)
         graphs = runner.gpu.graphs
@@ -1028,7 +1064,44 @@ def test_mla_step_graph_replay_identical_to_eager_pieces(mla_dir):
             runner.page_table.give_row(row)
     assert torch.equal(replayed, pieces) and torch.isfinite(replayed).all()
     assert _rel(replayed, eager) < 1e-2
+    assert split_from == 3 and torch.isfinite(split).all()
     assert torch.equal(dec_replayed, dec_eager) and torch.isfinite(dec_replayed).all()
+
+
+def _scored_both_ways(fi, mla_dir, prompts, results) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each served sequence (prompt + output) scored in one eager prefill by the flashinfer runner `fi` (no graphs,
+    no cache hit, no decode kernel), absorbed, and by the torch path in bf16 (decompressed): float32 logits of every
+    position, both ways. Their distance then holds what bf16 rounding in either form moves a row by, as the served
+    steps mix the forms."""
+    fi.gpu.use_graphs = False
+    saved, fi.gpu.attn.decompressed_prefill = fi.gpu.attn.decompressed_prefill, False
+    ref_engine = _engine(fi, None)
+    seqs = [prompt + res.output_ids for prompt, res in zip(prompts, results)]
+    flashinfer_rows = [ref_engine.score(seq) for seq in seqs]
+    del ref_engine
+    fi.gpu.use_graphs, fi.gpu.attn.decompressed_prefill = True, saved
+    torch_engine = _engine(_runner(mla_dir, "cuda", "bfloat16", attention="torch"), None)
+    return flashinfer_rows, [torch_engine.score(seq) for seq in seqs]
+
+
+def _greedy_picks_match(prompts, results, ref_rows, other_rows) -> tuple[int, int]:
+    """Every served greedy token is within rounding of the top of `ref_rows` (whole-sequence logits) and is its
+    argmax wherever the top two are further apart than rounding can tell: the larger of 0.1 of the row's standard
+    deviation and how far `other_rows` (the other path's) are from it. Returns (decisive steps, steps)."""
+    decisive = steps = 0
+    for prompt, res, all_rows, other in zip(prompts, results, ref_rows, other_rows):
+        noise = (other - all_rows).abs().amax(dim=-1)
+        rows = all_rows[len(prompt) - 1 : -1]
+        top2 = rows.topk(2, dim=-1).values
+        tol = torch.maximum(0.1 * rows.std(dim=-1), noise[len(prompt) - 1 : -1])
+        out = torch.tensor(res.output_ids, device=rows.device)
+        picked = rows.gather(1, out[:, None])[:, 0]
+        sure = (top2[:, 0] - top2[:, 1]) > tol
+        assert (top2[:, 0] - picked <= tol).all()
+        assert rows.argmax(-1)[sure].tolist() == out[sure].tolist()
+        decisive += int(sure.sum())
+        steps += len(res.output_ids)
+    return decisive, steps
 
 
 @needs_cuda
@@ -1055,28 +1128,172 @@ def test_mla_on_flashinfer_greedy_with_prefix_hits_and_graphs_matches_one_prefil
 
     assert_pool_clean(engine)
     del engine
-    fi.gpu.use_graphs = False
-    ref_engine = _engine(fi, None)
-    seqs = [prompt + res.output_ids for prompt, res in zip(prompts, [*first, *rest])]
-    scored = [ref_engine.score(seq) for seq in seqs]
-    del ref_engine, fi
-    torch_engine = _engine(_runner(mla_dir, "cuda", "bfloat16", attention="torch"), None)
-    # What bf16 rounding alone moves a row by: the torch path's logits against the one-shot flashinfer ones.
-    rounding = [(torch_engine.score(seq) - rows).abs().amax(dim=-1) for seq, rows in zip(seqs, scored)]
-    decisive = steps = 0
-    for prompt, res, all_rows, noise in zip(prompts, [*first, *rest], scored, rounding):
-        assert res.finish_reason == "length" and len(res.output_ids) == 16
-        rows = all_rows[len(prompt) - 1 : -1]
-        top2 = rows.topk(2, dim=-1).values
-        tol = torch.maximum(0.1 * rows.std(dim=-1), noise[len(prompt) - 1 : -1])
-        picked = rows.gather(1, torch.tensor(res.output_ids, device=rows.device)[:, None])[:, 0]
-        sure = (top2[:, 0] - top2[:, 1]) > tol
-        assert (top2[:, 0] - picked <= tol).all()
-        assert rows.argmax(-1)[sure].tolist() == torch.tensor(res.output_ids, device=rows.device)[sure].tolist()
-        decisive += int(sure.sum())
-        steps += len(res.output_ids)
+    results = [*first, *rest]
+    assert all(r.finish_reason == "length" and len(r.output_ids) == 16 for r in results)
+    flashinfer_rows, torch_rows = _scored_both_ways(fi, mla_dir, prompts, results)
+    del fi
+    decisive, steps = _greedy_picks_match(prompts, results, flashinfer_rows, torch_rows)
     print(f"decisive steps {decisive}/{steps}")
     # Not vacuous: rounding this coarse leaves ~2 in 5 steps decisive (31 of 80 on an H200), each an exact match.
+    assert decisive >= steps // 4
+
+
+def _mla_parts(t: int, h: int, mla, g: torch.Generator):
+    """Random bf16 inputs of one latent attention layer for `t` tokens, laid out as `MlaProjections.split` gives
+    them (the query's parts and k_pe views of wider rows)."""
+    from common.engine.mla import MlaParts
+
+    q = torch.randn(t, h, mla.qk_head_dim, generator=g, device="cuda").bfloat16()
+    kv = torch.randn(t, mla.kv_lora_rank + mla.qk_rope_head_dim, generator=g, device="cuda").bfloat16()
+    q_nope, q_pe = q.split((mla.qk_nope_head_dim, mla.qk_rope_head_dim), dim=-1)
+    latent, k_pe = kv.split((mla.kv_lora_rank, mla.qk_rope_head_dim), dim=-1)
+    return MlaParts(q_nope, q_pe, latent.contiguous(), k_pe)
+
+
+def _mla_fp32(runner, proj, queries, keys) -> torch.Tensor:
+    """Latent attention in float32, decompressed: `queries` (MlaParts rows, positions) attend causally, aligned at
+    the end, over `keys` (MlaParts rows, positions): the rows' RoPE in float32, keys and values through kv_b_proj."""
+    (qp, q_pos), (kp, k_pos) = queries, keys
+    mla = runner.model_config.mla
+    h = runner.model_config.num_heads
+    q_pe, _ = runner.model.rotary.apply(q_pos, qp.q_pe.float(), qp.q_pe.float()[:, :1])
+    _, k_pe = runner.model.rotary.apply(k_pos, kp.k_pe.float()[:, None], kp.k_pe.float()[:, None])
+    kv = (kp.latent.float() @ proj.kv_b_proj.float().T).view(len(k_pos), h, -1)
+    k_nope, v = kv.split((mla.qk_nope_head_dim, mla.v_head_dim), dim=-1)
+    q = torch.cat((qp.q_nope.float(), q_pe), dim=-1).transpose(0, 1)
+    k = torch.cat((k_nope, k_pe.expand(-1, h, -1)), dim=-1).transpose(0, 1)
+    nq, nk = len(q_pos), len(k_pos)
+    mask = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(nk - nq)
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v.transpose(0, 1), attn_mask=mask, scale=mla.softmax_scale
+    )
+    return o.transpose(0, 1)
+
+
+def _rows_of(parts, a: int, b: int):
+    from common.engine.mla import MlaParts
+
+    return MlaParts(*(x[a:b] for x in parts))
+
+
+@needs_cuda
+@gpu
+def test_mla_decompressed_prefill_matches_absorbed_and_fp32(mla_dir):
+    """One latent attention layer on flashinfer, fresh random inputs and kv_b_proj (keys of unit scale, so the softmax
+    is far from uniform and a wrong mask, scale or head order shows as O(0.1-1)): prompts with no cached prefix (one
+    of 300 tokens; two of 200 and 137) attended decompressed (ragged prefill), and a mixed step (two decode rows over
+    cached latents, then a fresh 120-token prompt) split absorbed / decompressed, each within 2e-2 relative L2 of the
+    float32 decompressed attention and of the same step attended absorbed (bf16 rounding of the inputs to the
+    kernels, the probabilities and the output: ~0.5%)."""
+    runner = _mla_on_flashinfer(mla_dir)
+    attn, proj = runner.gpu.attn, runner.model.layers[0].mla
+    mla, h = runner.model_config.mla, runner.model_config.num_heads
+    g = torch.Generator(device="cuda").manual_seed(5)
+    with torch.no_grad():
+        w = torch.randn(proj.kv_b_proj.shape, generator=g, device="cuda") / mla.kv_lora_rank**0.5
+        proj.kv_b_proj.copy_(w)
+    assert attn.decompressed_prefill
+
+    def both_forms(fb, parts, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+        out = []
+        for on in (True, False):
+            attn.decompressed_prefill = on
+            attn.plan(fb)
+            assert attn.decompressed_from == (first if on else None)
+            out.append(attn.forward_mla(0, fb.positions, parts, proj).float())
+        attn.decompressed_prefill = True
+        return out[0], out[1]
+
+    def check(label: str, dec: torch.Tensor, absorbed: torch.Tensor, ref: torch.Tensor) -> None:
+        e_dec, e_abs, e_forms = _rel(dec, ref), _rel(absorbed, ref), _rel(dec, absorbed)
+        print(f"{label}: vs fp32 decompressed {e_dec:.2e}, absorbed {e_abs:.2e}; forms {e_forms:.2e}")
+        assert torch.isfinite(dec).all() and dec.shape == absorbed.shape == ref.shape
+        assert e_dec < 2e-2 and e_abs < 2e-2 and e_forms < 2e-2
+
+    for lens in ([300], [200, 137]):
+        seqs = [list(range(n)) for n in lens]
+        rows = _rows_for(runner, seqs, seed=sum(lens))
+        try:
+            fb = runner.build_batch(seqs, [0] * len(lens), rows, [True] * len(lens), False)
+            parts = _mla_parts(fb.num_tokens, h, mla, g)
+            dec, absorbed = both_forms(fb, parts, 0)
+            refs, at = [], 0
+            for n in lens:
+                seg = (_rows_of(parts, at, at + n), fb.positions[at : at + n])
+                refs.append(_mla_fp32(runner, proj, seg, seg))
+                at += n
+            check(f"prompts {lens}", dec, absorbed, torch.cat(refs))
+        finally:
+            for row in rows:
+                runner.page_table.give_row(row)
+
+    hist = [90, 41]
+    rows = _rows_for(runner, [list(range(n + 1)) for n in hist] + [list(range(120))], seed=77)
+    try:
+        fb = runner.build_batch([list(range(n)) for n in hist], [0, 0], rows[:2], [False, False], False)
+        past = _mla_parts(fb.num_tokens, h, mla, g)
+        attn.plan(fb)
+        attn.forward_mla(0, fb.positions, past, proj)  # the decode rows' cached latents
+        fb = runner.build_batch([[1], [2], list(range(120))], [*hist, 0], rows, [True] * 3, False)
+        parts = _mla_parts(fb.num_tokens, h, mla, g)
+        dec, absorbed = both_forms(fb, parts, 2)
+        refs, at = [], 0
+        for i, n in enumerate(hist):
+            cached = (_rows_of(past, at, at + n), torch.arange(n, device="cuda"))
+            mine = (_rows_of(parts, i, i + 1), fb.positions[i : i + 1])
+            keys = (
+                type(parts)(*(torch.cat((a, b)) for a, b in zip(cached[0], mine[0]))),
+                torch.cat((cached[1], mine[1])),
+            )
+            refs.append(_mla_fp32(runner, proj, mine, keys))
+            at += n
+        fresh = (_rows_of(parts, 2, 122), fb.positions[2:])
+        refs.append(_mla_fp32(runner, proj, fresh, fresh))
+        check("mixed: 2 decode rows + a fresh 120-token prompt", dec, absorbed, torch.cat(refs))
+    finally:
+        for row in rows:
+            runner.page_table.give_row(row)
+
+
+@needs_cuda
+@gpu
+def test_mla_decompressed_prefill_serves_the_greedy_tokens_of_the_torch_path(mla_dir, monkeypatch):
+    """The small V2-Lite-shaped model served on flashinfer with graphs: a 560-token prompt in one eager step (past the
+    step graphs' 512 tokens) attends decompressed; a second prompt sharing its first 400 tokens (a radix hit) extends
+    540 more, absorbed. Greedy tokens are the torch path's (scoring each whole sequence in bf16) wherever its top two
+    are further apart than rounding can tell (`_greedy_picks_match`), at least a quarter of the steps decisive, and
+    every page comes back."""
+    from tests.engine_helpers import assert_pool_clean
+
+    fi = _mla_on_flashinfer(mla_dir)
+    attn = fi.gpu.attn
+    assert attn.decompressed_prefill and fi.gpu.step_graphs.max_tokens == 512
+    forms: list[tuple[list[int], list[int], int | None]] = []
+    plan = attn.plan
+
+    def plan_and_record(batch) -> None:
+        plan(batch)
+        if not batch.is_decode:
+            forms.append((list(batch.extend_lens_cpu), list(batch.seq_lens_cpu), attn.decompressed_from))
+
+    monkeypatch.setattr(attn, "plan", plan_and_record)
+    first = _prompts(1, seed=71, lo=560, hi=561)[0]
+    prompts = [first, first[:400] + _prompts(1, seed=72, lo=540, hi=541)[0]]
+    engine = _engine(fi, None, max_prefill_tokens=1024)
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    results = [*engine.generate(prompts[:1], sp), *engine.generate(prompts[1:], sp)]
+    cached = results[1].cached_tokens
+    assert 400 <= cached < 940 - 512, cached  # the shared pages, and an extend past the step graphs
+    assert_pool_clean(engine)
+    del engine
+    assert ([560], [560], 0) in forms, forms
+    assert ([940 - cached], [940], None) in forms, forms
+    assert all(r.finish_reason == "length" and len(r.output_ids) == 16 for r in results)
+    monkeypatch.undo()
+    flashinfer_rows, torch_rows = _scored_both_ways(fi, mla_dir, prompts, results)
+    del fi
+    decisive, steps = _greedy_picks_match(prompts, results, torch_rows, flashinfer_rows)
+    print(f"decisive steps {decisive}/{steps}")
     assert decisive >= steps // 4
 
 
@@ -1085,8 +1302,9 @@ def test_mla_on_flashinfer_greedy_with_prefix_hits_and_graphs_matches_one_prefil
 def test_mla_on_flashinfer_serves_dummy_deepseek_v2_lite():
     """`dummy:deepseek-v2-lite` (the 16B model's shapes, random weights) on flashinfer with decode and step graphs:
     teacher-forced logits finite and within 10% (relative L2) of the plain torch path's in bf16 on the same weights
-    (looser than the small model's 3%: bf16 noise flips some tokens' 6th-of-64 expert in 26 random MoE layers), and a
-    batch of greedy requests with a shared prefix served to the end with every page back."""
+    (looser than the small model's 3%: bf16 noise flips some tokens' 6th-of-64 expert in 26 random MoE layers), graphed
+    (absorbed) and eager (the first chunks decompressed), and a batch of greedy requests with a shared prefix served to
+    the end with every page back."""
     import gc
 
     # The 16B model's graphs are captured after the module's other runners: what they left cached must go first
@@ -1097,6 +1315,7 @@ def test_mla_on_flashinfer_serves_dummy_deepseek_v2_lite():
     fi = _mla_on_flashinfer("dummy:deepseek-v2-lite", max_running=4)
     assert fi.layout.bytes_per_token == 31104  # 27 layers x 576 x bf16
     got = _teacher_forced(fi, seqs, chunk=128, n_decode=4, graphs=True)
+    got_dec = _teacher_forced(fi, seqs, chunk=128, n_decode=4, graphs=False)
     prompts = [seqs[0][:100] + s for s in _prompts(3, seed=52, lo=5, hi=30, vocab=102400)]
     engine = _engine(fi, None)
     res = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
@@ -1109,6 +1328,6 @@ def test_mla_on_flashinfer_serves_dummy_deepseek_v2_lite():
     ref = _teacher_forced(
         _runner("dummy:deepseek-v2-lite", "cuda", "bfloat16", attention="torch", max_running=4), seqs, 128, 4, False
     )
-    e = _rel(torch.cat(got), torch.cat(ref))
-    print(f"dummy deepseek-v2-lite: flashinfer+graphs vs torch bf16 rel err {e:.2e}")
-    assert all(torch.isfinite(g).all() for g in got) and e < 1e-1
+    e, e_dec = _rel(torch.cat(got), torch.cat(ref)), _rel(torch.cat(got_dec), torch.cat(ref))
+    print(f"dummy deepseek-v2-lite: vs torch bf16 rel err flashinfer+graphs {e:.2e}, eager decompressed {e_dec:.2e}")
+    assert all(torch.isfinite(g).all() for g in got + got_dec) and e < 1e-1 and e_dec < 1e-1

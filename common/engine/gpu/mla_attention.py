@@ -1,8 +1,10 @@
-"""MLA on flashinfer: the absorbed form of latent attention over the latent pool, for every kind of step
-(docs/architecture.md, "Latent attention (MLA)"). Each layer's `ckv` / `kpe` operands are strided views of the
-pool (flashinfer reads the strides it is given), so nothing is copied. Prefill and mixed steps run the same
-absorbed kernel, causal: one code path and one plan per step, made outside any CUDA graph. Decode steps of a few
-requests run the split-KV Triton kernel (common/engine/gpu/mla_decode.py) instead, over the same page CSR.
+"""MLA on flashinfer: latent attention over the latent pool (docs/architecture.md, "Latent attention (MLA)").
+Each layer's `ckv` / `kpe` operands are strided views of the pool (flashinfer reads the strides it is given), so
+nothing is copied. Decode steps attend absorbed; prefill and mixed steps run the same absorbed kernel, causal,
+except eager steps whose prompt chunks have no cached prefix: those rows attend decompressed (keys and values
+expanded from this step's own latents through `kv_b_proj`, flashinfer's ragged prefill), a step's leading decode
+rows absorbed beside them. Every plan is made outside any CUDA graph. Decode steps of a few requests run the
+split-KV Triton kernel (common/engine/gpu/mla_decode.py) instead, over the same page CSR.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from common.engine.forward_batch import ForwardBatch
 from common.engine.fp8 import store_rows
-from common.engine.gpu.attention import GraphBuffers, PageMeta, PlanFences
+from common.engine.gpu.attention import GraphBuffers, PageMeta, PlanFences, leading_single_token_rows
 from common.engine.layers import RotaryCache
 from common.engine.mla import LatentOnly, MlaParts, MlaProjections
 from common.engine.model_config import ModelConfig
@@ -67,6 +69,19 @@ def host_page_meta(host_pages: np.ndarray, page_size: int, table_rows: np.ndarra
     )
 
 
+def decompressed_rows_from(extend_lens: list[int], seq_lens: list[int]) -> int | None:
+    """Where a prefill or mixed step's decompressed rows start (the leading one-token rows, decode, attend absorbed
+    before them), or None: the whole step absorbed. Decompressed needs every later row to be a prompt chunk with no
+    cached prefix (its KV length is its extend length), so its keys are this step's own latents and nothing is read
+    back from the pool: the form that costs per query, not per cached token (docs/architecture.md)."""
+    n = leading_single_token_rows(extend_lens)
+    if n == len(extend_lens):
+        return None
+    if any(e != s for e, s in zip(extend_lens[n:], seq_lens[n:])):
+        return None
+    return n
+
+
 @dataclass(frozen=True)
 class SplitDecode:
     """A decode step on the split-KV Triton kernel: the device page CSR it reads (each request's KV length, as
@@ -87,7 +102,9 @@ class FlashInferMlaAttention(LatentOnly):
     """The `MlaBackend` of the GPU path: plan once per step, `forward_mla` per layer, with the planning and
     binding calls the decode and piecewise step graphs make on an attention backend. `split_decode_max_bs` > 0:
     decode steps (eager and captured) of up to that many requests on the split-KV Triton kernel, launched with
-    PDL where `pdl`."""
+    PDL where `pdl`. `decompressed_prefill`: `plan` gives eager steps' no-prefix prompt chunks the decompressed
+    form (`decompressed_rows_from`); the piecewise step graphs plan with `plan_extend`, absorbed, as their captured
+    pieces compute the absorbed query and apply W_UV."""
 
     # GQA-path kernels latent attention does not use (the decode graphs and benchmarks read these).
     xqa = None
@@ -107,6 +124,7 @@ class FlashInferMlaAttention(LatentOnly):
         rotary: RotaryCache,
         split_decode_max_bs: int = 0,
         pdl: bool = False,
+        decompressed_prefill: bool = True,
     ) -> None:
         import flashinfer
         from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
@@ -130,6 +148,8 @@ class FlashInferMlaAttention(LatentOnly):
         self.num_heads = cfg.num_heads
         self.rank = mla.kv_lora_rank
         self.rope_dim = mla.qk_rope_head_dim
+        self.qk_head_dim = mla.qk_head_dim
+        self.v_head_dim = mla.v_head_dim
         self.scale = mla.softmax_scale
         self.dtype = dtype
         self.rope = flashinfer.apply_rope_with_cos_sin_cache
@@ -143,6 +163,10 @@ class FlashInferMlaAttention(LatentOnly):
         self.offsets = [pool.layer_offset(i, 0) for i in range(cfg.num_layers)]
         self.eager_wrapper = self._wrapper_cls(workspace, backend=self.backend)
         self._wrapper = None
+        self.decompressed_prefill = decompressed_prefill
+        self.ragged_wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
+        # Set by `plan` for a step with decompressed rows: the first of them (rows before it absorbed); None: absorbed.
+        self.decompressed_from: int | None = None
         self._out_loc: torch.Tensor | None = None
         self.pdl = pdl
         self.split_decode_max_bs = 0  # 0: flashinfer's kernel for every decode step
@@ -210,6 +234,7 @@ class FlashInferMlaAttention(LatentOnly):
         self._wrapper = wrapper
 
     def plan_decode(self, wrapper, meta: PageMeta) -> None:
+        self.decompressed_from = None
         if isinstance(wrapper, SplitDecode):
             # The graph's buffers take the CSR directly (stream-ordered after the step that read them last); no
             # flashinfer plan, whose schedule the graph would not run.
@@ -222,13 +247,35 @@ class FlashInferMlaAttention(LatentOnly):
         self._plan(wrapper, meta, torch.arange(b + 1, dtype=torch.int32), causal=False)
 
     def plan_extend(self, meta: PageMeta, extend_lens_cpu: list[int]) -> None:
-        """A prefill or mixed step in one causal call (a decode row sees its whole KV)."""
-        qo = torch.zeros(len(extend_lens_cpu) + 1, dtype=torch.int32)
-        torch.cumsum(torch.tensor(extend_lens_cpu, dtype=torch.int32), 0, out=qo[1:])
-        self._plan(self.eager_wrapper, meta, qo, causal=True)
+        """A prefill or mixed step absorbed, in one causal call (a decode row sees its whole KV)."""
+        self.decompressed_from = None
+        self._plan(self.eager_wrapper, meta, _indptr(extend_lens_cpu), causal=True)
+
+    def plan_decompressed(self, meta: PageMeta, extend_lens_cpu: list[int], first: int) -> None:
+        """Rows from `first` on decompressed (each row's keys are its own tokens: ragged, causal), the leading
+        one-token rows before them absorbed on the decode plan."""
+        if first:
+            self.plan_decode(self.eager_wrapper, meta.split(first)[0])
+        w = self.ragged_wrapper
+        indptr = _indptr(extend_lens_cpu[first:])
+        self.fences.before(w)
+        w.plan(
+            indptr,
+            indptr,
+            self.num_heads,
+            self.num_heads,
+            self.qk_head_dim,
+            head_dim_vo=self.v_head_dim,
+            causal=True,
+            sm_scale=self.scale,
+            q_data_type=self.dtype,
+        )
+        self.fences.after(w)
+        self.decompressed_from = first
 
     def plan(self, batch: ForwardBatch) -> None:
         meta = self.step_meta(batch)
+        self.decompressed_from = None
         if batch.is_decode and batch.batch_size <= self.split_decode_max_bs:
             dev = self.pool.device
             lens = kv_lengths(meta, self.page_size)
@@ -239,13 +286,20 @@ class FlashInferMlaAttention(LatentOnly):
         elif batch.is_decode:
             self.plan_decode(self.eager_wrapper, meta)
         else:
-            self.plan_extend(meta, batch.extend_lens_cpu)
+            first = None
+            if self.decompressed_prefill:
+                first = decompressed_rows_from(batch.extend_lens_cpu, batch.seq_lens_cpu)
+            if first is None:
+                self.plan_extend(meta, batch.extend_lens_cpu)
+            else:
+                self.plan_decompressed(meta, batch.extend_lens_cpu, first)
         self._out_loc = self.pool.token_rows(batch.out_loc)
 
     def bind(self, wrapper, out_loc: torch.Tensor, graph_meta: GraphBuffers | None = None) -> None:
         """Points the layers at a planned wrapper and the step's write rows (graph capture)."""
         self._wrapper = wrapper
         self._out_loc = out_loc
+        self.decompressed_from = None
 
     def write_rows(self, out_loc: torch.Tensor) -> None:
         self._out_loc = out_loc
@@ -255,7 +309,14 @@ class FlashInferMlaAttention(LatentOnly):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE on q_pe and k_pe and this step's entries written; returns the absorbed query's two parts,
         W_UK^T q_nope and the roped q_pe."""
-        q_nope, q_pe, latent, k_pe = parts
+        q_pe, _ = self._rope_and_write(layer, positions, parts)
+        return proj.absorb_query(parts.q_nope), q_pe
+
+    def _rope_and_write(
+        self, layer: int, positions: torch.Tensor, parts: MlaParts
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE on q_pe and k_pe and this step's entries written: the roped q_pe `[T, H, rope]` and k_pe `[T, rope]`."""
+        _, q_pe, latent, k_pe = parts
         loc = self._out_loc
         assert loc is not None, "plan() or bind() must run before the layers"
         t = q_pe.shape[0]
@@ -263,7 +324,7 @@ class FlashInferMlaAttention(LatentOnly):
         q_pe, k_pe = self.rope(positions, q_pe.reshape(t, -1), k_pe, self.rope_dim, self.cos_sin, True)
         entry = torch.cat((latent, k_pe), dim=-1).unsqueeze(1)  # [T, 1, latent_dim]
         store_rows(self.pool.rows, loc + self.offsets[layer], entry)
-        return proj.absorb_query(q_nope), q_pe.view(t, -1, self.rope_dim)
+        return q_pe.view(t, -1, self.rope_dim), k_pe
 
     def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of a packed absorbed query as planned: each head's output in latent space (into the first
@@ -297,6 +358,29 @@ class FlashInferMlaAttention(LatentOnly):
             )
         return self._wrapper.run(query=(q_latent, q_pe), kv_cache=(self.ckv[layer], self.kpe[layer]), out=out)
 
+    def attend_decompressed(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, proj: MlaProjections
+    ) -> torch.Tensor:
+        """Rows planned by `plan_decompressed` (from its `first` on), RoPE applied: each head's key [W_UK_h c | k_pe]
+        and value W_UV_h c from this step's latents, then the ragged causal prefill: `[T, H, v_head_dim]`."""
+        k_nope, v = proj.expand(latent)
+        k = torch.cat((k_nope, k_pe.unsqueeze(1).expand(-1, self.num_heads, -1)), dim=-1)
+        return self.ragged_wrapper.run(torch.cat((q_nope, q_pe), dim=-1), k, v)
+
     def forward_mla(self, layer: int, positions: torch.Tensor, parts: MlaParts, proj: MlaProjections) -> torch.Tensor:
-        q_latent, q_pe = self.store(layer, positions, parts, proj)
-        return proj.values_from_latent(self._attend(layer, q_latent, q_pe, None))
+        q_pe, k_pe = self._rope_and_write(layer, positions, parts)
+        q_nope, first = parts.q_nope, self.decompressed_from
+        if first is None:
+            return proj.values_from_latent(self._attend(layer, proj.absorb_query(q_nope), q_pe, None))
+        tail = self.attend_decompressed(q_nope[first:], q_pe[first:], parts.latent[first:], k_pe[first:], proj)
+        if not first:
+            return tail
+        head = self._attend(layer, proj.absorb_query(q_nope[:first]), q_pe[:first], None)
+        return torch.cat((proj.values_from_latent(head), tail))
+
+
+def _indptr(lens: list[int]) -> torch.Tensor:
+    """A CSR row pointer over `lens` (int32, host)."""
+    out = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0, out=out[1:])
+    return out

@@ -136,7 +136,15 @@ class GpuPath:
                 raise ValueError("latent attention on flashinfer plans from the page table's host copy (host_pages)")
             split_max_bs = SPLIT_DECODE_MAX_BS if triton and cfg.mla_split_decode else 0
             return FlashInferMlaAttention(
-                pool, host_pages, model.cfg, model.dtype, self.workspace, model.rotary, split_max_bs, self.pdl
+                pool,
+                host_pages,
+                model.cfg,
+                model.dtype,
+                self.workspace,
+                model.rotary,
+                split_max_bs,
+                self.pdl,
+                cfg.mla_decompressed_prefill,
             )
         return FlashInferAttention(
             pool,
@@ -170,9 +178,11 @@ class GpuPath:
             decode = "triton (1-2 rows), flashinfer"
         prefill = "fa3 e4m3" if attn.fp8_prefill else "flashinfer"
         if isinstance(attn, FlashInferMlaAttention):
-            prefill = decode = f"flashinfer mla {attn.backend} (absorbed, every step)"
+            prefill = decode = f"flashinfer mla {attn.backend} (absorbed)"
             if attn.split_decode_max_bs:
-                decode = f"triton split-kv mla (1-{attn.split_decode_max_bs} rows), {prefill}"
+                decode = f"triton split-kv mla (1-{attn.split_decode_max_bs} rows), {decode}"
+            if attn.decompressed_prefill:
+                prefill += ", ragged prefill (decompressed: eager chunks with no cached prefix)"
         log.info(
             "gpu kernels",
             extra={
