@@ -16,6 +16,8 @@ import openai
 import pytest
 
 from common.devcluster.cluster import LocalCluster
+from common.devcluster.process import ManagedProcess, wait_ready
+from common.net import free_port
 from tests.helpers import assert_openai_error, running_cluster, wait_pages_back, wait_until
 from tests.test_k8s_manifests import (
     NAMESPACE,
@@ -262,6 +264,35 @@ WORKER_PORTS = {"prefill": 8100, "decode": 8200, "mixed": 8300}  # docs/architec
 @pytest.fixture(params=sorted(TARGETS))
 def objs(request) -> list[dict]:
     return list(_render(request.param))
+
+
+def test_several_router_processes_reach_the_workers_with_the_secrets(cluster: LocalCluster) -> None:
+    """KVFERRY_ROUTER_WORKERS=2, as the k8s router runs: each process builds its settings from what the parent
+    resolved, the internal token and the Redis password included, and answers authenticated requests end to end
+    (a worker refuses a router without the token, and Redis one without the password)."""
+    assert cluster.router is not None
+    argv = list(cluster.router.argv)
+    url = f"http://127.0.0.1:{free_port()}"
+    argv[argv.index("--port") + 1] = url.rsplit(":", 1)[1]
+    env = dict(cluster.router.env, KVFERRY_ROUTER_WORKERS="2")
+    router = ManagedProcess("router-2", argv, env, cluster.log_dir / "router-2.log", url=url)
+    router.start()
+    try:
+        wait_ready([router], 120)
+        auth = {"Authorization": f"Bearer {SECRET}"}
+        for i in range(6):  # a new connection each: the kernel spreads them over both processes
+            r = httpx.post(
+                f"{url}/v1/completions",
+                json={"model": MODEL, "prompt": f"Count to {i}:", "max_tokens": 3},
+                headers=auth,
+                timeout=60,
+            )
+            assert r.status_code == 200, r.text[:300]
+            assert r.json()["usage"]["completion_tokens"] >= 1
+        log = (cluster.log_dir / "router-2.log").read_text()
+        assert "Traceback" not in log and "processes=2" in log, log[-2000:]
+    finally:
+        router.stop()
 
 
 def test_router_service_exposes_only_the_router_port(objs: list[dict]) -> None:
