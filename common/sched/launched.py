@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -35,6 +36,7 @@ class Launched:
     shape: StepShape = field(default_factory=StepShape)  # what it computes (the step-time model's inputs)
     launched_at: float = field(default_factory=time.perf_counter)  # host clock when its forward was launched
     masks: MaskJob | None = None  # its grammar masks, being filled while it waits for sampling
+    scores: Any = None  # PromptScores (common/sched/prompt_scores.py): prompt logprobs this step computed
 
     def record_done(self, device: torch.device) -> None:
         """Marks the end of the step's device work (KV writes, sampling, copies to the host)."""

@@ -159,6 +159,7 @@ class EngineHost:
             line = TokenLine(
                 token_ids=e.tokens,
                 logprobs=e.logprobs or None,
+                prompt_logprobs=r.prompt_logprobs if first else None,
                 prompt_tokens=r.prompt_len if first else 0,
                 cached_tokens=r.prefix_hit_len if first else 0,
                 timeline=timeline,
