@@ -69,7 +69,6 @@ _REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "skip_special_tokens": ((None, True), "skip_special_tokens=false is not supported"),
     "spaces_between_special_tokens": ((None, True), "spaces_between_special_tokens=false is not supported"),
     "truncate_prompt_tokens": ((None,), "truncate_prompt_tokens is not supported"),
-    "prompt_logprobs": ((None,), "prompt_logprobs is not supported"),
     "return_tokens_as_token_ids": ((None, False), "return_tokens_as_token_ids is not supported"),
     "structural_tag": ((None,), "structural_tag is not supported: use response_format or guided_*"),
     "guided_whitespace_pattern": ((None,), "guided_whitespace_pattern is not supported"),
@@ -99,7 +98,6 @@ class _RefusesUnsupported(_Lenient):
     skip_special_tokens: SkipJsonSchema[Any] = None
     spaces_between_special_tokens: SkipJsonSchema[Any] = None
     truncate_prompt_tokens: SkipJsonSchema[Any] = None
-    prompt_logprobs: SkipJsonSchema[Any] = None
     return_tokens_as_token_ids: SkipJsonSchema[Any] = None
     structural_tag: SkipJsonSchema[Any] = None
     guided_whitespace_pattern: SkipJsonSchema[Any] = None
@@ -120,7 +118,7 @@ class _SamplingRequest(_RefusesUnsupported):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None  # None: the served model (OpenAI requires it; we do not insist)
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)  # 0: completions' echo alone (checked per endpoint)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, ge=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
@@ -146,6 +144,14 @@ class _SamplingRequest(_RefusesUnsupported):
     guided_regex: str | None = Field(None, max_length=64 * 1024)
     guided_choice: list[str] | None = None
     guided_grammar: str | None = Field(None, max_length=256 * 1024)
+    # vLLM's: the prompt's logprobs with this many alternatives per position (the prompt's own token always).
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _check_prompt_logprobs(self) -> _SamplingRequest:
+        if self.prompt_logprobs and self.stream:  # as vLLM: the streamed chunks have no place for them
+            raise ValueError("prompt_logprobs is not available when stream is true")
+        return self
 
     @field_validator("logit_bias")
     @classmethod
@@ -207,10 +213,17 @@ class _SamplingRequest(_RefusesUnsupported):
         return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
     def sampling(
-        self, max_tokens: int, choice: int, logprobs: bool, top_logprobs: int, slo_class: str = ""
+        self,
+        max_tokens: int,
+        choice: int,
+        logprobs: bool,
+        top_logprobs: int,
+        slo_class: str = "",
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """Worker-side sampling parameters for choice ``choice`` (seeded choices get seed + choice, so
-        n > 1 gives n different but reproducible samples), of SLO class ``slo_class``."""
+        n > 1 gives n different but reproducible samples), of SLO class ``slo_class``; ``prompt_logprobs``: the
+        prompt's logprobs with that many alternatives (None: not computed)."""
         temperature = 1.0 if self.temperature is None else self.temperature
         top_p = 1.0 if self.top_p is None else self.top_p
         top_k = -1 if self.top_k is None else self.top_k
@@ -234,7 +247,12 @@ class _SamplingRequest(_RefusesUnsupported):
             stop_token_ids=self.stop_token_ids or [],
             grammar=self.grammar,
             slo_class=slo_class,
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def wanted_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt position the response shows (None: the prompt's logprobs are not shown)."""
+        return None if self.stream else self.prompt_logprobs
 
 
 class CompletionRequest(_SamplingRequest):
@@ -267,14 +285,29 @@ class CompletionRequest(_SamplingRequest):
 
     @model_validator(mode="after")
     def _check_unsupported(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            # The prompt's tokens would need their logprobs too (the workers compute only the output's).
-            raise ValueError("echo with logprobs is not supported (the prompt's logprobs are not computed)")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 is allowed with echo: the prompt alone)")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of other than n is not supported")
         return self
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """Echo with logprobs: the legacy logprobs cover the prompt's tokens, then the output's."""
+        return self.echo and self.logprobs is not None
+
+    @property
+    def echo_only(self) -> bool:
+        """Echo with max_tokens 0: the prompt alone comes back (one token is computed and dropped, as vLLM does)."""
+        return self.echo and self.max_tokens == 0
+
+    def worker_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt position the workers compute: for the response's prompt_logprobs, echo's
+        logprobs, or both (the larger)."""
+        wanted = [n for n in (self.wanted_prompt_logprobs(), self.logprobs if self.echo else None) if n is not None]
+        return max(wanted) if wanted else None
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts, one per batch entry: text, or token ids."""
@@ -377,6 +410,8 @@ class ChatCompletionRequest(_SamplingRequest):
     def _check_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.max_tokens == 0:
+            raise ValueError("max_tokens must be at least 1")
         return self
 
     @model_validator(mode="after")
