@@ -18,6 +18,7 @@ from common.protocol import PromptLogprobs, SamplingParams
 from tests.engine_helpers import fresh_engine
 from tests.helpers import assert_openai_error, running_cluster, wait_pages_back
 
+MODEL = "smollm2-135m-instruct"
 TOL = 2e-3  # absolute, on logprobs: both sides compute in float32 (summation orders differ)
 TOP = 5
 PAGE = 16
@@ -164,9 +165,7 @@ def test_a_cached_prefix_still_gets_every_position(cluster: LocalCluster, hf_smo
 
 
 @pytest.mark.parametrize("max_tokens", [0, 1])
-def test_lm_eval_loglikelihood_request_shape(
-    cluster: LocalCluster, hf_smol, smol_tokenizer, max_tokens: int
-) -> None:
+def test_lm_eval_loglikelihood_request_shape(cluster: LocalCluster, hf_smol, smol_tokenizer, max_tokens: int) -> None:
     """lm-eval's `local-completions` loglikelihood: token ids in, echo, logprobs 1, greedy; it sums
     token_logprobs over the continuation and checks each against max(top_logprobs)."""
     context = smol_tokenizer.encode("Question: What is the capital of France?\nAnswer:")
@@ -195,7 +194,7 @@ def test_lm_eval_loglikelihood_request_shape(
 
 def test_the_openai_sdk_parses_echo_with_logprobs(client: openai.OpenAI, smol_tokenizer) -> None:
     prompt = "The capital of France is"
-    out = client.completions.create(model="x", prompt=prompt, echo=True, logprobs=1, max_tokens=3, temperature=0)
+    out = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=3, temperature=0)
     choice = out.choices[0]
     n = len(smol_tokenizer.encode(prompt))
     assert choice.text.startswith(prompt) and choice.logprobs is not None
@@ -204,7 +203,7 @@ def test_the_openai_sdk_parses_echo_with_logprobs(client: openai.OpenAI, smol_to
     # Streamed: the prompt's part comes in the first chunk, the output's after it, in order.
     chunks = list(
         client.completions.create(
-            model="x", prompt=prompt, echo=True, logprobs=1, max_tokens=3, temperature=0, stream=True
+            model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=3, temperature=0, stream=True
         )
     )
     first = chunks[0].choices[0]
@@ -214,7 +213,7 @@ def test_the_openai_sdk_parses_echo_with_logprobs(client: openai.OpenAI, smol_to
     offsets = [o for c in chunks if c.choices for o in c.choices[0].logprobs.text_offset]
     assert offsets == choice.logprobs.text_offset
     chat = client.chat.completions.create(
-        model="x",
+        model=MODEL,
         messages=[{"role": "user", "content": "Hi"}],
         max_tokens=2,
         extra_body={"prompt_logprobs": 2},

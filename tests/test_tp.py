@@ -314,11 +314,16 @@ def test_step_message_round_trip() -> None:
         all_logits=True,
     )
     journal = [(2, 0, torch.tensor([7, 8])), (4, 1, torch.tensor([3]))]
-    message = torch.from_numpy(encode_step(inputs, journal))
-    header, payload = message[:HEADER_LEN], message[HEADER_LEN:]
-    assert sum(payload_parts(header)) == payload.numel()
-    got = decode_step(header, payload)
-    for name in ("input_ids", "extend_lens", "starts", "table_rows", "sample_mask"):
-        assert torch.equal(getattr(got.inputs, name), getattr(inputs, name)), name
-    assert (got.inputs.is_decode, got.inputs.all_logits) == (False, True)
-    assert [(r, f, p.tolist()) for r, f, p in got.journal] == [(2, 0, [7, 8]), (4, 1, [3])]
+    for score_lens in (None, torch.tensor([2, 0])):  # prompt logprobs: the scored rows travel too
+        inputs.score_lens = score_lens
+        message = torch.from_numpy(encode_step(inputs, journal))
+        header, payload = message[:HEADER_LEN], message[HEADER_LEN:]
+        assert sum(payload_parts(header)) == payload.numel()
+        got = decode_step(header, payload)
+        for name in ("input_ids", "extend_lens", "starts", "table_rows", "sample_mask"):
+            assert torch.equal(getattr(got.inputs, name), getattr(inputs, name)), name
+        assert (got.inputs.is_decode, got.inputs.all_logits) == (False, True)
+        assert (got.inputs.score_lens is None) == (score_lens is None)
+        if score_lens is not None:
+            assert got.inputs.score_lens.tolist() == [2, 0]
+        assert [(r, f, p.tolist()) for r, f, p in got.journal] == [(2, 0, [7, 8]), (4, 1, [3])]

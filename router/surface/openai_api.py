@@ -12,7 +12,7 @@ OpenAI does. Structured outputs: router/surface/structured.py; tools: router/sur
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
@@ -118,7 +118,10 @@ class _SamplingRequest(_RefusesUnsupported):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None  # None: the served model (OpenAI requires it; we do not insist)
-    max_tokens: int | None = Field(None, ge=0)  # 0: completions' echo alone (checked per endpoint)
+    # Completions: each prompt's text before its output; chat (vLLM's): a final assistant message's text before
+    # the reply (with a prefilled reply). Declared ahead of max_tokens, whose check reads it.
+    echo: bool = False
+    max_tokens: int | None = Field(None, ge=0)  # 0: completions' echo alone (`_ECHO_ALONE`)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, ge=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
@@ -146,6 +149,16 @@ class _SamplingRequest(_RefusesUnsupported):
     guided_grammar: str | None = Field(None, max_length=256 * 1024)
     # vLLM's: the prompt's logprobs with this many alternatives per position (the prompt's own token always).
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    _ECHO_ALONE: ClassVar[bool] = False  # max_tokens 0 with echo returns the prompt alone (completions)
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _check_max_tokens(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v == 0 and not (cls._ECHO_ALONE and info.data.get("echo")):
+            alone = " (0 is allowed with echo: the prompt alone)" if cls._ECHO_ALONE else ""
+            raise ValueError(f"max_tokens must be at least 1{alone}")
+        return v
 
     @model_validator(mode="after")
     def _check_prompt_logprobs(self) -> _SamplingRequest:
@@ -258,9 +271,10 @@ class _SamplingRequest(_RefusesUnsupported):
 class CompletionRequest(_SamplingRequest):
     """POST /v1/completions."""
 
+    _ECHO_ALONE: ClassVar[bool] = True
+
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
 
@@ -285,8 +299,6 @@ class CompletionRequest(_SamplingRequest):
 
     @model_validator(mode="after")
     def _check_unsupported(self) -> CompletionRequest:
-        if self.max_tokens == 0 and not self.echo:
-            raise ValueError("max_tokens must be at least 1 (0 is allowed with echo: the prompt alone)")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -396,7 +408,6 @@ class ChatCompletionRequest(_SamplingRequest):
     # message continued as it stands (an assistant reply prefilled by the client).
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    echo: bool = False  # vLLM's: a final assistant message's text goes before the reply (with a prefilled reply)
 
     @model_validator(mode="after")
     def _check_template_options(self) -> ChatCompletionRequest:
@@ -410,8 +421,6 @@ class ChatCompletionRequest(_SamplingRequest):
     def _check_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.max_tokens == 0:
-            raise ValueError("max_tokens must be at least 1")
         return self
 
     @model_validator(mode="after")
