@@ -259,3 +259,16 @@ def test_pages_back_after_a_batch_and_a_disconnect(cluster: LocalCluster, smol_t
                 if line.startswith("data: {"):
                     break
         wait_pages_back(*cluster.prefill_urls, *cluster.decode_urls, timeout=30)
+
+
+def test_a_mixed_worker_serves_them_too(hf_smol, smol_tokenizer) -> None:
+    """One mixed worker (prefill and decode over one engine): the prompt's logprobs come with its first line."""
+    ids = smol_tokenizer.encode(TEXT * 2)
+    with running_cluster(prefill=0, decode=0, mixed=1, env=ENV) as c:
+        body = complete(c, prompt=ids, max_tokens=1, prompt_logprobs=2, echo=True, logprobs=1)
+        choice = body["choices"][0]
+        check_against(reference(hf_smol, ids), ids, as_columns(choice["prompt_logprobs"], 2), 2)
+        assert choice["logprobs"]["token_logprobs"][1 : len(ids)] == [
+            e[str(t)]["logprob"] for e, t in zip(choice["prompt_logprobs"][1:], ids[1:])
+        ]
+        wait_pages_back(*c.mixed_urls)
