@@ -111,6 +111,13 @@ class TokenLogprob(Schema, frozen=True):
     top: list[tuple[int, float]] = []
 
 
+# Upper bounds of one position's JSON in `PromptLogprobs` (a float64 repr is at most 24 characters, an id 7):
+# its logprob and rank, and each alternative's id and logprob.
+_POSITION_JSON_BYTES = 40
+_ALTERNATIVE_JSON_BYTES = 34
+PROMPT_LOGPROBS_LINE_BYTES = 256 * 1024  # prompt logprobs per token-stream line, at most
+
+
 class PromptLogprobs(Schema):
     """The prompt's logprobs, columns over positions 1.. of the prompt (the first token has none): each token's
     logprob given the tokens before it, its rank in that distribution (1: the likeliest), and the top-N
@@ -121,6 +128,31 @@ class PromptLogprobs(Schema):
     ranks: list[int] = []
     top_ids: list[list[int]] = []
     top_logprobs: list[list[float]] = []
+
+    def pieces(self, max_bytes: int) -> list[PromptLogprobs]:
+        """Consecutive runs of positions, each about `max_bytes` of JSON at most (one when it fits): a token
+        stream's lines are bounded (router/wire.py), a long prompt's logprobs are not."""
+        top = len(self.top_ids[0]) if self.top_ids else 0
+        step = max(1, max_bytes // (_POSITION_JSON_BYTES + top * _ALTERNATIVE_JSON_BYTES))
+        n = len(self.logprobs)
+        if n <= step:
+            return [self]
+        return [
+            PromptLogprobs(
+                self.logprobs[i : i + step],
+                self.ranks[i : i + step],
+                self.top_ids[i : i + step],
+                self.top_logprobs[i : i + step],
+            )
+            for i in range(0, n, step)
+        ]
+
+    def extend(self, more: PromptLogprobs) -> None:
+        """Appends the positions that follow (a later piece)."""
+        self.logprobs += more.logprobs
+        self.ranks += more.ranks
+        self.top_ids += more.top_ids
+        self.top_logprobs += more.top_logprobs
 
 
 def _check_output_offset(sampling: SamplingParams, token_ids: list[int]) -> None:
@@ -149,7 +181,9 @@ class TokenLine(Struct, kw_only=True, omit_defaults=True):
 
     token_ids: list[int] = []
     logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: PromptLogprobs | None = None  # on the first line, when the request asked for them
+    # When the request asked for them: on the first line, or, for a long prompt, in pieces on lines with no token
+    # before it (PromptLogprobs.pieces), which the reader joins into the first line's.
+    prompt_logprobs: PromptLogprobs | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     timeline: dict[str, float] | None = None  # the workers' stage stamps, by stage name

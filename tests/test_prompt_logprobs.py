@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from common.devcluster.cluster import LocalCluster
-from common.protocol import PromptLogprobs, SamplingParams
+from common.protocol import PROMPT_LOGPROBS_LINE_BYTES, PromptLogprobs, SamplingParams
 from tests.engine_helpers import fresh_engine
 from tests.helpers import assert_openai_error, running_cluster, wait_pages_back
 
@@ -81,6 +81,26 @@ def as_columns(entries: list, top: int) -> PromptLogprobs:
         out.top_ids.append([k for k, _ in tops])
         out.top_logprobs.append([v["logprob"] for _, v in tops])
     return out
+
+
+def test_pieces_stay_under_their_bound_and_join_back() -> None:
+    import msgspec
+
+    n, top = 1000, 20
+    whole = PromptLogprobs(
+        [-1.0 / (i + 3) - 12.345678901234567 for i in range(n)],
+        [49151 - i for i in range(n)],
+        [[49151 - j for j in range(top)] for _ in range(n)],
+        [[-9.87654321098765e-05 - j for j in range(top)] for _ in range(n)],
+    )
+    budget = 64 * 1024
+    pieces = whole.pieces(budget)
+    assert len(pieces) > 1 and all(len(msgspec.json.encode(p)) <= budget for p in pieces)
+    joined = PromptLogprobs()
+    for p in pieces:
+        joined.extend(p)
+    assert joined == whole
+    assert whole.pieces(10**9) == [whole]
 
 
 # ---- the engine ------------------------------------------------------------------------------------------
@@ -151,6 +171,23 @@ def test_prompt_logprobs_through_the_router_match_transformers(
         entry = choice["prompt_logprobs"][1][str(ids[1])]
         assert entry["decoded_token"] == smol_tokenizer.decode([ids[1]])
     wait_pages_back(*cluster.prefill_urls, *cluster.decode_urls)
+
+
+def test_a_long_prompts_logprobs_cross_in_pieces(cluster: LocalCluster, hf_smol, smol_tokenizer) -> None:
+    """Past one token-stream line's share (PROMPT_LOGPROBS_LINE_BYTES) the decode worker sends them in pieces
+    ahead of the first token; the router joins them."""
+    ids = smol_tokenizer.encode(TEXT * 45)[:1400]
+    assert (
+        len(ids) == 1400
+        and len(
+            PromptLogprobs([0.0] * 1399, [1] * 1399, [[1] * TOP] * 1399, [[0.0] * TOP] * 1399).pieces(
+                PROMPT_LOGPROBS_LINE_BYTES
+            )
+        )
+        > 1
+    )
+    body = complete(cluster, prompt=ids, max_tokens=1, prompt_logprobs=TOP)
+    check_against(reference(hf_smol, ids), ids, as_columns(body["choices"][0]["prompt_logprobs"], TOP), TOP)
 
 
 def test_a_cached_prefix_still_gets_every_position(cluster: LocalCluster, hf_smol, smol_tokenizer) -> None:
