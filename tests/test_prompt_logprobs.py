@@ -5,6 +5,7 @@ the shapes lm-eval-harness and the `openai` SDK read, with every KV page back af
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 
@@ -16,7 +17,8 @@ import torch
 from common.devcluster.cluster import LocalCluster
 from common.protocol import PROMPT_LOGPROBS_LINE_BYTES, PromptLogprobs, SamplingParams
 from tests.engine_helpers import fresh_engine
-from tests.helpers import assert_openai_error, running_cluster, wait_pages_back
+from tests.helpers import assert_openai_error, running_cluster, wait_pages_back, wait_until
+from tests.workers import generate_body
 
 MODEL = "smollm2-135m-instruct"
 TOL = 2e-3  # absolute, on logprobs: both sides compute in float32 (summation orders differ)
@@ -150,6 +152,11 @@ def disaggregated(cluster: LocalCluster) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+def router_sees_idle(cluster: LocalCluster) -> bool:
+    workers = httpx.get(f"{cluster.router_url}/router/workers", timeout=5).json()["workers"]
+    return all(w["free_pages"] == w["total_pages"] and not w["inflight_requests"] for w in workers)
+
+
 def complete(cluster: LocalCluster, **body: object) -> dict:
     r = httpx.post(f"{cluster.router_url}/v1/completions", json={"temperature": 0, **body}, timeout=180)
     assert r.status_code == 200, r.text
@@ -175,19 +182,24 @@ def test_prompt_logprobs_through_the_router_match_transformers(
 
 def test_a_long_prompts_logprobs_cross_in_pieces(cluster: LocalCluster, hf_smol, smol_tokenizer) -> None:
     """Past one token-stream line's share (PROMPT_LOGPROBS_LINE_BYTES) the decode worker sends them in pieces
-    ahead of the first token; the router joins them."""
+    on lines ahead of the first token; the router joins them."""
     ids = smol_tokenizer.encode(TEXT * 45)[:1400]
-    assert (
-        len(ids) == 1400
-        and len(
-            PromptLogprobs([0.0] * 1399, [1] * 1399, [[1] * TOP] * 1399, [[0.0] * TOP] * 1399).pieces(
-                PROMPT_LOGPROBS_LINE_BYTES
-            )
-        )
-        > 1
-    )
-    body = complete(cluster, prompt=ids, max_tokens=1, prompt_logprobs=TOP)
-    check_against(reference(hf_smol, ids), ids, as_columns(body["choices"][0]["prompt_logprobs"], TOP), TOP)
+    routed = complete(cluster, prompt=ids, max_tokens=1, prompt_logprobs=TOP)
+    check_against(reference(hf_smol, ids), ids, as_columns(routed["choices"][0]["prompt_logprobs"], TOP), TOP)
+    # The decode worker's own stream (prefilled there: no peer named).
+    body = generate_body(ids, max_tokens=1)
+    body["sampling"]["prompt_logprobs"] = TOP
+    with httpx.stream("POST", f"{cluster.decode_urls[0]}/internal/generate", json=body, timeout=180) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    events = [json.loads(line) for line in lines]
+    ahead = [i for i, ev in enumerate(events) if "prompt_logprobs" in ev and not ev.get("token_ids")]
+    assert ahead == list(range(len(ahead))) and ahead, "pieces first, then the first token"
+    assert all(len(lines[i]) <= PROMPT_LOGPROBS_LINE_BYTES for i in ahead)
+    assert sum(len(ev["prompt_logprobs"]["logprobs"]) for ev in events if "prompt_logprobs" in ev) == len(ids) - 1
+    wait_pages_back(*cluster.decode_urls)
+    # The router admits by its own polls of the worker: the next test's requests wait until they show it idle.
+    wait_until(lambda: router_sees_idle(cluster), 30, "the router's view of an idle decode worker")
 
 
 def test_a_cached_prefix_still_gets_every_position(cluster: LocalCluster, hf_smol, smol_tokenizer) -> None:
