@@ -66,6 +66,10 @@ def check_against(ref: torch.Tensor, ids: list[int], got: PromptLogprobs, top: i
         assert values == sorted(values, reverse=True)
         assert all(abs(v - ref[p, i].item()) < TOL for i, v in zip(got.top_ids[p], values))
         assert values[-1] > kth[p].item() - TOL  # none likelier was left out
+        rank = got.ranks[p]
+        if rank <= top:  # the prompt's own token is among the top-N, at its rank
+            assert values[rank - 1] == got.logprobs[p]
+            assert got.top_ids[p][rank - 1] == ids[p + 1] or values.count(values[rank - 1]) > 1
 
 
 def as_columns(entries: list, top: int) -> PromptLogprobs:
