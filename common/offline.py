@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from common.engine.runner import ModelRunner
-from common.protocol import SamplingParams, TokenLogprob
+from common.protocol import PromptLogprobs, SamplingParams, TokenLogprob
 from common.sched.request import Req
 from common.sched.scheduler import Scheduler
 from common.settings import RunnerConfig, SchedulerConfig
@@ -28,6 +28,7 @@ class GenerateResult:
     cached_tokens: int
     logprobs: list[TokenLogprob] = field(default_factory=list)
     text: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class Engine:
@@ -101,6 +102,7 @@ class Engine:
                     cached_tokens=r.prefix_hit_len,
                     logprobs=r.output_logprobs,
                     text=text,
+                    prompt_logprobs=r.prompt_logprobs,
                 )
             )
         return results

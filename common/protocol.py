@@ -75,6 +75,9 @@ class SamplingParams(Schema):
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0
+    # The prompt's logprobs with this many alternatives per position (None: not computed). A request asking for
+    # them computes its whole prompt: the prefix cache's pages were never scored.
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     # Added to the logits first (token id -> bias); -100 bans a token, +100 all but forces it.
     logit_bias: Annotated[dict[int, float], Meta(max_length=MAX_LOGIT_BIAS)] = {}
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] = 1.0  # over prompt and output tokens; 1 = off
@@ -108,6 +111,50 @@ class TokenLogprob(Schema, frozen=True):
     top: list[tuple[int, float]] = []
 
 
+# Upper bounds of one position's JSON in `PromptLogprobs` (a float64 repr is at most 24 characters, an id 7):
+# its logprob and rank, and each alternative's id and logprob.
+_POSITION_JSON_BYTES = 40
+_ALTERNATIVE_JSON_BYTES = 34
+PROMPT_LOGPROBS_LINE_BYTES = 256 * 1024  # prompt logprobs per token-stream line, at most
+
+
+class PromptLogprobs(Schema):
+    """The prompt's logprobs, columns over positions 1.. of the prompt (the first token has none): each token's
+    logprob given the tokens before it, its rank in that distribution (1: the likeliest), and the top-N
+    alternatives there (ids and logprobs, likeliest first; both columns empty for N = 0). Columns, not one struct per
+    token: built from tensors and encoded without a Python object per position."""
+
+    logprobs: list[float] = []
+    ranks: list[int] = []
+    top_ids: list[list[int]] = []
+    top_logprobs: list[list[float]] = []
+
+    def pieces(self, max_bytes: int) -> list[PromptLogprobs]:
+        """Consecutive runs of positions, each about `max_bytes` of JSON at most (one when it fits): a token
+        stream's lines are bounded (router/wire.py), a long prompt's logprobs are not."""
+        top = len(self.top_ids[0]) if self.top_ids else 0
+        step = max(1, max_bytes // (_POSITION_JSON_BYTES + top * _ALTERNATIVE_JSON_BYTES))
+        n = len(self.logprobs)
+        if n <= step:
+            return [self]
+        return [
+            PromptLogprobs(
+                self.logprobs[i : i + step],
+                self.ranks[i : i + step],
+                self.top_ids[i : i + step],
+                self.top_logprobs[i : i + step],
+            )
+            for i in range(0, n, step)
+        ]
+
+    def extend(self, more: PromptLogprobs) -> None:
+        """Appends the positions that follow (a later piece)."""
+        self.logprobs += more.logprobs
+        self.ranks += more.ranks
+        self.top_ids += more.top_ids
+        self.top_logprobs += more.top_logprobs
+
+
 def _check_output_offset(sampling: SamplingParams, token_ids: list[int]) -> None:
     if sampling.output_offset >= len(token_ids):
         raise ValueError("sampling.output_offset must be shorter than the prompt")
@@ -134,6 +181,9 @@ class TokenLine(Struct, kw_only=True, omit_defaults=True):
 
     token_ids: list[int] = []
     logprobs: list[TokenLogprob] | None = None
+    # When the request asked for them: on the first line, or, for a long prompt, in pieces on lines with no token
+    # before it (PromptLogprobs.pieces), which the reader joins into the first line's.
+    prompt_logprobs: PromptLogprobs | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     timeline: dict[str, float] | None = None  # the workers' stage stamps, by stage name
@@ -204,6 +254,7 @@ class KVNotice(Schema, frozen=True, omit_defaults=True):
     outcome: Literal["landed", "closed"]
     token: Annotated[int, Meta(ge=0)] | None = None
     logprob: TokenLogprob | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     cached_tokens: Annotated[int, Meta(ge=0)] = 0
     checksums: list[float] | None = None  # debug mode: per-page sums on the prefill side
     error: Annotated[str, Meta(max_length=4000)] | None = None

@@ -201,6 +201,8 @@ class DecodeRole(KVConnector):
             return
         del self.remote[a.req_id]
         # Joins the running batch when the scheduler settles transfers, right after this tick.
-        self.done.arrived.append(KVArrival(a.req_id, notice.token, notice.logprob, notice.cached_tokens))
+        self.done.arrived.append(
+            KVArrival(a.req_id, notice.token, notice.logprob, notice.cached_tokens, notice.prompt_logprobs)
+        )
         if verified:
             self.host.kv_verified[a.req_id] = True

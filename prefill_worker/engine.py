@@ -252,6 +252,7 @@ class PrefillRole(KVConnector):
             outcome="landed",
             token=req.output_ids[0],
             logprob=req.output_logprobs[0] if req.output_logprobs else None,
+            prompt_logprobs=req.prompt_logprobs,
             cached_tokens=req.prefix_hit_len,
             checksums=self.host.runner.kv_checksums(torch.tensor(req.pages, dtype=torch.int64))
             if self.host.debug_checksums

@@ -112,6 +112,17 @@ def test_request_that_can_never_fit_gets_400_naming_the_numbers(idle: LocalClust
     assert r.status_code == 400 and r.json()["error"]["code"] == "request_too_large", r.text
 
 
+def test_more_choices_than_the_decode_workers_take_at_once_get_400_naming_the_limit(idle: LocalCluster) -> None:
+    """The one decode worker takes 64 calls in its batch and 64 waiting (its queue is as long as its batch):
+    130 choices could never all be placed, so no retry would cure a 429; a 400 says why."""
+    body = {"model": MODEL, "prompt": ["a", "b"], "n": 65, "max_tokens": 1}
+    r = httpx.post(f"{idle.router_url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = assert_openai_error(r.json())
+    assert err["code"] == "too_many_choices" and err["param"] == "n", err
+    assert "130 concurrent" in err["message"] and "at once: 128" in err["message"], err["message"]
+
+
 def test_worker_refuses_past_its_share_for_callers_that_bypass_the_router(idle: LocalCluster) -> None:
     decode = idle.decode_urls[0]
     assert httpx.get(f"{decode}/load", timeout=5).json()["max_request_tokens"] == CAP

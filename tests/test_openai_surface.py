@@ -415,6 +415,7 @@ SUPPORTED_CHAT = {
     "stop_token_ids": [2],
     "guided_choice": ["a", "b"],
     "add_generation_prompt": False,
+    "prompt_logprobs": 2,
 }
 REFUSED_CHAT = {
     "audio": {"voice": "alloy", "format": "wav"},
@@ -455,6 +456,7 @@ def test_every_chat_field_works_or_is_refused_by_name(cluster: LocalCluster, fie
         ("stream_options", {"include_usage": True}, False),  # only with stream: true
         ("use_beam_search", True, False),
         ("response_format", {"type": "json_object"}, True),
+        ("prompt_logprobs", 1, True),
     ],
 )
 def test_completions_fields_work_or_are_refused(cluster: LocalCluster, field: str, value: object, ok: bool) -> None:

@@ -246,7 +246,9 @@ def assert_error_answer(r, status: int, param: str | None = None, code: str | No
         (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, None),
         (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, None),
         (COMP, {"prompt": "x", "logprobs": 21}, "logprobs"),
-        (COMP, {"prompt": "x", "echo": True, "logprobs": 1}, None),  # the prompt's logprobs are not computed
+        (COMP, {"prompt": "x", "max_tokens": 0}, "max_tokens"),  # 0 only with echo (the prompt alone)
+        (COMP, {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+        (CHAT, {"messages": MSG, "prompt_logprobs": 1, "stream": True}, None),  # as vLLM: not streamed
         (COMP, {"prompt": "x", "best_of": 3}, None),
         (COMP, {"prompt": []}, "prompt"),
         (COMP, {"prompt": [[1, 2], []]}, None),

@@ -16,6 +16,9 @@ class StepInputs:
     table_rows: torch.Tensor  # [B] int64
     sample_mask: torch.Tensor  # [B] bool: the request samples a token from this step
     all_logits: bool = False  # logits of every token (scoring), not just the sampled ones
+    # [B] int64, or None: per request, its leading tokens whose logits are wanted too (prompt logprobs); their
+    # rows follow the sampled ones in the logits, request after request.
+    score_lens: torch.Tensor | None = None
 
 
 @dataclass
@@ -35,10 +38,11 @@ class ForwardBatch:
     extend_lens: torch.Tensor  # [B] int64
     q_start: torch.Tensor  # [B] int64
     table_rows: torch.Tensor  # [B] int64: page-table row of each request
-    logits_indices: torch.Tensor  # [R] int64: token index (in T) whose logits are sampled
+    logits_indices: torch.Tensor  # [R] int64: token index (in T) whose logits are sampled, then scored ones
     seq_lens_cpu: list[int]
     extend_lens_cpu: list[int]
     inputs: StepInputs | None = None
+    scored_rows: int = 0  # trailing rows of the logits that score prompt positions (StepInputs.score_lens)
 
     @property
     def num_tokens(self) -> int:

@@ -288,8 +288,10 @@ class ModelRunner:
         sample_mask: list[bool],
         is_decode: bool,
         all_logits: bool = False,
+        score_lens: list[int] | None = None,
     ) -> ForwardBatch:
-        """Packs one step: request i feeds `token_chunks[i]` at positions starting at `starts[i]`."""
+        """Packs one step: request i feeds `token_chunks[i]` at positions starting at `starts[i]`; with
+        `score_lens`, the logits of request i's first `score_lens[i]` tokens follow the sampled rows."""
         inputs = StepInputs(
             is_decode=is_decode,
             input_ids=torch.tensor([t for c in token_chunks for t in c], dtype=torch.int64),
@@ -298,6 +300,7 @@ class ModelRunner:
             table_rows=torch.tensor(table_rows, dtype=torch.int64),
             sample_mask=torch.tensor(sample_mask, dtype=torch.bool),
             all_logits=all_logits,
+            score_lens=torch.tensor(score_lens, dtype=torch.int64) if score_lens is not None else None,
         )
         return self.batch_from_inputs(inputs)
 
@@ -317,6 +320,14 @@ class ModelRunner:
             token_rows = np.repeat(rows, ext)
         last = q_start + ext - 1
         logits_indices = np.arange(total, dtype=np.int64) if inputs.all_logits else last[inputs.sample_mask.numpy()]
+        scored = 0
+        if inputs.score_lens is not None:
+            n = inputs.score_lens.numpy()
+            scored = int(n.sum())
+            # Request i's scored tokens are q_start[i] + 0 .. n[i]-1: one arange, shifted per request.
+            ends = np.cumsum(n)
+            scored_at = np.arange(scored, dtype=np.int64) + np.repeat(q_start - (ends - n), n)
+            logits_indices = np.concatenate((logits_indices, scored_at))
         at, pages = self.page_table.take_writes()
         stage = self.h2d.stage()
         for part in (inputs.input_ids, positions, token_rows, seq, ext, q_start, rows, logits_indices, at, pages):
@@ -337,6 +348,7 @@ class ModelRunner:
             seq_lens_cpu=seq.tolist(),
             extend_lens_cpu=ext.tolist(),
             inputs=inputs,
+            scored_rows=scored,
         )
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

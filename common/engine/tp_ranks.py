@@ -37,7 +37,7 @@ log = logging.getLogger("kvferry.engine")
 OP_STEP, OP_STOP, OP_READY, OP_STEP_BIG = 1, 2, 3, 4  # BIG: the payload follows over gloo (too big for shm)
 OP_SIDE = 5  # a message for the layer above the engine in each follower (header[1] bytes follow the header)
 STEP_CHANNEL_WORDS = 1 << 20  # 8 MiB: any decode step, and prefill steps up to ~200k tokens
-HEADER_LEN = 8  # op, is_decode, batch, tokens, journal entries, journal pages, all_logits, spare
+HEADER_LEN = 8  # op, is_decode, batch, tokens, journal entries, journal pages, all_logits, scored
 
 Journal = list[tuple[int, int, torch.Tensor]]
 
@@ -57,7 +57,7 @@ def encode_step(inputs: StepInputs, journal: Journal) -> np.ndarray:
     pages = [j[2].numpy() for j in journal]
     jp = sum(len(p) for p in pages)
     header = [OP_STEP, int(inputs.is_decode), inputs.extend_lens.numel(), inputs.input_ids.numel()]
-    header += [len(journal), jp, int(inputs.all_logits), 0]
+    header += [len(journal), jp, int(inputs.all_logits), int(inputs.score_lens is not None)]
     parts = [
         np.array(header, dtype=np.int64),
         inputs.input_ids.numpy(),
@@ -65,6 +65,7 @@ def encode_step(inputs: StepInputs, journal: Journal) -> np.ndarray:
         inputs.starts.numpy(),
         inputs.table_rows.numpy(),
         inputs.sample_mask.numpy().astype(np.int64),
+        *([inputs.score_lens.numpy()] if inputs.score_lens is not None else []),
         np.array([j[0] for j in journal], dtype=np.int64),
         np.array([j[1] for j in journal], dtype=np.int64),
         np.array([len(p) for p in pages], dtype=np.int64),
@@ -74,14 +75,15 @@ def encode_step(inputs: StepInputs, journal: Journal) -> np.ndarray:
 
 
 def payload_parts(header: torch.Tensor) -> tuple[int, ...]:
-    _, _, b, t, j, jp = (int(v) for v in header[:6])
-    return (t, b, b, b, b, j, j, j, jp)
+    _, _, b, t, j, jp, _, scored = (int(v) for v in header[:8])
+    return (t, b, b, b, b, b if scored else 0, j, j, j, jp)
 
 
 def decode_step(header: torch.Tensor, payload: torch.Tensor) -> ReceivedStep:
     is_decode, all_logits = int(header[1]), int(header[6])
-    ids, ext, starts, rows, mask, jrows, jfirst, jcount, jpages = payload.split(payload_parts(header))
-    inputs = StepInputs(bool(is_decode), ids, ext, starts, rows, mask.to(torch.bool), bool(all_logits))
+    ids, ext, starts, rows, mask, scored, jrows, jfirst, jcount, jpages = payload.split(payload_parts(header))
+    score_lens = scored if int(header[7]) else None
+    inputs = StepInputs(bool(is_decode), ids, ext, starts, rows, mask.to(torch.bool), bool(all_logits), score_lens)
     journal = list(zip(jrows.tolist(), jfirst.tolist(), jpages.split(jcount.tolist())))
     return ReceivedStep(inputs, journal)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from common.protocol import TokenLogprob
+from common.protocol import PromptLogprobs, TokenLogprob
 from common.sched.request import Req
 
 
@@ -20,6 +20,7 @@ class KVArrival:
     token: int
     logprob: TokenLogprob | None
     cached_tokens: int  # prompt tokens the peer found in its prefix cache (reported as cached)
+    prompt_logprobs: PromptLogprobs | None = None  # the prompt's logprobs, when the request asked for them
 
 
 @dataclass

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from common.sched.request import Req
 from common.sched.step_model import StepShape
 from common.sched.step_sampling import MaskJob
+
+
+class Delivered(Protocol):
+    """What a step computed beside its tokens, handed to its requests once the step is done on the device
+    (common/sched/prompt_scores.py's `PromptScores`)."""
+
+    def deliver(self) -> None: ...
 
 
 @dataclass(eq=False)
@@ -35,6 +43,7 @@ class Launched:
     shape: StepShape = field(default_factory=StepShape)  # what it computes (the step-time model's inputs)
     launched_at: float = field(default_factory=time.perf_counter)  # host clock when its forward was launched
     masks: MaskJob | None = None  # its grammar masks, being filled while it waits for sampling
+    scores: Delivered | None = None  # the prompt logprobs this step computed, on their way to the host
 
     def record_done(self, device: torch.device) -> None:
         """Marks the end of the step's device work (KV writes, sampling, copies to the host)."""

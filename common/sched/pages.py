@@ -53,7 +53,7 @@ class KVBudget:
             return PrefixPeek(req.parked.tokens)  # all of it comes back into fresh pages
         if cache is None:
             return PrefixPeek()
-        m = cache.match_prefix(req.fill_ids(), max_len=req.device_len - 1)
+        m = cache.match_prefix(req.fill_ids(), max_len=req.cache_match_limit)
         lock, node = 0, m.node
         while node is not cache.root and node is not None:
             if node.ref_count == 0:

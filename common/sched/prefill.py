@@ -48,8 +48,7 @@ class PrefillAdder:
         node, matched_pages, matched_len, locked_now = None, [], 0, 0
         m: MatchResult | None = None
         if cache is not None:
-            # Match all but the last prompt token: at least one token must be computed to get logits.
-            m = cache.match_prefix(req.fill_ids(), max_len=req.device_len - 1)
+            m = cache.match_prefix(req.fill_ids(), max_len=req.cache_match_limit)
             node, matched_len, matched_pages = m.node, m.matched_len, m.pages.tolist()
             before = cache.evictable_pages
             cache.lock(node)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from common.protocol import SamplingParams, TokenLogprob
+from common.protocol import PromptLogprobs, SamplingParams, TokenLogprob
 
 
 class ReqState(enum.Enum):
@@ -38,6 +38,8 @@ class Req:
     seed: int = field(default_factory=lambda: random.getrandbits(62))
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # The prompt's logprobs, filled chunk by chunk (or from the prefill peer's notice); None: not asked for.
+    prompt_logprobs: PromptLogprobs | None = None
     cached_len: int = 0
     device_len: int = 0
     max_device_len: int = 0
@@ -70,11 +72,25 @@ class Req:
             self.seed = self.sampling.seed
         self.device_len = len(self.prompt_ids)
         self.max_device_len = len(self.prompt_ids) + self.sampling.max_tokens
+        if self.sampling.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = PromptLogprobs()
         self.check()
 
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prefill computes the prompt's logprobs (asked for, and no token out yet: a recompute after a
+        preemption has them already)."""
+        return self.sampling.prompt_logprobs is not None and not self.output_ids
+
+    @property
+    def cache_match_limit(self) -> int:
+        """The longest prefix cache hit it may take: all but the last token (one must be computed for logits), or
+        none when its prompt is scored (cached positions were never run through the model for it)."""
+        return 0 if self.scores_prompt else self.device_len - 1
 
     @property
     def prefill_done(self) -> bool:

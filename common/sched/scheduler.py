@@ -26,6 +26,7 @@ from common.sched.launched import Launched, StepTimer, copy_to_host
 from common.sched.pages import KVBudget
 from common.sched.prefill import PrefillAdder
 from common.sched.prefill_budget import StepContext
+from common.sched.prompt_scores import PromptScores, score_len
 from common.sched.request import Req, ReqState
 from common.sched.request_table import DuplicateRequest, RequestRejected, RequestTable
 from common.sched.snapshot import SchedulerSnapshot
@@ -228,6 +229,8 @@ class Scheduler:
         req = self.awaiting_kv[a.req_id]
         req.cached_len = req.prompt_len
         req.prefix_hit_len = a.cached_tokens
+        if a.prompt_logprobs is not None:
+            req.prompt_logprobs = a.prompt_logprobs
         self.table.start_running(req)
         event = StepEvent(req)
         self._append_token(req, a.token, a.logprob, event)
@@ -440,17 +443,27 @@ class Scheduler:
         done = [s + n == r.device_len for r, s, n in zip(batch, starts, chunks)]
         host_ids, positions, on_device = self._decode_rows(decode)
         self.prefill_tokens_launched += sum(chunks)
+        scored = [score_len(r, s, n) for r, s, n in zip(batch, starts, chunks)] if self._scoring(batch) else []
         fb = self.runner.build_batch(
             host_ids + token_chunks,
             positions + starts,
             [r.table_row for r in decode] + [r.table_row for r in batch],
             [True] * len(decode) + done,
             is_decode=False,
+            score_lens=[0] * len(decode) + scored if any(scored) else None,
         )
         self._settle()  # the step in flight's sampling (if it waited for masks) comes first on the stream
         self._device_inputs(fb, len(decode), on_device)
         timer = StepTimer.start(self.device)
         logits = self.runner.forward(fb)
+        scores = None
+        if fb.scored_rows:
+            sampled = logits.shape[0] - fb.scored_rows
+            ask = [(r, s, k) for r, s, k in zip(batch, starts, scored) if k]
+            scores = PromptScores.compute(
+                logits[sampled:], [a[0] for a in ask], [a[1] for a in ask], [a[2] for a in ask]
+            )
+            logits = logits[:sampled]
         # Stopped before sampling records its event: a pending end event failed a mixed step under load.
         timer.stop()
         for r, s, n, d in zip(batch, starts, chunks, done):
@@ -463,6 +476,7 @@ class Scheduler:
         finishing = [r for r, d in zip(batch, done) if d]
         launched = self._begin_sampling("mixed" if decode else "prefill", decode + finishing, logits, len(decode))
         launched.chunks = [(r, s, s + n) for r, s, n in zip(batch, starts, chunks)]
+        launched.scores = scores
         launched.timer = timer
         launched.shape = StepShape(
             sum(chunks),
@@ -475,6 +489,13 @@ class Scheduler:
                 self.budget.cache_prefix(r, r.cached_len)
                 self.table.start_running(r)
         return launched
+
+    @staticmethod
+    def _scoring(batch: list[Req]) -> bool:
+        for r in batch:
+            if r.sampling.prompt_logprobs is not None:
+                return True
+        return False
 
     def _launch_decode(self, batch: list[Req]) -> Launched:
         host_ids, positions, on_device = self._decode_rows(batch)
@@ -530,6 +551,8 @@ class Scheduler:
             for r, s, e in launched.chunks:
                 if not r.finished:  # aborted while in flight: nothing to send on
                     self.connector.chunk_done(r, s, e)
+        if launched.scores is not None:
+            launched.scores.deliver()  # before the first token's event, which carries them
         if not launched.reqs:
             return []
         tokens = launched.tokens.tolist()

@@ -19,7 +19,7 @@ from common.kv.integrity import IdleLedgerCheck
 from common.observability.timeline import Stamps
 from common.prefix.hashing import chained_block_hashes
 from common.prefix.publisher import PrefixIndexPublisher
-from common.protocol import SamplingParams, TokenLine
+from common.protocol import PROMPT_LOGPROBS_LINE_BYTES, SamplingParams, TokenLine
 from common.sched.kv_connector import combined
 from common.sched.request import Req, ReqState
 from common.sched.scheduler import Scheduler, StepEvent
@@ -156,9 +156,15 @@ class EngineHost:
                 timeline = self.stamps.pop(r.req_id, None)
                 if timeline is not None:
                     timeline["first_token"] = time.time()
+            scored = r.prompt_logprobs if first else None
+            if scored is not None:
+                *ahead, scored = scored.pieces(PROMPT_LOGPROBS_LINE_BYTES)
+                for piece in ahead:
+                    self.emit(Tokens(r.req_id, TokenLine(prompt_logprobs=piece)))
             line = TokenLine(
                 token_ids=e.tokens,
                 logprobs=e.logprobs or None,
+                prompt_logprobs=scored,
                 prompt_tokens=r.prompt_len if first else 0,
                 cached_tokens=r.prefix_hit_len if first else 0,
                 timeline=timeline,

@@ -73,6 +73,15 @@ def largest_request_tokens(workers: Iterable[Worker]) -> int | None:
     return max(caps) if caps else None
 
 
+def concurrent_calls(workers: Iterable[Worker], limits: AdmissionLimits) -> int | None:
+    """The most calls `workers` take at once: each its batch slots plus the waiting queue it keeps (as long as
+    its batch, capped by the router's `max_waiting`); None while no worker has reported its batch size."""
+    sizes = [w.load.max_running for w in workers if w.load is not None and w.load.max_running > 0]
+    if not sizes:
+        return None
+    return sum(n + (min(n, limits.max_waiting) if limits.max_waiting else n) for n in sizes)
+
+
 def kv_room(w: Worker, need: RequestKV, held: HeldCounts | None = None) -> bool:
     """Whether `w`'s pool takes the call and keeps as much free as the request takes (unknown pool: yes);
     `held`: `w.held()` where the caller has it."""

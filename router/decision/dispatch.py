@@ -14,6 +14,7 @@ from common.slo import DEFAULT_SLO_SPEC, SloClass, SloClasses, parse_slo_classes
 from router.decision.admission import (
     AdmissionLimits,
     RequestKV,
+    concurrent_calls,
     decode_is_full,
     largest_request_tokens,
     prefill_is_full,
@@ -272,6 +273,20 @@ class Dispatcher:
                 "or n.",
                 "max_tokens",
                 "request_too_large",
+            )
+
+    def check_request_calls(self, calls: int, detail: str) -> None:
+        """400 when the request's choices are more calls than every ready decode worker takes at once: some would
+        be refused however often the request were retried."""
+        cap = concurrent_calls(self.pool.decoders(), self.limits)
+        if cap is not None and calls > cap:
+            self._count("rejected-request-too-many-choices")
+            raise bad_request(
+                f"This request needs {calls} concurrent generations ({detail}), more than the decode workers take "
+                f"at once: {cap} (batch slots plus waiting queue, summed over the ready workers). Lower n or send "
+                "fewer prompts per request.",
+                "n",
+                "too_many_choices",
             )
 
     def _count(self, reason: str) -> None:

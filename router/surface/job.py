@@ -33,6 +33,12 @@ class Job:
     continuous_usage: bool = False  # every stream chunk carries its choice's usage so far
     # echo: each prompt's text before its output (completions), the final assistant message's before the reply (chat)
     echo: list[str] = field(default_factory=list)
+    # The prompt's logprobs: alternatives per position the workers compute (None: none), whether completions'
+    # echo shows them in the legacy logprobs, and the vLLM `prompt_logprobs` the response carries (None: none).
+    worker_prompt_logprobs: int | None = None
+    echo_logprobs: bool = False
+    prompt_logprobs: int | None = None
+    echo_only: bool = False  # completions' echo with max_tokens 0: the prompt alone, the computed token dropped
     slo_class: str = ""  # its SLO class (common/slo.py), from `priority` or the x-kvferry-class header
     record: RequestRecord | None = None  # timeline, trace and metrics of the request (router/timeline.py)
     # Every choice started, registered before its first await: the job's owner closes them however it ends.

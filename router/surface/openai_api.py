@@ -12,7 +12,7 @@ OpenAI does. Structured outputs: router/surface/structured.py; tools: router/sur
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
@@ -69,7 +69,6 @@ _REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "skip_special_tokens": ((None, True), "skip_special_tokens=false is not supported"),
     "spaces_between_special_tokens": ((None, True), "spaces_between_special_tokens=false is not supported"),
     "truncate_prompt_tokens": ((None,), "truncate_prompt_tokens is not supported"),
-    "prompt_logprobs": ((None,), "prompt_logprobs is not supported"),
     "return_tokens_as_token_ids": ((None, False), "return_tokens_as_token_ids is not supported"),
     "structural_tag": ((None,), "structural_tag is not supported: use response_format or guided_*"),
     "guided_whitespace_pattern": ((None,), "guided_whitespace_pattern is not supported"),
@@ -99,7 +98,6 @@ class _RefusesUnsupported(_Lenient):
     skip_special_tokens: SkipJsonSchema[Any] = None
     spaces_between_special_tokens: SkipJsonSchema[Any] = None
     truncate_prompt_tokens: SkipJsonSchema[Any] = None
-    prompt_logprobs: SkipJsonSchema[Any] = None
     return_tokens_as_token_ids: SkipJsonSchema[Any] = None
     structural_tag: SkipJsonSchema[Any] = None
     guided_whitespace_pattern: SkipJsonSchema[Any] = None
@@ -120,7 +118,10 @@ class _SamplingRequest(_RefusesUnsupported):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None  # None: the served model (OpenAI requires it; we do not insist)
-    max_tokens: int | None = Field(None, ge=1)
+    # Completions: each prompt's text before its output; chat (vLLM's): a final assistant message's text before
+    # the reply (with a prefilled reply). Declared ahead of max_tokens, whose check reads it.
+    echo: bool = False
+    max_tokens: int | None = Field(None, ge=0)  # 0: completions' echo alone (`_ECHO_ALONE`)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, ge=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
@@ -146,6 +147,24 @@ class _SamplingRequest(_RefusesUnsupported):
     guided_regex: str | None = Field(None, max_length=64 * 1024)
     guided_choice: list[str] | None = None
     guided_grammar: str | None = Field(None, max_length=256 * 1024)
+    # vLLM's: the prompt's logprobs with this many alternatives per position (the prompt's own token always).
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    _ECHO_ALONE: ClassVar[bool] = False  # max_tokens 0 with echo returns the prompt alone (completions)
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _check_max_tokens(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v == 0 and not (cls._ECHO_ALONE and info.data.get("echo")):
+            alone = " (0 is allowed with echo: the prompt alone)" if cls._ECHO_ALONE else ""
+            raise ValueError(f"max_tokens must be at least 1{alone}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_prompt_logprobs(self) -> _SamplingRequest:
+        if self.prompt_logprobs and self.stream:  # as vLLM: the streamed chunks have no place for them
+            raise ValueError("prompt_logprobs is not available when stream is true")
+        return self
 
     @field_validator("logit_bias")
     @classmethod
@@ -207,10 +226,17 @@ class _SamplingRequest(_RefusesUnsupported):
         return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
     def sampling(
-        self, max_tokens: int, choice: int, logprobs: bool, top_logprobs: int, slo_class: str = ""
+        self,
+        max_tokens: int,
+        choice: int,
+        logprobs: bool,
+        top_logprobs: int,
+        slo_class: str = "",
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """Worker-side sampling parameters for choice ``choice`` (seeded choices get seed + choice, so
-        n > 1 gives n different but reproducible samples), of SLO class ``slo_class``."""
+        n > 1 gives n different but reproducible samples), of SLO class ``slo_class``; ``prompt_logprobs``: the
+        prompt's logprobs with that many alternatives (None: not computed)."""
         temperature = 1.0 if self.temperature is None else self.temperature
         top_p = 1.0 if self.top_p is None else self.top_p
         top_k = -1 if self.top_k is None else self.top_k
@@ -234,15 +260,21 @@ class _SamplingRequest(_RefusesUnsupported):
             stop_token_ids=self.stop_token_ids or [],
             grammar=self.grammar,
             slo_class=slo_class,
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def wanted_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt position the response shows (None: the prompt's logprobs are not shown)."""
+        return None if self.stream else self.prompt_logprobs
 
 
 class CompletionRequest(_SamplingRequest):
     """POST /v1/completions."""
 
+    _ECHO_ALONE: ClassVar[bool] = True
+
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
 
@@ -267,14 +299,27 @@ class CompletionRequest(_SamplingRequest):
 
     @model_validator(mode="after")
     def _check_unsupported(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            # The prompt's tokens would need their logprobs too (the workers compute only the output's).
-            raise ValueError("echo with logprobs is not supported (the prompt's logprobs are not computed)")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of other than n is not supported")
         return self
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """Echo with logprobs: the legacy logprobs cover the prompt's tokens, then the output's."""
+        return self.echo and self.logprobs is not None
+
+    @property
+    def echo_only(self) -> bool:
+        """Echo with max_tokens 0: the prompt alone comes back (one token is computed and dropped, as vLLM does)."""
+        return self.echo and self.max_tokens == 0
+
+    def worker_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt position the workers compute: for the response's prompt_logprobs, echo's
+        logprobs, or both (the larger)."""
+        wanted = [n for n in (self.wanted_prompt_logprobs(), self.logprobs if self.echo else None) if n is not None]
+        return max(wanted) if wanted else None
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts, one per batch entry: text, or token ids."""
@@ -363,7 +408,6 @@ class ChatCompletionRequest(_SamplingRequest):
     # message continued as it stands (an assistant reply prefilled by the client).
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    echo: bool = False  # vLLM's: a final assistant message's text goes before the reply (with a prefilled reply)
 
     @model_validator(mode="after")
     def _check_template_options(self) -> ChatCompletionRequest:

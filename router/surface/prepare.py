@@ -75,6 +75,7 @@ class PromptPreparer:
         max_tokens = self._max_tokens(len(ids), req.requested_max_tokens(), "messages", chat=True)
         self._check_sampling(req, [max_tokens])
         job = self._job("chat", req, [ids], [max_tokens], req.logprobs, req.top_logprobs or 0)
+        job.prompt_logprobs = job.worker_prompt_logprobs = req.wanted_prompt_logprobs()
         echo = req.echo_text()
         job.echo = [echo] if echo else []
         return job
@@ -94,10 +95,15 @@ class PromptPreparer:
             prompts.append(ids)
             if req.echo:
                 echo.append(p if isinstance(p, str) else self.tok.decode(ids))
-        max_tokens = [self._max_tokens(len(ids), req.max_tokens, "prompt", chat=False) for ids in prompts]
+        # Echo alone (max_tokens 0) still samples one token, which the response drops: as vLLM does.
+        requested = 1 if req.echo_only else req.max_tokens
+        max_tokens = [self._max_tokens(len(ids), requested, "prompt", chat=False) for ids in prompts]
         self._check_sampling(req, max_tokens)
         job = self._job("completion", req, prompts, max_tokens, req.logprobs is not None, req.logprobs or 0)
         job.echo = echo
+        job.echo_logprobs, job.echo_only = req.echo_logprobs, req.echo_only
+        job.prompt_logprobs = req.wanted_prompt_logprobs()
+        job.worker_prompt_logprobs = req.worker_prompt_logprobs()
         return job
 
     def _job(

@@ -9,6 +9,7 @@ from typing import Any
 
 import orjson
 
+from common.protocol import PromptLogprobs
 from router.surface.choice import TokenInfo
 from router.surface.tokenizer import RouterTokenizer
 
@@ -16,6 +17,9 @@ __all__ = [
     "chat_logprobs",
     "ChunkFormat",
     "completion_logprobs",
+    "echo_logprobs",
+    "joined_logprobs",
+    "prompt_logprobs",
     "response",
     "sse",
     "usage",
@@ -67,6 +71,55 @@ def completion_logprobs(tokens: Sequence[TokenInfo], tok: RouterTokenizer, offse
         offsets.append(offset)
         offset += len(s)
     return {"tokens": strs, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}, offset
+
+
+def echo_logprobs(
+    prompt_ids: Sequence[int], scored: PromptLogprobs | None, top: int, tok: RouterTokenizer
+) -> tuple[dict[str, Any], int]:
+    """Completions' echo with logprobs: the prompt's tokens in the legacy shape (the first has no logprob: null
+    in ``token_logprobs`` and ``top_logprobs``), up to ``top`` alternatives each; returns the object and the text
+    offset after the prompt."""
+    strs, offsets, offset = [], [], 0
+    for tid in prompt_ids:
+        s = tok.token_str(tid)
+        strs.append(s)
+        offsets.append(offset)
+        offset += len(s)
+    lps: list[float | None] = [None]
+    tops: list[dict[str, float] | None] = [None]
+    if scored is not None:
+        for j, lp in enumerate(scored.logprobs):
+            alternatives: dict[str, float] = {}
+            if top and scored.top_ids:
+                for i, alt in zip(scored.top_ids[j][:top], scored.top_logprobs[j][:top]):
+                    alternatives.setdefault(tok.token_str(i), alt)
+            alternatives.setdefault(strs[j + 1], lp)  # the prompt's own token, as for sampled ones
+            lps.append(lp)
+            tops.append(alternatives)
+    return {"tokens": strs, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}, offset
+
+
+def joined_logprobs(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """Two legacy logprobs objects as one (the prompt's, then the output's)."""
+    return {key: first[key] + then[key] for key in first}
+
+
+def prompt_logprobs(
+    prompt_ids: Sequence[int], scored: PromptLogprobs | None, top: int, tok: RouterTokenizer
+) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's ``prompt_logprobs``: null for the first token, then per position token id -> logprob, rank and
+    text, for the prompt's own token and the ``top`` likeliest."""
+    if scored is None:
+        return None
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for j, lp in enumerate(scored.logprobs):
+        tid = prompt_ids[j + 1]
+        entry = {str(tid): {"logprob": lp, "rank": scored.ranks[j], "decoded_token": tok.token_str(tid)}}
+        if top and scored.top_ids:
+            for rank, (i, alt) in enumerate(zip(scored.top_ids[j][:top], scored.top_logprobs[j][:top]), 1):
+                entry.setdefault(str(i), {"logprob": alt, "rank": rank, "decoded_token": tok.token_str(i)})
+        out.append(entry)
+    return out
 
 
 # ---- whole responses -----------------------------------------------------------------------------

@@ -13,11 +13,12 @@ from typing import Any
 import anyio
 
 from common.loop_lag import LoopLag
+from common.protocol import PromptLogprobs
 from common.slo import DEFAULT_SLO_SPEC, SloClasses, parse_slo_classes
 from router.decision.dispatch import Dispatcher
 from router.errors import bad_request, rate_limited, upstream_failed
 from router.settings import RouterOptions
-from router.surface.choice import ChoiceDelta, ChoiceState
+from router.surface.choice import ChoiceDelta, ChoiceState, TokenInfo
 from router.surface.job import Admission, Job, RunningChoice
 from router.surface.openai_api import ChatCompletionRequest
 from router.surface.prepare import PromptPreparer
@@ -28,6 +29,9 @@ from router.surface.responses import (
     chat_logprobs,
     completion_choice,
     completion_logprobs,
+    echo_logprobs,
+    joined_logprobs,
+    prompt_logprobs,
     response,
     sse,
     usage,
@@ -97,6 +101,8 @@ class RouterService:
         """Routes every choice and waits for each first event; on any failure closes them all and raises."""
         request_tokens = job.n * sum(len(ids) + m for ids, m in zip(job.prompts, job.max_tokens, strict=True))
         self.dispatcher.check_request_kv(request_tokens, _kv_detail(job))
+        calls = job.n * len(job.prompts)
+        self.dispatcher.check_request_calls(calls, f"n={job.n} x {len(job.prompts)} prompts")
         plans = [await self.dispatcher.plan(ids) for ids in job.prompts]
         cls = self.slo.get(job.slo_class)
         for plan in plans:
@@ -110,7 +116,11 @@ class RouterService:
         for p_idx, plan in enumerate(plans):
             for i in range(job.n):
                 idx = p_idx * job.n + i
-                sampling = job.request.sampling(job.max_tokens[p_idx], i, job.logprobs, job.top_logprobs, job.slo_class)
+                # A prompt's logprobs are computed once, by its first choice (the others may hit the prefix cache).
+                scored = job.worker_prompt_logprobs if i == 0 else None
+                sampling = job.request.sampling(
+                    job.max_tokens[p_idx], i, job.logprobs, job.top_logprobs, job.slo_class, scored
+                )
                 if self.relay_lag is not None:
                     sampling = self.relay_lag.add_to(sampling)
                 call = MigratingCall(
@@ -198,7 +208,7 @@ class RouterService:
             raise upstream_failed(f"generation failed: {failed[0].state.error}")
         out = []
         for c in choices:
-            text = "".join(c.text)
+            text = "" if job.echo_only else "".join(c.text)
             echo = job.echo[c.prompt_index] if job.echo else ""  # its prompt's text, or the final assistant message's
             if job.kind == "chat":
                 lp = chat_logprobs(c.tokens, self.tok) if job.logprobs else None
@@ -211,15 +221,46 @@ class RouterService:
                     continue
                 out.append(chat_choice(c.index, echo + text, c.state.finish_reason, lp))
             else:
-                lp = completion_logprobs(c.tokens, self.tok, 0)[0] if job.logprobs else None
-                out.append(completion_choice(c.index, echo + text, c.state.finish_reason, lp))
+                lp = self._completion_logprobs(job, c, c.tokens) if job.logprobs else None
+                choice = completion_choice(c.index, echo + text, c.state.finish_reason, lp)
+                if job.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self._prompt_logprobs(job, c)
+                out.append(choice)
         use = self._usage(job, choices)
-        return response(job.kind, job.rid, job.created, job.model, out, use)
+        body = response(job.kind, job.rid, job.created, job.model, out, use)
+        if job.kind == "chat" and job.prompt_logprobs is not None:  # vLLM's: one prompt, on the response
+            body["prompt_logprobs"] = self._prompt_logprobs(job, choices[0])
+        return body
+
+    @staticmethod
+    def _scored(job: Job, c: RunningChoice) -> PromptLogprobs | None:
+        """The choice's prompt's logprobs, which its prompt's first choice computed."""
+        first = job.choices[c.prompt_index * job.n].first
+        return first.prompt_logprobs if first is not None else None
+
+    def _prompt_logprobs(self, job: Job, c: RunningChoice) -> list[dict[str, dict[str, Any]] | None] | None:
+        scored = self._scored(job, c)
+        return prompt_logprobs(job.prompts[c.prompt_index], scored, job.prompt_logprobs or 0, self.tok)
+
+    def _completion_logprobs(
+        self, job: Job, c: RunningChoice, tokens: list[TokenInfo], first: bool = True
+    ) -> dict[str, Any]:
+        """The legacy logprobs of ``tokens`` (continuing at ``c.offset``), behind the prompt's with echo in the
+        choice's first piece; echo alone (max_tokens 0) drops the output's."""
+        if job.echo_only:
+            tokens = []
+        if not (job.echo_logprobs and first):
+            lp, c.offset = completion_logprobs(tokens, self.tok, c.offset)
+            return lp
+        scored = self._scored(job, c)
+        head, c.offset = echo_logprobs(job.prompts[c.prompt_index], scored, job.top_logprobs, self.tok)
+        lp, c.offset = completion_logprobs(tokens, self.tok, c.offset)
+        return joined_logprobs(head, lp)
 
     def _usage(self, job: Job, choices: list[RunningChoice]) -> dict[str, Any]:
         # Prompt tokens count once per prompt, cached tokens per prompt's first choice (OpenAI bills n > 1 so).
         prompt = sum(len(p) for p in job.prompts)
-        completion = sum(c.state.completion_tokens for c in choices)
+        completion = 0 if job.echo_only else sum(c.state.completion_tokens for c in choices)
         cached = sum(c.state.cached_tokens for c in choices if c.index % job.n == 0)
         return usage(prompt, completion, cached)
 
@@ -297,17 +338,17 @@ class RouterService:
                     [{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": delta.finish_reason}], use
                 )
             return parts
-        lp = None
-        if job.logprobs:
-            lp, c.offset = completion_logprobs(delta.tokens, self.tok, c.offset)
-        text = delta.text
-        if job.echo and not c.echoed:  # the prompt's text opens the choice's first chunk
+        first = job.echo and not c.echoed
+        lp = self._completion_logprobs(job, c, delta.tokens, first) if job.logprobs else None
+        text = "" if job.echo_only else delta.text
+        if first:  # the prompt's text (and its logprobs) open the choice's first chunk
             text, c.echoed = job.echo[c.prompt_index] + text, True
         return fmt.chunk([{"index": c.index, "text": text, "logprobs": lp, "finish_reason": delta.finish_reason}], use)
 
     @staticmethod
     def _choice_usage(job: Job, c: RunningChoice, delta: ChoiceDelta) -> dict[str, Any]:
-        return usage(len(job.prompts[c.prompt_index]), delta.completion_tokens, c.state.cached_tokens)
+        completion = 0 if job.echo_only else delta.completion_tokens
+        return usage(len(job.prompts[c.prompt_index]), completion, c.state.cached_tokens)
 
     def _render_tools(
         self,

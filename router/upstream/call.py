@@ -162,7 +162,7 @@ class UpstreamCall:
                 if resp.status != 200:
                     await self._status_error(resp, dw)
                 self._streaming_resp = resp
-                first = await self._read_event()
+                first = await self._first_event()
         except TimeoutError:
             if self._given_back:
                 raise Retry(upstream_failed("given back to a prefill worker"), False, False, moved=True) from None
@@ -246,6 +246,20 @@ class UpstreamCall:
         if ev is None:
             return lost_event("decode worker closed the stream without finishing")
         return ev
+
+    async def _first_event(self) -> TokenLine | None:
+        """The first event, with the prompt's logprobs a long prompt's lines carried ahead of it joined into it."""
+        first = await self._read_event()
+        while (
+            first is not None and first.prompt_logprobs is not None and not first.token_ids and not first.finish_reason
+        ):
+            head = first.prompt_logprobs
+            first = await self._read_event()
+            if first is not None:
+                if first.prompt_logprobs is not None:
+                    head.extend(first.prompt_logprobs)
+                first.prompt_logprobs = head
+        return first
 
     async def _read_event(self) -> TokenLine | None:
         resp = self._streaming_resp

@@ -199,6 +199,9 @@ class GpuPath:
         )
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if batch.scored_rows:  # graphs are captured for sampled rows only: a scored prompt runs eagerly
+            self.attn.plan(batch)
+            return self.model(batch, self.attn)
         if self.use_graphs and self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         if self.use_graphs and self.step_graphs is not None and self.step_graphs.can_run(batch):
