@@ -563,9 +563,10 @@ FUSED_KERNELS = declare(
 MLA_DECOMPRESSED_PREFILL = declare(
     "KVFERRY_MLA_DECOMPRESSED_PREFILL",
     on_off,
-    True,
+    False,
     "latent attention on flashinfer: eager steps' prompt chunks with no cached prefix attend decompressed (keys "
-    "and values expanded through `kv_b_proj`, flashinfer's ragged prefill); `0` = absorbed for every step",
+    "and values expanded through `kv_b_proj`, flashinfer's ragged prefill); off (absorbed for every step) until "
+    "checked on a GPU",
     "GPU workers",
     "common/settings.py",
 )
