@@ -89,24 +89,27 @@ class StepCost:
         """The most prompt tokens (a multiple of `granularity`, at most `most`) a step may take within `target_s`."""
         if not self.known:
             return 0
+        # step_s with the batch's part computed once for the whole search (the same sum, in the same order)
+        overhead = self.overhead_s(rows, context)
+        per_token, per_pair = self.per_prefill_token_s, self.per_attention_pair_s
 
         def fits(units: int) -> bool:
             n = units * granularity
-            return self.step_s(n, rows, context, chunk_attention(start, n)) <= target_s
+            return overhead + per_token * n + per_pair * chunk_attention(start, n) <= target_s
 
-        guess = self._chunk_guess(target_s, rows, context, start, most)
+        guess = self._chunk_guess(target_s, overhead, start, most)
         units = largest_fitting(fits, most // granularity, None if guess is None else guess // granularity)
         return units * granularity
 
-    def _chunk_guess(self, target_s: float, rows: int, context: int, start: int, most: int) -> int | None:
+    def _chunk_guess(self, target_s: float, overhead_s: float, start: int, most: int) -> int | None:
         """Where `largest_chunk`'s search starts, in tokens: the root of the step time's quadratic in the chunk n,
-        overhead + (per_prefill_token + per_attention_pair * start) n + per_attention_pair n^2 / 2 = target
+        `overhead_s` + (per_prefill_token + per_attention_pair * start) n + per_attention_pair n^2 / 2 = target
         (None where a negative coefficient could make the step time fall as n grows)."""
         a = self.per_attention_pair_s / 2
         b = self.per_prefill_token_s + self.per_attention_pair_s * start
         if a < 0 or self.per_prefill_token_s < 0 or start < 0:
             return None
-        room = target_s - self.overhead_s(rows, context)
+        room = target_s - overhead_s
         if room <= 0:
             return 0
         if a > 0:

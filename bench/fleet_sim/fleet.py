@@ -355,19 +355,14 @@ class Fleet:
         now = self.clock.now
         workers: Iterable[Worker]
         if cfg.route_sample:
-            held: list[str] = []
             if req.blocks:
                 # the four that cached it last (the likeliest to hold it still)
                 recent = islice(reversed(self.holders.get(req.blocks[0], {})), 4)
-                held = [h for h in recent if h in self.pool.workers]
-                plan.matches = self._matches(req, held)
-            known = plan.matches or {}
+                plan.matches = self._matches(req, [h for h in recent if h in self.pool.workers])
             self.dispatcher.choose_candidates(plan)
             workers = plan.candidates or []
             # the holders' matches are known already (the longest to compute: they run far into the prompt)
-            names = [w.url for w in workers]
-            fresh = self._matches(req, [n for n in names if n not in held])
-            plan.matches = {n: m for n in names if (m := known.get(n) or fresh.get(n))}
+            plan.matches = self._matches(req, [w.url for w in workers], plan.matches)
         else:
             workers = self.pool.workers.values()
             plan.matches = self._matches(req, self.pool.workers)
@@ -376,17 +371,24 @@ class Fleet:
             if now - loaded_at.get(w.url, -1e9) >= poll_s:
                 self._report(w.url)
 
-    def _matches(self, req: SimRequest, names: Iterable[str]) -> dict[str, int]:
-        """What the prefix index says of `names`: the pages of the prompt's leading blocks each holds."""
+    def _matches(
+        self, req: SimRequest, names: Iterable[str], known: dict[str, int] | None = None
+    ) -> dict[str, int]:
+        """What the prefix index says of `names`: the pages of the prompt's leading blocks each holds (those in
+        `known` as it says: computed for this request already)."""
         if not req.blocks:
             return {}
         out = {}
+        caches, blocks = self.caches, req.blocks
         for name in names:
-            cache = self.caches.get(name)
+            if known and name in known:
+                out[name] = known[name]
+                continue
+            cache = caches.get(name)
             if not cache:
                 continue
             k = 0
-            for b in req.blocks:
+            for b in blocks:
                 if b not in cache:
                     break
                 k += 1

@@ -84,6 +84,7 @@ class Dispatcher:
         self.rng = rng or random.Random()
         self.decisions: dict[str, int] = {}  # reason (or rejection) -> count, for /router/workers and benchmarks
         self._decision_counters: dict[str, Any] = {}  # reason -> its labelled counter (labels() costs per call)
+        self._slo_targets: dict[str, tuple[SloClass, SloTargets]] = {}  # class name -> (the class, its targets)
 
     async def plan(self, token_ids: list[int]) -> PromptPlan:
         """Hashes the prompt's blocks and asks where they are cached (a prompt under the disaggregation
@@ -177,7 +178,7 @@ class Dispatcher:
             [w.prefill_candidate(p, h) for w, h, p in prefill_preds],
             [w.decode_candidate(p, h) for w, h, p in decode_preds],
             plan.matches,
-            SloTargets(cls.ttft_s, cls.itl_s) if cls is not None else None,
+            self._targets(cls) if cls is not None else None,
         )
         self._count(decision.reason)
         remote = decision.prefill is not None
@@ -252,9 +253,9 @@ class Dispatcher:
         w = self.pool.workers.get(decision.prefill if remote else decision.decode)  # type: ignore[arg-type]
         if w is None:
             return
-        prompt = len(plan.token_ids)
-        matched = self.policy.matched_tokens(w.pod, plan.matches, plan.block_size, prompt)
-        prefilled = w.place_prompt(time.monotonic(), prompt - matched)
+        # the policy matched the chosen worker's prefix already
+        matched = decision.prefill_matched_tokens if remote else decision.decode_matched_tokens
+        prefilled = w.place_prompt(time.monotonic(), len(plan.token_ids) - matched)
         self.metrics.prompt_cached_tokens.inc(matched)
         if plan.record is not None:
             plan.record.on_first_token.append(prefilled)
@@ -273,6 +274,13 @@ class Dispatcher:
                 "max_tokens",
                 "request_too_large",
             )
+
+    def _targets(self, cls: SloClass) -> SloTargets:
+        """`cls`'s targets as the policy reads them, one value per class (not one per request)."""
+        hit = self._slo_targets.get(cls.name)
+        if hit is None or hit[0] is not cls:
+            hit = self._slo_targets[cls.name] = (cls, SloTargets(cls.ttft_s, cls.itl_s))
+        return hit[1]
 
     def _count(self, reason: str) -> None:
         self.decisions[reason] = self.decisions.get(reason, 0) + 1
