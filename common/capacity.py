@@ -73,11 +73,12 @@ class StepCost:
 
     def step_s(self, prefill_tokens: int, rows: int, context: int, attention: float = 0.0) -> float:
         """One step's time: `prefill_tokens` (their pairs `attention`) beside `rows` rows over `context` tokens."""
-        return (
-            self.overhead_s(rows, context)
-            + self.per_prefill_token_s * prefill_tokens
-            + self.per_attention_pair_s * attention
-        )
+        return self.chunk_step_s(self.overhead_s(rows, context), prefill_tokens, attention)
+
+    def chunk_step_s(self, overhead_s: float, prefill_tokens: int, attention: float = 0.0) -> float:
+        """`step_s` from its batch's `overhead_s` (what `overhead_s` gives it): for several chunks beside one batch,
+        the batch's part computed once."""
+        return overhead_s + self.per_prefill_token_s * prefill_tokens + self.per_attention_pair_s * attention
 
     def prefill_rate(self, chunk: int, rows: int = 0, context: int = 0) -> float:
         """Prompt tokens per second at `chunk` tokens a step beside `rows` decode rows (0: not measured)."""
@@ -89,13 +90,11 @@ class StepCost:
         """The most prompt tokens (a multiple of `granularity`, at most `most`) a step may take within `target_s`."""
         if not self.known:
             return 0
-        # step_s with the batch's part computed once for the whole search (the same sum, in the same order)
         overhead = self.overhead_s(rows, context)
-        per_token, per_pair = self.per_prefill_token_s, self.per_attention_pair_s
 
         def fits(units: int) -> bool:
             n = units * granularity
-            return overhead + per_token * n + per_pair * chunk_attention(start, n) <= target_s
+            return self.chunk_step_s(overhead, n, chunk_attention(start, n)) <= target_s
 
         guess = self._chunk_guess(target_s, overhead, start, most)
         units = largest_fitting(fits, most // granularity, None if guess is None else guess // granularity)

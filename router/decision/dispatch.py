@@ -116,7 +116,7 @@ class Dispatcher:
         pool = self.pool
         picked = pool.sample(DECODE_ROLES, k, self.rng) + pool.sample(PREFILL_ROLES, k, self.rng)
         if plan.matches:
-            held = sorted((n, pod) for pod, n in plan.matches.items() if n > 0)
+            held = sorted([(n, pod) for pod, n in plan.matches.items() if n > 0])
             for _, pod in held[-k:]:
                 w = pool.by_pod(pod)
                 if w is not None and w.up:
@@ -183,7 +183,11 @@ class Dispatcher:
         self._count(decision.reason)
         remote = decision.prefill is not None
         placed = decision.prefill if remote else decision.decode
-        predicted = next((p for w, _, p in (prefill_preds if remote else decode_preds) if w.url == placed), None)
+        predicted = None
+        for w, _, p in prefill_preds if remote else decode_preds:
+            if w.url == placed:
+                predicted = p
+                break
         self._placed(plan, decision, predicted)
         return decision
 
