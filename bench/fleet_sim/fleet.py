@@ -24,7 +24,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
-from itertools import islice
+from itertools import count, islice
 from operator import attrgetter
 from typing import Protocol
 
@@ -159,7 +159,7 @@ class Fleet:
         # (time, sequence, kind, what, its detail): kind 0 a worker's wake-up (the worker, its version then), 1 work
         # given to a worker (the worker, the job), 2 a pod ready (its name), 3 a controller tick
         self._events: list[tuple[float, int, int, object, object]] = []
-        self._seq = 0
+        self._seq = count(1)  # ties in time go first in, first out
         self._spawned = 0
         self.live = 0  # workers holding a GPU (starting, up or draining)
         self._gpu_s = 0.0
@@ -264,8 +264,7 @@ class Fleet:
 
     # ---- events -------------------------------------------------------------------------------------------------
     def _push(self, t: float, kind: int, what: object, detail: object) -> None:
-        self._seq += 1
-        heapq.heappush(self._events, (t, self._seq, kind, what, detail))
+        heapq.heappush(self._events, (t, next(self._seq), kind, what, detail))
 
     def _wake_at(self, w: SimWorker, t: float | None) -> None:
         if t is not None:
@@ -307,9 +306,9 @@ class Fleet:
         if self.controller is not None:
             self._push(0.0, 3, None, None)
         i = 0
-        events = self._events
+        events, seq = self._events, self._seq
         clock = self.clock
-        pop = heapq.heappop
+        pop, push = heapq.heappop, heapq.heappush
         t_arr = requests[0].t if n else math.inf
         while True:
             if events and events[0][0] <= t_arr:
@@ -320,7 +319,9 @@ class Fleet:
                 if kind == 0:
                     w = what  # type: ignore[assignment]
                     if w.version == detail:
-                        self._wake_at(w, w.wake(t))
+                        woken = w.wake(t)
+                        if woken is not None:  # _wake_at, in line: the loop's most frequent event
+                            push(events, (woken, next(seq), 0, w, w.version))
                         if w.asks:
                             self._ask_peers(w)
                         if w.draining:

@@ -211,17 +211,21 @@ class Dispatcher:
         return predicted
 
     def _sides(self, plan: PromptPlan) -> list[tuple[Worker, bool]]:
-        """The workers that could prefill this prompt: its decode pods and, where it may disaggregate, prefill pods."""
+        """The workers that could prefill this prompt and have a load to predict from: its decode pods and, where it
+        may disaggregate, prefill pods."""
         decode, prefill = self._ready(plan, DECODE_ROLES), self._ready(plan, PREFILL_ROLES)
         cfg = self.policy.cfg
         remote = bool(prefill) and (cfg.placement == "adaptive" or len(plan.token_ids) >= cfg.disagg_min_prompt_tokens)
         local = not remote or cfg.placement == "adaptive"
-        return [(w, False) for w in decode if local] + [(w, True) for w in prefill if remote]
+        sides = [(w, False) for w in decode if w.load is not None] if local else []
+        if remote:
+            sides += [(w, True) for w in prefill if w.load is not None]
+        return sides
 
     def check_ttft(self, plan: PromptPlan, cls: SloClass) -> float | None:
         """429 for a request no placement is predicted to serve within its class's target, lower classes first;
         returns the best placement's predicted TTFT (None: nothing predicted)."""
-        sides = [(w, remote) for w, remote in self._sides(plan) if w.load is not None]
+        sides = self._sides(plan)
 
         def best(k: SloClass, queued: bool = True) -> float | None:
             preds = [p for w, r in sides if (p := self.predicted_ttft_s(plan, w, k.name, r, queued)) is not None]
