@@ -73,11 +73,12 @@ class StepCost:
 
     def step_s(self, prefill_tokens: int, rows: int, context: int, attention: float = 0.0) -> float:
         """One step's time: `prefill_tokens` (their pairs `attention`) beside `rows` rows over `context` tokens."""
-        return (
-            self.overhead_s(rows, context)
-            + self.per_prefill_token_s * prefill_tokens
-            + self.per_attention_pair_s * attention
-        )
+        return self.chunk_step_s(self.overhead_s(rows, context), prefill_tokens, attention)
+
+    def chunk_step_s(self, overhead_s: float, prefill_tokens: int, attention: float = 0.0) -> float:
+        """`step_s` from its batch's `overhead_s` (what `overhead_s` gives it): for several chunks beside one batch,
+        the batch's part computed once."""
+        return overhead_s + self.per_prefill_token_s * prefill_tokens + self.per_attention_pair_s * attention
 
     def prefill_rate(self, chunk: int, rows: int = 0, context: int = 0) -> float:
         """Prompt tokens per second at `chunk` tokens a step beside `rows` decode rows (0: not measured)."""
@@ -89,24 +90,25 @@ class StepCost:
         """The most prompt tokens (a multiple of `granularity`, at most `most`) a step may take within `target_s`."""
         if not self.known:
             return 0
+        overhead = self.overhead_s(rows, context)
 
         def fits(units: int) -> bool:
             n = units * granularity
-            return self.step_s(n, rows, context, chunk_attention(start, n)) <= target_s
+            return self.chunk_step_s(overhead, n, chunk_attention(start, n)) <= target_s
 
-        guess = self._chunk_guess(target_s, rows, context, start, most)
+        guess = self._chunk_guess(target_s, overhead, start, most)
         units = largest_fitting(fits, most // granularity, None if guess is None else guess // granularity)
         return units * granularity
 
-    def _chunk_guess(self, target_s: float, rows: int, context: int, start: int, most: int) -> int | None:
+    def _chunk_guess(self, target_s: float, overhead_s: float, start: int, most: int) -> int | None:
         """Where `largest_chunk`'s search starts, in tokens: the root of the step time's quadratic in the chunk n,
-        overhead + (per_prefill_token + per_attention_pair * start) n + per_attention_pair n^2 / 2 = target
+        `overhead_s` + (per_prefill_token + per_attention_pair * start) n + per_attention_pair n^2 / 2 = target
         (None where a negative coefficient could make the step time fall as n grows)."""
         a = self.per_attention_pair_s / 2
         b = self.per_prefill_token_s + self.per_attention_pair_s * start
         if a < 0 or self.per_prefill_token_s < 0 or start < 0:
             return None
-        room = target_s - self.overhead_s(rows, context)
+        room = target_s - overhead_s
         if room <= 0:
             return 0
         if a > 0:

@@ -21,9 +21,11 @@ import heapq
 import math
 import random
 from bisect import bisect_left
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from itertools import islice
+from functools import partial
+from itertools import count, islice
+from operator import attrgetter
 from typing import Protocol
 
 import numpy as np
@@ -77,11 +79,12 @@ class FleetConfig:
 
 
 class _Clock:
+    """Simulated time, read by the router's code as ``time.monotonic()``."""
+
     def __init__(self) -> None:
         self.now = 0.0
-
-    def monotonic(self) -> float:
-        return self.now
+        # a bound C reader of `now` (no Python frame per read: the router reads the time a few times a request)
+        self.monotonic: Callable[[], float] = partial(attrgetter("now"), self)
 
 
 class _Call:
@@ -150,10 +153,13 @@ class Fleet:
         self.starting: dict[str, tuple[str, float]] = {}  # name -> (role, ready at)
         self.loaded_at: dict[str, float] = {}
         self.caches: dict[str, PrefixCache] = {}
+        self._cache_tokens = int(cfg.worker.kv_tokens * cfg.prefix_cache_share)  # what a prefix cache may keep
         # first prefix block -> the workers that cached it, most recent last (a dict: ordered, whatever the hash seed)
         self.holders: dict[int, dict[str, None]] = {}
-        self._events: list[tuple[float, int, int, object]] = []
-        self._seq = 0
+        # (time, sequence, kind, what, its detail): kind 0 a worker's wake-up (the worker, its version then), 1 work
+        # given to a worker (the worker, the job), 2 a pod ready (its name), 3 a controller tick
+        self._events: list[tuple[float, int, int, object, object]] = []
+        self._seq = count(1)  # ties in time go first in, first out
         self._spawned = 0
         self.live = 0  # workers holding a GPU (starting, up or draining)
         self._gpu_s = 0.0
@@ -198,7 +204,7 @@ class Fleet:
             self._up(name, role)
         else:
             self.starting[name] = (role, ready_at)
-            self._push(ready_at, 2, name)
+            self._push(ready_at, 2, name, None)
 
     def _up(self, name: str, role: str) -> None:
         sim = SimWorker(name, role, self.cfg.worker, self._on_first_token, self._on_finish, self._record_itl)
@@ -257,13 +263,12 @@ class Fleet:
             self.caches.pop(w.name, None)
 
     # ---- events -------------------------------------------------------------------------------------------------
-    def _push(self, t: float, kind: int, payload: object) -> None:
-        self._seq += 1
-        heapq.heappush(self._events, (t, self._seq, kind, payload))
+    def _push(self, t: float, kind: int, what: object, detail: object) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), kind, what, detail))
 
     def _wake_at(self, w: SimWorker, t: float | None) -> None:
         if t is not None:
-            self._push(t, 0, (w, w.version))
+            self._push(t, 0, w, w.version)
 
     def _moved(self, w: SimWorker, device_end: float) -> None:
         self._wake_at(w, w.retime(device_end))
@@ -299,35 +304,36 @@ class Fleet:
         self.out_tokens = 0
         end = until if until is not None else (requests[-1].t if requests else 0.0)
         if self.controller is not None:
-            self._push(0.0, 3, None)
+            self._push(0.0, 3, None, None)
         i = 0
-        events = self._events
+        events, seq = self._events, self._seq
         clock = self.clock
-        pop = heapq.heappop
+        pop, push = heapq.heappop, heapq.heappush
         t_arr = requests[0].t if n else math.inf
         while True:
             if events and events[0][0] <= t_arr:
-                t, _, kind, payload = pop(events)
+                t, _, kind, what, detail = pop(events)
                 if t > end and kind == 3:
                     continue
                 clock.now = t
                 if kind == 0:
-                    w, version = payload  # type: ignore[misc]
-                    if w.version == version:
-                        self._wake_at(w, w.wake(t))
+                    w = what  # type: ignore[assignment]
+                    if w.version == detail:
+                        woken = w.wake(t)
+                        if woken is not None:  # _wake_at, in line: the loop's most frequent event
+                            push(events, (woken, next(seq), 0, w, w.version))
                         if w.asks:
                             self._ask_peers(w)
                         if w.draining:
                             self._maybe_leave(w)
                 elif kind == 1:
-                    w, job = payload  # type: ignore[misc]
+                    w = what  # type: ignore[assignment]
                     if w.name in self.sims:
-                        self._give(w, job)
+                        self._give(w, detail)  # type: ignore[arg-type]
                 elif kind == 2:
-                    name = payload  # type: ignore[assignment]
-                    if name in self.starting:
-                        role, _ = self.starting.pop(name)  # type: ignore[arg-type]
-                        self._up(name, role)  # type: ignore[arg-type]
+                    if what in self.starting:
+                        role, _ = self.starting.pop(what)  # type: ignore[arg-type]
+                        self._up(what, role)  # type: ignore[arg-type]
                 elif kind == 3:
                     self._tick(t)
             elif i < n:
@@ -345,7 +351,7 @@ class Fleet:
         targets = self.controller.tick(self, now)
         if targets is not None:
             self.scale_to(targets)
-        self._push(now + self.controller.interval_s, 3, None)
+        self._push(now + self.controller.interval_s, 3, None, None)
 
     # ---- a request ----------------------------------------------------------------------------------------------
     def _candidates(self, req: SimRequest, plan: PromptPlan) -> None:
@@ -355,19 +361,14 @@ class Fleet:
         now = self.clock.now
         workers: Iterable[Worker]
         if cfg.route_sample:
-            held: list[str] = []
             if req.blocks:
                 # the four that cached it last (the likeliest to hold it still)
                 recent = islice(reversed(self.holders.get(req.blocks[0], {})), 4)
-                held = [h for h in recent if h in self.pool.workers]
-                plan.matches = self._matches(req, held)
-            known = plan.matches or {}
+                plan.matches = self._matches(req, [h for h in recent if h in self.pool.workers])
             self.dispatcher.choose_candidates(plan)
             workers = plan.candidates or []
             # the holders' matches are known already (the longest to compute: they run far into the prompt)
-            names = [w.url for w in workers]
-            fresh = self._matches(req, [n for n in names if n not in held])
-            plan.matches = {n: m for n in names if (m := known.get(n) or fresh.get(n))}
+            plan.matches = self._matches(req, [w.url for w in workers], plan.matches)
         else:
             workers = self.pool.workers.values()
             plan.matches = self._matches(req, self.pool.workers)
@@ -376,17 +377,22 @@ class Fleet:
             if now - loaded_at.get(w.url, -1e9) >= poll_s:
                 self._report(w.url)
 
-    def _matches(self, req: SimRequest, names: Iterable[str]) -> dict[str, int]:
-        """What the prefix index says of `names`: the pages of the prompt's leading blocks each holds."""
+    def _matches(self, req: SimRequest, names: Iterable[str], known: dict[str, int] | None = None) -> dict[str, int]:
+        """What the prefix index says of `names`: the pages of the prompt's leading blocks each holds (those in
+        `known` as it says: computed for this request already)."""
         if not req.blocks:
             return {}
         out = {}
+        caches, blocks = self.caches, req.blocks
         for name in names:
-            cache = self.caches.get(name)
+            if known and name in known:
+                out[name] = known[name]
+                continue
+            cache = caches.get(name)
             if not cache:
                 continue
             k = 0
-            for b in req.blocks:
+            for b in blocks:
                 if b not in cache:
                     break
                 k += 1
@@ -398,7 +404,7 @@ class Fleet:
         cache = self.caches.get(name)
         if cache is None or not req.blocks:
             return
-        cache.touch(req.blocks, int(self.cfg.worker.kv_tokens * self.cfg.prefix_cache_share) // req.block_tokens)
+        cache.touch(req.blocks, self._cache_tokens // req.block_tokens)
         held = self.holders.setdefault(req.blocks[0], {})
         held.pop(name, None)
         held[name] = None
@@ -433,7 +439,7 @@ class Fleet:
             elif d.span_shared:
                 d.asks.append((p, job))  # its step's end moves with what else runs on its GPU: asked at its wake
             else:
-                self._push(d.next_boundary(now), 1, (p, job))  # its steps are unchanged by it: no need to cut them
+                self._push(d.next_boundary(now), 1, p, job)  # its steps are unchanged by it: no need to cut them
             self._cache(p.name, req)
         else:
             matched = decision.decode_matched_tokens
@@ -466,7 +472,7 @@ class Fleet:
             if req.output > 1:
                 dj = Job(job.rid, job.arrival, req.prompt, 0, req.output - 1, req.prompt + req.output)
                 dj.call = call
-                self._push(arrive, 1, (d, dj))
+                self._push(arrive, 1, d, dj)
             else:
                 self._finish(job.rid, d.name, call, 0.0)
             self._maybe_leave(w)

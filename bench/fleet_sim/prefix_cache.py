@@ -41,7 +41,9 @@ class PrefixCache(dict[int, int]):
             while i < end and excess > 0:
                 b = oldest[i]
                 i += 1
-                if b in self and self[b] == n:  # not used again since
+                # a block of a touch not yet walked is cached (it leaves only when the walk reaches the touch
+                # that stamped it last, never an earlier one): its stamp tells whether it was used again since
+                if self[b] is n:
                     del self[b]
                     excess -= 1
             if i < end:

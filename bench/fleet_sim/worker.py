@@ -466,9 +466,10 @@ class SimWorker:
         last = job.todo - steps * chunk if len(self.waiting) == 1 else 0
         times, ends = [], []
         t, start = now, job.done_prompt
+        overhead = cost.overhead_s(0, 0)  # nothing decodes beside a run
         for i in range(steps + (last > 0)):
             take = chunk if i < steps else last
-            step = cost.step_s(take, 0, 0, 0.0 + chunk_attention(start, take)) + s.host_s
+            step = cost.chunk_step_s(overhead, take, 0.0 + chunk_attention(start, take)) + s.host_s
             t = t + step
             times.append(step)
             ends.append(t)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from common.prefix.hashing import chained_block_hashes
 from common.slo import DEFAULT_SLO_SPEC, SloClass, SloClasses, parse_slo_classes
@@ -22,8 +22,8 @@ from router.decision.admission import (
 )
 from router.decision.cost_model import SloTargets
 from router.decision.locality import PrefixLocator
-from router.decision.policy import RouteDecision, RoutingPolicy
-from router.decision.pool import DECODE_ROLES, PREFILL_ROLES, HeldCounts, Worker, WorkerPool
+from router.decision.policy import DecodeCandidate, PrefillCandidate, RouteDecision, RoutingPolicy
+from router.decision.pool import DECODE_ROLES, PREFILL_ROLES, Worker, WorkerPool
 from router.decision.ttft_model import WorkerFigures, predict_ttft_s
 from router.errors import bad_request, no_worker, rate_limited
 from router.metrics import RouterMetrics
@@ -85,6 +85,7 @@ class Dispatcher:
         self.rng = rng or random.Random()
         self.decisions: dict[str, int] = {}  # reason (or rejection) -> count, for /router/workers and benchmarks
         self._decision_counters: dict[str, Any] = {}  # reason -> its labelled counter (labels() costs per call)
+        self._slo_targets: dict[str, tuple[SloClass, SloTargets]] = {}  # class name -> (the class, its targets)
 
     async def plan(self, token_ids: list[int]) -> PromptPlan:
         """Hashes the prompt's blocks and asks where they are cached (a prompt under the disaggregation
@@ -116,7 +117,7 @@ class Dispatcher:
         pool = self.pool
         picked = pool.sample(DECODE_ROLES, k, self.rng) + pool.sample(PREFILL_ROLES, k, self.rng)
         if plan.matches:
-            held = sorted((n, pod) for pod, n in plan.matches.items() if n > 0)
+            held = sorted([(n, pod) for pod, n in plan.matches.items() if n > 0])
             for _, pod in held[-k:]:
                 w = pool.by_pod(pod)
                 if w is not None and w.up:
@@ -143,8 +144,15 @@ class Dispatcher:
         limits = self.limits
         call_tokens = len(plan.token_ids) + max_tokens
         need = RequestKV(call_tokens, max(call_tokens, plan.request_tokens), max_tokens)
-        # each worker's held calls read once: its fullness and its candidate record both need them
-        open_decode = [(w, h) for w in decode if not decode_is_full(w, need, limits, h := w.held())]
+        cls = plan.slo_class
+        name = cls.name if cls is not None else ""
+        # Each open worker's record once: its held calls read once (its fullness needs them too) and its prediction
+        # made once (the TTFT filter, the policy and the placement read it).
+        open_decode = [
+            w.decode_candidate(self.predicted_ttft_s(plan, w, name, False), h)
+            for w in decode
+            if not decode_is_full(w, need, limits, h := w.held())
+        ]
         if not open_decode:
             self._count("rejected-decode-full")
             raise rate_limited(
@@ -153,7 +161,11 @@ class Dispatcher:
                 self.retry_after_s,
             )
         prefill = self._ready(plan, PREFILL_ROLES, exclude_prefill)
-        open_prefill = [(w, h) for w in prefill if not prefill_is_full(w, limits, h := w.held())]
+        open_prefill = [
+            w.prefill_candidate(self.predicted_ttft_s(plan, w, name, True), h)
+            for w in prefill
+            if not prefill_is_full(w, limits, h := w.held())
+        ]
         # Fixed placement sends a long prompt to a prefill pod, so their being full refuses it; adaptive may not.
         if (
             prefill
@@ -166,24 +178,25 @@ class Dispatcher:
                 "All prefill workers are at their admission limit of queued prompt tokens; retry shortly.",
                 self.retry_after_s,
             )
-        cls = plan.slo_class
-        name = cls.name if cls is not None else ""
-        # Each open worker's prediction once: the TTFT filter, the policy and the placement read it.
-        decode_preds = self._meeting_ttft(plan, open_decode, name, False)
-        prefill_preds = self._meeting_ttft(plan, open_prefill, name, True)
+        decode_c = _meeting_ttft(plan, open_decode)
+        prefill_c = _meeting_ttft(plan, open_prefill)
         decision = self.policy.choose(
             len(plan.token_ids),
             max_tokens,
             plan.block_size,
-            [w.prefill_candidate(p, h) for w, h, p in prefill_preds],
-            [w.decode_candidate(p, h) for w, h, p in decode_preds],
+            prefill_c,
+            decode_c,
             plan.matches,
-            SloTargets(cls.ttft_s, cls.itl_s) if cls is not None else None,
+            self._targets(cls) if cls is not None else None,
         )
         self._count(decision.reason)
         remote = decision.prefill is not None
         placed = decision.prefill if remote else decision.decode
-        predicted = next((p for w, _, p in (prefill_preds if remote else decode_preds) if w.url == placed), None)
+        predicted = None
+        for c in prefill_c if remote else decode_c:
+            if c.key == placed:
+                predicted = c.predicted_ttft_s
+                break
         self._placed(plan, decision, predicted)
         return decision
 
@@ -207,17 +220,21 @@ class Dispatcher:
         return predicted
 
     def _sides(self, plan: PromptPlan) -> list[tuple[Worker, bool]]:
-        """The workers that could prefill this prompt: its decode pods and, where it may disaggregate, prefill pods."""
+        """The workers that could prefill this prompt and have a load to predict from: its decode pods and, where it
+        may disaggregate, prefill pods."""
         decode, prefill = self._ready(plan, DECODE_ROLES), self._ready(plan, PREFILL_ROLES)
         cfg = self.policy.cfg
         remote = bool(prefill) and (cfg.placement == "adaptive" or len(plan.token_ids) >= cfg.disagg_min_prompt_tokens)
         local = not remote or cfg.placement == "adaptive"
-        return [(w, False) for w in decode if local] + [(w, True) for w in prefill if remote]
+        sides = [(w, False) for w in decode if w.load is not None] if local else []
+        if remote:
+            sides += [(w, True) for w in prefill if w.load is not None]
+        return sides
 
     def check_ttft(self, plan: PromptPlan, cls: SloClass) -> float | None:
         """429 for a request no placement is predicted to serve within its class's target, lower classes first;
         returns the best placement's predicted TTFT (None: nothing predicted)."""
-        sides = [(w, remote) for w, remote in self._sides(plan) if w.load is not None]
+        sides = self._sides(plan)
 
         def best(k: SloClass, queued: bool = True) -> float | None:
             preds = [p for w, r in sides if (p := self.predicted_ttft_s(plan, w, k.name, r, queued)) is not None]
@@ -235,27 +252,15 @@ class Dispatcher:
             )
         return verdict.predicted_s
 
-    def _meeting_ttft(
-        self, plan: PromptPlan, workers: list[tuple[Worker, HeldCounts]], slo_class: str, prefill_side: bool
-    ) -> list[tuple[Worker, HeldCounts, float | None]]:
-        """Each (worker, its held calls) with its predicted TTFT, kept to those meeting the target when some do."""
-        preds = [(w, h, self.predicted_ttft_s(plan, w, slo_class, prefill_side)) for w, h in workers]
-        cls = plan.slo_class
-        if cls is None or cls.ttft_s is None or len(workers) < 2:
-            return preds
-        target = cls.ttft_s
-        meeting = [e for e in preds if e[2] is None or e[2] <= target]
-        return meeting or preds
-
     def _placed(self, plan: PromptPlan, decision: RouteDecision, predicted: float | None) -> None:
         """The prefilling worker counts this prompt until its snapshot does; the record keeps the first prediction."""
         remote = decision.prefill is not None
         w = self.pool.workers.get(decision.prefill if remote else decision.decode)  # type: ignore[arg-type]
         if w is None:
             return
-        prompt = len(plan.token_ids)
-        matched = self.policy.matched_tokens(w.pod, plan.matches, plan.block_size, prompt)
-        prefilled = w.place_prompt(time.monotonic(), prompt - matched)
+        # the policy matched the chosen worker's prefix already
+        matched = decision.prefill_matched_tokens if remote else decision.decode_matched_tokens
+        prefilled = w.place_prompt(time.monotonic(), len(plan.token_ids) - matched)
         self.metrics.prompt_cached_tokens.inc(matched)
         if plan.record is not None:
             plan.record.on_first_token.append(prefilled)
@@ -289,9 +294,30 @@ class Dispatcher:
                 "too_many_choices",
             )
 
+    def _targets(self, cls: SloClass) -> SloTargets:
+        """`cls`'s targets as the policy reads them, one value per class (not one per request)."""
+        hit = self._slo_targets.get(cls.name)
+        if hit is None or hit[0] is not cls:
+            hit = self._slo_targets[cls.name] = (cls, SloTargets(cls.ttft_s, cls.itl_s))
+        return hit[1]
+
     def _count(self, reason: str) -> None:
         self.decisions[reason] = self.decisions.get(reason, 0) + 1
         counter = self._decision_counters.get(reason)
         if counter is None:
             counter = self._decision_counters[reason] = self.metrics.decisions.labels(decision=reason)
         counter.inc()
+
+
+Candidate = TypeVar("Candidate", PrefillCandidate, DecodeCandidate)
+
+
+def _meeting_ttft(plan: PromptPlan, candidates: list[Candidate]) -> list[Candidate]:
+    """`candidates` kept to those predicted to meet the request's TTFT target, when some are (unpredicted ones
+    count as meeting it)."""
+    cls = plan.slo_class
+    if cls is None or cls.ttft_s is None or len(candidates) < 2:
+        return candidates
+    target = cls.ttft_s
+    meeting = [c for c in candidates if c.predicted_ttft_s is None or c.predicted_ttft_s <= target]
+    return meeting or candidates

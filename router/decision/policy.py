@@ -95,8 +95,7 @@ class RoutingPolicy:
         if not decode:
             raise ValueError("no decode candidate")
         turn = next(self._turn)
-        d = self.pick_decode(prompt_len, max_tokens, block_size, decode, matches, turn)
-        d_matched = self.matched_tokens(d.pod, matches, block_size, prompt_len)
+        d, d_matched = self.pick_decode(prompt_len, max_tokens, block_size, decode, matches, turn)
         cfg = self.cfg
         prefill = [c for c in prefill if c.key != d.key]  # a mixed D prefilling for itself is the local case
         if not prefill:
@@ -212,7 +211,8 @@ class RoutingPolicy:
         decode: Sequence[DecodeCandidate],
         matches: Mapping[str, int] | None,
         turn: int = 0,
-    ) -> DecodeCandidate:
+    ) -> tuple[DecodeCandidate, int]:
+        """The decode pod, and the prompt tokens it holds."""
         fits = [c for c in decode if c.free_pages * max(1, c.page_size) >= prompt_len + max_tokens]
         pool = fits or list(decode)
         n = len(pool)
@@ -223,8 +223,8 @@ class RoutingPolicy:
             key = (self.decode_cost(c), -self.matched_tokens(c.pod, matches, block_size, prompt_len))
             if best_key is None or key < best_key:
                 best, best_key = c, key
-        assert best is not None
-        return best
+        assert best is not None and best_key is not None
+        return best, -best_key[1]
 
     @staticmethod
     def matched_tokens(pod: str | None, matches: Mapping[str, int] | None, block_size: int, prompt_len: int) -> int:
