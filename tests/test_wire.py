@@ -24,6 +24,7 @@ from common.protocol import (
     LoadSnapshot,
     PrefillProgress,
     PrefillRequest,
+    PromptLogprobs,
     SamplingParams,
     Schema,
     TokenLine,
@@ -79,6 +80,15 @@ SAMPLES: list[msgspec.Struct] = [
     ),
     KVNotice(req_id="r", outcome="landed", token=3, logprob=LOGPROB, cached_tokens=16, checksums=[1.0], timeline={}),
     KVNotice(req_id="r", outcome="closed", error="cancelled"),
+    KVNotice(
+        req_id="r",
+        outcome="landed",
+        token=3,
+        prompt_logprobs=PromptLogprobs(
+            logprobs=[-0.5, -2.25], ranks=[1, 7], top_ids=[[4, 9], [8, 2]], top_logprobs=[[-0.5, -1.0], [-0.75, -1.5]]
+        ),
+    ),
+    TokenLine(token_ids=[5], prompt_logprobs=PromptLogprobs(logprobs=[-1.0], ranks=[2])),
     PrefillProgress(heartbeat=True),
     PrefillProgress(req_id="r", done=True, descs=2, cached_tokens=16),
     PrefillProgress(req_id="r", error="gone", engine_exited=True),
