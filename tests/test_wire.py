@@ -89,6 +89,7 @@ SAMPLES: list[msgspec.Struct] = [
         ),
     ),
     TokenLine(token_ids=[5], prompt_logprobs=PromptLogprobs(logprobs=[-1.0], ranks=[2])),
+    PromptLogprobs(logprobs=[-1.0, -0.125], ranks=[2, 1]),
     PrefillProgress(heartbeat=True),
     PrefillProgress(req_id="r", done=True, descs=2, cached_tokens=16),
     PrefillProgress(req_id="r", error="gone", engine_exited=True),
