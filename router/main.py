@@ -92,8 +92,18 @@ def main(argv: list[str] | None = None) -> int:
         from router.metrics import prepare_multiprocess_dir
 
         prepare_multiprocess_dir()  # the processes' metrics add up in one directory (router/metrics.py)
-        settings = {"config": asdict(config), "options": asdict(options), "log_level": args.log_level}
-        os.environ[reg.ROUTER_CHILD_SETTINGS.name] = json.dumps(settings)
+        settings = json.dumps({"config": asdict(config), "options": asdict(options), "log_level": args.log_level})
+        # uvicorn's supervisor restarts a child that dies at start, forever: a setting lost on the way down must
+        # stop the parent here, not crash-loop the children behind a port that never answers.
+        handed = json.loads(settings)
+        if (
+            reg.rebuilt(RouterConfig, handed["config"]) != config
+            or reg.rebuilt(RouterOptions, handed["options"]) != options
+        ):
+            raise SystemExit(
+                "router settings do not survive the hand-down to its processes (KVFERRY_ROUTER_WORKERS > 1)"
+            )
+        os.environ[reg.ROUTER_CHILD_SETTINGS.name] = settings
         uvicorn.run("router.main:child_app", factory=True, workers=options.workers, **server)  # type: ignore[arg-type]
         return 0
     from router.app import create_app
