@@ -32,6 +32,13 @@ FP8_DECODE_TILE_PAGES = 8
 SPLIT_DECODE_MIN_ROWS = 1
 
 
+def host_indptr(lens: list[int]) -> torch.Tensor:
+    """A CSR row pointer over `lens` (int32, host): the query rows of a step's requests, as flashinfer plans them."""
+    out = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0, out=out[1:])
+    return out
+
+
 def leading_single_token_rows(extend_lens: list[int]) -> int:
     n = 0
     for e in extend_lens:
@@ -314,8 +321,7 @@ class FlashInferAttention:
         self._xqa_pages = None
         self._split = None
         w = self.prefill_wrapper
-        qo = torch.zeros(len(extend_lens_cpu) + 1, dtype=torch.int32)
-        torch.cumsum(torch.tensor(extend_lens_cpu, dtype=torch.int32), 0, out=qo[1:])
+        qo = host_indptr(extend_lens_cpu)
         self._before_plan(w)
         w.plan(
             qo,

@@ -16,7 +16,7 @@ import torch
 
 from common.engine.forward_batch import ForwardBatch
 from common.engine.fp8 import store_rows
-from common.engine.gpu.attention import GraphBuffers, PageMeta, PlanFences, leading_single_token_rows
+from common.engine.gpu.attention import GraphBuffers, PageMeta, PlanFences, host_indptr, leading_single_token_rows
 from common.engine.layers import RotaryCache
 from common.engine.mla import LatentOnly, MlaParts, MlaProjections
 from common.engine.model_config import ModelConfig
@@ -249,7 +249,7 @@ class FlashInferMlaAttention(LatentOnly):
     def plan_extend(self, meta: PageMeta, extend_lens_cpu: list[int]) -> None:
         """A prefill or mixed step absorbed, in one causal call (a decode row sees its whole KV)."""
         self.decompressed_from = None
-        self._plan(self.eager_wrapper, meta, _indptr(extend_lens_cpu), causal=True)
+        self._plan(self.eager_wrapper, meta, host_indptr(extend_lens_cpu), causal=True)
 
     def plan_decompressed(self, meta: PageMeta, extend_lens_cpu: list[int], first: int) -> None:
         """Rows from `first` on decompressed (each row's keys are its own tokens: ragged, causal), the leading
@@ -257,7 +257,7 @@ class FlashInferMlaAttention(LatentOnly):
         if first:
             self.plan_decode(self.eager_wrapper, meta.split(first)[0])
         w = self.ragged_wrapper
-        indptr = _indptr(extend_lens_cpu[first:])
+        indptr = host_indptr(extend_lens_cpu[first:])
         self.fences.before(w)
         w.plan(
             indptr,
@@ -377,10 +377,3 @@ class FlashInferMlaAttention(LatentOnly):
             return tail
         head = self._attend(layer, proj.absorb_query(q_nope[:first]), q_pe[:first], None)
         return torch.cat((proj.values_from_latent(head), tail))
-
-
-def _indptr(lens: list[int]) -> torch.Tensor:
-    """A CSR row pointer over `lens` (int32, host)."""
-    out = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0, out=out[1:])
-    return out
