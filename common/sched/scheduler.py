@@ -443,7 +443,8 @@ class Scheduler:
         done = [s + n == r.device_len for r, s, n in zip(batch, starts, chunks)]
         host_ids, positions, on_device = self._decode_rows(decode)
         self.prefill_tokens_launched += sum(chunks)
-        scored = [score_len(r, s, n) for r, s, n in zip(batch, starts, chunks)] if self._scoring(batch) else []
+        scoring = any(r.scores_prompt for r in batch)
+        scored = [score_len(r, s, n) for r, s, n in zip(batch, starts, chunks)] if scoring else []
         fb = self.runner.build_batch(
             host_ids + token_chunks,
             positions + starts,
@@ -459,10 +460,8 @@ class Scheduler:
         scores = None
         if fb.scored_rows:
             sampled = logits.shape[0] - fb.scored_rows
-            ask = [(r, s, k) for r, s, k in zip(batch, starts, scored) if k]
-            scores = PromptScores.compute(
-                logits[sampled:], [a[0] for a in ask], [a[1] for a in ask], [a[2] for a in ask]
-            )
+            reqs, at, counts = zip(*[(r, s, k) for r, s, k in zip(batch, starts, scored) if k])
+            scores = PromptScores.compute(logits[sampled:], list(reqs), list(at), list(counts))
             logits = logits[:sampled]
         # Stopped before sampling records its event: a pending end event failed a mixed step under load.
         timer.stop()
@@ -489,13 +488,6 @@ class Scheduler:
                 self.budget.cache_prefix(r, r.cached_len)
                 self.table.start_running(r)
         return launched
-
-    @staticmethod
-    def _scoring(batch: list[Req]) -> bool:
-        for r in batch:
-            if r.sampling.prompt_logprobs is not None:
-                return True
-        return False
 
     def _launch_decode(self, batch: list[Req]) -> Launched:
         host_ids, positions, on_device = self._decode_rows(batch)
