@@ -109,6 +109,22 @@ def test_pieces_stay_under_their_bound_and_join_back() -> None:
     assert whole.pieces(10**9) == [whole]
 
 
+def test_echo_without_scores_keeps_a_null_per_prompt_token(smol_path) -> None:
+    """A first token line without prompt scores (a worker that did not compute them) still gives every legacy
+    list one entry per prompt token: nulls, not a shorter list beside ``tokens``."""
+    from router.surface.responses import echo_logprobs
+    from router.surface.tokenizer import RouterTokenizer
+
+    tok = RouterTokenizer.from_dir(smol_path)
+    ids = tok.encode(TEXT)
+    head, offset = echo_logprobs(ids, None, TOP, tok)
+    assert head["tokens"] and len(head["tokens"]) == len(ids)
+    for key in ("token_logprobs", "top_logprobs", "text_offset"):
+        assert len(head[key]) == len(ids), key
+    assert head["token_logprobs"] == [None] * len(ids) and head["top_logprobs"] == [None] * len(ids)
+    assert offset == len("".join(head["tokens"]))
+
+
 # ---- the engine ------------------------------------------------------------------------------------------
 def test_engine_scores_every_position_in_one_chunk_or_many_and_past_a_cached_prefix(
     smol_runner, hf_smol, smol_tokenizer

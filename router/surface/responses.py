@@ -87,7 +87,10 @@ def echo_logprobs(
         offset += len(s)
     lps: list[float | None] = [None]
     tops: list[dict[str, float] | None] = [None]
-    if scored is not None:
+    if scored is None:  # nothing scored: a null per position, so every list stays as long as ``tokens``
+        lps += [None] * (len(strs) - 1)
+        tops += [None] * (len(strs) - 1)
+    else:
         for j, lp in enumerate(scored.logprobs):
             alternatives: dict[str, float] = {}
             if top and scored.top_ids:
