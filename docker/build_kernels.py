@@ -11,6 +11,10 @@ The modules, per head size (--head-dims) and 16-bit dtype (--dtypes), each as th
     decode, FA2          16-bit pages and e4m3 pages (decode steps on CUDA cores)
     XQA (sm90)           e4m3 pages of --page-size tokens, per query heads per KV head (--group-ratios)
     norm, SiLU-and-mul, rope
+and per latent-attention shape (--mla: DeepSeek-V2/V3's kv_lora_rank 512, RoPE part 64, decompressed heads of
+192 query/key and 128 value dims; common/engine/gpu/mla_attention.py):
+    MLA paged, FA3 (sm90) or FA2 (others)   absorbed decode and prefill over the latent pages, 16-bit
+    ragged prefill, FA3 (sm90) or FA2       the decompressed prefill (KVFERRY_MLA_DECOMPRESSED_PREFILL)
 Their names are flashinfer's own (its generators take the same arguments its wrappers pass), so a flashinfer
 version whose arguments differ fails here, at build time, not at a pod's start.
 
@@ -30,12 +34,19 @@ from pathlib import Path
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
 
-def kernel_specs(dtype_names: list[str], head_dims: list[int], group_ratios: list[int], page_size: int) -> Iterator:
-    """flashinfer's JitSpec of every module the engine loads for these shapes (module docstring)."""
+def kernel_specs(
+    dtype_names: list[str],
+    head_dims: list[int],
+    group_ratios: list[int],
+    page_size: int,
+    mla_shapes: list[tuple[int, int, int, int]] = [],  # noqa: B006 (read only)
+) -> Iterator:
+    """flashinfer's JitSpec of every module the engine loads for these shapes (module docstring); `mla_shapes`:
+    (latent rank, RoPE dims, decompressed query/key dims, value dims) per latent-attention model."""
     import torch
     from flashinfer.compilation_context import CompilationContext
     from flashinfer.jit.activation import gen_act_and_mul_module
-    from flashinfer.jit.attention import gen_batch_decode_module, gen_batch_prefill_module
+    from flashinfer.jit.attention import gen_batch_decode_module, gen_batch_mla_module, gen_batch_prefill_module
     from flashinfer.jit.attention.modules import (
         _gen_batch_prefill_independent_paged_module,
         _gen_batch_prefill_primary_module,
@@ -67,6 +78,16 @@ def kernel_specs(dtype_names: list[str], head_dims: list[int], group_ratios: lis
                 yield gen_batch_prefill_module("fa3", e4m3, e4m3, dt, idx, d, d, 0, False, False, False)
             for ratio in group_ratios:
                 yield gen_xqa_module(dt, e4m3, page_size, d, ratio, False, dt)
+        # The MLA wrapper's backend is the engine's (mla_attention.mla_backend_name); the ragged prefill's is
+        # flashinfer's own choice, FA3 for 192/128 on Hopper: one image serves both architectures, so both builds.
+        for rank, rope, qk, vo in mla_shapes:
+            for backend in ("fa2", "fa3") if hopper else ("fa2",):
+                yield gen_batch_mla_module(backend, dt, dt, dt, idx, rank, rope, False)
+            args = (dt, dt, dt, idx, qk, vo, 0, False, False, False, False)
+            yield _gen_batch_prefill_primary_module("fa2", *args)
+            yield _gen_batch_prefill_independent_paged_module("fa2", *args)
+            if hopper:
+                yield gen_batch_prefill_module("fa3", *args[:-1])
 
 
 def main() -> int:
@@ -75,6 +96,11 @@ def main() -> int:
     ap.add_argument("--head-dims", default="64,128", help="attention head sizes (Llama/Qwen 128, SmolLM2 64)")
     ap.add_argument("--group-ratios", default="1,2,4,8", help="query heads per KV head (XQA builds one per ratio)")
     ap.add_argument("--page-size", type=int, default=16, help="KV page size (KVFERRY_PAGE_SIZE)")
+    ap.add_argument(
+        "--mla",
+        default="512:64:192:128",
+        help="latent-attention shapes rank:rope:qk:vo, comma-separated (DeepSeek-V2/V3; empty: none)",
+    )
     ap.add_argument("--list", action="store_true", help="print the modules' names only")
     args = ap.parse_args()
     if "FLASHINFER_CUDA_ARCH_LIST" not in os.environ:
@@ -89,6 +115,7 @@ def main() -> int:
             [int(d) for d in args.head_dims.split(",")],
             [int(r) for r in args.group_ratios.split(",")],
             args.page_size,
+            [tuple(int(x) for x in shape.split(":")) for shape in args.mla.split(",") if shape],  # type: ignore[misc]
         )
     )
     if args.list:
