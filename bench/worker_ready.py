@@ -12,7 +12,8 @@ flashinfer JIT workspace and an empty Triton cache (so nothing compiled by an ea
 prebuilt modules are), and times it from the process start to its first 200 on /ready. The worker's own
 start phases (``kvferry_worker_start_phase_seconds``: weights, kernels, graphs, warm-up) say where the time went,
 and ``compiled_at_start`` names the flashinfer modules it still had to compile (the ones the build lacks).
-``--archs "9.0a" --head-dims 128`` builds the image's set for an 8B model on an H200 only, in a fraction of the time.
+``--archs "9.0a" --head-dims 128 --mla ""`` builds the image's set for an 8B model on an H200 only (no latent-attention
+modules), in a fraction of the time.
 Variants: ``bf16`` (16-bit weights and KV), ``fp8`` (KVFERRY_WEIGHT_DTYPE and KVFERRY_KV_DTYPE fp8_e4m3).
 Writes JSON (the ready seconds, the target, their ratio, the phases) and prints it.
 """
@@ -120,6 +121,9 @@ def main() -> int:
     ap.add_argument("--build-kernels", action="store_true", help="compile the kernels as the image does, then stop")
     ap.add_argument("--archs", default=ARCHS, help="--build-kernels: FLASHINFER_CUDA_ARCH_LIST (the image's default)")
     ap.add_argument("--head-dims", default="", help="--build-kernels: docker/build_kernels.py's (empty: its default)")
+    ap.add_argument(
+        "--mla", default=None, help='--build-kernels: docker/build_kernels.py\'s latent-attention shapes ("": none)'
+    )
     ap.add_argument("--model", default="dummy:llama-3.1-8b")
     ap.add_argument("--variants", default="bf16,fp8")
     ap.add_argument("--device", default="cuda", help="cpu: the harness alone (bf16 there means the CPU default)")
@@ -127,7 +131,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "worker_ready.json")
     args = ap.parse_args()
     if args.build_kernels:
-        build_kernels(args.archs, ["--head-dims", args.head_dims] if args.head_dims else [])
+        shapes = ["--head-dims", args.head_dims] if args.head_dims else []
+        build_kernels(args.archs, shapes + (["--mla", args.mla] if args.mla is not None else []))
         return 0
     logs = Path(tempfile.mkdtemp(prefix="kvferry-ready-"))
     redis = redis_server(free_port(), logs / "redis.log")

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The GPU measurements still open (issues 46, 47, 49), one part per device call: each part fits one 600 s call,
+# every step under its own `timeout` so whatever finished comes back under $OUT even when a later step overruns.
+# On the device tool (carry [".devbundle"]):
+#     source .devbundle/setup.sh; bash bench/device_plan.sh <part>
+# Parts (device seconds, roughly, after the machine's start):
+#     46      FP8 against bf16 at the SLO targets, the relay allowance on and off (bench/serve.py)      ~420
+#     47      MLA: the GPU tests, decompressed vs absorbed prefill, the split-KV decode kernel on/off,
+#             prompt logprobs' cost at 8k tokens (~330); then `save_jit_cache $OUT` on the same command
+#             line (a function of setup.sh's shell: the ragged 192/128 kernel is new), recompressed with
+#             `xz -T2 -9e` before it goes over .devbundle/fi-cache.tar.xz (the tree + bundle < 64 MiB)
+#     49      the planner in dry run beside a P+D pair on one GPU; GPU sharing with overlap             ~540
+#     ready   builds the image's 8B kernel set as docker/build_kernels.py does, then the 8B worker's
+#             ready time from a fresh start, bf16 and FP8 (issue 49's <= 30 s)                         ~500
+# Results land in $OUT; commit what comes back with `git add -f bench/out/...`.
+set -uo pipefail
+part=${1:?"part: 46 | 47 | 49 | ready"}
+: "${OUT:?the device tool sets OUT}"
+mkdir -p "$OUT/logs"
+step() {  # step SECONDS NAME COMMAND...: runs it with its own limit and says how it ended
+    local limit=$1 name=$2
+    shift 2
+    local t0=$SECONDS
+    echo "==> $name (limit ${limit}s)"
+    timeout --kill-after=10 "$limit" "$@" >"$OUT/logs/$name.txt" 2>&1
+    local rc=$?
+    echo "    $name: rc $rc in $((SECONDS - t0))s"
+    tail -n 15 "$OUT/logs/$name.txt"
+}
+case "$part" in
+46)
+    step 540 serve_fp8 python3 bench/serve.py --model dummy:llama-3.1-8b --mode agg,agg@fp8,agg@fp8noallow \
+        --variant-env fp8:KVFERRY_WEIGHT_DTYPE=fp8_e4m3 --variant-env fp8:KVFERRY_KV_DTYPE=fp8_e4m3 \
+        --variant-env fp8noallow:KVFERRY_WEIGHT_DTYPE=fp8_e4m3 --variant-env fp8noallow:KVFERRY_KV_DTYPE=fp8_e4m3 \
+        --variant-env fp8noallow:KVFERRY_RELAY_ALLOWANCE=off --gpus 0 --rates 12,24,30,36 --seconds 10 \
+        --slo-ttft-ms 1000 --slo-itl-ms 50 --no-plot --log-dir "$OUT/logs/serve" --out "$OUT/serve_fp8_slo8_h200.json"
+    rm -rf "$OUT/logs/serve/tokenizer"
+    ;;
+47)
+    step 200 gpu_tests_mla python3 -m pytest -q -p no:cacheprovider tests/test_gpu_path.py tests/test_gpu_kernels.py \
+        -k "mla or latent"
+    step 120 mla_quick python3 bench/mla.py --quick --out "$OUT/mla_quick_h200.json"
+    step 90 mla_quick_no_small python3 bench/mla.py --quick --small-kernel off --out "$OUT/mla_quick_nosmall_h200.json"
+    step 90 prompt_logprobs python3 bench/prompt_logprobs.py --model dummy:llama-3.1-8b --device cuda \
+        --prompt-tokens 8192 --chunk 2048 --out "$OUT/prompt_logprobs_h200.json"
+    ;;
+49)
+    step 300 planner_dryrun python3 bench/planner_dryrun.py --model dummy:llama-3.1-8b --gpus 0,0 \
+        --worker-env KVFERRY_KV_MEMORY_GB=30 --steps 4:45,24:60,4:135 --prompt-len 1000-3000 --output-len 64-128 \
+        --planner-interval 5 --planner-window 30 --log-dir "$OUT/logs/planner" --out "$OUT/planner_dryrun_h200.json"
+    rm -rf "$OUT/logs/planner/tokenizer"
+    step 110 gpu_share_overlap python3 bench/gpu_share.py --overlap --out "$OUT/gpu_share_overlap_h200.json"
+    step 110 gpu_share_overlap_gap python3 bench/gpu_share.py --overlap --prefill-gap-ms 100 \
+        --out "$OUT/gpu_share_overlap_gap100_h200.json"
+    ;;
+ready)
+    step 420 build_kernels python3 bench/worker_ready.py --build-kernels --archs 9.0a --head-dims 128 --mla ""
+    step 150 worker_ready python3 bench/worker_ready.py --model dummy:llama-3.1-8b --variants bf16,fp8 \
+        --out "$OUT/worker_ready_h200.json"
+    ;;
+*)
+    echo "unknown part $part (46 | 47 | 49 | ready)" >&2
+    exit 2
+    ;;
+esac
