@@ -16,7 +16,7 @@ from bench.fleet_sim.device import SharedDevice
 from bench.fleet_sim.fleet import Fleet, FleetConfig
 from bench.fleet_sim.scenarios import fleet_spec
 from bench.fleet_sim.worker import Job, SimWorker, WorkerSpec
-from bench.fleet_sim.workload import SimRequest, poisson, scale_rate
+from bench.fleet_sim.workload import SimRequest, poisson, scale_rate, trace_file
 from common.capacity import StepCost
 from common.slo import parse_slo_classes
 from planner.core import Planner
@@ -267,3 +267,37 @@ def test_a_long_prompt_steps_chunk_by_chunk_and_a_joining_row_cuts_its_run() -> 
     # from there the row decodes beside the prompt: the chunk one 50 ms step allows, 400 tokens
     assert w.wake(boundary) == pytest.approx(2 * 0.2148 + 0.05)
     assert w.load(boundary).queued_prefill_tokens == 7000 - 2 * 2048
+
+
+def test_trace_files_in_each_public_format_read_alike(tmp_path: Path) -> None:
+    """Mooncake's JSON lines (compressed or not, with or without prefix blocks), Azure's and BurstGPT's CSV: the
+    same requests, times from the first arrival; BurstGPT's failed requests (no response) left out."""
+    import gzip
+
+    rows = [(0.0, 300, 20), (1.5, 1200, 7), (4.25, 64, 300)]
+    mooncake = tmp_path / "agent.jsonl.gz"
+    with gzip.open(mooncake, "wt") as f:
+        for t, n, m in rows:
+            f.write(json.dumps({"timestamp": int(t * 1000), "input_length": n, "output_length": m}) + "\n")
+    azure = tmp_path / "code.csv"
+    azure.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        + "".join(f"2023-11-16 18:15:{46 + t:09.6f}0,{n},{m}\n" for t, n, m in rows)
+    )
+    burstgpt = tmp_path / "burst.csv"
+    burstgpt.write_text(
+        "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+        + "".join(f"{100 + t},ChatGPT,{n},{m},{n + m},Conversation log\n" for t, n, m in rows)
+        + "101.0,ChatGPT,500,0,500,Conversation log\n"  # failed: no response
+    )
+    want = [(t, n, m) for t, n, m in rows]
+    for path in (mooncake, azure, burstgpt):
+        got = [(round(r.t, 3), r.prompt, r.output) for r in trace_file(path)]
+        assert got == want, path.name
+    with_blocks = tmp_path / "conv.jsonl"
+    with_blocks.write_text(json.dumps({"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [7, 8]}))
+    assert trace_file(with_blocks)[0].blocks == (7, 8)
+    other = tmp_path / "other.csv"
+    other.write_text("when,in,out\n1,2,3\n")
+    with pytest.raises(ValueError, match="BurstGPT"):
+        trace_file(other)

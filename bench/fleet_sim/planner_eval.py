@@ -3,6 +3,12 @@ role on utilisation, on the Mooncake and Azure traces with a burst added, and on
 issue #10528 (1 <-> 24 req/s, 8,000-token prompts, 1,000-token outputs, TTFT target 3 s).
 
     python bench/fleet_sim/planner_eval.py [--scale 4] [--span 900] [--out bench/out/planner_eval.json]
+    python bench/fleet_sim/planner_eval.py --only none --trace my_trace.jsonl --trace-scale 2 --ttft-s 1.5
+
+``--trace`` evaluates another trace the same way (repeatable): JSON lines with Mooncake's fields (its tool-agent
+and synthetic traces too) or CSV with Azure's or BurstGPT's columns, `.xz` / `.gz` read compressed
+(bench/fleet_sim/workload.py ``trace_file``); its rate times ``--trace-scale``, repeated to fill ``--span``, the
+burst added, at the ``--ttft-s`` / ``--itl-s`` targets.
 
 Every fleet starts at the planner's sizing of the trace's mean load and is measured after a warm-up
 (``--warmup``, the same for all); a request counts when an idle worker could serve it within the targets
@@ -188,7 +194,11 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=120.0)
     ap.add_argument("--startup", type=float, default=30.0, help="a new pod's seconds to ready")
     ap.add_argument("--route-sample", type=int, default=0)
-    ap.add_argument("--only", default="mooncake,azure,dynamo")
+    ap.add_argument("--only", default="mooncake,azure,dynamo", help="of mooncake, azure, dynamo (none: --trace only)")
+    ap.add_argument("--trace", type=Path, action="append", default=[], help="another trace file to evaluate")
+    ap.add_argument("--trace-scale", type=float, default=1.0, help="--trace's rate multiplier")
+    ap.add_argument("--ttft-s", type=float, default=2.0, help="--trace's TTFT target")
+    ap.add_argument("--itl-s", type=float, default=0.05, help="--trace's ITL target (its p99)")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "planner_eval.json")
     args = ap.parse_args()
     logging.getLogger("kvferry.router").setLevel(logging.ERROR)
@@ -206,6 +216,10 @@ def main() -> int:
         out["azure"] = evaluate("Azure + burst", reqs, args.span, 1.0, 0.05, burst, args)
     if "dynamo" in only:
         out["dynamo_10528"] = dynamo_swing(args)
+    for path in args.trace:
+        base = wl.scale_rate(wl.trace_file(path), args.trace_scale, args.span)
+        reqs = wl.burst(base, burst[0], burst[1], len(base) / args.span)
+        out[path.name] = evaluate(f"{path.name} + burst", reqs, args.span, args.ttft_s, args.itl_s, burst, args)
     out["seconds"] = time.perf_counter() - started
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))

@@ -4,15 +4,17 @@ and synthetic Poisson or bursty loads, all as arrival time + lengths (+ prefix b
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import lzma
 import random
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
+from typing import IO
 
-__all__ = ["SimRequest", "azure", "burst", "mooncake", "poisson", "recorded_point", "scale_rate", "swing"]
+__all__ = ["SimRequest", "azure", "burst", "mooncake", "poisson", "recorded_point", "scale_rate", "swing", "trace_file"]
 
 TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
 MOONCAKE_BLOCK = 512  # tokens per hash_id in the Mooncake trace
@@ -33,25 +35,72 @@ def _interned(blocks: Iterable[int], ids: dict[int, int]) -> tuple[int, ...]:
     return tuple([ids.setdefault(b, b) for b in blocks])
 
 
-def mooncake(path: Path | None = None) -> list[SimRequest]:
+def _open_text(path: Path) -> IO[str]:
+    """A trace file as text: xz- or gzip-compressed by its suffix, else plain."""
+    if path.suffix == ".xz":
+        return lzma.open(path, "rt")
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt")
+    return path.open()
+
+
+def _mooncake_rows(f: Iterable[str]) -> list[SimRequest]:
+    """Mooncake's JSON lines: `timestamp` in ms, `input_length`, `output_length`, `hash_ids` (512-token blocks)."""
     out: list[SimRequest] = []
     ids: dict[int, int] = {}
-    with lzma.open(path or TRACES / "mooncake_fast25_conversation.jsonl.xz", "rt") as f:
-        for line in f:
-            r = json.loads(line)
-            blocks = _interned(r["hash_ids"], ids)
-            out.append(SimRequest(r["timestamp"] / 1000, r["input_length"], max(1, r["output_length"]), blocks))
+    for line in f:
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        blocks = _interned(r.get("hash_ids") or (), ids)
+        out.append(SimRequest(r["timestamp"] / 1000, r["input_length"], max(1, r["output_length"]), blocks))
     return sorted(out, key=lambda r: r.t)
 
 
-def azure(path: Path | None = None) -> list[SimRequest]:
+def _csv_rows(f: Iterable[str], where: str) -> list[SimRequest]:
+    """Azure's LLM inference traces (TIMESTAMP as a date, ContextTokens, GeneratedTokens) or BurstGPT's (Timestamp
+    in seconds, Request tokens, Response tokens; its failed requests, with no response, left out)."""
+    rows = csv.DictReader(f)
+    cols = set(rows.fieldnames or ())
     out, t0 = [], None
-    with lzma.open(path or TRACES / "azure_llm_2023_conv.csv.xz", "rt") as f:
-        for row in csv.DictReader(f):
+    if {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} <= cols:
+        for row in rows:
             stamp = datetime.fromisoformat(row["TIMESTAMP"][:26]).timestamp()
             t0 = stamp if t0 is None else t0
             out.append(SimRequest(stamp - t0, int(row["ContextTokens"]), max(1, int(row["GeneratedTokens"]))))
+    elif {"Timestamp", "Request tokens", "Response tokens"} <= cols:
+        for row in rows:
+            if int(row["Response tokens"]) <= 0:
+                continue
+            out.append(SimRequest(float(row["Timestamp"]), int(row["Request tokens"]), int(row["Response tokens"])))
+        t0 = min((r.t for r in out), default=0.0)
+        out = [replace(r, t=r.t - t0) for r in out]
+    else:
+        raise ValueError(
+            f"{where}: not a trace this reads (columns {sorted(cols)}): Azure's TIMESTAMP, ContextTokens, "
+            "GeneratedTokens or BurstGPT's Timestamp, Request tokens, Response tokens"
+        )
     return sorted(out, key=lambda r: r.t)
+
+
+def trace_file(path: Path) -> list[SimRequest]:
+    """A request trace in one of the public formats, by its name: JSON lines as Mooncake's traces write them
+    (conversation, tool-agent, synthetic), CSV as Azure's or BurstGPT's; `.xz` / `.gz` read compressed."""
+    stem = path.name.removesuffix(".xz").removesuffix(".gz")
+    with _open_text(path) as f:
+        if stem.endswith((".jsonl", ".json")):
+            return _mooncake_rows(f)
+        if stem.endswith(".csv"):
+            return _csv_rows(f, path.name)
+    raise ValueError(f"{path.name}: a trace is .jsonl (Mooncake's fields) or .csv (Azure's or BurstGPT's columns)")
+
+
+def mooncake(path: Path | None = None) -> list[SimRequest]:
+    return trace_file(path or TRACES / "mooncake_fast25_conversation.jsonl.xz")
+
+
+def azure(path: Path | None = None) -> list[SimRequest]:
+    return trace_file(path or TRACES / "azure_llm_2023_conv.csv.xz")
 
 
 def scale_rate(reqs: list[SimRequest], factor: float, span_s: float | None = None) -> list[SimRequest]:
