@@ -147,7 +147,7 @@ def test_local_prefill_is_given_back_when_a_prefill_worker_is_back(cluster: Loca
     t.join(120)
     assert not t.is_alive() and len(out) == 1
     r = out[0]
-    assert isinstance(r, httpx.Response) and r.status_code == 200, r
+    assert isinstance(r, httpx.Response) and r.status_code == 200, (r, getattr(r, "text", ""))
     after = {u: metric(u, "kvferry_requests_total", '{outcome="done"}') for u in c.prefill_urls}
     assert any(after[u] > done[u] for u in c.prefill_urls), "the prompt stayed on the decode worker"
     wait_pages_back(*worker_urls(c), timeout=60)

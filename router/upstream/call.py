@@ -31,6 +31,9 @@ STALL_GRACE_S = 5.0  # after its worker is declared down, a live stream must sho
 # moves the prompt to another prefill worker (or the decode worker) without using one. MAX_ATTEMPTS bounds all.
 DECODE_TRIES = 2
 MAX_ATTEMPTS = 4
+# A prompt given back by its decode worker is refused for room only once the worker's snapshots have had this many
+# poll intervals to stop counting it (router/upstream/call.py `_route_given_back`).
+GIVEN_BACK_SETTLE_POLLS = 20
 
 
 def lost_event(reason: str) -> TokenLine:
@@ -68,12 +71,12 @@ class UpstreamCall:
         for attempt in range(MAX_ATTEMPTS):
             if spent >= DECODE_TRIES:
                 break
-            if moved_at is not None:
-                # The decode worker's last /load still counts the pages of the prefill just given back there.
-                await self.d.pool.fresh_loads(moved_at, timeout_s=3 * self.d.pool.poll_interval_s)
-                moved_at = None
             try:
-                decision = self.d.route(self.plan, self.sampling.max_tokens, exclude_d, exclude_p)
+                if moved_at is None:
+                    decision = self.d.route(self.plan, self.sampling.max_tokens, exclude_d, exclude_p)
+                else:
+                    decision = await self._route_given_back(moved_at, exclude_d, exclude_p)
+                    moved_at = None
             except OpenAIError as exc:
                 # No worker left: the first attempt's error says more than "none ready", but "no room" stays 429.
                 if last is not None and exc.status != 429:
@@ -116,6 +119,22 @@ class UpstreamCall:
                 raise
         assert last is not None
         raise last
+
+    async def _route_given_back(self, moved_at: float, exclude_d: set[str], exclude_p: set[str]) -> RouteDecision:
+        """Places again a prompt its decode worker gave back. That worker drops the prompt at its engine's next
+        step, and its /load counts the prompt's pages and queued tokens until then: the first placement waits for
+        a snapshot asked after the move, and a refusal for room (429) is tried again on each newer snapshot for up
+        to GIVEN_BACK_SETTLE_POLLS poll intervals, where a busy engine's step may still hold the prompt."""
+        pool = self.d.pool
+        settle_until = moved_at + GIVEN_BACK_SETTLE_POLLS * pool.poll_interval_s
+        while True:
+            asked_after = time.monotonic()
+            await pool.fresh_loads(asked_after, timeout_s=3 * pool.poll_interval_s)
+            try:
+                return self.d.route(self.plan, self.sampling.max_tokens, exclude_d, exclude_p)
+            except OpenAIError as exc:
+                if exc.status != 429 or time.monotonic() >= settle_until:
+                    raise
 
     async def _attempt(self, decision: RouteDecision, attempt: int) -> TokenLine:
         pool = self.d.pool
