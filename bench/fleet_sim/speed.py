@@ -31,6 +31,20 @@ from bench.fleet_sim.scenarios import fleet_config, fleet_spec  # noqa: E402
 from planner.sizing import OfferedLoad, size_fleet  # noqa: E402
 
 
+class Progress:
+    """A controller that changes nothing: it says how far a long run is (every tenth of it), on stderr."""
+
+    def __init__(self, span_s: float) -> None:
+        self.interval_s = span_s / 10
+        self.span_s = span_s
+        self.started = time.process_time()
+
+    def tick(self, fleet: Fleet, now: float) -> None:
+        if now > 0:
+            cpu = time.process_time() - self.started
+            print(f"  {now:.0f} of {self.span_s:.0f} simulated s, {cpu:.0f} CPU-s", file=sys.stderr, flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpus", type=int, default=1000)
@@ -69,7 +83,7 @@ def main() -> int:
         Fleet(cfg, counts).run([r for r in reqs if r.t < half], until=half)
         wall_half, cpu_half = time.perf_counter() - started, time.process_time() - cpu_started
     started, cpu_started = time.perf_counter(), time.process_time()
-    res = Fleet(cfg, counts).run(reqs, until=args.sim_s)
+    res = Fleet(cfg, counts, Progress(args.sim_s) if args.whole_only else None).run(reqs, until=args.sim_s)
     wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     hour = wall / args.sim_s * 3600
     steady = None if args.whole_only else (wall - wall_half) / (args.sim_s - half) * 3600
