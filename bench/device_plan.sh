@@ -17,19 +17,26 @@ set -uo pipefail
 part=${1:?"part: 46 | 47 | 49 | ready"}
 : "${OUT:?the device tool sets OUT}"
 mkdir -p "$OUT/logs"
+leftovers() {  # what an overrun step leaves: its workers run in sessions of their own and may hold the GPU
+    pkill -9 -f "common\.cli|multiprocessing|redis-server" 2>/dev/null
+    nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -9 2>/dev/null
+    sleep 2
+}
 step() {  # step SECONDS NAME COMMAND...: runs it with its own limit and says how it ended
     local limit=$1 name=$2
     shift 2
     local t0=$SECONDS
     echo "==> $name (limit ${limit}s)"
-    timeout --kill-after=10 "$limit" "$@" >"$OUT/logs/$name.txt" 2>&1
+    # SIGINT first: Python raises KeyboardInterrupt and the benchmarks' finally blocks stop what they started
+    timeout -s INT --kill-after=15 "$limit" "$@" >"$OUT/logs/$name.txt" 2>&1
     local rc=$?
     echo "    $name: rc $rc in $((SECONDS - t0))s"
     tail -n 15 "$OUT/logs/$name.txt"
+    leftovers
 }
 case "$part" in
 46)
-    step 540 serve_fp8 python3 bench/serve.py --model dummy:llama-3.1-8b --mode agg,agg@fp8,agg@fp8noallow \
+    step 520 serve_fp8 python3 bench/serve.py --model dummy:llama-3.1-8b --mode agg,agg@fp8,agg@fp8noallow \
         --variant-env fp8:KVFERRY_WEIGHT_DTYPE=fp8_e4m3 --variant-env fp8:KVFERRY_KV_DTYPE=fp8_e4m3 \
         --variant-env fp8noallow:KVFERRY_WEIGHT_DTYPE=fp8_e4m3 --variant-env fp8noallow:KVFERRY_KV_DTYPE=fp8_e4m3 \
         --variant-env fp8noallow:KVFERRY_RELAY_ALLOWANCE=off --gpus 0 --rates 12,24,30,36 --seconds 10 \
@@ -37,7 +44,7 @@ case "$part" in
     rm -rf "$OUT/logs/serve/tokenizer"
     ;;
 47)
-    step 200 gpu_tests_mla python3 -m pytest -q -p no:cacheprovider tests/test_gpu_path.py tests/test_gpu_kernels.py \
+    step 180 gpu_tests_mla python3 -m pytest -q -p no:cacheprovider tests/test_gpu_path.py tests/test_gpu_kernels.py \
         -k "mla or latent"
     step 120 mla_quick python3 bench/mla.py --quick --out "$OUT/mla_quick_h200.json"
     step 90 mla_quick_no_small python3 bench/mla.py --quick --small-kernel off --out "$OUT/mla_quick_nosmall_h200.json"
@@ -54,7 +61,7 @@ case "$part" in
         --out "$OUT/gpu_share_overlap_gap100_h200.json"
     ;;
 ready)
-    step 420 build_kernels python3 bench/worker_ready.py --build-kernels --archs 9.0a --head-dims 128 --mla ""
+    step 400 build_kernels python3 bench/worker_ready.py --build-kernels --archs 9.0a --head-dims 128 --mla ""
     step 150 worker_ready python3 bench/worker_ready.py --model dummy:llama-3.1-8b --variants bf16,fp8 \
         --out "$OUT/worker_ready_h200.json"
     ;;
