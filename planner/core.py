@@ -102,8 +102,7 @@ class Planner:
         self._forecast.update(obs.load.rate)
         ahead = self._forecast.ahead(cfg.horizon_s / cfg.interval_s, cfg.max_growth)
         rate = max(obs.load.rate, ahead) + obs.shed_rate
-        planned = size_fleet(self.spec, replace(obs.load, rate=rate))
-        planned = self._reserve(obs, planned)
+        planned = self._reserve(obs, self._sized(obs, rate))
         planned = self._queue_reaction(obs, planned)
         current = self.targets if self.targets is not None else obs.ready
         targets, reasons = {}, {}
@@ -113,6 +112,24 @@ class Planner:
         decision = Decision(obs.t, self.targets, planned, rate, reasons)
         self._recent.append(decision)
         return decision
+
+    def _sized(self, obs: Observation, rate: float) -> Counts:
+        """The fleet for the forecast `rate`: ``size_fleet``'s margins, for a load held for good; or, while the
+        forecast stays within the step the reserve is kept for (``step_reserve`` over the baseline) and the queue
+        is quiet, what keeps up with it (``reserve_fleet``): the pods held in reserve are there to ride such a
+        step out, a step that lasts raises the baseline (and the reserve with it) within ``baseline_s``, and a
+        queue or shed requests still raise the plan (``_queue_reaction``). A burst that levels off within the
+        reserve so lets the plan fall back while it lasts, where held-for-good margins kept pods for it."""
+        b, cfg = self._baseline, self.cfg
+        load = replace(obs.load, rate=rate)
+        if (
+            cfg.step_reserve > 0
+            and b is not None
+            and rate <= b.rate * (1 + cfg.step_reserve)
+            and obs.queue_wait_s <= cfg.queue_alarm * self.spec.ttft_s
+        ):
+            return reserve_fleet(self.spec, load)
+        return size_fleet(self.spec, load)
 
     def _reserve(self, obs: Observation, planned: Counts) -> Counts:
         """Raises the plan to what a step of ``step_reserve`` over the baseline load needs at full utilisation."""
