@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -163,12 +163,25 @@ class TPGroup:
         self.via_host = via_host
         self.store: object | None = None  # the TCPStore the group was built on (rank 0 serves it)
 
-    @classmethod
-    def connect(cls, shard: TPShard, host: str, port: int, backend: str, timeout_s: float = 120.0) -> TPGroup:
-        """Joins the group whose rank 0 hosts a TCPStore at host:port (gloo, nccl, or gloo-via-host)."""
+    @staticmethod
+    def serve_store(host: str, size: int, timeout_s: float = 120.0) -> Any:
+        """Rank 0's TCPStore, listening on a port the OS picks (its `.port`) before any other rank is started: a
+        port picked free and bound later can be taken meanwhile, by a rank's own connection attempts among others
+        (a client that retries a loopback port in the ephemeral range can connect to itself)."""
         import torch.distributed as dist
 
-        store = dist.TCPStore(host, port, shard.size, shard.rank == 0, timeout=timedelta(seconds=timeout_s))
+        return dist.TCPStore(host, 0, size, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+    @classmethod
+    def connect(
+        cls, shard: TPShard, host: str, port: int, backend: str, timeout_s: float = 120.0, store: Any = None
+    ) -> TPGroup:
+        """Joins the group whose rank 0 hosts a TCPStore at host:port (gloo, nccl, or gloo-via-host); `store`:
+        rank 0's own, already listening (`serve_store`)."""
+        import torch.distributed as dist
+
+        if store is None:
+            store = dist.TCPStore(host, port, shard.size, shard.rank == 0, timeout=timedelta(seconds=timeout_s))
         model_store = dist.PrefixStore("model", store)
         if backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()

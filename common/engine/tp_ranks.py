@@ -26,7 +26,6 @@ from common.engine.kv_sizing import model_kv_layout
 from common.engine.model_config import ModelConfig
 from common.engine.step_channel import StepChannel
 from common.engine.tp import TPGroup, TPShard, tp_backend
-from common.net import free_port
 from common.settings_registry import TORCH_THREADS, TP_PARENT
 
 if TYPE_CHECKING:
@@ -127,7 +126,8 @@ class TPFollowers:
     def launch(cls, cfg: RunnerConfig, model_cfg: ModelConfig) -> TPFollowers:
         """Starts ranks 1..N-1 of `cfg` and joins their group as rank 0."""
         size = cfg.tp_size
-        port = free_port()
+        store = TPGroup.serve_store("127.0.0.1", size)
+        port = store.port
         shm_prefix = os.path.join(shared_dir(cfg, model_cfg), f"kvferry-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         threads = max(1, torch.get_num_threads() // size)
         torch.set_num_threads(threads)
@@ -140,7 +140,7 @@ class TPFollowers:
             procs.append(subprocess.Popen(argv, env=env))
         backend = tp_backend(cfg)
         try:
-            group = TPGroup.connect(TPShard.plan(model_cfg, 0, size), "127.0.0.1", port, backend)
+            group = TPGroup.connect(TPShard.plan(model_cfg, 0, size), "127.0.0.1", port, backend, store=store)
         except Exception:
             for p in procs:
                 p.kill()
