@@ -6,12 +6,20 @@ from common.engine.runner import ModelRunner
 from common.offline import Engine
 from common.settings import SchedulerConfig
 
+# A grammar's first compile builds the tokenizer's tables (seconds on a busy 2-core box): a test that is not about
+# the compile deadline must not fail on it.
+TEST_GRAMMAR_COMPILE_TIMEOUT_S = 120.0
+
 
 def fresh_engine(runner: ModelRunner, max_prefill_tokens: int = 2048, prefix_cache: bool = True) -> Engine:
     """A new scheduler (empty prefix cache, all pages free) over a shared, already-loaded runner."""
     return Engine(
         runner=runner,
-        sched_cfg=SchedulerConfig(max_prefill_tokens=max_prefill_tokens, enable_prefix_cache=prefix_cache),
+        sched_cfg=SchedulerConfig(
+            max_prefill_tokens=max_prefill_tokens,
+            enable_prefix_cache=prefix_cache,
+            grammar_compile_timeout_s=TEST_GRAMMAR_COMPILE_TIMEOUT_S,
+        ),
         load_tokenizer=False,
     )
 

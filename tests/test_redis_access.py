@@ -60,16 +60,24 @@ def _published(url: str, access: RedisAccess, pod: str = "pod-a") -> PrefixIndex
     return pub
 
 
+UNANSWERED_LIMIT_S = 10.0
+
+
 def _match(url: str, access: RedisAccess, pods: list[str], deadline_s: float = 5.0) -> dict[str, int] | None:
     """What a router reading through ``access`` sees; waits (bounded) for a publisher's flush."""
 
     async def run() -> dict[str, int] | None:
         reader = PrefixIndexReader(url, MODEL, socket_timeout_s=0.5, access=access, max_backoff_s=0.1)
         try:
-            end = time.monotonic() + deadline_s
+            start = time.monotonic()
             while True:
                 got = await reader.match(HASHES, pods)
-                if (got is not None and any(got.values())) or time.monotonic() > end:
+                waited = time.monotonic() - start
+                # None is "Redis did not answer" (a slow first connect on a busy box), not "no blocks": it is
+                # asked again for longer, so that only a real answer decides what a router sees.
+                if got is not None and (any(got.values()) or waited > deadline_s):
+                    return got
+                if waited > max(deadline_s, UNANSWERED_LIMIT_S):
                     return got
                 await asyncio.sleep(0.05)
         finally:

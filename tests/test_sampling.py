@@ -13,7 +13,7 @@ from msgspec import ValidationError
 
 from common.engine.sampling import SamplingBatch, adjust_logits, sample, token_counts, uniform_noise
 from common.protocol import MAX_TOP_LOGPROBS, SamplingParams, convert, replace
-from tests.engine_helpers import assert_pool_clean, fresh_engine
+from tests.engine_helpers import TEST_GRAMMAR_COMPILE_TIMEOUT_S, assert_pool_clean, fresh_engine
 
 CPU = torch.device("cpu")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -564,7 +564,8 @@ def test_grammars_and_penalties_keep_the_overlap_and_their_outputs(smol_runner, 
     in_flight: list[int] = []  # steps launched and not yet processed, at each forward
     for overlap in (False, True):
         engine = fresh_engine(smol_runner)
-        sched = engine.scheduler = Scheduler(smol_runner, SchedulerConfig(), overlap=overlap)
+        cfg = SchedulerConfig(grammar_compile_timeout_s=TEST_GRAMMAR_COMPILE_TIMEOUT_S)
+        sched = engine.scheduler = Scheduler(smol_runner, cfg, overlap=overlap)
         launched, processed = [0], [0]
         process = sched._process
 
@@ -659,7 +660,9 @@ def test_a_step_sends_its_host_data_in_two_copies_whatever_the_batch(smol_runner
     per_decode_step = {}
     for n in (2, 6, 16):
         engine = fresh_engine(smol_runner)
-        sched = engine.scheduler = Scheduler(smol_runner, SchedulerConfig(), overlap=True)
+        sched = engine.scheduler = Scheduler(
+            smol_runner, SchedulerConfig(grammar_compile_timeout_s=TEST_GRAMMAR_COMPILE_TIMEOUT_S), overlap=True
+        )
         for i in range(n):
             sp = SamplingParams(max_tokens=20, seed=i, **kinds[i % len(kinds)])
             sched.add(Req(req_id=f"c{i}", prompt_ids=list(chat), sampling=sp))
@@ -709,9 +712,11 @@ def test_a_token_outside_the_grammar_ends_the_request_there_in_both_loops(smol_r
     alone = [fresh_engine(smol_runner).generate([chat], sp)[0] for sp in params]
     bad = smol_tokenizer.encode("ZZZ", add_special_tokens=False)[0]  # no uppercase anywhere in the grammar
     at = 3  # the output index it lands at: a decode row's token
+    assert all(len(r.output_ids) > at and r.finish_reason != "error" for r in alone), alone
     for overlap in (False, True):
         engine = fresh_engine(smol_runner)
-        sched = engine.scheduler = Scheduler(smol_runner, SchedulerConfig(), overlap=overlap)
+        cfg = SchedulerConfig(grammar_compile_timeout_s=TEST_GRAMMAR_COMPILE_TIMEOUT_S)
+        sched = engine.scheduler = Scheduler(smol_runner, cfg, overlap=overlap)
         process = sched._process
 
         @torch.inference_mode()
