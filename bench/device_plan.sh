@@ -17,6 +17,10 @@ set -uo pipefail
 part=${1:?"part: 46 | 47 | 49 | ready"}
 : "${OUT:?the device tool sets OUT}"
 mkdir -p "$OUT/logs"
+# the card names the results (h100 or h200): a call may get either, and numbers compare only on one card
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o -i "h[0-9]\{3\}" | tr "A-Z" "a-z")
+card=${card:-gpu}
+echo "card: $card"
 leftovers() {  # what an overrun step leaves: its workers run in sessions of their own and may hold the GPU
     pkill -9 -f "common\.cli|multiprocessing|redis-server" 2>/dev/null
     nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -9 2>/dev/null
@@ -40,30 +44,30 @@ case "$part" in
         --variant-env fp8:KVFERRY_WEIGHT_DTYPE=fp8_e4m3 --variant-env fp8:KVFERRY_KV_DTYPE=fp8_e4m3 \
         --variant-env fp8noallow:KVFERRY_WEIGHT_DTYPE=fp8_e4m3 --variant-env fp8noallow:KVFERRY_KV_DTYPE=fp8_e4m3 \
         --variant-env fp8noallow:KVFERRY_RELAY_ALLOWANCE=off --gpus 0 --rates 12,24,30,36 --seconds 10 \
-        --slo-ttft-ms 1000 --slo-itl-ms 50 --no-plot --log-dir "$OUT/logs/serve" --out "$OUT/serve_fp8_slo8_h200.json"
+        --slo-ttft-ms 1000 --slo-itl-ms 50 --no-plot --log-dir "$OUT/logs/serve" --out "$OUT/serve_fp8_slo8_${card}.json"
     rm -rf "$OUT/logs/serve/tokenizer"
     ;;
 47)
     step 180 gpu_tests_mla python3 -m pytest -q -p no:cacheprovider tests/test_gpu_path.py tests/test_gpu_kernels.py \
         -k "mla or latent"
-    step 120 mla_quick python3 bench/mla.py --quick --out "$OUT/mla_quick_h200.json"
-    step 90 mla_quick_no_small python3 bench/mla.py --quick --small-kernel off --out "$OUT/mla_quick_nosmall_h200.json"
+    step 120 mla_quick python3 bench/mla.py --quick --out "$OUT/mla_quick_${card}.json"
+    step 90 mla_quick_no_small python3 bench/mla.py --quick --small-kernel off --out "$OUT/mla_quick_nosmall_${card}.json"
     step 90 prompt_logprobs python3 bench/prompt_logprobs.py --model dummy:llama-3.1-8b --device cuda \
-        --prompt-tokens 8192 --chunk 2048 --out "$OUT/prompt_logprobs_h200.json"
+        --prompt-tokens 8192 --chunk 2048 --out "$OUT/prompt_logprobs_${card}.json"
     ;;
 49)
     step 300 planner_dryrun python3 bench/planner_dryrun.py --model dummy:llama-3.1-8b --gpus 0,0 \
         --worker-env KVFERRY_KV_MEMORY_GB=30 --steps 4:45,24:60,4:135 --prompt-len 1000-3000 --output-len 64-128 \
-        --planner-interval 5 --planner-window 30 --log-dir "$OUT/logs/planner" --out "$OUT/planner_dryrun_h200.json"
+        --planner-interval 5 --planner-window 30 --log-dir "$OUT/logs/planner" --out "$OUT/planner_dryrun_${card}.json"
     rm -rf "$OUT/logs/planner/tokenizer"
-    step 110 gpu_share_overlap python3 bench/gpu_share.py --overlap --out "$OUT/gpu_share_overlap_h200.json"
+    step 110 gpu_share_overlap python3 bench/gpu_share.py --overlap --out "$OUT/gpu_share_overlap_${card}.json"
     step 110 gpu_share_overlap_gap python3 bench/gpu_share.py --overlap --prefill-gap-ms 100 \
-        --out "$OUT/gpu_share_overlap_gap100_h200.json"
+        --out "$OUT/gpu_share_overlap_gap100_${card}.json"
     ;;
 ready)
     step 400 build_kernels python3 bench/worker_ready.py --build-kernels --archs 9.0a --head-dims 128 --mla ""
     step 150 worker_ready python3 bench/worker_ready.py --model dummy:llama-3.1-8b --variants bf16,fp8 \
-        --out "$OUT/worker_ready_h200.json"
+        --out "$OUT/worker_ready_${card}.json"
     ;;
 *)
     echo "unknown part $part (46 | 47 | 49 | ready)" >&2
