@@ -13,10 +13,16 @@
 #     ready   builds the image's 8B kernel set as docker/build_kernels.py does, then the 8B worker's
 #             ready time from a fresh start, bf16 and FP8 (issue 49's <= 30 s)                         ~500
 # Results land in $OUT; commit what comes back with `git add -f bench/out/...`.
+# The bundle (../shared/device/make-bundle.sh) lacks msgspec, and with it the tree passes the 64 MiB a call carries:
+# once after making it, `rm .devbundle/wheels/{pyyaml,zipp,gguf}-*.whl` (the device has pyyaml and zipp; nothing
+# here imports gguf) and `python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
+# --implementation cp --platform manylinux_2_17_x86_64 -d .devbundle/wheels msgspec==0.19.0`; this script installs it.
 set -uo pipefail
 part=${1:?"part: 46 | 47 | 49 | ready"}
 : "${OUT:?the device tool sets OUT}"
 mkdir -p "$OUT/logs"
+python3 -c "import msgspec" 2>/dev/null ||
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .devbundle/wheels/msgspec-*.whl
 # the card names the results (h100 or h200): a call may get either, and numbers compare only on one card
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o -i "h[0-9]\{3\}" | tr "A-Z" "a-z")
 card=${card:-gpu}
@@ -67,7 +73,7 @@ case "$part" in
 ready)
     step 400 build_kernels python3 bench/worker_ready.py --build-kernels --archs 9.0a --head-dims 128 --mla ""
     step 150 worker_ready python3 bench/worker_ready.py --model dummy:llama-3.1-8b --variants bf16,fp8 \
-        --out "$OUT/worker_ready_${card}.json"
+        --logs "$OUT/logs/ready" --out "$OUT/worker_ready_${card}.json"
     ;;
 *)
     echo "unknown part $part (46 | 47 | 49 | ready)" >&2

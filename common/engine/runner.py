@@ -179,7 +179,8 @@ class ModelRunner:
             path = shared_pool_path(prefix, cfg.tp_rank)
             self.pool = KVPool.in_shared_file(self.layout, num_pages + int(gpu), path, create=True)
         else:
-            self.pool = KVPool(self.layout, num_pages + int(gpu), self.device)
+            with self.start_phases.timed("kv_pool"):
+                self.pool = KVPool(self.layout, num_pages + int(gpu), self.device)
         self.pool.num_pages = num_pages
         self.rank_pools: list[KVPool] = [self.pool]
         self.page_table = PageTable(

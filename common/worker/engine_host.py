@@ -43,7 +43,11 @@ def stage_role(req: Req) -> str:
 
 class EngineHost:
     def __init__(
-        self, cfg: WorkerConfig, conn: Connection, roles: Sequence[Callable[[EngineHost], EngineRole]]
+        self,
+        cfg: WorkerConfig,
+        conn: Connection,
+        roles: Sequence[Callable[[EngineHost], EngineRole]],
+        process_s: float | None = None,
     ) -> None:
         self.cfg = cfg
         self.conn = conn
@@ -52,21 +56,24 @@ class EngineHost:
         cfg.runner.tp_agent_name = agent_name  # tensor-parallel followers with agents of their own derive theirs
         cfg.runner.tp_follower_main = tp_follower.__name__  # followers that can run those agents
         self.runner = ModelRunner(cfg.runner)
+        if process_s is not None:
+            self.runner.start_phases.record("process", process_s)
         self.page_size = cfg.runner.page_size
         remote_ranks = None
         if self.runner.per_rank_agents:
             from common.transfer.rank_agents import collect_rank_agents
 
             remote_ranks = collect_rank_agents(self.runner.tp.store, self.runner.tp.size)
-        self.agent = KVTransferAgent(
-            agent_name,
-            self.runner.pool,
-            model_id=cfg.runner.model,
-            rank_pools=self.runner.kv_rank_pools(),
-            remote_ranks=remote_ranks,
-            staging_bytes=int(cfg.transfer_staging_mb * (1 << 20)),
-            progress_delay_us=None if cfg.nixl_progress_delay_us < 0 else cfg.nixl_progress_delay_us,
-        )
+        with self.runner.start_phases.timed("transfer"):
+            self.agent = KVTransferAgent(
+                agent_name,
+                self.runner.pool,
+                model_id=cfg.runner.model,
+                rank_pools=self.runner.kv_rank_pools(),
+                remote_ranks=remote_ranks,
+                staging_bytes=int(cfg.transfer_staging_mb * (1 << 20)),
+                progress_delay_us=None if cfg.nixl_progress_delay_us < 0 else cfg.nixl_progress_delay_us,
+            )
         # The roles (built over the runner and the agent) answer the scheduler's KV-transfer asks through
         # their connectors (common/sched/kv_connector.py). Overlap on the GPU (the CPU schedules step N+1
         # while step N runs); off on the CPU and under tensor parallelism (see common/sched/scheduler.py).

@@ -132,8 +132,10 @@ class EngineLoop:
         return max(0.0, due - now)
 
 
-def engine_main(roles: Sequence[type], cfg: WorkerConfig, conn: Connection) -> None:
-    """Entry point of the engine process (multiprocessing spawn target)."""
+def engine_main(roles: Sequence[type], cfg: WorkerConfig, conn: Connection, spawned_at: float | None = None) -> None:
+    """Entry point of the engine process (multiprocessing spawn target); `spawned_at`: the worker's time.time() when
+    it spawned this process (its start until here, the interpreter and the imports, is the `process` phase)."""
+    process_s = time.time() - spawned_at if spawned_at is not None else None
     setup_logging()
     # oneDNN keeps up to 1024 compiled primitives, one per GEMM shape; a CPU engine sees a new shape at
     # almost every step, and the cache held ~150 MB more after a 1,500-request soak (+113 MB instead of
@@ -143,7 +145,7 @@ def engine_main(roles: Sequence[type], cfg: WorkerConfig, conn: Connection) -> N
     threads = apply_engine_threads(cfg.runner.device, TORCH_THREADS.read())
     log.info("engine threads", extra={"torch_threads": threads, "device": cfg.runner.device})
     try:
-        EngineLoop(EngineHost(cfg, conn, roles)).run()
+        EngineLoop(EngineHost(cfg, conn, roles, process_s)).run()
     except Exception:
         log.exception("engine process failed")
         raise

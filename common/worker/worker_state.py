@@ -120,7 +120,7 @@ class WorkerState:
         ours, theirs = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(
             target=self.host_target,
-            args=(self.roles, self.cfg, theirs),
+            args=(self.roles, self.cfg, theirs, time.time()),  # the spawn's time: the engine's `process` phase
             name=f"kvferry-{self.cfg.role}-engine",
             daemon=True,
         )
