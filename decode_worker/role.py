@@ -4,7 +4,6 @@ here, then decoded (engine.py), and the generate stream the router reads (routes
 from __future__ import annotations
 
 from common.worker.roles import RolePlugin
-from decode_worker.engine import DecodeRole
 from decode_worker.routes import add_decode_routes
 
-PLUGIN = RolePlugin(engine=DecodeRole, add_routes=add_decode_routes)
+PLUGIN = RolePlugin(engine="decode_worker.engine:DecodeRole", add_routes=add_decode_routes)

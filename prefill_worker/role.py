@@ -4,7 +4,6 @@ each chunk sent over NIXL (engine.py), and the routes peers call (routes.py)."""
 from __future__ import annotations
 
 from common.worker.roles import RolePlugin
-from prefill_worker.engine import PrefillRole
 from prefill_worker.routes import add_prefill_routes
 
-PLUGIN = RolePlugin(engine=PrefillRole, add_routes=add_prefill_routes)
+PLUGIN = RolePlugin(engine="prefill_worker.engine:PrefillRole", add_routes=add_prefill_routes)

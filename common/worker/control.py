@@ -30,7 +30,7 @@ from common.observability.tracing import init_tracing
 from common.protocol import AbortRequest
 from common.settings import HttpLimits
 from common.worker.channel import EngineError
-from common.worker.engine_loop import engine_main
+from common.worker.engine_entry import engine_process
 from common.worker.http_errors import ENGINE_ERROR_STATUS, BadMessage, error_response, read_message, validation_message
 from common.worker.messages import Abort
 from common.worker.probes import ProbeFront
@@ -45,7 +45,7 @@ def create_app(role: str, cfg: WorkerConfig | None = None, http_limits: HttpLimi
     """The worker app of ``role`` (common/worker/roles.py): its plug-ins' engine parts and routes over one engine.
     ``cfg`` defaults to ``WorkerConfig.from_env(role)``, ``http_limits`` to ``HttpLimits.from_env()``."""
     parts = plugins(role)
-    state = WorkerState(cfg or WorkerConfig.from_env(role), engine_main, tuple(p.engine for p in parts))
+    state = WorkerState(cfg or WorkerConfig.from_env(role), engine_process, tuple(p.engine for p in parts))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -23,10 +23,12 @@ __all__ = ["ROLE_TABLE", "RolePlugin", "plugins"]
 
 @dataclass(frozen=True)
 class RolePlugin:
-    """What one pod package adds to a worker: ``engine(host)`` builds its part of the engine
-    (common/worker/commands.py ``EngineRole``); ``add_routes`` adds its HTTP routes to the control plane."""
+    """What one pod package adds to a worker: ``engine`` names (``module:class``) what builds its part of the engine
+    (common/worker/commands.py ``EngineRole``), imported in the engine process only (common/worker/engine_entry.py:
+    the control plane never loads the engine's modules, torch among them); ``add_routes`` adds its HTTP routes to
+    the control plane."""
 
-    engine: type
+    engine: str
     add_routes: Callable[[FastAPI, WorkerState], None]
 
 

@@ -62,10 +62,10 @@ class AcceptedWork:
 class WorkerState:
     """The control plane's view of its engine process."""
 
-    def __init__(self, cfg: WorkerConfig, host_target: Callable[..., None], roles: tuple[type, ...]) -> None:
+    def __init__(self, cfg: WorkerConfig, host_target: Callable[..., None], roles: tuple[str, ...]) -> None:
         self.cfg = cfg
         self.host_target = host_target
-        self.roles = roles  # the engine's (common/worker/commands.py EngineRole), built in its process
+        self.roles = roles  # what builds the engine's parts (names: common/worker/roles.py), in its process
         self.metrics = WorkerMetrics(gpu=cfg.runner.device.startswith("cuda"))
         self.engine_ready = asyncio.Event()
         self.agent: AgentInfo | None = None  # the engine's, from its Ready event
