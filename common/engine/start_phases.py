@@ -1,7 +1,8 @@
 """An engine's start, phase by phase (only those that ran), each logged as one line when it ends and kept for
 ``kvferry_worker_start_phase_seconds{phase=...}``: `process` (the engine process's own start: the interpreter and
 its imports, from the worker's spawn to the engine's entry), `weights`, `kv_pool` (the KV pool's allocation),
-`kernels`, `graphs`, `transfer` (the NIXL agent and the pool's registration), `warm_up`. What the phases leave of
+`kernels`, `graphs`, `transfer` (the NIXL agent and the pool's registration), `warm_up`, `host_tier` (the host KV
+tier's allocation and page-locking, where the worker has one). What the phases leave of
 the whole (``kvferry_worker_start_seconds``) is the device's own set-up and the rest of the engine's objects.
 """
 
@@ -17,7 +18,7 @@ __all__ = ["PHASES", "StartPhases"]
 
 log = logging.getLogger("kvferry.engine")
 
-PHASES = ("process", "weights", "kv_pool", "kernels", "graphs", "transfer", "warm_up")
+PHASES = ("process", "weights", "kv_pool", "kernels", "graphs", "transfer", "warm_up", "host_tier")
 
 
 @dataclass

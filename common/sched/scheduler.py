@@ -80,7 +80,10 @@ class Scheduler:
         self.allocator = PageAllocator(runner.pool.num_pages)
         self.cache: RadixCache | None = None
         if cfg.enable_prefix_cache:
+            started = time.perf_counter()
             host = make_host_tier(runner.pool, cfg.host_kv_gb, runner.tp.size)  # None: no host tier
+            if host is not None:  # page-locking the tier (30% of host memory by default on a GPU) is a start phase
+                runner.start_phases.record("host_tier", time.perf_counter() - started)
             self.cache = RadixCache(self.page_size, self.allocator, host)
         self.budget = KVBudget(self.allocator, self.cache, runner.page_table, cfg.kv_reservation)
         self.park_preempted = self._park_preempted(cfg.preempt_mode)
