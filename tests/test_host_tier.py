@@ -112,6 +112,47 @@ def test_evicted_prefix_goes_to_host_and_comes_back_intact() -> None:
     t.check()
 
 
+def test_a_tier_still_being_page_locked_is_not_used_until_every_piece_is(monkeypatch) -> None:
+    """On a GPU the tier is page-locked after the engine starts, a piece per idle turn (`lock_some`): until then
+    the cache runs as if it had no tier (an evicted prefix is dropped, nothing parks there), after it the tier
+    takes evictions; a piece that fails to lock ends the locking and the tier serves unlocked (copies stay
+    correct, only not overlapped). The lock function is the CUDA boundary (cudaHostRegister on a GPU): here it
+    records the pieces it is given."""
+    import common.kv.host_tier as host_tier
+
+    monkeypatch.setattr(host_tier, "LOCK_CHUNK_BYTES", 256)
+    pool = KVPool(LAYOUT, 8)
+    locked: list[tuple[int, int]] = []
+    tier = HostTier(pool, 16, lock_pages=lambda address, nbytes: locked.append((address, nbytes)) or True)
+    nbytes = tier.pool.kv.numel() * tier.pool.kv.element_size()
+    pieces = -(-nbytes // 256)
+    assert pieces > 2 and not tier.ready
+    t = Tiers.__new__(Tiers)
+    t.pool, t.alloc, t.host = pool, PageAllocator(8), tier
+    t.cache = RadixCache(PS, t.alloc, tier)
+    a, b = seq(1, 4 * PS), seq(2, 4 * PS)
+    t.add(a)
+    t.add(b)
+    t.add(seq(3, 4 * PS))  # evicts `a`: dropped, not moved to a tier not yet locked
+    assert t.cache.host_cached_pages == 0 and tier.saved_pages == 0
+    assert t.cache.match_prefix(a).host_len == 0 and t.cache.take_host_pages(2) is None
+    t.check()
+    assert tier.lock_some(budget_s=0.0) and len(locked) == 1 and not tier.ready  # one piece per call at least
+    while tier.lock_some(budget_s=0.0):
+        pass
+    assert tier.ready and len(locked) == pieces
+    assert [addr for addr, _ in locked] == [tier.pool.kv.data_ptr() + 256 * i for i in range(pieces)]
+    assert sum(n for _, n in locked) == nbytes
+    t.add(seq(4, 4 * PS))  # evicts `b`: now to the host, and back intact
+    assert t.cache.host_cached_pages == 4 and tier.saved_pages == 4
+    assert t.fetch(b) == 4 * PS
+    t.check()
+    calls = []
+    failing = HostTier(pool, 16, lock_pages=lambda address, nbytes: calls.append(address) and False)
+    assert not failing.lock_some(budget_s=1.0) and failing.ready and len(calls) == 1
+    assert HostTier(pool, 16).ready  # on the CPU nothing needs locking
+
+
 def test_parked_pages_displace_the_oldest_cached_prefixes_and_the_ledger_counts_them() -> None:
     """A preempted request parks its KV in host pages taken from the tier's cached prefixes, least recently used
     first (common/sched/pages.py); the ledger counts them (free + cached + parked == total) and catches a parked

@@ -2,7 +2,7 @@
 ``kvferry_worker_start_phase_seconds{phase=...}``: `process` (the engine process's own start: the interpreter and
 its imports, from the worker's spawn to the engine's entry), `weights`, `kv_pool` (the KV pool's allocation),
 `kernels`, `graphs`, `transfer` (the NIXL agent and the pool's registration), `warm_up`, `host_tier` (the host KV
-tier's allocation and page-locking, where the worker has one). What the phases leave of
+tier's allocation, where the worker has one; its page-locking follows the start). What the phases leave of
 the whole (``kvferry_worker_start_seconds``) is the device's own set-up and the rest of the engine's objects.
 """
 

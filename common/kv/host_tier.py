@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -19,6 +20,9 @@ log = logging.getLogger("kvferry.kv")
 
 # Share of the usable host memory an unset KVFERRY_HOST_KV_GB gives the tier on a GPU (the process grows too).
 AUTO_HOST_SHARE = 0.3
+# Page-locking runs in pieces of this size, one per idle turn of the engine's loop (`lock_some`): a request that
+# arrives meanwhile waits for one piece at most, not for the whole tier (tens of GB: seconds).
+LOCK_CHUNK_BYTES = 512 << 20
 
 
 def _read_int(path: str) -> int | None:
@@ -75,9 +79,16 @@ def page_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, in
 
 
 class HostTier:
-    """A host-memory KV pool with its own page allocator, and the copies between it and the device pool."""
+    """A host-memory KV pool with its own page allocator, and the copies between it and the device pool.
 
-    def __init__(self, device_pool: KVPool, num_pages: int) -> None:
+    On a GPU the tier's memory is page-locked (asynchronous copies need it) after the engine is ready, piece by
+    piece in its idle turns (`lock_some`), not at start: locking 30% of a machine's memory takes seconds that a
+    new pod would otherwise spend not ready. Until every piece is locked the tier is not `ready` and the prefix
+    cache runs as if it had none (nothing is on the host yet, so nothing is lost)."""
+
+    def __init__(
+        self, device_pool: KVPool, num_pages: int, lock_pages: Callable[[int, int], bool] | None = None
+    ) -> None:
         if num_pages <= 0:
             raise ValueError("a host tier needs at least one page")
         layout = device_pool.layout
@@ -85,29 +96,52 @@ class HostTier:
         shape = (num_pages, *layout.page_shape)
         # empty, not zeros: the memory is committed as pages are first written (registration commits it on CUDA).
         kv = torch.empty(shape, dtype=layout.dtype)
+        if lock_pages is None and device_pool.device.type == "cuda":
+            lock_pages = _cuda_register
+        nbytes = kv.numel() * kv.element_size()
+        # (address, bytes) of each piece still to lock; none where nothing needs locking (the CPU path).
+        self._to_lock = (
+            [(kv.data_ptr() + at, min(LOCK_CHUNK_BYTES, nbytes - at)) for at in range(0, nbytes, LOCK_CHUNK_BYTES)]
+            if lock_pages is not None
+            else []
+        )
+        self._lock_pages = lock_pages
+        self._locked: list[int] = []  # addresses of the pieces locked, to unlock at close
+        self.lock_seconds = 0.0  # spent locking so far
         self._unregister: weakref.finalize | None = None
-        if device_pool.device.type == "cuda" and self._register(kv):
+        if lock_pages is _cuda_register:
             # A tier dropped without `close` must not stay page-locked: registering the reused range would fail.
-            self._unregister = weakref.finalize(self, _unregister, kv)
+            self._unregister = weakref.finalize(self, _unregister, self._locked, kv)
         self.pool = KVPool(layout, num_pages, "cpu", kv)
         self.allocator = PageAllocator(num_pages)
         self.num_pages = num_pages
         self.saved_pages = 0  # pages copied out of the device pool, since start
         self.loaded_pages = 0  # pages copied back into it
 
-    @staticmethod
-    def _register(kv: torch.Tensor) -> bool:
-        """Page-locks in place: torch's pinned allocator rounds to a power of two, wasting up to half a tier."""
-        rc = torch.cuda.cudart().cudaHostRegister(kv.data_ptr(), kv.numel() * kv.element_size(), 0)
-        if int(getattr(rc, "value", rc)) != 0:
-            # The failure left CUDA's last-error set, which the next launch would report as its own: consume it.
-            try:
-                torch.zeros(1, device="cuda")
-            except Exception:
-                pass
-            log.warning("host KV tier: page-locking failed (%s); copies will not overlap with compute", rc)
-            return False
-        return True
+    @property
+    def ready(self) -> bool:
+        """Every piece locked (or given up on after a failure): the prefix cache may move pages here."""
+        return not self._to_lock
+
+    def lock_some(self, budget_s: float) -> bool:
+        """Locks pieces until `budget_s` is spent (at least one piece); True while some remain."""
+        started = time.perf_counter()
+        while self._to_lock:
+            address, nbytes = self._to_lock[0]
+            if not self._lock_pages(address, nbytes):  # type: ignore[misc]
+                # Copies to unlocked memory are still correct, only not overlapped: serve on, lock no more.
+                log.warning("host KV tier: page-locking failed; copies will not overlap with compute")
+                self._to_lock.clear()
+                break
+            self._locked.append(address)
+            del self._to_lock[0]
+            if time.perf_counter() - started >= budget_s:
+                break
+        self.lock_seconds += time.perf_counter() - started
+        if not self._to_lock and self._lock_pages is not None:
+            gb = round(self.num_pages * self.device_pool.page_stride_bytes / (1 << 30), 2)
+            log.info("host KV tier ready", extra={"host_gb": gb, "lock_s": round(self.lock_seconds, 2)})
+        return bool(self._to_lock)
 
     def save(self, device_pages: torch.Tensor, host_pages: torch.Tensor) -> None:
         """Device pages into host pages (asynchronous on CUDA, ordered on the current stream)."""
@@ -128,13 +162,33 @@ class HostTier:
             self._unregister()  # once: a finalizer runs at most one time
 
 
-def _unregister(kv: torch.Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(kv.data_ptr())
+def _cuda_register(address: int, nbytes: int) -> bool:
+    """Page-locks in place: torch's pinned allocator rounds to a power of two, wasting up to half a tier."""
+    rc = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
+    if int(getattr(rc, "value", rc)) != 0:
+        # The failure left CUDA's last-error set, which the next launch would report as its own: consume it.
+        try:
+            torch.zeros(1, device="cuda")
+        except Exception:
+            pass
+        log.warning("host KV tier: cudaHostRegister failed (%s)", rc)
+        return False
+    return True
 
 
-def make_host_tier(device_pool: KVPool, host_kv_gb: float, tp_size: int = 1) -> HostTier | None:
-    """The tier a scheduler gets (None: none). Tensor-parallel workers run without: copies would have to be
-    replayed on every rank in step with rank 0's evictions."""
+def _unregister(locked: list[int], kv: torch.Tensor) -> None:
+    """Unlocks the pieces locked so far (`kv`, their memory, is held until then)."""
+    for address in locked:
+        torch.cuda.cudart().cudaHostUnregister(address)
+    locked.clear()
+
+
+def make_host_tier(
+    device_pool: KVPool, host_kv_gb: float, tp_size: int = 1, defer_lock: bool = False
+) -> HostTier | None:
+    """The tier a scheduler gets (None: none), page-locked now unless `defer_lock` (then by `lock_some`).
+    Tensor-parallel workers run without: copies would have to be replayed on every rank in step with rank 0's
+    evictions."""
     nbytes = host_tier_bytes(host_kv_gb, device_pool.device.type)
     if nbytes <= 0:
         return None
@@ -146,6 +200,8 @@ def make_host_tier(device_pool: KVPool, host_kv_gb: float, tp_size: int = 1) -> 
     if pages <= 0:
         return None
     tier = HostTier(device_pool, pages)
+    if not defer_lock:
+        tier.lock_some(float("inf"))
     log.info(
         "host KV tier",
         extra={"host_pages": pages, "host_gb": round(nbytes / (1 << 30), 2), "pid": os.getpid()},

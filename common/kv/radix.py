@@ -422,7 +422,7 @@ class RadixCache:
         """Drops LRU host leaves, none used after `older_than`, until `n` host pages are free."""
         host = self.host
         assert host is not None
-        if n > host.num_pages:
+        if n > host.num_pages or not host.ready:  # not yet page-locked: as if there were no tier
             return False
         if self._host_heap is None:
             self._host_heap = [(x.last_access, next(self._seq), x) for x in self._host_leaves]

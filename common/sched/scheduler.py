@@ -59,7 +59,10 @@ class Scheduler:
         eos_token_ids: tuple[int, ...] = (),
         overlap: bool | None = None,
         connector: KVConnector | None = None,
+        defer_host_lock: bool = False,
     ) -> None:
+        """`defer_host_lock`: the host KV tier is page-locked later, by whoever runs the steps (a worker's engine
+        loop, in its idle turns: common/kv/host_tier.py `lock_some`); else here, before the first step."""
         self.runner = runner
         self.cfg = cfg
         self.eos = set(eos_token_ids or runner.model_config.eos_token_ids)
@@ -81,8 +84,8 @@ class Scheduler:
         self.cache: RadixCache | None = None
         if cfg.enable_prefix_cache:
             started = time.perf_counter()
-            host = make_host_tier(runner.pool, cfg.host_kv_gb, runner.tp.size)  # None: no host tier
-            if host is not None:  # page-locking the tier (30% of host memory by default on a GPU) is a start phase
+            host = make_host_tier(runner.pool, cfg.host_kv_gb, runner.tp.size, defer_host_lock)  # None: none
+            if host is not None:  # allocated, and page-locked unless deferred
                 runner.start_phases.record("host_tier", time.perf_counter() - started)
             self.cache = RadixCache(self.page_size, self.allocator, host)
         self.budget = KVBudget(self.allocator, self.cache, runner.page_table, cfg.kv_reservation)

@@ -31,6 +31,9 @@ TRANSFER_POLL_S = 0.001
 # a command first, instead of polling its writes again at once: the space comes back only as they complete.
 STAGING_WAIT_S = 0.0005
 COMPILE_POLL_S = 0.002  # a turn whose only work is a grammar compiling off the loop waits this long for a command
+# An idle turn page-locks the host KV tier for about this long before it looks for commands again
+# (common/kv/host_tier.py `lock_some`: at least one 512 MiB piece).
+HOST_LOCK_TURN_S = 0.05
 IDLE_TRIM_S = 1.0  # idle this long: hand the allocator's free memory back to the OS (once per idle spell)
 
 
@@ -69,6 +72,9 @@ class EngineLoop:
         elif not self.trimmed and now - self.last_busy >= IDLE_TRIM_S:
             _malloc_trim()
             self.trimmed = True
+        tier = host.host_tier_to_lock()
+        if tier is not None and not busy:
+            tier.lock_some(HOST_LOCK_TURN_S)
         timeout = self.wait_s(busy, now)
         while host.conn.poll(timeout):
             host.handle(recv(host.conn))
@@ -126,6 +132,8 @@ class EngineLoop:
         if busy:
             waiting = [r for r in host.roles if r.has_work()]
             return STAGING_WAIT_S if all(r.waits_only() for r in waiting) else TRANSFER_POLL_S
+        if host.host_tier_to_lock() is not None:
+            return 0.0  # idle, with the host tier still to page-lock: the next turn locks more of it
         due = host.report.next_due(self.last_busy)
         if not self.trimmed:
             due = min(due, self.last_busy + IDLE_TRIM_S)
