@@ -104,13 +104,13 @@ def decode_is_full(w: Worker, need: RequestKV, limits: AdmissionLimits, held: He
     """Whether `w` takes no more decode calls now; `held`: `w.held()` where the caller has it."""
     load = w.load
     held = held or w.held()
-    running, waiting = (load.running_requests, load.waiting_requests) if load is not None else (0, 0)
-    free_slots = max(0, load.max_running - running) if load is not None else 0
+    if load is None:
+        return bool(limits.max_waiting) and max(0, held.inflight_requests) >= limits.max_waiting
+    running, waiting = load.running_requests, load.waiting_requests
+    free_slots = max(0, load.max_running - running)
     backlog = waiting + max(0, held.inflight_requests - running - waiting - free_slots)
     if limits.max_waiting and backlog >= limits.max_waiting:
         return True
-    if load is None:
-        return False
     if limits.max_queued_prefill_tokens and load.queued_prefill_tokens >= limits.queued_tokens_limit(w):
         return True
     return not kv_room(w, need, held)
