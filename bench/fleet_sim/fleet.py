@@ -50,6 +50,7 @@ from router.settings import RouterOptions
 __all__ = ["Controller", "Fleet", "FleetConfig", "Result"]
 
 ITL_BINS = np.logspace(-4, 1, 501)  # 0.1 ms .. 10 s
+_NONE: frozenset[str] = frozenset()  # no worker excluded (the router only reads it)
 _ITL_EDGES = ITL_BINS.tolist()  # the same edges for bisect (a step's numpy lookup costs more than its bisect)
 
 
@@ -419,7 +420,7 @@ class Fleet:
         self._candidates(req, plan)
         try:
             self.dispatcher.check_ttft(plan, self.cls)
-            decision = self.dispatcher.route(plan, req.output, set(), set())
+            decision = self.dispatcher.route(plan, req.output, _NONE, _NONE)  # type: ignore[arg-type]
         except OpenAIError:
             self.shed_mask[rid] = True
             sums[6] += 1

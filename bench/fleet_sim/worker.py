@@ -34,6 +34,8 @@ from router.decision.load import Load
 __all__ = ["Job", "SimWorker", "WorkerSpec"]
 
 MIN_PAGES = 4
+# a snapshot's queued_ahead_tokens (it reports no SLO classes): one empty map for all, which the router only reads
+_NO_CLASSES: dict[str, int] = {}
 
 
 @dataclass(frozen=True)
@@ -198,30 +200,33 @@ class SimWorker:
         chunk = self.chunk_budget()
         total = s.kv_tokens // s.page_size
         rows, ctx = len(self.rows), self.context()
+        # positional (keywords cost its __init__ ~2x: a snapshot is built for about every other request), each
+        # value named by the field it fills
         load = Load(
-            role=self.role,
-            pod=self.name,
-            queued_prefill_tokens=self.queued_tokens - done,
-            running_requests=rows + len(self.joining),
-            waiting_requests=len(self.waiting),
-            free_pages=max(0, total - math.ceil(self.reserved_kv / s.page_size)),
-            total_pages=total,
-            page_size=s.page_size,
-            ready=True,
-            draining=self.draining,
-            max_running=s.max_running,
-            prefill_tokens_per_s=s.prefill_rate,
-            prefill_chunk_tokens=chunk if self.role != "prefill" else 0,
-            prefill_step_tokens_per_s=s.prefill_rate,
-            decode_step_s=pub.overhead_s(max(rows, 1), ctx),
-            itl_target_s=s.itl_target_s,
-            live_requests=rows + len(self.waiting) + len(self.joining),
-            max_request_tokens=s.kv_tokens,
-            step_coefficients=s.published_map,
-            step_chunk_tokens=chunk,
-            decode_rows=rows,
-            decode_context=ctx,
-            queued_ahead_tokens={},
+            self.role,  # role
+            self.name,  # pod
+            self.queued_tokens - done,  # queued_prefill_tokens
+            rows + len(self.joining),  # running_requests
+            len(self.waiting),  # waiting_requests
+            max(0, total - math.ceil(self.reserved_kv / s.page_size)),  # free_pages
+            total,  # total_pages
+            s.page_size,  # page_size
+            True,  # ready
+            self.draining,  # draining
+            s.max_running,  # max_running
+            s.prefill_rate,  # prefill_tokens_per_s
+            chunk if self.role != "prefill" else 0,  # prefill_chunk_tokens
+            s.prefill_rate,  # prefill_step_tokens_per_s
+            pub.overhead_s(max(rows, 1), ctx),  # decode_step_s
+            s.itl_target_s,  # itl_target_s
+            rows + len(self.waiting) + len(self.joining),  # live_requests
+            s.kv_tokens,  # max_request_tokens
+            0,  # kv_reserve_output_tokens
+            s.published_map,  # step_coefficients
+            chunk,  # step_chunk_tokens
+            rows,  # decode_rows
+            ctx,  # decode_context
+            _NO_CLASSES,  # queued_ahead_tokens
         )
         # what parsing its step_coefficients gives, shared by every snapshot (set as an attribute: a cached_property
         # takes it so, and reading __dict__ would turn the snapshot's compact attribute values into a dict)
