@@ -373,10 +373,11 @@ class Fleet:
         else:
             workers = self.pool.workers.values()
             plan.matches = self._matches(req, self.pool.workers)
-        loaded_at, poll_s = self.loaded_at, cfg.poll_s
+        loaded_at, poll_s, sims = self.loaded_at, cfg.poll_s, self.sims
         for w in workers:
-            if now - loaded_at.get(w.url, -1e9) >= poll_s:
-                self._report(w.url)
+            if now - loaded_at.get(w.url, -1e9) >= poll_s:  # _report, with the router's worker at hand
+                self.pool.report_load(w, sims[w.url].load(now), asked=now)
+                loaded_at[w.url] = now
 
     def _matches(self, req: SimRequest, names: Iterable[str], known: dict[str, int] | None = None) -> dict[str, int]:
         """What the prefix index says of `names`: the pages of the prompt's leading blocks each holds (those in
@@ -416,7 +417,9 @@ class Fleet:
         sums = self._sums
         self._totals_t = now
         sums[0] += 1
-        plan = PromptPlan(_tokens(req.prompt), [], {}, cfg.worker.page_size, slo_class=self.cls)
+        # positional (token ids, block hashes, matches, block size, record, request tokens, SLO class): a keyword
+        # costs the dataclass's __init__ more than the rest of it
+        plan = PromptPlan(_tokens(req.prompt), [], {}, cfg.worker.page_size, None, 0, self.cls)
         self._candidates(req, plan)
         try:
             self.dispatcher.check_ttft(plan, self.cls)
@@ -475,21 +478,19 @@ class Fleet:
                 dj.call = call
                 self._push(arrive, 1, d, dj)
             else:
-                self._finish(job.rid, d.name, call, 0.0)
+                self._on_finish(d, job, now, 0.0)
             self._maybe_leave(w)
             return
         self.ttft[job.rid] = now - job.arrival + self.cfg.net_s
 
     def _on_finish(self, w: SimWorker, job: Job, now: float, slow: float) -> None:
-        self._finish(job.rid, w.name, job.call, slow)  # type: ignore[arg-type]
-
-    def _finish(self, rid: int, decode: str, call: _Call, slow: float) -> None:
-        rw = self.pool.workers.get(decode)
+        rw = self.pool.workers.get(w.name)
         if rw is not None:
-            rw.release_decode(call)
-        ttft = self.ttft[rid]
+            rw.release_decode(job.call)  # type: ignore[arg-type]
         cls = self.cls
-        self.good[rid] = (cls.ttft_s is None or ttft <= cls.ttft_s) and slow <= 1 - cls.percentile / 100
+        self.good[job.rid] = (
+            cls.ttft_s is None or self.ttft[job.rid] <= cls.ttft_s
+        ) and slow <= 1 - cls.percentile / 100
 
     def _record_itl(self, step_s: float, tokens: float) -> None:
         self.itl_hist[bisect_left(_ITL_EDGES, step_s)] += tokens

@@ -337,9 +337,12 @@ class SimWorker:
             k = 0
         elif n:
             first = s + self.held_gap_s
-            self.record_itl(first, n)
-            if k > 1:
-                self.record_itl(s, n * (k - 1))
+            if k > 1 and first == s:
+                self.record_itl(s, n * k)  # the same histogram bin: one record (integer counts, the same sums)
+            else:
+                self.record_itl(first, n)
+                if k > 1:
+                    self.record_itl(s, n * (k - 1))
             target = self.itl_slo_s
             self.bad_steps += (first > target) + (k - 1) * (s > target)
             self.held_gap_s = 0.0
