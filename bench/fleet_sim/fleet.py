@@ -275,10 +275,10 @@ class Fleet:
         self._wake_at(w, w.retime(device_end))
 
     def _give(self, w: SimWorker, job: Job) -> None:
-        if w.add(job, self.clock.now):
-            self._wake_at(w, w.wake(self.clock.now))
-        else:
-            self._wake_at(w, w.cut_span(self.clock.now, job))
+        now = self.clock.now
+        t = w.wake(now) if w.add(job, now) else w.cut_span(now, job)
+        if t is not None:  # _wake_at, in line: about two a request
+            heapq.heappush(self._events, (t, next(self._seq), 0, w, w.version))
 
     def run(self, requests: list[SimRequest], until: float | None = None) -> Result:
         saved = router_pool.time, router_dispatch.time
@@ -407,8 +407,11 @@ class Fleet:
         if cache is None or not req.blocks:
             return
         cache.touch(req.blocks, self._cache_tokens // req.block_tokens)
-        held = self.holders.setdefault(req.blocks[0], {})
-        held.pop(name, None)
+        held = self.holders.get(req.blocks[0])
+        if held is None:
+            held = self.holders[req.blocks[0]] = {}
+        else:
+            held.pop(name, None)
         held[name] = None
 
     def _arrive(self, rid: int, req: SimRequest) -> None:
@@ -471,7 +474,7 @@ class Fleet:
             rw = self.pool.workers.get(w.name)
             if rw is not None:
                 rw.release_prefill(call)
-            arrive = now + self.cfg.worker.transfer_s(req.prompt, local=w.device is not None and w.device is d.device)
+            arrive = now + self.cfg.worker.transfer_s(req.prompt, w.device is not None and w.device is d.device)
             self.ttft[job.rid] = arrive - job.arrival + self.cfg.net_s
             if req.output > 1:
                 dj = Job(job.rid, job.arrival, req.prompt, 0, req.output - 1, req.prompt + req.output)
