@@ -169,14 +169,15 @@ class SimWorker:
     def context(self) -> int:
         return self.sum_prompt + len(self.rows) * self.steps - self.sum_join
 
-    def chunk_budget(self) -> int:
+    def chunk_budget(self, rows: int, context: int) -> int:
+        """The next step's prompt tokens beside its `rows` decode rows over `context` tokens (what `context()`
+        gives: its callers have both at hand)."""
         s = self.spec
-        rows = len(self.rows)
         if rows == 0 or s.itl_target_s <= 0:
             return s.max_prefill_tokens
         start = self.waiting[0].done_prompt if self.waiting else 0
         target = s.itl_target_s - s.margin_z * s.spread_s
-        got = s.published.largest_chunk(target, rows, self.context(), start, s.max_prefill_tokens, s.page_size)
+        got = s.published.largest_chunk(target, rows, context, start, s.max_prefill_tokens, s.page_size)
         return min(s.max_prefill_tokens, max(MIN_PAGES * s.page_size, got))
 
     def run_tokens_done(self, now: float) -> int:
@@ -190,16 +191,17 @@ class SimWorker:
         return steps * self.span_chunks[0][1]
 
     def load(self, now: float) -> Load:
-        done = self.run_tokens_done(now)
+        done = self.run_tokens_done(now) if self.run_ends else 0
         stamp = (self.version, self.added, self.draining, done)
         last = self._last_load
         if last is not None and last[0] == stamp:
             return last[1]
         s = self.spec
         pub = s.published
-        chunk = self.chunk_budget()
+        rows = len(self.rows)
+        ctx = self.sum_prompt + rows * self.steps - self.sum_join  # context(), in line
+        chunk = self.chunk_budget(rows, ctx)
         total = s.kv_tokens // s.page_size
-        rows, ctx = len(self.rows), self.context()
         # positional (keywords cost its __init__ ~2x: a snapshot is built for about every other request), each
         # value named by the field it fills
         load = Load(
@@ -423,9 +425,11 @@ class SimWorker:
         self.joining.clear()
         cost = s.cost
         chunks: list[tuple[Job, int]] = []
-        if self.waiting and len(self.rows) < s.max_running:
-            budget, attention = self.chunk_budget(), 0.0
-            rows_free = s.max_running - len(self.rows)
+        n = len(self.rows)
+        ctx = self.sum_prompt + n * self.steps - self.sum_join  # context(), in line: taking chunks changes neither
+        if self.waiting and n < s.max_running:
+            budget, attention = self.chunk_budget(n, ctx), 0.0
+            rows_free = s.max_running - n
             for job in self.waiting:
                 if budget <= 0 or rows_free <= 0:
                     break
@@ -435,7 +439,6 @@ class SimWorker:
                 budget -= take
                 if take == job.todo and job.output > 0:
                     rows_free -= 1
-        n, ctx = len(self.rows), self.context()
         device = self.device if self.device is not None and len(self.device.members) > 1 else None
         shared = device is not None
         if not shared and n == 0 and len(chunks) == 1:
