@@ -479,10 +479,11 @@ class Fleet:
             if req.output > 1:
                 dj = Job(job.rid, job.arrival, req.prompt, 0, req.output - 1, req.prompt + req.output)
                 dj.call = call
-                self._push(arrive, 1, d, dj)
+                heapq.heappush(self._events, (arrive, next(self._seq), 1, d, dj))  # _push, in line: one a request
             else:
                 self._on_finish(d, job, now, 0.0)
-            self._maybe_leave(w)
+            if w.draining:
+                self._maybe_leave(w)
             return
         self.ttft[job.rid] = now - job.arrival + self.cfg.net_s
 
