@@ -50,6 +50,7 @@ from router.settings import RouterOptions
 __all__ = ["Controller", "Fleet", "FleetConfig", "Result"]
 
 ITL_BINS = np.logspace(-4, 1, 501)  # 0.1 ms .. 10 s
+_NONE: frozenset[str] = frozenset()  # no worker excluded (the router only reads it)
 _ITL_EDGES = ITL_BINS.tolist()  # the same edges for bisect (a step's numpy lookup costs more than its bisect)
 
 
@@ -274,10 +275,10 @@ class Fleet:
         self._wake_at(w, w.retime(device_end))
 
     def _give(self, w: SimWorker, job: Job) -> None:
-        if w.add(job, self.clock.now):
-            self._wake_at(w, w.wake(self.clock.now))
-        else:
-            self._wake_at(w, w.cut_span(self.clock.now, job))
+        now = self.clock.now
+        t = w.wake(now) if w.add(job, now) else w.cut_span(now, job)
+        if t is not None:  # _wake_at, in line: about two a request
+            heapq.heappush(self._events, (t, next(self._seq), 0, w, w.version))
 
     def run(self, requests: list[SimRequest], until: float | None = None) -> Result:
         saved = router_pool.time, router_dispatch.time
@@ -372,10 +373,11 @@ class Fleet:
         else:
             workers = self.pool.workers.values()
             plan.matches = self._matches(req, self.pool.workers)
-        loaded_at, poll_s = self.loaded_at, cfg.poll_s
+        loaded_at, poll_s, sims = self.loaded_at, cfg.poll_s, self.sims
         for w in workers:
-            if now - loaded_at.get(w.url, -1e9) >= poll_s:
-                self._report(w.url)
+            if now - loaded_at.get(w.url, -1e9) >= poll_s:  # _report, with the router's worker at hand
+                self.pool.report_load(w, sims[w.url].load(now), asked=now)
+                loaded_at[w.url] = now
 
     def _matches(self, req: SimRequest, names: Iterable[str], known: dict[str, int] | None = None) -> dict[str, int]:
         """What the prefix index says of `names`: the pages of the prompt's leading blocks each holds (those in
@@ -405,8 +407,11 @@ class Fleet:
         if cache is None or not req.blocks:
             return
         cache.touch(req.blocks, self._cache_tokens // req.block_tokens)
-        held = self.holders.setdefault(req.blocks[0], {})
-        held.pop(name, None)
+        held = self.holders.get(req.blocks[0])
+        if held is None:
+            held = self.holders[req.blocks[0]] = {}
+        else:
+            held.pop(name, None)
         held[name] = None
 
     def _arrive(self, rid: int, req: SimRequest) -> None:
@@ -415,11 +420,13 @@ class Fleet:
         sums = self._sums
         self._totals_t = now
         sums[0] += 1
-        plan = PromptPlan(_tokens(req.prompt), [], {}, cfg.worker.page_size, slo_class=self.cls)
+        # positional (token ids, block hashes, matches, block size, record, request tokens, SLO class): a keyword
+        # costs the dataclass's __init__ more than the rest of it
+        plan = PromptPlan(_tokens(req.prompt), [], {}, cfg.worker.page_size, None, 0, self.cls)
         self._candidates(req, plan)
         try:
             self.dispatcher.check_ttft(plan, self.cls)
-            decision = self.dispatcher.route(plan, req.output, set(), set())
+            decision = self.dispatcher.route(plan, req.output, _NONE, _NONE)  # type: ignore[arg-type]
         except OpenAIError:
             self.shed_mask[rid] = True
             sums[6] += 1
@@ -467,28 +474,27 @@ class Fleet:
             rw = self.pool.workers.get(w.name)
             if rw is not None:
                 rw.release_prefill(call)
-            arrive = now + self.cfg.worker.transfer_s(req.prompt, local=w.device is not None and w.device is d.device)
+            arrive = now + self.cfg.worker.transfer_s(req.prompt, w.device is not None and w.device is d.device)
             self.ttft[job.rid] = arrive - job.arrival + self.cfg.net_s
             if req.output > 1:
                 dj = Job(job.rid, job.arrival, req.prompt, 0, req.output - 1, req.prompt + req.output)
                 dj.call = call
-                self._push(arrive, 1, d, dj)
+                heapq.heappush(self._events, (arrive, next(self._seq), 1, d, dj))  # _push, in line: one a request
             else:
-                self._finish(job.rid, d.name, call, 0.0)
-            self._maybe_leave(w)
+                self._on_finish(d, job, now, 0.0)
+            if w.draining:
+                self._maybe_leave(w)
             return
         self.ttft[job.rid] = now - job.arrival + self.cfg.net_s
 
     def _on_finish(self, w: SimWorker, job: Job, now: float, slow: float) -> None:
-        self._finish(job.rid, w.name, job.call, slow)  # type: ignore[arg-type]
-
-    def _finish(self, rid: int, decode: str, call: _Call, slow: float) -> None:
-        rw = self.pool.workers.get(decode)
+        rw = self.pool.workers.get(w.name)
         if rw is not None:
-            rw.release_decode(call)
-        ttft = self.ttft[rid]
+            rw.release_decode(job.call)  # type: ignore[arg-type]
         cls = self.cls
-        self.good[rid] = (cls.ttft_s is None or ttft <= cls.ttft_s) and slow <= 1 - cls.percentile / 100
+        self.good[job.rid] = (
+            cls.ttft_s is None or self.ttft[job.rid] <= cls.ttft_s
+        ) and slow <= 1 - cls.percentile / 100
 
     def _record_itl(self, step_s: float, tokens: float) -> None:
         self.itl_hist[bisect_left(_ITL_EDGES, step_s)] += tokens

@@ -34,6 +34,8 @@ from router.decision.load import Load
 __all__ = ["Job", "SimWorker", "WorkerSpec"]
 
 MIN_PAGES = 4
+# a snapshot's queued_ahead_tokens (it reports no SLO classes): one empty map for all, which the router only reads
+_NO_CLASSES: dict[str, int] = {}
 
 
 @dataclass(frozen=True)
@@ -167,14 +169,15 @@ class SimWorker:
     def context(self) -> int:
         return self.sum_prompt + len(self.rows) * self.steps - self.sum_join
 
-    def chunk_budget(self) -> int:
+    def chunk_budget(self, rows: int, context: int) -> int:
+        """The next step's prompt tokens beside its `rows` decode rows over `context` tokens (what `context()`
+        gives: its callers have both at hand)."""
         s = self.spec
-        rows = len(self.rows)
         if rows == 0 or s.itl_target_s <= 0:
             return s.max_prefill_tokens
         start = self.waiting[0].done_prompt if self.waiting else 0
         target = s.itl_target_s - s.margin_z * s.spread_s
-        got = s.published.largest_chunk(target, rows, self.context(), start, s.max_prefill_tokens, s.page_size)
+        got = s.published.largest_chunk(target, rows, context, start, s.max_prefill_tokens, s.page_size)
         return min(s.max_prefill_tokens, max(MIN_PAGES * s.page_size, got))
 
     def run_tokens_done(self, now: float) -> int:
@@ -188,40 +191,44 @@ class SimWorker:
         return steps * self.span_chunks[0][1]
 
     def load(self, now: float) -> Load:
-        done = self.run_tokens_done(now)
+        done = self.run_tokens_done(now) if self.run_ends else 0
         stamp = (self.version, self.added, self.draining, done)
         last = self._last_load
         if last is not None and last[0] == stamp:
             return last[1]
         s = self.spec
         pub = s.published
-        chunk = self.chunk_budget()
+        rows = len(self.rows)
+        ctx = self.sum_prompt + rows * self.steps - self.sum_join  # context(), in line
+        chunk = self.chunk_budget(rows, ctx)
         total = s.kv_tokens // s.page_size
-        rows, ctx = len(self.rows), self.context()
+        # positional (keywords cost its __init__ ~2x: a snapshot is built for about every other request), each
+        # value named by the field it fills
         load = Load(
-            role=self.role,
-            pod=self.name,
-            queued_prefill_tokens=self.queued_tokens - done,
-            running_requests=rows + len(self.joining),
-            waiting_requests=len(self.waiting),
-            free_pages=max(0, total - math.ceil(self.reserved_kv / s.page_size)),
-            total_pages=total,
-            page_size=s.page_size,
-            ready=True,
-            draining=self.draining,
-            max_running=s.max_running,
-            prefill_tokens_per_s=s.prefill_rate,
-            prefill_chunk_tokens=chunk if self.role != "prefill" else 0,
-            prefill_step_tokens_per_s=s.prefill_rate,
-            decode_step_s=pub.overhead_s(max(rows, 1), ctx),
-            itl_target_s=s.itl_target_s,
-            live_requests=rows + len(self.waiting) + len(self.joining),
-            max_request_tokens=s.kv_tokens,
-            step_coefficients=s.published_map,
-            step_chunk_tokens=chunk,
-            decode_rows=rows,
-            decode_context=ctx,
-            queued_ahead_tokens={},
+            self.role,  # role
+            self.name,  # pod
+            self.queued_tokens - done,  # queued_prefill_tokens
+            rows + len(self.joining),  # running_requests
+            len(self.waiting),  # waiting_requests
+            max(0, total - math.ceil(self.reserved_kv / s.page_size)),  # free_pages
+            total,  # total_pages
+            s.page_size,  # page_size
+            True,  # ready
+            self.draining,  # draining
+            s.max_running,  # max_running
+            s.prefill_rate,  # prefill_tokens_per_s
+            chunk if self.role != "prefill" else 0,  # prefill_chunk_tokens
+            s.prefill_rate,  # prefill_step_tokens_per_s
+            pub.overhead_s(max(rows, 1), ctx),  # decode_step_s
+            s.itl_target_s,  # itl_target_s
+            rows + len(self.waiting) + len(self.joining),  # live_requests
+            s.kv_tokens,  # max_request_tokens
+            0,  # kv_reserve_output_tokens
+            s.published_map,  # step_coefficients
+            chunk,  # step_chunk_tokens
+            rows,  # decode_rows
+            ctx,  # decode_context
+            _NO_CLASSES,  # queued_ahead_tokens
         )
         # what parsing its step_coefficients gives, shared by every snapshot (set as an attribute: a cached_property
         # takes it so, and reading __dict__ would turn the snapshot's compact attribute values into a dict)
@@ -332,9 +339,12 @@ class SimWorker:
             k = 0
         elif n:
             first = s + self.held_gap_s
-            self.record_itl(first, n)
-            if k > 1:
-                self.record_itl(s, n * (k - 1))
+            if k > 1 and first == s:
+                self.record_itl(s, n * k)  # the same histogram bin: one record (integer counts, the same sums)
+            else:
+                self.record_itl(first, n)
+                if k > 1:
+                    self.record_itl(s, n * (k - 1))
             target = self.itl_slo_s
             self.bad_steps += (first > target) + (k - 1) * (s > target)
             self.held_gap_s = 0.0
@@ -415,9 +425,11 @@ class SimWorker:
         self.joining.clear()
         cost = s.cost
         chunks: list[tuple[Job, int]] = []
-        if self.waiting and len(self.rows) < s.max_running:
-            budget, attention = self.chunk_budget(), 0.0
-            rows_free = s.max_running - len(self.rows)
+        n = len(self.rows)
+        ctx = self.sum_prompt + n * self.steps - self.sum_join  # context(), in line: taking chunks changes neither
+        if self.waiting and n < s.max_running:
+            budget, attention = self.chunk_budget(n, ctx), 0.0
+            rows_free = s.max_running - n
             for job in self.waiting:
                 if budget <= 0 or rows_free <= 0:
                     break
@@ -427,7 +439,6 @@ class SimWorker:
                 budget -= take
                 if take == job.todo and job.output > 0:
                     rows_free -= 1
-        n, ctx = len(self.rows), self.context()
         device = self.device if self.device is not None and len(self.device.members) > 1 else None
         shared = device is not None
         if not shared and n == 0 and len(chunks) == 1:

@@ -104,13 +104,13 @@ def decode_is_full(w: Worker, need: RequestKV, limits: AdmissionLimits, held: He
     """Whether `w` takes no more decode calls now; `held`: `w.held()` where the caller has it."""
     load = w.load
     held = held or w.held()
-    running, waiting = (load.running_requests, load.waiting_requests) if load is not None else (0, 0)
-    free_slots = max(0, load.max_running - running) if load is not None else 0
+    if load is None:
+        return bool(limits.max_waiting) and max(0, held.inflight_requests) >= limits.max_waiting
+    running, waiting = load.running_requests, load.waiting_requests
+    free_slots = max(0, load.max_running - running)
     backlog = waiting + max(0, held.inflight_requests - running - waiting - free_slots)
     if limits.max_waiting and backlog >= limits.max_waiting:
         return True
-    if load is None:
-        return False
     if limits.max_queued_prefill_tokens and load.queued_prefill_tokens >= limits.queued_tokens_limit(w):
         return True
     return not kv_room(w, need, held)
@@ -146,7 +146,7 @@ def ttft_verdict(
     below QUEUE_ALLOWANCE times the request's cost alone."""
     own = best_ttft_s(cls)
     if cls.ttft_s is None:
-        return TtftVerdict(False, predicted_s=own)
+        return TtftVerdict(False, 0, 0.0, "", own)  # positional: one a request, keywords cost its __init__ ~2x
     worst, limiting = 0.0, ""
     for k in classes.classes:
         if k.rank > cls.rank or k.ttft_s is None:
@@ -162,5 +162,5 @@ def ttft_verdict(
         if excess > worst:
             worst, limiting = excess, k.name
     if not limiting:
-        return TtftVerdict(False, predicted_s=own)
+        return TtftVerdict(False, 0, 0.0, "", own)  # positional: one a request, keywords cost its __init__ ~2x
     return TtftVerdict(True, max(1, math.ceil(worst)), worst, limiting, own)

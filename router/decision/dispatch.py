@@ -208,25 +208,31 @@ class Dispatcher:
             return None
         figures = w.figures()
         key = (w, prefill_side, slo_class, queued)
-        hit = plan.predictions.get(key)
+        predictions = plan.predictions
+        hit = predictions.get(key)
         if hit is not None and hit[0] is figures:
             return hit[1]
         prompt = len(plan.token_ids)
-        own = prompt - self.policy.matched_tokens(w.pod, plan.matches, plan.block_size, prompt)
-        rate = self.policy.cfg.transfer_tokens_per_s
-        transfer = prompt / rate if prefill_side and rate > 0 else 0.0
+        policy = self.policy
+        own = prompt - policy.matched_tokens(w.pod, plan.matches, plan.block_size, prompt)
+        transfer = 0.0
+        if prefill_side:
+            rate = policy.cfg.transfer_tokens_per_s
+            if rate > 0:
+                transfer = prompt / rate
         predicted = predict_ttft_s(figures, slo_class, own, transfer, queued)
-        plan.predictions[key] = (figures, predicted)
+        predictions[key] = (figures, predicted)
         return predicted
 
     def _sides(self, plan: PromptPlan) -> list[tuple[Worker, bool]]:
         """The workers that could prefill this prompt and have a load to predict from: its decode pods and, where it
         may disaggregate, prefill pods."""
-        decode, prefill = self._ready(plan, DECODE_ROLES), self._ready(plan, PREFILL_ROLES)
+        prefill = self._ready(plan, PREFILL_ROLES)
         cfg = self.policy.cfg
         remote = bool(prefill) and (cfg.placement == "adaptive" or len(plan.token_ids) >= cfg.disagg_min_prompt_tokens)
         local = not remote or cfg.placement == "adaptive"
-        sides = [(w, False) for w in decode if w.load is not None] if local else []
+        # the decode pods are listed only where they may prefill it (a long prompt's, fixed placement: not)
+        sides = [(w, False) for w in self._ready(plan, DECODE_ROLES) if w.load is not None] if local else []
         if remote:
             sides += [(w, True) for w in prefill if w.load is not None]
         return sides

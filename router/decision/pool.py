@@ -289,18 +289,27 @@ class Worker:
         """Its policy inputs; `held`: `self.held()` where the caller has it."""
         load = self.load
         held = held or self.held()
+        if load is None:
+            return PrefillCandidate(
+                key=self.url,
+                pod=self.pod,
+                inflight_tokens=held.inflight_tokens,
+                inflight_requests=held.inflight_requests,
+                predicted_ttft_s=predicted_ttft_s,
+            )
+        # positional: built per candidate per request, where keywords cost a dataclass __init__ ~2x
         return PrefillCandidate(
-            key=self.url,
-            pod=self.pod,
-            queued_tokens=load.queued_prefill_tokens if load else 0,
-            inflight_tokens=held.inflight_tokens,
-            inflight_requests=held.inflight_requests,
-            prefill_tokens_per_s=load.prefill_tokens_per_s if load else 0.0,
-            decoding=self.role == "mixed" and load is not None and load.running_requests > 0,
-            prefill_chunk_tokens=load.prefill_chunk_tokens if load else 0,
-            prefill_step_tokens_per_s=load.prefill_step_tokens_per_s if load else 0.0,
-            decode_step_s=load.decode_step_s if load else 0.0,
-            predicted_ttft_s=predicted_ttft_s,
+            self.url,  # key
+            self.pod,  # pod
+            load.queued_prefill_tokens,  # queued_tokens
+            held.inflight_tokens,  # inflight_tokens
+            held.inflight_requests,  # inflight_requests
+            load.prefill_tokens_per_s,  # prefill_tokens_per_s
+            self.role == "mixed" and load.running_requests > 0,  # decoding
+            load.prefill_chunk_tokens,  # prefill_chunk_tokens
+            load.prefill_step_tokens_per_s,  # prefill_step_tokens_per_s
+            load.decode_step_s,  # decode_step_s
+            predicted_ttft_s,  # predicted_ttft_s
         )
 
     def decode_candidate(
@@ -313,21 +322,22 @@ class Worker:
             return DecodeCandidate(
                 key=self.url, pod=self.pod, inflight_requests=inflight, predicted_ttft_s=predicted_ttft_s
             )
+        # positional, as in prefill_candidate
         return DecodeCandidate(
-            key=self.url,
-            pod=self.pod,
-            running=load.running_requests,
-            waiting=load.waiting_requests,
-            inflight_requests=inflight,
-            free_pages=load.free_pages,
-            total_pages=load.total_pages,
-            page_size=load.page_size,
-            queued_tokens=load.queued_prefill_tokens,
-            prefill_tokens_per_s=load.prefill_tokens_per_s,
-            prefill_chunk_tokens=load.prefill_chunk_tokens,
-            prefill_step_tokens_per_s=load.prefill_step_tokens_per_s,
-            decode_step_s=load.decode_step_s,
-            predicted_ttft_s=predicted_ttft_s,
+            self.url,  # key
+            self.pod,  # pod
+            load.running_requests,  # running
+            load.waiting_requests,  # waiting
+            inflight,  # inflight_requests
+            load.free_pages,  # free_pages
+            load.total_pages,  # total_pages
+            load.page_size,  # page_size
+            load.queued_prefill_tokens,  # queued_tokens
+            load.prefill_tokens_per_s,  # prefill_tokens_per_s
+            load.prefill_chunk_tokens,  # prefill_chunk_tokens
+            load.prefill_step_tokens_per_s,  # prefill_step_tokens_per_s
+            load.decode_step_s,  # decode_step_s
+            predicted_ttft_s,  # predicted_ttft_s
         )
 
 

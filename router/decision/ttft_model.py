@@ -46,15 +46,16 @@ class WorkerFigures:
 
     @classmethod
     def from_load(cls, load: Load, unseen_tokens: int = 0) -> WorkerFigures:
+        # positional: built per snapshot and placement, a few times a request, where keywords cost ~2x
         return cls(
-            chunk_tokens=load.step_chunk_tokens,
-            decode_rows=load.decode_rows,
-            decode_context=load.decode_context,
-            cost=load.step_cost,
-            ahead_tokens=load.queued_ahead_tokens,
-            queued_tokens=load.queued_prefill_tokens,
-            rate_tokens_per_s=load.prefill_tokens_per_s,
-            unseen_tokens=unseen_tokens,
+            load.step_chunk_tokens,  # chunk_tokens
+            load.decode_rows,  # decode_rows
+            load.decode_context,  # decode_context
+            load.step_cost,  # cost
+            load.queued_ahead_tokens,  # ahead_tokens
+            load.queued_prefill_tokens,  # queued_tokens
+            load.prefill_tokens_per_s,  # rate_tokens_per_s
+            unseen_tokens,  # unseen_tokens
         )
 
     def ahead(self, slo_class: str) -> int:
@@ -73,7 +74,8 @@ def predict_ttft_s(
 ) -> float | None:
     """Predicted seconds until a request of `slo_class` with `own_tokens` uncached tokens has its first token on
     `w`; None: nothing measured. `queued` False: as if nothing waited ahead."""
-    ahead = w.ahead(slo_class) if queued else 0
+    # w.ahead(slo_class), in line: once per worker per request
+    ahead = w.ahead_tokens.get(slo_class, w.queued_tokens) + w.unseen_tokens if queued else 0
     own = max(own_tokens, 1)  # a full prefix hit still runs one step for its first token
     work = ahead + own
     if w.stepped:
