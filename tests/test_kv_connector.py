@@ -299,6 +299,8 @@ SCHEDULER_SURFACE = {
     "cached_block_hashes",
     "take_index_events",
     "seed_prefill_speed",
+    "host_tier_locking",
+    "lock_host_tier",
 }
 
 

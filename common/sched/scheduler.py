@@ -631,6 +631,17 @@ class Scheduler:
         self._late.append(StepEvent(req, finished=True))
         self._end(req)
 
+    # ---- the host KV tier's page-locking (deferred: `defer_host_lock`) ---------------------------------
+    def host_tier_locking(self) -> bool:
+        """Whether the host KV tier still has memory to page-lock (until then the cache does not use it)."""
+        host = self.cache.host if self.cache is not None else None
+        return host is not None and not host.ready
+
+    def lock_host_tier(self, budget_s: float) -> bool:
+        """Page-locks more of the host KV tier, for about `budget_s` (at least one piece); True while some remain."""
+        host = self.cache.host if self.cache is not None else None
+        return host is not None and host.lock_some(budget_s)
+
     # ---- introspection -----------------------------------------------------------------------------
     def seed_prefill_speed(self, tokens_per_s: float) -> None:
         """A prefill speed measured before serving (the warm-up's full-size prompt alone): the budget's speed

@@ -15,7 +15,6 @@ from multiprocessing.connection import Connection
 from common.config import WorkerConfig
 from common.engine.runner import ModelRunner
 from common.gc_pauses import GcPauses, freeze_startup_objects
-from common.kv.host_tier import HostTier
 from common.kv.integrity import IdleLedgerCheck
 from common.observability.timeline import Stamps
 from common.prefix.hashing import chained_block_hashes
@@ -84,7 +83,7 @@ class EngineHost:
                 warmed = warm_up(self.runner, cfg.sched)
         else:
             warmed = None
-        # The host KV tier is page-locked in the loop's idle turns (EngineLoop.turn), after the engine is ready.
+        # The host KV tier is page-locked in the loop's idle turns (EngineLoop.turn: lock_host_tier), after the start.
         self.scheduler = Scheduler(self.runner, cfg.sched, connector=combined(self.roles), defer_host_lock=True)
         if warmed is not None:
             self.scheduler.seed_prefill_speed(warmed.prefill_tokens_per_s)
@@ -116,12 +115,6 @@ class EngineHost:
         self.handlers: Handlers = {Stop: self._stop, Abort: self._abort}
         for role in self.roles:
             self.handlers.update(role.handlers)
-
-    def host_tier_to_lock(self) -> HostTier | None:
-        """The host KV tier while it still has memory to page-lock (the loop's idle turns do it), else None."""
-        cache = self.scheduler.cache
-        tier = cache.host if cache is not None else None
-        return tier if tier is not None and not tier.ready else None
 
     def hands_on_stamps(self, req_id: str) -> bool:
         return any(role.hands_on_stamps(req_id) for role in self.roles)

@@ -72,9 +72,8 @@ class EngineLoop:
         elif not self.trimmed and now - self.last_busy >= IDLE_TRIM_S:
             _malloc_trim()
             self.trimmed = True
-        tier = host.host_tier_to_lock()
-        if tier is not None and not busy:
-            tier.lock_some(HOST_LOCK_TURN_S)
+        if not busy and host.scheduler.host_tier_locking():
+            host.scheduler.lock_host_tier(HOST_LOCK_TURN_S)
         timeout = self.wait_s(busy, now)
         while host.conn.poll(timeout):
             host.handle(recv(host.conn))
@@ -132,7 +131,7 @@ class EngineLoop:
         if busy:
             waiting = [r for r in host.roles if r.has_work()]
             return STAGING_WAIT_S if all(r.waits_only() for r in waiting) else TRANSFER_POLL_S
-        if host.host_tier_to_lock() is not None:
+        if host.scheduler.host_tier_locking():
             return 0.0  # idle, with the host tier still to page-lock: the next turn locks more of it
         due = host.report.next_due(self.last_busy)
         if not self.trimmed:
