@@ -11,8 +11,8 @@ role at random plus the k holding the longest prefix of it (0: on every worker, 
 
 A short run under-reads the hour: the fleet fills over its first minute (2026-12-05, 1,000 GPUs, a quiet box: a
 40 s run 561-573 CPU-s per simulated hour, second half 575-617; the hour itself 700; bench/RESULTS.md). Branch
-sim-speed (2194b54): the hour 581 CPU-s, 595 s wall; 150 s runs interleaved with main's, median 537 (second half
-543) against 604 (627).
+sim-speed (2194b54): the hour 581 CPU-s, 595 s wall (a busy box at first); 150 s runs interleaved with main's,
+median 537 (second half 543) against 604 (627). Merged (adf0358), the hour on a quiet box: 597 CPU-s, 597.5 s wall.
 """
 
 from __future__ import annotations
