@@ -124,7 +124,10 @@ class HostTier:
         return not self._to_lock
 
     def lock_some(self, budget_s: float) -> bool:
-        """Locks pieces until `budget_s` is spent (at least one piece); True while some remain."""
+        """Locks pieces until `budget_s` is spent (at least one piece); True while some remain. Logs once, as the
+        last piece is locked (nothing to lock: returns at once, says nothing)."""
+        if not self._to_lock:
+            return False
         started = time.perf_counter()
         while self._to_lock:
             address, nbytes = self._to_lock[0]
@@ -138,7 +141,7 @@ class HostTier:
             if time.perf_counter() - started >= budget_s:
                 break
         self.lock_seconds += time.perf_counter() - started
-        if not self._to_lock and self._lock_pages is not None:
+        if not self._to_lock:
             gb = round(self.num_pages * self.device_pool.page_stride_bytes / (1 << 30), 2)
             log.info("host KV tier ready", extra={"host_gb": gb, "lock_s": round(self.lock_seconds, 2)})
         return bool(self._to_lock)

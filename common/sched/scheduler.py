@@ -16,7 +16,7 @@ import torch
 from common.engine.forward_batch import ForwardBatch
 from common.engine.runner import ModelRunner
 from common.kv.allocator import PageAllocator
-from common.kv.host_tier import make_host_tier
+from common.kv.host_tier import HostTier, make_host_tier
 from common.kv.radix import RadixCache
 from common.protocol import TokenLogprob
 from common.sched.grammar import GrammarBook, GrammarError
@@ -113,7 +113,7 @@ class Scheduler:
         """Whether a preempted request's KV is parked in the host tier (KVFERRY_PREEMPT_MODE)."""
         if mode not in ("auto", "recompute", "park"):
             raise ValueError(f"preempt mode must be auto, recompute or park, not {mode!r}")
-        has_tier = self.cache is not None and self.cache.host is not None
+        has_tier = self._host_tier is not None
         if mode == "park" and not has_tier:
             raise ValueError(
                 "KVFERRY_PREEMPT_MODE=park needs a host KV tier (KVFERRY_HOST_KV_GB > 0, the prefix cache on, one "
@@ -632,14 +632,18 @@ class Scheduler:
         self._end(req)
 
     # ---- the host KV tier's page-locking (deferred: `defer_host_lock`) ---------------------------------
+    @property
+    def _host_tier(self) -> HostTier | None:
+        return self.cache.host if self.cache is not None else None
+
     def host_tier_locking(self) -> bool:
         """Whether the host KV tier still has memory to page-lock (until then the cache does not use it)."""
-        host = self.cache.host if self.cache is not None else None
+        host = self._host_tier
         return host is not None and not host.ready
 
     def lock_host_tier(self, budget_s: float) -> bool:
         """Page-locks more of the host KV tier, for about `budget_s` (at least one piece); True while some remain."""
-        host = self.cache.host if self.cache is not None else None
+        host = self._host_tier
         return host is not None and host.lock_some(budget_s)
 
     # ---- introspection -----------------------------------------------------------------------------
@@ -649,7 +653,7 @@ class Scheduler:
         self.pacing.prefill_speed.seed_peak(tokens_per_s)
 
     def snapshot(self) -> SchedulerSnapshot:
-        host = self.cache.host if self.cache is not None else None
+        host = self._host_tier
         beside = self.running if self.mixed_batching else []  # prefill-first steps decode nothing
         host_cached = self.cache.host_cached_pages if self.cache is not None and host is not None else 0
         return SchedulerSnapshot(
