@@ -10,9 +10,9 @@ into flashinfer's prebuilt-module directory, as docker/Dockerfile.cuda does (the
 time, not a pod's). Each variant then starts a decode worker as a fresh pod would: a new process, an empty
 flashinfer JIT workspace and an empty Triton cache (so nothing compiled by an earlier start is found; only the
 prebuilt modules are), and times it from the process start to its first 200 on /ready. The worker's own
-start phases (``kvferry_worker_start_phase_seconds``: process, weights, kv_pool, kernels, graphs, transfer, warm_up)
-say where the time went (``outside_phases_s``: the engine's start less its phases; ``before_engine_s``: the ready time
-less the engine's start, the worker's own process), and ``compiled_at_start`` names the flashinfer modules it still
+start phases (``kvferry_worker_start_phase_seconds``: process, weights, kv_pool, kernels, graphs, transfer, warm_up,
+host_tier) say where the time went (``outside_phases_s``: the engine's start less its phases; ``before_engine_s``:
+the ready time less the engine's start, the worker's own process), and ``compiled_at_start`` names the flashinfer modules it still
 had to compile (the ones the build lacks). On an H100 (2026-12-05), before the process, kv_pool and transfer phases
 existed: bf16 ready in 40.6 s, engine start 35.3 s of which the phases then named took 16.3 (weights 0.45, kernels
 3.5, graphs 9.5, warm-up 2.9): ~19 s outside them.

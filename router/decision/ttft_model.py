@@ -74,8 +74,7 @@ def predict_ttft_s(
 ) -> float | None:
     """Predicted seconds until a request of `slo_class` with `own_tokens` uncached tokens has its first token on
     `w`; None: nothing measured. `queued` False: as if nothing waited ahead."""
-    # w.ahead(slo_class), in line: once per worker per request
-    ahead = w.ahead_tokens.get(slo_class, w.queued_tokens) + w.unseen_tokens if queued else 0
+    ahead = w.ahead(slo_class) if queued else 0
     own = max(own_tokens, 1)  # a full prefix hit still runs one step for its first token
     work = ahead + own
     if w.stepped:
