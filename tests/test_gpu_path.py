@@ -1332,3 +1332,27 @@ def test_mla_on_flashinfer_serves_dummy_deepseek_v2_lite():
     e, e_dec = _rel(torch.cat(got), torch.cat(ref)), _rel(torch.cat(got_dec), torch.cat(ref))
     print(f"dummy deepseek-v2-lite: vs torch bf16 rel err flashinfer+graphs {e:.2e}, eager decompressed {e_dec:.2e}")
     assert all(torch.isfinite(g).all() for g in got + got_dec) and e < 1e-1 and e_dec < 1e-1
+
+
+@needs_cuda
+def test_host_tier_locked_in_pieces_copies_runs_that_cross_pieces(monkeypatch):
+    """A host tier page-locked in pieces (one `cudaHostRegister` each) moves a run of pages that crosses from one
+    piece into the next and back intact: CUDA refuses one copy spanning two registrations ("invalid argument"), which
+    once ended every eviction of a serving worker whose run of pages crossed a 512 MiB boundary."""
+    import common.kv.host_tier as host_tier
+    from common.kv.pool import KVLayout, KVPool
+
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16)
+    device_pool = KVPool(layout, 16, "cuda")
+    monkeypatch.setattr(host_tier, "LOCK_CHUNK_BYTES", 3 * device_pool.page_stride_bytes)
+    tier = host_tier.HostTier(device_pool, 12)
+    tier.lock_some(float("inf"))
+    assert tier.ready and len(tier._locked) == 4  # four real registrations of three pages
+    device_pool.kv.copy_(torch.randn(device_pool.kv.shape, device="cuda").to(layout.dtype))
+    expected = device_pool.kv[2:10].clone()
+    tier.save(torch.arange(2, 10), torch.arange(1, 9))  # host pages 1-8: pieces 0, 1 and 2
+    device_pool.kv.zero_()
+    tier.load(torch.arange(1, 9), torch.arange(5, 13))
+    torch.cuda.synchronize()
+    assert torch.equal(device_pool.kv[5:13], expected)
+    tier.close()

@@ -18,7 +18,7 @@ import torch
 
 from common.engine.runner import ModelRunner, RunnerConfig
 from common.kv.allocator import PageAllocator
-from common.kv.host_tier import HostTier, page_runs
+from common.kv.host_tier import HostTier, page_runs, within_pieces
 from common.kv.integrity import page_ledger_violations
 from common.kv.pool import KVLayout, KVPool
 from common.kv.radix import RadixCache
@@ -89,6 +89,45 @@ def seq(seed: int, n: int) -> list[int]:
 def test_page_runs_coalesce_consecutive_pages() -> None:
     assert page_runs([3, 4, 5, 9, 10], [0, 1, 2, 3, 7]) == [(3, 0, 3), (9, 3, 1), (10, 7, 1)]
     assert page_runs([], []) == []
+
+
+def test_copies_stay_within_one_locked_piece_of_the_host_side(monkeypatch) -> None:
+    """CUDA refuses a copy from or to page-locked memory that spans two registrations ("invalid argument"): a
+    tier locked in pieces cuts its copies where the host side passes from one piece into the next, on whole
+    pages, and the cut runs still cover every page in order."""
+    assert within_pieces([(0, 3, 6)], 4, host_is_dst=True) == [(0, 3, 1), (1, 4, 4), (5, 8, 1)]
+    assert within_pieces([(3, 0, 6)], 4, host_is_dst=False) == [(3, 0, 1), (4, 1, 4), (8, 5, 1)]
+    assert within_pieces([(0, 0, 4), (9, 4, 2)], 4, host_is_dst=True) == [(0, 0, 4), (9, 4, 2)]
+    import common.kv.host_tier as host_tier
+
+    pool = KVPool(LAYOUT, 8)
+    stride = pool.page_stride_bytes
+    monkeypatch.setattr(host_tier, "LOCK_CHUNK_BYTES", 3 * stride + stride // 2)  # not a whole number of pages
+    per_piece = 3
+    pieces: list[tuple[int, int]] = []
+    tier = HostTier(pool, 20, lock_pages=lambda address, nbytes: pieces.append((address, nbytes)) or True)
+    tier.lock_some(float("inf"))
+    assert all(n % stride == 0 for _, n in pieces)  # whole pages
+    base = tier.pool.kv.data_ptr()
+
+    def piece_of(page: int) -> int:
+        address = base + page * stride
+        return next(i for i, (a, n) in enumerate(pieces) if a <= address < a + n)
+
+    rng = random.Random(7)
+    for _ in range(50):
+        n = rng.randrange(1, 8)
+        host = list(range(h := rng.randrange(0, 20 - n), h + n))
+        device = list(range(d := rng.randrange(0, 8 - n + 1), d + n))
+        for host_is_dst, (src, dst) in ((True, (device, host)), (False, (host, device))):
+            runs = tier.copy_runs(src, dst, host_is_dst)
+            assert [p for s, _, k in runs for p in range(s, s + k)] == src
+            assert [p for _, d2, k in runs for p in range(d2, d2 + k)] == dst
+            for s, d2, k in runs:
+                first = d2 if host_is_dst else s
+                assert piece_of(first) == piece_of(first + k - 1)
+    assert len(pieces) == -(-20 // per_piece) and sum(n for _, n in pieces) == 20 * stride
+    assert HostTier(pool, 20).copy_runs(list(range(8)), list(range(8)), True) == [(0, 0, 8)]  # CPU: nothing cut
 
 
 def test_evicted_prefix_goes_to_host_and_comes_back_intact() -> None:

@@ -78,6 +78,20 @@ def page_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, in
     return runs
 
 
+def within_pieces(runs: list[tuple[int, int, int]], piece_pages: int, host_is_dst: bool) -> list[tuple[int, int, int]]:
+    """`runs` cut where their host side crosses from one piece of `piece_pages` pages into the next. CUDA takes a
+    copy from or to page-locked memory only within one registration (`cudaHostRegister`): a run spanning two
+    pieces fails with "invalid argument"."""
+    out: list[tuple[int, int, int]] = []
+    for s, d, n in runs:
+        while n > 0:
+            host = d if host_is_dst else s
+            take = min(n, piece_pages - host % piece_pages)
+            out.append((s, d, take))
+            s, d, n = s + take, d + take, n - take
+    return out
+
+
 class HostTier:
     """A host-memory KV pool with its own page allocator, and the copies between it and the device pool.
 
@@ -98,10 +112,16 @@ class HostTier:
         kv = torch.empty(shape, dtype=layout.dtype)
         if lock_pages is None and device_pool.device.type == "cuda":
             lock_pages = _cuda_register
-        nbytes = kv.numel() * kv.element_size()
+        stride = kv.stride(0) * kv.element_size()
+        # Pieces of whole pages, so a copy is cut only between pages (`within_pieces`); on the CPU path nothing
+        # is locked and nothing is cut.
+        self._piece_pages = max(1, LOCK_CHUNK_BYTES // stride) if lock_pages is not None else num_pages
         # (address, bytes) of each piece still to lock; none where nothing needs locking (the CPU path).
         self._to_lock = (
-            [(kv.data_ptr() + at, min(LOCK_CHUNK_BYTES, nbytes - at)) for at in range(0, nbytes, LOCK_CHUNK_BYTES)]
+            [
+                (kv.data_ptr() + p * stride, min(self._piece_pages, num_pages - p) * stride)
+                for p in range(0, num_pages, self._piece_pages)
+            ]
             if lock_pages is not None
             else []
         )
@@ -148,17 +168,20 @@ class HostTier:
 
     def save(self, device_pages: torch.Tensor, host_pages: torch.Tensor) -> None:
         """Device pages into host pages (asynchronous on CUDA, ordered on the current stream)."""
-        self._copy(self.device_pool.kv, device_pages, self.pool.kv, host_pages)
+        for s, d, n in self.copy_runs(device_pages.tolist(), host_pages.tolist(), host_is_dst=True):
+            self.pool.kv[d : d + n].copy_(self.device_pool.kv[s : s + n], non_blocking=True)
         self.saved_pages += int(device_pages.numel())
 
     def load(self, host_pages: torch.Tensor, device_pages: torch.Tensor) -> None:
         """Host pages into device pages (asynchronous on CUDA, ordered on the current stream)."""
-        self._copy(self.pool.kv, host_pages, self.device_pool.kv, device_pages)
+        for s, d, n in self.copy_runs(host_pages.tolist(), device_pages.tolist(), host_is_dst=False):
+            self.device_pool.kv[d : d + n].copy_(self.pool.kv[s : s + n], non_blocking=True)
         self.loaded_pages += int(host_pages.numel())
 
-    def _copy(self, src: torch.Tensor, src_pages: torch.Tensor, dst: torch.Tensor, dst_pages: torch.Tensor) -> None:
-        for s, d, n in page_runs(src_pages.tolist(), dst_pages.tolist()):
-            dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
+    def copy_runs(self, src: list[int], dst: list[int], host_is_dst: bool) -> list[tuple[int, int, int]]:
+        """(src start, dst start, pages) of the copies that move `src` pages to `dst`: consecutive pages in one,
+        none crossing from one locked piece of the host side into the next."""
+        return within_pieces(page_runs(src, dst), self._piece_pages, host_is_dst)
 
     def close(self) -> None:
         if self._unregister is not None:
