@@ -912,6 +912,13 @@ ROUTER_ADMIT_BY_TTFT = _router(
     "1: a request no worker is predicted to serve within its SLO class's TTFT target gets 429 + Retry-After "
     "at once, lower classes first (router/decision/admission.py, router/decision/ttft_model.py); 0 = off",
 )
+ROUTER_TTFT_ERROR_QUANTILE = _router(
+    "ttft_error_quantile",
+    float,
+    0.9,
+    "TTFT admission scales its predictions by this quantile of served requests' measured / predicted TTFT over "
+    "the last 2 minutes (between 1 and 2; router/decision/ttft_error.py); 0 = off",
+)
 ROUTER_POLL_INTERVAL_S = _router(
     "poll_interval_s", float, 0.25, "worker load polls; also how fresh the load admission and routing read is"
 )

@@ -42,6 +42,7 @@ class RouterOptions(reg.EnvFields):
     admit_max_queued_prefill_tokens: int = reg.ROUTER_ADMIT_MAX_QUEUED_PREFILL_TOKENS.field()
     admit_queue_seconds: float = reg.ROUTER_ADMIT_QUEUE_SECONDS.field()
     admit_by_ttft: int = reg.ROUTER_ADMIT_BY_TTFT.field()
+    ttft_error_quantile: float = reg.ROUTER_TTFT_ERROR_QUANTILE.field()
     # Worker health (router/decision/pool.py): a slow poll only makes a worker stale; down needs proof or silence.
     poll_interval_s: float = reg.ROUTER_POLL_INTERVAL_S.field()
     poll_timeout_s: float = reg.ROUTER_POLL_TIMEOUT_S.field()

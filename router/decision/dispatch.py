@@ -24,6 +24,7 @@ from router.decision.cost_model import SloTargets
 from router.decision.locality import PrefixLocator
 from router.decision.policy import DecodeCandidate, PrefillCandidate, RouteDecision, RoutingPolicy
 from router.decision.pool import DECODE_ROLES, PREFILL_ROLES, Worker, WorkerPool
+from router.decision.ttft_error import PredictionError
 from router.decision.ttft_model import WorkerFigures, predict_ttft_s
 from router.errors import bad_request, no_worker, rate_limited
 from router.metrics import RouterMetrics
@@ -72,6 +73,7 @@ class Dispatcher:
         self.pool = pool
         self.slo = slo if slo is not None else parse_slo_classes(DEFAULT_SLO_SPEC)
         self.admit_by_ttft = opts.admit_by_ttft != 0
+        self.ttft_error = PredictionError(opts.ttft_error_quantile)  # admission's own error, fed back
         self.metrics = metrics or RouterMetrics()
         self.limits = limits or AdmissionLimits.from_options(opts)
         self.policy = policy
@@ -241,10 +243,11 @@ class Dispatcher:
         """429 for a request no placement is predicted to serve within its class's target, lower classes first;
         returns the best placement's predicted TTFT (None: nothing predicted)."""
         sides = self._sides(plan)
+        scale = self.ttft_error.factor(time.monotonic())
 
         def best(k: SloClass, queued: bool = True) -> float | None:
             preds = [p for w, r in sides if (p := self.predicted_ttft_s(plan, w, k.name, r, queued)) is not None]
-            return min(preds, default=None)
+            return min(preds) * scale if preds else None
 
         verdict = ttft_verdict(self.slo, cls, best, lambda k: best(k, queued=False))
         if verdict.shed and self.admit_by_ttft:
@@ -268,10 +271,20 @@ class Dispatcher:
         matched = decision.prefill_matched_tokens if remote else decision.decode_matched_tokens
         prefilled = w.place_prompt(time.monotonic(), len(plan.token_ids) - matched)
         self.metrics.prompt_cached_tokens.inc(matched)
-        if plan.record is not None:
-            plan.record.on_first_token.append(prefilled)
-            if plan.record.predicted_ttft_s is None:
-                plan.record.predicted_ttft_s = predicted
+        record = plan.record
+        if record is not None:
+            record.on_first_token.append(prefilled)
+            if record.predicted_ttft_s is None:
+                record.predicted_ttft_s = predicted
+                cls = plan.slo_class
+                if predicted is not None and cls is not None and cls.ttft_s is not None and self.admit_by_ttft:
+                    target, error = cls.ttft_s, self.ttft_error
+
+                    def measured() -> None:
+                        if record.ttft_s is not None:
+                            error.observe(time.monotonic(), record.ttft_s, predicted, target)
+
+                    record.on_first_token.append(measured)
 
     def check_request_kv(self, request_tokens: int, detail: str) -> None:
         """400 when the request's KV exceeds what one request may take on every ready decode worker."""

@@ -1,0 +1,64 @@
+"""The TTFT prediction's own error, fed back into admission: served requests' measured TTFT over their predicted
+TTFT, kept over the last minutes, scale the predictions admission compares with a class's target by an upper
+quantile of that ratio (at least 1, at most `MAX_FACTOR`).
+
+Why: the prediction (router/decision/ttft_model.py) is exact only where the worker's fitted step model is. On a
+card or a workload it fits less well, queued prompts take longer than predicted as the decode batch grows beside
+them, and admission lets in requests that then miss the target: FP8 on an H100 admitted 8-13% of requests at 2x
+saturation that came back 1.0-1.9 s late (bench/RESULTS.md, "The host tier's pieces ..."). The error a router
+observes is the error its own admission makes, so it corrects itself without a constant fitted to one card.
+
+Only predictions that can decide admission count (at least `RELEVANT_SHARE` of the class's target): a short
+prediction's ratio is dominated by fixed costs outside the worker (tokenization, the first event's relay) and
+says nothing about a queue's. Samples older than `HORIZON_S` are dropped, so a correction learnt in one burst
+does not shed the next one's first requests minutes later. A router that observes nothing (the fleet
+simulator, a worker not yet measured) keeps the factor 1: the predictions as they are.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+__all__ = ["HORIZON_S", "MAX_FACTOR", "MIN_SAMPLES", "RELEVANT_SHARE", "PredictionError"]
+
+# A prediction under this share of its target is far from deciding admission; its error is not the queue's.
+RELEVANT_SHARE = 0.25
+# The factor is read once this many relevant requests were served within the horizon; before, predictions stand.
+MIN_SAMPLES = 20
+# Samples this old no longer describe the queue: the factor goes back to 1 without fresh ones.
+HORIZON_S = 120.0
+# A correction beyond this says the step model is wrong, not imprecise: shedding twice as early is the limit.
+MAX_FACTOR = 2.0
+# At most this many samples are kept (the last ones): a quantile over them is a sort of a few hundred floats.
+WINDOW = 256
+
+
+@dataclass(slots=True)
+class PredictionError:
+    """Measured over predicted TTFT of recent served requests; `factor(now)` scales admission's predictions."""
+
+    quantile: float = 0.9  # 0: off (the factor stays 1)
+    _samples: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))  # (time, ratio)
+    _factor: float = 1.0
+    _last_at: float = float("-inf")
+
+    def observe(self, now: float, measured_s: float, predicted_s: float | None, target_s: float | None) -> None:
+        """One served request's first token: `measured_s` against the `predicted_s` its placement was admitted on."""
+        if self.quantile <= 0 or predicted_s is None or target_s is None or predicted_s < RELEVANT_SHARE * target_s:
+            return
+        samples = self._samples
+        samples.append((now, measured_s / predicted_s))
+        while samples and samples[0][0] < now - HORIZON_S:
+            samples.popleft()
+        self._last_at = now
+        if len(samples) < MIN_SAMPLES:
+            self._factor = 1.0
+            return
+        ratios = sorted(r for _, r in samples)
+        at = min(len(ratios) - 1, int(self.quantile * len(ratios)))
+        self._factor = min(MAX_FACTOR, max(1.0, ratios[at]))
+
+    def factor(self, now: float) -> float:
+        """What admission multiplies a prediction by now (1: as predicted)."""
+        return self._factor if now - self._last_at <= HORIZON_S else 1.0

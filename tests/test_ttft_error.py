@@ -1,0 +1,136 @@
+"""TTFT admission corrected by its own error (router/decision/ttft_error.py): served requests' measured over
+predicted TTFT scale the predictions admission compares with a class's target. The quantile, the relevance
+filter, the bounds and the horizon on the pure tracker; then the router's own dispatcher: a request admitted on
+its prediction is refused once served requests have come back later than predicted, through the same path a
+served request takes (placement, then its first token), and admitted again once those samples are old."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from common.slo import parse_slo_classes
+from router.decision.dispatch import Dispatcher, PromptPlan
+from router.decision.load import parse_load
+from router.decision.policy import RoutingPolicy
+from router.decision.pool import WorkerPool
+from router.decision.ttft_error import HORIZON_S, MAX_FACTOR, MIN_SAMPLES, RELEVANT_SHARE, PredictionError
+from router.errors import OpenAIError
+from router.metrics import RouterMetrics
+from router.settings import RouterOptions
+from router.timeline import RequestLog
+
+SLO = parse_slo_classes("interactive:ttft=1s,itl=50ms,p=99;batch:ttft=none,itl=200ms,p=99")
+INTERACTIVE = SLO.get("interactive")
+
+
+def test_the_factor_is_the_quantile_of_relevant_ratios_within_bounds() -> None:
+    e = PredictionError(0.9)
+    for i in range(MIN_SAMPLES - 1):
+        e.observe(float(i), 1.5, 1.0, 1.0)
+    assert e.factor(20.0) == 1.0  # too few yet
+    e.observe(20.0, 1.5, 1.0, 1.0)
+    assert e.factor(20.0) == pytest.approx(1.5)
+    for i in range(200):
+        e.observe(21.0 + i * 0.01, 0.5, 1.0, 1.0)  # early predictions do not loosen admission below 1
+    assert e.factor(23.0) == 1.0
+    for i in range(256):
+        e.observe(30.0 + i * 0.01, 5.0, 1.0, 1.0)
+    assert e.factor(33.0) == MAX_FACTOR  # at most shedding twice as early
+    assert e.factor(33.0 + HORIZON_S + 1) == 1.0  # nothing fresh: the predictions stand
+
+
+def test_short_predictions_and_classes_without_a_target_do_not_count() -> None:
+    e = PredictionError(0.9)
+    for i in range(100):
+        e.observe(float(i) * 0.1, 3.0, 0.9 * RELEVANT_SHARE, 1.0)  # tiny predictions: fixed costs dominate
+        e.observe(float(i) * 0.1, 3.0, 0.8, None)  # no TTFT target
+    assert e.factor(10.0) == 1.0
+    off = PredictionError(0.0)
+    for i in range(100):
+        off.observe(float(i) * 0.1, 3.0, 0.8, 1.0)
+    assert off.factor(10.0) == 1.0
+
+
+def test_quantile_reads_the_upper_tail() -> None:
+    e = PredictionError(0.9)
+    for i in range(100):
+        e.observe(1.0, 1.0 + i / 100, 1.0, 1.0)  # ratios 1.00 .. 1.99
+    assert e.factor(1.0) == pytest.approx(1.9)
+
+
+def _dispatcher(queued_tokens: int, quantile: float = 0.9) -> Dispatcher:
+    pool = WorkerPool(client=None)  # type: ignore[arg-type]
+    pool.set_targets("decode", ["http://decode0"])
+    snap = {
+        "role": "decode",
+        "pod": "decode0",
+        "ready": True,
+        "free_pages": 10_000,
+        "total_pages": 10_000,
+        "step_coefficients": {"base_s": 0.01, "per_prefill_token_s": 1e-4},
+        "step_chunk_tokens": 1000,
+        "queued_prefill_tokens": queued_tokens,
+        "queued_ahead_tokens": {"interactive": queued_tokens},
+    }
+    pool.report_load(pool.workers["http://decode0"], parse_load(snap))
+    return Dispatcher(
+        pool,
+        RoutingPolicy(),
+        locator=None,  # type: ignore[arg-type]
+        client=None,  # type: ignore[arg-type]
+        opts=RouterOptions(ttft_error_quantile=quantile),
+        slo=SLO,
+    )
+
+
+def _plan(log: RequestLog | None = None) -> PromptPlan:
+    record = log.begin(False, None, "/v1/completions") if log is not None else None
+    return PromptPlan(list(range(3000)), [], {}, 16, record, slo_class=INTERACTIVE)
+
+
+def _served(d: Dispatcher, log: RequestLog, ttft_s: float) -> float:
+    """One request through admission and placement, its first token `ttft_s` after it arrived; its prediction."""
+    plan = _plan(log)
+    d.check_ttft(plan, INTERACTIVE)
+    d.route(plan, 16, set(), set())
+    assert plan.record is not None and plan.record.predicted_ttft_s is not None
+    plan.record.started = time.monotonic() - ttft_s
+    plan.record.first_token([])
+    return plan.record.predicted_ttft_s
+
+
+@pytest.mark.parametrize("quantile", [0.9, 0.0])
+def test_admission_sheds_earlier_once_served_requests_came_back_later_than_predicted(quantile: float) -> None:
+    # 4,000 tokens queued ahead + 3,000 of its own in 1,000-token steps: 7 x 10 ms + 7,000 x 0.1 ms = 0.77 s
+    d, log = _dispatcher(4000, quantile), RequestLog(RouterMetrics())
+    assert d.check_ttft(_plan(), INTERACTIVE) == pytest.approx(0.77)
+    for _ in range(MIN_SAMPLES):
+        assert _served(d, log, 1.2) == pytest.approx(0.77)  # each came back 1.56x later than predicted
+    if quantile == 0:
+        assert d.check_ttft(_plan(), INTERACTIVE) == pytest.approx(0.77)  # off: the prediction stands
+        return
+    with pytest.raises(OpenAIError) as refused:
+        d.check_ttft(_plan(), INTERACTIVE)  # 0.77 x 1.56 = 1.2 s: past the 1 s target
+    assert refused.value.status == 429 and refused.value.headers["Retry-After"] == "1"
+    # a lighter queue stays admitted under the same correction: 2,000 ahead -> 0.55 s x 1.56 = 0.86 s
+    d.pool.report_load(
+        d.pool.workers["http://decode0"],
+        parse_load(
+            {
+                "role": "decode",
+                "pod": "decode0",
+                "ready": True,
+                "free_pages": 10_000,
+                "total_pages": 10_000,
+                "step_coefficients": {"base_s": 0.01, "per_prefill_token_s": 1e-4},
+                "step_chunk_tokens": 1000,
+                "queued_prefill_tokens": 2000,
+                "queued_ahead_tokens": {"interactive": 2000},
+            }
+        ),
+    )
+    assert d.check_ttft(_plan(), INTERACTIVE) == pytest.approx(0.55 * 1.2 / 0.77)
+    d.ttft_error._last_at -= HORIZON_S + 1  # the samples age out: the prediction stands again
+    assert d.check_ttft(_plan(), INTERACTIVE) == pytest.approx(0.55)
