@@ -56,6 +56,7 @@ class FleetSpec:
     roles: tuple[str, ...] = ("prefill", "decode")  # which Deployments exist: prefill+decode, mixed, or all three
     min_workers: Counts = field(default_factory=lambda: Counts(1, 1, 1))
     max_workers: Counts = field(default_factory=lambda: Counts(10_000, 10_000, 10_000))
+    percentile: float = 99.0  # the SLO's: this share of requests (in %) must meet the targets
 
 
 @dataclass(frozen=True)
