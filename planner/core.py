@@ -2,12 +2,14 @@
 should have (docs/architecture.md, "The planner"): a Holt forecast one pod start-up ahead (held within
 ``max_growth`` of the level), sized by planner/sizing.py, raised when the predicted queue wait passes the alarm
 (from the replicas ready now, so starting pods are not counted twice), never below a reserve that absorbs a
-step of the load while new pods start (``step_reserve``), and hysteresis on the way down.
+step of the load while new pods start (``step_reserve``, a step of the baseline load landing on the load now),
+and hysteresis on the way down.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass, field, replace
 
@@ -89,8 +91,11 @@ class Planner:
     cfg: PlannerConfig = field(default_factory=PlannerConfig)
     targets: Counts | None = None  # what it last asked for (None: not yet; the first observation's ready)
     _forecast: RateForecast | None = None
-    _baseline: OfferedLoad | None = None
+    _baseline: OfferedLoad | None = None  # the smoothed lengths with the median rate (``_reserve``)
     _baseline_t: float = 0.0
+    _smoothed: OfferedLoad | None = None  # every figure of the load, smoothed over baseline_s
+    _smoothed_s: float = 0.0  # seconds of load the smoothing has seen
+    _rates: deque[tuple[float, float]] = field(default_factory=deque)  # (t, rate) read over the last baseline_s
     _last_change: dict[str, float] = field(default_factory=dict)
     _low_since: dict[str, float] = field(default_factory=dict)
     _recent: deque[Decision] = field(default_factory=lambda: deque(maxlen=720))
@@ -114,54 +119,80 @@ class Planner:
         return decision
 
     def _sized(self, obs: Observation, rate: float) -> Counts:
-        """The fleet for the forecast `rate`: ``size_fleet``'s margins, for a load held for good; or, while the
-        forecast stays within the step the reserve is kept for (``step_reserve`` over the baseline) and the queue
-        is quiet, what keeps up with it (``reserve_fleet``): the pods held in reserve are there to ride such a
-        step out, a step that lasts raises the baseline (and the reserve with it) within ``baseline_s``, and a
-        queue or shed requests still raise the plan (``_queue_reaction``). A burst that levels off within the
-        reserve so lets the plan fall back while it lasts, where held-for-good margins kept pods for it."""
+        """The fleet for the forecast `rate`. Without a reserve: ``size_fleet``'s margins, for a load held for
+        good. With one and a quiet queue, what keeps up with the load (``reserve_fleet``): the reserve (twice the
+        baseline at ``step_reserve`` 1) already holds more than ``size_fleet``'s margins for the baseline, a load
+        that lasts raises the baseline within ``baseline_s``, and a queue or shed requests still raise the plan
+        (``_queue_reaction``). While the rate seen stays within the reserve's step, it is sized on that rate, not
+        on the forecast: a step reads as a ramp for one window of the rate, which Holt's trend carries one
+        start-up ahead, up to twice the step (Mooncake at 8x: 67 req/s forecast where 53 came, pods asked for a
+        step the reserve was riding). Past the step, the forecast: the load outruns what is held for it."""
         b, cfg = self._baseline, self.cfg
         load = replace(obs.load, rate=rate)
-        if (
-            cfg.step_reserve > 0
-            and b is not None
-            and rate <= b.rate * (1 + cfg.step_reserve)
-            and obs.queue_wait_s <= cfg.queue_alarm * self.spec.ttft_s
-        ):
+        if cfg.step_reserve > 0 and b is not None and obs.queue_wait_s <= cfg.queue_alarm * self.spec.ttft_s:
+            seen = obs.load.rate + obs.shed_rate
+            if seen <= b.rate * (1 + cfg.step_reserve):
+                return reserve_fleet(self.spec, replace(obs.load, rate=seen))
             return reserve_fleet(self.spec, load)
         return size_fleet(self.spec, load)
 
     def _reserve(self, obs: Observation, planned: Counts) -> Counts:
-        """Raises the plan to what a step of ``step_reserve`` over the baseline load needs at full utilisation."""
+        """Raises the plan to what must run when a step of ``step_reserve`` x the baseline rate comes: the step
+        lands on the load of that moment (the forecast's level, at most the baseline: a load above it is a step
+        already under way, which the plan sizes itself, and a reserve on top of it would stack one step on
+        another), and its requests find no prefix cached (``reserve_fleet``)."""
         cfg = self.cfg
         load = obs.load
-        if self._baseline is None:
-            self._baseline = load
+        if self._smoothed is None:
+            self._smoothed = load
+            self._smoothed_s = cfg.interval_s  # the first reading stands for one interval's load
         else:
-            # every figure smoothed, the lengths too: one window's mean prompt swings with a heavy tail
-            keep = math.exp(-max(obs.t - self._baseline_t, 0.0) / cfg.baseline_s)
-            b = self._baseline
-            self._baseline = OfferedLoad(
-                *(keep * getattr(b, f) + (1 - keep) * getattr(load, f) for f in OfferedLoad.__dataclass_fields__)
+            # The lengths and prefix hits, smoothed: one window's mean prompt swings with a heavy tail. Until
+            # baseline_s of load has been seen, the plain mean of the readings (each weighted by its interval):
+            # smoothing from the first reading alone kept its weight for minutes (e^-1 of it after baseline_s),
+            # and a planner's first minute is not its typical one (Mooncake at 8x: cold caches, 3% prefix hits
+            # where 20% followed, and longer prompts), so the reserve followed one reading for the whole run.
+            dt = max(obs.t - self._baseline_t, 0.0)
+            self._smoothed_s += dt
+            new = max(1.0 - math.exp(-dt / cfg.baseline_s), dt / self._smoothed_s)
+            b = self._smoothed
+            self._smoothed = OfferedLoad(
+                *((1 - new) * getattr(b, f) + new * getattr(load, f) for f in OfferedLoad.__dataclass_fields__)
             )
+        # The rate: the median of the readings of the last baseline_s. A burst that lifts fewer than half of them
+        # (two minutes, plus the rate window's length, within five) leaves it where it was, so the reserve is
+        # neither stacked on the burst nor held up for minutes after it, where a mean took a third of a two-minute
+        # doubling and kept it for baseline_s; a change that lasts moves it within half of baseline_s, where a
+        # mean lags a steady rise by all of baseline_s.
+        self._rates.append((obs.t, load.rate))
+        while self._rates and self._rates[0][0] <= obs.t - cfg.baseline_s:
+            self._rates.popleft()
+        self._baseline = replace(self._smoothed, rate=statistics.median(r for _, r in self._rates))
         self._baseline_t = obs.t
         if cfg.step_reserve <= 0:
             return planned
         b = self._baseline
-        need = reserve_fleet(self.spec, replace(b, rate=b.rate * (1 + cfg.step_reserve)))
+        now = self._forecast.level if self._forecast is not None and self._forecast.level is not None else b.rate
+        need = reserve_fleet(self.spec, replace(b, rate=min(now, b.rate)), cfg.step_reserve * b.rate)
         return Counts(max(planned.prefill, need.prefill), max(planned.decode, need.decode), planned.mixed)
 
     def _queue_reaction(self, obs: Observation, planned: Counts) -> Counts:
         cfg = self.cfg
         alarm = cfg.queue_alarm * self.spec.ttft_s
-        if obs.queue_wait_s <= alarm and obs.shed_rate <= 0:
+        # Shedding within the share of requests the SLO lets miss (1 - its percentile) is no call for more pods:
+        # the router also refuses a prompt too long for any worker to prefill within the target even idle
+        # (Mooncake's longest, a few a minute), whatever the fleet, and each such refusal raised the plan by a pod
+        # and restarted the wait before any scale-down (Mooncake at 12x: eight such raises of one prefill pod in
+        # 900 s with no queue, 37 -> 39 before its burst and 43 -> 46 after it).
+        shedding = obs.shed_rate > (1 - self.spec.percentile / 100) * obs.load.rate
+        if obs.queue_wait_s <= alarm and not shedding:
             return planned
         role = "prefill" if "prefill" in self.spec.roles and obs.ready.prefill > 0 else "mixed"
         if role not in self.spec.roles:
             return planned
         ready = getattr(obs.ready, role)
         extra = ready * obs.queue_wait_s / cfg.drain_s if obs.queue_wait_s > alarm else 0.0
-        if obs.shed_rate > 0 and obs.load.rate > 0:
+        if shedding and obs.load.rate > 0:
             extra += ready * obs.shed_rate / obs.load.rate
         wanted = min(max(ready + max(1, math.ceil(extra)), getattr(planned, role)), math.ceil(ready * cfg.max_step_up))
         wanted = max(wanted, getattr(planned, role))

@@ -150,6 +150,7 @@ def build_planner(args: argparse.Namespace) -> Planner:
         cost=StepCost(),
         ttft_s=cls.ttft_s or 10.0,
         itl_s=cls.itl_s,
+        percentile=cls.percentile,
         chunk_tokens=args.chunk_tokens,
         max_running=args.max_running,
         kv_tokens=args.kv_tokens,

@@ -1,0 +1,96 @@
+"""The planner alone at several trace scales, against the best fixed split that planner_eval.py found for each:
+the same requests, burst, SLOs, start and warm-up as planner_eval.py's, without its fixed-split search and HPA
+runs (minutes at the larger scales; they do not depend on the planner's code, so one planner_eval.py run per
+scale serves every version of the planner).
+
+    python bench/fleet_sim/planner_scales.py mooncake:4=bench/out/planner_eval_reserve_mooncake.json \\
+        azure:2=bench/out/planner_eval_azure_x8.json [--out bench/out/planner_scales.json]
+
+Each point is TRACE:SCALE=JSON, TRACE mooncake or azure and SCALE planner_eval.py's ``--scale`` (Azure runs at
+4x it), JSON a planner_eval.py output for that trace and scale (its ``fixed_best``). Besides attainment and the
+GPU-hours against the fixed split it reports the first scale-up decision after the burst starts and after the
+queue first grew (the first decision in the burst that read a predicted wait above 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from bench.fleet_sim import workload as wl  # noqa: E402
+from bench.fleet_sim.planner_eval import first_up_after, mean_load, run_planner, summary  # noqa: E402
+from bench.fleet_sim.scenarios import fleet_config, fleet_spec  # noqa: E402
+from planner.sizing import size_fleet  # noqa: E402
+
+GOAL, RATIO = 0.99, 1.15
+TRACES = {"mooncake": (wl.mooncake, 1.0, 2.0), "azure": (wl.azure, 4.0, 1.0)}  # loader, rate factor, TTFT target
+
+
+def point(trace: str, scale: float, fixed_json: Path, args: argparse.Namespace) -> dict:
+    load, factor, ttft = TRACES[trace]
+    span, itl = args.span, 0.05
+    burst = (span * 0.5, 120.0)
+    base = wl.scale_rate(load(), scale * factor, span)
+    reqs = wl.burst(base, burst[0], burst[1], len(base) / span)  # as planner_eval.py: the rate doubles for 2 min
+    cfg = replace(fleet_config(ttft, itl, args.startup), measure_from_s=args.warmup)
+    spec = fleet_spec(cfg.worker, ttft, itl)
+    t = time.perf_counter()
+    res, ctl = run_planner(cfg, spec, reqs, span, size_fleet(spec, mean_load(reqs, span)))
+    fixed = json.loads(fixed_json.read_text())[trace]["fixed_best"]
+    grew = next((tl["t"] for tl in res.timeline if tl["t"] >= burst[0] and tl["queue_wait_s"] > 0), None)
+    up = first_up_after(ctl, burst[0])
+    return {
+        "trace": trace,
+        "scale": scale,
+        "rate_multiplier": scale * factor,
+        "planner": summary(res),
+        "fixed_best": fixed,
+        "ratio_gpu_hours_planner_over_fixed": res.gpu_hours / fixed["gpu_hours"],
+        "first_scale_up_after_burst_s": up,
+        "queue_first_grew_after_burst_s": None if grew is None else grew - burst[0],
+        "seconds": time.perf_counter() - t,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("points", nargs="+", help="TRACE:SCALE=planner_eval.json")
+    ap.add_argument("--span", type=float, default=900.0)
+    ap.add_argument("--warmup", type=float, default=120.0)
+    ap.add_argument("--startup", type=float, default=30.0)
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "planner_scales.json")
+    args = ap.parse_args()
+    logging.getLogger("kvferry.router").setLevel(logging.ERROR)
+    rows = []
+    print("| trace x rate | attainment | GPU-h | fixed split: GPU-h | ratio | first up after burst / queue grew |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for spec in args.points:
+        where, fixed_json = spec.split("=", 1)
+        trace, scale = where.split(":")
+        r = point(trace, float(scale), Path(fixed_json), args)
+        rows.append(r)
+        p, f, ratio = r["planner"], r["fixed_best"], r["ratio_gpu_hours_planner_over_fixed"]
+        low = " (missed)" if p["attainment"] < GOAL else ""
+        high = " (missed)" if ratio > RATIO else ""
+        counts = f"{f['counts']['prefill']}P+{f['counts']['decode']}D"
+        print(
+            f"| {trace} x{r['rate_multiplier']:g} | {p['attainment']:.2%}{low} | {p['gpu_hours']:.3f} | {counts}: "
+            f"{f['gpu_hours']:.3f} | {ratio:.3f}{high} | {r['first_scale_up_after_burst_s']} / "
+            f"{r['queue_first_grew_after_burst_s']} s |",
+            flush=True,
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "points": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
