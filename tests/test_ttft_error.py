@@ -60,9 +60,8 @@ def test_quantile_reads_the_upper_tail() -> None:
     assert e.factor(1.0) == pytest.approx(1.9)
 
 
-def _dispatcher(queued_tokens: int, quantile: float = 0.9) -> Dispatcher:
-    pool = WorkerPool(client=None)  # type: ignore[arg-type]
-    pool.set_targets("decode", ["http://decode0"])
+def _report(pool: WorkerPool, queued_tokens: int) -> None:
+    """decode0's load: 10 ms a step plus 0.1 ms a prompt token, 1,000-token chunks, `queued_tokens` ahead."""
     snap = {
         "role": "decode",
         "pod": "decode0",
@@ -75,6 +74,12 @@ def _dispatcher(queued_tokens: int, quantile: float = 0.9) -> Dispatcher:
         "queued_ahead_tokens": {"interactive": queued_tokens},
     }
     pool.report_load(pool.workers["http://decode0"], parse_load(snap))
+
+
+def _dispatcher(queued_tokens: int, quantile: float = 0.9) -> Dispatcher:
+    pool = WorkerPool(client=None)  # type: ignore[arg-type]
+    pool.set_targets("decode", ["http://decode0"])
+    _report(pool, queued_tokens)
     return Dispatcher(
         pool,
         RoutingPolicy(),
@@ -115,22 +120,7 @@ def test_admission_sheds_earlier_once_served_requests_came_back_later_than_predi
         d.check_ttft(_plan(), INTERACTIVE)  # 0.77 x 1.56 = 1.2 s: past the 1 s target
     assert refused.value.status == 429 and refused.value.headers["Retry-After"] == "1"
     # a lighter queue stays admitted under the same correction: 2,000 ahead -> 0.55 s x 1.56 = 0.86 s
-    d.pool.report_load(
-        d.pool.workers["http://decode0"],
-        parse_load(
-            {
-                "role": "decode",
-                "pod": "decode0",
-                "ready": True,
-                "free_pages": 10_000,
-                "total_pages": 10_000,
-                "step_coefficients": {"base_s": 0.01, "per_prefill_token_s": 1e-4},
-                "step_chunk_tokens": 1000,
-                "queued_prefill_tokens": 2000,
-                "queued_ahead_tokens": {"interactive": 2000},
-            }
-        ),
-    )
+    _report(d.pool, 2000)
     assert d.check_ttft(_plan(), INTERACTIVE) == pytest.approx(0.55 * 1.2 / 0.77)
     d.ttft_error._last_at -= HORIZON_S + 1  # the samples age out: the prediction stands again
     assert d.check_ttft(_plan(), INTERACTIVE) == pytest.approx(0.55)
