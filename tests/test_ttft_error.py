@@ -41,12 +41,16 @@ def test_the_factor_is_the_quantile_of_relevant_ratios_within_bounds() -> None:
     assert e.factor(33.0 + HORIZON_S + 1) == 1.0  # nothing fresh: the predictions stand
 
 
-def test_short_predictions_and_classes_without_a_target_do_not_count() -> None:
+def test_quick_requests_and_classes_without_a_target_do_not_count_late_ones_do() -> None:
     e = PredictionError(0.9)
+    short = 0.9 * RELEVANT_SHARE
     for i in range(100):
-        e.observe(float(i) * 0.1, 3.0, 0.9 * RELEVANT_SHARE, 1.0)  # tiny predictions: fixed costs dominate
+        e.observe(float(i) * 0.1, short, short / 4, 1.0)  # predicted and served quickly: fixed costs
         e.observe(float(i) * 0.1, 3.0, 0.8, None)  # no TTFT target
     assert e.factor(10.0) == 1.0
+    for i in range(MIN_SAMPLES):
+        e.observe(11.0 + i * 0.1, 0.9, 0.3, 1.0)  # predicted quickly, served late: the error that matters
+    assert e.factor(13.0) == pytest.approx(3.0 if 3.0 <= MAX_FACTOR else MAX_FACTOR)
     off = PredictionError(0.0)
     for i in range(100):
         off.observe(float(i) * 0.1, 3.0, 0.8, 1.0)

@@ -8,9 +8,11 @@ them, and admission lets in requests that then miss the target: FP8 on an H100 a
 saturation that came back 1.0-1.9 s late (bench/RESULTS.md, "The host tier's pieces ..."). The error a router
 observes is the error its own admission makes, so it corrects itself without a constant fitted to one card.
 
-Only predictions that can decide admission count (at least `RELEVANT_SHARE` of the class's target): a short
-prediction's ratio is dominated by fixed costs outside the worker (tokenization, the first event's relay) and
-says nothing about a queue's. Samples older than `HORIZON_S` are dropped, so a correction learnt in one burst
+Only requests near deciding admission count: predicted or measured at `RELEVANT_SHARE` of the class's target or
+more. A request both predicted and served quickly has a ratio dominated by fixed costs outside the worker
+(tokenization, the first event's relay) that says nothing about a queue's; one predicted quickly and served late
+is the error that matters most (a step model far off: on a 2-core CPU shared by two workers, the router, and the
+client, admitted requests took 2-4x their predictions). Samples older than `HORIZON_S` are dropped, so a correction learnt in one burst
 does not shed the next one's first requests minutes later. A router that observes nothing (the fleet
 simulator, a worker not yet measured) keeps the factor 1: the predictions as they are.
 """
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 
 __all__ = ["HORIZON_S", "MAX_FACTOR", "MIN_SAMPLES", "RELEVANT_SHARE", "PredictionError"]
 
-# A prediction under this share of its target is far from deciding admission; its error is not the queue's.
+# A request predicted and served under this share of its target was far from deciding admission.
 RELEVANT_SHARE = 0.25
 # The factor is read once this many relevant requests were served within the horizon; before, predictions stand.
 MIN_SAMPLES = 20
@@ -45,7 +47,9 @@ class PredictionError:
 
     def observe(self, now: float, measured_s: float, predicted_s: float | None, target_s: float | None) -> None:
         """One served request's first token: `measured_s` against the `predicted_s` its placement was admitted on."""
-        if self.quantile <= 0 or predicted_s is None or target_s is None or predicted_s < RELEVANT_SHARE * target_s:
+        if self.quantile <= 0 or predicted_s is None or predicted_s <= 0 or target_s is None:
+            return
+        if max(predicted_s, measured_s) < RELEVANT_SHARE * target_s:
             return
         samples = self._samples
         samples.append((now, measured_s / predicted_s))
