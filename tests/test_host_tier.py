@@ -103,6 +103,7 @@ def test_copies_stay_within_one_locked_piece_of_the_host_side(monkeypatch) -> No
     pool = KVPool(LAYOUT, 8)
     stride = pool.page_stride_bytes
     monkeypatch.setattr(host_tier, "LOCK_CHUNK_BYTES", 3 * stride + stride // 2)  # not a whole number of pages
+    monkeypatch.setattr(host_tier, "HOST_PAGE_BYTES", stride // 2)
     per_piece = 3
     pieces: list[tuple[int, int]] = []
     tier = HostTier(pool, 20, lock_pages=lambda address, nbytes: pieces.append((address, nbytes)) or True)
@@ -128,6 +129,12 @@ def test_copies_stay_within_one_locked_piece_of_the_host_side(monkeypatch) -> No
                 assert piece_of(first) == piece_of(first + k - 1)
     assert len(pieces) == -(-20 // per_piece) and sum(n for _, n in pieces) == 20 * stride
     assert HostTier(pool, 20).copy_runs(list(range(8)), list(range(8)), True) == [(0, 0, 8)]  # CPU: nothing cut
+    # pieces are whole OS pages too: with 3 KV pages to 2 OS pages, pieces of 2 KV pages would split one
+    monkeypatch.setattr(host_tier, "HOST_PAGE_BYTES", 3 * stride // 2)
+    monkeypatch.setattr(host_tier, "LOCK_CHUNK_BYTES", 2 * stride)
+    odd: list[tuple[int, int]] = []
+    HostTier(pool, 20, lock_pages=lambda address, nbytes: odd.append((address, nbytes)) or True).lock_some(1e9)
+    assert {n for _, n in odd[:-1]} == {3 * stride}
 
 
 def test_evicted_prefix_goes_to_host_and_comes_back_intact() -> None:
@@ -160,6 +167,7 @@ def test_a_tier_still_being_page_locked_is_not_used_until_every_piece_is(monkeyp
     import common.kv.host_tier as host_tier
 
     monkeypatch.setattr(host_tier, "LOCK_CHUNK_BYTES", 256)
+    monkeypatch.setattr(host_tier, "HOST_PAGE_BYTES", 128)  # one KV page of LAYOUT: pieces of 2 pages
     pool = KVPool(LAYOUT, 8)
     locked: list[tuple[int, int]] = []
     tier = HostTier(pool, 16, lock_pages=lambda address, nbytes: locked.append((address, nbytes)) or True)

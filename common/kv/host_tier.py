@@ -6,6 +6,8 @@ scheduler stream without waiting, which orders them against the steps. Exclusive
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 import os
 import time
 import weakref
@@ -23,6 +25,8 @@ AUTO_HOST_SHARE = 0.3
 # Page-locking runs in pieces of this size, one per idle turn of the engine's loop (`lock_some`): a request that
 # arrives meanwhile waits for one piece at most, not for the whole tier (tens of GB: seconds).
 LOCK_CHUNK_BYTES = 512 << 20
+# The OS page: registrations are made of whole ones.
+HOST_PAGE_BYTES = mmap.PAGESIZE
 
 
 def _read_int(path: str) -> int | None:
@@ -113,9 +117,13 @@ class HostTier:
         if lock_pages is None and device_pool.device.type == "cuda":
             lock_pages = _cuda_register
         stride = kv.stride(0) * kv.element_size()
-        # Pieces of whole pages, so a copy is cut only between pages (`within_pieces`); on the CPU path nothing
-        # is locked and nothing is cut.
-        self._piece_pages = max(1, LOCK_CHUNK_BYTES // stride) if lock_pages is not None else num_pages
+        # Pieces of whole KV pages, so a copy is cut only between pages (`within_pieces`), and of whole OS pages,
+        # so no OS page is registered twice (a latent page of DeepSeek-V2-Lite is 121.5 OS pages); on the CPU
+        # path nothing is locked and nothing is cut.
+        unit = HOST_PAGE_BYTES // math.gcd(stride, HOST_PAGE_BYTES)  # KV pages per whole number of OS pages
+        self._piece_pages = (
+            max(unit, LOCK_CHUNK_BYTES // stride // unit * unit) if lock_pages is not None else num_pages
+        )
         # (address, bytes) of each piece still to lock; none where nothing needs locking (the CPU path).
         self._to_lock = (
             [
