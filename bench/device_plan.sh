@@ -4,7 +4,7 @@
 # On the device tool (carry [".devbundle"]):
 #     source .devbundle/setup.sh; bash bench/device_plan.sh <part>
 # Parts (device seconds, roughly, after the machine's start):
-#     46      FP8 against bf16 at the SLO targets, the relay allowance on and off (bench/serve.py)      ~420
+#     46      the host tier's GPU test; FP8 against bf16 at the SLO targets, the relay allowance on and off ~540
 #     47      MLA: the GPU tests, decompressed vs absorbed prefill, the split-KV decode kernel on/off,
 #             prompt logprobs' cost at 8k tokens (~330); then `save_jit_cache $OUT` on the same command
 #             line (a function of setup.sh's shell: the ragged 192/128 kernel is new), recompressed with
@@ -46,7 +46,9 @@ step() {  # step SECONDS NAME COMMAND...: runs it with its own limit and says ho
 }
 case "$part" in
 46)
-    step 520 serve_fp8 python3 bench/serve.py --model dummy:llama-3.1-8b --mode agg,agg@fp8,agg@fp8noallow \
+    # the host tier's copies across its page-locked pieces (the fault the 2026-12-05 H100 calls found): seconds
+    step 90 gpu_host_tier python3 -m pytest -q -p no:cacheprovider tests/test_gpu_path.py -k host_tier
+    step 480 serve_fp8 python3 bench/serve.py --model dummy:llama-3.1-8b --mode agg,agg@fp8,agg@fp8noallow \
         --variant-env fp8:KVFERRY_WEIGHT_DTYPE=fp8_e4m3 --variant-env fp8:KVFERRY_KV_DTYPE=fp8_e4m3 \
         --variant-env fp8noallow:KVFERRY_WEIGHT_DTYPE=fp8_e4m3 --variant-env fp8noallow:KVFERRY_KV_DTYPE=fp8_e4m3 \
         --variant-env fp8noallow:KVFERRY_RELAY_ALLOWANCE=off --gpus 0 --rates 12,24,30,36 --seconds 10 \
