@@ -116,23 +116,20 @@ class HostTier:
         kv = torch.empty(shape, dtype=layout.dtype)
         if lock_pages is None and device_pool.device.type == "cuda":
             lock_pages = _cuda_register
-        stride = kv.stride(0) * kv.element_size()
-        # Pieces of whole KV pages, so a copy is cut only between pages (`within_pieces`), and of whole OS pages,
-        # so no OS page is registered twice (a latent page of DeepSeek-V2-Lite is 121.5 OS pages); on the CPU
-        # path nothing is locked and nothing is cut.
-        unit = HOST_PAGE_BYTES // math.gcd(stride, HOST_PAGE_BYTES)  # KV pages per whole number of OS pages
-        self._piece_pages = (
-            max(unit, LOCK_CHUNK_BYTES // stride // unit * unit) if lock_pages is not None else num_pages
-        )
-        # (address, bytes) of each piece still to lock; none where nothing needs locking (the CPU path).
-        self._to_lock = (
-            [
+        # (address, bytes) of each piece still to lock, and the pages a piece holds; on the CPU path nothing is
+        # locked and nothing is cut: no piece, one piece's worth of pages.
+        self._to_lock: list[tuple[int, int]] = []
+        self._piece_pages = num_pages
+        if lock_pages is not None:
+            stride = kv.stride(0) * kv.element_size()
+            # Pieces of whole KV pages, so a copy is cut only between pages (`within_pieces`), and of whole OS
+            # pages, so no OS page is registered twice (a latent page of DeepSeek-V2-Lite is 121.5 OS pages).
+            unit = HOST_PAGE_BYTES // math.gcd(stride, HOST_PAGE_BYTES)  # KV pages per whole number of OS pages
+            self._piece_pages = max(unit, LOCK_CHUNK_BYTES // stride // unit * unit)
+            self._to_lock = [
                 (kv.data_ptr() + p * stride, min(self._piece_pages, num_pages - p) * stride)
                 for p in range(0, num_pages, self._piece_pages)
             ]
-            if lock_pages is not None
-            else []
-        )
         self._lock_pages = lock_pages
         self._locked: list[int] = []  # addresses of the pieces locked, to unlock at close
         self.lock_seconds = 0.0  # spent locking so far
@@ -176,15 +173,19 @@ class HostTier:
 
     def save(self, device_pages: torch.Tensor, host_pages: torch.Tensor) -> None:
         """Device pages into host pages (asynchronous on CUDA, ordered on the current stream)."""
-        for s, d, n in self.copy_runs(device_pages.tolist(), host_pages.tolist(), host_is_dst=True):
-            self.pool.kv[d : d + n].copy_(self.device_pool.kv[s : s + n], non_blocking=True)
+        self._copy(self.device_pool.kv, device_pages, self.pool.kv, host_pages, host_is_dst=True)
         self.saved_pages += int(device_pages.numel())
 
     def load(self, host_pages: torch.Tensor, device_pages: torch.Tensor) -> None:
         """Host pages into device pages (asynchronous on CUDA, ordered on the current stream)."""
-        for s, d, n in self.copy_runs(host_pages.tolist(), device_pages.tolist(), host_is_dst=False):
-            self.device_pool.kv[d : d + n].copy_(self.pool.kv[s : s + n], non_blocking=True)
+        self._copy(self.pool.kv, host_pages, self.device_pool.kv, device_pages, host_is_dst=False)
         self.loaded_pages += int(host_pages.numel())
+
+    def _copy(
+        self, src: torch.Tensor, src_pages: torch.Tensor, dst: torch.Tensor, dst_pages: torch.Tensor, host_is_dst: bool
+    ) -> None:
+        for s, d, n in self.copy_runs(src_pages.tolist(), dst_pages.tolist(), host_is_dst):
+            dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
 
     def copy_runs(self, src: list[int], dst: list[int], host_is_dst: bool) -> list[tuple[int, int, int]]:
         """(src start, dst start, pages) of the copies that move `src` pages to `dst`: consecutive pages in one,
