@@ -272,19 +272,24 @@ class Dispatcher:
         prefilled = w.place_prompt(time.monotonic(), len(plan.token_ids) - matched)
         self.metrics.prompt_cached_tokens.inc(matched)
         record = plan.record
-        if record is not None:
-            record.on_first_token.append(prefilled)
-            if record.predicted_ttft_s is None:
-                record.predicted_ttft_s = predicted
-                cls = plan.slo_class
-                if predicted is not None and cls is not None and cls.ttft_s is not None and self.admit_by_ttft:
-                    target, error = cls.ttft_s, self.ttft_error
+        if record is None:
+            return
+        record.on_first_token.append(prefilled)
+        if record.predicted_ttft_s is None:
+            record.predicted_ttft_s = predicted
+            self._measure_prediction(record, predicted, plan.slo_class)
 
-                    def measured() -> None:
-                        if record.ttft_s is not None:
-                            error.observe(time.monotonic(), record.ttft_s, predicted, target)
+    def _measure_prediction(self, record: RequestRecord, predicted: float | None, cls: SloClass | None) -> None:
+        """At the request's first token, its TTFT against the prediction it was admitted on (ttft_error.py)."""
+        if predicted is None or cls is None or cls.ttft_s is None or not self.admit_by_ttft:
+            return
+        target, error = cls.ttft_s, self.ttft_error
 
-                    record.on_first_token.append(measured)
+        def measured() -> None:
+            if record.ttft_s is not None:
+                error.observe(time.monotonic(), record.ttft_s, predicted, target)
+
+        record.on_first_token.append(measured)
 
     def check_request_kv(self, request_tokens: int, detail: str) -> None:
         """400 when the request's KV exceeds what one request may take on every ready decode worker."""

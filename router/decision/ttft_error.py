@@ -11,10 +11,10 @@ observes is the error its own admission makes, so it corrects itself without a c
 Only requests near deciding admission count: predicted or measured at `RELEVANT_SHARE` of the class's target or
 more. A request both predicted and served quickly has a ratio dominated by fixed costs outside the worker
 (tokenization, the first event's relay) that says nothing about a queue's; one predicted quickly and served late
-is the error that matters most (a step model far off: on a 2-core CPU shared by two workers, the router, and the
-client, admitted requests took 2-4x their predictions). Samples older than `HORIZON_S` are dropped, so a correction learnt in one burst
-does not shed the next one's first requests minutes later. A router that observes nothing (the fleet
-simulator, a worker not yet measured) keeps the factor 1: the predictions as they are.
+is the error that matters most (a step model far off: on a 2-core CPU shared by two workers, the router and the
+client, admitted requests took 3-4x their predictions). Samples older than `HORIZON_S` are dropped, so a
+correction learnt in one burst does not shed the next one's first requests minutes later. A router that observes
+nothing (the fleet simulator, a worker not yet measured) keeps the factor 1: the predictions as they are.
 """
 
 from __future__ import annotations
