@@ -105,9 +105,31 @@ def summary(r: Result) -> dict:
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.summary().items()}
 
 
+# The evaluated traces: loader, rate multiplier per --scale (Azure's trace is 4x thinner), TTFT target (s).
+TRACES = {"mooncake": (wl.mooncake, 1.0, 2.0), "azure": (wl.azure, 4.0, 1.0)}
+BURST_S = 120.0  # how long the evaluation's burst doubles the trace's mean rate, from mid-run
+
+
+def with_burst(base: list, span: float) -> tuple[list, tuple[float, float]]:
+    """`base` with the evaluation's burst added, and the burst (start, length)."""
+    burst = (span * 0.5, BURST_S)
+    return wl.burst(base, burst[0], burst[1], len(base) / span), burst
+
+
+def trace_requests(trace: str, scale: float, span: float) -> tuple[list, tuple[float, float]]:
+    """One of `TRACES` at `scale`, filling `span`, with the burst."""
+    load, factor, _ = TRACES[trace]
+    return with_burst(wl.scale_rate(load(), scale * factor, span), span)
+
+
+def fleet_setup(ttft: float, itl: float, startup: float, warmup: float, route_sample: int = 0) -> tuple:
+    """The simulated fleet's configuration and the planner's spec at these targets, measured from `warmup`."""
+    cfg = replace(fleet_config(ttft, itl, startup, route_sample=route_sample), measure_from_s=warmup)
+    return cfg, fleet_spec(cfg.worker, ttft, itl)
+
+
 def evaluate(name: str, reqs: list, span: float, ttft: float, itl: float, burst: tuple[float, float], args) -> dict:  # type: ignore[no-untyped-def]
-    cfg = replace(fleet_config(ttft, itl, args.startup, route_sample=args.route_sample), measure_from_s=args.warmup)
-    spec = fleet_spec(cfg.worker, ttft, itl)
+    cfg, spec = fleet_setup(ttft, itl, args.startup, args.warmup, args.route_sample)
     init = size_fleet(spec, mean_load(reqs, span))
     print(f"== {name}: {len(reqs)} requests over {span:.0f} s ({len(reqs) / span:.1f} req/s), start {init}", flush=True)
     t = time.perf_counter()
@@ -159,8 +181,7 @@ def dynamo_swing(args) -> dict:  # type: ignore[no-untyped-def]
     span, period = args.span, 300.0
     reqs = wl.swing(1.0, 24.0, period, span, 8000, 1000, seed=3)
     ttft, itl = 3.0, 0.05
-    cfg = replace(fleet_config(ttft, itl, args.startup, route_sample=args.route_sample), measure_from_s=0.0)
-    spec = fleet_spec(cfg.worker, ttft, itl)
+    cfg, spec = fleet_setup(ttft, itl, args.startup, 0.0, args.route_sample)
     init = size_fleet(spec, OfferedLoad(1.0, 8000, 1000))
     t = time.perf_counter()
     res, ctl = run_planner(cfg, spec, reqs, span, init)
@@ -204,21 +225,15 @@ def main() -> int:
     logging.getLogger("kvferry.router").setLevel(logging.ERROR)
     started = time.perf_counter()
     out: dict = {"args": {k: str(v) for k, v in vars(args).items()}}
-    burst = (args.span * 0.5, 120.0)
     only = args.only.split(",")
-    if "mooncake" in only:
-        base = wl.scale_rate(wl.mooncake(), args.scale, args.span)
-        reqs = wl.burst(base, burst[0], burst[1], len(base) / args.span)  # the rate doubles for two minutes
-        out["mooncake"] = evaluate("Mooncake + burst", reqs, args.span, 2.0, 0.05, burst, args)
-    if "azure" in only:
-        base = wl.scale_rate(wl.azure(), args.scale * 4, args.span)
-        reqs = wl.burst(base, burst[0], burst[1], len(base) / args.span)
-        out["azure"] = evaluate("Azure + burst", reqs, args.span, 1.0, 0.05, burst, args)
+    for trace, name in (("mooncake", "Mooncake + burst"), ("azure", "Azure + burst")):
+        if trace in only:
+            reqs, burst = trace_requests(trace, args.scale, args.span)
+            out[trace] = evaluate(name, reqs, args.span, TRACES[trace][2], 0.05, burst, args)
     if "dynamo" in only:
         out["dynamo_10528"] = dynamo_swing(args)
     for path in args.trace:
-        base = wl.scale_rate(wl.trace_file(path), args.trace_scale, args.span)
-        reqs = wl.burst(base, burst[0], burst[1], len(base) / args.span)
+        reqs, burst = with_burst(wl.scale_rate(wl.trace_file(path), args.trace_scale, args.span), args.span)
         out[path.name] = evaluate(f"{path.name} + burst", reqs, args.span, args.ttft_s, args.itl_s, burst, args)
     out["seconds"] = time.perf_counter() - started
     args.out.parent.mkdir(parents=True, exist_ok=True)

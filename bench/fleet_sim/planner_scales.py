@@ -19,29 +19,30 @@ import json
 import logging
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from bench.fleet_sim import workload as wl  # noqa: E402
-from bench.fleet_sim.planner_eval import first_up_after, mean_load, run_planner, summary  # noqa: E402
-from bench.fleet_sim.scenarios import fleet_config, fleet_spec  # noqa: E402
+from bench.fleet_sim.planner_eval import (  # noqa: E402
+    TRACES,
+    first_up_after,
+    fleet_setup,
+    mean_load,
+    run_planner,
+    summary,
+    trace_requests,
+)
 from planner.sizing import size_fleet  # noqa: E402
 
 GOAL, RATIO = 0.99, 1.15
-TRACES = {"mooncake": (wl.mooncake, 1.0, 2.0), "azure": (wl.azure, 4.0, 1.0)}  # loader, rate factor, TTFT target
 
 
 def point(trace: str, scale: float, fixed_json: Path, args: argparse.Namespace) -> dict:
-    load, factor, ttft = TRACES[trace]
-    span, itl = args.span, 0.05
-    burst = (span * 0.5, 120.0)
-    base = wl.scale_rate(load(), scale * factor, span)
-    reqs = wl.burst(base, burst[0], burst[1], len(base) / span)  # as planner_eval.py: the rate doubles for 2 min
-    cfg = replace(fleet_config(ttft, itl, args.startup), measure_from_s=args.warmup)
-    spec = fleet_spec(cfg.worker, ttft, itl)
+    _, factor, ttft = TRACES[trace]
+    span = args.span
+    reqs, burst = trace_requests(trace, scale, span)  # as planner_eval.py's, the burst included
+    cfg, spec = fleet_setup(ttft, 0.05, args.startup, args.warmup)
     t = time.perf_counter()
     res, ctl = run_planner(cfg, spec, reqs, span, size_fleet(spec, mean_load(reqs, span)))
     fixed = json.loads(fixed_json.read_text())[trace]["fixed_best"]
