@@ -1022,6 +1022,15 @@ DEBUG_CHECKSUMS = declare(
     shown_default="unset",
     kind="debug",
 )
+LOOP_STALL_DUMP_S = declare(
+    "KVFERRY_LOOP_STALL_DUMP_S",
+    float,
+    10.0,
+    "N > 0: a router process (or a decode worker's HTTP process) whose event loop does not run for N s writes every "
+    "thread's stack to its log, once per stall; 0: off",
+    "all",
+    "common/loop_lag.py",
+)
 HANG_DUMP_S = declare(
     "KVFERRY_HANG_DUMP_S",
     float,

@@ -78,3 +78,58 @@ def test_each_relaying_process_adds_its_own_lateness_to_a_requests_allowance() -
     sent, taken = asyncio.run(main())
     assert sent.itl_allowance_ms >= 20 and sent.itl_allowance_ms == int(sent.itl_allowance_ms)
     assert taken.itl_allowance_ms >= sent.itl_allowance_ms + 20 and taken.max_tokens == 7
+
+
+STUCK_LOOP = """
+import asyncio, logging, sys, time
+from common.log import setup_logging
+from common.loop_lag import LoopLag
+
+def hold_the_loop():
+    time.sleep(2.0)  # a blocking call on the loop: nothing else of the process runs meanwhile
+
+async def main():
+    lag = LoopLag(stall_dump_s=0.5)
+    lag.start()
+    await asyncio.sleep(0.1)
+    hold_the_loop()
+    await asyncio.sleep(0.1)
+    await lag.stop()
+
+setup_logging()
+asyncio.run(main())
+"""
+
+
+def test_a_stuck_loop_gets_every_threads_stack_written_and_a_warning_once_it_runs_again() -> None:
+    """The watchdog (`stall_dump_s`): a process whose loop is stuck writes where it is stuck, which a silent
+    router process otherwise never tells."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    run = subprocess.run(
+        [sys.executable, "-c", STUCK_LOOP], cwd=repo, capture_output=True, text=True, timeout=60, check=True
+    )
+    err = run.stderr + run.stdout
+    assert "Timeout (0:00:00.500000)!" in err  # faulthandler's own thread wrote it, the loop still stuck
+    assert "in hold_the_loop" in err and "in main" in err
+    assert "event loop stalled" in err
+
+
+def test_a_loop_that_keeps_running_writes_no_stack() -> None:
+    """Busy, never stuck as long as the watchdog's limit, and stopped: nothing is written, during or after."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import asyncio, time\nfrom common.loop_lag import LoopLag\n"
+        "async def main():\n    lag = LoopLag(interval_s=0.005, stall_dump_s=0.3)\n    lag.start()\n"
+        "    for _ in range(10):\n        time.sleep(0.05)\n        await asyncio.sleep(0.05)\n"
+        "    await lag.stop()\n    await asyncio.sleep(0.5)\nasyncio.run(main())\n"
+    )
+    repo = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=60, check=True)
+    assert "Timeout" not in run.stderr
