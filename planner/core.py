@@ -1,9 +1,10 @@
 """The planner's decisions: from one ``Observation`` every ``interval_s``, the replica counts each Deployment
 should have (docs/architecture.md, "The planner"): a Holt forecast one pod start-up ahead (held within
 ``max_growth`` of the level), sized by planner/sizing.py, raised when the predicted queue wait passes the alarm
-(from the replicas ready now, so starting pods are not counted twice), never below a reserve that absorbs a
-step of the load while new pods start (``step_reserve``, a step of the baseline load landing on the load now),
-and hysteresis on the way down.
+(from the replicas ready now, so starting pods are not counted twice) or, below it, is far likelier with the
+reserve's step landed than at the rate seen (the step's first sign, before the rate window shows it), never below
+a reserve that absorbs a step of the load while new pods start (``step_reserve``, a step of the baseline load
+landing on the load now), and hysteresis on the way down.
 """
 
 from __future__ import annotations
@@ -13,11 +14,21 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from planner.sizing import Counts, FleetSpec, OfferedLoad, reserve_fleet, size_fleet
+from planner.sizing import Counts, FleetSpec, OfferedLoad, reserve_fleet, size_fleet, wait_chance
 
 __all__ = ["Decision", "Observation", "Planner", "PlannerConfig", "RateForecast"]
 
 ROLES = ("prefill", "decode", "mixed")
+
+# How much likelier a reading's non-zero queue wait must be with the reserve's step landed than at the rate seen
+# before the planner takes it for the step (``Planner._step_under_way``): a likelihood ratio of 10, the threshold of
+# "strong" evidence on Jeffreys' scale of Bayes factors. One reading is all a step gives before the rate window
+# catches up: with the reserve up, the queue shows once or twice and drains (Mooncake at 2x and 6x: one reading
+# each in the burst's first 40 s). Not a wide margin on the evaluation's traces (bench/RESULTS.md, "A short queue
+# taken for the step"): their bursts' first non-zero readings came at ratios of 15.7-146, readings above the
+# baseline outside the bursts at up to 9.8; at 5 Azure at 32x raised a pod before its burst (1.154x the fixed
+# split's GPU-hours), at 20 Mooncake at 2x and Azure at 32x waited 20-25 s again.
+STEP_EVIDENCE = 10.0
 
 
 @dataclass(frozen=True)
@@ -171,10 +182,15 @@ class Planner:
         self._baseline_t = obs.t
         if cfg.step_reserve <= 0:
             return planned
-        b = self._baseline
-        now = self._forecast.level if self._forecast is not None and self._forecast.level is not None else b.rate
-        need = reserve_fleet(self.spec, replace(b, rate=min(now, b.rate)), cfg.step_reserve * b.rate)
+        need = reserve_fleet(self.spec, *self._step_load())
         return Counts(max(planned.prefill, need.prefill), max(planned.decode, need.decode), planned.mixed)
+
+    def _step_load(self) -> tuple[OfferedLoad, float]:
+        """The load the reserve's step lands on (the forecast's level, at most the baseline) and the step's rate."""
+        b = self._baseline
+        assert b is not None  # set by ``_reserve`` before any caller
+        now = self._forecast.level if self._forecast is not None and self._forecast.level is not None else b.rate
+        return replace(b, rate=min(now, b.rate)), self.cfg.step_reserve * b.rate
 
     def _queue_reaction(self, obs: Observation, planned: Counts) -> Counts:
         cfg = self.cfg
@@ -185,18 +201,48 @@ class Planner:
         # and restarted the wait before any scale-down (Mooncake at 12x: eight such raises of one prefill pod in
         # 900 s with no queue, 37 -> 39 before its burst and 43 -> 46 after it).
         shedding = obs.shed_rate > (1 - self.spec.percentile / 100) * obs.load.rate
-        if obs.queue_wait_s <= alarm and not shedding:
+        backlog = obs.queue_wait_s > alarm or self._step_under_way(obs)
+        if not backlog and not shedding:
             return planned
         role = "prefill" if "prefill" in self.spec.roles and obs.ready.prefill > 0 else "mixed"
         if role not in self.spec.roles:
             return planned
         ready = getattr(obs.ready, role)
-        extra = ready * obs.queue_wait_s / cfg.drain_s if obs.queue_wait_s > alarm else 0.0
+        extra = ready * obs.queue_wait_s / cfg.drain_s if backlog else 0.0
         if shedding and obs.load.rate > 0:
             extra += ready * obs.shed_rate / obs.load.rate
         wanted = min(max(ready + max(1, math.ceil(extra)), getattr(planned, role)), math.ceil(ready * cfg.max_step_up))
         wanted = max(wanted, getattr(planned, role))
         return replace(planned, **{role: min(wanted, getattr(self.spec.max_workers, role))})
+
+    def _step_under_way(self, obs: Observation) -> bool:
+        """Whether a non-zero queue wait below the alarm is the reserve's step arriving, before the rate shows it.
+
+        A reading's wait is above 0 when every prefill worker is busy, which at the rate seen with the ready workers
+        has Erlang's C chance (``wait_chance``; the readings outside the evaluation's bursts match it: 16% of
+        Azure's at 4x against 19% predicted, none of Mooncake's against 0-0.2%). The rate is read over a window
+        (30 s in the simulator) that takes in a sixth of a step per 5 s reading, and the reserve carries the step
+        with a short queue, so the wait stays under the alarm (0.01-0.17 s of 2 s at Mooncake's bursts' first
+        non-zero readings) and the plan waited 30-35 s for the rate. So the wait is taken for the step where it is
+        at least ``STEP_EVIDENCE`` times likelier at the load the reserve is held for (the step on the load now,
+        ``_step_load``) than at the rate seen. On a few busy workers a non-zero wait is routine at both (Azure's 2-4
+        prefill workers: ratios of 1-7), so it is left to the alarm; on many workers with the reserve idle it is
+        rare at the rate seen (ratios of 15.7-146 at the bursts' first non-zero readings, 10-27 prefill workers).
+
+        And only while the rate seen is above the baseline (the dead-band): a step lifts it within one reading, and
+        a queue at a quieter time is the load's own noise (a run of long prompts), which the reserve held for a
+        whole step absorbs, and a pod raised for it would be taken back a minute or two later.
+        """
+        cfg, b, spec = self.cfg, self._baseline, self.spec
+        workers = obs.ready.prefill
+        if cfg.step_reserve <= 0 or b is None or obs.queue_wait_s <= 0 or workers <= 0 or "prefill" not in spec.roles:
+            return False
+        seen = obs.load.rate + obs.shed_rate
+        if seen <= b.rate:
+            return False
+        at_seen = wait_chance(spec, replace(b, rate=seen), workers)
+        base, step = self._step_load()
+        return wait_chance(spec, base, workers, step) >= STEP_EVIDENCE * at_seen
 
     def _hysteresis(self, role: str, current: int, planned: int, t: float) -> tuple[int, str]:
         cfg = self.cfg

@@ -20,6 +20,7 @@ __all__ = [
     "prefill_workers",
     "reserve_fleet",
     "size_fleet",
+    "wait_chance",
 ]
 
 MAX_UTILISATION = 0.9  # a queue run hotter than this waits without bound on the first burst
@@ -210,6 +211,24 @@ def _erlang_c(servers: int, offered: float) -> float:
     return b / (1 - rho + rho * b)
 
 
+def _offered_work(spec: FleetSpec, load: OfferedLoad, step_rate: float = 0.0) -> float:
+    """The prefill workers `load` plus a step of `step_rate` requests/s of its lengths with no prefix hits keep
+    busy (Erlangs)."""
+    hitless = replace(load, prefix_hit=0.0)
+    return load.rate * prefill_work_s(spec, load) + step_rate * prefill_work_s(spec, hitless)
+
+
+def wait_chance(spec: FleetSpec, load: OfferedLoad, workers: int, step_rate: float = 0.0) -> float:
+    """The chance that a prompt arriving finds every one of `workers` prefill workers busy (Erlang's C, as
+    ``_prefill_pool``'s queue) under `load` plus a step of `step_rate` requests/s priced as the reserve prices it:
+    what share of the planner's readings should show a predicted wait above 0 (every worker queued). 1 at or past
+    saturation."""
+    work = _offered_work(spec, load, step_rate)
+    if workers <= 0 or work >= workers:
+        return 1.0
+    return _erlang_c(workers, work) if work > 0 else 0.0
+
+
 def _prefill_pool(spec: FleetSpec, load: OfferedLoad, step_rate: float) -> int:
     """The fewest prefill workers whose shared prompt queue keeps the requests that wait past their slack within
     the share the SLO lets miss (1 - its percentile), under `load` plus `step_rate` requests/s of its lengths with
@@ -222,7 +241,7 @@ def _prefill_pool(spec: FleetSpec, load: OfferedLoad, step_rate: float) -> int:
     of Mooncake's trace at 2x that needed 9-10, and 4 for a doubling of Azure's at 8x that 3 carried."""
     hitless = replace(load, prefix_hit=0.0)
     rate = load.rate + step_rate
-    work = load.rate * prefill_work_s(spec, load) + step_rate * prefill_work_s(spec, hitless)
+    work = _offered_work(spec, load, step_rate)
     if work <= 0:
         return 0
     per_token = spec.cost.per_prefill_token_s + (

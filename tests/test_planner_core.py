@@ -1,7 +1,8 @@
 """The planner's decisions on synthetic load steps (planner/core.py, planner/sizing.py): up on a step and on a
 growing queue, down only after the load stayed low, no flapping, cooldowns, a reserve for a step held before it
 comes (its prompts uncached, landing on the load now, long prompts' queues kept cooler) and not stacked on a
-burst, shedding within the SLO's miss share left alone."""
+burst, shedding within the SLO's miss share left alone, a short queue the rate seen does not explain taken for the
+step at once (only while the rate is above the baseline, and not on a few busy workers)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from planner.sizing import (
     prefill_workers,
     reserve_fleet,
     size_fleet,
+    wait_chance,
 )
 
 COST = StepCost(base_s=0.004, per_prefill_token_s=25e-6, per_decode_row_s=20e-6, per_context_token_s=5e-8)
@@ -242,3 +244,48 @@ def test_the_step_lands_on_the_load_now() -> None:
     for t in range(300, 400, 5):
         d = p.decide(obs(t, 30.0, ready))
     assert d.planned == reserve_fleet(SPEC, replace(LOAD, rate=30.0), 50.0) == Counts(5, 4, 0)
+
+
+def test_wait_chance_by_hand() -> None:
+    # 1 Erlang on 2 workers: Erlang's C is (1/2!) (2 / (2 - 1)) / (1 + 1 + 1/2! x 2 / (2 - 1)) = 1/3
+    one_erlang = replace(LOAD, rate=1 / prefill_work_s(SPEC, LOAD))
+    assert wait_chance(SPEC, one_erlang, 2) == pytest.approx(1 / 3)
+    assert wait_chance(SPEC, one_erlang, 1) == 1.0  # saturated: every arrival waits
+    # the step's requests hit no prefix: half-hit load plus a step is busier than the same rate all half-hit
+    half = replace(one_erlang, prefix_hit=0.5)
+    assert wait_chance(SPEC, half, 4, half.rate) > wait_chance(SPEC, replace(half, rate=2 * half.rate), 4)
+
+
+def reserved_at(rate: float) -> tuple[Planner, Counts]:
+    p = Planner(SPEC, PlannerConfig(step_reserve=1.0))
+    ready = hold(p, rate, 300)
+    return p, ready
+
+
+def test_a_short_queue_the_rate_does_not_explain_is_the_step() -> None:
+    # five minutes at 200 req/s hold the reserve for 400 (24 prefill workers, 11.6 of them busy at 200). Then
+    # the first reading of a step: the 30 s rate window shows a tenth of it (220 req/s) and a 50 ms wait, a tenth
+    # of the alarm. All 24 busy at 220 req/s has a chance of 0.34%, at the 400 req/s the reserve is held for 81%:
+    # 240 times likelier with the step landed, so it is taken for the step (24 x 0.05 / 30 of backlog: one pod)
+    p, ready = reserved_at(200.0)
+    assert ready.prefill == 24
+    d = p.decide(obs(300, 220.0, ready, wait=0.05))
+    assert d.targets.prefill == 25 and d.reasons["prefill"] == "up 24->25"
+    # with no wait the reading is the reserve's to carry: nothing changes
+    p, ready = reserved_at(200.0)
+    assert not p.decide(obs(300, 220.0, ready)).changed
+
+
+def test_a_queue_at_a_quiet_time_is_not_the_step() -> None:
+    # the same wait with the rate at or below the baseline: the load's own noise, which the reserve absorbs
+    p, ready = reserved_at(200.0)
+    for t in range(300, 420, 5):  # a quiet two minutes, every reading with a short queue
+        assert not p.decide(obs(t, 190.0, ready, wait=0.05)).changed
+
+
+def test_a_queue_on_a_few_busy_workers_is_not_the_step() -> None:
+    # 50 req/s on the 6 prefill workers its reserve holds: 2.9 of them busy, all 6 at 55 req/s with a chance of
+    # 12%, at the reserve's 100 req/s 91%: 7 times likelier, routine either way; the plan holds
+    p, ready = reserved_at(50.0)
+    assert ready.prefill == 6
+    assert not p.decide(obs(300, 55.0, ready, wait=0.05)).changed

@@ -9,7 +9,9 @@ scale serves every version of the planner).
 Each point is TRACE:SCALE=JSON, TRACE mooncake or azure and SCALE planner_eval.py's ``--scale`` (Azure runs at
 4x it), JSON a planner_eval.py output for that trace and scale (its ``fixed_best``). Besides attainment and the
 GPU-hours against the fixed split it reports the first scale-up decision after the burst starts and after the
-queue first grew (the first decision in the burst that read a predicted wait above 0).
+queue first grew (the first decision in the burst that read a predicted wait above 0), and how often a reading
+outside the burst (after the warm-up) has a wait above 0: where that is common, the first one in the burst need
+not be the burst's.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def point(trace: str, scale: float, fixed_json: Path, args: argparse.Namespace) 
     fixed = json.loads(fixed_json.read_text())[trace]["fixed_best"]
     grew = next((tl["t"] for tl in res.timeline if tl["t"] >= burst[0] and tl["queue_wait_s"] > 0), None)
     up = first_up_after(ctl, burst[0])
+    outside = [tl for tl in res.timeline if tl["t"] >= args.warmup and not burst[0] <= tl["t"] < sum(burst)]
     return {
         "trace": trace,
         "scale": scale,
@@ -57,6 +60,8 @@ def point(trace: str, scale: float, fixed_json: Path, args: argparse.Namespace) 
         "ratio_gpu_hours_planner_over_fixed": res.gpu_hours / fixed["gpu_hours"],
         "first_scale_up_after_burst_s": up,
         "queue_first_grew_after_burst_s": None if grew is None else grew - burst[0],
+        "reaction_after_queue_grew_s": None if grew is None or up is None else up - (grew - burst[0]),
+        "queue_nonzero_share_outside_burst": sum(tl["queue_wait_s"] > 0 for tl in outside) / max(len(outside), 1),
         "seconds": time.perf_counter() - t,
     }
 
@@ -71,8 +76,11 @@ def main() -> int:
     args = ap.parse_args()
     logging.getLogger("kvferry.router").setLevel(logging.ERROR)
     rows = []
-    print("| trace x rate | attainment | GPU-h | fixed split: GPU-h | ratio | first up after burst / queue grew |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(
+        "| trace x rate | attainment | GPU-h | fixed split: GPU-h | ratio | first up after burst / queue grew "
+        "| reaction | waits > 0 outside the burst |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for spec in args.points:
         where, fixed_json = spec.split("=", 1)
         trace, scale = where.split(":")
@@ -85,7 +93,8 @@ def main() -> int:
         print(
             f"| {trace} x{r['rate_multiplier']:g} | {p['attainment']:.2%}{low} | {p['gpu_hours']:.3f} | {counts}: "
             f"{f['gpu_hours']:.3f} | {ratio:.3f}{high} | {r['first_scale_up_after_burst_s']} / "
-            f"{r['queue_first_grew_after_burst_s']} s |",
+            f"{r['queue_first_grew_after_burst_s']} s | {r['reaction_after_queue_grew_s']} s | "
+            f"{r['queue_nonzero_share_outside_burst']:.1%} |",
             flush=True,
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
