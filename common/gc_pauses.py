@@ -5,15 +5,23 @@ built, that is a pause long enough to show as one inter-token gap far above an I
 ITL p99 over a few hundred gaps is its largest gap or two. So once a process has started, everything built so far
 is frozen out of the collector (`gc.freeze`: never collected, never walked again), and each collection's pause is
 measured so that a long one is visible (`/load`, `kvferry_gc_pause_*`, one warning line).
+
+The collector's callback runs wherever a collection starts: inside any code that allocates, locks held. So it
+only counts and queues the pause; the metric and the log line are written by `flush`, from the process's own
+code. A callback that observed a Prometheus metric itself froze a router process for good: in multiprocess mode
+every metric of a process shares one non-reentrant lock, a collection started while another metric held it, and
+the callback waited on it forever (H200, FP8 at 24-30 req/s: a third of the streams went silent, nothing logged).
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["GcPauses", "freeze_startup_objects"]
 
@@ -23,6 +31,7 @@ SLOW_PAUSE_S = 0.02  # a collection longer than this is logged: it is a visible 
 # A slow collection's line also says how many objects its generation holds (a walk of them: a few ms per million),
 # at most this often: whether the pause is the heap's size or the process waiting for a core.
 CENSUS_EVERY_S = 60.0
+PENDING_KEPT = 4096  # pauses queued for `flush`; a process that never flushes keeps only the last ones
 
 
 def freeze_startup_objects() -> int:
@@ -35,12 +44,14 @@ def freeze_startup_objects() -> int:
 @dataclass
 class GcPauses:
     """Each collection's pause, from the collector's own start/stop callbacks (one per collection, not per
-    object: free on the hot path)."""
+    object: free on the hot path); `flush` hands the queued ones on."""
 
     count: int = 0
     total_s: float = 0.0
     max_s: float = 0.0
-    on_pause: Callable[[float], None] | None = None  # each pause in seconds (a metric's observe)
+    on_pause: Callable[[float], None] | None = None  # each pause in seconds (a metric's observe), from `flush`
+    # (seconds, generation, collected) of each collection not yet flushed; append and popleft need no lock
+    _pending: deque[tuple[float, int, int]] = field(default_factory=lambda: deque(maxlen=PENDING_KEPT))
     _started: float = 0.0
     _installed: bool = False
     _census_at: float = -CENSUS_EVERY_S
@@ -57,6 +68,7 @@ class GcPauses:
             self._installed = False
 
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        # Nothing here may take a lock or log (the module's docstring says why).
         if phase == "start":
             self._started = time.perf_counter()
             return
@@ -64,14 +76,32 @@ class GcPauses:
         self.count += 1
         self.total_s += took
         self.max_s = max(self.max_s, took)
-        if self.on_pause is not None:
-            self.on_pause(took)
-        if took >= SLOW_PAUSE_S:
-            generation = info.get("generation", 2)
-            extra = {"generation": generation, "ms": round(took * 1e3, 1), "collected": info.get("collected")}
-            now = time.monotonic()
-            if now - self._census_at >= CENSUS_EVERY_S:
-                self._census_at = now
-                extra["objects"] = len(gc.get_objects(generation))
-                extra["frozen"] = gc.get_freeze_count()
-            log.warning("slow garbage collection", extra=extra)
+        self._pending.append((took, info.get("generation", 2), info.get("collected", 0)))
+
+    def flush(self) -> int:
+        """Hands each queued pause to `on_pause` and logs the slow ones; returns how many. Call it from the
+        process's own code, never from a collector callback."""
+        pending, n = self._pending, 0
+        while pending:
+            took, generation, collected = pending.popleft()
+            n += 1
+            if self.on_pause is not None:
+                self.on_pause(took)
+            if took >= SLOW_PAUSE_S:
+                self._log_slow(took, generation, collected)
+        return n
+
+    async def flush_every(self, interval_s: float = 1.0) -> None:
+        """`flush` on an event loop, until cancelled."""
+        while True:
+            await asyncio.sleep(interval_s)
+            self.flush()
+
+    def _log_slow(self, took: float, generation: int, collected: int) -> None:
+        extra = {"generation": generation, "ms": round(took * 1e3, 1), "collected": collected}
+        now = time.monotonic()
+        if now - self._census_at >= CENSUS_EVERY_S:
+            self._census_at = now
+            extra["objects"] = len(gc.get_objects(generation))
+            extra["frozen"] = gc.get_freeze_count()
+        log.warning("slow garbage collection", extra=extra)

@@ -3,6 +3,7 @@ lifespan builds is router/runtime.py)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -80,10 +81,12 @@ def create_app(
         if freeze_gc:
             freeze_startup_objects()
         pauses = GcPauses(on_pause=metrics.gc_pause.observe).install()
+        flushing = asyncio.get_running_loop().create_task(pauses.flush_every(), name="gc-pauses")
         try:
             yield
         finally:
             pauses.uninstall()
+            flushing.cancel()
             await runtime.stop()
 
     app = FastAPI(title="kvferry router", version="1", lifespan=lifespan)

@@ -39,6 +39,7 @@ def test_the_router_publishes_each_of_its_collections_as_a_pause_histogram() -> 
         gc.collect()
     finally:
         pauses.uninstall()
+    assert pauses.flush() >= 2
     count = metrics.registry.get_sample_value("kvferry_router_gc_pause_seconds_count")
     total = metrics.registry.get_sample_value("kvferry_router_gc_pause_seconds_sum")
     assert count == pauses.count >= 2 and total is not None and abs(total - pauses.total_s) < 1e-9
@@ -72,6 +73,8 @@ def test_a_slow_collection_is_logged_with_its_generations_size_at_most_once_a_mi
         with caplog.at_level(logging.WARNING, logger="kvferry.gc"):
             gc.collect()
             gc.collect()
+            assert not [r for r in caplog.records if r.name == "kvferry.gc"]  # nothing from the callback itself
+            pauses.flush()
     finally:
         gc.enable()
         pauses.uninstall()
@@ -79,3 +82,31 @@ def test_a_slow_collection_is_logged_with_its_generations_size_at_most_once_a_mi
     assert len(lines) == 2
     assert lines[0].generation == 2 and lines[0].objects >= len(kept) and lines[0].frozen >= 0
     assert not hasattr(lines[1], "objects")
+
+
+def test_a_collection_inside_a_metric_update_does_not_wait_on_that_metrics_lock() -> None:
+    """A collection can start inside any allocation, a metric's lock held: the callback hands nothing to the
+    metric (a router process froze for good when it did: one lock for every metric in multiprocess mode), and
+    `flush` observes the pause afterwards."""
+    import threading
+
+    from router.metrics import RouterMetrics
+
+    metrics = RouterMetrics()
+    histogram = metrics.gc_pause
+    pauses = GcPauses(on_pause=histogram.observe).install()
+    held = histogram._sum._lock  # the lock prometheus_client holds while it adds to the histogram's sum
+
+    def collect_while_held() -> None:
+        with held:
+            gc.collect()
+
+    try:
+        worker = threading.Thread(target=collect_while_held, daemon=True)
+        worker.start()
+        worker.join(timeout=10)
+        assert not worker.is_alive(), "the collector's callback waited on a lock its own thread held"
+    finally:
+        pauses.uninstall()
+    assert pauses.flush() >= 1
+    assert metrics.registry.get_sample_value("kvferry_router_gc_pause_seconds_count") == pauses.count

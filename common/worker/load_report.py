@@ -57,6 +57,7 @@ class LoadReport:
         if now < self.next_due(last_busy):
             return []
         self.last_sent = now
+        self.gc.flush()  # the slow collections' log lines, written here: never from the collector's callback
         events: list[Event] = [Load(self.snapshot(loop_turns, idle_trimmed))]
         if self.steps:
             events.append(Steps(self.steps))
