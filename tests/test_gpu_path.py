@@ -1338,7 +1338,7 @@ def test_mla_on_flashinfer_serves_dummy_deepseek_v2_lite():
 def test_host_tier_locked_in_pieces_copies_runs_that_cross_pieces(monkeypatch):
     """A host tier page-locked in pieces (one `cudaHostRegister` each) moves a run of pages that crosses from one
     piece into the next and back intact: CUDA refuses one copy spanning two registrations ("invalid argument"), which
-    once ended every eviction of a serving worker whose run of pages crossed a 512 MiB boundary."""
+    once ended every eviction of a serving worker whose run of pages crossed a piece boundary (512 MiB then)."""
     import common.kv.host_tier as host_tier
     from common.kv.pool import KVLayout, KVPool
 

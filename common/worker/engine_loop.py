@@ -32,7 +32,7 @@ TRANSFER_POLL_S = 0.001
 STAGING_WAIT_S = 0.0005
 COMPILE_POLL_S = 0.002  # a turn whose only work is a grammar compiling off the loop waits this long for a command
 # An idle turn page-locks the host KV tier for about this long before it looks for commands again
-# (common/kv/host_tier.py `lock_some`: at least one 512 MiB piece).
+# (common/kv/host_tier.py `lock_some`: at least one 128 MiB piece).
 HOST_LOCK_TURN_S = 0.05
 IDLE_TRIM_S = 1.0  # idle this long: hand the allocator's free memory back to the OS (once per idle spell)
 
