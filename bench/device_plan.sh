@@ -17,6 +17,9 @@
 # once after making it, `rm .devbundle/wheels/{pyyaml,zipp,gguf}-*.whl` (the device has pyyaml and zipp; nothing
 # here imports gguf) and `python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
 # --implementation cp --platform manylinux_2_17_x86_64 -d .devbundle/wheels msgspec==0.19.0`; this script installs it.
+# With bench/out's JSONs the tree grew to ~12 MB, and the bundle must stay under ~54.9 MB: also `rm
+# .devbundle/redis/redis-cli` and repack .devbundle/nixl.tar.xz without nixl_cu13.libs/ucx/libucx_perftest_* (UCX's
+# benchmark modules, never loaded; `xz -T2 -9e`): 54.6 MB in all, measured with `du -sb .devbundle`.
 set -uo pipefail
 part=${1:?"part: 46 | 47 | 49 | ready"}
 : "${OUT:?the device tool sets OUT}"
