@@ -4,32 +4,19 @@ step's tokens, the streams it reaches last get theirs late, so the lateness's ta
 inter-token gaps (the worker's engine cannot see it). The router hands it to the workers with each request
 (`SamplingParams.itl_allowance_ms`), a decode worker adds its own HTTP process's, and the request's steps aim that
 much under the class's ITL target.
-
-The same timer is the loop's watchdog: it re-arms faulthandler's timer as it runs, so a loop stuck for
-``stall_dump_s`` (a blocking call, a lock held elsewhere, a native call that never returns with the GIL) gets
-every thread's stack written to stderr by faulthandler's own thread, which needs neither the loop nor the GIL.
-Without it a stuck router process only shows as streams that go silent: nothing is logged.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import faulthandler
-import logging
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from common.protocol import SamplingParams, replace
-from common.settings_registry import LOOP_STALL_DUMP_S
 
 __all__ = ["LoopLag"]
-
-log = logging.getLogger("kvferry.loop")
-
-REARM_S = 1.0  # how often a running loop pushes the dump's deadline back (a call costs a few us), at most
 
 
 @dataclass
@@ -37,12 +24,10 @@ class LoopLag:
     interval_s: float = 0.01
     window: int = 500  # samples kept: the last ~5 s at the default interval
     recompute_s: float = 0.5  # the tail is sorted out of the window at most this often
-    stall_dump_s: float = field(default_factory=LOOP_STALL_DUMP_S.read)  # 0: no watchdog
     _samples: deque[float] = field(default_factory=deque)
     _task: asyncio.Task[None] | None = None
     _tail_s: float = 0.0
     _tail_at: float = -1e9
-    _armed_at: float = -1e9
 
     def start(self) -> None:
         if self._task is None:
@@ -55,28 +40,13 @@ class LoopLag:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            if self.stall_dump_s > 0:
-                faulthandler.cancel_dump_traceback_later()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             due = loop.time() + self.interval_s
             await asyncio.sleep(self.interval_s)
-            now = loop.time()
-            late = max(0.0, now - due)
-            self._samples.append(late)
-            if self.stall_dump_s > 0:
-                self._watch(now, late)
-
-    def _watch(self, now: float, late: float) -> None:
-        """Pushes the stack dump's deadline back while the loop runs; says so when it ran again after a stall."""
-        if late >= self.stall_dump_s:
-            log.warning("event loop stalled", extra={"seconds": round(late, 3)})
-        # pushed back well before it falls due: a loop that runs is never taken for a stuck one
-        if now - self._armed_at >= min(REARM_S, self.stall_dump_s / 4) or late >= self.stall_dump_s:
-            faulthandler.dump_traceback_later(self.stall_dump_s, repeat=False, file=sys.stderr, exit=False)
-            self._armed_at = now
+            self._samples.append(max(0.0, loop.time() - due))
 
     def p99_s(self) -> float:
         """The 99th percentile of the recent lateness (0 before any sample)."""

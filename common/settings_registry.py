@@ -932,6 +932,13 @@ ROUTER_DOWN_AFTER_S = _router(
 ROUTER_CONNECT_TIMEOUT_S = _router("connect_timeout_s", float, 3.0, "upstream connect deadline")
 ROUTER_FIRST_TOKEN_TIMEOUT_S = _router("first_token_timeout_s", float, 300.0, "upstream deadline for the first token")
 ROUTER_INTER_TOKEN_TIMEOUT_S = _router("inter_token_timeout_s", float, 120.0, "upstream deadline between tokens")
+ROUTER_STALL_EXIT_S = _router(
+    "stall_exit_s",
+    float,
+    60.0,
+    "a router process whose event loop is stuck this long exits (stacks written first) so a fresh one takes its "
+    "place: uvicorn's supervisor starts it, or the pod restarts; 0: never",
+)
 ROUTER_REDIS_TIMEOUT_S = _router("redis_timeout_s", float, 0.2, "prefix-index lookups give up after this long")
 ROUTER_MIGRATION_LIMIT = _router(
     "migration_limit", int, 3, "a stream whose decode worker is lost continues on another, at most this many times"
@@ -1026,10 +1033,10 @@ LOOP_STALL_DUMP_S = declare(
     "KVFERRY_LOOP_STALL_DUMP_S",
     float,
     10.0,
-    "N > 0: a router process (or a decode worker's HTTP process) whose event loop does not run for N s writes every "
-    "thread's stack to its log, once per stall; 0: off",
+    "N > 0: a router or worker HTTP process whose event loop does not run for N s writes every thread's stack to "
+    "its log, once per stall; 0: off",
     "all",
-    "common/loop_lag.py",
+    "common/loop_watchdog.py",
 )
 HANG_DUMP_S = declare(
     "KVFERRY_HANG_DUMP_S",

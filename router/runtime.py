@@ -12,6 +12,7 @@ from typing import Any
 
 from common.config import RouterConfig
 from common.loop_lag import LoopLag
+from common.loop_watchdog import LoopWatchdog
 from common.slo import SloClasses, parse_slo_classes
 from router.decision.cost_model import SloTargets
 from router.decision.discovery import Discovery
@@ -54,6 +55,7 @@ class RouterRuntime:
     discovery: Discovery
     index_reader: Any  # a PrefixIndexReader (common/prefix/reader.py) or None: route on load alone
     loop_lag: LoopLag  # this process's relay lateness, told to the workers with each request
+    watchdog: LoopWatchdog  # a stuck loop: stacks written, then the process ended for a fresh one
 
     @classmethod
     def build(
@@ -79,10 +81,12 @@ class RouterRuntime:
         service = RouterService(
             tok, info, dispatcher, opts, slo, relay_lag=loop_lag if config.relay_allowance else None
         )
-        return cls(client, pool, locator, dispatcher, service, discovery, index_reader, loop_lag)
+        watchdog = LoopWatchdog(exit_after_s=opts.stall_exit_s)
+        return cls(client, pool, locator, dispatcher, service, discovery, index_reader, loop_lag, watchdog)
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
+        self.watchdog.start()
         self.loop_lag.start()
         self.pool.start()
         # Discovery may report from its own thread; membership changes always run on the loop.
@@ -91,6 +95,7 @@ class RouterRuntime:
     async def stop(self) -> None:
         self.discovery.stop()
         await self.loop_lag.stop()
+        await self.watchdog.stop()
         await self.pool.stop()
         await self.client.aclose()
         reader = self.index_reader

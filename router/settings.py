@@ -52,6 +52,7 @@ class RouterOptions(reg.EnvFields):
     connect_timeout_s: float = reg.ROUTER_CONNECT_TIMEOUT_S.field()
     first_token_timeout_s: float = reg.ROUTER_FIRST_TOKEN_TIMEOUT_S.field()
     inter_token_timeout_s: float = reg.ROUTER_INTER_TOKEN_TIMEOUT_S.field()
+    stall_exit_s: float = reg.ROUTER_STALL_EXIT_S.field()  # common/loop_watchdog.py
     redis_timeout_s: float = reg.ROUTER_REDIS_TIMEOUT_S.field()
     # A stream whose decode worker is lost continues on another one (router/upstream/migration.py).
     migration_limit: int = reg.ROUTER_MIGRATION_LIMIT.field()

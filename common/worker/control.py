@@ -26,6 +26,7 @@ from common.config import WorkerConfig
 from common.http_guard import RequestLimits
 from common.http_server import server_options
 from common.log import limit_tracebacks
+from common.loop_watchdog import LoopWatchdog
 from common.observability.tracing import init_tracing
 from common.protocol import AbortRequest
 from common.settings import HttpLimits
@@ -51,10 +52,13 @@ def create_app(role: str, cfg: WorkerConfig | None = None, http_limits: HttpLimi
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.start_engine()
         watch = asyncio.create_task(keep_engine(state))
+        watchdog = LoopWatchdog()  # stacks only: the engine process and the pod's probes handle the rest
+        watchdog.start()
         try:
             yield
         finally:
             watch.cancel()
+            await watchdog.stop()
             await state.relay_lag.stop()
             await state.stop_engine()
 
