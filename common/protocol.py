@@ -307,6 +307,8 @@ class LoadSnapshot(Schema):
     # Host KV tier (0 without one): pages holding cached prefixes, its size, pages moved since start.
     host_pages_cached: int = 0
     host_pages_total: int = 0
+    # Page-locked so far: the tier takes pages once every one is (locking runs in the engine's idle turns).
+    host_pages_locked: int = 0
     host_pages_saved: int = 0
     host_pages_loaded: int = 0
     # Prompt tokens one step takes beside decoding (0: not reported, or prefill-first scheduling).

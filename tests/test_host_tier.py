@@ -184,10 +184,12 @@ def test_a_tier_still_being_page_locked_is_not_used_until_every_piece_is(monkeyp
     assert t.cache.host_cached_pages == 0 and tier.saved_pages == 0
     assert t.cache.match_prefix(a).host_len == 0 and t.cache.take_host_pages(2) is None
     t.check()
+    assert tier.unlocked_pages == 16  # /load's host_pages_locked: 0 of 16
     assert tier.lock_some(budget_s=0.0) and len(locked) == 1 and not tier.ready  # one piece per call at least
+    assert tier.unlocked_pages == 14  # a piece of 2 pages locked
     while tier.lock_some(budget_s=0.0):
         pass
-    assert tier.ready and len(locked) == pieces
+    assert tier.ready and len(locked) == pieces and tier.unlocked_pages == 0
     assert [addr for addr, _ in locked] == [tier.pool.kv.data_ptr() + 256 * i for i in range(pieces)]
     assert sum(n for _, n in locked) == nbytes
     t.add(seq(4, 4 * PS))  # evicts `b`: now to the host, and back intact
@@ -197,7 +199,7 @@ def test_a_tier_still_being_page_locked_is_not_used_until_every_piece_is(monkeyp
     calls = []
     failing = HostTier(pool, 16, lock_pages=lambda address, nbytes: calls.append(address) and False)
     assert not failing.lock_some(budget_s=1.0) and failing.ready and len(calls) == 1
-    assert HostTier(pool, 16).ready  # on the CPU nothing needs locking
+    assert HostTier(pool, 16).ready and HostTier(pool, 16).unlocked_pages == 0  # on the CPU nothing needs locking
 
 
 def test_parked_pages_displace_the_oldest_cached_prefixes_and_the_ledger_counts_them() -> None:
@@ -418,6 +420,7 @@ def test_worker_serves_prefixes_from_its_host_tier(redis_server, smol_tokenizer,
         assert float(line.split()[-1]) == 0
         load = d.load()
         assert load["host_pages_total"] > 0 and load["host_pages_cached"] > 0
+        assert load["host_pages_locked"] == load["host_pages_total"]  # the CPU's tier needs no locking
         assert load["host_pages_saved"] > 0 and load["host_pages_loaded"] > 0
         moved = {
             ln.split('"')[1]: float(ln.split()[-1])

@@ -135,6 +135,9 @@ class HostTier:
             ]
         self._lock_pages = lock_pages
         self._locked: list[int] = []  # addresses of the pieces locked, to unlock at close
+        self._page_bytes = kv.stride(0) * kv.element_size()
+        # pages in pieces still to lock (/load's host_pages_locked is the rest): all of them until the first turn
+        self.unlocked_pages = num_pages if self._to_lock else 0
         self.lock_seconds = 0.0  # spent locking so far
         self._unregister: weakref.finalize | None = None
         if lock_pages is _cuda_register:
@@ -166,6 +169,7 @@ class HostTier:
                 break
             self._locked.append(address)
             del self._to_lock[0]
+            self.unlocked_pages -= nbytes // self._page_bytes
             if time.perf_counter() - started >= budget_s:
                 break
         self.lock_seconds += time.perf_counter() - started

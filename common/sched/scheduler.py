@@ -674,6 +674,7 @@ class Scheduler:
             queued_ahead_tokens=self.queued_ahead_tokens(),
             host_pages_cached=host_cached,
             host_pages_total=host.num_pages if host is not None else 0,
+            host_pages_locked=host.num_pages - host.unlocked_pages if host is not None else 0,
             host_pages_saved=host.saved_pages if host is not None else 0,
             host_pages_loaded=host.loaded_pages if host is not None else 0,
             kv_reserve_output_tokens=self.budget.reserve_output_tokens,

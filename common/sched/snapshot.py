@@ -29,6 +29,7 @@ class SchedulerSnapshot:
     queued_ahead_tokens: dict[str, int] = field(default_factory=dict)
     host_pages_cached: int = 0
     host_pages_total: int = 0
+    host_pages_locked: int = 0  # page-locked so far (the tier is used once all are; on the CPU all at once)
     host_pages_saved: int = 0
     host_pages_loaded: int = 0
     # Output tokens a request reserves beyond its prompt (optimistic reservation); 0: all of max_tokens.

@@ -93,6 +93,7 @@ class LoadReport:
             idle_trimmed=idle_trimmed,
             host_pages_cached=snap.host_pages_cached,
             host_pages_total=snap.host_pages_total,
+            host_pages_locked=snap.host_pages_locked,
             host_pages_saved=snap.host_pages_saved,
             host_pages_loaded=snap.host_pages_loaded,
             preemptions=snap.preemptions,

@@ -49,6 +49,11 @@ class WorkerMetrics:
         self.host_total = Gauge(
             "kvferry_host_kv_pages_total", "Host KV tier: pages in the tier (0: no tier)", registry=r
         )
+        self.host_locked = Gauge(
+            "kvferry_host_kv_pages_locked",
+            "Host KV tier: pages page-locked so far (the tier is used once all of the total are)",
+            registry=r,
+        )
         self.host_moves = Counter(
             "kvferry_host_kv_pages_moved_total",
             "Host KV tier: pages copied out of the device pool (saved) or back into it (loaded)",
@@ -129,6 +134,7 @@ class WorkerMetrics:
         for g in (self.queued, self.running, self.waiting, self.free, self.total, self.usage, self.host_cached):
             g.set(0)
         self.host_total.set(0)
+        self.host_locked.set(0)
         self._host_moved = {"saved": 0, "loaded": 0}  # the next engine counts from zero
         self._preempt_seen = {"park": 0, "recompute": 0, "tokens": 0}
 
@@ -152,6 +158,7 @@ class WorkerMetrics:
         self.itl_target.set(load.itl_target_s)
         self.host_cached.set(load.host_pages_cached)
         self.host_total.set(load.host_pages_total)
+        self.host_locked.set(load.host_pages_locked)
         self.gc_collections.set(load.gc_collections)
         self.gc_pause.set(load.gc_pause_s)
         self.gc_pause_max.set(load.gc_pause_max_s)
