@@ -52,6 +52,10 @@ class LoopWatchdog:
     def start(self) -> None:
         if self._task is not None or (self.dump_after_s <= 0 and self.exit_after_s <= 0):
             return
+        if threading.current_thread() is not threading.main_thread():
+            # A loop on a background thread (an app served inside tests or a benchmark, router/server_thread.py)
+            # belongs to a host program: faulthandler's timer is one per process, and an exit would end the host.
+            return
         self._beat = time.monotonic()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="loop-watchdog")
         if self.exit_after_s > 0:

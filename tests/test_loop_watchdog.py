@@ -67,3 +67,28 @@ def test_a_loop_that_keeps_running_is_left_alone_during_and_after() -> None:
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and "ran to the end" in run.stdout
     assert "Timeout" not in run.stderr and "stuck" not in run.stderr and "stalled" not in run.stderr
+
+
+def test_a_loop_on_a_background_thread_is_not_watched() -> None:
+    """An app served on a thread of a host program (the tests' routers, router/server_thread.py) leaves the
+    process-wide timer and the process's life to the host."""
+    import asyncio
+    import threading
+
+    from common.loop_watchdog import LoopWatchdog
+
+    seen: list[bool] = []
+
+    def serve() -> None:
+        async def main() -> None:
+            dog = LoopWatchdog(dump_after_s=0.2, exit_after_s=0.4)
+            dog.start()
+            seen.append(dog._task is None and dog._guard is None)
+            await dog.stop()
+
+        asyncio.run(main())
+
+    t = threading.Thread(target=serve)
+    t.start()
+    t.join(10)
+    assert seen == [True]
