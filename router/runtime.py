@@ -7,6 +7,7 @@ lifespan runs reach it through a `RuntimeSlot`.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,6 +114,8 @@ class RouterRuntime:
             "prefix_index": "disabled" if locator.reader is None else ("ok" if locator.redis_ok else "unavailable"),
             "inflight": self.service.inflight,
             "loop_lag_p99_ms": round(self.loop_lag.p99_s() * 1e3, 2),
+            # what this process's admission multiplies predicted TTFTs by (router/decision/ttft_error.py)
+            "ttft_error_factor": round(self.dispatcher.ttft_error.factor(time.monotonic()), 3),
             "migrations": MIGRATIONS.snapshot(),
             "placement": placement_inputs(self.pool, self.dispatcher.policy),
         }
