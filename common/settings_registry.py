@@ -915,7 +915,7 @@ ROUTER_ADMIT_BY_TTFT = _router(
 ROUTER_TTFT_ERROR_QUANTILE = _router(
     "ttft_error_quantile",
     float,
-    0.9,
+    0.99,
     "TTFT admission scales its predictions by this quantile of served requests' measured / predicted TTFT over "
     "the last 2 minutes (between 1 and 2; router/decision/ttft_error.py); 0 = off",
 )

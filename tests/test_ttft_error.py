@@ -128,3 +128,13 @@ def test_admission_sheds_earlier_once_served_requests_came_back_later_than_predi
     assert d.check_ttft(_plan(), INTERACTIVE) == pytest.approx(0.55 * 1.2 / 0.77)
     d.ttft_error._last_at -= HORIZON_S + 1  # the samples age out: the prediction stands again
     assert d.check_ttft(_plan(), INTERACTIVE) == pytest.approx(0.55)
+
+
+def test_by_default_a_tail_of_late_requests_a_few_percent_wide_sets_the_factor() -> None:
+    """Deep in overload every admitted request sits at the edge, where the quantile is the share that meets the
+    target: the default holds 99% of them, so 3% coming back 1.5x late is enough to shed that much earlier."""
+    e = PredictionError()
+    for i in range(200):
+        e.observe(float(i) * 0.1, 1.5 if i % 33 == 0 else 1.0, 1.0, 1.0)  # 7 of 200 late
+    assert e.factor(20.0) == pytest.approx(1.5)
+    assert e.quantile == 0.99

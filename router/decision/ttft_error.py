@@ -15,6 +15,14 @@ is the error that matters most (a step model far off: on a 2-core CPU shared by 
 client, admitted requests took 3-4x their predictions). Samples older than `HORIZON_S` are dropped, so a
 correction learnt in one burst does not shed the next one's first requests minutes later. A router that observes
 nothing (the fleet simulator, a worker not yet measured) keeps the factor 1: the predictions as they are.
+
+Why the 0.99 quantile: a request admitted at the edge (predicted = target / factor) misses with the chance that
+its ratio exceeds the factor, 1 - quantile. Deep in overload nearly every admitted request sits at that edge (the
+queue refills to it as fast as it drains), so the quantile is the share of admitted requests that meet the target
+there: with 0.9 the H200 served 92.9% (FP8) and 97.2% (bf16) of admitted requests within it at 3x saturation,
+against the 99% asked. A higher quantile costs little goodput: it only shortens the queue a worker is allowed to
+hold, and a worker stays busy while any prompt waits (with a 1 s target and a factor of 2, half a second of
+prompts, tens of them).
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ WINDOW = 256
 class PredictionError:
     """Measured over predicted TTFT of recent served requests; `factor(now)` scales admission's predictions."""
 
-    quantile: float = 0.9  # 0: off (the factor stays 1)
+    quantile: float = 0.99  # 0: off (the factor stays 1)
     _samples: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))  # (time, ratio)
     _factor: float = 1.0
     _last_at: float = float("-inf")
