@@ -16,7 +16,7 @@ from bench.fleet_sim.device import SharedDevice
 from bench.fleet_sim.fleet import Fleet, FleetConfig
 from bench.fleet_sim.scenarios import fleet_spec
 from bench.fleet_sim.worker import Job, SimWorker, WorkerSpec
-from bench.fleet_sim.workload import SimRequest, poisson, scale_rate, trace_file
+from bench.fleet_sim.workload import SimRequest, poisson, ramp, scale_rate, trace_file
 from common.capacity import StepCost
 from common.slo import parse_slo_classes
 from planner.core import Planner
@@ -301,3 +301,14 @@ def test_trace_files_in_each_public_format_read_alike(tmp_path: Path) -> None:
     other.write_text("when,in,out\n1,2,3\n")
     with pytest.raises(ValueError, match="BurstGPT"):
         trace_file(other)
+
+
+def test_a_ramp_rises_to_its_rate_and_holds_it() -> None:
+    base = [SimRequest(float(t), 100, 10) for t in range(10)]
+    reqs = ramp(base, at_s=100.0, length_s=1000.0, extra_rate=2.0, until_s=3000.0)
+    extra = [r for r in reqs if r.t >= 100.0]
+    assert all(r.prompt == 100 and r.output == 10 for r in extra)
+    rising = sum(1 for r in extra if r.t < 1100.0)
+    held = sum(1 for r in extra if r.t >= 1100.0)
+    assert 800 < rising < 1200  # the mean of 0 -> 2 req/s over 1000 s
+    assert 3600 < held < 4400  # 2 req/s over 2000 s

@@ -14,7 +14,18 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO
 
-__all__ = ["SimRequest", "azure", "burst", "mooncake", "poisson", "recorded_point", "scale_rate", "swing", "trace_file"]
+__all__ = [
+    "SimRequest",
+    "azure",
+    "burst",
+    "mooncake",
+    "poisson",
+    "ramp",
+    "recorded_point",
+    "scale_rate",
+    "swing",
+    "trace_file",
+]
 
 TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
 MOONCAKE_BLOCK = 512  # tokens per hash_id in the Mooncake trace
@@ -145,6 +156,25 @@ def burst(reqs: list[SimRequest], at_s: float, length_s: float, extra_rate: floa
             break
         like = rng.choice(reqs)
         extra.append(SimRequest(t, like.prompt, like.output))
+    return sorted(reqs + extra, key=lambda r: r.t)
+
+
+def ramp(
+    reqs: list[SimRequest], at_s: float, length_s: float, extra_rate: float, until_s: float, seed: int = 1
+) -> list[SimRequest]:
+    """`reqs` plus extra requests whose rate rises linearly from 0 at `at_s` to `extra_rate` requests/s at
+    `at_s + length_s` and holds there until `until_s`, lengths drawn from `reqs` (Poisson at `extra_rate`,
+    each arrival kept with the ramp's share of it)."""
+    rng = random.Random(seed)
+    t, extra = at_s, []
+    while extra_rate > 0:
+        t += rng.expovariate(extra_rate)
+        if t >= until_s:
+            break
+        keep = rng.random() < min(1.0, (t - at_s) / length_s) if length_s > 0 else True
+        like = rng.choice(reqs)
+        if keep:
+            extra.append(SimRequest(t, like.prompt, like.output))
     return sorted(reqs + extra, key=lambda r: r.t)
 
 
