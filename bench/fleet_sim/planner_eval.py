@@ -65,8 +65,11 @@ def run_fixed(cfg: FleetConfig, reqs: list, span: float, counts: Counts) -> Resu
     return Fleet(cfg, counts).run(reqs, until=span)
 
 
-def best_fixed(cfg: FleetConfig, reqs: list, span: float, hint: Counts) -> tuple[Counts, Result, list[dict]]:
-    """The cheapest fixed split reaching GOAL: fewest prefill with decode generous, then fewest decode."""
+def best_fixed(
+    cfg: FleetConfig, reqs: list, span: float, hint: Counts, most: int | None = None
+) -> tuple[Counts, Result, list[dict]]:
+    """The cheapest fixed split reaching GOAL: fewest prefill with decode generous, then fewest decode. With `most`,
+    a search whose doubling passes that many workers of a role without reaching GOAL raises ValueError."""
     tried: list[dict] = []
 
     def attempt(c: Counts) -> Result:
@@ -77,6 +80,8 @@ def best_fixed(cfg: FleetConfig, reqs: list, span: float, hint: Counts) -> tuple
 
     def least(lo: int, hi: int, make) -> int:  # type: ignore[no-untyped-def]
         while attempt(make(hi)).attainment < GOAL:
+            if most is not None and hi >= most:
+                raise ValueError(f"no fixed split with at most {most} workers of a role reaches {GOAL}")
             lo, hi = hi, hi * 2
         while lo + 1 < hi:
             mid = (lo + hi) // 2
