@@ -88,6 +88,8 @@ SCALARS = {
 CPU_SLO = "interactive:ttft=2s,itl=100ms,p=99"  # a 135M model's CPU steps, two workers sharing the cores
 CPU_DISAGG_MIN_PROMPT = 16
 DECISION_LINE = re.compile(r"^(\d\d):(\d\d):(\d\d) info kvferry\.planner: decision targets=(\{.*?\}) reasons=(\{.*\})")
+# A reading no router answered: the planner decides nothing that interval (a frozen router process looks so).
+MISSED_LINE = re.compile(r"^(\d\d):(\d\d):(\d\d) warning kvferry\.planner: no reading")
 
 
 def say(msg: str) -> None:
@@ -169,25 +171,35 @@ class PlannerSampler:
             self._stop.wait(self.period_s)
 
 
-def decision_lines(log: Path, wall0: float) -> list[dict[str, Any]]:
-    """The planner's "decision" log lines (targets changed), timed from `wall0` (the log's clock: whole seconds)."""
+def _log_t(m: re.Match[str], wall0: float) -> float:
+    """A log line's time (its clock: whole seconds, the day's) in seconds from `wall0`."""
     start = time.localtime(wall0)
     day0 = start.tm_hour * 3600 + start.tm_min * 60 + start.tm_sec + (wall0 % 1)
+    h, mi, s = (int(x) for x in m.groups()[:3])
+    t = (h * 3600 + mi * 60 + s - day0) % 86400
+    return round(t if t < 43200 else t - 86400, 1)
+
+
+def decision_lines(log: Path, wall0: float) -> list[dict[str, Any]]:
+    """The planner's "decision" log lines (targets changed), timed from `wall0`."""
     out = []
     for line in log.read_text(errors="replace").splitlines():
         m = DECISION_LINE.match(line)
         if m:
-            h, mi, s = (int(x) for x in m.groups()[:3])
-            t = (h * 3600 + mi * 60 + s - day0) % 86400
             targets, reasons = ast.literal_eval(m.group(4)), ast.literal_eval(m.group(5))
             out.append(
                 {
-                    "t": round(t if t < 43200 else t - 86400, 1),
+                    "t": _log_t(m, wall0),
                     "desired": {k: v for k, v in targets.items() if k != "mixed"},
                     "reasons": {k: v for k, v in reasons.items() if v},
                 }
             )
     return out
+
+
+def missed_readings(log: Path, wall0: float) -> list[float]:
+    """When the planner read no router (it decided nothing then), timed from `wall0`."""
+    return [_log_t(m, wall0) for line in log.read_text(errors="replace").splitlines() if (m := MISSED_LINE.match(line))]
 
 
 def worker_loads(urls: list[str]) -> list[dict[str, Any]]:
@@ -417,6 +429,9 @@ def print_report(result: dict[str, Any]) -> None:
             f"shed, {s['other']} other; TTFT p50 {p50 if p50 is None else round(p50, 3)} s p99 "
             f"{p99 if p99 is None else round(p99, 3)} s"
         )
+    missed = result["real"].get("missed_readings") or []
+    if missed:  # the real planner decided nothing at these times: that side of the comparison is not its own
+        say(f"the real planner read no router {len(missed)} times, first at {missed[0]:.0f} s")
     for name, cmp in result["comparison"].items():
         say(f"== simulated with the {name} step model: {result['sim'][name]['worker']}")
         say(f"{'t':>6} {'real P+D':>9} {'sim P+D':>8} {'rate real':>10} {'sim':>6} {'wait real':>10} {'sim':>7}")
@@ -633,6 +648,7 @@ def main(argv: list[str] | None = None) -> int:
             ],
             "samples": real_samples,
             "decision_log": decision_lines(log_dir / "planner.log", wall0 + shift),
+            "missed_readings": missed_readings(log_dir / "planner.log", wall0 + shift),
         }
         result["load_average_at_end"] = os.getloadavg()
         analyse(result)
