@@ -123,8 +123,8 @@ class HostTier:
         # locked and nothing is cut: no piece, one piece's worth of pages.
         self._to_lock: list[tuple[int, int]] = []
         self._piece_pages = num_pages
+        self._page_bytes = stride = kv.stride(0) * kv.element_size()
         if lock_pages is not None:
-            stride = kv.stride(0) * kv.element_size()
             # Pieces of whole KV pages, so a copy is cut only between pages (`within_pieces`), and of whole OS
             # pages, so no OS page is registered twice (a latent page of DeepSeek-V2-Lite is 121.5 OS pages).
             unit = HOST_PAGE_BYTES // math.gcd(stride, HOST_PAGE_BYTES)  # KV pages per whole number of OS pages
@@ -135,7 +135,6 @@ class HostTier:
             ]
         self._lock_pages = lock_pages
         self._locked: list[int] = []  # addresses of the pieces locked, to unlock at close
-        self._page_bytes = kv.stride(0) * kv.element_size()
         # pages in pieces still to lock (/load's host_pages_locked is the rest): all of them until the first turn
         self.unlocked_pages = num_pages if self._to_lock else 0
         self.lock_seconds = 0.0  # spent locking so far
