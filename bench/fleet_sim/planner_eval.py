@@ -53,12 +53,20 @@ def mean_load(reqs: list[wl.SimRequest], span: float) -> OfferedLoad:
     )
 
 
+def planner_fleet(
+    cfg: FleetConfig, spec: FleetSpec, init: Counts, known: OfferedLoad
+) -> tuple[Fleet, PlannerController]:
+    """A fleet of `init` sized by the planner, which starts knowing the load `known`."""
+    ctl = PlannerController(Planner(spec, planner_config(cfg.startup_s)), known)
+    ctl.planner.targets = init
+    return Fleet(cfg, init, ctl), ctl
+
+
 def run_planner(
     cfg: FleetConfig, spec: FleetSpec, reqs: list, span: float, init: Counts
 ) -> tuple[Result, PlannerController]:
-    ctl = PlannerController(Planner(spec, planner_config(cfg.startup_s)), mean_load(reqs, span))
-    ctl.planner.targets = init
-    return Fleet(cfg, init, ctl).run(reqs, until=span), ctl
+    fleet, ctl = planner_fleet(cfg, spec, init, mean_load(reqs, span))
+    return fleet.run(reqs, until=span), ctl
 
 
 def run_fixed(cfg: FleetConfig, reqs: list, span: float, counts: Counts) -> Result:
@@ -104,6 +112,11 @@ def first_up_after(ctl: PlannerController, t0: float) -> float | None:
         if d.t >= t0 and any(r.startswith("up") for r in d.reasons.values()):
             return d.t - t0
     return None
+
+
+def queue_grew_after(res: Result, t0: float) -> float | None:
+    """Seconds from `t0` to the first reading from then on with a predicted queue wait above 0."""
+    return next((tl["t"] - t0 for tl in res.timeline if tl["t"] >= t0 and tl["queue_wait_s"] > 0), None)
 
 
 def summary(r: Result) -> dict:

@@ -31,6 +31,7 @@ from bench.fleet_sim.planner_eval import (  # noqa: E402
     first_up_after,
     fleet_setup,
     mean_load,
+    queue_grew_after,
     run_planner,
     summary,
     trace_requests,
@@ -48,7 +49,7 @@ def point(trace: str, scale: float, fixed_json: Path, args: argparse.Namespace) 
     t = time.perf_counter()
     res, ctl = run_planner(cfg, spec, reqs, span, size_fleet(spec, mean_load(reqs, span)))
     fixed = json.loads(fixed_json.read_text())[trace]["fixed_best"]
-    grew = next((tl["t"] for tl in res.timeline if tl["t"] >= burst[0] and tl["queue_wait_s"] > 0), None)
+    grew = queue_grew_after(res, burst[0])
     up = first_up_after(ctl, burst[0])
     outside = [tl for tl in res.timeline if tl["t"] >= args.warmup and not burst[0] <= tl["t"] < sum(burst)]
     return {
@@ -59,8 +60,8 @@ def point(trace: str, scale: float, fixed_json: Path, args: argparse.Namespace) 
         "fixed_best": fixed,
         "ratio_gpu_hours_planner_over_fixed": res.gpu_hours / fixed["gpu_hours"],
         "first_scale_up_after_burst_s": up,
-        "queue_first_grew_after_burst_s": None if grew is None else grew - burst[0],
-        "reaction_after_queue_grew_s": None if grew is None or up is None else up - (grew - burst[0]),
+        "queue_first_grew_after_burst_s": grew,
+        "reaction_after_queue_grew_s": None if grew is None or up is None else up - grew,
         "queue_nonzero_share_outside_burst": sum(tl["queue_wait_s"] > 0 for tl in outside) / max(len(outside), 1),
         "seconds": time.perf_counter() - t,
     }

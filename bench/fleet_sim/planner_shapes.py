@@ -40,7 +40,6 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bench.fleet_sim import workload as wl  # noqa: E402
-from bench.fleet_sim.controllers import PlannerController  # noqa: E402
 from bench.fleet_sim.fleet import Fleet  # noqa: E402
 from bench.fleet_sim.planner_eval import (  # noqa: E402
     BURST_S,
@@ -49,10 +48,11 @@ from bench.fleet_sim.planner_eval import (  # noqa: E402
     first_up_after,
     fleet_setup,
     mean_load,
+    planner_fleet,
+    queue_grew_after,
     summary,
+    with_burst,
 )
-from bench.fleet_sim.scenarios import planner_config  # noqa: E402
-from planner.core import Planner  # noqa: E402
 from planner.sizing import size_fleet  # noqa: E402
 
 GOAL, RATIO = 0.99, 1.15
@@ -63,9 +63,9 @@ PEAK = {"burst2x": 2.0, "burst3x": 3.0, "spike4x": 4.0, "ramp2.5x": RAMP_TO, "ea
 def shaped(shape: str, base: list, span: float, warmup: float) -> tuple[list, tuple[float, float]]:
     """`base` with `shape` added, and the shape's (start, length); the ramp's length runs to the end."""
     rate = len(base) / span
-    if shape == "burst2x":
-        at, length, extra = span * 0.5, BURST_S, rate
-    elif shape == "burst3x":
+    if shape == "burst2x":  # the tuned evaluation's own burst
+        return with_burst(base, span)
+    if shape == "burst3x":
         at, length, extra = span * 0.5, BURST_S, 2 * rate
     elif shape == "spike4x":
         at, length, extra = span * 0.5, 30.0, 3 * rate
@@ -95,9 +95,7 @@ def point(trace: str, scale: float, shape: str, args: argparse.Namespace) -> dic
     cfg, spec = fleet_setup(ttft, 0.05, args.startup, args.warmup)
     init = size_fleet(spec, mean_load(base, span))  # the load before the shape
     t0 = time.perf_counter()
-    ctl = PlannerController(Planner(spec, planner_config(cfg.startup_s)), mean_load(base, span))
-    ctl.planner.targets = init
-    fleet = Fleet(cfg, init, ctl)
+    fleet, ctl = planner_fleet(cfg, spec, init, mean_load(base, span))
     res = fleet.run(reqs, until=span)
     wall = time.perf_counter() - t0
     t, missed = misses(fleet, reqs, args.warmup)
@@ -106,7 +104,7 @@ def point(trace: str, scale: float, shape: str, args: argparse.Namespace) -> dic
     worst_at = int(np.bincount(minute).argmax() * 60) if minute.size else None
     in_shape = int((missed & (t >= at) & (t < at + length + 60)).sum())
     peak = max((d.targets for d in ctl.decisions), key=lambda c: c.prefill + c.decode)
-    grew = next((tl["t"] for tl in res.timeline if tl["t"] >= at and tl["queue_wait_s"] > 0), None)
+    grew = queue_grew_after(res, at)
     out = {
         "trace": trace,
         "scale": scale,
@@ -119,7 +117,7 @@ def point(trace: str, scale: float, shape: str, args: argparse.Namespace) -> dic
         "start": init.__dict__,
         "planner": summary(res),
         "first_scale_up_after_start_s": first_up_after(ctl, at) if length > 0 else None,
-        "queue_first_grew_after_start_s": None if grew is None or length <= 0 else grew - at,
+        "queue_first_grew_after_start_s": grew if length > 0 else None,
         "peak_targets": peak.__dict__,
         "misses_worst_minute": int(worst),
         "misses_worst_minute_at_s": worst_at,
