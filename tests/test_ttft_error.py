@@ -7,6 +7,7 @@ served request takes (placement, then its first token), and admitted again once 
 from __future__ import annotations
 
 import time
+from unittest import mock
 
 import pytest
 
@@ -105,8 +106,10 @@ def _served(d: Dispatcher, log: RequestLog, ttft_s: float) -> float:
     d.check_ttft(plan, INTERACTIVE)
     d.route(plan, 16, set(), set())
     assert plan.record is not None and plan.record.predicted_ttft_s is not None
-    plan.record.started = time.monotonic() - ttft_s
-    plan.record.first_token([])
+    now = time.monotonic()
+    plan.record.started = now - ttft_s
+    with mock.patch("time.monotonic", return_value=now):  # the first token exactly `ttft_s` after arrival
+        plan.record.first_token([])
     return plan.record.predicted_ttft_s
 
 
