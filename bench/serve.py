@@ -59,6 +59,7 @@ if __package__ in (None, ""):
 from serve_deploy import DeployError, Deployment, DeploySpec, get_json, settle_logs, start_deployment  # noqa: E402
 from serve_load import Arrivals, LoadClient, TokenRange, make_workload, run_point  # noqa: E402
 from serve_metrics import SLO, parse_class_slos, summarize_point  # noqa: E402
+from serve_predictions import gather_predictions  # noqa: E402
 from synthetic_tokenizer import build_word_tokenizer, count_words  # noqa: E402
 
 from common.settings_registry import REGISTRY  # noqa: E402
@@ -184,6 +185,15 @@ def point_seed(args: argparse.Namespace, index: int) -> int:
 
 
 # ---- one mode ------------------------------------------------------------------------------------------
+def prediction_line(p: dict[str, Any]) -> str:
+    """The router's measured / predicted TTFT by predicted bucket, and each process's error factor."""
+    parts = [
+        f"<{b['predicted_ms'][1] or 'inf'} ms n={b['n']} {b['ratio']['p50']}/{b['ratio']['p99']}"
+        for b in p["by_predicted"]
+    ]
+    return f"    predictions (measured/predicted p50/p99): {'; '.join(parts) or '-'}; factors {p['factors']}"
+
+
 def progress_line(mode: str, arrivals: Arrivals, s: dict[str, Any]) -> str:
     o = s["outcomes"]
     bad = {k: v for k, v in o.items() if k != "ok"}
@@ -249,6 +259,7 @@ async def bench_mode(
                 args.class_mix,
             )
             before = get_json(f"{url}/router/workers", 5.0) or {}
+            started_wall = time.time()
             run = await run_point(
                 client, items, arrivals, point_seed(args, index), args.drain_timeout, retry_429=args.retry_429
             )
@@ -257,9 +268,11 @@ async def bench_mode(
             # value inf (all at once) is stored as null: the label keeps it readable
             summary.update(kind=arrivals.kind, value=arrivals.value, label=arrivals.label, seed=point_seed(args, index))
             summary["router_decisions"] = _decisions_delta(before, after)
+            summary["ttft_predictions"] = gather_predictions(url, started_wall, count)
             record["points"].append(summary)
             save()
             say(progress_line(mode, arrivals, summary))
+            say(prediction_line(summary["ttft_predictions"]))
             local += sum(summary["router_decisions"].get(k, 0) for k in LOCAL_PREFILL_DECISIONS)
             if deployment is not None and deployment.dead_parts():
                 dead = deployment.dead_parts()

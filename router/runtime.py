@@ -7,6 +7,7 @@ lifespan runs reach it through a `RuntimeSlot`.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -116,6 +117,7 @@ class RouterRuntime:
             "loop_lag_p99_ms": round(self.loop_lag.p99_s() * 1e3, 2),
             # what this process's admission multiplies predicted TTFTs by (router/decision/ttft_error.py)
             "ttft_error_factor": round(self.dispatcher.ttft_error.factor(time.monotonic()), 3),
+            "process": os.getpid(),  # which router process answered (each keeps its own factor and placements)
             "migrations": MIGRATIONS.snapshot(),
             "placement": placement_inputs(self.pool, self.dispatcher.policy),
         }
