@@ -317,6 +317,9 @@ class LoadSnapshot(Schema):
     prefill_step_tokens_per_s: float = 0.0  # device-timed prefill speed: what a chunk adds to a step (0: unknown)
     decode_step_s: float = 0.0  # recent decode step time, smoothed (0: no decode step yet)
     live_requests: int = 0  # requests with an open stream on this worker (set by its control plane, not the engine)
+    # Prompt tokens accepted to prefill here since start (set by its control plane): a router process reads the
+    # other processes' placements from it (router/decision/peers.py).
+    prompt_tokens_accepted: int = 0
     loop_turns: int = 0  # the engine loop's turns so far: an idle engine blocks, so this stays put (0: not reported)
     idle_trimmed: bool = False  # idle since its last work (or start), the engine handed its free heap memory back
     # The most KV tokens one request may reserve here (KVFERRY_MAX_REQUEST_KV_SHARE); 0: not reported.

@@ -193,6 +193,17 @@ def test_chat_answer_and_usage(client: openai.OpenAI, tok: RouterTokenizer) -> N
     assert 0 < r.usage.completion_tokens <= 24
 
 
+def test_the_workers_count_each_prompt_they_prefill_once_on_load(client: openai.OpenAI, cluster: LocalCluster) -> None:
+    """The count other router processes' placements are read from (router/decision/peers.py): one request adds its
+    prompt to the worker that prefilled it, and to no other."""
+    urls = [*cluster.prefill_urls, *cluster.decode_urls]
+    before = {u: load(u)["prompt_tokens_accepted"] for u in urls}
+    prompt = "Count me once: " + " ".join(f"w{i}" for i in range(300))  # long enough to go to a prefill pod
+    r = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=2)
+    grown = {u: load(u)["prompt_tokens_accepted"] - before[u] for u in urls}
+    assert sorted(grown.values()) == [0] * (len(urls) - 1) + [r.usage.prompt_tokens], grown
+
+
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 def test_streamed_equals_non_streamed_under_greedy(client: openai.OpenAI, endpoint: str) -> None:
     if endpoint == "chat":

@@ -63,6 +63,8 @@ class WorkerRequest:
             raise
         self.state.metrics.prompt.inc(prompt_tokens)
         self.state.accepted.add(self.req_id, prompt_tokens, prefill_here)
+        if prefill_here:
+            self.state.prompt_tokens_accepted += prompt_tokens
 
     def call_failed(self, exc: BaseException) -> None:
         """The engine refused the request, answered too late, or the caller left meanwhile. Unless refused, the

@@ -76,6 +76,7 @@ class WorkerState:
         # until the stream ends however it ends; counted as ``live_requests`` in /load, which the router
         # reconciles its own counts with.
         self.requests: dict[str, LiveRequest] = {}
+        self.prompt_tokens_accepted = 0  # prompt tokens accepted to prefill here, a counter on /load
         self.proc: mp.process.BaseProcess | None = None
         self.client: EngineClient | None = None
         # The engine's events by type; a role's routes add theirs.
@@ -220,5 +221,6 @@ class WorkerState:
             draining=self.draining,
             max_running=self.cfg.runner.max_running,
             live_requests=len(self.requests),
+            prompt_tokens_accepted=self.prompt_tokens_accepted,
             max_request_tokens=self.max_request_tokens(base.total_pages),
         )

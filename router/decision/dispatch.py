@@ -269,7 +269,7 @@ class Dispatcher:
             return
         # the policy matched the chosen worker's prefix already
         matched = decision.prefill_matched_tokens if remote else decision.decode_matched_tokens
-        prefilled = w.place_prompt(time.monotonic(), len(plan.token_ids) - matched)
+        prefilled = w.place_prompt(time.monotonic(), len(plan.token_ids) - matched, len(plan.token_ids))
         self.metrics.prompt_cached_tokens.inc(matched)
         record = plan.record
         if record is None:

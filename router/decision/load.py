@@ -45,6 +45,7 @@ class Load:
     queued_ahead_tokens: dict[str, int] = field(default_factory=dict)
     step_overruns: int = 0  # steps beside decoding past the ITL target that their chunk caused (a counter)
     step_stalls: int = 0  # such gaps that were mostly host time (a counter)
+    prompt_tokens_accepted: int = 0  # prompt tokens it accepted to prefill since it started (router/decision/peers.py)
 
     @cached_property
     def step_cost(self) -> StepCost:
@@ -91,6 +92,7 @@ def parse_load(data: Any) -> Load:
         queued_ahead_tokens=_numbers(data.get("queued_ahead_tokens"), int),
         step_overruns=num("step_overruns"),
         step_stalls=num("step_stalls"),
+        prompt_tokens_accepted=num("prompt_tokens_accepted"),
     )
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from router.decision.load import ROLES, Load, parse_load
+from router.decision.peers import PeerPlacements
 from router.decision.policy import DecodeCandidate, PrefillCandidate
 from router.decision.ttft_model import WorkerFigures
 from router.settings import RouterOptions
@@ -29,6 +30,8 @@ PREFILL_ROLES = frozenset({"prefill", "mixed"})  # take /internal/prefill for a 
 RECONCILE_GRACE_S = 1.0
 # /load is the engine's last snapshot (ten a second): a prompt placed this long before the poll may be missing.
 SNAPSHOT_LAG_S = 0.2
+# Other processes' likely placements grow with the snapshot's age: the figures are rebuilt this often meanwhile.
+PEER_TICK_S = 0.02
 
 
 class Watched(Protocol):
@@ -133,12 +136,17 @@ class Worker:
     prefilling: dict[Watched, tuple[float, int]] = field(default_factory=dict)
     load_asked: float = 0.0  # monotonic time the poll that brought ``load`` was sent
     placed: list[tuple[float, int]] = field(default_factory=list)
+    # Running totals of the prompt tokens this process placed here, all and uncached: against the worker's own
+    # count they show what other router processes placed (peers.py).
+    placed_prompt_tokens: int = 0
+    placed_uncached_tokens: int = 0
+    peers: PeerPlacements = field(default_factory=PeerPlacements)
     placed_revision: int = 0  # bumped whenever `placed` changes: a TTFT input cached per snapshot reads it
     holds_revision: int = 0  # bumped by every hold and release: what the calls add up to is cached against it
     _held: HeldCounts | None = field(default=None, init=False, repr=False)
     _sums: _CallSums | None = field(default=None, init=False, repr=False)
-    # (load, when asked, placement revision) the TTFT figures were built from, and the figures
-    _figures: tuple[Load, float, int, WorkerFigures] | None = field(default=None, init=False, repr=False)
+    # (load, when asked, placement revision, peers' tick) the TTFT figures were built from, and the figures
+    _figures: tuple[Load, float, int, int, WorkerFigures] | None = field(default=None, init=False, repr=False)
     task: asyncio.Task[None] | None = None
     removed: bool = False
 
@@ -247,8 +255,11 @@ class Worker:
         )
         return h
 
-    def place_prompt(self, now: float, tokens: int) -> Callable[[], None]:
-        """This router placed a prompt here to prefill; the returned call forgets it once its first token is back."""
+    def place_prompt(self, now: float, tokens: int, prompt_tokens: int) -> Callable[[], None]:
+        """This router placed a prompt here to prefill, `tokens` of its `prompt_tokens` uncached; the returned
+        call forgets it once its first token is back."""
+        self.placed_prompt_tokens += prompt_tokens
+        self.placed_uncached_tokens += tokens
         since = self.load_asked - SNAPSHOT_LAG_S
         self.placed = [e for e in self.placed if e[0] >= since]
         entry = (now, tokens)
@@ -262,22 +273,31 @@ class Worker:
         return prefilled
 
     def figures(self) -> WorkerFigures:
-        """Its TTFT inputs (router/decision/ttft_model.py), built once per load snapshot and placement (a
-        prediction is then O(1)); needs a load."""
+        """Its TTFT inputs (router/decision/ttft_model.py), built once per load snapshot, placement and, while
+        other processes place here, `PEER_TICK_S` (a prediction is then O(1)); needs a load."""
         load = self.load
         assert load is not None
+        now = time.monotonic()
+        tick = int(now / PEER_TICK_S) if self.peers.rate > 0 else 0
         hit = self._figures
-        if hit is not None and hit[0] is load and hit[1] == self.load_asked and hit[2] == self.placed_revision:
-            return hit[3]
-        figures = WorkerFigures.from_load(load, self.unseen_prompt_tokens)
-        self._figures = (load, self.load_asked, self.placed_revision, figures)
+        if (
+            hit is not None
+            and hit[0] is load
+            and hit[1] == self.load_asked
+            and hit[2] == self.placed_revision
+            and hit[3] == tick
+        ):
+            return hit[4]
+        figures = WorkerFigures.from_load(load, self.unseen_prompt_tokens(now))
+        self._figures = (load, self.load_asked, self.placed_revision, tick, figures)
         return figures
 
-    @property
-    def unseen_prompt_tokens(self) -> int:
-        """Prompt tokens placed here that the last snapshot may not count yet (the TTFT prediction adds them)."""
+    def unseen_prompt_tokens(self, now: float) -> int:
+        """Prompt tokens placed here that the last snapshot may not count yet (the TTFT prediction adds them):
+        this process's own, and what the others likely placed meanwhile."""
         since = self.load_asked - SNAPSHOT_LAG_S
-        return sum([n for t, n in self.placed if t >= since])  # a list: no generator to start for a few entries
+        mine = sum([n for t, n in self.placed if t >= since])  # a list: no generator to start for a few entries
+        return mine + self.peers.placed_since(now - since)
 
     @property
     def inflight_tokens(self) -> int:
@@ -457,6 +477,7 @@ class WorkerPool:
             return
         w.load = load
         w.load_asked = time.monotonic() if asked is None else asked
+        w.peers.observe(w.load_asked, load.prompt_tokens_accepted, w.placed_prompt_tokens, w.placed_uncached_tokens)
         if w.pod != load.pod:
             if w.pod is not None and self._by_pod.get(w.pod) is w:
                 del self._by_pod[w.pod]

@@ -1,0 +1,121 @@
+"""Other router processes' placements (router/decision/peers.py): a process reads them from the worker's count of
+accepted prompt tokens and adds their recent rate to the queue a stale snapshot shows, so two processes predict
+a worker's TTFT as one process seeing every placement would."""
+
+from __future__ import annotations
+
+import time
+
+from router.decision.load import parse_load
+from router.decision.peers import WINDOW_POLLS, PeerPlacements
+from router.decision.pool import SNAPSHOT_LAG_S, WorkerPool
+from router.decision.ttft_model import predict_ttft_s
+
+RATE = 10_000.0  # the worker's prefill rate, tokens/s: a prediction is then tokens / RATE
+
+
+def _load(accepted: int | None, queued: int = 0) -> dict[str, object]:
+    snap: dict[str, object] = {
+        "role": "decode",
+        "pod": "d0",
+        "queued_prefill_tokens": queued,
+        "free_pages": 512,
+        "total_pages": 512,
+        "ready": True,
+        "max_running": 64,
+        "prefill_tokens_per_s": RATE,
+    }
+    if accepted is not None:
+        snap["prompt_tokens_accepted"] = accepted
+    return snap
+
+
+def _process() -> tuple[WorkerPool, object]:
+    """One router process's view of the worker d0."""
+    pool = WorkerPool(client=None)  # type: ignore[arg-type]
+    pool.set_targets("decode", ["http://d0"])
+    return pool, pool.workers["http://d0"]
+
+
+def test_rate_is_what_the_worker_accepted_beyond_this_processs_own_placements() -> None:
+    p = PeerPlacements()
+    # 0.25 s polls; this process places 500 tokens a poll (all uncached), the worker accepts 2,000 a poll
+    for i in range(WINDOW_POLLS + 4):
+        p.observe(i * 0.25, accepted=2000 * i, placed=500 * i, placed_uncached=500 * i)
+    assert abs(p.rate - 1500 / 0.25) < 1e-6
+    assert p.placed_since(0.1) == 600
+    assert p.placed_since(-1.0) == 0
+
+
+def test_the_others_rate_is_scaled_by_this_processs_uncached_share() -> None:
+    p = PeerPlacements()
+    for i in range(4):  # half of what this process placed was a prefix hit: the others' likely are too
+        p.observe(i * 0.25, accepted=2000 * i, placed=1000 * i, placed_uncached=500 * i)
+    assert abs(p.rate - 0.5 * 1000 / 0.25) < 1e-6
+
+
+def test_a_placement_counted_by_the_worker_only_after_the_poll_is_not_taken_for_another_processs() -> None:
+    p = PeerPlacements()
+    p.observe(0.0, accepted=0, placed=0, placed_uncached=0)
+    p.observe(0.25, accepted=0, placed=800, placed_uncached=800)  # sent just before the poll, not arrived yet
+    assert p.rate == 0.0
+    p.observe(0.5, accepted=800, placed=800, placed_uncached=800)  # it arrived: still nobody else's
+    assert p.rate == 0.0
+
+
+def test_a_worker_that_does_not_count_or_restarted_adds_nothing() -> None:
+    p = PeerPlacements()
+    for i in range(4):  # an older worker: no count on /load, so 0 against this process's placements
+        p.observe(i * 0.25, accepted=0, placed=700 * i, placed_uncached=700 * i)
+    assert p.rate == 0.0
+    q = PeerPlacements()
+    q.observe(0.0, accepted=50_000, placed=0, placed_uncached=0)
+    q.observe(0.25, accepted=100, placed=0, placed_uncached=0)  # restarted: its count began again
+    assert q.rate == 0.0 and q.placed_since(1.0) == 0
+    q.observe(0.5, accepted=600, placed=0, placed_uncached=0)
+    assert abs(q.rate - 500 / 0.25) < 1e-6
+
+
+def test_two_processes_predict_the_queue_one_process_seeing_every_placement_would() -> None:
+    """Process A and process B each place 1,000-token prompts on d0, B four times as often. At a poll, the
+    snapshot's queue is what the worker held then; between polls A sees its own placements, and now also B's
+    likely ones. A prediction made a moment after the poll includes B's work placed in that moment."""
+    pool_a, a = _process()
+    pool_b, b = _process()
+    poll = 0.25
+    t0 = time.monotonic() - (WINDOW_POLLS + 2) * poll
+    accepted = 0
+    for i in range(WINDOW_POLLS + 2):
+        asked = t0 + i * poll
+        # in each interval, A placed one prompt and B four: the worker accepted all five by the next poll
+        if i:
+            a.placed_prompt_tokens += 1000
+            a.placed_uncached_tokens += 1000
+            b.placed_prompt_tokens += 4000
+            b.placed_uncached_tokens += 4000
+            accepted += 5000
+        pool_a.report_load(a, parse_load(_load(accepted)), asked=asked)
+        pool_b.report_load(b, parse_load(_load(accepted)), asked=asked)
+    assert abs(a.peers.rate - 4000 / poll) < 1e-6 and abs(b.peers.rate - 1000 / poll) < 1e-6
+    # A moment later: the snapshot is (now - last poll) old, plus the engine's own snapshot lag
+    now = time.monotonic()
+    age = now - a.load_asked + SNAPSHOT_LAG_S
+    seen_by_a = a.figures().unseen_tokens
+    assert abs(seen_by_a - 16_000 * age) <= 16_000 * 0.05 + 1, (seen_by_a, age)
+    # The prediction for a 1,000-token prompt grows by the others' tokens at the worker's rate
+    alone = predict_ttft_s(a.figures(), "", 1000)
+    assert alone is not None and abs(alone - (1000 + seen_by_a) / RATE) < 1e-9
+
+
+def test_one_process_alone_adds_only_its_own_placements() -> None:
+    pool, w = _process()
+    t0 = time.monotonic() - 3.0
+    accepted = 0
+    for i in range(WINDOW_POLLS + 2):
+        if i:
+            w.place_prompt(t0 + i * 0.25 - 0.24, 900, 1000)  # its own, early enough for the next poll's snapshot
+            accepted += 1000
+        pool.report_load(w, parse_load(_load(accepted)), asked=t0 + i * 0.25)
+    assert w.peers.rate == 0.0
+    # nothing placed since the last poll: the snapshot stands as it is
+    assert w.figures().unseen_tokens == 0
