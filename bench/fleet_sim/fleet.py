@@ -12,6 +12,22 @@ is the router's own ``sample_workers`` (router/decision/dispatch.py ``Dispatcher
 request is scored on k workers of each role at random plus the k holding the longest prefix of it, the prefix
 index here being the four workers that cached its first prompt block last. Only the candidates' loads are
 refreshed (each at most one poll interval old) and only their prefix matches computed.
+
+Several router processes (``router_processes`` R > 1: uvicorn workers, router pods): each is a view of its own, a
+``WorkerPool`` and ``Dispatcher`` that know only the placements it made itself, and each request goes to one of
+them at random (as SO_REUSEPORT spreads connections). A request's calls are held and released on the view that
+placed it. Each view polls each worker every ``poll_s`` on a grid of its own, at a random phase, as events
+(R x workers polls per poll interval): a snapshot is the worker's state at its poll and ages until the next.
+One process refreshes a load at the first arrival a poll interval after the last instead, a snapshot as fresh
+as the arrival that asks for it; R views each seeing 1/R of the arrivals would then mostly find their snapshot
+due and read every other view's placements in it, hiding what R views get wrong. ``timed_polls`` gives one
+process timed polls too, to compare like with like.
+
+Workers count the prompt tokens they accepted to prefill (/load's ``prompt_tokens_accepted``), from which each
+view estimates the others' placements (router/decision/peers.py); ``publish_prompt_tokens_accepted`` False
+publishes 0, which the router reads as a worker that does not count: the estimate stays 0. With one process the
+count follows its placements but for a prompt a busy decode worker has yet to hand to its prefill peer (at its
+next step): a poll in between can leave the router a small rate of "others" on a disaggregated fleet.
 """
 
 from __future__ import annotations
@@ -42,12 +58,13 @@ from planner.observe import Totals
 from planner.sizing import Counts
 from router.decision.admission import AdmissionLimits
 from router.decision.dispatch import Dispatcher, PromptPlan
-from router.decision.policy import PolicyConfig, RoutingPolicy
+from router.decision.policy import PolicyConfig, RouteDecision, RoutingPolicy
 from router.decision.pool import Worker, WorkerPool
+from router.decision.ttft_error import RELEVANT_SHARE
 from router.errors import OpenAIError
 from router.settings import RouterOptions
 
-__all__ = ["Controller", "Fleet", "FleetConfig", "Result"]
+__all__ = ["Controller", "Fleet", "FleetConfig", "Result", "RouterView"]
 
 ITL_BINS = np.logspace(-4, 1, 501)  # 0.1 ms .. 10 s
 _NONE: frozenset[str] = frozenset()  # no worker excluded (the router only reads it)
@@ -77,6 +94,10 @@ class FleetConfig:
     workers_per_gpu: int = 1  # > 1: workers (any role) time-share a GPU (bench/fleet_sim/device.py), filled in order
     measure_from_s: float = 0.0  # requests arriving earlier (the fleet warming up) are left out of the figures
     seed: int = 0
+    router_processes: int = 1  # router views, each blind to the others' placements but for the peers estimate
+    timed_polls: bool = False  # each view polls on a grid of its own (always so with several router processes)
+    # False: workers publish prompt_tokens_accepted 0 (as one that does not count): the peers estimate stays 0
+    publish_prompt_tokens_accepted: bool = True
 
 
 class _Clock:
@@ -88,13 +109,24 @@ class _Clock:
         self.monotonic: Callable[[], float] = partial(attrgetter("now"), self)
 
 
+@dataclass(slots=True)
+class RouterView:
+    """One router process: its pool (fed by its own polls), its dispatcher, and when it last polled each worker."""
+
+    pool: WorkerPool
+    dispatcher: Dispatcher
+    loaded_at: dict[str, float] = field(default_factory=dict)
+
+
 class _Call:
-    """What the router's pool holds per request (router/upstream/call.py's UpstreamCall, minus the HTTP)."""
+    """What the router's pool holds per request (router/upstream/call.py's UpstreamCall, minus the HTTP), and the
+    router process that placed it (its holds are that process's to release)."""
 
-    __slots__ = ("rid",)
+    __slots__ = ("process", "rid")
 
-    def __init__(self, rid: int) -> None:
+    def __init__(self, rid: int, process: int) -> None:
         self.rid = rid
+        self.process = process
 
     def kill(self, reason: str) -> None:
         pass
@@ -118,6 +150,12 @@ class Result:
     gpu_hours: float
     span_s: float
     infeasible: int = 0  # requests no idle worker serves within the TTFT target (left out of the attainment)
+    # measured TTFT over the TTFT predicted for the placement it was admitted on, over the served requests either
+    # put at a quarter of the target or more (those the router's own error estimate counts: ttft_error.py)
+    ttft_over_predicted_p50: float = math.nan
+    ttft_over_predicted_p90: float = math.nan
+    ttft_over_predicted_p99: float = math.nan
+    ttft_over_predicted_n: int = 0
     timeline: list[dict] = field(default_factory=list)
 
     @property
@@ -137,28 +175,28 @@ class Fleet:
         self.controller = controller
         self.rng = random.Random(cfg.seed)
         self.clock = _Clock()
-        # the router's view of each simulated worker; it never polls: loads are handed to it
-        self.pool = WorkerPool(client=None)  # type: ignore[arg-type]
-        self.dispatcher = Dispatcher(
-            self.pool,
-            RoutingPolicy(cfg.policy),
-            locator=None,  # type: ignore[arg-type]
-            client=None,  # type: ignore[arg-type]
-            opts=RouterOptions(admit_by_ttft=int(cfg.admit_by_ttft), sample_workers=cfg.route_sample),
-            limits=cfg.limits,
-            slo=cfg.slo,
-            rng=self.rng,
+        # each router process's view of the simulated workers; none polls: loads are handed to it
+        self.views = [self._router_view() for _ in range(max(1, cfg.router_processes))]
+        self.timed_polls = cfg.timed_polls or len(self.views) > 1
+        # the first process's, which is the whole router with one process
+        self.pool, self.dispatcher, self.loaded_at = (
+            self.views[0].pool,
+            self.views[0].dispatcher,
+            self.views[0].loaded_at,
         )
+        # picks each request's process and offsets the processes' polls: a stream of its own, so that one process
+        # draws nothing from it and the router's own sampling sees the numbers it always did
+        self.process_rng = random.Random(f"router processes {cfg.seed}")
         self.cls = cfg.slo.get("")
         self.sims: dict[str, SimWorker] = {}
         self.starting: dict[str, tuple[str, float]] = {}  # name -> (role, ready at)
-        self.loaded_at: dict[str, float] = {}
         self.caches: dict[str, PrefixCache] = {}
         self._cache_tokens = int(cfg.worker.kv_tokens * cfg.prefix_cache_share)  # what a prefix cache may keep
         # first prefix block -> the workers that cached it, most recent last (a dict: ordered, whatever the hash seed)
         self.holders: dict[int, dict[str, None]] = {}
         # (time, sequence, kind, what, its detail): kind 0 a worker's wake-up (the worker, its version then), 1 work
-        # given to a worker (the worker, the job), 2 a pod ready (its name), 3 a controller tick
+        # given to a worker (the worker, the job), 2 a pod ready (its name), 3 a controller tick, 4 a router process's
+        # timed poll (the process, the worker's name)
         self._events: list[tuple[float, int, int, object, object]] = []
         self._seq = count(1)  # ties in time go first in, first out
         self._spawned = 0
@@ -176,6 +214,21 @@ class Fleet:
         for role in ("prefill", "decode", "mixed"):
             for _ in range(getattr(initial, role)):
                 self._spawn(role, ready_at=0.0)
+
+    def _router_view(self) -> RouterView:
+        cfg = self.cfg
+        pool = WorkerPool(client=None)  # type: ignore[arg-type]
+        dispatcher = Dispatcher(
+            pool,
+            RoutingPolicy(cfg.policy),
+            locator=None,  # type: ignore[arg-type]
+            client=None,  # type: ignore[arg-type]
+            opts=RouterOptions(admit_by_ttft=int(cfg.admit_by_ttft), sample_workers=cfg.route_sample),
+            limits=cfg.limits,
+            slo=cfg.slo,
+            rng=self.rng,
+        )
+        return RouterView(pool, dispatcher)
 
     @property
     def totals(self) -> Totals:
@@ -210,6 +263,7 @@ class Fleet:
     def _up(self, name: str, role: str) -> None:
         sim = SimWorker(name, role, self.cfg.worker, self._on_first_token, self._on_finish, self._record_itl)
         sim.itl_slo_s = self.cls.itl_s
+        sim.publishes_accepted = self.cfg.publish_prompt_tokens_accepted
         if self.cfg.workers_per_gpu > 1:
             sim.device = place(self.devices, sim, self.cfg.workers_per_gpu, self._moved, self.cfg.worker.share_slice_s)
             for other in sim.device.members[:-1]:
@@ -218,12 +272,34 @@ class Fleet:
                 self._wake_at(other, other.cut_span(self.clock.now))
         self.sims[name] = sim
         self.caches[name] = PrefixCache()
-        self.pool.add(name, role)
+        for view in self.views:
+            view.pool.add(name, role)
         self._report(name)
+        if self.timed_polls:
+            # every process sees it come up; their polls then run at phases of their own
+            poll_s = self.cfg.poll_s
+            for i in range(len(self.views)):
+                self._push(self.clock.now + poll_s * (1.0 - self.process_rng.random()), 4, i, name)
 
     def _report(self, name: str) -> None:
-        self.pool.report_load(self.pool.workers[name], self.sims[name].load(self.clock.now), asked=self.clock.now)
-        self.loaded_at[name] = self.clock.now
+        """Every router process reads `name`'s load now (it came up or began to drain)."""
+        now = self.clock.now
+        load = self.sims[name].load(now)
+        for view in self.views:
+            view.pool.report_load(view.pool.workers[name], load, asked=now)
+            view.loaded_at[name] = now
+
+    def _poll(self, process: int, name: str) -> None:
+        """Router process `process`'s timed poll of `name`, and its next one a poll interval on (none once the
+        worker has left)."""
+        view, sim = self.views[process], self.sims.get(name)
+        w = view.pool.workers.get(name)
+        if w is None or sim is None:
+            return
+        now = self.clock.now
+        view.pool.report_load(w, sim.load(now), asked=now)
+        view.loaded_at[name] = now
+        self._push(now + self.cfg.poll_s, 4, process, name)
 
     def scale_to(self, targets: Counts) -> None:
         have = self.counts()
@@ -258,9 +334,10 @@ class Fleet:
             del self.sims[w.name]
             if w.device is not None:
                 w.device.members.remove(w)
-            rw = self.pool.workers.get(w.name)
-            if rw is not None:
-                self.pool.remove(rw)
+            for view in self.views:
+                rw = view.pool.workers.get(w.name)
+                if rw is not None:
+                    view.pool.remove(rw)
             self.caches.pop(w.name, None)
 
     # ---- events -------------------------------------------------------------------------------------------------
@@ -302,6 +379,7 @@ class Fleet:
         self.ttft: list[float] | np.ndarray = [math.nan] * n
         self.good: list[bool] | np.ndarray = [False] * n
         self.shed_mask: list[bool] | np.ndarray = [False] * n
+        self.predicted: list[float] | np.ndarray = [math.nan] * n  # the TTFT its placement was admitted on
         self.out_tokens = 0
         end = until if until is not None else (requests[-1].t if requests else 0.0)
         if self.controller is not None:
@@ -314,7 +392,7 @@ class Fleet:
         while True:
             if events and events[0][0] <= t_arr:
                 t, _, kind, what, detail = pop(events)
-                if t > end and kind == 3:
+                if t > end and kind >= 3:  # no controller ticks nor polls past the run's end: it drains
                     continue
                 clock.now = t
                 if kind == 0:
@@ -337,6 +415,8 @@ class Fleet:
                         self._up(what, role)  # type: ignore[arg-type]
                 elif kind == 3:
                     self._tick(t)
+                elif kind == 4:
+                    self._poll(what, detail)  # type: ignore[arg-type]
             elif i < n:
                 clock.now = t_arr
                 self._arrive(i, requests[i])
@@ -355,28 +435,32 @@ class Fleet:
         self._push(now + self.controller.interval_s, 3, None, None)
 
     # ---- a request ----------------------------------------------------------------------------------------------
-    def _candidates(self, req: SimRequest, plan: PromptPlan) -> None:
-        """Gives `plan` its prefix matches and its candidates fresh loads (each at most one poll interval old):
-        every worker, or with ``route_sample`` those the router samples, told the prompt's prefix holders."""
+    def _candidates(self, req: SimRequest, plan: PromptPlan, view: RouterView) -> None:
+        """Gives `plan` its prefix matches and its candidates fresh loads (each at most one poll interval old;
+        timed polls keep them so already): every worker, or with ``route_sample`` those the router samples, told
+        the prompt's prefix holders."""
         cfg = self.cfg
         now = self.clock.now
+        pool = view.pool
         workers: Iterable[Worker]
         if cfg.route_sample:
             if req.blocks:
                 # the four that cached it last (the likeliest to hold it still)
                 recent = islice(reversed(self.holders.get(req.blocks[0], {})), 4)
-                plan.matches = self._matches(req, [h for h in recent if h in self.pool.workers])
-            self.dispatcher.choose_candidates(plan)
+                plan.matches = self._matches(req, [h for h in recent if h in pool.workers])
+            view.dispatcher.choose_candidates(plan)
             workers = plan.candidates or []
             # the holders' matches are known already (the longest to compute: they run far into the prompt)
             plan.matches = self._matches(req, [w.url for w in workers], plan.matches)
         else:
-            workers = self.pool.workers.values()
-            plan.matches = self._matches(req, self.pool.workers)
-        loaded_at, poll_s, sims = self.loaded_at, cfg.poll_s, self.sims
+            workers = pool.workers.values()
+            plan.matches = self._matches(req, pool.workers)
+        if self.timed_polls:
+            return
+        loaded_at, poll_s, sims = view.loaded_at, cfg.poll_s, self.sims
         for w in workers:
             if now - loaded_at.get(w.url, -1e9) >= poll_s:  # _report, with the router's worker at hand
-                self.pool.report_load(w, sims[w.url].load(now), asked=now)
+                pool.report_load(w, sims[w.url].load(now), asked=now)
                 loaded_at[w.url] = now
 
     def _matches(self, req: SimRequest, names: Iterable[str], known: dict[str, int] | None = None) -> dict[str, int]:
@@ -423,22 +507,27 @@ class Fleet:
         # positional (token ids, block hashes, matches, block size, record, request tokens, SLO class): a keyword
         # costs the dataclass's __init__ more than the rest of it
         plan = PromptPlan(_tokens(req.prompt), [], {}, cfg.worker.page_size, None, 0, self.cls)
-        self._candidates(req, plan)
+        views = self.views
+        process = int(self.process_rng.random() * len(views)) if len(views) > 1 else 0
+        view = views[process]
+        self._candidates(req, plan, view)
         try:
-            self.dispatcher.check_ttft(plan, self.cls)
-            decision = self.dispatcher.route(plan, req.output, _NONE, _NONE)  # type: ignore[arg-type]
+            view.dispatcher.check_ttft(plan, self.cls)
+            decision = view.dispatcher.route(plan, req.output, _NONE, _NONE)  # type: ignore[arg-type]
         except OpenAIError:
             self.shed_mask[rid] = True
             sums[6] += 1
             return
+        workers = view.pool.workers
+        self.predicted[rid] = _admitted_prediction(plan, workers, decision, self.cls.name)
         d = self.sims[decision.decode]
-        call = _Call(rid)
-        rd = self.pool.workers[decision.decode]
+        call = _Call(rid, process)
+        rd = workers[decision.decode]
         rd.hold_decode(call, now, req.prompt + req.output)
         if decision.prefill is not None:
             p = self.sims[decision.prefill]
             matched = decision.prefill_matched_tokens
-            self.pool.workers[decision.prefill].hold_prefill(call, now, req.prompt - matched)
+            workers[decision.prefill].hold_prefill(call, now, req.prompt - matched)
             job = Job(rid, req.t, req.prompt, max(1, req.prompt - matched), 0, req.prompt)
             job.peer = (d, req)
             if d.busy_until < 0:
@@ -471,7 +560,7 @@ class Fleet:
         if job.peer is not None:  # a prefill for a peer: its KV moves, then it decodes there
             d, req = job.peer  # type: ignore[misc]
             call = job.call
-            rw = self.pool.workers.get(w.name)
+            rw = self.views[call.process].pool.workers.get(w.name)  # type: ignore[attr-defined]
             if rw is not None:
                 rw.release_prefill(call)
             arrive = now + self.cfg.worker.transfer_s(req.prompt, w.device is not None and w.device is d.device)
@@ -488,7 +577,7 @@ class Fleet:
         self.ttft[job.rid] = now - job.arrival + self.cfg.net_s
 
     def _on_finish(self, w: SimWorker, job: Job, now: float, slow: float) -> None:
-        rw = self.pool.workers.get(w.name)
+        rw = self.views[job.call.process].pool.workers.get(w.name)  # type: ignore[attr-defined]
         if rw is not None:
             rw.release_decode(job.call)  # type: ignore[arg-type]
         cls = self.cls
@@ -524,11 +613,13 @@ class Fleet:
         self.ttft = np.array(self.ttft, dtype=float)
         self.good = np.array(self.good, dtype=bool)
         self.shed_mask = np.array(self.shed_mask, dtype=bool)
+        self.predicted = np.array(self.predicted, dtype=float)
         measured = np.array([r.t >= self.cfg.measure_from_s for r in requests], dtype=bool)
         feasible = self._feasible(requests)
         counted = measured & feasible
         served = ~np.isnan(self.ttft) & measured
         t = self.ttft[served]
+        ratios = self._prediction_ratios(served)
         span = max(end, 1e-9)
         return Result(
             n=int(counted.sum()),
@@ -544,8 +635,40 @@ class Fleet:
             request_per_s=int(served.sum()) / span,
             gpu_hours=self._gpu_s / 3600,
             span_s=span,
+            ttft_over_predicted_p50=_quantile(ratios, 50),
+            ttft_over_predicted_p90=_quantile(ratios, 90),
+            ttft_over_predicted_p99=_quantile(ratios, 99),
+            ttft_over_predicted_n=int(ratios.size),
             timeline=self.timeline,
         )
+
+    def _prediction_ratios(self, served: np.ndarray) -> np.ndarray:
+        """Measured over predicted TTFT of the `served` requests whose prediction or measurement reached a
+        quarter of the target (those the router's own error estimate counts: router/decision/ttft_error.py). The
+        measured TTFT is the router's, its hops included, as a router process measures it."""
+        predicted = self.predicted
+        ok = served & (predicted > 0)
+        target = self.cls.ttft_s
+        if target is not None:
+            ok &= np.maximum(self.ttft, predicted) >= RELEVANT_SHARE * target
+        return self.ttft[ok] / predicted[ok]
+
+
+def _admitted_prediction(
+    plan: PromptPlan, workers: dict[str, Worker], decision: RouteDecision, slo_class: str
+) -> float:
+    """The predicted TTFT of the placement `decision` made: what `Dispatcher.route` scored the chosen worker on,
+    read back from the plan's predictions (route fills them for every open candidate). Not predicted anew: the
+    placement has joined the worker's unseen prompts since, and a new prediction would queue the prompt behind
+    itself."""
+    remote = decision.prefill is not None
+    w = workers.get(decision.prefill if remote else decision.decode)  # type: ignore[arg-type]
+    hit = plan.predictions.get((w, remote, slo_class, True)) if w is not None else None
+    return hit[1] if hit is not None and hit[1] is not None else math.nan
+
+
+def _quantile(values: np.ndarray, q: float) -> float:
+    return float(np.percentile(values, q)) if values.size else math.nan
 
 
 def _tokens(n: int) -> list[int]:

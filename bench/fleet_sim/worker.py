@@ -156,6 +156,10 @@ class SimWorker:
     asks: list[tuple[object, Job]] = field(default_factory=list)
     span_shared: bool = False  # the step in flight runs on a GPU other workers are on
     added: int = 0  # jobs given so far
+    # full prompt tokens of the jobs given to it to prefill (a peer's prefill, or its own request's), cached or
+    # not: /load's prompt_tokens_accepted, as the real worker counts them (common/worker/request.py `submit`)
+    prompt_tokens_accepted: int = 0
+    publishes_accepted: bool = True  # False: /load says 0 (a worker that does not count: no peers estimate)
     # the last snapshot and what it was taken at: (version, added, draining, a run's steps done) -- nothing else
     # changes what /load says, so an unchanged worker hands the router the same snapshot again
     _last_load: tuple[tuple[int, int, bool, int], Load] | None = None
@@ -229,6 +233,9 @@ class SimWorker:
             rows,  # decode_rows
             ctx,  # decode_context
             _NO_CLASSES,  # queued_ahead_tokens
+            0,  # step_overruns
+            0,  # step_stalls
+            self.prompt_tokens_accepted if self.publishes_accepted else 0,  # prompt_tokens_accepted
         )
         # what parsing its step_coefficients gives, shared by every snapshot (set as an attribute: a cached_property
         # takes it so, and reading __dict__ would turn the snapshot's compact attribute values into a dict)
@@ -247,6 +254,7 @@ class SimWorker:
         if job.todo > 0:
             self.waiting.append(job)
             self.queued_tokens += job.todo
+            self.prompt_tokens_accepted += job.prompt
         else:
             self.joining.append(job)  # joins the batch at the next step boundary
         return self.busy_until < 0
