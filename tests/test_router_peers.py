@@ -97,7 +97,7 @@ def test_two_processes_predict_the_queue_one_process_seeing_every_placement_woul
         pool_a.report_load(a, parse_load(_load(accepted)), asked=asked)
         pool_b.report_load(b, parse_load(_load(accepted)), asked=asked)
     assert abs(a.peers.rate - 4000 / poll) < 1e-6 and abs(b.peers.rate - 1000 / poll) < 1e-6
-    # A moment later: the snapshot is (now - last poll) old, plus the engine's own snapshot lag
+    # A moment later: the snapshot is (now - last poll) old, plus the snapshot-lag allowance
     now = time.monotonic()
     age = now - a.load_asked + SNAPSHOT_LAG_S
     seen_by_a = a.figures().unseen_tokens
