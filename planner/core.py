@@ -117,7 +117,8 @@ class Planner:
             self._forecast = RateForecast(cfg.trend_alpha, cfg.trend_beta)
         self._forecast.update(obs.load.rate)
         ahead = self._forecast.ahead(cfg.horizon_s / cfg.interval_s, cfg.max_growth)
-        rate = max(obs.load.rate, ahead) + obs.shed_rate
+        # The rate counts every arrival, those refused included (planner/observe.py): the shed are in it already.
+        rate = max(obs.load.rate, ahead)
         planned = self._reserve(obs, self._sized(obs, rate))
         planned = self._queue_reaction(obs, planned)
         current = self.targets if self.targets is not None else obs.ready
@@ -141,7 +142,7 @@ class Planner:
         b, cfg = self._baseline, self.cfg
         load = replace(obs.load, rate=rate)
         if cfg.step_reserve > 0 and b is not None and obs.queue_wait_s <= cfg.queue_alarm * self.spec.ttft_s:
-            seen = obs.load.rate + obs.shed_rate
+            seen = obs.load.rate
             if seen <= b.rate * (1 + cfg.step_reserve):
                 return reserve_fleet(self.spec, replace(obs.load, rate=seen))
             return reserve_fleet(self.spec, load)
@@ -237,7 +238,7 @@ class Planner:
         workers = obs.ready.prefill
         if cfg.step_reserve <= 0 or b is None or obs.queue_wait_s <= 0 or workers <= 0 or "prefill" not in spec.roles:
             return False
-        seen = obs.load.rate + obs.shed_rate
+        seen = obs.load.rate
         if seen <= b.rate:
             return False
         at_seen = wait_chance(spec, replace(b, rate=seen), workers)

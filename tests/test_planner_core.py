@@ -118,6 +118,15 @@ def test_shedding_raises_the_plan() -> None:
     assert d.targets.prefill == 3  # 1 + 5/10 of the ready two, rounded up
 
 
+def test_shed_requests_are_sized_once() -> None:
+    # The rate read counts every arrival, the refused included (planner/observe.py): 100 req/s of which 40 were
+    # shed is a load of 100 req/s, not 140 (the decode side, which the shedding reaction leaves alone, shows it)
+    d = Planner(SPEC).decide(obs(0, 100.0, Counts(7, 5, 0), shed=40.0))
+    assert d.forecast_rate == pytest.approx(100.0)
+    assert d.planned.decode == size_fleet(SPEC, replace(LOAD, rate=100.0)).decode == 5
+    assert size_fleet(SPEC, replace(LOAD, rate=140.0)).decode > 5
+
+
 def test_shedding_within_the_slo_share_does_not_raise_the_plan() -> None:
     # one refusal in 200 requests (a prompt no worker prefills within the target, even idle) is within the 1%
     # a p99 SLO lets miss: no pod can help it
