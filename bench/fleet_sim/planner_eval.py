@@ -54,10 +54,10 @@ def mean_load(reqs: list[wl.SimRequest], span: float) -> OfferedLoad:
 
 
 def planner_fleet(
-    cfg: FleetConfig, spec: FleetSpec, init: Counts, known: OfferedLoad
+    cfg: FleetConfig, spec: FleetSpec, init: Counts, known: OfferedLoad, step_reserve: float = 1.0
 ) -> tuple[Fleet, PlannerController]:
     """A fleet of `init` sized by the planner, which starts knowing the load `known`."""
-    ctl = PlannerController(Planner(spec, planner_config(cfg.startup_s)), known)
+    ctl = PlannerController(Planner(spec, planner_config(cfg.startup_s, step_reserve)), known)
     ctl.planner.targets = init
     return Fleet(cfg, init, ctl), ctl
 

@@ -95,7 +95,7 @@ def point(trace: str, scale: float, shape: str, args: argparse.Namespace) -> dic
     cfg, spec = fleet_setup(ttft, 0.05, args.startup, args.warmup)
     init = size_fleet(spec, mean_load(base, span))  # the load before the shape
     t0 = time.perf_counter()
-    fleet, ctl = planner_fleet(cfg, spec, init, mean_load(base, span))
+    fleet, ctl = planner_fleet(cfg, spec, init, mean_load(base, span), args.step_reserve)
     res = fleet.run(reqs, until=span)
     wall = time.perf_counter() - t0
     t, missed = misses(fleet, reqs, args.warmup)
@@ -191,6 +191,9 @@ def main() -> int:
     ap.add_argument("--span", type=float, default=900.0)
     ap.add_argument("--warmup", type=float, default=120.0)
     ap.add_argument("--startup", type=float, default=30.0)
+    ap.add_argument(
+        "--step-reserve", type=float, default=1.0, help="the planner's --step-reserve (1: a doubling held ready)"
+    )
     ap.add_argument("--no-fixed", dest="fixed", action="store_false", help="skip the fixed-split search")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "planner_shapes.json")
     args = ap.parse_args()

@@ -35,7 +35,7 @@ def fleet_spec(worker: WorkerSpec, ttft_s: float, itl_s: float) -> FleetSpec:
     )
 
 
-def planner_config(startup_s: float) -> PlannerConfig:
+def planner_config(startup_s: float, step_reserve: float = 1.0) -> PlannerConfig:
     # the step held in reserve is the burst the issue's targets name (the rate doubles at once); no signal seen
     # before it (the traces' own swings of the rate) foretells it, so it is the operator's stated risk
-    return PlannerConfig(horizon_s=startup_s, step_reserve=1.0)
+    return PlannerConfig(horizon_s=startup_s, step_reserve=step_reserve)

@@ -5,7 +5,8 @@ itself since (pool.py's `unseen_prompt_tokens`). What other processes placed in 
 the next poll, and there are many others: the router pod runs two processes and a fleet runs several pods. On an
 H100 (bf16 8B, 24-36 req/s) measured TTFT reached 1.5-1.8x the prediction at p99 with two processes against
 1.1x with one, and the error factor (ttft_error.py) sat at its 2.0 ceiling: half the queue's headroom refused
-(bench/RESULTS.md, "Two router processes, each blind to the other's placements").
+(bench/RESULTS.md, "FP8 against bf16 with the router fixed ..."; the simulator reproduces it: "Several router
+processes in the simulator").
 
 The worker counts every prompt token it accepted to prefill (`prompt_tokens_accepted` on /load). Between two
 polls, what it accepted beyond this process's own placements came from the others; their rate over the last
