@@ -5,6 +5,7 @@
 #     source .devbundle/setup.sh; bash bench/device_plan.sh <part>
 # Parts (device seconds, roughly, after the machine's start):
 #     46      FP8 against bf16 at the SLO targets, FP8 behind one router process and two                   ~560
+#     46p     the peers estimate alone: two router processes against one, bf16                              ~180
 #     46m     mixed pods and a P+D pair under the ITL target, two workers on one GPU                      ~300
 #     47      MLA: the GPU tests, decompressed vs absorbed prefill, the split-KV decode kernel on/off,
 #             prompt logprobs' cost at 8k tokens (~330); then `save_jit_cache $OUT` on the same command
@@ -22,7 +23,7 @@
 # .devbundle/redis/redis-cli` and repack .devbundle/nixl.tar.xz without nixl_cu13.libs/ucx/libucx_perftest_* (UCX's
 # benchmark modules, never loaded; `xz -T2 -9e`): 54.6 MB in all, measured with `du -sb .devbundle`.
 set -uo pipefail
-part=${1:?"part: 46 | 46m | 47 | 49 | ready"}
+part=${1:?"part: 46 | 46p | 46m | 47 | 49 | ready"}
 : "${OUT:?the device tool sets OUT}"
 mkdir -p "$OUT/logs"
 python3 -c "import msgspec" 2>/dev/null ||
@@ -63,6 +64,15 @@ case "$part" in
         --slo-ttft-ms 1000 --slo-itl-ms 50 --no-plot --log-dir "$OUT/ls" --out "$OUT/serve_fp8_slo10_${card}.json"
     rm -rf "$OUT/ls/tokenizer"
     ;;
+46p)
+    # the peers estimate alone, bf16 (no FP8 compile): two router processes against one at and past saturation. The
+    # H100 at 45ad456, before the estimate: two processes' measured / predicted TTFT p99 1.47-1.77 at 250-1000 ms
+    # predicted, one process's 0.97-1.12 (RESULTS.md, "FP8 against bf16 with the router fixed ...")          ~180
+    step 300 serve_peers python3 bench/serve.py --model dummy:llama-3.1-8b --mode agg,agg@one \
+        --variant-env one:KVFERRY_ROUTER_WORKERS=1 --gpus 0 --rates 24,36 --seconds 10 --slo-ttft-ms 1000 \
+        --slo-itl-ms 50 --no-plot --log-dir "$OUT/lp" --out "$OUT/serve_peers_${card}.json"
+    rm -rf "$OUT/lp/tokenizer"
+    ;;
 46m)
     # mixed pods and a disaggregated pair under the ITL target (issue 46: "hold the same ITL target"), two workers
     # on the one GPU, 20 GB of KV each                                                                       ~300
@@ -97,7 +107,7 @@ ready)
         --logs "$OUT/logs/ready" --out "$OUT/worker_ready_${card}.json"
     ;;
 *)
-    echo "unknown part $part (46 | 46m | 47 | 49 | ready)" >&2
+    echo "unknown part $part (46 | 46p | 46m | 47 | 49 | ready)" >&2
     exit 2
     ;;
 esac
