@@ -8,6 +8,7 @@ import time
 
 from router.decision.load import parse_load
 from router.decision.peers import WINDOW_POLLS, PeerPlacements
+from router.decision.policy import RoutingPolicy
 from router.decision.pool import SNAPSHOT_LAG_S, WorkerPool
 from router.decision.ttft_model import predict_ttft_s
 
@@ -119,3 +120,46 @@ def test_one_process_alone_adds_only_its_own_placements() -> None:
     assert w.peers.rate == 0.0
     # nothing placed since the last poll: the snapshot stands as it is
     assert w.figures().unseen_tokens == 0
+
+
+def _worker_load(pod: str, running: int, accepted: int) -> dict[str, object]:
+    snap = _load(accepted)
+    snap.update(pod=pod, running_requests=running)
+    return snap
+
+
+def test_the_decode_pick_counts_prompts_placed_since_the_snapshot() -> None:
+    """One of two router processes: the snapshot shows d0 with 2 requests and d1 with 3, and this process holds
+    few of them. Prompts it places between two polls count on the worker they went to, so the third goes to d1;
+    counting only its own calls against the snapshot, all three went to d0."""
+    pool = WorkerPool(client=None)  # type: ignore[arg-type]
+    pool.set_targets("decode", ["http://d0", "http://d1"])
+    now = time.monotonic()
+    for url, running in (("http://d0", 2), ("http://d1", 3)):
+        w = pool.workers[url]
+        pool.report_load(w, parse_load(_worker_load(url[-2:], running, 0)), asked=now - 0.01)
+    policy = RoutingPolicy()
+    picked = []
+    for _ in range(3):
+        candidates = [w.decode_candidate() for w in pool.workers.values()]
+        chosen, _ = policy.pick_decode(1000, 16, 16, candidates, None)
+        pool.workers[chosen.key].place_prompt(time.monotonic(), 1000, 1000)
+        picked.append(chosen.key[-2:])
+    assert picked[0] == "d0" and "d1" in picked, picked
+
+
+def test_the_decode_pick_counts_the_other_processes_likely_prompts() -> None:
+    """Another process places 1,000-token prompts on d0 at 8 a second; this one, whose own prompts average 1,000
+    uncached tokens, counts about 8 x the snapshot's age of them on d0's waiting requests."""
+    pool, w = _process()
+    t0 = time.monotonic() - (WINDOW_POLLS + 2) * 0.25
+    accepted = 0
+    for i in range(WINDOW_POLLS + 2):
+        if i == 1:
+            w.place_prompt(t0 + 0.01, 1000, 1000)  # its own one prompt, long since in the worker's count
+            accepted += 1000
+        if i:
+            accepted += 2000  # the other's two a poll
+        pool.report_load(w, parse_load(_load(accepted)), asked=t0 + i * 0.25)
+    age = time.monotonic() - w.load_asked + SNAPSHOT_LAG_S
+    assert abs(w.decode_candidate().waiting - round(8 * age)) <= 1
