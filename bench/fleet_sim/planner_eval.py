@@ -22,7 +22,6 @@ utilisation target, among 0.5 / 0.7 / 0.9, with the fewest GPU-hours at the plan
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import sys
@@ -36,6 +35,7 @@ sys.path.insert(0, str(REPO))
 from bench.fleet_sim import workload as wl  # noqa: E402
 from bench.fleet_sim.controllers import HpaController, PlannerController  # noqa: E402
 from bench.fleet_sim.fleet import Fleet, FleetConfig, Result  # noqa: E402
+from bench.fleet_sim.results import save_results  # noqa: E402
 from bench.fleet_sim.scenarios import fleet_config, fleet_spec, planner_config  # noqa: E402
 from planner.core import Planner  # noqa: E402
 from planner.sizing import Counts, FleetSpec, OfferedLoad, size_fleet  # noqa: E402
@@ -253,10 +253,7 @@ def main() -> int:
     for path in args.trace:
         reqs, burst = with_burst(wl.scale_rate(wl.trace_file(path), args.trace_scale, args.span), args.span)
         out[path.name] = evaluate(f"{path.name} + burst", reqs, args.span, args.ttft_s, args.itl_s, burst, args)
-    out["seconds"] = time.perf_counter() - started
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1))
-    print(f"-> {args.out} ({out['seconds']:.0f} s)")
+    save_results(args.out, out, started)
     return 0
 
 

@@ -23,7 +23,6 @@ the prompts spread (the most prompt tokens one worker accepted over the mean).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
@@ -35,6 +34,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.fleet_sim import workload as wl  # noqa: E402
 from bench.fleet_sim.fleet import Fleet, FleetConfig  # noqa: E402
+from bench.fleet_sim.results import save_results  # noqa: E402
 from bench.fleet_sim.scenarios import fleet_config  # noqa: E402
 from planner.sizing import Counts  # noqa: E402
 
@@ -174,10 +174,7 @@ def main() -> int:
             f"{r['attainment_on_minus_off']:+7.4f} {r['over_predicted_p99_on_over_off']:8.3f} "
             f"{r['ttft_p99_on_over_off']:8.3f}"
         )
-    out["seconds"] = time.perf_counter() - started
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1))
-    print(f"-> {args.out} ({out['seconds']:.0f} s)")
+    save_results(args.out, out, started)
     return 0
 
 
