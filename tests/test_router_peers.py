@@ -129,15 +129,19 @@ def _worker_load(pod: str, running: int, accepted: int) -> dict[str, object]:
 
 
 def test_the_decode_pick_counts_prompts_placed_since_the_snapshot() -> None:
-    """One of two router processes: the snapshot shows d0 with 2 requests and d1 with 3, and this process holds
-    few of them. Prompts it places between two polls count on the worker they went to, so the third goes to d1;
-    counting only its own calls against the snapshot, all three went to d0."""
+    """One of two router processes: the snapshot shows d0 with 2 requests and d1 with 3, and both workers' counts
+    show the other process placing there too. Prompts this process places between two polls count on the worker
+    they went to, so the third goes to d1; counting only its own calls against the snapshot, all three went to d0.
+    """
     pool = WorkerPool(client=None)  # type: ignore[arg-type]
     pool.set_targets("decode", ["http://d0", "http://d1"])
-    now = time.monotonic()
+    t0 = time.monotonic() - 2.0
     for url, running in (("http://d0", 2), ("http://d1", 3)):
         w = pool.workers[url]
-        pool.report_load(w, parse_load(_worker_load(url[-2:], running, 0)), asked=now - 0.01)
+        w.place_prompt(t0 - 1.0, 1000, 1000)  # its own one, long in the worker's count
+        for i, accepted in enumerate((1000, 2000, 3000)):  # the other's, 1,000 tokens a poll
+            pool.report_load(w, parse_load(_worker_load(url[-2:], running, accepted)), asked=t0 + i * 0.25)
+        pool.report_load(w, parse_load(_worker_load(url[-2:], running, 4000)), asked=time.monotonic() - 0.01)
     policy = RoutingPolicy()
     picked = []
     for _ in range(3):
@@ -146,6 +150,18 @@ def test_the_decode_pick_counts_prompts_placed_since_the_snapshot() -> None:
         pool.workers[chosen.key].place_prompt(time.monotonic(), 1000, 1000)
         picked.append(chosen.key[-2:])
     assert picked[0] == "d0" and "d1" in picked, picked
+
+
+def test_a_lone_process_picks_on_its_own_calls_as_before() -> None:
+    """No other process places here (the workers' counts follow this process's placements): the pick counts this
+    process's own calls against the snapshot, as it always did, and adds nothing for prompts since the poll."""
+    pool, w = _process()
+    now = time.monotonic()
+    w.place_prompt(now - 1.0, 1000, 1000)
+    pool.report_load(w, parse_load(_load(1000)), asked=now - 0.5)
+    pool.report_load(w, parse_load(_load(1000)), asked=now - 0.01)
+    w.place_prompt(time.monotonic(), 1000, 1000)
+    assert w.peers.rate == 0.0 and w.decode_candidate().waiting == 0
 
 
 def test_the_decode_pick_counts_the_other_processes_likely_prompts() -> None:

@@ -308,18 +308,19 @@ class Worker:
         return mine + self.peers.placed_since(now - since)
 
     def unseen_prompts(self, now: float) -> int:
-        """Prompts placed here to prefill that the last snapshot may not count yet: this process's own, and the
-        others' likely ones (their tokens over this process's mean uncached prompt). The decode pick counts them
-        with the snapshot's waiting requests: its own calls alone (`inflight_requests`) are only a share of the
-        worker's with several router processes, so the snapshot's count decided, and every process sent what came
-        between two polls to the worker that snapshot showed emptiest. In the simulator, four agg workers at 0.85x
-        saturation: TTFT p99 0.72 s with two or four processes against 0.45-0.54 s counting these (one process
-        0.43 s; bench/RESULTS.md, "Several router processes in the simulator")."""
+        """Prompts placed here to prefill since the last snapshot while other router processes place here too:
+        this process's own, and the others' likely ones (their tokens over this process's mean uncached prompt).
+        The decode pick adds them to the snapshot's waiting requests. Its own calls (`inflight_requests`) count
+        all a lone process placed, but with others they are only a share of the worker's, so the snapshot's count
+        decided, and every process sent what came between two polls to the worker that snapshot showed emptiest.
+        In the simulator, four agg workers at 0.85x saturation: TTFT p99 0.71-0.72 s with two or four processes
+        against 0.46-0.54 s counting these (one process 0.46 s, unchanged; bench/RESULTS.md, "Several router
+        processes in the simulator")."""
         since = self.load_asked - SNAPSHOT_LAG_S
-        mine = len([t for t, _ in self.placed if t >= since])
         tokens = self.peers.placed_since(now - since)
         if not tokens or not self.placed_prompts:
-            return mine
+            return 0  # no other process places here: this one's calls (`inflight_requests`) count all it placed
+        mine = len([t for t, _ in self.placed if t >= since])
         return mine + round(tokens * self.placed_prompts / max(1, self.placed_uncached_tokens))
 
     @property
