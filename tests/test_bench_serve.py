@@ -68,6 +68,10 @@ def test_serve_benchmark_disaggregated_cpu(tmp_path: Path) -> None:
     assert point["kind"] == "rate" and point["value"] == 8
     assert point["outcomes"] == {"ok": 4} and point["http_status"] == {"200": 4}
     assert point["router_decisions"] == {"disaggregated": 4}
+    # the router's own record of the point's requests (bench/serve_predictions.py): all four, from its one process
+    predictions = point["ttft_predictions"]
+    assert predictions["requests"] == 4 and len(predictions["factors"]) == 1, predictions
+    assert sum(b["n"] for b in predictions["by_predicted"]) <= 4
     rows = point["per_request"]
     assert all(r["tokens"] == r["out"] and 4 <= r["out"] <= 8 and 32 <= r["in"] <= 64 for r in rows)
     assert point["output_tokens"] == sum(r["out"] for r in rows)
