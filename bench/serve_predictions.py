@@ -35,19 +35,19 @@ def gather_predictions(url: str, since_wall_s: float, limit: int) -> dict[str, A
         if "process" in view:
             factors[str(view["process"])] = view.get("ttft_error_factor", 1.0)
     pairs = [
-        (r["predicted_ttft_ms"], r["ttft_ms"], r.get("prompt_tokens") or 0)
+        (r["predicted_ttft_ms"], r["ttft_ms"])
         for r in records.values()
         if r.get("predicted_ttft_ms") and r.get("ttft_ms") is not None
     ]
     return {"requests": len(records), "factors": factors, "by_predicted": summarise(pairs)}
 
 
-def summarise(pairs: list[tuple[float, float, int]]) -> list[dict[str, Any]]:
+def summarise(pairs: list[tuple[float, float]]) -> list[dict[str, Any]]:
     """Per predicted-TTFT bucket: how many, measured / predicted at p50 / p90 / p99, and measured - predicted (ms)."""
     out = []
     low = 0.0
     for high in BUCKETS_MS:
-        inside = [(p, m) for p, m, _ in pairs if low <= p < high]
+        inside = [(p, m) for p, m in pairs if low <= p < high]
         if inside:
             ratios = sorted(m / p for p, m in inside)
             excess = sorted(m - p for p, m in inside)
@@ -64,4 +64,5 @@ def summarise(pairs: list[tuple[float, float, int]]) -> list[dict[str, Any]]:
 
 
 def _at(ordered: list[float], q: int) -> float:
+    """Nearest rank, as the router takes its error factor (router/decision/ttft_error.py): the two compare."""
     return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]

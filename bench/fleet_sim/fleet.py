@@ -178,12 +178,6 @@ class Fleet:
         # each router process's view of the simulated workers; none polls: loads are handed to it
         self.views = [self._router_view() for _ in range(max(1, cfg.router_processes))]
         self.timed_polls = cfg.timed_polls or len(self.views) > 1
-        # the first process's, which is the whole router with one process
-        self.pool, self.dispatcher, self.loaded_at = (
-            self.views[0].pool,
-            self.views[0].dispatcher,
-            self.views[0].loaded_at,
-        )
         # picks each request's process and offsets the processes' polls: a stream of its own, so that one process
         # draws nothing from it and the router's own sampling sees the numbers it always did
         self.process_rng = random.Random(f"router processes {cfg.seed}")
