@@ -320,6 +320,9 @@ class LoadSnapshot(Schema):
     # Prompt tokens accepted to prefill here since start (set by its control plane): a router process reads the
     # other processes' placements from it (router/decision/peers.py).
     prompt_tokens_accepted: int = 0
+    # Requests accepted to decode here since start (set by its control plane): the decode pick's count of what other
+    # router processes placed here since the snapshot (router/decision/pool.py `unseen_decodes`).
+    decodes_accepted: int = 0
     loop_turns: int = 0  # the engine loop's turns so far: an idle engine blocks, so this stays put (0: not reported)
     idle_trimmed: bool = False  # idle since its last work (or start), the engine handed its free heap memory back
     # The most KV tokens one request may reserve here (KVFERRY_MAX_REQUEST_KV_SHARE); 0: not reported.

@@ -56,6 +56,7 @@ class DecodeStream(WorkerRequest):
         names = (peer.agent_name, peer.instance_id) if peer is not None else (None, None)
         cmd = Generate(rid, gen.token_ids, self._sampling(), *names, self.kv_timeout_s, self.trace.received)
         await self.submit(cmd, len(gen.token_ids), prefill_here=peer is None)
+        self.state.decodes_accepted += 1
 
     def _sampling(self) -> SamplingParams:
         """The request's sampling, its ITL allowance (the router's relay lateness) raised by this process's own."""

@@ -194,14 +194,19 @@ def test_chat_answer_and_usage(client: openai.OpenAI, tok: RouterTokenizer) -> N
 
 
 def test_the_workers_count_each_prompt_they_prefill_once_on_load(client: openai.OpenAI, cluster: LocalCluster) -> None:
-    """The count other router processes' placements are read from (router/decision/peers.py): one request adds its
-    prompt to the worker that prefilled it, and to no other."""
+    """The counts other router processes' placements are read from (router/decision/peers.py): one request adds its
+    prompt to the worker that prefilled it, and to no other, and one request to decode to the decode worker that
+    served it, and to no other."""
     urls = [*cluster.prefill_urls, *cluster.decode_urls]
-    before = {u: load(u)["prompt_tokens_accepted"] for u in urls}
+    before = {u: load(u) for u in urls}
     prompt = "Count me once: " + " ".join(f"w{i}" for i in range(300))  # long enough to go to a prefill pod
     r = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=2)
-    grown = {u: load(u)["prompt_tokens_accepted"] - before[u] for u in urls}
+    after = {u: load(u) for u in urls}
+    grown = {u: after[u]["prompt_tokens_accepted"] - before[u]["prompt_tokens_accepted"] for u in urls}
     assert sorted(grown.values()) == [0] * (len(urls) - 1) + [r.usage.prompt_tokens], grown
+    decodes = {u: after[u]["decodes_accepted"] - before[u]["decodes_accepted"] for u in urls}
+    assert sorted(decodes.values()) == [0] * (len(urls) - 1) + [1], decodes
+    assert all(decodes[u] == 0 for u in cluster.prefill_urls), decodes
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])

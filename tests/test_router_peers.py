@@ -42,7 +42,7 @@ def test_rate_is_what_the_worker_accepted_beyond_this_processs_own_placements() 
     p = PeerPlacements()
     # 0.25 s polls; this process places 500 tokens a poll (all uncached), the worker accepts 2,000 a poll
     for i in range(WINDOW_POLLS + 4):
-        p.observe(i * 0.25, accepted=2000 * i, placed=500 * i, placed_uncached=500 * i)
+        p.observe(i * 0.25, accepted=2000 * i, placed=500 * i, placed_uncached=500 * i, placements=i)
     assert abs(p.rate - 1500 / 0.25) < 1e-6
     assert p.placed_since(0.1) == 600
     assert p.placed_since(-1.0) == 0
@@ -51,29 +51,57 @@ def test_rate_is_what_the_worker_accepted_beyond_this_processs_own_placements() 
 def test_the_others_rate_is_scaled_by_this_processs_uncached_share() -> None:
     p = PeerPlacements()
     for i in range(4):  # half of what this process placed was a prefix hit: the others' likely are too
-        p.observe(i * 0.25, accepted=2000 * i, placed=1000 * i, placed_uncached=500 * i)
-    assert abs(p.rate - 0.5 * 1000 / 0.25) < 1e-6
+        p.observe(i * 0.25, accepted=3000 * i, placed=1000 * i, placed_uncached=500 * i, placements=i)
+    assert abs(p.rate - 0.5 * 2000 / 0.25) < 1e-6
 
 
 def test_a_placement_counted_by_the_worker_only_after_the_poll_is_not_taken_for_another_processs() -> None:
     p = PeerPlacements()
-    p.observe(0.0, accepted=0, placed=0, placed_uncached=0)
-    p.observe(0.25, accepted=0, placed=800, placed_uncached=800)  # sent just before the poll, not arrived yet
+    p.observe(0.0, accepted=0, placed=0, placed_uncached=0, placements=0)
+    p.observe(0.25, accepted=0, placed=800, placed_uncached=800, placements=1)  # sent just before the poll
     assert p.rate == 0.0
-    p.observe(0.5, accepted=800, placed=800, placed_uncached=800)  # it arrived: still nobody else's
+    p.observe(0.5, accepted=800, placed=800, placed_uncached=800, placements=1)  # it arrived: still nobody else's
     assert p.rate == 0.0
+
+
+def test_placements_counted_late_at_the_windows_start_are_not_taken_for_another_processs() -> None:
+    """A lone process: its placements reach the worker's count a moment late (a prefill pod's once the decode pod
+    reserved the pages). Two of them in flight at the window's first poll and none at its last read as two
+    placements the worker accepted beyond this process's own in the window: noise, not another process."""
+    p = PeerPlacements()
+    p.observe(0.0, accepted=1000, placed=3000, placed_uncached=3000, placements=3)  # two 1,000s still on the way
+    for i in range(1, WINDOW_POLLS + 1):
+        p.observe(
+            i * 0.25,
+            accepted=3000 + 1000 * i,
+            placed=3000 + 1000 * i,
+            placed_uncached=3000 + 1000 * i,
+            placements=3 + i,
+        )
+    assert p.rate == 0.0
+    q = PeerPlacements()  # the same, and another process's four besides: counted
+    q.observe(0.0, accepted=1000, placed=3000, placed_uncached=3000, placements=3)
+    for i in range(1, WINDOW_POLLS + 1):
+        q.observe(
+            i * 0.25,
+            accepted=7000 + 1000 * i,
+            placed=3000 + 1000 * i,
+            placed_uncached=3000 + 1000 * i,
+            placements=3 + i,
+        )
+    assert abs(q.rate - 6000 / (WINDOW_POLLS * 0.25)) < 1e-6
 
 
 def test_a_worker_that_does_not_count_or_restarted_adds_nothing() -> None:
     p = PeerPlacements()
     for i in range(4):  # an older worker: no count on /load, so 0 against this process's placements
-        p.observe(i * 0.25, accepted=0, placed=700 * i, placed_uncached=700 * i)
+        p.observe(i * 0.25, accepted=0, placed=700 * i, placed_uncached=700 * i, placements=i)
     assert p.rate == 0.0
     q = PeerPlacements()
-    q.observe(0.0, accepted=50_000, placed=0, placed_uncached=0)
-    q.observe(0.25, accepted=100, placed=0, placed_uncached=0)  # restarted: its count began again
+    q.observe(0.0, accepted=50_000, placed=0, placed_uncached=0, placements=0)
+    q.observe(0.25, accepted=100, placed=0, placed_uncached=0, placements=0)  # restarted: its count began again
     assert q.rate == 0.0 and q.placed_since(1.0) == 0
-    q.observe(0.5, accepted=600, placed=0, placed_uncached=0)
+    q.observe(0.5, accepted=600, placed=0, placed_uncached=0, placements=0)
     assert abs(q.rate - 500 / 0.25) < 1e-6
 
 
@@ -122,60 +150,95 @@ def test_one_process_alone_adds_only_its_own_placements() -> None:
     assert w.figures().unseen_tokens == 0
 
 
-def _worker_load(pod: str, running: int, accepted: int) -> dict[str, object]:
-    snap = _load(accepted)
-    snap.update(pod=pod, running_requests=running)
+class _Call:
+    """A decode call as the pool holds it (router/upstream/call.py's, reduced to its identity)."""
+
+
+def _decode_load(pod: str, running: int, decodes: int) -> dict[str, object]:
+    snap = _load(0)
+    snap.update(pod=pod, running_requests=running, decodes_accepted=decodes)
     return snap
 
 
-def test_the_decode_pick_counts_prompts_placed_since_the_snapshot() -> None:
+def test_the_decode_pick_counts_calls_placed_since_the_snapshot() -> None:
     """One of two router processes: the snapshot shows d0 with 2 requests and d1 with 3, and both workers' counts
-    show the other process placing there too. Prompts this process places between two polls count on the worker
-    they went to, so the third goes to d1; counting only its own calls against the snapshot, all three went to d0.
-    """
+    show the other process placing there too (three calls a poll). Calls this process places between two polls count
+    on the worker they went to, so the third goes to d1; counting only its own calls against the snapshot, all
+    three went to d0. The workers may be disaggregated decode pods: no prompt is prefilled there."""
     pool = WorkerPool(client=None)  # type: ignore[arg-type]
     pool.set_targets("decode", ["http://d0", "http://d1"])
-    t0 = time.monotonic() - 2.0
+    last = time.monotonic() - 0.01
     for url, running in (("http://d0", 2), ("http://d1", 3)):
         w = pool.workers[url]
-        w.place_prompt(t0 - 1.0, 1000, 1000)  # its own one, long in the worker's count
-        for i, accepted in enumerate((1000, 2000, 3000)):  # the other's, 1,000 tokens a poll
-            pool.report_load(w, parse_load(_worker_load(url[-2:], running, accepted)), asked=t0 + i * 0.25)
-        pool.report_load(w, parse_load(_worker_load(url[-2:], running, 4000)), asked=time.monotonic() - 0.01)
+        w.hold_decode(_Call(), last - 5.0, 1000)  # its own one, long in the worker's count
+        for i in range(WINDOW_POLLS + 1):  # the other's three calls a poll
+            snap = _decode_load(url[-2:], running, 1 + 3 * i)
+            pool.report_load(w, parse_load(snap), asked=last - (WINDOW_POLLS - i) * 0.25)
+        assert w.decode_peers.rate > 0 and w.peers.rate == 0.0
     policy = RoutingPolicy()
     picked = []
     for _ in range(3):
         candidates = [w.decode_candidate() for w in pool.workers.values()]
         chosen, _ = policy.pick_decode(1000, 16, 16, candidates, None)
-        pool.workers[chosen.key].place_prompt(time.monotonic(), 1000, 1000)
+        pool.workers[chosen.key].hold_decode(_Call(), time.monotonic(), 1016)
         picked.append(chosen.key[-2:])
     assert picked[0] == "d0" and "d1" in picked, picked
 
 
 def test_a_lone_process_picks_on_its_own_calls_as_before() -> None:
-    """No other process places here (the workers' counts follow this process's placements): the pick counts this
-    process's own calls against the snapshot, as it always did, and adds nothing for prompts since the poll."""
+    """No other process places here (the worker's count follows this process's calls): the pick counts this
+    process's own calls against the snapshot, as it always did, and adds nothing for calls since the poll."""
     pool, w = _process()
     now = time.monotonic()
-    w.place_prompt(now - 1.0, 1000, 1000)
-    pool.report_load(w, parse_load(_load(1000)), asked=now - 0.5)
-    pool.report_load(w, parse_load(_load(1000)), asked=now - 0.01)
-    w.place_prompt(time.monotonic(), 1000, 1000)
-    assert w.peers.rate == 0.0 and w.decode_candidate().waiting == 0
+    w.hold_decode(_Call(), now - 1.0, 1000)
+    pool.report_load(w, parse_load(_decode_load("d0", 1, 1)), asked=now - 0.5)
+    pool.report_load(w, parse_load(_decode_load("d0", 1, 1)), asked=now - 0.01)
+    w.hold_decode(_Call(), time.monotonic(), 1000)
+    assert w.decode_peers.rate == 0.0 and w.decode_candidate().waiting == 0
 
 
-def test_the_decode_pick_counts_the_other_processes_likely_prompts() -> None:
-    """Another process places 1,000-token prompts on d0 at 8 a second; this one, whose own prompts average 1,000
-    uncached tokens, counts about 8 x the snapshot's age of them on d0's waiting requests."""
+def test_the_decode_pick_counts_the_other_processes_likely_calls() -> None:
+    """Another process places calls on d0 at 8 a second: this one counts about 8 x the snapshot's age of them on
+    d0's waiting requests."""
     pool, w = _process()
     t0 = time.monotonic() - (WINDOW_POLLS + 2) * 0.25
     accepted = 0
     for i in range(WINDOW_POLLS + 2):
         if i == 1:
-            w.place_prompt(t0 + 0.01, 1000, 1000)  # its own one prompt, long since in the worker's count
-            accepted += 1000
+            w.hold_decode(_Call(), t0 + 0.01, 1000)  # its own one call, long since in the worker's count
+            accepted += 1
         if i:
-            accepted += 2000  # the other's two a poll
-        pool.report_load(w, parse_load(_load(accepted)), asked=t0 + i * 0.25)
+            accepted += 2  # the other's two a poll
+        pool.report_load(w, parse_load(_decode_load("d0", 0, accepted)), asked=t0 + i * 0.25)
     age = time.monotonic() - w.load_asked + SNAPSHOT_LAG_S
     assert abs(w.decode_candidate().waiting - round(8 * age)) <= 1
+
+
+def test_the_prefill_pick_adds_the_others_likely_tokens_to_the_snapshots_queue() -> None:
+    """A prefill pod whose count shows another process placing 4,000 uncached tokens a poll: this process's
+    candidate queue is the snapshot's plus what the others likely placed since; alone, the snapshot's as it is."""
+    pool = WorkerPool(client=None)  # type: ignore[arg-type]
+    pool.set_targets("prefill", ["http://p0"])
+    w = pool.workers["http://p0"]
+    t0 = time.monotonic() - (WINDOW_POLLS + 2) * 0.25
+    accepted = 0
+    for i in range(WINDOW_POLLS + 2):
+        if i == 1:
+            w.place_prompt(t0 + 0.01, 1000, 1000)
+            accepted += 1000
+        if i:
+            accepted += 4000
+        snap = _load(accepted, queued=500)
+        snap["role"] = "prefill"
+        pool.report_load(w, parse_load(snap), asked=t0 + i * 0.25)
+    age = time.monotonic() - w.load_asked + SNAPSHOT_LAG_S
+    queued = w.prefill_candidate().queued_tokens
+    assert abs(queued - (500 + 16_000 * age)) <= 16_000 * 0.05 + 1, (queued, age)
+    alone_pool, alone = WorkerPool(client=None), None  # type: ignore[arg-type]
+    alone_pool.set_targets("prefill", ["http://p0"])
+    alone = alone_pool.workers["http://p0"]
+    for i in range(3):
+        snap = _load(0, queued=500)
+        snap["role"] = "prefill"
+        alone_pool.report_load(alone, parse_load(snap), asked=t0 + i * 0.25)
+    assert alone.prefill_candidate().queued_tokens == 500

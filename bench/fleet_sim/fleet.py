@@ -23,9 +23,10 @@ as the arrival that asks for it; R views each seeing 1/R of the arrivals would t
 due and read every other view's placements in it, hiding what R views get wrong. ``timed_polls`` gives one
 process timed polls too, to compare like with like.
 
-Workers count the prompt tokens they accepted to prefill (/load's ``prompt_tokens_accepted``), from which each
-view estimates the others' placements (router/decision/peers.py); ``publish_prompt_tokens_accepted`` False
-publishes 0, which the router reads as a worker that does not count: the estimate stays 0. With one process the
+Workers count the prompt tokens they accepted to prefill (/load's ``prompt_tokens_accepted``) and the requests
+they accepted to decode (``decodes_accepted``, counted when the router's call reaches them), from which each view
+estimates the others' placements (router/decision/peers.py); ``publish_prompt_tokens_accepted`` False publishes
+0 for both, which the router reads as a worker that does not count: the estimate stays 0. With one process the
 count follows its placements but for a prompt a busy decode worker has yet to hand to its prefill peer (at its
 next step): a poll in between can leave the router a small rate of "others" on a disaggregated fleet.
 """
@@ -96,7 +97,8 @@ class FleetConfig:
     seed: int = 0
     router_processes: int = 1  # router views, each blind to the others' placements but for the peers estimate
     timed_polls: bool = False  # each view polls on a grid of its own (always so with several router processes)
-    # False: workers publish prompt_tokens_accepted 0 (as one that does not count): the peers estimate stays 0
+    # False: workers publish prompt_tokens_accepted and decodes_accepted 0 (as one that does not count): the peers
+    # estimate stays 0
     publish_prompt_tokens_accepted: bool = True
 
 
@@ -515,6 +517,7 @@ class Fleet:
         workers = view.pool.workers
         self.predicted[rid] = _admitted_prediction(plan, workers, decision, self.cls.name)
         d = self.sims[decision.decode]
+        d.decodes_accepted += 1
         call = _Call(rid, process)
         rd = workers[decision.decode]
         rd.hold_decode(call, now, req.prompt + req.output)

@@ -5,8 +5,8 @@ and what that costs, with the estimate on and off.
     python bench/fleet_sim/router_processes.py [--span 120] [--warmup 10] [--seed 0]
         [--out bench/out/fleet_sim_router_processes.json]
 
-Two fixed fleets of aggregated workers (decode role, each prefilling its own prompts) on the H200 worker spec
-(bench/fleet_sim/h200.py): one worker, and four. Poisson arrivals, prompts 512-3072 and outputs 64-512 tokens
+Three fixed fleets on the H200 worker spec (bench/fleet_sim/h200.py): one and four aggregated workers (decode
+role, each prefilling its own prompts), and four prefill pods with four decode pods. Poisson arrivals, prompts 512-3072 and outputs 64-512 tokens
 (uniform), TTFT target 1 s, ITL 50 ms. Each fleet's saturation is the highest rate one router process serves at
 99% attainment (bisected); the cells run at 0.85x, 1x, 1.5x and 2x of it, with 1, 2 and 4 router processes, the
 peers estimate on (workers publish the prompt tokens they accepted) and off (they publish 0, which the router
@@ -16,8 +16,9 @@ One more row per rate runs one process as the simulator does by default (a load 
 a poll interval after the last: fresher snapshots), to show what the timed polls alone change.
 
 Per cell: attainment, good requests/s, shed share, TTFT p50/p99, measured over predicted TTFT at p50/p90/p99 (the
-served requests predicted or measured at a quarter of the target or more), and for the four workers how evenly
-the prompts spread (the most prompt tokens one worker accepted over the mean).
+served requests predicted or measured at a quarter of the target or more), ITL p99, and how evenly the work
+spread: the most prompt tokens one prefilling worker accepted over the mean, and the same for the requests the
+decode pods accepted.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from bench.fleet_sim.results import save_results  # noqa: E402
 from bench.fleet_sim.scenarios import fleet_config  # noqa: E402
 from planner.sizing import Counts  # noqa: E402
 
-FLEETS = {"1 worker": Counts(decode=1), "4 workers": Counts(decode=4)}
+FLEETS = {"1 worker": Counts(decode=1), "4 workers": Counts(decode=4), "4P+4D": Counts(prefill=4, decode=4)}
 RATE_FACTORS = (0.85, 1.0, 1.5, 2.0)
 PROCESSES = (1, 2, 4)
 PROMPT, OUTPUT = (512, 3072), (64, 512)
@@ -64,7 +65,9 @@ def run_cell(
     reqs = wl.poisson(rate, args.span, PROMPT, OUTPUT, seed=args.seed)
     fleet = Fleet(config(processes, peers, args.seed, args.warmup, timed), counts)
     res = fleet.run(reqs, until=args.span)
-    accepted = [w.prompt_tokens_accepted for w in fleet.sims.values()]
+    prefilling = "prefill" if counts.prefill else "decode"
+    accepted = [w.prompt_tokens_accepted for w in fleet.sims.values() if w.role == prefilling]
+    decodes = [w.decodes_accepted for w in fleet.sims.values() if w.role == "decode"]
     measured = sum(r.t >= args.warmup for r in reqs)
     return {
         "rate": rate,
@@ -80,8 +83,15 @@ def run_cell(
         "over_predicted_p90": res.ttft_over_predicted_p90,
         "over_predicted_p99": res.ttft_over_predicted_p99,
         "over_predicted_n": res.ttft_over_predicted_n,
-        "prompt_spread": max(accepted) / (sum(accepted) / len(accepted)) if sum(accepted) else 1.0,
+        "itl_p99_s": res.itl_p99_s,
+        "prompt_spread": _spread(accepted),
+        "decode_spread": _spread(decodes),
     }
+
+
+def _spread(counts: list[int]) -> float:
+    """The most one worker took over the mean (1: even)."""
+    return max(counts) / (sum(counts) / len(counts)) if sum(counts) else 1.0
 
 
 def saturation(counts: Counts, start: float, args: argparse.Namespace) -> float:
@@ -106,13 +116,14 @@ def table_row(fleet: str, c: dict) -> str:
         f"{fleet:>9} {c['rate']:6.2f} {c['processes']:2d} {c['polls']:>10} {'on' if c['peers'] else 'off':>4} "
         f"{c['attainment']:7.4f} "
         f"{c['good_per_s']:7.2f} {c['shed_share']:6.3f} {c['ttft_p50_s']:6.3f} {c['ttft_p99_s']:6.3f} "
-        f"{c['over_predicted_p50']:6.2f} {c['over_predicted_p99']:6.2f} {c['prompt_spread']:6.3f}"
+        f"{c['over_predicted_p50']:6.2f} {c['over_predicted_p99']:6.2f} {c['itl_p99_s'] * 1e3:6.1f} "
+        f"{c['prompt_spread']:6.3f} {c['decode_spread']:6.3f}"
     )
 
 
 HEADER = (
     f"{'fleet':>9} {'req/s':>6} {'R':>2} {'polls':>10} {'peer':>4} {'attain':>7} {'good/s':>7} {'shed':>6} {'p50 s':>6} "
-    f"{'p99 s':>6} {'m/p50':>6} {'m/p99':>6} {'spread':>6}"
+    f"{'p99 s':>6} {'m/p50':>6} {'m/p99':>6} {'ITL ms':>6} {'spread':>6} {'dspread':>6}"
 )
 
 

@@ -159,10 +159,13 @@ class SimWorker:
     # full prompt tokens of the jobs given to it to prefill (a peer's prefill, or its own request's), cached or
     # not: /load's prompt_tokens_accepted, as the real worker counts them (common/worker/request.py `submit`)
     prompt_tokens_accepted: int = 0
-    publishes_accepted: bool = True  # False: /load says 0 (a worker that does not count: no peers estimate)
-    # the last snapshot and what it was taken at: (version, added, draining, a run's steps done) -- nothing else
-    # changes what /load says, so an unchanged worker hands the router the same snapshot again
-    _last_load: tuple[tuple[int, int, bool, int], Load] | None = None
+    # requests given to it to decode, counted when the router's call reaches it (before a peer's prefill): /load's
+    # decodes_accepted, as the real worker counts them (decode_worker/routes.py)
+    decodes_accepted: int = 0
+    publishes_accepted: bool = True  # False: /load says 0 for both (a worker that does not count: no peers estimate)
+    # the last snapshot and what it was taken at: (version, added, draining, a run's steps done, decodes accepted)
+    # -- nothing else changes what /load says, so an unchanged worker hands the router the same snapshot again
+    _last_load: tuple[tuple[int, int, bool, int, int], Load] | None = None
     _step_seq: int = 0
 
     # ---- what /load says ----------------------------------------------------------------------------------
@@ -196,7 +199,7 @@ class SimWorker:
 
     def load(self, now: float) -> Load:
         done = self.run_tokens_done(now) if self.run_ends else 0
-        stamp = (self.version, self.added, self.draining, done)
+        stamp = (self.version, self.added, self.draining, done, self.decodes_accepted)
         last = self._last_load
         if last is not None and last[0] == stamp:
             return last[1]
@@ -236,6 +239,7 @@ class SimWorker:
             0,  # step_overruns
             0,  # step_stalls
             self.prompt_tokens_accepted if self.publishes_accepted else 0,  # prompt_tokens_accepted
+            self.decodes_accepted if self.publishes_accepted else 0,  # decodes_accepted
         )
         # what parsing its step_coefficients gives, shared by every snapshot (set as an attribute: a cached_property
         # takes it so, and reading __dict__ would turn the snapshot's compact attribute values into a dict)

@@ -77,6 +77,7 @@ class WorkerState:
         # reconciles its own counts with.
         self.requests: dict[str, LiveRequest] = {}
         self.prompt_tokens_accepted = 0  # prompt tokens accepted to prefill here, a counter on /load
+        self.decodes_accepted = 0  # requests accepted to decode here, a counter on /load
         self.proc: mp.process.BaseProcess | None = None
         self.client: EngineClient | None = None
         # The engine's events by type; a role's routes add theirs.
@@ -222,5 +223,6 @@ class WorkerState:
             max_running=self.cfg.runner.max_running,
             live_requests=len(self.requests),
             prompt_tokens_accepted=self.prompt_tokens_accepted,
+            decodes_accepted=self.decodes_accepted,
             max_request_tokens=self.max_request_tokens(base.total_pages),
         )

@@ -46,6 +46,7 @@ class Load:
     step_overruns: int = 0  # steps beside decoding past the ITL target that their chunk caused (a counter)
     step_stalls: int = 0  # such gaps that were mostly host time (a counter)
     prompt_tokens_accepted: int = 0  # prompt tokens it accepted to prefill since it started (router/decision/peers.py)
+    decodes_accepted: int = 0  # requests it accepted to decode since it started (the same, for the decode pick)
 
     @cached_property
     def step_cost(self) -> StepCost:
@@ -93,6 +94,7 @@ def parse_load(data: Any) -> Load:
         step_overruns=num("step_overruns"),
         step_stalls=num("step_stalls"),
         prompt_tokens_accepted=num("prompt_tokens_accepted"),
+        decodes_accepted=num("decodes_accepted"),
     )
 
 

@@ -9,6 +9,7 @@ import logging
 import math
 import random
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -142,6 +143,10 @@ class Worker:
     placed_uncached_tokens: int = 0
     placed_prompts: int = 0
     peers: PeerPlacements = field(default_factory=PeerPlacements)
+    # The same for decode calls: a running total, the recent ones' send times, and the others' rate of them.
+    placed_decodes: int = 0
+    recent_decodes: deque[float] = field(default_factory=deque)
+    decode_peers: PeerPlacements = field(default_factory=PeerPlacements)
     placed_revision: int = 0  # bumped whenever `placed` changes: a TTFT input cached per snapshot reads it
     holds_revision: int = 0  # bumped by every hold and release: what the calls add up to is cached against it
     _held: HeldCounts | None = field(default=None, init=False, repr=False)
@@ -159,6 +164,8 @@ class Worker:
         s = self._sums_in_step()
         if call in self.decoding:
             s = self._sums = None
+        else:
+            self._placed_decode(now)
         self.decoding[call] = now
         self.kv_tokens[call] = kv_tokens
         self.holds_revision += 1
@@ -307,21 +314,41 @@ class Worker:
         mine = sum([n for t, n in self.placed if t >= since])  # a list: no generator to start for a few entries
         return mine + self.peers.placed_since(now - since)
 
-    def unseen_prompts(self, now: float) -> int:
-        """Prompts placed here to prefill since the last snapshot while other router processes place here too:
-        this process's own, and the others' likely ones (their tokens over this process's mean uncached prompt).
-        The decode pick adds them to the snapshot's waiting requests. Its own calls (`inflight_requests`) count
-        all a lone process placed, but with others they are only a share of the worker's, so the snapshot's count
-        decided, and every process sent what came between two polls to the worker that snapshot showed emptiest.
-        In the simulator, four agg workers at 0.85x saturation: TTFT p99 0.71-0.72 s with two or four processes
-        against 0.46-0.54 s counting these (one process 0.46 s, unchanged; bench/RESULTS.md, "Several router
-        processes in the simulator")."""
+    def unseen_peer_tokens(self, now: float) -> int:
+        """`unseen_prompt_tokens` where other router processes place here too, else 0 (a lone process's calls,
+        `inflight_tokens`, count all it placed): the prefill pick adds them to the snapshot's queue, as the
+        decode pick adds `unseen_decodes`."""
+        return self.unseen_prompt_tokens(now) if self.peers.rate > 0 else 0
+
+    def _placed_decode(self, now: float) -> None:
+        self.placed_decodes += 1
+        recent = self.recent_decodes
         since = self.load_asked - SNAPSHOT_LAG_S
-        tokens = self.peers.placed_since(now - since)
-        if not tokens or not self.placed_prompts:
+        while recent and recent[0] < since:
+            recent.popleft()
+        recent.append(now)
+
+    def unseen_decodes(self, now: float) -> int:
+        """Decode calls placed here since the last snapshot while other router processes place here too: this
+        process's own, and the others' likely ones (their rate from the worker's `decodes_accepted`). The decode
+        pick adds them to the snapshot's waiting requests. Its own calls (`inflight_requests`) count all a lone
+        process placed, but with others they are only a share of the worker's, so the snapshot's count decided,
+        and every process sent what came between two polls to the worker that snapshot showed emptiest.
+        In the simulator (bench/RESULTS.md, "Several router processes in the simulator" and "Disaggregated decode
+        pods count the others' calls"): four agg workers at 0.85x saturation, TTFT p99 0.71-0.72 s with two or four
+        processes against 0.46-0.54 s counting these (one process 0.46 s); four prefill and four decode pods, with
+        these and the others' tokens in the prefill pick (`unseen_peer_tokens`), TTFT p99 at saturation 0.81-0.95
+        -> 0.74-0.80 s and 1.5-2.6 more good requests/s past it."""
+        since = self.load_asked - SNAPSHOT_LAG_S
+        others = self.decode_peers.placed_since(now - since)
+        if not others:
             return 0  # no other process places here: this one's calls (`inflight_requests`) count all it placed
-        mine = len([t for t, _ in self.placed if t >= since])
-        return mine + round(tokens * self.placed_prompts / max(1, self.placed_uncached_tokens))
+        mine = 0
+        for t in reversed(self.recent_decodes):  # in time order: the recent ones last
+            if t < since:
+                break
+            mine += 1
+        return others + mine
 
     @property
     def inflight_tokens(self) -> int:
@@ -345,7 +372,7 @@ class Worker:
         return PrefillCandidate(
             self.url,  # key
             self.pod,  # pod
-            load.queued_prefill_tokens,  # queued_tokens
+            load.queued_prefill_tokens + self.unseen_peer_tokens(time.monotonic()),  # queued_tokens
             held.inflight_tokens,  # inflight_tokens
             held.inflight_requests,  # inflight_requests
             load.prefill_tokens_per_s,  # prefill_tokens_per_s
@@ -371,7 +398,7 @@ class Worker:
             self.url,  # key
             self.pod,  # pod
             load.running_requests,  # running
-            load.waiting_requests + self.unseen_prompts(time.monotonic()),  # waiting, and placed since the snapshot
+            load.waiting_requests + self.unseen_decodes(time.monotonic()),  # waiting, and placed since the snapshot
             inflight,  # inflight_requests
             load.free_pages,  # free_pages
             load.total_pages,  # total_pages
@@ -501,7 +528,16 @@ class WorkerPool:
             return
         w.load = load
         w.load_asked = time.monotonic() if asked is None else asked
-        w.peers.observe(w.load_asked, load.prompt_tokens_accepted, w.placed_prompt_tokens, w.placed_uncached_tokens)
+        w.peers.observe(
+            w.load_asked,
+            load.prompt_tokens_accepted,
+            w.placed_prompt_tokens,
+            w.placed_uncached_tokens,
+            w.placed_prompts,
+        )
+        w.decode_peers.observe(
+            w.load_asked, load.decodes_accepted, w.placed_decodes, w.placed_decodes, w.placed_decodes
+        )
         if w.pod != load.pod:
             if w.pod is not None and self._by_pod.get(w.pod) is w:
                 del self._by_pod[w.pod]
