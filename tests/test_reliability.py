@@ -193,6 +193,21 @@ def _in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]
     return t, out
 
 
+def _reach(c: LocalCluster, url: str, done: float, pairs: int = 6) -> None:
+    """Long prompts, two at a time, until the prefill worker at `url` has finished `done` requests. Two at once:
+    one request alone goes where the TTFT prediction is best, and a restarted worker's model may hold its cold
+    first prefill; the second of a pair sees the first queued on the other pod."""
+    for _ in range(pairs):
+        pair = [_in_thread(lambda: completion(c, long_prompt(), max_tokens=2, timeout=120)) for _ in range(2)]
+        for t, out in pair:
+            t.join(120)
+            assert "exc" not in out, out
+            assert out["result"].status_code == 200, out["result"].text
+        if metric(url, "kvferry_requests_total", '{outcome="done"}') >= done:
+            return
+    assert metric(url, "kvferry_requests_total", '{outcome="done"}') >= done, "no request went through it"
+
+
 # ---- kill -9 ---------------------------------------------------------------------------------------
 def test_kill9_prefill_worker_mid_transfer_then_restart_on_same_address(healthy: LocalCluster) -> None:
     c = healthy
@@ -235,17 +250,7 @@ def test_kill9_prefill_worker_mid_transfer_then_restart_on_same_address(healthy:
     restart(victim)
     wait_until(lambda: router_says_up(c, victim_url), 30, "restarted prefill worker up in the router")
     assert metric(victim_url, "kvferry_requests_total", '{outcome="done"}') == 0
-    for _ in range(6):
-        # Two at once: one request alone goes where the prediction is best, and the restarted pod's model may
-        # hold its cold first prefill; the second sees the first queued on the other pod.
-        pair = [_in_thread(lambda: completion(c, long_prompt(), max_tokens=2, timeout=120)) for _ in range(2)]
-        for t, out in pair:
-            t.join(120)
-            assert "exc" not in out, out
-            assert out["result"].status_code == 200, out["result"].text
-        if metric(victim_url, "kvferry_requests_total", '{outcome="done"}') >= 2:
-            break
-    assert metric(victim_url, "kvferry_requests_total", '{outcome="done"}') >= 2, "no request went through it"
+    _reach(c, victim_url, done=2)
     assert metric(victim_url, "kvferry_requests_total", '{outcome="error"}') == 0
     FAULTS_SURVIVED.append("prefill restarted on the same address")
 
@@ -446,13 +451,7 @@ def test_prefill_engine_exit_mid_prefill_is_retried_and_restarted(healthy: Local
     assert out["result"].status_code == 200, out["result"].text
     assert_serving(c)
     _back_by_itself(c, victim, engine, killed)
-    done = metric(victim_url, "kvferry_requests_total", '{outcome="done"}')
-    for _ in range(6):  # equal costs rotate: a few distinct long prompts reach the restarted engine
-        r = completion(c, long_prompt(), max_tokens=2)
-        assert r.status_code == 200, r.text
-        if metric(victim_url, "kvferry_requests_total", '{outcome="done"}') > done:
-            break
-    assert metric(victim_url, "kvferry_requests_total", '{outcome="done"}') > done, "no request went through it"
+    _reach(c, victim_url, done=metric(victim_url, "kvferry_requests_total", '{outcome="done"}') + 1)
     FAULTS_SURVIVED.append("prefill engine exit mid-prefill, restarted by its worker")
 
 
