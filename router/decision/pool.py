@@ -314,12 +314,6 @@ class Worker:
         mine = sum([n for t, n in self.placed if t >= since])  # a list: no generator to start for a few entries
         return mine + self.peers.placed_since(now - since)
 
-    def unseen_peer_tokens(self, now: float) -> int:
-        """`unseen_prompt_tokens` where other router processes place here too, else 0 (a lone process's calls,
-        `inflight_tokens`, count all it placed): the prefill pick adds them to the snapshot's queue, as the
-        decode pick adds `unseen_decodes`."""
-        return self.unseen_prompt_tokens(now) if self.peers.rate > 0 else 0
-
     def _placed_decode(self, now: float) -> None:
         self.placed_decodes += 1
         recent = self.recent_decodes
@@ -337,7 +331,7 @@ class Worker:
         In the simulator (bench/RESULTS.md, "Several router processes in the simulator" and "Disaggregated decode
         pods count the others' calls"): four agg workers at 0.85x saturation, TTFT p99 0.71-0.72 s with two or four
         processes against 0.46-0.54 s counting these (one process 0.46 s); four prefill and four decode pods, with
-        these and the others' tokens in the prefill pick (`unseen_peer_tokens`), TTFT p99 at saturation 0.81-0.95
+        these and the others' tokens in the prefill pick's queue (`unseen_prompt_tokens`), TTFT p99 at saturation 0.81-0.95
         -> 0.74-0.80 s and 1.5-2.6 more good requests/s past it."""
         since = self.load_asked - SNAPSHOT_LAG_S
         others = self.decode_peers.placed_since(now - since)
@@ -372,7 +366,9 @@ class Worker:
         return PrefillCandidate(
             self.url,  # key
             self.pod,  # pod
-            load.queued_prefill_tokens + self.unseen_peer_tokens(time.monotonic()),  # queued_tokens
+            # where other router processes place here too, what was placed since the snapshot (a lone process's
+            # calls, `inflight_tokens`, count all it placed)
+            load.queued_prefill_tokens + (self.unseen_prompt_tokens(time.monotonic()) if self.peers.rate else 0),
             held.inflight_tokens,  # inflight_tokens
             held.inflight_requests,  # inflight_requests
             load.prefill_tokens_per_s,  # prefill_tokens_per_s
@@ -398,7 +394,8 @@ class Worker:
             self.url,  # key
             self.pod,  # pod
             load.running_requests,  # running
-            load.waiting_requests + self.unseen_decodes(time.monotonic()),  # waiting, and placed since the snapshot
+            # waiting, and placed since the snapshot where other router processes place here too
+            load.waiting_requests + (self.unseen_decodes(time.monotonic()) if self.decode_peers.rate else 0),
             inflight,  # inflight_requests
             load.free_pages,  # free_pages
             load.total_pages,  # total_pages
@@ -535,9 +532,10 @@ class WorkerPool:
             w.placed_uncached_tokens,
             w.placed_prompts,
         )
-        w.decode_peers.observe(
-            w.load_asked, load.decodes_accepted, w.placed_decodes, w.placed_decodes, w.placed_decodes
-        )
+        if w.role != "prefill":
+            w.decode_peers.observe(
+                w.load_asked, load.decodes_accepted, w.placed_decodes, w.placed_decodes, w.placed_decodes
+            )
         if w.pod != load.pod:
             if w.pod is not None and self._by_pod.get(w.pod) is w:
                 del self._by_pod[w.pod]
