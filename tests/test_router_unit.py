@@ -509,6 +509,25 @@ def test_decode_by_free_pages_and_running() -> None:
     assert d.decode == "d1"
 
 
+def test_an_aggregated_fleet_picks_the_soonest_predicted_first_token() -> None:
+    """No prefill pod: the decode pod picked prefills the prompt, so the one predicted to serve its first token
+    soonest goes first, though it runs more requests (d1: a long prompt queued on d0); predictions equal to the
+    millisecond fall back on the request count; with a prefill pod to take the prompt, the request count decides."""
+    policy = RoutingPolicy()
+    d0 = dc("d0", running=2)
+    d0.predicted_ttft_s = 0.600  # few requests, a long prompt queued ahead
+    d1 = dc("d1", running=6)
+    d1.predicted_ttft_s = 0.150
+    assert policy.choose(1024, 64, BS, [], [d0, d1], None).decode == "d1"
+    d1.predicted_ttft_s = 0.6004
+    assert policy.choose(1024, 64, BS, [], [d0, d1], None).decode == "d0"
+    d1.predicted_ttft_s = 0.150
+    d = policy.choose(1024, 64, BS, [pf("p0")], [d0, d1], None)
+    assert d.decode == "d0" and d.prefill == "p0"
+    d0.predicted_ttft_s = None  # a pod with nothing measured yet: the request count decides for all
+    assert policy.choose(1024, 64, BS, [], [d0, d1], None).decode == "d0"
+
+
 def test_ties_spread_round_robin() -> None:
     policy = RoutingPolicy()
     prefill = [pf("p0"), pf("p1"), pf("p2")]

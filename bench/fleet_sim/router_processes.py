@@ -3,12 +3,13 @@ estimate (router/decision/peers.py): how far measured TTFT strays from the predi
 and what that costs, with the estimate on and off.
 
     python bench/fleet_sim/router_processes.py [--span 120] [--warmup 10] [--seed 0]
-        [--out bench/out/fleet_sim_router_processes.json]
+        [--saturation-from EARLIER.json] [--out bench/out/fleet_sim_router_processes.json]
 
 Three fixed fleets on the H200 worker spec (bench/fleet_sim/h200.py): one and four aggregated workers (decode
 role, each prefilling its own prompts), and four prefill pods with four decode pods. Poisson arrivals, prompts 512-3072 and outputs 64-512 tokens
 (uniform), TTFT target 1 s, ITL 50 ms. Each fleet's saturation is the highest rate one router process serves at
-99% attainment (bisected); the cells run at 0.85x, 1x, 1.5x and 2x of it, with 1, 2 and 4 router processes, the
+99% attainment (bisected; `--saturation-from` takes an earlier run's instead, so that two versions of the router
+are compared at equal rates); the cells run at 0.85x, 1x, 1.5x and 2x of it, with 1, 2 and 4 router processes, the
 peers estimate on (workers publish the prompt tokens they accepted) and off (they publish 0, which the router
 reads as a worker that does not count). Every run polls on timed grids (bench/fleet_sim/fleet.py), one process
 included, so that the process count is the only difference; the arrivals are the same for every cell of a rate.
@@ -24,6 +25,7 @@ decode pods accepted.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -155,15 +157,17 @@ def main() -> int:
     ap.add_argument("--span", type=float, default=120.0, help="simulated seconds per cell")
     ap.add_argument("--warmup", type=float, default=10.0, help="seconds left out of each cell's figures")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--saturation-from", type=Path, help="an earlier run's JSON: its saturations, not bisected")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "fleet_sim_router_processes.json")
     args = ap.parse_args()
+    known = json.loads(args.saturation_from.read_text())["saturation_per_s"] if args.saturation_from else {}
     logging.getLogger("kvferry.router").setLevel(logging.ERROR)
     started = time.perf_counter()
     out: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "saturation_per_s": {}, "cells": []}
     single = None
     for fleet, counts in FLEETS.items():
         hint = 2.0 if single is None else single * counts.decode * 0.9
-        sat = saturation(counts, hint, args)
+        sat = known[fleet] if fleet in known else saturation(counts, hint, args)
         single = single or sat
         out["saturation_per_s"][fleet] = sat
         print(f"== {fleet}: saturation {sat:.2f} req/s ({time.perf_counter() - started:.0f} s)", flush=True)
