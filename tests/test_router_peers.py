@@ -64,32 +64,24 @@ def test_a_placement_counted_by_the_worker_only_after_the_poll_is_not_taken_for_
     assert p.rate == 0.0
 
 
+def _lone_window(others: int) -> PeerPlacements:
+    """A window of 1,000-token placements a poll, two of them still on the way at its first poll; `others`: tokens
+    another process placed besides, over the window."""
+    p = PeerPlacements()
+    p.observe(0.0, accepted=1000, placed=3000, placed_uncached=3000, placements=3)
+    for i in range(1, WINDOW_POLLS + 1):
+        mine = 3000 + 1000 * i
+        p.observe(i * 0.25, accepted=mine + others, placed=mine, placed_uncached=mine, placements=3 + i)
+    return p
+
+
 def test_placements_counted_late_at_the_windows_start_are_not_taken_for_another_processs() -> None:
     """A lone process: its placements reach the worker's count a moment late (a prefill pod's once the decode pod
     reserved the pages). Two of them in flight at the window's first poll and none at its last read as two
-    placements the worker accepted beyond this process's own in the window: noise, not another process."""
-    p = PeerPlacements()
-    p.observe(0.0, accepted=1000, placed=3000, placed_uncached=3000, placements=3)  # two 1,000s still on the way
-    for i in range(1, WINDOW_POLLS + 1):
-        p.observe(
-            i * 0.25,
-            accepted=3000 + 1000 * i,
-            placed=3000 + 1000 * i,
-            placed_uncached=3000 + 1000 * i,
-            placements=3 + i,
-        )
-    assert p.rate == 0.0
-    q = PeerPlacements()  # the same, and another process's four besides: counted
-    q.observe(0.0, accepted=1000, placed=3000, placed_uncached=3000, placements=3)
-    for i in range(1, WINDOW_POLLS + 1):
-        q.observe(
-            i * 0.25,
-            accepted=7000 + 1000 * i,
-            placed=3000 + 1000 * i,
-            placed_uncached=3000 + 1000 * i,
-            placements=3 + i,
-        )
-    assert abs(q.rate - 6000 / (WINDOW_POLLS * 0.25)) < 1e-6
+    placements the worker accepted beyond this process's own in the window: noise, not another process. Another
+    process's four more besides are counted."""
+    assert _lone_window(others=0).rate == 0.0
+    assert abs(_lone_window(others=4000).rate - 6000 / (WINDOW_POLLS * 0.25)) < 1e-6
 
 
 def test_a_worker_that_does_not_count_or_restarted_adds_nothing() -> None:
