@@ -147,6 +147,11 @@ def placement_inputs(pool: WorkerPool, policy: RoutingPolicy) -> dict[str, Any]:
                 "step_stalls": w.load.step_stalls if w.load else 0,
                 "queued_prefill_tokens": w.load.queued_prefill_tokens if w.load else 0,
                 "inflight_tokens": w.inflight_tokens,
+                # what this process reckons the other router processes place here (router/decision/peers.py)
+                "others_per_s": {
+                    "prompt_tokens": round(w.peers.rate, 1),
+                    "decodes": round(w.decode_peers.rate, 3),
+                },
                 # the capacity model's inputs (common/capacity.py), for the planner
                 "role": w.role,
                 "up": w.up,

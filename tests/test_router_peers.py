@@ -11,6 +11,7 @@ from router.decision.peers import WINDOW_POLLS, PeerPlacements
 from router.decision.policy import RoutingPolicy
 from router.decision.pool import SNAPSHOT_LAG_S, WorkerPool
 from router.decision.ttft_model import predict_ttft_s
+from router.runtime import placement_inputs
 
 RATE = 10_000.0  # the worker's prefill rate, tokens/s: a prediction is then tokens / RATE
 
@@ -234,3 +235,16 @@ def test_the_prefill_pick_adds_the_others_likely_tokens_to_the_snapshots_queue()
         snap["role"] = "prefill"
         alone_pool.report_load(alone, parse_load(snap), asked=t0 + i * 0.25)
     assert alone.prefill_candidate().queued_tokens == 500
+
+
+def test_router_workers_shows_what_the_others_are_reckoned_to_place() -> None:
+    """`/router/workers` (its placement inputs) shows each worker's estimated rates of the other processes'
+    prompt tokens and decode calls, so that a served run can check the estimate against the workers' counts."""
+    pool, w = _process()
+    t0 = time.monotonic() - (WINDOW_POLLS + 2) * 0.25
+    for i in range(WINDOW_POLLS + 1):
+        snap = _decode_load("d0", 0, 3 * i)  # the others' three calls a poll ...
+        snap["prompt_tokens_accepted"] = 6000 * i  # ... of 2,000 tokens each
+        pool.report_load(w, parse_load(snap), asked=t0 + i * 0.25)
+    seen = placement_inputs(pool, RoutingPolicy())["workers"]["http://d0"]["others_per_s"]
+    assert seen == {"prompt_tokens": 24_000.0, "decodes": 12.0}
