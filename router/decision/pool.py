@@ -331,8 +331,8 @@ class Worker:
         In the simulator (bench/RESULTS.md, "Several router processes in the simulator" and "Disaggregated decode
         pods count the others' calls"): four agg workers at 0.85x saturation, TTFT p99 0.71-0.72 s with two or four
         processes against 0.46-0.54 s counting these (one process 0.46 s); four prefill and four decode pods, with
-        these and the others' tokens in the prefill pick's queue (`unseen_prompt_tokens`), TTFT p99 at saturation 0.81-0.95
-        -> 0.74-0.80 s and 1.5-2.6 more good requests/s past it."""
+        these and the others' tokens in the prefill pick's queue (`unseen_prompt_tokens`), TTFT p99 at saturation
+        0.81-0.95 -> 0.74-0.80 s and 1.5-2.6 more good requests/s past it."""
         since = self.load_asked - SNAPSHOT_LAG_S
         others = self.decode_peers.placed_since(now - since)
         if not others:
@@ -532,7 +532,7 @@ class WorkerPool:
             w.placed_uncached_tokens,
             w.placed_prompts,
         )
-        if w.role != "prefill":
+        if w.role in DECODE_ROLES:
             w.decode_peers.observe(
                 w.load_asked, load.decodes_accepted, w.placed_decodes, w.placed_decodes, w.placed_decodes
             )
