@@ -37,6 +37,18 @@ leftovers() {  # what an overrun step leaves: its workers run in sessions of the
     nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -9 2>/dev/null
     sleep 2
 }
+clocks() {  # clocks NAME: the card's clocks, power and load every 200 ms beside a serving step (ITL misses after idle)
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu,temperature.gpu --format=csv \
+        -lms 200 >"$OUT/logs/clocks_$1.csv" 2>/dev/null &
+    clocks_pid=$!
+}
+pack_logs() {  # pack_logs DIR NAME: a deployment's logs as one file (at most 8 files come back) and its slow steps
+    [ -d "$1" ] || return 0
+    kill "${clocks_pid:-0}" 2>/dev/null
+    rm -rf "$1/tokenizer"
+    grep -rh '"slow step"' "$1" >"$OUT/logs/slow_steps_$2.jsonl" 2>/dev/null
+    tar -C "$(dirname "$1")" -cJf "$OUT/logs_$2.tar.xz" "$(basename "$1")" && rm -rf "$1"
+}
 step() {  # step SECONDS NAME COMMAND...: runs it with its own limit and says how it ended
     local limit=$1 name=$2
     shift 2
@@ -57,21 +69,23 @@ case "$part" in
     # them. Its check: each point's "predictions" line (measured / predicted TTFT by bucket, each process's factor)
     # for two processes should now come near one process's (p99 ~1.1 at 500-1000 ms predicted). FP8's kernels are
     # not in the bundle's cache: ~140 s to compile (with them fi-cache.tar.xz is 15.9 MB, too big for the carry).
+    clocks 46
     step 560 serve_fp8 python3 bench/serve.py --model dummy:llama-3.1-8b --mode agg,agg@fp8,agg@fp8one \
         --variant-env fp8:KVFERRY_WEIGHT_DTYPE=fp8_e4m3 --variant-env fp8:KVFERRY_KV_DTYPE=fp8_e4m3 \
         --variant-env fp8one:KVFERRY_WEIGHT_DTYPE=fp8_e4m3 --variant-env fp8one:KVFERRY_KV_DTYPE=fp8_e4m3 \
         --variant-env fp8one:KVFERRY_ROUTER_WORKERS=1 --gpus 0 --rates 12,24,30,36 --seconds 10 \
         --slo-ttft-ms 1000 --slo-itl-ms 50 --no-plot --log-dir "$OUT/ls" --out "$OUT/serve_fp8_slo10_${card}.json"
-    rm -rf "$OUT/ls/tokenizer"
+    pack_logs "$OUT/ls" 46
     ;;
 46p)
     # the peers estimate alone, bf16 (no FP8 compile): two router processes against one at and past saturation. The
     # H100 at 45ad456, before the estimate: two processes' measured / predicted TTFT p99 1.47-1.77 at 250-1000 ms
     # predicted, one process's 0.97-1.12 (RESULTS.md, "FP8 against bf16 with the router fixed ...")          ~180
+    clocks 46p
     step 300 serve_peers python3 bench/serve.py --model dummy:llama-3.1-8b --mode agg,agg@one \
         --variant-env one:KVFERRY_ROUTER_WORKERS=1 --gpus 0 --rates 24,36 --seconds 10 --slo-ttft-ms 1000 \
         --slo-itl-ms 50 --no-plot --log-dir "$OUT/lp" --out "$OUT/serve_peers_${card}.json"
-    rm -rf "$OUT/lp/tokenizer"
+    pack_logs "$OUT/lp" 46p
     ;;
 46m)
     # mixed pods and a disaggregated pair under the ITL target (issue 46: "hold the same ITL target"), two workers
