@@ -46,7 +46,7 @@ pack_logs() {  # pack_logs DIR NAME: a deployment's logs as one file (at most 8 
     [ -d "$1" ] || return 0
     kill "${clocks_pid:-0}" 2>/dev/null
     rm -rf "$1/tokenizer"
-    grep -rh '"slow step"' "$1" >"$OUT/logs/slow_steps_$2.jsonl" 2>/dev/null
+    grep -rh 'slow step' "$1" >"$OUT/logs/slow_steps_$2.txt" 2>/dev/null
     tar -C "$(dirname "$1")" -cJf "$OUT/logs_$2.tar.xz" "$(basename "$1")" && rm -rf "$1"
 }
 step() {  # step SECONDS NAME COMMAND...: runs it with its own limit and says how it ended
