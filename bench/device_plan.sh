@@ -44,7 +44,8 @@ clocks() {  # clocks NAME: the card's clocks, power and load every 200 ms beside
 }
 pack_logs() {  # pack_logs DIR NAME: a deployment's logs as one file (at most 8 files come back) and its slow steps
     [ -d "$1" ] || return 0
-    kill "${clocks_pid:-0}" 2>/dev/null
+    [ -n "${clocks_pid:-}" ] && kill "$clocks_pid" 2>/dev/null  # never `kill 0`: that is the whole group
+    clocks_pid=
     rm -rf "$1/tokenizer"
     grep -rh 'slow step' "$1" >"$OUT/logs/slow_steps_$2.txt" 2>/dev/null
     tar -C "$(dirname "$1")" -cJf "$OUT/logs_$2.tar.xz" "$(basename "$1")" && rm -rf "$1"
