@@ -34,12 +34,23 @@ def gather_predictions(url: str, since_wall_s: float, limit: int) -> dict[str, A
         view = get_json(f"{url}/router/workers", 5.0) or {}
         if "process" in view:
             factors[str(view["process"])] = view.get("ttft_error_factor", 1.0)
-    pairs = [
-        (r["predicted_ttft_ms"], r["ttft_ms"])
-        for r in records.values()
-        if r.get("predicted_ttft_ms") and r.get("ttft_ms") is not None
+    kept = [r for r in records.values() if r.get("predicted_ttft_ms") and r.get("ttft_ms") is not None]
+    return {
+        "requests": len(records),
+        "factors": factors,
+        "by_predicted": summarise([(r["predicted_ttft_ms"], r["ttft_ms"]) for r in kept]),
+        "served": served_rows(kept, since_wall_s),
+    }
+
+
+def served_rows(records: list[dict[str, Any]], since_wall_s: float) -> list[list[Any]]:
+    """Each request as [received (s after the point's start), predicted ms, measured ms, prompt tokens], in arrival
+    order: enough to replay a run through router/decision/ttft_error.py offline."""
+    rows = [
+        [round(r["received_at"] - since_wall_s, 3), r["predicted_ttft_ms"], r["ttft_ms"], r.get("prompt_tokens")]
+        for r in records
     ]
-    return {"requests": len(records), "factors": factors, "by_predicted": summarise(pairs)}
+    return sorted(rows, key=lambda row: row[0])
 
 
 def summarise(pairs: list[tuple[float, float]]) -> list[dict[str, Any]]:

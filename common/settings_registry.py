@@ -916,8 +916,8 @@ ROUTER_TTFT_ERROR_QUANTILE = _router(
     "ttft_error_quantile",
     float,
     0.99,
-    "TTFT admission scales its predictions by this quantile of served requests' measured / predicted TTFT over "
-    "the last 2 minutes (between 1 and 2; router/decision/ttft_error.py); 0 = off",
+    "TTFT admission scales its predictions by this quantile of served requests' measured / predicted TTFT, the "
+    "smaller of the last 10 s's and the 10 s's before (between 1 and 2; router/decision/ttft_error.py); 0 = off",
 )
 ROUTER_POLL_INTERVAL_S = _router(
     "poll_interval_s", float, 0.25, "worker load polls; also how fresh the load admission and routing read is"

@@ -25,6 +25,7 @@ sys.path.append(str(BENCH))
 
 from serve_load import Arrivals, LoadClient, PointRun, RequestRecord, WorkItem, run_point  # noqa: E402
 from serve_metrics import SLO, summarize_point  # noqa: E402
+from serve_predictions import served_rows, summarise  # noqa: E402
 from synthetic_tokenizer import build_word_tokenizer  # noqa: E402
 
 
@@ -72,6 +73,7 @@ def test_serve_benchmark_disaggregated_cpu(tmp_path: Path) -> None:
     predictions = point["ttft_predictions"]
     assert predictions["requests"] == 4 and len(predictions["factors"]) == 1, predictions
     assert sum(b["n"] for b in predictions["by_predicted"]) <= 4
+    assert len(predictions["served"]) == sum(b["n"] for b in predictions["by_predicted"])
     rows = point["per_request"]
     assert all(r["tokens"] == r["out"] and 4 <= r["out"] <= 8 and 32 <= r["in"] <= 64 for r in rows)
     assert point["output_tokens"] == sum(r["out"] for r in rows)
@@ -228,3 +230,18 @@ def test_seconds_per_point_sends_rate_times_seconds() -> None:
     assert point_requests(args, Arrivals("rate", float("inf"))) == 100
     assert point_requests(args, Arrivals("concurrency", 16)) == 100
     assert point_requests(argparse.Namespace(num=100, seconds=0.0), Arrivals("rate", 36.0)) == 100
+
+
+def test_the_predictions_gathered_keep_each_request_in_arrival_order_for_a_replay() -> None:
+    """A point's router records become [received s after the start, predicted ms, measured ms, prompt tokens] in
+    arrival order (what a replay through the error factor reads), beside the buckets of measured / predicted."""
+    records = [
+        {"received_at": 1002.5, "predicted_ttft_ms": 400.0, "ttft_ms": 900.0, "prompt_tokens": 3000},
+        {"received_at": 1000.25, "predicted_ttft_ms": 80.0, "ttft_ms": 60.0, "prompt_tokens": 512},
+    ]
+    assert served_rows(records, 1000.0) == [[0.25, 80.0, 60.0, 512], [2.5, 400.0, 900.0, 3000]]
+    buckets = summarise([(r["predicted_ttft_ms"], r["ttft_ms"]) for r in records])
+    assert [(b["predicted_ms"], b["n"], b["ratio"]["p50"]) for b in buckets] == [
+        ([0.0, 100.0], 1, 0.75),
+        ([250.0, 500.0], 1, 2.25),
+    ]

@@ -1,5 +1,5 @@
 """The TTFT prediction's own error, fed back into admission: served requests' measured TTFT over their predicted
-TTFT, kept over the last minutes, scale the predictions admission compares with a class's target by an upper
+TTFT, kept over the last seconds, scale the predictions admission compares with a class's target by an upper
 quantile of that ratio (at least 1, at most `MAX_FACTOR`).
 
 Why: the prediction (router/decision/ttft_model.py) is exact only where the worker's fitted step model is. On a
@@ -12,9 +12,20 @@ Only requests near deciding admission count: predicted or measured at `RELEVANT_
 more. A request both predicted and served quickly has a ratio dominated by fixed costs outside the worker
 (tokenization, the first event's relay) that says nothing about a queue's; one predicted quickly and served late
 is the error that matters most (a step model far off: on a 2-core CPU shared by two workers, the router and the
-client, admitted requests took 3-4x their predictions). Samples older than `HORIZON_S` are dropped, so a
-correction learnt in one burst does not shed the next one's first requests minutes later. A router that observes
-nothing (the fleet simulator, a worker not yet measured) keeps the factor 1: the predictions as they are.
+client, admitted requests took 3-4x their predictions). A router that observes nothing (the fleet simulator, a
+worker not yet measured) keeps the factor 1: the predictions as they are.
+
+Why the error must show twice: the factor corrects a prediction that is off in proportion (a step model that
+under-predicts a queue), which shedding earlier fixes. A stall (a compile, a collection, the first second of a
+load step before the polls see its queue) delays the requests in flight by a fixed time, which shedding earlier
+does not fix, and with a 0.99 quantile over a few hundred samples three such requests pinned the factor at its
+ceiling for the whole horizon: on an H100 (bench/RESULTS.md, "The TTFT error factor held to what recurs") one
+stall of ~1 s at a fresh FP8 worker's first point kept a lone router process at 2.0 for its next three points, 15
+requests shed at 12 req/s (a third of saturation), and a load step's first half second put two processes at 2.0
+past saturation, 11.0-11.7 good requests/s against 18.0 at the peak. So the factor is the smaller of the quantile
+over the last `PERIOD_S` and over the `PERIOD_S` before it, `GAP_S` apart: an error that recurs sets it within
+one to two periods, one confined to a few seconds does not set it at all, and with no relevant request served
+for a period the predictions stand again.
 
 Why the 0.99 quantile: a request admitted at the edge (predicted = target / factor) misses with the chance that
 its ratio exceeds the factor, 1 - quantile. Deep in overload nearly every admitted request sits at that edge (the
@@ -30,18 +41,21 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-__all__ = ["HORIZON_S", "MAX_FACTOR", "MIN_SAMPLES", "RELEVANT_SHARE", "PredictionError"]
+__all__ = ["GAP_S", "MAX_FACTOR", "MIN_SAMPLES", "PERIOD_S", "RELEVANT_SHARE", "PredictionError"]
 
 # A request predicted and served under this share of its target was far from deciding admission.
 RELEVANT_SHARE = 0.25
-# The factor is read once this many relevant requests were served within the horizon; before, predictions stand.
-MIN_SAMPLES = 20
-# Samples this old no longer describe the queue: the factor goes back to 1 without fresh ones.
-HORIZON_S = 120.0
+# The two periods the error must show in, each this long: a correction follows a recurring error within one to
+# two of them, and lapses one period after the last relevant request was served.
+PERIOD_S = 10.0
+# Between the two periods: longer than a stall or a load step's blind first second, so one cannot span both.
+GAP_S = 2.0
+# Each period's quantile is read once this many relevant requests were served in it; before, predictions stand.
+MIN_SAMPLES = 10
 # A correction beyond this says the step model is wrong, not imprecise: shedding twice as early is the limit.
 MAX_FACTOR = 2.0
-# At most this many samples are kept (the last ones): a quantile over them is a sort of a few hundred floats.
-WINDOW = 256
+# At most this many samples are kept (the last ones): two periods of a busy router's relevant requests.
+WINDOW = 1024
 
 
 @dataclass(slots=True)
@@ -61,16 +75,21 @@ class PredictionError:
             return
         samples = self._samples
         samples.append((now, measured_s / predicted_s))
-        while samples and samples[0][0] < now - HORIZON_S:
+        while samples and samples[0][0] < now - 2 * PERIOD_S - GAP_S:
             samples.popleft()
         self._last_at = now
-        if len(samples) < MIN_SAMPLES:
+        split = now - PERIOD_S
+        recent = sorted(r for t, r in samples if t >= split)
+        earlier = sorted(r for t, r in samples if t < split - GAP_S)
+        if len(recent) < MIN_SAMPLES or len(earlier) < MIN_SAMPLES:
             self._factor = 1.0
             return
-        ratios = sorted(r for _, r in samples)
-        at = min(len(ratios) - 1, int(self.quantile * len(ratios)))
-        self._factor = min(MAX_FACTOR, max(1.0, ratios[at]))
+        shown_twice = min(self._at_quantile(recent), self._at_quantile(earlier))
+        self._factor = min(MAX_FACTOR, max(1.0, shown_twice))
+
+    def _at_quantile(self, ratios: list[float]) -> float:
+        return ratios[min(len(ratios) - 1, int(self.quantile * len(ratios)))]
 
     def factor(self, now: float) -> float:
         """What admission multiplies a prediction by now (1: as predicted)."""
-        return self._factor if now - self._last_at <= HORIZON_S else 1.0
+        return self._factor if now - self._last_at <= PERIOD_S else 1.0
