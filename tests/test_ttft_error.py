@@ -86,7 +86,7 @@ def test_quick_requests_and_classes_without_a_target_do_not_count_late_ones_do()
 
 def test_quantile_reads_the_upper_tail() -> None:
     e = PredictionError(0.9)
-    t = _steady(e, 0.0, 2 * PERIOD_S + GAP_S)  # ratios 1.00 .. 1.99 in every period
+    t = _steady(e, 0.0, 2 * PERIOD_S + GAP_S, per_s=100 / PERIOD_S)  # ratios 1.00 .. 1.99 in every period
     assert e.factor(t) == pytest.approx(1.9, abs=0.011)
 
 

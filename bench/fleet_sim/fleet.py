@@ -100,6 +100,9 @@ class FleetConfig:
     # False: workers publish prompt_tokens_accepted and decodes_accepted 0 (as one that does not count): the peers
     # estimate stays 0
     publish_prompt_tokens_accepted: bool = True
+    # True: each served request's first token feeds its router process's TTFT error factor
+    # (router/decision/ttft_error.py), as a router's request records do; False: the factor stays 1
+    error_feedback: bool = False
 
 
 class _Clock:
@@ -562,6 +565,8 @@ class Fleet:
                 rw.release_prefill(call)
             arrive = now + self.cfg.worker.transfer_s(req.prompt, w.device is not None and w.device is d.device)
             self.ttft[job.rid] = arrive - job.arrival + self.cfg.net_s
+            if self.cfg.error_feedback:
+                self._feed_error(job)
             if req.output > 1:
                 dj = Job(job.rid, job.arrival, req.prompt, 0, req.output - 1, req.prompt + req.output)
                 dj.call = call
@@ -572,6 +577,15 @@ class Fleet:
                 self._maybe_leave(w)
             return
         self.ttft[job.rid] = now - job.arrival + self.cfg.net_s
+        if self.cfg.error_feedback:
+            self._feed_error(job)
+
+    def _feed_error(self, job: Job) -> None:
+        """The router process that placed `job` sees its first token: measured against predicted TTFT."""
+        predicted, ttft = self.predicted[job.rid], self.ttft[job.rid]
+        if math.isfinite(predicted):
+            error = self.views[job.call.process].dispatcher.ttft_error  # type: ignore[attr-defined]
+            error.observe(job.arrival + ttft, ttft, predicted, self.cls.ttft_s)
 
     def _on_finish(self, w: SimWorker, job: Job, now: float, slow: float) -> None:
         rw = self.views[job.call.process].pool.workers.get(w.name)  # type: ignore[attr-defined]
