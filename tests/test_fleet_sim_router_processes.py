@@ -105,3 +105,21 @@ def test_the_peers_estimate_brings_two_processes_tail_back_towards_the_predictio
         cfg = replace(config(2, peers, seed), measure_from_s=5.0)
         ratio[peers] = Fleet(cfg, Counts(decode=1)).run(reqs, until=40.0).ttft_over_predicted_p99
     assert ratio[True] < ratio[False]
+
+
+@pytest.mark.parametrize("feedback", [False, True])
+def test_error_feedback_gives_each_process_the_first_tokens_of_the_requests_it_placed(feedback: bool) -> None:
+    """With `error_feedback` each served request's measured / predicted TTFT reaches the TTFT error tracker of the
+    process that admitted it (router/decision/ttft_error.py), the requests its relevance rule keeps and no others;
+    without, no tracker hears of any (its factor stays 1, as in every run before the option)."""
+    fleet = Fleet(replace(config(2), error_feedback=feedback), Counts(decode=1))
+    reqs = poisson(20.0, 8.0, (512, 3072), (64, 128), seed=2)  # past one worker's saturation: queues, late ones
+    res = fleet.run(reqs, until=8.0)
+    served = ~fleet.shed_mask & (fleet.ttft == fleet.ttft)
+    relevant = fleet._prediction_ratios(served)
+    heard = [sorted(r for _, r in v.dispatcher.ttft_error._samples) for v in fleet.views]
+    assert res.shed > 0 and relevant.size > 20
+    if not feedback:
+        assert heard == [[], []]
+        return
+    assert all(heard) and sorted(r for h in heard for r in h) == pytest.approx(sorted(relevant.tolist()))
