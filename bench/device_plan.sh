@@ -6,6 +6,7 @@
 # Parts (device seconds, roughly, after the machine's start):
 #     46      FP8 against bf16 at the SLO targets, FP8 behind one router process and two                   ~560
 #     46p     the peers estimate alone: two router processes against one, bf16                              ~180
+#     46f     the TTFT error factor held to what recurs: bf16, two router processes, 24-36 req/s             ~80
 #     46m     mixed pods and a P+D pair under the ITL target, two workers on one GPU                      ~300
 #     47      MLA: the GPU tests, decompressed vs absorbed prefill, the split-KV decode kernel on/off,
 #             prompt logprobs' cost at 8k tokens (~330); then `save_jit_cache $OUT` on the same command
@@ -23,7 +24,7 @@
 # .devbundle/redis/redis-cli` and repack .devbundle/nixl.tar.xz without nixl_cu13.libs/ucx/libucx_perftest_* (UCX's
 # benchmark modules, never loaded; `xz -T2 -9e`): 54.6 MB in all, measured with `du -sb .devbundle`.
 set -uo pipefail
-part=${1:?"part: 46 | 46p | 46m | 47 | 49 | ready"}
+part=${1:?"part: 46 | 46p | 46f | 46m | 47 | 49 | ready"}
 : "${OUT:?the device tool sets OUT}"
 mkdir -p "$OUT/logs"
 python3 -c "import msgspec" 2>/dev/null ||
@@ -87,6 +88,14 @@ case "$part" in
         --variant-env one:KVFERRY_ROUTER_WORKERS=1 --gpus 0 --rates 24,36 --seconds 10 --slo-ttft-ms 1000 \
         --slo-itl-ms 50 --no-plot --log-dir "$OUT/lp" --out "$OUT/serve_peers_${card}.json"
     pack_logs "$OUT/lp" 46p
+    ;;
+46f)
+    # the TTFT error factor held to what recurs (router/decision/ttft_error.py, 147931c): bf16, two router processes,
+    # at and past saturation; the H100 at 6223328 read factors of 1.4-2.0 here (serve_fp8_slo10_h100.json.xz)    ~80
+    clocks 46f
+    step 150 serve_factor python3 bench/serve.py --model dummy:llama-3.1-8b --mode agg --gpus 0 --rates 24,30,36 \
+        --seconds 10 --slo-ttft-ms 1000 --slo-itl-ms 50 --no-plot --log-dir "$OUT/lf" --out "$OUT/serve_factor_${card}.json"
+    pack_logs "$OUT/lf" 46f
     ;;
 46m)
     # mixed pods and a disaggregated pair under the ITL target (issue 46: "hold the same ITL target"), two workers
