@@ -12,8 +12,8 @@ Only requests near deciding admission count: predicted or measured at `RELEVANT_
 more. A request both predicted and served quickly has a ratio dominated by fixed costs outside the worker
 (tokenization, the first event's relay) that says nothing about a queue's; one predicted quickly and served late
 is the error that matters most (a step model far off: on a 2-core CPU shared by two workers, the router and the
-client, admitted requests took 3-4x their predictions). A router that observes nothing (the fleet simulator, a
-worker not yet measured) keeps the factor 1: the predictions as they are.
+client, admitted requests took 3-4x their predictions). A router that observes nothing (the fleet simulator
+unless `error_feedback` is on, a worker not yet measured) keeps the factor 1: the predictions as they are.
 
 Why the error must show twice: the factor corrects a prediction that is off in proportion (a step model that
 under-predicts a queue), which shedding earlier fixes. A stall (a compile, a collection, the first second of a
@@ -21,7 +21,7 @@ load step before the polls see its queue) delays the requests in flight by a fix
 does not fix, and with a 0.99 quantile over a few hundred samples three such requests pinned the factor at its
 ceiling for the whole horizon: on an H100 (bench/RESULTS.md, "The TTFT error factor held to what recurs") one
 stall of ~1 s at a fresh FP8 worker's first point kept a lone router process at 2.0 for its next three points, 15
-requests shed at 12 req/s (a third of saturation), and a load step's first half second put two processes at 2.0
+requests shed at 12 req/s (half of saturation), and a load step's first half second put two processes at 2.0
 past saturation, 11.0-11.7 good requests/s against 18.0 at the peak. So the factor is the smaller of the quantile
 over the last `PERIOD_S` and over the `PERIOD_S` before it, `GAP_S` apart: an error that recurs sets it within
 one to two periods, one confined to a few seconds does not set it at all, and with no relevant request served
