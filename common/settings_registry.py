@@ -917,8 +917,8 @@ ROUTER_TTFT_ERROR_QUANTILE = _router(
     float,
     0.99,
     "TTFT admission scales its predictions by this quantile of served requests' measured / predicted TTFT, the "
-    "smaller of the last 5 s's and the 5 s's before, 2 s apart (between 1 and 2; router/decision/ttft_error.py); "
-    "0 = off",
+    "smaller of the last period's and the one's before (each 5 s and 10 requests at least, 2 s apart; between 1 "
+    "and 2; router/decision/ttft_error.py); 0 = off",
 )
 ROUTER_POLL_INTERVAL_S = _router(
     "poll_interval_s", float, 0.25, "worker load polls; also how fresh the load admission and routing read is"

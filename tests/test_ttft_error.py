@@ -68,6 +68,20 @@ def test_a_stall_confined_to_a_few_seconds_does_not_set_the_factor_a_recurring_e
     assert recurring.factor(t) == pytest.approx(1.6)
 
 
+def test_at_a_few_relevant_requests_a_second_the_periods_stretch_to_hold_enough() -> None:
+    """One relevant request every 2 s (a large model's deployment near saturation): a recurring error still sets
+    the factor once two periods hold `MIN_SAMPLES` each, and three requests late together still set nothing."""
+    slow = PredictionError()
+    t = _steady(slow, 0.0, 4 * MIN_SAMPLES + GAP_S + 2, 1.5, per_s=0.5)
+    assert slow.factor(t) == pytest.approx(1.5)
+    stalled = PredictionError()
+    t = _steady(stalled, 0.0, 4 * MIN_SAMPLES, 0.8, per_s=0.5)
+    t = _steady(stalled, t, 0.3, 4.0)  # the stall: three first tokens late together
+    for _ in range(2 * MIN_SAMPLES):
+        t = _steady(stalled, t, 2.0, 0.8, per_s=0.5)
+        assert stalled.factor(t) == 1.0, t
+
+
 def test_quick_requests_and_classes_without_a_target_do_not_count_late_ones_do() -> None:
     e = PredictionError(0.9)
     short = 0.9 * RELEVANT_SHARE

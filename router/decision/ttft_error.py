@@ -23,13 +23,13 @@ ceiling for the whole horizon: on an H100 (bench/RESULTS.md, "The TTFT error fac
 stall of ~1 s at a fresh FP8 worker's first point kept a lone router process at 2.0 for its next three points, 15
 requests shed at 12 req/s (half of saturation), and a load step's first half second put two processes at 2.0
 past saturation, 11.0-11.7 good requests/s against 18.0 at the peak. So the factor is the smaller of the quantile
-over the last `PERIOD_S` and over the `PERIOD_S` before it, `GAP_S` apart: an error that recurs sets it within
-one to two periods, one confined to a few seconds does not set it at all, and with no relevant request served
-for a period the predictions stand again. Periods of 5 s, 2 s apart, in the fleet simulator fed back
-(bench/fleet_sim/error_factor.py, serve.py-like 10 s points, five seeds; RESULTS.md): admitted requests 99.5-100%
-good at 2x and 3x saturation against 98.4-99.0% with no feedback, good requests/s within -1% to +3% of no feedback,
-where the 2-minute maximum cost four prefill and four decode pods behind two router processes 6% at 3x; periods of
-10 s were too slow for a 10 s overload (98.9% there, as with none).
+over the last period and over the period before it, `GAP_S` apart, each `PERIOD_S` and `MIN_SAMPLES` relevant
+requests at least: an error that recurs sets it within one to two periods, one confined to a few seconds does not
+set it at all, and with no relevant request served for `PERIOD_S` the predictions stand again. In the fleet
+simulator fed back (bench/fleet_sim/error_factor.py, serve.py-like 10 s points, five seeds; RESULTS.md): admitted
+requests 99.4-100% good at 2x and 3x saturation against 98.4-99.0% with no feedback, and good requests/s 0.2-3.4%
+above no feedback, where the 2-minute maximum cost four prefill and four decode pods behind two router processes
+6% at 3x; periods of 10 s were too slow for a 10 s overload (98.9% there, as with none).
 
 Why the 0.99 quantile: a request admitted at the edge (predicted = target / factor) misses with the chance that
 its ratio exceeds the factor, 1 - quantile. Deep in overload nearly every admitted request sits at that edge (the
@@ -42,20 +42,24 @@ prompts, tens of them).
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
 
-__all__ = ["GAP_S", "MAX_FACTOR", "MIN_SAMPLES", "PERIOD_S", "RELEVANT_SHARE", "PredictionError"]
+__all__ = ["GAP_S", "HORIZON_S", "MAX_FACTOR", "MIN_SAMPLES", "PERIOD_S", "RELEVANT_SHARE", "PredictionError"]
 
 # A request predicted and served under this share of its target was far from deciding admission.
 RELEVANT_SHARE = 0.25
-# The two periods the error must show in, each this long: a correction follows a recurring error within one to
-# two of them, and lapses one period after the last relevant request was served.
+# The two periods the error must show in: each at least this long and at least MIN_SAMPLES relevant requests
+# long (at a few relevant requests a second, a period stretches to hold that many). A correction follows a
+# recurring error within one to two periods, and lapses PERIOD_S after the last relevant request was served.
 PERIOD_S = 5.0
 # Between the two periods: longer than a stall or a load step's blind first second, so one cannot span both.
 GAP_S = 2.0
-# Each period's quantile is read once this many relevant requests were served in it; before, predictions stand.
+# The fewest relevant requests a period's quantile is read from; before two such periods, predictions stand.
 MIN_SAMPLES = 10
+# Samples older than this describe no queue of now, however few the newer ones.
+HORIZON_S = 60.0
 # A correction beyond this says the step model is wrong, not imprecise: shedding twice as early is the limit.
 MAX_FACTOR = 2.0
 # At most this many samples are kept (the last ones): two periods of a busy router's relevant requests.
@@ -79,19 +83,35 @@ class PredictionError:
             return
         samples = self._samples
         samples.append((now, measured_s / predicted_s))
-        while samples and samples[0][0] < now - 2 * PERIOD_S - GAP_S:
+        while samples and samples[0][0] < now - HORIZON_S:
             samples.popleft()
         self._last_at = now
-        split = now - PERIOD_S
-        recent = sorted(r for t, r in samples if t >= split)
-        earlier = sorted(r for t, r in samples if t < split - GAP_S)
-        if len(recent) < MIN_SAMPLES or len(earlier) < MIN_SAMPLES:
-            self._factor = 1.0
-            return
-        shown_twice = min(self._at_quantile(recent), self._at_quantile(earlier))
-        self._factor = min(MAX_FACTOR, max(1.0, shown_twice))
+        self._factor = self._shown_twice(now)
+
+    def _shown_twice(self, now: float) -> float:
+        """The smaller of the quantiles over the last period and the period before it, `GAP_S` apart (1: fewer
+        than two periods' samples)."""
+        times = [t for t, _ in self._samples]
+        recent = self._period_start(times, len(times), now)
+        if recent < 0:
+            return 1.0
+        before = bisect_left(times, times[recent] - GAP_S)  # the earlier period ends before this index
+        earlier = self._period_start(times, before, times[before - 1]) if before else -1
+        if earlier < 0:
+            return 1.0
+        ratios = [r for _, r in self._samples]
+        shown = min(self._at_quantile(ratios[recent:]), self._at_quantile(ratios[earlier:before]))
+        return min(MAX_FACTOR, max(1.0, shown))
+
+    @staticmethod
+    def _period_start(times: list[float], end: int, last: float) -> int:
+        """The first index of the period ending at index `end` (exclusive), whose last sample is at `last`: at
+        least `PERIOD_S` long and `MIN_SAMPLES` samples; -1 where fewer are left."""
+        start = min(bisect_left(times, last - PERIOD_S, 0, end), end - MIN_SAMPLES)
+        return start if start >= 0 else -1
 
     def _at_quantile(self, ratios: list[float]) -> float:
+        ratios = sorted(ratios)
         return ratios[min(len(ratios) - 1, int(self.quantile * len(ratios)))]
 
     def factor(self, now: float) -> float:
