@@ -27,8 +27,8 @@ over the last period and over the period before it, `GAP_S` apart, each `PERIOD_
 requests at least: an error that recurs sets it within one to two periods, one confined to a few seconds does not
 set it at all, and with no relevant request served for `PERIOD_S` the predictions stand again. In the fleet
 simulator fed back (bench/fleet_sim/error_factor.py, serve.py-like 10 s points, five seeds; RESULTS.md): admitted
-requests 99.4-100% good at 2x and 3x saturation against 98.4-99.0% with no feedback, and good requests/s 0.2-3.4%
-above no feedback, where the 2-minute maximum cost four prefill and four decode pods behind two router processes
+requests 99.6-100% good at 2x and 3x saturation against 98.4-99.0% with no feedback, and good requests/s -0.3% to
++3.8% of no feedback's, where the 2-minute maximum cost four prefill and four decode pods behind two router processes
 6% at 3x; periods of 10 s were too slow for a 10 s overload (98.9% there, as with none).
 
 Why the 0.99 quantile: a request admitted at the edge (predicted = target / factor) misses with the chance that
@@ -62,8 +62,12 @@ MIN_SAMPLES = 10
 HORIZON_S = 60.0
 # A correction beyond this says the step model is wrong, not imprecise: shedding twice as early is the limit.
 MAX_FACTOR = 2.0
-# At most this many samples are kept (the last ones): two periods of a busy router's relevant requests.
-WINDOW = 1024
+# At most this many samples are kept (the last ones): two periods and the gap at up to ~340 relevant requests a
+# second through one router process.
+WINDOW = 4096
+# With many samples a period, the factor is recomputed every (recent period's samples / this) samples: a quantile
+# over hundreds moves little with one more, and each recompute reads the whole window.
+SAMPLES_PER_REFIT = 64
 
 
 @dataclass(slots=True)
@@ -74,6 +78,8 @@ class PredictionError:
     _samples: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))  # (time, ratio)
     _factor: float = 1.0
     _last_at: float = float("-inf")
+    _recent_n: int = 0  # the last period's samples at the last recompute
+    _since_refit: int = 0
 
     def observe(self, now: float, measured_s: float, predicted_s: float | None, target_s: float | None) -> None:
         """One served request's first token: `measured_s` against the `predicted_s` its placement was admitted on."""
@@ -86,13 +92,17 @@ class PredictionError:
         while samples and samples[0][0] < now - HORIZON_S:
             samples.popleft()
         self._last_at = now
-        self._factor = self._shown_twice(now)
+        self._since_refit += 1
+        if self._since_refit >= self._recent_n // SAMPLES_PER_REFIT:
+            self._since_refit = 0
+            self._factor = self._shown_twice(now)
 
     def _shown_twice(self, now: float) -> float:
         """The smaller of the quantiles over the last period and the period before it, `GAP_S` apart (1: fewer
         than two periods' samples)."""
         times = [t for t, _ in self._samples]
         recent = self._period_start(times, len(times), now)
+        self._recent_n = len(times) - recent if recent >= 0 else 0
         if recent < 0:
             return 1.0
         before = bisect_left(times, times[recent] - GAP_S)  # the earlier period ends before this index
