@@ -82,6 +82,14 @@ def test_at_a_few_relevant_requests_a_second_the_periods_stretch_to_hold_enough(
         assert stalled.factor(t) == 1.0, t
 
 
+def test_a_busy_router_process_keeps_both_periods() -> None:
+    """300 relevant requests a second through one process: both periods and the gap between them stay in what the
+    tracker keeps, so a recurring error sets the factor there too."""
+    busy = PredictionError()
+    t = _steady(busy, 0.0, 2 * PERIOD_S + GAP_S + 1, 1.5, per_s=300)
+    assert busy.factor(t) == pytest.approx(1.5)
+
+
 def test_quick_requests_and_classes_without_a_target_do_not_count_late_ones_do() -> None:
     e = PredictionError(0.9)
     short = 0.9 * RELEVANT_SHARE
