@@ -5,7 +5,9 @@
 A chunk step beside decoding is sized so that its predicted time plus `margin_z` residual spreads fits the ITL
 target (common/sched/step_model.py `largest_chunk`). The spread is the fitted model's residual RMS over all the
 steps in its window, most of them decode steps. This replays the engine's own `StepTimeModel` over a trace
-(`KVFERRY_STEP_TRACE`, common/sched/step_trace.py), learning from each step as common/sched/step_pacing.py does.
+(`KVFERRY_STEP_TRACE`, common/sched/step_trace.py), learning from each step by the engine's rule
+(common/sched/itl_trim.py `learnt_step_s`). The trace's gap is the time a decoding stream saw since the step
+before, where the engine learns from the back-to-back period: the two differ only after an idle engine.
 At each chunk step it prints the share of chunk steps whose time exceeded the prediction by more than
 `margin_z` spreads (the margin's own aim: 1 - 0.99). It also prints the chunk steps' residual RMS against the
 model's spread. Default traces: the H200 run C of bench/RESULTS.md (bench/out/steps/).
@@ -24,7 +26,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from common.sched.itl_trim import stall_dominated  # noqa: E402
+from common.sched.itl_trim import learnt_step_s  # noqa: E402
 from common.sched.step_model import StepShape, StepTimeModel, z_score  # noqa: E402
 
 DEFAULT_TRACES = sorted((REPO / "bench" / "out" / "steps").glob("steps_*.jsonl.xz"))
@@ -40,8 +42,7 @@ def replay(path: Path) -> dict[str, float]:
         for line in f:
             r = json.loads(line)
             shape = StepShape(r["prefill_tokens"], r["decode_rows"], r["decode_context"], r["chunk_attention"])
-            device, gap = r["device_s"], r["gap_s"]
-            took = device if stall_dominated(gap, device) else max(device, gap)  # as StepPacing.observe learns
+            took = learnt_step_s(r["gap_s"], r["device_s"])
             if r["kind"] == "mixed" and model.ready:
                 residuals.append(took - model.predict(shape))
                 spreads.append(model.spread_s)

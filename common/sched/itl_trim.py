@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["ItlTrim", "OVERRUNS_PER_TAIL", "stall_dominated"]
+__all__ = ["ItlTrim", "OVERRUNS_PER_TAIL", "learnt_step_s", "stall_dominated"]
 
 # Of the gaps a percentile target lets past (1% for p99), the share chunk steps may use: a request of a few dozen
 # gaps can afford at most one, chunk steps are not the only gaps that run long, and the step model's errors come
@@ -27,6 +27,12 @@ DEVICE_SHARE_OF_STEP = 0.5  # below this share of a gap on the device, the gap i
 def stall_dominated(period_s: float, device_s: float) -> bool:
     """Whether a gap between steps was mostly host time the step's own work does not explain."""
     return device_s > 0 and device_s < DEVICE_SHARE_OF_STEP * period_s
+
+
+def learnt_step_s(period_s: float, device_s: float) -> float:
+    """What the step-time model learns from a step: its period, unless that was mostly a stall, which learnt
+    would pull the fit and widen the margin for the whole window, shrinking every chunk for a gap no chunk caused."""
+    return device_s if stall_dominated(period_s, device_s) else max(device_s, period_s)
 
 
 @dataclass

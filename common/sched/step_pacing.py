@@ -7,7 +7,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from common.sched.itl_trim import OVERRUNS_PER_TAIL, ItlTrim, stall_dominated
+from common.sched.itl_trim import OVERRUNS_PER_TAIL, ItlTrim, learnt_step_s
 from common.sched.launched import Launched
 from common.sched.prefill_budget import FLOOR_DECODE_STEPS, PrefillSpeed, StepContext, StepSeconds, prefill_budget
 from common.sched.request_table import RequestTable
@@ -105,10 +105,7 @@ class StepPacing:
             if self.trace is not None:
                 predicted = self.step_model.predict(launched.shape)
                 self.trace.write(launched.kind, launched.shape, seconds, seen or period, predicted, self.itl_target_s())
-            # A period mostly of host time is a stall, not what the step computed: learnt, it would pull the fit
-            # and widen the margin for the whole window, shrinking every chunk for a gap no chunk caused.
-            took = seconds if stall_dominated(period, seconds) else max(seconds, period)
-            self.step_model.observe(launched.shape, took)
+            self.step_model.observe(launched.shape, learnt_step_s(period, seconds))
             if launched.kind == "mixed":
                 self.itl_trim.observe(max(seconds, period), self.itl_target_s(), seconds)
             if launched.kind == "decode":
