@@ -12,6 +12,8 @@
 #             prompt logprobs' cost at 8k tokens (~330); then `save_jit_cache $OUT` on the same command
 #             line (a function of setup.sh's shell: the ragged 192/128 kernel is new), recompressed with
 #             `xz -T2 -9e` before it goes over .devbundle/fi-cache.tar.xz (the tree + bundle < 64 MiB)
+#     49c     the simulator's calibration on whichever card comes: its microbenchmarks (decode and prefill steps,
+#             mixed steps), then an aggregated four-rate run to predict (bench/fleet_sim/calibrate.py --card)  ~330
 #     49      the planner in dry run beside a P+D pair on one GPU; GPU sharing with overlap             ~520
 #     ready   builds the image's 8B kernel set as docker/build_kernels.py does, then the 8B worker's
 #             ready time from a fresh start, bf16 and FP8 (issue 49's <= 30 s)                         ~500
@@ -24,7 +26,7 @@
 # .devbundle/redis/redis-cli` and repack .devbundle/nixl.tar.xz without nixl_cu13.libs/ucx/libucx_perftest_* (UCX's
 # benchmark modules, never loaded; `xz -T2 -9e`): 54.6 MB in all, measured with `du -sb .devbundle`.
 set -uo pipefail
-part=${1:?"part: 46 | 46p | 46f | 46m | 47 | 49 | ready"}
+part=${1:?"part: 46 | 46p | 46f | 46m | 47 | 49 | 49c | ready"}
 : "${OUT:?the device tool sets OUT}"
 mkdir -p "$OUT/logs"
 python3 -c "import msgspec" 2>/dev/null ||
@@ -125,13 +127,28 @@ case "$part" in
     step 60 gpu_share_overlap_gap python3 bench/gpu_share.py --overlap --prefill-gap-ms 100 \
         --out "$OUT/gpu_share_overlap_gap100_${card}.json"
     ;;
+49c)
+    # What bench/fleet_sim/calibrate.py --card CARD reads: the engine's steps by shape on this card (roofline decode and
+    # prefill, mixed steps with graphs), then the aggregated run it predicts, 120 requests a rate from 1/4 of the
+    # card's bf16 saturation to saturation (~12 req/s on the H100: RESULTS.md, 2026-12-06; ~24 on the H200). 40 GB
+    # of KV each: the H100's 80 GB holds it beside the 16 GB of weights, and the run records the pool's size.
+    step 150 roofline python3 bench/roofline.py --sections decode,prefill --quick --kv-gb 40 --out "$OUT/roofline_${card}.json"
+    step 150 mixed_step python3 bench/mixed_step.py --batches 1,8,32,64 --chunks 64,256,512,1024 --iters 8 --kv-gb 40 \
+        --no-offline --out "$OUT/mixed_step_${card}_graphs.json"
+    rates=3,6,9,12
+    [ "$card" = h200 ] && rates=6,12,18,24
+    step 240 serve_calib python3 bench/serve.py --model dummy:llama-3.1-8b --mode agg --gpus 0 --rates $rates --num 120 \
+        --worker-env KVFERRY_KV_MEMORY_GB=40 --slo-ttft-ms 1000 --slo-itl-ms 50 --no-plot --log-dir "$OUT/lc" \
+        --out "$OUT/serve_agg_calib_${card}.json"
+    pack_logs "$OUT/lc" 49c
+    ;;
 ready)
     step 400 build_kernels python3 bench/worker_ready.py --build-kernels --archs 9.0a --head-dims 128 --mla ""
     step 150 worker_ready python3 bench/worker_ready.py --model dummy:llama-3.1-8b --variants bf16,fp8 \
         --logs "$OUT/logs/ready" --out "$OUT/worker_ready_${card}.json"
     ;;
 *)
-    echo "unknown part $part (46 | 46p | 46m | 47 | 49 | ready)" >&2
+    echo "unknown part $part (46 | 46p | 46f | 46m | 47 | 49 | 49c | ready)" >&2
     exit 2
     ;;
 esac

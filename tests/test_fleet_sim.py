@@ -312,3 +312,33 @@ def test_a_ramp_rises_to_its_rate_and_holds_it() -> None:
     held = sum(1 for r in extra if r.t >= 1100.0)
     assert 800 < rising < 1200  # the mean of 0 -> 2 req/s over 1000 s
     assert 3600 < held < 4400  # 2 req/s over 2000 s
+
+
+def test_calibration_on_another_card_fits_its_microbenchmarks_and_predicts_its_own_run(tmp_path: Path) -> None:
+    """`calibrate.py --card C` reads C's step microbenchmarks and predicts C's four-rate run, its constants fitted
+    to that run's lowest rate: here the H200's files under another card's names, so the fit must come out as the
+    H200's and every point of the run is predicted."""
+    import shutil
+    import subprocess
+    import sys
+
+    out_dir = REPO / "bench" / "out"
+    renames = {
+        "roofline_h200.json": "roofline_c9.json",
+        "mixed_step_h200_graphs.json": "mixed_step_c9_graphs.json",
+        "serve_agg4_trim_h200.json": "serve_agg_calib_c9.json",
+        "transfer_cuda_llama8b_h200.json": "transfer_cuda_llama8b_h200.json",
+        "gpu_share_h200.json": "gpu_share_h200.json",
+    }
+    for src, dst in renames.items():
+        shutil.copy(out_dir / src, tmp_path / dst)
+    out = tmp_path / "cal.json"
+    cmd = [sys.executable, str(REPO / "bench/fleet_sim/calibrate.py"), "--runs", str(tmp_path), "--card", "c9"]
+    subprocess.run([*cmd, "--out", str(out)], check=True, capture_output=True, timeout=120)
+    got = json.loads(out.read_text())
+    h200 = json.loads((out_dir / "fleet_sim_calibration.json").read_text())
+    assert got["card"] == "c9" and got["fitted_on"].startswith("serve_agg_calib_c9.json")
+    assert got["step_cost"] == pytest.approx(h200["step_cost"], rel=1e-6)
+    assert [p["rate"] for p in got["points"]] == [6.0, 12.0, 18.0, 24.0]
+    first = got["points"][0]  # the fitted point: its median ITL is what the host time was fitted to
+    assert first["predicted"]["itl_p50_ms"] == pytest.approx(first["measured"]["itl_p50_ms"], rel=0.05)

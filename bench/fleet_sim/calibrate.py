@@ -2,6 +2,12 @@
 single-H200 serving runs (bench/serve.py JSON) and writes predicted against measured.
 
     python bench/fleet_sim/calibrate.py [--runs DIR] [--share gpu_share_h200.json ...] [--slice-ms MS] [--out OUT.json]
+    python bench/fleet_sim/calibrate.py --card h100 [--runs DIR] [--out OUT.json]
+
+`--card` names the card whose microbenchmarks are fitted (roofline_CARD.json, mixed_step_CARD_graphs.json). The
+H200 predicts the recorded runs below; another card predicts its own aggregated four-rate run,
+serve_agg_calib_CARD.json (`bash bench/device_plan.sh 49c` records all three on whichever card comes), the
+constants fitted to its lowest rate as on the H200.
 
 Step times: the engine's own step-time model (common/sched/step_model.py ``StepTimeModel``, its real fit) fed
 the device times of bench/roofline.py (decode steps by batch and context, whole-prompt prefills) and
@@ -61,11 +67,16 @@ KV_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2  # Llama-3.1-8B bf16: layers x KV head
 PAGE_SIZE = 16
 
 
-def fit_step_cost(runs: Path) -> tuple[StepCost, float]:
+def runs_for(card: str) -> list[tuple[str, str, str]]:
+    """The recorded runs a card's calibration predicts; the first is the one its constants are fitted to."""
+    return RUNS if card == "h200" else [(f"serve_agg_calib_{card}.json", "agg", "agg")]
+
+
+def fit_step_cost(runs: Path, card: str = "h200") -> tuple[StepCost, float]:
     """The real step-time model's fit over the microbenchmarks' points; its coefficients and residual spread."""
     model = StepTimeModel(window=1024, refit_every=1)
-    roof = json.loads((runs / "roofline_h200.json").read_text())
-    mixed = json.loads((runs / "mixed_step_h200_graphs.json").read_text())
+    roof = json.loads((runs / f"roofline_{card}.json").read_text())
+    mixed = json.loads((runs / f"mixed_step_{card}_graphs.json").read_text())
     points: list[tuple[StepShape, float]] = []
     for r in roof["decode"]:
         if r.get("step_ms"):
@@ -213,16 +224,21 @@ def main() -> int:
         default=0.0,
         help="the sliced rows' time slice, set by hand (default: fitted to --share)",
     )
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "fleet_sim_calibration.json")
+    ap.add_argument("--card", default="h200", help="the card whose microbenchmarks and runs are read (default h200)")
+    ap.add_argument("--out", type=Path, default=None, help="default bench/out/fleet_sim_calibration[_CARD].json")
     args = ap.parse_args()
+    suffix = "" if args.card == "h200" else f"_{args.card}"
+    out_path = args.out or REPO / "bench" / "out" / f"fleet_sim_calibration{suffix}.json"
+    runs_list = runs_for(args.card)
     started = time.perf_counter()
-    cost, spread = fit_step_cost(args.runs)
+    cost, spread = fit_step_cost(args.runs, args.card)
     base = WorkerSpec(cost=cost, spread_s=spread, kv_tokens=KV_TOKENS)
-    first = json.loads((args.runs / RUNS[0][0]).read_text())
+    first = json.loads((args.runs / runs_list[0][0]).read_text())
     ttft_ms, itl_ms = first["config"]["slo_ttft_ms"], first["config"]["slo_itl_ms"]
     host_s, served_spread, net_s = fit_host(
         first["modes"]["agg"]["points"][0], base, lambda spec: fleet_for("agg", spec, ttft_ms, itl_ms)
     )
+    # the shared-GPU rows' device-local copy and shares: the H200's runs (only the H200's list has such rows)
     local_base_s, local_tokens_per_s = fit_local_transfer(args.runs)
     share_from = args.share or ["gpu_share_h200.json"]
     share_weight, share_exponent = fit_share_weights([args.runs / name for name in share_from])
@@ -238,7 +254,7 @@ def main() -> int:
         share_slice_s=slice_s,
     )
     rows = []
-    for file, mode, kind in RUNS:
+    for file, mode, kind in runs_list:
         path = args.runs / file
         if not path.exists():
             print(f"skipped (not here): {file}")
@@ -285,17 +301,18 @@ def main() -> int:
         "share_length_exponent": share_exponent,
         "share_slice_s": slice_s,
         "share_from": share_from,
-        "fitted_on": f"{RUNS[0][0]} agg, its first point: host_s (median ITL), served_spread_s (ITL p99), net_s (median TTFT)",
+        "card": args.card,
+        "fitted_on": f"{runs_list[0][0]} agg, its first point: host_s (median ITL), served_spread_s (ITL p99), net_s (median TTFT)",
         "points": rows,
         "seconds": time.perf_counter() - started,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2))
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(out, indent=2))
     print(
         f"step cost {cost}, spread {served_spread * 1000:.2f} ms, host {host_s * 1000:.2f} ms/step, "
         f"net {net_s * 1000:.1f} ms, local KV copy {local_base_s * 1000:.2f} ms + {local_tokens_per_s / 1e6:.2f} M "
         f"tokens/s, prompt-step share weight {share_weight:.3f} x device time ** {share_exponent:.2f}, time slice "
-        f"{slice_s * 1000:.1f} ms -> {args.out}"
+        f"{slice_s * 1000:.1f} ms -> {out_path}"
     )
     return 0
 
