@@ -7,6 +7,7 @@
 #     46      FP8 against bf16 at the SLO targets, FP8 behind one router process and two                   ~560
 #     46p     the peers estimate alone: two router processes against one, bf16                              ~180
 #     46f     the TTFT error factor held to what recurs: bf16, two router processes, 24-36 req/s             ~80
+#     46g     FP8's eager chunk steps: piecewise graphs up to 2,048 tokens against the default 512, step traces  ~420
 #     46m     mixed pods and a P+D pair under the ITL target, two workers on one GPU                      ~300
 #     47      MLA: the GPU tests, decompressed vs absorbed prefill, the split-KV decode kernel on/off,
 #             prompt logprobs' cost at 8k tokens (~330); then `save_jit_cache $OUT` on the same command
@@ -98,6 +99,22 @@ case "$part" in
     step 150 serve_factor python3 bench/serve.py --model dummy:llama-3.1-8b --mode agg --gpus 0 --rates 24,30,36 \
         --seconds 10 --slo-ttft-ms 1000 --slo-itl-ms 50 --no-plot --log-dir "$OUT/lf" --out "$OUT/serve_factor_${card}.json"
     pack_logs "$OUT/lf" 46f
+    ;;
+46g)
+    # The H200 at 79b9cd4 (serve_fp8_slo10_h200.json): FP8's trim at its 0.6 floor and FP8 / bf16 goodput 1.06x. In the
+    # step traces of run C, FP8 chunk steps of 512-1,536 tokens (eager: over KVFERRY_CUDA_GRAPH_MAX_TOKENS) ran up to
+    # 29 ms past the model (p90 +12-14 ms; bf16's +2-3.5 ms): an eager 8B forward is ~15 ms of launches from the host,
+    # which FP8's shorter kernels no longer hide. The same rates with the piecewise graphs to 2,048 tokens.
+    clocks 46g
+    step 520 serve_graphs python3 bench/serve.py --model dummy:llama-3.1-8b --mode agg,agg@fp8,agg@fp8g,agg@g \
+        --variant-env fp8:KVFERRY_WEIGHT_DTYPE=fp8_e4m3 --variant-env fp8:KVFERRY_KV_DTYPE=fp8_e4m3 \
+        --variant-env fp8g:KVFERRY_WEIGHT_DTYPE=fp8_e4m3 --variant-env fp8g:KVFERRY_KV_DTYPE=fp8_e4m3 \
+        --variant-env fp8g:KVFERRY_CUDA_GRAPH_MAX_TOKENS=2048 --variant-env g:KVFERRY_CUDA_GRAPH_MAX_TOKENS=2048 \
+        --variant-env fp8:KVFERRY_STEP_TRACE="$OUT/ls/steps_fp8.jsonl" \
+        --variant-env fp8g:KVFERRY_STEP_TRACE="$OUT/ls/steps_fp8g.jsonl" \
+        --gpus 0 --rates 24,32 --seconds 10 --slo-ttft-ms 1000 --slo-itl-ms 50 --no-plot --log-dir "$OUT/ls" \
+        --out "$OUT/serve_graphs_${card}.json"
+    pack_logs "$OUT/ls" 46g
     ;;
 46m)
     # mixed pods and a disaggregated pair under the ITL target (issue 46: "hold the same ITL target"), two workers
