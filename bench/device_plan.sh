@@ -148,7 +148,9 @@ case "$part" in
     # What bench/fleet_sim/calibrate.py --card CARD reads: the engine's steps by shape on this card (roofline decode and
     # prefill, mixed steps with graphs), then the aggregated run it predicts, 120 requests a rate from 1/4 of the
     # card's bf16 saturation to saturation (~12 req/s on the H100: RESULTS.md, 2026-12-06; ~24 on the H200). 40 GB
-    # of KV each: the H100's 80 GB holds it beside the 16 GB of weights, and the run records the pool's size.
+    # of KV each: the H100's 80 GB holds it beside the 16 GB of weights, and the run records the pool's size. Commit
+    # the three under a dated card label (roofline_h200-20261206.json, ...; `calibrate.py --card h200-20261206`): the
+    # plain H200 names are the microbenchmarks the simulator's standing calibration reads.
     step 150 roofline python3 bench/roofline.py --sections decode,prefill --quick --kv-gb 40 --out "$OUT/roofline_${card}.json"
     step 150 mixed_step python3 bench/mixed_step.py --batches 1,8,32,64 --chunks 64,256,512,1024 --iters 8 --kv-gb 40 \
         --no-offline --out "$OUT/mixed_step_${card}_graphs.json"

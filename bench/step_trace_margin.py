@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 from common.sched.itl_trim import learnt_step_s  # noqa: E402
 from common.sched.step_model import StepShape, StepTimeModel, z_score  # noqa: E402
 
-DEFAULT_TRACES = sorted((REPO / "bench" / "out" / "steps").glob("steps_*.jsonl.xz"))
+DEFAULT_TRACES = [REPO / "bench" / "out" / "steps" / f"steps_{dtype}.jsonl.xz" for dtype in ("bf16", "fp8")]
 PERCENTILE = 99.0  # the ITL target's percentile the margin holds (the default SLO's)
 
 

@@ -67,6 +67,7 @@ def _runner(
     pdl: bool = True,
     mla_split_decode: bool = True,
     mla_decompressed_prefill: bool = True,
+    step_graph_tokens: int = 512,  # the tests' prompts cross it: steps on both sides of graphed and eager
 ):
     from common.engine.runner import ModelRunner, RunnerConfig
 
@@ -78,6 +79,7 @@ def _runner(
         max_running=max_running,
         attention=attention,
         cuda_graph_max_bs=graphs,
+        cuda_graph_max_tokens=step_graph_tokens,
         fused_kernels=fused,
         kv_dtype=kv_dtype,
         weight_dtype=weight_dtype,

@@ -712,7 +712,9 @@ def test_a_token_outside_the_grammar_ends_the_request_there_in_both_loops(smol_r
     alone = [fresh_engine(smol_runner).generate([chat], sp)[0] for sp in params]
     bad = smol_tokenizer.encode("ZZZ", add_special_tokens=False)[0]  # no uppercase anywhere in the grammar
     at = 3  # the output index it lands at: a decode row's token
-    assert all(len(r.output_ids) > at and r.finish_reason != "error" for r in alone), alone
+    assert all(len(r.output_ids) > at and r.finish_reason != "error" for r in alone), [
+        (r.finish_reason, len(r.output_ids), r.text) for r in alone
+    ]
     for overlap in (False, True):
         engine = fresh_engine(smol_runner)
         cfg = SchedulerConfig(grammar_compile_timeout_s=TEST_GRAMMAR_COMPILE_TIMEOUT_S)
