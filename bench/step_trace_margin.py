@@ -19,6 +19,7 @@ import argparse
 import json
 import lzma
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -33,21 +34,25 @@ DEFAULT_TRACES = [REPO / "bench" / "out" / "steps" / f"steps_{dtype}.jsonl.xz" f
 PERCENTILE = 99.0  # the ITL target's percentile the margin holds (the default SLO's)
 
 
-def replay(path: Path) -> dict[str, float]:
-    """The replayed model's chunk-step residuals against its spread over one trace."""
+def chunk_steps(path: Path) -> Iterator[tuple[float, float, float]]:
+    """Each chunk step beside decoding once the replayed model is ready: (its time, the model's prediction, the
+    model's spread), both before the model learns from it."""
     opener = lzma.open if path.suffix == ".xz" else open
     model = StepTimeModel()
-    residuals, spreads = [], []
     with opener(path, "rt") as f:
         for line in f:
             r = json.loads(line)
             shape = StepShape(r["prefill_tokens"], r["decode_rows"], r["decode_context"], r["chunk_attention"])
             took = learnt_step_s(r["gap_s"], r["device_s"])
             if r["kind"] == "mixed" and model.ready:
-                residuals.append(took - model.predict(shape))
-                spreads.append(model.spread_s)
+                yield took, model.predict(shape), model.spread_s
             model.observe(shape, took)
-    res, spread = np.array(residuals), np.array(spreads)
+
+
+def replay(path: Path) -> dict[str, float]:
+    """The replayed model's chunk-step residuals against its spread over one trace."""
+    steps = np.array(list(chunk_steps(path)))
+    res, spread = steps[:, 0] - steps[:, 1], steps[:, 2]
     z = z_score(PERCENTILE)
     return {
         "chunk_steps": int(res.size),

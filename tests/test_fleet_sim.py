@@ -342,3 +342,24 @@ def test_calibration_on_another_card_fits_its_microbenchmarks_and_predicts_its_o
     assert [p["rate"] for p in got["points"]] == [6.0, 12.0, 18.0, 24.0]
     first = got["points"][0]  # the fitted point: its median ITL is what the host time was fitted to
     assert first["predicted"]["itl_p50_ms"] == pytest.approx(first["measured"]["itl_p50_ms"], rel=0.05)
+
+
+def test_chunk_noise_stretches_and_shrinks_chunk_steps_beside_decoding_only() -> None:
+    """WorkerSpec.chunk_noise: a chunk step beside decoding takes a measured relative error in turn, so the gaps
+    it makes spread around the cost model's time; a prompt step alone, and decode steps, stay exact."""
+    from dataclasses import replace
+
+    # A decodes 40 tokens in 0.01 s steps; B's 300-token prompt arrives mid-way and rides one chunk step
+    # (0.01 + 300 x 1e-4 = 0.04 s beside A's row) that the noise makes 0.06 or 0.02 s.
+    reqs = [SimRequest(0.0, 100, 40), SimRequest(0.1, 300, 2)]
+    exact = fleet(Counts(decode=1)).run(reqs)
+    spec = WorkerSpec(cost=COST, itl_target_s=0.05, transfer_tokens_per_s=200_000.0)
+    for noise, gap in ((0.5, 0.06), (-0.5, 0.02)):
+        cfg = FleetConfig(worker=replace(spec, chunk_noise=(noise,)), slo=SLO, net_s=0.0, startup_s=0.0)
+        got = Fleet(cfg, Counts(decode=1)).run(reqs)
+        assert got.ttft_p50_s != exact.ttft_p50_s  # B's first token came with the noisy chunk step
+        assert got.itl_p99_s == pytest.approx(max(gap, 0.01), rel=0.03), (noise, got.itl_p99_s)
+        assert got.itl_p50_s == pytest.approx(exact.itl_p50_s)  # A's decode steps: exact
+    # alone, the first prompt's step is exact with any noise (nothing decodes beside it)
+    alone = Fleet(FleetConfig(worker=replace(spec, chunk_noise=(0.5,)), slo=SLO, net_s=0.0), Counts(decode=1))
+    assert alone.run([SimRequest(0.0, 1000, 1)]).ttft_p50_s == pytest.approx(0.11)

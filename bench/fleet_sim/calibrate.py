@@ -9,6 +9,11 @@ H200 predicts the recorded runs below; another card predicts its own aggregated 
 serve_agg_calib_CARD.json (`bash bench/device_plan.sh 49c` records all three on whichever card comes), the
 constants fitted to its lowest rate as on the H200.
 
+`--chunk-noise TRACE` gives the simulated chunk steps beside decoding the served chunk steps' errors against the
+live step model, replayed from an engine step trace of the same card (`chunk_step_noise`, centred: the cost model
+keeps its mean): a served step's time is not its prediction, and the ITL p99 a load gives is the tail of those
+steps, more of the gaps as the load grows. Without it every step is exact and ITL p99 is one margin at every rate.
+
 Step times: the engine's own step-time model (common/sched/step_model.py ``StepTimeModel``, its real fit) fed
 the device times of bench/roofline.py (decode steps by batch and context, whole-prompt prefills) and
 bench/mixed_step.py (decode batches with a prompt chunk beside them), all dummy Llama-3.1-8B bf16 on one H200.
@@ -42,6 +47,7 @@ sys.path.insert(0, str(REPO))
 from bench.fleet_sim.fleet import Fleet, FleetConfig  # noqa: E402
 from bench.fleet_sim.worker import WorkerSpec  # noqa: E402
 from bench.fleet_sim.workload import recorded_point  # noqa: E402
+from bench.step_trace_margin import chunk_steps  # noqa: E402
 from common.capacity import StepCost, chunk_attention  # noqa: E402
 from common.sched.step_model import StepShape, StepTimeModel  # noqa: E402
 from common.slo import parse_slo_classes  # noqa: E402
@@ -95,6 +101,15 @@ def fit_step_cost(runs: Path, card: str = "h200") -> tuple[StepCost, float]:
         for shape, seconds in points:
             model.observe(shape, seconds)
     return StepCost.from_map(model.coefficients()), model.spread_s
+
+
+def chunk_step_noise(trace: Path) -> tuple[float, ...]:
+    """Served chunk steps' relative errors against the live step model (`took / predicted - 1`), replayed from an
+    engine step trace (KVFERRY_STEP_TRACE) as bench/step_trace_margin.py replays it, less their mean: what
+    WorkerSpec.chunk_noise draws from. Not fitted to any run this predicts: a trace of another run on the card."""
+    rel = [took / predicted - 1 for took, predicted, _ in chunk_steps(trace) if predicted > 0]
+    mean = sum(rel) / len(rel)
+    return tuple(r - mean for r in rel)
 
 
 def fit_local_transfer(runs: Path) -> tuple[float, float]:
@@ -224,6 +239,12 @@ def main() -> int:
         default=0.0,
         help="the sliced rows' time slice, set by hand (default: fitted to --share)",
     )
+    ap.add_argument(
+        "--chunk-noise",
+        type=Path,
+        default=None,
+        help="an engine step trace whose chunk steps' errors the simulated chunk steps take (default: none, exact)",
+    )
     ap.add_argument("--card", default="h200", help="the card whose microbenchmarks and runs are read (default h200)")
     ap.add_argument("--out", type=Path, default=None, help="default bench/out/fleet_sim_calibration[_CARD].json")
     args = ap.parse_args()
@@ -232,7 +253,8 @@ def main() -> int:
     runs_list = runs_for(args.card)
     started = time.perf_counter()
     cost, spread = fit_step_cost(args.runs, args.card)
-    base = WorkerSpec(cost=cost, spread_s=spread, kv_tokens=KV_TOKENS)
+    noise = chunk_step_noise(args.chunk_noise) if args.chunk_noise else ()
+    base = WorkerSpec(cost=cost, spread_s=spread, kv_tokens=KV_TOKENS, chunk_noise=noise)
     first = json.loads((args.runs / runs_list[0][0]).read_text())
     ttft_ms, itl_ms = first["config"]["slo_ttft_ms"], first["config"]["slo_itl_ms"]
     host_s, served_spread, net_s = fit_host(
@@ -302,6 +324,7 @@ def main() -> int:
         "share_slice_s": slice_s,
         "share_from": share_from,
         "card": args.card,
+        "chunk_noise_from": str(args.chunk_noise.name) if args.chunk_noise else None,
         "fitted_on": f"{runs_list[0][0]} agg, its first point: host_s (median ITL), served_spread_s (ITL p99), net_s (median TTFT)",
         "points": rows,
         "seconds": time.perf_counter() - started,

@@ -34,6 +34,9 @@ from router.decision.load import Load
 __all__ = ["Job", "SimWorker", "WorkerSpec"]
 
 MIN_PAGES = 4
+# a prime stride through WorkerSpec.chunk_noise: successive chunk steps take samples far apart in the trace (the
+# trace's errors come in runs), the same on every run
+NOISE_STRIDE = 7919
 # a snapshot's queued_ahead_tokens (it reports no SLO classes): one empty map for all, which the router only reads
 _NO_CLASSES: dict[str, int] = {}
 
@@ -62,6 +65,10 @@ class WorkerSpec:
     # > 0: the GPU time-slices its workers instead (device.py): a worker holds it for slices of this length while
     # another waits, and keeps it between its own steps (the engine queues its next step before the last ends)
     share_slice_s: float = 0.0
+    # A served chunk step's time against the step model's prediction, as measured (relative residuals, each one
+    # step's `took / predicted - 1`, bench/fleet_sim/calibrate.py `chunk_step_noise`): a chunk step beside decoding
+    # takes one of them in turn, in a fixed shuffled order. Empty: every step exactly as the cost model says.
+    chunk_noise: tuple[float, ...] = ()
 
     @cached_property
     def published(self) -> StepCost:
@@ -155,6 +162,7 @@ class SimWorker:
     # fleet gives them at its next wake (on a GPU of its own, at `next_boundary`)
     asks: list[tuple[object, Job]] = field(default_factory=list)
     span_shared: bool = False  # the step in flight runs on a GPU other workers are on
+    _noise_at: int = 0  # the last chunk noise taken (WorkerSpec.chunk_noise)
     added: int = 0  # jobs given so far
     # full prompt tokens of the jobs given to it to prefill (a peer's prefill, or its own request's), cached or
     # not: /load's prompt_tokens_accepted, as the real worker counts them (common/worker/request.py `submit`)
@@ -461,7 +469,11 @@ class SimWorker:
             tokens = sum(t for _, t in chunks)
             if s.itl_target_s <= 0:
                 n, ctx = 0, 0  # prefill-first: a prompt step decodes nothing
-            step = cost.step_s(tokens, n, ctx, attention) + s.host_s
+            step = cost.step_s(tokens, n, ctx, attention)
+            if n and s.chunk_noise:
+                self._noise_at = (self._noise_at + NOISE_STRIDE) % len(s.chunk_noise)
+                step *= max(0.0, 1.0 + s.chunk_noise[self._noise_at])
+            step += s.host_s
             self.span_chunks, self.span_steps = chunks, 1
         elif n:
             k = 1 if shared else max(1, self.rows[0][0] - self.steps)
