@@ -14,7 +14,8 @@
 #             line (a function of setup.sh's shell: the ragged 192/128 kernel is new), recompressed with
 #             `xz -T2 -9e` before it goes over .devbundle/fi-cache.tar.xz (the tree + bundle < 64 MiB)
 #     49c     the simulator's calibration on whichever card comes: its microbenchmarks (decode and prefill steps,
-#             mixed steps), then an aggregated four-rate run to predict (bench/fleet_sim/calibrate.py --card)  ~330
+#             mixed steps), a step trace at another seed (--chunk-noise), then an aggregated four-rate run to
+#             predict (bench/fleet_sim/calibrate.py --card)                                                  ~250
 #     49      the planner in dry run beside a P+D pair on one GPU; GPU sharing with overlap             ~520
 #     ready   builds the image's 8B kernel set as docker/build_kernels.py does, then the 8B worker's
 #             ready time from a fresh start, bf16 and FP8 (issue 49's <= 30 s)                         ~500
@@ -156,6 +157,11 @@ case "$part" in
         --no-offline --out "$OUT/mixed_step_${card}_graphs.json"
     rates=3,6,9,12
     [ "$card" = h200 ] && rates=6,12,18,24
+    # the chunk steps' measured errors for `calibrate.py --chunk-noise`: a step trace of this engine on this card, at
+    # another seed than the run it predicts (it lands in the logs' tarball: logs_49c.tar.xz, lc/steps_trace.jsonl)
+    step 120 serve_trace python3 bench/serve.py --model dummy:llama-3.1-8b --mode agg --gpus 0 --rates ${rates#*,} \
+        --num 120 --seed 1 --worker-env KVFERRY_KV_MEMORY_GB=40 --worker-env KVFERRY_STEP_TRACE="$OUT/lc/steps_trace.jsonl" \
+        --slo-ttft-ms 1000 --slo-itl-ms 50 --no-plot --log-dir "$OUT/lc/trace" --out "$OUT/lc/serve_trace.json"
     step 240 serve_calib python3 bench/serve.py --model dummy:llama-3.1-8b --mode agg --gpus 0 --rates $rates --num 120 \
         --worker-env KVFERRY_KV_MEMORY_GB=40 --slo-ttft-ms 1000 --slo-itl-ms 50 --no-plot --log-dir "$OUT/lc" \
         --out "$OUT/serve_agg_calib_${card}.json"
