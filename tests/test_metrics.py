@@ -136,12 +136,13 @@ def test_router_histograms_agree_with_the_client(served: dict) -> None:
     for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "time_to_dispatch_seconds"):
         assert delta(served, "router", f"kvferry_router_{name}_count") == n, name
     # The router's TTFT is the client's minus what the client itself adds (sending the request, the router
-    # reading and validating it, the first chunk's way back): never more, and within a few ms each (25 ms
-    # allowed per request: on a 2-core CI box shared with three engines the router waits for a core).
+    # reading and validating it, the first chunk's way back): never more, and a small part of it (25 ms a request
+    # or a tenth of the client's TTFT: on a 2-core box shared with three engines the router waits for a core, and
+    # a slower box waits longer on both sides; one of them gave 29-36 ms a request of ~380 ms).
     router_ttft = delta(served, "router", "kvferry_router_time_to_first_token_seconds_sum")
     client_ttft = sum(r["ttft"] for r in runs)
     assert router_ttft <= client_ttft + 0.002 * n
-    assert client_ttft - router_ttft < 0.025 * n, (client_ttft, router_ttft)
+    assert client_ttft - router_ttft < max(0.025 * n, 0.1 * client_ttft), (client_ttft, router_ttft)
     assert router_ttft <= sum(r["first_content"] for r in runs)
     router_e2e = delta(served, "router", "kvferry_router_e2e_request_latency_seconds_sum")
     # The router's clock stops after the last chunk is handed to the server, which may be after the client
