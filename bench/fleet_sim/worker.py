@@ -67,7 +67,7 @@ class WorkerSpec:
     share_slice_s: float = 0.0
     # A served chunk step's time against the step model's prediction, as measured (relative residuals, each one
     # step's `took / predicted - 1`, bench/fleet_sim/calibrate.py `chunk_step_noise`): a chunk step beside decoding
-    # takes one of them in turn, in a fixed shuffled order. Empty: every step exactly as the cost model says.
+    # takes one of them in turn, NOISE_STRIDE apart, the same order every run. Empty: every step as the cost model says.
     chunk_noise: tuple[float, ...] = ()
 
     @cached_property
