@@ -8,6 +8,7 @@
 #     46p     the peers estimate alone: two router processes against one, bf16                              ~180
 #     46f     the TTFT error factor held to what recurs: bf16, two router processes, 24-36 req/s             ~80
 #     46g     FP8's eager chunk steps: piecewise graphs up to 2,048 tokens against the default 512, step traces  ~420
+#     46s     goodput against rate, three policies (SLO, old, prefill-first), one run                       ~480
 #     46m     mixed pods and a P+D pair under the ITL target, two workers on one GPU                      ~300
 #     47      MLA: the GPU tests, decompressed vs absorbed prefill, the split-KV decode kernel on/off,
 #             prompt logprobs' cost at 8k tokens (~330); then `save_jit_cache $OUT` on the same command
@@ -28,7 +29,7 @@
 # .devbundle/redis/redis-cli` and repack .devbundle/nixl.tar.xz without nixl_cu13.libs/ucx/libucx_perftest_* (UCX's
 # benchmark modules, never loaded; `xz -T2 -9e`): 54.6 MB in all, measured with `du -sb .devbundle`.
 set -uo pipefail
-part=${1:?"part: 46 | 46p | 46f | 46m | 47 | 49 | 49c | ready"}
+part=${1:?"part: 46 | 46p | 46f | 46s | 46m | 47 | 49 | 49c | ready"}
 : "${OUT:?the device tool sets OUT}"
 mkdir -p "$OUT/logs"
 python3 -c "import msgspec" 2>/dev/null ||
@@ -117,6 +118,18 @@ case "$part" in
         --out "$OUT/serve_graphs_${card}.json"
     pack_logs "$OUT/ls" 46g
     ;;
+46s)
+    # goodput against rate for the three policies in one run on the current engine (graphs to 2,048, the error factor
+    # held to what recurs): the SLO default, the old 2x-decode-step target without TTFT admission, prefill-first.
+    # The H200 at 2026-12-04 (RESULTS.md, "Goodput against rate for three policies, one run") is the one before.  ~480
+    clocks 46s
+    step 540 serve_sweep python3 bench/serve.py --model dummy:llama-3.1-8b --mode agg,agg@old,agg@pf --gpus 0 \
+        --rates 6,10,12,18,24,36 --num 100 --slo-ttft-ms 1000 --slo-itl-ms 50 --no-plot \
+        --variant-env old:KVFERRY_ITL_TARGET_MS=auto --variant-env old:KVFERRY_ROUTER_ADMIT_BY_TTFT=0 \
+        --variant-env pf:KVFERRY_ITL_TARGET_MS=0 --variant-env pf:KVFERRY_ROUTER_ADMIT_BY_TTFT=0 \
+        --log-dir "$OUT/lw" --out "$OUT/serve_goodput_sweep3_${card}.json"
+    pack_logs "$OUT/lw" 46s
+    ;;
 46m)
     # mixed pods and a disaggregated pair under the ITL target (issue 46: "hold the same ITL target"), two workers
     # on the one GPU, 20 GB of KV each                                                                       ~300
@@ -173,7 +186,7 @@ ready)
         --logs "$OUT/logs/ready" --out "$OUT/worker_ready_${card}.json"
     ;;
 *)
-    echo "unknown part $part (46 | 46p | 46f | 46m | 47 | 49 | 49c | ready)" >&2
+    echo "unknown part $part (46 | 46p | 46f | 46s | 46m | 47 | 49 | 49c | ready)" >&2
     exit 2
     ;;
 esac
