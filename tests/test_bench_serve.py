@@ -79,6 +79,15 @@ def test_serve_benchmark_disaggregated_cpu(tmp_path: Path) -> None:
     assert point["output_tokens"] == sum(r["out"] for r in rows)
     assert point["token_counts"]["mismatch_vs_usage"] == 0
     assert all(0 < r["ttft_ms"] <= r["e2e_ms"] for r in rows)
+    # each request's longest gap, after which token and when it ended: within its own stream
+    for r in rows:
+        assert 0 <= r["max_gap_after_token"] <= r["out"] - 2, r
+        assert r["max_gap_ms"] >= r["itl_p99_ms"] > 0, r
+        assert (
+            r["sent_ms"] + r["ttft_ms"] + r["max_gap_ms"]
+            <= r["max_gap_end_ms"] + 0.01
+            <= r["sent_ms"] + r["e2e_ms"] + 1
+        ), r
     for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
         p = point[key]
         assert 0 <= p["p50"] <= p["p90"] <= p["p99"] <= p["max"], (key, p)
