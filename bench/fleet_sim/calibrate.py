@@ -7,7 +7,9 @@ single-H200 serving runs (bench/serve.py JSON) and writes predicted against meas
 `--card` names the card whose microbenchmarks are fitted (roofline_CARD.json, mixed_step_CARD_graphs.json). The
 H200 predicts the recorded runs below; another card predicts its own aggregated four-rate run,
 serve_agg_calib_CARD.json (`bash bench/device_plan.sh 49c` records all three on whichever card comes), the
-constants fitted to its lowest rate as on the H200.
+constants fitted to its lowest rate as on the H200; and where serve_pd_shared_CARD.json is there (`... 46m`: a P+D
+pair and two mixed pods, each two workers time-sharing the one GPU), those too (`--share` names the card's
+bench/gpu_share.py run, e.g. gpu_share_overlap_h100.json).
 
 `--chunk-noise TRACE` gives the simulated chunk steps beside decoding the served chunk steps' errors against the
 live step model, replayed from an engine step trace of the same card (`chunk_step_noise`, centred: the cost model
@@ -74,8 +76,18 @@ PAGE_SIZE = 16
 
 
 def runs_for(card: str) -> list[tuple[str, str, str]]:
-    """The recorded runs a card's calibration predicts; the first is the one its constants are fitted to."""
-    return RUNS if card == "h200" else [(f"serve_agg_calib_{card}.json", "agg", "agg")]
+    """The recorded runs a card's calibration predicts; the first is the one its constants are fitted to. Another
+    card's are its aggregated four-rate run and, where recorded (`bash bench/device_plan.sh 46m`: two workers on
+    the one GPU), its P+D pair and its two mixed pods time-sharing the GPU."""
+    if card == "h200":
+        return RUNS
+    shared = f"serve_pd_shared_{card}.json"
+    return [
+        (f"serve_agg_calib_{card}.json", "agg", "agg"),
+        (shared, "disagg", "disagg-shared-equal"),
+        (shared, "disagg", "disagg-shared"),
+        (shared, "mixed", "mixed-shared-equal"),
+    ]
 
 
 def fit_step_cost(runs: Path, card: str = "h200") -> tuple[StepCost, float]:
@@ -163,6 +175,9 @@ def fleet_for(kind: str, spec: WorkerSpec, slo_ttft_ms: float, slo_itl_ms: float
     if kind == "agg-prefill-first":
         spec = replace(spec, itl_target_s=0.0)
     cfg = FleetConfig(worker=spec, slo=slo, policy=PolicyConfig(), startup_s=0.0)
+    if kind == "mixed-shared-equal":
+        spec = replace(spec, prefill_share_weight=1.0, share_length_exponent=0.0, share_slice_s=0.0)
+        return replace(cfg, worker=spec, workers_per_gpu=2), Counts(mixed=2)
     if kind.startswith("disagg-shared"):
         if kind == "disagg-shared-equal":
             spec = replace(spec, prefill_share_weight=1.0, share_length_exponent=0.0, share_slice_s=0.0)

@@ -29,6 +29,7 @@ from functools import cached_property
 
 from bench.fleet_sim.device import SharedDevice
 from common.capacity import StepCost, chunk_attention
+from common.sched.step_model import WINDOW
 from router.decision.load import Load
 
 __all__ = ["Job", "SimWorker", "WorkerSpec"]
@@ -37,6 +38,9 @@ MIN_PAGES = 4
 # a prime stride through WorkerSpec.chunk_noise: successive chunk steps take samples far apart in the trace (the
 # trace's errors come in runs), the same on every run
 NOISE_STRIDE = 7919
+# the engine's step model fits the last WINDOW timed steps (common/sched/step_model.py): a worker time-sharing its GPU
+# learns how much slower its steps run there at about that memory (an average over the window's age)
+SHARED_SLOWDOWN_GAIN = 2.0 / (WINDOW + 1)
 # a snapshot's queued_ahead_tokens (it reports no SLO classes): one empty map for all, which the router only reads
 _NO_CLASSES: dict[str, int] = {}
 
@@ -162,6 +166,10 @@ class SimWorker:
     # fleet gives them at its next wake (on a GPU of its own, at `next_boundary`)
     asks: list[tuple[object, Job]] = field(default_factory=list)
     span_shared: bool = False  # the step in flight runs on a GPU other workers are on
+    # its steps' time on a shared GPU over their time alone, as its live step model learns it from the steps it
+    # times there: the chunk budget divides the target by it, as the engine's model predicts each step that much
+    # slower (1 on a GPU of its own)
+    shared_slowdown: float = 1.0
     _noise_at: int = 0  # the last chunk noise taken (WorkerSpec.chunk_noise)
     added: int = 0  # jobs given so far
     # full prompt tokens of the jobs given to it to prefill (a peer's prefill, or its own request's), cached or
@@ -191,7 +199,7 @@ class SimWorker:
         if rows == 0 or s.itl_target_s <= 0:
             return s.max_prefill_tokens
         start = self.waiting[0].done_prompt if self.waiting else 0
-        target = s.itl_target_s - s.margin_z * s.spread_s
+        target = (s.itl_target_s - s.margin_z * s.spread_s) / self.shared_slowdown
         got = s.published.largest_chunk(target, rows, context, start, s.max_prefill_tokens, s.page_size)
         return min(s.max_prefill_tokens, max(MIN_PAGES * s.page_size, got))
 
@@ -212,7 +220,12 @@ class SimWorker:
         if last is not None and last[0] == stamp:
             return last[1]
         s = self.spec
-        pub = s.published
+        pub, pub_map, rate = s.published, s.published_map, s.prefill_rate
+        if self.shared_slowdown != 1.0:
+            # its live model on a shared GPU: every coefficient as much slower as its steps run there
+            k = self.shared_slowdown
+            pub = StepCost(*(getattr(pub, f) * k for f in StepCost.__dataclass_fields__))
+            pub_map, rate = pub.as_map(), rate / k
         rows = len(self.rows)
         ctx = self.sum_prompt + rows * self.steps - self.sum_join  # context(), in line
         chunk = self.chunk_budget(rows, ctx)
@@ -231,15 +244,15 @@ class SimWorker:
             True,  # ready
             self.draining,  # draining
             s.max_running,  # max_running
-            s.prefill_rate,  # prefill_tokens_per_s
+            rate,  # prefill_tokens_per_s
             chunk if self.role != "prefill" else 0,  # prefill_chunk_tokens
-            s.prefill_rate,  # prefill_step_tokens_per_s
+            rate,  # prefill_step_tokens_per_s
             pub.overhead_s(max(rows, 1), ctx),  # decode_step_s
             s.itl_target_s,  # itl_target_s
             rows + len(self.waiting) + len(self.joining),  # live_requests
             s.kv_tokens,  # max_request_tokens
             0,  # kv_reserve_output_tokens
-            s.published_map,  # step_coefficients
+            pub_map,  # step_coefficients
             chunk,  # step_chunk_tokens
             rows,  # decode_rows
             ctx,  # decode_context
@@ -351,6 +364,7 @@ class SimWorker:
         k, s = self.span_steps, self.span_step_s
         if self.span_shared:
             s = now - self.span_start  # one step, as long as sharing its GPU made it
+            self.shared_slowdown += SHARED_SLOWDOWN_GAIN * (s / self.span_step_s - self.shared_slowdown)
         n = len(self.rows)
         self.busy_s += k * s
         if self.span_chunks and self.spec.itl_target_s <= 0:
