@@ -9,6 +9,7 @@
 #     46f     the TTFT error factor held to what recurs: bf16, two router processes, 24-36 req/s             ~80
 #     46g     FP8's eager chunk steps: piecewise graphs up to 2,048 tokens against the default 512, step traces  ~420
 #     46s     goodput against rate, three policies (SLO, old, prefill-first), one run                       ~480
+#     46d     where a P+D pair's TTFT goes on one GPU: the workers' stage means, graphs to 2,048 and 512     ~150
 #     46m     mixed pods and a P+D pair under the ITL target, two workers on one GPU                      ~300
 #     47      MLA: the GPU tests, decompressed vs absorbed prefill, the split-KV decode kernel on/off,
 #             prompt logprobs' cost at 8k tokens (~330); then `save_jit_cache $OUT` on the same command
@@ -29,7 +30,7 @@
 # .devbundle/redis/redis-cli` and repack .devbundle/nixl.tar.xz without nixl_cu13.libs/ucx/libucx_perftest_* (UCX's
 # benchmark modules, never loaded; `xz -T2 -9e`): 54.6 MB in all, measured with `du -sb .devbundle`.
 set -uo pipefail
-part=${1:?"part: 46 | 46p | 46f | 46s | 46m | 47 | 49 | 49c | ready"}
+part=${1:?"part: 46 | 46p | 46f | 46s | 46d | 46m | 47 | 49 | 49c | ready"}
 : "${OUT:?the device tool sets OUT}"
 mkdir -p "$OUT/logs"
 python3 -c "import msgspec" 2>/dev/null ||
@@ -130,6 +131,14 @@ case "$part" in
         --log-dir "$OUT/lw" --out "$OUT/serve_goodput_sweep3_${card}.json"
     pack_logs "$OUT/lw" 46s
     ;;
+46d)
+    # where a P+D pair's TTFT goes on one GPU: the workers' stage means per point (bench/serve_phases.py). The H100's
+    # pair at 3 req/s measured 149 ms TTFT p50 where the simulator gives 114 with its hop and copy (RESULTS.md,
+    # 2026-12-06 third session); graphs to 512 beside the default 2,048 in case the prefill worker's steps differ  ~150
+    step 260 serve_pd_phases python3 bench/serve.py --model dummy:llama-3.1-8b --mode disagg,disagg@g512 --gpus 0,0 \
+        --variant-env g512:KVFERRY_CUDA_GRAPH_MAX_TOKENS=512 --worker-env KVFERRY_KV_MEMORY_GB=20 --rates 3,6 \
+        --seconds 10 --slo-ttft-ms 1000 --slo-itl-ms 50 --no-plot --out "$OUT/serve_pd_phases_${card}.json"
+    ;;
 46m)
     # mixed pods and a disaggregated pair under the ITL target (issue 46: "hold the same ITL target"), two workers
     # on the one GPU, 20 GB of KV each                                                                       ~300
@@ -186,7 +195,7 @@ ready)
         --logs "$OUT/logs/ready" --out "$OUT/worker_ready_${card}.json"
     ;;
 *)
-    echo "unknown part $part (46 | 46p | 46f | 46s | 46m | 47 | 49 | 49c | ready)" >&2
+    echo "unknown part $part (46 | 46p | 46f | 46s | 46d | 46m | 47 | 49 | 49c | ready)" >&2
     exit 2
     ;;
 esac

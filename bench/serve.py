@@ -59,6 +59,7 @@ if __package__ in (None, ""):
 from serve_deploy import DeployError, Deployment, DeploySpec, get_json, settle_logs, start_deployment  # noqa: E402
 from serve_load import Arrivals, LoadClient, TokenRange, make_workload, run_point  # noqa: E402
 from serve_metrics import SLO, parse_class_slos, summarize_point  # noqa: E402
+from serve_phases import phase_means, read_totals  # noqa: E402
 from serve_predictions import gather_predictions  # noqa: E402
 from synthetic_tokenizer import build_word_tokenizer, count_words  # noqa: E402
 
@@ -223,6 +224,7 @@ async def bench_mode(
     save: Any,
 ) -> None:
     points = point_list(args)
+    worker_urls = {p.name: p.url for p in deployment.workers} if deployment is not None else {}
     async with LoadClient(url, args.request_timeout) as client:
         record["client_backend"] = client.backend
         # Warm-up on prompts of the longest length (lazy kernels, the P/D handshake) that no point reuses.
@@ -259,6 +261,7 @@ async def bench_mode(
                 args.class_mix,
             )
             before = get_json(f"{url}/router/workers", 5.0) or {}
+            phases_before = read_totals(worker_urls)
             started_wall = time.time()
             run = await run_point(
                 client, items, arrivals, point_seed(args, index), args.drain_timeout, retry_429=args.retry_429
@@ -269,6 +272,7 @@ async def bench_mode(
             summary.update(kind=arrivals.kind, value=arrivals.value, label=arrivals.label, seed=point_seed(args, index))
             summary["router_decisions"] = _decisions_delta(before, after)
             summary["ttft_predictions"] = gather_predictions(url, started_wall, count)
+            summary["worker_phases"] = phase_means(phases_before, read_totals(worker_urls))
             record["points"].append(summary)
             save()
             say(progress_line(mode, arrivals, summary))

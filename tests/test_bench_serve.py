@@ -74,6 +74,13 @@ def test_serve_benchmark_disaggregated_cpu(tmp_path: Path) -> None:
     assert predictions["requests"] == 4 and len(predictions["factors"]) == 1, predictions
     assert sum(b["n"] for b in predictions["by_predicted"]) <= 4
     assert len(predictions["served"]) == sum(b["n"] for b in predictions["by_predicted"])
+    # the workers' own stages over the point: the decode worker waited on its peer for every request, and that wait
+    # holds the peer's prefill of it
+    phases = point["worker_phases"]
+    (prefill,) = [v for k, v in phases.items() if k.startswith("prefill")]
+    (decode,) = [v for k, v in phases.items() if k.startswith("decode")]
+    assert prefill["prefill"]["n"] == decode["remote_prefill"]["n"] == decode["ttft"]["n"] == 4, phases
+    assert decode["ttft"]["mean_ms"] >= decode["remote_prefill"]["mean_ms"] >= prefill["prefill"]["mean_ms"] > 0
     rows = point["per_request"]
     assert all(r["tokens"] == r["out"] and 4 <= r["out"] <= 8 and 32 <= r["in"] <= 64 for r in rows)
     assert point["output_tokens"] == sum(r["out"] for r in rows)

@@ -216,6 +216,13 @@ def measured(point: dict) -> dict:
     }
 
 
+def fit_peer_hop(point: dict, cfg: FleetConfig, counts: Counts) -> float:
+    """A disaggregated request's path beyond the simulated hop and KV copy (FleetConfig.peer_hop_s), from a P+D
+    `point` alone: its median TTFT less the simulated one without it."""
+    got = Fleet(replace(cfg, peer_hop_s=0.0), counts).run(recorded_point(point)).ttft_p50_s
+    return max(0.0, point["ttft_ms"]["p50"] / 1000 - got)
+
+
 def fit_host(point: dict, base: WorkerSpec, cfg_for) -> tuple[float, float, float]:  # type: ignore[no-untyped-def]
     """Three constants from `point` alone, each by bisection: the host time per step from its median ITL, the
     serving step model's residual spread from its ITL p99, and the time a first token spends outside the
@@ -260,6 +267,13 @@ def main() -> int:
         default=None,
         help="an engine step trace whose chunk steps' errors the simulated chunk steps take (default: none, exact)",
     )
+    ap.add_argument(
+        "--peer-hop-ms",
+        type=float,
+        default=None,
+        help="a disaggregated request's path beyond the simulated hop and copy (default: fitted to the P+D pair "
+        "on one GPU, its lowest rate; 0: none)",
+    )
     ap.add_argument("--card", default="h200", help="the card whose microbenchmarks and runs are read (default h200)")
     ap.add_argument("--out", type=Path, default=None, help="default bench/out/fleet_sim_calibration[_CARD].json")
     args = ap.parse_args()
@@ -290,19 +304,33 @@ def main() -> int:
         share_length_exponent=share_exponent,
         share_slice_s=slice_s,
     )
-    rows = []
-    for file, mode, kind in runs_list:
-        path = args.runs / file
-        if not path.exists():
-            print(f"skipped (not here): {file}")
-            continue
-        run = json.loads(path.read_text())
+    loaded = {
+        file: json.loads((args.runs / file).read_text()) for file, _, _ in runs_list if (args.runs / file).exists()
+    }
+
+    def config(run: dict, kind: str, hop_s: float) -> tuple[FleetConfig, Counts]:
         slo = run["config"].get("slo") or {}
         run_spec = replace(spec, kv_tokens=kv_tokens(run))
         cfg, counts = fleet_for(kind, run_spec, slo.get("ttft_ms") or 1000.0, slo.get("itl_p99_ms") or 50.0)
-        cfg = replace(cfg, net_s=net_s)
+        cfg = replace(cfg, net_s=net_s, peer_hop_s=hop_s)
         if run["config"].get("slo_ttft_ms") is None:
             cfg = replace(cfg, admit_by_ttft=False)  # runs before TTFT admission existed
+        return cfg, counts
+
+    hop_s, hop_from = (args.peer_hop_ms or 0.0) / 1000, "--peer-hop-ms"
+    pair = next(((f, m) for f, m, k in runs_list if k == "disagg-shared-equal" and f in loaded), None)
+    if args.peer_hop_ms is None and pair is not None:
+        # a fourth constant, fitted as net_s is: the P+D pair's median TTFT at its lowest rate
+        point = loaded[pair[0]]["modes"][pair[1]]["points"][0]
+        hop_s = fit_peer_hop(point, *config(loaded[pair[0]], "disagg-shared-equal", 0.0))
+        hop_from = f"{pair[0]} {pair[1]}, its first point (median TTFT, equal shares)"
+    rows = []
+    for file, mode, kind in runs_list:
+        if file not in loaded:
+            print(f"skipped (not here): {file}")
+            continue
+        run = loaded[file]
+        cfg, counts = config(run, kind, hop_s)
         for point in run["modes"][mode]["points"]:
             pred, meas = simulate_point(point, cfg, counts), measured(point)
             err = {
@@ -341,6 +369,8 @@ def main() -> int:
         "card": args.card,
         "chunk_noise_from": str(args.chunk_noise.name) if args.chunk_noise else None,
         "fitted_on": f"{runs_list[0][0]} agg, its first point: host_s (median ITL), served_spread_s (ITL p99), net_s (median TTFT)",
+        "peer_hop_s": hop_s,
+        "peer_hop_from": hop_from,
         "points": rows,
         "seconds": time.perf_counter() - started,
     }
@@ -348,7 +378,7 @@ def main() -> int:
     out_path.write_text(json.dumps(out, indent=2))
     print(
         f"step cost {cost}, spread {served_spread * 1000:.2f} ms, host {host_s * 1000:.2f} ms/step, "
-        f"net {net_s * 1000:.1f} ms, local KV copy {local_base_s * 1000:.2f} ms + {local_tokens_per_s / 1e6:.2f} M "
+        f"net {net_s * 1000:.1f} ms, peer hop {hop_s * 1000:.1f} ms, local KV copy {local_base_s * 1000:.2f} ms + {local_tokens_per_s / 1e6:.2f} M "
         f"tokens/s, prompt-step share weight {share_weight:.3f} x device time ** {share_exponent:.2f}, time slice "
         f"{slice_s * 1000:.1f} ms -> {out_path}"
     )

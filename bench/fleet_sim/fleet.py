@@ -90,6 +90,9 @@ class FleetConfig:
     route_sample: int = 0  # 0: every worker is a candidate
     startup_s: float = 60.0  # a new pod's time to ready
     net_s: float = 0.002  # router and HTTP hops a first token crosses
+    # a disaggregated request's own path beyond the modelled hop and KV copy (the decode worker's call to its
+    # prefill peer, the peer's intake, the KV's arrival notice): its prompt reaches the prefill worker this late
+    peer_hop_s: float = 0.0
     prefix_cache_share: float = 0.5  # of a worker's KV pool that keeps finished prompts' blocks
     gpus_per_worker: int = 1
     workers_per_gpu: int = 1  # > 1: workers (any role) time-share a GPU (bench/fleet_sim/device.py), filled in order
@@ -530,12 +533,16 @@ class Fleet:
             workers[decision.prefill].hold_prefill(call, now, req.prompt - matched)
             job = Job(rid, req.t, req.prompt, max(1, req.prompt - matched), 0, req.prompt)
             job.peer = (d, req)
+            hop = self.cfg.peer_hop_s
             if d.busy_until < 0:
-                self._give(p, job)  # an idle engine takes it in at once
+                if hop > 0:
+                    self._push(now + hop, 1, p, job)
+                else:
+                    self._give(p, job)  # an idle engine takes it in at once
             elif d.span_shared:
                 d.asks.append((p, job))  # its step's end moves with what else runs on its GPU: asked at its wake
             else:
-                self._push(d.next_boundary(now), 1, p, job)  # its steps are unchanged by it: no need to cut them
+                self._push(d.next_boundary(now) + hop, 1, p, job)  # its steps are unchanged by it: not cut
             self._cache(p.name, req)
         else:
             matched = decision.decode_matched_tokens
@@ -552,8 +559,11 @@ class Fleet:
     def _ask_peers(self, d: SimWorker) -> None:
         """`d`'s loop turn: the prompts it reserved pages for go to their prefill workers."""
         asks, d.asks = d.asks, []
+        hop = self.cfg.peer_hop_s
         for p, job in asks:
-            if p.name in self.sims:  # type: ignore[attr-defined]
+            if hop > 0:
+                self._push(self.clock.now + hop, 1, p, job)  # given then, if the peer is still there
+            elif p.name in self.sims:  # type: ignore[attr-defined]
                 self._give(p, job)  # type: ignore[arg-type]
 
     def _on_first_token(self, w: SimWorker, job: Job, now: float) -> None:

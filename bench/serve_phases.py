@@ -1,0 +1,66 @@
+"""Where a point's requests spent their time inside the workers: each worker's stage histograms
+(common/worker/engine_metrics.py) read from its /metrics before and after the point, as the mean of what the point
+added (seconds and count). A disaggregated TTFT is the decode worker's queue for pages, the remote prefill (the
+prefill worker's queue and compute, the KV transfer and its notice) and the first token's way out; an aggregated
+one the queue and the local prefill. The router's side is in bench/serve_predictions.py."""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+from typing import Any
+
+# the stage histograms a worker publishes, by the name each phase is reported under
+PHASES = {
+    "queue": "kvferry_request_queue_time_seconds",
+    "prefill": "kvferry_prefill_time_seconds",
+    "remote_prefill": "kvferry_remote_prefill_seconds",
+    "ttft": "kvferry_time_to_first_token_seconds",
+    "kv_transfer": "kvferry_kv_transfer_seconds",
+    "kv_transfer_tail": "kvferry_kv_transfer_tail_seconds",
+}
+Totals = dict[str, dict[str, tuple[float, float]]]  # worker -> phase -> (sum of seconds, count)
+
+
+def read_totals(workers: dict[str, str], timeout_s: float = 5.0) -> Totals:
+    """Each worker's (name -> base URL) stage histograms' sums and counts now; a worker that does not answer is
+    left out."""
+    totals: Totals = {}
+    for name, url in workers.items():
+        try:
+            with urllib.request.urlopen(f"{url}/metrics", timeout=timeout_s) as resp:
+                text = resp.read().decode()
+        except (OSError, urllib.error.URLError):
+            continue
+        totals[name] = parse_totals(text)
+    return totals
+
+
+def parse_totals(text: str) -> dict[str, tuple[float, float]]:
+    """The phases' (sum, count) from a Prometheus text exposition (unlabelled histograms)."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("kvferry_") and ("_sum " in line or "_count " in line):
+            key, _, value = line.partition(" ")
+            values[key] = float(value)
+    return {
+        phase: (values.get(f"{metric}_sum", 0.0), values.get(f"{metric}_count", 0.0))
+        for phase, metric in PHASES.items()
+        if f"{metric}_count" in values
+    }
+
+
+def phase_means(before: Totals, after: Totals) -> dict[str, dict[str, Any]]:
+    """What each worker's phases added between two readings: mean milliseconds and count, phases with none left
+    out."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, now in after.items():
+        then = before.get(name, {})
+        phases = {}
+        for phase, (total, count) in now.items():
+            t0, c0 = then.get(phase, (0.0, 0.0))
+            if count > c0:
+                phases[phase] = {"mean_ms": round((total - t0) / (count - c0) * 1e3, 3), "n": int(count - c0)}
+        if phases:
+            out[name] = phases
+    return out
