@@ -27,7 +27,7 @@ def gather_predictions(url: str, since_wall_s: float, limit: int) -> dict[str, A
     records: dict[str, dict[str, Any]] = {}
     factors: dict[str, float] = {}
     for _ in range(ASKS):
-        body = get_json(f"{url}/debug/requests?limit={limit}", 5.0) or {}
+        body = get_json(f"{url}/debug/requests?limit={limit}&stages=1", 5.0) or {}
         for r in body.get("requests", []):
             if (r.get("received_at") or 0.0) >= since_wall_s and r.get("id"):
                 records[r["id"]] = r
@@ -40,7 +40,20 @@ def gather_predictions(url: str, since_wall_s: float, limit: int) -> dict[str, A
         "factors": factors,
         "by_predicted": summarise([(r["predicted_ttft_ms"], r["ttft_ms"]) for r in kept]),
         "served": served_rows(kept, since_wall_s),
+        "stages_ms": stage_means([r for r in records.values() if r.get("ttft_ms") is not None]),
     }
+
+
+def stage_means(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Each stage's mean time since the router received the request (common/observability/timeline.py: the router's,
+    the decode worker's and its prefill peer's stamps), in passing order, over the requests that reached it: where
+    an average first token spends its time, across processes."""
+    by_stage: dict[str, list[float]] = {}
+    for r in records:
+        for row in r.get("stages") or []:
+            by_stage.setdefault(row["stage"], []).append(row["t_ms"])
+    means = {stage: {"mean": round(sum(v) / len(v), 2), "n": len(v)} for stage, v in by_stage.items()}
+    return dict(sorted(means.items(), key=lambda kv: kv[1]["mean"]))
 
 
 def served_rows(records: list[dict[str, Any]], since_wall_s: float) -> list[list[Any]]:

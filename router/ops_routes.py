@@ -31,9 +31,10 @@ def install_ops_routes(app: FastAPI, slot: RuntimeSlot, metrics: RouterMetrics, 
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/debug/requests")
-    async def recent_requests(limit: int = 100) -> dict[str, Any]:
-        """This process's recent requests, newest first (their stages: /debug/requests/{id})."""
-        return {"requests": requests.list(max(1, min(limit, requests.max_kept)))}
+    async def recent_requests(limit: int = 100, stages: bool = False) -> dict[str, Any]:
+        """This process's recent requests, newest first (each one's stages with `stages=1`, or at
+        /debug/requests/{id})."""
+        return {"requests": requests.list(max(1, min(limit, requests.max_kept)), stages)}
 
     @app.get("/debug/requests/{rid}")
     async def request_timeline(rid: str) -> dict[str, Any]:

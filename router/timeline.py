@@ -179,6 +179,8 @@ class RequestLog:
         rec = self.recent.get(rid)
         return None if rec is None else rec.view()
 
-    def list(self, limit: int = 100) -> list[dict[str, Any]]:
+    def list(self, limit: int = 100, stages: bool = False) -> list[dict[str, Any]]:
         recs = list(self.recent.values())[-limit:]
+        if stages:
+            return [r.view() for r in reversed(recs)]
         return [{k: v for k, v in r.view().items() if k != "stages"} for r in reversed(recs)]

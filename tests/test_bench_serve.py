@@ -74,6 +74,11 @@ def test_serve_benchmark_disaggregated_cpu(tmp_path: Path) -> None:
     assert predictions["requests"] == 4 and len(predictions["factors"]) == 1, predictions
     assert sum(b["n"] for b in predictions["by_predicted"]) <= 4
     assert len(predictions["served"]) == sum(b["n"] for b in predictions["by_predicted"])
+    # the average request's stages across the router and both workers, in passing order
+    stages = predictions["stages_ms"]
+    assert list(stages)[0] == "router_received" and stages["first_token_router"]["n"] == 4, stages
+    order = ["prefill_requested", "prefill_engine_received", "prefill_first_token", "kv_landed", "first_token_router"]
+    assert [stages[s]["mean"] for s in order] == sorted(stages[s]["mean"] for s in order), stages
     # the workers' own stages over the point: the decode worker waited on its peer for every request, and that wait
     # holds the peer's prefill of it
     phases = point["worker_phases"]

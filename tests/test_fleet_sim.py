@@ -54,6 +54,14 @@ def test_disaggregated_first_token_waits_for_the_transfer() -> None:
     assert res.ttft_p50_s == pytest.approx(0.115)
 
 
+def test_the_peer_hop_delays_a_disaggregated_first_token_and_nothing_else() -> None:
+    # FleetConfig.peer_hop_s: the prompt reaches its prefill worker 30 ms late, so its first token comes 30 ms later
+    # (0.11 s of prefill, 5 ms of transfer); a request the decode worker prefills itself is unchanged
+    reqs = [SimRequest(0.0, 1000, 3)]
+    assert fleet(Counts(prefill=1, decode=1), peer_hop_s=0.03).run(reqs).ttft_p50_s == pytest.approx(0.145)
+    assert fleet(Counts(decode=1), peer_hop_s=0.03).run(reqs).ttft_p50_s == pytest.approx(0.11)
+
+
 def test_a_first_token_from_a_peer_leaves_at_the_decode_worker_s_next_step() -> None:
     # A: prefill 0.11 s, KV landed at 0.115, decoding from then on in steps of 0.01 s (boundaries 0.115 + k x 0.01).
     # B at 0.2: prefill 1,200 tokens, 0.13 s, + 6 ms of transfer: landed at 0.336, taken in (and its first token
@@ -329,6 +337,7 @@ def test_calibration_on_another_card_fits_its_microbenchmarks_and_predicts_its_o
         "serve_agg4_trim_h200.json": "serve_agg_calib_c9.json",
         "transfer_cuda_llama8b_h200.json": "transfer_cuda_llama8b_h200.json",
         "gpu_share_h200.json": "gpu_share_h200.json",
+        "serve_pd_shared_h200.json": "serve_pd_shared_c9.json",  # the P+D pair on one GPU, predicted too
     }
     for src, dst in renames.items():
         shutil.copy(out_dir / src, tmp_path / dst)
@@ -339,9 +348,15 @@ def test_calibration_on_another_card_fits_its_microbenchmarks_and_predicts_its_o
     h200 = json.loads((out_dir / "fleet_sim_calibration.json").read_text())
     assert got["card"] == "c9" and got["fitted_on"].startswith("serve_agg_calib_c9.json")
     assert got["step_cost"] == pytest.approx(h200["step_cost"], rel=1e-6)
-    assert [p["rate"] for p in got["points"]] == [6.0, 12.0, 18.0, 24.0]
-    first = got["points"][0]  # the fitted point: its median ITL is what the host time was fitted to
+    agg = [p for p in got["points"] if p["simulated"] == "agg"]
+    assert [p["rate"] for p in agg] == [6.0, 12.0, 18.0, 24.0]
+    first = agg[0]  # the fitted point: its median ITL is what the host time was fitted to
     assert first["predicted"]["itl_p50_ms"] == pytest.approx(first["measured"]["itl_p50_ms"], rel=0.05)
+    # the pair's path beyond the simulated hop and copy, fitted to its lowest rate's median TTFT under equal shares
+    pair = [p for p in got["points"] if p["simulated"] == "disagg-shared-equal"]
+    assert [p["rate"] for p in pair] == [3.0, 6.0, 9.0, 12.0] and got["peer_hop_s"] > 0
+    assert pair[0]["predicted"]["ttft_p50_ms"] == pytest.approx(pair[0]["measured"]["ttft_p50_ms"], rel=0.03)
+    assert {p["simulated"] for p in got["points"]} == {"agg", "disagg-shared-equal", "disagg-shared"}  # no mixed run
 
 
 def test_chunk_noise_stretches_and_shrinks_chunk_steps_beside_decoding_only() -> None:
