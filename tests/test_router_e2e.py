@@ -69,12 +69,15 @@ def test_kvferry_up_command_serves_and_stops_on_ctrl_c() -> None:
             if not line:
                 break
             out.append(line)
-            if line.lstrip().startswith("-d '"):  # the printed curl's last line
+            if line.startswith("-> "):  # the answer it got to the printed request, right under the curl
                 break
         text = "".join(out)
         assert f"kvferry is up: http://127.0.0.1:{port}/v1" in text, text
+        # It sent the printed request itself first and showed the answer.
+        assert out[-1].startswith("-> ") and "Paris" in out[-1], text
         # The request it prints, as a user pastes it: greedy (temperature 0), so its answer is the right one.
-        printed = json.loads(text.rsplit("-d '", 1)[1].rsplit("'", 1)[0])
+        (curl_data,) = [x for x in out if x.lstrip().startswith("-d '")]
+        printed = json.loads(curl_data.split("-d '", 1)[1].rsplit("'", 1)[0])
         assert printed["temperature"] == 0, printed
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=printed, timeout=120)
         assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"], r.text

@@ -1,13 +1,15 @@
-"""`kvferry up` (and `make up`): the whole system on this machine until Ctrl-C, with a request to try. A part
-that exits is restarted with back-off (common/devcluster/supervisor.py) while the others keep serving."""
+"""`kvferry up` (and `make up`): the whole system on this machine until Ctrl-C, with a request to try and the answer
+the system gave it. A part that exits is restarted with back-off (common/devcluster/supervisor.py) while the others keep serving."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import secrets
 import signal
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 
 from common.devcluster.cluster import LocalCluster, start_local_cluster
@@ -16,6 +18,9 @@ from common.devcluster.supervisor import Supervisor
 from common.settings_registry import API_KEY, INTERNAL_TOKEN, MODEL, REDIS_PASSWORD
 
 __all__ = ["main"]
+
+TRY_QUESTION = "What is the capital of France?"
+FIRST_ANSWER_TIMEOUT_S = 120.0  # a CPU worker's first request warms it up
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,15 +100,32 @@ def _secrets_env(redis_url: str | None) -> dict[str, str]:
 
 
 def _print_try_request(cluster: LocalCluster, args: argparse.Namespace) -> None:
+    """The request to try, sent once first so the user sees the system answer it (greedy: the right answer)."""
     shown = cluster.router_url.replace("0.0.0.0", "localhost")
+    body = {"model": args.model, "temperature": 0, "messages": [{"role": "user", "content": TRY_QUESTION}]}
+    answer = _first_answer(f"{shown}/v1/chat/completions", body, args.api_key)
     auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
     print(
         f"\nkvferry is up: {shown}/v1  (OpenAI API; Ctrl-C stops everything)\n\n"
         f"curl -s {shown}/v1/chat/completions -H 'content-type: application/json'{auth} \\\n"
-        f'  -d \'{{"model": "{args.model}", "temperature": 0, "messages": [{{"role": "user", "content": '
-        f'"What is the capital of France?"}}]}}\'\n',
+        f"  -d '{json.dumps(body)}'\n"
+        f"{answer}\n",
         flush=True,
     )
+
+
+def _first_answer(url: str, body: dict[str, object], api_key: str | None) -> str:
+    """What the router answers to `body`, as one line for the terminal (a failure is said, not raised: the
+    system keeps running and the user can look)."""
+    headers = {"content-type": "application/json", **({"authorization": f"Bearer {api_key}"} if api_key else {})}
+    request = urllib.request.Request(url, json.dumps(body).encode(), headers)
+    started = time.monotonic()
+    try:
+        with urllib.request.urlopen(request, timeout=FIRST_ANSWER_TIMEOUT_S) as resp:
+            content = json.loads(resp.read())["choices"][0]["message"]["content"]
+    except (OSError, ValueError, KeyError, IndexError) as exc:
+        return f"-> the first request failed: {exc}"
+    return f"-> {json.dumps(content)}  (answered in {time.monotonic() - started:.1f} s)"
 
 
 def _stop(cluster: LocalCluster, supervisor: Supervisor | None, say: Callable[[str], None]) -> None:
