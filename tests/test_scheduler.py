@@ -518,6 +518,28 @@ def test_step_model_recovers_the_costs_of_what_a_step_computes() -> None:
     assert model.spread_s < 1e-6
 
 
+def test_step_model_keeps_the_prompt_cost_through_a_decode_only_spell_longer_than_its_window() -> None:
+    """A drain or a quiet spell of decode-only steps longer than the window leaves no prompt step in it: the model
+    keeps the last prompt steps it timed, so the first chunk after the spell is priced as before it (an H100
+    trace: forgotten, a 2,048-token step was predicted at 5.8 ms and took 43 ms)."""
+    from common.sched.step_model import PROMPT_KEEP, WINDOW, StepShape
+
+    model = _fitted_model()
+    chunk = StepShape(2048, 8, 8 * 2000, 0.0)
+    before = model.predict(chunk)
+    for i in range(3 * WINDOW):  # decode only, 16-64 rows
+        rows = 16 + i % 48
+        model.observe(StepShape(0, rows, rows * 2000), 0.004 + 20e-6 * rows + 5e-8 * rows * 2000)
+    assert model.ready and model.predict(chunk) == pytest.approx(before, rel=0.02)
+    assert model.coefficients()["per_prefill_token_s"] == pytest.approx(25e-6, rel=0.02)
+    # with the window full of prompt steps again, nothing older is kept: the fit follows the new speed alone
+    for i in range(WINDOW):
+        tokens = 256 + (i * 37) % 1792
+        model.observe(StepShape(tokens, 8, 8 * 2000), 0.004 + 50e-6 * tokens + 20e-6 * 8 + 5e-8 * 16_000)
+    assert model.coefficients()["per_prefill_token_s"] == pytest.approx(50e-6, rel=0.02)
+    assert PROMPT_KEEP < WINDOW
+
+
 def test_step_model_costs_are_never_negative() -> None:
     """Steps whose time does not depend on a feature (or falls with it, noise) give that feature no cost: a
     negative cost would promise an unbounded chunk."""

@@ -1,5 +1,6 @@
 """How long a step takes, from what it computes: the engine's own capacity model (common/capacity.py), a
-least-squares fit with no negative cost over the last WINDOW timed steps, refitted every REFIT_EVERY steps
+least-squares fit with no negative cost over the last WINDOW timed steps (and the last PROMPT_KEEP steps that
+carried prompt tokens, however old), refitted every REFIT_EVERY steps
 (microseconds on the host; it follows a change of batch mix within a few hundred steps). The budget keeps a
 margin of residual spreads, so a percentile target is held by the steps, not only by the mean.
 """
@@ -18,6 +19,11 @@ from common.capacity import chunk_attention, largest_fitting
 __all__ = ["StepShape", "StepTimeModel", "chunk_attention", "z_score"]
 
 WINDOW = 256  # timed steps the fit reads: a few seconds of steps on a GPU, enough to span batch sizes
+# Steps with prompt tokens the fit keeps after they leave the window: a drain or a quiet spell of decode-only
+# steps longer than the window would otherwise leave the per-token cost unidentified (the ridge takes it to ~0)
+# and the first chunks after it sized as if prompts were free (an H100 trace: a 2,048-token step predicted 5.8 ms,
+# took 43 ms; chunk steps ran up to 12 ms past their prediction for the next 30 steps).
+PROMPT_KEEP = 64
 REFIT_EVERY = 16  # steps between refits (each a 5x5 solve, its cost spread over the steps)
 MIN_PREFILL_SAMPLES = 4  # timed steps with prompt tokens before the model sizes chunks (until then: no budget)
 # Feature scales: the fit solves in units near 1 whatever the model size, so the ridge term weighs them alike.
@@ -46,8 +52,15 @@ def z_score(percentile: float) -> float:
 class StepTimeModel:
     window: int = WINDOW
     refit_every: int = REFIT_EVERY
+    prompt_keep: int = PROMPT_KEEP
     _x: deque[np.ndarray] = field(default_factory=deque)
     _y: deque[float] = field(default_factory=deque)
+    _is_prompt: deque[bool] = field(default_factory=deque)
+    # prompt steps that left the window, newest last: (features, seconds); with the window's own prompt steps
+    # at most `prompt_keep` in all
+    _kept_x: deque[np.ndarray] = field(default_factory=deque)
+    _kept_y: deque[float] = field(default_factory=deque)
+    _window_prompts: int = 0
     _coef: np.ndarray | None = None
     _spread: float = 0.0
     _since_fit: int = 0
@@ -56,13 +69,22 @@ class StepTimeModel:
     def observe(self, shape: StepShape, seconds: float) -> None:
         if seconds <= 0 or not math.isfinite(seconds):
             return
+        prompt = shape.prefill_tokens > 0
         self._x.append(shape.features())
         self._y.append(seconds)
-        if shape.prefill_tokens:
+        self._is_prompt.append(prompt)
+        if prompt:
             self._prefill_samples += 1
+            self._window_prompts += 1
         if len(self._x) > self.window:
-            self._x.popleft()
-            self._y.popleft()
+            x, y = self._x.popleft(), self._y.popleft()
+            if self._is_prompt.popleft():
+                self._window_prompts -= 1
+                self._kept_x.append(x)
+                self._kept_y.append(y)
+        while self._kept_x and len(self._kept_x) + self._window_prompts > self.prompt_keep:
+            self._kept_x.popleft()
+            self._kept_y.popleft()
         self._since_fit += 1
         if self._coef is None or self._since_fit >= self.refit_every or len(self._x) < self.refit_every:
             self._fit()
@@ -111,8 +133,8 @@ class StepTimeModel:
 
     def _fit(self) -> None:
         self._since_fit = 0
-        x = np.stack(self._x)
-        y = np.asarray(self._y)
+        x = np.stack([*self._kept_x, *self._x])
+        y = np.asarray([*self._kept_y, *self._y])
         active = np.ones(x.shape[1], dtype=bool)
         coef = np.zeros(x.shape[1])
         # No negative cost: a feature fitted negative (collinear, or not varied yet) is dropped and the rest refitted.
