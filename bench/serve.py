@@ -30,7 +30,8 @@ requests, 429s, TTFT / ITL attainment, good requests and goodput against the cla
 whether tokens arrived in bursts and who grouped them, and the client's own load (CPU, event-loop lag,
 send lateness). Where the time went: the router's TTFT predictions against what it measured and the average
 request's stage offsets across router and workers (bench/serve_predictions.py), each worker's stage means over
-the point (bench/serve_phases.py), and per request its longest gap, the token it followed and when it ended. `--offline` first runs the offline engine on one device with the first point's workload
+the point (bench/serve_phases.py), and per request its longest gap, the token it followed and when it ended.
+`--offline` first runs the offline engine on one device with the first point's workload
 (bench/serve_offline.py, its own process) and reports served / (offline x devices) for each mode.
 
 Writes bench/out/serve_<model>_<time>.json (or `--out`) after every point, and PNG plots beside it when

@@ -176,11 +176,10 @@ def fleet_for(kind: str, spec: WorkerSpec, slo_ttft_ms: float, slo_itl_ms: float
         spec = replace(spec, itl_target_s=0.0)
     cfg = FleetConfig(worker=spec, slo=slo, policy=PolicyConfig(), startup_s=0.0)
     if kind == "mixed-shared-equal":
-        spec = replace(spec, prefill_share_weight=1.0, share_length_exponent=0.0, share_slice_s=0.0)
-        return replace(cfg, worker=spec, workers_per_gpu=2), Counts(mixed=2)
+        return replace(cfg, worker=_equal_shares(spec), workers_per_gpu=2), Counts(mixed=2)
     if kind.startswith("disagg-shared"):
         if kind == "disagg-shared-equal":
-            spec = replace(spec, prefill_share_weight=1.0, share_length_exponent=0.0, share_slice_s=0.0)
+            spec = _equal_shares(spec)
         elif kind != "disagg-shared-sliced":
             spec = replace(spec, share_slice_s=0.0)
         cfg = replace(cfg, worker=spec)
@@ -188,6 +187,11 @@ def fleet_for(kind: str, spec: WorkerSpec, slo_ttft_ms: float, slo_itl_ms: float
     if kind == "disagg":
         return cfg, Counts(prefill=1, decode=1)
     return cfg, Counts(decode=2 if kind == "agg2" else 1)
+
+
+def _equal_shares(spec: WorkerSpec) -> WorkerSpec:
+    """Workers on one GPU each keep an equal share of it while both step (bench/fleet_sim/h200.py's model)."""
+    return replace(spec, prefill_share_weight=1.0, share_length_exponent=0.0, share_slice_s=0.0)
 
 
 def simulate_point(point: dict, cfg: FleetConfig, counts: Counts) -> dict:

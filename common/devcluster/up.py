@@ -1,5 +1,6 @@
-"""`kvferry up` (and `make up`): the whole system on this machine until Ctrl-C, with a request to try and the answer
-the system gave it. A part that exits is restarted with back-off (common/devcluster/supervisor.py) while the others keep serving."""
+"""`kvferry up` (and `make up`): the whole system on this machine until Ctrl-C, with a request to try and the
+answer the system gave it. A part that exits is restarted with back-off (common/devcluster/supervisor.py) while
+the others keep serving."""
 
 from __future__ import annotations
 

@@ -55,7 +55,6 @@ class StepTimeModel:
     prompt_keep: int = PROMPT_KEEP
     _x: deque[np.ndarray] = field(default_factory=deque)
     _y: deque[float] = field(default_factory=deque)
-    _is_prompt: deque[bool] = field(default_factory=deque)
     # prompt steps that left the window, newest last: (features, seconds); with the window's own prompt steps
     # at most `prompt_keep` in all
     _kept_x: deque[np.ndarray] = field(default_factory=deque)
@@ -69,16 +68,14 @@ class StepTimeModel:
     def observe(self, shape: StepShape, seconds: float) -> None:
         if seconds <= 0 or not math.isfinite(seconds):
             return
-        prompt = shape.prefill_tokens > 0
         self._x.append(shape.features())
         self._y.append(seconds)
-        self._is_prompt.append(prompt)
-        if prompt:
+        if shape.prefill_tokens:
             self._prefill_samples += 1
             self._window_prompts += 1
         if len(self._x) > self.window:
             x, y = self._x.popleft(), self._y.popleft()
-            if self._is_prompt.popleft():
+            if x[1] > 0:  # it carried prompt tokens (features: base, prompt tokens, ...)
                 self._window_prompts -= 1
                 self._kept_x.append(x)
                 self._kept_y.append(y)
