@@ -10,6 +10,8 @@
 #     46g     FP8's eager chunk steps: piecewise graphs up to 2,048 tokens against the default 512, step traces  ~420
 #     46s     goodput against rate, three policies (SLO, old, prefill-first), one run                       ~480
 #     46d     where a P+D pair's TTFT goes on one GPU: the workers' stage means, graphs to 2,048 and 512     ~150
+#     46t     where shared token gaps over the target come from (step traces with wall clock), then a P+D pair
+#             with the host tier's interruptible page-locking                                             ~420
 #     46m     mixed pods and a P+D pair under the ITL target, two workers on one GPU                      ~300
 #     47      MLA: the GPU tests, decompressed vs absorbed prefill, the split-KV decode kernel on/off,
 #             prompt logprobs' cost at 8k tokens (~330); then `save_jit_cache $OUT` on the same command
@@ -30,7 +32,7 @@
 # .devbundle/redis/redis-cli` and repack .devbundle/nixl.tar.xz without nixl_cu13.libs/ucx/libucx_perftest_* (UCX's
 # benchmark modules, never loaded; `xz -T2 -9e`): 54.6 MB in all, measured with `du -sb .devbundle`.
 set -uo pipefail
-part=${1:?"part: 46 | 46p | 46f | 46s | 46d | 46m | 47 | 49 | 49c | ready"}
+part=${1:?"part: 46 | 46p | 46f | 46s | 46d | 46t | 46m | 47 | 49 | 49c | ready"}
 : "${OUT:?the device tool sets OUT}"
 mkdir -p "$OUT/logs"
 python3 -c "import msgspec" 2>/dev/null ||
@@ -138,6 +140,24 @@ case "$part" in
     step 260 serve_pd_phases python3 bench/serve.py --model dummy:llama-3.1-8b --mode disagg,disagg@g512 --gpus 0,0 \
         --variant-env g512:KVFERRY_CUDA_GRAPH_MAX_TOKENS=512 --worker-env KVFERRY_KV_MEMORY_GB=20 --rates 3,6 \
         --seconds 10 --slo-ttft-ms 1000 --slo-itl-ms 50 --no-plot --out "$OUT/serve_pd_phases_${card}.json"
+    ;;
+46t)
+    # where the token gaps over the ITL target come from: the H100 at 0398d56 (serve_fp8_slo10_h100.json.xz) saw one
+    # or two gaps of 57-82 ms per point that every running request shared, with no slow step in the engine's log,
+    # no client lag and no burst downstream. Step traces with wall-clock stamps ("t") beside each point's
+    # started_at line them up with the requests' max_gap_end_ms; the worker's HTTP process now logs its slow
+    # garbage collections. Then 46d's pair again with the host tier locked in interruptible 32 MiB pieces.  ~420
+    clocks 46t
+    step 330 serve_gaps python3 bench/serve.py --model dummy:llama-3.1-8b --mode agg,agg@fp8 \
+        --variant-env fp8:KVFERRY_WEIGHT_DTYPE=fp8_e4m3 --variant-env fp8:KVFERRY_KV_DTYPE=fp8_e4m3 \
+        --worker-env KVFERRY_STEP_TRACE="$OUT/lt/steps_bf16.jsonl" \
+        --variant-env fp8:KVFERRY_STEP_TRACE="$OUT/lt/steps_fp8.jsonl" --gpus 0 --rates 12,24,30 --seconds 10 \
+        --slo-ttft-ms 1000 --slo-itl-ms 50 --no-plot --log-dir "$OUT/lt" --out "$OUT/serve_gaps_${card}.json"
+    pack_logs "$OUT/lt" 46t
+    step 200 serve_pd_lock python3 bench/serve.py --model dummy:llama-3.1-8b --mode disagg --gpus 0,0 \
+        --worker-env KVFERRY_KV_MEMORY_GB=20 --rates 3,6 --seconds 10 --slo-ttft-ms 1000 --slo-itl-ms 50 --no-plot \
+        --log-dir "$OUT/lq" --out "$OUT/serve_pd_lock_${card}.json"
+    pack_logs "$OUT/lq" 46q
     ;;
 46m)
     # mixed pods and a disaggregated pair under the ITL target (issue 46: "hold the same ITL target"), two workers

@@ -273,6 +273,9 @@ async def bench_mode(
             after = get_json(f"{url}/router/workers", 5.0) or {}
             # value inf (all at once) is stored as null: the label keeps it readable
             summary.update(kind=arrivals.kind, value=arrivals.value, label=arrivals.label, seed=point_seed(args, index))
+            # wall clock at the point's start (within a ms of its requests' zero): lines up a request's
+            # `max_gap_end_ms` with the workers' step traces (KVFERRY_STEP_TRACE lines' "t") and logs
+            summary["started_at"] = round(started_wall, 3)
             summary["router_decisions"] = _decisions_delta(before, after)
             summary["ttft_predictions"] = gather_predictions(url, started_wall, count)
             summary["worker_phases"] = phase_means(phases_before, read_totals(worker_urls))

@@ -20,10 +20,11 @@ import gc
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-__all__ = ["GcPauses", "freeze_startup_objects"]
+__all__ = ["GcPauses", "freeze_startup_objects", "watch_collector"]
 
 log = logging.getLogger("kvferry.gc")
 
@@ -105,3 +106,19 @@ class GcPauses:
             extra["objects"] = len(gc.get_objects(generation))
             extra["frozen"] = gc.get_freeze_count()
         log.warning("slow garbage collection", extra=extra)
+
+
+@asynccontextmanager
+async def watch_collector(on_pause: Callable[[float], None], freeze: bool) -> AsyncIterator[GcPauses]:
+    """A serving process's HTTP side for as long as it serves (an app's lifespan): its startup objects frozen when
+    `freeze` (a process of its own: an app inside a test or a benchmark belongs to a host program), each pause
+    handed to `on_pause` (a metric's observe) and the slow ones logged, once a second from the loop."""
+    if freeze:
+        freeze_startup_objects()
+    pauses = GcPauses(on_pause=on_pause).install()
+    flushing = asyncio.get_running_loop().create_task(pauses.flush_every(), name="gc-pauses")
+    try:
+        yield pauses
+    finally:
+        pauses.uninstall()
+        flushing.cancel()

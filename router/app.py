@@ -3,7 +3,6 @@ lifespan builds is router/runtime.py)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -11,7 +10,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from common.config import RouterConfig
-from common.gc_pauses import GcPauses, freeze_startup_objects
+from common.gc_pauses import watch_collector
 from common.http_guard import RequestLimits
 from common.http_server import REFUSAL_HOOK
 from common.log import limit_tracebacks
@@ -78,15 +77,10 @@ def create_app(
         runtime.start()
         # The tokenizer, templates and app are built: out of the collector's walks, so a collection during
         # streaming costs the objects made since (common/gc_pauses.py); long ones are logged.
-        if freeze_gc:
-            freeze_startup_objects()
-        pauses = GcPauses(on_pause=metrics.gc_pause.observe).install()
-        flushing = asyncio.get_running_loop().create_task(pauses.flush_every(), name="gc-pauses")
         try:
-            yield
+            async with watch_collector(metrics.gc_pause.observe, freeze_gc):
+                yield
         finally:
-            pauses.uninstall()
-            flushing.cancel()
             await runtime.stop()
 
     app = FastAPI(title="kvferry router", version="1", lifespan=lifespan)

@@ -45,6 +45,30 @@ def test_the_router_publishes_each_of_its_collections_as_a_pause_histogram() -> 
     assert count == pauses.count >= 2 and total is not None and abs(total - pauses.total_s) < 1e-9
 
 
+def test_a_workers_http_process_publishes_its_collections_while_it_serves() -> None:
+    """The worker's HTTP process relays every stream of its engine, so its collections are measured as the
+    router's are (`watch_collector` in its lifespan, common/worker/control.py): each one while it serves reaches
+    `kvferry_worker_gc_pause_seconds`, none after."""
+    import asyncio
+
+    from common.gc_pauses import watch_collector
+    from common.worker.worker_metrics import WorkerMetrics
+
+    metrics = WorkerMetrics()
+
+    async def serve() -> int:
+        async with watch_collector(metrics.http_gc_pause.observe, freeze=False) as pauses:
+            gc.collect()
+            gc.collect()
+            pauses.flush()
+            return pauses.count
+
+    seen = asyncio.run(serve())
+    gc.collect()
+    assert seen >= 2
+    assert metrics.registry.get_sample_value("kvferry_worker_gc_pause_seconds_count") == seen
+
+
 def test_objects_alive_at_freeze_leave_the_collectors_generations() -> None:
     kept = [_Cycle() for _ in range(1000)]
     try:

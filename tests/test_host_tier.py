@@ -202,6 +202,22 @@ def test_a_tier_still_being_page_locked_is_not_used_until_every_piece_is(monkeyp
     assert HostTier(pool, 16).ready and HostTier(pool, 16).unlocked_pages == 0  # on the CPU nothing needs locking
 
 
+def test_page_locking_stops_between_pieces_once_a_command_is_waiting(monkeypatch) -> None:
+    """The engine loop locks the tier in its idle turns and passes `waiting` (its command pipe has data): a turn
+    locks at least one piece, and no more once a command came in, so a request arriving meanwhile waits for the
+    piece under way only; with nothing waiting, a turn goes on until its budget is spent."""
+    import common.kv.host_tier as host_tier
+
+    monkeypatch.setattr(host_tier, "LOCK_CHUNK_BYTES", 256)
+    monkeypatch.setattr(host_tier, "HOST_PAGE_BYTES", 128)  # pieces of 2 KV pages
+    locked: list[int] = []
+    tier = HostTier(KVPool(LAYOUT, 8), 32, lock_pages=lambda address, nbytes: locked.append(address) or True)
+    assert tier.lock_some(float("inf"), waiting=lambda: True) and len(locked) == 1  # at least one piece
+    assert tier.lock_some(float("inf"), waiting=lambda: len(locked) >= 3) and len(locked) == 3
+    assert not tier.lock_some(float("inf"), waiting=lambda: False) and tier.ready  # nothing waiting: all the rest
+    assert len(locked) == len(set(locked)) == 16 and tier.unlocked_pages == 0
+
+
 def test_parked_pages_displace_the_oldest_cached_prefixes_and_the_ledger_counts_them() -> None:
     """A preempted request parks its KV in host pages taken from the tier's cached prefixes, least recently used
     first (common/sched/pages.py); the ledger counts them (free + cached + parked == total) and catches a parked

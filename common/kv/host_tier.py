@@ -22,12 +22,14 @@ log = logging.getLogger("kvferry.kv")
 
 # Share of the usable host memory an unset KVFERRY_HOST_KV_GB gives the tier on a GPU (the process grows too).
 AUTO_HOST_SHARE = 0.3
-# Page-locking runs in pieces of this size, one per idle turn of the engine's loop (`lock_some`): a request that
-# arrives meanwhile waits for one piece at most, not for the whole tier (tens of GB: seconds). Registering took
-# 11.15 s for 37 GB on an H200 host (~155 ms per 512 MiB, the pages committed as they are pinned), so a piece of
-# 128 MiB keeps that wait near 40 ms, within one step of a 50 ms ITL target; a copy is cut at each piece's edge
-# (`within_pieces`), a few more copy calls of microseconds each.
-LOCK_CHUNK_BYTES = 128 << 20
+# Page-locking runs in pieces of this size in the engine loop's idle turns (`lock_some`), and a turn stops between
+# pieces as soon as a command is waiting: a request that arrives meanwhile waits for the piece under way, not for
+# the whole tier (tens of GB: seconds). Registering took 11.15 s for 37 GB on an H200 host (~3.3 GB/s, the pages
+# committed as they are pinned), so a 32 MiB piece is ~10 ms. With 128 MiB pieces and a turn that locked until its
+# 50 ms were spent (two pieces, ~80 ms), a P+D pair's prefill worker, idle between prompts, took its requests
+# 36-45 ms late on average (H100, 3 req/s: the stages between `prefill_received` and `prefill_engine_received`).
+# A copy is cut at each piece's edge (`within_pieces`): a few more copy calls of microseconds each.
+LOCK_CHUNK_BYTES = 32 << 20
 # The OS page: registrations are made of whole ones.
 HOST_PAGE_BYTES = mmap.PAGESIZE
 
@@ -153,12 +155,14 @@ class HostTier:
         """Every piece locked (or given up on after a failure): the prefix cache may move pages here."""
         return not self._to_lock
 
-    def lock_some(self, budget_s: float) -> bool:
-        """Locks pieces until `budget_s` is spent (at least one piece); True while some remain. Logs once, as the
-        last piece is locked (nothing to lock: returns at once, says nothing)."""
+    def lock_some(self, budget_s: float, waiting: Callable[[], bool] | None = None) -> bool:
+        """Locks at least one piece, then more while the next would end within `budget_s` (at the pieces' mean
+        time so far) and `waiting()` (a command has come in) stays false; True while some remain. Logs once, as
+        the last piece is locked (nothing to lock: returns at once, says nothing)."""
         if not self._to_lock:
             return False
         started = time.perf_counter()
+        locked = 0
         while self._to_lock:
             address, nbytes = self._to_lock[0]
             if not self._lock_pages(address, nbytes):  # type: ignore[misc]
@@ -169,7 +173,9 @@ class HostTier:
             self._locked.append(address)
             del self._to_lock[0]
             self.unlocked_pages -= nbytes // self._page_bytes
-            if time.perf_counter() - started >= budget_s:
+            locked += 1
+            spent = time.perf_counter() - started
+            if spent + spent / locked > budget_s or (waiting is not None and waiting()):
                 break
         self.lock_seconds += time.perf_counter() - started
         if not self._to_lock:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -641,10 +642,11 @@ class Scheduler:
         host = self._host_tier
         return host is not None and not host.ready
 
-    def lock_host_tier(self, budget_s: float) -> bool:
-        """Page-locks more of the host KV tier, for about `budget_s` (at least one piece); True while some remain."""
+    def lock_host_tier(self, budget_s: float, waiting: Callable[[], bool] | None = None) -> bool:
+        """Page-locks more of the host KV tier, for about `budget_s` (at least one piece, none more once
+        `waiting()`); True while some remain."""
         host = self._host_tier
-        return host is not None and host.lock_some(budget_s)
+        return host is not None and host.lock_some(budget_s, waiting)
 
     # ---- introspection -----------------------------------------------------------------------------
     def seed_prefill_speed(self, tokens_per_s: float) -> None:

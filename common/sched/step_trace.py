@@ -5,6 +5,7 @@ buffered line per step."""
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from typing import IO
 
@@ -24,6 +25,7 @@ class StepTrace:
         if self._file is None:
             self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 - line-buffered: a killed engine keeps its lines
         row = {
+            "t": round(time.time(), 4),  # wall clock as the step was processed: lines up with a client's token gaps
             "kind": kind,
             "prefill_tokens": shape.prefill_tokens,
             "decode_rows": shape.decode_rows,

@@ -23,6 +23,7 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from common.config import WorkerConfig
+from common.gc_pauses import watch_collector
 from common.http_guard import RequestLimits
 from common.http_server import server_options
 from common.log import limit_tracebacks
@@ -42,9 +43,13 @@ from common.worker.worker_state import WorkerState
 log = logging.getLogger("kvferry.control")
 
 
-def create_app(role: str, cfg: WorkerConfig | None = None, http_limits: HttpLimits | None = None) -> FastAPI:
+def create_app(
+    role: str, cfg: WorkerConfig | None = None, http_limits: HttpLimits | None = None, freeze_gc: bool = False
+) -> FastAPI:
     """The worker app of ``role`` (common/worker/roles.py): its plug-ins' engine parts and routes over one engine.
-    ``cfg`` defaults to ``WorkerConfig.from_env(role)``, ``http_limits`` to ``HttpLimits.from_env()``."""
+    ``cfg`` defaults to ``WorkerConfig.from_env(role)``, ``http_limits`` to ``HttpLimits.from_env()``;
+    ``freeze_gc``: the serving process's own app (common/worker/main.py), whose startup objects live as long as
+    it does."""
     parts = plugins(role)
     state = WorkerState(cfg or WorkerConfig.from_env(role), engine_process, tuple(p.engine for p in parts))
 
@@ -55,7 +60,10 @@ def create_app(role: str, cfg: WorkerConfig | None = None, http_limits: HttpLimi
         watchdog = LoopWatchdog()  # stacks only: the engine process and the pod's probes handle the rest
         watchdog.start()
         try:
-            yield
+            # A collection here holds every stream this worker relays at once: its pauses are measured (and its
+            # startup objects frozen out of the walks) as in the engine process and the router.
+            async with watch_collector(state.metrics.http_gc_pause.observe, freeze_gc):
+                yield
         finally:
             watch.cancel()
             await watchdog.stop()

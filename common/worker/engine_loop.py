@@ -31,8 +31,8 @@ TRANSFER_POLL_S = 0.001
 # a command first, instead of polling its writes again at once: the space comes back only as they complete.
 STAGING_WAIT_S = 0.0005
 COMPILE_POLL_S = 0.002  # a turn whose only work is a grammar compiling off the loop waits this long for a command
-# An idle turn page-locks the host KV tier for about this long before it looks for commands again
-# (common/kv/host_tier.py `lock_some`: at least one 128 MiB piece).
+# An idle turn page-locks the host KV tier for at most about this long before it looks for commands again, and
+# stops sooner once one is waiting (common/kv/host_tier.py `lock_some`: at least one 32 MiB piece, ~10 ms).
 HOST_LOCK_TURN_S = 0.05
 IDLE_TRIM_S = 1.0  # idle this long: hand the allocator's free memory back to the OS (once per idle spell)
 
@@ -72,8 +72,9 @@ class EngineLoop:
         elif not self.trimmed and now - self.last_busy >= IDLE_TRIM_S:
             _malloc_trim()
             self.trimmed = True
-        if not busy and host.scheduler.host_tier_locking():
-            host.scheduler.lock_host_tier(HOST_LOCK_TURN_S)
+        if not busy and host.scheduler.host_tier_locking() and not host.conn.poll(0):
+            # a command arriving mid-turn ends it after the piece under way (common/kv/host_tier.py)
+            host.scheduler.lock_host_tier(HOST_LOCK_TURN_S, waiting=lambda: host.conn.poll(0))
         timeout = self.wait_s(busy, now)
         while host.conn.poll(timeout):
             host.handle(recv(host.conn))

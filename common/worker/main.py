@@ -9,5 +9,5 @@ from common.worker.control import create_app, serve_worker
 
 def main(role: str, argv: list[str] | None = None) -> int:
     args = worker_arg_parser(role).parse_args(argv)
-    app = create_app(role, WorkerConfig.from_env(role).apply_args(args))
+    app = create_app(role, WorkerConfig.from_env(role).apply_args(args), freeze_gc=True)
     return serve_worker(app, app.state.worker)

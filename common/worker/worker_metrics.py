@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import get_args
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from common.observability import buckets
 from common.protocol import FinishReason, LoadSnapshot
 from common.worker.engine_metrics import EngineMetrics
 
@@ -89,6 +90,12 @@ class WorkerMetrics:
         )
         self.gc_pause_max = Gauge(
             "kvferry_engine_gc_pause_max_seconds", "The engine's longest garbage collection since start", registry=r
+        )
+        self.http_gc_pause = Histogram(
+            "kvferry_worker_gc_pause_seconds",
+            "Each garbage collection of the worker's HTTP process: every stream it relays waits that long",
+            buckets=buckets.STEP_S,
+            registry=r,
         )
         self.requests = Counter("kvferry_requests_total", "Finished requests by outcome", ["outcome"], registry=r)
         # The latest engine start (common/engine/start_phases.py): each phase that ran, and the whole of it.
