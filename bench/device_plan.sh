@@ -12,6 +12,7 @@
 #     46d     where a P+D pair's TTFT goes on one GPU: the workers' stage means, graphs to 2,048 and 512     ~150
 #     46t     where shared token gaps over the target come from (step traces with wall clock), then a P+D pair
 #             with the host tier's interruptible page-locking                                             ~420
+#     46h     FP8's host stalls: step traces with the host's launch and processing times                 ~250
 #     46m     mixed pods and a P+D pair under the ITL target, two workers on one GPU                      ~300
 #     47      MLA: the GPU tests, decompressed vs absorbed prefill, the split-KV decode kernel on/off,
 #             prompt logprobs' cost at 8k tokens (~330); then `save_jit_cache $OUT` on the same command
@@ -32,7 +33,7 @@
 # .devbundle/redis/redis-cli` and repack .devbundle/nixl.tar.xz without nixl_cu13.libs/ucx/libucx_perftest_* (UCX's
 # benchmark modules, never loaded; `xz -T2 -9e`): 54.6 MB in all, measured with `du -sb .devbundle`.
 set -uo pipefail
-part=${1:?"part: 46 | 46p | 46f | 46s | 46d | 46t | 46m | 47 | 49 | 49c | ready"}
+part=${1:?"part: 46 | 46p | 46f | 46s | 46d | 46t | 46h | 46m | 47 | 49 | 49c | ready"}
 : "${OUT:?the device tool sets OUT}"
 mkdir -p "$OUT/logs"
 python3 -c "import msgspec" 2>/dev/null ||
@@ -158,6 +159,17 @@ case "$part" in
         --worker-env KVFERRY_KV_MEMORY_GB=20 --rates 3,6 --seconds 10 --slo-ttft-ms 1000 --slo-itl-ms 50 --no-plot \
         --log-dir "$OUT/lq" --out "$OUT/serve_pd_lock_${card}.json"
     pack_logs "$OUT/lq" 46q
+    ;;
+46h)
+    # FP8's host stalls: in 46t's trace (H100, 990af39) 102 of 4,155 FP8 steps had 10-32 ms of host time past the
+    # device's (bf16: 1 of 2,963), mostly around a request's arrival. Step traces now split the host's share
+    # (launch_host_s: planning and launching the step; process_host_s: handing on the step before's tokens).   ~250
+    clocks 46h
+    step 330 serve_host python3 bench/serve.py --model dummy:llama-3.1-8b --mode agg@fp8 \
+        --variant-env fp8:KVFERRY_WEIGHT_DTYPE=fp8_e4m3 --variant-env fp8:KVFERRY_KV_DTYPE=fp8_e4m3 \
+        --variant-env fp8:KVFERRY_STEP_TRACE="$OUT/lh/steps_fp8.jsonl" --gpus 0 --rates 24,30 --seconds 10 \
+        --slo-ttft-ms 1000 --slo-itl-ms 50 --no-plot --log-dir "$OUT/lh" --out "$OUT/serve_host_${card}.json"
+    pack_logs "$OUT/lh" 46h
     ;;
 46m)
     # mixed pods and a disaggregated pair under the ITL target (issue 46: "hold the same ITL target"), two workers

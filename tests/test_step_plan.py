@@ -273,7 +273,8 @@ def test_a_step_far_past_the_itl_target_is_logged_once_per_interval_with_its_sha
 
 
 def test_step_trace_writes_one_json_line_per_timed_step(tmp_path) -> None:
-    """KVFERRY_STEP_TRACE: each timed step as the model saw it (shape, device time, gap, prediction, target)."""
+    """KVFERRY_STEP_TRACE: each timed step as the model saw it (shape, device time, gap, prediction, target, the
+    host's share)."""
     import json
 
     from common.sched.launched import Launched, StepTimer
@@ -287,8 +288,10 @@ def test_step_trace_writes_one_json_line_per_timed_step(tmp_path) -> None:
     cfg = SchedulerConfig(itl_target_ms=50.0, step_trace=str(path))
     pacing = StepPacing(cfg, PAGE, parse_slo_classes(cfg.slo_classes, cfg.slo_default_class), RequestTable())
     shape = StepShape(prefill_tokens=512, decode_rows=8, decode_context=4000)
-    pacing.observe(Launched("mixed", [], timer=StepTimer(0.0, 0.020), shape=shape))
-    pacing.observe(Launched("decode", [], timer=StepTimer(0.0, 0.005), shape=StepShape(decode_rows=8)))
+    pacing.observe(Launched("mixed", [], timer=StepTimer(0.0, 0.020), shape=shape, launch_host_s=0.003))
+    pacing.observe(
+        Launched("decode", [], timer=StepTimer(0.0, 0.005), shape=StepShape(decode_rows=8), process_host_s=0.002)
+    )
     pacing.observe(Launched("mixed", [], shape=shape))  # not timed: not written
     assert pacing.trace is not None
     pacing.trace.close()
@@ -298,3 +301,6 @@ def test_step_trace_writes_one_json_line_per_timed_step(tmp_path) -> None:
         ("decode", 0, 8, 0.005),
     ]
     assert rows[0]["target_s"] == 0.05 and rows[1]["gap_s"] > 0
+    # the host's share, and a wall clock to line the steps up with a client's token gaps
+    assert [(r["launch_host_s"], r["process_host_s"]) for r in rows] == [(0.003, 0.0), (0.0, 0.002)]
+    assert 0 < rows[1]["t"] - rows[0]["t"] < 60

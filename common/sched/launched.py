@@ -44,6 +44,10 @@ class Launched:
     launched_at: float = field(default_factory=time.perf_counter)  # host clock when its forward was launched
     masks: MaskJob | None = None  # its grammar masks, being filled while it waits for sampling
     scores: Delivered | None = None  # the prompt logprobs this step computed, on their way to the host
+    # Host seconds: planning and launching this step, and processing the step processed last before it (its
+    # tokens handed on; the wait for the device excluded). A step trace's line shows them (KVFERRY_STEP_TRACE).
+    launch_host_s: float = 0.0
+    process_host_s: float = 0.0
 
     def record_done(self, device: torch.device) -> None:
         """Marks the end of the step's device work (KV writes, sampling, copies to the host)."""

@@ -107,6 +107,7 @@ class Scheduler:
         self.prefill_tokens_launched = 0  # prompt tokens computed so far (the measured prefill rate's counter)
         self.pacing = StepPacing(cfg, self.page_size, self.slo, self.table)
         self.processed_kind: str | None = None  # kind of the step processed last ("prefill" | "decode" | "mixed")
+        self._process_host_s = 0.0  # host seconds processing the last step took (Launched.process_host_s)
         self.connector: KVConnector = connector if connector is not None else KVConnector()
         self.recomputed_tokens = 0  # tokens prefilled again that had KV before a preemption
 
@@ -312,7 +313,10 @@ class Scheduler:
         """Launches the next step and processes the one before it (overlap off: the one just launched)."""
         events: list[StepEvent] = []
         self.poll_compiles()
+        started = time.perf_counter()
         launched = self._launch()
+        if launched is not None:
+            launched.launch_host_s, launched.process_host_s = time.perf_counter() - started, self._process_host_s
         events += self.flush()
         if launched is not None and launched.logits is not None:
             if self.overlap:
@@ -544,6 +548,13 @@ class Scheduler:
     @torch.inference_mode()
     def _process(self, launched: Launched) -> list[StepEvent]:
         launched.wait()
+        started = time.perf_counter()
+        try:
+            return self._process_done(launched)
+        finally:
+            self._process_host_s = time.perf_counter() - started
+
+    def _process_done(self, launched: Launched) -> list[StepEvent]:
         self.processed_kind = launched.kind
         self.pacing.observe(launched)
         if self.connector.transfers:

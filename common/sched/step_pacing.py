@@ -104,7 +104,15 @@ class StepPacing:
             self._log_if_slow(launched, seconds, seen, now)
             if self.trace is not None:
                 predicted = self.step_model.predict(launched.shape)
-                self.trace.write(launched.kind, launched.shape, seconds, seen or period, predicted, self.itl_target_s())
+                self.trace.write(
+                    launched.kind,
+                    launched.shape,
+                    seconds,
+                    seen or period,
+                    predicted,
+                    self.itl_target_s(),
+                    (launched.launch_host_s, launched.process_host_s),
+                )
             self.step_model.observe(launched.shape, learnt_step_s(period, seconds))
             if launched.kind == "mixed":
                 self.itl_trim.observe(max(seconds, period), self.itl_target_s(), seconds)

@@ -20,8 +20,16 @@ class StepTrace:
     _file: IO[str] | None = field(default=None, repr=False)
 
     def write(
-        self, kind: str, shape: StepShape, device_s: float, gap_s: float, predicted_s: float, target_s: float
+        self,
+        kind: str,
+        shape: StepShape,
+        device_s: float,
+        gap_s: float,
+        predicted_s: float,
+        target_s: float,
+        host_s: tuple[float, float] = (0.0, 0.0),
     ) -> None:
+        """`host_s`: the step's launch and the previous step's processing on the host (Launched's)."""
         if self._file is None:
             self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 - line-buffered: a killed engine keeps its lines
         row = {
@@ -35,6 +43,8 @@ class StepTrace:
             "gap_s": round(gap_s, 6),
             "predicted_s": round(predicted_s, 6),
             "target_s": round(target_s, 6),
+            "launch_host_s": round(host_s[0], 6),
+            "process_host_s": round(host_s[1], 6),
         }
         self._file.write(json.dumps(row) + "\n")
 
