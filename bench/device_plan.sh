@@ -163,11 +163,14 @@ case "$part" in
 46h)
     # FP8's host stalls: in 46t's trace (H100, 990af39) 102 of 4,155 FP8 steps had 10-32 ms of host time past the
     # device's (bf16: 1 of 2,963), mostly around a request's arrival. Step traces now split the host's share
-    # (launch_host_s: planning and launching the step; process_host_s: handing on the step before's tokens).   ~250
+    # (launch_host_s: planning and launching the step; process_host_s: handing on the step before's tokens). At
+    # e90857a mixed steps' launches took 11 ms at p50 and 21-44 ms before a ~2,048-token chunk: the engine's stacks
+    # sampled (KVFERRY_STACK_SAMPLES) say where.                                                                ~250
     clocks 46h
     step 330 serve_host python3 bench/serve.py --model dummy:llama-3.1-8b --mode agg@fp8 \
         --variant-env fp8:KVFERRY_WEIGHT_DTYPE=fp8_e4m3 --variant-env fp8:KVFERRY_KV_DTYPE=fp8_e4m3 \
-        --variant-env fp8:KVFERRY_STEP_TRACE="$OUT/lh/steps_fp8.jsonl" --gpus 0 --rates 24,30 --seconds 10 \
+        --variant-env fp8:KVFERRY_STEP_TRACE="$OUT/lh/steps_fp8.jsonl" \
+        --variant-env fp8:KVFERRY_STACK_SAMPLES="$OUT/lh/stacks_fp8.txt" --gpus 0 --rates 24,30 --seconds 10 \
         --slo-ttft-ms 1000 --slo-itl-ms 50 --no-plot --log-dir "$OUT/lh" --out "$OUT/serve_host_${card}.json"
     pack_logs "$OUT/lh" 46h
     ;;

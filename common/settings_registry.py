@@ -685,6 +685,16 @@ PREEMPT_MODE = declare(
     "common/settings.py",
     choices=("auto", "recompute", "park"),
 )
+STACK_SAMPLES = declare(
+    "KVFERRY_STACK_SAMPLES",
+    str,
+    "",
+    "a file the engine process appends its main thread's stack to every millisecond while it works on the host "
+    "(collapsed flame-graph lines with a wall clock: why a step's launch took long, `common/observability/"
+    "stack_samples.py`); a diagnostic that costs a little of every step; empty = off",
+    "workers",
+    "common/worker/engine_host.py",
+)
 STEP_TRACE = declare(
     "KVFERRY_STEP_TRACE",
     str,

@@ -16,6 +16,7 @@ from common.config import WorkerConfig
 from common.engine.runner import ModelRunner
 from common.gc_pauses import GcPauses, freeze_startup_objects
 from common.kv.integrity import IdleLedgerCheck
+from common.observability.stack_samples import StackSamples
 from common.observability.timeline import Stamps
 from common.prefix.hashing import chained_block_hashes
 from common.prefix.publisher import PrefixIndexPublisher
@@ -24,7 +25,7 @@ from common.sched.kv_connector import combined
 from common.sched.request import Req, ReqState
 from common.sched.scheduler import Scheduler, StepEvent
 from common.sched.warm_up import warm_up
-from common.settings_registry import DEBUG_CHECKSUMS
+from common.settings_registry import DEBUG_CHECKSUMS, STACK_SAMPLES
 from common.transfer.agent import KVTransferAgent
 from common.worker import tp_follower
 from common.worker.channel import send
@@ -105,6 +106,8 @@ class EngineHost:
         freeze_startup_objects()
         self.report = LoadReport(self.scheduler, self.role, cfg.pod_name, self.page_size, gc=GcPauses().install())
         self.debug_checksums = DEBUG_CHECKSUMS.read()
+        samples = STACK_SAMPLES.read()
+        self.stack_samples = StackSamples(samples).start() if samples else None
         # Observability (common/worker/engine_metrics.py): per-request stage stamps, sent with the request's
         # first-token event; requests queued for a prefill batch, whose admission the step loop stamps.
         self.stamps: dict[str, Stamps] = {}
@@ -224,6 +227,8 @@ class EngineHost:
         self.abort(cmd.req_id, cmd.reason, cmd.error)
 
     def shutdown(self) -> None:
+        if self.stack_samples is not None:
+            self.stack_samples.stop()
         self.publisher.stop(deregister=True)
         self.flush()
         self.runner.close()
