@@ -13,6 +13,7 @@
 #     46t     where shared token gaps over the target come from (step traces with wall clock), then a P+D pair
 #             with the host tier's interruptible page-locking                                             ~420
 #     46h     FP8's host stalls: step traces with the host's launch and processing times                 ~250
+#     46k     the graphs' limit 2,560 (chunk + decode rows) against 2,048, bf16, step traces              ~150
 #     46m     mixed pods and a P+D pair under the ITL target, two workers on one GPU                      ~300
 #     47      MLA: the GPU tests, decompressed vs absorbed prefill, the split-KV decode kernel on/off,
 #             prompt logprobs' cost at 8k tokens (~330); then `save_jit_cache $OUT` on the same command
@@ -33,7 +34,7 @@
 # .devbundle/redis/redis-cli` and repack .devbundle/nixl.tar.xz without nixl_cu13.libs/ucx/libucx_perftest_* (UCX's
 # benchmark modules, never loaded; `xz -T2 -9e`): 54.6 MB in all, measured with `du -sb .devbundle`.
 set -uo pipefail
-part=${1:?"part: 46 | 46p | 46f | 46s | 46d | 46t | 46h | 46m | 47 | 49 | 49c | ready"}
+part=${1:?"part: 46 | 46p | 46f | 46s | 46d | 46t | 46h | 46k | 46m | 47 | 49 | 49c | ready"}
 : "${OUT:?the device tool sets OUT}"
 mkdir -p "$OUT/logs"
 python3 -c "import msgspec" 2>/dev/null ||
@@ -173,6 +174,16 @@ case "$part" in
         --variant-env fp8:KVFERRY_STACK_SAMPLES="$OUT/lh/stacks_fp8.txt" --gpus 0 --rates 24,30 --seconds 10 \
         --slo-ttft-ms 1000 --slo-itl-ms 50 --no-plot --log-dir "$OUT/lh" --out "$OUT/serve_host_${card}.json"
     pack_logs "$OUT/lh" 46h
+    ;;
+46k)
+    # the piecewise graphs' new default limit (2,560: the 2,048-token chunk with decode rows beside it) against the
+    # old 2,048, bf16 (no FP8 compile): step traces' launch_host_s for mixed steps of a full chunk           ~150
+    clocks 46k
+    step 200 serve_graph_rows python3 bench/serve.py --model dummy:llama-3.1-8b --mode agg,agg@g2048 \
+        --variant-env g2048:KVFERRY_CUDA_GRAPH_MAX_TOKENS=2048 --worker-env KVFERRY_STEP_TRACE="$OUT/lk/steps_g2560.jsonl" \
+        --variant-env g2048:KVFERRY_STEP_TRACE="$OUT/lk/steps_g2048.jsonl" --gpus 0 --rates 24,30 --seconds 10 \
+        --slo-ttft-ms 1000 --slo-itl-ms 50 --no-plot --log-dir "$OUT/lk" --out "$OUT/serve_graph_rows_${card}.json"
+    pack_logs "$OUT/lk" 46k
     ;;
 46m)
     # mixed pods and a disaggregated pair under the ITL target (issue 46: "hold the same ITL target"), two workers
