@@ -272,6 +272,38 @@ def test_a_step_far_past_the_itl_target_is_logged_once_per_interval_with_its_sha
     )
 
 
+def test_a_step_after_every_stream_ended_is_not_read_as_a_token_gap(tmp_path, caplog) -> None:
+    """A decode worker whose last request finished waits for the next one (its KV from a peer): that wait is no
+    stream's gap, so the next step is neither a slow step nor a long gap in the trace."""
+    import json
+    import time
+
+    from common.sched.launched import Launched, StepTimer
+    from common.sched.request_table import RequestTable
+    from common.sched.step_model import StepShape
+    from common.sched.step_pacing import StepPacing
+    from common.settings import SchedulerConfig
+    from common.slo import parse_slo_classes
+
+    path = tmp_path / "steps.jsonl"
+    cfg = SchedulerConfig(itl_target_ms=50.0, step_trace=str(path))
+    pacing = StepPacing(cfg, PAGE, parse_slo_classes(cfg.slo_classes, cfg.slo_default_class), RequestTable())
+    one_row = StepShape(decode_rows=1, decode_context=100)
+    caplog.set_level("WARNING", logger="kvferry.sched")
+    pacing.observe(Launched("decode", [], timer=StepTimer(0.0, 0.005), shape=one_row))
+    pacing.streams_ended()
+    time.sleep(0.08)  # over the 50 ms target: read as a gap, it would be a slow step
+    pacing.observe(Launched("decode", [], timer=StepTimer(0.0, 0.005), shape=one_row))
+    time.sleep(0.08)  # a stream running: this one is a gap
+    pacing.observe(Launched("decode", [], timer=StepTimer(0.0, 0.005), shape=one_row))
+    assert pacing.trace is not None
+    pacing.trace.close()
+    gaps = [json.loads(line)["gap_s"] for line in path.read_text().splitlines()]
+    assert gaps[1] == 0.0 and gaps[2] >= 0.08
+    slow = [r for r in caplog.records if r.getMessage() == "slow step"]
+    assert len(slow) == 1 and slow[0].ms >= 80  # the second wait only
+
+
 def test_step_trace_writes_one_json_line_per_timed_step(tmp_path) -> None:
     """KVFERRY_STEP_TRACE: each timed step as the model saw it (shape, device time, gap, prediction, target, the
     host's share)."""

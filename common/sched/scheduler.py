@@ -331,7 +331,12 @@ class Scheduler:
     def flush(self) -> list[StepEvent]:
         self._settle()
         launched, self._pending = self._pending, None
-        return self._with_late(self._process(launched) if launched is not None else [])
+        if launched is None:
+            return self._with_late([])
+        events = self._process(launched)
+        if not self.running:
+            self.pacing.streams_ended()
+        return self._with_late(events)
 
     def _with_late(self, events: list[StepEvent]) -> list[StepEvent]:
         if not self._late:

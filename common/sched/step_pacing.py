@@ -123,6 +123,11 @@ class StepPacing:
         self._processed_at = now
         self._last_decoding = launched.kind != "prefill"
 
+    def streams_ended(self) -> None:
+        """Nothing runs after the step just processed: the next step's wait is no stream's token gap (a P+D decode
+        worker idle until the next request's KV lands read 1.18 s as a slow step)."""
+        self._last_decoding = False
+
     def _log_if_slow(self, launched: Launched, seconds: float, seen: float, now: float) -> None:
         target = self.itl_target_s()
         took = max(seconds, seen)
