@@ -336,3 +336,33 @@ def test_step_trace_writes_one_json_line_per_timed_step(tmp_path) -> None:
     # the host's share, and a wall clock to line the steps up with a client's token gaps
     assert [(r["launch_host_s"], r["process_host_s"]) for r in rows] == [(0.003, 0.0), (0.0, 0.002)]
     assert 0 < rows[1]["t"] - rows[0]["t"] < 60
+
+
+def test_a_chunk_beside_decode_rows_is_held_to_what_the_step_graphs_leave() -> None:
+    """On a GPU a prefill or mixed step of up to `graphed_tokens` tokens (prompt tokens and decode rows) replays
+    piecewise graphs; one token more launches eagerly, 40 ms of host time for an FP8 8B step, and the decode step
+    in flight before it waits. So beside decode rows the chunk takes at most what the rows leave of the graphs,
+    in whole pages, unless the rows take more than half of them; alone, or with no graphs (the CPU), it is
+    unchanged."""
+    from common.sched.prefill_budget import within_graphs
+    from common.sched.request_table import RequestTable
+    from common.sched.step_pacing import StepPacing
+    from common.settings import SchedulerConfig
+    from common.slo import parse_slo_classes
+
+    assert within_graphs(2048, BudgetReason.MAX_PREFILL_TOKENS, 145, 2048, 16) == (1888, BudgetReason.GRAPHS)
+    assert within_graphs(2048, BudgetReason.MAX_PREFILL_TOKENS, 145, 2560, 16) == (2048, "max_prefill_tokens")
+    assert within_graphs(1024, BudgetReason.ITL_TARGET, 145, 2048, 16) == (1024, "itl_target")  # fits already
+    assert within_graphs(2048, BudgetReason.ITL_TARGET, 1100, 2048, 16) == (2048, "itl_target")  # rows: most of it
+    assert within_graphs(2048, BudgetReason.ITL_TARGET, 145, 0, 16) == (2048, "itl_target")  # no graphs
+
+    cfg = SchedulerConfig(max_prefill_tokens=4096, itl_target_ms=0.0)  # no ITL target: the graphs alone hold it
+    pacing = StepPacing(cfg, 16, parse_slo_classes(cfg.slo_classes, cfg.slo_default_class), RequestTable())
+    pacing.graphed_tokens = 2560
+    beside = StepContext(decode_rows=200, decode_context=200 * 1500)
+    assert pacing.budget(True, beside) == (2352, BudgetReason.GRAPHS)
+    assert pacing.budget(False, StepContext())[0] == 4096  # nothing decodes: no stream waits on the launch
+
+
+def test_the_cpu_runner_graphs_no_steps(smol_runner) -> None:
+    assert smol_runner.graphed_step_tokens == 0

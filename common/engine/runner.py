@@ -248,6 +248,13 @@ class ModelRunner:
         return pools
 
     @property
+    def graphed_step_tokens(self) -> int:
+        """The most tokens (prompt tokens and decode rows) a prefill or mixed step runs as piecewise graphs; 0 when
+        none is (the CPU, tensor parallelism, graphs off)."""
+        graphs = self.gpu.step_graphs if self.gpu is not None else None
+        return graphs.max_tokens if graphs is not None and self.gpu.use_graphs else 0  # type: ignore[union-attr]
+
+    @property
     def per_rank_agents(self) -> bool:
         """Whether follower ranks register their own pools with NIXL (see common/transfer/rank_agents.py)."""
         if self.tp.size == 1:

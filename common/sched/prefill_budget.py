@@ -29,6 +29,7 @@ class BudgetReason:
     MAX_PREFILL_TOKENS = "max_prefill_tokens"  # the cap itself (no target applies, or the target allows more)
     MIN_PAGES = "min_pages"  # the floor: the target leaves no room, the prompt still advances
     UNMEASURED = "unmeasured"  # no step timed yet: the cap
+    GRAPHS = "graphs"  # what the step's decode rows leave of the piecewise graphs' tokens (beyond: an eager launch)
 
 
 def prefill_budget(
@@ -76,6 +77,18 @@ def prefill_budget(
     if tokens < MIN_PAGES * page_size:
         return min(max_tokens, MIN_PAGES * page_size), BudgetReason.MIN_PAGES
     return tokens, bound
+
+
+def within_graphs(tokens: int, reason: str, decode_rows: int, graphed_tokens: int, page_size: int) -> tuple[int, str]:
+    """A budget beside `decode_rows` decoding rows held to what the piecewise step graphs leave them, so the step
+    replays graphs instead of launching eagerly: an eager FP8 8B step's launch took 40 ms of host time at p50 (14
+    graphed), longer than the decode step in flight before it, and every running stream waited it out (H100,
+    bench/RESULTS.md "Where the shared token gaps ... went"). Not when the rows take more than half the graphs'
+    tokens: the chunk would shrink by more than the launch costs."""
+    room = (graphed_tokens - decode_rows) // page_size * page_size
+    if graphed_tokens <= 0 or decode_rows <= 0 or tokens <= room or room < graphed_tokens // 2:
+        return tokens, reason
+    return room, BudgetReason.GRAPHS
 
 
 def prefill_token_budget(*args: object, **kwargs: object) -> int:

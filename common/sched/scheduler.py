@@ -106,6 +106,7 @@ class Scheduler:
         self._late: list[StepEvent] = []  # requests ended while sampling (a broken grammar), not yet returned
         self.prefill_tokens_launched = 0  # prompt tokens computed so far (the measured prefill rate's counter)
         self.pacing = StepPacing(cfg, self.page_size, self.slo, self.table)
+        self.pacing.graphed_tokens = runner.graphed_step_tokens
         self.processed_kind: str | None = None  # kind of the step processed last ("prefill" | "decode" | "mixed")
         self._process_host_s = 0.0  # host seconds processing the last step took (Launched.process_host_s)
         self.connector: KVConnector = connector if connector is not None else KVConnector()

@@ -9,7 +9,14 @@ from dataclasses import dataclass, field
 
 from common.sched.itl_trim import OVERRUNS_PER_TAIL, ItlTrim, learnt_step_s
 from common.sched.launched import Launched
-from common.sched.prefill_budget import FLOOR_DECODE_STEPS, PrefillSpeed, StepContext, StepSeconds, prefill_budget
+from common.sched.prefill_budget import (
+    FLOOR_DECODE_STEPS,
+    PrefillSpeed,
+    StepContext,
+    StepSeconds,
+    prefill_budget,
+    within_graphs,
+)
 from common.sched.request_table import RequestTable
 from common.sched.step_model import StepTimeModel, z_score
 from common.sched.step_trace import StepTrace
@@ -43,6 +50,7 @@ class StepPacing:
     _last_decoding: bool = False  # the last processed step decoded running requests
     trace: StepTrace | None = None  # KVFERRY_STEP_TRACE
     _idle_itl_s: float = 0.0  # the target while nothing decodes: every class's tightest, less the least allowance
+    graphed_tokens: int = 0  # the most tokens a step runs as piecewise graphs (ModelRunner.graphed_step_tokens)
 
     def __post_init__(self) -> None:
         if self.cfg.step_trace and self.trace is None:
@@ -77,7 +85,7 @@ class StepPacing:
 
     def budget(self, decoding: bool, context: StepContext) -> tuple[int, str]:
         """Prompt tokens the next step takes, and why."""
-        return prefill_budget(
+        tokens, reason = prefill_budget(
             self.cfg.max_prefill_tokens,
             self.page_size,
             self.budget_target_s(),
@@ -89,6 +97,9 @@ class StepPacing:
             decode_step_s=self.decode_step.seconds,
             max_step_s=self.cfg.max_step_ms / 1000,
         )
+        if not decoding:
+            return tokens, reason
+        return within_graphs(tokens, reason, context.decode_rows, self.graphed_tokens, self.page_size)
 
     def observe(self, launched: Launched) -> None:
         """Learns from a processed step's device time (and its period, when it ran back to back with the last)."""
