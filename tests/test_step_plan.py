@@ -302,6 +302,7 @@ def test_a_step_after_every_stream_ended_is_not_read_as_a_token_gap(tmp_path, ca
     assert gaps[1] == 0.0 and gaps[2] >= 0.08
     slow = [r for r in caplog.records if r.getMessage() == "slow step"]
     assert len(slow) == 1 and slow[0].ms >= 80  # the second wait only
+    assert slow[0].next_launch_host_ms == 0.0  # what launching the step after it took (set by the scheduler)
 
 
 def test_step_trace_writes_one_json_line_per_timed_step(tmp_path) -> None:

@@ -318,6 +318,7 @@ class Scheduler:
         launched = self._launch()
         if launched is not None:
             launched.launch_host_s, launched.process_host_s = time.perf_counter() - started, self._process_host_s
+        self.pacing.next_launch_host_s = launched.launch_host_s if launched is not None else 0.0
         events += self.flush()
         if launched is not None and launched.logits is not None:
             if self.overlap:

@@ -51,6 +51,9 @@ class StepPacing:
     trace: StepTrace | None = None  # KVFERRY_STEP_TRACE
     _idle_itl_s: float = 0.0  # the target while nothing decodes: every class's tightest, less the least allowance
     graphed_tokens: int = 0  # the most tokens a step runs as piecewise graphs (ModelRunner.graphed_step_tokens)
+    # Host seconds the step launched just before this one was processed took to launch (overlap: it is launched
+    # while this one runs, so a long launch, an eager step's, shows as this step's gap); the slow-step line says it.
+    next_launch_host_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.cfg.step_trace and self.trace is None:
@@ -161,5 +164,6 @@ class StepPacing:
                 "prefill_tokens": shape.prefill_tokens,
                 "decode_context": shape.decode_context,
                 "slow_steps": slow,  # this one and those since the last line
+                "next_launch_host_ms": round(self.next_launch_host_s * 1e3, 1),
             },
         )
