@@ -1,5 +1,5 @@
 """Where a served run's shared token gaps came from: each gap over the ITL target that several requests saw at once
-(their longest gaps ending together, `bench/serve.py`'s per-request `max_gap_*` and each point's `started_at`) lined
+(their longest gaps ending together: `shared_gap_events` in bench/serve_metrics.py, each point's `started_at`) lined
 up with the engine's step trace (`KVFERRY_STEP_TRACE`, its lines' wall clock `t`), and named:
 
 - `eager launch`: the step launched meanwhile took most of the gap to launch on the host, over the piecewise
@@ -24,7 +24,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-GROUP_MS = 10.0  # longest gaps ending within this of each other are one event
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_metrics import shared_gap_events  # noqa: E402
+
 BEFORE_S, AFTER_S = 0.02, 0.005  # a step processed this long before or after a gap's end may be what ended it
 
 
@@ -50,21 +52,10 @@ def shared_gaps(points: list[dict[str, Any]], target_ms: float, min_streams: int
         start = point.get("started_at")
         if start is None:
             continue
-        ends = sorted(
-            (r["max_gap_end_ms"], r["max_gap_ms"])
-            for r in point["per_request"]
-            if r.get("outcome") == "ok" and r.get("max_gap_ms", 0.0) > target_ms
-        )
-        group: list[tuple[float, float]] = []
-        for end, gap in [*ends, (float("inf"), 0.0)]:
-            if group and end - group[0][0] > GROUP_MS:
-                if len(group) >= min_streams:
-                    at = max(e for e, _ in group)
-                    events.append(
-                        GapEvent(index, point.get("value"), start + at / 1e3, max(g for _, g in group), len(group))
-                    )
-                group = []
-            group.append((end, gap))
+        for g in shared_gap_events(point["per_request"], target_ms, min_streams):
+            events.append(
+                GapEvent(index, point.get("value"), start + g["end_ms"] / 1e3, g["gap_ms"], int(g["streams"]))
+            )
     return events
 
 

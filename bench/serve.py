@@ -209,6 +209,12 @@ def progress_line(mode: str, arrivals: Arrivals, s: dict[str, Any]) -> str:
         + f", TPOT p50 {s['tpot_ms']['p50']:.1f} ms, goodput {s['goodput']['fraction']:.2f}"
         + f", bursts {s['bursts']['frac_tokens_in_multi_event_reads'] + s['bursts']['frac_tokens_in_multi_token_events']:.2f}"
         + f", client cpu {s['client']['cpu_fraction']:.2f} ({s['wall_s']:.1f} s)"
+        + f", admitted good {s['goodput']['admitted_fraction']:.3f}"
+        + (
+            f", shared gaps {len(s['shared_gaps'])} (longest {max(g['gap_ms'] for g in s['shared_gaps']):.0f} ms)"
+            if s.get("shared_gaps")
+            else ""
+        )
         + "".join(
             f"; {name}: good {c['good']}/{c['requests']} ({c['goodput_request_per_s']:.2f}/s), shed {c['shed_429']}"
             for name, c in s.get("classes", {}).items()

@@ -150,6 +150,7 @@ def summarize_point(run: PointRun, slo: SLO, classes: dict[str, ClassSLO] | None
     reads = sum(r.reads for r in recs)
     statuses = Counter(str(r.http_status) for r in recs if r.http_status)
     send_lag = [max(0.0, r.sent_s - r.scheduled_s) for r in recs if r.outcome != "pending"]
+    rows = [_request_row(r, itls.get(r.index, [])) for r in recs]
     return {
         "requests": len(recs),
         "completed": len(ok),
@@ -175,6 +176,7 @@ def summarize_point(run: PointRun, slo: SLO, classes: dict[str, ClassSLO] | None
         "goodput": {
             "slo": {"ttft_ms": slo.ttft_s * 1e3, "itl_p99_ms": slo.itl_p99_s * 1e3},
             "fraction": len(good) / len(recs) if recs else math.nan,  # of all requests sent
+            "admitted_fraction": len(good) / len(ok) if ok else math.nan,  # of those served (the 99% target's)
             "request_per_s": len(good) / wall,
         },
         "classes": summarize_classes(recs, run.wall_s, classes or {}),
@@ -189,8 +191,34 @@ def summarize_point(run: PointRun, slo: SLO, classes: dict[str, ClassSLO] | None
             "send_lag_ms": percentiles(send_lag),
             **itl_misses(ok, itls, run, slo),
         },
-        "per_request": [_request_row(r, itls.get(r.index, [])) for r in recs],
+        "per_request": rows,
+        # gaps over the ITL target that several requests saw at once (bench/gap_sources.py names their cause)
+        "shared_gaps": shared_gap_events(rows, slo.itl_p99_s * 1e3),
     }
+
+
+SHARED_GAP_MS = 10.0  # requests' longest gaps ending within this of each other are one event
+
+
+def shared_gap_events(rows: list[dict[str, Any]], target_ms: float, min_streams: int = 2) -> list[dict[str, float]]:
+    """Requests' longest gaps over `target_ms` grouped by when they ended (`max_gap_end_ms`, from the point's
+    start): a gap every running stream saw at once is one stall upstream of them all, not each stream's own."""
+    ends = sorted(
+        (r["max_gap_end_ms"], r["max_gap_ms"])
+        for r in rows
+        if r.get("outcome") == "ok" and r.get("max_gap_ms", 0.0) > target_ms
+    )
+    events: list[dict[str, float]] = []
+    group: list[tuple[float, float]] = []
+    for end, gap in [*ends, (math.inf, 0.0)]:
+        if group and end - group[0][0] > SHARED_GAP_MS:
+            if len(group) >= min_streams:
+                events.append(
+                    {"end_ms": max(e for e, _ in group), "gap_ms": max(g for _, g in group), "streams": len(group)}
+                )
+            group = []
+        group.append((end, gap))
+    return events
 
 
 def _bursts(ok: list[RequestRecord], run: PointRun) -> dict[str, Any]:
