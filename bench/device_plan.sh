@@ -81,12 +81,22 @@ case "$part" in
     # them. Its check: each point's "predictions" line (measured / predicted TTFT by bucket, each process's factor)
     # for two processes should now come near one process's (p99 ~1.1 at 500-1000 ms predicted). FP8's kernels are
     # not in the bundle's cache: ~140 s to compile (with them fi-cache.tar.xz is 15.9 MB, too big for the carry).
+    # Each mode's step trace comes back in the logs, and bench/gap_sources.py names each shared gap over the target
+    # (its lines in logs/gap_sources_46.txt): after the graphs' 2,560 default there should be no eager launch.
     clocks 46
     step 560 serve_fp8 python3 bench/serve.py --model dummy:llama-3.1-8b --mode agg,agg@fp8,agg@fp8one \
         --variant-env fp8:KVFERRY_WEIGHT_DTYPE=fp8_e4m3 --variant-env fp8:KVFERRY_KV_DTYPE=fp8_e4m3 \
         --variant-env fp8one:KVFERRY_WEIGHT_DTYPE=fp8_e4m3 --variant-env fp8one:KVFERRY_KV_DTYPE=fp8_e4m3 \
-        --variant-env fp8one:KVFERRY_ROUTER_WORKERS=1 --gpus 0 --rates 12,24,30,36 --seconds 10 \
+        --variant-env fp8one:KVFERRY_ROUTER_WORKERS=1 --worker-env KVFERRY_STEP_TRACE="$OUT/ls/steps_agg.jsonl" \
+        --variant-env fp8:KVFERRY_STEP_TRACE="$OUT/ls/steps_fp8.jsonl" \
+        --variant-env fp8one:KVFERRY_STEP_TRACE="$OUT/ls/steps_fp8one.jsonl" --gpus 0 --rates 12,24,30,36 --seconds 10 \
         --slo-ttft-ms 1000 --slo-itl-ms 50 --no-plot --log-dir "$OUT/ls" --out "$OUT/serve_fp8_slo10_${card}.json"
+    for m in agg fp8 fp8one; do
+        mode=agg; [ "$m" = agg ] || mode="agg@$m"
+        echo "== $mode" >>"$OUT/logs/gap_sources_46.txt"
+        python3 bench/gap_sources.py "$OUT/serve_fp8_slo10_${card}.json" --mode "$mode" \
+            --trace "$OUT/ls/steps_$m.jsonl" >>"$OUT/logs/gap_sources_46.txt" 2>&1
+    done
     pack_logs "$OUT/ls" 46
     ;;
 46p)

@@ -114,6 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="write the events and launch times here as JSON")
     args = p.parse_args(argv)
     run = json.loads(read_text(args.serve))
+    if args.mode not in run["modes"]:
+        print(f"no mode {args.mode!r} in {args.serve}: {', '.join(run['modes'])}", file=sys.stderr)
+        return 2
+    if not Path(args.trace).exists():
+        print(f"no step trace at {args.trace}", file=sys.stderr)
+        return 2
     points = run["modes"][args.mode]["points"]
     steps = [json.loads(line) for line in read_text(args.trace).splitlines() if line.strip()]
     if not steps or "t" not in steps[0]:

@@ -59,3 +59,5 @@ def test_shared_gaps_are_named_by_the_step_that_ended_them(tmp_path, capsys) -> 
     # with graphs covering the step, the same launch is host time, not an eager one
     assert main([*argv, "--graphed-tokens", "2560", "--out", str(out)]) == 0
     assert json.loads(out.read_text())["events"][0]["cause"] == "host"
+    assert main([*argv[:1], "--mode", "agg", *argv[3:]]) == 2  # a mode the run lacks: said, not a traceback
+    assert "no mode 'agg'" in capsys.readouterr().err
