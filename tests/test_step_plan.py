@@ -357,12 +357,16 @@ def test_a_chunk_beside_decode_rows_is_held_to_what_the_step_graphs_leave() -> N
     assert within_graphs(2048, BudgetReason.ITL_TARGET, 1100, 2048, 16) == (2048, "itl_target")  # rows: most of it
     assert within_graphs(2048, BudgetReason.ITL_TARGET, 145, 0, 16) == (2048, "itl_target")  # no graphs
 
-    cfg = SchedulerConfig(max_prefill_tokens=4096, itl_target_ms=0.0)  # no ITL target: the graphs alone hold it
-    pacing = StepPacing(cfg, 16, parse_slo_classes(cfg.slo_classes, cfg.slo_default_class), RequestTable())
-    pacing.graphed_tokens = 2560
+    def pacing(itl_target_ms: float) -> StepPacing:
+        cfg = SchedulerConfig(max_prefill_tokens=4096, itl_target_ms=itl_target_ms)
+        p = StepPacing(cfg, 16, parse_slo_classes(cfg.slo_classes, cfg.slo_default_class), RequestTable())
+        p.graphed_tokens = 2560
+        return p
+
     beside = StepContext(decode_rows=200, decode_context=200 * 1500)
-    assert pacing.budget(True, beside) == (2352, BudgetReason.GRAPHS)
-    assert pacing.budget(False, StepContext())[0] == 4096  # nothing decodes: no stream waits on the launch
+    assert pacing(50.0).budget(True, beside) == (2352, BudgetReason.GRAPHS)  # unmeasured: the cap, held
+    assert pacing(50.0).budget(False, StepContext())[0] == 4096  # nothing decodes: no stream waits on the launch
+    assert pacing(0.0).budget(True, beside)[0] == 4096  # prefill-first: its prompt steps carry no decode rows
 
 
 def test_the_cpu_runner_graphs_no_steps(smol_runner) -> None:
