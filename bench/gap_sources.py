@@ -18,20 +18,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import lzma
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fleet_sim.workload import open_text  # noqa: E402
 from serve_metrics import shared_gap_events  # noqa: E402
 
 BEFORE_S, AFTER_S = 0.02, 0.005  # a step processed this long before or after a gap's end may be what ended it
 
 
 def read_text(path: str) -> str:
-    return lzma.open(path, "rt").read() if path.endswith(".xz") else Path(path).read_text()
+    with open_text(Path(path)) as f:
+        return f.read()
 
 
 @dataclass

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import lzma
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +26,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.fleet_sim.workload import open_text  # noqa: E402
 from common.sched.itl_trim import learnt_step_s  # noqa: E402
 from common.sched.step_model import StepShape, StepTimeModel, z_score  # noqa: E402
 
@@ -37,9 +37,8 @@ PERCENTILE = 99.0  # the ITL target's percentile the margin holds (the default S
 def chunk_steps(path: Path) -> Iterator[tuple[float, float, float]]:
     """Each chunk step beside decoding once the replayed model is ready: (its time, the model's prediction, the
     model's spread), both before the model learns from it."""
-    opener = lzma.open if path.suffix == ".xz" else open
     model = StepTimeModel()
-    with opener(path, "rt") as f:
+    with open_text(path) as f:
         for line in f:
             r = json.loads(line)
             shape = StepShape(r["prefill_tokens"], r["decode_rows"], r["decode_context"], r["chunk_attention"])

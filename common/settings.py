@@ -82,6 +82,11 @@ class SchedulerConfig(reg.EnvFields):
     preempt_mode: str = reg.PREEMPT_MODE.field()  # recompute | park (the host tier) | auto
     step_trace: str = reg.STEP_TRACE.field()  # a JSON-lines file of timed steps ("": off)
 
+    @property
+    def mixed_batching(self) -> bool:
+        """Prompt chunks share steps with decode rows (any ITL target); False: prefill-first."""
+        return self.itl_target_ms != 0
+
 
 @dataclass(frozen=True)
 class HttpLimits(reg.EnvFields):

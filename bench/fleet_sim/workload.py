@@ -19,6 +19,7 @@ __all__ = [
     "azure",
     "burst",
     "mooncake",
+    "open_text",
     "poisson",
     "ramp",
     "recorded_point",
@@ -46,7 +47,7 @@ def _interned(blocks: Iterable[int], ids: dict[int, int]) -> tuple[int, ...]:
     return tuple([ids.setdefault(b, b) for b in blocks])
 
 
-def _open_text(path: Path) -> IO[str]:
+def open_text(path: Path) -> IO[str]:
     """A trace file as text: xz- or gzip-compressed by its suffix, else plain."""
     if path.suffix == ".xz":
         return lzma.open(path, "rt")
@@ -98,7 +99,7 @@ def trace_file(path: Path) -> list[SimRequest]:
     """A request trace in one of the public formats, by its name: JSON lines as Mooncake's traces write them
     (conversation, tool-agent, synthetic), CSV as Azure's or BurstGPT's; `.xz` / `.gz` read compressed."""
     stem = path.name.removesuffix(".xz").removesuffix(".gz")
-    with _open_text(path) as f:
+    with open_text(path) as f:
         if stem.endswith((".jsonl", ".json")):
             return _mooncake_rows(f)
         if stem.endswith(".csv"):

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from types import FrameType
 
 __all__ = ["StackSamples"]
 
@@ -48,7 +49,7 @@ class StackSamples:
                 if line:
                     out.write(f"{time.time():.4f} {line}\n")
 
-    def collapsed(self, frame) -> str:  # noqa: ANN001 - a frame object
+    def collapsed(self, frame: FrameType | None) -> str:
         names: list[str] = []
         while frame is not None and len(names) < self.depth:
             code = frame.f_code

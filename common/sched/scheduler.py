@@ -335,7 +335,10 @@ class Scheduler:
         launched, self._pending = self._pending, None
         if launched is None:
             return self._with_late([])
+        launched.wait()
+        started = time.perf_counter()
         events = self._process(launched)
+        self._process_host_s = time.perf_counter() - started
         if not self.running:
             self.pacing.streams_ended()
         return self._with_late(events)
@@ -358,7 +361,7 @@ class Scheduler:
     # ---- launch ------------------------------------------------------------------------------------
     @property
     def mixed_batching(self) -> bool:
-        return self.cfg.itl_target_ms != 0
+        return self.cfg.mixed_batching
 
     def plan_inputs(self) -> PlanInputs:
         return PlanInputs(
@@ -554,14 +557,7 @@ class Scheduler:
     # ---- process -----------------------------------------------------------------------------------
     @torch.inference_mode()
     def _process(self, launched: Launched) -> list[StepEvent]:
-        launched.wait()
-        started = time.perf_counter()
-        try:
-            return self._process_done(launched)
-        finally:
-            self._process_host_s = time.perf_counter() - started
-
-    def _process_done(self, launched: Launched) -> list[StepEvent]:
+        """A step the device has finished (`flush` waited for it): its tokens to the requests, and their events."""
         self.processed_kind = launched.kind
         self.pacing.observe(launched)
         if self.connector.transfers:

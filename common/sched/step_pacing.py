@@ -100,7 +100,7 @@ class StepPacing:
             decode_step_s=self.decode_step.seconds,
             max_step_s=self.cfg.max_step_ms / 1000,
         )
-        if not decoding or self.cfg.itl_target_ms == 0:  # prefill-first: its prompt steps carry no decode rows
+        if not decoding or not self.cfg.mixed_batching:  # prefill-first: its prompt steps carry no decode rows
             return tokens, reason
         return within_graphs(tokens, reason, context.decode_rows, self.graphed_tokens, self.page_size)
 
