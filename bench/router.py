@@ -43,6 +43,7 @@ import asyncio
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -246,6 +247,11 @@ def streaming_capacity(args: argparse.Namespace, redis_url: str, logs: Path) -> 
     ports = [free_port() for _ in range(args.fake_workers)]
     workers = [start([*fake, "--port", str(p)], env, logs / f"fake-{p}.log") for p in ports]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
+    # Token ids, as bench/serve.py sends them: each in-flight request then holds lists of that length in the router
+    # (what its garbage collections walk); text otherwise.
+    prompt: str | list[int] = (
+        random.Random(0).choices(range(1000, 40000), k=args.prompt_ids) if args.prompt_ids else PROMPT
+    )
     runs: list[dict[str, Any]] = []
     try:
         for u in urls:
@@ -270,7 +276,7 @@ def streaming_capacity(args: argparse.Namespace, redis_url: str, logs: Path) -> 
                     args.client_procs,
                     args.streams // args.client_procs,
                     args.stream_tokens,
-                    PROMPT,
+                    prompt,
                     args.warmup_s,
                     args.capacity_seconds,
                 )
@@ -280,6 +286,7 @@ def streaming_capacity(args: argparse.Namespace, redis_url: str, logs: Path) -> 
                 lag_ms = httpx.get(f"{router_url}/router/workers", timeout=10).json().get("loop_lag_p99_ms")
             finally:
                 stop([router])
+            collections = slow_collections(logs / f"router-x{n_proc}.log")
             tok_s = res.tokens / args.capacity_seconds
             run = {
                 "router_processes": n_proc,
@@ -295,6 +302,9 @@ def streaming_capacity(args: argparse.Namespace, redis_url: str, logs: Path) -> 
                 "ttft": summary_ms(res.ttft_s) if res.ttft_s else None,
                 "itl": summary_ms(res.itl_s) if res.itl_s else None,
                 "router_loop_lag_p99_ms": lag_ms,
+                "slow_collections": len(collections),
+                "slow_collection_max_ms": max((c["ms"] for c in collections), default=None),
+                "slow_collection_lines": collections[:8],
                 "loadavg": list(os.getloadavg()),
             }
             print(json.dumps(run), file=sys.stderr)
@@ -305,6 +315,7 @@ def streaming_capacity(args: argparse.Namespace, redis_url: str, logs: Path) -> 
         "fake_workers": args.fake_workers,
         "step_s": args.step_s,
         "stream_tokens": args.stream_tokens,
+        "prompt_ids": args.prompt_ids,
         "client_procs": args.client_procs,
         "seconds": args.capacity_seconds,
         "label": args.label,
@@ -312,6 +323,17 @@ def streaming_capacity(args: argparse.Namespace, redis_url: str, logs: Path) -> 
         "router_env": {k: v for k, v in os.environ.items() if k.startswith("KVFERRY_ROUTER_")},
         "runs": runs,
     }
+
+
+def slow_collections(log: Path) -> list[dict[str, Any]]:
+    """The router's slow garbage collections (common/gc_pauses.py's warning lines, key=value fields) from its log."""
+    found: list[dict[str, Any]] = []
+    for line in log.read_text(errors="replace").splitlines():
+        if "slow garbage collection" not in line:
+            continue
+        fields = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
+        found.append({k: float(v) for k, v in fields.items() if k in ("generation", "ms", "collected", "objects")})
+    return found
 
 
 # ---- decisions per second ------------------------------------------------------------------------------
@@ -404,6 +426,7 @@ def main() -> int:
     cap.add_argument("--fake-workers", type=int, default=4)
     cap.add_argument("--step-s", type=float, default=0.02, help="fake decode step: one event per stream each")
     cap.add_argument("--stream-tokens", type=int, default=256, help="max_tokens of each streamed request")
+    cap.add_argument("--prompt-ids", type=int, default=0, help="send a prompt of this many token ids (0: text)")
     cap.add_argument("--warmup-s", type=float, default=3.0)
     cap.add_argument("--capacity-seconds", type=float, default=10.0)
     cap.add_argument("--router-src", type=Path, default=None, help="run the router from this checkout instead")

@@ -123,7 +123,7 @@ def run_load(
     processes: int,
     streams_per_process: int,
     max_tokens: int,
-    prompt: str,
+    prompt: str | list[int],
     warmup_s: float,
     seconds: float,
 ) -> LoadResult:

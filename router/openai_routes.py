@@ -40,6 +40,9 @@ def install_openai_routes(app: FastAPI, slot: RuntimeSlot, info: ModelInfo, requ
     async def serve(
         request: Request, req: ChatCompletionRequest | CompletionRequest, prepare: Callable[[Any], Awaitable[Job]]
     ) -> Response:
+        # Starlette keeps the parsed JSON body on the request for its life, a stream's whole length: `req` has what
+        # it holds, and a prompt's ids in lists are what the collector walks (common/protocol.py TokenIds).
+        vars(request).pop("_json", None)
         service, pool = slot.service, slot.pool
         rec = requests.begin(req.stream, request.headers.get("traceparent"), request.url.path)
         request.scope["state"][COUNTED] = True  # the record counts it (router/middleware.py counts the rest)

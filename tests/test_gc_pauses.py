@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gc
 
-from common.gc_pauses import GcPauses, freeze_startup_objects
+from common.gc_pauses import FULL_AFTER_YOUNGER, GcPauses, freeze_startup_objects
+from common.protocol import GenerateRequest, decode
+from router.surface.openai_api import CompletionRequest
 
 
 class _Cycle:
@@ -71,15 +73,30 @@ def test_a_workers_http_process_publishes_its_collections_while_it_serves() -> N
 
 def test_objects_alive_at_freeze_leave_the_collectors_generations() -> None:
     kept = [_Cycle() for _ in range(1000)]
+    thresholds = gc.get_threshold()
     try:
         frozen = freeze_startup_objects()
         assert frozen >= len(kept)
         assert sum(gc.get_count()) < len(kept)  # the young generations no longer hold them
+        assert gc.get_threshold()[2] >= FULL_AFTER_YOUNGER  # full collections spaced out
         for _ in range(10):
             _Cycle()  # garbage made after the freeze is still collected
         assert gc.collect() >= 10
     finally:
         gc.unfreeze()
+        gc.set_threshold(*thresholds)
+
+
+def test_a_prompts_token_ids_are_not_walked_by_full_collections() -> None:
+    """What the router and a worker's HTTP process hold for a request's life: its prompt's ids, as tuples, which the
+    collector stops tracking once it has seen them (a list of 2k ids is 2k items each full collection walks)."""
+    wire = decode(b'{"req_id":"r","token_ids":[5,6,7],"sampling":{"max_tokens":4}}', GenerateRequest)
+    body = CompletionRequest.model_validate({"model": "m", "prompt": [5, 6, 7]})
+    batch = CompletionRequest.model_validate({"model": "m", "prompt": [[5, 6], [7]]})
+    held = [wire.token_ids, body.prompt, *batch.prompts()]
+    gc.collect()
+    assert [gc.is_tracked(ids) for ids in held] == [False] * 4
+    assert body.prompts() == [(5, 6, 7)]
 
 
 def test_a_slow_collection_is_logged_with_its_generations_size_at_most_once_a_minute(monkeypatch, caplog) -> None:

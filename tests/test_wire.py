@@ -59,8 +59,8 @@ SAMPLES: list[msgspec.Struct] = [
     SamplingParams(),
     GrammarSpec(kind="json_object"),
     LOGPROB,
-    GenerateRequest(req_id="r", token_ids=[1, 2, 3], sampling=SAMPLING, prefill_url="http://p:8100", kv_timeout_s=9.0),
-    GenerateRequest(req_id="r", token_ids=[1], sampling=SamplingParams()),
+    GenerateRequest(req_id="r", token_ids=(1, 2, 3), sampling=SAMPLING, prefill_url="http://p:8100", kv_timeout_s=9.0),
+    GenerateRequest(req_id="r", token_ids=(1,), sampling=SamplingParams()),
     TokenLine(token_ids=[5]),
     TokenLine(
         token_ids=[5, 6],
@@ -76,7 +76,7 @@ SAMPLES: list[msgspec.Struct] = [
     HandshakeRequest(agent_name="d", instance_id="i", agent_metadata_b64="bQ==", pool_info_b64="cA==", layout=LAYOUT),
     HandshakeResponse(agent_name="p", instance_id="j", layout=LAYOUT),
     PrefillRequest(
-        req_id="r", token_ids=[1, 2], sampling=SAMPLING, dst_agent="d", dst_instance_id="i", dst_pages=[4], deadline_s=5
+        req_id="r", token_ids=(1, 2), sampling=SAMPLING, dst_agent="d", dst_instance_id="i", dst_pages=[4], deadline_s=5
     ),
     KVNotice(req_id="r", outcome="landed", token=3, logprob=LOGPROB, cached_tokens=16, checksums=[1.0], timeline={}),
     KVNotice(req_id="r", outcome="closed", error="cancelled"),

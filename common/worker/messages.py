@@ -23,6 +23,7 @@ from common.protocol import (
     LoadSnapshot,
     PrefillRequest,
     SamplingParams,
+    TokenIds,
     TokenLine,
 )
 
@@ -97,7 +98,7 @@ class Generate(Command[None]):
     carries them (the leave to send them to that peer); a request that ends first gets its finish instead."""
 
     req_id: str
-    token_ids: list[int]
+    token_ids: TokenIds
     sampling: SamplingParams
     peer: str | None = None
     peer_instance: str | None = None

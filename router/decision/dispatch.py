@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from common.prefix.hashing import chained_block_hashes
+from common.protocol import TokenIds
 from common.slo import DEFAULT_SLO_SPEC, SloClass, SloClasses, parse_slo_classes
 from router.decision.admission import (
     AdmissionLimits,
@@ -41,7 +42,7 @@ __all__ = ["Dispatcher", "PromptPlan"]
 class PromptPlan:
     """Per-prompt routing inputs, computed once and shared by the prompt's n choices."""
 
-    token_ids: list[int]
+    token_ids: TokenIds
     block_hashes: list[int]
     matches: dict[str, int] | None
     block_size: int
@@ -89,7 +90,7 @@ class Dispatcher:
         self._decision_counters: dict[str, Any] = {}  # reason -> its labelled counter (labels() costs per call)
         self._slo_targets: dict[str, tuple[SloClass, SloTargets]] = {}  # class name -> (the class, its targets)
 
-    async def plan(self, token_ids: list[int]) -> PromptPlan:
+    async def plan(self, token_ids: TokenIds) -> PromptPlan:
         """Hashes the prompt's blocks and asks where they are cached (a prompt under the disaggregation
         threshold prefills on its decode pod anyway, so it skips Redis)."""
         block_size = self.pool.block_size()

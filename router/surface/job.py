@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from common.protocol import TokenLine
+from common.protocol import TokenIds, TokenLine
 from router.metrics import TokenGaps
 from router.surface.choice import ChoiceState, TokenInfo
 from router.surface.openai_api import ChatCompletionRequest, CompletionRequest
@@ -23,7 +23,7 @@ class Job:
     created: int
     model: str
     request: ChatCompletionRequest | CompletionRequest
-    prompts: list[list[int]]
+    prompts: list[TokenIds]  # tuples: what the collector need not walk (common/protocol.py)
     max_tokens: list[int]  # per prompt
     n: int
     stops: list[str]

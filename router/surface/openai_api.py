@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
-from common.protocol import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, GrammarSpec, SamplingParams
+from common.protocol import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, GrammarSpec, SamplingParams, TokenIds
 from router.surface.structured import ResponseFormat, grammar_from
 from router.surface.tools import MAX_TOOLS, NamedToolChoice, Tool, ToolMode, tool_grammar, tool_mode
 
@@ -273,26 +273,28 @@ class CompletionRequest(_SamplingRequest):
 
     _ECHO_ALONE: ClassVar[bool] = True
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # Token ids as tuples: a request holds its body for its life, and the collector stops walking a tuple of ints
+    # after one young collection (common/protocol.py TokenIds).
+    prompt: str | list[str] | TokenIds | list[TokenIds]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
 
     @field_validator("prompt")
     @classmethod
-    def _check_prompt(cls, v: str | list[str] | list[int] | list[list[int]]) -> object:
-        if isinstance(v, list):
+    def _check_prompt(cls, v: str | list[str] | TokenIds | list[TokenIds]) -> object:
+        if not isinstance(v, str):
             if not v:
                 raise ValueError("prompt must not be empty")
-            if isinstance(v[0], (str, list)) and len(v) > MAX_PROMPTS:
+            if isinstance(v, list) and len(v) > MAX_PROMPTS:
                 raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
-            if isinstance(v[0], list) and any(not p for p in v):
+            if isinstance(v, list) and isinstance(v[0], tuple) and any(not p for p in v):
                 raise ValueError("a token-id prompt must not be empty")
         return v
 
     @model_validator(mode="after")
     def _check_choices(self) -> CompletionRequest:
-        prompts = len(self.prompt) if isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list)) else 1
+        prompts = len(self.prompt) if isinstance(self.prompt, list) else 1
         if prompts * self.n > MAX_CHOICES:
             raise ValueError(f"{prompts} prompts x n={self.n} is more than {MAX_CHOICES} choices in one request")
         return self
@@ -321,14 +323,10 @@ class CompletionRequest(_SamplingRequest):
         wanted = [n for n in (self.wanted_prompt_logprobs(), self.logprobs if self.echo else None) if n is not None]
         return max(wanted) if wanted else None
 
-    def prompts(self) -> list[str | list[int]]:
+    def prompts(self) -> list[str | TokenIds]:
         """The request's prompts, one per batch entry: text, or token ids."""
         p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if p and isinstance(p[0], int):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+        return list(p) if isinstance(p, list) else [p]
 
 
 class ContentPart(_Lenient):

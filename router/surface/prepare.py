@@ -10,6 +10,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
+from common.protocol import TokenIds
 from router.errors import bad_request, context_too_long, prompt_too_long
 from router.settings import RouterOptions
 from router.surface.job import Job
@@ -31,15 +32,15 @@ class PromptPreparer:
         self.opts = opts
         self._tokenizing = ThreadPoolExecutor(_TOKENIZE_THREADS, thread_name_prefix="tokenize")
 
-    async def _tokenize(self, chars: int, param: str, encode: Callable[[], list[int]]) -> list[int]:
+    async def _tokenize(self, chars: int, param: str, encode: Callable[[], list[int]]) -> TokenIds:
         try:
             if chars > _LONG_TEXT:
-                return await asyncio.get_running_loop().run_in_executor(self._tokenizing, encode)
-            return encode()
+                return tuple(await asyncio.get_running_loop().run_in_executor(self._tokenizing, encode))
+            return tuple(encode())
         except PromptTooLong as exc:
             raise prompt_too_long(self.model.max_context, exc.at_least, param) from None
 
-    async def encode_text(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    async def encode_text(self, text: str, param: str, add_special_tokens: bool = True) -> TokenIds:
         """A text's token ids (400 for text that is not Unicode or longer than the context)."""
         limit = self.model.max_context
         try:
@@ -53,7 +54,7 @@ class PromptPreparer:
         tools: list[Tool] | None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
-    ) -> list[int]:
+    ) -> TokenIds:
         """A conversation's prompt ids through the chat template (400 as in ``encode_text``, or if refused)."""
         chars = _text_chars(messages)
         limit = self.model.max_context
@@ -81,7 +82,7 @@ class PromptPreparer:
         return job
 
     async def prepare_completion(self, req: CompletionRequest) -> Job:
-        prompts: list[list[int]] = []
+        prompts: list[TokenIds] = []
         echo: list[str] = []
         for p in req.prompts():
             if isinstance(p, str):
@@ -89,7 +90,7 @@ class PromptPreparer:
                 if not ids:
                     raise bad_request("prompt must not be empty", "prompt")
             else:
-                ids = [int(t) for t in p]
+                ids = tuple(map(int, p))
                 if any(t < 0 or t >= self.tok.vocab_size for t in ids):
                     raise bad_request(f"prompt token ids must be in [0, {self.tok.vocab_size})", "prompt")
             prompts.append(ids)
@@ -110,7 +111,7 @@ class PromptPreparer:
         self,
         kind: Literal["chat", "completion"],
         req: ChatCompletionRequest | CompletionRequest,
-        prompts: list[list[int]],
+        prompts: list[TokenIds],
         max_tokens: list[int],
         logprobs: bool,
         top_logprobs: int,

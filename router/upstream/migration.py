@@ -121,7 +121,7 @@ class MigratingCall:
         remaining = self.sampling.max_tokens - len(self.output_ids)
         if remaining <= 0:  # every token arrived, only the finish was lost
             return TokenLine(finish_reason="length")
-        prompt = self.plan.token_ids + self.output_ids
+        prompt = (*self.plan.token_ids, *self.output_ids)
         # The prompt's logprobs came with the first leg's first line: the continuation computes none.
         sampling = replace(
             self.sampling, max_tokens=remaining, output_offset=len(self.output_ids), prompt_logprobs=None
