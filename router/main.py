@@ -55,8 +55,9 @@ def child_app() -> Any:
     from router.app import create_app
 
     data = json.loads(reg.ROUTER_CHILD_SETTINGS.read())
-    if data["log_level"]:
-        setup_logging(data["log_level"])
+    # Always: a child process is not started through common/cli.py, and without a handler its warnings came out
+    # bare ("slow garbage collection", no time or fields) from logging's last resort.
+    setup_logging(data["log_level"])
     return create_app(
         reg.rebuilt(RouterConfig, data["config"]), reg.rebuilt(RouterOptions, data["options"]), freeze_gc=True
     )

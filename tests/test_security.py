@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -274,7 +275,7 @@ def test_several_router_processes_reach_the_workers_with_the_secrets(cluster: Lo
     argv = list(cluster.router.argv)
     url = f"http://127.0.0.1:{free_port()}"
     argv[argv.index("--port") + 1] = url.rsplit(":", 1)[1]
-    env = dict(cluster.router.env, KVFERRY_ROUTER_WORKERS="2")
+    env = dict(cluster.router.env, KVFERRY_ROUTER_WORKERS="2", KVFERRY_LOG_LEVEL="info")
     router = ManagedProcess("router-2", argv, env, cluster.log_dir / "router-2.log", url=url)
     router.start()
     try:
@@ -291,6 +292,10 @@ def test_several_router_processes_reach_the_workers_with_the_secrets(cluster: Lo
             assert r.json()["usage"]["completion_tokens"] >= 1
         log = (cluster.log_dir / "router-2.log").read_text()
         assert "Traceback" not in log and "processes=2" in log, log[-2000:]
+        # Each process logs as the parent does (time, level, fields), at the level set in the env: each found the
+        # decode worker itself.
+        found = re.findall(r"^\d\d:\d\d:\d\d info kvferry[.\w]*: worker discovered role=decode ", log, re.M)
+        assert len(found) >= 2, log[-2000:]
     finally:
         router.stop()
 
