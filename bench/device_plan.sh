@@ -5,6 +5,7 @@
 #     source .devbundle/setup.sh; bash bench/device_plan.sh <part>
 # Parts (device seconds, roughly, after the machine's start):
 #     46      FP8 against bf16 at the SLO targets, FP8 behind one router process and two                   ~560
+#     46v     46 cut short: bf16 and FP8 at 24-36 req/s, the gaps named and the slow collections listed        ~300
 #     46p     the peers estimate alone: two router processes against one, bf16                              ~180
 #     46f     the TTFT error factor held to what recurs: bf16, two router processes, 24-36 req/s             ~80
 #     46g     FP8's eager chunk steps: piecewise graphs up to 2,048 tokens against the default 512, step traces  ~420
@@ -34,7 +35,7 @@
 # .devbundle/redis/redis-cli` and repack .devbundle/nixl.tar.xz without nixl_cu13.libs/ucx/libucx_perftest_* (UCX's
 # benchmark modules, never loaded; `xz -T2 -9e`): 54.6 MB in all, measured with `du -sb .devbundle`.
 set -uo pipefail
-part=${1:?"part: 46 | 46p | 46f | 46s | 46d | 46t | 46h | 46k | 46m | 47 | 49 | 49c | ready"}
+part=${1:?"part: 46 | 46v | 46p | 46f | 46s | 46d | 46t | 46h | 46k | 46m | 47 | 49 | 49c | ready"}
 : "${OUT:?the device tool sets OUT}"
 mkdir -p "$OUT/logs"
 python3 -c "import msgspec" 2>/dev/null ||
@@ -98,6 +99,20 @@ case "$part" in
             --trace "$OUT/ls/steps_$m.jsonl" >>"$OUT/logs/gap_sources_46.txt" 2>&1
     done
     pack_logs "$OUT/ls" 46
+    ;;
+46v)
+    # 46 cut to what its misses need, for a short device budget: bf16 and FP8 (two router processes) at 24-36 req/s,
+    # after prompts became tuples and full collections were spaced out (router and worker HTTP processes: their
+    # 21-64 ms gen-2 collections matched the shared gaps over the target that the engine's trace did not explain) ~300
+    clocks 46v
+    step 400 serve_fp8v python3 bench/serve.py --model dummy:llama-3.1-8b --mode agg,agg@fp8 \
+        --variant-env fp8:KVFERRY_WEIGHT_DTYPE=fp8_e4m3 --variant-env fp8:KVFERRY_KV_DTYPE=fp8_e4m3 \
+        --variant-env fp8:KVFERRY_STEP_TRACE="$OUT/lv/steps_fp8.jsonl" --gpus 0 --rates 24,30,36 --seconds 10 \
+        --slo-ttft-ms 1000 --slo-itl-ms 50 --no-plot --log-dir "$OUT/lv" --out "$OUT/serve_fp8v_${card}.json"
+    python3 bench/gap_sources.py "$OUT/serve_fp8v_${card}.json" --mode agg@fp8 --trace "$OUT/lv/steps_fp8.jsonl" \
+        >"$OUT/logs/gap_sources_46v.txt" 2>&1
+    grep -rh "slow garbage" "$OUT/lv" >"$OUT/logs/slow_gc_46v.txt" 2>/dev/null
+    pack_logs "$OUT/lv" 46v
     ;;
 46p)
     # the peers estimate alone, bf16 (no FP8 compile): two router processes against one at and past saturation. The

@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.fleet_sim.fleet import Fleet, FleetConfig  # noqa: E402
 from bench.fleet_sim.worker import WorkerSpec  # noqa: E402
-from bench.fleet_sim.workload import recorded_point  # noqa: E402
+from bench.fleet_sim.workload import open_text, recorded_point  # noqa: E402
 from bench.step_trace_margin import chunk_steps  # noqa: E402
 from common.capacity import StepCost, chunk_attention  # noqa: E402
 from common.sched.step_model import StepShape, StepTimeModel  # noqa: E402
@@ -75,13 +75,19 @@ KV_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2  # Llama-3.1-8B bf16: layers x KV head
 PAGE_SIZE = 16
 
 
-def runs_for(card: str) -> list[tuple[str, str, str]]:
+def read_json(path: Path) -> dict:
+    """A recorded run, plain or compressed (bench/out keeps the larger ones as .json.xz)."""
+    with open_text(path) as f:
+        return json.load(f)
+
+
+def runs_for(card: str, shared_run: str | None = None) -> list[tuple[str, str, str]]:
     """The recorded runs a card's calibration predicts; the first is the one its constants are fitted to. Another
     card's are its aggregated four-rate run and, where recorded (`bash bench/device_plan.sh 46m`: two workers on
-    the one GPU), its P+D pair and its two mixed pods time-sharing the GPU."""
+    the one GPU), its P+D pair and its two mixed pods time-sharing the GPU (`shared_run`: a later such run)."""
     if card == "h200":
         return RUNS
-    shared = f"serve_pd_shared_{card}.json"
+    shared = shared_run or f"serve_pd_shared_{card}.json"
     return [
         (f"serve_agg_calib_{card}.json", "agg", "agg"),
         (shared, "disagg", "disagg-shared-equal"),
@@ -285,11 +291,16 @@ def main() -> int:
         "on one GPU, its lowest rate; 0: none)",
     )
     ap.add_argument("--card", default="h200", help="the card whose microbenchmarks and runs are read (default h200)")
+    ap.add_argument(
+        "--shared-run",
+        default=None,
+        help="another card's P+D and mixed run on one GPU, in --runs (default serve_pd_shared_CARD.json)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="default bench/out/fleet_sim_calibration[_CARD].json")
     args = ap.parse_args()
     suffix = "" if args.card == "h200" else f"_{args.card}"
     out_path = args.out or REPO / "bench" / "out" / f"fleet_sim_calibration{suffix}.json"
-    runs_list = runs_for(args.card)
+    runs_list = runs_for(args.card, args.shared_run)
     started = time.perf_counter()
     cost, spread = fit_step_cost(args.runs, args.card)
     noise = chunk_step_noise(args.chunk_noise) if args.chunk_noise else ()
@@ -315,7 +326,7 @@ def main() -> int:
         share_slice_s=slice_s,
     )
     loaded = {
-        file: json.loads((args.runs / file).read_text()) for file, _, _ in runs_list if (args.runs / file).exists()
+        file: read_json(args.runs / file) for file, _, _ in runs_list if (args.runs / file).exists()
     }
 
     def config(run: dict, kind: str, hop_s: float) -> tuple[FleetConfig, Counts]:
