@@ -31,7 +31,7 @@ HANDSHAKE = HandshakeRequest(
     agent_name="d", instance_id="i", agent_metadata_b64="bWV0YQ==", pool_info_b64="cG9vbA==", layout=LAYOUT
 )
 PREFILL = PrefillRequest(
-    req_id="r", token_ids=[1, 2], sampling=SAMPLING, dst_agent="d", dst_instance_id="i", dst_pages=[3]
+    req_id="r", token_ids=(1, 2), sampling=SAMPLING, dst_agent="d", dst_instance_id="i", dst_pages=[3]
 )
 LOAD = LoadSnapshot(
     role="decode", pod="p", queued_prefill_tokens=0, running_requests=1, waiting_requests=0, free_pages=3,
@@ -47,7 +47,7 @@ SAMPLES: list[m.Wire] = [
     m.Stop(),
     m.Abort("r"),
     m.Abort("r", "error", "gone"),
-    m.Generate("r", [1, 2, 3], SAMPLING, "prefill-p", "inst", 30.0, 1.5),
+    m.Generate("r", (1, 2, 3), SAMPLING, "prefill-p", "inst", 30.0, 1.5),
     m.PrefillFailed("r", "no progress"),
     m.PrefillSettled("r", "refused"),
     m.AddPeer(HANDSHAKE),
@@ -55,7 +55,7 @@ SAMPLES: list[m.Wire] = [
     m.Cancel("decode-d", "inst", ["r"]),
     m.Unanswered("r"),
     m.TransferStats(),
-    m.Call(7, m.Generate("r", [1], SamplingParams())),
+    m.Call(7, m.Generate("r", (1,), SamplingParams())),
     m.Reply(7, m.TransferCounts(0, {}, 0, 0, 0)),
     m.Reply(8, error="no", code="invalid_request"),
     m.Batch([m.Reply(9), m.Tokens("r", TokenLine(token_ids=[5], finish_reason="stop")), m.Load(LOAD)]),
@@ -111,7 +111,7 @@ def test_every_message_comes_off_the_wire_as_itself() -> None:
 
 def test_payloads_travel_typed() -> None:
     """What the pod's edge validated is what the engine gets: structs, not dicts to validate again."""
-    gen = m.decode(m.encode(m.Call(1, m.Generate("r", [1], SAMPLING))))
+    gen = m.decode(m.encode(m.Call(1, m.Generate("r", (1,), SAMPLING))))
     assert isinstance(gen, m.Call) and isinstance(gen.cmd, m.Generate)
     assert isinstance(gen.cmd.sampling, SamplingParams) and gen.cmd.sampling.logit_bias == {7: -100.0}
     assert isinstance(gen.cmd.sampling.grammar, GrammarSpec)
@@ -121,7 +121,7 @@ def test_payloads_travel_typed() -> None:
 
 def test_an_int_past_64_bits_crosses_the_pipe() -> None:
     """The edge lets it through (a stop token id nothing samples); the engine must get it to refuse or ignore it."""
-    big = m.Generate("r", [1], SamplingParams(stop_token_ids=[2**70]))
+    big = m.Generate("r", (1,), SamplingParams(stop_token_ids=[2**70]))
     assert m.decode(m.encode(big)) == big
 
 
