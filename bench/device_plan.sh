@@ -6,6 +6,7 @@
 # Parts (device seconds, roughly, after the machine's start):
 #     46      FP8 against bf16 at the SLO targets, FP8 behind one router process and two                   ~560
 #     46v     46 cut short: bf16 and FP8 at 24-36 req/s, the gaps named and the slow collections listed        ~300
+#     46w     46v's FP8 half alone at 30 and 36 req/s                                                    ~200
 #     46p     the peers estimate alone: two router processes against one, bf16                              ~180
 #     46f     the TTFT error factor held to what recurs: bf16, two router processes, 24-36 req/s             ~80
 #     46g     FP8's eager chunk steps: piecewise graphs up to 2,048 tokens against the default 512, step traces  ~420
@@ -35,7 +36,7 @@
 # .devbundle/redis/redis-cli` and repack .devbundle/nixl.tar.xz without nixl_cu13.libs/ucx/libucx_perftest_* (UCX's
 # benchmark modules, never loaded; `xz -T2 -9e`): 54.6 MB in all, measured with `du -sb .devbundle`.
 set -uo pipefail
-part=${1:?"part: 46 | 46v | 46p | 46f | 46s | 46d | 46t | 46h | 46k | 46m | 47 | 49 | 49c | ready"}
+part=${1:?"part: 46 | 46v | 46w | 46p | 46f | 46s | 46d | 46t | 46h | 46k | 46m | 47 | 49 | 49c | ready"}
 : "${OUT:?the device tool sets OUT}"
 mkdir -p "$OUT/logs"
 python3 -c "import msgspec" 2>/dev/null ||
@@ -113,6 +114,15 @@ case "$part" in
         >"$OUT/logs/gap_sources_46v.txt" 2>&1
     grep -rh "slow garbage" "$OUT/lv" >"$OUT/logs/slow_gc_46v.txt" 2>/dev/null
     pack_logs "$OUT/lv" 46v
+    ;;
+46w)
+    # 46v's FP8 half alone, at the rates where its admitted requests missed (30 and 36 req/s)                  ~200
+    step 260 serve_fp8w python3 bench/serve.py --model dummy:llama-3.1-8b --mode agg@fp8 \
+        --variant-env fp8:KVFERRY_WEIGHT_DTYPE=fp8_e4m3 --variant-env fp8:KVFERRY_KV_DTYPE=fp8_e4m3 \
+        --gpus 0 --rates 30,36 --seconds 10 --slo-ttft-ms 1000 --slo-itl-ms 50 --no-plot --log-dir "$OUT/lw" \
+        --out "$OUT/serve_fp8w_${card}.json"
+    grep -rh "slow garbage" "$OUT/lw" >"$OUT/logs/slow_gc_46w.txt" 2>/dev/null
+    rm -rf "$OUT/lw/tokenizer"
     ;;
 46p)
     # the peers estimate alone, bf16 (no FP8 compile): two router processes against one at and past saturation. The
