@@ -92,6 +92,7 @@ def runs_for(card: str, shared_run: str | None = None) -> list[tuple[str, str, s
         (f"serve_agg_calib_{card}.json", "agg", "agg"),
         (shared, "disagg", "disagg-shared-equal"),
         (shared, "disagg", "disagg-shared"),
+        (shared, "disagg", "disagg-shared-sliced"),
         (shared, "mixed", "mixed-shared-equal"),
     ]
 
