@@ -356,7 +356,8 @@ def test_calibration_on_another_card_fits_its_microbenchmarks_and_predicts_its_o
     pair = [p for p in got["points"] if p["simulated"] == "disagg-shared-equal"]
     assert [p["rate"] for p in pair] == [3.0, 6.0, 9.0, 12.0] and got["peer_hop_s"] > 0
     assert pair[0]["predicted"]["ttft_p50_ms"] == pytest.approx(pair[0]["measured"]["ttft_p50_ms"], rel=0.03)
-    assert {p["simulated"] for p in got["points"]} == {"agg", "disagg-shared-equal", "disagg-shared"}  # no mixed run
+    simulated = {p["simulated"] for p in got["points"]}
+    assert simulated == {"agg", "disagg-shared-equal", "disagg-shared", "disagg-shared-sliced"}  # no mixed run
 
 
 def test_chunk_noise_stretches_and_shrinks_chunk_steps_beside_decoding_only() -> None:
