@@ -326,9 +326,7 @@ def main() -> int:
         share_length_exponent=share_exponent,
         share_slice_s=slice_s,
     )
-    loaded = {
-        file: read_json(args.runs / file) for file, _, _ in runs_list if (args.runs / file).exists()
-    }
+    loaded = {file: read_json(args.runs / file) for file, _, _ in runs_list if (args.runs / file).exists()}
 
     def config(run: dict, kind: str, hop_s: float) -> tuple[FleetConfig, Counts]:
         slo = run["config"].get("slo") or {}
