@@ -97,7 +97,7 @@ case "$part" in
         mode=agg; [ "$m" = agg ] || mode="agg@$m"
         echo "== $mode" >>"$OUT/logs/gap_sources_46.txt"
         python3 bench/gap_sources.py "$OUT/serve_fp8_slo10_${card}.json" --mode "$mode" \
-            --trace "$OUT/ls/steps_$m.jsonl" >>"$OUT/logs/gap_sources_46.txt" 2>&1
+            --trace "$OUT/ls/steps_$m.jsonl" --logs "$OUT/ls" >>"$OUT/logs/gap_sources_46.txt" 2>&1
     done
     pack_logs "$OUT/ls" 46
     ;;
@@ -111,7 +111,7 @@ case "$part" in
         --variant-env fp8:KVFERRY_STEP_TRACE="$OUT/lv/steps_fp8.jsonl" --gpus 0 --rates 24,30,36 --seconds 10 \
         --slo-ttft-ms 1000 --slo-itl-ms 50 --no-plot --log-dir "$OUT/lv" --out "$OUT/serve_fp8v_${card}.json"
     python3 bench/gap_sources.py "$OUT/serve_fp8v_${card}.json" --mode agg@fp8 --trace "$OUT/lv/steps_fp8.jsonl" \
-        >"$OUT/logs/gap_sources_46v.txt" 2>&1
+        --logs "$OUT/lv" >"$OUT/logs/gap_sources_46v.txt" 2>&1
     grep -rh "slow garbage" "$OUT/lv" >"$OUT/logs/slow_gc_46v.txt" 2>/dev/null
     pack_logs "$OUT/lv" 46v
     ;;

@@ -6,10 +6,13 @@ up with the engine's step trace (`KVFERRY_STEP_TRACE`, its lines' wall clock `t`
   graphs' tokens (`--graphed-tokens`);
 - `host`: host time past the step's device time made up the overrun, the launch not explaining it;
 - `device`: the step itself ran about as long as the target on the device;
-- `downstream`: no step's gap matches: the worker's HTTP process, the router or the client.
+- `downstream`: no step's gap matches: the worker's HTTP process, the router or the client;
+- `collection`: downstream, and a process's slow garbage collection (its log's `slow garbage collection` line,
+  `--logs`: the run's log directory, searched for *.log) ran during the gap. A host gap with one beside it names
+  it too.
 
     python bench/gap_sources.py SERVE.json[.xz] --mode agg@fp8 --trace steps_fp8.jsonl[.xz] [--target-ms 50]
-        [--graphed-tokens 2560] [--out OUT.json]
+        [--graphed-tokens 2560] [--logs LOG_DIR] [--out OUT.json]
 
 It also prints the host's launch time by step kind, graphed or eager (the trace's `launch_host_s`).
 """
@@ -45,6 +48,43 @@ class GapEvent:
     cause: str = "downstream"
     step: dict[str, Any] | None = None  # the trace line whose processing ended it
     next_step: dict[str, Any] | None = None  # the one launched meanwhile
+    collection: Collection | None = None  # the longest slow garbage collection during it, from the logs
+
+
+@dataclass
+class Collection:
+    """A slow garbage collection a serving process logged (common/gc_pauses.py)."""
+
+    log: str  # the log file it is in, under --logs: which process
+    at: float  # when it ended, wall clock
+    ms: float
+    generation: int
+
+
+def read_collections(log_dir: Path) -> list[Collection]:
+    found: list[Collection] = []
+    for path in sorted(log_dir.rglob("*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            if "slow garbage collection" not in line:
+                continue
+            fields = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
+            if "at" in fields and "ms" in fields:  # lines before the field existed cannot be placed
+                rel = str(path.relative_to(log_dir))
+                found.append(
+                    Collection(rel, float(fields["at"]), float(fields["ms"]), int(fields.get("generation", 2)))
+                )
+    return found
+
+
+def with_collection(event: GapEvent, collections: list[Collection]) -> GapEvent:
+    """Names the longest collection that ran during the gap; a downstream gap's cause becomes `collection`."""
+    start = event.end_s - event.gap_ms / 1e3
+    during = [c for c in collections if c.at - c.ms / 1e3 <= event.end_s + AFTER_S and c.at >= start - AFTER_S]
+    if during:
+        event.collection = max(during, key=lambda c: c.ms)
+        if event.cause == "downstream":
+            event.cause = "collection"
+    return event
 
 
 def shared_gaps(points: list[dict[str, Any]], target_ms: float, min_streams: int = 2) -> list[GapEvent]:
@@ -112,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace", required=True, help="that mode's engine step trace (KVFERRY_STEP_TRACE; .xz too)")
     p.add_argument("--target-ms", type=float, default=50.0, help="the ITL target: longer gaps are looked at")
     p.add_argument("--graphed-tokens", type=int, default=2560, help="KVFERRY_CUDA_GRAPH_MAX_TOKENS the run had")
+    p.add_argument("--logs", help="the run's log directory: its slow garbage collections are lined up too")
     p.add_argument("--out", help="write the events and launch times here as JSON")
     args = p.parse_args(argv)
     run = json.loads(read_text(args.serve))
@@ -127,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         print("the trace has no wall clock (`t`): recorded before the field existed", file=sys.stderr)
         return 2
     events = [attribute(e, steps, args.target_ms, args.graphed_tokens) for e in shared_gaps(points, args.target_ms)]
+    if args.logs:
+        collections = read_collections(Path(args.logs))
+        events = [with_collection(e, collections) for e in events]
     for e in events:
         line = f"point {e.point} ({e.rate} req/s): {e.gap_ms:.1f} ms gap, {e.streams} streams -> {e.cause}"
         if e.step is not None:
@@ -136,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
                 f" ms, gap {s['gap_s'] * 1e3:.1f} ms; launched meanwhile {n.get('kind')}"
                 f" {n.get('prefill_tokens')}+{n.get('decode_rows')} in {n.get('launch_host_s', 0.0) * 1e3:.1f} ms"
             )
+        if e.collection is not None:
+            c = e.collection
+            line += f"; collection in {c.log}: generation {c.generation}, {c.ms:.1f} ms"
         print(line)
     launches = launch_times(steps, args.graphed_tokens)
     for kind, v in launches.items():

@@ -64,8 +64,9 @@ class GcPauses:
     total_s: float = 0.0
     max_s: float = 0.0
     on_pause: Callable[[float], None] | None = None  # each pause in seconds (a metric's observe), from `flush`
-    # (seconds, generation, collected) of each collection not yet flushed; append and popleft need no lock
-    _pending: deque[tuple[float, int, int]] = field(default_factory=lambda: deque(maxlen=PENDING_KEPT))
+    # (seconds, generation, collected, wall clock at its end) of each collection not yet flushed; append and popleft
+    # need no lock
+    _pending: deque[tuple[float, int, int, float]] = field(default_factory=lambda: deque(maxlen=PENDING_KEPT))
     _started: float = 0.0
     _installed: bool = False
     _census_at: float = -CENSUS_EVERY_S
@@ -90,19 +91,19 @@ class GcPauses:
         self.count += 1
         self.total_s += took
         self.max_s = max(self.max_s, took)
-        self._pending.append((took, info.get("generation", 2), info.get("collected", 0)))
+        self._pending.append((took, info.get("generation", 2), info.get("collected", 0), time.time()))
 
     def flush(self) -> int:
         """Hands each queued pause to `on_pause` and logs the slow ones; returns how many. Call it from the
         process's own code, never from a collector callback."""
         pending, n = self._pending, 0
         while pending:
-            took, generation, collected = pending.popleft()
+            took, generation, collected, ended = pending.popleft()
             n += 1
             if self.on_pause is not None:
                 self.on_pause(took)
             if took >= SLOW_PAUSE_S:
-                self._log_slow(took, generation, collected)
+                self._log_slow(took, generation, collected, ended)
         return n
 
     async def flush_every(self, interval_s: float = 1.0) -> None:
@@ -111,8 +112,10 @@ class GcPauses:
             await asyncio.sleep(interval_s)
             self.flush()
 
-    def _log_slow(self, took: float, generation: int, collected: int) -> None:
-        extra = {"generation": generation, "ms": round(took * 1e3, 1), "collected": collected}
+    def _log_slow(self, took: float, generation: int, collected: int, ended: float) -> None:
+        # `at`: when it ended, wall clock in seconds (the line is written up to a second later, by `flush`), which
+        # bench/gap_sources.py lines up with the token gaps clients saw
+        extra = {"generation": generation, "ms": round(took * 1e3, 1), "collected": collected, "at": round(ended, 3)}
         now = time.monotonic()
         if now - self._census_at >= CENSUS_EVERY_S:
             self._census_at = now

@@ -61,3 +61,30 @@ def test_shared_gaps_are_named_by_the_step_that_ended_them(tmp_path, capsys) -> 
     assert json.loads(out.read_text())["events"][0]["cause"] == "host"
     assert main([*argv[:1], "--mode", "agg", *argv[3:]]) == 2  # a mode the run lacks: said, not a traceback
     assert "no mode 'agg'" in capsys.readouterr().err
+
+
+def test_a_downstream_gap_is_named_by_a_slow_collection_the_logs_place_in_it(tmp_path, capsys) -> None:
+    """--logs: a process's slow garbage collection that ran while the streams waited (the log line's `at`, when it
+    ended) names a gap the engine's steps do not explain; one at another time, or a line without `at`, does not."""
+    start = 1000.0
+    requests = [_request(i, 70.0, 8000.0) for i in range(3)] + [_request(3 + i, 65.0, 9000.0) for i in range(2)]
+    serve = {"modes": {"agg@fp8": {"points": [{"value": 30.0, "started_at": start, "per_request": requests}]}}}
+    steps = [_step(start + 7.998, "decode", 0, 40, 6.0, 6.2, 2.0), _step(start + 8.998, "decode", 0, 40, 6.0, 6.2, 2.0)]
+    (tmp_path / "serve.json").write_text(json.dumps(serve))
+    (tmp_path / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    logs = tmp_path / "logs" / "fp8"
+    logs.mkdir(parents=True)
+    slow = "12:00:00 warning kvferry.gc: slow garbage collection generation=2 ms={ms} collected=0{at}\n"
+    (logs / "agg-router.log").write_text(
+        slow.format(ms=64.1, at=f" at={start + 7.995}")  # ended inside the first gap
+        + slow.format(ms=30.0, at=f" at={start + 5.0}")  # long before either
+        + slow.format(ms=40.0, at="")  # an older line: no time to place it
+    )
+    (logs / "agg-decode-0.log").write_text(slow.format(ms=21.0, at=f" at={start + 7.990}"))
+    out = tmp_path / "gaps.json"
+    argv = [str(tmp_path / "serve.json"), "--mode", "agg@fp8", "--trace", str(tmp_path / "steps.jsonl")]
+    assert main([*argv, "--logs", str(tmp_path / "logs"), "--out", str(out)]) == 0
+    events = json.loads(out.read_text())["events"]
+    assert [(e["streams"], e["cause"]) for e in events] == [(3, "collection"), (2, "downstream")]
+    assert events[0]["collection"]["log"] == "fp8/agg-router.log" and events[0]["collection"]["ms"] == 64.1
+    assert "collection in fp8/agg-router.log: generation 2, 64.1 ms" in capsys.readouterr().out

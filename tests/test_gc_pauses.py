@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import time
 
 from common.gc_pauses import FULL_AFTER_YOUNGER, GcPauses, freeze_startup_objects
 from common.protocol import GenerateRequest, decode
@@ -123,6 +124,7 @@ def test_a_slow_collection_is_logged_with_its_generations_size_at_most_once_a_mi
     assert len(lines) == 2
     assert lines[0].generation == 2 and lines[0].objects >= len(kept) and lines[0].frozen >= 0
     assert not hasattr(lines[1], "objects")
+    assert 0 <= time.time() - lines[1].at < 60 and lines[0].at <= lines[1].at  # when each ended, wall clock
 
 
 def test_a_collection_inside_a_metric_update_does_not_wait_on_that_metrics_lock() -> None:
