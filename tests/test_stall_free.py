@@ -363,8 +363,10 @@ def test_budget_comes_from_the_step_model_once_chunks_were_timed(tiny_model: Dec
         req_id="d", prompt_ids=prompts(71, [12])[0], sampling=SamplingParams(max_tokens=200, ignore_eos=True)
     )
     sched.add(decoding)
-    # Enough prompts that a loaded CPU's noisy timings still fit a positive per-token cost before they run out.
-    queued = iter(prompts(72, [150] * 200))
+    # Prompts of four sizes, each one chunk within the budget (the largest leaves the tiny model's 512-token context
+    # room): the timed chunks differ in tokens, so a per-token cost stands out of a loaded CPU's noise; chunks all
+    # of 150 tokens once left it at zero past 200 prompts, on an idle box.
+    queued = iter(prompts(72, [32, 128, 256, 448] * 250))
     for i in range(2000):  # prompts arriving one after another beside the decoding request: mixed steps, timed
         if sched.pacing.step_model.ready:
             break
