@@ -61,13 +61,19 @@ class Collection:
     generation: int
 
 
+def slow_collection_fields(log: Path) -> list[dict[str, str]]:
+    """The key=value fields of each `slow garbage collection` line (common/gc_pauses.py) in a log, in order."""
+    return [
+        dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
+        for line in log.read_text(errors="replace").splitlines()
+        if "slow garbage collection" in line
+    ]
+
+
 def read_collections(log_dir: Path) -> list[Collection]:
     found: list[Collection] = []
     for path in sorted(log_dir.rglob("*.log")):
-        for line in path.read_text(errors="replace").splitlines():
-            if "slow garbage collection" not in line:
-                continue
-            fields = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
+        for fields in slow_collection_fields(path):
             if "at" in fields and "ms" in fields:  # lines before the field existed cannot be placed
                 rel = str(path.relative_to(log_dir))
                 found.append(

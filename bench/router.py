@@ -326,20 +326,15 @@ def streaming_capacity(args: argparse.Namespace, redis_url: str, logs: Path) -> 
 
 
 def slow_collections(log: Path) -> list[dict[str, Any]]:
-    """The router's slow garbage collections (common/gc_pauses.py's warning lines, key=value fields) from its log."""
-    found: list[dict[str, Any]] = []
-    for line in log.read_text(errors="replace").splitlines():
-        if "slow garbage collection" not in line:
-            continue
-        fields = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
-        found.append({k: float(v) for k, v in fields.items() if k in ("generation", "ms", "collected", "objects")})
-    return found
+    """The router's slow garbage collections from its log: their figures."""
+    from bench.gap_sources import slow_collection_fields
+
+    keep = ("generation", "ms", "collected", "objects")
+    return [{k: float(v) for k, v in fields.items() if k in keep} for fields in slow_collection_fields(log)]
 
 
 # ---- decisions per second ------------------------------------------------------------------------------
 def decisions_per_second(redis_url: str, seconds: float) -> dict[str, Any]:
-    import random
-
     from common.prefix.hashing import chained_block_hashes
     from common.prefix.publisher import PrefixIndexPublisher
     from common.prefix.reader import PrefixIndexReader
