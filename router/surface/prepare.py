@@ -90,7 +90,7 @@ class PromptPreparer:
                 if not ids:
                     raise bad_request("prompt must not be empty", "prompt")
             else:
-                ids = tuple(map(int, p))
+                ids = tuple(p)  # validated ints already; the body's own tuple, not a copy
                 if any(t < 0 or t >= self.tok.vocab_size for t in ids):
                     raise bad_request(f"prompt token ids must be in [0, {self.tok.vocab_size})", "prompt")
             prompts.append(ids)
