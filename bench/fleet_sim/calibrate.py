@@ -305,7 +305,7 @@ def main() -> int:
     started = time.perf_counter()
     cost, spread = fit_step_cost(args.runs, args.card)
     noise = chunk_step_noise(args.chunk_noise) if args.chunk_noise else ()
-    base = WorkerSpec(cost=cost, spread_s=spread, kv_tokens=KV_TOKENS, chunk_noise=noise)
+    base = WorkerSpec(cost=cost, spread_s=spread, kv_tokens=KV_TOKENS, chunk_noise=noise, launch_ahead=True, notice_after_step=True)
     first = json.loads((args.runs / runs_list[0][0]).read_text())
     ttft_ms, itl_ms = first["config"]["slo_ttft_ms"], first["config"]["slo_itl_ms"]
     host_s, served_spread, net_s = fit_host(

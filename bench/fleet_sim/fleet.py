@@ -403,6 +403,8 @@ class Fleet:
                         woken = w.wake(t)
                         if woken is not None:  # _wake_at, in line: the loop's most frequent event
                             push(events, (woken, next(seq), 0, w, w.version))
+                        if w.notices or w.notices_held:
+                            self._land_notices(w, t, woken is None)
                         if w.asks:
                             self._ask_peers(w)
                         if w.draining:
@@ -568,27 +570,47 @@ class Fleet:
 
     def _on_first_token(self, w: SimWorker, job: Job, now: float) -> None:
         if job.peer is not None:  # a prefill for a peer: its KV moves, then it decodes there
-            d, req = job.peer  # type: ignore[misc]
-            call = job.call
-            rw = self.views[call.process].pool.workers.get(w.name)  # type: ignore[attr-defined]
-            if rw is not None:
-                rw.release_prefill(call)
-            arrive = now + self.cfg.worker.transfer_s(req.prompt, w.device is not None and w.device is d.device)
-            self.ttft[job.rid] = arrive - job.arrival + self.cfg.net_s
-            if self.cfg.error_feedback:
-                self._feed_error(job)
-            if req.output > 1:
-                dj = Job(job.rid, job.arrival, req.prompt, 0, req.output - 1, req.prompt + req.output)
-                dj.call = call
-                heapq.heappush(self._events, (arrive, next(self._seq), 1, d, dj))  # _push, in line: one a request
-            else:
-                self._on_finish(d, job, now, 0.0)
-            if w.draining:
-                self._maybe_leave(w)
+            if w.spec.notice_after_step and w.span_shared:
+                w.notices.append((job, now))  # lands at the end of the step in flight (_land_notices)
+                return
+            self._kv_moves(w, job, now, now)
             return
         self.ttft[job.rid] = now - job.arrival + self.cfg.net_s
         if self.cfg.error_feedback:
             self._feed_error(job)
+
+    def _land_notices(self, w: SimWorker, now: float, idle: bool) -> None:
+        """`w`'s step ended at `now`: the KV of the first tokens it held lands, and so does that of those the step
+        just gave when no step of its runs on (`idle`); the rest wait for the step now in flight."""
+        held, w.notices_held = w.notices_held, []
+        if idle:
+            held += w.notices
+        else:
+            w.notices_held = w.notices
+        w.notices = []
+        for job, first in held:
+            self._kv_moves(w, job, first, now)
+
+    def _kv_moves(self, w: SimWorker, job: Job, first: float, now: float) -> None:
+        """A prompt prefilled on `w` for a peer, its first token at `first`: its KV moves from `now` on, then the
+        rest decodes there."""
+        d, req = job.peer  # type: ignore[misc]
+        call = job.call
+        rw = self.views[call.process].pool.workers.get(w.name)  # type: ignore[attr-defined]
+        if rw is not None:
+            rw.release_prefill(call)
+        arrive = now + self.cfg.worker.transfer_s(req.prompt, w.device is not None and w.device is d.device)
+        self.ttft[job.rid] = arrive - job.arrival + self.cfg.net_s
+        if self.cfg.error_feedback:
+            self._feed_error(job)
+        if req.output > 1:
+            dj = Job(job.rid, job.arrival, req.prompt, 0, req.output - 1, req.prompt + req.output)
+            dj.call = call
+            heapq.heappush(self._events, (arrive, next(self._seq), 1, d, dj))  # _push, in line: one a request
+        else:
+            self._on_finish(d, job, first, 0.0)
+        if w.draining:
+            self._maybe_leave(w)
 
     def _feed_error(self, job: Job) -> None:
         """The router process that placed `job` sees its first token: measured against predicted TTFT."""

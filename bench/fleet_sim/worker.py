@@ -73,6 +73,16 @@ class WorkerSpec:
     # step's `took / predicted - 1`, bench/fleet_sim/calibrate.py `chunk_step_noise`): a chunk step beside decoding
     # takes one of them in turn, NOISE_STRIDE apart, the same order every run. Empty: every step as the cost model says.
     chunk_noise: tuple[float, ...] = ()
+    # The engine on a GPU launches each step before it processes the one before (common/sched/scheduler.py
+    # `step`, overlap on): step X is planned when step X-1 starts, so work that reaches a busy worker joins the
+    # step after the next boundary's, one step later than a loop that plans at each boundary. Off: the CPU
+    # engine's order (overlap off), and what this simulator did before.
+    launch_ahead: bool = False
+    # On a GPU it time-shares: a prefill worker's KV lands at its decode peer when its step in flight at the first
+    # token (launched ahead) ends, not a copy's time after the first token. What the P+D pair on one H100 measured:
+    # first token to "KV landed" 11 / 28 / 38 / 59 ms at 3 / 6 / 9 / 12 req/s against a ~1 ms copy alone
+    # (bench/RESULTS.md, "The engine's launch ahead in the simulator").
+    notice_after_step: bool = False
 
     @cached_property
     def published(self) -> StepCost:
@@ -124,6 +134,7 @@ class Job:
     bad_at_join: int = 0
     call: object = None  # what the router's pool holds for it
     peer: object = None  # a prefill for a peer: (decode worker, request) its KV goes to
+    seen_at: float = 0.0  # when it reached this worker's engine (launch ahead: the steps it may join)
 
 
 @dataclass(slots=True)  # read and written at every event: slot access is the quickest
@@ -170,6 +181,13 @@ class SimWorker:
     # times there: the chunk budget divides the target by it, as the engine's model predicts each step that much
     # slower (1 on a GPU of its own)
     shared_slowdown: float = 1.0
+    # when the step that ended last started (infinite while idle): with launch ahead, the next step was planned
+    # then, so it takes only work that had reached the engine by that time
+    planned_at: float = math.inf
+    # notice_after_step: first tokens of prefills for peers whose KV has not landed yet: those of the steps that
+    # just ended (`notices`), and those waiting for the end of the step in flight (`notices_held`)
+    notices: list[tuple[Job, float]] = field(default_factory=list)
+    notices_held: list[tuple[Job, float]] = field(default_factory=list)
     _noise_at: int = 0  # the last chunk noise taken (WorkerSpec.chunk_noise)
     added: int = 0  # jobs given so far
     # full prompt tokens of the jobs given to it to prefill (a peer's prefill, or its own request's), cached or
@@ -276,6 +294,7 @@ class SimWorker:
         """Queues `job`; True when the worker was idle (the caller schedules its wake-up at `now`)."""
         self.added += 1
         self.reserved_kv += job.kv
+        job.seen_at = now
         if job.todo > 0:
             self.waiting.append(job)
             self.queued_tokens += job.todo
@@ -306,7 +325,9 @@ class SimWorker:
             if job is not None and job.todo > 0:
                 # it waits behind the prompt the run's steps fill, and shares its last chunk's step if that has
                 # not started yet: the run then ends before it
-                if not self.run_last or finished >= self.span_steps - 1:
+                # (launch ahead: the step after the one in flight was planned already, so the last chunk's step
+                # must start two steps on at least)
+                if not self.run_last or finished >= self.span_steps - 1 - self.spec.launch_ahead:
                     return None
                 done = self.span_steps - 1
             else:
@@ -346,6 +367,8 @@ class SimWorker:
         if self.busy_until >= 0:
             self.version += 1  # its state moves on (also when it goes idle: no next event bumps it then)
             self._finish_span(now)
+        else:
+            self.planned_at = math.inf  # an idle engine plans at once
         end = self._start(now)
         if end is None and self.device is not None:
             self.device.release(self, now)  # nothing queued: the GPU goes to whoever waits
@@ -365,6 +388,7 @@ class SimWorker:
         if self.span_shared:
             s = now - self.span_start  # one step, as long as sharing its GPU made it
             self.shared_slowdown += SHARED_SLOWDOWN_GAIN * (s / self.span_step_s - self.shared_slowdown)
+        self.planned_at = now - s  # its last step's start
         n = len(self.rows)
         self.busy_s += k * s
         if self.span_chunks and self.spec.itl_target_s <= 0:
@@ -423,6 +447,7 @@ class SimWorker:
         """The steps of a prompt run, one by one as _finish_span takes a prompt step (no row decodes, none
         finishes, its prompt only at a last step carrying its last chunk)."""
         prefill_first = self.spec.itl_target_s <= 0
+        self.planned_at = self.run_ends[-1] - self.run_steps_s[-1]
         for s in self.run_steps_s:
             self.busy_s += s
             if prefill_first:
@@ -451,12 +476,12 @@ class SimWorker:
 
     def _start(self, now: float) -> float | None:
         s = self.spec
-        for job in self.joining:
-            # its KV arrived from a peer: the engine's loop turn takes it in (Scheduler.settle_transfers) and sends
-            # its first token then, at the step boundary after it landed
-            self._join(job)
-            self.on_first_token(self, job, now)
-        self.joining.clear()
+        # launch ahead: this step was planned when the one that just ended started; what came later waits a step
+        planned = self.planned_at if s.launch_ahead else math.inf
+        if planned < math.inf and not self.rows and not self._any_seen_by(planned):
+            planned = math.inf  # nothing was known to run then: the engine launched no step, and plans this one now
+        if self.joining:
+            self._take_joining(now, planned)
         cost = s.cost
         chunks: list[tuple[Job, int]] = []
         n = len(self.rows)
@@ -465,7 +490,7 @@ class SimWorker:
             budget, attention = self.chunk_budget(n, ctx), 0.0
             rows_free = s.max_running - n
             for job in self.waiting:
-                if budget <= 0 or rows_free <= 0:
+                if budget <= 0 or rows_free <= 0 or job.seen_at > planned:
                     break
                 take = min(budget, job.todo)
                 chunks.append((job, take))
@@ -490,7 +515,9 @@ class SimWorker:
             step += s.host_s
             self.span_chunks, self.span_steps = chunks, 1
         elif n:
-            k = 1 if shared else max(1, self.rows[0][0] - self.steps)
+            # one step at a time while work waits to be planned in (launch ahead) or shares the GPU
+            later = bool(self.joining) or (bool(self.waiting) and self.waiting[0].seen_at > planned)
+            k = 1 if shared or later else max(1, self.rows[0][0] - self.steps)
             step = cost.overhead_s(n, ctx + n * (k // 2)) + s.host_s
             self.span_steps = k
         else:
@@ -504,6 +531,27 @@ class SimWorker:
             self.busy_until = now + step * self.span_steps
         self.version += 1
         return self.busy_until
+
+    def _any_seen_by(self, planned: float) -> bool:
+        """Whether any queued work had reached the engine by `planned` (the waiting queue is in arrival order)."""
+        if self.waiting and self.waiting[0].seen_at <= planned:
+            return True
+        return any(job.seen_at <= planned for job in self.joining)
+
+    def _take_joining(self, now: float, planned: float) -> None:
+        """Rows whose KV arrived from a peer: the engine's loop turn takes each in (Scheduler.settle_transfers)
+        and sends its first token then, at the step boundary after it landed; it decodes from the next step planned
+        after that (`planned`: launch ahead, the one after this; unless nothing else runs)."""
+        keep = []
+        for job in self.joining:
+            if job.first_token < 0:
+                job.first_token = now
+                self.on_first_token(self, job, now)
+            if job.seen_at <= planned:
+                self._join(job)
+            else:
+                keep.append(job)
+        self.joining = keep
 
     def _start_run(self, now: float, job: Job, chunk: int) -> float:
         """Full chunks of `job` while more than a chunk of it stays for the step after (its last chunk, and what
