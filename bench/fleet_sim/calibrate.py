@@ -29,7 +29,9 @@ A prefill and a decode worker time-sharing one GPU (serve_pd_shared_h200.json) r
 derived from bench/gpu_share.py's two loops on one GPU (gpu_share_h200.json; --share names others); equal shares
 (what bench/fleet_sim/h200.py runs); and time slices, the slice's length from the same loops (`fit_slice_s`).
 Their KV moves by a device-local copy whose fixed time and rate are fitted to bench/transfer.py's one-GPU run
-(transfer_cuda_llama8b_h200.json).
+(transfer_cuda_llama8b_h200.json), and lands when the prefill worker's step in flight at the first token ends
+(``notice_after_step``). Every simulated engine launches each step before it processes the one before
+(``launch_ahead``), as the engine does on a GPU (bench/RESULTS.md, "The engine's launch ahead in the simulator").
 """
 
 from __future__ import annotations
@@ -305,7 +307,9 @@ def main() -> int:
     started = time.perf_counter()
     cost, spread = fit_step_cost(args.runs, args.card)
     noise = chunk_step_noise(args.chunk_noise) if args.chunk_noise else ()
-    base = WorkerSpec(cost=cost, spread_s=spread, kv_tokens=KV_TOKENS, chunk_noise=noise, launch_ahead=True, notice_after_step=True)
+    base = WorkerSpec(
+        cost=cost, spread_s=spread, kv_tokens=KV_TOKENS, chunk_noise=noise, launch_ahead=True, notice_after_step=True
+    )
     first = json.loads((args.runs / runs_list[0][0]).read_text())
     ttft_ms, itl_ms = first["config"]["slo_ttft_ms"], first["config"]["slo_itl_ms"]
     host_s, served_spread, net_s = fit_host(
