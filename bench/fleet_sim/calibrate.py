@@ -183,7 +183,8 @@ def fleet_for(kind: str, spec: WorkerSpec, slo_ttft_ms: float, slo_itl_ms: float
     slo = parse_slo_classes(f"interactive:ttft={slo_ttft_ms:g}ms,itl={slo_itl_ms:g}ms,p=99")
     if kind == "agg-prefill-first":
         spec = replace(spec, itl_target_s=0.0)
-    cfg = FleetConfig(worker=spec, slo=slo, policy=PolicyConfig(), startup_s=0.0)
+    # the router's TTFT error factor fed back, as every router process runs it (router/decision/ttft_error.py)
+    cfg = FleetConfig(worker=spec, slo=slo, policy=PolicyConfig(), startup_s=0.0, error_feedback=True)
     if kind == "mixed-shared-equal":
         return replace(cfg, worker=_equal_shares(spec), workers_per_gpu=2), Counts(mixed=2)
     if kind.startswith("disagg-shared"):

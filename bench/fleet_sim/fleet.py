@@ -601,8 +601,8 @@ class Fleet:
             rw.release_prefill(call)
         arrive = now + self.cfg.worker.transfer_s(req.prompt, w.device is not None and w.device is d.device)
         self.ttft[job.rid] = arrive - job.arrival + self.cfg.net_s
-        if self.cfg.error_feedback:
-            self._feed_error(job)
+        if self.cfg.error_feedback and req.output <= 1:
+            self._feed_error(job)  # one with more to decode feeds it once, at its first token there
         if req.output > 1:
             dj = Job(job.rid, job.arrival, req.prompt, 0, req.output - 1, req.prompt + req.output)
             dj.call = call
