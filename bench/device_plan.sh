@@ -25,6 +25,7 @@
 #             mixed steps), a step trace at another seed (--chunk-noise), then an aggregated four-rate run to
 #             predict (bench/fleet_sim/calibrate.py --card)                                                  ~250
 #     49      the planner in dry run beside a P+D pair on one GPU; GPU sharing with overlap             ~520
+#     49d     49's dry run alone                                                                          ~320
 #     ready   builds the image's 8B kernel set as docker/build_kernels.py does, then the 8B worker's
 #             ready time from a fresh start, bf16 and FP8 (issue 49's <= 30 s)                         ~500
 # Results land in $OUT; commit what comes back with `git add -f bench/out/...`.
@@ -36,7 +37,7 @@
 # .devbundle/redis/redis-cli` and repack .devbundle/nixl.tar.xz without nixl_cu13.libs/ucx/libucx_perftest_* (UCX's
 # benchmark modules, never loaded; `xz -T2 -9e`): 54.6 MB in all, measured with `du -sb .devbundle`.
 set -uo pipefail
-part=${1:?"part: 46 | 46v | 46w | 46p | 46f | 46s | 46d | 46t | 46h | 46k | 46m | 47 | 49 | 49c | ready"}
+part=${1:?"part: 46 | 46v | 46w | 46p | 46f | 46s | 46d | 46t | 46h | 46k | 46m | 47 | 49 | 49d | 49c | ready"}
 : "${OUT:?the device tool sets OUT}"
 mkdir -p "$OUT/logs"
 python3 -c "import msgspec" 2>/dev/null ||
@@ -235,6 +236,15 @@ case "$part" in
     step 90 mla_quick_no_small python3 bench/mla.py --quick --small-kernel off --out "$OUT/mla_quick_nosmall_${card}.json"
     step 90 prompt_logprobs python3 bench/prompt_logprobs.py --model dummy:llama-3.1-8b --device cuda \
         --prompt-tokens 8192 --chunk 2048 --out "$OUT/prompt_logprobs_${card}.json"
+    ;;
+49d)
+    # 49's dry run alone: the planner at the current code (the H100's run at ec88db1 matched 0.818, but the planner
+    # then sized past saturation for refused requests twice; today's planner replayed on it matches 0.242)   ~320
+    step 380 planner_dryrun python3 bench/planner_dryrun.py --model dummy:llama-3.1-8b --gpus 0,0 \
+        --worker-env KVFERRY_KV_MEMORY_GB=10 --steps 4:30,24:45,4:90 --prompt-len 1000-3000 --output-len 64-128 \
+        --drain-timeout 30 --planner-interval 5 --planner-window 30 --log-dir "$OUT/logs/planner" \
+        --out "$OUT/planner_dryrun_${card}.json"
+    rm -rf "$OUT/logs/planner/tokenizer"
     ;;
 49)
     # 10 GB of KV each: two 8B workers fit an H100's 80 GB too. The run: ~25 s start, ~60 s warm-up and the
