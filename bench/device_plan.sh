@@ -56,6 +56,14 @@ clocks() {  # clocks NAME: the card's clocks, power and load every 200 ms beside
         -lms 200 >"$OUT/logs/clocks_$1.csv" 2>/dev/null &
     clocks_pid=$!
 }
+planner_dry_run() {  # 10 GB of KV each: two 8B workers fit an H100's 80 GB too. The run: ~25 s start, ~60 s
+    # warm-up and the planner's first window, the load's 165 s, at most 30 s of drain; then the simulator's replay
+    step 380 planner_dryrun python3 bench/planner_dryrun.py --model dummy:llama-3.1-8b --gpus 0,0 \
+        --worker-env KVFERRY_KV_MEMORY_GB=10 --steps 4:30,24:45,4:90 --prompt-len 1000-3000 --output-len 64-128 \
+        --drain-timeout 30 --planner-interval 5 --planner-window 30 --log-dir "$OUT/logs/planner" \
+        --out "$OUT/planner_dryrun_${card}.json"
+    rm -rf "$OUT/logs/planner/tokenizer"
+}
 pack_logs() {  # pack_logs DIR NAME: a deployment's logs as one file (at most 8 files come back) and its slow steps
     [ -d "$1" ] || return 0
     [ -n "${clocks_pid:-}" ] && kill "$clocks_pid" 2>/dev/null  # never `kill 0`: that is the whole group
@@ -240,20 +248,10 @@ case "$part" in
 49d)
     # 49's dry run alone: the planner at the current code (the H100's run at ec88db1 matched 0.818, but the planner
     # then sized past saturation for refused requests twice; today's planner replayed on it matches 0.242)   ~320
-    step 380 planner_dryrun python3 bench/planner_dryrun.py --model dummy:llama-3.1-8b --gpus 0,0 \
-        --worker-env KVFERRY_KV_MEMORY_GB=10 --steps 4:30,24:45,4:90 --prompt-len 1000-3000 --output-len 64-128 \
-        --drain-timeout 30 --planner-interval 5 --planner-window 30 --log-dir "$OUT/logs/planner" \
-        --out "$OUT/planner_dryrun_${card}.json"
-    rm -rf "$OUT/logs/planner/tokenizer"
+    planner_dry_run
     ;;
 49)
-    # 10 GB of KV each: two 8B workers fit an H100's 80 GB too. The run: ~25 s start, ~60 s warm-up and the
-    # planner's first window, the load's 165 s, at most 30 s of drain; then the simulator's replay.
-    step 380 planner_dryrun python3 bench/planner_dryrun.py --model dummy:llama-3.1-8b --gpus 0,0 \
-        --worker-env KVFERRY_KV_MEMORY_GB=10 --steps 4:30,24:45,4:90 --prompt-len 1000-3000 --output-len 64-128 \
-        --drain-timeout 30 --planner-interval 5 --planner-window 30 --log-dir "$OUT/logs/planner" \
-        --out "$OUT/planner_dryrun_${card}.json"
-    rm -rf "$OUT/logs/planner/tokenizer"
+    planner_dry_run
     step 60 gpu_share_overlap python3 bench/gpu_share.py --overlap --out "$OUT/gpu_share_overlap_${card}.json"
     step 60 gpu_share_overlap_gap python3 bench/gpu_share.py --overlap --prefill-gap-ms 100 \
         --out "$OUT/gpu_share_overlap_gap100_${card}.json"

@@ -21,6 +21,7 @@ from common.capacity import StepCost
 from common.slo import parse_slo_classes
 from planner.core import Planner
 from planner.sizing import Counts, OfferedLoad
+from tests.fleet_sim_cases import seven_thousand_token_run
 
 REPO = Path(__file__).resolve().parents[1]
 COST = StepCost(base_s=0.01, per_prefill_token_s=1e-4)
@@ -237,14 +238,7 @@ def test_the_share_weights_come_from_the_measured_shares(tmp_path: Path) -> None
 def test_a_prompt_arriving_during_a_run_shares_its_last_chunk_unless_that_step_has_started() -> None:
     # 7,000 tokens alone: steps end at 0.2148, 0.4296, 0.6444 (full chunks) and 0.74 (its last 856 tokens)
     spec = WorkerSpec(cost=COST, itl_target_s=0.05)
-
-    def worker() -> SimWorker:
-        w = SimWorker("p", "prefill", spec, lambda *_: None, lambda *_: None, lambda *_: None)
-        w.add(Job(0, 0.0, 7000, 7000, 0, 7000), 0.0)
-        assert w.wake(0.0) == pytest.approx(0.74)
-        return w
-
-    w = worker()
+    w = seven_thousand_token_run(spec)
     second = Job(1, 0.3, 1000, 1000, 0, 1000)
     w.add(second, 0.3)
     assert w.cut_span(0.3, second) == pytest.approx(3 * 0.2148)  # the run ends before its last chunk
@@ -252,7 +246,7 @@ def test_a_prompt_arriving_during_a_run_shares_its_last_chunk_unless_that_step_h
     # one step takes the 856 left and the newcomer's 1,000: 0.01 + 1856 x 1e-4
     assert w.wake(3 * 0.2148) == pytest.approx(3 * 0.2148 + 0.1956)
 
-    w = worker()
+    w = seven_thousand_token_run(spec)
     assert w.load(0.7).queued_prefill_tokens == 856  # the last chunk's step is under way
     late = Job(1, 0.7, 1000, 1000, 0, 1000)
     w.add(late, 0.7)

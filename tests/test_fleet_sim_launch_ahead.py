@@ -8,11 +8,12 @@ from __future__ import annotations
 import pytest
 
 from bench.fleet_sim.fleet import Fleet, FleetConfig
-from bench.fleet_sim.worker import Job, SimWorker, WorkerSpec
+from bench.fleet_sim.worker import Job, WorkerSpec
 from bench.fleet_sim.workload import SimRequest
 from common.capacity import StepCost
 from common.slo import parse_slo_classes
 from planner.sizing import Counts
+from tests.fleet_sim_cases import seven_thousand_token_run
 
 COST = StepCost(base_s=0.01, per_prefill_token_s=1e-4)
 SLO = parse_slo_classes("interactive:ttft=1s,itl=50ms,p=99")
@@ -50,20 +51,13 @@ def test_with_launch_ahead_a_newcomer_shares_a_run_s_last_chunk_only_if_it_came_
     # 7,000 tokens alone: steps end at 0.2148, 0.4296, 0.6444 (full chunks) and 0.74 (its last 856 tokens). The last
     # chunk's step is planned when the one before it starts, at 0.4296
     spec = WorkerSpec(cost=COST, itl_target_s=0.05, launch_ahead=True)
-
-    def worker() -> SimWorker:
-        w = SimWorker("p", "prefill", spec, lambda *_: None, lambda *_: None, lambda *_: None)
-        w.add(Job(0, 0.0, 7000, 7000, 0, 7000), 0.0)
-        assert w.wake(0.0) == pytest.approx(0.74)
-        return w
-
-    w = worker()
+    w = seven_thousand_token_run(spec)
     early = Job(1, 0.3, 1000, 1000, 0, 1000)
     w.add(early, 0.3)
     assert w.cut_span(0.3, early) == pytest.approx(3 * 0.2148)  # known by 0.4296: it shares the last chunk's step
     assert w.wake(3 * 0.2148) == pytest.approx(3 * 0.2148 + 0.1956)  # 0.01 + (856 + 1,000) x 1e-4
 
-    w = worker()
+    w = seven_thousand_token_run(spec)
     late = Job(1, 0.5, 1000, 1000, 0, 1000)
     w.add(late, 0.5)
     assert w.cut_span(0.5, late) is None  # after 0.4296: the last chunk's step runs without it
