@@ -186,7 +186,9 @@ def fleet_for(kind: str, spec: WorkerSpec, slo_ttft_ms: float, slo_itl_ms: float
     # the router's TTFT error factor fed back, as every router process runs it (router/decision/ttft_error.py)
     cfg = FleetConfig(worker=spec, slo=slo, policy=PolicyConfig(), startup_s=0.0, error_feedback=True)
     if kind == "mixed-shared-equal":
-        return replace(cfg, worker=_equal_shares(spec), workers_per_gpu=2), Counts(mixed=2)
+        # bench/serve.py's mixed mode: every pod mixed, the router placing each request by its cost model
+        policy = replace(cfg.policy, placement="adaptive")
+        return replace(cfg, worker=_equal_shares(spec), workers_per_gpu=2, policy=policy), Counts(mixed=2)
     if kind.startswith("disagg-shared"):
         if kind == "disagg-shared-equal":
             spec = _equal_shares(spec)
