@@ -29,6 +29,8 @@ class GenerateResult:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     text: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    # why it ended with finish_reason "error": a grammar that did not compile, a step that failed
+    error: str | None = None
 
 
 class Engine:
@@ -103,6 +105,7 @@ class Engine:
                     logprobs=r.output_logprobs,
                     text=text,
                     prompt_logprobs=r.prompt_logprobs,
+                    error=r.error,
                 )
             )
         return results
