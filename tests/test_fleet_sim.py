@@ -17,15 +17,11 @@ from bench.fleet_sim.fleet import Fleet, FleetConfig
 from bench.fleet_sim.scenarios import fleet_spec
 from bench.fleet_sim.worker import Job, SimWorker, WorkerSpec
 from bench.fleet_sim.workload import SimRequest, poisson, ramp, scale_rate, trace_file
-from common.capacity import StepCost
-from common.slo import parse_slo_classes
 from planner.core import Planner
 from planner.sizing import Counts, OfferedLoad
-from tests.fleet_sim_cases import seven_thousand_token_run
+from tests.fleet_sim_cases import COST, SLO, seven_thousand_token_run, shared
 
 REPO = Path(__file__).resolve().parents[1]
-COST = StepCost(base_s=0.01, per_prefill_token_s=1e-4)
-SLO = parse_slo_classes("interactive:ttft=1s,itl=50ms,p=99")
 
 
 def fleet(counts: Counts, **kw) -> Fleet:  # type: ignore[no-untyped-def]
@@ -117,12 +113,6 @@ def test_the_planner_first_decides_on_a_window_it_has_read() -> None:
     Fleet(cfg, Counts(1, 1, 0), ctl).run(poisson(20.0, 30.0, (100, 200), (5, 10), seed=1), until=30.0)
     assert ctl.decisions[0].t == ctl.interval_s
     assert all(d.forecast_rate > 10 for d in ctl.decisions)
-
-
-def shared(counts: Counts, per_gpu: int, **spec_kw) -> Fleet:  # type: ignore[no-untyped-def]
-    spec = WorkerSpec(cost=COST, itl_target_s=0.05, transfer_tokens_per_s=200_000.0, **spec_kw)
-    cfg = FleetConfig(worker=spec, slo=SLO, net_s=0.0, startup_s=0.0, workers_per_gpu=per_gpu)
-    return Fleet(cfg, counts)
 
 
 def test_two_prompt_steps_time_sharing_a_gpu_end_together() -> None:

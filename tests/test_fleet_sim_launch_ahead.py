@@ -7,21 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from bench.fleet_sim.fleet import Fleet, FleetConfig
 from bench.fleet_sim.worker import Job, WorkerSpec
 from bench.fleet_sim.workload import SimRequest
-from common.capacity import StepCost
-from common.slo import parse_slo_classes
 from planner.sizing import Counts
-from tests.fleet_sim_cases import seven_thousand_token_run
-
-COST = StepCost(base_s=0.01, per_prefill_token_s=1e-4)
-SLO = parse_slo_classes("interactive:ttft=1s,itl=50ms,p=99")
-
-
-def fleet(counts: Counts, per_gpu: int = 1, **spec_kw) -> Fleet:  # type: ignore[no-untyped-def]
-    spec = WorkerSpec(cost=COST, itl_target_s=0.05, transfer_tokens_per_s=200_000.0, **spec_kw)
-    return Fleet(FleetConfig(worker=spec, slo=SLO, net_s=0.0, startup_s=0.0, workers_per_gpu=per_gpu), counts)
+from tests.fleet_sim_cases import COST, seven_thousand_token_run
+from tests.fleet_sim_cases import shared as fleet
 
 
 def test_a_prompt_reaching_a_busy_worker_joins_the_step_after_the_next() -> None:

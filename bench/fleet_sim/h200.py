@@ -31,7 +31,7 @@ H200_LLAMA8B = WorkerSpec(
     prefill_share_weight=1.0,
     share_length_exponent=0.0,
     # the engine's step loop on a GPU (bench/RESULTS.md, "The engine's launch ahead in the simulator"): the planner's
-    # results moved by at most 0.04 points of attainment and 0.6% of GPU-hours with it
+    # results moved by at most 0.05 points of attainment and 0.6% of GPU-hours with it
     launch_ahead=True,
     notice_after_step=True,
 )
