@@ -23,7 +23,7 @@ from common import settings_registry as reg
 from common.capacity import StepCost
 from common.slo import parse_slo_classes
 from planner.core import Decision, Planner, PlannerConfig
-from planner.observe import Totals, observation
+from planner.observe import Totals, observation, trim_window
 from planner.scaler import DeploymentScaler, DryRun, Scaler
 from planner.sizing import Counts, FleetSpec, OfferedLoad
 from planner.source import read
@@ -126,8 +126,7 @@ def step(
         log.warning("no reading", extra={"error": str(exc)})
         return None
     history.append(view.totals)
-    while len(history) > 1 and now - history[0].t > window_s:
-        history.popleft()
+    trim_window(history, now, window_s)
     if view.cost is None or len(history) < 2:
         return None
     planner.spec = FleetSpec(**{**planner.spec.__dict__, "cost": view.cost})

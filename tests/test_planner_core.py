@@ -6,12 +6,14 @@ step at once (only while the rate is above the baseline, and not on a few busy w
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import replace
 
 import pytest
 
 from common.capacity import StepCost
 from planner.core import Observation, Planner, PlannerConfig
+from planner.observe import Totals, observation, trim_window
 from planner.sizing import (
     Counts,
     FleetSpec,
@@ -298,3 +300,17 @@ def test_a_queue_on_a_few_busy_workers_is_not_the_step() -> None:
     p, ready = reserved_at(50.0)
     assert ready.prefill == 6
     assert not p.decide(obs(300, 55.0, ready, wait=0.05)).changed
+
+
+def test_the_rate_is_read_over_the_whole_window_when_readings_come_late() -> None:
+    # a live planner reads every 5 s plus its own reading's time: 5.05 s apart here. 4 req/s until 30 s, then 24.
+    arrivals = lambda t: 4 * min(t, 30.0) + 24 * max(t - 30.0, 0.0)  # noqa: E731
+    history: deque[Totals] = deque()
+    for k in range(10):
+        now = 5.05 * k
+        history.append(Totals(now, requests=arrivals(now)))
+        trim_window(history, now, 30.0)
+    now = history[-1].t  # 45.45 s: the oldest reading kept is the newest at least 30 s old (15.15 s)
+    assert history[0].t == pytest.approx(15.15)
+    rate = observation(history[0], history[-1], 0.0, Counts(1, 1), LOAD).load.rate
+    assert rate == pytest.approx((arrivals(now) - arrivals(15.15)) / 30.3)  # 14.2 req/s; over 25.25 s it read 16.2

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 
 from bench.fleet_sim.fleet import Fleet
 from planner.core import Decision, Planner
-from planner.observe import Totals, observation, queue_wait_s
+from planner.observe import Totals, observation, queue_wait_s, trim_window
 from planner.sizing import Counts, OfferedLoad
 
 __all__ = ["HpaController", "PlannerController"]
@@ -31,8 +31,7 @@ class PlannerController:
     def tick(self, fleet: Fleet, now: float) -> Counts | None:
         now_totals = replace(fleet.totals, t=now)
         self._totals.append(now_totals)
-        while len(self._totals) > 1 and now - self._totals[0].t > self.window_s:
-            self._totals.popleft()
+        trim_window(self._totals, now, self.window_s)
         if len(self._totals) < 2:
             return None  # as planner/main.py: no decision before a second reading gives the window a length
         before = self._totals[0]
