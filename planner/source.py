@@ -50,12 +50,9 @@ def expand_urls(urls: Iterable[str]) -> list[str]:
 def parse_totals(text: str, t: float) -> Totals:
     sums: dict[str, float] = {}
     shed = 0.0
-    buckets: list[tuple[float, float]] = []  # the prompt-length histogram's (upper edge, cumulative count)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name
-            if name == "kvferry_router_prompt_tokens_bucket":
-                buckets.append((float(sample.labels.get("le", "inf")), sample.value))
             if name == "kvferry_router_routing_decisions_total" and sample.labels.get("decision", "").startswith(
                 "rejected-"
             ):
@@ -65,6 +62,7 @@ def parse_totals(text: str, t: float) -> Totals:
                 "kvferry_router_inflight_requests",
                 "kvferry_router_prompt_tokens_sum",
                 "kvferry_router_prompt_tokens_count",
+                "kvferry_router_prompt_tokens_squared_total",
                 "kvferry_router_output_tokens_sum",
                 "kvferry_router_prompt_cached_tokens_total",
             ):
@@ -76,22 +74,11 @@ def parse_totals(text: str, t: float) -> Totals:
         requests=sums.get("kvferry_router_requests_total", 0.0) + sums.get("kvferry_router_inflight_requests", 0.0),
         served=sums.get("kvferry_router_prompt_tokens_count", 0.0),
         prompt_tokens=sums.get("kvferry_router_prompt_tokens_sum", 0.0),
-        prompt_sq_tokens=_sum_of_squares(buckets),
+        prompt_sq_tokens=sums.get("kvferry_router_prompt_tokens_squared_total", 0.0),
         output_tokens=sums.get("kvferry_router_output_tokens_sum", 0.0),
         cached_tokens=sums.get("kvferry_router_prompt_cached_tokens_total", 0.0),
         shed=shed,
     )
-
-
-def _sum_of_squares(buckets: list[tuple[float, float]]) -> float:
-    """The prompt lengths' sum of squares from the histogram (each bucket at its middle, the open one at twice
-    the last edge)."""
-    total, below, last = 0.0, 0.0, 0.0
-    for edge, cumulative in sorted(buckets):
-        at = (last + edge) / 2 if edge != float("inf") else 2 * last
-        total += (cumulative - below) * at * at
-        below, last = cumulative, (edge if edge != float("inf") else last)
-    return total
 
 
 def parse_workers(view: dict) -> tuple[float, Counts, StepCost | None]:

@@ -109,6 +109,7 @@ class RequestRecord:
         if status < 400:
             m.e2e.observe(self.e2e_s)
             m.prompt_tokens.observe(self.prompt_tokens)
+            m.prompt_tokens_squared.inc(self.prompt_tokens * self.prompt_tokens)
             m.output_tokens.observe(output_tokens)
             for g in gaps:
                 m.add_gaps(g)

@@ -152,6 +152,8 @@ def test_router_histograms_agree_with_the_client(served: dict) -> None:
     prompt = sum(r["usage"]["prompt_tokens"] for r in runs)
     output = sum(r["usage"]["completion_tokens"] for r in runs)
     assert delta(served, "router", "kvferry_router_prompt_tokens_sum") == prompt
+    squares = sum(r["usage"]["prompt_tokens"] ** 2 for r in runs)
+    assert delta(served, "router", "kvferry_router_prompt_tokens_squared_total") == squares
     assert delta(served, "router", "kvferry_router_output_tokens_sum") == output
     # One gap per token after each choice's first event.
     itl = delta(served, "router", "kvferry_router_inter_token_latency_seconds_count")
