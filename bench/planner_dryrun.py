@@ -511,8 +511,9 @@ def analyse(result: dict[str, Any]) -> None:
         page_size=decode["page_size"],
     )
     sources: dict[str, tuple[FleetConfig, list[tuple[float, StepCost]]]] = {}
-    if cfg["gpus"]:
-        # `--gpus 0,0`: the two workers time-share one GPU (bench/fleet_sim/device.py)
+    if cfg["gpus"] and any("H200" in g for g in result.get("host", {}).get("gpus", [])):
+        # `--gpus 0,0`: the two workers time-share one GPU (bench/fleet_sim/device.py); the H200's own step model
+        # (on another card it only says the cards differ: the H100's runs matched it 0.182)
         per_gpu = len(cfg["gpus"]) // len(set(cfg["gpus"]))
         sources["h200"] = (FleetConfig(replace(H200_LLAMA8B, **base), net_s=NET_S, workers_per_gpu=per_gpu), [])
     if published is not None:
