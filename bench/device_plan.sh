@@ -7,6 +7,7 @@
 #     46      FP8 against bf16 at the SLO targets, FP8 behind one router process and two                   ~560
 #     46v     46 cut short: bf16 and FP8 at 24-36 req/s, the gaps named and the slow collections listed        ~300
 #     46w     46v's FP8 half alone at 30 and 36 req/s                                                    ~200
+#     46r     FP8 against bf16 at saturation, the least a card needs: FP8 at 36 and 48 req/s, bf16 at 24 and 36 ~330
 #     46p     the peers estimate alone: two router processes against one, bf16                              ~180
 #     46f     the TTFT error factor held to what recurs: bf16, two router processes, 24-36 req/s             ~80
 #     46g     FP8's eager chunk steps: piecewise graphs up to 2,048 tokens against the default 512, step traces  ~420
@@ -37,7 +38,7 @@
 # .devbundle/redis/redis-cli` and repack .devbundle/nixl.tar.xz without nixl_cu13.libs/ucx/libucx_perftest_* (UCX's
 # benchmark modules, never loaded; `xz -T2 -9e`): 54.6 MB in all, measured with `du -sb .devbundle`.
 set -uo pipefail
-part=${1:?"part: 46 | 46v | 46w | 46p | 46f | 46s | 46d | 46t | 46h | 46k | 46m | 47 | 49 | 49d | 49c | ready"}
+part=${1:?"part: 46 | 46v | 46w | 46r | 46p | 46f | 46s | 46d | 46t | 46h | 46k | 46m | 47 | 49 | 49d | 49c | ready"}
 : "${OUT:?the device tool sets OUT}"
 mkdir -p "$OUT/logs"
 python3 -c "import msgspec" 2>/dev/null ||
@@ -132,6 +133,16 @@ case "$part" in
         --out "$OUT/serve_fp8w_${card}.json"
     grep -rh "slow garbage" "$OUT/lw" >"$OUT/logs/slow_gc_46w.txt" 2>/dev/null
     rm -rf "$OUT/lw/tokenizer"
+    ;;
+46r)
+    # FP8 / bf16 goodput at saturation on whichever card comes (the H200's is the issue's; the H100 gave 1.79x at 36
+    # req/s, both saturated there): each dtype at its saturation and past it, on one warm machine    ~330
+    step 230 serve_fp8r python3 bench/serve.py --model dummy:llama-3.1-8b --mode agg@fp8 \
+        --variant-env fp8:KVFERRY_WEIGHT_DTYPE=fp8_e4m3 --variant-env fp8:KVFERRY_KV_DTYPE=fp8_e4m3 \
+        --gpus 0 --rates 36,48 --seconds 10 --slo-ttft-ms 1000 --slo-itl-ms 50 --no-plot \
+        --out "$OUT/serve_fp8r_${card}.json"
+    step 150 serve_bf16r python3 bench/serve.py --model dummy:llama-3.1-8b --mode agg --gpus 0 --rates 24,36 \
+        --seconds 10 --slo-ttft-ms 1000 --slo-itl-ms 50 --no-plot --out "$OUT/serve_bf16r_${card}.json"
     ;;
 46p)
     # the peers estimate alone, bf16 (no FP8 compile): two router processes against one at and past saturation. The
