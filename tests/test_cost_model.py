@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from common.capacity import StepCost
 from router.decision.cost_model import (
     LocalSide,
     PrefillSide,
@@ -142,6 +143,31 @@ def test_itl_is_the_decode_step_plus_one_chunk_at_the_device_timed_speed() -> No
     uncapped = LocalSide("d0", 0, 4000, 10_000.0, 2048, True, step_speed=51_200.0, decode_step_s=0.008)
     chosen = choose_placement(uncapped, [remote(uncached=4000, rate=10_000.0)], 4000, SLO, TRANSFER)
     assert chosen is not None and chosen.prefill == "p0"
+
+
+def test_a_pod_with_a_step_model_prices_the_gap_as_its_budget_planned_it() -> None:
+    """Two mixed pods on one H100: each published a step model, a 1,056-token chunk that model sizes to its 40.7 ms
+    budget, a 11.5 ms decode step and 26.6k prompt tokens a second over whole chunk steps. The speed formula counts
+    the step's fixed part twice (51 ms: an ITL miss, so an idle peer took the prompt); the model gives the step the
+    pod's scheduler runs, within a 50 ms target, and the lower TTFT decides."""
+    cost = StepCost(base_s=0.01185, per_prefill_token_s=2.405e-05, per_decode_row_s=4.209e-04)
+    fields = dict(busy=True, step_speed=26_606.0, decode_step_s=0.0115)
+    speed_only = LocalSide("m0", 0, 3000, 11_000.0, 1056, **fields)  # type: ignore[arg-type]
+    assert local_itl_cost_s(speed_only) == pytest.approx(0.0512, abs=2e-4)
+    modelled = replace(speed_only, step_cost=cost, decode_rows=8, decode_context=8 * 1500)
+    # 11.85 ms + 8 rows x 0.42 ms + 1,056 tokens x 24.05 us
+    assert local_itl_cost_s(modelled) == pytest.approx(0.01185 + 8 * 4.209e-4 + 1056 * 2.405e-5)
+    slo = SloTargets(ttft_s=1.0, itl_s=0.05)
+    idle_peer = PrefillSide("m1", 0, 3000, 11_000.0, chunk_tokens=1056)  # decoding nothing: no gap to open
+    fast_local = replace(modelled, predicted_ttft_s=0.15)
+    peer = replace(idle_peer, predicted_ttft_s=0.22)  # transfer included
+    before = choose_placement(replace(fast_local, step_cost=None), [peer], 3000, slo, TRANSFER)
+    assert before is not None and before.prefill == "m1"  # the local "miss" sent it away
+    after = choose_placement(fast_local, [peer], 3000, slo, TRANSFER)
+    assert after is not None and after.prefill is None and after.meets_itl and after.reason == "adaptive-local"
+    # a model that says the chunk does not fit (the budget's floor, or a target tighter than the pod's) still misses
+    tight = choose_placement(fast_local, [peer], 3000, SloTargets(ttft_s=1.0, itl_s=0.03), TRANSFER)
+    assert tight is not None and tight.prefill == "m1"
 
 
 def test_a_busy_mixed_prefill_pod_costs_its_own_batch_itl() -> None:

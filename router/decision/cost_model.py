@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from common.capacity import StepCost, chunk_attention
+
 __all__ = [
     "LocalSide",
     "Placement",
@@ -43,6 +45,9 @@ class LocalSide:
     step_speed: float = 0.0  # D's device-timed prefill tokens/s: a chunk's time in a step (0: unknown -> rate)
     decode_step_s: float = 0.0  # D's recent decode step (0: unknown)
     predicted_ttft_s: float | None = None  # router/decision/ttft_model.py's prediction (None: the rate formula)
+    step_cost: StepCost | None = None  # D's fitted step-time model (None or unknown: the speed formula)
+    decode_rows: int = 0  # the batch D decodes now, and its context in tokens: what a chunk steps beside
+    decode_context: int = 0
 
 
 @dataclass(slots=True)
@@ -56,6 +61,9 @@ class PrefillSide:
     step_speed: float = 0.0
     decode_step_s: float = 0.0
     predicted_ttft_s: float | None = None  # the prediction, transfer included (None: the rate formula)
+    step_cost: StepCost | None = None
+    decode_rows: int = 0
+    decode_context: int = 0
 
 
 @dataclass(slots=True)
@@ -85,10 +93,18 @@ def local_ttft_s(d: LocalSide) -> float:
 
 
 def itl_cost_s(side: LocalSide | PrefillSide) -> float:
-    """The gap a prefill opens in the decode batch it joins: decode step plus one chunk (0: nothing decoding)."""
+    """The gap a prefill opens in the decode batch it joins: one step of its batch with one chunk (0: nothing
+    decoding). Where the pod publishes its step model, the step that model predicts, as the pod's own budget sized
+    the chunk by it. The recent decode step plus the chunk at the mean prefill speed counts the step's fixed part
+    twice, the speed being a whole chunk step's tokens a second: two mixed pods on one H100 read 51 ms for the
+    1,056-token chunks their budget had sized to 40.7 ms, took every local prefill for an ITL miss, and sent half
+    of them to the other pod (bench/RESULTS.md, "Placement prices a chunk by the pod's step model")."""
     if not side.busy or side.uncached_tokens <= 0:
         return 0.0
     chunk = min(side.chunk_tokens, side.uncached_tokens) if side.chunk_tokens > 0 else side.uncached_tokens
+    cost = side.step_cost
+    if cost is not None and cost.known:
+        return cost.step_s(chunk, max(side.decode_rows, 1), side.decode_context, chunk_attention(0, chunk))
     speed = side.step_speed if side.step_speed > 0 else side.rate
     return side.decode_step_s + (chunk / speed if speed > 0 else 0.0)
 

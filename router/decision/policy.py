@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from common import settings_registry as reg
+from common.capacity import StepCost
 from router.decision.cost_model import LocalSide, PrefillSide, SloTargets, choose_placement
 
 __all__ = ["DecodeCandidate", "PolicyConfig", "PrefillCandidate", "RouteDecision", "RoutingPolicy"]
@@ -28,6 +29,9 @@ class PrefillCandidate:
     prefill_step_tokens_per_s: float = 0.0  # its device-timed prefill speed (0: unknown)
     decode_step_s: float = 0.0  # its recent decode step time (0: unknown)
     predicted_ttft_s: float | None = None  # this request's TTFT prefilled here, transfer included (None: unknown)
+    step_cost: StepCost | None = None  # its fitted step-time model (None: not published)
+    decode_rows: int = 0  # the batch it decodes now and that batch's context: what its chunks step beside
+    decode_context: int = 0
 
 
 @dataclass(slots=True)
@@ -46,6 +50,9 @@ class DecodeCandidate:
     prefill_step_tokens_per_s: float = 0.0  # its device-timed prefill speed (0: unknown)
     decode_step_s: float = 0.0  # its recent decode step time (0: unknown)
     predicted_ttft_s: float | None = None  # this request's TTFT prefilled locally here (None: unknown)
+    step_cost: StepCost | None = None  # as PrefillCandidate's
+    decode_rows: int = 0
+    decode_context: int = 0
 
 
 @dataclass(slots=True)
@@ -134,6 +141,9 @@ class RoutingPolicy:
             step_speed=d.prefill_step_tokens_per_s,
             decode_step_s=d.decode_step_s,
             predicted_ttft_s=d.predicted_ttft_s,
+            step_cost=d.step_cost,
+            decode_rows=d.decode_rows,
+            decode_context=d.decode_context,
         )
         p_matched = {c.key: self.matched_tokens(c.pod, matches, block_size, prompt_len) for c in prefill}
         sides = [
@@ -147,6 +157,9 @@ class RoutingPolicy:
                 step_speed=c.prefill_step_tokens_per_s,
                 decode_step_s=c.decode_step_s,
                 predicted_ttft_s=c.predicted_ttft_s,
+                step_cost=c.step_cost,
+                decode_rows=c.decode_rows,
+                decode_context=c.decode_context,
             )
             for c in prefill
         ]

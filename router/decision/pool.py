@@ -377,6 +377,9 @@ class Worker:
             load.prefill_step_tokens_per_s,  # prefill_step_tokens_per_s
             load.decode_step_s,  # decode_step_s
             predicted_ttft_s,  # predicted_ttft_s
+            load.step_cost,  # step_cost
+            load.decode_rows,  # decode_rows
+            load.decode_context,  # decode_context
         )
 
     def decode_candidate(
@@ -406,6 +409,9 @@ class Worker:
             load.prefill_step_tokens_per_s,  # prefill_step_tokens_per_s
             load.decode_step_s,  # decode_step_s
             predicted_ttft_s,  # predicted_ttft_s
+            load.step_cost,  # step_cost
+            load.decode_rows,  # decode_rows
+            load.decode_context,  # decode_context
         )
 
 
