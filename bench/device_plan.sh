@@ -18,6 +18,7 @@
 #     46h     FP8's host stalls: step traces with the host's launch and processing times                 ~250
 #     46k     the graphs' limit 2,560 (chunk + decode rows) against 2,048, bf16, step traces              ~150
 #     46m     mixed pods and a P+D pair under the ITL target, two workers on one GPU                      ~300
+#     46x     46m's mixed pods alone: adaptive placement pricing a chunk by the pod's step model            ~170
 #     47      MLA: the GPU tests, decompressed vs absorbed prefill, the split-KV decode kernel on/off,
 #             prompt logprobs' cost at 8k tokens (~330); then `save_jit_cache $OUT` on the same command
 #             line (a function of setup.sh's shell: the ragged 192/128 kernel is new), recompressed with
@@ -38,7 +39,7 @@
 # .devbundle/redis/redis-cli` and repack .devbundle/nixl.tar.xz without nixl_cu13.libs/ucx/libucx_perftest_* (UCX's
 # benchmark modules, never loaded; `xz -T2 -9e`): 54.6 MB in all, measured with `du -sb .devbundle`.
 set -uo pipefail
-part=${1:?"part: 46 | 46v | 46w | 46r | 46p | 46f | 46s | 46d | 46t | 46h | 46k | 46m | 47 | 49 | 49d | 49c | ready"}
+part=${1:?"part: 46 | 46v | 46w | 46r | 46x | 46p | 46f | 46s | 46d | 46t | 46h | 46k | 46m | 47 | 49 | 49d | 49c | ready"}
 : "${OUT:?the device tool sets OUT}"
 mkdir -p "$OUT/logs"
 python3 -c "import msgspec" 2>/dev/null ||
@@ -247,6 +248,13 @@ case "$part" in
         --worker-env KVFERRY_KV_MEMORY_GB=20 --rates 3,6,9,12 --seconds 10 --slo-ttft-ms 1000 --slo-itl-ms 50 \
         --no-plot --log-dir "$OUT/logs/mixed" --out "$OUT/serve_mixed_slo_${card}.json"
     rm -rf "$OUT/logs/mixed/tokenizer"
+    ;;
+46x)
+    # 46m's mixed half: two mixed pods on the one GPU, adaptive placement (the H100's run before 8fdc92d kept ~50%
+    # of prompts local, its TTFT p50 188 / 211 / 209 / 257 ms; the simulator predicts 152 / 141 / 161 / 220)  ~170
+    step 220 serve_mixed python3 bench/serve.py --model dummy:llama-3.1-8b --mode mixed --gpus 0,0 \
+        --worker-env KVFERRY_KV_MEMORY_GB=20 --rates 3,6,9,12 --seconds 10 --slo-ttft-ms 1000 --slo-itl-ms 50 \
+        --no-plot --out "$OUT/serve_mixed_placed_${card}.json"
     ;;
 47)
     step 180 gpu_tests_mla python3 -m pytest -q -p no:cacheprovider tests/test_gpu_path.py tests/test_gpu_kernels.py \
