@@ -41,7 +41,6 @@ import json
 import os
 import random
 import re
-import statistics
 import sys
 import tempfile
 import threading
@@ -73,6 +72,7 @@ from common.slo import DEFAULT_SLO_SPEC, parse_slo_classes  # noqa: E402
 from planner.main import build_parser as planner_parser  # noqa: E402
 from planner.main import build_planner  # noqa: E402
 from planner.sizing import Counts, OfferedLoad  # noqa: E402
+from planner.source import median_cost, median_of  # noqa: E402
 from router.runtime import policy_config  # noqa: E402
 from router.settings import RouterOptions  # noqa: E402
 
@@ -215,17 +215,6 @@ def planner_lead_s(log: Path, wall0: float, interval_s: float) -> float:
 
 def worker_loads(urls: list[str]) -> list[dict[str, Any]]:
     return [load for load in (get_json(f"{u}/load", 5.0) for u in urls) if load]
-
-
-def median_of(costs: list[StepCost]) -> StepCost:
-    return StepCost(**{k: statistics.median(getattr(c, k) for c in costs) for k in StepCost.__dataclass_fields__})
-
-
-def median_cost(loads: list[dict[str, Any]]) -> StepCost | None:
-    """What planner/source.py sizes with: the median of the workers' fitted coefficients (None: none fitted)."""
-    costs = [StepCost.from_map(w["step_coefficients"]) for w in loads if w.get("step_coefficients")]
-    costs = [c for c in costs if c.known]
-    return median_of(costs) if costs else None
 
 
 async def stepped_load(

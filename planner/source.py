@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import socket
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
@@ -18,7 +19,7 @@ from common.capacity import StepCost
 from planner.observe import Totals, queue_wait_s
 from planner.sizing import Counts
 
-__all__ = ["FleetView", "expand_urls", "parse_totals", "parse_workers", "read"]
+__all__ = ["FleetView", "expand_urls", "median_cost", "median_of", "parse_totals", "parse_workers", "read"]
 
 PREFILL_SIDE = ("prefill",)  # where a prefill pod exists, the queue that matters is its; else decode/mixed
 
@@ -92,12 +93,19 @@ def parse_workers(view: dict) -> tuple[float, Counts, StepCost | None]:
         for w in up
         if w.get("role") in side
     )
-    costs = [StepCost.from_map(w["step_coefficients"]) for w in up if w.get("step_coefficients")]
+    return wait, Counts(**ready), median_cost(up)
+
+
+def median_of(costs: Sequence[StepCost]) -> StepCost:
+    """Each coefficient's median over `costs`."""
+    return StepCost(**{k: statistics.median(getattr(c, k) for c in costs) for k in StepCost.__dataclass_fields__})
+
+
+def median_cost(workers: Iterable[Mapping[str, Any]]) -> StepCost | None:
+    """What the planner sizes with: the median of the workers' fitted coefficients (None: none has fitted)."""
+    costs = [StepCost.from_map(w["step_coefficients"]) for w in workers if w.get("step_coefficients")]
     costs = [c for c in costs if c.known]
-    cost = None
-    if costs:
-        cost = StepCost(**{k: statistics.median(getattr(c, k) for c in costs) for k in StepCost.__dataclass_fields__})
-    return wait, Counts(**ready), cost
+    return median_of(costs) if costs else None
 
 
 def read(client: httpx.Client, routers: list[str], t: float, headers: dict[str, str] | None = None) -> FleetView:
