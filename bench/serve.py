@@ -195,7 +195,11 @@ def prediction_line(p: dict[str, Any]) -> str:
         f"<{b['predicted_ms'][1] or 'inf'} ms n={b['n']} {b['ratio']['p50']}/{b['ratio']['p99']}"
         for b in p["by_predicted"]
     ]
-    return f"    predictions (measured/predicted p50/p99): {'; '.join(parts) or '-'}; factors {p['factors']}"
+    paths = [f"{k} n={v['n']} {v['excess_ms']['p50']}" for k, v in p.get("by_decision", {}).items()]
+    line = f"    predictions (measured/predicted p50/p99): {'; '.join(parts) or '-'}; factors {p['factors']}"
+    if paths:
+        line += f"\n    measured - predicted p50 ms by decision: {'; '.join(paths)}; remote excess s {p.get('remote_excess_s')}"
+    return line
 
 
 def progress_line(mode: str, arrivals: Arrivals, s: dict[str, Any]) -> str:

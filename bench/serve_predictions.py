@@ -26,6 +26,7 @@ def gather_predictions(url: str, since_wall_s: float, limit: int) -> dict[str, A
     each answering process's error factor."""
     records: dict[str, dict[str, Any]] = {}
     factors: dict[str, float] = {}
+    remote_excess: dict[str, float] = {}
     for _ in range(ASKS):
         body = get_json(f"{url}/debug/requests?limit={limit}&stages=1", 5.0) or {}
         for r in body.get("requests", []):
@@ -34,11 +35,14 @@ def gather_predictions(url: str, since_wall_s: float, limit: int) -> dict[str, A
         view = get_json(f"{url}/router/workers", 5.0) or {}
         if "process" in view:
             factors[str(view["process"])] = view.get("ttft_error_factor", 1.0)
+            remote_excess[str(view["process"])] = view.get("remote_prefill_excess_s", 0.0)
     kept = [r for r in records.values() if r.get("predicted_ttft_ms") and r.get("ttft_ms") is not None]
     return {
         "requests": len(records),
         "factors": factors,
+        "remote_excess_s": remote_excess,
         "by_predicted": summarise([(r["predicted_ttft_ms"], r["ttft_ms"]) for r in kept]),
+        "by_decision": by_decision(kept),
         "served": served_rows(kept, since_wall_s),
         "stages_ms": stage_means([r for r in records.values() if r.get("ttft_ms") is not None]),
     }
@@ -54,6 +58,19 @@ def stage_means(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
             by_stage.setdefault(row["stage"], []).append(row["t_ms"])
     means = {stage: {"mean": round(sum(v) / len(v), 2), "n": len(v)} for stage, v in by_stage.items()}
     return dict(sorted(means.items(), key=lambda kv: kv[1]["mean"]))
+
+
+def by_decision(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per placement reason (adaptive-local, adaptive-disaggregated, ...): how many, and measured - predicted TTFT
+    (ms) at p50 / p90, as placed (a remote prediction with the router's remote excess in it,
+    router/decision/remote_excess.py). Where one path's excess stays above the other's, placement ranks them wrong."""
+    groups: dict[str, list[float]] = {}
+    for r in records:
+        groups.setdefault(r.get("decision") or "-", []).append(r["ttft_ms"] - r["predicted_ttft_ms"])
+    return {
+        name: {"n": len(v), "excess_ms": {f"p{q}": round(_at(sorted(v), q), 1) for q in (50, 90)}}
+        for name, v in sorted(groups.items())
+    }
 
 
 def served_rows(records: list[dict[str, Any]], since_wall_s: float) -> list[list[Any]]:

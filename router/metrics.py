@@ -209,6 +209,13 @@ class RouterMetrics:
             buckets=PREDICTION_RATIO,
             registry=r,
         )
+        self.remote_excess = Gauge(
+            "kvferry_router_remote_prefill_excess_seconds",
+            "What adaptive placement adds to a remote prefill's predicted TTFT: its measured excess over a local one's "
+            "(router/decision/remote_excess.py; the largest of the router processes')",
+            registry=r,
+            multiprocess_mode="livemax",
+        )
 
     def declare_classes(self, names: Iterable[str]) -> None:
         """Exports every declared SLO class's counters from 0."""

@@ -117,6 +117,7 @@ class RouterRuntime:
             "loop_lag_p99_ms": round(self.loop_lag.p99_s() * 1e3, 2),
             # what this process's admission multiplies predicted TTFTs by (router/decision/ttft_error.py)
             "ttft_error_factor": round(self.dispatcher.ttft_error.factor(time.monotonic()), 3),
+            "remote_prefill_excess_s": round(self.dispatcher.remote_excess.excess_s, 4),
             "process": os.getpid(),  # which router process answered (each keeps its own factor and placements)
             "migrations": MIGRATIONS.snapshot(),
             "placement": placement_inputs(self.pool, self.dispatcher.policy),

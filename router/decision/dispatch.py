@@ -25,6 +25,7 @@ from router.decision.cost_model import SloTargets
 from router.decision.locality import PrefixLocator
 from router.decision.policy import DecodeCandidate, PrefillCandidate, RouteDecision, RoutingPolicy
 from router.decision.pool import DECODE_ROLES, PREFILL_ROLES, Worker, WorkerPool
+from router.decision.remote_excess import RemoteExcess
 from router.decision.ttft_error import PredictionError
 from router.decision.ttft_model import WorkerFigures, predict_ttft_s
 from router.errors import bad_request, no_worker, rate_limited
@@ -75,6 +76,7 @@ class Dispatcher:
         self.slo = slo if slo is not None else parse_slo_classes(DEFAULT_SLO_SPEC)
         self.admit_by_ttft = opts.admit_by_ttft != 0
         self.ttft_error = PredictionError(opts.ttft_error_quantile)  # admission's own error, fed back
+        self.remote_excess = RemoteExcess()  # the remote path's cost beyond its prediction (adaptive placement)
         self.metrics = metrics or RouterMetrics()
         self.limits = limits or AdmissionLimits.from_options(opts)
         self.policy = policy
@@ -223,6 +225,7 @@ class Dispatcher:
             rate = policy.cfg.transfer_tokens_per_s
             if rate > 0:
                 transfer = prompt / rate
+            transfer += self.remote_excess.excess_s
         predicted = predict_ttft_s(figures, slo_class, own, transfer, queued)
         predictions[key] = (figures, predicted)
         return predicted
@@ -279,6 +282,7 @@ class Dispatcher:
         if record.predicted_ttft_s is None:
             record.predicted_ttft_s = predicted
             self._measure_prediction(record, predicted, plan.slo_class)
+            self._measure_path(record, predicted, remote)
 
     def _measure_prediction(self, record: RequestRecord, predicted: float | None, cls: SloClass | None) -> None:
         """At the request's first token, its TTFT against the prediction it was admitted on (ttft_error.py)."""
@@ -289,6 +293,21 @@ class Dispatcher:
         def measured() -> None:
             if record.ttft_s is not None:
                 error.observe(time.monotonic(), record.ttft_s, predicted, target)
+
+        record.on_first_token.append(measured)
+
+    def _measure_path(self, record: RequestRecord, predicted: float | None, remote: bool) -> None:
+        """At the request's first token, its TTFT against its raw prediction, by path (remote_excess.py); adaptive
+        placement only, the one that ranks the paths against each other."""
+        if predicted is None or self.policy.cfg.placement != "adaptive":
+            return
+        raw = predicted - self.remote_excess.excess_s if remote else predicted
+        excess, gauge = self.remote_excess, self.metrics.remote_excess
+
+        def measured() -> None:
+            if record.ttft_s is not None:
+                excess.observe(remote, record.ttft_s, raw)
+                gauge.set(excess.excess_s)
 
         record.on_first_token.append(measured)
 
