@@ -19,6 +19,7 @@
 #     46k     the graphs' limit 2,560 (chunk + decode rows) against 2,048, bf16, step traces              ~150
 #     46m     mixed pods and a P+D pair under the ITL target, two workers on one GPU                      ~300
 #     46x     46m's mixed pods alone: adaptive placement pricing a chunk by the pod's step model            ~170
+#     46j     FP8's shared token gaps at saturation: 46r's FP8 half with step traces, worker logs and clocks ~230
 #     47      MLA: the GPU tests, decompressed vs absorbed prefill, the split-KV decode kernel on/off,
 #             prompt logprobs' cost at 8k tokens (~330); then `save_jit_cache $OUT` on the same command
 #             line (a function of setup.sh's shell: the ragged 192/128 kernel is new), recompressed with
@@ -39,7 +40,7 @@
 # .devbundle/redis/redis-cli` and repack .devbundle/nixl.tar.xz without nixl_cu13.libs/ucx/libucx_perftest_* (UCX's
 # benchmark modules, never loaded; `xz -T2 -9e`): 54.6 MB in all, measured with `du -sb .devbundle`.
 set -uo pipefail
-part=${1:?"part: 46 | 46v | 46w | 46r | 46x | 46p | 46f | 46s | 46d | 46t | 46h | 46k | 46m | 47 | 49 | 49d | 49c | ready"}
+part=${1:?"part: 46 | 46v | 46w | 46r | 46x | 46j | 46p | 46f | 46s | 46d | 46t | 46h | 46k | 46m | 47 | 49 | 49d | 49c | ready"}
 : "${OUT:?the device tool sets OUT}"
 mkdir -p "$OUT/logs"
 python3 -c "import msgspec" 2>/dev/null ||
@@ -144,6 +145,17 @@ case "$part" in
         --out "$OUT/serve_fp8r_${card}.json"
     step 150 serve_bf16r python3 bench/serve.py --model dummy:llama-3.1-8b --mode agg --gpus 0 --rates 24,36 \
         --seconds 10 --slo-ttft-ms 1000 --slo-itl-ms 50 --no-plot --out "$OUT/serve_bf16r_${card}.json"
+    ;;
+46j)
+    # 46r's FP8 half traced: on the H200 at 4870c94 one ~77 ms gap shared by ~200 streams came ~7.9 s into both
+    # points (36 and 48 req/s), and with outputs of 64-512 tokens it put 10% of 36's admitted requests past 50 ms
+    # at p99; the client's and the router's loops were quiet (max 20 ms, p99 3 ms), so the worker's steps say  ~230
+    clocks 46j
+    step 300 serve_fp8j python3 bench/serve.py --model dummy:llama-3.1-8b --mode agg@fp8 \
+        --variant-env fp8:KVFERRY_WEIGHT_DTYPE=fp8_e4m3 --variant-env fp8:KVFERRY_KV_DTYPE=fp8_e4m3 \
+        --variant-env fp8:KVFERRY_STEP_TRACE="$OUT/lj/steps_fp8.jsonl" --gpus 0 --rates 36,48 --seconds 10 \
+        --slo-ttft-ms 1000 --slo-itl-ms 50 --no-plot --log-dir "$OUT/lj" --out "$OUT/serve_fp8j_${card}.json"
+    pack_logs "$OUT/lj" 46j
     ;;
 46p)
     # the peers estimate alone, bf16 (no FP8 compile): two router processes against one at and past saturation. The
