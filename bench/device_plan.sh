@@ -149,12 +149,16 @@ case "$part" in
 46j)
     # 46r's FP8 half traced: on the H200 at 4870c94 one ~77 ms gap shared by ~200 streams came ~7.9 s into both
     # points (36 and 48 req/s), and with outputs of 64-512 tokens it put 10% of 36's admitted requests past 50 ms
-    # at p99; the client's and the router's loops were quiet (max 20 ms, p99 3 ms), so the worker's steps say  ~230
+    # at p99; the client's loop was quiet (max 20 ms): the gaps are named against the engine's steps and the
+    # router's and worker's slow collections                                                                   ~230
     clocks 46j
     step 300 serve_fp8j python3 bench/serve.py --model dummy:llama-3.1-8b --mode agg@fp8 \
         --variant-env fp8:KVFERRY_WEIGHT_DTYPE=fp8_e4m3 --variant-env fp8:KVFERRY_KV_DTYPE=fp8_e4m3 \
         --variant-env fp8:KVFERRY_STEP_TRACE="$OUT/lj/steps_fp8.jsonl" --gpus 0 --rates 36,48 --seconds 10 \
         --slo-ttft-ms 1000 --slo-itl-ms 50 --no-plot --log-dir "$OUT/lj" --out "$OUT/serve_fp8j_${card}.json"
+    python3 bench/gap_sources.py "$OUT/serve_fp8j_${card}.json" --mode agg@fp8 --trace "$OUT/lj/steps_fp8.jsonl" \
+        --logs "$OUT/lj" >"$OUT/logs/gap_sources_46j.txt" 2>&1
+    grep -rh "slow garbage" "$OUT/lj" >"$OUT/logs/slow_gc_46j.txt" 2>/dev/null
     pack_logs "$OUT/lj" 46j
     ;;
 46p)
