@@ -62,7 +62,7 @@ if __package__ in (None, ""):
 from serve_deploy import DeployError, Deployment, DeploySpec, get_json, settle_logs, start_deployment  # noqa: E402
 from serve_load import Arrivals, LoadClient, TokenRange, make_workload, run_point  # noqa: E402
 from serve_metrics import SLO, parse_class_slos, summarize_point  # noqa: E402
-from serve_phases import phase_means, read_totals  # noqa: E402
+from serve_phases import SLOW_SUFFIX, phase_means, read_totals  # noqa: E402
 from serve_predictions import gather_predictions  # noqa: E402
 from synthetic_tokenizer import build_word_tokenizer, count_words  # noqa: E402
 
@@ -189,6 +189,16 @@ def point_seed(args: argparse.Namespace, index: int) -> int:
 
 
 # ---- one mode ------------------------------------------------------------------------------------------
+def slow_collections(phases: dict[str, dict[str, Any]]) -> dict[str, int]:
+    """Each process's slow garbage collections over the point (bench/serve_phases.py), where any."""
+    return {
+        f"{name} {phase.removesuffix(SLOW_SUFFIX)}": v["n"]
+        for name, by_phase in phases.items()
+        for phase, v in by_phase.items()
+        if phase.endswith(SLOW_SUFFIX)
+    }
+
+
 def prediction_line(p: dict[str, Any]) -> str:
     """The router's measured / predicted TTFT by predicted bucket, and each process's error factor."""
     parts = [
@@ -274,7 +284,8 @@ async def bench_mode(
                 args.class_mix,
             )
             before = get_json(f"{url}/router/workers", 5.0) or {}
-            phases_before = read_totals(worker_urls)
+            phase_urls = {**worker_urls, "router": url}  # the router's for its collections
+            phases_before = read_totals(phase_urls)
             started_wall = time.time()
             run = await run_point(
                 client, items, arrivals, point_seed(args, index), args.drain_timeout, retry_429=args.retry_429
@@ -288,11 +299,14 @@ async def bench_mode(
             summary["started_at"] = round(started_wall, 3)
             summary["router_decisions"] = _decisions_delta(before, after)
             summary["ttft_predictions"] = gather_predictions(url, started_wall, count)
-            summary["worker_phases"] = phase_means(phases_before, read_totals(worker_urls))
+            summary["worker_phases"] = phase_means(phases_before, read_totals(phase_urls))
             record["points"].append(summary)
             save()
             say(progress_line(mode, arrivals, summary))
             say(prediction_line(summary["ttft_predictions"]))
+            slow = slow_collections(summary["worker_phases"])
+            if slow:
+                say(f"    collections of 30 ms or more: {slow}")
             local += sum(summary["router_decisions"].get(k, 0) for k in LOCAL_PREFILL_DECISIONS)
             if deployment is not None and deployment.dead_parts():
                 dead = deployment.dead_parts()

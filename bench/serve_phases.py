@@ -19,6 +19,16 @@ PHASES = {
     "kv_transfer": "kvferry_kv_transfer_seconds",
     "kv_transfer_tail": "kvferry_kv_transfer_tail_seconds",
 }
+# Garbage collections, read as phases (seconds and count since the process started): the worker's HTTP process and
+# the router's processes (histograms, with how many took SLOW_COLLECTION_S or more: a token gap every stream they
+# relay shares) and the engine's (gauges). A shared gap over the ITL target with a slow one beside it names its source.
+COLLECTIONS = {
+    "gc_http": ("kvferry_worker_gc_pause_seconds_sum", "kvferry_worker_gc_pause_seconds_count"),
+    "gc_router": ("kvferry_router_gc_pause_seconds_sum", "kvferry_router_gc_pause_seconds_count"),
+    "gc_engine": ("kvferry_engine_gc_pause_seconds", "kvferry_engine_gc_collections"),
+}
+SLOW_COLLECTION_S = "0.03"  # a bucket edge of common/observability/buckets.py STEP_S
+SLOW_SUFFIX = f"_over_{float(SLOW_COLLECTION_S) * 1e3:.0f}ms"  # a collections phase's count of slow ones
 Totals = dict[str, dict[str, tuple[float, float]]]  # worker -> phase -> (sum of seconds, count)
 
 
@@ -39,15 +49,26 @@ def read_totals(workers: dict[str, str], timeout_s: float = 5.0) -> Totals:
 def parse_totals(text: str) -> dict[str, tuple[float, float]]:
     """The phases' (sum, count) from a Prometheus text exposition (unlabelled histograms)."""
     values: dict[str, float] = {}
+    slow_edge = f'_bucket{{le="{SLOW_COLLECTION_S}"}} '
     for line in text.splitlines():
-        if line.startswith("kvferry_") and ("_sum " in line or "_count " in line):
-            key, _, value = line.partition(" ")
+        if not line.startswith("kvferry_"):
+            continue
+        key, _, value = line.partition(" ")
+        if "{" not in key or slow_edge in line:  # unlabelled series, and the collections' slow edge
             values[key] = float(value)
-    return {
+    totals = {
         phase: (values.get(f"{metric}_sum", 0.0), values.get(f"{metric}_count", 0.0))
         for phase, metric in PHASES.items()
         if f"{metric}_count" in values
     }
+    for phase, (seconds, count) in COLLECTIONS.items():
+        if count not in values:
+            continue
+        totals[phase] = (values.get(seconds, 0.0), values[count])
+        within = values.get(count.removesuffix("_count") + slow_edge.rstrip())
+        if within is not None:  # a histogram: those past the edge, as a count alone
+            totals[phase + SLOW_SUFFIX] = (0.0, values[count] - within)
+    return totals
 
 
 def phase_means(before: Totals, after: Totals) -> dict[str, dict[str, Any]]:
@@ -59,8 +80,9 @@ def phase_means(before: Totals, after: Totals) -> dict[str, dict[str, Any]]:
         phases = {}
         for phase, (total, count) in now.items():
             t0, c0 = then.get(phase, (0.0, 0.0))
-            if count > c0:
-                phases[phase] = {"mean_ms": round((total - t0) / (count - c0) * 1e3, 3), "n": int(count - c0)}
+            if count > c0:  # a count alone (a sum of 0: slow collections) has no mean
+                mean = {"mean_ms": round((total - t0) / (count - c0) * 1e3, 3)} if total > t0 else {}
+                phases[phase] = {**mean, "n": int(count - c0)}
         if phases:
             out[name] = phases
     return out

@@ -25,7 +25,8 @@ sys.path.append(str(BENCH))
 
 from serve_load import Arrivals, LoadClient, PointRun, RequestRecord, WorkItem, run_point  # noqa: E402
 from serve_metrics import SLO, summarize_point  # noqa: E402
-from serve_predictions import served_rows, summarise  # noqa: E402
+from serve_phases import parse_totals, phase_means  # noqa: E402
+from serve_predictions import by_decision, served_rows, summarise  # noqa: E402
 from synthetic_tokenizer import build_word_tokenizer  # noqa: E402
 
 
@@ -266,3 +267,45 @@ def test_the_predictions_gathered_keep_each_request_in_arrival_order_for_a_repla
         ([0.0, 100.0], 1, 0.75),
         ([250.0, 500.0], 1, 2.25),
     ]
+
+
+def test_a_points_collections_and_slow_ones_are_read_beside_the_stages() -> None:
+    """Each process's garbage collections over a point, from the histograms (HTTP side, router) and the engine's
+    gauges: how many, their mean, and how many took 30 ms or more (a gap every stream they relay shares)."""
+
+    def exposition(http: tuple[float, int, int], engine: tuple[float, int]) -> str:
+        seconds, count, within = http
+        return "\n".join(
+            [
+                "# HELP kvferry_worker_gc_pause_seconds Each garbage collection of the worker's HTTP process",
+                f'kvferry_worker_gc_pause_seconds_bucket{{le="0.02"}} {within}',
+                f'kvferry_worker_gc_pause_seconds_bucket{{le="0.03"}} {within}',
+                f'kvferry_worker_gc_pause_seconds_bucket{{le="+Inf"}} {count}',
+                f"kvferry_worker_gc_pause_seconds_sum {seconds}",
+                f"kvferry_worker_gc_pause_seconds_count {count}",
+                f"kvferry_engine_gc_pause_seconds {engine[0]}",
+                f"kvferry_engine_gc_collections {engine[1]}",
+                "kvferry_request_queue_time_seconds_sum 1.5",
+                "kvferry_request_queue_time_seconds_count 3",
+            ]
+        )
+
+    before = {"decode-0": parse_totals(exposition((0.010, 10, 10), (0.004, 40)))}
+    after = {"decode-0": parse_totals(exposition((0.090, 12, 11), (0.010, 60)))}  # one of 77 ms, one of 3 ms
+    phases = phase_means(before, after)["decode-0"]
+    assert phases["gc_http"] == {"mean_ms": 40.0, "n": 2}
+    assert phases["gc_http_over_30ms"] == {"n": 1}
+    assert phases["gc_engine"] == {"mean_ms": 0.3, "n": 20}
+    assert "gc_engine_over_30ms" not in phases and "queue" not in phases  # gauges have no buckets; no new queue
+
+
+def test_predictions_by_decision_say_which_path_came_later_than_predicted() -> None:
+    records = [
+        {"decision": "adaptive-local", "predicted_ttft_ms": 100.0, "ttft_ms": 120.0},
+        {"decision": "adaptive-disaggregated", "predicted_ttft_ms": 100.0, "ttft_ms": 190.0},
+        {"decision": "adaptive-disaggregated", "predicted_ttft_ms": 200.0, "ttft_ms": 250.0},
+    ]
+    assert by_decision(records) == {
+        "adaptive-disaggregated": {"n": 2, "excess_ms": {"p50": 90.0, "p90": 90.0}},
+        "adaptive-local": {"n": 1, "excess_ms": {"p50": 20.0, "p90": 20.0}},
+    }
