@@ -138,7 +138,8 @@ case "$part" in
     ;;
 46r)
     # FP8 / bf16 goodput at saturation on whichever card comes (the H200's is the issue's; the H100 gave 1.79x at 36
-    # req/s, both saturated there): each dtype at its saturation and past it, on one warm machine    ~330
+    # req/s, both saturated there; the H200 at 4870c94 1.69x, 23.28 / 13.79 good req/s at 48 / 36): each dtype at
+    # its saturation and past it, on one warm machine                                                  ~330
     step 230 serve_fp8r python3 bench/serve.py --model dummy:llama-3.1-8b --mode agg@fp8 \
         --variant-env fp8:KVFERRY_WEIGHT_DTYPE=fp8_e4m3 --variant-env fp8:KVFERRY_KV_DTYPE=fp8_e4m3 \
         --gpus 0 --rates 36,48 --seconds 10 --slo-ttft-ms 1000 --slo-itl-ms 50 --no-plot \
