@@ -283,7 +283,6 @@ async def bench_mode(
                 args.model,
                 args.class_mix,
             )
-            before = get_json(f"{url}/router/workers", 5.0) or {}
             phase_urls = {**worker_urls, "router": url}  # the router's for its collections
             phases_before = read_totals(phase_urls)
             started_wall = time.time()
@@ -291,22 +290,29 @@ async def bench_mode(
                 client, items, arrivals, point_seed(args, index), args.drain_timeout, retry_429=args.retry_429
             )
             summary = summarize_point(run, slo, parse_class_slos(args.slo_classes or DEFAULT_SLO_SPEC))
-            after = get_json(f"{url}/router/workers", 5.0) or {}
             # value inf (all at once) is stored as null: the label keeps it readable
             summary.update(kind=arrivals.kind, value=arrivals.value, label=arrivals.label, seed=point_seed(args, index))
             # wall clock at the point's start (within a ms of its requests' zero): lines up a request's
             # `max_gap_end_ms` with the workers' step traces (KVFERRY_STEP_TRACE lines' "t") and logs
             summary["started_at"] = round(started_wall, 3)
-            summary["router_decisions"] = _decisions_delta(before, after)
+            phases = phase_means(phases_before, read_totals(phase_urls))
+            summary["router_decisions"] = {
+                k.removeprefix("decision_"): v["n"]
+                for k, v in phases.get("router", {}).items()
+                if k.startswith("decision_")
+            }
             summary["ttft_predictions"] = gather_predictions(url, started_wall, count)
-            summary["worker_phases"] = phase_means(phases_before, read_totals(phase_urls))
+            summary["worker_phases"] = phases
             record["points"].append(summary)
             save()
             say(progress_line(mode, arrivals, summary))
             say(prediction_line(summary["ttft_predictions"]))
-            slow = slow_collections(summary["worker_phases"])
+            slow = slow_collections(phases)
             if slow:
                 say(f"    collections of 30 ms or more: {slow}")
+            stalls = {k: v["slow_steps_stall"]["n"] for k, v in phases.items() if "slow_steps_stall" in v}
+            if stalls:
+                say(f"    steps past the ITL target on a host stall: {stalls}")
             local += sum(summary["router_decisions"].get(k, 0) for k in LOCAL_PREFILL_DECISIONS)
             if deployment is not None and deployment.dead_parts():
                 dead = deployment.dead_parts()
@@ -329,11 +335,6 @@ def point_requests(args: argparse.Namespace, arrivals: Arrivals) -> int:
 
 def _one_per_event(text: str) -> int:
     return 1 if text else 0
-
-
-def _decisions_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
-    b, a = before.get("decisions") or {}, after.get("decisions") or {}
-    return {k: a[k] - b.get(k, 0) for k in sorted(a) if a[k] - b.get(k, 0)}
 
 
 def run_asyncio(coro: Any) -> None:

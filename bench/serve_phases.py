@@ -29,6 +29,10 @@ COLLECTIONS = {
 }
 SLOW_COLLECTION_S = "0.03"  # a bucket edge of common/observability/buckets.py STEP_S
 SLOW_SUFFIX = f"_over_{float(SLOW_COLLECTION_S) * 1e3:.0f}ms"  # a collections phase's count of slow ones
+# Labelled counters read as counts, one per label value (`<name>_<value>`): a worker's steps beside decoding past
+# its ITL target, by cause (its chunk, or a host stall between steps: common/sched/itl_trim.py), and the router's
+# decisions, summed over its processes (each process's /router/workers counts only its own).
+COUNTS = {"kvferry_slow_steps_total": "slow_steps", "kvferry_router_routing_decisions_total": "decision"}
 Totals = dict[str, dict[str, tuple[float, float]]]  # worker -> phase -> (sum of seconds, count)
 
 
@@ -47,8 +51,10 @@ def read_totals(workers: dict[str, str], timeout_s: float = 5.0) -> Totals:
 
 
 def parse_totals(text: str) -> dict[str, tuple[float, float]]:
-    """The phases' (sum, count) from a Prometheus text exposition (unlabelled histograms)."""
+    """The phases' (sum, count) from a Prometheus text exposition (unlabelled histograms), the collections and the
+    labelled counts (a sum of 0)."""
     values: dict[str, float] = {}
+    counts: dict[str, tuple[float, float]] = {}
     slow_edge = f'_bucket{{le="{SLOW_COLLECTION_S}"}} '
     for line in text.splitlines():
         if not line.startswith("kvferry_"):
@@ -56,6 +62,9 @@ def parse_totals(text: str) -> dict[str, tuple[float, float]]:
         key, _, value = line.partition(" ")
         if "{" not in key or slow_edge in line:  # unlabelled series, and the collections' slow edge
             values[key] = float(value)
+        name, _, label = key.partition("{")
+        if name in COUNTS and label.count('"') == 2:
+            counts[COUNTS[name] + "_" + label.split('"')[1]] = (0.0, float(value))
     totals = {
         phase: (values.get(f"{metric}_sum", 0.0), values.get(f"{metric}_count", 0.0))
         for phase, metric in PHASES.items()
@@ -68,7 +77,7 @@ def parse_totals(text: str) -> dict[str, tuple[float, float]]:
         within = values.get(count.removesuffix("_count") + slow_edge.rstrip())
         if within is not None:  # a histogram: those past the edge, as a count alone
             totals[phase + SLOW_SUFFIX] = (0.0, values[count] - within)
-    return totals
+    return totals | counts
 
 
 def phase_means(before: Totals, after: Totals) -> dict[str, dict[str, Any]]:
