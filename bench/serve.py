@@ -313,6 +313,9 @@ async def bench_mode(
             stalls = {k: v["slow_steps_stall"]["n"] for k, v in phases.items() if "slow_steps_stall" in v}
             if stalls:
                 say(f"    steps past the ITL target on a host stall: {stalls}")
+            retries = {k: v["alloc_retries"]["n"] for k, v in phases.items() if "alloc_retries" in v}
+            if retries:
+                say(f"    device allocator retries (each a host stall): {retries}")
             local += sum(summary["router_decisions"].get(k, 0) for k in LOCAL_PREFILL_DECISIONS)
             if deployment is not None and deployment.dead_parts():
                 dead = deployment.dead_parts()

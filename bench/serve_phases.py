@@ -33,6 +33,8 @@ SLOW_SUFFIX = f"_over_{float(SLOW_COLLECTION_S) * 1e3:.0f}ms"  # a collections p
 # its ITL target, by cause (its chunk, or a host stall between steps: common/sched/itl_trim.py), and the router's
 # decisions, summed over its processes (each process's /router/workers counts only its own).
 COUNTS = {"kvferry_slow_steps_total": "slow_steps", "kvferry_router_routing_decisions_total": "decision"}
+# Unlabelled counts: the engine's device allocator retries (common/engine/allocator_stats.py), each a host stall.
+PLAIN_COUNTS = {"kvferry_engine_alloc_retries": "alloc_retries"}
 Totals = dict[str, dict[str, tuple[float, float]]]  # worker -> phase -> (sum of seconds, count)
 
 
@@ -77,6 +79,9 @@ def parse_totals(text: str) -> dict[str, tuple[float, float]]:
         within = values.get(count.removesuffix("_count") + slow_edge.rstrip())
         if within is not None:  # a histogram: those past the edge, as a count alone
             totals[phase + SLOW_SUFFIX] = (0.0, values[count] - within)
+    for metric, phase in PLAIN_COUNTS.items():
+        if metric in values:
+            totals[phase] = (0.0, values[metric])
     return totals | counts
 
 

@@ -353,6 +353,8 @@ class LoadSnapshot(Schema):
     gc_collections: int = 0
     gc_pause_s: float = 0.0
     gc_pause_max_s: float = 0.0
+    # The device allocator's retries since it started (common/engine/allocator_stats.py): each a host stall.
+    alloc_retries: int = 0
 
 
 # ---- encoding and decoding -----------------------------------------------------------------------------

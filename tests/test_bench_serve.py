@@ -289,6 +289,7 @@ def test_a_points_collections_and_slow_ones_are_read_beside_the_stages() -> None
                 "kvferry_request_queue_time_seconds_count 3",
                 f'kvferry_slow_steps_total{{cause="stall"}} {engine[1] // 20}',
                 'kvferry_slow_steps_total{cause="chunk"} 4.0',
+                f"kvferry_engine_alloc_retries {engine[1] // 60}",
             ]
         )
 
@@ -300,6 +301,7 @@ def test_a_points_collections_and_slow_ones_are_read_beside_the_stages() -> None
     assert phases["gc_engine"] == {"mean_ms": 0.3, "n": 20}
     assert "gc_engine_over_30ms" not in phases and "queue" not in phases  # gauges have no buckets; no new queue
     assert phases["slow_steps_stall"] == {"n": 1} and "slow_steps_chunk" not in phases  # a count, by its label
+    assert phases["alloc_retries"] == {"n": 1}
 
 
 def test_predictions_by_decision_say_which_path_came_later_than_predicted() -> None:

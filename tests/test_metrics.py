@@ -216,6 +216,8 @@ def test_workers_report_their_start_phases(cluster: LocalCluster) -> None:
             value(snap, "kvferry_engine_gc_pause_max_seconds"),
         )
         assert pause >= longest >= 0 and (collections > 0) == (pause > 0), (role, collections, pause, longest)
+        # exported, and 0: the CPU has no caching allocator to retry
+        assert snap.get(("kvferry_engine_alloc_retries", ())) == 0, role
 
 
 def test_the_timeline_route_gives_monotone_stages_of_every_process(cluster: LocalCluster, served: dict) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from common.engine.allocator_stats import allocator_retries
 from common.gc_pauses import GcPauses
 from common.protocol import LoadSnapshot
 from common.sched.scheduler import Scheduler, StepEvent
@@ -104,4 +105,5 @@ class LoadReport:
             gc_collections=self.gc.count,
             gc_pause_s=round(self.gc.total_s, 6),
             gc_pause_max_s=round(self.gc.max_s, 6),
+            alloc_retries=allocator_retries(self.scheduler.runner.device),
         )

@@ -91,6 +91,11 @@ class WorkerMetrics:
         self.gc_pause_max = Gauge(
             "kvferry_engine_gc_pause_max_seconds", "The engine's longest garbage collection since start", registry=r
         )
+        self.alloc_retries = Gauge(
+            "kvferry_engine_alloc_retries",
+            "The engine's device allocator retries since start: each freed its cache and synchronized (a host stall)",
+            registry=r,
+        )
         self.http_gc_pause = Histogram(
             "kvferry_worker_gc_pause_seconds",
             "Each garbage collection of the worker's HTTP process: every stream it relays waits that long",
@@ -169,6 +174,7 @@ class WorkerMetrics:
         self.gc_collections.set(load.gc_collections)
         self.gc_pause.set(load.gc_pause_s)
         self.gc_pause_max.set(load.gc_pause_max_s)
+        self.alloc_retries.set(load.alloc_retries)
         for direction, now in (("saved", load.host_pages_saved), ("loaded", load.host_pages_loaded)):
             if now > self._host_moved[direction]:  # cumulative in the engine: count the increase
                 self.host_moves.labels(direction=direction).inc(now - self._host_moved[direction])
