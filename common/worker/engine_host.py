@@ -104,7 +104,9 @@ class EngineHost:
         # Everything built so far (weights, modules, graphs) lives as long as the engine: out of the collector's
         # walks, so a full collection costs the objects made since, not the model (common/gc_pauses.py).
         freeze_startup_objects()
-        self.report = LoadReport(self.scheduler, self.role, cfg.pod_name, self.page_size, gc=GcPauses().install())
+        self.report = LoadReport(
+            self.scheduler, self.role, cfg.pod_name, self.page_size, gc=GcPauses().install(), device=self.runner.device
+        )
         self.debug_checksums = DEBUG_CHECKSUMS.read()
         samples = STACK_SAMPLES.read()
         self.stack_samples = StackSamples(samples).start() if samples else None

@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from common.engine.allocator_stats import allocator_retries
 from common.gc_pauses import GcPauses
 from common.protocol import LoadSnapshot
@@ -32,6 +34,7 @@ class LoadReport:
     decode_step_s: float = 0.0  # smoothed decode-only step time, published for the router's ITL model
     steps: list[float] = field(default_factory=list)  # the decode steps' [seconds, batch size] since the last report
     gc: GcPauses = field(default_factory=GcPauses)
+    device: torch.device | None = None  # the runner's: its allocator's retries are published (None: not read)
 
     def observe_step(self, started: float, events: list[StepEvent]) -> None:
         """A decode-only step's time and batch size: per step, never per token."""
@@ -105,5 +108,5 @@ class LoadReport:
             gc_collections=self.gc.count,
             gc_pause_s=round(self.gc.total_s, 6),
             gc_pause_max_s=round(self.gc.max_s, 6),
-            alloc_retries=allocator_retries(self.scheduler.runner.device),
+            alloc_retries=allocator_retries(self.device) if self.device is not None else 0,
         )
