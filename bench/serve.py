@@ -310,12 +310,13 @@ async def bench_mode(
             slow = slow_collections(phases)
             if slow:
                 say(f"    collections of 30 ms or more: {slow}")
-            stalls = {k: v["slow_steps_stall"]["n"] for k, v in phases.items() if "slow_steps_stall" in v}
-            if stalls:
-                say(f"    steps past the ITL target on a host stall: {stalls}")
-            retries = {k: v["alloc_retries"]["n"] for k, v in phases.items() if "alloc_retries" in v}
-            if retries:
-                say(f"    device allocator retries (each a host stall): {retries}")
+            for phase, what in (
+                ("slow_steps_stall", "steps past the ITL target on a host stall"),
+                ("alloc_retries", "device allocator retries (each a host stall)"),
+            ):
+                counted = {k: v[phase]["n"] for k, v in phases.items() if phase in v}
+                if counted:
+                    say(f"    {what}: {counted}")
             local += sum(summary["router_decisions"].get(k, 0) for k in LOCAL_PREFILL_DECISIONS)
             if deployment is not None and deployment.dead_parts():
                 dead = deployment.dead_parts()

@@ -12,7 +12,8 @@ __all__ = ["allocator_retries"]
 
 
 def allocator_retries(device: torch.device) -> int:
-    """Retries since the process started on `device` (0 off CUDA)."""
+    """Retries since the process started on `device` (0 off CUDA). Read from the nested statistics, a top-level
+    count there: `memory_stats` would flatten and sort every pool's entries on each load report, 10 a second."""
     if device.type != "cuda":
         return 0
-    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+    return int(torch.cuda.memory_stats_as_nested_dict(device).get("num_alloc_retries", 0))
