@@ -131,3 +131,25 @@ def test_fixed_placement_learns_no_excess() -> None:
     for _ in range(MIN_SAMPLES):
         _route(d, log, 800, late_s=0.12)
     assert d.remote_excess.excess_s == 0.0
+
+
+def test_a_path_sample_takes_off_the_excess_its_prediction_was_made_with() -> None:
+    d, log = _dispatcher("adaptive"), RequestLog(RouterMetrics())
+    for _ in range(MIN_SAMPLES):
+        _route(d, log, 500, late_s=0.03)
+        _route(d, log, 3000, late_s=0.02)
+    assert d.remote_excess.excess_s == pytest.approx(0.01)
+    _report(d.pool, "http://d0", "decode", 1000)
+    _report(d.pool, "http://p0", "prefill", 0)
+    plan = PromptPlan(list(range(PROMPT)), [], {}, 16, log.begin(False, None, "/v1/completions"), slo_class=INTERACTIVE)
+    d.check_ttft(plan, INTERACTIVE)  # admission predicts with the excess of now (10 ms) ...
+    _fill(d.remote_excess, True, 0.05, WINDOW)  # ... other requests' first tokens move it before this one is placed
+    assert d.remote_excess.excess_s > 0.01
+    decision = d.route(plan, 16, set(), set())  # the placement reads admission's prediction again
+    record = plan.record
+    assert decision.prefill == "http://p0" and record is not None
+    assert record.predicted_ttft_s == pytest.approx(0.042 + 0.01)
+    with mock.patch.object(RemoteExcess, "observe", autospec=True) as observe:
+        record.first_token([])
+    _, remote, _, raw = observe.call_args.args
+    assert remote is True and raw == pytest.approx(0.042)  # the 10 ms it included, not today's excess

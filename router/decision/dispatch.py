@@ -51,9 +51,12 @@ class PromptPlan:
     request_tokens: int = 0  # KV the whole request reserves, n x (prompt + max_tokens) (0: one call's own)
     slo_class: SloClass | None = None  # the request's SLO class (None: placement ignores TTFT)
     candidates: list[Worker] | None = None  # the workers it is scored on (None: every ready one)
-    # (worker, prefill side, class, queued) -> (the figures it was predicted from, the prediction): admission and
-    # each route read a worker's prediction again, and it holds while the worker's figures do
-    predictions: dict[tuple[Worker, bool, str, bool], tuple[WorkerFigures, float | None]] = field(default_factory=dict)
+    # (worker, prefill side, class, queued) -> (the figures it was predicted from, the prediction, the remote
+    # path's excess it includes): admission and each route read a worker's prediction again, and it holds while the
+    # worker's figures do; the excess is kept so the path's measurement takes off exactly what was added
+    predictions: dict[tuple[Worker, bool, str, bool], tuple[WorkerFigures, float | None, float]] = field(
+        default_factory=dict
+    )
 
 
 class Dispatcher:
@@ -220,14 +223,14 @@ class Dispatcher:
         prompt = len(plan.token_ids)
         policy = self.policy
         own = prompt - policy.matched_tokens(w.pod, plan.matches, plan.block_size, prompt)
-        transfer = 0.0
+        transfer = excess = 0.0
         if prefill_side:
             rate = policy.cfg.transfer_tokens_per_s
             if rate > 0:
                 transfer = prompt / rate
-            transfer += self.remote_excess.excess_s
-        predicted = predict_ttft_s(figures, slo_class, own, transfer, queued)
-        predictions[key] = (figures, predicted)
+            excess = self.remote_excess.excess_s
+        predicted = predict_ttft_s(figures, slo_class, own, transfer + excess, queued)
+        predictions[key] = (figures, predicted, excess)
         return predicted
 
     def _sides(self, plan: PromptPlan) -> list[tuple[Worker, bool]]:
@@ -282,7 +285,8 @@ class Dispatcher:
         if record.predicted_ttft_s is None:
             record.predicted_ttft_s = predicted
             self._measure_prediction(record, predicted, plan.slo_class)
-            self._measure_path(record, predicted, remote)
+            hit = plan.predictions.get((w, remote, plan.slo_class.name if plan.slo_class else "", True))
+            self._measure_path(record, predicted, hit[2] if hit is not None and hit[1] == predicted else 0.0, remote)
 
     def _measure_prediction(self, record: RequestRecord, predicted: float | None, cls: SloClass | None) -> None:
         """At the request's first token, its TTFT against the prediction it was admitted on (ttft_error.py)."""
@@ -296,12 +300,12 @@ class Dispatcher:
 
         record.on_first_token.append(measured)
 
-    def _measure_path(self, record: RequestRecord, predicted: float | None, remote: bool) -> None:
-        """At the request's first token, its TTFT against its raw prediction, by path (remote_excess.py); adaptive
-        placement only, the one that ranks the paths against each other."""
+    def _measure_path(self, record: RequestRecord, predicted: float | None, added: float, remote: bool) -> None:
+        """At the request's first token, its TTFT against its raw prediction (less the `added` excess it was made
+        with), by path (remote_excess.py); adaptive placement only, the one that ranks the paths against each other."""
         if predicted is None or self.policy.cfg.placement != "adaptive":
             return
-        raw = predicted - self.remote_excess.excess_s if remote else predicted
+        raw = predicted - added
         excess, gauge = self.remote_excess, self.metrics.remote_excess
 
         def measured() -> None:
