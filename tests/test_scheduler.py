@@ -660,8 +660,10 @@ def test_warm_up_runs_every_step_kind_and_leaves_nothing_behind(tiny_model: Deco
     engine = make_engine(tiny_model, num_pages=256, max_running=8, max_prefill_tokens=64)
     runner = engine.runner
     rows = runner.page_table.num_free_rows
-    report = warm_up(runner, SchedulerConfig(max_prefill_tokens=64))
+    report = warm_up(runner, SchedulerConfig(max_prefill_tokens=64), fullest=True)
     assert {"prefill", "decode", "mixed"} <= set(report.kinds), report.kinds
+    # its last phase fills every slot beside the prompt: the largest eager tensors a GPU's allocator will serve
+    assert report.widest_mixed_rows == 8
     assert report.prefill_tokens_per_s > 0  # its full-size prompt alone, timed: the serving budget starts there
     serving = Scheduler(runner, SchedulerConfig(max_prefill_tokens=64))
     serving.seed_prefill_speed(report.prefill_tokens_per_s)
@@ -670,6 +672,16 @@ def test_warm_up_runs_every_step_kind_and_leaves_nothing_behind(tiny_model: Deco
     prompt_list = prompts(11, [40, 70])
     got = [r.output_ids for r in engine.generate(prompt_list, SamplingParams(max_tokens=6, ignore_eos=True))]
     assert got == reference_outputs(tiny_model, prompt_list, [6, 6])
+
+
+def test_warm_up_phases_end_with_every_slot_on_a_gpu() -> None:
+    from common.sched.warm_up import warm_up_batches
+
+    assert warm_up_batches(256) == [1, 3, 8, 20]
+    assert warm_up_batches(256, fullest=True) == [1, 3, 8, 20, 255]
+    assert warm_up_batches(21, fullest=True) == [1, 3, 8, 20]  # already the fullest
+    assert warm_up_batches(3) == [1] and warm_up_batches(2, fullest=True) == [1]
+    assert warm_up_batches(1, fullest=True) == []
 
 
 def test_warm_up_fits_a_small_engine(tiny_model: DecoderModel) -> None:

@@ -2,6 +2,14 @@
 runs eagerly around the CUDA graphs (a mixed step's attention, the LM head, sampling and penalty kernels) met
 its kernels during the first users' steps. A throwaway scheduler over the same runner decodes a few batches
 beside an arriving prompt; nothing of it stays.
+
+On a GPU the last batch is the fullest the engine runs (`max_running`). A mixed step's LM head writes eager
+logits, one row per sampled request (~0.75 MB a row for a 128k vocabulary, bf16 then float32), and the device's
+caching allocator serves a tensor larger than any it has cached from a new segment, keeping the smaller ones. A
+batch growing row by row under load caches a new segment every few rows (sizes round to 2 MB: ~3.5 GB by 210
+rows) in the room the KV pool leaves (common/engine/kv_sizing.py); once an allocation fails there, the allocator
+frees every cached block and synchronizes, a host stall shared by every stream (`alloc_retries` on /load). Made
+once at the largest size, those blocks are split for every smaller batch and merge back when freed.
 """
 
 from __future__ import annotations
@@ -34,15 +42,23 @@ class WarmUpReport:
     # starts from (common/sched/prefill_budget.py bounds its step model by it; short prompts alone are slower
     # per token, so the first requests' own speed would understate it).
     prefill_tokens_per_s: float = 0.0
+    widest_mixed_rows: int = 0  # the most requests one mixed step ran (decoding rows and prompts)
 
 
-def warm_up_batches(max_running: int) -> list[int]:
-    return [b for b in WARM_UP_BATCHES if b + 1 <= max_running] or ([max_running - 1] if max_running > 1 else [])
+def warm_up_batches(max_running: int, fullest: bool = False) -> list[int]:
+    """Decoding requests in each phase, each beside one arriving prompt; `fullest`: last, every other slot."""
+    batches = [b for b in WARM_UP_BATCHES if b + 1 <= max_running]
+    if (fullest or not batches) and max_running > 1 and max_running - 1 not in batches:
+        batches.append(max_running - 1)
+    return batches
 
 
-def warm_up(runner: ModelRunner, cfg: SchedulerConfig, seed: int = 0) -> WarmUpReport:
-    """Runs the synthetic workload on `runner` (no prefix cache, host tier or transfer); checks all came back."""
+def warm_up(runner: ModelRunner, cfg: SchedulerConfig, seed: int = 0, fullest: bool | None = None) -> WarmUpReport:
+    """Runs the synthetic workload on `runner` (no prefix cache, host tier or transfer); checks all came back.
+    `fullest` (default: on a GPU) ends with a batch of every slot, the allocator's largest eager tensors."""
     start = time.perf_counter()
+    if fullest is None:
+        fullest = runner.device.type == "cuda"
     sched = Scheduler(runner, replace(cfg, enable_prefix_cache=False, host_kv_gb=0, preempt_mode="recompute"))
     ps = runner.cfg.page_size
     g = torch.Generator().manual_seed(seed)
@@ -52,19 +68,22 @@ def warm_up(runner: ModelRunner, cfg: SchedulerConfig, seed: int = 0) -> WarmUpR
     stream_len = max(1, min(2 * ps, room))
     prompt_len = max(1, min(cfg.max_prefill_tokens, 1024, room, runner.pool.num_pages * ps // 4))
     kinds: dict[str, int] = {}
-    steps = 0
+    steps = widest = 0
 
     def ids(n: int) -> list[int]:
         return torch.randint(0, vocab, (n,), generator=g).tolist()
 
     def run_until(done) -> None:
-        nonlocal steps
+        nonlocal steps, widest
         while sched.has_work() and not done():
             sched.step()
             steps += 1
             kinds[sched.processed_kind or "none"] = kinds.get(sched.processed_kind or "none", 0) + 1
+            plan = sched.last_plan
+            if plan is not None and plan.kind == "mixed":
+                widest = max(widest, len(plan.decode) + len(plan.chunks))
 
-    for b in warm_up_batches(runner.cfg.max_running):
+    for b in warm_up_batches(runner.cfg.max_running, fullest):
         streams = [
             Req(
                 f"warm-up-{b}-{i}",
@@ -101,7 +120,10 @@ def warm_up(runner: ModelRunner, cfg: SchedulerConfig, seed: int = 0) -> WarmUpR
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     report = WarmUpReport(
-        round(time.perf_counter() - start, 3), steps, kinds, sched.pacing.prefill_speed.peak_tokens_per_s
+        round(time.perf_counter() - start, 3), steps, kinds, sched.pacing.prefill_speed.peak_tokens_per_s, widest
     )
-    log.info("warm-up ran every step shape", extra={"seconds": report.seconds, "steps": steps, "kinds": kinds})
+    log.info(
+        "warm-up ran every step shape",
+        extra={"seconds": report.seconds, "steps": steps, "kinds": kinds, "widest_mixed_rows": widest},
+    )
     return report
