@@ -151,7 +151,9 @@ case "$part" in
     # 46r's FP8 half traced: on the H200 at 4870c94 one ~77 ms gap shared by ~200 streams came ~7.9 s into both
     # points (36 and 48 req/s), and with outputs of 64-512 tokens it put 10% of 36's admitted requests past 50 ms
     # at p99; the client's loop was quiet (max 20 ms): the gaps are named against the engine's steps and the
-    # router's and worker's slow collections                                                                   ~230
+    # router's and worker's slow collections. Since 028a426 the GPU warm-up ends with every slot decoding beside a
+    # prompt (the suspect: the caching allocator's retries as eager LM-head logits grew with the batch): each point's
+    # `alloc_retries` should stay 0 and no gap over 50 ms shared by ~200 streams should come ~8 s in       ~230
     clocks 46j
     step 300 serve_fp8j python3 bench/serve.py --model dummy:llama-3.1-8b --mode agg@fp8 \
         --variant-env fp8:KVFERRY_WEIGHT_DTYPE=fp8_e4m3 --variant-env fp8:KVFERRY_KV_DTYPE=fp8_e4m3 \
