@@ -13,6 +13,20 @@ from tests.conftest_redis import redis_server  # noqa: F401  (session-scoped rea
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that fails (or errs in set-up or teardown) beside a running cluster gets its parts' logs' ends in
+    its report: the cluster removes its own log directory when it stops, and a failure seen once in CI is
+    otherwise left with no evidence."""
+    from tests.helpers import LIVE_CLUSTERS, cluster_log_tails
+
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for c in LIVE_CLUSTERS:
+            report.sections.append((f"cluster logs ({c.log_dir})", cluster_log_tails(c)))
+
+
 @pytest.fixture(scope="session")
 def smol_path():
     from common.default_model import convert_default_model

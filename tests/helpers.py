@@ -115,6 +115,24 @@ def assert_openai_error(body: Any) -> dict[str, Any]:
     return err
 
 
+# The clusters of running_cluster now up: a failing test's report carries their logs' ends (conftest.py), since a
+# cluster that made its own log directory removes it when it stops.
+LIVE_CLUSTERS: list[LocalCluster] = []
+LOG_TAIL_LINES = 40
+
+
+def cluster_log_tails(c: LocalCluster) -> str:
+    """The last LOG_TAIL_LINES lines of each part's log in `c`'s log directory."""
+    out = []
+    for path in sorted(c.log_dir.glob("*.log")):
+        try:
+            lines = path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        except OSError as e:
+            lines = [f"(unreadable: {e})"]
+        out.append(f"--- {path.name}\n" + "\n".join(lines))
+    return "\n".join(out)
+
+
 @contextmanager
 def running_cluster(
     prefill: int, decode: int, env: dict[str, str], wait_up: bool = True, **kw: Any
@@ -124,6 +142,7 @@ def running_cluster(
     c = start_local_cluster(
         prefill=prefill, decode=decode, env=env, ready_timeout_s=kw.pop("ready_timeout_s", 300), **kw
     )
+    LIVE_CLUSTERS.append(c)
     try:
         if wait_up:
             wait_until(
@@ -133,4 +152,5 @@ def running_cluster(
             )
         yield c
     finally:
+        LIVE_CLUSTERS.remove(c)
         c.stop()
