@@ -523,7 +523,7 @@ class Fleet:
             sums[6] += 1
             return
         workers = view.pool.workers
-        self.predicted[rid] = _admitted_prediction(plan, workers, decision, self.cls.name)
+        self.predicted[rid] = _admitted_prediction(plan, workers, decision)
         d = self.sims[decision.decode]
         d.decodes_accepted += 1
         call = _Call(rid, process)
@@ -697,17 +697,15 @@ class Fleet:
         return self.ttft[ok] / predicted[ok]
 
 
-def _admitted_prediction(
-    plan: PromptPlan, workers: dict[str, Worker], decision: RouteDecision, slo_class: str
-) -> float:
+def _admitted_prediction(plan: PromptPlan, workers: dict[str, Worker], decision: RouteDecision) -> float:
     """The predicted TTFT of the placement `decision` made: what `Dispatcher.route` scored the chosen worker on,
     read back from the plan's predictions (route fills them for every open candidate). Not predicted anew: the
     placement has joined the worker's unseen prompts since, and a new prediction would queue the prompt behind
     itself."""
     remote = decision.prefill is not None
     w = workers.get(decision.prefill if remote else decision.decode)  # type: ignore[arg-type]
-    hit = plan.predictions.get((w, remote, slo_class, True)) if w is not None else None
-    return hit[1] if hit is not None and hit[1] is not None else math.nan
+    predicted = plan.placed_prediction(w, remote)[0] if w is not None else None
+    return predicted if predicted is not None else math.nan
 
 
 def _quantile(values: np.ndarray, q: float) -> float:

@@ -58,6 +58,12 @@ class PromptPlan:
         default_factory=dict
     )
 
+    def placed_prediction(self, w: Worker, remote: bool) -> tuple[float | None, float]:
+        """The prediction `w` was scored on as this prompt's placement (None: it had none), and the remote path's
+        excess included in it."""
+        hit = self.predictions.get((w, remote, self.slo_class.name if self.slo_class else "", True))
+        return (hit[1], hit[2]) if hit is not None else (None, 0.0)
+
 
 class Dispatcher:
     def __init__(
@@ -198,14 +204,7 @@ class Dispatcher:
             self._targets(cls) if cls is not None else None,
         )
         self._count(decision.reason)
-        remote = decision.prefill is not None
-        placed = decision.prefill if remote else decision.decode
-        predicted = None
-        for c in prefill_c if remote else decode_c:
-            if c.key == placed:
-                predicted = c.predicted_ttft_s
-                break
-        self._placed(plan, decision, predicted)
+        self._placed(plan, decision)
         return decision
 
     def predicted_ttft_s(
@@ -268,8 +267,9 @@ class Dispatcher:
             )
         return verdict.predicted_s
 
-    def _placed(self, plan: PromptPlan, decision: RouteDecision, predicted: float | None) -> None:
-        """The prefilling worker counts this prompt until its snapshot does; the record keeps the first prediction."""
+    def _placed(self, plan: PromptPlan, decision: RouteDecision) -> None:
+        """The prefilling worker counts this prompt until its snapshot does; the record keeps the first prediction,
+        the one the chosen worker was scored on."""
         remote = decision.prefill is not None
         w = self.pool.workers.get(decision.prefill if remote else decision.decode)  # type: ignore[arg-type]
         if w is None:
@@ -283,10 +283,10 @@ class Dispatcher:
             return
         record.on_first_token.append(prefilled)
         if record.predicted_ttft_s is None:
+            predicted, added = plan.placed_prediction(w, remote)
             record.predicted_ttft_s = predicted
             self._measure_prediction(record, predicted, plan.slo_class)
-            hit = plan.predictions.get((w, remote, plan.slo_class.name if plan.slo_class else "", True))
-            self._measure_path(record, predicted, hit[2] if hit is not None and hit[1] == predicted else 0.0, remote)
+            self._measure_path(record, predicted, added, remote)
 
     def _measure_prediction(self, record: RequestRecord, predicted: float | None, cls: SloClass | None) -> None:
         """At the request's first token, its TTFT against the prediction it was admitted on (ttft_error.py)."""
