@@ -38,7 +38,9 @@
 # --implementation cp --platform manylinux_2_17_x86_64 -d .devbundle/wheels msgspec==0.19.0`; this script installs it.
 # With bench/out's JSONs the tree grew to ~12 MB, and the bundle must stay under ~54.9 MB: also `rm
 # .devbundle/redis/redis-cli` and repack .devbundle/nixl.tar.xz without nixl_cu13.libs/ucx/libucx_perftest_* (UCX's
-# benchmark modules, never loaded; `xz -T2 -9e`): 54.6 MB in all, measured with `du -sb .devbundle`.
+# benchmark modules, never loaded; `xz -T2 -9e`): 54.9 MB in all, measured with `du -sb .devbundle`. Repack with
+# `tar cf - .`, never `tar cf - *`: libnixl.so lives in the hidden .nixl_cu13.mesonpy.libs/, and a bundle without it
+# fails every worker's start with "libnixl.so: cannot open shared object file".
 set -uo pipefail
 part=${1:?"part: 46 | 46v | 46w | 46r | 46x | 46j | 46p | 46f | 46s | 46d | 46t | 46h | 46k | 46m | 47 | 49 | 49d | 49c | ready"}
 : "${OUT:?the device tool sets OUT}"
