@@ -51,6 +51,9 @@ python3 -c "import msgspec" 2>/dev/null ||
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o -i "h[0-9]\{3\}" | tr "A-Z" "a-z")
 card=${card:-gpu}
 echo "card: $card"
+# the bundle loads before anything runs: a broken one (a repack that lost libnixl.so) otherwise fails every worker's
+# start a few seconds in, and the machine goes back 30 s after the call, before a mended bundle can reach it
+python3 -c "import nixl_cu13, flashinfer, msgspec" || { echo "the bundle does not load: remake .devbundle"; exit 3; }
 leftovers() {  # what an overrun step leaves: its workers run in sessions of their own and may hold the GPU
     pkill -9 -f "common\.cli|multiprocessing|redis-server" 2>/dev/null
     nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -9 2>/dev/null
