@@ -122,15 +122,8 @@ LOG_TAIL_LINES = 40
 
 
 def cluster_log_tails(c: LocalCluster) -> str:
-    """The last LOG_TAIL_LINES lines of each part's log in `c`'s log directory."""
-    out = []
-    for path in sorted(c.log_dir.glob("*.log")):
-        try:
-            lines = path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
-        except OSError as e:
-            lines = [f"(unreadable: {e})"]
-        out.append(f"--- {path.name}\n" + "\n".join(lines))
-    return "\n".join(out)
+    """The last LOG_TAIL_LINES lines of each part's log (router, workers, Redis)."""
+    return "\n".join(f"--- {p.log_path.name}\n{p.log_tail(LOG_TAIL_LINES)}" for p in c.parts)
 
 
 @contextmanager
